@@ -1,0 +1,74 @@
+"""kclpy: a pure-Python Kinesis Client Library.
+
+The public API is what ``__all__`` lists; every other module may change between releases.
+"""
+
+from typing import TYPE_CHECKING
+
+from kclpy.checkpoint import Checkpointer
+from kclpy.config import KCLConfig
+from kclpy.errors import (
+    CheckpointError,
+    ConfigError,
+    InvalidStateException,
+    KCLError,
+    KinesisClientLibDependencyException,
+    ProcessorRestartRequired,
+    ShutdownException,
+    ThrottlingException,
+)
+from kclpy.metrics import Metrics
+from kclpy.processor import (
+    InitializeInput,
+    IRecordProcessor,
+    LeaseLostInput,
+    ProcessRecordsInput,
+    RecordProcessor,
+    RecordProcessorBase,
+    ShardEndedInput,
+    ShutdownReason,
+    ShutdownRequestedInput,
+)
+from kclpy.records import Record
+
+if TYPE_CHECKING:
+    from kclpy.worker import Worker, WorkerFatalError
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # The worker pulls in boto3 clients, leases and retrieval; a Spark executor or a tool
+    # that only needs Record and the processor API should not pay for importing them.
+    if name in ("Worker", "WorkerFatalError"):
+        from kclpy import worker
+
+        return getattr(worker, name)
+    raise AttributeError(f"module 'kclpy' has no attribute {name!r}")
+
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "ConfigError",
+    "IRecordProcessor",
+    "InitializeInput",
+    "InvalidStateException",
+    "KCLConfig",
+    "KCLError",
+    "KinesisClientLibDependencyException",
+    "LeaseLostInput",
+    "Metrics",
+    "ProcessRecordsInput",
+    "ProcessorRestartRequired",
+    "Record",
+    "RecordProcessor",
+    "RecordProcessorBase",
+    "ShardEndedInput",
+    "ShutdownException",
+    "ShutdownReason",
+    "ShutdownRequestedInput",
+    "ThrottlingException",
+    "Worker",
+    "WorkerFatalError",
+    "__version__",
+]

@@ -1,0 +1,155 @@
+"""The checkpointer a processor is handed, and the one rule it enforces: never move wrongly.
+
+A checkpoint may only name a position that was delivered to the processor and is not before
+the last checkpoint; anything else is ``InvalidStateException``, as in the Java KCL. The
+write itself goes through a ``CheckpointWriter`` (the lease coordinator), which fences it on
+the lease's concurrency token so a worker that lost the lease can never overwrite the new
+owner's progress.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+from kclpy.errors import CheckpointError, InvalidStateException
+from kclpy.leases.lease import SENTINELS, SHARD_END
+from kclpy.metrics import Metrics
+from kclpy.records import Record
+
+Position = tuple[int, int]
+#: sorts before every real sequence number: TRIM_HORIZON, LATEST, AT_TIMESTAMP
+_BEFORE_ALL: Position = (-1, 0)
+#: sorts after every real sequence number
+_AFTER_ALL: Position = (2**200, 0)
+
+
+def position_of(checkpoint: str | None, sub_sequence_number: int | None) -> Position:
+    """The sortable position of a stored checkpoint (sentinels included)."""
+    if checkpoint is None or checkpoint in SENTINELS - {SHARD_END}:
+        return _BEFORE_ALL
+    if checkpoint == SHARD_END:
+        return _AFTER_ALL
+    return int(checkpoint), sub_sequence_number or 0
+
+
+class CheckpointWriter(Protocol):
+    def update_checkpoint(
+        self, shard_id: str, concurrency_token: str, checkpoint: str, sub_sequence_number: int
+    ) -> None:
+        """Write the checkpoint, fenced. Raises ShutdownException, ThrottlingException or
+        KinesisClientLibDependencyException."""
+
+
+class Checkpointer:
+    """One per shard consumer. Thread-safe: a Spark batcher may checkpoint from its own thread."""
+
+    def __init__(
+        self,
+        shard_id: str,
+        writer: CheckpointWriter,
+        concurrency_token: str,
+        last_checkpoint: str | None,
+        last_sub_sequence_number: int | None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.shard_id = shard_id
+        self._writer = writer
+        self._token = concurrency_token
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._last: Position = position_of(last_checkpoint, last_sub_sequence_number)
+        self._last_value: tuple[str | None, int] = (last_checkpoint, last_sub_sequence_number or 0)
+        self._largest: Position | None = None
+        self._largest_value: tuple[str, int] | None = None
+        self._at_shard_end = False
+
+    # -- called by the consumer -------------------------------------------------------------
+
+    def mark_delivered(self, record: Record) -> tuple[str, int] | None:
+        """``record`` (the last of a batch) is being handed to the processor. Returns the
+        previous mark, for ``unmark_delivered`` when the batch is not processed after all."""
+        with self._lock:
+            previous = self._largest_value
+            self._largest = (int(record.sequence_number), record.sub_sequence_number)
+            self._largest_value = (record.sequence_number, record.sub_sequence_number)
+            return previous
+
+    def unmark_delivered(self, previous: tuple[str, int] | None) -> None:
+        """The batch failed and will not be retried by this processor: a no-argument
+        ``checkpoint()`` (e.g. in ``shutdown_requested``) must not cover its records."""
+        with self._lock:
+            self._largest_value = previous
+            self._largest = None if previous is None else (int(previous[0]), previous[1])
+
+    def mark_shard_end(self) -> None:
+        """Every record of the shard was delivered: SHARD_END becomes a valid position."""
+        with self._lock:
+            self._at_shard_end = True
+
+    @property
+    def last_checkpoint(self) -> tuple[str | None, int]:
+        with self._lock:
+            return self._last_value
+
+    # -- the processor's API (amazon_kclpy v3) ----------------------------------------------
+
+    def checkpoint(
+        self,
+        sequence_number: str | int | Record | None = None,
+        sub_sequence_number: int | None = None,
+    ) -> None:
+        """Checkpoint at ``sequence_number`` (a record, or a sequence number with an optional
+        sub-sequence number), or without arguments at the last record delivered (SHARD_END
+        once the shard has ended and everything was delivered)."""
+        if isinstance(sequence_number, Record):
+            sub_sequence_number = sequence_number.sub_sequence_number
+            sequence_number = sequence_number.sequence_number
+        with self._lock:
+            value = self._resolve(sequence_number, sub_sequence_number)
+            if value is None:
+                return
+            try:
+                self._writer.update_checkpoint(self.shard_id, self._token, value[0], value[1])
+            except CheckpointError as exc:
+                if self._metrics is not None:
+                    self._metrics.checkpoint_failures.labels(self.shard_id, exc.name).inc()
+                raise
+            self._last = position_of(*value)
+            self._last_value = value
+        if self._metrics is not None:
+            self._metrics.checkpoints.labels(self.shard_id).inc()
+
+    def _resolve(
+        self, sequence_number: str | int | None, sub_sequence_number: int | None
+    ) -> tuple[str, int] | None:
+        """The (checkpoint, sub-sequence) to write, or None when there is nothing new."""
+        if sequence_number is None:
+            if self._at_shard_end:
+                return SHARD_END, 0
+            if self._largest_value is None:
+                return None
+            if self._largest is not None and self._largest <= self._last:
+                return None
+            return self._largest_value
+        text = str(sequence_number)
+        if text == SHARD_END:
+            if not self._at_shard_end:
+                raise self._invalid("SHARD_END before the shard's last record was delivered")
+            return SHARD_END, 0
+        if not text.isdigit():
+            raise self._invalid(f"{text!r} is not a sequence number")
+        sub = int(sub_sequence_number or 0)
+        if sub < 0:
+            raise self._invalid(f"sub-sequence number {sub} is negative")
+        wanted = (int(text), sub)
+        if wanted < self._last:
+            raise self._invalid(f"{text}/{sub} is before the last checkpoint {self._last_value}")
+        if self._largest is None or wanted > self._largest:
+            raise self._invalid(f"{text}/{sub} is beyond the last record delivered")
+        return text, sub
+
+    def _invalid(self, why: str) -> InvalidStateException:
+        if self._metrics is not None:
+            self._metrics.checkpoint_failures.labels(self.shard_id, "InvalidStateException").inc()
+        return InvalidStateException(f"shard {self.shard_id}: {why}")

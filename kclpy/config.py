@@ -1,0 +1,367 @@
+"""One configuration object, and the loaders that fill it: keywords, MultiLangDaemon
+``.properties`` files, environment, command line.
+
+Every option is declared once in ``OPTIONS`` with its CLI flag and properties key, so a bad
+value is reported under the name the user actually wrote (``--failover-time-ms`` or
+``failoverTimeMillis``) and the configuration reference in docs/ can be checked against it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import socket
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from kclpy.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+INITIAL_POSITIONS = ("LATEST", "TRIM_HORIZON", "AT_TIMESTAMP")
+ERROR_POLICIES = ("retry", "skip", "shutdown")
+
+
+def default_worker_id() -> str:
+    """Host, pid and a random suffix: unique even for two workers started in one process."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class KCLConfig:
+    """What a worker needs to know. Times are milliseconds, as in the Java KCL."""
+
+    application_name: str
+    stream_name: str | None = None
+    stream_arn: str | None = None
+    table_name: str | None = None
+    worker_id: str = field(default_factory=default_worker_id)
+    region: str | None = None
+    kinesis_endpoint: str | None = None
+    dynamodb_endpoint: str | None = None
+    initial_position: str = "LATEST"
+    initial_timestamp: datetime | None = None
+    failover_time_ms: int = 10_000
+    max_records: int = 10_000
+    idle_time_between_reads_ms: int = 1_000
+    shard_sync_interval_ms: int = 60_000
+    max_leases_for_worker: int | None = None
+    max_leases_to_steal_at_one_time: int = 1
+    parent_shard_poll_interval_ms: int = 10_000
+    call_process_records_even_for_empty_record_list: bool = False
+    cleanup_leases_upon_shard_completion: bool = True
+    shutdown_grace_ms: int = 10_000
+    task_backoff_time_ms: int = 500
+    max_task_backoff_time_ms: int = 30_000
+    processor_error_policy: str = "retry"
+    prefetch_queue_size: int = 3
+    max_pool_connections: int = 256
+    stop_when_caught_up: bool = False
+    executable_name: str | None = None
+    properties_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        validate(self, {})
+
+    @property
+    def lease_table_name(self) -> str:
+        return self.table_name or self.application_name
+
+    @property
+    def stream_label(self) -> str:
+        """The stream's name for logs and metrics (the ARN's last part when only the ARN is set)."""
+        if self.stream_name:
+            return self.stream_name
+        assert self.stream_arn is not None
+        return self.stream_arn.rsplit("/", 1)[-1]
+
+    def replace(self, **changes: Any) -> KCLConfig:
+        return dataclasses.replace(self, **changes)
+
+
+# -- option table ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    flag: str
+    properties_keys: tuple[str, ...]
+    kind: str  # str, int, bool, position, timestamp, policy, url
+    help: str
+
+
+def _opt(name: str, kind: str, help: str, *keys: str) -> Option:
+    return Option(name, "--" + name.replace("_", "-"), keys, kind, help)
+
+
+OPTIONS: tuple[Option, ...] = (
+    _opt("stream_name", "str", "Kinesis stream to consume.", "streamName"),
+    _opt("stream_arn", "str", "Stream ARN (instead of the name; cross-account).", "streamArn"),
+    _opt("application_name", "str", "Application name; default lease table name.",
+         "applicationName"),
+    _opt("table_name", "str", "Lease table (default: the application name).", "tableName",
+         "leaseTableName"),
+    _opt("worker_id", "str", "This worker's id (default: host:pid:random).", "workerId"),
+    _opt("region", "str", "AWS region (default: the boto3 chain).", "regionName"),
+    _opt("kinesis_endpoint", "url", "Kinesis endpoint URL (default: the boto3 chain).",
+         "kinesisEndpoint"),
+    _opt("dynamodb_endpoint", "url", "DynamoDB endpoint URL (default: the boto3 chain).",
+         "dynamoDBEndpoint", "dynamodbEndpoint"),
+    _opt("initial_position", "position", "Where a shard without checkpoint starts.",
+         "initialPositionInStream"),
+    _opt("initial_timestamp", "timestamp",
+         "Start time for AT_TIMESTAMP (ISO 8601 or epoch seconds).",
+         "initialPositionInStreamExtended", "timestampAtInitialPositionInStream"),
+    _opt("failover_time_ms", "int", "A lease not renewed for this long may be taken.",
+         "failoverTimeMillis"),
+    _opt("max_records", "int", "GetRecords Limit (1..10000).", "maxRecords"),
+    _opt("idle_time_between_reads_ms", "int0",
+         "Pause after an empty GetRecords on a caught-up shard.", "idleTimeBetweenReadsInMillis"),
+    _opt("shard_sync_interval_ms", "int", "How often shards are listed and leases created.",
+         "shardSyncIntervalMillis"),
+    _opt("max_leases_for_worker", "int", "Most leases this worker holds (default: no limit).",
+         "maxLeasesForWorker"),
+    _opt("max_leases_to_steal_at_one_time", "int", "Leases stolen per balancing cycle.",
+         "maxLeasesToStealAtOneTime"),
+    _opt("parent_shard_poll_interval_ms", "int",
+         "How often a child shard checks whether its parents are finished.",
+         "parentShardPollIntervalMillis"),
+    _opt("call_process_records_even_for_empty_record_list", "bool",
+         "Call process_records with empty batches.", "callProcessRecordsEvenForEmptyRecordList"),
+    _opt("cleanup_leases_upon_shard_completion", "bool",
+         "Delete a finished parent's lease once its children have started.",
+         "cleanupLeasesUponShardCompletion"),
+    _opt("shutdown_grace_ms", "int0",
+         "How long shutdown_requested may take before leases are released anyway.",
+         "shutdownGraceMillis"),
+    _opt("task_backoff_time_ms", "int", "First retry delay after a processor error.",
+         "taskBackoffTimeMillis"),
+    _opt("max_task_backoff_time_ms", "int", "Largest retry delay after processor errors.",
+         "maxTaskBackoffTimeMillis"),
+    _opt("processor_error_policy", "policy",
+         "What a process_records exception does: retry, skip or shutdown.",
+         "processorErrorPolicy"),
+    _opt("prefetch_queue_size", "int",
+         "Fetched batches buffered per shard (bounds memory).", "prefetchQueueSize"),
+    _opt("max_pool_connections", "int", "botocore connection pool size.", "maxPoolConnections"),
+    _opt("stop_when_caught_up", "bool",
+         "Shut down cleanly once every shard is caught up (drain and exit).", "stopWhenCaughtUp"),
+    _opt("executable_name", "str",
+         "MultiLangDaemon child command (runs an amazon_kclpy application).", "executableName"),
+)
+OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
+OPTIONS_BY_KEY = {k: o for o in OPTIONS for k in o.properties_keys}
+
+#: Keys of the Java MultiLangDaemon that mean nothing without a JVM: accepted, logged once.
+JAVA_ONLY_KEYS: Mapping[str, str] = {
+    "AWSCredentialsProvider": "credentials come from the standard boto3 chain",
+    "AWSCredentialsProviderDynamoDB": "credentials come from the standard boto3 chain",
+    "AWSCredentialsProviderCloudWatch": "CloudWatch is not used; metrics are Prometheus",
+    "metricsLevel": "metrics are Prometheus; all of them are always on",
+    "metricsEnabledDimensions": "metrics are Prometheus; all labels are always on",
+    "metricsBufferTimeMillis": "metrics are Prometheus, scraped, not buffered",
+    "metricsMaxQueueSize": "metrics are Prometheus, scraped, not buffered",
+    "cloudWatchEndpoint": "CloudWatch is not used; metrics are Prometheus",
+    "javaClassPath": "no JVM is involved",
+    "processingLanguage": "no JVM is involved",
+    "maxActiveThreads": "kclpy runs one fetch and one delivery thread per held shard",
+    "validateSequenceNumberBeforeCheckpointing": "kclpy always validates checkpoints locally",
+    "userAgentAdditionalInfo": "not sent",
+    "kinesisClientConfig": "use the boto3 configuration chain",
+    "dynamoDBClientConfig": "use the boto3 configuration chain",
+    "cloudWatchClientConfig": "CloudWatch is not used",
+    "retryGetRecordsInSeconds": "GetRecords retries use kclpy's capped exponential backoff",
+    "maxGetRecordsThreadPool": "kclpy prefetches with one thread per shard",
+    "billingMode": "the lease table is created PAY_PER_REQUEST",
+    "initialLeaseTableReadCapacity": "the lease table is created PAY_PER_REQUEST",
+    "initialLeaseTableWriteCapacity": "the lease table is created PAY_PER_REQUEST",
+    "skipShardSyncAtStartupIfLeasesExist": "kclpy always syncs at startup (one ListShards)",
+    "logMetricsInterval": "metrics are Prometheus",
+    "workerStateChangeListener": "no JVM is involved",
+}
+
+
+# -- value conversion -----------------------------------------------------------------------
+
+_TRUE = {"true", "yes", "1", "on"}
+_FALSE = {"false", "no", "0", "off"}
+
+
+def parse_timestamp(text: str) -> datetime:
+    """ISO 8601 (naive means UTC) or epoch seconds, as the Java daemon's timestamp key."""
+    try:
+        return datetime.fromtimestamp(float(text), tz=timezone.utc)
+    except ValueError:
+        pass
+    value = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+def _convert(option: Option, raw: Any, label: str) -> Any:
+    if raw is None or (isinstance(raw, (int, bool, datetime)) and not isinstance(raw, str)):
+        return raw
+    text = str(raw).strip()
+    kind = option.kind
+    try:
+        if kind in ("int", "int0"):
+            return int(text)
+        if kind == "bool":
+            low = text.lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ValueError
+        if kind == "timestamp":
+            return parse_timestamp(text)
+    except ValueError:
+        raise ConfigError(label, f"{text!r} is not a valid {_KIND_WORDS[kind]}") from None
+    if kind == "position":
+        return text.upper()
+    return text
+
+
+_KIND_WORDS = {"int": "whole number", "int0": "whole number", "bool": "boolean (true/false)",
+               "timestamp": "timestamp (ISO 8601 or epoch seconds)"}
+
+
+# -- validation -----------------------------------------------------------------------------
+
+
+def validate(config: KCLConfig, labels: Mapping[str, str]) -> None:
+    """Raise ConfigError naming the first bad option, under the name the user used."""
+
+    def name(field_name: str) -> str:
+        return labels.get(field_name, OPTIONS_BY_NAME[field_name].flag)
+
+    if not config.application_name or not str(config.application_name).strip():
+        raise ConfigError(name("application_name"), "is required")
+    if not config.stream_name and not config.stream_arn:
+        raise ConfigError(labels.get("stream_name", "--stream-name"),
+                          "is required (or --stream-arn)")
+    if config.stream_arn and not re.match(r"^arn:aws[\w-]*:kinesis:", config.stream_arn):
+        raise ConfigError(name("stream_arn"), f"{config.stream_arn!r} is not a Kinesis stream ARN")
+    if config.initial_position not in INITIAL_POSITIONS:
+        raise ConfigError(name("initial_position"), f"{config.initial_position!r} is not one "
+                          f"of {', '.join(INITIAL_POSITIONS)}")
+    if config.initial_position == "AT_TIMESTAMP" and config.initial_timestamp is None:
+        raise ConfigError(name("initial_timestamp"), "is required with AT_TIMESTAMP")
+    if config.processor_error_policy not in ERROR_POLICIES:
+        raise ConfigError(name("processor_error_policy"),
+                          f"{config.processor_error_policy!r} is not one of "
+                          f"{', '.join(ERROR_POLICIES)}")
+    for endpoint in ("kinesis_endpoint", "dynamodb_endpoint"):
+        url = getattr(config, endpoint)
+        if url is not None and not re.match(r"^https?://[^\s/]+", url):
+            raise ConfigError(name(endpoint), f"{url!r} is not an http(s) URL")
+    for option in OPTIONS:
+        value = getattr(config, option.name)
+        if option.kind in ("int", "int0") and value is not None:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(name(option.name), f"{value!r} is not a whole number")
+            least = 0 if option.kind == "int0" else 1
+            if value < least:
+                raise ConfigError(name(option.name), f"must be at least {least}, got {value}")
+    if config.max_records > 10_000:
+        raise ConfigError(name("max_records"), f"must be at most 10000, got {config.max_records}")
+
+
+# -- loaders --------------------------------------------------------------------------------
+
+
+def read_properties(path: Path) -> dict[str, str]:
+    """Java .properties: ``key = value`` or ``key: value``, ``#``/``!`` comments,
+    backslash continuation lines."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError("--properties", f"cannot read {path}: {exc.strerror}") from None
+    result: dict[str, str] = {}
+    pending = ""
+    for raw_line in text.splitlines():
+        line = pending + raw_line.strip()
+        pending = ""
+        if not line or line[0] in "#!":
+            continue
+        if line.endswith("\\") and not line.endswith("\\\\"):
+            pending = line[:-1]
+            continue
+        match = re.match(r"^([^=:\s]+)\s*[=:\s]\s*(.*)$", line)
+        if match is None:
+            result[line] = ""
+            continue
+        result[match.group(1)] = match.group(2)
+    return result
+
+
+def from_properties(properties: Mapping[str, str], *, base_dir: Path | None = None,
+                    warn: Callable[[str], None] | None = None) -> tuple[dict[str, Any],
+                                                                        dict[str, str]]:
+    """Values and labels (field -> key as written) from MultiLangDaemon properties.
+
+    Java-only keys are accepted with one log line saying how kclpy treats them; unknown keys
+    are warned about once each.
+    """
+    say = warn or log.warning
+    values: dict[str, Any] = {}
+    labels: dict[str, str] = {}
+    for key, raw in properties.items():
+        option = OPTIONS_BY_KEY.get(key)
+        if key in JAVA_ONLY_KEYS:
+            log.info("properties key %s is accepted and ignored: %s", key, JAVA_ONLY_KEYS[key])
+            continue
+        if option is None:
+            say(f"unknown properties key {key!r} ignored")
+            continue
+        if option.name == "initial_timestamp" and raw.strip().upper() in INITIAL_POSITIONS:
+            values.setdefault("initial_position", raw.strip().upper())
+            continue
+        values[option.name] = _convert(option, raw, key)
+        labels[option.name] = key
+    if base_dir is not None:
+        values["properties_dir"] = base_dir
+    return values, labels
+
+
+def build_config(values: Mapping[str, Any], labels: Mapping[str, str]) -> KCLConfig:
+    """Make a KCLConfig from loader output; errors name the option as the user wrote it."""
+    known = {f.name for f in dataclasses.fields(KCLConfig)}
+    kwargs = {k: v for k, v in values.items() if k in known and v is not None}
+    kwargs.setdefault("application_name", "")
+    config = object.__new__(KCLConfig)
+    defaults = KCLConfig.__dataclass_fields__
+    for name, spec in defaults.items():
+        if name in kwargs:
+            setattr(config, name, kwargs[name])
+        elif spec.default is not dataclasses.MISSING:
+            setattr(config, name, spec.default)
+        elif spec.default_factory is not dataclasses.MISSING:
+            setattr(config, name, spec.default_factory())
+    validate(config, labels)
+    return config
+
+
+def convert_cli_value(name: str, raw: Any) -> Any:
+    option = OPTIONS_BY_NAME[name]
+    return _convert(option, raw, option.flag)
+
+
+def from_environment(environ: Mapping[str, str] | None = None) -> tuple[dict[str, Any],
+                                                                        dict[str, str]]:
+    """``KCLPY_<OPTION>`` variables, e.g. ``KCLPY_STREAM_NAME``, below properties and flags."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    labels: dict[str, str] = {}
+    for option in OPTIONS:
+        var = "KCLPY_" + option.name.upper()
+        if var in env:
+            values[option.name] = _convert(option, env[var], var)
+            labels[option.name] = var
+    return values, labels

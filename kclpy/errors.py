@@ -1,0 +1,63 @@
+"""Exceptions a processor or an operator can meet, named as the Java KCL names them.
+
+amazon_kclpy applications catch these names (via the MultiLangDaemon reply strings), so
+the class names are part of the public contract and must not change.
+"""
+
+from __future__ import annotations
+
+
+class KCLError(Exception):
+    """Base class of every error kclpy raises on purpose."""
+
+
+class CheckpointError(KCLError):
+    """Base class of the errors a checkpoint call can raise.
+
+    ``name`` is the string the MultiLangDaemon protocol puts in a checkpoint reply.
+    """
+
+    name = "CheckpointError"
+
+
+class ShutdownException(CheckpointError):
+    """The lease is no longer held by this worker: the checkpoint was not written."""
+
+    name = "ShutdownException"
+
+
+class ThrottlingException(CheckpointError):
+    """DynamoDB kept throttling after retries; the checkpoint was not written. Retry later."""
+
+    name = "ThrottlingException"
+
+
+class InvalidStateException(CheckpointError):
+    """The requested position is before the last checkpoint or beyond what was delivered."""
+
+    name = "InvalidStateException"
+
+
+class KinesisClientLibDependencyException(CheckpointError):
+    """DynamoDB failed in a way that is neither throttling nor a lost lease."""
+
+    name = "KinesisClientLibDependencyException"
+
+
+class ConfigError(KCLError):
+    """A configuration value is missing or invalid. ``option`` names it as the user wrote it."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(f"{option}: {message}")
+        self.option = option
+        self.message = message
+
+
+class LeaseLostError(KCLError):
+    """Internal signal: a conditional write on a lease failed because someone else owns it."""
+
+
+class ProcessorRestartRequired(KCLError):
+    """Raised from a processor callback when the processor cannot go on as it is (e.g. a
+    MultiLangDaemon child died). The consumer discards it, makes a new one and resumes from
+    the last checkpoint, so the records of the failed batch are delivered again."""

@@ -1,0 +1,86 @@
+"""Prometheus collectors, one registry per worker.
+
+One registry per worker (not the global default) so that several workers in one process —
+tests, or an application that consumes two streams — never mix their figures. Every name is
+prefixed ``kclpy_``; names and labels are documented in docs/operations.md.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics:
+    """All collectors of one worker. Pass ``Metrics()`` around; read ``.registry`` to serve."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        # processing
+        self.records_processed = Counter(
+            "kclpy_records_processed", "User records handed to the processor and returned from it.",
+            ["shard_id"], registry=r)
+        self.bytes_processed = Counter(
+            "kclpy_bytes_processed", "Payload bytes of the records processed.",
+            ["shard_id"], registry=r)
+        self.millis_behind_latest = Gauge(
+            "kclpy_millis_behind_latest", "MillisBehindLatest of the last GetRecords per shard.",
+            ["shard_id"], registry=r)
+        self.process_records_seconds = Histogram(
+            "kclpy_process_records_seconds", "Time spent in the processor's process_records.",
+            ["shard_id"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.processor_errors = Counter(
+            "kclpy_processor_errors", "Exceptions raised by processor callbacks.",
+            ["shard_id", "callback"], registry=r)
+        # retrieval
+        self.get_records_seconds = Histogram(
+            "kclpy_get_records_seconds", "GetRecords call latency, successes and failures.",
+            ["shard_id"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.get_records_errors = Counter(
+            "kclpy_get_records_errors", "Failed GetRecords/GetShardIterator calls by kind.",
+            ["shard_id", "kind"], registry=r)
+        self.throttles = Counter(
+            "kclpy_throttles", "Throttling responses (Kinesis and DynamoDB) by operation.",
+            ["operation"], registry=r)
+        self.iterator_expirations = Counter(
+            "kclpy_iterator_expirations", "ExpiredIteratorException answers, each re-positioned.",
+            ["shard_id"], registry=r)
+        self.deaggregation_errors = Counter(
+            "kclpy_deaggregation_errors",
+            "KPL aggregates that failed their MD5 or did not decode; each was delivered raw.",
+            ["shard_id"], registry=r)
+        self.records_filtered = Counter(
+            "kclpy_records_filtered",
+            "KPL sub-records dropped because their explicit hash key is outside the shard.",
+            ["shard_id"], registry=r)
+        self.prefetch_queue_depth = Gauge(
+            "kclpy_prefetch_queue_depth", "Fetched batches waiting for the processor.",
+            ["shard_id"], registry=r)
+        # checkpoints
+        self.checkpoints = Counter(
+            "kclpy_checkpoints", "Checkpoints written.", ["shard_id"], registry=r)
+        self.checkpoint_failures = Counter(
+            "kclpy_checkpoint_failures", "Checkpoint attempts that failed, by exception name.",
+            ["shard_id", "kind"], registry=r)
+        # leases
+        self.leases_held = Gauge(
+            "kclpy_leases_held", "Leases this worker holds now.", registry=r)
+        self.leases_taken = Counter(
+            "kclpy_leases_taken", "Leases taken (unowned or expired).", registry=r)
+        self.leases_stolen = Counter(
+            "kclpy_leases_stolen", "Leases taken from a live worker to balance load.", registry=r)
+        self.leases_lost = Counter(
+            "kclpy_leases_lost", "Leases lost to another worker or to a failed renewal.", registry=r)
+        self.lease_renew_failures = Counter(
+            "kclpy_lease_renew_failures", "Renewals that failed (condition or error).", registry=r)
+        self.lease_renewals = Counter(
+            "kclpy_lease_renewals", "Successful lease renewals.", registry=r)
+        # consumers
+        self.shard_consumer_state = Gauge(
+            "kclpy_shard_consumer_state",
+            "1 for the state each shard consumer is in, 0 for the others.",
+            ["shard_id", "state"], registry=r)
+        self.dynamodb_requests = Counter(
+            "kclpy_dynamodb_requests", "DynamoDB requests by operation.", ["operation"], registry=r)

@@ -1,0 +1,1 @@
+"""Retrieval: shard iterators, GetRecords with backoff and prefetch, response parse, KPL de-aggregation."""
