@@ -1,0 +1,182 @@
+"""Console scripts. ``kclpy-worker`` runs a worker; exit codes: 0 after a clean shutdown,
+2 for a bad configuration (one line naming the option), 1 for a fatal error."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from kclpy.config import (
+    OPTIONS,
+    KCLConfig,
+    build_config,
+    convert_cli_value,
+    from_environment,
+    from_properties,
+    read_properties,
+)
+from kclpy.errors import ConfigError
+from kclpy.processor import IRecordProcessor
+
+log = logging.getLogger("kclpy")
+
+_PROCESSOR_METHODS = ("initialize", "process_records", "lease_lost", "shard_ended",
+                      "shutdown_requested")
+LOCAL_DEMO_NAME = "kclpy-demo"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the option, with exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _worker_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="kclpy-worker",
+        description="Consume a Kinesis stream with a kclpy record processor.")
+    parser.add_argument("--processor", metavar="SPEC",
+                        help="pkg.module:Class or path/to/file.py:Class (an IRecordProcessor)")
+    parser.add_argument("--properties", metavar="FILE",
+                        help="MultiLangDaemon .properties file (flags win over it)")
+    parser.add_argument("--local", action="store_true",
+                        help="start the embedded local AWS endpoint (demo stream included)")
+    parser.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    for option in OPTIONS:
+        if option.name in ("executable_name",):
+            continue
+        if option.kind == "bool":
+            parser.add_argument(option.flag, dest=option.name, nargs="?", const="true",
+                                metavar="BOOL", help=option.help)
+        else:
+            parser.add_argument(option.flag, dest=option.name, metavar=option.kind.upper(),
+                                help=option.help)
+    return parser
+
+
+def load_processor_class(spec: str, *, base_dir: Path | None = None) -> type[IRecordProcessor]:
+    """Import ``pkg.module:Class`` or ``path/to/file.py:Class``; ConfigError naming
+    --processor when it does not import or is not a processor class."""
+    module_name, sep, class_name = spec.rpartition(":")
+    if not sep or not module_name or not class_name:
+        raise ConfigError("--processor", f"{spec!r} is not of the form module:Class")
+    try:
+        if module_name.endswith(".py") or "/" in module_name:
+            path = Path(module_name)
+            if not path.is_absolute() and base_dir is not None:
+                path = base_dir / path
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            if module_spec is None or module_spec.loader is None or not path.is_file():
+                raise ConfigError("--processor", f"no such file {str(path)!r}")
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules.setdefault(path.stem, module)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError("--processor", f"cannot import {module_name!r}: {exc}") from None
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ConfigError("--processor", f"{module_name!r} has no attribute {class_name!r}")
+    if not inspect.isclass(cls):
+        raise ConfigError("--processor", f"{spec!r} is not a class")
+    missing = [m for m in _PROCESSOR_METHODS if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ConfigError("--processor", f"{spec!r} is not a record processor "
+                          f"(missing {', '.join(missing)})")
+    if inspect.isabstract(cls):
+        raise ConfigError("--processor", f"{spec!r} is abstract")
+    return cls  # type: ignore[no-any-return]
+
+
+def parse_worker_args(argv: Sequence[str] | None) -> tuple[KCLConfig, argparse.Namespace]:
+    """Merge properties file, environment and flags (flags win) into a validated config."""
+    args = _worker_parser().parse_args(argv)
+    values: dict[str, Any] = {}
+    labels: dict[str, str] = {}
+    env_values, env_labels = from_environment()
+    values.update(env_values)
+    labels.update(env_labels)
+    if args.properties:
+        path = Path(args.properties)
+        prop_values, prop_labels = from_properties(read_properties(path),
+                                                   base_dir=path.resolve().parent)
+        values.update(prop_values)
+        labels.update(prop_labels)
+    for option in OPTIONS:
+        raw = getattr(args, option.name, None)
+        if raw is not None:
+            values[option.name] = convert_cli_value(option.name, raw)
+            labels[option.name] = option.flag
+    if args.local:
+        values.setdefault("stream_name", LOCAL_DEMO_NAME)
+        values.setdefault("application_name", LOCAL_DEMO_NAME)
+        values.setdefault("initial_position", "TRIM_HORIZON")
+        values.setdefault("region", "us-east-1")
+    config = build_config(values, labels)
+    if not args.processor and not config.executable_name:
+        raise ConfigError("--processor", "is required (or executableName in --properties)")
+    return config, args
+
+
+def _processor_factory(config: KCLConfig, args: argparse.Namespace
+                       ) -> Callable[[], IRecordProcessor]:
+    if args.processor:
+        return load_processor_class(args.processor, base_dir=None)
+    from kclpy.multilang import multilang_processor_factory
+
+    assert config.executable_name is not None
+    return multilang_processor_factory(
+        config.executable_name, cwd=config.properties_dir or Path.cwd(), metrics=None)
+
+
+def worker_main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config, args = parse_worker_args(argv)
+        factory = _processor_factory(config, args)
+    except ConfigError as exc:
+        print(f"kclpy-worker: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=args.log_level,
+        format="%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s")
+    from kclpy.worker import Worker, WorkerFatalError
+
+    try:
+        if args.local:
+            from kclpy.local import start_embedded
+            from kclpy.local.demo import local_session, seed_demo_stream
+
+            with start_embedded() as endpoint:
+                config = config.replace(kinesis_endpoint=endpoint.url,
+                                        dynamodb_endpoint=endpoint.url)
+                session = local_session(config.region or "us-east-1")
+                seed_demo_stream(session, endpoint.url, config.stream_label)
+                Worker(config, factory, session=session).run()
+        else:
+            Worker(config, factory).run()
+    except ConfigError as exc:
+        print(f"kclpy-worker: error: {exc}", file=sys.stderr)
+        return 2
+    except WorkerFatalError as exc:
+        log.error("worker stopped on a fatal error: %s", exc)
+        return 1
+    except Exception as exc:
+        log.exception("worker failed: %s", exc)
+        return 1
+    return 0
+
+
+def main() -> None:
+    sys.exit(worker_main())

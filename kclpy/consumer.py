@@ -1,0 +1,393 @@
+"""One shard's consumer: a small state machine on its own delivery thread.
+
+WAITING_ON_PARENTS -> INITIALIZING -> PROCESSING -> SHUTTING_DOWN -> DONE, as in the Java KCL.
+The fetcher runs ahead on its own thread; this thread is the only one that calls the
+processor, so a processor sees its shard's records strictly in order and never concurrently.
+Everything the consumer needs from above (leases, fetchers, child-lease creation) is handed
+in as callables, so it never reaches back up the chain to the worker.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kclpy.checkpoint import Checkpointer, CheckpointWriter
+from kclpy.errors import ProcessorRestartRequired
+from kclpy.leases.lease import SHARD_END, Lease
+from kclpy.metrics import Metrics
+from kclpy.processor import (
+    InitializeInput,
+    IRecordProcessor,
+    LeaseLostInput,
+    ProcessRecordsInput,
+    ShardEndedInput,
+    ShutdownRequestedInput,
+)
+from kclpy.records import Record
+from kclpy.retrieval.parse import ChildShard
+
+log = logging.getLogger(__name__)
+
+
+class ConsumerState(enum.Enum):
+    WAITING_ON_PARENTS = "WAITING_ON_PARENTS"
+    INITIALIZING = "INITIALIZING"
+    PROCESSING = "PROCESSING"
+    SHUTTING_DOWN = "SHUTTING_DOWN"
+    DONE = "DONE"
+
+
+class FetchResultLike(Protocol):
+    records: list[Record]
+    millis_behind_latest: int | None
+    shard_end: bool
+    child_shards: list[ChildShard]
+    caught_up: bool
+
+
+class FetcherLike(Protocol):
+    def start(self) -> None: ...
+    def get(self, timeout: float | None = None) -> FetchResultLike | None: ...
+    def stop(self) -> None: ...
+
+
+class LeaseReader(Protocol):
+    def get_lease(self, shard_id: str) -> Lease | None: ...
+
+
+#: (lease, checkpoint, sub-sequence number) -> a fetcher positioned right after it
+FetcherFactory = Callable[[Lease, str, int], FetcherLike]
+#: (shard id, child shards reported by GetRecords) -> None; creates the children's leases
+ShardEndHook = Callable[[str, Sequence[ChildShard]], None]
+
+
+@dataclass(frozen=True)
+class ConsumerSettings:
+    parent_shard_poll_interval_s: float = 10.0
+    task_backoff_s: float = 0.5
+    max_task_backoff_s: float = 30.0
+    processor_error_policy: str = "retry"
+    call_process_records_even_for_empty_record_list: bool = False
+    poll_timeout_s: float = 0.2
+
+
+class FatalProcessorError(Exception):
+    """process_records failed under the ``shutdown`` policy: the worker must stop."""
+
+
+class ShardConsumer:
+    """Runs one held lease until the shard ends, the lease is lost, or shutdown is asked."""
+
+    def __init__(
+        self,
+        lease: Lease,
+        *,
+        concurrency_token: str,
+        processor_factory: Callable[[], IRecordProcessor],
+        checkpoint_writer: CheckpointWriter,
+        lease_reader: LeaseReader,
+        fetcher_factory: FetcherFactory,
+        on_shard_end: ShardEndHook,
+        settings: ConsumerSettings,
+        metrics: Metrics,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.shard_id = lease.lease_key
+        self._lease = lease
+        self._token = concurrency_token
+        self._processor_factory = processor_factory
+        self._writer = checkpoint_writer
+        self._leases = lease_reader
+        self._fetcher_factory = fetcher_factory
+        self._on_shard_end = on_shard_end
+        self._settings = settings
+        self._metrics = metrics
+        self._rng = rng or random.Random()
+        self._lease_lost = threading.Event()
+        self._shutdown = threading.Event()
+        self._wake = threading.Event()
+        self._state = ConsumerState.WAITING_ON_PARENTS
+        self._processor: IRecordProcessor | None = None
+        self._checkpointer: Checkpointer | None = None
+        self._fetcher: FetcherLike | None = None
+        self._thread = threading.Thread(
+            target=self._run, name=f"kclpy-consumer-{self.shard_id}", daemon=True)
+        #: set when the consumer stopped on an error the worker must act on
+        self.error: BaseException | None = None
+        #: the last fetch found the shard caught up (or the shard was already finished)
+        self.caught_up = False
+        #: the processor checkpointed SHARD_END
+        self.shard_ended = False
+        self.millis_behind_latest: int | None = None
+        self._publish_state()
+
+    # -- control, from the worker's thread -----------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def notify_lease_lost(self) -> None:
+        self._lease_lost.set()
+        self._wake.set()
+
+    def request_shutdown(self) -> None:
+        self._shutdown.set()
+        self._wake.set()
+
+    def join(self, timeout: float | None = None) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def concurrency_token(self) -> str:
+        """Identifies the lease incarnation this consumer serves (retaken => new token)."""
+        return self._token
+
+    @property
+    def state(self) -> ConsumerState:
+        return self._state
+
+    @property
+    def done(self) -> bool:
+        return self._state is ConsumerState.DONE
+
+    @property
+    def checkpoint(self) -> tuple[str | None, int]:
+        if self._checkpointer is not None:
+            return self._checkpointer.last_checkpoint
+        return self._lease.checkpoint, self._lease.checkpoint_sub_sequence_number
+
+    # -- the delivery thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            if self._wait_for_parents():
+                self._set_state(ConsumerState.INITIALIZING)
+                if self._lease.checkpoint == SHARD_END:
+                    self.caught_up = self.shard_ended = True
+                elif self._initialize(self._lease.checkpoint,
+                                      self._lease.checkpoint_sub_sequence_number):
+                    self._set_state(ConsumerState.PROCESSING)
+                    self._process_loop()
+        except FatalProcessorError as exc:
+            self.error = exc
+        except Exception as exc:
+            log.exception("shard %s: consumer failed", self.shard_id)
+            self.error = exc
+        finally:
+            if self._fetcher is not None:
+                self._fetcher.stop()
+            self._set_state(ConsumerState.DONE)
+
+    def _stopping(self) -> bool:
+        return self._lease_lost.is_set() or self._shutdown.is_set()
+
+    def _wait_for_parents(self) -> bool:
+        """Block until every parent that has a lease is checkpointed at SHARD_END, so that a
+        parent's records are all processed before any of its children's."""
+        pending = set(self._lease.parent_shard_ids)
+        while pending:
+            for parent in sorted(pending):
+                lease = self._leases.get_lease(parent)
+                if lease is None or lease.checkpoint == SHARD_END:
+                    pending.discard(parent)
+            if not pending:
+                break
+            log.debug("shard %s waits on parents %s", self.shard_id, sorted(pending))
+            if self._pause(self._settings.parent_shard_poll_interval_s):
+                return False
+        return not self._stopping()
+
+    def _pause(self, seconds: float) -> bool:
+        """Sleep, waking early on lease loss or shutdown. True when the consumer must stop."""
+        self._wake.wait(seconds)
+        self._wake.clear()
+        return self._stopping()
+
+    def _backoff(self, attempt: int) -> float:
+        cap = min(self._settings.max_task_backoff_s, self._settings.task_backoff_s * 2**attempt)
+        return self._rng.uniform(cap / 2, cap)
+
+    def _initialize(self, checkpoint: str, sub_sequence_number: int) -> bool:
+        """New processor, checkpointer and fetcher positioned right after ``checkpoint``."""
+        attempt = 0
+        while not self._stopping():
+            processor = self._processor_factory()
+            try:
+                processor.initialize(
+                    InitializeInput(self.shard_id, checkpoint, sub_sequence_number))
+            except Exception:
+                self._metrics.processor_errors.labels(self.shard_id, "initialize").inc()
+                log.exception("shard %s: initialize failed; retrying", self.shard_id)
+                if self._pause(self._backoff(attempt)):
+                    return False
+                attempt += 1
+                continue
+            self._processor = processor
+            self._checkpointer = Checkpointer(
+                self.shard_id, self._writer, self._token, checkpoint, sub_sequence_number,
+                self._metrics)
+            self._fetcher = self._fetcher_factory(self._lease, checkpoint, sub_sequence_number)
+            self._fetcher.start()
+            return True
+        return False
+
+    def _restart(self, attempt: int) -> bool:
+        """Throw the processor away and resume from the last checkpoint (at-least-once)."""
+        assert self._checkpointer is not None and self._fetcher is not None
+        checkpoint, sub = self._checkpointer.last_checkpoint
+        self._fetcher.stop()
+        self._fetcher = None
+        self._processor = None
+        log.warning("shard %s: restarting the processor from checkpoint %s/%s",
+                    self.shard_id, checkpoint, sub)
+        if self._pause(self._backoff(attempt)):
+            return False
+        return self._initialize(checkpoint or self._lease.checkpoint, sub)
+
+    def _process_loop(self) -> None:
+        restarts = 0
+        while True:
+            if self._lease_lost.is_set():
+                self._end_with_lease_lost()
+                return
+            if self._shutdown.is_set():
+                self._end_with_shutdown_requested()
+                return
+            assert self._fetcher is not None
+            result = self._fetcher.get(timeout=self._settings.poll_timeout_s)
+            if result is None:
+                continue
+            self.millis_behind_latest = result.millis_behind_latest
+            if result.millis_behind_latest is not None:
+                self._metrics.millis_behind_latest.labels(self.shard_id).set(
+                    result.millis_behind_latest)
+            empty_too = self._settings.call_process_records_even_for_empty_record_list
+            if result.records or empty_too:
+                outcome = self._deliver(result)
+                if outcome == "restart":
+                    if not self._restart(restarts):
+                        continue
+                    restarts += 1
+                    continue
+                if outcome == "stopped":
+                    continue
+                restarts = 0
+            self.caught_up = result.caught_up and not result.records
+            if result.shard_end:
+                self._end_with_shard_end(result.child_shards)
+                return
+
+    def _deliver(self, result: FetchResultLike) -> str:
+        """Hand one batch to the processor; 'ok', 'restart' or 'stopped'."""
+        assert self._processor is not None and self._checkpointer is not None
+        records = result.records
+        previous = self._checkpointer.mark_delivered(records[-1]) if records else None
+        attempt = 0
+        while True:
+            started = time.perf_counter()
+            try:
+                self._processor.process_records(ProcessRecordsInput(
+                    self.shard_id, records, self._checkpointer, result.millis_behind_latest,
+                    is_at_shard_end=result.shard_end))
+            except ProcessorRestartRequired as exc:
+                self._metrics.processor_errors.labels(self.shard_id, "process_records").inc()
+                log.error("shard %s: processor must restart: %s", self.shard_id, exc)
+                return "restart"
+            except Exception as exc:
+                self._metrics.processor_errors.labels(self.shard_id, "process_records").inc()
+                policy = self._settings.processor_error_policy
+                if policy == "skip":
+                    log.exception("shard %s: process_records failed; batch of %d skipped "
+                                  "(processor_error_policy=skip)", self.shard_id, len(records))
+                    return "ok"
+                if policy == "shutdown":
+                    log.exception("shard %s: process_records failed; shutting the worker down "
+                                  "(processor_error_policy=shutdown)", self.shard_id)
+                    raise FatalProcessorError(f"shard {self.shard_id}: {exc!r}") from exc
+                log.exception("shard %s: process_records failed; retrying the same batch",
+                              self.shard_id)
+                if self._pause(self._backoff(attempt)):
+                    if records:
+                        self._checkpointer.unmark_delivered(previous)
+                    return "stopped"
+                attempt += 1
+                continue
+            finally:
+                self._metrics.process_records_seconds.labels(self.shard_id).observe(
+                    time.perf_counter() - started)
+            self._metrics.records_processed.labels(self.shard_id).inc(len(records))
+            self._metrics.bytes_processed.labels(self.shard_id).inc(
+                sum(record.size for record in records))
+            return "ok"
+
+    def _end_with_shard_end(self, children: Sequence[ChildShard]) -> None:
+        """Create the children's leases, then insist on a SHARD_END checkpoint, as the Java
+        KCL does: without it the children would wait on this parent for ever."""
+        assert self._processor is not None and self._checkpointer is not None
+        self._set_state(ConsumerState.SHUTTING_DOWN)
+        self._on_shard_end(self.shard_id, children)
+        self._checkpointer.mark_shard_end()
+        attempt = 0
+        while True:
+            try:
+                self._processor.shard_ended(ShardEndedInput(self.shard_id, self._checkpointer))
+            except Exception:
+                self._metrics.processor_errors.labels(self.shard_id, "shard_ended").inc()
+                log.exception("shard %s: shard_ended failed", self.shard_id)
+            if self._checkpointer.last_checkpoint[0] == SHARD_END:
+                self.shard_ended = self.caught_up = True
+                return
+            log.error("shard %s: the processor did not checkpoint at SHARD_END in shard_ended; "
+                      "its child shards cannot start until it does. Calling shard_ended again.",
+                      self.shard_id)
+            if self._pause(self._backoff(attempt)):
+                if self._lease_lost.is_set():
+                    self._end_with_lease_lost()
+                else:
+                    self._end_with_shutdown_requested()
+                return
+            attempt += 1
+
+    def _end_with_lease_lost(self) -> None:
+        self._set_state(ConsumerState.SHUTTING_DOWN)
+        if self._fetcher is not None:
+            self._fetcher.stop()
+        if self._processor is None:
+            return
+        try:
+            self._processor.lease_lost(LeaseLostInput(self.shard_id))
+        except Exception:
+            self._metrics.processor_errors.labels(self.shard_id, "lease_lost").inc()
+            log.exception("shard %s: lease_lost failed", self.shard_id)
+
+    def _end_with_shutdown_requested(self) -> None:
+        self._set_state(ConsumerState.SHUTTING_DOWN)
+        if self._fetcher is not None:
+            self._fetcher.stop()
+        if self._processor is None or self._checkpointer is None:
+            return
+        try:
+            self._processor.shutdown_requested(
+                ShutdownRequestedInput(self.shard_id, self._checkpointer))
+        except Exception:
+            self._metrics.processor_errors.labels(self.shard_id, "shutdown_requested").inc()
+            log.exception("shard %s: shutdown_requested failed", self.shard_id)
+
+    # -- state -------------------------------------------------------------------------------
+
+    def _set_state(self, state: ConsumerState) -> None:
+        self._state = state
+        self._publish_state()
+
+    def _publish_state(self) -> None:
+        for state in ConsumerState:
+            self._metrics.shard_consumer_state.labels(self.shard_id, state.value).set(
+                1 if state is self._state else 0)

@@ -1,0 +1,311 @@
+"""The scheduler: the one place that knows every part and wires them together.
+
+Shard sync creates leases; the lease coordinator takes and renews them; for every held lease
+the worker runs a ShardConsumer whose fetcher reads the shard and whose processor the user
+wrote. The worker loop reconciles held leases with running consumers, repeats shard sync,
+and on shutdown lets every processor checkpoint before the leases are released.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+import boto3
+import botocore.config
+from botocore.exceptions import NoRegionError
+
+from kclpy.config import KCLConfig
+from kclpy.consumer import ConsumerSettings, FatalProcessorError, FetcherLike, ShardConsumer
+from kclpy.errors import ConfigError, KCLError
+from kclpy.leases.coordinator import LeaseCoordinator
+from kclpy.leases.lease import Lease
+from kclpy.leases.shard_sync import ShardSyncer
+from kclpy.leases.table import LeaseTable
+from kclpy.metrics import Metrics
+from kclpy.processor import IRecordProcessor
+from kclpy.retrieval.fetcher import ShardFetcher, StartPosition
+from kclpy.retrieval.parse import ChildShard
+
+log = logging.getLogger(__name__)
+
+
+class WorkerFatalError(KCLError):
+    """The worker stopped because of an error it cannot recover from (exit code 1)."""
+
+
+class Worker:
+    """Consumes one stream for one application. ``run()`` blocks until shutdown."""
+
+    def __init__(
+        self,
+        config: KCLConfig,
+        processor_factory: Callable[[], IRecordProcessor],
+        *,
+        metrics: Metrics | None = None,
+        session: boto3.session.Session | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self._processor_factory = processor_factory
+        self._session = session
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._consumers: dict[str, ShardConsumer] = {}
+        self._consumers_lock = threading.Lock()
+        self._fatal: BaseException | None = None
+        self._started = threading.Event()
+        self._settings = ConsumerSettings(
+            parent_shard_poll_interval_s=config.parent_shard_poll_interval_ms / 1000,
+            task_backoff_s=config.task_backoff_time_ms / 1000,
+            max_task_backoff_s=config.max_task_backoff_time_ms / 1000,
+            processor_error_policy=config.processor_error_policy,
+            call_process_records_even_for_empty_record_list=(
+                config.call_process_records_even_for_empty_record_list),
+        )
+        self.kinesis: Any = None
+        self.dynamodb: Any = None
+        self.lease_table: LeaseTable | None = None
+        self.coordinator: LeaseCoordinator | None = None
+        self.shard_syncer: ShardSyncer | None = None
+
+    # -- public --------------------------------------------------------------------------
+
+    def run(self, *, install_signal_handlers: bool | None = None) -> None:
+        """Consume until ``shutdown()`` (or SIGTERM/SIGINT when run on the main thread).
+
+        Raises WorkerFatalError after a fatal error, once the leases are released.
+        """
+        main = threading.current_thread() is threading.main_thread()
+        handlers = main if install_signal_handlers is None else install_signal_handlers
+        with self._signals() if handlers else _nothing():
+            self._setup()
+            try:
+                self._loop()
+            finally:
+                self._shutdown_consumers()
+        if self._fatal is not None:
+            raise WorkerFatalError(str(self._fatal)) from self._fatal
+
+    def shutdown(self) -> None:
+        """Ask for a graceful shutdown; safe from any thread and from signal handlers."""
+        self._stop.set()
+        self._wake.set()
+
+    def wait_started(self, timeout: float | None = None) -> bool:
+        """True once the lease table and shard sync are ready (for embedding and tests)."""
+        return self._started.wait(timeout)
+
+    def consumers(self) -> dict[str, ShardConsumer]:
+        with self._consumers_lock:
+            return dict(self._consumers)
+
+    def status(self) -> dict[str, Any]:
+        """What /status and operators see: this worker's leases and each shard's progress."""
+        shards = {}
+        for shard_id, consumer in self.consumers().items():
+            checkpoint, sub = consumer.checkpoint
+            shards[shard_id] = {
+                "state": consumer.state.value,
+                "checkpoint": checkpoint,
+                "checkpoint_sub_sequence_number": sub,
+                "millis_behind_latest": consumer.millis_behind_latest,
+            }
+        held = sorted(self.coordinator.held_leases()) if self.coordinator else []
+        return {"worker_id": self.config.worker_id, "stream": self.config.stream_label,
+                "application": self.config.application_name, "held_leases": held,
+                "shards": shards}
+
+    # -- set-up --------------------------------------------------------------------------
+
+    def _setup(self) -> None:
+        cfg = self.config
+        session = self._session or boto3.session.Session(region_name=cfg.region)
+        # Retrieval and shard sync retry with their own capped, jittered backoff and count
+        # every throttle; a second retry layer in botocore would hide them and multiply waits.
+        kinesis_cfg = botocore.config.Config(
+            max_pool_connections=cfg.max_pool_connections,
+            retries={"mode": "standard", "total_max_attempts": 1},
+            connect_timeout=10, read_timeout=30)
+        dynamodb_cfg = botocore.config.Config(
+            max_pool_connections=cfg.max_pool_connections,
+            retries={"mode": "standard", "total_max_attempts": 3},
+            connect_timeout=10, read_timeout=30)
+        try:
+            self.kinesis = session.client(
+                "kinesis", endpoint_url=cfg.kinesis_endpoint, config=kinesis_cfg)
+            self.dynamodb = session.client(
+                "dynamodb", endpoint_url=cfg.dynamodb_endpoint, config=dynamodb_cfg)
+        except NoRegionError:
+            raise ConfigError("--region", "no region configured (set --region, "
+                              "regionName or AWS_DEFAULT_REGION)") from None
+        self.lease_table = LeaseTable(self.dynamodb, cfg.lease_table_name, metrics=self.metrics)
+        if self.lease_table.create_if_missing():
+            log.info("created lease table %s", cfg.lease_table_name)
+        self.shard_syncer = ShardSyncer(
+            self.kinesis, self.lease_table, stream_name=cfg.stream_name,
+            stream_arn=cfg.stream_arn, initial_position=cfg.initial_position,
+            metrics=self.metrics)
+        self.coordinator = LeaseCoordinator(
+            self.lease_table, cfg.worker_id,
+            failover_time_s=cfg.failover_time_ms / 1000,
+            max_leases_for_worker=cfg.max_leases_for_worker,
+            max_leases_to_steal_at_one_time=cfg.max_leases_to_steal_at_one_time,
+            metrics=self.metrics)
+        self.coordinator.add_lease_lost_listener(self._on_lease_lost)
+        self._sync_shards()
+        self.coordinator.start()
+        self._started.set()
+        log.info("worker %s consuming %s for application %s", cfg.worker_id,
+                 cfg.stream_label, cfg.application_name)
+
+    def _sync_shards(self) -> None:
+        assert self.shard_syncer is not None and self.coordinator is not None
+        created = self.shard_syncer.sync()
+        self.coordinator.set_known_shards(set(self.shard_syncer.known_shard_ids))
+        if created:
+            log.info("created %d lease(s): %s", len(created),
+                     ", ".join(lease.lease_key for lease in created))
+            self.coordinator.wake_taker()
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        interval = self.config.shard_sync_interval_ms / 1000
+        next_sync = time.monotonic() + interval
+        while not self._stop.is_set():
+            self._reconcile()
+            if self._fatal is not None:
+                return
+            if time.monotonic() >= next_sync:
+                try:
+                    self._sync_shards()
+                except Exception:
+                    log.exception("shard sync failed; retrying at the next interval")
+                next_sync = time.monotonic() + interval
+            if self.config.stop_when_caught_up and self._all_caught_up():
+                log.info("every shard is caught up; stopping (stop_when_caught_up)")
+                return
+            self._wake.wait(0.2)
+            self._wake.clear()
+
+    def _reconcile(self) -> None:
+        """Start a consumer for every newly held lease; retire consumers that are over."""
+        assert self.coordinator is not None
+        held = self.coordinator.held_leases()
+        with self._consumers_lock:
+            for shard_id, consumer in list(self._consumers.items()):
+                lease = held.get(shard_id)
+                if lease is None or lease.concurrency_token != consumer.concurrency_token:
+                    consumer.notify_lease_lost()
+                    if consumer.done:
+                        del self._consumers[shard_id]
+                    continue
+                if not consumer.done:
+                    continue
+                if isinstance(consumer.error, FatalProcessorError):
+                    self._fatal = consumer.error
+                elif consumer.error is not None:
+                    log.error("shard %s: consumer stopped on %r; releasing its lease so it is "
+                              "retried", shard_id, consumer.error)
+                    del self._consumers[shard_id]
+                    self.coordinator.release(shard_id)
+            for shard_id, lease in held.items():
+                if shard_id not in self._consumers:
+                    consumer = self._new_consumer(lease)
+                    self._consumers[shard_id] = consumer
+                    consumer.start()
+        self.metrics.leases_held.set(len(held))
+
+    def _new_consumer(self, lease: Lease) -> ShardConsumer:
+        assert self.coordinator is not None
+        token = lease.concurrency_token
+        assert token is not None
+        return ShardConsumer(
+            lease, concurrency_token=token, processor_factory=self._processor_factory,
+            checkpoint_writer=self.coordinator, lease_reader=self.coordinator,
+            fetcher_factory=self._make_fetcher, on_shard_end=self._on_shard_end,
+            settings=self._settings, metrics=self.metrics)
+
+    def _make_fetcher(self, lease: Lease, checkpoint: str, sub_sequence_number: int) -> FetcherLike:
+        cfg = self.config
+        hash_range = None
+        if lease.starting_hash_key is not None and lease.ending_hash_key is not None:
+            hash_range = (int(lease.starting_hash_key), int(lease.ending_hash_key))
+        return ShardFetcher(
+            self.kinesis, lease.lease_key,
+            StartPosition.from_checkpoint(checkpoint, sub_sequence_number, cfg.initial_timestamp),
+            stream_name=cfg.stream_name, stream_arn=cfg.stream_arn,
+            max_records=cfg.max_records, idle_time_s=cfg.idle_time_between_reads_ms / 1000,
+            queue_size=cfg.prefetch_queue_size, hash_range=hash_range, metrics=self.metrics,
+            deliver_empty=cfg.call_process_records_even_for_empty_record_list)
+
+    def _on_shard_end(self, shard_id: str, children: Sequence[ChildShard]) -> None:
+        """Called from a consumer's thread when its shard is fully read."""
+        assert self.shard_syncer is not None and self.coordinator is not None
+        if children:
+            self.shard_syncer.create_child_leases(children)
+            known = set(self.shard_syncer.known_shard_ids) | {c.shard_id for c in children}
+            self.coordinator.set_known_shards(known)
+        else:
+            # Emulators without ChildShards: a full sync finds the children instead.
+            self._sync_shards()
+        self.coordinator.wake_taker()
+
+    def _on_lease_lost(self, shard_id: str) -> None:
+        with self._consumers_lock:
+            consumer = self._consumers.get(shard_id)
+        if consumer is not None:
+            consumer.notify_lease_lost()
+        self._wake.set()
+
+    def _all_caught_up(self) -> bool:
+        """Every lease of the stream is ours and every consumer has caught up."""
+        assert self.coordinator is not None
+        held = self.coordinator.held_leases()
+        leases = self.coordinator.all_leases()
+        if not leases or any(lease.lease_key not in held for lease in leases):
+            return False
+        consumers = self.consumers()
+        return all(shard_id in consumers and consumers[shard_id].caught_up for shard_id in held)
+
+    # -- shutdown ------------------------------------------------------------------------
+
+    def _shutdown_consumers(self) -> None:
+        """Let every processor checkpoint in shutdown_requested, then release the leases so
+        that another worker can take them at once instead of waiting for them to expire."""
+        consumers = self.consumers()
+        for consumer in consumers.values():
+            consumer.request_shutdown()
+        deadline = time.monotonic() + self.config.shutdown_grace_ms / 1000
+        for shard_id, consumer in consumers.items():
+            if not consumer.join(max(0.0, deadline - time.monotonic())):
+                log.warning("shard %s: shutdown_requested did not finish within the grace "
+                            "period; releasing the lease anyway", shard_id)
+        if self.coordinator is not None:
+            self.coordinator.stop(release=True)
+        log.info("worker %s stopped", self.config.worker_id)
+
+    @contextmanager
+    def _signals(self) -> Iterator[None]:
+        def handle(signum: int, frame: FrameType | None) -> None:
+            log.info("received %s; shutting down", signal.Signals(signum).name)
+            self.shutdown()
+
+        previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield

@@ -1,0 +1,307 @@
+"""The shard consumer's state machine, driven with a scripted fetcher and a recording processor."""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kclpy.consumer import ConsumerSettings, ConsumerState, FatalProcessorError, ShardConsumer
+from kclpy.errors import ProcessorRestartRequired
+from kclpy.leases.lease import Lease
+from kclpy.metrics import Metrics
+from kclpy.processor import (
+    InitializeInput,
+    IRecordProcessor,
+    LeaseLostInput,
+    ProcessRecordsInput,
+    ShardEndedInput,
+    ShutdownRequestedInput,
+)
+from kclpy.records import Record
+from kclpy.retrieval.parse import ChildShard
+
+SETTINGS = ConsumerSettings(parent_shard_poll_interval_s=0.01, task_backoff_s=0.001,
+                            max_task_backoff_s=0.002, poll_timeout_s=0.01)
+
+
+def rec(seq: int, sub: int = 0) -> Record:
+    return Record(sequence_number=str(seq), partition_key="k", approximate_arrival_timestamp=0,
+                  sub_sequence_number=sub, data=b"payload")
+
+
+@dataclass
+class Result:
+    records: list[Record]
+    millis_behind_latest: int | None = 0
+    shard_end: bool = False
+    child_shards: list[ChildShard] = field(default_factory=list)
+    caught_up: bool = False
+
+
+class ScriptedFetcher:
+    """Serves results; after a restart, serves what comes after the given checkpoint."""
+
+    def __init__(self, pages: list[Result], start_after: tuple[str, int]) -> None:
+        self.queue: queue.Queue[Result] = queue.Queue()
+        after = (-1, 0) if not start_after[0].isdigit() else (int(start_after[0]), start_after[1])
+        for page in pages:
+            kept = [r for r in page.records if r.extended_sequence_number > after]
+            if kept or page.shard_end or not page.records:
+                self.queue.put(Result(kept, page.millis_behind_latest, page.shard_end,
+                                      page.child_shards, page.caught_up))
+        self.started = self.stopped = False
+
+    def start(self) -> None:
+        self.started = True
+
+    def get(self, timeout: float | None = None) -> Result | None:
+        try:
+            return self.queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+class Writer:
+    def __init__(self) -> None:
+        self.writes: list[tuple[str, int]] = []
+
+    def update_checkpoint(self, shard_id: str, token: str, checkpoint: str, sub: int) -> None:
+        self.writes.append((checkpoint, sub))
+
+
+class Leases:
+    def __init__(self, leases: dict[str, Lease] | None = None) -> None:
+        self.leases = leases or {}
+
+    def get_lease(self, shard_id: str) -> Lease | None:
+        return self.leases.get(shard_id)
+
+
+class Recorder(IRecordProcessor):
+    def __init__(self, log: list[object], *, fail_times: int = 0,
+                 exc: type[Exception] = RuntimeError, checkpoint_on_end: bool = True,
+                 checkpoint_on_shutdown: bool = True) -> None:
+        self.log = log
+        self.fail_times = fail_times
+        self.exc = exc
+        self.checkpoint_on_end = checkpoint_on_end
+        self.checkpoint_on_shutdown = checkpoint_on_shutdown
+
+    def initialize(self, i: InitializeInput) -> None:
+        self.log.append(("init", i.sequence_number, i.sub_sequence_number))
+
+    def process_records(self, p: ProcessRecordsInput) -> None:
+        if self.fail_times > 0:
+            self.fail_times -= 1
+            self.log.append(("fail", [r.sequence_number for r in p.records]))
+            raise self.exc("boom")
+        self.log.append(("batch", [(r.sequence_number, r.sub_sequence_number) for r in p.records]))
+        p.checkpointer.checkpoint()
+
+    def lease_lost(self, i: LeaseLostInput) -> None:
+        self.log.append(("lease_lost",))
+
+    def shard_ended(self, i: ShardEndedInput) -> None:
+        self.log.append(("shard_ended",))
+        if self.checkpoint_on_end:
+            i.checkpointer.checkpoint()
+        else:
+            self.checkpoint_on_end = True  # checkpoints on the second call
+
+    def shutdown_requested(self, i: ShutdownRequestedInput) -> None:
+        self.log.append(("shutdown_requested",))
+        if self.checkpoint_on_shutdown:
+            i.checkpointer.checkpoint()
+
+
+def run_consumer(pages: list[Result], processors: list[Recorder], *, lease: Lease | None = None,
+                 leases: Leases | None = None, settings: ConsumerSettings = SETTINGS,
+                 on_end: list[object] | None = None, wait: bool = True
+                 ) -> tuple[ShardConsumer, Writer, list[ScriptedFetcher]]:
+    writer = Writer()
+    fetchers: list[ScriptedFetcher] = []
+    made = iter(processors)
+
+    def fetcher_factory(lease: Lease, checkpoint: str, sub: int) -> ScriptedFetcher:
+        fetcher = ScriptedFetcher(pages, (checkpoint, sub))
+        fetchers.append(fetcher)
+        return fetcher
+
+    def shard_end(shard_id: str, children: Sequence[ChildShard]) -> None:
+        if on_end is not None:
+            on_end.append((shard_id, list(children)))
+
+    consumer = ShardConsumer(
+        lease or Lease("shard-1", lease_owner="w", checkpoint="TRIM_HORIZON"),
+        concurrency_token="t", processor_factory=lambda: next(made),
+        checkpoint_writer=writer, lease_reader=leases or Leases(), fetcher_factory=fetcher_factory,
+        on_shard_end=shard_end, settings=settings, metrics=Metrics(), rng=random.Random(1))
+    consumer.start()
+    if wait:
+        assert consumer.join(10)
+    return consumer, writer, fetchers
+
+
+CHILD = ChildShard("shard-2", ("shard-1",), "0", "10")
+
+
+def test_records_in_order_then_shard_end() -> None:
+    log: list[object] = []
+    ends: list[object] = []
+    pages = [Result([rec(1), rec(2)]), Result([rec(3, 0), rec(3, 1)]),
+             Result([], shard_end=True, child_shards=[CHILD])]
+    consumer, writer, _ = run_consumer(pages, [Recorder(log)], on_end=ends)
+    assert log == [("init", "TRIM_HORIZON", 0), ("batch", [("1", 0), ("2", 0)]),
+                   ("batch", [("3", 0), ("3", 1)]), ("shard_ended",)]
+    assert writer.writes == [("2", 0), ("3", 1), ("SHARD_END", 0)]
+    assert ends == [("shard-1", [CHILD])]
+    assert consumer.shard_ended and consumer.state is ConsumerState.DONE
+
+
+def test_shard_ended_is_called_again_until_shard_end_is_checkpointed() -> None:
+    log: list[object] = []
+    pages = [Result([rec(1)]), Result([], shard_end=True)]
+    consumer, writer, _ = run_consumer(pages, [Recorder(log, checkpoint_on_end=False)])
+    assert log.count(("shard_ended",)) == 2
+    assert writer.writes[-1] == ("SHARD_END", 0)
+
+
+def test_processor_error_retries_the_same_batch() -> None:
+    log: list[object] = []
+    pages = [Result([rec(1), rec(2)]), Result([], shard_end=True)]
+    consumer, writer, _ = run_consumer(pages, [Recorder(log, fail_times=2)])
+    assert log[1:4] == [("fail", ["1", "2"]), ("fail", ["1", "2"]),
+                        ("batch", [("1", 0), ("2", 0)])]
+    assert writer.writes[0] == ("2", 0)
+
+
+def test_skip_policy_moves_on() -> None:
+    log: list[object] = []
+    settings = ConsumerSettings(**{**SETTINGS.__dict__, "processor_error_policy": "skip"})
+    pages = [Result([rec(1)]), Result([rec(2)]), Result([], shard_end=True)]
+    consumer, writer, _ = run_consumer(pages, [Recorder(log, fail_times=1)], settings=settings)
+    assert log[1:3] == [("fail", ["1"]), ("batch", [("2", 0)])]
+
+
+def test_shutdown_policy_stops_with_a_fatal_error() -> None:
+    settings = ConsumerSettings(**{**SETTINGS.__dict__, "processor_error_policy": "shutdown"})
+    consumer, writer, _ = run_consumer([Result([rec(1)])], [Recorder([], fail_times=1)],
+                                       settings=settings)
+    assert isinstance(consumer.error, FatalProcessorError)
+    assert writer.writes == []
+
+
+def test_restart_required_resumes_from_the_last_checkpoint() -> None:
+    log: list[object] = []
+    pages = [Result([rec(1)]), Result([rec(2), rec(3)]), Result([], shard_end=True)]
+    second = Recorder(log)
+
+    class Crashing(Recorder):
+        def process_records(self, p: ProcessRecordsInput) -> None:
+            if p.records[0].sequence_number == "2":
+                raise ProcessorRestartRequired("child died")
+            super().process_records(p)
+
+    crashing = Crashing(log)
+    consumer, writer, fetchers = run_consumer(pages, [crashing, second])
+    assert log[:2] == [("init", "TRIM_HORIZON", 0), ("batch", [("1", 0)])]
+    assert ("init", "1", 0) in log  # re-initialized from the checkpoint after record 1
+    assert log[-2:] == [("batch", [("2", 0), ("3", 0)]), ("shard_ended",)]
+    assert len(fetchers) == 2 and fetchers[0].stopped
+
+
+def test_lease_lost_calls_lease_lost_and_stops() -> None:
+    log: list[object] = []
+    consumer, writer, fetchers = run_consumer([Result([rec(1)])], [Recorder(log)], wait=False)
+    deadline = threading.Event()
+    while ("batch", [("1", 0)]) not in log:
+        deadline.wait(0.01)
+    consumer.notify_lease_lost()
+    assert consumer.join(5)
+    assert log[-1] == ("lease_lost",)
+    assert fetchers[0].stopped
+
+
+def test_shutdown_request_lets_the_processor_checkpoint() -> None:
+    log: list[object] = []
+
+    class NoCheckpointInBatch(Recorder):
+        def process_records(self, p: ProcessRecordsInput) -> None:
+            self.log.append(("batch", [r.sequence_number for r in p.records]))
+
+    processor = NoCheckpointInBatch(log)
+    consumer, writer, _ = run_consumer([Result([rec(1), rec(2)])], [processor], wait=False)
+    while not any(entry[0] == "batch" for entry in log if isinstance(entry, tuple)):
+        threading.Event().wait(0.01)
+    consumer.request_shutdown()
+    assert consumer.join(5)
+    assert log[-1] == ("shutdown_requested",)
+    assert writer.writes == [("2", 0)]
+
+
+def test_failed_batch_is_not_checkpointed_by_shutdown_requested() -> None:
+    log: list[object] = []
+    slow = ConsumerSettings(**{**SETTINGS.__dict__, "task_backoff_s": 5.0,
+                               "max_task_backoff_s": 5.0})
+
+    class FailsOnTwo(Recorder):
+        def process_records(self, p: ProcessRecordsInput) -> None:
+            if p.records[0].sequence_number == "2":
+                self.log.append(("fail", ["2"]))
+                raise RuntimeError("boom")
+            super().process_records(p)
+
+    consumer, writer, _ = run_consumer([Result([rec(1)]), Result([rec(2)])],
+                                       [FailsOnTwo(log)], settings=slow, wait=False)
+    while ("fail", ["2"]) not in log:
+        threading.Event().wait(0.01)
+    consumer.request_shutdown()
+    assert consumer.join(5)
+    assert log[-1] == ("shutdown_requested",)
+    # shutdown_requested called checkpoint(): it must not cover the batch that failed
+    assert writer.writes == [("1", 0)]
+
+
+def test_waits_for_parents_until_shard_end() -> None:
+    log: list[object] = []
+    parent = Lease("shard-0", checkpoint="123")
+    leases = Leases({"shard-0": parent})
+    lease = Lease("shard-1", parent_shard_ids=frozenset({"shard-0", "gone"}))
+    consumer, _, _ = run_consumer([Result([rec(1)]), Result([], shard_end=True)],
+                                  [Recorder(log)], lease=lease, leases=leases, wait=False)
+    threading.Event().wait(0.1)
+    assert consumer.state is ConsumerState.WAITING_ON_PARENTS and log == []
+    leases.leases["shard-0"] = parent.copy(checkpoint="SHARD_END")
+    assert consumer.join(5)
+    assert log[0] == ("init", "TRIM_HORIZON", 0)
+
+
+def test_lease_already_at_shard_end_needs_no_processor() -> None:
+    log: list[object] = []
+    consumer, writer, fetchers = run_consumer(
+        [], [Recorder(log)], lease=Lease("shard-1", checkpoint="SHARD_END"))
+    assert log == [] and fetchers == [] and consumer.shard_ended
+
+
+def test_initialize_failure_is_retried() -> None:
+    log: list[object] = []
+
+    class FailsOnce(Recorder):
+        calls = 0
+
+        def initialize(self, i: InitializeInput) -> None:
+            FailsOnce.calls += 1
+            if FailsOnce.calls == 1:
+                raise RuntimeError("init boom")
+            super().initialize(i)
+
+    consumer, writer, _ = run_consumer([Result([rec(1)]), Result([], shard_end=True)],
+                                       [FailsOnce(log), FailsOnce(log)])
+    assert log[0] == ("init", "TRIM_HORIZON", 0)
+    assert writer.writes == [("1", 0), ("SHARD_END", 0)]

@@ -1,0 +1,64 @@
+"""The project's promises about itself: README set-up, CI entry point, docs in sync, lint."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kclpy.config import OPTIONS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    setup = text.split("## Set up", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```sh\n(.+?)\n```", setup, re.S)
+
+
+def test_readme_has_exactly_two_setup_commands() -> None:
+    commands = readme_commands()
+    assert len(commands) == 2
+    assert "kclpy-worker --local" in commands[0]
+    assert "pytest" in commands[1]
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    test_command = readme_commands()[1]
+    pip, _, runner = test_command.partition(" && ")
+    assert pip.replace("pip install", "python -m pip install -q") in ci
+    assert f"python -m {runner}" in ci
+
+
+def test_configuration_reference_lists_every_option() -> None:
+    reference = (ROOT / "docs" / "configuration.md").read_text()
+    for option in OPTIONS:
+        assert f"`{option.flag}`" in reference, option.flag
+        for key in option.properties_keys:
+            assert f"`{key}`" in reference, key
+
+
+def test_public_api_is_explicit() -> None:
+    import kclpy
+
+    for name in kclpy.__all__:
+        assert getattr(kclpy, name) is not None, name
+    assert (ROOT / "kclpy" / "py.typed").exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        [sys.executable, "-m", "ruff", "check", "kclpy", "tests", "bench", "examples"],
+        [sys.executable, "-m", "mypy"],
+    ],
+    ids=["ruff", "mypy"],
+)
+def test_lint_and_types(command: list[str]) -> None:
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
