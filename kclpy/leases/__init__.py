@@ -1,1 +1,1 @@
-"""Leases: one DynamoDB item per shard, in the Java KCL 2.x schema, owned by one worker at a time."""
+"""Leases: one DynamoDB item per shard, in the Java KCL 2.x schema, one owner at a time."""

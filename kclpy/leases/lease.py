@@ -1,0 +1,55 @@
+"""The lease model: one shard's ownership and progress, as the Java KCL 2.x/3.x stores it.
+
+The attribute names (see ``serializer.py``) are fixed by the Java KCL so that an application
+moving from it (or from amazon_kclpy) keeps its table and checkpoints. Unknown attributes
+written by newer Java KCL versions are kept untouched because we never rewrite a whole item.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+TRIM_HORIZON = "TRIM_HORIZON"
+LATEST = "LATEST"
+AT_TIMESTAMP = "AT_TIMESTAMP"
+SHARD_END = "SHARD_END"
+SENTINELS = frozenset({TRIM_HORIZON, LATEST, AT_TIMESTAMP, SHARD_END})
+
+
+@dataclass
+class Lease:
+    """One shard's lease as the table stores it. ``lease_counter`` is the fencing token:
+    every write is conditional on it, so a stale copy can never overwrite a newer one."""
+
+    lease_key: str
+    lease_owner: str | None = None
+    lease_counter: int = 0
+    checkpoint: str = TRIM_HORIZON
+    checkpoint_sub_sequence_number: int = 0
+    pending_checkpoint: str | None = None
+    pending_checkpoint_sub_sequence_number: int | None = None
+    pending_checkpoint_state: bytes | None = None
+    owner_switches_since_checkpoint: int = 0
+    parent_shard_ids: frozenset[str] = field(default_factory=frozenset)
+    child_shard_ids: frozenset[str] = field(default_factory=frozenset)
+    starting_hash_key: str | None = None
+    ending_hash_key: str | None = None
+    #: Java KCL 3.x graceful handoff: while set, the *previous* owner named here may still
+    #: checkpoint and ``lease_owner`` already names the worker the lease is handed to.
+    checkpoint_owner: str | None = None
+    #: In memory only, never persisted: a fresh value each time this worker takes the lease,
+    #: so a checkpointer created for an earlier tenure cannot write into a later one.
+    concurrency_token: str | None = field(default=None, compare=False)
+
+    @property
+    def shard_id(self) -> str:
+        return self.lease_key
+
+    @property
+    def is_shard_end(self) -> bool:
+        return self.checkpoint == SHARD_END
+
+    def copy(self, **changes: Any) -> Lease:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,208 @@
+"""Lease <-> DynamoDB item, in the Java KCL 2.x/3.x schema, and the update expressions on it.
+
+Reading is lenient (Java writes some attributes only when set, and newer Java versions add
+attributes we do not know); writing is surgical: an update names exactly the attributes it
+changes, so attributes we do not model (``throughputKBps``, a future version's fields) survive
+every write this library makes. Only ``create`` writes a whole item, and only where none exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from kclpy.leases.lease import TRIM_HORIZON, Lease
+
+if TYPE_CHECKING:
+    from mypy_boto3_dynamodb.type_defs import AttributeValueTypeDef
+
+LEASE_KEY = "leaseKey"
+LEASE_OWNER = "leaseOwner"
+LEASE_COUNTER = "leaseCounter"
+CHECKPOINT = "checkpoint"
+CHECKPOINT_SUB_SEQUENCE_NUMBER = "checkpointSubSequenceNumber"
+PENDING_CHECKPOINT = "pendingCheckpoint"
+PENDING_CHECKPOINT_SUB_SEQUENCE_NUMBER = "pendingCheckpointSubSequenceNumber"
+PENDING_CHECKPOINT_STATE = "pendingCheckpointState"
+OWNER_SWITCHES_SINCE_CHECKPOINT = "ownerSwitchesSinceCheckpoint"
+PARENT_SHARD_ID = "parentShardId"
+CHILD_SHARD_IDS = "childShardIds"
+STARTING_HASH_KEY = "startingHashKey"
+ENDING_HASH_KEY = "endingHashKey"
+CHECKPOINT_OWNER = "checkpointOwner"
+
+
+def s(value: str) -> AttributeValueTypeDef:
+    return {"S": value}
+
+
+def n(value: int) -> AttributeValueTypeDef:
+    return {"N": str(value)}
+
+
+def ss(values: Iterable[str]) -> AttributeValueTypeDef:
+    """A string set; DynamoDB rejects empty sets, so callers must not pass one."""
+    items = sorted(set(values))
+    if not items:
+        raise ValueError("DynamoDB string sets cannot be empty")
+    return {"SS": items}
+
+
+def key_of(lease_key: str) -> dict[str, AttributeValueTypeDef]:
+    return {LEASE_KEY: s(lease_key)}
+
+
+def _str(item: Mapping[str, AttributeValueTypeDef], name: str) -> str | None:
+    value = item.get(name)
+    return None if value is None else value.get("S")
+
+
+def _int(item: Mapping[str, AttributeValueTypeDef], name: str) -> int | None:
+    value = item.get(name)
+    if value is None or "N" not in value:
+        return None
+    return int(value["N"])
+
+
+def _set(item: Mapping[str, AttributeValueTypeDef], name: str) -> frozenset[str]:
+    value = item.get(name)
+    if value is None:
+        return frozenset()
+    if "SS" in value:
+        return frozenset(value["SS"])
+    # Tolerate a hand-written single string where Java writes a set.
+    single = value.get("S")
+    return frozenset({single}) if single else frozenset()
+
+
+def lease_from_item(item: Mapping[str, AttributeValueTypeDef]) -> Lease:
+    """Read a lease item written by this library or by any Java KCL 2.x/3.x version."""
+    key = _str(item, LEASE_KEY)
+    if key is None:
+        raise ValueError(f"lease item without a string {LEASE_KEY}: {sorted(item)}")
+    state = item.get(PENDING_CHECKPOINT_STATE)
+    pending = _str(item, PENDING_CHECKPOINT) or None
+    return Lease(
+        lease_key=key,
+        lease_owner=_str(item, LEASE_OWNER),
+        lease_counter=_int(item, LEASE_COUNTER) or 0,
+        checkpoint=_str(item, CHECKPOINT) or TRIM_HORIZON,
+        checkpoint_sub_sequence_number=_int(item, CHECKPOINT_SUB_SEQUENCE_NUMBER) or 0,
+        pending_checkpoint=pending,
+        pending_checkpoint_sub_sequence_number=(
+            _int(item, PENDING_CHECKPOINT_SUB_SEQUENCE_NUMBER) if pending is not None else None
+        ),
+        pending_checkpoint_state=None if state is None else state.get("B"),
+        owner_switches_since_checkpoint=_int(item, OWNER_SWITCHES_SINCE_CHECKPOINT) or 0,
+        parent_shard_ids=_set(item, PARENT_SHARD_ID),
+        child_shard_ids=_set(item, CHILD_SHARD_IDS),
+        starting_hash_key=_str(item, STARTING_HASH_KEY),
+        ending_hash_key=_str(item, ENDING_HASH_KEY),
+        checkpoint_owner=_str(item, CHECKPOINT_OWNER),
+    )
+
+
+def lease_to_new_item(lease: Lease) -> dict[str, AttributeValueTypeDef]:
+    """The item ``create`` puts (conditionally on absence); optional attributes only when set,
+    as Java writes them."""
+    item: dict[str, AttributeValueTypeDef] = {
+        LEASE_KEY: s(lease.lease_key),
+        LEASE_COUNTER: n(lease.lease_counter),
+        CHECKPOINT: s(lease.checkpoint),
+        CHECKPOINT_SUB_SEQUENCE_NUMBER: n(lease.checkpoint_sub_sequence_number),
+        OWNER_SWITCHES_SINCE_CHECKPOINT: n(lease.owner_switches_since_checkpoint),
+    }
+    if lease.lease_owner is not None:
+        item[LEASE_OWNER] = s(lease.lease_owner)
+    if lease.parent_shard_ids:
+        item[PARENT_SHARD_ID] = ss(lease.parent_shard_ids)
+    if lease.child_shard_ids:
+        item[CHILD_SHARD_IDS] = ss(lease.child_shard_ids)
+    if lease.pending_checkpoint is not None:
+        item[PENDING_CHECKPOINT] = s(lease.pending_checkpoint)
+        item[PENDING_CHECKPOINT_SUB_SEQUENCE_NUMBER] = n(
+            lease.pending_checkpoint_sub_sequence_number or 0
+        )
+    if lease.pending_checkpoint_state is not None:
+        item[PENDING_CHECKPOINT_STATE] = {"B": lease.pending_checkpoint_state}
+    if lease.starting_hash_key is not None and lease.ending_hash_key is not None:
+        item[STARTING_HASH_KEY] = s(lease.starting_hash_key)
+        item[ENDING_HASH_KEY] = s(lease.ending_hash_key)
+    if lease.checkpoint_owner is not None:
+        item[CHECKPOINT_OWNER] = s(lease.checkpoint_owner)
+    return item
+
+
+class UpdateBuilder:
+    """Collects one UpdateItem's clauses and conditions with placeholder names and values.
+
+    Every attribute name goes through a placeholder so no DynamoDB reserved word can ever
+    break an expression, whatever attribute a later change adds.
+    """
+
+    def __init__(self) -> None:
+        self._set: list[str] = []
+        self._add: list[str] = []
+        self._remove: list[str] = []
+        self._conditions: list[str] = []
+        self._placeholders: dict[str, str] = {}
+        self._values: dict[str, AttributeValueTypeDef] = {}
+
+    def _name(self, attribute: str) -> str:
+        return self._placeholders.setdefault(attribute, f"#a{len(self._placeholders)}")
+
+    def _value(self, value: AttributeValueTypeDef) -> str:
+        placeholder = f":v{len(self._values)}"
+        self._values[placeholder] = value
+        return placeholder
+
+    def set(self, attribute: str, value: AttributeValueTypeDef) -> UpdateBuilder:
+        self._set.append(f"{self._name(attribute)} = {self._value(value)}")
+        return self
+
+    def add(self, attribute: str, value: AttributeValueTypeDef) -> UpdateBuilder:
+        self._add.append(f"{self._name(attribute)} {self._value(value)}")
+        return self
+
+    def remove(self, attribute: str) -> UpdateBuilder:
+        self._remove.append(self._name(attribute))
+        return self
+
+    def expect_equal(self, attribute: str, value: AttributeValueTypeDef) -> UpdateBuilder:
+        self._conditions.append(f"{self._name(attribute)} = {self._value(value)}")
+        return self
+
+    def expect_absent(self, attribute: str) -> UpdateBuilder:
+        self._conditions.append(f"attribute_not_exists({self._name(attribute)})")
+        return self
+
+    def expect_present(self, attribute: str) -> UpdateBuilder:
+        self._conditions.append(f"attribute_exists({self._name(attribute)})")
+        return self
+
+    def expect_owner(self, owner: str | None) -> UpdateBuilder:
+        """The lease's owner is ``owner`` (None: the lease is unowned), as Java expects it."""
+        if owner is None:
+            return self.expect_absent(LEASE_OWNER)
+        return self.expect_equal(LEASE_OWNER, s(owner))
+
+    def request(self) -> dict[str, Any]:
+        """The UpdateItem keyword arguments for the expression, condition, names and values."""
+        clauses = []
+        if self._set:
+            clauses.append("SET " + ", ".join(self._set))
+        if self._add:
+            clauses.append("ADD " + ", ".join(self._add))
+        if self._remove:
+            clauses.append("REMOVE " + ", ".join(self._remove))
+        if not clauses:
+            raise ValueError("an update must change at least one attribute")
+        request: dict[str, Any] = {
+            "UpdateExpression": " ".join(clauses),
+            "ExpressionAttributeNames": {p: a for a, p in self._placeholders.items()},
+        }
+        if self._values:
+            request["ExpressionAttributeValues"] = dict(self._values)
+        if self._conditions:
+            request["ConditionExpression"] = " AND ".join(self._conditions)
+        return request

@@ -1,0 +1,289 @@
+"""Shard sync: one lease per shard that needs processing, created before anyone needs it.
+
+Which shards get a lease, and where a new lease starts (the Java KCL
+``HierarchicalShardSyncer`` rules, applied to every generation of the shard tree at once):
+
+- A shard that descends from a *handled* shard - one that has a lease, is an ancestor of a
+  shard that has one, or gets one in this same sync - gets a lease at ``TRIM_HORIZON``
+  (``AT_TIMESTAMP`` when that is the initial position, as Java does), so nothing written
+  after its parent closed is skipped. Its consumer waits for the parents to finish first.
+- Otherwise, with ``TRIM_HORIZON`` or ``AT_TIMESTAMP`` every shard gets a lease at the
+  initial position; with ``LATEST`` only open shards do (at ``LATEST``) and closed roots are
+  ignored, since their data is older than "now".
+- An ancestor of a leased shard never gets a lease: its data was processed already (its
+  lease may have been cleaned up) or deliberately skipped.
+
+Java creates only the first generation below the handled shards and leaves the rest to the
+``ChildShards`` that GetRecords returns at shard end. Creating every generation in one pass
+gives the same result and also works on emulators that never return ``ChildShards``
+(moto, kinesalite). Leases are created parents first, so a sync that fails half way never
+leaves a child whose missing parent would later look like an already-processed ancestor.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from botocore.exceptions import ClientError
+
+from kclpy.errors import ConfigError
+from kclpy.leases.lease import AT_TIMESTAMP, LATEST, TRIM_HORIZON, Lease
+from kclpy.leases.table import LeaseTable, error_code
+from kclpy.metrics import Metrics
+
+if TYPE_CHECKING:
+    from mypy_boto3_kinesis import KinesisClient
+
+log = logging.getLogger(__name__)
+
+INITIAL_POSITIONS = (LATEST, TRIM_HORIZON, AT_TIMESTAMP)
+
+
+@dataclass(frozen=True)
+class Shard:
+    shard_id: str
+    parent_shard_id: str | None
+    adjacent_parent_shard_id: str | None
+    starting_hash_key: str
+    ending_hash_key: str
+    starting_sequence_number: str
+    ending_sequence_number: str | None
+
+    @classmethod
+    def from_response(cls, shard: Mapping[str, Any]) -> Shard:
+        """From one entry of a ListShards ``Shards`` list."""
+        hash_range = shard["HashKeyRange"]
+        sequence_range = shard["SequenceNumberRange"]
+        return cls(
+            shard_id=shard["ShardId"],
+            parent_shard_id=shard.get("ParentShardId"),
+            adjacent_parent_shard_id=shard.get("AdjacentParentShardId"),
+            starting_hash_key=hash_range["StartingHashKey"],
+            ending_hash_key=hash_range["EndingHashKey"],
+            starting_sequence_number=sequence_range["StartingSequenceNumber"],
+            ending_sequence_number=sequence_range.get("EndingSequenceNumber"),
+        )
+
+    @property
+    def is_open(self) -> bool:
+        return self.ending_sequence_number is None
+
+    @property
+    def parent_ids(self) -> tuple[str, ...]:
+        return tuple(p for p in (self.parent_shard_id, self.adjacent_parent_shard_id) if p)
+
+
+class ChildShardLike(Protocol):
+    """A child shard as GetRecords names it at shard end (``kclpy.retrieval`` parses it)."""
+
+    @property
+    def shard_id(self) -> str: ...
+
+    @property
+    def parent_shards(self) -> Sequence[str]: ...
+
+    @property
+    def starting_hash_key(self) -> str | None: ...
+
+    @property
+    def ending_hash_key(self) -> str | None: ...
+
+
+def _depths(by_id: Mapping[str, Shard]) -> dict[str, int]:
+    """Generation of each listed shard (0 for shards without listed parents); iterative
+    because a long-lived stream may have been resharded many times."""
+    depth: dict[str, int] = {}
+    for start in by_id:
+        stack = [start]
+        while stack:
+            shard_id = stack[-1]
+            if shard_id in depth:
+                stack.pop()
+                continue
+            parents = [p for p in by_id[shard_id].parent_ids if p in by_id]
+            pending = [p for p in parents if p not in depth]
+            if pending:
+                stack.extend(pending)
+                continue
+            depth[shard_id] = 1 + max((depth[p] for p in parents), default=-1)
+            stack.pop()
+    return depth
+
+
+def _new_lease(shard: Shard, checkpoint: str) -> Lease:
+    return Lease(
+        lease_key=shard.shard_id,
+        checkpoint=checkpoint,
+        parent_shard_ids=frozenset(shard.parent_ids),
+        starting_hash_key=shard.starting_hash_key,
+        ending_hash_key=shard.ending_hash_key,
+    )
+
+
+def plan_new_leases(
+    shards: Iterable[Shard], existing_lease_keys: Collection[str], initial_position: str
+) -> list[Lease]:
+    """The leases a sync must create (rules in the module docstring), parents first."""
+    by_id = {shard.shard_id: shard for shard in shards}
+    handled = set(existing_lease_keys)
+    stack = [key for key in handled if key in by_id]
+    while stack:
+        for parent in by_id[stack.pop()].parent_ids:
+            if parent in by_id and parent not in handled:
+                handled.add(parent)
+                stack.append(parent)
+    depth = _depths(by_id)
+    ordered = sorted(
+        by_id.values(),
+        key=lambda s: (depth[s.shard_id], int(s.starting_sequence_number), s.shard_id),
+    )
+    descendant_start = AT_TIMESTAMP if initial_position == AT_TIMESTAMP else TRIM_HORIZON
+    planned: list[Lease] = []
+    for shard in ordered:
+        if shard.shard_id in handled:
+            continue
+        if any(parent in handled for parent in shard.parent_ids):
+            checkpoint = descendant_start
+        elif initial_position != LATEST:
+            checkpoint = initial_position
+        elif shard.is_open:
+            checkpoint = LATEST
+        else:
+            continue
+        planned.append(_new_lease(shard, checkpoint))
+        handled.add(shard.shard_id)
+    return planned
+
+
+class ShardSyncer:
+    """Lists the stream's shards and creates the leases that are missing. Safe to run on
+    every worker at once: creation is conditional on absence."""
+
+    def __init__(
+        self,
+        kinesis: KinesisClient,
+        table: LeaseTable,
+        *,
+        stream_name: str | None = None,
+        stream_arn: str | None = None,
+        initial_position: str = LATEST,
+        metrics: Metrics | None = None,
+        page_size: int | None = None,
+        max_attempts: int = 6,
+        backoff_base_s: float = 0.2,
+        backoff_cap_s: float = 5.0,
+        sleep: Callable[[float], None] = time.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
+        if stream_name is None and stream_arn is None:
+            raise ConfigError("stream_name", "a stream name or ARN is required")
+        if initial_position not in INITIAL_POSITIONS:
+            raise ConfigError(
+                "initial_position",
+                f"{initial_position!r} is not one of {', '.join(INITIAL_POSITIONS)}",
+            )
+        self._kinesis = kinesis
+        self._table = table
+        self._stream: dict[str, str] = (
+            {"StreamARN": stream_arn}
+            if stream_arn is not None
+            else {"StreamName": str(stream_name)}
+        )
+        self.initial_position = initial_position
+        self._metrics = metrics
+        self._page: dict[str, int] = {} if page_size is None else {"MaxResults": page_size}
+        self._max_attempts = max_attempts
+        self._backoff_base_s = backoff_base_s
+        self._backoff_cap_s = backoff_cap_s
+        self._sleep = sleep
+        self._rng = rng if rng is not None else random.Random()
+        self._known: frozenset[str] = frozenset()
+        #: set once an endpoint (moto) proved it wants the stream alongside NextToken
+        self._token_needs_stream = False
+
+    @property
+    def known_shard_ids(self) -> frozenset[str]:
+        """Shards of the last listing, plus children created since (empty before a sync)."""
+        return self._known
+
+    def _list_page(self, params: dict[str, Any]) -> dict[str, Any]:
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return dict(self._kinesis.list_shards(**params))
+            except ClientError as exc:
+                if error_code(exc) != "LimitExceededException":
+                    raise
+                if self._metrics is not None:
+                    self._metrics.throttles.labels("ListShards").inc()
+                if attempt >= self._max_attempts:
+                    raise
+                ceiling = min(self._backoff_cap_s, self._backoff_base_s * 2 ** (attempt - 1))
+                self._sleep(self._rng.uniform(0, ceiling))
+
+    def list_shards(self) -> list[Shard]:
+        """Every shard of the stream, following NextToken the way AWS requires: the stream
+        is named on the first call only."""
+        response = self._list_page({**self._stream, **self._page})
+        shards = [Shard.from_response(s) for s in response.get("Shards", [])]
+        while token := response.get("NextToken"):
+            params: dict[str, Any] = {"NextToken": token, **self._page}
+            if self._token_needs_stream:
+                params.update(self._stream)
+            try:
+                response = self._list_page(params)
+            except ClientError as exc:
+                # moto 5.x answers a NextToken without the stream with "InvalidToken", a code
+                # AWS never uses for ListShards (it rejects the stream *with* a token), so
+                # only moto lands here: repeat the page its way and keep doing so.
+                if error_code(exc) != "InvalidToken" or self._token_needs_stream:
+                    raise
+                self._token_needs_stream = True
+                response = self._list_page({**params, **self._stream})
+            shards.extend(Shard.from_response(s) for s in response.get("Shards", []))
+        return shards
+
+    def sync(self) -> list[Lease]:
+        """Create the leases that are missing; returns those this call created."""
+        shards = self.list_shards()
+        self._known = frozenset(shard.shard_id for shard in shards)
+        existing = {lease.lease_key for lease in self._table.list_leases()}
+        created = [
+            lease
+            for lease in plan_new_leases(shards, existing, self.initial_position)
+            if self._table.create(lease)
+        ]
+        if created:
+            log.info(
+                "shard sync created leases: %s",
+                ", ".join(f"{lease.lease_key}@{lease.checkpoint}" for lease in created),
+            )
+        return created
+
+    def create_child_leases(self, children: Iterable[ChildShardLike]) -> None:
+        """Leases for the children GetRecords reported at a parent's shard end, at
+        TRIM_HORIZON with their parents recorded (as Java does). Idempotent: a lease that
+        exists is left as it is, whoever created it."""
+        for child in children:
+            if not child.parent_shards:
+                raise ValueError(f"child shard {child.shard_id} names no parent shard")
+            lease = Lease(
+                lease_key=child.shard_id,
+                checkpoint=TRIM_HORIZON,
+                parent_shard_ids=frozenset(child.parent_shards),
+                starting_hash_key=child.starting_hash_key,
+                ending_hash_key=child.ending_hash_key,
+            )
+            if self._table.create(lease):
+                log.info(
+                    "created lease for child shard %s of %s",
+                    child.shard_id,
+                    ", ".join(sorted(child.parent_shards)),
+                )
+            self._known = self._known | {child.shard_id}

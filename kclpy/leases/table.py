@@ -1,0 +1,323 @@
+"""The lease table: every DynamoDB request kclpy makes about leases, each one fenced.
+
+Ownership and checkpoint changes are UpdateItem calls conditional on the ``leaseCounter``
+(and the owner where Java checks it), so a worker acting on a stale view fails instead of
+overwriting a newer one; that failure surfaces as ``LeaseLostError``. Updates name only the
+attributes they change and ask for ``ALL_NEW``, so the caller gets the fresh lease back
+without a second read and attributes we do not model are never destroyed.
+
+Throttling is retried here (capped exponential backoff, full jitter) because every caller
+would otherwise repeat the same loop; when it persists the caller gets
+``LeaseTableThrottled`` and decides (the checkpointer maps it to ``ThrottlingException``).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from botocore.exceptions import ClientError
+
+from kclpy.errors import KCLError, LeaseLostError
+from kclpy.leases import serializer as ser
+from kclpy.leases.lease import Lease
+from kclpy.leases.serializer import UpdateBuilder, key_of, n, s, ss
+from kclpy.metrics import Metrics
+
+if TYPE_CHECKING:
+    from mypy_boto3_dynamodb import DynamoDBClient
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+THROTTLE_CODES = frozenset(
+    {"ProvisionedThroughputExceededException", "ThrottlingException", "RequestLimitExceeded"}
+)
+_CONDITION_FAILED = "ConditionalCheckFailedException"
+#: UPDATING tables serve reads and writes (e.g. while Java KCL 3.x adds its owner index).
+_USABLE_STATUSES = frozenset({"ACTIVE", "UPDATING"})
+
+
+class LeaseTableThrottled(KCLError):
+    """DynamoDB throttled a lease-table request on every attempt."""
+
+
+def error_code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+class LeaseTable:
+    """One lease table. Thread-safe: it holds no mutable state besides the client's."""
+
+    def __init__(
+        self,
+        client: DynamoDBClient,
+        table_name: str,
+        *,
+        metrics: Metrics | None = None,
+        max_attempts: int = 5,
+        backoff_base_s: float = 0.05,
+        backoff_cap_s: float = 2.0,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        if max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        self.client = client
+        self.table_name = table_name
+        self._metrics = metrics
+        self._max_attempts = max_attempts
+        self._backoff_base_s = backoff_base_s
+        self._backoff_cap_s = backoff_cap_s
+        self._sleep = sleep
+        self._clock = clock
+        self._rng = rng if rng is not None else random.Random()
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _call(self, operation: str, fn: Callable[..., T], **kwargs: Any) -> T:
+        """One logical request: counted per attempt, throttling retried, the rest raised."""
+        attempt = 0
+        while True:
+            attempt += 1
+            if self._metrics is not None:
+                self._metrics.dynamodb_requests.labels(operation).inc()
+            try:
+                return fn(**kwargs)
+            except ClientError as exc:
+                if error_code(exc) not in THROTTLE_CODES:
+                    raise
+                if self._metrics is not None:
+                    self._metrics.throttles.labels(operation).inc()
+                if attempt >= self._max_attempts:
+                    raise LeaseTableThrottled(
+                        f"{operation} on {self.table_name} throttled {attempt} times"
+                    ) from exc
+                ceiling = min(self._backoff_cap_s, self._backoff_base_s * 2 ** (attempt - 1))
+                self._sleep(self._rng.uniform(0, ceiling))
+
+    def _update(self, lease_key: str, update: UpdateBuilder, token: str | None) -> Lease:
+        try:
+            response = self._call(
+                "UpdateItem",
+                self.client.update_item,
+                TableName=self.table_name,
+                Key=key_of(lease_key),
+                ReturnValues="ALL_NEW",
+                **update.request(),
+            )
+        except ClientError as exc:
+            if error_code(exc) == _CONDITION_FAILED:
+                raise LeaseLostError(f"lease {lease_key} changed in {self.table_name}") from exc
+            raise
+        fresh = ser.lease_from_item(response["Attributes"])
+        fresh.concurrency_token = token
+        return fresh
+
+    def _status(self) -> str | None:
+        try:
+            described = self._call(
+                "DescribeTable", self.client.describe_table, TableName=self.table_name
+            )
+        except ClientError as exc:
+            if error_code(exc) == "ResourceNotFoundException":
+                return None
+            raise
+        return described["Table"].get("TableStatus")
+
+    # -- the table itself ----------------------------------------------------------------
+
+    def create_if_missing(self, *, wait: bool = True, timeout_s: float = 120) -> bool:
+        """Create the table (PAY_PER_REQUEST) unless it exists; True if this call created it.
+
+        Several workers may start at once: losing the creation race is not an error.
+        """
+        created = False
+        if self._status() is None:
+            try:
+                self._call(
+                    "CreateTable",
+                    self.client.create_table,
+                    TableName=self.table_name,
+                    KeySchema=[{"AttributeName": ser.LEASE_KEY, "KeyType": "HASH"}],
+                    AttributeDefinitions=[{"AttributeName": ser.LEASE_KEY, "AttributeType": "S"}],
+                    BillingMode="PAY_PER_REQUEST",
+                )
+                created = True
+                log.info("created lease table %s", self.table_name)
+            except ClientError as exc:
+                if error_code(exc) != "ResourceInUseException":
+                    raise
+        if wait:
+            self._wait_usable(timeout_s)
+        return created
+
+    def _wait_usable(self, timeout_s: float) -> None:
+        deadline = self._clock() + timeout_s
+        while True:
+            status = self._status()
+            if status in _USABLE_STATUSES:
+                return
+            if self._clock() >= deadline:
+                raise TimeoutError(
+                    f"lease table {self.table_name} still {status or 'missing'} after {timeout_s}s"
+                )
+            self._sleep(1.0)
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def list_leases(self) -> list[Lease]:
+        """Every lease, strongly consistent; items that are not leases are skipped, not fatal."""
+        leases: list[Lease] = []
+        request: dict[str, Any] = {"TableName": self.table_name, "ConsistentRead": True}
+        while True:
+            page = self._call("Scan", self.client.scan, **request)
+            for item in page.get("Items", []):
+                try:
+                    leases.append(ser.lease_from_item(item))
+                except ValueError:
+                    log.warning("skipping malformed item in %s: %s", self.table_name, sorted(item))
+            last = page.get("LastEvaluatedKey")
+            if not last:
+                return leases
+            request["ExclusiveStartKey"] = last
+
+    def get(self, lease_key: str) -> Lease | None:
+        response = self._call(
+            "GetItem",
+            self.client.get_item,
+            TableName=self.table_name,
+            Key=key_of(lease_key),
+            ConsistentRead=True,
+        )
+        item = response.get("Item")
+        return None if item is None else ser.lease_from_item(item)
+
+    # -- writes --------------------------------------------------------------------------
+
+    def create(self, lease: Lease) -> bool:
+        """Put a new lease unless one exists for the key; False if it existed (left unchanged)."""
+        try:
+            self._call(
+                "PutItem",
+                self.client.put_item,
+                TableName=self.table_name,
+                Item=ser.lease_to_new_item(lease),
+                ConditionExpression="attribute_not_exists(#k)",
+                ExpressionAttributeNames={"#k": ser.LEASE_KEY},
+            )
+        except ClientError as exc:
+            if error_code(exc) == _CONDITION_FAILED:
+                return False
+            raise
+        return True
+
+    def take(self, lease: Lease, owner: str) -> Lease:
+        """Make ``owner`` the owner if nobody changed the lease since ``lease`` was read.
+
+        Clears a 3.x handoff marker: a take is a fresh assignment. Counts an owner switch
+        when the owner changes or when a handoff completes, as Java does.
+        """
+        update = (
+            UpdateBuilder()
+            .set(ser.LEASE_OWNER, s(owner))
+            .set(ser.LEASE_COUNTER, n(lease.lease_counter + 1))
+            .remove(ser.CHECKPOINT_OWNER)
+            .expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter))
+        )
+        switching = lease.lease_owner is not None and lease.lease_owner != owner
+        if switching or lease.checkpoint_owner == owner:
+            update.add(ser.OWNER_SWITCHES_SINCE_CHECKPOINT, n(1))
+        return self._update(lease.lease_key, update, lease.concurrency_token)
+
+    def renew(self, lease: Lease) -> Lease:
+        """Bump the counter, proving to every other worker that the owner is alive."""
+        update = (
+            UpdateBuilder()
+            .set(ser.LEASE_COUNTER, n(lease.lease_counter + 1))
+            .expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter))
+            .expect_owner(lease.lease_owner)
+        )
+        return self._update(lease.lease_key, update, lease.concurrency_token)
+
+    def evict(self, lease: Lease) -> Lease:
+        """Release: remove the owner so any worker may take the lease at once."""
+        update = (
+            UpdateBuilder()
+            .set(ser.LEASE_COUNTER, n(lease.lease_counter + 1))
+            .remove(ser.LEASE_OWNER)
+            .remove(ser.CHECKPOINT_OWNER)
+            .expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter))
+            .expect_owner(lease.lease_owner)
+        )
+        return self._update(lease.lease_key, update, lease.concurrency_token)
+
+    def update_checkpoint(self, lease: Lease, checkpoint: str, sub_sequence_number: int) -> Lease:
+        """Record progress. As in Java's checkpointer, a checkpoint resets the owner-switch
+        count and clears any pending (prepared) checkpoint."""
+        update = (
+            UpdateBuilder()
+            .set(ser.CHECKPOINT, s(checkpoint))
+            .set(ser.CHECKPOINT_SUB_SEQUENCE_NUMBER, n(sub_sequence_number))
+            .set(ser.OWNER_SWITCHES_SINCE_CHECKPOINT, n(0))
+            .set(ser.LEASE_COUNTER, n(lease.lease_counter + 1))
+            .remove(ser.PENDING_CHECKPOINT)
+            .remove(ser.PENDING_CHECKPOINT_SUB_SEQUENCE_NUMBER)
+            .remove(ser.PENDING_CHECKPOINT_STATE)
+            .expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter))
+            .expect_owner(lease.lease_owner)
+        )
+        return self._update(lease.lease_key, update, lease.concurrency_token)
+
+    def set_checkpoint_owner(self, lease: Lease, new_owner: str) -> Lease:
+        """Start a Java KCL 3.x graceful handoff of ``lease`` to ``new_owner``.
+
+        Written exactly as Java 3.x writes it, so a mixed fleet understands it: ``leaseOwner``
+        becomes ``new_owner`` and ``checkpointOwner`` names the current owner, who may finish
+        and checkpoint before letting go. Like Java, the counter is not bumped; unlike Java,
+        the write is also fenced on the counter so a stale view cannot start a handoff.
+        """
+        if lease.lease_owner is None:
+            raise ValueError(f"lease {lease.lease_key} has no owner to hand off from")
+        update = (
+            UpdateBuilder()
+            .set(ser.LEASE_OWNER, s(new_owner))
+            .set(ser.CHECKPOINT_OWNER, s(lease.lease_owner))
+            .expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter))
+            .expect_owner(lease.lease_owner)
+            .expect_absent(ser.CHECKPOINT_OWNER)
+        )
+        return self._update(lease.lease_key, update, lease.concurrency_token)
+
+    def update_child_shard_ids(self, lease_key: str, child_ids: Iterable[str]) -> None:
+        """Add children to a parent's ``childShardIds``; the counter is left alone so the
+        owner's renewals are not disturbed (Java does the same)."""
+        children = set(child_ids)
+        if not children:
+            return
+        update = UpdateBuilder().add(ser.CHILD_SHARD_IDS, ss(children))
+        update.expect_present(ser.LEASE_KEY)
+        self._update(lease_key, update, None)
+
+    def delete(self, lease: Lease) -> bool:
+        """Delete the lease if it is unchanged since read; False if it changed or is gone."""
+        try:
+            self._call(
+                "DeleteItem",
+                self.client.delete_item,
+                TableName=self.table_name,
+                Key=key_of(lease.lease_key),
+                ConditionExpression="#c = :c",
+                ExpressionAttributeNames={"#c": ser.LEASE_COUNTER},
+                ExpressionAttributeValues={":c": n(lease.lease_counter)},
+            )
+        except ClientError as exc:
+            if error_code(exc) == _CONDITION_FAILED:
+                return False
+            raise
+        return True

@@ -1,0 +1,639 @@
+"""LeaseCoordinator: taking, renewing, stealing, fencing and releasing, driven by an
+injected clock (moto in-process; one section over moto's server)."""
+
+from __future__ import annotations
+
+import random
+import re
+import socket
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator, MutableSequence
+from typing import Any
+
+import boto3
+import pytest
+from botocore.exceptions import ClientError
+from moto import mock_aws
+from moto.server import ThreadedMotoServer
+
+from kclpy.errors import (
+    KinesisClientLibDependencyException,
+    ShutdownException,
+    ThrottlingException,
+)
+from kclpy.leases.coordinator import LeaseCoordinator
+from kclpy.leases.lease import SHARD_END, Lease
+from kclpy.leases.table import LeaseTable, LeaseTableThrottled
+from kclpy.metrics import Metrics
+
+REGION = "us-east-1"
+FAILOVER = 10.0
+
+
+@pytest.fixture(autouse=True)
+def _aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_DYNAMODB", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+
+
+class Clock:
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class FirstChoiceRandom(random.Random):
+    """Deterministic taker: no shuffling, the first candidate is always chosen."""
+
+    def shuffle(self, x: MutableSequence[Any]) -> None:  # type: ignore[override]
+        return None
+
+    def choice(self, seq: Any) -> Any:
+        return seq[0]
+
+
+class FlakyClient:
+    """Delegates to a real client; ``fail[operation]`` makes that operation raise instead."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.fail: dict[str, Callable[[], Exception]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self.fail:
+            failure = self.fail[name]
+
+            def fail(**kwargs: Any) -> Any:
+                raise failure()
+
+            return fail
+        return getattr(self._client, name)
+
+
+def client_error(code: str) -> Callable[[], Exception]:
+    return lambda: ClientError({"Error": {"Code": code, "Message": code}}, "Op")
+
+
+@pytest.fixture
+def client() -> Iterator[Any]:
+    """Typed Any: it stands in for a DynamoDBClient."""
+    with mock_aws():
+        yield FlakyClient(boto3.client("dynamodb", region_name=REGION))
+
+
+@pytest.fixture
+def table(client: Any) -> LeaseTable:
+    lease_table = LeaseTable(client, "app", max_attempts=2, sleep=lambda _: None)
+    lease_table.create_if_missing()
+    return lease_table
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+class Lost:
+    """A lease-lost listener that records what it was told."""
+
+    def __init__(self) -> None:
+        self.shards: list[str] = []
+
+    def __call__(self, shard_id: str) -> None:
+        self.shards.append(shard_id)
+
+
+def coordinator(
+    table: LeaseTable, worker: str, clock: Callable[[], float], **kwargs: Any
+) -> tuple[LeaseCoordinator, Lost]:
+    kwargs.setdefault("failover_time_s", FAILOVER)
+    kwargs.setdefault("renewal_threads", 1)
+    kwargs.setdefault("rng", FirstChoiceRandom())
+    c = LeaseCoordinator(table, worker, clock=clock, **kwargs)
+    lost = Lost()
+    c.add_lease_lost_listener(lost)
+    return c, lost
+
+
+def create(table: LeaseTable, *keys: str, **fields: Any) -> None:
+    for key in keys:
+        assert table.create(Lease(key, **fields))
+
+
+def owners(table: LeaseTable) -> dict[str, str | None]:
+    return {lease.lease_key: lease.lease_owner for lease in table.list_leases()}
+
+
+def fetch(table: LeaseTable, key: str) -> Lease:
+    lease = table.get(key)
+    assert lease is not None
+    return lease
+
+
+def sample(metrics: Metrics, name: str) -> float:
+    return metrics.registry.get_sample_value(name) or 0.0
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """For tests with real threads: wait for a state, never assert on how long it took."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(0.01)
+
+
+# -- taking ----------------------------------------------------------------------------------
+
+
+def test_a_lone_worker_takes_every_lease_with_a_fresh_token_each(
+    table: LeaseTable, clock: Clock
+) -> None:
+    create(table, "s1", "s2", "s3")
+    metrics = Metrics()
+    a, _ = coordinator(table, "A", clock, metrics=metrics)
+    taken = a.run_taker_once()
+    assert sorted(lease.lease_key for lease in taken) == ["s1", "s2", "s3"]
+    tokens = {lease.concurrency_token for lease in taken}
+    assert len(tokens) == 3
+    assert all(token is not None and re.fullmatch(r"[0-9a-f]{32}", token) for token in tokens)
+    assert owners(table) == {"s1": "A", "s2": "A", "s3": "A"}
+    assert a.held_leases() == {lease.lease_key: lease for lease in taken}
+    assert sample(metrics, "kclpy_leases_taken_total") == 3
+    assert sample(metrics, "kclpy_leases_held") == 3
+
+
+def test_held_leases_are_copies(table: LeaseTable, clock: Clock) -> None:
+    create(table, "s1")
+    a, _ = coordinator(table, "A", clock)
+    a.run_taker_once()
+    a.held_leases()["s1"].lease_counter = 999
+    held = a.get_held("s1")
+    assert held is not None
+    held.concurrency_token = "forged"
+    assert a.get_held("s1") == fetch(table, "s1")
+    again = a.get_held("s1")
+    assert again is not None and again.concurrency_token != "forged"
+    assert a.get_held("nope") is None
+
+
+def test_shard_end_and_unknown_shards_are_not_taken(table: LeaseTable, clock: Clock) -> None:
+    create(table, "done", checkpoint=SHARD_END)
+    create(table, "s1", "s2")
+    a, _ = coordinator(table, "A", clock)
+    a.set_known_shards({"done", "s1"})
+    assert [lease.lease_key for lease in a.run_taker_once()] == ["s1"]
+    a.set_known_shards(None)
+    assert [lease.lease_key for lease in a.run_taker_once()] == ["s2"]
+    assert owners(table)["done"] is None
+
+
+def test_all_leases_is_the_last_scan_and_get_lease_reads_fresh(
+    table: LeaseTable, clock: Clock
+) -> None:
+    create(table, "s1")
+    a, _ = coordinator(table, "A", clock)
+    assert a.all_leases() == []
+    a.run_taker_once()
+    assert [(lease.lease_key, lease.lease_owner) for lease in a.all_leases()] == [("s1", None)]
+    fresh = a.get_lease("s1")
+    assert fresh is not None and fresh.lease_owner == "A"
+    assert a.get_lease("missing") is None
+
+
+# -- expiry, judged by each worker's own clock -----------------------------------------------
+
+
+def test_a_dead_workers_lease_is_taken_only_after_failover_on_the_takers_clock(
+    table: LeaseTable, clock: Clock
+) -> None:
+    create(table, "s1")
+    a, a_lost = coordinator(table, "A", clock)
+    a.run_taker_once()
+    b_clock = Clock(start=5000.0)  # clocks of different hosts are never compared
+    b, _ = coordinator(table, "B", b_clock)
+    assert b.run_taker_once() == []  # A is alive and at target: nothing to steal
+    b_clock.advance(FAILOVER)
+    assert b.run_taker_once() == []  # unchanged for exactly the failover time: not yet
+    b_clock.advance(0.01)
+    assert [lease.lease_key for lease in b.run_taker_once()] == ["s1"]
+    assert owners(table) == {"s1": "B"}
+    a.run_renewer_once()
+    assert a_lost.shards == ["s1"]
+    assert a.held_leases() == {}
+
+
+def test_renewals_keep_a_lease_alive_for_other_workers(table: LeaseTable, clock: Clock) -> None:
+    create(table, "s1")
+    a, a_lost = coordinator(table, "A", clock)
+    a.run_taker_once()
+    b, _ = coordinator(table, "B", clock)
+    for _ in range(12):
+        assert b.run_taker_once() == []
+        clock.advance(FAILOVER / 3)
+        a.run_renewer_once()
+    assert owners(table) == {"s1": "A"}
+    assert a_lost.shards == []
+
+
+# -- renewal failures --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_renewal_that_finds_the_lease_taken_drops_it_and_notifies(
+    table: LeaseTable, clock: Clock, threads: int
+) -> None:
+    create(table, "s1", "s2", "s3", "s4")
+    metrics = Metrics()
+    a, lost = coordinator(table, "A", clock, metrics=metrics, renewal_threads=threads)
+    a.run_taker_once()
+    table.take(fetch(table, "s3"), "thief")
+    before = {key: lease.lease_counter for key, lease in a.held_leases().items()}
+    a.run_renewer_once()
+    assert lost.shards == ["s3"]
+    assert sorted(a.held_leases()) == ["s1", "s2", "s4"]
+    assert all(fetch(table, k).lease_counter == before[k] + 1 for k in ("s1", "s2", "s4"))
+    assert sample(metrics, "kclpy_leases_lost_total") == 1
+    assert sample(metrics, "kclpy_lease_renew_failures_total") == 1
+    assert sample(metrics, "kclpy_lease_renewals_total") == 3
+    assert sample(metrics, "kclpy_leases_held") == 3
+    a.stop(release=False)
+
+
+def test_a_lease_unrenewable_for_longer_than_failover_is_dropped(
+    table: LeaseTable, client: FlakyClient, clock: Clock
+) -> None:
+    create(table, "s1")
+    a, lost = coordinator(table, "A", clock)
+    a.run_taker_once()
+    client.fail["update_item"] = client_error("InternalServerError")
+    clock.advance(FAILOVER / 3)
+    a.run_renewer_once()
+    clock.advance(FAILOVER / 3)
+    a.run_renewer_once()
+    assert lost.shards == []
+    assert a.get_held("s1") is not None
+    clock.advance(FAILOVER / 3 + 0.01)
+    a.run_renewer_once()
+    assert lost.shards == ["s1"]
+    assert a.held_leases() == {}
+
+
+def test_throttled_renewals_are_failures_not_losses(
+    table: LeaseTable, client: FlakyClient, clock: Clock
+) -> None:
+    create(table, "s1")
+    a, lost = coordinator(table, "A", clock)
+    a.run_taker_once()
+    client.fail["update_item"] = client_error("ThrottlingException")
+    a.run_renewer_once()
+    del client.fail["update_item"]
+    clock.advance(FAILOVER / 2)
+    a.run_renewer_once()
+    clock.advance(FAILOVER / 2 + 1)
+    a.run_renewer_once()
+    assert lost.shards == []
+    assert fetch(table, "s1").lease_owner == "A"
+
+
+# -- balancing between workers -----------------------------------------------------------------
+
+
+def run_fleet(
+    coordinators: list[LeaseCoordinator], clock: Clock, cycles: int
+) -> list[dict[str, str | None]]:
+    """Taker cycles for every worker with three renewals of every worker in between, as the
+    threads would interleave them; returns ownership after each cycle."""
+    table = coordinators[0].table
+    history = []
+    for _ in range(cycles):
+        for c in coordinators:
+            c.run_taker_once()
+        for _ in range(6):
+            clock.advance(FAILOVER / 3)
+            for c in coordinators:
+                c.run_renewer_once()
+        history.append(owners(table))
+    return history
+
+
+def test_two_workers_converge_to_an_even_split_without_ping_pong(
+    table: LeaseTable, clock: Clock
+) -> None:
+    create(table, *(f"s{i}" for i in range(7)))
+    metrics_a, metrics_b = Metrics(), Metrics()
+    a, a_lost = coordinator(table, "A", clock, metrics=metrics_a, rng=random.Random(1))
+    b, b_lost = coordinator(table, "B", clock, metrics=metrics_b, rng=random.Random(2))
+    history = run_fleet([a, b], clock, cycles=8)
+    final = Counter(history[-1].values())
+    assert sorted(final.values()) == [3, 4]
+    assert history[-4] == history[-1]
+    # every move was a steal by B from A, one per cycle; nothing ever went back
+    assert sample(metrics_b, "kclpy_leases_stolen_total") == len(a_lost.shards) == 3
+    assert b_lost.shards == []
+    assert sample(metrics_a, "kclpy_leases_stolen_total") == 0
+    assert set(a.held_leases()) | set(b.held_leases()) == {f"s{i}" for i in range(7)}
+    assert not set(a.held_leases()) & set(b.held_leases())
+
+
+def test_steals_at_most_the_configured_number_per_cycle(table: LeaseTable, clock: Clock) -> None:
+    create(table, *(f"s{i}" for i in range(6)))
+    a, _ = coordinator(table, "A", clock)
+    a.run_taker_once()
+    b, _ = coordinator(table, "B", clock, max_leases_to_steal_at_one_time=2)
+    stolen = b.run_taker_once()
+    assert len(stolen) == 2
+    assert Counter(owners(table).values()) == {"A": 4, "B": 2}
+
+
+def _lose_s1_to_b(table: LeaseTable, clock: Clock) -> tuple[LeaseCoordinator, Lost]:
+    """A holds s1, then B steals it; C holds w. Returns A after its renewer noticed."""
+    create(table, "s1", "s2", "w")
+    a, lost = coordinator(table, "A", clock)
+    a.set_known_shards({"s1"})
+    a.run_taker_once()
+    a.set_known_shards(None)
+    table.take(fetch(table, "s2"), "B")
+    table.take(fetch(table, "s1"), "B")
+    table.take(fetch(table, "w"), "C")
+    a.run_renewer_once()
+    assert lost.shards == ["s1"]
+    return a, lost
+
+
+def test_a_lease_stolen_from_a_worker_is_not_stolen_back_in_the_next_cycle(
+    table: LeaseTable, clock: Clock
+) -> None:
+    a, _ = _lose_s1_to_b(table, clock)
+    # 3 leases, 3 workers: target 1; B holds 2; deterministic choice would be s1 first
+    assert [lease.lease_key for lease in a.run_taker_once()] == ["s2"]
+
+
+def test_a_worker_without_that_memory_would_have_taken_it_back(
+    table: LeaseTable, clock: Clock
+) -> None:
+    _lose_s1_to_b(table, clock)
+    fresh_a, _ = coordinator(table, "A", clock)
+    assert [lease.lease_key for lease in fresh_a.run_taker_once()] == ["s1"]
+
+
+def test_the_memory_of_a_stolen_lease_lasts_one_cycle(
+    table: LeaseTable, client: FlakyClient, clock: Clock
+) -> None:
+    a, _ = _lose_s1_to_b(table, clock)
+    client.fail["scan"] = client_error("InternalServerError")
+    assert a.run_taker_once() == []
+    del client.fail["scan"]
+    assert [lease.lease_key for lease in a.run_taker_once()] == ["s1"]
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+
+
+def take_one(table: LeaseTable, clock: Clock, **kwargs: Any) -> tuple[LeaseCoordinator, Lost, str]:
+    create(table, "s1")
+    a, lost = coordinator(table, "A", clock, **kwargs)
+    (lease,) = a.run_taker_once()
+    assert lease.concurrency_token is not None
+    return a, lost, lease.concurrency_token
+
+
+def test_update_checkpoint_writes_and_counts_as_a_renewal(table: LeaseTable, clock: Clock) -> None:
+    a, lost, token = take_one(table, clock)
+    clock.advance(FAILOVER * 0.9)
+    a.update_checkpoint("s1", token, "4959000", 3)
+    stored = fetch(table, "s1")
+    assert (stored.checkpoint, stored.checkpoint_sub_sequence_number) == ("4959000", 3)
+    assert a.get_held("s1") == stored
+    # the checkpoint refreshed the lease: a failing renewer does not drop it yet
+    client = table.client
+    assert isinstance(client, FlakyClient)
+    client.fail["update_item"] = client_error("InternalServerError")
+    clock.advance(FAILOVER * 0.9)
+    a.run_renewer_once()
+    assert lost.shards == []
+
+
+def test_checkpoint_with_a_stale_token_or_an_unheld_lease_is_refused(
+    table: LeaseTable, clock: Clock
+) -> None:
+    a, _, token = take_one(table, clock)
+    with pytest.raises(ShutdownException):
+        a.update_checkpoint("s1", "another-tenure", "1", 0)
+    with pytest.raises(ShutdownException):
+        a.update_checkpoint("other-shard", token, "1", 0)
+    assert fetch(table, "s1").checkpoint == "TRIM_HORIZON"
+    a.release("s1")
+    with pytest.raises(ShutdownException):
+        a.update_checkpoint("s1", token, "1", 0)
+
+
+def test_checkpoint_after_the_lease_was_taken_drops_it_and_notifies(
+    table: LeaseTable, clock: Clock
+) -> None:
+    a, lost, token = take_one(table, clock)
+    thief = table.take(fetch(table, "s1"), "B")
+    table.update_checkpoint(thief, "777", 0)
+    with pytest.raises(ShutdownException):
+        a.update_checkpoint("s1", token, "123", 0)
+    assert lost.shards == ["s1"]
+    assert a.held_leases() == {}
+    assert fetch(table, "s1").checkpoint == "777"
+
+
+def test_a_retaken_lease_gets_a_new_token_and_old_checkpointers_are_fenced(
+    table: LeaseTable, clock: Clock
+) -> None:
+    a, _, old_token = take_one(table, clock)
+    a.release("s1")
+    (again,) = a.run_taker_once()
+    assert again.concurrency_token not in (None, old_token)
+    with pytest.raises(ShutdownException):
+        a.update_checkpoint("s1", old_token, "5", 0)
+    assert again.concurrency_token is not None
+    a.update_checkpoint("s1", again.concurrency_token, "5", 0)
+
+
+def test_throttled_checkpoint_raises_throttling_exception_and_keeps_the_lease(
+    table: LeaseTable, client: FlakyClient, clock: Clock
+) -> None:
+    a, lost, token = take_one(table, clock)
+    client.fail["update_item"] = client_error("ProvisionedThroughputExceededException")
+    with pytest.raises(ThrottlingException) as raised:
+        a.update_checkpoint("s1", token, "1", 0)
+    assert isinstance(raised.value.__cause__, LeaseTableThrottled)
+    assert lost.shards == []
+    assert a.get_held("s1") is not None
+
+
+def test_other_dynamodb_failures_raise_dependency_exception(
+    table: LeaseTable, client: FlakyClient, clock: Clock
+) -> None:
+    a, lost, token = take_one(table, clock)
+    client.fail["update_item"] = client_error("InternalServerError")
+    with pytest.raises(KinesisClientLibDependencyException):
+        a.update_checkpoint("s1", token, "1", 0)
+    assert lost.shards == []
+
+
+def test_checkpoints_racing_renewals_always_use_the_freshest_counter(
+    table: LeaseTable, clock: Clock
+) -> None:
+    a, lost, token = take_one(table, clock)
+    rounds = 40
+    errors: list[BaseException] = []
+
+    def renew() -> None:
+        try:
+            for _ in range(rounds):
+                a.run_renewer_once()
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    renewer = threading.Thread(target=renew)
+    renewer.start()
+    for i in range(rounds):
+        a.update_checkpoint("s1", token, str(1000 + i), 0)
+    renewer.join()
+    assert errors == []
+    assert lost.shards == []
+    stored = fetch(table, "s1")
+    assert stored.lease_counter == 1 + 2 * rounds
+    assert stored.checkpoint == str(1000 + rounds - 1)
+
+
+# -- releasing and the threads -----------------------------------------------------------------
+
+
+def test_release_lets_another_worker_take_the_lease_at_once(
+    table: LeaseTable, clock: Clock
+) -> None:
+    create(table, "s1")
+    a, a_lost = coordinator(table, "A", clock)
+    a.run_taker_once()
+    b, _ = coordinator(table, "B", clock)
+    assert b.run_taker_once() == []
+    a.release("s1")
+    a.release("s1")
+    assert a.held_leases() == {}
+    assert a_lost.shards == []
+    assert [lease.lease_key for lease in b.run_taker_once()] == ["s1"]
+
+
+def test_release_of_a_lease_already_taken_only_forgets_it(table: LeaseTable, clock: Clock) -> None:
+    a, _, _ = take_one(table, clock)
+    table.take(fetch(table, "s1"), "B")
+    a.release("s1")
+    assert a.held_leases() == {}
+    assert fetch(table, "s1").lease_owner == "B"
+
+
+def test_started_threads_take_leases_and_stop_releases_them(table: LeaseTable) -> None:
+    create(table, "s1", "s2")
+    a, _ = coordinator(table, "A", time.monotonic, failover_time_s=0.3)
+    a.start()
+    try:
+        wait_until(lambda: len(a.held_leases()) == 2)
+        names = {thread.name for thread in threading.enumerate()}
+        assert {"kclpy-lease-renewer-A", "kclpy-lease-taker-A"} <= names
+    finally:
+        a.stop(release=True)
+    assert owners(table) == {"s1": None, "s2": None}
+    names = {thread.name for thread in threading.enumerate()}
+    assert "kclpy-lease-taker-A" not in names and "kclpy-lease-renewer-A" not in names
+
+
+def test_stop_without_release_leaves_the_leases_to_expire(table: LeaseTable) -> None:
+    create(table, "s1")
+    a, _ = coordinator(table, "A", time.monotonic, taker_interval_s=3600)
+    a.start()
+    try:
+        wait_until(lambda: a.get_held("s1") is not None)
+    finally:
+        a.stop(release=False)
+    assert owners(table) == {"s1": "A"}
+
+
+def test_wake_taker_runs_a_cycle_without_waiting_for_the_interval(client: Any) -> None:
+    metrics = Metrics()
+    table = LeaseTable(client, "app", metrics=metrics)
+    table.create_if_missing()
+    a, _ = coordinator(table, "A", time.monotonic, taker_interval_s=3600)
+    a.start()
+    try:
+        scans = "kclpy_dynamodb_requests_total"
+        wait_until(
+            lambda: (metrics.registry.get_sample_value(scans, {"operation": "Scan"}) or 0) >= 1
+        )
+        create(table, "new")
+        a.wake_taker()
+        wait_until(lambda: a.get_held("new") is not None)
+    finally:
+        a.stop(release=True)
+
+
+def test_invalid_settings_are_rejected(table: LeaseTable) -> None:
+    with pytest.raises(ValueError, match="failover"):
+        LeaseCoordinator(table, "A", failover_time_s=0)
+    with pytest.raises(ValueError, match="renewal_threads"):
+        LeaseCoordinator(table, "A", renewal_threads=0)
+    c = LeaseCoordinator(table, "A", failover_time_s=9)
+    assert (c.renewer_interval_s, c.taker_interval_s) == (3.0, 18.05)
+
+
+# -- over real HTTP (moto server) --------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def moto_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The shared ``moto_server`` fixture when the suite has one, else a private server."""
+    try:
+        yield request.getfixturevalue("moto_server").url
+    except pytest.FixtureLookupError:
+        port = _free_port()
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            server.stop()
+
+
+@pytest.mark.integration
+def test_over_http_three_workers_share_and_fence(moto_url: str) -> None:
+    dynamodb = boto3.client("dynamodb", endpoint_url=moto_url, region_name=REGION)
+    table = LeaseTable(dynamodb, f"app-{uuid.uuid4().hex}")
+    table.create_if_missing()
+    create(table, *(f"shardId-{i:012d}" for i in range(6)))
+    clock = Clock()
+    workers = [
+        coordinator(table, name, clock, rng=random.Random(i)) for i, name in enumerate("ABC")
+    ]
+    history = run_fleet([c for c, _ in workers], clock, cycles=8)
+    assert sorted(Counter(history[-1].values()).values()) == [2, 2, 2]
+    assert history[-3] == history[-1]
+    (a, _), (b, _), _ = workers
+    shard, lease = next(iter(a.held_leases().items()))
+    assert lease.concurrency_token is not None
+    a.update_checkpoint(shard, lease.concurrency_token, "12345", 0)
+    with pytest.raises(ShutdownException):
+        b.update_checkpoint(shard, lease.concurrency_token, "99999", 0)
+    assert fetch(table, shard).checkpoint == "12345"

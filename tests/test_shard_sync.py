@@ -1,0 +1,493 @@
+"""Shard sync: which shards get leases and where they start; ListShards pagination."""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import pytest
+from botocore.exceptions import ClientError
+from botocore.stub import Stubber
+from moto import mock_aws
+from moto.server import ThreadedMotoServer
+
+from kclpy.errors import ConfigError
+from kclpy.leases.lease import AT_TIMESTAMP, LATEST, TRIM_HORIZON, Lease
+from kclpy.leases.shard_sync import Shard, ShardSyncer, plan_new_leases
+from kclpy.leases.table import LeaseTable
+from kclpy.metrics import Metrics
+from kclpy.retrieval.parse import ChildShard
+
+REGION = "us-east-1"
+MAX_HASH = str(2**128 - 1)
+#: stand-ins for collaborators a test never reaches
+NO_TABLE: Any = None
+NO_KINESIS: Any = None
+
+
+@pytest.fixture(autouse=True)
+def _aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (
+        "AWS_ENDPOINT_URL",
+        "AWS_ENDPOINT_URL_DYNAMODB",
+        "AWS_ENDPOINT_URL_KINESIS",
+        "AWS_PROFILE",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+
+
+# -- which leases, at which position (no AWS) --------------------------------------------------
+
+
+def shard(
+    shard_id: str,
+    *parents: str,
+    start: int = 0,
+    closed: bool = False,
+    hash_range: tuple[str, str] = ("0", MAX_HASH),
+) -> Shard:
+    return Shard(
+        shard_id=shard_id,
+        parent_shard_id=parents[0] if parents else None,
+        adjacent_parent_shard_id=parents[1] if len(parents) > 1 else None,
+        starting_hash_key=hash_range[0],
+        ending_hash_key=hash_range[1],
+        starting_sequence_number=str(start),
+        ending_sequence_number=str(start + 99) if closed else None,
+    )
+
+
+def java_example() -> list[Shard]:
+    """The tree from the Java KCL's HierarchicalShardSyncer documentation:
+
+        0 1 2 3 4   5     shards until epoch 102
+        \\ / \\ / |   |
+         6   7  4   5     shards from epoch 103 to 205
+          \\ /   |  / \\
+           8    4 9  10   shards from epoch 206 (open)
+    """
+    return [
+        shard("8", "6", "7", start=206),
+        shard("9", "5", start=206),
+        shard("10", "5", start=206),
+        shard("6", "0", "1", start=103, closed=True),
+        shard("7", "2", "3", start=103, closed=True),
+        *(shard(str(i), start=0, closed=True) for i in (0, 1, 2, 3, 5)),
+        shard("4", start=0),
+    ]
+
+
+def planned(shards: list[Shard], existing: set[str], position: str) -> list[tuple[str, str]]:
+    return [
+        (lease.lease_key, lease.checkpoint) for lease in plan_new_leases(shards, existing, position)
+    ]
+
+
+def test_latest_with_leases_continues_below_them_from_trim_horizon() -> None:
+    # Java would also create 6 at LATEST (it reads nothing from a closed shard at LATEST);
+    # without a lease for 6, the consumer of 8 treats it as finished: the same outcome.
+    assert sorted(planned(java_example(), {"4", "5", "7"}, LATEST)) == [
+        ("10", TRIM_HORIZON),
+        ("8", TRIM_HORIZON),
+        ("9", TRIM_HORIZON),
+    ]
+
+
+def test_trim_horizon_with_leases_adds_roots_not_the_ancestors_of_leased_shards() -> None:
+    assert sorted(planned(java_example(), {"4", "5", "7"}, TRIM_HORIZON)) == [
+        ("0", TRIM_HORIZON),
+        ("1", TRIM_HORIZON),
+        ("10", TRIM_HORIZON),
+        ("6", TRIM_HORIZON),
+        ("8", TRIM_HORIZON),
+        ("9", TRIM_HORIZON),
+    ]
+
+
+def test_at_timestamp_starts_every_new_lease_at_the_timestamp() -> None:
+    result = dict(planned(java_example(), {"4", "5", "7"}, AT_TIMESTAMP))
+    assert set(result) == {"0", "1", "6", "8", "9", "10"}
+    assert set(result.values()) == {AT_TIMESTAMP}
+
+
+def test_empty_table_latest_leases_open_shards_only() -> None:
+    assert sorted(planned(java_example(), set(), LATEST)) == [
+        ("10", LATEST),
+        ("4", LATEST),
+        ("8", LATEST),
+        ("9", LATEST),
+    ]
+
+
+def test_empty_table_trim_horizon_leases_every_shard() -> None:
+    result = planned(java_example(), set(), TRIM_HORIZON)
+    assert sorted(key for key, _ in result) == sorted(s.shard_id for s in java_example())
+    assert {checkpoint for _, checkpoint in result} == {TRIM_HORIZON}
+
+
+@pytest.mark.parametrize("position", [LATEST, TRIM_HORIZON, AT_TIMESTAMP])
+def test_parents_are_always_created_before_their_children(position: str) -> None:
+    order = [key for key, _ in planned(java_example(), {"7"}, position)]
+    by_id = {s.shard_id: s for s in java_example()}
+    for index, key in enumerate(order):
+        for parent in by_id[key].parent_ids:
+            if parent in order:
+                assert order.index(parent) < index
+
+
+def test_new_leases_record_both_parents_and_the_hash_range() -> None:
+    shards = [
+        shard("p1", closed=True, hash_range=("0", "99")),
+        shard("p2", closed=True, hash_range=("100", "199")),
+        shard("merged", "p1", "p2", start=500, hash_range=("0", "199")),
+    ]
+    (p1, p2, merged) = plan_new_leases(shards, set(), TRIM_HORIZON)
+    assert (p1.lease_key, p2.lease_key) == ("p1", "p2")
+    assert merged == Lease(
+        "merged",
+        checkpoint=TRIM_HORIZON,
+        parent_shard_ids=frozenset({"p1", "p2"}),
+        starting_hash_key="0",
+        ending_hash_key="199",
+    )
+
+
+def test_nothing_to_do_when_every_shard_is_leased() -> None:
+    shards = java_example()
+    assert plan_new_leases(shards, {s.shard_id for s in shards}, TRIM_HORIZON) == []
+
+
+def test_a_lease_for_a_parent_no_longer_listed_still_makes_children_descendants() -> None:
+    # the parent expired from the stream but its lease is still in the table
+    assert planned([shard("child", "expired-parent", start=10)], {"expired-parent"}, LATEST) == [
+        ("child", TRIM_HORIZON)
+    ]
+
+
+def test_deep_shard_trees_are_handled_without_recursion() -> None:
+    chain = [shard("g0", closed=True)]
+    chain += [shard(f"g{i}", f"g{i - 1}", start=i, closed=True) for i in range(1, 3000)]
+    chain.append(shard("tip", "g2999", start=3000))
+    result = planned(list(reversed(chain)), {"g0"}, LATEST)
+    assert [key for key, _ in result] == [f"g{i}" for i in range(1, 3000)] + ["tip"]
+
+
+# -- ListShards pagination and throttling (botocore Stubber) ---------------------------------
+
+
+def wire_shard(shard_id: str) -> dict[str, Any]:
+    return {
+        "ShardId": shard_id,
+        "HashKeyRange": {"StartingHashKey": "0", "EndingHashKey": MAX_HASH},
+        "SequenceNumberRange": {"StartingSequenceNumber": "1"},
+    }
+
+
+@pytest.fixture
+def stubbed() -> Iterator[tuple[Any, Stubber]]:
+    kinesis = boto3.client("kinesis", region_name=REGION)
+    with Stubber(kinesis) as stubber:
+        yield kinesis, stubber
+        stubber.assert_no_pending_responses()
+
+
+def test_next_token_pages_name_only_the_token(stubbed: tuple[Any, Stubber]) -> None:
+    kinesis, stubber = stubbed
+    stubber.add_response(
+        "list_shards",
+        {"Shards": [wire_shard("a"), wire_shard("b")], "NextToken": "t1"},
+        {"StreamName": "s", "MaxResults": 2},
+    )
+    stubber.add_response(
+        "list_shards",
+        {"Shards": [wire_shard("c"), wire_shard("d")], "NextToken": "t2"},
+        {"NextToken": "t1", "MaxResults": 2},
+    )
+    stubber.add_response(
+        "list_shards", {"Shards": [wire_shard("e")]}, {"NextToken": "t2", "MaxResults": 2}
+    )
+    syncer = ShardSyncer(kinesis, NO_TABLE, stream_name="s", page_size=2)
+    assert [s.shard_id for s in syncer.list_shards()] == ["a", "b", "c", "d", "e"]
+
+
+def test_stream_arn_is_used_when_given(stubbed: tuple[Any, Stubber]) -> None:
+    kinesis, stubber = stubbed
+    arn = "arn:aws:kinesis:us-east-1:123456789012:stream/s"
+    stubber.add_response("list_shards", {"Shards": [wire_shard("a")]}, {"StreamARN": arn})
+    syncer = ShardSyncer(kinesis, NO_TABLE, stream_arn=arn)
+    assert [s.shard_id for s in syncer.list_shards()] == ["a"]
+
+
+def test_limit_exceeded_is_retried_with_backoff(stubbed: tuple[Any, Stubber]) -> None:
+    kinesis, stubber = stubbed
+    for _ in range(2):
+        stubber.add_client_error("list_shards", "LimitExceededException")
+    stubber.add_response("list_shards", {"Shards": [wire_shard("a")]}, {"StreamName": "s"})
+    sleeps: list[float] = []
+    metrics = Metrics()
+    syncer = ShardSyncer(
+        kinesis,
+        NO_TABLE,
+        stream_name="s",
+        metrics=metrics,
+        backoff_base_s=1.0,
+        sleep=sleeps.append,
+        rng=random.Random(3),
+    )
+    assert [s.shard_id for s in syncer.list_shards()] == ["a"]
+    assert len(sleeps) == 2 and 0 <= sleeps[0] <= 1.0 and 0 <= sleeps[1] <= 2.0
+    throttles = metrics.registry.get_sample_value(
+        "kclpy_throttles_total", {"operation": "ListShards"}
+    )
+    assert throttles == 2
+
+
+def test_persistent_limit_exceeded_is_raised(stubbed: tuple[Any, Stubber]) -> None:
+    kinesis, stubber = stubbed
+    for _ in range(3):
+        stubber.add_client_error("list_shards", "LimitExceededException")
+    syncer = ShardSyncer(
+        kinesis,
+        NO_TABLE,
+        stream_name="s",
+        max_attempts=3,
+        sleep=lambda _: None,
+    )
+    with pytest.raises(ClientError, match="LimitExceededException"):
+        syncer.list_shards()
+
+
+def test_other_errors_on_a_token_page_are_not_papered_over(stubbed: tuple[Any, Stubber]) -> None:
+    kinesis, stubber = stubbed
+    stubber.add_response(
+        "list_shards", {"Shards": [wire_shard("a")], "NextToken": "t1"}, {"StreamName": "s"}
+    )
+    stubber.add_client_error("list_shards", "ExpiredNextTokenException")
+    syncer = ShardSyncer(kinesis, NO_TABLE, stream_name="s")
+    with pytest.raises(ClientError, match="ExpiredNextTokenException"):
+        syncer.list_shards()
+
+
+def test_constructor_validates_stream_and_position() -> None:
+    with pytest.raises(ConfigError, match="stream_name"):
+        ShardSyncer(NO_KINESIS, NO_TABLE)
+    with pytest.raises(ConfigError, match="initial_position"):
+        ShardSyncer(NO_KINESIS, NO_TABLE, stream_name="s", initial_position="EARLIEST")
+
+
+# -- against moto ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def aws() -> Iterator[tuple[Any, LeaseTable]]:
+    with mock_aws():
+        kinesis = boto3.client("kinesis", region_name=REGION)
+        table = LeaseTable(boto3.client("dynamodb", region_name=REGION), "app")
+        table.create_if_missing()
+        yield kinesis, table
+
+
+def make_stream(kinesis: Any, name: str, shards: int) -> None:
+    kinesis.create_stream(StreamName=name, ShardCount=shards)
+    deadline = time.monotonic() + 30
+    while (
+        kinesis.describe_stream_summary(StreamName=name)["StreamDescriptionSummary"]["StreamStatus"]
+        != "ACTIVE"
+    ):
+        assert time.monotonic() < deadline, "stream never became ACTIVE"
+        time.sleep(0.05)
+
+
+def split_first_shard(kinesis: Any, name: str) -> tuple[str, list[str]]:
+    shards = kinesis.list_shards(StreamName=name)["Shards"]
+    parent = shards[0]
+    low = int(parent["HashKeyRange"]["StartingHashKey"])
+    high = int(parent["HashKeyRange"]["EndingHashKey"])
+    kinesis.split_shard(
+        StreamName=name, ShardToSplit=parent["ShardId"], NewStartingHashKey=str((low + high) // 2)
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        after = kinesis.list_shards(StreamName=name)["Shards"]
+        children = [s["ShardId"] for s in after if s.get("ParentShardId") == parent["ShardId"]]
+        if len(children) == 2:
+            return parent["ShardId"], children
+        assert time.monotonic() < deadline, "split never showed up"
+        time.sleep(0.05)
+
+
+def test_moto_pagination_works_despite_its_next_token_quirk(
+    aws: tuple[Any, LeaseTable],
+) -> None:
+    kinesis, table = aws
+    make_stream(kinesis, "s", 5)
+    arn = kinesis.describe_stream_summary(StreamName="s")["StreamDescriptionSummary"]["StreamARN"]
+    expected = [s["ShardId"] for s in kinesis.list_shards(StreamName="s")["Shards"]]
+    for identity in ({"stream_name": "s"}, {"stream_arn": arn}):
+        syncer = ShardSyncer(kinesis, table, page_size=2, **identity)
+        assert [s.shard_id for s in syncer.list_shards()] == expected
+        assert [s.shard_id for s in syncer.list_shards()] == expected
+
+
+def test_sync_creates_latest_leases_once(aws: tuple[Any, LeaseTable]) -> None:
+    kinesis, table = aws
+    make_stream(kinesis, "s", 3)
+    syncer = ShardSyncer(kinesis, table, stream_name="s", page_size=2)
+    assert syncer.known_shard_ids == frozenset()
+    created = syncer.sync()
+    wire = kinesis.list_shards(StreamName="s")["Shards"]
+    assert sorted(lease.lease_key for lease in created) == sorted(s["ShardId"] for s in wire)
+    assert syncer.known_shard_ids == {s["ShardId"] for s in wire}
+    for s in wire:
+        lease = table.get(s["ShardId"])
+        assert lease is not None
+        assert lease.checkpoint == LATEST
+        assert lease.lease_owner is None
+        assert lease.parent_shard_ids == frozenset()
+        assert lease.starting_hash_key == s["HashKeyRange"]["StartingHashKey"]
+        assert lease.ending_hash_key == s["HashKeyRange"]["EndingHashKey"]
+    assert syncer.sync() == []
+
+
+def test_children_of_a_leased_parent_start_at_trim_horizon(aws: tuple[Any, LeaseTable]) -> None:
+    kinesis, table = aws
+    make_stream(kinesis, "s", 2)
+    syncer = ShardSyncer(kinesis, table, stream_name="s")
+    syncer.sync()
+    parent, children = split_first_shard(kinesis, "s")
+    created = {lease.lease_key: lease for lease in syncer.sync()}
+    assert sorted(created) == sorted(children)
+    for child in children:
+        assert created[child].checkpoint == TRIM_HORIZON
+        assert created[child].parent_shard_ids == {parent}
+    stored = table.get(children[0])
+    assert stored is not None and stored.parent_shard_ids == {parent}
+
+
+def test_fresh_latest_application_ignores_a_closed_parent(aws: tuple[Any, LeaseTable]) -> None:
+    kinesis, table = aws
+    make_stream(kinesis, "s", 1)
+    parent, children = split_first_shard(kinesis, "s")
+    created = ShardSyncer(kinesis, table, stream_name="s").sync()
+    assert sorted((lease.lease_key, lease.checkpoint) for lease in created) == sorted(
+        (child, LATEST) for child in children
+    )
+    assert table.get(parent) is None
+
+
+def test_fresh_trim_horizon_application_reads_the_parent_first(
+    aws: tuple[Any, LeaseTable],
+) -> None:
+    kinesis, table = aws
+    make_stream(kinesis, "s", 1)
+    parent, children = split_first_shard(kinesis, "s")
+    created = ShardSyncer(kinesis, table, stream_name="s", initial_position=TRIM_HORIZON).sync()
+    assert created[0].lease_key == parent
+    assert {lease.checkpoint for lease in created} == {TRIM_HORIZON}
+    assert {lease.lease_key for lease in created} == {parent, *children}
+
+
+def test_child_leases_from_get_records_are_created_once(aws: tuple[Any, LeaseTable]) -> None:
+    kinesis, table = aws
+    syncer = ShardSyncer(kinesis, table, stream_name="s")
+    child = ChildShard("shardId-000000000002", ("shardId-000000000000",), "0", "99")
+    merged = ChildShard("shardId-000000000003", ("shardId-a", "shardId-b"), "0", "199")
+    syncer.create_child_leases([child, merged])
+    lease = table.get("shardId-000000000002")
+    assert lease == Lease(
+        "shardId-000000000002",
+        checkpoint=TRIM_HORIZON,
+        parent_shard_ids=frozenset({"shardId-000000000000"}),
+        starting_hash_key="0",
+        ending_hash_key="99",
+    )
+    merged_lease = table.get("shardId-000000000003")
+    assert merged_lease is not None
+    assert merged_lease.parent_shard_ids == {"shardId-a", "shardId-b"}
+    assert syncer.known_shard_ids == {"shardId-000000000002", "shardId-000000000003"}
+    # someone already took and advanced it: a second report changes nothing
+    taken = table.take(lease, "w1")
+    table.update_checkpoint(taken, "123", 0)
+    syncer.create_child_leases([child])
+    again = table.get("shardId-000000000002")
+    assert again is not None and (again.checkpoint, again.lease_owner) == ("123", "w1")
+
+
+def test_a_child_without_parents_is_rejected(aws: tuple[Any, LeaseTable]) -> None:
+    kinesis, table = aws
+    syncer = ShardSyncer(kinesis, table, stream_name="s")
+    with pytest.raises(ValueError, match="no parent"):
+        syncer.create_child_leases([ChildShard("orphan", (), "0", "1")])
+
+
+# -- over real HTTP ----------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def moto_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The shared ``moto_server`` fixture when the suite has one, else a private server."""
+    try:
+        yield request.getfixturevalue("moto_server").url
+    except pytest.FixtureLookupError:
+        port = _free_port()
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            server.stop()
+
+
+@pytest.mark.integration
+def test_over_http_moto_server_paginates_and_syncs(moto_url: str) -> None:
+    kinesis = boto3.client("kinesis", endpoint_url=moto_url, region_name=REGION)
+    dynamodb = boto3.client("dynamodb", endpoint_url=moto_url, region_name=REGION)
+    name = f"s-{uuid.uuid4().hex}"
+    make_stream(kinesis, name, 5)
+    table = LeaseTable(dynamodb, f"app-{uuid.uuid4().hex}")
+    table.create_if_missing()
+    syncer = ShardSyncer(
+        kinesis, table, stream_name=name, page_size=2, initial_position=TRIM_HORIZON
+    )
+    created = syncer.sync()
+    assert len(created) == 5
+    assert {lease.lease_key for lease in table.list_leases()} == syncer.known_shard_ids
+    assert syncer.sync() == []
+
+
+@pytest.mark.integration
+def test_over_http_kinesis_mock_paginates_and_follows_a_split(
+    request: pytest.FixtureRequest,
+) -> None:
+    try:
+        endpoint = request.getfixturevalue("kinesis_mock")
+    except pytest.FixtureLookupError:
+        pytest.skip("no kinesis_mock fixture in this suite")
+    moto_url = request.getfixturevalue("moto_url")
+    kinesis = boto3.client("kinesis", endpoint_url=endpoint.url, region_name=REGION, verify=False)
+    dynamodb = boto3.client("dynamodb", endpoint_url=moto_url, region_name=REGION)
+    name = f"s-{uuid.uuid4().hex}"
+    make_stream(kinesis, name, 3)
+    table = LeaseTable(dynamodb, f"app-{uuid.uuid4().hex}")
+    table.create_if_missing()
+    syncer = ShardSyncer(kinesis, table, stream_name=name, page_size=1)
+    assert len(syncer.sync()) == 3
+    parent, children = split_first_shard(kinesis, name)
+    created = {lease.lease_key: lease.checkpoint for lease in syncer.sync()}
+    assert created == dict.fromkeys(children, TRIM_HORIZON)
+    assert parent in syncer.known_shard_ids
