@@ -1,0 +1,476 @@
+"""One shard's GetRecords loop, running ahead of the processor into a bounded queue.
+
+A dedicated thread per shard keeps the network busy while the processor works on the
+previous batch; the queue bound (``queue_size`` results) is what caps the memory a slow
+processor can make a shard hold, because the thread blocks on a full queue instead of fetching.
+
+Positions follow the Java KCL: a checkpoint ``(sequence, sub-sequence)`` is the last record
+done, so the iterator is taken AT that sequence number (the rest of a KPL aggregate may still
+be due) and every user record at or before the checkpoint is dropped. After an
+``ExpiredIteratorException`` the new iterator starts AFTER the last Kinesis record already
+handled (a page always holds whole aggregates, so all its sub-records were handled too), or
+at the original position if nothing was read yet. Neither a restart nor an expiry loses or
+repeats a record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from botocore.exceptions import ClientError
+
+from kclpy.errors import KCLError
+from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
+from kclpy.metrics import Metrics
+from kclpy.records import Record
+from kclpy.retrieval.backoff import THROTTLED, Backoff, classify
+from kclpy.retrieval.kpl import deaggregate
+from kclpy.retrieval.parse import (
+    ChildShard,
+    GetRecordsPage,
+    get_records,
+    install_fast_get_records,
+)
+
+if TYPE_CHECKING:
+    from mypy_boto3_kinesis import KinesisClient
+
+logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+AT_SEQUENCE_NUMBER = "AT_SEQUENCE_NUMBER"
+AFTER_SEQUENCE_NUMBER = "AFTER_SEQUENCE_NUMBER"
+_KINDS = frozenset({TRIM_HORIZON, LATEST, AT_TIMESTAMP, AT_SEQUENCE_NUMBER, AFTER_SEQUENCE_NUMBER})
+
+# How long a blocked put/get waits before looking at the stop flag again: bounds how late
+# stop() is noticed without turning the wait into a busy loop.
+_POLL_S = 0.05
+
+
+def _short(iterator: str) -> str:
+    """Iterators are bearer tokens for the shard's data: never log them whole."""
+    return f"{iterator[:12]}..."
+
+
+@dataclass(frozen=True)
+class StartPosition:
+    """Where a shard's reading begins.
+
+    For ``AT_SEQUENCE_NUMBER`` the position is a checkpoint: records at or before
+    ``(sequence_number, sub_sequence_number)`` were already processed and are not delivered
+    again. ``AFTER_SEQUENCE_NUMBER`` starts after the whole (possibly aggregated) record.
+    """
+
+    kind: str
+    sequence_number: str | None = None
+    sub_sequence_number: int = 0
+    timestamp: datetime | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"unknown start position kind {self.kind!r}")
+        if self.kind in (AT_SEQUENCE_NUMBER, AFTER_SEQUENCE_NUMBER):
+            seq = self.sequence_number
+            if seq is None or not (seq.isascii() and seq.isdigit()):
+                raise ValueError(f"{self.kind} needs a numeric sequence number")
+        if self.kind == AT_TIMESTAMP and self.timestamp is None:
+            raise ValueError("AT_TIMESTAMP needs a timestamp")
+        if self.sub_sequence_number < 0:
+            raise ValueError("sub_sequence_number must be >= 0")
+
+    @classmethod
+    def from_checkpoint(
+        cls, checkpoint: str, sub_sequence_number: int, initial_timestamp: datetime | None
+    ) -> StartPosition:
+        """The position for a lease's checkpoint (a sentinel or a sequence number).
+
+        A SHARD_END checkpoint means the shard is finished; reaching here with one is a bug in
+        the caller, so it raises instead of reading the shard again.
+        """
+        if checkpoint == SHARD_END:
+            raise ValueError("a SHARD_END checkpoint has nothing left to fetch")
+        if checkpoint in (TRIM_HORIZON, LATEST):
+            return cls(checkpoint)
+        if checkpoint == AT_TIMESTAMP:
+            if initial_timestamp is None:
+                raise ValueError("an AT_TIMESTAMP checkpoint needs the initial timestamp")
+            return cls(AT_TIMESTAMP, timestamp=initial_timestamp)
+        return cls(AT_SEQUENCE_NUMBER, checkpoint, sub_sequence_number)
+
+
+@dataclass(slots=True)
+class FetchResult:
+    """One GetRecords page, ready for the processor."""
+
+    #: de-aggregated, filtered, strictly after the resume point, in order
+    records: list[Record]
+    millis_behind_latest: int | None
+    #: True on the final result of a closed shard (no next iterator)
+    shard_end: bool
+    #: the children named by the final page (empty before shard end)
+    child_shards: list[ChildShard]
+    #: millis_behind_latest == 0, or unknown and the page was empty
+    caught_up: bool
+
+
+class FetchError(KCLError):
+    """The fetcher stopped on an error retrying cannot fix; the original is ``__cause__``.
+
+    Wrapped so that a consumer catches one type and can tell a fetch failure from an error of
+    its own; ``shard_id`` says which shard to shut down.
+    """
+
+    def __init__(self, shard_id: str, cause: BaseException) -> None:
+        super().__init__(f"fetching shard {shard_id} failed: {cause!r}")
+        self.shard_id = shard_id
+        self.__cause__ = cause
+
+
+class _Stopped(Exception):
+    """Unwinds a retry loop once stop() was called."""
+
+
+_END = object()
+"""Queued after the last result, so a get() blocked on an empty queue learns the thread ended."""
+
+
+class ShardFetcher:
+    """Fetches one shard on its own thread (``start``/``get``/``stop``), or step by step
+    (``fetch_once``) for deterministic tests.
+
+    ``get()`` raises ``FetchError`` (cause: the botocore error) once the thread stopped on a
+    non-retryable error such as ResourceNotFoundException; results fetched before the error
+    are delivered first.
+    """
+
+    def __init__(
+        self,
+        client: KinesisClient,
+        shard_id: str,
+        start: StartPosition,
+        *,
+        stream_name: str | None = None,
+        stream_arn: str | None = None,
+        max_records: int = 10000,
+        idle_time_s: float = 1.0,
+        queue_size: int = 3,
+        hash_range: tuple[int, int] | None = None,
+        backoff: Backoff | None = None,
+        metrics: Metrics | None = None,
+        sleep: Callable[[float], None] | None = None,
+        deliver_empty: bool = False,
+    ) -> None:
+        if stream_name is None and stream_arn is None:
+            raise ValueError("a ShardFetcher needs stream_name or stream_arn")
+        if not 1 <= max_records <= 10000:
+            raise ValueError("max_records must be between 1 and 10000")
+        if queue_size < 1:
+            raise ValueError("queue_size must be >= 1")
+        self._client = client
+        self.shard_id = shard_id
+        self._start = start
+        self._stream_name = stream_name
+        self._stream_arn = stream_arn
+        self._max_records = max_records
+        self._idle_time_s = idle_time_s
+        self._hash_range = hash_range
+        self._backoff = backoff if backoff is not None else Backoff()
+        self._deliver_empty = deliver_empty
+        self._stop = threading.Event()
+        self._sleep = sleep if sleep is not None else self._interruptible_sleep
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_size)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+        m = metrics if metrics is not None else Metrics()
+        self._metrics = m
+        self._m_seconds = m.get_records_seconds.labels(shard_id)
+        self._m_expired = m.iterator_expirations.labels(shard_id)
+        self._m_corrupt = m.deaggregation_errors.labels(shard_id)
+        self._m_filtered = m.records_filtered.labels(shard_id)
+        self._m_depth = m.prefetch_queue_depth.labels(shard_id)
+        self._m_behind = m.millis_behind_latest.labels(shard_id)
+
+        self._iterator: str | None = None
+        self._shard_ended = False
+        self._at_tip = False
+        self._millis_behind_latest: int | None = None
+        # Records at or before this (sequence, sub-sequence) were processed before we started;
+        # cleared as soon as one record beyond it is seen, since sequence numbers only grow.
+        self._skip_through: tuple[int, int] | None = (
+            (int(start.sequence_number), start.sub_sequence_number)
+            if start.kind == AT_SEQUENCE_NUMBER and start.sequence_number is not None
+            else None
+        )
+        # The last Kinesis record (aggregate or plain) fully handled: an expired iterator
+        # resumes after it.
+        self._last_sequence_number: str | None = None
+        install_fast_get_records(client)
+
+    # -- consumer side -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the fetch thread; a daemon so a stuck HTTP call never blocks interpreter exit."""
+        if self._thread is not None:
+            raise RuntimeError(f"fetcher for {self.shard_id} already started")
+        self._thread = threading.Thread(
+            target=self._run, name=f"kclpy-fetch-{self.shard_id}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def caught_up(self) -> bool:
+        """The last page was empty at the tip of the shard and nothing waits in the queue:
+        empty pages are not queued, so this is how a consumer learns it has caught up."""
+        return self._at_tip and self._queue.empty()
+
+    @property
+    def millis_behind_latest(self) -> int | None:
+        """MillisBehindLatest of the last page, empty pages included."""
+        return self._millis_behind_latest
+
+    def get(self, timeout: float | None = None) -> FetchResult | None:
+        """The next result, or None on timeout or once the fetcher finished (see ``finished``).
+
+        Raises FetchError if the thread stopped on a fatal error.
+        """
+        if self._stop.is_set():
+            timeout = 0
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if item is _END:
+            # Leave the marker for the next call, so every later get() answers at once.
+            self._put_nowait(_END)
+            if self._error is not None:
+                raise FetchError(self.shard_id, self._error)
+            return None
+        self._m_depth.set(self._queue.qsize())
+        assert isinstance(item, FetchResult)
+        return item
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop fetching and join the thread.
+
+        Sleeps and queue waits notice at once; an HTTP call in flight is not interruptible, so
+        ``timeout`` bounds the join for callers that cannot wait for it.
+        """
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("fetch thread for %s still in a call after stop", self.shard_id)
+                return
+        # Wake a get() that is blocked on an empty queue.
+        self._put_nowait(_END)
+        with contextlib.suppress(KeyError):
+            self._metrics.prefetch_queue_depth.remove(self.shard_id)
+
+    @property
+    def error(self) -> BaseException | None:
+        """The non-retryable error that ended the fetch thread, if any."""
+        return self._error
+
+    @property
+    def finished(self) -> bool:
+        """True once nothing more will be fetched: shard end reached, failed, or stopped."""
+        return self._shard_ended or self._error is not None or self._stop.is_set()
+
+    def fetch_once(self) -> FetchResult | None:
+        """One iteration of the fetch loop, without the thread or the queue.
+
+        Returns what the loop would have queued: None for an empty page (unless
+        ``deliver_empty``), after shard end, and after stop(). Sleeps the idle time when the
+        page was empty and the shard caught up, as the loop does. Fatal errors propagate.
+        """
+        try:
+            result, idle = self._fetch()
+        except _Stopped:
+            return None
+        if idle:
+            self._sleep(self._idle_time_s)
+        return result
+
+    # -- fetch thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set() and not self._shard_ended:
+                result, idle = self._fetch()
+                if result is not None:
+                    self._put(result)
+                if idle:
+                    self._sleep(self._idle_time_s)
+        except _Stopped:
+            pass
+        except Exception as exc:
+            logger.error("fetching shard %s stopped: %r", self.shard_id, exc)
+            self._error = exc
+        finally:
+            with contextlib.suppress(_Stopped):
+                self._put(_END)
+
+    def _interruptible_sleep(self, seconds: float) -> None:
+        self._stop.wait(seconds)
+
+    def _put(self, item: object) -> None:
+        """Block until there is room, but notice stop() within ``_POLL_S``."""
+        while True:
+            if self._stop.is_set():
+                raise _Stopped
+            try:
+                self._queue.put(item, timeout=_POLL_S)
+            except queue.Full:
+                continue
+            if item is not _END:
+                self._m_depth.set(self._queue.qsize())
+            return
+
+    def _put_nowait(self, item: object) -> None:
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(item)
+
+    def _fetch(self) -> tuple[FetchResult | None, bool]:
+        """One GetRecords (with retries): the result to deliver (or None) and whether to idle."""
+        if self._shard_ended:
+            return None, False
+        fresh = False
+        while True:
+            if self._iterator is None:
+                self._iterator = self._get_iterator()
+                fresh = True
+            try:
+                page = self._retrying(
+                    "GetRecords", functools.partial(self._timed_get_records, self._iterator)
+                )
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") != "ExpiredIteratorException":
+                    raise
+                self._m_expired.inc()
+                logger.info("iterator for %s expired; re-positioning", self.shard_id)
+                self._iterator = None
+                if fresh:
+                    # A brand-new iterator should not expire; back off rather than spin
+                    # against a service (or clock) that keeps answering so.
+                    self._pause(self._backoff.next_delay(), exc)
+                continue
+            break
+        # Only a page is progress: a fresh iterator that then expires again must not reset.
+        self._backoff.reset()
+
+        self._iterator = page.next_shard_iterator
+        millis = page.millis_behind_latest
+        if millis is not None:
+            self._m_behind.set(millis)
+        raw = page.records
+        records: list[Record] = []
+        if raw:
+            if self._hash_range is not None:
+                agg = deaggregate(raw, *self._hash_range)
+            else:
+                agg = deaggregate(raw)
+            if agg.corrupt:
+                self._m_corrupt.inc(agg.corrupt)
+            if agg.filtered:
+                self._m_filtered.inc(agg.filtered)
+            records = self._drop_processed(agg.records)
+            self._last_sequence_number = raw[-1].sequence_number
+        shard_end = page.next_shard_iterator is None
+        caught_up = millis == 0 or (millis is None and not raw)
+        if shard_end:
+            self._shard_ended = True
+            logger.info("shard %s reached its end", self.shard_id)
+        result = FetchResult(records, millis, shard_end, page.child_shards, caught_up)
+        deliver = bool(records) or shard_end or self._deliver_empty
+        idle = not raw and caught_up and not shard_end
+        self._at_tip = idle
+        self._millis_behind_latest = millis
+        return (result if deliver else None), idle
+
+    def _drop_processed(self, records: list[Record]) -> list[Record]:
+        """Drop the records at or before the checkpoint we resumed from."""
+        skip = self._skip_through
+        if skip is None:
+            return records
+        for i, record in enumerate(records):
+            if record.extended_sequence_number > skip:
+                self._skip_through = None
+                return records[i:] if i else records
+        return []
+
+    def _timed_get_records(self, iterator: str) -> GetRecordsPage:
+        with self._m_seconds.time():
+            return get_records(self._client, iterator, self._max_records)
+
+    def _get_iterator(self) -> str:
+        """A fresh iterator: after the last record handled, else at the start position."""
+        params: dict[str, Any] = {"ShardId": self.shard_id}
+        # Kinesis accepts either or both; both also suits moto, whose ARN-only iterators fail.
+        if self._stream_arn is not None:
+            params["StreamARN"] = self._stream_arn
+        if self._stream_name is not None:
+            params["StreamName"] = self._stream_name
+        if self._last_sequence_number is not None:
+            params["ShardIteratorType"] = AFTER_SEQUENCE_NUMBER
+            params["StartingSequenceNumber"] = self._last_sequence_number
+        else:
+            start = self._start
+            params["ShardIteratorType"] = start.kind
+            if start.sequence_number is not None:
+                params["StartingSequenceNumber"] = start.sequence_number
+            if start.timestamp is not None:
+                params["Timestamp"] = start.timestamp
+        response = self._retrying(
+            "GetShardIterator", lambda: self._client.get_shard_iterator(**params)
+        )
+        iterator: str = response["ShardIterator"]
+        logger.debug(
+            "shard %s: %s iterator %s",
+            self.shard_id,
+            params["ShardIteratorType"],
+            _short(iterator),
+        )
+        return iterator
+
+    def _pause(self, delay: float, cause: Exception) -> None:
+        self._sleep(delay)
+        if self._stop.is_set():
+            raise _Stopped from cause
+
+    def _retrying(self, operation: str, call: Callable[[], _T]) -> _T:
+        """Run ``call`` until it succeeds or fails in a way retrying cannot fix.
+
+        The backoff is reset by the caller, once a whole fetch succeeded.
+        """
+        while True:
+            try:
+                result = call()
+            except Exception as exc:
+                kind = classify(exc)
+                if kind is None:
+                    raise
+                if kind == THROTTLED:
+                    self._metrics.throttles.labels(operation).inc()
+                self._metrics.get_records_errors.labels(self.shard_id, kind).inc()
+                delay = self._backoff.next_delay()
+                logger.warning(
+                    "%s on %s failed (%s, attempt %d); retrying in %.3fs: %s",
+                    operation,
+                    self.shard_id,
+                    kind,
+                    self._backoff.attempt,
+                    delay,
+                    exc,
+                )
+                self._pause(delay, exc)
+                continue
+            return result

@@ -1,0 +1,156 @@
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from botocore.exceptions import (
+    ClientError,
+    ConnectionClosedError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    ReadTimeoutError,
+)
+from botocore.parsers import ResponseParserError
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kclpy.retrieval.backoff import CONNECTION, SERVER_ERROR, THROTTLED, Backoff, classify
+
+
+class RecordingRng(random.Random):
+    """Answers the upper bound, and remembers each range asked for."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.ranges: list[tuple[float, float]] = []
+
+    def uniform(self, a: float, b: float) -> float:
+        self.ranges.append((a, b))
+        return b
+
+
+def client_error(code: str, status: int = 400, operation: str = "GetRecords") -> ClientError:
+    response: Any = {
+        "Error": {"Code": code, "Message": "m"},
+        "ResponseMetadata": {"HTTPStatusCode": status},
+    }
+    return ClientError(response, operation)
+
+
+def test_ceiling_doubles_from_base_until_the_cap_and_jitter_starts_at_zero() -> None:
+    rng = RecordingRng()
+    backoff = Backoff(base_s=0.1, cap_s=1.0, rng=rng)
+    delays = [backoff.next_delay() for _ in range(7)]
+    assert rng.ranges == [(0.0, b) for b in (0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0)]
+    assert delays == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0]
+    assert backoff.attempt == 7
+
+
+def test_reset_starts_over_from_base() -> None:
+    rng = RecordingRng()
+    backoff = Backoff(base_s=0.5, cap_s=8.0, rng=rng)
+    for _ in range(4):
+        backoff.next_delay()
+    backoff.reset()
+    assert backoff.attempt == 0
+    assert backoff.next_delay() == 0.5
+
+
+def test_full_jitter_spreads_over_the_whole_range() -> None:
+    backoff = Backoff(base_s=1.0, cap_s=1.0, rng=random.Random(42))
+    delays = [backoff.next_delay() for _ in range(2000)]
+    assert all(0.0 <= d <= 1.0 for d in delays)
+    # full jitter, not "equal jitter": the lower half of the range is used too
+    assert min(delays) < 0.05
+    assert max(delays) > 0.95
+
+
+@given(
+    base=st.floats(min_value=0.001, max_value=10.0),
+    extra=st.floats(min_value=0.0, max_value=100.0),
+    failures=st.integers(min_value=0, max_value=3000),
+    seed=st.integers(min_value=0, max_value=2**32),
+)
+def test_every_delay_is_within_zero_and_the_capped_exponential(
+    base: float, extra: float, failures: int, seed: int
+) -> None:
+    cap = base + extra
+    backoff = Backoff(base_s=base, cap_s=cap, rng=random.Random(seed))
+    for _ in range(failures):
+        backoff.next_delay()
+    bound = cap if failures > 60 else min(cap, base * 2**failures)
+    delay = backoff.next_delay()
+    assert 0.0 <= delay <= bound
+
+
+@pytest.mark.parametrize(("base", "cap"), [(0.0, 1.0), (-1.0, 1.0), (2.0, 1.0)])
+def test_rejects_nonsense_bounds(base: float, cap: float) -> None:
+    with pytest.raises(ValueError):
+        Backoff(base_s=base, cap_s=cap)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "ProvisionedThroughputExceededException",
+        "KMSThrottlingException",
+        "LimitExceededException",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "Throttling",
+        "TooManyRequestsException",
+    ],
+)
+def test_throttling_codes(code: str) -> None:
+    assert classify(client_error(code)) == THROTTLED
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        ("InternalFailure", 500),
+        ("ServiceUnavailable", 503),
+        ("SomethingNew", 502),
+        ("InternalFailure", 400),
+    ],
+)
+def test_server_errors(code: str, status: int) -> None:
+    assert classify(client_error(code, status)) == SERVER_ERROR
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        EndpointConnectionError(endpoint_url="http://127.0.0.1:1"),
+        ConnectionClosedError(endpoint_url="http://127.0.0.1:1"),
+        ReadTimeoutError(endpoint_url="http://127.0.0.1:1"),
+        ConnectTimeoutError(endpoint_url="http://127.0.0.1:1"),
+    ],
+)
+def test_connection_errors(exc: Exception) -> None:
+    assert classify(exc) == CONNECTION
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        client_error("ResourceNotFoundException"),
+        client_error("AccessDeniedException"),
+        client_error("InvalidArgumentException"),
+        client_error("ExpiredIteratorException"),
+        client_error("ConditionalCheckFailedException", operation="UpdateItem"),
+        client_error("KMSAccessDeniedException"),
+        ValueError("not an AWS error"),
+    ],
+)
+def test_not_retryable(exc: Exception) -> None:
+    assert classify(exc) is None
+
+
+def test_a_garbled_response_is_retried_as_a_server_error() -> None:
+    assert classify(ResponseParserError("not a GetRecords response")) == SERVER_ERROR
+
+
+def test_a_client_error_without_metadata_is_not_retryable() -> None:
+    assert classify(ClientError({}, "GetRecords")) is None
