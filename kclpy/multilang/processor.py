@@ -1,0 +1,358 @@
+"""An ordinary kclpy record processor that runs an amazon_kclpy application as a child process.
+
+The worker creates one ``MultiLangRecordProcessor`` per held shard through
+``multilang_processor_factory``, exactly as it would a native processor; each one starts its
+own child and translates every callback into the MultiLangDaemon exchange the Java daemon
+performs (see ``protocol``). Checkpoint requests from the child go to the shard's real
+Checkpointer, so fencing and validation are the same as for a native processor.
+
+A child that dies, hangs or breaks the protocol is killed and the callback raises
+``MultiLangChildError`` (a ``ProcessorRestartRequired``): the consumer replaces the processor
+and replays from the last checkpoint, so nothing is lost and the other shards carry on. The
+Java daemon exits the whole JVM in these cases instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import shutil
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Literal, NoReturn
+
+from kclpy.checkpoint import Checkpointer
+from kclpy.errors import (
+    CheckpointError,
+    ConfigError,
+    InvalidStateException,
+    ProcessorRestartRequired,
+)
+from kclpy.leases.lease import SHARD_END
+from kclpy.metrics import Metrics
+from kclpy.multilang import protocol
+from kclpy.multilang.process import ChildFailure, ChildProcess
+from kclpy.processor import (
+    InitializeInput,
+    IRecordProcessor,
+    LeaseLostInput,
+    ProcessRecordsInput,
+    ShardEndedInput,
+    ShutdownRequestedInput,
+)
+
+log = logging.getLogger("kclpy.multilang")
+
+#: What a line on the child's stdout that is not a protocol message does: ``restart`` treats
+#: it as a broken child; ``skip`` logs and ignores it, as the Java daemon does.
+StrayStdoutPolicy = Literal["restart", "skip"]
+STRAY_STDOUT_POLICIES: tuple[StrayStdoutPolicy, ...] = ("restart", "skip")
+
+#: characters of an offending stdout line quoted in the log
+_QUOTE_CHARS = 200
+#: what the operator can do about a failure, appended to its log line
+_HINTS = {
+    "timeout": " (if its batches legitimately take longer, raise timeoutInSeconds)",
+    "protocol": " (stdout is the protocol channel: the application must log to stderr)",
+}
+
+__all__ = [
+    "MultiLangChildError",
+    "MultiLangRecordProcessor",
+    "ProcessorRestartRequired",
+    "StrayStdoutPolicy",
+    "multilang_processor_factory",
+    "resolve_command",
+]
+
+
+class MultiLangChildError(ProcessorRestartRequired):
+    """The shard's child process failed and was killed. ``reason`` is one of ``start_failed``,
+    ``exited``, ``timeout``, ``protocol`` (the metric label)."""
+
+    def __init__(self, shard_id: str, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.shard_id = shard_id
+        self.reason = reason
+
+
+class MultiLangRecordProcessor(IRecordProcessor):
+    """Serves one shard through one child process running ``argv`` in ``cwd``.
+
+    ``response_timeout_s`` bounds each wait for the child: for its next message after a
+    message was sent to it (a checkpoint reply starts a new wait, so a long batch that keeps
+    checkpointing is fine). ``exit_timeout_s`` is how long the child may take to exit after
+    its last message before its process group is killed.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        cwd: Path,
+        metrics: Metrics | None = None,
+        response_timeout_s: float = 60.0,
+        exit_timeout_s: float = 10.0,
+        env: Mapping[str, str] | None = None,
+        stray_stdout: StrayStdoutPolicy = "restart",
+    ) -> None:
+        if not argv:
+            raise ValueError("argv must name a program")
+        if stray_stdout not in STRAY_STDOUT_POLICIES:
+            raise ValueError(f"stray_stdout must be one of {STRAY_STDOUT_POLICIES}")
+        self._argv = list(argv)
+        self._cwd = cwd
+        self._metrics = metrics
+        self._response_timeout_s = response_timeout_s
+        self._exit_timeout_s = exit_timeout_s
+        self._env = env
+        self._stray_stdout = stray_stdout
+        self._shard_id = "?"
+        self._child: ChildProcess | None = None
+        self._failure: MultiLangChildError | None = None
+
+    @property
+    def child_pid(self) -> int | None:
+        """The running child's pid, None when there is none (for operators and tests)."""
+        return None if self._child is None else self._child.pid
+
+    # -- IRecordProcessor ----------------------------------------------------------------
+
+    def initialize(self, initialize_input: InitializeInput) -> None:
+        if self._child is not None:
+            self._stop_child()
+        self._shard_id = initialize_input.shard_id
+        self._failure = None
+        self._start_child(initialize_input.sequence_number,
+                          initialize_input.sub_sequence_number)
+
+    def process_records(self, process_records_input: ProcessRecordsInput) -> None:
+        self._exchange(
+            protocol.encode_process_records(process_records_input.records,
+                                            process_records_input.millis_behind_latest),
+            protocol.PROCESS_RECORDS, process_records_input.checkpointer)
+
+    def lease_lost(self, lease_lost_input: LeaseLostInput) -> None:
+        if self._child is None:
+            return
+        try:
+            self._exchange(protocol.encode_lease_lost(), protocol.LEASE_LOST, None,
+                           consequence="the lease is lost already, so nothing restarts")
+        except MultiLangChildError:
+            return
+        self._stop_child()
+
+    def shard_ended(self, shard_ended_input: ShardEndedInput) -> None:
+        """Keeps the child when it did not checkpoint SHARD_END: the consumer calls
+        shard_ended again until it does, and the same child should get that call."""
+        checkpointer = shard_ended_input.checkpointer
+        if self._child is None:
+            # The previous attempt killed the child; every record was acknowledged by then,
+            # so a fresh child resuming from the last checkpoint can end the shard.
+            last, sub = checkpointer.last_checkpoint
+            self._start_child(last, sub)
+        self._exchange(protocol.encode_shard_ended(), protocol.SHARD_ENDED, checkpointer)
+        if checkpointer.last_checkpoint[0] == SHARD_END:
+            self._stop_child()
+
+    def shutdown_requested(self, shutdown_requested_input: ShutdownRequestedInput) -> None:
+        """After shutdownRequested the Java daemon's child gets leaseLost (the consumer shuts
+        down with reason REQUESTED), so v1/v2 processors see ``shutdown("ZOMBIE")`` last; kclpy
+        calls nothing after shutdown_requested, so both messages are sent here."""
+        if self._child is None:
+            return
+        self._exchange(protocol.encode_shutdown_requested(), protocol.SHUTDOWN_REQUESTED,
+                       shutdown_requested_input.checkpointer,
+                       consequence="the shard is being handed over from its last checkpoint")
+        self._exchange(protocol.encode_lease_lost(), protocol.LEASE_LOST, None,
+                       consequence="the shard is being handed over from its last checkpoint")
+        self._stop_child()
+
+    def close(self) -> None:
+        """Kill the child now, if there is one; for a caller that abandons this processor
+        without a final callback."""
+        child, self._child = self._child, None
+        if child is not None:
+            child.kill()
+
+    # -- the exchange --------------------------------------------------------------------
+
+    def _start_child(self, sequence_number: str | None, sub_sequence_number: int | None) -> None:
+        child = ChildProcess(self._argv, cwd=self._cwd, shard_id=self._shard_id, env=self._env)
+        self._child = child
+        try:
+            child.start()
+        except ChildFailure as exc:
+            self._fail(child, exc.reason, str(exc), protocol.INITIALIZE)
+        self._exchange(
+            protocol.encode_initialize(self._shard_id, sequence_number, sub_sequence_number),
+            protocol.INITIALIZE, None)
+
+    def _exchange(self, line: str, action: str, checkpointer: Checkpointer | None, *,
+                  consequence: str = "the shard restarts from its last checkpoint") -> None:
+        """Send ``line`` and serve the child's checkpoint requests until it acknowledges
+        ``action``. Any failure kills the child and raises MultiLangChildError."""
+        child = self._child
+        if child is None:
+            if self._failure is not None:
+                raise self._failure
+            raise MultiLangChildError(self._shard_id, "exited",
+                                      f"shard {self._shard_id}: no child process for {action}")
+        try:
+            child.send_line(line, self._response_timeout_s)
+            deadline = time.monotonic() + self._response_timeout_s
+            while True:
+                message = self._next_message(child, deadline)
+                if isinstance(message, protocol.CheckpointRequest):
+                    reply = self._checkpoint(message, checkpointer, action)
+                    child.send_line(reply, self._response_timeout_s)
+                    deadline = time.monotonic() + self._response_timeout_s
+                    continue
+                if message.response_for != action:
+                    raise protocol.ProtocolError(
+                        f"acknowledged {message.response_for!r} while {action!r} was pending",
+                        repr(message))
+                return
+        except ChildFailure as exc:
+            self._fail(child, exc.reason, str(exc), action, consequence)
+        except protocol.ProtocolError as exc:
+            quoted = exc.line.strip()[:_QUOTE_CHARS]
+            self._fail(child, "protocol", f"broke the protocol ({exc}): {quoted!r}", action,
+                       consequence)
+
+    def _next_message(self, child: ChildProcess, deadline: float) -> protocol.ChildMessage:
+        while True:
+            line = child.read_line(deadline - time.monotonic())
+            try:
+                message = protocol.decode_child_line(line)
+            except protocol.StrayLine:
+                if self._stray_stdout == "restart":
+                    raise
+                log.warning("shard %s: child wrote a line that is not a protocol message to "
+                            "stdout; skipped: %r", self._shard_id, line.strip()[:_QUOTE_CHARS],
+                            extra={"shard_id": self._shard_id})
+                if self._metrics is not None:
+                    self._metrics.multilang_stray_stdout_lines.labels(self._shard_id).inc()
+                continue
+            if message is not None:
+                return message
+
+    def _checkpoint(self, request: protocol.CheckpointRequest,
+                    checkpointer: Checkpointer | None, action: str) -> str:
+        """Checkpoint as asked and build the reply; a failure travels to the child by its Java
+        exception name, where amazon_kclpy raises it as ``CheckpointError``."""
+        error: str | None = None
+        if checkpointer is None:
+            # As the Java daemon: no checkpointer exists during initialize and leaseLost.
+            error = InvalidStateException.name
+            log.error("shard %s: child asked to checkpoint during %s, where it is not possible",
+                      self._shard_id, action, extra={"shard_id": self._shard_id})
+        else:
+            try:
+                checkpointer.checkpoint(request.sequence_number, request.sub_sequence_number)
+            except CheckpointError as exc:
+                error = exc.name
+                log.warning("shard %s: checkpoint at %s/%s failed: %s", self._shard_id,
+                            request.sequence_number, request.sub_sequence_number, exc,
+                            extra={"shard_id": self._shard_id})
+            except Exception as exc:
+                # The Java daemon answers any throwable with its class name; the child decides.
+                error = type(exc).__name__
+                log.exception("shard %s: checkpoint at %s/%s failed unexpectedly",
+                              self._shard_id, request.sequence_number,
+                              request.sub_sequence_number, extra={"shard_id": self._shard_id})
+        return protocol.encode_checkpoint_reply(request.sequence_number,
+                                                request.sub_sequence_number, error)
+
+    def _fail(self, child: ChildProcess, reason: str, detail: str, action: str,
+              consequence: str = "the shard restarts from its last checkpoint") -> NoReturn:
+        if self._child is child:
+            self._child = None
+        child.kill()
+        tail = child.stderr_tail()
+        stderr = f"; its last stderr lines: {' | '.join(tail)}" if tail else ""
+        hint = _HINTS.get(reason, "")
+        log.error("shard %s: child pid %s %s while handling %s; killed it, %s%s%s",
+                  self._shard_id, child.pid, detail, action, consequence, hint, stderr,
+                  extra={"shard_id": self._shard_id, "reason": reason})
+        if self._metrics is not None:
+            self._metrics.multilang_child_failures.labels(self._shard_id, reason).inc()
+        self._failure = MultiLangChildError(
+            self._shard_id, reason,
+            f"shard {self._shard_id}: child process {detail} while handling {action}")
+        raise self._failure
+
+    def _stop_child(self) -> None:
+        child, self._child = self._child, None
+        if child is None:
+            return
+        code = child.stop(self._exit_timeout_s)
+        log.info("shard %s: child pid %s ended with exit code %s", self._shard_id, child.pid,
+                 code, extra={"shard_id": self._shard_id})
+
+
+def resolve_command(executable: str, cwd: Path) -> list[str]:
+    """``executableName`` as an argv: split like a POSIX shell would (no shell runs it), the
+    program looked up relative to ``cwd`` (the properties file's folder) before ``PATH``.
+
+    A ``.py`` program that is not executable is run with this interpreter, so a sample whose
+    file mode got lost in a copy still starts. Raises ConfigError naming ``executableName``.
+    """
+    try:
+        argv = shlex.split(executable)
+    except ValueError as exc:
+        raise ConfigError("executableName", f"{executable!r} cannot be split: {exc}") from None
+    if not argv:
+        raise ConfigError("executableName", "is empty")
+    program = argv[0]
+    path = Path(program).expanduser()
+    if not path.is_absolute():
+        has_dir = os.sep in program or (os.altsep is not None and os.altsep in program)
+        if not has_dir and not (cwd / path).is_file():
+            if shutil.which(program) is None:
+                raise ConfigError("executableName", f"{program!r} is neither a file in {cwd} "
+                                  "nor a command on PATH")
+            return argv
+        path = cwd / path
+    if not path.is_file():
+        raise ConfigError("executableName", f"{str(path)!r} does not exist")
+    if not os.access(path, os.X_OK):
+        if path.suffix == ".py":
+            return [sys.executable, str(path), *argv[1:]]
+        raise ConfigError("executableName", f"{str(path)!r} is not executable")
+    return [str(path), *argv[1:]]
+
+
+def multilang_processor_factory(
+    executable: str,
+    *,
+    cwd: Path,
+    metrics: Metrics | None,
+    response_timeout_s: float = 60.0,
+    exit_timeout_s: float = 10.0,
+    env: Mapping[str, str] | None = None,
+    stray_stdout: StrayStdoutPolicy = "restart",
+) -> Callable[[], IRecordProcessor]:
+    """A processor factory for the Worker that runs ``executable`` (``executableName``) per
+    shard. The command is resolved now, so a typo fails at start-up rather than per shard.
+
+    ``env`` is added to the inherited environment of every child.
+    """
+    base = cwd.resolve()
+    argv = resolve_command(executable, base)
+    if response_timeout_s <= 0:
+        raise ConfigError("timeoutInSeconds", f"must be positive, got {response_timeout_s}")
+    if stray_stdout not in STRAY_STDOUT_POLICIES:
+        raise ConfigError("stray_stdout", f"{stray_stdout!r} is not one of "
+                          f"{', '.join(STRAY_STDOUT_POLICIES)}")
+    log.info("multilang: every shard runs %s in %s", shlex.join(argv), base)
+
+    def factory() -> IRecordProcessor:
+        return MultiLangRecordProcessor(
+            argv, cwd=base, metrics=metrics, response_timeout_s=response_timeout_s,
+            exit_timeout_s=exit_timeout_s, env=env, stray_stdout=stray_stdout)
+
+    return factory
