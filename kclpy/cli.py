@@ -23,6 +23,7 @@ from kclpy.config import (
     read_properties,
 )
 from kclpy.errors import ConfigError
+from kclpy.metrics import Metrics
 from kclpy.processor import IRecordProcessor
 
 log = logging.getLogger("kclpy")
@@ -130,21 +131,24 @@ def parse_worker_args(argv: Sequence[str] | None) -> tuple[KCLConfig, argparse.N
     return config, args
 
 
-def _processor_factory(config: KCLConfig, args: argparse.Namespace
+def _processor_factory(config: KCLConfig, args: argparse.Namespace, metrics: Metrics
                        ) -> Callable[[], IRecordProcessor]:
     if args.processor:
         return load_processor_class(args.processor, base_dir=None)
     from kclpy.multilang import multilang_processor_factory
 
     assert config.executable_name is not None
+    stray: Any = config.stray_stdout
     return multilang_processor_factory(
-        config.executable_name, cwd=config.properties_dir or Path.cwd(), metrics=None)
+        config.executable_name, cwd=config.properties_dir or Path.cwd(), metrics=metrics,
+        response_timeout_s=float(config.timeout_in_seconds), stray_stdout=stray)
 
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
+    metrics = Metrics()
     try:
         config, args = parse_worker_args(argv)
-        factory = _processor_factory(config, args)
+        factory = _processor_factory(config, args, metrics)
     except ConfigError as exc:
         print(f"kclpy-worker: error: {exc}", file=sys.stderr)
         return 2
@@ -163,9 +167,9 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
                                         dynamodb_endpoint=endpoint.url)
                 session = local_session(config.region or "us-east-1")
                 seed_demo_stream(session, endpoint.url, config.stream_label)
-                Worker(config, factory, session=session).run()
+                Worker(config, factory, metrics=metrics, session=session).run()
         else:
-            Worker(config, factory).run()
+            Worker(config, factory, metrics=metrics).run()
     except ConfigError as exc:
         print(f"kclpy-worker: error: {exc}", file=sys.stderr)
         return 2

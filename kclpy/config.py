@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 INITIAL_POSITIONS = ("LATEST", "TRIM_HORIZON", "AT_TIMESTAMP")
 ERROR_POLICIES = ("retry", "skip", "shutdown")
+STRAY_STDOUT_POLICIES = ("restart", "skip")
 
 
 def default_worker_id() -> str:
@@ -64,6 +65,8 @@ class KCLConfig:
     max_pool_connections: int = 256
     stop_when_caught_up: bool = False
     executable_name: str | None = None
+    timeout_in_seconds: int = 300
+    stray_stdout: str = "restart"
     properties_dir: Path | None = None
 
     def __post_init__(self) -> None:
@@ -72,6 +75,11 @@ class KCLConfig:
     @property
     def lease_table_name(self) -> str:
         return self.table_name or self.application_name
+
+    @property
+    def api_stream_name(self) -> str | None:
+        """The name to send to Kinesis: none when an ARN is set (the ARN wins, as in Java)."""
+        return None if self.stream_arn else self.stream_name
 
     @property
     def stream_label(self) -> str:
@@ -155,37 +163,99 @@ OPTIONS: tuple[Option, ...] = (
          "Shut down cleanly once every shard is caught up (drain and exit).", "stopWhenCaughtUp"),
     _opt("executable_name", "str",
          "MultiLangDaemon child command (runs an amazon_kclpy application).", "executableName"),
+    _opt("timeout_in_seconds", "int",
+         "MultiLangDaemon: how long a child may take to answer one message.", "timeoutInSeconds"),
+    _opt("stray_stdout", "stray",
+         "MultiLangDaemon: a non-protocol line on a child's stdout restarts it, or is skipped.",
+         "strayStdout"),
 )
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
-OPTIONS_BY_KEY = {k: o for o in OPTIONS for k in o.properties_keys}
+OPTIONS_BY_KEY = {k.lower(): o for o in OPTIONS for k in o.properties_keys}
 
 #: Keys of the Java MultiLangDaemon that mean nothing without a JVM: accepted, logged once.
+_CREDENTIALS = "credentials come from the standard boto3 chain"
+_CLOUDWATCH = "CloudWatch is not used; metrics are Prometheus (see docs/operations.md)"
+_POLLING = "kclpy always polls with GetRecords (one fetch thread per shard)"
+_LEASES = "kclpy's lease coordinator does not use this tuning knob"
+_KCL3 = "a KCL 3.x feature kclpy does not implement; the KCL 2.x lease protocol is used"
+_ONE_REGION = "kclpy uses one region (regionName) for every client"
+
+#: Keys of the Java MultiLangDaemon that mean nothing without a JVM: accepted, logged once.
+#: Matched case-insensitively, as the Java daemon does.
 JAVA_ONLY_KEYS: Mapping[str, str] = {
-    "AWSCredentialsProvider": "credentials come from the standard boto3 chain",
-    "AWSCredentialsProviderDynamoDB": "credentials come from the standard boto3 chain",
-    "AWSCredentialsProviderCloudWatch": "CloudWatch is not used; metrics are Prometheus",
-    "metricsLevel": "metrics are Prometheus; all of them are always on",
-    "metricsEnabledDimensions": "metrics are Prometheus; all labels are always on",
-    "metricsBufferTimeMillis": "metrics are Prometheus, scraped, not buffered",
-    "metricsMaxQueueSize": "metrics are Prometheus, scraped, not buffered",
-    "cloudWatchEndpoint": "CloudWatch is not used; metrics are Prometheus",
-    "javaClassPath": "no JVM is involved",
+    "dynamoDBRegionName": _ONE_REGION,
+    "cloudWatchRegionName": _CLOUDWATCH,
+    "metricsLevel": _CLOUDWATCH,
+    "metricsEnabledDimensions": _CLOUDWATCH,
+    "metricsBufferTimeMillis": _CLOUDWATCH,
+    "metricsMaxQueueSize": _CLOUDWATCH,
+    "cloudWatchEndpoint": _CLOUDWATCH,
     "processingLanguage": "no JVM is involved",
+    "javaClassPath": "no JVM is involved",
     "maxActiveThreads": "kclpy runs one fetch and one delivery thread per held shard",
     "validateSequenceNumberBeforeCheckpointing": "kclpy always validates checkpoints locally",
     "userAgentAdditionalInfo": "not sent",
-    "kinesisClientConfig": "use the boto3 configuration chain",
-    "dynamoDBClientConfig": "use the boto3 configuration chain",
-    "cloudWatchClientConfig": "CloudWatch is not used",
-    "retryGetRecordsInSeconds": "GetRecords retries use kclpy's capped exponential backoff",
-    "maxGetRecordsThreadPool": "kclpy prefetches with one thread per shard",
+    "retryGetRecordsInSeconds": _POLLING,
+    "maxGetRecordsThreadPool": _POLLING,
+    "retrievalMode": _POLLING,
+    "consumerArn": _POLLING,
+    "consumerName": _POLLING,
+    "maxDescribeStreamSummaryRetries": _POLLING,
+    "maxDescribeStreamConsumerRetries": _POLLING,
+    "registerStreamConsumerRetries": _POLLING,
+    "retryBackoffMillis": _POLLING,
     "billingMode": "the lease table is created PAY_PER_REQUEST",
     "initialLeaseTableReadCapacity": "the lease table is created PAY_PER_REQUEST",
     "initialLeaseTableWriteCapacity": "the lease table is created PAY_PER_REQUEST",
-    "skipShardSyncAtStartupIfLeasesExist": "kclpy always syncs at startup (one ListShards)",
-    "logMetricsInterval": "metrics are Prometheus",
+    "maxLeaseRenewalThreads": _LEASES,
+    "listShardsBackoffTimeInMillis": "ListShards retries use kclpy's capped backoff",
+    "maxListShardsRetryAttempts": "ListShards retries use kclpy's capped backoff",
+    "shardPrioritization": _LEASES,
+    "skipShardSyncAtWorkerInitializationIfLeasesExist": "kclpy always syncs at start-up",
+    "skipShardSyncAtStartupIfLeasesExist": "kclpy always syncs at start-up",
+    "schedulerInitializationBackoffTimeMillis": _LEASES,
+    "logWarningForTaskAfterMillis": _LEASES,
+    "ignoreUnexpectedChildShards": _LEASES,
+    "enablePriorityLeaseAssignment": _LEASES,
+    "logMetricsInterval": _CLOUDWATCH,
     "workerStateChangeListener": "no JVM is involved",
+    "clientVersionConfig": _KCL3,
+    "leaseAssignmentIntervalMillis": _KCL3,
+    "gracefulLeaseHandoffTimeoutMillis": _KCL3,
+    "isGracefulLeaseHandoffEnabled": _KCL3,
+    **{f"coordinatorState{k}": _KCL3 for k in (
+        "TableName", "BillingMode", "ReadCapacity", "WriteCapacity",
+        "PointInTimeRecoveryEnabled", "DeletionProtectionEnabled", "Tags")},
+    **{f"workerMetrics{k}": _KCL3 for k in (
+        "TableName", "BillingMode", "ReadCapacity", "WriteCapacity",
+        "PointInTimeRecoveryEnabled", "DeletionProtectionEnabled", "Tags")},
+    **{k: _KCL3 for k in (
+        "inMemoryWorkerMetricsCaptureFrequencyMillis", "workerMetricsReporterFreqInMillis",
+        "noOfPersistedMetricsPerWorkerMetrics", "disableWorkerMetrics",
+        "maxThroughputPerHostKBps", "dampeningPercentage", "reBalanceThresholdPercentage",
+        "allowThroughputOvershoot", "varianceBalancingFrequency", "workerMetricsEMAAlpha",
+        "staleWorkerMetricsEntryCleanupDuration")},
 }
+#: Key prefixes of the same kind: credential providers and SDK client builder settings.
+JAVA_ONLY_PREFIXES: Mapping[str, str] = {
+    "awscredentialsprovider": _CREDENTIALS,
+    "kinesisclient.": "configure the Kinesis client through the boto3 chain",
+    "dynamodbclient.": "configure the DynamoDB client through the boto3 chain",
+    "cloudwatchclient.": _CLOUDWATCH,
+}
+_JAVA_ONLY_LOWER = {k.lower(): v for k, v in JAVA_ONLY_KEYS.items()}
+
+
+def java_only_reason(key: str) -> str | None:
+    """Why a Java-only key is ignored, or None when it is not one."""
+    low = key.lower()
+    if low in _JAVA_ONLY_LOWER:
+        return _JAVA_ONLY_LOWER[low]
+    for prefix, reason in JAVA_ONLY_PREFIXES.items():
+        if low.startswith(prefix):
+            return reason
+    return None
+
 
 
 # -- value conversion -----------------------------------------------------------------------
@@ -253,6 +323,9 @@ def validate(config: KCLConfig, labels: Mapping[str, str]) -> None:
                           f"of {', '.join(INITIAL_POSITIONS)}")
     if config.initial_position == "AT_TIMESTAMP" and config.initial_timestamp is None:
         raise ConfigError(name("initial_timestamp"), "is required with AT_TIMESTAMP")
+    if config.stray_stdout not in STRAY_STDOUT_POLICIES:
+        raise ConfigError(name("stray_stdout"), f"{config.stray_stdout!r} is not one of "
+                          f"{', '.join(STRAY_STDOUT_POLICIES)}")
     if config.processor_error_policy not in ERROR_POLICIES:
         raise ConfigError(name("processor_error_policy"),
                           f"{config.processor_error_policy!r} is not one of "
@@ -313,16 +386,22 @@ def from_properties(properties: Mapping[str, str], *, base_dir: Path | None = No
     values: dict[str, Any] = {}
     labels: dict[str, str] = {}
     for key, raw in properties.items():
-        option = OPTIONS_BY_KEY.get(key)
-        if key in JAVA_ONLY_KEYS:
-            log.info("properties key %s is accepted and ignored: %s", key, JAVA_ONLY_KEYS[key])
+        option = OPTIONS_BY_KEY.get(key.lower())
+        reason = java_only_reason(key)
+        if option is None and reason is not None:
+            log.info("properties key %s is accepted and ignored: %s", key, reason)
             continue
         if option is None:
             say(f"unknown properties key {key!r} ignored")
             continue
-        if option.name == "initial_timestamp" and raw.strip().upper() in INITIAL_POSITIONS:
-            values.setdefault("initial_position", raw.strip().upper())
-            continue
+        if option.name == "initial_timestamp":
+            if raw.strip().upper() in INITIAL_POSITIONS:
+                values.setdefault("initial_position", raw.strip().upper())
+                continue
+            # The Java daemon's initialPositionInStreamExtended is a timestamp and means
+            # AT_TIMESTAMP by itself.
+            values["initial_position"] = "AT_TIMESTAMP"
+            labels.setdefault("initial_position", key)
         values[option.name] = _convert(option, raw, key)
         labels[option.name] = key
     if base_dir is not None:

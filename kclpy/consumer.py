@@ -56,6 +56,10 @@ class FetcherLike(Protocol):
     def start(self) -> None: ...
     def get(self, timeout: float | None = None) -> FetchResultLike | None: ...
     def stop(self) -> None: ...
+    @property
+    def caught_up(self) -> bool: ...
+    @property
+    def millis_behind_latest(self) -> int | None: ...
 
 
 class LeaseReader(Protocol):
@@ -263,12 +267,10 @@ class ShardConsumer:
                 return
             assert self._fetcher is not None
             result = self._fetcher.get(timeout=self._settings.poll_timeout_s)
+            self.millis_behind_latest = self._fetcher.millis_behind_latest
             if result is None:
+                self.caught_up = self._fetcher.caught_up
                 continue
-            self.millis_behind_latest = result.millis_behind_latest
-            if result.millis_behind_latest is not None:
-                self._metrics.millis_behind_latest.labels(self.shard_id).set(
-                    result.millis_behind_latest)
             empty_too = self._settings.call_process_records_even_for_empty_record_list
             if result.records or empty_too:
                 outcome = self._deliver(result)
@@ -280,7 +282,6 @@ class ShardConsumer:
                 if outcome == "stopped":
                     continue
                 restarts = 0
-            self.caught_up = result.caught_up and not result.records
             if result.shard_end:
                 self._end_with_shard_end(result.child_shards)
                 return

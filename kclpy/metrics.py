@@ -82,5 +82,14 @@ class Metrics:
             "kclpy_shard_consumer_state",
             "1 for the state each shard consumer is in, 0 for the others.",
             ["shard_id", "state"], registry=r)
+        # MultiLangDaemon children
+        self.multilang_child_failures = Counter(
+            "kclpy_multilang_child_failures",
+            "MultiLangDaemon children killed because they exited, hung or broke the protocol.",
+            ["shard_id", "reason"], registry=r)
+        self.multilang_stray_stdout_lines = Counter(
+            "kclpy_multilang_stray_stdout_lines",
+            "Lines on a child's stdout that were not protocol messages and were skipped.",
+            ["shard_id"], registry=r)
         self.dynamodb_requests = Counter(
             "kclpy_dynamodb_requests", "DynamoDB requests by operation.", ["operation"], registry=r)

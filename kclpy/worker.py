@@ -146,10 +146,9 @@ class Worker:
             raise ConfigError("--region", "no region configured (set --region, "
                               "regionName or AWS_DEFAULT_REGION)") from None
         self.lease_table = LeaseTable(self.dynamodb, cfg.lease_table_name, metrics=self.metrics)
-        if self.lease_table.create_if_missing():
-            log.info("created lease table %s", cfg.lease_table_name)
+        self.lease_table.create_if_missing()
         self.shard_syncer = ShardSyncer(
-            self.kinesis, self.lease_table, stream_name=cfg.stream_name,
+            self.kinesis, self.lease_table, stream_name=cfg.api_stream_name,
             stream_arn=cfg.stream_arn, initial_position=cfg.initial_position,
             metrics=self.metrics)
         self.coordinator = LeaseCoordinator(
@@ -209,7 +208,12 @@ class Worker:
                     continue
                 if not consumer.done:
                     continue
-                if isinstance(consumer.error, FatalProcessorError):
+                if consumer.shard_ended:
+                    # Nobody needs a finished shard's lease held (children read only its
+                    # checkpoint), and renewing it would cost a write every renewal period.
+                    del self._consumers[shard_id]
+                    self.coordinator.release(shard_id)
+                elif isinstance(consumer.error, FatalProcessorError):
                     self._fatal = consumer.error
                 elif consumer.error is not None:
                     log.error("shard %s: consumer stopped on %r; releasing its lease so it is "
@@ -241,7 +245,7 @@ class Worker:
         return ShardFetcher(
             self.kinesis, lease.lease_key,
             StartPosition.from_checkpoint(checkpoint, sub_sequence_number, cfg.initial_timestamp),
-            stream_name=cfg.stream_name, stream_arn=cfg.stream_arn,
+            stream_name=cfg.api_stream_name, stream_arn=cfg.stream_arn,
             max_records=cfg.max_records, idle_time_s=cfg.idle_time_between_reads_ms / 1000,
             queue_size=cfg.prefetch_queue_size, hash_range=hash_range, metrics=self.metrics,
             deliver_empty=cfg.call_process_records_even_for_empty_record_list)
@@ -270,7 +274,10 @@ class Worker:
         assert self.coordinator is not None
         held = self.coordinator.held_leases()
         leases = self.coordinator.all_leases()
-        if not leases or any(lease.lease_key not in held for lease in leases):
+        if not leases:
+            return False  # the taker has not scanned the table yet
+        open_leases = [lease for lease in leases if not lease.is_shard_end]
+        if any(lease.lease_key not in held for lease in open_leases):
             return False
         consumers = self.consumers()
         return all(shard_id in consumers and consumers[shard_id].caught_up for shard_id in held)

@@ -53,6 +53,11 @@ class ScriptedFetcher:
                 self.queue.put(Result(kept, page.millis_behind_latest, page.shard_end,
                                       page.child_shards, page.caught_up))
         self.started = self.stopped = False
+        self.millis_behind_latest: int | None = 0
+
+    @property
+    def caught_up(self) -> bool:
+        return self.queue.empty()
 
     def start(self) -> None:
         self.started = True

@@ -1,0 +1,5 @@
+"""``python -m kclpy`` is ``kclpy-worker``."""
+
+from kclpy.cli import main
+
+main()

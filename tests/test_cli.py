@@ -1,0 +1,197 @@
+"""kclpy-worker: bad configurations exit 2 with one line naming the option; the README's main
+job runs; SIGTERM shuts a worker process down cleanly and releases its leases."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kclpy.cli import worker_main
+from kclpy.local import LocalEndpoint
+from tests.support.recording import read_file_ledger
+from tests.support.streams import (
+    create_stream,
+    dynamodb_client,
+    kinesis_client,
+    put_plain,
+    unique_name,
+    wait_for,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+GOOD = ["--stream-name", "s", "--application-name", "a",
+        "--processor", "examples/printing_processor.py:PrintingProcessor"]
+
+
+def _props(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "app.properties"
+    path.write_text("streamName = s\napplicationName = a\n" + text)
+    return str(path)
+
+
+BAD_CONFIGS: list[tuple[str, list[str], str]] = [
+    ("missing stream", ["--application-name", "a", "--processor", "x:Y"], "--stream-name"),
+    ("missing application", ["--stream-name", "s", "--processor", "x:Y"], "--application-name"),
+    ("missing processor", ["--stream-name", "s", "--application-name", "a"], "--processor"),
+    ("failover not a number", [*GOOD, "--failover-time-ms", "ten"], "--failover-time-ms"),
+    ("negative failover", [*GOOD, "--failover-time-ms", "-1"], "--failover-time-ms"),
+    ("zero max records", [*GOOD, "--max-records", "0"], "--max-records"),
+    ("too many max records", [*GOOD, "--max-records", "10001"], "--max-records"),
+    ("negative idle time", [*GOOD, "--idle-time-between-reads-ms", "-5"],
+     "--idle-time-between-reads-ms"),
+    ("float sync interval", [*GOOD, "--shard-sync-interval-ms", "1.5"],
+     "--shard-sync-interval-ms"),
+    ("unknown position", [*GOOD, "--initial-position", "MIDDLE"], "--initial-position"),
+    ("at timestamp without time", [*GOOD, "--initial-position", "AT_TIMESTAMP"],
+     "--initial-timestamp"),
+    ("bad timestamp", [*GOOD, "--initial-timestamp", "tomorrow"], "--initial-timestamp"),
+    ("bad endpoint", [*GOOD, "--kinesis-endpoint", "localhost:4566"], "--kinesis-endpoint"),
+    ("bad dynamodb endpoint", [*GOOD, "--dynamodb-endpoint", "ftp://x"], "--dynamodb-endpoint"),
+    ("bad boolean", [*GOOD, "--cleanup-leases-upon-shard-completion", "maybe"],
+     "--cleanup-leases-upon-shard-completion"),
+    ("bad policy", [*GOOD, "--processor-error-policy", "ignore"], "--processor-error-policy"),
+    ("zero steal", [*GOOD, "--max-leases-to-steal-at-one-time", "0"],
+     "--max-leases-to-steal-at-one-time"),
+    ("bad stream arn", [*GOOD, "--stream-arn", "arn:aws:s3:::bucket"], "--stream-arn"),
+    ("processor not importable", ["--stream-name", "s", "--application-name", "a",
+                                  "--processor", "no_such_module_xyz:Thing"], "--processor"),
+    ("processor file missing", ["--stream-name", "s", "--application-name", "a",
+                                "--processor", "nowhere/proc.py:Thing"], "--processor"),
+    ("processor class missing", ["--stream-name", "s", "--application-name", "a",
+                                 "--processor", "examples/printing_processor.py:Nope"],
+     "--processor"),
+    ("processor not a processor", ["--stream-name", "s", "--application-name", "a",
+                                   "--processor", "json:JSONDecoder"], "--processor"),
+    ("processor not a class", ["--stream-name", "s", "--application-name", "a",
+                               "--processor", "json:loads"], "--processor"),
+    ("processor spec malformed", ["--stream-name", "s", "--application-name", "a",
+                                  "--processor", "examples.printing_processor"], "--processor"),
+    ("unknown flag", [*GOOD, "--no-such-flag", "1"], "--no-such-flag"),
+    ("bad log level", [*GOOD, "--log-level", "LOUD"], "--log-level"),
+]
+
+BAD_PROPERTIES: list[tuple[str, str, str]] = [
+    ("properties failover", "failoverTimeMillis = soon\n", "failoverTimeMillis"),
+    ("properties negative", "idleTimeBetweenReadsInMillis = -1\n",
+     "idleTimeBetweenReadsInMillis"),
+    ("properties position", "initialPositionInStream = NOW\n", "initialPositionInStream"),
+    ("properties boolean", "callProcessRecordsEvenForEmptyRecordList = sometimes\n",
+     "callProcessRecordsEvenForEmptyRecordList"),
+    ("properties max records", "maxRecords = lots\n", "maxRecords"),
+    ("properties endpoint", "dynamoDBEndpoint = dynamodb\n", "dynamoDBEndpoint"),
+]
+
+
+def _one_line_naming(err: str, option: str) -> None:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert option in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(("argv", "option"), [c[1:] for c in BAD_CONFIGS],
+                         ids=[c[0] for c in BAD_CONFIGS])
+def test_bad_flags_exit_2_naming_the_option(
+        argv: list[str], option: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    try:
+        code = worker_main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    assert code == 2
+    _one_line_naming(capsys.readouterr().err, option)
+
+
+@pytest.mark.parametrize(("text", "option"), [c[1:] for c in BAD_PROPERTIES],
+                         ids=[c[0] for c in BAD_PROPERTIES])
+def test_bad_properties_exit_2_naming_the_key(
+        text: str, option: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    code = worker_main(["--properties", _props(tmp_path, text),
+                        "--processor", "examples/printing_processor.py:PrintingProcessor"])
+    assert code == 2
+    _one_line_naming(capsys.readouterr().err, option)
+
+
+def test_flags_win_over_properties(tmp_path: Path) -> None:
+    from kclpy.cli import parse_worker_args
+
+    config, _ = parse_worker_args([
+        "--properties", _props(tmp_path, "failoverTimeMillis = 20000\nmaxRecords = 7\n"),
+        "--failover-time-ms", "30000", "--processor", "x:Y"])
+    assert config.failover_time_ms == 30000
+    assert config.max_records == 7
+    assert config.stream_name == "s"
+
+
+def test_processor_from_file_and_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kclpy.cli import load_processor_class
+
+    monkeypatch.chdir(ROOT)
+    from_file = load_processor_class("examples/printing_processor.py:PrintingProcessor")
+    from_module = load_processor_class("tests.support.recording:FileLedgerProcessor")
+    assert from_file.__name__ == "PrintingProcessor"
+    assert from_module.__name__ == "FileLedgerProcessor"
+
+
+def _worker_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kclpy", *args]
+
+
+@pytest.mark.integration
+def test_readme_main_job_consumes_the_demo_stream() -> None:
+    result = subprocess.run(
+        _worker_command("--local", "--processor",
+                        "examples/printing_processor.py:PrintingProcessor",
+                        "--stop-when-caught-up"),
+        cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if "data=" in line]
+    plain = [line for line in lines if '"kind": "plain"' in line]
+    kpl = [line for line in lines if '"kind": "kpl"' in line]
+    assert len(plain) == 10
+    assert len(kpl) == 10
+    assert {line.split()[1].split("/")[1] for line in kpl} == {"0", "1", "2", "3", "4"}
+
+
+@pytest.mark.integration
+def test_sigterm_shuts_down_cleanly_and_releases_leases(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, tmp_path: Path) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("sigterm")
+    create_stream(kinesis, stream, 2)
+    payloads = [f"t-{n}".encode() for n in range(100)]
+    put_plain(kinesis, stream, payloads)
+    ledger_path = tmp_path / "ledger.jsonl"
+    application = unique_name("app")
+    env = {**os.environ, "KCLPY_TEST_LEDGER": str(ledger_path)}
+    process = subprocess.Popen(
+        _worker_command(
+            "--stream-name", stream, "--application-name", application,
+            "--processor", "tests.support.recording:FileLedgerProcessor",
+            "--region", "us-east-1", "--kinesis-endpoint", kinesis_mock.url,
+            "--dynamodb-endpoint", moto_server.url, "--initial-position", "TRIM_HORIZON",
+            "--idle-time-between-reads-ms", "100", "--failover-time-ms", "3000"),
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: sum("data" in e for e in read_file_ledger(str(ledger_path)))
+                 >= len(payloads), 90, "records processed")
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, err[-3000:]
+    events = [e.get("event") for e in read_file_ledger(str(ledger_path))]
+    assert events.count("shutdown_requested") == 2
+    dynamodb = dynamodb_client(moto_server.url)
+    items = dynamodb.scan(TableName=application, ConsistentRead=True)["Items"]
+    assert len(items) == 2
+    assert all("leaseOwner" not in item for item in items)
+    assert "AWS_SECRET_ACCESS_KEY" not in err and "testing" not in err.lower().split("kclpy")[0]

@@ -1,0 +1,263 @@
+"""The worker end to end over real HTTP: kinesis-mock for Kinesis, moto's server for DynamoDB.
+
+Each test runs a real Worker (in a thread, or as a ``kclpy-worker`` process) against loopback
+endpoints started by the session fixtures, and checks what the processor saw against what was
+produced: every record, in order per shard, exactly once where the protocol promises it.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from kclpy import KCLConfig, Worker
+from kclpy.local import LocalEndpoint
+from tests.support.faultproxy import FaultProxy
+from tests.support.recording import Ledger, RecordingProcessor
+from tests.support.streams import (
+    create_stream,
+    dynamodb_client,
+    kinesis_client,
+    put_aggregated,
+    put_plain,
+    unique_name,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def make_config(kinesis_url: str, dynamodb_url: str, stream: str, **overrides: Any) -> KCLConfig:
+    values: dict[str, Any] = {
+        "application_name": unique_name("app"),
+        "stream_name": stream,
+        "region": "us-east-1",
+        "kinesis_endpoint": kinesis_url,
+        "dynamodb_endpoint": dynamodb_url,
+        "initial_position": "TRIM_HORIZON",
+        "failover_time_ms": 3000,
+        "idle_time_between_reads_ms": 100,
+        "shard_sync_interval_ms": 1000,
+        "parent_shard_poll_interval_ms": 200,
+        "shutdown_grace_ms": 5000,
+        "task_backoff_time_ms": 50,
+    }
+    values.update(overrides)
+    return KCLConfig(**values)
+
+
+@contextmanager
+def running(config: KCLConfig, ledger: Ledger) -> Iterator[Worker]:
+    worker = Worker(config, lambda: RecordingProcessor(ledger))
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            worker.run(install_signal_handlers=False)
+        except BaseException as exc:  # surfaced to the test below
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, name="test-worker", daemon=True)
+    thread.start()
+    try:
+        yield worker
+    finally:
+        worker.shutdown()
+        thread.join(60)
+        assert not thread.is_alive(), "worker did not stop"
+    assert not errors, errors
+
+
+def assert_in_order(ledger: Ledger) -> None:
+    for shard_id, records in ledger.by_shard().items():
+        positions = [(seq, sub) for seq, sub, _ in records]
+        assert positions == sorted(positions), f"{shard_id} out of order"
+
+
+def assert_exactly_once(ledger: Ledger, expected: list[bytes]) -> None:
+    seen = collections.Counter(ledger.payloads())
+    missing = set(expected) - set(seen)
+    duplicated = {p: n for p, n in seen.items() if n > 1}
+    assert not missing, f"{len(missing)} records never processed"
+    assert not duplicated, f"{len(duplicated)} records processed more than once"
+    assert sorted(seen) == sorted(expected)
+
+
+def produce_mixed(kinesis: Any, stream: str, tag: str, plain: int, aggregates: int,
+                  per_aggregate: int) -> list[bytes]:
+    payloads = [f"{tag}-plain-{n}".encode() for n in range(plain)]
+    put_plain(kinesis, stream, payloads)
+    aggregated = [f"{tag}-kpl-{n}".encode() for n in range(aggregates * per_aggregate)]
+    put_aggregated(kinesis, stream, aggregated, per_aggregate)
+    return payloads + aggregated
+
+
+def lease_items(dynamodb_url: str, table: str) -> dict[str, dict[str, Any]]:
+    client = dynamodb_client(dynamodb_url)
+    items = client.scan(TableName=table, ConsistentRead=True)["Items"]
+    return {item["leaseKey"]["S"]: item for item in items}
+
+
+def test_four_shards_plain_and_kpl_exactly_once_in_order(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("e2e")
+    create_stream(kinesis, stream, 4)
+    expected = produce_mixed(kinesis, stream, "a", plain=200, aggregates=10, per_aggregate=20)
+    ledger = Ledger()
+    config = make_config(kinesis_mock.url, moto_server.url, stream)
+    with running(config, ledger) as worker:
+        wait_for(lambda: len(ledger.records) >= len(expected), 120, "all records processed")
+        assert set(worker.status()["held_leases"]) == set(ledger.by_shard()) | set(
+            worker.status()["held_leases"])
+    assert_exactly_once(ledger, expected)
+    assert_in_order(ledger)
+    assert len(ledger.by_shard()) == 4
+    items = lease_items(moto_server.url, config.lease_table_name)
+    assert len(items) == 4
+    for item in items.values():
+        assert "leaseOwner" not in item, "leases are released on shutdown"
+        assert item["checkpoint"]["S"].isdigit()
+    kpl = [r for r in ledger.records if r[3].startswith(b"a-kpl-")]
+    assert {r[2] for r in kpl} == set(range(20)), "sub-sequence numbers of KPL records"
+
+
+def test_stopped_mid_stream_and_restarted_resumes_from_checkpoint(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("restart")
+    create_stream(kinesis, stream, 2)
+    first = produce_mixed(kinesis, stream, "one", plain=150, aggregates=5, per_aggregate=10)
+    ledger = Ledger()
+    config = make_config(kinesis_mock.url, moto_server.url, stream)
+    with running(config, ledger):
+        wait_for(lambda: len(ledger.records) >= len(first) // 2, 120, "half processed")
+        second = produce_mixed(kinesis, stream, "two", plain=100, aggregates=5, per_aggregate=10)
+    stopped_at = len(ledger.records)
+    third = produce_mixed(kinesis, stream, "three", plain=50, aggregates=2, per_aggregate=10)
+    expected = first + second + third
+    with running(config.replace(worker_id="second-worker"), ledger):
+        wait_for(lambda: len(ledger.records) >= len(expected), 120, "all processed")
+    assert_exactly_once(ledger, expected)
+    assert_in_order(ledger)
+    assert stopped_at < len(expected)
+    initialized = [name for _, name in ledger.events if name.startswith("initialize:")]
+    assert any(name.split(":", 1)[1].isdigit() for name in initialized), \
+        "the second worker resumed from a sequence-number checkpoint"
+
+
+def test_split_and_merge_parents_before_children(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("reshard")
+    create_stream(kinesis, stream, 2)
+    expected = produce_mixed(kinesis, stream, "before", plain=100, aggregates=2, per_aggregate=10)
+    ledger = Ledger()
+    config = make_config(kinesis_mock.url, moto_server.url, stream)
+    with running(config, ledger):
+        wait_for(lambda: len(ledger.records) >= 20, 60, "processing started")
+        shards = kinesis.list_shards(StreamName=stream)["Shards"]
+        first = shards[0]
+        low, high = (int(first["HashKeyRange"][k]) for k in ("StartingHashKey", "EndingHashKey"))
+        kinesis.split_shard(StreamName=stream, ShardToSplit=first["ShardId"],
+                            NewStartingHashKey=str((low + high) // 2))
+        wait_for(lambda: stream_active(kinesis, stream), 30, "split done")
+        expected += produce_mixed(kinesis, stream, "split", plain=100, aggregates=2,
+                                  per_aggregate=10)
+        open_shards = sorted(
+            (s for s in kinesis.list_shards(StreamName=stream)["Shards"]
+             if "EndingSequenceNumber" not in s["SequenceNumberRange"]),
+            key=lambda s: int(s["HashKeyRange"]["StartingHashKey"]))
+        kinesis.merge_shards(StreamName=stream, ShardToMerge=open_shards[1]["ShardId"],
+                             AdjacentShardToMerge=open_shards[2]["ShardId"])
+        wait_for(lambda: stream_active(kinesis, stream), 30, "merge done")
+        expected += produce_mixed(kinesis, stream, "merge", plain=100, aggregates=2,
+                                  per_aggregate=10)
+        wait_for(lambda: len(ledger.records) >= len(expected), 180, "all processed")
+    assert_exactly_once(ledger, expected)
+    assert_in_order(ledger)
+    all_shards = kinesis.list_shards(StreamName=stream)["Shards"]
+    order = {i: r[0] for i, r in enumerate(ledger.records)}
+    for shard in all_shards:
+        parents = [shard.get("ParentShardId"), shard.get("AdjacentParentShardId")]
+        child_first = min((i for i, s in order.items() if s == shard["ShardId"]), default=None)
+        for parent in filter(None, parents):
+            parent_last = max((i for i, s in order.items() if s == parent), default=None)
+            if child_first is not None and parent_last is not None:
+                assert parent_last < child_first, f"{shard['ShardId']} began before {parent} ended"
+    assert len(all_shards) == 5
+    ended = {shard for shard, name in ledger.events if name == "shard_ended"}
+    assert len(ended) == 3, "two split/merged parents and the merged-away sibling ended"
+
+
+def stream_active(kinesis: Any, stream: str) -> bool:
+    summary = kinesis.describe_stream_summary(StreamName=stream)["StreamDescriptionSummary"]
+    return bool(summary["StreamStatus"] == "ACTIVE")
+
+
+def test_throttling_and_iterator_expiry_are_survived_without_loss(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("faults")
+    create_stream(kinesis, stream, 2)
+    expected = produce_mixed(kinesis, stream, "f", plain=300, aggregates=4, per_aggregate=10)
+    ledger = Ledger()
+    with FaultProxy(kinesis_mock.url, seed=7) as proxy:
+        proxy.set_rule("GetRecords", throttle_rate=0.3)
+        proxy.set_rule("GetShardIterator", throttle_rate=0.2)
+        for _ in range(2):
+            proxy.inject_once("GetRecords", (400, {
+                "__type": "ExpiredIteratorException", "message": "Iterator expired"}))
+        config = make_config(proxy.url, moto_server.url, stream, max_records=50)
+        with running(config, ledger) as worker:
+            wait_for(lambda: len(ledger.records) >= len(expected), 120, "all processed")
+            metrics = worker.metrics.registry
+            throttles = metrics.get_sample_value(
+                "kclpy_throttles_total", {"operation": "GetRecords"}) or 0
+            expirations = sum(
+                metrics.get_sample_value("kclpy_iterator_expirations_total",
+                                         {"shard_id": s}) or 0
+                for s in ledger.by_shard())
+        assert proxy.faults("throttle") > 0
+    assert throttles > 0
+    assert expirations == 2
+    assert_exactly_once(ledger, expected)
+    assert_in_order(ledger)
+
+
+def test_lost_lease_calls_lease_lost_and_fences_checkpoints(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("lost")
+    create_stream(kinesis, stream, 1)
+    expected = produce_mixed(kinesis, stream, "l", plain=50, aggregates=0, per_aggregate=1)
+    ledger = Ledger()
+    config = make_config(kinesis_mock.url, moto_server.url, stream)
+    dynamodb = dynamodb_client(moto_server.url)
+    with running(config, ledger) as worker:
+        wait_for(lambda: len(ledger.records) >= len(expected), 60, "processed")
+        shard_id = next(iter(ledger.by_shard()))
+        item = lease_items(moto_server.url, config.lease_table_name)[shard_id]
+        counter = item["leaseCounter"]["N"]
+        dynamodb.update_item(
+            TableName=config.lease_table_name, Key={"leaseKey": {"S": shard_id}},
+            UpdateExpression="SET leaseOwner = :thief, leaseCounter = leaseCounter + :one",
+            ConditionExpression="leaseCounter = :c",
+            ExpressionAttributeValues={":thief": {"S": "thief"}, ":one": {"N": "1"},
+                                       ":c": {"N": counter}})
+        wait_for(lambda: (shard_id, "lease_lost") in ledger.events, 30, "lease_lost called")
+        lost = worker.metrics.registry.get_sample_value("kclpy_leases_lost_total")
+        assert lost is not None and lost >= 1
+        thief_item = lease_items(moto_server.url, config.lease_table_name)[shard_id]
+        assert thief_item["leaseOwner"]["S"] == "thief"
+        # The thief never renews: after the failover time the worker takes the shard back.
+        wait_for(lambda: lease_items(moto_server.url, config.lease_table_name)[shard_id]
+                 .get("leaseOwner", {}).get("S") == config.worker_id, 30, "lease retaken")
+        more = produce_mixed(kinesis, stream, "m", plain=20, aggregates=0, per_aggregate=1)
+        wait_for(lambda: len(ledger.records) >= len(expected) + len(more), 60, "more processed")
+    assert_exactly_once(ledger, expected + more)
