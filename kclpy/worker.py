@@ -102,6 +102,11 @@ class Worker:
         """True once the lease table and shard sync are ready (for embedding and tests)."""
         return self._started.wait(timeout)
 
+    @property
+    def healthy(self) -> bool:
+        """Running and renewing its leases (what /healthz reports)."""
+        return self.coordinator is not None and self.coordinator.healthy
+
     def consumers(self) -> dict[str, ShardConsumer]:
         with self._consumers_lock:
             return dict(self._consumers)

@@ -637,3 +637,24 @@ def test_over_http_three_workers_share_and_fence(moto_url: str) -> None:
     with pytest.raises(ShutdownException):
         b.update_checkpoint(shard, lease.concurrency_token, "99999", 0)
     assert fetch(table, shard).checkpoint == "12345"
+
+
+def test_healthy_only_while_renewals_run() -> None:
+    from kclpy.leases.coordinator import LeaseCoordinator
+
+    class Table:
+        def list_leases(self) -> list[object]:
+            return []
+
+    now = [100.0]
+    coordinator = LeaseCoordinator(Table(), "w", failover_time_s=3.0,  # type: ignore[arg-type]
+                                   taker_interval_s=3600, clock=lambda: now[0])
+    assert not coordinator.healthy, "not started"
+    coordinator.start()
+    try:
+        assert coordinator.healthy
+        now[0] += 10.0  # no renewal cycle completed for longer than the failover time
+        assert not coordinator.healthy
+    finally:
+        coordinator.stop(release=False)
+    assert not coordinator.healthy

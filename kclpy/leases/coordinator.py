@@ -111,6 +111,7 @@ class LeaseCoordinator:
         self._taker_lock = threading.Lock()
         self._taker_cycle = 0
         self._stopping = threading.Event()
+        self._last_renewal_cycle = clock()
         self._wake = threading.Event()
         self._threads: list[threading.Thread] = []
         self._pool: ThreadPoolExecutor | None = None
@@ -151,6 +152,7 @@ class LeaseCoordinator:
         while not self._stopping.wait(self.renewer_interval_s):
             try:
                 self.run_renewer_once()
+                self._last_renewal_cycle = self._clock()
             except Exception:
                 # A dead renewer would silently lose every lease; log and keep going.
                 log.exception("worker %s: lease renewal cycle failed", self.worker_id)
@@ -165,6 +167,14 @@ class LeaseCoordinator:
             self._wake.clear()
 
     # -- configuration and queries -------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        """The renewer is alive and completed a cycle within the failover time: this
+        worker's leases are being renewed (what /healthz reports)."""
+        if not self._threads or self._stopping.is_set():
+            return False
+        return self._clock() - self._last_renewal_cycle <= self.failover_time_s
 
     def add_lease_lost_listener(self, fn: Callable[[str], None]) -> None:
         """``fn(shard_id)`` is called (from the renewer or a checkpointing thread, with no
