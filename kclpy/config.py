@@ -275,7 +275,7 @@ def parse_timestamp(text: str) -> datetime:
 
 
 def _convert(option: Option, raw: Any, label: str) -> Any:
-    if raw is None or (isinstance(raw, (int, bool, datetime)) and not isinstance(raw, str)):
+    if raw is None or isinstance(raw, (int, datetime)):
         return raw
     text = str(raw).strip()
     kind = option.kind

@@ -19,8 +19,10 @@ def local_session(region: str) -> boto3.session.Session:
     """Static dummy credentials: the embedded endpoint accepts any, and the user's real ones
     (if any) are never sent anywhere by the demo."""
     return boto3.session.Session(
-        aws_access_key_id="kclpy-local", aws_secret_access_key="kclpy-local",  # noqa: S106
-        region_name=region)
+        aws_access_key_id="kclpy-local",
+        aws_secret_access_key="kclpy-local",  # noqa: S106
+        region_name=region,
+    )
 
 
 def seed_demo_stream(session: boto3.session.Session, endpoint_url: str, stream: str) -> int:
@@ -30,17 +32,19 @@ def seed_demo_stream(session: boto3.session.Session, endpoint_url: str, stream: 
     if stream not in existing:
         kinesis.create_stream(StreamName=stream, ShardCount=DEMO_SHARDS)
         deadline = time.monotonic() + 30
-        while kinesis.describe_stream_summary(StreamName=stream)[
-                "StreamDescriptionSummary"]["StreamStatus"] != "ACTIVE":
+        while (
+            kinesis.describe_stream_summary(StreamName=stream)["StreamDescriptionSummary"][
+                "StreamStatus"
+            ]
+            != "ACTIVE"
+        ):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"stream {stream} did not become ACTIVE")
             time.sleep(0.1)
-    entries = [
-        {"Data": json.dumps({"n": n, "kind": "plain"}).encode(), "PartitionKey": f"pk-{n}"}
-        for n in range(DEMO_PLAIN_RECORDS)
-    ]
-    kinesis.put_records(StreamName=stream, Records=entries)
-    written = len(entries)
+    for n in range(DEMO_PLAIN_RECORDS):
+        kinesis.put_record(StreamName=stream, Data=json.dumps({"n": n, "kind": "plain"}).encode(),
+                           PartitionKey=f"pk-{n}")
+    written = DEMO_PLAIN_RECORDS
     for a in range(DEMO_AGGREGATES):
         aggregator = RecordAggregator()
         for n in range(DEMO_RECORDS_PER_AGGREGATE):
