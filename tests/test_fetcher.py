@@ -791,11 +791,7 @@ def kinesis_endpoint(request: pytest.FixtureRequest) -> Endpoint:
     if request.param == "moto":
         endpoint: Endpoint = request.getfixturevalue("moto_kinesis")
         return endpoint
-    try:
-        mock = request.getfixturevalue("kinesis_mock")
-    except pytest.FixtureLookupError:
-        pytest.skip("no kinesis_mock fixture in this checkout")
-    url: str = mock.url
+    url: str = request.getfixturevalue("kinesis_mock").url
     return Endpoint(url, verify=not url.startswith("https"))
 
 
@@ -917,11 +913,7 @@ def test_reads_plain_and_aggregated_records_over_http_exactly_once_in_order(
 def test_a_split_parent_is_read_to_shard_end_with_its_children_over_http(
     request: pytest.FixtureRequest,
 ) -> None:
-    try:
-        mock = request.getfixturevalue("kinesis_mock")
-    except pytest.FixtureLookupError:
-        pytest.skip("no kinesis_mock fixture in this checkout (moto has no ChildShards)")
-    url: str = mock.url
+    url: str = request.getfixturevalue("kinesis_mock").url
     client = kinesis_client(Endpoint(url, verify=not url.startswith("https")))
     stream = f"fetcher-split-{uuid.uuid4().hex[:8]}"
     client.create_stream(StreamName=stream, ShardCount=1)

@@ -14,12 +14,12 @@ import pytest
 from botocore.exceptions import ClientError
 from botocore.stub import Stubber
 from moto import mock_aws
-from moto.server import ThreadedMotoServer
 
 from kclpy.errors import ConfigError
 from kclpy.leases.lease import AT_TIMESTAMP, LATEST, TRIM_HORIZON, Lease
 from kclpy.leases.shard_sync import Shard, ShardSyncer, plan_new_leases
 from kclpy.leases.table import LeaseTable
+from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from kclpy.retrieval.parse import ChildShard
 
@@ -439,18 +439,8 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def moto_url(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The shared ``moto_server`` fixture when the suite has one, else a private server."""
-    try:
-        yield request.getfixturevalue("moto_server").url
-    except pytest.FixtureLookupError:
-        port = _free_port()
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-        server.start()
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            server.stop()
+def moto_url(moto_server: LocalEndpoint) -> str:
+    return moto_server.url
 
 
 @pytest.mark.integration
@@ -474,10 +464,7 @@ def test_over_http_moto_server_paginates_and_syncs(moto_url: str) -> None:
 def test_over_http_kinesis_mock_paginates_and_follows_a_split(
     request: pytest.FixtureRequest,
 ) -> None:
-    try:
-        endpoint = request.getfixturevalue("kinesis_mock")
-    except pytest.FixtureLookupError:
-        pytest.skip("no kinesis_mock fixture in this suite")
+    endpoint = request.getfixturevalue("kinesis_mock")
     moto_url = request.getfixturevalue("moto_url")
     kinesis = boto3.client("kinesis", endpoint_url=endpoint.url, region_name=REGION, verify=False)
     dynamodb = boto3.client("dynamodb", endpoint_url=moto_url, region_name=REGION)
