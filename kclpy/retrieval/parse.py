@@ -1,0 +1,188 @@
+"""GetRecords responses parsed by kclpy instead of botocore's generic parser.
+
+botocore's JSON parser walks the output shape for every field of every record, turns each
+``Data`` into bytes and each timestamp into a ``datetime``: about 60k records/s, which would
+make the parse, not the network, the consumer's bottleneck. Here a successful GetRecords body
+goes through one ``json.loads`` and becomes lazy :class:`~kclpy.records.Record` objects that keep
+the payload as base64 text until someone reads it.
+
+Only the parse moves: the request still goes through the botocore client, so signing,
+credentials, endpoints, retries and error parsing stay botocore's. A ``before-parse`` handler
+takes the body of an HTTP 200 answer, parses it, hands botocore an empty body (so its parser
+does no work) and passes the page through ``customized_response_dict``, which botocore merges
+into the dict that ``client.get_records`` returns.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, cast
+
+from botocore.parsers import ResponseParserError
+
+from kclpy.records import Record
+
+if TYPE_CHECKING:
+    from mypy_boto3_kinesis import KinesisClient
+
+__all__ = [
+    "ChildShard",
+    "GetRecordsPage",
+    "get_records",
+    "install_fast_get_records",
+    "parse_get_records",
+]
+
+_EVENT = "before-parse.kinesis.GetRecords"
+_HANDLER_ID = "kclpy.retrieval.parse.fast_get_records"
+# Private key under which the handler passes the page through botocore's response dict.
+_PAGE_KEY = "_kclpy_get_records_page"
+
+
+@dataclass(frozen=True, slots=True)
+class ChildShard:
+    """A shard that continues a closed one; GetRecords names them once the parent is read."""
+
+    shard_id: str
+    parent_shards: tuple[str, ...]
+    starting_hash_key: str
+    ending_hash_key: str
+
+
+@dataclass(slots=True)
+class GetRecordsPage:
+    """One GetRecords answer. ``next_shard_iterator is None`` means the shard is closed and
+    every record of it has been returned (shard end)."""
+
+    records: list[Record]
+    next_shard_iterator: str | None
+    millis_behind_latest: int | None
+    child_shards: list[ChildShard] = field(default_factory=list)
+    size_bytes: int = 0
+
+
+def parse_get_records(body: bytes) -> GetRecordsPage:
+    """Parse the JSON body of a successful GetRecords answer.
+
+    Records are not de-aggregated and their data is not base64-decoded here: both happen
+    later, and only for what is read. ``ApproximateArrivalTimestamp`` (epoch seconds on the
+    wire) becomes int epoch milliseconds, as amazon_kclpy reports it.
+
+    Raises botocore's ``ResponseParserError`` if the body is not a GetRecords document, so a
+    garbled answer is an error the fetcher retries, never an empty page that reads as
+    "no records" or, worse, as shard end.
+    """
+    try:
+        doc = json.loads(body)
+        raw_records = doc["Records"]
+        # Positional arguments and no helper call per record: after json.loads this loop is
+        # most of the parse's cost. The order is (sequence_number, partition_key,
+        # approximate_arrival_timestamp, sub_sequence_number, data, b64).
+        records = [
+            Record(
+                r["SequenceNumber"],
+                r["PartitionKey"],
+                None if (ts := r.get("ApproximateArrivalTimestamp")) is None
+                # round, not int: in binary floating point 1.001 * 1000 is 1000.9999999999999
+                else round(ts * 1000),
+                0,
+                None,
+                r["Data"],
+            )
+            for r in raw_records
+        ]
+        child_shards = [
+            ChildShard(
+                shard_id=c["ShardId"],
+                parent_shards=tuple(c["ParentShards"]),
+                starting_hash_key=c["HashKeyRange"]["StartingHashKey"],
+                ending_hash_key=c["HashKeyRange"]["EndingHashKey"],
+            )
+            for c in doc.get("ChildShards") or ()
+        ]
+        return GetRecordsPage(
+            records=records,
+            next_shard_iterator=doc.get("NextShardIterator"),
+            millis_behind_latest=doc.get("MillisBehindLatest"),
+            child_shards=child_shards,
+            size_bytes=len(body),
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        # str(e), not repr: a UnicodeDecodeError's repr carries the whole body, records and all.
+        raise ResponseParserError(
+            f"not a GetRecords response: {type(e).__name__}: {e}"
+        ) from e
+
+
+def _before_parse(
+    response_dict: dict[str, Any], customized_response_dict: dict[str, Any], **_: Any
+) -> None:
+    # Errors keep botocore's parse: ClientError codes, modelled error fields and the retry
+    # handler's view of them stay exactly as without this hook.
+    if response_dict["status_code"] != 200:
+        return
+    customized_response_dict[_PAGE_KEY] = parse_get_records(response_dict["body"])
+    # An empty body is what botocore's JSON parser turns into {} without any work.
+    response_dict["body"] = b""
+
+
+def install_fast_get_records(client: KinesisClient) -> None:
+    """Make ``client.get_records`` hand successful bodies to :func:`parse_get_records`.
+
+    Idempotent. After it, the dict ``client.get_records(...)`` returns holds only
+    ``ResponseMetadata`` and the private page (read it with :func:`get_records`), not the
+    usual ``Records``/``NextShardIterator`` keys. Errors are unchanged.
+    """
+    client.meta.events.register(_EVENT, _before_parse, unique_id=_HANDLER_ID)
+
+
+def get_records(client: KinesisClient, shard_iterator: str, limit: int) -> GetRecordsPage:
+    """Call GetRecords through ``client`` and return the parsed page.
+
+    Installs the hook if needed. botocore's exceptions (``ClientError`` for throttling,
+    ``ExpiredIteratorException`` and the rest, connection errors after botocore's own
+    retries) propagate unchanged. When no HTTP body was parsed (botocore's Stubber), the
+    page is built from botocore's parsed dict and ``size_bytes`` is 0.
+    """
+    install_fast_get_records(client)
+    response = cast(dict[str, Any], client.get_records(ShardIterator=shard_iterator, Limit=limit))
+    page = response.get(_PAGE_KEY)
+    if isinstance(page, GetRecordsPage):
+        return page
+    # No HTTP answer was parsed: botocore's Stubber (or another before-send handler)
+    # supplied a ready-made response dict.
+    return _page_from_botocore(response)
+
+
+def _page_from_botocore(response: dict[str, Any]) -> GetRecordsPage:
+    records = [
+        Record(
+            sequence_number=r["SequenceNumber"],
+            partition_key=r["PartitionKey"],
+            approximate_arrival_timestamp=_datetime_millis(r.get("ApproximateArrivalTimestamp")),
+            data=r["Data"],
+        )
+        for r in response["Records"]
+    ]
+    child_shards = [
+        ChildShard(
+            shard_id=c["ShardId"],
+            parent_shards=tuple(c["ParentShards"]),
+            starting_hash_key=c["HashKeyRange"]["StartingHashKey"],
+            ending_hash_key=c["HashKeyRange"]["EndingHashKey"],
+        )
+        for c in response.get("ChildShards", ())
+    ]
+    return GetRecordsPage(
+        records=records,
+        next_shard_iterator=response.get("NextShardIterator"),
+        millis_behind_latest=response.get("MillisBehindLatest"),
+        child_shards=child_shards,
+        size_bytes=0,
+    )
+
+
+def _datetime_millis(value: datetime | None) -> int | None:
+    return None if value is None else round(value.timestamp() * 1000)

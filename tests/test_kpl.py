@@ -1,0 +1,254 @@
+"""KPL de-aggregation: aggregates made by aws-kinesis-agg, broken ones, hash-key filtering."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from collections.abc import Sequence
+
+import pytest
+from aws_kinesis_agg.aggregator import RecordAggregator
+
+from kclpy.records import Record
+from kclpy.retrieval.kpl import MAGIC, AggregatedRecord, deaggregate, is_aggregated
+
+MAX_HASH_KEY = 2**128 - 1
+ARRIVAL = 1_714_000_000_123
+
+
+def wire(data: bytes, seq: str = "49590338271490256608559692538361571095921575989136588898",
+         partition_key: str = "agg-pk") -> Record:
+    """A record as the GetRecords parser builds it: base64 text, not yet decoded."""
+    return Record(sequence_number=seq, partition_key=partition_key,
+                  approximate_arrival_timestamp=ARRIVAL,
+                  b64=base64.b64encode(data).decode("ascii"))
+
+
+def kpl_blob(users: Sequence[tuple[str, bytes, str | None]]) -> bytes:
+    agg = RecordAggregator()
+    for partition_key, data, ehk in users:
+        assert agg.add_user_record(partition_key, data, ehk) is None
+    built = agg.clear_and_get()
+    assert built is not None
+    return bytes(built.get_contents()[2])
+
+
+def sign(body: bytes) -> bytes:
+    """Wrap protobuf bytes in the KPL envelope with a correct MD5."""
+    return MAGIC + body + hashlib.md5(body).digest()
+
+
+def manual(pks: list[str], ehks: list[str],
+           subs: list[tuple[int, int | None, bytes]]) -> bytes:
+    """An aggregate built field by field, to make ones the aggregator refuses to make."""
+    message = AggregatedRecord()
+    message.partition_key_table.extend(pks)
+    message.explicit_hash_key_table.extend(ehks)
+    for pk_index, ehk_index, data in subs:
+        sub = message.records.add()
+        sub.partition_key_index = pk_index
+        if ehk_index is not None:
+            sub.explicit_hash_key_index = ehk_index
+        sub.data = data
+    return sign(message.SerializeToString())
+
+
+def pk_hash(partition_key: str) -> int:
+    return int.from_bytes(hashlib.md5(partition_key.encode()).digest(), "big")
+
+
+USERS = [("alpha", b"first", None), ("beta", b"", None), ("alpha", b"\x00\xff" * 300, None),
+         ("gamma \u00e9", b"last", None)]
+
+
+def test_sub_records_carry_parent_position_and_own_keys() -> None:
+    parent = wire(kpl_blob(USERS), seq="1234567890123")
+    result = deaggregate([parent])
+    assert (result.corrupt, result.filtered) == (0, 0)
+    assert [(r.partition_key, r.binary_data, r.explicit_hash_key) for r in result.records] == USERS
+    assert [r.sub_sequence_number for r in result.records] == [0, 1, 2, 3]
+    assert {r.sequence_number for r in result.records} == {"1234567890123"}
+    assert {r.approximate_arrival_timestamp for r in result.records} == {ARRIVAL}
+    # .data is the base64 of the user record, as amazon_kclpy gives it
+    assert result.records[0].data == base64.b64encode(b"first").decode()
+
+
+def test_explicit_hash_keys_come_from_the_table() -> None:
+    users = [("a", b"1", "7"), ("b", b"2", None), ("c", b"3", str(MAX_HASH_KEY)), ("d", b"4", "7")]
+    result = deaggregate([wire(kpl_blob(users))])
+    assert [(r.partition_key, r.binary_data, r.explicit_hash_key) for r in result.records] == users
+
+
+def test_plain_records_pass_through_untouched_and_undecoded() -> None:
+    plain = [wire(f"plain {i}".encode(), seq=str(i)) for i in range(5)]
+    result = deaggregate(plain)
+    assert result.records == plain
+    assert all(a is b for a, b in zip(result.records, plain, strict=True))
+    assert all(r._bytes is None for r in plain)
+    assert (result.corrupt, result.filtered) == (0, 0)
+
+
+def test_order_is_kept_across_plain_and_aggregated_records() -> None:
+    records = [wire(b"p0", seq="1"), wire(kpl_blob(USERS[:2]), seq="2"), wire(b"p2", seq="3"),
+               wire(kpl_blob(USERS[2:]), seq="4")]
+    result = deaggregate(records)
+    assert [(r.sequence_number, r.sub_sequence_number) for r in result.records] == [
+        ("1", 0), ("2", 0), ("2", 1), ("3", 0), ("4", 0), ("4", 1)]
+
+
+def test_aggregate_given_as_bytes_is_recognised() -> None:
+    record = Record(sequence_number="5", partition_key="p", approximate_arrival_timestamp=None,
+                    data=kpl_blob(USERS))
+    assert is_aggregated(record)
+    assert len(deaggregate([record]).records) == len(USERS)
+
+
+@pytest.mark.parametrize("payload", [
+    b"", b"x", b"plain text", MAGIC[:3], b"\xf3\x89\x9a\xc3" + b"\x00" * 40, b"\x00" + MAGIC,
+])
+def test_is_aggregated_is_false_for_non_kpl_payloads(payload: bytes) -> None:
+    assert not is_aggregated(wire(payload))
+    assert not is_aggregated(Record(sequence_number="1", partition_key="p",
+                                    approximate_arrival_timestamp=None, data=payload))
+
+
+def test_is_aggregated_does_not_decode() -> None:
+    plain, aggregated = wire(b"hello world"), wire(kpl_blob(USERS))
+    assert not is_aggregated(plain)
+    assert is_aggregated(aggregated)
+    assert plain._bytes is None and aggregated._bytes is None
+
+
+def corrupt_cases() -> dict[str, bytes]:
+    good = kpl_blob(USERS)
+    return {
+        "bad md5": good[:-1] + bytes([good[-1] ^ 1]),
+        "flipped body byte": good[:10] + bytes([good[10] ^ 0x40]) + good[11:],
+        "truncated": good[:-5],
+        "magic only": MAGIC,
+        "magic and md5 of nothing": MAGIC + hashlib.md5(b"").digest(),
+        "magic plus 10 bytes": MAGIC + b"0123456789",
+        "undecodable protobuf": sign(b"\xff\xff\xff\xff\xff"),
+        "missing required data": sign(b"\n\x01a\x1a\x02\x08\x00"),
+        "empty aggregate": manual(["a"], [], []),
+        "partition key not utf-8": sign(b"\n\x02\xe2\x80\x1a\x04\x08\x00\x1a\x00"),
+        "explicit hash key not utf-8": sign(
+            b"\n\x01a\x12\x01\xff\x1a\x06\x08\x00\x10\x00\x1a\x00"),
+        "pk index out of range": manual(["a", "b"], [], [(0, None, b"ok"), (2, None, b"bad")]),
+        "huge pk index": manual(["a"], [], [(2**64 - 1, None, b"bad")]),
+        "ehk index out of range": manual(["a"], ["5"], [(0, 0, b"ok"), (0, 1, b"bad")]),
+        "ehk index with empty table": manual(["a"], [], [(0, None, b"ok"), (0, 0, b"bad")]),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(corrupt_cases()))
+def test_corrupt_aggregate_is_delivered_once_raw(name: str) -> None:
+    before, broken, after = wire(b"before", seq="1"), wire(corrupt_cases()[name], seq="2"), \
+        wire(b"after", seq="3")
+    assert is_aggregated(broken)
+    result = deaggregate([before, broken, after])
+    assert result.records == [before, broken, after]
+    assert result.records[1] is broken
+    assert broken.sub_sequence_number == 0
+    assert (result.corrupt, result.filtered) == (1, 0)
+
+
+def test_corrupt_aggregate_keeps_its_payload() -> None:
+    payload = corrupt_cases()["pk index out of range"]
+    result = deaggregate([wire(payload)])
+    assert result.records[0].binary_data == payload
+
+
+def test_counts_add_up_over_many_records() -> None:
+    cases = list(corrupt_cases().values())
+    records = [wire(kpl_blob(USERS)), *(wire(c) for c in cases), wire(b"plain")]
+    result = deaggregate(records)
+    assert result.corrupt == len(cases)
+    assert len(result.records) == len(USERS) + len(cases) + 1
+
+
+# --- hash-key filtering -----------------------------------------------------------------
+
+
+def test_no_bounds_means_no_filtering() -> None:
+    users = [("a", b"1", "0"), ("b", b"2", str(MAX_HASH_KEY))]
+    assert deaggregate([wire(kpl_blob(users))]).filtered == 0
+
+
+@pytest.mark.parametrize(("start", "end", "kept"), [
+    (100, 200, True),     # inside
+    (150, 200, True),     # lowest key on the start bound: inclusive
+    (100, 180, True),     # highest key on the end bound: inclusive
+    (151, 200, False),    # lowest key just below the range
+    (100, 179, False),    # highest key just above the range
+])
+def test_explicit_hash_keys_are_checked_against_the_bounds(start: int, end: int,
+                                                           kept: bool) -> None:
+    users = [("a", b"1", "150"), ("b", b"2", "180"), ("c", b"3", "160")]
+    result = deaggregate([wire(kpl_blob(users))], start, end)
+    assert result.corrupt == 0
+    if kept:
+        assert [r.binary_data for r in result.records] == [b"1", b"2", b"3"]
+        assert result.filtered == 0
+    else:
+        # As the Java KCL does: one sub-record out of range drops the whole aggregate.
+        assert result.records == []
+        assert result.filtered == 3
+
+
+def test_partition_key_md5_is_the_hash_key_without_explicit_one() -> None:
+    keys = ["k1", "k2", "k3"]
+    hashes = sorted(pk_hash(k) for k in keys)
+    record = wire(kpl_blob([(k, k.encode(), None) for k in keys]))
+    assert len(deaggregate([record], hashes[0], hashes[-1]).records) == 3
+    dropped = deaggregate([record], hashes[0] + 1, MAX_HASH_KEY)
+    assert (dropped.records, dropped.filtered) == ([], 3)
+    dropped = deaggregate([record], 0, hashes[-1] - 1)
+    assert (dropped.records, dropped.filtered) == ([], 3)
+
+
+def test_explicit_hash_key_wins_over_partition_key() -> None:
+    # The partition key hashes far outside [0, 10]; the explicit key 5 is inside.
+    assert pk_hash("outside") > 10
+    result = deaggregate([wire(kpl_blob([("outside", b"x", "5")]))], 0, 10)
+    assert [r.binary_data for r in result.records] == [b"x"]
+
+
+def test_one_bound_alone_filters() -> None:
+    record = wire(kpl_blob([("a", b"1", "50"), ("b", b"2", "60")]))
+    assert deaggregate([record], starting_hash_key=55).filtered == 2
+    assert deaggregate([record], ending_hash_key=55).filtered == 2
+    assert len(deaggregate([record], starting_hash_key=50).records) == 2
+    assert len(deaggregate([record], ending_hash_key=60).records) == 2
+
+
+def test_filtering_leaves_other_records_alone() -> None:
+    inside = wire(kpl_blob([("a", b"in", "10")]), seq="1")
+    outside = wire(kpl_blob([("b", b"out1", "10"), ("c", b"out2", "99")]), seq="2")
+    plain = wire(b"plain", seq="3")
+    result = deaggregate([inside, outside, plain], 0, 50)
+    assert [r.binary_data for r in result.records] == [b"in", b"plain"]
+    assert (result.corrupt, result.filtered) == (0, 2)
+
+
+def test_non_numeric_explicit_hash_key_is_corrupt_only_when_filtering() -> None:
+    record = wire(manual(["a"], ["not-a-number"], [(0, 0, b"x")]))
+    unfiltered = deaggregate([record])
+    assert [r.explicit_hash_key for r in unfiltered.records] == ["not-a-number"]
+    filtered = deaggregate([record], 0, MAX_HASH_KEY)
+    assert filtered.records == [record]
+    assert (filtered.corrupt, filtered.filtered) == (1, 0)
+
+
+@pytest.mark.parametrize(("start", "end", "kept"), [
+    (-5, 2**130, True),        # bounds beyond the 128-bit key space still contain it all
+    (10, 5, False),            # an empty range keeps nothing
+    (2**128, 2**129, False),   # entirely above the key space
+    (-10, -1, False),          # entirely below it
+])
+def test_bounds_outside_the_key_space(start: int, end: int, kept: bool) -> None:
+    by_partition_key = wire(kpl_blob([("a", b"1", None), ("b", b"2", None)]))
+    by_explicit_key = wire(kpl_blob([("a", b"1", "0"), ("b", b"2", str(MAX_HASH_KEY))]))
+    for record in (by_partition_key, by_explicit_key):
+        result = deaggregate([record], start, end)
+        assert (len(result.records), result.filtered) == ((2, 0) if kept else (0, 2))
