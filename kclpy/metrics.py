@@ -72,7 +72,8 @@ class Metrics:
         self.leases_stolen = Counter(
             "kclpy_leases_stolen", "Leases taken from a live worker to balance load.", registry=r)
         self.leases_lost = Counter(
-            "kclpy_leases_lost", "Leases lost to another worker or to a failed renewal.", registry=r)
+            "kclpy_leases_lost", "Leases lost to another worker or to a failed renewal.",
+            registry=r)
         self.lease_renew_failures = Counter(
             "kclpy_lease_renew_failures", "Renewals that failed (condition or error).", registry=r)
         self.lease_renewals = Counter(

@@ -1,1 +1,1 @@
-"""Retrieval: shard iterators, GetRecords with backoff and prefetch, response parse, KPL de-aggregation."""
+"""Retrieval: iterators, GetRecords with backoff and prefetch, parse, KPL de-aggregation."""

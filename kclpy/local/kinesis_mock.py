@@ -1,0 +1,190 @@
+"""kinesis-mock (npm package ``kinesis-local``), the Kinesis engine LocalStack uses and the most
+faithful Kinesis emulator available: installed on first use into a cache folder, then run as
+a child process on free loopback ports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from kclpy.local.endpoints import LocalEndpointError, ProcessEndpoint, free_ports, launch
+
+KINESIS_LOCAL_VERSION = "0.6.2"
+_PACKAGE = "kinesis-local"
+_INSTALL_TIMEOUT_S = 600.0
+
+# The emulator's defaults (500 ms per state change, 50 shards) make resharding tests slow and
+# a long test session run into the shard quota; neither is what the tests are about.
+_TEST_SETTINGS = {
+    "CREATE_STREAM_DURATION": "0ms",
+    "DELETE_STREAM_DURATION": "0ms",
+    "MERGE_SHARDS_DURATION": "0ms",
+    "SPLIT_SHARD_DURATION": "0ms",
+    "UPDATE_SHARD_COUNT_DURATION": "0ms",
+    "UPDATE_STREAM_MODE_DURATION": "0ms",
+    "REGISTER_STREAM_CONSUMER_DURATION": "0ms",
+    "DEREGISTER_STREAM_CONSUMER_DURATION": "0ms",
+    "START_STREAM_ENCRYPTION_DURATION": "0ms",
+    "STOP_STREAM_ENCRYPTION_DURATION": "0ms",
+    "SHARD_LIMIT": "1000",
+    "ON_DEMAND_STREAM_COUNT_LIMIT": "1000",
+}
+
+# Preloaded into kinesis-mock with ``node --require``. It has no setting for its listen address
+# and binds every interface: this pins each server the process opens to the loopback interface.
+# On SIGTERM it shuts down gracefully, waiting (up to 30 s) for every open connection to reach
+# end-of-stream, and test clients keep idle connections open: this ends them, so the shutdown
+# finishes at once instead of being cut short by SIGKILL.
+_NODE_PRELOAD = """\
+"use strict";
+const net = require("net");
+const connections = new Set();
+const listen = net.Server.prototype.listen;
+net.Server.prototype.listen = function (...args) {
+  if (typeof args[0] === "number") {
+    if (typeof args[1] === "string") {
+      args[1] = "127.0.0.1";
+    } else {
+      args.splice(1, 0, "127.0.0.1");
+    }
+  } else if (args[0] !== null && typeof args[0] === "object" && "port" in args[0]) {
+    args[0] = Object.assign({}, args[0], { host: "127.0.0.1" });
+  }
+  this.on("connection", (socket) => {
+    connections.add(socket);
+    socket.on("close", () => connections.delete(socket));
+  });
+  return listen.apply(this, args);
+};
+process.on("SIGTERM", () => {
+  for (const socket of connections) {
+    socket.end();
+    socket.push(null);
+  }
+});
+"""
+
+
+def default_cache_dir() -> Path:
+    """``$KCLPY_CACHE_DIR``, else ``~/.cache/kclpy``."""
+    configured = os.environ.get("KCLPY_CACHE_DIR")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "kclpy"
+
+
+def ensure_kinesis_mock_installed(cache_dir: Path | None = None) -> Path:
+    """Install kinesis-local into the cache unless it is there; return the folder of main.js.
+
+    Concurrent callers (parallel test processes) serialise on a lock file, and npm installs
+    into a staging folder that is renamed into place, so a half-finished install is never
+    mistaken for a finished one.
+    """
+    base = cache_dir if cache_dir is not None else default_cache_dir()
+    target = base / f"{_PACKAGE}-{KINESIS_LOCAL_VERSION}"
+    package_dir = _package_dir(target)
+    if _is_installed(package_dir):
+        return package_dir
+    base.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(base / f".{target.name}.lock"):
+        if not _is_installed(package_dir):
+            _npm_install(base, target)
+    return package_dir
+
+
+def start_kinesis_mock(*, cache_dir: Path | None = None, **env_overrides: str) -> ProcessEndpoint:
+    """Run kinesis-mock on a free loopback port, with fast state changes and a large quota.
+
+    ``env_overrides`` set or replace any of its settings (see its README), except the two ports,
+    which are always chosen here.
+    """
+    package_dir = ensure_kinesis_mock_installed(cache_dir)
+    node = shutil.which("node")
+    if node is None:
+        raise LocalEndpointError("kinesis-mock needs Node.js, and `node` is not on PATH")
+
+    def prepare(workdir: Path) -> tuple[list[str], dict[str, str], int]:
+        plain_port, tls_port = free_ports(2)
+        preload = workdir / "preload.js"
+        preload.write_text(_NODE_PRELOAD, encoding="utf-8")
+        env = {
+            **os.environ,
+            **_TEST_SETTINGS,
+            "KINESIS_MOCK_CERT_PATH": str(package_dir / "server.json"),
+            **env_overrides,
+            "KINESIS_MOCK_PLAIN_PORT": str(plain_port),
+            "KINESIS_MOCK_TLS_PORT": str(tls_port),
+        }
+        return [node, "--require", str(preload), str(package_dir / "main.js")], env, plain_port
+
+    return launch("kinesis-mock", prepare, services=("kinesis",), ready_timeout_s=60.0)
+
+
+def _package_dir(prefix: Path) -> Path:
+    return prefix / "node_modules" / _PACKAGE
+
+
+def _is_installed(package_dir: Path) -> bool:
+    try:
+        manifest = json.loads((package_dir / "package.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (
+        manifest.get("version") == KINESIS_LOCAL_VERSION
+        and (package_dir / "main.js").is_file()
+        and (package_dir / "server.json").is_file()
+    )
+
+
+def _npm_install(base: Path, target: Path) -> None:
+    npm = shutil.which("npm")
+    if npm is None:
+        raise LocalEndpointError(
+            f"{_PACKAGE} is not in {base} and `npm` is not on PATH to install it"
+        )
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=base))
+    spec = f"{_PACKAGE}@{KINESIS_LOCAL_VERSION}"
+    argv = [npm, "install", "--no-audit", "--no-fund", "--ignore-scripts"]
+    argv += ["--prefix", str(staging), spec]
+    try:
+        try:
+            result = subprocess.run(
+                argv,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                cwd=staging,
+                timeout=_INSTALL_TIMEOUT_S,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise LocalEndpointError(
+                f"`npm install {spec}` took longer than {_INSTALL_TIMEOUT_S:.0f} s"
+            ) from exc
+        if result.returncode != 0 or not _is_installed(_package_dir(staging)):
+            output = (result.stdout + result.stderr).decode("utf-8", errors="replace")
+            raise LocalEndpointError(
+                f"`npm install {spec}` failed (exit code {result.returncode}):\n{output[-4000:]}"
+            )
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextmanager
+def _exclusive_lock(path: Path) -> Iterator[None]:
+    # fcntl exists only on POSIX; importing it here keeps the rest of kclpy.local importable.
+    import fcntl
+
+    with path.open("a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

@@ -1,0 +1,69 @@
+"""Session-wide test environment and the local AWS endpoints every integration test shares.
+
+Set ``KCLPY_TEST_ENDPOINT`` (e.g. ``http://localhost:4566`` for LocalStack) to run the same
+tests against an endpoint started elsewhere: the endpoint fixtures then start nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from kclpy.local import LocalEndpoint, start_embedded, start_kinesis_mock, start_moto_server
+
+# Names whose values could route a test to real AWS or change how clients behave.
+_ISOLATED_VARIABLES = (
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def aws_test_environment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Fake credentials and region, and no endpoint overrides, profiles or config files.
+
+    Nothing a developer has configured for real AWS can leak into a test, and nothing a test
+    sends can be signed with real credentials. Child processes inherit the same environment.
+    """
+    missing = tmp_path_factory.mktemp("aws") / "absent"
+    with pytest.MonkeyPatch.context() as patch:
+        for name in list(os.environ):
+            if name in _ISOLATED_VARIABLES or name.startswith("AWS_ENDPOINT_URL"):
+                patch.delenv(name)
+        patch.setenv("AWS_ACCESS_KEY_ID", "testing")
+        patch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        patch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        patch.setenv("AWS_REGION", "us-east-1")
+        patch.setenv("AWS_CONFIG_FILE", str(missing))
+        patch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(missing))
+        yield
+
+
+def _external_endpoint() -> LocalEndpoint | None:
+    url = os.environ.get("KCLPY_TEST_ENDPOINT")
+    return LocalEndpoint(url) if url else None
+
+
+@pytest.fixture(scope="session")
+def kinesis_mock(aws_test_environment: None) -> Iterator[LocalEndpoint]:
+    """kinesis-mock for the whole session: the Kinesis emulator closest to AWS."""
+    with _external_endpoint() or start_kinesis_mock() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(scope="session")
+def moto_server(aws_test_environment: None) -> Iterator[LocalEndpoint]:
+    """moto's server for the whole session, mainly for DynamoDB lease tables."""
+    with _external_endpoint() or start_moto_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(scope="session")
+def embedded_endpoint(aws_test_environment: None) -> Iterator[LocalEndpoint]:
+    """moto served from this process, as ``kclpy-worker --local`` runs it."""
+    with start_embedded() as endpoint:
+        yield endpoint

@@ -1,0 +1,1 @@
+"""Test helpers shared by every test module: local streams and tables, fault injection."""

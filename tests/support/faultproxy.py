@@ -1,0 +1,473 @@
+"""A fault-injecting HTTP proxy between AWS clients and a local emulator.
+
+No emulator throttles, fails or drops connections, yet those are exactly the paths where a
+KCL loses or duplicates records. Placed between boto3 and kinesis-mock or moto's server, this
+proxy answers chosen operations the way AWS does when it throttles or fails, with the status,
+body and headers botocore uses to classify the error, so the code under test takes the same
+retry and backoff paths it would take against AWS. Everything else is forwarded unchanged.
+
+Operations are named by the suffix of ``X-Amz-Target`` (``Kinesis_20131202.GetRecords`` ->
+``GetRecords``); a rule for ``"*"`` applies to operations without a rule of their own.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import random
+import socket
+import threading
+import time
+import uuid
+import zlib
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import TracebackType
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+log = logging.getLogger(__name__)
+
+FaultKind = Literal["throttle", "error_5xx", "drop", "lose_response"]
+"""``drop`` closes the connection before forwarding, so the request never reaches upstream;
+``lose_response`` forwards it, lets upstream apply it, then closes the connection instead of
+answering (the ambiguous outcome conditional writes must survive)."""
+
+Responder = Callable[[dict[str, Any]], tuple[int, dict[str, Any]] | None]
+"""Gets the request's JSON body; returns ``(status, body)`` to answer, or None to forward."""
+
+ALL = "*"
+
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+
+# AWS throttles Kinesis data-plane calls with ProvisionedThroughputExceededException and its
+# control-plane calls (ListShards, DescribeStream, ...) with LimitExceededException.
+_KINESIS_DATA_PLANE = frozenset({"GetRecords", "GetShardIterator", "PutRecord", "PutRecords"})
+_DYNAMODB_PREFIX = "com.amazonaws.dynamodb.v20120810#"
+
+
+@dataclass(frozen=True)
+class _Rule:
+    throttle_rate: float
+    error_5xx_rate: float
+    drop_rate: float
+    lose_response_rate: float
+    latency_s: float
+    respond: Responder | None
+
+
+@dataclass(frozen=True)
+class _Request:
+    operation: str
+    service: str
+    content_type: str
+    body: bytes
+
+    def json(self) -> dict[str, Any]:
+        try:
+            parsed = json.loads(self.body or b"{}")
+        except ValueError:
+            return {}
+        return parsed if isinstance(parsed, dict) else {}
+
+
+_OneShot = FaultKind | tuple[int, dict[str, Any]]
+"""A fault, or a canned ``(status, body)`` answer, for one request."""
+_Action = _OneShot | None
+"""What to do with one request; None forwards it."""
+
+
+class FaultProxy:
+    """Reverse proxy on a free loopback port; rules can be changed while a test runs.
+
+    Randomised faults come from one ``random.Random(seed)``, so a single-threaded test sees
+    the same faults on every run.
+    """
+
+    def __init__(self, upstream_url: str, *, seed: int = 0) -> None:
+        upstream = urlsplit(upstream_url)
+        if upstream.scheme != "http" or upstream.hostname is None:
+            raise ValueError(f"upstream must be a plain http:// URL, not {upstream_url!r}")
+        self.upstream_host = upstream.hostname
+        self.upstream_port = upstream.port or 80
+        self._lock = threading.Lock()
+        self._random = random.Random(seed)
+        self._rules: dict[str, _Rule] = {}
+        self._pending: dict[str, deque[_OneShot]] = {}
+        self._requests: Counter[str] = Counter()
+        self._faults: Counter[tuple[str, str]] = Counter()
+        self._server = _ProxyServer(self)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def start(self) -> FaultProxy:
+        """Begin serving; connections made before this wait in the listen backlog."""
+        with self._lock:
+            if self._thread is not None or self._stopped:
+                raise RuntimeError("a FaultProxy can be started once")
+            self._thread = threading.Thread(
+                target=self._server.serve_forever,
+                kwargs={"poll_interval": 0.05},
+                name=f"faultproxy-{self.url}",
+                daemon=True,
+            )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and cut every open client connection; idempotent."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            thread = self._thread
+        if thread is not None:
+            self._server.shutdown()
+            thread.join()
+        self._server.server_close()
+        self._server.close_client_connections()
+
+    def __enter__(self) -> FaultProxy:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def set_rule(
+        self,
+        operation: str,
+        *,
+        throttle_rate: float = 0.0,
+        error_5xx_rate: float = 0.0,
+        latency_s: float = 0.0,
+        drop_rate: float = 0.0,
+        lose_response_rate: float = 0.0,
+        respond: Responder | None = None,
+    ) -> None:
+        """Replace the rule for ``operation`` (or ``"*"``).
+
+        Each request draws once: the fault rates are disjoint slices of [0, 1), so
+        ``throttle_rate=0.3`` throttles 30% of requests whatever the other rates are, and the
+        rates may not add up to more than 1. ``latency_s`` delays every matching request,
+        faulted or not. ``respond`` sees the requests no fault was drawn for.
+        """
+        rates = (throttle_rate, error_5xx_rate, drop_rate, lose_response_rate)
+        if any(not 0.0 <= rate <= 1.0 for rate in rates) or sum(rates) > 1.0:
+            raise ValueError(f"fault rates must be within [0, 1] and sum to at most 1: {rates}")
+        if latency_s < 0:
+            raise ValueError(f"latency_s must not be negative: {latency_s}")
+        rule = _Rule(
+            throttle_rate, error_5xx_rate, drop_rate, lose_response_rate, latency_s, respond
+        )
+        with self._lock:
+            self._rules[operation] = rule
+
+    def clear(self) -> None:
+        """Forget every rule and pending one-shot fault; the counters keep counting."""
+        with self._lock:
+            self._rules.clear()
+            self._pending.clear()
+
+    def once(self, operation: str, kind: FaultKind) -> None:
+        """Inject ``kind`` into the next request for ``operation`` (or ``"*"``), ahead of rules."""
+        self._enqueue(operation, kind)
+
+    def inject_once(self, operation: str, response: tuple[int, dict[str, Any]]) -> None:
+        """Answer the next request for ``operation`` with ``(status, JSON body)``."""
+        self._enqueue(operation, response)
+
+    def requests(self, operation: str) -> int:
+        """Requests received for ``operation`` (``"*"``: all), faulted or forwarded."""
+        with self._lock:
+            if operation == ALL:
+                return sum(self._requests.values())
+            return self._requests[operation]
+
+    def faults(self, kind: str, operation: str = ALL) -> int:
+        """Faults of ``kind`` injected into ``operation`` (default: any operation).
+
+        Kinds: the :data:`FaultKind` values, ``"latency"`` for delayed requests, ``"inject"``
+        for :meth:`inject_once` answers and ``"respond"`` for answers from a ``respond`` hook.
+        """
+        with self._lock:
+            if operation == ALL:
+                return sum(n for (k, _), n in self._faults.items() if k == kind)
+            return self._faults[(kind, operation)]
+
+    def _enqueue(self, operation: str, action: _OneShot) -> None:
+        with self._lock:
+            self._pending.setdefault(operation, deque()).append(action)
+
+    def _decide(self, request: _Request) -> tuple[float, _Action, Responder | None]:
+        """Count the request and pick what happens to it: (latency, action, responder)."""
+        operation = request.operation
+        with self._lock:
+            self._requests[operation] += 1
+            for key in (operation, ALL):
+                pending = self._pending.get(key)
+                if pending:
+                    action = pending.popleft()
+                    self._count(action, operation)
+                    return 0.0, action, None
+            rule = self._rules.get(operation) or self._rules.get(ALL)
+            if rule is None:
+                return 0.0, None, None
+            if rule.latency_s > 0:
+                self._faults[("latency", operation)] += 1
+            slices: tuple[tuple[FaultKind, float], ...] = (
+                ("drop", rule.drop_rate),
+                ("throttle", rule.throttle_rate),
+                ("error_5xx", rule.error_5xx_rate),
+                ("lose_response", rule.lose_response_rate),
+            )
+            draw = self._random.random()
+            for kind, rate in slices:
+                if draw < rate:
+                    self._count(kind, operation)
+                    return rule.latency_s, kind, None
+                draw -= rate
+            return rule.latency_s, None, rule.respond
+
+    def _count(self, action: _OneShot, operation: str) -> None:
+        kind = action if isinstance(action, str) else "inject"
+        self._faults[(kind, operation)] += 1
+
+    def _count_respond(self, operation: str) -> None:
+        with self._lock:
+            self._faults[("respond", operation)] += 1
+
+    def _server_error_status(self) -> int:
+        with self._lock:
+            return self._random.choice((500, 503))
+
+
+def error_body(service: str, operation: str, status: int) -> dict[str, str]:
+    """The JSON error body AWS sends with ``status``: 400 means throttled, else 500 or 503.
+
+    botocore takes the error code from ``__type`` (after any ``#``) and treats the code as a
+    throttle or not; for 500 and 503 the status alone makes it retry.
+    """
+    if status == 400:
+        if service == "dynamodb":
+            code = "ThrottlingException"
+        elif operation in _KINESIS_DATA_PLANE:
+            code = "ProvisionedThroughputExceededException"
+        else:
+            code = "LimitExceededException"
+    elif status == 503:
+        code = "ServiceUnavailable"
+    else:
+        code = "InternalServerError" if service == "dynamodb" else "InternalFailure"
+    if service == "dynamodb":
+        return {"__type": _DYNAMODB_PREFIX + code, "message": f"{code} (injected)"}
+    return {"__type": code, "message": f"{code} (injected)"}
+
+
+class _ProxyServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(self, proxy: FaultProxy) -> None:
+        super().__init__(("127.0.0.1", 0), _ProxyHandler)
+        self.proxy = proxy
+        self._connections: set[socket.socket] = set()
+        self._connections_lock = threading.Lock()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Clients hanging up mid-answer is routine in fault tests: log, don't print."""
+        log.debug("FaultProxy: request from %s failed", client_address, exc_info=True)
+
+    def track(self, connection: socket.socket, open_: bool) -> None:
+        with self._connections_lock:
+            if open_:
+                self._connections.add(connection)
+            else:
+                self._connections.discard(connection)
+
+    def close_client_connections(self) -> None:
+        """Wake handler threads parked on idle keep-alive connections so they exit."""
+        with self._connections_lock:
+            connections = list(self._connections)
+        for connection in connections:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                continue
+
+
+class _ProxyHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    # Headers and body go out in separate writes; with Nagle on, each answer waits for the
+    # client's delayed ACK (about 40 ms), which would dominate every request's latency.
+    disable_nagle_algorithm = True
+    server: _ProxyServer
+    _upstream: http.client.HTTPConnection | None = None
+
+    def setup(self) -> None:
+        super().setup()
+        self.server.track(self.connection, open_=True)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            self.server.track(self.connection, open_=False)
+            if self._upstream is not None:
+                self._upstream.close()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s " + format, self.address_string(), *args)
+
+    def do_POST(self) -> None:
+        self._handle()
+
+    do_GET = do_PUT = do_DELETE = do_HEAD = do_PATCH = do_POST
+
+    def _handle(self) -> None:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            self._answer_json(501, {"message": "FaultProxy needs Content-Length request bodies"})
+            self.close_connection = True
+            return
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        request = _parse_request(
+            self.headers.get("X-Amz-Target", ""), self.headers.get("Content-Type", ""), body
+        )
+        proxy = self.server.proxy
+        latency, action, responder = proxy._decide(request)
+        if latency:
+            time.sleep(latency)
+        if action == "drop":
+            self.close_connection = True
+            return
+        if action == "throttle":
+            self._answer_error(request, 400, error_body(request.service, request.operation, 400))
+            return
+        if action == "error_5xx":
+            status = proxy._server_error_status()
+            self._answer_error(
+                request, status, error_body(request.service, request.operation, status)
+            )
+            return
+        if isinstance(action, tuple):
+            self._answer_error(request, *action)
+            return
+        if responder is not None:
+            answer = responder(request.json())
+            if answer is not None:
+                proxy._count_respond(request.operation)
+                self._answer_error(request, *answer)
+                return
+        self._forward(request, lose_response=action == "lose_response")
+
+    def _forward(self, request: _Request, *, lose_response: bool) -> None:
+        try:
+            response = self._send_upstream(request.body)
+        except OSError as exc:
+            self._answer_json(502, {"message": f"FaultProxy: upstream unreachable: {exc}"})
+            return
+        if lose_response:
+            response.read()
+            self.close_connection = True
+            return
+        self.send_response_only(response.status, response.reason)
+        for name, value in response.getheaders():
+            if name.lower() not in _HOP_BY_HOP:
+                self.send_header(name, value)
+        if response.getheader("Content-Length") is not None or self.command == "HEAD":
+            payload = response.read()
+            self.end_headers()
+            self.wfile.write(payload)
+            return
+        # A response without a length (an event stream such as SubscribeToShard) is relayed
+        # chunk by chunk as it arrives rather than buffered until upstream ends it.
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        while chunk := response.read1(65536):
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
+
+    def _send_upstream(self, body: bytes) -> http.client.HTTPResponse:
+        """One upstream keep-alive connection per client connection; if upstream closed an
+        idle one meanwhile, the request is sent again once on a fresh connection."""
+        reused = self._upstream is not None
+        try:
+            return self._exchange(body)
+        except ConnectionError:
+            if not reused:
+                raise
+            return self._exchange(body)
+
+    def _exchange(self, body: bytes) -> http.client.HTTPResponse:
+        if self._upstream is None:
+            proxy = self.server.proxy
+            self._upstream = http.client.HTTPConnection(
+                proxy.upstream_host, proxy.upstream_port, timeout=300
+            )
+        connection = self._upstream
+        try:
+            # The Host header is forwarded as the client signed it, not rewritten.
+            connection.putrequest(
+                self.command, self.path, skip_host=True, skip_accept_encoding=True
+            )
+            for name, value in self.headers.items():
+                if name.lower() not in _HOP_BY_HOP:
+                    connection.putheader(name, value)
+            connection.endheaders(body)
+            return connection.getresponse()
+        except OSError:
+            connection.close()
+            self._upstream = None
+            raise
+
+    def _answer_error(self, request: _Request, status: int, body: dict[str, Any]) -> None:
+        """Answer as the service would: its JSON content type, request id and error type, and
+        for DynamoDB the body checksum that botocore verifies on every DynamoDB response."""
+        payload = json.dumps(body).encode()
+        headers = {
+            "Content-Type": request.content_type or "application/x-amz-json-1.1",
+            "x-amzn-RequestId": str(uuid.uuid4()),
+            "x-amzn-ErrorType": str(body.get("__type", "")).rsplit("#", 1)[-1],
+        }
+        if request.service == "dynamodb":
+            headers["x-amz-crc32"] = str(zlib.crc32(payload))
+        self._answer(status, payload, headers)
+
+    def _answer_json(self, status: int, body: dict[str, Any]) -> None:
+        self._answer(status, json.dumps(body).encode(), {"Content-Type": "application/json"})
+
+    def _answer(self, status: int, payload: bytes, headers: dict[str, str]) -> None:
+        self.send_response_only(status)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+
+def _parse_request(target: str, content_type: str, body: bytes) -> _Request:
+    prefix, _, operation = target.rpartition(".")
+    service = "dynamodb" if prefix.startswith("DynamoDB") else "kinesis"
+    return _Request(operation=operation, service=service, content_type=content_type, body=body)

@@ -1,0 +1,461 @@
+"""The fault proxy forwards faithfully, and each injected fault reaches botocore as AWS's would."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import threading
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from botocore.config import Config
+from botocore.exceptions import ClientError, ConnectionClosedError, ReadTimeoutError
+
+from kclpy.local import LocalEndpoint, free_port
+from tests.support.faultproxy import FaultProxy
+from tests.support.streams import (
+    create_stream,
+    dynamodb_client,
+    kinesis_client,
+    put_plain,
+    unique_name,
+)
+
+NO_RETRIES = Config(retries={"total_max_attempts": 1, "mode": "standard"})
+ONE_RETRY = Config(retries={"total_max_attempts": 2, "mode": "standard"})
+
+
+@dataclass
+class Seen:
+    method: str
+    path: str
+    headers: list[tuple[str, str]]
+    body: bytes
+    client_port: int
+
+
+@dataclass
+class Upstream:
+    """A loopback HTTP/1.1 server that records what arrives and answers what a test asks."""
+
+    url: str
+    seen: list[Seen] = field(default_factory=list)
+    hang_up_after_answer: bool = False
+    release_second_chunk: threading.Event = field(default_factory=threading.Event)
+    second_chunk_released: bool = False
+
+
+def _recording_handler(upstream: Upstream) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return None
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            upstream.seen.append(
+                Seen(
+                    self.command,
+                    self.path,
+                    list(self.headers.items()),
+                    body,
+                    self.client_address[1],
+                )
+            )
+            if self.path == "/stream":
+                self._stream()
+                return
+            payload = b'{"echo":' + json.dumps(body.decode("latin-1")).encode() + b"}"
+            self.send_response_only(201, "Made")
+            self.send_header("Content-Type", "application/x-amz-json-1.1")
+            self.send_header("X-Upstream", "recorded")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+            self.close_connection = upstream.hang_up_after_answer
+
+        def _stream(self) -> None:
+            self.send_response_only(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            self.wfile.write(b"5\r\nfirst\r\n")
+            self.wfile.flush()
+            upstream.second_chunk_released = upstream.release_second_chunk.wait(10)
+            self.wfile.write(b"6\r\nsecond\r\n0\r\n\r\n")
+
+    return Handler
+
+
+@pytest.fixture
+def upstream() -> Iterator[Upstream]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    state = Upstream(url=f"http://127.0.0.1:{server.server_address[1]}")
+    server.RequestHandlerClass = _recording_handler(state)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    yield state
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+@pytest.fixture
+def proxy(upstream: Upstream) -> Iterator[FaultProxy]:
+    with FaultProxy(upstream.url, seed=3) as running:
+        yield running
+
+
+def _post(
+    connection: http.client.HTTPConnection,
+    operation: str,
+    body: bytes = b"{}",
+    path: str = "/",
+    service: str = "Kinesis_20131202",
+) -> http.client.HTTPResponse:
+    connection.request(
+        "POST",
+        path,
+        body=body,
+        headers={
+            "X-Amz-Target": f"{service}.{operation}",
+            "Content-Type": "application/x-amz-json-1.1",
+        },
+    )
+    return connection.getresponse()
+
+
+def _connect(proxy: FaultProxy) -> http.client.HTTPConnection:
+    port = int(proxy.url.rsplit(":", 1)[1])
+    return http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+
+
+def test_forwards_request_and_response_unchanged(proxy: FaultProxy, upstream: Upstream) -> None:
+    body = bytes(range(256))
+    connection = _connect(proxy)
+    connection.putrequest("POST", "/some/path?q=1", skip_host=True, skip_accept_encoding=True)
+    sent = [
+        ("Host", "signed-host.example:1234"),
+        ("X-Amz-Target", "Kinesis_20131202.PutRecord"),
+        ("Authorization", "AWS4-HMAC-SHA256 Credential=testing/20240101/us-east-1/kinesis"),
+        ("X-Custom", "kept"),
+        ("Content-Length", str(len(body))),
+    ]
+    for name, value in sent:
+        connection.putheader(name, value)
+    connection.putheader("Connection", "keep-alive")
+    connection.endheaders(body)
+    response = connection.getresponse()
+
+    assert (response.status, response.reason) == (201, "Made")
+    assert response.getheader("X-Upstream") == "recorded"
+    assert json.loads(response.read()) == {"echo": body.decode("latin-1")}
+    [seen] = upstream.seen
+    assert (seen.method, seen.path, seen.body) == ("POST", "/some/path?q=1", body)
+    assert seen.headers == sent, "headers arrive in order, hop-by-hop ones removed"
+    assert proxy.requests("PutRecord") == 1
+
+
+def test_keeps_one_upstream_connection_per_client_connection(
+    proxy: FaultProxy, upstream: Upstream
+) -> None:
+    first, second = _connect(proxy), _connect(proxy)
+    for connection in (first, second, first, second, first):
+        assert _post(connection, "ListShards").read()
+
+    ports = [seen.client_port for seen in upstream.seen]
+    assert len(ports) == 5
+    assert len(set(ports)) == 2
+    assert ports[0] == ports[2] == ports[4]
+
+
+def test_replaces_an_upstream_connection_closed_while_idle(
+    proxy: FaultProxy, upstream: Upstream
+) -> None:
+    upstream.hang_up_after_answer = True
+    connection = _connect(proxy)
+    bodies = [_post(connection, "GetRecords").read() for _ in range(3)]
+
+    assert bodies == [b'{"echo":"{}"}'] * 3
+    assert len(upstream.seen) == 3
+
+
+def test_relays_an_unframed_response_while_upstream_is_still_sending(
+    proxy: FaultProxy, upstream: Upstream
+) -> None:
+    response = _post(_connect(proxy), "SubscribeToShard", path="/stream")
+    first = response.read1()
+    upstream.release_second_chunk.set()
+    rest = response.read()
+
+    assert first + rest == b"firstsecond"
+    assert first == b"first", "the first chunk arrived before upstream sent the second"
+    assert upstream.second_chunk_released
+
+
+def test_answers_502_when_upstream_is_unreachable() -> None:
+    with FaultProxy(f"http://127.0.0.1:{free_port()}") as proxy:
+        response = _post(_connect(proxy), "ListShards")
+        assert response.status == 502
+        assert "unreachable" in json.loads(response.read())["message"]
+
+
+def test_random_faults_follow_the_seed(upstream: Upstream) -> None:
+    expected_draws = random.Random(11)
+    expected = [expected_draws.random() < 0.4 for _ in range(40)]
+
+    def statuses() -> list[int]:
+        with FaultProxy(upstream.url, seed=11) as proxy:
+            proxy.set_rule("GetRecords", throttle_rate=0.4)
+            connection = _connect(proxy)
+            result = []
+            for _ in range(40):
+                response = _post(connection, "GetRecords")
+                response.read()
+                result.append(response.status)
+            assert proxy.faults("throttle") == sum(expected)
+            return result
+
+    assert statuses() == [400 if throttled else 201 for throttled in expected]
+    assert statuses() == [400 if throttled else 201 for throttled in expected]
+    assert 0 < sum(expected) < 40
+
+
+def test_rule_for_an_operation_overrides_the_wildcard(proxy: FaultProxy) -> None:
+    proxy.set_rule("*", throttle_rate=1.0)
+    proxy.set_rule("ListShards")
+    connection = _connect(proxy)
+
+    assert _post(connection, "ListShards").read() and proxy.faults("throttle") == 0
+    throttled = _post(connection, "DescribeStream")
+    assert throttled.status == 400
+    assert json.loads(throttled.read())["__type"] == "LimitExceededException"
+
+    proxy.clear()
+    assert _post(connection, "DescribeStream").status == 201
+    assert proxy.faults("throttle", "DescribeStream") == 1
+    assert proxy.requests("*") == 3
+
+
+def test_one_shot_faults_apply_once_in_order(proxy: FaultProxy) -> None:
+    proxy.once("GetRecords", "throttle")
+    proxy.inject_once("GetRecords", (400, {"__type": "ExpiredIteratorException"}))
+    proxy.once("*", "error_5xx")
+    connection = _connect(proxy)
+
+    first = _post(connection, "GetRecords")
+    assert json.loads(first.read())["__type"] == "ProvisionedThroughputExceededException"
+    second = _post(connection, "GetRecords")
+    assert json.loads(second.read()) == {"__type": "ExpiredIteratorException"}
+    third = _post(connection, "PutRecords")
+    assert third.status in (500, 503)
+    third.read()
+    assert _post(connection, "GetRecords").status == 201
+    assert (proxy.faults("throttle"), proxy.faults("inject"), proxy.faults("error_5xx")) == (
+        1,
+        1,
+        1,
+    )
+
+
+def test_dynamodb_errors_carry_the_dynamodb_type_prefix_and_checksum(proxy: FaultProxy) -> None:
+    proxy.once("UpdateItem", "throttle")
+    response = _post(_connect(proxy), "UpdateItem", service="DynamoDB_20120810")
+    payload = response.read()
+
+    assert response.status == 400
+    assert json.loads(payload)["__type"] == ("com.amazonaws.dynamodb.v20120810#ThrottlingException")
+    assert response.getheader("x-amzn-ErrorType") == "ThrottlingException"
+    assert response.getheader("x-amz-crc32") == str(zlib.crc32(payload))
+
+
+def test_rejects_impossible_rules(proxy: FaultProxy) -> None:
+    with pytest.raises(ValueError, match="sum to at most 1"):
+        proxy.set_rule("GetRecords", throttle_rate=0.6, drop_rate=0.5)
+    with pytest.raises(ValueError, match="within"):
+        proxy.set_rule("GetRecords", error_5xx_rate=-0.1)
+    with pytest.raises(ValueError, match="latency_s"):
+        proxy.set_rule("GetRecords", latency_s=-1.0)
+
+
+# Through the proxy to the emulators, as botocore sees it.
+
+
+@pytest.fixture
+def kinesis_proxy(kinesis_mock: LocalEndpoint) -> Iterator[FaultProxy]:
+    with FaultProxy(kinesis_mock.url, seed=1) as running:
+        yield running
+
+
+@pytest.fixture
+def dynamodb_proxy(moto_server: LocalEndpoint) -> Iterator[FaultProxy]:
+    with FaultProxy(moto_server.url, seed=1) as running:
+        yield running
+
+
+def _stream_with_records(proxy: FaultProxy, payloads: list[bytes]) -> tuple[str, str]:
+    """A one-shard stream holding ``payloads``; returns (stream, TRIM_HORIZON iterator)."""
+    kinesis = kinesis_client(proxy.url)
+    stream = unique_name("proxy")
+    create_stream(kinesis, stream, 1)
+    put_plain(kinesis, stream, payloads)
+    iterator = kinesis.get_shard_iterator(
+        StreamName=stream, ShardId="shardId-000000000000", ShardIteratorType="TRIM_HORIZON"
+    )["ShardIterator"]
+    return stream, iterator
+
+
+def _table(proxy: FaultProxy) -> str:
+    dynamodb = dynamodb_client(proxy.url)
+    table = unique_name("proxy")
+    dynamodb.create_table(
+        TableName=table,
+        KeySchema=[{"AttributeName": "k", "KeyType": "HASH"}],
+        AttributeDefinitions=[{"AttributeName": "k", "AttributeType": "S"}],
+        BillingMode="PAY_PER_REQUEST",
+    )
+    return table
+
+
+@pytest.mark.integration
+def test_clean_rule_forwards_kinesis_traffic(kinesis_proxy: FaultProxy) -> None:
+    kinesis_proxy.set_rule("*")
+    payloads = [b"\x00binary\xff", b"second", b"third"]
+    _, iterator = _stream_with_records(kinesis_proxy, payloads)
+
+    records = kinesis_client(kinesis_proxy.url).get_records(ShardIterator=iterator)["Records"]
+
+    assert [record["Data"] for record in records] == payloads
+    assert kinesis_proxy.requests("CreateStream") == 1
+    assert kinesis_proxy.requests("PutRecords") == 1
+    assert kinesis_proxy.requests("GetRecords") == 1
+    assert sum(kinesis_proxy.faults(kind) for kind in ("throttle", "drop", "error_5xx")) == 0
+
+
+@pytest.mark.integration
+def test_kinesis_throttle_is_the_retryable_throughput_error(kinesis_proxy: FaultProxy) -> None:
+    _, iterator = _stream_with_records(kinesis_proxy, [b"a", b"b"])
+
+    kinesis_proxy.once("GetRecords", "throttle")
+    with pytest.raises(ClientError) as raised:
+        kinesis_client(kinesis_proxy.url, NO_RETRIES).get_records(ShardIterator=iterator)
+    assert raised.value.response["Error"]["Code"] == "ProvisionedThroughputExceededException"
+    assert raised.value.response["ResponseMetadata"]["HTTPStatusCode"] == 400
+
+    kinesis_proxy.once("GetRecords", "throttle")
+    retried = kinesis_client(kinesis_proxy.url, ONE_RETRY).get_records(ShardIterator=iterator)
+    assert [record["Data"] for record in retried["Records"]] == [b"a", b"b"]
+    assert retried["ResponseMetadata"]["RetryAttempts"] == 1
+    assert kinesis_proxy.faults("throttle", "GetRecords") == 2
+
+
+@pytest.mark.integration
+def test_kinesis_control_plane_throttle_is_limit_exceeded(kinesis_proxy: FaultProxy) -> None:
+    stream, _ = _stream_with_records(kinesis_proxy, [b"a"])
+    kinesis_proxy.set_rule("ListShards", throttle_rate=1.0)
+
+    with pytest.raises(ClientError) as raised:
+        kinesis_client(kinesis_proxy.url, NO_RETRIES).list_shards(StreamName=stream)
+    assert raised.value.response["Error"]["Code"] == "LimitExceededException"
+
+
+@pytest.mark.integration
+def test_dynamodb_throttle_is_retried_and_otherwise_surfaces(dynamodb_proxy: FaultProxy) -> None:
+    table = _table(dynamodb_proxy)
+    item = {"k": {"S": "one"}, "v": {"N": "1"}}
+
+    dynamodb_proxy.once("PutItem", "throttle")
+    with pytest.raises(ClientError) as raised:
+        dynamodb_client(dynamodb_proxy.url, NO_RETRIES).put_item(TableName=table, Item=item)
+    assert raised.value.response["Error"]["Code"] == "ThrottlingException"
+
+    dynamodb_proxy.once("PutItem", "throttle")
+    retried = dynamodb_client(dynamodb_proxy.url, ONE_RETRY).put_item(TableName=table, Item=item)
+    assert retried["ResponseMetadata"]["RetryAttempts"] == 1
+    stored = dynamodb_client(dynamodb_proxy.url).get_item(TableName=table, Key={"k": {"S": "one"}})
+    assert stored["Item"] == item
+
+
+@pytest.mark.integration
+def test_server_errors_surface_with_their_status(kinesis_proxy: FaultProxy) -> None:
+    kinesis_proxy.set_rule("ListStreams", error_5xx_rate=1.0)
+    client = kinesis_client(kinesis_proxy.url, NO_RETRIES)
+
+    for _ in range(4):
+        with pytest.raises(ClientError) as raised:
+            client.list_streams()
+        error = raised.value.response
+        expected_code = {500: "InternalFailure", 503: "ServiceUnavailable"}
+        status = error["ResponseMetadata"]["HTTPStatusCode"]
+        assert error["Error"]["Code"] == expected_code[status]
+    assert kinesis_proxy.faults("error_5xx") == 4
+
+
+@pytest.mark.integration
+def test_dropped_request_never_reaches_upstream(dynamodb_proxy: FaultProxy) -> None:
+    table = _table(dynamodb_proxy)
+    dynamodb_proxy.once("PutItem", "drop")
+
+    with pytest.raises(ConnectionClosedError):
+        dynamodb_client(dynamodb_proxy.url, NO_RETRIES).put_item(
+            TableName=table, Item={"k": {"S": "dropped"}}
+        )
+    stored = dynamodb_client(dynamodb_proxy.url).get_item(
+        TableName=table, Key={"k": {"S": "dropped"}}
+    )
+    assert "Item" not in stored
+
+
+@pytest.mark.integration
+def test_lost_response_leaves_the_write_applied(dynamodb_proxy: FaultProxy) -> None:
+    table = _table(dynamodb_proxy)
+    dynamodb_proxy.once("PutItem", "lose_response")
+
+    with pytest.raises(ClientError) as raised:
+        dynamodb_client(dynamodb_proxy.url, ONE_RETRY).put_item(
+            TableName=table,
+            Item={"k": {"S": "once"}},
+            ConditionExpression="attribute_not_exists(k)",
+        )
+    assert raised.value.response["Error"]["Code"] == "ConditionalCheckFailedException", (
+        "the retry found the write the lost response had already applied"
+    )
+    assert dynamodb_proxy.requests("PutItem") == 2
+    assert dynamodb_proxy.faults("lose_response") == 1
+
+
+@pytest.mark.integration
+def test_latency_delays_the_answer_past_a_short_read_timeout(kinesis_proxy: FaultProxy) -> None:
+    kinesis_proxy.set_rule("ListStreams", latency_s=1.0)
+    impatient = Config(read_timeout=0.2, retries={"total_max_attempts": 1, "mode": "standard"})
+
+    with pytest.raises(ReadTimeoutError):
+        kinesis_client(kinesis_proxy.url, impatient).list_streams()
+    assert kinesis_proxy.faults("latency", "ListStreams") == 1
+
+
+@pytest.mark.integration
+def test_respond_hook_answers_from_the_request_body(kinesis_proxy: FaultProxy) -> None:
+    _, iterator = _stream_with_records(kinesis_proxy, [b"a"])
+    expired: list[str] = []
+
+    def expire_first_iterator(request: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+        if expired:
+            return None
+        expired.append(request["ShardIterator"])
+        return 400, {"__type": "ExpiredIteratorException", "message": "Iterator expired"}
+
+    kinesis_proxy.set_rule("GetRecords", respond=expire_first_iterator)
+    client = kinesis_client(kinesis_proxy.url, NO_RETRIES)
+
+    with pytest.raises(client.exceptions.ExpiredIteratorException):
+        client.get_records(ShardIterator=iterator)
+    assert expired == [iterator]
+    assert [r["Data"] for r in client.get_records(ShardIterator=iterator)["Records"]] == [b"a"]
+    assert kinesis_proxy.faults("respond") == 1
