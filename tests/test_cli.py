@@ -161,8 +161,10 @@ def test_readme_main_job_consumes_the_demo_stream() -> None:
 
 
 @pytest.mark.integration
-def test_sigterm_shuts_down_cleanly_and_releases_leases(
-        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_shuts_down_cleanly_and_releases_leases(
+        signum: int, kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint,
+        tmp_path: Path) -> None:
     kinesis = kinesis_client(kinesis_mock.url)
     stream = unique_name("sigterm")
     create_stream(kinesis, stream, 2)
@@ -182,7 +184,7 @@ def test_sigterm_shuts_down_cleanly_and_releases_leases(
     try:
         wait_for(lambda: sum("data" in e for e in read_file_ledger(str(ledger_path)))
                  >= len(payloads), 90, "records processed")
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(signum)
         _, err = process.communicate(timeout=60)
     finally:
         if process.poll() is None:

@@ -261,3 +261,22 @@ def test_lost_lease_calls_lease_lost_and_fences_checkpoints(
         more = produce_mixed(kinesis, stream, "m", plain=20, aggregates=0, per_aggregate=1)
         wait_for(lambda: len(ledger.records) >= len(expected) + len(more), 60, "more processed")
     assert_exactly_once(ledger, expected + more)
+
+
+def test_endpoints_from_the_boto3_environment_chain(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("envchain")
+    create_stream(kinesis, stream, 1)
+    expected = produce_mixed(kinesis, stream, "env", plain=20, aggregates=1, per_aggregate=5)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_KINESIS", kinesis_mock.url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_DYNAMODB", moto_server.url)
+    ledger = Ledger()
+    config = make_config(kinesis_mock.url, moto_server.url, stream).replace(
+        kinesis_endpoint=None, dynamodb_endpoint=None, stop_when_caught_up=True)
+    worker = Worker(config, lambda: RecordingProcessor(ledger))
+    worker.run(install_signal_handlers=False)
+    assert_exactly_once(ledger, expected)
+    assert worker.kinesis.meta.endpoint_url == kinesis_mock.url
+    assert worker.dynamodb.meta.endpoint_url == moto_server.url
