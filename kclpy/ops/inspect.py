@@ -1,0 +1,437 @@
+"""``kclpy``: look at an application's leases and lag from any machine with read access.
+
+No worker needs to run: everything comes from the lease table (Scan) and the stream
+(ListShards, and GetShardIterator + GetRecords at each checkpoint to measure lag).
+
+- ``kclpy leases``: who owns which shard, where each checkpoint is, the shard lineage.
+- ``kclpy status``: per-shard lag status with Burrow's rules (``kclpy.ops.lag``). A status
+  needs movement, so one run samples ``--samples`` times spread over ``--window-seconds``
+  and evaluates that window; ``--watch`` keeps sampling and prints an evaluation of the
+  sliding window after every sample.
+
+Exit codes: ``status`` exits 0 for OK, 1 for WARN, 2 for ERROR, 3 when the status could not
+be determined (AWS unreachable, access denied); ``leases`` exits 0, or 1 on such failures.
+Bad arguments, a lease table or stream that does not exist, or no region exit 2 with one
+line naming the option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import logging
+import math
+import re
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO, Any, NoReturn
+
+import boto3
+import botocore.config
+from botocore.exceptions import BotoCoreError, ClientError, NoRegionError
+
+from kclpy.errors import KCLError
+from kclpy.leases import serializer as ser
+from kclpy.leases.lease import SHARD_END, Lease
+from kclpy.leases.shard_sync import ShardSyncer
+from kclpy.leases.table import LeaseTable, error_code
+from kclpy.ops.lag import (
+    LagProbe,
+    LagTracker,
+    Observation,
+    ShardEvaluation,
+    application_status,
+    report_to_json,
+)
+
+log = logging.getLogger("kclpy.inspect")
+
+PROG = "kclpy"
+#: ``kclpy status`` when the status could not be determined (Nagios' UNKNOWN)
+EXIT_UNKNOWN = 3
+
+
+class UsageError(Exception):
+    """A bad argument found after parsing (no region, no such table or stream)."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(f"{option}: {message}")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the option, with exit code 2 (as
+    ``kclpy-worker`` does)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _whole(least: int, most: int | None = None) -> Callable[[str], int]:
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {text}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most}, got {text}")
+        return value
+    return convert
+
+
+def _url(text: str) -> str:
+    if not re.match(r"^https?://[^\s/]+", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http(s) URL")
+    return text
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Inspect a kclpy (or Java KCL) application.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    common = _Parser(add_help=False)
+    common.add_argument("--application-name", required=True,
+                        help="application name (the lease table's default name)")
+    common.add_argument("--table-name", help="lease table (default: the application name)")
+    common.add_argument("--region", help="AWS region (default: the boto3 chain)")
+    common.add_argument("--kinesis-endpoint", type=_url, metavar="URL",
+                        help="Kinesis endpoint URL (default: the boto3 chain)")
+    common.add_argument("--dynamodb-endpoint", type=_url, metavar="URL",
+                        help="DynamoDB endpoint URL (default: the boto3 chain)")
+    common.add_argument("--json", action="store_true", help="print JSON")
+    common.add_argument("--log-level", default="WARNING",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    commands.add_parser(
+        "leases", parents=[common], help="every lease: owner, counter, checkpoint, lineage",
+        description="Print every lease of the application's lease table.")
+    status = commands.add_parser(
+        "status", parents=[common], help="per-shard lag status (exit 0 OK, 1 WARN, 2 ERROR)",
+        description="Evaluate each shard's lag with Burrow's rules over a sampled window.")
+    stream = status.add_mutually_exclusive_group(required=True)
+    stream.add_argument("--stream-name", help="the stream the application consumes")
+    stream.add_argument("--stream-arn", help="the stream's ARN (instead of its name)")
+    status.add_argument("--window-seconds", type=_positive_seconds, default=30.0,
+                        metavar="S", help="length of the evaluation window (default 30)")
+    status.add_argument("--samples", type=_whole(2), default=4, metavar="N",
+                        help="observations per window, at least 2 (default 4)")
+    status.add_argument("--watch", action="store_true",
+                        help="keep sampling; print the sliding window's status after each")
+    status.add_argument("--count", type=_whole(1), metavar="N",
+                        help="with --watch: stop after N evaluations")
+    status.add_argument("--records-limit", type=_whole(1, 10000), default=1000,
+                        metavar="N", help="GetRecords Limit when counting records behind; "
+                        "more are shown as N+ (default 1000)")
+    return parser
+
+
+# -- AWS -------------------------------------------------------------------------------------
+
+
+def _clients(args: argparse.Namespace) -> tuple[Any, Any]:
+    session = boto3.session.Session(region_name=args.region)
+    config = botocore.config.Config(retries={"mode": "standard", "total_max_attempts": 3},
+                                    connect_timeout=5, read_timeout=30)
+    try:
+        kinesis = session.client("kinesis", endpoint_url=args.kinesis_endpoint, config=config)
+        dynamodb = session.client("dynamodb", endpoint_url=args.dynamodb_endpoint,
+                                  config=config)
+    except NoRegionError:
+        raise UsageError("--region", "no region configured (set --region or "
+                         "AWS_DEFAULT_REGION)") from None
+    return kinesis, dynamodb
+
+
+def _table_name(args: argparse.Namespace) -> str:
+    return str(args.table_name or args.application_name)
+
+
+def _missing_table(args: argparse.Namespace) -> UsageError:
+    option = "--table-name" if args.table_name else "--application-name"
+    return UsageError(option, f"lease table {_table_name(args)!r} does not exist")
+
+
+def _scan(dynamodb: Any, table: str) -> list[dict[str, Any]]:
+    """Every item, strongly consistent: the same view the workers' lease takers have."""
+    items: list[dict[str, Any]] = []
+    request: dict[str, Any] = {"TableName": table, "ConsistentRead": True}
+    while True:
+        page = dynamodb.scan(**request)
+        items.extend(page.get("Items", []))
+        if not page.get("LastEvaluatedKey"):
+            return items
+        request["ExclusiveStartKey"] = page["LastEvaluatedKey"]
+
+
+# -- leases ----------------------------------------------------------------------------------
+
+def _number(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def _plain(value: Mapping[str, Any]) -> Any:
+    """One DynamoDB attribute value as plain JSON: numbers as numbers, sets as sorted
+    lists, binary as base64 text."""
+    (kind, raw), = value.items()
+    if kind == "N":
+        return _number(raw)
+    if kind == "NS":
+        return sorted(_number(v) for v in raw)
+    if kind == "SS":
+        return sorted(raw)
+    if kind == "B":
+        return base64.b64encode(raw).decode()
+    if kind == "BS":
+        return sorted(base64.b64encode(v).decode() for v in raw)
+    if kind == "L":
+        return [_plain(v) for v in raw]
+    if kind == "M":
+        return {k: _plain(v) for k, v in raw.items()}
+    if kind == "NULL":
+        return None
+    return raw  # S and BOOL are JSON already
+
+
+def item_to_json(item: Mapping[str, Any]) -> dict[str, Any]:
+    """A lease item keyed by its attribute names, every attribute included (also those
+    kclpy does not model, such as newer Java KCL versions' ``throughputKBps``)."""
+    return {name: _plain(value) for name, value in sorted(item.items())}
+
+
+def _leases(args: argparse.Namespace, out: IO[str]) -> int:
+    _, dynamodb = _clients(args)
+    try:
+        items = _scan(dynamodb, _table_name(args))
+    except ClientError as exc:
+        if error_code(exc) == "ResourceNotFoundException":
+            raise _missing_table(args) from None
+        raise
+    leases: list[tuple[Lease, dict[str, Any]]] = []
+    for item in items:
+        try:
+            leases.append((ser.lease_from_item(item), item))
+        except ValueError:
+            log.warning("skipping an item that is not a lease: %s", sorted(item))
+    leases.sort(key=lambda pair: pair[0].lease_key)
+    if args.json:
+        json.dump([item_to_json(item) for _, item in leases], out, indent=2)
+        out.write("\n")
+        return 0
+    rows = [["SHARD", "OWNER", "COUNTER", "CHECKPOINT", "SUB", "SWITCHES", "PARENTS",
+             "CHILDREN"]]
+    for lease, _ in leases:
+        owner = lease.lease_owner or "-"
+        if lease.checkpoint_owner:
+            owner += f" (handoff from {lease.checkpoint_owner})"
+        rows.append([lease.lease_key, owner, str(lease.lease_counter), lease.checkpoint,
+                     str(lease.checkpoint_sub_sequence_number),
+                     str(lease.owner_switches_since_checkpoint),
+                     ",".join(sorted(lease.parent_shard_ids)) or "-",
+                     ",".join(sorted(lease.child_shard_ids)) or "-"])
+    _table(rows, out)
+    out.write(f"{len(leases)} lease(s) in {_table_name(args)}\n")
+    return 0
+
+
+def _table(rows: Sequence[Sequence[str]], out: IO[str]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+        out.write("  ".join(cells).rstrip() + "\n")
+
+
+# -- status ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    """What one look at the table and the stream found besides the observations."""
+
+    time: float
+    #: open shards nobody has a lease for yet (no worker ran, or shard sync is pending)
+    unleased_shards: list[str]
+    #: leases whose shard the stream no longer lists (expired beyond retention)
+    unlisted_leases: list[str]
+
+
+class TableSampler:
+    """Observes every leased shard of one stream from the lease table and the stream."""
+
+    def __init__(self, table: LeaseTable, syncer: ShardSyncer, probe: LagProbe,
+                 tracker: LagTracker, clock: Callable[[], float]) -> None:
+        self._table = table
+        self._syncer = syncer
+        self._probe = probe
+        self._tracker = tracker
+        self._clock = clock
+
+    def sample(self) -> Sample:
+        now = self._clock()
+        leases = {lease.lease_key: lease for lease in self._table.list_leases()}
+        shards = {shard.shard_id: shard for shard in self._syncer.list_shards()}
+        sample = Sample(now,
+                        unleased_shards=sorted(s for s, shard in shards.items()
+                                               if s not in leases and shard.is_open),
+                        unlisted_leases=sorted(set(leases) - set(shards)))
+        observed = sorted(set(leases) & set(shards))
+        for shard_id in observed:
+            lease = leases[shard_id]
+            # A parent whose lease is gone was finished and cleaned up, as the consumer
+            # itself concludes before it starts a child.
+            waiting = any(p in leases and leases[p].checkpoint != SHARD_END
+                          for p in lease.parent_shard_ids)
+            lag = self._probe.measure(shard_id, lease.checkpoint,
+                                      lease.checkpoint_sub_sequence_number)
+            self._tracker.record(shard_id, Observation(
+                time=now, checkpoint=lease.checkpoint,
+                sub_sequence_number=lease.checkpoint_sub_sequence_number, lag=lag,
+                lease_counter=lease.lease_counter, owner=lease.lease_owner,
+                owner_switches=lease.owner_switches_since_checkpoint,
+                waiting_on_parents=waiting))
+        self._tracker.retain(observed)
+        return sample
+
+
+def status_report(args: argparse.Namespace, sample: Sample,
+                  evaluations: Mapping[str, ShardEvaluation]) -> dict[str, Any]:
+    """The ``--json`` document: ``report_to_json``'s shape plus what was not evaluated."""
+    return {
+        "application": args.application_name,
+        "stream": args.stream_name or args.stream_arn,
+        "table": _table_name(args),
+        **report_to_json(evaluations, args.window_seconds),
+        "samples": args.samples,
+        "unleased_shards": sample.unleased_shards,
+        "unlisted_leases": sample.unlisted_leases,
+    }
+
+
+def _print_status(report: Mapping[str, Any], out: IO[str], *, as_json: bool,
+                  watching: bool) -> None:
+    if as_json:
+        json.dump(report, out, indent=None if watching else 2)
+        out.write("\n")
+        out.flush()
+        return
+    out.write(f"{report['application']} on {report['stream']}: {report['status']} "
+              f"(window {report['window_seconds']:g}s, {report['samples']} samples)\n")
+    rows = [["SHARD", "STATUS", "OWNER", "CHECKPOINT", "BEHIND", "AGE", "REASON"]]
+    for shard in report["shards"]:
+        behind = "-"
+        if "records_behind" in shard:
+            behind = str(shard["records_behind"]) + ("" if shard["records_behind_exact"]
+                                                     else "+")
+        age = f"{shard['millis_behind'] / 1000:.1f}s" if "millis_behind" in shard else "-"
+        rows.append([shard["shard_id"], shard["status"], shard.get("owner") or "-",
+                     shard.get("checkpoint") or "-", behind, age, shard["reason"]])
+    _table(rows, out)
+    if report["unleased_shards"]:
+        out.write(f"open shards without a lease: {', '.join(report['unleased_shards'])}\n")
+    if report["unlisted_leases"]:
+        out.write("leases of shards the stream no longer lists: "
+                  f"{', '.join(report['unlisted_leases'])}\n")
+    out.flush()
+
+
+def run_status(args: argparse.Namespace, out: IO[str], *,
+               clock: Callable[[], float] = time.monotonic,
+               sleep: Callable[[float], None] = time.sleep,
+               wall_clock: Callable[[], float] = time.time) -> int:
+    """Sample and evaluate; returns the exit code of the last evaluation."""
+    kinesis, dynamodb = _clients(args)
+    table = LeaseTable(dynamodb, _table_name(args), max_attempts=5)
+    syncer = ShardSyncer(kinesis, table, stream_name=args.stream_name,
+                         stream_arn=args.stream_arn)
+    probe = LagProbe(kinesis, stream_name=args.stream_name, stream_arn=args.stream_arn,
+                     records_limit=args.records_limit, wall_clock=wall_clock)
+    tracker = LagTracker(args.window_seconds)
+    sampler = TableSampler(table, syncer, probe, tracker, clock)
+    interval = args.window_seconds / (args.samples - 1)
+    evaluations = args.count if args.watch else 1
+    code = EXIT_UNKNOWN
+    start = clock()
+    taken = 0
+    try:
+        while evaluations is None or evaluations > 0:
+            target = start + taken * interval
+            while (delay := target - clock()) > 0:
+                sleep(delay)
+            sample = _sample(sampler, args)
+            taken += 1
+            if not args.watch and taken < args.samples:
+                continue
+            evaluated = tracker.evaluate(sample.time)
+            _print_status(status_report(args, sample, evaluated), out, as_json=args.json,
+                          watching=args.watch)
+            code = application_status(e.status for e in evaluated.values()).exit_code
+            if evaluations is not None:
+                evaluations -= 1
+    except KeyboardInterrupt:
+        pass
+    return code
+
+
+def _sample(sampler: TableSampler, args: argparse.Namespace) -> Sample:
+    try:
+        return sampler.sample()
+    except ClientError as exc:
+        code = error_code(exc)
+        if code == "ResourceNotFoundException" and exc.operation_name == "Scan":
+            raise _missing_table(args) from None
+        if code == "ResourceNotFoundException":
+            option = "--stream-name" if args.stream_name else "--stream-arn"
+            raise UsageError(option, f"stream {args.stream_name or args.stream_arn!r} "
+                             "does not exist") from None
+        raise
+
+
+# -- entry points ----------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line; a usage error exits 2 with one line naming the option."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "status" and args.count is not None and not args.watch:
+        parser.error("argument --count: only with --watch")
+    return args
+
+
+def inspect_main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    prog = f"{PROG} {args.command}"
+    try:
+        if args.command == "leases":
+            return _leases(args, sys.stdout)
+        return run_status(args, sys.stdout)
+    except UsageError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except (ClientError, BotoCoreError, KCLError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1 if args.command == "leases" else EXIT_UNKNOWN
+
+
+def main() -> None:
+    sys.exit(inspect_main())
+
+
+if __name__ == "__main__":
+    main()

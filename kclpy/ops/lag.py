@@ -1,0 +1,390 @@
+"""Lag status with Burrow's rules: is each shard keeping up, without a threshold to tune.
+
+A fixed "N records behind" alarm is wrong for every stream but one, so, like LinkedIn's
+Burrow for Kafka, the status comes from how checkpoints and lag *move* over a sliding window
+of observations. Rules for one shard, checked in Burrow's order (the first that holds wins):
+
+1. OK      the lag was zero in some observation of the window (or is zero now);
+2. REWIND  the checkpoint moved backwards between two observations;
+3. STOP    no checkpoint was written for longer than the window while behind;
+4. STALL   checkpoints were written in the window but never moved while behind;
+5. WARN    checkpoints moved but the lag never decreased and ended higher than it started;
+6. OK      otherwise.
+
+The application is ERROR if any shard is STOP, STALL or REWIND, WARN if any is WARN.
+
+Differences from Burrow, each because a Kinesis lease is not a Kafka offset commit:
+
+- Burrow's window is the last N commits; a lease has no commit time, so the window here is
+  the last ``window_s`` seconds of periodic observations, and a checkpoint is "written" when
+  an observation sees it differ from the previous one (see :func:`checkpoint_written`).
+- Burrow's STOP compares the time since the last commit with the span of its window; here
+  it is the time since the last write seen (or since observing began) against ``window_s``,
+  so STOP needs a full window of observations - it is never guessed from one sample.
+- Burrow warns when lag is flat; here the lag must also end higher, because a consumer that
+  exactly matches the producer's rate is not falling behind.
+- A shard waiting for its parents to finish is OK: it must not checkpoint yet.
+
+Lag is measured from the checkpoint against the tip of the shard by :class:`LagProbe`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kclpy.checkpoint import Position, position_of
+from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
+from kclpy.retrieval.parse import get_records
+
+if TYPE_CHECKING:
+    from mypy_boto3_kinesis import KinesisClient
+
+
+class ShardStatus(enum.Enum):
+    OK = "OK"
+    WARN = "WARN"
+    STALL = "STALL"
+    STOP = "STOP"
+    REWIND = "REWIND"
+
+
+class AppStatus(enum.Enum):
+    OK = "OK"
+    WARN = "WARN"
+    ERROR = "ERROR"
+
+    @property
+    def exit_code(self) -> int:
+        """What ``kclpy status`` exits with, so that it can be a monitor's check."""
+        return {AppStatus.OK: 0, AppStatus.WARN: 1, AppStatus.ERROR: 2}[self]
+
+
+_ERRORS = frozenset({ShardStatus.STOP, ShardStatus.STALL, ShardStatus.REWIND})
+
+
+def application_status(statuses: Iterable[ShardStatus]) -> AppStatus:
+    """ERROR if any shard is STOP, STALL or REWIND; WARN if any is WARN; OK otherwise."""
+    seen = set(statuses)
+    if seen & _ERRORS:
+        return AppStatus.ERROR
+    if ShardStatus.WARN in seen:
+        return AppStatus.WARN
+    return AppStatus.OK
+
+
+@dataclass(frozen=True)
+class Lag:
+    """How far a checkpoint is behind the tip of its shard.
+
+    ``records`` counts Kinesis records (a KPL aggregate is one) and is a lower bound unless
+    ``records_exact``; ``millis`` is the age of the oldest record after the checkpoint.
+    """
+
+    records: int
+    records_exact: bool
+    millis: int
+
+    @property
+    def is_zero(self) -> bool:
+        return self.records == 0 and self.records_exact
+
+    def describe(self) -> str:
+        records = f"{self.records}" if self.records_exact else f"at least {self.records}"
+        return f"{records} records / {self.millis / 1000:.1f}s behind"
+
+
+NO_LAG = Lag(records=0, records_exact=True, millis=0)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One look at a shard: its lease and its lag, at ``time`` (seconds, any monotonic
+    clock). ``written`` is filled in by :class:`LagTracker` from the previous observation."""
+
+    time: float
+    checkpoint: str | None
+    sub_sequence_number: int
+    lag: Lag
+    written: bool = False
+    lease_counter: int | None = None
+    owner: str | None = None
+    owner_switches: int | None = None
+    #: checkpoints this worker has written so far (its ``kclpy_checkpoints_total``), when
+    #: the observer is the worker itself; None from the lease table alone
+    checkpoint_writes: float | None = None
+    #: the shard may not checkpoint yet because a parent shard is still being read
+    waiting_on_parents: bool = False
+
+    @property
+    def position(self) -> Position:
+        return position_of(self.checkpoint, self.sub_sequence_number)
+
+
+def checkpoint_written(previous: Observation, current: Observation) -> bool:
+    """Whether a checkpoint was written between two observations of one shard.
+
+    Seen for sure when the checkpoint value changed, when the worker's own checkpoint
+    counter grew, or when ``ownerSwitchesSinceCheckpoint`` went back to zero (only a
+    checkpoint resets it). A checkpoint re-written at the same value is otherwise invisible
+    in the lease table, because a renewal bumps ``leaseCounter`` exactly as it does.
+    """
+    if (previous.checkpoint, previous.sub_sequence_number) != (
+            current.checkpoint, current.sub_sequence_number):
+        return True
+    if previous.checkpoint_writes is not None and current.checkpoint_writes is not None \
+            and current.checkpoint_writes > previous.checkpoint_writes:
+        return True
+    return bool(previous.owner_switches and current.owner_switches == 0)
+
+
+@dataclass(frozen=True)
+class ShardEvaluation:
+    status: ShardStatus
+    reason: str
+    #: how much of the window has been observed, 0..1 (Burrow's "complete")
+    complete: float
+    latest: Observation | None
+
+
+class ShardWindow:
+    """The observations of one shard within the sliding window, and their evaluation.
+
+    Keeps one observation from before the window as an anchor, so that a checkpoint that
+    moved (or rewound) right at the window's start is still seen as a move.
+    """
+
+    def __init__(self, window_s: float) -> None:
+        if window_s <= 0:
+            raise ValueError("window_s must be positive")
+        self.window_s = window_s
+        self._observations: deque[Observation] = deque()
+        self._first_seen: float | None = None
+        self._last_write: float | None = None
+
+    def add(self, observation: Observation) -> None:
+        if self._first_seen is None:
+            self._first_seen = observation.time
+        if observation.written:
+            self._last_write = observation.time
+        self._observations.append(observation)
+        start = observation.time - self.window_s
+        while len(self._observations) > 1 and self._observations[1].time < start:
+            self._observations.popleft()
+
+    @property
+    def latest(self) -> Observation | None:
+        return self._observations[-1] if self._observations else None
+
+    def evaluate(self, now: float) -> ShardEvaluation:
+        """Burrow's rules (module docstring) over the window that ends at ``now``."""
+        if not self._observations or self._first_seen is None:
+            return ShardEvaluation(ShardStatus.OK, "not observed yet", 0.0, None)
+        start = now - self.window_s
+        anchored = list(self._observations)
+        first = next((i for i, o in enumerate(anchored) if o.time >= start), len(anchored) - 1)
+        window = anchored[first:]
+        scope = anchored[max(0, first - 1):]  # the window and the observation before it
+        latest = window[-1]
+        complete = max(0.0, min(1.0, (now - self._first_seen) / self.window_s))
+
+        def result(status: ShardStatus, reason: str) -> ShardEvaluation:
+            return ShardEvaluation(status, reason, complete, latest)
+
+        if latest.checkpoint == SHARD_END:
+            return result(ShardStatus.OK, "shard finished (SHARD_END)")
+        if latest.waiting_on_parents:
+            return result(ShardStatus.OK, "waiting for its parent shards to finish")
+        if any(o.lag.is_zero for o in window):
+            return result(ShardStatus.OK, "caught up within the window")
+        for before, after in itertools.pairwise(scope):
+            if after.position < before.position:
+                return result(ShardStatus.REWIND, f"checkpoint moved backwards from "
+                              f"{_where(before)} to {_where(after)}")
+        quiet_since = self._last_write if self._last_write is not None else self._first_seen
+        if now - quiet_since >= self.window_s:
+            return result(ShardStatus.STOP, f"no checkpoint for {now - quiet_since:.0f}s "
+                          f"(window {self.window_s:g}s) while {latest.lag.describe()}; "
+                          f"{_owner_note(scope)}")
+        moved = len({o.position for o in scope}) > 1
+        if any(o.written for o in window) and not moved:
+            return result(ShardStatus.STALL, f"checkpoints written but not moving from "
+                          f"{_where(latest)} while {latest.lag.describe()}")
+        lags = [o.lag.millis for o in window]
+        if moved and lags[-1] > lags[0] and all(
+                b >= a for a, b in itertools.pairwise(lags)):
+            return result(ShardStatus.WARN, f"checkpoints move but the lag grew from "
+                          f"{lags[0] / 1000:.1f}s to {lags[-1] / 1000:.1f}s")
+        if complete < 1.0:
+            return result(ShardStatus.OK, f"consuming ({complete:.0%} of the window observed)")
+        return result(ShardStatus.OK, "consuming")
+
+
+def _where(observation: Observation) -> str:
+    if observation.checkpoint is None:
+        return "no checkpoint"
+    if observation.sub_sequence_number:
+        return f"{observation.checkpoint}/{observation.sub_sequence_number}"
+    return observation.checkpoint
+
+
+def _owner_note(observations: Sequence[Observation]) -> str:
+    """Why nobody checkpoints: separates a dead worker from a processor that does not call
+    checkpoint, which is the first thing an operator needs to know."""
+    latest = observations[-1]
+    if latest.owner is None:
+        return "no worker holds the lease"
+    counters = {o.lease_counter for o in observations if o.lease_counter is not None}
+    if latest.checkpoint_writes is not None or len(counters) > 1:
+        return f"{latest.owner} holds the lease but its processor does not checkpoint"
+    return f"the lease of {latest.owner} is not being renewed (is the worker alive?)"
+
+
+class LagTracker:
+    """One :class:`ShardWindow` per shard, fed with observations as they are made.
+
+    Thread-safe: the worker's sampler thread records while HTTP threads evaluate.
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._windows: dict[str, ShardWindow] = {}
+        self._lock = threading.Lock()
+
+    def record(self, shard_id: str, observation: Observation) -> Observation:
+        """Add an observation; returns it with ``written`` set from the previous one."""
+        with self._lock:
+            window = self._windows.get(shard_id)
+            if window is None:
+                window = self._windows[shard_id] = ShardWindow(self.window_s)
+            previous = window.latest
+            written = previous is not None and checkpoint_written(previous, observation)
+            observation = dataclasses.replace(observation, written=written)
+            window.add(observation)
+            return observation
+
+    def retain(self, shard_ids: Iterable[str]) -> None:
+        """Forget shards no longer observed (a lease lost or a shard gone)."""
+        keep = set(shard_ids)
+        with self._lock:
+            for shard_id in set(self._windows) - keep:
+                del self._windows[shard_id]
+
+    def evaluate(self, now: float) -> dict[str, ShardEvaluation]:
+        with self._lock:
+            return {s: w.evaluate(now) for s, w in sorted(self._windows.items())}
+
+
+class LagProbe:
+    """Measures a checkpoint's lag with the Kinesis API, as cheaply as it can be had.
+
+    Kinesis has no "latest offset" to subtract from, so the probe reads from the checkpoint:
+    one GetShardIterator (AFTER_SEQUENCE_NUMBER) and GetRecords with ``Limit=records_limit``,
+    following the iterator for at most ``max_pages`` pages while the pages are empty but
+    behind (AWS can answer empty pages before old data). Records behind is the number of
+    records returned, exact when the last page reached the tip (MillisBehindLatest 0) and
+    otherwise a lower bound. Seconds behind is the age of the first record after the
+    checkpoint (0 when there is none), else the page's MillisBehindLatest.
+
+    Cost per shard and probe: 1 GetShardIterator and usually 1 GetRecords, against the
+    shard's limits of 5 calls/s and 2 MB/s shared with the consumers, transferring at most
+    ``records_limit`` records. A checkpoint inside a KPL aggregate counts the aggregate as
+    done, so lag is under-counted by at most that aggregate's remaining user records.
+    """
+
+    def __init__(
+        self,
+        kinesis: KinesisClient,
+        *,
+        stream_name: str | None = None,
+        stream_arn: str | None = None,
+        records_limit: int = 1000,
+        max_pages: int = 3,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        if stream_name is None and stream_arn is None:
+            raise ValueError("a LagProbe needs stream_name or stream_arn")
+        if not 1 <= records_limit <= 10000:
+            raise ValueError("records_limit must be between 1 and 10000")
+        self._kinesis = kinesis
+        self._stream: dict[str, str] = {}
+        if stream_arn is not None:
+            self._stream["StreamARN"] = stream_arn
+        if stream_name is not None:
+            self._stream["StreamName"] = stream_name
+        self.records_limit = records_limit
+        self._max_pages = max_pages
+        self._wall_clock = wall_clock
+
+    def measure(self, shard_id: str, checkpoint: str | None, sub_sequence_number: int) -> Lag:
+        """The lag of ``checkpoint`` on ``shard_id``. LATEST is taken as caught up (the
+        consumer starts at the tip) and AT_TIMESTAMP as TRIM_HORIZON, an upper bound,
+        because the lease does not record the timestamp."""
+        if checkpoint in (SHARD_END, LATEST):
+            return NO_LAG
+        params: dict[str, Any] = {"ShardId": shard_id, **self._stream}
+        if checkpoint in (None, TRIM_HORIZON, AT_TIMESTAMP):
+            params["ShardIteratorType"] = TRIM_HORIZON
+        else:
+            params["ShardIteratorType"] = "AFTER_SEQUENCE_NUMBER"
+            params["StartingSequenceNumber"] = checkpoint
+        iterator: str = self._kinesis.get_shard_iterator(**params)["ShardIterator"]
+        pages = 0
+        while True:
+            page = get_records(self._kinesis, iterator, self.records_limit)
+            pages += 1
+            count, behind = len(page.records), page.millis_behind_latest
+            if count or behind == 0 or page.next_shard_iterator is None \
+                    or pages >= self._max_pages:
+                break
+            iterator = page.next_shard_iterator
+        # Emulators may leave MillisBehindLatest out; a short page then means the tip.
+        at_tip = (page.next_shard_iterator is None or behind == 0
+                  or (behind is None and count < self.records_limit))
+        exact = at_tip and count < self.records_limit
+        first_arrival = page.records[0].approximate_arrival_timestamp if count else None
+        if first_arrival is not None:
+            millis = max(0, round(self._wall_clock() * 1000) - first_arrival)
+        elif count == 0 and exact:
+            millis = 0
+        else:
+            millis = behind or 0
+        return Lag(records=count, records_exact=exact, millis=millis)
+
+
+def evaluation_to_json(shard_id: str, evaluation: ShardEvaluation) -> dict[str, Any]:
+    """The JSON shape both /status and ``kclpy status --json`` use for one shard."""
+    latest = evaluation.latest
+    result: dict[str, Any] = {
+        "shard_id": shard_id,
+        "status": evaluation.status.value,
+        "reason": evaluation.reason,
+        "complete": round(evaluation.complete, 3),
+    }
+    if latest is not None:
+        result.update({
+            "owner": latest.owner,
+            "checkpoint": latest.checkpoint,
+            "checkpoint_sub_sequence_number": latest.sub_sequence_number,
+            "lease_counter": latest.lease_counter,
+            "records_behind": latest.lag.records,
+            "records_behind_exact": latest.lag.records_exact,
+            "millis_behind": latest.lag.millis,
+        })
+    return result
+
+
+def report_to_json(evaluations: Mapping[str, ShardEvaluation], window_s: float
+                   ) -> dict[str, Any]:
+    return {
+        "status": application_status(e.status for e in evaluations.values()).value,
+        "window_seconds": window_s,
+        "shards": [evaluation_to_json(s, e) for s, e in sorted(evaluations.items())],
+    }

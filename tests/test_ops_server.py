@@ -1,0 +1,346 @@
+"""The ops endpoint over real HTTP: a stand-in worker for the protocol details, and a real
+Worker against kinesis-mock and moto's server for what an operator scrapes."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.parser import text_string_to_metric_families
+
+from kclpy import KCLConfig, Worker
+from kclpy.local import LocalEndpoint
+from kclpy.metrics import Metrics
+from kclpy.ops import RunningServer, serve_worker
+from tests.support.recording import Ledger, RecordingProcessor
+from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def get(url: str, accept: str | None = None) -> tuple[int, str, str]:
+    """(status, content type, body) of a GET, error statuses included."""
+    request = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.headers["Content-Type"], response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers["Content-Type"], exc.read().decode()
+
+
+def scrape(server: RunningServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of /metrics, keyed by name and sorted labels."""
+    status, _, body = get(server.url + "/metrics")
+    assert status == 200
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(body) for sample in family.samples}
+
+
+def total(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str) -> float:
+    return sum(value for (sample, _), value in samples.items() if sample == name)
+
+
+# -- the protocol, with a stand-in worker ------------------------------------------------
+
+
+class FakeWorker:
+    """What serve_worker reads from a Worker, and nothing else."""
+
+    def __init__(self) -> None:
+        self.metrics = Metrics()
+        self.healthy = False
+        self.kinesis = None
+
+    def status(self) -> dict[str, Any]:
+        return {"worker_id": "w-1", "stream": "s", "application": "a",
+                "held_leases": ["shard-1"],
+                "shards": {"shard-1": {"state": "PROCESSING", "checkpoint": "42",
+                                       "checkpoint_sub_sequence_number": 0,
+                                       "millis_behind_latest": 0}}}
+
+
+@pytest.fixture
+def fake_server() -> Iterator[tuple[FakeWorker, RunningServer]]:
+    worker = FakeWorker()
+    with serve_worker(worker, lag_window_s=None) as server:  # type: ignore[arg-type]
+        yield worker, server
+
+
+def test_healthz_follows_the_worker(fake_server: tuple[FakeWorker, RunningServer]) -> None:
+    worker, server = fake_server
+    assert get(server.url + "/healthz")[0] == 503
+    worker.healthy = True
+    assert get(server.url + "/healthz")[:1] == (200,)
+    worker.healthy = False
+    status, _, body = get(server.url + "/healthz")
+    assert status == 503 and "not being renewed" in body
+
+
+def test_metrics_are_the_workers_registry_in_both_formats(
+        fake_server: tuple[FakeWorker, RunningServer]) -> None:
+    worker, server = fake_server
+    worker.metrics.records_processed.labels("shard-1").inc(7)
+    status, content_type, body = get(server.url + "/metrics")
+    assert status == 200 and content_type.startswith("text/plain")
+    assert 'kclpy_records_processed_total{shard_id="shard-1"} 7.0' in body
+    status, content_type, body = get(server.url + "/metrics",
+                                     accept="application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text")
+    assert body.rstrip().endswith("# EOF")
+
+
+def test_status_is_the_workers_status_plus_health(
+        fake_server: tuple[FakeWorker, RunningServer]) -> None:
+    worker, server = fake_server
+    status, content_type, body = get(server.url + "/status")
+    assert (status, content_type) == (200, "application/json")
+    document = json.loads(body)
+    assert document == {**worker.status(), "healthy": False}
+
+
+def test_unknown_paths_are_404(fake_server: tuple[FakeWorker, RunningServer]) -> None:
+    _, server = fake_server
+    assert get(server.url + "/")[0] == 404
+    assert get(server.url + "/metrics/extra")[0] == 404
+
+
+def test_binds_loopback_by_default_and_stop_frees_the_port() -> None:
+    server = serve_worker(FakeWorker(), lag_window_s=None)  # type: ignore[arg-type]
+    assert server.host == "127.0.0.1" and server.url == f"http://127.0.0.1:{server.port}"
+    server.stop()
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", server.port), 2):
+        pass
+
+
+# -- a real worker -----------------------------------------------------------------------
+
+
+def worker_config(kinesis_url: str, dynamodb_url: str, stream: str, **overrides: Any
+                  ) -> KCLConfig:
+    values: dict[str, Any] = {
+        "application_name": unique_name("ops"), "stream_name": stream,
+        "region": "us-east-1", "kinesis_endpoint": kinesis_url,
+        "dynamodb_endpoint": dynamodb_url, "initial_position": "TRIM_HORIZON",
+        "failover_time_ms": 3000, "idle_time_between_reads_ms": 100,
+        "shard_sync_interval_ms": 1000, "shutdown_grace_ms": 5000,
+    }
+    values.update(overrides)
+    return KCLConfig(**values)
+
+
+@contextmanager
+def running(worker: Worker) -> Iterator[threading.Thread]:
+    """Run ``worker`` in a thread; shut it down (and check it ended cleanly) on exit."""
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            worker.run(install_signal_handlers=False)
+        except BaseException as exc:  # surfaced to the test below
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, name="ops-test-worker", daemon=True)
+    thread.start()
+    try:
+        yield thread
+    finally:
+        worker.shutdown()
+        thread.join(60)
+        assert not thread.is_alive(), "worker did not stop"
+    assert not errors, errors
+
+
+@pytest.fixture
+def two_shards(kinesis_mock: LocalEndpoint) -> tuple[Any, str]:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("ops")
+    create_stream(kinesis, stream, 2)
+    return kinesis, stream
+
+
+@pytest.mark.integration
+def test_scraped_metrics_move_as_records_are_processed(
+        two_shards: tuple[Any, str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint) -> None:
+    kinesis, stream = two_shards
+    ledger = Ledger()
+    worker = Worker(worker_config(kinesis_mock.url, moto_server.url, stream),
+                    lambda: RecordingProcessor(ledger))
+    with serve_worker(worker, lag_window_s=None) as server:
+        before = scrape(server)
+        assert total(before, "kclpy_records_processed_total") == 0
+        assert total(before, "kclpy_leases_held") == 0
+        assert total(before, "kclpy_millis_behind_latest") == 0
+        put_plain(kinesis, stream, [f"a{n}".encode() for n in range(40)])
+        with running(worker):
+            wait_for(lambda: total(scrape(server), "kclpy_records_processed_total") == 40,
+                     60, "40 records counted")
+            during = scrape(server)
+            assert total(during, "kclpy_leases_held") == 2
+            shards = {dict(labels)["shard_id"] for name, labels in during
+                      if name == "kclpy_records_processed_total"}
+            assert shards == set(ledger.by_shard()) and len(shards) == 2
+            for shard in shards:
+                key = ("kclpy_millis_behind_latest", (("shard_id", shard),))
+                assert key in during, f"no MillisBehindLatest for {shard}"
+                assert during[("kclpy_bytes_processed_total", (("shard_id", shard),))] > 0
+                assert during[("kclpy_process_records_seconds_count",
+                               (("shard_id", shard),))] > 0
+            assert total(during, "kclpy_get_records_seconds_count") > 0
+            assert total(during, "kclpy_checkpoints_total") > 0
+            put_plain(kinesis, stream, [f"b{n}".encode() for n in range(25)])
+            wait_for(lambda: total(scrape(server), "kclpy_records_processed_total") == 65,
+                     60, "65 records counted")
+            wait_for(lambda: all(
+                scrape(server)[("kclpy_millis_behind_latest", (("shard_id", s),))] == 0
+                for s in shards), 30, "caught up")
+        after = scrape(server)
+        assert total(after, "kclpy_leases_held") == 0, "leases released on shutdown"
+    assert len(ledger.records) == 65
+
+
+@pytest.mark.integration
+def test_healthz_is_200_while_renewing_and_503_after(
+        two_shards: tuple[Any, str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint) -> None:
+    _, stream = two_shards
+    ledger = Ledger()
+    config = worker_config(kinesis_mock.url, moto_server.url, stream)
+    first = Worker(config, lambda: RecordingProcessor(ledger))
+    with serve_worker(first, lag_window_s=None) as server:
+        assert get(server.url + "/healthz")[0] == 503, "not started"
+        with running(first):
+            wait_for(lambda: get(server.url + "/healthz")[0] == 200, 30, "healthy")
+        assert get(server.url + "/healthz")[0] == 503, "shut down"
+    second = Worker(config.replace(worker_id="second"), lambda: RecordingProcessor(ledger))
+    with serve_worker(second, lag_window_s=None) as server, running(second):
+        wait_for(lambda: get(server.url + "/healthz")[0] == 200, 30, "healthy")
+        assert second.coordinator is not None
+        second.coordinator.stop(release=False)
+        assert get(server.url + "/healthz")[0] == 503, "renewer stopped, worker still running"
+
+
+@pytest.mark.integration
+def test_status_reports_leases_checkpoints_and_lag(
+        two_shards: tuple[Any, str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint) -> None:
+    kinesis, stream = two_shards
+    ledger = Ledger()
+    config = worker_config(kinesis_mock.url, moto_server.url, stream)
+    written = put_plain(kinesis, stream, [f"s{n}".encode() for n in range(30)])
+    last = {shard: seq for shard, seq in written}  # the last sequence number per shard
+    worker = Worker(config, lambda: RecordingProcessor(ledger))
+
+    def status() -> dict[str, Any]:
+        code, _, body = get(server.url + "/status")
+        assert code == 200
+        return dict(json.loads(body))
+
+    def settled() -> dict[str, Any] | None:
+        document = status()
+        shards = document["shards"]
+        if set(shards) != set(last):
+            return None
+        if any(shards[s]["checkpoint"] != last[s] or shards[s]["millis_behind_latest"] != 0
+               for s in last):
+            return None
+        lag = document["lag"]["shards"]
+        return document if len(lag) == 2 and all(s["records_behind"] == 0 for s in lag) \
+            else None
+
+    with serve_worker(worker, lag_window_s=30, lag_interval_s=0.2) as server, running(worker):
+        document = wait_for(settled, 60, "checkpoints at the last records and lag sampled")
+    assert document["worker_id"] == config.worker_id
+    assert (document["application"], document["stream"]) == (config.application_name, stream)
+    assert document["healthy"] is True
+    assert sorted(document["held_leases"]) == sorted(last)
+    for shard in document["shards"].values():
+        assert shard["state"] == "PROCESSING"
+        assert shard["checkpoint_sub_sequence_number"] == 0
+    lag = document["lag"]
+    assert lag["status"] == "OK" and lag["window_seconds"] == 30
+    assert {s["shard_id"] for s in lag["shards"]} == set(last)
+    for shard in lag["shards"]:
+        assert shard["status"] == "OK"
+        assert shard["checkpoint"] == last[shard["shard_id"]]
+        assert shard["owner"] == config.worker_id
+
+
+# -- the documents that describe the metrics ---------------------------------------------
+
+
+def exposed_names(metrics: Metrics) -> set[str]:
+    """The sample names each registered collector exposes (without OpenMetrics extras)."""
+    names: set[str] = set()
+    for collector in metrics.__dict__.values():
+        if isinstance(collector, Counter):
+            names.add(collector._name + "_total")
+        elif isinstance(collector, Histogram):
+            names.update(collector._name + s for s in ("_bucket", "_sum", "_count"))
+        elif isinstance(collector, Gauge):
+            names.add(collector._name)
+    return names
+
+
+def documented_names(metrics: Metrics) -> set[str]:
+    """The names operators see, one per collector (histograms by their base name)."""
+    names: set[str] = set()
+    for collector in metrics.__dict__.values():
+        if isinstance(collector, Counter):
+            names.add(collector._name + "_total")
+        elif isinstance(collector, (Gauge, Histogram)):
+            names.add(collector._name)
+    return names
+
+
+def test_operations_doc_lists_every_metric_and_no_other() -> None:
+    metrics = Metrics()
+    registered = {family.name for family in metrics.registry.collect()}
+    documented = documented_names(metrics)
+    assert len(documented) == len(registered), "every collector is an attribute of Metrics"
+    text = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    mentioned = set(re.findall(r"\bkclpy_[a-z_]+[a-z]", text))
+    missing = documented - mentioned
+    assert not missing, f"docs/operations.md does not describe {sorted(missing)}"
+    known = exposed_names(metrics) | documented
+    unknown = mentioned - known
+    assert not unknown, f"docs/operations.md names metrics that do not exist: {sorted(unknown)}"
+
+
+def grafana_exprs(node: Any) -> Iterator[str]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "expr" and isinstance(value, str):
+                yield value
+            else:
+                yield from grafana_exprs(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from grafana_exprs(item)
+
+
+def test_grafana_dashboard_parses_and_queries_only_existing_metrics() -> None:
+    dashboard = json.loads((ROOT / "docs" / "grafana-dashboard.json").read_text("utf-8"))
+    assert dashboard["title"] and dashboard["panels"]
+    exprs = list(grafana_exprs(dashboard))
+    assert len(exprs) >= 10
+    known = exposed_names(Metrics())
+    used: set[str] = set()
+    for expr in exprs:
+        names = set(re.findall(r"\bkclpy_[a-z_]+[a-z]", expr))
+        assert names, f"panel query without a kclpy metric: {expr}"
+        assert names <= known, f"unknown metric in {expr}: {sorted(names - known)}"
+        used |= names
+    for required in ("kclpy_records_processed_total", "kclpy_millis_behind_latest",
+                     "kclpy_leases_held", "kclpy_get_records_seconds_bucket"):
+        assert required in used
