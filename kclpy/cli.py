@@ -25,6 +25,7 @@ from kclpy.config import (
 from kclpy.errors import ConfigError
 from kclpy.metrics import Metrics
 from kclpy.processor import IRecordProcessor
+from kclpy.worker import Worker
 
 log = logging.getLogger("kclpy")
 
@@ -157,7 +158,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level,
         format="%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s")
-    from kclpy.worker import Worker, WorkerFatalError
+    from kclpy.worker import WorkerFatalError
 
     try:
         if args.local:
@@ -169,9 +170,9 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
                                         dynamodb_endpoint=endpoint.url)
                 session = local_session(config.region or "us-east-1")
                 seed_demo_stream(session, endpoint.url, config.stream_label)
-                Worker(config, factory, metrics=metrics, session=session).run()
+                _run(Worker(config, factory, metrics=metrics, session=session))
         else:
-            Worker(config, factory, metrics=metrics).run()
+            _run(Worker(config, factory, metrics=metrics))
     except ConfigError as exc:
         print(f"kclpy-worker: error: {exc}", file=sys.stderr)
         return 2
@@ -182,6 +183,19 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         log.exception("worker failed: %s", exc)
         return 1
     return 0
+
+
+def _run(worker: Worker) -> None:
+    """Run the worker, with its /metrics, /healthz and /status endpoint when configured."""
+    port = worker.config.metrics_port
+    if port is None:
+        worker.run()
+        return
+    from kclpy.ops.server import serve_worker
+
+    with serve_worker(worker, worker.config.metrics_host, port) as server:
+        log.info("serving /metrics, /healthz and /status on %s", server.url)
+        worker.run()
 
 
 def main() -> None:

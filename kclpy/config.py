@@ -65,6 +65,8 @@ class KCLConfig:
     max_pool_connections: int = 256
     stop_when_caught_up: bool = False
     executable_name: str | None = None
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     timeout_in_seconds: int = 300
     stray_stdout: str = "restart"
     properties_dir: Path | None = None
@@ -161,6 +163,9 @@ OPTIONS: tuple[Option, ...] = (
     _opt("max_pool_connections", "int", "botocore connection pool size.", "maxPoolConnections"),
     _opt("stop_when_caught_up", "bool",
          "Shut down cleanly once every shard is caught up (drain and exit).", "stopWhenCaughtUp"),
+    _opt("metrics_port", "port",
+         "Serve /metrics, /healthz and /status on this port (default: off).", "metricsPort"),
+    _opt("metrics_host", "str", "Address the metrics endpoint binds.", "metricsHost"),
     _opt("executable_name", "str",
          "MultiLangDaemon child command (runs an amazon_kclpy application).", "executableName"),
     _opt("timeout_in_seconds", "int",
@@ -280,7 +285,7 @@ def _convert(option: Option, raw: Any, label: str) -> Any:
     text = str(raw).strip()
     kind = option.kind
     try:
-        if kind in ("int", "int0"):
+        if kind in ("int", "int0", "port"):
             return int(text)
         if kind == "bool":
             low = text.lower()
@@ -298,7 +303,8 @@ def _convert(option: Option, raw: Any, label: str) -> Any:
     return text
 
 
-_KIND_WORDS = {"int": "whole number", "int0": "whole number", "bool": "boolean (true/false)",
+_KIND_WORDS = {"int": "whole number", "int0": "whole number", "port": "port number",
+               "bool": "boolean (true/false)",
                "timestamp": "timestamp (ISO 8601 or epoch seconds)"}
 
 
@@ -336,6 +342,8 @@ def validate(config: KCLConfig, labels: Mapping[str, str]) -> None:
             raise ConfigError(name(endpoint), f"{url!r} is not an http(s) URL")
     for option in OPTIONS:
         value = getattr(config, option.name)
+        if option.kind == "port" and value is not None and not 0 <= value <= 65535:
+            raise ConfigError(name(option.name), f"{value!r} is not a port (0..65535)")
         if option.kind in ("int", "int0") and value is not None:
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ConfigError(name(option.name), f"{value!r} is not a whole number")

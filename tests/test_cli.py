@@ -7,12 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from kclpy.cli import worker_main
-from kclpy.local import LocalEndpoint
+from kclpy.local import LocalEndpoint, free_port
 from tests.support.recording import read_file_ledger
 from tests.support.streams import (
     create_stream,
@@ -72,6 +73,8 @@ BAD_CONFIGS: list[tuple[str, list[str], str]] = [
     ("processor spec malformed", ["--stream-name", "s", "--application-name", "a",
                                   "--processor", "examples.printing_processor"], "--processor"),
     ("unknown flag", [*GOOD, "--no-such-flag", "1"], "--no-such-flag"),
+    ("port out of range", [*GOOD, "--metrics-port", "70000"], "--metrics-port"),
+    ("port not a number", [*GOOD, "--metrics-port", "http"], "--metrics-port"),
     ("bad log level", [*GOOD, "--log-level", "LOUD"], "--log-level"),
 ]
 
@@ -172,6 +175,7 @@ def test_signal_shuts_down_cleanly_and_releases_leases(
     put_plain(kinesis, stream, payloads)
     ledger_path = tmp_path / "ledger.jsonl"
     application = unique_name("app")
+    port = free_port()
     env = {**os.environ, "KCLPY_TEST_LEDGER": str(ledger_path)}
     process = subprocess.Popen(
         _worker_command(
@@ -179,11 +183,20 @@ def test_signal_shuts_down_cleanly_and_releases_leases(
             "--processor", "tests.support.recording:FileLedgerProcessor",
             "--region", "us-east-1", "--kinesis-endpoint", kinesis_mock.url,
             "--dynamodb-endpoint", moto_server.url, "--initial-position", "TRIM_HORIZON",
-            "--idle-time-between-reads-ms", "100", "--failover-time-ms", "3000"),
+            "--idle-time-between-reads-ms", "100", "--failover-time-ms", "3000",
+            "--metrics-port", str(port)),
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: sum("data" in e for e in read_file_ledger(str(ledger_path)))
                  >= len(payloads), 90, "records processed")
+        base = f"http://127.0.0.1:{port}"
+        with urllib.request.urlopen(f"{base}/healthz", timeout=10) as response:
+            assert response.status == 200
+        with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+            scraped = response.read().decode()
+        processed = [line for line in scraped.splitlines()
+                     if line.startswith("kclpy_records_processed_total{")]
+        assert sum(float(line.rsplit(" ", 1)[1]) for line in processed) == len(payloads)
         process.send_signal(signum)
         _, err = process.communicate(timeout=60)
     finally:
