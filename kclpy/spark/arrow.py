@@ -1,0 +1,96 @@
+"""Records to Arrow: the one conversion both Spark paths share.
+
+Spark turns a ``pyarrow.Table`` into a DataFrame by shipping its buffers to the JVM in bulk,
+whereas a list of Python rows is pickled and converted value by value (bench/spark_ingest.py
+measures the difference). So records become columns here, once, with no per-row objects, and
+the column types match what Spark's Arrow reader expects (``timestamp[us, UTC]``), so neither
+``createDataFrame`` nor a Python data source has to cast anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import pyarrow as pa
+
+from kclpy.records import Record
+
+__all__ = [
+    "SCHEMA",
+    "SPARK_SCHEMA_DDL",
+    "Decoder",
+    "records_to_batch",
+    "records_to_table",
+]
+
+#: Column order and types of every batch, in both paths.
+SCHEMA = pa.schema(
+    [
+        pa.field("stream", pa.string()),
+        pa.field("shard_id", pa.string()),
+        pa.field("sequence_number", pa.string()),
+        pa.field("sub_sequence_number", pa.int64()),
+        pa.field("partition_key", pa.string()),
+        pa.field("approximate_arrival_timestamp", pa.timestamp("us", tz="UTC")),
+        pa.field("data", pa.binary()),
+    ]
+)
+
+#: The same schema as Spark DDL. Sequence numbers are strings because they exceed 64 bits.
+SPARK_SCHEMA_DDL = (
+    "stream string, shard_id string, sequence_number string, sub_sequence_number bigint, "
+    "partition_key string, approximate_arrival_timestamp timestamp, data binary"
+)
+
+#: Turns the ``data`` column of a batch into extra columns (one row per record, same order).
+#: Working on the whole column lets a decoder use Arrow's vectorised readers (for example
+#: ``pyarrow.json.read_json`` over the joined payloads) instead of a Python loop per record.
+Decoder = Callable[[pa.BinaryArray], "pa.Table | pa.RecordBatch"]
+
+_MS_TIMESTAMP = pa.timestamp("ms", tz="UTC")
+
+
+def records_to_batch(stream: str, shard_id: str, records: Sequence[Record]) -> pa.RecordBatch:
+    """One shard's records as a batch with :data:`SCHEMA`."""
+    n = len(records)
+    arrival = pa.array(
+        [r.approximate_arrival_timestamp for r in records], type=_MS_TIMESTAMP
+    ).cast(SCHEMA.field("approximate_arrival_timestamp").type)
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.repeat(pa.scalar(stream, pa.string()), n),
+            pa.repeat(pa.scalar(shard_id, pa.string()), n),
+            pa.array([r.sequence_number for r in records], type=pa.string()),
+            pa.array([r.sub_sequence_number for r in records], type=pa.int64()),
+            pa.array([r.partition_key for r in records], type=pa.string()),
+            arrival,
+            pa.array([r.binary_data for r in records], type=pa.binary()),
+        ],
+        schema=SCHEMA,
+    )
+
+
+def records_to_table(
+    stream: str,
+    parts: Iterable[tuple[str, Sequence[Record]]],
+    decode: Decoder | None = None,
+) -> pa.Table:
+    """Several shards' records (``(shard_id, records)`` pairs) as one table.
+
+    With ``decode``, its columns are appended after the standard ones; a decoder that
+    returns a different number of rows is a bug in it and raises ``ValueError`` rather than
+    silently misaligning payloads and decoded values.
+    """
+    batches = [records_to_batch(stream, shard_id, records) for shard_id, records in parts]
+    table = pa.Table.from_batches(batches, schema=SCHEMA)
+    if decode is None:
+        return table
+    data = table.column("data").combine_chunks()
+    decoded = decode(data)
+    if decoded.num_rows != table.num_rows:
+        raise ValueError(
+            f"decoder returned {decoded.num_rows} rows for {table.num_rows} records"
+        )
+    for name, column in zip(decoded.column_names, decoded.columns, strict=True):
+        table = table.append_column(name, column)
+    return table

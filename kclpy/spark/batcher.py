@@ -1,0 +1,537 @@
+"""Micro-batches for Spark from a kclpy worker, checkpointed only once Spark has them.
+
+A worker runs one record processor per held shard; each of them here is a thin hand-off
+into one :class:`MicroBatcher`, which gathers what all shards delivered and, per trigger,
+turns it into a DataFrame (through Arrow) for the user's ``foreach_batch(df, batch_id)``.
+The shard checkpoints move only after ``foreach_batch`` returned, so a crash, a failing
+sink or a lost lease can repeat records but never lose them.
+
+Why the pieces look the way they do:
+
+- ``process_records`` blocks while its shard has more than ``max_pending_per_shard``
+  records waiting or in flight. The shard consumer then stops taking from its fetcher, whose
+  bounded queue stops the fetch thread: memory stays bounded however slow the sink is.
+- Batch ids are a hash of the stream and of each shard's first and last position in the
+  batch, so the retry of a failed batch carries the same id and a sink can make the retry
+  idempotent (see docs/spark.md for the exactly-once file-sink recipe).
+- A checkpoint refused with ``ShutdownException`` means another worker owns the shard now;
+  its part of the batch was written but stays un-checkpointed, and the new owner reads it
+  again from the last checkpoint. That is logged and counted, never raised into the loop.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry, Counter
+
+from kclpy.checkpoint import Checkpointer
+from kclpy.errors import (
+    CheckpointError,
+    InvalidStateException,
+    ShutdownException,
+)
+from kclpy.processor import (
+    InitializeInput,
+    IRecordProcessor,
+    LeaseLostInput,
+    ProcessRecordsInput,
+    ShardEndedInput,
+    ShutdownRequestedInput,
+)
+from kclpy.records import Record
+from kclpy.retrieval.backoff import Backoff
+from kclpy.spark.arrow import Decoder, records_to_table
+
+__all__ = [
+    "BatchInfo",
+    "BatchOptions",
+    "BatcherStats",
+    "ForeachBatch",
+    "MicroBatcher",
+    "ShardRange",
+    "current_batch",
+]
+
+log = logging.getLogger(__name__)
+
+#: The user's sink: called with the batch's DataFrame and its deterministic id.
+ForeachBatch = Callable[[Any, str], None]
+
+
+class DataFrameFactory(Protocol):
+    """What the batcher needs of a SparkSession (tests hand in a fake)."""
+
+    def createDataFrame(self, data: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """When a batch starts and how much it may hold."""
+
+    #: a batch starts as soon as this many records wait, and never holds more
+    max_records: int = 100_000
+    #: the longest a record waits before its batch starts
+    max_interval_s: float = 10.0
+    #: the shortest time between the starts of two batches, so that a busy stream makes
+    #: fewer, larger batches instead of one per GetRecords page
+    min_interval_s: float = 1.0
+    #: ``process_records`` blocks while its shard has more records than this waiting or
+    #: in flight (backpressure on the fetcher)
+    max_pending_per_shard: int = 50_000
+    #: backoff between attempts of a failing ``foreach_batch`` (and of a throttled checkpoint)
+    retry_base_s: float = 0.5
+    retry_cap_s: float = 30.0
+    #: attempts at a checkpoint that fails with a retryable error before giving up on it
+    #: (the records are then read again after a restart: repeated, never lost)
+    checkpoint_attempts: int = 5
+    #: how long ``shutdown_requested`` waits for the shard's pending records to be committed
+    drain_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_records < 1 or self.max_pending_per_shard < 1:
+            raise ValueError("max_records and max_pending_per_shard must be >= 1")
+        if self.min_interval_s < 0 or self.max_interval_s < self.min_interval_s:
+            raise ValueError("need 0 <= min_interval_s <= max_interval_s")
+        if self.checkpoint_attempts < 1:
+            raise ValueError("checkpoint_attempts must be >= 1")
+
+
+@dataclass(frozen=True)
+class ShardRange:
+    """One shard's part of a batch: from the first record to the last, both included."""
+
+    shard_id: str
+    first_sequence_number: str
+    first_sub_sequence_number: int
+    last_sequence_number: str
+    last_sub_sequence_number: int
+    count: int
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """What a sink may want besides the DataFrame; see :func:`current_batch`."""
+
+    batch_id: str
+    stream: str
+    ranges: tuple[ShardRange, ...]
+    #: 0 for the first call of this batch, then 1, 2, ... for retries
+    attempt: int
+
+
+@dataclass
+class BatcherStats:
+    """Counters for tests and for callers without Prometheus."""
+
+    batches: int = 0
+    records: int = 0
+    foreach_batch_failures: int = 0
+    #: shard parts written but not checkpointed because the lease was gone
+    lost_checkpoints: int = 0
+    #: shard parts not checkpointed for any other reason (after retries)
+    failed_checkpoints: int = 0
+
+
+_CURRENT: contextvars.ContextVar[BatchInfo | None] = contextvars.ContextVar(
+    "kclpy_spark_batch", default=None)
+
+
+def current_batch() -> BatchInfo | None:
+    """The batch being handed to ``foreach_batch`` right now (None outside of it).
+
+    A context variable rather than a third argument, so ``foreach_batch`` keeps Spark's own
+    ``(df, batch_id)`` signature and the same function works with ``writeStream.foreachBatch``.
+    """
+    return _CURRENT.get()
+
+
+def batch_id_for(stream: str, ranges: Sequence[ShardRange]) -> str:
+    """Deterministic: the same shard ranges give the same id, in any order."""
+    h = hashlib.sha256(stream.encode())
+    for r in sorted(ranges, key=lambda r: r.shard_id):
+        h.update(
+            f"\0{r.shard_id}\0{r.first_sequence_number}.{r.first_sub_sequence_number}"
+            f"\0{r.last_sequence_number}.{r.last_sub_sequence_number}".encode()
+        )
+    return f"kclpy-{h.hexdigest()[:32]}"
+
+
+@dataclass(eq=False)
+class _Shard:
+    """One processor's view in the batcher: records waiting for a batch, and records in one."""
+
+    shard_id: str
+    checkpointer: Checkpointer | None = None
+    pending: list[Record] = field(default_factory=list)
+    pending_since: float | None = None
+    in_flight: int = 0
+    #: the lease is gone (or the processor ended): nothing of this shard is batched any more
+    closed: bool = False
+    flush: bool = False
+
+
+@dataclass
+class _Part:
+    shard: _Shard
+    checkpointer: Checkpointer
+    records: list[Record]
+
+
+class MicroBatcher:
+    """Gathers the records of every shard a worker holds into Spark micro-batches.
+
+    Use ``processor_factory`` as the worker's processor factory, ``start()`` it before the
+    worker runs and ``stop()`` it after. ``run_once()`` forms and runs one batch on the
+    calling thread, for tests and for callers that drive their own loop.
+    """
+
+    def __init__(
+        self,
+        spark: DataFrameFactory,
+        foreach_batch: ForeachBatch,
+        *,
+        stream: str,
+        options: BatchOptions | None = None,
+        decode: Decoder | None = None,
+        registry: CollectorRegistry | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._spark = spark
+        self._foreach_batch = foreach_batch
+        self.stream = stream
+        self.options = options or BatchOptions()
+        self._decode = decode
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._shards: list[_Shard] = []
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_start: float | None = None
+        self._rotation = 0
+        #: called (from the batch thread) when the loop stops on an unexpected error;
+        #: ``run_worker`` shuts the worker down with it
+        self.on_fatal = on_fatal
+        #: the unexpected error that stopped the batch loop, if any
+        self.error: BaseException | None = None
+        self.stats = BatcherStats()
+        self._m = _PromCounters(registry) if registry is not None else None
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def processor_factory(self) -> IRecordProcessor:
+        """A new per-shard processor feeding this batcher (pass the method itself as the
+        worker's factory)."""
+        return _BatchingProcessor(self)
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("batcher already started")
+        self._thread = threading.Thread(target=self._run, name="kclpy-spark-batcher",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop making batches. A ``foreach_batch`` call in progress is waited for (up to
+        ``timeout``); records not yet committed stay un-checkpointed and are read again by
+        whoever holds their shard next."""
+        self._stopped.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
+
+    def run_once(self) -> BatchInfo | None:
+        """Take everything due regardless of the trigger intervals and run it as one batch."""
+        with self._cond:
+            parts = self._take()
+        return self._run_batch(parts) if parts else None
+
+    # -- called by the processors (consumer threads) -------------------------------------
+
+    def _register(self, shard_id: str) -> _Shard:
+        shard = _Shard(shard_id)
+        with self._cond:
+            self._shards.append(shard)
+        return shard
+
+    def _offer(self, shard: _Shard, records: list[Record], checkpointer: Checkpointer) -> None:
+        """Queue a shard's records, then block while the shard holds too many."""
+        if not records:
+            return
+        with self._cond:
+            if shard.closed or self.stopped:
+                return
+            shard.checkpointer = checkpointer
+            if not shard.pending:
+                shard.pending_since = self._clock()
+            shard.pending.extend(records)
+            self._cond.notify_all()
+            bound = self.options.max_pending_per_shard
+            while (len(shard.pending) + shard.in_flight > bound
+                   and not shard.closed and not self.stopped):
+                self._cond.wait()
+
+    def _drain(self, shard: _Shard, timeout: float | None) -> bool:
+        """Ask for the shard's records to be batched now; True once all are committed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            shard.flush = True
+            self._cond.notify_all()
+            while shard.pending or shard.in_flight:
+                if shard.closed or self.stopped:
+                    return False
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            shard.flush = False
+            return not shard.closed
+
+    def _close(self, shard: _Shard, why: str) -> None:
+        """Forget the shard: its waiting records are dropped (they were never checkpointed,
+        so the shard's next owner reads them again) and its blocked caller is released."""
+        with self._cond:
+            if shard.pending:
+                log.info("shard %s: %s; dropping %d uncommitted record(s), the next owner "
+                         "reads them again", shard.shard_id, why, len(shard.pending))
+            shard.closed = True
+            shard.pending = []
+            shard.pending_since = None
+            if shard.in_flight == 0 and shard in self._shards:
+                self._shards.remove(shard)
+            self._cond.notify_all()
+
+    # -- the batch loop ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self.stopped:
+            with self._cond:
+                wait = self._due_in(self._clock())
+                if wait is None or wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                parts = self._take()
+            if parts:
+                try:
+                    self._run_batch(parts)
+                except BaseException as exc:
+                    # Only a bug can get here (sink and decoder errors are retried inside).
+                    # Carrying on would let later batches checkpoint past this one's
+                    # records, so stop, and let the owner shut the worker down.
+                    log.exception("spark batcher: unexpected error; stopping")
+                    self.error = exc
+                    self.stop()
+                    if self.on_fatal is not None:
+                        self.on_fatal(exc)
+                    return
+
+    def _due_in(self, now: float) -> float | None:
+        """Seconds until the next batch is due (<= 0: now), or None when nothing waits."""
+        live = [s for s in self._shards if s.pending and not s.closed]
+        if not live:
+            return None
+        opts = self.options
+        if (sum(len(s.pending) for s in live) >= opts.max_records
+                or any(s.flush for s in live)):
+            ready_at = now
+        else:
+            oldest = min((s.pending_since for s in live if s.pending_since is not None),
+                         default=now)
+            ready_at = oldest + opts.max_interval_s
+        if self._last_start is not None:
+            ready_at = max(ready_at, self._last_start + opts.min_interval_s)
+        return ready_at - now
+
+    def _take(self) -> list[_Part]:
+        """Move up to ``max_records`` pending records into a batch (caller holds the lock).
+
+        Shards are visited from a rotating start so that, when the limit cuts a batch short,
+        the same shard is not always the one left waiting.
+        """
+        live = [s for s in self._shards if s.pending and not s.closed]
+        if not live:
+            return []
+        self._rotation = (self._rotation + 1) % len(live)
+        live = live[self._rotation:] + live[:self._rotation]
+        room = self.options.max_records
+        parts: list[_Part] = []
+        for shard in live:
+            if room == 0:
+                break
+            assert shard.checkpointer is not None
+            taken = shard.pending[:room]
+            del shard.pending[:len(taken)]
+            shard.in_flight += len(taken)
+            if not shard.pending:
+                shard.pending_since = None
+            room -= len(taken)
+            parts.append(_Part(shard, shard.checkpointer, taken))
+        self._last_start = self._clock()
+        return parts
+
+    def _run_batch(self, parts: list[_Part]) -> BatchInfo | None:
+        ranges = tuple(
+            ShardRange(
+                p.shard.shard_id,
+                p.records[0].sequence_number, p.records[0].sub_sequence_number,
+                p.records[-1].sequence_number, p.records[-1].sub_sequence_number,
+                len(p.records))
+            for p in parts)
+        batch_id = batch_id_for(self.stream, ranges)
+        try:
+            info = self._call_until_success(parts, batch_id, ranges)
+            if info is None:
+                return None
+            count = sum(r.count for r in ranges)
+            self.stats.batches += 1
+            self.stats.records += count
+            if self._m is not None:
+                self._m.batches.inc()
+                self._m.records.inc(count)
+            for part in parts:
+                self._checkpoint(part)
+            return info
+        finally:
+            self._release(parts)
+
+    def _call_until_success(
+        self, parts: list[_Part], batch_id: str, ranges: tuple[ShardRange, ...]
+    ) -> BatchInfo | None:
+        """Call foreach_batch until it returns; None if the batcher stopped meanwhile.
+
+        The table is built inside the retried block: a decoder that raises must hold the
+        batch back like a failing sink does, since skipping it would let the shards' next
+        batches checkpoint past records that never reached Spark.
+        """
+        backoff = Backoff(self.options.retry_base_s, self.options.retry_cap_s)
+        attempt = 0
+        table = None
+        while True:
+            info = BatchInfo(batch_id, self.stream, ranges, attempt)
+            token = _CURRENT.set(info)
+            try:
+                if table is None:
+                    table = records_to_table(
+                        self.stream, [(p.shard.shard_id, p.records) for p in parts],
+                        self._decode)
+                df = self._spark.createDataFrame(table)
+                self._foreach_batch(df, batch_id)
+                return info
+            except Exception:
+                self.stats.foreach_batch_failures += 1
+                if self._m is not None:
+                    self._m.failures.inc()
+                delay = backoff.next_delay()
+                log.exception("foreach_batch failed for batch %s (attempt %d); nothing is "
+                              "checkpointed, retrying in %.2fs", batch_id, attempt, delay)
+            finally:
+                _CURRENT.reset(token)
+            attempt += 1
+            if self._stopped.wait(delay):
+                log.warning("batcher stopped while batch %s was failing; its records stay "
+                            "un-checkpointed and will be read again", batch_id)
+                return None
+
+    def _checkpoint(self, part: _Part) -> None:
+        last = part.records[-1]
+        shard_id = part.shard.shard_id
+        backoff = Backoff(self.options.retry_base_s, self.options.retry_cap_s)
+        for attempt in range(1, self.options.checkpoint_attempts + 1):
+            try:
+                part.checkpointer.checkpoint(last.sequence_number, last.sub_sequence_number)
+                return
+            except ShutdownException:
+                self.stats.lost_checkpoints += 1
+                if self._m is not None:
+                    self._m.lost.inc()
+                log.warning("shard %s: lease lost while batch was in flight; its %d record(s) "
+                            "were written but not checkpointed and will be read again by the "
+                            "new owner", shard_id, len(part.records))
+                self._close(part.shard, "lease lost")
+                return
+            except InvalidStateException:
+                self.stats.failed_checkpoints += 1
+                log.exception("shard %s: checkpoint refused", shard_id)
+                return
+            except CheckpointError as exc:
+                if attempt == self.options.checkpoint_attempts:
+                    break
+                delay = backoff.next_delay()
+                log.warning("shard %s: checkpoint failed (%s, attempt %d); retrying in %.2fs",
+                            shard_id, exc.name, attempt, delay)
+                if self._stopped.wait(delay):
+                    break
+        self.stats.failed_checkpoints += 1
+        log.error("shard %s: could not checkpoint after batch; its records will be read again",
+                  shard_id)
+
+    def _release(self, parts: list[_Part]) -> None:
+        with self._cond:
+            for part in parts:
+                part.shard.in_flight -= len(part.records)
+                if part.shard.closed and part.shard.in_flight == 0 and part.shard in self._shards:
+                    self._shards.remove(part.shard)
+            self._cond.notify_all()
+
+
+class _PromCounters:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.batches = Counter("kclpy_spark_batches", "Micro-batches committed to Spark.",
+                               registry=registry)
+        self.records = Counter("kclpy_spark_records", "Records in committed micro-batches.",
+                               registry=registry)
+        self.failures = Counter("kclpy_spark_foreach_batch_failures",
+                                "foreach_batch calls that raised (each retried).",
+                                registry=registry)
+        self.lost = Counter("kclpy_spark_lost_checkpoints",
+                            "Shard parts of a batch not checkpointed because the lease was lost.",
+                            registry=registry)
+
+
+class _BatchingProcessor(IRecordProcessor):
+    """One shard's processor: everything goes to the batcher, which checkpoints."""
+
+    def __init__(self, batcher: MicroBatcher) -> None:
+        self._batcher = batcher
+        self._shard: _Shard | None = None
+
+    def initialize(self, initialize_input: InitializeInput) -> None:
+        self._shard = self._batcher._register(initialize_input.shard_id)
+
+    def process_records(self, process_records_input: ProcessRecordsInput) -> None:
+        assert self._shard is not None
+        self._batcher._offer(self._shard, process_records_input.records,
+                             process_records_input.checkpointer)
+
+    def lease_lost(self, lease_lost_input: LeaseLostInput) -> None:
+        if self._shard is not None:
+            self._batcher._close(self._shard, "lease lost")
+
+    def shard_ended(self, shard_ended_input: ShardEndedInput) -> None:
+        """SHARD_END only after every record of the shard is in a committed batch: the
+        children start once it is written, and must not overtake their parent's records."""
+        assert self._shard is not None
+        if self._batcher._drain(self._shard, timeout=None):
+            shard_ended_input.checkpointer.checkpoint()
+            self._batcher._close(self._shard, "shard ended")
+
+    def shutdown_requested(self, shutdown_requested_input: ShutdownRequestedInput) -> None:
+        if self._shard is None:
+            return
+        if not self._batcher._drain(self._shard, self._batcher.options.drain_timeout_s):
+            log.warning("shard %s: shutting down with records not yet committed; they will be "
+                        "read again", self._shard.shard_id)
+        self._batcher._close(self._shard, "shutdown requested")

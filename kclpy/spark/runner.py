@@ -1,0 +1,123 @@
+"""Run a worker whose shards feed Spark micro-batches: from Python, or from ``kclpy-worker``.
+
+The worker blocks the calling thread (it owns the signal handlers when that is the main
+thread); the batcher runs on its own thread. Order matters on the way out: the worker's
+shutdown asks every shard to drain its records through the batcher, so the batcher must
+outlive the worker and is stopped only after ``Worker.run`` returned.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kclpy.config import KCLConfig
+from kclpy.errors import ConfigError
+from kclpy.metrics import Metrics
+from kclpy.spark.arrow import Decoder
+from kclpy.spark.batcher import BatchOptions, ForeachBatch, MicroBatcher
+from kclpy.spark.java import ensure_java
+
+__all__ = ["load_callable", "run_spark_batch_worker", "run_worker"]
+
+log = logging.getLogger(__name__)
+
+
+def run_worker(
+    config: KCLConfig,
+    foreach_batch: ForeachBatch,
+    *,
+    spark: Any = None,
+    options: BatchOptions | None = None,
+    decode: Decoder | None = None,
+    metrics: Metrics | None = None,
+    on_started: Callable[[Any], None] | None = None,
+) -> None:
+    """Consume ``config``'s stream, handing micro-batches to ``foreach_batch(df, batch_id)``.
+
+    Blocks until the worker shuts down (SIGTERM/SIGINT on the main thread, or
+    ``worker.shutdown()`` from ``on_started``'s argument). ``spark`` defaults to
+    ``SparkSession.builder.getOrCreate()``. Raises ``WorkerFatalError`` when the worker or
+    the batch loop stopped on an error.
+    """
+    from kclpy.worker import Worker, WorkerFatalError
+
+    if spark is None:
+        from pyspark.sql import SparkSession
+
+        ensure_java()
+        spark = SparkSession.builder.appName(f"kclpy-{config.application_name}").getOrCreate()
+    metrics = metrics or Metrics()
+    batcher = MicroBatcher(spark, foreach_batch, stream=config.stream_label, options=options,
+                           decode=decode, registry=metrics.registry)
+    worker = Worker(config, batcher.processor_factory, metrics=metrics)
+    batcher.on_fatal = lambda exc: worker.shutdown()
+    batcher.start()
+    try:
+        if on_started is not None:
+            on_started(worker)
+        worker.run()
+    finally:
+        batcher.stop()
+    if batcher.error is not None:
+        raise WorkerFatalError(f"spark batch loop failed: {batcher.error!r}") from batcher.error
+
+
+def load_callable(spec: str, option: str) -> Callable[..., Any]:
+    """Import ``pkg.module:name`` or ``path/to/file.py:name``; ConfigError naming ``option``
+    when that fails or the name is not callable."""
+    module_name, sep, name = spec.rpartition(":")
+    if not sep or not module_name or not name:
+        raise ConfigError(option, f"{spec!r} is not of the form pkg.module:function")
+    try:
+        if module_name.endswith(".py") or "/" in module_name:
+            path = Path(module_name)
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            if module_spec is None or module_spec.loader is None or not path.is_file():
+                raise ConfigError(option, f"no such file {module_name!r}")
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules.setdefault(path.stem, module)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(option, f"cannot import {module_name!r}: {exc}") from None
+    target = getattr(module, name, None)
+    if target is None:
+        raise ConfigError(option, f"{module_name!r} has no attribute {name!r}")
+    if not callable(target):
+        raise ConfigError(option, f"{spec!r} is not callable")
+    return target  # type: ignore[no-any-return]
+
+
+def run_spark_batch_worker(
+    config: KCLConfig,
+    foreach_batch_spec: str,
+    *,
+    decode_spec: str | None = None,
+    options: BatchOptions | None = None,
+    spark: Any = None,
+) -> int:
+    """``kclpy-worker --spark-batch pkg.module:function``: the exit code (0 after a clean
+    shutdown, 1 after a fatal error).
+
+    Raises ConfigError (naming ``--spark-batch`` or ``--spark-decode``) before anything
+    starts when a spec does not import, so the CLI can report it with exit code 2.
+    """
+    from kclpy.worker import WorkerFatalError
+
+    foreach_batch = load_callable(foreach_batch_spec, "--spark-batch")
+    decode = load_callable(decode_spec, "--spark-decode") if decode_spec else None
+    try:
+        run_worker(config, foreach_batch, spark=spark, options=options, decode=decode)
+    except WorkerFatalError as exc:
+        log.error("kclpy spark worker stopped: %s", exc)
+        return 1
+    return 0

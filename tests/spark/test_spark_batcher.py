@@ -1,0 +1,396 @@
+"""The micro-batcher without Spark or AWS: real Checkpointers over a recording writer, a fake
+SparkSession that hands the Arrow table straight to foreach_batch, processors driven by hand
+the way a shard consumer drives them."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from kclpy.checkpoint import Checkpointer
+from kclpy.errors import ShutdownException, ThrottlingException
+from kclpy.processor import (
+    InitializeInput,
+    IRecordProcessor,
+    LeaseLostInput,
+    ProcessRecordsInput,
+    ShardEndedInput,
+    ShutdownRequestedInput,
+)
+from kclpy.records import Record
+from kclpy.spark import BatchOptions, MicroBatcher, current_batch
+from kclpy.spark.batcher import ShardRange, batch_id_for
+
+FAST = BatchOptions(min_interval_s=0.0, max_interval_s=0.05, retry_base_s=0.001,
+                    retry_cap_s=0.01)
+
+
+class Writer:
+    """The lease table's checkpoint write, recorded; shards in ``lost`` refuse like a
+    lost lease, shards in ``throttled`` refuse ``n`` times like a throttled table."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[str, str, int]] = []
+        self.lost: set[str] = set()
+        self.throttled: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def update_checkpoint(self, shard_id: str, concurrency_token: str, checkpoint: str,
+                          sub_sequence_number: int) -> None:
+        with self.lock:
+            if shard_id in self.lost:
+                raise ShutdownException(f"{shard_id} is owned by someone else")
+            if self.throttled.get(shard_id, 0) > 0:
+                self.throttled[shard_id] -= 1
+                raise ThrottlingException("slow down")
+            self.writes.append((shard_id, checkpoint, sub_sequence_number))
+
+    def of(self, shard_id: str) -> list[tuple[str, int]]:
+        with self.lock:
+            return [(c, s) for sid, c, s in self.writes if sid == shard_id]
+
+
+class FakeSpark:
+    def createDataFrame(self, data: Any) -> Any:
+        assert isinstance(data, pa.Table)
+        return data
+
+
+class Sink:
+    """foreach_batch that keeps each table, or raises while ``failures`` is positive."""
+
+    def __init__(self, writer: Writer) -> None:
+        self.writer = writer
+        self.tables: list[pa.Table] = []
+        self.ids: list[str] = []
+        self.failures = 0
+        self.writes_seen_during_call: list[int] = []
+
+    def __call__(self, df: pa.Table, batch_id: str) -> None:
+        self.writes_seen_during_call.append(len(self.writer.writes))
+        self.ids.append(batch_id)
+        info = current_batch()
+        assert info is not None and info.batch_id == batch_id
+        if self.failures > 0:
+            self.failures -= 1
+            raise RuntimeError("sink down")
+        self.tables.append(df)
+
+
+def records(shard: int, start: int, n: int, *, subs: int = 1) -> list[Record]:
+    out = []
+    for i in range(start, start + n):
+        for sub in range(subs):
+            out.append(Record(sequence_number=str(1000 * (shard + 1) + i),
+                              sub_sequence_number=sub, partition_key=f"pk-{shard}-{i}",
+                              approximate_arrival_timestamp=1_700_000_000_000 + i,
+                              data=f"s{shard}-r{i}-{sub}".encode()))
+    return out
+
+
+class Shard:
+    """One shard as a consumer would drive its processor."""
+
+    def __init__(self, batcher: MicroBatcher, writer: Writer, shard_id: str) -> None:
+        self.shard_id = shard_id
+        self.processor: IRecordProcessor = batcher.processor_factory()
+        self.checkpointer = Checkpointer(shard_id, writer, "token", "TRIM_HORIZON", 0)
+        self.processor.initialize(InitializeInput(shard_id, "TRIM_HORIZON", 0))
+
+    def deliver(self, batch: list[Record]) -> None:
+        self.checkpointer.mark_delivered(batch[-1])
+        self.processor.process_records(
+            ProcessRecordsInput(self.shard_id, batch, self.checkpointer, None))
+
+    def deliver_in_thread(self, batch: list[Record]) -> threading.Thread:
+        thread = threading.Thread(target=self.deliver, args=(batch,), daemon=True)
+        thread.start()
+        return thread
+
+
+@pytest.fixture
+def writer() -> Writer:
+    return Writer()
+
+
+@pytest.fixture
+def sink(writer: Writer) -> Sink:
+    return Sink(writer)
+
+
+def make(sink: Sink, options: BatchOptions = FAST, **kwargs: Any) -> MicroBatcher:
+    return MicroBatcher(FakeSpark(), sink, stream="orders", options=options, **kwargs)
+
+
+def test_one_batch_covers_every_shard_and_checkpoints_after_foreach_batch(
+        writer: Writer, sink: Sink) -> None:
+    batcher = make(sink)
+    a, b = Shard(batcher, writer, "shard-a"), Shard(batcher, writer, "shard-b")
+    a.deliver(records(0, 0, 3))
+    b.deliver(records(1, 0, 2, subs=2))
+
+    info = batcher.run_once()
+
+    assert info is not None
+    (table,) = sink.tables
+    assert table.schema.names == ["stream", "shard_id", "sequence_number",
+                                  "sub_sequence_number", "partition_key",
+                                  "approximate_arrival_timestamp", "data"]
+    assert table.num_rows == 7
+    rows = sorted(zip(table.column("shard_id").to_pylist(), table.column("data").to_pylist(),
+                      strict=True))
+    assert rows == sorted([("shard-a", f"s0-r{i}-0".encode()) for i in range(3)]
+                          + [("shard-b", f"s1-r{i}-{s}".encode())
+                             for i in range(2) for s in range(2)])
+    assert set(table.column("stream").to_pylist()) == {"orders"}
+    # nothing was checkpointed while foreach_batch ran; afterwards, the last record of each
+    assert sink.writes_seen_during_call == [0]
+    assert writer.of("shard-a") == [("1002", 0)]
+    assert writer.of("shard-b") == [("2001", 1)]
+    assert {r.shard_id: r.count for r in info.ranges} == {"shard-a": 3, "shard-b": 4}
+
+
+def test_failing_foreach_batch_is_retried_with_the_same_id_and_checkpoints_only_after(
+        writer: Writer, sink: Sink) -> None:
+    batcher = make(sink)
+    a = Shard(batcher, writer, "shard-a")
+    a.deliver(records(0, 0, 5))
+    sink.failures = 2
+
+    batcher.run_once()
+
+    assert len(set(sink.ids)) == 1 and len(sink.ids) == 3
+    assert sink.writes_seen_during_call == [0, 0, 0]
+    assert batcher.stats.foreach_batch_failures == 2
+    assert sink.tables[0].num_rows == 5
+    assert writer.of("shard-a") == [("1004", 0)]
+
+
+def test_stop_during_retries_checkpoints_nothing(writer: Writer, sink: Sink) -> None:
+    batcher = make(sink, BatchOptions(retry_base_s=0.05, retry_cap_s=0.05))
+    a = Shard(batcher, writer, "shard-a")
+    a.deliver(records(0, 0, 2))
+    sink.failures = 10**9
+    runner = threading.Thread(target=batcher.run_once, daemon=True)
+    runner.start()
+    while len(sink.ids) < 2:
+        threading.Event().wait(0.01)
+    batcher.stop()
+    runner.join(10)
+    assert not runner.is_alive()
+    assert writer.writes == []
+    assert sink.tables == []
+
+
+def test_batch_id_depends_only_on_the_ranges() -> None:
+    r1 = ShardRange("a", "1", 0, "5", 2, 7)
+    r2 = ShardRange("b", "10", 0, "10", 0, 1)
+    assert batch_id_for("s", [r1, r2]) == batch_id_for("s", [r2, r1])
+    assert batch_id_for("s", [r1, r2]) != batch_id_for("s", [r1])
+    assert batch_id_for("s", [r1]) != batch_id_for("other", [r1])
+    assert batch_id_for("s", [r1]) != batch_id_for("s", [ShardRange("a", "1", 0, "5", 3, 8)])
+
+
+def test_max_records_cuts_batches_and_checkpoints_each_prefix(writer: Writer,
+                                                                sink: Sink) -> None:
+    batcher = make(sink, BatchOptions(max_records=4, min_interval_s=0.0, max_interval_s=1.0))
+    a = Shard(batcher, writer, "shard-a")
+    a.deliver(records(0, 0, 10))
+
+    while batcher.run_once() is not None:
+        pass
+
+    assert [t.num_rows for t in sink.tables] == [4, 4, 2]
+    assert writer.of("shard-a") == [("1003", 0), ("1007", 0), ("1009", 0)]
+    seen = [d for t in sink.tables for d in t.column("data").to_pylist()]
+    assert seen == [f"s0-r{i}-0".encode() for i in range(10)]
+
+
+def test_process_records_blocks_until_the_backlog_is_committed(writer: Writer,
+                                                               sink: Sink) -> None:
+    batcher = make(sink, BatchOptions(max_pending_per_shard=5, min_interval_s=0.0,
+                                      max_interval_s=1.0))
+    a = Shard(batcher, writer, "shard-a")
+    blocked = a.deliver_in_thread(records(0, 0, 8))
+    blocked.join(0.3)
+    assert blocked.is_alive(), "process_records returned with 8 > 5 records pending"
+
+    batcher.run_once()
+
+    blocked.join(10)
+    assert not blocked.is_alive()
+    assert writer.of("shard-a") == [("1007", 0)]
+    # under the bound, process_records returns at once
+    a.deliver(records(0, 8, 3))
+
+
+def test_lease_lost_in_flight_skips_that_shards_checkpoint_only(writer: Writer,
+                                                                sink: Sink) -> None:
+    batcher = make(sink, BatchOptions(max_pending_per_shard=2, min_interval_s=0.0,
+                                      max_interval_s=1.0))
+    a, b = Shard(batcher, writer, "shard-a"), Shard(batcher, writer, "shard-b")
+    blocked = a.deliver_in_thread(records(0, 0, 4))
+    b.deliver(records(1, 0, 1))
+    writer.lost.add("shard-a")
+
+    batcher.run_once()
+
+    assert batcher.stats.lost_checkpoints == 1
+    assert writer.of("shard-a") == []
+    assert writer.of("shard-b") == [("2000", 0)]
+    blocked.join(10)
+    assert not blocked.is_alive(), "a shard whose lease is gone must not stay blocked"
+    # the consumer goes on to lease_lost; later records of the old lease are not batched
+    a.processor.lease_lost(LeaseLostInput("shard-a"))
+    a.deliver(records(0, 4, 2))
+    assert batcher.run_once() is None
+
+
+def test_lease_lost_drops_pending_records(writer: Writer, sink: Sink) -> None:
+    batcher = make(sink)
+    a, b = Shard(batcher, writer, "shard-a"), Shard(batcher, writer, "shard-b")
+    a.deliver(records(0, 0, 3))
+    b.deliver(records(1, 0, 3))
+    a.processor.lease_lost(LeaseLostInput("shard-a"))
+
+    batcher.run_once()
+
+    assert set(sink.tables[0].column("shard_id").to_pylist()) == {"shard-b"}
+    assert writer.of("shard-a") == []
+
+
+def test_throttled_checkpoint_is_retried(writer: Writer, sink: Sink) -> None:
+    batcher = make(sink)
+    a = Shard(batcher, writer, "shard-a")
+    a.deliver(records(0, 0, 2))
+    writer.throttled["shard-a"] = 2
+
+    batcher.run_once()
+
+    assert writer.of("shard-a") == [("1001", 0)]
+    assert batcher.stats.failed_checkpoints == 0
+
+
+def test_shard_end_commits_the_shards_records_before_shard_end(writer: Writer,
+                                                                sink: Sink) -> None:
+    batcher = make(sink)
+    batcher.start()
+    try:
+        a = Shard(batcher, writer, "shard-a")
+        a.deliver(records(0, 0, 3))
+        a.checkpointer.mark_shard_end()
+        a.processor.shard_ended(ShardEndedInput("shard-a", a.checkpointer))
+    finally:
+        batcher.stop(10)
+    assert writer.of("shard-a") == [("1002", 0), ("SHARD_END", 0)]
+    assert sum(t.num_rows for t in sink.tables) == 3
+
+
+def test_shutdown_requested_drains_what_the_shard_delivered(writer: Writer,
+                                                             sink: Sink) -> None:
+    # a long max interval: only the drain can make the batch due
+    batcher = make(sink, BatchOptions(min_interval_s=0.0, max_interval_s=3600.0))
+    batcher.start()
+    try:
+        a = Shard(batcher, writer, "shard-a")
+        a.deliver(records(0, 0, 4))
+        a.processor.shutdown_requested(ShutdownRequestedInput("shard-a", a.checkpointer))
+    finally:
+        batcher.stop(10)
+    assert writer.of("shard-a") == [("1003", 0)]
+
+
+def test_background_loop_batches_without_help(writer: Writer, sink: Sink) -> None:
+    batcher = make(sink)
+    batcher.start()
+    try:
+        a = Shard(batcher, writer, "shard-a")
+        a.deliver(records(0, 0, 3))
+        done = threading.Event()
+        for _ in range(500):
+            if writer.of("shard-a"):
+                done.set()
+                break
+            threading.Event().wait(0.01)
+    finally:
+        batcher.stop(10)
+    assert done.is_set()
+    assert writer.of("shard-a") == [("1002", 0)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_trigger_waits_for_max_interval_and_respects_min_interval(writer: Writer,
+                                                                   sink: Sink) -> None:
+    clock = Clock()
+    batcher = make(sink, BatchOptions(max_records=10, min_interval_s=2.0, max_interval_s=5.0),
+                   clock=clock)
+    a = Shard(batcher, writer, "shard-a")
+    assert batcher._due_in(clock.now) is None
+    a.deliver(records(0, 0, 3))
+    assert batcher._due_in(clock.now) == pytest.approx(5.0)
+    clock.now += 5.0
+    assert (batcher._due_in(clock.now) or 0) <= 0
+    batcher.run_once()
+    # a full batch is due at once, but not sooner than min_interval after the last start
+    a.deliver(records(0, 3, 10))
+    assert batcher._due_in(clock.now) == pytest.approx(2.0)
+    clock.now += 2.0
+    assert (batcher._due_in(clock.now) or 0) <= 0
+
+
+def test_decoder_adds_columns(writer: Writer, sink: Sink) -> None:
+    def decode(data: pa.BinaryArray) -> pa.Table:
+        return pa.table({"text": [d.decode() for d in data.to_pylist()]})
+
+    batcher = make(sink, decode=decode)
+    a = Shard(batcher, writer, "shard-a")
+    a.deliver(records(0, 0, 2))
+    batcher.run_once()
+    assert sink.tables[0].column("text").to_pylist() == ["s0-r0-0", "s0-r1-0"]
+
+
+def test_failing_decoder_holds_the_batch_back_like_a_failing_sink(writer: Writer,
+                                                                  sink: Sink) -> None:
+    calls = []
+
+    def decode(data: pa.BinaryArray) -> pa.Table:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("bad payload")
+        return pa.table({"n": list(range(len(data)))})
+
+    batcher = make(sink, decode=decode)
+    a = Shard(batcher, writer, "shard-a")
+    a.deliver(records(0, 0, 2))
+    batcher.run_once()
+    assert len(calls) == 2
+    assert writer.of("shard-a") == [("1001", 0)]
+
+
+def test_ensure_java_uses_the_bundled_runtime_only_when_no_java_is_configured(
+        tmp_path: Path) -> None:
+    import subprocess
+
+    from kclpy.spark.java import ensure_java
+
+    bare = {"PATH": str(tmp_path)}
+    home = ensure_java(bare)
+    assert home is not None and bare["JAVA_HOME"] == home
+    version = subprocess.run([os.path.join(home, "bin", "java"), "-version"],
+                             capture_output=True, text=True, timeout=60)
+    assert version.returncode == 0 and "version" in version.stderr
+    configured = {"PATH": str(tmp_path), "JAVA_HOME": "/opt/my-java"}
+    assert ensure_java(configured) is None
+    assert configured["JAVA_HOME"] == "/opt/my-java"

@@ -1,0 +1,284 @@
+"""The ``format("kinesis")`` source against kinesis-mock over HTTP.
+
+The Spark tests run real streaming queries (``local[2]``, Trigger.AvailableNow) and compare
+what reached ``foreachBatch`` with what was produced, record for record. The driver-side
+tests call the reader the way Spark 4.0/4.1 does (``latestOffset()`` without arguments), which
+the installed Spark no longer does by itself.
+"""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyspark.sql.datasource import DataSourceStreamReader
+
+from kclpy.errors import ConfigError
+from kclpy.local import LocalEndpoint
+from kclpy.spark.offsets import ShardPosition, decode_offset, encode_offset
+from kclpy.spark.source import KinesisStreamReader, SourceOptions
+from tests.support.streams import (
+    create_stream,
+    kinesis_client,
+    put_aggregated,
+    put_plain,
+    unique_name,
+    wait_for,
+)
+
+Row = tuple[int, str, str, int, bytes]
+
+#: Spark >= 4.2 passes read limits and drives AvailableNow through the reader; 4.0/4.1 do not
+READ_LIMITS = hasattr(DataSourceStreamReader, "getDefaultReadLimit")
+
+
+def produce(kinesis: Any, stream: str, tag: str, plain: int, aggregates: int = 0,
+            per_aggregate: int = 10) -> list[bytes]:
+    payloads = [f"{tag}-plain-{n}".encode() for n in range(plain)]
+    put_plain(kinesis, stream, payloads)
+    aggregated = [f"{tag}-kpl-{n}".encode() for n in range(aggregates * per_aggregate)]
+    if aggregated:
+        put_aggregated(kinesis, stream, aggregated, per_aggregate)
+    return payloads + aggregated
+
+
+def run_available_now(spark: Any, url: str, stream: str, checkpoint: Path,
+                      **options: Any) -> list[Row]:
+    """Run the query to the stream's current end; the rows each batch delivered."""
+    reader = (spark.readStream.format("kinesis").option("streamName", stream)
+              .option("endpointUrl", url).option("region", "us-east-1")
+              .option("startingPosition", "TRIM_HORIZON"))
+    for key, value in options.items():
+        reader = reader.option(key, str(value))
+    rows: list[Row] = []
+
+    def collect(df: Any, batch_id: int) -> None:
+        rows.extend((batch_id, r.shard_id, r.sequence_number, r.sub_sequence_number,
+                     bytes(r.data)) for r in df.collect())
+
+    query = (reader.load().writeStream.foreachBatch(collect)
+             .option("checkpointLocation", str(checkpoint))
+             .trigger(availableNow=True).start())
+    assert query.awaitTermination(240), "availableNow query did not finish"
+    assert query.exception() is None
+    return rows
+
+
+def assert_exactly(rows: list[Row], expected: list[bytes]) -> None:
+    seen = collections.Counter(r[4] for r in rows)
+    missing = collections.Counter(expected) - seen
+    extra = seen - collections.Counter(expected)
+    assert not missing, f"{sum(missing.values())} records missing"
+    assert not extra, f"{sum(extra.values())} records extra or repeated"
+
+
+def assert_ordered_per_shard(rows: list[Row]) -> None:
+    by_shard: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)
+    for _, shard, seq, sub, _ in sorted(rows, key=lambda r: r[0]):
+        by_shard[shard].append((int(seq), sub))
+    for shard, positions in by_shard.items():
+        assert positions == sorted(set(positions)), f"{shard} out of order or repeated"
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_available_now_reads_every_record_once_and_a_restart_adds_only_new_ones(
+        spark: Any, kinesis_mock: LocalEndpoint, tmp_path: Path) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-an")
+    create_stream(kinesis, stream, 4)
+    first = produce(kinesis, stream, "first", plain=300, aggregates=6, per_aggregate=25)
+    checkpoint = tmp_path / "checkpoint"
+
+    rows = run_available_now(spark, kinesis_mock.url, stream, checkpoint,
+                             maxRecordsPerBatch=200)
+
+    assert_exactly(rows, first)
+    assert_ordered_per_shard(rows)
+    if READ_LIMITS:
+        sizes = collections.Counter(r[0] for r in rows)
+        assert max(sizes.values()) <= 200, "ReadMaxRows(200) exceeded"
+        assert len(sizes) >= len(first) // 200
+    assert {r[1] for r in rows} == {s["ShardId"] for s in
+                                    kinesis.list_shards(StreamName=stream)["Shards"]}
+    assert any(r[3] > 0 for r in rows), "KPL sub-records were not de-aggregated"
+
+    second = produce(kinesis, stream, "second", plain=120, aggregates=2, per_aggregate=10)
+    again = run_available_now(spark, kinesis_mock.url, stream, checkpoint,
+                              maxRecordsPerBatch=200)
+
+    assert_exactly(again, second)
+    assert min(r[0] for r in again) > max(r[0] for r in rows)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_split_mid_stream_reads_the_parent_to_its_end_before_the_children(
+        spark: Any, kinesis_mock: LocalEndpoint, tmp_path: Path) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-split")
+    create_stream(kinesis, stream, 2)
+    checkpoint = tmp_path / "checkpoint"
+    before = produce(kinesis, stream, "before", plain=100, aggregates=2)
+    assert_exactly(run_available_now(spark, kinesis_mock.url, stream, checkpoint), before)
+
+    pending = produce(kinesis, stream, "pending", plain=100, aggregates=2)
+    parent = kinesis.list_shards(StreamName=stream)["Shards"][0]
+    low, high = (int(parent["HashKeyRange"][k]) for k in ("StartingHashKey", "EndingHashKey"))
+    kinesis.split_shard(StreamName=stream, ShardToSplit=parent["ShardId"],
+                        NewStartingHashKey=str((low + high) // 2))
+    wait_for(lambda: kinesis.describe_stream_summary(StreamName=stream)[
+        "StreamDescriptionSummary"]["StreamStatus"] == "ACTIVE", 30, "split done")
+    after = produce(kinesis, stream, "after", plain=200, aggregates=2)
+
+    rows = run_available_now(spark, kinesis_mock.url, stream, checkpoint)
+    if not READ_LIMITS:
+        # Spark 4.0/4.1 run AvailableNow as one batch planned up front: the children, whose
+        # parent only ends in that batch, are left to the next run.
+        rows += run_available_now(spark, kinesis_mock.url, stream, checkpoint)
+
+    assert_exactly(rows, pending + after)
+    assert_ordered_per_shard(rows)
+    shards = kinesis.list_shards(StreamName=stream)["Shards"]
+    children = [s["ShardId"] for s in shards if s.get("ParentShardId") == parent["ShardId"]]
+    assert len(children) == 2
+    parent_batches = {r[0] for r in rows if r[1] == parent["ShardId"]}
+    child_batches = {r[0] for r in rows if r[1] in children}
+    assert parent_batches and child_batches, "the parent's rest and the children were read"
+    assert max(parent_batches) < min(child_batches)
+
+
+# -- the driver side without Spark ---------------------------------------------------------
+
+
+def reader_for(url: str, stream: str, **options: str) -> KinesisStreamReader:
+    return KinesisStreamReader(SourceOptions.parse(
+        {"streamName": stream, "endpointUrl": url, "region": "us-east-1", **options}))
+
+
+def read_all(reader: KinesisStreamReader, start: dict[str, Any],
+             end: dict[str, Any]) -> list[bytes]:
+    out: list[bytes] = []
+    for partition in reader.partitions(start, end):
+        for batch in reader.read(partition):
+            out.extend(batch.column("data").to_pylist())
+    return out
+
+
+@pytest.mark.integration
+def test_spark_40_path_continues_from_its_cursor_and_after_a_restart(
+        kinesis_mock: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-40")
+    create_stream(kinesis, stream, 2)
+    first = produce(kinesis, stream, "one", plain=60, aggregates=2)
+    reader = reader_for(kinesis_mock.url, stream, startingPosition="TRIM_HORIZON",
+                        maxRecordsPerBatch="10")
+    start = reader.initialOffset()
+
+    end = reader.latestOffset()  # Spark 4.0/4.1: no start, no limit (reads to the tip)
+
+    assert sorted(read_all(reader, start, end)) == sorted(first)
+    # a restarted query: Spark announces the last offset with partitions(end, end)
+    restarted = reader_for(kinesis_mock.url, stream, startingPosition="TRIM_HORIZON")
+    assert restarted.partitions(end, end) == []
+    second = produce(kinesis, stream, "two", plain=30, aggregates=1)
+    end2 = restarted.latestOffset()
+    assert sorted(read_all(restarted, end, end2)) == sorted(second)
+    assert restarted.latestOffset() == end2
+
+
+@pytest.mark.integration
+def test_latest_starts_after_what_is_already_there(kinesis_mock: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-latest")
+    create_stream(kinesis, stream, 2)
+    produce(kinesis, stream, "old", plain=40, aggregates=1)
+    reader = reader_for(kinesis_mock.url, stream, startingPosition="LATEST")
+    start = reader.initialOffset()
+    new = produce(kinesis, stream, "new", plain=30, aggregates=1)
+
+    end = reader.latestOffset(start, None)
+
+    assert sorted(read_all(reader, start, end)) == sorted(new)
+
+
+@pytest.mark.integration
+def test_row_limit_can_end_a_batch_inside_a_kpl_aggregate(kinesis_mock: LocalEndpoint) -> None:
+    read_max_rows = pytest.importorskip("pyspark.sql.streaming.datasource").ReadMaxRows
+
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-mid")
+    create_stream(kinesis, stream, 1)
+    expected = produce(kinesis, stream, "agg", plain=0, aggregates=3, per_aggregate=10)
+    reader = reader_for(kinesis_mock.url, stream, startingPosition="TRIM_HORIZON")
+    offset = reader.initialOffset()
+    seen: list[bytes] = []
+    for _ in range(10):
+        end = reader.latestOffset(offset, read_max_rows(7))
+        if end == offset:
+            break
+        batch = read_all(reader, offset, end)
+        assert 0 < len(batch) <= 7
+        seen.extend(batch)
+        offset = end
+    assert seen == expected
+    (position,) = decode_offset(offset).values()
+    assert position.sub_sequence_number == 9
+
+
+def test_offsets_round_trip_and_reject_garbage() -> None:
+    positions = {
+        "shardId-2": ShardPosition(
+            "AFTER", "49590338271490256608559692538361571095921575989136588898", 3),
+        "shardId-1": ShardPosition.trim_horizon(),
+        "shardId-3": ShardPosition.at_timestamp(1_700_000_000_123),
+        "shardId-4": ShardPosition.shard_end(),
+    }
+    encoded = encode_offset(positions)
+    assert list(encoded["shards"]) == sorted(positions)
+    assert decode_offset(encoded) == positions
+    for bad in ("AFTER/12x/0", "AFTER/1/-1", "AT_TIMESTAMP/", "LATEST", "SHARD_END/1"):
+        with pytest.raises(ValueError):
+            ShardPosition.decode(bad)
+
+
+@pytest.mark.parametrize(("options", "option"), [
+    ({}, "streamName"),
+    ({"streamName": "s", "startingPosition": "SOMEWHERE"}, "startingPosition"),
+    ({"streamName": "s", "startingPosition": "AT_TIMESTAMP"}, "timestamp"),
+    ({"streamName": "s", "startingPosition": "AT_TIMESTAMP", "timestamp": "noon"}, "timestamp"),
+    ({"streamName": "s", "maxRecordsPerBatch": "0"}, "maxRecordsPerBatch"),
+    ({"streamName": "s", "maxRecordsPerFetch": "10001"}, "maxRecordsPerFetch"),
+    ({"streamName": "s", "deaggregate": "maybe"}, "deaggregate"),
+])
+def test_bad_options_name_the_option(options: dict[str, str], option: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        SourceOptions.parse(options)
+    assert excinfo.value.option == option
+
+
+def test_options_are_case_insensitive_and_typed() -> None:
+    parsed = SourceOptions.parse({"STREAMNAME": "s", "startingposition": "earliest",
+                                  "MaxRecordsPerBatch": "500", "deAggregate": "false"})
+    assert parsed.stream.stream_name == "s"
+    assert parsed.starting_position == "TRIM_HORIZON"
+    assert parsed.max_records_per_batch == 500
+    assert parsed.deaggregate is False
+    at = SourceOptions.parse({"streamArn": "arn:aws:kinesis:us-east-1:1:stream/x",
+                              "startingPosition": "AT_TIMESTAMP",
+                              "timestamp": "2024-01-02T03:04:05Z"})
+    assert at.starting_timestamp_ms == 1_704_164_645_000
+    assert at.stream.label == "x"
+
+
+def test_reader_pickles_without_clients() -> None:
+    import pickle
+
+    reader = reader_for("http://127.0.0.1:1", "s")
+    reader._client = object()  # type: ignore[assignment]
+    clone = pickle.loads(pickle.dumps(reader))
+    assert clone.options == reader.options
+    assert clone._client is None
