@@ -51,6 +51,11 @@ def _worker_parser() -> argparse.ArgumentParser:
                         help="MultiLangDaemon .properties file (flags win over it)")
     parser.add_argument("--local", action="store_true",
                         help="start the embedded local AWS endpoint (demo stream included)")
+    parser.add_argument("--spark-batch", metavar="SPEC",
+                        help="hand micro-batches to foreach_batch(df, batch_id) at SPEC "
+                             "(pkg.module:function) instead of running a processor")
+    parser.add_argument("--spark-decode", metavar="SPEC",
+                        help="with --spark-batch: decode(record) -> dict of extra columns")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     for option in OPTIONS:
@@ -129,8 +134,13 @@ def parse_worker_args(argv: Sequence[str] | None) -> tuple[KCLConfig, argparse.N
         values.setdefault("initial_position", "TRIM_HORIZON")
         values.setdefault("region", "us-east-1")
     config = build_config(values, labels)
-    if not args.processor and not config.executable_name:
-        raise ConfigError("--processor", "is required (or executableName in --properties)")
+    if args.spark_decode and not args.spark_batch:
+        raise ConfigError("--spark-decode", "needs --spark-batch")
+    if args.spark_batch and (args.processor or args.local):
+        raise ConfigError("--spark-batch", "cannot be combined with --processor or --local")
+    if not args.processor and not config.executable_name and not args.spark_batch:
+        raise ConfigError("--processor", "is required (or executableName in --properties, "
+                          "or --spark-batch)")
     return config, args
 
 
@@ -151,13 +161,13 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     metrics = Metrics()
     try:
         config, args = parse_worker_args(argv)
+        if args.spark_batch:
+            return _spark_main(config, args)
         factory = _processor_factory(config, args, metrics)
     except ConfigError as exc:
         print(f"kclpy-worker: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=args.log_level,
-        format="%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s")
+    _configure_logging(args.log_level)
     from kclpy.worker import WorkerFatalError
 
     try:
@@ -183,6 +193,22 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         log.exception("worker failed: %s", exc)
         return 1
     return 0
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s")
+
+
+def _spark_main(config: KCLConfig, args: argparse.Namespace) -> int:
+    """--spark-batch: a worker whose shards feed Spark micro-batches (kclpy[spark])."""
+    try:
+        from kclpy.spark import run_spark_batch_worker
+    except ImportError as exc:
+        raise ConfigError("--spark-batch", f"needs the spark extra: pip install "
+                          f"'kclpy[spark]' ({exc})") from None
+    _configure_logging(args.log_level)
+    return run_spark_batch_worker(config, args.spark_batch, decode_spec=args.spark_decode)
 
 
 def _run(worker: Worker) -> None:

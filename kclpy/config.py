@@ -311,6 +311,10 @@ _KIND_WORDS = {"int": "whole number", "int0": "whole number", "port": "port numb
 # -- validation -----------------------------------------------------------------------------
 
 
+#: botocore's own rule for a region name
+_REGION = re.compile(r"^[a-zA-Z0-9](?:[a-zA-Z0-9\-]{0,61}[a-zA-Z0-9])?$")
+
+
 def validate(config: KCLConfig, labels: Mapping[str, str]) -> None:
     """Raise ConfigError naming the first bad option, under the name the user used."""
 
@@ -336,6 +340,8 @@ def validate(config: KCLConfig, labels: Mapping[str, str]) -> None:
         raise ConfigError(name("processor_error_policy"),
                           f"{config.processor_error_policy!r} is not one of "
                           f"{', '.join(ERROR_POLICIES)}")
+    if config.region is not None and not _REGION.match(config.region):
+        raise ConfigError(name("region"), f"{config.region!r} is not a region name")
     for endpoint in ("kinesis_endpoint", "dynamodb_endpoint"):
         url = getattr(config, endpoint)
         if url is not None and not re.match(r"^https?://[^\s/]+", url):

@@ -72,7 +72,14 @@ BAD_CONFIGS: list[tuple[str, list[str], str]] = [
                                "--processor", "json:loads"], "--processor"),
     ("processor spec malformed", ["--stream-name", "s", "--application-name", "a",
                                   "--processor", "examples.printing_processor"], "--processor"),
+    ("processor abstract", ["--stream-name", "s", "--application-name", "a",
+                            "--processor", "kclpy:IRecordProcessor"], "--processor"),
+    ("invalid region", [*GOOD, "--region", "us east 1"], "--region"),
     ("unknown flag", [*GOOD, "--no-such-flag", "1"], "--no-such-flag"),
+    ("spark decode without batch", [*GOOD, "--spark-decode", "x:y"], "--spark-decode"),
+    ("spark batch with processor", [*GOOD, "--spark-batch", "x:y"], "--spark-batch"),
+    ("spark batch not importable", ["--stream-name", "s", "--application-name", "a",
+                                    "--spark-batch", "no_such_module_xyz:f"], "--spark-batch"),
     ("port out of range", [*GOOD, "--metrics-port", "70000"], "--metrics-port"),
     ("port not a number", [*GOOD, "--metrics-port", "http"], "--metrics-port"),
     ("bad log level", [*GOOD, "--log-level", "LOUD"], "--log-level"),
@@ -192,11 +199,16 @@ def test_signal_shuts_down_cleanly_and_releases_leases(
         base = f"http://127.0.0.1:{port}"
         with urllib.request.urlopen(f"{base}/healthz", timeout=10) as response:
             assert response.status == 200
-        with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
-            scraped = response.read().decode()
-        processed = [line for line in scraped.splitlines()
-                     if line.startswith("kclpy_records_processed_total{")]
-        assert sum(float(line.rsplit(" ", 1)[1]) for line in processed) == len(payloads)
+
+
+        def processed() -> float:
+            with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+                scraped = response.read().decode()
+            return sum(float(line.rsplit(" ", 1)[1]) for line in scraped.splitlines()
+                       if line.startswith("kclpy_records_processed_total{"))
+
+        # The counter moves when process_records returns, just after the ledger is written.
+        wait_for(lambda: processed() == len(payloads), 30, "records counted in /metrics")
         process.send_signal(signum)
         _, err = process.communicate(timeout=60)
     finally:
