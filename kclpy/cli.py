@@ -195,9 +195,19 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+#: At DEBUG these print request headers and canonical requests, session tokens included.
+_CREDENTIAL_LEAKING_LOGGERS = ("botocore", "boto3", "urllib3", "s3transfer")
+
+
 def _configure_logging(level: str) -> None:
+    """kclpy's own loggers at ``level``; the AWS SDK's never below INFO, because at DEBUG
+    they log credentials (the session token in headers), and credentials are never logged."""
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s")
+    for name in _CREDENTIAL_LEAKING_LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.getEffectiveLevel() < logging.INFO:
+            logger.setLevel(logging.INFO)
 
 
 def _spark_main(config: KCLConfig, args: argparse.Namespace) -> int:
