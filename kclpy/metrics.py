@@ -92,5 +92,16 @@ class Metrics:
             "kclpy_multilang_stray_stdout_lines",
             "Lines on a child's stdout that were not protocol messages and were skipped.",
             ["shard_id"], registry=r)
+        # Spark micro-batches (kclpy-worker --spark-batch)
+        self.spark_batches = Counter(
+            "kclpy_spark_batches", "Micro-batches committed to Spark.", registry=r)
+        self.spark_records = Counter(
+            "kclpy_spark_records", "Records in committed micro-batches.", registry=r)
+        self.spark_foreach_batch_failures = Counter(
+            "kclpy_spark_foreach_batch_failures",
+            "foreach_batch calls that raised (each retried).", registry=r)
+        self.spark_lost_checkpoints = Counter(
+            "kclpy_spark_lost_checkpoints",
+            "Shard parts of a batch not checkpointed because the lease was lost.", registry=r)
         self.dynamodb_requests = Counter(
             "kclpy_dynamodb_requests", "DynamoDB requests by operation.", ["operation"], registry=r)

@@ -30,14 +30,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter
-
 from kclpy.checkpoint import Checkpointer
 from kclpy.errors import (
     CheckpointError,
     InvalidStateException,
     ShutdownException,
 )
+from kclpy.metrics import Metrics
 from kclpy.processor import (
     InitializeInput,
     IRecordProcessor,
@@ -201,7 +200,7 @@ class MicroBatcher:
         stream: str,
         options: BatchOptions | None = None,
         decode: Decoder | None = None,
-        registry: CollectorRegistry | None = None,
+        metrics: Metrics | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -223,7 +222,7 @@ class MicroBatcher:
         #: the unexpected error that stopped the batch loop, if any
         self.error: BaseException | None = None
         self.stats = BatcherStats()
-        self._m = _PromCounters(registry) if registry is not None else None
+        self._m = metrics
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -399,8 +398,8 @@ class MicroBatcher:
             self.stats.batches += 1
             self.stats.records += count
             if self._m is not None:
-                self._m.batches.inc()
-                self._m.records.inc(count)
+                self._m.spark_batches.inc()
+                self._m.spark_records.inc(count)
             for part in parts:
                 self._checkpoint(part)
             return info
@@ -433,7 +432,7 @@ class MicroBatcher:
             except Exception:
                 self.stats.foreach_batch_failures += 1
                 if self._m is not None:
-                    self._m.failures.inc()
+                    self._m.spark_foreach_batch_failures.inc()
                 delay = backoff.next_delay()
                 log.exception("foreach_batch failed for batch %s (attempt %d); nothing is "
                               "checkpointed, retrying in %.2fs", batch_id, attempt, delay)
@@ -456,7 +455,7 @@ class MicroBatcher:
             except ShutdownException:
                 self.stats.lost_checkpoints += 1
                 if self._m is not None:
-                    self._m.lost.inc()
+                    self._m.spark_lost_checkpoints.inc()
                 log.warning("shard %s: lease lost while batch was in flight; its %d record(s) "
                             "were written but not checkpointed and will be read again by the "
                             "new owner", shard_id, len(part.records))
@@ -485,20 +484,6 @@ class MicroBatcher:
                 if part.shard.closed and part.shard.in_flight == 0 and part.shard in self._shards:
                     self._shards.remove(part.shard)
             self._cond.notify_all()
-
-
-class _PromCounters:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.batches = Counter("kclpy_spark_batches", "Micro-batches committed to Spark.",
-                               registry=registry)
-        self.records = Counter("kclpy_spark_records", "Records in committed micro-batches.",
-                               registry=registry)
-        self.failures = Counter("kclpy_spark_foreach_batch_failures",
-                                "foreach_batch calls that raised (each retried).",
-                                registry=registry)
-        self.lost = Counter("kclpy_spark_lost_checkpoints",
-                            "Shard parts of a batch not checkpointed because the lease was lost.",
-                            registry=registry)
 
 
 class _BatchingProcessor(IRecordProcessor):

@@ -54,7 +54,7 @@ def run_worker(
         spark = SparkSession.builder.appName(f"kclpy-{config.application_name}").getOrCreate()
     metrics = metrics or Metrics()
     batcher = MicroBatcher(spark, foreach_batch, stream=config.stream_label, options=options,
-                           decode=decode, registry=metrics.registry)
+                           decode=decode, metrics=metrics)
     worker = Worker(config, batcher.processor_factory, metrics=metrics)
     batcher.on_fatal = lambda exc: worker.shutdown()
     batcher.start()
