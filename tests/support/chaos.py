@@ -1,0 +1,522 @@
+"""The chaos run: a fleet of ``kclpy-worker`` processes consuming a stream while they are
+killed, frozen and restarted, a shard is split, and the proxies throttle and fail requests.
+
+Everything random comes from one seed, printed at the start, so a failing run can be
+replayed (``KCLPY_CHAOS_SEED``); what the processes do in between still depends on timing,
+so a replay reproduces the faults, not every interleaving. ``python -m tests.support.chaos``
+runs longer chaos against emulators it starts itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tests.support.audit import AuditReport, LeaseSampler, audit
+from tests.support.faultproxy import FaultProxy
+from tests.support.ledger import (
+    CHECKPOINT_EVERY_ENV,
+    KPL,
+    LEDGER_ENV,
+    PLAIN,
+    WORKER_ENV,
+    Ledger,
+    Produced,
+)
+from tests.support.streams import (
+    create_stream,
+    dynamodb_client,
+    kinesis_client,
+    put_aggregated,
+    put_plain,
+    unique_name,
+    wait_for,
+    wait_for_stream_active,
+)
+
+if TYPE_CHECKING:
+    from mypy_boto3_kinesis import KinesisClient
+    from mypy_boto3_kinesis.type_defs import ShardTypeDef
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+SEED_ENV = "KCLPY_CHAOS_SEED"
+
+KILL = "kill -9"
+STOP = "SIGSTOP/SIGCONT"
+TERM = "SIGTERM+restart"
+
+_PLAIN_BATCH = 250
+_AGGREGATES_PER_BATCH = 10
+
+
+def seed_from_environment() -> int:
+    """``$KCLPY_CHAOS_SEED`` to replay a run, else a fresh one."""
+    configured = os.environ.get(SEED_ENV)
+    return int(configured) if configured else random.SystemRandom().randrange(2**32)
+
+
+@dataclass(frozen=True)
+class ChaosSettings:
+    seed: int
+    shards: int = 6
+    workers: int = 3
+    plain_records: int = 10_000
+    kpl_records: int = 12_000
+    per_aggregate: int = 20
+    #: disruptions happen during this window; production is spread over most of it
+    chaos_s: float = 75.0
+    #: seconds between two disruptions, drawn uniformly
+    disruption_gap_s: tuple[float, float] = (2.0, 5.0)
+    failover_ms: int = 3000
+    get_records_throttle_rate: float = 0.2
+    dynamodb_5xx_rate: float = 0.05
+    #: after the chaos, how long the fleet may take to process what is left
+    catch_up_timeout_s: float = 240.0
+    checkpoint_every_batches: int = 2
+
+    @property
+    def failover_s(self) -> float:
+        return self.failover_ms / 1000
+
+
+@dataclass
+class ChaosResult:
+    settings: ChaosSettings
+    report: AuditReport
+    disruptions: Counter[str] = field(default_factory=Counter)
+    #: exit codes of the workers stopped with SIGTERM (during the run and at its end)
+    sigterm_exit_codes: list[int] = field(default_factory=list)
+    split: tuple[str, list[str]] | None = None
+    throttles_injected: int = 0
+    server_errors_injected: int = 0
+    duration_s: float = 0.0
+    logs: Path = Path()
+
+    def figure_lines(self) -> list[str]:
+        s = self.settings
+        split = f"{self.split[0]} -> {', '.join(self.split[1])}" if self.split else "none"
+        disruptions = ", ".join(f"{kind}: {n}" for kind, n in sorted(self.disruptions.items()))
+        return [
+            f"chaos seed {s.seed}: {s.workers} workers, {s.shards} shards, "
+            f"{s.chaos_s:g} s of chaos, failover {s.failover_ms} ms, run took "
+            f"{self.duration_s:.0f} s",
+            f"disruptions: {disruptions}; split: {split}",
+            f"injected: {self.throttles_injected} GetRecords throttles "
+            f"({s.get_records_throttle_rate:.0%}), {self.server_errors_injected} DynamoDB 5xx "
+            f"({s.dynamodb_5xx_rate:.0%})",
+            *self.report.figure_lines(),
+        ]
+
+
+@dataclass
+class _Slot:
+    """One of the fleet's places; each restart is a new process with a new worker id."""
+
+    index: int
+    generation: int = 0
+    process: subprocess.Popen[bytes] | None = None
+    worker_id: str = ""
+    #: monotonic time at which a frozen worker is resumed or a killed one restarted
+    due: float | None = None
+    state: str = "running"  # running, stopped, dead
+
+
+class _Fleet:
+    def __init__(
+        self, settings: ChaosSettings, args: Callable[[str], list[str]], ledger: Path, logs: Path
+    ) -> None:
+        self._settings = settings
+        self._args = args
+        self._ledger = ledger
+        self._logs = logs
+        self.slots = [_Slot(i) for i in range(settings.workers)]
+
+    def spawn(self, slot: _Slot) -> None:
+        slot.worker_id = f"chaos-w{slot.index}-g{slot.generation}"
+        slot.generation += 1
+        env = {
+            **os.environ,
+            LEDGER_ENV: str(self._ledger),
+            WORKER_ENV: slot.worker_id,
+            CHECKPOINT_EVERY_ENV: str(self._settings.checkpoint_every_batches),
+        }
+        with (self._logs / f"{slot.worker_id}.log").open("wb") as log:
+            slot.process = subprocess.Popen(
+                [sys.executable, "-m", "kclpy", *self._args(slot.worker_id)],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        slot.state = "running"
+        slot.due = None
+
+    def running(self) -> list[_Slot]:
+        return [slot for slot in self.slots if slot.state == "running"]
+
+    def up(self, slot: _Slot) -> bool:
+        """The worker logged that it is consuming, so its SIGTERM handler is installed: a
+        SIGTERM before that (while Python still imports) kills it like any program, which
+        says nothing about kclpy's graceful shutdown."""
+        log = (self._logs / f"{slot.worker_id}.log").read_text(errors="replace")
+        return f"worker {slot.worker_id} consuming" in log
+
+    def terminate(self, *slots: _Slot) -> list[int]:
+        """SIGTERM, then the exit codes of the graceful exits; a worker still running after
+        a minute is killed and its code is -9, which reads as a failed graceful shutdown."""
+        processes = [slot.process for slot in slots if slot.process is not None]
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        codes = []
+        for process in processes:
+            try:
+                codes.append(process.wait(60))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                codes.append(process.wait())
+        return codes
+
+    def revive(self, slot: _Slot) -> None:
+        """Resume a frozen worker, restart a killed one."""
+        if slot.state == "stopped":
+            assert slot.process is not None
+            slot.process.send_signal(signal.SIGCONT)
+            slot.state = "running"
+            slot.due = None
+        elif slot.state == "dead":
+            self.spawn(slot)
+
+    def kill_all(self) -> None:
+        """Last-resort cleanup: no worker outlives the run, frozen or not."""
+        for slot in self.slots:
+            process = slot.process
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGCONT)
+                process.kill()
+                process.wait()
+
+
+class _Producer:
+    """Puts the planned records at an even pace over ``duration_s`` on its own thread and
+    records each user record in the ledger once Kinesis has accepted it."""
+
+    def __init__(
+        self, kinesis: KinesisClient, stream: str, ledger: Ledger, settings: ChaosSettings,
+        duration_s: float,
+    ) -> None:  # fmt: skip
+        self._kinesis = kinesis
+        self._stream = stream
+        self._ledger = ledger
+        self._rng = random.Random(f"{settings.seed}-producer")
+        self._per_aggregate = settings.per_aggregate
+        self._batches = self._plan(settings)
+        self._duration_s = duration_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-producer", daemon=True)
+        self.error: BaseException | None = None
+
+    def _plan(self, settings: ChaosSettings) -> list[tuple[str, list[str]]]:
+        batches: list[tuple[str, list[str]]] = []
+        ids = [f"p-{n:06d}" for n in range(settings.plain_records)]
+        for start in range(0, len(ids), _PLAIN_BATCH):
+            batches.append((PLAIN, ids[start : start + _PLAIN_BATCH]))
+        ids = [f"k-{n:06d}" for n in range(settings.kpl_records)]
+        size = settings.per_aggregate * _AGGREGATES_PER_BATCH
+        for start in range(0, len(ids), size):
+            batches.append((KPL, ids[start : start + size]))
+        self._rng.shuffle(batches)
+        return batches
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._stop.set()
+            self._thread.join(30)
+            raise AssertionError(f"the producer did not finish within {timeout:g} s")
+        if self.error is not None:
+            raise AssertionError(f"the producer failed: {self.error!r}") from self.error
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        interval = self._duration_s / max(1, len(self._batches))
+        try:
+            for index, (kind, ids) in enumerate(self._batches):
+                if self._stop.wait(max(0.0, started + index * interval - time.monotonic())):
+                    return
+                self._ledger.record_produced(self._put(kind, ids))
+        except BaseException as exc:  # surfaced by join()
+            self.error = exc
+
+    def _put(self, kind: str, ids: list[str]) -> list[Produced]:
+        payloads = [record_id.encode() for record_id in ids]
+        if kind == PLAIN:
+            keys = [str(self._rng.getrandbits(64)) for _ in ids]
+            placed = put_plain(self._kinesis, self._stream, payloads, keys)
+            now = time.time()
+            return [
+                Produced(record_id, PLAIN, shard, seq, 0, now)
+                for record_id, (shard, seq) in zip(ids, placed, strict=True)
+            ]
+        key = str(self._rng.getrandbits(64))
+        aggregates = put_aggregated(self._kinesis, self._stream, payloads, self._per_aggregate, key)
+        now = time.time()
+        rows: list[Produced] = []
+        position = 0
+        for shard, seq, count in aggregates:
+            for sub in range(count):
+                rows.append(Produced(ids[position], KPL, shard, seq, sub, now))
+                position += 1
+        return rows
+
+
+def _split_one_shard(
+    kinesis: KinesisClient, stream: str, rng: random.Random
+) -> tuple[str, list[str]]:
+    shards = [
+        s for s in _all_shards(kinesis, stream)
+        if "EndingSequenceNumber" not in s["SequenceNumberRange"]
+    ]  # fmt: skip
+    parent = rng.choice(sorted(shards, key=lambda s: s["ShardId"]))
+    low = int(parent["HashKeyRange"]["StartingHashKey"])
+    high = int(parent["HashKeyRange"]["EndingHashKey"])
+    kinesis.split_shard(
+        StreamName=stream, ShardToSplit=parent["ShardId"], NewStartingHashKey=str((low + high) // 2)
+    )
+    wait_for_stream_active(kinesis, stream)
+    children = [
+        s["ShardId"]
+        for s in _all_shards(kinesis, stream)
+        if s.get("ParentShardId") == parent["ShardId"]
+    ]
+    return parent["ShardId"], sorted(children)
+
+
+def _all_shards(kinesis: KinesisClient, stream: str) -> list[ShardTypeDef]:
+    shards: list[ShardTypeDef] = []
+    response = kinesis.list_shards(StreamName=stream)
+    while True:
+        shards.extend(response["Shards"])
+        token = response.get("NextToken")
+        if not token:
+            return shards
+        response = kinesis.list_shards(NextToken=token)
+
+
+def _parents(kinesis: KinesisClient, stream: str) -> dict[str, list[str]]:
+    lineage: dict[str, list[str]] = {}
+    for shard in _all_shards(kinesis, stream):
+        parents = (shard.get("ParentShardId"), shard.get("AdjacentParentShardId"))
+        lineage[shard["ShardId"]] = [p for p in parents if p]
+    return lineage
+
+
+def run_chaos(
+    kinesis_url: str,
+    dynamodb_url: str,
+    workdir: Path,
+    settings: ChaosSettings,
+    say: Callable[[str], None] = print,
+) -> ChaosResult:
+    """Run the fleet under chaos, let it catch up, stop it gracefully, and audit the ledger."""
+    started = time.monotonic()
+    say(f"chaos seed {settings.seed} (replay with {SEED_ENV}={settings.seed})")
+    rng = random.Random(settings.seed)
+    stream = unique_name("chaos")
+    application = unique_name("chaos-app")
+    kinesis = kinesis_client(kinesis_url)
+    create_stream(kinesis, stream, settings.shards)
+    logs = workdir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    result = ChaosResult(settings, AuditReport(), logs=logs)
+
+    with ExitStack() as stack:
+        ledger = stack.enter_context(Ledger(workdir / "ledger.db"))
+        kinesis_proxy = stack.enter_context(FaultProxy(kinesis_url, seed=settings.seed))
+        dynamodb_proxy = stack.enter_context(FaultProxy(dynamodb_url, seed=settings.seed + 1))
+        kinesis_proxy.set_rule("GetRecords", throttle_rate=settings.get_records_throttle_rate)
+        dynamodb_proxy.set_rule("*", error_5xx_rate=settings.dynamodb_5xx_rate)
+        sampler = LeaseSampler(dynamodb_client(dynamodb_url), application).start()
+        stack.callback(sampler.stop)
+
+        def worker_args(worker_id: str) -> list[str]:
+            return [
+                "--stream-name", stream,
+                "--application-name", application,
+                "--processor", "tests.support.ledger:LedgerProcessor",
+                "--worker-id", worker_id,
+                "--region", "us-east-1",
+                "--kinesis-endpoint", kinesis_proxy.url,
+                "--dynamodb-endpoint", dynamodb_proxy.url,
+                "--initial-position", "TRIM_HORIZON",
+                "--failover-time-ms", str(settings.failover_ms),
+                "--idle-time-between-reads-ms", "100",
+                "--shard-sync-interval-ms", "2000",
+                "--parent-shard-poll-interval-ms", "200",
+                "--task-backoff-time-ms", "50",
+                "--shutdown-grace-ms", "5000",
+            ]  # fmt: skip
+
+        fleet = _Fleet(settings, worker_args, workdir / "ledger.db", logs)
+        stack.callback(fleet.kill_all)
+        for slot in fleet.slots:
+            fleet.spawn(slot)
+        producer = _Producer(kinesis, stream, ledger, settings, settings.chaos_s * 0.8)
+        stack.callback(producer.stop)
+        producer.start()
+
+        result.split = _disrupt(fleet, ledger, kinesis, stream, settings, rng, result, say)
+        for slot in fleet.slots:
+            fleet.revive(slot)
+        producer.join(settings.catch_up_timeout_s)
+        say(f"chaos over after {time.monotonic() - started:.0f} s; the fleet catches up")
+        wait_for(
+            lambda: ledger.missing_count() == 0,
+            settings.catch_up_timeout_s,
+            f"every produced record to be processed (logs in {logs})",
+            interval=0.5,
+        )
+        wait_for(lambda: all(fleet.up(slot) for slot in fleet.slots), 60, "every worker to be up")
+        result.sigterm_exit_codes.extend(fleet.terminate(*fleet.slots))
+        samples = sampler.stop()
+        ledger.record_lease_samples(samples)
+        result.throttles_injected = kinesis_proxy.faults("throttle", "GetRecords")
+        result.server_errors_injected = dynamodb_proxy.faults("error_5xx")
+        result.report = audit(
+            ledger.produced(), ledger.journal(), samples, _parents(kinesis, stream)
+        )
+    result.duration_s = time.monotonic() - started
+    return result
+
+
+def _disrupt(
+    fleet: _Fleet,
+    ledger: Ledger,
+    kinesis: KinesisClient,
+    stream: str,
+    settings: ChaosSettings,
+    rng: random.Random,
+    result: ChaosResult,
+    say: Callable[[str], None],
+) -> tuple[str, list[str]] | None:
+    """The chaos window: every few seconds one running worker is killed, frozen past the
+    failover time, or stopped gracefully and restarted; one shard is split on the way.
+
+    At least two workers keep running through every disruption, so the fleet always has
+    somewhere to move leases to. The kinds come round in shuffled rounds, so even a short
+    window sees each of them; a SIGTERM waits for a worker that is up.
+    """
+    begin = time.monotonic()
+    end = begin + settings.chaos_s
+    split_at = begin + settings.chaos_s * rng.uniform(0.25, 0.5)
+    split: tuple[str, list[str]] | None = None
+    next_at = begin + rng.uniform(*settings.disruption_gap_s)
+    kinds: list[str] = []
+    pause = threading.Event()
+    while (now := time.monotonic()) < end:
+        for slot in fleet.slots:
+            if slot.due is not None and slot.due <= now:
+                fleet.revive(slot)
+        if split is None and now >= split_at:
+            split = _split_one_shard(kinesis, stream, rng)
+            say(f"{now - begin:5.1f} s  split {split[0]} into {', '.join(split[1])}")
+        if now >= next_at:
+            running = fleet.running()
+            if not kinds:
+                kinds = rng.sample([KILL, STOP, TERM], 3)
+            candidates = [s for s in running if kinds[-1] != TERM or fleet.up(s)]
+            if len(running) >= 2 and candidates:
+                kind = kinds.pop()
+                slot = rng.choice(candidates)
+                say(f"{time.monotonic() - begin:5.1f} s  {kind} {slot.worker_id}")
+                ledger.record_disruption(kind, slot.worker_id)
+                _apply(fleet, slot, kind, settings, rng, result)
+                result.disruptions[kind] += 1
+            next_at = time.monotonic() + rng.uniform(*settings.disruption_gap_s)
+        dues = [slot.due for slot in fleet.slots if slot.due is not None]
+        pause.wait(max(0.0, min([next_at, end, *dues]) - time.monotonic()))
+    return split
+
+
+def _apply(
+    fleet: _Fleet,
+    slot: _Slot,
+    kind: str,
+    settings: ChaosSettings,
+    rng: random.Random,
+    result: ChaosResult,
+) -> None:
+    assert slot.process is not None
+    now = time.monotonic()
+    if kind == KILL:
+        slot.process.kill()
+        slot.process.wait()
+        slot.state = "dead"
+        slot.due = now + rng.uniform(0.5, 2.0)
+    elif kind == STOP:
+        slot.process.send_signal(signal.SIGSTOP)
+        slot.state = "stopped"
+        slot.due = now + settings.failover_s * rng.uniform(1.3, 2.0)
+    else:
+        result.sigterm_exit_codes.extend(fleet.terminate(slot))
+        fleet.spawn(slot)
+
+
+@contextmanager
+def _local_endpoints() -> Iterator[tuple[str, str]]:
+    from kclpy.local import start_kinesis_mock, start_moto_server
+
+    with start_kinesis_mock() as kinesis, start_moto_server() as moto:
+        yield kinesis.url, moto.url
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Longer chaos than CI can afford, against emulators started here."""
+    parser = argparse.ArgumentParser(prog="python -m tests.support.chaos")
+    parser.add_argument("--seed", type=int, default=seed_from_environment())
+    parser.add_argument("--chaos-seconds", type=float, default=300.0)
+    parser.add_argument("--plain-records", type=int, default=10_000)
+    parser.add_argument("--kpl-records", type=int, default=12_000)
+    args = parser.parse_args(argv)
+    for name, value in (
+        ("AWS_ACCESS_KEY_ID", "testing"),
+        ("AWS_SECRET_ACCESS_KEY", "testing"),
+        ("AWS_DEFAULT_REGION", "us-east-1"),
+    ):
+        os.environ.setdefault(name, value)
+    settings = ChaosSettings(
+        seed=args.seed,
+        chaos_s=args.chaos_seconds,
+        plain_records=args.plain_records,
+        kpl_records=args.kpl_records,
+    )
+    with _local_endpoints() as (kinesis_url, dynamodb_url):
+        workdir = Path(tempfile.mkdtemp(prefix="kclpy-chaos-"))
+        result = run_chaos(kinesis_url, dynamodb_url, workdir, settings)
+    print("\n".join(result.figure_lines()))
+    if not result.report.ok:
+        print(result.report.describe_violations())
+    return 0 if result.report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
