@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import inspect
 import logging
 import sys
@@ -23,6 +21,7 @@ from kclpy.config import (
     read_properties,
 )
 from kclpy.errors import ConfigError
+from kclpy.loading import load_object
 from kclpy.metrics import Metrics
 from kclpy.processor import IRecordProcessor
 from kclpy.worker import Worker
@@ -73,29 +72,7 @@ def _worker_parser() -> argparse.ArgumentParser:
 def load_processor_class(spec: str, *, base_dir: Path | None = None) -> type[IRecordProcessor]:
     """Import ``pkg.module:Class`` or ``path/to/file.py:Class``; ConfigError naming
     --processor when it does not import or is not a processor class."""
-    module_name, sep, class_name = spec.rpartition(":")
-    if not sep or not module_name or not class_name:
-        raise ConfigError("--processor", f"{spec!r} is not of the form module:Class")
-    try:
-        if module_name.endswith(".py") or "/" in module_name:
-            path = Path(module_name)
-            if not path.is_absolute() and base_dir is not None:
-                path = base_dir / path
-            module_spec = importlib.util.spec_from_file_location(path.stem, path)
-            if module_spec is None or module_spec.loader is None or not path.is_file():
-                raise ConfigError("--processor", f"no such file {str(path)!r}")
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules.setdefault(path.stem, module)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except ConfigError:
-        raise
-    except Exception as exc:
-        raise ConfigError("--processor", f"cannot import {module_name!r}: {exc}") from None
-    cls = getattr(module, class_name, None)
-    if cls is None:
-        raise ConfigError("--processor", f"{module_name!r} has no attribute {class_name!r}")
+    cls = load_object(spec, "--processor", base_dir=base_dir)
     if not inspect.isclass(cls):
         raise ConfigError("--processor", f"{spec!r} is not a class")
     missing = [m for m in _PROCESSOR_METHODS if not callable(getattr(cls, m, None))]

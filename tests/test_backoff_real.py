@@ -11,10 +11,7 @@ exceeds with probability below one in a million; a hot loop exceeds it a hundred
 from __future__ import annotations
 
 import math
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from fractions import Fraction
 
 import pytest
@@ -25,6 +22,7 @@ from kclpy.retrieval.backoff import Backoff
 from tests.support.faultproxy import FaultProxy
 from tests.support.recording import Ledger, RecordingProcessor
 from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name, wait_for
+from tests.support.workers import running
 
 THROTTLED_FOR_S = 10.0
 SHARDS = 2
@@ -66,27 +64,6 @@ def test_the_bound_is_tight_enough_to_tell_backoff_from_a_hot_loop() -> None:
     assert max_requests(20.0, 0.1, 5.0) > bound
     assert irwin_hall_cdf(Fraction(1, 2), 1) == Fraction(1, 2)
     assert irwin_hall_cdf(Fraction(1), 2) == Fraction(1, 2)
-
-
-@contextmanager
-def running(worker: Worker) -> Iterator[Worker]:
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            worker.run(install_signal_handlers=False)
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    thread = threading.Thread(target=target, name="backoff-worker", daemon=True)
-    thread.start()
-    try:
-        yield worker
-    finally:
-        worker.shutdown()
-        thread.join(60)
-        assert not thread.is_alive(), "worker did not stop"
-    assert not errors, errors
 
 
 def throttled_per_shard(worker: Worker, shards: list[str]) -> dict[str, float]:

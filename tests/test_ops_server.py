@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 import re
 import socket
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +22,7 @@ from kclpy.metrics import Metrics
 from kclpy.ops import RunningServer, serve_worker
 from tests.support.recording import Ledger, RecordingProcessor
 from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name, wait_for
+from tests.support.workers import running
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -136,28 +135,6 @@ def worker_config(kinesis_url: str, dynamodb_url: str, stream: str, **overrides:
     }
     values.update(overrides)
     return KCLConfig(**values)
-
-
-@contextmanager
-def running(worker: Worker) -> Iterator[threading.Thread]:
-    """Run ``worker`` in a thread; shut it down (and check it ended cleanly) on exit."""
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            worker.run(install_signal_handlers=False)
-        except BaseException as exc:  # surfaced to the test below
-            errors.append(exc)
-
-    thread = threading.Thread(target=target, name="ops-test-worker", daemon=True)
-    thread.start()
-    try:
-        yield thread
-    finally:
-        worker.shutdown()
-        thread.join(60)
-        assert not thread.is_alive(), "worker did not stop"
-    assert not errors, errors
 
 
 @pytest.fixture

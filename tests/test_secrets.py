@@ -14,11 +14,8 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import urllib.request
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import boto3
@@ -31,6 +28,7 @@ from tests.support.ledger import LEDGER_ENV, RECORD, WORKER_ENV, Ledger
 from tests.support.recording import Ledger as MemoryLedger
 from tests.support.recording import RecordingProcessor
 from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name, wait_for
+from tests.support.workers import running
 
 pytestmark = pytest.mark.integration
 
@@ -104,27 +102,6 @@ def test_debug_logs_and_status_of_a_worker_process_hold_no_credentials(
         assert secret not in body and token not in body, f"{path} leaks a credential"
     leaks = [line[:300] for line in text.splitlines() if secret in line or token in line]
     assert not leaks, f"{len(leaks)} log lines carry a credential, e.g.:\n" + "\n".join(leaks[:3])
-
-
-@contextmanager
-def running(worker: Worker) -> Iterator[Worker]:
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            worker.run(install_signal_handlers=False)
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    thread = threading.Thread(target=target, name="secrets-worker", daemon=True)
-    thread.start()
-    try:
-        yield worker
-    finally:
-        worker.shutdown()
-        thread.join(60)
-        assert not thread.is_alive(), "worker did not stop"
-    assert not errors, errors
 
 
 def test_status_and_metrics_hold_no_credentials(

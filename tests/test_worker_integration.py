@@ -8,9 +8,7 @@ produced: every record, in order per shard, exactly once where the protocol prom
 from __future__ import annotations
 
 import collections
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import pytest
@@ -28,6 +26,7 @@ from tests.support.streams import (
     unique_name,
     wait_for,
 )
+from tests.support.workers import running as running_worker
 
 pytestmark = pytest.mark.integration
 
@@ -51,26 +50,8 @@ def make_config(kinesis_url: str, dynamodb_url: str, stream: str, **overrides: A
     return KCLConfig(**values)
 
 
-@contextmanager
-def running(config: KCLConfig, ledger: Ledger) -> Iterator[Worker]:
-    worker = Worker(config, lambda: RecordingProcessor(ledger))
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            worker.run(install_signal_handlers=False)
-        except BaseException as exc:  # surfaced to the test below
-            errors.append(exc)
-
-    thread = threading.Thread(target=target, name="test-worker", daemon=True)
-    thread.start()
-    try:
-        yield worker
-    finally:
-        worker.shutdown()
-        thread.join(60)
-        assert not thread.is_alive(), "worker did not stop"
-    assert not errors, errors
+def running(config: KCLConfig, ledger: Ledger) -> AbstractContextManager[Worker]:
+    return running_worker(Worker(config, lambda: RecordingProcessor(ledger)))
 
 
 def assert_in_order(ledger: Ledger) -> None:

@@ -8,16 +8,13 @@ outlive the worker and is stopped only after ``Worker.run`` returned.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
-import sys
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kclpy.config import KCLConfig
 from kclpy.errors import ConfigError
+from kclpy.loading import load_object
 from kclpy.metrics import Metrics
 from kclpy.spark.arrow import Decoder
 from kclpy.spark.batcher import BatchOptions, ForeachBatch, MicroBatcher
@@ -71,30 +68,10 @@ def run_worker(
 def load_callable(spec: str, option: str) -> Callable[..., Any]:
     """Import ``pkg.module:name`` or ``path/to/file.py:name``; ConfigError naming ``option``
     when that fails or the name is not callable."""
-    module_name, sep, name = spec.rpartition(":")
-    if not sep or not module_name or not name:
-        raise ConfigError(option, f"{spec!r} is not of the form pkg.module:function")
-    try:
-        if module_name.endswith(".py") or "/" in module_name:
-            path = Path(module_name)
-            module_spec = importlib.util.spec_from_file_location(path.stem, path)
-            if module_spec is None or module_spec.loader is None or not path.is_file():
-                raise ConfigError(option, f"no such file {module_name!r}")
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules.setdefault(path.stem, module)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except ConfigError:
-        raise
-    except Exception as exc:
-        raise ConfigError(option, f"cannot import {module_name!r}: {exc}") from None
-    target = getattr(module, name, None)
-    if target is None:
-        raise ConfigError(option, f"{module_name!r} has no attribute {name!r}")
+    target = load_object(spec, option)
     if not callable(target):
         raise ConfigError(option, f"{spec!r} is not callable")
-    return target  # type: ignore[no-any-return]
+    return cast("Callable[..., Any]", target)
 
 
 def run_spark_batch_worker(
