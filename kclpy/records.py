@@ -11,6 +11,8 @@ from __future__ import annotations
 import binascii
 from typing import Any
 
+from pybase64 import b64decode
+
 
 class Record:
     """One user record. For a KPL sub-record, ``sequence_number`` is the parent's."""
@@ -51,12 +53,21 @@ class Record:
     @property
     def binary_data(self) -> bytes:
         """The record's payload as bytes (decoded from base64 on first access)."""
-        if self._bytes is None:
-            assert self._b64 is not None
-            # binascii directly: base64.b64decode adds ~40% per call on small payloads for
-            # argument checks that a str from the JSON parser never needs.
-            self._bytes = binascii.a2b_base64(self._b64)
-        return self._bytes
+        data = self._bytes
+        if data is None:
+            b64 = self._b64
+            assert b64 is not None
+            # pybase64's strict SIMD decoder, positional arguments (keywords cost more than
+            # decoding 100 bytes): CPython's decoder does about 300 MB/s, which made base64
+            # the largest cost of reading 10 KB records or KPL aggregates.
+            try:
+                data = b64decode(b64, None, True)
+            except ValueError:
+                # Not canonical base64 (Kinesis always sends canonical): decode it as leniently
+                # as botocore does, so both give the same bytes for any input.
+                data = binascii.a2b_base64(b64)
+            self._bytes = data
+        return data
 
     @property
     def data(self) -> str:

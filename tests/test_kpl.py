@@ -252,3 +252,37 @@ def test_bounds_outside_the_key_space(start: int, end: int, kept: bool) -> None:
     for record in (by_partition_key, by_explicit_key):
         result = deaggregate([record], start, end)
         assert (len(result.records), result.filtered) == ((2, 0) if kept else (0, 2))
+
+
+def test_a_partition_key_no_sub_record_uses_does_not_filter_the_aggregate() -> None:
+    used = pk_hash("used")
+    record = wire(manual(["used", "unused"], [], [(0, None, b"x")]))
+    assert pk_hash("unused") != used
+    result = deaggregate([record], used, used)
+    assert [r.binary_data for r in result.records] == [b"x"]
+    assert result.filtered == 0
+
+
+def test_sub_records_with_tags_are_expanded() -> None:
+    message = AggregatedRecord()
+    message.partition_key_table.extend(["a", "b"])
+    for index, data in enumerate([b"one", b"two"]):
+        sub = message.records.add()
+        sub.partition_key_index = index
+        sub.data = data
+        tag = sub.tags.add()
+        tag.key = "k"
+    result = deaggregate([wire(sign(message.SerializeToString()))])
+    assert [(r.partition_key, r.binary_data) for r in result.records] == [("a", b"one"),
+                                                                          ("b", b"two")]
+
+
+def test_a_tag_without_its_required_key_makes_the_aggregate_corrupt() -> None:
+    message = AggregatedRecord()
+    message.partition_key_table.append("a")
+    sub = message.records.add()
+    sub.partition_key_index = 0
+    sub.data = b"x"
+    sub.tags.add().value = "no key"
+    broken = wire(sign(message.SerializePartialToString()))
+    assert deaggregate([broken]).corrupt == 1

@@ -74,6 +74,24 @@ def test_data_stays_base64_until_read() -> None:
     assert record.binary_data == b"lazy"
 
 
+@pytest.mark.parametrize(("text", "expected"), [
+    ("aGVs\nbG8=", b"hello"), ("aGVs bG8=", b"hello"), ("aGVsbG8=\n", b"hello"),
+    ("aGVsbG8", None),
+])
+def test_data_that_is_not_canonical_base64_decodes_as_botocore_decodes_it(
+        text: str, expected: bytes | None) -> None:
+    record = parse_get_records(body(Records=[{"SequenceNumber": SEQ, "Data": text,
+                                              "PartitionKey": "pk"}])).records[0]
+    if expected is None:
+        with pytest.raises(ValueError):
+            base64.b64decode(text)
+        with pytest.raises(ValueError):
+            record.binary_data  # noqa: B018
+    else:
+        assert base64.b64decode(text) == expected
+        assert record.binary_data == expected
+
+
 def test_optional_fields_missing() -> None:
     page = parse_get_records(body(Records=[wire_record()]))
     assert page.records[0].approximate_arrival_timestamp is None

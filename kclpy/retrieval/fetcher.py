@@ -4,6 +4,12 @@ A dedicated thread per shard keeps the network busy while the processor works on
 previous batch; the queue bound (``queue_size`` results) is what caps the memory a slow
 processor can make a shard hold, because the thread blocks on a full queue instead of fetching.
 
+Pages wait in the queue as parsed, with KPL aggregates still whole: they are expanded into
+user records by ``get()``, on the consumer's thread, right before the processor needs them.
+A 10 MiB page of 100-byte user records is 200 aggregates but about 90,000 user records; held
+whole it costs its 10 MiB, expanded several times that, and every long-lived Python object
+in a queue is one more for the garbage collector to walk through on every full collection.
+
 Positions follow the Java KCL: a checkpoint ``(sequence, sub-sequence)`` is the last record
 done, so the iterator is taken AT that sequence number (the rest of a KPL aggregate may still
 be due) and every user record at or before the checkpoint is dropped. After an
@@ -20,6 +26,7 @@ import functools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -118,6 +125,17 @@ class FetchResult:
     #: the children named by the final page (empty before shard end)
     child_shards: list[ChildShard]
     #: millis_behind_latest == 0, or unknown and the page was empty
+    caught_up: bool
+
+
+@dataclass
+class _Page:
+    """A page as the fetch thread queues it: records not yet de-aggregated."""
+
+    records: list[Record]
+    millis_behind_latest: int | None
+    shard_end: bool
+    child_shards: list[ChildShard]
     caught_up: bool
 
 
@@ -244,19 +262,24 @@ class ShardFetcher:
         """
         if self._stop.is_set():
             timeout = 0
-        try:
-            item = self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if item is _END:
-            # Leave the marker for the next call, so every later get() answers at once.
-            self._put_nowait(_END)
-            if self._error is not None:
-                raise FetchError(self.shard_id, self._error)
-            return None
-        self._m_depth.set(self._queue.qsize())
-        assert isinstance(item, FetchResult)
-        return item
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                item = self._queue.get(timeout=None if deadline is None
+                                       else max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if item is _END:
+                # Leave the marker for the next call, so every later get() answers at once.
+                self._put_nowait(_END)
+                if self._error is not None:
+                    raise FetchError(self.shard_id, self._error)
+                return None
+            self._m_depth.set(self._queue.qsize())
+            assert isinstance(item, _Page)
+            result = self._expand(item)
+            if result is not None:
+                return result
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop fetching and join the thread.
@@ -293,21 +316,21 @@ class ShardFetcher:
         page was empty and the shard caught up, as the loop does. Fatal errors propagate.
         """
         try:
-            result, idle = self._fetch()
+            page, idle = self._fetch()
         except _Stopped:
             return None
         if idle:
             self._sleep(self._idle_time_s)
-        return result
+        return None if page is None else self._expand(page)
 
     # -- fetch thread --------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
             while not self._stop.is_set() and not self._shard_ended:
-                result, idle = self._fetch()
-                if result is not None:
-                    self._put(result)
+                page, idle = self._fetch()
+                if page is not None:
+                    self._put(page)
                 if idle:
                     self._sleep(self._idle_time_s)
         except _Stopped:
@@ -339,8 +362,8 @@ class ShardFetcher:
         with contextlib.suppress(queue.Full):
             self._queue.put_nowait(item)
 
-    def _fetch(self) -> tuple[FetchResult | None, bool]:
-        """One GetRecords (with retries): the result to deliver (or None) and whether to idle."""
+    def _fetch(self) -> tuple[_Page | None, bool]:
+        """One GetRecords (with retries): the page to queue (or None) and whether to idle."""
         if self._shard_ended:
             return None, False
         fresh = False
@@ -372,29 +395,38 @@ class ShardFetcher:
         if millis is not None:
             self._m_behind.set(millis)
         raw = page.records
-        records: list[Record] = []
         if raw:
-            if self._hash_range is not None:
-                agg = deaggregate(raw, *self._hash_range)
-            else:
-                agg = deaggregate(raw)
-            if agg.corrupt:
-                self._m_corrupt.inc(agg.corrupt)
-            if agg.filtered:
-                self._m_filtered.inc(agg.filtered)
-            records = self._drop_processed(agg.records)
             self._last_sequence_number = raw[-1].sequence_number
         shard_end = page.next_shard_iterator is None
         caught_up = millis == 0 or (millis is None and not raw)
         if shard_end:
             self._shard_ended = True
             logger.info("shard %s reached its end", self.shard_id)
-        result = FetchResult(records, millis, shard_end, page.child_shards, caught_up)
-        deliver = bool(records) or shard_end or self._deliver_empty
+        deliver = bool(raw) or shard_end or self._deliver_empty
         idle = not raw and caught_up and not shard_end
         self._at_tip = idle
         self._millis_behind_latest = millis
-        return (result if deliver else None), idle
+        pending = _Page(raw, millis, shard_end, page.child_shards, caught_up)
+        return (pending if deliver else None), idle
+
+    def _expand(self, page: _Page) -> FetchResult | None:
+        """The page's user records (de-aggregated, filtered, after the resume point), or None
+        if nothing is left to deliver. Runs on the thread that calls ``get()``."""
+        records: list[Record] = []
+        if page.records:
+            if self._hash_range is not None:
+                agg = deaggregate(page.records, *self._hash_range)
+            else:
+                agg = deaggregate(page.records)
+            if agg.corrupt:
+                self._m_corrupt.inc(agg.corrupt)
+            if agg.filtered:
+                self._m_filtered.inc(agg.filtered)
+            records = self._drop_processed(agg.records)
+        if not (records or page.shard_end or self._deliver_empty):
+            return None
+        return FetchResult(records, page.millis_behind_latest, page.shard_end,
+                           page.child_shards, page.caught_up)
 
     def _drop_processed(self, records: list[Record]) -> list[Record]:
         """Drop the records at or before the checkpoint we resumed from."""

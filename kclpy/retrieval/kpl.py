@@ -15,10 +15,18 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter, is_
+from typing import Any
 
 from aws_kinesis_agg import config_pb2
+from google.protobuf import (  # type: ignore[import-untyped]
+    descriptor_pb2,
+    descriptor_pool,
+    message_factory,
+)
 
 from kclpy.records import Record
 
@@ -43,10 +51,51 @@ _MIN_SIZE = len(MAGIC) + _DIGEST_SIZE
 _B64_PREFIX = "84maw"
 _B64_SIXTH = frozenset("ghijklmnopqrstuv")
 _MAX_HASH_KEY = 2**128 - 1
-_TEXT = frozenset({str})
 
 _parse_aggregate = AggregatedRecord.FromString
 _md5 = hashlib.md5
+# The lazy forms, read without a Python call per record (package-internal, as in
+# is_aggregated).
+_get_bytes = attrgetter("_bytes")
+_get_b64 = attrgetter("_b64")
+
+
+def _plain_schema() -> Callable[[bytes | memoryview], Any]:
+    """A parser for ``AggregatedRecord`` as the KPL writes it without explicit hash keys: the same
+    field numbers, but sub-records without ``explicit_hash_key_index`` (and ``tags``).
+
+    Parsed with this schema, those fields become unknown fields, and discarding the unknown
+    fields is the only way re-serialising can come out shorter than the input (no field of
+    it can grow: no signed or packed fields, no message fields read twice). So "no table of
+    explicit hash keys, and the parse re-serialises to exactly ``len(body)``" proves that no
+    sub-record names an explicit hash key, for one C-level pass over the aggregate instead
+    of a ``HasField`` call per sub-record; an index into the empty table is still caught,
+    because it sends the aggregate down the checked path.
+    """
+    proto = descriptor_pb2.FileDescriptorProto(
+        name="kclpy_kpl_plain.proto", package="kclpy.kpl", syntax="proto2")
+    f = descriptor_pb2.FieldDescriptorProto
+    record = proto.message_type.add(name="Record")
+    record.field.add(name="partition_key_index", number=1, label=f.LABEL_REQUIRED,
+                     type=f.TYPE_UINT64)
+    record.field.add(name="data", number=3, label=f.LABEL_REQUIRED, type=f.TYPE_BYTES)
+    aggregate = proto.message_type.add(name="AggregatedRecord")
+    aggregate.field.add(name="partition_key_table", number=1, label=f.LABEL_REPEATED,
+                        type=f.TYPE_STRING)
+    aggregate.field.add(name="explicit_hash_key_table", number=2, label=f.LABEL_REPEATED,
+                        type=f.TYPE_STRING)
+    aggregate.field.add(name="records", number=3, label=f.LABEL_REPEATED,
+                        type=f.TYPE_MESSAGE, type_name=".kclpy.kpl.Record")
+    # A private pool: nothing else in the process can see or clash with these names.
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    message = message_factory.GetMessageClass(
+        pool.FindMessageTypeByName("kclpy.kpl.AggregatedRecord"))
+    parse: Callable[[bytes | memoryview], Any] = message.FromString
+    return parse
+
+
+_parse_plain = _plain_schema()
 
 
 @dataclass(slots=True)
@@ -114,6 +163,9 @@ def deaggregate(
     # Verdicts per partition key, shared by the aggregates of this call: keys recur across
     # the aggregates of a page, and an MD5 costs more than the rest of a sub-record's
     # de-aggregation.
+    records = list(records)
+    if _none_aggregated(records):
+        return DeaggregationResult(records, 0, 0)
     pk_verdicts: dict[str, bool] = {}
     out: list[Record] = []
     append = out.append
@@ -124,11 +176,18 @@ def deaggregate(
         if not is_aggregated(record):
             append(record)
             continue
-        subs = _expand(record)
-        if subs is None:
+        expanded = _expand(record)
+        if expanded is None:
             append(record)
             corrupt += 1
-        elif bounds is not None:
+            continue
+        subs, keys = expanded
+        # Every key of the table in range: then so is every sub-record (they can only use
+        # keys of the table). Otherwise look at the sub-records themselves, since a key
+        # that no sub-record uses must not get the aggregate filtered.
+        if bounds is None or (keys is not None and _keys_in_range(keys, bounds, pk_verdicts)):
+            extend(subs)
+        else:
             verdict = _in_range(subs, bounds, pk_verdicts)
             if verdict is None:
                 append(record)
@@ -137,13 +196,12 @@ def deaggregate(
                 extend(subs)
             else:
                 filtered += len(subs)
-        else:
-            extend(subs)
     return DeaggregationResult(out, corrupt, filtered)
 
 
-def _expand(record: Record) -> list[Record] | None:
-    """The aggregate's user records, or None if it is corrupt in any way.
+def _expand(record: Record) -> tuple[list[Record], list[str] | None] | None:
+    """The aggregate's user records and, when none of them has an explicit hash key, the
+    partition-key table; None if the aggregate is corrupt in any way.
 
     The sub-records are built into a fresh list that is only returned whole, so a bad
     aggregate is never half-delivered. A table index out of range surfaces as the
@@ -154,23 +212,56 @@ def _expand(record: Record) -> list[Record] | None:
         blob = record.binary_data
         if len(blob) <= _MIN_SIZE:
             return None
-        body = blob[len(MAGIC) : -_DIGEST_SIZE]
+        # A view, not a slice: a slice would copy the whole aggregate once more.
+        body = memoryview(blob)[len(MAGIC) : -_DIGEST_SIZE]
         if _md5(body).digest() != blob[-_DIGEST_SIZE:]:
             return None
-        aggregate = _parse_aggregate(body)
+        plain = _parse_plain(body)
         # upb does not enforce proto2 "required" on parse; protobuf-java, which the Java KCL
         # uses, rejects such a message, and a sub-record without its data or key index
-        # would otherwise come out as an empty payload or the first partition key.
+        # would otherwise come out as an empty payload or the first partition key. Every
+        # field the plain schema requires, the full one requires too.
+        if not plain.IsInitialized():
+            return None
+        if plain.explicit_hash_key_table:
+            return _expand_checked(record, body)
+        plain.DiscardUnknownFields()
+        if plain.ByteSize() != len(body):
+            return _expand_checked(record, body)
+        # A list built once: indexing the protobuf container would make a new str per
+        # sub-record. upb hands back bytes, not str, for a proto2 string that is not valid
+        # UTF-8; the KPL only writes text, so such a table means a damaged aggregate, and
+        # str.join rejects it (TypeError) in one C call.
+        pks = list(plain.partition_key_table)
+        "".join(pks)
+        seq = record.sequence_number
+        arrival = record.approximate_arrival_timestamp
+        subs = [
+            Record(seq, pks[sub.partition_key_index], arrival, index, sub.data)
+            for index, sub in enumerate(plain.records)
+        ]
+    # The payload is untrusted bytes (an MD5 is no signature): whatever base64, the protobuf
+    # runtime or a table lookup raise on it (binascii.Error, DecodeError, IndexError,
+    # TypeError) means "not a usable aggregate".
+    except Exception:
+        return None
+    return (subs, pks) if subs else None
+
+
+def _expand_checked(
+    record: Record, body: memoryview
+) -> tuple[list[Record], list[str] | None] | None:
+    """The general case: explicit hash keys, tags or unknown fields, read with the full
+    schema and a ``HasField`` per sub-record (an explicit-hash-key index must be told apart
+    from an absent one, which reads as 0)."""
+    try:
+        aggregate = _parse_aggregate(body)
         if not aggregate.IsInitialized():
             return None
-        # Lists built once: indexing the protobuf containers would make a new str per
-        # sub-record.
         pks = list(aggregate.partition_key_table)
         ehks = list(aggregate.explicit_hash_key_table)
-        # upb hands back bytes, not str, for a proto2 string that is not valid UTF-8; the KPL
-        # only writes text, so such a table means a damaged aggregate.
-        if not {*map(type, pks), *map(type, ehks)} <= _TEXT:
-            return None
+        "".join(pks)
+        "".join(ehks)
         seq = record.sequence_number
         arrival = record.approximate_arrival_timestamp
         subs = [
@@ -187,12 +278,21 @@ def _expand(record: Record) -> list[Record] | None:
             )
             for index, sub in enumerate(aggregate.records)
         ]
-    # The payload is untrusted bytes (an MD5 is no signature): whatever base64, the protobuf
-    # runtime or a table lookup raise on it (binascii.Error, DecodeError, IndexError) means
-    # "not a usable aggregate".
     except Exception:
         return None
-    return subs or None
+    return (subs, None) if subs else None
+
+
+def _none_aggregated(records: list[Record]) -> bool:
+    """True if no record can be an aggregate: each still holds only its base64 text, and no
+    text starts like the magic's base64. The same test as :func:`is_aggregated`, made in C
+    over the whole page: a page of plain records then costs no Python call per record."""
+    try:
+        return all(map(is_, map(_get_bytes, records), repeat(None))) and not any(
+            map(str.startswith, map(_get_b64, records), repeat(_B64_PREFIX))
+        )
+    except TypeError:
+        return False
 
 
 class _Bounds:
@@ -212,6 +312,21 @@ class _Bounds:
         else:
             self.low_digest = clamped_low.to_bytes(16, "big")
             self.high_digest = clamped_high.to_bytes(16, "big")
+
+
+def _keys_in_range(keys: list[str], bounds: _Bounds, pk_verdicts: dict[str, bool]) -> bool:
+    """True if the MD5 hash key of every partition key in ``keys`` is within bounds."""
+    low_digest, high_digest = bounds.low_digest, bounds.high_digest
+    if low_digest is None or high_digest is None:
+        return False
+    verdict = pk_verdicts.get
+    for pk in keys:
+        ok = verdict(pk)
+        if ok is None:
+            ok = pk_verdicts[pk] = low_digest <= _md5(pk.encode("utf-8")).digest() <= high_digest
+        if not ok:
+            return False
+    return True
 
 
 def _in_range(subs: list[Record], bounds: _Bounds, pk_verdicts: dict[str, bool]) -> bool | None:

@@ -3,7 +3,7 @@
 botocore's JSON parser walks the output shape for every field of every record, turns each
 ``Data`` into bytes and each timestamp into a ``datetime``: about 60k records/s, which would
 make the parse, not the network, the consumer's bottleneck. Here a successful GetRecords body
-goes through one ``json.loads`` and becomes lazy :class:`~kclpy.records.Record` objects that keep
+goes through one ``orjson.loads`` and becomes lazy :class:`~kclpy.records.Record` objects that keep
 the payload as base64 text until someone reads it.
 
 Only the parse moves: the request still goes through the botocore client, so signing,
@@ -15,11 +15,11 @@ into the dict that ``client.get_records`` returns.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
+import orjson
 from botocore.parsers import ResponseParserError
 
 from kclpy.records import Record
@@ -75,9 +75,11 @@ def parse_get_records(body: bytes) -> GetRecordsPage:
     "no records" or, worse, as shard end.
     """
     try:
-        doc = json.loads(body)
+        # orjson: about 1.5x json.loads on these documents, and json.loads is most of the
+        # parse for large payloads.
+        doc = orjson.loads(body)
         raw_records = doc["Records"]
-        # Positional arguments and no helper call per record: after json.loads this loop is
+        # Positional arguments and no helper call per record: after orjson.loads this loop is
         # most of the parse's cost. The order is (sequence_number, partition_key,
         # approximate_arrival_timestamp, sub_sequence_number, data, b64).
         records = [

@@ -1,0 +1,84 @@
+"""The end-to-end benchmarks' harness works on a tiny input: every contender sees every
+record once, child processes report back, the DynamoDB counter counts. Nothing is timed."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import boto3
+import pytest
+
+from bench import consume, dynamodb_cost, replay, scale
+from kclpy.local import LocalEndpoint
+
+PLAIN, KPL = 120, 700
+
+
+@pytest.fixture(scope="module")
+def kinesis() -> Iterator[str]:
+    streams = [replay.build_stream(0, replay.StreamSpec("plain", 2, PLAIN // 2, 50)),
+               replay.build_stream(1, replay.StreamSpec("kpl", 1, KPL, 100, kpl=True))]
+    with replay.ReplayServer(streams) as server:
+        yield server.url
+
+
+@pytest.mark.parametrize(("stream", "records", "size"), [("plain", PLAIN, 50),
+                                                         ("kpl", KPL, 100)])
+def test_boto3_loop_reads_every_user_record(kinesis: str, stream: str, records: int,
+                                            size: int) -> None:
+    measured = consume.consume_boto3(kinesis, stream, records, stream == "kpl")
+    assert (measured.records, measured.bytes) == (records, records * size)
+    assert measured.cpu_s > 0
+
+
+@pytest.mark.parametrize(("stream", "records", "size"), [("plain", PLAIN, 50),
+                                                         ("kpl", KPL, 100)])
+def test_kclpy_worker_reads_every_user_record(kinesis: str, embedded_endpoint: LocalEndpoint,
+                                              stream: str, records: int, size: int) -> None:
+    measured = consume.consume_kclpy(kinesis, embedded_endpoint.url, stream, records,
+                                     stream == "kpl", timeout_s=60)
+    assert (measured.records, measured.bytes) == (records, records * size)
+
+
+def test_a_contender_in_a_child_process_reports_its_measurement(kinesis: str) -> None:
+    measured = consume.run_child(sys.executable, "boto3", kinesis, "http://127.0.0.1:9",
+                                 "plain", PLAIN, kpl=False)
+    assert measured.records == PLAIN
+
+
+def test_a_failing_child_is_an_error(kinesis: str) -> None:
+    with pytest.raises(RuntimeError, match="boto3 failed"):
+        consume.run_child(sys.executable, "boto3", kinesis, "http://127.0.0.1:9", "nope",
+                          PLAIN, kpl=False)
+
+
+def test_tally_stops_the_clock_at_the_expected_count() -> None:
+    tally = consume.Tally(5, consume._Clock())
+    tally.add(3, 30)
+    assert not tally.done.is_set()
+    with pytest.raises(RuntimeError):
+        tally.measurement()
+    tally.add(2, 20)
+    assert tally.done.is_set()
+    assert tally.measurement().bytes == 50
+
+
+def test_rss_is_read_from_proc() -> None:
+    assert scale.rss() > 10 * scale.MB
+
+
+def test_dynamodb_requests_are_counted_per_operation(embedded_endpoint: LocalEndpoint) -> None:
+    counter = dynamodb_cost.RequestCounter()
+    session = boto3.session.Session(region_name="us-east-1")
+    counter.attach(session)
+    client = session.client("dynamodb", endpoint_url=embedded_endpoint.url)
+    client.list_tables()
+    client.list_tables()
+    assert counter.snapshot()["ListTables"] == 2
+
+
+def test_java_figure_follows_its_intervals() -> None:
+    renewals, scans = dynamodb_cost.java_per_shard_hour(shards=10, workers=2, failover_s=10.0)
+    assert renewals == pytest.approx(1080)
+    assert scans == pytest.approx(2 * 3600 / 20.05 / 10)
