@@ -19,7 +19,7 @@ from typing import Any
 
 import boto3
 import botocore.config
-from botocore.exceptions import NoRegionError
+from botocore.exceptions import InvalidRegionError, NoRegionError
 
 from kclpy.config import KCLConfig
 from kclpy.consumer import ConsumerSettings, FatalProcessorError, FetcherLike, ShardConsumer
@@ -150,6 +150,8 @@ class Worker:
         except NoRegionError:
             raise ConfigError("--region", "no region configured (set --region, "
                               "regionName or AWS_DEFAULT_REGION)") from None
+        except InvalidRegionError as exc:
+            raise ConfigError("--region", str(exc)) from None
         self.lease_table = LeaseTable(self.dynamodb, cfg.lease_table_name, metrics=self.metrics)
         self.lease_table.create_if_missing()
         self.shard_syncer = ShardSyncer(
@@ -161,8 +163,12 @@ class Worker:
             failover_time_s=cfg.failover_time_ms / 1000,
             max_leases_for_worker=cfg.max_leases_for_worker,
             max_leases_to_steal_at_one_time=cfg.max_leases_to_steal_at_one_time,
+            graceful_handoff=cfg.is_graceful_lease_handoff_enabled,
+            graceful_handoff_timeout_s=cfg.graceful_lease_handoff_timeout_ms / 1000,
+            cleanup_leases=cfg.cleanup_leases_upon_shard_completion,
             metrics=self.metrics)
         self.coordinator.add_lease_lost_listener(self._on_lease_lost)
+        self.coordinator.add_handoff_listener(self._on_handoff)
         self._sync_shards()
         self.coordinator.start()
         self._started.set()
@@ -171,7 +177,9 @@ class Worker:
 
     def _sync_shards(self) -> None:
         assert self.shard_syncer is not None and self.coordinator is not None
-        created = self.shard_syncer.sync()
+        # The taker scans the table anyway; reusing its view saves a scan per sync.
+        recent = self.coordinator.recent_lease_keys(2 * self.config.failover_time_ms / 1000)
+        created = self.shard_syncer.sync(recent)
         self.coordinator.set_known_shards(set(self.shard_syncer.known_shard_ids))
         if created:
             log.info("created %d lease(s): %s", len(created),
@@ -211,6 +219,14 @@ class Worker:
                     if consumer.done:
                         del self._consumers[shard_id]
                     continue
+                if lease.checkpoint_owner is not None:
+                    # Another worker asked for this lease: the processor gets
+                    # shutdown_requested (it may checkpoint), then the lease moves on.
+                    consumer.request_shutdown()
+                    if consumer.done:
+                        del self._consumers[shard_id]
+                        self.coordinator.release(shard_id)
+                    continue
                 if not consumer.done:
                     continue
                 if consumer.shard_ended:
@@ -226,7 +242,11 @@ class Worker:
                     del self._consumers[shard_id]
                     self.coordinator.release(shard_id)
             for shard_id, lease in held.items():
-                if shard_id not in self._consumers:
+                if shard_id in self._consumers:
+                    continue
+                if lease.checkpoint_owner is not None:
+                    self.coordinator.release(shard_id)  # asked for, and nothing to finish
+                else:
                     consumer = self._new_consumer(lease)
                     self._consumers[shard_id] = consumer
                     consumer.start()
@@ -266,6 +286,10 @@ class Worker:
             # Emulators without ChildShards: a full sync finds the children instead.
             self._sync_shards()
         self.coordinator.wake_taker()
+
+    def _on_handoff(self, shard_id: str) -> None:
+        """Another worker asked for a held lease; ``_reconcile`` winds its consumer down."""
+        self._wake.set()
 
     def _on_lease_lost(self, shard_id: str) -> None:
         with self._consumers_lock:

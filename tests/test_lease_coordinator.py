@@ -119,6 +119,9 @@ def coordinator(
 ) -> tuple[LeaseCoordinator, Lost]:
     kwargs.setdefault("failover_time_s", FAILOVER)
     kwargs.setdefault("renewal_threads", 1)
+    # Steals here are outright takes, so these tests see the taker's rules alone; the
+    # graceful handoff a steal starts by default is tested in test_handoff.py.
+    kwargs.setdefault("graceful_handoff", False)
     kwargs.setdefault("rng", FirstChoiceRandom())
     c = LeaseCoordinator(table, worker, clock=clock, **kwargs)
     lost = Lost()
@@ -588,8 +591,10 @@ def test_invalid_settings_are_rejected(table: LeaseTable) -> None:
         LeaseCoordinator(table, "A", failover_time_s=0)
     with pytest.raises(ValueError, match="renewal_threads"):
         LeaseCoordinator(table, "A", renewal_threads=0)
+    with pytest.raises(ValueError, match="graceful_handoff_timeout_s"):
+        LeaseCoordinator(table, "A", graceful_handoff_timeout_s=-1)
     c = LeaseCoordinator(table, "A", failover_time_s=9)
-    assert (c.renewer_interval_s, c.taker_interval_s) == (3.0, 18.05)
+    assert (c.renewer_interval_s, c.taker_interval_s) == (4.5, None)
 
 
 # -- over real HTTP (moto server) --------------------------------------------------------------
@@ -658,3 +663,84 @@ def test_healthy_only_while_renewals_run() -> None:
     finally:
         coordinator.stop(release=False)
     assert not coordinator.healthy
+
+
+# -- the renewal schedule and the suspended worker ----------------------------------------------
+
+
+def updates(metrics: Metrics) -> float:
+    return metrics.registry.get_sample_value(
+        "kclpy_dynamodb_requests_total", {"operation": "UpdateItem"}
+    ) or 0.0
+
+
+def test_a_lease_is_renewed_every_half_failover_and_a_checkpoint_counts(client: Any) -> None:
+    metrics = Metrics()
+    table = LeaseTable(client, "app", metrics=metrics)
+    table.create_if_missing()
+    clock = Clock()
+    a, lost, token = take_one(table, clock)
+    written = updates(metrics)
+    clock.advance(FAILOVER / 2 - 0.01)
+    a.run_renewer_once(due_only=True)
+    assert updates(metrics) == written, "not due yet"
+    clock.advance(0.01)
+    a.run_renewer_once(due_only=True)
+    assert updates(metrics) == written + 1
+    clock.advance(FAILOVER / 4)
+    a.update_checkpoint("s1", token, "100", 0)
+    clock.advance(FAILOVER / 2 - 0.01)
+    a.run_renewer_once(due_only=True)
+    assert updates(metrics) == written + 2, "the checkpoint postponed the renewal"
+    clock.advance(0.01)
+    a.run_renewer_once(due_only=True)
+    assert updates(metrics) == written + 3
+    assert lost.shards == []
+
+
+def test_a_failed_renewal_is_retried_after_a_quarter_interval(
+    table: LeaseTable, client: FlakyClient, clock: Clock
+) -> None:
+    a, lost, _ = take_one(table, clock)
+    counter = fetch(table, "s1").lease_counter
+    client.fail["update_item"] = client_error("InternalServerError")
+    clock.advance(FAILOVER / 2)
+    a.run_renewer_once(due_only=True)
+    del client.fail["update_item"]
+    clock.advance(FAILOVER / 8 - 0.01)
+    a.run_renewer_once(due_only=True)
+    assert fetch(table, "s1").lease_counter == counter
+    clock.advance(0.01)
+    a.run_renewer_once(due_only=True)
+    assert fetch(table, "s1").lease_counter == counter + 1
+    assert lost.shards == []
+
+
+def test_a_worker_suspended_past_the_failover_time_holds_nothing_and_writes_nothing(
+    client: Any,
+) -> None:
+    metrics = Metrics()
+    table = LeaseTable(client, "app", metrics=metrics)
+    table.create_if_missing()
+    clock = Clock()
+    a, lost, token = take_one(table, clock)
+    clock.advance(FAILOVER + 0.01)  # SIGSTOP ... SIGCONT
+    assert a.held_leases() == {}, "not renewed for the failover time: no longer ours"
+    written = updates(metrics)
+    with pytest.raises(ShutdownException):
+        a.update_checkpoint("s1", token, "100", 0)
+    assert updates(metrics) == written, "the stale checkpoint was refused without a write"
+    assert lost.shards == ["s1"]
+    a.run_renewer_once()
+    assert updates(metrics) == written, "nor is the lease renewed"
+    assert fetch(table, "s1").checkpoint == "TRIM_HORIZON"
+
+
+def test_shard_sync_can_reuse_the_takers_scan(table: LeaseTable, clock: Clock) -> None:
+    create(table, "s1")
+    a, _ = coordinator(table, "A", clock)
+    assert a.recent_lease_keys(60) is None, "no scan yet"
+    a.run_taker_once()
+    assert a.recent_lease_keys(60) == frozenset({"s1"})
+    clock.advance(61)
+    assert a.recent_lease_keys(60) is None

@@ -16,7 +16,7 @@ from moto.server import ThreadedMotoServer
 
 from kclpy.errors import LeaseLostError
 from kclpy.leases.lease import SHARD_END, TRIM_HORIZON, Lease
-from kclpy.leases.table import LeaseTable, LeaseTableThrottled
+from kclpy.leases.table import LeaseChanged, LeaseTable, LeaseTableThrottled
 from kclpy.metrics import Metrics
 
 REGION = "us-east-1"
@@ -323,8 +323,49 @@ def test_renew_fails_when_owner_or_counter_changed(table: LeaseTable) -> None:
     assert table.renew(theirs).lease_owner == "w2"
 
 
+def test_evict_during_a_handoff_clears_only_the_checkpoint_owner(table: LeaseTable) -> None:
+    lease = put_java(table, java_item("s", checkpointOwner={"S": "old-owner"}))
+    assert (lease.lease_owner, lease.checkpoint_owner) == ("java-worker", "old-owner")
+    with pytest.raises(LeaseLostError):
+        table.evict(lease.copy(checkpoint_owner="impostor"))
+    evicted = table.evict(lease)
+    assert (evicted.lease_owner, evicted.checkpoint_owner) == ("java-worker", None)
+    assert evicted.lease_counter == lease.lease_counter + 1
+    adopted = table.adopt(evicted)
+    assert adopted.lease_owner == "java-worker"
+    assert adopted.owner_switches_since_checkpoint == evicted.owner_switches_since_checkpoint + 1
+    with pytest.raises(LeaseLostError):
+        table.adopt(evicted)
+
+
+def test_adopt_waits_for_the_previous_owner_to_let_go(table: LeaseTable) -> None:
+    lease = put_java(table, java_item("s"))
+    asked = table.set_checkpoint_owner(lease, "thief")
+    with pytest.raises(LeaseLostError):
+        table.adopt(asked)
+    with pytest.raises(ValueError, match="no owner"):
+        table.adopt(Lease("s"))
+
+
+def test_writes_during_a_handoff_are_fenced_on_the_checkpoint_owner(table: LeaseTable) -> None:
+    lease = put_java(table, java_item("s"))
+    asked = table.set_checkpoint_owner(lease, "thief")
+    with pytest.raises(LeaseChanged) as changed:
+        table.renew(lease)
+    current = changed.value.current
+    assert current is not None
+    assert (current.lease_owner, current.checkpoint_owner) == ("thief", "java-worker")
+    handing_off = lease.copy(lease_owner="thief", checkpoint_owner="java-worker")
+    renewed = table.renew(handing_off)
+    assert renewed.lease_counter == asked.lease_counter + 1
+    checkpointed = table.update_checkpoint(renewed, "12345", 0)
+    assert checkpointed.checkpoint == "12345"
+    with pytest.raises(LeaseChanged):
+        table.renew(renewed.copy(checkpoint_owner="thief"))
+
+
 def test_evict_clears_the_owner_so_anyone_can_take(table: LeaseTable) -> None:
-    lease = put_java(table, java_item("s", checkpointOwner={"S": "x"}))
+    lease = put_java(table, java_item("s"))
     evicted = table.evict(lease)
     assert evicted.lease_owner is None
     assert evicted.checkpoint_owner is None

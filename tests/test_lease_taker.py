@@ -269,3 +269,27 @@ def test_invalid_limits_are_rejected() -> None:
         LeaseTaker("w", FAILOVER, max_leases_for_worker=0)
     with pytest.raises(ValueError, match="max_leases_to_steal_at_one_time"):
         LeaseTaker("w", FAILOVER, max_leases_to_steal_at_one_time=0)
+
+
+def test_an_overdue_lease_is_reported_with_the_time_it_will_expire() -> None:
+    t = taker("me")
+    t.observe([*owned("dead", "d1", counter=4), *owned("live", "l1", counter=7)], now=100.0)
+    held: set[str] = set()
+    assert t.next_expiry(held=held, overdue_after=6.0, now=105.0) is None, "not overdue yet"
+    t.observe([*owned("dead", "d1", counter=4), *owned("live", "l1", counter=8)], now=107.0)
+    assert t.next_expiry(held=held, overdue_after=6.0, now=107.0) == 100.0 + FAILOVER
+    assert t.next_expiry(held={"d1"}, overdue_after=6.0, now=107.0) is None, "held: not others'"
+    t.observe([*owned("dead", "d1", counter=4), *owned("live", "l1", counter=8)], now=111.0)
+    assert t.next_expiry(held=held, overdue_after=6.0, now=111.0) is None, "expired already"
+    assert t.is_expired(owned("dead", "d1", counter=4)[0], 111.0)
+
+
+def test_a_lease_being_handed_off_is_never_stolen() -> None:
+    leases = [
+        *owned("busy", "b1", "b2", "b3"),
+        Lease("b4", lease_owner="busy", lease_counter=1, checkpoint_owner="other"),
+    ]
+    t = taker("me", max_leases_to_steal_at_one_time=4)
+    t.observe(leases, now=0.0)
+    plan = t.plan(held=set(), known_shards=None, no_steal=(), now=0.0)
+    assert plan.steal and all(lease.lease_key != "b4" for lease in plan.steal)

@@ -1,21 +1,35 @@
-"""One worker's side of the lease protocol: take, renew, fence checkpoints, release.
+"""One worker's side of the lease protocol: take, renew, hand off, fence, release, clean up.
 
 Two background threads, as in the Java KCL 2.x ``DynamoDBLeaseCoordinator``:
 
-- the *renewer*, every ``failover_time_s / 3``, bumps the counter of every held lease
-  (conditional on counter and owner). A failed condition means another worker took the
-  lease: it is dropped at once and the lease-lost listeners are called. A lease whose last
-  successful renewal is older than the failover time (DynamoDB unreachable, process
-  suspended) is dropped too, because by then other workers may have taken it.
-- the *taker*, every ``2 * failover_time_s + 0.05`` s (Java's interval) or sooner after
-  ``wake_taker()``, scans the table and takes or steals leases (rules in ``taker.py``).
+- the *renewer* writes every held lease at least every ``failover_time_s / 2``; a checkpoint
+  counts as that write, so a lease its processor checkpoints often is never renewed at all.
+  A failed renewal is retried after a quarter of that interval, which gives more attempts
+  before the failover time runs out than Java's ``failover / 3`` cadence. A failed
+  condition means another worker took the lease, or asks for it back (a graceful handoff,
+  below). A lease without a successful write for longer than the failover time is dropped
+  without another attempt (the process was suspended, or DynamoDB unreachable): by then
+  other workers may have taken it.
+- the *taker* scans the table and takes or steals leases (rules in ``taker.py``). It scans
+  as often as ``budget.py`` allows - what the renewals saved pay for - and in addition
+  right when an overdue lease (its owner missed a renewal) reaches the failover time, so a
+  dead worker's leases move about one failover time after its last renewal. The same scan
+  finishes handoffs and deletes finished leases (``cleanup.py``).
 
-Request cost per held lease and hour is therefore ``3600 / (failover / 3)`` renewals plus a
-share of the scans, as in Java.
+*Graceful handoff* (the Java KCL 3.x ``checkpointOwner`` protocol, in ``handoff.py``): a
+thief does not take a live worker's lease outright. It writes ``leaseOwner = thief,
+checkpointOwner = owner``; the owner's next renewal finds that, keeps renewing (fenced on
+``checkpointOwner``), tells its handoff listeners (the worker asks the processor to
+``shutdown_requested``, where it may checkpoint) and finally removes ``checkpointOwner``
+(``release``). Only then does the thief start, from the checkpoint the owner left. An owner
+that does not let go within ``graceful_handoff_timeout_s`` lets go regardless; a thief whose
+owner neither lets go nor renews takes the lease when it expires, and one whose owner keeps
+renewing but never lets go (a Java 2.x worker does not know the attribute) takes it after
+the timeout plus the failover time.
 
 The renewer, the taker and checkpoint writes all change the same items, so each lease has a
 lock under which its counter is read and written: whoever writes next always uses the counter
-the previous write returned (``ALL_NEW``). A checkpoint write counts as a renewal.
+the previous write returned (``ALL_NEW``).
 
 Times are measured on the injected monotonic ``clock``; a renewal counts from the moment it
 was *sent*, which errs towards believing in our lease for less time, never more.
@@ -28,20 +42,23 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from botocore.exceptions import BotoCoreError, ClientError
 
 from kclpy.errors import (
+    CheckpointError,
     KinesisClientLibDependencyException,
     LeaseLostError,
     ShutdownException,
     ThrottlingException,
 )
+from kclpy.leases import cleanup, handoff
+from kclpy.leases.budget import ScanBudget
 from kclpy.leases.lease import Lease
-from kclpy.leases.table import LeaseTable, LeaseTableThrottled
+from kclpy.leases.table import LeaseChanged, LeaseTable, LeaseTableThrottled
 from kclpy.leases.taker import LeaseTaker
 from kclpy.metrics import Metrics
 
@@ -49,13 +66,19 @@ log = logging.getLogger(__name__)
 
 #: failures of a lease-table request that say nothing about who owns the lease
 _TABLE_ERRORS = (LeaseTableThrottled, ClientError, BotoCoreError)
+#: how far past an overdue lease's expiry the scan that takes it is made
+_EXPIRY_MARGIN_S = 0.05
 
 
 @dataclass
 class _Held:
     lease: Lease
-    #: clock() when the last successful renewal (or take, or checkpoint) was sent
+    #: clock() when the last successful write (take, renewal, checkpoint) was sent
     renewed_at: float
+    #: clock() when the renewer should next write this lease
+    renew_due: float
+    #: clock() when another worker asked for this lease (graceful handoff), or None
+    handoff_since: float | None = None
 
 
 class LeaseCoordinator:
@@ -70,6 +93,10 @@ class LeaseCoordinator:
         max_leases_for_worker: int | None = None,
         max_leases_to_steal_at_one_time: int = 1,
         taker_interval_s: float | None = None,
+        graceful_handoff: bool = True,
+        graceful_handoff_timeout_s: float = 30.0,
+        cleanup_leases: bool = True,
+        min_scan_interval_s: float = 0.5,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         renewal_threads: int = 4,
@@ -79,16 +106,23 @@ class LeaseCoordinator:
             raise ValueError("failover_time_s must be positive")
         if renewal_threads < 1:
             raise ValueError("renewal_threads must be at least 1")
+        if graceful_handoff_timeout_s < 0:
+            raise ValueError("graceful_handoff_timeout_s must not be negative")
         self.table = table
         self.worker_id = worker_id
         self.failover_time_s = failover_time_s
-        self.renewer_interval_s = failover_time_s / 3
-        self.taker_interval_s = (
-            taker_interval_s if taker_interval_s is not None else 2 * failover_time_s + 0.05
-        )
+        self.renewer_interval_s = failover_time_s / 2
+        #: a fixed taker interval (None: as often as the scan budget allows)
+        self.taker_interval_s = taker_interval_s
+        self.graceful_handoff = graceful_handoff
+        self.graceful_handoff_timeout_s = graceful_handoff_timeout_s
+        self.cleanup_leases = cleanup_leases
+        #: how often a pending handoff to this worker is polled between scans
+        self.handoff_poll_s = max(0.1, self.renewer_interval_s / 4)
         self._metrics = metrics
         self._clock = clock
         self._renewal_threads = renewal_threads
+        self._budget = ScanBudget(failover_time_s, clock=clock, min_interval_s=min_scan_interval_s)
         self._taker = LeaseTaker(
             worker_id,
             failover_time_s,
@@ -99,6 +133,9 @@ class LeaseCoordinator:
         #: guards the dictionaries below (never held while calling DynamoDB)
         self._state = threading.Lock()
         self._held: dict[str, _Held] = {}
+        #: handoffs to this worker not finished yet: lease key -> (clock() when asked,
+        #: the lease counter then)
+        self._pending: dict[str, tuple[float, int]] = {}
         #: one lock per lease key, never removed, so a lease is never guarded by two locks
         self._lease_locks: dict[str, threading.Lock] = {}
         #: lease key -> taker cycle in which it was lost; not stolen back in the next cycle
@@ -106,7 +143,13 @@ class LeaseCoordinator:
         self._known_shards: frozenset[str] | None = None
         #: the leases of the last taker scan, for readers that must not wait for a cycle
         self._last_scan: list[Lease] = []
+        self._last_scan_at: float | None = None
+        #: clock() when the last scan was started, successful or not
+        self._last_scan_attempt: float | None = None
+        #: leases per live worker as of the last scan: what the scan budget is based on
+        self._share = 0.0
         self._listeners: list[Callable[[str], None]] = []
+        self._handoff_listeners: list[Callable[[str], None]] = []
         #: serialises taker cycles (background thread and run_taker_once callers)
         self._taker_lock = threading.Lock()
         self._taker_cycle = 0
@@ -147,24 +190,84 @@ class LeaseCoordinator:
             self._pool = None
         if release:
             self.release_all()
+            self._give_up_pending()
 
     def _renewer_loop(self) -> None:
-        while not self._stopping.wait(self.renewer_interval_s):
+        while not self._stopping.is_set():
             try:
-                self.run_renewer_once()
+                self.run_renewer_once(due_only=True)
                 self._last_renewal_cycle = self._clock()
             except Exception:
                 # A dead renewer would silently lose every lease; log and keep going.
                 log.exception("worker %s: lease renewal cycle failed", self.worker_id)
+            self._stopping.wait(self._renewer_wait())
+
+    def _renewer_wait(self) -> float:
+        """Until the next renewal or handoff deadline; at most one renewal interval, so the
+        loop keeps proving it is alive (``healthy``) even with no leases."""
+        now = self._clock()
+        deadlines = [now + self.renewer_interval_s]
+        with self._state:
+            for held in self._held.values():
+                deadlines.append(held.renew_due)
+                if held.handoff_since is not None:
+                    deadlines.append(held.handoff_since + self.graceful_handoff_timeout_s)
+        return max(0.01, min(deadlines) - now)
 
     def _taker_loop(self) -> None:
+        woken = True  # the first scan runs at once
+        next_poll: float | None = None
         while not self._stopping.is_set():
             try:
-                self.run_taker_once()
+                next_scan = self._next_scan()
+                if woken or self._clock() >= next_scan:
+                    self.run_taker_once()
+                    next_scan = self._next_scan()
+                    next_poll = None
+                elif next_poll is not None and self._clock() >= next_poll:
+                    self.poll_handoffs()
+                    next_poll = None
             except Exception:
                 log.exception("worker %s: lease taker cycle failed", self.worker_id)
-            self._wake.wait(self.taker_interval_s)
-            self._wake.clear()
+                next_scan = self._clock() + self._budget.max_interval_s
+            with self._state:
+                pending = bool(self._pending)
+            if pending and next_poll is None:
+                next_poll = self._clock() + self.handoff_poll_s
+            # Wake at least every minimum interval: a changed number of held leases changes
+            # the budget, and with it when the next scan is affordable (no request needed).
+            wake_at = min(next_scan, self._clock() + self._budget.min_interval_s)
+            if next_poll is not None:
+                wake_at = min(wake_at, next_poll)
+            woken = self._wake.wait(max(0.0, wake_at - self._clock()))
+            if woken:
+                self._wake.clear()
+
+    def _next_scan(self) -> float:
+        """When to scan next: when the budget affords it (or the fixed interval after the
+        last scan), or earlier, right when an overdue lease expires."""
+        now = self._clock()
+        with self._state:
+            held = set(self._held)
+            scanned = len(self._last_scan)
+            last_attempt = self._last_scan_attempt
+            share = self._share
+        if self.taker_interval_s is not None:
+            return (now if last_attempt is None else last_attempt) + self.taker_interval_s
+        self._budget.observe(share=share, leases=scanned)
+        regular = now + self._budget.next_scan_in()
+        expiry = self._taker_expiry(held, now)
+        if expiry is not None:
+            return min(regular, expiry + _EXPIRY_MARGIN_S)
+        return regular
+
+    def _taker_expiry(self, held: set[str], now: float) -> float | None:
+        """When the first overdue lease of the last scan expires (``LeaseTaker.next_expiry``);
+        serialised with taker cycles, which update the taker's view."""
+        with self._taker_lock:
+            return self._taker.next_expiry(
+                held=held, overdue_after=1.25 * self.renewer_interval_s, now=now
+            )
 
     # -- configuration and queries -------------------------------------------------------
 
@@ -182,6 +285,13 @@ class LeaseCoordinator:
         with self._state:
             self._listeners.append(fn)
 
+    def add_handoff_listener(self, fn: Callable[[str], None]) -> None:
+        """``fn(shard_id)`` is called when another worker asks for a held lease. The
+        listener lets the shard's processor finish (it may still checkpoint) and then calls
+        ``release(shard_id)``. Without listeners the lease is released at once."""
+        with self._state:
+            self._handoff_listeners.append(fn)
+
     def set_known_shards(self, shard_ids: set[str] | None) -> None:
         """Only leases of these shards are taken; None allows every lease."""
         with self._state:
@@ -191,13 +301,31 @@ class LeaseCoordinator:
         self._wake.set()
 
     def held_leases(self) -> dict[str, Lease]:
+        """The leases held now; one not written for longer than the failover time is no
+        longer ours even before the renewer has dropped it (the process was suspended)."""
+        now = self._clock()
         with self._state:
-            return {key: held.lease.copy() for key, held in self._held.items()}
+            return {
+                key: held.lease.copy()
+                for key, held in self._held.items()
+                if now - held.renewed_at <= self.failover_time_s
+            }
 
     def get_held(self, shard_id: str) -> Lease | None:
         with self._state:
             held = self._held.get(shard_id)
             return None if held is None else held.lease.copy()
+
+    def handing_off(self, shard_id: str) -> bool:
+        """Another worker asked for this held lease and waits for it."""
+        with self._state:
+            held = self._held.get(shard_id)
+            return held is not None and held.handoff_since is not None
+
+    def pending_handoffs(self) -> set[str]:
+        """Leases handed to this worker whose previous owner has not let go yet."""
+        with self._state:
+            return set(self._pending)
 
     def get_lease(self, shard_id: str) -> Lease | None:
         """The lease as the table has it now (e.g. whether a parent reached SHARD_END)."""
@@ -207,6 +335,15 @@ class LeaseCoordinator:
         """Every lease as of the last taker scan."""
         with self._state:
             return [lease.copy() for lease in self._last_scan]
+
+    def recent_lease_keys(self, max_age_s: float) -> frozenset[str] | None:
+        """The lease keys of the last scan if it is at most ``max_age_s`` old, so shard sync
+        need not scan the table again; None otherwise."""
+        with self._state:
+            at = self._last_scan_at
+            if at is None or self._clock() - at > max_age_s:
+                return None
+            return frozenset(lease.lease_key for lease in self._last_scan)
 
     # -- internals shared by renewer, taker and checkpoints --------------------------------
 
@@ -226,69 +363,139 @@ class LeaseCoordinator:
             self._metrics.leases_lost.inc()
             self._metrics.leases_held.set(held_count)
 
-    def _notify_lost(self, lease_key: str) -> None:
-        with self._state:
-            listeners = list(self._listeners)
+    def _notify(self, listeners: Iterable[Callable[[str], None]], lease_key: str) -> None:
         for fn in listeners:
             try:
                 fn(lease_key)
             except Exception:
-                log.exception("lease-lost listener failed for %s", lease_key)
+                log.exception("lease listener failed for %s", lease_key)
 
-    def _install(self, lease: Lease, renewed_at: float) -> None:
+    def _notify_lost(self, lease_key: str) -> None:
         with self._state:
-            self._held[lease.lease_key] = _Held(lease, renewed_at)
+            listeners = list(self._listeners)
+        self._notify(listeners, lease_key)
+
+    def _notify_handoff(self, lease_key: str) -> None:
+        with self._state:
+            listeners = list(self._handoff_listeners)
+        if listeners:
+            self._notify(listeners, lease_key)
+        else:
+            self.release(lease_key)
+
+    def _install(self, lease: Lease, sent_at: float, handoff_since: float | None = None) -> None:
+        with self._state:
+            self._held[lease.lease_key] = _Held(
+                lease, sent_at, sent_at + self.renewer_interval_s, handoff_since
+            )
+            self._pending.pop(lease.lease_key, None)
             held_count = len(self._held)
         if self._metrics is not None:
             self._metrics.leases_held.set(held_count)
 
+    def _fenced(self, held: _Held, write: Callable[[Lease], Lease], what: str) -> Lease | None:
+        """Run one fenced write for a held lease (its lock held). Returns the fresh lease, or
+        None when the lease is lost (already dropped). A handoff request discovered on the
+        way puts ``held`` in the handing-off state (``handoff_since`` set, so the caller can
+        tell) and the write is repeated as the handing-off holder, fenced on
+        ``checkpointOwner``. Table errors other than a failed condition propagate."""
+        key = held.lease.lease_key
+        try:
+            return write(held.lease)
+        except LeaseChanged as exc:
+            current = exc.current if exc.current is not None else self._read(key)
+        if handoff.is_request_to_hand_off(held.lease, current, self.worker_id):
+            assert current is not None
+            log.info("worker %s: %s asks for lease %s", self.worker_id, current.lease_owner, key)
+            held.lease = handoff.as_handing_off(held.lease, current, self.worker_id)
+            held.handoff_since = self._clock()
+            try:
+                return write(held.lease)
+            except LeaseLostError:
+                pass
+        self._drop(key, f"{what} found it changed (taken by another worker)")
+        return None
+
+    def _read(self, lease_key: str) -> Lease | None:
+        """The current item after a failed condition, for endpoints that do not return it."""
+        try:
+            return self.table.get(lease_key)
+        except _TABLE_ERRORS as exc:
+            log.warning("worker %s: reading %s failed: %r", self.worker_id, lease_key, exc)
+            return None
+
     # -- renewer -------------------------------------------------------------------------
 
-    def run_renewer_once(self) -> None:
-        """Renew every held lease once; drop (and report) the ones that are lost."""
+    def run_renewer_once(self, *, due_only: bool = False) -> None:
+        """Renew every held lease (with ``due_only``, those whose renewal is due); drop and
+        report the lost ones, announce the ones another worker asks for."""
+        now = self._clock()
         with self._state:
-            keys = list(self._held)
+            keys = [
+                key
+                for key, held in self._held.items()
+                if not due_only
+                or held.renew_due <= now
+                or now - held.renewed_at > self.failover_time_s
+                or (
+                    held.handoff_since is not None
+                    and now - held.handoff_since > self.graceful_handoff_timeout_s
+                )
+            ]
         if len(keys) <= 1 or self._renewal_threads == 1:
-            lost = [key for key in keys if self._renew(key)]
+            outcomes = [self._renew(key) for key in keys]
         else:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(
                     self._renewal_threads, thread_name_prefix=f"kclpy-renew-{self.worker_id}"
                 )
-            lost = [
-                key
-                for key, gone in zip(keys, self._pool.map(self._renew, keys), strict=True)
-                if gone
-            ]
-        for key in lost:
-            self._notify_lost(key)
+            outcomes = list(self._pool.map(self._renew, keys))
+        for key, outcome in zip(keys, outcomes, strict=True):
+            if outcome == "lost":
+                self._notify_lost(key)
+            elif outcome == "handoff":
+                self._notify_handoff(key)
 
-    def _renew(self, lease_key: str) -> bool:
-        """Renew one lease; True if it was dropped as lost."""
+    def _renew(self, lease_key: str) -> str:
+        """Renew one lease: 'ok', 'lost' (dropped), 'handoff' (newly asked for) or 'kept'
+        (a failure that did not lose it yet)."""
         with self._lock_for(lease_key):
             with self._state:
                 held = self._held.get(lease_key)
             if held is None:
-                return False
-            sent_at = self._clock()
+                return "kept"
+            now = self._clock()
+            silent_for = now - held.renewed_at
+            if silent_for > self.failover_time_s:
+                self._drop(lease_key, f"not renewed for {silent_for:.1f}s")
+                return "lost"
+            if (
+                held.handoff_since is not None
+                and now - held.handoff_since > self.graceful_handoff_timeout_s
+            ):
+                log.warning(
+                    "worker %s: lease %s not let go within the handoff timeout; letting go",
+                    self.worker_id,
+                    lease_key,
+                )
+                self._let_go(lease_key)
+                return "lost"
+            self._budget.spend_renewal()
+            asked_before = held.handoff_since is not None
             try:
-                fresh = self.table.renew(held.lease)
-            except LeaseLostError:
-                self._count_renew_failure()
-                self._drop(lease_key, "renewal found it changed (taken by another worker)")
-                return True
+                fresh = self._fenced(held, self.table.renew, "renewal")
             except _TABLE_ERRORS as exc:
                 self._count_renew_failure()
-                silent_for = self._clock() - held.renewed_at
-                if silent_for > self.failover_time_s:
-                    self._drop(lease_key, f"not renewed for {silent_for:.1f}s ({exc!r})")
-                    return True
+                held.renew_due = now + self.renewer_interval_s / 4
                 log.warning("worker %s: renewing %s failed: %r", self.worker_id, lease_key, exc)
-                return False
-            self._install(fresh, sent_at)
+                return "kept" if asked_before or held.handoff_since is None else "handoff"
+            if fresh is None:
+                self._count_renew_failure()
+                return "lost"
+            self._install(fresh, now, held.handoff_since)
         if self._metrics is not None:
             self._metrics.lease_renewals.inc()
-        return False
+        return "ok" if asked_before or held.handoff_since is None else "handoff"
 
     def _count_renew_failure(self) -> None:
         if self._metrics is not None:
@@ -297,12 +504,15 @@ class LeaseCoordinator:
     # -- taker ---------------------------------------------------------------------------
 
     def run_taker_once(self) -> list[Lease]:
-        """One taker cycle: scan, decide, take. Returns the leases newly taken (copies)."""
+        """One taker cycle: scan, decide, take, finish handoffs, clean up. Returns the
+        leases newly taken (copies)."""
         with self._taker_lock:
             with self._state:
                 self._taker_cycle += 1
+                self._last_scan_attempt = self._clock()
+            self._budget.spend_scan()
             try:
-                leases = self.table.list_leases()
+                leases = self.table.list_leases(consistent=False)
             except _TABLE_ERRORS as exc:
                 log.warning(
                     "worker %s: lease scan failed, no leases taken: %r", self.worker_id, exc
@@ -312,24 +522,139 @@ class LeaseCoordinator:
             self._taker.observe(leases, now)
             with self._state:
                 self._last_scan = leases
-                held = set(self._held)
+                self._last_scan_at = now
                 known = self._known_shards
                 cycle = self._taker_cycle
                 self._lost_in_cycle = {
                     key: lost for key, lost in self._lost_in_cycle.items() if cycle - lost <= 1
                 }
                 no_steal = set(self._lost_in_cycle)
+            by_key = {lease.lease_key: lease for lease in leases}
+            taken = [
+                fresh
+                for key in sorted(self.pending_handoffs())
+                if (fresh := self._progress_handoff(key, by_key.get(key), scanned_at=now))
+            ]
+            with self._state:
+                held = set(self._held)
             plan = self._taker.plan(held=held, known_shards=known, no_steal=no_steal, now=now)
-            taken = [fresh for lease in plan.take if (fresh := self._take(lease, stolen=False))]
+            with self._state:
+                self._share = plan.share
+            taken += [fresh for lease in plan.take if (fresh := self._take(lease, stolen=False))]
             taken += [fresh for lease in plan.steal if (fresh := self.steal(lease))]
             if taken:
                 log.info("worker %s took %s", self.worker_id, ", ".join(t.lease_key for t in taken))
+            if self.cleanup_leases:
+                self._clean_up(leases)
             return taken
 
     def steal(self, lease: Lease) -> Lease | None:
-        """Take a lease from a live worker. The seam for a graceful (Java 3.x
-        ``checkpointOwner``) handoff: override to ask the owner instead of taking outright."""
+        """Take a lease from a live worker: with graceful handoff, ask its owner to let go
+        (returns None; the lease arrives when the owner has finished), else take outright."""
+        if not self.graceful_handoff:
+            return self._take(lease, stolen=True)
+        with self._lock_for(lease.lease_key):
+            try:
+                asked = self.table.set_checkpoint_owner(lease, self.worker_id)
+            except LeaseLostError:
+                log.info(
+                    "worker %s: lease %s changed before a handoff could be asked",
+                    self.worker_id,
+                    lease.lease_key,
+                )
+                return None
+            except _TABLE_ERRORS as exc:
+                log.warning(
+                    "worker %s: asking for %s failed: %r", self.worker_id, lease.lease_key, exc
+                )
+                return None
+            with self._state:
+                self._pending[lease.lease_key] = (self._clock(), asked.lease_counter)
+        log.info(
+            "worker %s asked %s to hand off %s",
+            self.worker_id,
+            lease.lease_owner,
+            lease.lease_key,
+        )
+        return None
+
+    def poll_handoffs(self) -> list[Lease]:
+        """Between scans, read each pending handoff's lease and finish the ones whose owner
+        let go. Returns the leases adopted."""
+        adopted = []
+        for key in self.pending_handoffs():
+            try:
+                lease = self.table.get(key)
+            except _TABLE_ERRORS as exc:
+                log.warning("worker %s: reading %s failed: %r", self.worker_id, key, exc)
+                continue
+            now = self._clock()
+            if lease is not None:
+                with self._state:
+                    self._taker.observe_one(lease, now)
+            fresh = self._progress_handoff(key, lease, scanned_at=now if lease else None)
+            if fresh is not None:
+                adopted.append(fresh)
+        return adopted
+
+    def _progress_handoff(
+        self, key: str, lease: Lease | None, *, scanned_at: float | None
+    ) -> Lease | None:
+        """Move one pending handoff on, given the lease as just read (``scanned_at`` when it
+        came from a scan, so the taker's expiry view applies)."""
+        with self._state:
+            pending = self._pending.get(key)
+        if pending is None:
+            return None
+        asked_at, asked_at_counter = pending
+        expired = (
+            scanned_at is not None
+            and lease is not None
+            and self._taker.is_expired(lease, scanned_at)
+        )
+        waited = self._clock() - asked_at
+        step = handoff.next_step(
+            lease,
+            self.worker_id,
+            asked_at_counter=asked_at_counter,
+            expired=expired,
+            overdue=waited > self.graceful_handoff_timeout_s + self.failover_time_s,
+        )
+        if step is handoff.Step.WAIT:
+            return None
+        if step is handoff.Step.FORGET:
+            with self._state:
+                self._pending.pop(key, None)
+            return None
+        assert lease is not None
+        if step is handoff.Step.ADOPT:
+            return self._adopt(lease)
+        log.warning(
+            "worker %s: %s did not hand off %s; taking it",
+            self.worker_id,
+            lease.checkpoint_owner,
+            key,
+        )
         return self._take(lease, stolen=True)
+
+    def _adopt(self, lease: Lease) -> Lease | None:
+        with self._lock_for(lease.lease_key):
+            sent_at = self._clock()
+            try:
+                fresh = self.table.adopt(lease)
+            except LeaseLostError:
+                return None
+            except _TABLE_ERRORS as exc:
+                log.warning(
+                    "worker %s: adopting %s failed: %r", self.worker_id, lease.lease_key, exc
+                )
+                return None
+            fresh.concurrency_token = uuid.uuid4().hex
+            self._install(fresh, sent_at)
+        if self._metrics is not None:
+            self._metrics.leases_stolen.inc()
+        log.info("worker %s: handoff of %s complete", self.worker_id, lease.lease_key)
+        return fresh.copy()
 
     def _take(self, lease: Lease, *, stolen: bool) -> Lease | None:
         with self._lock_for(lease.lease_key):
@@ -352,14 +677,33 @@ class LeaseCoordinator:
             (self._metrics.leases_stolen if stolen else self._metrics.leases_taken).inc()
         return fresh.copy()
 
+    def _clean_up(self, leases: list[Lease]) -> None:
+        """Delete the finished leases ``cleanup.py`` says this worker should delete."""
+        for lease in cleanup.deletable(leases, self.worker_id):
+            try:
+                deleted = self.table.delete(lease)
+            except _TABLE_ERRORS as exc:
+                log.warning(
+                    "worker %s: deleting %s failed: %r", self.worker_id, lease.lease_key, exc
+                )
+                continue
+            if deleted:
+                log.info(
+                    "worker %s deleted the lease of finished shard %s",
+                    self.worker_id,
+                    lease.lease_key,
+                )
+
     # -- checkpoints (CheckpointWriter) --------------------------------------------------
 
     def update_checkpoint(
         self, shard_id: str, concurrency_token: str, checkpoint: str, sub_sequence_number: int
     ) -> None:
-        """Write a checkpoint, fenced twice: locally by the concurrency token of the tenure
-        the checkpointer belongs to, and in DynamoDB by counter and owner."""
-        lost = False
+        """Write a checkpoint, fenced three ways: locally by the concurrency token of the
+        tenure the checkpointer belongs to and by the time since the lease was last
+        written, and in DynamoDB by counter and holder."""
+        lost = asked = False
+        failure: CheckpointError | None = None
         with self._lock_for(shard_id):
             with self._state:
                 held = self._held.get(shard_id)
@@ -368,19 +712,37 @@ class LeaseCoordinator:
                     f"shard {shard_id}: lease not held by this checkpointer's tenure"
                 )
             sent_at = self._clock()
-            try:
-                fresh = self.table.update_checkpoint(held.lease, checkpoint, sub_sequence_number)
-            except LeaseLostError:
-                self._drop(shard_id, "checkpoint found it changed (taken by another worker)")
+            asked_before = held.handoff_since is not None
+            if sent_at - held.renewed_at > self.failover_time_s:
+                self._drop(shard_id, "not renewed for longer than the failover time")
                 lost = True
-            except LeaseTableThrottled as exc:
-                raise ThrottlingException(f"shard {shard_id}: {exc}") from exc
-            except (ClientError, BotoCoreError) as exc:
-                raise KinesisClientLibDependencyException(
-                    f"shard {shard_id}: checkpoint write failed: {exc}"
-                ) from exc
             else:
-                self._install(fresh, sent_at)
+                try:
+                    fresh = self._fenced(
+                        held,
+                        lambda lease: self.table.update_checkpoint(
+                            lease, checkpoint, sub_sequence_number
+                        ),
+                        "checkpoint",
+                    )
+                except LeaseTableThrottled as exc:
+                    failure = ThrottlingException(f"shard {shard_id}: {exc}")
+                    failure.__cause__ = exc
+                except (ClientError, BotoCoreError) as exc:
+                    failure = KinesisClientLibDependencyException(
+                        f"shard {shard_id}: checkpoint write failed: {exc}"
+                    )
+                    failure.__cause__ = exc
+                else:
+                    if fresh is None:
+                        lost = True
+                    else:
+                        self._install(fresh, sent_at, held.handoff_since)
+            asked = not lost and not asked_before and held.handoff_since is not None
+        if asked:
+            self._notify_handoff(shard_id)
+        if failure is not None:
+            raise failure
         if lost:
             self._notify_lost(shard_id)
             raise ShutdownException(f"shard {shard_id}: lease was taken by another worker")
@@ -388,28 +750,64 @@ class LeaseCoordinator:
     # -- release ---------------------------------------------------------------------------
 
     def release(self, shard_id: str) -> None:
-        """Give a held lease back (no owner) so any worker may take it at once. Listeners are
-        not called: the caller chose this. Failures are logged; the lease then simply
-        expires."""
+        """Give a held lease back so it can move at once: unowned, or - during a handoff - to
+        the worker that asked for it. Listeners are not called: the caller chose this.
+        Failures are logged; the lease then simply expires."""
         with self._lock_for(shard_id):
-            with self._state:
-                held = self._held.pop(shard_id, None)
-                held_count = len(self._held)
-            if held is None:
-                return
-            if self._metrics is not None:
-                self._metrics.leases_held.set(held_count)
+            self._let_go(shard_id)
+
+    def _let_go(self, shard_id: str) -> None:
+        """``release`` with the lease's lock held."""
+        with self._state:
+            held = self._held.pop(shard_id, None)
+            held_count = len(self._held)
+            if held is not None and held.handoff_since is not None:
+                self._lost_in_cycle[shard_id] = self._taker_cycle
+        if held is None:
+            return
+        if self._metrics is not None:
+            self._metrics.leases_held.set(held_count)
+        try:
+            self._evict(held.lease)
+        except LeaseLostError:
+            log.info("worker %s: lease %s was already taken", self.worker_id, shard_id)
+        except _TABLE_ERRORS as exc:
+            log.warning(
+                "worker %s: releasing %s failed, it will expire instead: %r",
+                self.worker_id,
+                shard_id,
+                exc,
+            )
+
+    def _evict(self, lease: Lease) -> None:
+        """Evict a lease; one asked for since our last write goes to the worker that asked,
+        rather than to nobody (that worker would otherwise wait for it to expire)."""
+        try:
+            self.table.evict(lease)
+        except LeaseChanged as exc:
+            current = exc.current if exc.current is not None else self._read(lease.lease_key)
+            if not handoff.is_request_to_hand_off(lease, current, self.worker_id):
+                raise
+            assert current is not None
+            self.table.evict(handoff.as_handing_off(lease, current, self.worker_id))
+
+    def _give_up_pending(self) -> None:
+        """For a stopping worker: a lease handed to it and already let go is released, so
+        nobody waits for it to expire. One its previous owner still holds is left alone: it
+        expires once that owner lets go, a failover time later."""
+        for key in self.pending_handoffs():
             try:
-                self.table.evict(held.lease)
-            except LeaseLostError:
-                log.info("worker %s: lease %s was already taken", self.worker_id, shard_id)
-            except _TABLE_ERRORS as exc:
-                log.warning(
-                    "worker %s: releasing %s failed, it will expire instead: %r",
-                    self.worker_id,
-                    shard_id,
-                    exc,
-                )
+                lease = self.table.get(key)
+                if (
+                    lease is not None
+                    and lease.lease_owner == self.worker_id
+                    and lease.checkpoint_owner is None
+                ):
+                    self.table.evict(lease)
+            except (LeaseLostError, *_TABLE_ERRORS) as exc:
+                log.info("worker %s: leaving %s to expire: %r", self.worker_id, key, exc)
+        with self._state:
+            self._pending.clear()
 
     def release_all(self) -> None:
         with self._state:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from botocore.exceptions import ClientError
 
-from kclpy.errors import ConfigError
+from kclpy.errors import ConfigError, LeaseLostError
 from kclpy.leases.lease import AT_TIMESTAMP, LATEST, TRIM_HORIZON, Lease
 from kclpy.leases.table import LeaseTable, error_code
 from kclpy.metrics import Metrics
@@ -249,11 +249,19 @@ class ShardSyncer:
             shards.extend(Shard.from_response(s) for s in response.get("Shards", []))
         return shards
 
-    def sync(self) -> list[Lease]:
-        """Create the leases that are missing; returns those this call created."""
+    def sync(self, existing: Collection[str] | None = None) -> list[Lease]:
+        """Create the leases that are missing; returns those this call created.
+
+        ``existing`` are the lease keys of a recent scan (the lease taker's), which saves
+        scanning the table again. A slightly stale view is safe: it can only lack leases
+        created since (their creation is then tried and refused, creation being conditional),
+        and a lease deleted since was finished, so it has descendants with leases and is
+        never created again.
+        """
         shards = self.list_shards()
         self._known = frozenset(shard.shard_id for shard in shards)
-        existing = {lease.lease_key for lease in self._table.list_leases()}
+        if existing is None:
+            existing = {lease.lease_key for lease in self._table.list_leases()}
         created = [
             lease
             for lease in plan_new_leases(shards, existing, self.initial_position)
@@ -268,8 +276,11 @@ class ShardSyncer:
 
     def create_child_leases(self, children: Iterable[ChildShardLike]) -> None:
         """Leases for the children GetRecords reported at a parent's shard end, at
-        TRIM_HORIZON with their parents recorded (as Java does). Idempotent: a lease that
-        exists is left as it is, whoever created it."""
+        TRIM_HORIZON with their parents recorded, and the children recorded in each parent's
+        ``childShardIds`` (as Java does; lease cleanup then knows every child before it
+        judges a parent finished). Idempotent: a lease that exists is left as it is,
+        whoever created it."""
+        children = list(children)
         for child in children:
             if not child.parent_shards:
                 raise ValueError(f"child shard {child.shard_id} names no parent shard")
@@ -287,3 +298,14 @@ class ShardSyncer:
                     ", ".join(sorted(child.parent_shards)),
                 )
             self._known = self._known | {child.shard_id}
+        by_parent: dict[str, set[str]] = {}
+        for child in children:
+            for parent in child.parent_shards:
+                by_parent.setdefault(parent, set()).add(child.shard_id)
+        for parent, ids in sorted(by_parent.items()):
+            try:
+                self._table.update_child_shard_ids(parent, ids)
+            except LeaseLostError:
+                # The parent has no lease (a LATEST application never leased it, or it was
+                # cleaned up already): nothing to record.
+                log.debug("no lease for parent %s; its children are not recorded", parent)

@@ -46,6 +46,16 @@ class LeaseTableThrottled(KCLError):
     """DynamoDB throttled a lease-table request on every attempt."""
 
 
+class LeaseChanged(LeaseLostError):
+    """A fenced write found the lease changed. ``current`` is the lease as DynamoDB holds it
+    now, when the request asked for it and the endpoint returned it (None otherwise): a
+    failed renewal must tell "taken by another worker" from "asked to hand it off"."""
+
+    def __init__(self, message: str, current: Lease | None) -> None:
+        super().__init__(message)
+        self.current = current
+
+
 def error_code(exc: ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
 
@@ -101,7 +111,12 @@ class LeaseTable:
                 ceiling = min(self._backoff_cap_s, self._backoff_base_s * 2 ** (attempt - 1))
                 self._sleep(self._rng.uniform(0, ceiling))
 
-    def _update(self, lease_key: str, update: UpdateBuilder, token: str | None) -> Lease:
+    def _update(
+        self, lease_key: str, update: UpdateBuilder, token: str | None, *, report: bool = False
+    ) -> Lease:
+        """One fenced UpdateItem. With ``report``, a failed condition returns the item as it
+        is (``ReturnValuesOnConditionCheckFailure``) in the raised ``LeaseChanged``."""
+        extra: dict[str, Any] = {"ReturnValuesOnConditionCheckFailure": "ALL_OLD"} if report else {}
         try:
             response = self._call(
                 "UpdateItem",
@@ -110,10 +125,14 @@ class LeaseTable:
                 Key=key_of(lease_key),
                 ReturnValues="ALL_NEW",
                 **update.request(),
+                **extra,
             )
         except ClientError as exc:
             if error_code(exc) == _CONDITION_FAILED:
-                raise LeaseLostError(f"lease {lease_key} changed in {self.table_name}") from exc
+                current = _lease_or_none(exc.response.get("Item"))
+                raise LeaseChanged(
+                    f"lease {lease_key} changed in {self.table_name}", current
+                ) from exc
             raise
         fresh = ser.lease_from_item(response["Attributes"])
         fresh.concurrency_token = token
@@ -171,10 +190,14 @@ class LeaseTable:
 
     # -- reads ---------------------------------------------------------------------------
 
-    def list_leases(self) -> list[Lease]:
-        """Every lease, strongly consistent; items that are not leases are skipped, not fatal."""
+    def list_leases(self, *, consistent: bool = True) -> list[Lease]:
+        """Every lease; items that are not leases are skipped, not fatal.
+
+        ``consistent=False`` halves the read capacity, as Java's taker scans: fine wherever
+        every decision taken on the result is a fenced write, since a stale item can only
+        make such a write fail."""
         leases: list[Lease] = []
-        request: dict[str, Any] = {"TableName": self.table_name, "ConsistentRead": True}
+        request: dict[str, Any] = {"TableName": self.table_name, "ConsistentRead": consistent}
         while True:
             page = self._call("Scan", self.client.scan, **request)
             for item in page.get("Items", []):
@@ -236,24 +259,43 @@ class LeaseTable:
         return self._update(lease.lease_key, update, lease.concurrency_token)
 
     def renew(self, lease: Lease) -> Lease:
-        """Bump the counter, proving to every other worker that the owner is alive."""
-        update = (
-            UpdateBuilder()
-            .set(ser.LEASE_COUNTER, n(lease.lease_counter + 1))
-            .expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter))
-            .expect_owner(lease.lease_owner)
-        )
-        return self._update(lease.lease_key, update, lease.concurrency_token)
+        """Bump the counter, proving to every other worker that the holder is alive.
+
+        Fenced on the counter and on the holder (see ``_expect_holder``); a failure raises
+        ``LeaseChanged`` with the current item, so the caller can recognise a handoff request.
+        """
+        update = UpdateBuilder().set(ser.LEASE_COUNTER, n(lease.lease_counter + 1))
+        _expect_holder(update.expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter)), lease)
+        return self._update(lease.lease_key, update, lease.concurrency_token, report=True)
 
     def evict(self, lease: Lease) -> Lease:
-        """Release: remove the owner so any worker may take the lease at once."""
+        """Release the lease so that it can move at once.
+
+        Normally the owner is removed and any worker may take the lease. During a handoff
+        (``checkpoint_owner`` set) only ``checkpointOwner`` is removed, as Java 3.x does: that
+        completes the handoff and ``leaseOwner`` already names the worker that takes over.
+        """
+        update = UpdateBuilder().set(ser.LEASE_COUNTER, n(lease.lease_counter + 1))
+        if lease.checkpoint_owner is None:
+            update.remove(ser.LEASE_OWNER)
+        update.remove(ser.CHECKPOINT_OWNER)
+        _expect_holder(update.expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter)), lease)
+        return self._update(lease.lease_key, update, lease.concurrency_token, report=True)
+
+    def adopt(self, lease: Lease) -> Lease:
+        """Finish receiving a handed-off lease: ``lease_owner`` (the caller) already names the
+        new owner and the previous owner has cleared ``checkpointOwner``. Bumping the counter
+        starts the new tenure; it fails if the previous owner has not let go yet or anything
+        else changed since ``lease`` was read."""
+        if lease.lease_owner is None:
+            raise ValueError(f"lease {lease.lease_key} has no owner to adopt it")
         update = (
             UpdateBuilder()
             .set(ser.LEASE_COUNTER, n(lease.lease_counter + 1))
-            .remove(ser.LEASE_OWNER)
-            .remove(ser.CHECKPOINT_OWNER)
+            .add(ser.OWNER_SWITCHES_SINCE_CHECKPOINT, n(1))
             .expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter))
             .expect_owner(lease.lease_owner)
+            .expect_absent(ser.CHECKPOINT_OWNER)
         )
         return self._update(lease.lease_key, update, lease.concurrency_token)
 
@@ -270,9 +312,9 @@ class LeaseTable:
             .remove(ser.PENDING_CHECKPOINT_SUB_SEQUENCE_NUMBER)
             .remove(ser.PENDING_CHECKPOINT_STATE)
             .expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter))
-            .expect_owner(lease.lease_owner)
         )
-        return self._update(lease.lease_key, update, lease.concurrency_token)
+        _expect_holder(update, lease)
+        return self._update(lease.lease_key, update, lease.concurrency_token, report=True)
 
     def set_checkpoint_owner(self, lease: Lease, new_owner: str) -> Lease:
         """Start a Java KCL 3.x graceful handoff of ``lease`` to ``new_owner``.
@@ -321,3 +363,22 @@ class LeaseTable:
                 return False
             raise
         return True
+
+
+def _lease_or_none(item: object) -> Lease | None:
+    """The lease in a ``ReturnValuesOnConditionCheckFailure`` item, if there is a valid one."""
+    if not isinstance(item, dict) or not item:
+        return None
+    try:
+        return ser.lease_from_item(item)
+    except ValueError:
+        return None
+
+
+def _expect_holder(update: UpdateBuilder, lease: Lease) -> None:
+    """Fence a write on whoever holds the lease: its owner, or during a handoff the previous
+    owner named by ``checkpointOwner`` (``leaseOwner`` then already names the next owner)."""
+    if lease.checkpoint_owner is not None:
+        update.expect_equal(ser.CHECKPOINT_OWNER, s(lease.checkpoint_owner))
+    else:
+        update.expect_owner(lease.lease_owner)

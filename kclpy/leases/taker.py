@@ -33,6 +33,8 @@ Differences from Java, each cheap and deliberate:
 - A lease stolen from this worker is not stolen back in the taker cycle that follows
   (the coordinator passes those keys as ``no_steal``), so a transient view cannot start a
   ping-pong.
+- A lease being handed off (``checkpointOwner`` set) is never a steal candidate: it is
+  already moving, and counts for the worker it moves to.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class TakePlan:
     take: tuple[Lease, ...] = ()
     #: leases of a live, more loaded worker
     steal: tuple[Lease, ...] = ()
+    #: leases per live worker (the fleet's average load, this worker included)
+    share: float = 0.0
 
 
 class LeaseTaker:
@@ -98,6 +102,14 @@ class LeaseTaker:
             del self._seen[key]
         self._leases = fresh
 
+    def observe_one(self, lease: Lease, now: float) -> None:
+        """Record a single read (a handoff poll between scans): it counts towards expiry
+        like a scan does, so a dead owner's lease is not judged on scans alone."""
+        seen = self._seen.get(lease.lease_key)
+        if seen is None or seen[0] != lease.lease_counter:
+            self._seen[lease.lease_key] = (lease.lease_counter, now)
+        self._leases[lease.lease_key] = lease
+
     def unchanged_for(self, lease_key: str, now: float) -> float:
         """How long the lease's counter has stood still, as far as this worker has seen."""
         return now - self._seen[lease_key][1]
@@ -107,6 +119,24 @@ class LeaseTaker:
             lease.lease_owner is None
             or self.unchanged_for(lease.lease_key, now) > self.failover_time_s
         )
+
+    def next_expiry(
+        self, *, held: AbstractSet[str], overdue_after: float, now: float
+    ) -> float | None:
+        """When the first *overdue* lease will expire: one owned by another worker (or left
+        over under this worker's name) whose counter has stood still for longer than
+        ``overdue_after`` but not yet for the failover time. Its owner missed a renewal, so
+        it is probably dead; a scan right at its expiry takes it over without waiting for the
+        regular scan. None when no lease is overdue."""
+        soonest: float | None = None
+        for key, lease in self._leases.items():
+            if lease.lease_owner is None or key in held or lease.is_shard_end:
+                continue
+            still = self.unchanged_for(key, now)
+            if overdue_after < still <= self.failover_time_s:
+                at = self._seen[key][1] + self.failover_time_s
+                soonest = at if soonest is None else min(soonest, at)
+        return soonest
 
     def plan(
         self,
@@ -142,6 +172,7 @@ class LeaseTaker:
             else:
                 counts[owner] += 1
         workers = len(counts) + 1
+        share = len(eligible) / workers
         target = 1 if workers >= len(eligible) else math.ceil(len(eligible) / workers)
         limit = self.max_leases_for_worker
         if limit is not None:
@@ -159,15 +190,15 @@ class LeaseTaker:
         ]
         if very_old:
             room = len(very_old) if limit is None else max(0, limit - mine)
-            return TakePlan(take=tuple(very_old[:room]))
+            return TakePlan(take=tuple(very_old[:room]), share=share)
 
         needed = target - mine
         if needed <= 0:
-            return TakePlan()
+            return TakePlan(share=share)
         if available:
-            return TakePlan(take=tuple(available[:needed]))
+            return TakePlan(take=tuple(available[:needed]), share=share)
         steals = self._choose_steals(eligible, counts, needed, target, no_steal)
-        return TakePlan(steal=tuple(steals))
+        return TakePlan(steal=tuple(steals), share=share)
 
     def _choose_steals(
         self,
@@ -192,7 +223,9 @@ class LeaseTaker:
         candidates = [
             lease
             for lease in eligible
-            if lease.lease_owner == victim and lease.lease_key not in no_steal
+            if lease.lease_owner == victim
+            and lease.checkpoint_owner is None
+            and lease.lease_key not in no_steal
         ]
         self._rng.shuffle(candidates)
         return candidates[:count]

@@ -1,0 +1,61 @@
+"""Which finished leases can be deleted: the Java KCL's ``cleanupLeasesUponShardCompletion``.
+
+A parent's lease must outlive its shard for two reasons: its children wait until it is
+checkpointed at ``SHARD_END`` before they start, and shard sync must see it (or a
+descendant) so that it never creates a lease for an already processed shard. Both needs end
+when every child has made progress. A lease is therefore deleted when:
+
+- it is checkpointed at ``SHARD_END``;
+- it has children - those named in its ``childShardIds`` and every lease naming it as a
+  parent - and each child's lease exists and is checkpointed past its start (at a sequence
+  number or at ``SHARD_END``), as Java checks;
+- none of its own parents still has a lease, so deletion runs from the top of the shard
+  tree down (Java's rule too). A child lease is never deleted before its parent; a missing
+  child lease therefore always means "not created yet", and shard sync, which never
+  leases an ancestor of a leased shard, can never recreate what was deleted.
+
+Nobody holds a finished lease (``taker.py``), so deletion cannot be left to its owner as in
+Java. Every worker evaluates these rules on each scan it makes anyway (no extra reads); the
+worker holding the first (by key) owned child lease deletes, because its progress is what
+made the parent deletable. When no child is owned (every child finished and was released)
+any worker may delete; the delete is conditional on the lease counter, so racing workers
+cost a failed request once in a shard's lifetime, never a wrong deletion.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+from kclpy.leases.lease import AT_TIMESTAMP, LATEST, TRIM_HORIZON, Lease
+
+_NOT_STARTED = frozenset({TRIM_HORIZON, LATEST, AT_TIMESTAMP})
+
+
+def has_progressed(lease: Lease) -> bool:
+    """Checkpointed at a sequence number or at SHARD_END, not at a starting position."""
+    return lease.checkpoint not in _NOT_STARTED
+
+
+def deletable(leases: Iterable[Lease], worker_id: str) -> list[Lease]:
+    """The finished leases this worker should delete now, by the rules above."""
+    by_key = {lease.lease_key: lease for lease in leases}
+    children: defaultdict[str, set[str]] = defaultdict(set)
+    for lease in by_key.values():
+        children[lease.lease_key].update(lease.child_shard_ids)
+        for parent in lease.parent_shard_ids:
+            children[parent].add(lease.lease_key)
+    result = []
+    for key, lease in sorted(by_key.items()):
+        kids = children[key]
+        if not lease.is_shard_end or not kids:
+            continue
+        if any(parent in by_key for parent in lease.parent_shard_ids):
+            continue
+        if not all(kid in by_key and has_progressed(by_key[kid]) for kid in kids):
+            continue
+        owners = [by_key[kid].lease_owner for kid in sorted(kids) if by_key[kid].lease_owner]
+        if owners and owners[0] != worker_id:
+            continue
+        result.append(lease)
+    return result

@@ -1,0 +1,214 @@
+"""``kclpy-worker --processes N``: N worker processes on one host, one command.
+
+A worker is one Python process, so it uses one core for the processor's work; the lease
+protocol already spreads shards over every worker of an application, so using N cores is a
+matter of starting N workers that share the lease table. The supervisor does only that:
+
+- it starts ``python -m kclpy <the same arguments>`` N times, each with its own worker id
+  (``<worker id>-<i>``: the configured id, or the generated default, plus the index), so
+  their leases never look like one worker's;
+- SIGTERM and SIGINT are forwarded to every child; each shuts down gracefully (processors
+  get ``shutdown_requested``, leases are released) and the supervisor waits for all;
+- a child that dies while the group is running (a crash, an OOM kill, ``kill -9``) is
+  restarted with capped exponential backoff. Its leases are taken over by its siblings
+  after the failover time as with any dead worker, and balanced back once it returns, so
+  a restart costs no more than the crash did. Stopping the whole group instead would turn
+  one bad process into a full outage. A child that exits 0 on its own (e.g.
+  ``--stop-when-caught-up``) or 2 (bad configuration: it would fail again) is not restarted.
+
+Exit code: 0 when every child's last run exited 0, else 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import FrameType
+
+log = logging.getLogger(__name__)
+
+#: how a child is started: (argv for ``python -m kclpy``) -> the running process
+Spawn = Callable[[list[str]], "subprocess.Popen[bytes]"]
+
+#: a child that ran at least this long before dying starts again without delay
+_STABLE_AFTER_S = 60.0
+_CONFIG_ERROR = 2
+
+
+def _spawn_worker(argv: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "kclpy", *argv])
+
+
+def strip_processes(argv: Sequence[str]) -> list[str]:
+    """``argv`` without ``--processes N`` / ``--processes=N`` (the children are workers)."""
+    result: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--processes":
+            skip = True
+        elif not arg.startswith("--processes="):
+            result.append(arg)
+    return result
+
+
+@dataclass
+class _Child:
+    index: int
+    argv: list[str]
+    process: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    #: when a crashed child starts again (None: not waiting to restart)
+    restart_at: float | None = None
+    restarts: int = 0
+    last_code: int | None = None
+    #: set once the child is done for good: the exit code of its last run
+    final: int | None = None
+
+
+class Supervisor:
+    """Runs N children until they have all exited; see the module docstring.
+
+    Only the thread in ``run`` touches the children; ``stop`` (from a signal handler or
+    any thread) just records the signal and wakes it, so a signal arriving while ``run``
+    is busy can never deadlock it.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        n: int,
+        *,
+        worker_id: str,
+        spawn: Spawn = _spawn_worker,
+        clock: Callable[[], float] = time.monotonic,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        poll_s: float = 0.2,
+    ) -> None:
+        if n < 1:
+            raise ValueError("n must be at least 1")
+        base = strip_processes(argv)
+        self.children = [_Child(i, [*base, "--worker-id", f"{worker_id}-{i}"]) for i in range(n)]
+        self._spawn = spawn
+        self._clock = clock
+        self._backoff_s = backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._poll_s = poll_s
+        self._stopping = threading.Event()
+        self._wake = threading.Event()
+        self._pending_signal: int | None = None
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Forward ``signum`` to every running child and stop restarting them."""
+        self._pending_signal = signum
+        self._stopping.set()
+        self._wake.set()
+
+    def run(self) -> int:
+        for child in self.children:
+            self._start(child)
+        while True:
+            self._forward_signal()
+            self._reap()
+            if all(child.final is not None for child in self.children):
+                break
+            self._restart_due()
+            self._wake.wait(self._poll_s)
+            self._wake.clear()
+        codes = [child.final for child in self.children]
+        log.info("all %d worker processes exited: %s", len(codes), codes)
+        return 0 if all(code == 0 for code in codes) else 1
+
+    def _forward_signal(self) -> None:
+        signum, self._pending_signal = self._pending_signal, None
+        if signum is None:
+            return
+        for child in self.children:
+            if child.process is not None and child.process.poll() is None:
+                child.process.send_signal(signum)
+
+    def _start(self, child: _Child) -> None:
+        child.process = self._spawn(child.argv)
+        child.started_at = self._clock()
+        child.restart_at = None
+        log.info("worker process %d started (pid %d)", child.index, child.process.pid)
+
+    def _reap(self) -> None:
+        for child in self.children:
+            process = child.process
+            if process is None or child.final is not None:
+                continue
+            code = process.poll()
+            if code is None:
+                continue
+            child.process = None
+            child.last_code = code
+            if self._stopping.is_set() or code in (0, _CONFIG_ERROR):
+                child.final = code
+                continue
+            ran_for = self._clock() - child.started_at
+            if ran_for >= _STABLE_AFTER_S:
+                child.restarts = 0
+            delay = min(self._max_backoff_s, self._backoff_s * 2**child.restarts)
+            child.restarts += 1
+            child.restart_at = self._clock() + delay
+            log.error(
+                "worker process %d (pid %d) died with %d after %.1fs; restarting in %.1fs",
+                child.index,
+                process.pid,
+                code,
+                ran_for,
+                delay,
+            )
+
+    def _restart_due(self) -> None:
+        for child in self.children:
+            if child.restart_at is None:
+                continue
+            if self._stopping.is_set():
+                child.final = child.last_code
+                child.restart_at = None
+            elif self._clock() >= child.restart_at:
+                self._start(child)
+
+    @contextmanager
+    def forwarding_signals(self) -> Iterator[None]:
+        """While inside, SIGTERM and SIGINT go to every child (main thread only)."""
+
+        def handle(signum: int, frame: FrameType | None) -> None:
+            self.stop(signum)
+
+        previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+
+def run_processes(argv: list[str], n: int) -> int:
+    """What ``kclpy-worker --processes N`` runs: N workers with ``argv`` (``--processes``
+    removed), signals forwarded, restarted when they die. Returns the exit code: 0 when every
+    worker's last run exited 0, 1 otherwise, 2 for a bad configuration (checked once here,
+    before any process starts)."""
+    from kclpy.cli import parse_worker_args
+    from kclpy.errors import ConfigError
+
+    child_argv = strip_processes(argv)
+    try:
+        config, _ = parse_worker_args(child_argv)
+    except ConfigError as exc:
+        print(f"kclpy-worker: error: {exc}", file=sys.stderr)
+        return _CONFIG_ERROR
+    supervisor = Supervisor(child_argv, n, worker_id=config.worker_id)
+    with supervisor.forwarding_signals():
+        return supervisor.run()

@@ -1,0 +1,350 @@
+"""Many workers as separate OS processes over real HTTP (kinesis-mock, moto's server).
+
+Each test starts ``kclpy-worker`` processes with ``tests.support.fleet:FleetProcessor`` and
+reads what they did from the shared ledger file and from the lease table: balancing,
+failover after ``kill -9`` and after SIGTERM, a zombie that was stopped past the failover
+time, a split while two workers run, and ``--processes N``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from kclpy.checkpoint import position_of
+from kclpy.local import LocalEndpoint
+from tests.support.fleet import (
+    ROOT,
+    Fleet,
+    FleetLedger,
+    LeaseSampler,
+    Producer,
+    fleet,
+    start_serial_moto_server,
+)
+from tests.support.streams import (
+    create_stream,
+    kinesis_client,
+    put_plain,
+    unique_name,
+    wait_for,
+    wait_for_stream_active,
+)
+
+if TYPE_CHECKING:
+    from mypy_boto3_kinesis import KinesisClient
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def dynamodb(aws_test_environment: None) -> Iterator[LocalEndpoint]:
+    """The fleet's DynamoDB: moto answering one request at a time, so that conditional
+    writes are atomic as in DynamoDB (``start_serial_moto_server`` says why)."""
+    with start_serial_moto_server() as endpoint:
+        yield endpoint
+
+
+def start_fleet(
+    kinesis_mock: LocalEndpoint, dynamodb: LocalEndpoint, tmp_path: Path, shards: int
+) -> tuple[KinesisClient, str, AbstractContextManager[Fleet]]:
+    """A new stream of ``shards`` shards, and a fleet (not started) for a new application."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("fleet")
+    create_stream(kinesis, stream, shards)
+    group = fleet(kinesis_mock.url, dynamodb.url, stream, unique_name("app"), tmp_path)
+    return kinesis, stream, group
+
+
+def held_by(group: Fleet, worker: str) -> set[str]:
+    return {key for key, owner in group.owners().items() if owner == worker}
+
+
+def all_processed(ledger: FleetLedger, payloads: list[str]) -> bool:
+    return ledger.processed_all(set(payloads))
+
+
+def test_three_workers_started_apart_end_balanced_without_ping_pong(
+    kinesis_mock: LocalEndpoint, dynamodb: LocalEndpoint, tmp_path: Path
+) -> None:
+    kinesis, stream, group_cm = start_fleet(kinesis_mock, dynamodb, tmp_path, 8)
+    with group_cm as group, Producer(kinesis, stream, "bal") as producer:
+        group.start("w1")
+        wait_for(lambda: len(held_by(group, "w1")) == 8, 30, "w1 holds every lease")
+        group.start("w2")
+        wait_for(lambda: held_by(group, "w2"), 30, "w2 holds a lease")
+        group.start("w3")
+        counts = wait_for(lambda: group.settled({"w1", "w2", "w3"}), 45, "a balanced fleet")
+        assert sorted(counts.values()) == [2, 3, 3]
+        owners = group.owners()
+        initialized = len(group.ledger.events("initialize"))
+        # Long enough for every worker to make several taker cycles at this failover time.
+        sent = producer.stop()
+        wait_for(lambda: all_processed(group.ledger, sent), 45, "every record processed")
+        more = [f"bal-late-{n}" for n in range(64)]
+        put_plain(kinesis, stream, [p.encode() for p in more])
+        wait_for(lambda: all_processed(group.ledger, more), 30, "late records processed")
+        assert group.owners() == owners, "a lease moved after the fleet was balanced"
+        assert len(group.ledger.events("initialize")) == initialized
+    payloads = group.ledger.payloads()
+    assert set(payloads) == set(sent) | set(more)
+    assert max(payloads.values()) == 1, "rebalancing by graceful handoff duplicates nothing"
+
+
+def resume_checkpoints(ledger: FleetLedger, after_line: int, pid: int) -> dict[str, str]:
+    """Shard -> the checkpoint a worker other than ``pid`` resumed from, for the shards
+    (re)initialized after ledger line ``after_line``."""
+    result: dict[str, str] = {}
+    for line in ledger.lines()[after_line:]:
+        if line.get("event") == "initialize" and line["pid"] != pid:
+            result.setdefault(line["shard"], line["checkpoint"])
+    return result
+
+
+def test_kill_9_survivors_resume_and_only_the_killed_workers_tail_is_repeated(
+    kinesis_mock: LocalEndpoint, dynamodb: LocalEndpoint, tmp_path: Path
+) -> None:
+    kinesis, stream, group_cm = start_fleet(kinesis_mock, dynamodb, tmp_path, 8)
+    with group_cm as group, Producer(kinesis, stream, "k9") as producer:
+        workers = {name: group.start(name) for name in ("w1", "w2", "w3")}
+        wait_for(lambda: group.settled(set(workers)), 60, "a balanced fleet")
+        victim = workers["w1"]
+        orphaned = held_by(group, "w1")
+        wait_for(
+            lambda: (
+                {r["shard"] for r in group.ledger.records() if r["pid"] == victim.pid} >= orphaned
+            ),
+            30,
+            "the victim processing every shard it holds",
+        )
+        killed_at = len(group.ledger.lines())
+        victim.signal(signal.SIGKILL)
+        victim.process.wait(10)
+
+        def resumed() -> bool:
+            later = group.ledger.lines()[killed_at:]
+            shards = {r["shard"] for r in later if "data" in r and r["pid"] != victim.pid}
+            return orphaned <= shards
+
+        wait_for(resumed, 30, "every orphaned shard processing on a survivor")
+        sent = producer.stop()
+        wait_for(lambda: all_processed(group.ledger, sent), 45, "every record processed")
+    ledger = group.ledger
+    resumed_from = resume_checkpoints(ledger, killed_at, victim.pid)
+    assert set(resumed_from) >= orphaned
+    by_payload: defaultdict[str, list[dict[str, Any]]] = defaultdict(list)
+    for record in ledger.records():
+        by_payload[record["data"]].append(record)
+    assert set(by_payload) == set(sent), "every record processed at least once"
+    for payload, seen in by_payload.items():
+        if len(seen) == 1:
+            continue
+        assert len(seen) == 2, f"{payload} processed {len(seen)} times"
+        first, second = seen
+        assert first["pid"] == victim.pid and second["pid"] != victim.pid, payload
+        shard = first["shard"]
+        assert shard in orphaned
+        after = position_of(resumed_from[shard], 0)
+        assert (int(first["seq"]), first["sub"]) > after, (
+            f"{payload} was checkpointed by the killed worker, yet processed again"
+        )
+
+
+def test_sigterm_hands_over_within_the_fleet_with_zero_duplicates(
+    kinesis_mock: LocalEndpoint, dynamodb: LocalEndpoint, tmp_path: Path
+) -> None:
+    kinesis, stream, group_cm = start_fleet(kinesis_mock, dynamodb, tmp_path, 8)
+    with group_cm as group, Producer(kinesis, stream, "term") as producer:
+        workers = {name: group.start(name) for name in ("w1", "w2", "w3")}
+        wait_for(lambda: group.settled(set(workers)), 60, "a balanced fleet")
+        leaving = workers["w2"]
+        orphaned = held_by(group, "w2")
+        left_at = len(group.ledger.lines())
+        leaving.signal(signal.SIGTERM)
+        assert leaving.process.wait(30) == 0
+
+        def resumed() -> bool:
+            later = group.ledger.lines()[left_at:]
+            shards = {r["shard"] for r in later if "data" in r and r["pid"] != leaving.pid}
+            return orphaned <= shards
+
+        wait_for(resumed, 30, "every released shard processing on a survivor")
+        sent = producer.stop()
+        wait_for(lambda: all_processed(group.ledger, sent), 45, "every record processed")
+        assert not held_by(group, "w2")
+    ledger = group.ledger
+    shutdowns = {
+        e["shard"]
+        for e in ledger.lines()[left_at:]
+        if e.get("event") == "shutdown_requested" and e["pid"] == leaving.pid
+    }
+    assert shutdowns == orphaned
+    payloads = ledger.payloads()
+    assert set(payloads) == set(sent)
+    assert max(payloads.values()) == 1, "a graceful shutdown duplicates nothing"
+
+
+def test_a_zombie_finds_its_leases_gone_and_can_never_checkpoint(
+    kinesis_mock: LocalEndpoint, dynamodb: LocalEndpoint, tmp_path: Path
+) -> None:
+    kinesis, stream, group_cm = start_fleet(kinesis_mock, dynamodb, tmp_path, 4)
+    with (
+        group_cm as group,
+        LeaseSampler(dynamodb.url, group.application) as sampler,
+        Producer(kinesis, stream, "zombie") as producer,
+    ):
+        zombie = group.start("zombie")
+        wait_for(lambda: len(held_by(group, "zombie")) == 4, 30, "the zombie holds every lease")
+        survivor = group.start("survivor")
+        wait_for(lambda: group.settled({"zombie", "survivor"}), 45, "a balanced fleet")
+        held = held_by(group, "zombie")
+        # Freeze the zombie inside process_records, between a batch and its checkpoint.
+        group.hold_path("zombie").touch()
+        wait_for(
+            lambda: any(e["pid"] == zombie.pid for e in group.ledger.events("holding")),
+            30,
+            "the zombie holding a batch",
+        )
+        zombie.signal(signal.SIGSTOP)
+        stopped_at = len(group.ledger.lines())
+        wait_for(lambda: not held_by(group, "zombie"), 30, "the survivor taking every lease")
+        wait_for(
+            lambda: (
+                held
+                <= {
+                    c["shard"]
+                    for c in group.ledger.lines()[stopped_at:]
+                    if c.get("event") == "checkpoint" and c["ok"] and c["pid"] == survivor.pid
+                }
+            ),
+            30,
+            "the survivor checkpointing the zombie's shards",
+        )
+        resumed_at = len(group.ledger.lines())
+        zombie.signal(signal.SIGCONT)
+        group.hold_path("zombie").unlink()
+        wait_for(
+            lambda: (
+                held
+                <= {e["shard"] for e in group.ledger.events("lease_lost") if e["pid"] == zombie.pid}
+            ),
+            30,
+            "lease_lost for every shard the zombie held",
+        )
+        sent = producer.stop()
+        wait_for(lambda: all_processed(group.ledger, sent), 45, "every record processed")
+    after_resume = [
+        line
+        for line in group.ledger.lines()[resumed_at:]
+        if line["pid"] == zombie.pid and line.get("event") == "checkpoint"
+    ]
+    # The shards that were frozen mid-batch tried to checkpoint that batch on resuming.
+    stale = [c for c in after_resume if c["shard"] in held]
+    assert stale, "the zombie attempted no checkpoint after resuming"
+    first_attempts: dict[str, dict[str, Any]] = {}
+    for attempt in stale:
+        first_attempts.setdefault(attempt["shard"], attempt)
+    assert all(not a["ok"] and a["error"] == "ShutdownException" for a in first_attempts.values())
+    assert sampler.samples > 10
+    assert sampler.backwards == [], "a checkpoint moved backwards"
+    assert set(group.ledger.payloads()) == set(sent)
+
+
+def test_a_split_while_two_workers_run_keeps_order_and_cleans_up_the_parent(
+    kinesis_mock: LocalEndpoint, dynamodb: LocalEndpoint, tmp_path: Path
+) -> None:
+    kinesis, stream, group_cm = start_fleet(kinesis_mock, dynamodb, tmp_path, 2)
+    with group_cm as group, Producer(kinesis, stream, "split") as producer:
+        for name in ("w1", "w2"):
+            group.start(name)
+        wait_for(lambda: group.balanced_among({"w1", "w2"}), 45, "both workers holding")
+        parent = kinesis.list_shards(StreamName=stream)["Shards"][0]
+        low, high = (int(parent["HashKeyRange"][k]) for k in ("StartingHashKey", "EndingHashKey"))
+        kinesis.split_shard(
+            StreamName=stream,
+            ShardToSplit=parent["ShardId"],
+            NewStartingHashKey=str((low + high) // 2),
+        )
+        wait_for_stream_active(kinesis, stream)
+        children = {
+            s["ShardId"]
+            for s in kinesis.list_shards(StreamName=stream)["Shards"]
+            if s.get("ParentShardId") == parent["ShardId"]
+        }
+        assert len(children) == 2
+
+        def children_processing() -> bool:
+            return children <= {r["shard"] for r in group.ledger.records()}
+
+        wait_for(children_processing, 45, "both children processing")
+        sent = producer.stop()
+        wait_for(lambda: all_processed(group.ledger, sent), 45, "every record processed")
+        wait_for(
+            lambda: parent["ShardId"] not in group.lease_items(), 30, "the parent's lease deleted"
+        )
+        items = group.lease_items()
+        assert children <= set(items)
+    ledger = group.ledger
+    payloads = ledger.payloads()
+    assert set(payloads) == set(sent)
+    assert max(payloads.values()) == 1
+    lines = ledger.records()
+    last_parent = max(i for i, r in enumerate(lines) if r["shard"] == parent["ShardId"])
+    first_child = min(i for i, r in enumerate(lines) if r["shard"] in children)
+    assert last_parent < first_child, "a child began before its parent ended"
+    ended = [e for e in ledger.events("shard_ended") if e["shard"] == parent["ShardId"]]
+    assert len(ended) == 1
+
+
+def test_processes_n_runs_n_workers_and_sigterm_reaches_all(
+    kinesis_mock: LocalEndpoint, dynamodb: LocalEndpoint, tmp_path: Path
+) -> None:
+    kinesis, stream, group_cm = start_fleet(kinesis_mock, dynamodb, tmp_path, 4)
+    with group_cm as group:
+        payloads = [f"n-{i}" for i in range(200)]
+        put_plain(kinesis, stream, [p.encode() for p in payloads])
+        env = {**os.environ, "KCLPY_TEST_LEDGER": str(group.ledger.path)}
+        command = [
+            sys.executable,
+            "-c",
+            "import sys; from kclpy.supervisor import run_processes; "
+            "sys.exit(run_processes(sys.argv[1:], 2))",
+            *group.args("multi"),
+            "--processes",
+            "2",
+        ]
+        with (tmp_path / "supervisor.log").open("wb") as log:
+            supervisor = subprocess.Popen(
+                command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        try:
+            wait_for(lambda: group.balanced_among({"multi-0", "multi-1"}), 45, "two workers")
+            later = [f"n-later-{i}" for i in range(200)]
+            put_plain(kinesis, stream, [p.encode() for p in later])
+            payloads += later
+            wait_for(lambda: all_processed(group.ledger, payloads), 45, "every record processed")
+            signalled_at = len(group.ledger.lines())
+            supervisor.send_signal(signal.SIGTERM)
+            code = supervisor.wait(60)
+        finally:
+            if supervisor.poll() is None:
+                supervisor.kill()
+        assert code == 0, (tmp_path / "supervisor.log").read_text()[-4000:]
+        pids = {line["pid"] for line in group.ledger.records()}
+        assert len(pids) == 2, "both worker processes processed records"
+        shutdowns = {
+            e["pid"]
+            for e in group.ledger.lines()[signalled_at:]
+            if e.get("event") == "shutdown_requested"
+        }
+        assert shutdowns == pids, "SIGTERM reached every worker process"
+        assert all(owner is None for owner in group.owners().values())
