@@ -50,6 +50,8 @@ def _worker_parser() -> argparse.ArgumentParser:
                         help="MultiLangDaemon .properties file (flags win over it)")
     parser.add_argument("--local", action="store_true",
                         help="start the embedded local AWS endpoint (demo stream included)")
+    parser.add_argument("--processes", metavar="N", default="1",
+                        help="run N worker processes sharing the lease table (all cores)")
     parser.add_argument("--spark-batch", metavar="SPEC",
                         help="hand micro-batches to foreach_batch(df, batch_id) at SPEC "
                              "(pkg.module:function) instead of running a processor")
@@ -111,6 +113,9 @@ def parse_worker_args(argv: Sequence[str] | None) -> tuple[KCLConfig, argparse.N
         values.setdefault("initial_position", "TRIM_HORIZON")
         values.setdefault("region", "us-east-1")
     config = build_config(values, labels)
+    if not args.processes.isdigit() or int(args.processes) < 1:
+        raise ConfigError("--processes", f"{args.processes!r} is not a whole number >= 1")
+    args.processes = int(args.processes)
     if args.spark_decode and not args.spark_batch:
         raise ConfigError("--spark-decode", "needs --spark-batch")
     if args.spark_batch and (args.processor or args.local):
@@ -138,6 +143,10 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     metrics = Metrics()
     try:
         config, args = parse_worker_args(argv)
+        if args.processes > 1:
+            from kclpy.supervisor import run_processes
+
+            return run_processes(list(sys.argv[1:] if argv is None else argv), args.processes)
         if args.spark_batch:
             return _spark_main(config, args)
         factory = _processor_factory(config, args, metrics)

@@ -57,6 +57,8 @@ class KCLConfig:
     parent_shard_poll_interval_ms: int = 10_000
     call_process_records_even_for_empty_record_list: bool = False
     cleanup_leases_upon_shard_completion: bool = True
+    is_graceful_lease_handoff_enabled: bool = True
+    graceful_lease_handoff_timeout_ms: int = 30_000
     shutdown_grace_ms: int = 10_000
     task_backoff_time_ms: int = 500
     max_task_backoff_time_ms: int = 30_000
@@ -148,6 +150,12 @@ OPTIONS: tuple[Option, ...] = (
     _opt("cleanup_leases_upon_shard_completion", "bool",
          "Delete a finished parent's lease once its children have started.",
          "cleanupLeasesUponShardCompletion"),
+    _opt("is_graceful_lease_handoff_enabled", "bool",
+         "Steal with the Java KCL 3.x checkpointOwner handoff (the owner may checkpoint).",
+         "isGracefulLeaseHandoffEnabled"),
+    _opt("graceful_lease_handoff_timeout_ms", "int0",
+         "How long a handed-off lease's owner may take before the thief takes it anyway.",
+         "gracefulLeaseHandoffTimeoutMillis"),
     _opt("shutdown_grace_ms", "int0",
          "How long shutdown_requested may take before leases are released anyway.",
          "shutdownGraceMillis"),
@@ -226,8 +234,6 @@ JAVA_ONLY_KEYS: Mapping[str, str] = {
     "workerStateChangeListener": "no JVM is involved",
     "clientVersionConfig": _KCL3,
     "leaseAssignmentIntervalMillis": _KCL3,
-    "gracefulLeaseHandoffTimeoutMillis": _KCL3,
-    "isGracefulLeaseHandoffEnabled": _KCL3,
     **{f"coordinatorState{k}": _KCL3 for k in (
         "TableName", "BillingMode", "ReadCapacity", "WriteCapacity",
         "PointInTimeRecoveryEnabled", "DeletionProtectionEnabled", "Tags")},

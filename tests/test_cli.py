@@ -80,6 +80,8 @@ BAD_CONFIGS: list[tuple[str, list[str], str]] = [
     ("spark batch with processor", [*GOOD, "--spark-batch", "x:y"], "--spark-batch"),
     ("spark batch not importable", ["--stream-name", "s", "--application-name", "a",
                                     "--spark-batch", "no_such_module_xyz:f"], "--spark-batch"),
+    ("zero processes", [*GOOD, "--processes", "0"], "--processes"),
+    ("processes not a number", [*GOOD, "--processes", "all"], "--processes"),
     ("port out of range", [*GOOD, "--metrics-port", "70000"], "--metrics-port"),
     ("port not a number", [*GOOD, "--metrics-port", "http"], "--metrics-port"),
     ("bad log level", [*GOOD, "--log-level", "LOUD"], "--log-level"),
