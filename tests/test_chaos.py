@@ -1,0 +1,316 @@
+"""Reliability under faults: the audit itself, then the chaos run it judges.
+
+The audit is tested first on hand-written ledgers, one broken promise each, so that a chaos
+run it passes means something: an audit that cannot fail would pass any run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import boto3
+import pytest
+from moto import mock_aws
+
+from kclpy.leases.coordinator import LeaseCoordinator
+from kclpy.leases.lease import Lease
+from kclpy.leases.table import LeaseTable
+from kclpy.local import LocalEndpoint
+from tests.support.audit import AuditReport, audit
+from tests.support.chaos import KILL, STOP, TERM, ChaosSettings, run_chaos, seed_from_environment
+from tests.support.ledger import (
+    CHECKPOINT,
+    INITIALIZE,
+    KPL,
+    LEASE_LOST,
+    PLAIN,
+    RECORD,
+    Entry,
+    LeaseSample,
+    Produced,
+)
+
+PARENT = "shardId-000000000000"
+CHILD = "shardId-000000000001"
+
+
+def seq(n: int) -> str:
+    return str(49_000_000_000_000_000_000 + n)
+
+
+class Run:
+    """A hand-written run: what was produced and what the processors journalled."""
+
+    def __init__(self) -> None:
+        self.produced: list[Produced] = []
+        self.journal: list[Entry] = []
+        self.samples: list[LeaseSample] = []
+        self.parents: dict[str, list[str]] = {}
+
+    def produce(self, record_id: str, shard: str, n: int, sub: int = 0) -> None:
+        kind = KPL if sub else PLAIN
+        self.produced.append(Produced(record_id, kind, shard, seq(n), sub, at=float(n)))
+
+    def event(
+        self,
+        event: str,
+        session: str,
+        shard: str,
+        worker: str,
+        *,
+        position: tuple[str, int] | None = None,
+        record_id: str | None = None,
+    ) -> None:
+        seq_, sub = position if position is not None else (None, None)
+        self.journal.append(
+            Entry(
+                len(self.journal) + 1,
+                event,
+                session,
+                shard,
+                seq_,
+                sub,
+                record_id,
+                1,
+                worker,
+                at=float(len(self.journal)),
+            )
+        )
+
+    def start(
+        self, session: str, shard: str, worker: str, checkpoint: str = "TRIM_HORIZON", sub: int = 0
+    ) -> None:
+        self.event(INITIALIZE, session, shard, worker, position=(checkpoint, sub))
+
+    def deliver(
+        self, session: str, shard: str, worker: str, *records: tuple[str, int, int]
+    ) -> None:
+        for record_id, n, sub in records:
+            self.event(RECORD, session, shard, worker, position=(seq(n), sub), record_id=record_id)
+
+    def checkpoint(self, session: str, shard: str, worker: str, n: int, sub: int = 0) -> None:
+        self.event(CHECKPOINT, session, shard, worker, position=(seq(n), sub))
+
+    def sample(self, shard: str, checkpoint: str, owner: str | None, counter: int) -> None:
+        self.samples.append(LeaseSample(len(self.samples), shard, checkpoint, 0, owner, counter))
+
+    def audit(self) -> AuditReport:
+        return audit(self.produced, self.journal, self.samples, self.parents)
+
+
+def failover_run() -> Run:
+    """Worker a processes 1-3, checkpoints at 2 and dies; b resumes at 2 and repeats 3."""
+    run = Run()
+    for n in (1, 2, 3, 4):
+        run.produce(f"r{n}", PARENT, n)
+    run.start("s1", PARENT, "a")
+    run.deliver("s1", PARENT, "a", ("r1", 1, 0), ("r2", 2, 0))
+    run.checkpoint("s1", PARENT, "a", 2)
+    run.deliver("s1", PARENT, "a", ("r3", 3, 0))
+    run.start("s2", PARENT, "b", seq(2))
+    run.deliver("s2", PARENT, "b", ("r3", 3, 0), ("r4", 4, 0))
+    run.checkpoint("s2", PARENT, "b", 4)
+    run.sample(PARENT, seq(2), "a", 5)
+    run.sample(PARENT, seq(2), "b", 6)
+    run.sample(PARENT, seq(4), "b", 7)
+    return run
+
+
+def test_a_failover_with_duplicates_after_the_checkpoint_passes() -> None:
+    report = failover_run().audit()
+    assert report.ok, report.describe_violations()
+    assert (report.produced, report.deliveries, report.distinct, report.duplicates) == (4, 5, 4, 1)
+    figures = report.shards[PARENT]
+    assert (figures.duplicates, figures.sessions, figures.owner_changes) == (1, 2, 1)
+
+
+def test_a_record_never_processed_is_reported() -> None:
+    run = failover_run()
+    run.produce("r5", PARENT, 5)
+    assert dict(run.audit().violations) == {"never processed": 1}
+
+
+def test_a_new_owner_starting_before_the_last_checkpoint_is_reported() -> None:
+    run = failover_run()
+    run.journal[4] = Entry(5, INITIALIZE, "s2", PARENT, seq(1), 0, None, 1, "b", 0.0)
+    violations = run.audit().violations
+    assert violations["session started before the last checkpoint"] == 1
+
+
+def test_a_duplicate_by_the_same_processor_is_reported() -> None:
+    run = failover_run()
+    run.deliver("s2", PARENT, "b", ("r4", 4, 0))
+    violations = run.audit().violations
+    assert violations["processed twice by one processor"] == 1
+    assert violations["out of order within a session"] == 1
+
+
+def test_a_duplicate_without_an_owner_change_is_reported() -> None:
+    run = Run()
+    run.produce("r1", PARENT, 1)
+    run.start("s1", PARENT, "a")
+    run.deliver("s1", PARENT, "a", ("r1", 1, 0))
+    run.start("s2", PARENT, "a")
+    run.deliver("s2", PARENT, "a", ("r1", 1, 0))
+    assert run.audit().violations["duplicate without an owner change"] == 1
+
+
+def test_the_same_worker_may_repeat_after_it_lost_the_lease() -> None:
+    run = Run()
+    run.produce("r1", PARENT, 1)
+    run.start("s1", PARENT, "a")
+    run.deliver("s1", PARENT, "a", ("r1", 1, 0))
+    run.event(LEASE_LOST, "s1", PARENT, "a")
+    run.start("s2", PARENT, "a")
+    run.deliver("s2", PARENT, "a", ("r1", 1, 0))
+    assert run.audit().ok
+
+
+def test_a_checkpoint_ahead_of_processing_is_reported() -> None:
+    run = Run()
+    for n in (1, 2, 3):
+        run.produce(f"r{n}", PARENT, n)
+    run.start("s1", PARENT, "a")
+    run.deliver("s1", PARENT, "a", ("r1", 1, 0))
+    run.checkpoint("s1", PARENT, "a", 2)
+    run.deliver("s1", PARENT, "a", ("r2", 2, 0), ("r3", 3, 0))
+    assert dict(run.audit().violations) == {"checkpoint ahead of processing": 1}
+
+
+def test_records_out_of_order_or_misplaced_or_unknown_are_reported() -> None:
+    run = Run()
+    for n in (1, 2):
+        run.produce(f"r{n}", PARENT, n)
+    run.start("s1", PARENT, "a")
+    run.deliver("s1", PARENT, "a", ("r2", 2, 0), ("r1", 1, 0), ("r1", 3, 0), ("stray", 4, 0))
+    violations = run.audit().violations
+    assert violations["out of order within a session"] == 1
+    assert violations["processed at the wrong position"] == 1
+    assert violations["processed but never produced"] == 1
+
+
+def test_a_kpl_sub_record_at_or_before_the_start_checkpoint_is_reported() -> None:
+    run = Run()
+    for sub in range(3):
+        run.produce(f"k{sub}", PARENT, 1, sub)
+    run.start("s1", PARENT, "a", seq(1), 1)
+    run.deliver("s1", PARENT, "a", ("k1", 1, 1), ("k2", 1, 2))
+    violations = run.audit().violations
+    assert violations["processed at or before the session's start checkpoint"] == 1
+    assert violations["never processed"] == 1
+
+
+def test_a_child_before_its_parent_finished_is_reported() -> None:
+    run = Run()
+    run.parents = {CHILD: [PARENT], PARENT: []}
+    run.produce("p1", PARENT, 1)
+    run.produce("c1", CHILD, 2)
+    run.start("s1", PARENT, "a")
+    run.start("s2", CHILD, "b")
+    run.deliver("s2", CHILD, "b", ("c1", 2, 0))
+    run.deliver("s1", PARENT, "a", ("p1", 1, 0))
+    assert dict(run.audit().violations) == {"child processed before its parent finished": 1}
+
+
+def test_a_checkpoint_moving_backwards_in_the_table_is_reported() -> None:
+    run = failover_run()
+    run.sample(PARENT, "TRIM_HORIZON", None, 1)
+    violations = run.audit().violations
+    assert violations["lease checkpoint moved backwards"] == 1
+    assert violations["lease counter went down"] == 1
+
+
+def test_the_largest_gap_is_the_longest_wait_of_a_record_that_was_due() -> None:
+    run = Run()
+    run.produce("r1", PARENT, 1)  # produced at t=1
+    run.produce("r2", PARENT, 2)  # produced at t=2
+    run.start("s1", PARENT, "a")  # row 1, t=0
+    run.deliver("s1", PARENT, "a", ("r1", 1, 0))  # t=1: no wait
+    for _ in range(5):
+        run.start("idle", CHILD, "a")  # time passes: rows 3-7
+    run.deliver("s1", PARENT, "a", ("r2", 2, 0))  # t=7: waited since t=2
+    assert run.audit().shards[PARENT].max_gap_s == pytest.approx(5.0)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_chaos_run_loses_nothing(
+    kinesis_mock: LocalEndpoint,
+    moto_server: LocalEndpoint,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    settings = ChaosSettings(seed=seed_from_environment())
+
+    def say(line: str) -> None:
+        with capsys.disabled():
+            print(line, flush=True)
+
+    result = run_chaos(kinesis_mock.url, moto_server.url, tmp_path, settings, say)
+    say("\n".join(result.figure_lines()))
+    assert result.report.ok, result.report.describe_violations()
+    assert result.report.produced >= 20_000
+    assert all(result.disruptions[kind] >= 1 for kind in (KILL, STOP, TERM)), result.disruptions
+    assert result.split is not None and len(result.split[1]) == 2
+    assert result.sigterm_exit_codes and set(result.sigterm_exit_codes) == {0}, (
+        f"graceful shutdowns failed: {result.sigterm_exit_codes} (logs in {result.logs})"
+    )
+    assert result.throttles_injected > 0 and result.server_errors_injected > 0
+
+
+# -- found by the chaos run --------------------------------------------------------------------
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_handoff_whose_owner_dies_moves_about_one_failover_time_later() -> None:
+    """Chaos seed 610614036 stalled a shard for 22 s with a 3 s failover time: a worker asked
+    for the lease (graceful handoff), the owner learned of it at its next renewal and was
+    killed before letting go. The thief reads the lease every ``handoff_poll_s`` but only its
+    scans count towards expiry, and its first scan after the death is the first to see the
+    owner's last counter, so the take waits for the scan after that one: two Java taker
+    intervals (4 failover times) instead of one failover time.
+
+    B's taker loop is replayed step by step on a manual clock: a scan when ``_next_scan``
+    says, a handoff poll in between.
+    """
+    failover = 3.0
+    clock = ManualClock()
+    with mock_aws():
+        table = LeaseTable(
+            boto3.client("dynamodb", region_name="us-east-1"), "app", sleep=lambda _: None
+        )
+        table.create_if_missing()
+        for key in ("s1", "s2"):
+            assert table.create(Lease(key))
+        a = LeaseCoordinator(table, "A", failover_time_s=failover, clock=clock, renewal_threads=1)
+        a.add_handoff_listener(lambda shard_id: None)  # its processor is still finishing
+        a.run_taker_once()
+        b = LeaseCoordinator(table, "B", failover_time_s=failover, clock=clock, renewal_threads=1)
+        assert b.run_taker_once() == []
+        asked = b.pending_handoffs()
+        assert len(asked) == 1
+        next_scan = b._next_scan()
+        clock.now += 1.0
+        a.run_renewer_once()
+        assert any(a.handing_off(key) for key in asked), "A learned of the handoff"
+        died = clock.now
+        taken_after = None
+        while taken_after is None and clock.now < died + 10 * failover:
+            clock.now += b.handoff_poll_s
+            if clock.now >= next_scan:
+                taken = b.run_taker_once()
+                next_scan = b._next_scan()
+            else:
+                taken = b.poll_handoffs()
+            if asked & {lease.lease_key for lease in taken}:
+                taken_after = clock.now - died
+    assert taken_after is not None
+    assert taken_after <= 2 * failover, f"taken {taken_after:.1f} s after the owner died"
