@@ -24,8 +24,9 @@ class Ledger:
 
     def add(self, shard_id: str, record: kclpy.Record) -> None:
         with self.lock:
-            self.records.append((shard_id, record.sequence_number, record.sub_sequence_number,
-                                 record.binary_data))
+            self.records.append(
+                (shard_id, record.sequence_number, record.sub_sequence_number, record.binary_data)
+            )
 
     def event(self, shard_id: str, name: str) -> None:
         with self.lock:
@@ -86,14 +87,26 @@ class FileLedgerProcessor(kclpy.IRecordProcessor):
 
     def initialize(self, initialize_input: kclpy.InitializeInput) -> None:
         self.shard_id = initialize_input.shard_id
-        self._write({"event": "initialize", "shard": self.shard_id,
-                     "checkpoint": initialize_input.sequence_number, "pid": os.getpid()})
+        self._write(
+            {
+                "event": "initialize",
+                "shard": self.shard_id,
+                "checkpoint": initialize_input.sequence_number,
+                "pid": os.getpid(),
+            }
+        )
 
     def process_records(self, process_records_input: kclpy.ProcessRecordsInput) -> None:
         for record in process_records_input.records:
-            self._write({"shard": self.shard_id, "seq": record.sequence_number,
-                         "sub": record.sub_sequence_number,
-                         "data": record.binary_data.decode(), "pid": os.getpid()})
+            self._write(
+                {
+                    "shard": self.shard_id,
+                    "seq": record.sequence_number,
+                    "sub": record.sub_sequence_number,
+                    "data": record.binary_data.decode(),
+                    "pid": os.getpid(),
+                }
+            )
         process_records_input.checkpointer.checkpoint()
 
     def lease_lost(self, lease_lost_input: kclpy.LeaseLostInput) -> None:
