@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import socket
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -12,11 +11,11 @@ import boto3
 import pytest
 from botocore.exceptions import ClientError
 from moto import mock_aws
-from moto.server import ThreadedMotoServer
 
 from kclpy.errors import LeaseLostError
 from kclpy.leases.lease import SHARD_END, TRIM_HORIZON, Lease
 from kclpy.leases.table import LeaseChanged, LeaseTable, LeaseTableThrottled
+from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 
 REGION = "us-east-1"
@@ -534,26 +533,9 @@ def test_other_errors_propagate_without_retry() -> None:
 # -- over real HTTP (moto server) --------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
-def moto_url(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The shared ``moto_server`` fixture when the suite has one, else a private server."""
-    try:
-        yield request.getfixturevalue("moto_server").url
-    except pytest.FixtureLookupError:
-        port = _free_port()
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-        server.start()
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            server.stop()
+def moto_url(moto_server: LocalEndpoint) -> str:
+    return moto_server.url
 
 
 @pytest.mark.integration
