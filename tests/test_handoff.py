@@ -8,7 +8,7 @@ checkpoints in ``shutdown_requested`` repeats no record.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, MutableSequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,30 +23,12 @@ from kclpy.leases.lease import Lease
 from kclpy.leases.table import LeaseTable, LeaseTableThrottled
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
+from tests.support.determinism import Clock, FirstChoiceRandom
 from tests.support.fleet import Producer, fleet, start_serial_moto_server
 from tests.support.streams import create_stream, kinesis_client, unique_name, wait_for
 
 FAILOVER = 10.0
 TIMEOUT = 30.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-class FirstChoiceRandom(random.Random):
-    def shuffle(self, x: MutableSequence[Any]) -> None:  # type: ignore[override]
-        return None
-
-    def choice(self, seq: Any) -> Any:
-        return seq[0]
 
 
 class Calls:

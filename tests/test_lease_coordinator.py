@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator, MutableSequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import boto3
@@ -27,6 +27,7 @@ from kclpy.leases.lease import SHARD_END, Lease
 from kclpy.leases.table import LeaseTable, LeaseTableThrottled
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
+from tests.support.determinism import Clock, FirstChoiceRandom
 
 REGION = "us-east-1"
 FAILOVER = 10.0
@@ -39,27 +40,6 @@ def _aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
-
-
-class Clock:
-    def __init__(self, start: float = 0.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-class FirstChoiceRandom(random.Random):
-    """Deterministic taker: no shuffling, the first candidate is always chosen."""
-
-    def shuffle(self, x: MutableSequence[Any]) -> None:  # type: ignore[override]
-        return None
-
-    def choice(self, seq: Any) -> Any:
-        return seq[0]
 
 
 class FlakyClient:
