@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from types import FrameType
 from typing import Any
 
@@ -84,7 +84,7 @@ class Worker:
         """
         main = threading.current_thread() is threading.main_thread()
         handlers = main if install_signal_handlers is None else install_signal_handlers
-        with self._signals() if handlers else _nothing():
+        with self._signals() if handlers else nullcontext():
             self._setup()
             try:
                 self._loop()
@@ -279,9 +279,8 @@ class Worker:
         """Called from a consumer's thread when its shard is fully read."""
         assert self.shard_syncer is not None and self.coordinator is not None
         if children:
-            self.shard_syncer.create_child_leases(children)
-            known = set(self.shard_syncer.known_shard_ids) | {c.shard_id for c in children}
-            self.coordinator.set_known_shards(known)
+            self.shard_syncer.create_child_leases(children)  # records them as known shards
+            self.coordinator.set_known_shards(set(self.shard_syncer.known_shard_ids))
         else:
             # Emulators without ChildShards: a full sync finds the children instead.
             self._sync_shards()
@@ -341,7 +340,3 @@ class Worker:
             for sig, old in previous.items():
                 signal.signal(sig, old)
 
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
