@@ -30,7 +30,7 @@ def make_records(count: int, size: int, seed: int = 7) -> list[Record]:
     return [
         Record(sequence_number=str(first + i * 100_000), sub_sequence_number=0,
                partition_key=f"partition-{rnd.randrange(1_000_000)}",
-               approximate_arrival_timestamp=1_714_000_000_000 + i,
+               timestamp_millis=1_714_000_000_000 + i,
                b64=base64.b64encode(rnd.randbytes(size)).decode("ascii"))
         for i in range(count)
     ]
@@ -79,8 +79,8 @@ def main() -> None:
 
     def rows_path(records: list[Record]) -> None:
         rows = [("bench", "shardId-0", r.sequence_number, r.sub_sequence_number, r.partition_key,
-                 datetime.fromtimestamp(r.approximate_arrival_timestamp / 1000, timezone.utc)
-                 if r.approximate_arrival_timestamp is not None else None, r.binary_data)
+                 datetime.fromtimestamp(r.timestamp_millis / 1000, timezone.utc)
+                 if r.timestamp_millis is not None else None, r.binary_data)
                 for r in records]
         evaluate(spark.createDataFrame(rows, schema))
 

@@ -30,7 +30,7 @@ from kclpy.processor import (
     ShardEndedInput,
     ShutdownRequestedInput,
 )
-from kclpy.records import Record
+from kclpy.records import Records
 from kclpy.retrieval.parse import ChildShard
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class ConsumerState(enum.Enum):
 
 
 class FetchResultLike(Protocol):
-    records: list[Record]
+    records: Records
     millis_behind_latest: int | None
     shard_end: bool
     child_shards: list[ChildShard]
@@ -325,8 +325,7 @@ class ShardConsumer:
                 self._metrics.process_records_seconds.labels(self.shard_id).observe(
                     time.perf_counter() - started)
             self._metrics.records_processed.labels(self.shard_id).inc(len(records))
-            self._metrics.bytes_processed.labels(self.shard_id).inc(
-                sum(record.size for record in records))
+            self._metrics.bytes_processed.labels(self.shard_id).inc(records.payload_bytes())
             return "ok"
 
     def _end_with_shard_end(self, children: Sequence[ChildShard]) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -41,7 +41,9 @@ class InitializeInput:
 @dataclass(frozen=True)
 class ProcessRecordsInput:
     shard_id: str
-    records: list[Record]
+    #: in order; a read-only sequence (``kclpy.records.Records``) that builds each record as
+    #: it is read: index, slice and iterate it like a list, or ``list()`` it to keep them
+    records: Sequence[Record]
     checkpointer: Checkpointer
     millis_behind_latest: int | None
     #: true for the last batch before SHARD_END, as the Java KCL flags it

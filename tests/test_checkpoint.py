@@ -22,7 +22,7 @@ class RecordingWriter:
 
 
 def rec(seq: int, sub: int = 0) -> Record:
-    return Record(sequence_number=str(seq), partition_key="k", approximate_arrival_timestamp=0,
+    return Record(sequence_number=str(seq), partition_key="k", timestamp_millis=0,
                   sub_sequence_number=sub, data=b"x")
 
 

@@ -6,7 +6,6 @@ import queue
 import random
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from kclpy.consumer import ConsumerSettings, ConsumerState, FatalProcessorError, ShardConsumer
 from kclpy.errors import ProcessorRestartRequired
@@ -20,7 +19,7 @@ from kclpy.processor import (
     ShardEndedInput,
     ShutdownRequestedInput,
 )
-from kclpy.records import Record
+from kclpy.records import Record, Records
 from kclpy.retrieval.parse import ChildShard
 
 SETTINGS = ConsumerSettings(parent_shard_poll_interval_s=0.01, task_backoff_s=0.001,
@@ -28,17 +27,21 @@ SETTINGS = ConsumerSettings(parent_shard_poll_interval_s=0.01, task_backoff_s=0.
 
 
 def rec(seq: int, sub: int = 0) -> Record:
-    return Record(sequence_number=str(seq), partition_key="k", approximate_arrival_timestamp=0,
+    return Record(sequence_number=str(seq), partition_key="k", timestamp_millis=0,
                   sub_sequence_number=sub, data=b"payload")
 
 
-@dataclass
 class Result:
-    records: list[Record]
-    millis_behind_latest: int | None = 0
-    shard_end: bool = False
-    child_shards: list[ChildShard] = field(default_factory=list)
-    caught_up: bool = False
+    """A fetch result as the consumer reads it."""
+
+    def __init__(self, records: Sequence[Record], millis_behind_latest: int | None = 0,
+                 shard_end: bool = False, child_shards: Sequence[ChildShard] = (),
+                 caught_up: bool = False) -> None:
+        self.records = Records([list(records)])
+        self.millis_behind_latest = millis_behind_latest
+        self.shard_end = shard_end
+        self.child_shards = list(child_shards)
+        self.caught_up = caught_up
 
 
 class ScriptedFetcher:

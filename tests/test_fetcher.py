@@ -47,7 +47,7 @@ def plain(i: int, data: bytes | None = None) -> Record:
     return Record(
         sequence_number=seq(i),
         partition_key=f"pk-{i}",
-        approximate_arrival_timestamp=1_700_000_000_000 + i,
+        timestamp_millis=1_700_000_000_000 + i,
         data=data if data is not None else f"plain-{i}".encode(),
     )
 
@@ -61,7 +61,7 @@ def aggregate(i: int, n: int, explicit_hash_keys: list[str] | None = None) -> Re
     return Record(
         sequence_number=seq(i),
         partition_key=partition_key,
-        approximate_arrival_timestamp=1_700_000_000_000 + i,
+        timestamp_millis=1_700_000_000_000 + i,
         data=data,
     )
 
@@ -126,7 +126,7 @@ class FakeShard:
             )
         elif kind == AT_TIMESTAMP:
             millis = params["Timestamp"].timestamp() * 1000
-            arrivals = [r.approximate_arrival_timestamp or 0 for r in self.records]
+            arrivals = [r.timestamp_millis or 0 for r in self.records]
             index = next((k for k, a in enumerate(arrivals) if a >= millis), len(arrivals))
         else:
             raise AssertionError(kind)
@@ -389,7 +389,7 @@ def test_a_corrupt_aggregate_is_delivered_raw_and_counted() -> None:
     corrupt = Record(
         sequence_number=seq(0),
         partition_key="pk",
-        approximate_arrival_timestamp=0,
+        timestamp_millis=0,
         data=bytes(data),
     )
     metrics = Metrics()
@@ -475,7 +475,7 @@ def test_a_botocore_client_throttled_then_answering_through_stubber() -> None:
         stubber.assert_no_pending_responses()
     assert result is not None
     assert payloads([result]) == [b"from-stub"]
-    assert result.records[0].approximate_arrival_timestamp == int(arrival.timestamp() * 1000)
+    assert result.records[0].timestamp_millis == int(arrival.timestamp() * 1000)
     assert result.caught_up and not result.shard_end
     assert sleeps.delays == [0.1]
     assert sample(metrics, "kclpy_throttles_total", operation="GetRecords") == 1

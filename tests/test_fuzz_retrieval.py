@@ -15,9 +15,10 @@ from botocore.parsers import create_parser
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kclpy.records import Record
+from kclpy.records import Record, is_wire_record
 from kclpy.retrieval.kpl import MAGIC, AggregatedRecord, deaggregate, is_aggregated
 from kclpy.retrieval.parse import ChildShard, parse_get_records
+from tests.support.decoding import counting_decodes
 
 FUZZ = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -83,12 +84,57 @@ def mutated_aggregate(draw: st.DrawFn) -> bytes:
     return sign(bytes(body)) if how == "flip and re-sign" else bytes(body)
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _field(number: int, value: int | bytes) -> bytes:
+    if isinstance(value, int):
+        return _varint(number << 3) + _varint(value)
+    return _varint(number << 3 | 2) + _varint(len(value)) + value
+
+
+@st.composite
+def hand_encoded_aggregate(draw: st.DrawFn) -> bytes:
+    """Sub-records written field by field, as protobuf allows but the KPL never writes: in
+    any order, fields repeated (the last one counts), unknown fields, tags, now and then a
+    required field missing. The de-aggregator reads most aggregates as columns, which must
+    agree with the real schema on all of these."""
+    table = draw(st.lists(st.sampled_from(["a", "b", "c", "d"]), min_size=1, max_size=4))
+    body = b"".join(_field(1, key.encode()) for key in table)
+    with_ehks = draw(st.integers(0, 5)) == 0
+    if with_ehks:
+        body += _field(2, b"12345")
+    index = st.integers(0, len(table) - 1)
+    extra = st.one_of(
+        st.tuples(st.just(1), index),  # partition_key_index again
+        st.tuples(st.just(3), st.binary(max_size=6)),  # data again
+        st.tuples(st.just(4), st.just(_field(1, b"k") + _field(2, b"v"))),  # a tag
+        st.tuples(st.just(9), st.integers(0, 300)),  # a field no schema knows
+        st.tuples(st.just(2), st.just(0)) if with_ehks else st.nothing(),
+    )
+    for _ in range(draw(st.integers(1, 5))):
+        fields = [(1, draw(index)), (3, draw(st.binary(max_size=6)))]
+        if draw(st.integers(0, 9)) == 0:
+            fields.pop(draw(st.integers(0, 1)))
+        for _ in range(draw(st.integers(0, 3))):
+            fields.insert(draw(st.integers(0, len(fields))), draw(extra))
+        body += _field(3, b"".join(_field(number, value) for number, value in fields))
+    return sign(body)
+
+
 payload = st.one_of(
     st.binary(max_size=64),
     st.binary(max_size=64).map(lambda b: MAGIC + b),
     st.binary(max_size=64).map(sign),
     valid_aggregate(),
     hand_made_aggregate(),
+    hand_encoded_aggregate(),
     mutated_aggregate(),
 )
 
@@ -96,7 +142,7 @@ payload = st.one_of(
 def make_record(index: int, data: bytes, as_base64: bool) -> Record:
     return Record(
         sequence_number=str(10**20 + index), partition_key=f"outer-{index}",
-        approximate_arrival_timestamp=1_700_000_000_000 + index,
+        timestamp_millis=1_700_000_000_000 + index,
         **({"b64": base64.b64encode(data).decode()} if as_base64 else {"data": data}),
     )
 
@@ -144,6 +190,15 @@ def sub_records_of(data: bytes) -> list[Any]:
     return list(AggregatedRecord.FromString(data[len(MAGIC):-16]).records)
 
 
+def keys_of(data: bytes) -> list[tuple[str, str | None]]:
+    """Each sub-record's partition key and explicit hash key, per the real schema."""
+    message = AggregatedRecord.FromString(data[len(MAGIC):-16])
+    pks, ehks = message.partition_key_table, message.explicit_hash_key_table
+    return [(pks[sub.partition_key_index],
+             ehks[sub.explicit_hash_key_index] if sub.HasField("explicit_hash_key_index")
+             else None) for sub in message.records]
+
+
 def effective_hash_keys(blob: bytes) -> list[int]:
     message = AggregatedRecord.FromString(blob[len(MAGIC):-16])
     keys = []
@@ -169,7 +224,8 @@ def check(records: list[Record], payloads: list[bytes],
     """deaggregate's output holds, in input order, each record as the oracle says: itself,
     all its user records, or nothing (filtered); the counts match."""
     plain_before = [r for r in records if not is_aggregated(r)]
-    result = deaggregate(records, *hash_range)
+    with counting_decodes() as decoded:
+        result = deaggregate(records, *hash_range)
     out = result.records
     position = corrupt = filtered = 0
     for record, data in zip(records, payloads, strict=True):
@@ -188,12 +244,13 @@ def check(records: list[Record], payloads: list[bytes],
         assert [r.sequence_number for r in mine] == [record.sequence_number] * len(subs)
         assert [r.sub_sequence_number for r in mine] == list(range(len(subs)))
         assert [r.binary_data for r in mine] == [s.data for s in subs]
-        assert all(r.approximate_arrival_timestamp == record.approximate_arrival_timestamp
+        assert [(r.partition_key, r.explicit_hash_key) for r in mine] == keys_of(data)
+        assert all(r.timestamp_millis == record.timestamp_millis
                    for r in mine)
     assert position == len(out)
     assert (result.corrupt, result.filtered) == (corrupt, filtered)
     # Plain records were not decoded to find out they are plain.
-    assert all(r._bytes is None for r in plain_before if r._b64 is not None)
+    assert not set(decoded) & {r.data for r in plain_before if is_wire_record(r)}
 
 
 @FUZZ
@@ -234,8 +291,9 @@ def test_is_aggregated_agrees_between_base64_and_bytes(data: bytes) -> None:
 @given(data=st.binary(max_size=70), as_b64=st.booleans())
 def test_size_is_known_without_decoding(data: bytes, as_b64: bool) -> None:
     record = make_record(0, data, as_b64)
-    assert record.size == len(data)
-    assert record._bytes is None or not as_b64
+    with counting_decodes() as decoded:
+        assert record.size == len(data)
+    assert decoded == []
 
 
 # --- parse_get_records against botocore's own parser ----------------------------------------
@@ -308,7 +366,7 @@ def test_parse_agrees_with_botocore(doc: dict[str, Any], ascii_only: bool) -> No
         assert mine.sub_sequence_number == 0
         assert mine.explicit_hash_key is None
         when = expected.get("ApproximateArrivalTimestamp")
-        assert mine.approximate_arrival_timestamp == (None if when is None else millis(when))
+        assert mine.timestamp_millis == (None if when is None else millis(when))
     assert ours.next_shard_iterator == theirs.get("NextShardIterator")
     assert ours.millis_behind_latest == theirs.get("MillisBehindLatest")
     assert ours.child_shards == [
@@ -326,5 +384,5 @@ def test_arrival_millis_round_trip(ms: int) -> None:
     page = parse_get_records(json.dumps({"Records": [{
         "SequenceNumber": "1", "Data": "", "PartitionKey": "p",
         "ApproximateArrivalTimestamp": seconds}]}).encode())
-    assert page.records[0].approximate_arrival_timestamp == ms
+    assert page.records[0].timestamp_millis == ms
     assert millis(datetime.fromtimestamp(seconds, timezone.utc)) == ms

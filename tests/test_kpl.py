@@ -11,6 +11,7 @@ from aws_kinesis_agg.aggregator import RecordAggregator
 
 from kclpy.records import Record
 from kclpy.retrieval.kpl import MAGIC, AggregatedRecord, deaggregate, is_aggregated
+from tests.support.decoding import counting_decodes
 
 MAX_HASH_KEY = 2**128 - 1
 ARRIVAL = 1_714_000_000_123
@@ -20,7 +21,7 @@ def wire(data: bytes, seq: str = "4959033827149025660855969253836157109592157598
          partition_key: str = "agg-pk") -> Record:
     """A record as the GetRecords parser builds it: base64 text, not yet decoded."""
     return Record(sequence_number=seq, partition_key=partition_key,
-                  approximate_arrival_timestamp=ARRIVAL,
+                  timestamp_millis=ARRIVAL,
                   b64=base64.b64encode(data).decode("ascii"))
 
 
@@ -68,7 +69,7 @@ def test_sub_records_carry_parent_position_and_own_keys() -> None:
     assert [(r.partition_key, r.binary_data, r.explicit_hash_key) for r in result.records] == USERS
     assert [r.sub_sequence_number for r in result.records] == [0, 1, 2, 3]
     assert {r.sequence_number for r in result.records} == {"1234567890123"}
-    assert {r.approximate_arrival_timestamp for r in result.records} == {ARRIVAL}
+    assert {r.timestamp_millis for r in result.records} == {ARRIVAL}
     # .data is the base64 of the user record, as amazon_kclpy gives it
     assert result.records[0].data == base64.b64encode(b"first").decode()
 
@@ -81,10 +82,11 @@ def test_explicit_hash_keys_come_from_the_table() -> None:
 
 def test_plain_records_pass_through_untouched_and_undecoded() -> None:
     plain = [wire(f"plain {i}".encode(), seq=str(i)) for i in range(5)]
-    result = deaggregate(plain)
+    with counting_decodes() as decoded:
+        result = deaggregate(plain)
     assert result.records == plain
     assert all(a is b for a, b in zip(result.records, plain, strict=True))
-    assert all(r._bytes is None for r in plain)
+    assert decoded == []
     assert (result.corrupt, result.filtered) == (0, 0)
 
 
@@ -97,7 +99,7 @@ def test_order_is_kept_across_plain_and_aggregated_records() -> None:
 
 
 def test_aggregate_given_as_bytes_is_recognised() -> None:
-    record = Record(sequence_number="5", partition_key="p", approximate_arrival_timestamp=None,
+    record = Record(sequence_number="5", partition_key="p", timestamp_millis=None,
                     data=kpl_blob(USERS))
     assert is_aggregated(record)
     assert len(deaggregate([record]).records) == len(USERS)
@@ -109,14 +111,15 @@ def test_aggregate_given_as_bytes_is_recognised() -> None:
 def test_is_aggregated_is_false_for_non_kpl_payloads(payload: bytes) -> None:
     assert not is_aggregated(wire(payload))
     assert not is_aggregated(Record(sequence_number="1", partition_key="p",
-                                    approximate_arrival_timestamp=None, data=payload))
+                                    timestamp_millis=None, data=payload))
 
 
 def test_is_aggregated_does_not_decode() -> None:
     plain, aggregated = wire(b"hello world"), wire(kpl_blob(USERS))
-    assert not is_aggregated(plain)
-    assert is_aggregated(aggregated)
-    assert plain._bytes is None and aggregated._bytes is None
+    with counting_decodes() as decoded:
+        assert not is_aggregated(plain)
+        assert is_aggregated(aggregated)
+    assert decoded == []
 
 
 def corrupt_cases() -> dict[str, bytes]:

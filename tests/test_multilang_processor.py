@@ -78,7 +78,7 @@ class Shard:
         made = []
         for index, payload in enumerate(payloads):
             made.append(Record(sequence_number=str(self._next), partition_key=f"pk-{index}",
-                               approximate_arrival_timestamp=1_700_000_000_000 + index,
+                               timestamp_millis=1_700_000_000_000 + index,
                                data=payload.encode()))
             self._next += 10
         return made
@@ -188,7 +188,7 @@ def test_records_reach_the_child_in_order_with_every_field(
     shard.initialize()
     first = shard.records("alpha", "b\u00e9ta", "gamma")
     kpl = Record(sequence_number=first[-1].sequence_number, partition_key="kpl",
-                 approximate_arrival_timestamp=1_700_000_000_999, sub_sequence_number=1,
+                 timestamp_millis=1_700_000_000_999, sub_sequence_number=1,
                  data=b"sub-record")
     shard.deliver([*first, kpl])
     second = shard.records("delta", "epsilon")
@@ -204,7 +204,7 @@ def test_records_reach_the_child_in_order_with_every_field(
     got = [(r["data"], r["partition_key"], r["sequence_number"], r["sub_sequence_number"],
             r["approximate_arrival_timestamp"]) for r in events(output, "record")]
     expected = [(rec.binary_data.decode(), rec.partition_key, rec.sequence_number,
-                 rec.sub_sequence_number, rec.approximate_arrival_timestamp)
+                 rec.sub_sequence_number, rec.timestamp_millis)
                 for rec in [*first, kpl, *second]]
     assert got == expected
 

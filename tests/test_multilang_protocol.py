@@ -26,7 +26,7 @@ from tests.multilang_apps.amazon_kclpy_dist import amazon_kclpy_root
 
 def _record(seq: str, data: bytes, *, sub: int = 0, key: str = "pk",
             ts: int | None = 1_700_000_000_123) -> Record:
-    return Record(sequence_number=seq, partition_key=key, approximate_arrival_timestamp=ts,
+    return Record(sequence_number=seq, partition_key=key, timestamp_millis=ts,
                   sub_sequence_number=sub, data=data)
 
 
@@ -52,7 +52,7 @@ def test_initialize_sentinel_gets_sub_sequence_zero_and_fresh_shard_gets_nulls()
 def test_process_records_encodes_records_as_the_java_daemon() -> None:
     records = [
         _record("100", b"\x00\xffbinary\n", key="k\u00e9y"),
-        Record(sequence_number="200", partition_key="p2", approximate_arrival_timestamp=None,
+        Record(sequence_number="200", partition_key="p2", timestamp_millis=None,
                sub_sequence_number=4, b64=base64.b64encode(b"from the wire").decode()),
     ]
     line = protocol.encode_process_records(records, 1234)

@@ -28,6 +28,7 @@ from kclpy.retrieval.parse import (
     install_fast_get_records,
     parse_get_records,
 )
+from tests.support.decoding import counting_decodes
 
 SEQ = "49590338271490256608559692538361571095921575989136588898"
 
@@ -56,7 +57,7 @@ def test_record_with_every_field() -> None:
     assert record.partition_key == "pk"
     assert record.sub_sequence_number == 0
     assert record.explicit_hash_key is None
-    assert record.approximate_arrival_timestamp == 1_714_000_000_123
+    assert record.timestamp_millis == 1_714_000_000_123
     assert record.binary_data == b"\x00hello\xff"
     assert (page.next_shard_iterator, page.millis_behind_latest) == ("next-it", 42)
     assert page.child_shards == []
@@ -66,12 +67,12 @@ def test_record_with_every_field() -> None:
 def test_data_stays_base64_until_read() -> None:
     page = parse_get_records(body(Records=[wire_record(b"lazy")]))
     record = page.records[0]
-    assert record._bytes is None
-    assert record.data == base64.b64encode(b"lazy").decode()
-    assert record._bytes is None
-    assert record.size == 4
-    assert record._bytes is None
-    assert record.binary_data == b"lazy"
+    with counting_decodes() as decoded:
+        assert record.data == base64.b64encode(b"lazy").decode()
+        assert record.size == 4
+        assert decoded == []
+        assert record.binary_data == b"lazy"
+        assert decoded == [record.data]
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -94,7 +95,7 @@ def test_data_that_is_not_canonical_base64_decodes_as_botocore_decodes_it(
 
 def test_optional_fields_missing() -> None:
     page = parse_get_records(body(Records=[wire_record()]))
-    assert page.records[0].approximate_arrival_timestamp is None
+    assert page.records[0].timestamp_millis is None
     assert page.next_shard_iterator is None
     assert page.millis_behind_latest is None
     assert page.child_shards == []
@@ -109,7 +110,7 @@ def test_optional_fields_missing() -> None:
 ])
 def test_arrival_timestamp_becomes_epoch_millis(seconds: float, millis: int) -> None:
     page = parse_get_records(body(Records=[wire_record(ApproximateArrivalTimestamp=seconds)]))
-    assert page.records[0].approximate_arrival_timestamp == millis
+    assert page.records[0].timestamp_millis == millis
 
 
 def test_shard_end_with_child_shards() -> None:
@@ -181,7 +182,7 @@ def test_stubbed_response_is_converted_from_botocore_shapes() -> None:
     [record] = page.records
     assert (record.sequence_number, record.partition_key, record.binary_data) == (
         "7", "p", b"stubbed")
-    assert record.approximate_arrival_timestamp == 1_714_000_000_123
+    assert record.timestamp_millis == 1_714_000_000_123
     assert (page.next_shard_iterator, page.millis_behind_latest) == ("it-2", 5)
     assert page.child_shards == [ChildShard("c", ("a",), "0", "9")]
 
@@ -243,7 +244,7 @@ def test_hook_agrees_with_botocore_field_by_field(moto_endpoint: str,
         assert ours.sequence_number == theirs["SequenceNumber"]
         assert ours.partition_key == theirs["PartitionKey"]
         assert ours.binary_data == theirs["Data"]
-        assert ours.approximate_arrival_timestamp == round(
+        assert ours.timestamp_millis == round(
             theirs["ApproximateArrivalTimestamp"].timestamp() * 1000)
     assert page.millis_behind_latest == expected["MillisBehindLatest"]
     assert page.next_shard_iterator is not None
@@ -399,7 +400,7 @@ def test_shard_end_over_http(scripted: ScriptedKinesis) -> None:
     assert page.next_shard_iterator is None
     assert page.child_shards == [
         ChildShard("shardId-000000000001", ("shardId-000000000000",), "0", "99")]
-    assert page.records[0].approximate_arrival_timestamp == 1_714_000_000_500
+    assert page.records[0].timestamp_millis == 1_714_000_000_500
 
 
 @pytest.mark.integration

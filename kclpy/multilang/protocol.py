@@ -94,7 +94,7 @@ def encode_record(record: Record) -> dict[str, Any]:
         "partitionKey": record.partition_key,
         "sequenceNumber": record.sequence_number,
         "subSequenceNumber": record.sub_sequence_number,
-        "approximateArrivalTimestamp": record.approximate_arrival_timestamp,
+        "approximateArrivalTimestamp": record.timestamp_millis,
     }
 
 

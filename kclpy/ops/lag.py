@@ -349,7 +349,7 @@ class LagProbe:
         at_tip = (page.next_shard_iterator is None or behind == 0
                   or (behind is None and count < self.records_limit))
         exact = at_tip and count < self.records_limit
-        first_arrival = page.records[0].approximate_arrival_timestamp if count else None
+        first_arrival = page.records[0].timestamp_millis if count else None
         if first_arrival is not None:
             millis = max(0, round(self._wall_clock() * 1000) - first_arrival)
         elif count == 0 and exact:

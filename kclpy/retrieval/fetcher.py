@@ -37,7 +37,7 @@ from botocore.exceptions import ClientError
 from kclpy.errors import KCLError
 from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
 from kclpy.metrics import Metrics
-from kclpy.records import Record
+from kclpy.records import EMPTY, Record, Records
 from kclpy.retrieval.backoff import THROTTLED, Backoff, classify
 from kclpy.retrieval.kpl import deaggregate
 from kclpy.retrieval.parse import (
@@ -118,7 +118,7 @@ class FetchResult:
     """One GetRecords page, ready for the processor."""
 
     #: de-aggregated, filtered, strictly after the resume point, in order
-    records: list[Record]
+    records: Records
     millis_behind_latest: int | None
     #: True on the final result of a closed shard (no next iterator)
     shard_end: bool
@@ -412,7 +412,7 @@ class ShardFetcher:
     def _expand(self, page: _Page) -> FetchResult | None:
         """The page's user records (de-aggregated, filtered, after the resume point), or None
         if nothing is left to deliver. Runs on the thread that calls ``get()``."""
-        records: list[Record] = []
+        records = EMPTY
         if page.records:
             if self._hash_range is not None:
                 agg = deaggregate(page.records, *self._hash_range)
@@ -428,16 +428,15 @@ class ShardFetcher:
         return FetchResult(records, page.millis_behind_latest, page.shard_end,
                            page.child_shards, page.caught_up)
 
-    def _drop_processed(self, records: list[Record]) -> list[Record]:
+    def _drop_processed(self, records: Records) -> Records:
         """Drop the records at or before the checkpoint we resumed from."""
         skip = self._skip_through
         if skip is None:
             return records
-        for i, record in enumerate(records):
-            if record.extended_sequence_number > skip:
-                self._skip_through = None
-                return records[i:] if i else records
-        return []
+        records = records.after(skip)
+        if records:
+            self._skip_through = None
+        return records
 
     def _timed_get_records(self, iterator: str) -> GetRecordsPage:
         with self._m_seconds.time():

@@ -18,7 +18,6 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import repeat
-from operator import attrgetter, is_
 from typing import Any
 
 from aws_kinesis_agg import config_pb2
@@ -28,7 +27,14 @@ from google.protobuf import (  # type: ignore[import-untyped]
     message_factory,
 )
 
-from kclpy.records import Record
+from kclpy.records import (
+    Record,
+    Records,
+    UserRecords,
+    all_wire_records,
+    is_wire_record,
+    wire_b64,
+)
 
 # aws-kinesis-agg's generated messages_pb2 does a top-level ``import config_pb2`` (it was
 # generated without a package path). The library's own modules make that work by putting
@@ -54,48 +60,47 @@ _MAX_HASH_KEY = 2**128 - 1
 
 _parse_aggregate = AggregatedRecord.FromString
 _md5 = hashlib.md5
-# The lazy forms, read without a Python call per record (package-internal, as in
-# is_aggregated).
-_get_bytes = attrgetter("_bytes")
-_get_b64 = attrgetter("_b64")
 
 
-def _plain_schema() -> Callable[[bytes | memoryview], Any]:
-    """A parser for ``AggregatedRecord`` as the KPL writes it without explicit hash keys: the same
-    field numbers, but sub-records without ``explicit_hash_key_index`` (and ``tags``).
+def _column_schema() -> Callable[[bytes | memoryview], Any]:
+    """A parser that reads an ``AggregatedRecord``'s sub-records as columns.
 
-    Parsed with this schema, those fields become unknown fields, and discarding the unknown
-    fields is the only way re-serialising can come out shorter than the input (no field of
-    it can grow: no signed or packed fields, no message fields read twice). So "no table of
-    explicit hash keys, and the parse re-serialises to exactly ``len(body)``" proves that no
-    sub-record names an explicit hash key, for one C-level pass over the aggregate instead
-    of a ``HasField`` call per sub-record; an index into the empty table is still caught,
-    because it sends the aggregate down the checked path.
+    The same field numbers as the KPL schema, but ``records`` is a single (not repeated)
+    message whose fields are all repeated. Protobuf merges the occurrences of a non-repeated
+    message field and appends to repeated ones, so one C-level parse turns the sub-records
+    into a list of key indexes and a list of payloads, in order, instead of one Python
+    wrapper object and two attribute reads per sub-record.
+
+    Merging loses which sub-record a value came from; :func:`_expand` restores that: with
+    the real schema each sub-record has at least one key index and one payload (proto2
+    ``required``), so exactly ``n`` of each over ``n`` sub-records means exactly one each.
     """
     proto = descriptor_pb2.FileDescriptorProto(
-        name="kclpy_kpl_plain.proto", package="kclpy.kpl", syntax="proto2")
+        name="kclpy_kpl_columns.proto", package="kclpy.kpl", syntax="proto2")
     f = descriptor_pb2.FieldDescriptorProto
-    record = proto.message_type.add(name="Record")
-    record.field.add(name="partition_key_index", number=1, label=f.LABEL_REQUIRED,
-                     type=f.TYPE_UINT64)
-    record.field.add(name="data", number=3, label=f.LABEL_REQUIRED, type=f.TYPE_BYTES)
-    aggregate = proto.message_type.add(name="AggregatedRecord")
+    columns = proto.message_type.add(name="Columns")
+    columns.field.add(name="partition_key_index", number=1, label=f.LABEL_REPEATED,
+                      type=f.TYPE_UINT64)
+    columns.field.add(name="explicit_hash_key_index", number=2, label=f.LABEL_REPEATED,
+                      type=f.TYPE_UINT64)
+    columns.field.add(name="data", number=3, label=f.LABEL_REPEATED, type=f.TYPE_BYTES)
+    aggregate = proto.message_type.add(name="AggregatedColumns")
     aggregate.field.add(name="partition_key_table", number=1, label=f.LABEL_REPEATED,
                         type=f.TYPE_STRING)
     aggregate.field.add(name="explicit_hash_key_table", number=2, label=f.LABEL_REPEATED,
                         type=f.TYPE_STRING)
-    aggregate.field.add(name="records", number=3, label=f.LABEL_REPEATED,
-                        type=f.TYPE_MESSAGE, type_name=".kclpy.kpl.Record")
+    aggregate.field.add(name="records", number=3, label=f.LABEL_OPTIONAL,
+                        type=f.TYPE_MESSAGE, type_name=".kclpy.kpl.Columns")
     # A private pool: nothing else in the process can see or clash with these names.
     pool = descriptor_pool.DescriptorPool()
     pool.Add(proto)
     message = message_factory.GetMessageClass(
-        pool.FindMessageTypeByName("kclpy.kpl.AggregatedRecord"))
+        pool.FindMessageTypeByName("kclpy.kpl.AggregatedColumns"))
     parse: Callable[[bytes | memoryview], Any] = message.FromString
     return parse
 
 
-_parse_plain = _plain_schema()
+_parse_columns = _column_schema()
 
 
 @dataclass(slots=True)
@@ -109,7 +114,7 @@ class DeaggregationResult:
     ``filtered``: sub-records dropped by hash-key filtering (see :func:`deaggregate`).
     """
 
-    records: list[Record]
+    records: Records
     corrupt: int
     filtered: int
 
@@ -120,13 +125,10 @@ def is_aggregated(record: Record) -> bool:
     A record still holding base64 text from the wire is recognised by the magic's base64
     prefix, so a plain record stays undecoded.
     """
-    # Package-internal access to the lazy forms: going through binary_data would decode
-    # every plain record just to look at four bytes.
-    data = record._bytes
-    if data is not None:
-        return data.startswith(MAGIC)
-    b64 = record._b64
-    assert b64 is not None
+    if not is_wire_record(record):
+        return record.binary_data.startswith(MAGIC)
+    # Going through binary_data would decode every plain record just to look at four bytes.
+    b64 = wire_b64(record)
     return b64.startswith(_B64_PREFIX) and b64[5:6] in _B64_SIXTH
 
 
@@ -165,48 +167,51 @@ def deaggregate(
     # de-aggregation.
     records = list(records)
     if _none_aggregated(records):
-        return DeaggregationResult(records, 0, 0)
+        return DeaggregationResult(Records([records]), 0, 0)
     pk_verdicts: dict[str, bool] = {}
-    out: list[Record] = []
-    append = out.append
-    extend = out.extend
+    parts: list[list[Record] | UserRecords] = []
+    run: list[Record] = []
     corrupt = 0
     filtered = 0
     for record in records:
         if not is_aggregated(record):
-            append(record)
+            run.append(record)
             continue
         expanded = _expand(record)
         if expanded is None:
-            append(record)
+            run.append(record)
             corrupt += 1
             continue
-        subs, keys = expanded
+        users, keys = expanded
         # Every key of the table in range: then so is every sub-record (they can only use
         # keys of the table). Otherwise look at the sub-records themselves, since a key
         # that no sub-record uses must not get the aggregate filtered.
-        if bounds is None or (keys is not None and _keys_in_range(keys, bounds, pk_verdicts)):
-            extend(subs)
+        verdict: bool | None = True
+        if bounds is not None and not (
+                keys is not None and _keys_in_range(keys, bounds, pk_verdicts)):
+            verdict = _in_range(users, bounds, pk_verdicts)
+        if verdict is None:
+            run.append(record)
+            corrupt += 1
+        elif verdict:
+            if run:
+                parts.append(run)
+                run = []
+            parts.append(users)
         else:
-            verdict = _in_range(subs, bounds, pk_verdicts)
-            if verdict is None:
-                append(record)
-                corrupt += 1
-            elif verdict:
-                extend(subs)
-            else:
-                filtered += len(subs)
-    return DeaggregationResult(out, corrupt, filtered)
+            filtered += len(users)
+    if run:
+        parts.append(run)
+    return DeaggregationResult(Records(parts), corrupt, filtered)
 
 
-def _expand(record: Record) -> tuple[list[Record], list[str] | None] | None:
+def _expand(record: Record) -> tuple[UserRecords, list[str] | None] | None:
     """The aggregate's user records and, when none of them has an explicit hash key, the
     partition-key table; None if the aggregate is corrupt in any way.
 
-    The sub-records are built into a fresh list that is only returned whole, so a bad
-    aggregate is never half-delivered. A table index out of range surfaces as the
-    IndexError of the table lookup (indexes are unsigned, so never negative): validating
-    by lookup costs nothing extra per sub-record.
+    Nothing is delivered from an aggregate until all of it checked out, so a bad aggregate
+    is never half-delivered. A table index out of range surfaces as the IndexError of the
+    table lookup (indexes are unsigned, so never negative).
     """
     try:
         blob = record.binary_data
@@ -216,83 +221,72 @@ def _expand(record: Record) -> tuple[list[Record], list[str] | None] | None:
         body = memoryview(blob)[len(MAGIC) : -_DIGEST_SIZE]
         if _md5(body).digest() != blob[-_DIGEST_SIZE:]:
             return None
-        plain = _parse_plain(body)
+        aggregate = _parse_aggregate(body)
         # upb does not enforce proto2 "required" on parse; protobuf-java, which the Java KCL
         # uses, rejects such a message, and a sub-record without its data or key index
-        # would otherwise come out as an empty payload or the first partition key. Every
-        # field the plain schema requires, the full one requires too.
-        if not plain.IsInitialized():
+        # would otherwise come out as an empty payload or the first partition key.
+        if not aggregate.IsInitialized():
             return None
-        if plain.explicit_hash_key_table:
-            return _expand_checked(record, body)
-        plain.DiscardUnknownFields()
-        if plain.ByteSize() != len(body):
-            return _expand_checked(record, body)
+        n = len(aggregate.records)
+        if not n:
+            return None
+        if aggregate.explicit_hash_key_table:
+            return _expand_checked(record, aggregate)
+        columns = _parse_columns(body)
+        subs = columns.records
+        key_indexes = subs.partition_key_index
+        # More than n of either: a sub-record repeats a field (the last one counts), which
+        # the columns cannot tell apart; explicit-hash-key indexes into an empty table are
+        # caught there too.
+        if len(key_indexes) != n or len(subs.data) != n or subs.explicit_hash_key_index:
+            return _expand_checked(record, aggregate)
         # A list built once: indexing the protobuf container would make a new str per
         # sub-record. upb hands back bytes, not str, for a proto2 string that is not valid
         # UTF-8; the KPL only writes text, so such a table means a damaged aggregate, and
         # str.join rejects it (TypeError) in one C call.
-        pks = list(plain.partition_key_table)
+        pks = list(columns.partition_key_table)
         "".join(pks)
-        seq = record.sequence_number
-        arrival = record.approximate_arrival_timestamp
-        subs = [
-            Record(seq, pks[sub.partition_key_index], arrival, index, sub.data)
-            for index, sub in enumerate(plain.records)
-        ]
+        users = UserRecords(record.sequence_number, record._arrival_s, list(subs.data),
+                            list(map(pks.__getitem__, key_indexes)))
     # The payload is untrusted bytes (an MD5 is no signature): whatever base64, the protobuf
     # runtime or a table lookup raise on it (binascii.Error, DecodeError, IndexError,
     # TypeError) means "not a usable aggregate".
     except Exception:
         return None
-    return (subs, pks) if subs else None
+    return users, pks
 
 
 def _expand_checked(
-    record: Record, body: memoryview
-) -> tuple[list[Record], list[str] | None] | None:
-    """The general case: explicit hash keys, tags or unknown fields, read with the full
-    schema and a ``HasField`` per sub-record (an explicit-hash-key index must be told apart
-    from an absent one, which reads as 0)."""
+    record: Record, aggregate: Any
+) -> tuple[UserRecords, list[str] | None] | None:
+    """The general case, explicit hash keys or a repeated field: a ``HasField`` per
+    sub-record (an explicit-hash-key index must be told apart from an absent one, which
+    reads as 0)."""
     try:
-        aggregate = _parse_aggregate(body)
-        if not aggregate.IsInitialized():
-            return None
         pks = list(aggregate.partition_key_table)
         ehks = list(aggregate.explicit_hash_key_table)
         "".join(pks)
         "".join(ehks)
-        seq = record.sequence_number
-        arrival = record.approximate_arrival_timestamp
-        subs = [
-            Record(
-                seq,
-                pks[sub.partition_key_index],
-                arrival,
-                index,
-                sub.data,
-                None,
-                ehks[sub.explicit_hash_key_index]
-                if sub.HasField("explicit_hash_key_index")
-                else None,
-            )
-            for index, sub in enumerate(aggregate.records)
-        ]
+        subs = aggregate.records
+        users = UserRecords(
+            record.sequence_number,
+            record._arrival_s,
+            [sub.data for sub in subs],
+            [pks[sub.partition_key_index] for sub in subs],
+            [ehks[sub.explicit_hash_key_index] if sub.HasField("explicit_hash_key_index")
+             else None for sub in subs],
+        )
     except Exception:
         return None
-    return (subs, None) if subs else None
+    return users, None
 
 
 def _none_aggregated(records: list[Record]) -> bool:
     """True if no record can be an aggregate: each still holds only its base64 text, and no
     text starts like the magic's base64. The same test as :func:`is_aggregated`, made in C
     over the whole page: a page of plain records then costs no Python call per record."""
-    try:
-        return all(map(is_, map(_get_bytes, records), repeat(None))) and not any(
-            map(str.startswith, map(_get_b64, records), repeat(_B64_PREFIX))
-        )
-    except TypeError:
-        return False
+    return all_wire_records(records) and not any(
+        map(str.startswith, map(wire_b64, records), repeat(_B64_PREFIX)))
 
 
 class _Bounds:
@@ -329,11 +323,16 @@ def _keys_in_range(keys: list[str], bounds: _Bounds, pk_verdicts: dict[str, bool
     return True
 
 
-def _in_range(subs: list[Record], bounds: _Bounds, pk_verdicts: dict[str, bool]) -> bool | None:
+def _in_range(users: UserRecords, bounds: _Bounds, pk_verdicts: dict[str, bool]) -> bool | None:
     """True if every sub-record's effective hash key is within bounds; None if an explicit
     hash key is not a decimal integer (the aggregate is then corrupt, not filtered)."""
-    explicit = {s.explicit_hash_key for s in subs if s.explicit_hash_key is not None}
-    implicit = {s.partition_key for s in subs if s.explicit_hash_key is None}
+    ehks = users.explicit_hash_keys
+    if ehks is None:
+        explicit: set[str] = set()
+        implicit = set(users.partition_keys)
+    else:
+        explicit = {k for k in ehks if k is not None}
+        implicit = {pk for pk, k in zip(users.partition_keys, ehks, strict=True) if k is None}
     try:
         explicit_keys = [int(k) for k in explicit]
     except ValueError:

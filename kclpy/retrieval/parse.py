@@ -3,8 +3,8 @@
 botocore's JSON parser walks the output shape for every field of every record, turns each
 ``Data`` into bytes and each timestamp into a ``datetime``: about 60k records/s, which would
 make the parse, not the network, the consumer's bottleneck. Here a successful GetRecords body
-goes through one ``orjson.loads`` and becomes lazy :class:`~kclpy.records.Record` objects that keep
-the payload as base64 text until someone reads it.
+goes through one ``orjson.loads`` and becomes :class:`~kclpy.records.Record` objects, built in C,
+that keep the payload as base64 text until someone reads it.
 
 Only the parse moves: the request still goes through the botocore client, so signing,
 credentials, endpoints, retries and error parsing stay botocore's. A ``before-parse`` handler
@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 from botocore.parsers import ResponseParserError
 
-from kclpy.records import Record
+from kclpy.records import Record, make_wire_record
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
@@ -39,6 +40,7 @@ _EVENT = "before-parse.kinesis.GetRecords"
 _HANDLER_ID = "kclpy.retrieval.parse.fast_get_records"
 # Private key under which the handler passes the page through botocore's response dict.
 _PAGE_KEY = "_kclpy_get_records_page"
+_wire_fields = itemgetter("Data", "PartitionKey", "SequenceNumber", "ApproximateArrivalTimestamp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +70,7 @@ def parse_get_records(body: bytes) -> GetRecordsPage:
 
     Records are not de-aggregated and their data is not base64-decoded here: both happen
     later, and only for what is read. ``ApproximateArrivalTimestamp`` (epoch seconds on the
-    wire) becomes int epoch milliseconds, as amazon_kclpy reports it.
+    wire) reads as int epoch milliseconds, as amazon_kclpy reports it.
 
     Raises botocore's ``ResponseParserError`` if the body is not a GetRecords document, so a
     garbled answer is an error the fetcher retries, never an empty page that reads as
@@ -79,22 +81,17 @@ def parse_get_records(body: bytes) -> GetRecordsPage:
         # parse for large payloads.
         doc = orjson.loads(body)
         raw_records = doc["Records"]
-        # Positional arguments and no helper call per record: after orjson.loads this loop is
-        # most of the parse's cost. The order is (sequence_number, partition_key,
-        # approximate_arrival_timestamp, sub_sequence_number, data, b64).
-        records = [
-            Record(
-                r["SequenceNumber"],
-                r["PartitionKey"],
-                None if (ts := r.get("ApproximateArrivalTimestamp")) is None
-                # round, not int: in binary floating point 1.001 * 1000 is 1000.9999999999999
-                else round(ts * 1000),
-                0,
-                None,
-                r["Data"],
-            )
-            for r in raw_records
-        ]
+        try:
+            # Every record's fields in the order of a wire record's tuple, picked and turned
+            # into a Record in C: no Python call per record.
+            records = list(map(make_wire_record, map(_wire_fields, raw_records)))
+        except KeyError:
+            # ApproximateArrivalTimestamp is optional in the API (AWS always sends it).
+            records = [
+                make_wire_record((r["Data"], r["PartitionKey"], r["SequenceNumber"],
+                           r.get("ApproximateArrivalTimestamp")))
+                for r in raw_records
+            ]
         child_shards = [
             ChildShard(
                 shard_id=c["ShardId"],
@@ -163,7 +160,7 @@ def _page_from_botocore(response: dict[str, Any]) -> GetRecordsPage:
         Record(
             sequence_number=r["SequenceNumber"],
             partition_key=r["PartitionKey"],
-            approximate_arrival_timestamp=_datetime_millis(r.get("ApproximateArrivalTimestamp")),
+            timestamp_millis=_datetime_millis(r.get("ApproximateArrivalTimestamp")),
             data=r["Data"],
         )
         for r in response["Records"]

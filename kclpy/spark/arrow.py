@@ -52,9 +52,12 @@ _MS_TIMESTAMP = pa.timestamp("ms", tz="UTC")
 
 def records_to_batch(stream: str, shard_id: str, records: Sequence[Record]) -> pa.RecordBatch:
     """One shard's records as a batch with :data:`SCHEMA`."""
+    # One pass per column: build the records once, not once per pass (a batch may hold KPL
+    # user records that are only built as they are read).
+    records = records if isinstance(records, list) else list(records)
     n = len(records)
     arrival = pa.array(
-        [r.approximate_arrival_timestamp for r in records], type=_MS_TIMESTAMP
+        [r.timestamp_millis for r in records], type=_MS_TIMESTAMP
     ).cast(SCHEMA.field("approximate_arrival_timestamp").type)
     return pa.RecordBatch.from_arrays(
         [

@@ -266,7 +266,9 @@ class MicroBatcher:
             self._shards.append(shard)
         return shard
 
-    def _offer(self, shard: _Shard, records: list[Record], checkpointer: Checkpointer) -> None:
+    def _offer(
+        self, shard: _Shard, records: Sequence[Record], checkpointer: Checkpointer
+    ) -> None:
         """Queue a shard's records, then block while the shard holds too many."""
         if not records:
             return

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from botocore.exceptions import ClientError
 
-from kclpy.records import Record
+from kclpy.records import EMPTY, Record, Records
 from kclpy.retrieval.backoff import Backoff, classify
 from kclpy.retrieval.kpl import deaggregate
 from kclpy.retrieval.parse import get_records
@@ -122,7 +122,7 @@ def _retrying(operation: str, retries: int, call: Callable[[], _T],
 @dataclass
 class Page:
     #: user records strictly after the start position, de-aggregated and filtered
-    records: list[Record]
+    records: Records
     #: the shard is closed and every record of it was returned
     shard_end: bool
     #: nothing more to read right now
@@ -161,7 +161,7 @@ class ShardReader:
 
     def next_page(self) -> Page:
         if self.ended:
-            return Page([], True, True)
+            return Page(EMPTY, True, True)
         expired = 0
         while True:
             if self._iterator is None:
@@ -180,7 +180,7 @@ class ShardReader:
             break
         self._iterator = page.next_shard_iterator
         raw = page.records
-        records = raw
+        records = Records([raw])
         if raw:
             self._last_raw = raw[-1].sequence_number
             if self._deaggregate:
@@ -192,15 +192,14 @@ class ShardReader:
         caught_up = millis == 0 or (millis is None and not raw)
         return Page(records, self.ended, caught_up or self.ended)
 
-    def _drop_consumed(self, records: list[Record]) -> list[Record]:
+    def _drop_consumed(self, records: Records) -> Records:
         skip = self._skip_through
         if skip is None:
             return records
-        for i, record in enumerate(records):
-            if record.extended_sequence_number > skip:
-                self._skip_through = None
-                return records[i:]
-        return []
+        records = records.after(skip)
+        if records:
+            self._skip_through = None
+        return records
 
     def _get_iterator(self) -> str:
         params: dict[str, Any] = {**self._stream.params(), "ShardId": self.shard.shard_id}
@@ -233,7 +232,7 @@ def _beyond(record: Record, bound: ShardPosition | None) -> bool:
     if bound.kind == AT_TIMESTAMP:
         # The tip probe saw no record from this time on: anything stamped since came later.
         assert bound.timestamp_ms is not None
-        ts = record.approximate_arrival_timestamp
+        ts = record.timestamp_millis
         return ts is not None and ts >= bound.timestamp_ms
     return True
 
@@ -294,7 +293,7 @@ class EndNotFoundError(RuntimeError):
 def read_range(
     reader: ShardReader, end: ShardPosition, *, idle_s: float = 0.5, idle_limit: int = 20,
     sleep: Callable[[float], None] = time.sleep,
-) -> Iterator[list[Record]]:
+) -> Iterator[Records]:
     """The records after the reader's start through ``end`` (AFTER or SHARD_END), page by page.
 
     Raises EndNotFoundError when the shard ends before ``end`` or when the stream stays

@@ -88,7 +88,7 @@ def records(shard: int, start: int, n: int, *, subs: int = 1) -> list[Record]:
         for sub in range(subs):
             out.append(Record(sequence_number=str(1000 * (shard + 1) + i),
                               sub_sequence_number=sub, partition_key=f"pk-{shard}-{i}",
-                              approximate_arrival_timestamp=1_700_000_000_000 + i,
+                              timestamp_millis=1_700_000_000_000 + i,
                               data=f"s{shard}-r{i}-{sub}".encode()))
     return out
 

@@ -129,7 +129,7 @@ def test_parquet_sink_skips_a_committed_retry_and_drops_a_replayed_prefix(
         # 57-digit sequence numbers, sub-records 0 and 1: beyond any Spark integer type
         base = 10**56
         records = [Record(sequence_number=str(base + n), sub_sequence_number=sub,
-                          partition_key="pk", approximate_arrival_timestamp=0,
+                          partition_key="pk", timestamp_millis=0,
                           data=f"{shard_id}-{n}-{sub}".encode())
                    for n in range(first, last + 1) for sub in (0, 1)]
         rng = ShardRange(shard_id, str(base + first), 0, str(base + last), 1, len(records))
