@@ -2,10 +2,10 @@
 first record processed again on each shard it held, next to the configured failover time.
 
 Real processes over real HTTP, as the fleet tests run them: kinesis-mock for Kinesis,
-moto's server for DynamoDB (one request at a time, so conditional writes are atomic),
-``kclpy-worker`` processes recording every record they process with a wall-clock time
-(same host, so comparable with the time the signal was sent). A producer writes to every
-shard every 0.1 s, so a shard's gap is how long nobody read it.
+moto's server for DynamoDB (handing moto one request at a time, so conditional writes are
+atomic), ``kclpy-worker`` processes recording every record they process with a wall-clock
+time (same host, so comparable with the time the signal was sent). A producer writes to
+every shard every 0.1 s, so a shard's gap is how long nobody read it.
 
 Two figures per shard: "started", when a survivor's processor was initialized for it (the
 lease protocol's part), and "first record", when the first record was processed there (plus
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import _common  # noqa: F401  (puts the repository root on sys.path)
 
-from kclpy.local import start_kinesis_mock
-from tests.support.fleet import Fleet, Producer, fleet, start_serial_moto_server
+from kclpy.local import start_kinesis_mock, start_moto_server
+from tests.support.fleet import Fleet, Producer, fleet
 from tests.support.streams import create_stream, kinesis_client, unique_name, wait_for
 
 
@@ -136,7 +136,7 @@ def main() -> int:
     os.environ.update(
         AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1"
     )
-    with start_kinesis_mock() as kinesis, start_serial_moto_server() as dynamodb:
+    with start_kinesis_mock() as kinesis, start_moto_server() as dynamodb:
         for failover_ms in args.failover_ms:
             print(f"failover time {failover_ms} ms, {args.shards} shards, {args.workers} workers")
             all_killed: list[Gaps] = []

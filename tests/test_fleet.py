@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 from collections import defaultdict
-from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,7 +28,6 @@ from tests.support.fleet import (
     LeaseSampler,
     Producer,
     fleet,
-    start_serial_moto_server,
 )
 from tests.support.streams import (
     create_stream,
@@ -44,14 +42,6 @@ if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def dynamodb(aws_test_environment: None) -> Iterator[LocalEndpoint]:
-    """The fleet's DynamoDB: moto answering one request at a time, so that conditional
-    writes are atomic as in DynamoDB (``start_serial_moto_server`` says why)."""
-    with start_serial_moto_server() as endpoint:
-        yield endpoint
 
 
 def start_fleet(
@@ -74,9 +64,9 @@ def all_processed(ledger: FleetLedger, payloads: list[str]) -> bool:
 
 
 def test_three_workers_started_apart_end_balanced_without_ping_pong(
-    kinesis_mock: LocalEndpoint, dynamodb: LocalEndpoint, tmp_path: Path
+    kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, tmp_path: Path
 ) -> None:
-    kinesis, stream, group_cm = start_fleet(kinesis_mock, dynamodb, tmp_path, 8)
+    kinesis, stream, group_cm = start_fleet(kinesis_mock, moto_server, tmp_path, 8)
     with group_cm as group, Producer(kinesis, stream, "bal") as producer:
         group.start("w1")
         wait_for(lambda: len(held_by(group, "w1")) == 8, 30, "w1 holds every lease")
@@ -111,9 +101,9 @@ def resume_checkpoints(ledger: FleetLedger, after_line: int, pid: int) -> dict[s
 
 
 def test_kill_9_survivors_resume_and_only_the_killed_workers_tail_is_repeated(
-    kinesis_mock: LocalEndpoint, dynamodb: LocalEndpoint, tmp_path: Path
+    kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, tmp_path: Path
 ) -> None:
-    kinesis, stream, group_cm = start_fleet(kinesis_mock, dynamodb, tmp_path, 8)
+    kinesis, stream, group_cm = start_fleet(kinesis_mock, moto_server, tmp_path, 8)
     with group_cm as group, Producer(kinesis, stream, "k9") as producer:
         workers = {name: group.start(name) for name in ("w1", "w2", "w3")}
         wait_for(lambda: group.settled(set(workers)), 60, "a balanced fleet")
@@ -160,9 +150,9 @@ def test_kill_9_survivors_resume_and_only_the_killed_workers_tail_is_repeated(
 
 
 def test_sigterm_hands_over_within_the_fleet_with_zero_duplicates(
-    kinesis_mock: LocalEndpoint, dynamodb: LocalEndpoint, tmp_path: Path
+    kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, tmp_path: Path
 ) -> None:
-    kinesis, stream, group_cm = start_fleet(kinesis_mock, dynamodb, tmp_path, 8)
+    kinesis, stream, group_cm = start_fleet(kinesis_mock, moto_server, tmp_path, 8)
     with group_cm as group, Producer(kinesis, stream, "term") as producer:
         workers = {name: group.start(name) for name in ("w1", "w2", "w3")}
         wait_for(lambda: group.settled(set(workers)), 60, "a balanced fleet")
@@ -194,12 +184,12 @@ def test_sigterm_hands_over_within_the_fleet_with_zero_duplicates(
 
 
 def test_a_zombie_finds_its_leases_gone_and_can_never_checkpoint(
-    kinesis_mock: LocalEndpoint, dynamodb: LocalEndpoint, tmp_path: Path
+    kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, tmp_path: Path
 ) -> None:
-    kinesis, stream, group_cm = start_fleet(kinesis_mock, dynamodb, tmp_path, 4)
+    kinesis, stream, group_cm = start_fleet(kinesis_mock, moto_server, tmp_path, 4)
     with (
         group_cm as group,
-        LeaseSampler(dynamodb.url, group.application) as sampler,
+        LeaseSampler(moto_server.url, group.application) as sampler,
         Producer(kinesis, stream, "zombie") as producer,
     ):
         zombie = group.start("zombie")
@@ -260,9 +250,9 @@ def test_a_zombie_finds_its_leases_gone_and_can_never_checkpoint(
 
 
 def test_a_split_while_two_workers_run_keeps_order_and_cleans_up_the_parent(
-    kinesis_mock: LocalEndpoint, dynamodb: LocalEndpoint, tmp_path: Path
+    kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, tmp_path: Path
 ) -> None:
-    kinesis, stream, group_cm = start_fleet(kinesis_mock, dynamodb, tmp_path, 2)
+    kinesis, stream, group_cm = start_fleet(kinesis_mock, moto_server, tmp_path, 2)
     with group_cm as group, Producer(kinesis, stream, "split") as producer:
         for name in ("w1", "w2"):
             group.start(name)
@@ -306,9 +296,9 @@ def test_a_split_while_two_workers_run_keeps_order_and_cleans_up_the_parent(
 
 
 def test_processes_n_runs_n_workers_and_sigterm_reaches_all(
-    kinesis_mock: LocalEndpoint, dynamodb: LocalEndpoint, tmp_path: Path
+    kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, tmp_path: Path
 ) -> None:
-    kinesis, stream, group_cm = start_fleet(kinesis_mock, dynamodb, tmp_path, 4)
+    kinesis, stream, group_cm = start_fleet(kinesis_mock, moto_server, tmp_path, 4)
     with group_cm as group:
         payloads = [f"n-{i}" for i in range(200)]
         put_plain(kinesis, stream, [p.encode() for p in payloads])

@@ -24,7 +24,7 @@ from kclpy.leases.table import LeaseTable, LeaseTableThrottled
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from tests.support.determinism import Clock, FirstChoiceRandom
-from tests.support.fleet import Producer, fleet, start_serial_moto_server
+from tests.support.fleet import Producer, fleet
 from tests.support.streams import create_stream, kinesis_client, unique_name, wait_for
 
 FAILOVER = 10.0
@@ -361,23 +361,15 @@ def test_a_fleet_balancing_by_handoff_converges_without_ping_pong(
 # -- worker processes over real HTTP ---------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def dynamodb(aws_test_environment: None) -> Iterator[LocalEndpoint]:
-    """The fleet's DynamoDB: moto answering one request at a time, so that conditional
-    writes are atomic as in DynamoDB (``start_serial_moto_server`` says why)."""
-    with start_serial_moto_server() as endpoint:
-        yield endpoint
-
-
 @pytest.mark.integration
 def test_a_rebalance_with_checkpoints_in_shutdown_requested_repeats_nothing(
-    kinesis_mock: LocalEndpoint, dynamodb: LocalEndpoint, tmp_path: Path
+    kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, tmp_path: Path
 ) -> None:
     kinesis = kinesis_client(kinesis_mock.url)
     stream = unique_name("handoff")
     create_stream(kinesis, stream, 2)
     with (
-        fleet(kinesis_mock.url, dynamodb.url, stream, unique_name("app"), tmp_path) as group,
+        fleet(kinesis_mock.url, moto_server.url, stream, unique_name("app"), tmp_path) as group,
         Producer(kinesis, stream, "h") as producer,
     ):
         first = group.start("first")

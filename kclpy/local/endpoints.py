@@ -27,7 +27,9 @@ from typing import TypeVar
 import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
-from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler, make_server
+from werkzeug.serving import BaseWSGIServer
+
+from kclpy.local.moto_app import make_moto_server
 
 LOOPBACK = "127.0.0.1"
 
@@ -44,6 +46,9 @@ _TERMINATE_GRACE_S = 5.0
 # A free port can be taken by someone else between our probe and the child's bind; a child
 # that dies before answering is therefore started again on fresh ports a couple of times.
 _START_ATTEMPTS = 3
+# Where this kclpy is imported from: a child running one of its modules must import the same
+# copy, even when that is a source checkout on the parent's sys.path rather than installed.
+_IMPORT_ROOT = str(Path(__file__).resolve().parents[2])
 
 _E = TypeVar("_E", bound="LocalEndpoint")
 
@@ -161,26 +166,15 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-class _QuietRequestHandler(WSGIRequestHandler):
-    """Keeps one access line per request out of the host application's logs; errors still log."""
-
-    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
-        return None
-
-
 def start_embedded() -> EmbeddedEndpoint:
     """Serve moto's Kinesis and DynamoDB on one loopback port from a thread of this process.
 
-    This is what moto's ThreadedMotoServer does, except that stopping also closes the listening
-    socket (ThreadedMotoServer leaves the port bound until the process exits) and per-request
-    access logging is off.
+    This is what moto's ThreadedMotoServer does, except that conditional writes are atomic
+    (see :mod:`kclpy.local.moto_app`), stopping also closes the listening socket
+    (ThreadedMotoServer leaves the port bound until the process exits) and per-request access
+    logging is off.
     """
-    # moto registers every AWS backend on import (about half a second); only this function
-    # needs it in-process, so importing kclpy.local stays cheap.
-    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
-
-    app = DomainDispatcherApplication(create_backend_app)
-    server = make_server(LOOPBACK, 0, app, threaded=True, request_handler=_QuietRequestHandler)
+    server = make_moto_server(LOOPBACK, 0)
     # A short poll interval only bounds how long stop() waits for the serving loop to notice.
     serve = functools.partial(server.serve_forever, poll_interval=0.05)
     thread = threading.Thread(target=serve, name=f"kclpy-moto-{server.server_port}", daemon=True)
@@ -189,12 +183,20 @@ def start_embedded() -> EmbeddedEndpoint:
 
 
 def start_moto_server() -> ProcessEndpoint:
-    """Run ``python -m moto.server`` as a child process serving Kinesis and DynamoDB."""
+    """Run moto as a child process serving Kinesis and DynamoDB, conditional writes atomic.
+
+    It is ``python -m kclpy.local.moto_server``, not ``python -m moto.server``, whose
+    concurrent requests can let two conditional writes to one item both succeed.
+    """
 
     def prepare(workdir: Path) -> tuple[list[str], dict[str, str], int]:
         port = free_port()
-        argv = [sys.executable, "-m", "moto.server", "-H", LOOPBACK, "-p", str(port)]
-        return argv, dict(os.environ), port
+        argv = [
+            sys.executable, "-m", "kclpy.local.moto_server", "--host", LOOPBACK, "--port", str(port)
+        ]  # fmt: skip
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_IMPORT_ROOT, env.get("PYTHONPATH")]))
+        return argv, env, port
 
     return launch("moto-server", prepare, services=("kinesis", "dynamodb"), ready_timeout_s=30.0)
 

@@ -5,8 +5,7 @@ record and per event to the file named by ``KCLPY_TEST_LEDGER`` (one ``write`` p
 an ``O_APPEND`` descriptor, so the lines of concurrent processes never interleave and the
 file's order is the order things happened). ``FleetLedger`` reads it back. ``Fleet`` starts
 and signals the worker processes; ``LeaseSampler`` reads the lease table in a loop to check
-that no checkpoint ever moves backwards. ``start_serial_moto_server`` is the DynamoDB they
-share.
+that no checkpoint ever moves backwards.
 """
 
 from __future__ import annotations
@@ -28,37 +27,9 @@ from typing import Any
 import kclpy
 from kclpy.checkpoint import position_of
 from kclpy.errors import CheckpointError
-from kclpy.local.endpoints import ProcessEndpoint, free_port, launch
 from tests.support.streams import dynamodb_client, put_plain
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-
-#: moto's server, answering one request at a time (see ``start_serial_moto_server``)
-_SERIAL_MOTO = (
-    "import sys\n"
-    "from werkzeug.serving import run_simple\n"
-    "from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app\n"
-    "run_simple(sys.argv[1], int(sys.argv[2]),\n"
-    "           DomainDispatcherApplication(create_backend_app), threaded=False)\n"
-)
-
-
-def start_serial_moto_server() -> ProcessEndpoint:
-    """moto's server for DynamoDB, serving one request at a time.
-
-    The lease protocol rests on DynamoDB applying each conditional write atomically. moto
-    checks a condition and applies the update in separate steps without a lock, so under
-    ``python -m moto.server`` (a thread per request) two workers taking the same lease at
-    the same moment can both succeed - something DynamoDB never does - and a test would see
-    duplicates the protocol prevents. Serving requests one at a time restores atomicity.
-    """
-
-    def prepare(workdir: Path) -> tuple[list[str], dict[str, str], int]:
-        port = free_port()
-        argv = [sys.executable, "-c", _SERIAL_MOTO, "127.0.0.1", str(port)]
-        return argv, dict(os.environ), port
-
-    return launch("serial-moto", prepare, services=("dynamodb",), ready_timeout_s=30.0)
 
 
 class FleetProcessor(kclpy.IRecordProcessor):
