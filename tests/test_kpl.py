@@ -10,7 +10,14 @@ import pytest
 from aws_kinesis_agg.aggregator import RecordAggregator
 
 from kclpy.records import Record
-from kclpy.retrieval.kpl import MAGIC, AggregatedRecord, deaggregate, is_aggregated
+from kclpy.retrieval import kpl
+from kclpy.retrieval.kpl import (
+    MAGIC,
+    AggregatedRecord,
+    HashKeyRange,
+    deaggregate,
+    is_aggregated,
+)
 from tests.support.decoding import counting_decodes
 
 MAX_HASH_KEY = 2**128 - 1
@@ -289,3 +296,53 @@ def test_a_tag_without_its_required_key_makes_the_aggregate_corrupt() -> None:
     sub.tags.add().value = "no key"
     broken = wire(sign(message.SerializePartialToString()))
     assert deaggregate([broken]).corrupt == 1
+
+
+class _CountingMD5:
+    """Counts the MD5s the de-aggregator computes, by input length: an aggregate's digest
+    covers its whole protobuf body, a partition key's hash key only the key."""
+
+    def __init__(self) -> None:
+        self.lengths: list[int] = []
+
+    def __call__(self, data: bytes | memoryview) -> object:
+        self.lengths.append(len(data))
+        return hashlib.md5(data)
+
+
+def key_hashes(lengths: list[int]) -> int:
+    return sum(1 for n in lengths if n < 20)
+
+
+def test_a_shards_key_range_hashes_each_partition_key_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    counting = _CountingMD5()
+    monkeypatch.setattr(kpl, "_md5", counting)
+    key_range = HashKeyRange(0, 2**127)
+    blob = kpl_blob([(f"key-{i % 5}", bytes([i]), None) for i in range(40)])
+    first = deaggregate([wire(blob)], key_range=key_range)
+    assert key_hashes(counting.lengths) == 5
+    again = deaggregate([wire(blob, seq="2")], key_range=key_range)
+    assert key_hashes(counting.lengths) == 5
+    fresh = deaggregate([wire(blob)], 0, 2**127)
+    assert (first.filtered, len(first.records)) == (again.filtered, len(again.records)) == (
+        fresh.filtered, len(fresh.records))
+
+
+def test_the_verdict_cache_is_bounded_and_stays_right(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kpl, "_MAX_VERDICTS", 3)
+    key_range = HashKeyRange(0, 2**127)
+    keys = [f"unique-{i}" for i in range(10)]
+    for key in keys:
+        expected = int.from_bytes(hashlib.md5(key.encode()).digest(), "big") <= 2**127
+        assert key_range.keys_in_range([key]) is expected
+        assert len(key_range._verdicts) <= 3
+    assert key_range.keys_in_range(keys) is all(
+        int.from_bytes(hashlib.md5(k.encode()).digest(), "big") <= 2**127 for k in keys)
+
+
+def test_the_whole_key_space_needs_no_hashing(monkeypatch: pytest.MonkeyPatch) -> None:
+    counting = _CountingMD5()
+    monkeypatch.setattr(kpl, "_md5", counting)
+    result = deaggregate([wire(kpl_blob(USERS))], 0, 2**128 - 1)
+    assert key_hashes(counting.lengths) == 0 and len(result.records) == len(USERS)

@@ -39,7 +39,7 @@ from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
 from kclpy.metrics import Metrics
 from kclpy.records import EMPTY, Record, Records
 from kclpy.retrieval.backoff import THROTTLED, Backoff, classify
-from kclpy.retrieval.kpl import deaggregate
+from kclpy.retrieval.kpl import HashKeyRange, deaggregate
 from kclpy.retrieval.parse import (
     ChildShard,
     GetRecordsPage,
@@ -199,7 +199,7 @@ class ShardFetcher:
         self._stream_arn = stream_arn
         self._max_records = max_records
         self._idle_time_s = idle_time_s
-        self._hash_range = hash_range
+        self._key_range = None if hash_range is None else HashKeyRange(*hash_range)
         self._backoff = backoff if backoff is not None else Backoff()
         self._deliver_empty = deliver_empty
         self._stop = threading.Event()
@@ -414,10 +414,7 @@ class ShardFetcher:
         if nothing is left to deliver. Runs on the thread that calls ``get()``."""
         records = EMPTY
         if page.records:
-            if self._hash_range is not None:
-                agg = deaggregate(page.records, *self._hash_range)
-            else:
-                agg = deaggregate(page.records)
+            agg = deaggregate(page.records, key_range=self._key_range)
             if agg.corrupt:
                 self._m_corrupt.inc(agg.corrupt)
             if agg.filtered:

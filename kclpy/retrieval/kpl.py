@@ -47,7 +47,14 @@ sys.modules.setdefault("config_pb2", config_pb2)
 # Re-exported: importing it from here is the way that needs no sys.path or sys.modules care.
 from aws_kinesis_agg.messages_pb2 import AggregatedRecord  # noqa: E402
 
-__all__ = ["MAGIC", "AggregatedRecord", "DeaggregationResult", "deaggregate", "is_aggregated"]
+__all__ = [
+    "MAGIC",
+    "AggregatedRecord",
+    "DeaggregationResult",
+    "HashKeyRange",
+    "deaggregate",
+    "is_aggregated",
+]
 
 MAGIC = b"\xf3\x89\x9a\xc2"
 _DIGEST_SIZE = 16
@@ -57,6 +64,8 @@ _MIN_SIZE = len(MAGIC) + _DIGEST_SIZE
 _B64_PREFIX = "84maw"
 _B64_SIXTH = frozenset("ghijklmnopqrstuv")
 _MAX_HASH_KEY = 2**128 - 1
+#: partition keys whose verdict a HashKeyRange keeps (a few MB at most)
+_MAX_VERDICTS = 65_536
 
 _parse_aggregate = AggregatedRecord.FromString
 _md5 = hashlib.md5
@@ -136,6 +145,8 @@ def deaggregate(
     records: Iterable[Record],
     starting_hash_key: int | None = None,
     ending_hash_key: int | None = None,
+    *,
+    key_range: HashKeyRange | None = None,
 ) -> DeaggregationResult:
     """Expand KPL aggregates into their user records; other records pass through as they are.
 
@@ -154,21 +165,16 @@ def deaggregate(
     [starting_hash_key, ending_hash_key], the WHOLE aggregate is dropped and all its
     sub-records are counted in ``filtered``. That happens when the KPL aggregated for a stale
     shard map: it notices the aggregate landed on an unexpected shard and re-sends its user
-    records, so delivering any of them from here would duplicate them.
+    records, so delivering any of them from here would duplicate them. A caller that reads
+    one shard page after page passes the shard's :class:`HashKeyRange` as ``key_range``
+    instead of the bounds, so the MD5s of recurring partition keys are computed once.
     """
-    bounds = None
-    if starting_hash_key is not None or ending_hash_key is not None:
-        bounds = _Bounds(
-            0 if starting_hash_key is None else starting_hash_key,
-            _MAX_HASH_KEY if ending_hash_key is None else ending_hash_key,
-        )
-    # Verdicts per partition key, shared by the aggregates of this call: keys recur across
-    # the aggregates of a page, and an MD5 costs more than the rest of a sub-record's
-    # de-aggregation.
+    bounds = key_range
+    if bounds is None and (starting_hash_key is not None or ending_hash_key is not None):
+        bounds = HashKeyRange(starting_hash_key, ending_hash_key)
     records = list(records)
     if _none_aggregated(records):
         return DeaggregationResult(Records([records]), 0, 0)
-    pk_verdicts: dict[str, bool] = {}
     parts: list[list[Record] | UserRecords] = []
     run: list[Record] = []
     corrupt = 0
@@ -187,9 +193,8 @@ def deaggregate(
         # keys of the table). Otherwise look at the sub-records themselves, since a key
         # that no sub-record uses must not get the aggregate filtered.
         verdict: bool | None = True
-        if bounds is not None and not (
-                keys is not None and _keys_in_range(keys, bounds, pk_verdicts)):
-            verdict = _in_range(users, bounds, pk_verdicts)
+        if bounds is not None and not (keys is not None and bounds.keys_in_range(keys)):
+            verdict = bounds.users_in_range(users)
         if verdict is None:
             run.append(record)
             corrupt += 1
@@ -289,66 +294,67 @@ def _none_aggregated(records: list[Record]) -> bool:
         map(str.startswith, map(wire_b64, records), repeat(_B64_PREFIX)))
 
 
-class _Bounds:
-    """A hash-key range, also as 16-byte big-endian strings: an MD5 digest compared as bytes
-    orders like the 128-bit integer it encodes, so partition keys skip int.from_bytes."""
+class HashKeyRange:
+    """A shard's hash-key range, and what is known of the partition keys seen so far.
 
-    __slots__ = ("high", "high_digest", "low", "low_digest")
+    A partition key's hash key is the MD5 of its UTF-8 bytes, and an MD5 costs more than the
+    rest of a user record's de-aggregation; keys recur (a page of 100-byte records can hold
+    90,000 records under a few thousand keys), so each verdict is kept, up to
+    ``_MAX_VERDICTS`` keys (then the cache starts over: streams keyed by unique ids gain
+    nothing from it and must not grow it without bound). Not thread-safe: one per reader.
+    """
 
-    def __init__(self, low: int, high: int) -> None:
-        self.low = low
-        self.high = high
-        # Clamped into the 128-bit key space; None when no 128-bit key is in range.
-        clamped_low, clamped_high = max(low, 0), min(high, _MAX_HASH_KEY)
+    __slots__ = ("_everything", "_verdicts", "high", "high_digest", "low", "low_digest")
+
+    def __init__(self, low: int | None, high: int | None) -> None:
+        self.low = 0 if low is None else low
+        self.high = _MAX_HASH_KEY if high is None else high
+        # An MD5 compared as 16 big-endian bytes orders like the 128-bit integer it encodes,
+        # so partition keys skip int.from_bytes. Clamped into the 128-bit key space; None
+        # when no 128-bit key is in range.
+        clamped_low, clamped_high = max(self.low, 0), min(self.high, _MAX_HASH_KEY)
         if clamped_low > clamped_high:
             self.low_digest: bytes | None = None
             self.high_digest: bytes | None = None
         else:
             self.low_digest = clamped_low.to_bytes(16, "big")
             self.high_digest = clamped_high.to_bytes(16, "big")
+        #: every MD5 is in range (a stream's only shard): no partition key needs hashing
+        self._everything = clamped_low == 0 and clamped_high == _MAX_HASH_KEY
+        self._verdicts: dict[str, bool] = {}
 
-
-def _keys_in_range(keys: list[str], bounds: _Bounds, pk_verdicts: dict[str, bool]) -> bool:
-    """True if the MD5 hash key of every partition key in ``keys`` is within bounds."""
-    low_digest, high_digest = bounds.low_digest, bounds.high_digest
-    if low_digest is None or high_digest is None:
-        return False
-    verdict = pk_verdicts.get
-    for pk in keys:
-        ok = verdict(pk)
-        if ok is None:
-            ok = pk_verdicts[pk] = low_digest <= _md5(pk.encode("utf-8")).digest() <= high_digest
-        if not ok:
+    def keys_in_range(self, keys: list[str]) -> bool:
+        """True if the MD5 hash key of every partition key in ``keys`` is within range."""
+        if self._everything:
+            return True
+        verdicts = self._verdicts
+        try:
+            # Every key seen before (the common case): one C-level pass.
+            return all(map(verdicts.__getitem__, keys))
+        except KeyError:
+            pass
+        low_digest, high_digest = self.low_digest, self.high_digest
+        if low_digest is None or high_digest is None:
             return False
-    return True
+        if len(verdicts) + len(keys) > _MAX_VERDICTS:
+            verdicts.clear()
+        for pk in keys:
+            if pk not in verdicts:
+                verdicts[pk] = low_digest <= _md5(pk.encode("utf-8")).digest() <= high_digest
+        return all(map(verdicts.__getitem__, keys))
 
-
-def _in_range(users: UserRecords, bounds: _Bounds, pk_verdicts: dict[str, bool]) -> bool | None:
-    """True if every sub-record's effective hash key is within bounds; None if an explicit
-    hash key is not a decimal integer (the aggregate is then corrupt, not filtered)."""
-    ehks = users.explicit_hash_keys
-    if ehks is None:
-        explicit: set[str] = set()
-        implicit = set(users.partition_keys)
-    else:
+    def users_in_range(self, users: UserRecords) -> bool | None:
+        """True if every user record's effective hash key is within range; None if an
+        explicit hash key is not a decimal integer (the aggregate is then corrupt, not
+        filtered)."""
+        ehks = users.explicit_hash_keys
+        if ehks is None:
+            return self.keys_in_range(users.partition_keys)
         explicit = {k for k in ehks if k is not None}
-        implicit = {pk for pk, k in zip(users.partition_keys, ehks, strict=True) if k is None}
-    try:
-        explicit_keys = [int(k) for k in explicit]
-    except ValueError:
-        return None
-    low, high = bounds.low, bounds.high
-    if not all(low <= k <= high for k in explicit_keys):
-        return False
-    low_digest, high_digest = bounds.low_digest, bounds.high_digest
-    for pk in implicit:
-        ok = pk_verdicts.get(pk)
-        if ok is None:
-            ok = pk_verdicts[pk] = (
-                low_digest is not None
-                and high_digest is not None
-                and low_digest <= _md5(pk.encode("utf-8")).digest() <= high_digest
-            )
-        if not ok:
-            return False
-    return True
+        implicit = [pk for pk, k in zip(users.partition_keys, ehks, strict=True) if k is None]
+        try:
+            explicit_keys = [int(k) for k in explicit]
+        except ValueError:
+            return None
+        low, high = self.low, self.high
+        return all(low <= k <= high for k in explicit_keys) and self.keys_in_range(implicit)

@@ -24,7 +24,7 @@ from botocore.exceptions import ClientError
 
 from kclpy.records import EMPTY, Record, Records
 from kclpy.retrieval.backoff import Backoff, classify
-from kclpy.retrieval.kpl import deaggregate
+from kclpy.retrieval.kpl import HashKeyRange, deaggregate
 from kclpy.retrieval.parse import get_records
 from kclpy.spark.offsets import AFTER, AT_TIMESTAMP, SHARD_END, TRIM_HORIZON, ShardPosition
 
@@ -150,6 +150,7 @@ class ShardReader:
         self.shard = shard
         self._start = start
         self._deaggregate = deaggregate
+        self._key_range = HashKeyRange(shard.starting_hash_key, shard.ending_hash_key)
         self._limit = limit
         self._retries = retries
         self._iterator: str | None = None
@@ -184,8 +185,7 @@ class ShardReader:
         if raw:
             self._last_raw = raw[-1].sequence_number
             if self._deaggregate:
-                records = deaggregate(
-                    raw, self.shard.starting_hash_key, self.shard.ending_hash_key).records
+                records = deaggregate(raw, key_range=self._key_range).records
             records = self._drop_consumed(records)
         self.ended = page.next_shard_iterator is None
         millis = page.millis_behind_latest
