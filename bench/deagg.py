@@ -8,7 +8,8 @@ record: kclpy's batch builds its records as they are read, so each run lists it.
   * kclpy from the wire: records still base64 text as the kclpy parser leaves them, so the
     base64 decode of the aggregates (which botocore did before the baseline's clock
     started) is inside kclpy's time;
-  * kclpy with hash-range filtering on (the shard's full range: nothing dropped);
+  * kclpy with hash-range filtering on, for a range short of the whole key space by one key
+    (nothing dropped, but every partition key hashed: the verdict cache starts cold each run);
   * a whole GetRecords page of these aggregates, parse + de-aggregation: kclpy's parser and
     deaggregate against botocore's parser and aws-kinesis-agg (what a boto3 consumer runs).
 Run: python bench/deagg.py [--repetitions N]
@@ -79,8 +80,9 @@ def main() -> None:
     def kclpy(records: list[Record]) -> list[Record]:
         return list(deaggregate(records).records)
 
-    def full_range(records: list[Record]) -> list[Record]:
-        return list(deaggregate(records, 0, 2**128 - 1).records)
+    def filtered(records: list[Record]) -> list[Record]:
+        # The whole key space needs no hashing; one key less than that needs all of it.
+        return list(deaggregate(records, 0, 2**128 - 2).records)
 
     page = json.dumps({
         "Records": [{"SequenceNumber": seq, "ApproximateArrivalTimestamp": arrival / 1000,
@@ -109,7 +111,7 @@ def main() -> None:
     for name, ours in (
         ("kclpy from bytes", (from_bytes, kclpy)),
         ("kclpy from the wire (incl. base64)", (from_wire, kclpy)),
-        ("kclpy from bytes, hash-range filter", (from_bytes, full_range)),
+        ("kclpy from bytes, hash-range filter", (from_bytes, filtered)),
     ):
         figure = compare(f"{label}, {name}", USER_RECORDS, ours, (boto3_records, baseline),
                          repetitions)

@@ -34,8 +34,9 @@ __all__ = ["Record", "Records"]
 class Record(tuple[Any, ...]):
     """One user record. For a KPL sub-record, ``sequence_number`` is the parent's.
 
-    An immutable value: two records are equal when their fields are, and they may be kept,
-    hashed or sent to another process (they pickle). Read ``binary_data`` once per use and
+    An immutable value: records compare equal when they hold the same fields in the same
+    form (a record read from the wire never equals one built from bytes), and they may be
+    kept, hashed or sent to another process (they pickle). Read ``binary_data`` once per use and
     keep the result if you need it several times: a record read from the wire holds its
     payload as base64 text and decodes it on every access rather than caching it.
     """
@@ -226,6 +227,7 @@ def is_wire_record(record: Record) -> bool:
 def all_wire_records(records: list[Record]) -> bool:
     """:func:`is_wire_record` for every record, in C: no Python call per record."""
     return all(map(is_, map(type, records), repeat(_WireRecord)))
+
 
 _JSON_NAMES: dict[str, Callable[[Record], Any]] = {
     "data": lambda r: r.data,
