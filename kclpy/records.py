@@ -2,14 +2,15 @@
 
 The hot path's cost is per record, so neither is built the obvious way:
 
-* A :class:`Record` is an immutable tuple whose fields are read by C-level descriptors, and
-  the parser and the de-aggregator create records with ``tuple.__new__`` mapped over columns,
-  never with a Python ``__init__`` per record. It keeps its payload in the form it arrived
-  in (base64 text from the wire, bytes from a KPL sub-record) and converts only when read.
-* :class:`Records`, what ``ProcessRecordsInput.records`` holds, keeps a KPL aggregate's user
-  records as columns (payloads, partition keys) and builds each :class:`Record` only as the
-  processor reaches it. A 10 MiB page is about 90,000 user records of 100 bytes: built all at
-  once they would outlive the collector's young generation and be walked by every full
+* A :class:`Record` is an immutable tuple whose fields are read by C-level descriptors,
+  created with ``tuple.__new__`` mapped over rows or columns, never with a Python
+  ``__init__`` per record. It keeps its payload in the form it arrived in (base64 text from
+  the wire, bytes from a KPL sub-record) and converts only when read.
+* :class:`Records`, what ``ProcessRecordsInput.records`` holds, keeps a page's records as the
+  rows the parser picked (:class:`WireRecords`) and a KPL aggregate's user records as
+  columns (:class:`UserRecords`), and builds each :class:`Record` only as the processor
+  reaches it. A 10 MiB page is about 90,000 user records of 100 bytes: built all at once
+  they would outlive the collector's young generation and be walked by every full
   collection; built one at a time they die young, unseen by the collector.
 
 Attribute names are amazon_kclpy v3's.
@@ -215,7 +216,7 @@ over zipped columns, the whole construction runs in C."""
 make_bytes_record: Callable[[tuple[Any, ...]], Record] = partial(tuple.__new__, _BytesRecord)
 """Build a bytes record from ``(data, partition_key, sequence_number, sub_sequence_number,
 arrival_s, explicit_hash_key)``."""
-wire_b64: Callable[[Record], str] = itemgetter(0)
+wire_b64: Callable[[tuple[Any, ...]], str] = itemgetter(0)
 """The base64 text of a wire record, read in C (for scans over a whole page)."""
 
 
@@ -238,7 +239,21 @@ _JSON_NAMES: dict[str, Callable[[Record], Any]] = {
 }
 
 
-class UserRecords:
+class RecordSequence(Sequence[Record]):
+    """A read-only sequence of records that compares like a list of them: the batches kclpy
+    hands over stand in for the lists amazon_kclpy hands over."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RecordSequence | list | tuple):
+            return len(self) == len(other) and all(map(eq, self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class UserRecords(RecordSequence):
     """One KPL aggregate's user records as columns; a :class:`Record` is built per read.
 
     All of them share the aggregate's sequence number and arrival time; sub-sequence numbers
@@ -278,36 +293,87 @@ class UserRecords:
             count(self.first_sub_sequence_number), repeat(self.arrival_s),
             repeat(None) if ehks is None else ehks))
 
-    def record(self, index: int) -> Record:
+    @overload
+    def __getitem__(self, index: int) -> Record: ...
+    @overload
+    def __getitem__(self, index: slice) -> UserRecords: ...
+
+    def __getitem__(self, index: int | slice) -> Record | UserRecords:
         ehks = self.explicit_hash_keys
+        if isinstance(index, slice):
+            start, _, step = index.indices(len(self))
+            if step != 1:
+                raise ValueError("user records slice with step 1 only")
+            return UserRecords(self.sequence_number, self.arrival_s, self.data[index],
+                               self.partition_keys[index],
+                               None if ehks is None else ehks[index],
+                               self.first_sub_sequence_number + start)
+        if index < 0:
+            index += len(self)
         return make_bytes_record((
             self.data[index], self.partition_keys[index], self.sequence_number,
             self.first_sub_sequence_number + index, self.arrival_s,
             None if ehks is None else ehks[index]))
 
-    def tail(self, start: int) -> UserRecords:
-        """The user records from ``start`` on (0 <= start <= len)."""
-        ehks = self.explicit_hash_keys
-        return UserRecords(self.sequence_number, self.arrival_s, self.data[start:],
-                           self.partition_keys[start:], None if ehks is None else ehks[start:],
-                           self.first_sub_sequence_number + start)
-
-    def head(self, stop: int) -> UserRecords:
-        """The user records before ``stop`` (0 <= stop <= len)."""
-        ehks = self.explicit_hash_keys
-        return UserRecords(self.sequence_number, self.arrival_s, self.data[:stop],
-                           self.partition_keys[:stop], None if ehks is None else ehks[:stop],
-                           self.first_sub_sequence_number)
-
     def payload_bytes(self) -> int:
         return sum(map(len, self.data))
 
 
-_Part = list[Record] | UserRecords
-"""A run of a batch: records already built, or one aggregate's user records as columns."""
+WireRow = tuple[str, str, str, "float | None"]
+"""A record as GetRecords returned it: ``(b64, partition_key, sequence_number, arrival_s)``."""
 
 
-class Records(Sequence[Record]):
+class WireRecords(RecordSequence):
+    """A GetRecords page's records as plain rows; a :class:`Record` is built per read.
+
+    Why rows: a tuple of strings and numbers is dropped from the garbage collector's lists the
+    first time the collector looks at it, a :class:`Record` (a tuple subclass) never is. Pages
+    wait in every shard's prefetch queue, up to 30,000 records per shard, so as records they
+    would make every full collection of a worker following hundreds of shards walk millions
+    of objects; as rows they cost it nothing.
+    """
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: list[WireRow]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Iterator[Record]:
+        return map(make_wire_record, self.rows)
+
+    @overload
+    def __getitem__(self, index: int) -> Record: ...
+    @overload
+    def __getitem__(self, index: slice) -> WireRecords: ...
+
+    def __getitem__(self, index: int | slice) -> Record | WireRecords:
+        if isinstance(index, slice):
+            return WireRecords(self.rows[index])
+        return make_wire_record(self.rows[index])
+
+    def texts(self) -> list[str]:
+        """Every record's base64 text, in C."""
+        return list(map(wire_b64, self.rows))
+
+    def payload_bytes(self) -> int:
+        texts = self.texts()
+        # Canonical base64 is a multiple of 4 characters per record, and "=" only ever pads
+        # the end: one pass over the lengths, one count over the text.
+        return sum(map(len, texts)) * 3 // 4 - "".join(texts).count("=")
+
+    def __repr__(self) -> str:
+        return f"<WireRecords: {len(self)}>"
+
+
+_Part = Sequence[Record]
+"""A run of a batch: records already built, a page's records as rows (:class:`WireRecords`) or
+one aggregate's user records as columns (:class:`UserRecords`)."""
+
+
+class Records(RecordSequence):
     """A batch of records in order, as ``ProcessRecordsInput.records`` holds them.
 
     A read-only sequence: ``len``, indexing, slicing, iterating and ``==`` work as on a list
@@ -350,11 +416,7 @@ class Records(Sequence[Record]):
         if not 0 <= index < n:
             raise IndexError("Records index out of range")
         i = bisect_right(self._ends, index)
-        part = self._parts[i]
-        offset = index - (self._ends[i - 1] if i else 0)
-        if isinstance(part, UserRecords):
-            return part.record(offset)
-        return part[offset]
+        return self._parts[i][index - (self._ends[i - 1] if i else 0)]
 
     def _slice(self, index: slice) -> Records:
         start, stop, step = index.indices(len(self))
@@ -365,10 +427,7 @@ class Records(Sequence[Record]):
         for part, end in zip(self._parts, self._ends, strict=True):
             lo, hi = max(start - begin, 0), min(stop, end) - begin
             if lo < hi:
-                if isinstance(part, UserRecords):
-                    parts.append(part.head(hi).tail(lo) if lo or hi < len(part) else part)
-                else:
-                    parts.append(part[lo:hi] if lo or hi < len(part) else part)
+                parts.append(part[lo:hi] if lo or hi < len(part) else part)
             begin = end
         return Records(parts)
 
@@ -384,24 +443,11 @@ class Records(Sequence[Record]):
         """The total payload length in bytes, without decoding or building records."""
         total = 0
         for part in self._parts:
-            if isinstance(part, UserRecords):
+            if isinstance(part, UserRecords | WireRecords):
                 total += part.payload_bytes()
-            elif all_wire_records(part):
-                texts = list(map(wire_b64, part))
-                # Canonical base64 is a multiple of 4 characters per record, and "=" only
-                # ever pads the end: one pass over the lengths, one count over the text.
-                total += sum(map(len, texts)) * 3 // 4 - "".join(texts).count("=")
             else:
                 total += sum(record.size for record in part)
         return total
-
-    def __eq__(self, other: object) -> bool:
-        # It stands in for the list amazon_kclpy hands over, so it compares like one.
-        if isinstance(other, Records | list | tuple):
-            return len(self) == len(other) and all(map(eq, self, other))
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"<Records: {len(self)}>"

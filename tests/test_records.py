@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import base64
 import binascii
+import gc
 import pickle
+from collections.abc import Sequence
 from datetime import datetime
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kclpy.records import EMPTY, Record, Records, UserRecords, is_wire_record
+from kclpy.records import EMPTY, Record, Records, UserRecords, WireRecords, is_wire_record
 from tests.support.decoding import counting_decodes
 
 SEQ = "49590338271490256608559692538361571095921575989136588898"
@@ -117,32 +119,39 @@ def expected_of(users: UserRecords) -> list[Record]:
                 zip(users.data, users.partition_keys, ehks, strict=True))]
 
 
+def rows(*payloads: bytes, seq: str = "6") -> WireRecords:
+    return WireRecords([(base64.b64encode(p).decode(), "pk", f"{seq}{i}", 1_714_000_000.123)
+                        for i, p in enumerate(payloads)])
+
+
 def mixed() -> tuple[Records, list[Record]]:
     plain1 = [wire(b"a", seq="1"), wire(b"bb", seq="2")]
     agg1 = user_records("3", [b"u0", b"u1", b"u2"])
     plain2 = [wire(b"ccc", seq="4")]
     agg2 = user_records("5", [b"v0", b"", b"v2", b"v3"], first=1, explicit=True)
-    model = plain1 + expected_of(agg1) + plain2 + expected_of(agg2)
-    return Records([plain1, agg1, [], plain2, agg2]), model
+    page = rows(b"w0", b"w11")
+    model = plain1 + expected_of(agg1) + plain2 + expected_of(agg2) + [
+        wire(b"w0", seq="60"), wire(b"w11", seq="61")]
+    return Records([plain1, agg1, [], plain2, agg2, page]), model
 
 
 def test_records_read_like_the_list_they_stand_for() -> None:
     records, model = mixed()
-    assert len(records) == len(model) == 10
+    assert len(records) == len(model) == 12
     assert list(records) == model
     assert records == model and model == records and records != model[:-1]
     assert [records[i] for i in range(-len(model), len(model))] == model + model
     for bad in (len(model), -len(model) - 1):
         with pytest.raises(IndexError):
             records[bad]
-    assert [r.explicit_hash_key for r in records][-4:] == [None, "1", None, "3"]
-    assert [r.sub_sequence_number for r in records][-4:] == [1, 2, 3, 4]
+    assert [r.explicit_hash_key for r in records][-6:-2] == [None, "1", None, "3"]
+    assert [r.sub_sequence_number for r in records][-6:] == [1, 2, 3, 4, 0, 0]
 
 
 def test_every_slice_matches_the_list() -> None:
     records, model = mixed()
-    for start in range(-11, 12):
-        for stop in [*range(-11, 12), None]:
+    for start in range(-13, 14):
+        for stop in [*range(-13, 14), None]:
             for step in (None, 1, 2, -1):
                 sliced = records[start:stop:step]
                 assert isinstance(sliced, Records)
@@ -167,17 +176,21 @@ def test_payload_bytes_counts_without_building_or_decoding() -> None:
 
 
 @settings(max_examples=60)
-@given(runs=st.lists(st.tuples(st.booleans(), st.lists(st.binary(max_size=5), max_size=4)),
-                     max_size=5),
+@given(runs=st.lists(st.tuples(st.sampled_from(["records", "rows", "users"]),
+                               st.lists(st.binary(max_size=5), max_size=4)), max_size=5),
        start=st.integers(-12, 12), stop=st.integers(-12, 12))
-def test_slicing_any_batch(runs: list[tuple[bool, list[bytes]]], start: int, stop: int) -> None:
-    parts: list[list[Record] | UserRecords] = []
+def test_slicing_any_batch(runs: list[tuple[str, list[bytes]]], start: int, stop: int) -> None:
+    parts: list[Sequence[Record]] = []
     model: list[Record] = []
-    for i, (aggregated, payloads) in enumerate(runs):
-        if aggregated:
+    for i, (kind, payloads) in enumerate(runs):
+        if kind == "users":
             users = user_records(str(i), payloads)
             parts.append(users)
             model += expected_of(users)
+        elif kind == "rows":
+            page = rows(*payloads, seq=str(i))
+            parts.append(page)
+            model += list(page)
         else:
             run = [wire(p, seq=str(i)) for p in payloads]
             parts.append(run)
@@ -186,6 +199,15 @@ def test_slicing_any_batch(runs: list[tuple[bool, list[bytes]]], start: int, sto
     assert list(records[start:stop]) == model[start:stop]
     assert records[start:stop].payload_bytes() == sum(
         len(r.binary_data) for r in model[start:stop])
+
+
+def test_a_page_waits_as_rows_the_garbage_collector_lets_go_of() -> None:
+    page = rows(*[bytes([i]) for i in range(100)])
+    gc.collect()
+    assert not any(map(gc.is_tracked, page.rows))
+    assert all(gc.is_tracked(record) for record in page)
+    assert page[3] == wire(bytes([3]), seq="63") and page[1:3] == [page[1], page[2]]
+    assert page.texts()[:2] == ["AA==", "AQ=="]
 
 
 def test_empty() -> None:

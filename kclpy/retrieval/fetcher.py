@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -132,7 +132,7 @@ class FetchResult:
 class _Page:
     """A page as the fetch thread queues it: records not yet de-aggregated."""
 
-    records: list[Record]
+    records: Sequence[Record]
     millis_behind_latest: int | None
     shard_end: bool
     child_shards: list[ChildShard]

@@ -31,6 +31,7 @@ from kclpy.records import (
     Record,
     Records,
     UserRecords,
+    WireRecords,
     all_wire_records,
     is_wire_record,
     wire_b64,
@@ -172,6 +173,11 @@ def deaggregate(
     bounds = key_range
     if bounds is None and (starting_hash_key is not None or ending_hash_key is not None):
         bounds = HashKeyRange(starting_hash_key, ending_hash_key)
+    # A page as the parser leaves it: if no text starts like an aggregate, the page goes
+    # through as it is, rows and all.
+    if isinstance(records, WireRecords) and not any(
+            map(str.startswith, records.texts(), repeat(_B64_PREFIX))):
+        return DeaggregationResult(Records([records]), 0, 0)
     records = list(records)
     if _none_aggregated(records):
         return DeaggregationResult(Records([records]), 0, 0)

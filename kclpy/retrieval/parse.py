@@ -3,8 +3,8 @@
 botocore's JSON parser walks the output shape for every field of every record, turns each
 ``Data`` into bytes and each timestamp into a ``datetime``: about 60k records/s, which would
 make the parse, not the network, the consumer's bottleneck. Here a successful GetRecords body
-goes through one ``orjson.loads`` and becomes :class:`~kclpy.records.Record` objects, built in C,
-that keep the payload as base64 text until someone reads it.
+goes through one ``orjson.loads`` and becomes rows that :class:`~kclpy.records.WireRecords` turns
+into records, in C, as they are read; each keeps its payload as base64 text until read.
 
 Only the parse moves: the request still goes through the botocore client, so signing,
 credentials, endpoints, retries and error parsing stay botocore's. A ``before-parse`` handler
@@ -15,6 +15,7 @@ into the dict that ``client.get_records`` returns.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from operator import itemgetter
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 import orjson
 from botocore.parsers import ResponseParserError
 
-from kclpy.records import Record, make_wire_record
+from kclpy.records import Record, WireRecords
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
@@ -58,7 +59,8 @@ class GetRecordsPage:
     """One GetRecords answer. ``next_shard_iterator is None`` means the shard is closed and
     every record of it has been returned (shard end)."""
 
-    records: list[Record]
+    #: in order, not de-aggregated (a :class:`~kclpy.records.WireRecords` when parsed here)
+    records: Sequence[Record]
     next_shard_iterator: str | None
     millis_behind_latest: int | None
     child_shards: list[ChildShard] = field(default_factory=list)
@@ -82,16 +84,16 @@ def parse_get_records(body: bytes) -> GetRecordsPage:
         doc = orjson.loads(body)
         raw_records = doc["Records"]
         try:
-            # Every record's fields in the order of a wire record's tuple, picked and turned
-            # into a Record in C: no Python call per record.
-            records = list(map(make_wire_record, map(_wire_fields, raw_records)))
+            # Every record's fields in the order of a wire row, picked in C: no Python call
+            # per record (records are built from the rows as they are read).
+            records = WireRecords(list(map(_wire_fields, raw_records)))
         except KeyError:
             # ApproximateArrivalTimestamp is optional in the API (AWS always sends it).
-            records = [
-                make_wire_record((r["Data"], r["PartitionKey"], r["SequenceNumber"],
-                           r.get("ApproximateArrivalTimestamp")))
+            records = WireRecords([
+                (r["Data"], r["PartitionKey"], r["SequenceNumber"],
+                 r.get("ApproximateArrivalTimestamp"))
                 for r in raw_records
-            ]
+            ])
         child_shards = [
             ChildShard(
                 shard_id=c["ShardId"],
