@@ -104,6 +104,8 @@ class Report:
     cpu_s: float
     #: leases the worker lost while running (each makes its shard's records come again)
     leases_lost: int
+    #: times retrieval paused so that lease renewal could catch up
+    retrieval_pauses: int = 0
 
 
 def run_worker(mode: str, kinesis_url: str, dynamodb_url: str, stream: str, shards: int,
@@ -191,6 +193,8 @@ def run_worker(mode: str, kinesis_url: str, dynamodb_url: str, stream: str, shar
             figure = sampler.settled(2.0)
         held = len(worker.consumers())
         lost = int(worker.metrics.registry.get_sample_value("kclpy_leases_lost_total") or 0)
+        pauses = int(
+            worker.metrics.registry.get_sample_value("kclpy_retrieval_pauses_total") or 0)
     finally:
         release.set()
         go.set()
@@ -200,7 +204,7 @@ def run_worker(mode: str, kinesis_url: str, dynamodb_url: str, stream: str, shar
     if mode in ("idle", "backlog"):
         return Report(mode, held, figure, sampler.peak, int(state["records"]), 0.0, 0.0, lost)
     return Report(mode, held, figure, sampler.peak, int(state["records"]),
-                  state["last"] - started, state["cpu_last"] - cpu_started, lost)
+                  state["last"] - started, state["cpu_last"] - cpu_started, lost, pauses)
 
 
 def _all_caught_up(worker: Worker, shards: int) -> bool:
@@ -278,7 +282,8 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"({busy.cpu_s / busy.records * 1e6:.2f} CPU s per million records), "
               f"peak RSS {busy.rss_peak / MB:.1f} MB = "
               f"{(busy.rss_peak - idle.rss) / busy.shards_held / MB:.2f} MB per held shard; "
-              f"{busy.leases_lost} lease(s) lost meanwhile, "
+              f"{busy.leases_lost} lease(s) lost meanwhile "
+              f"({busy.retrieval_pauses} pause(s) for lease renewal), "
               f"{busy.records - total:,} record(s) delivered again", flush=True)
 
         for max_records in (400, 100):

@@ -78,6 +78,13 @@ class Metrics:
             "kclpy_lease_renew_failures", "Renewals that failed (condition or error).", registry=r)
         self.lease_renewals = Counter(
             "kclpy_lease_renewals", "Successful lease renewals.", registry=r)
+        self.retrieval_pauses = Counter(
+            "kclpy_retrieval_pauses",
+            "Times fetching and delivery paused because lease renewal ran late.", registry=r)
+        self.retrieval_paused = Gauge(
+            "kclpy_retrieval_paused",
+            "1 while fetching and delivery are paused for lease renewal to catch up.",
+            registry=r)
         # consumers
         self.shard_consumer_state = Gauge(
             "kclpy_shard_consumer_state",

@@ -273,7 +273,8 @@ class Worker:
             stream_name=cfg.api_stream_name, stream_arn=cfg.stream_arn,
             max_records=cfg.max_records, idle_time_s=cfg.idle_time_between_reads_ms / 1000,
             queue_size=cfg.prefetch_queue_size, hash_range=hash_range, metrics=self.metrics,
-            deliver_empty=cfg.call_process_records_even_for_empty_record_list)
+            deliver_empty=cfg.call_process_records_even_for_empty_record_list,
+            gate=self.coordinator.retrieval_gate if self.coordinator is not None else None)
 
     def _on_shard_end(self, shard_id: str, children: Sequence[ChildShard]) -> None:
         """Called from a consumer's thread when its shard is fully read."""

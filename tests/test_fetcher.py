@@ -950,3 +950,38 @@ def test_a_split_parent_is_read_to_shard_end_with_its_children_over_http(
     assert len(result.child_shards) == 2
     assert all(c.parent_shards == (parent["ShardId"],) for c in result.child_shards)
     assert sorted(c.starting_hash_key for c in result.child_shards) == ["0", str(2**127)]
+
+
+# -- the lease coordinator's retrieval gate ---------------------------------------------
+
+
+def test_a_closed_gate_holds_fetching_and_handing_out_until_it_opens() -> None:
+    shard = FakeShard([plain(i) for i in range(4)], page_size=2, closed=True)
+    gate = threading.Event()
+    fetcher = make(shard, gate=gate)
+    fetcher.start()
+    try:
+        assert fetcher.get(timeout=0.3) is None
+        assert (shard.shard_iterator_calls, shard.get_records_calls) == ([], [])
+        gate.set()
+        first = fetcher.get(timeout=10)
+        assert first is not None and payloads([first]) == [b"plain-0", b"plain-1"]
+        with shard.called:
+            shard.called.wait_for(lambda: len(shard.get_records_calls) == 2, timeout=10)
+        gate.clear()
+        # The second page is fetched and queued, but not handed out while the gate is shut.
+        assert fetcher.get(timeout=0.3) is None
+        gate.set()
+        second = fetcher.get(timeout=10)
+        assert second is not None and payloads([second]) == [b"plain-2", b"plain-3"]
+        assert second.shard_end
+    finally:
+        fetcher.stop()
+
+
+def test_a_fetcher_stops_while_its_gate_is_shut() -> None:
+    gate = threading.Event()
+    fetcher = make(FakeShard([plain(0)]), gate=gate)
+    fetcher.start()
+    fetcher.stop(timeout=10)
+    assert fetcher.get(timeout=None) is None

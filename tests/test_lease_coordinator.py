@@ -706,3 +706,44 @@ def test_shard_sync_can_reuse_the_takers_scan(table: LeaseTable, clock: Clock) -
     assert a.recent_lease_keys(60) == frozenset({"s1"})
     clock.advance(61)
     assert a.recent_lease_keys(60) is None
+
+
+# -- pacing retrieval ------------------------------------------------------------------------
+
+
+def test_a_late_renewer_shuts_the_retrieval_gate_until_it_is_on_time(
+        table: LeaseTable, clock: Clock) -> None:
+    metrics = Metrics()
+    c, _ = coordinator(table, "w1", clock, metrics=metrics)
+    quarter = c.renewer_interval_s / 4
+    c.pace_retrieval(quarter)
+    assert c.retrieval_gate.is_set()
+    c.pace_retrieval(quarter + 0.1)
+    assert not c.retrieval_gate.is_set()
+    c.pace_retrieval(quarter + 5)
+    assert sample(metrics, "kclpy_retrieval_pauses_total") == 1
+    assert sample(metrics, "kclpy_retrieval_paused") == 1
+    c.pace_retrieval(0.1)
+    assert c.retrieval_gate.is_set() and sample(metrics, "kclpy_retrieval_paused") == 0
+
+
+def test_the_renewer_pauses_retrieval_when_it_wakes_late_and_keeps_its_leases(
+        table: LeaseTable, clock: Clock) -> None:
+    """A renewer that oversleeps (here: its clock jumps while it waits, as when the
+    process is too busy to run it) shuts the gate, still renews, and opens the gate again
+    once a cycle starts on time."""
+    metrics = Metrics()
+    create(table, "shard-1")
+    c, lost = coordinator(table, "w1", clock, metrics=metrics, failover_time_s=2.0)
+    c.run_taker_once()
+    c.start()
+    try:
+        counter = fetch(table, "shard-1").lease_counter
+        clock.advance(c.renewer_interval_s * 1.75)
+        wait_until(lambda: sample(metrics, "kclpy_retrieval_pauses_total") == 1)
+        wait_until(lambda: fetch(table, "shard-1").lease_counter > counter)
+        wait_until(c.retrieval_gate.is_set)
+        assert lost.shards == [] and c.get_held("shard-1") is not None
+    finally:
+        c.stop()
+    assert c.retrieval_gate.is_set()

@@ -158,6 +158,10 @@ class LeaseCoordinator:
         self._wake = threading.Event()
         self._threads: list[threading.Thread] = []
         self._pool: ThreadPoolExecutor | None = None
+        #: set while the renewer keeps its schedule; fetchers and deliveries wait on it (see
+        #: pace_retrieval)
+        self.retrieval_gate = threading.Event()
+        self.retrieval_gate.set()
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -193,20 +197,52 @@ class LeaseCoordinator:
             self._give_up_pending()
 
     def _renewer_loop(self) -> None:
+        wake_at = self._clock()
         while not self._stopping.is_set():
+            self.pace_retrieval(self._clock() - wake_at)
             try:
                 self.run_renewer_once(due_only=True)
                 self._last_renewal_cycle = self._clock()
             except Exception:
                 # A dead renewer would silently lose every lease; log and keep going.
                 log.exception("worker %s: lease renewal cycle failed", self.worker_id)
-            self._stopping.wait(self._renewer_wait())
+            self.pace_retrieval(self._clock() - wake_at)
+            wait = self._renewer_wait()
+            wake_at = self._clock() + wait
+            self._stopping.wait(wait)
+        self.pace_retrieval(0.0)
+
+    def pace_retrieval(self, late_by_s: float) -> None:
+        """Pause or resume retrieval, given how far the renewer is behind its schedule.
+
+        Renewing needs the interpreter like everything else; a worker catching up on
+        hundreds of shards runs hundreds of fetch and delivery threads, and one thread in
+        hundreds gets the interpreter lock too rarely to send its renewals before the
+        leases expire (each expired lease is then taken again and its records delivered
+        again). A renewer that woke up, or finished its cycle, more than a quarter of a
+        renewal interval late was starved, not failing (errors do not delay it), so fetch threads
+        and deliveries wait on :attr:`retrieval_gate` until a cycle runs on time again.
+        """
+        starved = late_by_s > self.renewer_interval_s / 4 and not self._stopping.is_set()
+        if starved and self.retrieval_gate.is_set():
+            self.retrieval_gate.clear()
+            log.warning("worker %s: lease renewal ran %.1fs late; pausing retrieval until it "
+                        "catches up", self.worker_id, late_by_s)
+            if self._metrics is not None:
+                self._metrics.retrieval_pauses.inc()
+                self._metrics.retrieval_paused.set(1)
+        elif not starved and not self.retrieval_gate.is_set():
+            self.retrieval_gate.set()
+            log.info("worker %s: lease renewal on time again; retrieval resumed", self.worker_id)
+            if self._metrics is not None:
+                self._metrics.retrieval_paused.set(0)
 
     def _renewer_wait(self) -> float:
-        """Until the next renewal or handoff deadline; at most one renewal interval, so the
-        loop keeps proving it is alive (``healthy``) even with no leases."""
+        """Until the next renewal or handoff deadline; at most a quarter of the renewal
+        interval, so the loop keeps proving it is alive (``healthy``) even with no leases,
+        and notices soon when the process is too busy to run it (``pace_retrieval``)."""
         now = self._clock()
-        deadlines = [now + self.renewer_interval_s]
+        deadlines = [now + self.renewer_interval_s / 4]
         with self._state:
             for held in self._held.values():
                 deadlines.append(held.renew_due)

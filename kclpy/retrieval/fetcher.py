@@ -185,6 +185,7 @@ class ShardFetcher:
         metrics: Metrics | None = None,
         sleep: Callable[[float], None] | None = None,
         deliver_empty: bool = False,
+        gate: threading.Event | None = None,
     ) -> None:
         if stream_name is None and stream_arn is None:
             raise ValueError("a ShardFetcher needs stream_name or stream_arn")
@@ -203,6 +204,9 @@ class ShardFetcher:
         self._backoff = backoff if backoff is not None else Backoff()
         self._deliver_empty = deliver_empty
         self._stop = threading.Event()
+        #: fetching and handing out pages wait while it is clear (the lease coordinator's
+        #: retrieval gate: renewals come first)
+        self._gate = gate
         self._sleep = sleep if sleep is not None else self._interruptible_sleep
         self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_size)
         self._thread: threading.Thread | None = None
@@ -263,6 +267,11 @@ class ShardFetcher:
         if self._stop.is_set():
             timeout = 0
         deadline = None if timeout is None else time.monotonic() + timeout
+        gate = self._gate
+        while gate is not None and not self._stop.is_set() and not gate.wait(
+                0.1 if deadline is None else max(0.0, deadline - time.monotonic())):
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
         while True:
             try:
                 item = self._queue.get(timeout=None if deadline is None
@@ -328,6 +337,7 @@ class ShardFetcher:
     def _run(self) -> None:
         try:
             while not self._stop.is_set() and not self._shard_ended:
+                self._await_gate()
                 page, idle = self._fetch()
                 if page is not None:
                     self._put(page)
@@ -341,6 +351,12 @@ class ShardFetcher:
         finally:
             with contextlib.suppress(_Stopped):
                 self._put(_END)
+
+    def _await_gate(self) -> None:
+        gate = self._gate
+        while gate is not None and not gate.wait(0.1):
+            if self._stop.is_set():
+                raise _Stopped
 
     def _interruptible_sleep(self, seconds: float) -> None:
         self._stop.wait(seconds)
