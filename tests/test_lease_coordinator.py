@@ -729,6 +729,18 @@ def test_a_late_renewer_shuts_the_retrieval_gate_until_it_is_on_time(
 
 def test_the_renewer_pauses_retrieval_when_it_wakes_late_and_keeps_its_leases(
         table: LeaseTable, clock: Clock) -> None:
+    late_renewer_pauses_retrieval(table, clock)
+
+
+@pytest.mark.integration
+def test_over_http_a_late_renewer_pauses_retrieval_and_keeps_its_leases(moto_url: str) -> None:
+    dynamodb = boto3.client("dynamodb", endpoint_url=moto_url, region_name=REGION)
+    table = LeaseTable(dynamodb, f"app-{uuid.uuid4().hex}")
+    table.create_if_missing()
+    late_renewer_pauses_retrieval(table, Clock())
+
+
+def late_renewer_pauses_retrieval(table: LeaseTable, clock: Clock) -> None:
     """A renewer that oversleeps (here: its clock jumps while it waits, as when the
     process is too busy to run it) shuts the gate, still renews, and opens the gate again
     once a cycle starts on time."""
