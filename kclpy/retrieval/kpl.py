@@ -175,11 +175,10 @@ def deaggregate(
         bounds = HashKeyRange(starting_hash_key, ending_hash_key)
     # A page as the parser leaves it: if no text starts like an aggregate, the page goes
     # through as it is, rows and all.
-    if isinstance(records, WireRecords) and not any(
-            map(str.startswith, records.texts(), repeat(_B64_PREFIX))):
+    if isinstance(records, WireRecords) and _no_aggregate_text(records.texts()):
         return DeaggregationResult(Records([records]), 0, 0)
     records = list(records)
-    if _none_aggregated(records):
+    if all_wire_records(records) and _no_aggregate_text(map(wire_b64, records)):
         return DeaggregationResult(Records([records]), 0, 0)
     parts: list[list[Record] | UserRecords] = []
     run: list[Record] = []
@@ -292,12 +291,11 @@ def _expand_checked(
     return users, None
 
 
-def _none_aggregated(records: list[Record]) -> bool:
-    """True if no record can be an aggregate: each still holds only its base64 text, and no
-    text starts like the magic's base64. The same test as :func:`is_aggregated`, made in C
-    over the whole page: a page of plain records then costs no Python call per record."""
-    return all_wire_records(records) and not any(
-        map(str.startswith, map(wire_b64, records), repeat(_B64_PREFIX)))
+def _no_aggregate_text(texts: Iterable[str]) -> bool:
+    """True if no base64 text starts like the magic's base64: then no record holding one
+    can be an aggregate. The prefix half of :func:`is_aggregated`, made in C over a whole
+    page: a page of plain records costs no Python call per record."""
+    return not any(map(str.startswith, texts, repeat(_B64_PREFIX)))
 
 
 class HashKeyRange:
