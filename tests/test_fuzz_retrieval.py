@@ -19,6 +19,7 @@ from kclpy.records import Record, is_wire_record
 from kclpy.retrieval.kpl import MAGIC, AggregatedRecord, deaggregate, is_aggregated
 from kclpy.retrieval.parse import ChildShard, parse_get_records
 from tests.support.decoding import counting_decodes
+from tests.support.protowire import field
 
 FUZZ = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -84,37 +85,22 @@ def mutated_aggregate(draw: st.DrawFn) -> bytes:
     return sign(bytes(body)) if how == "flip and re-sign" else bytes(body)
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _field(number: int, value: int | bytes) -> bytes:
-    if isinstance(value, int):
-        return _varint(number << 3) + _varint(value)
-    return _varint(number << 3 | 2) + _varint(len(value)) + value
-
-
 @st.composite
 def hand_encoded_aggregate(draw: st.DrawFn) -> bytes:
     """Sub-records written field by field, as protobuf allows but the KPL never writes: in
     any order, fields repeated (the last one counts), unknown fields, tags, now and then a
-    required field missing. The de-aggregator reads most aggregates as columns, which must
-    agree with the real schema on all of these."""
+    required field missing. The de-aggregator reads the aggregates the KPL writes as columns
+    and these another way; both must agree with the real schema on all of them."""
     table = draw(st.lists(st.sampled_from(["a", "b", "c", "d"]), min_size=1, max_size=4))
-    body = b"".join(_field(1, key.encode()) for key in table)
+    body = b"".join(field(1, key.encode()) for key in table)
     with_ehks = draw(st.integers(0, 5)) == 0
     if with_ehks:
-        body += _field(2, b"12345")
+        body += field(2, b"12345")
     index = st.integers(0, len(table) - 1)
     extra = st.one_of(
         st.tuples(st.just(1), index),  # partition_key_index again
         st.tuples(st.just(3), st.binary(max_size=6)),  # data again
-        st.tuples(st.just(4), st.just(_field(1, b"k") + _field(2, b"v"))),  # a tag
+        st.tuples(st.just(4), st.just(field(1, b"k") + field(2, b"v"))),  # a tag
         st.tuples(st.just(9), st.integers(0, 300)),  # a field no schema knows
         st.tuples(st.just(2), st.just(0)) if with_ehks else st.nothing(),
     )
@@ -124,7 +110,7 @@ def hand_encoded_aggregate(draw: st.DrawFn) -> bytes:
             fields.pop(draw(st.integers(0, 1)))
         for _ in range(draw(st.integers(0, 3))):
             fields.insert(draw(st.integers(0, len(fields))), draw(extra))
-        body += _field(3, b"".join(_field(number, value) for number, value in fields))
+        body += field(3, b"".join(field(number, value) for number, value in fields))
     return sign(body)
 
 

@@ -19,6 +19,7 @@ from kclpy.retrieval.kpl import (
     is_aggregated,
 )
 from tests.support.decoding import counting_decodes
+from tests.support.protowire import field
 
 MAX_HASH_KEY = 2**128 - 1
 ARRIVAL = 1_714_000_000_123
@@ -285,6 +286,27 @@ def test_sub_records_with_tags_are_expanded() -> None:
     result = deaggregate([wire(sign(message.SerializeToString()))])
     assert [(r.partition_key, r.binary_data) for r in result.records] == [("a", b"one"),
                                                                           ("b", b"two")]
+
+
+@pytest.mark.parametrize(("sub_records", "expected"), [
+    # payload before key index: valid protobuf, though not the order an encoder writes
+    ([field(3, b"one") + field(1, 1), field(3, b"two") + field(1, 0)], [("b", b"one"),
+                                                                       ("a", b"two")]),
+    # a field twice: protobuf keeps the last
+    ([field(1, 0) + field(3, b"old") + field(3, b"new"), field(1, 0) + field(1, 1)
+      + field(3, b"x")], [("a", b"new"), ("b", b"x")]),
+    # a varint longer than it needs to be (0 as two bytes)
+    ([field(1, 1) + field(3, b"one"), b"\x08\x80\x00" + field(3, b"two")], [("b", b"one"),
+                                                                         ("a", b"two")]),
+])
+def test_aggregates_the_kpl_would_not_write_read_as_protobuf_reads_them(
+        sub_records: list[bytes], expected: list[tuple[str, bytes]]) -> None:
+    body = field(1, b"a") + field(1, b"b") + b"".join(field(3, sub) for sub in sub_records)
+    assert AggregatedRecord.FromString(body).SerializeToString() != body
+    result = deaggregate([wire(sign(body))])
+    assert [(r.partition_key, r.binary_data) for r in result.records] == expected
+    assert [r.sub_sequence_number for r in result.records] == [0, 1]
+    assert result.corrupt == 0
 
 
 def test_a_tag_without_its_required_key_makes_the_aggregate_corrupt() -> None:
