@@ -264,6 +264,21 @@ def test_one_shot_faults_apply_once_in_order(proxy: FaultProxy) -> None:
     )
 
 
+def test_cut_body_announces_the_whole_answer_and_sends_half(proxy: FaultProxy) -> None:
+    proxy.once("GetRecords", "cut_body")
+    body = b"x" * 1000
+    connection = _connect(proxy)
+
+    cut = _post(connection, "GetRecords", body)
+    announced = int(cut.getheader("Content-Length") or 0)
+    with pytest.raises(http.client.IncompleteRead) as raised:
+        cut.read()
+    assert len(raised.value.partial) == announced // 2
+    assert proxy.faults("cut_body") == 1
+    whole = _post(_connect(proxy), "GetRecords", body)
+    assert len(whole.read()) == int(whole.getheader("Content-Length") or 0) == announced
+
+
 def test_dynamodb_errors_carry_the_dynamodb_type_prefix_and_checksum(proxy: FaultProxy) -> None:
     proxy.once("UpdateItem", "throttle")
     response = _post(_connect(proxy), "UpdateItem", service="DynamoDB_20120810")

@@ -31,10 +31,11 @@ from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
 
-FaultKind = Literal["throttle", "error_5xx", "drop", "lose_response"]
+FaultKind = Literal["throttle", "error_5xx", "drop", "lose_response", "cut_body"]
 """``drop`` closes the connection before forwarding, so the request never reaches upstream;
 ``lose_response`` forwards it, lets upstream apply it, then closes the connection instead of
-answering (the ambiguous outcome conditional writes must survive)."""
+answering (the ambiguous outcome conditional writes must survive); ``cut_body`` (one-shot
+only) forwards it and announces the whole answer, then sends half its body and closes."""
 
 Responder = Callable[[dict[str, Any]], tuple[int, dict[str, Any]] | None]
 """Gets the request's JSON body; returns ``(status, body)`` to answer, or None to forward."""
@@ -379,9 +380,10 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 proxy._count_respond(request.operation)
                 self._answer_error(request, *answer)
                 return
-        self._forward(request, lose_response=action == "lose_response")
+        self._forward(request, lose_response=action == "lose_response",
+                      cut_body=action == "cut_body")
 
-    def _forward(self, request: _Request, *, lose_response: bool) -> None:
+    def _forward(self, request: _Request, *, lose_response: bool, cut_body: bool) -> None:
         try:
             response = self._send_upstream(request.body)
         except OSError as exc:
@@ -398,6 +400,12 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         if response.getheader("Content-Length") is not None or self.command == "HEAD":
             payload = response.read()
             self.end_headers()
+            if cut_body:
+                # The full Content-Length was announced; half the body, then the connection
+                # goes, as when a connection breaks mid-transfer.
+                self.wfile.write(payload[: len(payload) // 2])
+                self.close_connection = True
+                return
             self.wfile.write(payload)
             return
         # A response without a length (an event stream such as SubscribeToShard) is relayed
