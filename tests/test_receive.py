@@ -9,6 +9,7 @@ import boto3
 import pytest
 from botocore.config import Config
 from botocore.exceptions import ConnectionClosedError
+from moto import mock_aws
 
 from bench import replay
 from kclpy import KCLConfig, Worker
@@ -146,6 +147,22 @@ def test_a_body_cut_short_is_a_connection_error_and_costs_no_records(
     plain = client_for(replay_url)
     assert_same_as_botocore(
         page, plain.get_records(ShardIterator=trim_horizon(plain, "large"), Limit=400))
+
+
+def test_moto_in_process_still_answers_instead_of_the_network(pool: BufferPool) -> None:
+    """moto's mock answers from a before-send handler; the session (and the pool) behind it
+    must never be reached, or the request would go to the real endpoint."""
+    with mock_aws():
+        client = boto3.client("kinesis", region_name="us-east-1",
+                              aws_access_key_id="testing", aws_secret_access_key="testing")
+        client.create_stream(StreamName="mocked", ShardCount=1)
+        payloads = [bytes([n]) * 3_000 for n in range(100)]  # a 400 KB page
+        for data in payloads:
+            client.put_record(StreamName="mocked", Data=data, PartitionKey="pk")
+        page = get_records(client, trim_horizon(client, "mocked"), 1_000)
+    assert isinstance(client._endpoint.http_session, receive.PooledSession)
+    assert [r.binary_data for r in page.records] == payloads
+    assert pool.idle() == []
 
 
 @pytest.mark.integration

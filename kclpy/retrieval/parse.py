@@ -25,7 +25,7 @@ import orjson
 from botocore.parsers import ResponseParserError
 
 from kclpy.records import Record, WireRecords
-from kclpy.retrieval.receive import pooled_sender, release
+from kclpy.retrieval import receive
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
@@ -40,8 +40,6 @@ __all__ = [
 
 _EVENT = "before-parse.kinesis.GetRecords"
 _HANDLER_ID = "kclpy.retrieval.parse.fast_get_records"
-_SEND_EVENT = "before-send.kinesis.GetRecords"
-_SEND_HANDLER_ID = "kclpy.retrieval.parse.pooled_get_records"
 # Private key under which the handler passes the page through botocore's response dict.
 _PAGE_KEY = "_kclpy_get_records_page"
 _wire_fields = itemgetter("Data", "PartitionKey", "SequenceNumber", "ApproximateArrivalTimestamp")
@@ -132,7 +130,7 @@ def _before_parse(
         customized_response_dict[_PAGE_KEY] = parse_get_records(body)
     finally:
         # The parsed page holds copies of every value, never the body itself.
-        release(body)
+        receive.release(body)
     # An empty body is what botocore's JSON parser turns into {} without any work.
     response_dict["body"] = b""
 
@@ -146,10 +144,7 @@ def install_fast_get_records(client: KinesisClient) -> None:
     received into reused buffers (:mod:`kclpy.retrieval.receive`).
     """
     client.meta.events.register(_EVENT, _before_parse, unique_id=_HANDLER_ID)
-    http_session = getattr(getattr(client, "_endpoint", None), "http_session", None)
-    if http_session is not None:
-        client.meta.events.register(
-            _SEND_EVENT, pooled_sender(http_session), unique_id=_SEND_HANDLER_ID)
+    receive.install(client)
 
 
 def get_records(client: KinesisClient, shard_iterator: str, limit: int) -> GetRecordsPage:

@@ -8,24 +8,25 @@ again each time. Measured on the benchmark machine, reading 1,000,000 records of
 thread, a fifth of the whole worker's CPU; received into buffers that are used again, it
 costs almost none (docs/benchmarks.md).
 
-How: a ``before-send`` handler sends the signed request through the client's own HTTP
-session (same connection pool, proxies, TLS settings and timeouts), asks it to leave the
-body unread, and receives a successful body of known length into a pooled ``bytearray``.
-botocore then sees a response whose ``content`` is a ``memoryview`` of that buffer;
-:func:`kclpy.retrieval.parse` parses it (orjson copies every value out) and gives the buffer
-back with :func:`release`. Signing, credentials, endpoints, retries and error parsing stay
-botocore's: error answers, bodies without a ``Content-Length`` and small bodies are read the
-ordinary way.
+How: the client's HTTP session is wrapped (:class:`PooledSession`). For a GetRecords
+request it asks botocore's session to leave the body unread, then receives a successful body
+of known length into a pooled ``bytearray``; botocore sees a response whose ``content`` is a
+``memoryview`` of that buffer. :mod:`kclpy.retrieval.parse` parses it (orjson copies every
+value out) and gives the buffer back with :func:`release`. Everything else stays botocore's:
+signing, credentials, endpoints, retries, the connection pool, proxies, TLS and timeouts,
+and other operations, error answers, bodies without a ``Content-Length`` and small bodies,
+which are read the ordinary way. Wrapping the session rather than answering in a
+``before-send`` handler keeps the handlers that answer instead of the network (moto's
+in-process mock, test doubles) working: they answer before the session is reached.
 
-The client's HTTP session is ``client._endpoint.http_session``, a private botocore
-attribute (unchanged since botocore 1.0). Without it nothing is pooled and everything else
-works as before.
+The session is ``client._endpoint.http_session``, a private botocore attribute (unchanged
+since botocore 1.0). Without it nothing is pooled and everything else works as before.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -34,7 +35,7 @@ from botocore.exceptions import ConnectionClosedError, HTTPClientError, ReadTime
 from urllib3.exceptions import ProtocolError
 from urllib3.exceptions import ReadTimeoutError as URLLib3ReadTimeoutError
 
-__all__ = ["POOL", "BufferPool", "pooled_sender", "release"]
+__all__ = ["POOL", "BufferPool", "PooledSession", "install", "release"]
 
 #: bodies below this are read the ordinary way: the allocator reuses memory for them anyway
 MIN_POOLED_BYTES = 256 * 1024
@@ -92,30 +93,53 @@ class _PooledResponse(AWSResponse):
         self._content = body
 
 
-def pooled_sender(http_session: Any, pool: BufferPool | None = None) -> Callable[..., Any]:
-    """A ``before-send`` handler that sends through ``http_session`` (the client's own) and
-    receives a large successful body into ``pool`` (default: the process's :data:`POOL`)."""
-    pool = POOL if pool is None else pool
+class PooledSession:
+    """A botocore HTTP session that receives large GetRecords bodies into pooled buffers;
+    everything else goes to the wrapped session unchanged."""
 
-    def send(request: AWSPreparedRequest, **_: Any) -> AWSResponse:
+    def __init__(self, session: Any, pool: BufferPool | None = None) -> None:
+        self.session = session
+        self._pool = POOL if pool is None else pool
+
+    def __getattr__(self, name: str) -> Any:
+        # close() and anything else botocore's Endpoint asks of its session.
+        return getattr(self.session, name)
+
+    def send(self, request: AWSPreparedRequest) -> AWSResponse:
+        if request.headers.get("X-Amz-Target") not in _GET_RECORDS_TARGETS:
+            response: AWSResponse = self.session.send(request)
+            return response
         request.stream_output = True
-        response: AWSResponse = http_session.send(request)
+        response = self.session.send(request)
         with _as_botocore_errors(request):
             size = _poolable_length(response)
             if size is None:
                 response.content  # noqa: B018 - read now, as botocore's session would have
                 return response
-            buffer = pool.take(size)
+            buffer = self._pool.take(size)
             body = memoryview(buffer)[:size]
             try:
                 _receive(response, body)
             except BaseException:
                 body.release()
-                pool.give(buffer, size)
+                self._pool.give(buffer, size)
                 raise
         return _PooledResponse(response, body)
 
-    return send
+
+_GET_RECORDS_TARGETS = (b"Kinesis_20131202.GetRecords", "Kinesis_20131202.GetRecords")
+
+
+def install(client: Any) -> bool:
+    """Wrap ``client``'s HTTP session in a :class:`PooledSession` (idempotent). False if the
+    client has no session where botocore keeps it: then nothing is pooled."""
+    endpoint: Any = getattr(client, "_endpoint", None)
+    session = getattr(endpoint, "http_session", None)
+    if session is None or not callable(getattr(session, "send", None)):
+        return False
+    if not isinstance(session, PooledSession):
+        endpoint.http_session = PooledSession(session)
+    return True
 
 
 def release(body: object, pool: BufferPool | None = None) -> None:
