@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import boto3
 import pytest
 
-from bench import consume, dynamodb_cost, replay, scale
+from bench import consume, dynamodb_cost, kpl_steps, replay, scale
 from kclpy.local import LocalEndpoint
 
 PLAIN, KPL = 120, 700
@@ -82,3 +82,9 @@ def test_java_figure_follows_its_intervals() -> None:
     renewals, scans = dynamodb_cost.java_per_shard_hour(shards=10, workers=2, failover_s=10.0)
     assert renewals == pytest.approx(1080)
     assert scans == pytest.approx(2 * 3600 / 20.05 / 10)
+
+
+def test_the_kpl_step_breakdown_covers_every_step_and_every_user_record() -> None:
+    spent, users = kpl_steps.kclpy_steps(kpl_steps.bodies(KPL))
+    assert users == KPL
+    assert set(spent) == set(kpl_steps.STEPS)
