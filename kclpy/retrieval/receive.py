@@ -39,8 +39,8 @@ __all__ = ["POOL", "BufferPool", "PooledSession", "install", "release"]
 
 #: bodies below this are read the ordinary way: the allocator reuses memory for them anyway
 MIN_POOLED_BYTES = 256 * 1024
-#: buffers are sized in these steps, so a page a little larger than the last needs no new one
-_STEP = 1024 * 1024
+#: buffers are sized in these steps, so a page a little larger than the last may need no new one
+_STEP = 64 * 1024
 #: idle buffers kept; more fetch threads than this at once allocate as before
 _MAX_IDLE = 4
 #: a buffer more than this many times larger than the body it held is not kept: once a
