@@ -69,7 +69,7 @@ def test_idle_buffers_are_bounded() -> None:
 
 @pytest.fixture
 def pool(monkeypatch: pytest.MonkeyPatch) -> BufferPool:
-    """A pool of the test's own, used by clients whose hooks are installed after this."""
+    """A pool of the test's own, in place of the process's."""
     fresh = BufferPool()
     monkeypatch.setattr(receive, "POOL", fresh)
     return fresh

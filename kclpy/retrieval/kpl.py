@@ -231,8 +231,7 @@ def _expand(record: Record) -> tuple[UserRecords, list[str] | None] | None:
         if _md5(body).digest() != blob[-_DIGEST_SIZE:]:
             return None
         aggregate = _parse_aggregate(body)
-        n = len(aggregate.records)
-        if not n:
+        if not aggregate.records:
             return None
         if aggregate.explicit_hash_key_table or not _canonical(aggregate, blob):
             # upb does not enforce proto2 "required" on parse; protobuf-java, which the Java
@@ -267,8 +266,8 @@ def _canonical(aggregate: Any, blob: bytes) -> bool:
     What makes the columns safe to use. Encoding raises ``EncodeError`` if a sub-record lacks
     its key index or payload (proto2 ``required``); and a field that appears twice in a
     sub-record comes back once (the parse keeps the last), so the bytes differ. Equal bytes
-    thus mean exactly one key index and one payload per sub-record, and the n values of each
-    column line up with the n sub-records. Everything the KPL writes passes (its encoder
+    thus mean exactly one key index and one payload per sub-record, and the values of each
+    column line up with the sub-records. Everything the KPL writes passes (its encoder
     writes fields in order, once, with the shortest varints); anything else takes
     :func:`_expand_checked`. One C-level encode and compare, about half of what
     ``IsInitialized`` costs.

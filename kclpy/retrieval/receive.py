@@ -93,13 +93,16 @@ class _PooledResponse(AWSResponse):
         self._content = body
 
 
+# botocore encodes header values to bytes before sending; str as well, to be safe.
+_GET_RECORDS_TARGETS = (b"Kinesis_20131202.GetRecords", "Kinesis_20131202.GetRecords")
+
+
 class PooledSession:
     """A botocore HTTP session that receives large GetRecords bodies into pooled buffers;
     everything else goes to the wrapped session unchanged."""
 
-    def __init__(self, session: Any, pool: BufferPool | None = None) -> None:
+    def __init__(self, session: Any) -> None:
         self.session = session
-        self._pool = POOL if pool is None else pool
 
     def __getattr__(self, name: str) -> Any:
         # close() and anything else botocore's Endpoint asks of its session.
@@ -116,40 +119,33 @@ class PooledSession:
             if size is None:
                 response.content  # noqa: B018 - read now, as botocore's session would have
                 return response
-            buffer = self._pool.take(size)
+            buffer = POOL.take(size)
             body = memoryview(buffer)[:size]
             try:
                 _receive(response, body)
             except BaseException:
                 body.release()
-                self._pool.give(buffer, size)
+                POOL.give(buffer, size)
                 raise
         return _PooledResponse(response, body)
 
 
-_GET_RECORDS_TARGETS = (b"Kinesis_20131202.GetRecords", "Kinesis_20131202.GetRecords")
-
-
-def install(client: Any) -> bool:
-    """Wrap ``client``'s HTTP session in a :class:`PooledSession` (idempotent). False if the
-    client has no session where botocore keeps it: then nothing is pooled."""
+def install(client: Any) -> None:
+    """Wrap ``client``'s HTTP session in a :class:`PooledSession` (idempotent). A client
+    without a session where botocore keeps it is left alone: nothing is pooled."""
     endpoint: Any = getattr(client, "_endpoint", None)
     session = getattr(endpoint, "http_session", None)
-    if session is None or not callable(getattr(session, "send", None)):
-        return False
-    if not isinstance(session, PooledSession):
+    if callable(getattr(session, "send", None)) and not isinstance(session, PooledSession):
         endpoint.http_session = PooledSession(session)
-    return True
 
 
-def release(body: object, pool: BufferPool | None = None) -> None:
-    """Give a parsed body's buffer back to ``pool`` (default: :data:`POOL`); anything but a
-    pooled body is left alone. The view is released, so a late reader fails instead of
-    reading another page."""
+def release(body: object) -> None:
+    """Give a parsed body's buffer back to :data:`POOL`; anything but a pooled body is left
+    alone. The view is released, so a late reader fails instead of reading another page."""
     if isinstance(body, memoryview) and isinstance(body.obj, bytearray):
         buffer, size = body.obj, body.nbytes
         body.release()
-        (POOL if pool is None else pool).give(buffer, size)
+        POOL.give(buffer, size)
 
 
 def _poolable_length(response: AWSResponse) -> int | None:
