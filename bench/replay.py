@@ -25,9 +25,9 @@ import argparse
 import asyncio
 import base64
 import bisect
+import contextlib
 import json
 import random
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -446,7 +446,11 @@ class ReplayServer:
 
     async def _listen(self) -> asyncio.base_events.Server:
         async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await _serve_connection(self.replay, reader, writer)
+            # stop() ends idle keep-alive connections by cancelling them. A connection task
+            # that ends cancelled makes asyncio's streams log a CancelledError traceback
+            # (Python 3.11), so it ends normally instead.
+            with contextlib.suppress(asyncio.CancelledError):
+                await _serve_connection(self.replay, reader, writer)
 
         # A large stream limit: only request heads go through readuntil.
         return await asyncio.start_server(handler, HOST, self._port, backlog=1024)
@@ -502,4 +506,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
