@@ -258,7 +258,7 @@ class Worker:
         assert token is not None
         return ShardConsumer(
             lease, concurrency_token=token, processor_factory=self._processor_factory,
-            checkpoint_writer=self.coordinator, lease_reader=self.coordinator,
+            checkpoint_writer=self.coordinator.fence, lease_reader=self.coordinator,
             fetcher_factory=self._make_fetcher, on_shard_end=self._on_shard_end,
             settings=self._settings, metrics=self.metrics)
 

@@ -122,7 +122,7 @@ def test_the_child_holder_deletes_the_parent_on_its_next_scan(
     for key in ("c1", "c2"):
         held = worker.get_held(key)
         assert held is not None and held.concurrency_token is not None
-        worker.update_checkpoint(key, held.concurrency_token, "123", 0)
+        worker.fence.update_checkpoint(key, held.concurrency_token, "123", 0)
     worker.run_taker_once()
     assert table.get("p") is None
     assert {item.lease_key for item in table.list_leases()} == {"c1", "c2"}

@@ -394,7 +394,7 @@ def take_one(table: LeaseTable, clock: Clock, **kwargs: Any) -> tuple[LeaseCoord
 def test_update_checkpoint_writes_and_counts_as_a_renewal(table: LeaseTable, clock: Clock) -> None:
     a, lost, token = take_one(table, clock)
     clock.advance(FAILOVER * 0.9)
-    a.update_checkpoint("s1", token, "4959000", 3)
+    a.fence.update_checkpoint("s1", token, "4959000", 3)
     stored = fetch(table, "s1")
     assert (stored.checkpoint, stored.checkpoint_sub_sequence_number) == ("4959000", 3)
     assert a.get_held("s1") == stored
@@ -412,13 +412,13 @@ def test_checkpoint_with_a_stale_token_or_an_unheld_lease_is_refused(
 ) -> None:
     a, _, token = take_one(table, clock)
     with pytest.raises(ShutdownException):
-        a.update_checkpoint("s1", "another-tenure", "1", 0)
+        a.fence.update_checkpoint("s1", "another-tenure", "1", 0)
     with pytest.raises(ShutdownException):
-        a.update_checkpoint("other-shard", token, "1", 0)
+        a.fence.update_checkpoint("other-shard", token, "1", 0)
     assert fetch(table, "s1").checkpoint == "TRIM_HORIZON"
     a.release("s1")
     with pytest.raises(ShutdownException):
-        a.update_checkpoint("s1", token, "1", 0)
+        a.fence.update_checkpoint("s1", token, "1", 0)
 
 
 def test_checkpoint_after_the_lease_was_taken_drops_it_and_notifies(
@@ -428,7 +428,7 @@ def test_checkpoint_after_the_lease_was_taken_drops_it_and_notifies(
     thief = table.take(fetch(table, "s1"), "B")
     table.update_checkpoint(thief, "777", 0)
     with pytest.raises(ShutdownException):
-        a.update_checkpoint("s1", token, "123", 0)
+        a.fence.update_checkpoint("s1", token, "123", 0)
     assert lost.shards == ["s1"]
     assert a.held_leases() == {}
     assert fetch(table, "s1").checkpoint == "777"
@@ -442,9 +442,9 @@ def test_a_retaken_lease_gets_a_new_token_and_old_checkpointers_are_fenced(
     (again,) = a.run_taker_once()
     assert again.concurrency_token not in (None, old_token)
     with pytest.raises(ShutdownException):
-        a.update_checkpoint("s1", old_token, "5", 0)
+        a.fence.update_checkpoint("s1", old_token, "5", 0)
     assert again.concurrency_token is not None
-    a.update_checkpoint("s1", again.concurrency_token, "5", 0)
+    a.fence.update_checkpoint("s1", again.concurrency_token, "5", 0)
 
 
 def test_throttled_checkpoint_raises_throttling_exception_and_keeps_the_lease(
@@ -453,7 +453,7 @@ def test_throttled_checkpoint_raises_throttling_exception_and_keeps_the_lease(
     a, lost, token = take_one(table, clock)
     client.fail["update_item"] = client_error("ProvisionedThroughputExceededException")
     with pytest.raises(ThrottlingException) as raised:
-        a.update_checkpoint("s1", token, "1", 0)
+        a.fence.update_checkpoint("s1", token, "1", 0)
     assert isinstance(raised.value.__cause__, LeaseTableThrottled)
     assert lost.shards == []
     assert a.get_held("s1") is not None
@@ -465,7 +465,7 @@ def test_other_dynamodb_failures_raise_dependency_exception(
     a, lost, token = take_one(table, clock)
     client.fail["update_item"] = client_error("InternalServerError")
     with pytest.raises(KinesisClientLibDependencyException):
-        a.update_checkpoint("s1", token, "1", 0)
+        a.fence.update_checkpoint("s1", token, "1", 0)
     assert lost.shards == []
 
 
@@ -486,7 +486,7 @@ def test_checkpoints_racing_renewals_always_use_the_freshest_counter(
     renewer = threading.Thread(target=renew)
     renewer.start()
     for i in range(rounds):
-        a.update_checkpoint("s1", token, str(1000 + i), 0)
+        a.fence.update_checkpoint("s1", token, str(1000 + i), 0)
     renewer.join()
     assert errors == []
     assert lost.shards == []
@@ -600,9 +600,9 @@ def test_over_http_three_workers_share_and_fence(moto_url: str) -> None:
     (a, _), (b, _), _ = workers
     shard, lease = next(iter(a.held_leases().items()))
     assert lease.concurrency_token is not None
-    a.update_checkpoint(shard, lease.concurrency_token, "12345", 0)
+    a.fence.update_checkpoint(shard, lease.concurrency_token, "12345", 0)
     with pytest.raises(ShutdownException):
-        b.update_checkpoint(shard, lease.concurrency_token, "99999", 0)
+        b.fence.update_checkpoint(shard, lease.concurrency_token, "99999", 0)
     assert fetch(table, shard).checkpoint == "12345"
 
 
@@ -650,7 +650,7 @@ def test_a_lease_is_renewed_every_half_failover_and_a_checkpoint_counts(client: 
     a.run_renewer_once(due_only=True)
     assert updates(metrics) == written + 1
     clock.advance(FAILOVER / 4)
-    a.update_checkpoint("s1", token, "100", 0)
+    a.fence.update_checkpoint("s1", token, "100", 0)
     clock.advance(FAILOVER / 2 - 0.01)
     a.run_renewer_once(due_only=True)
     assert updates(metrics) == written + 2, "the checkpoint postponed the renewal"
@@ -690,7 +690,7 @@ def test_a_worker_suspended_past_the_failover_time_holds_nothing_and_writes_noth
     assert a.held_leases() == {}, "not renewed for the failover time: no longer ours"
     written = updates(metrics)
     with pytest.raises(ShutdownException):
-        a.update_checkpoint("s1", token, "100", 0)
+        a.fence.update_checkpoint("s1", token, "100", 0)
     assert updates(metrics) == written, "the stale checkpoint was refused without a write"
     assert lost.shards == ["s1"]
     a.run_renewer_once()

@@ -42,14 +42,10 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-
-from botocore.exceptions import BotoCoreError, ClientError
 
 from kclpy.errors import (
-    CheckpointError,
     KinesisClientLibDependencyException,
     LeaseLostError,
     ShutdownException,
@@ -57,32 +53,23 @@ from kclpy.errors import (
 )
 from kclpy.leases import cleanup, handoff
 from kclpy.leases.budget import ScanBudget
+from kclpy.leases.fence import TABLE_ERRORS as _TABLE_ERRORS
+from kclpy.leases.fence import LeaseFence
+from kclpy.leases.held import HeldSet
 from kclpy.leases.lease import Lease
-from kclpy.leases.table import LeaseChanged, LeaseTable, LeaseTableThrottled
+from kclpy.leases.table import LeaseTable
 from kclpy.leases.taker import LeaseTaker
 from kclpy.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-#: failures of a lease-table request that say nothing about who owns the lease
-_TABLE_ERRORS = (LeaseTableThrottled, ClientError, BotoCoreError)
 #: how far past an overdue lease's expiry the scan that takes it is made
 _EXPIRY_MARGIN_S = 0.05
 
 
-@dataclass
-class _Held:
-    lease: Lease
-    #: clock() when the last successful write (take, renewal, checkpoint) was sent
-    renewed_at: float
-    #: clock() when the renewer should next write this lease
-    renew_due: float
-    #: clock() when another worker asked for this lease (graceful handoff), or None
-    handoff_since: float | None = None
-
-
 class LeaseCoordinator:
-    """Takes, renews and releases this worker's leases; implements ``CheckpointWriter``."""
+    """Takes, renews and releases this worker's leases. Every write only the holder may make
+    goes through ``fence`` (``fence.py``), which is also the checkpointers' writer."""
 
     def __init__(
         self,
@@ -132,12 +119,13 @@ class LeaseCoordinator:
         )
         #: guards the dictionaries below (never held while calling DynamoDB)
         self._state = threading.Lock()
-        self._held: dict[str, _Held] = {}
+        self.held = HeldSet(
+            worker_id, renewer_interval_s=self.renewer_interval_s, metrics=metrics,
+            on_drop=self._remember_lost)
+        self.fence = LeaseFence(table, self.held, failover_time_s=failover_time_s, clock=clock)
         #: handoffs to this worker not finished yet: lease key -> (clock() when asked,
         #: the lease counter then)
         self._pending: dict[str, tuple[float, int]] = {}
-        #: one lock per lease key, never removed, so a lease is never guarded by two locks
-        self._lease_locks: dict[str, threading.Lock] = {}
         #: lease key -> taker cycle in which it was lost; not stolen back in the next cycle
         self._lost_in_cycle: dict[str, int] = {}
         self._known_shards: frozenset[str] | None = None
@@ -148,8 +136,6 @@ class LeaseCoordinator:
         self._last_scan_attempt: float | None = None
         #: leases per live worker as of the last scan: what the scan budget is based on
         self._share = 0.0
-        self._listeners: list[Callable[[str], None]] = []
-        self._handoff_listeners: list[Callable[[str], None]] = []
         #: serialises taker cycles (background thread and run_taker_once callers)
         self._taker_lock = threading.Lock()
         self._taker_cycle = 0
@@ -243,11 +229,10 @@ class LeaseCoordinator:
         and notices soon when the process is too busy to run it (``pace_retrieval``)."""
         now = self._clock()
         deadlines = [now + self.renewer_interval_s / 4]
-        with self._state:
-            for held in self._held.values():
-                deadlines.append(held.renew_due)
-                if held.handoff_since is not None:
-                    deadlines.append(held.handoff_since + self.graceful_handoff_timeout_s)
+        for held in self.held.entries().values():
+            deadlines.append(held.renew_due)
+            if held.handoff_since is not None:
+                deadlines.append(held.handoff_since + self.graceful_handoff_timeout_s)
         return max(0.01, min(deadlines) - now)
 
     def _taker_loop(self) -> None:
@@ -283,8 +268,8 @@ class LeaseCoordinator:
         """When to scan next: when the budget affords it (or the fixed interval after the
         last scan), or earlier, right when an overdue lease expires."""
         now = self._clock()
+        held = set(self.held.entries())
         with self._state:
-            held = set(self._held)
             scanned = len(self._last_scan)
             last_attempt = self._last_scan_attempt
             share = self._share
@@ -318,15 +303,13 @@ class LeaseCoordinator:
     def add_lease_lost_listener(self, fn: Callable[[str], None]) -> None:
         """``fn(shard_id)`` is called (from the renewer or a checkpointing thread, with no
         coordinator lock held) each time a held lease turns out to be lost."""
-        with self._state:
-            self._listeners.append(fn)
+        self.held.add_lost_listener(fn)
 
     def add_handoff_listener(self, fn: Callable[[str], None]) -> None:
         """``fn(shard_id)`` is called when another worker asks for a held lease. The
         listener lets the shard's processor finish (it may still checkpoint) and then calls
         ``release(shard_id)``. Without listeners the lease is released at once."""
-        with self._state:
-            self._handoff_listeners.append(fn)
+        self.held.add_handoff_listener(fn)
 
     def set_known_shards(self, shard_ids: set[str] | None) -> None:
         """Only leases of these shards are taken; None allows every lease."""
@@ -339,24 +322,14 @@ class LeaseCoordinator:
     def held_leases(self) -> dict[str, Lease]:
         """The leases held now; one not written for longer than the failover time is no
         longer ours even before the renewer has dropped it (the process was suspended)."""
-        now = self._clock()
-        with self._state:
-            return {
-                key: held.lease.copy()
-                for key, held in self._held.items()
-                if now - held.renewed_at <= self.failover_time_s
-            }
+        return self.held.leases(self._clock(), self.failover_time_s)
 
     def get_held(self, shard_id: str) -> Lease | None:
-        with self._state:
-            held = self._held.get(shard_id)
-            return None if held is None else held.lease.copy()
+        return self.held.get(shard_id)
 
     def handing_off(self, shard_id: str) -> bool:
         """Another worker asked for this held lease and waits for it."""
-        with self._state:
-            held = self._held.get(shard_id)
-            return held is not None and held.handoff_since is not None
+        return self.held.handing_off(shard_id)
 
     def pending_handoffs(self) -> set[str]:
         """Leases handed to this worker whose previous owner has not let go yet."""
@@ -381,157 +354,81 @@ class LeaseCoordinator:
                 return None
             return frozenset(lease.lease_key for lease in self._last_scan)
 
-    # -- internals shared by renewer, taker and checkpoints --------------------------------
+    # -- internals ------------------------------------------------------------------------
 
-    def _lock_for(self, lease_key: str) -> threading.Lock:
+    def _remember_lost(self, lease_key: str) -> None:
+        """A lease lost or handed off now is not stolen back in the next taker cycle."""
         with self._state:
-            return self._lease_locks.setdefault(lease_key, threading.Lock())
-
-    def _drop(self, lease_key: str, why: str) -> None:
-        """Forget a lost lease. Call with the lease's lock held; notify after releasing it."""
-        with self._state:
-            if self._held.pop(lease_key, None) is None:
-                return
             self._lost_in_cycle[lease_key] = self._taker_cycle
-            held_count = len(self._held)
-        log.warning("worker %s lost lease %s: %s", self.worker_id, lease_key, why)
-        if self._metrics is not None:
-            self._metrics.leases_lost.inc()
-            self._metrics.leases_held.set(held_count)
 
-    def _notify(self, listeners: Iterable[Callable[[str], None]], lease_key: str) -> None:
-        for fn in listeners:
-            try:
-                fn(lease_key)
-            except Exception:
-                log.exception("lease listener failed for %s", lease_key)
-
-    def _notify_lost(self, lease_key: str) -> None:
+    def _install(self, lease: Lease, sent_at: float) -> None:
+        """A lease taken or adopted: held from now, no longer a pending handoff."""
+        self.held.install(lease, sent_at)
         with self._state:
-            listeners = list(self._listeners)
-        self._notify(listeners, lease_key)
-
-    def _notify_handoff(self, lease_key: str) -> None:
-        with self._state:
-            listeners = list(self._handoff_listeners)
-        if listeners:
-            self._notify(listeners, lease_key)
-        else:
-            self.release(lease_key)
-
-    def _install(self, lease: Lease, sent_at: float, handoff_since: float | None = None) -> None:
-        with self._state:
-            self._held[lease.lease_key] = _Held(
-                lease, sent_at, sent_at + self.renewer_interval_s, handoff_since
-            )
             self._pending.pop(lease.lease_key, None)
-            held_count = len(self._held)
-        if self._metrics is not None:
-            self._metrics.leases_held.set(held_count)
-
-    def _fenced(self, held: _Held, write: Callable[[Lease], Lease], what: str) -> Lease | None:
-        """Run one fenced write for a held lease (its lock held). Returns the fresh lease, or
-        None when the lease is lost (already dropped). A handoff request discovered on the
-        way puts ``held`` in the handing-off state (``handoff_since`` set, so the caller can
-        tell) and the write is repeated as the handing-off holder, fenced on
-        ``checkpointOwner``. Table errors other than a failed condition propagate."""
-        key = held.lease.lease_key
-        try:
-            return write(held.lease)
-        except LeaseChanged as exc:
-            current = exc.current if exc.current is not None else self._read(key)
-        if handoff.is_request_to_hand_off(held.lease, current, self.worker_id):
-            assert current is not None
-            log.info("worker %s: %s asks for lease %s", self.worker_id, current.lease_owner, key)
-            held.lease = handoff.as_handing_off(held.lease, current, self.worker_id)
-            held.handoff_since = self._clock()
-            try:
-                return write(held.lease)
-            except LeaseLostError:
-                pass
-        self._drop(key, f"{what} found it changed (taken by another worker)")
-        return None
-
-    def _read(self, lease_key: str) -> Lease | None:
-        """The current item after a failed condition, for endpoints that do not return it."""
-        try:
-            return self.table.get(lease_key)
-        except _TABLE_ERRORS as exc:
-            log.warning("worker %s: reading %s failed: %r", self.worker_id, lease_key, exc)
-            return None
 
     # -- renewer -------------------------------------------------------------------------
 
     def run_renewer_once(self, *, due_only: bool = False) -> None:
-        """Renew every held lease (with ``due_only``, those whose renewal is due); drop and
-        report the lost ones, announce the ones another worker asks for."""
+        """Renew every held lease (with ``due_only``, those whose renewal is due); the fence
+        drops and reports the lost ones and announces the ones another worker asks for."""
         now = self._clock()
-        with self._state:
-            keys = [
-                key
-                for key, held in self._held.items()
-                if not due_only
-                or held.renew_due <= now
-                or now - held.renewed_at > self.failover_time_s
-                or (
-                    held.handoff_since is not None
-                    and now - held.handoff_since > self.graceful_handoff_timeout_s
-                )
-            ]
+        keys = [
+            key
+            for key, held in self.held.entries().items()
+            if not due_only
+            or held.renew_due <= now
+            or now - held.renewed_at > self.failover_time_s
+            or (
+                held.handoff_since is not None
+                and now - held.handoff_since > self.graceful_handoff_timeout_s
+            )
+        ]
         if len(keys) <= 1 or self._renewal_threads == 1:
-            outcomes = [self._renew(key) for key in keys]
+            for key in keys:
+                self._renew(key)
         else:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(
                     self._renewal_threads, thread_name_prefix=f"kclpy-renew-{self.worker_id}"
                 )
-            outcomes = list(self._pool.map(self._renew, keys))
-        for key, outcome in zip(keys, outcomes, strict=True):
-            if outcome == "lost":
-                self._notify_lost(key)
-            elif outcome == "handoff":
-                self._notify_handoff(key)
+            list(self._pool.map(self._renew, keys))
 
-    def _renew(self, lease_key: str) -> str:
-        """Renew one lease: 'ok', 'lost' (dropped), 'handoff' (newly asked for) or 'kept'
-        (a failure that did not lose it yet)."""
-        with self._lock_for(lease_key):
-            with self._state:
-                held = self._held.get(lease_key)
-            if held is None:
-                return "kept"
-            now = self._clock()
-            silent_for = now - held.renewed_at
-            if silent_for > self.failover_time_s:
-                self._drop(lease_key, f"not renewed for {silent_for:.1f}s")
-                return "lost"
-            if (
-                held.handoff_since is not None
-                and now - held.handoff_since > self.graceful_handoff_timeout_s
-            ):
-                log.warning(
-                    "worker %s: lease %s not let go within the handoff timeout; letting go",
-                    self.worker_id,
-                    lease_key,
-                )
-                self._let_go(lease_key)
-                return "lost"
+    def _renew(self, lease_key: str) -> None:
+        """Renew one lease, or let go of one kept past the handoff timeout."""
+        held = self.held.entry(lease_key)
+        if held is None:
+            return
+        now = self._clock()
+        if (
+            held.handoff_since is not None
+            and now - held.handoff_since > self.graceful_handoff_timeout_s
+        ):
+            log.warning("worker %s: lease %s not let go within the handoff timeout; letting go",
+                        self.worker_id, lease_key)
+            self.fence.release(lease_key)
+            self.held.notify_lost(lease_key)
+            return
+        expired = now - held.renewed_at > self.failover_time_s
+        if not expired:
             self._budget.spend_renewal()
-            asked_before = held.handoff_since is not None
-            try:
-                fresh = self._fenced(held, self.table.renew, "renewal")
-            except _TABLE_ERRORS as exc:
+        try:
+            self.fence.write(lease_key, None, self.table.renew, what="renewal")
+        except ShutdownException:
+            if not expired:
                 self._count_renew_failure()
-                held.renew_due = now + self.renewer_interval_s / 4
-                log.warning("worker %s: renewing %s failed: %r", self.worker_id, lease_key, exc)
-                return "kept" if asked_before or held.handoff_since is None else "handoff"
-            if fresh is None:
-                self._count_renew_failure()
-                return "lost"
-            self._install(fresh, now, held.handoff_since)
+            return
+        except (ThrottlingException, KinesisClientLibDependencyException) as exc:
+            self._count_renew_failure()
+            with self.held.lock_for(lease_key):
+                entry = self.held.entry(lease_key)
+                if entry is not None:
+                    entry.renew_due = now + self.renewer_interval_s / 4
+            log.warning("worker %s: renewing %s failed: %r", self.worker_id, lease_key,
+                        exc.__cause__ or exc)
+            return
         if self._metrics is not None:
             self._metrics.lease_renewals.inc()
-        return "ok" if asked_before or held.handoff_since is None else "handoff"
 
     def _count_renew_failure(self) -> None:
         if self._metrics is not None:
@@ -571,8 +468,7 @@ class LeaseCoordinator:
                 for key in sorted(self.pending_handoffs())
                 if (fresh := self._progress_handoff(key, by_key.get(key), scanned_at=now))
             ]
-            with self._state:
-                held = set(self._held)
+            held = set(self.held.entries())
             plan = self._taker.plan(held=held, known_shards=known, no_steal=no_steal, now=now)
             with self._state:
                 self._share = plan.share
@@ -589,7 +485,7 @@ class LeaseCoordinator:
         (returns None; the lease arrives when the owner has finished), else take outright."""
         if not self.graceful_handoff:
             return self._take(lease, stolen=True)
-        with self._lock_for(lease.lease_key):
+        with self.held.lock_for(lease.lease_key):
             try:
                 asked = self.table.set_checkpoint_owner(lease, self.worker_id)
             except LeaseLostError:
@@ -674,7 +570,7 @@ class LeaseCoordinator:
         return self._take(lease, stolen=True)
 
     def _adopt(self, lease: Lease) -> Lease | None:
-        with self._lock_for(lease.lease_key):
+        with self.held.lock_for(lease.lease_key):
             sent_at = self._clock()
             try:
                 fresh = self.table.adopt(lease)
@@ -693,7 +589,7 @@ class LeaseCoordinator:
         return fresh.copy()
 
     def _take(self, lease: Lease, *, stolen: bool) -> Lease | None:
-        with self._lock_for(lease.lease_key):
+        with self.held.lock_for(lease.lease_key):
             sent_at = self._clock()
             try:
                 fresh = self.table.take(lease, self.worker_id)
@@ -730,102 +626,11 @@ class LeaseCoordinator:
                     lease.lease_key,
                 )
 
-    # -- checkpoints (CheckpointWriter) --------------------------------------------------
-
-    def update_checkpoint(
-        self, shard_id: str, concurrency_token: str, checkpoint: str, sub_sequence_number: int
-    ) -> None:
-        """Write a checkpoint, fenced three ways: locally by the concurrency token of the
-        tenure the checkpointer belongs to and by the time since the lease was last
-        written, and in DynamoDB by counter and holder."""
-        lost = asked = False
-        failure: CheckpointError | None = None
-        with self._lock_for(shard_id):
-            with self._state:
-                held = self._held.get(shard_id)
-            if held is None or held.lease.concurrency_token != concurrency_token:
-                raise ShutdownException(
-                    f"shard {shard_id}: lease not held by this checkpointer's tenure"
-                )
-            sent_at = self._clock()
-            asked_before = held.handoff_since is not None
-            if sent_at - held.renewed_at > self.failover_time_s:
-                self._drop(shard_id, "not renewed for longer than the failover time")
-                lost = True
-            else:
-                try:
-                    fresh = self._fenced(
-                        held,
-                        lambda lease: self.table.update_checkpoint(
-                            lease, checkpoint, sub_sequence_number
-                        ),
-                        "checkpoint",
-                    )
-                except LeaseTableThrottled as exc:
-                    failure = ThrottlingException(f"shard {shard_id}: {exc}")
-                    failure.__cause__ = exc
-                except (ClientError, BotoCoreError) as exc:
-                    failure = KinesisClientLibDependencyException(
-                        f"shard {shard_id}: checkpoint write failed: {exc}"
-                    )
-                    failure.__cause__ = exc
-                else:
-                    if fresh is None:
-                        lost = True
-                    else:
-                        self._install(fresh, sent_at, held.handoff_since)
-            asked = not lost and not asked_before and held.handoff_since is not None
-        if asked:
-            self._notify_handoff(shard_id)
-        if failure is not None:
-            raise failure
-        if lost:
-            self._notify_lost(shard_id)
-            raise ShutdownException(f"shard {shard_id}: lease was taken by another worker")
-
     # -- release ---------------------------------------------------------------------------
 
     def release(self, shard_id: str) -> None:
-        """Give a held lease back so it can move at once: unowned, or - during a handoff - to
-        the worker that asked for it. Listeners are not called: the caller chose this.
-        Failures are logged; the lease then simply expires."""
-        with self._lock_for(shard_id):
-            self._let_go(shard_id)
-
-    def _let_go(self, shard_id: str) -> None:
-        """``release`` with the lease's lock held."""
-        with self._state:
-            held = self._held.pop(shard_id, None)
-            held_count = len(self._held)
-            if held is not None and held.handoff_since is not None:
-                self._lost_in_cycle[shard_id] = self._taker_cycle
-        if held is None:
-            return
-        if self._metrics is not None:
-            self._metrics.leases_held.set(held_count)
-        try:
-            self._evict(held.lease)
-        except LeaseLostError:
-            log.info("worker %s: lease %s was already taken", self.worker_id, shard_id)
-        except _TABLE_ERRORS as exc:
-            log.warning(
-                "worker %s: releasing %s failed, it will expire instead: %r",
-                self.worker_id,
-                shard_id,
-                exc,
-            )
-
-    def _evict(self, lease: Lease) -> None:
-        """Evict a lease; one asked for since our last write goes to the worker that asked,
-        rather than to nobody (that worker would otherwise wait for it to expire)."""
-        try:
-            self.table.evict(lease)
-        except LeaseChanged as exc:
-            current = exc.current if exc.current is not None else self._read(lease.lease_key)
-            if not handoff.is_request_to_hand_off(lease, current, self.worker_id):
-                raise
-            assert current is not None
-            self.table.evict(handoff.as_handing_off(lease, current, self.worker_id))
+        """Give a held lease back so it can move at once (``LeaseFence.release``)."""
+        self.fence.release(shard_id)
 
     def _give_up_pending(self) -> None:
         """For a stopping worker: a lease handed to it and already let go is released, so
@@ -846,7 +651,5 @@ class LeaseCoordinator:
             self._pending.clear()
 
     def release_all(self) -> None:
-        with self._state:
-            keys = list(self._held)
-        for key in keys:
+        for key in self.held.entries():
             self.release(key)

@@ -148,6 +148,15 @@ class UpdateBuilder:
         self._placeholders: dict[str, str] = {}
         self._values: dict[str, AttributeValueTypeDef] = {}
 
+    def copy(self) -> UpdateBuilder:
+        """An independent builder with the same clauses: one change can be fenced again
+        (e.g. retried as the handing-off holder) without stacking conditions."""
+        other = UpdateBuilder()
+        other._set, other._add, other._remove = list(self._set), list(self._add), list(self._remove)
+        other._conditions = list(self._conditions)
+        other._placeholders, other._values = dict(self._placeholders), dict(self._values)
+        return other
+
     def _name(self, attribute: str) -> str:
         return self._placeholders.setdefault(attribute, f"#a{len(self._placeholders)}")
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from botocore.exceptions import ClientError
 
@@ -29,6 +29,7 @@ from kclpy.metrics import Metrics
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb import DynamoDBClient
+    from mypy_boto3_dynamodb.type_defs import TransactWriteItemTypeDef
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,13 @@ THROTTLE_CODES = frozenset(
     {"ProvisionedThroughputExceededException", "ThrottlingException", "RequestLimitExceeded"}
 )
 _CONDITION_FAILED = "ConditionalCheckFailedException"
+_TRANSACTION_CANCELED = "TransactionCanceledException"
+#: cancellation reasons that say "try again", not "your condition is false": DynamoDB's
+#: transaction throttling and a concurrent transaction on one of the items
+_RETRYABLE_REASONS = frozenset(
+    {"ThrottlingError", "ProvisionedThroughputExceeded", "RequestLimitExceeded",
+     "TransactionConflict"}
+)
 #: UPDATING tables serve reads and writes (e.g. while Java KCL 3.x adds its owner index).
 _USABLE_STATUSES = frozenset({"ACTIVE", "UPDATING"})
 
@@ -56,8 +64,50 @@ class LeaseChanged(LeaseLostError):
         self.current = current
 
 
+class TransactionRejected(KCLError):
+    """A fenced transaction was cancelled by one of the caller's own items (its condition
+    failed, or it was invalid); the lease item's condition held, so the lease is still ours.
+    ``reasons`` are DynamoDB's ``CancellationReasons``, one per item, the lease item first."""
+
+    def __init__(self, message: str, reasons: list[dict[str, Any]]) -> None:
+        super().__init__(message)
+        self.reasons = reasons
+
+
 def error_code(exc: ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def _cancellation_reasons(exc: ClientError) -> list[dict[str, Any]]:
+    reasons: list[dict[str, Any]] = [
+        dict(reason) for reason in exc.response.get("CancellationReasons") or []
+    ]
+    return reasons
+
+
+def _is_throttle(exc: ClientError) -> bool:
+    """Throttling, also inside a cancelled transaction (where no item's condition failed)."""
+    code = error_code(exc)
+    if code in THROTTLE_CODES:
+        return True
+    if code != _TRANSACTION_CANCELED:
+        return False
+    codes = {str(reason.get("Code", "None")) for reason in _cancellation_reasons(exc)}
+    return bool(codes & _RETRYABLE_REASONS) and codes <= _RETRYABLE_REASONS | {"None"}
+
+
+def checkpoint_changes(checkpoint: str, sub_sequence_number: int) -> UpdateBuilder:
+    """The lease item's changes for a checkpoint. As in Java's checkpointer, a checkpoint
+    resets the owner-switch count and clears any pending (prepared) checkpoint."""
+    return (
+        UpdateBuilder()
+        .set(ser.CHECKPOINT, s(checkpoint))
+        .set(ser.CHECKPOINT_SUB_SEQUENCE_NUMBER, n(sub_sequence_number))
+        .set(ser.OWNER_SWITCHES_SINCE_CHECKPOINT, n(0))
+        .remove(ser.PENDING_CHECKPOINT)
+        .remove(ser.PENDING_CHECKPOINT_SUB_SEQUENCE_NUMBER)
+        .remove(ser.PENDING_CHECKPOINT_STATE)
+    )
 
 
 class LeaseTable:
@@ -100,7 +150,7 @@ class LeaseTable:
             try:
                 return fn(**kwargs)
             except ClientError as exc:
-                if error_code(exc) not in THROTTLE_CODES:
+                if not _is_throttle(exc):
                     raise
                 if self._metrics is not None:
                     self._metrics.throttles.labels(operation).inc()
@@ -264,9 +314,7 @@ class LeaseTable:
         Fenced on the counter and on the holder (see ``_expect_holder``); a failure raises
         ``LeaseChanged`` with the current item, so the caller can recognise a handoff request.
         """
-        update = UpdateBuilder().set(ser.LEASE_COUNTER, n(lease.lease_counter + 1))
-        _expect_holder(update.expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter)), lease)
-        return self._update(lease.lease_key, update, lease.concurrency_token, report=True)
+        return self.guarded_update(lease, UpdateBuilder())
 
     def evict(self, lease: Lease) -> Lease:
         """Release the lease so that it can move at once.
@@ -275,12 +323,11 @@ class LeaseTable:
         (``checkpoint_owner`` set) only ``checkpointOwner`` is removed, as Java 3.x does: that
         completes the handoff and ``leaseOwner`` already names the worker that takes over.
         """
-        update = UpdateBuilder().set(ser.LEASE_COUNTER, n(lease.lease_counter + 1))
+        update = UpdateBuilder()
         if lease.checkpoint_owner is None:
             update.remove(ser.LEASE_OWNER)
         update.remove(ser.CHECKPOINT_OWNER)
-        _expect_holder(update.expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter)), lease)
-        return self._update(lease.lease_key, update, lease.concurrency_token, report=True)
+        return self.guarded_update(lease, update)
 
     def adopt(self, lease: Lease) -> Lease:
         """Finish receiving a handed-off lease: ``lease_owner`` (the caller) already names the
@@ -300,21 +347,55 @@ class LeaseTable:
         return self._update(lease.lease_key, update, lease.concurrency_token)
 
     def update_checkpoint(self, lease: Lease, checkpoint: str, sub_sequence_number: int) -> Lease:
-        """Record progress. As in Java's checkpointer, a checkpoint resets the owner-switch
-        count and clears any pending (prepared) checkpoint."""
-        update = (
-            UpdateBuilder()
-            .set(ser.CHECKPOINT, s(checkpoint))
-            .set(ser.CHECKPOINT_SUB_SEQUENCE_NUMBER, n(sub_sequence_number))
-            .set(ser.OWNER_SWITCHES_SINCE_CHECKPOINT, n(0))
-            .set(ser.LEASE_COUNTER, n(lease.lease_counter + 1))
-            .remove(ser.PENDING_CHECKPOINT)
-            .remove(ser.PENDING_CHECKPOINT_SUB_SEQUENCE_NUMBER)
-            .remove(ser.PENDING_CHECKPOINT_STATE)
-            .expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter))
-        )
-        _expect_holder(update, lease)
+        """Record progress as the lease's holder (see ``checkpoint_changes``)."""
+        return self.guarded_update(lease, checkpoint_changes(checkpoint, sub_sequence_number))
+
+    # -- writes only the holder may make (``fence.py`` is their one caller) ------------------
+
+    def guarded_update(self, lease: Lease, changes: UpdateBuilder) -> Lease:
+        """``changes`` made as the lease's holder: the counter bumped, fenced on the counter
+        and the holder. A failed condition raises ``LeaseChanged`` with the current item."""
+        update = _guard(changes, lease)
         return self._update(lease.lease_key, update, lease.concurrency_token, report=True)
+
+    def guarded_transact(
+        self,
+        lease: Lease,
+        changes: UpdateBuilder,
+        items: Sequence[TransactWriteItemTypeDef],
+    ) -> Lease:
+        """``changes`` to the lease item, fenced as in ``guarded_update``, and ``items`` in
+        one transaction: all or nothing. Returns ``lease`` with the counter it now has (a
+        transaction returns no attributes); ``LeaseChanged`` when the lease item's condition
+        failed, ``TransactionRejected`` when only the caller's items were refused."""
+        update: dict[str, Any] = {
+            "TableName": self.table_name,
+            "Key": key_of(lease.lease_key),
+            "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
+            **_guard(changes, lease).request(),
+        }
+        lease_item = cast("TransactWriteItemTypeDef", {"Update": update})
+        try:
+            self._call(
+                "TransactWriteItems",
+                self.client.transact_write_items,
+                TransactItems=[lease_item, *items],
+            )
+        except ClientError as exc:
+            if error_code(exc) != _TRANSACTION_CANCELED:
+                raise
+            reasons = _cancellation_reasons(exc)
+            first = reasons[0] if reasons else {}
+            if first.get("Code") == "ConditionalCheckFailed":
+                raise LeaseChanged(
+                    f"lease {lease.lease_key} changed in {self.table_name}",
+                    _lease_or_none(first.get("Item")),
+                ) from exc
+            codes = [str(reason.get("Code", "None")) for reason in reasons]
+            raise TransactionRejected(
+                f"transaction on lease {lease.lease_key} cancelled by its items: {codes}", reasons
+            ) from exc
+        return lease.copy(lease_counter=lease.lease_counter + 1)
 
     def set_checkpoint_owner(self, lease: Lease, new_owner: str) -> Lease:
         """Start a Java KCL 3.x graceful handoff of ``lease`` to ``new_owner``.
@@ -373,6 +454,14 @@ def _lease_or_none(item: object) -> Lease | None:
         return ser.lease_from_item(item)
     except ValueError:
         return None
+
+
+def _guard(changes: UpdateBuilder, lease: Lease) -> UpdateBuilder:
+    """``changes`` as a holder's write (a copy: ``changes`` may be fenced again for another
+    lease state): the counter bumped, the counter held and the holder expected."""
+    update = changes.copy().set(ser.LEASE_COUNTER, n(lease.lease_counter + 1))
+    _expect_holder(update.expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter)), lease)
+    return update
 
 
 def _expect_holder(update: UpdateBuilder, lease: Lease) -> None:

@@ -1,0 +1,249 @@
+"""The lease fence: the one way to make a write that only the current holder of a lease may make.
+
+Renewals, checkpoints, releases and every feature that commits progress (a stateful
+processor's transaction, a recovery's own checkpoint) are such writes. Each one, here:
+
+1. takes the lease's lock and checks, locally, that this worker still holds the lease in the
+   tenure the caller belongs to (its concurrency token) and has written it within the failover
+   time - a worker suspended for longer may already have been replaced, so it must not write;
+2. adds the ownership condition to the write: the counter this worker holds and the holder
+   (``leaseOwner``, or ``checkpointOwner`` while handing the lease off), and bumps the counter;
+3. turns a failed condition into one of two things. If the item now asks this worker to hand
+   the lease off (Java KCL 3.x ``checkpointOwner``), the write is repeated as the handing-off
+   holder and the handoff listeners are told. Otherwise the lease is lost: it is dropped from
+   the held set, the lost listeners are told, and the caller gets ``ShutdownException``.
+
+A write can take three forms, so that new features never need to touch the coordinator:
+``update`` (one UpdateItem on the lease item), ``transact`` (the lease item's fenced update
+inside a DynamoDB ``TransactWriteItems`` with the caller's items, all or nothing), and
+``guard`` (a write to another store, e.g. a SQL transaction, that compares the tenure counter
+it is given against what the store recorded: see ``HeldLease.tenure``).
+
+Errors the checkpointer contract names come out as such: throttling that persists is
+``ThrottlingException``, any other DynamoDB failure ``KinesisClientLibDependencyException``;
+neither loses the lease.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from kclpy.errors import (
+    KinesisClientLibDependencyException,
+    LeaseLostError,
+    ShutdownException,
+    ThrottlingException,
+)
+from kclpy.leases import handoff
+from kclpy.leases.held import HeldLease, HeldSet
+from kclpy.leases.lease import Lease
+from kclpy.leases.serializer import UpdateBuilder
+from kclpy.leases.table import LeaseChanged, LeaseTable, LeaseTableThrottled, checkpoint_changes
+
+if TYPE_CHECKING:
+    from mypy_boto3_dynamodb.type_defs import TransactWriteItemTypeDef
+
+log = logging.getLogger(__name__)
+
+#: failures of a lease-table request that say nothing about who owns the lease
+TABLE_ERRORS = (LeaseTableThrottled, ClientError, BotoCoreError)
+
+
+@dataclass(frozen=True)
+class Guard:
+    """What a write to another store needs to fence itself: the lease as held now, and the
+    counter its tenure started at. Raise ``LeaseLostError`` inside ``LeaseFence.guard`` when
+    the store shows a newer tenure; the fence then treats the lease as lost."""
+
+    lease: Lease
+    tenure: int
+
+
+class LeaseFence:
+    """Fenced writes for the leases in ``held``. Thread-safe: one lock per lease."""
+
+    def __init__(
+        self,
+        table: LeaseTable,
+        held: HeldSet,
+        *,
+        failover_time_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.table = table
+        self.held = held
+        self.worker_id = held.worker_id
+        self.failover_time_s = failover_time_s
+        self._clock = clock
+
+    # -- the three forms -------------------------------------------------------------------
+
+    def update(
+        self, lease_key: str, token: str | None, changes: UpdateBuilder, *, what: str
+    ) -> Lease:
+        """Apply ``changes`` to the lease item as its holder. ``token`` is the caller's tenure
+        (None: whichever tenure is current, as the renewer writes). Returns the fresh lease."""
+        return self.write(
+            lease_key, token, lambda lease: self.table.guarded_update(lease, changes), what=what
+        )
+
+    def transact(
+        self,
+        lease_key: str,
+        token: str | None,
+        changes: UpdateBuilder,
+        items: Sequence[TransactWriteItemTypeDef],
+        *,
+        what: str,
+        apply: Callable[[Lease], Lease] | None = None,
+    ) -> Lease:
+        """Commit ``items`` and ``changes`` to the lease item in one ``TransactWriteItems``:
+        if this worker no longer holds the lease, nothing is written, ``items`` included.
+        ``apply`` updates the held copy the way ``changes`` updated the item (a transaction
+        returns no attributes). A failed condition of one of ``items`` raises
+        ``TransactionRejected`` and leaves the lease held."""
+
+        def write(lease: Lease) -> Lease:
+            fresh = self.table.guarded_transact(lease, changes, items)
+            return apply(fresh) if apply is not None else fresh
+
+        return self.write(lease_key, token, write, what=what)
+
+    @contextmanager
+    def guard(self, lease_key: str, token: str | None, *, what: str) -> Iterator[Guard]:
+        """Run a write to another store while holding the lease's lock (renewals and
+        checkpoints of this lease wait for it). Raises ``ShutdownException`` before the block
+        when the lease is not held, and after it when the block raised ``LeaseLostError``."""
+        lost_why: str | None = None
+        with self.held.lock_for(lease_key):
+            held = self._holding(lease_key, token)
+            if self._expired(held):
+                lost_why = "not renewed for longer than the failover time"
+                self.held.drop(lease_key, lost_why)
+            else:
+                try:
+                    yield Guard(held.lease.copy(), held.tenure)
+                except LeaseLostError as exc:
+                    lost_why = f"{what} found a newer tenure: {exc}"
+                    self.held.drop(lease_key, lost_why)
+        if lost_why is not None:
+            self.held.notify_lost(lease_key)
+            raise ShutdownException(f"shard {lease_key}: lease lost ({lost_why})")
+
+    # -- the mechanism ---------------------------------------------------------------------
+
+    def write(
+        self, lease_key: str, token: str | None, write: Callable[[Lease], Lease], *, what: str
+    ) -> Lease:
+        """Run ``write(held lease)`` as the holder. ``write`` must condition on the lease it
+        is given (``LeaseTable.guarded_*`` do) and raise ``LeaseChanged`` when that fails."""
+        lost = asked = False
+        failure: Exception | None = None
+        fresh: Lease | None = None
+        with self.held.lock_for(lease_key):
+            held = self._holding(lease_key, token)
+            sent_at = self._clock()
+            asked_before = held.handoff_since is not None
+            if self._expired(held):
+                lost = self.held.drop(lease_key, "not renewed for longer than the failover time")
+            else:
+                try:
+                    fresh = self._attempt(held, write, what)
+                except LeaseTableThrottled as exc:
+                    failure = ThrottlingException(f"shard {lease_key}: {what}: {exc}")
+                    failure.__cause__ = exc
+                except (ClientError, BotoCoreError) as exc:
+                    failure = KinesisClientLibDependencyException(
+                        f"shard {lease_key}: {what} failed: {exc}")
+                    failure.__cause__ = exc
+                else:
+                    if fresh is None:
+                        lost = True
+                    else:
+                        self.held.install(fresh, sent_at, held.handoff_since)
+            asked = not lost and not asked_before and held.handoff_since is not None
+        if asked:
+            self.announce_handoff(lease_key)
+        if failure is not None:
+            raise failure
+        if lost or fresh is None:
+            self.held.notify_lost(lease_key)
+            raise ShutdownException(f"shard {lease_key}: lease was taken by another worker")
+        return fresh.copy()
+
+    def update_checkpoint(
+        self, shard_id: str, concurrency_token: str, checkpoint: str, sub_sequence_number: int
+    ) -> None:
+        """``CheckpointWriter``: a checkpoint is a fenced update of the lease item."""
+        self.update(shard_id, concurrency_token,
+                    checkpoint_changes(checkpoint, sub_sequence_number), what="checkpoint")
+
+    def release(self, lease_key: str) -> None:
+        """Give a held lease back so it can move at once: unowned, or - during a handoff - to
+        the worker that asked for it. Listeners are not called: the caller chose this.
+        Failures are logged; the lease then simply expires."""
+        with self.held.lock_for(lease_key):
+            held = self.held.forget(lease_key)
+            if held is None:
+                return
+            try:
+                if self._attempt(held, self.table.evict, "release") is None:
+                    log.info("worker %s: lease %s was already taken", self.worker_id, lease_key)
+            except TABLE_ERRORS as exc:
+                log.warning("worker %s: releasing %s failed, it will expire instead: %r",
+                            self.worker_id, lease_key, exc)
+
+    def announce_handoff(self, lease_key: str) -> None:
+        """Tell the handoff listeners that another worker asked for this lease; without
+        listeners nobody can wind a processor down, so the lease is released at once."""
+        if not self.held.notify_handoff(lease_key):
+            self.release(lease_key)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _holding(self, lease_key: str, token: str | None) -> HeldLease:
+        held = self.held.entry(lease_key)
+        if held is None or (token is not None and held.lease.concurrency_token != token):
+            raise ShutdownException(f"shard {lease_key}: lease not held by this tenure")
+        return held
+
+    def _expired(self, held: HeldLease) -> bool:
+        return self._clock() - held.renewed_at > self.failover_time_s
+
+    def _attempt(self, held: HeldLease, write: Callable[[Lease], Lease], what: str) -> Lease | None:
+        """One fenced write (the lease's lock held). Returns the fresh lease, or None when the
+        lease is lost (already dropped). A handoff request discovered on the way puts
+        ``held`` in the handing-off state (``handoff_since`` set, so the caller can tell) and
+        the write is repeated as the handing-off holder, fenced on ``checkpointOwner``.
+        Table errors other than a failed condition propagate."""
+        key = held.lease.lease_key
+        try:
+            return write(held.lease)
+        except LeaseChanged as exc:
+            current = exc.current if exc.current is not None else self._read(key)
+        if handoff.is_request_to_hand_off(held.lease, current, self.worker_id):
+            assert current is not None
+            log.info("worker %s: %s asks for lease %s", self.worker_id, current.lease_owner, key)
+            held.lease = handoff.as_handing_off(held.lease, current, self.worker_id)
+            held.handoff_since = self._clock()
+            try:
+                return write(held.lease)
+            except LeaseLostError:
+                pass
+        self.held.drop(key, f"{what} found it changed (taken by another worker)")
+        return None
+
+    def _read(self, lease_key: str) -> Lease | None:
+        """The current item after a failed condition, for endpoints that do not return it."""
+        try:
+            return self.table.get(lease_key)
+        except TABLE_ERRORS as exc:
+            log.warning("worker %s: reading %s failed: %r", self.worker_id, lease_key, exc)
+            return None
+

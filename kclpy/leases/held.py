@@ -1,0 +1,183 @@
+"""The leases this worker holds: their latest copy, their locks, and who to tell when one goes.
+
+Everything that writes a held lease - renewals, checkpoints, releases, a feature's own fenced
+write - reads and replaces the entry here under that lease's lock, so whoever writes next
+always conditions on the counter the previous write returned. The set itself never calls
+DynamoDB; ``fence.py`` does, and ``renewer.py`` / the coordinator decide when.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kclpy.leases.lease import Lease
+from kclpy.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[[str], None]
+
+
+@dataclass
+class HeldLease:
+    """One held lease and the clock readings that decide when it must be written again."""
+
+    lease: Lease
+    #: clock() when the last successful write (take, renewal, checkpoint) was sent
+    renewed_at: float
+    #: clock() when the renewer should next write this lease
+    renew_due: float
+    #: the lease counter this tenure started at (take or adopt). Every earlier tenure, by
+    #: this or any other worker, held smaller counters: what an external store compares to
+    #: tell a zombie's commit from the current holder's.
+    tenure: int
+    #: clock() when another worker asked for this lease (graceful handoff), or None
+    handoff_since: float | None = None
+
+
+class HeldSet:
+    """The held leases of one worker. Thread-safe; its own lock is never held while calling
+    out (DynamoDB, listeners)."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        *,
+        renewer_interval_s: float,
+        metrics: Metrics | None = None,
+        on_drop: Listener | None = None,
+    ) -> None:
+        self.worker_id = worker_id
+        #: called at once (lease lock held) when a lease is found lost: the taker's memory
+        #: of what it must not steal straight back
+        self._on_drop = on_drop
+        self.renewer_interval_s = renewer_interval_s
+        self._metrics = metrics
+        self._state = threading.Lock()
+        self._held: dict[str, HeldLease] = {}
+        #: one lock per lease key, never removed, so a lease is never guarded by two locks
+        self._locks: dict[str, threading.Lock] = {}
+        self._lost_listeners: list[Listener] = []
+        self._handoff_listeners: list[Listener] = []
+
+    # -- locks and entries -----------------------------------------------------------------
+
+    def lock_for(self, lease_key: str) -> threading.Lock:
+        """The lock under which ``lease_key``'s entry is read, written to DynamoDB and replaced."""
+        with self._state:
+            return self._locks.setdefault(lease_key, threading.Lock())
+
+    def entry(self, lease_key: str) -> HeldLease | None:
+        """The live entry (mutable: change it only with the lease's lock held)."""
+        with self._state:
+            return self._held.get(lease_key)
+
+    def entries(self) -> dict[str, HeldLease]:
+        with self._state:
+            return dict(self._held)
+
+    def install(self, lease: Lease, sent_at: float, handoff_since: float | None = None) -> None:
+        """Record ``lease`` as written at ``sent_at``. A lease with a new concurrency token
+        starts a new tenure at its counter; the same token keeps the tenure it had."""
+        with self._state:
+            previous = self._held.get(lease.lease_key)
+            tenure = lease.lease_counter
+            if previous is not None and previous.lease.concurrency_token == lease.concurrency_token:
+                tenure = previous.tenure
+            self._held[lease.lease_key] = HeldLease(
+                lease, sent_at, sent_at + self.renewer_interval_s, tenure, handoff_since
+            )
+            count = len(self._held)
+        self._publish(count)
+
+    def drop(self, lease_key: str, why: str) -> bool:
+        """Forget a lost lease (its lock held; notify after releasing it). False if it was
+        not held."""
+        with self._state:
+            if self._held.pop(lease_key, None) is None:
+                return False
+            count = len(self._held)
+        if self._on_drop is not None:
+            self._on_drop(lease_key)
+        log.warning("worker %s lost lease %s: %s", self.worker_id, lease_key, why)
+        if self._metrics is not None:
+            self._metrics.leases_lost.inc()
+        self._publish(count)
+        return True
+
+    def forget(self, lease_key: str) -> HeldLease | None:
+        """Forget a lease this worker gives up on purpose (its lock held)."""
+        with self._state:
+            held = self._held.pop(lease_key, None)
+            count = len(self._held)
+        if held is None:
+            return None
+        if held.handoff_since is not None and self._on_drop is not None:
+            self._on_drop(lease_key)  # it goes to the worker that asked: not to be taken back
+        self._publish(count)
+        return held
+
+    def _publish(self, count: int) -> None:
+        if self._metrics is not None:
+            self._metrics.leases_held.set(count)
+
+    # -- queries (copies) --------------------------------------------------------------------
+
+    def leases(self, now: float, failover_time_s: float) -> dict[str, Lease]:
+        """Copies of the leases held at ``now``; one not written for longer than the failover
+        time is no longer ours even before the renewer drops it (the process was suspended)."""
+        with self._state:
+            return {
+                key: held.lease.copy()
+                for key, held in self._held.items()
+                if now - held.renewed_at <= failover_time_s
+            }
+
+    def get(self, lease_key: str) -> Lease | None:
+        with self._state:
+            held = self._held.get(lease_key)
+            return None if held is None else held.lease.copy()
+
+    def handing_off(self, lease_key: str) -> bool:
+        """Another worker asked for this held lease and waits for it."""
+        with self._state:
+            held = self._held.get(lease_key)
+            return held is not None and held.handoff_since is not None
+
+    def __len__(self) -> int:
+        with self._state:
+            return len(self._held)
+
+    # -- listeners ---------------------------------------------------------------------------
+
+    def add_lost_listener(self, fn: Listener) -> None:
+        with self._state:
+            self._lost_listeners.append(fn)
+
+    def add_handoff_listener(self, fn: Listener) -> None:
+        with self._state:
+            self._handoff_listeners.append(fn)
+
+    def notify_lost(self, lease_key: str) -> None:
+        with self._state:
+            listeners = list(self._lost_listeners)
+        _call_each(listeners, lease_key)
+
+    def notify_handoff(self, lease_key: str) -> bool:
+        """Tell the handoff listeners; False when there are none (the caller then releases
+        the lease itself, since nobody is there to wind its processor down)."""
+        with self._state:
+            listeners = list(self._handoff_listeners)
+        _call_each(listeners, lease_key)
+        return bool(listeners)
+
+
+def _call_each(listeners: Iterable[Listener], lease_key: str) -> None:
+    for fn in listeners:
+        try:
+            fn(lease_key)
+        except Exception:
+            log.exception("lease listener failed for %s", lease_key)

@@ -1,0 +1,361 @@
+"""The lease fence: every write only the holder may make - an UpdateItem, a TransactWriteItems
+with the caller's own items, a write to another store - rejected once the lease moved on, with
+the lease dropped and the lost listeners told. In-process moto, one section over moto's server."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import pytest
+from botocore.exceptions import ClientError
+from moto import mock_aws
+
+from kclpy.errors import LeaseLostError, ShutdownException, ThrottlingException
+from kclpy.leases.fence import LeaseFence
+from kclpy.leases.held import HeldSet
+from kclpy.leases.lease import Lease
+from kclpy.leases.serializer import UpdateBuilder, s
+from kclpy.leases.table import LeaseTable, TransactionRejected, checkpoint_changes
+from kclpy.local import LocalEndpoint
+from kclpy.metrics import Metrics
+from tests.support.determinism import Clock
+
+REGION = "us-east-1"
+FAILOVER = 10.0
+STATE = "app-state"
+
+
+class Told:
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+
+    def __call__(self, key: str) -> None:
+        self.keys.append(key)
+
+
+class ScriptedClient:
+    """A real client whose next calls of an operation can be made to raise first."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.failures: dict[str, list[Exception]] = {}
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._client, name)
+        if not callable(real):
+            return real
+
+        def call(**kwargs: Any) -> Any:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            pending = self.failures.get(name)
+            if pending:
+                raise pending.pop(0)
+            return real(**kwargs)
+
+        return call
+
+
+def throttled(operation: str = "UpdateItem") -> ClientError:
+    code = "ProvisionedThroughputExceededException"
+    return ClientError({"Error": {"Code": code, "Message": code}}, operation)
+
+
+def transaction_throttled() -> ClientError:
+    return ClientError(
+        {"Error": {"Code": "TransactionCanceledException", "Message": "throttled"},
+         "CancellationReasons": [{"Code": "ThrottlingError"}, {"Code": "None"}]},
+        "TransactWriteItems")
+
+
+class Worker:
+    """One worker's held set and fence, with the taking done by hand."""
+
+    def __init__(self, table: LeaseTable, worker_id: str, clock: Clock) -> None:
+        self.table = table
+        self.clock = clock
+        self.held = HeldSet(worker_id, renewer_interval_s=FAILOVER / 2, metrics=Metrics())
+        self.fence = LeaseFence(table, self.held, failover_time_s=FAILOVER, clock=clock)
+        self.lost = Told()
+        self.asked = Told()
+        self.held.add_lost_listener(self.lost)
+        self.held.add_handoff_listener(self.asked)
+
+    def take(self, key: str) -> str:
+        current = self.table.get(key)
+        assert current is not None
+        fresh = self.table.take(current, self.held.worker_id)
+        fresh.concurrency_token = uuid.uuid4().hex
+        self.held.install(fresh, self.clock())
+        return fresh.concurrency_token
+
+
+@pytest.fixture
+def client() -> Iterator[ScriptedClient]:
+    with mock_aws():
+        yield ScriptedClient(boto3.client("dynamodb", region_name=REGION))
+
+
+def make_table(client: Any, name: str = "app") -> LeaseTable:
+    table = LeaseTable(client, name, max_attempts=3, sleep=lambda _: None)
+    table.create_if_missing()
+    assert table.create(Lease("s1"))
+    return table
+
+
+def make_state_table(client: Any, name: str = STATE) -> None:
+    client.create_table(
+        TableName=name, KeySchema=[{"AttributeName": "k", "KeyType": "HASH"}],
+        AttributeDefinitions=[{"AttributeName": "k", "AttributeType": "S"}],
+        BillingMode="PAY_PER_REQUEST")
+
+
+def put_state(key: str, value: str, table: str = STATE) -> dict[str, Any]:
+    return {"Put": {"TableName": table, "Item": {"k": s(key), "v": s(value)}}}
+
+
+def state(client: Any, key: str, table: str = STATE) -> str | None:
+    item = client.get_item(TableName=table, Key={"k": s(key)}, ConsistentRead=True).get("Item")
+    return None if item is None else str(item["v"]["S"])
+
+
+@pytest.fixture
+def table(client: ScriptedClient) -> LeaseTable:
+    return make_table(client)
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def stored(table: LeaseTable) -> Lease:
+    lease = table.get("s1")
+    assert lease is not None
+    return lease
+
+
+# -- UpdateItem ------------------------------------------------------------------------------
+
+def test_a_zombies_write_is_rejected_and_reported_lost(table: LeaseTable, clock: Clock) -> None:
+    zombie, thief = Worker(table, "A", clock), Worker(table, "B", clock)
+    token = zombie.take("s1")
+    thief_token = thief.take("s1")
+    thief.fence.update_checkpoint("s1", thief_token, "900", 0)
+    with pytest.raises(ShutdownException):
+        zombie.fence.update_checkpoint("s1", token, "100", 0)
+    assert zombie.lost.keys == ["s1"]
+    assert zombie.held.get("s1") is None
+    assert (stored(table).checkpoint, stored(table).lease_owner) == ("900", "B")
+
+
+def test_a_suspended_holder_does_not_even_try_after_the_failover_time(
+    table: LeaseTable, client: ScriptedClient, clock: Clock
+) -> None:
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    before = client.calls.get("update_item", 0)
+    clock.advance(FAILOVER + 0.1)
+    with pytest.raises(ShutdownException):
+        a.fence.update_checkpoint("s1", token, "100", 0)
+    assert client.calls.get("update_item", 0) == before, "nothing was sent"
+    assert a.lost.keys == ["s1"]
+
+
+def test_an_earlier_tenures_token_is_refused_without_a_request(
+    table: LeaseTable, client: ScriptedClient, clock: Clock
+) -> None:
+    a = Worker(table, "A", clock)
+    old = a.take("s1")
+    a.fence.release("s1")
+    new = a.take("s1")
+    before = client.calls.get("update_item", 0)
+    with pytest.raises(ShutdownException):
+        a.fence.update_checkpoint("s1", old, "5", 0)
+    assert client.calls.get("update_item", 0) == before
+    a.fence.update_checkpoint("s1", new, "5", 0)
+    assert stored(table).checkpoint == "5"
+
+
+def test_writes_racing_renewals_always_condition_on_the_freshest_counter(
+    table: LeaseTable, clock: Clock
+) -> None:
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    rounds = 30
+    errors: list[BaseException] = []
+
+    def renew() -> None:
+        try:
+            for _ in range(rounds):
+                a.fence.write("s1", None, table.renew, what="renewal")
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    renewer = threading.Thread(target=renew)
+    renewer.start()
+    for i in range(rounds):
+        a.fence.update("s1", token, UpdateBuilder().set("appProgress", s(str(i))), what="test")
+    renewer.join()
+    assert errors == [] and a.lost.keys == []
+    assert stored(table).lease_counter == 1 + 2 * rounds
+
+
+def test_a_throttled_write_is_retried_and_keeps_the_fence(
+    table: LeaseTable, client: ScriptedClient, clock: Clock
+) -> None:
+    a, b = Worker(table, "A", clock), Worker(table, "B", clock)
+    token = a.take("s1")
+    client.failures["update_item"] = [throttled(), throttled()]
+    a.fence.update_checkpoint("s1", token, "10", 0)  # the third attempt goes through
+    assert stored(table).checkpoint == "10" and a.lost.keys == []
+    # throttled on every attempt: an error the processor may retry, the lease still held
+    client.failures["update_item"] = [throttled()] * 3
+    with pytest.raises(ThrottlingException):
+        a.fence.update_checkpoint("s1", token, "11", 0)
+    assert a.held.get("s1") is not None and a.lost.keys == []
+    # ... and the retry after a steal is still fenced: the fence never forgot the counter
+    b.take("s1")
+    client.failures["update_item"] = [throttled()]
+    with pytest.raises(ShutdownException):
+        a.fence.update_checkpoint("s1", token, "12", 0)
+    assert stored(table).checkpoint == "10"
+
+
+def test_a_write_that_discovers_a_handoff_request_is_repeated_as_the_handing_off_holder(
+    table: LeaseTable, clock: Clock
+) -> None:
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    table.set_checkpoint_owner(stored(table), "B")
+    a.fence.update_checkpoint("s1", token, "77", 0)
+    assert a.asked.keys == ["s1"] and a.lost.keys == []
+    assert a.held.handing_off("s1")
+    lease = stored(table)
+    assert (lease.checkpoint, lease.lease_owner, lease.checkpoint_owner) == ("77", "B", "A")
+    a.fence.release("s1")
+    assert (stored(table).lease_owner, stored(table).checkpoint_owner) == ("B", None)
+
+
+# -- TransactWriteItems ----------------------------------------------------------------------
+
+def test_a_transaction_commits_state_and_checkpoint_together(
+    table: LeaseTable, client: ScriptedClient, clock: Clock
+) -> None:
+    make_state_table(client)
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    fresh = a.fence.transact(
+        "s1", token, checkpoint_changes("500", 2), [put_state("x", "1")], what="commit",
+        apply=lambda lease: lease.copy(checkpoint="500", checkpoint_sub_sequence_number=2))
+    assert state(client, "x") == "1"
+    lease = stored(table)
+    assert (lease.checkpoint, lease.checkpoint_sub_sequence_number) == ("500", 2)
+    assert fresh == lease
+    assert a.held.get("s1") == lease
+
+
+def test_a_zombies_transaction_is_rejected_state_included(
+    table: LeaseTable, client: ScriptedClient, clock: Clock
+) -> None:
+    make_state_table(client)
+    zombie, thief = Worker(table, "A", clock), Worker(table, "B", clock)
+    token = zombie.take("s1")
+    thief.take("s1")
+    with pytest.raises(ShutdownException):
+        zombie.fence.transact("s1", token, checkpoint_changes("500", 0),
+                              [put_state("x", "zombie")], what="commit")
+    assert state(client, "x") is None, "the state write was rejected with the checkpoint"
+    assert zombie.lost.keys == ["s1"]
+    assert stored(table).checkpoint == "TRIM_HORIZON"
+
+
+def test_a_transaction_refused_by_its_own_items_keeps_the_lease(
+    table: LeaseTable, client: ScriptedClient, clock: Clock
+) -> None:
+    make_state_table(client)
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    conditional = put_state("x", "2")
+    conditional["Put"]["ConditionExpression"] = "attribute_exists(k)"
+    with pytest.raises(TransactionRejected) as raised:
+        a.fence.transact("s1", token, checkpoint_changes("600", 0), [conditional], what="commit")
+    assert raised.value.reasons[1]["Code"] == "ConditionalCheckFailed"
+    assert a.lost.keys == [] and a.held.get("s1") is not None
+    assert stored(table).checkpoint == "TRIM_HORIZON" and state(client, "x") is None
+    # the lease's counter did not move, so the next write still goes through
+    a.fence.update_checkpoint("s1", token, "601", 0)
+
+
+def test_a_throttled_transaction_is_retried(
+    table: LeaseTable, client: ScriptedClient, clock: Clock
+) -> None:
+    make_state_table(client)
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    client.failures["transact_write_items"] = [transaction_throttled()]
+    a.fence.transact("s1", token, checkpoint_changes("700", 0), [put_state("y", "1")],
+                     what="commit")
+    assert state(client, "y") == "1" and stored(table).checkpoint == "700"
+    assert client.calls["transact_write_items"] == 2
+
+
+# -- another store ----------------------------------------------------------------------------
+
+def test_a_guarded_write_gets_the_tenure_and_reports_a_newer_one_as_lost(
+    table: LeaseTable, clock: Clock
+) -> None:
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    first = stored(table).lease_counter
+    a.fence.write("s1", None, table.renew, what="renewal")
+    with a.fence.guard("s1", token, what="commit") as guard:
+        assert guard.tenure == first, "renewals do not start a new tenure"
+        assert guard.lease.lease_counter == first + 1
+    with pytest.raises(ShutdownException), a.fence.guard("s1", token, what="commit"):
+        raise LeaseLostError("the store holds tenure 99")
+    assert a.lost.keys == ["s1"] and a.held.get("s1") is None
+    with pytest.raises(ShutdownException), a.fence.guard("s1", token, what="commit"):
+        pytest.fail("a lost lease must not run the block")
+
+
+def test_every_new_tenure_starts_above_every_counter_of_the_one_before(
+    table: LeaseTable, clock: Clock
+) -> None:
+    a, b = Worker(table, "A", clock), Worker(table, "B", clock)
+    a_token = a.take("s1")
+    for _ in range(3):
+        a.fence.write("s1", a_token, table.renew, what="renewal")
+    a_last = stored(table).lease_counter
+    b_token = b.take("s1")
+    with b.fence.guard("s1", b_token, what="commit") as guard:
+        assert guard.tenure > a_last
+
+
+# -- over HTTP -------------------------------------------------------------------------------
+
+@pytest.mark.integration
+def test_over_http_a_zombie_transaction_is_rejected(moto_server: LocalEndpoint) -> None:
+    client = boto3.client("dynamodb", endpoint_url=moto_server.url, region_name=REGION)
+    suffix = uuid.uuid4().hex[:8]
+    table = make_table(client, f"app-{suffix}")
+    make_state_table(client, f"state-{suffix}")
+    clock = Clock()
+    zombie, thief = Worker(table, "A", clock), Worker(table, "B", clock)
+    token = zombie.take("s1")
+    zombie.fence.transact("s1", token, checkpoint_changes("10", 0),
+                          [put_state("x", "a", f"state-{suffix}")], what="commit")
+    thief_token = thief.take("s1")
+    with pytest.raises(ShutdownException):
+        zombie.fence.transact("s1", token, checkpoint_changes("20", 0),
+                              [put_state("x", "zombie", f"state-{suffix}")], what="commit")
+    thief.fence.transact("s1", thief_token, checkpoint_changes("30", 0),
+                         [put_state("x", "b", f"state-{suffix}")], what="commit")
+    assert state(client, "x", f"state-{suffix}") == "b"
+    assert stored(table).checkpoint == "30"
+    assert zombie.lost.keys == ["s1"]
+
