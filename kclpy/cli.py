@@ -9,66 +9,21 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, cast
+from typing import Any, cast
 
-from kclpy.config import (
-    OPTIONS,
-    KCLConfig,
-    build_config,
-    convert_cli_value,
-    from_environment,
-    from_properties,
-    read_properties,
-)
+from kclpy.arguments import parse_worker_args
+from kclpy.config import KCLConfig
 from kclpy.errors import ConfigError
 from kclpy.loading import load_object
 from kclpy.metrics import Metrics
 from kclpy.processor import IRecordProcessor
+from kclpy.supervisor import run_processes
 from kclpy.worker import Worker
 
 log = logging.getLogger("kclpy")
 
 _PROCESSOR_METHODS = ("initialize", "process_records", "lease_lost", "shard_ended",
                       "shutdown_requested")
-LOCAL_DEMO_NAME = "kclpy-demo"
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line naming the option, with exit code 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def _worker_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="kclpy-worker",
-        description="Consume a Kinesis stream with a kclpy record processor.")
-    parser.add_argument("--processor", metavar="SPEC",
-                        help="pkg.module:Class or path/to/file.py:Class (an IRecordProcessor)")
-    parser.add_argument("--properties", metavar="FILE",
-                        help="MultiLangDaemon .properties file (flags win over it)")
-    parser.add_argument("--local", action="store_true",
-                        help="start the embedded local AWS endpoint (demo stream included)")
-    parser.add_argument("--processes", metavar="N", default="1",
-                        help="run N worker processes sharing the lease table (all cores)")
-    parser.add_argument("--spark-batch", metavar="SPEC",
-                        help="hand micro-batches to foreach_batch(df, batch_id) at SPEC "
-                             "(pkg.module:function) instead of running a processor")
-    parser.add_argument("--spark-decode", metavar="SPEC",
-                        help="with --spark-batch: decode(record) -> dict of extra columns")
-    parser.add_argument("--log-level", default="INFO",
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    for option in OPTIONS:
-        if option.name in ("executable_name",):
-            continue
-        if option.kind == "bool":
-            parser.add_argument(option.flag, dest=option.name, nargs="?", const="true",
-                                metavar="BOOL", help=option.help)
-        else:
-            parser.add_argument(option.flag, dest=option.name, metavar=option.kind.upper(),
-                                help=option.help)
-    return parser
 
 
 def load_processor_class(spec: str, *, base_dir: Path | None = None) -> type[IRecordProcessor]:
@@ -86,44 +41,6 @@ def load_processor_class(spec: str, *, base_dir: Path | None = None) -> type[IRe
     # Duck-typed on purpose: a class with the five callbacks is a processor even when it
     # does not inherit from IRecordProcessor (e.g. written against amazon_kclpy's base).
     return cast("type[IRecordProcessor]", cls)
-
-
-def parse_worker_args(argv: Sequence[str] | None) -> tuple[KCLConfig, argparse.Namespace]:
-    """Merge properties file, environment and flags (flags win) into a validated config."""
-    args = _worker_parser().parse_args(argv)
-    values: dict[str, Any] = {}
-    labels: dict[str, str] = {}
-    env_values, env_labels = from_environment()
-    values.update(env_values)
-    labels.update(env_labels)
-    if args.properties:
-        path = Path(args.properties)
-        prop_values, prop_labels = from_properties(read_properties(path),
-                                                   base_dir=path.resolve().parent)
-        values.update(prop_values)
-        labels.update(prop_labels)
-    for option in OPTIONS:
-        raw = getattr(args, option.name, None)
-        if raw is not None:
-            values[option.name] = convert_cli_value(option.name, raw)
-            labels[option.name] = option.flag
-    if args.local:
-        values.setdefault("stream_name", LOCAL_DEMO_NAME)
-        values.setdefault("application_name", LOCAL_DEMO_NAME)
-        values.setdefault("initial_position", "TRIM_HORIZON")
-        values.setdefault("region", "us-east-1")
-    config = build_config(values, labels)
-    if not args.processes.isdigit() or int(args.processes) < 1:
-        raise ConfigError("--processes", f"{args.processes!r} is not a whole number >= 1")
-    args.processes = int(args.processes)
-    if args.spark_decode and not args.spark_batch:
-        raise ConfigError("--spark-decode", "needs --spark-batch")
-    if args.spark_batch and (args.processor or args.local):
-        raise ConfigError("--spark-batch", "cannot be combined with --processor or --local")
-    if not args.processor and not config.executable_name and not args.spark_batch:
-        raise ConfigError("--processor", "is required (or executableName in --properties, "
-                          "or --spark-batch)")
-    return config, args
 
 
 def _processor_factory(config: KCLConfig, args: argparse.Namespace, metrics: Metrics
@@ -144,8 +61,6 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     try:
         config, args = parse_worker_args(argv)
         if args.processes > 1:
-            from kclpy.supervisor import run_processes
-
             return run_processes(list(sys.argv[1:] if argv is None else argv), args.processes)
         if args.spark_batch:
             return _spark_main(config, args)

@@ -32,6 +32,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
 
+from kclpy.arguments import parse_worker_args
+from kclpy.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 #: how a child is started: (argv for ``python -m kclpy``) -> the running process
@@ -200,9 +203,6 @@ def run_processes(argv: list[str], n: int) -> int:
     removed), signals forwarded, restarted when they die. Returns the exit code: 0 when every
     worker's last run exited 0, 1 otherwise, 2 for a bad configuration (checked once here,
     before any process starts)."""
-    from kclpy.cli import parse_worker_args
-    from kclpy.errors import ConfigError
-
     child_argv = strip_processes(argv)
     try:
         config, _ = parse_worker_args(child_argv)

@@ -132,7 +132,7 @@ def test_bad_properties_exit_2_naming_the_key(
 
 
 def test_flags_win_over_properties(tmp_path: Path) -> None:
-    from kclpy.cli import parse_worker_args
+    from kclpy.arguments import parse_worker_args
 
     config, _ = parse_worker_args([
         "--properties", _props(tmp_path, "failoverTimeMillis = 20000\nmaxRecords = 7\n"),

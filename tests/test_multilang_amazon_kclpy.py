@@ -27,7 +27,7 @@ import boto3
 import pytest
 
 from kclpy import KCLConfig, Worker
-from kclpy.cli import parse_worker_args
+from kclpy.arguments import parse_worker_args
 from kclpy.config import read_properties
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics

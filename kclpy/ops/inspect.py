@@ -27,12 +27,13 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, Any, NoReturn
+from typing import IO, Any
 
 import boto3
 import botocore.config
 from botocore.exceptions import BotoCoreError, ClientError, NoRegionError
 
+from kclpy.arguments import OneLineParser
 from kclpy.errors import KCLError
 from kclpy.leases import serializer as ser
 from kclpy.leases.lease import SHARD_END, Lease
@@ -59,14 +60,6 @@ class UsageError(Exception):
 
     def __init__(self, option: str, message: str) -> None:
         super().__init__(f"{option}: {message}")
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line naming the option, with exit code 2 (as
-    ``kclpy-worker`` does)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _positive_seconds(text: str) -> float:
@@ -100,9 +93,9 @@ def _url(text: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Inspect a kclpy (or Java KCL) application.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    common = _Parser(add_help=False)
+    parser = OneLineParser(prog=PROG, description="Inspect a kclpy (or Java KCL) application.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    common = OneLineParser(add_help=False)
     common.add_argument("--application-name", required=True,
                         help="application name (the lease table's default name)")
     common.add_argument("--table-name", help="lease table (default: the application name)")
