@@ -1,231 +1,340 @@
-"""Which leases a worker should take: the Java KCL 2.x ``DynamoDBLeaseTaker`` rules.
+"""Getting leases: the taker cycle - scan, take, steal, finish handoffs, clean up.
 
-No worker talks to another; each one scans the table and decides alone, so every rule here
-must converge when all workers apply it at once:
+It scans the table as often as ``budget.py`` allows (what the renewals saved pay for), and
+in addition right when an overdue lease (its owner missed a renewal) reaches the failover
+time, so a dead worker's leases move about one failover time after its last renewal.
+Which leases to take or steal is decided by ``balancing.py``; this module carries the
+decision out and remembers what it is waiting for.
 
-- *Expiry by the observer's own clock.* A lease is expired when its ``leaseCounter`` has not
-  moved for longer than the failover time since this worker first saw that value (or when it
-  has no owner). Clocks of different hosts are never compared.
-- *Target.* ``ceil(eligible leases / live workers)``, where live workers are the owners of
-  unexpired leases plus this worker (``1`` when there are at least as many workers as
-  leases), capped by ``max_leases_for_worker``.
-- *Very old first.* Leases free for longer than ``very_old_multiplier`` failover times are
-  taken before anything else, up to ``max_leases_for_worker`` but regardless of the target:
-  nobody else is taking them.
-- *Then free leases* (unowned or expired), longest-free first, up to the target. A lease
-  still named after this worker that it does not hold (left by an earlier run with the same
-  worker id) counts as its own until it expires, as in Java: taking it back at once would
-  make two processes misconfigured with one worker id take it from each other for ever.
-- *Steal only when nothing is free*, from the most loaded worker: ``min(needed, its excess)``
-  when it holds more than the target, or one lease when it holds exactly the target and we
-  need more than one; never more than ``max_leases_to_steal_at_one_time``.
+*Graceful handoff* (the Java KCL 3.x ``checkpointOwner`` protocol, decisions in
+``handoff.py``): with it on, a steal does not take a live worker's lease outright. It writes
+``leaseOwner = thief, checkpointOwner = owner``; the owner keeps renewing (fenced on
+``checkpointOwner``), lets its processor finish in ``shutdown_requested`` and then removes
+``checkpointOwner`` (a release through its fence). Only then does the thief adopt the lease,
+from the checkpoint the owner left. A thief whose owner neither lets go nor renews takes the
+lease when it expires; one whose owner keeps renewing but never lets go (a Java 2.x worker
+does not know the attribute) takes it after the handoff timeout plus the failover time.
+Pending handoffs are polled between scans with a cheap read of just that lease.
 
-Differences from Java, each cheap and deliberate:
-
-- Leases checkpointed at ``SHARD_END`` are never taken and do not count towards any
-  worker's load. Nothing needs them: a child only reads its parent's checkpoint, and a child
-  lease missing after a crash is recreated by shard sync. Java takes them and renews them
-  until they are cleaned up, paying DynamoDB writes for finished shards.
-- Leases of shards outside the known set (``set_known_shards``) are never taken or counted.
-- Java treats a lease it sees for the first time unowned as free since the epoch, hence
-  "very old" at once; here it is free since first sight, so only leases that stay free
-  longer than the very-old threshold bypass the target.
-- A lease stolen from this worker is not stolen back in the taker cycle that follows
-  (the coordinator passes those keys as ``no_steal``), so a transient view cannot start a
-  ping-pong.
-- A lease being handed off (``checkpointOwner`` set) is never a steal candidate: it is
-  already moving, and counts for the worker it moves to.
+Takes and adoptions write under the lease's lock of the held set, so they never interleave
+with a write of the same lease through the fence.
 """
 
 from __future__ import annotations
 
-import math
-import random
-from collections import Counter
-from collections.abc import Collection, Iterable
-from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+import logging
+import threading
+import uuid
+from collections.abc import Callable
 
+from kclpy.errors import LeaseLostError
+from kclpy.leases import cleanup, handoff
+from kclpy.leases.balancing import Balancer
+from kclpy.leases.budget import ScanBudget
+from kclpy.leases.dynamo import TABLE_ERRORS
+from kclpy.leases.held import HeldSet
 from kclpy.leases.lease import Lease
+from kclpy.leases.table import LeaseTable
+from kclpy.metrics import Metrics
 
+log = logging.getLogger(__name__)
 
-@dataclass(frozen=True)
-class TakePlan:
-    """Leases to try to take in one taker cycle."""
-
-    #: unowned or expired leases, best first
-    take: tuple[Lease, ...] = ()
-    #: leases of a live, more loaded worker
-    steal: tuple[Lease, ...] = ()
-    #: leases per live worker (the fleet's average load, this worker included)
-    share: float = 0.0
+#: how far past an overdue lease's expiry the scan that takes it is made
+_EXPIRY_MARGIN_S = 0.05
 
 
 class LeaseTaker:
-    """The taker's memory of the table (what it saw and when) and its decision rules.
-
-    Not thread-safe: the coordinator calls it from its taker cycle only.
-    """
+    """One worker's taker. Cycles are serialised; its queries are thread-safe."""
 
     def __init__(
         self,
-        worker_id: str,
+        table: LeaseTable,
+        held: HeldSet,
+        balancer: Balancer,
+        budget: ScanBudget,
+        *,
         failover_time_s: float,
-        *,
-        max_leases_for_worker: int | None = None,
-        max_leases_to_steal_at_one_time: int = 1,
-        very_old_multiplier: float = 3.0,
-        rng: random.Random | None = None,
+        graceful_handoff: bool,
+        graceful_handoff_timeout_s: float,
+        cleanup_leases: bool,
+        clock: Callable[[], float],
+        metrics: Metrics | None = None,
+        interval_s: float | None = None,
     ) -> None:
-        if max_leases_for_worker is not None and max_leases_for_worker < 1:
-            raise ValueError("max_leases_for_worker must be at least 1")
-        if max_leases_to_steal_at_one_time < 1:
-            raise ValueError("max_leases_to_steal_at_one_time must be at least 1")
-        self.worker_id = worker_id
+        self.table = table
+        self.held = held
+        self.worker_id = held.worker_id
         self.failover_time_s = failover_time_s
-        self.max_leases_for_worker = max_leases_for_worker
-        self.max_leases_to_steal_at_one_time = max_leases_to_steal_at_one_time
-        self.very_old_multiplier = very_old_multiplier
-        self._rng = rng if rng is not None else random.Random()
-        #: lease key -> (counter, when this worker first saw that counter)
-        self._seen: dict[str, tuple[int, float]] = {}
-        self._leases: dict[str, Lease] = {}
+        self.graceful_handoff = graceful_handoff
+        self.graceful_handoff_timeout_s = graceful_handoff_timeout_s
+        self.cleanup_leases = cleanup_leases
+        #: a fixed taker interval (None: as often as the scan budget allows)
+        self.interval_s = interval_s
+        self._balancer = balancer
+        self._budget = budget
+        self._clock = clock
+        self._metrics = metrics
+        #: guards the fields below (never held while calling DynamoDB)
+        self._state = threading.Lock()
+        #: handoffs to this worker not finished yet: lease key -> (clock() when asked,
+        #: the lease counter then)
+        self._pending: dict[str, tuple[float, int]] = {}
+        #: lease key -> taker cycle in which it was lost; not stolen back in the next cycle
+        self._lost_in_cycle: dict[str, int] = {}
+        self._known_shards: frozenset[str] | None = None
+        #: the leases of the last scan, for readers that must not wait for a cycle
+        self._last_scan: list[Lease] = []
+        self._last_scan_at: float | None = None
+        #: clock() when the last scan was started, successful or not
+        self._last_scan_attempt: float | None = None
+        #: leases per live worker as of the last scan: what the scan budget is based on
+        self._share = 0.0
+        #: serialises cycles (the background thread and direct callers)
+        self._cycle_lock = threading.Lock()
+        self._cycle = 0
 
-    def observe(self, leases: Iterable[Lease], now: float) -> None:
-        """Record one full scan, taken at ``now`` (after the scan returned)."""
-        fresh = {lease.lease_key: lease for lease in leases}
-        for key, lease in fresh.items():
-            seen = self._seen.get(key)
-            if seen is None or seen[0] != lease.lease_counter:
-                self._seen[key] = (lease.lease_counter, now)
-        for key in self._seen.keys() - fresh.keys():
-            del self._seen[key]
-        self._leases = fresh
+    # -- the cycle -------------------------------------------------------------------------
 
-    def observe_one(self, lease: Lease, now: float) -> None:
-        """Record a single read (a handoff poll between scans): it counts towards expiry
-        like a scan does, so a dead owner's lease is not judged on scans alone."""
-        seen = self._seen.get(lease.lease_key)
-        if seen is None or seen[0] != lease.lease_counter:
-            self._seen[lease.lease_key] = (lease.lease_counter, now)
-        self._leases[lease.lease_key] = lease
+    def run_once(self) -> list[Lease]:
+        """One cycle: scan, decide, take, finish handoffs, clean up. Returns the leases newly
+        taken (copies)."""
+        with self._cycle_lock:
+            with self._state:
+                self._cycle += 1
+                self._last_scan_attempt = self._clock()
+            self._budget.spend_scan()
+            try:
+                leases = self.table.list_leases(consistent=False)
+            except TABLE_ERRORS as exc:
+                log.warning("worker %s: lease scan failed, no leases taken: %r",
+                            self.worker_id, exc)
+                return []
+            now = self._clock()
+            self._balancer.observe(leases, now)
+            with self._state:
+                self._last_scan = leases
+                self._last_scan_at = now
+                known = self._known_shards
+                cycle = self._cycle
+                self._lost_in_cycle = {
+                    key: lost for key, lost in self._lost_in_cycle.items() if cycle - lost <= 1
+                }
+                no_steal = set(self._lost_in_cycle)
+            by_key = {lease.lease_key: lease for lease in leases}
+            taken = [
+                fresh
+                for key in sorted(self.pending_handoffs())
+                if (fresh := self._progress_handoff(key, by_key.get(key), scanned_at=now))
+            ]
+            held = set(self.held.entries())
+            plan = self._balancer.plan(held=held, known_shards=known, no_steal=no_steal, now=now)
+            with self._state:
+                self._share = plan.share
+            taken += [fresh for lease in plan.take if (fresh := self._take(lease, stolen=False))]
+            taken += [fresh for lease in plan.steal if (fresh := self.steal(lease))]
+            if taken:
+                log.info("worker %s took %s", self.worker_id, ", ".join(t.lease_key for t in taken))
+            if self.cleanup_leases:
+                self._clean_up(leases)
+            return taken
 
-    def unchanged_for(self, lease_key: str, now: float) -> float:
-        """How long the lease's counter has stood still, as far as this worker has seen."""
-        return now - self._seen[lease_key][1]
+    def next_scan(self) -> float:
+        """When to scan next: when the budget affords it (or the fixed interval after the
+        last scan), or earlier, right when an overdue lease expires."""
+        now = self._clock()
+        held = set(self.held.entries())
+        with self._state:
+            scanned = len(self._last_scan)
+            last_attempt = self._last_scan_attempt
+            share = self._share
+        if self.interval_s is not None:
+            return (now if last_attempt is None else last_attempt) + self.interval_s
+        self._budget.observe(share=share, leases=scanned)
+        regular = now + self._budget.next_scan_in()
+        with self._cycle_lock:  # the balancer's view changes in cycles only
+            expiry = self._balancer.next_expiry(
+                held=held, overdue_after=1.25 * self.failover_time_s / 2, now=now)
+        if expiry is not None:
+            return min(regular, expiry + _EXPIRY_MARGIN_S)
+        return regular
 
-    def is_expired(self, lease: Lease, now: float) -> bool:
-        return (
-            lease.lease_owner is None
-            or self.unchanged_for(lease.lease_key, now) > self.failover_time_s
-        )
+    # -- stealing and handoffs --------------------------------------------------------------
 
-    def next_expiry(
-        self, *, held: AbstractSet[str], overdue_after: float, now: float
-    ) -> float | None:
-        """When the first *overdue* lease will expire: one owned by another worker (or left
-        over under this worker's name) whose counter has stood still for longer than
-        ``overdue_after`` but not yet for the failover time. Its owner missed a renewal, so
-        it is probably dead; a scan right at its expiry takes it over without waiting for the
-        regular scan. None when no lease is overdue."""
-        soonest: float | None = None
-        for key, lease in self._leases.items():
-            if lease.lease_owner is None or key in held or lease.is_shard_end:
+    def steal(self, lease: Lease) -> Lease | None:
+        """Take a lease from a live worker: with graceful handoff, ask its owner to let go
+        (returns None; the lease arrives when the owner has finished), else take outright."""
+        if not self.graceful_handoff:
+            return self._take(lease, stolen=True)
+        with self.held.lock_for(lease.lease_key):
+            try:
+                asked = self.table.set_checkpoint_owner(lease, self.worker_id)
+            except LeaseLostError:
+                log.info("worker %s: lease %s changed before a handoff could be asked",
+                         self.worker_id, lease.lease_key)
+                return None
+            except TABLE_ERRORS as exc:
+                log.warning("worker %s: asking for %s failed: %r",
+                            self.worker_id, lease.lease_key, exc)
+                return None
+            with self._state:
+                self._pending[lease.lease_key] = (self._clock(), asked.lease_counter)
+        log.info("worker %s asked %s to hand off %s",
+                 self.worker_id, lease.lease_owner, lease.lease_key)
+        return None
+
+    def poll_handoffs(self) -> list[Lease]:
+        """Between scans, read each pending handoff's lease and finish the ones whose owner
+        let go. Returns the leases adopted."""
+        adopted = []
+        for key in self.pending_handoffs():
+            try:
+                lease = self.table.get(key)
+            except TABLE_ERRORS as exc:
+                log.warning("worker %s: reading %s failed: %r", self.worker_id, key, exc)
                 continue
-            still = self.unchanged_for(key, now)
-            if overdue_after < still <= self.failover_time_s:
-                at = self._seen[key][1] + self.failover_time_s
-                soonest = at if soonest is None else min(soonest, at)
-        return soonest
+            now = self._clock()
+            if lease is not None:
+                with self._cycle_lock:
+                    self._balancer.observe_one(lease, now)
+            fresh = self._progress_handoff(key, lease, scanned_at=now if lease else None)
+            if fresh is not None:
+                adopted.append(fresh)
+        return adopted
 
-    def plan(
-        self,
-        *,
-        held: AbstractSet[str],
-        known_shards: AbstractSet[str] | None,
-        no_steal: Collection[str],
-        now: float,
-    ) -> TakePlan:
-        """Decide what to take, given the leases this worker holds now."""
-        eligible = sorted(
-            (
-                lease
-                for lease in self._leases.values()
-                if not lease.is_shard_end
-                and (known_shards is None or lease.lease_key in known_shards)
-            ),
-            key=lambda lease: lease.lease_key,
+    def give_up_pending(self) -> None:
+        """For a stopping worker: a lease handed to it and already let go is released, so
+        nobody waits for it to expire. One its previous owner still holds is left alone: it
+        expires once that owner lets go, a failover time later."""
+        for key in self.pending_handoffs():
+            try:
+                lease = self.table.get(key)
+                if (
+                    lease is not None
+                    and lease.lease_owner == self.worker_id
+                    and lease.checkpoint_owner is None
+                ):
+                    self.table.evict(lease)
+            except (LeaseLostError, *TABLE_ERRORS) as exc:
+                log.info("worker %s: leaving %s to expire: %r", self.worker_id, key, exc)
+        with self._state:
+            self._pending.clear()
+
+    def remember_lost(self, lease_key: str) -> None:
+        """A lease lost or handed off now is not stolen back in the next cycle (the held
+        set's drop hook)."""
+        with self._state:
+            self._lost_in_cycle[lease_key] = self._cycle
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def set_known_shards(self, shard_ids: set[str] | None) -> None:
+        with self._state:
+            self._known_shards = None if shard_ids is None else frozenset(shard_ids)
+
+    def pending_handoffs(self) -> set[str]:
+        with self._state:
+            return set(self._pending)
+
+    def all_leases(self) -> list[Lease]:
+        with self._state:
+            return [lease.copy() for lease in self._last_scan]
+
+    def recent_lease_keys(self, max_age_s: float) -> frozenset[str] | None:
+        with self._state:
+            at = self._last_scan_at
+            if at is None or self._clock() - at > max_age_s:
+                return None
+            return frozenset(lease.lease_key for lease in self._last_scan)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _progress_handoff(
+        self, key: str, lease: Lease | None, *, scanned_at: float | None
+    ) -> Lease | None:
+        """Move one pending handoff on, given the lease as just read (``scanned_at`` when it
+        came from a scan, so the balancer's expiry view applies)."""
+        with self._state:
+            pending = self._pending.get(key)
+        if pending is None:
+            return None
+        asked_at, asked_at_counter = pending
+        expired = (
+            scanned_at is not None
+            and lease is not None
+            and self._balancer.is_expired(lease, scanned_at)
         )
-        if not eligible:
-            return TakePlan()
-        available: list[Lease] = []
-        counts: Counter[str] = Counter()
-        mine = 0
-        for lease in eligible:
-            owner = lease.lease_owner
-            if lease.lease_key in held:
-                mine += 1
-            elif owner is None or self.is_expired(lease, now):
-                available.append(lease)
-            elif owner == self.worker_id:
-                mine += 1
-            else:
-                counts[owner] += 1
-        workers = len(counts) + 1
-        share = len(eligible) / workers
-        target = 1 if workers >= len(eligible) else math.ceil(len(eligible) / workers)
-        limit = self.max_leases_for_worker
-        if limit is not None:
-            target = min(target, limit)
+        waited = self._clock() - asked_at
+        step = handoff.next_step(
+            lease,
+            self.worker_id,
+            asked_at_counter=asked_at_counter,
+            expired=expired,
+            overdue=waited > self.graceful_handoff_timeout_s + self.failover_time_s,
+        )
+        if step is handoff.Step.WAIT:
+            return None
+        if step is handoff.Step.FORGET:
+            with self._state:
+                self._pending.pop(key, None)
+            return None
+        assert lease is not None
+        if step is handoff.Step.ADOPT:
+            return self._adopt(lease)
+        log.warning("worker %s: %s did not hand off %s; taking it",
+                    self.worker_id, lease.checkpoint_owner, key)
+        return self._take(lease, stolen=True)
 
-        # Shuffle before the stable sort so that equally old leases come in a different
-        # order on every worker, and workers do not all race for the same one.
-        self._rng.shuffle(available)
-        available.sort(key=lambda lease: self.unchanged_for(lease.lease_key, now), reverse=True)
-        very_old_after = self.very_old_multiplier * self.failover_time_s
-        very_old = [
-            lease
-            for lease in available
-            if self.unchanged_for(lease.lease_key, now) > very_old_after
-        ]
-        if very_old:
-            room = len(very_old) if limit is None else max(0, limit - mine)
-            return TakePlan(take=tuple(very_old[:room]), share=share)
+    def _adopt(self, lease: Lease) -> Lease | None:
+        with self.held.lock_for(lease.lease_key):
+            sent_at = self._clock()
+            try:
+                fresh = self.table.adopt(lease)
+            except LeaseLostError:
+                return None
+            except TABLE_ERRORS as exc:
+                log.warning("worker %s: adopting %s failed: %r",
+                            self.worker_id, lease.lease_key, exc)
+                return None
+            fresh.concurrency_token = uuid.uuid4().hex
+            self._install(fresh, sent_at)
+        if self._metrics is not None:
+            self._metrics.leases_stolen.inc()
+        log.info("worker %s: handoff of %s complete", self.worker_id, lease.lease_key)
+        return fresh.copy()
 
-        needed = target - mine
-        if needed <= 0:
-            return TakePlan(share=share)
-        if available:
-            return TakePlan(take=tuple(available[:needed]), share=share)
-        steals = self._choose_steals(eligible, counts, needed, target, no_steal)
-        return TakePlan(steal=tuple(steals), share=share)
+    def _take(self, lease: Lease, *, stolen: bool) -> Lease | None:
+        with self.held.lock_for(lease.lease_key):
+            sent_at = self._clock()
+            try:
+                fresh = self.table.take(lease, self.worker_id)
+            except LeaseLostError:
+                log.info("worker %s: lease %s changed before it could be taken",
+                         self.worker_id, lease.lease_key)
+                return None
+            except TABLE_ERRORS as exc:
+                log.warning("worker %s: taking %s failed: %r", self.worker_id, lease.lease_key, exc)
+                return None
+            fresh.concurrency_token = uuid.uuid4().hex
+            self._install(fresh, sent_at)
+        if self._metrics is not None:
+            (self._metrics.leases_stolen if stolen else self._metrics.leases_taken).inc()
+        return fresh.copy()
 
-    def _choose_steals(
-        self,
-        eligible: list[Lease],
-        counts: Counter[str],
-        needed: int,
-        target: int,
-        no_steal: Collection[str],
-    ) -> list[Lease]:
-        if not counts:
-            return []
-        most = max(counts.values())
-        victim = self._rng.choice(sorted(w for w, c in counts.items() if c == most))
-        if most < target:
-            return []
-        count = min(needed, most - target)
-        if count == 0 and needed > 1:
-            count = 1
-        count = min(count, self.max_leases_to_steal_at_one_time)
-        if count <= 0:
-            return []
-        candidates = [
-            lease
-            for lease in eligible
-            if lease.lease_owner == victim
-            and lease.checkpoint_owner is None
-            and lease.lease_key not in no_steal
-        ]
-        self._rng.shuffle(candidates)
-        return candidates[:count]
+    def _install(self, lease: Lease, sent_at: float) -> None:
+        """A lease taken or adopted: held from now (a new tenure), no longer pending."""
+        self.held.install(lease, sent_at)
+        with self._state:
+            self._pending.pop(lease.lease_key, None)
+
+    def _clean_up(self, leases: list[Lease]) -> None:
+        """Delete the finished leases ``cleanup.py`` says this worker should delete."""
+        for lease in cleanup.deletable(leases, self.worker_id):
+            try:
+                deleted = self.table.delete(lease)
+            except TABLE_ERRORS as exc:
+                log.warning("worker %s: deleting %s failed: %r",
+                            self.worker_id, lease.lease_key, exc)
+                continue
+            if deleted:
+                log.info("worker %s deleted the lease of finished shard %s",
+                         self.worker_id, lease.lease_key)

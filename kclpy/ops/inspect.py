@@ -36,9 +36,10 @@ from botocore.exceptions import BotoCoreError, ClientError, NoRegionError
 from kclpy.arguments import OneLineParser
 from kclpy.errors import KCLError
 from kclpy.leases import serializer as ser
+from kclpy.leases.dynamo import error_code
 from kclpy.leases.lease import SHARD_END, Lease
 from kclpy.leases.shard_sync import ShardSyncer
-from kclpy.leases.table import LeaseTable, error_code
+from kclpy.leases.table import LeaseTable
 from kclpy.ops.lag import (
     LagProbe,
     LagTracker,

@@ -1,0 +1,189 @@
+"""One DynamoDB table as kclpy uses it: requests counted, throttling retried, created on demand.
+
+Throttling is retried here (capped exponential backoff, full jitter) because every caller
+would otherwise repeat the same loop; when it persists the caller gets ``TableThrottled``
+(``LeaseTableThrottled`` for the lease table) and decides - the checkpointer, for one, maps
+it to ``ThrottlingException``. A transaction cancelled only for throttling or a concurrent
+transaction counts as throttled; one cancelled by a failed condition does not.
+
+The lease table (``table.py``) and the stores of other features (a stateful processor's
+state table) are built on ``DynamoTable``, so they share one retry and creation policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from kclpy.errors import KCLError
+from kclpy.metrics import Metrics
+
+if TYPE_CHECKING:
+    from mypy_boto3_dynamodb import DynamoDBClient
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+THROTTLE_CODES = frozenset(
+    {"ProvisionedThroughputExceededException", "ThrottlingException", "RequestLimitExceeded"}
+)
+CONDITION_FAILED = "ConditionalCheckFailedException"
+TRANSACTION_CANCELED = "TransactionCanceledException"
+#: cancellation reasons that say "try again", not "your condition is false": DynamoDB's
+#: transaction throttling and a concurrent transaction on one of the items
+_RETRYABLE_REASONS = frozenset(
+    {"ThrottlingError", "ProvisionedThroughputExceeded", "RequestLimitExceeded",
+     "TransactionConflict"}
+)
+#: UPDATING tables serve reads and writes (e.g. while Java KCL 3.x adds its owner index).
+_USABLE_STATUSES = frozenset({"ACTIVE", "UPDATING"})
+
+
+class TableThrottled(KCLError):
+    """DynamoDB throttled a request on every attempt."""
+
+
+class LeaseTableThrottled(TableThrottled):
+    """DynamoDB throttled a lease-table request on every attempt."""
+
+
+#: failures of a request that say nothing about a condition (who owns a lease)
+TABLE_ERRORS = (TableThrottled, ClientError, BotoCoreError)
+
+
+def error_code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def cancellation_reasons(exc: ClientError) -> list[dict[str, Any]]:
+    reasons: list[dict[str, Any]] = [
+        dict(reason) for reason in exc.response.get("CancellationReasons") or []
+    ]
+    return reasons
+
+
+def is_throttle(exc: ClientError) -> bool:
+    """Throttling, also inside a cancelled transaction (where no item's condition failed)."""
+    code = error_code(exc)
+    if code in THROTTLE_CODES:
+        return True
+    if code != TRANSACTION_CANCELED:
+        return False
+    codes = {str(reason.get("Code", "None")) for reason in cancellation_reasons(exc)}
+    return bool(codes & _RETRYABLE_REASONS) and codes <= _RETRYABLE_REASONS | {"None"}
+
+
+class DynamoTable:
+    """One table and the client that reaches it. Thread-safe: it holds no mutable state
+    besides the client's. ``hash_key`` names the string hash key the table is created with."""
+
+    #: what the table is, for messages
+    kind = "DynamoDB"
+    #: what persistent throttling raises
+    throttled: type[TableThrottled] = TableThrottled
+
+    def __init__(
+        self,
+        client: DynamoDBClient,
+        table_name: str,
+        *,
+        hash_key: str,
+        metrics: Metrics | None = None,
+        max_attempts: int = 5,
+        backoff_base_s: float = 0.05,
+        backoff_cap_s: float = 2.0,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        if max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        self.client = client
+        self.table_name = table_name
+        self.hash_key = hash_key
+        self._metrics = metrics
+        self._max_attempts = max_attempts
+        self._backoff_base_s = backoff_base_s
+        self._backoff_cap_s = backoff_cap_s
+        self._sleep = sleep
+        self._clock = clock
+        self._rng = rng if rng is not None else random.Random()
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _call(self, operation: str, fn: Callable[..., T], **kwargs: Any) -> T:
+        """One logical request: counted per attempt, throttling retried, the rest raised."""
+        attempt = 0
+        while True:
+            attempt += 1
+            if self._metrics is not None:
+                self._metrics.dynamodb_requests.labels(operation).inc()
+            try:
+                return fn(**kwargs)
+            except ClientError as exc:
+                if not is_throttle(exc):
+                    raise
+                if self._metrics is not None:
+                    self._metrics.throttles.labels(operation).inc()
+                if attempt >= self._max_attempts:
+                    raise self.throttled(
+                        f"{operation} on {self.table_name} throttled {attempt} times"
+                    ) from exc
+                ceiling = min(self._backoff_cap_s, self._backoff_base_s * 2 ** (attempt - 1))
+                self._sleep(self._rng.uniform(0, ceiling))
+
+    def _status(self) -> str | None:
+        try:
+            described = self._call(
+                "DescribeTable", self.client.describe_table, TableName=self.table_name
+            )
+        except ClientError as exc:
+            if error_code(exc) == "ResourceNotFoundException":
+                return None
+            raise
+        return described["Table"].get("TableStatus")
+
+    # -- the table itself ----------------------------------------------------------------
+
+    def create_if_missing(self, *, wait: bool = True, timeout_s: float = 120) -> bool:
+        """Create the table (PAY_PER_REQUEST) unless it exists; True if this call created it.
+
+        Several workers may start at once: losing the creation race is not an error.
+        """
+        created = False
+        if self._status() is None:
+            try:
+                self._call(
+                    "CreateTable",
+                    self.client.create_table,
+                    TableName=self.table_name,
+                    KeySchema=[{"AttributeName": self.hash_key, "KeyType": "HASH"}],
+                    AttributeDefinitions=[{"AttributeName": self.hash_key, "AttributeType": "S"}],
+                    BillingMode="PAY_PER_REQUEST",
+                )
+                created = True
+                log.info("created %s table %s", self.kind, self.table_name)
+            except ClientError as exc:
+                if error_code(exc) != "ResourceInUseException":
+                    raise
+        if wait:
+            self._wait_usable(timeout_s)
+        return created
+
+    def _wait_usable(self, timeout_s: float) -> None:
+        deadline = self._clock() + timeout_s
+        while True:
+            status = self._status()
+            if status in _USABLE_STATUSES:
+                return
+            if self._clock() >= deadline:
+                state = status or "missing"
+                raise TimeoutError(
+                    f"{self.kind} table {self.table_name} still {state} after {timeout_s}s")
+            self._sleep(1.0)

@@ -1,0 +1,136 @@
+"""Keeping held leases alive: the renewal cycle, as the Java KCL 2.x ``DynamoDBLeaseRenewer``.
+
+Every held lease is written at least every ``failover_time_s / 2``; a checkpoint counts as
+that write (the held set records it), so a lease its processor checkpoints often is never
+renewed at all. A failed renewal is retried after a quarter of that interval, which gives
+more attempts before the failover time runs out than Java's ``failover / 3`` cadence.
+Each renewal is a write through the fence: a failed condition means another worker took the
+lease (the fence drops it and tells the listeners) or asks for it back (a graceful handoff:
+the fence announces it and the renewal is repeated as the handing-off holder). A lease
+without a successful write for longer than the failover time is dropped without another
+attempt: by then other workers may have taken it. One kept past the handoff timeout is let
+go regardless.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from kclpy.errors import KinesisClientLibDependencyException, ShutdownException, ThrottlingException
+from kclpy.leases.budget import ScanBudget
+from kclpy.leases.fence import LeaseFence
+from kclpy.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+class LeaseRenewer:
+    """Renews the leases of one worker's held set through its fence."""
+
+    def __init__(
+        self,
+        fence: LeaseFence,
+        *,
+        failover_time_s: float,
+        graceful_handoff_timeout_s: float,
+        budget: ScanBudget,
+        clock: Callable[[], float],
+        metrics: Metrics | None = None,
+        threads: int = 4,
+    ) -> None:
+        if threads < 1:
+            raise ValueError("renewal_threads must be at least 1")
+        self.fence = fence
+        self.held = fence.held
+        self.worker_id = fence.worker_id
+        self.failover_time_s = failover_time_s
+        self.interval_s = failover_time_s / 2
+        self.graceful_handoff_timeout_s = graceful_handoff_timeout_s
+        self._budget = budget
+        self._clock = clock
+        self._metrics = metrics
+        self._threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+
+    def run_once(self, *, due_only: bool = False) -> None:
+        """Renew every held lease (with ``due_only``, those whose renewal is due, overdue or
+        past the handoff timeout)."""
+        now = self._clock()
+        keys = [
+            key
+            for key, held in self.held.entries().items()
+            if not due_only
+            or held.renew_due <= now
+            or now - held.renewed_at > self.failover_time_s
+            or (
+                held.handoff_since is not None
+                and now - held.handoff_since > self.graceful_handoff_timeout_s
+            )
+        ]
+        if len(keys) <= 1 or self._threads == 1:
+            for key in keys:
+                self._renew(key)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                self._threads, thread_name_prefix=f"kclpy-renew-{self.worker_id}")
+        list(self._pool.map(self._renew, keys))
+
+    def next_wait(self) -> float:
+        """Until the next renewal or handoff deadline; at most a quarter of the renewal
+        interval, so the loop keeps proving it is alive (the coordinator's ``healthy``) even
+        with no leases, and notices soon when the process is too busy to run it."""
+        now = self._clock()
+        deadlines = [now + self.interval_s / 4]
+        for held in self.held.entries().values():
+            deadlines.append(held.renew_due)
+            if held.handoff_since is not None:
+                deadlines.append(held.handoff_since + self.graceful_handoff_timeout_s)
+        return max(0.01, min(deadlines) - now)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def _renew(self, lease_key: str) -> None:
+        """Renew one lease, or let go of one kept past the handoff timeout."""
+        held = self.held.entry(lease_key)
+        if held is None:
+            return
+        now = self._clock()
+        if (
+            held.handoff_since is not None
+            and now - held.handoff_since > self.graceful_handoff_timeout_s
+        ):
+            log.warning("worker %s: lease %s not let go within the handoff timeout; letting go",
+                        self.worker_id, lease_key)
+            self.fence.release(lease_key)
+            self.held.notify_lost(lease_key)
+            return
+        expired = now - held.renewed_at > self.failover_time_s
+        if not expired:
+            self._budget.spend_renewal()
+        try:
+            self.fence.write(lease_key, None, self.fence.table.renew, what="renewal")
+        except ShutdownException:
+            if not expired:
+                self._count_failure()
+            return
+        except (ThrottlingException, KinesisClientLibDependencyException) as exc:
+            self._count_failure()
+            with self.held.lock_for(lease_key):
+                entry = self.held.entry(lease_key)
+                if entry is not None:
+                    entry.renew_due = now + self.interval_s / 4
+            log.warning("worker %s: renewing %s failed: %r", self.worker_id, lease_key,
+                        exc.__cause__ or exc)
+            return
+        if self._metrics is not None:
+            self._metrics.lease_renewals.inc()
+
+    def _count_failure(self) -> None:
+        if self._metrics is not None:
+            self._metrics.lease_renew_failures.inc()
