@@ -62,3 +62,15 @@ def test_public_api_is_explicit() -> None:
 def test_lint_and_types(command: list[str]) -> None:
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_design_module_map_names_every_module() -> None:
+    design = (ROOT / "docs" / "design.md").read_text()
+    section = design.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"^\| `([a-z_/]+\.py)` \|", section, re.M))
+    # a package's row (**`leases/`**) stands for its __init__.py
+    named |= {f"{package}__init__.py"
+              for package in re.findall(r"^\| \*\*`([a-z_]+/)`\*\* \|", section, re.M)}
+    modules = {str(path.relative_to(ROOT / "kclpy")) for path in (ROOT / "kclpy").rglob("*.py")}
+    assert modules - named == set(), "modules missing from docs/design.md's map"
+    assert named - modules == set(), "docs/design.md's map names modules that do not exist"

@@ -1,4 +1,4 @@
-"""The lease table: every DynamoDB request kclpy makes about leases, each one fenced.
+"""The lease table: every operation kclpy makes on a lease item, and the condition guarding it.
 
 Ownership and checkpoint changes are UpdateItem calls conditional on the ``leaseCounter``
 (and the owner where Java checks it), so a worker acting on a stale view fails instead of
@@ -6,26 +6,30 @@ overwriting a newer one; that failure surfaces as ``LeaseLostError``. Updates na
 attributes they change and ask for ``ALL_NEW``, so the caller gets the fresh lease back
 without a second read and attributes we do not model are never destroyed.
 
-Throttling is retried here (capped exponential backoff, full jitter) because every caller
-would otherwise repeat the same loop; when it persists the caller gets
-``LeaseTableThrottled`` and decides (the checkpointer maps it to ``ThrottlingException``).
+Requests, throttling retries and table creation are ``dynamo.py``'s; this module knows the
+lease item and which conditions guard each change of it.
 """
 
 from __future__ import annotations
 
 import logging
-import random
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from botocore.exceptions import ClientError
 
 from kclpy.errors import KCLError, LeaseLostError
 from kclpy.leases import serializer as ser
+from kclpy.leases.dynamo import (
+    CONDITION_FAILED,
+    TRANSACTION_CANCELED,
+    DynamoTable,
+    LeaseTableThrottled,
+    cancellation_reasons,
+    error_code,
+)
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import UpdateBuilder, key_of, n, s, ss
-from kclpy.metrics import Metrics
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb import DynamoDBClient
@@ -35,23 +39,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-THROTTLE_CODES = frozenset(
-    {"ProvisionedThroughputExceededException", "ThrottlingException", "RequestLimitExceeded"}
-)
-_CONDITION_FAILED = "ConditionalCheckFailedException"
-_TRANSACTION_CANCELED = "TransactionCanceledException"
-#: cancellation reasons that say "try again", not "your condition is false": DynamoDB's
-#: transaction throttling and a concurrent transaction on one of the items
-_RETRYABLE_REASONS = frozenset(
-    {"ThrottlingError", "ProvisionedThroughputExceeded", "RequestLimitExceeded",
-     "TransactionConflict"}
-)
-#: UPDATING tables serve reads and writes (e.g. while Java KCL 3.x adds its owner index).
-_USABLE_STATUSES = frozenset({"ACTIVE", "UPDATING"})
-
-
-class LeaseTableThrottled(KCLError):
-    """DynamoDB throttled a lease-table request on every attempt."""
 
 
 class LeaseChanged(LeaseLostError):
@@ -74,28 +61,6 @@ class TransactionRejected(KCLError):
         self.reasons = reasons
 
 
-def error_code(exc: ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", ""))
-
-
-def _cancellation_reasons(exc: ClientError) -> list[dict[str, Any]]:
-    reasons: list[dict[str, Any]] = [
-        dict(reason) for reason in exc.response.get("CancellationReasons") or []
-    ]
-    return reasons
-
-
-def _is_throttle(exc: ClientError) -> bool:
-    """Throttling, also inside a cancelled transaction (where no item's condition failed)."""
-    code = error_code(exc)
-    if code in THROTTLE_CODES:
-        return True
-    if code != _TRANSACTION_CANCELED:
-        return False
-    codes = {str(reason.get("Code", "None")) for reason in _cancellation_reasons(exc)}
-    return bool(codes & _RETRYABLE_REASONS) and codes <= _RETRYABLE_REASONS | {"None"}
-
-
 def checkpoint_changes(checkpoint: str, sub_sequence_number: int) -> UpdateBuilder:
     """The lease item's changes for a checkpoint. As in Java's checkpointer, a checkpoint
     resets the owner-switch count and clears any pending (prepared) checkpoint."""
@@ -110,56 +75,16 @@ def checkpoint_changes(checkpoint: str, sub_sequence_number: int) -> UpdateBuild
     )
 
 
-class LeaseTable:
-    """One lease table. Thread-safe: it holds no mutable state besides the client's."""
+class LeaseTable(DynamoTable):
+    """One lease table (hash key ``leaseKey``). Thread-safe."""
 
-    def __init__(
-        self,
-        client: DynamoDBClient,
-        table_name: str,
-        *,
-        metrics: Metrics | None = None,
-        max_attempts: int = 5,
-        backoff_base_s: float = 0.05,
-        backoff_cap_s: float = 2.0,
-        sleep: Callable[[float], None] = time.sleep,
-        clock: Callable[[], float] = time.monotonic,
-        rng: random.Random | None = None,
-    ) -> None:
-        if max_attempts < 1:
-            raise ValueError("max_attempts must be at least 1")
-        self.client = client
-        self.table_name = table_name
-        self._metrics = metrics
-        self._max_attempts = max_attempts
-        self._backoff_base_s = backoff_base_s
-        self._backoff_cap_s = backoff_cap_s
-        self._sleep = sleep
-        self._clock = clock
-        self._rng = rng if rng is not None else random.Random()
+    kind = "lease"
+    throttled = LeaseTableThrottled
+
+    def __init__(self, client: DynamoDBClient, table_name: str, **options: Any) -> None:
+        super().__init__(client, table_name, hash_key=ser.LEASE_KEY, **options)
 
     # -- plumbing ------------------------------------------------------------------------
-
-    def _call(self, operation: str, fn: Callable[..., T], **kwargs: Any) -> T:
-        """One logical request: counted per attempt, throttling retried, the rest raised."""
-        attempt = 0
-        while True:
-            attempt += 1
-            if self._metrics is not None:
-                self._metrics.dynamodb_requests.labels(operation).inc()
-            try:
-                return fn(**kwargs)
-            except ClientError as exc:
-                if not _is_throttle(exc):
-                    raise
-                if self._metrics is not None:
-                    self._metrics.throttles.labels(operation).inc()
-                if attempt >= self._max_attempts:
-                    raise LeaseTableThrottled(
-                        f"{operation} on {self.table_name} throttled {attempt} times"
-                    ) from exc
-                ceiling = min(self._backoff_cap_s, self._backoff_base_s * 2 ** (attempt - 1))
-                self._sleep(self._rng.uniform(0, ceiling))
 
     def _update(
         self, lease_key: str, update: UpdateBuilder, token: str | None, *, report: bool = False
@@ -178,7 +103,7 @@ class LeaseTable:
                 **extra,
             )
         except ClientError as exc:
-            if error_code(exc) == _CONDITION_FAILED:
+            if error_code(exc) == CONDITION_FAILED:
                 current = _lease_or_none(exc.response.get("Item"))
                 raise LeaseChanged(
                     f"lease {lease_key} changed in {self.table_name}", current
@@ -187,56 +112,6 @@ class LeaseTable:
         fresh = ser.lease_from_item(response["Attributes"])
         fresh.concurrency_token = token
         return fresh
-
-    def _status(self) -> str | None:
-        try:
-            described = self._call(
-                "DescribeTable", self.client.describe_table, TableName=self.table_name
-            )
-        except ClientError as exc:
-            if error_code(exc) == "ResourceNotFoundException":
-                return None
-            raise
-        return described["Table"].get("TableStatus")
-
-    # -- the table itself ----------------------------------------------------------------
-
-    def create_if_missing(self, *, wait: bool = True, timeout_s: float = 120) -> bool:
-        """Create the table (PAY_PER_REQUEST) unless it exists; True if this call created it.
-
-        Several workers may start at once: losing the creation race is not an error.
-        """
-        created = False
-        if self._status() is None:
-            try:
-                self._call(
-                    "CreateTable",
-                    self.client.create_table,
-                    TableName=self.table_name,
-                    KeySchema=[{"AttributeName": ser.LEASE_KEY, "KeyType": "HASH"}],
-                    AttributeDefinitions=[{"AttributeName": ser.LEASE_KEY, "AttributeType": "S"}],
-                    BillingMode="PAY_PER_REQUEST",
-                )
-                created = True
-                log.info("created lease table %s", self.table_name)
-            except ClientError as exc:
-                if error_code(exc) != "ResourceInUseException":
-                    raise
-        if wait:
-            self._wait_usable(timeout_s)
-        return created
-
-    def _wait_usable(self, timeout_s: float) -> None:
-        deadline = self._clock() + timeout_s
-        while True:
-            status = self._status()
-            if status in _USABLE_STATUSES:
-                return
-            if self._clock() >= deadline:
-                raise TimeoutError(
-                    f"lease table {self.table_name} still {status or 'missing'} after {timeout_s}s"
-                )
-            self._sleep(1.0)
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -285,7 +160,7 @@ class LeaseTable:
                 ExpressionAttributeNames={"#k": ser.LEASE_KEY},
             )
         except ClientError as exc:
-            if error_code(exc) == _CONDITION_FAILED:
+            if error_code(exc) == CONDITION_FAILED:
                 return False
             raise
         return True
@@ -382,9 +257,9 @@ class LeaseTable:
                 TransactItems=[lease_item, *items],
             )
         except ClientError as exc:
-            if error_code(exc) != _TRANSACTION_CANCELED:
+            if error_code(exc) != TRANSACTION_CANCELED:
                 raise
-            reasons = _cancellation_reasons(exc)
+            reasons = cancellation_reasons(exc)
             first = reasons[0] if reasons else {}
             if first.get("Code") == "ConditionalCheckFailed":
                 raise LeaseChanged(
@@ -440,7 +315,7 @@ class LeaseTable:
                 ExpressionAttributeValues={":c": n(lease.lease_counter)},
             )
         except ClientError as exc:
-            if error_code(exc) == _CONDITION_FAILED:
+            if error_code(exc) == CONDITION_FAILED:
                 return False
             raise
         return True
