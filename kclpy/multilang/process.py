@@ -1,10 +1,11 @@
 """One child process per shard, and the pipes to it.
 
-stdout is the protocol channel and stderr is the application's log, so both are drained by
-their own threads all the time: a child that writes a lot to either must never block on a
-full pipe while the worker is busy elsewhere. Writes to stdin are non-blocking with a
-deadline, because a child that stops reading would otherwise hang the shard's delivery
-thread for ever on a large ``processRecords`` line.
+stdout is the protocol channel and stderr is the application's log (shown as it is
+written, partial lines included: ``stderr.py``), so both are drained by their own threads
+all the time: a child that writes a lot to either must never block on a full pipe while the
+worker is busy elsewhere. Writes to stdin are non-blocking with a deadline, because a child
+that stops reading would otherwise hang the shard's delivery thread for ever on a large
+``processRecords`` line.
 
 The child runs in its own session (process group), so that a stuck child and anything it
 started can be killed together.
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import IO
 
 from kclpy.errors import KCLError
+from kclpy.multilang import stderr
 
 log = logging.getLogger("kclpy.multilang")
 
@@ -115,13 +117,17 @@ class ChildProcess:
             self._lines.put(_EOF)
 
     def _read_stderr(self, stream: IO[bytes]) -> None:
+        """Log the child's stderr as it is written, partial lines after a quiet period
+        (``stderr.py``)."""
+
+        def emit(text: str) -> None:
+            self._stderr_tail.append(text)
+            log.info("shard %s: child stderr: %s", self.shard_id, text,
+                     extra={"shard_id": self.shard_id, "child_stderr": text})
+
         try:
-            while chunk := stream.readline(MAX_LINE_BYTES):
-                text = chunk.decode("utf-8", errors="replace").rstrip("\r\n")
-                self._stderr_tail.append(text)
-                log.info("shard %s: child stderr: %s", self.shard_id, text,
-                         extra={"shard_id": self.shard_id, "child_stderr": text})
-        except OSError:
+            stderr.pump(stream.fileno(), emit, max_bytes=MAX_LINE_BYTES)
+        except (OSError, ValueError):
             log.debug("shard %s: reading the child's stderr failed", self.shard_id,
                       exc_info=True)
 
