@@ -278,7 +278,7 @@ def test_a_handoff_whose_owner_dies_moves_about_one_failover_time_later() -> Non
     owner's last counter, so the take waits for the scan after that one: two Java taker
     intervals (4 failover times) instead of one failover time.
 
-    B's taker loop is replayed step by step on a manual clock: a scan when ``_next_scan``
+    B's taker loop is replayed step by step on a manual clock: a scan when ``taker.next_scan``
     says, a handoff poll in between.
     """
     failover = 3.0
@@ -297,7 +297,7 @@ def test_a_handoff_whose_owner_dies_moves_about_one_failover_time_later() -> Non
         assert b.run_taker_once() == []
         asked = b.pending_handoffs()
         assert len(asked) == 1
-        next_scan = b._next_scan()
+        next_scan = b.taker.next_scan()
         clock.now += 1.0
         a.run_renewer_once()
         assert any(a.handing_off(key) for key in asked), "A learned of the handoff"
@@ -307,7 +307,7 @@ def test_a_handoff_whose_owner_dies_moves_about_one_failover_time_later() -> Non
             clock.now += b.handoff_poll_s
             if clock.now >= next_scan:
                 taken = b.run_taker_once()
-                next_scan = b._next_scan()
+                next_scan = b.taker.next_scan()
             else:
                 taken = b.poll_handoffs()
             if asked & {lease.lease_key for lease in taken}:

@@ -19,8 +19,9 @@ from moto import mock_aws
 from kclpy.errors import ShutdownException
 from kclpy.leases import handoff
 from kclpy.leases.coordinator import LeaseCoordinator
+from kclpy.leases.dynamo import LeaseTableThrottled
 from kclpy.leases.lease import Lease
-from kclpy.leases.table import LeaseTable, LeaseTableThrottled
+from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from tests.support.determinism import Clock, FirstChoiceRandom

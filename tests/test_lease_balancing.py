@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kclpy.leases.balancing import Balancer
 from kclpy.leases.lease import SHARD_END, Lease
-from kclpy.leases.taker import LeaseTaker
 
 FAILOVER = 10.0
 
@@ -27,9 +27,9 @@ class FirstChoiceRandom(random.Random):
         return seq[0]
 
 
-def taker(worker: str = "me", **kwargs: Any) -> LeaseTaker:
+def taker(worker: str = "me", **kwargs: Any) -> Balancer:
     kwargs.setdefault("rng", FirstChoiceRandom())
-    return LeaseTaker(worker, FAILOVER, **kwargs)
+    return Balancer(worker, FAILOVER, **kwargs)
 
 
 def owned(owner: str | None, *keys: str, counter: int = 1) -> list[Lease]:
@@ -37,7 +37,7 @@ def owned(owner: str | None, *keys: str, counter: int = 1) -> list[Lease]:
 
 
 def plan_for(
-    t: LeaseTaker,
+    t: Balancer,
     now: float,
     *,
     held: Iterable[str] = (),
@@ -222,7 +222,7 @@ def simulate(workers: int, leases: int, rounds: int, seed: int) -> list[Counter[
     rng = random.Random(seed)
     table = {f"s{i}": Lease(f"s{i}") for i in range(leases)}
     names = [f"w{i}" for i in range(workers)]
-    takers = {name: LeaseTaker(name, FAILOVER, rng=random.Random(rng.random())) for name in names}
+    takers = {name: Balancer(name, FAILOVER, rng=random.Random(rng.random())) for name in names}
     history: list[Counter[str | None]] = []
     now = 0.0
     for _ in range(rounds):
@@ -266,9 +266,9 @@ def test_a_fleet_converges_to_a_balanced_stable_split(workers: int, leases: int,
 
 def test_invalid_limits_are_rejected() -> None:
     with pytest.raises(ValueError, match="max_leases_for_worker"):
-        LeaseTaker("w", FAILOVER, max_leases_for_worker=0)
+        Balancer("w", FAILOVER, max_leases_for_worker=0)
     with pytest.raises(ValueError, match="max_leases_to_steal_at_one_time"):
-        LeaseTaker("w", FAILOVER, max_leases_to_steal_at_one_time=0)
+        Balancer("w", FAILOVER, max_leases_to_steal_at_one_time=0)
 
 
 def test_an_overdue_lease_is_reported_with_the_time_it_will_expire() -> None:

@@ -23,8 +23,9 @@ from kclpy.errors import (
     ThrottlingException,
 )
 from kclpy.leases.coordinator import LeaseCoordinator
+from kclpy.leases.dynamo import LeaseTableThrottled
 from kclpy.leases.lease import SHARD_END, Lease
-from kclpy.leases.table import LeaseTable, LeaseTableThrottled
+from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from tests.support.determinism import Clock, FirstChoiceRandom
@@ -573,7 +574,7 @@ def test_invalid_settings_are_rejected(table: LeaseTable) -> None:
     with pytest.raises(ValueError, match="graceful_handoff_timeout_s"):
         LeaseCoordinator(table, "A", graceful_handoff_timeout_s=-1)
     c = LeaseCoordinator(table, "A", failover_time_s=9)
-    assert (c.renewer_interval_s, c.taker_interval_s) == (4.5, None)
+    assert (c.renewer_interval_s, c.taker.interval_s) == (4.5, None)
 
 
 # -- over real HTTP (moto server) --------------------------------------------------------------

@@ -13,8 +13,9 @@ from botocore.exceptions import ClientError
 from moto import mock_aws
 
 from kclpy.errors import LeaseLostError
+from kclpy.leases.dynamo import LeaseTableThrottled
 from kclpy.leases.lease import SHARD_END, TRIM_HORIZON, Lease
-from kclpy.leases.table import LeaseChanged, LeaseTable, LeaseTableThrottled
+from kclpy.leases.table import LeaseChanged, LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 

@@ -61,7 +61,7 @@ class TakePlan:
     share: float = 0.0
 
 
-class LeaseTaker:
+class Balancer:
     """The taker's memory of the table (what it saw and when) and its decision rules.
 
     Not thread-safe: the coordinator calls it from its taker cycle only.

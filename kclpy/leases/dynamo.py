@@ -117,7 +117,7 @@ class DynamoTable:
 
     # -- plumbing ------------------------------------------------------------------------
 
-    def _call(self, operation: str, fn: Callable[..., T], **kwargs: Any) -> T:
+    def call(self, operation: str, fn: Callable[..., T], **kwargs: Any) -> T:
         """One logical request: counted per attempt, throttling retried, the rest raised."""
         attempt = 0
         while True:
@@ -140,7 +140,7 @@ class DynamoTable:
 
     def _status(self) -> str | None:
         try:
-            described = self._call(
+            described = self.call(
                 "DescribeTable", self.client.describe_table, TableName=self.table_name
             )
         except ClientError as exc:
@@ -159,7 +159,7 @@ class DynamoTable:
         created = False
         if self._status() is None:
             try:
-                self._call(
+                self.call(
                     "CreateTable",
                     self.client.create_table,
                     TableName=self.table_name,

@@ -41,18 +41,17 @@ from kclpy.errors import (
     ThrottlingException,
 )
 from kclpy.leases import handoff
+from kclpy.leases.dynamo import TABLE_ERRORS, LeaseTableThrottled
 from kclpy.leases.held import HeldLease, HeldSet
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import UpdateBuilder
-from kclpy.leases.table import LeaseChanged, LeaseTable, LeaseTableThrottled, checkpoint_changes
+from kclpy.leases.table import LeaseChanged, LeaseTable, checkpoint_changes
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb.type_defs import TransactWriteItemTypeDef
 
 log = logging.getLogger(__name__)
 
-#: failures of a lease-table request that say nothing about who owns the lease
-TABLE_ERRORS = (LeaseTableThrottled, ClientError, BotoCoreError)
 
 
 @dataclass(frozen=True)

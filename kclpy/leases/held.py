@@ -48,12 +48,9 @@ class HeldSet:
         *,
         renewer_interval_s: float,
         metrics: Metrics | None = None,
-        on_drop: Listener | None = None,
     ) -> None:
         self.worker_id = worker_id
-        #: called at once (lease lock held) when a lease is found lost: the taker's memory
-        #: of what it must not steal straight back
-        self._on_drop = on_drop
+        self._on_drop: Listener | None = None
         self.renewer_interval_s = renewer_interval_s
         self._metrics = metrics
         self._state = threading.Lock()
@@ -62,6 +59,11 @@ class HeldSet:
         self._locks: dict[str, threading.Lock] = {}
         self._lost_listeners: list[Listener] = []
         self._handoff_listeners: list[Listener] = []
+
+    def set_drop_hook(self, fn: Listener) -> None:
+        """``fn(key)`` is called at once (the lease's lock held) when a lease is lost or
+        handed off: the taker's memory of what it must not steal straight back."""
+        self._on_drop = fn
 
     # -- locks and entries -----------------------------------------------------------------
 

@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from botocore.exceptions import ClientError
 
 from kclpy.errors import ConfigError, LeaseLostError
+from kclpy.leases.dynamo import error_code
 from kclpy.leases.lease import AT_TIMESTAMP, LATEST, TRIM_HORIZON, Lease
-from kclpy.leases.table import LeaseTable, error_code
+from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
 
 if TYPE_CHECKING:

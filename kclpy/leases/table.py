@@ -93,7 +93,7 @@ class LeaseTable(DynamoTable):
         is (``ReturnValuesOnConditionCheckFailure``) in the raised ``LeaseChanged``."""
         extra: dict[str, Any] = {"ReturnValuesOnConditionCheckFailure": "ALL_OLD"} if report else {}
         try:
-            response = self._call(
+            response = self.call(
                 "UpdateItem",
                 self.client.update_item,
                 TableName=self.table_name,
@@ -124,7 +124,7 @@ class LeaseTable(DynamoTable):
         leases: list[Lease] = []
         request: dict[str, Any] = {"TableName": self.table_name, "ConsistentRead": consistent}
         while True:
-            page = self._call("Scan", self.client.scan, **request)
+            page = self.call("Scan", self.client.scan, **request)
             for item in page.get("Items", []):
                 try:
                     leases.append(ser.lease_from_item(item))
@@ -136,7 +136,7 @@ class LeaseTable(DynamoTable):
             request["ExclusiveStartKey"] = last
 
     def get(self, lease_key: str) -> Lease | None:
-        response = self._call(
+        response = self.call(
             "GetItem",
             self.client.get_item,
             TableName=self.table_name,
@@ -151,7 +151,7 @@ class LeaseTable(DynamoTable):
     def create(self, lease: Lease) -> bool:
         """Put a new lease unless one exists for the key; False if it existed (left unchanged)."""
         try:
-            self._call(
+            self.call(
                 "PutItem",
                 self.client.put_item,
                 TableName=self.table_name,
@@ -251,7 +251,7 @@ class LeaseTable(DynamoTable):
         }
         lease_item = cast("TransactWriteItemTypeDef", {"Update": update})
         try:
-            self._call(
+            self.call(
                 "TransactWriteItems",
                 self.client.transact_write_items,
                 TransactItems=[lease_item, *items],
@@ -305,7 +305,7 @@ class LeaseTable(DynamoTable):
     def delete(self, lease: Lease) -> bool:
         """Delete the lease if it is unchanged since read; False if it changed or is gone."""
         try:
-            self._call(
+            self.call(
                 "DeleteItem",
                 self.client.delete_item,
                 TableName=self.table_name,
