@@ -32,9 +32,23 @@ from kclpy.processor import (
 from kclpy.records import Record
 
 if TYPE_CHECKING:
+    from kclpy.state.dynamodb import DynamoDBStateStore
+    from kclpy.state.processor import StatefulProcessor
+    from kclpy.state.sql import SQLStateStore
+    from kclpy.state.transaction import StateTransaction, TransactionTooLarge
     from kclpy.worker import Worker, WorkerFatalError
 
 __version__ = "0.1.0"
+
+
+#: exactly-once state, imported on first use like the worker
+_STATE = {
+    "DynamoDBStateStore": "kclpy.state.dynamodb",
+    "StatefulProcessor": "kclpy.state.processor",
+    "SQLStateStore": "kclpy.state.sql",
+    "StateTransaction": "kclpy.state.transaction",
+    "TransactionTooLarge": "kclpy.state.transaction",
+}
 
 
 def __getattr__(name: str) -> object:
@@ -44,12 +58,17 @@ def __getattr__(name: str) -> object:
         from kclpy import worker
 
         return getattr(worker, name)
+    if name in _STATE:
+        import importlib
+
+        return getattr(importlib.import_module(_STATE[name]), name)
     raise AttributeError(f"module 'kclpy' has no attribute {name!r}")
 
 __all__ = [
     "CheckpointError",
     "Checkpointer",
     "ConfigError",
+    "DynamoDBStateStore",
     "IRecordProcessor",
     "InitializeInput",
     "InvalidStateException",
@@ -63,11 +82,15 @@ __all__ = [
     "Record",
     "RecordProcessor",
     "RecordProcessorBase",
+    "SQLStateStore",
     "ShardEndedInput",
     "ShutdownException",
     "ShutdownReason",
     "ShutdownRequestedInput",
+    "StateTransaction",
+    "StatefulProcessor",
     "ThrottlingException",
+    "TransactionTooLarge",
     "Worker",
     "WorkerFatalError",
     "__version__",

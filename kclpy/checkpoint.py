@@ -10,12 +10,19 @@ owner's progress.
 from __future__ import annotations
 
 import threading
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kclpy.errors import CheckpointError, InvalidStateException
 from kclpy.leases.lease import SENTINELS, SHARD_END
 from kclpy.metrics import Metrics
 from kclpy.records import Record
+
+if TYPE_CHECKING:
+    from kclpy.leases.fence import Guard
+
+T = TypeVar("T")
 
 Position = tuple[int, int]
 #: sorts before every real sequence number: TRIM_HORIZON, LATEST, AT_TIMESTAMP
@@ -40,6 +47,28 @@ class CheckpointWriter(Protocol):
         """Write the checkpoint, fenced. Raises ShutdownException, ThrottlingException or
         KinesisClientLibDependencyException."""
 
+    def transact_checkpoint(
+        self,
+        shard_id: str,
+        concurrency_token: str,
+        checkpoint: str,
+        sub_sequence_number: int,
+        items: Sequence[Any],
+    ) -> None:
+        """Write the checkpoint and ``items`` (DynamoDB ``TransactWriteItems`` entries) in one
+        fenced transaction; raises as ``update_checkpoint``, and ``TransactionRejected``
+        when one of ``items`` was refused (nothing written)."""
+
+    def guard(
+        self, shard_id: str, concurrency_token: str | None, *, what: str
+    ) -> AbstractContextManager[Guard]:
+        """Hold the lease for a write to another store (a SQL transaction) that fences
+        itself on ``Guard.tenure``; raise ``LeaseLostError`` inside to report a newer
+        tenure. Raises ``ShutdownException`` when the lease is (found) lost."""
+
+
+#: ``Checkpointer.commit``'s write: (writer, shard id, token, checkpoint, sub-sequence)
+CommitWrite = Callable[[CheckpointWriter, str, str, str, int], None]
 
 class Checkpointer:
     """One per shard consumer. Thread-safe: a Spark batcher may checkpoint from its own thread."""
@@ -119,6 +148,32 @@ class Checkpointer:
             self._last_value = value
         if self._metrics is not None:
             self._metrics.checkpoints.labels(self.shard_id).inc()
+
+    def commit(self, record: Record, write: CommitWrite) -> None:
+        """Checkpoint at ``record`` by ``write(writer, shard_id, token, checkpoint, sub)``,
+        which lands the checkpoint together with other writes, all or nothing: how a stateful
+        processor's transaction lands (``kclpy.state``). The position rules are those of
+        ``checkpoint``; the writer's fence refuses it when the lease is no longer this
+        tenure's."""
+        with self._lock:
+            value = self._resolve(record.sequence_number, record.sub_sequence_number)
+            assert value is not None, "a record always resolves to a position"
+            try:
+                write(self._writer, self.shard_id, self._token, value[0], value[1])
+            except CheckpointError as exc:
+                if self._metrics is not None:
+                    self._metrics.checkpoint_failures.labels(self.shard_id, exc.name).inc()
+                raise
+            self._last = position_of(*value)
+            self._last_value = value
+        if self._metrics is not None:
+            self._metrics.checkpoints.labels(self.shard_id).inc()
+
+    def fenced(self, fn: Callable[[CheckpointWriter, str, str], T]) -> T:
+        """``fn(writer, shard_id, token)``: a holder-only write that is not a checkpoint
+        (a state store claiming the shard for this tenure), serialized with checkpoints."""
+        with self._lock:
+            return fn(self._writer, self.shard_id, self._token)
 
     def _resolve(
         self, sequence_number: str | int | None, sub_sequence_number: int | None

@@ -17,6 +17,7 @@ from kclpy.errors import ConfigError
 from kclpy.loading import load_object
 from kclpy.metrics import Metrics
 from kclpy.processor import IRecordProcessor
+from kclpy.state.processor import StatefulProcessor
 from kclpy.supervisor import run_processes
 from kclpy.worker import Worker
 
@@ -44,7 +45,13 @@ def load_processor_class(spec: str, *, base_dir: Path | None = None) -> type[IRe
 
 
 def _processor_factory(config: KCLConfig, args: argparse.Namespace, metrics: Metrics
-                       ) -> Callable[[], IRecordProcessor]:
+                       ) -> Callable[[], IRecordProcessor] | Callable[[], StatefulProcessor]:
+    if args.processor and config.state_store:
+        cls = load_object(args.processor, "--processor")
+        if not (inspect.isclass(cls) and issubclass(cls, StatefulProcessor)):
+            raise ConfigError("--processor", f"{args.processor!r} is not a "
+                              "kclpy.StatefulProcessor (needed with --state-store)")
+        return cls
     if args.processor:
         return load_processor_class(args.processor, base_dir=None)
     from kclpy.multilang import multilang_processor_factory

@@ -71,6 +71,10 @@ class KCLConfig:
     metrics_host: str = "127.0.0.1"
     timeout_in_seconds: int = 300
     stray_stdout: str = "restart"
+    #: a DynamoDB table name or a SQLAlchemy URL, which may carry a password: kept out of repr
+    state_store: str | None = field(default=None, repr=False)
+    transaction_max_records: int = 10_000
+    transaction_max_time_ms: int = 10_000
     properties_dir: Path | None = None
 
     def __post_init__(self) -> None:
@@ -181,6 +185,16 @@ OPTIONS: tuple[Option, ...] = (
     _opt("stray_stdout", "stray",
          "MultiLangDaemon: a non-protocol line on a child's stdout restarts it, or is skipped.",
          "strayStdout"),
+    _opt("state_store", "str",
+         "Exactly-once state: where a StatefulProcessor's state lives - a DynamoDB table name, "
+         "or a SQLAlchemy database URL (sqlite:///state.db, postgresql+psycopg://...).",
+         "stateStore"),
+    _opt("transaction_max_records", "int",
+         "Exactly-once state: records one transaction covers at most (it also ends with "
+         "each batch).", "transactionMaxRecords"),
+    _opt("transaction_max_time_ms", "int",
+         "Exactly-once state: how long one transaction may stay open at most.",
+         "transactionMaxTimeMillis"),
 )
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
 OPTIONS_BY_KEY = {k.lower(): o for o in OPTIONS for k in o.properties_keys}

@@ -112,3 +112,15 @@ class Metrics:
             "Shard parts of a batch not checkpointed because the lease was lost.", registry=r)
         self.dynamodb_requests = Counter(
             "kclpy_dynamodb_requests", "DynamoDB requests by operation.", ["operation"], registry=r)
+        # Exactly-once state (kclpy.state)
+        self.state_commits = Counter(
+            "kclpy_state_commits",
+            "Transactions committed with their checkpoint by a stateful processor.",
+            ["shard_id"], registry=r)
+        self.state_records = Counter(
+            "kclpy_state_records", "Records whose effects were committed exactly once.",
+            ["shard_id"], registry=r)
+        self.state_conflicts = Counter(
+            "kclpy_state_conflicts",
+            "Commits refused because another writer changed a state key first (each "
+            "transaction's records are then applied again).", ["shard_id"], registry=r)

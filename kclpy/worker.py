@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 import boto3
 import botocore.config
@@ -32,6 +32,9 @@ from kclpy.metrics import Metrics
 from kclpy.processor import IRecordProcessor
 from kclpy.retrieval.fetcher import ShardFetcher, StartPosition
 from kclpy.retrieval.parse import ChildShard
+from kclpy.state import open_store
+from kclpy.state.processor import StatefulProcessor, exactly_once_factory
+from kclpy.state.store import StateStore
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +49,23 @@ class Worker:
     def __init__(
         self,
         config: KCLConfig,
-        processor_factory: Callable[[], IRecordProcessor],
+        processor_factory: Callable[[], IRecordProcessor] | Callable[[], StatefulProcessor],
         *,
         metrics: Metrics | None = None,
         session: boto3.session.Session | None = None,
+        state_store: StateStore | None = None,
     ) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
-        self._processor_factory = processor_factory
+        if state_store is None and config.state_store:
+            state_store = open_store(config.state_store)
+        #: with a store, ``processor_factory`` makes StatefulProcessors (exactly-once state)
+        self.state_store = state_store
+        self._records_processor: Callable[[], IRecordProcessor] = (
+            cast("Callable[[], IRecordProcessor]", processor_factory) if state_store is None
+            else exactly_once_factory(
+                processor_factory, state_store, max_records=config.transaction_max_records,
+                max_seconds=config.transaction_max_time_ms / 1000, metrics=self.metrics))
         self._session = session
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -154,6 +166,8 @@ class Worker:
             raise ConfigError("--region", str(exc)) from None
         self.lease_table = LeaseTable(self.dynamodb, cfg.lease_table_name, metrics=self.metrics)
         self.lease_table.create_if_missing()
+        if self.state_store is not None:
+            self.state_store.open(self.dynamodb)
         self.shard_syncer = ShardSyncer(
             self.kinesis, self.lease_table, stream_name=cfg.api_stream_name,
             stream_arn=cfg.stream_arn, initial_position=cfg.initial_position,
@@ -257,7 +271,7 @@ class Worker:
         token = lease.concurrency_token
         assert token is not None
         return ShardConsumer(
-            lease, concurrency_token=token, processor_factory=self._processor_factory,
+            lease, concurrency_token=token, processor_factory=self._records_processor,
             checkpoint_writer=self.coordinator.fence, lease_reader=self.coordinator,
             fetcher_factory=self._make_fetcher, on_shard_end=self._on_shard_end,
             settings=self._settings, metrics=self.metrics)

@@ -67,3 +67,13 @@ def embedded_endpoint(aws_test_environment: None) -> Iterator[LocalEndpoint]:
     """moto served from this process, as ``kclpy-worker --local`` runs it."""
     with start_embedded() as endpoint:
         yield endpoint
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A PostgreSQL server on loopback for the whole session (SQL state store tests); each
+    test keeps to its own tables."""
+    from tests.support.postgres import postgres_server
+
+    with postgres_server() as url:
+        yield url

@@ -183,6 +183,22 @@ class LeaseFence:
         self.update(shard_id, concurrency_token,
                     checkpoint_changes(checkpoint, sub_sequence_number), what="checkpoint")
 
+    def transact_checkpoint(
+        self,
+        shard_id: str,
+        concurrency_token: str,
+        checkpoint: str,
+        sub_sequence_number: int,
+        items: Sequence[TransactWriteItemTypeDef],
+    ) -> None:
+        """``CheckpointWriter``: a checkpoint committed with other items, all or nothing."""
+        self.transact(
+            shard_id, concurrency_token, checkpoint_changes(checkpoint, sub_sequence_number),
+            items, what="commit",
+            apply=lambda lease: lease.copy(
+                checkpoint=checkpoint, checkpoint_sub_sequence_number=sub_sequence_number,
+                owner_switches_since_checkpoint=0))
+
     def release(self, lease_key: str) -> None:
         """Give a held lease back so it can move at once: unowned, or - during a handoff - to
         the worker that asked for it. Listeners are not called: the caller chose this.

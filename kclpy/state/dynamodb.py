@@ -1,0 +1,121 @@
+"""State in a DynamoDB table, committed in the lease item's own ``TransactWriteItems``.
+
+One item per key: ``stateKey`` (S, the hash key), ``stateValue`` (S, JSON) and
+``stateVersion`` (N). Every write is conditioned on the version the transaction read, so two
+workers of one application that update the same key from different shards never lose each
+other's update: the second one's transaction is refused (``TransactionRejected``), and its
+records are applied again to the state as it now is. A transaction holds the lease item
+plus at most 99 writes and stays under 4 MB (``transaction.py`` cuts it at record
+boundaries to stay there).
+
+Keys a transaction only read are checked (``ConditionCheck``) at the version it read, so a
+value computed from another key is never committed after that key changed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from kclpy.checkpoint import CheckpointWriter
+from kclpy.leases.dynamo import DynamoTable
+from kclpy.state.store import CommittedCache
+from kclpy.state.transaction import DELETED, Limits, StateTransaction, Versioned
+
+KEY = "stateKey"
+VALUE = "stateValue"
+VERSION = "stateVersion"
+#: DynamoDB allows 100 items per transaction; the lease item is one of them
+MAX_ITEMS = 99
+#: DynamoDB allows 4 MB per transaction; the margin covers the lease item and encoding
+MAX_BYTES = 3_500_000
+#: marks a key the transaction read but did not write
+_READ_ONLY = object()
+
+
+class DynamoDBStateStore:
+    """A state table (hash key ``stateKey``), created PAY_PER_REQUEST when missing."""
+
+    limits = Limits(items=MAX_ITEMS, bytes=MAX_BYTES)
+
+    def __init__(self, table_name: str, *, client: Any = None) -> None:
+        self.table_name = table_name
+        self._table: DynamoTable | None = None
+        if client is not None:
+            self.open(client)
+        self._cache = CommittedCache()
+
+    def open(self, dynamodb: Any) -> None:
+        if self._table is not None:
+            return
+        table = DynamoTable(dynamodb, self.table_name, hash_key=KEY)
+        table.kind = "state"
+        table.create_if_missing()
+        self._table = table
+
+    @property
+    def table(self) -> DynamoTable:
+        if self._table is None:
+            raise RuntimeError(f"state store {self.table_name} used before open()")
+        return self._table
+
+    def read(self, key: str) -> Versioned:
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        table = self.table
+        response = table.call(
+            "GetItem", table.client.get_item, TableName=self.table_name,
+            Key={KEY: {"S": key}}, ConsistentRead=True)
+        item = response.get("Item")
+        current = (Versioned(None, 0) if item is None
+                   else Versioned(json.loads(item[VALUE]["S"]), int(item[VERSION]["N"])))
+        self._cache.remember({key: current})
+        return current
+
+    def begin_tenure(
+        self, writer: CheckpointWriter, shard_id: str, token: str
+    ) -> tuple[str, int] | None:
+        """Nothing to claim: the lease item, fenced by its counter, holds the checkpoint."""
+        return None
+
+    def commit(
+        self,
+        writer: CheckpointWriter,
+        shard_id: str,
+        token: str,
+        checkpoint: str,
+        sub_sequence_number: int,
+        txn: StateTransaction,
+    ) -> None:
+        writer.transact_checkpoint(
+            shard_id, token, checkpoint, sub_sequence_number, self.items(txn))
+        self._cache.committed(txn)
+
+    def items(self, txn: StateTransaction) -> list[Any]:
+        """The transaction's entries besides the lease item: each write, and a check of
+        each key only read, conditioned on the version it was read at."""
+        entries: list[Any] = []
+        for key, version in txn.versions.items():
+            value = txn.writes.get(key, _READ_ONLY)
+            condition = ({"ConditionExpression": "attribute_not_exists(#k)",
+                          "ExpressionAttributeNames": {"#k": KEY}} if version == 0 else
+                         {"ConditionExpression": "#v = :v",
+                          "ExpressionAttributeNames": {"#v": VERSION},
+                          "ExpressionAttributeValues": {":v": {"N": str(version)}}})
+            target = {"TableName": self.table_name, "Key": {KEY: {"S": key}}}
+            if value is _READ_ONLY:
+                entries.append({"ConditionCheck": {**target, **condition}})
+            elif value is DELETED:
+                if version != 0:  # a key that never existed has nothing to delete
+                    entries.append({"Delete": {**target, **condition}})
+            else:
+                entries.append({"Put": {"TableName": self.table_name, "Item": {
+                    KEY: {"S": key},
+                    VALUE: {"S": json.dumps(value, separators=(",", ":"))},
+                    VERSION: {"N": str(version + 1)}}, **condition}})
+        return [*entries, *txn.outgoing]
+
+    def forget(self, keys: Sequence[str]) -> None:
+        self._cache.forget(keys)

@@ -1,0 +1,204 @@
+"""The stateful processor a user writes, and the record processor that runs it.
+
+``StatefulProcessor.apply`` gets one record and the open transaction. ``ExactlyOnceProcessor``
+is an ordinary ``IRecordProcessor`` to the shard consumer - the same ordering, lease-loss and
+shutdown paths as every processor - that decides where transactions end and commits each
+one with the checkpoint of the last record it covers, through the checkpointer and so the
+lease fence. The user's processor never checkpoints.
+
+A transaction ends after each batch, after ``max_records`` records, after ``max_seconds``,
+or right before a record that would take it past the store's limits. When the store refuses
+it because another writer changed a key it read, the transaction's records are applied again
+to the state as it now is and committed again. When the lease is gone the transaction is
+dropped, state included, and the user's ``lease_lost`` is called as usual.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+
+from kclpy.checkpoint import Checkpointer, Position, position_of
+from kclpy.leases.table import TransactionRejected
+from kclpy.metrics import Metrics
+from kclpy.processor import (
+    InitializeInput,
+    IRecordProcessor,
+    LeaseLostInput,
+    ProcessRecordsInput,
+    ShardEndedInput,
+    ShutdownRequestedInput,
+)
+from kclpy.records import Record
+from kclpy.state.store import StateStore
+from kclpy.state.transaction import StateTransaction, TransactionTooLarge
+
+log = logging.getLogger(__name__)
+
+#: commits refused for conflicting writers before the batch fails (and is retried whole)
+MAX_CONFLICTS = 10
+#: after a refused commit, wait up to this (doubling per attempt, full jitter, capped) so
+#: shards that update the same keys stop colliding in lockstep
+CONFLICT_BACKOFF_S = 0.02
+CONFLICT_BACKOFF_CAP_S = 1.0
+
+
+class StatefulProcessor(abc.ABC):
+    """Subclass this for exactly-once state. ``apply`` must depend only on the record and
+    what it reads from ``txn``: it may run more than once for one record (a conflicting
+    writer, a failover), and only the run that committed counts."""
+
+    def initialize(self, initialize_input: InitializeInput) -> None:  # noqa: B027 (optional)
+        """Called once per shard tenure, before any record."""
+
+    @abc.abstractmethod
+    def apply(self, record: Record, txn: StateTransaction) -> None:
+        """Apply one record: read and stage writes through ``txn``."""
+
+    def lease_lost(self, lease_lost_input: LeaseLostInput) -> None:  # noqa: B027 (optional)
+        """The lease moved on; staged writes not yet committed were dropped."""
+
+
+class ExactlyOnceProcessor(IRecordProcessor):
+    """Runs a ``StatefulProcessor`` for one shard (see the module docstring)."""
+
+    def __init__(
+        self,
+        processor: StatefulProcessor,
+        store: StateStore,
+        *,
+        max_records: int = 10_000,
+        max_seconds: float = 10.0,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if max_records < 1 or max_seconds <= 0:
+            raise ValueError("max_records must be >= 1 and max_seconds > 0")
+        self.processor = processor
+        self._store = store
+        self._max_records = max_records
+        self._max_seconds = max_seconds
+        self._metrics = metrics
+        self._clock = clock
+        self._sleep = sleep
+        self._shard_id = ""
+        #: the last position committed (records at or before it are skipped on a retry)
+        self._committed: Position = position_of(None, None)
+        self._tenure_begun = False
+
+    def initialize(self, initialize_input: InitializeInput) -> None:
+        self._shard_id = initialize_input.shard_id
+        self._committed = position_of(initialize_input.sequence_number,
+                                      initialize_input.sub_sequence_number)
+        self.processor.initialize(initialize_input)
+
+    def process_records(self, process_records_input: ProcessRecordsInput) -> None:
+        checkpointer = process_records_input.checkpointer
+        if not self._tenure_begun:
+            stored = checkpointer.fenced(self._store.begin_tenure)
+            if stored is not None:
+                self._committed = max(self._committed, position_of(*stored))
+            self._tenure_begun = True
+        txn = self._begin()
+        covered: list[Record] = []
+        started = self._clock()
+        for record in process_records_input.records:
+            if (int(record.sequence_number), record.sub_sequence_number) <= self._committed:
+                continue  # committed before this batch failed and came again
+            if not self._apply(record, txn):
+                self._commit(checkpointer, txn, covered)
+                txn, covered, started = self._begin(), [], self._clock()
+                if not self._apply(record, txn):
+                    raise TransactionTooLarge(
+                        f"shard {self._shard_id}: record {record.sequence_number}/"
+                        f"{record.sub_sequence_number} alone writes more than one transaction "
+                        f"holds ({self._store.limits})")
+            covered.append(record)
+            if len(covered) >= self._max_records or self._clock() - started >= self._max_seconds:
+                self._commit(checkpointer, txn, covered)
+                txn, covered, started = self._begin(), [], self._clock()
+        if covered:
+            self._commit(checkpointer, txn, covered)
+
+    def lease_lost(self, lease_lost_input: LeaseLostInput) -> None:
+        self.processor.lease_lost(lease_lost_input)
+
+    def shard_ended(self, shard_ended_input: ShardEndedInput) -> None:
+        shard_ended_input.checkpointer.checkpoint()
+
+    def shutdown_requested(self, shutdown_requested_input: ShutdownRequestedInput) -> None:
+        """Nothing to do: every delivered batch was committed before the next one came."""
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _begin(self) -> StateTransaction:
+        return StateTransaction(self._store.read, self._store.limits)
+
+    def _apply(self, record: Record, txn: StateTransaction) -> bool:
+        """Apply ``record``; False (and its writes undone) if it does not fit in ``txn``."""
+        txn.begin_record()
+        self.processor.apply(record, txn)
+        if txn.over_limits():
+            txn.undo_record()
+            return False
+        return True
+
+    def _commit(self, checkpointer: Checkpointer, txn: StateTransaction,
+                covered: Sequence[Record]) -> None:
+        """Commit ``txn`` with the checkpoint of ``covered[-1]``, applying ``covered`` again
+        on a fresh transaction each time a conflicting writer got there first."""
+        if not covered:
+            return
+        for attempt in range(MAX_CONFLICTS + 1):
+            try:
+                checkpointer.commit(covered[-1], partial(self._store.commit, txn=txn))
+            except TransactionRejected:
+                self._store.forget(list(txn.versions))
+                if self._metrics is not None:
+                    self._metrics.state_conflicts.labels(self._shard_id).inc()
+                log.info("shard %s: a state key changed under transaction %d; applying its "
+                         "%d record(s) again", self._shard_id, attempt, len(covered))
+                self._sleep(random.uniform(
+                    0, min(CONFLICT_BACKOFF_CAP_S, CONFLICT_BACKOFF_S * 2 ** attempt)))
+                txn = self._begin()
+                for record in covered:
+                    if not self._apply(record, txn):
+                        raise TransactionTooLarge(
+                            f"shard {self._shard_id}: records no longer fit one transaction "
+                            "when applied again") from None
+                continue
+            last = covered[-1]
+            self._committed = (int(last.sequence_number), last.sub_sequence_number)
+            if self._metrics is not None:
+                self._metrics.state_commits.labels(self._shard_id).inc()
+                self._metrics.state_records.labels(self._shard_id).inc(len(covered))
+            return
+        raise TransactionRejected(
+            f"shard {self._shard_id}: state keys kept changing under {MAX_CONFLICTS + 1} "
+            "attempts; the batch fails and is delivered again", [])
+
+
+def exactly_once_factory(
+    factory: Callable[[], object],
+    store: StateStore,
+    *,
+    max_records: int,
+    max_seconds: float,
+    metrics: Metrics | None = None,
+) -> Callable[[], IRecordProcessor]:
+    """The worker's processor factory for a factory of ``StatefulProcessor``s."""
+
+    def make() -> IRecordProcessor:
+        processor = factory()
+        if not isinstance(processor, StatefulProcessor):
+            raise TypeError(f"{processor!r} is not a kclpy.StatefulProcessor; exactly-once "
+                            "state needs one")
+        return ExactlyOnceProcessor(processor, store, max_records=max_records,
+                                    max_seconds=max_seconds, metrics=metrics)
+
+    return make

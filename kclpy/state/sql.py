@@ -1,0 +1,244 @@
+"""State in a SQL database (SQLAlchemy Core): SQLite on one host, PostgreSQL across hosts.
+
+Two tables, named after ``prefix``: ``<prefix>`` holds one row per key (``state_key``,
+``state_value`` as JSON text, ``version``), ``<prefix>_checkpoints`` one row per shard
+(``lease_key``, ``tenure``, ``checkpoint``, ``sub_sequence_number``). A commit is one database
+transaction that locks the shard's checkpoint row, checks that it still carries this worker's
+tenure (the lease counter the tenure started at: ``LeaseFence.guard``), writes every state
+change conditioned on the version it was read at, and moves the checkpoint. A worker that
+takes a shard first stamps the row with its own, larger tenure (``begin_tenure``), so a
+zombie's commit finds a newer tenure and is rejected whole; it waits on the row lock for a
+commit already under way, so the position it then reads includes that commit.
+
+Here the store, not the lease table, holds the truth: the lease item's checkpoint is brought
+up to date right after each commit (for ``kclpy leases`` and for the next owner's start), and
+when that write fails the commit still stands - the next owner reads the store's position and
+skips records it covers. A commit that finds its own position already stored (the previous
+attempt landed, but its answer was lost) is taken as done.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError, IntegrityError
+
+from kclpy.checkpoint import CheckpointWriter, position_of
+from kclpy.errors import CheckpointError, KinesisClientLibDependencyException, LeaseLostError
+from kclpy.leases.table import TransactionRejected
+from kclpy.state.store import CommittedCache
+from kclpy.state.transaction import DELETED, Limits, StateTransaction, Versioned
+
+log = logging.getLogger(__name__)
+
+#: generous: one database transaction has no item limit worth the name, but a commit that
+#: stays small keeps row locks short
+MAX_ITEMS = 10_000
+MAX_BYTES = 64_000_000
+
+
+def _is_sqlite(engine: Engine) -> bool:
+    return engine.dialect.name == "sqlite"
+
+
+def _begin_immediate(engine: Engine) -> None:
+    """SQLite: take the write lock when a transaction begins, not at its first write, so two
+    committers never deadlock upgrading read locks (the pysqlite recipe of SQLAlchemy's docs)."""
+
+    @sa.event.listens_for(engine, "connect")
+    def _no_implicit_begin(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+
+    @sa.event.listens_for(engine, "begin")
+    def _begin(connection: Connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+class SQLStateStore:
+    """State and per-shard checkpoints in a SQL database, given a SQLAlchemy URL
+    (``sqlite:///state.db``, ``postgresql+psycopg://user@host/db``) or an ``Engine``."""
+
+    limits = Limits(items=MAX_ITEMS, bytes=MAX_BYTES)
+
+    def __init__(
+        self, url: str | Engine, *, prefix: str = "kclpy_state", lock_timeout_s: float = 10.0
+    ) -> None:
+        if isinstance(url, Engine):
+            self.engine = url
+        else:
+            # A row lock held by a frozen or partitioned worker must not stall a shard (and
+            # its shutdown) for ever: the wait ends in an error and the batch is retried.
+            sqlite = url.startswith("sqlite")
+            connect_args: dict[str, Any] = (
+                {"timeout": lock_timeout_s} if sqlite
+                else {"options": f"-c lock_timeout={int(lock_timeout_s * 1000)}"}
+                if url.startswith("postgresql") else {})
+            self.engine = sa.create_engine(url, connect_args=connect_args,
+                                           pool_pre_ping=not sqlite)
+            if sqlite:
+                _begin_immediate(self.engine)
+        meta = sa.MetaData()
+        self.state = sa.Table(
+            prefix, meta,
+            sa.Column("state_key", sa.String(1024), primary_key=True),
+            sa.Column("state_value", sa.Text, nullable=False),
+            sa.Column("version", sa.BigInteger, nullable=False))
+        self.checkpoints = sa.Table(
+            f"{prefix}_checkpoints", meta,
+            sa.Column("lease_key", sa.String(1024), primary_key=True),
+            sa.Column("tenure", sa.BigInteger, nullable=False),
+            sa.Column("checkpoint", sa.String(256)),
+            sa.Column("sub_sequence_number", sa.BigInteger, nullable=False))
+        self._meta = meta
+        self._cache = CommittedCache()
+
+    def __repr__(self) -> str:
+        return f"SQLStateStore({self.engine.url.render_as_string(hide_password=True)!r})"
+
+    def open(self, dynamodb: Any) -> None:
+        self._meta.create_all(self.engine)
+
+    def read(self, key: str) -> Versioned:
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(self.state.c.state_value, self.state.c.version)
+                               .where(self.state.c.state_key == key)).first()
+        current = Versioned(None, 0) if row is None else Versioned(json.loads(row[0]), row[1])
+        self._cache.remember({key: current})
+        return current
+
+    def begin_tenure(
+        self, writer: CheckpointWriter, shard_id: str, token: str
+    ) -> tuple[str, int] | None:
+        try:
+            try:
+                return self._claim(writer, shard_id, token)
+            except IntegrityError:  # another tenure inserted the row first: lock it this time
+                return self._claim(writer, shard_id, token)
+        except DBAPIError as exc:
+            raise _unavailable(shard_id, "claim", exc) from exc
+
+    def _claim(
+        self, writer: CheckpointWriter, shard_id: str, token: str
+    ) -> tuple[str, int] | None:
+        with writer.guard(shard_id, token, what="state claim") as guard, \
+                self.engine.begin() as conn:
+            row = self._lock_checkpoint(conn, shard_id)
+            if row is None:
+                conn.execute(sa.insert(self.checkpoints).values(
+                    lease_key=shard_id, tenure=guard.tenure, checkpoint=None,
+                    sub_sequence_number=0))
+                return None
+            if row.tenure > guard.tenure:
+                raise LeaseLostError(f"state store holds tenure {row.tenure} > {guard.tenure}")
+            conn.execute(sa.update(self.checkpoints)
+                         .where(self.checkpoints.c.lease_key == shard_id)
+                         .values(tenure=guard.tenure))
+            return None if row.checkpoint is None else (row.checkpoint, row.sub_sequence_number)
+
+    def commit(
+        self,
+        writer: CheckpointWriter,
+        shard_id: str,
+        token: str,
+        checkpoint: str,
+        sub_sequence_number: int,
+        txn: StateTransaction,
+    ) -> None:
+        try:
+            with writer.guard(shard_id, token, what="state commit") as guard, \
+                    self.engine.begin() as conn:
+                row = self._lock_checkpoint(conn, shard_id)
+                if row is None or row.tenure != guard.tenure:
+                    raise LeaseLostError(
+                        f"state store holds tenure {None if row is None else row.tenure}, "
+                        f"this worker {guard.tenure}")
+                if (row.checkpoint is not None and position_of(
+                        row.checkpoint, row.sub_sequence_number)
+                        >= position_of(checkpoint, sub_sequence_number)):
+                    log.info("shard %s: commit at %s/%d had landed already", shard_id,
+                             checkpoint, sub_sequence_number)
+                else:
+                    self._write(conn, txn)
+                    conn.execute(sa.update(self.checkpoints)
+                                 .where(self.checkpoints.c.lease_key == shard_id)
+                                 .values(checkpoint=checkpoint,
+                                         sub_sequence_number=sub_sequence_number))
+        except IntegrityError as exc:  # a key this transaction saw missing was inserted
+            raise TransactionRejected(f"shard {shard_id}: {exc.orig}", []) from exc
+        except DBAPIError as exc:
+            if _is_conflict(exc):
+                raise TransactionRejected(f"shard {shard_id}: {exc.orig}", []) from exc
+            raise _unavailable(shard_id, "commit", exc) from exc
+        self._cache.committed(txn)
+        try:
+            writer.update_checkpoint(shard_id, token, checkpoint, sub_sequence_number)
+        except CheckpointError as exc:
+            log.warning("shard %s: state committed at %s/%d; the lease table's checkpoint "
+                        "was not updated (%s) and will be on the next commit", shard_id,
+                        checkpoint, sub_sequence_number, exc)
+
+    def forget(self, keys: Sequence[str]) -> None:
+        self._cache.forget(keys)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _lock_checkpoint(self, conn: Connection, shard_id: str) -> Any:
+        c = self.checkpoints.c
+        return conn.execute(
+            sa.select(c.tenure, c.checkpoint, c.sub_sequence_number)
+            .where(c.lease_key == shard_id).with_for_update()).first()
+
+    def _write(self, conn: Connection, txn: StateTransaction) -> None:
+        """Every key in sorted order (two committers lock shared keys in the same order, so
+        PostgreSQL never has to break a deadlock between them)."""
+        c = self.state.c
+        for key in sorted(txn.versions):
+            version = txn.versions[key]
+            same = sa.and_(c.state_key == key, c.version == version)
+            if key not in txn.writes:
+                found = conn.execute(sa.select(c.version).where(c.state_key == key)
+                                     .with_for_update(read=True)).scalar()
+                if (found or 0) != version:
+                    raise _conflict(key, version)
+                continue
+            value = txn.writes[key]
+            if value is DELETED:
+                if version and conn.execute(sa.delete(self.state).where(same)).rowcount != 1:
+                    raise _conflict(key, version)
+            elif version == 0:
+                conn.execute(sa.insert(self.state).values(
+                    state_key=key, state_value=_json(value), version=1))
+            elif conn.execute(sa.update(self.state).where(same).values(
+                    state_value=_json(value), version=version + 1)).rowcount != 1:
+                raise _conflict(key, version)
+        for statement in txn.outgoing:
+            conn.execute(statement)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _conflict(key: str, version: int) -> TransactionRejected:
+    return TransactionRejected(f"state key {key!r} changed since version {version}", [])
+
+
+def _unavailable(shard_id: str, what: str, exc: DBAPIError) -> KinesisClientLibDependencyException:
+    """The database failed (lock timeout, lost connection): nothing is known to be written,
+    so the batch is delivered again; a commit that did land is recognised by its position."""
+    return KinesisClientLibDependencyException(
+        f"shard {shard_id}: state store {what} failed: {type(exc.orig).__name__}: {exc.orig}")
+
+
+def _is_conflict(exc: DBAPIError) -> bool:
+    """PostgreSQL broke a deadlock or a serialization conflict: apply again, like a
+    version conflict."""
+    return getattr(exc.orig, "sqlstate", None) in {"40001", "40P01"}

@@ -1,0 +1,81 @@
+"""What a stateful processor's store must do, whatever holds the state."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from kclpy.checkpoint import CheckpointWriter
+from kclpy.state.transaction import DELETED, Limits, StateTransaction, Versioned
+
+
+class StateStore(Protocol):
+    """A store whose writes commit in one atomic write with a lease's checkpoint."""
+
+    #: what one transaction may hold
+    limits: Limits
+
+    def open(self, dynamodb: Any) -> None:
+        """Get ready (create what is missing), given the worker's DynamoDB client."""
+
+    def begin_tenure(
+        self, writer: CheckpointWriter, shard_id: str, token: str
+    ) -> tuple[str, int] | None:
+        """A worker starts holding ``shard_id``: fence out earlier tenures and return the
+        position the store last committed for it (checkpoint, sub-sequence), or None when
+        the lease table's checkpoint is the store's own (the DynamoDB store)."""
+
+    def read(self, key: str) -> Versioned:
+        """The committed value of ``key`` and its version (0: no such key)."""
+
+    def commit(
+        self,
+        writer: CheckpointWriter,
+        shard_id: str,
+        token: str,
+        checkpoint: str,
+        sub_sequence_number: int,
+        txn: StateTransaction,
+    ) -> None:
+        """Commit ``txn`` with the checkpoint, all or nothing, fenced by the lease through
+        ``writer``. Raises ``TransactionRejected`` (nothing written) when a key changed since
+        ``txn`` read it; what the writer raises when the lease is lost or the write fails."""
+
+    def forget(self, keys: Sequence[str]) -> None:
+        """What is known of ``keys`` may be stale (a conflicting writer, a new tenure)."""
+
+
+#: committed values remembered per store, beyond which the cache starts over
+CACHE_SIZE = 100_000
+
+
+class CommittedCache:
+    """Committed values with their versions, so a key only this worker updates is read from
+    the store once. A stale entry costs one refused commit (its version no longer matches),
+    never a wrong value. Thread-safe: shards of one worker share their store."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, Versioned] = {}
+
+    def get(self, key: str) -> Versioned | None:
+        with self._lock:
+            return self._values.get(key)
+
+    def remember(self, values: dict[str, Versioned]) -> None:
+        with self._lock:
+            if len(self._values) + len(values) > CACHE_SIZE:
+                self._values.clear()
+            self._values.update(values)
+
+    def committed(self, txn: StateTransaction) -> None:
+        """``txn`` landed: its writes are the committed values, one version on."""
+        self.remember({
+            key: Versioned(None, 0) if value is DELETED else Versioned(value, txn.versions[key] + 1)
+            for key, value in txn.writes.items()})
+
+    def forget(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            for key in keys:
+                self._values.pop(key, None)

@@ -1,0 +1,378 @@
+"""Exactly-once state: a stateful processor's writes committed with its checkpoint in one
+transaction fenced by the lease. In-process moto over the real fence; one worker test over
+real HTTP (kinesis-mock and moto's server) with a zombie and a retried batch."""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import sqlalchemy as sa
+from moto import mock_aws
+
+import kclpy
+from kclpy.checkpoint import Checkpointer
+from kclpy.errors import ShutdownException
+from kclpy.leases.fence import LeaseFence
+from kclpy.leases.held import HeldSet
+from kclpy.leases.lease import Lease
+from kclpy.leases.table import LeaseTable
+from kclpy.local import LocalEndpoint
+from kclpy.metrics import Metrics
+from kclpy.processor import InitializeInput, ProcessRecordsInput
+from kclpy.records import Record, Records
+from kclpy.state.dynamodb import DynamoDBStateStore
+from kclpy.state.processor import ExactlyOnceProcessor, StatefulProcessor
+from kclpy.state.sql import SQLStateStore
+from kclpy.state.store import StateStore
+from kclpy.state.transaction import Limits, StateTransaction, TransactionTooLarge, Versioned
+from tests.support.determinism import Clock
+from tests.support.streams import (
+    create_stream,
+    dynamodb_client,
+    kinesis_client,
+    put_aggregated,
+    put_plain,
+    unique_name,
+    wait_for,
+)
+from tests.support.workers import running
+
+REGION = "us-east-1"
+FAILOVER = 10.0
+
+
+class Counter(StatefulProcessor):
+    """Counts records and sums their numeric payloads per key (``key:number``)."""
+
+    def __init__(self, fail_once_at: int | None = None) -> None:
+        self.applied = 0
+        self.fail_once_at = fail_once_at
+
+    def apply(self, record: Record, txn: StateTransaction) -> None:
+        key, number = record.binary_data.decode().split(":")
+        self.applied += 1
+        if self.fail_once_at is not None and self.applied == self.fail_once_at:
+            self.fail_once_at = None
+            raise RuntimeError("crash in the middle of a batch")
+        txn.update(f"count/{key}", lambda n: n + 1, 0)
+        txn.update(f"sum/{key}", lambda n: n + int(number), 0)
+
+
+def rec(seq: int, data: str, sub: int = 0) -> Record:
+    return Record(str(seq), "pk", None, sub, data.encode())
+
+
+class Shard:
+    """One shard held through a real fence, and the checkpointer its consumer would hand out."""
+
+    def __init__(self, table: LeaseTable, key: str, worker: str, clock: Clock) -> None:
+        self.held = HeldSet(worker, renewer_interval_s=FAILOVER / 2)
+        self.fence = LeaseFence(table, self.held, failover_time_s=FAILOVER, clock=clock)
+        current = table.get(key)
+        assert current is not None
+        fresh = table.take(current, worker)
+        fresh.concurrency_token = uuid.uuid4().hex
+        self.held.install(fresh, clock())
+        self.key = key
+        #: where the consumer would start: the lease's checkpoint when taken
+        self.start = (fresh.checkpoint, fresh.checkpoint_sub_sequence_number)
+        self.checkpointer = Checkpointer(key, self.fence, fresh.concurrency_token,
+                                         fresh.checkpoint, fresh.checkpoint_sub_sequence_number)
+
+    def deliver(self, processor: ExactlyOnceProcessor, records: list[Record]) -> None:
+        self.checkpointer.mark_delivered(records[-1])
+        processor.process_records(
+            ProcessRecordsInput(self.key, Records([records]), self.checkpointer, None))
+
+
+@pytest.fixture
+def dynamodb() -> Iterator[Any]:
+    with mock_aws():
+        yield boto3.client("dynamodb", region_name=REGION)
+
+
+@pytest.fixture
+def table(dynamodb: Any) -> LeaseTable:
+    lease_table = LeaseTable(dynamodb, "app", sleep=lambda _: None)
+    lease_table.create_if_missing()
+    for key in ("s1", "s2"):
+        assert lease_table.create(Lease(key))
+    return lease_table
+
+
+@pytest.fixture(params=["dynamodb", "sqlite", "postgresql"])
+def new_store(request: pytest.FixtureRequest, dynamodb: Any, tmp_path: Path
+              ) -> Callable[[], StateStore]:
+    """Another worker's view of the one store under test (its own cache)."""
+    if request.param == "dynamodb":
+        return lambda: DynamoDBStateStore("app-state", client=dynamodb)
+    url = (f"sqlite:///{tmp_path / 'state.db'}" if request.param == "sqlite"
+           else request.getfixturevalue("postgres_url"))
+    prefix = unique_name("state").replace("-", "_")
+
+    def sql() -> StateStore:
+        store = SQLStateStore(url, prefix=prefix)
+        store.open(None)
+        return store
+
+    return sql
+
+
+@pytest.fixture
+def store(new_store: Callable[[], StateStore]) -> StateStore:
+    return new_store()
+
+
+def stored_state(store: StateStore) -> dict[str, Any]:
+    """Every committed key and value, read around the store's cache."""
+    if isinstance(store, SQLStateStore):
+        with store.engine.connect() as conn:
+            rows = conn.execute(sa.select(store.state.c.state_key, store.state.c.state_value))
+            return {key: json.loads(value) for key, value in rows}
+    assert isinstance(store, DynamoDBStateStore)
+    items = store.table.client.scan(TableName=store.table_name, ConsistentRead=True)["Items"]
+    return {item["stateKey"]["S"]: json.loads(item["stateValue"]["S"]) for item in items}
+
+
+def runner(store: StateStore, processor: StatefulProcessor | None = None,
+           **kwargs: Any) -> ExactlyOnceProcessor:
+    metrics = kwargs.pop("metrics", Metrics())
+    start = kwargs.pop("start", ("TRIM_HORIZON", 0))
+    adapter = ExactlyOnceProcessor(processor or Counter(), store, metrics=metrics, **kwargs)
+    adapter.initialize(InitializeInput("s1", *start))
+    return adapter
+
+
+# -- the transaction handle --------------------------------------------------------------------
+
+def test_reads_see_staged_writes_and_a_record_can_be_undone() -> None:
+    store = {"a": Versioned(1, 3)}
+    txn = StateTransaction(lambda key: store.get(key, Versioned(None, 0)), Limits(2, 10_000))
+    txn.begin_record()
+    assert txn.update("a", lambda n: n + 1) == 2
+    txn.put("b", {"x": [1]})
+    assert (txn.get("a"), txn.get("b"), txn.versions) == (2, {"x": [1]}, {"a": 3, "b": 0})
+    txn.begin_record()
+    txn.delete("a")
+    txn.put("c", 1)
+    assert txn.get("a", "gone") == "gone" and txn.over_limits()
+    txn.undo_record()
+    assert (txn.get("a"), "c" in txn.writes, txn.over_limits()) == (2, False, False)
+    with pytest.raises(TypeError):
+        txn.put("d", object())
+    with pytest.raises(ValueError):
+        txn.put("d", None)
+
+
+# -- committing through the fence --------------------------------------------------------------
+
+def test_state_and_checkpoint_commit_together(table: LeaseTable, store: StateStore) -> None:
+    shard = Shard(table, "s1", "A", Clock())
+    adapter = runner(store)
+    shard.deliver(adapter, [rec(10, "k1:5"), rec(11, "k2:7"), rec(12, "k1:1")])
+    assert stored_state(store) == {"count/k1": 2, "sum/k1": 6, "count/k2": 1, "sum/k2": 7}
+    lease = table.get("s1")
+    assert lease is not None and lease.checkpoint == "12"
+
+
+def test_a_zombies_transaction_is_rejected_state_included_and_the_new_owner_applies_once(
+        table: LeaseTable, new_store: Callable[[], StateStore]) -> None:
+    clock = Clock()
+    zombie = Shard(table, "s1", "A", clock)
+    zombie_run = runner(zombie_store := new_store())
+    zombie.deliver(zombie_run, [rec(10, "k:1")])
+    thief = Shard(table, "s1", "B", clock)  # took the lease while A was frozen
+    batch = [rec(10, "k:1"), rec(11, "k:2"), rec(12, "k:3")]
+    thief.deliver(runner(new_store(), start=thief.start), batch)
+    with pytest.raises(ShutdownException):
+        zombie.deliver(zombie_run, [rec(11, "k:2"), rec(12, "k:3")])
+    assert stored_state(zombie_store) == {"count/k": 3, "sum/k": 6}, "the zombie's 2nd: nothing"
+    lease = table.get("s1")
+    assert lease is not None and (lease.lease_owner, lease.checkpoint) == ("B", "12")
+
+
+def test_a_batch_retried_after_a_crash_is_applied_once(table: LeaseTable, store: StateStore
+                                                      ) -> None:
+    shard = Shard(table, "s1", "A", Clock())
+    adapter = runner(store, Counter(fail_once_at=5), max_records=2)
+    batch = [rec(10 + i, f"k:{i}") for i in range(6)]
+    with pytest.raises(RuntimeError):
+        shard.deliver(adapter, batch)  # 10-11 and 12-13 committed; 14 applied, then the crash
+    assert stored_state(store) == {"count/k": 4, "sum/k": 6}
+    shard.deliver(adapter, batch)  # the consumer delivers the same batch again
+    assert stored_state(store) == {"count/k": 6, "sum/k": 15}
+
+
+def test_more_distinct_keys_than_one_transaction_holds_split_at_record_boundaries(
+        table: LeaseTable, dynamodb: Any) -> None:
+    shard = Shard(table, "s1", "A", Clock())
+    metrics = Metrics()
+    store = DynamoDBStateStore("app-state", client=dynamodb)
+    adapter = runner(store, metrics=metrics)
+    # each record writes two keys: 99 writes fit 49 records, so 250 records need 6 commits
+    shard.deliver(adapter, [rec(100 + i, f"key{i}:{i}") for i in range(250)])
+    state = stored_state(store)
+    assert len(state) == 500
+    assert all(state[f"count/key{i}"] == 1 and state[f"sum/key{i}"] == i for i in range(250))
+    commits = metrics.registry.get_sample_value("kclpy_state_commits_total", {"shard_id": "s1"})
+    assert commits == 6
+    lease = table.get("s1")
+    assert lease is not None and lease.checkpoint == "349"
+
+
+def test_a_record_that_alone_exceeds_a_transaction_is_refused(
+        table: LeaseTable, store: StateStore) -> None:
+    class Wide(StatefulProcessor):
+        def apply(self, record: Record, txn: StateTransaction) -> None:
+            for i in range(store.limits.items + 1):
+                txn.put(f"wide/{i}", i)
+
+    shard = Shard(table, "s1", "A", Clock())
+    with pytest.raises(TransactionTooLarge):
+        shard.deliver(runner(store, Wide()), [rec(10, "x:0")])
+    assert stored_state(store) == {}
+    lease = table.get("s1")
+    assert lease is not None and lease.checkpoint == "TRIM_HORIZON", "the record is not skipped"
+
+
+def test_two_shards_updating_one_key_never_lose_an_update(
+        table: LeaseTable, new_store: Callable[[], StateStore]) -> None:
+    clock = Clock()
+    store_a, store_b = new_store(), new_store()  # two workers' caches
+    metrics = Metrics()
+    a, b = Shard(table, "s1", "A", clock), Shard(table, "s2", "B", clock)
+    run_a = runner(store_a, metrics=metrics)
+    run_b = ExactlyOnceProcessor(Counter(), store_b, metrics=metrics)
+    run_b.initialize(InitializeInput("s2", "TRIM_HORIZON", 0))
+    for i in range(5):  # alternate, so each cache is stale half of the time
+        a.deliver(run_a, [rec(10 + i, "shared:1")])
+        b.deliver(run_b, [rec(10 + i, "shared:10")])
+    assert stored_state(store_a) == {"count/shared": 10, "sum/shared": 55}
+    conflicts = sum(metrics.registry.get_sample_value(
+        "kclpy_state_conflicts_total", {"shard_id": s}) or 0 for s in ("s1", "s2"))
+    assert conflicts >= 4
+
+
+# -- a real worker over HTTP -------------------------------------------------------------------
+
+class PlainCounter(kclpy.RecordProcessor):
+    """The at-least-once way: an UpdateItem per record, a checkpoint per batch."""
+
+    def __init__(self, dynamodb: Any, table: str, crash: threading.Event) -> None:
+        self.dynamodb, self.table, self.crash = dynamodb, table, crash
+
+    def initialize(self, initialize_input: kclpy.InitializeInput) -> None:
+        pass
+
+    def process_records(self, process_records_input: kclpy.ProcessRecordsInput) -> None:
+        for i, record in enumerate(process_records_input.records):
+            key = record.binary_data.decode().split(":")[0]
+            self.dynamodb.update_item(
+                TableName=self.table, Key={"stateKey": {"S": f"count/{key}"}},
+                UpdateExpression="ADD n :one", ExpressionAttributeValues={":one": {"N": "1"}})
+            if i == 3 and not self.crash.is_set():
+                self.crash.set()
+                raise RuntimeError("crash before the checkpoint")
+        process_records_input.checkpointer.checkpoint()
+
+    def lease_lost(self, lease_lost_input: kclpy.LeaseLostInput) -> None:
+        pass
+
+    def shard_ended(self, shard_ended_input: kclpy.ShardEndedInput) -> None:
+        shard_ended_input.checkpointer.checkpoint()
+
+    def shutdown_requested(self, shutdown_requested_input: kclpy.ShutdownRequestedInput) -> None:
+        pass
+
+
+def http_config(kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, app: str, stream: str,
+                **overrides: Any) -> kclpy.KCLConfig:
+    values: dict[str, Any] = {
+        "application_name": app, "stream_name": stream, "region": REGION,
+        "kinesis_endpoint": kinesis_mock.url, "dynamodb_endpoint": moto_server.url,
+        "initial_position": "TRIM_HORIZON", "failover_time_ms": 2000,
+        "idle_time_between_reads_ms": 100, "task_backoff_time_ms": 50,
+        "shard_sync_interval_ms": 1000, "max_records": 25}
+    values.update(overrides)
+    return kclpy.KCLConfig(**values)
+
+
+def http_stream(kinesis_mock: LocalEndpoint) -> tuple[str, collections.Counter[str]]:
+    """A 2-shard stream of ``key:number`` records, 60 of them KPL-aggregated; the count per
+    key that was written."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("eo")
+    create_stream(kinesis, stream, 2)
+    keys = [f"k{i % 7}" for i in range(120)]
+    put_plain(kinesis, stream, [f"{k}:1".encode() for k in keys])
+    put_aggregated(kinesis, stream, [f"kpl{i % 3}:2".encode() for i in range(60)], 20)
+    return stream, collections.Counter(keys) + collections.Counter(
+        f"kpl{i % 3}" for i in range(60))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["dynamodb", "postgresql"])
+def test_over_http_counts_are_exact_through_a_crash_and_a_zombie(
+        kind: str, kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint,
+        request: pytest.FixtureRequest) -> None:
+    stream, expected = http_stream(kinesis_mock)
+    app = unique_name("eo-app")
+    prefix = app.replace("-", "_")
+
+    def store() -> StateStore:
+        if kind == "dynamodb":
+            return DynamoDBStateStore(f"{app}-state")
+        return SQLStateStore(request.getfixturevalue("postgres_url"), prefix=prefix)
+
+    def counts() -> dict[str, int]:
+        reader = store()
+        reader.open(dynamodb_client(moto_server.url))
+        return {key.split("/", 1)[1]: value for key, value in stored_state(reader).items()
+                if key.startswith("count/")}
+
+    # a crash in a batch, then the first worker frozen (a zombie) mid-stream
+    first = kclpy.Worker(
+        http_config(kinesis_mock, moto_server, app, stream, transaction_max_records=10),
+        lambda: Counter(fail_once_at=7), state_store=store())
+    with running(first):
+        wait_for(lambda: first.metrics.registry.get_sample_value(
+            "kclpy_state_records_total", {"shard_id": "shardId-000000000000"}), 60, "commits")
+        assert first.coordinator is not None
+        first.coordinator.stop(release=False)  # frozen: no renewals, leases left to expire
+        second = kclpy.Worker(http_config(kinesis_mock, moto_server, app, stream), Counter,
+                              state_store=store())
+        with running(second):
+            wait_for(lambda: counts() == dict(expected), 90, "every record counted")
+    assert counts() == dict(expected)
+
+
+@pytest.mark.integration
+def test_over_http_the_plain_processor_counts_a_crashed_batch_twice(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    """What the mode removes: the same crash, at-least-once, counts records again."""
+    stream, expected = http_stream(kinesis_mock)
+    dynamodb = dynamodb_client(moto_server.url)
+    app = unique_name("plain-app")
+    plain_table = f"{app}-plain"
+    DynamoDBStateStore(plain_table, client=dynamodb)  # creates the table
+
+    def counts() -> dict[str, int]:
+        items = dynamodb.scan(TableName=plain_table, ConsistentRead=True)["Items"]
+        return {item["stateKey"]["S"].split("/", 1)[1]: int(item["n"]["N"]) for item in items}
+
+    crash = threading.Event()
+    plain = kclpy.Worker(http_config(kinesis_mock, moto_server, app, stream),
+                         lambda: PlainCounter(dynamodb, plain_table, crash))
+    with running(plain):
+        wait_for(lambda: sum(counts().values()) >= sum(expected.values()), 90,
+                 "every record counted at least once")
+    duplicates = sum(counts().values()) - sum(expected.values())
+    assert duplicates == 4, counts()
