@@ -224,3 +224,19 @@ def test_signal_shuts_down_cleanly_and_releases_leases(
     assert len(items) == 2
     assert all("leaseOwner" not in item for item in items)
     assert "AWS_SECRET_ACCESS_KEY" not in err and "testing" not in err.lower().split("kclpy")[0]
+
+
+@pytest.mark.integration
+def test_running_count_example_counts_the_demo_stream_once_per_record(tmp_path: Path) -> None:
+    """examples/running_count.py with the SQL store on the embedded endpoint: every demo
+    record (10 plain, 10 in KPL aggregates) counted once under its partition key."""
+    url = f"sqlite:///{tmp_path / 'counts.db'}"
+    command = _worker_command("--local", "--processor", "examples/running_count.py:RunningCount",
+                              "--state-store", url, "--stop-when-caught-up")
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    shown = subprocess.run([sys.executable, "examples/running_count.py", url], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    counts = {line.split()[0]: int(line.split()[1]) for line in shown.splitlines()}
+    assert sum(v for k, v in counts.items() if k.startswith("count/")) == 20, counts
+    assert all(counts[k.replace("count/", "bytes/")] > 0 for k in counts if "count/" in k)
