@@ -134,20 +134,9 @@ class Checkpointer:
         if isinstance(sequence_number, Record):
             sub_sequence_number = sequence_number.sub_sequence_number
             sequence_number = sequence_number.sequence_number
-        with self._lock:
-            value = self._resolve(sequence_number, sub_sequence_number)
-            if value is None:
-                return
-            try:
-                self._writer.update_checkpoint(self.shard_id, self._token, value[0], value[1])
-            except CheckpointError as exc:
-                if self._metrics is not None:
-                    self._metrics.checkpoint_failures.labels(self.shard_id, exc.name).inc()
-                raise
-            self._last = position_of(*value)
-            self._last_value = value
-        if self._metrics is not None:
-            self._metrics.checkpoints.labels(self.shard_id).inc()
+        self._write(sequence_number, sub_sequence_number,
+                    lambda writer, shard, token, checkpoint, sub:
+                    writer.update_checkpoint(shard, token, checkpoint, sub))
 
     def commit(self, record: Record, write: CommitWrite) -> None:
         """Checkpoint at ``record`` by ``write(writer, shard_id, token, checkpoint, sub)``,
@@ -155,9 +144,14 @@ class Checkpointer:
         processor's transaction lands (``kclpy.state``). The position rules are those of
         ``checkpoint``; the writer's fence refuses it when the lease is no longer this
         tenure's."""
+        self._write(record.sequence_number, record.sub_sequence_number, write)
+
+    def _write(self, sequence_number: str | int | None, sub_sequence_number: int | None,
+               write: CommitWrite) -> None:
         with self._lock:
-            value = self._resolve(record.sequence_number, record.sub_sequence_number)
-            assert value is not None, "a record always resolves to a position"
+            value = self._resolve(sequence_number, sub_sequence_number)
+            if value is None:
+                return
             try:
                 write(self._writer, self.shard_id, self._token, value[0], value[1])
             except CheckpointError as exc:
