@@ -19,7 +19,7 @@ from moto import mock_aws
 
 import kclpy
 from kclpy.checkpoint import Checkpointer
-from kclpy.errors import ShutdownException
+from kclpy.errors import ShutdownException, ThrottlingException
 from kclpy.leases.fence import LeaseFence
 from kclpy.leases.held import HeldSet
 from kclpy.leases.lease import Lease
@@ -241,6 +241,56 @@ def test_a_record_that_alone_exceeds_a_transaction_is_refused(
     assert stored_state(store) == {}
     lease = table.get("s1")
     assert lease is not None and lease.checkpoint == "TRIM_HORIZON", "the record is not skipped"
+
+
+def test_a_new_owner_starts_from_the_sql_stores_position_when_the_lease_lags_behind(
+        table: LeaseTable, tmp_path: Path) -> None:
+    """The SQL store is the truth: its commit landed, the lease item's update after it did
+    not, and the next owner - starting from the lease's older checkpoint - applies nothing
+    twice."""
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    clock = Clock()
+    first = Shard(table, "s1", "A", clock)
+    lease_update = first.fence.update_checkpoint
+
+    def throttled(*args: Any) -> None:
+        raise ThrottlingException("the lease table is throttled")
+
+    first.fence.update_checkpoint = throttled  # type: ignore[method-assign]
+    store_a = SQLStateStore(url)
+    store_a.open(None)
+    first.deliver(runner(store_a), [rec(10, "k:1"), rec(11, "k:2")])
+    first.fence.update_checkpoint = lease_update  # type: ignore[method-assign]
+    assert (lease := table.get("s1")) is not None and lease.checkpoint == "TRIM_HORIZON"
+    second = Shard(table, "s1", "B", clock)
+    store_b = SQLStateStore(url)
+    store_b.open(None)
+    second.deliver(runner(store_b, start=second.start),
+                   [rec(10, "k:1"), rec(11, "k:2"), rec(12, "k:3")])
+    assert stored_state(store_b) == {"count/k": 3, "sum/k": 6}
+    assert (lease := table.get("s1")) is not None and lease.checkpoint == "12"
+
+
+def test_workers_starting_together_all_open_the_postgresql_store(postgres_url: str) -> None:
+    """Found by the chaos run: two CREATE TABLEs at once, the loser exited at start-up."""
+    prefix = unique_name("race").replace("-", "_")
+    stores = [SQLStateStore(postgres_url, prefix=prefix) for _ in range(6)]
+    failures: list[BaseException] = []
+
+    def open_store(store: SQLStateStore) -> None:
+        try:
+            store.open(None)
+        except Exception as exc:  # collected: a thread's exception is otherwise only logged
+            failures.append(exc)
+
+    threads = [threading.Thread(target=open_store, args=(store,)) for store in stores]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    with stores[0].engine.connect() as conn:
+        assert sa.inspect(conn).has_table(f"{prefix}_checkpoints")
 
 
 def test_two_shards_updating_one_key_never_lose_an_update(

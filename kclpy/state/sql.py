@@ -101,7 +101,13 @@ class SQLStateStore:
         return f"SQLStateStore({self.engine.url.render_as_string(hide_password=True)!r})"
 
     def open(self, dynamodb: Any) -> None:
-        self._meta.create_all(self.engine)
+        """Create the tables when missing. Workers starting together race to create them;
+        the loser's CREATE fails once the winner's is committed, and a second look finds
+        them."""
+        try:
+            self._meta.create_all(self.engine)
+        except DBAPIError:
+            self._meta.create_all(self.engine)
 
     def read(self, key: str) -> Versioned:
         cached = self._cache.get(key)
