@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from tests.support.audit import AuditReport, LeaseSampler, audit
 from tests.support.faultproxy import FaultProxy
@@ -121,6 +121,13 @@ class ChaosResult:
         ]
 
 
+class Tally(Protocol):
+    """Where a chaos window counts its disruptions and graceful exits."""
+
+    disruptions: Counter[str]
+    sigterm_exit_codes: list[int]
+
+
 @dataclass
 class _Slot:
     """One of the fleet's places; each restart is a new process with a new worker id."""
@@ -136,12 +143,14 @@ class _Slot:
 
 class _Fleet:
     def __init__(
-        self, settings: ChaosSettings, args: Callable[[str], list[str]], ledger: Path, logs: Path
-    ) -> None:
+        self, settings: ChaosSettings, args: Callable[[str], list[str]], ledger: Path, logs: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         self._settings = settings
         self._args = args
         self._ledger = ledger
         self._logs = logs
+        self._env = env or {}
         self.slots = [_Slot(i) for i in range(settings.workers)]
 
     def spawn(self, slot: _Slot) -> None:
@@ -152,6 +161,7 @@ class _Fleet:
             LEDGER_ENV: str(self._ledger),
             WORKER_ENV: slot.worker_id,
             CHECKPOINT_EVERY_ENV: str(self._settings.checkpoint_every_batches),
+            **self._env,
         }
         with (self._logs / f"{slot.worker_id}.log").open("wb") as log:
             slot.process = subprocess.Popen(
@@ -330,6 +340,29 @@ def _parents(kinesis: KinesisClient, stream: str) -> dict[str, list[str]]:
     return lineage
 
 
+def worker_args(
+    settings: ChaosSettings, stream: str, application: str, kinesis_url: str, dynamodb_url: str,
+    worker_id: str, processor_args: list[str],
+) -> list[str]:  # fmt: skip
+    """One chaos worker's ``kclpy-worker`` command line after ``-m kclpy``."""
+    return [
+        "--stream-name", stream,
+        "--application-name", application,
+        *processor_args,
+        "--worker-id", worker_id,
+        "--region", "us-east-1",
+        "--kinesis-endpoint", kinesis_url,
+        "--dynamodb-endpoint", dynamodb_url,
+        "--initial-position", "TRIM_HORIZON",
+        "--failover-time-ms", str(settings.failover_ms),
+        "--idle-time-between-reads-ms", "100",
+        "--shard-sync-interval-ms", "2000",
+        "--parent-shard-poll-interval-ms", "200",
+        "--task-backoff-time-ms", "50",
+        "--shutdown-grace-ms", "5000",
+    ]  # fmt: skip
+
+
 def run_chaos(
     kinesis_url: str,
     dynamodb_url: str,
@@ -358,25 +391,12 @@ def run_chaos(
         sampler = LeaseSampler(dynamodb_client(dynamodb_url), application).start()
         stack.callback(sampler.stop)
 
-        def worker_args(worker_id: str) -> list[str]:
-            return [
-                "--stream-name", stream,
-                "--application-name", application,
-                "--processor", "tests.support.ledger:LedgerProcessor",
-                "--worker-id", worker_id,
-                "--region", "us-east-1",
-                "--kinesis-endpoint", kinesis_proxy.url,
-                "--dynamodb-endpoint", dynamodb_proxy.url,
-                "--initial-position", "TRIM_HORIZON",
-                "--failover-time-ms", str(settings.failover_ms),
-                "--idle-time-between-reads-ms", "100",
-                "--shard-sync-interval-ms", "2000",
-                "--parent-shard-poll-interval-ms", "200",
-                "--task-backoff-time-ms", "50",
-                "--shutdown-grace-ms", "5000",
-            ]  # fmt: skip
+        def args(worker_id: str) -> list[str]:
+            return worker_args(
+                settings, stream, application, kinesis_proxy.url, dynamodb_proxy.url, worker_id,
+                ["--processor", "tests.support.ledger:LedgerProcessor"])
 
-        fleet = _Fleet(settings, worker_args, workdir / "ledger.db", logs)
+        fleet = _Fleet(settings, args, workdir / "ledger.db", logs)
         stack.callback(fleet.kill_all)
         for slot in fleet.slots:
             fleet.spawn(slot)
@@ -415,7 +435,7 @@ def _disrupt(
     stream: str,
     settings: ChaosSettings,
     rng: random.Random,
-    result: ChaosResult,
+    result: Tally,
     say: Callable[[str], None],
 ) -> tuple[str, list[str]] | None:
     """The chaos window: every few seconds one running worker is killed, frozen past the
@@ -463,7 +483,7 @@ def _apply(
     kind: str,
     settings: ChaosSettings,
     rng: random.Random,
-    result: ChaosResult,
+    result: Tally,
 ) -> None:
     assert slot.process is not None
     now = time.monotonic()
