@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import boto3
 import pytest
 
-from bench import consume, dynamodb_cost, kpl_steps, replay, scale
+from bench import consume, dynamodb_cost, exactly_once, kpl_steps, replay, scale
 from kclpy.local import LocalEndpoint
 
 PLAIN, KPL = 120, 700
@@ -88,3 +88,15 @@ def test_the_kpl_step_breakdown_covers_every_step_and_every_user_record() -> Non
     spent, users = kpl_steps.kclpy_steps(kpl_steps.bodies(KPL))
     assert users == KPL
     assert set(spent) == set(kpl_steps.STEPS)
+
+
+def test_exactly_once_bench_counts_one_commit_per_page_and_an_update_per_change(
+        moto_server: LocalEndpoint) -> None:
+    pages = exactly_once.batches(40, 20, 5)  # 5 keys: 10 state items, one commit per page
+    stateful = exactly_once.run_stateful(moto_server.url, pages)
+    plain = exactly_once.run_plain(moto_server.url, pages)
+    assert stateful.requests["TransactWriteItems"] == 2
+    assert stateful.requests["GetItem"] == 10, "each key read once, then cached"
+    assert stateful.write_units == 2 * 2 * (10 + 1), "the lease item is written too"
+    assert plain.requests == {"UpdateItem": 2 * 40 + 2}
+    assert plain.write_units == 82

@@ -240,3 +240,25 @@ def test_running_count_example_counts_the_demo_stream_once_per_record(tmp_path: 
     counts = {line.split()[0]: int(line.split()[1]) for line in shown.splitlines()}
     assert sum(v for k, v in counts.items() if k.startswith("count/")) == 20, counts
     assert all(counts[k.replace("count/", "bytes/")] > 0 for k in counts if "count/" in k)
+
+
+@pytest.mark.integration
+def test_running_count_example_with_the_dynamodb_store(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("counts")
+    create_stream(kinesis, stream, 2)
+    put_plain(kinesis, stream, [f"r{n}".encode() for n in range(30)])
+    table = unique_name("running-counts")
+    result = subprocess.run(
+        _worker_command(
+            "--stream-name", stream, "--application-name", unique_name("counts-app"),
+            "--processor", "examples/running_count.py:RunningCount", "--state-store", table,
+            "--region", "us-east-1", "--kinesis-endpoint", kinesis_mock.url,
+            "--dynamodb-endpoint", moto_server.url, "--initial-position", "TRIM_HORIZON",
+            "--idle-time-between-reads-ms", "100", "--stop-when-caught-up"),
+        cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    items = dynamodb_client(moto_server.url).scan(TableName=table)["Items"]
+    counts = {i["stateKey"]["S"]: int(i["stateValue"]["S"]) for i in items}
+    assert sum(v for k, v in counts.items() if k.startswith("count/")) == 30, counts
