@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from kclpy.cloudwatch import parse_dimensions, parse_level
 from kclpy.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,13 @@ class KCLConfig:
     #: a DynamoDB table name or a SQLAlchemy URL, which may carry a password: kept out of repr
     state_store: str | None = field(default=None, repr=False)
     transaction_max_records: int = 10_000
+    metrics_level: str = "none"
+    metrics_enabled_dimensions: str = "ALL"
+    metrics_buffer_time_ms: int = 10_000
+    metrics_max_queue_size: int = 10_000
+    metrics_namespace: str | None = None
+    cloudwatch_region: str | None = None
+    cloudwatch_endpoint: str | None = None
     transaction_max_time_ms: int = 10_000
     properties_dir: Path | None = None
 
@@ -189,6 +197,25 @@ OPTIONS: tuple[Option, ...] = (
          "Exactly-once state: where a StatefulProcessor's state lives - a DynamoDB table name, "
          "or a SQLAlchemy database URL (sqlite:///state.db, postgresql+psycopg://...).",
          "stateStore"),
+    _opt("metrics_level", "str",
+         "CloudWatch: publish the Java KCL's metrics at this level (none, summary, detailed).",
+         "metricsLevel"),
+    _opt("metrics_enabled_dimensions", "str",
+         "CloudWatch: dimensions to send (comma-separated, or ALL); Operation always is.",
+         "metricsEnabledDimensions"),
+    _opt("metrics_buffer_time_ms", "int",
+         "CloudWatch: how long datapoints gather before a PutMetricData.",
+         "metricsBufferTimeMillis"),
+    _opt("metrics_max_queue_size", "int",
+         "CloudWatch: distinct datums waiting at most; the oldest is dropped beyond it.",
+         "metricsMaxQueueSize"),
+    _opt("metrics_namespace", "str",
+         "CloudWatch: the namespace (default: the application name, as the Java KCL).",
+         "metricsNamespace"),
+    _opt("cloudwatch_region", "str", "CloudWatch: region (default: --region).",
+         "cloudWatchRegionName"),
+    _opt("cloudwatch_endpoint", "str", "CloudWatch: endpoint URL (e.g. a local emulator).",
+         "cloudWatchEndpoint"),
     _opt("transaction_max_records", "int",
          "Exactly-once state: records one transaction covers at most (it also ends with "
          "each batch).", "transactionMaxRecords"),
@@ -201,7 +228,6 @@ OPTIONS_BY_KEY = {k.lower(): o for o in OPTIONS for k in o.properties_keys}
 
 #: Keys of the Java MultiLangDaemon that mean nothing without a JVM: accepted, logged once.
 _CREDENTIALS = "credentials come from the standard boto3 chain"
-_CLOUDWATCH = "CloudWatch is not used; metrics are Prometheus (see docs/operations.md)"
 _POLLING = "kclpy always polls with GetRecords (one fetch thread per shard)"
 _LEASES = "kclpy's lease coordinator does not use this tuning knob"
 _KCL3 = "a KCL 3.x feature kclpy does not implement; the KCL 2.x lease protocol is used"
@@ -211,12 +237,6 @@ _ONE_REGION = "kclpy uses one region (regionName) for every client"
 #: Matched case-insensitively, as the Java daemon does.
 JAVA_ONLY_KEYS: Mapping[str, str] = {
     "dynamoDBRegionName": _ONE_REGION,
-    "cloudWatchRegionName": _CLOUDWATCH,
-    "metricsLevel": _CLOUDWATCH,
-    "metricsEnabledDimensions": _CLOUDWATCH,
-    "metricsBufferTimeMillis": _CLOUDWATCH,
-    "metricsMaxQueueSize": _CLOUDWATCH,
-    "cloudWatchEndpoint": _CLOUDWATCH,
     "processingLanguage": "no JVM is involved",
     "javaClassPath": "no JVM is involved",
     "maxActiveThreads": "kclpy runs one fetch and one delivery thread per held shard",
@@ -244,7 +264,8 @@ JAVA_ONLY_KEYS: Mapping[str, str] = {
     "logWarningForTaskAfterMillis": _LEASES,
     "ignoreUnexpectedChildShards": _LEASES,
     "enablePriorityLeaseAssignment": _LEASES,
-    "logMetricsInterval": _CLOUDWATCH,
+    "logMetricsInterval": "the Java log metrics factory: kclpy publishes to CloudWatch or "
+                          "Prometheus",
     "workerStateChangeListener": "no JVM is involved",
     "clientVersionConfig": _KCL3,
     "leaseAssignmentIntervalMillis": _KCL3,
@@ -266,7 +287,8 @@ JAVA_ONLY_PREFIXES: Mapping[str, str] = {
     "awscredentialsprovider": _CREDENTIALS,
     "kinesisclient.": "configure the Kinesis client through the boto3 chain",
     "dynamodbclient.": "configure the DynamoDB client through the boto3 chain",
-    "cloudwatchclient.": _CLOUDWATCH,
+    "cloudwatchclient.": "configure the CloudWatch client through the boto3 chain "
+                         "(cloudWatchRegionName, cloudWatchEndpoint)",
 }
 _JAVA_ONLY_LOWER = {k.lower(): v for k, v in JAVA_ONLY_KEYS.items()}
 
@@ -362,7 +384,15 @@ def validate(config: KCLConfig, labels: Mapping[str, str]) -> None:
                           f"{', '.join(ERROR_POLICIES)}")
     if config.region is not None and not _REGION.match(config.region):
         raise ConfigError(name("region"), f"{config.region!r} is not a region name")
-    for endpoint in ("kinesis_endpoint", "dynamodb_endpoint"):
+    try:
+        parse_level(config.metrics_level)
+    except ValueError as exc:
+        raise ConfigError(name("metrics_level"), str(exc)) from None
+    try:
+        parse_dimensions(config.metrics_enabled_dimensions)
+    except ValueError as exc:
+        raise ConfigError(name("metrics_enabled_dimensions"), str(exc)) from None
+    for endpoint in ("kinesis_endpoint", "dynamodb_endpoint", "cloudwatch_endpoint"):
         url = getattr(config, endpoint)
         if url is not None and not re.match(r"^https?://[^\s/]+", url):
             raise ConfigError(name(endpoint), f"{url!r} is not an http(s) URL")

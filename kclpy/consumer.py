@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kclpy.checkpoint import Checkpointer, CheckpointWriter
+from kclpy.cloudwatch import BYTES, COUNT, MILLISECONDS, SUMMARY, success_and_time
 from kclpy.errors import ProcessorRestartRequired
 from kclpy.leases.lease import SHARD_END, Lease
 from kclpy.metrics import Metrics
@@ -34,6 +35,9 @@ from kclpy.records import Records
 from kclpy.retrieval.parse import ChildShard
 
 log = logging.getLogger(__name__)
+
+#: the Java KCL's CloudWatch operation for a shard's processing metrics
+PROCESS_TASK = "ProcessTask"
 
 
 class ConsumerState(enum.Enum):
@@ -322,11 +326,28 @@ class ShardConsumer:
                 attempt += 1
                 continue
             finally:
-                self._metrics.process_records_seconds.labels(self.shard_id).observe(
-                    time.perf_counter() - started)
+                elapsed = time.perf_counter() - started
+                self._metrics.process_records_seconds.labels(self.shard_id).observe(elapsed)
+            size = records.payload_bytes()
             self._metrics.records_processed.labels(self.shard_id).inc(len(records))
-            self._metrics.bytes_processed.labels(self.shard_id).inc(records.payload_bytes())
+            self._metrics.bytes_processed.labels(self.shard_id).inc(size)
+            self._report_batch(len(records), size, result.millis_behind_latest, elapsed)
             return "ok"
+
+    def _report_batch(self, count: int, size: int, millis_behind: int | None,
+                      seconds: float) -> None:
+        """The Java ``ProcessTask`` figures of one processed batch (CloudWatch)."""
+        sink, dims = self._metrics.cloudwatch, {"ShardId": self.shard_id}
+        sink.record(PROCESS_TASK, "RecordsProcessed", count, COUNT, SUMMARY, dims)
+        sink.record(PROCESS_TASK, "DataBytesProcessed", size, BYTES, SUMMARY, dims)
+        sink.record(PROCESS_TASK, "RecordProcessor.processRecords.Time", seconds * 1000,
+                    MILLISECONDS, SUMMARY, dims)
+        if millis_behind is not None:
+            sink.record(PROCESS_TASK, "MillisBehindLatest", millis_behind, MILLISECONDS,
+                        SUMMARY, dims)
+            sink.record("ApplicationTracker", "MillisBehindLatest", millis_behind,
+                        MILLISECONDS, SUMMARY)
+        success_and_time(sink, PROCESS_TASK, None, True, seconds, SUMMARY, dims)
 
     def _end_with_shard_end(self, children: Sequence[ChildShard]) -> None:
         """Create the children's leases, then insist on a SHARD_END checkpoint, as the Java

@@ -1,4 +1,5 @@
-"""Prometheus collectors, one registry per worker.
+"""Prometheus collectors, one registry per worker, and the sink of the Java KCL's CloudWatch
+metrics (``kclpy/cloudwatch.py``), which the same call sites feed.
 
 One registry per worker (not the global default) so that several workers in one process —
 tests, or an application that consumes two streams — never mix their figures. Every name is
@@ -8,6 +9,8 @@ prefixed ``kclpy_``; names and labels are documented in docs/operations.md.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kclpy.cloudwatch import MetricsSink, NullSink
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -124,3 +127,20 @@ class Metrics:
             "kclpy_state_conflicts",
             "Commits refused because another writer changed a state key first (each "
             "transaction's records are then applied again).", ["shard_id"], registry=r)
+        # The Java KCL's CloudWatch metrics (kclpy.cloudwatch): off unless configured
+        self.cloudwatch: MetricsSink = NullSink()
+        self.cloudwatch_datums = Counter(
+            "kclpy_cloudwatch_datums",
+            "CloudWatch datums by outcome: sent, dropped_queue_full (the oldest waiting datum "
+            "gave way), dropped_failed (PutMetricData kept failing).", ["outcome"], registry=r)
+        self.cloudwatch_request_failures = Counter(
+            "kclpy_cloudwatch_request_failures",
+            "PutMetricData attempts that failed, by kind (throttled, error); retried with backoff.",
+            ["kind"], registry=r)
+
+    def cloudwatch_event(self, what: str, n: int) -> None:
+        """The CloudWatch publisher's report of itself, counted here."""
+        if what in ("throttled", "error"):
+            self.cloudwatch_request_failures.labels(what).inc(n)
+        else:
+            self.cloudwatch_datums.labels(what).inc(n)

@@ -21,6 +21,7 @@ import boto3
 import botocore.config
 from botocore.exceptions import InvalidRegionError, NoRegionError
 
+from kclpy.cloudwatch import NONE, CloudWatchPublisher, parse_dimensions, parse_level
 from kclpy.config import KCLConfig
 from kclpy.consumer import ConsumerSettings, FatalProcessorError, FetcherLike, ShardConsumer
 from kclpy.errors import ConfigError, KCLError
@@ -86,6 +87,7 @@ class Worker:
         self.lease_table: LeaseTable | None = None
         self.coordinator: LeaseCoordinator | None = None
         self.shard_syncer: ShardSyncer | None = None
+        self._cloudwatch: CloudWatchPublisher | None = None
 
     # -- public --------------------------------------------------------------------------
 
@@ -168,6 +170,7 @@ class Worker:
         self.lease_table.create_if_missing()
         if self.state_store is not None:
             self.state_store.open(self.dynamodb)
+        self._start_cloudwatch(session)
         self.shard_syncer = ShardSyncer(
             self.kinesis, self.lease_table, stream_name=cfg.api_stream_name,
             stream_arn=cfg.stream_arn, initial_position=cfg.initial_position,
@@ -340,7 +343,29 @@ class Worker:
                             "period; releasing the lease anyway", shard_id)
         if self.coordinator is not None:
             self.coordinator.stop(release=True)
+        if self._cloudwatch is not None:
+            self._cloudwatch.stop()
         log.info("worker %s stopped", self.config.worker_id)
+
+    def _start_cloudwatch(self, session: boto3.session.Session) -> None:
+        """The Java KCL's CloudWatch metrics, when ``metrics_level`` asks for them."""
+        cfg = self.config
+        level = parse_level(cfg.metrics_level)
+        if level == NONE:
+            return
+        client = session.client(
+            "cloudwatch", region_name=cfg.cloudwatch_region or cfg.region,
+            endpoint_url=cfg.cloudwatch_endpoint,
+            config=botocore.config.Config(retries={"mode": "standard", "total_max_attempts": 1},
+                                          connect_timeout=10, read_timeout=30))
+        publisher = CloudWatchPublisher(
+            client, cfg.metrics_namespace or cfg.application_name, level=level,
+            enabled_dimensions=parse_dimensions(cfg.metrics_enabled_dimensions),
+            buffer_time_s=cfg.metrics_buffer_time_ms / 1000,
+            max_queue_size=cfg.metrics_max_queue_size, on_event=self.metrics.cloudwatch_event)
+        publisher.start()
+        self.metrics.cloudwatch = publisher
+        self._cloudwatch = publisher
 
     @contextmanager
     def _signals(self) -> Iterator[None]:

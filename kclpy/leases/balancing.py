@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
@@ -59,6 +59,12 @@ class TakePlan:
     steal: tuple[Lease, ...] = ()
     #: leases per live worker (the fleet's average load, this worker included)
     share: float = 0.0
+    #: what the decision saw, as the Java taker reports it (TakeLeases metrics): live
+    #: workers, leases to spread, unowned or expired ones, and how many more this one needs
+    workers: int = 0
+    total: int = 0
+    expired: int = 0
+    needed: int = 0
 
 
 class Balancer:
@@ -178,6 +184,10 @@ class Balancer:
         if limit is not None:
             target = min(target, limit)
 
+        def made(take: Sequence[Lease] = (), steal: Sequence[Lease] = ()) -> TakePlan:
+            return TakePlan(tuple(take), tuple(steal), share, workers, len(eligible),
+                            len(available), max(0, target - mine))
+
         # Shuffle before the stable sort so that equally old leases come in a different
         # order on every worker, and workers do not all race for the same one.
         self._rng.shuffle(available)
@@ -190,15 +200,15 @@ class Balancer:
         ]
         if very_old:
             room = len(very_old) if limit is None else max(0, limit - mine)
-            return TakePlan(take=tuple(very_old[:room]), share=share)
+            return made(take=very_old[:room])
 
         needed = target - mine
         if needed <= 0:
-            return TakePlan(share=share)
+            return made()
         if available:
-            return TakePlan(take=tuple(available[:needed]), share=share)
+            return made(take=available[:needed])
         steals = self._choose_steals(eligible, counts, needed, target, no_steal)
-        return TakePlan(steal=tuple(steals), share=share)
+        return made(steal=steals)
 
     def _choose_steals(
         self,

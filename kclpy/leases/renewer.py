@@ -15,15 +15,20 @@ go regardless.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from kclpy.cloudwatch import COUNT, DETAILED, SUMMARY, success_and_time
 from kclpy.errors import KinesisClientLibDependencyException, ShutdownException, ThrottlingException
 from kclpy.leases.budget import ScanBudget
 from kclpy.leases.fence import LeaseFence
 from kclpy.metrics import Metrics
 
 log = logging.getLogger(__name__)
+
+#: the Java KCL's CloudWatch operation for the renewer's metrics
+RENEW_ALL_LEASES = "RenewAllLeases"
 
 
 class LeaseRenewer:
@@ -69,14 +74,29 @@ class LeaseRenewer:
                 and now - held.handoff_since > self.graceful_handoff_timeout_s
             )
         ]
+        held_before = len(self.held)
+        started = time.perf_counter()
         if len(keys) <= 1 or self._threads == 1:
             for key in keys:
                 self._renew(key)
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    self._threads, thread_name_prefix=f"kclpy-renew-{self.worker_id}")
+            list(self._pool.map(self._renew, keys))
+        if keys:
+            self._report(held_before, time.perf_counter() - started)
+
+    def _report(self, held_before: int, seconds: float) -> None:
+        """The Java renewer's ``RenewAllLeases`` figures for one pass."""
+        if self._metrics is None:
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                self._threads, thread_name_prefix=f"kclpy-renew-{self.worker_id}")
-        list(self._pool.map(self._renew, keys))
+        sink, dims = self._metrics.cloudwatch, {"WorkerIdentifier": self.worker_id}
+        held = len(self.held)
+        sink.record(RENEW_ALL_LEASES, "CurrentLeases", held, COUNT, SUMMARY, dims)
+        sink.record(RENEW_ALL_LEASES, "LostLeases", max(0, held_before - held), COUNT, SUMMARY,
+                    dims)
+        success_and_time(sink, RENEW_ALL_LEASES, None, True, seconds, SUMMARY, dims)
 
     def next_wait(self) -> float:
         """Until the next renewal or handoff deadline; at most a quarter of the renewal
@@ -113,14 +133,15 @@ class LeaseRenewer:
         expired = now - held.renewed_at > self.failover_time_s
         if not expired:
             self._budget.spend_renewal()
+        started = time.perf_counter()
         try:
             self.fence.write(lease_key, None, self.fence.table.renew, what="renewal")
         except ShutdownException:
             if not expired:
-                self._count_failure()
+                self._count_failure(time.perf_counter() - started)
             return
         except (ThrottlingException, KinesisClientLibDependencyException) as exc:
-            self._count_failure()
+            self._count_failure(time.perf_counter() - started)
             with self.held.lock_for(lease_key):
                 entry = self.held.entry(lease_key)
                 if entry is not None:
@@ -130,7 +151,12 @@ class LeaseRenewer:
             return
         if self._metrics is not None:
             self._metrics.lease_renewals.inc()
+            success_and_time(self._metrics.cloudwatch, RENEW_ALL_LEASES, "RenewLease", True,
+                             time.perf_counter() - started, DETAILED,
+                             {"WorkerIdentifier": self.worker_id})
 
-    def _count_failure(self) -> None:
+    def _count_failure(self, seconds: float) -> None:
         if self._metrics is not None:
             self._metrics.lease_renew_failures.inc()
+            success_and_time(self._metrics.cloudwatch, RENEW_ALL_LEASES, "RenewLease", False,
+                             seconds, DETAILED, {"WorkerIdentifier": self.worker_id})

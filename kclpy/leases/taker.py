@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 
+from kclpy.cloudwatch import COUNT, DETAILED, SUMMARY, NullSink, success_and_time
 from kclpy.errors import LeaseLostError
 from kclpy.leases import cleanup, handoff
 from kclpy.leases.balancing import Balancer
@@ -38,6 +40,9 @@ from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
 
 log = logging.getLogger(__name__)
+
+#: the Java KCL's CloudWatch operation for the taker's metrics
+TAKE_LEASES = "TakeLeases"
 
 #: how far past an overdue lease's expiry the scan that takes it is made
 _EXPIRY_MARGIN_S = 0.05
@@ -103,12 +108,20 @@ class LeaseTaker:
                 self._cycle += 1
                 self._last_scan_attempt = self._clock()
             self._budget.spend_scan()
+            sink = self._metrics.cloudwatch if self._metrics is not None else NullSink()
+            dims = {"WorkerIdentifier": self.worker_id}
+            started = time.perf_counter()
             try:
                 leases = self.table.list_leases(consistent=False)
             except TABLE_ERRORS as exc:
                 log.warning("worker %s: lease scan failed, no leases taken: %r",
                             self.worker_id, exc)
+                elapsed = time.perf_counter() - started
+                success_and_time(sink, TAKE_LEASES, "ListLeases", False, elapsed, DETAILED, dims)
+                success_and_time(sink, TAKE_LEASES, None, False, elapsed, SUMMARY, dims)
                 return []
+            success_and_time(sink, TAKE_LEASES, "ListLeases", True,
+                             time.perf_counter() - started, DETAILED, dims)
             now = self._clock()
             self._balancer.observe(leases, now)
             with self._state:
@@ -136,6 +149,13 @@ class LeaseTaker:
                 log.info("worker %s took %s", self.worker_id, ", ".join(t.lease_key for t in taken))
             if self.cleanup_leases:
                 self._clean_up(leases)
+            for name, value, level in (
+                    ("TakenLeases", len(taken), SUMMARY), ("NumWorkers", plan.workers, SUMMARY),
+                    ("ExpiredLeases", plan.expired, SUMMARY), ("TotalLeases", plan.total, DETAILED),
+                    ("NeededLeases", plan.needed, DETAILED)):
+                sink.record(TAKE_LEASES, name, value, COUNT, level, dims)
+            success_and_time(sink, TAKE_LEASES, None, True, time.perf_counter() - started,
+                             SUMMARY, dims)
             return taken
 
     def next_scan(self) -> float:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from botocore.exceptions import ClientError
 
+from kclpy.cloudwatch import COUNT, DETAILED, SUMMARY, success_and_time
 from kclpy.errors import KCLError
 from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
 from kclpy.metrics import Metrics
@@ -220,6 +221,7 @@ class ShardFetcher:
         self._m_filtered = m.records_filtered.labels(shard_id)
         self._m_depth = m.prefetch_queue_depth.labels(shard_id)
         self._m_behind = m.millis_behind_latest.labels(shard_id)
+        self._cw_dims = {"ShardId": shard_id}
 
         self._iterator: str | None = None
         self._shard_ended = False
@@ -395,6 +397,8 @@ class ShardFetcher:
                 if exc.response.get("Error", {}).get("Code") != "ExpiredIteratorException":
                     raise
                 self._m_expired.inc()
+                self._metrics.cloudwatch.record(
+                    "ProcessTask", "ExpiredIterator", 1, COUNT, SUMMARY, self._cw_dims)
                 logger.info("iterator for %s expired; re-positioning", self.shard_id)
                 self._iterator = None
                 if fresh:
@@ -452,8 +456,18 @@ class ShardFetcher:
         return records
 
     def _timed_get_records(self, iterator: str) -> GetRecordsPage:
-        with self._m_seconds.time():
-            return get_records(self._client, iterator, self._max_records)
+        started = time.perf_counter()
+        ok = False
+        try:
+            page = get_records(self._client, iterator, self._max_records)
+            ok = True
+            return page
+        finally:
+            elapsed = time.perf_counter() - started
+            self._m_seconds.observe(elapsed)
+            success_and_time(self._metrics.cloudwatch, "ProcessTask",
+                             "KinesisDataFetcher.getRecords", ok, elapsed, DETAILED,
+                             self._cw_dims)
 
     def _get_iterator(self) -> str:
         """A fresh iterator: after the last record handled, else at the start position."""

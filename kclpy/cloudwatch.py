@@ -1,0 +1,263 @@
+"""The Java KCL's CloudWatch metrics, so dashboards and alarms built on a Java fleet keep working.
+
+Every datapoint carries a Java metric name, unit and level, an ``Operation`` and the
+dimensions the Java KCL gives it (``ShardId``, ``StreamId``, ``WorkerIdentifier``). Points
+below ``metricsLevel`` are dropped at once; dimensions outside ``metricsEnabledDimensions``
+are left off (``Operation`` always stays). Points with the same name, unit and dimensions are
+aggregated locally into one statistic set (sum, minimum, maximum, count), as the Java KCL's
+accumulating queue does, and a publisher thread sends what gathered every
+``metricsBufferTimeMillis`` with ``PutMetricData``, 20 datums a request.
+
+Nothing here may slow processing down: ``record`` takes a lock for a dictionary update and
+never waits for CloudWatch. When ``metricsMaxQueueSize`` distinct datums are waiting, the
+oldest is dropped (the Java KCL drops the newest; the oldest is the stalest) and counted.
+Throttled or failed requests are retried with capped full-jitter backoff a few times, then
+their datums are dropped and counted: metrics are never worth blocking a worker for.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Protocol
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+log = logging.getLogger(__name__)
+
+NONE, SUMMARY, DETAILED = 0, 1, 2
+LEVELS = {"NONE": NONE, "SUMMARY": SUMMARY, "DETAILED": DETAILED}
+#: dimension names the Java KCL knows; ``ALL`` in ``metricsEnabledDimensions`` means all
+DIMENSIONS = ("Operation", "ShardId", "StreamId", "WorkerIdentifier")
+OPERATION = "Operation"
+
+COUNT, BYTES, MILLISECONDS = "Count", "Bytes", "Milliseconds"
+
+#: datums per PutMetricData request, as the Java KCL sends them
+BATCH = 20
+#: attempts per request before its datums are given up
+ATTEMPTS = 4
+BACKOFF_BASE_S = 0.2
+BACKOFF_CAP_S = 5.0
+_THROTTLES = {"Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests"}
+
+
+class MetricsSink(Protocol):
+    """Where kclpy's parts record Java-named datapoints."""
+
+    def record(self, operation: str, name: str, value: float, unit: str, level: int,
+               dimensions: Mapping[str, str] | None = None) -> None: ...
+
+
+class NullSink:
+    """CloudWatch off (``metricsLevel`` NONE, kclpy's default): every point is ignored."""
+
+    def record(self, operation: str, name: str, value: float, unit: str, level: int,
+               dimensions: Mapping[str, str] | None = None) -> None:
+        return None
+
+
+def parse_level(text: str) -> int:
+    """``none`` / ``summary`` / ``detailed`` in any case, as the Java keys are written."""
+    try:
+        return LEVELS[text.strip().upper()]
+    except KeyError:
+        raise ValueError(f"{text!r} is not one of none, summary, detailed") from None
+
+
+def parse_dimensions(text: str) -> frozenset[str]:
+    """``metricsEnabledDimensions``: a comma-separated list or ``ALL``; ``Operation`` is
+    always enabled, as in Java."""
+    names = {part.strip() for part in text.split(",") if part.strip()}
+    if "ALL" in names:
+        return frozenset(DIMENSIONS)
+    unknown = names - set(DIMENSIONS)
+    if unknown:
+        raise ValueError(f"unknown dimension(s) {', '.join(sorted(unknown))}; known: "
+                         f"{', '.join(DIMENSIONS)}, ALL")
+    return frozenset(names | {OPERATION})
+
+
+@dataclass
+class _Stats:
+    unit: str
+    sum: float
+    minimum: float
+    maximum: float
+    count: int = 1
+
+    def add(self, value: float) -> None:
+        self.sum += value
+        self.minimum = min(self.minimum, value)
+        self.maximum = max(self.maximum, value)
+        self.count += 1
+
+
+Key = tuple[str, str, tuple[tuple[str, str], ...]]
+
+
+@dataclass
+class PublisherCounters:
+    """What the publisher reports about itself (kept also in Prometheus by the worker)."""
+
+    sent: int = 0
+    dropped: dict[str, int] = field(default_factory=lambda: {"queue_full": 0, "failed": 0})
+    throttled: int = 0
+    errors: int = 0
+
+
+class CloudWatchPublisher:
+    """A ``MetricsSink`` that publishes to CloudWatch from its own thread. Thread-safe."""
+
+    def __init__(
+        self,
+        client: Any,
+        namespace: str,
+        *,
+        level: int = DETAILED,
+        enabled_dimensions: frozenset[str] = frozenset(DIMENSIONS),
+        buffer_time_s: float = 10.0,
+        max_queue_size: int = 10_000,
+        on_event: Callable[[str, int], None] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if max_queue_size < 1 or buffer_time_s <= 0:
+            raise ValueError("max_queue_size must be >= 1 and buffer_time_s > 0")
+        self._client = client
+        self.namespace = namespace
+        self.level = level
+        self.enabled_dimensions = enabled_dimensions | {OPERATION}
+        self._buffer_time_s = buffer_time_s
+        self._max = max_queue_size
+        self._on_event = on_event
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self._queue: OrderedDict[Key, _Stats] = OrderedDict()
+        self.counters = PublisherCounters()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- MetricsSink -----------------------------------------------------------------------
+
+    def record(self, operation: str, name: str, value: float, unit: str, level: int,
+               dimensions: Mapping[str, str] | None = None) -> None:
+        if level > self.level or self.level == NONE:
+            return
+        dims = [(OPERATION, operation)]
+        if dimensions:
+            dims.extend((k, v) for k, v in dimensions.items() if k in self.enabled_dimensions)
+        key: Key = (name, unit, tuple(dims))
+        dropped = False
+        with self._lock:
+            stats = self._queue.get(key)
+            if stats is not None:
+                stats.add(value)
+            else:
+                if len(self._queue) >= self._max:
+                    self._queue.popitem(last=False)
+                    self.counters.dropped["queue_full"] += 1
+                    dropped = True
+                self._queue[key] = _Stats(unit, value, value, value)
+        if dropped:
+            self._event("dropped_queue_full", 1)
+
+    # -- publishing ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kclpy-cloudwatch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread and send what is left, once."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.flush()
+
+    def flush(self) -> int:
+        """Send every datum waiting now; the number sent."""
+        with self._lock:
+            drained = list(self._queue.items())
+            self._queue.clear()
+        timestamp = datetime.now(timezone.utc)
+        sent = 0
+        for start in range(0, len(drained), BATCH):
+            batch = [_datum(key, stats, timestamp) for key, stats in drained[start:start + BATCH]]
+            if self._put(batch):
+                sent += len(batch)
+            else:
+                self.counters.dropped["failed"] += len(batch)
+                self._event("dropped_failed", len(batch))
+        self.counters.sent += sent
+        if sent:
+            self._event("sent", sent)
+        return sent
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._buffer_time_s):
+            try:
+                self.flush()
+            except Exception:  # the publisher must outlive any surprise; the next flush retries
+                log.exception("CloudWatch metrics flush failed")
+
+    def _put(self, batch: list[dict[str, Any]]) -> bool:
+        for attempt in range(ATTEMPTS):
+            try:
+                self._client.put_metric_data(Namespace=self.namespace, MetricData=batch)
+                return True
+            except ClientError as exc:
+                code = str(exc.response.get("Error", {}).get("Code", ""))
+                status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+                if code in _THROTTLES or status == 429:
+                    self.counters.throttled += 1
+                    self._event("throttled", 1)
+                elif status < 500:
+                    self.counters.errors += 1
+                    self._event("error", 1)
+                    log.warning("CloudWatch refused %d datums: %s", len(batch), code)
+                    return False
+                else:
+                    self.counters.errors += 1
+                    self._event("error", 1)
+            except BotoCoreError as exc:
+                self.counters.errors += 1
+                self._event("error", 1)
+                log.debug("PutMetricData failed: %s", exc)
+            if attempt + 1 < ATTEMPTS:
+                self._sleep(random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** attempt)))
+        log.warning("CloudWatch: %d datums dropped after %d attempts", len(batch), ATTEMPTS)
+        return False
+
+    def _event(self, what: str, n: int) -> None:
+        if self._on_event is not None:
+            self._on_event(what, n)
+
+
+def _datum(key: Key, stats: _Stats, timestamp: datetime) -> dict[str, Any]:
+    name, unit, dims = key
+    return {
+        "MetricName": name,
+        "Dimensions": [{"Name": k, "Value": v} for k, v in dims],
+        "Timestamp": timestamp,
+        "Unit": unit,
+        "StatisticValues": {"SampleCount": stats.count, "Sum": stats.sum,
+                            "Minimum": stats.minimum, "Maximum": stats.maximum},
+    }
+
+
+def success_and_time(sink: MetricsSink, operation: str, prefix: str | None, ok: bool,
+                     seconds: float, level: int, dimensions: Mapping[str, str] | None = None
+                     ) -> None:
+    """Java's ``addSuccessAndLatency``: ``<prefix>.Success`` (1/0) and ``<prefix>.Time`` (ms),
+    or ``Success`` / ``Time`` without a prefix."""
+    lead = f"{prefix}." if prefix else ""
+    sink.record(operation, f"{lead}Success", 1 if ok else 0, COUNT, level, dimensions)
+    sink.record(operation, f"{lead}Time", seconds * 1000, MILLISECONDS, level, dimensions)
+
