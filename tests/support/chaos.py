@@ -126,6 +126,7 @@ class Tally(Protocol):
 
     disruptions: Counter[str]
     sigterm_exit_codes: list[int]
+    split: tuple[str, list[str]] | None
 
 
 @dataclass
@@ -363,6 +364,35 @@ def worker_args(
     ]  # fmt: skip
 
 
+def chaos_window(
+    stack: ExitStack,
+    settings: ChaosSettings,
+    kinesis: KinesisClient,
+    stream: str,
+    ledger: Ledger,
+    workdir: Path,
+    rng: random.Random,
+    result: Tally,
+    say: Callable[[str], None],
+    args: Callable[[str], list[str]],
+    env: dict[str, str] | None = None,
+) -> _Fleet:
+    """Start the fleet and the producer, disrupt for the chaos window, then resume every
+    worker and let the producer finish. The fleet keeps running (``stack`` kills it)."""
+    fleet = _Fleet(settings, args, workdir / "ledger.db", workdir / "logs", env)
+    stack.callback(fleet.kill_all)
+    for slot in fleet.slots:
+        fleet.spawn(slot)
+    producer = _Producer(kinesis, stream, ledger, settings, settings.chaos_s * 0.8)
+    stack.callback(producer.stop)
+    producer.start()
+    result.split = _disrupt(fleet, ledger, kinesis, stream, settings, rng, result, say)
+    for slot in fleet.slots:
+        fleet.revive(slot)
+    producer.join(settings.catch_up_timeout_s)
+    return fleet
+
+
 def run_chaos(
     kinesis_url: str,
     dynamodb_url: str,
@@ -391,23 +421,11 @@ def run_chaos(
         sampler = LeaseSampler(dynamodb_client(dynamodb_url), application).start()
         stack.callback(sampler.stop)
 
-        def args(worker_id: str) -> list[str]:
-            return worker_args(
+        fleet = chaos_window(
+            stack, settings, kinesis, stream, ledger, workdir, rng, result, say,
+            lambda worker_id: worker_args(
                 settings, stream, application, kinesis_proxy.url, dynamodb_proxy.url, worker_id,
-                ["--processor", "tests.support.ledger:LedgerProcessor"])
-
-        fleet = _Fleet(settings, args, workdir / "ledger.db", logs)
-        stack.callback(fleet.kill_all)
-        for slot in fleet.slots:
-            fleet.spawn(slot)
-        producer = _Producer(kinesis, stream, ledger, settings, settings.chaos_s * 0.8)
-        stack.callback(producer.stop)
-        producer.start()
-
-        result.split = _disrupt(fleet, ledger, kinesis, stream, settings, rng, result, say)
-        for slot in fleet.slots:
-            fleet.revive(slot)
-        producer.join(settings.catch_up_timeout_s)
+                ["--processor", "tests.support.ledger:LedgerProcessor"]))
         say(f"chaos over after {time.monotonic() - started:.0f} s; the fleet catches up")
         wait_for(
             lambda: ledger.missing_count() == 0,

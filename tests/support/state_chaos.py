@@ -28,9 +28,7 @@ from tests.support.audit import LeaseSample, LeaseSampler
 from tests.support.chaos import (
     SEED_ENV,
     ChaosSettings,
-    _disrupt,
-    _Fleet,
-    _Producer,
+    chaos_window,
     worker_args,
 )
 from tests.support.faultproxy import FaultProxy
@@ -227,22 +225,10 @@ def run_state_chaos(
         sampler = LeaseSampler(dynamodb_client(dynamodb_url), application).start()
         stack.callback(sampler.stop)
 
-        def args(worker_id: str) -> list[str]:
-            return worker_args(settings, stream, application, kinesis_proxy.url,
-                               dynamodb_proxy.url, worker_id, processor)
-
-        fleet = _Fleet(settings, args, workdir / "ledger.db", logs, env)
-        stack.callback(fleet.kill_all)
-        for slot in fleet.slots:
-            fleet.spawn(slot)
-        producer = _Producer(kinesis, stream, ledger, settings, settings.chaos_s * 0.8)
-        stack.callback(producer.stop)
-        producer.start()
-
-        result.split = _disrupt(fleet, ledger, kinesis, stream, settings, rng, result, say)
-        for slot in fleet.slots:
-            fleet.revive(slot)
-        producer.join(settings.catch_up_timeout_s)
+        fleet = chaos_window(
+            stack, settings, kinesis, stream, ledger, workdir, rng, result, say,
+            lambda worker_id: worker_args(settings, stream, application, kinesis_proxy.url,
+                                          dynamodb_proxy.url, worker_id, processor), env)
         result.expected = expected_state(ledger.produced())
         result.produced = len(ledger.produced())
         say(f"chaos over after {time.monotonic() - started:.0f} s; the fleet catches up")
