@@ -8,9 +8,12 @@ No worker needs to run: everything comes from the lease table (Scan) and the str
   needs movement, so one run samples ``--samples`` times spread over ``--window-seconds``
   and evaluates that window; ``--watch`` keeps sampling and prints an evaluation of the
   sliding window after every sample.
+- ``kclpy consumers`` / ``register-consumer`` / ``deregister-consumer``: the stream's
+  enhanced fan-out consumers (``kclpy.ops.consumers``).
 
 Exit codes: ``status`` exits 0 for OK, 1 for WARN, 2 for ERROR, 3 when the status could not
-be determined (AWS unreachable, access denied); ``leases`` exits 0, or 1 on such failures.
+be determined (AWS unreachable, access denied); the other commands exit 0, or 1 on such
+failures (``deregister-consumer`` also when there was no such consumer).
 Bad arguments, a lease table or stream that does not exist, or no region exit 2 with one
 line naming the option.
 """
@@ -40,6 +43,7 @@ from kclpy.leases.dynamo import error_code
 from kclpy.leases.lease import SHARD_END, Lease
 from kclpy.leases.shard_sync import ShardSyncer
 from kclpy.leases.table import LeaseTable
+from kclpy.ops import consumers
 from kclpy.ops.lag import (
     LagProbe,
     LagTracker,
@@ -48,6 +52,7 @@ from kclpy.ops.lag import (
     application_status,
     report_to_json,
 )
+from kclpy.ops.text import print_table
 
 log = logging.getLogger("kclpy.inspect")
 
@@ -125,6 +130,27 @@ def _parser() -> argparse.ArgumentParser:
                         help="keep sampling; print the sliding window's status after each")
     status.add_argument("--count", type=_whole(1), metavar="N",
                         help="with --watch: stop after N evaluations")
+    for name, help_text, description in (
+            ("consumers", "the stream's enhanced fan-out consumers",
+             "List every consumer registered on the stream."),
+            ("register-consumer", "register the application's consumer, wait until ACTIVE",
+             "Register the consumer (if missing) and wait until it is ACTIVE; print its ARN."),
+            ("deregister-consumer", "deregister the application's consumer",
+             "Deregister the consumer (exit 1 when there is none); kclpy never does it "
+             "by itself.")):
+        command = commands.add_parser(name, parents=[common], help=help_text,
+                                      description=description)
+        where = command.add_mutually_exclusive_group(required=True)
+        where.add_argument("--stream-name", help="the stream")
+        where.add_argument("--stream-arn", help="the stream's ARN (instead of its name)")
+        command.add_argument("--consumer-name",
+                             help="the consumer (default: the application name, as workers)")
+        command.add_argument("--register-retries", type=_whole(1), default=10, metavar="N",
+                             help="registerStreamConsumerRetries (default 10)")
+        command.add_argument("--describe-retries", type=_whole(1), default=10, metavar="N",
+                             help="maxDescribeStreamConsumerRetries (default 10)")
+        command.add_argument("--retry-backoff-ms", type=_whole(0), default=1000, metavar="MS",
+                             help="retryBackoffMillis (default 1000)")
     status.add_argument("--records-limit", type=_whole(1, 10000), default=1000,
                         metavar="N", help="GetRecords Limit when counting records behind; "
                         "more are shown as N+ (default 1000)")
@@ -237,16 +263,9 @@ def _leases(args: argparse.Namespace, out: IO[str]) -> int:
                      str(lease.owner_switches_since_checkpoint),
                      ",".join(sorted(lease.parent_shard_ids)) or "-",
                      ",".join(sorted(lease.child_shard_ids)) or "-"])
-    _table(rows, out)
+    print_table(rows, out)
     out.write(f"{len(leases)} lease(s) in {_table_name(args)}\n")
     return 0
-
-
-def _table(rows: Sequence[Sequence[str]], out: IO[str]) -> None:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
-        out.write("  ".join(cells).rstrip() + "\n")
 
 
 # -- status ----------------------------------------------------------------------------------
@@ -333,7 +352,7 @@ def _print_status(report: Mapping[str, Any], out: IO[str], *, as_json: bool,
         age = f"{shard['millis_behind'] / 1000:.1f}s" if "millis_behind" in shard else "-"
         rows.append([shard["shard_id"], shard["status"], shard.get("owner") or "-",
                      shard.get("checkpoint") or "-", behind, age, shard["reason"]])
-    _table(rows, out)
+    print_table(rows, out)
     if report["unleased_shards"]:
         out.write(f"open shards without a lease: {', '.join(report['unleased_shards'])}\n")
     if report["unlisted_leases"]:
@@ -414,13 +433,21 @@ def inspect_main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "leases":
             return _leases(args, sys.stdout)
+        if args.command in _CONSUMER_COMMANDS:
+            kinesis, _ = _clients(args)
+            return _CONSUMER_COMMANDS[args.command](args, kinesis, sys.stdout)
         return run_status(args, sys.stdout)
     except UsageError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except (ClientError, BotoCoreError, KCLError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 1 if args.command == "leases" else EXIT_UNKNOWN
+        return EXIT_UNKNOWN if args.command == "status" else 1
+
+
+_CONSUMER_COMMANDS = {"consumers": consumers.list_command,
+                      "register-consumer": consumers.register_command,
+                      "deregister-consumer": consumers.deregister_command}
 
 
 def main() -> None:
