@@ -33,6 +33,7 @@ from kclpy.metrics import Metrics
 from kclpy.processor import IRecordProcessor
 from kclpy.retrieval.fetcher import ShardFetcher, StartPosition
 from kclpy.retrieval.parse import ChildShard
+from kclpy.retrieval.registration import ConsumerRegistration, RegistrationSettings
 from kclpy.state import open_store
 from kclpy.state.processor import StatefulProcessor, exactly_once_factory
 from kclpy.state.store import StateStore
@@ -88,6 +89,8 @@ class Worker:
         self.coordinator: LeaseCoordinator | None = None
         self.shard_syncer: ShardSyncer | None = None
         self._cloudwatch: CloudWatchPublisher | None = None
+        #: enhanced fan-out: the registered consumer every fetcher subscribes through
+        self._consumer_arn: str | None = None
 
     # -- public --------------------------------------------------------------------------
 
@@ -171,6 +174,16 @@ class Worker:
         if self.state_store is not None:
             self.state_store.open(self.dynamodb)
         self._start_cloudwatch(session)
+        if cfg.fan_out:
+            self._consumer_arn = cfg.consumer_arn or ConsumerRegistration(
+                self.kinesis, cfg.consumer_name or cfg.application_name,
+                stream_name=cfg.api_stream_name, stream_arn=cfg.stream_arn,
+                settings=RegistrationSettings(
+                    register_retries=cfg.register_stream_consumer_retries,
+                    describe_retries=cfg.max_describe_stream_consumer_retries,
+                    backoff_s=cfg.retry_backoff_ms / 1000)).get_or_create()
+            log.info("worker %s reads with enhanced fan-out through %s", cfg.worker_id,
+                     self._consumer_arn)
         self.shard_syncer = ShardSyncer(
             self.kinesis, self.lease_table, stream_name=cfg.api_stream_name,
             stream_arn=cfg.stream_arn, initial_position=cfg.initial_position,
@@ -291,7 +304,8 @@ class Worker:
             max_records=cfg.max_records, idle_time_s=cfg.idle_time_between_reads_ms / 1000,
             queue_size=cfg.prefetch_queue_size, hash_range=hash_range, metrics=self.metrics,
             deliver_empty=cfg.call_process_records_even_for_empty_record_list,
-            gate=self.coordinator.retrieval_gate if self.coordinator is not None else None)
+            gate=self.coordinator.retrieval_gate if self.coordinator is not None else None,
+            consumer_arn=self._consumer_arn, shard_end_probe_s=cfg.shard_sync_interval_ms / 1000)
 
     def _on_shard_end(self, shard_id: str, children: Sequence[ChildShard]) -> None:
         """Called from a consumer's thread when its shard is fully read."""

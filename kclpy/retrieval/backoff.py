@@ -19,6 +19,8 @@ from botocore.parsers import ResponseParserError
 THROTTLED = "throttled"
 SERVER_ERROR = "server_error"
 CONNECTION = "connection"
+#: enhanced fan-out: the shard's previous subscription is still open
+IN_USE = "in_use"
 
 # Kinesis, KMS (behind an encrypted stream), DynamoDB, plus the codes botocore's own
 # standard retry mode treats as throttling, so nothing botocore would retry is fatal here.

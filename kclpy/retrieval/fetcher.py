@@ -27,11 +27,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import urllib3
 from botocore.exceptions import ClientError
 
 from kclpy.cloudwatch import COUNT, DETAILED, SUMMARY, success_and_time
@@ -39,7 +40,7 @@ from kclpy.errors import KCLError
 from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
 from kclpy.metrics import Metrics
 from kclpy.records import EMPTY, Record, Records
-from kclpy.retrieval.backoff import THROTTLED, Backoff, classify
+from kclpy.retrieval.backoff import CONNECTION, IN_USE, THROTTLED, Backoff, classify
 from kclpy.retrieval.kpl import HashKeyRange, deaggregate
 from kclpy.retrieval.parse import (
     ChildShard,
@@ -47,6 +48,7 @@ from kclpy.retrieval.parse import (
     get_records,
     install_fast_get_records,
 )
+from kclpy.retrieval.subscription import SubscribeEvent, subscribe
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
@@ -187,6 +189,9 @@ class ShardFetcher:
         sleep: Callable[[float], None] | None = None,
         deliver_empty: bool = False,
         gate: threading.Event | None = None,
+        consumer_arn: str | None = None,
+        shard_end_probe_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if stream_name is None and stream_arn is None:
             raise ValueError("a ShardFetcher needs stream_name or stream_arn")
@@ -208,6 +213,13 @@ class ShardFetcher:
         #: fetching and handing out pages wait while it is clear (the lease coordinator's
         #: retrieval gate: renewals come first)
         self._gate = gate
+        #: enhanced fan-out: read through this registered consumer's subscriptions
+        self._consumer_arn = consumer_arn
+        self._events: Iterator[SubscribeEvent] | None = None
+        self._continuation: str | None = None
+        self._probe_s = shard_end_probe_s
+        self._clock = clock
+        self._probed_at = clock()
         self._sleep = sleep if sleep is not None else self._interruptible_sleep
         self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_size)
         self._thread: threading.Thread | None = None
@@ -351,8 +363,17 @@ class ShardFetcher:
             logger.error("fetching shard %s stopped: %r", self.shard_id, exc)
             self._error = exc
         finally:
+            self._end_subscription()
             with contextlib.suppress(_Stopped):
                 self._put(_END)
+
+    def _end_subscription(self) -> None:
+        """Close the open subscription's connection: the service ends a subscription whose
+        connection closed, so the shard's next owner is not refused with
+        ``ResourceInUseException`` until it times out (five minutes)."""
+        events, self._events = self._events, None
+        if events is not None and hasattr(events, "close"):
+            events.close()
 
     def _await_gate(self) -> None:
         gate = self._gate
@@ -384,6 +405,8 @@ class ShardFetcher:
         """One GetRecords (with retries): the page to queue (or None) and whether to idle."""
         if self._shard_ended:
             return None, False
+        if self._consumer_arn is not None:
+            return self._fetch_event(self._consumer_arn), False
         fresh = False
         while True:
             if self._iterator is None:
@@ -428,6 +451,97 @@ class ShardFetcher:
         self._millis_behind_latest = millis
         pending = _Page(raw, millis, shard_end, page.child_shards, caught_up)
         return (pending if deliver else None), idle
+
+    def _fetch_event(self, consumer_arn: str) -> _Page | None:
+        """The next event of the shard's subscription (opening one when there is none): the
+        page to queue, or None. A subscription that ended (after about five minutes) or
+        dropped is opened again after the last record handled; one that is still open
+        elsewhere (``ResourceInUseException``), throttling, 5xx and connection errors back
+        off as GetRecords failures do."""
+        while True:
+            if self._events is None:
+                self._events = self._retrying(
+                    "SubscribeToShard",
+                    functools.partial(subscribe, self._client, consumer_arn, self.shard_id,
+                                      self._subscribe_position()),
+                    _classify_subscribe)
+            try:
+                event = next(self._events)
+            except StopIteration:
+                self._events = None
+                continue
+            except Exception as exc:
+                self._events = None
+                kind = _classify_subscribe(exc)
+                if kind is None:
+                    raise
+                self._metrics.get_records_errors.labels(self.shard_id, kind).inc()
+                logger.info("subscription to %s ended (%s): %s", self.shard_id, kind, exc)
+                self._pause(self._backoff.next_delay(), exc)
+                continue
+            break
+        self._backoff.reset()
+        page, continuation = event.page, event.continuation_sequence_number
+        millis = page.millis_behind_latest
+        if millis is not None:
+            self._m_behind.set(millis)
+        raw = page.records
+        if raw:
+            self._last_sequence_number = raw[-1].sequence_number
+        self._continuation = continuation
+        shard_end = continuation is None
+        if shard_end:
+            self._shard_ended = True
+            self._events = None
+            logger.info("shard %s reached its end", self.shard_id)
+        caught_up = millis == 0
+        self._at_tip = caught_up and not raw
+        self._millis_behind_latest = millis
+        children = page.child_shards
+        if self._at_tip and not shard_end and self._clock() - self._probed_at >= self._probe_s:
+            self._probed_at = self._clock()
+            found = self._probe_shard_end()
+            if found is not None:
+                shard_end, children = True, found
+        if not (raw or shard_end or self._deliver_empty):
+            return None
+        return _Page(raw, millis, shard_end, children, caught_up)
+
+    def _probe_shard_end(self) -> list[ChildShard] | None:
+        """Is the idle shard closed? One GetRecords after the last record handled: the
+        child shards when it answers shard end, else None. A subscription normally says so
+        itself (an event without a continuation); this covers endpoints that never do
+        (kinesis-mock keeps sending empty events on a closed shard), at one GetRecords per
+        ``shard_end_probe_s`` of an idle shard."""
+        try:
+            probe = self._retrying(
+                "GetRecords", lambda: get_records(self._client, self._get_iterator(), 1))
+        except ClientError as exc:
+            logger.info("shard %s: shard-end probe failed: %s", self.shard_id, exc)
+            return None
+        if probe.next_shard_iterator is not None or probe.records:
+            return None
+        logger.info("shard %s reached its end (found by a GetRecords probe)", self.shard_id)
+        self._shard_ended = True
+        self._end_subscription()
+        return list(probe.child_shards)
+
+    def _subscribe_position(self) -> dict[str, Any]:
+        """Java's rule: the first subscription starts at the start position, every later
+        one after the last record handled or the last event's continuation."""
+        after = self._continuation
+        if after is None or not after.isdigit() or after == "0":
+            # no continuation yet (kinesis-mock answers "0" for a shard with nothing read)
+            after = self._last_sequence_number
+        if after is not None:
+            return {"Type": AFTER_SEQUENCE_NUMBER, "SequenceNumber": after}
+        start = self._start
+        position: dict[str, Any] = {"Type": start.kind}
+        if start.sequence_number is not None:
+            position["SequenceNumber"] = start.sequence_number
+        if start.timestamp is not None:
+            position["Timestamp"] = start.timestamp
+        return position
 
     def _expand(self, page: _Page) -> FetchResult | None:
         """The page's user records (de-aggregated, filtered, after the resume point), or None
@@ -504,7 +618,8 @@ class ShardFetcher:
         if self._stop.is_set():
             raise _Stopped from cause
 
-    def _retrying(self, operation: str, call: Callable[[], _T]) -> _T:
+    def _retrying(self, operation: str, call: Callable[[], _T],
+                  classifier: Callable[[BaseException], str | None] = classify) -> _T:
         """Run ``call`` until it succeeds or fails in a way retrying cannot fix.
 
         The backoff is reset by the caller, once a whole fetch succeeded.
@@ -513,7 +628,7 @@ class ShardFetcher:
             try:
                 result = call()
             except Exception as exc:
-                kind = classify(exc)
+                kind = classifier(exc)
                 if kind is None:
                     raise
                 if kind == THROTTLED:
@@ -532,3 +647,14 @@ class ShardFetcher:
                 self._pause(delay, exc)
                 continue
             return result
+
+
+def _classify_subscribe(exc: BaseException) -> str | None:
+    """GetRecords' retryable kinds, plus a subscription still open on the shard (the
+    previous one, not yet closed by the service) and a dropped streaming connection."""
+    if isinstance(exc, ClientError) and exc.response.get("Error", {}).get(
+            "Code") == "ResourceInUseException":
+        return IN_USE
+    if isinstance(exc, urllib3.exceptions.HTTPError):
+        return CONNECTION
+    return classify(exc)

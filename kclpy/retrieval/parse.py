@@ -79,6 +79,22 @@ def parse_get_records(body: bytes) -> GetRecordsPage:
     garbled answer is an error the fetcher retries, never an empty page that reads as
     "no records" or, worse, as shard end.
     """
+    doc, page = _parse_page(body, "GetRecords")
+    page.next_shard_iterator = doc.get("NextShardIterator")
+    return page
+
+
+def parse_subscribe_event(payload: bytes) -> tuple[GetRecordsPage, str | None]:
+    """Parse a ``SubscribeToShardEvent`` payload (enhanced fan-out) exactly as a GetRecords
+    body: its records, lag and child shards are the same JSON. Returns the page and the
+    event's ``ContinuationSequenceNumber`` (None at shard end); the page's
+    ``next_shard_iterator`` is left None, since a subscription has none."""
+    doc, page = _parse_page(payload, "SubscribeToShardEvent")
+    continuation = doc.get("ContinuationSequenceNumber")
+    return page, None if continuation is None else str(continuation)
+
+
+def _parse_page(body: bytes, what: str) -> tuple[dict[str, Any], GetRecordsPage]:
     try:
         # orjson: about 1.5x json.loads on these documents, and json.loads is most of the
         # parse for large payloads.
@@ -104,18 +120,16 @@ def parse_get_records(body: bytes) -> GetRecordsPage:
             )
             for c in doc.get("ChildShards") or ()
         ]
-        return GetRecordsPage(
+        return doc, GetRecordsPage(
             records=records,
-            next_shard_iterator=doc.get("NextShardIterator"),
+            next_shard_iterator=None,
             millis_behind_latest=doc.get("MillisBehindLatest"),
             child_shards=child_shards,
             size_bytes=len(body),
         )
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         # str(e), not repr: a UnicodeDecodeError's repr carries the whole body, records and all.
-        raise ResponseParserError(
-            f"not a GetRecords response: {type(e).__name__}: {e}"
-        ) from e
+        raise ResponseParserError(f"not a {what} document: {type(e).__name__}: {e}") from e
 
 
 def _before_parse(

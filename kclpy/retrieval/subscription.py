@@ -1,0 +1,185 @@
+"""SubscribeToShard (enhanced fan-out): one subscription's events, read as they arrive.
+
+botocore signs and sends the request, but it cannot read this answer everywhere: it insists
+that the first event be an ``initial-response``, which AWS sends and kinesis-mock (the
+emulator LocalStack uses) does not. So a ``before-send`` handler sends the signed request
+itself, over a connection of its own, and hands botocore a stand-in answer holding only an
+``initial-response``; the real body is passed through the parsed response under a private
+key and read here, frame by frame, with botocore's event-stream decoder. Error answers
+(HTTP status other than 200) are given to botocore whole, so they raise the usual
+``ClientError`` (``ResourceInUseException``, ``LimitExceededException``, ...).
+
+Each event's payload is parsed by the same parser as a GetRecords page
+(``parse.parse_subscribe_event``), so records reach the processor by the same path whatever
+the retrieval mode. Nothing is read ahead: the next frame is read only when the caller asks
+for the next event, so a caller that stops asking (its queue is full) stops the stream at
+the TCP window, which is the flow control of this HTTP/1.1 path.
+"""
+
+from __future__ import annotations
+
+import binascii
+import struct
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import urllib3
+from botocore.awsrequest import AWSPreparedRequest, AWSResponse
+from botocore.eventstream import EventStreamBuffer
+from botocore.exceptions import ClientError
+
+from kclpy.retrieval.parse import GetRecordsPage, parse_subscribe_event
+
+_EVENT = "before-send.kinesis.SubscribeToShard"
+_PARSE_EVENT = "before-parse.kinesis.SubscribeToShard"
+_HANDLER_ID = "kclpy.retrieval.subscription"
+#: private key under which the real body travels through botocore's parsed response
+_STREAM_KEY = "_kclpy_subscription_body"
+#: bytes read from the socket at a time; a frame can be up to about 10 MB
+_CHUNK = 64 * 1024
+
+
+@dataclass(slots=True)
+class SubscribeEvent:
+    page: GetRecordsPage
+    #: where the next subscription continues (AFTER_SEQUENCE_NUMBER); None at shard end
+    continuation_sequence_number: str | None
+
+
+def _header(name: str, value: str) -> bytes:
+    raw_name, raw_value = name.encode(), value.encode()
+    return (struct.pack("!B", len(raw_name)) + raw_name + b"\x07"
+            + struct.pack("!H", len(raw_value)) + raw_value)
+
+
+def _frame(headers: dict[str, str], payload: bytes) -> bytes:
+    """One event-stream message (prelude, headers, payload, CRCs)."""
+    encoded = b"".join(_header(k, v) for k, v in headers.items())
+    total = 12 + len(encoded) + len(payload) + 4
+    prelude = struct.pack("!II", total, len(encoded))
+    prelude += struct.pack("!I", binascii.crc32(prelude))
+    body = prelude + encoded + payload
+    return body + struct.pack("!I", binascii.crc32(body))
+
+
+_INITIAL_RESPONSE = _frame({":message-type": "event", ":event-type": "initial-response",
+                            ":content-type": "application/json"}, b"{}")
+
+
+class _StandIn:
+    """The body botocore parses instead of the real one: an ``initial-response`` alone.
+    It carries the real body along for the ``before-parse`` handler."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def stream(self, *_: Any, **__: Any) -> Iterator[bytes]:
+        yield _INITIAL_RESPONSE
+
+    def read(self, *_: Any, **__: Any) -> bytes:
+        return _INITIAL_RESPONSE
+
+    def close(self) -> None:
+        """The real body is closed by whoever reads it."""
+
+
+class _Sender:
+    """Sends signed SubscribeToShard requests over its own connection pool (a subscription
+    holds its connection for up to five minutes)."""
+
+    def __init__(self, max_connections: int, connect_timeout_s: float, read_timeout_s: float
+                 ) -> None:
+        self._pool = urllib3.PoolManager(maxsize=max_connections, block=False)
+        self._timeout = urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s)
+
+    def __call__(self, request: AWSPreparedRequest, **_: Any) -> AWSResponse:
+        raw = self._pool.urlopen(
+            request.method, request.url, body=request.body, headers=dict(request.headers),
+            preload_content=False, retries=False, redirect=False, timeout=self._timeout)
+        if raw.status != 200:
+            body = raw.read()
+            raw.release_conn()
+            return AWSResponse(request.url, raw.status, _headers(raw), _Buffered(body))
+        return AWSResponse(request.url, 200, _headers(raw), _StandIn(raw))
+
+
+def _headers(raw: Any) -> Any:
+    """urllib3's header dict, as botocore's own HTTP session hands it to ``AWSResponse``."""
+    return raw.headers
+
+
+class _Buffered:
+    """An error answer, read whole, for botocore's error parser."""
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+
+    def stream(self, *_: Any, **__: Any) -> Iterator[bytes]:
+        yield self._body
+
+    def read(self, *_: Any, **__: Any) -> bytes:
+        return self._body
+
+
+def _before_parse(response_dict: dict[str, Any], customized_response_dict: dict[str, Any],
+                  **_: Any) -> None:
+    body = response_dict.get("body")
+    if isinstance(body, _StandIn):
+        customized_response_dict[_STREAM_KEY] = body.real
+
+
+_installed_lock = threading.Lock()
+
+
+def install(client: Any, *, max_connections: int = 10, connect_timeout_s: float = 10.0,
+            read_timeout_s: float = 30.0) -> None:
+    """Make ``client.subscribe_to_shard`` usable with :func:`subscribe`. Idempotent."""
+    with _installed_lock:
+        if getattr(client, "_kclpy_subscriptions", False):
+            return
+        client._kclpy_subscriptions = True
+        events = client.meta.events
+        events.register(_EVENT, _Sender(max_connections, connect_timeout_s, read_timeout_s),
+                        unique_id=_HANDLER_ID)
+        events.register(_PARSE_EVENT, _before_parse, unique_id=_HANDLER_ID + ".parse")
+
+
+def subscribe(client: Any, consumer_arn: str, shard_id: str,
+              starting_position: dict[str, Any]) -> Iterator[SubscribeEvent]:
+    """Open a subscription and yield its events until the service ends it (about five
+    minutes) or the connection drops. Errors sent as event-stream exceptions raise
+    ``ClientError`` with their type as the code, as an error answer would."""
+    install(client)
+    response = client.subscribe_to_shard(
+        ConsumerARN=consumer_arn, ShardId=shard_id, StartingPosition=starting_position)
+    real = response.get(_STREAM_KEY)
+    if real is None:
+        raise RuntimeError("SubscribeToShard was not sent through kclpy's handler")
+    return _events(real)
+
+
+def _events(raw: Any) -> Iterator[SubscribeEvent]:
+    buffer = EventStreamBuffer()
+    try:
+        for chunk in raw.stream(_CHUNK, decode_content=False):
+            buffer.add_data(chunk)
+            message: Any
+            for message in buffer:
+                headers: dict[str, Any] = message.headers
+                kind = headers.get(":message-type")
+                if kind == "event":
+                    if headers.get(":event-type") == "SubscribeToShardEvent":
+                        page, continuation = parse_subscribe_event(message.payload)
+                        yield SubscribeEvent(page, continuation)
+                    continue  # initial-response, or an event type this client does not know
+                code = str(headers.get(":exception-type") or headers.get(":error-code")
+                           or "InternalFailure")
+                detail = message.payload.decode("utf-8", errors="replace")
+                error: Any = {"Error": {"Code": code, "Message": detail},
+                              "ResponseMetadata": {"HTTPStatusCode": 500 if kind == "error"
+                                                   else 400}}
+                raise ClientError(error, "SubscribeToShard")
+    finally:
+        raw.close()  # an unfinished stream cannot go back to the pool

@@ -1,0 +1,117 @@
+"""Enhanced fan-out retrieval over real HTTP against kinesis-mock (HTTP/1.1; it omits the
+``initial-response`` event AWS sends first): the consumer is registered once, every record
+(plain and KPL) reaches the processor once and in order through the same path as polling,
+a restarted worker resumes from its checkpoint, and a split and a merge end the parents
+before their children, as polling does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kclpy.config import KCLConfig
+from kclpy.errors import ConfigError
+from kclpy.local import LocalEndpoint
+from kclpy.retrieval.backoff import CONNECTION, IN_USE, THROTTLED
+from kclpy.retrieval.fetcher import _classify_subscribe
+from kclpy.retrieval.registration import list_consumers
+from tests.support.recording import Ledger
+from tests.support.streams import create_stream, kinesis_client, unique_name, wait_for
+from tests.test_worker_integration import (
+    assert_exactly_once,
+    assert_in_order,
+    make_config,
+    produce_mixed,
+    running,
+    stream_active,
+)
+
+
+def fanout_config(kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, stream: str,
+                  **overrides: Any) -> KCLConfig:
+    return make_config(kinesis_mock.url, moto_server.url, stream, retrieval_mode="FANOUT",
+                       retry_backoff_ms=200, max_describe_stream_consumer_retries=50,
+                       **overrides)
+
+
+def test_retrieval_modes_are_checked_naming_the_option() -> None:
+    base = {"application_name": "a", "stream_name": "s"}
+    assert KCLConfig(**base, retrieval_mode="FANOUT").fan_out
+    assert not KCLConfig(**base).fan_out
+    with pytest.raises(ConfigError, match=r"--retrieval-mode: 'DEFAULT'.*not supported yet"):
+        KCLConfig(**base, retrieval_mode="DEFAULT")
+    with pytest.raises(ConfigError, match="--consumer-arn"):
+        KCLConfig(**base, consumer_arn="arn:aws:kinesis:us-east-1:1:stream/s")
+
+
+def test_subscription_failures_are_classified_for_backoff() -> None:
+    from botocore.exceptions import ClientError
+    from urllib3.exceptions import ProtocolError
+
+    def error(code: str) -> ClientError:
+        return ClientError({"Error": {"Code": code, "Message": ""}}, "SubscribeToShard")
+
+    assert _classify_subscribe(error("ResourceInUseException")) == IN_USE
+    assert _classify_subscribe(error("LimitExceededException")) == THROTTLED
+    assert _classify_subscribe(ProtocolError("connection broken")) == CONNECTION
+    assert _classify_subscribe(error("ResourceNotFoundException")) is None
+
+
+@pytest.mark.integration
+def test_fan_out_delivers_every_record_once_in_order_and_resumes_from_checkpoints(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("efo")
+    create_stream(kinesis, stream, 3)
+    first = produce_mixed(kinesis, stream, "a", plain=150, aggregates=6, per_aggregate=20)
+    ledger = Ledger()
+    config = fanout_config(kinesis_mock, moto_server, stream)
+    with running(config, ledger):
+        wait_for(lambda: len(ledger.records) >= len(first), 120, "all records processed")
+        live = produce_mixed(kinesis, stream, "live", plain=30, aggregates=1, per_aggregate=10)
+        wait_for(lambda: len(ledger.records) >= len(first) + len(live), 60,
+                 "records written while subscribed")
+    later = produce_mixed(kinesis, stream, "later", plain=60, aggregates=2, per_aggregate=10)
+    with running(config.replace(worker_id="second-worker"), ledger):
+        wait_for(lambda: len(ledger.records) >= len(first + live + later), 120,
+                 "the restarted worker caught up")
+    assert_exactly_once(ledger, first + live + later)
+    assert_in_order(ledger)
+    assert {r[2] for r in ledger.records if r[3].startswith(b"a-kpl-")} == set(range(20))
+    arn = kinesis.describe_stream_summary(StreamName=stream)["StreamDescriptionSummary"][
+        "StreamARN"]
+    consumers = list_consumers(kinesis, arn)
+    assert [c["ConsumerName"] for c in consumers] == [config.application_name], \
+        "one consumer, named after the application, shared by both workers"
+
+
+@pytest.mark.integration
+def test_fan_out_ends_split_and_merged_parents_before_their_children(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("efo-reshard")
+    create_stream(kinesis, stream, 2)
+    expected = produce_mixed(kinesis, stream, "before", plain=80, aggregates=2, per_aggregate=10)
+    ledger = Ledger()
+    with running(fanout_config(kinesis_mock, moto_server, stream), ledger):
+        wait_for(lambda: len(ledger.records) >= len(expected), 60, "processing started")
+        shards = kinesis.list_shards(StreamName=stream)["Shards"]
+        low, high = (int(shards[0]["HashKeyRange"][k]) for k in ("StartingHashKey",
+                                                                "EndingHashKey"))
+        kinesis.split_shard(StreamName=stream, ShardToSplit=shards[0]["ShardId"],
+                            NewStartingHashKey=str((low + high) // 2))
+        wait_for(lambda: stream_active(kinesis, stream), 30, "split done")
+        expected += produce_mixed(kinesis, stream, "split", plain=80, aggregates=2,
+                                  per_aggregate=10)
+        wait_for(lambda: len(ledger.records) >= len(expected), 120, "all processed")
+    assert_exactly_once(ledger, expected)
+    assert_in_order(ledger)
+    ended = {shard for shard, name in ledger.events if name == "shard_ended"}
+    assert ended == {shards[0]["ShardId"]}
+    order = [r[0] for r in ledger.records]
+    parent_last = max(i for i, s in enumerate(order) if s == shards[0]["ShardId"])
+    children = {s["ShardId"] for s in kinesis.list_shards(StreamName=stream)["Shards"]
+                if s.get("ParentShardId") == shards[0]["ShardId"]}
+    assert len(children) == 2
+    assert all(i > parent_last for i, s in enumerate(order) if s in children)
