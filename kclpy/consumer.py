@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kclpy.checkpoint import Checkpointer, CheckpointWriter
 from kclpy.cloudwatch import BYTES, COUNT, MILLISECONDS, SUMMARY, success_and_time
@@ -64,6 +64,8 @@ class FetcherLike(Protocol):
     def caught_up(self) -> bool: ...
     @property
     def millis_behind_latest(self) -> int | None: ...
+    @property
+    def retrieval(self) -> dict[str, Any]: ...
 
 
 class LeaseReader(Protocol):
@@ -289,6 +291,12 @@ class ShardConsumer:
             if result.shard_end:
                 self._end_with_shard_end(result.child_shards)
                 return
+
+    @property
+    def retrieval(self) -> dict[str, Any]:
+        """How the shard is read (``/status``); empty before the fetcher starts."""
+        fetcher = self._fetcher
+        return fetcher.retrieval if fetcher is not None else {}
 
     def _deliver(self, result: FetchResultLike) -> str:
         """Hand one batch to the processor; 'ok', 'restart' or 'stopped'."""

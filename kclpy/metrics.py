@@ -127,6 +127,18 @@ class Metrics:
             "kclpy_state_conflicts",
             "Commits refused because another writer changed a state key first (each "
             "transaction's records are then applied again).", ["shard_id"], registry=r)
+        # Enhanced fan-out (retrieval_mode=fanout)
+        self.subscriptions = Counter(
+            "kclpy_subscriptions",
+            "SubscribeToShard subscriptions by outcome: opened (first of a shard), renewed "
+            "(after the previous one ended or dropped), failed_<kind> (throttled, "
+            "server_error, connection, in_use).", ["shard_id", "outcome"], registry=r)
+        self.subscription_events = Counter(
+            "kclpy_subscription_events", "SubscribeToShard events received.", ["shard_id"],
+            registry=r)
+        self.subscription_bytes = Counter(
+            "kclpy_subscription_bytes", "Bytes of SubscribeToShard event payloads received.",
+            ["shard_id"], registry=r)
         # The Java KCL's CloudWatch metrics (kclpy.cloudwatch): off unless configured
         self.cloudwatch: MetricsSink = NullSink()
         self.cloudwatch_datums = Counter(

@@ -138,6 +138,7 @@ class Worker:
                 "checkpoint": checkpoint,
                 "checkpoint_sub_sequence_number": sub,
                 "millis_behind_latest": consumer.millis_behind_latest,
+                "retrieval": consumer.retrieval,
             }
         held = sorted(self.coordinator.held_leases()) if self.coordinator else []
         return {"worker_id": self.config.worker_id, "stream": self.config.stream_label,

@@ -67,11 +67,20 @@ def test_fan_out_delivers_every_record_once_in_order_and_resumes_from_checkpoint
     first = produce_mixed(kinesis, stream, "a", plain=150, aggregates=6, per_aggregate=20)
     ledger = Ledger()
     config = fanout_config(kinesis_mock, moto_server, stream)
-    with running(config, ledger):
+    with running(config, ledger) as worker:
         wait_for(lambda: len(ledger.records) >= len(first), 120, "all records processed")
         live = produce_mixed(kinesis, stream, "live", plain=30, aggregates=1, per_aggregate=10)
         wait_for(lambda: len(ledger.records) >= len(first) + len(live), 60,
                  "records written while subscribed")
+        shards = worker.status()["shards"]
+        assert {s["retrieval"]["mode"] for s in shards.values()} == {"fanout"}
+        assert all(s["retrieval"]["subscription_age_s"] is not None for s in shards.values())
+        registry = worker.metrics.registry
+        for shard_id in shards:
+            assert registry.get_sample_value(
+                "kclpy_subscriptions_total", {"shard_id": shard_id, "outcome": "opened"}) == 1
+            assert registry.get_sample_value(
+                "kclpy_subscription_events_total", {"shard_id": shard_id}) > 0
     later = produce_mixed(kinesis, stream, "later", plain=60, aggregates=2, per_aggregate=10)
     with running(config.replace(worker_id="second-worker"), ledger):
         wait_for(lambda: len(ledger.records) >= len(first + live + later), 120,

@@ -220,6 +220,8 @@ class ShardFetcher:
         self._probe_s = shard_end_probe_s
         self._clock = clock
         self._probed_at = clock()
+        #: clock() when the current subscription was opened (0: never)
+        self._subscribed_at = 0.0
         self._sleep = sleep if sleep is not None else self._interruptible_sleep
         self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_size)
         self._thread: threading.Thread | None = None
@@ -267,6 +269,16 @@ class ShardFetcher:
         """The last page was empty at the tip of the shard and nothing waits in the queue:
         empty pages are not queued, so this is how a consumer learns it has caught up."""
         return self._at_tip and self._queue.empty()
+
+    @property
+    def retrieval(self) -> dict[str, Any]:
+        """How the shard is read, for ``/status``: the mode, and with fan-out the age of the
+        open subscription (None between two)."""
+        if self._consumer_arn is None:
+            return {"mode": "polling"}
+        age = (round(self._clock() - self._subscribed_at, 1)
+               if self._events is not None and self._subscribed_at else None)
+        return {"mode": "fanout", "subscription_age_s": age}
 
     @property
     def millis_behind_latest(self) -> int | None:
@@ -458,6 +470,7 @@ class ShardFetcher:
         dropped is opened again after the last record handled; one that is still open
         elsewhere (``ResourceInUseException``), throttling, 5xx and connection errors back
         off as GetRecords failures do."""
+        subscriptions = self._metrics.subscriptions
         while True:
             if self._events is None:
                 self._events = self._retrying(
@@ -465,6 +478,9 @@ class ShardFetcher:
                     functools.partial(subscribe, self._client, consumer_arn, self.shard_id,
                                       self._subscribe_position()),
                     _classify_subscribe)
+                subscriptions.labels(self.shard_id, "renewed" if self._subscribed_at else
+                                     "opened").inc()
+                self._subscribed_at = self._clock()
             try:
                 event = next(self._events)
             except StopIteration:
@@ -475,6 +491,7 @@ class ShardFetcher:
                 kind = _classify_subscribe(exc)
                 if kind is None:
                     raise
+                subscriptions.labels(self.shard_id, f"failed_{kind}").inc()
                 self._metrics.get_records_errors.labels(self.shard_id, kind).inc()
                 logger.info("subscription to %s ended (%s): %s", self.shard_id, kind, exc)
                 self._pause(self._backoff.next_delay(), exc)
@@ -482,6 +499,8 @@ class ShardFetcher:
             break
         self._backoff.reset()
         page, continuation = event.page, event.continuation_sequence_number
+        self._metrics.subscription_events.labels(self.shard_id).inc()
+        self._metrics.subscription_bytes.labels(self.shard_id).inc(page.size_bytes)
         millis = page.millis_behind_latest
         if millis is not None:
             self._m_behind.set(millis)
