@@ -13,9 +13,11 @@ import pytest
 from kclpy.config import KCLConfig
 from kclpy.errors import ConfigError
 from kclpy.local import LocalEndpoint
+from kclpy.metrics import Metrics
 from kclpy.retrieval.backoff import CONNECTION, IN_USE, THROTTLED
-from kclpy.retrieval.fetcher import _classify_subscribe
+from kclpy.retrieval.fetcher import ShardFetcher, StartPosition, _classify_subscribe
 from kclpy.retrieval.registration import list_consumers
+from tests.support.eventstream_server import Event, Script, Step, eventstream_server
 from tests.support.recording import Ledger
 from tests.support.streams import create_stream, kinesis_client, unique_name, wait_for
 from tests.test_worker_integration import (
@@ -124,3 +126,44 @@ def test_fan_out_ends_split_and_merged_parents_before_their_children(
                 if s.get("ParentShardId") == shards[0]["ShardId"]}
     assert len(children) == 2
     assert all(i > parent_last for i, s in enumerate(order) if s in children)
+
+
+def test_a_subscription_survives_drops_refusals_and_throttles_and_ends_at_shard_end() -> None:
+    """Against a scripted endpoint: a connection cut mid-frame, an error answer
+    (ResourceInUseException), an exception event (LimitExceededException), then the shard's
+    end with its children. Every record arrives once, in order, and each new subscription
+    starts after the last event's continuation."""
+    child = {"ShardId": "shardId-000000000001", "ParentShards": ["shardId-000000000000"],
+             "HashKeyRange": {"StartingHashKey": "0", "EndingHashKey": "10"}}
+    script = Script([
+        Step([Event([("100", b"a"), ("101", b"b")], "101"), Event([("102", b"c")], "102")],
+             then="drop"),
+        Step(then="error", error_code="ResourceInUseException"),
+        Step([Event([("103", b"d")], "103")], then="exception",
+             error_code="LimitExceededException"),
+        Step([Event([], "103"), Event([("104", b"e")], None, child_shards=[child])]),
+    ])
+    metrics = Metrics()
+    with eventstream_server(script) as url:
+        fetcher = ShardFetcher(
+            kinesis_client(url), "shardId-000000000000", StartPosition("TRIM_HORIZON"),
+            stream_name="s", consumer_arn="arn:aws:kinesis:us-east-1:1:stream/s/consumer/a:1",
+            metrics=metrics, sleep=lambda _: None, shard_end_probe_s=3600)
+        results = [fetcher.fetch_once() for _ in range(6)]
+    delivered = [r for result in results if result is not None for r in result.records]
+    assert [r.binary_data for r in delivered] == [b"a", b"b", b"c", b"d", b"e"]
+    ended = [result for result in results if result is not None and result.shard_end]
+    assert len(ended) == 1 and [c.shard_id for c in ended[0].child_shards] == [
+        "shardId-000000000001"]
+    assert [r["StartingPosition"] for r in script.requests] == [
+        {"Type": "TRIM_HORIZON"},
+        {"Type": "AFTER_SEQUENCE_NUMBER", "SequenceNumber": "102"},
+        {"Type": "AFTER_SEQUENCE_NUMBER", "SequenceNumber": "102"},
+        {"Type": "AFTER_SEQUENCE_NUMBER", "SequenceNumber": "103"},
+    ]
+    outcomes = {outcome: metrics.registry.get_sample_value(
+        "kclpy_subscriptions_total", {"shard_id": "shardId-000000000000", "outcome": outcome})
+        for outcome in ("opened", "renewed", "failed_connection", "failed_in_use",
+                        "failed_throttled")}
+    assert outcomes == {"opened": 1, "renewed": 2, "failed_connection": 1, "failed_in_use": 1,
+                        "failed_throttled": 1}

@@ -653,6 +653,8 @@ class ShardFetcher:
                 if kind == THROTTLED:
                     self._metrics.throttles.labels(operation).inc()
                 self._metrics.get_records_errors.labels(self.shard_id, kind).inc()
+                if operation == "SubscribeToShard":
+                    self._metrics.subscriptions.labels(self.shard_id, f"failed_{kind}").inc()
                 delay = self._backoff.next_delay()
                 logger.warning(
                     "%s on %s failed (%s, attempt %d); retrying in %.3fs: %s",

@@ -1,0 +1,126 @@
+"""A scripted SubscribeToShard endpoint on loopback (HTTP/1.1) that serves real event-stream
+frames: each connection plays the next step of a script - events, a mid-stream disconnect,
+an error answer, an exception event, a shard end - and records the request it got.
+
+kinesis-mock serves subscriptions too, but it cannot drop a connection halfway through a
+frame, refuse with ``ResourceInUseException`` on cue, or end a shard with ``ChildShards``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from kclpy.retrieval.subscription import _frame
+
+
+@dataclass
+class Event:
+    records: Sequence[tuple[str, bytes]]  # (sequence number, data)
+    continuation: str | None
+    millis_behind: int = 0
+    child_shards: Sequence[dict[str, Any]] = ()
+
+
+@dataclass
+class Step:
+    """One connection's answer: ``events`` in order, then ``then``: ``end`` (close the
+    stream cleanly, as when a subscription's five minutes are over), ``drop`` (cut the
+    connection in the middle of a frame), ``error`` (an HTTP 400 error answer instead of
+    events) or ``exception`` (an exception event after the events)."""
+
+    events: Sequence[Event] = ()
+    then: str = "end"
+    error_code: str = "ResourceInUseException"
+
+
+@dataclass
+class Script:
+    steps: list[Step]
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def next_step(self, request: dict[str, Any]) -> Step:
+        with self._lock:
+            self.requests.append(request)
+            return self.steps.pop(0) if self.steps else Step(then="error")
+
+
+def event_frame(event: Event) -> bytes:
+    payload = json.dumps({
+        "Records": [{"Data": base64.b64encode(data).decode(), "PartitionKey": "pk",
+                     "SequenceNumber": seq, "ApproximateArrivalTimestamp": 1700000000.0}
+                    for seq, data in event.records],
+        "ContinuationSequenceNumber": event.continuation,
+        "MillisBehindLatest": event.millis_behind,
+        **({"ChildShards": list(event.child_shards)} if event.child_shards else {}),
+    }).encode()
+    return _frame({":message-type": "event", ":event-type": "SubscribeToShardEvent",
+                   ":content-type": "application/json"}, payload)
+
+
+def _handler(script: Script) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            step = script.next_step(json.loads(body or b"{}"))
+            if step.then == "error":
+                answer = json.dumps({"__type": step.error_code, "message": "scripted"}).encode()
+                self.send_response(400)
+                self.send_header("Content-Type", "application/x-amz-json-1.1")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "application/vnd.amazon.eventstream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for event in step.events:
+                self._chunk(event_frame(event))
+            if step.then == "drop":
+                half = event_frame(Event([("999", b"never")], "999"))
+                self._chunk(half[: len(half) // 2])
+                self.wfile.flush()
+                self.close_connection = True
+                self.connection.shutdown(2)
+                return
+            if step.then == "exception":
+                self._chunk(_frame({":message-type": "exception",
+                                    ":exception-type": step.error_code,
+                                    ":content-type": "application/json"},
+                                   b'{"message":"scripted"}'))
+            self.wfile.write(b"0\r\n\r\n")
+            self.close_connection = True
+
+        def _chunk(self, data: bytes) -> None:
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            self.wfile.flush()
+
+    return Handler
+
+
+@contextmanager
+def eventstream_server(script: Script) -> Iterator[str]:
+    """Serve ``script`` on 127.0.0.1 (a free port); yield the endpoint URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(script))
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, name="eventstream-server",
+                              daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
