@@ -30,6 +30,8 @@ ERROR_POLICIES = ("retry", "skip", "shutdown")
 STRAY_STDOUT_POLICIES = ("restart", "skip")
 #: kclpy's own default is polling (API and CLI); Java's POLLING / FANOUT are accepted
 RETRIEVAL_MODES = ("polling", "fanout")
+#: the same as kclpy.retrieval.subscription.HTTP_VERSIONS (config imports no retrieval code)
+FANOUT_HTTP_VERSIONS = ("auto", "2", "1.1")
 
 
 def default_worker_id() -> str:
@@ -80,6 +82,7 @@ class KCLConfig:
     retrieval_mode: str = "polling"
     consumer_name: str | None = None
     consumer_arn: str | None = None
+    fanout_http_version: str = "auto"
     register_stream_consumer_retries: int = 10
     max_describe_stream_consumer_retries: int = 10
     retry_backoff_ms: int = 1000
@@ -217,6 +220,9 @@ OPTIONS: tuple[Option, ...] = (
          "consumerName"),
     _opt("consumer_arn", "str",
          "Fan-out: an existing consumer's ARN; nothing is registered.", "consumerArn"),
+    _opt("fanout_http_version", "str",
+         "Fan-out: auto (HTTP/2 for https endpoints, HTTP/1.1 for http ones), 2 or 1.1.",
+         "fanoutHttpVersion"),
     _opt("register_stream_consumer_retries", "int",
          "Fan-out: RegisterStreamConsumer attempts when throttled.",
          "registerStreamConsumerRetries"),
@@ -413,6 +419,9 @@ def validate(config: KCLConfig, labels: Mapping[str, str]) -> None:
                 if config.retrieval_mode.upper() == "DEFAULT" else "")
         raise ConfigError(name("retrieval_mode"), f"{config.retrieval_mode!r} is not one of "
                           f"{', '.join(RETRIEVAL_MODES)}{hint}")
+    if config.fanout_http_version not in FANOUT_HTTP_VERSIONS:
+        raise ConfigError(name("fanout_http_version"), f"{config.fanout_http_version!r} is "
+                          f"not one of {', '.join(FANOUT_HTTP_VERSIONS)}")
     if config.consumer_arn and not re.match(r"^arn:aws[\w-]*:kinesis:.*/consumer/",
                                             config.consumer_arn):
         raise ConfigError(name("consumer_arn"), f"{config.consumer_arn!r} is not a stream "

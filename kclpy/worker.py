@@ -306,7 +306,8 @@ class Worker:
             queue_size=cfg.prefetch_queue_size, hash_range=hash_range, metrics=self.metrics,
             deliver_empty=cfg.call_process_records_even_for_empty_record_list,
             gate=self.coordinator.retrieval_gate if self.coordinator is not None else None,
-            consumer_arn=self._consumer_arn, shard_end_probe_s=cfg.shard_sync_interval_ms / 1000)
+            consumer_arn=self._consumer_arn, http_version=cfg.fanout_http_version,
+            shard_end_probe_s=cfg.shard_sync_interval_ms / 1000)
 
     def _on_shard_end(self, shard_id: str, children: Sequence[ChildShard]) -> None:
         """Called from a consumer's thread when its shard is fully read."""

@@ -128,11 +128,13 @@ def test_fan_out_ends_split_and_merged_parents_before_their_children(
     assert all(i > parent_last for i, s in enumerate(order) if s in children)
 
 
-def test_a_subscription_survives_drops_refusals_and_throttles_and_ends_at_shard_end() -> None:
-    """Against a scripted endpoint: a connection cut mid-frame, an error answer
-    (ResourceInUseException), an exception event (LimitExceededException), then the shard's
-    end with its children. Every record arrives once, in order, and each new subscription
-    starts after the last event's continuation."""
+@pytest.mark.parametrize("http2", [False, True], ids=["http1.1", "h2c"])
+def test_a_subscription_survives_drops_refusals_and_throttles_and_ends_at_shard_end(
+        http2: bool) -> None:
+    """Against a scripted endpoint, over HTTP/1.1 and over HTTP/2: a connection cut
+    mid-frame, an error answer (ResourceInUseException), an exception event
+    (LimitExceededException), then the shard's end with its children. Every record arrives
+    once, in order, and each new subscription starts after the last event's continuation."""
     child = {"ShardId": "shardId-000000000001", "ParentShards": ["shardId-000000000000"],
              "HashKeyRange": {"StartingHashKey": "0", "EndingHashKey": "10"}}
     script = Script([
@@ -144,11 +146,12 @@ def test_a_subscription_survives_drops_refusals_and_throttles_and_ends_at_shard_
         Step([Event([], "103"), Event([("104", b"e")], None, child_shards=[child])]),
     ])
     metrics = Metrics()
-    with eventstream_server(script) as url:
+    with eventstream_server(script, http2=http2) as url:
         fetcher = ShardFetcher(
             kinesis_client(url), "shardId-000000000000", StartPosition("TRIM_HORIZON"),
             stream_name="s", consumer_arn="arn:aws:kinesis:us-east-1:1:stream/s/consumer/a:1",
-            metrics=metrics, sleep=lambda _: None, shard_end_probe_s=3600)
+            metrics=metrics, sleep=lambda _: None, shard_end_probe_s=3600,
+            http_version="2" if http2 else "1.1")
         results = [fetcher.fetch_once() for _ in range(6)]
     delivered = [r for result in results if result is not None for r in result.records]
     assert [r.binary_data for r in delivered] == [b"a", b"b", b"c", b"d", b"e"]

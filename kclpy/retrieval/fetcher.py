@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import httpx
 import urllib3
 from botocore.exceptions import ClientError
 
@@ -190,6 +191,7 @@ class ShardFetcher:
         deliver_empty: bool = False,
         gate: threading.Event | None = None,
         consumer_arn: str | None = None,
+        http_version: str = "auto",
         shard_end_probe_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -215,6 +217,7 @@ class ShardFetcher:
         self._gate = gate
         #: enhanced fan-out: read through this registered consumer's subscriptions
         self._consumer_arn = consumer_arn
+        self._http_version = http_version
         self._events: Iterator[SubscribeEvent] | None = None
         self._continuation: str | None = None
         self._probe_s = shard_end_probe_s
@@ -476,7 +479,8 @@ class ShardFetcher:
                 self._events = self._retrying(
                     "SubscribeToShard",
                     functools.partial(subscribe, self._client, consumer_arn, self.shard_id,
-                                      self._subscribe_position()),
+                                      self._subscribe_position(),
+                                      http_version=self._http_version),
                     _classify_subscribe)
                 subscriptions.labels(self.shard_id, "renewed" if self._subscribed_at else
                                      "opened").inc()
@@ -676,6 +680,6 @@ def _classify_subscribe(exc: BaseException) -> str | None:
     if isinstance(exc, ClientError) and exc.response.get("Error", {}).get(
             "Code") == "ResourceInUseException":
         return IN_USE
-    if isinstance(exc, urllib3.exceptions.HTTPError):
+    if isinstance(exc, (urllib3.exceptions.HTTPError, httpx.TransportError)):
         return CONNECTION
     return classify(exc)

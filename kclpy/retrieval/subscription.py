@@ -1,4 +1,5 @@
-"""SubscribeToShard (enhanced fan-out): one subscription's events, read as they arrive.
+"""SubscribeToShard (enhanced fan-out): one subscription's events, read as they arrive,
+over HTTP/2 (AWS) or HTTP/1.1 (local emulators).
 
 botocore signs and sends the request, but it cannot read this answer everywhere: it insists
 that the first event be an ``initial-response``, which AWS sends and kinesis-mock (the
@@ -25,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import urllib3
 from botocore.awsrequest import AWSPreparedRequest, AWSResponse
 from botocore.eventstream import EventStreamBuffer
@@ -39,6 +41,10 @@ _HANDLER_ID = "kclpy.retrieval.subscription"
 _STREAM_KEY = "_kclpy_subscription_body"
 #: bytes read from the socket at a time; a frame can be up to about 10 MB
 _CHUNK = 64 * 1024
+HTTP_VERSIONS = ("auto", "2", "1.1")
+#: HTTP/1.1 connection headers HTTP/2 forbids
+_CONNECTION_HEADERS = {"connection", "transfer-encoding", "keep-alive", "upgrade",
+                       "proxy-connection", "expect"}
 
 
 @dataclass(slots=True)
@@ -86,15 +92,29 @@ class _StandIn:
 
 
 class _Sender:
-    """Sends signed SubscribeToShard requests over its own connection pool (a subscription
-    holds its connection for up to five minutes)."""
+    """Sends signed SubscribeToShard requests on connections of its own (a subscription
+    holds its stream for up to five minutes): over HTTP/2 with httpx and h2 - what AWS
+    documents for SubscribeToShard, and the only protocol the Java SDK uses for it - or over
+    HTTP/1.1 with urllib3. ``http_version`` "auto" takes HTTP/2 for https endpoints (ALPN
+    falls back to HTTP/1.1 if the endpoint does not offer it) and HTTP/1.1 for plain http
+    ones (local emulators); "2" forces HTTP/2 (h2c with prior knowledge on http), "1.1"
+    forces HTTP/1.1."""
 
-    def __init__(self, max_connections: int, connect_timeout_s: float, read_timeout_s: float
-                 ) -> None:
+    def __init__(self, max_connections: int, connect_timeout_s: float, read_timeout_s: float,
+                 http_version: str) -> None:
+        if http_version not in HTTP_VERSIONS:
+            raise ValueError(f"http_version must be one of {', '.join(HTTP_VERSIONS)}")
         self._pool = urllib3.PoolManager(maxsize=max_connections, block=False)
         self._timeout = urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s)
+        self._version = http_version
+        self._h2_timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
+        self._h2: dict[bool, httpx.Client] = {}
+        self._lock = threading.Lock()
 
     def __call__(self, request: AWSPreparedRequest, **_: Any) -> AWSResponse:
+        secure = request.url.startswith("https:")
+        if self._version == "2" or (self._version == "auto" and secure):
+            return self._send_h2(request, tls=secure)
         raw = self._pool.urlopen(
             request.method, request.url, body=request.body, headers=dict(request.headers),
             preload_content=False, retries=False, redirect=False, timeout=self._timeout)
@@ -103,6 +123,48 @@ class _Sender:
             raw.release_conn()
             return AWSResponse(request.url, raw.status, _headers(raw), _Buffered(body))
         return AWSResponse(request.url, 200, _headers(raw), _StandIn(raw))
+
+    def _send_h2(self, request: AWSPreparedRequest, *, tls: bool) -> AWSResponse:
+        client = self._h2_client(tls)
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() not in _CONNECTION_HEADERS}
+        body = request.body
+        sent = client.build_request(request.method, request.url, headers=headers,
+                                    content=body if isinstance(body, (bytes, str)) else b"")
+        response = client.send(sent, stream=True)
+        if response.status_code != 200:
+            body = response.read()
+            response.close()
+            return AWSResponse(request.url, response.status_code, _headers(response),
+                               _Buffered(body))
+        return AWSResponse(request.url, 200, _headers(response), _StandIn(_H2Body(response)))
+
+    def _h2_client(self, tls: bool) -> httpx.Client:
+        """One client per scheme: with TLS, HTTP/2 is negotiated (ALPN); without, it is
+        spoken from the first byte (h2c)."""
+        with self._lock:
+            client = self._h2.get(tls)
+            if client is None:
+                client = httpx.Client(http1=tls, http2=True, timeout=self._h2_timeout)
+                self._h2[tls] = client
+            return client
+
+
+class _H2Body:
+    """An httpx streaming response, read like urllib3's: ``stream`` yields raw bytes as
+    they come (httpcore opens the HTTP/2 flow-control window as they are read, so an
+    unread stream is held back by the peer), ``close`` ends the stream."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+
+    def stream(self, amt: int, decode_content: bool = False) -> Iterator[bytes]:
+        # No chunk size: httpx would hold bytes back until a whole chunk gathered, and an
+        # event would wait for the ones after it.
+        yield from self._response.iter_raw()
+
+    def close(self) -> None:
+        self._response.close()
 
 
 def _headers(raw: Any) -> Any:
@@ -133,25 +195,28 @@ def _before_parse(response_dict: dict[str, Any], customized_response_dict: dict[
 _installed_lock = threading.Lock()
 
 
-def install(client: Any, *, max_connections: int = 10, connect_timeout_s: float = 10.0,
-            read_timeout_s: float = 30.0) -> None:
-    """Make ``client.subscribe_to_shard`` usable with :func:`subscribe`. Idempotent."""
+def install(client: Any, *, http_version: str = "auto", max_connections: int = 10,
+            connect_timeout_s: float = 10.0, read_timeout_s: float = 30.0) -> None:
+    """Make ``client.subscribe_to_shard`` usable with :func:`subscribe`. Idempotent: the
+    first call's settings stay."""
     with _installed_lock:
         if getattr(client, "_kclpy_subscriptions", False):
             return
         client._kclpy_subscriptions = True
         events = client.meta.events
-        events.register(_EVENT, _Sender(max_connections, connect_timeout_s, read_timeout_s),
-                        unique_id=_HANDLER_ID)
+        events.register(
+            _EVENT, _Sender(max_connections, connect_timeout_s, read_timeout_s, http_version),
+            unique_id=_HANDLER_ID)
         events.register(_PARSE_EVENT, _before_parse, unique_id=_HANDLER_ID + ".parse")
 
 
 def subscribe(client: Any, consumer_arn: str, shard_id: str,
-              starting_position: dict[str, Any]) -> Iterator[SubscribeEvent]:
+              starting_position: dict[str, Any], *, http_version: str = "auto"
+              ) -> Iterator[SubscribeEvent]:
     """Open a subscription and yield its events until the service ends it (about five
     minutes) or the connection drops. Errors sent as event-stream exceptions raise
     ``ClientError`` with their type as the code, as an error answer would."""
-    install(client)
+    install(client, http_version=http_version)
     response = client.subscribe_to_shard(
         ConsumerARN=consumer_arn, ShardId=shard_id, StartingPosition=starting_position)
     real = response.get(_STREAM_KEY)

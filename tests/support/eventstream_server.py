@@ -1,6 +1,7 @@
-"""A scripted SubscribeToShard endpoint on loopback (HTTP/1.1) that serves real event-stream
-frames: each connection plays the next step of a script - events, a mid-stream disconnect,
-an error answer, an exception event, a shard end - and records the request it got.
+"""A scripted SubscribeToShard endpoint on loopback, HTTP/1.1 or HTTP/2 (h2c, spoken with
+the ``h2`` library), that serves real event-stream frames: each subscription plays the next
+step of a script - events, a mid-stream disconnect, an error answer, an exception event, a
+shard end - and records the request it got.
 
 kinesis-mock serves subscriptions too, but it cannot drop a connection halfway through a
 frame, refuse with ``ResourceInUseException`` on cue, or end a shard with ``ChildShards``.
@@ -9,13 +10,19 @@ frame, refuse with ``ResourceInUseException`` on cue, or end a shard with ``Chil
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import socket
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+import h2.config
+import h2.connection
+import h2.events
 
 from kclpy.retrieval.subscription import _frame
 
@@ -111,9 +118,90 @@ def _handler(script: Script) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+def _h2_connection(sock: socket.socket, script: Script) -> None:
+    """One HTTP/2 connection: every request stream gets the script's next step."""
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(
+        client_side=False, header_encoding="utf-8"))
+    conn.initiate_connection()
+    sock.sendall(conn.data_to_send())
+    bodies: dict[int, bytes] = {}
+    with sock:
+        while data := sock.recv(65536):
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.RequestReceived):
+                    bodies[event.stream_id] = b""
+                elif isinstance(event, h2.events.DataReceived):
+                    bodies[event.stream_id] += event.data
+                    conn.acknowledge_received_data(event.flow_controlled_length,
+                                                   event.stream_id)
+                elif isinstance(event, h2.events.StreamEnded):
+                    step = script.next_step(json.loads(bodies.pop(event.stream_id) or b"{}"))
+                    if not _h2_answer(conn, sock, event.stream_id, step):
+                        return
+            sock.sendall(conn.data_to_send())
+
+
+def _h2_answer(conn: h2.connection.H2Connection, sock: socket.socket, stream_id: int,
+               step: Step) -> bool:
+    """Play ``step`` on one stream; False when it cut the connection."""
+    if step.then == "error":
+        answer = json.dumps({"__type": step.error_code, "message": "scripted"}).encode()
+        conn.send_headers(stream_id, [(":status", "400"),
+                                      ("content-type", "application/x-amz-json-1.1")])
+        conn.send_data(stream_id, answer, end_stream=True)
+        return True
+    conn.send_headers(stream_id, [(":status", "200"),
+                                  ("content-type", "application/vnd.amazon.eventstream")])
+    for event in step.events:
+        conn.send_data(stream_id, event_frame(event))
+    if step.then == "drop":
+        half = event_frame(Event([("999", b"never")], "999"))
+        conn.send_data(stream_id, half[: len(half) // 2])
+        sock.sendall(conn.data_to_send())
+        # Half-close, then wait for the client to hang up: a full close with the client's
+        # frames still unread would reset the connection and throw away what was sent.
+        sock.shutdown(socket.SHUT_WR)
+        with contextlib.suppress(OSError):
+            while sock.recv(65536):
+                pass
+        return False
+    if step.then == "exception":
+        conn.send_data(stream_id, _frame({":message-type": "exception",
+                                          ":exception-type": step.error_code,
+                                          ":content-type": "application/json"},
+                                         b'{"message":"scripted"}'))
+    conn.end_stream(stream_id)
+    return True
+
+
 @contextmanager
-def eventstream_server(script: Script) -> Iterator[str]:
+def _h2_server(script: Script) -> Iterator[str]:
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=_h2_connection, args=(sock, script), daemon=True).start()
+
+    threading.Thread(target=accept, name="eventstream-h2", daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        listener.close()
+
+
+@contextmanager
+def eventstream_server(script: Script, *, http2: bool = False) -> Iterator[str]:
     """Serve ``script`` on 127.0.0.1 (a free port); yield the endpoint URL."""
+    if http2:
+        with _h2_server(script) as url:
+            yield url
+        return
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(script))
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, name="eventstream-server",
