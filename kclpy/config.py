@@ -414,8 +414,7 @@ def validate(config: KCLConfig, labels: Mapping[str, str]) -> None:
     if config.region is not None and not _REGION.match(config.region):
         raise ConfigError(name("region"), f"{config.region!r} is not a region name")
     if config.retrieval_mode.lower() not in RETRIEVAL_MODES:
-        hint = (" (the Java daemon's rule, fan-out unless polling keys are set, is not "
-                "supported yet: write FANOUT or POLLING)"
+        hint = (" (DEFAULT, the Java daemon's rule, is resolved for .properties files only)"
                 if config.retrieval_mode.upper() == "DEFAULT" else "")
         raise ConfigError(name("retrieval_mode"), f"{config.retrieval_mode!r} is not one of "
                           f"{', '.join(RETRIEVAL_MODES)}{hint}")
@@ -510,9 +509,37 @@ def from_properties(properties: Mapping[str, str], *, base_dir: Path | None = No
             labels.setdefault("initial_position", key)
         values[option.name] = _convert(option, raw, key)
         labels[option.name] = key
+    _java_default_retrieval(properties, values, labels)
     if base_dir is not None:
         values["properties_dir"] = base_dir
     return values, labels
+
+
+#: the Java daemon's PollingConfigBean keys: any of them set makes DEFAULT mean polling
+_POLLING_ONLY_KEYS = frozenset(k.lower() for k in (
+    "retryGetRecordsInSeconds", "maxGetRecordsThreadPool", "idleTimeBetweenReadsInMillis",
+    "millisBehindLatestThresholdForReducedTps", "maxRecords"))
+
+
+def _java_default_retrieval(properties: Mapping[str, str], values: dict[str, Any],
+                            labels: dict[str, str]) -> None:
+    """``retrievalMode`` absent or ``DEFAULT`` means what the Java MultiLangDaemon makes of
+    it: enhanced fan-out, unless a polling-only key is set (then polling, with the Java
+    daemon's warning). kclpy's own default (API, flags) stays polling."""
+    mode = values.get("retrieval_mode")
+    if mode is not None and str(mode).upper() != "DEFAULT":
+        return
+    polling = sorted(k for k in properties if k.lower() in _POLLING_ONLY_KEYS)
+    if polling:
+        log.warning("polling properties are set (%s): reading with polling; add "
+                    "retrievalMode = FANOUT to read with enhanced fan-out, as the Java "
+                    "daemon's DEFAULT rule does", ", ".join(polling))
+        values["retrieval_mode"] = "polling"
+    else:
+        log.info("retrievalMode not set: enhanced fan-out, as the Java MultiLangDaemon "
+                 "(retrievalMode = POLLING to poll)")
+        values["retrieval_mode"] = "fanout"
+    labels.setdefault("retrieval_mode", "retrievalMode")
 
 
 def build_config(values: Mapping[str, Any], labels: Mapping[str, str]) -> KCLConfig:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kclpy.config import KCLConfig
+from kclpy.config import KCLConfig, build_config, from_properties
 from kclpy.errors import ConfigError
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
@@ -41,10 +41,22 @@ def test_retrieval_modes_are_checked_naming_the_option() -> None:
     base = {"application_name": "a", "stream_name": "s"}
     assert KCLConfig(**base, retrieval_mode="FANOUT").fan_out
     assert not KCLConfig(**base).fan_out
-    with pytest.raises(ConfigError, match=r"--retrieval-mode: 'DEFAULT'.*not supported yet"):
+    with pytest.raises(ConfigError, match=r"--retrieval-mode: 'DEFAULT'.*properties files"):
         KCLConfig(**base, retrieval_mode="DEFAULT")
     with pytest.raises(ConfigError, match="--consumer-arn"):
         KCLConfig(**base, consumer_arn="arn:aws:kinesis:us-east-1:1:stream/s")
+
+
+@pytest.mark.parametrize(("written", "mode"), [
+    ({}, "fanout"), ({"retrievalMode": "DEFAULT"}, "fanout"),
+    ({"idleTimeBetweenReadsInMillis": "200"}, "polling"), ({"maxRecords": "500"}, "polling"),
+    ({"retrievalMode": "POLLING"}, "polling"),
+    ({"retrievalMode": "FANOUT", "maxRecords": "500"}, "fanout")])
+def test_properties_files_get_the_java_daemons_retrieval_mode(
+        written: dict[str, str], mode: str) -> None:
+    values, labels = from_properties({"applicationName": "a", "streamName": "s", **written})
+    config = build_config(values, labels)
+    assert config.retrieval_mode.lower() == mode
 
 
 def test_subscription_failures_are_classified_for_backoff() -> None:

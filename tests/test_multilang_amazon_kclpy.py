@@ -113,9 +113,16 @@ def _write_application(folder: Path, sample_dir: Path, overrides: dict[str, str]
     return path
 
 
+#: a polling key makes the Java daemon's DEFAULT rule poll; without one it reads with fan-out
+RETRIEVAL = {"polling": {"idleTimeBetweenReadsInMillis": "100"},
+             "fanout": {"retryBackoffMillis": "200", "maxDescribeStreamConsumerRetries": "50"}}
+
+
+@pytest.mark.parametrize("retrieval", list(RETRIEVAL))
 def test_the_unmodified_amazon_kclpy_sample_processes_every_record_and_checkpoints(
-        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        retrieval: str, kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     caplog.set_level(logging.INFO, logger="kclpy.multilang")
@@ -134,13 +141,14 @@ def test_the_unmodified_amazon_kclpy_sample_processes_every_record_and_checkpoin
         "kinesisEndpoint": kinesis_mock.url,
         "dynamoDBEndpoint": moto_server.url,
         "initialPositionInStream": "TRIM_HORIZON",
-        "idleTimeBetweenReadsInMillis": "100",
+        **RETRIEVAL[retrieval],
         "shardSyncIntervalMillis": "1000",
         "failoverTimeMillis": "5000",
         "shutdownGraceMillis": "30000",
     })
     config, _ = parse_worker_args(["--properties", str(properties)])
     assert config.executable_name is not None and config.properties_dir == tmp_path.resolve()
+    assert config.retrieval_mode == retrieval, "the Java daemon's DEFAULT rule"
     metrics = Metrics()
     factory = multilang_processor_factory(
         config.executable_name, cwd=config.properties_dir, metrics=metrics,
