@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import boto3
 import pytest
 
-from bench import consume, dynamodb_cost, exactly_once, kpl_steps, replay, scale
+from bench import consume, dynamodb_cost, exactly_once, kpl_steps, latency, replay, scale
 from kclpy.local import LocalEndpoint
 
 PLAIN, KPL = 120, 700
@@ -100,3 +100,13 @@ def test_exactly_once_bench_counts_one_commit_per_page_and_an_update_per_change(
     assert stateful.write_units == 2 * 2 * (10 + 1), "the lease item is written too"
     assert plain.requests == {"UpdateItem": 2 * 40 + 2}
     assert plain.write_units == 82
+
+
+def test_latency_bench_times_every_record_for_every_contender(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    latency.main(["--records", "3", "--interval-ms", "100"])
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if "p50" in line]
+    assert [row.split(":")[0].strip() for row in rows] == [
+        "polling, defaults (1 s idle)", "polling, 200 ms idle", "fan-out",
+        "bare subscription loop"]
