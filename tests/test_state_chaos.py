@@ -87,6 +87,9 @@ def test_state_under_chaos_is_exact_and_the_plain_processor_is_not(
         assert result.wrong_keys == {}, f"logs in {result.logs}"
         assert result.counted == result.produced
     else:
-        assert result.counted > result.produced, "a failover delivers records again"
+        # At-least-once: nothing lost; how many records come twice depends on where the
+        # kills land (reported above; +1,336 on one run, 0 on another whose killed workers
+        # had checkpointed). tests/test_state.py shows duplicates deterministically.
+        assert result.counted >= result.produced, "a record was lost"
         assert all(stored >= want for want, stored in result.wrong_keys.values()
                    if want is not None and stored is not None)

@@ -85,7 +85,7 @@ class PlainChaosCounter(kclpy.IRecordProcessor):
     are written at once, the checkpoint follows at most every ``CHECKPOINT_EVERY_S`` (the
     sample: 60 s) and at shutdown."""
 
-    CHECKPOINT_EVERY_S = 5.0
+    CHECKPOINT_EVERY_S = 10.0
 
     def __init__(self) -> None:
         self._engine = sa.create_engine(os.environ[PLAIN_URL_ENV])
