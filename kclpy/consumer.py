@@ -127,6 +127,7 @@ class ShardConsumer:
         self._processor: IRecordProcessor | None = None
         self._checkpointer: Checkpointer | None = None
         self._fetcher: FetcherLike | None = None
+        self._cw_dims = {"ShardId": self.shard_id}
         self._thread = threading.Thread(
             target=self._run, name=f"kclpy-consumer-{self.shard_id}", daemon=True)
         #: set when the consumer stopped on an error the worker must act on
@@ -345,7 +346,7 @@ class ShardConsumer:
     def _report_batch(self, count: int, size: int, millis_behind: int | None,
                       seconds: float) -> None:
         """The Java ``ProcessTask`` figures of one processed batch (CloudWatch)."""
-        sink, dims = self._metrics.cloudwatch, {"ShardId": self.shard_id}
+        sink, dims = self._metrics.cloudwatch, self._cw_dims
         sink.record(PROCESS_TASK, "RecordsProcessed", count, COUNT, SUMMARY, dims)
         sink.record(PROCESS_TASK, "DataBytesProcessed", size, BYTES, SUMMARY, dims)
         sink.record(PROCESS_TASK, "RecordProcessor.processRecords.Time", seconds * 1000,

@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -218,7 +218,7 @@ class ShardFetcher:
         #: enhanced fan-out: read through this registered consumer's subscriptions
         self._consumer_arn = consumer_arn
         self._http_version = http_version
-        self._events: Iterator[SubscribeEvent] | None = None
+        self._events: Generator[SubscribeEvent, None, None] | None = None
         self._continuation: str | None = None
         self._probe_s = shard_end_probe_s
         self._clock = clock
@@ -387,7 +387,7 @@ class ShardFetcher:
         connection closed, so the shard's next owner is not refused with
         ``ResourceInUseException`` until it times out (five minutes)."""
         events, self._events = self._events, None
-        if events is not None and hasattr(events, "close"):
+        if events is not None:
             events.close()
 
     def _await_gate(self) -> None:
@@ -468,39 +468,13 @@ class ShardFetcher:
         return (pending if deliver else None), idle
 
     def _fetch_event(self, consumer_arn: str) -> _Page | None:
-        """The next event of the shard's subscription (opening one when there is none): the
-        page to queue, or None. A subscription that ended (after about five minutes) or
-        dropped is opened again after the last record handled; one that is still open
-        elsewhere (``ResourceInUseException``), throttling, 5xx and connection errors back
-        off as GetRecords failures do."""
-        subscriptions = self._metrics.subscriptions
-        while True:
-            if self._events is None:
-                self._events = self._retrying(
-                    "SubscribeToShard",
-                    functools.partial(subscribe, self._client, consumer_arn, self.shard_id,
-                                      self._subscribe_position(),
-                                      http_version=self._http_version),
-                    _classify_subscribe)
-                subscriptions.labels(self.shard_id, "renewed" if self._subscribed_at else
-                                     "opened").inc()
-                self._subscribed_at = self._clock()
-            try:
-                event = next(self._events)
-            except StopIteration:
-                self._events = None
-                continue
-            except Exception as exc:
-                self._events = None
-                kind = _classify_subscribe(exc)
-                if kind is None:
-                    raise
-                subscriptions.labels(self.shard_id, f"failed_{kind}").inc()
-                self._metrics.get_records_errors.labels(self.shard_id, kind).inc()
-                logger.info("subscription to %s ended (%s): %s", self.shard_id, kind, exc)
-                self._pause(self._backoff.next_delay(), exc)
-                continue
-            break
+        """The next event of the shard's subscription: the page to queue, or None. Failures
+        to open or read a subscription (``ResourceInUseException`` while the previous one
+        is still open, throttling, 5xx, a dropped connection) back off and are counted as
+        GetRecords failures are."""
+        event = self._retrying("SubscribeToShard",
+                               functools.partial(self._next_event, consumer_arn),
+                               _classify_subscribe)
         self._backoff.reset()
         page, continuation = event.page, event.continuation_sequence_number
         self._metrics.subscription_events.labels(self.shard_id).inc()
@@ -515,7 +489,7 @@ class ShardFetcher:
         shard_end = continuation is None
         if shard_end:
             self._shard_ended = True
-            self._events = None
+            self._end_subscription()
             logger.info("shard %s reached its end", self.shard_id)
         caught_up = millis == 0
         self._at_tip = caught_up and not raw
@@ -529,6 +503,26 @@ class ShardFetcher:
         if not (raw or shard_end or self._deliver_empty):
             return None
         return _Page(raw, millis, shard_end, children, caught_up)
+
+    def _next_event(self, consumer_arn: str) -> SubscribeEvent:
+        """The next event, opening a subscription when none is open: right away after one
+        the service ended (after about five minutes), after the last event's continuation.
+        A failure leaves no subscription open, so a retry opens a new one."""
+        while True:
+            if self._events is None:
+                self._events = subscribe(self._client, consumer_arn, self.shard_id,
+                                         self._subscribe_position(),
+                                         http_version=self._http_version)
+                self._metrics.subscriptions.labels(
+                    self.shard_id, "renewed" if self._subscribed_at else "opened").inc()
+                self._subscribed_at = self._clock()
+            try:
+                return next(self._events)
+            except StopIteration:
+                self._events = None
+            except BaseException:
+                self._events = None
+                raise
 
     def _probe_shard_end(self) -> list[ChildShard] | None:
         """Is the idle shard closed? One GetRecords after the last record handled: the
@@ -551,20 +545,26 @@ class ShardFetcher:
 
     def _subscribe_position(self) -> dict[str, Any]:
         """Java's rule: the first subscription starts at the start position, every later
-        one after the last record handled or the last event's continuation."""
+        one after the last event's continuation (or the last record handled)."""
         after = self._continuation
         if after is None or not after.isdigit() or after == "0":
             # no continuation yet (kinesis-mock answers "0" for a shard with nothing read)
             after = self._last_sequence_number
-        if after is not None:
-            return {"Type": AFTER_SEQUENCE_NUMBER, "SequenceNumber": after}
-        start = self._start
-        position: dict[str, Any] = {"Type": start.kind}
-        if start.sequence_number is not None:
-            position["SequenceNumber"] = start.sequence_number
-        if start.timestamp is not None:
-            position["Timestamp"] = start.timestamp
+        kind, sequence_number, timestamp = self._resume_point(after)
+        position: dict[str, Any] = {"Type": kind}
+        if sequence_number is not None:
+            position["SequenceNumber"] = sequence_number
+        if timestamp is not None:
+            position["Timestamp"] = timestamp
         return position
+
+    def _resume_point(self, after: str | None) -> tuple[str, str | None, datetime | None]:
+        """Where reading resumes, for an iterator or a subscription alike: after ``after``
+        (a record already handled), else at the start position."""
+        if after is not None:
+            return AFTER_SEQUENCE_NUMBER, after, None
+        start = self._start
+        return start.kind, start.sequence_number, start.timestamp
 
     def _expand(self, page: _Page) -> FetchResult | None:
         """The page's user records (de-aggregated, filtered, after the resume point), or None
@@ -614,16 +614,12 @@ class ShardFetcher:
             params["StreamARN"] = self._stream_arn
         if self._stream_name is not None:
             params["StreamName"] = self._stream_name
-        if self._last_sequence_number is not None:
-            params["ShardIteratorType"] = AFTER_SEQUENCE_NUMBER
-            params["StartingSequenceNumber"] = self._last_sequence_number
-        else:
-            start = self._start
-            params["ShardIteratorType"] = start.kind
-            if start.sequence_number is not None:
-                params["StartingSequenceNumber"] = start.sequence_number
-            if start.timestamp is not None:
-                params["Timestamp"] = start.timestamp
+        kind, sequence_number, timestamp = self._resume_point(self._last_sequence_number)
+        params["ShardIteratorType"] = kind
+        if sequence_number is not None:
+            params["StartingSequenceNumber"] = sequence_number
+        if timestamp is not None:
+            params["Timestamp"] = timestamp
         response = self._retrying(
             "GetShardIterator", lambda: self._client.get_shard_iterator(**params)
         )

@@ -22,7 +22,7 @@ from __future__ import annotations
 import binascii
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,7 +212,7 @@ def install(client: Any, *, http_version: str = "auto", max_connections: int = 1
 
 def subscribe(client: Any, consumer_arn: str, shard_id: str,
               starting_position: dict[str, Any], *, http_version: str = "auto"
-              ) -> Iterator[SubscribeEvent]:
+              ) -> Generator[SubscribeEvent, None, None]:
     """Open a subscription and yield its events until the service ends it (about five
     minutes) or the connection drops. Errors sent as event-stream exceptions raise
     ``ClientError`` with their type as the code, as an error answer would."""
@@ -225,7 +225,7 @@ def subscribe(client: Any, consumer_arn: str, shard_id: str,
     return _events(real)
 
 
-def _events(raw: Any) -> Iterator[SubscribeEvent]:
+def _events(raw: Any) -> Generator[SubscribeEvent, None, None]:
     buffer = EventStreamBuffer()
     try:
         for chunk in raw.stream(_CHUNK, decode_content=False):
