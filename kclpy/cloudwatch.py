@@ -18,16 +18,17 @@ their datums are dropped and counted: metrics are never worth blocking a worker 
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
 from botocore.exceptions import BotoCoreError, ClientError
+
+from kclpy.retrieval.backoff import THROTTLED, Backoff, classify
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,6 @@ BATCH = 20
 ATTEMPTS = 4
 BACKOFF_BASE_S = 0.2
 BACKOFF_CAP_S = 5.0
-_THROTTLES = {"Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests"}
 
 
 class MetricsSink(Protocol):
@@ -102,16 +102,6 @@ class _Stats:
 Key = tuple[str, str, tuple[tuple[str, str], ...]]
 
 
-@dataclass
-class PublisherCounters:
-    """What the publisher reports about itself (kept also in Prometheus by the worker)."""
-
-    sent: int = 0
-    dropped: dict[str, int] = field(default_factory=lambda: {"queue_full": 0, "failed": 0})
-    throttled: int = 0
-    errors: int = 0
-
-
 class CloudWatchPublisher:
     """A ``MetricsSink`` that publishes to CloudWatch from its own thread. Thread-safe."""
 
@@ -139,7 +129,6 @@ class CloudWatchPublisher:
         self._sleep = sleep
         self._lock = threading.Lock()
         self._queue: OrderedDict[Key, _Stats] = OrderedDict()
-        self.counters = PublisherCounters()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -161,7 +150,6 @@ class CloudWatchPublisher:
             else:
                 if len(self._queue) >= self._max:
                     self._queue.popitem(last=False)
-                    self.counters.dropped["queue_full"] += 1
                     dropped = True
                 self._queue[key] = _Stats(unit, value, value, value)
         if dropped:
@@ -193,9 +181,7 @@ class CloudWatchPublisher:
             if self._put(batch):
                 sent += len(batch)
             else:
-                self.counters.dropped["failed"] += len(batch)
                 self._event("dropped_failed", len(batch))
-        self.counters.sent += sent
         if sent:
             self._event("sent", sent)
         return sent
@@ -208,30 +194,22 @@ class CloudWatchPublisher:
                 log.exception("CloudWatch metrics flush failed")
 
     def _put(self, batch: list[dict[str, Any]]) -> bool:
+        """One PutMetricData, retried on throttling, 5xx and connection errors (the same
+        classification and full-jitter backoff as every other AWS call of kclpy)."""
+        backoff = Backoff(BACKOFF_BASE_S, BACKOFF_CAP_S)
         for attempt in range(ATTEMPTS):
             try:
                 self._client.put_metric_data(Namespace=self.namespace, MetricData=batch)
                 return True
-            except ClientError as exc:
-                code = str(exc.response.get("Error", {}).get("Code", ""))
-                status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
-                if code in _THROTTLES or status == 429:
-                    self.counters.throttled += 1
-                    self._event("throttled", 1)
-                elif status < 500:
-                    self.counters.errors += 1
-                    self._event("error", 1)
-                    log.warning("CloudWatch refused %d datums: %s", len(batch), code)
+            except (ClientError, BotoCoreError) as exc:
+                kind = classify(exc)
+                self._event("throttled" if kind == THROTTLED else "error", 1)
+                if kind is None:
+                    log.warning("CloudWatch refused %d datums: %s", len(batch), exc)
                     return False
-                else:
-                    self.counters.errors += 1
-                    self._event("error", 1)
-            except BotoCoreError as exc:
-                self.counters.errors += 1
-                self._event("error", 1)
-                log.debug("PutMetricData failed: %s", exc)
+                log.debug("PutMetricData failed (%s): %s", kind, exc)
             if attempt + 1 < ATTEMPTS:
-                self._sleep(random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** attempt)))
+                self._sleep(backoff.next_delay())
         log.warning("CloudWatch: %d datums dropped after %d attempts", len(batch), ATTEMPTS)
         return False
 

@@ -100,10 +100,15 @@ def test_rejects_nonsense_bounds(base: float, cap: float) -> None:
         "RequestLimitExceeded",
         "Throttling",
         "TooManyRequestsException",
+        "TooManyRequests",
     ],
 )
 def test_throttling_codes(code: str) -> None:
     assert classify(client_error(code)) == THROTTLED
+
+
+def test_http_429_is_throttling_whatever_the_code() -> None:
+    assert classify(client_error("SomethingNew", 429)) == THROTTLED
 
 
 @pytest.mark.parametrize(

@@ -111,6 +111,7 @@ def test_throttling_is_retried_with_backoff_and_then_sent() -> None:
     client, stub = stubbed()
     stub.add_client_error("put_metric_data", "Throttling", http_status_code=400)
     stub.add_client_error("put_metric_data", "InternalFailure", http_status_code=500)
+    stub.add_client_error("put_metric_data", "TooManyRequests", http_status_code=429)
     stub.add_response("put_metric_data", {}, {"Namespace": "app", "MetricData": ANY})
     metrics, waits = Metrics(), []
     cw = publisher(client, on_event=metrics.cloudwatch_event, sleep=waits.append)
@@ -118,11 +119,11 @@ def test_throttling_is_retried_with_backoff_and_then_sent() -> None:
     with stub:
         assert cw.flush() == 1
     stub.assert_no_pending_responses()
-    assert len(waits) == 2 and all(0 <= w <= 5.0 for w in waits)
+    assert len(waits) == 3 and all(0 <= w <= 5.0 for w in waits)
     failures = {kind: metrics.registry.get_sample_value(
         "kclpy_cloudwatch_request_failures_total", {"kind": kind})
         for kind in ("throttled", "error")}
-    assert failures == {"throttled": 1, "error": 1}
+    assert failures == {"throttled": 2, "error": 1}
 
 
 def test_a_request_failing_every_attempt_drops_its_datums_and_counts_them() -> None:

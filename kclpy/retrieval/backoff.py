@@ -35,6 +35,7 @@ _THROTTLING_CODES = frozenset(
         "ThrottledException",
         "RequestThrottledException",
         "TooManyRequestsException",
+        "TooManyRequests",
         "TransactionInProgressException",
         "BandwidthLimitExceeded",
         "RequestThrottled",
@@ -71,6 +72,8 @@ def classify(exc: BaseException) -> str | None:
         if code in _SERVER_ERROR_CODES:
             return SERVER_ERROR
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        if status == 429:  # Too Many Requests, whatever the service calls it
+            return THROTTLED
         if isinstance(status, int) and status >= 500:
             return SERVER_ERROR
         return None

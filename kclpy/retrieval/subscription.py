@@ -74,23 +74,6 @@ _INITIAL_RESPONSE = _frame({":message-type": "event", ":event-type": "initial-re
                             ":content-type": "application/json"}, b"{}")
 
 
-class _StandIn:
-    """The body botocore parses instead of the real one: an ``initial-response`` alone.
-    It carries the real body along for the ``before-parse`` handler."""
-
-    def __init__(self, real: Any) -> None:
-        self.real = real
-
-    def stream(self, *_: Any, **__: Any) -> Iterator[bytes]:
-        yield _INITIAL_RESPONSE
-
-    def read(self, *_: Any, **__: Any) -> bytes:
-        return _INITIAL_RESPONSE
-
-    def close(self) -> None:
-        """The real body is closed by whoever reads it."""
-
-
 class _Sender:
     """Sends signed SubscribeToShard requests on connections of its own (a subscription
     holds its stream for up to five minutes): over HTTP/2 with httpx and h2 - what AWS
@@ -173,7 +156,7 @@ def _headers(raw: Any) -> Any:
 
 
 class _Buffered:
-    """An error answer, read whole, for botocore's error parser."""
+    """A body read whole, as botocore's parsers read one: an error answer."""
 
     def __init__(self, body: bytes) -> None:
         self._body = body
@@ -183,6 +166,18 @@ class _Buffered:
 
     def read(self, *_: Any, **__: Any) -> bytes:
         return self._body
+
+    def close(self) -> None:
+        """Nothing open: the body was read whole."""
+
+
+class _StandIn(_Buffered):
+    """The body botocore parses instead of a subscription's: an ``initial-response``
+    alone. It carries the real body along for the ``before-parse`` handler."""
+
+    def __init__(self, real: Any) -> None:
+        super().__init__(_INITIAL_RESPONSE)
+        self.real = real
 
 
 def _before_parse(response_dict: dict[str, Any], customized_response_dict: dict[str, Any],

@@ -61,18 +61,16 @@ class DynamoDBStateStore:
         return self._table
 
     def read(self, key: str) -> Versioned:
-        cached = self._cache.get(key)
-        if cached is not None:
-            return cached
+        return self._cache.read(key, self._fetch)
+
+    def _fetch(self, key: str) -> Versioned:
         table = self.table
         response = table.call(
             "GetItem", table.client.get_item, TableName=self.table_name,
             Key={KEY: {"S": key}}, ConsistentRead=True)
         item = response.get("Item")
-        current = (Versioned(None, 0) if item is None
-                   else Versioned(json.loads(item[VALUE]["S"]), int(item[VERSION]["N"])))
-        self._cache.remember({key: current})
-        return current
+        return (Versioned(None, 0) if item is None
+                else Versioned(json.loads(item[VALUE]["S"]), int(item[VERSION]["N"])))
 
     def begin_tenure(
         self, writer: CheckpointWriter, shard_id: str, token: str

@@ -110,15 +110,13 @@ class SQLStateStore:
             self._meta.create_all(self.engine)
 
     def read(self, key: str) -> Versioned:
-        cached = self._cache.get(key)
-        if cached is not None:
-            return cached
+        return self._cache.read(key, self._fetch)
+
+    def _fetch(self, key: str) -> Versioned:
         with self.engine.connect() as conn:
             row = conn.execute(sa.select(self.state.c.state_value, self.state.c.version)
                                .where(self.state.c.state_key == key)).first()
-        current = Versioned(None, 0) if row is None else Versioned(json.loads(row[0]), row[1])
-        self._cache.remember({key: current})
-        return current
+        return Versioned(None, 0) if row is None else Versioned(json.loads(row[0]), row[1])
 
     def begin_tenure(
         self, writer: CheckpointWriter, shard_id: str, token: str

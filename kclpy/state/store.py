@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kclpy.checkpoint import CheckpointWriter
@@ -59,9 +59,15 @@ class CommittedCache:
         self._lock = threading.Lock()
         self._values: dict[str, Versioned] = {}
 
-    def get(self, key: str) -> Versioned | None:
+    def read(self, key: str, fetch: Callable[[str], Versioned]) -> Versioned:
+        """The cached value of ``key``, else ``fetch(key)`` from the store, remembered."""
         with self._lock:
-            return self._values.get(key)
+            cached = self._values.get(key)
+        if cached is not None:
+            return cached
+        current = fetch(key)
+        self.remember({key: current})
+        return current
 
     def remember(self, values: dict[str, Versioned]) -> None:
         with self._lock:
