@@ -30,7 +30,7 @@ ERROR_POLICIES = ("retry", "skip", "shutdown")
 STRAY_STDOUT_POLICIES = ("restart", "skip")
 #: kclpy's own default is polling (API and CLI); Java's POLLING / FANOUT are accepted
 RETRIEVAL_MODES = ("polling", "fanout")
-#: the same as kclpy.retrieval.subscription.HTTP_VERSIONS (config imports no retrieval code)
+#: how fan-out subscriptions are sent (kclpy.retrieval.subscription)
 FANOUT_HTTP_VERSIONS = ("auto", "2", "1.1")
 
 

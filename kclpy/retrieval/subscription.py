@@ -32,6 +32,7 @@ from botocore.awsrequest import AWSPreparedRequest, AWSResponse
 from botocore.eventstream import EventStreamBuffer
 from botocore.exceptions import ClientError
 
+from kclpy.config import FANOUT_HTTP_VERSIONS
 from kclpy.retrieval.parse import GetRecordsPage, parse_subscribe_event
 
 _EVENT = "before-send.kinesis.SubscribeToShard"
@@ -41,7 +42,6 @@ _HANDLER_ID = "kclpy.retrieval.subscription"
 _STREAM_KEY = "_kclpy_subscription_body"
 #: bytes read from the socket at a time; a frame can be up to about 10 MB
 _CHUNK = 64 * 1024
-HTTP_VERSIONS = ("auto", "2", "1.1")
 #: HTTP/1.1 connection headers HTTP/2 forbids
 _CONNECTION_HEADERS = {"connection", "transfer-encoding", "keep-alive", "upgrade",
                        "proxy-connection", "expect"}
@@ -85,8 +85,8 @@ class _Sender:
 
     def __init__(self, max_connections: int, connect_timeout_s: float, read_timeout_s: float,
                  http_version: str) -> None:
-        if http_version not in HTTP_VERSIONS:
-            raise ValueError(f"http_version must be one of {', '.join(HTTP_VERSIONS)}")
+        if http_version not in FANOUT_HTTP_VERSIONS:
+            raise ValueError(f"http_version must be one of {', '.join(FANOUT_HTTP_VERSIONS)}")
         self._pool = urllib3.PoolManager(maxsize=max_connections, block=False)
         self._timeout = urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s)
         self._version = http_version
