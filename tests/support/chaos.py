@@ -364,33 +364,71 @@ def worker_args(
     ]  # fmt: skip
 
 
-def chaos_window(
-    stack: ExitStack,
-    settings: ChaosSettings,
-    kinesis: KinesisClient,
-    stream: str,
-    ledger: Ledger,
-    workdir: Path,
-    rng: random.Random,
-    result: Tally,
-    say: Callable[[str], None],
-    args: Callable[[str], list[str]],
-    env: dict[str, str] | None = None,
-) -> _Fleet:
-    """Start the fleet and the producer, disrupt for the chaos window, then resume every
-    worker and let the producer finish. The fleet keeps running (``stack`` kills it)."""
-    fleet = _Fleet(settings, args, workdir / "ledger.db", workdir / "logs", env)
-    stack.callback(fleet.kill_all)
-    for slot in fleet.slots:
-        fleet.spawn(slot)
-    producer = _Producer(kinesis, stream, ledger, settings, settings.chaos_s * 0.8)
-    stack.callback(producer.stop)
-    producer.start()
-    result.split = _disrupt(fleet, ledger, kinesis, stream, settings, rng, result, say)
-    for slot in fleet.slots:
-        fleet.revive(slot)
-    producer.join(settings.catch_up_timeout_s)
-    return fleet
+class ChaosRig:
+    """What every chaos run stands on: a seeded random source, a fresh stream and
+    application, the ledger, fault proxies in front of Kinesis (GetRecords throttled) and
+    DynamoDB (5xx), and a sampler of the lease table. Use it as a context manager; it stops
+    and kills everything it started on the way out."""
+
+    def __init__(self, kinesis_url: str, dynamodb_url: str, workdir: Path,
+                 settings: ChaosSettings, name: str, say: Callable[[str], None]) -> None:
+        say(f"{name} seed {settings.seed} (replay with {SEED_ENV}={settings.seed})")
+        self.settings = settings
+        self.workdir = workdir
+        self.say = say
+        self.rng = random.Random(settings.seed)
+        self.stream = unique_name(name.replace(" ", "-"))
+        self.application = unique_name(f"{name.replace(' ', '-')}-app")
+        self.kinesis = kinesis_client(kinesis_url)
+        create_stream(self.kinesis, self.stream, settings.shards)
+        self.logs = workdir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self._urls = (kinesis_url, dynamodb_url)
+        self.stack = ExitStack()
+
+    def __enter__(self) -> ChaosRig:
+        kinesis_url, dynamodb_url = self._urls
+        stack, settings = self.stack, self.settings
+        self.ledger = stack.enter_context(Ledger(self.workdir / "ledger.db"))
+        self.kinesis_proxy = stack.enter_context(FaultProxy(kinesis_url, seed=settings.seed))
+        self.dynamodb_proxy = stack.enter_context(
+            FaultProxy(dynamodb_url, seed=settings.seed + 1))
+        self.kinesis_proxy.set_rule("GetRecords",
+                                    throttle_rate=settings.get_records_throttle_rate)
+        self.dynamodb_proxy.set_rule("*", error_5xx_rate=settings.dynamodb_5xx_rate)
+        self.sampler = LeaseSampler(dynamodb_client(dynamodb_url), self.application).start()
+        stack.callback(self.sampler.stop)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.close()
+
+    def window(self, result: Tally, processor_args: list[str],
+               env: dict[str, str] | None = None) -> _Fleet:
+        """Start the fleet and the producer, disrupt for the chaos window, then resume
+        every worker and let the producer finish. The fleet keeps running (the rig kills
+        it on the way out)."""
+        settings = self.settings
+
+        def args(worker_id: str) -> list[str]:
+            return worker_args(settings, self.stream, self.application,
+                               self.kinesis_proxy.url, self.dynamodb_proxy.url, worker_id,
+                               processor_args)
+
+        fleet = _Fleet(settings, args, self.workdir / "ledger.db", self.logs, env)
+        self.stack.callback(fleet.kill_all)
+        for slot in fleet.slots:
+            fleet.spawn(slot)
+        producer = _Producer(self.kinesis, self.stream, self.ledger, settings,
+                             settings.chaos_s * 0.8)
+        self.stack.callback(producer.stop)
+        producer.start()
+        result.split = _disrupt(fleet, self.ledger, self.kinesis, self.stream, settings,
+                                self.rng, result, self.say)
+        for slot in fleet.slots:
+            fleet.revive(slot)
+        producer.join(settings.catch_up_timeout_s)
+        return fleet
 
 
 def run_chaos(
@@ -402,45 +440,25 @@ def run_chaos(
 ) -> ChaosResult:
     """Run the fleet under chaos, let it catch up, stop it gracefully, and audit the ledger."""
     started = time.monotonic()
-    say(f"chaos seed {settings.seed} (replay with {SEED_ENV}={settings.seed})")
-    rng = random.Random(settings.seed)
-    stream = unique_name("chaos")
-    application = unique_name("chaos-app")
-    kinesis = kinesis_client(kinesis_url)
-    create_stream(kinesis, stream, settings.shards)
-    logs = workdir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    result = ChaosResult(settings, AuditReport(), logs=logs)
-
-    with ExitStack() as stack:
-        ledger = stack.enter_context(Ledger(workdir / "ledger.db"))
-        kinesis_proxy = stack.enter_context(FaultProxy(kinesis_url, seed=settings.seed))
-        dynamodb_proxy = stack.enter_context(FaultProxy(dynamodb_url, seed=settings.seed + 1))
-        kinesis_proxy.set_rule("GetRecords", throttle_rate=settings.get_records_throttle_rate)
-        dynamodb_proxy.set_rule("*", error_5xx_rate=settings.dynamodb_5xx_rate)
-        sampler = LeaseSampler(dynamodb_client(dynamodb_url), application).start()
-        stack.callback(sampler.stop)
-
-        fleet = chaos_window(
-            stack, settings, kinesis, stream, ledger, workdir, rng, result, say,
-            lambda worker_id: worker_args(
-                settings, stream, application, kinesis_proxy.url, dynamodb_proxy.url, worker_id,
-                ["--processor", "tests.support.ledger:LedgerProcessor"]))
+    with ChaosRig(kinesis_url, dynamodb_url, workdir, settings, "chaos", say) as rig:
+        ledger = rig.ledger
+        result = ChaosResult(settings, AuditReport(), logs=rig.logs)
+        fleet = rig.window(result, ["--processor", "tests.support.ledger:LedgerProcessor"])
         say(f"chaos over after {time.monotonic() - started:.0f} s; the fleet catches up")
         wait_for(
             lambda: ledger.missing_count() == 0,
             settings.catch_up_timeout_s,
-            f"every produced record to be processed (logs in {logs})",
+            f"every produced record to be processed (logs in {rig.logs})",
             interval=0.5,
         )
         wait_for(lambda: all(fleet.up(slot) for slot in fleet.slots), 60, "every worker to be up")
         result.sigterm_exit_codes.extend(fleet.terminate(*fleet.slots))
-        samples = sampler.stop()
+        samples = rig.sampler.stop()
         ledger.record_lease_samples(samples)
-        result.throttles_injected = kinesis_proxy.faults("throttle", "GetRecords")
-        result.server_errors_injected = dynamodb_proxy.faults("error_5xx")
+        result.throttles_injected = rig.kinesis_proxy.faults("throttle", "GetRecords")
+        result.server_errors_injected = rig.dynamodb_proxy.faults("error_5xx")
         result.report = audit(
-            ledger.produced(), ledger.journal(), samples, _parents(kinesis, stream)
+            ledger.produced(), ledger.journal(), samples, _parents(rig.kinesis, rig.stream)
         )
     result.duration_s = time.monotonic() - started
     return result

@@ -11,11 +11,10 @@ whose counts show the records a failover delivers again.
 from __future__ import annotations
 
 import os
-import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from contextlib import ExitStack, suppress
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,20 +23,13 @@ from sqlalchemy.dialects import postgresql
 
 import kclpy
 from kclpy.errors import KinesisClientLibDependencyException, ShutdownException, ThrottlingException
-from tests.support.audit import LeaseSample, LeaseSampler
+from tests.support.audit import LeaseSample
 from tests.support.chaos import (
-    SEED_ENV,
+    ChaosRig,
     ChaosSettings,
-    chaos_window,
-    worker_args,
 )
-from tests.support.faultproxy import FaultProxy
-from tests.support.ledger import Ledger, Produced, record_id
+from tests.support.ledger import Produced, record_id
 from tests.support.streams import (
-    create_stream,
-    dynamodb_client,
-    kinesis_client,
-    unique_name,
     wait_for,
 )
 
@@ -192,15 +184,6 @@ def run_state_chaos(
     (exactly-once) or the plain processor's database URL; ``read_state()`` reads what is
     stored."""
     started = time.monotonic()
-    say(f"{mode} chaos seed {settings.seed} (replay with {SEED_ENV}={settings.seed})")
-    rng = random.Random(settings.seed)
-    stream = unique_name("eo-chaos")
-    application = unique_name("eo-chaos-app")
-    kinesis = kinesis_client(kinesis_url)
-    create_stream(kinesis, stream, settings.shards)
-    logs = workdir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    result = StateChaosResult(mode, settings, logs=logs)
     if mode == EXACTLY_ONCE:
         processor = ["--processor", "tests.support.state_chaos:ChaosCounter",
                      "--state-store", store, "--transaction-max-records", "200"]
@@ -211,26 +194,16 @@ def run_state_chaos(
         plain_table(meta := sa.MetaData())
         meta.create_all(sa.create_engine(store))
 
-    with ExitStack() as stack:
-        ledger = stack.enter_context(Ledger(workdir / "ledger.db"))
-        kinesis_proxy = stack.enter_context(FaultProxy(kinesis_url, seed=settings.seed))
-        dynamodb_proxy = stack.enter_context(FaultProxy(dynamodb_url, seed=settings.seed + 1))
-        kinesis_proxy.set_rule("GetRecords", throttle_rate=settings.get_records_throttle_rate)
-        dynamodb_proxy.set_rule("*", error_5xx_rate=settings.dynamodb_5xx_rate)
+    with ChaosRig(kinesis_url, dynamodb_url, workdir, settings, f"{mode} chaos", say) as rig:
+        result = StateChaosResult(mode, settings, logs=rig.logs)
         # commits: a DynamoDB store's TransactWriteItems, a SQL store's lease-table update
-        dynamodb_proxy.set_rule("TransactWriteItems", throttle_rate=0.1, error_5xx_rate=0.05,
-                                lose_response_rate=0.02)
-        dynamodb_proxy.set_rule("UpdateItem", throttle_rate=0.05,
-                                error_5xx_rate=settings.dynamodb_5xx_rate)
-        sampler = LeaseSampler(dynamodb_client(dynamodb_url), application).start()
-        stack.callback(sampler.stop)
-
-        fleet = chaos_window(
-            stack, settings, kinesis, stream, ledger, workdir, rng, result, say,
-            lambda worker_id: worker_args(settings, stream, application, kinesis_proxy.url,
-                                          dynamodb_proxy.url, worker_id, processor), env)
-        result.expected = expected_state(ledger.produced())
-        result.produced = len(ledger.produced())
+        rig.dynamodb_proxy.set_rule("TransactWriteItems", throttle_rate=0.1,
+                                    error_5xx_rate=0.05, lose_response_rate=0.02)
+        rig.dynamodb_proxy.set_rule("UpdateItem", throttle_rate=0.05,
+                                    error_5xx_rate=settings.dynamodb_5xx_rate)
+        fleet = rig.window(result, processor, env)
+        result.expected = expected_state(rig.ledger.produced())
+        result.produced = len(rig.ledger.produced())
         say(f"chaos over after {time.monotonic() - started:.0f} s; the fleet catches up")
 
         def caught_up() -> bool:
@@ -238,15 +211,15 @@ def run_state_chaos(
             return all(state.get(k, 0) >= v for k, v in result.expected.items())
 
         wait_for(caught_up, settings.catch_up_timeout_s,
-                 f"every record counted (logs in {logs})", interval=1.0)
+                 f"every record counted (logs in {rig.logs})", interval=1.0)
         wait_for(lambda: all(fleet.up(slot) for slot in fleet.slots), 60, "every worker to be up")
         result.sigterm_exit_codes.extend(fleet.terminate(*fleet.slots))
         result.stored = read_state()
-        result.checkpoint_regressions = checkpoint_regressions(sampler.stop())
-        result.commit_faults = sum(dynamodb_proxy.faults(kind, op)
+        result.checkpoint_regressions = checkpoint_regressions(rig.sampler.stop())
+        result.commit_faults = sum(rig.dynamodb_proxy.faults(kind, op)
                                    for kind in ("throttle", "error_5xx", "lose_response")
                                    for op in ("TransactWriteItems", "UpdateItem"))
-        result.throttles_injected = kinesis_proxy.faults("throttle", "GetRecords")
+        result.throttles_injected = rig.kinesis_proxy.faults("throttle", "GetRecords")
     result.duration_s = time.monotonic() - started
     return result
 
