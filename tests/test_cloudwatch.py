@@ -25,6 +25,7 @@ from kclpy.config import KCLConfig, build_config, from_properties
 from kclpy.errors import ConfigError
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
+from tests.support.recording import Ledger, RecordingProcessor
 from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name, wait_for
 from tests.support.workers import running
 
@@ -161,23 +162,6 @@ def test_levels_and_dimensions_are_validated_naming_the_option() -> None:
         build_config(values, labels)
 
 
-class Checkpointing(kclpy.IRecordProcessor):
-    def initialize(self, initialize_input: kclpy.InitializeInput) -> None:
-        pass
-
-    def process_records(self, process_records_input: kclpy.ProcessRecordsInput) -> None:
-        process_records_input.checkpointer.checkpoint()
-
-    def lease_lost(self, lease_lost_input: kclpy.LeaseLostInput) -> None:
-        pass
-
-    def shard_ended(self, shard_ended_input: kclpy.ShardEndedInput) -> None:
-        shard_ended_input.checkpointer.checkpoint()
-
-    def shutdown_requested(self, shutdown_requested_input: kclpy.ShutdownRequestedInput) -> None:
-        shutdown_requested_input.checkpointer.checkpoint()
-
-
 @pytest.mark.integration
 def test_a_worker_at_detailed_publishes_the_java_metrics_readable_with_get_metric_data(
         kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
@@ -193,7 +177,8 @@ def test_a_worker_at_detailed_publishes_the_java_metrics_readable_with_get_metri
         metrics_level="detailed", metrics_buffer_time_ms=500, idle_time_between_reads_ms=100,
         failover_time_ms=3000)
 
-    worker = kclpy.Worker(config, Checkpointing)
+    ledger = Ledger()
+    worker = kclpy.Worker(config, lambda: RecordingProcessor(ledger))
     registry = worker.metrics.registry
     with running(worker):
         wait_for(lambda: registry.get_sample_value(
