@@ -23,9 +23,10 @@ must converge when all workers apply it at once:
 Differences from Java, each cheap and deliberate:
 
 - Leases checkpointed at ``SHARD_END`` are never taken and do not count towards any
-  worker's load. Nothing needs them: a child only reads its parent's checkpoint, and a child
-  lease missing after a crash is recreated by shard sync. Java takes them and renews them
-  until they are cleaned up, paying DynamoDB writes for finished shards.
+  worker's load, unless a lag recovery of the shard is still queued in them. Nothing else
+  needs them: a child only reads its parent's checkpoint, and a child lease missing after a
+  crash is recreated by shard sync. Java takes them and renews them until they are cleaned
+  up, paying DynamoDB writes for finished shards.
 - Leases of shards outside the known set (``set_known_shards``) are never taken or counted.
 - Java treats a lease it sees for the first time unowned as free since the epoch, hence
   "very old" at once; here it is free since first sight, so only leases that stay free
@@ -136,7 +137,7 @@ class Balancer:
         regular scan. None when no lease is overdue."""
         soonest: float | None = None
         for key, lease in self._leases.items():
-            if lease.lease_owner is None or key in held or lease.is_shard_end:
+            if lease.lease_owner is None or key in held or lease.is_finished:
                 continue
             still = self.unchanged_for(key, now)
             if overdue_after < still <= self.failover_time_s:
@@ -157,7 +158,7 @@ class Balancer:
             (
                 lease
                 for lease in self._leases.values()
-                if not lease.is_shard_end
+                if not lease.is_finished
                 and (known_shards is None or lease.lease_key in known_shards)
             ),
             key=lambda lease: lease.lease_key,

@@ -5,7 +5,7 @@ checkpointed at ``SHARD_END`` before they start, and shard sync must see it (or 
 descendant) so that it never creates a lease for an already processed shard. Both needs end
 when every child has made progress. A lease is therefore deleted when:
 
-- it is checkpointed at ``SHARD_END``;
+- it is checkpointed at ``SHARD_END`` and no lag recovery of it is queued;
 - it has children - those named in its ``childShardIds`` and every lease naming it as a
   parent - and each child's lease exists and is checkpointed past its start (at a sequence
   number or at ``SHARD_END``), as Java checks;
@@ -48,7 +48,7 @@ def deletable(leases: Iterable[Lease], worker_id: str) -> list[Lease]:
     result = []
     for key, lease in sorted(by_key.items()):
         kids = children[key]
-        if not lease.is_shard_end or not kids:
+        if not lease.is_finished or not kids:
             continue
         if any(parent in by_key for parent in lease.parent_shard_ids):
             continue

@@ -39,6 +39,9 @@ class Lease:
     #: Java KCL 3.x graceful handoff: while set, the *previous* owner named here may still
     #: checkpoint and ``lease_owner`` already names the worker the lease is handed to.
     checkpoint_owner: str | None = None
+    #: kclpy's own lag recovery queue (``kclpy.recovery.queue``) as stored, a JSON string;
+    #: Java KCL workers ignore the attribute. Written only through the fence.
+    recovery: str | None = None
     #: In memory only, never persisted: a fresh value each time this worker takes the lease,
     #: so a checkpointer created for an earlier tenure cannot write into a later one.
     concurrency_token: str | None = field(default=None, compare=False)
@@ -50,6 +53,11 @@ class Lease:
     @property
     def is_shard_end(self) -> bool:
         return self.checkpoint == SHARD_END
+
+    @property
+    def is_finished(self) -> bool:
+        """Nothing left to read: the shard ended and no recovery of it is pending."""
+        return self.is_shard_end and not self.recovery
 
     def copy(self, **changes: Any) -> Lease:
         return dataclasses.replace(self, **changes)

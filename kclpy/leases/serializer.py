@@ -30,6 +30,8 @@ CHILD_SHARD_IDS = "childShardIds"
 STARTING_HASH_KEY = "startingHashKey"
 ENDING_HASH_KEY = "endingHashKey"
 CHECKPOINT_OWNER = "checkpointOwner"
+#: kclpy's own attribute (lag recovery); unknown to the Java KCL, which ignores it
+RECOVERY = "kclpyRecovery"
 
 
 def s(value: str) -> AttributeValueTypeDef:
@@ -99,6 +101,7 @@ def lease_from_item(item: Mapping[str, AttributeValueTypeDef]) -> Lease:
         starting_hash_key=_str(item, STARTING_HASH_KEY),
         ending_hash_key=_str(item, ENDING_HASH_KEY),
         checkpoint_owner=_str(item, CHECKPOINT_OWNER),
+        recovery=_str(item, RECOVERY),
     )
 
 
