@@ -94,6 +94,9 @@ class KCLConfig:
     cloudwatch_region: str | None = None
     cloudwatch_endpoint: str | None = None
     transaction_max_time_ms: int = 10_000
+    #: lag recovery (kclpy.recovery): off while None
+    max_lag_ms: int | None = None
+    recovery_max_rate: int = 1_000
     properties_dir: Path | None = None
 
     def __post_init__(self) -> None:
@@ -256,6 +259,12 @@ OPTIONS: tuple[Option, ...] = (
     _opt("transaction_max_time_ms", "int",
          "Exactly-once state: how long one transaction may stay open at most.",
          "transactionMaxTimeMillis"),
+    _opt("max_lag_ms", "int",
+         "Lag recovery: a shard starting further behind than this reads live from now minus "
+         "this, and its gap is recovered separately (default: off).", "maxLagMillis"),
+    _opt("recovery_max_rate", "int",
+         "Lag recovery: records per second this worker's recovery reads take at most, shared "
+         "fairly by its recovering shards.", "recoveryMaxRecordsPerSecond"),
 )
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
 OPTIONS_BY_KEY = {k.lower(): o for o in OPTIONS for k in o.properties_keys}

@@ -16,11 +16,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Protocol
 
 from kclpy.checkpoint import Checkpointer, CheckpointWriter
 from kclpy.cloudwatch import BYTES, COUNT, MILLISECONDS, SUMMARY, success_and_time
-from kclpy.errors import ProcessorRestartRequired
+from kclpy.errors import ProcessorRestartRequired, ShutdownException
 from kclpy.leases.lease import SHARD_END, Lease
 from kclpy.metrics import Metrics
 from kclpy.processor import (
@@ -72,8 +73,24 @@ class LeaseReader(Protocol):
     def get_lease(self, shard_id: str) -> Lease | None: ...
 
 
-#: (lease, checkpoint, sub-sequence number) -> a fetcher positioned right after it
-FetcherFactory = Callable[[Lease, str, int], FetcherLike]
+class FetcherFactory(Protocol):
+    def __call__(self, lease: Lease, checkpoint: str, sub_sequence_number: int,
+                 start_at: datetime | None = None, /) -> FetcherLike:
+        """A fetcher positioned right after the checkpoint, or at ``start_at`` (the
+        arrival time live reading starts at while a gap is recovered)."""
+
+
+class RecoveryLike(Protocol):
+    """A shard's lag recovery (``kclpy.recovery.shard.ShardRecovery``)."""
+
+    def begin(self, checkpoint: str, sub_sequence_number: int) -> datetime | None: ...
+    def poll(self) -> tuple[FetchResultLike, Checkpointer] | None: ...
+    @property
+    def active(self) -> bool: ...
+    def stop(self) -> None: ...
+    def status(self) -> list[dict[str, Any]]: ...
+
+
 #: (shard id, child shards reported by GetRecords) -> None; creates the children's leases
 ShardEndHook = Callable[[str, Sequence[ChildShard]], None]
 
@@ -108,6 +125,7 @@ class ShardConsumer:
         settings: ConsumerSettings,
         metrics: Metrics,
         rng: random.Random | None = None,
+        recovery: Callable[[], RecoveryLike] | None = None,
     ) -> None:
         self.shard_id = lease.lease_key
         self._lease = lease
@@ -127,6 +145,8 @@ class ShardConsumer:
         self._processor: IRecordProcessor | None = None
         self._checkpointer: Checkpointer | None = None
         self._fetcher: FetcherLike | None = None
+        self._make_recovery = recovery
+        self._recovery: RecoveryLike | None = None
         self._cw_dims = {"ShardId": self.shard_id}
         self._thread = threading.Thread(
             target=self._run, name=f"kclpy-consumer-{self.shard_id}", daemon=True)
@@ -181,7 +201,13 @@ class ShardConsumer:
         try:
             if self._wait_for_parents():
                 self._set_state(ConsumerState.INITIALIZING)
+                if self._make_recovery is not None:
+                    self._recovery = self._make_recovery()
                 if self._lease.checkpoint == SHARD_END:
+                    # A closed shard's lease is only taken while gaps of it are queued.
+                    if self._recovering() and self._initialize(SHARD_END, 0):
+                        self._set_state(ConsumerState.PROCESSING)
+                        self._drain_recovery()
                     self.caught_up = self.shard_ended = True
                 elif self._initialize(self._lease.checkpoint,
                                       self._lease.checkpoint_sub_sequence_number):
@@ -195,6 +221,8 @@ class ShardConsumer:
         finally:
             if self._fetcher is not None:
                 self._fetcher.stop()
+            if self._recovery is not None:
+                self._recovery.stop()
             self._set_state(ConsumerState.DONE)
 
     def _stopping(self) -> bool:
@@ -227,7 +255,17 @@ class ShardConsumer:
         return self._rng.uniform(cap / 2, cap)
 
     def _initialize(self, checkpoint: str, sub_sequence_number: int) -> bool:
-        """New processor, checkpointer and fetcher positioned right after ``checkpoint``."""
+        """New processor, checkpointer and fetcher positioned right after ``checkpoint``
+        (or, when the shard is too far behind, at the live start recovery chose)."""
+        start_at = None
+        if self._recovery is not None and checkpoint != SHARD_END:
+            try:
+                start_at = self._recovery.begin(checkpoint, sub_sequence_number)
+            except ShutdownException as exc:
+                log.info("shard %s: lease lost while queueing a recovery gap: %s",
+                         self.shard_id, exc)
+                self._lease_lost.set()
+                return False
         attempt = 0
         while not self._stopping():
             processor = self._processor_factory()
@@ -245,8 +283,12 @@ class ShardConsumer:
             self._checkpointer = Checkpointer(
                 self.shard_id, self._writer, self._token, checkpoint, sub_sequence_number,
                 self._metrics)
-            self._fetcher = self._fetcher_factory(self._lease, checkpoint, sub_sequence_number)
-            self._fetcher.start()
+            if checkpoint != SHARD_END:
+                self._fetcher = (
+                    self._fetcher_factory(self._lease, checkpoint, sub_sequence_number)
+                    if start_at is None else
+                    self._fetcher_factory(self._lease, checkpoint, sub_sequence_number, start_at))
+                self._fetcher.start()
             return True
         return False
 
@@ -263,6 +305,9 @@ class ShardConsumer:
             return False
         return self._initialize(checkpoint or self._lease.checkpoint, sub)
 
+    def _recovering(self) -> bool:
+        return self._recovery is not None and self._recovery.active
+
     def _process_loop(self) -> None:
         restarts = 0
         while True:
@@ -273,25 +318,58 @@ class ShardConsumer:
                 self._end_with_shutdown_requested()
                 return
             assert self._fetcher is not None
-            result = self._fetcher.get(timeout=self._settings.poll_timeout_s)
+            recovering = self._recovering()
+            # While a gap is recovered the live queue is looked at more often, so that
+            # neither reader waits long behind the other's empty queue.
+            timeout = self._settings.poll_timeout_s / (10 if recovering else 1)
+            result = self._fetcher.get(timeout=timeout)
             self.millis_behind_latest = self._fetcher.millis_behind_latest
+            outcome = self._deliver_recovery() if recovering else "ok"
             if result is None:
-                self.caught_up = self._fetcher.caught_up
+                self.caught_up = self._fetcher.caught_up and not recovering
+            else:
+                empty_too = self._settings.call_process_records_even_for_empty_record_list
+                if outcome == "ok" and (result.records or empty_too):
+                    outcome = self._deliver(result)
+            if outcome == "restart":
+                if not self._restart(restarts):
+                    continue
+                restarts += 1
                 continue
-            empty_too = self._settings.call_process_records_even_for_empty_record_list
-            if result.records or empty_too:
-                outcome = self._deliver(result)
-                if outcome == "restart":
-                    if not self._restart(restarts):
-                        continue
-                    restarts += 1
-                    continue
-                if outcome == "stopped":
-                    continue
-                restarts = 0
+            if outcome == "stopped" or result is None:
+                continue
+            restarts = 0
             if result.shard_end:
                 self._end_with_shard_end(result.child_shards)
                 return
+
+    def _deliver_recovery(self) -> str:
+        """Hand the processor the recovery batch that is ready, if any; as ``_deliver``."""
+        assert self._recovery is not None
+        batch = self._recovery.poll()
+        if batch is None:
+            return "ok"
+        result, checkpointer = batch
+        return self._deliver(result, checkpointer, is_recovery=True)
+
+    def _drain_recovery(self) -> None:
+        """After the shard's end: recover what is still queued before letting the lease go
+        (the children already run; they only wait for the live SHARD_END checkpoint)."""
+        recovery = self._recovery
+        while recovery is not None and recovery.active and not self._stopping():
+            batch = recovery.poll()
+            if batch is None:
+                if self._pause(self._settings.poll_timeout_s / 10):
+                    return
+            elif self._deliver(*batch, is_recovery=True) == "restart":
+                # Only the gap's reader can move back: the shard itself is finished.
+                recovery.begin(SHARD_END, 0)
+
+    @property
+    def recovery(self) -> list[dict[str, Any]]:
+        """The shard's queued recovery gaps (``/status``); empty without lag recovery."""
+        recovery = self._recovery
+        return recovery.status() if recovery is not None else []
 
     @property
     def retrieval(self) -> dict[str, Any]:
@@ -299,18 +377,22 @@ class ShardConsumer:
         fetcher = self._fetcher
         return fetcher.retrieval if fetcher is not None else {}
 
-    def _deliver(self, result: FetchResultLike) -> str:
-        """Hand one batch to the processor; 'ok', 'restart' or 'stopped'."""
-        assert self._processor is not None and self._checkpointer is not None
+    def _deliver(self, result: FetchResultLike, checkpointer: Checkpointer | None = None, *,
+                 is_recovery: bool = False) -> str:
+        """Hand one batch to the processor; 'ok', 'restart' or 'stopped'. A recovery batch
+        comes with its gap's checkpointer; a live one uses the shard's."""
+        checkpointer = checkpointer or self._checkpointer
+        assert self._processor is not None and checkpointer is not None
         records = result.records
-        previous = self._checkpointer.mark_delivered(records[-1]) if records else None
+        previous = checkpointer.mark_delivered(records[-1]) if records else None
         attempt = 0
         while True:
             started = time.perf_counter()
             try:
                 self._processor.process_records(ProcessRecordsInput(
-                    self.shard_id, records, self._checkpointer, result.millis_behind_latest,
-                    is_at_shard_end=result.shard_end))
+                    self.shard_id, records, checkpointer, result.millis_behind_latest,
+                    is_at_shard_end=result.shard_end and not is_recovery,
+                    is_recovery=is_recovery))
             except ProcessorRestartRequired as exc:
                 self._metrics.processor_errors.labels(self.shard_id, "process_records").inc()
                 log.error("shard %s: processor must restart: %s", self.shard_id, exc)
@@ -330,7 +412,7 @@ class ShardConsumer:
                               self.shard_id)
                 if self._pause(self._backoff(attempt)):
                     if records:
-                        self._checkpointer.unmark_delivered(previous)
+                        checkpointer.unmark_delivered(previous)
                     return "stopped"
                 attempt += 1
                 continue
@@ -374,6 +456,7 @@ class ShardConsumer:
                 log.exception("shard %s: shard_ended failed", self.shard_id)
             if self._checkpointer.last_checkpoint[0] == SHARD_END:
                 self.shard_ended = self.caught_up = True
+                self._drain_recovery()
                 return
             log.error("shard %s: the processor did not checkpoint at SHARD_END in shard_ended; "
                       "its child shards cannot start until it does. Calling shard_ended again.",

@@ -48,6 +48,10 @@ class ProcessRecordsInput:
     millis_behind_latest: int | None
     #: true for the last batch before SHARD_END, as the Java KCL flags it
     is_at_shard_end: bool = field(default=False)
+    #: kclpy's lag recovery (``max_lag_ms``): the records come from a gap the live reader
+    #: jumped over, read again in order. ``checkpointer`` then moves the gap's own
+    #: checkpoint, never the live one.
+    is_recovery: bool = field(default=False)
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,14 @@ and on shutdown lets every processor checkpoint before the leases are released.
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from datetime import datetime
 from types import FrameType
 from typing import Any, cast
 
@@ -26,12 +28,14 @@ from kclpy.config import KCLConfig
 from kclpy.consumer import ConsumerSettings, FatalProcessorError, FetcherLike, ShardConsumer
 from kclpy.errors import ConfigError, KCLError
 from kclpy.leases.coordinator import LeaseCoordinator
-from kclpy.leases.lease import Lease
+from kclpy.leases.lease import AT_TIMESTAMP, Lease
 from kclpy.leases.shard_sync import ShardSyncer
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
 from kclpy.processor import IRecordProcessor
-from kclpy.retrieval.fetcher import ShardFetcher, StartPosition
+from kclpy.recovery.rate import RecoveryRate
+from kclpy.recovery.shard import ShardRecovery
+from kclpy.retrieval.fetcher import Pacer, ShardFetcher, StartPosition
 from kclpy.retrieval.parse import ChildShard
 from kclpy.retrieval.registration import ConsumerRegistration, RegistrationSettings
 from kclpy.state import open_store
@@ -91,6 +95,8 @@ class Worker:
         self._cloudwatch: CloudWatchPublisher | None = None
         #: enhanced fan-out: the registered consumer every fetcher subscribes through
         self._consumer_arn: str | None = None
+        #: lag recovery: the records per second all recovery reads of this worker share
+        self._recovery_rate = RecoveryRate(config.recovery_max_rate)
 
     # -- public --------------------------------------------------------------------------
 
@@ -139,6 +145,7 @@ class Worker:
                 "checkpoint_sub_sequence_number": sub,
                 "millis_behind_latest": consumer.millis_behind_latest,
                 "retrieval": consumer.retrieval,
+                "recovery": consumer.recovery,
             }
         held = sorted(self.coordinator.held_leases()) if self.coordinator else []
         return {"worker_id": self.config.worker_id, "stream": self.config.stream_label,
@@ -287,27 +294,59 @@ class Worker:
         assert self.coordinator is not None
         token = lease.concurrency_token
         assert token is not None
+        recovery = None
+        if self.config.max_lag_ms is not None or lease.recovery:
+            # Gaps already queued are recovered even with max_lag_ms now off.
+            recovery = functools.partial(self._make_recovery, lease, token)
         return ShardConsumer(
             lease, concurrency_token=token, processor_factory=self._records_processor,
             checkpoint_writer=self.coordinator.fence, lease_reader=self.coordinator,
             fetcher_factory=self._make_fetcher, on_shard_end=self._on_shard_end,
-            settings=self._settings, metrics=self.metrics)
+            settings=self._settings, metrics=self.metrics, recovery=recovery)
 
-    def _make_fetcher(self, lease: Lease, checkpoint: str, sub_sequence_number: int) -> FetcherLike:
+    def _make_fetcher(self, lease: Lease, checkpoint: str, sub_sequence_number: int,
+                      start_at: datetime | None = None) -> FetcherLike:
+        start = (StartPosition(AT_TIMESTAMP, timestamp=start_at) if start_at is not None
+                 else StartPosition.from_checkpoint(checkpoint, sub_sequence_number,
+                                                    self.config.initial_timestamp))
+        return self._shard_fetcher(lease, start)
+
+    def _shard_fetcher(self, lease: Lease, start: StartPosition, *,
+                       until_ms: int | None = None, pacer: Pacer | None = None,
+                       max_records: int | None = None) -> ShardFetcher:
+        """A fetcher of the lease's shard: the live one, or (bounded, paced, always polling)
+        one of lag recovery's."""
         cfg = self.config
         hash_range = None
         if lease.starting_hash_key is not None and lease.ending_hash_key is not None:
             hash_range = (int(lease.starting_hash_key), int(lease.ending_hash_key))
+        live = until_ms is None and pacer is None and max_records is None
         return ShardFetcher(
-            self.kinesis, lease.lease_key,
-            StartPosition.from_checkpoint(checkpoint, sub_sequence_number, cfg.initial_timestamp),
+            self.kinesis, lease.lease_key, start,
             stream_name=cfg.api_stream_name, stream_arn=cfg.stream_arn,
-            max_records=cfg.max_records, idle_time_s=cfg.idle_time_between_reads_ms / 1000,
+            max_records=max_records or cfg.max_records,
+            idle_time_s=cfg.idle_time_between_reads_ms / 1000,
             queue_size=cfg.prefetch_queue_size, hash_range=hash_range, metrics=self.metrics,
-            deliver_empty=cfg.call_process_records_even_for_empty_record_list,
+            deliver_empty=cfg.call_process_records_even_for_empty_record_list and live,
             gate=self.coordinator.retrieval_gate if self.coordinator is not None else None,
-            consumer_arn=self._consumer_arn, http_version=cfg.fanout_http_version,
-            shard_end_probe_s=cfg.shard_sync_interval_ms / 1000)
+            consumer_arn=self._consumer_arn if live else None,
+            http_version=cfg.fanout_http_version,
+            shard_end_probe_s=cfg.shard_sync_interval_ms / 1000,
+            pacer=pacer, until_ms=until_ms)
+
+    def _make_recovery(self, lease: Lease, token: str) -> ShardRecovery:
+        """Called on the consumer's thread, so an unreadable queue fails that shard only."""
+        assert self.coordinator is not None
+
+        def reader(start: StartPosition, until_ms: int | None, pacer: Pacer | None,
+                   max_records: int | None) -> ShardFetcher:
+            return self._shard_fetcher(lease, start, until_ms=until_ms, pacer=pacer,
+                                       max_records=max_records)
+
+        return ShardRecovery(
+            lease.lease_key, lease.recovery, token=token, fence=self.coordinator.fence,
+            reader_factory=reader, rate=self._recovery_rate,
+            max_lag_ms=self.config.max_lag_ms, metrics=self.metrics)
 
     def _on_shard_end(self, shard_id: str, children: Sequence[ChildShard]) -> None:
         """Called from a consumer's thread when its shard is fully read."""
@@ -338,7 +377,7 @@ class Worker:
         leases = self.coordinator.all_leases()
         if not leases:
             return False  # the taker has not scanned the table yet
-        open_leases = [lease for lease in leases if not lease.is_shard_end]
+        open_leases = [lease for lease in leases if not lease.is_finished]
         if any(lease.lease_key not in held for lease in open_leases):
             return False
         consumers = self.consumers()

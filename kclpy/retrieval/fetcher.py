@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import httpx
 import urllib3
@@ -69,6 +69,16 @@ _POLL_S = 0.05
 def _short(iterator: str) -> str:
     """Iterators are bearer tokens for the shard's data: never log them whole."""
     return f"{iterator[:12]}..."
+
+
+class Pacer(Protocol):
+    """A budget of records to read (lag recovery's rate bound): asked before each GetRecords
+    for its ``Limit``, given back what the page did not use."""
+
+    def take(self, want: int, stop: threading.Event) -> int:
+        """Records granted (at most ``want``); 0 once ``stop`` is set."""
+
+    def give_back(self, records: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -194,6 +204,8 @@ class ShardFetcher:
         http_version: str = "auto",
         shard_end_probe_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        pacer: Pacer | None = None,
+        until_ms: int | None = None,
     ) -> None:
         if stream_name is None and stream_arn is None:
             raise ValueError("a ShardFetcher needs stream_name or stream_arn")
@@ -222,6 +234,11 @@ class ShardFetcher:
         self._continuation: str | None = None
         self._probe_s = shard_end_probe_s
         self._clock = clock
+        #: polling only: GetRecords Limits come from this budget
+        self._pacer = pacer
+        #: the read ends, as at a shard end, before the first record that arrived at or
+        #: after this (epoch ms), or at the tip: a recovery gap's end
+        self._until_ms = until_ms
         self._probed_at = clock()
         #: clock() when the current subscription was opened (0: never)
         self._subscribed_at = 0.0
@@ -251,6 +268,13 @@ class ShardFetcher:
             if start.kind == AT_SEQUENCE_NUMBER and start.sequence_number is not None
             else None
         )
+        # AT_TIMESTAMP: records that arrived before the timestamp are dropped until one at
+        # or after it is seen. Kinesis already starts there; an endpoint that rounds the
+        # timestamp (kinesis-mock: to the second) must not hand out records a recovery gap
+        # ending at that timestamp also reads.
+        self._skip_before_ms: int | None = (
+            round(start.timestamp.timestamp() * 1000)
+            if start.kind == AT_TIMESTAMP and start.timestamp is not None else None)
         # The last Kinesis record (aggregate or plain) fully handled: an expired iterator
         # resumes after it.
         self._last_sequence_number: str | None = None
@@ -422,6 +446,11 @@ class ShardFetcher:
             return None, False
         if self._consumer_arn is not None:
             return self._fetch_event(self._consumer_arn), False
+        limit = self._max_records
+        if self._pacer is not None:
+            limit = self._pacer.take(limit, self._stop)
+            if not limit:
+                raise _Stopped
         fresh = False
         while True:
             if self._iterator is None:
@@ -429,8 +458,8 @@ class ShardFetcher:
                 fresh = True
             try:
                 page = self._retrying(
-                    "GetRecords", functools.partial(self._timed_get_records, self._iterator)
-                )
+                    "GetRecords",
+                    functools.partial(self._timed_get_records, self._iterator, limit))
             except ClientError as exc:
                 if exc.response.get("Error", {}).get("Code") != "ExpiredIteratorException":
                     raise
@@ -450,13 +479,26 @@ class ShardFetcher:
 
         self._iterator = page.next_shard_iterator
         millis = page.millis_behind_latest
-        if millis is not None:
+        # A bounded read (a recovery gap) is behind on purpose: the shard's gauge is live's.
+        if millis is not None and self._until_ms is None:
             self._m_behind.set(millis)
         raw = page.records
+        if self._pacer is not None:
+            self._pacer.give_back(limit - len(raw))
+        caught_up = millis == 0 or (millis is None and not raw)
+        shard_end = page.next_shard_iterator is None
+        children = page.child_shards
         if raw:
             self._last_sequence_number = raw[-1].sequence_number
-        shard_end = page.next_shard_iterator is None
-        caught_up = millis == 0 or (millis is None and not raw)
+        if self._skip_before_ms is not None and raw:
+            raw = _arrived_from(raw, self._skip_before_ms)
+            if raw:
+                self._skip_before_ms = None
+        if self._until_ms is not None:
+            kept = _arrived_before(raw, self._until_ms)
+            if len(kept) < len(raw) or (caught_up and not raw):
+                shard_end, children = True, []
+            raw = kept
         if shard_end:
             self._shard_ended = True
             logger.info("shard %s reached its end", self.shard_id)
@@ -464,7 +506,7 @@ class ShardFetcher:
         idle = not raw and caught_up and not shard_end
         self._at_tip = idle
         self._millis_behind_latest = millis
-        pending = _Page(raw, millis, shard_end, page.child_shards, caught_up)
+        pending = _Page(raw, millis, shard_end, children, caught_up)
         return (pending if deliver else None), idle
 
     def _fetch_event(self, consumer_arn: str) -> _Page | None:
@@ -485,6 +527,10 @@ class ShardFetcher:
         raw = page.records
         if raw:
             self._last_sequence_number = raw[-1].sequence_number
+        if self._skip_before_ms is not None and raw:
+            raw = _arrived_from(raw, self._skip_before_ms)
+            if raw:
+                self._skip_before_ms = None
         self._continuation = continuation
         shard_end = continuation is None
         if shard_end:
@@ -592,11 +638,11 @@ class ShardFetcher:
             self._skip_through = None
         return records
 
-    def _timed_get_records(self, iterator: str) -> GetRecordsPage:
+    def _timed_get_records(self, iterator: str, limit: int) -> GetRecordsPage:
         started = time.perf_counter()
         ok = False
         try:
-            page = get_records(self._client, iterator, self._max_records)
+            page = get_records(self._client, iterator, limit)
             ok = True
             return page
         finally:
@@ -668,6 +714,25 @@ class ShardFetcher:
                 self._pause(delay, exc)
                 continue
             return result
+
+
+def _arrived_before(records: Sequence[Record], until_ms: int) -> Sequence[Record]:
+    """The leading records that arrived before ``until_ms``: sequence numbers and arrival
+    times grow together within a shard, so the first one at or after it ends the range."""
+    for index, record in enumerate(records):
+        arrived = record.timestamp_millis
+        if arrived is not None and arrived >= until_ms:
+            return records[:index]
+    return records
+
+
+def _arrived_from(records: Sequence[Record], from_ms: int) -> Sequence[Record]:
+    """The records from the first one that arrived at or after ``from_ms``."""
+    for index, record in enumerate(records):
+        arrived = record.timestamp_millis
+        if arrived is None or arrived >= from_ms:
+            return records[index:]
+    return records[:0]
 
 
 def _classify_subscribe(exc: BaseException) -> str | None:

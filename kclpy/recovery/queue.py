@@ -1,0 +1,147 @@
+"""A shard's recovery queue: the gaps still to read, in order, as the lease item stores them.
+
+A gap starts right after a position (a checkpoint: sequence and sub-sequence number, or
+``TRIM_HORIZON``) and ends before a time: it holds the records that arrived before
+``end_ms``. The live reader of the same shard starts ``AT_TIMESTAMP`` ``end_ms``, which
+Kinesis defines as the first record that arrived at or after it, so recovery and live
+reading meet without a gap and without an overlap.
+
+Each gap carries its own checkpoint (``done``), so recovery resumes where it stopped, with
+any owner. A new gap is merged with any gap it overlaps or touches (its first record arrived
+before or at the other's end), never replacing it: two outages leave two gaps, or one gap
+covering both, but never lose one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+
+from kclpy.leases.lease import TRIM_HORIZON
+
+Position = tuple[int, int]
+
+
+def position(sequence_number: str, sub_sequence_number: int) -> Position:
+    """Sortable form of a gap position; ``TRIM_HORIZON`` sorts before every record."""
+    if sequence_number == TRIM_HORIZON:
+        return -1, 0
+    return int(sequence_number), sub_sequence_number
+
+
+@dataclass(frozen=True)
+class RecoveryRequest:
+    """One gap: records after ``start`` that arrived before ``end_ms``, done through ``done``."""
+
+    #: the live checkpoint the gap starts after (a sequence number or ``TRIM_HORIZON``)
+    start: str
+    start_sub: int
+    #: arrival (epoch ms) of the records where the gap ends: they belong to live reading
+    end_ms: int
+    #: the gap's first record when it was found: its arrival orders and merges gaps, its
+    #: sequence number tells recovery whether the gap's beginning was trimmed meanwhile
+    first_ms: int | None
+    first_sequence: str | None
+    #: the recovery checkpoint: every record of the gap up to here was processed
+    done: str
+    done_sub: int
+    #: arrival of the record at ``done`` (None before the first recovery checkpoint)
+    done_ms: int | None = None
+
+    @classmethod
+    def gap(cls, start: str, start_sub: int, end_ms: int, first_ms: int | None,
+            first_sequence: str | None) -> RecoveryRequest:
+        return cls(start, start_sub, end_ms, first_ms, first_sequence, start, start_sub)
+
+    @property
+    def started(self) -> bool:
+        """Recovery checkpointed inside the gap at least once."""
+        return (self.done, self.done_sub) != (self.start, self.start_sub)
+
+    def remaining_ms(self) -> int:
+        """How much arrival time of the gap is still ahead of its recovery checkpoint."""
+        since = self.done_ms if self.done_ms is not None else self.first_ms
+        return max(0, self.end_ms - since) if since is not None else 0
+
+    def checkpointed(self, sequence_number: str, sub_sequence_number: int,
+                     arrival_ms: int | None) -> RecoveryRequest:
+        return replace(self, done=sequence_number, done_sub=sub_sequence_number,
+                       done_ms=arrival_ms)
+
+    def overlaps_next(self, later: RecoveryRequest) -> bool:
+        """``later`` (which does not start before this gap) begins inside or right at the
+        end of this gap, so the two are one."""
+        if position(later.start, later.start_sub) == position(self.start, self.start_sub):
+            return True
+        return later.first_ms is not None and later.first_ms <= self.end_ms
+
+    def merged(self, later: RecoveryRequest) -> RecoveryRequest:
+        """One gap covering both. The earlier start wins with its own checkpoint: everything
+        between it and that checkpoint was processed. With the same start, the checkpoint
+        further on wins."""
+        head = self
+        if position(later.start, later.start_sub) == position(self.start, self.start_sub) and (
+                position(later.done, later.done_sub) > position(self.done, self.done_sub)):
+            head = later
+        return replace(head, end_ms=max(self.end_ms, later.end_ms))
+
+    def to_json(self) -> dict[str, object]:
+        return {"start": self.start, "startSub": self.start_sub, "endMs": self.end_ms,
+                "firstMs": self.first_ms, "firstSequence": self.first_sequence,
+                "done": self.done, "doneSub": self.done_sub, "doneMs": self.done_ms}
+
+    @classmethod
+    def from_json(cls, value: dict[str, object]) -> RecoveryRequest:
+        return cls(start=str(value["start"]), start_sub=_int(value["startSub"]),
+                   end_ms=_int(value["endMs"]), first_ms=_opt_int(value.get("firstMs")),
+                   first_sequence=_opt_str(value.get("firstSequence")),
+                   done=str(value["done"]), done_sub=_int(value["doneSub"]),
+                   done_ms=_opt_int(value.get("doneMs")))
+
+
+def _int(value: object) -> int:
+    if not isinstance(value, int):
+        raise ValueError(f"expected a whole number, got {value!r}")
+    return value
+
+
+def _opt_int(value: object) -> int | None:
+    return None if value is None else _int(value)
+
+
+def _opt_str(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def add(queue: tuple[RecoveryRequest, ...], request: RecoveryRequest
+        ) -> tuple[RecoveryRequest, ...]:
+    """``queue`` with ``request`` in its place, every overlapping or touching pair merged."""
+    ordered = sorted((*queue, request), key=lambda r: position(r.start, r.start_sub))
+    result: list[RecoveryRequest] = []
+    for item in ordered:
+        if result and result[-1].overlaps_next(item):
+            result[-1] = result[-1].merged(item)
+        else:
+            result.append(item)
+    return tuple(result)
+
+
+def dumps(queue: tuple[RecoveryRequest, ...]) -> str | None:
+    """The lease attribute's value; None for an empty queue (the attribute is removed)."""
+    if not queue:
+        return None
+    return json.dumps({"v": 1, "requests": [r.to_json() for r in queue]},
+                      separators=(",", ":"))
+
+
+def loads(text: str | None) -> tuple[RecoveryRequest, ...]:
+    """The queue a lease item stores; an unreadable value raises ValueError, because
+    dropping it silently would abandon its gaps."""
+    if not text:
+        return ()
+    try:
+        value = json.loads(text)
+        requests = value["requests"]
+        return tuple(RecoveryRequest.from_json(r) for r in requests)
+    except (TypeError, KeyError, json.JSONDecodeError) as exc:
+        raise ValueError(f"unreadable recovery queue {text[:80]!r}: {exc!r}") from None

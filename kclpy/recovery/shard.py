@@ -1,0 +1,312 @@
+"""One held shard's recovery: its queue of gaps, the reader of the gap being recovered, and
+the checkpointer the processor gets with each recovery batch.
+
+The consumer asks ``begin`` before its live reader starts: if the shard's first unprocessed
+record is older than ``max_lag_ms``, the gap is added to the queue and the queue written to
+the lease item, through the fence, before the live reader is even created - so no crash can
+lose a gap the live reader jumped over. Between live batches the consumer asks ``poll`` for
+a recovery batch; ``poll`` never waits, so a slow or rate-limited recovery never holds a live
+batch back.
+
+A gap is read by a second ``ShardFetcher`` of the shard, bounded by the gap's end and paced
+by the worker's ``RecoveryRate``; a checkpoint through the recovery checkpointer moves the
+gap's own checkpoint (never the live one), and the checkpoint that covers the gap's last
+record removes the gap. A gap read to its end without such a checkpoint stays queued and is
+read again, from its checkpoint, by the shard's next tenure.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from kclpy.checkpoint import Checkpointer, position_of
+from kclpy.leases.lease import TRIM_HORIZON
+from kclpy.leases.serializer import RECOVERY, UpdateBuilder, s
+from kclpy.metrics import Metrics
+from kclpy.recovery import queue as gaps
+from kclpy.recovery.detect import first_record
+from kclpy.recovery.queue import Position, RecoveryRequest, position
+from kclpy.recovery.rate import RecoveryRate, ShardPacer
+from kclpy.retrieval.fetcher import FetchError, FetchResult, Pacer, ShardFetcher, StartPosition
+
+if TYPE_CHECKING:
+    from kclpy.leases.fence import Guard, LeaseFence
+
+log = logging.getLogger(__name__)
+
+#: (start, until_ms, pacer, max_records) -> a fetcher of the shard; None means the default
+ReaderFactory = Callable[[StartPosition, "int | None", "Pacer | None", "int | None"],
+                         ShardFetcher]
+
+
+def _key(request: RecoveryRequest) -> Position:
+    return position(request.start, request.start_sub)
+
+
+class ShardRecovery:
+    """Used from the shard consumer's delivery thread; checkpoints may come from any thread."""
+
+    def __init__(
+        self,
+        shard_id: str,
+        stored: str | None,
+        *,
+        token: str,
+        fence: LeaseFence,
+        reader_factory: ReaderFactory,
+        rate: RecoveryRate,
+        max_lag_ms: int | None,
+        metrics: Metrics,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.shard_id = shard_id
+        self._token = token
+        self._fence = fence
+        self._readers = reader_factory
+        self._rate = rate
+        self._max_lag_ms = max_lag_ms
+        self._metrics = metrics
+        self._wall_clock = wall_clock
+        self._lock = threading.Lock()
+        self._queue = gaps.loads(stored)
+        #: gaps read to their end in this tenure without a checkpoint covering them
+        self._passed: set[Position] = set()
+        self._pacer: ShardPacer = rate.pacer(shard_id)
+        self._reader: ShardFetcher | None = None
+        self._reading: Position | None = None
+        self._checkpointer: Checkpointer | None = None
+        #: the last record handed out of the gap being read, and the same once its end was
+        #: seen (the position a checkpoint must reach to finish the gap)
+        self._handed: Position | None = None
+        self._final: Position | None = None
+        self._end_seen = False
+        #: arrival (epoch ms) of the last recovery record handed out
+        self._delivered_ms: int | None = None
+        self._counted = False
+        self._publish()
+
+    # -- the consumer's side ---------------------------------------------------------------
+
+    def begin(self, checkpoint: str, sub_sequence_number: int) -> datetime | None:
+        """Look at the first record after the live checkpoint; when it is older than
+        ``max_lag_ms`` (None: never), queue its gap durably and return where live reading
+        starts instead (None: read live from the checkpoint). Any gap being read is re-read
+        from its own checkpoint, as a restarted processor must see it again."""
+        self._stop_reader()
+        self._passed.clear()
+        max_lag_ms = self._max_lag_ms
+        if max_lag_ms is None or (checkpoint != TRIM_HORIZON and not checkpoint.isdigit()):
+            return None
+        probe = self._readers(
+            StartPosition.from_checkpoint(checkpoint, sub_sequence_number, None), None, None, 1)
+        first = first_record(probe)
+        now_ms = round(self._wall_clock() * 1000)
+        live_ms = now_ms - max_lag_ms
+        arrived = None if first is None else first.timestamp_millis
+        if first is None or arrived is None or arrived >= live_ms:
+            return None
+        request = RecoveryRequest.gap(checkpoint, sub_sequence_number, live_ms, arrived,
+                                      first.sequence_number)
+        with self._lock:
+            self._store(gaps.add(self._queue, request))
+        log.warning("shard %s: %d ms behind (more than max_lag_ms=%d); reading live from "
+                    "%s and recovering the gap after %s/%s separately", self.shard_id,
+                    now_ms - arrived, max_lag_ms, _iso(live_ms), checkpoint,
+                    sub_sequence_number)
+        return datetime.fromtimestamp(live_ms / 1000, tz=timezone.utc)
+
+    def poll(self) -> tuple[FetchResult, Checkpointer] | None:
+        """The next recovery batch and the checkpointer that goes with it, if one is ready
+        now; never waits."""
+        if self._end_seen:
+            self._close_gap()
+        reader = self._reader if self._reader is not None else self._open_next()
+        if reader is None:
+            return None
+        try:
+            result = reader.get(timeout=0)
+        except FetchError as exc:
+            log.error("shard %s: recovery read failed; the gap stays queued for the next "
+                      "owner: %r", self.shard_id, exc)
+            if self._reading is not None:
+                self._passed.add(self._reading)
+            self._stop_reader()
+            return None
+        if result is None:
+            return None
+        records = result.records
+        assert self._checkpointer is not None
+        if records:
+            self._handed = records[-1].extended_sequence_number
+        if result.shard_end:
+            self._end_seen = True
+            self._final = self._handed
+        if not records:
+            return None
+        self._delivered_ms = records[-1].timestamp_millis
+        self._metrics.recovery_records.labels(self.shard_id).inc(len(records))
+        return result, self._checkpointer
+
+    @property
+    def active(self) -> bool:
+        """Gaps are queued that this tenure has not read to their end yet."""
+        with self._lock:
+            return any(_key(r) not in self._passed for r in self._queue)
+
+    def stop(self) -> None:
+        """The consumer is done with the shard: stop reading and leave the rate's turns."""
+        self._stop_reader()
+        if self._counted:
+            self._metrics.recovery_shards.dec()
+            self._counted = False
+
+    def status(self) -> list[dict[str, Any]]:
+        """The queue as ``/status`` shows it, first gap first."""
+        with self._lock:
+            queue, reading = self._queue, self._reading
+        return [{"after": r.start, "after_sub_sequence_number": r.start_sub,
+                 "end": _iso(r.end_ms), "checkpoint": r.done,
+                 "checkpoint_sub_sequence_number": r.done_sub,
+                 "remaining_ms": r.remaining_ms(), "reading": _key(r) == reading}
+                for r in queue]
+
+    # -- the gap checkpointer's writes ------------------------------------------------------
+
+    def checkpoint(self, gap: Position, sequence_number: str, sub_sequence_number: int,
+                   items: Sequence[Any] = ()) -> None:
+        """Move ``gap``'s checkpoint (fenced); the checkpoint covering the gap's last record
+        removes the gap. ``items`` commit in the same transaction (a stateful processor)."""
+        with self._lock:
+            queue = list(self._queue)
+            index = next((i for i, r in enumerate(queue) if _key(r) == gap), None)
+            if index is None:
+                return
+            done = (int(sequence_number), sub_sequence_number)
+            if self._reading == gap and self._final is not None and done >= self._final:
+                del queue[index]
+            else:
+                queue[index] = queue[index].checkpointed(
+                    sequence_number, sub_sequence_number, self._delivered_ms)
+            self._store(tuple(queue), items)
+
+    def guard(self, what: str) -> AbstractContextManager[Guard]:
+        return self._fence.guard(self.shard_id, self._token, what=what)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _open_next(self) -> ShardFetcher | None:
+        with self._lock:
+            request = next((r for r in self._queue if _key(r) not in self._passed), None)
+        if request is None:
+            return None
+        gap = _key(request)
+        self._reading = gap
+        self._checkpointer = Checkpointer(
+            self.shard_id, GapWriter(self, gap), self._token, request.done, request.done_sub)
+        reader = self._readers(self._start_of(request), request.end_ms, self._pacer, None)
+        reader.start()
+        self._reader = reader
+        log.info("shard %s: recovering the gap after %s/%s up to %s", self.shard_id,
+                 request.done, request.done_sub, _iso(request.end_ms))
+        return reader
+
+    def _start_of(self, request: RecoveryRequest) -> StartPosition:
+        """Where the gap's reading resumes: its checkpoint, unless the stream's retention
+        has already trimmed past it; then what is left, from the oldest record kept, after
+        logging and counting the loss."""
+        resume = StartPosition.from_checkpoint(request.done, request.done_sub, None)
+        check = request.done if request.started else request.first_sequence
+        if check is None or check == TRIM_HORIZON:
+            return resume
+        oldest = first_record(self._readers(StartPosition(TRIM_HORIZON), None, None, 1))
+        if oldest is None or int(oldest.sequence_number) <= int(check):
+            return resume
+        self._metrics.recovery_trimmed.labels(self.shard_id).inc()
+        lost_from = f"after {check}" if request.started else f"from {check}"
+        log.error("shard %s: part of a recovery gap is past the stream's retention: records "
+                  "%s up to %s (arrived %s) are lost; recovering the rest", self.shard_id,
+                  lost_from, oldest.sequence_number, _iso(oldest.timestamp_millis or 0))
+        return StartPosition(TRIM_HORIZON)
+
+    def _close_gap(self) -> None:
+        """The gap being read reached its end and its last batch was handed out."""
+        gap, final, checkpointer = self._reading, self._final, self._checkpointer
+        assert gap is not None and checkpointer is not None
+        self._stop_reader()
+        # Read before taking ``_lock``: a checkpoint holds the checkpointer's lock while it
+        # waits for ``_lock``.
+        done = position_of(*checkpointer.last_checkpoint)
+        with self._lock:
+            queued = any(_key(r) == gap for r in self._queue)
+            if queued and (final is None or done >= final):
+                self._store(tuple(r for r in self._queue if _key(r) != gap))
+                return
+        if queued:
+            log.warning("shard %s: recovery gap read to its end, but not checkpointed through "
+                        "its last record; it will be read again from its checkpoint by the "
+                        "shard's next owner", self.shard_id)
+            self._passed.add(gap)
+
+    def _stop_reader(self) -> None:
+        reader, self._reader = self._reader, None
+        self._reading, self._end_seen, self._checkpointer = None, False, None
+        self._handed = self._final = None
+        if reader is not None:
+            reader.stop()
+        self._pacer.leave()
+
+    def _store(self, queue: tuple[RecoveryRequest, ...], items: Sequence[Any] = ()) -> None:
+        """Write ``queue`` to the lease item as its holder (the caller holds ``_lock``)."""
+        value = gaps.dumps(queue)
+        changes = UpdateBuilder()
+        if value is None:
+            changes.remove(RECOVERY)
+        else:
+            changes.set(RECOVERY, s(value))
+        if items:
+            self._fence.transact(self.shard_id, self._token, changes, items,
+                                 what="recovery commit",
+                                 apply=lambda lease: lease.copy(recovery=value))
+        else:
+            self._fence.update(self.shard_id, self._token, changes, what="recovery checkpoint")
+        self._queue = queue
+        self._publish()
+
+    def _publish(self) -> None:
+        queue = self._queue
+        self._metrics.recovery_remaining_ms.labels(self.shard_id).set(
+            sum(r.remaining_ms() for r in queue))
+        if bool(queue) != self._counted:
+            self._counted = bool(queue)
+            self._metrics.recovery_shards.inc(1 if queue else -1)
+
+
+class GapWriter:
+    """The ``CheckpointWriter`` of one gap's checkpointer: its checkpoints are the gap's."""
+
+    def __init__(self, recovery: ShardRecovery, gap: Position) -> None:
+        self._recovery = recovery
+        self._gap = gap
+
+    def update_checkpoint(self, shard_id: str, concurrency_token: str, checkpoint: str,
+                          sub_sequence_number: int) -> None:
+        self._recovery.checkpoint(self._gap, checkpoint, sub_sequence_number)
+
+    def transact_checkpoint(self, shard_id: str, concurrency_token: str, checkpoint: str,
+                            sub_sequence_number: int, items: Sequence[Any]) -> None:
+        self._recovery.checkpoint(self._gap, checkpoint, sub_sequence_number, items)
+
+    def guard(self, shard_id: str, concurrency_token: str | None, *,
+              what: str) -> AbstractContextManager[Guard]:
+        return self._recovery.guard(what)
+
+
+def _iso(epoch_ms: int) -> str:
+    return datetime.fromtimestamp(epoch_ms / 1000, tz=timezone.utc).isoformat(
+        timespec="milliseconds")
