@@ -139,6 +139,21 @@ class Metrics:
         self.subscription_bytes = Counter(
             "kclpy_subscription_bytes", "Bytes of SubscribeToShard event payloads received.",
             ["shard_id"], registry=r)
+        # Lag recovery (kclpy.recovery, max_lag_ms)
+        self.recovery_records = Counter(
+            "kclpy_recovery_records",
+            "Records of recovery gaps handed to the processor (flagged is_recovery).",
+            ["shard_id"], registry=r)
+        self.recovery_remaining_ms = Gauge(
+            "kclpy_recovery_remaining_ms",
+            "Arrival time still to recover per shard: each queued gap's end minus its "
+            "recovery checkpoint's arrival, summed.", ["shard_id"], registry=r)
+        self.recovery_shards = Gauge(
+            "kclpy_recovery_shards", "Held shards with recovery gaps queued.", registry=r)
+        self.recovery_trimmed = Counter(
+            "kclpy_recovery_trimmed",
+            "Recovery gaps found partly past the stream's retention (logged at ERROR with "
+            "the lost range; recovery went on with the rest).", ["shard_id"], registry=r)
         # The Java KCL's CloudWatch metrics (kclpy.cloudwatch): off unless configured
         self.cloudwatch: MetricsSink = NullSink()
         self.cloudwatch_datums = Counter(

@@ -42,6 +42,9 @@ BAD_CONFIGS: list[tuple[str, list[str], str]] = [
     ("failover not a number", [*GOOD, "--failover-time-ms", "ten"], "--failover-time-ms"),
     ("negative failover", [*GOOD, "--failover-time-ms", "-1"], "--failover-time-ms"),
     ("zero max records", [*GOOD, "--max-records", "0"], "--max-records"),
+    ("zero max lag", [*GOOD, "--max-lag-ms", "0"], "--max-lag-ms"),
+    ("recovery rate not a number", [*GOOD, "--recovery-max-rate", "fast"],
+     "--recovery-max-rate"),
     ("too many max records", [*GOOD, "--max-records", "10001"], "--max-records"),
     ("negative idle time", [*GOOD, "--idle-time-between-reads-ms", "-5"],
      "--idle-time-between-reads-ms"),
@@ -89,6 +92,7 @@ BAD_CONFIGS: list[tuple[str, list[str], str]] = [
 
 BAD_PROPERTIES: list[tuple[str, str, str]] = [
     ("properties failover", "failoverTimeMillis = soon\n", "failoverTimeMillis"),
+    ("properties max lag", "maxLagMillis = -5\n", "maxLagMillis"),
     ("properties negative", "idleTimeBetweenReadsInMillis = -1\n",
      "idleTimeBetweenReadsInMillis"),
     ("properties position", "initialPositionInStream = NOW\n", "initialPositionInStream"),

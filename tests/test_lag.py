@@ -213,6 +213,17 @@ def test_a_child_waiting_for_its_parents_is_ok_though_it_never_checkpoints() -> 
     assert "parent" in result.reason
 
 
+@pytest.mark.parametrize("recovering, status", [(True, ShardStatus.OK),
+                                                 (False, ShardStatus.STOP)])
+def test_a_shard_in_lag_recovery_is_not_stopped_though_its_live_checkpoint_waits(
+        recovering: bool, status: ShardStatus) -> None:
+    shard = window(*(obs(t, "100", behind(5000), recovering=recovering)
+                     for t in (0, 30, 60, 90, 120, 150, 180)))
+    result = shard.evaluate(180)
+    assert result.status is status
+    assert ("lag recovery" in result.reason) is recovering
+
+
 def test_an_empty_window_is_ok_and_incomplete() -> None:
     result = ShardWindow(WINDOW).evaluate(100)
     assert (result.status, result.complete, result.latest) == (ShardStatus.OK, 0.0, None)

@@ -24,6 +24,9 @@ Differences from Burrow, each because a Kinesis lease is not a Kafka offset comm
 - Burrow warns when lag is flat; here the lag must also end higher, because a consumer that
   exactly matches the producer's rate is not falling behind.
 - A shard waiting for its parents to finish is OK: it must not checkpoint yet.
+- A shard in lag recovery (``max_lag_ms``) is OK unless it rewinds: its live checkpoint
+  stays where the gap starts until the first live batch, and the gap is read at a bounded
+  rate on purpose, so neither a quiet checkpoint nor a slow one means it is stuck.
 
 Lag is measured from the checkpoint against the tip of the shard by :class:`LagProbe`.
 """
@@ -122,6 +125,8 @@ class Observation:
     checkpoint_writes: float | None = None
     #: the shard may not checkpoint yet because a parent shard is still being read
     waiting_on_parents: bool = False
+    #: lag recovery gaps of the shard are queued (the worker's own view)
+    recovering: bool = False
 
     @property
     def position(self) -> Position:
@@ -208,6 +213,9 @@ class ShardWindow:
             if after.position < before.position:
                 return result(ShardStatus.REWIND, f"checkpoint moved backwards from "
                               f"{_where(before)} to {_where(after)}")
+        if latest.recovering:
+            return result(ShardStatus.OK, "in lag recovery: live reading runs near the tip "
+                          "while the gap is recovered at its bounded rate")
         quiet_since = self._last_write if self._last_write is not None else self._first_seen
         if now - quiet_since >= self.window_s:
             return result(ShardStatus.STOP, f"no checkpoint for {now - quiet_since:.0f}s "

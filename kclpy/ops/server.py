@@ -150,7 +150,8 @@ class _LagSampler:
             self._tracker.record(shard_id, Observation(
                 time=now, checkpoint=checkpoint, sub_sequence_number=sub, lag=lag,
                 owner=status["worker_id"], checkpoint_writes=writes,
-                waiting_on_parents=shard["state"] == _WAITING))
+                waiting_on_parents=shard["state"] == _WAITING,
+                recovering=bool(shard.get("recovery"))))
         self._tracker.retain(shards)
 
 
