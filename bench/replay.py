@@ -145,8 +145,11 @@ def _payloads(spec: StreamSpec, rnd: random.Random) -> list[tuple[str, bytes]]:
     return out
 
 
-def build_stream(index: int, spec: StreamSpec, seed: int = 7) -> Stream:
-    """Generate and serialise every record of the stream (deterministic for a seed)."""
+def build_stream(index: int, spec: StreamSpec, seed: int = 7,
+                 last_arrival_ms: int | None = None) -> Stream:
+    """Generate and serialise every record of the stream (deterministic for a seed). Arrivals
+    are one millisecond apart, from ``FIRST_ARRIVAL_MS``, or ending at ``last_arrival_ms``
+    (a backlog that ends now, for readers that position by arrival time)."""
     rnd = random.Random(f"{seed}:{spec}")
     width = (_MAX_HASH_KEY + 1) // max(spec.shards, 1)
     shards = []
@@ -154,9 +157,12 @@ def build_stream(index: int, spec: StreamSpec, seed: int = 7) -> Stream:
         last = n == spec.shards - 1
         shard = Shard(n, f"shardId-{n:012d}", n * width,
                       _MAX_HASH_KEY if last else (n + 1) * width - 1)
-        for i, (key, payload) in enumerate(_payloads(spec, rnd)):
+        payloads = _payloads(spec, rnd)
+        first_arrival = (FIRST_ARRIVAL_MS if last_arrival_ms is None
+                         else last_arrival_ms - max(len(payloads) - 1, 0))
+        for i, (key, payload) in enumerate(payloads):
             sequence = FIRST_SEQUENCE + i * 100_000
-            arrival = FIRST_ARRIVAL_MS + i
+            arrival = first_arrival + i
             shard.sequence_numbers.append(sequence)
             shard.arrivals_ms.append(arrival)
             shard.sizes.append(len(payload))
@@ -489,8 +495,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                       help="NAME:SHARDS:RECORDS_PER_SHARD:SIZE[:kpl]; repeat for more streams")
     args.add_argument("--port", type=int, default=0, help="0 picks a free port")
     args.add_argument("--seed", type=int, default=7)
+    args.add_argument("--last-arrival-ms", type=int,
+                      help="epoch ms at which each shard's last record arrived "
+                           "(default: a fixed time in the past)")
     options = args.parse_args(argv)
-    streams = [build_stream(i, spec, options.seed) for i, spec in enumerate(options.stream)]
+    streams = [build_stream(i, spec, options.seed, options.last_arrival_ms)
+               for i, spec in enumerate(options.stream)]
     replay = Replay(streams)
 
     async def serve() -> None:
