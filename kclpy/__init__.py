@@ -30,6 +30,7 @@ from kclpy.processor import (
     ShutdownRequestedInput,
 )
 from kclpy.records import Record
+from kclpy.streams import StreamConfig, StreamTracker
 
 if TYPE_CHECKING:
     from kclpy.state.dynamodb import DynamoDBStateStore
@@ -89,6 +90,8 @@ __all__ = [
     "ShutdownRequestedInput",
     "StateTransaction",
     "StatefulProcessor",
+    "StreamConfig",
+    "StreamTracker",
     "ThrottlingException",
     "TransactionTooLarge",
     "Worker",

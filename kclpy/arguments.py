@@ -22,8 +22,11 @@ from kclpy.config import (
     read_properties,
 )
 from kclpy.errors import ConfigError
+from kclpy.streams import StreamConfig
 
 LOCAL_DEMO_NAME = "kclpy-demo"
+#: flags given once per stream of a multi-stream application
+_REPEATABLE = ("stream_name", "stream_arn")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -56,7 +59,11 @@ def worker_parser() -> argparse.ArgumentParser:
     for option in OPTIONS:
         if option.name in ("executable_name",):
             continue
-        if option.kind == "bool":
+        if option.name in _REPEATABLE:
+            parser.add_argument(option.flag, dest=option.name, action="append",
+                                metavar=option.kind.upper(),
+                                help=option.help + " Repeat it to consume several streams.")
+        elif option.kind == "bool":
             parser.add_argument(option.flag, dest=option.name, nargs="?", const="true",
                                 metavar="BOOL", help=option.help)
         else:
@@ -79,6 +86,18 @@ def parse_worker_args(argv: Sequence[str] | None) -> tuple[KCLConfig, argparse.N
                                                    base_dir=path.resolve().parent)
         values.update(prop_values)
         labels.update(prop_labels)
+    names, arns = args.stream_name or [], args.stream_arn or []
+    if len(names) > 1 or len(arns) > 1:
+        values["streams"] = tuple(StreamConfig(name=n) for n in names) + tuple(
+            StreamConfig(arn=a) for a in arns)
+        labels["streams"] = "--stream-name"
+        for field_name in _REPEATABLE:
+            values.pop(field_name, None)
+            labels.pop(field_name, None)
+        args.stream_name = args.stream_arn = None
+    else:
+        args.stream_name = names[0] if names else None
+        args.stream_arn = arns[0] if arns else None
     for option in OPTIONS:
         raw = getattr(args, option.name, None)
         if raw is not None:

@@ -230,6 +230,12 @@ def _datum(key: Key, stats: _Stats, timestamp: datetime) -> dict[str, Any]:
     }
 
 
+def shard_dimensions(shard_id: str, stream: str | None = None) -> dict[str, str]:
+    """A shard's dimensions: ``ShardId``, and ``StreamId`` (the serialised stream identifier)
+    in a multi-stream application, as the Java KCL adds it there."""
+    return {"ShardId": shard_id} if stream is None else {"ShardId": shard_id, "StreamId": stream}
+
+
 def success_and_time(sink: MetricsSink, operation: str, prefix: str | None, ok: bool,
                      seconds: float, level: int, dimensions: Mapping[str, str] | None = None
                      ) -> None:

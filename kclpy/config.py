@@ -22,6 +22,7 @@ from typing import Any
 
 from kclpy.cloudwatch import parse_dimensions, parse_level
 from kclpy.errors import ConfigError
+from kclpy.streams import StreamConfig, StreamTracker
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,13 @@ class KCLConfig:
     #: lag recovery (kclpy.recovery): off while None
     max_lag_ms: int | None = None
     recovery_max_rate: int = 1_000
+    #: several streams with one lease table (Java's multi-stream lease keys, kclpy.streams);
+    #: exclusive with ``stream_name`` / ``stream_arn``
+    streams: tuple[StreamConfig, ...] = ()
+    #: asked at start-up and every shard sync for the streams to consume (multi-stream keys
+    #: even while it names one stream, as the Java KCL's MultiStreamTracker)
+    stream_tracker: StreamTracker | None = field(default=None, repr=False)
+    former_streams_lease_deletion_delay_ms: int = 3_600_000
     properties_dir: Path | None = None
 
     def __post_init__(self) -> None:
@@ -111,13 +119,33 @@ class KCLConfig:
         return self.table_name or self.application_name
 
     @property
+    def multi_stream(self) -> bool:
+        """Leases keyed the Java multi-stream way: several streams, or a tracker."""
+        return self.stream_tracker is not None or len(self.streams) > 1
+
+    def stream_configs(self) -> list[StreamConfig]:
+        """The streams to consume now (a tracker is asked each time)."""
+        if self.stream_tracker is not None:
+            return list(self.stream_tracker.stream_configs())
+        if self.streams:
+            return list(self.streams)
+        return [StreamConfig(name=self.stream_name, arn=self.stream_arn,
+                             initial_position=self.initial_position,
+                             initial_timestamp=self.initial_timestamp)]
+
+    @property
     def api_stream_name(self) -> str | None:
         """The name to send to Kinesis: none when an ARN is set (the ARN wins, as in Java)."""
         return None if self.stream_arn else self.stream_name
 
     @property
     def stream_label(self) -> str:
-        """The stream's name for logs and metrics (the ARN's last part when only the ARN is set)."""
+        """The stream's name for logs and metrics (the ARN's last part when only the ARN is
+        set); the names joined by commas for several streams."""
+        if self.stream_tracker is not None:
+            return "(tracked streams)"
+        if self.streams:
+            return ",".join(stream.label for stream in self.streams)
         if self.stream_name:
             return self.stream_name
         assert self.stream_arn is not None
@@ -265,6 +293,9 @@ OPTIONS: tuple[Option, ...] = (
     _opt("recovery_max_rate", "int",
          "Lag recovery: records per second this worker's recovery reads take at most, shared "
          "fairly by its recovering shards.", "recoveryMaxRecordsPerSecond"),
+    _opt("former_streams_lease_deletion_delay_ms", "int0",
+         "Multi-stream: how long after a stream left the tracker (or was deleted) its leases "
+         "are deleted.", "formerStreamsLeasesDeletionWaitMillis"),
 )
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
 OPTIONS_BY_KEY = {k.lower(): o for o in OPTIONS for k in o.properties_keys}
@@ -403,7 +434,13 @@ def validate(config: KCLConfig, labels: Mapping[str, str]) -> None:
 
     if not config.application_name or not str(config.application_name).strip():
         raise ConfigError(name("application_name"), "is required")
-    if not config.stream_name and not config.stream_arn:
+    if config.streams or config.stream_tracker is not None:
+        if config.stream_name or config.stream_arn:
+            raise ConfigError(name("stream_name" if config.stream_name else "stream_arn"),
+                              "names one stream; give several streams either all as streams "
+                              "(a repeated flag) or with a tracker, not both")
+        _validate_streams(config)
+    elif not config.stream_name and not config.stream_arn:
         raise ConfigError(labels.get("stream_name", "--stream-name"),
                           "is required (or --stream-arn)")
     if config.stream_arn and not re.match(r"^arn:aws[\w-]*:kinesis:", config.stream_arn):
@@ -430,6 +467,9 @@ def validate(config: KCLConfig, labels: Mapping[str, str]) -> None:
     if config.fanout_http_version not in FANOUT_HTTP_VERSIONS:
         raise ConfigError(name("fanout_http_version"), f"{config.fanout_http_version!r} is "
                           f"not one of {', '.join(FANOUT_HTTP_VERSIONS)}")
+    if config.consumer_arn and config.multi_stream:
+        raise ConfigError(name("consumer_arn"), "names the consumer of one stream; a "
+                          "multi-stream application registers one per stream (--consumer-name)")
     if config.consumer_arn and not re.match(r"^arn:aws[\w-]*:kinesis:.*/consumer/",
                                             config.consumer_arn):
         raise ConfigError(name("consumer_arn"), f"{config.consumer_arn!r} is not a stream "
@@ -458,6 +498,22 @@ def validate(config: KCLConfig, labels: Mapping[str, str]) -> None:
                 raise ConfigError(name(option.name), f"must be at least {least}, got {value}")
     if config.max_records > 10_000:
         raise ConfigError(name("max_records"), f"must be at most 10000, got {config.max_records}")
+
+
+def _validate_streams(config: KCLConfig) -> None:
+    if config.stream_tracker is not None:
+        if config.streams:
+            raise ConfigError("stream_tracker", "give streams or a tracker, not both")
+        if not isinstance(config.stream_tracker, StreamTracker):
+            raise ConfigError("stream_tracker", "must have a stream_configs() method")
+        return
+    seen: set[str] = set()
+    for stream in config.streams:
+        if not isinstance(stream, StreamConfig):
+            raise ConfigError("--stream-name", f"{stream!r} is not a kclpy.StreamConfig")
+        if stream.label in seen:
+            raise ConfigError("--stream-name", f"stream {stream.label} is given twice")
+        seen.add(stream.label)
 
 
 # -- loaders --------------------------------------------------------------------------------

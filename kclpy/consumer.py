@@ -20,7 +20,14 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from kclpy.checkpoint import Checkpointer, CheckpointWriter
-from kclpy.cloudwatch import BYTES, COUNT, MILLISECONDS, SUMMARY, success_and_time
+from kclpy.cloudwatch import (
+    BYTES,
+    COUNT,
+    MILLISECONDS,
+    SUMMARY,
+    shard_dimensions,
+    success_and_time,
+)
 from kclpy.errors import ProcessorRestartRequired, ShutdownException
 from kclpy.leases.lease import SHARD_END, Lease
 from kclpy.metrics import Metrics
@@ -126,8 +133,11 @@ class ShardConsumer:
         metrics: Metrics,
         rng: random.Random | None = None,
         recovery: Callable[[], RecoveryLike] | None = None,
+        stream_name: str | None = None,
     ) -> None:
+        #: the lease key, unique across the streams of a multi-stream application
         self.shard_id = lease.lease_key
+        self.stream_name = stream_name
         self._lease = lease
         self._token = concurrency_token
         self._processor_factory = processor_factory
@@ -147,7 +157,7 @@ class ShardConsumer:
         self._fetcher: FetcherLike | None = None
         self._make_recovery = recovery
         self._recovery: RecoveryLike | None = None
-        self._cw_dims = {"ShardId": self.shard_id}
+        self._cw_dims = shard_dimensions(lease.shard_id, lease.stream)
         self._thread = threading.Thread(
             target=self._run, name=f"kclpy-consumer-{self.shard_id}", daemon=True)
         #: set when the consumer stopped on an error the worker must act on
@@ -231,7 +241,7 @@ class ShardConsumer:
     def _wait_for_parents(self) -> bool:
         """Block until every parent that has a lease is checkpointed at SHARD_END, so that a
         parent's records are all processed before any of its children's."""
-        pending = set(self._lease.parent_shard_ids)
+        pending = set(self._lease.parent_lease_keys)
         while pending:
             for parent in sorted(pending):
                 lease = self._leases.get_lease(parent)
@@ -271,7 +281,8 @@ class ShardConsumer:
             processor = self._processor_factory()
             try:
                 processor.initialize(
-                    InitializeInput(self.shard_id, checkpoint, sub_sequence_number))
+                    InitializeInput(self.shard_id, checkpoint, sub_sequence_number,
+                                    self.stream_name, self._lease.stream))
             except Exception:
                 self._metrics.processor_errors.labels(self.shard_id, "initialize").inc()
                 log.exception("shard %s: initialize failed; retrying", self.shard_id)

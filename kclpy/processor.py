@@ -31,11 +31,20 @@ class ShutdownReason(enum.Enum):
 
 @dataclass(frozen=True)
 class InitializeInput:
+    #: the shard's lease key: the shard id, or in a multi-stream application
+    #: ``account-id:stream-name:creation-epoch:shard-id``, unique across the streams (every
+    #: input and the checkpointer name the shard this way)
     shard_id: str
     #: the checkpoint the shard resumes from: a sequence number or a sentinel
     #: (``TRIM_HORIZON``, ``LATEST``, ``AT_TIMESTAMP``)
     sequence_number: str | None
     sub_sequence_number: int | None
+    #: the stream the shard belongs to
+    stream_name: str | None = field(default=None)
+    #: multi-stream applications: the serialised stream identifier
+    #: (``account-id:stream-name:creation-epoch``, Java's ``ShardInfo.streamIdentifier``);
+    #: None for an application of one stream, as in Java
+    stream_identifier: str | None = field(default=None)
 
 
 @dataclass(frozen=True)

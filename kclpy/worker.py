@@ -29,7 +29,7 @@ from kclpy.consumer import ConsumerSettings, FatalProcessorError, FetcherLike, S
 from kclpy.errors import ConfigError, KCLError
 from kclpy.leases.coordinator import LeaseCoordinator
 from kclpy.leases.lease import AT_TIMESTAMP, Lease
-from kclpy.leases.shard_sync import ShardSyncer
+from kclpy.leases.streams import ActiveStream, StreamSet
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
 from kclpy.processor import IRecordProcessor
@@ -41,6 +41,7 @@ from kclpy.retrieval.registration import ConsumerRegistration, RegistrationSetti
 from kclpy.state import open_store
 from kclpy.state.processor import StatefulProcessor, exactly_once_factory
 from kclpy.state.store import StateStore
+from kclpy.streams import StreamConfig
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,8 @@ class WorkerFatalError(KCLError):
 
 
 class Worker:
-    """Consumes one stream for one application. ``run()`` blocks until shutdown."""
+    """Consumes one stream, or several with one lease table, for one application.
+    ``run()`` blocks until shutdown."""
 
     def __init__(
         self,
@@ -91,10 +93,9 @@ class Worker:
         self.dynamodb: Any = None
         self.lease_table: LeaseTable | None = None
         self.coordinator: LeaseCoordinator | None = None
-        self.shard_syncer: ShardSyncer | None = None
+        #: the streams consumed now, each with its shard sync (kclpy.leases.streams)
+        self.streams: StreamSet | None = None
         self._cloudwatch: CloudWatchPublisher | None = None
-        #: enhanced fan-out: the registered consumer every fetcher subscribes through
-        self._consumer_arn: str | None = None
         #: lag recovery: the records per second all recovery reads of this worker share
         self._recovery_rate = RecoveryRate(config.recovery_max_rate)
 
@@ -140,6 +141,7 @@ class Worker:
         for shard_id, consumer in self.consumers().items():
             checkpoint, sub = consumer.checkpoint
             shards[shard_id] = {
+                "stream": consumer.stream_name,
                 "state": consumer.state.value,
                 "checkpoint": checkpoint,
                 "checkpoint_sub_sequence_number": sub,
@@ -148,9 +150,19 @@ class Worker:
                 "recovery": consumer.recovery,
             }
         held = sorted(self.coordinator.held_leases()) if self.coordinator else []
+        streams = sorted(a.label for a in self.streams.active.values()) if self.streams else []
         return {"worker_id": self.config.worker_id, "stream": self.config.stream_label,
-                "application": self.config.application_name, "held_leases": held,
-                "shards": shards}
+                "streams": streams, "application": self.config.application_name,
+                "held_leases": held, "shards": shards}
+
+    def shard_location(self, lease_key: str) -> tuple[StreamConfig, str] | None:
+        """The stream a lease key belongs to and the shard's Kinesis id (lag probes need
+        both); None for a stream this worker does not consume."""
+        stream = self.streams.for_lease_key(lease_key) if self.streams is not None else None
+        if stream is None:
+            return None
+        prefix = f"{stream.identifier}:" if stream.identifier is not None else ""
+        return stream.config, lease_key.removeprefix(prefix)
 
     # -- set-up --------------------------------------------------------------------------
 
@@ -182,20 +194,9 @@ class Worker:
         if self.state_store is not None:
             self.state_store.open(self.dynamodb)
         self._start_cloudwatch(session)
-        if cfg.fan_out:
-            self._consumer_arn = cfg.consumer_arn or ConsumerRegistration(
-                self.kinesis, cfg.consumer_name or cfg.application_name,
-                stream_name=cfg.api_stream_name, stream_arn=cfg.stream_arn,
-                settings=RegistrationSettings(
-                    register_retries=cfg.register_stream_consumer_retries,
-                    describe_retries=cfg.max_describe_stream_consumer_retries,
-                    backoff_s=cfg.retry_backoff_ms / 1000)).get_or_create()
-            log.info("worker %s reads with enhanced fan-out through %s", cfg.worker_id,
-                     self._consumer_arn)
-        self.shard_syncer = ShardSyncer(
-            self.kinesis, self.lease_table, stream_name=cfg.api_stream_name,
-            stream_arn=cfg.stream_arn, initial_position=cfg.initial_position,
-            metrics=self.metrics)
+        self.streams = StreamSet(self.kinesis, self.lease_table, cfg, self.metrics,
+                                 register=self._register_consumer if cfg.fan_out else None)
+        self.streams.refresh(starting=True)
         self.coordinator = LeaseCoordinator(
             self.lease_table, cfg.worker_id,
             failover_time_s=cfg.failover_time_ms / 1000,
@@ -213,12 +214,30 @@ class Worker:
         log.info("worker %s consuming %s for application %s", cfg.worker_id,
                  cfg.stream_label, cfg.application_name)
 
+    def _register_consumer(self, stream: StreamConfig) -> str:
+        """Enhanced fan-out: the application's consumer of the stream, registered if missing
+        (one per stream; ``consumer_arn`` names an existing one of a single stream)."""
+        cfg = self.config
+        arn = cfg.consumer_arn or ConsumerRegistration(
+            self.kinesis, cfg.consumer_name or cfg.application_name,
+            stream_name=None if stream.arn else stream.label, stream_arn=stream.arn,
+            settings=RegistrationSettings(
+                register_retries=cfg.register_stream_consumer_retries,
+                describe_retries=cfg.max_describe_stream_consumer_retries,
+                backoff_s=cfg.retry_backoff_ms / 1000)).get_or_create()
+        log.info("worker %s reads %s with enhanced fan-out through %s", cfg.worker_id,
+                 stream.label, arn)
+        return arn
+
     def _sync_shards(self) -> None:
-        assert self.shard_syncer is not None and self.coordinator is not None
+        assert self.streams is not None and self.coordinator is not None
+        if self.config.stream_tracker is not None:
+            self.streams.refresh()
         # The taker scans the table anyway; reusing its view saves a scan per sync.
         recent = self.coordinator.recent_lease_keys(2 * self.config.failover_time_ms / 1000)
-        created = self.shard_syncer.sync(recent)
-        self.coordinator.set_known_shards(set(self.shard_syncer.known_shard_ids))
+        created = self.streams.sync(recent)
+        self.coordinator.set_known_shards(self.streams.known_lease_keys())
+        self.streams.delete_due(self.coordinator.idle_leases(), self.coordinator.all_leases())
         if created:
             log.info("created %d lease(s): %s", len(created),
                      ", ".join(lease.lease_key for lease in created))
@@ -257,7 +276,7 @@ class Worker:
                     if consumer.done:
                         del self._consumers[shard_id]
                     continue
-                if lease.checkpoint_owner is not None:
+                if lease.checkpoint_owner is not None or not self._consumed(lease):
                     # Another worker asked for this lease: the processor gets
                     # shutdown_requested (it may checkpoint), then the lease moves on.
                     consumer.request_shutdown()
@@ -282,13 +301,25 @@ class Worker:
             for shard_id, lease in held.items():
                 if shard_id in self._consumers:
                     continue
-                if lease.checkpoint_owner is not None:
-                    self.coordinator.release(shard_id)  # asked for, and nothing to finish
+                if lease.checkpoint_owner is not None or not self._consumed(lease):
+                    # asked for, or of a stream no longer consumed; nothing to finish
+                    self.coordinator.release(shard_id)
                 else:
                     consumer = self._new_consumer(lease)
                     self._consumers[shard_id] = consumer
                     consumer.start()
         self.metrics.leases_held.set(len(held))
+
+    def _consumed(self, lease: Lease) -> bool:
+        """The lease's stream is one this worker consumes now."""
+        return self.streams is not None and self.streams.for_lease(lease) is not None
+
+    def _stream(self, lease: Lease) -> ActiveStream:
+        assert self.streams is not None
+        stream = self.streams.for_lease(lease)
+        if stream is None:
+            raise KCLError(f"lease {lease.lease_key} is of a stream this worker does not consume")
+        return stream
 
     def _new_consumer(self, lease: Lease) -> ShardConsumer:
         assert self.coordinator is not None
@@ -302,13 +333,16 @@ class Worker:
             lease, concurrency_token=token, processor_factory=self._records_processor,
             checkpoint_writer=self.coordinator.fence, lease_reader=self.coordinator,
             fetcher_factory=self._make_fetcher, on_shard_end=self._on_shard_end,
-            settings=self._settings, metrics=self.metrics, recovery=recovery)
+            settings=self._settings, metrics=self.metrics, recovery=recovery,
+            stream_name=self._stream(lease).label)
 
     def _make_fetcher(self, lease: Lease, checkpoint: str, sub_sequence_number: int,
                       start_at: datetime | None = None) -> FetcherLike:
+        stream = self._stream(lease).config
         start = (StartPosition(AT_TIMESTAMP, timestamp=start_at) if start_at is not None
-                 else StartPosition.from_checkpoint(checkpoint, sub_sequence_number,
-                                                    self.config.initial_timestamp))
+                 else StartPosition.from_checkpoint(
+                     checkpoint, sub_sequence_number,
+                     stream.initial_timestamp or self.config.initial_timestamp))
         return self._shard_fetcher(lease, start)
 
     def _shard_fetcher(self, lease: Lease, start: StartPosition, *,
@@ -317,19 +351,21 @@ class Worker:
         """A fetcher of the lease's shard: the live one, or (bounded, paced, always polling)
         one of lag recovery's."""
         cfg = self.config
+        stream = self._stream(lease)
         hash_range = None
         if lease.starting_hash_key is not None and lease.ending_hash_key is not None:
             hash_range = (int(lease.starting_hash_key), int(lease.ending_hash_key))
         live = until_ms is None and pacer is None and max_records is None
         return ShardFetcher(
-            self.kinesis, lease.lease_key, start,
-            stream_name=cfg.api_stream_name, stream_arn=cfg.stream_arn,
+            self.kinesis, lease.shard_id, start, stream_id=stream.identifier,
+            stream_name=None if stream.config.arn else stream.label,
+            stream_arn=stream.config.arn,
             max_records=max_records or cfg.max_records,
             idle_time_s=cfg.idle_time_between_reads_ms / 1000,
             queue_size=cfg.prefetch_queue_size, hash_range=hash_range, metrics=self.metrics,
             deliver_empty=cfg.call_process_records_even_for_empty_record_list and live,
             gate=self.coordinator.retrieval_gate if self.coordinator is not None else None,
-            consumer_arn=self._consumer_arn if live else None,
+            consumer_arn=stream.consumer_arn if live else None,
             http_version=cfg.fanout_http_version,
             shard_end_probe_s=cfg.shard_sync_interval_ms / 1000,
             pacer=pacer, until_ms=until_ms)
@@ -349,14 +385,18 @@ class Worker:
             max_lag_ms=self.config.max_lag_ms, metrics=self.metrics)
 
     def _on_shard_end(self, shard_id: str, children: Sequence[ChildShard]) -> None:
-        """Called from a consumer's thread when its shard is fully read."""
-        assert self.shard_syncer is not None and self.coordinator is not None
+        """Called from a consumer's thread when its shard (a lease key) is fully read."""
+        assert self.streams is not None and self.coordinator is not None
+        stream = self.streams.for_lease_key(shard_id)
+        if stream is None:
+            return  # a stream no longer consumed: its children are not ours to create
         if children:
-            self.shard_syncer.create_child_leases(children)  # records them as known shards
-            self.coordinator.set_known_shards(set(self.shard_syncer.known_shard_ids))
+            stream.syncer.create_child_leases(children)  # records them as known shards
         else:
-            # Emulators without ChildShards: a full sync finds the children instead.
-            self._sync_shards()
+            # Emulators without ChildShards: a sync of the stream finds the children instead.
+            stream.syncer.sync(self.coordinator.recent_lease_keys(
+                2 * self.config.failover_time_ms / 1000))
+        self.coordinator.set_known_shards(self.streams.known_lease_keys())
         self.coordinator.wake_taker()
 
     def _on_handoff(self, shard_id: str) -> None:

@@ -42,15 +42,15 @@ def deletable(leases: Iterable[Lease], worker_id: str) -> list[Lease]:
     by_key = {lease.lease_key: lease for lease in leases}
     children: defaultdict[str, set[str]] = defaultdict(set)
     for lease in by_key.values():
-        children[lease.lease_key].update(lease.child_shard_ids)
-        for parent in lease.parent_shard_ids:
+        children[lease.lease_key].update(lease.child_lease_keys)
+        for parent in lease.parent_lease_keys:
             children[parent].add(lease.lease_key)
     result = []
     for key, lease in sorted(by_key.items()):
         kids = children[key]
         if not lease.is_finished or not kids:
             continue
-        if any(parent in by_key for parent in lease.parent_shard_ids):
+        if any(parent in by_key for parent in lease.parent_lease_keys):
             continue
         if not all(kid in by_key and has_progressed(by_key[kid]) for kid in kids):
             continue

@@ -260,6 +260,10 @@ class LeaseCoordinator:
         """Every lease as of the last taker scan."""
         return self.taker.all_leases()
 
+    def idle_leases(self) -> list[Lease]:
+        """Leases of the last scan no worker runs (free or expired): safe to delete."""
+        return self.taker.idle_leases()
+
     def recent_lease_keys(self, max_age_s: float) -> frozenset[str] | None:
         """The lease keys of the last scan if it is at most ``max_age_s`` old, so shard sync
         need not scan the table again; None otherwise."""

@@ -42,13 +42,32 @@ class Lease:
     #: kclpy's own lag recovery queue (``kclpy.recovery.queue``) as stored, a JSON string;
     #: Java KCL workers ignore the attribute. Written only through the fence.
     recovery: str | None = None
+    #: multi-stream applications: the serialised stream identifier the key starts with
+    #: (``account-id:stream-name:creation-epoch``, Java's ``streamName`` attribute)
+    stream: str | None = None
     #: In memory only, never persisted: a fresh value each time this worker takes the lease,
     #: so a checkpointer created for an earlier tenure cannot write into a later one.
     concurrency_token: str | None = field(default=None, compare=False)
 
     @property
     def shard_id(self) -> str:
+        """The Kinesis shard id: the key itself, or the key after the stream identifier."""
+        if self.stream is not None and self.lease_key.startswith(self.stream + ":"):
+            return self.lease_key[len(self.stream) + 1:]
         return self.lease_key
+
+    def key_of(self, shard_id: str) -> str:
+        """The lease key of another shard of the same stream (a parent or a child): parents
+        and children are stored as bare shard ids, as Java stores them."""
+        return shard_id if self.stream is None else f"{self.stream}:{shard_id}"
+
+    @property
+    def parent_lease_keys(self) -> frozenset[str]:
+        return frozenset(self.key_of(p) for p in self.parent_shard_ids)
+
+    @property
+    def child_lease_keys(self) -> frozenset[str]:
+        return frozenset(self.key_of(c) for c in self.child_shard_ids)
 
     @property
     def is_shard_end(self) -> bool:

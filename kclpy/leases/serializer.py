@@ -32,6 +32,10 @@ ENDING_HASH_KEY = "endingHashKey"
 CHECKPOINT_OWNER = "checkpointOwner"
 #: kclpy's own attribute (lag recovery); unknown to the Java KCL, which ignores it
 RECOVERY = "kclpyRecovery"
+#: Java multi-stream leases: the serialised stream identifier (named so for legacy reasons)
+#: and the bare shard id, beside a key that joins them
+STREAM_NAME = "streamName"
+SHARD_ID = "shardId"
 
 
 def s(value: str) -> AttributeValueTypeDef:
@@ -102,6 +106,7 @@ def lease_from_item(item: Mapping[str, AttributeValueTypeDef]) -> Lease:
         ending_hash_key=_str(item, ENDING_HASH_KEY),
         checkpoint_owner=_str(item, CHECKPOINT_OWNER),
         recovery=_str(item, RECOVERY),
+        stream=_str(item, STREAM_NAME),
     )
 
 
@@ -133,6 +138,9 @@ def lease_to_new_item(lease: Lease) -> dict[str, AttributeValueTypeDef]:
         item[ENDING_HASH_KEY] = s(lease.ending_hash_key)
     if lease.checkpoint_owner is not None:
         item[CHECKPOINT_OWNER] = s(lease.checkpoint_owner)
+    if lease.stream is not None:
+        item[STREAM_NAME] = s(lease.stream)
+        item[SHARD_ID] = s(lease.shard_id)
     return item
 
 

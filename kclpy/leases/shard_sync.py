@@ -36,6 +36,7 @@ from kclpy.leases.dynamo import error_code
 from kclpy.leases.lease import AT_TIMESTAMP, LATEST, TRIM_HORIZON, Lease
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
+from kclpy.streams import multi_stream_lease_key
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
@@ -116,22 +117,34 @@ def _depths(by_id: Mapping[str, Shard]) -> dict[str, int]:
     return depth
 
 
-def _new_lease(shard: Shard, checkpoint: str) -> Lease:
+def _new_lease(shard: Shard, checkpoint: str, stream: str | None) -> Lease:
     return Lease(
-        lease_key=shard.shard_id,
+        lease_key=shard.shard_id if stream is None else multi_stream_lease_key(
+            stream, shard.shard_id),
         checkpoint=checkpoint,
         parent_shard_ids=frozenset(shard.parent_ids),
         starting_hash_key=shard.starting_hash_key,
         ending_hash_key=shard.ending_hash_key,
+        stream=stream,
     )
 
 
+def shard_ids_of(lease_keys: Iterable[str], stream: str | None) -> set[str]:
+    """The shards of ``stream`` (a serialised identifier, None for a single-stream table)
+    among lease keys of a table that may hold other streams' leases too."""
+    if stream is None:
+        return set(lease_keys)
+    prefix = stream + ":"
+    return {key[len(prefix):] for key in lease_keys if key.startswith(prefix)}
+
+
 def plan_new_leases(
-    shards: Iterable[Shard], existing_lease_keys: Collection[str], initial_position: str
+    shards: Iterable[Shard], existing_lease_keys: Collection[str], initial_position: str,
+    stream: str | None = None,
 ) -> list[Lease]:
     """The leases a sync must create (rules in the module docstring), parents first."""
     by_id = {shard.shard_id: shard for shard in shards}
-    handled = set(existing_lease_keys)
+    handled = shard_ids_of(existing_lease_keys, stream)
     stack = [key for key in handled if key in by_id]
     while stack:
         for parent in by_id[stack.pop()].parent_ids:
@@ -156,14 +169,15 @@ def plan_new_leases(
             checkpoint = LATEST
         else:
             continue
-        planned.append(_new_lease(shard, checkpoint))
+        planned.append(_new_lease(shard, checkpoint, stream))
         handled.add(shard.shard_id)
     return planned
 
 
 class ShardSyncer:
     """Lists the stream's shards and creates the leases that are missing. Safe to run on
-    every worker at once: creation is conditional on absence."""
+    every worker at once: creation is conditional on absence. ``stream`` (a serialised
+    stream identifier) keys the leases the multi-stream way (``kclpy.streams``)."""
 
     def __init__(
         self,
@@ -173,6 +187,7 @@ class ShardSyncer:
         stream_name: str | None = None,
         stream_arn: str | None = None,
         initial_position: str = LATEST,
+        stream: str | None = None,
         metrics: Metrics | None = None,
         page_size: int | None = None,
         max_attempts: int = 6,
@@ -196,6 +211,7 @@ class ShardSyncer:
             else {"StreamName": str(stream_name)}
         )
         self.initial_position = initial_position
+        self.stream = stream
         self._metrics = metrics
         self._page: dict[str, int] = {} if page_size is None else {"MaxResults": page_size}
         self._max_attempts = max_attempts
@@ -211,6 +227,14 @@ class ShardSyncer:
     def known_shard_ids(self) -> frozenset[str]:
         """Shards of the last listing, plus children created since (empty before a sync)."""
         return self._known
+
+    @property
+    def known_lease_keys(self) -> frozenset[str]:
+        """The lease keys of ``known_shard_ids``."""
+        return frozenset(self.lease_key(shard_id) for shard_id in self._known)
+
+    def lease_key(self, shard_id: str) -> str:
+        return shard_id if self.stream is None else multi_stream_lease_key(self.stream, shard_id)
 
     def _list_page(self, params: dict[str, Any]) -> dict[str, Any]:
         attempt = 0
@@ -265,7 +289,7 @@ class ShardSyncer:
             existing = {lease.lease_key for lease in self._table.list_leases()}
         created = [
             lease
-            for lease in plan_new_leases(shards, existing, self.initial_position)
+            for lease in plan_new_leases(shards, existing, self.initial_position, self.stream)
             if self._table.create(lease)
         ]
         if created:
@@ -286,11 +310,12 @@ class ShardSyncer:
             if not child.parent_shards:
                 raise ValueError(f"child shard {child.shard_id} names no parent shard")
             lease = Lease(
-                lease_key=child.shard_id,
+                lease_key=self.lease_key(child.shard_id),
                 checkpoint=TRIM_HORIZON,
                 parent_shard_ids=frozenset(child.parent_shards),
                 starting_hash_key=child.starting_hash_key,
                 ending_hash_key=child.ending_hash_key,
+                stream=self.stream,
             )
             if self._table.create(lease):
                 log.info(
@@ -305,7 +330,7 @@ class ShardSyncer:
                 by_parent.setdefault(parent, set()).add(child.shard_id)
         for parent, ids in sorted(by_parent.items()):
             try:
-                self._table.update_child_shard_ids(parent, ids)
+                self._table.update_child_shard_ids(self.lease_key(parent), ids)
             except LeaseLostError:
                 # The parent has no lease (a LATEST application never leased it, or it was
                 # cleaned up already): nothing to record.

@@ -259,6 +259,16 @@ class LeaseTaker:
         with self._state:
             return [lease.copy() for lease in self._last_scan]
 
+    def idle_leases(self) -> list[Lease]:
+        """Leases of the last scan that no worker runs: free, or not renewed for longer than
+        the failover time as far as this worker has watched them."""
+        with self._state:
+            at = self._last_scan_at
+            if at is None:
+                return []
+            return [lease.copy() for lease in self._last_scan
+                    if self._balancer.is_expired(lease, at)]
+
     def recent_lease_keys(self, max_age_s: float) -> frozenset[str] | None:
         with self._state:
             at = self._last_scan_at

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import exposition
 
-from kclpy.ops.lag import LagProbe, LagTracker, Observation, report_to_json
+from kclpy.ops.lag import Lag, LagProbe, LagTracker, Observation, report_to_json
 
 if TYPE_CHECKING:
     from kclpy.worker import Worker
@@ -107,7 +107,7 @@ class _LagSampler:
         self._records_limit = records_limit
         self._clock = clock
         self._stop = threading.Event()
-        self._probe: LagProbe | None = None
+        self._probes: dict[str, LagProbe] = {}
         self._thread = threading.Thread(target=self._run, name="kclpy-ops-lag", daemon=True)
 
     def start(self) -> None:
@@ -130,10 +130,6 @@ class _LagSampler:
         worker = self._worker
         if worker.kinesis is None:
             return  # not set up yet
-        if self._probe is None:
-            self._probe = LagProbe(
-                worker.kinesis, stream_name=worker.config.api_stream_name,
-                stream_arn=worker.config.stream_arn, records_limit=self._records_limit)
         status = worker.status()
         registry = worker.metrics.registry
         shards: dict[str, Any] = status["shards"]
@@ -141,7 +137,7 @@ class _LagSampler:
             checkpoint, sub = shard["checkpoint"], shard["checkpoint_sub_sequence_number"]
             now = self._clock()
             try:
-                lag = self._probe.measure(shard_id, checkpoint, sub)
+                lag = self._measure(shard_id, checkpoint, sub)
             except Exception as exc:
                 log.warning("shard %s: lag not measured this time: %s", shard_id, exc)
                 continue
@@ -153,6 +149,19 @@ class _LagSampler:
                 waiting_on_parents=shard["state"] == _WAITING,
                 recovering=bool(shard.get("recovery"))))
         self._tracker.retain(shards)
+
+    def _measure(self, lease_key: str, checkpoint: str, sub: int) -> Lag:
+        """Through the probe of the lease's stream (one per stream, made on first use)."""
+        location = self._worker.shard_location(lease_key)
+        if location is None:
+            raise LookupError("its stream is no longer consumed")
+        stream, shard_id = location
+        probe = self._probes.get(stream.label)
+        if probe is None:
+            probe = self._probes[stream.label] = LagProbe(
+                self._worker.kinesis, stream_name=None if stream.arn else stream.label,
+                stream_arn=stream.arn, records_limit=self._records_limit)
+        return probe.measure(shard_id, checkpoint, sub)
 
 
 class RunningServer:

@@ -36,7 +36,7 @@ import httpx
 import urllib3
 from botocore.exceptions import ClientError
 
-from kclpy.cloudwatch import COUNT, DETAILED, SUMMARY, success_and_time
+from kclpy.cloudwatch import COUNT, DETAILED, SUMMARY, shard_dimensions, success_and_time
 from kclpy.errors import KCLError
 from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
 from kclpy.metrics import Metrics
@@ -50,6 +50,7 @@ from kclpy.retrieval.parse import (
     install_fast_get_records,
 )
 from kclpy.retrieval.subscription import SubscribeEvent, subscribe
+from kclpy.streams import multi_stream_lease_key
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
@@ -206,6 +207,7 @@ class ShardFetcher:
         clock: Callable[[], float] = time.monotonic,
         pacer: Pacer | None = None,
         until_ms: int | None = None,
+        stream_id: str | None = None,
     ) -> None:
         if stream_name is None and stream_arn is None:
             raise ValueError("a ShardFetcher needs stream_name or stream_arn")
@@ -215,6 +217,9 @@ class ShardFetcher:
             raise ValueError("queue_size must be >= 1")
         self._client = client
         self.shard_id = shard_id
+        #: metrics and logs name the shard by its lease key, which in a multi-stream
+        #: application starts with the stream (``stream_id``, a serialised identifier)
+        self.label = shard_id if stream_id is None else multi_stream_lease_key(stream_id, shard_id)
         self._start = start
         self._stream_name = stream_name
         self._stream_arn = stream_arn
@@ -249,13 +254,14 @@ class ShardFetcher:
 
         m = metrics if metrics is not None else Metrics()
         self._metrics = m
-        self._m_seconds = m.get_records_seconds.labels(shard_id)
-        self._m_expired = m.iterator_expirations.labels(shard_id)
-        self._m_corrupt = m.deaggregation_errors.labels(shard_id)
-        self._m_filtered = m.records_filtered.labels(shard_id)
-        self._m_depth = m.prefetch_queue_depth.labels(shard_id)
-        self._m_behind = m.millis_behind_latest.labels(shard_id)
-        self._cw_dims = {"ShardId": shard_id}
+        label = self.label
+        self._m_seconds = m.get_records_seconds.labels(label)
+        self._m_expired = m.iterator_expirations.labels(label)
+        self._m_corrupt = m.deaggregation_errors.labels(label)
+        self._m_filtered = m.records_filtered.labels(label)
+        self._m_depth = m.prefetch_queue_depth.labels(label)
+        self._m_behind = m.millis_behind_latest.labels(label)
+        self._cw_dims = shard_dimensions(shard_id, stream_id)
 
         self._iterator: str | None = None
         self._shard_ended = False
@@ -358,7 +364,7 @@ class ShardFetcher:
         # Wake a get() that is blocked on an empty queue.
         self._put_nowait(_END)
         with contextlib.suppress(KeyError):
-            self._metrics.prefetch_queue_depth.remove(self.shard_id)
+            self._metrics.prefetch_queue_depth.remove(self.label)
 
     @property
     def error(self) -> BaseException | None:
@@ -519,8 +525,8 @@ class ShardFetcher:
                                _classify_subscribe)
         self._backoff.reset()
         page, continuation = event.page, event.continuation_sequence_number
-        self._metrics.subscription_events.labels(self.shard_id).inc()
-        self._metrics.subscription_bytes.labels(self.shard_id).inc(page.size_bytes)
+        self._metrics.subscription_events.labels(self.label).inc()
+        self._metrics.subscription_bytes.labels(self.label).inc(page.size_bytes)
         millis = page.millis_behind_latest
         if millis is not None:
             self._m_behind.set(millis)
@@ -560,7 +566,7 @@ class ShardFetcher:
                                          self._subscribe_position(),
                                          http_version=self._http_version)
                 self._metrics.subscriptions.labels(
-                    self.shard_id, "renewed" if self._subscribed_at else "opened").inc()
+                    self.label, "renewed" if self._subscribed_at else "opened").inc()
                 self._subscribed_at = self._clock()
             try:
                 return next(self._events)
@@ -698,9 +704,9 @@ class ShardFetcher:
                     raise
                 if kind == THROTTLED:
                     self._metrics.throttles.labels(operation).inc()
-                self._metrics.get_records_errors.labels(self.shard_id, kind).inc()
+                self._metrics.get_records_errors.labels(self.label, kind).inc()
                 if operation == "SubscribeToShard":
-                    self._metrics.subscriptions.labels(self.shard_id, f"failed_{kind}").inc()
+                    self._metrics.subscriptions.labels(self.label, f"failed_{kind}").inc()
                 delay = self._backoff.next_delay()
                 logger.warning(
                     "%s on %s failed (%s, attempt %d); retrying in %.3fs: %s",

@@ -1,0 +1,203 @@
+"""The streams a worker consumes right now, each with its shard sync, and the streams it
+stopped consuming whose leases wait to be deleted.
+
+In a multi-stream application (``KCLConfig.multi_stream``) streams come from the
+configuration or a ``StreamTracker`` asked at every shard sync. A stream that appears is
+described once (``DescribeStreamSummary``) for its identifier - account, name, creation
+epoch - which prefixes its lease keys. A stream that leaves the tracker, or whose shards can
+no longer be listed because it was deleted, becomes *former*: its leases are no longer
+taken, held ones are handed back once their processors finished, and after
+``former_streams_lease_deletion_delay_ms`` (the Java ``FormerStreamsLeasesDeletionStrategy``
+with its wait period) its leases that nobody runs are deleted. A stream that comes back
+before that is simply consumed again, from its checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from botocore.exceptions import ClientError
+
+from kclpy.config import KCLConfig
+from kclpy.errors import ConfigError
+from kclpy.leases.dynamo import error_code
+from kclpy.leases.lease import Lease
+from kclpy.leases.shard_sync import ShardSyncer
+from kclpy.leases.table import LeaseTable
+from kclpy.metrics import Metrics
+from kclpy.streams import StreamConfig, StreamIdentifier, stream_of_lease_key
+
+if TYPE_CHECKING:
+    from mypy_boto3_kinesis import KinesisClient
+
+log = logging.getLogger(__name__)
+
+NOT_FOUND = "ResourceNotFoundException"
+
+
+@dataclass
+class ActiveStream:
+    """A stream being consumed."""
+
+    config: StreamConfig
+    #: the serialised identifier its lease keys start with; None for a single-stream table
+    identifier: str | None
+    syncer: ShardSyncer
+    #: enhanced fan-out: the registered consumer its subscriptions go through
+    consumer_arn: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.config.label
+
+    @property
+    def initial_position(self) -> str:
+        return self.syncer.initial_position
+
+
+@dataclass
+class FormerStream:
+    """A stream no longer consumed; its leases are deleted ``delete_at`` (monotonic)."""
+
+    identifier: str
+    label: str
+    delete_at: float
+    reason: str
+
+
+@dataclass
+class StreamSet:
+    """The worker's streams. Not thread-safe: the worker's loop owns it; consumer threads
+    only look streams up (dictionary reads)."""
+
+    kinesis: KinesisClient
+    table: LeaseTable
+    config: KCLConfig
+    metrics: Metrics | None = None
+    #: fan-out: registers (or finds) the application's consumer of a stream, returns its ARN
+    register: Callable[[StreamConfig], str] | None = None
+    clock: Callable[[], float] = time.monotonic
+    active: dict[str, ActiveStream] = field(default_factory=dict)
+    former: dict[str, FormerStream] = field(default_factory=dict)
+
+    # -- streams in and out ------------------------------------------------------------------
+
+    def refresh(self, *, starting: bool = False) -> None:
+        """Open the streams the configuration (or its tracker) names that are not open yet;
+        those that left it become former. At start-up a missing stream is an error naming
+        it, unless it may be created later; afterwards it is tried again at the next sync."""
+        wanted = {stream.label: stream for stream in self.config.stream_configs()}
+        for label, stream in wanted.items():
+            if label not in self._labels():
+                self._open(stream, starting=starting)
+        for key, active in list(self.active.items()):
+            if active.label not in wanted:
+                self._retire(key, "it left the stream tracker")
+
+    def _labels(self) -> set[str]:
+        return {active.label for active in self.active.values()}
+
+    def _open(self, stream: StreamConfig, *, starting: bool) -> None:
+        identifier = None
+        try:
+            if self.config.multi_stream:
+                summary = self.kinesis.describe_stream_summary(**stream.api_params)[
+                    "StreamDescriptionSummary"]
+                identifier = StreamIdentifier.from_summary(summary).serialize()
+            consumer_arn = self.register(stream) if self.register is not None else None
+        except ClientError as exc:
+            if error_code(exc) != NOT_FOUND:
+                raise
+            if starting and not stream.may_be_created_later:
+                raise ConfigError("--stream-name" if stream.name else "--stream-arn",
+                                  f"stream {stream.label} does not exist") from None
+            log.info("stream %s does not exist (yet); looking again at the next shard sync",
+                     stream.label)
+            return
+        cfg = self.config
+        syncer = ShardSyncer(
+            self.kinesis, self.table, stream_name=None if stream.arn else stream.label,
+            stream_arn=stream.arn,
+            initial_position=stream.initial_position or cfg.initial_position,
+            stream=identifier, metrics=self.metrics)
+        key = identifier or stream.label
+        self.active[key] = ActiveStream(stream, identifier, syncer, consumer_arn)
+        if self.former.pop(key, None) is not None:
+            log.info("stream %s is back; its leases are kept", stream.label)
+        log.info("consuming stream %s%s", stream.label,
+                 f" ({identifier})" if identifier else "")
+
+    def _retire(self, key: str, reason: str) -> None:
+        active = self.active.pop(key)
+        delay_s = self.config.former_streams_lease_deletion_delay_ms / 1000
+        if active.identifier is None:
+            return
+        self.former[key] = FormerStream(active.identifier, active.label,
+                                        self.clock() + delay_s, reason)
+        log.warning("stream %s is no longer consumed (%s); its leases are deleted in %.0f s "
+                    "unless it comes back", active.label, reason, delay_s)
+
+    # -- shard sync --------------------------------------------------------------------------
+
+    def sync(self, existing: Collection[str] | None) -> list[Lease]:
+        """Shard sync of every active stream; a stream deleted in Kinesis becomes former
+        (multi-stream) or fails the sync (a single-stream application has nothing else)."""
+        created: list[Lease] = []
+        for key, active in list(self.active.items()):
+            try:
+                created.extend(active.syncer.sync(existing))
+            except ClientError as exc:
+                if error_code(exc) != NOT_FOUND or not self.config.multi_stream:
+                    raise
+                self._retire(key, "it was deleted")
+        return created
+
+    def known_lease_keys(self) -> set[str]:
+        """Leases the worker may take: the known shards of the active streams."""
+        keys: set[str] = set()
+        for active in list(self.active.values()):  # also read from consumer threads
+            keys |= active.syncer.known_lease_keys
+        return keys
+
+    # -- lookups -----------------------------------------------------------------------------
+
+    def for_lease_key(self, lease_key: str, stream: str | None = None) -> ActiveStream | None:
+        """The active stream a lease belongs to; None when its stream is not consumed."""
+        if not self.config.multi_stream:
+            return next(iter(self.active.values()), None)
+        return self.active.get(stream or stream_of_lease_key(lease_key) or "")
+
+    def for_lease(self, lease: Lease) -> ActiveStream | None:
+        return self.for_lease_key(lease.lease_key, lease.stream)
+
+    # -- deferred deletion -------------------------------------------------------------------
+
+    def delete_due(self, idle: Iterable[Lease], scanned: Iterable[Lease]) -> list[Lease]:
+        """Delete the idle leases (nobody runs them) of former streams whose wait is over;
+        a former stream is forgotten once the table holds none of its leases."""
+        now = self.clock()
+        due = {f.identifier for f in self.former.values() if f.delete_at <= now}
+        if not due:
+            return []
+        deleted = []
+        for lease in idle:
+            if self._stream_of(lease) in due and self.table.delete(lease):
+                deleted.append(lease)
+        gone = {lease.lease_key for lease in deleted}
+        left = {self._stream_of(lease) for lease in scanned if lease.lease_key not in gone}
+        for key, former in list(self.former.items()):
+            if former.identifier in due and former.identifier not in left:
+                del self.former[key]
+                log.info("every lease of former stream %s is deleted", former.label)
+        if deleted:
+            log.info("deleted %d lease(s) of former streams: %s", len(deleted),
+                     ", ".join(lease.lease_key for lease in deleted))
+        return deleted
+
+    @staticmethod
+    def _stream_of(lease: Lease) -> str | None:
+        return lease.stream or stream_of_lease_key(lease.lease_key)

@@ -1,0 +1,324 @@
+"""One application, many streams, one lease table (the Java KCL 2.3+ multi-stream mode).
+
+Unit tests pin the lease key format and the configuration; the integration tests run real
+workers over HTTP against kinesis-mock (Kinesis) and moto's server (DynamoDB): three streams
+(one with KPL aggregates) processed once and in order, streams added and deleted while a
+worker runs, six leases of two streams balanced 3/3 over two workers, and a table in the
+Java multi-stream format resumed at its checkpoints.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+import pytest
+
+import kclpy
+from kclpy import KCLConfig, StreamConfig, Worker
+from kclpy.arguments import parse_worker_args
+from kclpy.errors import ConfigError
+from kclpy.leases.lease import Lease
+from kclpy.leases.serializer import lease_from_item, lease_to_new_item
+from kclpy.leases.shard_sync import Shard, plan_new_leases
+from kclpy.local import LocalEndpoint
+from kclpy.streams import StreamIdentifier, stream_of_lease_key
+from tests.support.recording import Ledger, RecordingProcessor
+from tests.support.streams import (
+    create_stream,
+    dynamodb_client,
+    kinesis_client,
+    put_plain,
+    unique_name,
+    wait_for,
+)
+from tests.support.workers import running
+from tests.test_worker_integration import assert_exactly_once, assert_in_order, produce_mixed
+
+STREAM_ID = "123456789012:orders:1700000000"
+
+
+# -- unit ---------------------------------------------------------------------------------
+
+
+def test_stream_identifiers_serialise_as_java_does() -> None:
+    summary = {"StreamARN": "arn:aws:kinesis:eu-west-1:123456789012:stream/orders",
+               "StreamCreationTimestamp": datetime(2023, 11, 14, 22, 13, 20,
+                                                   tzinfo=timezone.utc)}
+    identifier = StreamIdentifier.from_summary(summary)
+    assert identifier.serialize() == STREAM_ID
+    assert StreamIdentifier.parse(STREAM_ID) == identifier
+    with pytest.raises(ValueError, match="account-id:stream-name:creation-epoch"):
+        StreamIdentifier.parse("orders")
+    assert stream_of_lease_key(f"{STREAM_ID}:shardId-000000000001") == STREAM_ID
+    assert stream_of_lease_key("shardId-000000000001") is None
+
+
+def test_multi_stream_leases_are_keyed_and_stored_in_the_java_format() -> None:
+    lease = Lease(f"{STREAM_ID}:shardId-000000000002", stream=STREAM_ID,
+                  parent_shard_ids=frozenset({"shardId-000000000000"}),
+                  child_shard_ids=frozenset({"shardId-000000000005"}))
+    assert lease.shard_id == "shardId-000000000002"
+    assert lease.parent_lease_keys == {f"{STREAM_ID}:shardId-000000000000"}
+    assert lease.child_lease_keys == {f"{STREAM_ID}:shardId-000000000005"}
+    item = lease_to_new_item(lease)
+    assert item["streamName"] == {"S": STREAM_ID}
+    assert item["shardId"] == {"S": "shardId-000000000002"}
+    assert item["parentShardId"] == {"SS": ["shardId-000000000000"]}, "parents stay bare ids"
+    assert lease_from_item(item) == lease
+    single = lease_to_new_item(Lease("shardId-000000000002"))
+    assert "streamName" not in single and "shardId" not in single
+
+
+def test_shard_sync_plans_the_streams_own_leases_among_other_streams() -> None:
+    shards = [Shard("shardId-000000000000", None, None, "0", "9", "100", None),
+              Shard("shardId-000000000001", None, None, "10", "19", "100", None)]
+    other = "123456789012:payments:1700000001"
+    existing = {f"{other}:shardId-000000000000", f"{STREAM_ID}:shardId-000000000001"}
+    planned = plan_new_leases(shards, existing, "TRIM_HORIZON", STREAM_ID)
+    assert [lease.lease_key for lease in planned] == [f"{STREAM_ID}:shardId-000000000000"]
+    assert planned[0].stream == STREAM_ID
+
+
+def test_repeated_stream_flags_make_a_multi_stream_application() -> None:
+    config, _ = parse_worker_args(["--application-name", "app", "--processor", "m:C",
+                                   "--stream-name", "a", "--stream-name", "b",
+                                   "--stream-arn", "arn:aws:kinesis:us-east-1:1:stream/c"])
+    assert config.multi_stream
+    assert [s.label for s in config.stream_configs()] == ["a", "b", "c"]
+    config, _ = parse_worker_args(["--application-name", "app", "--processor", "m:C",
+                                   "--stream-name", "a"])
+    assert not config.multi_stream and config.stream_name == "a"
+
+
+def test_stream_configuration_errors_name_the_option() -> None:
+    with pytest.raises(ConfigError, match=r"--stream-name.*not both"):
+        KCLConfig(application_name="a", stream_name="x", streams=(StreamConfig("y"),))
+    with pytest.raises(ConfigError, match="stream y is given twice"):
+        KCLConfig(application_name="a", streams=(StreamConfig("y"), StreamConfig("y")))
+    with pytest.raises(ConfigError, match="--stream-arn"):
+        StreamConfig(arn="arn:aws:s3:::bucket")
+    with pytest.raises(ConfigError, match="--initial-timestamp"):
+        StreamConfig("y", initial_position="AT_TIMESTAMP")
+    with pytest.raises(ConfigError, match="--consumer-arn"):
+        KCLConfig(application_name="a", streams=(StreamConfig("x"), StreamConfig("y")),
+                  consumer_arn="arn:aws:kinesis:us-east-1:1:stream/x/consumer/c:1")
+
+
+# -- integration --------------------------------------------------------------------------
+
+
+class StreamRecordingProcessor(RecordingProcessor):
+    """Also records the stream its initialize input names."""
+
+    def initialize(self, initialize_input: kclpy.InitializeInput) -> None:
+        super().initialize(initialize_input)
+        self.ledger.event(initialize_input.shard_id,
+                          f"stream:{initialize_input.stream_name}:"
+                          f"{initialize_input.stream_identifier}")
+
+
+class Tracker:
+    """A stream tracker a test changes while the worker runs."""
+
+    def __init__(self, streams: Sequence[StreamConfig]) -> None:
+        self._lock = threading.Lock()
+        self._streams = list(streams)
+
+    def stream_configs(self) -> list[StreamConfig]:
+        with self._lock:
+            return list(self._streams)
+
+    def set(self, streams: Sequence[StreamConfig]) -> None:
+        with self._lock:
+            self._streams = list(streams)
+
+
+def multi_config(kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint,
+                 **overrides: Any) -> KCLConfig:
+    values: dict[str, Any] = {
+        "application_name": unique_name("multi"), "region": "us-east-1",
+        "kinesis_endpoint": kinesis_mock.url, "dynamodb_endpoint": moto_server.url,
+        "initial_position": "TRIM_HORIZON", "failover_time_ms": 3000,
+        "idle_time_between_reads_ms": 100, "shard_sync_interval_ms": 1000,
+        "parent_shard_poll_interval_ms": 200, "shutdown_grace_ms": 5000,
+        "task_backoff_time_ms": 50}
+    values.update(overrides)
+    return KCLConfig(**values)
+
+
+def stream_id(kinesis: Any, stream: str) -> str:
+    summary = kinesis.describe_stream_summary(StreamName=stream)["StreamDescriptionSummary"]
+    return StreamIdentifier.from_summary(summary).serialize()
+
+
+def table_items(moto_server: LocalEndpoint, table: str) -> dict[str, dict[str, Any]]:
+    items = dynamodb_client(moto_server.url).scan(TableName=table, ConsistentRead=True)["Items"]
+    return {item["leaseKey"]["S"]: item for item in items}
+
+
+@pytest.mark.integration
+def test_one_worker_consumes_three_streams_once_and_in_order(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    names = [unique_name(f"ms{n}") for n in range(3)]
+    for name, shards in zip(names, (2, 1, 2), strict=True):
+        create_stream(kinesis, name, shards)
+    expected = {
+        names[0]: [f"{names[0]}-{n}".encode() for n in range(60)],
+        names[1]: produce_mixed(kinesis, names[1], names[1], plain=20, aggregates=3,
+                                per_aggregate=10),
+        names[2]: [f"{names[2]}-{n}".encode() for n in range(60)],
+    }
+    put_plain(kinesis, names[0], expected[names[0]])
+    put_plain(kinesis, names[2], expected[names[2]])
+    ids = {name: stream_id(kinesis, name) for name in names}
+    ledger = Ledger()
+    config = multi_config(kinesis_mock, moto_server,
+                          streams=tuple(StreamConfig(name) for name in names))
+    everything = [p for payloads in expected.values() for p in payloads]
+    with running(Worker(config, lambda: StreamRecordingProcessor(ledger))) as worker:
+        wait_for(lambda: len(ledger.records) >= len(everything), 120, "all records processed")
+        status = worker.status()
+        assert sorted(status["streams"]) == sorted(names)
+        assert {s["stream"] for s in status["shards"].values()} == set(names)
+        registry = worker.metrics.registry
+        for key in status["shards"]:
+            assert registry.get_sample_value("kclpy_records_processed_total",
+                                             {"shard_id": key}) > 0
+    assert_exactly_once(ledger, everything)
+    assert_in_order(ledger)
+    for shard_key, records in ledger.by_shard().items():
+        stream = stream_of_lease_key(shard_key)
+        assert stream is not None, f"{shard_key} is not a multi-stream lease key"
+        name = StreamIdentifier.parse(stream).name
+        assert {data for _, _, data in records} <= set(expected[name]), "records of its stream"
+    assert {r[2] for r in ledger.records if b"-kpl-" in r[3]} == set(range(10))
+    announced = {name for _, name in ledger.events if name.startswith("stream:")}
+    assert announced == {f"stream:{name}:{ids[name]}" for name in names}
+    items = table_items(moto_server, config.lease_table_name)
+    assert len(items) == 5
+    for key, item in items.items():
+        assert item["streamName"]["S"] in ids.values()
+        assert key == f"{item['streamName']['S']}:{item['shardId']['S']}"
+        assert item["checkpoint"]["S"].isdigit()
+
+
+@pytest.mark.integration
+def test_streams_added_and_deleted_while_running(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    kept, doomed, added = (unique_name(p) for p in ("kept", "doomed", "added"))
+    for name in (kept, doomed, added):
+        create_stream(kinesis, name, 1)
+    put_plain(kinesis, kept, [b"kept-0"])
+    put_plain(kinesis, doomed, [b"doomed-0"])
+    doomed_id = stream_id(kinesis, doomed)
+    tracker = Tracker([StreamConfig(kept), StreamConfig(doomed),
+                       StreamConfig("not-created-yet", may_be_created_later=True)])
+    ledger = Ledger()
+    config = multi_config(kinesis_mock, moto_server, stream_tracker=tracker,
+                          former_streams_lease_deletion_delay_ms=1000)
+    with running(Worker(config, lambda: RecordingProcessor(ledger))) as worker:
+        wait_for(lambda: sorted(ledger.payloads()) == [b"doomed-0", b"kept-0"], 60,
+                 "both first streams read")
+        put_plain(kinesis, added, [b"added-0", b"added-1"])
+        tracker.set([*tracker.stream_configs(), StreamConfig(added)])
+        wait_for(lambda: b"added-1" in ledger.payloads(), 30,
+                 "a stream added to the tracker is consumed")
+        kinesis.delete_stream(StreamName=doomed)
+        wait_for(lambda: not any(k.startswith(doomed_id)
+                                 for k in table_items(moto_server, config.lease_table_name)),
+                 60, "the deleted stream's leases are deleted after the delay")
+        assert not any(key.startswith(doomed_id) for key in worker.consumers()), \
+            "no consumer runs on a deleted stream"
+        put_plain(kinesis, kept, [b"kept-1"])
+        wait_for(lambda: b"kept-1" in ledger.payloads(), 30, "the other streams go on")
+        assert sorted(worker.status()["streams"]) == sorted([kept, added])
+    assert Counter(ledger.payloads()) == Counter(
+        [b"kept-0", b"doomed-0", b"added-0", b"added-1", b"kept-1"])
+
+
+@pytest.mark.integration
+def test_a_missing_stream_at_start_up_is_an_error_naming_it(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    present = unique_name("present")
+    create_stream(kinesis, present, 1)
+    config = multi_config(kinesis_mock, moto_server,
+                          streams=(StreamConfig(present), StreamConfig("nowhere-to-be-found")))
+    with pytest.raises(ConfigError, match="stream nowhere-to-be-found does not exist"):
+        Worker(config, lambda: RecordingProcessor(Ledger())).run(install_signal_handlers=False)
+
+
+@pytest.mark.integration
+def test_two_workers_balance_six_leases_of_two_streams_three_each(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    names = [unique_name("bal") for _ in range(2)]
+    for name in names:
+        create_stream(kinesis, name, 3)
+    ledger = Ledger()
+    config = multi_config(kinesis_mock, moto_server,
+                          streams=tuple(StreamConfig(name) for name in names))
+    with running(Worker(config.replace(worker_id="w1"), lambda: RecordingProcessor(ledger))) \
+            as first, running(Worker(config.replace(worker_id="w2"),
+                                     lambda: RecordingProcessor(ledger))) as second:
+        def balanced() -> bool:
+            held = [set(w.status()["held_leases"]) for w in (first, second)]
+            return [len(h) for h in held] == [3, 3] and not held[0] & held[1]
+
+        wait_for(balanced, 90, "six leases balanced 3/3")
+        streams = {stream_of_lease_key(k) for w in (first, second)
+                   for k in w.status()["held_leases"]}
+        assert len(streams) == 2, "leases of both streams are held"
+
+
+@pytest.mark.integration
+def test_a_java_multi_stream_table_resumes_at_its_checkpoints(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    dynamodb = dynamodb_client(moto_server.url)
+    names = [unique_name("javams") for _ in range(2)]
+    checkpoints: dict[str, str] = {}
+    for name in names:
+        create_stream(kinesis, name, 1)
+        sequences = [kinesis.put_record(StreamName=name, Data=f"{name}-{n}".encode(),
+                                        PartitionKey="p")["SequenceNumber"] for n in range(6)]
+        checkpoints[name] = sequences[2]
+    table = unique_name("java-ms-app")
+    dynamodb.create_table(
+        TableName=table, KeySchema=[{"AttributeName": "leaseKey", "KeyType": "HASH"}],
+        AttributeDefinitions=[{"AttributeName": "leaseKey", "AttributeType": "S"}],
+        BillingMode="PAY_PER_REQUEST")
+    ids = {name: stream_id(kinesis, name) for name in names}
+    for name in names:
+        shard = kinesis.list_shards(StreamName=name)["Shards"][0]
+        dynamodb.put_item(TableName=table, Item={
+            "leaseKey": {"S": f"{ids[name]}:{shard['ShardId']}"},
+            "streamName": {"S": ids[name]}, "shardId": {"S": shard["ShardId"]},
+            "leaseOwner": {"S": "ip-10-0-0-7.ec2.internal:java-worker"},
+            "leaseCounter": {"N": "31"}, "checkpoint": {"S": checkpoints[name]},
+            "checkpointSubSequenceNumber": {"N": "0"},
+            "ownerSwitchesSinceCheckpoint": {"N": "0"},
+            "startingHashKey": {"S": shard["HashKeyRange"]["StartingHashKey"]},
+            "endingHashKey": {"S": shard["HashKeyRange"]["EndingHashKey"]},
+            "throughputKBps": {"N": "3.5"}})
+    ledger = Ledger()
+    config = multi_config(kinesis_mock, moto_server, application_name=table,
+                          failover_time_ms=2000,
+                          streams=tuple(StreamConfig(name) for name in names))
+    with running(Worker(config, lambda: RecordingProcessor(ledger))):
+        wait_for(lambda: len(ledger.records) >= 6, 60, "records after the Java checkpoints")
+    assert sorted(ledger.payloads()) == sorted(
+        f"{name}-{n}".encode() for name in names for n in range(3, 6))
+    items = table_items(moto_server, table)
+    assert len(items) == 2, "no extra leases next to the Java ones"
+    for name in names:
+        (key, item), = [(k, i) for k, i in items.items() if i["streamName"]["S"] == ids[name]]
+        assert key.startswith(ids[name] + ":") and key.endswith(item["shardId"]["S"])
+        assert int(item["checkpoint"]["S"]) > int(checkpoints[name]), "checkpointed on"
+        assert item["throughputKBps"]["N"] == "3.5", "unknown attributes are kept"
