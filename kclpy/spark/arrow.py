@@ -9,7 +9,7 @@ the column types match what Spark's Arrow reader expects (``timestamp[us, UTC]``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import pyarrow as pa
 
@@ -77,14 +77,20 @@ def records_to_table(
     stream: str,
     parts: Iterable[tuple[str, Sequence[Record]]],
     decode: Decoder | None = None,
+    *,
+    streams: Mapping[str, str] | None = None,
 ) -> pa.Table:
-    """Several shards' records (``(shard_id, records)`` pairs) as one table.
+    """Several shards' records (``(shard_id, records)`` pairs) as one table. Their ``stream``
+    column is ``stream``, or for a shard of a multi-stream application what ``streams`` maps
+    its id to.
 
     With ``decode``, its columns are appended after the standard ones; a decoder that
     returns a different number of rows is a bug in it and raises ``ValueError`` rather than
     silently misaligning payloads and decoded values.
     """
-    batches = [records_to_batch(stream, shard_id, records) for shard_id, records in parts]
+    named = streams or {}
+    batches = [records_to_batch(named.get(shard_id, stream), shard_id, records)
+               for shard_id, records in parts]
     table = pa.Table.from_batches(batches, schema=SCHEMA)
     if decode is None:
         return table

@@ -168,6 +168,8 @@ class _Shard:
     """One processor's view in the batcher: records waiting for a batch, and records in one."""
 
     shard_id: str
+    #: the shard's stream (what its initialize input named)
+    stream: str | None = None
     checkpointer: Checkpointer | None = None
     pending: list[Record] = field(default_factory=list)
     pending_since: float | None = None
@@ -260,8 +262,8 @@ class MicroBatcher:
 
     # -- called by the processors (consumer threads) -------------------------------------
 
-    def _register(self, shard_id: str) -> _Shard:
-        shard = _Shard(shard_id)
+    def _register(self, shard_id: str, stream: str | None = None) -> _Shard:
+        shard = _Shard(shard_id, stream)
         with self._cond:
             self._shards.append(shard)
         return shard
@@ -427,7 +429,8 @@ class MicroBatcher:
                 if table is None:
                     table = records_to_table(
                         self.stream, [(p.shard.shard_id, p.records) for p in parts],
-                        self._decode)
+                        self._decode, streams={p.shard.shard_id: p.shard.stream
+                                               for p in parts if p.shard.stream})
                 df = self._spark.createDataFrame(table)
                 self._foreach_batch(df, batch_id)
                 return info
@@ -496,7 +499,8 @@ class _BatchingProcessor(IRecordProcessor):
         self._shard: _Shard | None = None
 
     def initialize(self, initialize_input: InitializeInput) -> None:
-        self._shard = self._batcher._register(initialize_input.shard_id)
+        self._shard = self._batcher._register(initialize_input.shard_id,
+                                              initialize_input.stream_name)
 
     def process_records(self, process_records_input: ProcessRecordsInput) -> None:
         assert self._shard is not None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -96,11 +97,12 @@ def records(shard: int, start: int, n: int, *, subs: int = 1) -> list[Record]:
 class Shard:
     """One shard as a consumer would drive its processor."""
 
-    def __init__(self, batcher: MicroBatcher, writer: Writer, shard_id: str) -> None:
+    def __init__(self, batcher: MicroBatcher, writer: Writer, shard_id: str,
+                 stream: str | None = None) -> None:
         self.shard_id = shard_id
         self.processor: IRecordProcessor = batcher.processor_factory()
         self.checkpointer = Checkpointer(shard_id, writer, "token", "TRIM_HORIZON", 0)
-        self.processor.initialize(InitializeInput(shard_id, "TRIM_HORIZON", 0))
+        self.processor.initialize(InitializeInput(shard_id, "TRIM_HORIZON", 0, stream))
 
     def deliver(self, batch: list[Record]) -> None:
         self.checkpointer.mark_delivered(batch[-1])
@@ -153,6 +155,22 @@ def test_one_batch_covers_every_shard_and_checkpoints_after_foreach_batch(
     assert writer.of("shard-a") == [("1002", 0)]
     assert writer.of("shard-b") == [("2001", 1)]
     assert {r.shard_id: r.count for r in info.ranges} == {"shard-a": 3, "shard-b": 4}
+
+
+def test_a_multi_stream_batch_names_each_rows_own_stream(writer: Writer, sink: Sink) -> None:
+    batcher = MicroBatcher(FakeSpark(), sink, stream="orders,payments", options=FAST)
+    orders = Shard(batcher, writer, "1:orders:5:shardId-0", stream="orders")
+    payments = Shard(batcher, writer, "1:payments:6:shardId-0", stream="payments")
+    orders.deliver(records(0, 0, 2))
+    payments.deliver(records(1, 0, 3))
+
+    assert batcher.run_once() is not None
+
+    (table,) = sink.tables
+    rows = Counter(zip(table.column("stream").to_pylist(), table.column("shard_id").to_pylist(),
+                       strict=True))
+    assert rows == {("orders", "1:orders:5:shardId-0"): 2,
+                    ("payments", "1:payments:6:shardId-0"): 3}
 
 
 def test_failing_foreach_batch_is_retried_with_the_same_id_and_checkpoints_only_after(
