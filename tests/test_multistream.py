@@ -9,7 +9,9 @@ Java multi-stream format resumed at its checkpoints.
 
 from __future__ import annotations
 
+import json
 import threading
+import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -25,6 +27,7 @@ from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import lease_from_item, lease_to_new_item
 from kclpy.leases.shard_sync import Shard, plan_new_leases
 from kclpy.local import LocalEndpoint
+from kclpy.ops import serve_worker
 from kclpy.streams import StreamIdentifier, stream_of_lease_key
 from tests.support.recording import Ledger, RecordingProcessor
 from tests.support.streams import (
@@ -180,8 +183,19 @@ def test_one_worker_consumes_three_streams_once_and_in_order(
     config = multi_config(kinesis_mock, moto_server,
                           streams=tuple(StreamConfig(name) for name in names))
     everything = [p for payloads in expected.values() for p in payloads]
-    with running(Worker(config, lambda: StreamRecordingProcessor(ledger))) as worker:
+    worker = Worker(config, lambda: StreamRecordingProcessor(ledger))
+    with serve_worker(worker, lag_window_s=30, lag_interval_s=0.2) as server, running(worker):
         wait_for(lambda: len(ledger.records) >= len(everything), 120, "all records processed")
+
+        def lag_sampled() -> list[dict[str, Any]] | None:
+            with urllib.request.urlopen(server.url + "/status", timeout=10) as response:
+                shards: list[dict[str, Any]] = json.load(response)["lag"]["shards"]
+            done = len(shards) == 5 and all(s["records_behind"] == 0 for s in shards)
+            return shards if done else None
+
+        lag = wait_for(lag_sampled, 60, "every stream's shards in the lag status")
+        assert {stream_of_lease_key(s["shard_id"]) for s in lag} == set(ids.values())
+        assert {s["status"] for s in lag} == {"OK"}
         status = worker.status()
         assert sorted(status["streams"]) == sorted(names)
         assert {s["stream"] for s in status["shards"].values()} == set(names)
