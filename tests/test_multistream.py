@@ -249,11 +249,22 @@ def test_streams_added_and_deleted_while_running(
                  60, "the deleted stream's leases are deleted after the delay")
         assert not any(key.startswith(doomed_id) for key in worker.consumers()), \
             "no consumer runs on a deleted stream"
+        added_id = stream_id(kinesis, added)
+        tracker.set([StreamConfig(kept)])
+        wait_for(lambda: not any(k.startswith(added_id)
+                                 for k in table_items(moto_server, config.lease_table_name)),
+                 60, "the leases of a stream dropped from the tracker are deleted")
+        put_plain(kinesis, added, [b"added-after-drop"])
         put_plain(kinesis, kept, [b"kept-1"])
         wait_for(lambda: b"kept-1" in ledger.payloads(), 30, "the other streams go on")
-        assert sorted(worker.status()["streams"]) == sorted([kept, added])
+        assert worker.status()["streams"] == [kept]
+        assert worker.metrics.registry.get_sample_value(
+            "kclpy_leases_held") == 1, "only the kept stream's lease is held"
     assert Counter(ledger.payloads()) == Counter(
         [b"kept-0", b"doomed-0", b"added-0", b"added-1", b"kept-1"])
+    assert (added, "shutdown_requested") in {
+        (StreamIdentifier.parse(stream_of_lease_key(k) or "0:x:0").name, e)
+        for k, e in ledger.events}, "the dropped stream's processor could checkpoint"
 
 
 @pytest.mark.integration
