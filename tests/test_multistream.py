@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
+import boto3
 import pytest
 
 import kclpy
@@ -347,3 +348,28 @@ def test_a_java_multi_stream_table_resumes_at_its_checkpoints(
         assert key.startswith(ids[name] + ":") and key.endswith(item["shardId"]["S"])
         assert int(item["checkpoint"]["S"]) > int(checkpoints[name]), "checkpointed on"
         assert item["throughputKBps"]["N"] == "3.5", "unknown attributes are kept"
+
+
+@pytest.mark.integration
+def test_cloudwatch_datums_of_a_multi_stream_worker_carry_the_stream_id(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    names = [unique_name("cwms") for _ in range(2)]
+    for name in names:
+        create_stream(kinesis, name, 1)
+        put_plain(kinesis, name, [f"{name}-{n}".encode() for n in range(4)])
+    ids = {name: stream_id(kinesis, name) for name in names}
+    ledger = Ledger()
+    config = multi_config(kinesis_mock, moto_server, cloudwatch_endpoint=moto_server.url,
+                          metrics_level="detailed", metrics_buffer_time_ms=500,
+                          streams=tuple(StreamConfig(name) for name in names))
+    with running(Worker(config, lambda: RecordingProcessor(ledger))):
+        wait_for(lambda: len(ledger.records) >= 8, 60, "both streams processed")
+    cloudwatch = boto3.client("cloudwatch", endpoint_url=moto_server.url,
+                              region_name="us-east-1")
+    metrics = cloudwatch.list_metrics(Namespace=config.application_name,
+                                      MetricName="RecordsProcessed")["Metrics"]
+    dimensions = {tuple(sorted((d["Name"], d["Value"]) for d in m["Dimensions"]))
+                  for m in metrics}
+    assert dimensions == {(("Operation", "ProcessTask"), ("ShardId", "shardId-000000000000"),
+                           ("StreamId", ids[name])) for name in names}
