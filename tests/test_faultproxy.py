@@ -17,13 +17,19 @@ from botocore.config import Config
 from botocore.exceptions import ClientError, ConnectionClosedError, ReadTimeoutError
 
 from kclpy.local import LocalEndpoint, free_port
-from tests.support.faultproxy import FaultProxy
+from kclpy.retrieval.backoff import CONNECTION
+from kclpy.retrieval.fetcher import _classify_subscribe
+from kclpy.retrieval.registration import ConsumerRegistration, RegistrationSettings
+from kclpy.retrieval.subscription import SubscribeEvent, subscribe
+from tests.support.eventstream_server import Event, event_frame
+from tests.support.faultproxy import FaultProxy, StreamCut
 from tests.support.streams import (
     create_stream,
     dynamodb_client,
     kinesis_client,
     put_plain,
     unique_name,
+    wait_for,
 )
 
 NO_RETRIES = Config(retries={"total_max_attempts": 1, "mode": "standard"})
@@ -48,6 +54,11 @@ class Upstream:
     hang_up_after_answer: bool = False
     release_second_chunk: threading.Event = field(default_factory=threading.Event)
     second_chunk_released: bool = False
+    #: event-stream frames served on /events (whole) and /events-slow (the first, then the
+    #: rest once release_second_chunk is set)
+    frames: list[bytes] = field(default_factory=list)
+    #: /events-slow: the proxy closed the connection while upstream was still streaming
+    hung_up_on: threading.Event = field(default_factory=threading.Event)
 
 
 def _recording_handler(upstream: Upstream) -> type[BaseHTTPRequestHandler]:
@@ -72,6 +83,9 @@ def _recording_handler(upstream: Upstream) -> type[BaseHTTPRequestHandler]:
             if self.path == "/stream":
                 self._stream()
                 return
+            if self.path.startswith("/events"):
+                self._events(slow=self.path == "/events-slow")
+                return
             payload = b'{"echo":' + json.dumps(body.decode("latin-1")).encode() + b"}"
             self.send_response_only(201, "Made")
             self.send_header("Content-Type", "application/x-amz-json-1.1")
@@ -89,6 +103,32 @@ def _recording_handler(upstream: Upstream) -> type[BaseHTTPRequestHandler]:
             self.wfile.flush()
             upstream.second_chunk_released = upstream.release_second_chunk.wait(10)
             self.wfile.write(b"6\r\nsecond\r\n0\r\n\r\n")
+
+        def _events(self, *, slow: bool) -> None:
+            """The frames in writes of 50 bytes, so frames and chunks do not line up."""
+            self.send_response_only(200)
+            self.send_header("Content-Type", "application/vnd.amazon.eventstream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            frames = upstream.frames
+            if slow:
+                self._chunk(frames[0])
+                self.connection.settimeout(10)
+                try:
+                    if self.connection.recv(1) == b"":
+                        upstream.hung_up_on.set()
+                        return
+                except (TimeoutError, OSError):
+                    return
+                frames = frames[1:]
+            data = b"".join(frames)
+            for start in range(0, len(data), 50):
+                self._chunk(data[start : start + 50])
+            self.wfile.write(b"0\r\n\r\n")
+
+        def _chunk(self, data: bytes) -> None:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()
 
     return Handler
 
@@ -279,6 +319,125 @@ def test_cut_body_announces_the_whole_answer_and_sends_half(proxy: FaultProxy) -
     assert len(whole.read()) == int(whole.getheader("Content-Length") or 0) == announced
 
 
+def _frames(count: int) -> list[bytes]:
+    return [event_frame(Event([(str(100 + n), b"r%d" % n)], str(100 + n))) for n in range(count)]
+
+
+def _whole_frames(body: bytes) -> tuple[int, int]:
+    """How many whole event-stream frames ``body`` starts with, and the bytes left over."""
+    count = 0
+    while len(body) >= 4 and int.from_bytes(body[:4], "big") <= len(body):
+        body = body[int.from_bytes(body[:4], "big") :]
+        count += 1
+    return count, len(body)
+
+
+def _subscribe_raw(proxy: FaultProxy, path: str = "/events") -> http.client.HTTPResponse:
+    return _post(_connect(proxy), "SubscribeToShard", path=path)
+
+
+def test_a_cut_stream_relays_whole_frames_then_half_of_the_next_and_hangs_up(
+    proxy: FaultProxy, upstream: Upstream
+) -> None:
+    upstream.frames = _frames(5)
+    proxy.cut_stream_once("SubscribeToShard", StreamCut(after_frames=2))
+
+    cut = _subscribe_raw(proxy)
+    with pytest.raises(http.client.IncompleteRead) as raised:
+        cut.read()
+    partial = raised.value.partial
+    assert partial.startswith(upstream.frames[0] + upstream.frames[1])
+    assert _whole_frames(partial) == (2, len(upstream.frames[2]) // 2)
+    assert proxy.faults("cut_stream", "SubscribeToShard") == 1
+
+    whole = _subscribe_raw(proxy).read()
+    assert whole == b"".join(upstream.frames), "no cut was asked for the second subscription"
+    assert proxy.faults("cut_stream") == 1
+
+
+def test_an_ended_stream_closes_cleanly_at_a_frame_boundary(
+    proxy: FaultProxy, upstream: Upstream
+) -> None:
+    upstream.frames = _frames(5)
+    proxy.cut_stream_once("SubscribeToShard", StreamCut(after_frames=3, clean=True))
+    connection = _connect(proxy)
+
+    ended = _post(connection, "SubscribeToShard", path="/events")
+    assert ended.read() == b"".join(upstream.frames[:3])
+    assert proxy.faults("end_stream") == 1 and proxy.faults("cut_stream") == 0
+    again = _post(connection, "SubscribeToShard", path="/events")
+    assert again.read() == b"".join(upstream.frames), "the client connection stays usable"
+
+
+def test_a_timed_cut_hangs_up_on_both_sides_while_upstream_is_idle(
+    proxy: FaultProxy, upstream: Upstream
+) -> None:
+    upstream.frames = _frames(3)
+    proxy.cut_stream_once("SubscribeToShard", StreamCut(after_s=0.2))
+
+    response = _subscribe_raw(proxy, "/events-slow")
+    with pytest.raises(http.client.IncompleteRead) as raised:
+        response.read()
+    assert raised.value.partial == upstream.frames[0]
+    assert not upstream.release_second_chunk.is_set(), "cut while upstream sent nothing"
+    assert upstream.hung_up_on.wait(10), "the upstream connection was closed at the cut"
+    assert proxy.faults("cut_stream") == 1
+
+
+def test_an_answer_that_ends_before_the_cut_point_is_relayed_whole_and_not_counted(
+    proxy: FaultProxy, upstream: Upstream
+) -> None:
+    upstream.frames = _frames(2)
+    proxy.cut_stream_once("SubscribeToShard", StreamCut(after_frames=5))
+
+    assert _subscribe_raw(proxy).read() == b"".join(upstream.frames)
+    assert proxy.faults("cut_stream") == 0
+
+
+def test_stream_cuts_and_refusals_follow_the_seed(upstream: Upstream) -> None:
+    upstream.frames = _frames(6)
+    whole = b"".join(upstream.frames)
+    plan = random.Random(5)
+    expected: list[str] = []
+    for _ in range(30):
+        draw = plan.random()
+        if draw < 0.2:
+            expected.append("in_use")
+        elif draw < 0.6:
+            expected.append(f"cut after {plan.randint(0, 4)}")
+        elif draw < 0.8:
+            expected.append(f"end after {plan.randint(0, 4)}")
+        else:
+            expected.append("whole")
+
+    def outcomes() -> list[str]:
+        seen = []
+        with FaultProxy(upstream.url, seed=5) as proxy:
+            proxy.set_rule("SubscribeToShard", in_use_rate=0.2, cut_stream_rate=0.4,
+                           end_stream_rate=0.2, stream_cut_frames=(0, 4))
+            for _ in range(30):
+                response = _subscribe_raw(proxy)
+                if response.status == 400:
+                    error = json.loads(response.read())
+                    assert error["__type"] == "ResourceInUseException"
+                    seen.append("in_use")
+                    continue
+                try:
+                    body = response.read()
+                except http.client.IncompleteRead as cut:
+                    seen.append(f"cut after {_whole_frames(cut.partial)[0]}")
+                    continue
+                seen.append("whole" if body == whole else f"end after {_whole_frames(body)[0]}")
+            assert proxy.faults("in_use") == expected.count("in_use")
+            assert proxy.faults("cut_stream") == sum(e.startswith("cut") for e in expected)
+            assert proxy.faults("end_stream") == sum(e.startswith("end") for e in expected)
+        return seen
+
+    assert outcomes() == expected
+    assert outcomes() == expected
+    assert {e.split(" after ")[0] for e in expected} == {"in_use", "cut", "end", "whole"}
+
+
 def test_dynamodb_errors_carry_the_dynamodb_type_prefix_and_checksum(proxy: FaultProxy) -> None:
     proxy.once("UpdateItem", "throttle")
     response = _post(_connect(proxy), "UpdateItem", service="DynamoDB_20120810")
@@ -297,6 +456,14 @@ def test_rejects_impossible_rules(proxy: FaultProxy) -> None:
         proxy.set_rule("GetRecords", error_5xx_rate=-0.1)
     with pytest.raises(ValueError, match="latency_s"):
         proxy.set_rule("GetRecords", latency_s=-1.0)
+    with pytest.raises(ValueError, match="sum to at most 1"):
+        proxy.set_rule("SubscribeToShard", cut_stream_rate=0.7, in_use_rate=0.4)
+    with pytest.raises(ValueError, match="cut range"):
+        proxy.set_rule("SubscribeToShard", cut_stream_rate=0.5, stream_cut_s=(2.0, 1.0))
+    with pytest.raises(ValueError, match="stream_cut_frames, stream_cut_s or both"):
+        proxy.set_rule("SubscribeToShard", stream_cut_frames=None)
+    with pytest.raises(ValueError, match="after_frames, after_s or both"):
+        StreamCut()
 
 
 # Through the proxy to the emulators, as botocore sees it.
@@ -474,3 +641,62 @@ def test_respond_hook_answers_from_the_request_body(kinesis_proxy: FaultProxy) -
     assert expired == [iterator]
     assert [r["Data"] for r in client.get_records(ShardIterator=iterator)["Records"]] == [b"a"]
     assert kinesis_proxy.faults("respond") == 1
+
+
+def _read_when_free(
+    client: Any, arn: str, shard: str, position: dict[str, Any]
+) -> list[SubscribeEvent]:
+    """A subscription's events, read to its end. kinesis-mock refuses a consumer's second
+    subscription to a shard (with an exception event) until it noticed that the first one's
+    connection closed, a few seconds later."""
+    read: list[list[SubscribeEvent]] = []
+
+    def attempt() -> bool:
+        try:
+            read.append(list(subscribe(client, arn, shard, position)))
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] != "ResourceInUseException":
+                raise
+            return False
+        return True
+
+    wait_for(attempt, 30, "kinesis-mock to let the previous subscription go", interval=0.2)
+    return read[0]
+
+
+@pytest.mark.integration
+def test_subscription_faults_reach_kclpy_as_the_services_would(kinesis_proxy: FaultProxy) -> None:
+    stream, _ = _stream_with_records(kinesis_proxy, [b"a", b"b"])
+    client = kinesis_client(kinesis_proxy.url, NO_RETRIES)
+    arn = ConsumerRegistration(
+        client, "proxy-test", stream_name=stream,
+        settings=RegistrationSettings(describe_retries=50, backoff_s=0.2),
+    ).get_or_create()
+    shard, start = "shardId-000000000000", {"Type": "TRIM_HORIZON"}
+
+    refusals = {}
+    for kind in ("in_use", "throttle", "error_5xx"):
+        kinesis_proxy.once("SubscribeToShard", kind)
+        with pytest.raises(ClientError) as raised:
+            subscribe(client, arn, shard, start)
+        refusals[kind] = raised.value.response["Error"]["Code"]
+    assert refusals["in_use"] == "ResourceInUseException"
+    assert refusals["throttle"] == "LimitExceededException"
+    assert refusals["error_5xx"] in ("InternalFailure", "ServiceUnavailable")
+
+    kinesis_proxy.cut_stream_once("SubscribeToShard", StreamCut(after_frames=1))
+    events = subscribe(client, arn, shard, start)
+    first = next(events)
+    assert [r.binary_data for r in first.page.records] == [b"a", b"b"]
+    with pytest.raises(Exception) as broken:
+        next(events)
+    assert _classify_subscribe(broken.value) == CONNECTION, broken.value
+
+    # A rule, not a one-shot: kinesis-mock's own refusals until it let the cut subscription
+    # go are streamed answers too (one exception event), relayed whole as they end first.
+    kinesis_proxy.set_rule("SubscribeToShard", end_stream_rate=1.0, stream_cut_frames=(1, 1))
+    after = {"Type": "AFTER_SEQUENCE_NUMBER", "SequenceNumber": first.continuation_sequence_number}
+    ended = _read_when_free(client, arn, shard, after)
+    assert len(ended) == 1 and not ended[0].page.records
+    assert (kinesis_proxy.faults("cut_stream"), kinesis_proxy.faults("end_stream")) == (1, 1)
+    assert kinesis_proxy.faults("in_use") == kinesis_proxy.faults("throttle") == 1

@@ -8,6 +8,12 @@ retry and backoff paths it would take against AWS. Everything else is forwarded 
 
 Operations are named by the suffix of ``X-Amz-Target`` (``Kinesis_20131202.GetRecords`` ->
 ``GetRecords``); a rule for ``"*"`` applies to operations without a rule of their own.
+
+Streamed answers (SubscribeToShard's event stream, which has no length and lasts up to five
+minutes) are relayed as they arrive, never buffered whole, and can be cut part way: after a
+number of event-stream frames, in the middle of the next one, or after a time, as when a
+subscription's connection breaks; or ended early and cleanly at a frame boundary, as the
+service ends every subscription after five minutes.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import json
 import logging
 import random
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -31,11 +38,17 @@ from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
 
-FaultKind = Literal["throttle", "error_5xx", "drop", "lose_response", "cut_body"]
+FaultKind = Literal["throttle", "error_5xx", "drop", "lose_response", "cut_body", "in_use",
+                    "cut_stream", "end_stream"]
 """``drop`` closes the connection before forwarding, so the request never reaches upstream;
 ``lose_response`` forwards it, lets upstream apply it, then closes the connection instead of
 answering (the ambiguous outcome conditional writes must survive); ``cut_body`` (one-shot
-only) forwards it and announces the whole answer, then sends half its body and closes."""
+only) forwards it and announces the whole answer, then sends half its body and closes;
+``in_use`` answers ``ResourceInUseException`` (a subscription to the shard is still open);
+``cut_stream`` forwards it and relays a streamed answer up to a cut point drawn from the
+rule's ``stream_cut_frames`` and ``stream_cut_s``, then sends half of the next frame and
+closes the connection; ``end_stream`` ends the streamed answer cleanly at that point
+instead, withholding the frame that was next."""
 
 Responder = Callable[[dict[str, Any]], tuple[int, dict[str, Any]] | None]
 """Gets the request's JSON body; returns ``(status, body)`` to answer, or None to forward."""
@@ -61,6 +74,31 @@ _HOP_BY_HOP = frozenset(
 # control-plane calls (ListShards, DescribeStream, ...) with LimitExceededException.
 _KINESIS_DATA_PLANE = frozenset({"GetRecords", "GetShardIterator", "PutRecord", "PutRecords"})
 _DYNAMODB_PREFIX = "com.amazonaws.dynamodb.v20120810#"
+_EVENT_STREAM = "application/vnd.amazon.eventstream"
+#: an event-stream frame's prelude: total length, headers length, prelude CRC
+_PRELUDE = 12
+#: larger than any frame Kinesis sends (a 10 MB page); a bigger length means a foreign body
+_MAX_FRAME = 16 * 1024 * 1024
+#: whole frames relayed before a cut, when a rule does not say
+DEFAULT_CUT_FRAMES = (0, 8)
+
+
+@dataclass(frozen=True)
+class StreamCut:
+    """Where a streamed answer is cut: once ``after_frames`` whole event-stream frames were
+    relayed and the next one is in, or ``after_s`` seconds after it began, whichever comes
+    first (None: never on that count); ``clean`` ends the answer properly instead of
+    breaking the connection."""
+
+    after_frames: int | None = None
+    after_s: float | None = None
+    clean: bool = False
+
+    def __post_init__(self) -> None:
+        if self.after_frames is None and self.after_s is None:
+            raise ValueError("a stream cut needs after_frames, after_s or both")
+        if (self.after_frames or 0) < 0 or (self.after_s or 0.0) < 0:
+            raise ValueError(f"a stream cut point must not be negative: {self}")
 
 
 @dataclass(frozen=True)
@@ -71,6 +109,11 @@ class _Rule:
     lose_response_rate: float
     latency_s: float
     respond: Responder | None
+    in_use_rate: float = 0.0
+    cut_stream_rate: float = 0.0
+    end_stream_rate: float = 0.0
+    stream_cut_frames: tuple[int, int] | None = DEFAULT_CUT_FRAMES
+    stream_cut_s: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -88,8 +131,8 @@ class _Request:
         return parsed if isinstance(parsed, dict) else {}
 
 
-_OneShot = FaultKind | tuple[int, dict[str, Any]]
-"""A fault, or a canned ``(status, body)`` answer, for one request."""
+_OneShot = FaultKind | tuple[int, dict[str, Any]] | StreamCut
+"""A fault, a canned ``(status, body)`` answer, or a stream cut, for one request."""
 _Action = _OneShot | None
 """What to do with one request; None forwards it."""
 
@@ -166,6 +209,11 @@ class FaultProxy:
         drop_rate: float = 0.0,
         lose_response_rate: float = 0.0,
         respond: Responder | None = None,
+        in_use_rate: float = 0.0,
+        cut_stream_rate: float = 0.0,
+        end_stream_rate: float = 0.0,
+        stream_cut_frames: tuple[int, int] | None = DEFAULT_CUT_FRAMES,
+        stream_cut_s: tuple[float, float] | None = None,
     ) -> None:
         """Replace the rule for ``operation`` (or ``"*"``).
 
@@ -173,14 +221,26 @@ class FaultProxy:
         ``throttle_rate=0.3`` throttles 30% of requests whatever the other rates are, and the
         rates may not add up to more than 1. ``latency_s`` delays every matching request,
         faulted or not. ``respond`` sees the requests no fault was drawn for.
+
+        A request drawn for ``cut_stream`` or ``end_stream`` then draws its cut point from
+        the same generator: a number of whole frames from ``stream_cut_frames`` (bounds
+        included) and a time from ``stream_cut_s`` (None: not on that count).
         """
-        rates = (throttle_rate, error_5xx_rate, drop_rate, lose_response_rate)
+        rates = (throttle_rate, error_5xx_rate, drop_rate, lose_response_rate, in_use_rate,
+                 cut_stream_rate, end_stream_rate)
         if any(not 0.0 <= rate <= 1.0 for rate in rates) or sum(rates) > 1.0:
             raise ValueError(f"fault rates must be within [0, 1] and sum to at most 1: {rates}")
         if latency_s < 0:
             raise ValueError(f"latency_s must not be negative: {latency_s}")
+        if stream_cut_frames is None and stream_cut_s is None:
+            raise ValueError("stream cuts need stream_cut_frames, stream_cut_s or both")
+        for bounds in (stream_cut_frames, stream_cut_s):
+            if bounds is not None and not 0 <= bounds[0] <= bounds[1]:
+                raise ValueError(f"a cut range must be (low, high) with 0 <= low <= high: "
+                                 f"{bounds}")
         rule = _Rule(
-            throttle_rate, error_5xx_rate, drop_rate, lose_response_rate, latency_s, respond
+            throttle_rate, error_5xx_rate, drop_rate, lose_response_rate, latency_s, respond,
+            in_use_rate, cut_stream_rate, end_stream_rate, stream_cut_frames, stream_cut_s,
         )
         with self._lock:
             self._rules[operation] = rule
@@ -199,6 +259,10 @@ class FaultProxy:
         """Answer the next request for ``operation`` with ``(status, JSON body)``."""
         self._enqueue(operation, response)
 
+    def cut_stream_once(self, operation: str, cut: StreamCut) -> None:
+        """Forward the next request for ``operation`` and cut its streamed answer at ``cut``."""
+        self._enqueue(operation, cut)
+
     def requests(self, operation: str) -> int:
         """Requests received for ``operation`` (``"*"``: all), faulted or forwarded."""
         with self._lock:
@@ -211,6 +275,9 @@ class FaultProxy:
 
         Kinds: the :data:`FaultKind` values, ``"latency"`` for delayed requests, ``"inject"``
         for :meth:`inject_once` answers and ``"respond"`` for answers from a ``respond`` hook.
+        ``cut_stream`` and ``end_stream`` count the cuts made, not the ones drawn: an answer
+        with a length, or a stream that upstream ended before the cut point, is relayed whole
+        and not counted.
         """
         with self._lock:
             if operation == ALL:
@@ -226,13 +293,15 @@ class FaultProxy:
         operation = request.operation
         with self._lock:
             self._requests[operation] += 1
+            rule = self._rules.get(operation) or self._rules.get(ALL)
             for key in (operation, ALL):
                 pending = self._pending.get(key)
                 if pending:
                     action = pending.popleft()
+                    if action in ("cut_stream", "end_stream"):
+                        action = self._draw_cut(rule, clean=action == "end_stream")
                     self._count(action, operation)
                     return 0.0, action, None
-            rule = self._rules.get(operation) or self._rules.get(ALL)
             if rule is None:
                 return 0.0, None, None
             if rule.latency_s > 0:
@@ -242,18 +311,41 @@ class FaultProxy:
                 ("throttle", rule.throttle_rate),
                 ("error_5xx", rule.error_5xx_rate),
                 ("lose_response", rule.lose_response_rate),
+                ("in_use", rule.in_use_rate),
+                ("cut_stream", rule.cut_stream_rate),
+                ("end_stream", rule.end_stream_rate),
             )
             draw = self._random.random()
             for kind, rate in slices:
                 if draw < rate:
+                    if kind in ("cut_stream", "end_stream"):
+                        cut = self._draw_cut(rule, clean=kind == "end_stream")
+                        return rule.latency_s, cut, None
                     self._count(kind, operation)
                     return rule.latency_s, kind, None
                 draw -= rate
             return rule.latency_s, None, rule.respond
 
+    def _draw_cut(self, rule: _Rule | None, *, clean: bool) -> StreamCut:
+        """A cut point from the rule's ranges (the defaults without a rule); the lock is held."""
+        frames = DEFAULT_CUT_FRAMES if rule is None else rule.stream_cut_frames
+        span = None if rule is None else rule.stream_cut_s
+        return StreamCut(
+            None if frames is None else self._random.randint(*frames),
+            None if span is None else self._random.uniform(*span),
+            clean,
+        )
+
     def _count(self, action: _OneShot, operation: str) -> None:
+        """Count what was decided; stream cuts count later, when they are made."""
+        if isinstance(action, StreamCut):
+            return
         kind = action if isinstance(action, str) else "inject"
         self._faults[(kind, operation)] += 1
+
+    def _count_cut(self, cut: StreamCut, operation: str) -> None:
+        with self._lock:
+            self._faults[("end_stream" if cut.clean else "cut_stream", operation)] += 1
 
     def _count_respond(self, operation: str) -> None:
         with self._lock:
@@ -276,6 +368,7 @@ def error_body(service: str, operation: str, status: int) -> dict[str, str]:
         elif operation in _KINESIS_DATA_PLANE:
             code = "ProvisionedThroughputExceededException"
         else:
+            # SubscribeToShard included: AWS refuses subscriptions beyond its rate with it
             code = "LimitExceededException"
     elif status == 503:
         code = "ServiceUnavailable"
@@ -284,6 +377,24 @@ def error_body(service: str, operation: str, status: int) -> dict[str, str]:
     if service == "dynamodb":
         return {"__type": _DYNAMODB_PREFIX + code, "message": f"{code} (injected)"}
     return {"__type": code, "message": f"{code} (injected)"}
+
+
+def in_use_body(shard_id: object) -> dict[str, str]:
+    """The answer to a SubscribeToShard while the consumer's previous subscription to the
+    shard is still open."""
+    return {"__type": "ResourceInUseException",
+            "message": f"Another active subscription exists on shard {shard_id} (injected)"}
+
+
+def _frame_size(pending: bytes | bytearray) -> int | None:
+    """The total length of the event-stream frame ``pending`` starts with: None until its
+    prelude is in, or when the prelude does not look like one."""
+    if len(pending) < _PRELUDE:
+        return None
+    total, headers = struct.unpack_from("!II", pending)
+    if not _PRELUDE + 4 <= total <= _MAX_FRAME or headers > total:
+        return None
+    return int(total)
 
 
 class _ProxyServer(ThreadingHTTPServer):
@@ -371,6 +482,9 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 request, status, error_body(request.service, request.operation, status)
             )
             return
+        if action == "in_use":
+            self._answer_error(request, 400, in_use_body(request.json().get("ShardId")))
+            return
         if isinstance(action, tuple):
             self._answer_error(request, *action)
             return
@@ -381,9 +495,11 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 self._answer_error(request, *answer)
                 return
         self._forward(request, lose_response=action == "lose_response",
-                      cut_body=action == "cut_body")
+                      cut_body=action == "cut_body",
+                      cut=action if isinstance(action, StreamCut) else None)
 
-    def _forward(self, request: _Request, *, lose_response: bool, cut_body: bool) -> None:
+    def _forward(self, request: _Request, *, lose_response: bool, cut_body: bool,
+                 cut: StreamCut | None) -> None:
         try:
             response = self._send_upstream(request.body)
         except OSError as exc:
@@ -412,10 +528,81 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         # chunk by chunk as it arrives rather than buffered until upstream ends it.
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        while chunk := response.read1(65536):
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-            self.wfile.flush()
-        self.wfile.write(b"0\r\n\r\n")
+        if cut is None:
+            while chunk := response.read1(65536):
+                self._write_chunk(chunk)
+            self._write_chunk(b"")
+            return
+        try:
+            if self._relay_until(response, cut):
+                self.server.proxy._count_cut(cut, request.operation)
+        finally:
+            # Cut or not, the upstream connection carries a timeout now: not reused. Closing
+            # it is what makes kinesis-mock let a cut subscription go.
+            self._drop_upstream()
+
+    def _relay_until(self, response: http.client.HTTPResponse, cut: StreamCut) -> bool:
+        """Relay whole frames until ``cut.after_frames`` went and the next one is in, or
+        until ``cut.after_s`` passed, then cut; False when upstream ended the answer first.
+
+        Frames are counted only in an event stream; any other body is relayed as it comes
+        and cut by time alone.
+        """
+        framed = response.getheader("Content-Type", "").split(";")[0].strip() == _EVENT_STREAM
+        deadline = None if cut.after_s is None else time.monotonic() + cut.after_s
+        upstream = self._upstream
+        pending = bytearray()
+        sent = 0
+        while True:
+            while framed and (size := _frame_size(pending)) is not None and size <= len(pending):
+                if cut.after_frames is not None and sent >= cut.after_frames:
+                    self._cut(bytes(pending[: size // 2]), cut.clean)
+                    return True
+                self._write_chunk(bytes(pending[:size]))
+                del pending[:size]
+                sent += 1
+            if framed and len(pending) >= _PRELUDE and _frame_size(pending) is None:
+                framed = False  # not framed as an event stream after all
+            if not framed and pending:
+                self._write_chunk(bytes(pending))
+                pending.clear()
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or upstream is None or upstream.sock is None:
+                    self._cut(bytes(pending), cut.clean)
+                    return True
+                upstream.sock.settimeout(remaining)
+            try:
+                chunk = response.read1(65536)
+            except TimeoutError:
+                self._cut(bytes(pending), cut.clean)
+                return True
+            if not chunk:
+                if pending:
+                    self._write_chunk(bytes(pending))
+                self._write_chunk(b"")
+                return False
+            pending += chunk
+
+    def _cut(self, partial: bytes, clean: bool) -> None:
+        """End the answer here: cleanly with the final chunk (``partial``, an unfinished
+        frame, is withheld), or by closing the connection after ``partial``, the part of a
+        frame whose end the client will never see."""
+        if clean:
+            self._write_chunk(b"")
+            return
+        if partial:
+            self._write_chunk(partial)
+        self.close_connection = True
+
+    def _write_chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def _drop_upstream(self) -> None:
+        if self._upstream is not None:
+            self._upstream.close()
+            self._upstream = None
 
     def _send_upstream(self, body: bytes) -> http.client.HTTPResponse:
         """One upstream keep-alive connection per client connection; if upstream closed an
