@@ -40,7 +40,12 @@ from tests.support.streams import (
     wait_for,
 )
 from tests.support.workers import running
-from tests.test_worker_integration import assert_exactly_once, assert_in_order, produce_mixed
+from tests.test_worker_integration import (
+    assert_exactly_once,
+    assert_in_order,
+    make_config,
+    produce_mixed,
+)
 
 STREAM_ID = "123456789012:orders:1700000000"
 
@@ -143,15 +148,9 @@ class Tracker:
 
 def multi_config(kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint,
                  **overrides: Any) -> KCLConfig:
-    values: dict[str, Any] = {
-        "application_name": unique_name("multi"), "region": "us-east-1",
-        "kinesis_endpoint": kinesis_mock.url, "dynamodb_endpoint": moto_server.url,
-        "initial_position": "TRIM_HORIZON", "failover_time_ms": 3000,
-        "idle_time_between_reads_ms": 100, "shard_sync_interval_ms": 1000,
-        "parent_shard_poll_interval_ms": 200, "shutdown_grace_ms": 5000,
-        "task_backoff_time_ms": 50}
-    values.update(overrides)
-    return KCLConfig(**values)
+    """The end-to-end tests' settings, with streams (or a tracker) instead of one stream."""
+    return make_config(kinesis_mock.url, moto_server.url, "", **{"stream_name": None,
+                                                                 **overrides})
 
 
 def stream_id(kinesis: Any, stream: str) -> str:
