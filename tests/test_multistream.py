@@ -10,6 +10,7 @@ Java multi-stream format resumed at its checkpoints.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import urllib.request
 from collections import Counter
@@ -27,6 +28,7 @@ from kclpy.errors import ConfigError
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import lease_from_item, lease_to_new_item
 from kclpy.leases.shard_sync import Shard, plan_new_leases
+from kclpy.leases.streams import StreamSet
 from kclpy.local import LocalEndpoint
 from kclpy.ops import serve_worker
 from kclpy.streams import StreamIdentifier, stream_of_lease_key
@@ -115,6 +117,17 @@ def test_stream_configuration_errors_name_the_option() -> None:
     with pytest.raises(ConfigError, match="--consumer-arn"):
         KCLConfig(application_name="a", streams=(StreamConfig("x"), StreamConfig("y")),
                   consumer_arn="arn:aws:kinesis:us-east-1:1:stream/x/consumer/c:1")
+
+
+def test_single_stream_leases_in_a_multi_stream_table_are_named_in_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    config = KCLConfig(application_name="a", streams=(StreamConfig("x"), StreamConfig("y")))
+    streams = StreamSet(kinesis=None, table=None, config=config)  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="kclpy.leases.streams"):
+        streams.sync({"shardId-000000000007", f"{STREAM_ID}:shardId-000000000001"})
+        streams.sync({"shardId-000000000007"})
+    (warning,) = caplog.records
+    assert "1 single-stream lease(s) (shardId-000000000007" in warning.getMessage()
 
 
 # -- integration --------------------------------------------------------------------------

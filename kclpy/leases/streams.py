@@ -83,6 +83,7 @@ class StreamSet:
     clock: Callable[[], float] = time.monotonic
     active: dict[str, ActiveStream] = field(default_factory=dict)
     former: dict[str, FormerStream] = field(default_factory=dict)
+    _warned_single: bool = False
 
     # -- streams in and out ------------------------------------------------------------------
 
@@ -146,6 +147,13 @@ class StreamSet:
     def sync(self, existing: Collection[str] | None) -> list[Lease]:
         """Shard sync of every active stream; a stream deleted in Kinesis becomes former
         (multi-stream) or fails the sync (a single-stream application has nothing else)."""
+        if self.config.multi_stream and existing and not self._warned_single:
+            single = sorted(k for k in existing if stream_of_lease_key(k) is None)
+            if single:
+                self._warned_single = True
+                log.warning("the lease table holds %d single-stream lease(s) (%s, ...): a "
+                            "multi-stream application keys leases by stream and does not "
+                            "read them; their checkpoints are not used", len(single), single[0])
         created: list[Lease] = []
         for key, active in list(self.active.items()):
             try:
