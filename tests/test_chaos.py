@@ -17,7 +17,18 @@ from kclpy.leases.lease import Lease
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from tests.support.audit import AuditReport, audit
-from tests.support.chaos import KILL, STOP, TERM, ChaosSettings, run_chaos, seed_from_environment
+from tests.support.chaos import (
+    FANOUT,
+    KILL,
+    STOP,
+    SUBSCRIPTION_FAULTS,
+    TERM,
+    ChaosResult,
+    ChaosSettings,
+    repeats,
+    run_chaos,
+    seed_from_environment,
+)
 from tests.support.ledger import (
     CHECKPOINT,
     INITIALIZE,
@@ -232,6 +243,36 @@ def test_the_largest_gap_is_the_longest_wait_of_a_record_that_was_due() -> None:
     assert run.audit().shards[PARENT].max_gap_s == pytest.approx(5.0)
 
 
+def test_the_duplicate_window_is_the_largest_repeat_by_one_processor() -> None:
+    run = failover_run()  # b repeats r3, first processed at row 4
+    run.deliver("s3", PARENT, "c", ("r3", 3, 0), ("r4", 4, 0))  # r4 first at row 7
+    assert repeats(run.journal) == (2, 3.0)
+    assert repeats(Run().journal) == (0, 0.0)
+
+
+def _chaos(
+    settings: ChaosSettings, kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> ChaosResult:  # fmt: skip
+    """Run the chaos, print its figures, and check what every variant promises."""
+
+    def say(line: str) -> None:
+        with capsys.disabled():
+            print(line, flush=True)
+
+    result = run_chaos(kinesis_mock.url, moto_server.url, tmp_path, settings, say)
+    say("\n".join(result.figure_lines()))
+    assert result.report.ok, result.report.describe_violations()
+    assert result.report.produced == settings.plain_records + settings.kpl_records
+    assert all(result.disruptions[kind] >= 1 for kind in (KILL, STOP, TERM)), result.disruptions
+    assert result.split is not None and len(result.split[1]) == 2
+    assert result.sigterm_exit_codes and set(result.sigterm_exit_codes) == {0}, (
+        f"graceful shutdowns failed: {result.sigterm_exit_codes} (logs in {result.logs})"
+    )
+    assert result.server_errors_injected > 0
+    return result
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.timeout(600)
@@ -242,21 +283,31 @@ def test_chaos_run_loses_nothing(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     settings = ChaosSettings(seed=seed_from_environment())
-
-    def say(line: str) -> None:
-        with capsys.disabled():
-            print(line, flush=True)
-
-    result = run_chaos(kinesis_mock.url, moto_server.url, tmp_path, settings, say)
-    say("\n".join(result.figure_lines()))
-    assert result.report.ok, result.report.describe_violations()
+    result = _chaos(settings, kinesis_mock, moto_server, tmp_path, capsys)
     assert result.report.produced >= 20_000
-    assert all(result.disruptions[kind] >= 1 for kind in (KILL, STOP, TERM)), result.disruptions
-    assert result.split is not None and len(result.split[1]) == 2
-    assert result.sigterm_exit_codes and set(result.sigterm_exit_codes) == {0}, (
-        f"graceful shutdowns failed: {result.sigterm_exit_codes} (logs in {result.logs})"
-    )
-    assert result.throttles_injected > 0 and result.server_errors_injected > 0
+    assert result.throttles_injected > 0
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fanout_chaos_run_loses_nothing(
+    kinesis_mock: LocalEndpoint,
+    moto_server: LocalEndpoint,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The same chaos with enhanced fan-out, while the proxy refuses subscriptions and cuts
+    or ends them part way; a shorter window than polling's still sees every fault."""
+    settings = ChaosSettings(seed=seed_from_environment(), retrieval_mode=FANOUT, chaos_s=45.0,
+                             plain_records=6_000, kpl_records=8_000)
+    result = _chaos(settings, kinesis_mock, moto_server, tmp_path, capsys)
+    faults = result.subscription_faults
+    assert all(faults[kind] > 0 for kind in SUBSCRIPTION_FAULTS), faults
+    outcomes = result.subscription_outcomes
+    assert all(outcomes[o] > 0 for o in ("renewed", "failed_connection", "failed_in_use")), (
+        f"the workers did not see the drops: {outcomes}")
+    assert len(result.consumers) == 1, f"one consumer for the fleet: {result.consumers}"
 
 
 # -- found by the chaos run --------------------------------------------------------------------

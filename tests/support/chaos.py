@@ -5,6 +5,10 @@ Everything random comes from one seed, printed at the start, so a failing run ca
 replayed (``KCLPY_CHAOS_SEED``); what the processes do in between still depends on timing,
 so a replay reproduces the faults, not every interleaving. ``python -m tests.support.chaos``
 runs longer chaos against emulators it starts itself.
+
+The fleet reads by polling (GetRecords, throttled by the proxy) or by enhanced fan-out
+(``retrieval_mode="fanout"``: one registered consumer for the application, SubscribeToShard
+through the same proxy, which refuses subscriptions and cuts or ends them part way).
 """
 
 from __future__ import annotations
@@ -18,13 +22,18 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator
+import urllib.request
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from kclpy.local import free_port
+from kclpy.retrieval.registration import list_consumers
 from tests.support.audit import AuditReport, LeaseSampler, audit
 from tests.support.faultproxy import FaultProxy
 from tests.support.ledger import (
@@ -32,7 +41,9 @@ from tests.support.ledger import (
     KPL,
     LEDGER_ENV,
     PLAIN,
+    RECORD,
     WORKER_ENV,
+    Entry,
     Ledger,
     Produced,
 )
@@ -57,6 +68,12 @@ SEED_ENV = "KCLPY_CHAOS_SEED"
 KILL = "kill -9"
 STOP = "SIGSTOP/SIGCONT"
 TERM = "SIGTERM+restart"
+
+POLLING = "polling"
+FANOUT = "fanout"
+SUBSCRIBE = "SubscribeToShard"
+#: what the Kinesis proxy does to subscriptions, as its fault counters name it
+SUBSCRIPTION_FAULTS = ("cut_stream", "end_stream", "in_use", "throttle", "error_5xx")
 
 _PLAIN_BATCH = 250
 _AGGREGATES_PER_BATCH = 10
@@ -86,6 +103,19 @@ class ChaosSettings:
     #: after the chaos, how long the fleet may take to process what is left
     catch_up_timeout_s: float = 240.0
     checkpoint_every_batches: int = 2
+    #: polling or fanout (enhanced fan-out through one consumer registered for the fleet)
+    retrieval_mode: str = POLLING
+    #: fan-out: shares of SubscribeToShard calls refused with ResourceInUseException, with
+    #: LimitExceededException, and with 500/503
+    subscription_refusal_rates: tuple[float, float, float] = (0.05, 0.05, 0.05)
+    #: fan-out: shares of subscriptions cut (the connection breaks mid-frame) and ended
+    #: early (cleanly, as after the service's five minutes)
+    subscription_cut_rate: float = 0.4
+    subscription_end_rate: float = 0.2
+    #: fan-out: a cut or end comes after this many events (bounds included) or after this
+    #: many seconds, whichever is first; kinesis-mock sends an event a second
+    subscription_cut_events: tuple[int, int] = (1, 5)
+    subscription_cut_s: tuple[float, float] = (0.5, 6.0)
 
     @property
     def failover_s(self) -> float:
@@ -104,21 +134,65 @@ class ChaosResult:
     server_errors_injected: int = 0
     duration_s: float = 0.0
     logs: Path = Path()
+    #: fan-out: the proxy's subscription faults by kind (SUBSCRIPTION_FAULTS), and the
+    #: SubscribeToShard calls it saw
+    subscription_faults: Counter[str] = field(default_factory=Counter)
+    subscribe_calls: int = 0
+    #: fan-out: kclpy_subscriptions_total by outcome, summed over every worker process, each
+    #: read right before it was killed or sent SIGTERM
+    subscription_outcomes: Counter[str] = field(default_factory=Counter)
+    #: fan-out: the stream's registered consumers at the end
+    consumers: list[str] = field(default_factory=list)
+    #: the duplicate window: the most records one processor instance repeated, and the
+    #: span of the previous owners' processing those repeats redid
+    largest_repeat: int = 0
+    largest_repeat_s: float = 0.0
 
     def figure_lines(self) -> list[str]:
         s = self.settings
         split = f"{self.split[0]} -> {', '.join(self.split[1])}" if self.split else "none"
         disruptions = ", ".join(f"{kind}: {n}" for kind, n in sorted(self.disruptions.items()))
-        return [
-            f"chaos seed {s.seed}: {s.workers} workers, {s.shards} shards, "
-            f"{s.chaos_s:g} s of chaos, failover {s.failover_ms} ms, run took "
+        lines = [
+            f"chaos seed {s.seed}: {s.workers} workers ({s.retrieval_mode}), {s.shards} "
+            f"shards, {s.chaos_s:g} s of chaos, failover {s.failover_ms} ms, run took "
             f"{self.duration_s:.0f} s",
             f"disruptions: {disruptions}; split: {split}",
             f"injected: {self.throttles_injected} GetRecords throttles "
             f"({s.get_records_throttle_rate:.0%}), {self.server_errors_injected} DynamoDB 5xx "
             f"({s.dynamodb_5xx_rate:.0%})",
-            *self.report.figure_lines(),
         ]
+        if s.retrieval_mode == FANOUT:
+            faults = ", ".join(f"{kind} {self.subscription_faults[kind]}"
+                               for kind in SUBSCRIPTION_FAULTS)
+            outcomes = ", ".join(f"{outcome} {n}" for outcome, n in
+                                 sorted(self.subscription_outcomes.items()))
+            lines += [
+                f"subscriptions: {self.subscribe_calls} SubscribeToShard calls; injected: "
+                f"{faults}",
+                f"kclpy_subscriptions_total of all workers: {outcomes or 'none'}; "
+                f"consumers: {', '.join(self.consumers) or 'none'}",
+            ]
+        lines.append(f"largest repeat after a failover: {self.largest_repeat} records, "
+                     f"redoing {self.largest_repeat_s:.1f} s of the previous owners' processing")
+        return [*lines, *self.report.figure_lines()]
+
+
+def repeats(journal: Iterable[Entry]) -> tuple[int, float]:
+    """The duplicate window, measured: the most records one session (processor instance)
+    processed after an earlier session had, and the time between the first and the last of
+    those earlier deliveries (how much of the previous owners' work it redid)."""
+    first: dict[str, tuple[str, float]] = {}
+    redone: defaultdict[str, list[float]] = defaultdict(list)
+    for entry in journal:
+        if entry.event != RECORD or entry.id is None:
+            continue
+        seen = first.setdefault(entry.id, (entry.session, entry.at))
+        if seen[0] != entry.session:
+            redone[entry.session].append(seen[1])
+    if not redone:
+        return 0, 0.0
+    largest = max(redone.values(), key=len)
+    return len(largest), max(largest) - min(largest)
 
 
 class Tally(Protocol):
@@ -140,18 +214,24 @@ class _Slot:
     #: monotonic time at which a frozen worker is resumed or a killed one restarted
     due: float | None = None
     state: str = "running"  # running, stopped, dead
+    #: the loopback port of this process's /metrics, when the fleet serves them
+    metrics_port: int | None = None
 
 
 class _Fleet:
     def __init__(
         self, settings: ChaosSettings, args: Callable[[str], list[str]], ledger: Path, logs: Path,
-        env: dict[str, str] | None = None,
+        env: dict[str, str] | None = None, counter: tuple[str, str] | None = None,
     ) -> None:  # fmt: skip
         self._settings = settings
         self._args = args
         self._ledger = ledger
         self._logs = logs
         self._env = env or {}
+        #: (name, label): a counter every process serves on /metrics, read into
+        #: ``harvested`` before the process is killed or sent SIGTERM
+        self._counter = counter
+        self.harvested: Counter[str] = Counter()
         self.slots = [_Slot(i) for i in range(settings.workers)]
 
     def spawn(self, slot: _Slot) -> None:
@@ -164,9 +244,14 @@ class _Fleet:
             CHECKPOINT_EVERY_ENV: str(self._settings.checkpoint_every_batches),
             **self._env,
         }
+        args = self._args(slot.worker_id)
+        slot.metrics_port = None
+        if self._counter is not None:
+            slot.metrics_port = free_port()
+            args += ["--metrics-port", str(slot.metrics_port), "--metrics-host", "127.0.0.1"]
         with (self._logs / f"{slot.worker_id}.log").open("wb") as log:
             slot.process = subprocess.Popen(
-                [sys.executable, "-m", "kclpy", *self._args(slot.worker_id)],
+                [sys.executable, "-m", "kclpy", *args],
                 cwd=ROOT,
                 env=env,
                 stdout=log,
@@ -188,6 +273,8 @@ class _Fleet:
     def terminate(self, *slots: _Slot) -> list[int]:
         """SIGTERM, then the exit codes of the graceful exits; a worker still running after
         a minute is killed and its code is -9, which reads as a failed graceful shutdown."""
+        for slot in slots:
+            self.harvest(slot)
         processes = [slot.process for slot in slots if slot.process is not None]
         for process in processes:
             process.send_signal(signal.SIGTERM)
@@ -209,6 +296,23 @@ class _Fleet:
             slot.due = None
         elif slot.state == "dead":
             self.spawn(slot)
+
+    def harvest(self, slot: _Slot) -> None:
+        """Add the running worker's counter to ``harvested``, before its counts die with it;
+        a worker that does not answer yet (still starting) adds nothing."""
+        if self._counter is None or slot.metrics_port is None or slot.state != "running":
+            return
+        name, label = self._counter
+        url = f"http://127.0.0.1:{slot.metrics_port}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                text = response.read().decode()
+        except OSError:
+            return
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and label in sample.labels:
+                    self.harvested[sample.labels[label]] += int(sample.value)
 
     def kill_all(self) -> None:
         """Last-resort cleanup: no worker outlives the run, frozen or not."""
@@ -346,7 +450,9 @@ def worker_args(
     worker_id: str, processor_args: list[str],
 ) -> list[str]:  # fmt: skip
     """One chaos worker's ``kclpy-worker`` command line after ``-m kclpy``."""
-    return [
+    retrieval = ([] if settings.retrieval_mode == POLLING
+                 else ["--retrieval-mode", settings.retrieval_mode])
+    return [*retrieval,
         "--stream-name", stream,
         "--application-name", application,
         *processor_args,
@@ -395,6 +501,14 @@ class ChaosRig:
             FaultProxy(dynamodb_url, seed=settings.seed + 1))
         self.kinesis_proxy.set_rule("GetRecords",
                                     throttle_rate=settings.get_records_throttle_rate)
+        if settings.retrieval_mode == FANOUT:
+            in_use, throttle, server_error = settings.subscription_refusal_rates
+            self.kinesis_proxy.set_rule(
+                SUBSCRIBE, in_use_rate=in_use, throttle_rate=throttle,
+                error_5xx_rate=server_error, cut_stream_rate=settings.subscription_cut_rate,
+                end_stream_rate=settings.subscription_end_rate,
+                stream_cut_frames=settings.subscription_cut_events,
+                stream_cut_s=settings.subscription_cut_s)
         self.dynamodb_proxy.set_rule("*", error_5xx_rate=settings.dynamodb_5xx_rate)
         self.sampler = LeaseSampler(dynamodb_client(dynamodb_url), self.application).start()
         stack.callback(self.sampler.stop)
@@ -404,10 +518,13 @@ class ChaosRig:
         self.stack.close()
 
     def window(self, result: Tally, processor_args: list[str],
-               env: dict[str, str] | None = None) -> _Fleet:
+               env: dict[str, str] | None = None,
+               counter: tuple[str, str] | None = None) -> _Fleet:
         """Start the fleet and the producer, disrupt for the chaos window, then resume
         every worker and let the producer finish. The fleet keeps running (the rig kills
-        it on the way out)."""
+        it on the way out). With ``counter`` (name, label), each worker serves /metrics on
+        a loopback port of its own, and the counter is summed in the fleet's
+        ``harvested`` over every process before it goes."""
         settings = self.settings
 
         def args(worker_id: str) -> list[str]:
@@ -415,7 +532,7 @@ class ChaosRig:
                                self.kinesis_proxy.url, self.dynamodb_proxy.url, worker_id,
                                processor_args)
 
-        fleet = _Fleet(settings, args, self.workdir / "ledger.db", self.logs, env)
+        fleet = _Fleet(settings, args, self.workdir / "ledger.db", self.logs, env, counter)
         self.stack.callback(fleet.kill_all)
         for slot in fleet.slots:
             fleet.spawn(slot)
@@ -443,7 +560,9 @@ def run_chaos(
     with ChaosRig(kinesis_url, dynamodb_url, workdir, settings, "chaos", say) as rig:
         ledger = rig.ledger
         result = ChaosResult(settings, AuditReport(), logs=rig.logs)
-        fleet = rig.window(result, ["--processor", "tests.support.ledger:LedgerProcessor"])
+        fanout = settings.retrieval_mode == FANOUT
+        fleet = rig.window(result, ["--processor", "tests.support.ledger:LedgerProcessor"],
+                           counter=("kclpy_subscriptions_total", "outcome") if fanout else None)
         say(f"chaos over after {time.monotonic() - started:.0f} s; the fleet catches up")
         wait_for(
             lambda: ledger.missing_count() == 0,
@@ -452,14 +571,25 @@ def run_chaos(
             interval=0.5,
         )
         wait_for(lambda: all(fleet.up(slot) for slot in fleet.slots), 60, "every worker to be up")
+        if fanout:
+            proxy = rig.kinesis_proxy
+            result.subscription_faults = Counter(
+                {kind: proxy.faults(kind, SUBSCRIBE) for kind in SUBSCRIPTION_FAULTS})
+            result.subscribe_calls = proxy.requests(SUBSCRIBE)
+            arn = rig.kinesis.describe_stream_summary(StreamName=rig.stream)[
+                "StreamDescriptionSummary"]["StreamARN"]
+            result.consumers = sorted(c["ConsumerName"] for c in list_consumers(rig.kinesis, arn))
         result.sigterm_exit_codes.extend(fleet.terminate(*fleet.slots))
+        result.subscription_outcomes = fleet.harvested
         samples = rig.sampler.stop()
         ledger.record_lease_samples(samples)
         result.throttles_injected = rig.kinesis_proxy.faults("throttle", "GetRecords")
         result.server_errors_injected = rig.dynamodb_proxy.faults("error_5xx")
+        journal = ledger.journal()
         result.report = audit(
-            ledger.produced(), ledger.journal(), samples, _parents(rig.kinesis, rig.stream)
+            ledger.produced(), journal, samples, _parents(rig.kinesis, rig.stream)
         )
+        result.largest_repeat, result.largest_repeat_s = repeats(journal)
     result.duration_s = time.monotonic() - started
     return result
 
@@ -524,6 +654,7 @@ def _apply(
     assert slot.process is not None
     now = time.monotonic()
     if kind == KILL:
+        fleet.harvest(slot)
         slot.process.kill()
         slot.process.wait()
         slot.state = "dead"
@@ -552,6 +683,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chaos-seconds", type=float, default=300.0)
     parser.add_argument("--plain-records", type=int, default=10_000)
     parser.add_argument("--kpl-records", type=int, default=12_000)
+    parser.add_argument("--retrieval-mode", choices=(POLLING, FANOUT), default=POLLING)
     args = parser.parse_args(argv)
     for name, value in (
         ("AWS_ACCESS_KEY_ID", "testing"),
@@ -564,6 +696,7 @@ def main(argv: list[str] | None = None) -> int:
         chaos_s=args.chaos_seconds,
         plain_records=args.plain_records,
         kpl_records=args.kpl_records,
+        retrieval_mode=args.retrieval_mode,
     )
     with _local_endpoints() as (kinesis_url, dynamodb_url):
         workdir = Path(tempfile.mkdtemp(prefix="kclpy-chaos-"))
