@@ -384,6 +384,22 @@ def test_a_timed_cut_hangs_up_on_both_sides_while_upstream_is_idle(
     assert proxy.faults("cut_stream") == 1
 
 
+def test_a_client_hanging_up_on_a_stream_closes_the_upstream_connection_at_once(
+    proxy: FaultProxy, upstream: Upstream
+) -> None:
+    """Upstream sends nothing after the first frame, so only a proxy watching the client
+    (not one waiting for upstream's next bytes to write) learns of the hang-up."""
+    upstream.frames = _frames(2)
+    connection = _connect(proxy)
+    response = _post(connection, "SubscribeToShard", path="/events-slow")
+    assert response.read1() == upstream.frames[0]
+
+    response.close()
+    connection.close()
+    assert upstream.hung_up_on.wait(5), "upstream still sees the subscription open"
+    assert not upstream.release_second_chunk.is_set()
+
+
 def test_an_answer_that_ends_before_the_cut_point_is_relayed_whole_and_not_counted(
     proxy: FaultProxy, upstream: Upstream
 ) -> None:

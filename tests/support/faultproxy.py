@@ -18,10 +18,12 @@ service ends every subscription after five minutes.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
 import random
+import select
 import socket
 import struct
 import threading
@@ -397,6 +399,45 @@ def _frame_size(pending: bytes | bytearray) -> int | None:
     return int(total)
 
 
+class _HangUpWatch:
+    """Shuts the upstream connection as soon as the client hangs up on a streamed answer.
+
+    The relay would learn of it only at its next write, a second or more later on an idle
+    subscription (kinesis-mock sends an event a second, AWS fewer); until then upstream
+    would see the subscription still open, and refuse the shard's next owner with
+    ResourceInUseException for longer than it would behind no proxy.
+    """
+
+    def __init__(self, client: socket.socket, upstream: socket.socket | None) -> None:
+        self._client = client
+        self._upstream = upstream
+        self._done = threading.Event()
+        self.hung_up = False
+        self._thread = threading.Thread(target=self._run, name="faultproxy-hang-up",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            try:
+                readable, _, _ = select.select([self._client], [], [], 0.1)
+                if not readable:
+                    continue
+                if self._client.recv(1, socket.MSG_PEEK):
+                    return  # the client is talking, not hanging up
+            except (OSError, ValueError):
+                pass  # a reset or closed client connection is a hang-up too
+            self.hung_up = True
+            if self._upstream is not None:
+                with contextlib.suppress(OSError):
+                    self._upstream.shutdown(socket.SHUT_RDWR)
+            return
+
+
 class _ProxyServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128
@@ -528,18 +569,21 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         # chunk by chunk as it arrives rather than buffered until upstream ends it.
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        if cut is None:
-            while chunk := response.read1(65536):
-                self._write_chunk(chunk)
-            self._write_chunk(b"")
-            return
+        upstream = self._upstream
+        watch = _HangUpWatch(self.connection, None if upstream is None else upstream.sock)
         try:
-            if self._relay_until(response, cut):
+            if cut is None:
+                while chunk := response.read1(65536):
+                    self._write_chunk(chunk)
+                self._write_chunk(b"")
+            elif self._relay_until(response, cut):
                 self.server.proxy._count_cut(cut, request.operation)
         finally:
-            # Cut or not, the upstream connection carries a timeout now: not reused. Closing
-            # it is what makes kinesis-mock let a cut subscription go.
-            self._drop_upstream()
+            watch.stop()
+            # After a cut the upstream connection carries a timeout, after a hang-up it is
+            # shut: not reused. Closing it is what makes kinesis-mock let a subscription go.
+            if cut is not None or watch.hung_up:
+                self._drop_upstream()
 
     def _relay_until(self, response: http.client.HTTPResponse, cut: StreamCut) -> bool:
         """Relay whole frames until ``cut.after_frames`` went and the next one is in, or
