@@ -372,6 +372,11 @@ def running(config: KCLConfig, deliveries: Deliveries) -> AbstractContextManager
     return running_worker(Worker(config, lambda: FlagRecorder(deliveries)))
 
 
+def lease_items(dynamodb_url: str, table: str) -> dict[str, dict[str, Any]]:
+    items = dynamodb_client(dynamodb_url).scan(TableName=table, ConsistentRead=True)["Items"]
+    return {item["leaseKey"]["S"]: item for item in items}
+
+
 def lease_item(dynamodb_url: str, table: str) -> dict[str, Any]:
     items = dynamodb_client(dynamodb_url).scan(TableName=table, ConsistentRead=True)["Items"]
     assert len(items) <= 1
@@ -710,6 +715,102 @@ def test_a_closed_shard_with_a_gap_queued_is_recovered_without_live_reading() ->
     assert processor.log == [("init", SHARD_END), ("recovery", ["1"]), ("recovery", ["2"])]
     assert starts == [] and recovery.begun == [] and writer.writes == []
     assert recovery.writer.writes == [("1", 0), ("2", 0)]
+
+
+class RewindingRecovery(FakeRecovery):
+    """As ShardRecovery: ``begin`` drops what was read and serves the gap again after its
+    own checkpoint."""
+
+    def __init__(self, batches: list[Result]) -> None:
+        super().__init__(batches)
+        self.script = list(batches)
+
+    def begin(self, checkpoint: str, sub_sequence_number: int) -> datetime | None:
+        self.begun.append((checkpoint, sub_sequence_number))
+        done = self.checkpointer.last_checkpoint[0]
+        after = int(done) if done.isdigit() else -1
+        self.batches = [b for b in self.script
+                        if int(b.records[-1].sequence_number) > after]
+        return None
+
+
+class RestartOnce(FlagLog):
+    """Asks for a restart the first time it is handed recovery record 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    def process_records(self, process_records_input: kclpy.ProcessRecordsInput) -> None:
+        numbers = [r.sequence_number for r in process_records_input.records]
+        if "2" in numbers and not self.failed:
+            self.failed = True
+            self.log.append(("restart", numbers))
+            raise kclpy.ProcessorRestartRequired("state lost")
+        super().process_records(process_records_input)
+
+
+def test_a_restart_asked_while_a_closed_shard_drains_re_reads_from_the_gaps_checkpoint(
+        ) -> None:
+    recovery = RewindingRecovery([Result([rec(1)]), Result([rec(2)]), Result([rec(3)])])
+    processor, writer = RestartOnce(), Writer()
+    consumer = ShardConsumer(
+        Lease("shard-1", checkpoint="50"), concurrency_token="t",
+        processor_factory=lambda: processor, checkpoint_writer=writer, lease_reader=Leases(),
+        fetcher_factory=lambda lease, checkpoint, sub, start_at=None: ScriptedFetcher(
+            [Result([], shard_end=True)], (checkpoint, sub)),
+        on_shard_end=lambda shard_id, children: None, settings=SETTINGS, metrics=Metrics(),
+        rng=random.Random(1), recovery=lambda: recovery)
+    consumer.start()
+    assert consumer.join(10) and consumer.error is None
+    handed = [tuple(rest[0]) for kind, *rest in processor.log if kind in ("recovery", "restart")]
+    assert handed == [("1",), ("2",), ("2",), ("3",)], "record 2 is handed again, nothing lost"
+    assert recovery.begun == [("50", 0), (SHARD_END, 0)]
+    assert recovery.writer.writes == [("1", 0), ("2", 0), ("3", 0)]
+    assert writer.writes == [(SHARD_END, 0)]
+
+
+@pytest.mark.integration
+def test_a_gap_of_a_shard_that_is_split_is_recovered_from_the_closed_parent(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("lag-split")
+    create_stream(kinesis, stream, 1)
+    backlog = [f"old-{n}".encode() for n in range(300)]
+    put_plain(kinesis, stream, backlog)
+    max_lag_ms = 1500
+    age(max_lag_ms)
+    deliveries = Deliveries()
+    config = make_config(kinesis_mock.url, moto_server.url, stream, max_lag_ms=max_lag_ms,
+                         recovery_max_rate=60, parent_shard_poll_interval_ms=200)
+    parent = "shardId-000000000000"
+    with running(config, deliveries) as worker:
+        assert worker.wait_started(30)
+        wait_for(lambda: RECOVERY in lease_items(moto_server.url, config.lease_table_name).get(
+            parent, {}), 30, "the parent's gap queued")
+        (shard,) = kinesis.list_shards(StreamName=stream)["Shards"]
+        low, high = (int(shard["HashKeyRange"][k]) for k in ("StartingHashKey",
+                                                              "EndingHashKey"))
+        kinesis.split_shard(StreamName=stream, ShardToSplit=parent,
+                            NewStartingHashKey=str((low + high) // 2))
+        wait_for(lambda: kinesis.describe_stream_summary(StreamName=stream)[
+            "StreamDescriptionSummary"]["StreamStatus"] == "ACTIVE", 30, "split done")
+        after = [f"child-{n}".encode() for n in range(40)]
+        put_plain(kinesis, stream, after)
+        wait_for(lambda: set(after) <= deliveries.payloads(), 60,
+                 "the children read while the parent's gap is still recovered")
+        items = lease_items(moto_server.url, config.lease_table_name)
+        assert items[parent]["checkpoint"]["S"] == SHARD_END
+        assert RECOVERY in items[parent], "the closed parent keeps its queue meanwhile"
+        assert not set(backlog) <= deliveries.payloads()
+        wait_for(lambda: set(backlog) <= deliveries.payloads(), 60, "the gap recovered")
+        wait_for(lambda: parent not in lease_items(moto_server.url, config.lease_table_name),
+                 60, "the finished parent's lease cleaned up")
+        assert worker.metrics.registry.get_sample_value(
+            "kclpy_recovery_records_total", {"shard_id": parent}) == len(backlog)
+    seen = deliveries.snapshot()
+    assert sorted(d.data for d in seen) == sorted(backlog + after), "each record once"
+    assert all(d.is_recovery for d in seen if d.data in set(backlog))
 
 
 def test_lag_recovery_is_off_unless_asked_and_configured_by_flag_or_properties_key(
