@@ -280,8 +280,9 @@ def run_child(python: str, contender: str, kinesis_url: str, dynamodb_url: str, 
 class ReplayProcess:
     """``bench/replay.py`` as a child process; its URL is the first line it prints."""
 
-    def __init__(self, python: str, streams: Sequence[str]) -> None:
-        argv = [python, str(BENCH / "replay.py")]
+    def __init__(self, python: str, streams: Sequence[str],
+                 options: Sequence[str] = ()) -> None:
+        argv = [python, str(BENCH / "replay.py"), *options]
         for spec in streams:
             argv += ["--stream", spec]
         self._process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
