@@ -8,6 +8,8 @@ import logging
 import random
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -811,6 +813,23 @@ def test_a_gap_of_a_shard_that_is_split_is_recovered_from_the_closed_parent(
     seen = deliveries.snapshot()
     assert sorted(d.data for d in seen) == sorted(backlog + after), "each record once"
     assert all(d.is_recovery for d in seen if d.data in set(backlog))
+
+
+@pytest.mark.integration
+def test_the_recovery_benchmark_runs_on_a_small_backlog() -> None:
+    bench = Path(__file__).resolve().parent.parent / "bench" / "recovery.py"
+    done = subprocess.run(
+        [sys.executable, str(bench), "--records", "20000", "--max-lag-ms", "5000",
+         "--rate", "1000", "--measure-s", "10"],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    live = re.search(r"with lag recovery ([\d,]+) ms; plain worker to the same record "
+                     r"([\d.,]+) s", done.stdout)
+    rate = re.search(r"recovery: ([\d,]+) records in 10 s; largest 10 s window ([\d,]+)/s, "
+                     r"mean ([\d,]+)/s, bound 1,000/s", done.stdout)
+    assert live is not None and rate is not None, done.stdout
+    recovered, largest = (int(rate[n].replace(",", "")) for n in (1, 2))
+    assert recovered > 0 and largest <= 1100, "recovery read within its bound"
 
 
 def test_lag_recovery_is_off_unless_asked_and_configured_by_flag_or_properties_key(
