@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -14,12 +15,13 @@ from pathlib import Path
 import pytest
 
 import kclpy
-from kclpy import Worker
+from kclpy import StreamConfig, Worker
 from kclpy.leases.lease import Lease
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
+from kclpy.ops import serve_worker
 from kclpy.ops.inspect import inspect_main, parse_args, run_status
-from tests.support.recording import Ledger
+from tests.support.recording import Ledger, RecordingProcessor
 from tests.support.streams import (
     create_stream,
     dynamodb_client,
@@ -29,6 +31,7 @@ from tests.support.streams import (
     wait_for,
 )
 from tests.test_ops_server import running, worker_config
+from tests.test_recovery import age
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,15 +107,15 @@ def test_leases_table_shows_owner_checkpoint_and_lineage(
                            "--table-name", lease_table, *endpoints(kinesis_mock, moto_server))
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["SHARD", "OWNER", "COUNTER", "CHECKPOINT", "SUB", "SWITCHES",
-                                "PARENTS", "CHILDREN"]
-    assert lines[1].split() == ["shardId-000000000000", "-", "0", "SHARD_END", "0", "0", "-",
-                                "shardId-000000000001,shardId-000000000002"]
+    assert lines[0].split() == ["STREAM", "SHARD", "OWNER", "COUNTER", "CHECKPOINT", "SUB",
+                                "SWITCHES", "PARENTS", "CHILDREN"]
+    assert lines[1].split() == ["-", "shardId-000000000000", "-", "0", "SHARD_END", "0", "0",
+                                "-", "shardId-000000000001,shardId-000000000002"]
     assert lines[2].split() == [
-        "shardId-000000000001", "worker-a", "41",
+        "-", "shardId-000000000001", "worker-a", "41",
         "49590338271490256608559692538361571095921575989136588898", "3", "2",
         "shardId-000000000000", "-"]
-    assert lines[3].split()[:4] == ["shardId-000000000002", "-", "0", "TRIM_HORIZON"]
+    assert lines[3].split()[:5] == ["-", "shardId-000000000002", "-", "0", "TRIM_HORIZON"]
     assert lines[-1] == f"3 lease(s) in {lease_table}"
 
 
@@ -376,3 +379,96 @@ def test_status_lists_unleased_shards_and_unlisted_leases_without_judging_them(
     assert lines[3:] == [f"open shards without a lease: {unleased}",
                          "leases of shards the stream no longer lists: shardId-000000000999"]
     assert code == 2
+
+
+# -- what the workers say, and multi-stream tables ------------------------------------------
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.integration
+def test_status_with_workers_shows_retrieval_mode_subscription_age_and_recovery_queue(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("inspect-efo")
+    create_stream(kinesis, stream, 1)
+    put_plain(kinesis, stream, [f"old-{n}".encode() for n in range(300)])
+    age(1500)
+    config = worker_config(kinesis_mock.url, moto_server.url, stream, retrieval_mode="fanout",
+                           retry_backoff_ms=200, max_describe_stream_consumer_retries=50,
+                           max_lag_ms=1500, recovery_max_rate=10)
+    worker = Worker(config, lambda: RecordingProcessor(Ledger()))
+
+    def fanout_and_recovering() -> bool:
+        shards = worker.status()["shards"].values()
+        return any(s["retrieval"].get("subscription_age_s") is not None and s["recovery"]
+                   for s in shards)
+
+    with serve_worker(worker, lag_window_s=None) as server, running(worker):
+        wait_for(fanout_and_recovering, 60, "a fan-out subscription and a queued gap")
+        gone = f"http://127.0.0.1:{closed_port()}"
+        argv = ["status", "--application-name", config.application_name,
+                "--stream-name", stream, "--window-seconds", "0.2", "--samples", "2",
+                "--worker", server.url, "--worker", gone,
+                *endpoints(kinesis_mock, moto_server)]
+        report_out, text_out = io.StringIO(), io.StringIO()
+        run_status(parse_args([*argv, "--json"]), report_out)
+        run_status(parse_args(argv), text_out)
+    report = json.loads(report_out.getvalue())
+    (shard,) = report["shards"]
+    assert shard["worker"] == config.worker_id
+    assert shard["retrieval"]["mode"] == "fanout"
+    assert shard["retrieval"]["subscription_age_s"] >= 0
+    (gap,) = shard["recovery"]
+    assert gap["after"] == "TRIM_HORIZON" and gap["remaining_ms"] > 0
+    assert [(w["url"], w["reachable"]) for w in report["workers"]] == [
+        (server.url, True), (gone, False)]
+    lines = text_out.getvalue().splitlines()
+    assert lines[1].split()[-4:] == ["MODE", "SUB", "AGE", "RECOVERY"]
+    assert "fanout" in lines[2].split() and "gap(s)," in lines[2]
+    assert lines[-1].startswith(f"worker {gone} unreachable:")
+
+
+def test_a_bad_worker_url_names_the_option(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "status", "--application-name", "a", "--stream-name", "s",
+                           "--worker", "localhost:9000")
+    assert code == 2
+    assert "--worker" in err and err.count("\n") == 1
+
+
+@pytest.mark.integration
+def test_a_multi_stream_table_is_shown_and_inspected_one_stream_at_a_time(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    names = [unique_name("insp-ms") for _ in range(2)]
+    for name, shards in zip(names, (1, 2), strict=True):
+        create_stream(kinesis, name, shards)
+        put_plain(kinesis, name, [f"{name}-{n}".encode() for n in range(6)])
+    ledger = Ledger()
+    config = worker_config(kinesis_mock.url, moto_server.url, "", stream_name=None,
+                           streams=tuple(StreamConfig(name) for name in names))
+    with running(Worker(config, lambda: RecordingProcessor(ledger))):
+        wait_for(lambda: len(ledger.records) >= 12, 60, "both streams processed")
+    code, out, _ = run_cli(capsys, "leases", "--application-name", config.application_name,
+                           *endpoints(kinesis_mock, moto_server))
+    assert code == 0
+    rows = [line.split() for line in out.splitlines()[1:-1]]
+    assert sorted(row[0] for row in rows) == sorted([names[0], names[1], names[1]])
+    assert all(row[1].startswith("shardId-") for row in rows), "bare shard ids"
+    code, out, _ = run_cli(capsys, "leases", "--application-name", config.application_name,
+                           "--stream-name", names[1], *endpoints(kinesis_mock, moto_server))
+    assert [line.split()[0] for line in out.splitlines()[1:-1]] == [names[1], names[1]]
+    args = parse_args(["status", "--application-name", config.application_name,
+                       "--stream-name", names[1], "--window-seconds", "10", "--samples", "2",
+                       "--json", *endpoints(kinesis_mock, moto_server)])
+    clock, report_out = FakeClock(), io.StringIO()
+    run_status(args, report_out, clock=clock.time, sleep=clock.sleep)
+    report = json.loads(report_out.getvalue())
+    assert len(report["shards"]) == 2 and report["status"] == "OK"
+    assert report["unleased_shards"] == [] and report["unlisted_leases"] == []

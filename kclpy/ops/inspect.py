@@ -7,7 +7,12 @@ No worker needs to run: everything comes from the lease table (Scan) and the str
 - ``kclpy status``: per-shard lag status with Burrow's rules (``kclpy.ops.lag``). A status
   needs movement, so one run samples ``--samples`` times spread over ``--window-seconds``
   and evaluates that window; ``--watch`` keeps sampling and prints an evaluation of the
-  sliding window after every sample.
+  sliding window after every sample. ``--worker URL`` adds what running workers report on
+  their ops endpoint (``/status``): each shard's retrieval mode, subscription age and lag
+  recovery queue.
+
+In a multi-stream table (Java ``MultiStreamLease`` keys, ``kclpy.streams``) ``leases`` shows
+each lease's stream and ``--stream-name`` / ``--stream-arn`` pick one stream's leases.
 - ``kclpy consumers`` / ``register-consumer`` / ``deregister-consumer``: the stream's
   enhanced fan-out consumers (``kclpy.ops.consumers``).
 
@@ -28,8 +33,9 @@ import math
 import re
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 import boto3
@@ -53,6 +59,7 @@ from kclpy.ops.lag import (
     report_to_json,
 )
 from kclpy.ops.text import print_table
+from kclpy.streams import StreamIdentifier
 
 log = logging.getLogger("kclpy.inspect")
 
@@ -113,9 +120,12 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="print JSON")
     common.add_argument("--log-level", default="WARNING",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    commands.add_parser(
+    leases = commands.add_parser(
         "leases", parents=[common], help="every lease: owner, counter, checkpoint, lineage",
         description="Print every lease of the application's lease table.")
+    only = leases.add_mutually_exclusive_group()
+    only.add_argument("--stream-name", help="only this stream's leases (multi-stream tables)")
+    only.add_argument("--stream-arn", help="only this stream's leases, by ARN")
     status = commands.add_parser(
         "status", parents=[common], help="per-shard lag status (exit 0 OK, 1 WARN, 2 ERROR)",
         description="Evaluate each shard's lag with Burrow's rules over a sampled window.")
@@ -130,6 +140,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="keep sampling; print the sliding window's status after each")
     status.add_argument("--count", type=_whole(1), metavar="N",
                         help="with --watch: stop after N evaluations")
+    status.add_argument("--worker", type=_url, action="append", default=[], metavar="URL",
+                        help="a worker's ops endpoint (repeatable): adds each shard's "
+                             "retrieval mode, subscription age and recovery queue")
     for name, help_text, description in (
             ("consumers", "the stream's enhanced fan-out consumers",
              "List every consumer registered on the stream."),
@@ -248,17 +261,22 @@ def _leases(args: argparse.Namespace, out: IO[str]) -> int:
         except ValueError:
             log.warning("skipping an item that is not a lease: %s", sorted(item))
     leases.sort(key=lambda pair: pair[0].lease_key)
+    wanted = _stream_label(args)
+    if wanted is not None:
+        leases = [(lease, item) for lease, item in leases
+                  if lease.stream is None or _stream_name(lease) == wanted]
     if args.json:
         json.dump([item_to_json(item) for _, item in leases], out, indent=2)
         out.write("\n")
         return 0
-    rows = [["SHARD", "OWNER", "COUNTER", "CHECKPOINT", "SUB", "SWITCHES", "PARENTS",
-             "CHILDREN"]]
+    rows = [["STREAM", "SHARD", "OWNER", "COUNTER", "CHECKPOINT", "SUB", "SWITCHES",
+             "PARENTS", "CHILDREN"]]
     for lease, _ in leases:
         owner = lease.lease_owner or "-"
         if lease.checkpoint_owner:
             owner += f" (handoff from {lease.checkpoint_owner})"
-        rows.append([lease.lease_key, owner, str(lease.lease_counter), lease.checkpoint,
+        rows.append([_stream_name(lease) or "-", lease.shard_id, owner,
+                     str(lease.lease_counter), lease.checkpoint,
                      str(lease.checkpoint_sub_sequence_number),
                      str(lease.owner_switches_since_checkpoint),
                      ",".join(sorted(lease.parent_shard_ids)) or "-",
@@ -266,6 +284,23 @@ def _leases(args: argparse.Namespace, out: IO[str]) -> int:
     print_table(rows, out)
     out.write(f"{len(leases)} lease(s) in {_table_name(args)}\n")
     return 0
+
+
+def _stream_label(args: argparse.Namespace) -> str | None:
+    """The stream's name as given (the last part of an ARN)."""
+    if args.stream_arn:
+        return str(args.stream_arn).rsplit("/", 1)[-1]
+    return str(args.stream_name) if args.stream_name else None
+
+
+def _stream_name(lease: Lease) -> str | None:
+    """The name in a multi-stream lease's stream identifier; None for a single-stream one."""
+    if lease.stream is None:
+        return None
+    try:
+        return StreamIdentifier.parse(lease.stream).name
+    except ValueError:
+        return lease.stream
 
 
 # -- status ----------------------------------------------------------------------------------
@@ -286,16 +321,33 @@ class TableSampler:
     """Observes every leased shard of one stream from the lease table and the stream."""
 
     def __init__(self, table: LeaseTable, syncer: ShardSyncer, probe: LagProbe,
-                 tracker: LagTracker, clock: Callable[[], float]) -> None:
+                 tracker: LagTracker, clock: Callable[[], float],
+                 identify: Callable[[], str] | None = None) -> None:
         self._table = table
         self._syncer = syncer
         self._probe = probe
         self._tracker = tracker
         self._clock = clock
+        #: the stream's serialised identifier, looked up once a multi-stream lease is seen
+        self._identify = identify
+        self._stream_id: str | None = None
+        #: shard id -> lease key, as the workers' ``/status`` names the shards
+        self.lease_keys: dict[str, str] = {}
+
+    def _leases(self) -> dict[str, Lease]:
+        """The stream's leases by shard id: all of a single-stream table, or those of the
+        stream in a multi-stream one."""
+        every = self._table.list_leases()
+        if not any(lease.stream for lease in every) or self._identify is None:
+            return {lease.lease_key: lease for lease in every}
+        if self._stream_id is None:
+            self._stream_id = self._identify()
+        return {lease.shard_id: lease for lease in every if lease.stream == self._stream_id}
 
     def sample(self) -> Sample:
         now = self._clock()
-        leases = {lease.lease_key: lease for lease in self._table.list_leases()}
+        leases = self._leases()
+        self.lease_keys = {shard_id: lease.lease_key for shard_id, lease in leases.items()}
         shards = {shard.shard_id: shard for shard in self._syncer.list_shards()}
         sample = Sample(now,
                         unleased_shards=sorted(s for s, shard in shards.items()
@@ -321,9 +373,12 @@ class TableSampler:
 
 
 def status_report(args: argparse.Namespace, sample: Sample,
-                  evaluations: Mapping[str, ShardEvaluation]) -> dict[str, Any]:
-    """The ``--json`` document: ``report_to_json``'s shape plus what was not evaluated."""
-    return {
+                  evaluations: Mapping[str, ShardEvaluation],
+                  workers: Sequence[WorkerView] = (),
+                  lease_keys: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The ``--json`` document: ``report_to_json``'s shape plus what was not evaluated, and
+    with ``--worker`` what the workers say of each shard (``retrieval``, ``recovery``)."""
+    report = {
         "application": args.application_name,
         "stream": args.stream_name or args.stream_arn,
         "table": _table_name(args),
@@ -332,6 +387,59 @@ def status_report(args: argparse.Namespace, sample: Sample,
         "unleased_shards": sample.unleased_shards,
         "unlisted_leases": sample.unlisted_leases,
     }
+    if workers:
+        report["workers"] = [view.summary() for view in workers]
+        keys = lease_keys or {}
+        for shard in report["shards"]:
+            key = keys.get(shard["shard_id"], shard["shard_id"])
+            for view in workers:
+                reported = view.shards.get(key)
+                if reported is not None:
+                    shard["worker"] = view.worker_id or view.url
+                    shard["retrieval"] = reported.get("retrieval") or {}
+                    shard["recovery"] = reported.get("recovery") or []
+                    break
+    return report
+
+
+@dataclass
+class WorkerView:
+    """What one worker's ``/status`` said, or why it could not be read."""
+
+    url: str
+    worker_id: str | None = None
+    shards: Mapping[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    def summary(self) -> dict[str, Any]:
+        return {"url": self.url, "worker_id": self.worker_id, "reachable": self.error is None,
+                "error": self.error, "shards": sorted(self.shards)}
+
+
+def read_worker(url: str, timeout_s: float = 5.0) -> WorkerView:
+    """GET ``url``/status; a worker that does not answer is reported, not fatal."""
+    target = url.rstrip("/") + "/status"
+    try:
+        with urllib.request.urlopen(target, timeout=timeout_s) as response:  # noqa: S310
+            document = json.load(response)
+    except (OSError, ValueError) as exc:
+        return WorkerView(url, error=str(exc))
+    if not isinstance(document, dict) or not isinstance(document.get("shards"), dict):
+        return WorkerView(url, error="not a kclpy worker's /status document")
+    return WorkerView(url, document.get("worker_id"), document["shards"])
+
+
+def _retrieval_text(shard: Mapping[str, Any]) -> tuple[str, str, str]:
+    """MODE, SUB AGE and RECOVERY columns of a shard a worker reported on."""
+    if "retrieval" not in shard:
+        return "-", "-", "-"
+    retrieval = shard["retrieval"]
+    age = retrieval.get("subscription_age_s")
+    queue = shard.get("recovery") or []
+    remaining = sum(int(gap.get("remaining_ms") or 0) for gap in queue)
+    recovery = f"{len(queue)} gap(s), {remaining / 1000:.0f}s left" if queue else "-"
+    return (str(retrieval.get("mode") or "-"), "-" if age is None else f"{age:.0f}s",
+            recovery)
 
 
 def _print_status(report: Mapping[str, Any], out: IO[str], *, as_json: bool,
@@ -343,7 +451,9 @@ def _print_status(report: Mapping[str, Any], out: IO[str], *, as_json: bool,
         return
     out.write(f"{report['application']} on {report['stream']}: {report['status']} "
               f"(window {report['window_seconds']:g}s, {report['samples']} samples)\n")
-    rows = [["SHARD", "STATUS", "OWNER", "CHECKPOINT", "BEHIND", "AGE", "REASON"]]
+    workers = report.get("workers")
+    rows = [["SHARD", "STATUS", "OWNER", "CHECKPOINT", "BEHIND", "AGE", "REASON"]
+            + (["MODE", "SUB AGE", "RECOVERY"] if workers else [])]
     for shard in report["shards"]:
         behind = "-"
         if "records_behind" in shard:
@@ -351,8 +461,12 @@ def _print_status(report: Mapping[str, Any], out: IO[str], *, as_json: bool,
                                                      else "+")
         age = f"{shard['millis_behind'] / 1000:.1f}s" if "millis_behind" in shard else "-"
         rows.append([shard["shard_id"], shard["status"], shard.get("owner") or "-",
-                     shard.get("checkpoint") or "-", behind, age, shard["reason"]])
+                     shard.get("checkpoint") or "-", behind, age, shard["reason"]]
+                    + (list(_retrieval_text(shard)) if workers else []))
     print_table(rows, out)
+    for worker in workers or []:
+        if not worker["reachable"]:
+            out.write(f"worker {worker['url']} unreachable: {worker['error']}\n")
     if report["unleased_shards"]:
         out.write(f"open shards without a lease: {', '.join(report['unleased_shards'])}\n")
     if report["unlisted_leases"]:
@@ -373,7 +487,14 @@ def run_status(args: argparse.Namespace, out: IO[str], *,
     probe = LagProbe(kinesis, stream_name=args.stream_name, stream_arn=args.stream_arn,
                      records_limit=args.records_limit, wall_clock=wall_clock)
     tracker = LagTracker(args.window_seconds)
-    sampler = TableSampler(table, syncer, probe, tracker, clock)
+
+    def identify() -> str:
+        params = {"StreamARN": args.stream_arn} if args.stream_arn else {
+            "StreamName": args.stream_name}
+        summary = kinesis.describe_stream_summary(**params)["StreamDescriptionSummary"]
+        return StreamIdentifier.from_summary(summary).serialize()
+
+    sampler = TableSampler(table, syncer, probe, tracker, clock, identify)
     interval = args.window_seconds / (args.samples - 1)
     evaluations = args.count if args.watch else 1
     code = EXIT_UNKNOWN
@@ -389,8 +510,9 @@ def run_status(args: argparse.Namespace, out: IO[str], *,
             if not args.watch and taken < args.samples:
                 continue
             evaluated = tracker.evaluate(sample.time)
-            _print_status(status_report(args, sample, evaluated), out, as_json=args.json,
-                          watching=args.watch)
+            workers = [read_worker(url) for url in args.worker]
+            _print_status(status_report(args, sample, evaluated, workers, sampler.lease_keys),
+                          out, as_json=args.json, watching=args.watch)
             code = application_status(e.status for e in evaluated.values()).exit_code
             if evaluations is not None:
                 evaluations -= 1
