@@ -6,6 +6,7 @@ before their children, as polling does."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,12 +15,19 @@ from kclpy.config import KCLConfig, build_config, from_properties
 from kclpy.errors import ConfigError
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
-from kclpy.retrieval.backoff import CONNECTION, IN_USE, THROTTLED
+from kclpy.retrieval.backoff import CONNECTION, IN_USE, THROTTLED, Backoff
 from kclpy.retrieval.fetcher import ShardFetcher, StartPosition, _classify_subscribe
 from kclpy.retrieval.registration import list_consumers
 from tests.support.eventstream_server import Event, Script, Step, eventstream_server
 from tests.support.recording import Ledger
-from tests.support.streams import create_stream, kinesis_client, unique_name, wait_for
+from tests.support.streams import (
+    create_stream,
+    kinesis_client,
+    session,
+    unique_name,
+    wait_for,
+)
+from tests.support.tls import loopback_certificate
 from tests.test_worker_integration import (
     assert_exactly_once,
     assert_in_order,
@@ -140,10 +148,11 @@ def test_fan_out_ends_split_and_merged_parents_before_their_children(
     assert all(i > parent_last for i, s in enumerate(order) if s in children)
 
 
-@pytest.mark.parametrize("http2", [False, True], ids=["http1.1", "h2c"])
+@pytest.mark.parametrize("transport", ["http1.1", "h2c", "h2-tls"])
 def test_a_subscription_survives_drops_refusals_and_throttles_and_ends_at_shard_end(
-        http2: bool) -> None:
-    """Against a scripted endpoint, over HTTP/1.1 and over HTTP/2: a connection cut
+        transport: str, tmp_path: Path) -> None:
+    """Against a scripted endpoint, over HTTP/1.1, h2c and HTTP/2 over TLS (a throw-away CA
+    given as the client's ``verify``, as ``AWS_CA_BUNDLE`` would): a connection cut
     mid-frame, an error answer (ResourceInUseException), an exception event
     (LimitExceededException), then the shard's end with its children. Every record arrives
     once, in order, and each new subscription starts after the last event's continuation."""
@@ -158,12 +167,16 @@ def test_a_subscription_survives_drops_refusals_and_throttles_and_ends_at_shard_
         Step([Event([], "103"), Event([("104", b"e")], None, child_shards=[child])]),
     ])
     metrics = Metrics()
-    with eventstream_server(script, http2=http2) as url:
+    certificate = loopback_certificate(tmp_path)
+    tls = certificate.server_context() if transport == "h2-tls" else None
+    with eventstream_server(script, http2=transport != "http1.1", tls=tls) as url:
+        client = session().client("kinesis", endpoint_url=url,
+                                  verify=str(certificate.cert_path) if tls else None)
         fetcher = ShardFetcher(
-            kinesis_client(url), "shardId-000000000000", StartPosition("TRIM_HORIZON"),
+            client, "shardId-000000000000", StartPosition("TRIM_HORIZON"),
             stream_name="s", consumer_arn="arn:aws:kinesis:us-east-1:1:stream/s/consumer/a:1",
             metrics=metrics, sleep=lambda _: None, shard_end_probe_s=3600,
-            http_version="2" if http2 else "1.1")
+            http_version="1.1" if transport == "http1.1" else "auto" if tls else "2")
         results = [fetcher.fetch_once() for _ in range(6)]
     delivered = [r for result in results if result is not None for r in result.records]
     assert [r.binary_data for r in delivered] == [b"a", b"b", b"c", b"d", b"e"]
@@ -182,3 +195,34 @@ def test_a_subscription_survives_drops_refusals_and_throttles_and_ends_at_shard_
                         "failed_throttled")}
     assert outcomes == {"opened": 1, "renewed": 2, "failed_connection": 1, "failed_in_use": 1,
                         "failed_throttled": 1}
+
+
+def test_an_untrusted_certificate_is_a_counted_connection_failure_naming_the_cause(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The endpoint's certificate is not in the trust store the client was given: every
+    attempt fails the TLS handshake, is counted and logged with its cause, and is retried
+    with backoff (a rotated certificate or trust store heals without a restart)."""
+    script = Script([Step([Event([("100", b"never")], None)])] * 5)
+    server_cert = loopback_certificate(tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    untrusted_ca = loopback_certificate(other)
+    metrics = Metrics()
+    with eventstream_server(script, tls=server_cert.server_context()) as url:
+        client = session().client("kinesis", endpoint_url=url,
+                                  verify=str(untrusted_ca.cert_path))
+        fetcher = ShardFetcher(
+            client, "shardId-000000000000", StartPosition("TRIM_HORIZON"), stream_name="s",
+            consumer_arn="arn:aws:kinesis:us-east-1:1:stream/s/consumer/a:1", metrics=metrics,
+            backoff=Backoff(0.01, 0.05), shard_end_probe_s=3600)
+        fetcher.start()
+        try:
+            wait_for(lambda: (metrics.registry.get_sample_value(
+                "kclpy_subscriptions_total",
+                {"shard_id": "shardId-000000000000", "outcome": "failed_connection"}) or 0) >= 2,
+                30, "handshake failures counted")
+        finally:
+            fetcher.stop()
+    assert script.requests == [], "no request got past the handshake"
+    assert any("CERTIFICATE_VERIFY_FAILED" in r.getMessage() for r in caplog.records
+               if "SubscribeToShard" in r.getMessage())

@@ -20,6 +20,8 @@ the TCP window, which is the flow control of this HTTP/1.1 path.
 from __future__ import annotations
 
 import binascii
+import os
+import ssl
 import struct
 import threading
 from collections.abc import Generator, Iterator
@@ -84,10 +86,15 @@ class _Sender:
     forces HTTP/1.1."""
 
     def __init__(self, max_connections: int, connect_timeout_s: float, read_timeout_s: float,
-                 http_version: str) -> None:
+                 http_version: str, verify: bool | str = True) -> None:
         if http_version not in FANOUT_HTTP_VERSIONS:
             raise ValueError(f"http_version must be one of {', '.join(FANOUT_HTTP_VERSIONS)}")
-        self._pool = urllib3.PoolManager(maxsize=max_connections, block=False)
+        self._tls = _tls_context(verify)
+        self._pool = (
+            urllib3.PoolManager(maxsize=max_connections, block=False, ssl_context=self._tls)
+            if verify is not False else
+            urllib3.PoolManager(maxsize=max_connections, block=False, ssl_context=self._tls,
+                                cert_reqs="CERT_NONE", assert_hostname=False))
         self._timeout = urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s)
         self._version = http_version
         self._h2_timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
@@ -128,9 +135,35 @@ class _Sender:
         with self._lock:
             client = self._h2.get(tls)
             if client is None:
-                client = httpx.Client(http1=tls, http2=True, timeout=self._h2_timeout)
+                client = httpx.Client(http1=tls, http2=True, timeout=self._h2_timeout,
+                                      verify=self._tls)
                 self._h2[tls] = client
             return client
+
+
+def _tls_context(verify: bool | str) -> ssl.SSLContext:
+    """The TLS settings of the botocore client the subscriptions go out from: ``verify``
+    False (no checks), True (the default trust store), or a CA bundle file or directory (as
+    ``verify=`` or ``AWS_CA_BUNDLE`` gave botocore)."""
+    if verify is False:
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        return context
+    if isinstance(verify, str):
+        if os.path.isdir(verify):
+            return ssl.create_default_context(capath=verify)
+        return ssl.create_default_context(cafile=verify)
+    return ssl.create_default_context()
+
+
+def _client_verify(client: Any) -> bool | str:
+    """What the client verifies TLS with. botocore resolves ``verify=`` and
+    ``AWS_CA_BUNDLE`` into its HTTP session and exposes nothing public for it, so it is
+    read from there; a client without that session verifies with the defaults."""
+    session = getattr(getattr(client, "_endpoint", None), "http_session", None)
+    verify = getattr(session, "_verify", True)
+    return verify if isinstance(verify, (bool, str)) else True
 
 
 class _H2Body:
@@ -200,7 +233,8 @@ def install(client: Any, *, http_version: str = "auto", max_connections: int = 1
         client._kclpy_subscriptions = True
         events = client.meta.events
         events.register(
-            _EVENT, _Sender(max_connections, connect_timeout_s, read_timeout_s, http_version),
+            _EVENT, _Sender(max_connections, connect_timeout_s, read_timeout_s, http_version,
+                            _client_verify(client)),
             unique_id=_HANDLER_ID)
         events.register(_PARSE_EVENT, _before_parse, unique_id=_HANDLER_ID + ".parse")
 

@@ -13,6 +13,7 @@ import base64
 import contextlib
 import json
 import socket
+import ssl
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -118,8 +119,15 @@ def _handler(script: Script) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def _h2_connection(sock: socket.socket, script: Script) -> None:
+def _h2_connection(sock: socket.socket, script: Script,
+                   tls: ssl.SSLContext | None = None) -> None:
     """One HTTP/2 connection: every request stream gets the script's next step."""
+    if tls is not None:
+        try:
+            sock = tls.wrap_socket(sock, server_side=True)
+        except (ssl.SSLError, OSError):
+            sock.close()  # the client refused the certificate
+            return
     conn = h2.connection.H2Connection(h2.config.H2Configuration(
         client_side=False, header_encoding="utf-8"))
     conn.initiate_connection()
@@ -175,7 +183,7 @@ def _h2_answer(conn: h2.connection.H2Connection, sock: socket.socket, stream_id:
 
 
 @contextmanager
-def _h2_server(script: Script) -> Iterator[str]:
+def _h2_server(script: Script, tls: ssl.SSLContext | None) -> Iterator[str]:
     listener = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
 
@@ -185,21 +193,25 @@ def _h2_server(script: Script) -> Iterator[str]:
                 sock, _ = listener.accept()
             except OSError:
                 return
-            threading.Thread(target=_h2_connection, args=(sock, script), daemon=True).start()
+            threading.Thread(target=_h2_connection, args=(sock, script, tls),
+                             daemon=True).start()
 
     threading.Thread(target=accept, name="eventstream-h2", daemon=True).start()
     try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+        scheme = "https" if tls is not None else "http"
+        yield f"{scheme}://127.0.0.1:{listener.getsockname()[1]}"
     finally:
         stop.set()
         listener.close()
 
 
 @contextmanager
-def eventstream_server(script: Script, *, http2: bool = False) -> Iterator[str]:
-    """Serve ``script`` on 127.0.0.1 (a free port); yield the endpoint URL."""
-    if http2:
-        with _h2_server(script) as url:
+def eventstream_server(script: Script, *, http2: bool = False,
+                       tls: ssl.SSLContext | None = None) -> Iterator[str]:
+    """Serve ``script`` on 127.0.0.1 (a free port); yield the endpoint URL. With ``tls`` (a
+    server context offering h2 by ALPN) HTTP/2 goes over TLS instead of h2c."""
+    if http2 or tls is not None:
+        with _h2_server(script, tls) as url:
             yield url
         return
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(script))
