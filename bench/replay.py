@@ -7,6 +7,17 @@ protocol from bytes serialised before the first request: answering a GetRecords 
 dictionary lookup and a socket write, so the client's CPU is what a benchmark sees. Run it
 in its own process so that none of its CPU is counted with the client's.
 
+Enhanced fan-out too: Register/Describe/List/DeregisterStreamConsumer (a consumer is ACTIVE
+at once) and SubscribeToShard over HTTP/1.1 as AWS answers it - an ``initial-response``
+event, then ``SubscribeToShardEvent`` frames (a page's records each, their JSON the same
+bytes as the pages'), an empty event every 5 s at the tip, the stream ended cleanly after
+``--subscription-s`` (AWS: 5 minutes). Frames are written as the client reads them, so a
+client that stops reading holds the stream back at the TCP window.
+
+Live mode: PutRecord and PutRecords append to a shard (arrival: now); the new records are
+pushed at once to subscriptions waiting at the tip and served to GetRecords, as an AWS
+endpoint would - the low-latency pusher kinesis-mock (a one-second tick) is not.
+
 What it serves: streams of open shards, each holding a fixed list of records (plain, or KPL
 aggregates of user records made by aws-kinesis-agg, the KPL's format). Pages follow
 Kinesis's rules: at most ``Limit`` records and at most 10 MiB of payload, a next iterator
@@ -26,14 +37,18 @@ import asyncio
 import base64
 import bisect
 import contextlib
+import hashlib
 import json
 import random
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from aws_kinesis_agg.aggregator import RecordAggregator
+
+from kclpy.retrieval.subscription import _frame
 
 HOST = "127.0.0.1"
 ACCOUNT = "123456789012"
@@ -98,6 +113,10 @@ class Shard:
     fragments: list[bytes] = field(default_factory=list)
     #: (offset, limit) -> the whole GetRecords answer body
     pages: dict[tuple[int, int], bytes] = field(default_factory=dict)
+    #: offset -> a SubscribeToShard event frame from there, and where it ends
+    events: dict[int, tuple[bytes, int]] = field(default_factory=dict)
+    #: records were put since start: answers at the tip are no longer kept
+    live: bool = False
 
     def description(self) -> dict[str, Any]:
         """The shard as ListShards and DescribeStream list it."""
@@ -198,6 +217,25 @@ def _next_offset(shard: Shard, offset: int, limit: int) -> int:
     return end
 
 
+def _offset(shard: Shard, kind: Any, sequence: Any, timestamp: Any) -> int:
+    """Where an iterator or a subscription of ``kind`` starts in the shard."""
+    try:
+        if kind == "TRIM_HORIZON":
+            return 0
+        if kind == "LATEST":
+            return len(shard.fragments)
+        if kind == "AT_SEQUENCE_NUMBER":
+            return bisect.bisect_left(shard.sequence_numbers, int(sequence))
+        if kind == "AFTER_SEQUENCE_NUMBER":
+            return bisect.bisect_right(shard.sequence_numbers, int(sequence))
+        if kind == "AT_TIMESTAMP":
+            return bisect.bisect_left(shard.arrivals_ms, round(float(timestamp) * 1000))
+    except (ValueError, TypeError):
+        raise KinesisError("InvalidArgumentException",
+                           f"{kind} needs a valid position") from None
+    raise KinesisError("InvalidArgumentException", f"Invalid ShardIteratorType: {kind}")
+
+
 def iterator_token(stream: Stream, shard: Shard, offset: int) -> str:
     """Opaque to clients, like Kinesis's: it names the position, never a state to keep."""
     raw = f"kclpy-replay:{stream.index}:{shard.index}:{offset}".encode()
@@ -217,8 +255,39 @@ def page(stream: Stream, shard: Shard, offset: int, limit: int) -> bytes:
         b'],"NextShardIterator":"', iterator_token(stream, shard, end).encode(),
         b'","MillisBehindLatest":', str(behind).encode(), b"}",
     ))
-    shard.pages[(offset, limit)] = body
+    if not (at_tip and shard.live):
+        shard.pages[(offset, limit)] = body
     return body
+
+
+def continuation_at(shard: Shard, offset: int) -> str:
+    """The sequence number a subscription continues after to read from ``offset``."""
+    return str(shard.sequence_numbers[offset - 1] if offset else FIRST_SEQUENCE - 1)
+
+
+def event(shard: Shard, offset: int) -> tuple[bytes, int]:
+    """The SubscribeToShard event frame of the records from ``offset`` (a GetRecords
+    page's worth; none at the tip), and the offset after them."""
+    cached = shard.events.get(offset)
+    if cached is not None:
+        return cached
+    end = _next_offset(shard, offset, MAX_LIMIT)
+    at_tip = end >= len(shard.fragments)
+    behind = 0 if at_tip else max(1, shard.arrivals_ms[-1] - shard.arrivals_ms[end - 1])
+    payload = b"".join((
+        b'{"Records":[', b",".join(shard.fragments[offset:end]),
+        b'],"ContinuationSequenceNumber":"', continuation_at(shard, end).encode(),
+        b'","MillisBehindLatest":', str(behind).encode(), b"}",
+    ))
+    answer = (_frame({":message-type": "event", ":event-type": "SubscribeToShardEvent",
+                      ":content-type": "application/json"}, payload), end)
+    if not (at_tip and shard.live):
+        shard.events[offset] = answer
+    return answer
+
+
+INITIAL_RESPONSE = _frame({":message-type": "event", ":event-type": "initial-response",
+                           ":content-type": "application/json"}, b"{}")
 
 
 class Replay:
@@ -234,7 +303,19 @@ class Replay:
             "ListShards": self.list_shards,
             "DescribeStream": self.describe_stream,
             "DescribeStreamSummary": self.describe_stream_summary,
+            "RegisterStreamConsumer": self.register_stream_consumer,
+            "DescribeStreamConsumer": self.describe_stream_consumer,
+            "ListStreamConsumers": self.list_stream_consumers,
+            "DeregisterStreamConsumer": self.deregister_stream_consumer,
+            "PutRecord": self.put_record,
+            "PutRecords": self.put_records,
         }
+        #: consumer ARN -> (stream, name, creation time in epoch seconds)
+        self.consumers: dict[str, tuple[Stream, str, float]] = {}
+        #: called after records are put (the server wakes the subscriptions at the tip)
+        self.on_put: Callable[[], None] = lambda: None
+        #: how long a subscription lasts before it is ended cleanly (AWS: 5 minutes)
+        self.subscription_s = 300.0
 
     def handle(self, target: str, body: bytes) -> tuple[int, bytes]:
         """(HTTP status, body) for one request; ``target`` is the X-Amz-Target header."""
@@ -302,28 +383,115 @@ class Replay:
     def get_shard_iterator(self, params: dict[str, Any]) -> bytes:
         stream = self._stream(params)
         shard = self._shard(stream, params.get("ShardId"))
-        kind = params.get("ShardIteratorType")
-        try:
-            if kind == "TRIM_HORIZON":
-                offset = 0
-            elif kind == "LATEST":
-                offset = len(shard.fragments)
-            elif kind == "AT_SEQUENCE_NUMBER":
-                offset = bisect.bisect_left(shard.sequence_numbers,
-                                            int(params["StartingSequenceNumber"]))
-            elif kind == "AFTER_SEQUENCE_NUMBER":
-                offset = bisect.bisect_right(shard.sequence_numbers,
-                                             int(params["StartingSequenceNumber"]))
-            elif kind == "AT_TIMESTAMP":
-                offset = bisect.bisect_left(shard.arrivals_ms,
-                                            round(float(params["Timestamp"]) * 1000))
-            else:
-                raise KinesisError("InvalidArgumentException",
-                                   f"Invalid ShardIteratorType: {kind}")
-        except (KeyError, ValueError, TypeError):
-            raise KinesisError("InvalidArgumentException",
-                               f"{kind} needs a valid position") from None
+        offset = _offset(shard, params.get("ShardIteratorType"),
+                         params.get("StartingSequenceNumber"), params.get("Timestamp"))
         return json.dumps({"ShardIterator": iterator_token(stream, shard, offset)}).encode()
+
+    # -- enhanced fan-out ------------------------------------------------------------------
+
+    def _consumer(self, params: dict[str, Any]) -> tuple[str, Stream, str, float]:
+        arn = params.get("ConsumerARN")
+        if arn is None:
+            stream = self._stream(params)
+            name = params.get("ConsumerName")
+            arn = next((a for a, (s, n, _) in self.consumers.items()
+                        if s is stream and n == name), None)
+        if arn not in self.consumers:
+            raise KinesisError("ResourceNotFoundException", f"consumer {arn} not found")
+        stream, name, created = self.consumers[arn]
+        return arn, stream, name, created
+
+    @staticmethod
+    def _consumer_json(arn: str, stream: Stream, name: str, created: float,
+                       *, described: bool = False) -> dict[str, Any]:
+        body: dict[str, Any] = {"ConsumerName": name, "ConsumerARN": arn,
+                                "ConsumerStatus": "ACTIVE",
+                                "ConsumerCreationTimestamp": created}
+        if described:
+            body["StreamARN"] = stream.arn
+        return body
+
+    def register_stream_consumer(self, params: dict[str, Any]) -> bytes:
+        stream = self._stream({"StreamARN": params.get("StreamARN")})
+        name = str(params.get("ConsumerName") or "")
+        if any(s is stream and n == name for s, n, _ in self.consumers.values()):
+            raise KinesisError("ResourceInUseException", f"consumer {name} exists")
+        created = time.time()
+        arn = f"{stream.arn}/consumer/{name}:{int(created)}"
+        self.consumers[arn] = (stream, name, created)
+        return json.dumps({"Consumer": self._consumer_json(arn, stream, name, created)}).encode()
+
+    def describe_stream_consumer(self, params: dict[str, Any]) -> bytes:
+        arn, stream, name, created = self._consumer(params)
+        return json.dumps({"ConsumerDescription": self._consumer_json(
+            arn, stream, name, created, described=True)}).encode()
+
+    def list_stream_consumers(self, params: dict[str, Any]) -> bytes:
+        stream = self._stream({"StreamARN": params.get("StreamARN")})
+        return json.dumps({"Consumers": [self._consumer_json(a, s, n, c)
+                                         for a, (s, n, c) in self.consumers.items()
+                                         if s is stream]}).encode()
+
+    def deregister_stream_consumer(self, params: dict[str, Any]) -> bytes:
+        arn, *_ = self._consumer(params)
+        del self.consumers[arn]
+        return b"{}"
+
+    def subscription(self, params: dict[str, Any]) -> tuple[Shard, int]:
+        """The shard and offset a SubscribeToShard starts at (errors as KinesisError)."""
+        _, stream, _, _ = self._consumer({"ConsumerARN": params.get("ConsumerARN")})
+        shard = self._shard(stream, params.get("ShardId"))
+        position = params.get("StartingPosition") or {}
+        return shard, _offset(shard, position.get("Type"), position.get("SequenceNumber"),
+                              position.get("Timestamp"))
+
+    # -- live mode ---------------------------------------------------------------------------
+
+    def put_record(self, params: dict[str, Any]) -> bytes:
+        stream = self._stream(params)
+        shard, sequence = self._append(stream, params)
+        self.on_put()
+        return json.dumps({"ShardId": shard.shard_id, "SequenceNumber": str(sequence)}
+                          ).encode()
+
+    def put_records(self, params: dict[str, Any]) -> bytes:
+        stream = self._stream(params)
+        results = []
+        for entry in params.get("Records") or []:
+            shard, sequence = self._append(stream, entry)
+            results.append({"ShardId": shard.shard_id, "SequenceNumber": str(sequence)})
+        self.on_put()
+        return json.dumps({"FailedRecordCount": 0, "Records": results}).encode()
+
+    def _append(self, stream: Stream, entry: dict[str, Any]) -> tuple[Shard, int]:
+        """One record at the end of its shard (by explicit hash key, or the MD5 of the
+        partition key as Kinesis routes), arriving now."""
+        try:
+            key = str(entry["PartitionKey"])
+            data = str(entry["Data"])
+            explicit = entry.get("ExplicitHashKey")
+            hash_key = int(explicit) if explicit is not None else int.from_bytes(
+                hashlib.md5(key.encode(), usedforsecurity=False).digest(), "big")
+        except (KeyError, ValueError):
+            raise KinesisError("ValidationException", "a record needs Data and a "
+                               "PartitionKey") from None
+        shard = next(s for s in stream.shards
+                     if s.starting_hash_key <= hash_key <= s.ending_hash_key)
+        if not shard.live:
+            # Answers built while this was the tip would end before the new records.
+            shard.live = True
+            shard.pages.clear()
+            shard.events.clear()
+        offset = len(shard.sequence_numbers)
+        sequence = (shard.sequence_numbers[-1] if offset else FIRST_SEQUENCE) + 100_000
+        arrival = round(time.time() * 1000)
+        shard.sequence_numbers.append(sequence)
+        shard.arrivals_ms.append(arrival)
+        shard.sizes.append(len(base64.b64decode(data)))
+        shard.fragments.append(json.dumps({
+            "SequenceNumber": str(sequence), "ApproximateArrivalTimestamp": arrival / 1000,
+            "Data": data, "PartitionKey": key}, separators=(",", ":")).encode())
+        return shard, sequence
 
     def list_shards(self, params: dict[str, Any]) -> bytes:
         token = params.get("NextToken")
@@ -389,6 +557,70 @@ class Replay:
 
 # -- HTTP/1.1 over asyncio: just enough for botocore, urllib3 and aiohttp ---------------------
 
+#: the X-Amz-Target of the one streamed operation
+_SUBSCRIBE = b"Kinesis_20131202.SubscribeToShard"
+#: at the tip, an empty event this often, as AWS keeps an idle subscription going
+HEARTBEAT_S = 5.0
+
+
+class _Wakeup:
+    """``Replay.on_put`` on the server's loop: wakes every subscription waiting at a tip."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    def __call__(self) -> None:
+        fired, self.event = self.event, asyncio.Event()
+        fired.set()
+
+
+def _answer(writer: asyncio.StreamWriter, status: int, answer: bytes, request_id: int,
+            close: bool) -> None:
+    writer.write(b"".join((
+        b"HTTP/1.1 200 OK\r\n" if status == 200 else b"HTTP/1.1 400 Bad Request\r\n",
+        b"Content-Type: ", _JSON, b"\r\nContent-Length: ", str(len(answer)).encode(),
+        b"\r\nx-amzn-RequestId: replay-", str(request_id).encode(),
+        b"\r\nConnection: close\r\n\r\n" if close else b"\r\n\r\n",
+    )))
+    writer.write(answer)
+
+
+def _chunk(writer: asyncio.StreamWriter, data: bytes) -> None:
+    writer.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+
+async def _subscription(replay: Replay, body: bytes, writer: asyncio.StreamWriter,
+                        request_id: int) -> None:
+    """One SubscribeToShard: events as the client reads them, until ``subscription_s``."""
+    try:
+        shard, offset = replay.subscription(json.loads(body or b"{}"))
+    except (ValueError, KinesisError) as exc:
+        code, message = ((exc.code, exc.message) if isinstance(exc, KinesisError)
+                         else ("SerializationException", "body is not JSON"))
+        _answer(writer, 400, json.dumps({"__type": code, "message": message}).encode(),
+                request_id, close=True)
+        await writer.drain()
+        return
+    wakeup = replay.on_put if isinstance(replay.on_put, _Wakeup) else None
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/vnd.amazon.eventstream\r\n"
+                 b"Transfer-Encoding: chunked\r\nx-amzn-RequestId: replay-%d\r\n"
+                 b"Connection: close\r\n\r\n" % request_id)
+    _chunk(writer, INITIAL_RESPONSE)
+    loop = asyncio.get_running_loop()
+    ends = loop.time() + replay.subscription_s
+    while (left := ends - loop.time()) > 0:
+        if offset >= len(shard.fragments) and wakeup is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(wakeup.event.wait(), min(HEARTBEAT_S, left))
+        elif offset >= len(shard.fragments):
+            await asyncio.sleep(min(HEARTBEAT_S, left))
+        frame, offset = event(shard, offset)
+        _chunk(writer, frame)
+        await writer.drain()
+    writer.write(b"0\r\n\r\n")
+    await writer.drain()
+
+
 async def _serve_connection(replay: Replay, reader: asyncio.StreamReader,
                             writer: asyncio.StreamWriter) -> None:
     request_id = 0
@@ -401,6 +633,7 @@ async def _serve_connection(replay: Replay, reader: asyncio.StreamReader,
             length = 0
             target = ""
             close = False
+            subscribe = False
             for line in head.split(b"\r\n")[1:]:
                 name, _, value = line.partition(b":")
                 name = name.strip().lower()
@@ -408,20 +641,18 @@ async def _serve_connection(replay: Replay, reader: asyncio.StreamReader,
                     length = int(value)
                 elif name == b"x-amz-target":
                     target = value.strip().decode("latin-1")
+                    subscribe = value.strip() == _SUBSCRIBE
                 elif name == b"connection":
                     close = value.strip().lower() == b"close"
                 elif name == b"expect" and value.strip().lower() == b"100-continue":
                     writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             body = await reader.readexactly(length) if length else b""
-            status, answer = replay.handle(target, body)
             request_id += 1
-            writer.write(b"".join((
-                b"HTTP/1.1 200 OK\r\n" if status == 200 else b"HTTP/1.1 400 Bad Request\r\n",
-                b"Content-Type: ", _JSON, b"\r\nContent-Length: ", str(len(answer)).encode(),
-                b"\r\nx-amzn-RequestId: replay-", str(request_id).encode(),
-                b"\r\nConnection: close\r\n\r\n" if close else b"\r\n\r\n",
-            )))
-            writer.write(answer)
+            if subscribe:
+                await _subscription(replay, body, writer, request_id)
+                return
+            status, answer = replay.handle(target, body)
+            _answer(writer, status, answer, request_id, close)
             await writer.drain()
             if close:
                 return
@@ -451,6 +682,8 @@ class ReplayServer:
         return self
 
     async def _listen(self) -> asyncio.base_events.Server:
+        self.replay.on_put = _Wakeup()
+
         async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             # stop() ends idle keep-alive connections by cancelling them. A connection task
             # that ends cancelled makes asyncio's streams log a CancelledError traceback
@@ -498,12 +731,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.add_argument("--last-arrival-ms", type=int,
                       help="epoch ms at which each shard's last record arrived "
                            "(default: a fixed time in the past)")
+    args.add_argument("--subscription-s", type=float, default=300.0,
+                      help="SubscribeToShard subscriptions end after this (AWS: 300)")
     options = args.parse_args(argv)
     streams = [build_stream(i, spec, options.seed, options.last_arrival_ms)
                for i, spec in enumerate(options.stream)]
     replay = Replay(streams)
+    replay.subscription_s = options.subscription_s
 
     async def serve() -> None:
+        replay.on_put = _Wakeup()
+
         async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             await _serve_connection(replay, reader, writer)
 

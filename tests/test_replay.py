@@ -14,6 +14,7 @@ from botocore.exceptions import ClientError
 from bench import replay
 from kclpy.retrieval.kpl import deaggregate
 from kclpy.retrieval.parse import get_records
+from kclpy.retrieval.subscription import subscribe
 
 
 @pytest.fixture(scope="module")
@@ -175,3 +176,78 @@ def test_builds_are_deterministic() -> None:
     spec = replay.StreamSpec("s", 1, 20, 10)
     assert replay.build_stream(0, spec).shards[0].fragments == replay.build_stream(
         0, spec).shards[0].fragments
+
+
+# -- enhanced fan-out and live mode ---------------------------------------------------------
+
+
+@pytest.fixture
+def live() -> Iterator[tuple[replay.ReplayServer, Any]]:
+    """A fresh server (records are put into it) with one static and one empty stream."""
+    streams = [replay.build_stream(0, replay.StreamSpec("static", 1, 120, 30)),
+               replay.build_stream(1, replay.StreamSpec("live", 2, 0, 10))]
+    with replay.ReplayServer(streams) as server:
+        server.replay.subscription_s = 2.0
+        yield server, boto3.client("kinesis", endpoint_url=server.url,
+                                   region_name="us-east-1")
+
+
+def test_consumers_register_once_and_are_described_listed_and_deregistered(
+        live: tuple[replay.ReplayServer, Any]) -> None:
+    _, client = live
+    arn = client.describe_stream_summary(StreamName="static")["StreamDescriptionSummary"][
+        "StreamARN"]
+    consumer = client.register_stream_consumer(StreamARN=arn, ConsumerName="app")["Consumer"]
+    assert consumer["ConsumerStatus"] == "ACTIVE"
+    with pytest.raises(ClientError, match="ResourceInUseException"):
+        client.register_stream_consumer(StreamARN=arn, ConsumerName="app")
+    described = client.describe_stream_consumer(StreamARN=arn, ConsumerName="app")[
+        "ConsumerDescription"]
+    assert (described["ConsumerARN"], described["StreamARN"]) == (consumer["ConsumerARN"], arn)
+    assert [c["ConsumerName"] for c in client.list_stream_consumers(StreamARN=arn)[
+        "Consumers"]] == ["app"]
+    client.deregister_stream_consumer(ConsumerARN=consumer["ConsumerARN"])
+    assert client.list_stream_consumers(StreamARN=arn)["Consumers"] == []
+
+
+def consumer_arn(client: Any, stream: str) -> str:
+    arn = client.describe_stream_summary(StreamName=stream)["StreamDescriptionSummary"][
+        "StreamARN"]
+    return str(client.register_stream_consumer(StreamARN=arn, ConsumerName="c")["Consumer"][
+        "ConsumerARN"])
+
+
+def test_botocore_reads_a_subscription_from_its_start_to_the_end_of_the_subscription(
+        live: tuple[replay.ReplayServer, Any]) -> None:
+    _, client = live
+    answer = client.subscribe_to_shard(
+        ConsumerARN=consumer_arn(client, "static"), ShardId="shardId-000000000000",
+        StartingPosition={"Type": "AT_SEQUENCE_NUMBER",
+                          "SequenceNumber": str(replay.FIRST_SEQUENCE + 20 * 100_000)})
+    events = [e["SubscribeToShardEvent"] for e in answer["EventStream"]]
+    records = [r for e in events for r in e["Records"]]
+    assert len(records) == 100
+    assert int(records[0]["SequenceNumber"]) == replay.FIRST_SEQUENCE + 20 * 100_000
+    assert events[0]["ContinuationSequenceNumber"] == records[-1]["SequenceNumber"]
+    assert events[-1]["Records"] == [] and events[-1]["MillisBehindLatest"] == 0, \
+        "an empty event at the tip until the subscription ends"
+
+
+def test_put_records_reach_get_records_and_are_pushed_to_a_waiting_subscription(
+        live: tuple[replay.ReplayServer, Any]) -> None:
+    server, client = live
+    server.replay.subscription_s = 30.0
+    arn = consumer_arn(client, "live")
+    put = client.put_record(StreamName="live", Data=b"first", PartitionKey="k")
+    shard = put["ShardId"]
+    events = subscribe(client, arn, shard, {"Type": "LATEST"}, http_version="1.1")
+    client.put_records(StreamName="live", Records=[
+        {"Data": b"second", "PartitionKey": "k"}, {"Data": b"third", "PartitionKey": "k"}])
+    pushed = next(e for e in events if e.page.records)
+    events.close()
+    assert [r.binary_data for r in pushed.page.records] == [b"second", b"third"]
+    assert int(pushed.continuation_sequence_number or 0) > int(put["SequenceNumber"])
+    records = client.get_records(ShardIterator=iterator(client, "live", shard))["Records"]
+    assert [r["Data"] for r in records] == [b"first", b"second", b"third"]
+    with pytest.raises(ClientError, match="ResourceNotFoundException"):
+        subscribe(client, arn + "x", shard, {"Type": "LATEST"}, http_version="1.1")
