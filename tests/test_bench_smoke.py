@@ -3,6 +3,7 @@ record once, child processes report back, the DynamoDB counter counts. Nothing i
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Iterator
 
@@ -107,6 +108,11 @@ def test_latency_bench_times_every_record_for_every_contender(
     latency.main(["--records", "3", "--interval-ms", "100"])
     lines = capsys.readouterr().out.splitlines()
     rows = [line for line in lines if "p50" in line]
-    assert [row.split(":")[0].strip() for row in rows] == [
-        "polling, defaults (1 s idle)", "polling, 200 ms idle", "fan-out",
-        "bare subscription loop"]
+    contenders = ["polling, defaults (1 s idle)", "polling, 200 ms idle", "fan-out",
+                  "bare subscription loop"]
+    assert [row.split(":")[0].strip() for row in rows] == contenders * 2, "on both endpoints"
+    assert [line.split(" on ")[1].split(" (")[0] for line in lines if "records, one" in line
+            ] == ["the replay endpoint in live mode", "kinesis-mock"]
+    for row in rows:
+        p50, p90, p99 = (float(v) for v in re.findall(r"p\d\d\s+(-?\d+)", row))
+        assert 0 <= p50 <= p90 <= p99, row
