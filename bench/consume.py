@@ -29,7 +29,13 @@ number of records than the stream holds is reported as failed, not timed.
 Each stream gets two lines: CPU from start to the last record, and CPU after the processor's
 first record (start-up excluded: clients, discovery, leases and the first page).
 
+With ``--retrieval-mode fanout`` the contenders read with enhanced fan-out instead: kclpy's
+Worker (consumer registered, one subscription per shard) against botocore's own
+``subscribe_to_shard`` iterated bare (``consume_boto3_subscribe``), the replay endpoint
+serving events built from the same bytes as its pages.
+
 Run: python bench/consume.py [--records N] [--shards N] [--repetitions N]
+                             [--retrieval-mode polling|fanout]
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ sys.path.insert(0, str(BENCH.parent))
 REGION = "us-east-1"
 RECORD_SIZE = 100
 CONTENDERS = ("kclpy", "boto3", "async-kinesis")
+#: --retrieval-mode fanout: kclpy subscribing, against botocore's subscribe_to_shard loop
+FANOUT_CONTENDERS = ("kclpy", "boto3-subscribe")
 _START_TIMEOUT_S = 120.0
 
 
@@ -123,9 +131,11 @@ class Tally:
 # -- the contenders, each run inside its own process -------------------------------------------
 
 def consume_kclpy(kinesis_url: str, dynamodb_url: str, stream: str, expect: int,
-                  kpl: bool, timeout_s: float = 600.0) -> Measurement:
+                  kpl: bool, timeout_s: float = 600.0,
+                  retrieval_mode: str = "polling") -> Measurement:
     """A real Worker until its processors have seen ``expect`` records; then it shuts down
-    (outside the clock). ``kpl`` changes nothing: kclpy de-aggregates whatever it reads."""
+    (outside the clock). ``kpl`` changes nothing: kclpy de-aggregates whatever it reads.
+    With ``retrieval_mode="fanout"`` it registers its consumer and subscribes."""
     from kclpy import IRecordProcessor, KCLConfig
     from kclpy.processor import (
         InitializeInput,
@@ -164,7 +174,7 @@ def consume_kclpy(kinesis_url: str, dynamodb_url: str, stream: str, expect: int,
     config = KCLConfig(
         application_name=f"bench-consume-{uuid.uuid4().hex[:12]}", stream_name=stream,
         region=REGION, kinesis_endpoint=kinesis_url, dynamodb_endpoint=dynamodb_url,
-        initial_position="TRIM_HORIZON")
+        initial_position="TRIM_HORIZON", retrieval_mode=retrieval_mode)
     worker = Worker(config, lambda: Counting(tally))
     runner = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False},
                               name="bench-worker", daemon=True)
@@ -215,6 +225,52 @@ def consume_boto3(kinesis_url: str, stream: str, expect: int, kpl: bool) -> Meas
     return tally.measurement()
 
 
+def consume_boto3_subscribe(kinesis_url: str, stream: str, expect: int,
+                            kpl: bool) -> Measurement:
+    """botocore's own ``subscribe_to_shard`` (the replay endpoint sends the
+    ``initial-response`` it insists on), shard after shard from TRIM_HORIZON, each shard's
+    subscriptions renewed after their continuation until it is read; a consumer registered
+    first, inside the clock as kclpy's registration is."""
+    import boto3
+    from aws_kinesis_agg.deaggregator import iter_deaggregate_records
+
+    clock = _Clock()
+    tally = Tally(expect, clock)
+    client = boto3.client("kinesis", endpoint_url=kinesis_url, region_name=REGION)
+    arn = client.describe_stream_summary(StreamName=stream)["StreamDescriptionSummary"][
+        "StreamARN"]
+    consumer = client.register_stream_consumer(
+        StreamARN=arn, ConsumerName=f"bare-{uuid.uuid4().hex[:12]}")["Consumer"]["ConsumerARN"]
+    for shard in client.list_shards(StreamName=stream)["Shards"]:
+        position: dict[str, str] = {"Type": "TRIM_HORIZON"}
+        caught_up = False
+        while not caught_up:
+            answer = client.subscribe_to_shard(ConsumerARN=consumer, ShardId=shard["ShardId"],
+                                               StartingPosition=position)
+            for item in answer["EventStream"]:
+                event = item["SubscribeToShardEvent"]
+                count = size = 0
+                if kpl:
+                    for user in iter_deaggregate_records(event["Records"], data_format="Boto3"):
+                        data = user["kinesis"]["data"]
+                        if user["kinesis"].get("aggregated"):
+                            data = binascii.a2b_base64(data)
+                        size += len(data)
+                        count += 1
+                else:
+                    for record in event["Records"]:
+                        size += len(record["Data"])
+                        count += 1
+                tally.add(count, size)
+                position = {"Type": "AFTER_SEQUENCE_NUMBER",
+                            "SequenceNumber": event["ContinuationSequenceNumber"]}
+                if event["MillisBehindLatest"] == 0 and not event["Records"]:
+                    caught_up = True
+                    break
+            answer["EventStream"].close()
+    return tally.measurement()
+
+
 def consume_async_kinesis(kinesis_url: str, stream: str, expect: int,
                           kpl: bool) -> Measurement:
     """async-kinesis's Consumer, iterated until ``expect`` items came out of it."""
@@ -262,10 +318,10 @@ def child_environment() -> dict[str, str]:
 
 
 def run_child(python: str, contender: str, kinesis_url: str, dynamodb_url: str, stream: str,
-              expect: int, kpl: bool) -> Measurement:
+              expect: int, kpl: bool, retrieval_mode: str = "polling") -> Measurement:
     argv = [python, str(Path(__file__).resolve()), "--child", contender, "--kinesis",
             kinesis_url, "--dynamodb", dynamodb_url, "--stream", stream, "--expect",
-            str(expect)]
+            str(expect), "--retrieval-mode", retrieval_mode]
     if kpl:
         argv.append("--kpl")
     done = subprocess.run(argv, capture_output=True, text=True, env=child_environment(),
@@ -334,7 +390,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                       help="async-kinesis takes about ten times as long as the others")
     args.add_argument("--async-kinesis-python", default=sys.executable,
                       help="an interpreter with async-kinesis installed")
-    args.add_argument("--child", choices=CONTENDERS, help=argparse.SUPPRESS)
+    args.add_argument("--retrieval-mode", choices=("polling", "fanout"), default="polling",
+                      help="fanout: kclpy with enhanced fan-out against a bare botocore "
+                           "subscribe_to_shard loop")
+    args.add_argument("--child", choices=CONTENDERS + FANOUT_CONTENDERS[1:],
+                      help=argparse.SUPPRESS)
     args.add_argument("--kinesis", help=argparse.SUPPRESS)
     args.add_argument("--dynamodb", help=argparse.SUPPRESS)
     args.add_argument("--stream", help=argparse.SUPPRESS)
@@ -352,10 +412,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     streams = {"plain": f"plain:{options.shards}:{per_shard}:{RECORD_SIZE}",
                "kpl": f"kpl:{options.shards}:{per_shard}:{RECORD_SIZE}:kpl"}
     pythons = {"kclpy": sys.executable, "boto3": sys.executable,
+               "boto3-subscribe": sys.executable,
                "async-kinesis": options.async_kinesis_python}
-    contenders = [c for c in CONTENDERS if c != "async-kinesis"
-                  or has_module(options.async_kinesis_python, "kinesis")]
-    if "async-kinesis" not in contenders:
+    fanout = options.retrieval_mode == "fanout"
+    contenders = list(FANOUT_CONTENDERS) if fanout else [
+        c for c in CONTENDERS
+        if c != "async-kinesis" or has_module(options.async_kinesis_python, "kinesis")]
+    if not fanout and "async-kinesis" not in contenders:
         print("async-kinesis: not installed in "
               f"{options.async_kinesis_python} (pip install async-kinesis); left out",
               flush=True)
@@ -374,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                             and repetition >= options.async_kinesis_repetitions):
                         continue
                     m = run_child(pythons[contender], contender, replay.url, moto.url, stream,
-                                  total, kpl)
+                                  total, kpl, options.retrieval_mode)
                     if m.records != total:
                         raise RuntimeError(f"{contender} saw {m.records} of {total} records")
                     runs[contender].append(per_million(m.cpu_s, m.records))
@@ -384,7 +447,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     starts[contender].append(m.first_record_cpu_s)
             label = (f"{total:,} x {RECORD_SIZE} B user records, "
                      + ("KPL-aggregated" if kpl else "plain")
-                     + f", {options.shards} shard(s)")
+                     + f", {options.shards} shard(s)"
+                     + (", enhanced fan-out" if fanout else ""))
             print(summary(label, runs, walls, starts), flush=True)
             print(summary(f"{label}, start-up excluded (CPU after the first record)", steady,
                           walls, starts), flush=True)
@@ -410,7 +474,10 @@ def summary(label: str, runs: dict[str, list[float]], walls: dict[str, list[floa
 def child(options: argparse.Namespace) -> Measurement:
     runners: dict[str, Callable[[], Measurement]] = {
         "kclpy": lambda: consume_kclpy(options.kinesis, options.dynamodb, options.stream,
-                                       options.expect, options.kpl),
+                                       options.expect, options.kpl,
+                                       retrieval_mode=options.retrieval_mode),
+        "boto3-subscribe": lambda: consume_boto3_subscribe(options.kinesis, options.stream,
+                                                           options.expect, options.kpl),
         "boto3": lambda: consume_boto3(options.kinesis, options.stream, options.expect,
                                        options.kpl),
         "async-kinesis": lambda: consume_async_kinesis(options.kinesis, options.stream,

@@ -42,6 +42,18 @@ def test_kclpy_worker_reads_every_user_record(kinesis: str, embedded_endpoint: L
     assert (measured.records, measured.bytes) == (records, records * size)
 
 
+@pytest.mark.parametrize(("stream", "records", "size"), [("plain", PLAIN, 50),
+                                                         ("kpl", KPL, 100)])
+def test_fan_out_contenders_read_every_user_record(
+        kinesis: str, embedded_endpoint: LocalEndpoint, stream: str, records: int,
+        size: int) -> None:
+    bare = consume.consume_boto3_subscribe(kinesis, stream, records, stream == "kpl")
+    ours = consume.consume_kclpy(kinesis, embedded_endpoint.url, stream, records,
+                                 stream == "kpl", timeout_s=60, retrieval_mode="fanout")
+    for measured in (bare, ours):
+        assert (measured.records, measured.bytes) == (records, records * size)
+
+
 def test_a_contender_in_a_child_process_reports_its_measurement(kinesis: str) -> None:
     measured = consume.run_child(sys.executable, "boto3", kinesis, "http://127.0.0.1:9",
                                  "plain", PLAIN, kpl=False)
