@@ -9,10 +9,11 @@ in its own process so that none of its CPU is counted with the client's.
 
 Enhanced fan-out too: Register/Describe/List/DeregisterStreamConsumer (a consumer is ACTIVE
 at once) and SubscribeToShard over HTTP/1.1 as AWS answers it - an ``initial-response``
-event, then ``SubscribeToShardEvent`` frames (a page's records each, their JSON the same
-bytes as the pages'), an empty event every 5 s at the tip, the stream ended cleanly after
-``--subscription-s`` (AWS: 5 minutes). Frames are written as the client reads them, so a
-client that stops reading holds the stream back at the TCP window.
+event, then ``SubscribeToShardEvent`` frames (up to 2 MiB of records each, a shard's push
+rate for one second; their JSON the same bytes as the pages'), an empty event every 5 s at
+the tip, the stream ended cleanly after ``--subscription-s`` (AWS: 5 minutes). Frames are
+written as the client reads them, so a client that stops reading holds the stream back at
+the TCP window.
 
 Live mode: PutRecord and PutRecords append to a shard (arrival: now); the new records are
 pushed at once to subscriptions waiting at the tip and served to GetRecords, as an AWS
@@ -57,6 +58,9 @@ REGION = "us-east-1"
 MAX_LIMIT = 10_000
 #: Kinesis returns at most 10 MiB of record data per GetRecords
 MAX_PAGE_BYTES = 10 * 1024 * 1024
+#: record data in one SubscribeToShard event at most: what a shard pushes to one consumer
+#: in a second (2 MB/s), so no event holds more
+MAX_EVENT_BYTES = 2 * 1024 * 1024
 #: the KPL's default AggregationMaxSize
 KPL_AGGREGATE_BYTES = 51_200
 #: a realistic first sequence number (56 digits, as AWS's)
@@ -205,14 +209,15 @@ def build_stream(index: int, spec: StreamSpec, seed: int = 7,
     return stream
 
 
-def _next_offset(shard: Shard, offset: int, limit: int) -> int:
-    """Where the page that starts at ``offset`` ends: ``limit`` records or 10 MiB of data,
-    whichever comes first (always at least one record, as Kinesis does)."""
+def _next_offset(shard: Shard, offset: int, limit: int,
+                 max_bytes: int = MAX_PAGE_BYTES) -> int:
+    """Where the page that starts at ``offset`` ends: ``limit`` records or ``max_bytes`` of
+    data, whichever comes first (always at least one record, as Kinesis does)."""
     end = min(len(shard.fragments), offset + limit)
     total = 0
     for i in range(offset, end):
         total += shard.sizes[i]
-        if total > MAX_PAGE_BYTES and i > offset:
+        if total > max_bytes and i > offset:
             return i
     return end
 
@@ -266,12 +271,12 @@ def continuation_at(shard: Shard, offset: int) -> str:
 
 
 def event(shard: Shard, offset: int) -> tuple[bytes, int]:
-    """The SubscribeToShard event frame of the records from ``offset`` (a GetRecords
-    page's worth; none at the tip), and the offset after them."""
+    """The SubscribeToShard event frame of the records from ``offset`` (at most
+    ``MAX_EVENT_BYTES`` of them; none at the tip), and the offset after them."""
     cached = shard.events.get(offset)
     if cached is not None:
         return cached
-    end = _next_offset(shard, offset, MAX_LIMIT)
+    end = _next_offset(shard, offset, MAX_LIMIT, MAX_EVENT_BYTES)
     at_tip = end >= len(shard.fragments)
     behind = 0 if at_tip else max(1, shard.arrivals_ms[-1] - shard.arrivals_ms[end - 1])
     payload = b"".join((

@@ -18,7 +18,14 @@ sampled from ``/proc/self/statm`` every 50 ms:
     (the queue, the batch the fetcher waits to queue, the batch in the processor) of at
     most ``--max-records`` records each: that bound, not the backlog, is what caps memory.
 
-Run: python bench/scale.py [--shards N] [--records N]
+With ``--retrieval-mode fanout`` every worker reads with enhanced fan-out (one subscription
+per shard; the replay endpoint pushes events of up to 2 MiB, a shard's fan-out rate for a
+second) and the backlog figure is taken once: a blocked processor leaves at most
+(``--prefetch-queue-size`` + 2) events per shard in memory - the queue, the event the
+fetcher waits to queue, the batch in the processor - because the fetcher reads nothing more
+from the subscription while its queue is full (the TCP window stops the endpoint).
+
+Run: python bench/scale.py [--shards N] [--records N] [--retrieval-mode polling|fanout]
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
 from consume import REGION, ReplayProcess, child_environment  # noqa: E402
+from replay import MAX_EVENT_BYTES  # noqa: E402
 
 if TYPE_CHECKING:
     from kclpy.worker import Worker
@@ -110,7 +118,7 @@ class Report:
 
 def run_worker(mode: str, kinesis_url: str, dynamodb_url: str, stream: str, shards: int,
                expect: int, max_records: int, queue_size: int,
-               timeout_s: float = 300.0) -> Report:
+               timeout_s: float = 300.0, retrieval_mode: str = "polling") -> Report:
     """A Worker in this process, run until the figure of ``mode`` is taken."""
     from kclpy import IRecordProcessor, KCLConfig
     from kclpy.processor import (
@@ -165,7 +173,7 @@ def run_worker(mode: str, kinesis_url: str, dynamodb_url: str, stream: str, shar
         application_name=f"bench-scale-{uuid.uuid4().hex[:12]}", stream_name=stream,
         region=REGION, kinesis_endpoint=kinesis_url, dynamodb_endpoint=dynamodb_url,
         initial_position="TRIM_HORIZON", max_records=max_records,
-        prefetch_queue_size=queue_size)
+        prefetch_queue_size=queue_size, retrieval_mode=retrieval_mode)
     worker = Worker(config, Processor)
     runner = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False},
                               name="bench-worker", daemon=True)
@@ -220,11 +228,12 @@ def _wait(condition: Callable[[], bool], deadline: float) -> None:
 
 
 def run_child(mode: str, kinesis_url: str, dynamodb_url: str, stream: str, shards: int,
-              expect: int, max_records: int = 10_000, queue_size: int = 3) -> Report:
+              expect: int, max_records: int = 10_000, queue_size: int = 3,
+              retrieval_mode: str = "polling") -> Report:
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--kinesis",
             kinesis_url, "--dynamodb", dynamodb_url, "--stream", stream, "--shards",
             str(shards), "--expect", str(expect), "--max-records", str(max_records),
-            "--prefetch-queue-size", str(queue_size)]
+            "--prefetch-queue-size", str(queue_size), "--retrieval-mode", retrieval_mode]
     done = subprocess.run(argv, capture_output=True, text=True, env=child_environment(),
                           timeout=900, check=False)
     lines = done.stdout.strip().splitlines()
@@ -240,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.add_argument("--shards", type=int, default=200)
     args.add_argument("--records", type=int, default=2_000,
                       help="records per shard for the catching-up figures")
+    args.add_argument("--retrieval-mode", choices=("polling", "fanout"), default="polling")
     args.add_argument("--child", help=argparse.SUPPRESS)
     args.add_argument("--kinesis", help=argparse.SUPPRESS)
     args.add_argument("--dynamodb", help=argparse.SUPPRESS)
@@ -251,7 +261,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if options.child:
         report = run_worker(options.child, options.kinesis, options.dynamodb, options.stream,
                             options.shards, options.expect, options.max_records,
-                            options.prefetch_queue_size)
+                            options.prefetch_queue_size,
+                            retrieval_mode=options.retrieval_mode)
         print(json.dumps(asdict(report)), flush=True)
         return
 
@@ -264,7 +275,11 @@ def main(argv: Sequence[str] | None = None) -> None:
           flush=True)
     with start_moto_server() as moto, ReplayProcess(sys.executable, streams) as replay:
         def child(mode: str, stream: str, expect: int, max_records: int = 10_000) -> Report:
-            return run_child(mode, replay.url, moto.url, stream, n, expect, max_records)
+            return run_child(mode, replay.url, moto.url, stream, n, expect, max_records,
+                             retrieval_mode=options.retrieval_mode)
+
+        if options.retrieval_mode == "fanout":
+            print("enhanced fan-out: one subscription per shard", flush=True)
 
         idle = child("idle", "idle", 0)
         print(f"idle worker (no shards): RSS {idle.rss / MB:.1f} MB", flush=True)
@@ -286,6 +301,19 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"({busy.retrieval_pauses} pause(s) for lease renewal), "
               f"{busy.records - total:,} record(s) delivered again", flush=True)
 
+        if options.retrieval_mode == "fanout":
+            held = child("backlog", "backlog", total)
+            per_event = min(options.records,
+                            MAX_EVENT_BYTES // (RECORD_SIZE + 1) + 1)
+            bound = (3 + 2) * per_event
+            print(f"{held.shards_held} shards, processor blocked, fan-out, "
+                  f"--prefetch-queue-size 3 (at most 5 events of up to 2 MiB, here "
+                  f"{bound:,} records = {bound * RECORD_SIZE / MB:.1f} MB of payload, held "
+                  f"per shard; {options.records:,} in the backlog): RSS "
+                  f"{held.rss / MB:.1f} MB = "
+                  f"{(held.rss - idle.rss) / held.shards_held / MB:.2f} MB per held shard",
+                  flush=True)
+            return
         for max_records in (400, 100):
             held = child("backlog", "backlog", total, max_records)
             bound = (3 + 2) * max_records
