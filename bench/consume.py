@@ -54,6 +54,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
@@ -187,10 +188,32 @@ def consume_kclpy(kinesis_url: str, dynamodb_url: str, stream: str, expect: int,
     return tally.measurement()
 
 
+def count_boto3(records: list[dict[str, Any]], kpl: bool) -> tuple[int, int]:
+    """User records and payload bytes of botocore's records, de-aggregated on a KPL
+    stream: Boto3 records in, Lambda-style records out ({"kinesis": {"data": ...}}), the
+    payload of a sub-record base64-encoded again (as Lambda delivers it); binascii is the
+    cheapest way back to bytes that the standard library has."""
+    from aws_kinesis_agg.deaggregator import iter_deaggregate_records
+
+    count = size = 0
+    if kpl:
+        for user in iter_deaggregate_records(records, data_format="Boto3"):
+            kinesis = user["kinesis"]
+            data = kinesis["data"]
+            if kinesis.get("aggregated"):
+                data = binascii.a2b_base64(data)
+            size += len(data)
+            count += 1
+    else:
+        for record in records:
+            size += len(record["Data"])
+            count += 1
+    return count, size
+
+
 def consume_boto3(kinesis_url: str, stream: str, expect: int, kpl: bool) -> Measurement:
     """GetShardIterator + GetRecords until caught up, shard after shard."""
     import boto3
-    from aws_kinesis_agg.deaggregator import iter_deaggregate_records
 
     clock = _Clock()
     tally = Tally(expect, clock)
@@ -202,23 +225,7 @@ def consume_boto3(kinesis_url: str, stream: str, expect: int, kpl: bool) -> Meas
             ShardIteratorType="TRIM_HORIZON")["ShardIterator"]
         while True:
             response = client.get_records(ShardIterator=iterator, Limit=10_000)
-            count = size = 0
-            if kpl:
-                # Boto3 records in, Lambda-style records out: {"kinesis": {"data": ...}}, the
-                # payload of a sub-record base64-encoded again (as Lambda delivers it).
-                # binascii is the cheapest way back to bytes that the standard library has.
-                for user in iter_deaggregate_records(response["Records"], data_format="Boto3"):
-                    kinesis = user["kinesis"]
-                    data = kinesis["data"]
-                    if kinesis.get("aggregated"):
-                        data = binascii.a2b_base64(data)
-                    size += len(data)
-                    count += 1
-            else:
-                for record in response["Records"]:
-                    size += len(record["Data"])
-                    count += 1
-            tally.add(count, size)
+            tally.add(*count_boto3(response["Records"], kpl))
             iterator = response["NextShardIterator"]
             if not response["Records"] and response.get("MillisBehindLatest") == 0:
                 break
@@ -232,7 +239,6 @@ def consume_boto3_subscribe(kinesis_url: str, stream: str, expect: int,
     subscriptions renewed after their continuation until it is read; a consumer registered
     first, inside the clock as kclpy's registration is."""
     import boto3
-    from aws_kinesis_agg.deaggregator import iter_deaggregate_records
 
     clock = _Clock()
     tally = Tally(expect, clock)
@@ -249,19 +255,7 @@ def consume_boto3_subscribe(kinesis_url: str, stream: str, expect: int,
                                                StartingPosition=position)
             for item in answer["EventStream"]:
                 event = item["SubscribeToShardEvent"]
-                count = size = 0
-                if kpl:
-                    for user in iter_deaggregate_records(event["Records"], data_format="Boto3"):
-                        data = user["kinesis"]["data"]
-                        if user["kinesis"].get("aggregated"):
-                            data = binascii.a2b_base64(data)
-                        size += len(data)
-                        count += 1
-                else:
-                    for record in event["Records"]:
-                        size += len(record["Data"])
-                        count += 1
-                tally.add(count, size)
+                tally.add(*count_boto3(event["Records"], kpl))
                 position = {"Type": "AFTER_SEQUENCE_NUMBER",
                             "SequenceNumber": event["ContinuationSequenceNumber"]}
                 if event["MillisBehindLatest"] == 0 and not event["Records"]:
