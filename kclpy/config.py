@@ -58,6 +58,8 @@ class KCLConfig:
     max_records: int = 10_000
     idle_time_between_reads_ms: int = 1_000
     shard_sync_interval_ms: int = 60_000
+    max_initialization_attempts: int = 20
+    initialization_backoff_ms: int = 1_000
     max_leases_for_worker: int | None = None
     max_leases_to_steal_at_one_time: int = 1
     parent_shard_poll_interval_ms: int = 10_000
@@ -196,6 +198,11 @@ OPTIONS: tuple[Option, ...] = (
          "Pause after an empty GetRecords on a caught-up shard.", "idleTimeBetweenReadsInMillis"),
     _opt("shard_sync_interval_ms", "int", "How often shards are listed and leases created.",
          "shardSyncIntervalMillis"),
+    _opt("max_initialization_attempts", "int",
+         "Start-up attempts (lease table, state store, streams, first shard sync) before the "
+         "worker gives up.", "maxInitializationAttempts"),
+    _opt("initialization_backoff_ms", "int0", "The wait between those start-up attempts.",
+         "schedulerInitializationBackoffTimeMillis"),
     _opt("max_leases_for_worker", "int", "Most leases this worker holds (default: no limit).",
          "maxLeasesForWorker"),
     _opt("max_leases_to_steal_at_one_time", "int", "Leases stolen per balancing cycle.",
@@ -302,7 +309,8 @@ OPTIONS_BY_KEY = {k.lower(): o for o in OPTIONS for k in o.properties_keys}
 
 #: Keys of the Java MultiLangDaemon that mean nothing without a JVM: accepted, logged once.
 _CREDENTIALS = "credentials come from the standard boto3 chain"
-_POLLING = "kclpy always polls with GetRecords (one fetch thread per shard)"
+_POLLING = ("kclpy polls each shard on a fetch thread of its own and retries GetRecords with "
+            "its own capped backoff")
 _LEASES = "kclpy's lease coordinator does not use this tuning knob"
 _KCL3 = "a KCL 3.x feature kclpy does not implement; the KCL 2.x lease protocol is used"
 _ONE_REGION = "kclpy uses one region (regionName) for every client"
@@ -329,7 +337,6 @@ JAVA_ONLY_KEYS: Mapping[str, str] = {
     "shardPrioritization": _LEASES,
     "skipShardSyncAtWorkerInitializationIfLeasesExist": "kclpy always syncs at start-up",
     "skipShardSyncAtStartupIfLeasesExist": "kclpy always syncs at start-up",
-    "schedulerInitializationBackoffTimeMillis": _LEASES,
     "logWarningForTaskAfterMillis": _LEASES,
     "ignoreUnexpectedChildShards": _LEASES,
     "enablePriorityLeaseAssignment": _LEASES,

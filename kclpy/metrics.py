@@ -81,6 +81,10 @@ class Metrics:
             "kclpy_lease_renew_failures", "Renewals that failed (condition or error).", registry=r)
         self.lease_renewals = Counter(
             "kclpy_lease_renewals", "Successful lease renewals.", registry=r)
+        self.initialization_failures = Counter(
+            "kclpy_initialization_failures",
+            "Start-up attempts that failed, by exception name.",
+            ["kind"], registry=r)
         self.retrieval_pauses = Counter(
             "kclpy_retrieval_pauses",
             "Times fetching and delivery paused because lease renewal ran late.", registry=r)

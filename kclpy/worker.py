@@ -190,13 +190,9 @@ class Worker:
         except InvalidRegionError as exc:
             raise ConfigError("--region", str(exc)) from None
         self.lease_table = LeaseTable(self.dynamodb, cfg.lease_table_name, metrics=self.metrics)
-        self.lease_table.create_if_missing()
-        if self.state_store is not None:
-            self.state_store.open(self.dynamodb)
         self._start_cloudwatch(session)
         self.streams = StreamSet(self.kinesis, self.lease_table, cfg, self.metrics,
                                  register=self._register_consumer if cfg.fan_out else None)
-        self.streams.refresh(starting=True)
         self.coordinator = LeaseCoordinator(
             self.lease_table, cfg.worker_id,
             failover_time_s=cfg.failover_time_ms / 1000,
@@ -208,11 +204,41 @@ class Worker:
             metrics=self.metrics)
         self.coordinator.add_lease_lost_listener(self._on_lease_lost)
         self.coordinator.add_handoff_listener(self._on_handoff)
-        self._sync_shards()
+        if not self._initialize():
+            return
         self.coordinator.start()
         self._started.set()
         log.info("worker %s consuming %s for application %s", cfg.worker_id,
                  cfg.stream_label, cfg.application_name)
+
+    def _initialize(self) -> bool:
+        """The start-up calls, retried as the Java Scheduler retries its initialization: a
+        worker started into a throttle, a 5xx or a database restart must not die of what a
+        second later would have worked. A ConfigError (a missing stream, say) is not
+        transient and ends the worker at once. False when shutdown came first."""
+        assert self.lease_table is not None and self.streams is not None
+        cfg = self.config
+        for attempt in range(1, cfg.max_initialization_attempts + 1):
+            try:
+                self.lease_table.create_if_missing()
+                if self.state_store is not None:
+                    self.state_store.open(self.dynamodb)
+                self.streams.refresh(starting=True)
+                self._sync_shards()
+                return True
+            except ConfigError:
+                raise
+            except Exception as exc:
+                self.metrics.initialization_failures.labels(type(exc).__name__).inc()
+                if attempt == cfg.max_initialization_attempts:
+                    raise
+                log.warning("worker %s: start-up attempt %d of %d failed (%s: %s); retrying "
+                            "in %.1f s", cfg.worker_id, attempt, cfg.max_initialization_attempts,
+                            type(exc).__name__, exc, cfg.initialization_backoff_ms / 1000)
+            if self._stop.wait(cfg.initialization_backoff_ms / 1000):
+                log.info("worker %s: shutdown requested during start-up", cfg.worker_id)
+                return False
+        return False
 
     def _register_consumer(self, stream: StreamConfig) -> str:
         """Enhanced fan-out: the application's consumer of the stream, registered if missing

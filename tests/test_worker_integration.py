@@ -12,8 +12,10 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import pytest
+from botocore.exceptions import ClientError
 
 from kclpy import KCLConfig, Worker
+from kclpy.errors import ConfigError
 from kclpy.local import LocalEndpoint
 from tests.support.faultproxy import FaultProxy
 from tests.support.recording import Ledger, RecordingProcessor
@@ -261,3 +263,74 @@ def test_endpoints_from_the_boto3_environment_chain(
     assert_exactly_once(ledger, expected)
     assert worker.kinesis.meta.endpoint_url == kinesis_mock.url
     assert worker.dynamodb.meta.endpoint_url == moto_server.url
+
+
+def initialization_failures(worker: Worker) -> float:
+    """Failed start-up attempts, whatever exception class botocore raised for them."""
+    return sum(sample.value for family in worker.metrics.registry.collect()
+               for sample in family.samples
+               if sample.name == "kclpy_initialization_failures_total")
+
+
+def test_start_up_into_dynamodb_errors_is_retried_and_then_consumes(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    """Two start-up attempts fail (botocore's three tries of DescribeTable each get a 5xx);
+    the third succeeds and the worker consumes as if nothing happened."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("startup")
+    create_stream(kinesis, stream, 1)
+    expected = produce_mixed(kinesis, stream, "s", plain=20, aggregates=1, per_aggregate=5)
+    ledger = Ledger()
+    with FaultProxy(moto_server.url) as proxy:
+        for _ in range(2 * 3):
+            proxy.once("DescribeTable", "error_5xx")
+        config = make_config(kinesis_mock.url, proxy.url, stream,
+                             max_initialization_attempts=3, initialization_backoff_ms=50)
+        with running(config, ledger) as worker:
+            wait_for(lambda: len(ledger.records) >= len(expected), 60, "all processed")
+            failures = initialization_failures(worker)
+        assert proxy.faults("error_5xx", "DescribeTable") == 6
+    assert failures == 2
+    assert_exactly_once(ledger, expected)
+
+
+def test_start_up_gives_up_after_its_attempts_and_a_config_error_at_once(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("startup-fails")
+    create_stream(kinesis, stream, 1)
+    with FaultProxy(moto_server.url) as proxy:
+        proxy.set_rule("DescribeTable", error_5xx_rate=1.0)
+        worker = Worker(make_config(kinesis_mock.url, proxy.url, stream,
+                                    max_initialization_attempts=2, initialization_backoff_ms=10),
+                        lambda: RecordingProcessor(Ledger()))
+        with pytest.raises(ClientError, match=r"InternalServerError|ServiceUnavailable"):
+            worker.run(install_signal_handlers=False)
+        assert proxy.requests("DescribeTable") == 2 * 3
+    assert not worker.wait_started(0)
+    assert initialization_failures(worker) == 2
+
+    missing = Worker(make_config(kinesis_mock.url, moto_server.url, unique_name("absent"),
+                                 initialization_backoff_ms=60_000),
+                     lambda: RecordingProcessor(Ledger()))
+    with pytest.raises(ConfigError, match="--stream-name"):
+        missing.run(install_signal_handlers=False)
+    assert initialization_failures(missing) == 0
+
+
+def test_shutdown_during_start_up_backoff_ends_the_worker_cleanly(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    """A SIGTERM while the worker waits to retry its start-up stops it without waiting
+    for the backoff (an hour here) and without taking a lease."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("startup-stop")
+    create_stream(kinesis, stream, 1)
+    with FaultProxy(moto_server.url) as proxy:
+        proxy.set_rule("DescribeTable", error_5xx_rate=1.0)
+        worker = Worker(make_config(kinesis_mock.url, proxy.url, stream,
+                                    initialization_backoff_ms=3_600_000),
+                        lambda: RecordingProcessor(Ledger()))
+        with running_worker(worker):
+            wait_for(lambda: initialization_failures(worker), 30, "a failed start-up attempt")
+        assert not worker.wait_started(0)
+        assert worker.coordinator is not None and not worker.coordinator.held_leases()

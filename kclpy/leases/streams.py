@@ -105,10 +105,13 @@ class StreamSet:
     def _open(self, stream: StreamConfig, *, starting: bool) -> None:
         identifier = None
         try:
-            if self.config.multi_stream:
+            # At start-up every stream is looked up, so that a missing one is a ConfigError
+            # naming it rather than a failed shard sync; multi-stream keys need its epoch.
+            if self.config.multi_stream or starting:
                 summary = self.kinesis.describe_stream_summary(**stream.api_params)[
                     "StreamDescriptionSummary"]
-                identifier = StreamIdentifier.from_summary(summary).serialize()
+                if self.config.multi_stream:
+                    identifier = StreamIdentifier.from_summary(summary).serialize()
             consumer_arn = self.register(stream) if self.register is not None else None
         except ClientError as exc:
             if error_code(exc) != NOT_FOUND:
