@@ -270,6 +270,24 @@ class _Fleet:
         log = (self._logs / f"{slot.worker_id}.log").read_text(errors="replace")
         return f"worker {slot.worker_id} consuming" in log
 
+    def wait_up(self, timeout: float) -> None:
+        """Wait until every slot's worker is up; a timeout names those that are not, with
+        their exit codes and the end of their logs, which is all a CI run leaves behind."""
+        try:
+            wait_for(lambda: all(self.up(slot) for slot in self.slots), timeout,
+                     "every worker to be up")
+        except AssertionError as exc:
+            down = []
+            for slot in self.slots:
+                if self.up(slot):
+                    continue
+                code = slot.process.poll() if slot.process is not None else None
+                tail = (self._logs / f"{slot.worker_id}.log").read_text(
+                    errors="replace").splitlines()[-15:]
+                down.append(f"{slot.worker_id} ({slot.state}, exit code {code}):\n  "
+                            + "\n  ".join(tail))
+            raise AssertionError(f"{exc}; not up:\n" + "\n".join(down)) from None
+
     def terminate(self, *slots: _Slot) -> list[int]:
         """SIGTERM, then the exit codes of the graceful exits; a worker still running after
         a minute is killed and its code is -9, which reads as a failed graceful shutdown."""
@@ -570,7 +588,7 @@ def run_chaos(
             f"every produced record to be processed (logs in {rig.logs})",
             interval=0.5,
         )
-        wait_for(lambda: all(fleet.up(slot) for slot in fleet.slots), 60, "every worker to be up")
+        fleet.wait_up(60)
         if fanout:
             proxy = rig.kinesis_proxy
             result.subscription_faults = Counter(

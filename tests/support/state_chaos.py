@@ -212,7 +212,7 @@ def run_state_chaos(
 
         wait_for(caught_up, settings.catch_up_timeout_s,
                  f"every record counted (logs in {rig.logs})", interval=1.0)
-        wait_for(lambda: all(fleet.up(slot) for slot in fleet.slots), 60, "every worker to be up")
+        fleet.wait_up(60)
         result.sigterm_exit_codes.extend(fleet.terminate(*fleet.slots))
         result.stored = read_state()
         result.checkpoint_regressions = checkpoint_regressions(rig.sampler.stop())
