@@ -49,7 +49,7 @@ from typing import Any
 
 from aws_kinesis_agg.aggregator import RecordAggregator
 
-from kclpy.retrieval.subscription import _frame
+from kclpy.retrieval.subscription import encode_frame
 
 HOST = "127.0.0.1"
 ACCOUNT = "123456789012"
@@ -284,15 +284,15 @@ def event(shard: Shard, offset: int) -> tuple[bytes, int]:
         b'],"ContinuationSequenceNumber":"', continuation_at(shard, end).encode(),
         b'","MillisBehindLatest":', str(behind).encode(), b"}",
     ))
-    answer = (_frame({":message-type": "event", ":event-type": "SubscribeToShardEvent",
-                      ":content-type": "application/json"}, payload), end)
+    answer = (encode_frame({":message-type": "event", ":event-type": "SubscribeToShardEvent",
+                            ":content-type": "application/json"}, payload), end)
     if not (at_tip and shard.live):
         shard.events[offset] = answer
     return answer
 
 
-INITIAL_RESPONSE = _frame({":message-type": "event", ":event-type": "initial-response",
-                           ":content-type": "application/json"}, b"{}")
+INITIAL_RESPONSE = encode_frame({":message-type": "event", ":event-type": "initial-response",
+                                 ":content-type": "application/json"}, b"{}")
 
 
 class Replay:

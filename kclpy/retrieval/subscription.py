@@ -62,8 +62,10 @@ def _header(name: str, value: str) -> bytes:
             + struct.pack("!H", len(raw_value)) + raw_value)
 
 
-def _frame(headers: dict[str, str], payload: bytes) -> bytes:
-    """One event-stream message (prelude, headers, payload, CRCs)."""
+def encode_frame(headers: dict[str, str], payload: bytes) -> bytes:
+    """One event-stream message (prelude, headers, payload, CRCs). Public because the
+    endpoints that stand in for Kinesis in tests and benchmarks must write exactly what
+    this client reads."""
     encoded = b"".join(_header(k, v) for k, v in headers.items())
     total = 12 + len(encoded) + len(payload) + 4
     prelude = struct.pack("!II", total, len(encoded))
@@ -72,8 +74,8 @@ def _frame(headers: dict[str, str], payload: bytes) -> bytes:
     return body + struct.pack("!I", binascii.crc32(body))
 
 
-_INITIAL_RESPONSE = _frame({":message-type": "event", ":event-type": "initial-response",
-                            ":content-type": "application/json"}, b"{}")
+_INITIAL_RESPONSE = encode_frame({":message-type": "event", ":event-type": "initial-response",
+                                  ":content-type": "application/json"}, b"{}")
 
 
 class _Sender:

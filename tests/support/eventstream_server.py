@@ -25,7 +25,7 @@ import h2.config
 import h2.connection
 import h2.events
 
-from kclpy.retrieval.subscription import _frame
+from kclpy.retrieval.subscription import encode_frame
 
 
 @dataclass
@@ -69,8 +69,8 @@ def event_frame(event: Event) -> bytes:
         "MillisBehindLatest": event.millis_behind,
         **({"ChildShards": list(event.child_shards)} if event.child_shards else {}),
     }).encode()
-    return _frame({":message-type": "event", ":event-type": "SubscribeToShardEvent",
-                   ":content-type": "application/json"}, payload)
+    return encode_frame({":message-type": "event", ":event-type": "SubscribeToShardEvent",
+                         ":content-type": "application/json"}, payload)
 
 
 def _handler(script: Script) -> type[BaseHTTPRequestHandler]:
@@ -105,10 +105,10 @@ def _handler(script: Script) -> type[BaseHTTPRequestHandler]:
                 self.connection.shutdown(2)
                 return
             if step.then == "exception":
-                self._chunk(_frame({":message-type": "exception",
-                                    ":exception-type": step.error_code,
-                                    ":content-type": "application/json"},
-                                   b'{"message":"scripted"}'))
+                self._chunk(encode_frame({":message-type": "exception",
+                                          ":exception-type": step.error_code,
+                                          ":content-type": "application/json"},
+                                         b'{"message":"scripted"}'))
             self.wfile.write(b"0\r\n\r\n")
             self.close_connection = True
 
@@ -174,10 +174,10 @@ def _h2_answer(conn: h2.connection.H2Connection, sock: socket.socket, stream_id:
                 pass
         return False
     if step.then == "exception":
-        conn.send_data(stream_id, _frame({":message-type": "exception",
-                                          ":exception-type": step.error_code,
-                                          ":content-type": "application/json"},
-                                         b'{"message":"scripted"}'))
+        conn.send_data(stream_id, encode_frame({":message-type": "exception",
+                                                ":exception-type": step.error_code,
+                                                ":content-type": "application/json"},
+                                               b'{"message":"scripted"}'))
     conn.end_stream(stream_id)
     return True
 
