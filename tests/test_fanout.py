@@ -16,7 +16,8 @@ from kclpy.errors import ConfigError
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from kclpy.retrieval.backoff import CONNECTION, IN_USE, THROTTLED, Backoff
-from kclpy.retrieval.fetcher import ShardFetcher, StartPosition, _classify_subscribe
+from kclpy.retrieval.fanout import classify_subscribe
+from kclpy.retrieval.fetcher import ShardFetcher, StartPosition
 from kclpy.retrieval.registration import list_consumers
 from tests.support.eventstream_server import Event, Script, Step, eventstream_server
 from tests.support.recording import Ledger
@@ -74,10 +75,10 @@ def test_subscription_failures_are_classified_for_backoff() -> None:
     def error(code: str) -> ClientError:
         return ClientError({"Error": {"Code": code, "Message": ""}}, "SubscribeToShard")
 
-    assert _classify_subscribe(error("ResourceInUseException")) == IN_USE
-    assert _classify_subscribe(error("LimitExceededException")) == THROTTLED
-    assert _classify_subscribe(ProtocolError("connection broken")) == CONNECTION
-    assert _classify_subscribe(error("ResourceNotFoundException")) is None
+    assert classify_subscribe(error("ResourceInUseException")) == IN_USE
+    assert classify_subscribe(error("LimitExceededException")) == THROTTLED
+    assert classify_subscribe(ProtocolError("connection broken")) == CONNECTION
+    assert classify_subscribe(error("ResourceNotFoundException")) is None
 
 
 @pytest.mark.integration

@@ -1,4 +1,6 @@
-"""One shard's GetRecords loop, running ahead of the processor into a bounded queue.
+"""One shard's read loop, running ahead of the processor into a bounded queue: GetRecords
+pages, or with enhanced fan-out the events of the shard's subscription (``fanout``), which
+then go the same way.
 
 A dedicated thread per shard keeps the network busy while the processor works on the
 previous batch; the queue bound (``queue_size`` results) is what caps the memory a slow
@@ -27,13 +29,11 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-import httpx
-import urllib3
 from botocore.exceptions import ClientError
 
 from kclpy.cloudwatch import COUNT, DETAILED, SUMMARY, shard_dimensions, success_and_time
@@ -41,7 +41,8 @@ from kclpy.errors import KCLError
 from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
 from kclpy.metrics import Metrics
 from kclpy.records import EMPTY, Record, Records
-from kclpy.retrieval.backoff import CONNECTION, IN_USE, THROTTLED, Backoff, classify
+from kclpy.retrieval.backoff import THROTTLED, Backoff, classify
+from kclpy.retrieval.fanout import ShardSubscription, classify_subscribe
 from kclpy.retrieval.kpl import HashKeyRange, deaggregate
 from kclpy.retrieval.parse import (
     ChildShard,
@@ -49,7 +50,6 @@ from kclpy.retrieval.parse import (
     get_records,
     install_fast_get_records,
 )
-from kclpy.retrieval.subscription import SubscribeEvent, subscribe
 from kclpy.streams import multi_stream_lease_key
 
 if TYPE_CHECKING:
@@ -232,11 +232,6 @@ class ShardFetcher:
         #: fetching and handing out pages wait while it is clear (the lease coordinator's
         #: retrieval gate: renewals come first)
         self._gate = gate
-        #: enhanced fan-out: read through this registered consumer's subscriptions
-        self._consumer_arn = consumer_arn
-        self._http_version = http_version
-        self._events: Generator[SubscribeEvent, None, None] | None = None
-        self._continuation: str | None = None
         self._probe_s = shard_end_probe_s
         self._clock = clock
         #: polling only: GetRecords Limits come from this budget
@@ -245,8 +240,6 @@ class ShardFetcher:
         #: after this (epoch ms), or at the tip: a recovery gap's end
         self._until_ms = until_ms
         self._probed_at = clock()
-        #: clock() when the current subscription was opened (0: never)
-        self._subscribed_at = 0.0
         self._sleep = sleep if sleep is not None else self._interruptible_sleep
         self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_size)
         self._thread: threading.Thread | None = None
@@ -255,6 +248,10 @@ class ShardFetcher:
         m = metrics if metrics is not None else Metrics()
         self._metrics = m
         label = self.label
+        #: enhanced fan-out: read through this registered consumer's subscriptions
+        self._subscription = None if consumer_arn is None else ShardSubscription(
+            client, consumer_arn, shard_id, label, http_version=http_version, metrics=m,
+            clock=clock)
         self._m_seconds = m.get_records_seconds.labels(label)
         self._m_expired = m.iterator_expirations.labels(label)
         self._m_corrupt = m.deaggregation_errors.labels(label)
@@ -307,11 +304,9 @@ class ShardFetcher:
     def retrieval(self) -> dict[str, Any]:
         """How the shard is read, for ``/status``: the mode, and with fan-out the age of the
         open subscription (None between two)."""
-        if self._consumer_arn is None:
+        if self._subscription is None:
             return {"mode": "polling"}
-        age = (round(self._clock() - self._subscribed_at, 1)
-               if self._events is not None and self._subscribed_at else None)
-        return {"mode": "fanout", "subscription_age_s": age}
+        return {"mode": "fanout", "subscription_age_s": self._subscription.age_s}
 
     @property
     def millis_behind_latest(self) -> int | None:
@@ -413,12 +408,8 @@ class ShardFetcher:
                 self._put(_END)
 
     def _end_subscription(self) -> None:
-        """Close the open subscription's connection: the service ends a subscription whose
-        connection closed, so the shard's next owner is not refused with
-        ``ResourceInUseException`` until it times out (five minutes)."""
-        events, self._events = self._events, None
-        if events is not None:
-            events.close()
+        if self._subscription is not None:
+            self._subscription.close()
 
     def _await_gate(self) -> None:
         gate = self._gate
@@ -450,8 +441,8 @@ class ShardFetcher:
         """One GetRecords (with retries): the page to queue (or None) and whether to idle."""
         if self._shard_ended:
             return None, False
-        if self._consumer_arn is not None:
-            return self._fetch_event(self._consumer_arn), False
+        if self._subscription is not None:
+            return self._fetch_event(self._subscription), False
         limit = self._max_records
         if self._pacer is not None:
             limit = self._pacer.take(limit, self._stop)
@@ -488,18 +479,12 @@ class ShardFetcher:
         # A bounded read (a recovery gap) is behind on purpose: the shard's gauge is live's.
         if millis is not None and self._until_ms is None:
             self._m_behind.set(millis)
-        raw = page.records
         if self._pacer is not None:
-            self._pacer.give_back(limit - len(raw))
-        caught_up = millis == 0 or (millis is None and not raw)
+            self._pacer.give_back(limit - len(page.records))
+        caught_up = millis == 0 or (millis is None and not page.records)
         shard_end = page.next_shard_iterator is None
         children = page.child_shards
-        if raw:
-            self._last_sequence_number = raw[-1].sequence_number
-        if self._skip_before_ms is not None and raw:
-            raw = _arrived_from(raw, self._skip_before_ms)
-            if raw:
-                self._skip_before_ms = None
+        raw = self._handled(page.records)
         if self._until_ms is not None:
             kept = _arrived_before(raw, self._until_ms)
             if len(kept) < len(raw) or (caught_up and not raw):
@@ -515,30 +500,22 @@ class ShardFetcher:
         pending = _Page(raw, millis, shard_end, children, caught_up)
         return (pending if deliver else None), idle
 
-    def _fetch_event(self, consumer_arn: str) -> _Page | None:
+    def _fetch_event(self, subscription: ShardSubscription) -> _Page | None:
         """The next event of the shard's subscription: the page to queue, or None. Failures
         to open or read a subscription (``ResourceInUseException`` while the previous one
         is still open, throttling, 5xx, a dropped connection) back off and are counted as
         GetRecords failures are."""
-        event = self._retrying("SubscribeToShard",
-                               functools.partial(self._next_event, consumer_arn),
-                               _classify_subscribe)
+        event = self._retrying(
+            "SubscribeToShard",
+            lambda: subscription.next_event(self._subscribe_position, self._last_sequence_number),
+            classify_subscribe)
         self._backoff.reset()
-        page, continuation = event.page, event.continuation_sequence_number
-        self._metrics.subscription_events.labels(self.label).inc()
-        self._metrics.subscription_bytes.labels(self.label).inc(page.size_bytes)
+        page = event.page
         millis = page.millis_behind_latest
         if millis is not None:
             self._m_behind.set(millis)
-        raw = page.records
-        if raw:
-            self._last_sequence_number = raw[-1].sequence_number
-        if self._skip_before_ms is not None and raw:
-            raw = _arrived_from(raw, self._skip_before_ms)
-            if raw:
-                self._skip_before_ms = None
-        self._continuation = continuation
-        shard_end = continuation is None
+        raw = self._handled(page.records)
+        shard_end = event.continuation_sequence_number is None
         if shard_end:
             self._shard_ended = True
             self._end_subscription()
@@ -556,25 +533,16 @@ class ShardFetcher:
             return None
         return _Page(raw, millis, shard_end, children, caught_up)
 
-    def _next_event(self, consumer_arn: str) -> SubscribeEvent:
-        """The next event, opening a subscription when none is open: right away after one
-        the service ended (after about five minutes), after the last event's continuation.
-        A failure leaves no subscription open, so a retry opens a new one."""
-        while True:
-            if self._events is None:
-                self._events = subscribe(self._client, consumer_arn, self.shard_id,
-                                         self._subscribe_position(),
-                                         http_version=self._http_version)
-                self._metrics.subscriptions.labels(
-                    self.label, "renewed" if self._subscribed_at else "opened").inc()
-                self._subscribed_at = self._clock()
-            try:
-                return next(self._events)
-            except StopIteration:
-                self._events = None
-            except BaseException:
-                self._events = None
-                raise
+    def _handled(self, raw: Sequence[Record]) -> Sequence[Record]:
+        """Note the page as read (an expired iterator or a new subscription resumes after
+        its last record) and drop what arrived before an AT_TIMESTAMP start."""
+        if raw:
+            self._last_sequence_number = raw[-1].sequence_number
+        if self._skip_before_ms is not None and raw:
+            raw = _arrived_from(raw, self._skip_before_ms)
+            if raw:
+                self._skip_before_ms = None
+        return raw
 
     def _probe_shard_end(self) -> list[ChildShard] | None:
         """Is the idle shard closed? One GetRecords after the last record handled: the
@@ -595,13 +563,8 @@ class ShardFetcher:
         self._end_subscription()
         return list(probe.child_shards)
 
-    def _subscribe_position(self) -> dict[str, Any]:
-        """Java's rule: the first subscription starts at the start position, every later
-        one after the last event's continuation (or the last record handled)."""
-        after = self._continuation
-        if after is None or not after.isdigit() or after == "0":
-            # no continuation yet (kinesis-mock answers "0" for a shard with nothing read)
-            after = self._last_sequence_number
+    def _subscribe_position(self, after: str | None) -> dict[str, Any]:
+        """A subscription's StartingPosition: after ``after``, else the start position."""
         kind, sequence_number, timestamp = self._resume_point(after)
         position: dict[str, Any] = {"Type": kind}
         if sequence_number is not None:
@@ -739,14 +702,3 @@ def _arrived_from(records: Sequence[Record], from_ms: int) -> Sequence[Record]:
         if arrived is None or arrived >= from_ms:
             return records[index:]
     return records[:0]
-
-
-def _classify_subscribe(exc: BaseException) -> str | None:
-    """GetRecords' retryable kinds, plus a subscription still open on the shard (the
-    previous one, not yet closed by the service) and a dropped streaming connection."""
-    if isinstance(exc, ClientError) and exc.response.get("Error", {}).get(
-            "Code") == "ResourceInUseException":
-        return IN_USE
-    if isinstance(exc, (urllib3.exceptions.HTTPError, httpx.TransportError)):
-        return CONNECTION
-    return classify(exc)
