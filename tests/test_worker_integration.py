@@ -8,13 +8,16 @@ produced: every record, in order per shard, exactly once where the protocol prom
 from __future__ import annotations
 
 import collections
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 from botocore.exceptions import ClientError
 
 from kclpy import KCLConfig, Worker
+from kclpy.cli import worker_main
 from kclpy.errors import ConfigError
 from kclpy.local import LocalEndpoint
 from tests.support.faultproxy import FaultProxy
@@ -294,16 +297,22 @@ def test_start_up_into_dynamodb_errors_is_retried_and_then_consumes(
     assert_exactly_once(ledger, expected)
 
 
-def test_start_up_gives_up_after_its_attempts_and_a_config_error_at_once(
-        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
-    kinesis = kinesis_client(kinesis_mock.url)
-    stream = unique_name("startup-fails")
-    create_stream(kinesis, stream, 1)
+@contextmanager
+def dynamodb_failing(kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint,
+                     **overrides: Any) -> Iterator[tuple[FaultProxy, Worker]]:
+    """A worker of a fresh one-shard stream whose every DescribeTable answers a 5xx."""
+    stream = unique_name("startup")
+    create_stream(kinesis_client(kinesis_mock.url), stream, 1)
     with FaultProxy(moto_server.url) as proxy:
         proxy.set_rule("DescribeTable", error_5xx_rate=1.0)
-        worker = Worker(make_config(kinesis_mock.url, proxy.url, stream,
-                                    max_initialization_attempts=2, initialization_backoff_ms=10),
-                        lambda: RecordingProcessor(Ledger()))
+        yield proxy, Worker(make_config(kinesis_mock.url, proxy.url, stream, **overrides),
+                            lambda: RecordingProcessor(Ledger()))
+
+
+def test_start_up_gives_up_after_its_attempts_and_a_config_error_at_once(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    with dynamodb_failing(kinesis_mock, moto_server, max_initialization_attempts=2,
+                          initialization_backoff_ms=10) as (proxy, worker):
         with pytest.raises(ClientError, match=r"InternalServerError|ServiceUnavailable"):
             worker.run(install_signal_handlers=False)
         assert proxy.requests("DescribeTable") == 2 * 3
@@ -322,15 +331,22 @@ def test_shutdown_during_start_up_backoff_ends_the_worker_cleanly(
         kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
     """A SIGTERM while the worker waits to retry its start-up stops it without waiting
     for the backoff (an hour here) and without taking a lease."""
-    kinesis = kinesis_client(kinesis_mock.url)
-    stream = unique_name("startup-stop")
-    create_stream(kinesis, stream, 1)
-    with FaultProxy(moto_server.url) as proxy:
-        proxy.set_rule("DescribeTable", error_5xx_rate=1.0)
-        worker = Worker(make_config(kinesis_mock.url, proxy.url, stream,
-                                    initialization_backoff_ms=3_600_000),
-                        lambda: RecordingProcessor(Ledger()))
+    with dynamodb_failing(kinesis_mock, moto_server,
+                          initialization_backoff_ms=3_600_000) as (_, worker):
         with running_worker(worker):
             wait_for(lambda: initialization_failures(worker), 30, "a failed start-up attempt")
         assert not worker.wait_started(0)
         assert worker.coordinator is not None and not worker.coordinator.held_leases()
+
+
+def test_kclpy_worker_exits_2_naming_a_stream_that_does_not_exist(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint,
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(Path(__file__).parents[1])
+    code = worker_main([
+        "--stream-name", unique_name("absent"), "--application-name", unique_name("app"),
+        "--region", "us-east-1", "--kinesis-endpoint", kinesis_mock.url,
+        "--dynamodb-endpoint", moto_server.url,
+        "--processor", "examples/printing_processor.py:PrintingProcessor"])
+    assert code == 2
+    assert "--stream-name" in capsys.readouterr().err
