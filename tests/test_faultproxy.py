@@ -18,7 +18,7 @@ from botocore.exceptions import ClientError, ConnectionClosedError, ReadTimeoutE
 
 from kclpy.local import LocalEndpoint, free_port
 from kclpy.retrieval.backoff import CONNECTION
-from kclpy.retrieval.fetcher import _classify_subscribe
+from kclpy.retrieval.fanout import classify_subscribe
 from kclpy.retrieval.registration import ConsumerRegistration, RegistrationSettings
 from kclpy.retrieval.subscription import SubscribeEvent, subscribe
 from tests.support.eventstream_server import Event, event_frame
@@ -706,7 +706,7 @@ def test_subscription_faults_reach_kclpy_as_the_services_would(kinesis_proxy: Fa
     assert [r.binary_data for r in first.page.records] == [b"a", b"b"]
     with pytest.raises(Exception) as broken:
         next(events)
-    assert _classify_subscribe(broken.value) == CONNECTION, broken.value
+    assert classify_subscribe(broken.value) == CONNECTION, broken.value
 
     # A rule, not a one-shot: kinesis-mock's own refusals until it let the cut subscription
     # go are streamed answers too (one exception event), relayed whole as they end first.
