@@ -109,8 +109,8 @@ class Worker:
         main = threading.current_thread() is threading.main_thread()
         handlers = main if install_signal_handlers is None else install_signal_handlers
         with self._signals() if handlers else nullcontext():
-            self._setup()
             try:
+                self._setup()
                 self._loop()
             finally:
                 self._shutdown_consumers()
