@@ -8,17 +8,19 @@ from kclpy.checkpoint import Checkpointer, position_of
 from kclpy.errors import InvalidStateException, ShutdownException
 from kclpy.metrics import Metrics
 from kclpy.records import Record
+from tests.support.checkpoints import CheckpointWriterBase
 
 
-class RecordingWriter:
+class RecordingWriter(CheckpointWriterBase):
     def __init__(self, fail: Exception | None = None) -> None:
         self.writes: list[tuple[str, str, str, int]] = []
         self.fail = fail
 
-    def update_checkpoint(self, shard_id: str, token: str, checkpoint: str, sub: int) -> None:
+    def update_checkpoint(self, shard_id: str, concurrency_token: str, checkpoint: str,
+                          sub_sequence_number: int) -> None:
         if self.fail is not None:
             raise self.fail
-        self.writes.append((shard_id, token, checkpoint, sub))
+        self.writes.append((shard_id, concurrency_token, checkpoint, sub_sequence_number))
 
 
 def rec(seq: int, sub: int = 0) -> Record:

@@ -115,6 +115,7 @@ def test_bad_flags_exit_2_naming_the_option(
         argv: list[str], option: str, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)
+    code: int | str | None
     try:
         code = worker_main(argv)
     except SystemExit as exc:  # argparse's own errors

@@ -114,7 +114,7 @@ def test_throttling_is_retried_with_backoff_and_then_sent() -> None:
     stub.add_client_error("put_metric_data", "InternalFailure", http_status_code=500)
     stub.add_client_error("put_metric_data", "TooManyRequests", http_status_code=429)
     stub.add_response("put_metric_data", {}, {"Namespace": "app", "MetricData": ANY})
-    metrics, waits = Metrics(), []
+    metrics, waits = Metrics(), list[float]()
     cw = publisher(client, on_event=metrics.cloudwatch_event, sleep=waits.append)
     cw.record("ProcessTask", "RecordsProcessed", 1, COUNT, SUMMARY, {"ShardId": "s0"})
     with stub:
@@ -153,7 +153,7 @@ def test_a_refused_request_is_not_retried() -> None:
 def test_levels_and_dimensions_are_validated_naming_the_option() -> None:
     assert (parse_level("Detailed"), parse_level("NONE")) == (DETAILED, 0)
     assert parse_dimensions("ALL") == parse_dimensions("ShardId,StreamId,WorkerIdentifier")
-    base = {"application_name": "a", "stream_name": "s"}
+    base: dict[str, Any] = {"application_name": "a", "stream_name": "s"}
     with pytest.raises(ConfigError, match="--metrics-level: 'verbose' is not one of"):
         KCLConfig(**base, metrics_level="verbose")
     values, labels = from_properties({"applicationName": "a", "streamName": "s",

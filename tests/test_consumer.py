@@ -6,6 +6,8 @@ import queue
 import random
 import threading
 from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
 
 from kclpy.consumer import ConsumerSettings, ConsumerState, FatalProcessorError, ShardConsumer
 from kclpy.errors import ProcessorRestartRequired
@@ -21,6 +23,7 @@ from kclpy.processor import (
 )
 from kclpy.records import Record, Records
 from kclpy.retrieval.parse import ChildShard
+from tests.support.checkpoints import CheckpointWriterBase
 
 SETTINGS = ConsumerSettings(parent_shard_poll_interval_s=0.01, task_backoff_s=0.001,
                             max_task_backoff_s=0.002, poll_timeout_s=0.01)
@@ -74,13 +77,18 @@ class ScriptedFetcher:
     def stop(self) -> None:
         self.stopped = True
 
+    @property
+    def retrieval(self) -> dict[str, Any]:
+        return {"mode": "scripted"}
 
-class Writer:
+
+class Writer(CheckpointWriterBase):
     def __init__(self) -> None:
         self.writes: list[tuple[str, int]] = []
 
-    def update_checkpoint(self, shard_id: str, token: str, checkpoint: str, sub: int) -> None:
-        self.writes.append((checkpoint, sub))
+    def update_checkpoint(self, shard_id: str, concurrency_token: str, checkpoint: str,
+                          sub_sequence_number: int) -> None:
+        self.writes.append((checkpoint, sub_sequence_number))
 
 
 class Leases:
@@ -136,7 +144,8 @@ def run_consumer(pages: list[Result], processors: list[Recorder], *, lease: Leas
     fetchers: list[ScriptedFetcher] = []
     made = iter(processors)
 
-    def fetcher_factory(lease: Lease, checkpoint: str, sub: int) -> ScriptedFetcher:
+    def fetcher_factory(lease: Lease, checkpoint: str, sub: int,
+                        start_at: datetime | None = None) -> ScriptedFetcher:
         fetcher = ScriptedFetcher(pages, (checkpoint, sub))
         fetchers.append(fetcher)
         return fetcher

@@ -17,6 +17,7 @@ import functools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
 import boto3
@@ -40,6 +41,7 @@ from kclpy.processor import (
 from kclpy.retrieval.backoff import Backoff
 from kclpy.retrieval.fetcher import ShardFetcher, StartPosition
 from kclpy.retrieval.parse import ChildShard
+from tests.support.checkpoints import CheckpointWriterBase
 from tests.test_fuzz_retrieval import MAX_HASH_KEY, expected_outcome, payload, sub_records_of
 
 if TYPE_CHECKING:
@@ -158,7 +160,7 @@ class Collecting(IRecordProcessor):
         pass
 
 
-class Checkpoints:
+class Checkpoints(CheckpointWriterBase):
     """The lease side: accepts every fenced checkpoint write and keeps the last one."""
 
     def __init__(self) -> None:
@@ -259,7 +261,8 @@ def run_and_check(
     checkpoints = Checkpoints()
     ended: list[Sequence[ChildShard]] = []
 
-    def fetcher(lease: Lease, checkpoint: str, sub_sequence_number: int) -> ShardFetcher:
+    def fetcher(lease: Lease, checkpoint: str, sub_sequence_number: int,
+                start_at: datetime | None = None) -> ShardFetcher:
         return ShardFetcher(
             client, lease.lease_key,
             StartPosition.from_checkpoint(checkpoint, sub_sequence_number, None),

@@ -97,7 +97,7 @@ def hand_encoded_aggregate(draw: st.DrawFn) -> bytes:
     if with_ehks:
         body += field(2, b"12345")
     index = st.integers(0, len(table) - 1)
-    extra = st.one_of(
+    extra: st.SearchStrategy[tuple[int, int | bytes]] = st.one_of(
         st.tuples(st.just(1), index),  # partition_key_index again
         st.tuples(st.just(3), st.binary(max_size=6)),  # data again
         st.tuples(st.just(4), st.just(field(1, b"k") + field(2, b"v"))),  # a tag
@@ -105,7 +105,7 @@ def hand_encoded_aggregate(draw: st.DrawFn) -> bytes:
         st.tuples(st.just(2), st.just(0)) if with_ehks else st.nothing(),
     )
     for _ in range(draw(st.integers(1, 5))):
-        fields = [(1, draw(index)), (3, draw(st.binary(max_size=6)))]
+        fields: list[tuple[int, int | bytes]] = [(1, draw(index)), (3, draw(st.binary(max_size=6)))]
         if draw(st.integers(0, 9)) == 0:
             fields.pop(draw(st.integers(0, 1)))
         for _ in range(draw(st.integers(0, 3))):

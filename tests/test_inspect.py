@@ -30,7 +30,8 @@ from tests.support.streams import (
     unique_name,
     wait_for,
 )
-from tests.test_ops_server import running, worker_config
+from tests.support.workers import running
+from tests.test_ops_server import worker_config
 from tests.test_recovery import age
 
 ROOT = Path(__file__).resolve().parent.parent

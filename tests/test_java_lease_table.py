@@ -9,6 +9,7 @@ KCL 3.x) that must survive kclpy's writes.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -28,7 +29,7 @@ from tests.support.streams import (
 pytestmark = pytest.mark.integration
 
 
-def _java_item(shard: dict[str, Any], checkpoint: str, sub: int, counter: int) -> dict[str, Any]:
+def _java_item(shard: Mapping[str, Any], checkpoint: str, sub: int, counter: int) -> dict[str, Any]:
     item: dict[str, Any] = {
         "leaseKey": {"S": shard["ShardId"]},
         "leaseOwner": {"S": "ip-10-0-0-1.ec2.internal:4f9c0e2a-dead-java"},

@@ -617,15 +617,18 @@ def test_healthy_only_while_renewals_run() -> None:
     now = [100.0]
     coordinator = LeaseCoordinator(Table(), "w", failover_time_s=3.0,  # type: ignore[arg-type]
                                    taker_interval_s=3600, clock=lambda: now[0])
-    assert not coordinator.healthy, "not started"
+    def healthy() -> bool:
+        return coordinator.healthy
+
+    assert not healthy(), "not started"
     coordinator.start()
     try:
-        assert coordinator.healthy
+        assert healthy()
         now[0] += 10.0  # no renewal cycle completed for longer than the failover time
-        assert not coordinator.healthy
+        assert not healthy()
     finally:
         coordinator.stop(release=False)
-    assert not coordinator.healthy
+    assert not healthy()
 
 
 # -- the renewal schedule and the suspended worker ----------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import boto3
 import pytest
@@ -23,6 +23,9 @@ from kclpy.leases.table import LeaseTable, TransactionRejected, checkpoint_chang
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from tests.support.determinism import Clock
+
+if TYPE_CHECKING:
+    from mypy_boto3_dynamodb.type_defs import TransactWriteItemTypeDef
 
 REGION = "us-east-1"
 FAILOVER = 10.0
@@ -114,7 +117,7 @@ def make_state_table(client: Any, name: str = STATE) -> None:
         BillingMode="PAY_PER_REQUEST")
 
 
-def put_state(key: str, value: str, table: str = STATE) -> dict[str, Any]:
+def put_state(key: str, value: str, table: str = STATE) -> TransactWriteItemTypeDef:
     return {"Put": {"TableName": table, "Item": {"k": s(key), "v": s(value)}}}
 
 

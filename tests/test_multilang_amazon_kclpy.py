@@ -44,7 +44,8 @@ REPORT = re.compile(r"Sequence Number: (\d+), Subsequence Number: (\d+)")
 
 
 def _client(service: str, url: str) -> Any:
-    return boto3.session.Session(region_name=REGION).client(service, endpoint_url=url)
+    session: Any = boto3.session.Session(region_name=REGION)
+    return session.client(service, endpoint_url=url)
 
 
 def _wait_for(condition: Any, timeout: float, what: str) -> None:
@@ -163,11 +164,11 @@ def test_the_unmodified_amazon_kclpy_sample_processes_every_record_and_checkpoin
 
     # every record produced was reported by the sample, on the shard it was produced to
     reported: dict[str, set[str]] = collections.defaultdict(set)
-    stderr = collections.defaultdict(list)
+    stderr: dict[str, list[str]] = collections.defaultdict(list)
     for record in caplog.records:
         text = getattr(record, "child_stderr", None)
         if text is not None:
-            stderr[getattr(record, "shard_id", None)].append(text)
+            stderr[str(getattr(record, "shard_id", ""))].append(text)
     for shard, texts in stderr.items():
         reported[shard] = {seq for seq, _ in REPORT.findall("".join(texts))}
     for shard, sequence_numbers in produced.items():

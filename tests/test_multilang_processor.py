@@ -42,6 +42,7 @@ from kclpy.processor import (
 )
 from kclpy.records import Record
 from tests.multilang_apps.amazon_kclpy_dist import amazon_kclpy_root
+from tests.support.checkpoints import CheckpointWriterBase
 
 APPS = Path(__file__).parent / "multilang_apps"
 SHARD = "shardId-000000000007"
@@ -49,7 +50,7 @@ VERSIONS = [1, 2, 3]
 STATUS = '{"action": "status", "responseFor": "%s"}'
 
 
-class FakeWriter:
+class FakeWriter(CheckpointWriterBase):
     """The lease coordinator's side of a checkpoint: records writes, or fails as told."""
 
     def __init__(self) -> None:
@@ -601,6 +602,7 @@ def test_the_factory_makes_one_processor_per_call(
         env={"PYTHONPATH": str(kclpy_path), "KCLPY_TEST_OUTPUT": str(output)})
     first, second = factory(), factory()
     assert isinstance(first, MultiLangRecordProcessor)
+    assert isinstance(second, MultiLangRecordProcessor)
     assert first is not second
     try:
         for number, processor in enumerate((first, second)):

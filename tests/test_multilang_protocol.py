@@ -223,7 +223,7 @@ def _processor_classes(modules: dict[str, ModuleType], seen: list[Any]) -> dict[
         def shutdown(self, checkpointer: Any, reason: str) -> None:
             seen.append(("shutdown", reason))
 
-    class V2(modules["v2.processor"].RecordProcessorBase):  # type: ignore[misc,name-defined]
+    class V2(modules["v2.processor"].RecordProcessorBase):  # type: ignore[misc]
         def initialize(self, initialize_input: Any) -> None:
             seen.append(("initialize", initialize_input.shard_id))
 
@@ -236,7 +236,7 @@ def _processor_classes(modules: dict[str, ModuleType], seen: list[Any]) -> dict[
         def shutdown(self, shutdown_input: Any) -> None:
             seen.append(("shutdown", shutdown_input.reason))
 
-    class V3(modules["v3.processor"].RecordProcessorBase):  # type: ignore[misc,name-defined]
+    class V3(modules["v3.processor"].RecordProcessorBase):  # type: ignore[misc]
         def initialize(self, initialize_input: Any) -> None:
             seen.append(("initialize", initialize_input.shard_id))
 

@@ -26,7 +26,7 @@ def test_whole_lines_come_out_at_once_and_a_partial_one_only_when_flushed() -> N
     assert lines.pending
     assert lines.feed(b"ee") == []
     assert lines.flush() == ["three"]
-    assert not lines.pending and lines.flush() == []
+    assert (lines.pending, lines.flush()) == (False, [])
 
 
 def test_a_long_partial_line_comes_out_in_pieces_of_at_most_max_bytes() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import boto3
 import pytest
@@ -160,7 +160,7 @@ def test_moto_in_process_still_answers_instead_of_the_network(pool: BufferPool) 
         for data in payloads:
             client.put_record(StreamName="mocked", Data=data, PartitionKey="pk")
         page = get_records(client, trim_horizon(client, "mocked"), 1_000)
-    assert isinstance(client._endpoint.http_session, receive.PooledSession)
+    assert isinstance(cast(Any, client)._endpoint.http_session, receive.PooledSession)
     assert [r.binary_data for r in page.records] == payloads
     assert pool.idle() == []
 

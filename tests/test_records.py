@@ -90,7 +90,7 @@ def test_records_are_immutable_values() -> None:
     a, b = wire(b"same"), wire(b"same")
     assert a == b and hash(a) == hash(b) and a != wire(b"other")
     with pytest.raises(AttributeError):
-        a.partition_key = "changed"  # type: ignore[misc]
+        a.partition_key = "changed"
     for record in (a, Record(SEQ, "pk", 1, 4, b"bytes", explicit_hash_key="9")):
         copy = pickle.loads(pickle.dumps(record))
         assert copy == record and type(copy) is type(record)

@@ -730,7 +730,7 @@ class RewindingRecovery(FakeRecovery):
     def begin(self, checkpoint: str, sub_sequence_number: int) -> datetime | None:
         self.begun.append((checkpoint, sub_sequence_number))
         done = self.checkpointer.last_checkpoint[0]
-        after = int(done) if done.isdigit() else -1
+        after = int(done) if done is not None and done.isdigit() else -1
         self.batches = [b for b in self.script
                         if int(b.records[-1].sequence_number) > after]
         return None

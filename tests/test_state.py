@@ -256,7 +256,7 @@ def test_a_new_owner_starts_from_the_sql_stores_position_when_the_lease_lags_beh
     def throttled(*args: Any) -> None:
         raise ThrottlingException("the lease table is throttled")
 
-    first.fence.update_checkpoint = throttled  # type: ignore[method-assign]
+    first.fence.update_checkpoint = throttled  # type: ignore[method-assign, assignment]
     store_a = SQLStateStore(url)
     store_a.open(None)
     first.deliver(runner(store_a), [rec(10, "k:1"), rec(11, "k:2")])

@@ -26,12 +26,13 @@ from kclpy.processor import (
 from kclpy.records import Record
 from kclpy.spark import BatchOptions, MicroBatcher, current_batch
 from kclpy.spark.batcher import ShardRange, batch_id_for
+from tests.support.checkpoints import CheckpointWriterBase
 
 FAST = BatchOptions(min_interval_s=0.0, max_interval_s=0.05, retry_base_s=0.001,
                     retry_cap_s=0.01)
 
 
-class Writer:
+class Writer(CheckpointWriterBase):
     """The lease table's checkpoint write, recorded; shards in ``lost`` refuse like a
     lost lease, shards in ``throttled`` refuse ``n`` times like a throttled table."""
 

@@ -23,12 +23,11 @@ from sqlalchemy.dialects import postgresql
 
 import kclpy
 from kclpy.errors import KinesisClientLibDependencyException, ShutdownException, ThrottlingException
-from tests.support.audit import LeaseSample
 from tests.support.chaos import (
     ChaosRig,
     ChaosSettings,
 )
-from tests.support.ledger import Produced, record_id
+from tests.support.ledger import LeaseSample, Produced, record_id
 from tests.support.streams import (
     wait_for,
 )
