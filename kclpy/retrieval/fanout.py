@@ -9,7 +9,6 @@ polling, so the processor cannot tell which mode fed it.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
@@ -23,8 +22,6 @@ from kclpy.retrieval.subscription import SubscribeEvent, subscribe
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
-
-logger = logging.getLogger(__name__)
 
 #: what the fetcher answers for "where does reading resume after this sequence number
 #: (None: nothing handled yet)": the StartingPosition of a SubscribeToShard
@@ -46,7 +43,7 @@ class ShardSubscription:
         clock: Callable[[], float],
     ) -> None:
         self._client = client
-        self.consumer_arn = consumer_arn
+        self._consumer_arn = consumer_arn
         self._shard_id = shard_id
         self._label = label
         self._http_version = http_version
@@ -73,7 +70,7 @@ class ShardSubscription:
         while True:
             if self._events is None:
                 self._events = subscribe(
-                    self._client, self.consumer_arn, self._shard_id,
+                    self._client, self._consumer_arn, self._shard_id,
                     position(self._resume_after(last_sequence_number)),
                     http_version=self._http_version)
                 self._metrics.subscriptions.labels(
