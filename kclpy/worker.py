@@ -218,13 +218,14 @@ class Worker:
         transient and ends the worker at once. False when shutdown came first."""
         assert self.lease_table is not None and self.streams is not None
         cfg = self.config
-        for attempt in range(1, cfg.max_initialization_attempts + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 self.lease_table.create_if_missing()
                 if self.state_store is not None:
                     self.state_store.open(self.dynamodb)
-                self.streams.refresh(starting=True)
-                self._sync_shards()
+                self._sync_shards(starting=True)
                 return True
             except ConfigError:
                 raise
@@ -238,15 +239,13 @@ class Worker:
             if self._stop.wait(cfg.initialization_backoff_ms / 1000):
                 log.info("worker %s: shutdown requested during start-up", cfg.worker_id)
                 return False
-        return False
 
-    def _register_consumer(self, stream: StreamConfig) -> str:
+    def _register_consumer(self, stream: StreamConfig, stream_arn: str) -> str:
         """Enhanced fan-out: the application's consumer of the stream, registered if missing
         (one per stream; ``consumer_arn`` names an existing one of a single stream)."""
         cfg = self.config
         arn = cfg.consumer_arn or ConsumerRegistration(
-            self.kinesis, cfg.consumer_name or cfg.application_name,
-            stream_name=None if stream.arn else stream.label, stream_arn=stream.arn,
+            self.kinesis, cfg.consumer_name or cfg.application_name, stream_arn=stream_arn,
             settings=RegistrationSettings(
                 register_retries=cfg.register_stream_consumer_retries,
                 describe_retries=cfg.max_describe_stream_consumer_retries,
@@ -255,10 +254,12 @@ class Worker:
                  stream.label, arn)
         return arn
 
-    def _sync_shards(self) -> None:
+    def _sync_shards(self, *, starting: bool = False) -> None:
+        """Shard sync of every stream; at start-up, and at every sync while a tracker may
+        name new ones, the streams are (re)opened first."""
         assert self.streams is not None and self.coordinator is not None
-        if self.config.stream_tracker is not None:
-            self.streams.refresh()
+        if starting or self.config.stream_tracker is not None:
+            self.streams.refresh(starting=starting)
         # The taker scans the table anyway; reusing its view saves a scan per sync.
         recent = self.coordinator.recent_lease_keys(2 * self.config.failover_time_ms / 1000)
         created = self.streams.sync(recent)

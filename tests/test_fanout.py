@@ -20,6 +20,7 @@ from kclpy.retrieval.fanout import classify_subscribe
 from kclpy.retrieval.fetcher import ShardFetcher, StartPosition
 from kclpy.retrieval.registration import list_consumers
 from tests.support.eventstream_server import Event, Script, Step, eventstream_server
+from tests.support.faultproxy import FaultProxy
 from tests.support.recording import Ledger
 from tests.support.streams import (
     create_stream,
@@ -147,6 +148,26 @@ def test_fan_out_ends_split_and_merged_parents_before_their_children(
                 if s.get("ParentShardId") == shards[0]["ShardId"]}
     assert len(children) == 2
     assert all(i > parent_last for i, s in enumerate(order) if s in children)
+
+
+def test_start_up_looks_each_stream_up_once_and_registers_by_its_arn(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    """The stream's DescribeStreamSummary at start-up also gives registration its ARN, so a
+    fleet starting together does not spend a second call per worker on it (the operation
+    allows 20 a second per account)."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("efo-lookup")
+    create_stream(kinesis, stream, 1)
+    expected = produce_mixed(kinesis, stream, "l", plain=10, aggregates=1, per_aggregate=5)
+    ledger = Ledger()
+    with FaultProxy(kinesis_mock.url) as proxy:
+        config = fanout_config(kinesis_mock, moto_server, stream).replace(
+            kinesis_endpoint=proxy.url)
+        with running(config, ledger):
+            wait_for(lambda: len(ledger.records) >= len(expected), 60, "all records processed")
+        assert proxy.requests("DescribeStreamSummary") == 1
+        assert proxy.requests("RegisterStreamConsumer") == 1
+    assert_exactly_once(ledger, expected)
 
 
 @pytest.mark.parametrize("transport", ["http1.1", "h2c", "h2-tls"])

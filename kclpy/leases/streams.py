@@ -78,8 +78,9 @@ class StreamSet:
     table: LeaseTable
     config: KCLConfig
     metrics: Metrics | None = None
-    #: fan-out: registers (or finds) the application's consumer of a stream, returns its ARN
-    register: Callable[[StreamConfig], str] | None = None
+    #: fan-out: registers (or finds) the application's consumer of a stream (given with its
+    #: ARN), returns the consumer's ARN
+    register: Callable[[StreamConfig, str], str] | None = None
     clock: Callable[[], float] = time.monotonic
     active: dict[str, ActiveStream] = field(default_factory=dict)
     former: dict[str, FormerStream] = field(default_factory=dict)
@@ -105,14 +106,14 @@ class StreamSet:
     def _open(self, stream: StreamConfig, *, starting: bool) -> None:
         identifier = None
         try:
-            # At start-up every stream is looked up, so that a missing one is a ConfigError
-            # naming it rather than a failed shard sync; multi-stream keys need its epoch.
-            if self.config.multi_stream or starting:
-                summary = self.kinesis.describe_stream_summary(**stream.api_params)[
-                    "StreamDescriptionSummary"]
-                if self.config.multi_stream:
-                    identifier = StreamIdentifier.from_summary(summary).serialize()
-            consumer_arn = self.register(stream) if self.register is not None else None
+            # One look-up per stream opened: a missing stream is told apart from a failed
+            # shard sync, multi-stream keys need its epoch, and fan-out its ARN.
+            summary = self.kinesis.describe_stream_summary(**stream.api_params)[
+                "StreamDescriptionSummary"]
+            if self.config.multi_stream:
+                identifier = StreamIdentifier.from_summary(summary).serialize()
+            consumer_arn = (self.register(stream, summary["StreamARN"])
+                            if self.register is not None else None)
         except ClientError as exc:
             if error_code(exc) != NOT_FOUND:
                 raise
