@@ -200,6 +200,19 @@ class ShardConsumer:
         return self._state is ConsumerState.DONE
 
     @property
+    def ended_why(self) -> str:
+        """Why the consumer stopped or is stopping, for the worker's log."""
+        if self.error is not None:
+            return f"error {self.error!r}"
+        if self.shard_ended:
+            return "shard ended"
+        if self._lease_lost.is_set():
+            return "told the lease was lost"
+        if self._shutdown.is_set():
+            return "shutdown requested"
+        return "running"
+
+    @property
     def checkpoint(self) -> tuple[str | None, int]:
         if self._checkpointer is not None:
             return self._checkpointer.last_checkpoint
@@ -408,6 +421,14 @@ class ShardConsumer:
                 self._metrics.processor_errors.labels(self.shard_id, "process_records").inc()
                 log.error("shard %s: processor must restart: %s", self.shard_id, exc)
                 return "restart"
+            except ShutdownException as exc:
+                # A checkpoint the processor let through was refused because the lease is no
+                # longer this tenure's: not a processor failure, the lease-lost outcome.
+                log.warning("shard %s: %s; ending with lease_lost", self.shard_id, exc)
+                if records:
+                    checkpointer.unmark_delivered(previous)
+                self.notify_lease_lost()
+                return "stopped"
             except Exception as exc:
                 self._metrics.processor_errors.labels(self.shard_id, "process_records").inc()
                 policy = self._settings.processor_error_policy

@@ -77,6 +77,14 @@ class Metrics:
         self.leases_lost = Counter(
             "kclpy_leases_lost", "Leases lost to another worker or to a failed renewal.",
             registry=r)
+        self.leases_expired = Counter(
+            "kclpy_leases_expired",
+            "Leases given up because no write of them succeeded within the failover time "
+            "(a subset of kclpy_leases_lost).", registry=r)
+        self.shards_unconsumed = Gauge(
+            "kclpy_shards_held_unconsumed",
+            "Leases held with no running consumer; /healthz fails once one lasts longer "
+            "than the failover time.", registry=r)
         self.lease_renew_failures = Counter(
             "kclpy_lease_renew_failures", "Renewals that failed (condition or error).", registry=r)
         self.lease_renewals = Counter(

@@ -79,6 +79,8 @@ class Worker:
         self._wake = threading.Event()
         self._consumers: dict[str, ShardConsumer] = {}
         self._consumers_lock = threading.Lock()
+        #: held lease key -> time.monotonic() since when it has had no running consumer
+        self._unconsumed_since: dict[str, float] = {}
         self._fatal: BaseException | None = None
         self._started = threading.Event()
         self._settings = ConsumerSettings(
@@ -128,8 +130,11 @@ class Worker:
 
     @property
     def healthy(self) -> bool:
-        """Running and renewing its leases (what /healthz reports)."""
-        return self.coordinator is not None and self.coordinator.healthy
+        """Running, renewing its leases, and consuming every lease it holds (what /healthz
+        reports): a shard held with no consumer for longer than the failover time is stuck
+        for good unless someone notices."""
+        return (self.coordinator is not None and self.coordinator.healthy
+                and self.unconsumed_for() <= self.config.failover_time_ms / 1000)
 
     def consumers(self) -> dict[str, ShardConsumer]:
         with self._consumers_lock:
@@ -313,18 +318,27 @@ class Worker:
                     continue
                 if not consumer.done:
                     continue
+                if isinstance(consumer.error, FatalProcessorError):
+                    self._fatal = consumer.error
+                    continue
+                # A held lease must always have a running consumer: whatever ended this one,
+                # the lease is let go now so that a worker (this one included) takes it
+                # again and a new consumer resumes from the checkpoint.
+                del self._consumers[shard_id]
+                self.coordinator.release(shard_id)
                 if consumer.shard_ended:
                     # Nobody needs a finished shard's lease held (children read only its
                     # checkpoint), and renewing it would cost a write every renewal period.
-                    del self._consumers[shard_id]
-                    self.coordinator.release(shard_id)
-                elif isinstance(consumer.error, FatalProcessorError):
-                    self._fatal = consumer.error
-                elif consumer.error is not None:
+                    continue
+                if consumer.error is not None:
                     log.error("shard %s: consumer stopped on %r; releasing its lease so it is "
                               "retried", shard_id, consumer.error)
-                    del self._consumers[shard_id]
-                    self.coordinator.release(shard_id)
+                else:
+                    # Told the lease was lost (or asked to shut down) while a late write or
+                    # a stream named again kept the lease ours.
+                    log.warning("shard %s: consumer ended (%s) while its lease stayed held; "
+                                "releasing the lease so the shard is consumed again",
+                                shard_id, consumer.ended_why)
             for shard_id, lease in held.items():
                 if shard_id in self._consumers:
                     continue
@@ -335,7 +349,28 @@ class Worker:
                     consumer = self._new_consumer(lease)
                     self._consumers[shard_id] = consumer
                     consumer.start()
+            self._track_unconsumed(held)
         self.metrics.leases_held.set(len(held))
+
+    def _track_unconsumed(self, held: dict[str, Lease]) -> None:
+        """Note since when each held lease has had no running consumer (the consumers lock
+        held). ``_reconcile`` replaces such consumers in one pass, so a lasting one means a
+        fault this worker cannot see: it is a metric and fails ``healthy``."""
+        now = time.monotonic()
+        running = {key for key, consumer in self._consumers.items() if not consumer.done}
+        for key in list(self._unconsumed_since):
+            if key not in held or key in running:
+                del self._unconsumed_since[key]
+        for key in held:
+            if key not in running:
+                self._unconsumed_since.setdefault(key, now)
+        self.metrics.shards_unconsumed.set(len(self._unconsumed_since))
+
+    def unconsumed_for(self) -> float:
+        """How long the longest-waiting held lease has had no running consumer (0: none)."""
+        with self._consumers_lock:
+            since = min(self._unconsumed_since.values(), default=None)
+        return 0.0 if since is None else time.monotonic() - since
 
     def _consumed(self, lease: Lease) -> bool:
         """The lease's stream is one this worker consumes now."""

@@ -56,7 +56,7 @@ class LeaseCoordinator:
         min_scan_interval_s: float = 0.5,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
-        renewal_threads: int = 4,
+        renewal_threads: int = 16,
         rng: random.Random | None = None,
     ) -> None:
         if failover_time_s <= 0:
@@ -131,14 +131,15 @@ class LeaseCoordinator:
     def _renewer_loop(self) -> None:
         wake_at = self._clock()
         while not self._stopping.is_set():
+            # Renewals run on their own threads, so how late this loop wakes measures
+            # starvation alone, never a slow DynamoDB answer or a lease lock it waits for.
             self.pace_retrieval(self._clock() - wake_at)
             try:
-                self.renewer.run_once(due_only=True)
+                self.renewer.dispatch_due()
                 self._last_renewal_cycle = self._clock()
             except Exception:
                 # A dead renewer would silently lose every lease; log and keep going.
                 log.exception("worker %s: lease renewal cycle failed", self.worker_id)
-            self.pace_retrieval(self._clock() - wake_at)
             wait = self.renewer.next_wait()
             wake_at = self._clock() + wait
             self._stopping.wait(wait)
@@ -151,8 +152,8 @@ class LeaseCoordinator:
         hundreds of shards runs hundreds of fetch and delivery threads, and one thread in
         hundreds gets the interpreter lock too rarely to send its renewals before the
         leases expire (each expired lease is then taken again and its records delivered
-        again). A renewer that woke up, or finished its cycle, more than a quarter of a
-        renewal interval late was starved, not failing (errors do not delay it), so fetch threads
+        again). A renewer loop that woke up more than a quarter of a renewal interval late
+        was starved (it never waits for DynamoDB or a lease's lock), so fetch threads
         and deliveries wait on :attr:`retrieval_gate` until a cycle runs on time again.
         """
         starved = late_by_s > self.renewer_interval_s / 4 and not self._stopping.is_set()
@@ -237,9 +238,14 @@ class LeaseCoordinator:
         self._wake.set()
 
     def held_leases(self) -> dict[str, Lease]:
-        """The leases held now; one not written for longer than the failover time is no
-        longer ours even before the renewer has dropped it (the process was suspended)."""
-        return self.held.leases(self._clock(), self.failover_time_s)
+        """The leases held now. One not written for longer than the failover time is given
+        up here and its lost listeners told, even before the renewer gets to it (the
+        process was suspended, or its write is slow): a write that lands later cannot bring
+        it back (``HeldSet.refresh``)."""
+        now = self._clock()
+        for key in self.held.expire(now, self.failover_time_s):
+            self.held.notify_lost(key)
+        return self.held.leases(now, self.failover_time_s)
 
     def get_held(self, shard_id: str) -> Lease | None:
         return self.held.get(shard_id)

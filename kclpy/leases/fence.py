@@ -142,7 +142,8 @@ class LeaseFence:
     ) -> Lease:
         """Run ``write(held lease)`` as the holder. ``write`` must condition on the lease it
         is given (``LeaseTable.guarded_*`` do) and raise ``LeaseChanged`` when that fails."""
-        lost = asked = False
+        lost: str | None = None
+        asked = False
         failure: Exception | None = None
         fresh: Lease | None = None
         with self.held.lock_for(lease_key):
@@ -150,7 +151,8 @@ class LeaseFence:
             sent_at = self._clock()
             asked_before = held.handoff_since is not None
             if self._expired(held):
-                lost = self.held.drop(lease_key, "not renewed for longer than the failover time")
+                lost = "expired on this worker (not renewed within the failover time)"
+                self.held.drop(lease_key, lost)
             else:
                 try:
                     fresh = self._attempt(held, write, what)
@@ -163,17 +165,22 @@ class LeaseFence:
                     failure.__cause__ = exc
                 else:
                     if fresh is None:
-                        lost = True
-                    else:
-                        self.held.install(fresh, sent_at, held.handoff_since)
-            asked = not lost and not asked_before and held.handoff_since is not None
+                        lost = self.held.gone_why(lease_key)
+                    elif not self.held.refresh(held, fresh, sent_at):
+                        # Given up while this write was on its way: the write landed, but
+                        # the processor was already told the lease is lost. Let it go at
+                        # once instead of leaving it held by nobody until it expires.
+                        lost = self.held.gone_why(lease_key)
+                        self._let_go(fresh, what)
+                        fresh = None
+            asked = lost is None and not asked_before and held.handoff_since is not None
         if asked:
             self.announce_handoff(lease_key)
         if failure is not None:
             raise failure
-        if lost or fresh is None:
+        if lost is not None or fresh is None:
             self.held.notify_lost(lease_key)
-            raise ShutdownException(f"shard {lease_key}: lease was taken by another worker")
+            raise ShutdownException(f"shard {lease_key}: {what} refused: lease {lost}")
         return fresh.copy()
 
     def update_checkpoint(
@@ -224,9 +231,24 @@ class LeaseFence:
 
     def _holding(self, lease_key: str, token: str | None) -> HeldLease:
         held = self.held.entry(lease_key)
-        if held is None or (token is not None and held.lease.concurrency_token != token):
-            raise ShutdownException(f"shard {lease_key}: lease not held by this tenure")
+        if held is None:
+            raise ShutdownException(f"shard {lease_key}: lease {self.held.gone_why(lease_key)}")
+        if token is not None and held.lease.concurrency_token != token:
+            raise ShutdownException(f"shard {lease_key}: lease held again in a newer tenure")
         return held
+
+    def _let_go(self, lease: Lease, what: str) -> None:
+        """Release a lease whose late write landed after this worker had given it up."""
+        try:
+            self.table.evict(lease)
+        except LeaseLostError:
+            return
+        except TABLE_ERRORS as exc:
+            log.warning("worker %s: releasing %s after its late %s failed, it will expire "
+                        "instead: %r", self.worker_id, lease.lease_key, what, exc)
+            return
+        log.info("worker %s: the %s of %s landed after the lease was given up; released it",
+                 self.worker_id, what, lease.lease_key)
 
     def _expired(self, held: HeldLease) -> bool:
         return self._clock() - held.renewed_at > self.failover_time_s
@@ -251,7 +273,9 @@ class LeaseFence:
                 return write(held.lease)
             except LeaseLostError:
                 pass
-        self.held.drop(key, f"{what} found it changed (taken by another worker)")
+        owner = current.lease_owner if current is not None else None
+        self.held.drop(key, f"taken by another worker ({what} found it changed; owner now "
+                            f"{owner or 'nobody'})")
         return None
 
     def _read(self, lease_key: str) -> Lease | None:

@@ -59,6 +59,9 @@ class HeldSet:
         self._locks: dict[str, threading.Lock] = {}
         self._lost_listeners: list[Listener] = []
         self._handoff_listeners: list[Listener] = []
+        #: why each lease this worker no longer holds was given up, so that a write refused
+        #: for it says "expired here" or "taken by another worker", not just "not held"
+        self._gone: dict[str, str] = {}
 
     def set_drop_hook(self, fn: Listener) -> None:
         """``fn(key)`` is called at once (the lease's lock held) when a lease is lost or
@@ -92,8 +95,52 @@ class HeldSet:
             self._held[lease.lease_key] = HeldLease(
                 lease, sent_at, sent_at + self.renewer_interval_s, tenure, handoff_since
             )
+            self._gone.pop(lease.lease_key, None)
             count = len(self._held)
         self._publish(count)
+
+    def refresh(self, entry: HeldLease, lease: Lease, sent_at: float) -> bool:
+        """Record a holder's write of ``entry``'s lease that was sent at ``sent_at``. False,
+        and nothing recorded, when the worker gave the lease up while the write was on its
+        way (``expire``): a late answer must not bring back a lease whose processor was
+        already told it is lost - the shard would then stay held and never be consumed."""
+        with self._state:
+            if self._held.get(lease.lease_key) is not entry:
+                return False
+            entry.lease = lease
+            entry.renewed_at = sent_at
+            entry.renew_due = sent_at + self.renewer_interval_s
+            return True
+
+    def expire(self, now: float, failover_time_s: float) -> list[str]:
+        """Give up every lease not written for longer than the failover time, without
+        waiting for its lock: a write still on its way then finds it gone (``refresh``).
+        By then another worker may have taken it, so this worker must stop acting as its
+        holder whether or not that write lands. Returns the keys given up; the caller tells
+        the lost listeners."""
+        expired: list[str] = []
+        with self._state:
+            for key, held in list(self._held.items()):
+                if now - held.renewed_at > failover_time_s:
+                    del self._held[key]
+                    self._gone[key] = (f"expired on this worker (not renewed for "
+                                       f"{now - held.renewed_at:.1f}s, longer than the "
+                                       f"failover time)")
+                    expired.append(key)
+            count = len(self._held)
+        for key in expired:
+            log.warning("worker %s gave up lease %s: %s", self.worker_id, key, self._gone[key])
+            if self._metrics is not None:
+                self._metrics.leases_lost.inc()
+                self._metrics.leases_expired.inc()
+        if expired:
+            self._publish(count)
+        return expired
+
+    def gone_why(self, lease_key: str) -> str:
+        """Why ``lease_key`` is not held (for the error a refused write raises)."""
+        with self._state:
+            return self._gone.get(lease_key, "not held by this worker")
 
     def drop(self, lease_key: str, why: str) -> bool:
         """Forget a lost lease (its lock held; notify after releasing it). False if it was
@@ -101,6 +148,7 @@ class HeldSet:
         with self._state:
             if self._held.pop(lease_key, None) is None:
                 return False
+            self._gone[lease_key] = why
             count = len(self._held)
         if self._on_drop is not None:
             self._on_drop(lease_key)
@@ -114,6 +162,8 @@ class HeldSet:
         """Forget a lease this worker gives up on purpose (its lock held)."""
         with self._state:
             held = self._held.pop(lease_key, None)
+            if held is not None:
+                self._gone[lease_key] = "released by this worker"
             count = len(self._held)
         if held is None:
             return None

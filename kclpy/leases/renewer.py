@@ -10,14 +10,21 @@ the fence announces it and the renewal is repeated as the handing-off holder). A
 without a successful write for longer than the failover time is dropped without another
 attempt: by then other workers may have taken it. One kept past the handoff timeout is let
 go regardless.
+
+Each lease's renewal runs on its own: the cycle starts the due renewals on a pool and does not
+wait for them, and a lease whose renewal (or checkpoint) is still on its way is not started
+again. One slow answer (a throttled retry, a latency spike) therefore delays only its own
+lease - never the renewal of the others, nor the loop whose punctuality tells the worker it
+is starved of CPU (``coordinator.pace_retrieval``).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from kclpy.cloudwatch import COUNT, DETAILED, SUMMARY, success_and_time
 from kclpy.errors import KinesisClientLibDependencyException, ShutdownException, ThrottlingException
@@ -43,7 +50,7 @@ class LeaseRenewer:
         budget: ScanBudget,
         clock: Callable[[], float],
         metrics: Metrics | None = None,
-        threads: int = 4,
+        threads: int = 16,
     ) -> None:
         if threads < 1:
             raise ValueError("renewal_threads must be at least 1")
@@ -58,41 +65,61 @@ class LeaseRenewer:
         self._metrics = metrics
         self._threads = threads
         self._pool: ThreadPoolExecutor | None = None
+        self._flight = threading.Lock()
+        #: leases whose renewal was started and has not finished
+        self._in_flight: set[str] = set()
 
     def run_once(self, *, due_only: bool = False) -> None:
         """Renew every held lease (with ``due_only``, those whose renewal is due, overdue or
-        past the handoff timeout)."""
-        now = self._clock()
-        keys = [
-            key
-            for key, held in self.held.entries().items()
-            if not due_only
-            or held.renew_due <= now
-            or now - held.renewed_at > self.failover_time_s
-            or (
-                held.handoff_since is not None
-                and now - held.handoff_since > self.graceful_handoff_timeout_s
-            )
-        ]
-        held_before = len(self.held)
-        started = time.perf_counter()
-        if len(keys) <= 1 or self._threads == 1:
-            for key in keys:
-                self._renew(key)
-        else:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    self._threads, thread_name_prefix=f"kclpy-renew-{self.worker_id}")
-            list(self._pool.map(self._renew, keys))
-        if keys:
-            self._report(held_before, time.perf_counter() - started)
+        past the handoff timeout) and wait for those renewals."""
+        for future in self._start(due_only):
+            future.result()
 
-    def _report(self, held_before: int, seconds: float) -> None:
-        """The Java renewer's ``RenewAllLeases`` figures for one pass."""
+    def dispatch_due(self) -> None:
+        """Start the renewals that are due without waiting for them (the renewer loop)."""
+        self._start(True)
+
+    def _start(self, due_only: bool) -> list[Future[None]]:
+        now = self._clock()
+        with self._flight:
+            keys = [
+                key
+                for key, held in self.held.entries().items()
+                if key not in self._in_flight and (
+                    not due_only
+                    or held.renew_due <= now
+                    or now - held.renewed_at > self.failover_time_s
+                    or (
+                        held.handoff_since is not None
+                        and now - held.handoff_since > self.graceful_handoff_timeout_s
+                    ))
+            ]
+            self._in_flight.update(keys)
+        if not keys:
+            return []
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                self._threads, thread_name_prefix=f"kclpy-renew-{self.worker_id}")
+        renewal_pass = _Pass(len(keys), len(self.held), self._report)
+        return [self._pool.submit(self._renew_one, key, renewal_pass) for key in keys]
+
+    def _renew_one(self, lease_key: str, renewal_pass: _Pass) -> None:
+        try:
+            self._renew(lease_key)
+        except Exception:
+            # A renewal thread that died silently would lose its lease; log and go on.
+            log.exception("worker %s: renewing %s failed", self.worker_id, lease_key)
+        finally:
+            with self._flight:
+                self._in_flight.discard(lease_key)
+            renewal_pass.done(len(self.held))
+
+    def _report(self, held_before: int, held: int, seconds: float) -> None:
+        """The Java renewer's ``RenewAllLeases`` figures for one pass, once its last
+        renewal is over."""
         if self._metrics is None:
             return
         sink, dims = self._metrics.cloudwatch, {"WorkerIdentifier": self.worker_id}
-        held = len(self.held)
         sink.record(RENEW_ALL_LEASES, "CurrentLeases", held, COUNT, SUMMARY, dims)
         sink.record(RENEW_ALL_LEASES, "LostLeases", max(0, held_before - held), COUNT, SUMMARY,
                     dims)
@@ -104,7 +131,11 @@ class LeaseRenewer:
         with no leases, and notices soon when the process is too busy to run it."""
         now = self._clock()
         deadlines = [now + self.interval_s / 4]
-        for held in self.held.entries().values():
+        with self._flight:
+            in_flight = set(self._in_flight)
+        for key, held in self.held.entries().items():
+            if key in in_flight:
+                continue  # its renewal is on its way; when it ends, its due time is new
             deadlines.append(held.renew_due)
             if held.handoff_since is not None:
                 deadlines.append(held.handoff_since + self.graceful_handoff_timeout_s)
@@ -160,3 +191,22 @@ class LeaseRenewer:
             self._metrics.lease_renew_failures.inc()
             success_and_time(self._metrics.cloudwatch, RENEW_ALL_LEASES, "RenewLease", False,
                              seconds, DETAILED, {"WorkerIdentifier": self.worker_id})
+
+
+class _Pass:
+    """The renewals one cycle started, reported together when the last one ends."""
+
+    def __init__(self, count: int, held_before: int,
+                 report: Callable[[int, int, float], None]) -> None:
+        self._left = count
+        self._held_before = held_before
+        self._report = report
+        self._started = time.perf_counter()
+        self._lock = threading.Lock()
+
+    def done(self, held_now: int) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._report(self._held_before, held_now, time.perf_counter() - self._started)
