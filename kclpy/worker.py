@@ -314,7 +314,7 @@ class Worker:
                     consumer.request_shutdown()
                     if consumer.done:
                         del self._consumers[shard_id]
-                        self.coordinator.release(shard_id)
+                        self.coordinator.release_soon(shard_id)
                     continue
                 if not consumer.done:
                     continue
@@ -325,7 +325,7 @@ class Worker:
                 # the lease is let go now so that a worker (this one included) takes it
                 # again and a new consumer resumes from the checkpoint.
                 del self._consumers[shard_id]
-                self.coordinator.release(shard_id)
+                self.coordinator.release_soon(shard_id)
                 if consumer.shard_ended:
                     # Nobody needs a finished shard's lease held (children read only its
                     # checkpoint), and renewing it would cost a write every renewal period.
@@ -344,7 +344,7 @@ class Worker:
                     continue
                 if lease.checkpoint_owner is not None or not self._consumed(lease):
                     # asked for, or of a stream no longer consumed; nothing to finish
-                    self.coordinator.release(shard_id)
+                    self.coordinator.release_soon(shard_id)
                 else:
                     consumer = self._new_consumer(lease)
                     self._consumers[shard_id] = consumer

@@ -24,6 +24,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from kclpy.leases.balancing import Balancer
 from kclpy.leases.budget import ScanBudget
@@ -89,6 +90,9 @@ class LeaseCoordinator:
             interval_s=taker_interval_s)
         self.held.set_drop_hook(self.taker.remember_lost)
         self._stopping = threading.Event()
+        self._releases_lock = threading.Lock()
+        #: the background release writes of ``release_soon``
+        self._releases: ThreadPoolExecutor | None = None
         self._last_renewal_cycle = clock()
         self._wake = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -124,6 +128,10 @@ class LeaseCoordinator:
             thread.join()
         self._threads = []
         self.renewer.close()
+        with self._releases_lock:
+            releases, self._releases = self._releases, None
+        if releases is not None:
+            releases.shutdown(wait=True)
         if release:
             self.release_all()
             self.taker.give_up_pending()
@@ -278,6 +286,20 @@ class LeaseCoordinator:
     def release(self, shard_id: str) -> None:
         """Give a held lease back so it can move at once (``LeaseFence.release``)."""
         self.fence.release(shard_id)
+
+    def release_soon(self, shard_id: str) -> None:
+        """Give a held lease up now and write its release in the background. The worker
+        loop releases this way: the write waits for the lease's lock, which a slow
+        checkpoint or renewal of it may hold for up to the failover time, and every other
+        shard's consumer would wait with it."""
+        held = self.fence.give_up(shard_id)
+        if held is None:
+            return
+        with self._releases_lock:
+            if self._releases is None:
+                self._releases = ThreadPoolExecutor(
+                    4, thread_name_prefix=f"kclpy-release-{self.worker_id}")
+            self._releases.submit(self.fence.write_release, held)
 
     def release_all(self) -> None:
         for key in self.held.entries():

@@ -210,16 +210,26 @@ class LeaseFence:
         """Give a held lease back so it can move at once: unowned, or - during a handoff - to
         the worker that asked for it. Listeners are not called: the caller chose this.
         Failures are logged; the lease then simply expires."""
-        with self.held.lock_for(lease_key):
-            held = self.held.forget(lease_key)
-            if held is None:
-                return
+        held = self.give_up(lease_key)
+        if held is not None:
+            self.write_release(held)
+
+    def give_up(self, lease_key: str) -> HeldLease | None:
+        """Stop holding ``lease_key`` now, without waiting for a write of it that is on its
+        way (that write then finds it gone and lets it go itself); ``write_release`` tells
+        DynamoDB. None when it was not held."""
+        return self.held.forget(lease_key)
+
+    def write_release(self, held: HeldLease) -> None:
+        """The release write of a lease given up (``give_up``), once its lock is free."""
+        key = held.lease.lease_key
+        with self.held.lock_for(key):
             try:
                 if self._attempt(held, self.table.evict, "release") is None:
-                    log.info("worker %s: lease %s was already taken", self.worker_id, lease_key)
+                    log.info("worker %s: lease %s had already moved on", self.worker_id, key)
             except TABLE_ERRORS as exc:
                 log.warning("worker %s: releasing %s failed, it will expire instead: %r",
-                            self.worker_id, lease_key, exc)
+                            self.worker_id, key, exc)
 
     def announce_handoff(self, lease_key: str) -> None:
         """Tell the handoff listeners that another worker asked for this lease; without
