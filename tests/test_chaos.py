@@ -260,6 +260,7 @@ def _chaos(
 
     result = run_chaos(kinesis_mock.url, moto_server.url, tmp_path, settings, say)
     say("\n".join(result.figure_lines()))
+    assert result.catch_up_failure is None, result.catch_up_failure
     assert result.report.ok, result.report.describe_violations()
     assert result.report.produced == settings.plain_records + settings.kpl_records
     assert all(result.disruptions[kind] >= 1 for kind in settings.disruption_kinds), (

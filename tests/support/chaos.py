@@ -186,6 +186,8 @@ class ChaosResult:
     holds: Counter[str] = field(default_factory=Counter)
     longest_hold_s: float = 0.0
     stalls: list[Stall] = field(default_factory=list)
+    #: why the fleet did not catch up after the chaos (None: it did)
+    catch_up_failure: str | None = None
 
     def figure_lines(self) -> list[str]:
         s = self.settings
@@ -236,10 +238,12 @@ def liveness_lines(settings: ChaosSettings, holds: Counter[str], longest_hold_s:
 
 
 def wait_caught_up(missing: Callable[[], int], settings: ChaosSettings,
-                   watch: StallWatch | None, what: str) -> None:
-    """Wait until ``missing()`` is 0. Fail at once when the watch found a stalled shard, or
-    when nothing was caught up for ``settings.stuck_after_s``: either would only end at the
-    timeout, minutes later, and then without naming what stopped."""
+                   watch: StallWatch | None, what: str) -> str | None:
+    """Wait until ``missing()`` is 0; else say why not. Give up at once when the watch found
+    a stalled shard, or when nothing was caught up for ``settings.stuck_after_s``: either
+    would only end at the timeout, minutes later, and then without naming what stopped. The
+    caller goes on to stop the fleet and check what it did, so a failed run still shows its
+    figures."""
     deadline = time.monotonic() + settings.catch_up_timeout_s
     best = missing()
     progressed = time.monotonic()
@@ -247,17 +251,18 @@ def wait_caught_up(missing: Callable[[], int], settings: ChaosSettings,
         now = time.monotonic()
         stalls = watch.stalls() if watch is not None else []
         if stalls:
-            raise AssertionError(f"{what}: {best} left, and shards stalled: "
-                                 + "; ".join(stall.describe() for stall in stalls))
+            return (f"{what}: {best} left, and shards stalled: "
+                    + "; ".join(stall.describe() for stall in stalls))
         stuck = settings.stuck_after_s
         if stuck is not None and now - progressed > stuck:
-            raise AssertionError(f"{what}: stuck at {best} left for {now - progressed:.0f} s")
+            return f"{what}: stuck at {best} left for {now - progressed:.0f} s"
         if now > deadline:
-            raise AssertionError(f"{what}: {best} left after {settings.catch_up_timeout_s:g} s")
+            return f"{what}: {best} left after {settings.catch_up_timeout_s:g} s"
         time.sleep(0.5)
         left = missing()
         if left < best:
             best, progressed = left, time.monotonic()
+    return None
 
 
 def repeats(journal: Iterable[Entry]) -> tuple[int, float]:
@@ -714,8 +719,9 @@ def run_chaos(
         fleet = rig.window(result, ["--processor", "tests.support.ledger:LedgerProcessor"],
                            counter=("kclpy_subscriptions_total", "outcome") if fanout else None)
         say(f"chaos over after {time.monotonic() - started:.0f} s; the fleet catches up")
-        wait_caught_up(ledger.missing_count, settings, rig.watch,
-                       f"every produced record to be processed (logs in {rig.logs})")
+        result.catch_up_failure = wait_caught_up(
+            ledger.missing_count, settings, rig.watch,
+            f"every produced record to be processed (logs in {rig.logs})")
         fleet.wait_up(60)
         rig.settle(result)
         if fanout:
