@@ -143,9 +143,10 @@ def test_exactly_once_with_lag_recovery_under_slow_answers(
     owner finds its shard more than ``max_lag_ms`` behind after every failover and recovers
     the gap beside the live reading. Every record of every gap must be applied exactly once
     (stored state = the stream), and no shard may be left held without a consumer."""
-    settings = ChaosSettings(seed=seed_from_environment(), workers=3, shards=4,
-                             chaos_s=chaos_seconds(40.0), plain_records=6_000,
-                             kpl_records=6_000, max_lag_ms=1_000, answer_hold_rate=0.06,
+    window = chaos_seconds(40.0)
+    settings = ChaosSettings(seed=seed_from_environment(), workers=3, shards=4, chaos_s=window,
+                             plain_records=6_000, kpl_records=6_000, max_lag_ms=1_000,
+                             answer_hold_rate=0.06, answer_hold_bursts=max(3, int(window // 15)),
                              stall_check=True, stuck_after_s=30.0)
     spec, read_state = _store(EXACTLY_ONCE, store, moto_server, tmp_path, request)
     result = _run(settings, EXACTLY_ONCE, spec, read_state, kinesis_mock, moto_server,

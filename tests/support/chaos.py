@@ -838,6 +838,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plain-records", type=int, default=10_000)
     parser.add_argument("--kpl-records", type=int, default=12_000)
     parser.add_argument("--retrieval-mode", choices=(POLLING, FANOUT), default=POLLING)
+    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--shards", type=int, default=6)
+    parser.add_argument("--hold-answers", type=float, default=0.0, metavar="RATE",
+                        help="hold back this share of lease-write answers, in bursts, and "
+                             "watch every worker's /status for stalled shards")
+    parser.add_argument("--hold-bursts", type=int, default=3)
+    parser.add_argument("--hold-burst-seconds", type=float, default=25.0)
+    parser.add_argument("--no-disruptions", action="store_true",
+                        help="no kills, freezes or restarts (the split stays)")
     args = parser.parse_args(argv)
     for name, value in (
         ("AWS_ACCESS_KEY_ID", "testing"),
@@ -851,14 +860,24 @@ def main(argv: list[str] | None = None) -> int:
         plain_records=args.plain_records,
         kpl_records=args.kpl_records,
         retrieval_mode=args.retrieval_mode,
+        workers=args.workers,
+        shards=args.shards,
+        answer_hold_rate=args.hold_answers,
+        answer_hold_bursts=args.hold_bursts,
+        answer_hold_burst_s=args.hold_burst_seconds,
+        stall_check=args.hold_answers > 0,
+        stuck_after_s=60.0 if args.hold_answers > 0 else None,
+        disruption_kinds=() if args.no_disruptions else (KILL, STOP, TERM),
     )
     with _local_endpoints() as (kinesis_url, dynamodb_url):
         workdir = Path(tempfile.mkdtemp(prefix="kclpy-chaos-"))
         result = run_chaos(kinesis_url, dynamodb_url, workdir, settings)
     print("\n".join(result.figure_lines()))
+    if result.catch_up_failure is not None:
+        print(result.catch_up_failure)
     if not result.report.ok:
         print(result.report.describe_violations())
-    return 0 if result.report.ok else 1
+    return 0 if result.report.ok and not result.stalls and not result.catch_up_failure else 1
 
 
 if __name__ == "__main__":

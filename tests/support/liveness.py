@@ -171,10 +171,11 @@ class StallWatch:
         for target in targets:
             status = _get_json(target.port, "/status")
             if status is not None:
-                self._observe(target, status, time.monotonic())
+                self.observe(target, status, time.monotonic())
         self.polls += 1
 
-    def _observe(self, target: Watched, status: dict[str, Any], now: float) -> None:
+    def observe(self, target: Watched, status: dict[str, Any], now: float) -> None:
+        """Take in one /status answer of ``target``, read at ``now`` (monotonic seconds)."""
         shards: dict[str, Any] = status.get("shards", {})
         idle: dict[str, str | None] = {}
         for shard in status.get("held_leases", []):
