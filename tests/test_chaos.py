@@ -275,6 +275,15 @@ def test_a_shard_held_without_a_running_consumer_past_the_failover_time_is_a_sta
         "the child had its consumer replaced in time and lost it at 16.5 s only")
 
 
+def test_a_finished_shard_is_never_a_stall() -> None:
+    """Its consumer is over and its lease is on its way out (a release may be slow)."""
+    watch = StallWatch(list, failover_s=3.0, finished=lambda: {PARENT})
+    a = Watched("a", free_port())
+    watch.observe(a, _status([PARENT, CHILD], {PARENT: "DONE", CHILD: "DONE"}), 0.0)
+    watch.observe(a, _status([PARENT, CHILD], {CHILD: "DONE"}), 5.0)
+    assert [(s.shard, s.state) for s in watch.stalls()] == [(CHILD, "DONE")]
+
+
 def test_a_frozen_worker_is_forgotten_and_watched_afresh() -> None:
     frozen: list[Watched] = []
     watch = StallWatch(lambda: frozen, failover_s=3.0)

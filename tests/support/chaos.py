@@ -72,6 +72,7 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 SEED_ENV = "KCLPY_CHAOS_SEED"
+SHARD_END = "SHARD_END"
 #: a longer chaos window for the runs that read it (a soak), in seconds
 SECONDS_ENV = "KCLPY_CHAOS_SECONDS"
 
@@ -664,7 +665,11 @@ class ChaosRig:
         for slot in fleet.slots:
             fleet.spawn(slot)
         if settings.stall_check:
-            self.watch = StallWatch(fleet.watched, settings.failover_s).start()
+            sampler = self.sampler
+            self.watch = StallWatch(
+                fleet.watched, settings.failover_s,
+                lambda: {s.shard for s in sampler.samples() if s.checkpoint == SHARD_END},
+            ).start()
             self.stack.callback(self.watch.stop)
         if settings.answer_hold_rate:
             low, high = settings.answer_hold_failovers

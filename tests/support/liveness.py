@@ -13,7 +13,8 @@ several times. :class:`StallWatch` reads ``/status`` of every running worker abo
 second; a shard that a worker lists in ``held_leases`` with no consumer, or with its
 consumer ``DONE``, for longer than the failover time is a stall. Either passes within one
 reconcile pass in a healthy worker (a shard that ended is released, a consumer that ended
-otherwise is replaced or its lease let go).
+otherwise is replaced or its lease let go). A shard whose lease checkpoint is ``SHARD_END``
+needs no consumer any more and is never a stall, however long its release takes.
 """
 
 from __future__ import annotations
@@ -133,9 +134,12 @@ class StallWatch:
     does not answer (starting, frozen, killed) is skipped, and what was seen of it is kept
     until it answers again, unless it left ``targets()`` (frozen or gone)."""
 
-    def __init__(self, targets: Callable[[], list[Watched]], failover_s: float) -> None:
+    def __init__(self, targets: Callable[[], list[Watched]], failover_s: float,
+                 finished: Callable[[], set[str]] = set) -> None:
         self._targets = targets
         self._failover_s = failover_s
+        #: the shards whose lease checkpoint is SHARD_END (read from the lease table)
+        self._finished = finished
         self._lock = threading.Lock()
         #: (worker, shard) -> (first seen held without a running consumer, its state)
         self._since: dict[tuple[str, str], tuple[float, str | None]] = {}
@@ -178,7 +182,10 @@ class StallWatch:
         """Take in one /status answer of ``target``, read at ``now`` (monotonic seconds)."""
         shards: dict[str, Any] = status.get("shards", {})
         idle: dict[str, str | None] = {}
+        finished = self._finished()
         for shard in status.get("held_leases", []):
+            if shard in finished:
+                continue
             state = shards.get(shard, {}).get("state")
             if state is None or state == DONE:
                 idle[shard] = state
