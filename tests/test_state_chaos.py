@@ -108,6 +108,7 @@ def test_state_under_chaos_is_exact_and_the_plain_processor_is_not(
                              failover_ms=3000, checkpoint_every_batches=2)
     spec, read_state = _store(mode, store, moto_server, tmp_path, request)
     result = _run(settings, mode, spec, read_state, kinesis_mock, moto_server, tmp_path, capsys)
+    assert result.catch_up_failure is None, result.catch_up_failure
     assert result.produced >= 20_000
     assert all(result.disruptions[kind] >= 1 for kind in (KILL, STOP, TERM)), result.disruptions
     assert result.split is not None and len(result.split[1]) == 2

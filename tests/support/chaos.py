@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kclpy.leases.lease import SHARD_END
 from kclpy.local import free_port
 from kclpy.retrieval.registration import list_consumers
 from tests.support.audit import AuditReport, LeaseSampler, audit
@@ -72,7 +73,6 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 SEED_ENV = "KCLPY_CHAOS_SEED"
-SHARD_END = "SHARD_END"
 #: a longer chaos window for the runs that read it (a soak), in seconds
 SECONDS_ENV = "KCLPY_CHAOS_SECONDS"
 
