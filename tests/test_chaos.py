@@ -6,6 +6,7 @@ run it passes means something: an audit that cannot fail would pass any run.
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import boto3
@@ -15,16 +16,14 @@ from moto import mock_aws
 from kclpy.leases.coordinator import LeaseCoordinator
 from kclpy.leases.lease import Lease
 from kclpy.leases.table import LeaseTable
-from kclpy.local import LocalEndpoint
+from kclpy.local import LocalEndpoint, free_port
 from tests.support.audit import AuditReport, audit
 from tests.support.chaos import (
     FANOUT,
-    KILL,
-    STOP,
     SUBSCRIPTION_FAULTS,
-    TERM,
     ChaosResult,
     ChaosSettings,
+    chaos_seconds,
     repeats,
     run_chaos,
     seed_from_environment,
@@ -40,6 +39,7 @@ from tests.support.ledger import (
     LeaseSample,
     Produced,
 )
+from tests.support.liveness import Burst, Stall, StallWatch, Watched, plan_bursts
 
 PARENT = "shardId-000000000000"
 CHILD = "shardId-000000000001"
@@ -250,6 +250,63 @@ def test_the_duplicate_window_is_the_largest_repeat_by_one_processor() -> None:
     assert repeats(Run().journal) == (0, 0.0)
 
 
+def _status(held: list[str], states: dict[str, str]) -> dict[str, object]:
+    return {"held_leases": held, "shards": {shard: {"state": state}
+                                            for shard, state in states.items()}}
+
+
+def test_a_shard_held_without_a_running_consumer_past_the_failover_time_is_a_stall() -> None:
+    """The watch judges /status answers as a run reads them; no worker answers /healthz
+    here, so it is reported as None."""
+    watch = StallWatch(list, failover_s=3.0)
+    a, b = Watched("a", free_port()), Watched("b", free_port())
+    watch.observe(a, _status([PARENT, CHILD], {PARENT: "DONE", CHILD: "PROCESSING"}), 10.0)
+    watch.observe(b, _status([CHILD], {}), 10.0)  # taken, its consumer not started yet
+    watch.observe(a, _status([PARENT, CHILD], {PARENT: "DONE", CHILD: "DONE"}), 12.0)
+    watch.observe(b, _status([CHILD], {CHILD: "INITIALIZING"}), 12.0)
+    assert watch.stalls() == [], "nothing lasted longer than the failover time yet"
+
+    watch.observe(a, _status([PARENT, CHILD], {PARENT: "DONE", CHILD: "PROCESSING"}), 13.5)
+    assert watch.stalls() == [Stall("a", PARENT, "DONE", 3.5, None)]
+    watch.observe(a, _status([CHILD], {CHILD: "PROCESSING"}), 16.0)  # released at last
+    watch.observe(a, _status([CHILD], {}), 16.5)
+    watch.observe(a, _status([CHILD], {}), 19.0)
+    assert [(s.shard, s.state, s.span_s) for s in watch.stalls()] == [(PARENT, "DONE", 3.5)], (
+        "the child had its consumer replaced in time and lost it at 16.5 s only")
+
+
+def test_a_finished_shard_is_never_a_stall() -> None:
+    """Its consumer is over and its lease is on its way out (a release may be slow)."""
+    watch = StallWatch(list, failover_s=3.0, finished=lambda: {PARENT})
+    a = Watched("a", free_port())
+    watch.observe(a, _status([PARENT, CHILD], {PARENT: "DONE", CHILD: "DONE"}), 0.0)
+    watch.observe(a, _status([PARENT, CHILD], {CHILD: "DONE"}), 5.0)
+    assert [(s.shard, s.state) for s in watch.stalls()] == [(CHILD, "DONE")]
+
+
+def test_a_frozen_worker_is_forgotten_and_watched_afresh() -> None:
+    frozen: list[Watched] = []
+    watch = StallWatch(lambda: frozen, failover_s=3.0)
+    a = Watched("a", free_port())
+    watch.observe(a, _status([PARENT], {PARENT: "DONE"}), 0.0)
+    watch.poll_once()  # a is not among the workers to read: frozen, or gone
+    watch.observe(a, _status([PARENT], {PARENT: "DONE"}), 5.0)
+    assert watch.stalls() == []
+    watch.observe(a, _status([PARENT], {PARENT: "DONE"}), 8.5)
+    assert [s.span_s for s in watch.stalls()] == [3.5]
+
+
+def test_bursts_of_held_answers_fall_one_in_each_slice_of_the_window() -> None:
+    bursts = plan_bursts(random.Random(1), window_s=45.0, count=3, length_s=10.0)
+    assert len(bursts) == 3
+    for n, burst in enumerate(bursts):
+        assert 15.0 * n <= burst.start_s and burst.end_s <= 15.0 * (n + 1)
+        assert burst.end_s - burst.start_s == pytest.approx(10.0)
+    assert plan_bursts(random.Random(1), 45.0, 3, 10.0) == bursts
+    assert plan_bursts(random.Random(1), 10.0, 2, 10.0) == [Burst(0.0, 5.0), Burst(5.0, 10.0)]
+    assert plan_bursts(random.Random(1), 10.0, 0, 10.0) == []
+
+
 def _chaos(
     settings: ChaosSettings, kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint,
     tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -262,9 +319,11 @@ def _chaos(
 
     result = run_chaos(kinesis_mock.url, moto_server.url, tmp_path, settings, say)
     say("\n".join(result.figure_lines()))
+    assert result.catch_up_failure is None, result.catch_up_failure
     assert result.report.ok, result.report.describe_violations()
     assert result.report.produced == settings.plain_records + settings.kpl_records
-    assert all(result.disruptions[kind] >= 1 for kind in (KILL, STOP, TERM)), result.disruptions
+    assert all(result.disruptions[kind] >= 1 for kind in settings.disruption_kinds), (
+        result.disruptions)
     assert result.split is not None and len(result.split[1]) == 2
     assert result.sigterm_exit_codes and set(result.sigterm_exit_codes) == {0}, (
         f"graceful shutdowns failed: {result.sigterm_exit_codes} (logs in {result.logs})"
@@ -308,6 +367,30 @@ def test_fanout_chaos_run_loses_nothing(
     assert all(outcomes[o] > 0 for o in ("renewed", "failed_connection", "failed_in_use")), (
         f"the workers did not see the drops: {outcomes}")
     assert len(result.consumers) == 1, f"one consumer for the fleet: {result.consumers}"
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_chaos_with_slow_lease_answers_stalls_no_shard(
+    kinesis_mock: LocalEndpoint,
+    moto_server: LocalEndpoint,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Lease renewals and checkpoints whose answers come 0.5-1.1 failover times after the
+    write landed, in three bursts, on top of the kills, freezes, restarts and split: a worker
+    may drop such a lease and see it come back, but every shard must be consumed again, and
+    no worker may hold one with no running consumer for longer than the failover time (its
+    /status is watched throughout)."""
+    window = chaos_seconds(45.0)
+    settings = ChaosSettings(seed=seed_from_environment(), workers=2, shards=8, chaos_s=window,
+                             plain_records=4_000, kpl_records=4_000, answer_hold_rate=0.1,
+                             answer_hold_bursts=max(3, int(window // 15)), stall_check=True,
+                             stuck_after_s=30.0, disruption_kinds=())
+    result = _chaos(settings, kinesis_mock, moto_server, tmp_path, capsys)
+    assert result.holds["UpdateItem"] > 0, result.holds
+    assert result.stalls == [], [stall.describe() for stall in result.stalls]
 
 
 # -- found by the chaos run --------------------------------------------------------------------

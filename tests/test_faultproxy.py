@@ -454,6 +454,63 @@ def test_stream_cuts_and_refusals_follow_the_seed(upstream: Upstream) -> None:
     assert {e.split(" after ")[0] for e in expected} == {"in_use", "cut", "end", "whole"}
 
 
+def test_a_held_answer_comes_after_the_request_reached_upstream(
+    proxy: FaultProxy, upstream: Upstream
+) -> None:
+    proxy.hold_answers("UpdateItem", 1.0, (0.4, 0.4))
+    answers: list[bytes] = []
+    sender = threading.Thread(target=lambda: answers.append(
+        _post(_connect(proxy), "UpdateItem", b'{"k": 1}', service="DynamoDB_20120810").read()))
+    sender.start()
+
+    wait_for(lambda: proxy.holding() == 1, 10, "the answer to be held")
+    assert [seen.body for seen in upstream.seen] == [b'{"k": 1}'], "the write landed"
+    assert not answers, "while its answer is still held back"
+    sender.join(10)
+    assert answers == [b'{"echo":"{\\"k\\": 1}"}'], "the answer upstream gave, late"
+    assert proxy.holding() == 0
+    assert proxy.holds("UpdateItem") == [0.4] and proxy.faults("hold_answer") == 1
+
+
+def test_held_answers_follow_the_seed_after_the_rules_own_draw(upstream: Upstream) -> None:
+    plan = random.Random(7)
+    expected: list[float | str] = []
+    for _ in range(40):
+        if plan.random() < 0.25:
+            expected.append("throttle")
+        elif plan.random() < 0.5:
+            expected.append(plan.uniform(0.0, 0.01))
+
+    with FaultProxy(upstream.url, seed=7) as proxy:
+        proxy.set_rule("UpdateItem", throttle_rate=0.25)
+        proxy.hold_answers("*", 0.5, (0.0, 0.01))
+        connection = _connect(proxy)
+        statuses = []
+        for _ in range(40):
+            response = _post(connection, "UpdateItem", service="DynamoDB_20120810")
+            response.read()
+            statuses.append(response.status)
+        assert proxy.holds() == [e for e in expected if not isinstance(e, str)]
+        assert proxy.holds("TransactWriteItems") == []
+        assert statuses.count(400) == expected.count("throttle") == proxy.faults("throttle")
+        assert len(upstream.seen) == 40 - expected.count("throttle"), "held answers forwarded"
+
+        proxy.hold_answers("*", 0.0)
+        proxy.clear()
+        held = proxy.faults("hold_answer", "UpdateItem")
+        assert _post(connection, "UpdateItem", service="DynamoDB_20120810").read()
+        assert proxy.faults("hold_answer") == held > 0, "rate 0 holds nothing more"
+
+
+def test_rejects_impossible_holds(proxy: FaultProxy) -> None:
+    with pytest.raises(ValueError, match="hold rate"):
+        proxy.hold_answers("UpdateItem", 1.5, (0.1, 0.2))
+    with pytest.raises(ValueError, match="hold_s"):
+        proxy.hold_answers("UpdateItem", 0.1, (0.3, 0.2))
+    with pytest.raises(ValueError, match="hold_s"):
+        proxy.hold_answers("UpdateItem", 0.1, (-0.1, 0.2))
+
+
 def test_dynamodb_errors_carry_the_dynamodb_type_prefix_and_checksum(proxy: FaultProxy) -> None:
     proxy.once("UpdateItem", "throttle")
     response = _post(_connect(proxy), "UpdateItem", service="DynamoDB_20120810")
@@ -657,6 +714,25 @@ def test_respond_hook_answers_from_the_request_body(kinesis_proxy: FaultProxy) -
     assert expired == [iterator]
     assert [r["Data"] for r in client.get_records(ShardIterator=iterator)["Records"]] == [b"a"]
     assert kinesis_proxy.faults("respond") == 1
+
+
+@pytest.mark.integration
+def test_a_held_update_lands_and_botocore_learns_of_it_late(dynamodb_proxy: FaultProxy) -> None:
+    """A client whose deadline is shorter than the hold gives up on a write that landed."""
+    table = _table(dynamodb_proxy)
+    dynamodb_proxy.hold_answers("UpdateItem", 1.0, (2.0, 2.0))
+    impatient = Config(read_timeout=0.5, retries={"total_max_attempts": 1, "mode": "standard"})
+    key = {"k": {"S": "late"}}
+
+    with pytest.raises(ReadTimeoutError):
+        dynamodb_client(dynamodb_proxy.url, impatient).update_item(
+            TableName=table, Key=key, UpdateExpression="SET v = :v",
+            ExpressionAttributeValues={":v": {"N": "1"}})
+    dynamodb_proxy.hold_answers("UpdateItem", 0.0)
+    client = dynamodb_client(dynamodb_proxy.url)
+    wait_for(lambda: client.get_item(TableName=table, Key=key, ConsistentRead=True)
+             .get("Item", {}).get("v") == {"N": "1"}, 10, "the update to have landed")
+    assert dynamodb_proxy.holds() == [2.0]
 
 
 def _read_when_free(

@@ -13,9 +13,71 @@ import pytest
 import sqlalchemy as sa
 
 from kclpy.local import LocalEndpoint
-from tests.support.chaos import KILL, STOP, TERM, ChaosSettings, seed_from_environment
-from tests.support.state_chaos import EXACTLY_ONCE, PLAIN, plain_table, run_state_chaos
+from tests.support.chaos import (
+    KILL,
+    STOP,
+    TERM,
+    ChaosSettings,
+    chaos_seconds,
+    seed_from_environment,
+)
+from tests.support.state_chaos import (
+    EXACTLY_ONCE,
+    PLAIN,
+    StateChaosResult,
+    plain_table,
+    run_state_chaos,
+)
 from tests.support.streams import dynamodb_client, unique_name
+
+
+def _store(mode: str, store: str, moto_server: LocalEndpoint, tmp_path: Path,
+           request: pytest.FixtureRequest) -> tuple[str, Callable[[], dict[str, int]]]:
+    """A fresh store of kind ``store`` (dynamodb, postgresql, sqlite) for ``mode``'s
+    processor: its spec, and how to read what it holds."""
+    if store == "dynamodb":
+        spec = unique_name("eo-state")
+        dynamodb = dynamodb_client(moto_server.url)
+
+        def read_items() -> dict[str, int]:
+            try:
+                items = dynamodb.scan(TableName=spec, ConsistentRead=True)["Items"]
+            except dynamodb.exceptions.ResourceNotFoundException:
+                return {}
+            return {i["stateKey"]["S"]: json.loads(i["stateValue"]["S"]) for i in items}
+
+        return spec, read_items
+    if store == "sqlite":
+        spec = f"sqlite:///{tmp_path / 'state.db'}"
+    else:
+        spec = fresh_database(request.getfixturevalue("postgres_url"))
+    engine = sa.create_engine(spec)
+    table = (plain_table(sa.MetaData()) if mode == PLAIN
+             else sa.Table("kclpy_state", sa.MetaData(), sa.Column("state_key"),
+                           sa.Column("state_value")))
+
+    def read_rows() -> dict[str, int]:
+        with engine.connect() as conn:
+            if not sa.inspect(conn).has_table(table.name):
+                return {}
+            rows = conn.execute(sa.select(*table.c)).all()
+        return {key: int(value) if mode == PLAIN else json.loads(value) for key, value in rows}
+
+    return spec, read_rows
+
+
+def _run(settings: ChaosSettings, mode: str, spec: str,
+         read_state: Callable[[], dict[str, int]], kinesis_mock: LocalEndpoint,
+         moto_server: LocalEndpoint, tmp_path: Path,
+         capsys: pytest.CaptureFixture[str]) -> StateChaosResult:
+    def say(line: str) -> None:
+        with capsys.disabled():
+            print(line, flush=True)
+
+    result = run_state_chaos(kinesis_mock.url, moto_server.url, tmp_path, settings,
+                             mode=mode, store=spec, read_state=read_state, say=say)
+    say("\n".join(result.figure_lines()))
+    return result
 
 
 def fresh_database(postgres_url: str) -> str:
@@ -44,39 +106,9 @@ def test_state_under_chaos_is_exact_and_the_plain_processor_is_not(
 ) -> None:
     settings = ChaosSettings(seed=seed_from_environment(), chaos_s=45.0,
                              failover_ms=3000, checkpoint_every_batches=2)
-    read_state: Callable[[], dict[str, int]]
-    if store == "dynamodb":
-        spec = unique_name("eo-state")
-        dynamodb = dynamodb_client(moto_server.url)
-
-        def read_state() -> dict[str, int]:
-            try:
-                items = dynamodb.scan(TableName=spec, ConsistentRead=True)["Items"]
-            except dynamodb.exceptions.ResourceNotFoundException:
-                return {}
-            return {i["stateKey"]["S"]: json.loads(i["stateValue"]["S"]) for i in items}
-    else:
-        spec = fresh_database(request.getfixturevalue("postgres_url"))
-        engine = sa.create_engine(spec)
-        table = (plain_table(sa.MetaData()) if mode == PLAIN
-                 else sa.Table("kclpy_state", sa.MetaData(), sa.Column("state_key"),
-                               sa.Column("state_value")))
-
-        def read_state() -> dict[str, int]:
-            with engine.connect() as conn:
-                if not sa.inspect(conn).has_table(table.name):
-                    return {}
-                rows = conn.execute(sa.select(*table.c)).all()
-            return {key: int(value) if mode == PLAIN else json.loads(value)
-                    for key, value in rows}
-
-    def say(line: str) -> None:
-        with capsys.disabled():
-            print(line, flush=True)
-
-    result = run_state_chaos(kinesis_mock.url, moto_server.url, tmp_path, settings,
-                             mode=mode, store=spec, read_state=read_state, say=say)
-    say("\n".join(result.figure_lines()))
+    spec, read_state = _store(mode, store, moto_server, tmp_path, request)
+    result = _run(settings, mode, spec, read_state, kinesis_mock, moto_server, tmp_path, capsys)
+    assert result.catch_up_failure is None, result.catch_up_failure
     assert result.produced >= 20_000
     assert all(result.disruptions[kind] >= 1 for kind in (KILL, STOP, TERM)), result.disruptions
     assert result.split is not None and len(result.split[1]) == 2
@@ -93,3 +125,38 @@ def test_state_under_chaos_is_exact_and_the_plain_processor_is_not(
         assert result.counted >= result.produced, "a record was lost"
         assert all(stored >= want for want, stored in result.wrong_keys.values()
                    if want is not None and stored is not None)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("store", ["dynamodb", "postgresql", "sqlite"])
+def test_exactly_once_with_lag_recovery_under_slow_answers(
+    store: str,
+    kinesis_mock: LocalEndpoint,
+    moto_server: LocalEndpoint,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    request: pytest.FixtureRequest,
+) -> None:
+    """Exactly-once state and lag recovery together, under kills, freezes past the failover
+    time, restarts and a split, while commits and lease writes are slow to answer: a new
+    owner finds its shard more than ``max_lag_ms`` behind after every failover and recovers
+    the gap beside the live reading. Every record of every gap must be applied exactly once
+    (stored state = the stream), and no shard may be left held without a consumer."""
+    window = chaos_seconds(40.0)
+    settings = ChaosSettings(seed=seed_from_environment(), workers=3, shards=4, chaos_s=window,
+                             plain_records=6_000, kpl_records=6_000, max_lag_ms=1_000,
+                             answer_hold_rate=0.06, answer_hold_bursts=max(3, int(window // 15)),
+                             stall_check=True, stuck_after_s=30.0)
+    spec, read_state = _store(EXACTLY_ONCE, store, moto_server, tmp_path, request)
+    result = _run(settings, EXACTLY_ONCE, spec, read_state, kinesis_mock, moto_server,
+                  tmp_path, capsys)
+    assert sum(result.recovery_records.values()) > 0, "no gap was recovered"
+    assert result.catch_up_failure is None, result.catch_up_failure
+    assert result.wrong_keys == {}, f"logs in {result.logs}"
+    assert result.counted == result.produced
+    assert result.stalls == [], [stall.describe() for stall in result.stalls]
+    assert sum(result.holds.values()) > 0, result.holds
+    assert set(result.sigterm_exit_codes) == {0}, f"logs in {result.logs}"
+    assert not result.checkpoint_regressions, result.checkpoint_regressions

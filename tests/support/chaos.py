@@ -9,11 +9,18 @@ runs longer chaos against emulators it starts itself.
 The fleet reads by polling (GetRecords, throttled by the proxy) or by enhanced fan-out
 (``retrieval_mode="fanout"``: one registered consumer for the application, SubscribeToShard
 through the same proxy, which refuses subscriptions and cuts or ends them part way).
+
+With ``answer_hold_rate`` the DynamoDB proxy also holds back the answers of lease writes in
+bursts (the write lands, its answer comes 0.5-1.1 failover times later), and with
+``stall_check`` every worker's ``/status`` is watched for shards held with no running
+consumer (``tests.support.liveness``); ``KCLPY_CHAOS_SECONDS`` lengthens the chaos window
+of the runs that honour it (``chaos_seconds``), for a soak.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import signal
@@ -32,6 +39,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kclpy.leases.lease import SHARD_END
 from kclpy.local import free_port
 from kclpy.retrieval.registration import list_consumers
 from tests.support.audit import AuditReport, LeaseSampler, audit
@@ -47,6 +55,7 @@ from tests.support.ledger import (
     Ledger,
     Produced,
 )
+from tests.support.liveness import POLL_S, HoldBursts, Stall, StallWatch, Watched, plan_bursts
 from tests.support.streams import (
     create_stream,
     dynamodb_client,
@@ -64,6 +73,8 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 SEED_ENV = "KCLPY_CHAOS_SEED"
+#: a longer chaos window for the runs that read it (a soak), in seconds
+SECONDS_ENV = "KCLPY_CHAOS_SECONDS"
 
 KILL = "kill -9"
 STOP = "SIGSTOP/SIGCONT"
@@ -83,6 +94,12 @@ def seed_from_environment() -> int:
     """``$KCLPY_CHAOS_SEED`` to replay a run, else a fresh one."""
     configured = os.environ.get(SEED_ENV)
     return int(configured) if configured else random.SystemRandom().randrange(2**32)
+
+
+def chaos_seconds(default: float) -> float:
+    """``$KCLPY_CHAOS_SECONDS`` for a soak, else ``default`` (what CI can afford)."""
+    configured = os.environ.get(SECONDS_ENV)
+    return float(configured) if configured else default
 
 
 @dataclass(frozen=True)
@@ -116,6 +133,25 @@ class ChaosSettings:
     #: many seconds, whichever is first; kinesis-mock sends an event a second
     subscription_cut_events: tuple[int, int] = (1, 5)
     subscription_cut_s: tuple[float, float] = (0.5, 6.0)
+    #: the disruptions that come round in the chaos window; empty: none (the split stays)
+    disruption_kinds: tuple[str, ...] = (KILL, STOP, TERM)
+    #: held answers: during each burst this share of the DynamoDB answers of
+    #: ``answer_hold_operations`` is held back, each for a time drawn from
+    #: ``answer_hold_failovers`` times the failover time, after the write landed
+    answer_hold_rate: float = 0.0
+    answer_hold_failovers: tuple[float, float] = (0.5, 1.1)
+    answer_hold_operations: tuple[str, ...] = ("UpdateItem", "TransactWriteItems")
+    #: held answers come in this many bursts of this length, spread over the chaos window
+    answer_hold_bursts: int = 3
+    answer_hold_burst_s: float = 10.0
+    #: watch every worker's /status: a shard held with no running consumer for longer than
+    #: the failover time fails the run
+    stall_check: bool = False
+    #: while the fleet catches up, fail when it made no progress for this long (None: wait
+    #: for ``catch_up_timeout_s``)
+    stuck_after_s: float | None = None
+    #: lag recovery (``--max-lag-ms``) on every worker; None: off
+    max_lag_ms: int | None = None
 
     @property
     def failover_s(self) -> float:
@@ -147,6 +183,12 @@ class ChaosResult:
     #: span of the previous owners' processing those repeats redid
     largest_repeat: int = 0
     largest_repeat_s: float = 0.0
+    #: held DynamoDB answers (by operation) and the stalls the /status watch found
+    holds: Counter[str] = field(default_factory=Counter)
+    longest_hold_s: float = 0.0
+    stalls: list[Stall] = field(default_factory=list)
+    #: why the fleet did not catch up after the chaos (None: it did)
+    catch_up_failure: str | None = None
 
     def figure_lines(self) -> list[str]:
         s = self.settings
@@ -174,7 +216,54 @@ class ChaosResult:
             ]
         lines.append(f"largest repeat after a failover: {self.largest_repeat} records, "
                      f"redoing {self.largest_repeat_s:.1f} s of the previous owners' processing")
+        lines += liveness_lines(s, self.holds, self.longest_hold_s, self.stalls)
         return [*lines, *self.report.figure_lines()]
+
+
+def liveness_lines(settings: ChaosSettings, holds: Counter[str], longest_hold_s: float,
+                   stalls: list[Stall]) -> list[str]:
+    """The held answers and the stalls of a run, when it held answers or watched for stalls."""
+    lines = []
+    if settings.answer_hold_rate:
+        low, high = settings.answer_hold_failovers
+        by_operation = ", ".join(f"{op} {n}" for op, n in sorted(holds.items()))
+        lines.append(
+            f"held answers: {sum(holds.values())} ({by_operation or 'none'}), "
+            f"{settings.answer_hold_rate:.0%} in {settings.answer_hold_bursts} bursts of "
+            f"{settings.answer_hold_burst_s:g} s, {low:g}-{high:g} x failover, longest "
+            f"{longest_hold_s:.1f} s")
+    if settings.stall_check:
+        lines.append(f"stalled shards: {len(stalls)}")
+        lines += [f"  {stall.describe()}" for stall in stalls]
+    return lines
+
+
+def wait_caught_up(missing: Callable[[], int], settings: ChaosSettings,
+                   watch: StallWatch | None, what: str) -> str | None:
+    """Wait until ``missing()`` is 0; else say why not. Give up at once when the watch found
+    a stalled shard, or when nothing was caught up for ``settings.stuck_after_s``: either
+    would only end at the timeout, minutes later, and then without naming what stopped. The
+    caller goes on to stop the fleet and check what it did, so a failed run still shows its
+    figures."""
+    deadline = time.monotonic() + settings.catch_up_timeout_s
+    best = missing()
+    progressed = time.monotonic()
+    while best:
+        now = time.monotonic()
+        stalls = watch.stalls() if watch is not None else []
+        if stalls:
+            return (f"{what}: {best} left, and shards stalled: "
+                    + "; ".join(stall.describe() for stall in stalls))
+        stuck = settings.stuck_after_s
+        if stuck is not None and now - progressed > stuck:
+            return f"{what}: stuck at {best} left for {now - progressed:.0f} s"
+        if now > deadline:
+            return f"{what}: {best} left after {settings.catch_up_timeout_s:g} s"
+        time.sleep(0.5)
+        left = missing()
+        if left < best:
+            best, progressed = left, time.monotonic()
+    return None
 
 
 def repeats(journal: Iterable[Entry]) -> tuple[int, float]:
@@ -193,6 +282,14 @@ def repeats(journal: Iterable[Entry]) -> tuple[int, float]:
         return 0, 0.0
     largest = max(redone.values(), key=len)
     return len(largest), max(largest) - min(largest)
+
+
+class Liveness(Protocol):
+    """Where a run notes the answers held back and the stalls found."""
+
+    holds: Counter[str]
+    longest_hold_s: float
+    stalls: list[Stall]
 
 
 class Tally(Protocol):
@@ -222,6 +319,7 @@ class _Fleet:
     def __init__(
         self, settings: ChaosSettings, args: Callable[[str], list[str]], ledger: Path, logs: Path,
         env: dict[str, str] | None = None, counter: tuple[str, str] | None = None,
+        ops: bool = False,
     ) -> None:  # fmt: skip
         self._settings = settings
         self._args = args
@@ -231,6 +329,8 @@ class _Fleet:
         #: (name, label): a counter every process serves on /metrics, read into
         #: ``harvested`` before the process is killed or sent SIGTERM
         self._counter = counter
+        #: every process serves /metrics, /status and /healthz, even without a counter
+        self._ops = ops
         self.harvested: Counter[str] = Counter()
         self.slots = [_Slot(i) for i in range(settings.workers)]
 
@@ -246,7 +346,7 @@ class _Fleet:
         }
         args = self._args(slot.worker_id)
         slot.metrics_port = None
-        if self._counter is not None:
+        if self._counter is not None or self._ops:
             slot.metrics_port = free_port()
             args += ["--metrics-port", str(slot.metrics_port), "--metrics-host", "127.0.0.1"]
         with (self._logs / f"{slot.worker_id}.log").open("wb") as log:
@@ -331,6 +431,11 @@ class _Fleet:
             for sample in family.samples:
                 if sample.name == name and label in sample.labels:
                     self.harvested[sample.labels[label]] += int(sample.value)
+
+    def watched(self) -> list[Watched]:
+        """The running workers' /status ports, for a StallWatch."""
+        return [Watched(slot.worker_id, slot.metrics_port) for slot in self.running()
+                if slot.metrics_port is not None]
 
     def kill_all(self) -> None:
         """Last-resort cleanup: no worker outlives the run, frozen or not."""
@@ -470,6 +575,8 @@ def worker_args(
     """One chaos worker's ``kclpy-worker`` command line after ``-m kclpy``."""
     retrieval = ([] if settings.retrieval_mode == POLLING
                  else ["--retrieval-mode", settings.retrieval_mode])
+    if settings.max_lag_ms is not None:
+        retrieval += ["--max-lag-ms", str(settings.max_lag_ms)]
     return [*retrieval,
         "--stream-name", stream,
         "--application-name", application,
@@ -530,6 +637,8 @@ class ChaosRig:
         self.dynamodb_proxy.set_rule("*", error_5xx_rate=settings.dynamodb_5xx_rate)
         self.sampler = LeaseSampler(dynamodb_client(dynamodb_url), self.application).start()
         stack.callback(self.sampler.stop)
+        self.watch: StallWatch | None = None
+        self.bursts: HoldBursts | None = None
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -550,10 +659,26 @@ class ChaosRig:
                                self.kinesis_proxy.url, self.dynamodb_proxy.url, worker_id,
                                processor_args)
 
-        fleet = _Fleet(settings, args, self.workdir / "ledger.db", self.logs, env, counter)
+        fleet = _Fleet(settings, args, self.workdir / "ledger.db", self.logs, env, counter,
+                       ops=settings.stall_check)
         self.stack.callback(fleet.kill_all)
         for slot in fleet.slots:
             fleet.spawn(slot)
+        if settings.stall_check:
+            sampler = self.sampler
+            self.watch = StallWatch(
+                fleet.watched, settings.failover_s,
+                lambda: {s.shard for s in sampler.samples() if s.checkpoint == SHARD_END},
+            ).start()
+            self.stack.callback(self.watch.stop)
+        if settings.answer_hold_rate:
+            low, high = settings.answer_hold_failovers
+            plan = plan_bursts(random.Random(f"{settings.seed}-holds"), settings.chaos_s,
+                               settings.answer_hold_bursts, settings.answer_hold_burst_s)
+            self.bursts = HoldBursts(
+                self.dynamodb_proxy, settings.answer_hold_operations, settings.answer_hold_rate,
+                (low * settings.failover_s, high * settings.failover_s), plan, self.say).start()
+            self.stack.callback(self.bursts.stop)
         producer = _Producer(self.kinesis, self.stream, self.ledger, settings,
                              settings.chaos_s * 0.8)
         self.stack.callback(producer.stop)
@@ -563,7 +688,24 @@ class ChaosRig:
         for slot in fleet.slots:
             fleet.revive(slot)
         producer.join(settings.catch_up_timeout_s)
+        if self.bursts is not None:
+            self.bursts.stop()
         return fleet
+
+    def settle(self, result: Liveness) -> None:
+        """After the catch-up: watch one more failover time and a bit, so a shard that
+        stalled at the very end is found too, then note the holds and the stalls."""
+        settings = self.settings
+        if self.watch is not None:
+            watch = self.watch
+            due = watch.polls + math.ceil((settings.failover_s + 1.0) / POLL_S) + 1
+            wait_for(lambda: watch.polls >= due, settings.catch_up_timeout_s,
+                     "the stall watch to look for one more failover time")
+            result.stalls = watch.stop()
+        held = self.dynamodb_proxy.holds()
+        result.holds = Counter({op: len(self.dynamodb_proxy.holds(op))
+                                for op in settings.answer_hold_operations})
+        result.longest_hold_s = max(held, default=0.0)
 
 
 def run_chaos(
@@ -582,13 +724,11 @@ def run_chaos(
         fleet = rig.window(result, ["--processor", "tests.support.ledger:LedgerProcessor"],
                            counter=("kclpy_subscriptions_total", "outcome") if fanout else None)
         say(f"chaos over after {time.monotonic() - started:.0f} s; the fleet catches up")
-        wait_for(
-            lambda: ledger.missing_count() == 0,
-            settings.catch_up_timeout_s,
-            f"every produced record to be processed (logs in {rig.logs})",
-            interval=0.5,
-        )
+        result.catch_up_failure = wait_caught_up(
+            ledger.missing_count, settings, rig.watch,
+            f"every produced record to be processed (logs in {rig.logs})")
         fleet.wait_up(60)
+        rig.settle(result)
         if fanout:
             proxy = rig.kinesis_proxy
             result.subscription_faults = Counter(
@@ -645,9 +785,10 @@ def _disrupt(
             say(f"{now - begin:5.1f} s  split {split[0]} into {', '.join(split[1])}")
         if now >= next_at:
             running = fleet.running()
-            if not kinds:
-                kinds = rng.sample([KILL, STOP, TERM], 3)
-            candidates = [s for s in running if kinds[-1] != TERM or fleet.up(s)]
+            if not kinds and settings.disruption_kinds:
+                kinds = rng.sample(list(settings.disruption_kinds),
+                                   len(settings.disruption_kinds))
+            candidates = [s for s in running if kinds and (kinds[-1] != TERM or fleet.up(s))]
             if len(running) >= 2 and candidates:
                 kind = kinds.pop()
                 slot = rng.choice(candidates)
@@ -702,6 +843,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plain-records", type=int, default=10_000)
     parser.add_argument("--kpl-records", type=int, default=12_000)
     parser.add_argument("--retrieval-mode", choices=(POLLING, FANOUT), default=POLLING)
+    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--shards", type=int, default=6)
+    parser.add_argument("--hold-answers", type=float, default=0.0, metavar="RATE",
+                        help="hold back this share of lease-write answers, in bursts, and "
+                             "watch every worker's /status for stalled shards")
+    parser.add_argument("--hold-bursts", type=int, default=3)
+    parser.add_argument("--hold-burst-seconds", type=float, default=25.0)
+    parser.add_argument("--no-disruptions", action="store_true",
+                        help="no kills, freezes or restarts (the split stays)")
     args = parser.parse_args(argv)
     for name, value in (
         ("AWS_ACCESS_KEY_ID", "testing"),
@@ -715,14 +865,24 @@ def main(argv: list[str] | None = None) -> int:
         plain_records=args.plain_records,
         kpl_records=args.kpl_records,
         retrieval_mode=args.retrieval_mode,
+        workers=args.workers,
+        shards=args.shards,
+        answer_hold_rate=args.hold_answers,
+        answer_hold_bursts=args.hold_bursts,
+        answer_hold_burst_s=args.hold_burst_seconds,
+        stall_check=args.hold_answers > 0,
+        stuck_after_s=60.0 if args.hold_answers > 0 else None,
+        disruption_kinds=() if args.no_disruptions else (KILL, STOP, TERM),
     )
     with _local_endpoints() as (kinesis_url, dynamodb_url):
         workdir = Path(tempfile.mkdtemp(prefix="kclpy-chaos-"))
         result = run_chaos(kinesis_url, dynamodb_url, workdir, settings)
     print("\n".join(result.figure_lines()))
+    if result.catch_up_failure is not None:
+        print(result.catch_up_failure)
     if not result.report.ok:
         print(result.report.describe_violations())
-    return 0 if result.report.ok else 1
+    return 0 if result.report.ok and not result.stalls and not result.catch_up_failure else 1
 
 
 if __name__ == "__main__":

@@ -14,6 +14,12 @@ minutes) are relayed as they arrive, never buffered whole, and can be cut part w
 number of event-stream frames, in the middle of the next one, or after a time, as when a
 subscription's connection breaks; or ended early and cleanly at a frame boundary, as the
 service ends every subscription after five minutes.
+
+Answers can also be held back (:meth:`FaultProxy.hold_answers`): the request is forwarded and
+applied upstream at once, and only its answer is late, as when AWS retries a throttled write
+inside the service or an answer crosses a latency spike. A writer whose deadline depends on
+when it learns of its write (a lease renewal, a checkpoint) sees the write land long before
+it can tell.
 """
 
 from __future__ import annotations
@@ -119,6 +125,14 @@ class _Rule:
 
 
 @dataclass(frozen=True)
+class _Hold:
+    """Which share of an operation's forwarded requests get their answer held, and how long."""
+
+    rate: float
+    hold_s: tuple[float, float]
+
+
+@dataclass(frozen=True)
 class _Request:
     operation: str
     service: str
@@ -158,6 +172,10 @@ class FaultProxy:
         self._pending: dict[str, deque[_OneShot]] = {}
         self._requests: Counter[str] = Counter()
         self._faults: Counter[tuple[str, str]] = Counter()
+        self._holds: dict[str, _Hold] = {}
+        self._held: list[tuple[str, float]] = []
+        self._holding = 0
+        self._stopping = threading.Event()
         self._server = _ProxyServer(self)
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread: threading.Thread | None = None
@@ -184,6 +202,7 @@ class FaultProxy:
                 return
             self._stopped = True
             thread = self._thread
+        self._stopping.set()
         if thread is not None:
             self._server.shutdown()
             thread.join()
@@ -247,6 +266,41 @@ class FaultProxy:
         with self._lock:
             self._rules[operation] = rule
 
+    def hold_answers(self, operation: str, rate: float,
+                     hold_s: tuple[float, float] = (0.0, 0.0)) -> None:
+        """Hold back the answers of ``rate`` of the requests for ``operation`` (or ``"*"``)
+        that are forwarded, each for a time drawn from ``hold_s`` (bounds included) after
+        upstream answered; ``rate=0`` stops holding new ones.
+
+        The request reaches upstream at once, so a write lands while its writer still waits:
+        the answer it gets is the one upstream gave, only late. Requests a rule faults
+        (throttled, dropped, lost answers, ...) or a ``respond`` hook answers are not held;
+        the draws come from the proxy's seeded generator, after the rule's own draw, and only
+        while a hold applies to the operation, so setting none leaves the other faults'
+        sequence as it was. Independent of :meth:`set_rule` and kept by :meth:`clear`.
+        """
+        low, high = hold_s
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"hold rate must be within [0, 1]: {rate}")
+        if not 0.0 <= low <= high:
+            raise ValueError(f"hold_s must be (low, high) with 0 <= low <= high: {hold_s}")
+        with self._lock:
+            if rate == 0.0:
+                self._holds.pop(operation, None)
+            else:
+                self._holds[operation] = _Hold(rate, (low, high))
+
+    def holds(self, operation: str = ALL) -> list[float]:
+        """How long each held answer of ``operation`` (default: any) was held, in the order
+        they were drawn; ``faults("hold_answer")`` counts them too."""
+        with self._lock:
+            return [s for op, s in self._held if operation in (ALL, op)]
+
+    def holding(self) -> int:
+        """Answers being held back right now."""
+        with self._lock:
+            return self._holding
+
     def clear(self) -> None:
         """Forget every rule and pending one-shot fault; the counters keep counting."""
         with self._lock:
@@ -277,6 +331,7 @@ class FaultProxy:
 
         Kinds: the :data:`FaultKind` values, ``"latency"`` for delayed requests, ``"inject"``
         for :meth:`inject_once` answers and ``"respond"`` for answers from a ``respond`` hook.
+        ``"hold_answer"`` counts the answers :meth:`hold_answers` held back.
         ``cut_stream`` and ``end_stream`` count the cuts made, not the ones drawn: an answer
         with a length, or a stream that upstream ended before the cut point, is relayed whole
         and not counted.
@@ -352,6 +407,27 @@ class FaultProxy:
     def _count_respond(self, operation: str) -> None:
         with self._lock:
             self._faults[("respond", operation)] += 1
+
+    def _draw_hold(self, operation: str) -> float | None:
+        """How long to hold the answer of a request about to be forwarded; None: not held."""
+        with self._lock:
+            hold = self._holds.get(operation) or self._holds.get(ALL)
+            if hold is None or self._random.random() >= hold.rate:
+                return None
+            held_s = self._random.uniform(*hold.hold_s)
+            self._held.append((operation, held_s))
+            self._faults[("hold_answer", operation)] += 1
+            return held_s
+
+    def _hold(self, held_s: float) -> None:
+        """Wait out a held answer; stopping the proxy ends the wait."""
+        with self._lock:
+            self._holding += 1
+        try:
+            self._stopping.wait(held_s)
+        finally:
+            with self._lock:
+                self._holding -= 1
 
     def _server_error_status(self) -> int:
         with self._lock:
@@ -535,12 +611,13 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 proxy._count_respond(request.operation)
                 self._answer_error(request, *answer)
                 return
+        held_s = None if action is not None else proxy._draw_hold(request.operation)
         self._forward(request, lose_response=action == "lose_response",
                       cut_body=action == "cut_body",
-                      cut=action if isinstance(action, StreamCut) else None)
+                      cut=action if isinstance(action, StreamCut) else None, held_s=held_s)
 
     def _forward(self, request: _Request, *, lose_response: bool, cut_body: bool,
-                 cut: StreamCut | None) -> None:
+                 cut: StreamCut | None, held_s: float | None = None) -> None:
         try:
             response = self._send_upstream(request.body)
         except OSError as exc:
@@ -550,6 +627,9 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             response.read()
             self.close_connection = True
             return
+        if held_s is not None:
+            # upstream has answered, so the request took effect; only its answer is late
+            self.server.proxy._hold(held_s)
         self.send_response_only(response.status, response.reason)
         for name, value in response.getheaders():
             if name.lower() not in _HOP_BY_HOP:

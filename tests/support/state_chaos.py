@@ -26,11 +26,11 @@ from kclpy.errors import KinesisClientLibDependencyException, ShutdownException,
 from tests.support.chaos import (
     ChaosRig,
     ChaosSettings,
+    liveness_lines,
+    wait_caught_up,
 )
 from tests.support.ledger import LeaseSample, Produced, record_id
-from tests.support.streams import (
-    wait_for,
-)
+from tests.support.liveness import Stall
 
 #: the plain processor's database (a SQLAlchemy URL)
 PLAIN_URL_ENV = "KCLPY_TEST_PLAIN_COUNTS_URL"
@@ -130,6 +130,13 @@ class StateChaosResult:
     checkpoint_regressions: list[str] = field(default_factory=list)
     duration_s: float = 0.0
     logs: Path = Path()
+    holds: Counter[str] = field(default_factory=Counter)
+    longest_hold_s: float = 0.0
+    stalls: list[Stall] = field(default_factory=list)
+    catch_up_failure: str | None = None
+    #: lag recovery: records of gaps handed to the processors (kclpy_recovery_records_total,
+    #: summed over every worker process), by shard
+    recovery_records: Counter[str] = field(default_factory=Counter)
 
     @property
     def counted(self) -> int:
@@ -153,6 +160,12 @@ class StateChaosResult:
             "throttles",
             f"records written {self.produced}, counted {self.counted} "
             f"({self.counted - self.produced:+d}); keys wrong: {len(self.wrong_keys)}",
+            *([] if s.max_lag_ms is None else [
+                f"lag recovery (max_lag_ms {s.max_lag_ms}): "
+                f"{sum(self.recovery_records.values())} recovery records handed out "
+                f"({', '.join(f'{k} {n}' for k, n in sorted(self.recovery_records.items()))})"]),
+            *liveness_lines(s, self.holds, self.longest_hold_s, self.stalls),
+            *([] if self.catch_up_failure is None else [self.catch_up_failure]),
         ]
 
 
@@ -200,19 +213,24 @@ def run_state_chaos(
                                     error_5xx_rate=0.05, lose_response_rate=0.02)
         rig.dynamodb_proxy.set_rule("UpdateItem", throttle_rate=0.05,
                                     error_5xx_rate=settings.dynamodb_5xx_rate)
-        fleet = rig.window(result, processor, env)
+        recovery = ("kclpy_recovery_records_total", "shard_id")
+        fleet = rig.window(result, processor, env,
+                           counter=None if settings.max_lag_ms is None else recovery)
         result.expected = expected_state(rig.ledger.produced())
         result.produced = len(rig.ledger.produced())
         say(f"chaos over after {time.monotonic() - started:.0f} s; the fleet catches up")
 
-        def caught_up() -> bool:
+        def uncounted() -> int:
             state = read_state()
-            return all(state.get(k, 0) >= v for k, v in result.expected.items())
+            return sum(max(0, want - state.get(k, 0)) for k, want in result.expected.items()
+                       if k.startswith("count/"))
 
-        wait_for(caught_up, settings.catch_up_timeout_s,
-                 f"every record counted (logs in {rig.logs})", interval=1.0)
+        result.catch_up_failure = wait_caught_up(
+            uncounted, settings, rig.watch, f"every record counted (logs in {rig.logs})")
         fleet.wait_up(60)
+        rig.settle(result)
         result.sigterm_exit_codes.extend(fleet.terminate(*fleet.slots))
+        result.recovery_records = fleet.harvested
         result.stored = read_state()
         result.checkpoint_regressions = checkpoint_regressions(rig.sampler.stop())
         result.commit_faults = sum(rig.dynamodb_proxy.faults(kind, op)
