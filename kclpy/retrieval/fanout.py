@@ -93,7 +93,7 @@ class ShardSubscription:
         """Java's rule: the first subscription starts at the start position, every later
         one after the last event's continuation, or the last record handled."""
         after = self.continuation
-        if after is None or not after.isdigit() or after == "0":
+        if after is None or not (after.isascii() and after.isdigit()) or after == "0":
             # no continuation yet (kinesis-mock answers "0" for a shard with nothing read)
             after = last_sequence_number
         return after
