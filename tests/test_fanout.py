@@ -109,7 +109,7 @@ def test_exception_events_and_damaged_frames_are_retried_and_counted(transport: 
             http_version="1.1" if transport == "http1.1" else "2")
         fetcher.start()
         try:
-            delivered = []
+            delivered: list[bytes] = []
             while True:
                 result = fetcher.get(timeout=30)
                 assert result is not None, "the fetch thread stopped before the shard's end"
