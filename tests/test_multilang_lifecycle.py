@@ -122,6 +122,30 @@ def test_a_child_flooding_stdout_is_bounded_and_nothing_is_lost(
                for r in caplog.records)
 
 
+def test_a_message_larger_than_the_pipe_reaches_a_child_blocked_on_its_stdout(
+        tmp_path: Path) -> None:
+    """The child floods stdout (8 MiB of lines) and only then reads its stdin: a 1 MiB
+    message still gets through (what the child wrote beyond the bound while it was sent is
+    dropped, so it can move on to read it), and its answer arrives."""
+    code = ("import sys\n"
+            "for _ in range(128): sys.stdout.write('j' * 65535 + '\\n')\n"
+            "sys.stdout.flush()\n"
+            "line = sys.stdin.readline()\n"
+            "sys.stdout.write('got %d\\n' % len(line)); sys.stdout.flush()\n")
+    full: list[int] = []
+    child = ChildProcess([sys.executable, "-c", code], cwd=tmp_path, shard_id="shard-1",
+                         max_unread_bytes=256 * 1024, on_full=lambda: full.append(1))
+    child.start()
+    try:
+        wait_for(lambda: full, 30, "the bound reached")
+        child.send_line("m" * (1024 * 1024), 60)
+        while (line := child.read_line(60)).startswith("j"):
+            assert child.unread_bytes <= 256 * 1024 + 64 * 1024
+        assert line == f"got {1024 * 1024 + 1}\n"
+    finally:
+        child.kill()
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize(("ending", "hang_in"), [(signal.SIGTERM, "shutdownRequested"),
                                                 (signal.SIGKILL, "processRecords")],

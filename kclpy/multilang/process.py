@@ -12,8 +12,9 @@ lines are read only while an exchange waits for them, and a child that writes be
 exchanges (logging to stdout, a line without an end) must not grow the worker without limit.
 At the bound the reader stops reading, so the child blocks on its full pipe - as any writer
 to a slow reader does, and as the Java daemon's on-demand reader makes it - until the next
-exchange drains what was written: nothing is dropped. Reaching the bound is logged (WARNING)
-and counted (``on_full``).
+exchange reads what was written. Only while a message is being sent (a blocked child cannot
+read it) is output beyond the bound dropped: it cannot be an answer to that message.
+Reaching the bound is logged (WARNING) and counted (``on_full``).
 
 The child runs in its own session (process group), so that a stuck child and anything it
 started can be killed together. It never outlives the worker: every child still running
@@ -113,6 +114,11 @@ class ChildProcess:
         self._on_full = on_full
         #: set once the child is being ended: the reader then drops what it reads
         self._discard = False
+        #: the bound was reached (reported once until reading frees room again)
+        self._full = False
+        #: a message is being written to the child (``send_line``), and what was dropped
+        self._sending = False
+        self._dropped = 0
         self._ready = threading.Condition()
         self._stdout_closed = False
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
@@ -172,18 +178,25 @@ class ChildProcess:
                 self._ready.notify_all()
 
     def _queue_piece(self, piece: bytes) -> None:
-        """Queue one piece of stdout, first waiting while the unread ones reach the bound."""
+        """Queue one piece of stdout; at the bound, wait for the next exchange to read some
+        - or drop the piece while a message is being sent, see ``send_line``."""
         with self._ready:
             if self._unread >= self._max_unread and not self._discard:
-                log.warning("shard %s: child pid %s wrote %d bytes to stdout that were not "
-                            "asked for; reading paused (the child blocks) until its next "
-                            "exchange. stdout is the protocol channel: log to stderr",
-                            self.shard_id, self.pid, self._unread,
-                            extra={"shard_id": self.shard_id})
-                if self._on_full is not None:
-                    self._on_full()
-                while self._unread >= self._max_unread and not self._discard:
+                if not self._full:
+                    self._full = True
+                    log.warning("shard %s: child pid %s wrote %d bytes to stdout that were "
+                                "not asked for; reading paused (the child blocks) until its "
+                                "next message. stdout is the protocol channel: log to stderr",
+                                self.shard_id, self.pid, self._unread,
+                                extra={"shard_id": self.shard_id})
+                    if self._on_full is not None:
+                        self._on_full()
+                while (self._unread >= self._max_unread and not self._discard
+                       and not self._sending):
                     self._ready.wait()
+                if self._unread >= self._max_unread and self._sending:
+                    self._dropped += len(piece)
+                    return
             if self._discard:
                 return
             self._lines.append(piece)
@@ -206,7 +219,28 @@ class ChildProcess:
                       exc_info=True)
 
     def send_line(self, line: str, timeout_s: float) -> None:
-        """Write ``line`` and a newline, all of it, within ``timeout_s``."""
+        """Write ``line`` and a newline, all of it, within ``timeout_s``.
+
+        A child paused on its full stdout does not read its stdin, so a message larger than
+        the pipe would wait for it for ever. While a message is sent, output beyond the
+        bound is therefore read and dropped: written before the child read the message, it
+        cannot be the answer to it, only more of what the protocol does not expect."""
+        with self._ready:
+            self._sending = True
+            self._ready.notify_all()
+        try:
+            self._write_line(line, timeout_s)
+        finally:
+            with self._ready:
+                self._sending = False
+                if self._dropped:
+                    log.warning("shard %s: dropped %d bytes the child wrote to stdout beyond "
+                                "the %d unread while a message was sent to it", self.shard_id,
+                                self._dropped, self._max_unread,
+                                extra={"shard_id": self.shard_id})
+                    self._dropped = 0
+
+    def _write_line(self, line: str, timeout_s: float) -> None:
         proc = self._running()
         assert proc.stdin is not None
         data = memoryview((line + "\n").encode("utf-8"))
@@ -242,6 +276,8 @@ class ChildProcess:
             piece = self._lines.popleft()
             if piece is not None:
                 self._unread -= len(piece)
+                if self._unread < self._max_unread:
+                    self._full = False
                 self._ready.notify_all()
         if piece is _EOF:
             self._stdout_closed = True
