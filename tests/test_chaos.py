@@ -367,7 +367,7 @@ def test_multilang_chaos_with_misbehaving_children_loses_nothing_and_leaves_noth
             print(line, flush=True)
 
     result = run_multilang_chaos(kinesis_mock.url, moto_server.url, tmp_path, settings,
-                                 {"crash": 0.01, "hang": 0.5, "flood": 0.02}, say)
+                                 {"crash": 0.15, "hang": 0.5, "flood": 0.2}, say)
     say("\n".join(result.figure_lines()))
     chaos = result.chaos
     assert chaos.report.ok, chaos.report.describe_violations()
