@@ -13,8 +13,8 @@ alive, bounded so that no client can tie the worker up:
   than their request). Rendering 500 shards' metrics is pure
   Python holding the GIL; N scrapes rendering at once made every other thread - the lease
   renewer among them - wait behind N of them for the GIL. One render at a time bounds the
-  wait of the renewer to what one CPU-bound thread costs: the interpreter's switch interval
-  (5 ms) per hand-over (``bench/ops_scrape.py`` measures it; docs/operations.md);
+  wait of the renewer to what one CPU-bound thread costs, whatever the number of scrapes
+  (``bench/ops_scrape.py`` measures it; the bound, 0.5 s, is in docs/operations.md);
 - a client that hangs up early is logged at DEBUG, not as an error.
 
 It binds 127.0.0.1 unless told otherwise, because the metrics name streams, shards and
