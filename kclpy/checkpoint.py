@@ -186,7 +186,9 @@ class Checkpointer:
             if not self._at_shard_end:
                 raise self._invalid("SHARD_END before the shard's last record was delivered")
             return SHARD_END, 0
-        if not text.isdigit():
+        # isdigit() alone accepts other scripts' digits (Arabic-Indic "150"), which int()
+        # reads but no other KCL could: a lease must only ever hold ASCII sequence numbers.
+        if not (text.isascii() and text.isdigit()):
             raise self._invalid(f"{text!r} is not a sequence number")
         sub = int(sub_sequence_number or 0)
         if sub < 0:

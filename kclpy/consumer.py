@@ -157,6 +157,9 @@ class ShardConsumer:
         self._fetcher: FetcherLike | None = None
         self._make_recovery = recovery
         self._recovery: RecoveryLike | None = None
+        #: the processor got its last callback (lease_lost, shutdown_requested, or
+        #: shard_ended with SHARD_END checkpointed)
+        self._processor_ended = False
         self._cw_dims = shard_dimensions(lease.shard_id, lease.stream)
         self._thread = threading.Thread(
             target=self._run, name=f"kclpy-consumer-{self.shard_id}", daemon=True)
@@ -238,15 +241,26 @@ class ShardConsumer:
                     self._process_loop()
         except FatalProcessorError as exc:
             self.error = exc
+            self._end_after_error()
         except Exception as exc:
             log.exception("shard %s: consumer failed", self.shard_id)
             self.error = exc
+            self._end_after_error()
         finally:
             if self._fetcher is not None:
                 self._fetcher.stop()
             if self._recovery is not None:
                 self._recovery.stop()
             self._set_state(ConsumerState.DONE)
+
+    def _end_after_error(self) -> None:
+        """A consumer that fails (its fetcher stopped, a lease-table call, the ``shutdown``
+        policy) still gives its processor a last callback: ``lease_lost``, since the lease
+        is going and nothing may be checkpointed. Without it a processor holding resources
+        (a MultiLang child, connections) would keep them for ever, and every retake of the
+        shard would add another."""
+        if self._processor is not None and not self._processor_ended:
+            self._end_with_lease_lost()
 
     def _stopping(self) -> bool:
         return self._lease_lost.is_set() or self._shutdown.is_set()
@@ -487,6 +501,7 @@ class ShardConsumer:
                 self._metrics.processor_errors.labels(self.shard_id, "shard_ended").inc()
                 log.exception("shard %s: shard_ended failed", self.shard_id)
             if self._checkpointer.last_checkpoint[0] == SHARD_END:
+                self._processor_ended = True
                 self.shard_ended = self.caught_up = True
                 self._drain_recovery()
                 return
@@ -507,6 +522,7 @@ class ShardConsumer:
             self._fetcher.stop()
         if self._processor is None:
             return
+        self._processor_ended = True
         try:
             self._processor.lease_lost(LeaseLostInput(self.shard_id))
         except Exception:
@@ -519,6 +535,7 @@ class ShardConsumer:
             self._fetcher.stop()
         if self._processor is None or self._checkpointer is None:
             return
+        self._processor_ended = True
         try:
             self._processor.shutdown_requested(
                 ShutdownRequestedInput(self.shard_id, self._checkpointer))

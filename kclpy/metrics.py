@@ -114,6 +114,10 @@ class Metrics:
             "kclpy_multilang_stray_stdout_lines",
             "Lines on a child's stdout that were not protocol messages and were skipped.",
             ["shard_id"], registry=r)
+        self.multilang_stdout_full = Counter(
+            "kclpy_multilang_stdout_full",
+            "Times a child's unread stdout reached its bound and reading paused.",
+            ["shard_id"], registry=r)
         # Spark micro-batches (kclpy-worker --spark-batch)
         self.spark_batches = Counter(
             "kclpy_spark_batches", "Micro-batches committed to Spark.", registry=r)

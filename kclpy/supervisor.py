@@ -7,8 +7,15 @@ matter of starting N workers that share the lease table. The supervisor does onl
 - it starts ``python -m kclpy <the same arguments>`` N times, each with its own worker id
   (``<worker id>-<i>``: the configured id, or the generated default, plus the index), so
   their leases never look like one worker's;
+- with ``--metrics-port P``, child ``i`` serves its ops endpoint on ``P + i``: every worker
+  is scraped on its own port (one port for all would leave all but the first crash-looping
+  on "address already in use");
 - SIGTERM and SIGINT are forwarded to every child; each shuts down gracefully (processors
-  get ``shutdown_requested``, leases are released) and the supervisor waits for all;
+  get ``shutdown_requested``, leases are released) and the supervisor waits for all. A child
+  still running ``stop_timeout_s`` after the signal is killed (SIGKILL), so a hung worker
+  cannot keep the group, or its leases' processors, alive for ever;
+- the children get SIGTERM when the supervisor itself dies without forwarding anything
+  (SIGKILL, OOM: ``kclpy.lifetime``), and shut down as they would on an operator's SIGTERM;
 - a child that dies while the group is running (a crash, an OOM kill, ``kill -9``) is
   restarted with capped exponential backoff. Its leases are taken over by its siblings
   after the failover time as with any dead worker, and balanced back once it returns, so
@@ -34,6 +41,7 @@ from types import FrameType
 
 from kclpy.arguments import parse_worker_args
 from kclpy.errors import ConfigError
+from kclpy.lifetime import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +51,15 @@ Spawn = Callable[[list[str]], "subprocess.Popen[bytes]"]
 #: a child that ran at least this long before dying starts again without delay
 _STABLE_AFTER_S = 60.0
 _CONFIG_ERROR = 2
+#: how long a stopped child may take beyond its shutdown grace (releasing its leases,
+#: ending its MultiLang children) before it is killed
+_STOP_MARGIN_S = 20.0
+_HIGHEST_PORT = 65535
 
 
 def _spawn_worker(argv: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "kclpy", *argv])
+    return subprocess.Popen([sys.executable, "-m", "kclpy", *argv],
+                            preexec_fn=die_with_parent(signal.SIGTERM))
 
 
 def strip_processes(argv: Sequence[str]) -> list[str]:
@@ -63,6 +76,15 @@ def strip_processes(argv: Sequence[str]) -> list[str]:
     return result
 
 
+def child_metrics_port(port: int | None, index: int) -> list[str]:
+    """The ``--metrics-port`` of child ``index``: ``port + index`` (port 0 stays 0, a free
+    port each), nothing without a port. Last on the command line, so it wins over the
+    shared flag, and flags win over the properties file and the environment."""
+    if port is None:
+        return []
+    return ["--metrics-port", str(port + index if port else 0)]
+
+
 @dataclass
 class _Child:
     index: int
@@ -75,6 +97,8 @@ class _Child:
     last_code: int | None = None
     #: set once the child is done for good: the exit code of its last run
     final: int | None = None
+    #: clock() after which a child asked to stop is killed (None: not asked yet)
+    kill_at: float | None = None
 
 
 class Supervisor:
@@ -91,6 +115,8 @@ class Supervisor:
         n: int,
         *,
         worker_id: str,
+        metrics_port: int | None = None,
+        stop_timeout_s: float = 30.0,
         spawn: Spawn = _spawn_worker,
         clock: Callable[[], float] = time.monotonic,
         backoff_s: float = 1.0,
@@ -100,7 +126,11 @@ class Supervisor:
         if n < 1:
             raise ValueError("n must be at least 1")
         base = strip_processes(argv)
-        self.children = [_Child(i, [*base, "--worker-id", f"{worker_id}-{i}"]) for i in range(n)]
+        self.children = [
+            _Child(i, [*base, "--worker-id", f"{worker_id}-{i}",
+                       *child_metrics_port(metrics_port, i)])
+            for i in range(n)]
+        self._stop_timeout_s = stop_timeout_s
         self._spawn = spawn
         self._clock = clock
         self._backoff_s = backoff_s
@@ -121,6 +151,7 @@ class Supervisor:
             self._start(child)
         while True:
             self._forward_signal()
+            self._kill_overdue()
             self._reap()
             if all(child.final is not None for child in self.children):
                 break
@@ -138,6 +169,20 @@ class Supervisor:
         for child in self.children:
             if child.process is not None and child.process.poll() is None:
                 child.process.send_signal(signum)
+                if child.kill_at is None:
+                    child.kill_at = self._clock() + self._stop_timeout_s
+
+    def _kill_overdue(self) -> None:
+        now = self._clock()
+        for child in self.children:
+            process = child.process
+            if (process is None or child.kill_at is None or now < child.kill_at
+                    or process.poll() is not None):
+                continue
+            log.error("worker process %d (pid %d) still running %.0fs after it was asked to "
+                      "stop; killing it", child.index, process.pid, self._stop_timeout_s)
+            process.kill()
+            child.kill_at = None
 
     def _start(self, child: _Child) -> None:
         child.process = self._spawn(child.argv)
@@ -206,9 +251,17 @@ def run_processes(argv: list[str], n: int) -> int:
     child_argv = strip_processes(argv)
     try:
         config, _ = parse_worker_args(child_argv)
+        port = config.metrics_port
+        if port and port + n - 1 > _HIGHEST_PORT:
+            raise ConfigError("--metrics-port", f"{port} + {n} processes needs ports up to "
+                              f"{port + n - 1}, beyond {_HIGHEST_PORT}")
     except ConfigError as exc:
         print(f"kclpy-worker: error: {exc}", file=sys.stderr)
         return _CONFIG_ERROR
-    supervisor = Supervisor(child_argv, n, worker_id=config.worker_id)
+    if port:
+        log.info("worker processes serve /metrics, /healthz and /status on %s ports %d-%d",
+                 config.metrics_host, port, port + n - 1)
+    supervisor = Supervisor(child_argv, n, worker_id=config.worker_id, metrics_port=port,
+                            stop_timeout_s=config.shutdown_grace_ms / 1000 + _STOP_MARGIN_S)
     with supervisor.forwarding_signals():
         return supervisor.run()

@@ -19,8 +19,12 @@ from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint, free_port
 from tests.support.audit import AuditReport, audit
 from tests.support.chaos import (
+    EXCEPTION_EVENTS,
     FANOUT,
+    KILL,
+    STOP,
     SUBSCRIPTION_FAULTS,
+    TERM,
     ChaosResult,
     ChaosSettings,
     chaos_seconds,
@@ -40,6 +44,7 @@ from tests.support.ledger import (
     Produced,
 )
 from tests.support.liveness import Burst, Stall, StallWatch, Watched, plan_bursts
+from tests.support.multilang_chaos import run_multilang_chaos
 
 PARENT = "shardId-000000000000"
 CHILD = "shardId-000000000001"
@@ -391,6 +396,78 @@ def test_chaos_with_slow_lease_answers_stalls_no_shard(
     result = _chaos(settings, kinesis_mock, moto_server, tmp_path, capsys)
     assert result.holds["UpdateItem"] > 0, result.holds
     assert result.stalls == [], [stall.describe() for stall in result.stalls]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fanout_chaos_with_exception_events_loses_nothing(
+    kinesis_mock: LocalEndpoint,
+    moto_server: LocalEndpoint,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Fan-out chaos where the proxy also ends subscriptions part way with the exception
+    events the service sends for transient trouble (InternalFailureException,
+    KMSThrottlingException, ResourceInUseException) instead of refusing them: each is
+    retried and counted by its kind (no refusals are injected, so those counts are the
+    events'), and nothing is lost."""
+    settings = ChaosSettings(seed=seed_from_environment(), retrieval_mode=FANOUT, chaos_s=45.0,
+                             plain_records=6_000, kpl_records=8_000,
+                             subscription_cut_rate=0.2, subscription_end_rate=0.1,
+                             subscription_refusal_rates=(0.0, 0.0, 0.0),
+                             subscription_exception_rate=0.3)
+    result = _chaos(settings, kinesis_mock, moto_server, tmp_path, capsys)
+    faults = result.subscription_faults
+    assert all(faults[name] > 0 for name in EXCEPTION_EVENTS), faults
+    outcomes = result.subscription_outcomes
+    assert all(outcomes[o] > 0 for o in ("failed_server_error", "failed_throttled",
+                                         "failed_in_use")), (
+        f"the workers did not count the exception events: {outcomes}")
+
+
+#: what a worker process may reach with its children flooding stdout: a few MiB over its
+#: usual size (the unread output of each child is bounded at 1 MiB), far below the 4 MiB a
+#: flood writes times the floods of a run
+MULTILANG_PEAK_RSS = 400 * 2**20
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_multilang_chaos_with_misbehaving_children_loses_nothing_and_leaves_nothing(
+    kinesis_mock: LocalEndpoint,
+    moto_server: LocalEndpoint,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The chaos run with MultiLangDaemon workers whose children crash, hang in their
+    shutdown handler (past the shutdown grace, ignoring SIGTERM) and flood stdout: nothing
+    is lost, no child is left running after the fleet (killed, stopped or not), and the
+    workers' memory stays bounded."""
+    settings = ChaosSettings(seed=seed_from_environment(), chaos_s=45.0, plain_records=3_000,
+                             kpl_records=4_000)
+
+    def say(line: str) -> None:
+        with capsys.disabled():
+            print(line, flush=True)
+
+    result = run_multilang_chaos(kinesis_mock.url, moto_server.url, tmp_path, settings,
+                                 {"crash": 0.15, "hang": 0.5, "flood": 0.2}, say)
+    say("\n".join(result.figure_lines()))
+    chaos = result.chaos
+    assert chaos.report.ok, chaos.report.describe_violations()
+    assert chaos.report.produced == settings.plain_records + settings.kpl_records
+    assert all(chaos.disruptions[kind] >= 1 for kind in (KILL, STOP, TERM)), chaos.disruptions
+    assert chaos.sigterm_exit_codes and set(chaos.sigterm_exit_codes) == {0}, (
+        f"graceful shutdowns failed: {chaos.sigterm_exit_codes} (logs in {chaos.logs})")
+    assert all(result.behaviours[kind] > 0 for kind in ("crash", "hang", "flood")), (
+        result.behaviours)
+    # read from each worker's /metrics before it goes; one that does not answer then takes
+    # its counts along
+    assert sum(result.child_failures.values()) > 0, result.child_failures
+    assert result.children_left == [], "children outlived the fleet"
+    assert 0 < result.peak_rss < MULTILANG_PEAK_RSS, result.peak_rss
 
 
 # -- found by the chaos run --------------------------------------------------------------------

@@ -100,6 +100,15 @@ def test_not_a_sequence_number_is_invalid() -> None:
         cp.checkpoint("5", -1)
 
 
+def test_digits_of_other_scripts_are_not_a_sequence_number() -> None:
+    writer = RecordingWriter()
+    cp = make(writer)
+    cp.mark_delivered(rec(200))
+    with pytest.raises(InvalidStateException):
+        cp.checkpoint("\u0661\u0665\u0660")  # "150" in Arabic-Indic digits
+    assert writer.writes == []
+
+
 def test_shard_end_only_after_the_shard_ended() -> None:
     writer = RecordingWriter()
     cp = make(writer)

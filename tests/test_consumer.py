@@ -214,6 +214,35 @@ def test_shutdown_policy_stops_with_a_fatal_error() -> None:
     assert writer.writes == []
 
 
+def test_the_processor_gets_lease_lost_when_the_consumer_fails() -> None:
+    """The fetch thread stopped on an error: the processor is told, once, before the
+    consumer ends, so nothing it holds (a MultiLang child) is left behind."""
+    log: list[object] = []
+
+    class Broken(ScriptedFetcher):
+        def get(self, timeout: float | None = None) -> Result | None:
+            raise RuntimeError("fetching stopped")
+
+    consumer = ShardConsumer(
+        Lease("shard-1", lease_owner="w", checkpoint="TRIM_HORIZON"), concurrency_token="t",
+        processor_factory=lambda: Recorder(log), checkpoint_writer=Writer(),
+        lease_reader=Leases(), fetcher_factory=lambda *_: Broken([], ("TRIM_HORIZON", 0)),
+        on_shard_end=lambda *_: None, settings=SETTINGS, metrics=Metrics())
+    consumer.start()
+    assert consumer.join(10)
+    assert isinstance(consumer.error, RuntimeError)
+    assert log == [("init", "TRIM_HORIZON", 0), ("lease_lost",)]
+
+
+def test_the_shutdown_policy_ends_the_processor_with_lease_lost() -> None:
+    log: list[object] = []
+    settings = ConsumerSettings(**{**SETTINGS.__dict__, "processor_error_policy": "shutdown"})
+    consumer, _, _ = run_consumer([Result([rec(1)])], [Recorder(log, fail_times=1)],
+                                  settings=settings)
+    assert isinstance(consumer.error, FatalProcessorError)
+    assert log[-1] == ("lease_lost",) and log.count(("lease_lost",)) == 1
+
+
 def test_restart_required_resumes_from_the_last_checkpoint() -> None:
     log: list[object] = []
     pages = [Result([rec(1)]), Result([rec(2), rec(3)]), Result([], shard_end=True)]

@@ -82,6 +82,55 @@ def test_subscription_failures_are_classified_for_backoff() -> None:
     assert classify_subscribe(error("ResourceNotFoundException")) is None
 
 
+@pytest.mark.parametrize("transport", ["http1.1", "h2c"])
+def test_exception_events_and_damaged_frames_are_retried_and_counted(transport: str) -> None:
+    """The exception events a SubscribeToShard stream carries for transient trouble
+    (``InternalFailureException``, ``KMSThrottlingException``, ``ResourceInUseException``)
+    and a frame whose checksum does not match are retried as the Java KCL does: each costs
+    one new subscription after the last record handled, is counted by kind, and the fetch
+    thread goes on to the shard's end with every record once, in order."""
+    script = Script([
+        Step([Event([("100", b"a")], "100")], then="exception",
+             error_code="InternalFailureException"),
+        Step([Event([("101", b"b")], "101")], then="exception",
+             error_code="KMSThrottlingException"),
+        Step([Event([("102", b"c")], "102")], then="exception",
+             error_code="ResourceInUseException"),
+        Step([Event([("103", b"d")], "103")], then="corrupt"),
+        Step([Event([("104", b"e")], None)]),
+    ])
+    metrics = Metrics()
+    with eventstream_server(script, http2=transport == "h2c") as url:
+        client = session().client("kinesis", endpoint_url=url)
+        fetcher = ShardFetcher(
+            client, "shardId-000000000000", StartPosition("TRIM_HORIZON"), stream_name="s",
+            consumer_arn="arn:aws:kinesis:us-east-1:1:stream/s/consumer/a:1", metrics=metrics,
+            backoff=Backoff(0.01, 0.05), shard_end_probe_s=3600,
+            http_version="1.1" if transport == "http1.1" else "2")
+        fetcher.start()
+        try:
+            delivered: list[bytes] = []
+            while True:
+                result = fetcher.get(timeout=30)
+                assert result is not None, "the fetch thread stopped before the shard's end"
+                delivered.extend(r.binary_data for r in result.records)
+                if result.shard_end:
+                    break
+        finally:
+            fetcher.stop()
+    assert delivered == [b"a", b"b", b"c", b"d", b"e"]
+    assert [r["StartingPosition"].get("SequenceNumber") for r in script.requests] == [
+        None, "100", "101", "102", "103"]
+
+    def count(outcome: str) -> float | None:
+        return metrics.registry.get_sample_value(
+            "kclpy_subscriptions_total",
+            {"shard_id": "shardId-000000000000", "outcome": outcome})
+
+    assert (count("failed_server_error"), count("failed_throttled"), count("failed_in_use")
+            ) == (2, 1, 1)
+
+
 @pytest.mark.integration
 def test_fan_out_delivers_every_record_once_in_order_and_resumes_from_checkpoints(
         kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:

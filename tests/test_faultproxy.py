@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from botocore.config import Config
+from botocore.eventstream import EventStreamBuffer
 from botocore.exceptions import ClientError, ConnectionClosedError, ReadTimeoutError
 
 from kclpy.local import LocalEndpoint, free_port
@@ -367,6 +368,37 @@ def test_an_ended_stream_closes_cleanly_at_a_frame_boundary(
     assert proxy.faults("end_stream") == 1 and proxy.faults("cut_stream") == 0
     again = _post(connection, "SubscribeToShard", path="/events")
     assert again.read() == b"".join(upstream.frames), "the client connection stays usable"
+
+
+def test_a_stream_ended_by_an_exception_event_carries_its_type(
+    proxy: FaultProxy, upstream: Upstream
+) -> None:
+    upstream.frames = _frames(5)
+    proxy.cut_stream_once("SubscribeToShard", StreamCut(after_frames=2, clean=True,
+                                                        exception="KMSThrottlingException"))
+    body = _subscribe_raw(proxy).read()
+    assert body.startswith(upstream.frames[0] + upstream.frames[1])
+    buffer = EventStreamBuffer()
+    buffer.add_data(body)
+    messages: list[Any] = list(buffer)
+    assert len(messages) == 3
+    assert messages[-1].headers[":message-type"] == "exception"
+    assert messages[-1].headers[":exception-type"] == "KMSThrottlingException"
+    assert proxy.faults("exception_event:KMSThrottlingException", "SubscribeToShard") == 1
+    assert proxy.faults("end_stream") == 0
+
+
+def test_exception_events_are_drawn_from_the_rule(proxy: FaultProxy, upstream: Upstream) -> None:
+    upstream.frames = _frames(2)
+    names = ("InternalFailureException", "ResourceInUseException")
+    proxy.set_rule("SubscribeToShard", stream_exception_rate=1.0, stream_exceptions=names,
+                   stream_cut_frames=(1, 1))
+    for _ in range(6):
+        _subscribe_raw(proxy).read()
+    assert proxy.faults("exception_event", "SubscribeToShard") == 6
+    assert sum(proxy.faults(f"exception_event:{n}", "SubscribeToShard") for n in names) == 6
+    with pytest.raises(ValueError, match="stream_exceptions"):
+        proxy.set_rule("SubscribeToShard", stream_exception_rate=0.5)
 
 
 def test_a_timed_cut_hangs_up_on_both_sides_while_upstream_is_idle(

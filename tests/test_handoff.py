@@ -21,7 +21,7 @@ from kclpy.leases import handoff
 from kclpy.leases.coordinator import LeaseCoordinator
 from kclpy.leases.dynamo import LeaseTableThrottled
 from kclpy.leases.lease import Lease
-from kclpy.leases.table import LeaseTable
+from kclpy.leases.table import LeaseChanged, LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from tests.support.determinism import Clock, FirstChoiceRandom
@@ -105,6 +105,53 @@ def test_a_steal_asks_the_owner_and_waits(table: LeaseTable, clock: Clock) -> No
     assert b.pending_handoffs() == {"s1"}
     assert b.held_leases() == {}
     assert b.run_taker_once() == [], "B waits while A holds it"
+
+
+def test_a_request_whose_answer_was_lost_is_still_followed_to_the_end(
+    table: LeaseTable, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request is written but its answer lost, and the SDK's retry is refused by the
+    condition the first attempt changed: B still waits for s1 and adopts it when A lets go,
+    instead of leaving ``checkpointOwner`` dangling until the lease expires."""
+    for key in ("s1", "s2"):
+        assert table.create(Lease(key))
+    a, _, a_asked = worker(table, "A", clock)
+    a.run_taker_once()
+    b, _, _ = worker(table, "B", clock)
+    ask = table.set_checkpoint_owner
+
+    def ask_then_lose_the_answer(lease: Lease, new_owner: str) -> Lease:
+        ask(lease, new_owner)
+        raise LeaseChanged(f"lease {lease.lease_key} changed", None)
+
+    monkeypatch.setattr(table, "set_checkpoint_owner", ask_then_lose_the_answer)
+    assert b.run_taker_once() == []
+    stored = fetch(table, "s1")
+    assert (stored.lease_owner, stored.checkpoint_owner) == ("B", "A")
+    assert b.pending_handoffs() == {"s1"}
+    a.run_renewer_once()
+    assert a_asked.shards == ["s1"]
+    a.release("s1")
+    (adopted,) = b.poll_handoffs()
+    assert adopted.lease_key == "s1" and set(b.held_leases()) == {"s1"}
+
+
+def test_a_refused_request_that_did_not_land_is_forgotten(
+    table: LeaseTable, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key in ("s1", "s2"):
+        assert table.create(Lease(key))
+    a, _, _ = worker(table, "A", clock)
+    a.run_taker_once()
+    b, _, _ = worker(table, "B", clock)
+
+    def refused(lease: Lease, new_owner: str) -> Lease:
+        raise LeaseChanged(f"lease {lease.lease_key} changed", None)
+
+    monkeypatch.setattr(table, "set_checkpoint_owner", refused)
+    assert b.run_taker_once() == []
+    assert b.pending_handoffs() == set()
+    assert fetch(table, "s1").lease_owner == "A"
 
 
 def test_the_owner_learns_at_its_next_renewal_and_keeps_renewing(

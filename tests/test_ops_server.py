@@ -4,11 +4,15 @@ Worker against kinesis-mock and moto's server for what an operator scrapes."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
+import struct
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +115,108 @@ def test_unknown_paths_are_404(fake_server: tuple[FakeWorker, RunningServer]) ->
     _, server = fake_server
     assert get(server.url + "/")[0] == 404
     assert get(server.url + "/metrics/extra")[0] == 404
+
+
+def fill_500_shards(metrics: Metrics) -> None:
+    """The per-shard series of a worker holding 500 shards (about 0.8 MB of /metrics)."""
+    for n in range(500):
+        shard = f"shardId-{n:012d}"
+        metrics.records_processed.labels(shard).inc(n)
+        metrics.bytes_processed.labels(shard).inc(n)
+        metrics.process_records_seconds.labels(shard).observe(0.01)
+        metrics.millis_behind_latest.labels(shard).set(n)
+        for state in ("WAITING_ON_PARENTS", "INITIALIZING", "PROCESSING", "SHUTTING_DOWN",
+                      "DONE"):
+            metrics.shard_consumer_state.labels(shard, state).set(state == "PROCESSING")
+
+
+def test_silent_connections_are_bounded_answered_busy_and_timed_out() -> None:
+    """Connections that send nothing: no more than ``max_connections`` hold a thread, the
+    next is answered 503 at once, and each is dropped after ``timeout_s``, after which the
+    endpoint answers again."""
+    worker = FakeWorker()
+    with serve_worker(worker, lag_window_s=None, max_connections=3,  # type: ignore[arg-type]
+                      timeout_s=0.5) as server:
+        silent = [socket.create_connection((server.host, server.port), timeout=10)
+                  for _ in range(3)]
+        try:
+            wait_for(lambda: get(server.url + "/healthz")[0] == 503 and
+                     "busy" in get(server.url + "/healthz")[2], 10, "a busy answer")
+            for sock in silent:
+                assert sock.recv(1024) == b"", "a silent connection is closed by the server"
+        finally:
+            for sock in silent:
+                sock.close()
+        assert get(server.url + "/healthz")[2].startswith("unhealthy")
+
+
+def test_a_stalled_request_is_dropped_after_the_timeout() -> None:
+    """Half a request, then nothing (a slow-loris client): the connection is closed."""
+    with (serve_worker(FakeWorker(), lag_window_s=None,  # type: ignore[arg-type]
+                       timeout_s=0.5) as server,
+          socket.create_connection((server.host, server.port), timeout=10) as sock):
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+        assert sock.recv(1024) == b""
+
+
+def test_each_connection_serves_one_request() -> None:
+    with serve_worker(FakeWorker(), lag_window_s=None) as server:  # type: ignore[arg-type]
+        with socket.create_connection((server.host, server.port), timeout=10) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        assert b"Connection: close" in answer and answer.endswith(b"unhealthy: leases are "
+                                                                  b"not being renewed\n")
+
+
+def test_a_scraper_that_hangs_up_early_is_not_an_error(
+        caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]) -> None:
+    worker = FakeWorker()
+    fill_500_shards(worker.metrics)
+    with serve_worker(worker, lag_window_s=None) as server:  # type: ignore[arg-type]
+        for _ in range(5):
+            sock = socket.create_connection((server.host, server.port), timeout=10)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.recv(100)
+            # reset, not a clean close: the server's next write fails
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+        assert scrape(server)[("kclpy_millis_behind_latest",
+                               (("shard_id", "shardId-000000000499"),))] == 499
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_concurrent_scrapes_render_one_at_a_time_and_all_get_a_fresh_answer() -> None:
+    """Sixteen scrapes at once of 500 shards' metrics: every one gets the whole answer, and
+    no two renders ran at the same time (the renderer is counted from inside)."""
+    worker = FakeWorker()
+    fill_500_shards(worker.metrics)
+    inside = 0
+    most = 0
+    lock = threading.Lock()
+    real_collect = worker.metrics.registry.collect
+
+    def counting_collect() -> Any:
+        nonlocal inside, most
+        with lock:
+            inside += 1
+            most = max(most, inside)
+        try:
+            yield from real_collect()
+        finally:
+            with lock:
+                inside -= 1
+
+    worker.metrics.registry.collect = counting_collect  # type: ignore[method-assign]
+    with (serve_worker(worker, lag_window_s=None) as server,  # type: ignore[arg-type]
+          ThreadPoolExecutor(16) as pool):
+        answers = list(pool.map(lambda _: get(server.url + "/metrics"), range(16)))
+    assert all(status == 200 and "shardId-000000000499" in body
+               for status, _, body in answers)
+    assert most == 1
 
 
 def test_binds_loopback_by_default_and_stop_frees_the_port() -> None:

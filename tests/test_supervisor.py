@@ -1,23 +1,34 @@
 """The ``--processes N`` supervisor with stand-in children (small Python processes): worker
-ids, signal forwarding, restarts, exit codes. test_fleet.py runs it with real workers."""
+ids, metrics ports, signal forwarding, the kill after a stop timeout, restarts, exit codes;
+and with real workers over real HTTP: an endpoint each, and no worker outliving a killed
+supervisor. test_fleet.py runs it with real workers too."""
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kclpy.local import LocalEndpoint
 from kclpy.supervisor import Spawn, Supervisor, run_processes, strip_processes
-from tests.support.streams import wait_for
+from tests.support.fleet import ROOT, fleet
+from tests.support.proctable import alive, pids_running
+from tests.support.streams import create_stream, kinesis_client, unique_name, wait_for
 
 #: A stand-in worker: records its argv, then behaves as its worker id's last part says.
 CHILD = """
 import pathlib, signal, sys, time
 worker_id = sys.argv[sys.argv.index("--worker-id") + 1]
+if "_stubborn" in worker_id:  # before it is seen running, so no SIGTERM comes earlier
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 record = pathlib.Path(sys.argv[1]) / worker_id
 with record.open("a") as fh:
     fh.write(" ".join(sys.argv[2:]) + "\\n")
@@ -28,6 +39,9 @@ if mode in ("done", "crash"):
     sys.exit(0)
 if mode == "badconfig":
     sys.exit(2)
+if mode == "stubborn":
+    while True:
+        time.sleep(0.05)
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 while True:
     time.sleep(0.05)
@@ -46,7 +60,7 @@ def spawner(workdir: Path) -> tuple[list[subprocess.Popen[bytes]], Spawn]:
 
 
 def supervise(
-    workdir: Path, worker_id: str, n: int
+    workdir: Path, worker_id: str, n: int, **options: Any
 ) -> tuple[Supervisor, list[subprocess.Popen[bytes]]]:
     started, spawn = spawner(workdir)
     supervisor = Supervisor(
@@ -56,6 +70,7 @@ def supervise(
         spawn=spawn,
         backoff_s=0.05,
         poll_s=0.02,
+        **options,
     )
     return supervisor, started
 
@@ -82,6 +97,32 @@ def test_children_get_the_same_arguments_and_their_own_worker_ids(tmp_path: Path
     assert sorted(records) == ["app_done-0", "app_done-1", "app_done-2"]
     for worker_id, argv in records.items():
         assert argv == ["--stream-name", "s", "--worker-id", worker_id]
+
+
+def test_each_child_serves_metrics_on_its_own_port(tmp_path: Path) -> None:
+    supervisor, _ = supervise(tmp_path, "app_done", 3, metrics_port=9400)
+    assert supervisor.run() == 0
+    ports = {path.name: path.read_text().split()[-1] for path in tmp_path.iterdir()}
+    assert ports == {"app_done-0": "9400", "app_done-1": "9401", "app_done-2": "9402"}
+
+
+def test_metrics_ports_beyond_the_last_port_are_a_bad_configuration(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--processes", "3", "--stream-name", "s", "--application-name", "a",
+            "--processor", "tests.support.fleet:FleetProcessor", "--metrics-port", "65534"]
+    assert run_processes(argv, 3) == 2
+    assert "--metrics-port" in capsys.readouterr().err
+
+
+def test_a_child_that_ignores_sigterm_is_killed_after_the_stop_timeout(tmp_path: Path) -> None:
+    supervisor, started = supervise(tmp_path, "app_stubborn", 1, stop_timeout_s=0.5)
+    thread, result = run_in_thread(supervisor)
+    wait_for(lambda: len(list(tmp_path.iterdir())) == 1, 10, "the child running")
+    supervisor.stop(signal.SIGTERM)
+    thread.join(30)
+    assert result == [1]
+    assert started[0].returncode == -signal.SIGKILL
 
 
 def test_sigterm_reaches_every_child_and_a_clean_exit_is_0(tmp_path: Path) -> None:
@@ -130,3 +171,73 @@ def test_a_bad_configuration_exits_2_before_starting_anything(
 ) -> None:
     assert run_processes(["--processes", "2", "--application-name", "a"], 2) == 2
     assert "--stream-name" in capsys.readouterr().err
+
+
+def consecutive_free_ports(count: int) -> int:
+    """The first of ``count`` ports in a row that are free on 127.0.0.1 now."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = int(probe.getsockname()[1])
+        if first + count - 1 > 65535:
+            continue
+        sockets = []
+        try:
+            for port in range(first, first + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+        return first
+    raise AssertionError(f"no {count} consecutive free ports")
+
+
+def healthz(port: int) -> int | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as answer:
+            return int(answer.status)
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.mark.integration
+def test_real_workers_each_get_an_endpoint_and_die_with_a_killed_supervisor(
+    kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, tmp_path: Path
+) -> None:
+    """``--processes 2 --metrics-port P``: both workers run (none crash-loops on a taken
+    port) and answer on P and P+1. When the supervisor is killed with SIGKILL (nothing of it
+    runs to forward a signal), the kernel's SIGTERM still ends both workers, gracefully:
+    their leases are released and nothing of the group is left in the process table."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("procs")
+    create_stream(kinesis, stream, 2)
+    with fleet(kinesis_mock.url, moto_server.url, stream, unique_name("app"), tmp_path) as group:
+        port = consecutive_free_ports(2)
+        env = {**os.environ, "KCLPY_TEST_LEDGER": str(group.ledger.path)}
+        command = [sys.executable, "-m", "kclpy", *group.args("ports"), "--processes", "2",
+                   "--metrics-port", str(port)]
+        with (tmp_path / "supervisor.log").open("wb") as log:
+            supervisor = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: group.balanced_among({"ports-0", "ports-1"}), 60,
+                     "both workers holding leases")
+            wait_for(lambda: healthz(port) == 200 and healthz(port + 1) == 200, 30,
+                     "an endpoint per worker")
+            workers = [pid for pid in pids_running(group.application) if pid != supervisor.pid]
+            assert len(workers) == 2, workers
+            supervisor.kill()
+            supervisor.wait(10)
+            wait_for(lambda: not any(alive(pid) for pid in workers), 60,
+                     "the workers ending with their supervisor")
+        finally:
+            if supervisor.poll() is None:
+                supervisor.kill()
+        log_text = (tmp_path / "supervisor.log").read_text()
+        assert "Address already in use" not in log_text
+        assert all(owner is None for owner in group.owners().values()), "leases released"
+        assert pids_running(group.application) == []

@@ -58,6 +58,22 @@ def is_request_to_hand_off(held: Lease, current: Lease | None, worker_id: str) -
     )
 
 
+def request_landed(asked: Lease, current: Lease | None, worker_id: str) -> bool:
+    """After asking for ``asked`` failed (its condition refused, or no answer came): did the
+    request land anyway? It did when ``current`` (read just after) names this worker as
+    ``leaseOwner`` and the owner asked (or nobody, once it let go) as ``checkpointOwner`` -
+    only this worker's own request writes that (the counter may have moved since: the
+    handing-off owner renews). The usual way there: the first attempt was
+    written but its answer lost, and the SDK's retry was refused by the condition the first
+    attempt had just changed. Forgetting it would leave the lease to nobody until it expired
+    (the handoff timeout plus the failover time)."""
+    return (
+        current is not None
+        and current.lease_owner == worker_id
+        and current.checkpoint_owner in (asked.lease_owner, None)
+    )
+
+
 def as_handing_off(held: Lease, current: Lease, worker_id: str) -> Lease:
     """The held lease in the handing-off state: writes are fenced on ``checkpointOwner``."""
     return held.copy(lease_owner=current.lease_owner, checkpoint_owner=worker_id)

@@ -187,20 +187,30 @@ class LeaseTaker:
             return self._take(lease, stolen=True)
         with self.held.lock_for(lease.lease_key):
             try:
-                asked = self.table.set_checkpoint_owner(lease, self.worker_id)
-            except LeaseLostError:
-                log.info("worker %s: lease %s changed before a handoff could be asked",
-                         self.worker_id, lease.lease_key)
-                return None
-            except TABLE_ERRORS as exc:
-                log.warning("worker %s: asking for %s failed: %r",
-                            self.worker_id, lease.lease_key, exc)
-                return None
+                asked_at_counter = self.table.set_checkpoint_owner(
+                    lease, self.worker_id).lease_counter
+            except (LeaseLostError, *TABLE_ERRORS) as exc:
+                if not self._request_landed(lease):
+                    log.info("worker %s: no handoff of %s asked: %r",
+                             self.worker_id, lease.lease_key, exc)
+                    return None
+                asked_at_counter = lease.lease_counter
             with self._state:
-                self._pending[lease.lease_key] = (self._clock(), asked.lease_counter)
+                self._pending[lease.lease_key] = (self._clock(), asked_at_counter)
         log.info("worker %s asked %s to hand off %s",
                  self.worker_id, lease.lease_owner, lease.lease_key)
         return None
+
+    def _request_landed(self, lease: Lease) -> bool:
+        """Asking for ``lease`` failed: read it to learn whether the request was written
+        all the same (``handoff.request_landed``)."""
+        try:
+            current = self.table.get(lease.lease_key)
+        except TABLE_ERRORS as exc:
+            log.warning("worker %s: reading %s after asking for it failed: %r",
+                        self.worker_id, lease.lease_key, exc)
+            return False
+        return handoff.request_landed(lease, current, self.worker_id)
 
     def poll_handoffs(self) -> list[Lease]:
         """Between scans, read each pending handoff's lease and finish the ones whose owner

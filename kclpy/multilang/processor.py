@@ -34,7 +34,7 @@ from kclpy.errors import (
 from kclpy.leases.lease import SHARD_END
 from kclpy.metrics import Metrics
 from kclpy.multilang import protocol
-from kclpy.multilang.process import ChildFailure, ChildProcess
+from kclpy.multilang.process import MAX_UNREAD_STDOUT_BYTES, ChildFailure, ChildProcess
 from kclpy.processor import (
     InitializeInput,
     IRecordProcessor,
@@ -85,7 +85,8 @@ class MultiLangRecordProcessor(IRecordProcessor):
     ``response_timeout_s`` bounds each wait for the child: for its next message after a
     message was sent to it (a checkpoint reply starts a new wait, so a long batch that keeps
     checkpointing is fine). ``exit_timeout_s`` is how long the child may take to exit after
-    its last message before its process group is killed.
+    its last message before its process group is killed. ``max_unread_stdout_bytes`` bounds
+    what the child may write to stdout ahead of being asked (``process``).
     """
 
     def __init__(
@@ -98,6 +99,7 @@ class MultiLangRecordProcessor(IRecordProcessor):
         exit_timeout_s: float = 10.0,
         env: Mapping[str, str] | None = None,
         stray_stdout: StrayStdoutPolicy = "restart",
+        max_unread_stdout_bytes: int = MAX_UNREAD_STDOUT_BYTES,
     ) -> None:
         if not argv:
             raise ValueError("argv must name a program")
@@ -110,6 +112,7 @@ class MultiLangRecordProcessor(IRecordProcessor):
         self._exit_timeout_s = exit_timeout_s
         self._env = env
         self._stray_stdout = stray_stdout
+        self._max_unread = max_unread_stdout_bytes
         self._shard_id = "?"
         self._child: ChildProcess | None = None
         self._failure: MultiLangChildError | None = None
@@ -181,7 +184,8 @@ class MultiLangRecordProcessor(IRecordProcessor):
     # -- the exchange --------------------------------------------------------------------
 
     def _start_child(self, sequence_number: str | None, sub_sequence_number: int | None) -> None:
-        child = ChildProcess(self._argv, cwd=self._cwd, shard_id=self._shard_id, env=self._env)
+        child = ChildProcess(self._argv, cwd=self._cwd, shard_id=self._shard_id, env=self._env,
+                             max_unread_bytes=self._max_unread, on_full=self._stdout_full)
         self._child = child
         try:
             child.start()
@@ -190,6 +194,10 @@ class MultiLangRecordProcessor(IRecordProcessor):
         self._exchange(
             protocol.encode_initialize(self._shard_id, sequence_number, sub_sequence_number),
             protocol.INITIALIZE, None)
+
+    def _stdout_full(self) -> None:
+        if self._metrics is not None:
+            self._metrics.multilang_stdout_full.labels(self._shard_id).inc()
 
     def _exchange(self, line: str, action: str, checkpointer: Checkpointer | None, *,
                   consequence: str = "the shard restarts from its last checkpoint") -> None:

@@ -1,8 +1,24 @@
 """The worker's operations endpoint: ``/metrics``, ``/healthz`` and ``/status`` over HTTP.
 
-A plain ``ThreadingHTTPServer`` in a daemon thread: a scrape must never wait behind another
-one, and a hung client must never keep the process alive. It binds 127.0.0.1 unless told
-otherwise, because the metrics name streams, shards and workers; exposing them is a choice.
+A ``ThreadingHTTPServer`` in a daemon thread, so a hung client never keeps the process
+alive, bounded so that no client can tie the worker up:
+
+- at most ``max_connections`` connections are served at once (a thread each); one more is
+  answered ``503`` at once and closed, by the accepting thread, with no thread of its own;
+- every connection has a socket timeout (``timeout_s``): a client that connects and sends
+  nothing, or reads its answer slowly, is dropped after that long, and it carries one request
+  (``Connection: close``), so an idle keep-alive connection holds nothing;
+- ``/metrics`` and ``/status`` are rendered by one thread at a time, and scrapes that
+  waited while a render they arrived before ran get that render's answer (never one older
+  than their request). Rendering 500 shards' metrics is pure
+  Python holding the GIL; N scrapes rendering at once made every other thread - the lease
+  renewer among them - wait behind N of them for the GIL. One render at a time bounds the
+  wait of the renewer to what one CPU-bound thread costs, whatever the number of scrapes
+  (``bench/ops_scrape.py`` measures it; the bound, 0.5 s, is in docs/operations.md);
+- a client that hangs up early is logged at DEBUG, not as an error.
+
+It binds 127.0.0.1 unless told otherwise, because the metrics name streams, shards and
+workers; exposing them is a choice.
 
 Besides the worker's own ``status()``, ``/status`` carries the lag status of each held shard
 (Burrow's rules, see ``kclpy.ops.lag``), sampled by a background thread every
@@ -17,7 +33,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
@@ -31,26 +47,124 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _WAITING = "WAITING_ON_PARENTS"
+#: connections served at once; Prometheus scrapes one target over one connection at a time
+MAX_CONNECTIONS = 16
+#: how long a connection may stay silent (sending its request, reading the answer)
+TIMEOUT_S = 10.0
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+         b"Content-Length: 5\r\nConnection: close\r\nRetry-After: 1\r\n\r\nbusy\n")
+_WARN_EVERY_S = 60.0
+#: what a client that went away while it was answered raises; not a server error
+_HUNG_UP = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
+
+
+class _Rendered:
+    """The answers of the expensive paths, rendered by one thread at a time: concurrent
+    scrapes wait on a lock (holding no GIL) instead of rendering side by side, and one that
+    waited gets the answer of a render that began after it arrived, if there was one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: key -> (when its last render began, content type, body)
+        self._answers: dict[tuple[str, str], tuple[float, str, bytes]] = {}
+
+    def get(self, key: tuple[str, str], render: Callable[[], tuple[str, bytes]]
+            ) -> tuple[str, bytes]:
+        arrived = time.monotonic()
+        with self._lock:
+            last = self._answers.get(key)
+            if last is not None and last[0] >= arrived:
+                return last[1], last[2]
+            began = time.monotonic()
+            content_type, body = render()
+            self._answers[key] = (began, content_type, body)
+            return content_type, body
+
+
+class _Yielding:
+    """A registry whose families are collected with a GIL hand-over between two: another
+    thread waiting for the GIL (the lease renewer) gets it after one family's rendering
+    rather than after a switch interval lost to whichever thread the OS woke first."""
+
+    def __init__(self, registry: Any) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Any]:
+        for family in self._registry.collect():
+            yield family
+            time.sleep(0)
 
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     # Several workers (or a quick restart) on one host must not fight over TIME_WAIT.
     allow_reuse_address = True
+    # Connections waiting to be accepted; beyond them the kernel refuses.
+    request_queue_size = 64
 
     def __init__(self, address: tuple[str, int], worker: Worker,
-                 tracker: LagTracker | None, clock: Callable[[], float]) -> None:
+                 tracker: LagTracker | None, clock: Callable[[], float], *,
+                 max_connections: int = MAX_CONNECTIONS, timeout_s: float = TIMEOUT_S) -> None:
+        if max_connections < 1 or timeout_s <= 0:
+            raise ValueError("need max_connections >= 1 and timeout_s > 0")
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, _Handler)
         self.worker = worker
         self.tracker = tracker
         self.clock = clock
+        self.timeout_s = timeout_s
+        self.rendered = _Rendered()
+        self.max_connections = max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._refused = 0
+        self._warned_at: float | None = None
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread for the connection while a slot is free; else ``503`` and close, on
+        this (the accepting) thread, so a flood of connections costs no threads."""
+        if not self._slots.acquire(blocking=False):
+            self._refused += 1
+            now = time.monotonic()
+            if self._warned_at is None or now - self._warned_at >= _WARN_EVERY_S:
+                # once a minute at most: a flood must not turn into a flood of log lines
+                log.warning("ops endpoint: %d connections already open; refused %d "
+                            "connection(s), the last from %s", self.max_connections,
+                            self._refused, client_address[0])
+                self._warned_at, self._refused = now, 0
+            try:
+                request.settimeout(1.0)
+                request.sendall(_BUSY)
+            except OSError:
+                log.debug("ops endpoint: refusing %s failed", client_address, exc_info=True)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hung up or stalled is its own business: DEBUG, no traceback on
+        stderr (socketserver's default)."""
+        log.debug("ops endpoint: connection from %s ended early", client_address,
+                  exc_info=True)
 
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.timeout_s)
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
@@ -62,17 +176,27 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(200 if healthy else 503, "text/plain; charset=utf-8",
                            b"ok\n" if healthy else b"unhealthy: leases are not being renewed\n")
             elif path == "/status":
-                body = json.dumps(self._status(), indent=2, sort_keys=True, default=str)
-                self._send(200, "application/json", body.encode() + b"\n")
+                self._send(200, *self.server.rendered.get(("/status", ""), self._status_json))
             else:
                 self._send(404, "text/plain; charset=utf-8", b"not found\n")
+        except _HUNG_UP:
+            log.debug("ops endpoint: the client of %s went away", path, exc_info=True)
         except Exception:
             log.exception("ops endpoint: %s failed", path)
-            self._send(500, "text/plain; charset=utf-8", b"internal error\n")
+            try:
+                self._send(500, "text/plain; charset=utf-8", b"internal error\n")
+            except _HUNG_UP:
+                log.debug("ops endpoint: the client of %s went away", path)
 
     def _metrics(self) -> None:
         encoder, content_type = exposition.choose_encoder(self.headers.get("Accept", ""))
-        self._send(200, content_type, encoder(self.server.worker.metrics.registry))
+        registry = _Yielding(self.server.worker.metrics.registry)
+        self._send(200, *self.server.rendered.get(
+            ("/metrics", content_type), lambda: (content_type, encoder(registry))))
+
+    def _status_json(self) -> tuple[str, bytes]:
+        body = json.dumps(self._status(), indent=2, sort_keys=True, default=str)
+        return "application/json", body.encode() + b"\n"
 
     def _status(self) -> dict[str, Any]:
         status = dict(self.server.worker.status())
@@ -88,8 +212,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-store")
+        self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(body)
+        self.close_connection = True
 
     def log_message(self, format: str, *args: Any) -> None:
         # http.server writes every request to stderr; scrapes every few seconds are noise.
@@ -203,14 +329,19 @@ def serve_worker(
     lag_interval_s: float = 30.0,
     lag_records_limit: int = 1000,
     clock: Callable[[], float] = time.monotonic,
+    max_connections: int = MAX_CONNECTIONS,
+    timeout_s: float = TIMEOUT_S,
 ) -> RunningServer:
     """Serve ``worker``'s /metrics, /healthz and /status on ``host:port`` (0: any free port).
 
     ``lag_window_s=None`` turns lag sampling off, and with it the Kinesis calls it costs
     (per held shard and ``lag_interval_s``: one GetShardIterator and one GetRecords).
+    ``max_connections`` and ``timeout_s`` bound what clients can cost (see the module
+    docstring).
     """
     tracker = LagTracker(lag_window_s) if lag_window_s is not None else None
-    httpd = _Server((host, port), worker, tracker, clock)
+    httpd = _Server((host, port), worker, tracker, clock, max_connections=max_connections,
+                    timeout_s=timeout_s)
     sampler = None
     if tracker is not None:
         sampler = _LagSampler(worker, tracker, lag_interval_s, lag_records_limit, clock)

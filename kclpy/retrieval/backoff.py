@@ -47,6 +47,9 @@ _THROTTLING_CODES = frozenset(
 _SERVER_ERROR_CODES = frozenset(
     {
         "InternalFailure",
+        # the same failure sent as an exception event inside a SubscribeToShard stream,
+        # where the member name (with its suffix) is the code
+        "InternalFailureException",
         "InternalServerError",
         "InternalError",
         "ServiceUnavailable",

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import urllib3
+from botocore.eventstream import ParserError
 from botocore.exceptions import ClientError
 
 from kclpy.metrics import Metrics
-from kclpy.retrieval.backoff import CONNECTION, IN_USE, classify
+from kclpy.retrieval.backoff import CONNECTION, IN_USE, SERVER_ERROR, classify
 from kclpy.retrieval.subscription import SubscribeEvent, subscribe
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ class ShardSubscription:
         """Java's rule: the first subscription starts at the start position, every later
         one after the last event's continuation, or the last record handled."""
         after = self.continuation
-        if after is None or not after.isdigit() or after == "0":
+        if after is None or not (after.isascii() and after.isdigit()) or after == "0":
             # no continuation yet (kinesis-mock answers "0" for a shard with nothing read)
             after = last_sequence_number
         return after
@@ -109,10 +110,17 @@ class ShardSubscription:
 
 def classify_subscribe(exc: BaseException) -> str | None:
     """GetRecords' retryable kinds, plus a subscription still open on the shard (the
-    previous one, not yet closed by the service) and a dropped streaming connection."""
+    previous one, not yet closed by the service), a dropped streaming connection, and a
+    frame that does not decode (a checksum mismatch, an impossible length: botocore's
+    event-stream ``ParserError``). The Java KCL restarts the subscription after any of these
+    (and after ``InternalFailureException``/``KMSThrottlingException`` events, which
+    ``classify`` knows); the next subscription resumes after the last event handled, so a
+    damaged frame costs a reconnection, never a record."""
     if isinstance(exc, ClientError) and exc.response.get("Error", {}).get(
             "Code") == "ResourceInUseException":
         return IN_USE
     if isinstance(exc, (urllib3.exceptions.HTTPError, httpx.TransportError)):
         return CONNECTION
+    if isinstance(exc, ParserError):
+        return SERVER_ERROR
     return classify(exc)

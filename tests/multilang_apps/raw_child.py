@@ -4,11 +4,13 @@ produces: each daemon action is answered with the lines scripted in ``KCLPY_TEST
 Every message received is logged to ``KCLPY_TEST_OUTPUT`` with the working directory.
 
 ``KCLPY_TEST_LINGER=1`` makes it ignore the end of its input (and start a grandchild that
-would outlive it), to be killed by the daemon.
+would outlive it), to be killed by the daemon. ``KCLPY_TEST_HANG=<action>`` makes it hang
+(sleep, ignoring SIGTERM) once that action arrives, as a slow shutdown handler does.
 """
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -32,6 +34,9 @@ for line in sys.stdin:
     action = message["action"]
     if action == "checkpoint":
         continue
+    if action == os.environ.get("KCLPY_TEST_HANG"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(3600)
     answer = script.get(action, [json.dumps({"action": "status", "responseFor": action})])
     if isinstance(answer, str) and answer.startswith("exit:"):
         sys.exit(int(answer.split(":", 1)[1]))

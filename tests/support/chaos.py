@@ -85,6 +85,10 @@ FANOUT = "fanout"
 SUBSCRIBE = "SubscribeToShard"
 #: what the Kinesis proxy does to subscriptions, as its fault counters name it
 SUBSCRIPTION_FAULTS = ("cut_stream", "end_stream", "in_use", "throttle", "error_5xx")
+#: the exception events a SubscribeToShard stream carries for transient trouble, which the
+#: fan-out variant with ``subscription_exception_rate`` injects part way through
+EXCEPTION_EVENTS = ("InternalFailureException", "KMSThrottlingException",
+                    "ResourceInUseException")
 
 _PLAIN_BATCH = 250
 _AGGREGATES_PER_BATCH = 10
@@ -152,6 +156,9 @@ class ChaosSettings:
     stuck_after_s: float | None = None
     #: lag recovery (``--max-lag-ms``) on every worker; None: off
     max_lag_ms: int | None = None
+    #: fan-out: share of subscriptions ended at a cut point by an exception event, its type
+    #: drawn from EXCEPTION_EVENTS
+    subscription_exception_rate: float = 0.0
 
     @property
     def failover_s(self) -> float:
@@ -205,7 +212,8 @@ class ChaosResult:
         ]
         if s.retrieval_mode == FANOUT:
             faults = ", ".join(f"{kind} {self.subscription_faults[kind]}"
-                               for kind in SUBSCRIPTION_FAULTS)
+                               for kind in (*SUBSCRIPTION_FAULTS, *EXCEPTION_EVENTS)
+                               if kind in SUBSCRIPTION_FAULTS or self.subscription_faults[kind])
             outcomes = ", ".join(f"{outcome} {n}" for outcome, n in
                                  sorted(self.subscription_outcomes.items()))
             lines += [
@@ -633,7 +641,9 @@ class ChaosRig:
                 error_5xx_rate=server_error, cut_stream_rate=settings.subscription_cut_rate,
                 end_stream_rate=settings.subscription_end_rate,
                 stream_cut_frames=settings.subscription_cut_events,
-                stream_cut_s=settings.subscription_cut_s)
+                stream_cut_s=settings.subscription_cut_s,
+                stream_exception_rate=settings.subscription_exception_rate,
+                stream_exceptions=EXCEPTION_EVENTS)
         self.dynamodb_proxy.set_rule("*", error_5xx_rate=settings.dynamodb_5xx_rate)
         self.sampler = LeaseSampler(dynamodb_client(dynamodb_url), self.application).start()
         stack.callback(self.sampler.stop)
@@ -733,6 +743,9 @@ def run_chaos(
             proxy = rig.kinesis_proxy
             result.subscription_faults = Counter(
                 {kind: proxy.faults(kind, SUBSCRIBE) for kind in SUBSCRIPTION_FAULTS})
+            result.subscription_faults.update(
+                {name: proxy.faults(f"exception_event:{name}", SUBSCRIBE)
+                 for name in EXCEPTION_EVENTS})
             result.subscribe_calls = proxy.requests(SUBSCRIBE)
             arn = rig.kinesis.describe_stream_summary(StreamName=rig.stream)[
                 "StreamDescriptionSummary"]["StreamARN"]

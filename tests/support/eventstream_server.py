@@ -41,7 +41,8 @@ class Step:
     """One connection's answer: ``events`` in order, then ``then``: ``end`` (close the
     stream cleanly, as when a subscription's five minutes are over), ``drop`` (cut the
     connection in the middle of a frame), ``error`` (an HTTP 400 error answer instead of
-    events) or ``exception`` (an exception event after the events)."""
+    events), ``exception`` (an exception event after the events) or ``corrupt`` (a frame
+    whose checksum does not match after the events)."""
 
     events: Sequence[Event] = ()
     then: str = "end"
@@ -71,6 +72,13 @@ def event_frame(event: Event) -> bytes:
     }).encode()
     return encode_frame({":message-type": "event", ":event-type": "SubscribeToShardEvent",
                          ":content-type": "application/json"}, payload)
+
+
+def corrupt_frame() -> bytes:
+    """An event frame with its last checksum byte flipped, as a damaged stream delivers."""
+    frame = bytearray(event_frame(Event([("998", b"damaged")], "998")))
+    frame[-1] ^= 0xFF
+    return bytes(frame)
 
 
 def _handler(script: Script) -> type[BaseHTTPRequestHandler]:
@@ -109,6 +117,8 @@ def _handler(script: Script) -> type[BaseHTTPRequestHandler]:
                                           ":exception-type": step.error_code,
                                           ":content-type": "application/json"},
                                          b'{"message":"scripted"}'))
+            if step.then == "corrupt":
+                self._chunk(corrupt_frame())
             self.wfile.write(b"0\r\n\r\n")
             self.close_connection = True
 
@@ -178,6 +188,8 @@ def _h2_answer(conn: h2.connection.H2Connection, sock: socket.socket, stream_id:
                                                 ":exception-type": step.error_code,
                                                 ":content-type": "application/json"},
                                                b'{"message":"scripted"}'))
+    if step.then == "corrupt":
+        conn.send_data(stream_id, corrupt_frame())
     conn.end_stream(stream_id)
     return True
 

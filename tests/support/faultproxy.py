@@ -13,7 +13,9 @@ Streamed answers (SubscribeToShard's event stream, which has no length and lasts
 minutes) are relayed as they arrive, never buffered whole, and can be cut part way: after a
 number of event-stream frames, in the middle of the next one, or after a time, as when a
 subscription's connection breaks; or ended early and cleanly at a frame boundary, as the
-service ends every subscription after five minutes.
+service ends every subscription after five minutes; or ended at such a point with an
+exception event (``InternalFailureException``, ``KMSThrottlingException``, ...), as the service
+ends a subscription that failed part way.
 
 Answers can also be held back (:meth:`FaultProxy.hold_answers`): the request is forwarded and
 applied upstream at once, and only its answer is late, as when AWS retries a throttled write
@@ -43,6 +45,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any, Literal
 from urllib.parse import urlsplit
+
+from kclpy.retrieval.subscription import encode_frame
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +105,9 @@ class StreamCut:
     after_frames: int | None = None
     after_s: float | None = None
     clean: bool = False
+    #: end with an exception event of this type (then cleanly), as the service reports a
+    #: failure inside a subscription
+    exception: str | None = None
 
     def __post_init__(self) -> None:
         if self.after_frames is None and self.after_s is None:
@@ -122,6 +129,8 @@ class _Rule:
     end_stream_rate: float = 0.0
     stream_cut_frames: tuple[int, int] | None = DEFAULT_CUT_FRAMES
     stream_cut_s: tuple[float, float] | None = None
+    stream_exception_rate: float = 0.0
+    stream_exceptions: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -235,6 +244,8 @@ class FaultProxy:
         end_stream_rate: float = 0.0,
         stream_cut_frames: tuple[int, int] | None = DEFAULT_CUT_FRAMES,
         stream_cut_s: tuple[float, float] | None = None,
+        stream_exception_rate: float = 0.0,
+        stream_exceptions: tuple[str, ...] = (),
     ) -> None:
         """Replace the rule for ``operation`` (or ``"*"``).
 
@@ -245,10 +256,15 @@ class FaultProxy:
 
         A request drawn for ``cut_stream`` or ``end_stream`` then draws its cut point from
         the same generator: a number of whole frames from ``stream_cut_frames`` (bounds
-        included) and a time from ``stream_cut_s`` (None: not on that count).
+        included) and a time from ``stream_cut_s`` (None: not on that count). One drawn for
+        ``stream_exception_rate`` is ended there with an exception event whose type is drawn
+        from ``stream_exceptions`` (counted as ``exception_event`` and
+        ``exception_event:<type>``).
         """
         rates = (throttle_rate, error_5xx_rate, drop_rate, lose_response_rate, in_use_rate,
-                 cut_stream_rate, end_stream_rate)
+                 cut_stream_rate, end_stream_rate, stream_exception_rate)
+        if stream_exception_rate and not stream_exceptions:
+            raise ValueError("stream_exception_rate needs the stream_exceptions to draw from")
         if any(not 0.0 <= rate <= 1.0 for rate in rates) or sum(rates) > 1.0:
             raise ValueError(f"fault rates must be within [0, 1] and sum to at most 1: {rates}")
         if latency_s < 0:
@@ -262,6 +278,7 @@ class FaultProxy:
         rule = _Rule(
             throttle_rate, error_5xx_rate, drop_rate, lose_response_rate, latency_s, respond,
             in_use_rate, cut_stream_rate, end_stream_rate, stream_cut_frames, stream_cut_s,
+            stream_exception_rate, tuple(stream_exceptions),
         )
         with self._lock:
             self._rules[operation] = rule
@@ -373,6 +390,11 @@ class FaultProxy:
                 ("end_stream", rule.end_stream_rate),
             )
             draw = self._random.random()
+            if draw >= 1.0 - rule.stream_exception_rate:
+                cut = self._draw_cut(rule, clean=True)
+                name = self._random.choice(rule.stream_exceptions)
+                return rule.latency_s, StreamCut(cut.after_frames, cut.after_s, True,
+                                                 name), None
             for kind, rate in slices:
                 if draw < rate:
                     if kind in ("cut_stream", "end_stream"):
@@ -402,6 +424,10 @@ class FaultProxy:
 
     def _count_cut(self, cut: StreamCut, operation: str) -> None:
         with self._lock:
+            if cut.exception is not None:
+                self._faults[("exception_event", operation)] += 1
+                self._faults[(f"exception_event:{cut.exception}", operation)] += 1
+                return
             self._faults[("end_stream" if cut.clean else "cut_stream", operation)] += 1
 
     def _count_respond(self, operation: str) -> None:
@@ -680,7 +706,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         while True:
             while framed and (size := _frame_size(pending)) is not None and size <= len(pending):
                 if cut.after_frames is not None and sent >= cut.after_frames:
-                    self._cut(bytes(pending[: size // 2]), cut.clean)
+                    self._cut(bytes(pending[: size // 2]), cut.clean, cut.exception)
                     return True
                 self._write_chunk(bytes(pending[:size]))
                 del pending[:size]
@@ -693,13 +719,13 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             if deadline is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or upstream is None or upstream.sock is None:
-                    self._cut(bytes(pending), cut.clean)
+                    self._cut(bytes(pending), cut.clean, cut.exception)
                     return True
                 upstream.sock.settimeout(remaining)
             try:
                 chunk = response.read1(65536)
             except TimeoutError:
-                self._cut(bytes(pending), cut.clean)
+                self._cut(bytes(pending), cut.clean, cut.exception)
                 return True
             if not chunk:
                 if pending:
@@ -708,10 +734,16 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 return False
             pending += chunk
 
-    def _cut(self, partial: bytes, clean: bool) -> None:
+    def _cut(self, partial: bytes, clean: bool, exception: str | None = None) -> None:
         """End the answer here: cleanly with the final chunk (``partial``, an unfinished
-        frame, is withheld), or by closing the connection after ``partial``, the part of a
-        frame whose end the client will never see."""
+        frame, is withheld), after an exception event of type ``exception`` if given, or by
+        closing the connection after ``partial``, the part of a frame whose end the client
+        will never see."""
+        if exception is not None:
+            self._write_chunk(encode_frame(
+                {":message-type": "exception", ":exception-type": exception,
+                 ":content-type": "application/json"},
+                json.dumps({"message": f"FaultProxy: {exception}"}).encode()))
         if clean:
             self._write_chunk(b"")
             return
