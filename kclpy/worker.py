@@ -32,6 +32,7 @@ from kclpy.leases.lease import AT_TIMESTAMP, Lease
 from kclpy.leases.streams import ActiveStream, StreamSet
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
+from kclpy.multilang.process import kill_all as kill_children
 from kclpy.processor import IRecordProcessor
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
@@ -494,10 +495,18 @@ class Worker:
         for consumer in consumers.values():
             consumer.request_shutdown()
         deadline = time.monotonic() + self.config.shutdown_grace_ms / 1000
+        late = False
         for shard_id, consumer in consumers.items():
             if not consumer.join(max(0.0, deadline - time.monotonic())):
+                late = True
                 log.warning("shard %s: shutdown_requested did not finish within the grace "
                             "period; releasing the lease anyway", shard_id)
+        if late:
+            # A MultiLang child still busy must not keep processing once its lease moves on.
+            killed = kill_children()
+            if killed:
+                log.warning("killed %d MultiLang child(ren) still running after the grace "
+                            "period", killed)
         if self.coordinator is not None:
             self.coordinator.stop(release=True)
         if self._cloudwatch is not None:
