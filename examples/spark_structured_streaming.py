@@ -57,6 +57,8 @@ def main() -> int:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYTHONPATH", os.path.dirname(os.path.dirname(kclpy.__file__)))
 
+    # no Java installed: use the runtime the kclpy[spark] extra brings (a set-up Java wins)
+    kclpy.spark.ensure_java()
     spark = SparkSession.builder.appName("kclpy-structured-streaming").getOrCreate()
     kclpy.spark.register(spark)
     reader = (spark.readStream.format("kinesis")
