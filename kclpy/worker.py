@@ -222,6 +222,8 @@ class Worker:
         while True:
             attempt += 1
             try:
+                # the streams first: a misspelled stream creates nothing (firsthour, issue 29)
+                self.streams.refresh(starting=True)
                 self.lease_table.create_if_missing()
                 if self.state_store is not None:
                     self.state_store.open(self.dynamodb)

@@ -154,7 +154,7 @@ def test_levels_and_dimensions_are_validated_naming_the_option() -> None:
     assert (parse_level("Detailed"), parse_level("NONE")) == (DETAILED, 0)
     assert parse_dimensions("ALL") == parse_dimensions("ShardId,StreamId,WorkerIdentifier")
     base: dict[str, Any] = {"application_name": "a", "stream_name": "s"}
-    with pytest.raises(ConfigError, match="--metrics-level: 'verbose' is not one of"):
+    with pytest.raises(ConfigError, match="metrics_level: 'verbose' is not one of"):
         KCLConfig(**base, metrics_level="verbose")
     values, labels = from_properties({"applicationName": "a", "streamName": "s",
                                       "metricsEnabledDimensions": "Operation,Shard"})

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, cast
 
 from kclpy.config import KCLConfig
 from kclpy.errors import ConfigError
 from kclpy.loading import load_object
 from kclpy.metrics import Metrics
+from kclpy.progress import reporting_progress
 from kclpy.spark.arrow import Decoder
 from kclpy.spark.batcher import BatchOptions, ForeachBatch, MicroBatcher
 from kclpy.spark.java import ensure_java
@@ -34,13 +36,15 @@ def run_worker(
     decode: Decoder | None = None,
     metrics: Metrics | None = None,
     on_started: Callable[[Any], None] | None = None,
+    progress_interval_s: float = 0,
 ) -> None:
     """Consume ``config``'s stream, handing micro-batches to ``foreach_batch(df, batch_id)``.
 
     Blocks until the worker shuts down (SIGTERM/SIGINT on the main thread, or
     ``worker.shutdown()`` from ``on_started``'s argument). ``spark`` defaults to
     ``SparkSession.builder.getOrCreate()``. Raises ``WorkerFatalError`` when the worker or
-    the batch loop stopped on an error.
+    the batch loop stopped on an error. ``config.metrics_port`` serves /metrics, /healthz and
+    /status as for any worker; ``progress_interval_s`` logs a progress line that often.
     """
     from kclpy.worker import Worker, WorkerFatalError
 
@@ -56,13 +60,25 @@ def run_worker(
     batcher.on_fatal = lambda exc: worker.shutdown()
     batcher.start()
     try:
-        if on_started is not None:
-            on_started(worker)
-        worker.run()
+        with _serving(worker), reporting_progress(metrics, worker.status, progress_interval_s):
+            if on_started is not None:
+                on_started(worker)
+            worker.run()
     finally:
         batcher.stop()
     if batcher.error is not None:
         raise WorkerFatalError(f"spark batch loop failed: {batcher.error!r}") from batcher.error
+
+
+def _serving(worker: Any) -> AbstractContextManager[Any]:
+    port = worker.config.metrics_port
+    if port is None:
+        return nullcontext()
+    from kclpy.ops.server import serve_worker
+
+    log.info("serving /metrics, /healthz and /status on %s:%s", worker.config.metrics_host,
+             port)
+    return serve_worker(worker, worker.config.metrics_host, port)
 
 
 def load_callable(spec: str, option: str) -> Callable[..., Any]:
@@ -81,6 +97,7 @@ def run_spark_batch_worker(
     decode_spec: str | None = None,
     options: BatchOptions | None = None,
     spark: Any = None,
+    progress_interval_s: float = 0,
 ) -> int:
     """``kclpy-worker --spark-batch pkg.module:function``: the exit code (0 after a clean
     shutdown, 1 after a fatal error).
@@ -93,7 +110,8 @@ def run_spark_batch_worker(
     foreach_batch = load_callable(foreach_batch_spec, "--spark-batch")
     decode = load_callable(decode_spec, "--spark-decode") if decode_spec else None
     try:
-        run_worker(config, foreach_batch, spark=spark, options=options, decode=decode)
+        run_worker(config, foreach_batch, spark=spark, options=options, decode=decode,
+                   progress_interval_s=progress_interval_s)
     except WorkerFatalError as exc:
         log.error("kclpy spark worker stopped: %s", exc)
         return 1
