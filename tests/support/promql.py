@@ -13,6 +13,7 @@ returned something at every evaluation over that long.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -23,8 +24,9 @@ Labels = frozenset[tuple[str, str]]
 Vector = dict[Labels, float]
 
 _DURATION = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-_TOKEN = re.compile(r"""\s*(?:(?P<num>\d+(?:\.\d+)?)(?P<unit>[smhd])?(?![\w])|(?P<name>[a-zA-Z_:][\w:]*)
-                        |(?P<str>"[^"]*")|(?P<op>==|!=|>=|<=|[><(){}\[\],=]))""", re.VERBOSE)
+_TOKEN = re.compile(r"""\s*(?:(?P<num>\d+(?:\.\d+)?)(?P<unit>[smhd])?(?![\w])
+                        |(?P<name>[a-zA-Z_:][\w:]*)|(?P<str>"[^"]*")
+                        |(?P<op>==|!=|>=|<=|[><(){}\[\],=]))""", re.VERBOSE)
 _COMPARISONS: dict[str, Callable[[float, float], bool]] = {
     ">": lambda a, b: a > b, "<": lambda a, b: a < b, ">=": lambda a, b: a >= b,
     "<=": lambda a, b: a <= b, "==": lambda a, b: a == b, "!=": lambda a, b: a != b}
@@ -195,7 +197,7 @@ class RangeFunction(Expr):
             if len(inside) < 2:
                 continue
             increase = 0.0
-            for (_, before), (_, after) in zip(inside, inside[1:], strict=False):
+            for (_, before), (_, after) in itertools.pairwise(inside):
                 increase += after - before if after >= before else after  # a counter reset
             span = inside[-1][0] - inside[0][0]
             rate = increase / span
