@@ -21,6 +21,7 @@ from kclpy.local import LocalEndpoint
 from kclpy.local.demo import DEMO_AGGREGATES, DEMO_PLAIN_RECORDS, DEMO_RECORDS_PER_AGGREGATE
 from kclpy.metrics import Metrics
 from kclpy.progress import ProgressReporter, Totals, progress_line, totals
+from tests.support.programs import path_without
 from tests.support.streams import create_stream, dynamodb_client, kinesis_client, unique_name
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -415,3 +416,21 @@ def test_progress_interval_zero_is_off_and_a_negative_one_is_refused(tmp_path: P
     result = run_worker(tmp_path, "--local", "--processor", "x:Y", "--progress-interval", "-1")
     assert error_lines(result) == [
         "kclpy-worker: error: --progress-interval: must be a number of seconds >= 0 (0: off)"]
+
+
+# -- the test command ------------------------------------------------------------------------
+
+
+def test_the_test_command_without_node_stops_at_once_in_one_line(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "KCLPY_TEST_ENDPOINT"}
+    env["PATH"] = path_without(tmp_path / "bin", os.environ.get("PATH", os.defpath),
+                               ("node", "nodejs", "npm", "npx"))
+    env["PYTHONPATH"] = str(ROOT)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                             "tests/test_project.py"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120, check=False)
+    output = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert result.returncode == 4
+    assert len(output) == 1 and output[0].startswith(
+        "ERROR: kclpy's integration tests need Node.js (for kinesis-mock)"), output
+    assert "apt-get install nodejs npm" in output[0]

@@ -18,32 +18,17 @@ import pyarrow.parquet as pq
 import pytest
 
 from kclpy.local.demo import DEMO_AGGREGATES, DEMO_PLAIN_RECORDS, DEMO_RECORDS_PER_AGGREGATE
+from tests.support.programs import path_without
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_RECORDS = DEMO_PLAIN_RECORDS + DEMO_AGGREGATES * DEMO_RECORDS_PER_AGGREGATE
 _JAVA_PROGRAMS = frozenset({"java", "javac", "jar", "jshell", "jrunscript", "keytool"})
 
 
-def path_without_java(folder: Path, path: str) -> str:
-    """A PATH of one folder linking every program on ``path`` but Java's (which sits in
-    /usr/bin beside everything else, so no PATH of real folders can leave it out)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for directory in path.split(os.pathsep):
-        if not directory or not os.path.isdir(directory):
-            continue
-        for entry in sorted(os.listdir(directory)):
-            link = folder / entry
-            target = Path(directory) / entry
-            if entry in _JAVA_PROGRAMS or link.exists() or link.is_symlink():
-                continue
-            if target.is_file() and os.access(target, os.X_OK):
-                link.symlink_to(target)
-    return str(folder)
-
-
 def no_java_environment(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("JAVA_HOME", "SPARK_HOME")}
-    env["PATH"] = path_without_java(tmp_path / "bin", os.environ.get("PATH", os.defpath))
+    env["PATH"] = path_without(tmp_path / "bin", os.environ.get("PATH", os.defpath),
+                               _JAVA_PROGRAMS)
     env["KCLPY_CACHE_DIR"] = str(tmp_path / "cache")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["PYSPARK_PYTHON"] = sys.executable
