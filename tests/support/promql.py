@@ -220,8 +220,9 @@ class Aggregate(Expr):
             else:
                 key = frozenset((k, v) for k, v in labels if k not in self.labels)
             groups.setdefault(key, []).append(value)
-        reduce = {"sum": sum, "max": max, "min": min}[self.operator]
-        return {key: float(reduce(values)) for key, values in groups.items()}
+        reduce: dict[str, Callable[[list[float]], float]] = {"sum": sum, "max": max,
+                                                             "min": min}
+        return {key: float(reduce[self.operator](values)) for key, values in groups.items()}
 
 
 @dataclass
