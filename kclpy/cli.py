@@ -18,7 +18,7 @@ from botocore.exceptions import BotoCoreError
 
 from kclpy.arguments import early_log_level, parse_worker_args
 from kclpy.config import OPTIONS_BY_NAME, KCLConfig
-from kclpy.errors import ConfigError
+from kclpy.errors import ConfigError, cannot_heal
 from kclpy.loading import load_object
 from kclpy.metrics import Metrics
 from kclpy.processor import IRecordProcessor
@@ -123,6 +123,10 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         log.debug("the fatal error's traceback", exc_info=True)
         return 1
     except Exception as exc:
+        if cannot_heal(exc):
+            print(f"kclpy-worker: error: {exc} (retrying cannot help: check the credentials "
+                  "and their permissions)", file=sys.stderr)
+            return 1
         log.error("worker failed: %s: %s (--log-level DEBUG shows the traceback)",
                   type(exc).__name__, exc)
         log.debug("the failure's traceback", exc_info=True)

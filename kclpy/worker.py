@@ -26,7 +26,7 @@ from botocore.exceptions import InvalidRegionError, NoRegionError
 from kclpy.cloudwatch import NONE, CloudWatchPublisher, parse_dimensions, parse_level
 from kclpy.config import KCLConfig
 from kclpy.consumer import ConsumerSettings, FatalProcessorError, FetcherLike, ShardConsumer
-from kclpy.errors import ConfigError, KCLError
+from kclpy.errors import ConfigError, KCLError, cannot_heal
 from kclpy.leases.coordinator import LeaseCoordinator
 from kclpy.leases.lease import AT_TIMESTAMP, Lease
 from kclpy.leases.streams import ActiveStream, StreamSet
@@ -233,7 +233,8 @@ class Worker:
                 raise
             except Exception as exc:
                 self.metrics.initialization_failures.labels(type(exc).__name__).inc()
-                if attempt == cfg.max_initialization_attempts:
+                # credentials or permissions: retrying cannot help (firsthour, issue 29)
+                if attempt == cfg.max_initialization_attempts or cannot_heal(exc):
                     raise
                 log.warning("worker %s: start-up attempt %d of %d failed (%s: %s); retrying "
                             "in %.1f s", cfg.worker_id, attempt, cfg.max_initialization_attempts,

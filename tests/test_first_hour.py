@@ -21,6 +21,7 @@ from kclpy.local import LocalEndpoint
 from kclpy.local.demo import DEMO_AGGREGATES, DEMO_PLAIN_RECORDS, DEMO_RECORDS_PER_AGGREGATE
 from kclpy.metrics import Metrics
 from kclpy.progress import ProgressReporter, Totals, progress_line, totals
+from tests.support.faultproxy import ALL, FaultProxy
 from tests.support.programs import path_without
 from tests.support.streams import create_stream, dynamodb_client, kinesis_client, unique_name
 
@@ -225,6 +226,30 @@ def test_no_credentials_end_start_up_at_once_in_one_line(tmp_path: Path) -> None
     lines = error_lines(result)
     assert len(lines) == 1 and lines[0].startswith("kclpy-worker: error: no AWS credentials")
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.integration
+def test_rejected_credentials_end_start_up_at_once_in_one_line(
+        tmp_path: Path, moto_server: LocalEndpoint) -> None:
+    """AWS answers UnrecognizedClientException for a bad key: the first attempt is the last."""
+    rejected = (400, {"__type": "UnrecognizedClientException",
+                      "message": "The security token included in the request is invalid."})
+    with FaultProxy(moto_server.url) as proxy:
+        proxy.set_rule(ALL, respond=lambda body: rejected)
+        result = run_worker(tmp_path, "--stream-name", "orders", "--application-name",
+                            unique_name("rejected"), "--region", "us-east-1",
+                            "--kinesis-endpoint", proxy.url, "--dynamodb-endpoint", proxy.url,
+                            "--processor", "examples/printing_processor.py:PrintingProcessor")
+        attempts = proxy.requests(ALL)
+    assert result.returncode == 1
+    errors = [line for line in error_lines(result) if "error" in line.lower()]
+    assert len(errors) == 1
+    assert errors[0].startswith(
+        "kclpy-worker: error: An error occurred (UnrecognizedClientException)")
+    assert errors[0].endswith(
+        "(retrying cannot help: check the credentials and their permissions)")
+    assert "attempt 1 of" not in result.stderr and "Traceback" not in result.stderr
+    assert attempts == 1
 
 
 @pytest.mark.integration
