@@ -1,0 +1,48 @@
+"""``--spark-batch`` workers are workers: their ``--metrics-port`` serves /metrics, /healthz
+and /status, as any worker's does (it used to serve nothing)."""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+from typing import Any
+
+from kclpy import KCLConfig
+from kclpy.local import LocalEndpoint, free_port
+from kclpy.spark import run_worker
+from tests.support.streams import create_stream, kinesis_client, unique_name
+
+
+class NoSpark:
+    """Stands in for a SparkSession: an empty stream never makes a batch."""
+
+    def createDataFrame(self, table: Any) -> Any:
+        raise AssertionError("no batch was expected")
+
+
+def test_a_spark_batch_worker_serves_its_metrics_port(embedded_endpoint: LocalEndpoint) -> None:
+    stream = unique_name("spark-metrics")
+    create_stream(kinesis_client(embedded_endpoint.url), stream, 1)
+    port = free_port()
+    config = KCLConfig(application_name=unique_name("spark-metrics-app"), stream_name=stream,
+                       region="us-east-1", kinesis_endpoint=embedded_endpoint.url,
+                       dynamodb_endpoint=embedded_endpoint.url, metrics_port=port)
+    pages: dict[str, str] = {}
+
+    def probe(worker: Any) -> None:
+        def run() -> None:
+            try:
+                if worker.wait_started(60):
+                    for path in ("/metrics", "/healthz", "/status"):
+                        with urllib.request.urlopen(
+                                f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+                            pages[path] = response.read().decode()
+            finally:
+                worker.shutdown()
+
+        threading.Thread(target=run, daemon=True).start()
+
+    run_worker(config, lambda df, batch_id: None, spark=NoSpark(), on_started=probe)
+    assert "kclpy_leases_held" in pages["/metrics"]
+    assert set(pages) == {"/metrics", "/healthz", "/status"}
+    assert stream in pages["/status"]
