@@ -54,6 +54,7 @@ def run_worker(
         ensure_java()
         spark = SparkSession.builder.appName(f"kclpy-{config.application_name}").getOrCreate()
     metrics = metrics or Metrics()
+    metrics.register_spark()
     batcher = MicroBatcher(spark, foreach_batch, stream=config.stream_label, options=options,
                            decode=decode, metrics=metrics)
     worker = Worker(config, batcher.processor_factory, metrics=metrics)

@@ -46,3 +46,16 @@ def test_a_spark_batch_worker_serves_its_metrics_port(embedded_endpoint: LocalEn
     assert "kclpy_leases_held" in pages["/metrics"]
     assert set(pages) == {"/metrics", "/healthz", "/status"}
     assert stream in pages["/status"]
+
+
+def test_kclpy_spark_series_appear_only_on_workers_that_feed_spark() -> None:
+    from prometheus_client import generate_latest
+
+    from kclpy.metrics import Metrics
+
+    plain = Metrics()
+    assert "kclpy_spark_" not in generate_latest(plain.registry).decode()
+    spark = Metrics()
+    spark.register_spark()
+    spark.register_spark()
+    assert "kclpy_spark_batches_total 0.0" in generate_latest(spark.registry).decode()
