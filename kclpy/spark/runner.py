@@ -13,6 +13,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, cast
 
+import pyarrow as pa
+
 from kclpy.config import KCLConfig
 from kclpy.errors import ConfigError
 from kclpy.loading import load_object
@@ -56,7 +58,8 @@ def run_worker(
     metrics = metrics or Metrics()
     metrics.register_spark()
     batcher = MicroBatcher(spark, foreach_batch, stream=config.stream_label, options=options,
-                           decode=decode, metrics=metrics)
+                           decode=_checked(decode) if decode is not None else None,
+                           metrics=metrics)
     worker = Worker(config, batcher.processor_factory, metrics=metrics)
     batcher.on_fatal = lambda exc: worker.shutdown()
     batcher.start()
@@ -69,6 +72,23 @@ def run_worker(
         batcher.stop()
     if batcher.error is not None:
         raise WorkerFatalError(f"spark batch loop failed: {batcher.error!r}") from batcher.error
+
+
+def _checked(decode: Decoder) -> Decoder:
+    """``decode`` whose result is checked: a decoder written to return a dict per record (an
+    easy mistake) fails with what it must return, not with an attribute error deep in the
+    batch."""
+
+    def checked(data: pa.BinaryArray) -> pa.Table | pa.RecordBatch:
+        result = decode(data)
+        if not isinstance(result, (pa.Table, pa.RecordBatch)):
+            raise TypeError(f"the decoder (--spark-decode) returned a "
+                            f"{type(result).__name__}; it must return a pyarrow.Table with "
+                            f"one row per record of the pyarrow.BinaryArray it is given "
+                            f"(docs/spark.md, Decoded columns)")
+        return result
+
+    return checked
 
 
 def _serving(worker: Any) -> AbstractContextManager[Any]:

@@ -1,5 +1,6 @@
 """``--spark-batch`` workers are workers: their ``--metrics-port`` serves /metrics, /healthz
-and /status, as any worker's does (it used to serve nothing)."""
+and /status, as any worker's does (it used to serve nothing); ``kclpy_spark_*`` series only
+where Spark is fed; a decoder returning the wrong type is told what to return."""
 
 from __future__ import annotations
 
@@ -7,9 +8,15 @@ import threading
 import urllib.request
 from typing import Any
 
+import pyarrow as pa
+import pytest
+from prometheus_client import generate_latest
+
 from kclpy import KCLConfig
 from kclpy.local import LocalEndpoint, free_port
+from kclpy.metrics import Metrics
 from kclpy.spark import run_worker
+from kclpy.spark.runner import _checked
 from tests.support.streams import create_stream, kinesis_client, unique_name
 
 
@@ -49,13 +56,17 @@ def test_a_spark_batch_worker_serves_its_metrics_port(embedded_endpoint: LocalEn
 
 
 def test_kclpy_spark_series_appear_only_on_workers_that_feed_spark() -> None:
-    from prometheus_client import generate_latest
-
-    from kclpy.metrics import Metrics
-
     plain = Metrics()
     assert "kclpy_spark_" not in generate_latest(plain.registry).decode()
     spark = Metrics()
     spark.register_spark()
     spark.register_spark()
     assert "kclpy_spark_batches_total 0.0" in generate_latest(spark.registry).decode()
+
+
+def test_a_decoder_returning_dicts_is_told_what_to_return() -> None:
+    data = pa.array([b'{"a": 1}'], type=pa.binary())
+    with pytest.raises(TypeError, match=r"returned a dict; it must return a pyarrow.Table"):
+        _checked(lambda column: {"a": 1})(data)
+    table = pa.table({"a": [1]})
+    assert _checked(lambda column: table)(data) is table
