@@ -19,7 +19,7 @@ from kclpy.config import KCLConfig
 from kclpy.errors import ConfigError
 from kclpy.loading import load_object
 from kclpy.metrics import Metrics
-from kclpy.progress import reporting_progress
+from kclpy.progress import reporting_progress, totals
 from kclpy.spark.arrow import Decoder
 from kclpy.spark.batcher import BatchOptions, ForeachBatch, MicroBatcher
 from kclpy.spark.java import ensure_java
@@ -72,6 +72,13 @@ def run_worker(
         batcher.stop()
     if batcher.error is not None:
         raise WorkerFatalError(f"spark batch loop failed: {batcher.error!r}") from batcher.error
+    left = totals(metrics).records - batcher.stats.records
+    if config.stop_when_caught_up and left > 0:
+        # "drain and exit" that did not drain is not a success
+        raise WorkerFatalError(
+            f"stopped with {left:.0f} record(s) not committed to Spark (foreach_batch or "
+            f"the decoder kept failing; see the log): they were not checkpointed and are "
+            f"read again at the next start")
 
 
 def _checked(decode: Decoder) -> Decoder:

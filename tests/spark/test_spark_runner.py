@@ -15,9 +15,10 @@ from prometheus_client import generate_latest
 from kclpy import KCLConfig
 from kclpy.local import LocalEndpoint, free_port
 from kclpy.metrics import Metrics
-from kclpy.spark import run_worker
+from kclpy.spark import BatchOptions, run_worker
 from kclpy.spark.runner import _checked
-from tests.support.streams import create_stream, kinesis_client, unique_name
+from kclpy.worker import WorkerFatalError
+from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
 
 
 class NoSpark:
@@ -70,3 +71,25 @@ def test_a_decoder_returning_dicts_is_told_what_to_return() -> None:
         _checked(lambda column: {"a": 1})(data)
     table = pa.table({"a": [1]})
     assert _checked(lambda column: table)(data) is table
+
+
+def test_stop_when_caught_up_with_records_left_uncommitted_is_not_a_success(
+        embedded_endpoint: LocalEndpoint) -> None:
+    stream = unique_name("spark-undrained")
+    kinesis = kinesis_client(embedded_endpoint.url)
+    create_stream(kinesis, stream, 1)
+    put_plain(kinesis, stream, [b"a", b"b", b"c"])
+    config = KCLConfig(application_name=unique_name("spark-undrained-app"),
+                       stream_name=stream, region="us-east-1",
+                       kinesis_endpoint=embedded_endpoint.url,
+                       dynamodb_endpoint=embedded_endpoint.url,
+                       initial_position="TRIM_HORIZON", stop_when_caught_up=True)
+
+    def failing(column: pa.BinaryArray) -> pa.Table:
+        raise ValueError("injected: the decoder always fails")
+
+    options = BatchOptions(min_interval_s=0, max_interval_s=0.1, retry_base_s=0.05,
+                           retry_cap_s=0.1, drain_timeout_s=1)
+    with pytest.raises(WorkerFatalError, match=r"stopped with 3 record\(s\) not committed"):
+        run_worker(config, lambda df, batch_id: None, spark=NoSpark(), decode=failing,
+                   options=options)
