@@ -64,8 +64,11 @@ def main() -> int:
 
     kinesis_endpoint = dynamodb_endpoint = None
     if args.local:
-        from kclpy.local import start_embedded
-        from kclpy.local.demo import local_session, seed_demo_stream
+        try:
+            from kclpy.local import start_embedded
+            from kclpy.local.demo import local_session, seed_demo_stream
+        except ImportError:
+            parser.error("--local needs the embedded endpoint: pip install 'kclpy[local]'")
 
         endpoint = start_embedded()
         kinesis_endpoint = dynamodb_endpoint = endpoint.url

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kclpy import __version__
 from kclpy.config import (
     OPTIONS,
     KCLConfig,
@@ -25,6 +26,7 @@ from kclpy.errors import ConfigError
 from kclpy.streams import StreamConfig
 
 LOCAL_DEMO_NAME = "kclpy-demo"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: flags given once per stream of a multi-stream application
 _REPEATABLE = ("stream_name", "stream_arn")
 
@@ -53,9 +55,14 @@ def worker_parser() -> argparse.ArgumentParser:
                         help="hand micro-batches to foreach_batch(df, batch_id) at SPEC "
                              "(pkg.module:function) instead of running a processor")
     parser.add_argument("--spark-decode", metavar="SPEC",
-                        help="with --spark-batch: decode(record) -> dict of extra columns")
-    parser.add_argument("--log-level", default="INFO",
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+                        help="with --spark-batch: decode(data: pyarrow.BinaryArray) -> "
+                             "pyarrow.Table of extra columns, one row per record")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, metavar="LEVEL",
+                        choices=LOG_LEVELS, help="DEBUG, INFO, WARNING or ERROR (any case)")
+    parser.add_argument("--progress-interval", metavar="SECONDS", default="30",
+                        help="log a progress line (records, bytes, shards held, largest "
+                             "MillisBehindLatest) this often; 0 turns it off")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     for option in OPTIONS:
         if option.name in ("executable_name",):
             continue
@@ -72,8 +79,21 @@ def worker_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def early_log_level(argv: Sequence[str]) -> str:
+    """The ``--log-level`` of ``argv`` (INFO when absent or invalid), known before the rest
+    is parsed: reading a .properties file already logs what it changes."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--log-level", default="INFO", type=str.upper)
+    known, _ = parser.parse_known_args(list(argv))
+    level = str(known.log_level)
+    return level if level in LOG_LEVELS else "INFO"
+
+
 def parse_worker_args(argv: Sequence[str] | None) -> tuple[KCLConfig, argparse.Namespace]:
-    """Merge properties file, environment and flags (flags win) into a validated config."""
+    """Merge properties file, environment and flags (flags win) into a validated config.
+
+    ``args.labels`` maps each option given to the name the user gave it under (flag,
+    properties key or environment variable), for errors raised after parsing."""
     args = worker_parser().parse_args(argv)
     values: dict[str, Any] = {}
     labels: dict[str, str] = {}
@@ -104,6 +124,7 @@ def parse_worker_args(argv: Sequence[str] | None) -> tuple[KCLConfig, argparse.N
             values[option.name] = convert_cli_value(option.name, raw)
             labels[option.name] = option.flag
     if args.local:
+        _check_local(values, labels)
         values.setdefault("stream_name", LOCAL_DEMO_NAME)
         values.setdefault("application_name", LOCAL_DEMO_NAME)
         values.setdefault("initial_position", "TRIM_HORIZON")
@@ -112,6 +133,13 @@ def parse_worker_args(argv: Sequence[str] | None) -> tuple[KCLConfig, argparse.N
     if not args.processes.isdigit() or int(args.processes) < 1:
         raise ConfigError("--processes", f"{args.processes!r} is not a whole number >= 1")
     args.processes = int(args.processes)
+    try:
+        args.progress_interval = float(args.progress_interval)
+    except ValueError:
+        args.progress_interval = -1.0
+    if not args.progress_interval >= 0:
+        raise ConfigError("--progress-interval", "must be a number of seconds >= 0 (0: off)")
+    args.labels = labels
     if args.spark_decode and not args.spark_batch:
         raise ConfigError("--spark-decode", "needs --spark-batch")
     if args.spark_batch and (args.processor or args.local):
@@ -120,3 +148,29 @@ def parse_worker_args(argv: Sequence[str] | None) -> tuple[KCLConfig, argparse.N
         raise ConfigError("--processor", "is required (or executableName in --properties, "
                           "or --spark-batch)")
     return config, args
+
+
+#: what ``--local`` runs on, and cannot be pointed elsewhere
+_LOCAL_ENDPOINTS = ("kinesis_endpoint", "dynamodb_endpoint", "cloudwatch_endpoint")
+
+
+def _check_local(values: dict[str, Any], labels: dict[str, str]) -> None:
+    """Refuse, in one line each, what ``--local``'s embedded endpoint cannot serve; every
+    request it makes must stay on this machine."""
+    for field_name in _LOCAL_ENDPOINTS:
+        if values.get(field_name):
+            raise ConfigError(labels.get(field_name, field_name), "cannot be combined with "
+                              "--local, which serves every AWS API itself on 127.0.0.1")
+    if str(values.get("retrieval_mode", "polling")).lower() == "fanout" or values.get(
+            "consumer_arn"):
+        option = "consumer_arn" if values.get("consumer_arn") else "retrieval_mode"
+        raise ConfigError(labels.get(option, "--retrieval-mode"),
+                          "enhanced fan-out cannot run on --local: the embedded endpoint has "
+                          "no SubscribeToShard (use polling, or kinesis-mock: "
+                          "localstack/README.md)")
+    try:
+        import moto  # noqa: F401
+        import werkzeug  # noqa: F401
+    except ImportError:
+        raise ConfigError("--local", "needs the embedded endpoint, which is an extra: "
+                          "pip install 'kclpy[local]'") from None

@@ -4,19 +4,25 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import logging
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from kclpy.arguments import parse_worker_args
-from kclpy.config import KCLConfig
-from kclpy.errors import ConfigError
+import boto3
+from botocore.exceptions import BotoCoreError
+
+from kclpy.arguments import early_log_level, parse_worker_args
+from kclpy.config import OPTIONS_BY_NAME, KCLConfig
+from kclpy.errors import ConfigError, cannot_heal
 from kclpy.loading import load_object
 from kclpy.metrics import Metrics
 from kclpy.processor import IRecordProcessor
+from kclpy.progress import reporting_progress
 from kclpy.state.processor import StatefulProcessor
 from kclpy.supervisor import run_processes
 from kclpy.worker import Worker
@@ -34,6 +40,9 @@ def load_processor_class(spec: str, *, base_dir: Path | None = None) -> type[IRe
     if not inspect.isclass(cls):
         raise ConfigError("--processor", f"{spec!r} is not a class")
     missing = [m for m in _PROCESSOR_METHODS if not callable(getattr(cls, m, None))]
+    if missing and issubclass(cls, StatefulProcessor):
+        raise ConfigError("--processor", f"{spec!r} is a kclpy.StatefulProcessor: it needs "
+                          "--state-store (a DynamoDB table name or a database URL)")
     if missing:
         raise ConfigError("--processor", f"{spec!r} is not a record processor "
                           f"(missing {', '.join(missing)})")
@@ -63,44 +72,141 @@ def _processor_factory(config: KCLConfig, args: argparse.Namespace, metrics: Met
         response_timeout_s=float(config.timeout_in_seconds), stray_stdout=stray)
 
 
+def _import_from_current_folder() -> None:
+    """``--processor mypkg.audit:Printer`` run from the folder holding ``mypkg/`` imports it,
+    as ``python -m`` and uvicorn do; a console script's sys.path starts at its own folder."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.insert(0, cwd)
+
+
 def worker_main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # before parsing: a .properties file logs what it changes while it is read
+    _configure_logging(early_log_level(argv))
+    _import_from_current_folder()
     metrics = Metrics()
+    labels: dict[str, str] = {}
     try:
         config, args = parse_worker_args(argv)
+        labels = args.labels
         if args.processes > 1:
-            return run_processes(list(sys.argv[1:] if argv is None else argv), args.processes)
+            if args.local:
+                return _local_processes(config, argv, args.processes)
+            return run_processes(argv, args.processes)
         if args.spark_batch:
             return _spark_main(config, args)
         factory = _processor_factory(config, args, metrics)
     except ConfigError as exc:
-        print(f"kclpy-worker: error: {exc}", file=sys.stderr)
-        return 2
-    _configure_logging(args.log_level)
+        return _config_error(exc, labels)
     from kclpy.worker import WorkerFatalError
 
     try:
         if args.local:
             from kclpy.local import start_embedded
-            from kclpy.local.demo import local_session, seed_demo_stream
 
             with start_embedded() as endpoint:
-                config = config.replace(kinesis_endpoint=endpoint.url,
-                                        dynamodb_endpoint=endpoint.url)
-                session = local_session(config.region or "us-east-1")
-                seed_demo_stream(session, endpoint.url, config.stream_label)
-                _run(Worker(config, factory, metrics=metrics, session=session))
+                config, session = _on_local_endpoint(config, endpoint.url)
+                _run(Worker(config, factory, metrics=metrics, session=session),
+                     args.progress_interval)
         else:
-            _run(Worker(config, factory, metrics=metrics))
+            session = _session_with_credentials(config)
+            _run(Worker(config, factory, metrics=metrics, session=session),
+                 args.progress_interval)
     except ConfigError as exc:
+        return _config_error(exc, labels)
+    except _CannotStart as exc:
         print(f"kclpy-worker: error: {exc}", file=sys.stderr)
-        return 2
+        return 1
     except WorkerFatalError as exc:
         log.error("worker stopped on a fatal error: %s", exc)
+        log.debug("the fatal error's traceback", exc_info=True)
         return 1
     except Exception as exc:
-        log.exception("worker failed: %s", exc)
+        if cannot_heal(exc):
+            print(f"kclpy-worker: error: {exc} (retrying cannot help: check the credentials "
+                  "and their permissions)", file=sys.stderr)
+            return 1
+        log.error("worker failed: %s: %s (--log-level DEBUG shows the traceback)",
+                  type(exc).__name__, exc)
+        log.debug("the failure's traceback", exc_info=True)
         return 1
     return 0
+
+
+def _config_error(exc: ConfigError, labels: dict[str, str]) -> int:
+    """One line naming the option as the user gave it (flag, properties key, environment
+    variable); exit code 2."""
+    print(f"kclpy-worker: error: {user_label(exc, labels)}", file=sys.stderr)
+    return 2
+
+
+def user_label(exc: ConfigError, labels: dict[str, str]) -> str:
+    """``exc``'s message under the user's name for its option: the worker raises with the
+    flag (``--stream-arn``), the user may have written ``streamArn`` in a .properties file."""
+    by_flag = {OPTIONS_BY_NAME[name].flag: label for name, label in labels.items()
+               if name in OPTIONS_BY_NAME}
+    return f"{by_flag.get(exc.option, exc.option)}: {exc.message}"
+
+
+class _CannotStart(Exception):
+    """Start-up met something retrying cannot fix (no credentials at all)."""
+
+
+def _session_with_credentials(config: KCLConfig) -> boto3.session.Session:
+    """A session whose credentials resolved: without any, every start-up attempt would fail
+    the same way, so the worker is not started at all."""
+    session = boto3.session.Session(region_name=config.region)
+    try:
+        credentials = session.get_credentials()
+    except BotoCoreError as exc:
+        raise _CannotStart(f"AWS credentials could not be loaded: {exc}") from None
+    if credentials is None:
+        raise _CannotStart(
+            "no AWS credentials found (the standard chain: AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws/credentials, an instance or "
+            "container role); or try --local")
+    return session
+
+
+def _on_local_endpoint(config: KCLConfig, url: str) -> tuple[KCLConfig, boto3.session.Session]:
+    """``config`` pointed at the embedded endpoint for every AWS API it may call (CloudWatch
+    included), the demo stream seeded, and a session with dummy credentials: nothing leaves
+    the machine, and the user's real credentials are never used."""
+    from kclpy.local.demo import local_session, seed_demo_stream
+
+    config = config.replace(kinesis_endpoint=url, dynamodb_endpoint=url,
+                            cloudwatch_endpoint=url)
+    session = local_session(config.region or "us-east-1")
+    seed_demo_stream(session, url, config.stream_label)
+    return config, session
+
+
+def _local_processes(config: KCLConfig, argv: list[str], processes: int) -> int:
+    """``--local --processes N``: one embedded endpoint, started and seeded here, shared by
+    the N workers (each its own would give each worker every shard of its own copy)."""
+    from kclpy.local import start_embedded
+    from kclpy.local.demo import local_session, seed_demo_stream
+
+    with start_embedded() as endpoint:
+        region = config.region or "us-east-1"
+        seed_demo_stream(local_session(region), endpoint.url, config.stream_label)
+        # lowest precedence (below .properties and flags), as --local's own defaults are
+        shared = {
+            "KCLPY_STREAM_NAME": config.stream_name or "",
+            "KCLPY_APPLICATION_NAME": config.application_name,
+            "KCLPY_INITIAL_POSITION": config.initial_position,
+            "KCLPY_REGION": region,
+            "KCLPY_KINESIS_ENDPOINT": endpoint.url,
+            "KCLPY_DYNAMODB_ENDPOINT": endpoint.url,
+            "KCLPY_CLOUDWATCH_ENDPOINT": endpoint.url,
+            "AWS_ACCESS_KEY_ID": "kclpy-local",
+            "AWS_SECRET_ACCESS_KEY": "kclpy-local",
+        }
+        for name in ("AWS_SESSION_TOKEN", "AWS_PROFILE"):
+            os.environ.pop(name, None)
+        os.environ.update({k: v for k, v in shared.items() if v})
+        return run_processes([arg for arg in argv if arg != "--local"], processes)
 
 
 #: At DEBUG these print request headers and canonical requests, session tokens included.
@@ -125,21 +231,30 @@ def _spark_main(config: KCLConfig, args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ConfigError("--spark-batch", f"needs the spark extra: pip install "
                           f"'kclpy[spark]' ({exc})") from None
-    _configure_logging(args.log_level)
-    return run_spark_batch_worker(config, args.spark_batch, decode_spec=args.spark_decode)
+    return run_spark_batch_worker(config, args.spark_batch, decode_spec=args.spark_decode,
+                                  progress_interval_s=args.progress_interval)
 
 
-def _run(worker: Worker) -> None:
-    """Run the worker, with its /metrics, /healthz and /status endpoint when configured."""
+def _run(worker: Worker, progress_interval_s: float) -> None:
+    """Run the worker, with its /metrics, /healthz and /status endpoint when configured,
+    and a progress line every ``progress_interval_s`` (0: none)."""
+    with serving(worker), reporting_progress(worker.metrics, worker.status,
+                                             progress_interval_s):
+        worker.run()
+
+
+@contextlib.contextmanager
+def serving(worker: Worker) -> Iterator[None]:
+    """/metrics, /healthz and /status while the block runs, when a metrics port is set."""
     port = worker.config.metrics_port
     if port is None:
-        worker.run()
+        yield
         return
     from kclpy.ops.server import serve_worker
 
     with serve_worker(worker, worker.config.metrics_host, port) as server:
         log.info("serving /metrics, /healthz and /status on %s", server.url)
-        worker.run()
+        yield
 
 
 def main() -> None:

@@ -197,11 +197,13 @@ class CloudWatchPublisher:
         """One PutMetricData, retried on throttling, 5xx and connection errors (the same
         classification and full-jitter backoff as every other AWS call of kclpy)."""
         backoff = Backoff(BACKOFF_BASE_S, BACKOFF_CAP_S)
+        last: Exception | None = None
         for attempt in range(ATTEMPTS):
             try:
                 self._client.put_metric_data(Namespace=self.namespace, MetricData=batch)
                 return True
             except (ClientError, BotoCoreError) as exc:
+                last = exc
                 kind = classify(exc)
                 self._event("throttled" if kind == THROTTLED else "error", 1)
                 if kind is None:
@@ -210,7 +212,10 @@ class CloudWatchPublisher:
                 log.debug("PutMetricData failed (%s): %s", kind, exc)
             if attempt + 1 < ATTEMPTS:
                 self._sleep(backoff.next_delay())
-        log.warning("CloudWatch: %d datums dropped after %d attempts", len(batch), ATTEMPTS)
+        log.warning("CloudWatch: %d datums dropped after %d attempts to %s (last: %s)",
+                    len(batch), ATTEMPTS,
+                    getattr(getattr(self._client, "meta", None), "endpoint_url", "CloudWatch"),
+                    last)
         return False
 
     def _event(self, what: str, n: int) -> None:

@@ -110,7 +110,8 @@ class KCLConfig:
     properties_dir: Path | None = None
 
     def __post_init__(self) -> None:
-        validate(self, {})
+        # built from Python: errors name the keyword the caller wrote
+        validate(self, {}, keywords=True)
 
     @property
     def fan_out(self) -> bool:
@@ -131,7 +132,8 @@ class KCLConfig:
             return list(self.stream_tracker.stream_configs())
         if self.streams:
             return list(self.streams)
-        return [StreamConfig(name=self.stream_name, arn=self.stream_arn,
+        # the ARN wins over the name, as in Java: the stream is named after the ARN then
+        return [StreamConfig(name=self.api_stream_name, arn=self.stream_arn,
                              initial_position=self.initial_position,
                              initial_timestamp=self.initial_timestamp)]
 
@@ -148,10 +150,10 @@ class KCLConfig:
             return "(tracked streams)"
         if self.streams:
             return ",".join(stream.label for stream in self.streams)
-        if self.stream_name:
-            return self.stream_name
-        assert self.stream_arn is not None
-        return self.stream_arn.rsplit("/", 1)[-1]
+        if self.stream_arn:
+            return self.stream_arn.rsplit("/", 1)[-1]
+        assert self.stream_name is not None
+        return self.stream_name
 
     def replace(self, **changes: Any) -> KCLConfig:
         return dataclasses.replace(self, **changes)
@@ -433,11 +435,15 @@ _KIND_WORDS = {"int": "whole number", "int0": "whole number", "port": "port numb
 _REGION = re.compile(r"^[a-zA-Z0-9](?:[a-zA-Z0-9\-]{0,61}[a-zA-Z0-9])?$")
 
 
-def validate(config: KCLConfig, labels: Mapping[str, str]) -> None:
-    """Raise ConfigError naming the first bad option, under the name the user used."""
+def validate(config: KCLConfig, labels: Mapping[str, str], *, keywords: bool = False) -> None:
+    """Raise ConfigError naming the first bad option, under the name the user used: its
+    label (flag, properties key, environment variable) when given, else the keyword for a
+    config built in Python (``keywords``) and the flag for one built by the CLI."""
 
     def name(field_name: str) -> str:
-        return labels.get(field_name, OPTIONS_BY_NAME[field_name].flag)
+        if field_name in labels:
+            return labels[field_name]
+        return field_name if keywords else OPTIONS_BY_NAME[field_name].flag
 
     if not config.application_name or not str(config.application_name).strip():
         raise ConfigError(name("application_name"), "is required")
@@ -448,8 +454,7 @@ def validate(config: KCLConfig, labels: Mapping[str, str]) -> None:
                               "(a repeated flag) or with a tracker, not both")
         _validate_streams(config)
     elif not config.stream_name and not config.stream_arn:
-        raise ConfigError(labels.get("stream_name", "--stream-name"),
-                          "is required (or --stream-arn)")
+        raise ConfigError(name("stream_name"), f"is required (or {name('stream_arn')})")
     if config.stream_arn and not re.match(r"^arn:aws[\w-]*:kinesis:", config.stream_arn):
         raise ConfigError(name("stream_arn"), f"{config.stream_arn!r} is not a Kinesis stream ARN")
     if config.initial_position not in INITIAL_POSITIONS:
@@ -505,6 +510,27 @@ def validate(config: KCLConfig, labels: Mapping[str, str]) -> None:
                 raise ConfigError(name(option.name), f"must be at least {least}, got {value}")
     if config.max_records > 10_000:
         raise ConfigError(name("max_records"), f"must be at most 10000, got {config.max_records}")
+    if config.state_store is not None:
+        _validate_state_store(config.state_store, name("state_store"))
+
+
+#: DynamoDB's rule for a table name
+_TABLE_NAME = re.compile(r"^[A-Za-z0-9_.-]{3,255}$")
+#: a SQLAlchemy URL: ``dialect[+driver]://...``
+_DATABASE_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+]*://")
+
+
+def _validate_state_store(value: str, label: str) -> None:
+    """A state store is a DynamoDB table name or a database URL; anything else (a URL with
+    one slash too few, say) would otherwise be taken for a table name."""
+    if _DATABASE_URL.match(value) or _TABLE_NAME.match(value):
+        return
+    hint = ""
+    if re.match(r"^[A-Za-z][A-Za-z0-9+]*:", value):
+        scheme = value.split(":", 1)[0]
+        hint = f" (a database URL starts with {scheme}://, e.g. sqlite:///state.db)"
+    raise ConfigError(label, f"{value!r} is neither a DynamoDB table name (3-255 of "
+                      f"A-Z a-z 0-9 _ . -) nor a database URL{hint}")
 
 
 def _validate_streams(config: KCLConfig) -> None:
@@ -608,8 +634,11 @@ def _java_default_retrieval(properties: Mapping[str, str], values: dict[str, Any
                     "daemon's DEFAULT rule does", ", ".join(polling))
         values["retrieval_mode"] = "polling"
     else:
-        log.info("retrievalMode not set: enhanced fan-out, as the Java MultiLangDaemon "
-                 "(retrievalMode = POLLING to poll)")
+        # a WARNING: enhanced fan-out is billed per consumer-shard hour, and the user wrote
+        # nothing that asked for it
+        log.warning("retrievalMode not set: reading with enhanced fan-out (billed per "
+                    "consumer-shard hour), as the Java MultiLangDaemon does; set "
+                    "retrievalMode = POLLING to poll")
         values["retrieval_mode"] = "fanout"
     labels.setdefault("retrieval_mode", "retrievalMode")
 

@@ -61,3 +61,28 @@ class ProcessorRestartRequired(KCLError):
     """Raised from a processor callback when the processor cannot go on as it is (e.g. a
     MultiLangDaemon child died). The consumer discards it, makes a new one and resumes from
     the last checkpoint, so the records of the failed batch are delivered again."""
+
+
+#: AWS error codes that say the caller's identity or permissions are wrong: the same request
+#: a second later fails the same way, so start-up stops at once instead of retrying
+_UNHEALABLE_CODES = frozenset({
+    "UnrecognizedClientException", "InvalidSignatureException", "IncompleteSignature",
+    "MissingAuthenticationToken", "InvalidClientTokenId", "SignatureDoesNotMatch",
+    "ExpiredTokenException", "ExpiredToken", "AccessDeniedException", "AccessDenied",
+})
+#: botocore's exceptions of the same kind (by name: kclpy.errors imports no SDK)
+_UNHEALABLE_TYPES = frozenset({"NoCredentialsError", "PartialCredentialsError",
+                               "CredentialRetrievalError", "ParamValidationError"})
+
+
+def cannot_heal(exc: BaseException) -> bool:
+    """Whether retrying ``exc`` is pointless: missing or rejected credentials, a denied
+    permission, a request the SDK refuses to send. Throttling, 5xx and connection errors are
+    not of that kind."""
+    if type(exc).__name__ in _UNHEALABLE_TYPES:
+        return True
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        code = response.get("Error", {}).get("Code")
+        return code in _UNHEALABLE_CODES
+    return False

@@ -15,6 +15,25 @@ from typing import Any
 from kclpy.errors import ConfigError
 
 
+class _NotFound(Exception):
+    """The spec names a file that is not there."""
+
+
+def _import_failure(module_name: str, exc: BaseException) -> str:
+    """Why ``module_name`` did not import. An error raised by the module's own code (a
+    Worker run at import time, say) is told apart from the CLI's own configuration errors,
+    which it would otherwise look like."""
+    if isinstance(exc, ModuleNotFoundError) and exc.name and module_name.startswith(exc.name):
+        return (f"cannot import {module_name!r}: no module named {exc.name!r} "
+                f"(looked in the current folder and on sys.path)")
+    detail = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+    hint = ""
+    if isinstance(exc, (ConfigError, SystemExit)):
+        hint = ("; does the module run a Worker when imported? Keep that under "
+                "`if __name__ == \"__main__\":`")
+    return f"importing {module_name!r} raised {detail}{hint}"
+
+
 def load_object(spec: str, option: str, *, base_dir: Path | None = None) -> Any:
     """The object ``spec`` names; ConfigError naming ``option`` when it cannot be loaded."""
     module_name, sep, name = spec.rpartition(":")
@@ -27,16 +46,16 @@ def load_object(spec: str, option: str, *, base_dir: Path | None = None) -> Any:
                 path = base_dir / path
             module_spec = importlib.util.spec_from_file_location(path.stem, path)
             if module_spec is None or module_spec.loader is None or not path.is_file():
-                raise ConfigError(option, f"no such file {str(path)!r}")
+                raise _NotFound(f"no such file {str(path)!r}")
             module = importlib.util.module_from_spec(module_spec)
             sys.modules.setdefault(path.stem, module)
             module_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(module_name)
-    except ConfigError:
-        raise
-    except Exception as exc:
-        raise ConfigError(option, f"cannot import {module_name!r}: {exc}") from None
+    except _NotFound as exc:
+        raise ConfigError(option, str(exc)) from None
+    except (Exception, SystemExit) as exc:
+        raise ConfigError(option, _import_failure(module_name, exc)) from None
     target = getattr(module, name, None)
     if target is None:
         raise ConfigError(option, f"{module_name!r} has no attribute {name!r}")

@@ -118,17 +118,20 @@ class Metrics:
             "kclpy_multilang_stdout_full",
             "Times a child's unread stdout reached its bound and reading paused.",
             ["shard_id"], registry=r)
-        # Spark micro-batches (kclpy-worker --spark-batch)
+        # Spark micro-batches (kclpy-worker --spark-batch): on the registry only once a
+        # worker feeds Spark (register_spark), so a plain worker shows no kclpy_spark_* series
         self.spark_batches = Counter(
-            "kclpy_spark_batches", "Micro-batches committed to Spark.", registry=r)
+            "kclpy_spark_batches", "Micro-batches committed to Spark.", registry=None)
         self.spark_records = Counter(
-            "kclpy_spark_records", "Records in committed micro-batches.", registry=r)
+            "kclpy_spark_records", "Records in committed micro-batches.", registry=None)
         self.spark_foreach_batch_failures = Counter(
             "kclpy_spark_foreach_batch_failures",
-            "foreach_batch calls that raised (each retried).", registry=r)
+            "foreach_batch calls that raised (each retried).", registry=None)
         self.spark_lost_checkpoints = Counter(
             "kclpy_spark_lost_checkpoints",
-            "Shard parts of a batch not checkpointed because the lease was lost.", registry=r)
+            "Shard parts of a batch not checkpointed because the lease was lost.",
+            registry=None)
+        self._spark_registered = False
         self.dynamodb_requests = Counter(
             "kclpy_dynamodb_requests", "DynamoDB requests by operation.", ["operation"], registry=r)
         # Exactly-once state (kclpy.state)
@@ -187,3 +190,13 @@ class Metrics:
             self.cloudwatch_request_failures.labels(what).inc(n)
         else:
             self.cloudwatch_datums.labels(what).inc(n)
+
+    def register_spark(self) -> None:
+        """Put the ``kclpy_spark_*`` collectors on the registry (once): the worker feeds
+        Spark micro-batches."""
+        if self._spark_registered:
+            return
+        self._spark_registered = True
+        for collector in (self.spark_batches, self.spark_records,
+                          self.spark_foreach_batch_failures, self.spark_lost_checkpoints):
+            self.registry.register(collector)

@@ -26,7 +26,7 @@ from botocore.exceptions import InvalidRegionError, NoRegionError
 from kclpy.cloudwatch import NONE, CloudWatchPublisher, parse_dimensions, parse_level
 from kclpy.config import KCLConfig
 from kclpy.consumer import ConsumerSettings, FatalProcessorError, FetcherLike, ShardConsumer
-from kclpy.errors import ConfigError, KCLError
+from kclpy.errors import ConfigError, KCLError, cannot_heal
 from kclpy.leases.coordinator import LeaseCoordinator
 from kclpy.leases.lease import AT_TIMESTAMP, Lease
 from kclpy.leases.streams import ActiveStream, StreamSet
@@ -228,6 +228,8 @@ class Worker:
         while True:
             attempt += 1
             try:
+                # the streams first: a misspelled stream creates nothing (firsthour, issue 29)
+                self.streams.refresh(starting=True)
                 self.lease_table.create_if_missing()
                 if self.state_store is not None:
                     self.state_store.open(self.dynamodb)
@@ -237,7 +239,8 @@ class Worker:
                 raise
             except Exception as exc:
                 self.metrics.initialization_failures.labels(type(exc).__name__).inc()
-                if attempt == cfg.max_initialization_attempts:
+                # credentials or permissions: retrying cannot help (firsthour, issue 29)
+                if attempt == cfg.max_initialization_attempts or cannot_heal(exc):
                     raise
                 log.warning("worker %s: start-up attempt %d of %d failed (%s: %s); retrying "
                             "in %.1f s", cfg.worker_id, attempt, cfg.max_initialization_attempts,

@@ -7,11 +7,27 @@ tests against an endpoint started elsewhere: the endpoint fixtures then start no
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 
 import pytest
 
 from kclpy.local import LocalEndpoint, start_embedded, start_kinesis_mock, start_moto_server
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Node.js is the one thing the test command cannot install: kinesis-mock, the Kinesis
+    emulator of the integration tests, is a Node.js program. Without it the run stops before
+    anything runs, in one line saying what to install, rather than failing test by test."""
+    if os.environ.get("KCLPY_TEST_ENDPOINT") or "not integration" in (config.option.markexpr
+                                                                        or ""):
+        return
+    if shutil.which("node") is None:
+        raise pytest.UsageError(
+            "kclpy's integration tests need Node.js (for kinesis-mock), and `node` is not on "
+            "PATH: install Node.js 18 or later with npm (e.g. `apt-get install nodejs npm`), "
+            "or run `pytest -m 'not integration'`")
+
 
 # Names whose values could route a test to real AWS or change how clients behave.
 _ISOLATED_VARIABLES = (

@@ -127,17 +127,20 @@ def test_throttling_is_retried_with_backoff_and_then_sent() -> None:
     assert failures == {"throttled": 2, "error": 1}
 
 
-def test_a_request_failing_every_attempt_drops_its_datums_and_counts_them() -> None:
+def test_a_request_failing_every_attempt_drops_its_datums_and_counts_them(
+        caplog: pytest.LogCaptureFixture) -> None:
     client, stub = stubbed()
     for _ in range(4):
         stub.add_client_error("put_metric_data", "ServiceUnavailable", http_status_code=503)
     metrics = Metrics()
     cw = publisher(client, on_event=metrics.cloudwatch_event)
     cw.record("ProcessTask", "RecordsProcessed", 1, COUNT, SUMMARY, {"ShardId": "s0"})
-    with stub:
+    with stub, caplog.at_level("WARNING", logger="kclpy.cloudwatch"):
         assert cw.flush() == 0
     assert metrics.registry.get_sample_value(
         "kclpy_cloudwatch_datums_total", {"outcome": "dropped_failed"}) == 1
+    # the warning says where the datums were going and why they did not get there
+    assert client.meta.endpoint_url in caplog.text and "ServiceUnavailable" in caplog.text
 
 
 def test_a_refused_request_is_not_retried() -> None:
@@ -154,7 +157,7 @@ def test_levels_and_dimensions_are_validated_naming_the_option() -> None:
     assert (parse_level("Detailed"), parse_level("NONE")) == (DETAILED, 0)
     assert parse_dimensions("ALL") == parse_dimensions("ShardId,StreamId,WorkerIdentifier")
     base: dict[str, Any] = {"application_name": "a", "stream_name": "s"}
-    with pytest.raises(ConfigError, match="--metrics-level: 'verbose' is not one of"):
+    with pytest.raises(ConfigError, match="metrics_level: 'verbose' is not one of"):
         KCLConfig(**base, metrics_level="verbose")
     values, labels = from_properties({"applicationName": "a", "streamName": "s",
                                       "metricsEnabledDimensions": "Operation,Shard"})

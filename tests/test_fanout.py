@@ -51,9 +51,9 @@ def test_retrieval_modes_are_checked_naming_the_option() -> None:
     base: dict[str, Any] = {"application_name": "a", "stream_name": "s"}
     assert KCLConfig(**base, retrieval_mode="FANOUT").fan_out
     assert not KCLConfig(**base).fan_out
-    with pytest.raises(ConfigError, match=r"--retrieval-mode: 'DEFAULT'.*properties files"):
+    with pytest.raises(ConfigError, match=r"retrieval_mode: 'DEFAULT'.*properties files"):
         KCLConfig(**base, retrieval_mode="DEFAULT")
-    with pytest.raises(ConfigError, match="--consumer-arn"):
+    with pytest.raises(ConfigError, match="consumer_arn"):
         KCLConfig(**base, consumer_arn="arn:aws:kinesis:us-east-1:1:stream/s")
 
 

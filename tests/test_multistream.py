@@ -121,7 +121,7 @@ def test_repeated_stream_flags_make_a_multi_stream_application() -> None:
 
 
 def test_stream_configuration_errors_name_the_option() -> None:
-    with pytest.raises(ConfigError, match=r"--stream-name.*not both"):
+    with pytest.raises(ConfigError, match=r"stream_name.*not both"):
         KCLConfig(application_name="a", stream_name="x", streams=(StreamConfig("y"),))
     with pytest.raises(ConfigError, match="stream y is given twice"):
         KCLConfig(application_name="a", streams=(StreamConfig("y"), StreamConfig("y")))
@@ -129,7 +129,7 @@ def test_stream_configuration_errors_name_the_option() -> None:
         StreamConfig(arn="arn:aws:s3:::bucket")
     with pytest.raises(ConfigError, match="--initial-timestamp"):
         StreamConfig("y", initial_position="AT_TIMESTAMP")
-    with pytest.raises(ConfigError, match="--consumer-arn"):
+    with pytest.raises(ConfigError, match="consumer_arn"):
         KCLConfig(application_name="a", streams=(StreamConfig("x"), StreamConfig("y")),
                   consumer_arn="arn:aws:kinesis:us-east-1:1:stream/x/consumer/c:1")
 

@@ -515,6 +515,17 @@ def test_a_shard_behind_queues_its_gap_before_live_reading_and_recovers_it(shard
     assert shard.metrics.registry.get_sample_value("kclpy_recovery_shards") == 0
 
 
+def test_a_recovered_gap_is_not_logged_as_the_shard_ending(
+        shard: Shard, caplog: pytest.LogCaptureFixture) -> None:
+    hour_later = time.time() + 3600
+    recovery = shard.recovery(wall_clock=lambda: hour_later)
+    assert recovery.begin(TRIM_HORIZON, 0) is not None
+    with caplog.at_level("INFO", logger="kclpy.retrieval.fetcher"):
+        assert len(recover_all(recovery)) == 30
+    assert "the recovery gap was read to its end" in caplog.text
+    assert "reached its end" not in caplog.text
+
+
 def test_a_shard_within_max_lag_reads_live_from_its_checkpoint(shard: Shard) -> None:
     recovery = shard.recovery()
     assert recovery.begin(TRIM_HORIZON, 0) is None

@@ -230,6 +230,10 @@ class ShardWindow:
                 b >= a for a, b in itertools.pairwise(lags)):
             return result(ShardStatus.WARN, f"checkpoints move but the lag grew from "
                           f"{lags[0] / 1000:.1f}s to {lags[-1] / 1000:.1f}s")
+        if latest.owner is None and latest.lease_counter is not None:
+            # nobody consumes it, even before a whole window says STOP
+            return result(ShardStatus.WARN, f"no worker holds the lease while "
+                          f"{latest.lag.describe()} ({complete:.0%} of the window observed)")
         if complete < 1.0:
             return result(ShardStatus.OK, f"consuming ({complete:.0%} of the window observed)")
         return result(ShardStatus.OK, "consuming")

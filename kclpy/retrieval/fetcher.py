@@ -492,7 +492,11 @@ class ShardFetcher:
             raw = kept
         if shard_end:
             self._shard_ended = True
-            logger.info("shard %s reached its end", self.shard_id)
+            if self._until_ms is not None and page.next_shard_iterator is not None:
+                # a recovery read: the shard is open, only the gap being read is over
+                logger.info("shard %s: the recovery gap was read to its end", self.shard_id)
+            else:
+                logger.info("shard %s reached its end", self.shard_id)
         deliver = bool(raw) or shard_end or self._deliver_empty
         idle = not raw and caught_up and not shard_end
         self._at_tip = idle

@@ -25,7 +25,10 @@ def spark(aws_test_environment: None) -> Iterator[Any]:
     import kclpy.spark
     from kclpy.spark.java import ensure_java
 
-    ensure_java()
+    # The bundled runtime even where a system Java exists: the Spark tests prove that
+    # `pip install kclpy[spark]` is all a machine without Java needs.
+    saved_java = {name: os.environ.get(name) for name in ("JAVA_HOME", "PATH")}
+    ensure_java(prefer_bundled=True)
 
     root = str(Path(kclpy.__file__).resolve().parent.parent)
     path = os.environ.get("PYTHONPATH")
@@ -35,6 +38,7 @@ def spark(aws_test_environment: None) -> Iterator[Any]:
         "PYTHONPATH": root if not path else os.pathsep.join([root, path]),
     }
     saved: dict[str, str | None] = {name: os.environ.get(name) for name in wanted}
+    saved.update(saved_java)
     os.environ.update(wanted)
     session = (
         SparkSession.builder.master("local[2]")
