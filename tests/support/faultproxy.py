@@ -177,6 +177,7 @@ class FaultProxy:
         self.upstream_port = upstream.port or 80
         self._lock = threading.Lock()
         self._random = random.Random(seed)
+        self._exception_turn = 0
         self._rules: dict[str, _Rule] = {}
         self._pending: dict[str, deque[_OneShot]] = {}
         self._requests: Counter[str] = Counter()
@@ -257,8 +258,8 @@ class FaultProxy:
         A request drawn for ``cut_stream`` or ``end_stream`` then draws its cut point from
         the same generator: a number of whole frames from ``stream_cut_frames`` (bounds
         included) and a time from ``stream_cut_s`` (None: not on that count). One drawn for
-        ``stream_exception_rate`` is ended there with an exception event whose type is drawn
-        from ``stream_exceptions`` (counted as ``exception_event`` and
+        ``stream_exception_rate`` is ended there with an exception event whose type is the
+        next of ``stream_exceptions`` in turn (counted as ``exception_event`` and
         ``exception_event:<type>``).
         """
         rates = (throttle_rate, error_5xx_rate, drop_rate, lose_response_rate, in_use_rate,
@@ -392,7 +393,9 @@ class FaultProxy:
             draw = self._random.random()
             if draw >= 1.0 - rule.stream_exception_rate:
                 cut = self._draw_cut(rule, clean=True)
-                name = self._random.choice(rule.stream_exceptions)
+                # In turn rather than drawn: a few events cover every type.
+                name = rule.stream_exceptions[self._exception_turn % len(rule.stream_exceptions)]
+                self._exception_turn += 1
                 return rule.latency_s, StreamCut(cut.after_frames, cut.after_s, True,
                                                  name), None
             for kind, rate in slices:
