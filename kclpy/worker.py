@@ -361,7 +361,9 @@ class Worker:
             checkpoint_writer=self.coordinator.fence, lease_reader=self.coordinator,
             fetcher_factory=self._make_fetcher, on_shard_end=self._on_shard_end,
             settings=self._settings, metrics=self.metrics, recovery=recovery,
-            stream_name=self._stream(lease).label)
+            stream_name=self._stream(lease).label, start_writer=self.coordinator.fence,
+            initial_timestamp=(self._stream(lease).config.initial_timestamp
+                               or self.config.initial_timestamp))
 
     def _make_fetcher(self, lease: Lease, checkpoint: str, sub_sequence_number: int,
                       start_at: datetime | None = None) -> FetcherLike:
