@@ -392,6 +392,7 @@ class Worker:
             max_records=max_records or cfg.max_records,
             idle_time_s=cfg.idle_time_between_reads_ms / 1000,
             queue_size=cfg.prefetch_queue_size, hash_range=hash_range, metrics=self.metrics,
+            filter_outside_hash_range=cfg.kpl_hash_range_filter,
             deliver_empty=cfg.call_process_records_even_for_empty_record_list and live,
             gate=self.coordinator.retrieval_gate if self.coordinator is not None else None,
             consumer_arn=stream.consumer_arn if live else None,
