@@ -262,7 +262,8 @@ class Worker:
             self.streams.refresh(starting=starting)
         # The taker scans the table anyway; reusing its view saves a scan per sync.
         recent = self.coordinator.recent_lease_keys(2 * self.config.failover_time_ms / 1000)
-        created = self.streams.sync(recent)
+        created = self.streams.sync(
+            recent, None if recent is None else self.coordinator.all_leases())
         self.coordinator.set_known_shards(self.streams.known_lease_keys())
         self.streams.delete_due(self.coordinator.idle_leases(), self.coordinator.all_leases())
         if created:

@@ -231,13 +231,20 @@ class ShardRecovery:
         if check is None or check == TRIM_HORIZON:
             return resume
         oldest = first_record(self._readers(StartPosition(TRIM_HORIZON), None, None, 1))
-        if oldest is None or int(oldest.sequence_number) <= int(check):
+        if oldest is not None and int(oldest.sequence_number) <= int(check):
             return resume
         self._metrics.recovery_trimmed.labels(self.shard_id).inc()
         lost_from = f"after {check}" if request.started else f"from {check}"
-        log.error("shard %s: part of a recovery gap is past the stream's retention: records "
-                  "%s up to %s (arrived %s) are lost; recovering the rest", self.shard_id,
-                  lost_from, oldest.sequence_number, _iso(oldest.timestamp_millis or 0))
+        if oldest is None:
+            # Retention trimmed the whole shard: nothing of the gap is left to read.
+            log.error("shard %s: a recovery gap is past the stream's retention: records %s "
+                      "up to its end (%s) are lost; the shard keeps no record", self.shard_id,
+                      lost_from, _iso(request.end_ms))
+        else:
+            log.error("shard %s: part of a recovery gap is past the stream's retention: "
+                      "records %s up to %s (arrived %s) are lost; recovering the rest",
+                      self.shard_id, lost_from, oldest.sequence_number,
+                      _iso(oldest.timestamp_millis or 0))
         return StartPosition(TRIM_HORIZON)
 
     def _close_gap(self) -> None:
