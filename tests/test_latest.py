@@ -210,3 +210,28 @@ def test_a_multilang_child_dying_on_its_first_batch_gets_it_again(
     assert records == ["first", "crash-once", "first", "crash-once", "last"]
     starts = [e["sequence_number"] for e in seen() if e["event"] == "initialize"]
     assert starts == ["LATEST", "LATEST"]
+
+
+def test_with_enhanced_fan_out_the_kept_start_opens_the_subscription(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    """The kept start reaches SubscribeToShard (``AT_TIMESTAMP``) as it reaches GetRecords:
+    the next worker's subscription reads from it, the record written while no worker ran
+    included."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("latest-efo")
+    create_stream(kinesis, stream, 1)
+    application = unique_name("app")
+    ledger = Ledger()
+    config = config_for(kinesis_mock.url, moto_server.url, stream, application, "a",
+                        retrieval_mode="FANOUT", retry_backoff_ms=200,
+                        max_describe_stream_consumer_retries=50)
+    with running(Worker(config, lambda: NeverCheckpoints(ledger))):
+        wait_for(lambda: all_pinned(lambda: lease_items(moto_server.url, application), 1),
+                 60, "the LATEST lease kept")
+        put_plain(kinesis, stream, [b"while-up"])
+        wait_for(lambda: b"while-up" in ledger.payloads(), 60, "the record read live")
+    put_plain(kinesis, stream, [b"while-down"])
+    with running(Worker(config.replace(worker_id="b"), lambda: NeverCheckpoints(ledger))):
+        wait_for(lambda: b"while-down" in ledger.payloads(), 90, "the record written while down")
+    assert ledger.payloads() == [b"while-up", b"while-up", b"while-down"], \
+        "never checkpointed: b reads from the kept start again"
