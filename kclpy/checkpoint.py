@@ -15,7 +15,8 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kclpy.errors import CheckpointError, InvalidStateException
-from kclpy.leases.lease import SENTINELS, SHARD_END
+from kclpy.leases.lease import SENTINELS, SHARD_END, Lease
+from kclpy.leases.serializer import START_AT, UpdateBuilder, n
 from kclpy.metrics import Metrics
 from kclpy.records import Record
 
@@ -65,6 +66,24 @@ class CheckpointWriter(Protocol):
         """Hold the lease for a write to another store (a SQL transaction) that fences
         itself on ``Guard.tenure``; raise ``LeaseLostError`` inside to report a newer
         tenure. Raises ``ShutdownException`` when the lease is (found) lost."""
+
+
+class StartWriter(Protocol):
+    """Where a lease's resolved start is written: the lease fence (``LeaseFence.update``)."""
+
+    def update(self, lease_key: str, token: str | None, changes: UpdateBuilder, *,
+               what: str) -> Lease: ...
+
+
+def keep_start(writer: StartWriter, lease_key: str, concurrency_token: str, at_ms: int) -> None:
+    """Keep, in the lease item, the arrival time a lease still at ``LATEST`` or
+    ``AT_TIMESTAMP`` was resolved to, fenced like a checkpoint: written before the shard is
+    read, so every later owner and restart reads from the same point and nothing written
+    after it is skipped. The ``checkpoint`` attribute keeps its sentinel, which the Java KCL
+    reads as it always did; the first checkpoint removes the attribute. Raises as
+    ``CheckpointWriter.update_checkpoint``."""
+    writer.update(lease_key, concurrency_token, UpdateBuilder().set(START_AT, n(at_ms)),
+                  what="start position")
 
 
 #: ``Checkpointer.commit``'s write: (writer, shard id, token, checkpoint, sub-sequence)

@@ -100,6 +100,8 @@ class KCLConfig:
     #: lag recovery (kclpy.recovery): off while None
     max_lag_ms: int | None = None
     recovery_max_rate: int = 1_000
+    #: the Java KCL's drop of KPL aggregates with sub-records outside the shard's range
+    kpl_hash_range_filter: bool = False
     #: several streams with one lease table (Java's multi-stream lease keys, kclpy.streams);
     #: exclusive with ``stream_name`` / ``stream_arn``
     streams: tuple[StreamConfig, ...] = ()
@@ -302,6 +304,10 @@ OPTIONS: tuple[Option, ...] = (
     _opt("recovery_max_rate", "int",
          "Lag recovery: records per second this worker's recovery reads take at most, shared "
          "fairly by its recovering shards.", "recoveryMaxRecordsPerSecond"),
+    _opt("kpl_hash_range_filter", "bool",
+         "Drop a KPL aggregate whose sub-records' hash keys fall outside the shard's range "
+         "(the Java KCL's rule; loses aws-kinesis-agg aggregates, logged at WARNING). "
+         "Default: every sub-record is delivered.", "kplHashRangeFilter"),
     _opt("former_streams_lease_deletion_delay_ms", "int0",
          "Multi-stream: how long after a stream left the tracker (or was deleted) its leases "
          "are deleted.", "formerStreamsLeasesDeletionWaitMillis"),

@@ -16,10 +16,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any, Protocol
 
-from kclpy.checkpoint import Checkpointer, CheckpointWriter
+from kclpy.checkpoint import Checkpointer, CheckpointWriter, StartWriter, keep_start
 from kclpy.cloudwatch import (
     BYTES,
     COUNT,
@@ -28,8 +28,8 @@ from kclpy.cloudwatch import (
     shard_dimensions,
     success_and_time,
 )
-from kclpy.errors import ProcessorRestartRequired, ShutdownException
-from kclpy.leases.lease import SHARD_END, Lease
+from kclpy.errors import CheckpointError, ProcessorRestartRequired, ShutdownException
+from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, Lease
 from kclpy.metrics import Metrics
 from kclpy.processor import (
     InitializeInput,
@@ -134,6 +134,9 @@ class ShardConsumer:
         rng: random.Random | None = None,
         recovery: Callable[[], RecoveryLike] | None = None,
         stream_name: str | None = None,
+        start_writer: StartWriter | None = None,
+        initial_timestamp: datetime | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         #: the lease key, unique across the streams of a multi-stream application
         self.shard_id = lease.lease_key
@@ -161,6 +164,11 @@ class ShardConsumer:
         #: shard_ended with SHARD_END checkpointed)
         self._processor_ended = False
         self._cw_dims = shard_dimensions(lease.shard_id, lease.stream)
+        #: where a lease at LATEST / AT_TIMESTAMP reads from, once resolved (``_start_of``)
+        self._start_writer = start_writer
+        self._initial_timestamp = initial_timestamp
+        self._wall_clock = wall_clock
+        self._start_at: datetime | None = None
         self._thread = threading.Thread(
             target=self._run, name=f"kclpy-consumer-{self.shard_id}", daemon=True)
         #: set when the consumer stopped on an error the worker must act on
@@ -293,7 +301,8 @@ class ShardConsumer:
 
     def _initialize(self, checkpoint: str, sub_sequence_number: int) -> bool:
         """New processor, checkpointer and fetcher positioned right after ``checkpoint``
-        (or, when the shard is too far behind, at the live start recovery chose)."""
+        (or, when the shard is too far behind, at the live start recovery chose; a lease
+        still at ``LATEST`` / ``AT_TIMESTAMP`` at the start it was resolved to)."""
         start_at = None
         if self._recovery is not None and checkpoint != SHARD_END:
             try:
@@ -302,6 +311,10 @@ class ShardConsumer:
                 log.info("shard %s: lease lost while queueing a recovery gap: %s",
                          self.shard_id, exc)
                 self._lease_lost.set()
+                return False
+        if checkpoint in (LATEST, AT_TIMESTAMP):
+            start_at = self._start_of(checkpoint)
+            if self._stopping():
                 return False
         attempt = 0
         while not self._stopping():
@@ -330,15 +343,69 @@ class ShardConsumer:
             return True
         return False
 
+    def _start_of(self, checkpoint: str) -> datetime | None:
+        """Where a lease still at ``LATEST`` or ``AT_TIMESTAMP`` is read from: the arrival
+        time kept in the lease, else the one resolved now (``LATEST``: now;
+        ``AT_TIMESTAMP``: the configured timestamp), kept in the lease before anything is
+        read. Resolved once: a restarted processor, a new owner after a crash, a steal or
+        a handoff all read from the same point, so records delivered but not checkpointed,
+        or written while nobody read the shard, are not skipped. None: the fetcher
+        resolves the sentinel itself (no timestamp configured for ``AT_TIMESTAMP``), or
+        the consumer is stopping (the lease was lost meanwhile)."""
+        if self._start_at is not None:
+            return self._start_at
+        at_ms = self._lease.start_at_ms
+        if at_ms is not None:
+            log.info("shard %s: %s lease resumes from %s, where it was first resolved",
+                     self.shard_id, checkpoint, _iso(at_ms))
+        else:
+            if checkpoint == LATEST:
+                at_ms = round(self._wall_clock() * 1000)
+            elif self._initial_timestamp is not None:
+                at_ms = round(self._initial_timestamp.timestamp() * 1000)
+            else:
+                return None
+            if not self._keep_start(at_ms):
+                return None
+            log.info("shard %s: %s resolved to %s; kept in the lease", self.shard_id,
+                     checkpoint, _iso(at_ms))
+        self._start_at = datetime.fromtimestamp(at_ms / 1000, tz=timezone.utc)
+        return self._start_at
+
+    def _keep_start(self, at_ms: int) -> bool:
+        """Write the resolved start through the fence, retrying what a checkpoint would
+        retry; False when the lease was lost or the consumer stops meanwhile."""
+        writer = self._start_writer
+        attempt = 0
+        while writer is not None:
+            try:
+                keep_start(writer, self.shard_id, self._token, at_ms)
+                return True
+            except ShutdownException as exc:
+                log.info("shard %s: lease lost while keeping its start: %s", self.shard_id, exc)
+                self._lease_lost.set()
+                return False
+            except CheckpointError as exc:
+                log.warning("shard %s: keeping the resolved start failed (%s); retrying",
+                            self.shard_id, exc)
+                if self._pause(self._backoff(attempt)):
+                    return False
+                attempt += 1
+        return True
+
     def _restart(self, attempt: int) -> bool:
-        """Throw the processor away and resume from the last checkpoint (at-least-once)."""
+        """Throw the processor away and resume from the last checkpoint (at-least-once);
+        a lease still at ``LATEST`` / ``AT_TIMESTAMP`` from where it was first resolved."""
         assert self._checkpointer is not None and self._fetcher is not None
         checkpoint, sub = self._checkpointer.last_checkpoint
         self._fetcher.stop()
         self._fetcher = None
         self._processor = None
-        log.warning("shard %s: restarting the processor from checkpoint %s/%s",
-                    self.shard_id, checkpoint, sub)
+        start = self._start_at
+        log.warning("shard %s: restarting the processor from checkpoint %s/%s%s",
+                    self.shard_id, checkpoint, sub,
+                    "" if start is None or checkpoint not in (LATEST, AT_TIMESTAMP)
+                    else f" (resolved to {start.isoformat(timespec='milliseconds')})")
         if self._pause(self._backoff(attempt)):
             return False
         return self._initialize(checkpoint or self._lease.checkpoint, sub)
@@ -553,3 +620,8 @@ class ShardConsumer:
         for state in ConsumerState:
             self._metrics.shard_consumer_state.labels(self.shard_id, state.value).set(
                 1 if state is self._state else 0)
+
+
+def _iso(epoch_ms: int) -> str:
+    return datetime.fromtimestamp(epoch_ms / 1000, tz=timezone.utc).isoformat(
+        timespec="milliseconds")

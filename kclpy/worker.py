@@ -271,7 +271,8 @@ class Worker:
             self.streams.refresh(starting=starting)
         # The taker scans the table anyway; reusing its view saves a scan per sync.
         recent = self.coordinator.recent_lease_keys(2 * self.config.failover_time_ms / 1000)
-        created = self.streams.sync(recent)
+        created = self.streams.sync(
+            recent, None if recent is None else self.coordinator.all_leases())
         self.coordinator.set_known_shards(self.streams.known_lease_keys())
         self.streams.delete_due(self.coordinator.idle_leases(), self.coordinator.all_leases())
         if created:
@@ -400,7 +401,9 @@ class Worker:
             checkpoint_writer=self.coordinator.fence, lease_reader=self.coordinator,
             fetcher_factory=self._make_fetcher, on_shard_end=self._on_shard_end,
             settings=self._settings, metrics=self.metrics, recovery=recovery,
-            stream_name=self._stream(lease).label)
+            stream_name=self._stream(lease).label, start_writer=self.coordinator.fence,
+            initial_timestamp=(self._stream(lease).config.initial_timestamp
+                               or self.config.initial_timestamp))
 
     def _make_fetcher(self, lease: Lease, checkpoint: str, sub_sequence_number: int,
                       start_at: datetime | None = None) -> FetcherLike:
@@ -429,6 +432,7 @@ class Worker:
             max_records=max_records or cfg.max_records,
             idle_time_s=cfg.idle_time_between_reads_ms / 1000,
             queue_size=cfg.prefetch_queue_size, hash_range=hash_range, metrics=self.metrics,
+            filter_outside_hash_range=cfg.kpl_hash_range_filter,
             deliver_empty=cfg.call_process_records_even_for_empty_record_list and live,
             gate=self.coordinator.retrieval_gate if self.coordinator is not None else None,
             consumer_arn=stream.consumer_arn if live else None,

@@ -6,12 +6,13 @@ import queue
 import random
 import threading
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from kclpy.consumer import ConsumerSettings, ConsumerState, FatalProcessorError, ShardConsumer
 from kclpy.errors import ProcessorRestartRequired
 from kclpy.leases.lease import Lease
+from kclpy.leases.serializer import UpdateBuilder
 from kclpy.metrics import Metrics
 from kclpy.processor import (
     InitializeInput,
@@ -351,3 +352,65 @@ def test_initialize_failure_is_retried() -> None:
                                        [FailsOnce(log), FailsOnce(log)])
     assert log[0] == ("init", "TRIM_HORIZON", 0)
     assert writer.writes == [("1", 0), ("SHARD_END", 0)]
+
+
+class StartKeeper:
+    """The fence's ``update``, recording the resolved starts written."""
+
+    def __init__(self) -> None:
+        self.kept: list[tuple[str, int]] = []
+
+    def update(self, lease_key: str, token: str | None, changes: UpdateBuilder, *,
+               what: str) -> Lease:
+        request = changes.request()
+        assert list(request["ExpressionAttributeNames"].values()) == ["kclpyStartAt"]
+        self.kept.append((lease_key, int(request["ExpressionAttributeValues"][":v0"]["N"])))
+        return Lease(lease_key)
+
+
+def latest_consumer(lease: Lease, processors: list[Recorder], keeper: StartKeeper,
+                    starts: list[datetime | None], pages: list[Result]) -> ShardConsumer:
+    made = iter(processors)
+
+    def fetcher_factory(lease: Lease, checkpoint: str, sub: int,
+                        start_at: datetime | None = None) -> ScriptedFetcher:
+        starts.append(start_at)
+        return ScriptedFetcher(pages, (checkpoint, sub))
+
+    return ShardConsumer(
+        lease, concurrency_token="t", processor_factory=lambda: next(made),
+        checkpoint_writer=Writer(), lease_reader=Leases(), fetcher_factory=fetcher_factory,
+        on_shard_end=lambda shard_id, children: None, settings=SETTINGS, metrics=Metrics(),
+        rng=random.Random(1), start_writer=keeper, wall_clock=lambda: 1_700_000_000.123)
+
+
+def test_latest_is_resolved_once_kept_in_the_lease_and_reused_by_a_restart() -> None:
+    log: list[object] = []
+
+    class Crashing(Recorder):
+        def process_records(self, p: ProcessRecordsInput) -> None:
+            raise ProcessorRestartRequired("child died on its first batch")
+
+    keeper = StartKeeper()
+    starts: list[datetime | None] = []
+    pages = [Result([rec(1)]), Result([], shard_end=True)]
+    consumer = latest_consumer(Lease("shard-1", lease_owner="w", checkpoint="LATEST"),
+                               [Crashing(log), Recorder(log)], keeper, starts, pages)
+    consumer.start()
+    assert consumer.join(10)
+    assert keeper.kept == [("shard-1", 1_700_000_000_123)], "written once, before reading"
+    resolved = datetime.fromtimestamp(1_700_000_000.123, tz=timezone.utc)
+    assert starts == [resolved, resolved], "the restarted processor reads from the same point"
+    assert ("batch", [("1", 0)]) in log
+
+
+def test_a_start_kept_in_the_lease_is_used_as_it_is() -> None:
+    keeper = StartKeeper()
+    starts: list[datetime | None] = []
+    lease = Lease("shard-1", lease_owner="w", checkpoint="LATEST", start_at_ms=1_600_000_000_000)
+    consumer = latest_consumer(lease, [Recorder([])], keeper, starts,
+                               [Result([], shard_end=True)])
+    consumer.start()
+    assert consumer.join(10)
+    assert keeper.kept == []
+    assert starts == [datetime.fromtimestamp(1_600_000_000, tz=timezone.utc)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import socket
@@ -360,16 +361,31 @@ def test_after_sequence_number_starts_after_the_whole_record() -> None:
     assert payloads(results) == [b"plain-1"]
 
 
-def test_aggregates_outside_the_hash_range_are_filtered_and_counted() -> None:
-    # The KPL re-sends the user records of an aggregate that landed on the wrong shard, so an
-    # aggregate with any sub-record outside the shard's range is dropped whole.
+def test_aggregates_outside_the_hash_range_are_filtered_counted_and_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # With the Java KCL's filter asked for: the KPL re-sends the user records of an aggregate
+    # that landed on the wrong shard, so an aggregate with any sub-record outside the
+    # shard's range is dropped whole - and said so at WARNING, with the shard and count.
     low, high = 0, 2**127 - 1
     inside, outside = str(2**100), str(2**127 + 5)
     shard = FakeShard([aggregate(0, 3, [inside, outside, inside]), aggregate(1, 2, [inside] * 2)])
     metrics = Metrics()
-    results = drain(make(shard, metrics=metrics, hash_range=(low, high)))
+    with caplog.at_level(logging.WARNING, logger="kclpy.retrieval.fetcher"):
+        results = drain(make(shard, metrics=metrics, hash_range=(low, high),
+                             filter_outside_hash_range=True))
     assert payloads(results) == [b"agg-1-0", b"agg-1-1"]
     assert sample(metrics, "kclpy_records_filtered_total", shard_id=SHARD) == 3
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(f"shard {SHARD}: 3 user record(s)" in m for m in warnings), warnings
+
+
+def test_by_default_aggregates_outside_the_hash_range_are_delivered_whole() -> None:
+    inside, outside = str(2**100), str(2**127 + 5)
+    shard = FakeShard([aggregate(0, 3, [inside, outside, inside])])
+    metrics = Metrics()
+    results = drain(make(shard, metrics=metrics, hash_range=(0, 2**127 - 1)))
+    assert payloads(results) == [b"agg-0-0", b"agg-0-1", b"agg-0-2"]
+    assert sample(metrics, "kclpy_records_filtered_total", shard_id=SHARD) == 0
 
 
 def test_a_page_filtered_to_nothing_is_not_delivered_and_not_idled_on() -> None:
@@ -377,7 +393,8 @@ def test_a_page_filtered_to_nothing_is_not_delivered_and_not_idled_on() -> None:
     shard = FakeShard([aggregate(0, 2, [outside] * 2), plain(1)], page_size=1)
     shard.millis_behind = 0
     sleeps = Sleeps()
-    fetcher = make(shard, sleeps=sleeps, hash_range=(0, 2**127 - 1))
+    fetcher = make(shard, sleeps=sleeps, hash_range=(0, 2**127 - 1),
+                   filter_outside_hash_range=True)
     assert fetcher.fetch_once() is None
     assert sleeps.delays == []
 

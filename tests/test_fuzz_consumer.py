@@ -269,6 +269,7 @@ def run_and_check(
             stream_name="fuzz", idle_time_s=0.0, metrics=metrics,
             backoff=Backoff(base_s=0.001, cap_s=0.002),
             hash_range=None if low is None or high is None else (low, high),
+            filter_outside_hash_range=True,
         )  # fmt: skip
 
     consumer = ShardConsumer(

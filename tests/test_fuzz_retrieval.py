@@ -211,7 +211,7 @@ def check(records: list[Record], payloads: list[bytes],
     all its user records, or nothing (filtered); the counts match."""
     plain_before = [r for r in records if not is_aggregated(r)]
     with counting_decodes() as decoded:
-        result = deaggregate(records, *hash_range)
+        result = deaggregate(records, *hash_range, filter_outside=True)
     out = result.records
     position = corrupt = filtered = 0
     for record, data in zip(records, payloads, strict=True):

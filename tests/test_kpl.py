@@ -186,6 +186,17 @@ def test_no_bounds_means_no_filtering() -> None:
     assert deaggregate([wire(kpl_blob(users))]).filtered == 0
 
 
+def test_by_default_sub_records_outside_the_range_are_delivered() -> None:
+    """The Java filter is asked for, never applied by default: an aggregate whose keys
+    fall outside the shard's range (aws-kinesis-agg's, or a KPL's mispredicted one) still
+    delivers every sub-record, with bounds or a key range."""
+    users = [("a", b"1", "150"), ("b", b"2", "999")]
+    for result in (deaggregate([wire(kpl_blob(users))], 100, 200),
+                   deaggregate([wire(kpl_blob(users))], key_range=HashKeyRange(100, 200))):
+        assert [r.binary_data for r in result.records] == [b"1", b"2"]
+        assert (result.filtered, result.corrupt) == (0, 0)
+
+
 @pytest.mark.parametrize(("start", "end", "kept"), [
     (100, 200, True),     # inside
     (150, 200, True),     # lowest key on the start bound: inclusive
@@ -196,7 +207,7 @@ def test_no_bounds_means_no_filtering() -> None:
 def test_explicit_hash_keys_are_checked_against_the_bounds(start: int, end: int,
                                                            kept: bool) -> None:
     users = [("a", b"1", "150"), ("b", b"2", "180"), ("c", b"3", "160")]
-    result = deaggregate([wire(kpl_blob(users))], start, end)
+    result = deaggregate([wire(kpl_blob(users))], start, end, filter_outside=True)
     assert result.corrupt == 0
     if kept:
         assert [r.binary_data for r in result.records] == [b"1", b"2", b"3"]
@@ -211,33 +222,34 @@ def test_partition_key_md5_is_the_hash_key_without_explicit_one() -> None:
     keys = ["k1", "k2", "k3"]
     hashes = sorted(pk_hash(k) for k in keys)
     record = wire(kpl_blob([(k, k.encode(), None) for k in keys]))
-    assert len(deaggregate([record], hashes[0], hashes[-1]).records) == 3
-    dropped = deaggregate([record], hashes[0] + 1, MAX_HASH_KEY)
+    assert len(deaggregate([record], hashes[0], hashes[-1], filter_outside=True).records) == 3
+    dropped = deaggregate([record], hashes[0] + 1, MAX_HASH_KEY, filter_outside=True)
     assert (len(dropped.records), dropped.filtered) == (0, 3)
-    dropped = deaggregate([record], 0, hashes[-1] - 1)
+    dropped = deaggregate([record], 0, hashes[-1] - 1, filter_outside=True)
     assert (len(dropped.records), dropped.filtered) == (0, 3)
 
 
 def test_explicit_hash_key_wins_over_partition_key() -> None:
     # The partition key hashes far outside [0, 10]; the explicit key 5 is inside.
     assert pk_hash("outside") > 10
-    result = deaggregate([wire(kpl_blob([("outside", b"x", "5")]))], 0, 10)
+    result = deaggregate([wire(kpl_blob([("outside", b"x", "5")]))], 0, 10,
+                         filter_outside=True)
     assert [r.binary_data for r in result.records] == [b"x"]
 
 
 def test_one_bound_alone_filters() -> None:
     record = wire(kpl_blob([("a", b"1", "50"), ("b", b"2", "60")]))
-    assert deaggregate([record], starting_hash_key=55).filtered == 2
-    assert deaggregate([record], ending_hash_key=55).filtered == 2
-    assert len(deaggregate([record], starting_hash_key=50).records) == 2
-    assert len(deaggregate([record], ending_hash_key=60).records) == 2
+    assert deaggregate([record], starting_hash_key=55, filter_outside=True).filtered == 2
+    assert deaggregate([record], ending_hash_key=55, filter_outside=True).filtered == 2
+    assert len(deaggregate([record], starting_hash_key=50, filter_outside=True).records) == 2
+    assert len(deaggregate([record], ending_hash_key=60, filter_outside=True).records) == 2
 
 
 def test_filtering_leaves_other_records_alone() -> None:
     inside = wire(kpl_blob([("a", b"in", "10")]), seq="1")
     outside = wire(kpl_blob([("b", b"out1", "10"), ("c", b"out2", "99")]), seq="2")
     plain = wire(b"plain", seq="3")
-    result = deaggregate([inside, outside, plain], 0, 50)
+    result = deaggregate([inside, outside, plain], 0, 50, filter_outside=True)
     assert [r.binary_data for r in result.records] == [b"in", b"plain"]
     assert (result.corrupt, result.filtered) == (0, 2)
 
@@ -246,7 +258,7 @@ def test_non_numeric_explicit_hash_key_is_corrupt_only_when_filtering() -> None:
     record = wire(manual(["a"], ["not-a-number"], [(0, 0, b"x")]))
     unfiltered = deaggregate([record])
     assert [r.explicit_hash_key for r in unfiltered.records] == ["not-a-number"]
-    filtered = deaggregate([record], 0, MAX_HASH_KEY)
+    filtered = deaggregate([record], 0, MAX_HASH_KEY, filter_outside=True)
     assert filtered.records == [record]
     assert (filtered.corrupt, filtered.filtered) == (1, 0)
 
@@ -261,7 +273,7 @@ def test_bounds_outside_the_key_space(start: int, end: int, kept: bool) -> None:
     by_partition_key = wire(kpl_blob([("a", b"1", None), ("b", b"2", None)]))
     by_explicit_key = wire(kpl_blob([("a", b"1", "0"), ("b", b"2", str(MAX_HASH_KEY))]))
     for record in (by_partition_key, by_explicit_key):
-        result = deaggregate([record], start, end)
+        result = deaggregate([record], start, end, filter_outside=True)
         assert (len(result.records), result.filtered) == ((2, 0) if kept else (0, 2))
 
 
@@ -269,7 +281,7 @@ def test_a_partition_key_no_sub_record_uses_does_not_filter_the_aggregate() -> N
     used = pk_hash("used")
     record = wire(manual(["used", "unused"], [], [(0, None, b"x")]))
     assert pk_hash("unused") != used
-    result = deaggregate([record], used, used)
+    result = deaggregate([record], used, used, filter_outside=True)
     assert [r.binary_data for r in result.records] == [b"x"]
     assert result.filtered == 0
 
@@ -342,11 +354,11 @@ def test_a_shards_key_range_hashes_each_partition_key_once(
     monkeypatch.setattr(kpl, "_md5", counting)
     key_range = HashKeyRange(0, 2**127)
     blob = kpl_blob([(f"key-{i % 5}", bytes([i]), None) for i in range(40)])
-    first = deaggregate([wire(blob)], key_range=key_range)
+    first = deaggregate([wire(blob)], key_range=key_range, filter_outside=True)
     assert key_hashes(counting.lengths) == 5
-    again = deaggregate([wire(blob, seq="2")], key_range=key_range)
+    again = deaggregate([wire(blob, seq="2")], key_range=key_range, filter_outside=True)
     assert key_hashes(counting.lengths) == 5
-    fresh = deaggregate([wire(blob)], 0, 2**127)
+    fresh = deaggregate([wire(blob)], 0, 2**127, filter_outside=True)
     assert (first.filtered, len(first.records)) == (again.filtered, len(again.records)) == (
         fresh.filtered, len(fresh.records))
 
@@ -366,5 +378,5 @@ def test_the_verdict_cache_is_bounded_and_stays_right(monkeypatch: pytest.Monkey
 def test_the_whole_key_space_needs_no_hashing(monkeypatch: pytest.MonkeyPatch) -> None:
     counting = _CountingMD5()
     monkeypatch.setattr(kpl, "_md5", counting)
-    result = deaggregate([wire(kpl_blob(USERS))], 0, 2**128 - 1)
+    result = deaggregate([wire(kpl_blob(USERS))], 0, 2**128 - 1, filter_outside=True)
     assert key_hashes(counting.lengths) == 0 and len(result.records) == len(USERS)

@@ -4,6 +4,7 @@ server): live records flow at once while the gap is recovered, flagged, within i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import re
@@ -549,6 +550,45 @@ def test_a_gap_not_checkpointed_to_its_end_stays_queued_for_the_next_owner(
     assert len(seen) == 30
     [left] = shard.queue()
     assert not left.started
+
+
+def test_a_gap_read_to_its_end_is_finished_by_a_later_checkpoint_through_its_end(
+        shard: Shard) -> None:
+    """The Spark batcher checkpoints a batch only once Spark has it, after the gap reader
+    reached the gap's end: that checkpoint still finishes the gap."""
+    recovery = shard.recovery(wall_clock=lambda: time.time() + 3600)
+    recovery.begin(TRIM_HORIZON, 0)
+    batches: list[tuple[Any, Checkpointer]] = []
+
+    def step() -> bool:
+        batch = recovery.poll()
+        if batch is not None:
+            batch[1].mark_delivered(batch[0].records[-1])
+            batches.append(batch)
+        return not recovery.active
+
+    wait_for(step, 10, "the gap read to its end")
+    assert shard.queue(), "not checkpointed yet: still queued"
+    result, checkpointer = batches[-1]
+    checkpointer.checkpoint(result.records[-1])
+    assert shard.queue() == ()
+
+
+def test_a_gap_whose_records_were_all_trimmed_is_reported(
+        shard: Shard, caplog: pytest.LogCaptureFixture) -> None:
+    """Retention trimmed the whole shard: nothing is left to read, and the loss is still
+    reported, not closed in silence."""
+    shard.kinesis.create_stream(StreamName="empty", ShardCount=1)
+    empty = dataclasses.replace(shard, stream="empty")
+    trimmed = RecoveryRequest.gap("0", 0, round(time.time() * 1000) + 60_000, 1, "5")
+    recovery = empty.recovery(stored=gaps.dumps((trimmed,)))
+    with caplog.at_level(logging.ERROR, logger="kclpy.recovery.shard"):
+        assert recover_all(recovery) == []
+    [error] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "from 5 up to its end" in error.getMessage()
+    assert "keeps no record" in error.getMessage()
+    assert empty.metrics.registry.get_sample_value(
+        "kclpy_recovery_trimmed_total", {"shard_id": "shardId-000000000000"}) == 1
 
 
 def test_a_gap_partly_past_retention_is_reported_and_the_rest_recovered(

@@ -17,7 +17,7 @@ from moto import mock_aws
 
 from kclpy.errors import ConfigError
 from kclpy.leases.lease import AT_TIMESTAMP, LATEST, TRIM_HORIZON, Lease
-from kclpy.leases.shard_sync import Shard, ShardSyncer, plan_new_leases
+from kclpy.leases.shard_sync import Shard, ShardSyncer, former_incarnation, plan_new_leases
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
@@ -478,3 +478,88 @@ def test_over_http_kinesis_mock_paginates_and_follows_a_split(
     created = {lease.lease_key: lease.checkpoint for lease in syncer.sync()}
     assert created == dict.fromkeys(children, TRIM_HORIZON)
     assert parent in syncer.known_shard_ids
+
+
+# -- a stream deleted and created again under the same name -----------------------------------
+
+
+@pytest.mark.parametrize(("checkpoint", "listed", "former"), [
+    ("SHARD_END", shard("s0", start=1000), True),              # a closed shard never reopens
+    ("SHARD_END", shard("s0", start=1000, closed=True), False),
+    ("999", shard("s0", start=1000), True),                    # before the shard's first record
+    ("1000", shard("s0", start=1000), False),
+    ("5000", shard("s0", start=1000, closed=True), False),     # moto: closed shards end at 0
+    (TRIM_HORIZON, shard("s0", start=1000), False),            # never checkpointed: harmless
+    (LATEST, shard("s0", start=1000), False),
+])
+def test_a_lease_of_a_former_stream_of_the_same_name_is_told_apart(
+        checkpoint: str, listed: Shard, former: bool) -> None:
+    lease = Lease("s0", checkpoint=checkpoint, lease_counter=3)
+    assert (former_incarnation(lease, listed) is not None) is former
+
+
+def test_sync_replaces_the_lease_of_a_former_stream_at_the_initial_position(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with mock_aws():
+        kinesis = boto3.client("kinesis", region_name=REGION)
+        kinesis.create_stream(StreamName="s", ShardCount=1)
+        table = LeaseTable(boto3.client("dynamodb", region_name=REGION), "app")
+        table.create_if_missing()
+        # The former stream's shard of the same id, finished and checkpointed at SHARD_END.
+        assert table.create(Lease("shardId-000000000000", checkpoint="SHARD_END",
+                                  child_shard_ids=frozenset({"shardId-000000000001"})))
+        syncer = ShardSyncer(kinesis, table, stream_name="s", initial_position=LATEST)
+        with caplog.at_level("WARNING", logger="kclpy.leases.shard_sync"):
+            created = syncer.sync()
+        assert [(lease.lease_key, lease.checkpoint) for lease in created] == [
+            ("shardId-000000000000", LATEST)]
+        fresh = table.get("shardId-000000000000")
+        assert fresh is not None and fresh.checkpoint == LATEST and not fresh.child_shard_ids
+        assert any("created again" in r.getMessage() and "shardId-000000000000" in r.getMessage()
+                   for r in caplog.records if r.levelname == "WARNING")
+        assert syncer.sync() == [], "a lease of this incarnation is left alone"
+
+
+@pytest.mark.integration
+def test_a_stream_created_again_under_its_name_is_consumed_from_the_initial_position(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Over real HTTP: a worker consumes and checkpoints a stream, which is then deleted and
+    created again with the lease table kept. The next worker finds the old lease's
+    checkpoint before the new shard's first sequence number, replaces the lease (WARNING)
+    and processes the new stream's records."""
+    from kclpy import KCLConfig, Worker
+    from tests.support.recording import Ledger, RecordingProcessor
+    from tests.support.streams import create_stream, kinesis_client, put_plain, wait_for
+    from tests.support.workers import running
+
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = f"again-{uuid.uuid4().hex[:8]}"
+    create_stream(kinesis, stream, 1)
+    put_plain(kinesis, stream, [b"first-life"])
+    ledger = Ledger()
+    config = KCLConfig(
+        application_name=f"app-{uuid.uuid4().hex[:8]}", stream_name=stream, region=REGION,
+        kinesis_endpoint=kinesis_mock.url, dynamodb_endpoint=moto_server.url,
+        initial_position="TRIM_HORIZON", failover_time_ms=3000,
+        idle_time_between_reads_ms=100, shard_sync_interval_ms=1000)
+    with running(Worker(config, lambda: RecordingProcessor(ledger))):
+        wait_for(lambda: b"first-life" in ledger.payloads(), 60, "the first stream read")
+    kinesis.delete_stream(StreamName=stream)
+
+    def gone() -> bool:
+        try:
+            kinesis.describe_stream_summary(StreamName=stream)
+        except kinesis.exceptions.ResourceNotFoundException:
+            return True
+        return False
+
+    wait_for(gone, 30, "the stream deleted")
+    create_stream(kinesis, stream, 1)
+    put_plain(kinesis, stream, [b"second-life"])
+    with caplog.at_level("WARNING", logger="kclpy.leases.shard_sync"), \
+            running(Worker(config.replace(worker_id="b"), lambda: RecordingProcessor(ledger))):
+        wait_for(lambda: b"second-life" in ledger.payloads(), 60, "the new stream read")
+    assert ledger.payloads() == [b"first-life", b"second-life"]
+    assert any("created again" in r.getMessage() for r in caplog.records
+               if r.levelname == "WARNING")

@@ -42,6 +42,11 @@ class Lease:
     #: kclpy's own lag recovery queue (``kclpy.recovery.queue``) as stored, a JSON string;
     #: Java KCL workers ignore the attribute. Written only through the fence.
     recovery: str | None = None
+    #: kclpy's own: where a lease still at ``LATEST`` or ``AT_TIMESTAMP`` reads from (epoch
+    #: ms of arrival), fixed by the first worker that resolved it, so that every later owner
+    #: and processor restart resumes there and not at the tip (docs/design.md). Java KCL
+    #: workers ignore the attribute; a checkpoint removes it.
+    start_at_ms: int | None = None
     #: multi-stream applications: the serialised stream identifier the key starts with
     #: (``account-id:stream-name:creation-epoch``, Java's ``streamName`` attribute)
     stream: str | None = None

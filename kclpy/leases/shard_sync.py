@@ -13,6 +13,17 @@ Which shards get a lease, and where a new lease starts (the Java KCL
 - An ancestor of a leased shard never gets a lease: its data was processed already (its
   lease may have been cleaned up) or deliberately skipped.
 
+A stream deleted and created again under the same name, with the lease table kept, lists
+shard ids its former incarnation had leases for; those leases would hide the new shards (a
+``SHARD_END`` lease is never read again, a sequence-number checkpoint points into a stream
+that is gone). A lease is of a former incarnation when it is at ``SHARD_END`` while its shard
+is open (a closed shard never reopens), or its checkpoint lies before the shard's first
+sequence number (every record of a shard is at or after it). Such a lease is deleted (read
+again and conditional on its counter, so a lease that moved meanwhile is left alone) and
+created anew like any lease of a new shard, at the initial position, with a WARNING. Leases
+that were never checkpointed cannot be told apart, and need not be: they start where a new
+lease would.
+
 Java creates only the first generation below the handled shards and leaves the rest to the
 ``ChildShards`` that GetRecords returns at shard end. Creating every generation in one pass
 gives the same result and also works on emulators that never return ``ChildShards``
@@ -33,7 +44,7 @@ from botocore.exceptions import ClientError
 
 from kclpy.errors import ConfigError, LeaseLostError
 from kclpy.leases.dynamo import error_code
-from kclpy.leases.lease import AT_TIMESTAMP, LATEST, TRIM_HORIZON, Lease
+from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON, Lease
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
 from kclpy.streams import multi_stream_lease_key
@@ -94,6 +105,19 @@ class ChildShardLike(Protocol):
 
     @property
     def ending_hash_key(self) -> str | None: ...
+
+
+def former_incarnation(lease: Lease, shard: Shard) -> str | None:
+    """Why ``lease`` cannot be a lease of the listed ``shard`` (it is of a former stream of
+    the same name), or None. An end beyond the shard's ending sequence number is not used:
+    moto lists a closed shard ending at 0 while its records go on."""
+    checkpoint = lease.checkpoint
+    if checkpoint == SHARD_END and shard.is_open:
+        return "it is at SHARD_END but the shard is open"
+    if checkpoint.isdigit() and int(checkpoint) < int(shard.starting_sequence_number):
+        return (f"its checkpoint {checkpoint} is before the shard's first sequence number "
+                f"{shard.starting_sequence_number}")
+    return None
 
 
 def _depths(by_id: Mapping[str, Shard]) -> dict[str, int]:
@@ -274,8 +298,13 @@ class ShardSyncer:
             shards.extend(Shard.from_response(s) for s in response.get("Shards", []))
         return shards
 
-    def sync(self, existing: Collection[str] | None = None) -> list[Lease]:
+    def sync(self, existing: Collection[str] | None = None,
+             leases: Iterable[Lease] | None = None) -> list[Lease]:
         """Create the leases that are missing; returns those this call created.
+
+        ``leases`` (the same scan's leases) lets a lease of a former stream of the same name
+        be found and replaced (module docstring); without ``existing`` the table is scanned
+        for both.
 
         ``existing`` are the lease keys of a recent scan (the lease taker's), which saves
         scanning the table again. A slightly stale view is safe: it can only lack leases
@@ -286,7 +315,10 @@ class ShardSyncer:
         shards = self.list_shards()
         self._known = frozenset(shard.shard_id for shard in shards)
         if existing is None:
-            existing = {lease.lease_key for lease in self._table.list_leases()}
+            leases = self._table.list_leases()
+            existing = {lease.lease_key for lease in leases}
+        if leases is not None:
+            existing = set(existing) - self._retire_former(shards, leases)
         created = [
             lease
             for lease in plan_new_leases(shards, existing, self.initial_position, self.stream)
@@ -298,6 +330,25 @@ class ShardSyncer:
                 ", ".join(f"{lease.lease_key}@{lease.checkpoint}" for lease in created),
             )
         return created
+
+    def _retire_former(self, shards: Iterable[Shard], leases: Iterable[Lease]) -> set[str]:
+        """Delete the leases of a former stream of the same name that hide listed shards;
+        the keys deleted (to be created anew)."""
+        by_key = {self.lease_key(shard.shard_id): shard for shard in shards}
+        deleted: set[str] = set()
+        for seen in leases:
+            shard = by_key.get(seen.lease_key)
+            if shard is None or former_incarnation(seen, shard) is None:
+                continue
+            lease = self._table.get(seen.lease_key)
+            why = None if lease is None else former_incarnation(lease, shard)
+            if lease is None or why is None or not self._table.delete(lease):
+                continue
+            log.warning("shard sync: the stream was deleted and created again: lease %s is of "
+                        "its former shard of that id (%s); replaced by a new lease at the "
+                        "initial position", lease.lease_key, why)
+            deleted.add(lease.lease_key)
+        return deleted
 
     def create_child_leases(self, children: Iterable[ChildShardLike]) -> None:
         """Leases for the children GetRecords reported at a parent's shard end, at

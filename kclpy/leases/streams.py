@@ -148,9 +148,12 @@ class StreamSet:
 
     # -- shard sync --------------------------------------------------------------------------
 
-    def sync(self, existing: Collection[str] | None) -> list[Lease]:
+    def sync(self, existing: Collection[str] | None,
+             leases: Iterable[Lease] | None = None) -> list[Lease]:
         """Shard sync of every active stream; a stream deleted in Kinesis becomes former
-        (multi-stream) or fails the sync (a single-stream application has nothing else)."""
+        (multi-stream) or fails the sync (a single-stream application has nothing else).
+        ``leases``, the scan ``existing`` came from, lets each sync replace the leases of a
+        stream that was deleted and created again under the same name."""
         if self.config.multi_stream and existing and not self._warned_single:
             single = sorted(k for k in existing if stream_of_lease_key(k) is None)
             if single:
@@ -161,7 +164,7 @@ class StreamSet:
         created: list[Lease] = []
         for key, active in list(self.active.items()):
             try:
-                created.extend(active.syncer.sync(existing))
+                created.extend(active.syncer.sync(existing, leases))
             except ClientError as exc:
                 if error_code(exc) != NOT_FOUND or not self.config.multi_stream:
                     raise

@@ -72,6 +72,7 @@ def checkpoint_changes(checkpoint: str, sub_sequence_number: int) -> UpdateBuild
         .remove(ser.PENDING_CHECKPOINT)
         .remove(ser.PENDING_CHECKPOINT_SUB_SEQUENCE_NUMBER)
         .remove(ser.PENDING_CHECKPOINT_STATE)
+        .remove(ser.START_AT)
     )
 
 

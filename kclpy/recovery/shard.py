@@ -77,6 +77,10 @@ class ShardRecovery:
         self._queue = gaps.loads(stored)
         #: gaps read to their end in this tenure without a checkpoint covering them
         self._passed: set[Position] = set()
+        #: the last record of each gap read to its end this tenure but not yet checkpointed
+        #: through it: a processor that checkpoints later (the Spark batcher, once its
+        #: batch is committed) still removes the gap with that checkpoint
+        self._ends: dict[Position, Position] = {}
         self._pacer: ShardPacer = rate.pacer(shard_id)
         self._reader: ShardFetcher | None = None
         self._reading: Position | None = None
@@ -100,6 +104,7 @@ class ShardRecovery:
         from its own checkpoint, as a restarted processor must see it again."""
         self._stop_reader()
         self._passed.clear()
+        self._ends.clear()
         max_lag_ms = self._max_lag_ms
         if max_lag_ms is None or (checkpoint != TRIM_HORIZON and not checkpoint.isdigit()):
             return None
@@ -188,7 +193,8 @@ class ShardRecovery:
             if index is None:
                 return
             done = (int(sequence_number), sub_sequence_number)
-            if self._reading == gap and self._final is not None and done >= self._final:
+            final = self._final if self._reading == gap else self._ends.get(gap)
+            if final is not None and done >= final:
                 del queue[index]
             else:
                 queue[index] = queue[index].checkpointed(
@@ -225,13 +231,20 @@ class ShardRecovery:
         if check is None or check == TRIM_HORIZON:
             return resume
         oldest = first_record(self._readers(StartPosition(TRIM_HORIZON), None, None, 1))
-        if oldest is None or int(oldest.sequence_number) <= int(check):
+        if oldest is not None and int(oldest.sequence_number) <= int(check):
             return resume
         self._metrics.recovery_trimmed.labels(self.shard_id).inc()
         lost_from = f"after {check}" if request.started else f"from {check}"
-        log.error("shard %s: part of a recovery gap is past the stream's retention: records "
-                  "%s up to %s (arrived %s) are lost; recovering the rest", self.shard_id,
-                  lost_from, oldest.sequence_number, _iso(oldest.timestamp_millis or 0))
+        if oldest is None:
+            # Retention trimmed the whole shard: nothing of the gap is left to read.
+            log.error("shard %s: a recovery gap is past the stream's retention: records %s "
+                      "up to its end (%s) are lost; the shard keeps no record", self.shard_id,
+                      lost_from, _iso(request.end_ms))
+        else:
+            log.error("shard %s: part of a recovery gap is past the stream's retention: "
+                      "records %s up to %s (arrived %s) are lost; recovering the rest",
+                      self.shard_id, lost_from, oldest.sequence_number,
+                      _iso(oldest.timestamp_millis or 0))
         return StartPosition(TRIM_HORIZON)
 
     def _close_gap(self) -> None:
@@ -247,11 +260,15 @@ class ShardRecovery:
             if queued and (final is None or done >= final):
                 self._store(tuple(r for r in self._queue if _key(r) != gap))
                 return
+            if queued:
+                self._passed.add(gap)
+                if final is not None:
+                    self._ends[gap] = final
         if queued:
             log.warning("shard %s: recovery gap read to its end, but not checkpointed through "
-                        "its last record; it will be read again from its checkpoint by the "
-                        "shard's next owner", self.shard_id)
-            self._passed.add(gap)
+                        "its last record yet; a later checkpoint through it finishes it, else "
+                        "the shard's next owner reads it again from its checkpoint",
+                        self.shard_id)
 
     def _stop_reader(self) -> None:
         reader, self._reader = self._reader, None

@@ -196,6 +196,7 @@ class ShardFetcher:
         idle_time_s: float = 1.0,
         queue_size: int = 3,
         hash_range: tuple[int, int] | None = None,
+        filter_outside_hash_range: bool = False,
         backoff: Backoff | None = None,
         metrics: Metrics | None = None,
         sleep: Callable[[float], None] | None = None,
@@ -226,6 +227,9 @@ class ShardFetcher:
         self._max_records = max_records
         self._idle_time_s = idle_time_s
         self._key_range = None if hash_range is None else HashKeyRange(*hash_range)
+        #: the Java KCL's filter of aggregates with sub-records outside the shard's range;
+        #: off by default, because it drops aws-kinesis-agg aggregates for good (kpl.py)
+        self._filter_outside = filter_outside_hash_range
         self._backoff = backoff if backoff is not None else Backoff()
         self._deliver_empty = deliver_empty
         self._stop = threading.Event()
@@ -590,11 +594,16 @@ class ShardFetcher:
         if nothing is left to deliver. Runs on the thread that calls ``get()``."""
         records = EMPTY
         if page.records:
-            agg = deaggregate(page.records, key_range=self._key_range)
+            agg = deaggregate(page.records, key_range=self._key_range,
+                              filter_outside=self._filter_outside)
             if agg.corrupt:
                 self._m_corrupt.inc(agg.corrupt)
             if agg.filtered:
                 self._m_filtered.inc(agg.filtered)
+                logger.warning(
+                    "shard %s: %d user record(s) of aggregates with keys outside the shard's "
+                    "hash-key range filtered out (kpl_hash_range_filter is on)",
+                    self.label, agg.filtered)
             records = self._drop_processed(agg.records)
         if not (records or page.shard_end or self._deliver_empty):
             return None

@@ -9,6 +9,15 @@ code can lose or half-deliver records: there, an aggregate whose sub-record poin
 key table is logged and its sub-records up to that point are delivered (the rest are lost),
 and an aggregate without sub-records delivers nothing. Here both are delivered once as the
 original raw record and counted in ``corrupt``, like a bad MD5 or an undecodable protobuf.
+
+The Java KCL also drops a whole aggregate when one of its sub-records' hash keys lies outside
+the shard's range. That rule suits the KPL, which predicts each record's shard and sends again
+what it mispredicted; aws-kinesis-agg's ``RecordAggregator`` (the Python producer) puts
+sub-records of any key in one aggregate under the first one's key, and the rule drops them
+all, for good. So here it is off unless asked for (``filter_outside``): every sub-record is
+delivered, and a KPL misprediction costs at worst a duplicate, which at-least-once allows.
+Every reader of shards (the worker's fetcher, lag recovery's gap reader, the Spark source)
+de-aggregates through :func:`deaggregate` and so follows the same rule.
 """
 
 from __future__ import annotations
@@ -120,7 +129,8 @@ class DeaggregationResult:
     were too short, failed their MD5, did not decode, lacked a required protobuf field, had
     a key that is not valid UTF-8, had no sub-records, or had a table index (or, when
     filtering, an explicit hash key) that is not valid.
-    ``filtered``: sub-records dropped by hash-key filtering (see :func:`deaggregate`).
+    ``filtered``: sub-records dropped by hash-key filtering (only with ``filter_outside``,
+    see :func:`deaggregate`); whoever asked for it logs them at WARNING.
     """
 
     records: Records
@@ -147,6 +157,7 @@ def deaggregate(
     ending_hash_key: int | None = None,
     *,
     key_range: HashKeyRange | None = None,
+    filter_outside: bool = False,
 ) -> DeaggregationResult:
     """Expand KPL aggregates into their user records; other records pass through as they are.
 
@@ -159,18 +170,21 @@ def deaggregate(
     ``filtered`` sub-records. An aggregate with zero sub-records counts as corrupt and is
     delivered raw, so its sequence number still reaches the processor and the checkpoint.
 
-    Filtering (only if a bound is given; a missing bound is 0 or 2**128-1), as the Java KCL
-    does it: a sub-record's effective hash key is its explicit hash key, else the MD5 of its
-    UTF-8 partition key as a 128-bit big-endian integer. If any sub-record's key lies outside
-    [starting_hash_key, ending_hash_key], the WHOLE aggregate is dropped and all its
-    sub-records are counted in ``filtered``. That happens when the KPL aggregated for a stale
-    shard map: it notices the aggregate landed on an unexpected shard and re-sends its user
-    records, so delivering any of them from here would duplicate them. A caller that reads
-    one shard page after page passes the shard's :class:`HashKeyRange` as ``key_range``
-    instead of the bounds, so the MD5s of recurring partition keys are computed once.
+    Filtering, the Java KCL's rule, only with ``filter_outside`` (without it the bounds are
+    not looked at, and no partition key is hashed): a sub-record's effective hash key is its
+    explicit hash key, else the MD5 of its UTF-8 partition key as a 128-bit big-endian
+    integer. If any sub-record's key lies outside [starting_hash_key, ending_hash_key] (a
+    missing bound is 0 or 2**128-1), the WHOLE aggregate is dropped and all its sub-records
+    are counted in ``filtered``. Meant for a KPL that aggregated for a stale shard map: it
+    notices the aggregate landed on an unexpected shard and re-sends its user records.
+    aws-kinesis-agg never re-sends, so there the rule loses records (the module docstring).
+    A caller that reads one shard page after page passes the shard's :class:`HashKeyRange`
+    as ``key_range`` instead of the bounds, so the MD5s of recurring partition keys are
+    computed once.
     """
-    bounds = key_range
-    if bounds is None and (starting_hash_key is not None or ending_hash_key is not None):
+    bounds = key_range if filter_outside else None
+    if filter_outside and bounds is None and (
+            starting_hash_key is not None or ending_hash_key is not None):
         bounds = HashKeyRange(starting_hash_key, ending_hash_key)
     # A page as the parser leaves it: if no text starts like an aggregate, the page goes
     # through as it is, rows and all.

@@ -14,6 +14,11 @@ Why the pieces look the way they do:
 - Batch ids are a hash of the stream and of each shard's first and last position in the
   batch, so the retry of a failed batch carries the same id and a sink can make the retry
   idempotent (see docs/spark.md for the exactly-once file-sink recipe).
+- With lag recovery a shard delivers two kinds of batches: live ones and recovered gaps
+  (``is_recovery``), each with its own checkpointer. They wait in separate lanes and make
+  separate parts of a batch (``ShardRange.is_recovery``), so each part is one run of
+  records read in order and is checkpointed through its own checkpointer: a gap's
+  records never move the live checkpoint, and live records never move a gap's.
 - A checkpoint refused with ``ShutdownException`` means another worker owns the shard now;
   its part of the batch was written but stays un-checkpointed, and the new owner reads it
   again from the last checkpoint. That is logged and counted, never raised into the loop.
@@ -113,6 +118,8 @@ class ShardRange:
     last_sequence_number: str
     last_sub_sequence_number: int
     count: int
+    #: the records are a recovered gap's (lag recovery), not live ones
+    is_recovery: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,12 +162,26 @@ def current_batch() -> BatchInfo | None:
 def batch_id_for(stream: str, ranges: Sequence[ShardRange]) -> str:
     """Deterministic: the same shard ranges give the same id, in any order."""
     h = hashlib.sha256(stream.encode())
-    for r in sorted(ranges, key=lambda r: r.shard_id):
+    for r in sorted(ranges, key=lambda r: (r.shard_id, r.is_recovery,
+                                            int(r.first_sequence_number),
+                                            r.first_sub_sequence_number)):
         h.update(
             f"\0{r.shard_id}\0{r.first_sequence_number}.{r.first_sub_sequence_number}"
             f"\0{r.last_sequence_number}.{r.last_sub_sequence_number}".encode()
         )
+        if r.is_recovery:
+            h.update(b"\0recovery")
     return f"kclpy-{h.hexdigest()[:32]}"
+
+
+@dataclass(eq=False)
+class _Lane:
+    """Records of one checkpointer waiting for a batch: the shard's live records, or one
+    recovered gap's."""
+
+    checkpointer: Checkpointer
+    is_recovery: bool
+    records: list[Record] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -170,13 +191,18 @@ class _Shard:
     shard_id: str
     #: the shard's stream (what its initialize input named)
     stream: str | None = None
-    checkpointer: Checkpointer | None = None
-    pending: list[Record] = field(default_factory=list)
+    #: waiting records, in the order they were delivered, one lane per checkpointer
+    lanes: list[_Lane] = field(default_factory=list)
     pending_since: float | None = None
     in_flight: int = 0
     #: the lease is gone (or the processor ended): nothing of this shard is batched any more
     closed: bool = False
     flush: bool = False
+
+    @property
+    def pending(self) -> int:
+        """How many records wait for a batch."""
+        return sum(len(lane.records) for lane in self.lanes)
 
 
 @dataclass
@@ -184,6 +210,7 @@ class _Part:
     shard: _Shard
     checkpointer: Checkpointer
     records: list[Record]
+    is_recovery: bool = False
 
 
 class MicroBatcher:
@@ -269,21 +296,27 @@ class MicroBatcher:
         return shard
 
     def _offer(
-        self, shard: _Shard, records: Sequence[Record], checkpointer: Checkpointer
+        self, shard: _Shard, records: Sequence[Record], checkpointer: Checkpointer,
+        is_recovery: bool = False,
     ) -> None:
-        """Queue a shard's records, then block while the shard holds too many."""
+        """Queue a shard's records in the lane of their checkpointer, then block while the
+        shard holds too many."""
         if not records:
             return
         with self._cond:
             if shard.closed or self.stopped:
                 return
-            shard.checkpointer = checkpointer
             if not shard.pending:
                 shard.pending_since = self._clock()
-            shard.pending.extend(records)
+            lane = next((lane for lane in shard.lanes if lane.checkpointer is checkpointer),
+                        None)
+            if lane is None:
+                lane = _Lane(checkpointer, is_recovery)
+                shard.lanes.append(lane)
+            lane.records.extend(records)
             self._cond.notify_all()
             bound = self.options.max_pending_per_shard
-            while (len(shard.pending) + shard.in_flight > bound
+            while (shard.pending + shard.in_flight > bound
                    and not shard.closed and not self.stopped):
                 self._cond.wait()
 
@@ -309,9 +342,9 @@ class MicroBatcher:
         with self._cond:
             if shard.pending:
                 log.info("shard %s: %s; dropping %d uncommitted record(s), the next owner "
-                         "reads them again", shard.shard_id, why, len(shard.pending))
+                         "reads them again", shard.shard_id, why, shard.pending)
             shard.closed = True
-            shard.pending = []
+            shard.lanes = []
             shard.pending_since = None
             if shard.in_flight == 0 and shard in self._shards:
                 self._shards.remove(shard)
@@ -347,7 +380,7 @@ class MicroBatcher:
         if not live:
             return None
         opts = self.options
-        if (sum(len(s.pending) for s in live) >= opts.max_records
+        if (sum(s.pending for s in live) >= opts.max_records
                 or any(s.flush for s in live)):
             ready_at = now
         else:
@@ -372,16 +405,18 @@ class MicroBatcher:
         room = self.options.max_records
         parts: list[_Part] = []
         for shard in live:
-            if room == 0:
-                break
-            assert shard.checkpointer is not None
-            taken = shard.pending[:room]
-            del shard.pending[:len(taken)]
-            shard.in_flight += len(taken)
+            for lane in list(shard.lanes):
+                if room == 0:
+                    break
+                taken = lane.records[:room]
+                del lane.records[:len(taken)]
+                if not lane.records:
+                    shard.lanes.remove(lane)
+                shard.in_flight += len(taken)
+                room -= len(taken)
+                parts.append(_Part(shard, lane.checkpointer, taken, lane.is_recovery))
             if not shard.pending:
                 shard.pending_since = None
-            room -= len(taken)
-            parts.append(_Part(shard, shard.checkpointer, taken))
         self._last_start = self._clock()
         return parts
 
@@ -391,7 +426,7 @@ class MicroBatcher:
                 p.shard.shard_id,
                 p.records[0].sequence_number, p.records[0].sub_sequence_number,
                 p.records[-1].sequence_number, p.records[-1].sub_sequence_number,
-                len(p.records))
+                len(p.records), p.is_recovery)
             for p in parts)
         batch_id = batch_id_for(self.stream, ranges)
         try:
@@ -505,7 +540,8 @@ class _BatchingProcessor(IRecordProcessor):
     def process_records(self, process_records_input: ProcessRecordsInput) -> None:
         assert self._shard is not None
         self._batcher._offer(self._shard, process_records_input.records,
-                             process_records_input.checkpointer)
+                             process_records_input.checkpointer,
+                             process_records_input.is_recovery)
 
     def lease_lost(self, lease_lost_input: LeaseLostInput) -> None:
         if self._shard is not None:

@@ -8,10 +8,15 @@ things, both done here:
 - a batch is committed by renaming its staging directory to ``batch_id=<id>``, so a retry
   of a batch that was already committed is recognised and skipped, and a half-written
   attempt is never visible;
-- every committed batch records its shard ranges next to its files; before writing, rows at
-  or before a shard's highest committed position are dropped. A shard is read in order and
-  replays start at its checkpoint, so a replay is always a prefix of what follows, and the
-  high-water mark removes exactly that prefix.
+- every committed batch records its shard ranges next to its files, and before writing, rows
+  that fall inside a range already committed for their shard are dropped. A range is one run
+  of records read in order - the shard's live records, or one recovered gap's (lag
+  recovery): the batcher never mixes the two in a part - so every record between its first
+  and last position was written. A replay (after a crash or a lost lease) starts at a
+  checkpoint, and lies inside ranges already committed exactly as far as it was written
+  before; a recovered gap lies before the live position, outside the live ranges, and
+  reaches the files however far live reading went meanwhile. A single high-water mark per
+  shard would take the whole gap for a replay and drop it.
 
 The rename is atomic on local and POSIX filesystems (and HDFS); object stores have no atomic
 rename, so there use a table format and MERGE on (shard_id, sequence_number,
@@ -24,7 +29,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +38,10 @@ from kclpy.spark.batcher import BatchInfo, current_batch
 __all__ = ["ParquetSink"]
 
 RANGES_FILE = "_kclpy_ranges.json"
+
+Position = tuple[int, int]
+#: before every record: the first position of a range written before ranges had one
+_BEFORE_ALL: Position = (-1, 0)
 
 
 class ParquetSink:
@@ -46,7 +55,8 @@ class ParquetSink:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self._staging = self.root / "_staging"
-        self._marks: dict[str, tuple[int, int]] = {}
+        #: per shard, the (first, last) positions of every committed range
+        self._committed: dict[str, list[tuple[Position, Position]]] = {}
         self._seen: set[str] = set()
 
     def __call__(self, df: Any, batch_id: str) -> None:
@@ -59,11 +69,15 @@ class ParquetSink:
         final = self.root / f"batch_id={info.batch_id}"
         if final.exists():
             return
-        df = self._drop_committed(df, info, self._high_water_marks())
+        df = self._drop_committed(df, info, self._committed_ranges())
         staging = self._staging / f"{info.batch_id}-{uuid.uuid4().hex}"
         df.write.parquet(str(staging))
-        ranges = [{"shard_id": r.shard_id, "last_sequence_number": r.last_sequence_number,
-                   "last_sub_sequence_number": r.last_sub_sequence_number}
+        ranges = [{"shard_id": r.shard_id,
+                   "first_sequence_number": r.first_sequence_number,
+                   "first_sub_sequence_number": r.first_sub_sequence_number,
+                   "last_sequence_number": r.last_sequence_number,
+                   "last_sub_sequence_number": r.last_sub_sequence_number,
+                   "is_recovery": r.is_recovery}
                   for r in info.ranges]
         (staging / RANGES_FILE).write_text(json.dumps(ranges), encoding="utf-8")
         try:
@@ -74,10 +88,10 @@ class ParquetSink:
             if not final.exists():
                 raise
 
-    def _high_water_marks(self) -> Mapping[str, tuple[int, int]]:
-        """Per shard, the highest position committed so far (new commits read from disk)."""
+    def _committed_ranges(self) -> Mapping[str, Sequence[tuple[Position, Position]]]:
+        """Per shard, every range committed so far (new commits read from disk)."""
         if not self.root.is_dir():
-            return self._marks
+            return self._committed
         for folder in self.root.iterdir():
             if folder.name in self._seen or not folder.name.startswith("batch_id="):
                 continue
@@ -85,30 +99,44 @@ class ParquetSink:
             if not ranges_file.is_file():
                 continue
             for r in json.loads(ranges_file.read_text(encoding="utf-8")):
-                position = (int(r["last_sequence_number"]), int(r["last_sub_sequence_number"]))
-                shard = str(r["shard_id"])
-                self._marks[shard] = max(self._marks.get(shard, (-1, 0)), position)
+                last = (int(r["last_sequence_number"]), int(r["last_sub_sequence_number"]))
+                # A range file of an earlier kclpy holds only the last position: as then,
+                # everything up to it counts as written.
+                first = (_BEFORE_ALL if "first_sequence_number" not in r else
+                         (int(r["first_sequence_number"]), int(r["first_sub_sequence_number"])))
+                self._committed.setdefault(str(r["shard_id"]), []).append((first, last))
             self._seen.add(folder.name)
-        return self._marks
+        return self._committed
 
     @staticmethod
     def _drop_committed(df: Any, info: BatchInfo,
-                        marks: Mapping[str, tuple[int, int]]) -> Any:
+                        committed: Mapping[str, Sequence[tuple[Position, Position]]]) -> Any:
         from pyspark.sql import functions as f
 
-        replayed = None
+        # Sequence numbers exceed every Spark integer type; without leading zeros, a shorter
+        # decimal string is the smaller number and equal lengths compare as text.
+        col_seq, col_sub = f.col("sequence_number"), f.col("sub_sequence_number")
+
+        def after(position: Position) -> Any:
+            seq, sub = str(position[0]), position[1]
+            return ((f.length(col_seq) > len(seq))
+                    | ((f.length(col_seq) == len(seq)) & (col_seq > seq))
+                    | ((col_seq == seq) & (col_sub > sub)))
+
+        def before(position: Position) -> Any:
+            seq, sub = str(position[0]), position[1]
+            return ((f.length(col_seq) < len(seq))
+                    | ((f.length(col_seq) == len(seq)) & (col_seq < seq))
+                    | ((col_seq == seq) & (col_sub < sub)))
+
+        written = None
         for r in info.ranges:
-            mark = marks.get(r.shard_id)
-            if mark is None or (int(r.first_sequence_number), r.first_sub_sequence_number) > mark:
-                continue
-            seq, sub = str(mark[0]), mark[1]
-            # Sequence numbers exceed every Spark integer type; without leading zeros, a
-            # shorter decimal string is the smaller number and equal lengths compare as text.
-            col_seq = f.col("sequence_number")
-            at_or_before = (
-                (f.length(col_seq) < len(seq))
-                | ((f.length(col_seq) == len(seq)) & (col_seq < seq))
-                | ((col_seq == seq) & (f.col("sub_sequence_number") <= sub)))
-            condition = (f.col("shard_id") == r.shard_id) & at_or_before
-            replayed = condition if replayed is None else replayed | condition
-        return df if replayed is None else df.filter(~replayed)
+            low = (int(r.first_sequence_number), r.first_sub_sequence_number)
+            high = (int(r.last_sequence_number), r.last_sub_sequence_number)
+            for first, last in committed.get(r.shard_id, ()):
+                if first > high or last < low:
+                    continue
+                inside = ~after(last) if first == _BEFORE_ALL else ~before(first) & ~after(last)
+                condition = (f.col("shard_id") == r.shard_id) & inside
+                written = condition if written is None else written | condition
+        return df if written is None else df.filter(~written)

@@ -413,3 +413,39 @@ def test_ensure_java_uses_the_bundled_runtime_only_when_no_java_is_configured(
     configured = {"PATH": str(tmp_path), "JAVA_HOME": "/opt/my-java"}
     assert ensure_java(configured) is None
     assert configured["JAVA_HOME"] == "/opt/my-java"
+
+
+def test_a_recovered_gap_and_live_records_are_separate_parts_each_checkpointed_its_own_way(
+        writer: Writer, sink: Sink) -> None:
+    """Lag recovery hands the processor live batches and gap batches, each with its own
+    checkpointer: the batcher keeps them apart, so the gap's checkpointer moves only over
+    gap records and the live one only over live records, and the ranges say which is which."""
+    batcher = make(sink)
+    shard = Shard(batcher, writer, "shard-a")
+    gap_writer = Writer()
+    gap = Checkpointer("shard-a", gap_writer, "token", "1000", 0)
+    live = records(0, 900, 3)
+    recovered = records(0, 101, 3)
+    shard.deliver(live)
+    gap.mark_delivered(recovered[-1])
+    assert shard.processor is not None
+    shard.processor.process_records(
+        ProcessRecordsInput("shard-a", recovered, gap, None, is_recovery=True))
+
+    info = batcher.run_once()
+
+    assert info is not None
+    assert [(r.first_sequence_number, r.last_sequence_number, r.is_recovery)
+            for r in info.ranges] == [("1900", "1902", False), ("1101", "1103", True)]
+    assert writer.of("shard-a") == [("1902", 0)]
+    assert gap_writer.of("shard-a") == [("1103", 0)]
+    (table,) = sink.tables
+    assert table.num_rows == 6
+
+
+def test_the_batch_id_tells_a_recovered_range_from_a_live_one() -> None:
+    live = ShardRange("a", "1", 0, "5", 0, 5)
+    recovered = ShardRange("a", "1", 0, "5", 0, 5, is_recovery=True)
+    assert batch_id_for("s", [live]) != batch_id_for("s", [recovered])
+    other = ShardRange("a", "10", 0, "12", 0, 3)
+    assert batch_id_for("s", [other, recovered]) == batch_id_for("s", [recovered, other])
