@@ -42,6 +42,9 @@ class Lease:
     #: kclpy's own lag recovery queue (``kclpy.recovery.queue``) as stored, a JSON string;
     #: Java KCL workers ignore the attribute. Written only through the fence.
     recovery: str | None = None
+    #: kclpy's park marker (``kclpy.ops.control``), a JSON string saying who parked the
+    #: shard, when and why: no kclpy worker takes a parked lease. Java KCL workers ignore it.
+    parked: str | None = None
     #: multi-stream applications: the serialised stream identifier the key starts with
     #: (``account-id:stream-name:creation-epoch``, Java's ``streamName`` attribute)
     stream: str | None = None

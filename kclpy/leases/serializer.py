@@ -32,6 +32,8 @@ ENDING_HASH_KEY = "endingHashKey"
 CHECKPOINT_OWNER = "checkpointOwner"
 #: kclpy's own attribute (lag recovery); unknown to the Java KCL, which ignores it
 RECOVERY = "kclpyRecovery"
+#: kclpy's own attribute: the shard is parked, no kclpy worker takes it; Java ignores it
+PARKED = "kclpyParked"
 #: Java multi-stream leases: the serialised stream identifier (named so for legacy reasons)
 #: and the bare shard id, beside a key that joins them
 STREAM_NAME = "streamName"
@@ -106,6 +108,7 @@ def lease_from_item(item: Mapping[str, AttributeValueTypeDef]) -> Lease:
         ending_hash_key=_str(item, ENDING_HASH_KEY),
         checkpoint_owner=_str(item, CHECKPOINT_OWNER),
         recovery=_str(item, RECOVERY),
+        parked=_str(item, PARKED),
         stream=_str(item, STREAM_NAME),
     )
 

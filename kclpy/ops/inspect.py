@@ -13,12 +13,15 @@ No worker needs to run: everything comes from the lease table (Scan) and the str
 
 In a multi-stream table (Java ``MultiStreamLease`` keys, ``kclpy.streams``) ``leases`` shows
 each lease's stream and ``--stream-name`` / ``--stream-arn`` pick one stream's leases.
+- ``kclpy checkpoint set``, ``kclpy shard park`` / ``resume``: operator controls
+  (``kclpy.ops.control``).
 - ``kclpy consumers`` / ``register-consumer`` / ``deregister-consumer``: the stream's
   enhanced fan-out consumers (``kclpy.ops.consumers``).
 
 Exit codes: ``status`` exits 0 for OK, 1 for WARN, 2 for ERROR, 3 when the status could not
 be determined (AWS unreachable, access denied); the other commands exit 0, or 1 on such
-failures (``deregister-consumer`` also when there was no such consumer).
+failures (``deregister-consumer`` also when there was no such consumer; the control
+commands of ``kclpy.ops.control`` also when they refused to act).
 Bad arguments, a lease table or stream that does not exist, or no region exit 2 with one
 line naming the option.
 """
@@ -49,7 +52,8 @@ from kclpy.leases.dynamo import error_code
 from kclpy.leases.lease import SHARD_END, Lease
 from kclpy.leases.shard_sync import ShardSyncer
 from kclpy.leases.table import LeaseTable
-from kclpy.ops import consumers
+from kclpy.ops import consumers, control
+from kclpy.ops.control import Refused, UsageError
 from kclpy.ops.lag import (
     LagProbe,
     LagTracker,
@@ -66,13 +70,6 @@ log = logging.getLogger("kclpy.inspect")
 PROG = "kclpy"
 #: ``kclpy status`` when the status could not be determined (Nagios' UNKNOWN)
 EXIT_UNKNOWN = 3
-
-
-class UsageError(Exception):
-    """A bad argument found after parsing (no region, no such table or stream)."""
-
-    def __init__(self, option: str, message: str) -> None:
-        super().__init__(f"{option}: {message}")
 
 
 def _positive_seconds(text: str) -> float:
@@ -167,6 +164,7 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--records-limit", type=_whole(1, 10000), default=1000,
                         metavar="N", help="GetRecords Limit when counting records behind; "
                         "more are shown as N+ (default 1000)")
+    control.add_commands(commands, common)
     return parser
 
 
@@ -266,24 +264,41 @@ def _leases(args: argparse.Namespace, out: IO[str]) -> int:
         leases = [(lease, item) for lease, item in leases
                   if lease.stream is None or _stream_name(lease) == wanted]
     if args.json:
-        json.dump([item_to_json(item) for _, item in leases], out, indent=2)
+        json.dump([{**item_to_json(item), "state": lease_state(lease)}
+                   for lease, item in leases], out, indent=2)
         out.write("\n")
         return 0
-    rows = [["STREAM", "SHARD", "OWNER", "COUNTER", "CHECKPOINT", "SUB", "SWITCHES",
+    rows = [["STREAM", "SHARD", "STATE", "OWNER", "COUNTER", "CHECKPOINT", "SUB", "SWITCHES",
              "PARENTS", "CHILDREN"]]
+    parked: list[str] = []
     for lease, _ in leases:
         owner = lease.lease_owner or "-"
         if lease.checkpoint_owner:
             owner += f" (handoff from {lease.checkpoint_owner})"
-        rows.append([_stream_name(lease) or "-", lease.shard_id, owner,
+        marker = control.describe_parked(lease.parked)
+        if marker is not None:
+            parked.append(f"{lease.shard_id}: {marker.get('reason')}"
+                          + (f" ({marker['error']})" if marker.get("error") else ""))
+        rows.append([_stream_name(lease) or "-", lease.shard_id, lease_state(lease), owner,
                      str(lease.lease_counter), lease.checkpoint,
                      str(lease.checkpoint_sub_sequence_number),
                      str(lease.owner_switches_since_checkpoint),
                      ",".join(sorted(lease.parent_shard_ids)) or "-",
                      ",".join(sorted(lease.child_shard_ids)) or "-"])
     print_table(rows, out)
+    for line in parked:
+        out.write(f"parked {line}\n")
     out.write(f"{len(leases)} lease(s) in {_table_name(args)}\n")
     return 0
+
+
+def lease_state(lease: Lease) -> str:
+    """PARKED (no worker takes it), FINISHED (at SHARD_END, nothing queued), HELD or FREE."""
+    if lease.parked is not None:
+        return "PARKED"
+    if lease.is_finished:
+        return "FINISHED"
+    return "HELD" if lease.lease_owner else "FREE"
 
 
 def _stream_label(args: argparse.Namespace) -> str | None:
@@ -558,10 +573,17 @@ def inspect_main(argv: Sequence[str] | None = None) -> int:
         if args.command in _CONSUMER_COMMANDS:
             kinesis, _ = _clients(args)
             return _CONSUMER_COMMANDS[args.command](args, kinesis, sys.stdout)
+        if args.command in control.command_names():
+            prog += f" {args.action}"
+            kinesis, dynamodb = _clients(args)
+            return control.run(args, kinesis, dynamodb, sys.stdout)
         return run_status(args, sys.stdout)
     except UsageError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
+    except Refused as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return control.EXIT_REFUSED
     except (ClientError, BotoCoreError, KCLError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_UNKNOWN if args.command == "status" else 1

@@ -1,0 +1,338 @@
+"""Operator controls (``kclpy checkpoint set``, ``kclpy shard park`` / ``resume``) over real
+HTTP: kinesis-mock for the stream, kclpy.local's DynamoDB server for the lease table, and
+real Workers where the behaviour spans one."""
+
+from __future__ import annotations
+
+import json
+import threading
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from botocore.exceptions import ClientError
+
+import kclpy
+from kclpy import Worker
+from kclpy.leases.lease import Lease
+from kclpy.leases.table import LeaseTable
+from kclpy.local import LocalEndpoint
+from kclpy.ops.position import parse_position
+from kclpy.retrieval.parse import get_records
+from tests.support.streams import (
+    create_stream,
+    dynamodb_client,
+    kinesis_client,
+    put_plain,
+    unique_name,
+    wait_for,
+)
+from tests.support.workers import running
+from tests.test_inspect import endpoints, run_cli
+from tests.test_ops_server import worker_config
+
+SHARD = "shardId-000000000000"
+
+
+class Journal:
+    """Everything processors of one test saw, in the order they saw it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.entries: list[tuple[str, str, str]] = []
+
+    def add(self, shard_id: str, kind: str, value: str) -> None:
+        with self.lock:
+            self.entries.append((shard_id, kind, value))
+
+    def of(self, shard_id: str) -> list[tuple[str, str]]:
+        with self.lock:
+            return [(kind, value) for s, kind, value in self.entries if s == shard_id]
+
+    def records_since_last_initialize(self, shard_id: str) -> list[str]:
+        entries = self.of(shard_id)
+        starts = [i for i, (kind, _) in enumerate(entries) if kind == "initialize"]
+        tail = entries[starts[-1] + 1:] if starts else entries
+        return [value for kind, value in tail if kind == "record"]
+
+
+class JournalProcessor(kclpy.IRecordProcessor):
+    """Checkpoints after every batch; notes initialize (with its checkpoint), records and
+    lease_lost in one ordered journal."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+        self.shard_id = ""
+
+    def initialize(self, initialize_input: kclpy.InitializeInput) -> None:
+        self.shard_id = initialize_input.shard_id
+        self.journal.add(self.shard_id, "initialize", str(initialize_input.sequence_number))
+
+    def process_records(self, process_records_input: kclpy.ProcessRecordsInput) -> None:
+        for record in process_records_input.records:
+            self.journal.add(self.shard_id, "record", record.sequence_number)
+        process_records_input.checkpointer.checkpoint()
+
+    def lease_lost(self, lease_lost_input: kclpy.LeaseLostInput) -> None:
+        self.journal.add(self.shard_id, "lease_lost", "")
+
+    def shard_ended(self, shard_ended_input: kclpy.ShardEndedInput) -> None:
+        shard_ended_input.checkpointer.checkpoint()
+
+    def shutdown_requested(self, shutdown_requested_input: kclpy.ShutdownRequestedInput) -> None:
+        shutdown_requested_input.checkpointer.checkpoint()
+
+
+@pytest.fixture
+def stream(kinesis_mock: LocalEndpoint) -> str:
+    name = unique_name("control")
+    create_stream(kinesis_client(kinesis_mock.url), name, 1)
+    return name
+
+
+def lease_table(dynamodb_url: str, *leases: Lease) -> tuple[str, LeaseTable]:
+    name = unique_name("control")
+    table = LeaseTable(dynamodb_client(dynamodb_url), name)
+    table.create_if_missing()
+    for lease in leases:
+        table.create(lease)
+    return name, table
+
+
+def current(table: LeaseTable, key: str = SHARD) -> Lease | None:
+    """The lease, or None while the worker has not created its table yet."""
+    try:
+        return table.get(key)
+    except ClientError:
+        return None
+
+
+def arrivals(kinesis: Any, stream: str) -> list[tuple[str, int]]:
+    """(sequence number, arrival ms) of every record of the shard, oldest first."""
+    iterator = kinesis.get_shard_iterator(StreamName=stream, ShardId=SHARD,
+                                          ShardIteratorType="TRIM_HORIZON")["ShardIterator"]
+    page = get_records(kinesis, iterator, 10_000)
+    return [(r.sequence_number, r.timestamp_millis or 0) for r in page.records]
+
+
+def checkpoint_set(capsys: pytest.CaptureFixture[str], kinesis: LocalEndpoint,
+                   dynamodb: LocalEndpoint, app: str, stream: str, *extra: str
+                   ) -> tuple[int, str, str]:
+    return run_cli(capsys, "checkpoint", "set", "--application-name", app,
+                   "--stream-name", stream, *extra, *endpoints(kinesis, dynamodb))
+
+
+# -- checkpoint set, no worker running -------------------------------------------------------
+
+
+def test_positions_parse_and_a_naive_time_is_utc() -> None:
+    assert parse_position("TRIM_HORIZON").kind == "TRIM_HORIZON"
+    assert parse_position("0049590338271490256608559692538361571095921575989136588898"
+                          ).sequence_number == "49590338271490256608559692538361571095921575989136588898"
+    moment = parse_position("2026-11-26T10:00:00").time
+    assert moment is not None and moment.utcoffset() is not None
+    assert moment.utcoffset().total_seconds() == 0  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="ISO-8601"):
+        parse_position("yesterday")
+
+
+@pytest.mark.integration
+def test_set_to_a_sequence_number_is_conditional_and_dry_run_writes_nothing(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    written = put_plain(kinesis, stream, [f"r{i}".encode() for i in range(6)])
+    sequences = [seq for _, seq in written]
+    app, table = lease_table(moto_server.url, Lease(SHARD, lease_counter=7,
+                                                    checkpoint=sequences[5],
+                                                    owner_switches_since_checkpoint=2))
+    code, out, _ = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                  "--shard-id", SHARD, "--to", sequences[2], "--dry-run",
+                                  "--json")
+    assert code == 0
+    (planned,) = json.loads(out)["shards"]
+    assert planned["to"] == {"checkpoint": sequences[2], "sub_sequence_number": 0}
+    assert planned["written"] is False
+    assert table.get(SHARD) == Lease(SHARD, lease_counter=7, checkpoint=sequences[5],
+                                     owner_switches_since_checkpoint=2)
+
+    code, out, _ = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                  "--shard-id", SHARD, "--to", sequences[2])
+    assert code == 0, out
+    assert "moved 1 checkpoint(s)" in out
+    after = table.get(SHARD)
+    assert after is not None
+    assert (after.checkpoint, after.lease_counter, after.owner_switches_since_checkpoint) == (
+        sequences[2], 8, 0)
+
+
+@pytest.mark.integration
+def test_a_time_resolves_to_the_last_record_before_it(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    for i in range(4):  # one request each, so arrival times can differ
+        put_plain(kinesis, stream, [f"early-{i}".encode()])
+    early = arrivals(kinesis, stream)[-1][1]
+
+    def later_write() -> tuple[str, int] | None:
+        """Write once more; the write if it arrived in a later millisecond than the rest."""
+        put_plain(kinesis, stream, [b"late"])
+        last = arrivals(kinesis, stream)[-1]
+        return last if last[1] > early else None
+
+    cut = wait_for(later_write, 10, "a record in a later millisecond")
+    put_plain(kinesis, stream, [b"later"])
+    everything = arrivals(kinesis, stream)
+    first_at_or_after = next(seq for seq, ms in everything if ms >= cut[1])
+    expected = everything[[seq for seq, _ in everything].index(first_at_or_after) - 1][0]
+    app, table = lease_table(moto_server.url, Lease(SHARD, checkpoint="TRIM_HORIZON"))
+    when = datetime.fromtimestamp(cut[1] / 1000, UTC).isoformat(timespec="milliseconds")
+    code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                    "--shard-id", SHARD, "--to", when)
+    assert code == 0, err
+    lease = table.get(SHARD)
+    assert lease is not None and lease.checkpoint == expected
+    # A time before every record is the shard's beginning.
+    code, _, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                  "--shard-id", SHARD, "--to", "2001-01-01T00:00:00Z")
+    assert code == 0, err
+    lease = table.get(SHARD)
+    assert lease is not None and lease.checkpoint == "TRIM_HORIZON"
+
+
+@pytest.mark.integration
+def test_a_held_lease_is_refused_naming_the_holder_and_nothing_is_written(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str) -> None:
+    app, table = lease_table(moto_server.url, Lease(SHARD, lease_owner="worker-a",
+                                                    lease_counter=3, checkpoint="LATEST"))
+    code, _, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                  "--all-shards", "--to", "TRIM_HORIZON")
+    assert code == 1
+    assert "worker-a" in err and "--force" in err
+    assert table.get(SHARD) == Lease(SHARD, lease_owner="worker-a", lease_counter=3,
+                                     checkpoint="LATEST")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("args", "option"), [
+    (["--shard-id", "shardId-000000000009", "--to", "TRIM_HORIZON"], "--shard-id"),
+    (["--shard-id", SHARD, "--to", "12345678901234567890"], "--to"),
+    (["--all-shards", "--to", "12345678901234567890"], "--to"),
+])
+def test_bad_targets_exit_2_naming_the_argument(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str, args: list[str], option: str) -> None:
+    app, table = lease_table(moto_server.url, Lease(SHARD),
+                             Lease("shardId-000000000009"))
+    code, _, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream, *args)
+    assert code == 2, err
+    assert f"error: {option}:" in err
+    assert table.get(SHARD) == Lease(SHARD)
+
+
+@pytest.mark.integration
+def test_a_missing_table_or_stream_exits_2_naming_the_option(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str) -> None:
+    code, _, err = checkpoint_set(capsys, kinesis_mock, moto_server, unique_name("none"),
+                                  stream, "--shard-id", SHARD, "--to", "TRIM_HORIZON")
+    assert (code, "error: --application-name:" in err) == (2, True), err
+    app, _ = lease_table(moto_server.url, Lease(SHARD))
+    code, _, err = checkpoint_set(capsys, kinesis_mock, moto_server, app,
+                                  unique_name("none"), "--shard-id", SHARD, "--to",
+                                  "TRIM_HORIZON")
+    assert (code, "error: --stream-name:" in err) == (2, True), err
+    code, _, err = run_cli(capsys, "shard", "park", "--application-name", app,
+                           "--shard-id", "shardId-000000000042",
+                           *endpoints(kinesis_mock, moto_server))
+    assert (code, "error: --shard-id:" in err) == (2, True), err
+
+
+def test_every_control_command_has_help(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in (["checkpoint", "set"], ["shard", "park"], ["shard", "resume"]):
+        code, out, _ = run_cli(capsys, *command, "--help")
+        assert code == 0 and "--application-name" in out and "--shard-id" in out
+
+
+# -- with a running worker -------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_forced_move_resumes_a_running_worker_right_after_the_new_position(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    first = [seq for _, seq in put_plain(kinesis, stream, [f"a{i}".encode() for i in range(8)])]
+    journal = Journal()
+    config = worker_config(kinesis_mock.url, moto_server.url, stream)
+    worker = Worker(config, lambda: JournalProcessor(journal))
+    table = LeaseTable(dynamodb_client(moto_server.url), config.application_name)
+    with running(worker):
+        wait_for(lambda: (lease := current(table)) is not None
+                 and lease.checkpoint == first[-1], 60, "all first records checkpointed")
+        code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server,
+                                        config.application_name, stream, "--shard-id", SHARD,
+                                        "--to", first[2])
+        assert code == 1 and config.worker_id in err
+        code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server,
+                                        config.application_name, stream, "--shard-id", SHARD,
+                                        "--to", first[2], "--force")
+        assert code == 0, err
+        assert f"taken from {config.worker_id}" in out
+        wait_for(lambda: ("initialize", first[2]) in journal.of(SHARD), 60,
+                 "the shard taken again at the new checkpoint")
+        second = [seq for _, seq in put_plain(kinesis, stream,
+                                              [f"b{i}".encode() for i in range(5)])]
+        wait_for(lambda: journal.records_since_last_initialize(SHARD)[-1:] == second[-1:],
+                 60, "the new records processed")
+    entries = journal.of(SHARD)
+    assert ("lease_lost", "") in entries
+    assert entries.index(("lease_lost", "")) < entries.index(("initialize", first[2]))
+    # Nothing at or before the new position again, nothing after it skipped, in order.
+    assert journal.records_since_last_initialize(SHARD) == first[3:] + second
+
+
+@pytest.mark.integration
+def test_a_parked_shard_is_left_alone_until_resumed_then_starts_at_its_checkpoint(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("control")
+    create_stream(kinesis, stream, 2)
+    journal = Journal()
+    config = worker_config(kinesis_mock.url, moto_server.url, stream)
+    worker = Worker(config, lambda: JournalProcessor(journal))
+    table = LeaseTable(dynamodb_client(moto_server.url), config.application_name)
+    other = "shardId-000000000001"
+    cli = ["--application-name", config.application_name, "--shard-id", SHARD,
+           *endpoints(kinesis_mock, moto_server)]
+    with running(worker):
+        before = [seq for shard, seq in put_plain(kinesis, stream, [b"x"] * 40,
+                                                  [str(i) for i in range(40)]) if shard == SHARD]
+        wait_for(lambda: (lease := current(table)) is not None and lease.lease_owner
+                 and lease.checkpoint == before[-1], 60, "the shard checkpointed")
+        code, out, err = run_cli(capsys, "shard", "park", *cli, "--reason", "poison")
+        assert code == 0, err
+        wait_for(lambda: ("lease_lost", "") in journal.of(SHARD), 60, "lease_lost")
+        while_parked = put_plain(kinesis, stream, [b"y"] * 40, [str(i) for i in range(40)])
+        on_other = [seq for shard, seq in while_parked if shard == other]
+        on_parked = [seq for shard, seq in while_parked if shard == SHARD]
+        # The rest of the worker keeps going while nobody takes the parked shard.
+        wait_for(lambda: journal.records_since_last_initialize(other)[-1:] == on_other[-1:],
+                 60, "the other shard processed")
+        parked = table.get(SHARD)
+        assert parked is not None and parked.lease_owner is None and parked.parked
+        code, out, _ = run_cli(capsys, "leases", "--application-name",
+                               config.application_name, "--json",
+                               *endpoints(kinesis_mock, moto_server))
+        states = {item["leaseKey"]: item["state"] for item in json.loads(out)}
+        assert states[SHARD] == "PARKED"
+        code, out, err = run_cli(capsys, "shard", "resume", *cli)
+        assert code == 0, err
+        wait_for(lambda: journal.records_since_last_initialize(SHARD)[-1:] == on_parked[-1:],
+                 60, "the resumed shard processed")
+    entries = journal.of(SHARD)
+    assert entries[-len(on_parked) - 1] == ("initialize", before[-1])
+    assert journal.records_since_last_initialize(SHARD) == on_parked
