@@ -27,7 +27,7 @@ from kclpy.streams import StreamConfig, StreamTracker
 log = logging.getLogger(__name__)
 
 INITIAL_POSITIONS = ("LATEST", "TRIM_HORIZON", "AT_TIMESTAMP")
-ERROR_POLICIES = ("retry", "skip", "shutdown")
+ERROR_POLICIES = ("retry", "skip", "shutdown", "park")
 STRAY_STDOUT_POLICIES = ("restart", "skip")
 #: kclpy's own default is polling (API and CLI); Java's POLLING / FANOUT are accepted
 RETRIEVAL_MODES = ("polling", "fanout")
@@ -71,6 +71,7 @@ class KCLConfig:
     task_backoff_time_ms: int = 500
     max_task_backoff_time_ms: int = 30_000
     processor_error_policy: str = "retry"
+    processor_error_attempts: int = 3
     prefetch_queue_size: int = 3
     max_pool_connections: int = 256
     stop_when_caught_up: bool = False
@@ -229,8 +230,12 @@ OPTIONS: tuple[Option, ...] = (
     _opt("max_task_backoff_time_ms", "int", "Largest retry delay after processor errors.",
          "maxTaskBackoffTimeMillis"),
     _opt("processor_error_policy", "policy",
-         "What a process_records exception does: retry, skip or shutdown.",
+         "What a process_records exception does: retry, skip, shutdown, or park (the shard "
+         "is parked after processor_error_attempts failed attempts at one batch).",
          "processorErrorPolicy"),
+    _opt("processor_error_attempts", "int",
+         "With processor_error_policy=park: failed attempts at one batch before the shard "
+         "is parked.", "processorErrorAttempts"),
     _opt("prefetch_queue_size", "int",
          "Fetched batches buffered per shard (bounds memory).", "prefetchQueueSize"),
     _opt("max_pool_connections", "int", "botocore connection pool size.", "maxPoolConnections"),

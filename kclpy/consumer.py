@@ -28,7 +28,8 @@ from kclpy.cloudwatch import (
     shard_dimensions,
     success_and_time,
 )
-from kclpy.errors import ProcessorRestartRequired, ShutdownException
+from kclpy.errors import KCLError, ProcessorRestartRequired, ShutdownException
+from kclpy.leases import park
 from kclpy.leases.lease import SHARD_END, Lease
 from kclpy.metrics import Metrics
 from kclpy.processor import (
@@ -54,6 +55,8 @@ class ConsumerState(enum.Enum):
     PROCESSING = "PROCESSING"
     SHUTTING_DOWN = "SHUTTING_DOWN"
     DONE = "DONE"
+    #: process_records keeps failing on one batch (``ShardConsumer.failure`` says how)
+    FAILED = "FAILED"
 
 
 class FetchResultLike(Protocol):
@@ -108,6 +111,8 @@ class ConsumerSettings:
     task_backoff_s: float = 0.5
     max_task_backoff_s: float = 30.0
     processor_error_policy: str = "retry"
+    #: ``park`` policy: failed attempts at one batch before the shard is parked
+    processor_error_attempts: int = 3
     call_process_records_even_for_empty_record_list: bool = False
     poll_timeout_s: float = 0.2
 
@@ -134,6 +139,7 @@ class ShardConsumer:
         rng: random.Random | None = None,
         recovery: Callable[[], RecoveryLike] | None = None,
         stream_name: str | None = None,
+        park: Callable[[str, str, str], None] | None = None,
     ) -> None:
         #: the lease key, unique across the streams of a multi-stream application
         self.shard_id = lease.lease_key
@@ -167,6 +173,12 @@ class ShardConsumer:
         #: the processor checkpointed SHARD_END
         self.shard_ended = False
         self.millis_behind_latest: int | None = None
+        #: (lease key, token, park mark) -> None: marks the lease parked through the fence
+        self._park = park
+        #: while process_records keeps failing on one batch: the last error and since when
+        self.failure: dict[str, Any] | None = None
+        #: the park policy parked the shard (its lease is then let go)
+        self.parked = False
         self._publish_state()
 
     # -- control, from the worker's thread -----------------------------------------------
@@ -204,6 +216,8 @@ class ShardConsumer:
         """Why the consumer stopped or is stopping, for the worker's log."""
         if self.error is not None:
             return f"error {self.error!r}"
+        if self.parked:
+            return "parked (processor_error_policy=park)"
         if self.shard_ended:
             return "shard ended"
         if self._lease_lost.is_set():
@@ -431,6 +445,7 @@ class ShardConsumer:
                 return "stopped"
             except Exception as exc:
                 self._metrics.processor_errors.labels(self.shard_id, "process_records").inc()
+                self._note_failure(exc, attempt)
                 policy = self._settings.processor_error_policy
                 if policy == "skip":
                     log.exception("shard %s: process_records failed; batch of %d skipped "
@@ -440,6 +455,11 @@ class ShardConsumer:
                     log.exception("shard %s: process_records failed; shutting the worker down "
                                   "(processor_error_policy=shutdown)", self.shard_id)
                     raise FatalProcessorError(f"shard {self.shard_id}: {exc!r}") from exc
+                if policy == "park" and attempt + 1 >= self._settings.processor_error_attempts:
+                    if records:
+                        checkpointer.unmark_delivered(previous)
+                    self._park_shard()
+                    return "stopped"
                 log.exception("shard %s: process_records failed; retrying the same batch",
                               self.shard_id)
                 if self._pause(self._backoff(attempt)):
@@ -454,6 +474,9 @@ class ShardConsumer:
             size = records.payload_bytes()
             self._metrics.records_processed.labels(self.shard_id).inc(len(records))
             self._metrics.bytes_processed.labels(self.shard_id).inc(size)
+            if self.failure is not None:
+                self.failure = None
+                self._set_state(ConsumerState.PROCESSING)
             self._report_batch(len(records), size, result.millis_behind_latest, elapsed)
             return "ok"
 
@@ -525,6 +548,40 @@ class ShardConsumer:
         except Exception:
             self._metrics.processor_errors.labels(self.shard_id, "shutdown_requested").inc()
             log.exception("shard %s: shutdown_requested failed", self.shard_id)
+
+    # -- failures ----------------------------------------------------------------------------
+
+    def _note_failure(self, exc: Exception, attempt: int) -> None:
+        """The shard is FAILED from the first failed attempt at a batch until one succeeds."""
+        now_ms = int(time.time() * 1000)
+        since = self.failure["since_ms"] if self.failure is not None and attempt else now_ms
+        self.failure = {"error_type": type(exc).__name__, "message": str(exc),
+                        "attempts": attempt + 1, "since_ms": since}
+        self._set_state(ConsumerState.FAILED)
+
+    def _park_shard(self) -> None:
+        """Mark the lease parked (no worker takes it) and end with lease_lost; the worker
+        lets the lease go like that of any consumer that ended."""
+        failure = self.failure or {}
+        error = f"{failure.get('error_type')}: {failure.get('message')}"
+        log.error("shard %s: process_records failed %s times; parking the shard "
+                  "(processor_error_policy=park): %s", self.shard_id,
+                  failure.get("attempts"), error)
+        if self._park is not None:
+            try:
+                self._park(self.shard_id, self._token, park.marker(
+                    "processor_error_policy=park", "worker", error=error,
+                    attempts=failure.get("attempts"), since_ms=failure.get("since_ms")))
+            except ShutdownException as exc:
+                log.warning("shard %s: lease lost before it could be parked: %s",
+                            self.shard_id, exc)
+            except KCLError as exc:
+                log.error("shard %s: parking failed (%r); the lease is released and the "
+                          "batch will be retried by its next holder", self.shard_id, exc)
+            else:
+                self.parked = True
+                self._metrics.shards_parked_by_policy.labels(self.shard_id).inc()
+        self._lease_lost.set()
 
     # -- state -------------------------------------------------------------------------------
 

@@ -105,6 +105,14 @@ class Metrics:
             "kclpy_shard_consumer_state",
             "1 for the state each shard consumer is in, 0 for the others.",
             ["shard_id", "state"], registry=r)
+        self.shards_parked = Gauge(
+            "kclpy_shards_parked",
+            "Parked leases (kclpyParked) in the lease table as this worker last scanned it: "
+            "no worker takes them until 'kclpy shard resume'.", registry=r)
+        self.shards_parked_by_policy = Counter(
+            "kclpy_shards_parked_by_policy",
+            "Shards this worker parked under processor_error_policy=park.",
+            ["shard_id"], registry=r)
         # MultiLangDaemon children
         self.multilang_child_failures = Counter(
             "kclpy_multilang_child_failures",

@@ -29,6 +29,7 @@ from kclpy.consumer import ConsumerSettings, FatalProcessorError, FetcherLike, S
 from kclpy.errors import ConfigError, KCLError
 from kclpy.leases.coordinator import LeaseCoordinator
 from kclpy.leases.lease import AT_TIMESTAMP, Lease
+from kclpy.leases.park import park_held
 from kclpy.leases.streams import ActiveStream, StreamSet
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
@@ -88,6 +89,7 @@ class Worker:
             task_backoff_s=config.task_backoff_time_ms / 1000,
             max_task_backoff_s=config.max_task_backoff_time_ms / 1000,
             processor_error_policy=config.processor_error_policy,
+            processor_error_attempts=config.processor_error_attempts,
             call_process_records_even_for_empty_record_list=(
                 config.call_process_records_even_for_empty_record_list),
         )
@@ -153,6 +155,7 @@ class Worker:
                 "millis_behind_latest": consumer.millis_behind_latest,
                 "retrieval": consumer.retrieval,
                 "recovery": consumer.recovery,
+                "failure": consumer.failure,
             }
         held = sorted(self.coordinator.held_leases()) if self.coordinator else []
         streams = sorted(a.label for a in self.streams.active.values()) if self.streams else []
@@ -330,7 +333,10 @@ class Worker:
                     # Nobody needs a finished shard's lease held (children read only its
                     # checkpoint), and renewing it would cost a write every renewal period.
                     continue
-                if consumer.error is not None:
+                if consumer.parked:
+                    log.error("shard %s: parked; its lease is released and no worker takes "
+                              "it until 'kclpy shard resume'", shard_id)
+                elif consumer.error is not None:
                     log.error("shard %s: consumer stopped on %r; releasing its lease so it is "
                               "retried", shard_id, consumer.error)
                 else:
@@ -351,6 +357,8 @@ class Worker:
                     consumer.start()
             self._track_unconsumed(held)
         self.metrics.leases_held.set(len(held))
+        self.metrics.shards_parked.set(
+            sum(lease.parked is not None for lease in self.coordinator.all_leases()))
 
     def _track_unconsumed(self, held: dict[str, Lease]) -> None:
         """Note since when each held lease has had no running consumer (the consumers lock
@@ -396,7 +404,8 @@ class Worker:
             checkpoint_writer=self.coordinator.fence, lease_reader=self.coordinator,
             fetcher_factory=self._make_fetcher, on_shard_end=self._on_shard_end,
             settings=self._settings, metrics=self.metrics, recovery=recovery,
-            stream_name=self._stream(lease).label)
+            stream_name=self._stream(lease).label,
+            park=functools.partial(park_held, self.coordinator.fence))
 
     def _make_fetcher(self, lease: Lease, checkpoint: str, sub_sequence_number: int,
                       start_at: datetime | None = None) -> FetcherLike:
@@ -479,7 +488,7 @@ class Worker:
         leases = self.coordinator.all_leases()
         if not leases:
             return False  # the taker has not scanned the table yet
-        open_leases = [lease for lease in leases if not lease.is_finished]
+        open_leases = [lease for lease in leases if not lease.is_finished and not lease.parked]
         if any(lease.lease_key not in held for lease in open_leases):
             return False
         consumers = self.consumers()

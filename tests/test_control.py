@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
@@ -17,6 +17,8 @@ from kclpy import Worker
 from kclpy.leases.lease import Lease
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
+from kclpy.ops import serve_worker
+from kclpy.ops.inspect import read_worker
 from kclpy.ops.position import parse_position
 from kclpy.retrieval.parse import get_records
 from tests.support.streams import (
@@ -29,7 +31,7 @@ from tests.support.streams import (
 )
 from tests.support.workers import running
 from tests.test_inspect import endpoints, run_cli
-from tests.test_ops_server import worker_config
+from tests.test_ops_server import scrape, worker_config
 
 SHARD = "shardId-000000000000"
 
@@ -127,8 +129,8 @@ def checkpoint_set(capsys: pytest.CaptureFixture[str], kinesis: LocalEndpoint,
 
 def test_positions_parse_and_a_naive_time_is_utc() -> None:
     assert parse_position("TRIM_HORIZON").kind == "TRIM_HORIZON"
-    assert parse_position("0049590338271490256608559692538361571095921575989136588898"
-                          ).sequence_number == "49590338271490256608559692538361571095921575989136588898"
+    sequence = "49590338271490256608559692538361571095921575989136588898"
+    assert parse_position(sequence).sequence_number == sequence
     moment = parse_position("2026-11-26T10:00:00").time
     assert moment is not None and moment.utcoffset() is not None
     assert moment.utcoffset().total_seconds() == 0  # type: ignore[union-attr]
@@ -187,7 +189,8 @@ def test_a_time_resolves_to_the_last_record_before_it(
     first_at_or_after = next(seq for seq, ms in everything if ms >= cut[1])
     expected = everything[[seq for seq, _ in everything].index(first_at_or_after) - 1][0]
     app, table = lease_table(moto_server.url, Lease(SHARD, checkpoint="TRIM_HORIZON"))
-    when = datetime.fromtimestamp(cut[1] / 1000, UTC).isoformat(timespec="milliseconds")
+    when = datetime.fromtimestamp(cut[1] / 1000, timezone.utc).isoformat(
+        timespec="milliseconds")
     code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
                                     "--shard-id", SHARD, "--to", when)
     assert code == 0, err
@@ -335,4 +338,101 @@ def test_a_parked_shard_is_left_alone_until_resumed_then_starts_at_its_checkpoin
                  60, "the resumed shard processed")
     entries = journal.of(SHARD)
     assert entries[-len(on_parked) - 1] == ("initialize", before[-1])
+    assert journal.records_since_last_initialize(SHARD) == on_parked
+
+
+# -- a failing shard: FAILED, and the park policy --------------------------------------------
+
+
+class Breakable(JournalProcessor):
+    """Raises on every batch while ``broken`` is set."""
+
+    def __init__(self, journal: Journal, broken: threading.Event) -> None:
+        super().__init__(journal)
+        self.broken = broken
+
+    def process_records(self, process_records_input: kclpy.ProcessRecordsInput) -> None:
+        if self.broken.is_set() and self.shard_id == SHARD:
+            raise ValueError("cannot parse record")
+        super().process_records(process_records_input)
+
+
+def shard_status(server: Any, shard_id: str) -> dict[str, Any] | None:
+    view = read_worker(server.url)
+    return view.shards.get(shard_id) if view.error is None else None
+
+
+@pytest.mark.integration
+def test_a_failing_shard_is_failed_with_its_error_then_processing_again(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, stream: str) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    journal, broken = Journal(), threading.Event()
+    broken.set()
+    config = worker_config(kinesis_mock.url, moto_server.url, stream,
+                           task_backoff_time_ms=50, max_task_backoff_time_ms=200)
+    worker = Worker(config, lambda: Breakable(journal, broken))
+    with serve_worker(worker, lag_window_s=None) as server, running(worker):
+        put_plain(kinesis, stream, [b"bad"])
+        failed = wait_for(lambda: (s := shard_status(server, SHARD)) is not None
+                          and s["state"] == "FAILED" and s["failure"]["attempts"] >= 2 and s,
+                          60, "the shard FAILED after two attempts")
+        failure = failed["failure"]
+        assert (failure["error_type"], failure["message"]) == ("ValueError",
+                                                                "cannot parse record")
+        assert failure["since_ms"] > 0
+        samples = scrape(server)
+        assert samples[("kclpy_shard_consumer_state",
+                        (("shard_id", SHARD), ("state", "FAILED")))] == 1
+        broken.clear()
+        recovered = wait_for(lambda: (s := shard_status(server, SHARD)) is not None
+                             and s["state"] == "PROCESSING" and s, 60, "PROCESSING again")
+        assert recovered["failure"] is None
+
+
+@pytest.mark.integration
+def test_the_park_policy_parks_a_failing_shard_and_the_rest_keeps_running(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("control")
+    create_stream(kinesis, stream, 2)
+    other = "shardId-000000000001"
+    journal, broken = Journal(), threading.Event()
+    config = worker_config(kinesis_mock.url, moto_server.url, stream,
+                           processor_error_policy="park", processor_error_attempts=3,
+                           task_backoff_time_ms=50, max_task_backoff_time_ms=200)
+    worker = Worker(config, lambda: Breakable(journal, broken))
+    table = LeaseTable(dynamodb_client(moto_server.url), config.application_name)
+    with serve_worker(worker, lag_window_s=None) as server, running(worker):
+        good = [seq for shard, seq in put_plain(kinesis, stream, [b"ok"] * 40,
+                                                [str(i) for i in range(40)]) if shard == SHARD]
+        wait_for(lambda: (lease := current(table)) is not None
+                 and lease.checkpoint == good[-1], 60, "the shard checkpointed")
+        broken.set()
+        written = put_plain(kinesis, stream, [b"x"] * 40, [str(i) for i in range(40)])
+        on_parked = [seq for shard, seq in written if shard == SHARD]
+        on_other = [seq for shard, seq in written if shard == other]
+        def parked_lease() -> Lease | None:
+            lease = current(table)
+            return lease if lease is not None and lease.parked and not lease.lease_owner else None
+
+        parked = wait_for(parked_lease, 60, "the shard parked")
+        marker = json.loads(parked.parked or "")
+        assert marker["attempts"] == 3 and "ValueError: cannot parse record" in marker["error"]
+        assert parked.checkpoint == good[-1]
+        wait_for(lambda: journal.records_since_last_initialize(other)[-1:] == on_other[-1:],
+                 60, "the other shard processed")
+        wait_for(lambda: scrape(server).get(("kclpy_shards_parked", ())) == 1, 60,
+                 "kclpy_shards_parked")
+        assert ("lease_lost", "") in journal.of(SHARD)
+        code, out, _ = run_cli(capsys, "leases", "--application-name", config.application_name,
+                               *endpoints(kinesis_mock, moto_server))
+        assert code == 0 and "PARKED" in out and "cannot parse record" in out
+        broken.clear()
+        code, _, err = run_cli(capsys, "shard", "resume", "--application-name",
+                               config.application_name, "--shard-id", SHARD,
+                               *endpoints(kinesis_mock, moto_server))
+        assert code == 0, err
+        wait_for(lambda: journal.records_since_last_initialize(SHARD)[-1:] == on_parked[-1:],
+                 60, "the resumed shard processed")
     assert journal.records_since_last_initialize(SHARD) == on_parked

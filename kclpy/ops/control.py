@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
 from botocore.exceptions import ClientError
 
+from kclpy.leases import park as parking
 from kclpy.leases import serializer as ser
 from kclpy.leases.dynamo import CONDITION_FAILED, error_code
 from kclpy.leases.lease import SHARD_END, Lease
@@ -338,33 +338,11 @@ def _checkpoint_text(checkpoint: str, sub: int) -> str:
 # -- park / resume ---------------------------------------------------------------------------
 
 
-def park_marker(reason: str, by: str, *, error: str | None = None,
-                attempts: int | None = None) -> str:
-    """The ``kclpyParked`` value: who parked the shard, when (epoch ms) and why."""
-    value: dict[str, Any] = {"reason": reason, "by": by, "atMs": int(time.time() * 1000)}
-    if error is not None:
-        value["error"] = error
-    if attempts is not None:
-        value["attempts"] = attempts
-    return json.dumps(value, separators=(",", ":"))
-
-
-def describe_parked(marker: str | None) -> dict[str, Any] | None:
-    """The marker as a JSON object (a hand-written plain string is its reason)."""
-    if marker is None:
-        return None
-    try:
-        value = json.loads(marker)
-    except json.JSONDecodeError:
-        return {"reason": marker}
-    return value if isinstance(value, dict) else {"reason": marker}
-
-
 def park(args: argparse.Namespace, table: LeaseTable, out: IO[str]) -> int:
     lease = one_lease(args, table)
     if lease.checkpoint == SHARD_END and not lease.recovery:
         raise Refused(f"shard {lease.shard_id} is finished (SHARD_END): nothing to park")
-    update = UpdateBuilder().set(ser.PARKED, s(park_marker(args.reason, "operator")))
+    update = UpdateBuilder().set(ser.PARKED, s(parking.marker(args.reason, "operator")))
     if lease.lease_owner is not None:
         update.remove(ser.LEASE_OWNER).remove(ser.CHECKPOINT_OWNER)
     _write(table, lease, update)

@@ -47,6 +47,7 @@ from botocore.exceptions import BotoCoreError, ClientError, NoRegionError
 
 from kclpy.arguments import OneLineParser
 from kclpy.errors import KCLError
+from kclpy.leases import park as parking
 from kclpy.leases import serializer as ser
 from kclpy.leases.dynamo import error_code
 from kclpy.leases.lease import SHARD_END, Lease
@@ -275,7 +276,7 @@ def _leases(args: argparse.Namespace, out: IO[str]) -> int:
         owner = lease.lease_owner or "-"
         if lease.checkpoint_owner:
             owner += f" (handoff from {lease.checkpoint_owner})"
-        marker = control.describe_parked(lease.parked)
+        marker = parking.describe(lease.parked)
         if marker is not None:
             parked.append(f"{lease.shard_id}: {marker.get('reason')}"
                           + (f" ({marker['error']})" if marker.get("error") else ""))

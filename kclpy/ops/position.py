@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from botocore.exceptions import ClientError
@@ -87,7 +87,7 @@ def parse_position(text: str) -> Position:
         raise ValueError(f"{text!r} is not TRIM_HORIZON, LATEST, a sequence number or an "
                          "ISO-8601 time") from None
     if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
+        moment = moment.replace(tzinfo=timezone.utc)
     return Position("TIME", time=moment)
 
 
@@ -102,7 +102,8 @@ class ShardReader:
     def _iterator(self, kind: str, **where: Any) -> str | None:
         response = self._kinesis.get_shard_iterator(
             **self._stream, ShardId=self._shard_id, ShardIteratorType=kind, **where)
-        return response.get("ShardIterator")
+        iterator: str | None = response.get("ShardIterator")
+        return iterator
 
     def records(self, kind: str, **where: Any) -> Any:
         """The shard's records from the iterator ``kind`` on, page by page, up to its tip."""
@@ -132,13 +133,13 @@ def _last_sub_sequence(record: Record) -> int:
 def _describe(record: Record) -> str:
     millis = record.timestamp_millis
     when = "" if millis is None else (
-        " (arrived " + datetime.fromtimestamp(millis / 1000, UTC).isoformat(
+        " (arrived " + datetime.fromtimestamp(millis / 1000, timezone.utc).isoformat(
             timespec="milliseconds") + ")")
     return f"record {record.sequence_number}{when}"
 
 
 def resolve(reader: ShardReader, position: Position, *, checkpoint: str,
-            now: Callable[[], datetime] = lambda: datetime.now(UTC)) -> Target | None:
+            now: Callable[[], datetime] = lambda: datetime.now(timezone.utc)) -> Target | None:
     """The checkpoint for ``position`` in the reader's shard; None when the shard has
     nothing at or after the position and its lease is already at ``SHARD_END`` (a finished
     shard is left alone rather than read again)."""
