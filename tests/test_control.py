@@ -51,6 +51,9 @@ class Journal:
         with self.lock:
             return [(kind, value) for s, kind, value in self.entries if s == shard_id]
 
+    def recovered(self, shard_id: str) -> list[str]:
+        return [value for kind, value in self.of(shard_id) if kind == "recovery"]
+
     def records_since_last_initialize(self, shard_id: str) -> list[str]:
         entries = self.of(shard_id)
         starts = [i for i, (kind, _) in enumerate(entries) if kind == "initialize"]
@@ -71,8 +74,9 @@ class JournalProcessor(kclpy.IRecordProcessor):
         self.journal.add(self.shard_id, "initialize", str(initialize_input.sequence_number))
 
     def process_records(self, process_records_input: kclpy.ProcessRecordsInput) -> None:
+        kind = "recovery" if process_records_input.is_recovery else "record"
         for record in process_records_input.records:
-            self.journal.add(self.shard_id, "record", record.sequence_number)
+            self.journal.add(self.shard_id, kind, record.sequence_number)
         process_records_input.checkpointer.checkpoint()
 
     def lease_lost(self, lease_lost_input: kclpy.LeaseLostInput) -> None:
@@ -436,3 +440,77 @@ def test_the_park_policy_parks_a_failing_shard_and_the_rest_keeps_running(
         wait_for(lambda: journal.records_since_last_initialize(SHARD)[-1:] == on_parked[-1:],
                  60, "the resumed shard processed")
     assert journal.records_since_last_initialize(SHARD) == on_parked
+
+
+# -- recovery add / list / cancel ------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_a_backfill_is_queued_listed_and_read_by_a_running_worker_as_recovery(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    for i in range(8):  # one request each: arrival times grow record by record
+        put_plain(kinesis, stream, [f"r{i}".encode()])
+    everything = arrivals(kinesis, stream)
+    sequences = [seq for seq, _ in everything]
+    journal = Journal()
+    config = worker_config(kinesis_mock.url, moto_server.url, stream, recovery_max_rate=50)
+    worker = Worker(config, lambda: JournalProcessor(journal))
+    table = LeaseTable(dynamodb_client(moto_server.url), config.application_name)
+    cli = ["--application-name", config.application_name, *endpoints(kinesis_mock, moto_server)]
+    with running(worker):
+        wait_for(lambda: (lease := current(table)) is not None
+                 and lease.checkpoint == sequences[-1], 60, "every record checkpointed")
+        code, out, err = run_cli(capsys, "recovery", "add", *cli, "--stream-name", stream,
+                                 "--shard-id", SHARD, "--from", sequences[2],
+                                 "--to", sequences[5], "--dry-run")
+        assert code == 0 and out.startswith("would queue"), err
+        lease = current(table)
+        assert lease is not None and lease.recovery is None
+        code, out, err = run_cli(capsys, "recovery", "add", *cli, "--stream-name", stream,
+                                 "--shard-id", SHARD, "--from", sequences[2],
+                                 "--to", sequences[5])
+        assert code == 0, err
+        code, out, _ = run_cli(capsys, "recovery", "list", *cli, "--json")
+        (listed,) = json.loads(out)
+        if listed["gaps"]:  # the worker may already have read the gap
+            assert listed["gaps"][0]["first_sequence"] == sequences[2]
+        wait_for(lambda: (lease := current(table)) is not None and lease.recovery is None
+                 and len(journal.recovered(SHARD)) >= 4, 60, "the gap recovered")
+    last_ms = everything[5][1]
+    expected = [seq for seq, ms in everything[2:] if ms <= last_ms]
+    assert journal.recovered(SHARD) == expected
+    assert sequences[2:6] == expected[:4]
+    # Live reading went on from its own checkpoint: nothing live was read again.
+    live = [value for kind, value in journal.of(SHARD) if kind == "record"]
+    assert len(live) == len(set(live))
+
+
+@pytest.mark.integration
+def test_recovery_cancel_drops_a_queued_gap_and_bad_ranges_name_the_argument(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    sequences = [seq for _, seq in put_plain(kinesis, stream, [b"a", b"b", b"c"], ["k"] * 3)]
+    app, table = lease_table(moto_server.url, Lease(SHARD, checkpoint=sequences[-1]))
+    cli = ["--application-name", app, "--shard-id", SHARD,
+           *endpoints(kinesis_mock, moto_server)]
+    code, _, err = run_cli(capsys, "recovery", "add", *cli, "--stream-name", stream,
+                           "--from", sequences[2], "--to", sequences[0])
+    assert (code, "error: --to:" in err) == (2, True), err
+    code, _, err = run_cli(capsys, "recovery", "add", *cli, "--stream-name", stream,
+                           "--from", "12345678901234567890", "--to", sequences[0])
+    assert (code, "error: --from:" in err) == (2, True), err
+    code, out, err = run_cli(capsys, "recovery", "add", *cli, "--stream-name", stream,
+                             "--from", sequences[0], "--to", sequences[1], "--json")
+    assert code == 0, err
+    assert json.loads(out)["gap"]["after"] == "TRIM_HORIZON"
+    code, out, _ = run_cli(capsys, "recovery", "list", *cli)
+    assert out.splitlines()[-1] == f"1 gap(s) in {app}"
+    code, _, err = run_cli(capsys, "recovery", "cancel", *cli, "--gap", "2")
+    assert (code, "error: --gap:" in err) == (2, True), err
+    code, out, err = run_cli(capsys, "recovery", "cancel", *cli, "--gap", "1")
+    assert code == 0, err
+    lease = table.get(SHARD)
+    assert lease is not None and lease.recovery is None and lease.checkpoint == sequences[-1]

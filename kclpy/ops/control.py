@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import IO, Any
 
 from botocore.exceptions import ClientError
@@ -27,7 +28,7 @@ from botocore.exceptions import ClientError
 from kclpy.leases import park as parking
 from kclpy.leases import serializer as ser
 from kclpy.leases.dynamo import CONDITION_FAILED, error_code
-from kclpy.leases.lease import SHARD_END, Lease
+from kclpy.leases.lease import SHARD_END, TRIM_HORIZON, Lease
 from kclpy.leases.serializer import UpdateBuilder, n, s
 from kclpy.leases.shard_sync import Shard, ShardSyncer
 from kclpy.leases.table import LeaseTable, checkpoint_changes
@@ -36,10 +37,14 @@ from kclpy.ops.position import (
     PositionError,
     ShardReader,
     Target,
+    last_before,
+    last_sub_sequence,
     parse_position,
+    record_at,
     resolve,
 )
 from kclpy.ops.text import print_table
+from kclpy.recovery import queue as gaps
 from kclpy.streams import StreamIdentifier
 
 #: exit code when the command refused to act or the lease moved under it
@@ -125,8 +130,56 @@ def add_commands(commands: Any, common: argparse.ArgumentParser) -> None:
     _stream_options(resume, required=False)
 
 
+    recovery = commands.add_parser(
+        "recovery", help="queue, show or drop backfills of a shard",
+        description="The shard's recovery queue: gaps read again beside live reading, "
+                    "their records flagged is_recovery.")
+    recovery_actions = recovery.add_subparsers(dest="action", required=True,
+                                               parser_class=type(recovery))
+    add = recovery_actions.add_parser(
+        "add", parents=[common], help="queue a backfill of a range of records",
+        description="Queue the records FROM..TO (both included) of one shard for recovery. "
+                    "A worker holding the lease is told lease_lost and the shard is taken "
+                    "again with the gap queued.")
+    add.add_argument("--shard-id", required=True, help="the shard")
+    add.add_argument("--from", dest="first", required=True, type=_sequence, metavar="SEQ",
+                     help="sequence number of the first record to read again")
+    add.add_argument("--to", dest="last", required=True, type=_sequence, metavar="SEQ",
+                     help="sequence number of the last record to read again")
+    add.add_argument("--dry-run", action="store_true", help="print the gap, write nothing")
+    _stream_options(add, required=True)
+    listing = recovery_actions.add_parser(
+        "list", parents=[common], help="every queued gap",
+        description="Print every shard's queued recovery gaps.")
+    listing.add_argument("--shard-id", help="only this shard's gaps")
+    _stream_options(listing, required=False)
+    cancel = recovery_actions.add_parser(
+        "cancel", parents=[common], help="drop a queued gap",
+        description="Drop one queued gap (by its number in 'kclpy recovery list') or all "
+                    "of a shard's. A worker holding the lease is told lease_lost and the "
+                    "shard is taken again without it.")
+    cancel.add_argument("--shard-id", required=True, help="the shard")
+    which_gap = cancel.add_mutually_exclusive_group(required=True)
+    which_gap.add_argument("--gap", type=_gap_number, metavar="N",
+                           help="the gap's number (1 = first) in 'kclpy recovery list'")
+    which_gap.add_argument("--all", action="store_true", help="every gap of the shard")
+    _stream_options(cancel, required=False)
+
+
+def _sequence(text: str) -> str:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a sequence number")
+    return str(int(text))
+
+
+def _gap_number(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a gap number (1, 2, ...)")
+    return int(text)
+
+
 def command_names() -> frozenset[str]:
-    return frozenset({"checkpoint", "shard"})
+    return frozenset({"checkpoint", "shard", "recovery"})
 
 
 def run(args: argparse.Namespace, kinesis: Any, dynamodb: Any, out: IO[str]) -> int:
@@ -134,6 +187,8 @@ def run(args: argparse.Namespace, kinesis: Any, dynamodb: Any, out: IO[str]) -> 
     table = LeaseTable(dynamodb, _table_name(args), max_attempts=5)
     if args.command == "checkpoint":
         return set_checkpoint(args, kinesis, table, out)
+    if args.command == "recovery":
+        return _RECOVERY[args.action](args, kinesis, table, out)
     if args.action == "park":
         return park(args, table, out)
     return resume_shard(args, table, out)
@@ -228,6 +283,35 @@ def _write(table: LeaseTable, lease: Lease, update: UpdateBuilder) -> Lease:
     return ser.lease_from_item(response["Attributes"])
 
 
+#: fresh reads and writes of one lease before giving up (a holder renews a few times per
+#: failover time, each renewal bumping the counter)
+WRITE_ATTEMPTS = 5
+
+
+def _write_fresh(table: LeaseTable, lease: Lease,
+                 build: Callable[[Lease], UpdateBuilder], *, take: bool) -> Lease:
+    """Read the lease again and write ``build(lease)`` conditional on the counter just read,
+    taking the lease from its holder (owner removed) when it has one. Resolving a position
+    can take seconds, in which a holder renews; a renewal between this read and the write
+    only costs another attempt. Without ``take``, a lease that has a holder now is
+    refused."""
+    for _ in range(WRITE_ATTEMPTS):
+        fresh = table.get(lease.lease_key)
+        if fresh is None:
+            raise Refused(f"lease {lease.lease_key} was deleted meanwhile")
+        if fresh.lease_owner is not None and not take:
+            raise Refused(f"nothing written to {lease.lease_key}: held by "
+                          f"{fresh.lease_owner} now (use --force to take it)")
+        update = build(fresh)
+        if fresh.lease_owner is not None:
+            update.remove(ser.LEASE_OWNER).remove(ser.CHECKPOINT_OWNER)
+        try:
+            return _write(table, fresh, update)
+        except Refused:
+            continue
+    raise Refused(f"lease {lease.lease_key} kept changing; nothing written to it, run again")
+
+
 # -- checkpoint set --------------------------------------------------------------------------
 
 
@@ -295,11 +379,7 @@ def set_checkpoint(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
         for move in moves:
             if move.target is None:
                 continue
-            update = checkpoint_changes(move.target.checkpoint,
-                                        move.target.sub_sequence_number)
-            if move.lease.lease_owner is not None:
-                update.remove(ser.LEASE_OWNER).remove(ser.CHECKPOINT_OWNER)
-            _write(table, move.lease, update)
+            _write_fresh(table, move.lease, _moving_to(move.target), take=args.force)
             move.written = True
     _print_moves(args, moves, out)
     if refused:
@@ -307,6 +387,10 @@ def set_checkpoint(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
         raise Refused(f"nothing written: lease(s) held ({holders}); stop the worker, or "
                       "use --force to take the lease(s) from the holder")
     return 0
+
+
+def _moving_to(target: Target) -> Callable[[Lease], UpdateBuilder]:
+    return lambda _: checkpoint_changes(target.checkpoint, target.sub_sequence_number)
 
 
 def _print_moves(args: argparse.Namespace, moves: Sequence[Move], out: IO[str]) -> None:
@@ -342,10 +426,8 @@ def park(args: argparse.Namespace, table: LeaseTable, out: IO[str]) -> int:
     lease = one_lease(args, table)
     if lease.checkpoint == SHARD_END and not lease.recovery:
         raise Refused(f"shard {lease.shard_id} is finished (SHARD_END): nothing to park")
-    update = UpdateBuilder().set(ser.PARKED, s(parking.marker(args.reason, "operator")))
-    if lease.lease_owner is not None:
-        update.remove(ser.LEASE_OWNER).remove(ser.CHECKPOINT_OWNER)
-    _write(table, lease, update)
+    value = parking.marker(args.reason, "operator")
+    _write_fresh(table, lease, lambda _: UpdateBuilder().set(ser.PARKED, s(value)), take=True)
     taken = f", taken from {lease.lease_owner}" if lease.lease_owner else ""
     _report(args, out, {"shard_id": lease.shard_id, "parked": True,
                         "previous_owner": lease.lease_owner},
@@ -371,3 +453,141 @@ def _report(args: argparse.Namespace, out: IO[str], document: dict[str, Any],
         out.write("\n")
     else:
         out.write(text + "\n")
+
+
+# -- recovery add / list / cancel --------------------------------------------------------------
+
+
+QueueChange = Callable[[tuple[gaps.RecoveryRequest, ...]], tuple[gaps.RecoveryRequest, ...]]
+
+
+def _queue_write(table: LeaseTable, lease: Lease, change: QueueChange
+                 ) -> tuple[gaps.RecoveryRequest, ...]:
+    """Store ``change(queue as read)`` in the lease item; returns what was stored. A holder
+    keeps its own copy of the queue and rewrites it, so a held lease is taken from its
+    holder in the same write: its next renewal fails, it ends with lease_lost, and the next
+    tenure reads the queue written here."""
+    stored: list[tuple[gaps.RecoveryRequest, ...]] = []
+
+    def build(fresh: Lease) -> UpdateBuilder:
+        queue = change(_queued(fresh))
+        stored[:] = [queue]
+        value = gaps.dumps(queue)
+        update = UpdateBuilder()
+        return update.remove(ser.RECOVERY) if value is None else update.set(ser.RECOVERY,
+                                                                             s(value))
+
+    _write_fresh(table, lease, build, take=True)
+    return stored[0]
+
+
+def _queued(lease: Lease) -> tuple[gaps.RecoveryRequest, ...]:
+    try:
+        return gaps.loads(lease.recovery)
+    except ValueError as exc:
+        raise Refused(f"shard {lease.shard_id}: {exc}; fix or remove the {ser.RECOVERY} "
+                      "attribute by hand") from None
+
+
+def recovery_add(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
+                 out: IO[str]) -> int:
+    lease = one_lease(args, table)
+    if args.shard_id not in _shards(args, kinesis, table):
+        raise UsageError("--shard-id", f"stream {_stream_label(args)!r} has no shard "
+                         f"{args.shard_id!r}")
+    if int(args.first) > int(args.last):
+        raise UsageError("--to", f"{args.last} comes before --from {args.first}")
+    reader = ShardReader(kinesis, _stream_params(args), lease.shard_id)
+    try:
+        first = record_at(reader, args.first)
+    except PositionError as exc:
+        raise UsageError("--from", str(exc)) from None
+    try:
+        last = record_at(reader, args.last)
+    except PositionError as exc:
+        raise UsageError("--to", str(exc)) from None
+    first_ms = first.timestamp_millis or 0
+    before, _ = last_before(reader, datetime.fromtimestamp(first_ms / 1000, timezone.utc),
+                            lambda record: int(record.sequence_number) >= int(args.first))
+    start, start_sub = ((before.sequence_number, last_sub_sequence(before))
+                        if before is not None else (TRIM_HORIZON, 0))
+    # A gap ends before an arrival time (where live reading meets it), so it ends right
+    # after the millisecond the last record arrived in.
+    end_ms = (last.timestamp_millis or 0) + 1
+    request = gaps.RecoveryRequest.gap(start, start_sub, end_ms, first_ms,
+                                       first.sequence_number)
+    queue = gaps.add(_queued(lease), request)
+    if not args.dry_run:
+        queue = _queue_write(table, lease, lambda queued: gaps.add(queued, request))
+    taken = f"; taken from {lease.lease_owner}" if lease.lease_owner and not args.dry_run \
+        else ""
+    verb = "would queue" if args.dry_run else "queued"
+    _report(args, out, {"shard_id": lease.shard_id, "dry_run": args.dry_run,
+                        "gap": _gap_json(request), "queue": [_gap_json(r) for r in queue],
+                        "previous_owner": lease.lease_owner},
+            f"{verb} {lease.shard_id}: records after {start}"
+            f"{'/' + str(start_sub) if start_sub else ''} that arrived before "
+            f"{_iso(end_ms)} ({args.first} .. {args.last}); {len(queue)} gap(s) "
+            f"queued{taken}")
+    return 0
+
+
+def recovery_list(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
+                  out: IO[str]) -> int:
+    leases = [one_lease(args, table)] if args.shard_id else read_leases(args, table)
+    listed = [(lease, _queued(lease)) for lease in leases]
+    if args.json:
+        json.dump([{"shard_id": lease.shard_id, "owner": lease.lease_owner,
+                    "gaps": [_gap_json(r) for r in queue]} for lease, queue in listed],
+                  out, indent=2)
+        out.write("\n")
+        return 0
+    rows = [["SHARD", "GAP", "AFTER", "FIRST", "ENDS BEFORE", "DONE", "REMAINING"]]
+    for lease, queue in listed:
+        for number, request in enumerate(queue, 1):
+            rows.append([lease.shard_id, str(number), request.start,
+                         request.first_sequence or "-", _iso(request.end_ms),
+                         request.done if request.started else "-",
+                         f"{request.remaining_ms() / 1000:.1f}s"])
+    print_table(rows, out)
+    out.write(f"{len(rows) - 1} gap(s) in {_table_name(args)}\n")
+    return 0
+
+
+def recovery_cancel(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
+                    out: IO[str]) -> int:
+    lease = one_lease(args, table)
+    queue = _queued(lease)
+    if not queue:
+        raise Refused(f"shard {lease.shard_id} has no queued gap")
+    if not args.all and args.gap > len(queue):
+        raise UsageError("--gap", f"shard {lease.shard_id} has {len(queue)} gap(s)")
+    dropped = () if args.all else (queue[args.gap - 1],)
+
+    def without(queued: tuple[gaps.RecoveryRequest, ...]) -> tuple[gaps.RecoveryRequest, ...]:
+        # By the gap's start, which identifies it even if the holder checkpointed it since.
+        starts = {(r.start, r.start_sub) for r in dropped}
+        return () if args.all else tuple(r for r in queued
+                                          if (r.start, r.start_sub) not in starts)
+
+    kept = _queue_write(table, lease, without)
+    _report(args, out, {"shard_id": lease.shard_id, "dropped": len(queue) - len(kept),
+                        "queue": [_gap_json(r) for r in kept]},
+            f"dropped {len(queue) - len(kept)} gap(s) of {lease.shard_id}; "
+            f"{len(kept)} left")
+    return 0
+
+
+def _gap_json(request: gaps.RecoveryRequest) -> dict[str, Any]:
+    return {"after": request.start, "after_sub": request.start_sub,
+            "first_sequence": request.first_sequence, "ends_before": _iso(request.end_ms),
+            "done": request.done if request.started else None,
+            "remaining_ms": request.remaining_ms()}
+
+
+def _iso(epoch_ms: int) -> str:
+    return datetime.fromtimestamp(epoch_ms / 1000, timezone.utc).isoformat(
+        timespec="milliseconds")
+
+
+_RECOVERY = {"add": recovery_add, "list": recovery_list, "cancel": recovery_cancel}

@@ -154,30 +154,35 @@ def resolve(reader: ShardReader, position: Position, *, checkpoint: str,
 
 
 def _at_sequence(reader: ShardReader, sequence_number: str) -> Target:
-    try:
-        record = reader.first("AT_SEQUENCE_NUMBER", StartingSequenceNumber=sequence_number)
-    except ClientError as exc:
-        if error_code(exc) == "InvalidArgumentException":
-            raise PositionError(f"sequence number {sequence_number} is not one of this "
-                                "shard's") from None
-        raise
-    if record is None or record.sequence_number != sequence_number:
-        raise PositionError(f"no record {sequence_number} in this shard now (trimmed by "
-                            "retention, or never written)")
-    return Target(sequence_number, _last_sub_sequence(record),
-                  f"after {_describe(record)}")
+    record = record_at(reader, sequence_number)
+    return Target(sequence_number, _last_sub_sequence(record), f"after {_describe(record)}")
 
 
 def _before_time(reader: ShardReader, moment: datetime, *, finished: bool) -> Target | None:
-    """Read forward from ever earlier times until a record that arrived before ``moment`` is
-    seen; the last such record before the first at or after ``moment`` is the checkpoint.
-    Arrival times are compared here rather than trusted to the iterator, which some
-    emulators position only roughly."""
+    """The last record that arrived before ``moment``. Arrival times are compared here rather
+    than trusted to the iterator, which some emulators position only roughly."""
     cut_ms = round(moment.timestamp() * 1000)
+    last, reached = last_before(reader, moment,
+                                lambda record: (record.timestamp_millis or 0) >= cut_ms)
+    if last is None:
+        if finished and not reached:
+            return None  # an empty finished shard
+        return Target(TRIM_HORIZON, 0, "nothing arrived before " + moment.isoformat())
+    if finished and not reached:
+        return None
+    return Target(last.sequence_number, _last_sub_sequence(last),
+                  f"after {_describe(last)}, the last before {moment.isoformat()}")
+
+
+def last_before(reader: ShardReader, moment: datetime, is_past: Callable[[Record], bool]
+                ) -> tuple[Record | None, bool]:
+    """The last record before the first one ``is_past`` accepts (records arrive in sequence
+    order, and ``is_past`` must accept every record that arrived at or after ``moment``),
+    and whether such a first record was seen at all. Kinesis has no backwards iterator, so
+    this reads forward from ever earlier times until a record before it is found."""
     oldest = reader.first(TRIM_HORIZON)
-    nothing_before = Target(TRIM_HORIZON, 0, "nothing arrived before " + moment.isoformat())
     if oldest is None:
-        return None if finished else nothing_before
+        return None, False
     oldest_ms = oldest.timestamp_millis or 0
     look_back = FIRST_LOOK_BACK
     while True:
@@ -188,15 +193,33 @@ def _before_time(reader: ShardReader, moment: datetime, *, finished: bool) -> Ta
         last: Record | None = None
         reached = False
         for record in records:
-            if (record.timestamp_millis or 0) >= cut_ms:
+            if is_past(record):
                 reached = True
                 break
             last = record
-        if last is not None:
-            if finished and not reached:
-                return None
-            return Target(last.sequence_number, _last_sub_sequence(last),
-                          f"after {_describe(last)}, the last before {moment.isoformat()}")
-        if from_oldest:
-            return nothing_before
+        if last is not None or from_oldest:
+            return last, reached
         look_back *= 2
+
+
+def record_at(reader: ShardReader, sequence_number: str) -> Record:
+    """The shard's record ``sequence_number``; PositionError when the shard has no such
+    record now."""
+    try:
+        record = reader.first("AT_SEQUENCE_NUMBER", StartingSequenceNumber=sequence_number)
+    except ClientError as exc:
+        # AWS says InvalidArgument; kinesis-mock says ResourceNotFound (the stream and shard
+        # were found before this is called)
+        if error_code(exc) in ("InvalidArgumentException", "ResourceNotFoundException"):
+            raise PositionError(f"sequence number {sequence_number} is not one of this "
+                                "shard's") from None
+        raise
+    if record is None or record.sequence_number != sequence_number:
+        raise PositionError(f"no record {sequence_number} in this shard now (trimmed by "
+                            "retention, or never written)")
+    return record
+
+
+def last_sub_sequence(record: Record) -> int:
+    """The sub-sequence number of the record's last user record (0 unless an aggregate)."""
+    return _last_sub_sequence(record)
