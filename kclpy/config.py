@@ -78,6 +78,9 @@ class KCLConfig:
     executable_name: str | None = None
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    lag_window_s: int = 300
+    lag_interval_s: int = 30
+    lag_webhook: str | None = None
     timeout_in_seconds: int = 300
     stray_stdout: str = "restart"
     #: a DynamoDB table name or a SQLAlchemy URL, which may carry a password: kept out of repr
@@ -244,6 +247,15 @@ OPTIONS: tuple[Option, ...] = (
     _opt("metrics_port", "port",
          "Serve /metrics, /healthz and /status on this port (default: off).", "metricsPort"),
     _opt("metrics_host", "str", "Address the metrics endpoint binds.", "metricsHost"),
+    _opt("lag_window_s", "int",
+         "Window over which the metrics endpoint evaluates each shard's lag status.",
+         "lagWindowSeconds"),
+    _opt("lag_interval_s", "int",
+         "How often the metrics endpoint samples each held shard's lag.",
+         "lagIntervalSeconds"),
+    _opt("lag_webhook", "url",
+         "POST every lag status change to this http(s) URL as JSON (needs metrics_port).",
+         "lagWebhook"),
     _opt("executable_name", "str",
          "MultiLangDaemon child command (runs an amazon_kclpy application).", "executableName"),
     _opt("timeout_in_seconds", "int",
@@ -494,10 +506,13 @@ def validate(config: KCLConfig, labels: Mapping[str, str]) -> None:
         parse_dimensions(config.metrics_enabled_dimensions)
     except ValueError as exc:
         raise ConfigError(name("metrics_enabled_dimensions"), str(exc)) from None
-    for endpoint in ("kinesis_endpoint", "dynamodb_endpoint", "cloudwatch_endpoint"):
+    for endpoint in ("kinesis_endpoint", "dynamodb_endpoint", "cloudwatch_endpoint",
+                     "lag_webhook"):
         url = getattr(config, endpoint)
         if url is not None and not re.match(r"^https?://[^\s/]+", url):
-            raise ConfigError(name(endpoint), f"{url!r} is not an http(s) URL")
+            # a webhook URL may carry credentials: never echoed
+            shown = "the value" if endpoint == "lag_webhook" else repr(url)
+            raise ConfigError(name(endpoint), f"{shown} is not an http(s) URL")
     for option in OPTIONS:
         value = getattr(config, option.name)
         if option.kind == "port" and value is not None and not 0 <= value <= 65535:
