@@ -72,6 +72,7 @@ class KCLConfig:
     max_task_backoff_time_ms: int = 30_000
     processor_error_policy: str = "retry"
     processor_error_attempts: int = 3
+    fail_on_data_loss: bool = False
     prefetch_queue_size: int = 3
     max_pool_connections: int = 256
     stop_when_caught_up: bool = False
@@ -239,6 +240,9 @@ OPTIONS: tuple[Option, ...] = (
     _opt("processor_error_attempts", "int",
          "With processor_error_policy=park: failed attempts at one batch before the shard "
          "is parked.", "processorErrorAttempts"),
+    _opt("fail_on_data_loss", "bool",
+         "Park a shard whose checkpoint the stream's retention trimmed past, instead of "
+         "logging the loss and reading on from the oldest record.", "failOnDataLoss"),
     _opt("prefetch_queue_size", "int",
          "Fetched batches buffered per shard (bounds memory).", "prefetchQueueSize"),
     _opt("max_pool_connections", "int", "botocore connection pool size.", "maxPoolConnections"),

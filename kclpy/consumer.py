@@ -30,7 +30,7 @@ from kclpy.cloudwatch import (
 )
 from kclpy.errors import KCLError, ProcessorRestartRequired, ShutdownException
 from kclpy.leases import park
-from kclpy.leases.lease import SHARD_END, Lease
+from kclpy.leases.lease import SHARD_END, TRIM_HORIZON, Lease
 from kclpy.metrics import Metrics
 from kclpy.processor import (
     InitializeInput,
@@ -40,7 +40,7 @@ from kclpy.processor import (
     ShardEndedInput,
     ShutdownRequestedInput,
 )
-from kclpy.records import Records
+from kclpy.records import Record, Records
 from kclpy.retrieval.parse import ChildShard
 
 log = logging.getLogger(__name__)
@@ -113,6 +113,8 @@ class ConsumerSettings:
     processor_error_policy: str = "retry"
     #: ``park`` policy: failed attempts at one batch before the shard is parked
     processor_error_attempts: int = 3
+    #: a checkpoint past the stream's retention parks the shard instead of reading on
+    fail_on_data_loss: bool = False
     call_process_records_even_for_empty_record_list: bool = False
     poll_timeout_s: float = 0.2
 
@@ -140,6 +142,7 @@ class ShardConsumer:
         recovery: Callable[[], RecoveryLike] | None = None,
         stream_name: str | None = None,
         park: Callable[[str, str, str], None] | None = None,
+        oldest_record: Callable[[], Record | None] | None = None,
     ) -> None:
         #: the lease key, unique across the streams of a multi-stream application
         self.shard_id = lease.lease_key
@@ -175,6 +178,8 @@ class ShardConsumer:
         self.millis_behind_latest: int | None = None
         #: (lease key, token, park mark) -> None: marks the lease parked through the fence
         self._park = park
+        #: the shard's oldest record now (a one-record read from TRIM_HORIZON)
+        self._oldest_record = oldest_record
         #: while process_records keeps failing on one batch: the last error and since when
         self.failure: dict[str, Any] | None = None
         #: the park policy parked the shard (its lease is then let go)
@@ -303,6 +308,13 @@ class ShardConsumer:
                          self.shard_id, exc)
                 self._lease_lost.set()
                 return False
+        read_from = checkpoint, sub_sequence_number
+        if start_at is None and self._past_retention(checkpoint):
+            if self._settings.fail_on_data_loss:
+                self._park_shard(f"checkpoint {checkpoint} is past the stream's retention "
+                                 "(fail_on_data_loss)")
+                return False
+            read_from = TRIM_HORIZON, 0
         attempt = 0
         while not self._stopping():
             processor = self._processor_factory()
@@ -323,7 +335,7 @@ class ShardConsumer:
                 self._metrics)
             if checkpoint != SHARD_END:
                 self._fetcher = (
-                    self._fetcher_factory(self._lease, checkpoint, sub_sequence_number)
+                    self._fetcher_factory(self._lease, *read_from)
                     if start_at is None else
                     self._fetcher_factory(self._lease, checkpoint, sub_sequence_number, start_at))
                 self._fetcher.start()
@@ -549,6 +561,24 @@ class ShardConsumer:
             self._metrics.processor_errors.labels(self.shard_id, "shutdown_requested").inc()
             log.exception("shard %s: shutdown_requested failed", self.shard_id)
 
+    def _past_retention(self, checkpoint: str) -> bool:
+        """The stream's retention trimmed past ``checkpoint``: the shard's oldest record now
+        comes after it, so the records between them (if any were written) are lost. Logged
+        at ERROR with the range and counted, as lag recovery does for its gaps; live
+        reading then starts at the oldest record instead of failing on the trimmed one."""
+        if self._oldest_record is None or not checkpoint.isdigit():
+            return False
+        oldest = self._oldest_record()
+        if oldest is None or int(oldest.sequence_number) <= int(checkpoint):
+            return False
+        self._metrics.data_lost_to_retention.labels(self.shard_id).inc()
+        arrived = oldest.timestamp_millis
+        log.error("shard %s: the checkpoint is past the stream's retention: records after %s "
+                  "up to %s (the oldest kept%s) are lost", self.shard_id, checkpoint,
+                  oldest.sequence_number,
+                  "" if arrived is None else f", arrived {arrived} ms since the epoch")
+        return True
+
     # -- failures ----------------------------------------------------------------------------
 
     def _note_failure(self, exc: Exception, attempt: int) -> None:
@@ -559,19 +589,25 @@ class ShardConsumer:
                         "attempts": attempt + 1, "since_ms": since}
         self._set_state(ConsumerState.FAILED)
 
-    def _park_shard(self) -> None:
+    def _park_shard(self, reason: str | None = None) -> None:
         """Mark the lease parked (no worker takes it) and end with lease_lost; the worker
-        lets the lease go like that of any consumer that ended."""
-        failure = self.failure or {}
-        error = f"{failure.get('error_type')}: {failure.get('message')}"
-        log.error("shard %s: process_records failed %s times; parking the shard "
-                  "(processor_error_policy=park): %s", self.shard_id,
-                  failure.get("attempts"), error)
+        lets the lease go like that of any consumer that ended. Without ``reason``: the
+        park policy, after the current batch failed too often."""
+        if reason is None:
+            failure = self.failure or {}
+            error: str | None = f"{failure.get('error_type')}: {failure.get('message')}"
+            log.error("shard %s: process_records failed %s times; parking the shard "
+                      "(processor_error_policy=park): %s", self.shard_id,
+                      failure.get("attempts"), error)
+            value = park.marker("processor_error_policy=park", "worker", error=error,
+                                attempts=failure.get("attempts"),
+                                since_ms=failure.get("since_ms"))
+        else:
+            log.error("shard %s: parking the shard: %s", self.shard_id, reason)
+            value = park.marker(reason, "worker")
         if self._park is not None:
             try:
-                self._park(self.shard_id, self._token, park.marker(
-                    "processor_error_policy=park", "worker", error=error,
-                    attempts=failure.get("attempts"), since_ms=failure.get("since_ms")))
+                self._park(self.shard_id, self._token, value)
             except ShutdownException as exc:
                 log.warning("shard %s: lease lost before it could be parked: %s",
                             self.shard_id, exc)

@@ -126,6 +126,11 @@ class Metrics:
             "kclpy_lag_webhook_events",
             "Lag status changes sent to --lag-webhook, by outcome (sent, retried, failed, "
             "dropped).", ["outcome"], registry=r)
+        self.data_lost_to_retention = Counter(
+            "kclpy_data_lost_to_retention",
+            "Shards started from a checkpoint the stream's retention had trimmed past (the "
+            "records between it and the oldest kept are lost; logged at ERROR).",
+            ["shard_id"], registry=r)
         self.shards_parked = Gauge(
             "kclpy_shards_parked",
             "Parked leases (kclpyParked) in the lease table as this worker last scanned it: "

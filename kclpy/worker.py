@@ -28,12 +28,14 @@ from kclpy.config import KCLConfig
 from kclpy.consumer import ConsumerSettings, FatalProcessorError, FetcherLike, ShardConsumer
 from kclpy.errors import ConfigError, KCLError
 from kclpy.leases.coordinator import LeaseCoordinator
-from kclpy.leases.lease import AT_TIMESTAMP, Lease
+from kclpy.leases.lease import AT_TIMESTAMP, TRIM_HORIZON, Lease
 from kclpy.leases.park import park_held
 from kclpy.leases.streams import ActiveStream, StreamSet
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
 from kclpy.processor import IRecordProcessor
+from kclpy.records import Record
+from kclpy.recovery.detect import first_record
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
 from kclpy.retrieval.fetcher import Pacer, ShardFetcher, StartPosition
@@ -90,6 +92,7 @@ class Worker:
             max_task_backoff_s=config.max_task_backoff_time_ms / 1000,
             processor_error_policy=config.processor_error_policy,
             processor_error_attempts=config.processor_error_attempts,
+            fail_on_data_loss=config.fail_on_data_loss,
             call_process_records_even_for_empty_record_list=(
                 config.call_process_records_even_for_empty_record_list),
         )
@@ -329,6 +332,8 @@ class Worker:
                 # again and a new consumer resumes from the checkpoint.
                 del self._consumers[shard_id]
                 self.coordinator.release(shard_id)
+                # no longer held: not to be given a new consumer from this snapshot below
+                del held[shard_id]
                 if consumer.shard_ended:
                     # Nobody needs a finished shard's lease held (children read only its
                     # checkpoint), and renewing it would cost a write every renewal period.
@@ -405,7 +410,13 @@ class Worker:
             fetcher_factory=self._make_fetcher, on_shard_end=self._on_shard_end,
             settings=self._settings, metrics=self.metrics, recovery=recovery,
             stream_name=self._stream(lease).label,
-            park=functools.partial(park_held, self.coordinator.fence))
+            park=functools.partial(park_held, self.coordinator.fence),
+            oldest_record=functools.partial(self._oldest_record, lease))
+
+    def _oldest_record(self, lease: Lease) -> Record | None:
+        """The shard's oldest record now: a checkpoint before it was trimmed past."""
+        return first_record(self._shard_fetcher(lease, StartPosition(TRIM_HORIZON),
+                                                max_records=1))
 
     def _make_fetcher(self, lease: Lease, checkpoint: str, sub_sequence_number: int,
                       start_at: datetime | None = None) -> FetcherLike:

@@ -5,6 +5,7 @@ real Workers where the behaviour spans one."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from datetime import datetime, timezone
 from typing import Any
@@ -514,3 +515,42 @@ def test_recovery_cancel_drops_a_queued_gap_and_bad_ranges_name_the_argument(
     assert code == 0, err
     lease = table.get(SHARD)
     assert lease is not None and lease.recovery is None and lease.checkpoint == sequences[-1]
+
+
+# -- data lost to retention ------------------------------------------------------------------
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("fail_on_data_loss", [False, True])
+def test_a_checkpoint_past_retention_is_logged_counted_and_optionally_parks(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, stream: str,
+        caplog: pytest.LogCaptureFixture, fail_on_data_loss: bool) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    written = [seq for _, seq in put_plain(kinesis, stream, [f"r{i}".encode() for i in range(5)])]
+    # An emulator cannot expire records: a checkpoint older than the oldest record kept is
+    # what a trimmed one looks like.
+    config = worker_config(kinesis_mock.url, moto_server.url, stream,
+                           fail_on_data_loss=fail_on_data_loss)
+    table = LeaseTable(dynamodb_client(moto_server.url), config.application_name)
+    table.create_if_missing()
+    table.create(Lease(SHARD, checkpoint="1"))
+    journal = Journal()
+    worker = Worker(config, lambda: JournalProcessor(journal))
+    with serve_worker(worker, lag_window_s=None) as server, running(worker), \
+            caplog.at_level(logging.ERROR, logger="kclpy.consumer"):
+        if fail_on_data_loss:
+            wait_for(lambda: (lease := current(table)) is not None and lease.parked
+                     and not lease.lease_owner, 60, "the shard parked")
+        else:
+            wait_for(lambda: journal.records_since_last_initialize(SHARD) == written, 60,
+                     "the records kept processed")
+        samples = scrape(server)
+    assert samples[("kclpy_data_lost_to_retention_total", (("shard_id", SHARD),))] == 1
+    (error,) = [r.getMessage() for r in caplog.records
+                if r.levelno == logging.ERROR and "are lost" in r.getMessage()]
+    assert SHARD in error and f"after 1 up to {written[0]}" in error
+    if fail_on_data_loss:
+        assert not [kind for kind, _ in journal.of(SHARD) if kind == "record"]
+        lease = current(table)
+        assert lease is not None and lease.checkpoint == "1"
+        assert "fail_on_data_loss" in (lease.parked or "")
