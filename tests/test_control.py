@@ -369,7 +369,8 @@ def shard_status(server: Any, shard_id: str) -> dict[str, Any] | None:
 
 @pytest.mark.integration
 def test_a_failing_shard_is_failed_with_its_error_then_processing_again(
-        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, stream: str) -> None:
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str) -> None:
     kinesis = kinesis_client(kinesis_mock.url)
     journal, broken = Journal(), threading.Event()
     broken.set()
@@ -388,6 +389,12 @@ def test_a_failing_shard_is_failed_with_its_error_then_processing_again(
         samples = scrape(server)
         assert samples[("kclpy_shard_consumer_state",
                         (("shard_id", SHARD), ("state", "FAILED")))] == 1
+        code, out, err = run_cli(capsys, "status", "--application-name",
+                                 config.application_name, "--stream-name", stream,
+                                 "--window-seconds", "0.2", "--samples", "2",
+                                 "--worker", server.url,
+                                 *endpoints(kinesis_mock, moto_server))
+        assert f"shard {SHARD} FAILED: ValueError: cannot parse record (" in out, err
         broken.clear()
         recovered = wait_for(lambda: (s := shard_status(server, SHARD)) is not None
                              and s["state"] == "PROCESSING" and s, 60, "PROCESSING again")
@@ -433,6 +440,11 @@ def test_the_park_policy_parks_a_failing_shard_and_the_rest_keeps_running(
         code, out, _ = run_cli(capsys, "leases", "--application-name", config.application_name,
                                *endpoints(kinesis_mock, moto_server))
         assert code == 0 and "PARKED" in out and "cannot parse record" in out
+        code, out, _ = run_cli(capsys, "status", "--application-name",
+                               config.application_name, "--stream-name", stream,
+                               "--window-seconds", "0.2", "--samples", "2", "--json",
+                               *endpoints(kinesis_mock, moto_server))
+        assert json.loads(out)["parked"][SHARD]["by"] == "worker"
         broken.clear()
         code, _, err = run_cli(capsys, "shard", "resume", "--application-name",
                                config.application_name, "--shard-id", SHARD,

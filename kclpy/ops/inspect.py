@@ -331,6 +331,8 @@ class Sample:
     unleased_shards: list[str]
     #: leases whose shard the stream no longer lists (expired beyond retention)
     unlisted_leases: list[str]
+    #: parked leases (``kclpy shard park``, the park policy): shard id -> the park mark
+    parked: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class TableSampler:
@@ -368,7 +370,9 @@ class TableSampler:
         sample = Sample(now,
                         unleased_shards=sorted(s for s, shard in shards.items()
                                                if s not in leases and shard.is_open),
-                        unlisted_leases=sorted(set(leases) - set(shards)))
+                        unlisted_leases=sorted(set(leases) - set(shards)),
+                        parked={shard_id: parking.describe(lease.parked) or {}
+                                for shard_id, lease in leases.items() if lease.parked})
         observed = sorted(set(leases) & set(shards))
         for shard_id in observed:
             lease = leases[shard_id]
@@ -402,6 +406,7 @@ def status_report(args: argparse.Namespace, sample: Sample,
         "samples": args.samples,
         "unleased_shards": sample.unleased_shards,
         "unlisted_leases": sample.unlisted_leases,
+        "parked": sample.parked,
     }
     if workers:
         report["workers"] = [view.summary() for view in workers]
@@ -414,6 +419,9 @@ def status_report(args: argparse.Namespace, sample: Sample,
                     shard["worker"] = view.worker_id or view.url
                     shard["retrieval"] = reported.get("retrieval") or {}
                     shard["recovery"] = reported.get("recovery") or []
+                    if reported.get("failure"):
+                        shard["state"] = "FAILED"
+                        shard["failure"] = reported["failure"]
                     break
     return report
 
@@ -483,6 +491,18 @@ def _print_status(report: Mapping[str, Any], out: IO[str], *, as_json: bool,
     for worker in workers or []:
         if not worker["reachable"]:
             out.write(f"worker {worker['url']} unreachable: {worker['error']}\n")
+    for shard in report["shards"]:
+        failure = shard.get("failure")
+        if failure:
+            since = time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                  time.gmtime(int(failure.get("since_ms") or 0) / 1000))
+            out.write(f"shard {shard['shard_id']} FAILED: {failure.get('error_type')}: "
+                      f"{failure.get('message')} ({failure.get('attempts')} attempt(s) "
+                      f"since {since})\n")
+    for shard_id, mark in sorted(report.get("parked", {}).items()):
+        why = mark.get("reason") or "-"
+        error = f" ({mark['error']})" if mark.get("error") else ""
+        out.write(f"shard {shard_id} PARKED by {mark.get('by') or '-'}: {why}{error}\n")
     if report["unleased_shards"]:
         out.write(f"open shards without a lease: {', '.join(report['unleased_shards'])}\n")
     if report["unlisted_leases"]:
