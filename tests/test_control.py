@@ -8,6 +8,7 @@ import json
 import logging
 import threading
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -566,3 +567,38 @@ def test_a_checkpoint_past_retention_is_logged_counted_and_optionally_parks(
         lease = current(table)
         assert lease is not None and lease.checkpoint == "1"
         assert "fail_on_data_loss" in (lease.parked or "")
+
+
+@pytest.mark.integration
+def test_an_exactly_once_applications_sql_position_moves_with_the_checkpoint(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str, tmp_path: Path) -> None:
+    import sqlalchemy as sa
+
+    from kclpy.state.sql import SQLStateStore
+
+    kinesis = kinesis_client(kinesis_mock.url)
+    sequences = [seq for _, seq in put_plain(kinesis, stream, [f"r{i}".encode()
+                                                               for i in range(4)])]
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    store = SQLStateStore(url)
+    store.open(None)
+    with store.engine.begin() as conn:
+        conn.execute(sa.insert(store.checkpoints).values(
+            lease_key=SHARD, tenure=4, checkpoint=sequences[3], sub_sequence_number=0))
+    app, table = lease_table(moto_server.url, Lease(SHARD, lease_counter=6,
+                                                    checkpoint=sequences[3]))
+    code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                    "--shard-id", SHARD, "--to", sequences[0],
+                                    "--state-store", url)
+    assert code == 0, err
+    lease = table.get(SHARD)
+    assert lease is not None
+    assert (lease.checkpoint, lease.parked, lease.lease_counter) == (sequences[0], None, 8)
+    with store.engine.connect() as conn:
+        row = conn.execute(sa.select(store.checkpoints)).one()
+    assert (row.checkpoint, row.sub_sequence_number, row.tenure) == (sequences[0], 0, 7)
+    code, _, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                  "--shard-id", SHARD, "--to", "TRIM_HORIZON",
+                                  "--state-store", "nosuch://x")
+    assert (code, "error: --state-store:" in err) == (2, True), err

@@ -25,6 +25,7 @@ from typing import IO, Any
 
 from botocore.exceptions import ClientError
 
+from kclpy.errors import ConfigError
 from kclpy.leases import park as parking
 from kclpy.leases import serializer as ser
 from kclpy.leases.dynamo import CONDITION_FAILED, error_code
@@ -45,6 +46,7 @@ from kclpy.ops.position import (
 )
 from kclpy.ops.text import print_table
 from kclpy.recovery import queue as gaps
+from kclpy.state import open_store
 from kclpy.streams import StreamIdentifier
 
 #: exit code when the command refused to act or the lease moved under it
@@ -108,6 +110,9 @@ def add_commands(commands: Any, common: argparse.ArgumentParser) -> None:
                            "(lease_lost) and taken again from the new checkpoint")
     move.add_argument("--dry-run", action="store_true", help="print what would change, "
                       "write nothing")
+    move.add_argument("--state-store", metavar="SPEC",
+                      help="the exactly-once application's state store (the workers' "
+                           "--state-store): a SQL store's position is moved too")
 
     shard = commands.add_parser("shard", help="park or resume a shard",
                                 description="Park a shard so that no worker takes it, or "
@@ -375,11 +380,15 @@ def set_checkpoint(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
         holder = move.lease.lease_owner
         move.note = (f"taken from {holder}" if args.force
                      else f"refused: held by {holder} (use --force to take it)")
+    store = _sql_store(args.state_store) if args.state_store else None
     if not refused and not args.dry_run:
         for move in moves:
             if move.target is None:
                 continue
-            _write_fresh(table, move.lease, _moving_to(move.target), take=args.force)
+            if store is None:
+                _write_fresh(table, move.lease, _moving_to(move.target), take=args.force)
+            else:
+                _move_with_store(table, store, move.lease, move.target, force=args.force)
             move.written = True
     _print_moves(args, moves, out)
     if refused:
@@ -387,6 +396,51 @@ def set_checkpoint(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
         raise Refused(f"nothing written: lease(s) held ({holders}); stop the worker, or "
                       "use --force to take the lease(s) from the holder")
     return 0
+
+
+def _sql_store(spec: str) -> Any:
+    """The SQL state store ``spec`` names, or None for the DynamoDB store (it keeps its
+    position in the lease item itself, so it moves with the checkpoint)."""
+    try:
+        store = open_store(spec)
+    except ConfigError as exc:
+        raise UsageError("--state-store", str(exc).split(": ", 1)[-1]) from None
+    if getattr(store, "checkpoints", None) is None:
+        return None
+    store.open(None)
+    return store
+
+
+def _move_with_store(table: LeaseTable, store: Any, lease: Lease, target: Target, *,
+                     force: bool) -> None:
+    """Move the lease's checkpoint and the SQL store's position for it together.
+
+    A stateful processor resumes after the later of the two, so the store must move too.
+    The lease is first moved and parked in one write (so no worker starts a tenure that
+    would read the store's old position), then the store's row is moved and its tenure
+    raised to the lease's new counter (so a commit of the previous holder's tenure is
+    refused from then on), then the lease is unparked. Interrupted half-way, the shard
+    stays parked, visibly, until ``kclpy shard resume``."""
+    import sqlalchemy as sa
+
+    holding = parking.marker("kclpy checkpoint set in progress", "operator")
+
+    def move_and_park(fresh: Lease) -> UpdateBuilder:
+        return checkpoint_changes(target.checkpoint, target.sub_sequence_number).set(
+            ser.PARKED, s(holding))
+
+    moved = _write_fresh(table, lease, move_and_park, take=force)
+    columns = store.checkpoints.c
+    with store.engine.begin() as conn:
+        row = conn.execute(sa.select(columns.tenure).where(
+            columns.lease_key == lease.lease_key).with_for_update()).first()
+        if row is not None:
+            conn.execute(sa.update(store.checkpoints)
+                         .where(columns.lease_key == lease.lease_key)
+                         .values(checkpoint=target.checkpoint,
+                                 sub_sequence_number=target.sub_sequence_number,
+                                 tenure=max(int(row.tenure), moved.lease_counter)))
+    _write(table, moved, UpdateBuilder().remove(ser.PARKED))
 
 
 def _moving_to(target: Target) -> Callable[[Lease], UpdateBuilder]:
