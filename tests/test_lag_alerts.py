@@ -18,6 +18,8 @@ import yaml  # type: ignore[import-untyped]
 from prometheus_client import CollectorRegistry
 
 from kclpy import Worker
+from kclpy.config import build_config
+from kclpy.errors import ConfigError
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from kclpy.ops import serve_worker
@@ -177,3 +179,16 @@ def test_the_alert_rules_in_operations_md_parse_and_name_real_metrics() -> None:
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule
         metrics = set(re.findall(r"\bkclpy_[a-z_]+", str(rule["expr"])))
         assert metrics and metrics <= known, (rule["alert"], metrics - known)
+
+
+def test_the_lag_flags_are_validated_and_a_bad_webhook_url_is_not_echoed() -> None:
+    base = {"stream_name": "s", "application_name": "a"}
+    config = build_config({**base, "lag_window_s": 60, "lag_interval_s": 5,
+                           "lag_webhook": "https://u:p@hooks.example/x"}, {})
+    assert (config.lag_window_s, config.lag_interval_s) == (60, 5)
+    with pytest.raises(ConfigError) as info:
+        build_config({**base, "lag_webhook": "ftp://u:s3cret@host/x"}, {})
+    assert info.value.option == "--lag-webhook" and "s3cret" not in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        build_config({**base, "lag_interval_s": 0}, {})
+    assert info.value.option == "--lag-interval-s"
