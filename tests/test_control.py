@@ -260,9 +260,14 @@ def test_a_missing_table_or_stream_exits_2_naming_the_option(
 
 
 def test_every_control_command_has_help(capsys: pytest.CaptureFixture[str]) -> None:
-    for command in (["checkpoint", "set"], ["shard", "park"], ["shard", "resume"]):
+    for command in (["checkpoint", "set"], ["shard", "park"], ["shard", "resume"],
+                    ["recovery", "add"], ["recovery", "list"], ["recovery", "cancel"]):
         code, out, _ = run_cli(capsys, *command, "--help")
         assert code == 0 and "--application-name" in out and "--shard-id" in out
+    code, _, err = run_cli(capsys, "recovery", "add", "--application-name", "a",
+                           "--stream-name", "s", "--shard-id", "x", "--from", "12x",
+                           "--to", "1")
+    assert (code, "argument --from:" in err) == (2, True), err
 
 
 # -- with a running worker -------------------------------------------------------------------
