@@ -222,7 +222,7 @@ class ShardConsumer:
         if self.error is not None:
             return f"error {self.error!r}"
         if self.parked:
-            return "parked (processor_error_policy=park)"
+            return "parked"
         if self.shard_ended:
             return "shard ended"
         if self._lease_lost.is_set():
