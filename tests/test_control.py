@@ -115,9 +115,9 @@ def current(table: LeaseTable, key: str = SHARD) -> Lease | None:
         return None
 
 
-def arrivals(kinesis: Any, stream: str) -> list[tuple[str, int]]:
+def arrivals(kinesis: Any, stream: str, shard_id: str = SHARD) -> list[tuple[str, int]]:
     """(sequence number, arrival ms) of every record of the shard, oldest first."""
-    iterator = kinesis.get_shard_iterator(StreamName=stream, ShardId=SHARD,
+    iterator = kinesis.get_shard_iterator(StreamName=stream, ShardId=shard_id,
                                           ShardIteratorType="TRIM_HORIZON")["ShardIterator"]
     page = get_records(kinesis, iterator, 10_000)
     return [(r.sequence_number, r.timestamp_millis or 0) for r in page.records]
@@ -607,3 +607,41 @@ def test_an_exactly_once_applications_sql_position_moves_with_the_checkpoint(
                                   "--shard-id", SHARD, "--to", "TRIM_HORIZON",
                                   "--state-store", "nosuch://x")
     assert (code, "error: --state-store:" in err) == (2, True), err
+
+
+@pytest.mark.integration
+def test_replay_from_a_time_moves_every_shard_of_a_running_worker(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("control")
+    create_stream(kinesis, stream, 2)
+    shards = (SHARD, "shardId-000000000001")
+    journal = Journal()
+    config = worker_config(kinesis_mock.url, moto_server.url, stream)
+    worker = Worker(config, lambda: JournalProcessor(journal))
+    table = LeaseTable(dynamodb_client(moto_server.url), config.application_name)
+    put_plain(kinesis, stream, [b"early"] * 20, [str(i) for i in range(20)])
+    with running(worker):
+        later = put_plain(kinesis, stream, [b"late"] * 20, [str(i) for i in range(20)])
+        last = {key: [s for k, s in later if k == key][-1] for key in shards}
+        wait_for(lambda: all((lease := current(table, key)) is not None
+                             and lease.checkpoint == last[key] for key in shards),
+                 60, "every record checkpointed")
+        # Replay from the time the first later record of shard 0 arrived.
+        first_late = next(s for k, s in later if k == SHARD)
+        replay_ms = dict(arrivals(kinesis, stream))[first_late]
+        expected = {key: [s for s, ms in arrivals(kinesis, stream, key) if ms >= replay_ms]
+                    for key in shards}
+        when = datetime.fromtimestamp(replay_ms / 1000, timezone.utc).isoformat(
+            timespec="milliseconds")
+        code, out, err = run_cli(capsys, "checkpoint", "set", "--application-name",
+                                 config.application_name, "--stream-name", stream,
+                                 "--all-shards", "--to", when, "--force",
+                                 *endpoints(kinesis_mock, moto_server))
+        assert code == 0, err
+        wait_for(lambda: all(
+            sum(kind == "initialize" for kind, _ in journal.of(key)) >= 2
+            and journal.records_since_last_initialize(key) == expected[key]
+            for key in shards), 60, "both shards replayed from the time")
+    assert first_late in expected[SHARD]
