@@ -487,7 +487,7 @@ class ShardConsumer:
             self._metrics.records_processed.labels(self.shard_id).inc(len(records))
             self._metrics.bytes_processed.labels(self.shard_id).inc(size)
             if self.failure is not None:
-                self.failure = None
+                self._clear_failure()
                 self._set_state(ConsumerState.PROCESSING)
             self._report_batch(len(records), size, result.millis_behind_latest, elapsed)
             return "ok"
@@ -585,9 +585,23 @@ class ShardConsumer:
         """The shard is FAILED from the first failed attempt at a batch until one succeeds."""
         now_ms = int(time.time() * 1000)
         since = self.failure["since_ms"] if self.failure is not None and attempt else now_ms
+        if self.failure is not None:
+            self._clear_failure()
         self.failure = {"error_type": type(exc).__name__, "message": str(exc),
                         "attempts": attempt + 1, "since_ms": since}
+        metrics = self._metrics
+        metrics.shard_failure_attempts.labels(self.shard_id).set(attempt + 1)
+        metrics.shard_failing_since.labels(self.shard_id).set(since / 1000)
+        metrics.shard_failure.labels(self.shard_id, type(exc).__name__).set(1)
         self._set_state(ConsumerState.FAILED)
+
+    def _clear_failure(self) -> None:
+        assert self.failure is not None
+        metrics = self._metrics
+        metrics.shard_failure.remove(self.shard_id, self.failure["error_type"])
+        metrics.shard_failure_attempts.labels(self.shard_id).set(0)
+        metrics.shard_failing_since.labels(self.shard_id).set(0)
+        self.failure = None
 
     def _park_shard(self, reason: str | None = None) -> None:
         """Mark the lease parked (no worker takes it) and end with lease_lost; the worker

@@ -131,6 +131,18 @@ class Metrics:
             "Shards started from a checkpoint the stream's retention had trimmed past (the "
             "records between it and the oldest kept are lost; logged at ERROR).",
             ["shard_id"], registry=r)
+        self.shard_failure_attempts = Gauge(
+            "kclpy_shard_failure_attempts",
+            "Failed attempts at the current batch of a FAILED shard (0 once one succeeds).",
+            ["shard_id"], registry=r)
+        self.shard_failing_since = Gauge(
+            "kclpy_shard_failing_since_seconds",
+            "Since when (epoch seconds) a FAILED shard's current batch has been failing "
+            "(0 once one succeeds).", ["shard_id"], registry=r)
+        self.shard_failure = Gauge(
+            "kclpy_shard_failure",
+            "1 for the exception type process_records last raised on a FAILED shard's batch.",
+            ["shard_id", "error_type"], registry=r)
         self.shards_parked = Gauge(
             "kclpy_shards_parked",
             "Parked leases (kclpyParked) in the lease table as this worker last scanned it: "

@@ -395,6 +395,11 @@ def test_a_failing_shard_is_failed_with_its_error_then_processing_again(
         samples = scrape(server)
         assert samples[("kclpy_shard_consumer_state",
                         (("shard_id", SHARD), ("state", "FAILED")))] == 1
+        assert samples[("kclpy_shard_failure",
+                        (("error_type", "ValueError"), ("shard_id", SHARD)))] == 1
+        assert samples[("kclpy_shard_failure_attempts", (("shard_id", SHARD),))] >= 2
+        assert samples[("kclpy_shard_failing_since_seconds",
+                        (("shard_id", SHARD),))] == failure["since_ms"] / 1000
         code, out, err = run_cli(capsys, "status", "--application-name",
                                  config.application_name, "--stream-name", stream,
                                  "--window-seconds", "0.2", "--samples", "2",
@@ -405,6 +410,10 @@ def test_a_failing_shard_is_failed_with_its_error_then_processing_again(
         recovered = wait_for(lambda: (s := shard_status(server, SHARD)) is not None
                              and s["state"] == "PROCESSING" and s, 60, "PROCESSING again")
         assert recovered["failure"] is None
+        samples = scrape(server)
+        assert samples[("kclpy_shard_failure_attempts", (("shard_id", SHARD),))] == 0
+        assert ("kclpy_shard_failure", (("error_type", "ValueError"),
+                                        ("shard_id", SHARD))) not in samples
 
 
 @pytest.mark.integration
