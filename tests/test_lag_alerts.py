@@ -131,6 +131,9 @@ def test_the_webhook_retries_authenticates_and_never_logs_the_credentials(
     assert outcomes == ["retried", "sent"]
     assert "s3cret" not in caplog.text and "t0ken" not in caplog.text
     assert "retrying" in caplog.text
+    with pytest.raises(ValueError, match="not an http") as info:
+        Webhook("file://u:s3cret@host/etc/passwd")
+    assert "s3cret" not in str(info.value)
 
 
 @pytest.mark.integration

@@ -66,6 +66,8 @@ class Webhook:
                  max_backoff_s: float = 60.0, timeout_s: float = 10.0,
                  rng: random.Random | None = None,
                  on_result: Callable[[str], None] | None = None) -> None:
+        if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+            raise ValueError(f"lag webhook {redacted(url)}: not an http(s) URL")
         self.url = url
         self._max_attempts = max_attempts
         self._backoff_s = backoff_s
