@@ -252,7 +252,9 @@ def serving(worker: Worker) -> Iterator[None]:
         return
     from kclpy.ops.server import serve_worker
 
-    with serve_worker(worker, worker.config.metrics_host, port) as server:
+    cfg = worker.config
+    with serve_worker(worker, cfg.metrics_host, port, lag_window_s=cfg.lag_window_s,
+                      lag_interval_s=cfg.lag_interval_s, lag_webhook=cfg.lag_webhook) as server:
         log.info("serving /metrics, /healthz and /status on %s", server.url)
         yield
 

@@ -27,7 +27,7 @@ from kclpy.streams import StreamConfig, StreamTracker
 log = logging.getLogger(__name__)
 
 INITIAL_POSITIONS = ("LATEST", "TRIM_HORIZON", "AT_TIMESTAMP")
-ERROR_POLICIES = ("retry", "skip", "shutdown")
+ERROR_POLICIES = ("retry", "skip", "shutdown", "park")
 STRAY_STDOUT_POLICIES = ("restart", "skip")
 #: kclpy's own default is polling (API and CLI); Java's POLLING / FANOUT are accepted
 RETRIEVAL_MODES = ("polling", "fanout")
@@ -71,12 +71,17 @@ class KCLConfig:
     task_backoff_time_ms: int = 500
     max_task_backoff_time_ms: int = 30_000
     processor_error_policy: str = "retry"
+    processor_error_attempts: int = 3
+    fail_on_data_loss: bool = False
     prefetch_queue_size: int = 3
     max_pool_connections: int = 256
     stop_when_caught_up: bool = False
     executable_name: str | None = None
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    lag_window_s: int = 300
+    lag_interval_s: int = 30
+    lag_webhook: str | None = None
     timeout_in_seconds: int = 300
     stray_stdout: str = "restart"
     #: a DynamoDB table name or a SQLAlchemy URL, which may carry a password: kept out of repr
@@ -233,8 +238,15 @@ OPTIONS: tuple[Option, ...] = (
     _opt("max_task_backoff_time_ms", "int", "Largest retry delay after processor errors.",
          "maxTaskBackoffTimeMillis"),
     _opt("processor_error_policy", "policy",
-         "What a process_records exception does: retry, skip or shutdown.",
+         "What a process_records exception does: retry, skip, shutdown, or park (the shard "
+         "is parked after processor_error_attempts failed attempts at one batch).",
          "processorErrorPolicy"),
+    _opt("processor_error_attempts", "int",
+         "With processor_error_policy=park: failed attempts at one batch before the shard "
+         "is parked.", "processorErrorAttempts"),
+    _opt("fail_on_data_loss", "bool",
+         "Park a shard whose checkpoint the stream's retention trimmed past, instead of "
+         "logging the loss and reading on from the oldest record.", "failOnDataLoss"),
     _opt("prefetch_queue_size", "int",
          "Fetched batches buffered per shard (bounds memory).", "prefetchQueueSize"),
     _opt("max_pool_connections", "int", "botocore connection pool size.", "maxPoolConnections"),
@@ -243,6 +255,15 @@ OPTIONS: tuple[Option, ...] = (
     _opt("metrics_port", "port",
          "Serve /metrics, /healthz and /status on this port (default: off).", "metricsPort"),
     _opt("metrics_host", "str", "Address the metrics endpoint binds.", "metricsHost"),
+    _opt("lag_window_s", "int",
+         "Window over which the metrics endpoint evaluates each shard's lag status.",
+         "lagWindowSeconds"),
+    _opt("lag_interval_s", "int",
+         "How often the metrics endpoint samples each held shard's lag.",
+         "lagIntervalSeconds"),
+    _opt("lag_webhook", "url",
+         "POST every lag status change to this http(s) URL as JSON (needs metrics_port).",
+         "lagWebhook"),
     _opt("executable_name", "str",
          "MultiLangDaemon child command (runs an amazon_kclpy application).", "executableName"),
     _opt("timeout_in_seconds", "int",
@@ -500,10 +521,13 @@ def validate(config: KCLConfig, labels: Mapping[str, str], *, keywords: bool = F
         parse_dimensions(config.metrics_enabled_dimensions)
     except ValueError as exc:
         raise ConfigError(name("metrics_enabled_dimensions"), str(exc)) from None
-    for endpoint in ("kinesis_endpoint", "dynamodb_endpoint", "cloudwatch_endpoint"):
+    for endpoint in ("kinesis_endpoint", "dynamodb_endpoint", "cloudwatch_endpoint",
+                     "lag_webhook"):
         url = getattr(config, endpoint)
         if url is not None and not re.match(r"^https?://[^\s/]+", url):
-            raise ConfigError(name(endpoint), f"{url!r} is not an http(s) URL")
+            # a webhook URL may carry credentials: never echoed
+            shown = "the value" if endpoint == "lag_webhook" else repr(url)
+            raise ConfigError(name(endpoint), f"{shown} is not an http(s) URL")
     for option in OPTIONS:
         value = getattr(config, option.name)
         if option.kind == "port" and value is not None and not 0 <= value <= 65535:

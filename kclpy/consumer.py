@@ -28,8 +28,9 @@ from kclpy.cloudwatch import (
     shard_dimensions,
     success_and_time,
 )
-from kclpy.errors import CheckpointError, ProcessorRestartRequired, ShutdownException
-from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, Lease
+from kclpy.errors import CheckpointError, KCLError, ProcessorRestartRequired, ShutdownException
+from kclpy.leases import park
+from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON, Lease
 from kclpy.metrics import Metrics
 from kclpy.processor import (
     InitializeInput,
@@ -39,7 +40,7 @@ from kclpy.processor import (
     ShardEndedInput,
     ShutdownRequestedInput,
 )
-from kclpy.records import Records
+from kclpy.records import Record, Records
 from kclpy.retrieval.parse import ChildShard
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ class ConsumerState(enum.Enum):
     PROCESSING = "PROCESSING"
     SHUTTING_DOWN = "SHUTTING_DOWN"
     DONE = "DONE"
+    #: process_records keeps failing on one batch (``ShardConsumer.failure`` says how)
+    FAILED = "FAILED"
 
 
 class FetchResultLike(Protocol):
@@ -108,6 +111,10 @@ class ConsumerSettings:
     task_backoff_s: float = 0.5
     max_task_backoff_s: float = 30.0
     processor_error_policy: str = "retry"
+    #: ``park`` policy: failed attempts at one batch before the shard is parked
+    processor_error_attempts: int = 3
+    #: a checkpoint past the stream's retention parks the shard instead of reading on
+    fail_on_data_loss: bool = False
     call_process_records_even_for_empty_record_list: bool = False
     poll_timeout_s: float = 0.2
 
@@ -137,6 +144,8 @@ class ShardConsumer:
         start_writer: StartWriter | None = None,
         initial_timestamp: datetime | None = None,
         wall_clock: Callable[[], float] = time.time,
+        park: Callable[[str, str, str], None] | None = None,
+        oldest_record: Callable[[], Record | None] | None = None,
     ) -> None:
         #: the lease key, unique across the streams of a multi-stream application
         self.shard_id = lease.lease_key
@@ -178,6 +187,14 @@ class ShardConsumer:
         #: the processor checkpointed SHARD_END
         self.shard_ended = False
         self.millis_behind_latest: int | None = None
+        #: (lease key, token, park mark) -> None: marks the lease parked through the fence
+        self._park = park
+        #: the shard's oldest record now (a one-record read from TRIM_HORIZON)
+        self._oldest_record = oldest_record
+        #: while process_records keeps failing on one batch: the last error and since when
+        self.failure: dict[str, Any] | None = None
+        #: the park policy parked the shard (its lease is then let go)
+        self.parked = False
         self._publish_state()
 
     # -- control, from the worker's thread -----------------------------------------------
@@ -215,6 +232,8 @@ class ShardConsumer:
         """Why the consumer stopped or is stopping, for the worker's log."""
         if self.error is not None:
             return f"error {self.error!r}"
+        if self.parked:
+            return "parked"
         if self.shard_ended:
             return "shard ended"
         if self._lease_lost.is_set():
@@ -316,6 +335,13 @@ class ShardConsumer:
             start_at = self._start_of(checkpoint)
             if self._stopping():
                 return False
+        read_from = checkpoint, sub_sequence_number
+        if start_at is None and self._past_retention(checkpoint):
+            if self._settings.fail_on_data_loss:
+                self._park_shard(f"checkpoint {checkpoint} is past the stream's retention "
+                                 "(fail_on_data_loss)")
+                return False
+            read_from = TRIM_HORIZON, 0
         attempt = 0
         while not self._stopping():
             processor = self._processor_factory()
@@ -336,7 +362,7 @@ class ShardConsumer:
                 self._metrics)
             if checkpoint != SHARD_END:
                 self._fetcher = (
-                    self._fetcher_factory(self._lease, checkpoint, sub_sequence_number)
+                    self._fetcher_factory(self._lease, *read_from)
                     if start_at is None else
                     self._fetcher_factory(self._lease, checkpoint, sub_sequence_number, start_at))
                 self._fetcher.start()
@@ -512,6 +538,7 @@ class ShardConsumer:
                 return "stopped"
             except Exception as exc:
                 self._metrics.processor_errors.labels(self.shard_id, "process_records").inc()
+                self._note_failure(exc, attempt)
                 policy = self._settings.processor_error_policy
                 if policy == "skip":
                     log.exception("shard %s: process_records failed; batch of %d skipped "
@@ -521,6 +548,11 @@ class ShardConsumer:
                     log.exception("shard %s: process_records failed; shutting the worker down "
                                   "(processor_error_policy=shutdown)", self.shard_id)
                     raise FatalProcessorError(f"shard {self.shard_id}: {exc!r}") from exc
+                if policy == "park" and attempt + 1 >= self._settings.processor_error_attempts:
+                    if records:
+                        checkpointer.unmark_delivered(previous)
+                    self._park_shard()
+                    return "stopped"
                 log.exception("shard %s: process_records failed; retrying the same batch",
                               self.shard_id)
                 if self._pause(self._backoff(attempt)):
@@ -535,6 +567,9 @@ class ShardConsumer:
             size = records.payload_bytes()
             self._metrics.records_processed.labels(self.shard_id).inc(len(records))
             self._metrics.bytes_processed.labels(self.shard_id).inc(size)
+            if self.failure is not None:
+                self._clear_failure()
+                self._set_state(ConsumerState.PROCESSING)
             self._report_batch(len(records), size, result.millis_behind_latest, elapsed)
             return "ok"
 
@@ -609,6 +644,78 @@ class ShardConsumer:
         except Exception:
             self._metrics.processor_errors.labels(self.shard_id, "shutdown_requested").inc()
             log.exception("shard %s: shutdown_requested failed", self.shard_id)
+
+    def _past_retention(self, checkpoint: str) -> bool:
+        """The stream's retention trimmed past ``checkpoint``: the shard's oldest record now
+        comes after it, so the records between them (if any were written) are lost. Logged
+        at ERROR with the range and counted, as lag recovery does for its gaps; live
+        reading then starts at the oldest record instead of failing on the trimmed one."""
+        if self._oldest_record is None or not checkpoint.isdigit():
+            return False
+        oldest = self._oldest_record()
+        if oldest is None or int(oldest.sequence_number) <= int(checkpoint):
+            return False
+        self._metrics.data_lost_to_retention.labels(self.shard_id).inc()
+        arrived = oldest.timestamp_millis
+        log.error("shard %s: the checkpoint is past the stream's retention: records after %s "
+                  "up to %s (the oldest kept%s) are lost", self.shard_id, checkpoint,
+                  oldest.sequence_number,
+                  "" if arrived is None else f", arrived {arrived} ms since the epoch")
+        return True
+
+    # -- failures ----------------------------------------------------------------------------
+
+    def _note_failure(self, exc: Exception, attempt: int) -> None:
+        """The shard is FAILED from the first failed attempt at a batch until one succeeds."""
+        now_ms = int(time.time() * 1000)
+        since = self.failure["since_ms"] if self.failure is not None and attempt else now_ms
+        if self.failure is not None:
+            self._clear_failure()
+        self.failure = {"error_type": type(exc).__name__, "message": str(exc),
+                        "attempts": attempt + 1, "since_ms": since}
+        metrics = self._metrics
+        metrics.shard_failure_attempts.labels(self.shard_id).set(attempt + 1)
+        metrics.shard_failing_since.labels(self.shard_id).set(since / 1000)
+        metrics.shard_failure.labels(self.shard_id, type(exc).__name__).set(1)
+        self._set_state(ConsumerState.FAILED)
+
+    def _clear_failure(self) -> None:
+        assert self.failure is not None
+        metrics = self._metrics
+        metrics.shard_failure.remove(self.shard_id, self.failure["error_type"])
+        metrics.shard_failure_attempts.labels(self.shard_id).set(0)
+        metrics.shard_failing_since.labels(self.shard_id).set(0)
+        self.failure = None
+
+    def _park_shard(self, reason: str | None = None) -> None:
+        """Mark the lease parked (no worker takes it) and end with lease_lost; the worker
+        lets the lease go like that of any consumer that ended. Without ``reason``: the
+        park policy, after the current batch failed too often."""
+        if reason is None:
+            failure = self.failure or {}
+            error: str | None = f"{failure.get('error_type')}: {failure.get('message')}"
+            log.error("shard %s: process_records failed %s times; parking the shard "
+                      "(processor_error_policy=park): %s", self.shard_id,
+                      failure.get("attempts"), error)
+            value = park.marker("processor_error_policy=park", "worker", error=error,
+                                attempts=failure.get("attempts"),
+                                since_ms=failure.get("since_ms"))
+        else:
+            log.error("shard %s: parking the shard: %s", self.shard_id, reason)
+            value = park.marker(reason, "worker")
+        if self._park is not None:
+            try:
+                self._park(self.shard_id, self._token, value)
+            except ShutdownException as exc:
+                log.warning("shard %s: lease lost before it could be parked: %s",
+                            self.shard_id, exc)
+            except KCLError as exc:
+                log.error("shard %s: parking failed (%r); the lease is released and the "
+                          "batch will be retried by its next holder", self.shard_id, exc)
+            else:
+                self.parked = True
+                self._metrics.shards_parked_by_policy.labels(self.shard_id).inc()
+        self._lease_lost.set()
 
     # -- state -------------------------------------------------------------------------------
 

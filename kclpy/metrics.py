@@ -105,6 +105,52 @@ class Metrics:
             "kclpy_shard_consumer_state",
             "1 for the state each shard consumer is in, 0 for the others.",
             ["shard_id", "state"], registry=r)
+        # lag status (kclpy.ops.lag, evaluated by the ops endpoint's sampler)
+        self.shard_lag_status = Gauge(
+            "kclpy_shard_lag_status",
+            "1 for each held shard's current lag status (Burrow's rules), 0 for the others.",
+            ["shard_id", "status"], registry=r)
+        self.application_lag_status = Gauge(
+            "kclpy_application_lag_status",
+            "1 for the application's lag status over this worker's shards, 0 for the others.",
+            ["status"], registry=r)
+        self.lag_max_millis = Gauge(
+            "kclpy_lag_max_millis",
+            "Largest age of the oldest unprocessed record over this worker's shards.",
+            registry=r)
+        self.lag_total_records = Gauge(
+            "kclpy_lag_total_records",
+            "Kinesis records behind the checkpoints, summed over this worker's shards "
+            "(a lower bound once a shard is more than the probe's limit behind).", registry=r)
+        self.lag_webhook_events = Counter(
+            "kclpy_lag_webhook_events",
+            "Lag status changes sent to --lag-webhook, by outcome (sent, retried, failed, "
+            "dropped).", ["outcome"], registry=r)
+        self.data_lost_to_retention = Counter(
+            "kclpy_data_lost_to_retention",
+            "Shards started from a checkpoint the stream's retention had trimmed past (the "
+            "records between it and the oldest kept are lost; logged at ERROR).",
+            ["shard_id"], registry=r)
+        self.shard_failure_attempts = Gauge(
+            "kclpy_shard_failure_attempts",
+            "Failed attempts at the current batch of a FAILED shard (0 once one succeeds).",
+            ["shard_id"], registry=r)
+        self.shard_failing_since = Gauge(
+            "kclpy_shard_failing_since_seconds",
+            "Since when (epoch seconds) a FAILED shard's current batch has been failing "
+            "(0 once one succeeds).", ["shard_id"], registry=r)
+        self.shard_failure = Gauge(
+            "kclpy_shard_failure",
+            "1 for the exception type process_records last raised on a FAILED shard's batch.",
+            ["shard_id", "error_type"], registry=r)
+        self.shards_parked = Gauge(
+            "kclpy_shards_parked",
+            "Parked leases (kclpyParked) in the lease table as this worker last scanned it: "
+            "no worker takes them until 'kclpy shard resume'.", registry=r)
+        self.shards_parked_by_policy = Counter(
+            "kclpy_shards_parked_by_policy",
+            "Shards this worker parked under processor_error_policy=park.",
+            ["shard_id"], registry=r)
         # MultiLangDaemon children
         self.multilang_child_failures = Counter(
             "kclpy_multilang_child_failures",

@@ -28,12 +28,15 @@ from kclpy.config import KCLConfig
 from kclpy.consumer import ConsumerSettings, FatalProcessorError, FetcherLike, ShardConsumer
 from kclpy.errors import ConfigError, KCLError, cannot_heal
 from kclpy.leases.coordinator import LeaseCoordinator
-from kclpy.leases.lease import AT_TIMESTAMP, Lease
+from kclpy.leases.lease import AT_TIMESTAMP, TRIM_HORIZON, Lease
+from kclpy.leases.park import park_held
 from kclpy.leases.streams import ActiveStream, StreamSet
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
 from kclpy.multilang.process import kill_all as kill_children
 from kclpy.processor import IRecordProcessor
+from kclpy.records import Record
+from kclpy.recovery.detect import first_record
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
 from kclpy.retrieval.fetcher import Pacer, ShardFetcher, StartPosition
@@ -89,6 +92,8 @@ class Worker:
             task_backoff_s=config.task_backoff_time_ms / 1000,
             max_task_backoff_s=config.max_task_backoff_time_ms / 1000,
             processor_error_policy=config.processor_error_policy,
+            processor_error_attempts=config.processor_error_attempts,
+            fail_on_data_loss=config.fail_on_data_loss,
             call_process_records_even_for_empty_record_list=(
                 config.call_process_records_even_for_empty_record_list),
         )
@@ -154,6 +159,7 @@ class Worker:
                 "millis_behind_latest": consumer.millis_behind_latest,
                 "retrieval": consumer.retrieval,
                 "recovery": consumer.recovery,
+                "failure": consumer.failure,
             }
         held = sorted(self.coordinator.held_leases()) if self.coordinator else []
         streams = sorted(a.label for a in self.streams.active.values()) if self.streams else []
@@ -320,6 +326,7 @@ class Worker:
                     if consumer.done:
                         del self._consumers[shard_id]
                         self.coordinator.release_soon(shard_id)
+                        del held[shard_id]
                     continue
                 if not consumer.done:
                     continue
@@ -331,11 +338,16 @@ class Worker:
                 # again and a new consumer resumes from the checkpoint.
                 del self._consumers[shard_id]
                 self.coordinator.release_soon(shard_id)
+                # no longer held: not to be given a new consumer from this snapshot below
+                del held[shard_id]
                 if consumer.shard_ended:
                     # Nobody needs a finished shard's lease held (children read only its
                     # checkpoint), and renewing it would cost a write every renewal period.
                     continue
-                if consumer.error is not None:
+                if consumer.parked:
+                    log.error("shard %s: parked; its lease is released and no worker takes "
+                              "it until 'kclpy shard resume'", shard_id)
+                elif consumer.error is not None:
                     log.error("shard %s: consumer stopped on %r; releasing its lease so it is "
                               "retried", shard_id, consumer.error)
                 else:
@@ -356,6 +368,8 @@ class Worker:
                     consumer.start()
             self._track_unconsumed(held)
         self.metrics.leases_held.set(len(held))
+        self.metrics.shards_parked.set(
+            sum(lease.parked is not None for lease in self.coordinator.all_leases()))
 
     def _track_unconsumed(self, held: dict[str, Lease]) -> None:
         """Note since when each held lease has had no running consumer (the consumers lock
@@ -403,7 +417,14 @@ class Worker:
             settings=self._settings, metrics=self.metrics, recovery=recovery,
             stream_name=self._stream(lease).label, start_writer=self.coordinator.fence,
             initial_timestamp=(self._stream(lease).config.initial_timestamp
-                               or self.config.initial_timestamp))
+                               or self.config.initial_timestamp),
+            park=functools.partial(park_held, self.coordinator.fence),
+            oldest_record=functools.partial(self._oldest_record, lease))
+
+    def _oldest_record(self, lease: Lease) -> Record | None:
+        """The shard's oldest record now: a checkpoint before it was trimmed past."""
+        return first_record(self._shard_fetcher(lease, StartPosition(TRIM_HORIZON),
+                                                max_records=1))
 
     def _make_fetcher(self, lease: Lease, checkpoint: str, sub_sequence_number: int,
                       start_at: datetime | None = None) -> FetcherLike:
@@ -487,7 +508,7 @@ class Worker:
         leases = self.coordinator.all_leases()
         if not leases:
             return False  # the taker has not scanned the table yet
-        open_leases = [lease for lease in leases if not lease.is_finished]
+        open_leases = [lease for lease in leases if not lease.is_finished and not lease.parked]
         if any(lease.lease_key not in held for lease in open_leases):
             return False
         consumers = self.consumers()

@@ -96,8 +96,10 @@ def test_leases_json_is_keyed_by_the_tables_attribute_names(
         "checkpoint": "49590338271490256608559692538361571095921575989136588898",
         "checkpointSubSequenceNumber": 3, "ownerSwitchesSinceCheckpoint": 2,
         "parentShardId": ["shardId-000000000000"], "throughputKBps": 12.5,
+        "state": "HELD",
     }
     assert "leaseOwner" not in free
+    assert [parent["state"], free["state"]] == ["FINISHED", "FREE"]
 
 
 @pytest.mark.integration
@@ -108,15 +110,16 @@ def test_leases_table_shows_owner_checkpoint_and_lineage(
                            "--table-name", lease_table, *endpoints(kinesis_mock, moto_server))
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["STREAM", "SHARD", "OWNER", "COUNTER", "CHECKPOINT", "SUB",
-                                "SWITCHES", "PARENTS", "CHILDREN"]
-    assert lines[1].split() == ["-", "shardId-000000000000", "-", "0", "SHARD_END", "0", "0",
-                                "-", "shardId-000000000001,shardId-000000000002"]
+    assert lines[0].split() == ["STREAM", "SHARD", "STATE", "OWNER", "COUNTER", "CHECKPOINT",
+                                "SUB", "SWITCHES", "PARENTS", "CHILDREN"]
+    assert lines[1].split() == ["-", "shardId-000000000000", "FINISHED", "-", "0", "SHARD_END",
+                                "0", "0", "-", "shardId-000000000001,shardId-000000000002"]
     assert lines[2].split() == [
-        "-", "shardId-000000000001", "worker-a", "41",
+        "-", "shardId-000000000001", "HELD", "worker-a", "41",
         "49590338271490256608559692538361571095921575989136588898", "3", "2",
         "shardId-000000000000", "-"]
-    assert lines[3].split()[:5] == ["-", "shardId-000000000002", "-", "0", "TRIM_HORIZON"]
+    assert lines[3].split()[:6] == ["-", "shardId-000000000002", "FREE", "-", "0",
+                                    "TRIM_HORIZON"]
     assert lines[-1] == f"3 lease(s) in {lease_table}"
 
 

@@ -28,6 +28,8 @@ Differences from Java, each cheap and deliberate:
   crash is recreated by shard sync. Java takes them and renews them until they are cleaned
   up, paying DynamoDB writes for finished shards.
 - Leases of shards outside the known set (``set_known_shards``) are never taken or counted.
+- Parked leases (``kclpyParked``, set by ``kclpy shard park`` or the ``park`` processor
+  error policy) are never taken or counted until ``kclpy shard resume`` clears the mark.
 - Java treats a lease it sees for the first time unowned as free since the epoch, hence
   "very old" at once; here it is free since first sight, so only leases that stay free
   longer than the very-old threshold bypass the target.
@@ -137,7 +139,8 @@ class Balancer:
         regular scan. None when no lease is overdue."""
         soonest: float | None = None
         for key, lease in self._leases.items():
-            if lease.lease_owner is None or key in held or lease.is_finished:
+            if (lease.lease_owner is None or key in held or lease.is_finished
+                    or lease.parked is not None):
                 continue
             still = self.unchanged_for(key, now)
             if overdue_after < still <= self.failover_time_s:
@@ -159,6 +162,7 @@ class Balancer:
                 lease
                 for lease in self._leases.values()
                 if not lease.is_finished
+                and lease.parked is None  # an operator or the park policy set it aside
                 and (known_shards is None or lease.lease_key in known_shards)
             ),
             key=lambda lease: lease.lease_key,

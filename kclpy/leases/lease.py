@@ -47,6 +47,9 @@ class Lease:
     #: and processor restart resumes there and not at the tip (docs/design.md). Java KCL
     #: workers ignore the attribute; a checkpoint removes it.
     start_at_ms: int | None = None
+    #: kclpy's park marker (``kclpy.ops.control``), a JSON string saying who parked the
+    #: shard, when and why: no kclpy worker takes a parked lease. Java KCL workers ignore it.
+    parked: str | None = None
     #: multi-stream applications: the serialised stream identifier the key starts with
     #: (``account-id:stream-name:creation-epoch``, Java's ``streamName`` attribute)
     stream: str | None = None

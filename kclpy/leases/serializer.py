@@ -34,6 +34,8 @@ CHECKPOINT_OWNER = "checkpointOwner"
 RECOVERY = "kclpyRecovery"
 #: kclpy's own attribute: the resolved start of a lease still at LATEST / AT_TIMESTAMP
 START_AT = "kclpyStartAt"
+#: kclpy's own attribute: the shard is parked, no kclpy worker takes it; Java ignores it
+PARKED = "kclpyParked"
 #: Java multi-stream leases: the serialised stream identifier (named so for legacy reasons)
 #: and the bare shard id, beside a key that joins them
 STREAM_NAME = "streamName"
@@ -109,6 +111,7 @@ def lease_from_item(item: Mapping[str, AttributeValueTypeDef]) -> Lease:
         checkpoint_owner=_str(item, CHECKPOINT_OWNER),
         recovery=_str(item, RECOVERY),
         start_at_ms=_int(item, START_AT),
+        parked=_str(item, PARKED),
         stream=_str(item, STREAM_NAME),
     )
 

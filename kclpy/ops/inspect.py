@@ -13,12 +13,15 @@ No worker needs to run: everything comes from the lease table (Scan) and the str
 
 In a multi-stream table (Java ``MultiStreamLease`` keys, ``kclpy.streams``) ``leases`` shows
 each lease's stream and ``--stream-name`` / ``--stream-arn`` pick one stream's leases.
+- ``kclpy checkpoint set``, ``kclpy shard park`` / ``resume``: operator controls
+  (``kclpy.ops.control``).
 - ``kclpy consumers`` / ``register-consumer`` / ``deregister-consumer``: the stream's
   enhanced fan-out consumers (``kclpy.ops.consumers``).
 
 Exit codes: ``status`` exits 0 for OK, 1 for WARN, 2 for ERROR, 3 when the status could not
 be determined (AWS unreachable, access denied); the other commands exit 0, or 1 on such
-failures (``deregister-consumer`` also when there was no such consumer).
+failures (``deregister-consumer`` also when there was no such consumer; the control
+commands of ``kclpy.ops.control`` also when they refused to act).
 Bad arguments, a lease table or stream that does not exist, or no region exit 2 with one
 line naming the option.
 """
@@ -44,12 +47,14 @@ from botocore.exceptions import BotoCoreError, ClientError, NoRegionError
 
 from kclpy.arguments import OneLineParser
 from kclpy.errors import KCLError
+from kclpy.leases import park as parking
 from kclpy.leases import serializer as ser
 from kclpy.leases.dynamo import error_code
 from kclpy.leases.lease import SHARD_END, Lease
 from kclpy.leases.shard_sync import ShardSyncer
 from kclpy.leases.table import LeaseTable
-from kclpy.ops import consumers
+from kclpy.ops import consumers, control
+from kclpy.ops.control import Refused, UsageError
 from kclpy.ops.lag import (
     LagProbe,
     LagTracker,
@@ -66,13 +71,6 @@ log = logging.getLogger("kclpy.inspect")
 PROG = "kclpy"
 #: ``kclpy status`` when the status could not be determined (Nagios' UNKNOWN)
 EXIT_UNKNOWN = 3
-
-
-class UsageError(Exception):
-    """A bad argument found after parsing (no region, no such table or stream)."""
-
-    def __init__(self, option: str, message: str) -> None:
-        super().__init__(f"{option}: {message}")
 
 
 def _positive_seconds(text: str) -> float:
@@ -167,6 +165,7 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--records-limit", type=_whole(1, 10000), default=1000,
                         metavar="N", help="GetRecords Limit when counting records behind; "
                         "more are shown as N+ (default 1000)")
+    control.add_commands(commands, common)
     return parser
 
 
@@ -266,24 +265,41 @@ def _leases(args: argparse.Namespace, out: IO[str]) -> int:
         leases = [(lease, item) for lease, item in leases
                   if lease.stream is None or _stream_name(lease) == wanted]
     if args.json:
-        json.dump([item_to_json(item) for _, item in leases], out, indent=2)
+        json.dump([{**item_to_json(item), "state": lease_state(lease)}
+                   for lease, item in leases], out, indent=2)
         out.write("\n")
         return 0
-    rows = [["STREAM", "SHARD", "OWNER", "COUNTER", "CHECKPOINT", "SUB", "SWITCHES",
+    rows = [["STREAM", "SHARD", "STATE", "OWNER", "COUNTER", "CHECKPOINT", "SUB", "SWITCHES",
              "PARENTS", "CHILDREN"]]
+    parked: list[str] = []
     for lease, _ in leases:
         owner = lease.lease_owner or "-"
         if lease.checkpoint_owner:
             owner += f" (handoff from {lease.checkpoint_owner})"
-        rows.append([_stream_name(lease) or "-", lease.shard_id, owner,
+        marker = parking.describe(lease.parked)
+        if marker is not None:
+            parked.append(f"{lease.shard_id}: {marker.get('reason')}"
+                          + (f" ({marker['error']})" if marker.get("error") else ""))
+        rows.append([_stream_name(lease) or "-", lease.shard_id, lease_state(lease), owner,
                      str(lease.lease_counter), lease.checkpoint,
                      str(lease.checkpoint_sub_sequence_number),
                      str(lease.owner_switches_since_checkpoint),
                      ",".join(sorted(lease.parent_shard_ids)) or "-",
                      ",".join(sorted(lease.child_shard_ids)) or "-"])
     print_table(rows, out)
+    for line in parked:
+        out.write(f"parked {line}\n")
     out.write(f"{len(leases)} lease(s) in {_table_name(args)}\n")
     return 0
+
+
+def lease_state(lease: Lease) -> str:
+    """PARKED (no worker takes it), FINISHED (at SHARD_END, nothing queued), HELD or FREE."""
+    if lease.parked is not None:
+        return "PARKED"
+    if lease.is_finished:
+        return "FINISHED"
+    return "HELD" if lease.lease_owner else "FREE"
 
 
 def _stream_label(args: argparse.Namespace) -> str | None:
@@ -315,6 +331,8 @@ class Sample:
     unleased_shards: list[str]
     #: leases whose shard the stream no longer lists (expired beyond retention)
     unlisted_leases: list[str]
+    #: parked leases (``kclpy shard park``, the park policy): shard id -> the park mark
+    parked: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class TableSampler:
@@ -352,7 +370,9 @@ class TableSampler:
         sample = Sample(now,
                         unleased_shards=sorted(s for s, shard in shards.items()
                                                if s not in leases and shard.is_open),
-                        unlisted_leases=sorted(set(leases) - set(shards)))
+                        unlisted_leases=sorted(set(leases) - set(shards)),
+                        parked={shard_id: parking.describe(lease.parked) or {}
+                                for shard_id, lease in leases.items() if lease.parked})
         observed = sorted(set(leases) & set(shards))
         for shard_id in observed:
             lease = leases[shard_id]
@@ -386,6 +406,7 @@ def status_report(args: argparse.Namespace, sample: Sample,
         "samples": args.samples,
         "unleased_shards": sample.unleased_shards,
         "unlisted_leases": sample.unlisted_leases,
+        "parked": sample.parked,
     }
     if workers:
         report["workers"] = [view.summary() for view in workers]
@@ -398,6 +419,9 @@ def status_report(args: argparse.Namespace, sample: Sample,
                     shard["worker"] = view.worker_id or view.url
                     shard["retrieval"] = reported.get("retrieval") or {}
                     shard["recovery"] = reported.get("recovery") or []
+                    if reported.get("failure"):
+                        shard["state"] = "FAILED"
+                        shard["failure"] = reported["failure"]
                     break
     return report
 
@@ -467,6 +491,18 @@ def _print_status(report: Mapping[str, Any], out: IO[str], *, as_json: bool,
     for worker in workers or []:
         if not worker["reachable"]:
             out.write(f"worker {worker['url']} unreachable: {worker['error']}\n")
+    for shard in report["shards"]:
+        failure = shard.get("failure")
+        if failure:
+            since = time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                  time.gmtime(int(failure.get("since_ms") or 0) / 1000))
+            out.write(f"shard {shard['shard_id']} FAILED: {failure.get('error_type')}: "
+                      f"{failure.get('message')} ({failure.get('attempts')} attempt(s) "
+                      f"since {since})\n")
+    for shard_id, mark in sorted(report.get("parked", {}).items()):
+        why = mark.get("reason") or "-"
+        error = f" ({mark['error']})" if mark.get("error") else ""
+        out.write(f"shard {shard_id} PARKED by {mark.get('by') or '-'}: {why}{error}\n")
     if report["unleased_shards"]:
         out.write(f"open shards without a lease: {', '.join(report['unleased_shards'])}\n")
     if report["unlisted_leases"]:
@@ -558,10 +594,17 @@ def inspect_main(argv: Sequence[str] | None = None) -> int:
         if args.command in _CONSUMER_COMMANDS:
             kinesis, _ = _clients(args)
             return _CONSUMER_COMMANDS[args.command](args, kinesis, sys.stdout)
+        if args.command in control.command_names():
+            prog += f" {args.action}"
+            kinesis, dynamodb = _clients(args)
+            return control.run(args, kinesis, dynamodb, sys.stdout)
         return run_status(args, sys.stdout)
     except UsageError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
+    except Refused as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return control.EXIT_REFUSED
     except (ClientError, BotoCoreError, KCLError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_UNKNOWN if args.command == "status" else 1

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -49,6 +50,10 @@ from kclpy.retrieval.parse import get_records
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
+
+    from kclpy.metrics import Metrics
+
+log = logging.getLogger(__name__)
 
 
 class ShardStatus(enum.Enum):
@@ -400,3 +405,71 @@ def report_to_json(evaluations: Mapping[str, ShardEvaluation], window_s: float
         "window_seconds": window_s,
         "shards": [evaluation_to_json(s, e) for s, e in sorted(evaluations.items())],
     }
+
+
+#: every label value of the status gauges: Burrow's statuses (ERR is an application's)
+STATUS_LABELS = ("OK", "WARN", "ERR", "STOP", "STALL", "REWIND")
+
+
+def _app_label(status: AppStatus) -> str:
+    return "ERR" if status is AppStatus.ERROR else status.value
+
+
+class LagAlerts:
+    """Publishes each evaluation as enum gauges and tells ``notify`` of every status that
+    changed (a shard's, or the application's with ``shard_id`` None)."""
+
+    def __init__(self, metrics: Metrics, application: str,
+                 notify: Callable[[dict[str, Any]], None] | None = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self._metrics = metrics
+        self._application = application
+        self._notify = notify
+        self._wall_clock = wall_clock
+        self._shards: dict[str, str] = {}
+        self._app: str | None = None
+
+    def publish(self, evaluations: Mapping[str, ShardEvaluation]) -> None:
+        metrics = self._metrics
+        for shard_id in set(self._shards) - set(evaluations):
+            for label in STATUS_LABELS:
+                metrics.shard_lag_status.remove(shard_id, label)
+            del self._shards[shard_id]
+        for shard_id, evaluation in sorted(evaluations.items()):
+            status = evaluation.status.value
+            for label in STATUS_LABELS:
+                metrics.shard_lag_status.labels(shard_id, label).set(
+                    1 if label == status else 0)
+            previous = self._shards.get(shard_id)
+            self._shards[shard_id] = status
+            if previous != status and (previous is not None or status != "OK"):
+                self._changed(shard_id, status, previous, evaluation)
+        app = _app_label(application_status(e.status for e in evaluations.values()))
+        for label in STATUS_LABELS:
+            metrics.application_lag_status.labels(label).set(1 if label == app else 0)
+        if app != self._app and (self._app is not None or app != "OK"):
+            worst = [f"{s}: {e.status.value}" for s, e in sorted(evaluations.items())
+                     if e.status is not ShardStatus.OK]
+            self._changed(None, app, self._app, None,
+                          "; ".join(worst) or "every shard OK")
+        self._app = app
+        latest = [e.latest for e in evaluations.values() if e.latest is not None]
+        metrics.lag_max_millis.set(max((o.lag.millis for o in latest), default=0))
+        metrics.lag_total_records.set(sum(o.lag.records for o in latest))
+
+    def _changed(self, shard_id: str | None, status: str, previous: str | None,
+                 evaluation: ShardEvaluation | None, reason: str | None = None) -> None:
+        log.info("lag status of %s: %s -> %s", shard_id or "the application",
+                 previous or "none", status)
+        if self._notify is None:
+            return
+        document: dict[str, Any] = {
+            "application": self._application, "shard_id": shard_id, "status": status,
+            "previous_status": previous,
+            "reason": reason if evaluation is None else evaluation.reason,
+            "time_ms": round(self._wall_clock() * 1000),
+        }
+        if evaluation is not None and evaluation.latest is not None:
+            document["millis_behind"] = evaluation.latest.lag.millis
+            document["records_behind"] = evaluation.latest.lag.records
+        self._notify(document)

@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import exposition
 
-from kclpy.ops.lag import Lag, LagProbe, LagTracker, Observation, report_to_json
+from kclpy.ops.lag import Lag, LagAlerts, LagProbe, LagTracker, Observation, report_to_json
+from kclpy.ops.webhook import Webhook
 
 if TYPE_CHECKING:
     from kclpy.worker import Worker
@@ -226,8 +227,10 @@ class _LagSampler:
     """Observes every shard the worker holds every ``interval_s``; see the module docstring."""
 
     def __init__(self, worker: Worker, tracker: LagTracker, interval_s: float,
-                 records_limit: int, clock: Callable[[], float]) -> None:
+                 records_limit: int, clock: Callable[[], float],
+                 alerts: LagAlerts | None = None) -> None:
         self._worker = worker
+        self._alerts = alerts
         self._tracker = tracker
         self._interval_s = interval_s
         self._records_limit = records_limit
@@ -275,6 +278,8 @@ class _LagSampler:
                 waiting_on_parents=shard["state"] == _WAITING,
                 recovering=bool(shard.get("recovery"))))
         self._tracker.retain(shards)
+        if self._alerts is not None:
+            self._alerts.publish(self._tracker.evaluate(self._clock()))
 
     def _measure(self, lease_key: str, checkpoint: str, sub: int) -> Lag:
         """Through the probe of the lease's stream (one per stream, made on first use)."""
@@ -293,9 +298,11 @@ class _LagSampler:
 class RunningServer:
     """A started ops endpoint. ``stop()`` closes the socket and ends its threads."""
 
-    def __init__(self, httpd: _Server, sampler: _LagSampler | None) -> None:
+    def __init__(self, httpd: _Server, sampler: _LagSampler | None,
+                 webhook: Webhook | None = None) -> None:
         self._httpd = httpd
         self._sampler = sampler
+        self._webhook = webhook
         self._thread = threading.Thread(target=httpd.serve_forever, name="kclpy-ops-http",
                                         daemon=True)
         self.host = str(httpd.server_address[0])
@@ -312,6 +319,8 @@ class RunningServer:
         self._thread.join()
         if self._sampler is not None:
             self._sampler.stop()
+        if self._webhook is not None:
+            self._webhook.stop()
 
     def __enter__(self) -> RunningServer:
         return self
@@ -328,6 +337,7 @@ def serve_worker(
     lag_window_s: float | None = 300.0,
     lag_interval_s: float = 30.0,
     lag_records_limit: int = 1000,
+    lag_webhook: str | None = None,
     clock: Callable[[], float] = time.monotonic,
     max_connections: int = MAX_CONNECTIONS,
     timeout_s: float = TIMEOUT_S,
@@ -338,13 +348,22 @@ def serve_worker(
     (per held shard and ``lag_interval_s``: one GetShardIterator and one GetRecords).
     ``max_connections`` and ``timeout_s`` bound what clients can cost (see the module
     docstring).
+    Each sample also sets the lag status gauges, and ``lag_webhook`` (an http(s) URL) is
+    POSTed every status change (``kclpy.ops.webhook``).
     """
     tracker = LagTracker(lag_window_s) if lag_window_s is not None else None
     httpd = _Server((host, port), worker, tracker, clock, max_connections=max_connections,
                     timeout_s=timeout_s)
     sampler = None
+    webhook = None
     if tracker is not None:
-        sampler = _LagSampler(worker, tracker, lag_interval_s, lag_records_limit, clock)
-    server = RunningServer(httpd, sampler)
+        if lag_webhook is not None:
+            events = worker.metrics.lag_webhook_events
+            webhook = Webhook(lag_webhook, on_result=lambda o: events.labels(o).inc())
+        alerts = LagAlerts(worker.metrics, worker.config.application_name,
+                           webhook.send if webhook is not None else None)
+        sampler = _LagSampler(worker, tracker, lag_interval_s, lag_records_limit, clock,
+                              alerts)
+    server = RunningServer(httpd, sampler, webhook)
     log.info("ops endpoint on %s (/metrics, /healthz, /status)", server.url)
     return server

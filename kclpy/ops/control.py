@@ -1,0 +1,647 @@
+"""Operator controls on the lease table: ``kclpy checkpoint set``, ``kclpy shard park`` /
+``resume`` and ``kclpy recovery add`` / ``list`` / ``cancel``.
+
+Each one is what an on-call engineer would otherwise do by hand in the DynamoDB console,
+done the way the workers themselves write: every change is an UpdateItem conditional on the
+``leaseCounter`` the command read, and bumps it. So a change never lands on a lease that
+moved meanwhile (the command says so and exits 1), and a worker holding the lease sees its
+next renewal or checkpoint refused, which ends its tenure with ``lease_lost`` exactly as a
+steal would: nothing it does afterwards can overwrite the operator's change.
+
+A lease a worker holds is never changed from under it unless the operator says ``--force``
+(checkpoint set) - then the owner is removed with the change, and a worker (the same or
+another) takes the lease again within the failover time and starts from the new checkpoint.
+Parking always takes the lease from its holder: that is its purpose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import IO, Any
+
+from botocore.exceptions import ClientError
+
+from kclpy.errors import ConfigError
+from kclpy.leases import park as parking
+from kclpy.leases import serializer as ser
+from kclpy.leases.dynamo import CONDITION_FAILED, error_code
+from kclpy.leases.lease import SHARD_END, TRIM_HORIZON, Lease
+from kclpy.leases.serializer import UpdateBuilder, n, s
+from kclpy.leases.shard_sync import Shard, ShardSyncer
+from kclpy.leases.table import LeaseTable, checkpoint_changes
+from kclpy.ops.position import (
+    Position,
+    PositionError,
+    ShardReader,
+    Target,
+    last_before,
+    last_sub_sequence,
+    parse_position,
+    record_at,
+    resolve,
+)
+from kclpy.ops.text import print_table
+from kclpy.recovery import queue as gaps
+from kclpy.state import open_store
+from kclpy.streams import StreamIdentifier
+
+#: exit code when the command refused to act or the lease moved under it
+EXIT_REFUSED = 1
+
+
+class UsageError(Exception):
+    """A bad argument found after parsing: exit 2, naming ``option``."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(f"{option}: {message}")
+        self.option = option
+
+
+class Refused(Exception):
+    """The command would not act (a held lease without ``--force``, a lease that changed
+    since it was read): exit 1 with the message."""
+
+
+# -- arguments -------------------------------------------------------------------------------
+
+
+def _position(text: str) -> Position:
+    try:
+        return parse_position(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _stream_options(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    where = parser.add_mutually_exclusive_group(required=required)
+    where.add_argument("--stream-name", help="the stream (picks one stream's leases in a "
+                       "multi-stream table)")
+    where.add_argument("--stream-arn", help="the stream's ARN (instead of its name)")
+
+
+def add_commands(commands: Any, common: argparse.ArgumentParser) -> None:
+    """The control subcommands, beside the inspector's (``commands`` is its subparsers)."""
+    checkpoint = commands.add_parser(
+        "checkpoint", help="move a shard's checkpoint",
+        description="Move checkpoints (replay from a time, skip a poison record).")
+    actions = checkpoint.add_subparsers(dest="action", required=True,
+                                        parser_class=type(checkpoint))
+    move = actions.add_parser(
+        "set", parents=[common], help="set the checkpoint of one shard or all shards",
+        description="Set where workers resume: right after POSITION. The write is "
+                    "conditional on the lease counter read; a lease a worker holds is "
+                    "refused unless --force.")
+    which = move.add_mutually_exclusive_group(required=True)
+    which.add_argument("--shard-id", help="the shard whose checkpoint moves")
+    which.add_argument("--all-shards", action="store_true",
+                       help="every shard of the stream (a finished shard with nothing "
+                            "after POSITION is left alone)")
+    _stream_options(move, required=True)
+    move.add_argument("--to", required=True, type=_position, metavar="POSITION",
+                      help="TRIM_HORIZON, LATEST (now), a sequence number of the shard, or "
+                           "an ISO-8601 time (naive = UTC): the next record processed is "
+                           "the first after the sequence number / at or after the time")
+    move.add_argument("--force", action="store_true",
+                      help="also move a lease a worker holds: it is taken from the holder "
+                           "(lease_lost) and taken again from the new checkpoint")
+    move.add_argument("--dry-run", action="store_true", help="print what would change, "
+                      "write nothing")
+    move.add_argument("--state-store", metavar="SPEC",
+                      help="the exactly-once application's state store (the workers' "
+                           "--state-store): a SQL store's position is moved too")
+
+    shard = commands.add_parser("shard", help="park or resume a shard",
+                                description="Park a shard so that no worker takes it, or "
+                                            "resume it.")
+    shard_actions = shard.add_subparsers(dest="action", required=True,
+                                         parser_class=type(shard))
+    park = shard_actions.add_parser(
+        "park", parents=[common], help="release the shard's lease and keep every worker "
+        "off it", description="Take the lease from its holder (lease_lost) and mark it "
+        "parked: no kclpy worker takes it until 'kclpy shard resume'.")
+    park.add_argument("--shard-id", required=True, help="the shard to park")
+    park.add_argument("--reason", default="parked by an operator",
+                      help="why (shown by 'kclpy leases' and the workers' /status)")
+    _stream_options(park, required=False)
+    resume = shard_actions.add_parser(
+        "resume", parents=[common], help="let workers take a parked shard again",
+        description="Clear the park mark; a worker takes the lease within the failover "
+                    "time and starts at its last checkpoint.")
+    resume.add_argument("--shard-id", required=True, help="the shard to resume")
+    _stream_options(resume, required=False)
+
+
+    recovery = commands.add_parser(
+        "recovery", help="queue, show or drop backfills of a shard",
+        description="The shard's recovery queue: gaps read again beside live reading, "
+                    "their records flagged is_recovery.")
+    recovery_actions = recovery.add_subparsers(dest="action", required=True,
+                                               parser_class=type(recovery))
+    add = recovery_actions.add_parser(
+        "add", parents=[common], help="queue a backfill of a range of records",
+        description="Queue the records FROM..TO (both included) of one shard for recovery. "
+                    "A worker holding the lease is told lease_lost and the shard is taken "
+                    "again with the gap queued.")
+    add.add_argument("--shard-id", required=True, help="the shard")
+    add.add_argument("--from", dest="first", required=True, type=_sequence, metavar="SEQ",
+                     help="sequence number of the first record to read again")
+    add.add_argument("--to", dest="last", required=True, type=_sequence, metavar="SEQ",
+                     help="sequence number of the last record to read again")
+    add.add_argument("--dry-run", action="store_true", help="print the gap, write nothing")
+    _stream_options(add, required=True)
+    listing = recovery_actions.add_parser(
+        "list", parents=[common], help="every queued gap",
+        description="Print every shard's queued recovery gaps.")
+    listing.add_argument("--shard-id", help="only this shard's gaps")
+    _stream_options(listing, required=False)
+    cancel = recovery_actions.add_parser(
+        "cancel", parents=[common], help="drop a queued gap",
+        description="Drop one queued gap (by its number in 'kclpy recovery list') or all "
+                    "of a shard's. A worker holding the lease is told lease_lost and the "
+                    "shard is taken again without it.")
+    cancel.add_argument("--shard-id", required=True, help="the shard")
+    which_gap = cancel.add_mutually_exclusive_group(required=True)
+    which_gap.add_argument("--gap", type=_gap_number, metavar="N",
+                           help="the gap's number (1 = first) in 'kclpy recovery list'")
+    which_gap.add_argument("--all", action="store_true", help="every gap of the shard")
+    _stream_options(cancel, required=False)
+
+
+def _sequence(text: str) -> str:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a sequence number")
+    return str(int(text))
+
+
+def _gap_number(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a gap number (1, 2, ...)")
+    return int(text)
+
+
+def command_names() -> frozenset[str]:
+    return frozenset({"checkpoint", "shard", "recovery"})
+
+
+def run(args: argparse.Namespace, kinesis: Any, dynamodb: Any, out: IO[str]) -> int:
+    """Carry out one control command; raises UsageError / Refused for the caller to print."""
+    table = LeaseTable(dynamodb, _table_name(args), max_attempts=5)
+    if args.command == "checkpoint":
+        return set_checkpoint(args, kinesis, table, out)
+    if args.command == "recovery":
+        return _RECOVERY[args.action](args, kinesis, table, out)
+    if args.action == "park":
+        return park(args, table, out)
+    return resume_shard(args, table, out)
+
+
+# -- finding leases --------------------------------------------------------------------------
+
+
+def _table_name(args: argparse.Namespace) -> str:
+    return str(args.table_name or args.application_name)
+
+
+def _stream_label(args: argparse.Namespace) -> str | None:
+    if getattr(args, "stream_arn", None):
+        return str(args.stream_arn).rsplit("/", 1)[-1]
+    name = getattr(args, "stream_name", None)
+    return str(name) if name else None
+
+
+def _stream_of(lease: Lease) -> str | None:
+    if lease.stream is None:
+        return None
+    try:
+        return StreamIdentifier.parse(lease.stream).name
+    except ValueError:
+        return lease.stream
+
+
+def read_leases(args: argparse.Namespace, table: LeaseTable) -> list[Lease]:
+    """The leases of the stream named by the arguments (all of a single-stream table)."""
+    try:
+        leases = table.list_leases()
+    except ClientError as exc:
+        if error_code(exc) == "ResourceNotFoundException":
+            option = "--table-name" if args.table_name else "--application-name"
+            raise UsageError(option, f"lease table {_table_name(args)!r} does not "
+                             "exist") from None
+        raise
+    wanted = _stream_label(args)
+    if wanted is None:
+        if any(lease.stream for lease in leases):
+            raise UsageError("--stream-name", "the table holds several streams' leases; "
+                             "name the stream")
+        return sorted(leases, key=lambda lease: lease.lease_key)
+    return sorted((lease for lease in leases
+                   if lease.stream is None or _stream_of(lease) == wanted),
+                  key=lambda lease: lease.lease_key)
+
+
+def one_lease(args: argparse.Namespace, table: LeaseTable) -> Lease:
+    for lease in read_leases(args, table):
+        if lease.shard_id == args.shard_id:
+            return lease
+    raise UsageError("--shard-id", f"no lease for shard {args.shard_id!r} in "
+                     f"{_table_name(args)}")
+
+
+def _stream_params(args: argparse.Namespace) -> dict[str, str]:
+    if args.stream_arn:
+        return {"StreamARN": str(args.stream_arn)}
+    return {"StreamName": str(args.stream_name)}
+
+
+def _shards(args: argparse.Namespace, kinesis: Any, table: LeaseTable) -> dict[str, Shard]:
+    syncer = ShardSyncer(kinesis, table, stream_name=args.stream_name,
+                         stream_arn=args.stream_arn)
+    try:
+        return {shard.shard_id: shard for shard in syncer.list_shards()}
+    except ClientError as exc:
+        if error_code(exc) == "ResourceNotFoundException":
+            option = "--stream-name" if args.stream_name else "--stream-arn"
+            raise UsageError(option, f"stream {_stream_label(args)!r} does not "
+                             "exist") from None
+        raise
+
+
+def _write(table: LeaseTable, lease: Lease, update: UpdateBuilder) -> Lease:
+    """``update`` on ``lease`` if its counter is still the one read, bumping it: the same
+    fence the workers' own writes have, so a worker that held the lease in between can no
+    longer write it."""
+    update.set(ser.LEASE_COUNTER, n(lease.lease_counter + 1))
+    update.expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter))
+    try:
+        response = table.call("UpdateItem", table.client.update_item,
+                              TableName=table.table_name, Key=ser.key_of(lease.lease_key),
+                              ReturnValues="ALL_NEW", **update.request())
+    except ClientError as exc:
+        if error_code(exc) == CONDITION_FAILED:
+            raise Refused(f"lease {lease.lease_key} changed since it was read (counter "
+                          f"{lease.lease_counter}); nothing written to it, run again") from None
+        raise
+    return ser.lease_from_item(response["Attributes"])
+
+
+#: fresh reads and writes of one lease before giving up (a holder renews a few times per
+#: failover time, each renewal bumping the counter)
+WRITE_ATTEMPTS = 5
+
+
+def _write_fresh(table: LeaseTable, lease: Lease,
+                 build: Callable[[Lease], UpdateBuilder], *, take: bool) -> Lease:
+    """Read the lease again and write ``build(lease)`` conditional on the counter just read,
+    taking the lease from its holder (owner removed) when it has one. Resolving a position
+    can take seconds, in which a holder renews; a renewal between this read and the write
+    only costs another attempt. Without ``take``, a lease that has a holder now is
+    refused."""
+    for _ in range(WRITE_ATTEMPTS):
+        fresh = table.get(lease.lease_key)
+        if fresh is None:
+            raise Refused(f"lease {lease.lease_key} was deleted meanwhile")
+        if fresh.lease_owner is not None and not take:
+            raise Refused(f"nothing written to {lease.lease_key}: held by "
+                          f"{fresh.lease_owner} now (use --force to take it)")
+        update = build(fresh)
+        if fresh.lease_owner is not None:
+            update.remove(ser.LEASE_OWNER).remove(ser.CHECKPOINT_OWNER)
+        try:
+            return _write(table, fresh, update)
+        except Refused:
+            continue
+    raise Refused(f"lease {lease.lease_key} kept changing; nothing written to it, run again")
+
+
+# -- checkpoint set --------------------------------------------------------------------------
+
+
+@dataclass
+class Move:
+    """One lease's planned checkpoint change."""
+
+    lease: Lease
+    target: Target | None
+    note: str = ""
+    written: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        lease = self.lease
+        moved = self.target is not None
+        return {
+            "shard_id": lease.shard_id, "lease_key": lease.lease_key,
+            "owner": lease.lease_owner, "lease_counter": lease.lease_counter,
+            "from": {"checkpoint": lease.checkpoint,
+                     "sub_sequence_number": lease.checkpoint_sub_sequence_number},
+            "to": None if not moved else {
+                "checkpoint": self.target.checkpoint if self.target else None,
+                "sub_sequence_number": self.target.sub_sequence_number if self.target else 0},
+            "meaning": self.target.meaning if self.target else None,
+            "note": self.note or None, "written": self.written,
+        }
+
+
+def _plan_moves(args: argparse.Namespace, kinesis: Any, table: LeaseTable) -> list[Move]:
+    position: Position = args.to
+    if args.all_shards and position.names_one_shard:
+        raise UsageError("--to", "a sequence number is one shard's: use --shard-id")
+    leases = [one_lease(args, table)] if args.shard_id else read_leases(args, table)
+    shards = _shards(args, kinesis, table)
+    if args.shard_id and args.shard_id not in shards:
+        raise UsageError("--shard-id", f"stream {_stream_label(args)!r} has no shard "
+                         f"{args.shard_id!r} (expired beyond retention?)")
+    moves: list[Move] = []
+    for lease in leases:
+        if lease.shard_id not in shards:
+            moves.append(Move(lease, None, "the stream no longer lists the shard"))
+            continue
+        reader = ShardReader(kinesis, _stream_params(args), lease.shard_id)
+        try:
+            target = resolve(reader, position, checkpoint=lease.checkpoint)
+        except PositionError as exc:
+            raise UsageError("--to", f"shard {lease.shard_id}: {exc}") from None
+        if target is None:
+            moves.append(Move(lease, None, "finished, nothing after the position"))
+        else:
+            moves.append(Move(lease, target))
+    return moves
+
+
+def set_checkpoint(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
+                   out: IO[str]) -> int:
+    moves = _plan_moves(args, kinesis, table)
+    held = [m for m in moves if m.target is not None and m.lease.lease_owner is not None]
+    refused = bool(held) and not args.force
+    for move in held:
+        holder = move.lease.lease_owner
+        move.note = (f"taken from {holder}" if args.force
+                     else f"refused: held by {holder} (use --force to take it)")
+    store = _sql_store(args.state_store) if args.state_store else None
+    if not refused and not args.dry_run:
+        for move in moves:
+            if move.target is None:
+                continue
+            if store is None:
+                _write_fresh(table, move.lease, _moving_to(move.target), take=args.force)
+            else:
+                _move_with_store(table, store, move.lease, move.target, force=args.force)
+            move.written = True
+    _print_moves(args, moves, out)
+    if refused:
+        holders = ", ".join(f"{m.lease.shard_id} by {m.lease.lease_owner}" for m in held)
+        raise Refused(f"nothing written: lease(s) held ({holders}); stop the worker, or "
+                      "use --force to take the lease(s) from the holder")
+    return 0
+
+
+def _sql_store(spec: str) -> Any:
+    """The SQL state store ``spec`` names, or None for the DynamoDB store (it keeps its
+    position in the lease item itself, so it moves with the checkpoint)."""
+    try:
+        store = open_store(spec)
+    except ConfigError as exc:
+        raise UsageError("--state-store", str(exc).split(": ", 1)[-1]) from None
+    if getattr(store, "checkpoints", None) is None:
+        return None
+    store.open(None)
+    return store
+
+
+def _move_with_store(table: LeaseTable, store: Any, lease: Lease, target: Target, *,
+                     force: bool) -> None:
+    """Move the lease's checkpoint and the SQL store's position for it together.
+
+    A stateful processor resumes after the later of the two, so the store must move too.
+    The lease is first moved and parked in one write (so no worker starts a tenure that
+    would read the store's old position), then the store's row is moved and its tenure
+    raised to the lease's new counter (so a commit of the previous holder's tenure is
+    refused from then on), then the lease is unparked. Interrupted half-way, the shard
+    stays parked, visibly, until ``kclpy shard resume``."""
+    import sqlalchemy as sa
+
+    holding = parking.marker("kclpy checkpoint set in progress", "operator")
+
+    def move_and_park(fresh: Lease) -> UpdateBuilder:
+        return checkpoint_changes(target.checkpoint, target.sub_sequence_number).set(
+            ser.PARKED, s(holding))
+
+    moved = _write_fresh(table, lease, move_and_park, take=force)
+    columns = store.checkpoints.c
+    with store.engine.begin() as conn:
+        row = conn.execute(sa.select(columns.tenure).where(
+            columns.lease_key == lease.lease_key).with_for_update()).first()
+        if row is not None:
+            conn.execute(sa.update(store.checkpoints)
+                         .where(columns.lease_key == lease.lease_key)
+                         .values(checkpoint=target.checkpoint,
+                                 sub_sequence_number=target.sub_sequence_number,
+                                 tenure=max(int(row.tenure), moved.lease_counter)))
+    _write(table, moved, UpdateBuilder().remove(ser.PARKED))
+
+
+def _moving_to(target: Target) -> Callable[[Lease], UpdateBuilder]:
+    return lambda _: checkpoint_changes(target.checkpoint, target.sub_sequence_number)
+
+
+def _print_moves(args: argparse.Namespace, moves: Sequence[Move], out: IO[str]) -> None:
+    if args.json:
+        json.dump({"dry_run": args.dry_run, "position": str(args.to),
+                   "shards": [m.to_json() for m in moves]}, out, indent=2)
+        out.write("\n")
+        return
+    rows = [["SHARD", "OWNER", "COUNTER", "FROM", "TO", "MEANING", "NOTE"]]
+    for move in moves:
+        lease = move.lease
+        target = move.target
+        rows.append([lease.shard_id, lease.lease_owner or "-", str(lease.lease_counter),
+                     _checkpoint_text(lease.checkpoint, lease.checkpoint_sub_sequence_number),
+                     "-" if target is None else _checkpoint_text(
+                         target.checkpoint, target.sub_sequence_number),
+                     "-" if target is None else target.meaning, move.note or "-"])
+    print_table(rows, out)
+    written = sum(m.written for m in moves)
+    verb = "would move" if args.dry_run else "moved"
+    count = sum(m.target is not None for m in moves) if args.dry_run else written
+    out.write(f"{verb} {count} checkpoint(s) in {_table_name(args)}\n")
+
+
+def _checkpoint_text(checkpoint: str, sub: int) -> str:
+    return checkpoint if sub == 0 else f"{checkpoint}/{sub}"
+
+
+# -- park / resume ---------------------------------------------------------------------------
+
+
+def park(args: argparse.Namespace, table: LeaseTable, out: IO[str]) -> int:
+    lease = one_lease(args, table)
+    if lease.checkpoint == SHARD_END and not lease.recovery:
+        raise Refused(f"shard {lease.shard_id} is finished (SHARD_END): nothing to park")
+    value = parking.marker(args.reason, "operator")
+    _write_fresh(table, lease, lambda _: UpdateBuilder().set(ser.PARKED, s(value)), take=True)
+    taken = f", taken from {lease.lease_owner}" if lease.lease_owner else ""
+    _report(args, out, {"shard_id": lease.shard_id, "parked": True,
+                        "previous_owner": lease.lease_owner},
+            f"parked {lease.shard_id}{taken}; checkpoint stays {lease.checkpoint}")
+    return 0
+
+
+def resume_shard(args: argparse.Namespace, table: LeaseTable, out: IO[str]) -> int:
+    lease = one_lease(args, table)
+    if lease.parked is None:
+        raise Refused(f"shard {lease.shard_id} is not parked")
+    _write(table, lease, UpdateBuilder().remove(ser.PARKED))
+    _report(args, out, {"shard_id": lease.shard_id, "parked": False},
+            f"resumed {lease.shard_id}: a worker takes it within the failover time, from "
+            f"checkpoint {lease.checkpoint}")
+    return 0
+
+
+def _report(args: argparse.Namespace, out: IO[str], document: dict[str, Any],
+            text: str) -> None:
+    if args.json:
+        json.dump(document, out, indent=2)
+        out.write("\n")
+    else:
+        out.write(text + "\n")
+
+
+# -- recovery add / list / cancel --------------------------------------------------------------
+
+
+QueueChange = Callable[[tuple[gaps.RecoveryRequest, ...]], tuple[gaps.RecoveryRequest, ...]]
+
+
+def _queue_write(table: LeaseTable, lease: Lease, change: QueueChange
+                 ) -> tuple[gaps.RecoveryRequest, ...]:
+    """Store ``change(queue as read)`` in the lease item; returns what was stored. A holder
+    keeps its own copy of the queue and rewrites it, so a held lease is taken from its
+    holder in the same write: its next renewal fails, it ends with lease_lost, and the next
+    tenure reads the queue written here."""
+    stored: list[tuple[gaps.RecoveryRequest, ...]] = []
+
+    def build(fresh: Lease) -> UpdateBuilder:
+        queue = change(_queued(fresh))
+        stored[:] = [queue]
+        value = gaps.dumps(queue)
+        update = UpdateBuilder()
+        return update.remove(ser.RECOVERY) if value is None else update.set(ser.RECOVERY,
+                                                                             s(value))
+
+    _write_fresh(table, lease, build, take=True)
+    return stored[0]
+
+
+def _queued(lease: Lease) -> tuple[gaps.RecoveryRequest, ...]:
+    try:
+        return gaps.loads(lease.recovery)
+    except ValueError as exc:
+        raise Refused(f"shard {lease.shard_id}: {exc}; fix or remove the {ser.RECOVERY} "
+                      "attribute by hand") from None
+
+
+def recovery_add(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
+                 out: IO[str]) -> int:
+    lease = one_lease(args, table)
+    if args.shard_id not in _shards(args, kinesis, table):
+        raise UsageError("--shard-id", f"stream {_stream_label(args)!r} has no shard "
+                         f"{args.shard_id!r}")
+    if int(args.first) > int(args.last):
+        raise UsageError("--to", f"{args.last} comes before --from {args.first}")
+    reader = ShardReader(kinesis, _stream_params(args), lease.shard_id)
+    try:
+        first = record_at(reader, args.first)
+    except PositionError as exc:
+        raise UsageError("--from", str(exc)) from None
+    try:
+        last = record_at(reader, args.last)
+    except PositionError as exc:
+        raise UsageError("--to", str(exc)) from None
+    first_ms = first.timestamp_millis or 0
+    before, _ = last_before(reader, datetime.fromtimestamp(first_ms / 1000, timezone.utc),
+                            lambda record: int(record.sequence_number) >= int(args.first))
+    start, start_sub = ((before.sequence_number, last_sub_sequence(before))
+                        if before is not None else (TRIM_HORIZON, 0))
+    # A gap ends before an arrival time (where live reading meets it), so it ends right
+    # after the millisecond the last record arrived in.
+    end_ms = (last.timestamp_millis or 0) + 1
+    request = gaps.RecoveryRequest.gap(start, start_sub, end_ms, first_ms,
+                                       first.sequence_number)
+    queue = gaps.add(_queued(lease), request)
+    if not args.dry_run:
+        queue = _queue_write(table, lease, lambda queued: gaps.add(queued, request))
+    taken = f"; taken from {lease.lease_owner}" if lease.lease_owner and not args.dry_run \
+        else ""
+    verb = "would queue" if args.dry_run else "queued"
+    _report(args, out, {"shard_id": lease.shard_id, "dry_run": args.dry_run,
+                        "gap": _gap_json(request), "queue": [_gap_json(r) for r in queue],
+                        "previous_owner": lease.lease_owner},
+            f"{verb} {lease.shard_id}: records after {start}"
+            f"{'/' + str(start_sub) if start_sub else ''} that arrived before "
+            f"{_iso(end_ms)} ({args.first} .. {args.last}); {len(queue)} gap(s) "
+            f"queued{taken}")
+    return 0
+
+
+def recovery_list(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
+                  out: IO[str]) -> int:
+    leases = [one_lease(args, table)] if args.shard_id else read_leases(args, table)
+    listed = [(lease, _queued(lease)) for lease in leases]
+    if args.json:
+        json.dump([{"shard_id": lease.shard_id, "owner": lease.lease_owner,
+                    "gaps": [_gap_json(r) for r in queue]} for lease, queue in listed],
+                  out, indent=2)
+        out.write("\n")
+        return 0
+    rows = [["SHARD", "GAP", "AFTER", "FIRST", "ENDS BEFORE", "DONE", "REMAINING"]]
+    for lease, queue in listed:
+        for number, request in enumerate(queue, 1):
+            rows.append([lease.shard_id, str(number), request.start,
+                         request.first_sequence or "-", _iso(request.end_ms),
+                         request.done if request.started else "-",
+                         f"{request.remaining_ms() / 1000:.1f}s"])
+    print_table(rows, out)
+    out.write(f"{len(rows) - 1} gap(s) in {_table_name(args)}\n")
+    return 0
+
+
+def recovery_cancel(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
+                    out: IO[str]) -> int:
+    lease = one_lease(args, table)
+    queue = _queued(lease)
+    if not queue:
+        raise Refused(f"shard {lease.shard_id} has no queued gap")
+    if not args.all and args.gap > len(queue):
+        raise UsageError("--gap", f"shard {lease.shard_id} has {len(queue)} gap(s)")
+    dropped = () if args.all else (queue[args.gap - 1],)
+
+    def without(queued: tuple[gaps.RecoveryRequest, ...]) -> tuple[gaps.RecoveryRequest, ...]:
+        # By the gap's start, which identifies it even if the holder checkpointed it since.
+        starts = {(r.start, r.start_sub) for r in dropped}
+        return () if args.all else tuple(r for r in queued
+                                          if (r.start, r.start_sub) not in starts)
+
+    kept = _queue_write(table, lease, without)
+    _report(args, out, {"shard_id": lease.shard_id, "dropped": len(queue) - len(kept),
+                        "queue": [_gap_json(r) for r in kept]},
+            f"dropped {len(queue) - len(kept)} gap(s) of {lease.shard_id}; "
+            f"{len(kept)} left")
+    return 0
+
+
+def _gap_json(request: gaps.RecoveryRequest) -> dict[str, Any]:
+    return {"after": request.start, "after_sub": request.start_sub,
+            "first_sequence": request.first_sequence, "ends_before": _iso(request.end_ms),
+            "done": request.done if request.started else None,
+            "remaining_ms": request.remaining_ms()}
+
+
+def _iso(epoch_ms: int) -> str:
+    return datetime.fromtimestamp(epoch_ms / 1000, timezone.utc).isoformat(
+        timespec="milliseconds")
+
+
+_RECOVERY = {"add": recovery_add, "list": recovery_list, "cancel": recovery_cancel}

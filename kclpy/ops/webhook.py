@@ -1,0 +1,134 @@
+"""Lag status changes POSTed to a webhook (``--lag-webhook URL``), Burrow's notifier idea.
+
+Delivery never blocks the caller: events go into a bounded queue that one background thread
+drains, POSTing each as JSON and retrying a failed POST with capped, jittered exponential
+backoff. When the queue is full (the receiver has been down for long) the oldest event is
+dropped and counted, since the newest status is the one an on-call engineer needs.
+
+The URL may carry credentials (``https://user:secret@host/...`` or a token in the query
+string). They are used, never shown: user information becomes a basic ``Authorization``
+header, and every log line names the URL without user information and without its query.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import queue
+import random
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Mapping
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: events waiting for delivery before the oldest is dropped
+QUEUE_SIZE = 1000
+
+
+def redacted(url: str) -> str:
+    """``url`` as it may be logged: no user information, no query, no fragment."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def _request(url: str, document: Mapping[str, Any], timeout_s: float) -> None:
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"lag webhook {redacted(url)}: not an http(s) URL")
+    headers = {"Content-Type": "application/json", "User-Agent": "kclpy-lag-webhook"}
+    netloc = parts.netloc
+    if parts.username is not None:
+        user = urllib.parse.unquote(parts.username)
+        password = urllib.parse.unquote(parts.password or "")
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        headers["Authorization"] = f"Basic {token}"
+        netloc = netloc.rsplit("@", 1)[1]
+    target = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
+    body = json.dumps(document).encode()
+    request = urllib.request.Request(  # noqa: S310 (http or https, checked above)
+        target, data=body, headers=headers, method="POST")
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310 (idem)
+        response.read()
+
+
+class Webhook:
+    """POSTs events to ``url`` from its own thread; ``send`` returns at once."""
+
+    def __init__(self, url: str, *, max_attempts: int = 8, backoff_s: float = 0.5,
+                 max_backoff_s: float = 60.0, timeout_s: float = 10.0,
+                 rng: random.Random | None = None,
+                 on_result: Callable[[str], None] | None = None) -> None:
+        if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+            raise ValueError(f"lag webhook {redacted(url)}: not an http(s) URL")
+        self.url = url
+        self._max_attempts = max_attempts
+        self._backoff_s = backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._timeout_s = timeout_s
+        self._rng = rng or random.Random()
+        #: told "sent", "retried", "failed" or "dropped" for each outcome (metrics)
+        self._on_result = on_result or (lambda _: None)
+        self._queue: queue.Queue[Mapping[str, Any]] = queue.Queue(QUEUE_SIZE)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kclpy-lag-webhook",
+                                        daemon=True)
+        self._thread.start()
+
+    def send(self, document: Mapping[str, Any]) -> None:
+        """Queue ``document`` for delivery; never blocks."""
+        while True:
+            try:
+                self._queue.put_nowait(document)
+                return
+            except queue.Full:
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    continue
+                self._on_result("dropped")
+                log.warning("lag webhook %s: queue full, the oldest event was dropped",
+                            redacted(self.url))
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop after at most ``timeout_s``: the event being retried is given up."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                document = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self._deliver(document)
+
+    def _deliver(self, document: Mapping[str, Any]) -> None:
+        for attempt in range(self._max_attempts):
+            try:
+                _request(self.url, document, self._timeout_s)
+            except (OSError, urllib.error.URLError) as exc:
+                # The exception's text may repeat the URL; only its kind is logged.
+                reason = getattr(exc, "code", None) or type(exc).__name__
+                cap = min(self._max_backoff_s, self._backoff_s * 2 ** attempt)
+                delay = self._rng.uniform(cap / 2, cap)
+                if attempt + 1 == self._max_attempts:
+                    break
+                self._on_result("retried")
+                log.warning("lag webhook %s: POST failed (%s); retrying in %.1fs",
+                            redacted(self.url), reason, delay)
+                if self._stop.wait(delay):
+                    return
+                continue
+            self._on_result("sent")
+            return
+        self._on_result("failed")
+        log.error("lag webhook %s: gave up on an event after %d attempts",
+                  redacted(self.url), self._max_attempts)

@@ -1,0 +1,656 @@
+"""Operator controls (``kclpy checkpoint set``, ``kclpy shard park`` / ``resume``) over real
+HTTP: kinesis-mock for the stream, kclpy.local's DynamoDB server for the lease table, and
+real Workers where the behaviour spans one."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from botocore.exceptions import ClientError
+
+import kclpy
+from kclpy import Worker
+from kclpy.leases.lease import Lease
+from kclpy.leases.table import LeaseTable
+from kclpy.local import LocalEndpoint
+from kclpy.ops import serve_worker
+from kclpy.ops.inspect import read_worker
+from kclpy.ops.position import parse_position
+from kclpy.retrieval.parse import get_records
+from tests.support.streams import (
+    create_stream,
+    dynamodb_client,
+    kinesis_client,
+    put_plain,
+    unique_name,
+    wait_for,
+)
+from tests.support.workers import running
+from tests.test_inspect import endpoints, run_cli
+from tests.test_ops_server import scrape, worker_config
+
+SHARD = "shardId-000000000000"
+
+
+class Journal:
+    """Everything processors of one test saw, in the order they saw it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.entries: list[tuple[str, str, str]] = []
+
+    def add(self, shard_id: str, kind: str, value: str) -> None:
+        with self.lock:
+            self.entries.append((shard_id, kind, value))
+
+    def of(self, shard_id: str) -> list[tuple[str, str]]:
+        with self.lock:
+            return [(kind, value) for s, kind, value in self.entries if s == shard_id]
+
+    def recovered(self, shard_id: str) -> list[str]:
+        return [value for kind, value in self.of(shard_id) if kind == "recovery"]
+
+    def records_since_last_initialize(self, shard_id: str) -> list[str]:
+        entries = self.of(shard_id)
+        starts = [i for i, (kind, _) in enumerate(entries) if kind == "initialize"]
+        tail = entries[starts[-1] + 1:] if starts else entries
+        return [value for kind, value in tail if kind == "record"]
+
+
+class JournalProcessor(kclpy.IRecordProcessor):
+    """Checkpoints after every batch; notes initialize (with its checkpoint), records and
+    lease_lost in one ordered journal."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+        self.shard_id = ""
+
+    def initialize(self, initialize_input: kclpy.InitializeInput) -> None:
+        self.shard_id = initialize_input.shard_id
+        self.journal.add(self.shard_id, "initialize", str(initialize_input.sequence_number))
+
+    def process_records(self, process_records_input: kclpy.ProcessRecordsInput) -> None:
+        kind = "recovery" if process_records_input.is_recovery else "record"
+        for record in process_records_input.records:
+            self.journal.add(self.shard_id, kind, record.sequence_number)
+        process_records_input.checkpointer.checkpoint()
+
+    def lease_lost(self, lease_lost_input: kclpy.LeaseLostInput) -> None:
+        self.journal.add(self.shard_id, "lease_lost", "")
+
+    def shard_ended(self, shard_ended_input: kclpy.ShardEndedInput) -> None:
+        shard_ended_input.checkpointer.checkpoint()
+
+    def shutdown_requested(self, shutdown_requested_input: kclpy.ShutdownRequestedInput) -> None:
+        shutdown_requested_input.checkpointer.checkpoint()
+
+
+@pytest.fixture
+def stream(kinesis_mock: LocalEndpoint) -> str:
+    name = unique_name("control")
+    create_stream(kinesis_client(kinesis_mock.url), name, 1)
+    return name
+
+
+def lease_table(dynamodb_url: str, *leases: Lease) -> tuple[str, LeaseTable]:
+    name = unique_name("control")
+    table = LeaseTable(dynamodb_client(dynamodb_url), name)
+    table.create_if_missing()
+    for lease in leases:
+        table.create(lease)
+    return name, table
+
+
+def current(table: LeaseTable, key: str = SHARD) -> Lease | None:
+    """The lease, or None while the worker has not created its table yet."""
+    try:
+        return table.get(key)
+    except ClientError:
+        return None
+
+
+def arrivals(kinesis: Any, stream: str, shard_id: str = SHARD) -> list[tuple[str, int]]:
+    """(sequence number, arrival ms) of every record of the shard, oldest first."""
+    iterator = kinesis.get_shard_iterator(StreamName=stream, ShardId=shard_id,
+                                          ShardIteratorType="TRIM_HORIZON")["ShardIterator"]
+    page = get_records(kinesis, iterator, 10_000)
+    return [(r.sequence_number, r.timestamp_millis or 0) for r in page.records]
+
+
+def checkpoint_set(capsys: pytest.CaptureFixture[str], kinesis: LocalEndpoint,
+                   dynamodb: LocalEndpoint, app: str, stream: str, *extra: str
+                   ) -> tuple[int, str, str]:
+    return run_cli(capsys, "checkpoint", "set", "--application-name", app,
+                   "--stream-name", stream, *extra, *endpoints(kinesis, dynamodb))
+
+
+# -- checkpoint set, no worker running -------------------------------------------------------
+
+
+def test_positions_parse_and_a_naive_time_is_utc() -> None:
+    assert parse_position("TRIM_HORIZON").kind == "TRIM_HORIZON"
+    sequence = "49590338271490256608559692538361571095921575989136588898"
+    assert parse_position(sequence).sequence_number == sequence
+    moment = parse_position("2026-11-26T10:00:00").time
+    assert moment is not None and moment.utcoffset() is not None
+    assert moment.utcoffset().total_seconds() == 0  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="ISO-8601"):
+        parse_position("yesterday")
+
+
+@pytest.mark.integration
+def test_set_to_a_sequence_number_is_conditional_and_dry_run_writes_nothing(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    written = put_plain(kinesis, stream, [f"r{i}".encode() for i in range(6)])
+    sequences = [seq for _, seq in written]
+    app, table = lease_table(moto_server.url, Lease(SHARD, lease_counter=7,
+                                                    checkpoint=sequences[5],
+                                                    owner_switches_since_checkpoint=2))
+    code, out, _ = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                  "--shard-id", SHARD, "--to", sequences[2], "--dry-run",
+                                  "--json")
+    assert code == 0
+    (planned,) = json.loads(out)["shards"]
+    assert planned["to"] == {"checkpoint": sequences[2], "sub_sequence_number": 0}
+    assert planned["written"] is False
+    assert table.get(SHARD) == Lease(SHARD, lease_counter=7, checkpoint=sequences[5],
+                                     owner_switches_since_checkpoint=2)
+
+    code, out, _ = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                  "--shard-id", SHARD, "--to", sequences[2])
+    assert code == 0, out
+    assert "moved 1 checkpoint(s)" in out
+    after = table.get(SHARD)
+    assert after is not None
+    assert (after.checkpoint, after.lease_counter, after.owner_switches_since_checkpoint) == (
+        sequences[2], 8, 0)
+
+
+@pytest.mark.integration
+def test_a_time_resolves_to_the_last_record_before_it(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    for i in range(4):  # one request each, so arrival times can differ
+        put_plain(kinesis, stream, [f"early-{i}".encode()])
+    early = arrivals(kinesis, stream)[-1][1]
+
+    def later_write() -> tuple[str, int] | None:
+        """Write once more; the write if it arrived in a later millisecond than the rest."""
+        put_plain(kinesis, stream, [b"late"])
+        last = arrivals(kinesis, stream)[-1]
+        return last if last[1] > early else None
+
+    cut = wait_for(later_write, 10, "a record in a later millisecond")
+    put_plain(kinesis, stream, [b"later"])
+    everything = arrivals(kinesis, stream)
+    first_at_or_after = next(seq for seq, ms in everything if ms >= cut[1])
+    expected = everything[[seq for seq, _ in everything].index(first_at_or_after) - 1][0]
+    app, table = lease_table(moto_server.url, Lease(SHARD, checkpoint="TRIM_HORIZON"))
+    when = datetime.fromtimestamp(cut[1] / 1000, timezone.utc).isoformat(
+        timespec="milliseconds")
+    code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                    "--shard-id", SHARD, "--to", when)
+    assert code == 0, err
+    lease = table.get(SHARD)
+    assert lease is not None and lease.checkpoint == expected
+    # A time before every record is the shard's beginning.
+    code, _, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                  "--shard-id", SHARD, "--to", "2001-01-01T00:00:00Z")
+    assert code == 0, err
+    lease = table.get(SHARD)
+    assert lease is not None and lease.checkpoint == "TRIM_HORIZON"
+
+
+@pytest.mark.integration
+def test_a_held_lease_is_refused_naming_the_holder_and_nothing_is_written(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str) -> None:
+    app, table = lease_table(moto_server.url, Lease(SHARD, lease_owner="worker-a",
+                                                    lease_counter=3, checkpoint="LATEST"))
+    code, _, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                  "--all-shards", "--to", "TRIM_HORIZON")
+    assert code == 1
+    assert "worker-a" in err and "--force" in err
+    assert table.get(SHARD) == Lease(SHARD, lease_owner="worker-a", lease_counter=3,
+                                     checkpoint="LATEST")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("args", "option"), [
+    (["--shard-id", "shardId-000000000009", "--to", "TRIM_HORIZON"], "--shard-id"),
+    (["--shard-id", SHARD, "--to", "12345678901234567890"], "--to"),
+    (["--all-shards", "--to", "12345678901234567890"], "--to"),
+])
+def test_bad_targets_exit_2_naming_the_argument(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str, args: list[str], option: str) -> None:
+    app, table = lease_table(moto_server.url, Lease(SHARD),
+                             Lease("shardId-000000000009"))
+    code, _, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream, *args)
+    assert code == 2, err
+    assert f"error: {option}:" in err
+    assert table.get(SHARD) == Lease(SHARD)
+
+
+@pytest.mark.integration
+def test_a_missing_table_or_stream_exits_2_naming_the_option(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str) -> None:
+    code, _, err = checkpoint_set(capsys, kinesis_mock, moto_server, unique_name("none"),
+                                  stream, "--shard-id", SHARD, "--to", "TRIM_HORIZON")
+    assert (code, "error: --application-name:" in err) == (2, True), err
+    app, _ = lease_table(moto_server.url, Lease(SHARD))
+    code, _, err = checkpoint_set(capsys, kinesis_mock, moto_server, app,
+                                  unique_name("none"), "--shard-id", SHARD, "--to",
+                                  "TRIM_HORIZON")
+    assert (code, "error: --stream-name:" in err) == (2, True), err
+    code, _, err = run_cli(capsys, "shard", "park", "--application-name", app,
+                           "--shard-id", "shardId-000000000042",
+                           *endpoints(kinesis_mock, moto_server))
+    assert (code, "error: --shard-id:" in err) == (2, True), err
+
+
+def test_every_control_command_has_help(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in (["checkpoint", "set"], ["shard", "park"], ["shard", "resume"],
+                    ["recovery", "add"], ["recovery", "list"], ["recovery", "cancel"]):
+        code, out, _ = run_cli(capsys, *command, "--help")
+        assert code == 0 and "--application-name" in out and "--shard-id" in out
+    code, _, err = run_cli(capsys, "recovery", "add", "--application-name", "a",
+                           "--stream-name", "s", "--shard-id", "x", "--from", "12x",
+                           "--to", "1")
+    assert (code, "argument --from:" in err) == (2, True), err
+
+
+# -- with a running worker -------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_forced_move_resumes_a_running_worker_right_after_the_new_position(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    first = [seq for _, seq in put_plain(kinesis, stream, [f"a{i}".encode() for i in range(8)])]
+    journal = Journal()
+    config = worker_config(kinesis_mock.url, moto_server.url, stream)
+    worker = Worker(config, lambda: JournalProcessor(journal))
+    table = LeaseTable(dynamodb_client(moto_server.url), config.application_name)
+    with running(worker):
+        wait_for(lambda: (lease := current(table)) is not None
+                 and lease.checkpoint == first[-1], 60, "all first records checkpointed")
+        code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server,
+                                        config.application_name, stream, "--shard-id", SHARD,
+                                        "--to", first[2])
+        assert code == 1 and config.worker_id in err
+        code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server,
+                                        config.application_name, stream, "--shard-id", SHARD,
+                                        "--to", first[2], "--force")
+        assert code == 0, err
+        assert f"taken from {config.worker_id}" in out
+        wait_for(lambda: ("initialize", first[2]) in journal.of(SHARD), 60,
+                 "the shard taken again at the new checkpoint")
+        second = [seq for _, seq in put_plain(kinesis, stream,
+                                              [f"b{i}".encode() for i in range(5)])]
+        wait_for(lambda: journal.records_since_last_initialize(SHARD)[-1:] == second[-1:],
+                 60, "the new records processed")
+    entries = journal.of(SHARD)
+    assert ("lease_lost", "") in entries
+    assert entries.index(("lease_lost", "")) < entries.index(("initialize", first[2]))
+    # Nothing at or before the new position again, nothing after it skipped, in order.
+    assert journal.records_since_last_initialize(SHARD) == first[3:] + second
+
+
+@pytest.mark.integration
+def test_a_parked_shard_is_left_alone_until_resumed_then_starts_at_its_checkpoint(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("control")
+    create_stream(kinesis, stream, 2)
+    journal = Journal()
+    config = worker_config(kinesis_mock.url, moto_server.url, stream)
+    worker = Worker(config, lambda: JournalProcessor(journal))
+    table = LeaseTable(dynamodb_client(moto_server.url), config.application_name)
+    other = "shardId-000000000001"
+    cli = ["--application-name", config.application_name, "--shard-id", SHARD,
+           *endpoints(kinesis_mock, moto_server)]
+    with running(worker):
+        before = [seq for shard, seq in put_plain(kinesis, stream, [b"x"] * 40,
+                                                  [str(i) for i in range(40)]) if shard == SHARD]
+        wait_for(lambda: (lease := current(table)) is not None and lease.lease_owner
+                 and lease.checkpoint == before[-1], 60, "the shard checkpointed")
+        code, out, err = run_cli(capsys, "shard", "park", *cli, "--reason", "poison")
+        assert code == 0, err
+        wait_for(lambda: ("lease_lost", "") in journal.of(SHARD), 60, "lease_lost")
+        while_parked = put_plain(kinesis, stream, [b"y"] * 40, [str(i) for i in range(40)])
+        on_other = [seq for shard, seq in while_parked if shard == other]
+        on_parked = [seq for shard, seq in while_parked if shard == SHARD]
+        # The rest of the worker keeps going while nobody takes the parked shard.
+        wait_for(lambda: journal.records_since_last_initialize(other)[-1:] == on_other[-1:],
+                 60, "the other shard processed")
+        parked = table.get(SHARD)
+        assert parked is not None and parked.lease_owner is None and parked.parked
+        code, out, _ = run_cli(capsys, "leases", "--application-name",
+                               config.application_name, "--json",
+                               *endpoints(kinesis_mock, moto_server))
+        states = {item["leaseKey"]: item["state"] for item in json.loads(out)}
+        assert states[SHARD] == "PARKED"
+        code, out, err = run_cli(capsys, "shard", "resume", *cli)
+        assert code == 0, err
+        wait_for(lambda: journal.records_since_last_initialize(SHARD)[-1:] == on_parked[-1:],
+                 60, "the resumed shard processed")
+    entries = journal.of(SHARD)
+    assert entries[-len(on_parked) - 1] == ("initialize", before[-1])
+    assert journal.records_since_last_initialize(SHARD) == on_parked
+
+
+# -- a failing shard: FAILED, and the park policy --------------------------------------------
+
+
+class Breakable(JournalProcessor):
+    """Raises on every batch while ``broken`` is set."""
+
+    def __init__(self, journal: Journal, broken: threading.Event) -> None:
+        super().__init__(journal)
+        self.broken = broken
+
+    def process_records(self, process_records_input: kclpy.ProcessRecordsInput) -> None:
+        if self.broken.is_set() and self.shard_id == SHARD:
+            raise ValueError("cannot parse record")
+        super().process_records(process_records_input)
+
+
+def shard_status(server: Any, shard_id: str) -> dict[str, Any] | None:
+    view = read_worker(server.url)
+    return view.shards.get(shard_id) if view.error is None else None
+
+
+@pytest.mark.integration
+def test_a_failing_shard_is_failed_with_its_error_then_processing_again(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    journal, broken = Journal(), threading.Event()
+    broken.set()
+    config = worker_config(kinesis_mock.url, moto_server.url, stream,
+                           task_backoff_time_ms=50, max_task_backoff_time_ms=200)
+    worker = Worker(config, lambda: Breakable(journal, broken))
+    with serve_worker(worker, lag_window_s=None) as server, running(worker):
+        put_plain(kinesis, stream, [b"bad"])
+        failed = wait_for(lambda: (s := shard_status(server, SHARD)) is not None
+                          and s["state"] == "FAILED" and s["failure"]["attempts"] >= 2 and s,
+                          60, "the shard FAILED after two attempts")
+        failure = failed["failure"]
+        assert (failure["error_type"], failure["message"]) == ("ValueError",
+                                                                "cannot parse record")
+        assert failure["since_ms"] > 0
+        samples = scrape(server)
+        assert samples[("kclpy_shard_consumer_state",
+                        (("shard_id", SHARD), ("state", "FAILED")))] == 1
+        assert samples[("kclpy_shard_failure",
+                        (("error_type", "ValueError"), ("shard_id", SHARD)))] == 1
+        assert samples[("kclpy_shard_failure_attempts", (("shard_id", SHARD),))] >= 2
+        assert samples[("kclpy_shard_failing_since_seconds",
+                        (("shard_id", SHARD),))] == failure["since_ms"] / 1000
+        code, out, err = run_cli(capsys, "status", "--application-name",
+                                 config.application_name, "--stream-name", stream,
+                                 "--window-seconds", "0.2", "--samples", "2",
+                                 "--worker", server.url,
+                                 *endpoints(kinesis_mock, moto_server))
+        assert f"shard {SHARD} FAILED: ValueError: cannot parse record (" in out, err
+        broken.clear()
+        recovered = wait_for(lambda: (s := shard_status(server, SHARD)) is not None
+                             and s["state"] == "PROCESSING" and s, 60, "PROCESSING again")
+        assert recovered["failure"] is None
+        samples = scrape(server)
+        assert samples[("kclpy_shard_failure_attempts", (("shard_id", SHARD),))] == 0
+        assert ("kclpy_shard_failure", (("error_type", "ValueError"),
+                                        ("shard_id", SHARD))) not in samples
+
+
+@pytest.mark.integration
+def test_the_park_policy_parks_a_failing_shard_and_the_rest_keeps_running(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("control")
+    create_stream(kinesis, stream, 2)
+    other = "shardId-000000000001"
+    journal, broken = Journal(), threading.Event()
+    config = worker_config(kinesis_mock.url, moto_server.url, stream,
+                           processor_error_policy="park", processor_error_attempts=3,
+                           task_backoff_time_ms=50, max_task_backoff_time_ms=200)
+    worker = Worker(config, lambda: Breakable(journal, broken))
+    table = LeaseTable(dynamodb_client(moto_server.url), config.application_name)
+    with serve_worker(worker, lag_window_s=None) as server, running(worker):
+        good = [seq for shard, seq in put_plain(kinesis, stream, [b"ok"] * 40,
+                                                [str(i) for i in range(40)]) if shard == SHARD]
+        wait_for(lambda: (lease := current(table)) is not None
+                 and lease.checkpoint == good[-1], 60, "the shard checkpointed")
+        broken.set()
+        written = put_plain(kinesis, stream, [b"x"] * 40, [str(i) for i in range(40)])
+        on_parked = [seq for shard, seq in written if shard == SHARD]
+        on_other = [seq for shard, seq in written if shard == other]
+        def parked_lease() -> Lease | None:
+            lease = current(table)
+            return lease if lease is not None and lease.parked and not lease.lease_owner else None
+
+        parked = wait_for(parked_lease, 60, "the shard parked")
+        marker = json.loads(parked.parked or "")
+        assert marker["attempts"] == 3 and "ValueError: cannot parse record" in marker["error"]
+        assert parked.checkpoint == good[-1]
+        wait_for(lambda: journal.records_since_last_initialize(other)[-1:] == on_other[-1:],
+                 60, "the other shard processed")
+        wait_for(lambda: scrape(server).get(("kclpy_shards_parked", ())) == 1, 60,
+                 "kclpy_shards_parked")
+        assert ("lease_lost", "") in journal.of(SHARD)
+        code, out, _ = run_cli(capsys, "leases", "--application-name", config.application_name,
+                               *endpoints(kinesis_mock, moto_server))
+        assert code == 0 and "PARKED" in out and "cannot parse record" in out
+        code, out, _ = run_cli(capsys, "status", "--application-name",
+                               config.application_name, "--stream-name", stream,
+                               "--window-seconds", "0.2", "--samples", "2", "--json",
+                               *endpoints(kinesis_mock, moto_server))
+        assert json.loads(out)["parked"][SHARD]["by"] == "worker"
+        broken.clear()
+        code, _, err = run_cli(capsys, "shard", "resume", "--application-name",
+                               config.application_name, "--shard-id", SHARD,
+                               *endpoints(kinesis_mock, moto_server))
+        assert code == 0, err
+        wait_for(lambda: journal.records_since_last_initialize(SHARD)[-1:] == on_parked[-1:],
+                 60, "the resumed shard processed")
+    assert journal.records_since_last_initialize(SHARD) == on_parked
+
+
+# -- recovery add / list / cancel ------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_a_backfill_is_queued_listed_and_read_by_a_running_worker_as_recovery(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    for i in range(8):  # one request each: arrival times grow record by record
+        put_plain(kinesis, stream, [f"r{i}".encode()])
+    everything = arrivals(kinesis, stream)
+    sequences = [seq for seq, _ in everything]
+    journal = Journal()
+    config = worker_config(kinesis_mock.url, moto_server.url, stream, recovery_max_rate=50)
+    worker = Worker(config, lambda: JournalProcessor(journal))
+    table = LeaseTable(dynamodb_client(moto_server.url), config.application_name)
+    cli = ["--application-name", config.application_name, *endpoints(kinesis_mock, moto_server)]
+    with running(worker):
+        wait_for(lambda: (lease := current(table)) is not None
+                 and lease.checkpoint == sequences[-1], 60, "every record checkpointed")
+        code, out, err = run_cli(capsys, "recovery", "add", *cli, "--stream-name", stream,
+                                 "--shard-id", SHARD, "--from", sequences[2],
+                                 "--to", sequences[5], "--dry-run")
+        assert code == 0 and out.startswith("would queue"), err
+        lease = current(table)
+        assert lease is not None and lease.recovery is None
+        code, out, err = run_cli(capsys, "recovery", "add", *cli, "--stream-name", stream,
+                                 "--shard-id", SHARD, "--from", sequences[2],
+                                 "--to", sequences[5])
+        assert code == 0, err
+        code, out, _ = run_cli(capsys, "recovery", "list", *cli, "--json")
+        (listed,) = json.loads(out)
+        if listed["gaps"]:  # the worker may already have read the gap
+            assert listed["gaps"][0]["first_sequence"] == sequences[2]
+        wait_for(lambda: (lease := current(table)) is not None and lease.recovery is None
+                 and len(journal.recovered(SHARD)) >= 4, 60, "the gap recovered")
+    last_ms = everything[5][1]
+    expected = [seq for seq, ms in everything[2:] if ms <= last_ms]
+    assert journal.recovered(SHARD) == expected
+    assert sequences[2:6] == expected[:4]
+    # Live reading went on from its own checkpoint: nothing live was read again.
+    live = [value for kind, value in journal.of(SHARD) if kind == "record"]
+    assert len(live) == len(set(live))
+
+
+@pytest.mark.integration
+def test_recovery_cancel_drops_a_queued_gap_and_bad_ranges_name_the_argument(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    sequences = [seq for _, seq in put_plain(kinesis, stream, [b"a", b"b", b"c"], ["k"] * 3)]
+    app, table = lease_table(moto_server.url, Lease(SHARD, checkpoint=sequences[-1]))
+    cli = ["--application-name", app, "--shard-id", SHARD,
+           *endpoints(kinesis_mock, moto_server)]
+    code, _, err = run_cli(capsys, "recovery", "add", *cli, "--stream-name", stream,
+                           "--from", sequences[2], "--to", sequences[0])
+    assert (code, "error: --to:" in err) == (2, True), err
+    code, _, err = run_cli(capsys, "recovery", "add", *cli, "--stream-name", stream,
+                           "--from", "12345678901234567890", "--to", sequences[0])
+    assert (code, "error: --from:" in err) == (2, True), err
+    code, out, err = run_cli(capsys, "recovery", "add", *cli, "--stream-name", stream,
+                             "--from", sequences[0], "--to", sequences[1], "--json")
+    assert code == 0, err
+    assert json.loads(out)["gap"]["after"] == "TRIM_HORIZON"
+    code, out, _ = run_cli(capsys, "recovery", "list", *cli)
+    assert out.splitlines()[-1] == f"1 gap(s) in {app}"
+    code, _, err = run_cli(capsys, "recovery", "cancel", *cli, "--gap", "2")
+    assert (code, "error: --gap:" in err) == (2, True), err
+    code, out, err = run_cli(capsys, "recovery", "cancel", *cli, "--gap", "1")
+    assert code == 0, err
+    lease = table.get(SHARD)
+    assert lease is not None and lease.recovery is None and lease.checkpoint == sequences[-1]
+
+
+# -- data lost to retention ------------------------------------------------------------------
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("fail_on_data_loss", [False, True])
+def test_a_checkpoint_past_retention_is_logged_counted_and_optionally_parks(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, stream: str,
+        caplog: pytest.LogCaptureFixture, fail_on_data_loss: bool) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    written = [seq for _, seq in put_plain(kinesis, stream, [f"r{i}".encode() for i in range(5)])]
+    # An emulator cannot expire records: a checkpoint older than the oldest record kept is
+    # what a trimmed one looks like.
+    config = worker_config(kinesis_mock.url, moto_server.url, stream,
+                           fail_on_data_loss=fail_on_data_loss)
+    table = LeaseTable(dynamodb_client(moto_server.url), config.application_name)
+    table.create_if_missing()
+    table.create(Lease(SHARD, checkpoint="1"))
+    journal = Journal()
+    worker = Worker(config, lambda: JournalProcessor(journal))
+    with serve_worker(worker, lag_window_s=None) as server, running(worker), \
+            caplog.at_level(logging.ERROR, logger="kclpy.consumer"):
+        if fail_on_data_loss:
+            wait_for(lambda: (lease := current(table)) is not None and lease.parked
+                     and not lease.lease_owner, 60, "the shard parked")
+        else:
+            wait_for(lambda: journal.records_since_last_initialize(SHARD) == written, 60,
+                     "the records kept processed")
+        samples = scrape(server)
+    assert samples[("kclpy_data_lost_to_retention_total", (("shard_id", SHARD),))] == 1
+    (error,) = [r.getMessage() for r in caplog.records
+                if r.levelno == logging.ERROR and "are lost" in r.getMessage()]
+    assert SHARD in error and f"after 1 up to {written[0]}" in error
+    if fail_on_data_loss:
+        assert not [kind for kind, _ in journal.of(SHARD) if kind == "record"]
+        lease = current(table)
+        assert lease is not None and lease.checkpoint == "1"
+        assert "fail_on_data_loss" in (lease.parked or "")
+
+
+@pytest.mark.integration
+def test_an_exactly_once_applications_sql_position_moves_with_the_checkpoint(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str, tmp_path: Path) -> None:
+    import sqlalchemy as sa
+
+    from kclpy.state.sql import SQLStateStore
+
+    kinesis = kinesis_client(kinesis_mock.url)
+    sequences = [seq for _, seq in put_plain(kinesis, stream, [f"r{i}".encode()
+                                                               for i in range(4)])]
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    store = SQLStateStore(url)
+    store.open(None)
+    with store.engine.begin() as conn:
+        conn.execute(sa.insert(store.checkpoints).values(
+            lease_key=SHARD, tenure=4, checkpoint=sequences[3], sub_sequence_number=0))
+    app, table = lease_table(moto_server.url, Lease(SHARD, lease_counter=6,
+                                                    checkpoint=sequences[3]))
+    code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                    "--shard-id", SHARD, "--to", sequences[0],
+                                    "--state-store", url)
+    assert code == 0, err
+    lease = table.get(SHARD)
+    assert lease is not None
+    assert (lease.checkpoint, lease.parked, lease.lease_counter) == (sequences[0], None, 8)
+    with store.engine.connect() as conn:
+        row = conn.execute(sa.select(store.checkpoints)).one()
+    assert (row.checkpoint, row.sub_sequence_number, row.tenure) == (sequences[0], 0, 7)
+    code, _, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                  "--shard-id", SHARD, "--to", "TRIM_HORIZON",
+                                  "--state-store", "nosuch://x")
+    assert (code, "error: --state-store:" in err) == (2, True), err
+
+
+@pytest.mark.integration
+def test_replay_from_a_time_moves_every_shard_of_a_running_worker(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("control")
+    create_stream(kinesis, stream, 2)
+    shards = (SHARD, "shardId-000000000001")
+    journal = Journal()
+    config = worker_config(kinesis_mock.url, moto_server.url, stream)
+    worker = Worker(config, lambda: JournalProcessor(journal))
+    table = LeaseTable(dynamodb_client(moto_server.url), config.application_name)
+    put_plain(kinesis, stream, [b"early"] * 20, [str(i) for i in range(20)])
+    with running(worker):
+        later = put_plain(kinesis, stream, [b"late"] * 20, [str(i) for i in range(20)])
+        last = {key: [s for k, s in later if k == key][-1] for key in shards}
+        wait_for(lambda: all((lease := current(table, key)) is not None
+                             and lease.checkpoint == last[key] for key in shards),
+                 60, "every record checkpointed")
+        # Replay from the time the first later record of shard 0 arrived.
+        first_late = next(s for k, s in later if k == SHARD)
+        replay_ms = dict(arrivals(kinesis, stream))[first_late]
+        expected = {key: [s for s, ms in arrivals(kinesis, stream, key) if ms >= replay_ms]
+                    for key in shards}
+        when = datetime.fromtimestamp(replay_ms / 1000, timezone.utc).isoformat(
+            timespec="milliseconds")
+        code, out, err = run_cli(capsys, "checkpoint", "set", "--application-name",
+                                 config.application_name, "--stream-name", stream,
+                                 "--all-shards", "--to", when, "--force",
+                                 *endpoints(kinesis_mock, moto_server))
+        assert code == 0, err
+        wait_for(lambda: all(
+            sum(kind == "initialize" for kind, _ in journal.of(key)) >= 2
+            and journal.records_since_last_initialize(key) == expected[key]
+            for key in shards), 60, "both shards replayed from the time")
+    assert first_late in expected[SHARD]

@@ -1,0 +1,197 @@
+"""Lag you can alert on: the status enum gauges, the webhook (over real HTTP, with a receiver
+started here), and the alert rules docs/operations.md gives."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import re
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml  # type: ignore[import-untyped]
+from prometheus_client import CollectorRegistry
+
+from kclpy import Worker
+from kclpy.config import build_config
+from kclpy.errors import ConfigError
+from kclpy.local import LocalEndpoint
+from kclpy.metrics import Metrics
+from kclpy.ops import serve_worker
+from kclpy.ops.lag import NO_LAG, Lag, LagAlerts, Observation, ShardEvaluation, ShardStatus
+from kclpy.ops.webhook import Webhook, redacted
+from tests.support.recording import Ledger, RecordingProcessor
+from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name, wait_for
+from tests.support.workers import running
+from tests.test_ops_server import scrape, worker_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Receiver:
+    """An HTTP server on a free loopback port that keeps every POST; the first ``fail``
+    requests get a 500."""
+
+    def __init__(self, fail: int = 0) -> None:
+        self.posts: list[tuple[dict[str, str], dict[str, Any]]] = []
+        self.fail = fail
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                with receiver.lock:
+                    failing = receiver.fail > 0
+                    receiver.fail -= 1
+                    if not failing:
+                        receiver.posts.append((dict(self.headers), json.loads(body)))
+                self.send_response(500 if failing else 204)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = int(self.httpd.server_address[1])
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def documents(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return [document for _, document in self.posts]
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    server = Receiver(fail=1)
+    server.thread.start()
+    yield server
+    server.httpd.shutdown()
+    server.httpd.server_close()
+
+
+def evaluation(status: ShardStatus, lag: Lag = NO_LAG) -> ShardEvaluation:
+    return ShardEvaluation(status, f"because {status.value}", 1.0,
+                           Observation(time=0.0, checkpoint="1", sub_sequence_number=0,
+                                       lag=lag))
+
+
+def gauge(metrics: Metrics, name: str, labels: dict[str, str]) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def test_status_gauges_and_one_event_per_change() -> None:
+    metrics = Metrics(CollectorRegistry())
+    events: list[dict[str, Any]] = []
+    alerts = LagAlerts(metrics, "app", events.append, wall_clock=lambda: 1.5)
+    alerts.publish({"s-0": evaluation(ShardStatus.OK), "s-1": evaluation(ShardStatus.OK)})
+    assert events == []  # starting OK is no change worth a page
+    assert gauge(metrics, "kclpy_application_lag_status", {"status": "OK"}) == 1
+    behind = Lag(records=7, records_exact=True, millis=9000)
+    alerts.publish({"s-0": evaluation(ShardStatus.OK),
+                    "s-1": evaluation(ShardStatus.STOP, behind)})
+    assert gauge(metrics, "kclpy_shard_lag_status", {"shard_id": "s-1", "status": "STOP"}) == 1
+    assert gauge(metrics, "kclpy_shard_lag_status", {"shard_id": "s-1", "status": "OK"}) == 0
+    assert gauge(metrics, "kclpy_application_lag_status", {"status": "ERR"}) == 1
+    assert gauge(metrics, "kclpy_lag_max_millis", {}) == 9000
+    assert gauge(metrics, "kclpy_lag_total_records", {}) == 7
+    assert [(e["shard_id"], e["previous_status"], e["status"]) for e in events] == [
+        ("s-1", "OK", "STOP"), (None, "OK", "ERR")]
+    assert events[0] == {"application": "app", "shard_id": "s-1", "status": "STOP",
+                         "previous_status": "OK", "reason": "because STOP", "time_ms": 1500,
+                         "millis_behind": 9000, "records_behind": 7}
+    alerts.publish({"s-0": evaluation(ShardStatus.OK), "s-1": evaluation(ShardStatus.STOP)})
+    assert len(events) == 2  # unchanged: nothing sent
+    alerts.publish({"s-0": evaluation(ShardStatus.OK)})  # s-1 moved to another worker
+    assert gauge(metrics, "kclpy_shard_lag_status", {"shard_id": "s-1", "status": "STOP"}) is None
+    assert events[-1]["status"] == "OK" and events[-1]["shard_id"] is None
+
+
+def test_the_webhook_retries_authenticates_and_never_logs_the_credentials(
+        receiver: Receiver, caplog: pytest.LogCaptureFixture) -> None:
+    url = f"http://alice:s3cret@127.0.0.1:{receiver.port}/hooks/kclpy?token=t0ken"
+    assert redacted(url) == f"http://127.0.0.1:{receiver.port}/hooks/kclpy"
+    outcomes: list[str] = []
+    hook = Webhook(url, backoff_s=0.01, max_backoff_s=0.05, on_result=outcomes.append)
+    caplog.set_level(logging.DEBUG)
+    try:
+        hook.send({"status": "STOP"})
+        wait_for(lambda: receiver.posts, 10, "the event delivered")
+    finally:
+        hook.stop()
+    ((headers, document),) = receiver.posts
+    assert document == {"status": "STOP"}
+    assert headers["Authorization"] == "Basic " + base64.b64encode(b"alice:s3cret").decode()
+    assert outcomes == ["retried", "sent"]
+    assert "s3cret" not in caplog.text and "t0ken" not in caplog.text
+    assert "retrying" in caplog.text
+    with pytest.raises(ValueError, match="not an http") as info:
+        Webhook("file://u:s3cret@host/etc/passwd")
+    assert "s3cret" not in str(info.value)
+
+
+@pytest.mark.integration
+def test_a_worker_posts_its_lag_status_changes_and_exports_the_gauges(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, receiver: Receiver) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("alerts")
+    create_stream(kinesis, stream, 1)
+    put_plain(kinesis, stream, [f"r{i}".encode() for i in range(20)])
+    config = worker_config(kinesis_mock.url, moto_server.url, stream)
+    ledger = Ledger()
+    worker = Worker(config, lambda: RecordingProcessor(ledger, checkpoint_every_batch=False))
+    url = f"http://127.0.0.1:{receiver.port}/lag"
+    with serve_worker(worker, lag_window_s=1.0, lag_interval_s=0.2, lag_webhook=url) as server, \
+            running(worker):
+        wait_for(lambda: any(d["status"] == "STOP" for d in receiver.documents()), 60,
+                 "a STOP posted")
+        samples = scrape(server)
+    stop = next(d for d in receiver.documents() if d["status"] == "STOP")
+    assert stop["application"] == config.application_name
+    assert stop["shard_id"] == "shardId-000000000000" and stop["previous_status"] == "OK"
+    assert "no checkpoint" in stop["reason"]
+    assert any(d["shard_id"] is None and d["status"] == "ERR" for d in receiver.documents())
+    assert samples[("kclpy_shard_lag_status",
+                    (("shard_id", "shardId-000000000000"), ("status", "STOP")))] == 1
+    assert samples[("kclpy_application_lag_status", (("status", "ERR"),))] == 1
+    assert samples[("kclpy_lag_webhook_events_total", (("outcome", "sent"),))] >= 1
+
+
+def test_the_alert_rules_in_operations_md_parse_and_name_real_metrics() -> None:
+    text = (ROOT / "docs" / "operations.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", text, re.DOTALL)
+    rules = [rule for block in blocks for group in (yaml.safe_load(block) or {}).get(
+        "groups", []) for rule in group["rules"]]
+    assert rules, "no alert rules found"
+    registry = Metrics(CollectorRegistry()).registry
+    known = {sample_name for metric in registry.collect()
+             for sample_name in (metric.name, metric.name + "_total",
+                                 metric.name + "_count", metric.name + "_sum",
+                                 metric.name + "_bucket")}
+    names = {rule["alert"] for rule in rules}
+    for wanted in ("KclpyShardLagStatus", "KclpyApplicationLagError", "KclpyShardParked",
+                   "KclpyShardFailed"):
+        assert wanted in names
+    for rule in rules:
+        assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule
+        metrics = set(re.findall(r"\bkclpy_[a-z_]+", str(rule["expr"])))
+        assert metrics and metrics <= known, (rule["alert"], metrics - known)
+
+
+def test_the_lag_flags_are_validated_and_a_bad_webhook_url_is_not_echoed() -> None:
+    base = {"stream_name": "s", "application_name": "a"}
+    config = build_config({**base, "lag_window_s": 60, "lag_interval_s": 5,
+                           "lag_webhook": "https://u:p@hooks.example/x"}, {})
+    assert (config.lag_window_s, config.lag_interval_s) == (60, 5)
+    with pytest.raises(ConfigError) as info:
+        build_config({**base, "lag_webhook": "ftp://u:s3cret@host/x"}, {})
+    assert info.value.option == "--lag-webhook" and "s3cret" not in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        build_config({**base, "lag_interval_s": 0}, {})
+    assert info.value.option == "--lag-interval-s"
