@@ -554,13 +554,17 @@ def test_a_checkpoint_past_retention_is_logged_counted_and_optionally_parks(
         caplog: pytest.LogCaptureFixture, fail_on_data_loss: bool) -> None:
     kinesis = kinesis_client(kinesis_mock.url)
     written = [seq for _, seq in put_plain(kinesis, stream, [f"r{i}".encode() for i in range(5)])]
-    # An emulator cannot expire records: a checkpoint older than the oldest record kept is
-    # what a trimmed one looks like.
+    # An emulator cannot expire records: a checkpoint of this shard (not below its starting
+    # sequence number, which would be a stream created again) older than the oldest record
+    # kept is what a trimmed one looks like.
+    start = kinesis.list_shards(StreamName=stream)["Shards"][0]["SequenceNumberRange"][
+        "StartingSequenceNumber"]
+    assert int(start) < int(written[0])
     config = worker_config(kinesis_mock.url, moto_server.url, stream,
                            fail_on_data_loss=fail_on_data_loss)
     table = LeaseTable(dynamodb_client(moto_server.url), config.application_name)
     table.create_if_missing()
-    table.create(Lease(SHARD, checkpoint="1"))
+    table.create(Lease(SHARD, checkpoint=start))
     journal = Journal()
     worker = Worker(config, lambda: JournalProcessor(journal))
     with serve_worker(worker, lag_window_s=None) as server, running(worker), \
@@ -575,11 +579,11 @@ def test_a_checkpoint_past_retention_is_logged_counted_and_optionally_parks(
     assert samples[("kclpy_data_lost_to_retention_total", (("shard_id", SHARD),))] == 1
     (error,) = [r.getMessage() for r in caplog.records
                 if r.levelno == logging.ERROR and "are lost" in r.getMessage()]
-    assert SHARD in error and f"after 1 up to {written[0]}" in error
+    assert SHARD in error and f"after {start} up to {written[0]}" in error
     if fail_on_data_loss:
         assert not [kind for kind, _ in journal.of(SHARD) if kind == "record"]
         lease = current(table)
-        assert lease is not None and lease.checkpoint == "1"
+        assert lease is not None and lease.checkpoint == start
         assert "fail_on_data_loss" in (lease.parked or "")
 
 
