@@ -426,3 +426,72 @@ def test_over_http_the_plain_processor_counts_a_crashed_batch_twice(
                  "every record counted at least once")
     duplicates = sum(counts().values()) - sum(expected.values())
     assert duplicates == 4, counts()
+
+
+# -- every key read is checked at commit, absent keys included (issue 22, hole 3) --------------
+
+class Sweeper(StatefulProcessor):
+    """Shard 1's rule: when ``k`` is absent, delete it (a no-op) and record that it was.
+    ``meanwhile`` runs between the read and the commit: another shard's transaction."""
+
+    def __init__(self, meanwhile: Callable[[], None] | None) -> None:
+        self.meanwhile = meanwhile
+
+    def apply(self, record: Record, txn: StateTransaction) -> None:
+        if txn.get("k") is None:
+            if self.meanwhile is not None:
+                meanwhile, self.meanwhile = self.meanwhile, None
+                meanwhile()
+            txn.delete("k")
+            txn.put("m", "k was absent")
+
+
+class Creator(StatefulProcessor):
+    """Shard 2's rule: unless ``m`` says ``k`` was found absent, create ``k``."""
+
+    def apply(self, record: Record, txn: StateTransaction) -> None:
+        if txn.get("m") is None:
+            txn.put("k", 1)
+
+
+def write_skew(table: LeaseTable, new_store: Callable[[], StateStore], stale_cache: bool
+               ) -> dict[str, Any]:
+    """Shard 1 reads ``k`` absent (from its store, or from a stale cache entry), shard 2
+    creates ``k`` before shard 1 commits its delete: the final state."""
+    clock = Clock()
+    store_1, store_2 = new_store(), new_store()
+    one, two = Shard(table, "s1", "A", clock), Shard(table, "s2", "B", clock)
+    creator = ExactlyOnceProcessor(Creator(), store_2)
+    creator.initialize(InitializeInput("s2", "TRIM_HORIZON", 0))
+    if stale_cache:
+        assert store_1.read("k") == Versioned(None, 0)
+        two.deliver(creator, [rec(10, "create")])
+        sweeper = runner(store_1, Sweeper(None))
+    else:
+        sweeper = runner(store_1, Sweeper(lambda: two.deliver(creator, [rec(10, "create")])))
+    one.deliver(sweeper, [rec(10, "sweep")])
+    return stored_state(store_1)
+
+
+#: the outcomes of the two transactions run one after the other, in either order
+SERIAL_OUTCOMES = [{"m": "k was absent"}, {"k": 1}]
+
+
+@pytest.mark.parametrize("stale_cache", [False, True], ids=["read", "stale-cache"])
+def test_a_delete_of_a_key_read_as_absent_is_checked_at_commit(
+        table: LeaseTable, new_store: Callable[[], StateStore], stale_cache: bool) -> None:
+    assert write_skew(table, new_store, stale_cache) in SERIAL_OUTCOMES
+
+
+@pytest.mark.integration
+def test_over_http_a_delete_of_a_key_read_as_absent_is_checked_at_commit(
+        embedded_endpoint: LocalEndpoint) -> None:
+    """The same on kclpy.local's DynamoDB (conditional writes atomic) over real HTTP."""
+    client = dynamodb_client(embedded_endpoint.url)
+    lease_table = LeaseTable(client, unique_name("skew"), sleep=lambda _: None)
+    lease_table.create_if_missing()
+    for key in ("s1", "s2"):
+        assert lease_table.create(Lease(key))
+    state_table = f"{lease_table.table_name}-state"
+    assert write_skew(lease_table, lambda: DynamoDBStateStore(state_table, client=client),
+                      stale_cache=False) in SERIAL_OUTCOMES

@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 #: stays small keeps row locks short
 MAX_ITEMS = 10_000
 MAX_BYTES = 64_000_000
+#: marks a key the transaction read but did not write
+_READ_ONLY = object()
 
 
 def _is_sqlite(engine: Engine) -> bool:
@@ -207,15 +209,16 @@ class SQLStateStore:
         for key in sorted(txn.versions):
             version = txn.versions[key]
             same = sa.and_(c.state_key == key, c.version == version)
-            if key not in txn.writes:
+            value = txn.writes.get(key, _READ_ONLY)
+            if version == 0 and (value is _READ_ONLY or value is DELETED):
+                self._check_absent(conn, key)
+            elif value is _READ_ONLY:
                 found = conn.execute(sa.select(c.version).where(c.state_key == key)
                                      .with_for_update(read=True)).scalar()
                 if (found or 0) != version:
                     raise _conflict(key, version)
-                continue
-            value = txn.writes[key]
-            if value is DELETED:
-                if version and conn.execute(sa.delete(self.state).where(same)).rowcount != 1:
+            elif value is DELETED:
+                if conn.execute(sa.delete(self.state).where(same)).rowcount != 1:
                     raise _conflict(key, version)
             elif version == 0:
                 conn.execute(sa.insert(self.state).values(
@@ -225,6 +228,16 @@ class SQLStateStore:
                 raise _conflict(key, version)
         for statement in txn.outgoing:
             conn.execute(statement)
+
+    def _check_absent(self, conn: Connection, key: str) -> None:
+        """``key`` was read as absent and is not written: it must still be absent, and stay
+        so until this transaction ends. A SELECT cannot lock a row that does not exist (a
+        PostgreSQL transaction could insert it right after), so a placeholder row is
+        inserted and deleted again: the insert fails (``IntegrityError``, a conflict) when
+        the key exists, and until this transaction ends any other insert of the key waits
+        on it."""
+        conn.execute(sa.insert(self.state).values(state_key=key, state_value="null", version=0))
+        conn.execute(sa.delete(self.state).where(self.state.c.state_key == key))
 
 
 def _json(value: Any) -> str:
