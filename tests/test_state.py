@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import json
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,11 +24,15 @@ from kclpy.errors import ShutdownException, ThrottlingException
 from kclpy.leases.fence import LeaseFence
 from kclpy.leases.held import HeldSet
 from kclpy.leases.lease import Lease
+from kclpy.leases.serializer import UpdateBuilder
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from kclpy.processor import InitializeInput, ProcessRecordsInput
 from kclpy.records import Record, Records
+from kclpy.recovery.rate import RecoveryRate
+from kclpy.recovery.shard import ShardRecovery
+from kclpy.retrieval.fetcher import Pacer, ShardFetcher, StartPosition
 from kclpy.state.dynamodb import DynamoDBStateStore
 from kclpy.state.processor import ExactlyOnceProcessor, StatefulProcessor
 from kclpy.state.sql import SQLStateStore
@@ -495,3 +500,134 @@ def test_over_http_a_delete_of_a_key_read_as_absent_is_checked_at_commit(
     state_table = f"{lease_table.table_name}-state"
     assert write_skew(lease_table, lambda: DynamoDBStateStore(state_table, client=client),
                       stale_cache=False) in SERIAL_OUTCOMES
+
+
+# -- exactly-once state with lag recovery (issue 22, hole 2) ----------------------------------
+
+SHARD = "shardId-000000000000"
+
+
+class Stream:
+    """A one-shard stream in in-process moto, its lease held through a real fence, and the
+    shard's lag recovery reading it as the worker's would."""
+
+    def __init__(self, table: LeaseTable, checkpoint: str = "TRIM_HORIZON") -> None:
+        self.kinesis = boto3.client("kinesis", region_name=REGION)
+        self.kinesis.create_stream(StreamName="lagging", ShardCount=1)
+        self.table = table
+        assert table.create(Lease(SHARD, checkpoint=checkpoint))
+        self.metrics = Metrics()
+
+    def put(self, payloads: list[str]) -> list[str]:
+        return [self.kinesis.put_record(StreamName="lagging", Data=p.encode(),
+                                        PartitionKey="pk")["SequenceNumber"]
+                for p in payloads]
+
+    def reader(self, start: StartPosition, until_ms: int | None, pacer: Pacer | None,
+               max_records: int | None) -> ShardFetcher:
+        return ShardFetcher(self.kinesis, SHARD, start, stream_name="lagging",
+                            max_records=max_records or 7, idle_time_s=0, pacer=pacer,
+                            until_ms=until_ms, metrics=self.metrics)
+
+    def take(self, worker: str, clock: Clock) -> tuple[Shard, ShardRecovery]:
+        """A tenure: the lease taken, and its recovery as the consumer makes it."""
+        shard = Shard(self.table, SHARD, worker, clock)
+        lease = self.table.get(SHARD)
+        assert lease is not None
+        hour_later = time.time() + 3600
+        return shard, ShardRecovery(
+            SHARD, lease.recovery, token=shard.checkpointer._token, fence=shard.fence,
+            reader_factory=self.reader, rate=RecoveryRate(100_000), max_lag_ms=1000,
+            metrics=self.metrics, wall_clock=lambda: hour_later)
+
+    def lease(self) -> Lease:
+        lease = self.table.get(SHARD)
+        assert lease is not None
+        return lease
+
+
+def recover(recovery: ShardRecovery, processor: ExactlyOnceProcessor, *,
+            batches: int | None = None) -> None:
+    """Deliver recovery batches as the consumer's delivery thread does (all of them, or
+    ``batches``), each with its gap's checkpointer."""
+    delivered = 0
+
+    def step() -> bool:
+        nonlocal delivered
+        batch = recovery.poll()
+        if batch is not None:
+            result, checkpointer = batch
+            checkpointer.mark_delivered(result.records[-1])
+            processor.process_records(ProcessRecordsInput(
+                SHARD, result.records, checkpointer, None, is_recovery=True))
+            delivered += 1
+        return not recovery.active or (batches is not None and delivered >= batches)
+
+    wait_for(step, 30, "recovery batches delivered", interval=0)
+
+
+def counts(store: StateStore) -> dict[str, int]:
+    return {key: value for key, value in stored_state(store).items() if key.startswith("count/")}
+
+
+def test_every_record_of_a_gap_is_applied_once_beside_the_live_position(
+        table: LeaseTable, store: StateStore) -> None:
+    stream = Stream(table)
+    last = int(stream.put([f"old{i % 3}:1" for i in range(30)])[-1])
+    shard, recovery = stream.take("A", Clock())
+    assert recovery.begin("TRIM_HORIZON", 0) is not None  # the gap: all 30 records
+    processor = runner(store, start=shard.start)
+    live = [str(last + 1000), str(last + 2000)]  # what live reading delivers after the gap
+    shard.deliver(processor, [Record(live[0], "pk", None, 0, b"new:1"),
+                              Record(live[1], "pk", None, 0, b"new:1")])
+    recover(recovery, processor)
+    assert counts(store) == {"count/old0": 10, "count/old1": 10, "count/old2": 10,
+                             "count/new": 2}
+    lease = stream.lease()
+    assert lease.recovery is None, "the gap, checkpointed through its end, is removed"
+    assert (lease.checkpoint, lease.checkpoint_sub_sequence_number) == (live[1], 0), (
+        "a gap's commits never move the live checkpoint")
+    if isinstance(store, SQLStateStore):
+        assert store.begin_tenure(shard.fence, SHARD, shard.checkpointer._token) == (
+            live[1], 0), "nor the store's live position"
+
+
+def test_a_closed_shards_gap_is_applied_and_the_lease_finished(
+        table: LeaseTable, store: StateStore) -> None:
+    stream = Stream(table)
+    stream.put([f"old{i % 3}:1" for i in range(30)])
+    first, queueing = stream.take("A", Clock())
+    assert queueing.begin("TRIM_HORIZON", 0) is not None
+    queueing.stop()
+    first.fence.update_checkpoint(SHARD, first.checkpointer._token, "SHARD_END", 0)
+    shard, recovery = stream.take("B", Clock())  # a closed lease is taken for its gap
+    assert shard.start == ("SHARD_END", 0)
+    recover(recovery, runner(store, start=shard.start))
+    assert counts(store) == {"count/old0": 10, "count/old1": 10, "count/old2": 10}
+    assert stream.lease().is_finished
+
+
+def test_a_gap_half_recovered_by_a_failed_worker_is_finished_once_by_the_next(
+        table: LeaseTable, new_store: Callable[[], StateStore]) -> None:
+    stream = Stream(table)
+    stream.put([f"old{i % 3}:1" for i in range(30)])
+    clock = Clock()
+    first, recovery = stream.take("A", clock)
+    assert recovery.begin("TRIM_HORIZON", 0) is not None
+    lease_update = first.fence.update
+
+    def throttled(key: str, token: str | None, changes: UpdateBuilder, *, what: str) -> Lease:
+        if what == "recovery checkpoint":
+            raise ThrottlingException("the lease table is throttled")
+        return lease_update(key, token, changes, what=what)
+
+    # On the SQL store the gap's commits land and the lease item's copy of its progress
+    # does not: the next owner reads the gap again from the lease's older checkpoint.
+    first.fence.update = throttled  # type: ignore[method-assign]
+    recover(recovery, runner(new_store(), start=first.start), batches=2)
+    recovery.stop()
+    second, recovery = stream.take("B", clock)
+    store = new_store()
+    recover(recovery, runner(store, start=second.start))
+    assert counts(store) == {"count/old0": 10, "count/old1": 10, "count/old2": 10}
+    assert stream.lease().recovery is None

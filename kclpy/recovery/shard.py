@@ -208,7 +208,8 @@ class ShardRecovery:
         gap = _key(request)
         self._reading = gap
         self._checkpointer = Checkpointer(
-            self.shard_id, GapWriter(self, gap), self._token, request.done, request.done_sub)
+            self.shard_id, GapWriter(self, gap), self._token, request.done, request.done_sub,
+            gap=(request.start, request.start_sub))
         reader = self._readers(self._start_of(request), request.end_ms, self._pacer, None)
         reader.start()
         self._reader = reader

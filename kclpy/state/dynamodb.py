@@ -88,10 +88,17 @@ class DynamoDBStateStore:
         checkpoint: str,
         sub_sequence_number: int,
         txn: StateTransaction,
+        gap: tuple[str, int] | None = None,
     ) -> None:
+        """``writer`` is the gap's when ``gap`` is set: the lease item's recovery queue, not
+        its checkpoint, moves in the same transaction."""
         writer.transact_checkpoint(
             shard_id, token, checkpoint, sub_sequence_number, self.items(txn))
         self._cache.committed(txn)
+
+    def gap_position(self, shard_id: str, gap: tuple[str, int]) -> tuple[str, int] | None:
+        """Nothing stored here: a gap's checkpoint in the lease item commits with its state."""
+        return None
 
     def items(self, txn: StateTransaction) -> list[Any]:
         """The transaction's entries besides the lease item: each write, and a check of

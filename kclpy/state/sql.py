@@ -96,6 +96,12 @@ class SQLStateStore:
             sa.Column("tenure", sa.BigInteger, nullable=False),
             sa.Column("checkpoint", sa.String(256)),
             sa.Column("sub_sequence_number", sa.BigInteger, nullable=False))
+        self.gaps = sa.Table(
+            f"{prefix}_gaps", meta,
+            sa.Column("lease_key", sa.String(1024), primary_key=True),
+            sa.Column("gap", sa.String(300), primary_key=True),
+            sa.Column("checkpoint", sa.String(256), nullable=False),
+            sa.Column("sub_sequence_number", sa.BigInteger, nullable=False))
         self._meta = meta
         self._cache = CommittedCache()
 
@@ -157,7 +163,11 @@ class SQLStateStore:
         checkpoint: str,
         sub_sequence_number: int,
         txn: StateTransaction,
+        gap: tuple[str, int] | None = None,
     ) -> None:
+        """A gap's commit is fenced by the shard's row like a live one, but checks and moves
+        the gap's own row (``<prefix>_gaps``); the lease item's copy is then updated
+        through ``writer`` - the gap's, which moves the gap in the recovery queue."""
         try:
             with writer.guard(shard_id, token, what="state commit") as guard, \
                     self.engine.begin() as conn:
@@ -166,17 +176,28 @@ class SQLStateStore:
                     raise LeaseLostError(
                         f"state store holds tenure {None if row is None else row.tenure}, "
                         f"this worker {guard.tenure}")
-                if (row.checkpoint is not None and position_of(
-                        row.checkpoint, row.sub_sequence_number)
+                stored = row if gap is None else conn.execute(
+                    sa.select(self.gaps.c.checkpoint, self.gaps.c.sub_sequence_number)
+                    .where(self._gap_row(shard_id, gap)).with_for_update()).first()
+                if (stored is not None and stored.checkpoint is not None and position_of(
+                        stored.checkpoint, stored.sub_sequence_number)
                         >= position_of(checkpoint, sub_sequence_number)):
                     log.info("shard %s: commit at %s/%d had landed already", shard_id,
                              checkpoint, sub_sequence_number)
                 else:
                     self._write(conn, txn)
-                    conn.execute(sa.update(self.checkpoints)
-                                 .where(self.checkpoints.c.lease_key == shard_id)
-                                 .values(checkpoint=checkpoint,
-                                         sub_sequence_number=sub_sequence_number))
+                    position = {"checkpoint": checkpoint,
+                                "sub_sequence_number": sub_sequence_number}
+                    if gap is None:
+                        conn.execute(sa.update(self.checkpoints)
+                                     .where(self.checkpoints.c.lease_key == shard_id)
+                                     .values(**position))
+                    elif stored is None:
+                        conn.execute(sa.insert(self.gaps).values(
+                            lease_key=shard_id, gap=_gap_name(gap), **position))
+                    else:
+                        conn.execute(sa.update(self.gaps)
+                                     .where(self._gap_row(shard_id, gap)).values(**position))
         except IntegrityError as exc:  # a key this transaction saw missing was inserted
             raise TransactionRejected(f"shard {shard_id}: {exc.orig}", []) from exc
         except DBAPIError as exc:
@@ -191,10 +212,23 @@ class SQLStateStore:
                         "was not updated (%s) and will be on the next commit", shard_id,
                         checkpoint, sub_sequence_number, exc)
 
+    def gap_position(self, shard_id: str, gap: tuple[str, int]) -> tuple[str, int] | None:
+        try:
+            with self.engine.connect() as conn:
+                row = conn.execute(
+                    sa.select(self.gaps.c.checkpoint, self.gaps.c.sub_sequence_number)
+                    .where(self._gap_row(shard_id, gap))).first()
+        except DBAPIError as exc:
+            raise _unavailable(shard_id, "gap read", exc) from exc
+        return None if row is None else (row.checkpoint, row.sub_sequence_number)
+
     def forget(self, keys: Sequence[str]) -> None:
         self._cache.forget(keys)
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _gap_row(self, shard_id: str, gap: tuple[str, int]) -> sa.ColumnElement[bool]:
+        return sa.and_(self.gaps.c.lease_key == shard_id, self.gaps.c.gap == _gap_name(gap))
 
     def _lock_checkpoint(self, conn: Connection, shard_id: str) -> Any:
         c = self.checkpoints.c
@@ -238,6 +272,11 @@ class SQLStateStore:
         on it."""
         conn.execute(sa.insert(self.state).values(state_key=key, state_value="null", version=0))
         conn.execute(sa.delete(self.state).where(self.state.c.state_key == key))
+
+
+def _gap_name(gap: tuple[str, int]) -> str:
+    """A gap's key in ``<prefix>_gaps``: the position it starts after."""
+    return f"{gap[0]}/{gap[1]}"
 
 
 def _json(value: Any) -> str:
