@@ -631,3 +631,46 @@ def test_a_gap_half_recovered_by_a_failed_worker_is_finished_once_by_the_next(
     recover(recovery, runner(store, start=second.start))
     assert counts(store) == {"count/old0": 10, "count/old1": 10, "count/old2": 10}
     assert stream.lease().recovery is None
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["dynamodb", "postgresql"])
+def test_over_http_a_lagging_shards_gap_and_live_records_are_each_applied_once(
+        kind: str, kinesis_mock: LocalEndpoint, embedded_endpoint: LocalEndpoint,
+        request: pytest.FixtureRequest) -> None:
+    """A worker with both options over real HTTP (kinesis-mock, kclpy.local's DynamoDB):
+    the backlog older than max_lag_ms is recovered as a gap while live records flow, and
+    the state counts every record once."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("eo-lag")
+    create_stream(kinesis, stream, 1)
+    backlog = [f"old{i % 5}:1" for i in range(200)]
+    put_plain(kinesis, stream, [p.encode() for p in backlog])
+    max_lag_ms = 1500
+    written = time.time()
+    wait_for(lambda: time.time() > written + max_lag_ms / 1000, 30, "the backlog to age",
+             interval=0.1)
+    app = unique_name("eo-lag-app")
+    store: StateStore = (DynamoDBStateStore(f"{app}-state") if kind == "dynamodb" else
+                         SQLStateStore(request.getfixturevalue("postgres_url"),
+                                       prefix=app.replace("-", "_")))
+    config = http_config(kinesis_mock, embedded_endpoint, app, stream, max_lag_ms=max_lag_ms,
+                         recovery_max_rate=400)
+    worker = kclpy.Worker(config, Counter, state_store=store)
+    live = [f"new{i % 3}:1" for i in range(30)]
+    expected = collections.Counter(p.split(":")[0] for p in backlog + live)
+    dynamodb = dynamodb_client(embedded_endpoint.url)
+
+    def lease() -> dict[str, Any]:
+        return dynamodb.get_item(TableName=config.lease_table_name, ConsistentRead=True,
+                                 Key={"leaseKey": {"S": SHARD}}).get("Item", {})
+
+    with running(worker):
+        assert worker.wait_started(60)
+        wait_for(lambda: "kclpyRecovery" in lease(), 60, "the gap queued")
+        put_plain(kinesis, stream, [p.encode() for p in live])
+        wait_for(lambda: {k.split("/")[1]: v for k, v in counts(store).items()}
+                 == dict(expected), 120, "every record applied")
+        wait_for(lambda: "kclpyRecovery" not in lease(), 30, "the finished gap removed")
+    assert {k.split("/")[1]: v for k, v in counts(store).items()} == dict(expected)
+    assert int(lease()["checkpoint"]["S"]) > 0, "the live checkpoint is a live record's"
