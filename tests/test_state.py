@@ -23,8 +23,9 @@ from kclpy.checkpoint import Checkpointer
 from kclpy.errors import ShutdownException, ThrottlingException
 from kclpy.leases.fence import LeaseFence
 from kclpy.leases.held import HeldSet
-from kclpy.leases.lease import Lease
+from kclpy.leases.lease import Lease, incarnation_order, new_incarnation
 from kclpy.leases.serializer import UpdateBuilder
+from kclpy.leases.shard_sync import ShardSyncer
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
@@ -674,3 +675,121 @@ def test_over_http_a_lagging_shards_gap_and_live_records_are_each_applied_once(
         wait_for(lambda: "kclpyRecovery" not in lease(), 30, "the finished gap removed")
     assert {k.split("/")[1]: v for k, v in counts(store).items()} == dict(expected)
     assert int(lease()["checkpoint"]["S"]) > 0, "the live checkpoint is a live record's"
+
+
+# -- a lease or a stream created again, on the SQL store (issue 22, hole 4) -------------------
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def new_sql_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], SQLStateStore]:
+    url = (f"sqlite:///{tmp_path / 'state.db'}" if request.param == "sqlite"
+           else request.getfixturevalue("postgres_url"))
+    prefix = unique_name("again").replace("-", "_")
+
+    def sql() -> SQLStateStore:
+        store = SQLStateStore(url, prefix=prefix)
+        store.open(None)
+        return store
+
+    return sql
+
+
+def create_again(table: LeaseTable, key: str, incarnation: str | None) -> None:
+    """The lease deleted (a former stream's, a table reset) and created anew: counter 0."""
+    lease = table.get(key)
+    assert lease is not None and table.delete(lease)
+    assert table.create(Lease(key, incarnation=incarnation))
+
+
+def first_life(table: LeaseTable, store: SQLStateStore, clock: Clock) -> Shard:
+    """The lease of ``s9`` (stream created at epoch 100) taken three times, the third
+    tenure committing records 10-12."""
+    assert table.create(Lease("s9", incarnation=new_incarnation(100, now=1000.0)))
+    for _ in range(2):
+        Shard(table, "s9", "A", clock)
+    shard = Shard(table, "s9", "A", clock)
+    adapter = ExactlyOnceProcessor(Counter(), store)
+    adapter.initialize(InitializeInput("s9", *shard.start))
+    shard.deliver(adapter, [rec(10, "k:1"), rec(11, "k:1"), rec(12, "k:1")])
+    return shard
+
+
+def second_life(table: LeaseTable, store: SQLStateStore, clock: Clock) -> Shard:
+    """The new lease taken once (counter 1, below the first life's tenure 3) and the
+    shard read again from its start, one record further."""
+    shard = Shard(table, "s9", "B", clock)
+    adapter = ExactlyOnceProcessor(Counter(), store)
+    adapter.initialize(InitializeInput("s9", *shard.start))
+    shard.deliver(adapter, [rec(10, "k:1"), rec(11, "k:1"), rec(12, "k:1"), rec(13, "k:1")])
+    return shard
+
+
+def test_a_lease_created_again_resumes_from_the_sql_stores_position(
+        table: LeaseTable, new_sql_store: Callable[[], SQLStateStore],
+        caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    zombie = first_life(table, new_sql_store(), clock)
+    create_again(table, "s9", new_incarnation(100, now=2000.0))
+    store = new_sql_store()
+    second_life(table, store, clock)
+    assert stored_state(store) == {"count/k": 4, "sum/k": 4}, "records 10-12 not applied again"
+    assert "lease was created again" in caplog.text
+    late = ExactlyOnceProcessor(Counter(), new_sql_store())
+    late.initialize(InitializeInput("s9", *zombie.start))
+    with pytest.raises(ShutdownException):  # the former lease's holder cannot take it back
+        zombie.deliver(late, [rec(14, "k:1")])
+    assert stored_state(store) == {"count/k": 4, "sum/k": 4}
+    assert (lease := table.get("s9")) is not None and lease.checkpoint == "13"
+
+
+def test_a_stream_created_again_is_read_from_its_start_on_the_sql_store(
+        table: LeaseTable, new_sql_store: Callable[[], SQLStateStore],
+        caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    first_life(table, new_sql_store(), clock)
+    create_again(table, "s9", new_incarnation(200, now=2000.0))  # same name, new stream
+    store = new_sql_store()
+    second_life(table, store, clock)
+    assert stored_state(store) == {"count/k": 7, "sum/k": 7}, "the new stream's 4 records"
+    assert "stream was created again" in caplog.text
+
+
+def test_a_lease_created_again_without_an_incarnation_is_refused_loudly(
+        table: LeaseTable, new_sql_store: Callable[[], SQLStateStore],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A lease item written without ``kclpyIncarnation`` (by Java, or an older kclpy): the
+    store cannot tell a new lease from a zombie, and says so instead of skipping."""
+    clock = Clock()
+    first_life(table, new_sql_store(), clock)
+    create_again(table, "s9", None)
+    with pytest.raises(ShutdownException):
+        second_life(table, new_sql_store(), clock)
+    assert "delete the shard's row" in caplog.text
+
+
+def test_leases_are_created_with_an_incarnation_naming_the_streams_epoch(
+        table: LeaseTable) -> None:
+    kinesis = boto3.client("kinesis", region_name=REGION)
+    kinesis.create_stream(StreamName="born", ShardCount=1)
+    ShardSyncer(kinesis, table, stream_name="born", initial_position="TRIM_HORIZON",
+                stream_epoch=1_700_000_000).sync()
+    lease = table.get(SHARD)
+    assert lease is not None and lease.incarnation is not None
+    assert incarnation_order(lease.incarnation)[0] == 1_700_000_000
+    item = table.client.get_item(TableName=table.table_name, Key={"leaseKey": {"S": SHARD}})
+    assert item["Item"]["kclpyIncarnation"]["S"] == lease.incarnation
+
+
+def test_a_checkpoints_table_of_an_earlier_version_gets_the_incarnation_column(
+        tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "CREATE TABLE kclpy_state_checkpoints (lease_key VARCHAR(1024) PRIMARY KEY, "
+            "tenure BIGINT NOT NULL, checkpoint VARCHAR(256), "
+            "sub_sequence_number BIGINT NOT NULL)")
+        conn.exec_driver_sql("INSERT INTO kclpy_state_checkpoints VALUES ('s1', 4, '12', 0)")
+    store = SQLStateStore(url)
+    store.open(None)
+    with store.engine.connect() as conn:
+        assert conn.execute(sa.select(store.checkpoints)).all() == [("s1", 4, "12", 0, None)]

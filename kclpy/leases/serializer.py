@@ -32,6 +32,8 @@ ENDING_HASH_KEY = "endingHashKey"
 CHECKPOINT_OWNER = "checkpointOwner"
 #: kclpy's own attribute (lag recovery); unknown to the Java KCL, which ignores it
 RECOVERY = "kclpyRecovery"
+#: kclpy's lease incarnation (``Lease.incarnation``), written only when the item is created
+INCARNATION = "kclpyIncarnation"
 #: Java multi-stream leases: the serialised stream identifier (named so for legacy reasons)
 #: and the bare shard id, beside a key that joins them
 STREAM_NAME = "streamName"
@@ -107,6 +109,7 @@ def lease_from_item(item: Mapping[str, AttributeValueTypeDef]) -> Lease:
         checkpoint_owner=_str(item, CHECKPOINT_OWNER),
         recovery=_str(item, RECOVERY),
         stream=_str(item, STREAM_NAME),
+        incarnation=_str(item, INCARNATION),
     )
 
 
@@ -141,6 +144,8 @@ def lease_to_new_item(lease: Lease) -> dict[str, AttributeValueTypeDef]:
     if lease.stream is not None:
         item[STREAM_NAME] = s(lease.stream)
         item[SHARD_ID] = s(lease.shard_id)
+    if lease.incarnation is not None:
+        item[INCARNATION] = s(lease.incarnation)
     return item
 
 

@@ -30,6 +30,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from kclpy.checkpoint import CheckpointWriter, position_of
 from kclpy.errors import CheckpointError, KinesisClientLibDependencyException, LeaseLostError
+from kclpy.leases.lease import incarnation_order
 from kclpy.leases.table import TransactionRejected
 from kclpy.state.store import CommittedCache
 from kclpy.state.transaction import DELETED, Limits, StateTransaction, Versioned
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 #: stays small keeps row locks short
 MAX_ITEMS = 10_000
 MAX_BYTES = 64_000_000
+#: the checkpoint row's column naming the lease incarnation its tenures belong to
+INCARNATION = "incarnation"
+INCARNATION_LENGTH = 100
 #: marks a key the transaction read but did not write
 _READ_ONLY = object()
 
@@ -95,7 +99,8 @@ class SQLStateStore:
             sa.Column("lease_key", sa.String(1024), primary_key=True),
             sa.Column("tenure", sa.BigInteger, nullable=False),
             sa.Column("checkpoint", sa.String(256)),
-            sa.Column("sub_sequence_number", sa.BigInteger, nullable=False))
+            sa.Column("sub_sequence_number", sa.BigInteger, nullable=False),
+            sa.Column(INCARNATION, sa.String(INCARNATION_LENGTH)))
         self.gaps = sa.Table(
             f"{prefix}_gaps", meta,
             sa.Column("lease_key", sa.String(1024), primary_key=True),
@@ -116,6 +121,26 @@ class SQLStateStore:
             self._meta.create_all(self.engine)
         except DBAPIError:
             self._meta.create_all(self.engine)
+        self._add_incarnation_column()
+
+    def _add_incarnation_column(self) -> None:
+        """A checkpoints table created before rows named their lease incarnation gets the
+        column (rows without one are judged by tenure alone, as they were)."""
+        def missing() -> bool:
+            columns = sa.inspect(self.engine).get_columns(self.checkpoints.name)
+            return INCARNATION not in {column["name"] for column in columns}
+
+        if not missing():
+            return
+        quote = self.engine.dialect.identifier_preparer.quote
+        try:
+            with self.engine.begin() as conn:
+                conn.exec_driver_sql(
+                    f"ALTER TABLE {quote(self.checkpoints.name)} ADD COLUMN "
+                    f"{quote(INCARNATION)} VARCHAR({INCARNATION_LENGTH})")
+        except DBAPIError:
+            if missing():  # not another worker's ALTER that won the race
+                raise
 
     def read(self, key: str) -> Versioned:
         return self._cache.read(key, self._fetch)
@@ -140,20 +165,62 @@ class SQLStateStore:
     def _claim(
         self, writer: CheckpointWriter, shard_id: str, token: str
     ) -> tuple[str, int] | None:
+        """Stamp the shard's row with this tenure and return its position. The row names
+        the lease incarnation (``Lease.incarnation``) its tenures belong to: a tenure counter
+        is only compared within one incarnation. A later incarnation - the lease or the
+        stream created again, its counter starting over - takes the row over; its position
+        is kept when the stream is the same one (every record up to it was applied), dropped
+        when the stream was created again (its sequence numbers are another stream's)."""
         with writer.guard(shard_id, token, what="state claim") as guard, \
                 self.engine.begin() as conn:
             row = self._lock_checkpoint(conn, shard_id)
+            incarnation = guard.lease.incarnation
             if row is None:
                 conn.execute(sa.insert(self.checkpoints).values(
                     lease_key=shard_id, tenure=guard.tenure, checkpoint=None,
-                    sub_sequence_number=0))
+                    sub_sequence_number=0, incarnation=incarnation))
                 return None
-            if row.tenure > guard.tenure:
+            position = (None if row.checkpoint is None
+                        else (row.checkpoint, row.sub_sequence_number))
+            stored = row.incarnation
+            if incarnation is not None and stored is not None and incarnation != stored:
+                position = self._take_over(conn, shard_id, incarnation, stored, position)
+            elif row.tenure > guard.tenure:
+                if incarnation is None or stored is None:
+                    log.error(
+                        "shard %s: the state store holds tenure %d, above this lease's "
+                        "counter %d, and no lease incarnation tells whether the lease was "
+                        "created again: refused. If the lease or its stream was created "
+                        "again, delete the shard's row from %s", shard_id, row.tenure,
+                        guard.tenure, self.checkpoints.name)
                 raise LeaseLostError(f"state store holds tenure {row.tenure} > {guard.tenure}")
             conn.execute(sa.update(self.checkpoints)
                          .where(self.checkpoints.c.lease_key == shard_id)
-                         .values(tenure=guard.tenure))
-            return None if row.checkpoint is None else (row.checkpoint, row.sub_sequence_number)
+                         .values(tenure=guard.tenure, incarnation=incarnation or stored,
+                                 checkpoint=None if position is None else position[0],
+                                 sub_sequence_number=0 if position is None else position[1]))
+            return position
+
+    def _take_over(self, conn: Connection, shard_id: str, incarnation: str, stored: str,
+                   position: tuple[str, int] | None) -> tuple[str, int] | None:
+        """The row is of another incarnation of the lease: refused when that one is newer
+        (this worker holds a lease deleted since), otherwise the position to resume from."""
+        if incarnation_order(incarnation) < incarnation_order(stored):
+            raise LeaseLostError(f"state store holds lease incarnation {stored}, newer than "
+                                 f"{incarnation}")
+        epoch, stored_epoch = incarnation_order(incarnation)[0], incarnation_order(stored)[0]
+        if epoch and stored_epoch and epoch != stored_epoch:
+            log.warning(
+                "shard %s: its stream was created again (creation epoch %d; the state store's "
+                "position %s is of the stream created at %d): that position and its gaps' "
+                "are dropped and the shard is read from its lease's checkpoint; the state is "
+                "kept", shard_id, epoch, position, stored_epoch)
+            conn.execute(sa.delete(self.gaps).where(self.gaps.c.lease_key == shard_id))
+            return None
+        log.warning("shard %s: its lease was created again (incarnation %s; the state store's "
+                    "rows are of %s): resuming from the store's position %s, records up to it "
+                    "are not applied again", shard_id, incarnation, stored, position)
+        return position
 
     def commit(
         self,
@@ -172,10 +239,13 @@ class SQLStateStore:
             with writer.guard(shard_id, token, what="state commit") as guard, \
                     self.engine.begin() as conn:
                 row = self._lock_checkpoint(conn, shard_id)
-                if row is None or row.tenure != guard.tenure:
+                incarnation = guard.lease.incarnation
+                if row is None or row.tenure != guard.tenure or (
+                        incarnation is not None and row.incarnation != incarnation):
                     raise LeaseLostError(
-                        f"state store holds tenure {None if row is None else row.tenure}, "
-                        f"this worker {guard.tenure}")
+                        f"state store holds tenure {None if row is None else row.tenure} of "
+                        f"{None if row is None else row.incarnation}, this worker "
+                        f"{guard.tenure} of {incarnation}")
                 stored = row if gap is None else conn.execute(
                     sa.select(self.gaps.c.checkpoint, self.gaps.c.sub_sequence_number)
                     .where(self._gap_row(shard_id, gap)).with_for_update()).first()
@@ -233,7 +303,7 @@ class SQLStateStore:
     def _lock_checkpoint(self, conn: Connection, shard_id: str) -> Any:
         c = self.checkpoints.c
         return conn.execute(
-            sa.select(c.tenure, c.checkpoint, c.sub_sequence_number)
+            sa.select(c.tenure, c.checkpoint, c.sub_sequence_number, c.incarnation)
             .where(c.lease_key == shard_id).with_for_update()).first()
 
     def _write(self, conn: Connection, txn: StateTransaction) -> None:
