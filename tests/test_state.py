@@ -624,7 +624,7 @@ def test_a_gap_half_recovered_by_a_failed_worker_is_finished_once_by_the_next(
 
     # On the SQL store the gap's commits land and the lease item's copy of its progress
     # does not: the next owner reads the gap again from the lease's older checkpoint.
-    first.fence.update = throttled  # type: ignore[method-assign]
+    first.fence.update = throttled  # type: ignore[method-assign, assignment]
     recover(recovery, runner(new_store(), start=first.start), batches=2)
     recovery.stop()
     second, recovery = stream.take("B", clock)
