@@ -1,8 +1,10 @@
 """State in a SQL database (SQLAlchemy Core): SQLite on one host, PostgreSQL across hosts.
 
-Two tables, named after ``prefix``: ``<prefix>`` holds one row per key (``state_key``,
+Three tables, named after ``prefix``: ``<prefix>`` holds one row per key (``state_key``,
 ``state_value`` as JSON text, ``version``), ``<prefix>_checkpoints`` one row per shard
-(``lease_key``, ``tenure``, ``checkpoint``, ``sub_sequence_number``). A commit is one database
+(``lease_key``, ``tenure``, ``checkpoint``, ``sub_sequence_number``, ``incarnation``) and
+``<prefix>_gaps`` one row per lag-recovery gap a commit covered (``lease_key``, ``gap``: the
+position the gap starts after, ``checkpoint``, ``sub_sequence_number``). A commit is one database
 transaction that locks the shard's checkpoint row, checks that it still carries this worker's
 tenure (the lease counter the tenure started at: ``LeaseFence.guard``), writes every state
 change conditioned on the version it was read at, and moves the checkpoint. A worker that
@@ -14,7 +16,13 @@ Here the store, not the lease table, holds the truth: the lease item's checkpoin
 up to date right after each commit (for ``kclpy leases`` and for the next owner's start), and
 when that write fails the commit still stands - the next owner reads the store's position and
 skips records it covers. A commit that finds its own position already stored (the previous
-attempt landed, but its answer was lost) is taken as done.
+attempt landed, but its answer was lost) is taken as done. A gap's commit is fenced by the
+shard's row the same way but moves the gap's row, never the shard's.
+
+Tenures are counted per lease incarnation (``Lease.incarnation``, written when the lease
+item is created): the checkpoint row names the one its tenure belongs to, so a lease or a
+stream created again - its counter starting over - is recognised instead of being refused
+for ever or, worse, having its records skipped as committed (``_claim``).
 """
 
 from __future__ import annotations

@@ -178,14 +178,18 @@ def run_state_chaos(
     store: str,
     read_state: Callable[[], dict[str, int]],
     say: Callable[[str], None] = print,
+    max_lag_ms: int | None = None,
 ) -> StateChaosResult:
     """Run the chaos fleet with ``mode``'s processor. ``store`` is the ``--state-store``
     (exactly-once) or the plain processor's database URL; ``read_state()`` reads what is
-    stored."""
+    stored. ``max_lag_ms`` turns lag recovery on too: a shard taken over further behind
+    reads live at once and its gap is recovered beside it."""
     started = time.monotonic()
     if mode == EXACTLY_ONCE:
         processor = ["--processor", "tests.support.state_chaos:ChaosCounter",
                      "--state-store", store, "--transaction-max-records", "200"]
+        if max_lag_ms is not None:
+            processor += ["--max-lag-ms", str(max_lag_ms), "--recovery-max-rate", "2000"]
         env = {}
     else:
         processor = ["--processor", "tests.support.state_chaos:PlainChaosCounter"]
