@@ -593,6 +593,26 @@ def test_every_record_of_a_gap_is_applied_once_beside_the_live_position(
             live[1], 0), "nor the store's live position"
 
 
+def test_a_gap_finished_before_any_live_record_is_not_found_again_by_the_next_owner(
+        table: LeaseTable, store: StateStore) -> None:
+    """Found by the chaos variant: the live reader had nothing to commit (the producer was
+    idle), so the live checkpoint still named the finished gap's start, and the next owner
+    found the same gap again and applied it twice. Finishing the gap moves such a live
+    checkpoint to the gap's last record: everything up to there is processed."""
+    stream = Stream(table)
+    last = stream.put([f"old{i % 3}:1" for i in range(30)])[-1]
+    clock = Clock()
+    first, recovery = stream.take("A", clock)
+    assert recovery.begin("TRIM_HORIZON", 0) is not None
+    recover(recovery, runner(store, start=first.start))
+    recovery.stop()
+    lease = stream.lease()
+    assert (lease.checkpoint, lease.recovery) == (last, None)
+    second, recovery = stream.take("B", clock)
+    assert recovery.begin(*second.start) is None, "no gap left to find"
+    assert counts(store) == {"count/old0": 10, "count/old1": 10, "count/old2": 10}
+
+
 def test_a_closed_shards_gap_is_applied_and_the_lease_finished(
         table: LeaseTable, store: StateStore) -> None:
     stream = Stream(table)
