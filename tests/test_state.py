@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -610,6 +611,37 @@ def test_a_gap_finished_before_any_live_record_is_not_found_again_by_the_next_ow
     assert (lease.checkpoint, lease.recovery) == (last, None)
     second, recovery = stream.take("B", clock)
     assert recovery.begin(*second.start) is None, "no gap left to find"
+    assert counts(store) == {"count/old0": 10, "count/old1": 10, "count/old2": 10}
+
+
+def lease_table_throttled(*args: Any) -> None:
+    raise ThrottlingException("the lease table is throttled")
+
+
+def test_a_gap_found_by_the_next_owner_starts_after_what_the_sql_store_committed_live(
+        table: LeaseTable, new_sql_store: Callable[[], SQLStateStore]) -> None:
+    """Found by the chaos variant on PostgreSQL: a live commit landed in the store and its
+    lease write did not (the lease was taken meanwhile). The next owner, behind, must queue
+    its gap after the store's live position, not the lease's older one: the records in
+    between were applied live, and a gap has no way to skip them."""
+    stream = Stream(table)
+    sequence = stream.put([f"old{i % 3}:1" for i in range(30)])
+    clock = Clock()
+    first, _ = stream.take("A", clock)
+    first.fence.update_checkpoint = lease_table_throttled  # type: ignore[method-assign, assignment]
+    records = [Record(seq, "pk", None, 0, f"old{i % 3}:1".encode())
+               for i, seq in enumerate(sequence[:12])]
+    first.deliver(runner(new_sql_store(), start=first.start), records)
+    assert stream.lease().checkpoint == "TRIM_HORIZON"
+    second, _ = stream.take("B", clock)
+    store = new_sql_store()
+    recovery = ShardRecovery(
+        SHARD, None, token=second.checkpointer._token, fence=second.fence,
+        reader_factory=stream.reader, rate=RecoveryRate(100_000), max_lag_ms=1000,
+        metrics=stream.metrics, wall_clock=lambda: time.time() + 3600,
+        claim=partial(store.begin_tenure, second.fence, SHARD, second.checkpointer._token))
+    assert recovery.begin(*second.start) is not None
+    recover(recovery, runner(store, start=second.start))
     assert counts(store) == {"count/old0": 10, "count/old1": 10, "count/old2": 10}
 
 

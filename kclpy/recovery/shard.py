@@ -65,8 +65,12 @@ class ShardRecovery:
         max_lag_ms: int | None,
         metrics: Metrics,
         wall_clock: Callable[[], float] = time.time,
+        claim: Callable[[], tuple[str, int] | None] | None = None,
     ) -> None:
         self.shard_id = shard_id
+        #: a state store that keeps its own live position (the SQL store): claims the shard
+        #: for this tenure and returns that position (``StateStore.begin_tenure``)
+        self._claim = claim
         self._token = token
         self._fence = fence
         self._readers = reader_factory
@@ -104,6 +108,14 @@ class ShardRecovery:
         max_lag_ms = self._max_lag_ms
         if max_lag_ms is None or (checkpoint != TRIM_HORIZON and not checkpoint.isdigit()):
             return None
+        if self._claim is not None:
+            # The store's live position may be ahead of the lease's (its lease write failed
+            # after the commit landed): the records between were applied live, so the gap
+            # starts after it. Claimed first, so no earlier tenure commits past it meanwhile.
+            stored = self._claim()
+            if stored is not None and position_of(*stored) > position_of(
+                    checkpoint, sub_sequence_number):
+                checkpoint, sub_sequence_number = stored
         probe = self._readers(
             StartPosition.from_checkpoint(checkpoint, sub_sequence_number, None), None, None, 1)
         first = first_record(probe)
