@@ -100,8 +100,14 @@ class Checkpointer:
         last_checkpoint: str | None,
         last_sub_sequence_number: int | None,
         metrics: Metrics | None = None,
+        *,
+        gap: tuple[str, int] | None = None,
     ) -> None:
         self.shard_id = shard_id
+        #: lag recovery: the gap (the position it starts after) whose own checkpoint this
+        #: checkpointer moves; None for the shard's live checkpointer. A stateful processor
+        #: keeps each gap's committed position apart from the live one by it.
+        self.gap = gap
         self._writer = writer
         self._token = concurrency_token
         self._metrics = metrics

@@ -470,10 +470,13 @@ class Worker:
             return self._shard_fetcher(lease, start, until_ms=until_ms, pacer=pacer,
                                        max_records=max_records)
 
+        store, fence = self.state_store, self.coordinator.fence
         return ShardRecovery(
-            lease.lease_key, lease.recovery, token=token, fence=self.coordinator.fence,
+            lease.lease_key, lease.recovery, token=token, fence=fence,
             reader_factory=reader, rate=self._recovery_rate,
-            max_lag_ms=self.config.max_lag_ms, metrics=self.metrics)
+            max_lag_ms=self.config.max_lag_ms, metrics=self.metrics,
+            claim=None if store is None else functools.partial(
+                store.begin_tenure, fence, lease.lease_key, token))
 
     def _on_shard_end(self, shard_id: str, children: Sequence[ChildShard]) -> None:
         """Called from a consumer's thread when its shard (a lease key) is fully read."""

@@ -248,6 +248,24 @@ def test_running_count_example_counts_the_demo_stream_once_per_record(tmp_path: 
 
 
 @pytest.mark.integration
+def test_a_stream_created_again_is_counted_again_on_the_sql_store(tmp_path: Path) -> None:
+    """Issue 22, hole 4: the same command twice, each run on a fresh embedded stream (same
+    name, same shard ids) and lease table. The store's position is of the first stream: the
+    second run must not skip its records as committed, and says what it did."""
+    url = f"sqlite:///{tmp_path / 'counts.db'}"
+    command = _worker_command("--local", "--processor", "examples/running_count.py:RunningCount",
+                              "--state-store", url, "--stop-when-caught-up")
+    runs = [subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180)
+            for _ in range(2)]
+    assert [run.returncode for run in runs] == [0, 0], runs[1].stderr[-3000:]
+    shown = subprocess.run([sys.executable, "examples/running_count.py", url], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    counts = {line.split()[0]: int(line.split()[1]) for line in shown.splitlines()}
+    assert sum(v for k, v in counts.items() if k.startswith("count/")) == 40, counts
+    assert "created again" in runs[1].stderr and "created again" not in runs[0].stderr
+
+
+@pytest.mark.integration
 def test_running_count_example_with_the_dynamodb_store(
         kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
     kinesis = kinesis_client(kinesis_mock.url)

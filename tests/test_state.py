@@ -7,8 +7,10 @@ from __future__ import annotations
 import collections
 import json
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +24,17 @@ from kclpy.checkpoint import Checkpointer
 from kclpy.errors import ShutdownException, ThrottlingException
 from kclpy.leases.fence import LeaseFence
 from kclpy.leases.held import HeldSet
-from kclpy.leases.lease import Lease
+from kclpy.leases.lease import Lease, incarnation_order, new_incarnation
+from kclpy.leases.serializer import UpdateBuilder
+from kclpy.leases.shard_sync import ShardSyncer
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from kclpy.processor import InitializeInput, ProcessRecordsInput
 from kclpy.records import Record, Records
+from kclpy.recovery.rate import RecoveryRate
+from kclpy.recovery.shard import ShardRecovery
+from kclpy.retrieval.fetcher import Pacer, ShardFetcher, StartPosition
 from kclpy.state.dynamodb import DynamoDBStateStore
 from kclpy.state.processor import ExactlyOnceProcessor, StatefulProcessor
 from kclpy.state.sql import SQLStateStore
@@ -426,3 +433,415 @@ def test_over_http_the_plain_processor_counts_a_crashed_batch_twice(
                  "every record counted at least once")
     duplicates = sum(counts().values()) - sum(expected.values())
     assert duplicates == 4, counts()
+
+
+# -- every key read is checked at commit, absent keys included (issue 22, hole 3) --------------
+
+class Sweeper(StatefulProcessor):
+    """Shard 1's rule: when ``k`` is absent, delete it (a no-op) and record that it was.
+    ``meanwhile`` runs between the read and the commit: another shard's transaction."""
+
+    def __init__(self, meanwhile: Callable[[], None] | None) -> None:
+        self.meanwhile = meanwhile
+
+    def apply(self, record: Record, txn: StateTransaction) -> None:
+        if txn.get("k") is None:
+            if self.meanwhile is not None:
+                meanwhile, self.meanwhile = self.meanwhile, None
+                meanwhile()
+            txn.delete("k")
+            txn.put("m", "k was absent")
+
+
+class Creator(StatefulProcessor):
+    """Shard 2's rule: unless ``m`` says ``k`` was found absent, create ``k``."""
+
+    def apply(self, record: Record, txn: StateTransaction) -> None:
+        if txn.get("m") is None:
+            txn.put("k", 1)
+
+
+def write_skew(table: LeaseTable, new_store: Callable[[], StateStore], stale_cache: bool
+               ) -> dict[str, Any]:
+    """Shard 1 reads ``k`` absent (from its store, or from a stale cache entry), shard 2
+    creates ``k`` before shard 1 commits its delete: the final state."""
+    clock = Clock()
+    store_1, store_2 = new_store(), new_store()
+    one, two = Shard(table, "s1", "A", clock), Shard(table, "s2", "B", clock)
+    creator = ExactlyOnceProcessor(Creator(), store_2)
+    creator.initialize(InitializeInput("s2", "TRIM_HORIZON", 0))
+    if stale_cache:
+        assert store_1.read("k") == Versioned(None, 0)
+        two.deliver(creator, [rec(10, "create")])
+        sweeper = runner(store_1, Sweeper(None))
+    else:
+        sweeper = runner(store_1, Sweeper(lambda: two.deliver(creator, [rec(10, "create")])))
+    one.deliver(sweeper, [rec(10, "sweep")])
+    return stored_state(store_1)
+
+
+#: the outcomes of the two transactions run one after the other, in either order
+SERIAL_OUTCOMES = [{"m": "k was absent"}, {"k": 1}]
+
+
+@pytest.mark.parametrize("stale_cache", [False, True], ids=["read", "stale-cache"])
+def test_a_delete_of_a_key_read_as_absent_is_checked_at_commit(
+        table: LeaseTable, new_store: Callable[[], StateStore], stale_cache: bool) -> None:
+    assert write_skew(table, new_store, stale_cache) in SERIAL_OUTCOMES
+
+
+@pytest.mark.integration
+def test_over_http_a_delete_of_a_key_read_as_absent_is_checked_at_commit(
+        embedded_endpoint: LocalEndpoint) -> None:
+    """The same on kclpy.local's DynamoDB (conditional writes atomic) over real HTTP."""
+    client = dynamodb_client(embedded_endpoint.url)
+    lease_table = LeaseTable(client, unique_name("skew"), sleep=lambda _: None)
+    lease_table.create_if_missing()
+    for key in ("s1", "s2"):
+        assert lease_table.create(Lease(key))
+    state_table = f"{lease_table.table_name}-state"
+    assert write_skew(lease_table, lambda: DynamoDBStateStore(state_table, client=client),
+                      stale_cache=False) in SERIAL_OUTCOMES
+
+
+# -- exactly-once state with lag recovery (issue 22, hole 2) ----------------------------------
+
+SHARD = "shardId-000000000000"
+
+
+class Stream:
+    """A one-shard stream in in-process moto, its lease held through a real fence, and the
+    shard's lag recovery reading it as the worker's would."""
+
+    def __init__(self, table: LeaseTable, checkpoint: str = "TRIM_HORIZON") -> None:
+        self.kinesis = boto3.client("kinesis", region_name=REGION)
+        self.kinesis.create_stream(StreamName="lagging", ShardCount=1)
+        self.table = table
+        assert table.create(Lease(SHARD, checkpoint=checkpoint))
+        self.metrics = Metrics()
+
+    def put(self, payloads: list[str]) -> list[str]:
+        return [self.kinesis.put_record(StreamName="lagging", Data=p.encode(),
+                                        PartitionKey="pk")["SequenceNumber"]
+                for p in payloads]
+
+    def reader(self, start: StartPosition, until_ms: int | None, pacer: Pacer | None,
+               max_records: int | None) -> ShardFetcher:
+        return ShardFetcher(self.kinesis, SHARD, start, stream_name="lagging",
+                            max_records=max_records or 7, idle_time_s=0, pacer=pacer,
+                            until_ms=until_ms, metrics=self.metrics)
+
+    def take(self, worker: str, clock: Clock) -> tuple[Shard, ShardRecovery]:
+        """A tenure: the lease taken, and its recovery as the consumer makes it."""
+        shard = Shard(self.table, SHARD, worker, clock)
+        lease = self.table.get(SHARD)
+        assert lease is not None
+        hour_later = time.time() + 3600
+        return shard, ShardRecovery(
+            SHARD, lease.recovery, token=shard.checkpointer._token, fence=shard.fence,
+            reader_factory=self.reader, rate=RecoveryRate(100_000), max_lag_ms=1000,
+            metrics=self.metrics, wall_clock=lambda: hour_later)
+
+    def lease(self) -> Lease:
+        lease = self.table.get(SHARD)
+        assert lease is not None
+        return lease
+
+
+def recover(recovery: ShardRecovery, processor: ExactlyOnceProcessor, *,
+            batches: int | None = None) -> None:
+    """Deliver recovery batches as the consumer's delivery thread does (all of them, or
+    ``batches``), each with its gap's checkpointer."""
+    delivered = 0
+
+    def step() -> bool:
+        nonlocal delivered
+        batch = recovery.poll()
+        if batch is not None:
+            result, checkpointer = batch
+            checkpointer.mark_delivered(result.records[-1])
+            processor.process_records(ProcessRecordsInput(
+                SHARD, result.records, checkpointer, None, is_recovery=True))
+            delivered += 1
+        return not recovery.active or (batches is not None and delivered >= batches)
+
+    wait_for(step, 30, "recovery batches delivered", interval=0)
+
+
+def counts(store: StateStore) -> dict[str, int]:
+    return {key: value for key, value in stored_state(store).items() if key.startswith("count/")}
+
+
+def test_every_record_of_a_gap_is_applied_once_beside_the_live_position(
+        table: LeaseTable, store: StateStore) -> None:
+    stream = Stream(table)
+    last = int(stream.put([f"old{i % 3}:1" for i in range(30)])[-1])
+    shard, recovery = stream.take("A", Clock())
+    assert recovery.begin("TRIM_HORIZON", 0) is not None  # the gap: all 30 records
+    processor = runner(store, start=shard.start)
+    live = [str(last + 1000), str(last + 2000)]  # what live reading delivers after the gap
+    shard.deliver(processor, [Record(live[0], "pk", None, 0, b"new:1"),
+                              Record(live[1], "pk", None, 0, b"new:1")])
+    recover(recovery, processor)
+    assert counts(store) == {"count/old0": 10, "count/old1": 10, "count/old2": 10,
+                             "count/new": 2}
+    lease = stream.lease()
+    assert lease.recovery is None, "the gap, checkpointed through its end, is removed"
+    assert (lease.checkpoint, lease.checkpoint_sub_sequence_number) == (live[1], 0), (
+        "a gap's commits never move the live checkpoint")
+    if isinstance(store, SQLStateStore):
+        assert store.begin_tenure(shard.fence, SHARD, shard.checkpointer._token) == (
+            live[1], 0), "nor the store's live position"
+
+
+def test_a_gap_finished_before_any_live_record_is_not_found_again_by_the_next_owner(
+        table: LeaseTable, store: StateStore) -> None:
+    """Found by the chaos variant: the live reader had nothing to commit (the producer was
+    idle), so the live checkpoint still named the finished gap's start, and the next owner
+    found the same gap again and applied it twice. Finishing the gap moves such a live
+    checkpoint to the gap's last record: everything up to there is processed."""
+    stream = Stream(table)
+    last = stream.put([f"old{i % 3}:1" for i in range(30)])[-1]
+    clock = Clock()
+    first, recovery = stream.take("A", clock)
+    assert recovery.begin("TRIM_HORIZON", 0) is not None
+    recover(recovery, runner(store, start=first.start))
+    recovery.stop()
+    lease = stream.lease()
+    assert (lease.checkpoint, lease.recovery) == (last, None)
+    second, recovery = stream.take("B", clock)
+    assert recovery.begin(*second.start) is None, "no gap left to find"
+    assert counts(store) == {"count/old0": 10, "count/old1": 10, "count/old2": 10}
+
+
+def lease_table_throttled(*args: Any) -> None:
+    raise ThrottlingException("the lease table is throttled")
+
+
+def test_a_gap_found_by_the_next_owner_starts_after_what_the_sql_store_committed_live(
+        table: LeaseTable, new_sql_store: Callable[[], SQLStateStore]) -> None:
+    """Found by the chaos variant on PostgreSQL: a live commit landed in the store and its
+    lease write did not (the lease was taken meanwhile). The next owner, behind, must queue
+    its gap after the store's live position, not the lease's older one: the records in
+    between were applied live, and a gap has no way to skip them."""
+    stream = Stream(table)
+    sequence = stream.put([f"old{i % 3}:1" for i in range(30)])
+    clock = Clock()
+    first, _ = stream.take("A", clock)
+    first.fence.update_checkpoint = lease_table_throttled  # type: ignore[method-assign, assignment]
+    records = [Record(seq, "pk", None, 0, f"old{i % 3}:1".encode())
+               for i, seq in enumerate(sequence[:12])]
+    first.deliver(runner(new_sql_store(), start=first.start), records)
+    assert stream.lease().checkpoint == "TRIM_HORIZON"
+    second, _ = stream.take("B", clock)
+    store = new_sql_store()
+    recovery = ShardRecovery(
+        SHARD, None, token=second.checkpointer._token, fence=second.fence,
+        reader_factory=stream.reader, rate=RecoveryRate(100_000), max_lag_ms=1000,
+        metrics=stream.metrics, wall_clock=lambda: time.time() + 3600,
+        claim=partial(store.begin_tenure, second.fence, SHARD, second.checkpointer._token))
+    assert recovery.begin(*second.start) is not None
+    recover(recovery, runner(store, start=second.start))
+    assert counts(store) == {"count/old0": 10, "count/old1": 10, "count/old2": 10}
+
+
+def test_a_closed_shards_gap_is_applied_and_the_lease_finished(
+        table: LeaseTable, store: StateStore) -> None:
+    stream = Stream(table)
+    stream.put([f"old{i % 3}:1" for i in range(30)])
+    first, queueing = stream.take("A", Clock())
+    assert queueing.begin("TRIM_HORIZON", 0) is not None
+    queueing.stop()
+    first.fence.update_checkpoint(SHARD, first.checkpointer._token, "SHARD_END", 0)
+    shard, recovery = stream.take("B", Clock())  # a closed lease is taken for its gap
+    assert shard.start == ("SHARD_END", 0)
+    recover(recovery, runner(store, start=shard.start))
+    assert counts(store) == {"count/old0": 10, "count/old1": 10, "count/old2": 10}
+    assert stream.lease().is_finished
+
+
+def test_a_gap_half_recovered_by_a_failed_worker_is_finished_once_by_the_next(
+        table: LeaseTable, new_store: Callable[[], StateStore]) -> None:
+    stream = Stream(table)
+    stream.put([f"old{i % 3}:1" for i in range(30)])
+    clock = Clock()
+    first, recovery = stream.take("A", clock)
+    assert recovery.begin("TRIM_HORIZON", 0) is not None
+    lease_update = first.fence.update
+
+    def throttled(key: str, token: str | None, changes: UpdateBuilder, *, what: str) -> Lease:
+        if what == "recovery checkpoint":
+            raise ThrottlingException("the lease table is throttled")
+        return lease_update(key, token, changes, what=what)
+
+    # On the SQL store the gap's commits land and the lease item's copy of its progress
+    # does not: the next owner reads the gap again from the lease's older checkpoint.
+    first.fence.update = throttled  # type: ignore[method-assign, assignment]
+    recover(recovery, runner(new_store(), start=first.start), batches=2)
+    recovery.stop()
+    second, recovery = stream.take("B", clock)
+    store = new_store()
+    recover(recovery, runner(store, start=second.start))
+    assert counts(store) == {"count/old0": 10, "count/old1": 10, "count/old2": 10}
+    assert stream.lease().recovery is None
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["dynamodb", "postgresql"])
+def test_over_http_a_lagging_shards_gap_and_live_records_are_each_applied_once(
+        kind: str, kinesis_mock: LocalEndpoint, embedded_endpoint: LocalEndpoint,
+        request: pytest.FixtureRequest) -> None:
+    """A worker with both options over real HTTP (kinesis-mock, kclpy.local's DynamoDB):
+    the backlog older than max_lag_ms is recovered as a gap while live records flow, and
+    the state counts every record once."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("eo-lag")
+    create_stream(kinesis, stream, 1)
+    backlog = [f"old{i % 5}:1" for i in range(200)]
+    put_plain(kinesis, stream, [p.encode() for p in backlog])
+    max_lag_ms = 1500
+    written = time.time()
+    wait_for(lambda: time.time() > written + max_lag_ms / 1000, 30, "the backlog to age",
+             interval=0.1)
+    app = unique_name("eo-lag-app")
+    store: StateStore = (DynamoDBStateStore(f"{app}-state") if kind == "dynamodb" else
+                         SQLStateStore(request.getfixturevalue("postgres_url"),
+                                       prefix=app.replace("-", "_")))
+    config = http_config(kinesis_mock, embedded_endpoint, app, stream, max_lag_ms=max_lag_ms,
+                         recovery_max_rate=400)
+    worker = kclpy.Worker(config, Counter, state_store=store)
+    live = [f"new{i % 3}:1" for i in range(30)]
+    expected = collections.Counter(p.split(":")[0] for p in backlog + live)
+    dynamodb = dynamodb_client(embedded_endpoint.url)
+
+    def lease() -> dict[str, Any]:
+        return dynamodb.get_item(TableName=config.lease_table_name, ConsistentRead=True,
+                                 Key={"leaseKey": {"S": SHARD}}).get("Item", {})
+
+    with running(worker):
+        assert worker.wait_started(60)
+        wait_for(lambda: "kclpyRecovery" in lease(), 60, "the gap queued")
+        put_plain(kinesis, stream, [p.encode() for p in live])
+        wait_for(lambda: {k.split("/")[1]: v for k, v in counts(store).items()}
+                 == dict(expected), 120, "every record applied")
+        wait_for(lambda: "kclpyRecovery" not in lease(), 30, "the finished gap removed")
+    assert {k.split("/")[1]: v for k, v in counts(store).items()} == dict(expected)
+    assert int(lease()["checkpoint"]["S"]) > 0, "the live checkpoint is a live record's"
+
+
+# -- a lease or a stream created again, on the SQL store (issue 22, hole 4) -------------------
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def new_sql_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], SQLStateStore]:
+    url = (f"sqlite:///{tmp_path / 'state.db'}" if request.param == "sqlite"
+           else request.getfixturevalue("postgres_url"))
+    prefix = unique_name("again").replace("-", "_")
+
+    def sql() -> SQLStateStore:
+        store = SQLStateStore(url, prefix=prefix)
+        store.open(None)
+        return store
+
+    return sql
+
+
+def create_again(table: LeaseTable, key: str, incarnation: str | None) -> None:
+    """The lease deleted (a former stream's, a table reset) and created anew: counter 0."""
+    lease = table.get(key)
+    assert lease is not None and table.delete(lease)
+    assert table.create(Lease(key, incarnation=incarnation))
+
+
+def first_life(table: LeaseTable, store: SQLStateStore, clock: Clock) -> Shard:
+    """The lease of ``s9`` (stream created at epoch 100) taken three times, the third
+    tenure committing records 10-12."""
+    assert table.create(Lease("s9", incarnation=new_incarnation(100, now=1000.0)))
+    for _ in range(2):
+        Shard(table, "s9", "A", clock)
+    shard = Shard(table, "s9", "A", clock)
+    adapter = ExactlyOnceProcessor(Counter(), store)
+    adapter.initialize(InitializeInput("s9", *shard.start))
+    shard.deliver(adapter, [rec(10, "k:1"), rec(11, "k:1"), rec(12, "k:1")])
+    return shard
+
+
+def second_life(table: LeaseTable, store: SQLStateStore, clock: Clock) -> Shard:
+    """The new lease taken once (counter 1, below the first life's tenure 3) and the
+    shard read again from its start, one record further."""
+    shard = Shard(table, "s9", "B", clock)
+    adapter = ExactlyOnceProcessor(Counter(), store)
+    adapter.initialize(InitializeInput("s9", *shard.start))
+    shard.deliver(adapter, [rec(10, "k:1"), rec(11, "k:1"), rec(12, "k:1"), rec(13, "k:1")])
+    return shard
+
+
+def test_a_lease_created_again_resumes_from_the_sql_stores_position(
+        table: LeaseTable, new_sql_store: Callable[[], SQLStateStore],
+        caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    zombie = first_life(table, new_sql_store(), clock)
+    create_again(table, "s9", new_incarnation(100, now=2000.0))
+    store = new_sql_store()
+    second_life(table, store, clock)
+    assert stored_state(store) == {"count/k": 4, "sum/k": 4}, "records 10-12 not applied again"
+    assert "lease was created again" in caplog.text
+    late = ExactlyOnceProcessor(Counter(), new_sql_store())
+    late.initialize(InitializeInput("s9", *zombie.start))
+    with pytest.raises(ShutdownException):  # the former lease's holder cannot take it back
+        zombie.deliver(late, [rec(14, "k:1")])
+    assert stored_state(store) == {"count/k": 4, "sum/k": 4}
+    assert (lease := table.get("s9")) is not None and lease.checkpoint == "13"
+
+
+def test_a_stream_created_again_is_read_from_its_start_on_the_sql_store(
+        table: LeaseTable, new_sql_store: Callable[[], SQLStateStore],
+        caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    first_life(table, new_sql_store(), clock)
+    create_again(table, "s9", new_incarnation(200, now=2000.0))  # same name, new stream
+    store = new_sql_store()
+    second_life(table, store, clock)
+    assert stored_state(store) == {"count/k": 7, "sum/k": 7}, "the new stream's 4 records"
+    assert "stream was created again" in caplog.text
+
+
+def test_a_lease_created_again_without_an_incarnation_is_refused_loudly(
+        table: LeaseTable, new_sql_store: Callable[[], SQLStateStore],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A lease item written without ``kclpyIncarnation`` (by Java, or an older kclpy): the
+    store cannot tell a new lease from a zombie, and says so instead of skipping."""
+    clock = Clock()
+    first_life(table, new_sql_store(), clock)
+    create_again(table, "s9", None)
+    with pytest.raises(ShutdownException):
+        second_life(table, new_sql_store(), clock)
+    assert "delete the shard's row" in caplog.text
+
+
+def test_leases_are_created_with_an_incarnation_naming_the_streams_epoch(
+        table: LeaseTable) -> None:
+    kinesis = boto3.client("kinesis", region_name=REGION)
+    kinesis.create_stream(StreamName="born", ShardCount=1)
+    ShardSyncer(kinesis, table, stream_name="born", initial_position="TRIM_HORIZON",
+                stream_epoch=1_700_000_000).sync()
+    lease = table.get(SHARD)
+    assert lease is not None and lease.incarnation is not None
+    assert incarnation_order(lease.incarnation)[0] == 1_700_000_000
+    item = table.client.get_item(TableName=table.table_name, Key={"leaseKey": {"S": SHARD}})
+    assert item["Item"]["kclpyIncarnation"]["S"] == lease.incarnation
+
+
+def test_a_checkpoints_table_of_an_earlier_version_gets_the_incarnation_column(
+        tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "CREATE TABLE kclpy_state_checkpoints (lease_key VARCHAR(1024) PRIMARY KEY, "
+            "tenure BIGINT NOT NULL, checkpoint VARCHAR(256), "
+            "sub_sequence_number BIGINT NOT NULL)")
+        conn.exec_driver_sql("INSERT INTO kclpy_state_checkpoints VALUES ('s1', 4, '12', 0)")
+    store = SQLStateStore(url)
+    store.open(None)
+    with store.engine.connect() as conn:
+        assert conn.execute(sa.select(store.checkpoints)).all() == [("s1", 4, "12", 0, None)]

@@ -8,6 +8,8 @@ written by newer Java KCL versions are kept untouched because we never rewrite a
 from __future__ import annotations
 
 import dataclasses
+import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +55,12 @@ class Lease:
     #: multi-stream applications: the serialised stream identifier the key starts with
     #: (``account-id:stream-name:creation-epoch``, Java's ``streamName`` attribute)
     stream: str | None = None
+    #: kclpy's identity of this lease item, written once when the item is created
+    #: (``new_incarnation``): a lease deleted and created again, or a stream created again
+    #: under the same name, gets a new one, so a store that keeps progress outside the lease
+    #: table (the SQL state store) can tell. Java KCL workers ignore the attribute; None for
+    #: items created without it (by Java, or by kclpy before it).
+    incarnation: str | None = field(default=None, compare=False)
     #: In memory only, never persisted: a fresh value each time this worker takes the lease,
     #: so a checkpointer created for an earlier tenure cannot write into a later one.
     concurrency_token: str | None = field(default=None, compare=False)
@@ -88,3 +96,21 @@ class Lease:
 
     def copy(self, **changes: Any) -> Lease:
         return dataclasses.replace(self, **changes)
+
+
+def new_incarnation(stream_epoch: int | None, now: float | None = None) -> str:
+    """A fresh ``Lease.incarnation``: ``<stream creation epoch>:<creation ms>:<random>``,
+    the epoch 0 when unknown. Later incarnations of one lease key sort after earlier ones
+    (``incarnation_order``): a lease is created again only after the earlier item is gone."""
+    created_ms = round((time.time() if now is None else now) * 1000)
+    return f"{stream_epoch or 0}:{created_ms}:{uuid.uuid4().hex[:12]}"
+
+
+def incarnation_order(incarnation: str) -> tuple[int, int]:
+    """(stream creation epoch, creation ms) of an incarnation; (0, 0) when unreadable."""
+    epoch, _, rest = incarnation.partition(":")
+    created, _, _ = rest.partition(":")
+    try:
+        return int(epoch), int(created)
+    except ValueError:
+        return 0, 0

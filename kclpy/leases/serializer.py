@@ -36,6 +36,8 @@ RECOVERY = "kclpyRecovery"
 START_AT = "kclpyStartAt"
 #: kclpy's own attribute: the shard is parked, no kclpy worker takes it; Java ignores it
 PARKED = "kclpyParked"
+#: kclpy's lease incarnation (``Lease.incarnation``), written only when the item is created
+INCARNATION = "kclpyIncarnation"
 #: Java multi-stream leases: the serialised stream identifier (named so for legacy reasons)
 #: and the bare shard id, beside a key that joins them
 STREAM_NAME = "streamName"
@@ -113,6 +115,7 @@ def lease_from_item(item: Mapping[str, AttributeValueTypeDef]) -> Lease:
         start_at_ms=_int(item, START_AT),
         parked=_str(item, PARKED),
         stream=_str(item, STREAM_NAME),
+        incarnation=_str(item, INCARNATION),
     )
 
 
@@ -147,6 +150,8 @@ def lease_to_new_item(lease: Lease) -> dict[str, AttributeValueTypeDef]:
     if lease.stream is not None:
         item[STREAM_NAME] = s(lease.stream)
         item[SHARD_ID] = s(lease.shard_id)
+    if lease.incarnation is not None:
+        item[INCARNATION] = s(lease.incarnation)
     return item
 
 

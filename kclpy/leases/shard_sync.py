@@ -44,7 +44,14 @@ from botocore.exceptions import ClientError
 
 from kclpy.errors import ConfigError, LeaseLostError
 from kclpy.leases.dynamo import error_code
-from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON, Lease
+from kclpy.leases.lease import (
+    AT_TIMESTAMP,
+    LATEST,
+    SHARD_END,
+    TRIM_HORIZON,
+    Lease,
+    new_incarnation,
+)
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
 from kclpy.streams import multi_stream_lease_key
@@ -162,6 +169,12 @@ def shard_ids_of(lease_keys: Iterable[str], stream: str | None) -> set[str]:
     return {key[len(prefix):] for key in lease_keys if key.startswith(prefix)}
 
 
+def _epoch_of(stream: str) -> int | None:
+    """The creation epoch of a serialised stream identifier (``account:name:epoch``)."""
+    epoch = stream.rpartition(":")[2]
+    return int(epoch) if epoch.isdigit() else None
+
+
 def plan_new_leases(
     shards: Iterable[Shard], existing_lease_keys: Collection[str], initial_position: str,
     stream: str | None = None,
@@ -212,6 +225,7 @@ class ShardSyncer:
         stream_arn: str | None = None,
         initial_position: str = LATEST,
         stream: str | None = None,
+        stream_epoch: int | None = None,
         metrics: Metrics | None = None,
         page_size: int | None = None,
         max_attempts: int = 6,
@@ -236,6 +250,9 @@ class ShardSyncer:
         )
         self.initial_position = initial_position
         self.stream = stream
+        #: the stream's creation epoch (seconds), written into each new lease's incarnation
+        self.stream_epoch = stream_epoch if stream_epoch is not None or stream is None else (
+            _epoch_of(stream))
         self._metrics = metrics
         self._page: dict[str, int] = {} if page_size is None else {"MaxResults": page_size}
         self._max_attempts = max_attempts
@@ -321,7 +338,9 @@ class ShardSyncer:
             existing = set(existing) - self._retire_former(shards, leases)
         created = [
             lease
-            for lease in plan_new_leases(shards, existing, self.initial_position, self.stream)
+            for lease in (planned.copy(incarnation=new_incarnation(self.stream_epoch))
+                          for planned in plan_new_leases(
+                              shards, existing, self.initial_position, self.stream))
             if self._table.create(lease)
         ]
         if created:
@@ -367,6 +386,7 @@ class ShardSyncer:
                 starting_hash_key=child.starting_hash_key,
                 ending_hash_key=child.ending_hash_key,
                 stream=self.stream,
+                incarnation=new_incarnation(self.stream_epoch),
             )
             if self._table.create(lease):
                 log.info(

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
 
 from botocore.exceptions import ClientError
 
@@ -128,7 +129,7 @@ class StreamSet:
             self.kinesis, self.table, stream_name=None if stream.arn else stream.label,
             stream_arn=stream.arn,
             initial_position=stream.initial_position or cfg.initial_position,
-            stream=identifier, metrics=self.metrics)
+            stream=identifier, stream_epoch=_creation_epoch(summary), metrics=self.metrics)
         key = identifier or stream.label
         self.active[key] = ActiveStream(stream, identifier, syncer, consumer_arn)
         if self.former.pop(key, None) is not None:
@@ -216,3 +217,12 @@ class StreamSet:
     @staticmethod
     def _stream_of(lease: Lease) -> str | None:
         return lease.stream or stream_of_lease_key(lease.lease_key)
+
+
+def _creation_epoch(summary: Mapping[str, Any]) -> int | None:
+    """A DescribeStreamSummary's creation time in whole seconds (as Java's stream
+    identifier holds it); None when the endpoint leaves it out."""
+    created = summary.get("StreamCreationTimestamp")
+    if isinstance(created, datetime):
+        return int(created.timestamp())
+    return int(float(created)) if isinstance(created, (int, float, str)) else None

@@ -26,8 +26,9 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from kclpy.checkpoint import Checkpointer, position_of
-from kclpy.leases.lease import TRIM_HORIZON
+from kclpy.leases.lease import TRIM_HORIZON, Lease
 from kclpy.leases.serializer import RECOVERY, UpdateBuilder, s
+from kclpy.leases.table import checkpoint_changes
 from kclpy.metrics import Metrics
 from kclpy.recovery import queue as gaps
 from kclpy.recovery.detect import first_record
@@ -64,8 +65,12 @@ class ShardRecovery:
         max_lag_ms: int | None,
         metrics: Metrics,
         wall_clock: Callable[[], float] = time.time,
+        claim: Callable[[], tuple[str, int] | None] | None = None,
     ) -> None:
         self.shard_id = shard_id
+        #: a state store that keeps its own live position (the SQL store): claims the shard
+        #: for this tenure and returns that position (``StateStore.begin_tenure``)
+        self._claim = claim
         self._token = token
         self._fence = fence
         self._readers = reader_factory
@@ -108,6 +113,14 @@ class ShardRecovery:
         max_lag_ms = self._max_lag_ms
         if max_lag_ms is None or (checkpoint != TRIM_HORIZON and not checkpoint.isdigit()):
             return None
+        if self._claim is not None:
+            # The store's live position may be ahead of the lease's (its lease write failed
+            # after the commit landed): the records between were applied live, so the gap
+            # starts after it. Claimed first, so no earlier tenure commits past it meanwhile.
+            stored = self._claim()
+            if stored is not None and position_of(*stored) > position_of(
+                    checkpoint, sub_sequence_number):
+                checkpoint, sub_sequence_number = stored
         probe = self._readers(
             StartPosition.from_checkpoint(checkpoint, sub_sequence_number, None), None, None, 1)
         first = first_record(probe)
@@ -194,12 +207,13 @@ class ShardRecovery:
                 return
             done = (int(sequence_number), sub_sequence_number)
             final = self._final if self._reading == gap else self._ends.get(gap)
+            finished = None
             if final is not None and done >= final:
-                del queue[index]
+                finished = (queue.pop(index), sequence_number, sub_sequence_number)
             else:
                 queue[index] = queue[index].checkpointed(
                     sequence_number, sub_sequence_number, self._delivered_ms)
-            self._store(tuple(queue), items)
+            self._store(tuple(queue), items, finished)
 
     def guard(self, what: str) -> AbstractContextManager[Guard]:
         return self._fence.guard(self.shard_id, self._token, what=what)
@@ -214,7 +228,8 @@ class ShardRecovery:
         gap = _key(request)
         self._reading = gap
         self._checkpointer = Checkpointer(
-            self.shard_id, GapWriter(self, gap), self._token, request.done, request.done_sub)
+            self.shard_id, GapWriter(self, gap), self._token, request.done, request.done_sub,
+            gap=(request.start, request.start_sub))
         reader = self._readers(self._start_of(request), request.end_ms, self._pacer, None)
         reader.start()
         self._reader = reader
@@ -254,12 +269,15 @@ class ShardRecovery:
         self._stop_reader()
         # Read before taking ``_lock``: a checkpoint holds the checkpointer's lock while it
         # waits for ``_lock``.
-        done = position_of(*checkpointer.last_checkpoint)
+        last = checkpointer.last_checkpoint
+        done = position_of(*last)
         with self._lock:
-            queued = any(_key(r) == gap for r in self._queue)
-            if queued and (final is None or done >= final):
-                self._store(tuple(r for r in self._queue if _key(r) != gap))
+            request = next((r for r in self._queue if _key(r) == gap), None)
+            if request is not None and (final is None or done >= final):
+                self._store(tuple(r for r in self._queue if _key(r) != gap), (),
+                            None if last[0] is None else (request, last[0], last[1]))
                 return
+            queued = request is not None
             if queued:
                 self._passed.add(gap)
                 if final is not None:
@@ -278,20 +296,42 @@ class ShardRecovery:
             reader.stop()
         self._pacer.leave()
 
-    def _store(self, queue: tuple[RecoveryRequest, ...], items: Sequence[Any] = ()) -> None:
-        """Write ``queue`` to the lease item as its holder (the caller holds ``_lock``)."""
+    def _store(self, queue: tuple[RecoveryRequest, ...], items: Sequence[Any] = (),
+               finished: tuple[RecoveryRequest, str, int] | None = None) -> None:
+        """Write ``queue`` to the lease item as its holder (the caller holds ``_lock``).
+
+        ``finished`` is the gap this write removes, with the checkpoint that covered its last
+        record. When the live checkpoint still names where that gap starts (live reading
+        committed nothing yet: an idle stream), it moves to the gap's last record in the
+        same write: every record up to there is processed, and a next owner starting from
+        the gap's start would find the same gap again and process it twice. Decided on the
+        held lease, under the fence's lock, so a live checkpoint never moves back."""
         value = gaps.dumps(queue)
-        changes = UpdateBuilder()
-        if value is None:
-            changes.remove(RECOVERY)
-        else:
-            changes.set(RECOVERY, s(value))
-        if items:
-            self._fence.transact(self.shard_id, self._token, changes, items,
-                                 what="recovery commit",
-                                 apply=lambda lease: lease.copy(recovery=value))
-        else:
-            self._fence.update(self.shard_id, self._token, changes, what="recovery checkpoint")
+
+        def write(lease: Lease) -> Lease:
+            changes = UpdateBuilder()
+            live = lease
+            if finished is not None and position_of(
+                    lease.checkpoint, lease.checkpoint_sub_sequence_number) == position_of(
+                    finished[0].start, finished[0].start_sub):
+                changes = checkpoint_changes(finished[1], finished[2])
+                live = lease.copy(checkpoint=finished[1],
+                                  checkpoint_sub_sequence_number=finished[2],
+                                  owner_switches_since_checkpoint=0)
+            if value is None:
+                changes.remove(RECOVERY)
+            else:
+                changes.set(RECOVERY, s(value))
+            if not items:
+                return self._fence.table.guarded_update(lease, changes)
+            fresh = self._fence.table.guarded_transact(lease, changes, items)
+            return fresh.copy(recovery=value, checkpoint=live.checkpoint,
+                              checkpoint_sub_sequence_number=live.checkpoint_sub_sequence_number,
+                              owner_switches_since_checkpoint=(
+                                  live.owner_switches_since_checkpoint))
+
+        self._fence.write(self.shard_id, self._token, write,
+                          what="recovery commit" if items else "recovery checkpoint")
         self._queue = queue
         self._publish()
 

@@ -8,8 +8,10 @@ records are applied again to the state as it now is. A transaction holds the lea
 plus at most 99 writes and stays under 4 MB (``transaction.py`` cuts it at record
 boundaries to stay there).
 
-Keys a transaction only read are checked (``ConditionCheck``) at the version it read, so a
-value computed from another key is never committed after that key changed.
+Every key a transaction read is checked at the version it read, absent keys included: a key
+only read gets a ``ConditionCheck`` (``attribute_not_exists`` when it was read as absent), and
+so does the delete of a key read as absent - there is nothing to delete, but a commit that
+assumed the key absent must be refused when another shard created it meanwhile.
 """
 
 from __future__ import annotations
@@ -86,14 +88,22 @@ class DynamoDBStateStore:
         checkpoint: str,
         sub_sequence_number: int,
         txn: StateTransaction,
+        gap: tuple[str, int] | None = None,
     ) -> None:
+        """``writer`` is the gap's when ``gap`` is set: the lease item's recovery queue, not
+        its checkpoint, moves in the same transaction."""
         writer.transact_checkpoint(
             shard_id, token, checkpoint, sub_sequence_number, self.items(txn))
         self._cache.committed(txn)
 
+    def gap_position(self, shard_id: str, gap: tuple[str, int]) -> tuple[str, int] | None:
+        """Nothing stored here: a gap's checkpoint in the lease item commits with its state."""
+        return None
+
     def items(self, txn: StateTransaction) -> list[Any]:
         """The transaction's entries besides the lease item: each write, and a check of
-        each key only read, conditioned on the version it was read at."""
+        each key only read (or deleted after being read as absent), conditioned on the
+        version it was read at."""
         entries: list[Any] = []
         for key, version in txn.versions.items():
             value = txn.writes.get(key, _READ_ONLY)
@@ -103,11 +113,10 @@ class DynamoDBStateStore:
                           "ExpressionAttributeNames": {"#v": VERSION},
                           "ExpressionAttributeValues": {":v": {"N": str(version)}}})
             target = {"TableName": self.table_name, "Key": {KEY: {"S": key}}}
-            if value is _READ_ONLY:
+            if value is _READ_ONLY or (value is DELETED and version == 0):
                 entries.append({"ConditionCheck": {**target, **condition}})
             elif value is DELETED:
-                if version != 0:  # a key that never existed has nothing to delete
-                    entries.append({"Delete": {**target, **condition}})
+                entries.append({"Delete": {**target, **condition}})
             else:
                 entries.append({"Put": {"TableName": self.table_name, "Item": {
                     KEY: {"S": key},

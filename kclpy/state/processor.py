@@ -87,29 +87,47 @@ class ExactlyOnceProcessor(IRecordProcessor):
         self._clock = clock
         self._sleep = sleep
         self._shard_id = ""
-        #: the last position committed (records at or before it are skipped on a retry)
+        #: the last live position committed (records at or before it are skipped on a retry)
         self._committed: Position = position_of(None, None)
+        #: the same for each lag-recovery gap (by the position it starts after): a gap's
+        #: records are older than every live one, so the two are never compared
+        self._gaps: dict[tuple[str, int], Position] = {}
         self._tenure_begun = False
 
     def initialize(self, initialize_input: InitializeInput) -> None:
         self._shard_id = initialize_input.shard_id
         self._committed = position_of(initialize_input.sequence_number,
                                       initialize_input.sub_sequence_number)
+        self._gaps = {}
         self.processor.initialize(initialize_input)
 
     def process_records(self, process_records_input: ProcessRecordsInput) -> None:
+        """Apply and commit the batch. A lag-recovery batch (its checkpointer names its gap)
+        is skipped up to the gap's own committed position and committed as the gap's
+        progress, through the gap's checkpointer; a live batch likewise with the live
+        position. Records skipped as committed before (by this tenure or, on the SQL store,
+        by an earlier one whose lease write was lost) are checkpointed, so the lease item
+        catches up and a gap finished that way is removed."""
         checkpointer = process_records_input.checkpointer
         if not self._tenure_begun:
+            # Claimed from whichever batch comes first: a closed shard gets only gap batches.
             stored = checkpointer.fenced(self._store.begin_tenure)
             if stored is not None:
                 self._committed = max(self._committed, position_of(*stored))
             self._tenure_begun = True
+        gap = checkpointer.gap
+        if process_records_input.is_recovery and gap is None:
+            raise ValueError(f"shard {self._shard_id}: a recovery batch's checkpointer must "
+                             "name its gap")
+        committed = self._committed_of(gap, checkpointer)
         txn = self._begin()
         covered: list[Record] = []
+        skipped: Record | None = None
         started = self._clock()
         for record in process_records_input.records:
-            if (int(record.sequence_number), record.sub_sequence_number) <= self._committed:
-                continue  # committed before this batch failed and came again
+            if (int(record.sequence_number), record.sub_sequence_number) <= committed:
+                skipped = record  # committed before this batch failed and came again
+                continue
             if not self._apply(record, txn):
                 self._commit(checkpointer, txn, covered)
                 txn, covered, started = self._begin(), [], self._clock()
@@ -124,6 +142,10 @@ class ExactlyOnceProcessor(IRecordProcessor):
                 txn, covered, started = self._begin(), [], self._clock()
         if covered:
             self._commit(checkpointer, txn, covered)
+        elif skipped is not None and (
+                int(skipped.sequence_number), skipped.sub_sequence_number) > position_of(
+                *checkpointer.last_checkpoint):
+            checkpointer.checkpoint(skipped)
 
     def lease_lost(self, lease_lost_input: LeaseLostInput) -> None:
         self.processor.lease_lost(lease_lost_input)
@@ -135,6 +157,20 @@ class ExactlyOnceProcessor(IRecordProcessor):
         """Nothing to do: every delivered batch was committed before the next one came."""
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _committed_of(self, gap: tuple[str, int] | None, checkpointer: Checkpointer
+                      ) -> Position:
+        """The last committed position of the live shard (``gap`` None) or of ``gap``: what
+        this processor committed, the checkpoint the gap's checkpointer starts from, and -
+        asked once per gap - what the store holds for it."""
+        if gap is None:
+            return self._committed
+        if gap not in self._gaps:
+            stored = self._store.gap_position(self._shard_id, gap)
+            self._gaps[gap] = position_of(*stored) if stored is not None else position_of(
+                None, None)
+        self._gaps[gap] = max(self._gaps[gap], position_of(*checkpointer.last_checkpoint))
+        return self._gaps[gap]
 
     def _begin(self) -> StateTransaction:
         return StateTransaction(self._store.read, self._store.limits)
@@ -156,7 +192,8 @@ class ExactlyOnceProcessor(IRecordProcessor):
             return
         for attempt in range(MAX_CONFLICTS + 1):
             try:
-                checkpointer.commit(covered[-1], partial(self._store.commit, txn=txn))
+                checkpointer.commit(covered[-1], partial(self._store.commit, txn=txn,
+                                                         gap=checkpointer.gap))
             except TransactionRejected:
                 self._store.forget(list(txn.versions))
                 if self._metrics is not None:
@@ -173,7 +210,11 @@ class ExactlyOnceProcessor(IRecordProcessor):
                             "when applied again") from None
                 continue
             last = covered[-1]
-            self._committed = (int(last.sequence_number), last.sub_sequence_number)
+            if checkpointer.gap is None:
+                self._committed = (int(last.sequence_number), last.sub_sequence_number)
+            else:
+                self._gaps[checkpointer.gap] = (int(last.sequence_number),
+                                                last.sub_sequence_number)
             if self._metrics is not None:
                 self._metrics.state_commits.labels(self._shard_id).inc()
                 self._metrics.state_records.labels(self._shard_id).inc(len(covered))

@@ -1,8 +1,10 @@
 """State in a SQL database (SQLAlchemy Core): SQLite on one host, PostgreSQL across hosts.
 
-Two tables, named after ``prefix``: ``<prefix>`` holds one row per key (``state_key``,
+Three tables, named after ``prefix``: ``<prefix>`` holds one row per key (``state_key``,
 ``state_value`` as JSON text, ``version``), ``<prefix>_checkpoints`` one row per shard
-(``lease_key``, ``tenure``, ``checkpoint``, ``sub_sequence_number``). A commit is one database
+(``lease_key``, ``tenure``, ``checkpoint``, ``sub_sequence_number``, ``incarnation``) and
+``<prefix>_gaps`` one row per lag-recovery gap a commit covered (``lease_key``, ``gap``: the
+position the gap starts after, ``checkpoint``, ``sub_sequence_number``). A commit is one database
 transaction that locks the shard's checkpoint row, checks that it still carries this worker's
 tenure (the lease counter the tenure started at: ``LeaseFence.guard``), writes every state
 change conditioned on the version it was read at, and moves the checkpoint. A worker that
@@ -14,7 +16,13 @@ Here the store, not the lease table, holds the truth: the lease item's checkpoin
 up to date right after each commit (for ``kclpy leases`` and for the next owner's start), and
 when that write fails the commit still stands - the next owner reads the store's position and
 skips records it covers. A commit that finds its own position already stored (the previous
-attempt landed, but its answer was lost) is taken as done.
+attempt landed, but its answer was lost) is taken as done. A gap's commit is fenced by the
+shard's row the same way but moves the gap's row, never the shard's.
+
+Tenures are counted per lease incarnation (``Lease.incarnation``, written when the lease
+item is created): the checkpoint row names the one its tenure belongs to, so a lease or a
+stream created again - its counter starting over - is recognised instead of being refused
+for ever or, worse, having its records skipped as committed (``_claim``).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from kclpy.checkpoint import CheckpointWriter, position_of
 from kclpy.errors import CheckpointError, KinesisClientLibDependencyException, LeaseLostError
+from kclpy.leases.lease import incarnation_order
 from kclpy.leases.table import TransactionRejected
 from kclpy.state.store import CommittedCache
 from kclpy.state.transaction import DELETED, Limits, StateTransaction, Versioned
@@ -40,6 +49,11 @@ log = logging.getLogger(__name__)
 #: stays small keeps row locks short
 MAX_ITEMS = 10_000
 MAX_BYTES = 64_000_000
+#: the checkpoint row's column naming the lease incarnation its tenures belong to
+INCARNATION = "incarnation"
+INCARNATION_LENGTH = 100
+#: marks a key the transaction read but did not write
+_READ_ONLY = object()
 
 
 def _is_sqlite(engine: Engine) -> bool:
@@ -93,6 +107,13 @@ class SQLStateStore:
             sa.Column("lease_key", sa.String(1024), primary_key=True),
             sa.Column("tenure", sa.BigInteger, nullable=False),
             sa.Column("checkpoint", sa.String(256)),
+            sa.Column("sub_sequence_number", sa.BigInteger, nullable=False),
+            sa.Column(INCARNATION, sa.String(INCARNATION_LENGTH)))
+        self.gaps = sa.Table(
+            f"{prefix}_gaps", meta,
+            sa.Column("lease_key", sa.String(1024), primary_key=True),
+            sa.Column("gap", sa.String(300), primary_key=True),
+            sa.Column("checkpoint", sa.String(256), nullable=False),
             sa.Column("sub_sequence_number", sa.BigInteger, nullable=False))
         self._meta = meta
         self._cache = CommittedCache()
@@ -108,6 +129,26 @@ class SQLStateStore:
             self._meta.create_all(self.engine)
         except DBAPIError:
             self._meta.create_all(self.engine)
+        self._add_incarnation_column()
+
+    def _add_incarnation_column(self) -> None:
+        """A checkpoints table created before rows named their lease incarnation gets the
+        column (rows without one are judged by tenure alone, as they were)."""
+        def missing() -> bool:
+            columns = sa.inspect(self.engine).get_columns(self.checkpoints.name)
+            return INCARNATION not in {column["name"] for column in columns}
+
+        if not missing():
+            return
+        quote = self.engine.dialect.identifier_preparer.quote
+        try:
+            with self.engine.begin() as conn:
+                conn.exec_driver_sql(
+                    f"ALTER TABLE {quote(self.checkpoints.name)} ADD COLUMN "
+                    f"{quote(INCARNATION)} VARCHAR({INCARNATION_LENGTH})")
+        except DBAPIError:
+            if missing():  # not another worker's ALTER that won the race
+                raise
 
     def read(self, key: str) -> Versioned:
         return self._cache.read(key, self._fetch)
@@ -132,20 +173,62 @@ class SQLStateStore:
     def _claim(
         self, writer: CheckpointWriter, shard_id: str, token: str
     ) -> tuple[str, int] | None:
+        """Stamp the shard's row with this tenure and return its position. The row names
+        the lease incarnation (``Lease.incarnation``) its tenures belong to: a tenure counter
+        is only compared within one incarnation. A later incarnation - the lease or the
+        stream created again, its counter starting over - takes the row over; its position
+        is kept when the stream is the same one (every record up to it was applied), dropped
+        when the stream was created again (its sequence numbers are another stream's)."""
         with writer.guard(shard_id, token, what="state claim") as guard, \
                 self.engine.begin() as conn:
             row = self._lock_checkpoint(conn, shard_id)
+            incarnation = guard.lease.incarnation
             if row is None:
                 conn.execute(sa.insert(self.checkpoints).values(
                     lease_key=shard_id, tenure=guard.tenure, checkpoint=None,
-                    sub_sequence_number=0))
+                    sub_sequence_number=0, incarnation=incarnation))
                 return None
-            if row.tenure > guard.tenure:
+            position = (None if row.checkpoint is None
+                        else (row.checkpoint, row.sub_sequence_number))
+            stored = row.incarnation
+            if incarnation is not None and stored is not None and incarnation != stored:
+                position = self._take_over(conn, shard_id, incarnation, stored, position)
+            elif row.tenure > guard.tenure:
+                if incarnation is None or stored is None:
+                    log.error(
+                        "shard %s: the state store holds tenure %d, above this lease's "
+                        "counter %d, and no lease incarnation tells whether the lease was "
+                        "created again: refused. If the lease or its stream was created "
+                        "again, delete the shard's row from %s", shard_id, row.tenure,
+                        guard.tenure, self.checkpoints.name)
                 raise LeaseLostError(f"state store holds tenure {row.tenure} > {guard.tenure}")
             conn.execute(sa.update(self.checkpoints)
                          .where(self.checkpoints.c.lease_key == shard_id)
-                         .values(tenure=guard.tenure))
-            return None if row.checkpoint is None else (row.checkpoint, row.sub_sequence_number)
+                         .values(tenure=guard.tenure, incarnation=incarnation or stored,
+                                 checkpoint=None if position is None else position[0],
+                                 sub_sequence_number=0 if position is None else position[1]))
+            return position
+
+    def _take_over(self, conn: Connection, shard_id: str, incarnation: str, stored: str,
+                   position: tuple[str, int] | None) -> tuple[str, int] | None:
+        """The row is of another incarnation of the lease: refused when that one is newer
+        (this worker holds a lease deleted since), otherwise the position to resume from."""
+        if incarnation_order(incarnation) < incarnation_order(stored):
+            raise LeaseLostError(f"state store holds lease incarnation {stored}, newer than "
+                                 f"{incarnation}")
+        epoch, stored_epoch = incarnation_order(incarnation)[0], incarnation_order(stored)[0]
+        if epoch and stored_epoch and epoch != stored_epoch:
+            log.warning(
+                "shard %s: its stream was created again (creation epoch %d; the state store's "
+                "position %s is of the stream created at %d): that position and its gaps' "
+                "are dropped and the shard is read from its lease's checkpoint; the state is "
+                "kept", shard_id, epoch, position, stored_epoch)
+            conn.execute(sa.delete(self.gaps).where(self.gaps.c.lease_key == shard_id))
+            return None
+        log.warning("shard %s: its lease was created again (incarnation %s; the state store's "
+                    "rows are of %s): resuming from the store's position %s, records up to it "
+                    "are not applied again", shard_id, incarnation, stored, position)
+        return position
 
     def commit(
         self,
@@ -155,26 +238,44 @@ class SQLStateStore:
         checkpoint: str,
         sub_sequence_number: int,
         txn: StateTransaction,
+        gap: tuple[str, int] | None = None,
     ) -> None:
+        """A gap's commit is fenced by the shard's row like a live one, but checks and moves
+        the gap's own row (``<prefix>_gaps``); the lease item's copy is then updated
+        through ``writer`` - the gap's, which moves the gap in the recovery queue."""
         try:
             with writer.guard(shard_id, token, what="state commit") as guard, \
                     self.engine.begin() as conn:
                 row = self._lock_checkpoint(conn, shard_id)
-                if row is None or row.tenure != guard.tenure:
+                incarnation = guard.lease.incarnation
+                if row is None or row.tenure != guard.tenure or (
+                        incarnation is not None and row.incarnation != incarnation):
                     raise LeaseLostError(
-                        f"state store holds tenure {None if row is None else row.tenure}, "
-                        f"this worker {guard.tenure}")
-                if (row.checkpoint is not None and position_of(
-                        row.checkpoint, row.sub_sequence_number)
+                        f"state store holds tenure {None if row is None else row.tenure} of "
+                        f"{None if row is None else row.incarnation}, this worker "
+                        f"{guard.tenure} of {incarnation}")
+                stored = row if gap is None else conn.execute(
+                    sa.select(self.gaps.c.checkpoint, self.gaps.c.sub_sequence_number)
+                    .where(self._gap_row(shard_id, gap)).with_for_update()).first()
+                if (stored is not None and stored.checkpoint is not None and position_of(
+                        stored.checkpoint, stored.sub_sequence_number)
                         >= position_of(checkpoint, sub_sequence_number)):
                     log.info("shard %s: commit at %s/%d had landed already", shard_id,
                              checkpoint, sub_sequence_number)
                 else:
                     self._write(conn, txn)
-                    conn.execute(sa.update(self.checkpoints)
-                                 .where(self.checkpoints.c.lease_key == shard_id)
-                                 .values(checkpoint=checkpoint,
-                                         sub_sequence_number=sub_sequence_number))
+                    position = {"checkpoint": checkpoint,
+                                "sub_sequence_number": sub_sequence_number}
+                    if gap is None:
+                        conn.execute(sa.update(self.checkpoints)
+                                     .where(self.checkpoints.c.lease_key == shard_id)
+                                     .values(**position))
+                    elif stored is None:
+                        conn.execute(sa.insert(self.gaps).values(
+                            lease_key=shard_id, gap=_gap_name(gap), **position))
+                    else:
+                        conn.execute(sa.update(self.gaps)
+                                     .where(self._gap_row(shard_id, gap)).values(**position))
         except IntegrityError as exc:  # a key this transaction saw missing was inserted
             raise TransactionRejected(f"shard {shard_id}: {exc.orig}", []) from exc
         except DBAPIError as exc:
@@ -189,15 +290,28 @@ class SQLStateStore:
                         "was not updated (%s) and will be on the next commit", shard_id,
                         checkpoint, sub_sequence_number, exc)
 
+    def gap_position(self, shard_id: str, gap: tuple[str, int]) -> tuple[str, int] | None:
+        try:
+            with self.engine.connect() as conn:
+                row = conn.execute(
+                    sa.select(self.gaps.c.checkpoint, self.gaps.c.sub_sequence_number)
+                    .where(self._gap_row(shard_id, gap))).first()
+        except DBAPIError as exc:
+            raise _unavailable(shard_id, "gap read", exc) from exc
+        return None if row is None else (row.checkpoint, row.sub_sequence_number)
+
     def forget(self, keys: Sequence[str]) -> None:
         self._cache.forget(keys)
 
     # -- internals ---------------------------------------------------------------------------
 
+    def _gap_row(self, shard_id: str, gap: tuple[str, int]) -> sa.ColumnElement[bool]:
+        return sa.and_(self.gaps.c.lease_key == shard_id, self.gaps.c.gap == _gap_name(gap))
+
     def _lock_checkpoint(self, conn: Connection, shard_id: str) -> Any:
         c = self.checkpoints.c
         return conn.execute(
-            sa.select(c.tenure, c.checkpoint, c.sub_sequence_number)
+            sa.select(c.tenure, c.checkpoint, c.sub_sequence_number, c.incarnation)
             .where(c.lease_key == shard_id).with_for_update()).first()
 
     def _write(self, conn: Connection, txn: StateTransaction) -> None:
@@ -207,15 +321,16 @@ class SQLStateStore:
         for key in sorted(txn.versions):
             version = txn.versions[key]
             same = sa.and_(c.state_key == key, c.version == version)
-            if key not in txn.writes:
+            value = txn.writes.get(key, _READ_ONLY)
+            if version == 0 and (value is _READ_ONLY or value is DELETED):
+                self._check_absent(conn, key)
+            elif value is _READ_ONLY:
                 found = conn.execute(sa.select(c.version).where(c.state_key == key)
                                      .with_for_update(read=True)).scalar()
                 if (found or 0) != version:
                     raise _conflict(key, version)
-                continue
-            value = txn.writes[key]
-            if value is DELETED:
-                if version and conn.execute(sa.delete(self.state).where(same)).rowcount != 1:
+            elif value is DELETED:
+                if conn.execute(sa.delete(self.state).where(same)).rowcount != 1:
                     raise _conflict(key, version)
             elif version == 0:
                 conn.execute(sa.insert(self.state).values(
@@ -225,6 +340,21 @@ class SQLStateStore:
                 raise _conflict(key, version)
         for statement in txn.outgoing:
             conn.execute(statement)
+
+    def _check_absent(self, conn: Connection, key: str) -> None:
+        """``key`` was read as absent and is not written: it must still be absent, and stay
+        so until this transaction ends. A SELECT cannot lock a row that does not exist (a
+        PostgreSQL transaction could insert it right after), so a placeholder row is
+        inserted and deleted again: the insert fails (``IntegrityError``, a conflict) when
+        the key exists, and until this transaction ends any other insert of the key waits
+        on it."""
+        conn.execute(sa.insert(self.state).values(state_key=key, state_value="null", version=0))
+        conn.execute(sa.delete(self.state).where(self.state.c.state_key == key))
+
+
+def _gap_name(gap: tuple[str, int]) -> str:
+    """A gap's key in ``<prefix>_gaps``: the position it starts after."""
+    return f"{gap[0]}/{gap[1]}"
 
 
 def _json(value: Any) -> str:

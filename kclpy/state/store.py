@@ -37,10 +37,17 @@ class StateStore(Protocol):
         checkpoint: str,
         sub_sequence_number: int,
         txn: StateTransaction,
+        gap: tuple[str, int] | None = None,
     ) -> None:
         """Commit ``txn`` with the checkpoint, all or nothing, fenced by the lease through
-        ``writer``. Raises ``TransactionRejected`` (nothing written) when a key changed since
-        ``txn`` read it; what the writer raises when the lease is lost or the write fails."""
+        ``writer``. ``gap`` names the lag-recovery gap the checkpoint is of (``writer`` is
+        then the gap's), None the shard's live checkpoint: the two never share a position.
+        Raises ``TransactionRejected`` (nothing written) when a key changed since ``txn``
+        read it; what the writer raises when the lease is lost or the write fails."""
+
+    def gap_position(self, shard_id: str, gap: tuple[str, int]) -> tuple[str, int] | None:
+        """The position the store last committed for ``gap`` of ``shard_id``, or None when
+        the gap's checkpoint in the lease item is the store's own (the DynamoDB store)."""
 
     def forget(self, keys: Sequence[str]) -> None:
         """What is known of ``keys`` may be stale (a conflicting writer, a new tenure)."""

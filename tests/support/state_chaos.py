@@ -194,7 +194,8 @@ def run_state_chaos(
 ) -> StateChaosResult:
     """Run the chaos fleet with ``mode``'s processor. ``store`` is the ``--state-store``
     (exactly-once) or the plain processor's database URL; ``read_state()`` reads what is
-    stored."""
+    stored. ``settings.max_lag_ms`` turns lag recovery on too: a shard taken over further
+    behind reads live at once and its gap is recovered beside it."""
     started = time.monotonic()
     if mode == EXACTLY_ONCE:
         processor = ["--processor", "tests.support.state_chaos:ChaosCounter",
