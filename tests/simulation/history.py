@@ -30,17 +30,21 @@ Invariants (each named in a failure):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kclpy.checkpoint import position_of
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+from sqlalchemy.pool import StaticPool
+
 from kclpy.config import KCLConfig
 from kclpy.errors import CheckpointError
 from kclpy.leases.held import HeldSet
-from kclpy.leases.lease import SHARD_END
+from kclpy.leases.lease import SHARD_END, Lease
 from kclpy.processor import (
     InitializeInput,
     IRecordProcessor,
@@ -51,6 +55,7 @@ from kclpy.processor import (
 )
 from kclpy.records import Record
 from kclpy.state.dynamodb import DynamoDBStateStore
+from kclpy.state.sql import SQLStateStore
 from kclpy.state.processor import StatefulProcessor
 from kclpy.state.transaction import DELETED, StateTransaction
 from kclpy.worker import Worker
@@ -83,7 +88,7 @@ class Plan:
     seed: int
     workers: int
     shards: int
-    mode: str  # plain | exactly-once
+    mode: str  # plain | exactly-once (DynamoDB store) | exactly-once-sql (SQLite store)
     recovery: bool
     failover_s: float
     quiet: float
@@ -112,13 +117,16 @@ def plan_for(seed: int) -> Plan:
         lost=sim_rng.choice([0.0, 0.005, 0.02]) if heavy else 0.0,
         delay=sim_rng.choice([0.0, 0.01, 0.03, 0.06]) if heavy else sim_rng.choice([0.0, 0.01]),
         failover_s=failover)
-    mode = sim_rng.choice(["plain", "plain", "exactly-once"])
+    mode = sim_rng.choice(["plain", "plain", "exactly-once", "exactly-once-sql"])
     plan = Plan(seed, workers=sim_rng.choice([3, 3, 4]), shards=sim_rng.choice([2, 3, 4]),
                 mode=mode, recovery=sim_rng.random() < 0.25, failover_s=failover, quiet=quiet,
                 records=sim_rng.choice([60, 120, 240]), faults=faults)
     for _ in range(sim_rng.choice([0, 1, 2, 3])):
         what = sim_rng.choice(["kill", "pause", "shutdown", "split", "merge", "pause"])
         plan.events.append((sim_rng.uniform(3.0, quiet - 3.0), what, sim_rng.randrange(1 << 30)))
+    if mode == "exactly-once-sql" and sim_rng.random() < 0.5:
+        # an operator resets the lease table: the leases come back with new counters
+        plan.events.append((sim_rng.uniform(5.0, quiet - 5.0), "reset", 0))
     plan.events.sort()
     return plan
 
@@ -139,10 +147,15 @@ class Observer:
         self.kinesis = kinesis
         self.plan = plan
         self.delivered: dict[str, set[Position]] = defaultdict(set)
-        self.commits: dict[str, tuple[int, str]] = {}
+        self.commits: dict[str, tuple[tuple[int, int], str]] = {}
+        #: how many times each lease item was created (a reset table creates them again)
+        self.incarnation: dict[str, int] = defaultdict(int)
+        self.tenure_incarnation: dict[tuple[str, str, int], int] = {}
         self.violations: list[Violation] = []
         self.touched: dict[tuple[str, str], Touch] = {}
         self.pauses: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        #: the workers by node name (the history fills it)
+        self.workers: dict[str, Worker] = {}
         self.pending_txn: dict[int, tuple[dict[str, int], dict[str, Any]]] = {}
         self.transactions: list[tuple[dict[str, int], dict[str, Any]]] = []
 
@@ -163,13 +176,19 @@ class Observer:
 
     def _lease_write(self, key: str, old: dict[str, Any] | None,
                      new: dict[str, Any] | None) -> None:
+        if old is None and new is not None:
+            self.incarnation[key] += 1
         if new is None or old is None:
             return
         before, after = _checkpoint_of(old), _checkpoint_of(new)
         if after < before:
             self.fail("checkpoint-monotonic",
                       f"lease {key} checkpoint {_show(before)} -> {_show(after)}")
-        if after == before or self.plan.recovery:
+        if after == before:
+            return
+        if self.plan.mode != "exactly-once-sql":  # there the store's commit is the commit
+            self.commit_landed(key)
+        if self.plan.recovery:
             return
         shard = self.kinesis.streams[STREAM].shards.get(key)
         if shard is None:
@@ -188,16 +207,37 @@ class Observer:
         for record in records:
             self.delivered[shard].add((int(record.sequence_number), record.sub_sequence_number))
 
-    def committed(self, node: str, shard: str, tenure: int) -> None:
+    def tenure_started(self, node: str, key: str, counter: int) -> None:
+        """A worker starts a tenure of a lease (``HeldSet.install`` with a new token)."""
+        self.tenure_incarnation[(node, key, counter)] = self.incarnation[key]
+
+    def commit_landed(self, key: str) -> None:
+        """A commit (a checkpoint, alone or with state) landed. It is written under the
+        lease's lock by the fence, so the writer's held entry names the tenure it was
+        written for; the tenure is the lease counter of one incarnation of the lease item."""
+        task = self.sim.current
+        worker = self.workers.get(task.node.name) if task is not None else None
+        if task is None or worker is None or worker.coordinator is None:
+            return
+        entry = worker.coordinator.held.entry(key)
+        if entry is None:
+            return
+        node = task.node.name
+        incarnation = self.tenure_incarnation.get((node, key, entry.tenure),
+                                                  self.incarnation[key])
+        self.committed(node, key, (incarnation, entry.tenure))
+
+    def committed(self, node: str, shard: str, tenure: tuple[int, int]) -> None:
         last = self.commits.get(shard)
         if last is not None:
             last_tenure, last_node = last
             if tenure < last_tenure:
                 self.fail("one-committer", f"lease {shard}: {node} committed for tenure "
-                          f"{tenure} after {last_node} committed for tenure {last_tenure}")
+                          f"{tenure} after {last_node} committed for tenure {last_tenure} "
+                          "(incarnation, counter)")
             elif tenure == last_tenure and node != last_node:
                 self.fail("one-committer", f"lease {shard}: {node} and {last_node} both "
-                          f"committed for tenure {tenure}")
+                          f"committed for tenure {tenure} (incarnation, counter)")
         if last is None or tenure >= last[0]:
             self.commits[shard] = (tenure, node)
 
@@ -247,13 +287,6 @@ class Context:
         self.node = node
         self.worker: Worker | None = None
 
-    def tenure(self, shard: str) -> int | None:
-        worker = self.worker
-        if worker is None or worker.coordinator is None:
-            return None
-        entry = worker.coordinator.held.entry(shard)
-        return None if entry is None else entry.tenure
-
 
 class PlainProcessor(IRecordProcessor):
     """Delivers to the observer and checkpoints after every batch, as a processor should."""
@@ -272,14 +305,9 @@ class PlainProcessor(IRecordProcessor):
             self._checkpoint(process_records_input.checkpointer.checkpoint)
 
     def _checkpoint(self, checkpoint: Callable[[], None]) -> None:
-        before = self.context.tenure(self.shard)
-        try:
+        """A failed checkpoint is covered by the next one (or by the next holder's)."""
+        with contextlib.suppress(CheckpointError):
             checkpoint()
-        except CheckpointError:
-            return
-        after = self.context.tenure(self.shard)
-        if before is not None and before == after:
-            self.context.observer.committed(self.context.node.name, self.shard, before)
 
     def lease_lost(self, lease_lost_input: LeaseLostInput) -> None:
         """Nothing to do: the next holder resumes from the last checkpoint."""
@@ -315,6 +343,37 @@ class CountingState(StatefulProcessor):
             txn.delete(flag)
         else:
             txn.update(flag, lambda n: n + 1, 0)
+
+
+class ObservedSQLStore(SQLStateStore):
+    """The real SQL store on an in-memory SQLite database; the observer learns each
+    transaction as it is written (the database commit follows at once, in the same step)."""
+
+    observer: Observer | None = None
+
+    _shard: dict[int, str] = {}
+
+    def commit(self, writer: Any, shard_id: str, token: str, checkpoint: str,
+               sub_sequence_number: int, txn: StateTransaction) -> None:
+        self._shard[id(scheduler.ACTIVE and scheduler.ACTIVE.current)] = shard_id
+        super().commit(writer, shard_id, token, checkpoint, sub_sequence_number, txn)
+
+    def _write(self, conn: Connection, txn: StateTransaction) -> None:
+        super()._write(conn, txn)
+        observer = self.observer
+        assert observer is not None
+        observer.transactions.append((dict(txn.versions), dict(txn.writes)))
+        shard = self._shard.get(id(observer.sim.current))
+        if shard is not None:
+            observer.commit_landed(shard)
+
+
+def sqlite_store() -> ObservedSQLStore:
+    """One connection shared by every thread: only one thread runs at a time, and a SQL
+    transaction never gives the baton up before it ends."""
+    engine = sa.create_engine("sqlite://", poolclass=StaticPool,
+                              connect_args={"check_same_thread": False})
+    return ObservedSQLStore(engine)
 
 
 class ObservedStore(DynamoDBStateStore):
@@ -357,7 +416,7 @@ class History:
         self.workers: dict[str, tuple[Node, Worker | None]] = {}
         self.produced: dict[str, list[tuple[int, str, bytes]]] = defaultdict(list)
         self._generation = 0
-        self.store: ObservedStore | None = None
+        self.store: ObservedStore | ObservedSQLStore | None = None
 
     # -- fleet -----------------------------------------------------------------------------
 
@@ -386,7 +445,7 @@ class History:
         self.workers[name] = (node, None)
 
         def run() -> None:
-            if plan.mode == "exactly-once":
+            if plan.mode != "plain":
                 assert self.store is not None
                 store = self.store
                 worker = Worker(config, lambda: CountingState(context),
@@ -396,6 +455,7 @@ class History:
                                 session=Session(clients))  # type: ignore[arg-type]
             context.worker = worker
             self.workers[name] = (node, worker)
+            self.observer.workers[name] = worker
             worker.run(install_signal_handlers=False)
 
         self.sim.spawn(f"{name}-main", run, node)
@@ -411,6 +471,9 @@ class History:
         rng = sim.rng
         if plan.mode == "exactly-once":
             self.store = ObservedStore(STATE_TABLE)
+            self.store.observer = self.observer
+        elif plan.mode == "exactly-once-sql":
+            self.store = sqlite_store()
             self.store.observer = self.observer
         self.kinesis.create_stream(STREAM, plan.shards)
         for index in range(plan.workers):
@@ -436,7 +499,7 @@ class History:
     def _event(self, what: str, arg: int) -> None:
         sim, plan = self.sim, self.plan
         live = self.live()
-        sim.log(f"event {what} (live: {live})")
+        sim.log(f"controller: {what} (live: {live})")
         if what in ("kill", "pause", "shutdown") and len(live) > 1:
             name = live[arg % len(live)]
             node, worker = self.workers[name]
@@ -455,6 +518,9 @@ class History:
             shards = self.kinesis.open_shards(STREAM)
             if len(shards) < 6:
                 self.kinesis.split(STREAM, shards[arg % len(shards)].shard_id)
+        elif what == "reset":
+            _, items = self.dynamo.tables.get(APP, ("", {}))
+            items.clear()
         elif what == "merge":
             pair = self.kinesis.adjacent_open_pair(STREAM)
             if pair is not None:
@@ -472,7 +538,7 @@ class History:
             if undelivered:
                 observer.fail("liveness", f"shard {shard_id}: {len(undelivered)} of "
                               f"{len(records)} record(s) never delivered "
-                              f"(first {undelivered[0]})")
+                              f"(first {undelivered[0]}); {self._holder(shard_id, leases)}")
                 continue
             item = leases.get(shard_id)
             if item is None:
@@ -483,8 +549,32 @@ class History:
             if checkpoint < want:
                 observer.fail("liveness", f"shard {shard_id}: checkpoint {_show(checkpoint)} "
                               f"short of {_show(want)} at the end")
-        if self.plan.mode == "exactly-once":
+        if self.plan.mode != "plain":
             self._check_state()
+
+    def _stored_versions(self) -> dict[str, int]:
+        store = self.store
+        if isinstance(store, SQLStateStore):
+            with store.engine.connect() as conn:
+                rows = conn.execute(sa.select(store.state.c.state_key, store.state.c.version))
+                return {str(key): int(version) for key, version in rows}
+        _, state = self.dynamo.tables.get(STATE_TABLE, ("", {}))
+        return {key: int(item["stateVersion"]["N"]) for key, item in state.items()}
+
+    def _holder(self, shard_id: str, leases: dict[str, Any]) -> str:
+        """Who holds the lease and what its consumer is doing: a lease held and renewed
+        with no running consumer is hole 1's signature."""
+        item = leases.get(shard_id)
+        owner = item.get("leaseOwner", {}).get("S") if item is not None else None
+        if owner is None:
+            return "the lease is not owned" if item is not None else "no lease"
+        node, worker = self.workers.get(owner, (None, None))
+        if node is None or worker is None or node.killed:
+            return f"owner {owner} is gone"
+        held = worker.coordinator is not None and shard_id in worker.coordinator.held_leases()
+        consumer = worker.consumers().get(shard_id)
+        state = consumer.state.value if consumer is not None else "no consumer"
+        return f"held by {owner} ({'renewed' if held else 'not held there'}, consumer: {state})"
 
     def _check_state(self) -> None:
         observer = self.observer
@@ -504,8 +594,7 @@ class History:
                 else:
                     versions[key] = versions.get(key, 0) + 1
                     values[key] = value
-        _, state = self.dynamo.tables.get(STATE_TABLE, ("", {}))
-        stored = {key: int(item["stateVersion"]["N"]) for key, item in state.items()}
+        stored = self._stored_versions()
         if stored != versions:
             observer.fail("exactly-once", "the state table differs from the serial replay "
                           "of the committed transactions")
@@ -553,7 +642,21 @@ def _install_drop_hook() -> None:
                 observer.dropped(sim.current.node, lease_key, why)
         return dropped
 
+    original_install = HeldSet.install
+
+    def install(self: HeldSet, lease: Lease, sent_at: float,
+                handoff_since: float | None = None) -> None:
+        previous = self.entry(lease.lease_key)
+        original_install(self, lease, sent_at, handoff_since)
+        sim = scheduler.ACTIVE
+        observer = getattr(sim, "observer", None)
+        if (observer is not None and sim is not None and sim.current is not None and (
+                previous is None
+                or previous.lease.concurrency_token != lease.concurrency_token)):
+            observer.tenure_started(sim.current.node.name, lease.lease_key, lease.lease_counter)
+
     HeldSet.drop = drop  # type: ignore[method-assign]
+    HeldSet.install = install  # type: ignore[method-assign]
     _dropped_hook_installed = True
 
 

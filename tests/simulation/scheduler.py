@@ -229,7 +229,9 @@ class Sim:
         task.timed_out = False
         if timeout is not None:
             self._seq += 1
-            due = self.now + max(0.0, timeout) / task.node.rate
+            # at least a microsecond: a wait for what is left of a deadline must move time on
+            # even when float rounding leaves a remainder too small to add to ``now``
+            due = self.now + max(1e-6, timeout / task.node.rate)
             heapq.heappush(self._timers, (due, self._seq, task, task.generation))
         self._hand_on(task)
         if task.killed:
