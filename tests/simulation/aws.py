@@ -31,6 +31,8 @@ ACCOUNT = "123456789012"
 REGION = "us-east-1"
 MAX_HASH = 2**128 - 1
 Item = dict[str, dict[str, Any]]
+#: single-stream lease keys name no stream: the first (only) stream is meant
+STREAM_OF_SINGLE = ""
 
 
 def client_error(operation: str, code: str, status: int = 400, **extra: Any) -> ClientError:
@@ -80,6 +82,25 @@ class Kinesis:
         self.streams: dict[str, KStream] = {}
         self._sequence = 10**20
         self._iterators: dict[str, tuple[str, str, int]] = {}
+
+    #: lease keys are the Java multi-stream ones (``account:stream:epoch:shard``)
+    multi_stream = False
+
+    def lease_key(self, stream: str, shard_id: str) -> str:
+        if not self.multi_stream:
+            return shard_id
+        return f"{ACCOUNT}:{stream}:{int(EPOCH + self.streams[stream].created)}:{shard_id}"
+
+    def shard_of_lease(self, lease_key: str) -> KShard | None:
+        stream, shard_id = STREAM_OF_SINGLE, lease_key
+        if self.multi_stream:
+            _, stream, _, shard_id = lease_key.split(":")
+        found = self.streams.get(stream) if stream else next(iter(self.streams.values()), None)
+        return None if found is None else found.shards.get(shard_id)
+
+    def all_shards(self) -> list[tuple[str, str, KShard]]:
+        return [(name, shard_id, shard) for name, stream in self.streams.items()
+                for shard_id, shard in stream.shards.items()]
 
     def _next_sequence(self) -> int:
         self._sequence += 1 + self.sim.rng.randrange(3)

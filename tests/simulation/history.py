@@ -58,6 +58,7 @@ from kclpy.state.dynamodb import DynamoDBStateStore
 from kclpy.state.sql import SQLStateStore
 from kclpy.state.processor import StatefulProcessor
 from kclpy.state.transaction import DELETED, StateTransaction
+from kclpy.streams import StreamConfig
 from kclpy.worker import Worker
 from tests.simulation import scheduler
 from tests.simulation.aws import Dynamo, FaultPlan, FaultyClient, Kinesis, Session, Touch
@@ -66,6 +67,8 @@ from tests.simulation.scheduler import Node, Sim
 #: after the faults stop, every shard is consumed again within failover time + this
 LIVENESS_BOUND_S = 20.0
 STREAM = "sim-stream"
+#: the second stream of a multi-stream history, which the tracker drops and names again
+OTHER_STREAM = "sim-other"
 APP = "sim-app"
 STATE_TABLE = "sim-state"
 FLAG_KEYS = 3
@@ -94,12 +97,15 @@ class Plan:
     quiet: float
     records: int
     faults: FaultPlan
+    #: two streams: a multi-stream application whose tracker drops and adds one back
+    multi_stream: bool = False
     events: list[tuple[float, str, int]] = field(default_factory=list)
 
     def describe(self) -> str:
         events = ", ".join(f"{what}@{when:.1f}" for when, what, _ in self.events)
         f = self.faults
-        return (f"seed {self.seed}: {self.workers} workers, {self.shards} shards, {self.mode}"
+        return (f"seed {self.seed}: {self.workers} workers, {self.shards} shards"
+                f"{' per stream, 2 streams' if self.multi_stream else ''}, {self.mode}"
                 f"{' + lag recovery' if self.recovery else ''}, {self.records} records, "
                 f"faults until {self.quiet:.0f}s (throttle {f.throttle:.2f}, 5xx "
                 f"{f.server_error:.2f}, lost {f.lost:.2f}, delayed {f.delay:.2f}); {events}")
@@ -124,6 +130,9 @@ def plan_for(seed: int) -> Plan:
     for _ in range(sim_rng.choice([0, 1, 2, 3])):
         what = sim_rng.choice(["kill", "pause", "shutdown", "split", "merge", "pause"])
         plan.events.append((sim_rng.uniform(3.0, quiet - 3.0), what, sim_rng.randrange(1 << 30)))
+    if sim_rng.random() < 0.2:
+        plan.multi_stream = True
+        plan.events.append((sim_rng.uniform(5.0, quiet - 12.0), "drop-stream", 0))
     if mode == "exactly-once-sql" and sim_rng.random() < 0.5:
         # an operator resets the lease table: the leases come back with new counters
         plan.events.append((sim_rng.uniform(5.0, quiet - 5.0), "reset", 0))
@@ -190,7 +199,7 @@ class Observer:
             self.commit_landed(key)
         if self.plan.recovery:
             return
-        shard = self.kinesis.streams[STREAM].shards.get(key)
+        shard = self.kinesis.shard_of_lease(key)
         if shard is None:
             return
         delivered = self.delivered[key]
@@ -392,6 +401,19 @@ class ObservedStore(DynamoDBStateStore):
             observer.pending_txn.pop(id(observer.sim.current), None)
 
 
+class Tracker:
+    """The multi-stream tracker every worker of a history asks (kclpy.StreamTracker)."""
+
+    def __init__(self) -> None:
+        self.streams = [StreamConfig(name=STREAM), StreamConfig(name=OTHER_STREAM)]
+
+    def stream_configs(self) -> list[StreamConfig]:
+        return list(self.streams)
+
+    def restore(self) -> None:
+        self.streams = [StreamConfig(name=STREAM), StreamConfig(name=OTHER_STREAM)]
+
+
 # -- the history -----------------------------------------------------------------------------
 
 
@@ -417,6 +439,8 @@ class History:
         self.produced: dict[str, list[tuple[int, str, bytes]]] = defaultdict(list)
         self._generation = 0
         self.store: ObservedStore | ObservedSQLStore | None = None
+        self.tracker = Tracker()
+        self.kinesis.multi_stream = plan.multi_stream
 
     # -- fleet -----------------------------------------------------------------------------
 
@@ -434,7 +458,9 @@ class History:
         }
         context = Context(self.observer, node)
         config = KCLConfig(
-            application_name=APP, stream_name=STREAM, worker_id=name, region="us-east-1",
+            application_name=APP, worker_id=name, region="us-east-1",
+            stream_name=None if plan.multi_stream else STREAM,
+            stream_tracker=self.tracker if plan.multi_stream else None,
             initial_position="TRIM_HORIZON", failover_time_ms=int(plan.failover_s * 1000),
             idle_time_between_reads_ms=500, shard_sync_interval_ms=5000,
             parent_shard_poll_interval_ms=1000, max_lag_ms=3000 if plan.recovery else None,
@@ -476,6 +502,8 @@ class History:
             self.store = sqlite_store()
             self.store.observer = self.observer
         self.kinesis.create_stream(STREAM, plan.shards)
+        if plan.multi_stream:
+            self.kinesis.create_stream(OTHER_STREAM, plan.shards)
         for index in range(plan.workers):
             sim.at(rng.uniform(0, 6) if index else 0.0, self.start_worker)
         produce_until = plan.quiet + 5.0
@@ -493,8 +521,9 @@ class History:
         key = f"k{rng.randrange(12)}"
         flag = rng.randrange(FLAG_KEYS)
         data = f"{'D' if rng.random() < 0.2 else 'I'}{flag}".encode()
-        shard, seq = self.kinesis.put(STREAM, key, data)
-        self.produced[shard].append((seq, key, data))
+        stream = OTHER_STREAM if self.plan.multi_stream and rng.random() < 0.5 else STREAM
+        shard, seq = self.kinesis.put(stream, key, data)
+        self.produced[self.kinesis.lease_key(stream, shard)].append((seq, key, data))
 
     def _event(self, what: str, arg: int) -> None:
         sim, plan = self.sim, self.plan
@@ -518,6 +547,10 @@ class History:
             shards = self.kinesis.open_shards(STREAM)
             if len(shards) < 6:
                 self.kinesis.split(STREAM, shards[arg % len(shards)].shard_id)
+        elif what == "drop-stream":
+            # gone for one shard sync or several, then named again
+            self.tracker.streams = [StreamConfig(name=STREAM)]
+            sim.at(sim.now + plan.failover_s * (0.5 + arg % 3), self.tracker.restore)
         elif what == "reset":
             _, items = self.dynamo.tables.get(APP, ("", {}))
             items.clear()
@@ -531,8 +564,9 @@ class History:
     def check_end(self) -> None:
         observer = self.observer
         _, leases = self.dynamo.tables.get(APP, ("", {}))
-        for shard_id, shard in self.kinesis.streams[STREAM].shards.items():
+        for stream_name, shard_id, shard in self.kinesis.all_shards():
             records = shard.records
+            shard_id = self.kinesis.lease_key(stream_name, shard_id)
             undelivered = [r.sequence_number for r in records
                            if (r.sequence_number, 0) not in observer.delivered[shard_id]]
             if undelivered:
