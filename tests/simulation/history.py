@@ -31,6 +31,7 @@ Invariants (each named in a failure):
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections import defaultdict
 from collections.abc import Callable
@@ -55,9 +56,9 @@ from kclpy.processor import (
 )
 from kclpy.records import Record
 from kclpy.state.dynamodb import DynamoDBStateStore
-from kclpy.state.sql import SQLStateStore
 from kclpy.state.processor import StatefulProcessor
-from kclpy.state.transaction import DELETED, StateTransaction
+from kclpy.state.sql import SQLStateStore
+from kclpy.state.transaction import DELETED, StateTransaction, Versioned
 from kclpy.streams import StreamConfig
 from kclpy.worker import Worker
 from tests.simulation import scheduler
@@ -364,8 +365,22 @@ class ObservedSQLStore(SQLStateStore):
 
     def commit(self, writer: Any, shard_id: str, token: str, checkpoint: str,
                sub_sequence_number: int, txn: StateTransaction) -> None:
+        self._round_trip()
         self._shard[id(scheduler.ACTIVE and scheduler.ACTIVE.current)] = shard_id
         super().commit(writer, shard_id, token, checkpoint, sub_sequence_number, txn)
+
+    def _fetch(self, key: str) -> Versioned:
+        self._round_trip()
+        return super()._fetch(key)
+
+    @staticmethod
+    def _round_trip() -> None:
+        """A database is across the network: other threads run while a request travels.
+        Only before a transaction or a lone read: a SQL transaction itself never yields, as
+        every thread shares the one in-memory connection."""
+        sim = scheduler.ACTIVE
+        assert sim is not None
+        sim.sleep(0.001 + sim.rng.random() * 0.004)
 
     def _write(self, conn: Connection, txn: StateTransaction) -> None:
         super()._write(conn, txn)
@@ -508,15 +523,15 @@ class History:
             sim.at(rng.uniform(0, 6) if index else 0.0, self.start_worker)
         produce_until = plan.quiet + 5.0
         times = sorted(rng.uniform(0, produce_until) for _ in range(plan.records))
-        for index, when in enumerate(times):
-            sim.at(when, lambda index=index: self._produce(index))
+        for when in times:
+            sim.at(when, self._produce)
         for when, what, arg in plan.events:
-            sim.at(when, lambda what=what, arg=arg: self._event(what, arg))
+            sim.at(when, functools.partial(self._event, what, arg))
         end = plan.quiet + plan.failover_s + LIVENESS_BOUND_S
         sim.sleep(end)
         self.check_end()
 
-    def _produce(self, index: int) -> None:
+    def _produce(self) -> None:
         rng = self.sim.rng
         key = f"k{rng.randrange(12)}"
         flag = rng.randrange(FLAG_KEYS)
@@ -578,6 +593,10 @@ class History:
             if item is None:
                 continue  # finished and cleaned up after its children
             checkpoint = _checkpoint_of(item)
+            stored = (self._sql_checkpoint(shard_id) if isinstance(self.store, SQLStateStore)
+                      else None)
+            if stored is not None:  # the SQL store holds the truth; SHARD_END is the lease's
+                checkpoint = max(checkpoint, _checkpoint_of(stored))
             want = ((2, 0, 0) if shard.ending_sequence is not None
                     else (1, records[-1].sequence_number, 0) if records else (0, 0, 0))
             if checkpoint < want:
@@ -585,6 +604,18 @@ class History:
                               f"short of {_show(want)} at the end")
         if self.plan.mode != "plain":
             self._check_state()
+
+    def _sql_checkpoint(self, lease_key: str) -> dict[str, Any] | None:
+        """The SQL store's checkpoint row, shaped as a lease item's checkpoint."""
+        store = self.store
+        assert isinstance(store, SQLStateStore)
+        c = store.checkpoints.c
+        with store.engine.connect() as conn:
+            row = conn.execute(sa.select(c.checkpoint, c.sub_sequence_number)
+                               .where(c.lease_key == lease_key)).first()
+        if row is None or row[0] is None:
+            return None
+        return {"checkpoint": {"S": row[0]}, "checkpointSubSequenceNumber": {"N": str(row[1])}}
 
     def _stored_versions(self) -> dict[str, int]:
         store = self.store

@@ -121,7 +121,7 @@ class Sim:
                 task.target()
         except Killed:
             pass
-        except BaseException as exc:  # noqa: BLE001 - reported by the history, not lost
+        except BaseException as exc:
             if self.error is None and not task.node.killed:
                 self.error = exc
         finally:
@@ -583,7 +583,7 @@ class _TimeModule(types.ModuleType):
         return getattr(_time, name)
 
 
-def _seeded_random(seed: object = None) -> _random.Random:
+def _seeded_random(seed: int | None = None) -> _random.Random:
     return _random.Random(_sim().rng.getrandbits(64) if seed is None else seed)
 
 
