@@ -35,11 +35,14 @@ UNFIXED: dict[str, str] = {
 #: seed, invariant, hole: what the simulator found on the code before the fixes
 #: (tests/simulation/FOUND.md tells each story)
 FOUND = [
-    (5, "liveness", "hole 1"),
-    (18, "exactly-once", "hole 2"),
-    (12, "exactly-once", "hole 3"),
-    (0, "one-committer", "hole 4"),
-    (6, "no-collateral-loss", "hole 6"),
+    (6, "liveness", "hole 1"),
+    (10, "exactly-once", "hole 2"),
+    (1, "exactly-once", "hole 2"),
+    (40, "exactly-once", "hole 3"),
+    (471, "exactly-once", "hole 3"),
+    (5, "liveness", "hole 4"),
+    (625, "one-committer", "hole 4"),
+    (159, "no-collateral-loss", "hole 6"),
 ]
 
 
