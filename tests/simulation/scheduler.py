@@ -603,6 +603,38 @@ class _UuidModule(types.ModuleType):
         return getattr(_uuid, name)
 
 
+class Future:
+    """concurrent.futures.Future in virtual time (what ``submit`` returns)."""
+
+    def __init__(self) -> None:
+        self._done = Event()
+        self._result: Any = None
+        self._exception: BaseException | None = None
+
+    def set_result(self, result: Any) -> None:
+        self._result = result
+        self._done.set()
+
+    def set_exception(self, exception: BaseException) -> None:
+        self._exception = exception
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self._done.wait(timeout):
+            raise TimeoutError
+        if self._exception is not None:
+            raise self._exception
+        return self._result
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self._done.wait(timeout):
+            raise TimeoutError
+        return self._exception
+
+
 class ThreadPoolExecutor:
     """The renewer's pool: ``map`` runs each call on its own simulated thread and, as the
     real pool does, returns once every call finished."""
@@ -629,8 +661,21 @@ class ThreadPoolExecutor:
             raise errors[0]
         return [results[i] for i in sorted(results)]
 
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        future = Future()
+
+        def call() -> None:
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except Exception as exc:
+                future.set_exception(exc)
+
+        thread = Thread(target=call, name=f"{self._prefix}-submit")
+        thread.start()
+        return future
+
     def shutdown(self, wait: bool = True) -> None:
-        """Nothing to stop: each map's threads ended with it."""
+        """Nothing to stop: every call runs on its own simulated thread."""
 
 
 _REPLACED = {
