@@ -496,12 +496,63 @@ class Thread:
                 task.joiners.remove(me)
 
 
+class Semaphore:
+    def __init__(self, value: int = 1) -> None:
+        self._value = value
+        self._changed = Condition(Lock())
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        with self._changed:
+            if not blocking and self._value == 0:
+                return False
+            if not self._changed.wait_for(lambda: self._value > 0, timeout):
+                return False
+            self._value -= 1
+            return True
+
+    def release(self, n: int = 1) -> None:
+        with self._changed:
+            self._value += n
+            self._changed.notify(n)
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Timer(Thread):
+    """threading.Timer: ``function`` runs after ``interval`` unless cancelled first."""
+
+    def __init__(self, interval: float, function: Callable[..., object],
+                 args: Iterable[Any] | None = None,
+                 kwargs: dict[str, Any] | None = None) -> None:
+        super().__init__(name="timer", daemon=True)
+        self._interval = interval
+        self._function = function
+        self._fargs = tuple(args or ())
+        self._fkwargs = kwargs or {}
+        self.finished = Event()
+
+    def cancel(self) -> None:
+        self.finished.set()
+
+    def run(self) -> None:
+        if not self.finished.wait(self._interval):
+            self._function(*self._fargs, **self._fkwargs)
+        self.finished.set()
+
+
 class _ThreadingModule(types.ModuleType):
     Thread = Thread
     Event = Event
     Lock = Lock
     RLock = RLock
     Condition = Condition
+    Semaphore = Semaphore
+    BoundedSemaphore = Semaphore
+    Timer = Timer
 
     @staticmethod
     def current_thread() -> _threading.Thread:
@@ -573,11 +624,18 @@ class _QueueModule(types.ModuleType):
     Full = _queue.Full
 
 
+def _ns(clock: Callable[[], float]) -> Callable[[], int]:
+    return lambda: int(clock() * 1e9)
+
+
 class _TimeModule(types.ModuleType):
     monotonic = staticmethod(monotonic)
     perf_counter = staticmethod(monotonic)
     time = staticmethod(wall_time)
     sleep = staticmethod(sleep)
+    monotonic_ns = staticmethod(_ns(monotonic))
+    perf_counter_ns = staticmethod(_ns(monotonic))
+    time_ns = staticmethod(_ns(wall_time))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(_time, name)
