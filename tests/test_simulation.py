@@ -4,11 +4,8 @@ found on the code before issue 22's fixes.
 Histories run in two child processes (CI has two cores) with ``PYTHONHASHSEED=0``, so a seed
 names one history exactly; every failure prints the command that replays it.
 
-Until issue 22's fixes are merged, holes 1-4 and 6 break histories on purpose. ``UNFIXED``
-lists the invariants they break: a history that breaks only those is reported as an expected
-failure, one that breaks any other fails the test. Once the fixes are merged, empty
-``UNFIXED`` and remove the ``xfail`` marker from ``test_found_seed_is_clean``; a chunk
-that no longer breaks an invariant listed in ``UNFIXED`` fails, saying so.
+Holes 1-4 and 6 of issue 22 broke histories before they were fixed; ``FOUND`` keeps the
+seeds that found them, each of which must now replay clean.
 """
 
 from __future__ import annotations
@@ -23,14 +20,6 @@ from tests.simulation.__main__ import REPLAY, run_seeds
 HISTORIES = 1000
 CHUNKS = 4
 JOBS = 2
-
-#: invariant -> the holes of issue 22 that break it on this branch (see the module docstring)
-UNFIXED: dict[str, str] = {
-    "liveness": "hole 1 (a held lease with a finished consumer) and hole 2 (gaps)",
-    "exactly-once": "hole 2 (gaps never applied) and hole 3 (write skew on deletes)",
-    "no-collateral-loss": "hole 6 (a renewal pass waits for its slowest lease)",
-    "one-committer": "hole 4 (the SQL store does not know a re-created lease)",
-}
 
 #: seed, invariant, hole: what the simulator found on the code before the fixes
 #: (tests/simulation/FOUND.md tells each story)
@@ -55,20 +44,13 @@ def _report(outcomes: list[dict[str, Any]]) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_histories(chunk: int) -> None:
-    """A quarter of the 1,000 default seeds: no history may break an invariant that is not
-    known to be broken on this branch."""
+    """A quarter of the 1,000 default seeds: no history may break an invariant."""
     size = HISTORIES // CHUNKS
     outcomes = run_seeds(range(chunk * size, (chunk + 1) * size), JOBS)
     assert len(outcomes) == size
     broken = [o for o in outcomes if o["violations"]]
-    unexpected = [o for o in broken if {v[0] for v in o["violations"]} - set(UNFIXED)]
-    assert not unexpected, _report(unexpected)
-    seen = {v[0] for o in broken for v in o["violations"]}
-    if broken:
-        pytest.xfail(f"{len(broken)} of {size} histories broke {sorted(seen)}, known "
-                     f"unfixed holes on this branch:\n{_report(broken[:5])}")
-    assert not UNFIXED, (f"no history broke {sorted(UNFIXED)}: the fixes are in, empty "
-                         "UNFIXED in tests/test_simulation.py")
+    assert not broken, f"{len(broken)} of {size} histories broke an invariant:\n" + _report(
+        broken[:10])
 
 
 @pytest.mark.parametrize(("seed", "invariant", "hole"), FOUND,
@@ -82,8 +64,6 @@ def test_found_seed_replays_exactly(seed: int, invariant: str, hole: str) -> Non
     assert first["violations"] == second["violations"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22 holes 1-4 and 6 are unfixed on this branch; "
-                   "remove this marker once the fixes are merged")
 @pytest.mark.parametrize(("seed", "invariant", "hole"), FOUND,
                          ids=[f"{hole}-seed-{seed}" for seed, _, hole in FOUND])
 def test_found_seed_is_clean(seed: int, invariant: str, hole: str) -> None:

@@ -369,10 +369,11 @@ class ObservedSQLStore(SQLStateStore):
         self._shard: dict[int, str] = {}
 
     def commit(self, writer: Any, shard_id: str, token: str, checkpoint: str,
-               sub_sequence_number: int, txn: StateTransaction) -> None:
+               sub_sequence_number: int, txn: StateTransaction,
+               gap: tuple[str, int] | None = None) -> None:
         self._round_trip()
         self._shard[id(scheduler.ACTIVE and scheduler.ACTIVE.current)] = shard_id
-        super().commit(writer, shard_id, token, checkpoint, sub_sequence_number, txn)
+        super().commit(writer, shard_id, token, checkpoint, sub_sequence_number, txn, gap)
 
     def _fetch(self, key: str) -> Versioned:
         self._round_trip()
@@ -411,12 +412,13 @@ class ObservedStore(DynamoDBStateStore):
     observer: Observer | None = None
 
     def commit(self, writer: Any, shard_id: str, token: str, checkpoint: str,
-               sub_sequence_number: int, txn: StateTransaction) -> None:
+               sub_sequence_number: int, txn: StateTransaction,
+               gap: tuple[str, int] | None = None) -> None:
         observer = self.observer
         assert observer is not None
         observer.pending_txn[id(observer.sim.current)] = (dict(txn.versions), dict(txn.writes))
         try:
-            super().commit(writer, shard_id, token, checkpoint, sub_sequence_number, txn)
+            super().commit(writer, shard_id, token, checkpoint, sub_sequence_number, txn, gap)
         finally:
             observer.pending_txn.pop(id(observer.sim.current), None)
 
@@ -697,7 +699,8 @@ class _TraceHandler(logging.Handler):
 
 
 def _install_drop_hook() -> None:
-    """Observe every lease a worker drops (``HeldSet.drop``), for ``no-collateral-loss``."""
+    """Observe every lease a worker drops or gives up (``HeldSet.drop``, ``HeldSet.expire``),
+    for ``no-collateral-loss``."""
     global _dropped_hook_installed
     if _dropped_hook_installed:
         return
@@ -725,8 +728,20 @@ def _install_drop_hook() -> None:
                 or previous.lease.concurrency_token != lease.concurrency_token)):
             observer.tenure_started(sim.current.node.name, lease.lease_key, lease.lease_counter)
 
+    original_expire = HeldSet.expire
+
+    def expire(self: HeldSet, now: float, failover_time_s: float) -> list[str]:
+        expired = original_expire(self, now, failover_time_s)
+        sim = scheduler.ACTIVE
+        observer = getattr(sim, "observer", None)
+        if observer is not None and sim is not None and sim.current is not None:
+            for key in expired:
+                observer.dropped(sim.current.node, key, self.gone_why(key))
+        return expired
+
     HeldSet.drop = drop  # type: ignore[method-assign]
     HeldSet.install = install  # type: ignore[method-assign]
+    HeldSet.expire = expire  # type: ignore[method-assign]
     _dropped_hook_installed = True
 
 
