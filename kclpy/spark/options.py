@@ -1,0 +1,225 @@
+"""The source's ``.option(...)`` names and values, checked when ``.load()`` runs.
+
+A misspelt option that silently keeps its default is the worst kind of error for a stream
+reader: ``startingPositon=TRIM_HORIZON`` would read from LATEST and return nothing, with no
+error anywhere. So every name must be known (an unknown one is an error naming it and the
+closest known name), and the names users of the Databricks and awslabs Kinesis sources
+already type are accepted where they mean the same thing (:data:`ALIASES`, the table in
+docs/spark.md). Names are case-insensitive, as Spark's options are.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import boto3
+import botocore.config
+
+from kclpy.config import parse_timestamp
+from kclpy.errors import ConfigError
+from kclpy.spark.reading import StreamRef
+
+if TYPE_CHECKING:
+    from mypy_boto3_kinesis import KinesisClient
+
+__all__ = ["ALIASES", "OPTIONS", "SourceOptions"]
+
+#: canonical name -> default as written in docs/spark.md (None: no default)
+OPTIONS: dict[str, str | None] = {
+    "streamName": None,
+    "streamArn": None,
+    "region": None,
+    "endpointUrl": None,
+    "startingPosition": "LATEST",
+    "timestamp": None,
+    "maxRecordsPerBatch": None,
+    "maxFetchRecordsPerShard": None,
+    "maxRecordsPerFetch": "10000",
+    "deaggregate": "true",
+    "minFetchPeriod": "1s",
+    "shardFetchInterval": "5s",
+    "settleTime": "1s",
+    "failOnDataLoss": "true",
+}
+
+#: other sources' names -> kclpy's (Databricks ``kinesis``, awslabs ``aws-kinesis``, qubole)
+ALIASES: dict[str, str] = {
+    "kinesis.streamName": "streamName",
+    "kinesis.region": "region",
+    "endpoint": "endpointUrl",
+    "kinesis.endpointUrl": "endpointUrl",
+    "initialPosition": "startingPosition",
+    "kinesis.startingPosition": "startingPosition",
+    "kinesis.maxFetchRecordsPerShard": "maxFetchRecordsPerShard",
+    "kinesis.executor.maxFetchRecordsPerShard": "maxFetchRecordsPerShard",
+    "kinesis.getRecords.numberOfRecordsPerFetch": "maxRecordsPerFetch",
+    "kinesis.executor.maxRecordPerRead": "maxRecordsPerFetch",
+    "kinesis.describeShardInterval": "shardFetchInterval",
+    "kinesis.client.describeShardInterval": "shardFetchInterval",
+    "kinesis.failOnDataLoss": "failOnDataLoss",
+}
+
+_POSITIONS = {"TRIM_HORIZON": "TRIM_HORIZON", "EARLIEST": "TRIM_HORIZON", "LATEST": "LATEST",
+              "AT_TIMESTAMP": "AT_TIMESTAMP"}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|sec|seconds?|m|min|minutes?)?\s*$",
+                       re.IGNORECASE)
+_UNIT_MS = {"ms": 1, "s": 1000, "sec": 1000, "second": 1000, "seconds": 1000,
+            "m": 60_000, "min": 60_000, "minute": 60_000, "minutes": 60_000}
+_LOWER = {name.lower(): name for name in OPTIONS}
+_ALIAS_LOWER = {alias.lower(): name for alias, name in ALIASES.items()}
+
+
+def _canonical(raw: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """canonical name -> (the name as the user wrote it, value); unknown names rejected."""
+    out: dict[str, tuple[str, str]] = {}
+    for key, value in raw.items():
+        written = str(key)
+        low = written.lower()
+        name = _LOWER.get(low) or _ALIAS_LOWER.get(low)
+        if name is None:
+            known = list(OPTIONS) + list(ALIASES)
+            close = difflib.get_close_matches(low, [k.lower() for k in known], n=1, cutoff=0.6)
+            hint = ""
+            if close:
+                match = next(k for k in known if k.lower() == close[0])
+                hint = f"; did you mean {_LOWER.get(close[0]) or match!r}?"
+            raise ConfigError(written, f"unknown option of the kinesis source{hint} "
+                              f"(known: {', '.join(OPTIONS)}; see docs/spark.md)")
+        if name in out:
+            raise ConfigError(written, f"given twice (also as {out[name][0]!r})")
+        out[name] = (written, str(value))
+    return out
+
+
+def _duration_ms(written: str, raw: str) -> int:
+    match = _DURATION.match(raw)
+    if match is None:
+        raise ConfigError(written, f"{raw!r} is not a duration (e.g. 500ms, 1s, 2m)")
+    unit = (match.group(2) or "ms").lower()
+    return round(float(match.group(1)) * _UNIT_MS[unit])
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """The reader's whole configuration: plain values, so it pickles to the executors."""
+
+    stream: StreamRef
+    region: str | None = None
+    endpoint_url: str | None = None
+    starting_position: str = "LATEST"
+    starting_timestamp_ms: int | None = None
+    max_records_per_batch: int | None = None
+    max_fetch_records_per_shard: int | None = None
+    max_records_per_fetch: int = 10_000
+    deaggregate: bool = True
+    #: shortest time between two driver probes of one shard
+    min_fetch_period_ms: int = 1000
+    #: shortest time between two ListShards
+    shard_fetch_interval_ms: int = 5000
+    #: how long before planning a batch ends: records younger than this wait for the next
+    #: batch, so a batch never ends where records may still be arriving
+    settle_ms: int = 1000
+    fail_on_data_loss: bool = True
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> SourceOptions:
+        """From ``.option(...)`` values; ConfigError names the option as the user wrote it."""
+        opts = _canonical(options)
+
+        def text(name: str) -> str | None:
+            got = opts.get(name)
+            return got[1].strip() if got else None
+
+        def written(name: str) -> str:
+            got = opts.get(name)
+            return got[0] if got else name
+
+        def integer(name: str, default: int | None, low: int, high: int) -> int | None:
+            raw = text(name)
+            if raw is None:
+                return default
+            try:
+                value = int(raw)
+            except ValueError:
+                raise ConfigError(written(name), f"{raw!r} is not an integer") from None
+            if not low <= value <= high:
+                raise ConfigError(written(name),
+                                  f"must be between {low} and {high}, got {value}")
+            return value
+
+        def boolean(name: str, default: bool) -> bool:
+            raw = text(name)
+            if raw is None:
+                return default
+            if raw.lower() not in ("true", "false"):
+                raise ConfigError(written(name), f"{raw!r} is not true or false")
+            return raw.lower() == "true"
+
+        def duration(name: str, default_ms: int, low_ms: int) -> int:
+            raw = text(name)
+            if raw is None:
+                return default_ms
+            value = _duration_ms(written(name), raw)
+            if value < low_ms:
+                raise ConfigError(written(name), f"must be at least {low_ms} ms, got {raw!r}")
+            return value
+
+        name, arn = text("streamName"), text("streamArn")
+        if not name and not arn:
+            raise ConfigError("streamName", "streamName or streamArn is required")
+        if name and "," in name:
+            raise ConfigError(written("streamName"),
+                              "one stream per source: union several sources instead")
+        raw_position = (text("startingPosition") or "LATEST").upper()
+        position = _POSITIONS.get(raw_position)
+        if position is None:
+            raise ConfigError(written("startingPosition"),
+                              f"{raw_position!r} is not TRIM_HORIZON, LATEST or AT_TIMESTAMP")
+        timestamp_ms = None
+        if position == "AT_TIMESTAMP":
+            raw_ts = text("timestamp")
+            if not raw_ts:
+                raise ConfigError("timestamp", "required with startingPosition AT_TIMESTAMP")
+            try:
+                timestamp_ms = round(parse_timestamp(raw_ts).timestamp() * 1000)
+            except ValueError:
+                raise ConfigError(written("timestamp"), f"{raw_ts!r} is not ISO 8601 or epoch "
+                                  "seconds") from None
+        elif "timestamp" in opts:
+            raise ConfigError(written("timestamp"),
+                              "only meaningful with startingPosition AT_TIMESTAMP")
+        per_fetch = integer("maxRecordsPerFetch", 10_000, 1, 10_000)
+        assert per_fetch is not None
+        endpoint = text("endpointUrl") or None
+        if endpoint is not None and not re.match(r"^https?://[^/\s]+", endpoint):
+            raise ConfigError(written("endpointUrl"), f"{endpoint!r} is not an http(s) URL")
+        return cls(
+            stream=StreamRef(name or None, arn or None),
+            region=text("region") or None,
+            endpoint_url=endpoint,
+            starting_position=position,
+            starting_timestamp_ms=timestamp_ms,
+            max_records_per_batch=integer("maxRecordsPerBatch", None, 1, 2**31),
+            max_fetch_records_per_shard=integer("maxFetchRecordsPerShard", None, 1, 2**31),
+            max_records_per_fetch=per_fetch,
+            deaggregate=boolean("deaggregate", True),
+            min_fetch_period_ms=duration("minFetchPeriod", 1000, 0),
+            shard_fetch_interval_ms=duration("shardFetchInterval", 5000, 0),
+            settle_ms=duration("settleTime", 1000, 0),
+            fail_on_data_loss=boolean("failOnDataLoss", True),
+        )
+
+    def client(self, pool: int = 10, agent: str = "kclpy-spark") -> KinesisClient:
+        """A Kinesis client; one attempt per botocore call, since reading retries with
+        kclpy's own jittered backoff. ``agent`` tells driver and executor calls apart in a
+        proxy's counts (and in CloudTrail)."""
+        config = botocore.config.Config(
+            max_pool_connections=pool, retries={"mode": "standard", "total_max_attempts": 1},
+            connect_timeout=10, read_timeout=30, user_agent_extra=agent)
+        return boto3.session.Session(region_name=self.region).client(
+            "kinesis", endpoint_url=self.endpoint_url, config=config)
+
