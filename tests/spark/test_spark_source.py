@@ -9,6 +9,7 @@ the installed Spark no longer does by itself.
 from __future__ import annotations
 
 import collections
+import json
 from pathlib import Path
 from typing import Any
 
@@ -286,3 +287,74 @@ def test_reader_pickles_without_clients() -> None:
     clone = pickle.loads(pickle.dumps(reader))
     assert clone.options == reader.options
     assert clone._client is None
+
+
+def _spark_env() -> dict[str, str]:
+    import os
+    import sys
+
+    import kclpy
+    from kclpy.spark.java import ensure_java
+
+    env = dict(os.environ)
+    ensure_java(env)
+    root = str(Path(kclpy.__file__).resolve().parent.parent)
+    env.update(PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable,
+               PYTHONPATH=os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")])))
+    return env
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.parametrize(("limit", "held_batch"), [(None, 0), ("200", 1)],
+                         ids=["ends-by-arrival-time", "ends-by-row-limit"])
+def test_a_batch_rerun_after_kill_9_of_the_driver_yields_the_same_rows(
+        kinesis_mock: LocalEndpoint, tmp_path: Path, limit: str | None,
+        held_batch: int) -> None:
+    """The driver is killed after a batch was planned (its offsets are in the checkpoint)
+    and before it was committed; records written meanwhile must not change the re-run."""
+    import signal
+    import subprocess
+    import sys
+
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-kill")
+    create_stream(kinesis, stream, 2)
+    first = produce(kinesis, stream, "first", plain=300, aggregates=3)
+    out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
+    out.mkdir()
+    command = [sys.executable, "-m", "tests.support.spark_query", "--endpoint", kinesis_mock.url,
+               "--stream", stream, "--checkpoint", str(checkpoint), "--out", str(out)]
+    if limit is not None:
+        command += ["--max-records-per-batch", limit]
+    env = _spark_env()
+    held = subprocess.Popen([*command, "--hold-batch", str(held_batch)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: any(out.glob(f"batch-{held_batch}-*.json")) or held.poll() is not None, 300,
+                 "the held batch reached foreachBatch")
+        assert held.poll() is None, "the held driver exited by itself"
+        assert (checkpoint / "offsets" / str(held_batch)).exists()
+        assert not (checkpoint / "commits" / str(held_batch)).exists()
+        held.send_signal(signal.SIGKILL)
+    finally:
+        if held.poll() is None:
+            held.kill()
+        held.wait()
+    later = produce(kinesis, stream, "later", plain=100)
+
+    rerun = subprocess.run(command, env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, timeout=600, check=False)
+
+    assert rerun.returncode == 0, rerun.stderr.decode()[-3000:]
+    (killed_file,) = out.glob(f"batch-{held_batch}-{held.pid}.json")
+    (rerun_file,) = [p for p in out.glob(f"batch-{held_batch}-*.json") if p != killed_file]
+    assert json.loads(killed_file.read_text()) == json.loads(rerun_file.read_text())
+    rows: dict[int, list[bytes]] = collections.defaultdict(list)
+    for path in out.glob("batch-*.json"):
+        batch_id = int(path.name.split("-")[1])
+        if path == killed_file:
+            continue
+        rows[batch_id].extend(bytes.fromhex(r[3]) for r in json.loads(path.read_text()))
+    delivered = [payload for batch in rows.values() for payload in batch]
+    assert sorted(delivered) == sorted(first + later)
