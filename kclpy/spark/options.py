@@ -87,8 +87,7 @@ def _canonical(raw: Mapping[str, str]) -> dict[str, tuple[str, str]]:
             if close:
                 match = next(k for k in known if k.lower() == close[0])
                 hint = f"; did you mean {_LOWER.get(close[0]) or match!r}?"
-            raise ConfigError(written, f"unknown option of the kinesis source{hint} "
-                              f"(known: {', '.join(OPTIONS)}; see docs/spark.md)")
+            raise ConfigError(written, f"unknown option {written!r}{hint}")
         if name in out:
             raise ConfigError(written, f"given twice (also as {out[name][0]!r})")
         out[name] = (written, str(value))

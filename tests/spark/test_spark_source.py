@@ -151,6 +151,44 @@ def test_split_mid_stream_reads_the_parent_to_its_end_before_the_children(
     assert max(parent_batches) < min(child_batches)
 
 
+@pytest.mark.integration
+@pytest.mark.slow
+def test_available_now_in_spark_is_exact_with_small_pages_and_reads_each_record_once(
+        spark: Any, kinesis_mock: LocalEndpoint, tmp_path: Path) -> None:
+    """2,000 records in PutRecords calls of 500, pages of 300: the tip is an empty page, not
+    MillisBehindLatest 0. Counted through a proxy: executors fetch the records, once."""
+    from tests.support.counting import CountingProxy
+
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-pages")
+    create_stream(kinesis, stream, 2)
+    payloads = [f"p-{n}".encode() + bytes(100) for n in range(2000)]
+    put_plain(kinesis, stream, payloads)
+    with CountingProxy(kinesis_mock.url) as proxy:
+        rows = run_available_now(spark, proxy.url, stream, tmp_path / "checkpoint",
+                                 maxRecordsPerFetch=300)
+        records = dict(proxy.records)
+
+    assert_exactly(rows, payloads)
+    fetched = sum(records.values())
+    assert fetched / len(rows) <= 1.1, records
+    assert records.get("kclpy-spark-driver", 0) <= 2, records
+
+
+def test_load_rejects_a_misspelt_option_naming_the_closest_one(spark: Any) -> None:
+    from pyspark.errors import PySparkException
+    from py4j.protocol import Py4JJavaError
+
+    reader = (spark.readStream.format("kinesis").option("streamName", "s")
+              .option("startingPositon", "TRIM_HORIZON"))
+    with pytest.raises((PySparkException, Py4JJavaError)) as excinfo:
+        reader.load()
+    message = str(excinfo.value)
+    # Spark hands a Python source its option names lower-cased.
+    assert "unknown option 'startingpositon'" in message
+    assert "did you mean 'startingPosition'" in message
+
+
 # -- the driver side without Spark ---------------------------------------------------------
 
 
@@ -258,11 +296,53 @@ def test_offsets_round_trip_and_reject_garbage() -> None:
     ({"streamName": "s", "maxRecordsPerBatch": "0"}, "maxRecordsPerBatch"),
     ({"streamName": "s", "maxRecordsPerFetch": "10001"}, "maxRecordsPerFetch"),
     ({"streamName": "s", "deaggregate": "maybe"}, "deaggregate"),
+    ({"streamName": "s", "minFetchPeriod": "soon"}, "minFetchPeriod"),
+    ({"streamName": "s", "failOnDataLoss": "yes"}, "failOnDataLoss"),
+    ({"streamName": "s", "endpointUrl": "localhost:4566"}, "endpointUrl"),
+    ({"streamName": "s", "timestamp": "2024-01-01T00:00:00Z"}, "timestamp"),
+    ({"streamName": "a,b"}, "streamName"),
+    ({"streamName": "s", "kinesis.streamName": "t"}, "kinesis.streamName"),
+    ({"streamName": "s", "initialPosition": "somewhere"}, "initialPosition"),
 ])
 def test_bad_options_name_the_option(options: dict[str, str], option: str) -> None:
     with pytest.raises(ConfigError) as excinfo:
         SourceOptions.parse(options)
     assert excinfo.value.option == option
+
+
+def test_an_unknown_option_is_an_error_naming_it_and_the_closest_known_name() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        SourceOptions.parse({"streamName": "s", "startingPositon": "TRIM_HORIZON"})
+    assert excinfo.value.option == "startingPositon"
+    assert "did you mean 'startingPosition'" in str(excinfo.value)
+    with pytest.raises(ConfigError) as excinfo:
+        SourceOptions.parse({"streamName": "s", "kinesis.startingPositon": "LATEST"})
+    assert "did you mean 'kinesis.startingPosition'" in str(excinfo.value)
+
+
+@pytest.mark.parametrize("options", [
+    # Databricks
+    {"streamName": "s", "initialPosition": "trim_horizon", "endpoint": "http://127.0.0.1:1",
+     "region": "eu-west-1", "maxRecordsPerFetch": "300", "minFetchPeriod": "400ms",
+     "shardFetchInterval": "5s"},
+    # awslabs spark-sql-kinesis-connector
+    {"kinesis.streamName": "s", "kinesis.startingPosition": "EARLIEST",
+     "kinesis.endpointUrl": "http://127.0.0.1:1", "kinesis.region": "eu-west-1",
+     "kinesis.getRecords.numberOfRecordsPerFetch": "300",
+     "kinesis.describeShardInterval": "5000", "kinesis.failOnDataLoss": "false"},
+    # qubole kinesis-sql
+    {"streamName": "s", "startingPosition": "trim_horizon", "endpointUrl": "http://127.0.0.1:1",
+     "region": "eu-west-1", "kinesis.executor.maxRecordPerRead": "300",
+     "kinesis.client.describeShardInterval": "5s"},
+])
+def test_other_sources_option_names_are_aliases(options: dict[str, str]) -> None:
+    parsed = SourceOptions.parse(options)
+    assert parsed.stream.stream_name == "s"
+    assert parsed.starting_position == "TRIM_HORIZON"
+    assert parsed.endpoint_url == "http://127.0.0.1:1"
+    assert parsed.region == "eu-west-1"
+    assert parsed.max_records_per_fetch == 300
+    assert parsed.shard_fetch_interval_ms == 5000
 
 
 def test_options_are_case_insensitive_and_typed() -> None:
@@ -272,6 +352,12 @@ def test_options_are_case_insensitive_and_typed() -> None:
     assert parsed.starting_position == "TRIM_HORIZON"
     assert parsed.max_records_per_batch == 500
     assert parsed.deaggregate is False
+    assert parsed.fail_on_data_loss is True
+    assert (parsed.min_fetch_period_ms, parsed.settle_ms) == (1000, 1000)
+    timed = SourceOptions.parse({"streamName": "s", "minFetchPeriod": "250ms",
+                                 "settleTime": "2s", "shardFetchInterval": "1m"})
+    assert (timed.min_fetch_period_ms, timed.settle_ms, timed.shard_fetch_interval_ms) == (
+        250, 2000, 60_000)
     at = SourceOptions.parse({"streamArn": "arn:aws:kinesis:us-east-1:1:stream/x",
                               "startingPosition": "AT_TIMESTAMP",
                               "timestamp": "2024-01-02T03:04:05Z"})
