@@ -1,4 +1,6 @@
-"""A Spark driver in its own process, for tests that kill it: ``python -m tests.support.spark_query``.
+"""A Spark driver in its own process, for tests that kill it.
+
+Run as ``python -m tests.support.spark_query``.
 
 Runs ``format("kinesis")`` with Trigger.AvailableNow into ``foreachBatch``, which writes
 each batch's rows to ``OUT/batch-<id>-<pid>.json`` before returning. With ``--hold-batch N``
