@@ -14,10 +14,16 @@ import difflib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import boto3
 import botocore.config
+import botocore.session
+from botocore.credentials import (
+    AssumeRoleCredentialFetcher,
+    CredentialProvider,
+    DeferredRefreshableCredentials,
+)
 
 from kclpy.config import parse_timestamp
 from kclpy.errors import ConfigError
@@ -44,6 +50,10 @@ OPTIONS: dict[str, str | None] = {
     "shardFetchInterval": "5s",
     "settleTime": "1s",
     "failOnDataLoss": "true",
+    "roleArn": None,
+    "roleSessionName": "kclpy-spark",
+    "roleExternalId": None,
+    "stsEndpoint": None,
 }
 
 #: other sources' names -> kclpy's (Databricks ``kinesis``, awslabs ``aws-kinesis``, qubole)
@@ -61,6 +71,11 @@ ALIASES: dict[str, str] = {
     "kinesis.describeShardInterval": "shardFetchInterval",
     "kinesis.client.describeShardInterval": "shardFetchInterval",
     "kinesis.failOnDataLoss": "failOnDataLoss",
+    "kinesis.stsRoleArn": "roleArn",
+    "awsSTSRoleARN": "roleArn",
+    "kinesis.stsSessionName": "roleSessionName",
+    "awsSTSSessionName": "roleSessionName",
+    "kinesis.stsEndpointUrl": "stsEndpoint",
 }
 
 _POSITIONS = {"TRIM_HORIZON": "TRIM_HORIZON", "EARLIEST": "TRIM_HORIZON", "LATEST": "LATEST",
@@ -69,6 +84,10 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|sec|seconds?|m|min|minutes?
                        re.IGNORECASE)
 _UNIT_MS = {"ms": 1, "s": 1000, "sec": 1000, "second": 1000, "seconds": 1000,
             "m": 60_000, "min": 60_000, "minute": 60_000, "minutes": 60_000}
+_ROLE_ARN = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+$")
+_SESSION_NAME = re.compile(r"^[\w+=,.@-]{2,64}$")
+_EXTERNAL_ID = re.compile(r"^[\w+=,.@:/-]{2,1224}$")
+_URL = re.compile(r"^https?://[^/\s]+")
 _LOWER = {name.lower(): name for name in OPTIONS}
 _ALIAS_LOWER = {alias.lower(): name for alias, name in ALIASES.items()}
 
@@ -123,6 +142,12 @@ class SourceOptions:
     #: batch, so a batch never ends where records may still be arriving
     settle_ms: int = 1000
     fail_on_data_loss: bool = True
+    #: an IAM role to assume (through STS, from the standard credential chain) for every
+    #: Kinesis call, on the driver and on each executor
+    role_arn: str | None = None
+    role_session_name: str = "kclpy-spark"
+    role_external_id: str | None = None
+    sts_endpoint: str | None = None
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SourceOptions:
@@ -193,9 +218,25 @@ class SourceOptions:
                               "only meaningful with startingPosition AT_TIMESTAMP")
         per_fetch = integer("maxRecordsPerFetch", 10_000, 1, 10_000)
         assert per_fetch is not None
-        endpoint = text("endpointUrl") or None
-        if endpoint is not None and not re.match(r"^https?://[^/\s]+", endpoint):
-            raise ConfigError(written("endpointUrl"), f"{endpoint!r} is not an http(s) URL")
+        endpoint, sts = text("endpointUrl") or None, text("stsEndpoint") or None
+        for option, url in (("endpointUrl", endpoint), ("stsEndpoint", sts)):
+            if url is not None and not _URL.match(url):
+                raise ConfigError(written(option), f"{url!r} is not an http(s) URL")
+        role = text("roleArn") or None
+        if role is not None and not _ROLE_ARN.match(role):
+            raise ConfigError(written("roleArn"), f"{role!r} is not an IAM role ARN "
+                              "(arn:aws:iam::<account>:role/<name>)")
+        session_name = text("roleSessionName") or "kclpy-spark"
+        if not _SESSION_NAME.match(session_name):
+            raise ConfigError(written("roleSessionName"),
+                              "2 to 64 letters, digits or +=,.@_- characters")
+        external_id = text("roleExternalId") or None
+        if external_id is not None and not _EXTERNAL_ID.match(external_id):
+            raise ConfigError(written("roleExternalId"),
+                              "2 to 1224 letters, digits or +=,.@:/_- characters")
+        for option in ("roleSessionName", "roleExternalId", "stsEndpoint"):
+            if option in opts and role is None:
+                raise ConfigError(written(option), "only meaningful with roleArn")
         return cls(
             stream=StreamRef(name or None, arn or None),
             region=text("region") or None,
@@ -210,6 +251,10 @@ class SourceOptions:
             shard_fetch_interval_ms=duration("shardFetchInterval", 5000, 0),
             settle_ms=duration("settleTime", 1000, 0),
             fail_on_data_loss=boolean("failOnDataLoss", True),
+            role_arn=role,
+            role_session_name=session_name,
+            role_external_id=external_id,
+            sts_endpoint=sts,
         )
 
     def client(self, pool: int = 10, agent: str = "kclpy-spark") -> KinesisClient:
@@ -219,6 +264,42 @@ class SourceOptions:
         config = botocore.config.Config(
             max_pool_connections=pool, retries={"mode": "standard", "total_max_attempts": 1},
             connect_timeout=10, read_timeout=30, user_agent_extra=agent)
-        return boto3.session.Session(region_name=self.region).client(
-            "kinesis", endpoint_url=self.endpoint_url, config=config)
+        return self._session().client("kinesis", endpoint_url=self.endpoint_url, config=config)
 
+    def _session(self) -> boto3.session.Session:
+        """The standard credential chain, or a role assumed from it with credentials that
+        botocore refreshes before they expire (a driver outlives an STS session)."""
+        if self.role_arn is None:
+            return boto3.session.Session(region_name=self.region)
+        base = botocore.session.Session()
+        extra: dict[str, str] = {"RoleSessionName": self.role_session_name}
+        if self.role_external_id is not None:
+            extra["ExternalId"] = self.role_external_id
+        region, sts_endpoint = self.region, self.sts_endpoint
+
+        def sts_client(service: str, **kwargs: Any) -> Any:
+            return base.create_client(service, region_name=region, endpoint_url=sts_endpoint,
+                                      **kwargs)
+
+        fetcher = AssumeRoleCredentialFetcher(
+            client_creator=sts_client, source_credentials=base.get_credentials(),
+            role_arn=self.role_arn, extra_args=extra)
+        assumed = botocore.session.Session()
+        assumed.get_component("credential_provider").insert_before(
+            "env", _AssumedRole(fetcher))
+        return boto3.session.Session(botocore_session=assumed, region_name=self.region)
+
+
+
+class _AssumedRole(CredentialProvider):
+    """First in the chain of the session the source's clients are made from: the role."""
+
+    METHOD = "assume-role"
+
+    def __init__(self, fetcher: AssumeRoleCredentialFetcher) -> None:
+        super().__init__()
+        self._fetcher = fetcher
+
+    def load(self) -> DeferredRefreshableCredentials:
+        return DeferredRefreshableCredentials(refresh_using=self._fetcher.fetch_credentials,
+                                              method=self.METHOD)

@@ -302,6 +302,10 @@ def test_offsets_round_trip_and_reject_garbage() -> None:
     ({"streamName": "a,b"}, "streamName"),
     ({"streamName": "s", "kinesis.streamName": "t"}, "kinesis.streamName"),
     ({"streamName": "s", "initialPosition": "somewhere"}, "initialPosition"),
+    ({"streamName": "s", "roleArn": "reader"}, "roleArn"),
+    ({"streamName": "s", "roleArn": "arn:aws:iam::123456789012:role/r",
+      "roleSessionName": "a b"}, "roleSessionName"),
+    ({"streamName": "s", "stsEndpoint": "http://127.0.0.1:1"}, "stsEndpoint"),
 ])
 def test_bad_options_name_the_option(options: dict[str, str], option: str) -> None:
     with pytest.raises(ConfigError) as excinfo:

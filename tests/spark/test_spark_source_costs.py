@@ -213,3 +213,25 @@ def test_a_trimmed_position_fails_the_query_naming_the_shard_unless_told_to_skip
     assert read_batch(lenient, trimmed, end) == payloads
     counts = collections.Counter(p.kind for p in decode_offset(end).values())
     assert counts == {"AT_TIMESTAMP": 1}
+
+
+def test_role_arn_signs_every_call_with_the_assumed_role(
+        proxy: CountingProxy, kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    """STS is moto's server; the proxy sees which access key signed each Kinesis call."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-role")
+    create_stream(kinesis, stream, 1)
+    payloads = [f"role-{n}".encode() for n in range(30)]
+    put_plain(kinesis, stream, payloads)
+    proxy.reset()
+    reader = make_reader(proxy.url, stream, startingPosition="TRIM_HORIZON", settleTime="0",
+                         roleArn="arn:aws:iam::123456789012:role/stream-reader",
+                         roleSessionName="orders-job", roleExternalId="ext-1234",
+                         stsEndpoint=moto_server.url)
+
+    rows, _ = available_now(reader)
+
+    assert sorted(rows) == sorted(payloads)
+    keys = set(proxy.access_keys)
+    assert "testing" not in keys, "a call was signed with the chain's own credentials"
+    assert keys and all(key.startswith("ASIA") for key in keys), keys

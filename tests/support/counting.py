@@ -36,6 +36,8 @@ class CountingProxy:
         self.records: Counter[str] = Counter()
         #: caller tag -> bytes of successful GetRecords answers
         self.bytes: Counter[str] = Counter()
+        #: access key id each request was signed with -> requests
+        self.access_keys: Counter[str] = Counter()
         self._server = _Server(self)
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever,
@@ -60,6 +62,7 @@ class CountingProxy:
             self.calls.clear()
             self.records.clear()
             self.bytes.clear()
+            self.access_keys.clear()
 
 
 class _Server(ThreadingHTTPServer):
@@ -83,6 +86,8 @@ class _Handler(BaseHTTPRequestHandler):
         operation = self.headers.get("X-Amz-Target", "").rpartition(".")[2] or "?"
         agent = self.headers.get("User-Agent", "")
         tag = next((t for t in TAGS if t in agent), "other")
+        signed = self.headers.get("Authorization", "")
+        access_key = signed.partition("Credential=")[2].partition("/")[0]
         connection = http.client.HTTPConnection(*proxy.upstream, timeout=60)
         try:
             headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
@@ -96,6 +101,7 @@ class _Handler(BaseHTTPRequestHandler):
             records = len(json.loads(answer).get("Records", []))
         with proxy.lock:
             proxy.calls[(tag, operation)] += 1
+            proxy.access_keys[access_key] += 1
             if operation == "GetRecords" and response.status == 200:
                 proxy.records[tag] += records
                 proxy.bytes[tag] += len(answer)
