@@ -306,6 +306,9 @@ def test_offsets_round_trip_and_reject_garbage() -> None:
     ({"streamName": "s", "roleArn": "arn:aws:iam::123456789012:role/r",
       "roleSessionName": "a b"}, "roleSessionName"),
     ({"streamName": "s", "stsEndpoint": "http://127.0.0.1:1"}, "stsEndpoint"),
+    ({"streamName": "s", "kinesis.awsSecretKey": "x"}, "kinesis.awsSecretKey"),
+    ({"streamName": "s", "startingPosition": "LATEST 2024-01-01T00:00:00Z"},
+     "startingPosition"),
 ])
 def test_bad_options_name_the_option(options: dict[str, str], option: str) -> None:
     with pytest.raises(ConfigError) as excinfo:
@@ -365,6 +368,9 @@ def test_options_are_case_insensitive_and_typed() -> None:
                               "startingPosition": "AT_TIMESTAMP",
                               "timestamp": "2024-01-02T03:04:05Z"})
     assert at.starting_timestamp_ms == 1_704_164_645_000
+    awslabs = SourceOptions.parse({"kinesis.streamName": "s",
+                                   "kinesis.startingPosition": "AT_TIMESTAMP 2024-01-02T03:04:05Z"})
+    assert awslabs.starting_timestamp_ms == 1_704_164_645_000
     assert at.stream.label == "x"
 
 
