@@ -81,7 +81,8 @@ ALIASES: dict[str, str] = {
 #: other sources' options kclpy's source does not have: named, so the error says why
 UNSUPPORTED: dict[str, str] = {
     **dict.fromkeys(["awsAccessKey", "awsSecretKey", "awsAccessKeyId", "kinesis.awsAccessKeyId",
-                     "kinesis.awsSecretKey", "kinesis.credentialProviderClass"],
+                     "kinesis.awsSecretKey", "kinesis.credentialProviderClass",
+                     "awsUseInstanceProfile"],
                     "credentials come from the standard AWS chain (or roleArn), never options"),
     **dict.fromkeys(["consumerMode", "consumerName", "kinesis.consumerType",
                      "kinesis.consumerName"],
@@ -90,7 +91,7 @@ UNSUPPORTED: dict[str, str] = {
                      "kinesis.dynamodb.tableName"],
                     "positions live in Spark's offset log only, there is no metadata store"),
     **dict.fromkeys(["maxFetchDuration", "kinesis.maxFetchTimePerShardSec", "fetchBufferSize",
-                     "maxFetchRate", "shardsPerTask"],
+                     "maxFetchRate", "shardsPerTask", "kinesis.executor.maxFetchTimeInMs"],
                     "batches end at a settled arrival time; limit rows with "
                     "maxRecordsPerBatch or maxFetchRecordsPerShard"),
 }
