@@ -78,7 +78,9 @@ class _ShardProbe:
     its iterator between probes) and what the last probe found."""
 
     position: ShardPosition
-    reader: ShardReader
+    #: None when no probe was made: a row-limited batch stopped short of the shard's end,
+    #: so more is known to be there
+    reader: ShardReader | None
     found: Probe
     probed_at: float
 
@@ -294,7 +296,7 @@ class KinesisStreamReader(DataSourceStreamReader):
         def one(shard_id: str) -> _ShardProbe:
             cached = self._probes.get(shard_id)
             position = positions[shard_id]
-            if cached is None or cached.position != position:
+            if cached is None or cached.position != position or cached.reader is None:
                 reader = self._reader(self._shards[shard_id], position)
             else:
                 reader = cached.reader
@@ -335,9 +337,17 @@ class KinesisStreamReader(DataSourceStreamReader):
                 more = self._count_all(positions, {shard_id: cap}, until)[shard_id]
                 counts[shard_id] += more
                 left -= more
+        now = self._clock()
         for shard_id in moving:
-            self._counts[(shard_id, starts[shard_id].encode(),
-                          positions[shard_id].encode())] = counts[shard_id]
+            end = positions[shard_id]
+            self._counts[(shard_id, starts[shard_id].encode(), end.encode())] = counts[shard_id]
+            if end.kind == AFTER:
+                # Cut by the limit before the time bound: the next batch need not wait for a
+                # probe to know this shard has more (if the cut fell on its last settled
+                # record, that batch's part is merely empty).
+                assert until.timestamp_ms is not None
+                self._probes[shard_id] = _ShardProbe(
+                    end, None, Probe(first_arrival_ms=until.timestamp_ms - 1), now)
 
     def _count_all(self, positions: dict[str, ShardPosition], caps: Mapping[str, int],
                    until: ShardPosition) -> dict[str, int]:
