@@ -89,6 +89,8 @@ def spark_session(cores: int) -> Any:
     session = (SparkSession.builder.master(f"local[{cores}]").appName("bench-spark-source")
                .config("spark.ui.enabled", "false")
                .config("spark.ui.showConsoleProgress", "false")
+               # a loaded machine can take longer than the default 15 s to start a worker
+               .config("spark.python.authenticate.socketTimeout", "120s")
                .config("spark.sql.shuffle.partitions", str(cores)).getOrCreate())
     session.sparkContext.setLogLevel("ERROR")
     return session

@@ -146,7 +146,7 @@ def _duration_ms(written: str, raw: str) -> int:
 class SourceOptions:
     """The reader's whole configuration: plain values, so it pickles to the executors."""
 
-    stream: StreamRef
+    streams: tuple[StreamRef, ...]
     region: str | None = None
     endpoint_url: str | None = None
     starting_position: str = "LATEST"
@@ -169,6 +169,11 @@ class SourceOptions:
     role_session_name: str = "kclpy-spark"
     role_external_id: str | None = None
     sts_endpoint: str | None = None
+
+    @property
+    def stream(self) -> StreamRef:
+        """The first (usually the only) stream."""
+        return self.streams[0]
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SourceOptions:
@@ -216,9 +221,18 @@ class SourceOptions:
         name, arn = text("streamName"), text("streamArn")
         if not name and not arn:
             raise ConfigError("streamName", "streamName or streamArn is required")
-        if name and "," in name:
-            raise ConfigError(written("streamName"),
-                              "one stream per source: union several sources instead")
+        if name and arn:
+            raise ConfigError(written("streamArn"), "give streamName or streamArn, not both")
+        # Several streams: a comma-separated list, as Databricks' source takes them.
+        listed = [part.strip() for part in (name or arn or "").split(",")]
+        option = "streamName" if name else "streamArn"
+        if any(not part for part in listed) or len(set(listed)) != len(listed):
+            raise ConfigError(written(option), "an empty or repeated stream in the list")
+        streams = tuple(StreamRef(part, None) if name else StreamRef(None, part)
+                        for part in listed)
+        labels = [stream.label for stream in streams]
+        if len(set(labels)) != len(labels):
+            raise ConfigError(written(option), "two streams of the same name")
         raw_position = text("startingPosition") or "LATEST"
         kind, _, inline_ts = raw_position.partition(" ")  # awslabs: "AT_TIMESTAMP <time>"
         position = _POSITIONS.get(kind.upper())
@@ -262,7 +276,7 @@ class SourceOptions:
             if option in opts and role is None:
                 raise ConfigError(written(option), "only meaningful with roleArn")
         return cls(
-            stream=StreamRef(name or None, arn or None),
+            streams=streams,
             region=text("region") or None,
             endpoint_url=endpoint,
             starting_position=position,

@@ -55,6 +55,7 @@ from kclpy.spark.reading import (
     Probe,
     ShardInfo,
     ShardReader,
+    StreamRef,
     advance_counted,
     list_shards,
     probe,
@@ -70,6 +71,18 @@ __all__ = ["KinesisDataSource", "KinesisStreamReader", "SourceOptions", "registe
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """A shard of one of the source's streams. Its key in an offset is its shard id, or
+    ``<stream>/<shard id>`` when the source reads several streams."""
+
+    stream: StreamRef
+    info: ShardInfo
+    key: str
+    #: the keys of its parents (same stream)
+    parents: tuple[str, ...]
 
 
 @dataclass
@@ -89,8 +102,10 @@ class KinesisPartition(InputPartition):
     """One shard's part of a batch: read after ``start`` through ``end`` (encoded positions).
     ``count``: the user records the driver counted in it, when it did (cuts ``Limit``)."""
 
-    def __init__(self, shard: ShardInfo, start: str, end: str, count: int | None = None) -> None:
+    def __init__(self, stream: StreamRef, shard: ShardInfo, start: str, end: str,
+                 count: int | None = None) -> None:
         super().__init__(shard.shard_id)
+        self.stream = stream
         self.shard = shard
         self.start = start
         self.end = end
@@ -129,7 +144,7 @@ class KinesisStreamReader(DataSourceStreamReader):
 
     def _reset(self) -> None:
         # Driver-side caches, rebuilt on demand (never pickled, see __getstate__).
-        self._shards: dict[str, ShardInfo] = {}
+        self._shards: dict[str, _Shard] = {}
         self._listed_at: float | None = None
         self._cursor: dict[str, ShardPosition] | None = None
         self._target_ms: int | None = None
@@ -158,19 +173,29 @@ class KinesisStreamReader(DataSourceStreamReader):
     def _now_ms(self) -> int:
         return round(self._clock() * 1000)
 
-    def _list(self, force: bool = False) -> dict[str, ShardInfo]:
-        """The stream's shards, from ListShards at most once per ``shardFetchInterval``."""
+    def _list(self, force: bool = False) -> dict[str, _Shard]:
+        """The streams' shards by offset key, from ListShards at most once per
+        ``shardFetchInterval``."""
         now = self._clock()
         if (force or self._listed_at is None
                 or now - self._listed_at >= self.options.shard_fetch_interval_ms / 1000):
-            self._shards = {s.shard_id: s for s in list_shards(self._kinesis(),
-                                                               self.options.stream)}
+            several = len(self.options.streams) > 1
+            shards: dict[str, _Shard] = {}
+            for stream in self.options.streams:
+                def key(shard_id: str, label: str = stream.label) -> str:
+                    return f"{label}/{shard_id}" if several else shard_id
+
+                for info in list_shards(self._kinesis(), stream):
+                    shards[key(info.shard_id)] = _Shard(
+                        stream, info, key(info.shard_id),
+                        tuple(key(p) for p in info.parent_shard_ids))
+            self._shards = shards
             self._listed_at = now
         return self._shards
 
-    def _reader(self, shard: ShardInfo, start: ShardPosition,
+    def _reader(self, shard: _Shard, start: ShardPosition,
                 until_ms: int | None = None) -> ShardReader:
-        return ShardReader(self._kinesis(), self.options.stream, shard, start,
+        return ShardReader(self._kinesis(), shard.stream, shard.info, start,
                            deaggregate=self.options.deaggregate,
                            limit=self.options.max_records_per_fetch, until_ms=until_ms,
                            fail_on_data_loss=self.options.fail_on_data_loss)
@@ -181,13 +206,13 @@ class KinesisStreamReader(DataSourceStreamReader):
         if kind == "LATEST":
             # Everything that arrived before now is "consumed": no read needed to find it.
             at = ShardPosition.at_timestamp(self._now_ms())
-            positions = {s.shard_id: at for s in shards}
+            positions = {s.key: at for s in shards}
         elif kind == AT_TIMESTAMP:
             assert self.options.starting_timestamp_ms is not None
             at = ShardPosition.at_timestamp(self.options.starting_timestamp_ms)
-            positions = {s.shard_id: at for s in shards}
+            positions = {s.key: at for s in shards}
         else:
-            positions = {s.shard_id: ShardPosition.trim_horizon() for s in shards}
+            positions = {s.key: ShardPosition.trim_horizon() for s in shards}
         self._cursor = positions
         return encode_offset(positions)
 
@@ -229,9 +254,8 @@ class KinesisStreamReader(DataSourceStreamReader):
             if shard_id not in shards:
                 position = positions.pop(shard_id)
                 if not position.is_shard_end:
-                    self._lost(f"shard {shard_id} of {self.options.stream.label} is gone "
-                               f"(expired) before it was read to its end: records after "
-                               f"{position.encode()} are lost")
+                    self._lost(f"shard {shard_id} is gone (expired) before it was read to "
+                               f"its end: records after {position.encode()} are lost")
         # Children of a split or merge; absent from an offset means TRIM_HORIZON anyway,
         # listing them makes the offset show every shard the query knows.
         for shard_id in shards:
@@ -270,9 +294,8 @@ class KinesisStreamReader(DataSourceStreamReader):
             return False
         if self._target_shards is not None and shard_id not in self._target_shards:
             return False
-        info = self._shards[shard_id]
         return all(p not in positions or positions[p].is_shard_end
-                   for p in info.parent_shard_ids)
+                   for p in self._shards[shard_id].parents)
 
     def _probe_all(self, positions: Mapping[str, ShardPosition],
                    ready: Sequence[str]) -> dict[str, Probe]:
@@ -381,12 +404,13 @@ class KinesisStreamReader(DataSourceStreamReader):
                 continue
             shard = self._shards.get(shard_id) or self._list(force=True).get(shard_id)
             if shard is None:
-                self._lost(f"shard {shard_id} of {self.options.stream.label} is gone "
+                self._lost(f"shard {shard_id} is gone "
                            f"(expired): its part of the batch, after {first.encode()} "
                            f"through {stop.encode()}, cannot be read")
                 continue
             count = self._counts.get((shard_id, first.encode(), stop.encode()))
-            parts.append(KinesisPartition(shard, first.encode(), stop.encode(), count))
+            parts.append(KinesisPartition(shard.stream, shard.info, first.encode(),
+                                          stop.encode(), count))
         return parts
 
     def commit(self, end: dict[str, Any]) -> None:
@@ -400,13 +424,13 @@ class KinesisStreamReader(DataSourceStreamReader):
         client = self.options.client(pool=2, agent="kclpy-spark-executor")
         end = ShardPosition.decode(partition.end)
         try:
-            reader = ShardReader(client, self.options.stream, partition.shard,
+            reader = ShardReader(client, partition.stream, partition.shard,
                                  ShardPosition.decode(partition.start),
                                  deaggregate=self.options.deaggregate,
                                  limit=self.options.max_records_per_fetch,
                                  until_ms=end.timestamp_ms if end.kind == AT_TIMESTAMP else None,
                                  fail_on_data_loss=self.options.fail_on_data_loss)
-            label = self.options.stream.label
+            label = partition.stream.label
             for records in read_range(reader, end, count=partition.count):
                 yield records_to_batch(label, partition.shard.shard_id, records)
         finally:

@@ -235,3 +235,30 @@ def test_role_arn_signs_every_call_with_the_assumed_role(
     keys = set(proxy.access_keys)
     assert "testing" not in keys, "a call was signed with the chain's own credentials"
     assert keys and all(key.startswith("ASIA") for key in keys), keys
+
+
+def test_several_streams_in_one_source_each_row_naming_its_stream(
+        kinesis_mock: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    orders, clicks = unique_name("spark-orders"), unique_name("spark-clicks")
+    create_stream(kinesis, orders, 2)
+    create_stream(kinesis, clicks, 1)
+    expected = {(orders, f"o-{n}".encode()) for n in range(60)}
+    expected |= {(clicks, f"c-{n}".encode()) for n in range(40)}
+    put_plain(kinesis, orders, [d for s, d in sorted(expected) if s == orders])
+    put_plain(kinesis, clicks, [d for s, d in sorted(expected) if s == clicks])
+    reader = make_reader(kinesis_mock.url, f"{orders}, {clicks}",
+                         startingPosition="TRIM_HORIZON", settleTime="0")
+    reader.prepareForTriggerAvailableNow()
+    start = reader.initialOffset()
+
+    end = reader.latestOffset(start, None)
+
+    keys = set(decode_offset(end))
+    assert {k.split("/")[0] for k in keys} == {orders, clicks} and len(keys) == 3
+    rows = set()
+    for partition in reader.partitions(start, end):
+        for batch in reader.read(partition):
+            rows |= set(zip(batch.column("stream").to_pylist(),
+                            batch.column("data").to_pylist(), strict=True))
+    assert rows == expected
