@@ -155,8 +155,8 @@ class Page:
     #: a record that arrived at or after the reader's ``until_ms`` was seen: the rest of the
     #: shard belongs to a later batch
     reached_bound: bool
-    #: the earliest arrival (epoch ms) among this page's records after the start, None if
-    #: there were none (a KPL aggregate counts once, with its own arrival)
+    #: the arrival (epoch ms) of this page's first record after the start, None if there
+    #: was none
     first_arrival_ms: int | None = None
 
     @property
@@ -246,12 +246,12 @@ class ShardReader:
                 self._check_for_gap(raw[0])
         raw = self._drop_early(raw)
         raw, reached = self._cut_at_bound(raw)
-        first_ms = raw[0].timestamp_millis if raw else None
         records = Records([raw])
         if raw:
             if self._deaggregate:
                 records = deaggregate(raw, key_range=self._key_range).records
             records = self._drop_consumed(records)
+        first_ms = records[0].timestamp_millis if records else None
         return Page(records, self.ended and not reached, at_tip, reached, first_ms)
 
     def _check_for_gap(self, first: Record) -> None:
