@@ -251,7 +251,9 @@ class ShardReader:
             if self._deaggregate:
                 records = deaggregate(raw, key_range=self._key_range).records
             records = self._drop_consumed(records)
-        first_ms = records[0].timestamp_millis if records else None
+        # A record without an arrival time (optional in the API, AWS always sends it) counts
+        # as settled long ago.
+        first_ms = (records[0].timestamp_millis or 0) if records else None
         return Page(records, self.ended and not reached, at_tip, reached, first_ms)
 
     def _check_for_gap(self, first: Record) -> None:
