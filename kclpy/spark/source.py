@@ -305,16 +305,27 @@ class KinesisStreamReader(DataSourceStreamReader):
         period = self.options.min_fetch_period_ms / 1000
         result: dict[str, Probe] = {}
         due: list[str] = []
+        wait = 0.0
         for shard_id in ready:
             cached = self._probes.get(shard_id)
             if cached is not None and cached.position == positions[shard_id] and (
                     cached.found.first_arrival_ms is not None or cached.found.shard_end):
                 result[shard_id] = cached.found
             elif cached is not None and now - cached.probed_at < period:
-                result[shard_id] = cached.found if cached.position == positions[
-                    shard_id] else Probe()
+                if cached.position == positions[shard_id]:
+                    result[shard_id] = cached.found
+                elif self._target_ms is not None:
+                    # AvailableNow ends at the first batch with nothing new, so a shard
+                    # at a new position must be probed: after its interval, not never.
+                    wait = max(wait, period - (now - cached.probed_at))
+                    due.append(shard_id)
+                else:
+                    result[shard_id] = Probe()
             else:
                 due.append(shard_id)
+        if wait > 0:
+            time.sleep(wait)
+            now = self._clock()
 
         def one(shard_id: str) -> _ShardProbe:
             cached = self._probes.get(shard_id)

@@ -262,3 +262,34 @@ def test_several_streams_in_one_source_each_row_naming_its_stream(
             rows |= set(zip(batch.column("stream").to_pylist(),
                             batch.column("data").to_pylist(), strict=True))
     assert rows == expected
+
+
+def test_available_now_waits_out_the_probe_interval_instead_of_ending_early(
+        kinesis_mock: LocalEndpoint) -> None:
+    """Spark ends an AvailableNow run at the first batch with nothing new. Right after a
+    parent's last batch, its next probe (the one that finds SHARD_END and frees its
+    children) is due only a probe interval later: the reader must wait for it, not report
+    nothing new."""
+    from tests.support.streams import wait_for
+
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-an-split")
+    create_stream(kinesis, stream, 1)
+    before = [f"b-{n}".encode() for n in range(50)]
+    put_plain(kinesis, stream, before)
+    parent = kinesis.list_shards(StreamName=stream)["Shards"][0]
+    low, high = (int(parent["HashKeyRange"][k]) for k in ("StartingHashKey", "EndingHashKey"))
+    kinesis.split_shard(StreamName=stream, ShardToSplit=parent["ShardId"],
+                        NewStartingHashKey=str((low + high) // 2))
+    wait_for(lambda: kinesis.describe_stream_summary(StreamName=stream)[
+        "StreamDescriptionSummary"]["StreamStatus"] == "ACTIVE", 30, "split done")
+    after = [f"a-{n}".encode() for n in range(50)]
+    put_plain(kinesis, stream, after)
+    # A clock that stands still: every probe after the first is inside the interval.
+    reader = make_reader(kinesis_mock.url, stream, FakeClock(), startingPosition="TRIM_HORIZON",
+                         settleTime="0", minFetchPeriod="1s")
+
+    rows, batches = available_now(reader)
+
+    assert sorted(rows) == sorted(before + after)
+    assert batches >= 2, "the children come in a later batch than their parent's end"
