@@ -294,8 +294,13 @@ class KinesisStreamReader(DataSourceStreamReader):
             return False
         if self._target_shards is not None and shard_id not in self._target_shards:
             return False
-        return all(p not in positions or positions[p].is_shard_end
-                   for p in self._shards[shard_id].parents)
+        shard = self._shards[shard_id]
+        if (self._target_ms is not None and position.kind == AT_TIMESTAMP
+                and (position.timestamp_ms or 0) >= self._target_ms and not shard.info.closed):
+            # Read to the AvailableNow target; an open shard has nothing more for this run
+            # (a closed one is probed once more to find its end, which frees its children).
+            return False
+        return all(p not in positions or positions[p].is_shard_end for p in shard.parents)
 
     def _probe_all(self, positions: Mapping[str, ShardPosition],
                    ready: Sequence[str]) -> dict[str, Probe]:
