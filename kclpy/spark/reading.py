@@ -210,6 +210,8 @@ class ShardReader:
         self.ended = False
         #: Kinesis records fetched (for the records-fetched-per-row figure)
         self.fetched = 0
+        #: gaps skipped with failOnDataLoss=false
+        self.data_loss_events = 0
 
     def next_page(self, limit: int | None = None) -> Page:
         if self.ended:
@@ -269,6 +271,7 @@ class ShardReader:
         if self._fail_on_data_loss:
             raise DataLossError(message + "; set failOnDataLoss=false to skip them")
         log.warning("kinesis source: data loss: %s; skipped (failOnDataLoss=false)", message)
+        self.data_loss_events += 1
         self._skip_through = None
 
     def _drop_early(self, raw: Sequence[Record]) -> Sequence[Record]:
@@ -334,6 +337,7 @@ class ShardReader:
         if self._fail_on_data_loss:
             raise DataLossError(message + "; set failOnDataLoss=false to skip it")
         log.warning("kinesis source: data loss: %s; skipped (failOnDataLoss=false)", message)
+        self.data_loss_events += 1
 
 
 @dataclass

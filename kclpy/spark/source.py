@@ -152,7 +152,8 @@ class KinesisStreamReader(DataSourceStreamReader):
         self._probes: dict[str, _ShardProbe] = {}
         self._counts: dict[tuple[str, str, str], int] = {}
         self._client: KinesisClient | None = None
-        #: positions found trimmed or shards found expired, with failOnDataLoss=false
+        #: positions found trimmed or shards found expired by the driver, with
+        #: failOnDataLoss=false (an executor that finds one logs it)
         self.data_loss_events = 0
 
     def __getstate__(self) -> dict[str, Any]:
@@ -332,17 +333,20 @@ class KinesisStreamReader(DataSourceStreamReader):
             time.sleep(wait)
             now = self._clock()
 
-        def one(shard_id: str) -> _ShardProbe:
+        def one(shard_id: str) -> tuple[_ShardProbe, int]:
             cached = self._probes.get(shard_id)
             position = positions[shard_id]
             if cached is None or cached.position != position or cached.reader is None:
                 reader = self._reader(self._shards[shard_id], position)
             else:
                 reader = cached.reader
-            return _ShardProbe(position, reader, probe(reader), now)
+            lost = reader.data_loss_events
+            found = probe(reader)
+            return _ShardProbe(position, reader, found, now), reader.data_loss_events - lost
 
-        for shard_id, fresh in zip(due, _parallel([partial(one, s) for s in due]),
-                                   strict=True):
+        for shard_id, (fresh, lost) in zip(due, _parallel([partial(one, s) for s in due]),
+                                           strict=True):
+            self.data_loss_events += lost
             self._probes[shard_id] = fresh
             result[shard_id] = fresh.found
         return result

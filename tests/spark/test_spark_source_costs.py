@@ -214,6 +214,15 @@ def test_a_trimmed_position_fails_the_query_naming_the_shard_unless_told_to_skip
     counts = collections.Counter(p.kind for p in decode_offset(end).values())
     assert counts == {"AT_TIMESTAMP": 1}
 
+    # A shard of the offset that the stream no longer lists (expired before it was read).
+    gone = {"shards": {"shardId-000000000099": f"AFTER/{first}/0",
+                       shard["ShardId"]: "TRIM_HORIZON"}}
+    with pytest.raises(DataLossError, match="shardId-000000000099"):
+        strict.latestOffset(gone, None)
+    skipped = lenient.latestOffset(gone, None)
+    assert "shardId-000000000099" not in skipped["shards"]
+    assert lenient.data_loss_events == 2
+
 
 def test_role_arn_signs_every_call_with_the_assumed_role(
         proxy: CountingProxy, kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
