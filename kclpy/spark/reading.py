@@ -1,20 +1,31 @@
-"""Reading shards between positions: what the source's driver and executors both do.
+"""Reading shards between positions: what the source's executors do, and the driver's probes.
 
-The Kinesis API has no call that says where a shard's data ends, so the driver finds a
-batch's end offset by reading (to the tip, or to the row limit), and the executors then read
-exactly the same records again, from the start offset through the end offset. Both sides go
-through :class:`ShardReader`, with the same de-aggregation and hash-key filtering, so they
-agree on which user records lie between two positions.
+A batch's end is fixed when the driver plans it, but the driver does not read the batch:
+Kinesis has no call that says where a shard's data ends, and reading forward to find out
+would fetch every record twice (once on the driver, once on an executor) and make the driver
+the bottleneck. Instead a batch ends at an arrival time (``AT_TIMESTAMP/<ms>`` as an end:
+every record that arrived before it) chosen a settle margin in the past, so every record of
+the batch is already stored when the batch is planned, and a batch re-run after a failure
+reads exactly the same records. The driver only probes: one ``GetRecords(Limit=1)`` from
+each shard's position says whether anything new is there and when it arrived.
 
-No threads, no state shared between calls: a reader lives for one call on one shard, which
-is what a pickled Spark reader and a short-lived task need.
+Only a row limit (``maxRecordsPerBatch``, ``maxFetchRecordsPerShard``) makes the driver read
+records, to find the user record a batch ends at (:func:`advance_counted`), with the
+GetRecords ``Limit`` cut to what the batch still needs.
+
+"At the tip" is a page with no records whose ``MillisBehindLatest`` is 0 (or absent), or a
+shard end (no next iterator) — never ``MillisBehindLatest`` alone: kinesis-mock reports 0 on
+a page that ends inside the last PutRecords batch while records remain.
+
+No threads, no state shared between calls: a reader lives for one task on one shard (or, on
+the driver, for one shard's probes), which is what a pickled Spark reader needs.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
@@ -32,13 +43,16 @@ if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
 
 __all__ = [
+    "DataLossError",
+    "EndNotFoundError",
+    "Probe",
     "ShardInfo",
     "ShardReader",
     "StreamRef",
-    "advance",
+    "advance_counted",
     "list_shards",
+    "probe",
     "read_range",
-    "tip",
 ]
 
 log = logging.getLogger(__name__)
@@ -79,6 +93,15 @@ class ShardInfo:
     closed: bool
 
 
+class DataLossError(RuntimeError):
+    """Records between a checkpointed position and what Kinesis still has are gone (trimmed
+    by retention, or the shard expired): raised when ``failOnDataLoss`` is true."""
+
+
+class EndNotFoundError(RuntimeError):
+    """The records a batch was planned with are not there (expired, or a different stream)."""
+
+
 def list_shards(client: KinesisClient, stream: StreamRef, retries: int = 8) -> list[ShardInfo]:
     """Every shard the stream still has (closed ones within retention included).
 
@@ -104,8 +127,9 @@ def list_shards(client: KinesisClient, stream: StreamRef, retries: int = 8) -> l
 
 def _retrying(operation: str, retries: int, call: Callable[[], _T],
               sleep: Callable[[float], None] = time.sleep) -> _T:
-    """Retry throttles, server errors and dropped connections with jittered backoff; a
-    Spark task that still fails after that is better retried by Spark than stuck here."""
+    """Retry throttles, server errors and dropped connections with kclpy's jittered backoff
+    (:mod:`kclpy.retrieval.backoff`); a Spark task that still fails after that is better
+    retried by Spark than stuck here."""
     backoff = Backoff(0.2, 5.0)
     while True:
         try:
@@ -121,16 +145,34 @@ def _retrying(operation: str, retries: int, call: Callable[[], _T],
 
 @dataclass
 class Page:
-    #: user records strictly after the start position, de-aggregated and filtered
+    #: user records strictly after the start position and before the reader's time bound,
+    #: de-aggregated and filtered
     records: Records
     #: the shard is closed and every record of it was returned
     shard_end: bool
-    #: nothing more to read right now
-    caught_up: bool
+    #: a page with no records and not behind: nothing more right now
+    at_tip: bool
+    #: a record that arrived at or after the reader's ``until_ms`` was seen: the rest of the
+    #: shard belongs to a later batch
+    reached_bound: bool
+    #: the arrival (epoch ms) of this page's first record after the start, None if there
+    #: was none
+    first_arrival_ms: int | None = None
+
+    @property
+    def done(self) -> bool:
+        """Nothing more to read for the range this reader was made for."""
+        return self.shard_end or self.at_tip or self.reached_bound
 
 
 class ShardReader:
-    """Reads one shard forward from a position, one GetRecords page per ``next_page``."""
+    """Reads one shard forward from a position, one GetRecords page per ``next_page``.
+
+    ``until_ms``: the reader's time bound; records that arrived at or after it are not
+    returned and the page that meets one reports ``reached_bound``. A start at
+    ``AT_TIMESTAMP/<ms>`` drops records that arrived earlier on the client too, since some
+    endpoints (kinesis-mock) position such an iterator only to the second.
+    """
 
     def __init__(
         self,
@@ -141,6 +183,8 @@ class ShardReader:
         *,
         deaggregate: bool = True,
         limit: int = 10_000,
+        until_ms: int | None = None,
+        fail_on_data_loss: bool = True,
         retries: int = 8,
     ) -> None:
         if start.is_shard_end:
@@ -151,26 +195,39 @@ class ShardReader:
         self._start = start
         self._deaggregate = deaggregate
         self._key_range = HashKeyRange(shard.starting_hash_key, shard.ending_hash_key)
-        self._limit = limit
+        self.limit = limit
+        self._until_ms = until_ms
+        self._fail_on_data_loss = fail_on_data_loss
         self._retries = retries
         self._iterator: str | None = None
         self._skip_through = start.extended if start.kind == AFTER else None
+        self._from_ms = start.timestamp_ms if start.kind == AT_TIMESTAMP else None
+        #: whether the first record after an AFTER start must still be checked for a gap
+        self._check_gap = start.kind == AFTER
         #: the last Kinesis record (aggregate or plain) returned whole: an expired iterator
         #: resumes after it
         self._last_raw: str | None = None
         self.ended = False
+        #: Kinesis records fetched (for the records-fetched-per-row figure)
+        self.fetched = 0
+        #: gaps skipped with failOnDataLoss=false
+        self.data_loss_events = 0
 
-    def next_page(self) -> Page:
+    def next_page(self, limit: int | None = None) -> Page:
         if self.ended:
-            return Page(EMPTY, True, True)
+            return Page(EMPTY, True, True, False)
         expired = 0
         while True:
             if self._iterator is None:
-                self._iterator = self._get_iterator()
+                fresh = self._get_iterator()
+                if fresh is None:  # the shard is gone and failOnDataLoss is false
+                    self.ended = True
+                    return Page(EMPTY, True, True, False)
+                self._iterator = fresh
             iterator = self._iterator
             try:
-                page = _retrying("GetRecords", self._retries,
-                                 partial(get_records, self._client, iterator, self._limit))
+                page = _retrying("GetRecords", self._retries, partial(
+                    get_records, self._client, iterator, max(1, limit or self.limit)))
             except ClientError as exc:
                 code = exc.response.get("Error", {}).get("Code")
                 if code != "ExpiredIteratorException" or expired >= 3:
@@ -180,17 +237,63 @@ class ShardReader:
                 continue
             break
         self._iterator = page.next_shard_iterator
-        raw = page.records
-        records = Records([raw])
+        raw: Sequence[Record] = page.records
+        self.fetched += len(raw)
+        self.ended = page.next_shard_iterator is None
+        millis = page.millis_behind_latest
+        at_tip = not raw and (millis is None or millis == 0)
         if raw:
             self._last_raw = raw[-1].sequence_number
+            if self._check_gap:
+                self._check_for_gap(raw[0])
+        raw = self._drop_early(raw)
+        raw, reached = self._cut_at_bound(raw)
+        records = Records([raw])
+        if raw:
             if self._deaggregate:
                 records = deaggregate(raw, key_range=self._key_range).records
             records = self._drop_consumed(records)
-        self.ended = page.next_shard_iterator is None
-        millis = page.millis_behind_latest
-        caught_up = millis == 0 or (millis is None and not raw)
-        return Page(records, self.ended, caught_up or self.ended)
+        # A record without an arrival time (optional in the API, AWS always sends it) counts
+        # as settled long ago.
+        first_ms = (records[0].timestamp_millis or 0) if records else None
+        return Page(records, self.ended and not reached, at_tip, reached, first_ms)
+
+    def _check_for_gap(self, first: Record) -> None:
+        """An AFTER start resumes AT its sequence number: the first record back must be that
+        record. A later one means Kinesis no longer has it (retention)."""
+        self._check_gap = False
+        assert self._start.sequence_number is not None
+        if int(first.sequence_number) <= int(self._start.sequence_number):
+            return
+        message = (f"shard {self.shard.shard_id} of {self._stream.label}: records after "
+                   f"{self._start.sequence_number} up to {first.sequence_number} are no "
+                   "longer in the stream (trimmed by retention?)")
+        if self._fail_on_data_loss:
+            raise DataLossError(message + "; set failOnDataLoss=false to skip them")
+        log.warning("kinesis source: data loss: %s; skipped (failOnDataLoss=false)", message)
+        self.data_loss_events += 1
+        self._skip_through = None
+
+    def _drop_early(self, raw: Sequence[Record]) -> Sequence[Record]:
+        since = self._from_ms
+        if since is None or not raw:
+            return raw
+        for i, record in enumerate(raw):
+            ts = record.timestamp_millis
+            if ts is None or ts >= since:
+                self._from_ms = None
+                return raw[i:] if i else raw
+        return raw[:0]
+
+    def _cut_at_bound(self, raw: Sequence[Record]) -> tuple[Sequence[Record], bool]:
+        until = self._until_ms
+        if until is None or not raw:
+            return raw, False
+        for i, record in enumerate(raw):
+            ts = record.timestamp_millis
+            if ts is not None and ts >= until:
+                return raw[:i], True
+        return raw, False
 
     def _drop_consumed(self, records: Records) -> Records:
         skip = self._skip_through
@@ -201,7 +304,7 @@ class ShardReader:
             self._skip_through = None
         return records
 
-    def _get_iterator(self) -> str:
+    def _get_iterator(self) -> str | None:
         params: dict[str, Any] = {**self._stream.params(), "ShardId": self.shard.shard_id}
         start = self._start
         if self._last_raw is not None:
@@ -209,7 +312,7 @@ class ShardReader:
                           StartingSequenceNumber=self._last_raw)
         elif start.kind == AFTER:
             # AT, not AFTER: the rest of a KPL aggregate may still be due; _drop_consumed
-            # removes what was consumed.
+            # removes what was consumed, and the record itself shows nothing was trimmed.
             params.update(ShardIteratorType="AT_SEQUENCE_NUMBER",
                           StartingSequenceNumber=start.sequence_number)
         elif start.kind == AT_TIMESTAMP:
@@ -218,115 +321,127 @@ class ShardReader:
                 start.timestamp_ms / 1000, tz=timezone.utc))
         else:
             params.update(ShardIteratorType=TRIM_HORIZON)
-        response = _retrying("GetShardIterator", self._retries,
-                             partial(self._client.get_shard_iterator, **params))
+        try:
+            response = _retrying("GetShardIterator", self._retries,
+                                 partial(self._client.get_shard_iterator, **params))
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code")
+            if code == "ResourceNotFoundException" and start.kind == AFTER:
+                self._lost(f"shard {self.shard.shard_id} of {self._stream.label} is gone "
+                           f"(expired) after {start.sequence_number}")
+                return None
+            raise
         return response["ShardIterator"]
 
-
-def _beyond(record: Record, bound: ShardPosition | None) -> bool:
-    """Whether ``record`` lies past ``bound`` (an AvailableNow target; None: no bound)."""
-    if bound is None or bound.kind == SHARD_END:
-        return False
-    if bound.kind == AFTER:
-        return record.extended_sequence_number > bound.extended
-    if bound.kind == AT_TIMESTAMP:
-        # The tip probe saw no record from this time on: anything stamped since came later.
-        assert bound.timestamp_ms is not None
-        ts = record.timestamp_millis
-        return ts is not None and ts >= bound.timestamp_ms
-    return True
+    def _lost(self, message: str) -> None:
+        if self._fail_on_data_loss:
+            raise DataLossError(message + "; set failOnDataLoss=false to skip it")
+        log.warning("kinesis source: data loss: %s; skipped (failOnDataLoss=false)", message)
+        self.data_loss_events += 1
 
 
-def advance(
-    reader: ShardReader, start: ShardPosition, max_rows: int | None,
-    bound: ShardPosition | None = None,
+@dataclass
+class Probe:
+    """What a shard holds after a position, as far as the driver looked."""
+
+    #: arrival (epoch ms) of the first record after the position; None: none seen yet
+    first_arrival_ms: int | None = None
+    #: the shard is closed and nothing is left after the position
+    shard_end: bool = False
+
+
+def probe(reader: ShardReader, max_pages: int = 4) -> Probe:
+    """Look for the first record after the reader's start, one record per call.
+
+    The reader keeps its iterator, so the next probe of an idle shard is one GetRecords and
+    no GetShardIterator. Records dropped on the client (already consumed, or before an
+    ``AT_TIMESTAMP`` start) are stepped over, with a growing ``Limit``, for at most
+    ``max_pages`` calls per probe.
+    """
+    limit = 1
+    for _ in range(max_pages):
+        page = reader.next_page(limit)
+        if page.first_arrival_ms is not None:
+            return Probe(page.first_arrival_ms)
+        if page.shard_end:
+            return Probe(shard_end=True)
+        if page.at_tip:
+            return Probe()
+        limit = min(limit * 10, reader.limit)
+    return Probe()
+
+
+def advance_counted(
+    reader: ShardReader, start: ShardPosition, max_rows: int, until: ShardPosition,
 ) -> tuple[ShardPosition, int]:
-    """Read from ``start`` to the tip (or ``max_rows`` records, or ``bound``): the position
-    reached and the number of records passed."""
-    if max_rows == 0:
-        return start, 0
-    last: Record | None = None
+    """Where a batch of at most ``max_rows`` user records from ``start`` ends, by reading
+    them (the reader's time bound is ``until``'s): the position and the count.
+
+    ``until`` (an ``AT_TIMESTAMP`` end) when the shard's settled records run out first,
+    ``SHARD_END`` when the shard does."""
     count = 0
-    while True:
-        page = reader.next_page()
-        stopped = False
-        for record in page.records:
-            if _beyond(record, bound) or count == max_rows:
-                stopped = True
-                break
-            last = record
-            count += 1
-            if bound is not None and bound.kind == AFTER and (
-                    record.extended_sequence_number == bound.extended):
-                stopped = True
-                break
-        if stopped or count == max_rows:
+    last: Record | None = None
+    while count < max_rows:
+        page = reader.next_page(min(reader.limit, max_rows - count))
+        records = page.records
+        if len(records) > max_rows - count:
+            records = records[: max_rows - count]
+        if records:
+            last = records[-1]
+            count += len(records)
+        if count >= max_rows:
             break
+        if page.reached_bound or page.at_tip:
+            return until, count
         if page.shard_end:
             return ShardPosition.shard_end(), count
-        if page.caught_up:
-            break
     return (ShardPosition.after(last) if last is not None else start), count
 
 
-def tip(reader: ShardReader, window_start_ms: int) -> ShardPosition:
-    """Where the shard's data ends now, read from ``window_start_ms`` on (the reader must
-    start there): the last record, SHARD_END for a closed shard, or — no record since the
-    window start — that time, which then stands for "everything before it"."""
-    last: Record | None = None
-    while True:
-        page = reader.next_page()
-        if page.records:
-            last = page.records[-1]
-        if page.shard_end:
-            return ShardPosition.shard_end()
-        if page.caught_up:
-            break
-    return ShardPosition.after(last) if last is not None else ShardPosition.at_timestamp(
-        window_start_ms)
-
-
-class EndNotFoundError(RuntimeError):
-    """The records a batch was planned with are not there (expired, or a different stream)."""
-
-
 def read_range(
-    reader: ShardReader, end: ShardPosition, *, idle_s: float = 0.5, idle_limit: int = 20,
-    sleep: Callable[[float], None] = time.sleep,
+    reader: ShardReader, end: ShardPosition, *, count: int | None = None,
+    idle_s: float = 0.5, idle_limit: int = 20, sleep: Callable[[float], None] = time.sleep,
 ) -> Iterator[Records]:
-    """The records after the reader's start through ``end`` (AFTER or SHARD_END), page by page.
+    """The records after the reader's start through ``end``, page by page.
 
-    Raises EndNotFoundError when the shard ends before ``end`` or when the stream stays
-    caught up without reaching it, instead of returning a short batch that would then be
-    committed as complete.
+    ``end`` is ``AFTER`` (through that user record), ``AT_TIMESTAMP`` (everything that arrived
+    before it: the reader must have been made with that ``until_ms``) or ``SHARD_END``.
+    ``count``, the number of user records the driver counted, cuts the GetRecords ``Limit``.
+
+    Raises EndNotFoundError when an ``AFTER`` or ``SHARD_END`` end is not reached (the shard
+    ended before it, or the stream stays at its tip without it), instead of returning a short
+    batch that would then be committed as complete.
     """
     shard_id = reader.shard.shard_id
     target = end.extended if end.kind == AFTER else None
     idle = 0
+    left = count
     while True:
-        page = reader.next_page()
+        page = reader.next_page(None if left is None else min(reader.limit, max(left, 1)))
         records = page.records
         if target is not None:
             for i, record in enumerate(records):
                 ext = record.extended_sequence_number
                 if ext >= target:
-                    keep = records[: i + 1] if ext == target else records[:i]
                     if ext != target:
                         raise EndNotFoundError(
                             f"shard {shard_id}: record {end.encode()} not found (passed it)")
-                    if keep:
-                        yield keep
+                    yield records[: i + 1]
                     return
         if records:
             idle = 0
+            if left is not None:
+                left -= len(records)
             yield records
+        if end.kind == AT_TIMESTAMP and (page.reached_bound or page.at_tip or page.shard_end):
+            return
         if page.shard_end:
-            if target is None:
+            if end.kind == SHARD_END:
                 return
             raise EndNotFoundError(f"shard {shard_id}: ended before {end.encode()}")
-        if page.caught_up and not records:
+        if page.at_tip:
             idle += 1
             if idle > idle_limit:
                 raise EndNotFoundError(
-                    f"shard {shard_id}: caught up without reaching {end.encode()}")
+                    f"shard {shard_id}: at its tip without reaching {end.encode()}")
             sleep(idle_s)

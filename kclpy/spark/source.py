@@ -6,11 +6,14 @@ the shard between the two offsets with GetRecords themselves. No jar, no JVM cod
 
 Design points, each forced by how Spark drives a Python source:
 
-- Offsets are per-shard positions (:mod:`kclpy.spark.offsets`). The driver finds the end of
-  a batch by reading forward from the start (Kinesis has no "where does the data end" call),
-  bounded by the read limit; executors read the same range again. Reading twice is the cost
-  of executors doing the work in parallel; ``maxFetchRecordsPerShard`` bounds the driver's
-  share per batch.
+- The records are read once, by the executors. The driver plans without reading them: a
+  batch ends at an arrival time a settle margin (``settleTime``) before planning, so the
+  batch is every record of the shard that had arrived by then, whenever (and however often)
+  an executor reads it (:mod:`kclpy.spark.reading`). To know whether a shard has anything
+  new, the driver probes it with ``GetRecords(Limit=1)``, at most once per
+  ``minFetchPeriod`` per shard, and lists shards at most once per ``shardFetchInterval``.
+  Only a row limit makes the driver read: a batch that ends after N records can only be
+  found by counting them.
 - The reader object is pickled to the executors, so it holds only options: boto3 clients
   are made inside each call and never stored, and ``__getstate__`` drops the driver's
   caches in case Spark pickles a driver-side instance.
@@ -18,11 +21,10 @@ Design points, each forced by how Spark drives a Python source:
   ``SupportsTriggerAvailableNow``; 4.0/4.1 call ``latestOffset()`` without arguments. One
   signature with defaults serves both: without a start, the reader continues from the last
   offset it produced or was shown (Spark re-announces the latest offset on restart through
-  an empty ``partitions(offset, offset)`` call), and reads to the tip, because on 4.0/4.1 a
+  an empty ``partitions(offset, offset)`` call), with no row limit, because on 4.0/4.1 a
   limit would also cut Spark's own ``AvailableNow`` wrapper short.
 - Parents before children: a shard whose parent is in the offset and not yet at SHARD_END
-  is not read, so a child's first batch comes after its parents' last one. New shards are
-  found with ListShards at every ``latestOffset``.
+  is not read, so a child's first batch comes after its parents' last one.
 """
 
 from __future__ import annotations
@@ -35,29 +37,29 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import boto3
-import botocore.config
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 
-from kclpy.config import parse_timestamp
-from kclpy.errors import ConfigError
 from kclpy.spark.arrow import SPARK_SCHEMA_DDL, records_to_batch
 from kclpy.spark.offsets import (
     AFTER,
     AT_TIMESTAMP,
+    SHARD_END,
     ShardPosition,
     decode_offset,
     encode_offset,
 )
+from kclpy.spark.options import SourceOptions
 from kclpy.spark.reading import (
+    DataLossError,
+    Probe,
     ShardInfo,
     ShardReader,
     StreamRef,
-    advance,
+    advance_counted,
     list_shards,
+    probe,
     read_range,
-    tip,
 )
 
 if TYPE_CHECKING:
@@ -70,97 +72,44 @@ __all__ = ["KinesisDataSource", "KinesisStreamReader", "SourceOptions", "registe
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-_POSITIONS = {"TRIM_HORIZON": "TRIM_HORIZON", "EARLIEST": "TRIM_HORIZON", "LATEST": "LATEST",
-              "AT_TIMESTAMP": "AT_TIMESTAMP"}
-
 
 @dataclass(frozen=True)
-class SourceOptions:
-    """The reader's whole configuration: plain values, so it pickles to the executors."""
+class _Shard:
+    """A shard of one of the source's streams. Its key in an offset is its shard id, or
+    ``<stream>/<shard id>`` when the source reads several streams."""
 
     stream: StreamRef
-    region: str | None = None
-    endpoint_url: str | None = None
-    starting_position: str = "LATEST"
-    starting_timestamp_ms: int | None = None
-    max_records_per_batch: int | None = None
-    max_fetch_records_per_shard: int = 100_000
-    max_records_per_fetch: int = 10_000
-    deaggregate: bool = True
-    #: how far back the driver looks for a shard's newest record (LATEST, AvailableNow);
-    #: must exceed any clock skew between the driver and Kinesis
-    tip_window_s: float = 60.0
+    info: ShardInfo
+    key: str
+    #: the keys of its parents (same stream)
+    parents: tuple[str, ...]
 
-    @classmethod
-    def parse(cls, options: Mapping[str, str]) -> SourceOptions:
-        """From ``.option(...)`` values (names case-insensitive); ConfigError names the option."""
-        opts = {str(k).lower(): str(v) for k, v in options.items()}
 
-        def integer(name: str, default: int | None, low: int, high: int) -> int | None:
-            raw = opts.get(name.lower())
-            if raw is None:
-                return default
-            try:
-                value = int(raw)
-            except ValueError:
-                raise ConfigError(name, f"{raw!r} is not an integer") from None
-            if not low <= value <= high:
-                raise ConfigError(name, f"must be between {low} and {high}, got {value}")
-            return value
+@dataclass
+class _ShardProbe:
+    """The driver's view of one shard after one position: its probing reader (which keeps
+    its iterator between probes) and what the last probe found."""
 
-        name, arn = opts.get("streamname"), opts.get("streamarn")
-        if not name and not arn:
-            raise ConfigError("streamName", "streamName or streamArn is required")
-        raw_position = opts.get("startingposition", "LATEST").strip().upper()
-        position = _POSITIONS.get(raw_position)
-        if position is None:
-            raise ConfigError("startingPosition",
-                              f"{raw_position!r} is not TRIM_HORIZON, LATEST or AT_TIMESTAMP")
-        timestamp_ms = None
-        if position == "AT_TIMESTAMP":
-            raw_ts = opts.get("timestamp")
-            if not raw_ts:
-                raise ConfigError("timestamp", "required with startingPosition AT_TIMESTAMP")
-            try:
-                timestamp_ms = round(parse_timestamp(raw_ts).timestamp() * 1000)
-            except ValueError:
-                raise ConfigError("timestamp", f"{raw_ts!r} is not ISO 8601 or epoch "
-                                  "seconds") from None
-        deagg = opts.get("deaggregate", "true").strip().lower()
-        if deagg not in ("true", "false"):
-            raise ConfigError("deaggregate", f"{deagg!r} is not true or false")
-        max_shard = integer("maxFetchRecordsPerShard", 100_000, 1, 2**31)
-        per_fetch = integer("maxRecordsPerFetch", 10_000, 1, 10_000)
-        assert max_shard is not None and per_fetch is not None
-        return cls(
-            stream=StreamRef(name or None, arn or None),
-            region=opts.get("region") or None,
-            endpoint_url=opts.get("endpointurl") or None,
-            starting_position=position,
-            starting_timestamp_ms=timestamp_ms,
-            max_records_per_batch=integer("maxRecordsPerBatch", None, 1, 2**31),
-            max_fetch_records_per_shard=max_shard,
-            max_records_per_fetch=per_fetch,
-            deaggregate=deagg == "true",
-        )
-
-    def client(self, pool: int = 10) -> KinesisClient:
-        # One attempt per botocore call: retrieval retries with its own jittered backoff.
-        config = botocore.config.Config(
-            max_pool_connections=pool, retries={"mode": "standard", "total_max_attempts": 1},
-            connect_timeout=10, read_timeout=30)
-        return boto3.session.Session(region_name=self.region).client(
-            "kinesis", endpoint_url=self.endpoint_url, config=config)
+    position: ShardPosition
+    #: None when no probe was made: a row-limited batch stopped short of the shard's end,
+    #: so more is known to be there
+    reader: ShardReader | None
+    found: Probe
+    probed_at: float
 
 
 class KinesisPartition(InputPartition):
-    """One shard's part of a batch: read after ``start`` through ``end`` (encoded positions)."""
+    """One shard's part of a batch: read after ``start`` through ``end`` (encoded positions).
+    ``count``: the user records the driver counted in it, when it did (cuts ``Limit``)."""
 
-    def __init__(self, shard: ShardInfo, start: str, end: str) -> None:
+    def __init__(self, stream: StreamRef, shard: ShardInfo, start: str, end: str,
+                 count: int | None = None) -> None:
         super().__init__(shard.shard_id)
+        self.stream = stream
         self.shard = shard
         self.start = start
         self.end = end
+        self.count = count
 
 
 class KinesisDataSource(DataSource):
@@ -171,6 +120,9 @@ class KinesisDataSource(DataSource):
         return "kinesis"
 
     def schema(self) -> str:
+        # Spark asks for the schema in ``.load()``: checking the options here makes a bad
+        # one fail there, before any query starts.
+        SourceOptions.parse(self.options)
         return SPARK_SCHEMA_DDL
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
@@ -185,69 +137,94 @@ def register(spark: SparkSession) -> None:
 class KinesisStreamReader(DataSourceStreamReader):
     """The driver side plans batches; ``read`` runs on the executors."""
 
-    def __init__(self, options: SourceOptions) -> None:
+    def __init__(self, options: SourceOptions, clock: Callable[[], float] = time.time) -> None:
         self.options = options
+        self._clock = clock
+        self._reset()
+
+    def _reset(self) -> None:
         # Driver-side caches, rebuilt on demand (never pickled, see __getstate__).
-        self._shards: dict[str, ShardInfo] = {}
+        self._shards: dict[str, _Shard] = {}
+        self._listed_at: float | None = None
         self._cursor: dict[str, ShardPosition] | None = None
-        self._target: dict[str, ShardPosition] | None = None
+        self._target_ms: int | None = None
+        self._target_shards: frozenset[str] | None = None
+        self._probes: dict[str, _ShardProbe] = {}
+        self._counts: dict[tuple[str, str, str], int] = {}
         self._client: KinesisClient | None = None
+        #: positions found trimmed or shards found expired by the driver, with
+        #: failOnDataLoss=false (an executor that finds one logs it)
+        self.data_loss_events = 0
 
     def __getstate__(self) -> dict[str, Any]:
         return {"options": self.options}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.options = state["options"]
-        self._shards = {}
-        self._cursor = None
-        self._target = None
-        self._client = None
+        self._clock = time.time
+        self._reset()
 
     # -- driver ---------------------------------------------------------------------------
 
     def _kinesis(self) -> KinesisClient:
         if self._client is None:
-            self._client = self.options.client(pool=32)
+            self._client = self.options.client(pool=32, agent="kclpy-spark-driver")
         return self._client
 
-    def _list(self) -> dict[str, ShardInfo]:
-        self._shards = {s.shard_id: s for s in list_shards(self._kinesis(), self.options.stream)}
+    def _now_ms(self) -> int:
+        return round(self._clock() * 1000)
+
+    def _list(self, force: bool = False) -> dict[str, _Shard]:
+        """The streams' shards by offset key, from ListShards at most once per
+        ``shardFetchInterval``."""
+        now = self._clock()
+        if (force or self._listed_at is None
+                or now - self._listed_at >= self.options.shard_fetch_interval_ms / 1000):
+            several = len(self.options.streams) > 1
+            shards: dict[str, _Shard] = {}
+            for stream in self.options.streams:
+                def key(shard_id: str, label: str = stream.label) -> str:
+                    return f"{label}/{shard_id}" if several else shard_id
+
+                for info in list_shards(self._kinesis(), stream):
+                    shards[key(info.shard_id)] = _Shard(
+                        stream, info, key(info.shard_id),
+                        tuple(key(p) for p in info.parent_shard_ids))
+            self._shards = shards
+            self._listed_at = now
         return self._shards
 
-    def _reader(self, shard: ShardInfo, start: ShardPosition) -> ShardReader:
-        return ShardReader(self._kinesis(), self.options.stream, shard, start,
+    def _reader(self, shard: _Shard, start: ShardPosition,
+                until_ms: int | None = None) -> ShardReader:
+        return ShardReader(self._kinesis(), shard.stream, shard.info, start,
                            deaggregate=self.options.deaggregate,
-                           limit=self.options.max_records_per_fetch)
-
-    def _tips(self, shards: Sequence[ShardInfo]) -> dict[str, ShardPosition]:
-        window_ms = round((time.time() - self.options.tip_window_s) * 1000)
-        start = ShardPosition.at_timestamp(window_ms)
-
-        def one(shard: ShardInfo) -> ShardPosition:
-            return tip(self._reader(shard, start), window_ms)
-
-        tips = _parallel([partial(one, s) for s in shards])
-        return {s.shard_id: t for s, t in zip(shards, tips, strict=True)}
+                           limit=self.options.max_records_per_fetch, until_ms=until_ms,
+                           fail_on_data_loss=self.options.fail_on_data_loss)
 
     def initialOffset(self) -> dict[str, Any]:
-        shards = list(self._list().values())
+        shards = list(self._list(force=True).values())
         kind = self.options.starting_position
         if kind == "LATEST":
-            positions = self._tips(shards)
+            # Everything that arrived before now is "consumed": no read needed to find it.
+            at = ShardPosition.at_timestamp(self._now_ms())
+            positions = {s.key: at for s in shards}
         elif kind == AT_TIMESTAMP:
             assert self.options.starting_timestamp_ms is not None
             at = ShardPosition.at_timestamp(self.options.starting_timestamp_ms)
-            positions = {s.shard_id: at for s in shards}
+            positions = {s.key: at for s in shards}
         else:
-            positions = {s.shard_id: ShardPosition.trim_horizon() for s in shards}
+            positions = {s.key: ShardPosition.trim_horizon() for s in shards}
         self._cursor = positions
         return encode_offset(positions)
 
     def prepareForTriggerAvailableNow(self) -> None:
-        """Fix the target: every shard's tip now. Shards created later are not read in this
-        run, and no shard is read beyond its target."""
-        self._target = self._tips(list(self._list().values()))
-        log.info("kinesis source: AvailableNow target %s", encode_offset(self._target))
+        """Fix the target: every record that arrived before now, on the shards there are
+        now. Waits ``settleTime`` once, so that the last batch can end at the target."""
+        self._target_ms = self._now_ms()
+        self._target_shards = frozenset(self._list(force=True))
+        log.info("kinesis source: AvailableNow target: arrivals before %d on %d shards",
+                 self._target_ms, len(self._target_shards))
+        time.sleep(self.options.settle_ms / 1000)
 
     def getDefaultReadLimit(self) -> Any:
         from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
@@ -258,10 +235,11 @@ class KinesisStreamReader(DataSourceStreamReader):
     def latestOffset(
         self, start: dict[str, Any] | None = None, limit: Any = None
     ) -> dict[str, Any]:
-        """The end of the next batch: ``start`` moved forward by up to ``limit`` rows.
+        """The end of the next batch: every record that had arrived ``settleTime`` ago, on
+        the shards a probe found something new on, cut by ``limit`` rows if there is one.
 
-        Without ``start`` (Spark 4.0/4.1) it continues from the reader's own cursor and
-        reads every shard to its tip.
+        Without ``start`` (Spark 4.0/4.1) it continues from the reader's own cursor, with no
+        row limit.
         """
         if start is None:
             positions = dict(self._cursor) if self._cursor is not None else decode_offset(
@@ -275,75 +253,160 @@ class KinesisStreamReader(DataSourceStreamReader):
         shards = self._list()
         for shard_id in list(positions):
             if shard_id not in shards:
-                if not positions[shard_id].is_shard_end:
-                    log.warning("kinesis source: shard %s is gone from the stream (expired) "
-                                "before it was read to its end", shard_id)
-                del positions[shard_id]
+                position = positions.pop(shard_id)
+                if not position.is_shard_end:
+                    self._lost(f"shard {shard_id} is gone (expired) before it was read to "
+                               f"its end: records after {position.encode()} are lost")
         # Children of a split or merge; absent from an offset means TRIM_HORIZON anyway,
         # listing them makes the offset show every shard the query knows.
         for shard_id in shards:
             positions.setdefault(shard_id, ShardPosition.trim_horizon())
+        until_ms = self._now_ms() - self.options.settle_ms
+        if self._target_ms is not None:
+            until_ms = min(until_ms, self._target_ms)
         ready = [s for s in sorted(positions) if self._readable(s, positions)]
-        self._advance(positions, ready, budget, per_shard)
+        found = self._probe_all(positions, ready)
+        moving = []
+        for shard_id in ready:
+            seen = found[shard_id]
+            if seen.shard_end:
+                positions[shard_id] = ShardPosition.shard_end()
+            elif seen.first_arrival_ms is not None and seen.first_arrival_ms < until_ms:
+                moving.append(shard_id)
+        until = ShardPosition.at_timestamp(until_ms)
+        if budget is None and per_shard is None:
+            for shard_id in moving:
+                positions[shard_id] = until
+        else:
+            self._advance_counted(positions, moving, budget, per_shard, until)
         self._cursor = positions
         return encode_offset(positions)
+
+    def _lost(self, message: str) -> None:
+        if self.options.fail_on_data_loss:
+            raise DataLossError(message + "; set failOnDataLoss=false to skip it")
+        self.data_loss_events += 1
+        log.warning("kinesis source: data loss (%d so far): %s; skipped (failOnDataLoss=false)",
+                    self.data_loss_events, message)
 
     def _readable(self, shard_id: str, positions: Mapping[str, ShardPosition]) -> bool:
         position = positions[shard_id]
         if position.is_shard_end:
             return False
-        if self._target is not None:
-            bound = self._target.get(shard_id)
-            if bound is None or (bound.kind == AFTER and position.kind == AFTER
-                                 and position.extended >= bound.extended):
-                return False
-        info = self._shards[shard_id]
-        return all(p not in positions or positions[p].is_shard_end
-                   for p in info.parent_shard_ids)
+        if self._target_shards is not None and shard_id not in self._target_shards:
+            return False
+        shard = self._shards[shard_id]
+        if (self._target_ms is not None and position.kind == AT_TIMESTAMP
+                and (position.timestamp_ms or 0) >= self._target_ms and not shard.info.closed):
+            # Read to the AvailableNow target; an open shard has nothing more for this run
+            # (a closed one is probed once more to find its end, which frees its children).
+            return False
+        return all(p not in positions or positions[p].is_shard_end for p in shard.parents)
 
-    def _advance(self, positions: dict[str, ShardPosition], ready: list[str],
-                 budget: int | None, per_shard: int | None) -> None:
-        """Move the ready shards forward in place: an equal share of ``budget`` each, then
-        what shards that ran dry left over, to those that did not."""
-        caps: dict[str, int | None] = {s: per_shard for s in ready}
-        if budget is not None and ready:
-            share, extra = divmod(budget, len(ready))
-            for i, shard_id in enumerate(ready):
-                cap = share + (1 if i < extra else 0)
-                caps[shard_id] = cap if per_shard is None else min(cap, per_shard)
-        results = self._advance_all(positions, caps)
-        if budget is None:
-            return
-        left = budget - sum(n for n, _ in results.values())
+    def _probe_all(self, positions: Mapping[str, ShardPosition],
+                   ready: Sequence[str]) -> dict[str, Probe]:
+        """What each ready shard holds after its position, probing each shard at most once
+        per ``minFetchPeriod`` (a shard already known to hold something is not probed)."""
+        now = self._clock()
+        period = self.options.min_fetch_period_ms / 1000
+        result: dict[str, Probe] = {}
+        due: list[str] = []
+        wait = 0.0
         for shard_id in ready:
-            count, dry = results[shard_id]
-            if left <= 0:
-                break
-            if dry or positions[shard_id].is_shard_end:
-                continue
-            cap = left if per_shard is None else min(left, per_shard - count)
-            if cap <= 0:
-                continue
-            more = self._advance_all(positions, {shard_id: cap})[shard_id][0]
-            left -= more
+            cached = self._probes.get(shard_id)
+            if cached is not None and cached.position == positions[shard_id] and (
+                    cached.found.first_arrival_ms is not None or cached.found.shard_end):
+                result[shard_id] = cached.found
+            elif cached is not None and now - cached.probed_at < period:
+                if cached.position == positions[shard_id]:
+                    result[shard_id] = cached.found
+                elif self._target_ms is not None:
+                    # AvailableNow ends at the first batch with nothing new, so a shard
+                    # at a new position must be probed: after its interval, not never.
+                    wait = max(wait, period - (now - cached.probed_at))
+                    due.append(shard_id)
+                else:
+                    result[shard_id] = Probe()
+            else:
+                due.append(shard_id)
+        if wait > 0:
+            time.sleep(wait)
+            now = self._clock()
 
-    def _advance_all(self, positions: dict[str, ShardPosition],
-                     caps: Mapping[str, int | None]) -> dict[str, tuple[int, bool]]:
-        """Advance shards in parallel; per shard (records passed, ran dry before its cap)."""
-        ids = list(caps)
+        def one(shard_id: str) -> tuple[_ShardProbe, int]:
+            cached = self._probes.get(shard_id)
+            position = positions[shard_id]
+            if cached is None or cached.position != position or cached.reader is None:
+                reader = self._reader(self._shards[shard_id], position)
+            else:
+                reader = cached.reader
+            lost = reader.data_loss_events
+            found = probe(reader)
+            return _ShardProbe(position, reader, found, now), reader.data_loss_events - lost
+
+        for shard_id, (fresh, lost) in zip(due, _parallel([partial(one, s) for s in due]),
+                                           strict=True):
+            self.data_loss_events += lost
+            self._probes[shard_id] = fresh
+            result[shard_id] = fresh.found
+        return result
+
+    def _advance_counted(self, positions: dict[str, ShardPosition], moving: list[str],
+                         budget: int | None, per_shard: int | None,
+                         until: ShardPosition) -> None:
+        """Cut the moving shards' batches by rows: an equal share of ``budget`` each, then
+        what shards that ran dry left over, to those that did not. The driver reads these
+        records (only the ones the batch needs: ``Limit`` is cut to the share) to find
+        where each batch ends."""
+        starts = {s: positions[s] for s in moving}
+        caps: dict[str, int] = {}
+        for i, shard_id in enumerate(moving):
+            cap = per_shard if per_shard is not None else 2**31
+            if budget is not None:
+                share, extra = divmod(budget, len(moving))
+                cap = min(cap, share + (1 if i < extra else 0))
+            caps[shard_id] = cap
+        counts = self._count_all(positions, caps, until)
+        if budget is not None:
+            left = budget - sum(counts.values())
+            for shard_id in moving:
+                if left <= 0:
+                    break
+                if positions[shard_id] in (until, ShardPosition.shard_end()):
+                    continue
+                cap = left if per_shard is None else min(left, per_shard - counts[shard_id])
+                if cap <= 0:
+                    continue
+                more = self._count_all(positions, {shard_id: cap}, until)[shard_id]
+                counts[shard_id] += more
+                left -= more
+        now = self._clock()
+        for shard_id in moving:
+            end = positions[shard_id]
+            self._counts[(shard_id, starts[shard_id].encode(), end.encode())] = counts[shard_id]
+            if end.kind == AFTER:
+                # Cut by the limit before the time bound: the next batch need not wait for a
+                # probe to know this shard has more (if the cut fell on its last settled
+                # record, that batch's part is merely empty).
+                assert until.timestamp_ms is not None
+                self._probes[shard_id] = _ShardProbe(
+                    end, None, Probe(first_arrival_ms=until.timestamp_ms - 1), now)
+
+    def _count_all(self, positions: dict[str, ShardPosition], caps: Mapping[str, int],
+                   until: ShardPosition) -> dict[str, int]:
+        ids = [s for s in caps if caps[s] > 0]
 
         def one(shard_id: str) -> tuple[ShardPosition, int]:
-            bound = self._target.get(shard_id) if self._target is not None else None
-            reader = self._reader(self._shards[shard_id], positions[shard_id])
-            return advance(reader, positions[shard_id], caps[shard_id], bound)
+            reader = self._reader(self._shards[shard_id], positions[shard_id],
+                                  until_ms=until.timestamp_ms)
+            return advance_counted(reader, positions[shard_id], caps[shard_id], until)
 
-        outcomes = _parallel([partial(one, s) for s in ids])
-        results = {}
-        for shard_id, (position, count) in zip(ids, outcomes, strict=True):
+        counts = dict.fromkeys(caps, 0)
+        for shard_id, (position, count) in zip(ids, _parallel([partial(one, s) for s in ids]),
+                                               strict=True):
             positions[shard_id] = position
-            cap = caps[shard_id]
-            results[shard_id] = (count, cap is None or count < cap)
-        return results
+            counts[shard_id] = count
+        return counts
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         begin, finish = decode_offset(start), decode_offset(end)
@@ -351,33 +414,44 @@ class KinesisStreamReader(DataSourceStreamReader):
         parts: list[InputPartition] = []
         for shard_id, stop in sorted(finish.items()):
             first = begin.get(shard_id, ShardPosition.trim_horizon())
-            if stop == first or stop.kind not in (AFTER, "SHARD_END"):
+            if stop == first or first.is_shard_end or stop.kind not in (
+                    AFTER, SHARD_END, AT_TIMESTAMP):
                 continue
             if first.kind == AFTER and stop.kind == AFTER and stop.extended <= first.extended:
                 continue
-            shard = self._shards.get(shard_id) or self._list().get(shard_id)
-            if shard is None:
-                log.warning("kinesis source: shard %s is gone; its batch part is skipped",
-                            shard_id)
+            if (first.kind == AT_TIMESTAMP and stop.kind == AT_TIMESTAMP
+                    and (stop.timestamp_ms or 0) <= (first.timestamp_ms or 0)):
                 continue
-            parts.append(KinesisPartition(shard, first.encode(), stop.encode()))
+            shard = self._shards.get(shard_id) or self._list(force=True).get(shard_id)
+            if shard is None:
+                self._lost(f"shard {shard_id} is gone "
+                           f"(expired): its part of the batch, after {first.encode()} "
+                           f"through {stop.encode()}, cannot be read")
+                continue
+            count = self._counts.get((shard_id, first.encode(), stop.encode()))
+            parts.append(KinesisPartition(shard.stream, shard.info, first.encode(),
+                                          stop.encode(), count))
         return parts
 
     def commit(self, end: dict[str, Any]) -> None:
-        """Nothing to do: Kinesis keeps no consumer state; the offset log is the checkpoint."""
+        """Nothing to keep: Kinesis holds no consumer state; the offset log is the checkpoint."""
+        self._counts.clear()
 
     # -- executors --------------------------------------------------------------------------
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, KinesisPartition)
-        client = self.options.client(pool=2)
+        client = self.options.client(pool=2, agent="kclpy-spark-executor")
+        end = ShardPosition.decode(partition.end)
         try:
-            reader = ShardReader(client, self.options.stream, partition.shard,
+            reader = ShardReader(client, partition.stream, partition.shard,
                                  ShardPosition.decode(partition.start),
                                  deaggregate=self.options.deaggregate,
-                                 limit=self.options.max_records_per_fetch)
-            label = self.options.stream.label
-            for records in read_range(reader, ShardPosition.decode(partition.end)):
+                                 limit=self.options.max_records_per_fetch,
+                                 until_ms=end.timestamp_ms if end.kind == AT_TIMESTAMP else None,
+                                 fail_on_data_loss=self.options.fail_on_data_loss)
+            label = partition.stream.label
+            for records in read_range(reader, end, count=partition.count):
                 yield records_to_batch(label, partition.shard.shard_id, records)
         finally:
             client.close()

@@ -9,6 +9,7 @@ the installed Spark no longer does by itself.
 from __future__ import annotations
 
 import collections
+import json
 from pathlib import Path
 from typing import Any
 
@@ -150,12 +151,52 @@ def test_split_mid_stream_reads_the_parent_to_its_end_before_the_children(
     assert max(parent_batches) < min(child_batches)
 
 
+@pytest.mark.integration
+@pytest.mark.slow
+def test_available_now_in_spark_is_exact_with_small_pages_and_reads_each_record_once(
+        spark: Any, kinesis_mock: LocalEndpoint, tmp_path: Path) -> None:
+    """2,000 records in PutRecords calls of 500, pages of 300: the tip is an empty page, not
+    MillisBehindLatest 0. Counted through a proxy: executors fetch the records, once."""
+    from tests.support.counting import CountingProxy
+
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-pages")
+    create_stream(kinesis, stream, 2)
+    payloads = [f"p-{n}".encode() + bytes(100) for n in range(2000)]
+    put_plain(kinesis, stream, payloads)
+    with CountingProxy(kinesis_mock.url) as proxy:
+        rows = run_available_now(spark, proxy.url, stream, tmp_path / "checkpoint",
+                                 maxRecordsPerFetch=300)
+        records = dict(proxy.records)
+
+    assert_exactly(rows, payloads)
+    fetched = sum(records.values())
+    assert fetched / len(rows) <= 1.1, records
+    assert records.get("kclpy-spark-driver", 0) <= 2, records
+
+
+def test_load_rejects_a_misspelt_option_naming_the_closest_one(spark: Any) -> None:
+    from pyspark.errors import PySparkException
+
+    reader = (spark.readStream.format("kinesis").option("streamName", "s")
+              .option("startingPositon", "TRIM_HORIZON"))
+    with pytest.raises(PySparkException) as excinfo:
+        reader.load()
+    message = str(excinfo.value)
+    # Spark hands a Python source its option names lower-cased.
+    assert "unknown option 'startingpositon'" in message
+    assert "did you mean 'startingPosition'" in message
+
+
 # -- the driver side without Spark ---------------------------------------------------------
 
 
 def reader_for(url: str, stream: str, **options: str) -> KinesisStreamReader:
+    """A driver-side reader that plans with no settle margin and no probe interval: these
+    tests call it back to back, right after writing."""
     return KinesisStreamReader(SourceOptions.parse(
-        {"streamName": stream, "endpointUrl": url, "region": "us-east-1", **options}))
+        {"streamName": stream, "endpointUrl": url, "region": "us-east-1", "settleTime": "0",
+         "minFetchPeriod": "0", "shardFetchInterval": "0", **options}))
 
 
 def read_all(reader: KinesisStreamReader, start: dict[str, Any],
@@ -216,6 +257,7 @@ def test_row_limit_can_end_a_batch_inside_a_kpl_aggregate(kinesis_mock: LocalEnd
     reader = reader_for(kinesis_mock.url, stream, startingPosition="TRIM_HORIZON")
     offset = reader.initialOffset()
     seen: list[bytes] = []
+    ends: list[ShardPosition] = []
     for _ in range(10):
         end = reader.latestOffset(offset, read_max_rows(7))
         if end == offset:
@@ -223,10 +265,10 @@ def test_row_limit_can_end_a_batch_inside_a_kpl_aggregate(kinesis_mock: LocalEnd
         batch = read_all(reader, offset, end)
         assert 0 < len(batch) <= 7
         seen.extend(batch)
+        ends.extend(decode_offset(end).values())
         offset = end
     assert seen == expected
-    (position,) = decode_offset(offset).values()
-    assert position.sub_sequence_number == 9
+    assert any(p.kind == "AFTER" and 0 < p.sub_sequence_number < 9 for p in ends), ends
 
 
 def test_offsets_round_trip_and_reject_garbage() -> None:
@@ -253,11 +295,62 @@ def test_offsets_round_trip_and_reject_garbage() -> None:
     ({"streamName": "s", "maxRecordsPerBatch": "0"}, "maxRecordsPerBatch"),
     ({"streamName": "s", "maxRecordsPerFetch": "10001"}, "maxRecordsPerFetch"),
     ({"streamName": "s", "deaggregate": "maybe"}, "deaggregate"),
+    ({"streamName": "s", "minFetchPeriod": "soon"}, "minFetchPeriod"),
+    ({"streamName": "s", "failOnDataLoss": "yes"}, "failOnDataLoss"),
+    ({"streamName": "s", "endpointUrl": "localhost:4566"}, "endpointUrl"),
+    ({"streamName": "s", "timestamp": "2024-01-01T00:00:00Z"}, "timestamp"),
+    ({"streamName": "a,,b"}, "streamName"),
+    ({"streamName": "a,b,a"}, "streamName"),
+    ({"streamName": "a", "streamArn": "arn:aws:kinesis:us-east-1:1:stream/a"}, "streamArn"),
+    ({"streamName": "s", "kinesis.streamName": "t"}, "kinesis.streamName"),
+    ({"streamName": "s", "initialPosition": "somewhere"}, "initialPosition"),
+    ({"streamName": "s", "roleArn": "reader"}, "roleArn"),
+    ({"streamName": "s", "roleArn": "arn:aws:iam::123456789012:role/r",
+      "roleSessionName": "a b"}, "roleSessionName"),
+    ({"streamName": "s", "stsEndpoint": "http://127.0.0.1:1"}, "stsEndpoint"),
+    ({"streamName": "s", "kinesis.awsSecretKey": "x"}, "kinesis.awsSecretKey"),
+    ({"streamName": "s", "startingPosition": "LATEST 2024-01-01T00:00:00Z"},
+     "startingPosition"),
 ])
 def test_bad_options_name_the_option(options: dict[str, str], option: str) -> None:
     with pytest.raises(ConfigError) as excinfo:
         SourceOptions.parse(options)
     assert excinfo.value.option == option
+
+
+def test_an_unknown_option_is_an_error_naming_it_and_the_closest_known_name() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        SourceOptions.parse({"streamName": "s", "startingPositon": "TRIM_HORIZON"})
+    assert excinfo.value.option == "startingPositon"
+    assert "did you mean 'startingPosition'" in str(excinfo.value)
+    with pytest.raises(ConfigError) as excinfo:
+        SourceOptions.parse({"streamName": "s", "kinesis.startingPositon": "LATEST"})
+    assert "did you mean 'kinesis.startingPosition'" in str(excinfo.value)
+
+
+@pytest.mark.parametrize("options", [
+    # Databricks
+    {"streamName": "s", "initialPosition": "trim_horizon", "endpoint": "http://127.0.0.1:1",
+     "region": "eu-west-1", "maxRecordsPerFetch": "300", "minFetchPeriod": "400ms",
+     "shardFetchInterval": "5s"},
+    # awslabs spark-sql-kinesis-connector
+    {"kinesis.streamName": "s", "kinesis.startingPosition": "EARLIEST",
+     "kinesis.endpointUrl": "http://127.0.0.1:1", "kinesis.region": "eu-west-1",
+     "kinesis.getRecords.numberOfRecordsPerFetch": "300",
+     "kinesis.describeShardInterval": "5000", "kinesis.failOnDataLoss": "false"},
+    # qubole kinesis-sql
+    {"streamName": "s", "startingPosition": "trim_horizon", "endpointUrl": "http://127.0.0.1:1",
+     "region": "eu-west-1", "kinesis.executor.maxRecordPerRead": "300",
+     "kinesis.client.describeShardInterval": "5s"},
+])
+def test_other_sources_option_names_are_aliases(options: dict[str, str]) -> None:
+    parsed = SourceOptions.parse(options)
+    assert parsed.stream.stream_name == "s"
+    assert parsed.starting_position == "TRIM_HORIZON"
+    assert parsed.endpoint_url == "http://127.0.0.1:1"
+    assert parsed.region == "eu-west-1"
+    assert parsed.max_records_per_fetch == 300
+    assert parsed.shard_fetch_interval_ms == 5000
 
 
 def test_options_are_case_insensitive_and_typed() -> None:
@@ -267,10 +360,19 @@ def test_options_are_case_insensitive_and_typed() -> None:
     assert parsed.starting_position == "TRIM_HORIZON"
     assert parsed.max_records_per_batch == 500
     assert parsed.deaggregate is False
+    assert parsed.fail_on_data_loss is True
+    assert (parsed.min_fetch_period_ms, parsed.settle_ms) == (1000, 1000)
+    timed = SourceOptions.parse({"streamName": "s", "minFetchPeriod": "250ms",
+                                 "settleTime": "2s", "shardFetchInterval": "1m"})
+    assert (timed.min_fetch_period_ms, timed.settle_ms, timed.shard_fetch_interval_ms) == (
+        250, 2000, 60_000)
     at = SourceOptions.parse({"streamArn": "arn:aws:kinesis:us-east-1:1:stream/x",
                               "startingPosition": "AT_TIMESTAMP",
                               "timestamp": "2024-01-02T03:04:05Z"})
     assert at.starting_timestamp_ms == 1_704_164_645_000
+    awslabs = SourceOptions.parse({"kinesis.streamName": "s",
+                                   "kinesis.startingPosition": "AT_TIMESTAMP 2024-01-02T03:04:05Z"})
+    assert awslabs.starting_timestamp_ms == 1_704_164_645_000
     assert at.stream.label == "x"
 
 
@@ -282,3 +384,74 @@ def test_reader_pickles_without_clients() -> None:
     clone = pickle.loads(pickle.dumps(reader))
     assert clone.options == reader.options
     assert clone._client is None
+
+
+def _spark_env() -> dict[str, str]:
+    import os
+    import sys
+
+    import kclpy
+    from kclpy.spark.java import ensure_java
+
+    env = dict(os.environ)
+    ensure_java(env)
+    root = str(Path(kclpy.__file__).resolve().parent.parent)
+    env.update(PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable,
+               PYTHONPATH=os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")])))
+    return env
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.parametrize(("limit", "held_batch"), [(None, 0), ("200", 1)],
+                         ids=["ends-by-arrival-time", "ends-by-row-limit"])
+def test_a_batch_rerun_after_kill_9_of_the_driver_yields_the_same_rows(
+        kinesis_mock: LocalEndpoint, tmp_path: Path, limit: str | None,
+        held_batch: int) -> None:
+    """The driver is killed after a batch was planned (its offsets are in the checkpoint)
+    and before it was committed; records written meanwhile must not change the re-run."""
+    import signal
+    import subprocess
+    import sys
+
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-kill")
+    create_stream(kinesis, stream, 2)
+    first = produce(kinesis, stream, "first", plain=300, aggregates=3)
+    out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
+    out.mkdir()
+    command = [sys.executable, "-m", "tests.support.spark_query", "--endpoint", kinesis_mock.url,
+               "--stream", stream, "--checkpoint", str(checkpoint), "--out", str(out)]
+    if limit is not None:
+        command += ["--max-records-per-batch", limit]
+    env = _spark_env()
+    held = subprocess.Popen([*command, "--hold-batch", str(held_batch)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: any(out.glob(f"batch-{held_batch}-*.json"))
+                 or held.poll() is not None, 300, "the held batch reached foreachBatch")
+        assert held.poll() is None, "the held driver exited by itself"
+        assert (checkpoint / "offsets" / str(held_batch)).exists()
+        assert not (checkpoint / "commits" / str(held_batch)).exists()
+        held.send_signal(signal.SIGKILL)
+    finally:
+        if held.poll() is None:
+            held.kill()
+        held.wait()
+    later = produce(kinesis, stream, "later", plain=100)
+
+    rerun = subprocess.run(command, env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, timeout=600, check=False)
+
+    assert rerun.returncode == 0, rerun.stderr.decode()[-3000:]
+    (killed_file,) = out.glob(f"batch-{held_batch}-{held.pid}.json")
+    (rerun_file,) = [p for p in out.glob(f"batch-{held_batch}-*.json") if p != killed_file]
+    assert json.loads(killed_file.read_text()) == json.loads(rerun_file.read_text())
+    rows: dict[int, list[bytes]] = collections.defaultdict(list)
+    for path in out.glob("batch-*.json"):
+        batch_id = int(path.name.split("-")[1])
+        if path == killed_file:
+            continue
+        rows[batch_id].extend(bytes.fromhex(r[3]) for r in json.loads(path.read_text()))
+    delivered = [payload for batch in rows.values() for payload in batch]
+    assert sorted(delivered) == sorted(first + later)

@@ -1,0 +1,343 @@
+"""The source's ``.option(...)`` names and values, checked when ``.load()`` runs.
+
+A misspelt option that silently keeps its default is the worst kind of error for a stream
+reader: ``startingPositon=TRIM_HORIZON`` would read from LATEST and return nothing, with no
+error anywhere. So every name must be known (an unknown one is an error naming it and the
+closest known name), and the names users of the Databricks and awslabs Kinesis sources
+already type are accepted where they mean the same thing (:data:`ALIASES`, the table in
+docs/spark.md). Names are case-insensitive, as Spark's options are.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import boto3
+import botocore.config
+import botocore.session
+from botocore.credentials import (
+    AssumeRoleCredentialFetcher,
+    CredentialProvider,
+    DeferredRefreshableCredentials,
+)
+
+from kclpy.config import parse_timestamp
+from kclpy.errors import ConfigError
+from kclpy.spark.reading import StreamRef
+
+if TYPE_CHECKING:
+    from mypy_boto3_kinesis import KinesisClient
+
+__all__ = ["ALIASES", "OPTIONS", "SourceOptions"]
+
+#: canonical name -> default as written in docs/spark.md (None: no default)
+OPTIONS: dict[str, str | None] = {
+    "streamName": None,
+    "streamArn": None,
+    "region": None,
+    "endpointUrl": None,
+    "startingPosition": "LATEST",
+    "timestamp": None,
+    "maxRecordsPerBatch": None,
+    "maxFetchRecordsPerShard": None,
+    "maxRecordsPerFetch": "10000",
+    "deaggregate": "true",
+    "minFetchPeriod": "1s",
+    "shardFetchInterval": "5s",
+    "settleTime": "1s",
+    "failOnDataLoss": "true",
+    "roleArn": None,
+    "roleSessionName": "kclpy-spark",
+    "roleExternalId": None,
+    "stsEndpoint": None,
+}
+
+#: other sources' names -> kclpy's (Databricks ``kinesis``, awslabs ``aws-kinesis``, qubole)
+ALIASES: dict[str, str] = {
+    "kinesis.streamName": "streamName",
+    "kinesis.region": "region",
+    "endpoint": "endpointUrl",
+    "kinesis.endpointUrl": "endpointUrl",
+    "initialPosition": "startingPosition",
+    "kinesis.startingPosition": "startingPosition",
+    "kinesis.maxFetchRecordsPerShard": "maxFetchRecordsPerShard",
+    "kinesis.executor.maxFetchRecordsPerShard": "maxFetchRecordsPerShard",
+    "kinesis.getRecords.numberOfRecordsPerFetch": "maxRecordsPerFetch",
+    "kinesis.executor.maxRecordPerRead": "maxRecordsPerFetch",
+    "kinesis.describeShardInterval": "shardFetchInterval",
+    "kinesis.client.describeShardInterval": "shardFetchInterval",
+    "kinesis.failOnDataLoss": "failOnDataLoss",
+    "kinesis.stsRoleArn": "roleArn",
+    "awsSTSRoleARN": "roleArn",
+    "kinesis.stsSessionName": "roleSessionName",
+    "awsSTSSessionName": "roleSessionName",
+    "kinesis.stsEndpointUrl": "stsEndpoint",
+}
+
+#: other sources' options kclpy's source does not have: named, so the error says why
+UNSUPPORTED: dict[str, str] = {
+    **dict.fromkeys(["awsAccessKey", "awsSecretKey", "awsAccessKeyId", "kinesis.awsAccessKeyId",
+                     "kinesis.awsSecretKey", "kinesis.credentialProviderClass",
+                     "awsUseInstanceProfile"],
+                    "credentials come from the standard AWS chain (or roleArn), never options"),
+    **dict.fromkeys(["consumerMode", "consumerName", "kinesis.consumerType",
+                     "kinesis.consumerName"],
+                    "enhanced fan-out is not in the Spark source yet (kclpy's worker has it)"),
+    **dict.fromkeys(["kinesis.metadataCommitterType", "kinesis.metadataPath",
+                     "kinesis.dynamodb.tableName"],
+                    "positions live in Spark's offset log only, there is no metadata store"),
+    **dict.fromkeys(["maxFetchDuration", "kinesis.maxFetchTimePerShardSec", "fetchBufferSize",
+                     "maxFetchRate", "shardsPerTask", "kinesis.executor.maxFetchTimeInMs"],
+                    "batches end at a settled arrival time; limit rows with "
+                    "maxRecordsPerBatch or maxFetchRecordsPerShard"),
+}
+_UNSUPPORTED_LOWER = {name.lower(): reason for name, reason in UNSUPPORTED.items()}
+
+_POSITIONS = {"TRIM_HORIZON": "TRIM_HORIZON", "EARLIEST": "TRIM_HORIZON", "LATEST": "LATEST",
+              "AT_TIMESTAMP": "AT_TIMESTAMP"}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|sec|seconds?|m|min|minutes?)?\s*$",
+                       re.IGNORECASE)
+_UNIT_MS = {"ms": 1, "s": 1000, "sec": 1000, "second": 1000, "seconds": 1000,
+            "m": 60_000, "min": 60_000, "minute": 60_000, "minutes": 60_000}
+_ROLE_ARN = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+$")
+_SESSION_NAME = re.compile(r"^[\w+=,.@-]{2,64}$")
+_EXTERNAL_ID = re.compile(r"^[\w+=,.@:/-]{2,1224}$")
+_URL = re.compile(r"^https?://[^/\s]+")
+_LOWER = {name.lower(): name for name in OPTIONS}
+_ALIAS_LOWER = {alias.lower(): name for alias, name in ALIASES.items()}
+
+
+def _canonical(raw: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """canonical name -> (the name as the user wrote it, value); unknown names rejected."""
+    out: dict[str, tuple[str, str]] = {}
+    for key, value in raw.items():
+        written = str(key)
+        low = written.lower()
+        name = _LOWER.get(low) or _ALIAS_LOWER.get(low)
+        if name is None and low in _UNSUPPORTED_LOWER:
+            raise ConfigError(written, f"not supported: {_UNSUPPORTED_LOWER[low]}")
+        if name is None:
+            known = list(OPTIONS) + list(ALIASES)
+            close = difflib.get_close_matches(low, [k.lower() for k in known], n=1, cutoff=0.6)
+            hint = ""
+            if close:
+                match = next(k for k in known if k.lower() == close[0])
+                hint = f"; did you mean {_LOWER.get(close[0]) or match!r}?"
+            raise ConfigError(written, f"unknown option {written!r}{hint}")
+        if name in out:
+            raise ConfigError(written, f"given twice (also as {out[name][0]!r})")
+        out[name] = (written, str(value))
+    return out
+
+
+def _duration_ms(written: str, raw: str) -> int:
+    match = _DURATION.match(raw)
+    if match is None:
+        raise ConfigError(written, f"{raw!r} is not a duration (e.g. 500ms, 1s, 2m)")
+    unit = (match.group(2) or "ms").lower()
+    return round(float(match.group(1)) * _UNIT_MS[unit])
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """The reader's whole configuration: plain values, so it pickles to the executors."""
+
+    streams: tuple[StreamRef, ...]
+    region: str | None = None
+    endpoint_url: str | None = None
+    starting_position: str = "LATEST"
+    starting_timestamp_ms: int | None = None
+    max_records_per_batch: int | None = None
+    max_fetch_records_per_shard: int | None = None
+    max_records_per_fetch: int = 10_000
+    deaggregate: bool = True
+    #: shortest time between two driver probes of one shard
+    min_fetch_period_ms: int = 1000
+    #: shortest time between two ListShards
+    shard_fetch_interval_ms: int = 5000
+    #: how long before planning a batch ends: records younger than this wait for the next
+    #: batch, so a batch never ends where records may still be arriving
+    settle_ms: int = 1000
+    fail_on_data_loss: bool = True
+    #: an IAM role to assume (through STS, from the standard credential chain) for every
+    #: Kinesis call, on the driver and on each executor
+    role_arn: str | None = None
+    role_session_name: str = "kclpy-spark"
+    role_external_id: str | None = None
+    sts_endpoint: str | None = None
+
+    @property
+    def stream(self) -> StreamRef:
+        """The first (usually the only) stream."""
+        return self.streams[0]
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> SourceOptions:
+        """From ``.option(...)`` values; ConfigError names the option as the user wrote it."""
+        opts = _canonical(options)
+
+        def text(name: str) -> str | None:
+            got = opts.get(name)
+            return got[1].strip() if got else None
+
+        def written(name: str) -> str:
+            got = opts.get(name)
+            return got[0] if got else name
+
+        def integer(name: str, default: int | None, low: int, high: int) -> int | None:
+            raw = text(name)
+            if raw is None:
+                return default
+            try:
+                value = int(raw)
+            except ValueError:
+                raise ConfigError(written(name), f"{raw!r} is not an integer") from None
+            if not low <= value <= high:
+                raise ConfigError(written(name),
+                                  f"must be between {low} and {high}, got {value}")
+            return value
+
+        def boolean(name: str, default: bool) -> bool:
+            raw = text(name)
+            if raw is None:
+                return default
+            if raw.lower() not in ("true", "false"):
+                raise ConfigError(written(name), f"{raw!r} is not true or false")
+            return raw.lower() == "true"
+
+        def duration(name: str, default_ms: int, low_ms: int) -> int:
+            raw = text(name)
+            if raw is None:
+                return default_ms
+            value = _duration_ms(written(name), raw)
+            if value < low_ms:
+                raise ConfigError(written(name), f"must be at least {low_ms} ms, got {raw!r}")
+            return value
+
+        name, arn = text("streamName"), text("streamArn")
+        if not name and not arn:
+            raise ConfigError("streamName", "streamName or streamArn is required")
+        if name and arn:
+            raise ConfigError(written("streamArn"), "give streamName or streamArn, not both")
+        # Several streams: a comma-separated list, as Databricks' source takes them.
+        listed = [part.strip() for part in (name or arn or "").split(",")]
+        option = "streamName" if name else "streamArn"
+        if any(not part for part in listed) or len(set(listed)) != len(listed):
+            raise ConfigError(written(option), "an empty or repeated stream in the list")
+        streams = tuple(StreamRef(part, None) if name else StreamRef(None, part)
+                        for part in listed)
+        labels = [stream.label for stream in streams]
+        if len(set(labels)) != len(labels):
+            raise ConfigError(written(option), "two streams of the same name")
+        raw_position = text("startingPosition") or "LATEST"
+        kind, _, inline_ts = raw_position.partition(" ")  # awslabs: "AT_TIMESTAMP <time>"
+        position = _POSITIONS.get(kind.upper())
+        if position is None or (inline_ts and position != "AT_TIMESTAMP"):
+            raise ConfigError(written("startingPosition"),
+                              f"{raw_position!r} is not TRIM_HORIZON, LATEST or AT_TIMESTAMP")
+        if inline_ts and "timestamp" in opts:
+            raise ConfigError(written("timestamp"), "the time is in startingPosition already")
+        timestamp_ms = None
+        if position == "AT_TIMESTAMP":
+            raw_ts = inline_ts.strip() or text("timestamp")
+            if not raw_ts:
+                raise ConfigError("timestamp", "required with startingPosition AT_TIMESTAMP")
+            try:
+                timestamp_ms = round(parse_timestamp(raw_ts).timestamp() * 1000)
+            except ValueError:
+                raise ConfigError(written("timestamp"), f"{raw_ts!r} is not ISO 8601 or epoch "
+                                  "seconds") from None
+        elif "timestamp" in opts:
+            raise ConfigError(written("timestamp"),
+                              "only meaningful with startingPosition AT_TIMESTAMP")
+        per_fetch = integer("maxRecordsPerFetch", 10_000, 1, 10_000)
+        assert per_fetch is not None
+        endpoint, sts = text("endpointUrl") or None, text("stsEndpoint") or None
+        for option, url in (("endpointUrl", endpoint), ("stsEndpoint", sts)):
+            if url is not None and not _URL.match(url):
+                raise ConfigError(written(option), f"{url!r} is not an http(s) URL")
+        role = text("roleArn") or None
+        if role is not None and not _ROLE_ARN.match(role):
+            raise ConfigError(written("roleArn"), f"{role!r} is not an IAM role ARN "
+                              "(arn:aws:iam::<account>:role/<name>)")
+        session_name = text("roleSessionName") or "kclpy-spark"
+        if not _SESSION_NAME.match(session_name):
+            raise ConfigError(written("roleSessionName"),
+                              "2 to 64 letters, digits or +=,.@_- characters")
+        external_id = text("roleExternalId") or None
+        if external_id is not None and not _EXTERNAL_ID.match(external_id):
+            raise ConfigError(written("roleExternalId"),
+                              "2 to 1224 letters, digits or +=,.@:/_- characters")
+        for option in ("roleSessionName", "roleExternalId", "stsEndpoint"):
+            if option in opts and role is None:
+                raise ConfigError(written(option), "only meaningful with roleArn")
+        return cls(
+            streams=streams,
+            region=text("region") or None,
+            endpoint_url=endpoint,
+            starting_position=position,
+            starting_timestamp_ms=timestamp_ms,
+            max_records_per_batch=integer("maxRecordsPerBatch", None, 1, 2**31),
+            max_fetch_records_per_shard=integer("maxFetchRecordsPerShard", None, 1, 2**31),
+            max_records_per_fetch=per_fetch,
+            deaggregate=boolean("deaggregate", True),
+            min_fetch_period_ms=duration("minFetchPeriod", 1000, 0),
+            shard_fetch_interval_ms=duration("shardFetchInterval", 5000, 0),
+            settle_ms=duration("settleTime", 1000, 0),
+            fail_on_data_loss=boolean("failOnDataLoss", True),
+            role_arn=role,
+            role_session_name=session_name,
+            role_external_id=external_id,
+            sts_endpoint=sts,
+        )
+
+    def client(self, pool: int = 10, agent: str = "kclpy-spark") -> KinesisClient:
+        """A Kinesis client; one attempt per botocore call, since reading retries with
+        kclpy's own jittered backoff. ``agent`` tells driver and executor calls apart in a
+        proxy's counts (and in CloudTrail)."""
+        config = botocore.config.Config(
+            max_pool_connections=pool, retries={"mode": "standard", "total_max_attempts": 1},
+            connect_timeout=10, read_timeout=30, user_agent_extra=agent)
+        return self._session().client("kinesis", endpoint_url=self.endpoint_url, config=config)
+
+    def _session(self) -> boto3.session.Session:
+        """The standard credential chain, or a role assumed from it with credentials that
+        botocore refreshes before they expire (a driver outlives an STS session)."""
+        if self.role_arn is None:
+            return boto3.session.Session(region_name=self.region)
+        base = botocore.session.Session()
+        extra: dict[str, str] = {"RoleSessionName": self.role_session_name}
+        if self.role_external_id is not None:
+            extra["ExternalId"] = self.role_external_id
+        region, sts_endpoint = self.region, self.sts_endpoint
+
+        def sts_client(service: str, **kwargs: Any) -> Any:
+            return base.create_client(service, region_name=region, endpoint_url=sts_endpoint,
+                                      **kwargs)
+
+        fetcher = AssumeRoleCredentialFetcher(
+            client_creator=sts_client, source_credentials=base.get_credentials(),
+            role_arn=self.role_arn, extra_args=extra)
+        assumed = botocore.session.Session()
+        assumed.get_component("credential_provider").insert_before(
+            "env", _AssumedRole(fetcher))
+        return boto3.session.Session(botocore_session=assumed, region_name=self.region)
+
+
+
+class _AssumedRole(CredentialProvider):
+    """First in the chain of the session the source's clients are made from: the role."""
+
+    METHOD = "assume-role"
+
+    def __init__(self, fetcher: AssumeRoleCredentialFetcher) -> None:
+        super().__init__()
+        self._fetcher = fetcher
+
+    def load(self) -> DeferredRefreshableCredentials:
+        return DeferredRefreshableCredentials(refresh_using=self._fetcher.fetch_credentials,
+                                              method=self.METHOD)

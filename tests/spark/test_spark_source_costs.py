@@ -1,0 +1,303 @@
+"""What the ``format("kinesis")`` source costs Kinesis, counted through a proxy over HTTP.
+
+The reader is driven as Spark drives it (``latestOffset``, ``partitions``, ``read``) but in
+this process, so the counts are exact and a simulated clock can stand for the seconds of an
+idle query (the rate limits are about time, and a test must not sleep to fake it). Reads
+are told apart by the User-Agent tag the source's driver and executor clients carry.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kclpy.local import LocalEndpoint
+from kclpy.spark.offsets import decode_offset
+from kclpy.spark.source import KinesisStreamReader, SourceOptions
+from tests.support.counting import CountingProxy
+from tests.support.faultproxy import FaultProxy
+from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
+
+DRIVER, EXECUTOR = "kclpy-spark-driver", "kclpy-spark-executor"
+
+pytestmark = pytest.mark.integration
+
+
+class FakeClock:
+    """Real time at the start, then only what a test adds."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def proxy(kinesis_mock: LocalEndpoint) -> Iterator[CountingProxy]:
+    with CountingProxy(kinesis_mock.url) as counting:
+        yield counting
+
+
+def make_reader(url: str, stream: str, clock: Any = None, **options: str) -> KinesisStreamReader:
+    opts = SourceOptions.parse({"streamName": stream, "endpointUrl": url, "region": "us-east-1",
+                                **options})
+    return KinesisStreamReader(opts) if clock is None else KinesisStreamReader(opts, clock)
+
+
+def read_batch(reader: KinesisStreamReader, start: dict[str, Any],
+               end: dict[str, Any]) -> list[bytes]:
+    """What the executors would deliver for the batch (start, end]."""
+    rows: list[bytes] = []
+    for partition in reader.partitions(start, end):
+        for batch in reader.read(partition):
+            rows.extend(batch.column("data").to_pylist())
+    return rows
+
+
+def available_now(reader: KinesisStreamReader, limit: Any = None) -> tuple[list[bytes], int]:
+    """Run the reader as Spark >= 4.2 runs Trigger.AvailableNow: the rows and the batches."""
+    reader.prepareForTriggerAvailableNow()
+    offset = reader.initialOffset()
+    rows: list[bytes] = []
+    batches = 0
+    while True:
+        end = reader.latestOffset(offset, limit)
+        if end == offset:
+            return rows, batches
+        rows.extend(read_batch(reader, offset, end))
+        reader.commit(end)
+        batches += 1
+        offset = end
+
+
+def test_available_now_fetches_each_record_once_and_the_driver_reads_no_batch(
+        proxy: CountingProxy, kinesis_mock: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-cost")
+    create_stream(kinesis, stream, 4)
+    payloads = [f"r-{n}".encode() + bytes(200) for n in range(4000)]
+    put_plain(kinesis, stream, payloads)
+    reader = make_reader(proxy.url, stream, startingPosition="TRIM_HORIZON", settleTime="0")
+
+    rows, _ = available_now(reader)
+
+    assert sorted(rows) == sorted(payloads)
+    fetched = proxy.records[DRIVER] + proxy.records[EXECUTOR]
+    assert fetched / len(rows) <= 1.1, dict(proxy.records)
+    # The driver's probes read one record per shard (and the executors read it again).
+    assert proxy.records[DRIVER] <= 4, dict(proxy.records)
+    assert proxy.bytes[DRIVER] <= 0.05 * proxy.bytes[EXECUTOR], dict(proxy.bytes)
+
+
+def test_a_row_limit_reads_only_what_each_batch_needs(
+        proxy: CountingProxy, kinesis_mock: LocalEndpoint) -> None:
+    """A row limit is the one case where the driver reads records: a batch that ends after N
+    rows can only be found by counting them. The GetRecords ``Limit`` is cut to the share,
+    so every record is fetched once by the driver and once by an executor, not once per
+    batch as when each batch re-read every shard's remainder."""
+    read_max_rows = pytest.importorskip("pyspark.sql.streaming.datasource").ReadMaxRows
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-cost-cap")
+    create_stream(kinesis, stream, 4)
+    payloads = [f"c-{n}".encode() for n in range(2000)]
+    put_plain(kinesis, stream, payloads)
+    reader = make_reader(proxy.url, stream, startingPosition="TRIM_HORIZON", settleTime="0",
+                         minFetchPeriod="0")
+
+    rows, batches = available_now(reader, read_max_rows(100))
+
+    assert sorted(rows) == sorted(payloads)
+    assert batches >= 20
+    assert proxy.records[EXECUTOR] / len(rows) <= 1.1, dict(proxy.records)
+    assert proxy.records[DRIVER] / len(rows) <= 1.1, dict(proxy.records)
+
+
+def test_tip_is_an_empty_page_so_small_pages_over_put_records_batches_are_exact(
+        kinesis_mock: LocalEndpoint) -> None:
+    """kinesis-mock reports MillisBehindLatest 0 on a page that ends inside the last
+    PutRecords batch while records remain; pages of 300 over batches of 500 show it."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-tip")
+    create_stream(kinesis, stream, 1)
+    before = [f"old-{n}".encode() for n in range(2000)]
+    put_plain(kinesis, stream, before)
+    latest = make_reader(kinesis_mock.url, stream, startingPosition="LATEST", settleTime="0",
+                         minFetchPeriod="0", maxRecordsPerFetch="300")
+    start = latest.initialOffset()
+    after = [f"new-{n}".encode() for n in range(2000)]
+    put_plain(kinesis, stream, after)
+
+    end = latest.latestOffset(start, None)
+
+    assert read_batch(latest, start, end) == after
+    everything = make_reader(kinesis_mock.url, stream, startingPosition="TRIM_HORIZON",
+                             settleTime="0", minFetchPeriod="0", maxRecordsPerFetch="300")
+    rows, _ = available_now(everything)
+    assert rows == before + after
+
+
+def test_an_idle_query_polls_each_shard_at_most_once_a_second(
+        proxy: CountingProxy, kinesis_mock: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-idle")
+    create_stream(kinesis, stream, 2)
+    clock = FakeClock()
+    reader = make_reader(proxy.url, stream, clock, startingPosition="LATEST")
+    offset = reader.initialOffset()
+    proxy.reset()
+
+    # Spark polls an idle source every few milliseconds: 10 simulated seconds of it.
+    for _ in range(1000):
+        clock.now += 0.01
+        assert reader.latestOffset(offset, None) == offset
+
+    assert proxy.count(DRIVER, "GetRecords") <= 2 * 11, dict(proxy.calls)
+    assert proxy.count(DRIVER, "GetShardIterator") <= 2, dict(proxy.calls)
+    assert proxy.count(DRIVER, "ListShards") <= 3, dict(proxy.calls)
+    assert proxy.records[EXECUTOR] == 0
+
+    new = [f"n-{n}".encode() for n in range(50)]
+    put_plain(kinesis, stream, new)
+    clock.now = max(clock.now, time.time()) + 2.0  # past the records' settle margin
+    end = reader.latestOffset(offset, None)
+    assert sorted(read_batch(reader, offset, end)) == sorted(new)
+    assert {p.kind for p in decode_offset(end).values()} == {"AT_TIMESTAMP"}
+
+
+def test_throttled_reads_back_off_and_lose_nothing(kinesis_mock: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-throttle")
+    create_stream(kinesis, stream, 2)
+    payloads = [f"t-{n}".encode() for n in range(300)]
+    put_plain(kinesis, stream, payloads)
+    with FaultProxy(kinesis_mock.url, seed=7) as faults:
+        faults.set_rule("GetRecords", throttle_rate=0.3)
+        faults.set_rule("GetShardIterator", throttle_rate=0.3)
+        reader = make_reader(faults.url, stream, startingPosition="TRIM_HORIZON",
+                             settleTime="0", minFetchPeriod="0", maxRecordsPerFetch="40")
+        rows, _ = available_now(reader)
+        throttled = faults.faults("throttle")
+
+    assert sorted(rows) == sorted(payloads)
+    assert throttled > 0
+
+
+def test_a_trimmed_position_fails_the_query_naming_the_shard_unless_told_to_skip(
+        kinesis_mock: LocalEndpoint) -> None:
+    """A checkpointed position whose record is gone: Kinesis answers from a later record.
+    An offset naming a sequence number below the shard's first record stands for it."""
+    from kclpy.spark.reading import DataLossError
+
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-loss")
+    create_stream(kinesis, stream, 1)
+    payloads = [f"l-{n}".encode() for n in range(20)]
+    put_plain(kinesis, stream, payloads)
+    shard = kinesis.list_shards(StreamName=stream)["Shards"][0]
+    first = int(shard["SequenceNumberRange"]["StartingSequenceNumber"])
+    trimmed = {"shards": {shard["ShardId"]: f"AFTER/{first}/0"}}
+
+    strict = make_reader(kinesis_mock.url, stream, settleTime="0", minFetchPeriod="0")
+    with pytest.raises(DataLossError, match=shard["ShardId"]):
+        strict.latestOffset(trimmed, None)
+
+    lenient = make_reader(kinesis_mock.url, stream, settleTime="0", minFetchPeriod="0",
+                          failOnDataLoss="false")
+    end = lenient.latestOffset(trimmed, None)
+    assert read_batch(lenient, trimmed, end) == payloads
+    counts = collections.Counter(p.kind for p in decode_offset(end).values())
+    assert counts == {"AT_TIMESTAMP": 1}
+
+    # A shard of the offset that the stream no longer lists (expired before it was read).
+    gone = {"shards": {"shardId-000000000099": f"AFTER/{first}/0",
+                       shard["ShardId"]: "TRIM_HORIZON"}}
+    with pytest.raises(DataLossError, match="shardId-000000000099"):
+        strict.latestOffset(gone, None)
+    skipped = lenient.latestOffset(gone, None)
+    assert "shardId-000000000099" not in skipped["shards"]
+    assert lenient.data_loss_events == 2
+
+
+def test_role_arn_signs_every_call_with_the_assumed_role(
+        proxy: CountingProxy, kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    """STS is moto's server; the proxy sees which access key signed each Kinesis call."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-role")
+    create_stream(kinesis, stream, 1)
+    payloads = [f"role-{n}".encode() for n in range(30)]
+    put_plain(kinesis, stream, payloads)
+    proxy.reset()
+    reader = make_reader(proxy.url, stream, startingPosition="TRIM_HORIZON", settleTime="0",
+                         roleArn="arn:aws:iam::123456789012:role/stream-reader",
+                         roleSessionName="orders-job", roleExternalId="ext-1234",
+                         stsEndpoint=moto_server.url)
+
+    rows, _ = available_now(reader)
+
+    assert sorted(rows) == sorted(payloads)
+    keys = set(proxy.access_keys)
+    assert "testing" not in keys, "a call was signed with the chain's own credentials"
+    assert keys and all(key.startswith("ASIA") for key in keys), keys
+
+
+def test_several_streams_in_one_source_each_row_naming_its_stream(
+        kinesis_mock: LocalEndpoint) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    orders, clicks = unique_name("spark-orders"), unique_name("spark-clicks")
+    create_stream(kinesis, orders, 2)
+    create_stream(kinesis, clicks, 1)
+    expected = {(orders, f"o-{n}".encode()) for n in range(60)}
+    expected |= {(clicks, f"c-{n}".encode()) for n in range(40)}
+    put_plain(kinesis, orders, [d for s, d in sorted(expected) if s == orders])
+    put_plain(kinesis, clicks, [d for s, d in sorted(expected) if s == clicks])
+    reader = make_reader(kinesis_mock.url, f"{orders}, {clicks}",
+                         startingPosition="TRIM_HORIZON", settleTime="0")
+    reader.prepareForTriggerAvailableNow()
+    start = reader.initialOffset()
+
+    end = reader.latestOffset(start, None)
+
+    keys = set(decode_offset(end))
+    assert {k.split("/")[0] for k in keys} == {orders, clicks} and len(keys) == 3
+    rows = set()
+    for partition in reader.partitions(start, end):
+        for batch in reader.read(partition):
+            rows |= set(zip(batch.column("stream").to_pylist(),
+                            batch.column("data").to_pylist(), strict=True))
+    assert rows == expected
+
+
+def test_available_now_waits_out_the_probe_interval_instead_of_ending_early(
+        kinesis_mock: LocalEndpoint) -> None:
+    """Spark ends an AvailableNow run at the first batch with nothing new. Right after a
+    parent's last batch, its next probe (the one that finds SHARD_END and frees its
+    children) is due only a probe interval later: the reader must wait for it, not report
+    nothing new."""
+    from tests.support.streams import wait_for
+
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-an-split")
+    create_stream(kinesis, stream, 1)
+    before = [f"b-{n}".encode() for n in range(50)]
+    put_plain(kinesis, stream, before)
+    parent = kinesis.list_shards(StreamName=stream)["Shards"][0]
+    low, high = (int(parent["HashKeyRange"][k]) for k in ("StartingHashKey", "EndingHashKey"))
+    kinesis.split_shard(StreamName=stream, ShardToSplit=parent["ShardId"],
+                        NewStartingHashKey=str((low + high) // 2))
+    wait_for(lambda: kinesis.describe_stream_summary(StreamName=stream)[
+        "StreamDescriptionSummary"]["StreamStatus"] == "ACTIVE", 30, "split done")
+    after = [f"a-{n}".encode() for n in range(50)]
+    put_plain(kinesis, stream, after)
+    # A clock that stands still: every probe after the first is inside the interval.
+    reader = make_reader(kinesis_mock.url, stream, FakeClock(), startingPosition="TRIM_HORIZON",
+                         settleTime="0", minFetchPeriod="1s")
+
+    rows, batches = available_now(reader)
+
+    assert sorted(rows) == sorted(before + after)
+    assert batches >= 2, "the children come in a later batch than their parent's end"

@@ -1,0 +1,66 @@
+"""A Spark driver in its own process, for tests that kill it.
+
+Run as ``python -m tests.support.spark_query``.
+
+Runs ``format("kinesis")`` with Trigger.AvailableNow into ``foreachBatch``, which writes
+each batch's rows to ``OUT/batch-<id>-<pid>.json`` before returning. With ``--hold-batch N``
+it then blocks in batch N, so that a test can kill -9 the driver after the batch was
+planned (its offsets are in the checkpoint) and before it was committed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--stream", required=True)
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--hold-batch", type=int, default=None)
+    parser.add_argument("--max-records-per-batch", default=None)
+    args = parser.parse_args()
+
+    from pyspark.sql import SparkSession
+
+    import kclpy.spark
+
+    spark = (SparkSession.builder.master("local[2]").appName("kclpy-kill-test")
+             .config("spark.ui.enabled", "false")
+             .config("spark.ui.showConsoleProgress", "false")
+             .config("spark.sql.shuffle.partitions", "2").getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    kclpy.spark.register(spark)
+    out = Path(args.out)
+    reader = (spark.readStream.format("kinesis").option("streamName", args.stream)
+              .option("endpointUrl", args.endpoint).option("region", "us-east-1")
+              .option("startingPosition", "TRIM_HORIZON").option("settleTime", "0"))
+    if args.max_records_per_batch:
+        reader = reader.option("maxRecordsPerBatch", args.max_records_per_batch)
+
+    def collect(df: Any, batch_id: int) -> None:
+        rows = sorted([r.shard_id, r.sequence_number, r.sub_sequence_number, bytes(r.data).hex()]
+                      for r in df.collect())
+        path = out / f"batch-{batch_id}-{os.getpid()}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rows))
+        tmp.rename(path)
+        if batch_id == args.hold_batch:
+            threading.Event().wait()  # until killed
+
+    query = (reader.load().writeStream.foreachBatch(collect)
+             .option("checkpointLocation", args.checkpoint)
+             .trigger(availableNow=True).start())
+    query.awaitTermination()
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main()
