@@ -119,6 +119,6 @@ def test_the_spark_source_reader_delivers_every_user_record(
         while True:
             page = reader.next_page()
             seen.extend(record.binary_data for record in page.records)
-            if page.caught_up:
+            if page.done:
                 break
     assert sorted(seen) == sorted(payloads)
