@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import random
 import socket
 import time
@@ -18,7 +20,7 @@ from moto import mock_aws
 from kclpy.errors import ConfigError
 from kclpy.leases.lease import AT_TIMESTAMP, LATEST, TRIM_HORIZON, Lease
 from kclpy.leases.shard_sync import Shard, ShardSyncer, former_incarnation, plan_new_leases
-from kclpy.leases.table import LeaseTable
+from kclpy.leases.table import LeaseTable, checkpoint_changes
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from kclpy.retrieval.parse import ChildShard
@@ -496,6 +498,45 @@ def test_a_lease_of_a_former_stream_of_the_same_name_is_told_apart(
         checkpoint: str, listed: Shard, former: bool) -> None:
     lease = Lease("s0", checkpoint=checkpoint, lease_counter=3)
     assert (former_incarnation(lease, listed) is not None) is former
+
+
+@pytest.mark.parametrize(("incarnation", "checkpoint", "former"), [
+    ("1700000000:1700000000123:abc", "SHARD_END", True),     # another stream's epoch
+    ("1800000000:1800000000123:abc", "SHARD_END", False),    # this stream's, finished
+    ("1800000000:1800000000123:abc", "999", False),          # the epoch decides, not the rule
+    ("0:1800000000123:abc", "999", True),                    # epoch unknown: the rules
+])
+def test_a_lease_incarnation_names_its_streams_epoch(
+        incarnation: str, checkpoint: str, former: bool) -> None:
+    lease = Lease("s0", checkpoint=checkpoint, incarnation=incarnation)
+    listed = shard("s0", start=1000)
+    assert (former_incarnation(lease, listed, 1800000000) is not None) is former
+
+
+def test_a_shard_that_closes_between_the_listing_and_the_lease_read_is_not_a_former_stream(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the simulator (seed 947): the listing shows the shard open, a merge closes
+    it and its lease reaches SHARD_END before the sync reads the lease. A second listing,
+    taken after the read, shows it closed: the lease is kept."""
+    with mock_aws():
+        kinesis = boto3.client("kinesis", region_name=REGION)
+        kinesis.create_stream(StreamName="s", ShardCount=1)
+        table = LeaseTable(boto3.client("dynamodb", region_name=REGION), "app")
+        table.create_if_missing()
+        syncer = ShardSyncer(kinesis, table, stream_name="s", initial_position=TRIM_HORIZON)
+        assert len(syncer.sync()) == 1
+        listed = syncer.list_shards()
+        (only,) = listed
+        closed = dataclasses.replace(only, ending_sequence_number="9" * 20)
+        assert not closed.is_open
+        answers = iter([listed, [closed]])
+        monkeypatch.setattr(syncer, "list_shards", lambda: next(answers))
+        lease = table.get(only.shard_id)
+        assert lease is not None
+        table.guarded_update(lease.copy(lease_owner=None), checkpoint_changes("SHARD_END", 0))
+        assert syncer.sync() == []
+        kept = table.get(only.shard_id)
+        assert kept is not None and kept.checkpoint == "SHARD_END"
 
 
 def test_sync_replaces_the_lease_of_a_former_stream_at_the_initial_position(

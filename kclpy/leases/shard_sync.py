@@ -50,6 +50,7 @@ from kclpy.leases.lease import (
     SHARD_END,
     TRIM_HORIZON,
     Lease,
+    incarnation_order,
     new_incarnation,
 )
 from kclpy.leases.table import LeaseTable
@@ -114,13 +115,28 @@ class ChildShardLike(Protocol):
     def ending_hash_key(self) -> str | None: ...
 
 
-def former_incarnation(lease: Lease, shard: Shard) -> str | None:
+#: the reason ``former_incarnation`` gives for a finished lease of a listed open shard: it
+#: needs a second listing, taken after the lease was read, to tell a shard that closed
+#: between the listing and the read (a split or merge just then) from a former stream's
+SHARD_END_BUT_OPEN = "it is at SHARD_END but the shard is open"
+
+
+def former_incarnation(lease: Lease, shard: Shard, stream_epoch: int | None = None) -> str | None:
     """Why ``lease`` cannot be a lease of the listed ``shard`` (it is of a former stream of
-    the same name), or None. An end beyond the shard's ending sequence number is not used:
-    moto lists a closed shard ending at 0 while its records go on."""
+    the same name), or None. A lease with an incarnation names its stream's creation epoch:
+    that decides, when the stream's own epoch is known. Otherwise a checkpoint before the
+    shard's first sequence number, or a finished lease of an open shard (see
+    ``SHARD_END_BUT_OPEN``), tells. An end beyond the shard's ending sequence number is not
+    used: moto lists a closed shard ending at 0 while its records go on."""
+    if lease.incarnation is not None and stream_epoch:
+        epoch, _ = incarnation_order(lease.incarnation)
+        if epoch:
+            return None if epoch == stream_epoch else (
+                f"its incarnation is of a stream created at epoch {epoch}, this one at "
+                f"{stream_epoch}")
     checkpoint = lease.checkpoint
     if checkpoint == SHARD_END and shard.is_open:
-        return "it is at SHARD_END but the shard is open"
+        return SHARD_END_BUT_OPEN
     if checkpoint.isdigit() and int(checkpoint) < int(shard.starting_sequence_number):
         return (f"its checkpoint {checkpoint} is before the shard's first sequence number "
                 f"{shard.starting_sequence_number}")
@@ -355,12 +371,20 @@ class ShardSyncer:
         the keys deleted (to be created anew)."""
         by_key = {self.lease_key(shard.shard_id): shard for shard in shards}
         deleted: set[str] = set()
+        relisted: dict[str, Shard] | None = None
         for seen in leases:
             shard = by_key.get(seen.lease_key)
-            if shard is None or former_incarnation(seen, shard) is None:
+            if shard is None or former_incarnation(seen, shard, self.stream_epoch) is None:
                 continue
             lease = self._table.get(seen.lease_key)
-            why = None if lease is None else former_incarnation(lease, shard)
+            why = None if lease is None else former_incarnation(lease, shard, self.stream_epoch)
+            if why == SHARD_END_BUT_OPEN:
+                # Listed after the lease was read: a shard that closed meanwhile shows closed.
+                if relisted is None:
+                    relisted = {self.lease_key(s.shard_id): s for s in self.list_shards()}
+                again = relisted.get(seen.lease_key)
+                if again is None or not again.is_open:
+                    continue
             if lease is None or why is None or not self._table.delete(lease):
                 continue
             log.warning("shard sync: the stream was deleted and created again: lease %s is of "
