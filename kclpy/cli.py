@@ -143,10 +143,14 @@ def _config_error(exc: ConfigError, labels: dict[str, str]) -> int:
 
 def user_label(exc: ConfigError, labels: dict[str, str]) -> str:
     """``exc``'s message under the user's name for its option: the worker raises with the
-    flag (``--stream-arn``), the user may have written ``streamArn`` in a .properties file."""
+    keyword (``stream_arn``) or the flag (``--stream-arn``), the user may have written
+    ``streamArn`` in a .properties file."""
+    option = exc.option
+    if option in OPTIONS_BY_NAME:
+        return f"{labels.get(option, OPTIONS_BY_NAME[option].flag)}: {exc.message}"
     by_flag = {OPTIONS_BY_NAME[name].flag: label for name, label in labels.items()
                if name in OPTIONS_BY_NAME}
-    return f"{by_flag.get(exc.option, exc.option)}: {exc.message}"
+    return f"{by_flag.get(option, option)}: {exc.message}"
 
 
 class _CannotStart(Exception):

@@ -24,7 +24,7 @@ import botocore.config
 from botocore.exceptions import InvalidRegionError, NoRegionError
 
 from kclpy.cloudwatch import NONE, CloudWatchPublisher, parse_dimensions, parse_level
-from kclpy.config import KCLConfig
+from kclpy.config import OPTIONS, KCLConfig
 from kclpy.consumer import ConsumerSettings, FatalProcessorError, FetcherLike, ShardConsumer
 from kclpy.errors import ConfigError, KCLError, cannot_heal
 from kclpy.leases.coordinator import LeaseCoordinator
@@ -48,6 +48,9 @@ from kclpy.state.store import StateStore
 from kclpy.streams import StreamConfig
 
 log = logging.getLogger(__name__)
+
+#: ``--stream-name`` -> ``stream_name``: what a ConfigError from start-up is named by
+KEYWORD_OF_FLAG = {option.flag: option.name for option in OPTIONS}
 
 
 class WorkerFatalError(KCLError):
@@ -120,6 +123,11 @@ class Worker:
             try:
                 self._setup()
                 self._loop()
+            except ConfigError as exc:
+                # Named as a Python caller gave it, by its KCLConfig keyword; kclpy-worker
+                # turns the keyword back into the flag, key or variable its user wrote.
+                raise ConfigError(KEYWORD_OF_FLAG.get(exc.option, exc.option),
+                                  exc.message) from None
             finally:
                 self._shutdown_consumers()
         if self._fatal is not None:
