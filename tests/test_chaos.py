@@ -419,11 +419,18 @@ def test_fanout_chaos_with_exception_events_loses_nothing(
                              subscription_exception_rate=0.3)
     result = _chaos(settings, kinesis_mock, moto_server, tmp_path, capsys)
     faults = result.subscription_faults
-    assert all(faults[name] > 0 for name in EXCEPTION_EVENTS), faults
+    injected = [name for name in EXCEPTION_EVENTS if faults[name] > 0]
+    assert len(injected) >= 2, faults
     outcomes = result.subscription_outcomes
-    assert all(outcomes[o] > 0 for o in ("failed_server_error", "failed_throttled",
-                                         "failed_in_use")), (
+    assert all(outcomes[EXCEPTION_OUTCOMES[name]] > 0 for name in injected), (
         f"the workers did not count the exception events: {outcomes}")
+
+
+#: how a worker counts each exception event in kclpy_subscriptions_total (test_fanout.py
+#: checks every kind one by one; a chaos run may not inject every kind)
+EXCEPTION_OUTCOMES = {"InternalFailureException": "failed_server_error",
+                      "KMSThrottlingException": "failed_throttled",
+                      "ResourceInUseException": "failed_in_use"}
 
 
 #: what a worker process may reach with its children flooding stdout: a few MiB over its

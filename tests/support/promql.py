@@ -1,7 +1,8 @@
 """Just enough of Prometheus to evaluate the alert rules of docs/operations.md over scraped
 samples, so that a rule and the metrics it reads cannot drift apart unnoticed.
 
-The subset is what those rules use: metric selectors (``name`` and ``name{label="v"}``),
+The subset is what those rules use: metric selectors (``name``, ``name{label="v"}`` and
+``name{label=~"A|B"}``),
 ``rate`` and ``increase`` over a range, ``sum``/``max``/``min`` with ``by`` or ``without``,
 comparisons with a number (which filter, as in PromQL), and ``and`` / ``unless`` / ``or``
 matching on every label. ``rate`` is the plain slope between the first and last sample of
@@ -26,7 +27,7 @@ Vector = dict[Labels, float]
 _DURATION = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _TOKEN = re.compile(r"""\s*(?:(?P<num>\d+(?:\.\d+)?)(?P<unit>[smhd])?(?![\w])
                         |(?P<name>[a-zA-Z_:][\w:]*)|(?P<str>"[^"]*")
-                        |(?P<op>==|!=|>=|<=|[><(){}\[\],=]))""", re.VERBOSE)
+                        |(?P<op>==|!=|>=|<=|=~|[><(){}\[\],=]))""", re.VERBOSE)
 _COMPARISONS: dict[str, Callable[[float, float], bool]] = {
     ">": lambda a, b: a > b, "<": lambda a, b: a < b, ">=": lambda a, b: a >= b,
     "<=": lambda a, b: a <= b, "==": lambda a, b: a == b, "!=": lambda a, b: a != b}
@@ -145,17 +146,24 @@ class _Parser:
         raise ValueError(f"unexpected {value!r}")
 
     def selector(self, name: str) -> Selector:
-        matchers: list[tuple[str, str]] = []
+        matchers: list[tuple[str, str, bool]] = []
         if self.peek() == ("op", "{"):
             self.take("{")
             while self.peek() != ("op", "}"):
                 label = self.take()[1]
-                self.take("=")
-                matchers.append((label, self.take()[1].strip('"')))
+                regex = self.take()[1] == "=~"
+                matchers.append((label, self.take()[1].strip('"'), regex))
                 if self.peek() == ("op", ","):
                     self.take()
             self.take("}")
         return Selector(name, tuple(matchers))
+
+
+def _matches(labels: Labels, label: str, value: str, regex: bool) -> bool:
+    if not regex:
+        return (label, value) in labels
+    actual = dict(labels).get(label, "")
+    return re.fullmatch(value, actual) is not None
 
 
 class Expr:
@@ -166,13 +174,14 @@ class Expr:
 @dataclass
 class Selector(Expr):
     name: str
-    matchers: tuple[tuple[str, str], ...]
+    #: (label, value, is a regular expression: ``=~``, anchored as Prometheus anchors it)
+    matchers: tuple[tuple[str, str, bool], ...]
     #: Prometheus's lookback: a series without a sample this recent is absent
     lookback_s: float = 300.0
 
     def matching(self, data: Scrapes) -> Iterable[tuple[Labels, list[tuple[float, float]]]]:
         for (name, labels), points in data.series.items():
-            if name == self.name and all((k, v) in labels for k, v in self.matchers):
+            if name == self.name and all(_matches(labels, *m) for m in self.matchers):
                 yield labels, points
 
     def eval(self, data: Scrapes, t: float) -> Vector:
