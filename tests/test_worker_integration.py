@@ -322,7 +322,7 @@ def test_start_up_gives_up_after_its_attempts_and_a_config_error_at_once(
     missing = Worker(make_config(kinesis_mock.url, moto_server.url, unique_name("absent"),
                                  initialization_backoff_ms=60_000),
                      lambda: RecordingProcessor(Ledger()))
-    with pytest.raises(ConfigError, match="^stream_name: "):
+    with pytest.raises(ConfigError, match=r"^stream_name: "):
         missing.run(install_signal_handlers=False)
     assert initialization_failures(missing) == 0
 
