@@ -501,8 +501,9 @@ def test_a_lease_of_a_former_stream_of_the_same_name_is_told_apart(
 
 @pytest.mark.parametrize(("incarnation", "checkpoint", "former"), [
     ("1700000000:1700000000123:abc", "SHARD_END", True),     # another stream's epoch
-    ("1800000000:1800000000123:abc", "SHARD_END", False),    # this stream's, finished
-    ("1800000000:1800000000123:abc", "999", False),          # the epoch decides, not the rule
+    ("1800000000:1800000000123:abc", "SHARD_END", True),     # a candidate; sync re-lists
+    ("1800000000:1800000000123:abc", "999", True),           # created again within a second
+    ("1800000000:1800000000123:abc", "1000", False),
     ("0:1800000000123:abc", "999", True),                    # epoch unknown: the rules
 ])
 def test_a_lease_incarnation_names_its_streams_epoch(

@@ -124,16 +124,17 @@ SHARD_END_BUT_OPEN = "it is at SHARD_END but the shard is open"
 def former_incarnation(lease: Lease, shard: Shard, stream_epoch: int | None = None) -> str | None:
     """Why ``lease`` cannot be a lease of the listed ``shard`` (it is of a former stream of
     the same name), or None. A lease with an incarnation names its stream's creation epoch:
-    that decides, when the stream's own epoch is known. Otherwise a checkpoint before the
-    shard's first sequence number, or a finished lease of an open shard (see
-    ``SHARD_END_BUT_OPEN``), tells. An end beyond the shard's ending sequence number is not
+    another epoch than the stream's own tells. Otherwise a checkpoint before the shard's
+    first sequence number, or a finished lease of an open shard (see ``SHARD_END_BUT_OPEN``),
+    tells. An end beyond the shard's ending sequence number is not
     used: moto lists a closed shard ending at 0 while its records go on."""
     if lease.incarnation is not None and stream_epoch:
         epoch, _ = incarnation_order(lease.incarnation)
-        if epoch:
-            return None if epoch == stream_epoch else (
-                f"its incarnation is of a stream created at epoch {epoch}, this one at "
-                f"{stream_epoch}")
+        if epoch and epoch != stream_epoch:
+            return (f"its incarnation is of a stream created at epoch {epoch}, this one at "
+                    f"{stream_epoch}")
+    # The same epoch (whole seconds) can still be a stream deleted and created again within
+    # a second: the rules below decide then.
     checkpoint = lease.checkpoint
     if checkpoint == SHARD_END and shard.is_open:
         return SHARD_END_BUT_OPEN

@@ -685,8 +685,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 while chunk := response.read1(65536):
                     self._write_chunk(chunk)
                 self._write_chunk(b"")
-            elif self._relay_until(response, cut):
-                self.server.proxy._count_cut(cut, request.operation)
+            else:
+                self._relay_until(response, cut, request.operation)
         finally:
             watch.stop()
             # After a cut the upstream connection carries a timeout, after a hang-up it is
@@ -694,7 +694,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             if cut is not None or watch.hung_up:
                 self._drop_upstream()
 
-    def _relay_until(self, response: http.client.HTTPResponse, cut: StreamCut) -> bool:
+    def _relay_until(self, response: http.client.HTTPResponse, cut: StreamCut,
+                     operation: str) -> bool:
         """Relay whole frames until ``cut.after_frames`` went and the next one is in, or
         until ``cut.after_s`` passed, then cut; False when upstream ended the answer first.
 
@@ -709,7 +710,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         while True:
             while framed and (size := _frame_size(pending)) is not None and size <= len(pending):
                 if cut.after_frames is not None and sent >= cut.after_frames:
-                    self._cut(bytes(pending[: size // 2]), cut.clean, cut.exception)
+                    self._end(bytes(pending[: size // 2]), cut, operation)
                     return True
                 self._write_chunk(bytes(pending[:size]))
                 del pending[:size]
@@ -722,13 +723,13 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             if deadline is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or upstream is None or upstream.sock is None:
-                    self._cut(bytes(pending), cut.clean, cut.exception)
+                    self._end(bytes(pending), cut, operation)
                     return True
                 upstream.sock.settimeout(remaining)
             try:
                 chunk = response.read1(65536)
             except TimeoutError:
-                self._cut(bytes(pending), cut.clean, cut.exception)
+                self._end(bytes(pending), cut, operation)
                 return True
             if not chunk:
                 if pending:
@@ -736,6 +737,12 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 self._write_chunk(b"")
                 return False
             pending += chunk
+
+    def _end(self, partial: bytes, cut: StreamCut, operation: str) -> None:
+        """Count the cut, then make it: a client that reads the end of the answer finds the
+        cut already counted."""
+        self.server.proxy._count_cut(cut, operation)
+        self._cut(partial, cut.clean, cut.exception)
 
     def _cut(self, partial: bytes, clean: bool, exception: str | None = None) -> None:
         """End the answer here: cleanly with the final chunk (``partial``, an unfinished
