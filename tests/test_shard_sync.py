@@ -499,20 +499,6 @@ def test_a_lease_of_a_former_stream_of_the_same_name_is_told_apart(
     assert (former_incarnation(lease, listed) is not None) is former
 
 
-@pytest.mark.parametrize(("incarnation", "checkpoint", "former"), [
-    ("1700000000:1700000000123:abc", "SHARD_END", True),     # another stream's epoch
-    ("1800000000:1800000000123:abc", "SHARD_END", True),     # a candidate; sync re-lists
-    ("1800000000:1800000000123:abc", "999", True),           # created again within a second
-    ("1800000000:1800000000123:abc", "1000", False),
-    ("0:1800000000123:abc", "999", True),                    # epoch unknown: the rules
-])
-def test_a_lease_incarnation_names_its_streams_epoch(
-        incarnation: str, checkpoint: str, former: bool) -> None:
-    lease = Lease("s0", checkpoint=checkpoint, incarnation=incarnation)
-    listed = shard("s0", start=1000)
-    assert (former_incarnation(lease, listed, 1800000000) is not None) is former
-
-
 def test_a_shard_that_closes_between_the_listing_and_the_lease_read_is_not_a_former_stream(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Found by the simulator (seed 947): the listing shows the shard open, a merge closes

@@ -50,7 +50,6 @@ from kclpy.leases.lease import (
     SHARD_END,
     TRIM_HORIZON,
     Lease,
-    incarnation_order,
     new_incarnation,
 )
 from kclpy.leases.table import LeaseTable
@@ -121,20 +120,12 @@ class ChildShardLike(Protocol):
 SHARD_END_BUT_OPEN = "it is at SHARD_END but the shard is open"
 
 
-def former_incarnation(lease: Lease, shard: Shard, stream_epoch: int | None = None) -> str | None:
+def former_incarnation(lease: Lease, shard: Shard) -> str | None:
     """Why ``lease`` cannot be a lease of the listed ``shard`` (it is of a former stream of
-    the same name), or None. A lease with an incarnation names its stream's creation epoch:
-    another epoch than the stream's own tells. Otherwise a checkpoint before the shard's
-    first sequence number, or a finished lease of an open shard (see ``SHARD_END_BUT_OPEN``),
-    tells. An end beyond the shard's ending sequence number is not
-    used: moto lists a closed shard ending at 0 while its records go on."""
-    if lease.incarnation is not None and stream_epoch:
-        epoch, _ = incarnation_order(lease.incarnation)
-        if epoch and epoch != stream_epoch:
-            return (f"its incarnation is of a stream created at epoch {epoch}, this one at "
-                    f"{stream_epoch}")
-    # The same epoch (whole seconds) can still be a stream deleted and created again within
-    # a second: the rules below decide then.
+    the same name), or None: a checkpoint before the shard's first sequence number, or a
+    finished lease of an open shard (see ``SHARD_END_BUT_OPEN``). An end beyond the shard's
+    ending sequence number is not used: moto lists a closed shard ending at 0 while its
+    records go on."""
     checkpoint = lease.checkpoint
     if checkpoint == SHARD_END and shard.is_open:
         return SHARD_END_BUT_OPEN
@@ -375,10 +366,10 @@ class ShardSyncer:
         relisted: dict[str, Shard] | None = None
         for seen in leases:
             shard = by_key.get(seen.lease_key)
-            if shard is None or former_incarnation(seen, shard, self.stream_epoch) is None:
+            if shard is None or former_incarnation(seen, shard) is None:
                 continue
             lease = self._table.get(seen.lease_key)
-            why = None if lease is None else former_incarnation(lease, shard, self.stream_epoch)
+            why = None if lease is None else former_incarnation(lease, shard)
             if why == SHARD_END_BUT_OPEN:
                 # Listed after the lease was read: a shard that closed meanwhile shows closed.
                 if relisted is None:
