@@ -206,14 +206,17 @@ def _table_name(args: argparse.Namespace) -> str:
     return str(args.table_name or args.application_name)
 
 
-def _stream_label(args: argparse.Namespace) -> str | None:
+def stream_label(args: argparse.Namespace) -> str | None:
+    """The stream's name as given (the last part of an ARN); the inspector's commands and
+    these filter a multi-stream table by it."""
     if getattr(args, "stream_arn", None):
         return str(args.stream_arn).rsplit("/", 1)[-1]
     name = getattr(args, "stream_name", None)
     return str(name) if name else None
 
 
-def _stream_of(lease: Lease) -> str | None:
+def stream_name(lease: Lease) -> str | None:
+    """The name in a multi-stream lease's stream identifier; None for a single-stream one."""
     if lease.stream is None:
         return None
     try:
@@ -232,14 +235,14 @@ def read_leases(args: argparse.Namespace, table: LeaseTable) -> list[Lease]:
             raise UsageError(option, f"lease table {_table_name(args)!r} does not "
                              "exist") from None
         raise
-    wanted = _stream_label(args)
+    wanted = stream_label(args)
     if wanted is None:
         if any(lease.stream for lease in leases):
             raise UsageError("--stream-name", "the table holds several streams' leases; "
                              "name the stream")
         return sorted(leases, key=lambda lease: lease.lease_key)
     return sorted((lease for lease in leases
-                   if lease.stream is None or _stream_of(lease) == wanted),
+                   if lease.stream is None or stream_name(lease) == wanted),
                   key=lambda lease: lease.lease_key)
 
 
@@ -265,7 +268,7 @@ def _shards(args: argparse.Namespace, kinesis: Any, table: LeaseTable) -> dict[s
     except ClientError as exc:
         if error_code(exc) == "ResourceNotFoundException":
             option = "--stream-name" if args.stream_name else "--stream-arn"
-            raise UsageError(option, f"stream {_stream_label(args)!r} does not "
+            raise UsageError(option, f"stream {stream_label(args)!r} does not "
                              "exist") from None
         raise
 
@@ -352,7 +355,7 @@ def _plan_moves(args: argparse.Namespace, kinesis: Any, table: LeaseTable) -> li
     leases = [one_lease(args, table)] if args.shard_id else read_leases(args, table)
     shards = _shards(args, kinesis, table)
     if args.shard_id and args.shard_id not in shards:
-        raise UsageError("--shard-id", f"stream {_stream_label(args)!r} has no shard "
+        raise UsageError("--shard-id", f"stream {stream_label(args)!r} has no shard "
                          f"{args.shard_id!r} (expired beyond retention?)")
     moves: list[Move] = []
     for lease in leases:
@@ -547,7 +550,7 @@ def recovery_add(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
                  out: IO[str]) -> int:
     lease = one_lease(args, table)
     if args.shard_id not in _shards(args, kinesis, table):
-        raise UsageError("--shard-id", f"stream {_stream_label(args)!r} has no shard "
+        raise UsageError("--shard-id", f"stream {stream_label(args)!r} has no shard "
                          f"{args.shard_id!r}")
     if int(args.first) > int(args.last):
         raise UsageError("--to", f"{args.last} comes before --from {args.first}")

@@ -54,7 +54,7 @@ from kclpy.leases.lease import SHARD_END, Lease
 from kclpy.leases.shard_sync import ShardSyncer
 from kclpy.leases.table import LeaseTable
 from kclpy.ops import consumers, control
-from kclpy.ops.control import Refused, UsageError
+from kclpy.ops.control import Refused, UsageError, stream_label, stream_name
 from kclpy.ops.lag import (
     LagProbe,
     LagTracker,
@@ -260,10 +260,10 @@ def _leases(args: argparse.Namespace, out: IO[str]) -> int:
         except ValueError:
             log.warning("skipping an item that is not a lease: %s", sorted(item))
     leases.sort(key=lambda pair: pair[0].lease_key)
-    wanted = _stream_label(args)
+    wanted = stream_label(args)
     if wanted is not None:
         leases = [(lease, item) for lease, item in leases
-                  if lease.stream is None or _stream_name(lease) == wanted]
+                  if lease.stream is None or stream_name(lease) == wanted]
     if args.json:
         json.dump([{**item_to_json(item), "state": lease_state(lease)}
                    for lease, item in leases], out, indent=2)
@@ -280,7 +280,7 @@ def _leases(args: argparse.Namespace, out: IO[str]) -> int:
         if marker is not None:
             parked.append(f"{lease.shard_id}: {marker.get('reason')}"
                           + (f" ({marker['error']})" if marker.get("error") else ""))
-        rows.append([_stream_name(lease) or "-", lease.shard_id, lease_state(lease), owner,
+        rows.append([stream_name(lease) or "-", lease.shard_id, lease_state(lease), owner,
                      str(lease.lease_counter), lease.checkpoint,
                      str(lease.checkpoint_sub_sequence_number),
                      str(lease.owner_switches_since_checkpoint),
@@ -300,23 +300,6 @@ def lease_state(lease: Lease) -> str:
     if lease.is_finished:
         return "FINISHED"
     return "HELD" if lease.lease_owner else "FREE"
-
-
-def _stream_label(args: argparse.Namespace) -> str | None:
-    """The stream's name as given (the last part of an ARN)."""
-    if args.stream_arn:
-        return str(args.stream_arn).rsplit("/", 1)[-1]
-    return str(args.stream_name) if args.stream_name else None
-
-
-def _stream_name(lease: Lease) -> str | None:
-    """The name in a multi-stream lease's stream identifier; None for a single-stream one."""
-    if lease.stream is None:
-        return None
-    try:
-        return StreamIdentifier.parse(lease.stream).name
-    except ValueError:
-        return lease.stream
 
 
 # -- status ----------------------------------------------------------------------------------
