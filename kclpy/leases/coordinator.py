@@ -253,7 +253,7 @@ class LeaseCoordinator:
         now = self._clock()
         for key in self.held.expire(now, self.failover_time_s):
             self.held.notify_lost(key)
-        return self.held.leases(now, self.failover_time_s)
+        return self.held.leases()
 
     def get_held(self, shard_id: str) -> Lease | None:
         return self.held.get(shard_id)

@@ -178,15 +178,11 @@ class HeldSet:
 
     # -- queries (copies) --------------------------------------------------------------------
 
-    def leases(self, now: float, failover_time_s: float) -> dict[str, Lease]:
-        """Copies of the leases held at ``now``; one not written for longer than the failover
-        time is no longer ours even before the renewer drops it (the process was suspended)."""
+    def leases(self) -> dict[str, Lease]:
+        """Copies of the leases held; ``expire`` first gives up those not written within the
+        failover time."""
         with self._state:
-            return {
-                key: held.lease.copy()
-                for key, held in self._held.items()
-                if now - held.renewed_at <= failover_time_s
-            }
+            return {key: held.lease.copy() for key, held in self._held.items()}
 
     def get(self, lease_key: str) -> Lease | None:
         with self._state:
