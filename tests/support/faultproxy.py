@@ -695,9 +695,10 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 self._drop_upstream()
 
     def _relay_until(self, response: http.client.HTTPResponse, cut: StreamCut,
-                     operation: str) -> bool:
+                     operation: str) -> None:
         """Relay whole frames until ``cut.after_frames`` went and the next one is in, or
-        until ``cut.after_s`` passed, then cut; False when upstream ended the answer first.
+        until ``cut.after_s`` passed, then cut (and count it); relay the rest when upstream
+        ends the answer first.
 
         Frames are counted only in an event stream; any other body is relayed as it comes
         and cut by time alone.
@@ -711,7 +712,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             while framed and (size := _frame_size(pending)) is not None and size <= len(pending):
                 if cut.after_frames is not None and sent >= cut.after_frames:
                     self._end(bytes(pending[: size // 2]), cut, operation)
-                    return True
+                    return
                 self._write_chunk(bytes(pending[:size]))
                 del pending[:size]
                 sent += 1
@@ -724,18 +725,18 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or upstream is None or upstream.sock is None:
                     self._end(bytes(pending), cut, operation)
-                    return True
+                    return
                 upstream.sock.settimeout(remaining)
             try:
                 chunk = response.read1(65536)
             except TimeoutError:
                 self._end(bytes(pending), cut, operation)
-                return True
+                return
             if not chunk:
                 if pending:
                     self._write_chunk(bytes(pending))
                 self._write_chunk(b"")
-                return False
+                return
             pending += chunk
 
     def _end(self, partial: bytes, cut: StreamCut, operation: str) -> None:
