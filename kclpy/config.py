@@ -251,7 +251,9 @@ OPTIONS: tuple[Option, ...] = (
          "Fetched batches buffered per shard (bounds memory).", "prefetchQueueSize"),
     _opt("max_pool_connections", "int", "botocore connection pool size.", "maxPoolConnections"),
     _opt("stop_when_caught_up", "bool",
-         "Shut down cleanly once every shard is caught up (drain and exit).", "stopWhenCaughtUp"),
+         "Shut down cleanly once every shard is caught up (drain and exit). In a fleet each "
+         "worker stops once its own shards are drained and every other lease is seen "
+         "renewed; the last one drains what the others released.", "stopWhenCaughtUp"),
     _opt("metrics_port", "port",
          "Serve /metrics, /healthz and /status on this port (default: off).", "metricsPort"),
     _opt("metrics_host", "str", "Address the metrics endpoint binds.", "metricsHost"),

@@ -513,14 +513,20 @@ class Worker:
         self._wake.set()
 
     def _all_caught_up(self) -> bool:
-        """Every lease of the stream is ours and every consumer has caught up."""
+        """This worker's shards are drained and every other open lease has a worker seen
+        renewing it. One worker therefore stops only once it holds every lease; in a fleet
+        each stops when its own shards are drained, and the last one takes and drains what
+        the others released. A lease left by a crashed run is not "run elsewhere" until it
+        expires and is taken, so nothing is skipped."""
         assert self.coordinator is not None
         held = self.coordinator.held_leases()
         leases = self.coordinator.all_leases()
         if not leases:
             return False  # the taker has not scanned the table yet
+        elsewhere = self.coordinator.run_elsewhere()
         open_leases = [lease for lease in leases if not lease.is_finished and not lease.parked]
-        if any(lease.lease_key not in held for lease in open_leases):
+        if any(lease.lease_key not in held and lease.lease_key not in elsewhere
+               for lease in open_leases):
             return False
         consumers = self.consumers()
         return all(shard_id in consumers and consumers[shard_id].caught_up for shard_id in held)

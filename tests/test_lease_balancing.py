@@ -68,6 +68,18 @@ def test_a_moving_counter_restarts_the_expiry_clock() -> None:
     assert plan_for(t, 19.5) == (["a"], [])
 
 
+def test_only_a_counter_seen_moving_proves_its_owner_alive() -> None:
+    """What a crashed run left behind looks like a live lease until it expires; a drain
+    (``stop_when_caught_up``) must not leave such a lease to a dead owner."""
+    t = taker()
+    t.observe(owned("other", "a", "b", counter=5), now=0.0)
+    assert not t.seen_renewed("a") and not t.seen_renewed("b")
+    t.observe(owned("other", "a", counter=6) + owned("other", "b", counter=5), now=2.0)
+    assert t.seen_renewed("a") and not t.seen_renewed("b")
+    t.observe(owned("other", "c"), now=3.0)
+    assert not t.seen_renewed("c")
+
+
 def test_unowned_leases_are_free_at_once() -> None:
     t = taker()
     t.observe(owned(None, "a", "b"), now=0.0)

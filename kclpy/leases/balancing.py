@@ -99,29 +99,41 @@ class Balancer:
         #: lease key -> (counter, when this worker first saw that counter)
         self._seen: dict[str, tuple[int, float]] = {}
         self._leases: dict[str, Lease] = {}
+        #: leases whose counter this worker has seen move
+        self._renewed: set[str] = set()
 
     def observe(self, leases: Iterable[Lease], now: float) -> None:
         """Record one full scan, taken at ``now`` (after the scan returned)."""
         fresh = {lease.lease_key: lease for lease in leases}
-        for key, lease in fresh.items():
-            seen = self._seen.get(key)
-            if seen is None or seen[0] != lease.lease_counter:
-                self._seen[key] = (lease.lease_counter, now)
+        for lease in fresh.values():
+            self._see(lease, now)
         for key in self._seen.keys() - fresh.keys():
             del self._seen[key]
+            self._renewed.discard(key)
         self._leases = fresh
 
     def observe_one(self, lease: Lease, now: float) -> None:
         """Record a single read (a handoff poll between scans): it counts towards expiry
         like a scan does, so a dead owner's lease is not judged on scans alone."""
+        self._see(lease, now)
+        self._leases[lease.lease_key] = lease
+
+    def _see(self, lease: Lease, now: float) -> None:
         seen = self._seen.get(lease.lease_key)
         if seen is None or seen[0] != lease.lease_counter:
             self._seen[lease.lease_key] = (lease.lease_counter, now)
-        self._leases[lease.lease_key] = lease
+            if seen is not None:
+                self._renewed.add(lease.lease_key)
 
     def unchanged_for(self, lease_key: str, now: float) -> float:
         """How long the lease's counter has stood still, as far as this worker has seen."""
         return now - self._seen[lease_key][1]
+
+    def seen_renewed(self, lease_key: str) -> bool:
+        """The lease's counter moved while this worker watched the table: its owner was
+        alive then. A lease left over by a crashed run looks live until it expires; this
+        tells the two apart without waiting for the failover time."""
+        return lease_key in self._renewed
 
     def is_expired(self, lease: Lease, now: float) -> bool:
         return (

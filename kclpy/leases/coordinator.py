@@ -278,6 +278,10 @@ class LeaseCoordinator:
         """Leases of the last scan no worker runs (free or expired): safe to delete."""
         return self.taker.idle_leases()
 
+    def run_elsewhere(self) -> frozenset[str]:
+        """Keys of leases another worker is seen renewing (``LeaseTaker.run_elsewhere``)."""
+        return self.taker.run_elsewhere()
+
     def recent_lease_keys(self, max_age_s: float) -> frozenset[str] | None:
         """The lease keys of the last scan if it is at most ``max_age_s`` old, so shard sync
         need not scan the table again; None otherwise."""

@@ -279,6 +279,19 @@ class LeaseTaker:
             return [lease.copy() for lease in self._last_scan
                     if self._balancer.is_expired(lease, at)]
 
+    def run_elsewhere(self) -> frozenset[str]:
+        """Keys of the last scan's leases that another worker is seen to run: owned, not
+        expired, and renewed while this worker watched."""
+        with self._state:
+            at = self._last_scan_at
+            if at is None:
+                return frozenset()
+            return frozenset(
+                lease.lease_key for lease in self._last_scan
+                if lease.lease_owner != self._balancer.worker_id
+                and not self._balancer.is_expired(lease, at)
+                and self._balancer.seen_renewed(lease.lease_key))
+
     def recent_lease_keys(self, max_age_s: float) -> frozenset[str] | None:
         with self._state:
             at = self._last_scan_at
