@@ -39,6 +39,7 @@ from kclpy.records import Record
 from kclpy.recovery.detect import first_record
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
+from kclpy.retrieval.backoff import Backoff
 from kclpy.retrieval.fetcher import Pacer, ShardFetcher, StartPosition
 from kclpy.retrieval.parse import ChildShard
 from kclpy.retrieval.registration import ConsumerRegistration, RegistrationSettings
@@ -70,6 +71,9 @@ class Worker:
         session: boto3.session.Session | None = None,
         state_store: StateStore | None = None,
     ) -> None:
+        # A config's fields may have been set since it was made: refused here, before any
+        # thread starts, rather than in every consumer thread.
+        config.validate()
         self.config = config
         self.metrics = metrics or Metrics()
         if state_store is None and config.state_store:
@@ -467,7 +471,9 @@ class Worker:
             consumer_arn=stream.consumer_arn if live else None,
             http_version=cfg.fanout_http_version,
             shard_end_probe_s=cfg.shard_sync_interval_ms / 1000,
-            pacer=pacer, until_ms=until_ms)
+            pacer=pacer, until_ms=until_ms,
+            backoff=Backoff(cfg.get_records_backoff_base_ms / 1000,
+                            cfg.get_records_backoff_cap_ms / 1000))
 
     def _make_recovery(self, lease: Lease, token: str) -> ShardRecovery:
         """Called on the consumer's thread, so an unreadable queue fails that shard only."""
