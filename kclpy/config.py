@@ -22,6 +22,7 @@ from typing import Any
 
 from kclpy.cloudwatch import parse_dimensions, parse_level
 from kclpy.errors import ConfigError
+from kclpy.retrieval.subscription import FANOUT_HTTP_VERSIONS
 from kclpy.streams import StreamConfig, StreamTracker
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,6 @@ ERROR_POLICIES = ("retry", "skip", "shutdown", "park")
 STRAY_STDOUT_POLICIES = ("restart", "skip")
 #: kclpy's own default is polling (API and CLI); Java's POLLING / FANOUT are accepted
 RETRIEVAL_MODES = ("polling", "fanout")
-#: how fan-out subscriptions are sent (kclpy.retrieval.subscription)
-FANOUT_HTTP_VERSIONS = ("auto", "2", "1.1")
 
 
 def default_worker_id() -> str:

@@ -39,10 +39,10 @@ from kclpy.records import Record
 from kclpy.recovery.detect import first_record
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
-from kclpy.retrieval.backoff import Backoff
 from kclpy.retrieval.fetcher import Pacer, ShardFetcher, StartPosition
 from kclpy.retrieval.parse import ChildShard
 from kclpy.retrieval.registration import ConsumerRegistration, RegistrationSettings
+from kclpy.retry import Backoff
 from kclpy.state import open_store
 from kclpy.state.processor import StatefulProcessor, exactly_once_factory
 from kclpy.state.store import StateStore

@@ -19,7 +19,7 @@ from kclpy.config import (
     read_properties,
 )
 from kclpy.errors import ConfigError
-from kclpy.retrieval.backoff import Backoff
+from kclpy.retry import Backoff
 from kclpy.worker import Worker
 from tests.support.recording import Ledger, RecordingProcessor
 

@@ -22,6 +22,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from kclpy.errors import KCLError
 from kclpy.metrics import Metrics
+from kclpy.retry import error_code
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb import DynamoDBClient
@@ -55,10 +56,6 @@ class LeaseTableThrottled(TableThrottled):
 
 #: failures of a request that say nothing about a condition (who owns a lease)
 TABLE_ERRORS = (TableThrottled, ClientError, BotoCoreError)
-
-
-def error_code(exc: ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", ""))
 
 
 def cancellation_reasons(exc: ClientError) -> list[dict[str, Any]]:

@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from botocore.exceptions import ClientError
 
 from kclpy.errors import ConfigError, LeaseLostError
-from kclpy.leases.dynamo import error_code
 from kclpy.leases.lease import (
     AT_TIMESTAMP,
     LATEST,
@@ -54,6 +53,7 @@ from kclpy.leases.lease import (
 )
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
+from kclpy.retry import error_code
 from kclpy.streams import multi_stream_lease_key
 
 if TYPE_CHECKING:

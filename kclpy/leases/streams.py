@@ -25,11 +25,11 @@ from botocore.exceptions import ClientError
 
 from kclpy.config import KCLConfig
 from kclpy.errors import ConfigError
-from kclpy.leases.dynamo import error_code
 from kclpy.leases.lease import Lease
 from kclpy.leases.shard_sync import ShardSyncer
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
+from kclpy.retry import error_code
 from kclpy.streams import StreamConfig, StreamIdentifier, stream_of_lease_key
 
 if TYPE_CHECKING:

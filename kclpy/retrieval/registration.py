@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from botocore.exceptions import ClientError
 
 from kclpy.errors import KCLError, KinesisClientLibDependencyException
-from kclpy.leases.dynamo import error_code
+from kclpy.retry import error_code
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from kclpy.checkpoint import Checkpointer, Position, position_of
-from kclpy.leases.table import TransactionRejected
+from kclpy.errors import TransactionRejected
 from kclpy.metrics import Metrics
 from kclpy.processor import (
     InitializeInput,

@@ -61,6 +61,11 @@ _SERVER_ERROR_CODES = frozenset(
 )
 
 
+def error_code(exc: ClientError) -> str:
+    """The AWS error code of a failed call ('' when the answer named none)."""
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
 def classify(exc: BaseException) -> str | None:
     """The retryable kind of ``exc`` (``throttled``, ``server_error``, ``connection``), else None.
 

@@ -15,7 +15,7 @@ from botocore.parsers import ResponseParserError
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kclpy.retrieval.backoff import CONNECTION, SERVER_ERROR, THROTTLED, Backoff, classify
+from kclpy.retry import CONNECTION, SERVER_ERROR, THROTTLED, Backoff, classify
 
 
 class RecordingRng(random.Random):
