@@ -96,6 +96,10 @@ class KCLConfig:
     #: GetRecords / SubscribeToShard retries (throttles, 5xx, connections): capped full jitter
     get_records_backoff_base_ms: int = 100
     get_records_backoff_cap_ms: int = 5_000
+    #: ListShards retries while throttled (shard sync)
+    list_shards_backoff_base_ms: int = 200
+    list_shards_backoff_cap_ms: int = 5_000
+    max_list_shards_retry_attempts: int = 6
     metrics_level: str = "none"
     metrics_enabled_dimensions: str = "ALL"
     metrics_buffer_time_ms: int = 10_000
@@ -480,6 +484,16 @@ OPTIONS: tuple[Option, ...] = (
          "The longest wait between those retries (at least the base).",
          "getRecordsBackoffCapMillis",
          rule=_at_least_option("get_records_backoff_base_ms", "get_records_backoff_cap_ms")),
+    _opt("list_shards_backoff_base_ms", "int",
+         "Shard sync: the first wait before a throttled ListShards is retried, doubling per "
+         "retry (full jitter).", "listShardsBackoffTimeInMillis"),
+    _opt("list_shards_backoff_cap_ms", "int",
+         "Shard sync: the longest wait between ListShards retries (at least the base).",
+         "listShardsBackoffCapMillis",
+         rule=_at_least_option("list_shards_backoff_base_ms", "list_shards_backoff_cap_ms")),
+    _opt("max_list_shards_retry_attempts", "int",
+         "Shard sync: ListShards calls while throttled before the sync fails (it is tried "
+         "again at the next interval).", "maxListShardsRetryAttempts"),
     _opt("metrics_level", "str",
          "CloudWatch: publish the Java KCL's metrics at this level (none, summary, detailed).",
          "metricsLevel", rule=_parsed_by(parse_level, "metrics_level")),
@@ -548,8 +562,6 @@ JAVA_ONLY_KEYS: Mapping[str, str] = {
     "initialLeaseTableReadCapacity": "the lease table is created PAY_PER_REQUEST",
     "initialLeaseTableWriteCapacity": "the lease table is created PAY_PER_REQUEST",
     "maxLeaseRenewalThreads": _LEASES,
-    "listShardsBackoffTimeInMillis": "ListShards retries use kclpy's capped backoff",
-    "maxListShardsRetryAttempts": "ListShards retries use kclpy's capped backoff",
     "shardPrioritization": _LEASES,
     "skipShardSyncAtWorkerInitializationIfLeasesExist": "kclpy always syncs at start-up",
     "skipShardSyncAtStartupIfLeasesExist": "kclpy always syncs at start-up",

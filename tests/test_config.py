@@ -152,6 +152,8 @@ BREAKING: dict[str, dict[str, Any]] = {
     "consumer_arn": {"consumer_arn": "arn:aws:kinesis:us-east-1:1:stream/s"},
     "fanout_http_version": {"fanout_http_version": "3"},
     "get_records_backoff_cap_ms": {"get_records_backoff_cap_ms": 50},
+    "list_shards_backoff_cap_ms": {"list_shards_backoff_base_ms": 300,
+                                   "list_shards_backoff_cap_ms": 299},
     "metrics_level": {"metrics_level": "loud"},
     "metrics_enabled_dimensions": {"metrics_enabled_dimensions": "Planet"},
 }

@@ -22,14 +22,13 @@ from kclpy.errors import LeaseLostError, TransactionRejected
 from kclpy.leases import serializer as ser
 from kclpy.leases.dynamo import (
     CONDITION_FAILED,
-    TRANSACTION_CANCELED,
     DynamoTable,
     LeaseTableThrottled,
     cancellation_reasons,
 )
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import UpdateBuilder, key_of, n, s, ss
-from kclpy.retry import error_code
+from kclpy.retry import TRANSACTION_CANCELED, error_code
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb import DynamoDBClient
