@@ -209,6 +209,11 @@ def test_a_backoff_cap_below_its_base_names_both_as_the_user_wrote_them() -> Non
         KCLConfig(application_name="a", stream_name="s", get_records_backoff_cap_ms=50)
     assert info.value.option == "get_records_backoff_cap_ms"
     assert "get_records_backoff_base_ms (100)" in info.value.message
+    values, labels = from_environment({"KCLPY_STREAM_NAME": "s", "KCLPY_APPLICATION_NAME": "a",
+                                       "KCLPY_GET_RECORDS_BACKOFF_CAP_MS": "50"})
+    with pytest.raises(ConfigError) as info:
+        build_config(values, labels)
+    assert info.value.option == "KCLPY_GET_RECORDS_BACKOFF_CAP_MS"
 
 
 def test_every_valid_backoff_pair_makes_a_backoff() -> None:

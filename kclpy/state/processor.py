@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 MAX_CONFLICTS = 10
 #: after a refused commit, wait up to 20 ms (doubling per attempt, full jitter, capped at a
 #: second) so shards that update the same keys stop colliding in lockstep
-CONFLICT_RETRIES = RetryPolicy(0.02, 1.0, max_attempts=MAX_CONFLICTS + 1)
+CONFLICT_RETRIES = RetryPolicy(0.02, 1.0)
 
 
 class StatefulProcessor(abc.ABC):
