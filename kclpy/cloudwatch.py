@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from kclpy.retrieval.backoff import THROTTLED, Backoff, classify
+from kclpy.retry import THROTTLED, Backoff, classify
 
 log = logging.getLogger(__name__)
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from kclpy.cloudwatch import parse_dimensions, parse_level
 from kclpy.errors import ConfigError
+from kclpy.retrieval.subscription import FANOUT_HTTP_VERSIONS
 from kclpy.streams import StreamConfig, StreamTracker
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,6 @@ ERROR_POLICIES = ("retry", "skip", "shutdown", "park")
 STRAY_STDOUT_POLICIES = ("restart", "skip")
 #: kclpy's own default is polling (API and CLI); Java's POLLING / FANOUT are accepted
 RETRIEVAL_MODES = ("polling", "fanout")
-#: how fan-out subscriptions are sent (kclpy.retrieval.subscription)
-FANOUT_HTTP_VERSIONS = ("auto", "2", "1.1")
 
 
 def default_worker_id() -> str:
@@ -94,6 +93,13 @@ class KCLConfig:
     register_stream_consumer_retries: int = 10
     max_describe_stream_consumer_retries: int = 10
     retry_backoff_ms: int = 1000
+    #: GetRecords / SubscribeToShard retries (throttles, 5xx, connections): capped full jitter
+    get_records_backoff_base_ms: int = 100
+    get_records_backoff_cap_ms: int = 5_000
+    #: ListShards retries while throttled (shard sync)
+    list_shards_backoff_base_ms: int = 200
+    list_shards_backoff_cap_ms: int = 5_000
+    max_list_shards_retry_attempts: int = 6
     metrics_level: str = "none"
     metrics_enabled_dimensions: str = "ALL"
     metrics_buffer_time_ms: int = 10_000
@@ -117,7 +123,12 @@ class KCLConfig:
     properties_dir: Path | None = None
 
     def __post_init__(self) -> None:
-        # built from Python: errors name the keyword the caller wrote
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first bad option by its keyword (built from Python:
+        the name the caller wrote). The Worker asks again, as a config's fields can be set
+        after it was made."""
         validate(self, {}, keywords=True)
 
     @property
@@ -169,40 +180,208 @@ class KCLConfig:
 # -- option table ---------------------------------------------------------------------------
 
 
+#: what a rule of an option is given: the config, and ``label`` that names any option the
+#: way the user wrote it; it returns what is wrong with its option's value, or None
+Rule = Callable[["KCLConfig", Callable[[str], str]], "str | None"]
+
+
 @dataclass(frozen=True)
 class Option:
+    """One option: its names, its kind (how text is converted), and every rule its value
+    must meet - the range, the choices, and the cross-field rule - so that a bad value is
+    refused, naming the option, before a worker starts any thread."""
+
     name: str
     flag: str
     properties_keys: tuple[str, ...]
-    kind: str  # str, int, bool, position, timestamp, policy, url
+    kind: str  # str, int, int0, bool, position, timestamp, port, url
     help: str
+    #: the range of a whole number (inclusive); None: unbounded on that side
+    least: int | None = None
+    most: int | None = None
+    #: the values a text option may take
+    choices: tuple[str, ...] = ()
+    #: a value never echoed in errors (it may carry credentials)
+    secret: bool = False
+    rule: Rule | None = None
+
+    def problem(self, config: KCLConfig, label: Callable[[str], str]) -> str | None:
+        """What is wrong with this option's value in ``config``, or None."""
+        value = getattr(config, self.name)
+        if value is not None:
+            wrong = self._value_problem(value)
+            if wrong is not None:
+                return wrong
+        return self.rule(config, label) if self.rule is not None else None
+
+    def _value_problem(self, value: Any) -> str | None:
+        if self.kind in _WHOLE_KINDS:
+            if not isinstance(value, int) or isinstance(value, bool):
+                return f"{value!r} is not a whole number"
+            if self.least is not None and value < self.least:
+                if self.kind == "port":
+                    return f"{value!r} is not a port ({self.least}..{self.most})"
+                return f"must be at least {self.least}, got {value}"
+            if self.most is not None and value > self.most:
+                if self.kind == "port":
+                    return f"{value!r} is not a port ({self.least}..{self.most})"
+                return f"must be at most {self.most}, got {value}"
+        elif self.kind == "bool" and not isinstance(value, bool):
+            return f"{value!r} is not a boolean (true/false)"
+        elif self.kind == "timestamp" and not isinstance(value, datetime):
+            return f"{value!r} is not a timestamp"
+        elif self.kind == "url" and not (isinstance(value, str)
+                                         and re.match(r"^https?://[^\s/]+", value)):
+            shown = "the value" if self.secret else repr(value)
+            return f"{shown} is not an http(s) URL"
+        if self.choices and value not in self.choices:
+            return f"{value!r} is not one of {', '.join(self.choices)}"
+        return None
 
 
-def _opt(name: str, kind: str, help: str, *keys: str) -> Option:
-    return Option(name, "--" + name.replace("_", "-"), keys, kind, help)
+_WHOLE_KINDS = ("int", "int0", "port")
+#: the least value of each whole-number kind unless an option says otherwise
+_LEAST = {"int": 1, "int0": 0, "port": 0}
+
+
+def _opt(name: str, kind: str, help: str, *keys: str, least: int | None = None,
+         most: int | None = None, choices: tuple[str, ...] = (), secret: bool = False,
+         rule: Rule | None = None) -> Option:
+    if least is None:
+        least = _LEAST.get(kind)
+    if kind == "port" and most is None:
+        most = 65535
+    return Option(name, "--" + name.replace("_", "-"), keys, kind, help, least=least,
+                  most=most, choices=choices, secret=secret, rule=rule)
+
+
+# -- cross-field rules: each belongs to the option it names in its error ------------------
+
+
+def _at_least_option(other: str, field_name: str) -> Rule:
+    """A cap that must not be below its base (a backoff would refuse to start)."""
+
+    def rule(config: KCLConfig, label: Callable[[str], str]) -> str | None:
+        low, high = getattr(config, other), getattr(config, field_name)
+        if isinstance(low, int) and isinstance(high, int) and high < low:
+            return f"must be at least {label(other)} ({low}), got {high}"
+        return None
+
+    return rule
+
+
+def _application_name(config: KCLConfig, label: Callable[[str], str]) -> str | None:
+    if not config.application_name or not str(config.application_name).strip():
+        return "is required"
+    return None
+
+
+def _several_streams(config: KCLConfig) -> bool:
+    return bool(config.streams) or config.stream_tracker is not None
+
+
+_ONE_OR_SEVERAL = ("names one stream; give several streams either all as streams (a "
+                   "repeated flag) or with a tracker, not both")
+
+
+def _stream_name(config: KCLConfig, label: Callable[[str], str]) -> str | None:
+    if _several_streams(config):
+        return _ONE_OR_SEVERAL if config.stream_name else None
+    if not config.stream_name and not config.stream_arn:
+        return f"is required (or {label('stream_arn')})"
+    return None
+
+
+def _stream_arn(config: KCLConfig, label: Callable[[str], str]) -> str | None:
+    if config.stream_arn and _several_streams(config):
+        return _ONE_OR_SEVERAL
+    if config.stream_arn and not re.match(r"^arn:aws[\w-]*:kinesis:", config.stream_arn):
+        return f"{config.stream_arn!r} is not a Kinesis stream ARN"
+    return None
+
+
+def _initial_timestamp(config: KCLConfig, label: Callable[[str], str]) -> str | None:
+    if config.initial_position == "AT_TIMESTAMP" and config.initial_timestamp is None:
+        return "is required with AT_TIMESTAMP"
+    return None
+
+
+#: botocore's own rule for a region name
+_REGION = re.compile(r"^[a-zA-Z0-9](?:[a-zA-Z0-9\-]{0,61}[a-zA-Z0-9])?$")
+
+
+def _region(config: KCLConfig, label: Callable[[str], str]) -> str | None:
+    if config.region is not None and not _REGION.match(config.region):
+        return f"{config.region!r} is not a region name"
+    return None
+
+
+def _retrieval_mode(config: KCLConfig, label: Callable[[str], str]) -> str | None:
+    if str(config.retrieval_mode).lower() in RETRIEVAL_MODES:
+        return None
+    hint = (" (DEFAULT, the Java daemon's rule, is resolved for .properties files only)"
+            if str(config.retrieval_mode).upper() == "DEFAULT" else "")
+    return f"{config.retrieval_mode!r} is not one of {', '.join(RETRIEVAL_MODES)}{hint}"
+
+
+def _consumer_arn(config: KCLConfig, label: Callable[[str], str]) -> str | None:
+    if config.consumer_arn and config.multi_stream:
+        return (f"names the consumer of one stream; a multi-stream application registers "
+                f"one per stream ({label('consumer_name')})")
+    if config.consumer_arn and not re.match(r"^arn:aws[\w-]*:kinesis:.*/consumer/",
+                                            config.consumer_arn):
+        return f"{config.consumer_arn!r} is not a stream consumer ARN"
+    return None
+
+
+def _parsed_by(parse: Callable[[str], object], field_name: str) -> Rule:
+    """The option's value is what ``parse`` accepts (its ValueError is the message)."""
+
+    def rule(config: KCLConfig, label: Callable[[str], str]) -> str | None:
+        try:
+            parse(getattr(config, field_name))
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    return rule
+
+
+def _lag_webhook(config: KCLConfig, label: Callable[[str], str]) -> str | None:
+    if config.lag_webhook is not None and config.metrics_port is None:
+        return (f"needs {label('metrics_port')}: status changes come from the metrics "
+                "endpoint's lag sampling")
+    return None
+
+
+def _state_store(config: KCLConfig, label: Callable[[str], str]) -> str | None:
+    return None if config.state_store is None else _state_store_problem(config.state_store)
 
 
 OPTIONS: tuple[Option, ...] = (
-    _opt("stream_name", "str", "Kinesis stream to consume.", "streamName"),
-    _opt("stream_arn", "str", "Stream ARN (instead of the name; cross-account).", "streamArn"),
+    _opt("stream_name", "str", "Kinesis stream to consume.", "streamName", rule=_stream_name),
+    _opt("stream_arn", "str", "Stream ARN (instead of the name; cross-account).", "streamArn",
+         rule=_stream_arn),
     _opt("application_name", "str", "Application name; default lease table name.",
-         "applicationName"),
+         "applicationName", rule=_application_name),
     _opt("table_name", "str", "Lease table (default: the application name).", "tableName",
          "leaseTableName"),
     _opt("worker_id", "str", "This worker's id (default: host:pid:random).", "workerId"),
-    _opt("region", "str", "AWS region (default: the boto3 chain).", "regionName"),
+    _opt("region", "str", "AWS region (default: the boto3 chain).", "regionName",
+         rule=_region),
     _opt("kinesis_endpoint", "url", "Kinesis endpoint URL (default: the boto3 chain).",
          "kinesisEndpoint"),
     _opt("dynamodb_endpoint", "url", "DynamoDB endpoint URL (default: the boto3 chain).",
          "dynamoDBEndpoint", "dynamodbEndpoint"),
     _opt("initial_position", "position", "Where a shard without checkpoint starts.",
-         "initialPositionInStream"),
+         "initialPositionInStream", choices=INITIAL_POSITIONS),
     _opt("initial_timestamp", "timestamp",
          "Start time for AT_TIMESTAMP (ISO 8601 or epoch seconds).",
-         "initialPositionInStreamExtended", "timestampAtInitialPositionInStream"),
+         "initialPositionInStreamExtended", "timestampAtInitialPositionInStream",
+         rule=_initial_timestamp),
     _opt("failover_time_ms", "int", "A lease not renewed for this long may be taken.",
          "failoverTimeMillis"),
-    _opt("max_records", "int", "GetRecords Limit (1..10000).", "maxRecords"),
+    _opt("max_records", "int", "GetRecords Limit (1..10000).", "maxRecords", most=10_000),
     _opt("idle_time_between_reads_ms", "int0",
          "Pause after an empty GetRecords on a caught-up shard.", "idleTimeBetweenReadsInMillis"),
     _opt("shard_sync_interval_ms", "int", "How often shards are listed and leases created.",
@@ -236,11 +415,12 @@ OPTIONS: tuple[Option, ...] = (
     _opt("task_backoff_time_ms", "int", "First retry delay after a processor error.",
          "taskBackoffTimeMillis"),
     _opt("max_task_backoff_time_ms", "int", "Largest retry delay after processor errors.",
-         "maxTaskBackoffTimeMillis"),
+         "maxTaskBackoffTimeMillis",
+         rule=_at_least_option("task_backoff_time_ms", "max_task_backoff_time_ms")),
     _opt("processor_error_policy", "policy",
          "What a process_records exception does: retry, skip, shutdown, or park (the shard "
          "is parked after processor_error_attempts failed attempts at one batch).",
-         "processorErrorPolicy"),
+         "processorErrorPolicy", choices=ERROR_POLICIES),
     _opt("processor_error_attempts", "int",
          "With processor_error_policy=park: failed attempts at one batch before the shard "
          "is parked.", "processorErrorAttempts"),
@@ -265,29 +445,31 @@ OPTIONS: tuple[Option, ...] = (
          "lagIntervalSeconds"),
     _opt("lag_webhook", "url",
          "POST every lag status change to this http(s) URL as JSON (needs metrics_port).",
-         "lagWebhook"),
+         "lagWebhook", secret=True, rule=_lag_webhook),
     _opt("executable_name", "str",
          "MultiLangDaemon child command (runs an amazon_kclpy application).", "executableName"),
     _opt("timeout_in_seconds", "int",
          "MultiLangDaemon: how long a child may take to answer one message.", "timeoutInSeconds"),
     _opt("stray_stdout", "stray",
          "MultiLangDaemon: a non-protocol line on a child's stdout restarts it, or is skipped.",
-         "strayStdout"),
+         "strayStdout", choices=STRAY_STDOUT_POLICIES),
     _opt("state_store", "str",
          "Exactly-once state: where a StatefulProcessor's state lives - a DynamoDB table name, "
          "or a SQLAlchemy database URL (sqlite:///state.db, postgresql+psycopg://...).",
-         "stateStore"),
+         "stateStore", secret=True, rule=_state_store),
     _opt("retrieval_mode", "str",
          "How shards are read: polling (GetRecords) or fanout (enhanced fan-out, "
-         "SubscribeToShard through a registered consumer).", "retrievalMode"),
+         "SubscribeToShard through a registered consumer).", "retrievalMode",
+         rule=_retrieval_mode),
     _opt("consumer_name", "str",
          "Fan-out: the stream consumer to use or register (default: the application name).",
          "consumerName"),
     _opt("consumer_arn", "str",
-         "Fan-out: an existing consumer's ARN; nothing is registered.", "consumerArn"),
+         "Fan-out: an existing consumer's ARN; nothing is registered.", "consumerArn",
+         rule=_consumer_arn),
     _opt("fanout_http_version", "str",
          "Fan-out: auto (HTTP/2 for https endpoints, HTTP/1.1 for http ones), 2 or 1.1.",
-         "fanoutHttpVersion"),
+         "fanoutHttpVersion", choices=FANOUT_HTTP_VERSIONS),
     _opt("register_stream_consumer_retries", "int",
          "Fan-out: RegisterStreamConsumer attempts when throttled.",
          "registerStreamConsumerRetries"),
@@ -296,12 +478,31 @@ OPTIONS: tuple[Option, ...] = (
          "maxDescribeStreamConsumerRetries"),
     _opt("retry_backoff_ms", "int",
          "Fan-out: the wait between those attempts.", "retryBackoffMillis"),
+    _opt("get_records_backoff_base_ms", "int",
+         "GetRecords and SubscribeToShard retries (throttles, 5xx, dropped connections): the "
+         "first retry waits up to this, each further one up to twice as long.",
+         "getRecordsBackoffBaseMillis"),
+    _opt("get_records_backoff_cap_ms", "int",
+         "The longest wait between those retries (at least the base).",
+         "getRecordsBackoffCapMillis",
+         rule=_at_least_option("get_records_backoff_base_ms", "get_records_backoff_cap_ms")),
+    _opt("list_shards_backoff_base_ms", "int",
+         "Shard sync: the first wait before a throttled ListShards is retried, doubling per "
+         "retry (full jitter).", "listShardsBackoffTimeInMillis"),
+    _opt("list_shards_backoff_cap_ms", "int",
+         "Shard sync: the longest wait between ListShards retries (at least the base).",
+         "listShardsBackoffCapMillis",
+         rule=_at_least_option("list_shards_backoff_base_ms", "list_shards_backoff_cap_ms")),
+    _opt("max_list_shards_retry_attempts", "int",
+         "Shard sync: ListShards calls while throttled before the sync fails (it is tried "
+         "again at the next interval).", "maxListShardsRetryAttempts"),
     _opt("metrics_level", "str",
          "CloudWatch: publish the Java KCL's metrics at this level (none, summary, detailed).",
-         "metricsLevel"),
+         "metricsLevel", rule=_parsed_by(parse_level, "metrics_level")),
     _opt("metrics_enabled_dimensions", "str",
          "CloudWatch: dimensions to send (comma-separated, or ALL); Operation always is.",
-         "metricsEnabledDimensions"),
+         "metricsEnabledDimensions",
+         rule=_parsed_by(parse_dimensions, "metrics_enabled_dimensions")),
     _opt("metrics_buffer_time_ms", "int",
          "CloudWatch: how long datapoints gather before a PutMetricData.",
          "metricsBufferTimeMillis"),
@@ -313,7 +514,7 @@ OPTIONS: tuple[Option, ...] = (
          "metricsNamespace"),
     _opt("cloudwatch_region", "str", "CloudWatch: region (default: --region).",
          "cloudWatchRegionName"),
-    _opt("cloudwatch_endpoint", "str", "CloudWatch: endpoint URL (e.g. a local emulator).",
+    _opt("cloudwatch_endpoint", "url", "CloudWatch: endpoint URL (e.g. a local emulator).",
          "cloudWatchEndpoint"),
     _opt("transaction_max_records", "int",
          "Exactly-once state: records one transaction covers at most (it also ends with "
@@ -363,8 +564,6 @@ JAVA_ONLY_KEYS: Mapping[str, str] = {
     "initialLeaseTableReadCapacity": "the lease table is created PAY_PER_REQUEST",
     "initialLeaseTableWriteCapacity": "the lease table is created PAY_PER_REQUEST",
     "maxLeaseRenewalThreads": _LEASES,
-    "listShardsBackoffTimeInMillis": "ListShards retries use kclpy's capped backoff",
-    "maxListShardsRetryAttempts": "ListShards retries use kclpy's capped backoff",
     "shardPrioritization": _LEASES,
     "skipShardSyncAtWorkerInitializationIfLeasesExist": "kclpy always syncs at start-up",
     "skipShardSyncAtStartupIfLeasesExist": "kclpy always syncs at start-up",
@@ -460,90 +659,23 @@ _KIND_WORDS = {"int": "whole number", "int0": "whole number", "port": "port numb
 # -- validation -----------------------------------------------------------------------------
 
 
-#: botocore's own rule for a region name
-_REGION = re.compile(r"^[a-zA-Z0-9](?:[a-zA-Z0-9\-]{0,61}[a-zA-Z0-9])?$")
-
-
 def validate(config: KCLConfig, labels: Mapping[str, str], *, keywords: bool = False) -> None:
     """Raise ConfigError naming the first bad option, under the name the user used: its
     label (flag, properties key, environment variable) when given, else the keyword for a
-    config built in Python (``keywords``) and the flag for one built by the CLI."""
+    config built in Python (``keywords``) and the flag for one built by the CLI. Every rule
+    is the option's own (``OPTIONS``); the streams given together are checked last."""
 
     def name(field_name: str) -> str:
         if field_name in labels:
             return labels[field_name]
         return field_name if keywords else OPTIONS_BY_NAME[field_name].flag
 
-    if not config.application_name or not str(config.application_name).strip():
-        raise ConfigError(name("application_name"), "is required")
-    if config.streams or config.stream_tracker is not None:
-        if config.stream_name or config.stream_arn:
-            raise ConfigError(name("stream_name" if config.stream_name else "stream_arn"),
-                              "names one stream; give several streams either all as streams "
-                              "(a repeated flag) or with a tracker, not both")
-        _validate_streams(config)
-    elif not config.stream_name and not config.stream_arn:
-        raise ConfigError(name("stream_name"), f"is required (or {name('stream_arn')})")
-    if config.stream_arn and not re.match(r"^arn:aws[\w-]*:kinesis:", config.stream_arn):
-        raise ConfigError(name("stream_arn"), f"{config.stream_arn!r} is not a Kinesis stream ARN")
-    if config.initial_position not in INITIAL_POSITIONS:
-        raise ConfigError(name("initial_position"), f"{config.initial_position!r} is not one "
-                          f"of {', '.join(INITIAL_POSITIONS)}")
-    if config.initial_position == "AT_TIMESTAMP" and config.initial_timestamp is None:
-        raise ConfigError(name("initial_timestamp"), "is required with AT_TIMESTAMP")
-    if config.stray_stdout not in STRAY_STDOUT_POLICIES:
-        raise ConfigError(name("stray_stdout"), f"{config.stray_stdout!r} is not one of "
-                          f"{', '.join(STRAY_STDOUT_POLICIES)}")
-    if config.processor_error_policy not in ERROR_POLICIES:
-        raise ConfigError(name("processor_error_policy"),
-                          f"{config.processor_error_policy!r} is not one of "
-                          f"{', '.join(ERROR_POLICIES)}")
-    if config.region is not None and not _REGION.match(config.region):
-        raise ConfigError(name("region"), f"{config.region!r} is not a region name")
-    if config.retrieval_mode.lower() not in RETRIEVAL_MODES:
-        hint = (" (DEFAULT, the Java daemon's rule, is resolved for .properties files only)"
-                if config.retrieval_mode.upper() == "DEFAULT" else "")
-        raise ConfigError(name("retrieval_mode"), f"{config.retrieval_mode!r} is not one of "
-                          f"{', '.join(RETRIEVAL_MODES)}{hint}")
-    if config.fanout_http_version not in FANOUT_HTTP_VERSIONS:
-        raise ConfigError(name("fanout_http_version"), f"{config.fanout_http_version!r} is "
-                          f"not one of {', '.join(FANOUT_HTTP_VERSIONS)}")
-    if config.consumer_arn and config.multi_stream:
-        raise ConfigError(name("consumer_arn"), "names the consumer of one stream; a "
-                          "multi-stream application registers one per stream (--consumer-name)")
-    if config.consumer_arn and not re.match(r"^arn:aws[\w-]*:kinesis:.*/consumer/",
-                                            config.consumer_arn):
-        raise ConfigError(name("consumer_arn"), f"{config.consumer_arn!r} is not a stream "
-                          "consumer ARN")
-    try:
-        parse_level(config.metrics_level)
-    except ValueError as exc:
-        raise ConfigError(name("metrics_level"), str(exc)) from None
-    try:
-        parse_dimensions(config.metrics_enabled_dimensions)
-    except ValueError as exc:
-        raise ConfigError(name("metrics_enabled_dimensions"), str(exc)) from None
-    for endpoint in ("kinesis_endpoint", "dynamodb_endpoint", "cloudwatch_endpoint",
-                     "lag_webhook"):
-        url = getattr(config, endpoint)
-        if url is not None and not re.match(r"^https?://[^\s/]+", url):
-            # a webhook URL may carry credentials: never echoed
-            shown = "the value" if endpoint == "lag_webhook" else repr(url)
-            raise ConfigError(name(endpoint), f"{shown} is not an http(s) URL")
     for option in OPTIONS:
-        value = getattr(config, option.name)
-        if option.kind == "port" and value is not None and not 0 <= value <= 65535:
-            raise ConfigError(name(option.name), f"{value!r} is not a port (0..65535)")
-        if option.kind in ("int", "int0") and value is not None:
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ConfigError(name(option.name), f"{value!r} is not a whole number")
-            least = 0 if option.kind == "int0" else 1
-            if value < least:
-                raise ConfigError(name(option.name), f"must be at least {least}, got {value}")
-    if config.max_records > 10_000:
-        raise ConfigError(name("max_records"), f"must be at most 10000, got {config.max_records}")
-    if config.state_store is not None:
-        _validate_state_store(config.state_store, name("state_store"))
+        problem = option.problem(config, name)
+        if problem is not None:
+            raise ConfigError(name(option.name), problem)
+    if _several_streams(config):
+        _validate_streams(config)
 
 
 #: DynamoDB's rule for a table name
@@ -552,17 +684,17 @@ _TABLE_NAME = re.compile(r"^[A-Za-z0-9_.-]{3,255}$")
 _DATABASE_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+]*://")
 
 
-def _validate_state_store(value: str, label: str) -> None:
+def _state_store_problem(value: str) -> str | None:
     """A state store is a DynamoDB table name or a database URL; anything else (a URL with
     one slash too few, say) would otherwise be taken for a table name."""
     if _DATABASE_URL.match(value) or _TABLE_NAME.match(value):
-        return
+        return None
     hint = ""
     if re.match(r"^[A-Za-z][A-Za-z0-9+]*:", value):
         scheme = value.split(":", 1)[0]
         hint = f" (a database URL starts with {scheme}://, e.g. sqlite:///state.db)"
-    raise ConfigError(label, f"{value!r} is neither a DynamoDB table name (3-255 of "
-                      f"A-Z a-z 0-9 _ . -) nor a database URL{hint}")
+    return (f"{value!r} is neither a DynamoDB table name (3-255 of A-Z a-z 0-9 _ . -) nor "
+            f"a database URL{hint}")
 
 
 def _validate_streams(config: KCLConfig) -> None:

@@ -42,6 +42,7 @@ from kclpy.processor import (
 )
 from kclpy.records import Record, Records
 from kclpy.retrieval.parse import ChildShard
+from kclpy.retry import EQUAL, RetryPolicy
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,12 @@ class ConsumerSettings:
     fail_on_data_loss: bool = False
     call_process_records_even_for_empty_record_list: bool = False
     poll_timeout_s: float = 0.2
+
+    @property
+    def task_retries(self) -> RetryPolicy:
+        """Retries of a failed processor call or lease write: equal jitter, so the
+        processor gets at least half the ceiling to recover."""
+        return RetryPolicy(self.task_backoff_s, self.max_task_backoff_s, jitter=EQUAL)
 
 
 class FatalProcessorError(Exception):
@@ -315,8 +322,7 @@ class ShardConsumer:
         return self._stopping()
 
     def _backoff(self, attempt: int) -> float:
-        cap = min(self._settings.max_task_backoff_s, self._settings.task_backoff_s * 2**attempt)
-        return self._rng.uniform(cap / 2, cap)
+        return self._settings.task_retries.delay(attempt, self._rng)
 
     def _initialize(self, checkpoint: str, sub_sequence_number: int) -> bool:
         """New processor, checkpointer and fetcher positioned right after ``checkpoint``

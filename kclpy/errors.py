@@ -6,6 +6,8 @@ the class names are part of the public contract and must not change.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class KCLError(Exception):
     """Base class of every error kclpy raises on purpose."""
@@ -55,6 +57,18 @@ class ConfigError(KCLError):
 
 class LeaseLostError(KCLError):
     """Internal signal: a conditional write on a lease failed because someone else owns it."""
+
+
+class TransactionRejected(KCLError):
+    """A fenced transaction was cancelled by one of the caller's own items (its condition
+    failed, or it was invalid); the lease item's condition held, so the lease is still ours.
+    ``reasons`` are DynamoDB's ``CancellationReasons``, one per item, the lease item first.
+    Here, not with the lease table that raises it, because every state store raises it too
+    and a store need not know the lease table."""
+
+    def __init__(self, message: str, reasons: list[dict[str, Any]]) -> None:
+        super().__init__(message)
+        self.reasons = reasons
 
 
 class ProcessorRestartRequired(KCLError):

@@ -42,6 +42,7 @@ from types import FrameType
 from kclpy.arguments import parse_worker_args
 from kclpy.errors import ConfigError
 from kclpy.lifetime import die_with_parent
+from kclpy.retry import NO_JITTER, RetryPolicy
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +134,8 @@ class Supervisor:
         self._stop_timeout_s = stop_timeout_s
         self._spawn = spawn
         self._clock = clock
-        self._backoff_s = backoff_s
-        self._max_backoff_s = max_backoff_s
+        #: one child: nothing to spread, so no jitter
+        self._restarts = RetryPolicy(backoff_s, max_backoff_s, jitter=NO_JITTER)
         self._poll_s = poll_s
         self._stopping = threading.Event()
         self._wake = threading.Event()
@@ -206,7 +207,7 @@ class Supervisor:
             ran_for = self._clock() - child.started_at
             if ran_for >= _STABLE_AFTER_S:
                 child.restarts = 0
-            delay = min(self._max_backoff_s, self._backoff_s * 2**child.restarts)
+            delay = self._restarts.delay(child.restarts)
             child.restarts += 1
             child.restart_at = self._clock() + delay
             log.error(

@@ -42,6 +42,7 @@ from kclpy.recovery.shard import ShardRecovery
 from kclpy.retrieval.fetcher import Pacer, ShardFetcher, StartPosition
 from kclpy.retrieval.parse import ChildShard
 from kclpy.retrieval.registration import ConsumerRegistration, RegistrationSettings
+from kclpy.retry import NO_JITTER, Backoff, RetryPolicy
 from kclpy.state import open_store
 from kclpy.state.processor import StatefulProcessor, exactly_once_factory
 from kclpy.state.store import StateStore
@@ -70,6 +71,9 @@ class Worker:
         session: boto3.session.Session | None = None,
         state_store: StateStore | None = None,
     ) -> None:
+        # A config's fields may have been set since it was made: refused here, before any
+        # thread starts, rather than in every consumer thread.
+        config.validate()
         self.config = config
         self.metrics = metrics or Metrics()
         if state_store is None and config.state_store:
@@ -238,6 +242,10 @@ class Worker:
         transient and ends the worker at once. False when shutdown came first."""
         assert self.lease_table is not None and self.streams is not None
         cfg = self.config
+        # the Java Scheduler's fixed wait between attempts
+        wait_s = cfg.initialization_backoff_ms / 1000
+        retries = RetryPolicy(wait_s, wait_s, max_attempts=cfg.max_initialization_attempts,
+                              jitter=NO_JITTER)
         attempt = 0
         while True:
             attempt += 1
@@ -254,12 +262,12 @@ class Worker:
             except Exception as exc:
                 self.metrics.initialization_failures.labels(type(exc).__name__).inc()
                 # credentials or permissions: retrying cannot help (firsthour, issue 29)
-                if attempt == cfg.max_initialization_attempts or cannot_heal(exc):
+                if retries.gives_up(attempt) or cannot_heal(exc):
                     raise
                 log.warning("worker %s: start-up attempt %d of %d failed (%s: %s); retrying "
                             "in %.1f s", cfg.worker_id, attempt, cfg.max_initialization_attempts,
                             type(exc).__name__, exc, cfg.initialization_backoff_ms / 1000)
-            if self._stop.wait(cfg.initialization_backoff_ms / 1000):
+            if self._stop.wait(retries.delay(attempt - 1)):
                 log.info("worker %s: shutdown requested during start-up", cfg.worker_id)
                 return False
 
@@ -467,7 +475,9 @@ class Worker:
             consumer_arn=stream.consumer_arn if live else None,
             http_version=cfg.fanout_http_version,
             shard_end_probe_s=cfg.shard_sync_interval_ms / 1000,
-            pacer=pacer, until_ms=until_ms)
+            pacer=pacer, until_ms=until_ms,
+            backoff=Backoff(cfg.get_records_backoff_base_ms / 1000,
+                            cfg.get_records_backoff_cap_ms / 1000))
 
     def _make_recovery(self, lease: Lease, token: str) -> ShardRecovery:
         """Called on the consumer's thread, so an unreadable queue fails that shard only."""

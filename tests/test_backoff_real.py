@@ -18,7 +18,7 @@ import pytest
 
 from kclpy import KCLConfig, Worker
 from kclpy.local import LocalEndpoint
-from kclpy.retrieval.backoff import Backoff
+from kclpy.retry import Backoff
 from tests.support.faultproxy import FaultProxy
 from tests.support.recording import Ledger, RecordingProcessor
 from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name, wait_for

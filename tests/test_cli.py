@@ -88,6 +88,16 @@ BAD_CONFIGS: list[tuple[str, list[str], str]] = [
     ("port out of range", [*GOOD, "--metrics-port", "70000"], "--metrics-port"),
     ("port not a number", [*GOOD, "--metrics-port", "http"], "--metrics-port"),
     ("bad log level", [*GOOD, "--log-level", "LOUD"], "--log-level"),
+    ("backoff cap below its base", [*GOOD, "--get-records-backoff-cap-ms", "50"],
+     "--get-records-backoff-cap-ms"),
+    ("backoff base above its cap", [*GOOD, "--get-records-backoff-base-ms", "9000"],
+     "--get-records-backoff-cap-ms"),
+    ("task backoff cap below its base", [*GOOD, "--max-task-backoff-time-ms", "100"],
+     "--max-task-backoff-time-ms"),
+    ("webhook without metrics port", [*GOOD, "--lag-webhook", "https://hooks.example/x"],
+     "--lag-webhook"),
+    ("bad cloudwatch endpoint", [*GOOD, "--cloudwatch-endpoint", "monitoring"],
+     "--cloudwatch-endpoint"),
 ]
 
 BAD_PROPERTIES: list[tuple[str, str, str]] = [
@@ -100,6 +110,10 @@ BAD_PROPERTIES: list[tuple[str, str, str]] = [
      "callProcessRecordsEvenForEmptyRecordList"),
     ("properties max records", "maxRecords = lots\n", "maxRecords"),
     ("properties endpoint", "dynamoDBEndpoint = dynamodb\n", "dynamoDBEndpoint"),
+    ("properties backoff cap", "getRecordsBackoffCapMillis = 50\n", "getRecordsBackoffCapMillis"),
+    ("properties backoff base and cap",
+     "getRecordsBackoffBaseMillis = 200\ngetRecordsBackoffCapMillis = 100\n",
+     "getRecordsBackoffCapMillis"),
 ]
 
 

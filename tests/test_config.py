@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import threading
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kclpy.config import (
     OPTIONS,
     KCLConfig,
+    Option,
     build_config,
     from_environment,
     from_properties,
     read_properties,
 )
 from kclpy.errors import ConfigError
+from kclpy.retry import Backoff
+from kclpy.worker import Worker
+from tests.support.recording import Ledger, RecordingProcessor
 
 
 def test_defaults_follow_the_java_kcl() -> None:
@@ -121,3 +127,111 @@ def test_every_option_has_a_flag_and_a_properties_key() -> None:
         assert option.flag.startswith("--")
         assert option.properties_keys, option.name
         assert option.help
+
+
+#: for every option that has a rule of its own, a value (with what else it needs) that breaks
+#: it; the option named by the error is the key
+BREAKING: dict[str, dict[str, Any]] = {
+    "stream_name": {"stream_name": None},
+    "stream_arn": {"stream_arn": "arn:aws:s3:::bucket"},
+    "application_name": {"application_name": " "},
+    "region": {"region": "us east 1"},
+    "kinesis_endpoint": {"kinesis_endpoint": "localhost:4566"},
+    "dynamodb_endpoint": {"dynamodb_endpoint": "ftp://x"},
+    "cloudwatch_endpoint": {"cloudwatch_endpoint": "monitoring"},
+    "initial_position": {"initial_position": "latest"},
+    "initial_timestamp": {"initial_position": "AT_TIMESTAMP"},
+    "max_records": {"max_records": 10_001},
+    "max_task_backoff_time_ms": {"task_backoff_time_ms": 1000, "max_task_backoff_time_ms": 999},
+    "processor_error_policy": {"processor_error_policy": "ignore"},
+    "metrics_port": {"metrics_port": 65536},
+    "lag_webhook": {"lag_webhook": "https://hooks.example/x"},
+    "stray_stdout": {"stray_stdout": "print"},
+    "state_store": {"state_store": "sqlite:/state.db"},
+    "retrieval_mode": {"retrieval_mode": "DEFAULT"},
+    "consumer_arn": {"consumer_arn": "arn:aws:kinesis:us-east-1:1:stream/s"},
+    "fanout_http_version": {"fanout_http_version": "3"},
+    "get_records_backoff_cap_ms": {"get_records_backoff_cap_ms": 50},
+    "list_shards_backoff_cap_ms": {"list_shards_backoff_base_ms": 300,
+                                   "list_shards_backoff_cap_ms": 299},
+    "metrics_level": {"metrics_level": "loud"},
+    "metrics_enabled_dimensions": {"metrics_enabled_dimensions": "Planet"},
+}
+
+
+def _has_own_rule(option: Option) -> bool:
+    return bool(option.rule or option.choices or option.kind in ("url", "port")
+                or option.most is not None)
+
+
+def test_every_option_with_a_rule_is_refused_by_its_own_name() -> None:
+    """The rules live with the options: each option's bad value is named by that option,
+    whichever loader it came through - here a KCLConfig built in Python."""
+    assert {o.name for o in OPTIONS if _has_own_rule(o)} == set(BREAKING)
+    for field_name, changes in BREAKING.items():
+        with pytest.raises(ConfigError) as info:
+            KCLConfig(**{"application_name": "a", "stream_name": "s", **changes})
+        assert info.value.option == field_name, (field_name, info.value)
+
+
+@pytest.mark.parametrize("option", [o for o in OPTIONS if o.kind in ("int", "int0", "port")],
+                         ids=lambda o: o.name)
+def test_every_whole_number_option_has_a_range(option: Option) -> None:
+    assert option.least is not None
+    with pytest.raises(ConfigError) as info:
+        KCLConfig(application_name="a", stream_name="s",
+                  **{option.name: option.least - 1})  # type: ignore[arg-type]
+    assert info.value.option == option.name
+    with pytest.raises(ConfigError) as info:
+        KCLConfig(application_name="a", stream_name="s",
+                  **{option.name: "7"})  # type: ignore[arg-type]
+    assert info.value.option == option.name and "whole number" in info.value.message
+
+
+@pytest.mark.parametrize("option", [o for o in OPTIONS if o.kind == "bool"], ids=lambda o: o.name)
+def test_a_boolean_option_takes_no_text_from_python(option: Option) -> None:
+    """``stop_when_caught_up="false"`` would be true; only the loaders convert text."""
+    with pytest.raises(ConfigError) as info:
+        KCLConfig(application_name="a", stream_name="s",
+                  **{option.name: "false"})  # type: ignore[arg-type]
+    assert info.value.option == option.name
+
+
+def test_a_backoff_cap_below_its_base_names_both_as_the_user_wrote_them() -> None:
+    values, labels = from_properties({"streamName": "s", "applicationName": "a",
+                                      "getRecordsBackoffBaseMillis": "200",
+                                      "getRecordsBackoffCapMillis": "100"})
+    with pytest.raises(ConfigError) as info:
+        build_config(values, labels)
+    assert info.value.option == "getRecordsBackoffCapMillis"
+    assert "getRecordsBackoffBaseMillis (200)" in info.value.message
+    with pytest.raises(ConfigError) as info:
+        KCLConfig(application_name="a", stream_name="s", get_records_backoff_cap_ms=50)
+    assert info.value.option == "get_records_backoff_cap_ms"
+    assert "get_records_backoff_base_ms (100)" in info.value.message
+    values, labels = from_environment({"KCLPY_STREAM_NAME": "s", "KCLPY_APPLICATION_NAME": "a",
+                                       "KCLPY_GET_RECORDS_BACKOFF_CAP_MS": "50"})
+    with pytest.raises(ConfigError) as info:
+        build_config(values, labels)
+    assert info.value.option == "KCLPY_GET_RECORDS_BACKOFF_CAP_MS"
+
+
+def test_every_valid_backoff_pair_makes_a_backoff() -> None:
+    """What validate() lets through, the fetcher's Backoff accepts: no consumer thread can
+    fail on it (and have its lease released and taken again, for ever)."""
+    for base, cap in ((1, 1), (100, 100), (100, 5000), (7, 8)):
+        config = KCLConfig(application_name="a", stream_name="s",
+                           get_records_backoff_base_ms=base, get_records_backoff_cap_ms=cap)
+        backoff = Backoff(config.get_records_backoff_base_ms / 1000,
+                          config.get_records_backoff_cap_ms / 1000)
+        assert 0 <= backoff.next_delay() <= cap / 1000
+
+
+def test_the_worker_refuses_a_config_changed_after_it_was_made() -> None:
+    config = KCLConfig(application_name="a", stream_name="s")
+    config.get_records_backoff_cap_ms = 50
+    threads = threading.active_count()
+    with pytest.raises(ConfigError) as info:
+        Worker(config, lambda: RecordingProcessor(Ledger()))
+    assert info.value.option == "get_records_backoff_cap_ms"
+    assert threading.active_count() == threads

@@ -15,10 +15,10 @@ from kclpy.config import KCLConfig, build_config, from_properties
 from kclpy.errors import ConfigError
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
-from kclpy.retrieval.backoff import CONNECTION, IN_USE, THROTTLED, Backoff
 from kclpy.retrieval.fanout import classify_subscribe
 from kclpy.retrieval.fetcher import ShardFetcher, StartPosition
 from kclpy.retrieval.registration import list_consumers
+from kclpy.retry import CONNECTION, IN_USE, THROTTLED, Backoff
 from tests.support.eventstream_server import Event, Script, Step, eventstream_server
 from tests.support.faultproxy import FaultProxy
 from tests.support.recording import Ledger

@@ -18,10 +18,10 @@ from botocore.eventstream import EventStreamBuffer
 from botocore.exceptions import ClientError, ConnectionClosedError, ReadTimeoutError
 
 from kclpy.local import LocalEndpoint, free_port
-from kclpy.retrieval.backoff import CONNECTION
 from kclpy.retrieval.fanout import classify_subscribe
 from kclpy.retrieval.registration import ConsumerRegistration, RegistrationSettings
 from kclpy.retrieval.subscription import SubscribeEvent, subscribe
+from kclpy.retry import CONNECTION
 from tests.support.eventstream_server import Event, event_frame
 from tests.support.faultproxy import FaultProxy, StreamCut
 from tests.support.streams import (

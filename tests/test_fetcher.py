@@ -25,7 +25,6 @@ from kclpy.metrics import Metrics
 from kclpy.records import Record
 from kclpy.retrieval import fetcher as fetcher_module
 from kclpy.retrieval import parse
-from kclpy.retrieval.backoff import Backoff
 from kclpy.retrieval.fetcher import (
     AFTER_SEQUENCE_NUMBER,
     AT_SEQUENCE_NUMBER,
@@ -35,6 +34,7 @@ from kclpy.retrieval.fetcher import (
     StartPosition,
 )
 from kclpy.retrieval.parse import ChildShard, GetRecordsPage
+from kclpy.retry import Backoff
 
 SHARD = "shardId-000000000000"
 BASE_SEQ = 49_000_000_000_000_000_000

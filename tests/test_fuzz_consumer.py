@@ -38,9 +38,9 @@ from kclpy.processor import (
     ShardEndedInput,
     ShutdownRequestedInput,
 )
-from kclpy.retrieval.backoff import Backoff
 from kclpy.retrieval.fetcher import ShardFetcher, StartPosition
 from kclpy.retrieval.parse import ChildShard
+from kclpy.retry import Backoff
 from tests.support.checkpoints import CheckpointWriterBase
 from tests.test_fuzz_retrieval import MAX_HASH_KEY, expected_outcome, payload, sub_records_of
 

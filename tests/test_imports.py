@@ -1,13 +1,15 @@
-"""No import circles in kclpy: each module can be understood, and changed, below the ones that
-use it (``tests/support/imports.py`` says what counts as an import)."""
+"""No import circles in kclpy and no import up its layers: each module can be understood,
+and changed, below the ones that use it (``tests/support/imports.py`` says what counts as an
+import; docs/design.md's "Layers" table says which layer each module is in)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tests.support.imports import find_cycle, import_graph
+from tests.support.imports import find_cycle, import_graph, read_layers, upward_imports
 
 ROOT = Path(__file__).resolve().parent.parent / "kclpy"
+DESIGN = ROOT.parent / "docs" / "design.md"
 
 
 def test_kclpy_has_no_import_cycle() -> None:
@@ -36,3 +38,30 @@ def test_lazy_imports_count_and_type_checking_imports_do_not(tmp_path: Path) -> 
     graph = import_graph(package)
     assert graph["pkg.supervisor"] == {"pkg.cli"}
     assert find_cycle(graph) == ["pkg.cli", "pkg.supervisor", "pkg.cli"]
+
+
+def test_every_module_is_in_exactly_one_layer() -> None:
+    layers = read_layers(DESIGN.read_text(), ROOT)
+    modules = set(import_graph(ROOT))
+    placed = [module for layer in layers for module in layer]
+    assert sorted(m for m in set(placed) if placed.count(m) > 1) == []
+    assert modules - set(placed) == set(), "modules missing from docs/design.md's layers"
+    assert set(placed) - modules == set(), "docs/design.md's layers name missing modules"
+
+
+def test_no_module_imports_one_above_its_layer() -> None:
+    upward = upward_imports(import_graph(ROOT), read_layers(DESIGN.read_text(), ROOT))
+    assert upward == [], "imports up the layers: " + ", ".join(f"{a} -> {b}" for a, b in upward)
+
+
+def test_an_import_up_the_layers_is_reported(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    (package / "low").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "low" / "__init__.py").write_text("")
+    (package / "low" / "part.py").write_text("def f():\n    from pkg import top\n")
+    (package / "top.py").write_text("from pkg.low import part\n")
+    layers = read_layers("\n## Layers\n\n| Layer | Modules |\n|---|---|\n"
+                         "| top | `__init__.py` `top.py` |\n| low | `low/` |\n", package)
+    assert layers == [{"pkg", "pkg.top"}, {"pkg.low", "pkg.low.part"}]
+    assert upward_imports(import_graph(package), layers) == [("pkg.low.part", "pkg.top")]

@@ -186,11 +186,11 @@ def test_the_alert_rules_in_operations_md_parse_and_name_real_metrics() -> None:
 
 def test_the_lag_flags_are_validated_and_a_bad_webhook_url_is_not_echoed() -> None:
     base = {"stream_name": "s", "application_name": "a"}
-    config = build_config({**base, "lag_window_s": 60, "lag_interval_s": 5,
+    config = build_config({**base, "lag_window_s": 60, "lag_interval_s": 5, "metrics_port": 0,
                            "lag_webhook": "https://u:p@hooks.example/x"}, {})
     assert (config.lag_window_s, config.lag_interval_s) == (60, 5)
     with pytest.raises(ConfigError) as info:
-        build_config({**base, "lag_webhook": "ftp://u:s3cret@host/x"}, {})
+        build_config({**base, "metrics_port": 0, "lag_webhook": "ftp://u:s3cret@host/x"}, {})
     assert info.value.option == "--lag-webhook" and "s3cret" not in str(info.value)
     with pytest.raises(ConfigError) as info:
         build_config({**base, "lag_interval_s": 0}, {})

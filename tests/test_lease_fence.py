@@ -14,12 +14,12 @@ import pytest
 from botocore.exceptions import ClientError
 from moto import mock_aws
 
-from kclpy.errors import LeaseLostError, ShutdownException, ThrottlingException
+from kclpy.errors import LeaseLostError, ShutdownException, ThrottlingException, TransactionRejected
 from kclpy.leases.fence import LeaseFence
 from kclpy.leases.held import HeldSet
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import UpdateBuilder, s
-from kclpy.leases.table import LeaseTable, TransactionRejected, checkpoint_changes
+from kclpy.leases.table import LeaseTable, checkpoint_changes
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from tests.support.determinism import Clock

@@ -15,9 +15,9 @@ from bench import replay
 from kclpy import KCLConfig, Worker
 from kclpy.local import LocalEndpoint
 from kclpy.retrieval import receive
-from kclpy.retrieval.backoff import CONNECTION, classify
 from kclpy.retrieval.parse import GetRecordsPage, get_records
 from kclpy.retrieval.receive import MIN_POOLED_BYTES, BufferPool
+from kclpy.retry import CONNECTION, classify
 from tests.support.faultproxy import FaultProxy
 from tests.support.recording import Ledger, RecordingProcessor
 from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name, wait_for

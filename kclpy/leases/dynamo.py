@@ -1,10 +1,11 @@
 """One DynamoDB table as kclpy uses it: requests counted, throttling retried, created on demand.
 
-Throttling is retried here (capped exponential backoff, full jitter) because every caller
-would otherwise repeat the same loop; when it persists the caller gets ``TableThrottled``
-(``LeaseTableThrottled`` for the lease table) and decides - the checkpointer, for one, maps
-it to ``ThrottlingException``. A transaction cancelled only for throttling or a concurrent
-transaction counts as throttled; one cancelled by a failed condition does not.
+Throttling (``kclpy.retry.classify``) is retried here with the table's ``RetryPolicy``
+because every caller would otherwise repeat the same loop; when it persists the caller gets
+``TableThrottled`` (``LeaseTableThrottled`` for the lease table) and decides - the
+checkpointer, for one, maps it to ``ThrottlingException``. A transaction cancelled only for
+throttling or a concurrent transaction counts as throttled; one cancelled by a failed
+condition does not.
 
 The lease table (``table.py``) and the stores of other features (a stateful processor's
 state table) are built on ``DynamoTable``, so they share one retry and creation policy.
@@ -22,6 +23,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from kclpy.errors import KCLError
 from kclpy.metrics import Metrics
+from kclpy.retry import THROTTLED, RetryPolicy, classify, error_code
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb import DynamoDBClient
@@ -30,17 +32,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-THROTTLE_CODES = frozenset(
-    {"ProvisionedThroughputExceededException", "ThrottlingException", "RequestLimitExceeded"}
-)
 CONDITION_FAILED = "ConditionalCheckFailedException"
-TRANSACTION_CANCELED = "TransactionCanceledException"
-#: cancellation reasons that say "try again", not "your condition is false": DynamoDB's
-#: transaction throttling and a concurrent transaction on one of the items
-_RETRYABLE_REASONS = frozenset(
-    {"ThrottlingError", "ProvisionedThroughputExceeded", "RequestLimitExceeded",
-     "TransactionConflict"}
-)
 #: UPDATING tables serve reads and writes (e.g. while Java KCL 3.x adds its owner index).
 _USABLE_STATUSES = frozenset({"ACTIVE", "UPDATING"})
 
@@ -57,26 +49,11 @@ class LeaseTableThrottled(TableThrottled):
 TABLE_ERRORS = (TableThrottled, ClientError, BotoCoreError)
 
 
-def error_code(exc: ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", ""))
-
-
 def cancellation_reasons(exc: ClientError) -> list[dict[str, Any]]:
     reasons: list[dict[str, Any]] = [
         dict(reason) for reason in exc.response.get("CancellationReasons") or []
     ]
     return reasons
-
-
-def is_throttle(exc: ClientError) -> bool:
-    """Throttling, also inside a cancelled transaction (where no item's condition failed)."""
-    code = error_code(exc)
-    if code in THROTTLE_CODES:
-        return True
-    if code != TRANSACTION_CANCELED:
-        return False
-    codes = {str(reason.get("Code", "None")) for reason in cancellation_reasons(exc)}
-    return bool(codes & _RETRYABLE_REASONS) and codes <= _RETRYABLE_REASONS | {"None"}
 
 
 class DynamoTable:
@@ -102,15 +79,12 @@ class DynamoTable:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
-        if max_attempts < 1:
-            raise ValueError("max_attempts must be at least 1")
         self.client = client
         self.table_name = table_name
         self.hash_key = hash_key
         self._metrics = metrics
-        self._max_attempts = max_attempts
-        self._backoff_base_s = backoff_base_s
-        self._backoff_cap_s = backoff_cap_s
+        # short waits: a lease renewal must land within the failover time
+        self._retries = RetryPolicy(backoff_base_s, backoff_cap_s, max_attempts=max_attempts)
         self._sleep = sleep
         self._clock = clock
         self._rng = rng if rng is not None else random.Random()
@@ -127,16 +101,15 @@ class DynamoTable:
             try:
                 return fn(**kwargs)
             except ClientError as exc:
-                if not is_throttle(exc):
+                if classify(exc) != THROTTLED:
                     raise
                 if self._metrics is not None:
                     self._metrics.throttles.labels(operation).inc()
-                if attempt >= self._max_attempts:
+                if self._retries.gives_up(attempt):
                     raise self.throttled(
                         f"{operation} on {self.table_name} throttled {attempt} times"
                     ) from exc
-                ceiling = min(self._backoff_cap_s, self._backoff_base_s * 2 ** (attempt - 1))
-                self._sleep(self._rng.uniform(0, ceiling))
+                self._sleep(self._retries.delay(attempt - 1, self._rng))
 
     def _status(self) -> str | None:
         try:

@@ -13,11 +13,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-TRIM_HORIZON = "TRIM_HORIZON"
-LATEST = "LATEST"
-AT_TIMESTAMP = "AT_TIMESTAMP"
-SHARD_END = "SHARD_END"
-SENTINELS = frozenset({TRIM_HORIZON, LATEST, AT_TIMESTAMP, SHARD_END})
+from kclpy.position import AT_TIMESTAMP, LATEST, SENTINELS, SHARD_END, TRIM_HORIZON
+
+#: the sentinels are kclpy.position's, named here too because the lease's checkpoint holds them
+__all__ = ["AT_TIMESTAMP", "LATEST", "SENTINELS", "SHARD_END", "TRIM_HORIZON", "Lease",
+           "incarnation_order", "new_incarnation"]
 
 
 @dataclass

@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from botocore.exceptions import ClientError
 
 from kclpy.errors import ConfigError, LeaseLostError
-from kclpy.leases.dynamo import error_code
 from kclpy.leases.lease import (
     AT_TIMESTAMP,
     LATEST,
@@ -54,6 +53,7 @@ from kclpy.leases.lease import (
 )
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
+from kclpy.retry import THROTTLED, RetryPolicy, classify, error_code
 from kclpy.streams import multi_stream_lease_key
 
 if TYPE_CHECKING:
@@ -263,9 +263,7 @@ class ShardSyncer:
             _epoch_of(stream))
         self._metrics = metrics
         self._page: dict[str, int] = {} if page_size is None else {"MaxResults": page_size}
-        self._max_attempts = max_attempts
-        self._backoff_base_s = backoff_base_s
-        self._backoff_cap_s = backoff_cap_s
+        self._retries = RetryPolicy(backoff_base_s, backoff_cap_s, max_attempts=max_attempts)
         self._sleep = sleep
         self._rng = rng if rng is not None else random.Random()
         self._known: frozenset[str] = frozenset()
@@ -292,14 +290,13 @@ class ShardSyncer:
             try:
                 return dict(self._kinesis.list_shards(**params))
             except ClientError as exc:
-                if error_code(exc) != "LimitExceededException":
+                if classify(exc) != THROTTLED:
                     raise
                 if self._metrics is not None:
                     self._metrics.throttles.labels("ListShards").inc()
-                if attempt >= self._max_attempts:
+                if self._retries.gives_up(attempt):
                     raise
-                ceiling = min(self._backoff_cap_s, self._backoff_base_s * 2 ** (attempt - 1))
-                self._sleep(self._rng.uniform(0, ceiling))
+                self._sleep(self._retries.delay(attempt - 1, self._rng))
 
     def list_shards(self) -> list[Shard]:
         """Every shard of the stream, following NextToken the way AWS requires: the stream

@@ -18,18 +18,17 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from botocore.exceptions import ClientError
 
-from kclpy.errors import KCLError, LeaseLostError
+from kclpy.errors import LeaseLostError, TransactionRejected
 from kclpy.leases import serializer as ser
 from kclpy.leases.dynamo import (
     CONDITION_FAILED,
-    TRANSACTION_CANCELED,
     DynamoTable,
     LeaseTableThrottled,
     cancellation_reasons,
-    error_code,
 )
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import UpdateBuilder, key_of, n, s, ss
+from kclpy.retry import TRANSACTION_CANCELED, error_code
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb import DynamoDBClient
@@ -49,16 +48,6 @@ class LeaseChanged(LeaseLostError):
     def __init__(self, message: str, current: Lease | None) -> None:
         super().__init__(message)
         self.current = current
-
-
-class TransactionRejected(KCLError):
-    """A fenced transaction was cancelled by one of the caller's own items (its condition
-    failed, or it was invalid); the lease item's condition held, so the lease is still ours.
-    ``reasons`` are DynamoDB's ``CancellationReasons``, one per item, the lease item first."""
-
-    def __init__(self, message: str, reasons: list[dict[str, Any]]) -> None:
-        super().__init__(message)
-        self.reasons = reasons
 
 
 def checkpoint_changes(checkpoint: str, sub_sequence_number: int) -> UpdateBuilder:

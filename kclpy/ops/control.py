@@ -28,7 +28,7 @@ from botocore.exceptions import ClientError
 from kclpy.errors import ConfigError
 from kclpy.leases import park as parking
 from kclpy.leases import serializer as ser
-from kclpy.leases.dynamo import CONDITION_FAILED, error_code
+from kclpy.leases.dynamo import CONDITION_FAILED
 from kclpy.leases.lease import SHARD_END, TRIM_HORIZON, Lease
 from kclpy.leases.serializer import UpdateBuilder, n, s
 from kclpy.leases.shard_sync import Shard, ShardSyncer
@@ -46,6 +46,7 @@ from kclpy.ops.position import (
 )
 from kclpy.ops.text import print_table
 from kclpy.recovery import queue as gaps
+from kclpy.retry import error_code
 from kclpy.state import open_store
 from kclpy.streams import StreamIdentifier
 

@@ -29,11 +29,11 @@ from typing import Any
 
 from botocore.exceptions import ClientError
 
-from kclpy.leases.dynamo import error_code
 from kclpy.leases.lease import LATEST, SHARD_END, TRIM_HORIZON
 from kclpy.records import Record
 from kclpy.retrieval import kpl
 from kclpy.retrieval.parse import get_records
+from kclpy.retry import error_code
 
 #: GetRecords pages one resolution may read before giving up (a shard read end to end)
 MAX_PAGES = 10_000

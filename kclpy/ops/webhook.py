@@ -24,6 +24,8 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from kclpy.retry import EQUAL, RetryPolicy
+
 log = logging.getLogger(__name__)
 
 #: events waiting for delivery before the oldest is dropped
@@ -69,9 +71,8 @@ class Webhook:
         if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
             raise ValueError(f"lag webhook {redacted(url)}: not an http(s) URL")
         self.url = url
-        self._max_attempts = max_attempts
-        self._backoff_s = backoff_s
-        self._max_backoff_s = max_backoff_s
+        self._retries = RetryPolicy(backoff_s, max_backoff_s, max_attempts=max_attempts,
+                                    jitter=EQUAL)
         self._timeout_s = timeout_s
         self._rng = rng or random.Random()
         #: told "sent", "retried", "failed" or "dropped" for each outcome (metrics)
@@ -111,15 +112,16 @@ class Webhook:
             self._deliver(document)
 
     def _deliver(self, document: Mapping[str, Any]) -> None:
-        for attempt in range(self._max_attempts):
+        attempt = 0
+        while True:
             try:
                 _request(self.url, document, self._timeout_s)
             except (OSError, urllib.error.URLError) as exc:
                 # The exception's text may repeat the URL; only its kind is logged.
                 reason = getattr(exc, "code", None) or type(exc).__name__
-                cap = min(self._max_backoff_s, self._backoff_s * 2 ** attempt)
-                delay = self._rng.uniform(cap / 2, cap)
-                if attempt + 1 == self._max_attempts:
+                delay = self._retries.delay(attempt, self._rng)
+                attempt += 1
+                if self._retries.gives_up(attempt):
                     break
                 self._on_result("retried")
                 log.warning("lag webhook %s: POST failed (%s); retrying in %.1fs",
@@ -131,4 +133,4 @@ class Webhook:
             return
         self._on_result("failed")
         log.error("lag webhook %s: gave up on an event after %d attempts",
-                  redacted(self.url), self._max_attempts)
+                  redacted(self.url), attempt)

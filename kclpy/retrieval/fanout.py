@@ -18,8 +18,8 @@ from botocore.eventstream import ParserError
 from botocore.exceptions import ClientError
 
 from kclpy.metrics import Metrics
-from kclpy.retrieval.backoff import CONNECTION, IN_USE, SERVER_ERROR, classify
 from kclpy.retrieval.subscription import SubscribeEvent, subscribe
+from kclpy.retry import CONNECTION, IN_USE, SERVER_ERROR, classify
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient

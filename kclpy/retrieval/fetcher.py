@@ -38,10 +38,9 @@ from botocore.exceptions import ClientError
 
 from kclpy.cloudwatch import COUNT, DETAILED, SUMMARY, shard_dimensions, success_and_time
 from kclpy.errors import KCLError
-from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
 from kclpy.metrics import Metrics
+from kclpy.position import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
 from kclpy.records import EMPTY, Record, Records
-from kclpy.retrieval.backoff import THROTTLED, Backoff, classify
 from kclpy.retrieval.fanout import ShardSubscription, classify_subscribe
 from kclpy.retrieval.kpl import HashKeyRange, deaggregate
 from kclpy.retrieval.parse import (
@@ -50,6 +49,7 @@ from kclpy.retrieval.parse import (
     get_records,
     install_fast_get_records,
 )
+from kclpy.retry import THROTTLED, Backoff, classify
 from kclpy.streams import multi_stream_lease_key
 
 if TYPE_CHECKING:

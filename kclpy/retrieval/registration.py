@@ -4,7 +4,7 @@ Every worker of an application shares one registered stream consumer (named afte
 application unless told otherwise). Getting its ARN: describe it; when it does not exist,
 register it - a worker that loses the race to another one gets ``ResourceInUseException``
 and describes it again, so concurrent registration ends with one consumer and no error;
-then wait until it is ``ACTIVE``. Throttling (``LimitExceededException``) is retried with
+then wait until it is ``ACTIVE``. Throttling (``kclpy.retry.classify``) is retried with
 the Java keys' bounds: ``registerStreamConsumerRetries`` registrations,
 ``maxDescribeStreamConsumerRetries`` descriptions, ``retryBackoffMillis`` (plus up to 100 ms
 of jitter, as in Java) between them.
@@ -16,7 +16,6 @@ removing it is an operator's decision (``kclpy deregister-consumer``).
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from typing import Any, TypeVar
 from botocore.exceptions import ClientError
 
 from kclpy.errors import KCLError, KinesisClientLibDependencyException
-from kclpy.leases.dynamo import error_code
+from kclpy.retry import NO_JITTER, THROTTLED, RetryPolicy, classify, error_code
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +51,11 @@ class RegistrationSettings:
     def __post_init__(self) -> None:
         if self.register_retries < 1 or self.describe_retries < 1 or self.backoff_s < 0:
             raise ValueError("retries must be at least 1 and the backoff not negative")
+
+    @property
+    def retries(self) -> RetryPolicy:
+        """The Java KCL's wait between throttled calls: fixed, plus up to 100 ms."""
+        return RetryPolicy(self.backoff_s, self.backoff_s, jitter=NO_JITTER, spread_s=0.1)
 
 
 class ConsumerRegistration:
@@ -138,13 +142,13 @@ class ConsumerRegistration:
             try:
                 return call()
             except ClientError as exc:
-                if error_code(exc) != "LimitExceededException":
+                if classify(exc) != THROTTLED:
                     raise
                 if attempt + 1 == attempts:
                     raise KinesisClientLibDependencyException(
                         f"{operation} throttled {attempts} times") from exc
                 log.info("%s throttled; retrying", operation)
-                self._sleep(self._settings.backoff_s + random.uniform(0, 0.1))
+                self._sleep(self._settings.retries.delay(attempt))
         raise AssertionError("unreachable: attempts >= 1")
 
 

@@ -34,9 +34,11 @@ from botocore.awsrequest import AWSPreparedRequest, AWSResponse
 from botocore.eventstream import EventStreamBuffer
 from botocore.exceptions import ClientError
 
-from kclpy.config import FANOUT_HTTP_VERSIONS
 from kclpy.retrieval.parse import GetRecordsPage, parse_subscribe_event
 
+#: how a subscription is sent: HTTP/2 to https endpoints and HTTP/1.1 to http ones, or one
+#: of the two for every endpoint (``--fanout-http-version``)
+FANOUT_HTTP_VERSIONS = ("auto", "2", "1.1")
 _EVENT = "before-send.kinesis.SubscribeToShard"
 _PARSE_EVENT = "before-parse.kinesis.SubscribeToShard"
 _HANDLER_ID = "kclpy.retrieval.subscription"

@@ -51,7 +51,7 @@ from kclpy.processor import (
     ShutdownRequestedInput,
 )
 from kclpy.records import Record
-from kclpy.retrieval.backoff import Backoff
+from kclpy.retry import Backoff
 from kclpy.spark.arrow import Decoder, records_to_table
 
 __all__ = [

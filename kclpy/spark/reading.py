@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from botocore.exceptions import ClientError
 
 from kclpy.records import EMPTY, Record, Records
-from kclpy.retrieval.backoff import Backoff, classify
 from kclpy.retrieval.kpl import HashKeyRange, deaggregate
 from kclpy.retrieval.parse import get_records
+from kclpy.retry import Backoff, classify
 from kclpy.spark.offsets import AFTER, AT_TIMESTAMP, SHARD_END, TRIM_HORIZON, ShardPosition
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ def list_shards(client: KinesisClient, stream: StreamRef, retries: int = 8) -> l
 def _retrying(operation: str, retries: int, call: Callable[[], _T],
               sleep: Callable[[float], None] = time.sleep) -> _T:
     """Retry throttles, server errors and dropped connections with kclpy's jittered backoff
-    (:mod:`kclpy.retrieval.backoff`); a Spark task that still fails after that is better
+    (:mod:`kclpy.retry`); a Spark task that still fails after that is better
     retried by Spark than stuck here."""
     backoff = Backoff(0.2, 5.0)
     while True:

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import abc
 import logging
-import random
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
 
 from kclpy.checkpoint import Checkpointer, Position, position_of
-from kclpy.leases.table import TransactionRejected
+from kclpy.errors import TransactionRejected
 from kclpy.metrics import Metrics
 from kclpy.processor import (
     InitializeInput,
@@ -34,6 +33,7 @@ from kclpy.processor import (
     ShutdownRequestedInput,
 )
 from kclpy.records import Record
+from kclpy.retry import RetryPolicy
 from kclpy.state.store import StateStore
 from kclpy.state.transaction import StateTransaction, TransactionTooLarge
 
@@ -41,10 +41,9 @@ log = logging.getLogger(__name__)
 
 #: commits refused for conflicting writers before the batch fails (and is retried whole)
 MAX_CONFLICTS = 10
-#: after a refused commit, wait up to this (doubling per attempt, full jitter, capped) so
-#: shards that update the same keys stop colliding in lockstep
-CONFLICT_BACKOFF_S = 0.02
-CONFLICT_BACKOFF_CAP_S = 1.0
+#: after a refused commit, wait up to 20 ms (doubling per attempt, full jitter, capped at a
+#: second) so shards that update the same keys stop colliding in lockstep
+CONFLICT_RETRIES = RetryPolicy(0.02, 1.0)
 
 
 class StatefulProcessor(abc.ABC):
@@ -200,8 +199,7 @@ class ExactlyOnceProcessor(IRecordProcessor):
                     self._metrics.state_conflicts.labels(self._shard_id).inc()
                 log.info("shard %s: a state key changed under transaction %d; applying its "
                          "%d record(s) again", self._shard_id, attempt, len(covered))
-                self._sleep(random.uniform(
-                    0, min(CONFLICT_BACKOFF_CAP_S, CONFLICT_BACKOFF_S * 2 ** attempt)))
+                self._sleep(CONFLICT_RETRIES.delay(attempt))
                 txn = self._begin()
                 for record in covered:
                     if not self._apply(record, txn):

@@ -37,9 +37,13 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from kclpy.checkpoint import CheckpointWriter, position_of
-from kclpy.errors import CheckpointError, KinesisClientLibDependencyException, LeaseLostError
+from kclpy.errors import (
+    CheckpointError,
+    KinesisClientLibDependencyException,
+    LeaseLostError,
+    TransactionRejected,
+)
 from kclpy.leases.lease import incarnation_order
-from kclpy.leases.table import TransactionRejected
 from kclpy.state.store import CommittedCache
 from kclpy.state.transaction import DELETED, Limits, StateTransaction, Versioned
 

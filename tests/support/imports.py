@@ -1,4 +1,5 @@
-"""The import graph of a package, read statically, and the cycles in it.
+"""The import graph of a package, read statically, the cycles in it, and the imports that
+go up the layers docs/design.md sets.
 
 Every ``import`` counts wherever it stands (module level or inside a function: a lazy import
 only hides a cycle until the function runs), except those under ``if TYPE_CHECKING:`` - they
@@ -9,6 +10,7 @@ without depending on it back at run time.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -87,3 +89,29 @@ def find_cycle(graph: Mapping[str, set[str]]) -> list[str] | None:
                 path.append(child)
                 on_path.add(child)
     return None
+
+
+def read_layers(design: str, root: Path) -> list[set[str]]:
+    """The modules of each layer of docs/design.md's "Layers" table, top layer first. A
+    name ending in ``/`` stands for every module of that directory."""
+    section = design.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    modules = {module_name(root, path): path for path in root.rglob("*.py")}
+    layers: list[set[str]] = []
+    for row in re.findall(r"^\| [^|`]+ \| (`.+) \|$", section, re.M):
+        layer: set[str] = set()
+        for name in re.findall(r"`([^`]+)`", row):
+            if name.endswith("/"):
+                folder = root / name
+                layer.update(m for m, path in modules.items() if folder in path.parents)
+            else:
+                layer.add(module_name(root, root / name))
+        layers.append(layer)
+    return layers
+
+
+def upward_imports(graph: Mapping[str, set[str]],
+                   layers: list[set[str]]) -> list[tuple[str, str]]:
+    """Every import of a module from a layer above its own (``layers`` top first)."""
+    rank = {module: index for index, layer in enumerate(layers) for module in layer}
+    return sorted((module, target) for module, targets in graph.items() for target in targets
+                  if rank[target] < rank[module])

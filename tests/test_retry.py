@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import ast
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +17,17 @@ from botocore.parsers import ResponseParserError
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kclpy.retrieval.backoff import CONNECTION, SERVER_ERROR, THROTTLED, Backoff, classify
+import kclpy
+from kclpy.retry import (
+    CONNECTION,
+    EQUAL,
+    NO_JITTER,
+    SERVER_ERROR,
+    THROTTLED,
+    Backoff,
+    RetryPolicy,
+    classify,
+)
 
 
 class RecordingRng(random.Random):
@@ -159,3 +171,88 @@ def test_a_garbled_response_is_retried_as_a_server_error() -> None:
 
 def test_a_client_error_without_metadata_is_not_retryable() -> None:
     assert classify(ClientError({}, "GetRecords")) is None
+
+
+def cancelled(*reasons: str) -> ClientError:
+    response: Any = {"Error": {"Code": "TransactionCanceledException", "Message": "m"},
+                     "ResponseMetadata": {"HTTPStatusCode": 400},
+                     "CancellationReasons": [{"Code": code} for code in reasons]}
+    return ClientError(response, "TransactWriteItems")
+
+
+def test_a_transaction_cancelled_only_by_throttling_or_a_conflict_is_throttled() -> None:
+    assert classify(cancelled("None", "ThrottlingError")) == THROTTLED
+    assert classify(cancelled("TransactionConflict", "None")) == THROTTLED
+    assert classify(cancelled("ConditionalCheckFailed", "ThrottlingError")) is None
+    assert classify(cancelled("None", "None")) is None
+
+
+def test_the_jitters_of_a_policy() -> None:
+    rng = RecordingRng()
+    assert [RetryPolicy(1.0, 5.0).delay(n, rng) for n in range(4)] == [1.0, 2.0, 4.0, 5.0]
+    assert rng.ranges == [(0.0, 1.0), (0.0, 2.0), (0.0, 4.0), (0.0, 5.0)]
+    rng.ranges.clear()
+    assert RetryPolicy(1.0, 5.0, jitter=EQUAL).delay(2, rng) == 4.0
+    assert rng.ranges == [(2.0, 4.0)]
+    rng.ranges.clear()
+    assert [RetryPolicy(1.0, 30.0, jitter=NO_JITTER).delay(n, rng) for n in (0, 3, 9)] == [
+        1.0, 8.0, 30.0]
+    assert rng.ranges == []
+    # the Java KCL's registration wait: fixed, plus up to 100 ms
+    fixed = RetryPolicy(1.0, 1.0, jitter=NO_JITTER, spread_s=0.1)
+    assert [fixed.delay(n, rng) for n in (0, 5)] == [1.1, 1.1]
+    assert rng.ranges == [(0.0, 0.1), (0.0, 0.1)]
+
+
+def test_a_policy_gives_up_after_its_attempts_and_a_backoff_follows_its_policy() -> None:
+    policy = RetryPolicy(0.5, 4.0, max_attempts=3)
+    assert [policy.gives_up(n) for n in (1, 2, 3)] == [False, False, True]
+    assert not RetryPolicy(0.5, 4.0).gives_up(10**6)
+    rng = RecordingRng()
+    backoff = RetryPolicy(0.5, 4.0, jitter=EQUAL).backoff(rng)
+    assert [backoff.next_delay() for _ in range(5)] == [0.5, 1.0, 2.0, 4.0, 4.0]
+    assert backoff.attempt == 5
+
+
+@pytest.mark.parametrize("changes", [{"base_s": -1.0}, {"cap_s": -0.01}, {"spread_s": -0.1},
+                                     {"jitter": "half"}, {"max_attempts": 0}])
+def test_a_policy_refuses_nonsense(changes: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        RetryPolicy(**{"base_s": 0.1, "cap_s": 1.0, **changes})
+
+
+def _backoff_formulas(path: Path) -> list[str]:
+    """Where ``path`` draws a jittered wait or raises 2 to a variable power: a backoff
+    written again instead of asked of kclpy.retry."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "uniform"):
+            found.append(f"{path.name}:{node.lineno} draws a jitter")
+        if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow)
+                and isinstance(node.left, ast.Constant) and node.left.value == 2
+                and not isinstance(node.right, ast.Constant)):
+            found.append(f"{path.name}:{node.lineno} doubles a wait")
+    return found
+
+
+#: error codes that only a classification of errors has reason to name
+_THROTTLE_CODES = ("LimitExceededException", "ProvisionedThroughputExceededException",
+                   "ThrottlingException", "RequestLimitExceeded", "ThrottlingError")
+
+
+def test_every_retry_goes_through_kclpy_retry() -> None:
+    """One backoff formula and one list of throttles: a module that needs either asks
+    ``kclpy.retry`` (errors.py and the public API name ThrottlingException, the Java
+    checkpoint error)."""
+    package = Path(kclpy.__file__).parent
+    found: list[str] = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "retry.py" and path.parent == package:
+            continue
+        found += _backoff_formulas(path)
+        if path.relative_to(package).as_posix() not in ("errors.py", "__init__.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Constant) and node.value in _THROTTLE_CODES:
+                    found.append(f"{path.name}:{node.lineno} names {node.value}")
+    assert found == []

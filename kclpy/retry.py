@@ -1,0 +1,226 @@
+"""Every retry of kclpy: one backoff formula, and the one place that decides what is worth
+retrying and what is a throttle.
+
+A ``RetryPolicy`` is a caller's base, cap, attempts and jitter; ``delay(n)`` is the wait
+before retry n, the same formula for GetRecords, subscriptions, registration, the lease
+table, shard sync, state commits, processor retries, start-up, CloudWatch, the lag webhook
+and the supervisor's restarts. ``Backoff`` is that policy with its own attempt count, for a
+loop that retries until a success resets it.
+
+Full jitter (a uniform draw between zero and the capped exponential) is the default: many
+fetch threads throttled by the same shard limit would otherwise retry in lock-step and be
+throttled again together (the AWS Architecture Blog, "Exponential Backoff And Jitter").
+Retries after a processor's failure keep "equal" jitter (at least half the ceiling, the
+processor gets a breather), the supervisor's restarts none (one child, nothing to spread),
+and registration the Java KCL's fixed wait plus up to 100 ms.
+
+``classify`` is shared by Kinesis, DynamoDB (a cancelled transaction included) and
+CloudWatch calls, so all agree on what a throttle is and feed the same metric labels.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from botocore.exceptions import ClientError, ConnectionError, HTTPClientError
+from botocore.parsers import ResponseParserError
+
+THROTTLED = "throttled"
+SERVER_ERROR = "server_error"
+CONNECTION = "connection"
+#: enhanced fan-out: the shard's previous subscription is still open
+IN_USE = "in_use"
+
+#: jitter: a uniform draw in [0, ceiling] ...
+FULL = "full"
+#: ... in [ceiling / 2, ceiling] ...
+EQUAL = "equal"
+#: ... or the ceiling itself
+NO_JITTER = "none"
+JITTERS = (FULL, EQUAL, NO_JITTER)
+#: the draws of callers that bring no generator of their own
+_RNG = random.Random()
+
+# Kinesis, KMS (behind an encrypted stream), DynamoDB, plus the codes botocore's own
+# standard retry mode treats as throttling, so nothing botocore would retry is fatal here.
+_THROTTLING_CODES = frozenset(
+    {
+        "ProvisionedThroughputExceededException",
+        "KMSThrottlingException",
+        "LimitExceededException",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "Throttling",
+        "ThrottledException",
+        "RequestThrottledException",
+        "TooManyRequestsException",
+        "TooManyRequests",
+        "TransactionInProgressException",
+        "BandwidthLimitExceeded",
+        "RequestThrottled",
+        "SlowDown",
+        "EC2ThrottledException",
+    }
+)
+
+_SERVER_ERROR_CODES = frozenset(
+    {
+        "InternalFailure",
+        # the same failure sent as an exception event inside a SubscribeToShard stream,
+        # where the member name (with its suffix) is the code
+        "InternalFailureException",
+        "InternalServerError",
+        "InternalError",
+        "ServiceUnavailable",
+        "ServiceUnavailableException",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "PriorRequestNotComplete",
+    }
+)
+
+
+TRANSACTION_CANCELED = "TransactionCanceledException"
+#: a cancelled DynamoDB transaction's reasons that say "try again", not "your condition is
+#: false": the transaction's throttling and a concurrent transaction on one of its items
+_RETRYABLE_REASONS = frozenset(
+    {"ThrottlingError", "ProvisionedThroughputExceeded", "RequestLimitExceeded",
+     "TransactionConflict"}
+)
+
+
+def error_code(exc: ClientError) -> str:
+    """The AWS error code of a failed call ('' when the answer named none)."""
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def classify(exc: BaseException) -> str | None:
+    """The retryable kind of ``exc`` (``throttled``, ``server_error``, ``connection``), else None.
+
+    None means retrying cannot help (missing stream, access denied, bad argument, a failed
+    condition): the caller must surface the error instead of hiding it behind retries.
+    """
+    if isinstance(exc, ClientError):
+        error = exc.response.get("Error", {})
+        code = error.get("Code", "")
+        if code in _THROTTLING_CODES:
+            return THROTTLED
+        if code == TRANSACTION_CANCELED:
+            # throttled only when no item's condition failed (those reasons are "None")
+            reasons = {str(reason.get("Code", "None"))
+                       for reason in exc.response.get("CancellationReasons") or []}
+            retryable = bool(reasons & _RETRYABLE_REASONS) and (
+                reasons <= _RETRYABLE_REASONS | {"None"})
+            return THROTTLED if retryable else None
+        if code in _SERVER_ERROR_CODES:
+            return SERVER_ERROR
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        if status == 429:  # Too Many Requests, whatever the service calls it
+            return THROTTLED
+        if isinstance(status, int) and status >= 500:
+            return SERVER_ERROR
+        return None
+    # An unparseable 200 body is most likely a truncated answer; the next call gets a new one.
+    if isinstance(exc, ResponseParserError):
+        return SERVER_ERROR
+    # botocore's ConnectionError covers EndpointConnectionError and ConnectTimeoutError;
+    # HTTPClientError covers ReadTimeoutError and ConnectionClosedError.
+    if isinstance(exc, (ConnectionError, HTTPClientError)):
+        return CONNECTION
+    return None
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How one kind of call is retried: retry n (from 0) waits up to
+    ``min(cap_s, base_s * 2**n)``, drawn as ``jitter`` says, plus up to ``spread_s``.
+    ``max_attempts`` bounds the calls (None: the caller decides when to stop)."""
+
+    base_s: float
+    cap_s: float
+    max_attempts: int | None = None
+    jitter: str = FULL
+    spread_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        # a base above the cap is allowed: every wait is the cap then
+        if self.base_s < 0 or self.cap_s < 0 or self.spread_s < 0:
+            raise ValueError(f"need base_s, cap_s and spread_s >= 0, got base_s={self.base_s}, "
+                             f"cap_s={self.cap_s}, spread_s={self.spread_s}")
+        if self.jitter not in JITTERS:
+            raise ValueError(f"jitter must be one of {', '.join(JITTERS)}")
+        if self.max_attempts is not None and self.max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+
+    def ceiling(self, attempt: int) -> float:
+        """The upper bound of retry ``attempt``'s wait before jitter."""
+        return min(self.cap_s, self.base_s * 2.0 ** min(attempt, 1023))
+
+    def delay(self, attempt: int, rng: random.Random | None = None) -> float:
+        """The wait before retry ``attempt`` (0 for the first retry)."""
+        draw = rng if rng is not None else _RNG
+        ceiling = self.ceiling(attempt)
+        if self.jitter == FULL:
+            wait = draw.uniform(0.0, ceiling)
+        elif self.jitter == EQUAL:
+            wait = draw.uniform(ceiling / 2, ceiling)
+        else:
+            wait = ceiling
+        return wait + draw.uniform(0.0, self.spread_s) if self.spread_s else wait
+
+    def gives_up(self, attempts: int) -> bool:
+        """True once ``attempts`` calls were made and no more are allowed."""
+        return self.max_attempts is not None and attempts >= self.max_attempts
+
+    def backoff(self, rng: random.Random | None = None) -> Backoff:
+        return Backoff(policy=self, rng=rng)
+
+
+class Backoff:
+    """A ``RetryPolicy`` with its attempt count: a loop that retries until a success calls
+    ``reset``. Capped exponential with full jitter unless the policy says otherwise.
+
+    Not thread-safe: each retrying loop owns one, so that one caller's success does not reset
+    another's backoff.
+    """
+
+    def __init__(
+        self, base_s: float = 0.1, cap_s: float = 5.0, rng: random.Random | None = None,
+        *, policy: RetryPolicy | None = None,
+    ) -> None:
+        if policy is None:
+            if base_s <= 0 or cap_s < base_s:
+                raise ValueError(f"need 0 < base_s <= cap_s, got base_s={base_s}, "
+                                 f"cap_s={cap_s}")
+            policy = RetryPolicy(base_s, cap_s)
+        self.policy = policy
+        self._rng = rng if rng is not None else random.Random()
+        self._attempt = 0
+
+    @property
+    def base_s(self) -> float:
+        return self.policy.base_s
+
+    @property
+    def cap_s(self) -> float:
+        return self.policy.cap_s
+
+    @property
+    def attempt(self) -> int:
+        """Failures since the last success; callers use it to give up after N tries."""
+        return self._attempt
+
+    def ceiling(self) -> float:
+        """The upper bound of the next delay (before jitter)."""
+        return self.policy.ceiling(self._attempt)
+
+    def next_delay(self) -> float:
+        """The delay before the next retry, and count one more failure."""
+        delay = self.policy.delay(self._attempt, self._rng)
+        self._attempt += 1
+        return delay
+
+    def reset(self) -> None:
+        """Start over after a success, so a later throttle begins with a short delay again."""
+        self._attempt = 0
