@@ -27,6 +27,7 @@ from kclpy.recovery.shard import ShardRecovery
 from kclpy.retrieval.fetcher import FetchResult, Pacer, ShardFetcher, StartPosition
 from tests.support.determinism import Clock
 from tests.support.streams import dynamodb_client, unique_name
+from tests.test_inspect import run_cli
 from tests.test_recovery import Holder, recovery_for
 
 KEY = "s1"
@@ -147,8 +148,18 @@ def test_a_finished_shard_with_a_request_waiting_is_not_finished() -> None:
 # -- a held lease ----------------------------------------------------------------------------
 
 
+def listed(capsys: pytest.CaptureFixture[str], table: LeaseTable, url: str) -> list[str]:
+    """``kclpy recovery list``: the STATE of each gap."""
+    code, out, err = run_cli(capsys, "recovery", "list", "--application-name",
+                             table.table_name, "--region", "us-east-1",
+                             "--kinesis-endpoint", url, "--dynamodb-endpoint", url)
+    assert code == 0, err
+    return [line.split()[-1] for line in out.splitlines()[1:-1]]
+
+
 def test_an_add_stays_with_the_holder_who_reads_it_within_one_renewal(
-        table: LeaseTable) -> None:
+        table: LeaseTable, moto_server: LocalEndpoint,
+        capsys: pytest.CaptureFixture[str]) -> None:
     holder, _, recovery, readers = holding(table)
     taken = item(table)
     assert control._request(table, taken, add(100))[0] == "A"
@@ -156,6 +167,7 @@ def test_an_add_stays_with_the_holder_who_reads_it_within_one_renewal(
     assert (after.lease_owner, after.lease_counter) == ("A", taken.lease_counter), (
         "the request leaves the lease and its counter alone")
     assert after.recovery is None and len(after.recovery_requests) == 1
+    assert listed(capsys, table, moto_server.url) == ["requested"]
     assert active(recovery) is False, "the holder has not renewed since"
     renew(holder)
     assert active(recovery)
@@ -165,6 +177,7 @@ def test_an_add_stays_with_the_holder_who_reads_it_within_one_renewal(
     assert starts(gaps.loads(stored.recovery)) == ["100"] and not stored.recovery_requests
     assert [start.sequence_number for start, _ in readers.opened] == ["100"]
     assert [g["reading"] for g in recovery.status()] == [True]
+    assert listed(capsys, table, moto_server.url) == ["queued"]
 
 
 def test_an_add_racing_the_holders_own_queue_write_is_kept_for_its_next_write(
