@@ -303,6 +303,26 @@ def test_an_add_left_with_a_holder_that_loses_the_lease_goes_to_the_next_one(
     assert len(readers.opened) == 1
 
 
+def test_an_add_during_a_graceful_handoff_is_taken_in_once_by_the_handing_off_holder(
+        table: LeaseTable) -> None:
+    """Java KCL 3.x handoff: ``leaseOwner`` already names B while A, the holder, finishes
+    (``checkpointOwner``). The request is made of B's lease, A takes it in, B inherits it."""
+    first, _, old, _ = holding(table, "A")
+    first.held.add_handoff_listener(lambda key: None)  # A winds down, as a worker does
+    table.set_checkpoint_owner(item(table), "B")
+    assert control._request(table, item(table), add(100))[0] == "B"
+    renew(first)  # refused as A, repeated as the handing-off holder: sees the request
+    assert first.held.handing_off(KEY)
+    old.poll()
+    lease = item(table)
+    assert (lease.lease_owner, lease.checkpoint_owner) == ("B", "A")
+    assert starts(gaps.loads(lease.recovery)) == ["100"] and not lease.recovery_requests
+    first.fence.release(KEY)
+    adopted = table.adopt(item(table))  # B's tenure starts with the queue, nothing pending
+    assert adopted.lease_owner == "B"
+    assert starts(gaps.loads(adopted.recovery)) == ["100"] and not adopted.recovery_requests
+
+
 def test_an_add_to_a_lease_nobody_holds_writes_its_queue_with_what_a_holder_left(
         table: LeaseTable) -> None:
     left = add(100)
