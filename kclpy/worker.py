@@ -422,10 +422,9 @@ class Worker:
         assert self.coordinator is not None
         token = lease.concurrency_token
         assert token is not None
-        recovery = None
-        if self.config.max_lag_ms is not None or lease.recovery:
-            # Gaps already queued are recovered even with max_lag_ms now off.
-            recovery = functools.partial(self._make_recovery, lease, token)
+        # Always: gaps already queued are recovered even with max_lag_ms off, and an
+        # operator may queue one at any time (``kclpy recovery add``).
+        recovery = functools.partial(self._make_recovery, lease, token)
         return ShardConsumer(
             lease, concurrency_token=token, processor_factory=self._records_processor,
             checkpoint_writer=self.coordinator.fence, lease_reader=self.coordinator,

@@ -16,12 +16,14 @@ from botocore.exceptions import ClientError
 
 import kclpy
 from kclpy import Worker
-from kclpy.leases.lease import Lease
+from kclpy.leases.lease import TRIM_HORIZON, Lease
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
-from kclpy.ops import serve_worker
+from kclpy.ops import control, serve_worker
 from kclpy.ops.inspect import read_worker
 from kclpy.ops.position import parse_position
+from kclpy.recovery import queue as gaps
+from kclpy.recovery import requests as asked
 from kclpy.retrieval.parse import get_records
 from tests.support.streams import (
     create_stream,
@@ -474,45 +476,82 @@ def test_the_park_policy_parks_a_failing_shard_and_the_rest_keeps_running(
 
 
 @pytest.mark.integration
-def test_a_backfill_is_queued_listed_and_read_by_a_running_worker_as_recovery(
+def test_a_backfill_is_read_by_the_shards_holder_without_the_lease_changing_hands(
         capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
         moto_server: LocalEndpoint, stream: str) -> None:
+    """``kclpy recovery add`` (the CLI's main) while a worker holds the shard: the holder
+    reads the range as recovery, each record once, beside its live reading, and keeps the
+    lease throughout - one tenure, no lease_lost. A second backfill cancelled right away
+    stops wherever the holder was in it (nothing of it twice)."""
     kinesis = kinesis_client(kinesis_mock.url)
     for i in range(8):  # one request each: arrival times grow record by record
         put_plain(kinesis, stream, [f"r{i}".encode()])
     everything = arrivals(kinesis, stream)
     sequences = [seq for seq, _ in everything]
     journal = Journal()
-    config = worker_config(kinesis_mock.url, moto_server.url, stream, recovery_max_rate=50)
+    config = worker_config(kinesis_mock.url, moto_server.url, stream, recovery_max_rate=5)
     worker = Worker(config, lambda: JournalProcessor(journal))
     table = LeaseTable(dynamodb_client(moto_server.url), config.application_name)
     cli = ["--application-name", config.application_name, *endpoints(kinesis_mock, moto_server)]
+    owners: set[str | None] = set()
+
+    def settled() -> Lease | None:
+        """The lease once no gap and no request is left; notes every owner seen."""
+        lease = current(table)
+        owners.add(None if lease is None else lease.lease_owner)
+        return lease if lease is not None and not lease.recovery and not (
+            lease.recovery_requests) else None
+
     with running(worker):
         wait_for(lambda: (lease := current(table)) is not None
                  and lease.checkpoint == sequences[-1], 60, "every record checkpointed")
+        held = current(table)
+        holder = None if held is None else held.lease_owner
+        assert holder is not None
         code, out, err = run_cli(capsys, "recovery", "add", *cli, "--stream-name", stream,
                                  "--shard-id", SHARD, "--from", sequences[2],
                                  "--to", sequences[5], "--dry-run")
         assert code == 0 and out.startswith("would queue"), err
         lease = current(table)
-        assert lease is not None and lease.recovery is None
+        assert lease is not None and lease.recovery is None and not lease.recovery_requests
         code, out, err = run_cli(capsys, "recovery", "add", *cli, "--stream-name", stream,
                                  "--shard-id", SHARD, "--from", sequences[2],
-                                 "--to", sequences[5])
+                                 "--to", sequences[5], "--json")
         assert code == 0, err
+        assert json.loads(out)["holder"] == holder
         code, out, _ = run_cli(capsys, "recovery", "list", *cli, "--json")
         (listed,) = json.loads(out)
+        assert listed["owner"] == holder
         if listed["gaps"]:  # the worker may already have read the gap
             assert listed["gaps"][0]["first_sequence"] == sequences[2]
-        wait_for(lambda: (lease := current(table)) is not None and lease.recovery is None
-                 and len(journal.recovered(SHARD)) >= 4, 60, "the gap recovered")
+        wait_for(lambda: settled() and len(journal.recovered(SHARD)) >= 4, 60,
+                 "the gap recovered")
+        first_gap = journal.recovered(SHARD)
+        # The whole shard again, requested as the command does (its range resolution
+        # was exercised above and costs seconds on kinesis-mock), then cancelled.
+        backfill = gaps.RecoveryRequest.gap(TRIM_HORIZON, 0, everything[-1][1] + 1,
+                                            everything[0][1], sequences[0])
+        lease = current(table)
+        assert lease is not None
+        assert control._request(table, lease, asked.adding(backfill, 0))[0] == holder
+        code, out, err = run_cli(capsys, "recovery", "cancel", *cli, "--shard-id", SHARD,
+                                 "--all")
+        # Refused only when the holder had already recovered the whole range.
+        assert code == 0 or "has no queued gap" in err, err
+        wait_for(settled, 60, "the backfill cancelled or done")
     last_ms = everything[5][1]
     expected = [seq for seq, ms in everything[2:] if ms <= last_ms]
-    assert journal.recovered(SHARD) == expected
-    assert sequences[2:6] == expected[:4]
+    assert first_gap == expected and sequences[2:6] == expected[:4]
+    second = journal.recovered(SHARD)[len(first_gap):]
+    assert second == sequences[:len(second)], "a prefix of the cancelled range, each once"
+    if code != 0:
+        assert second == sequences
+    assert owners == {holder}, "the lease never left its holder"
+    kinds = [kind for kind, _ in journal.of(SHARD)]
+    assert kinds.count("initialize") == 1 and "lease_lost" not in kinds
     # Live reading went on from its own checkpoint: nothing live was read again.
     live = [value for kind, value in journal.of(SHARD) if kind == "record"]
-    assert len(live) == len(set(live))
+    assert live == sequences
 
 
 @pytest.mark.integration

@@ -112,7 +112,7 @@ class LeaseFence:
             fresh = self.table.guarded_transact(lease, changes, items)
             return apply(fresh) if apply is not None else fresh
 
-        return self.write(lease_key, token, write, what=what)
+        return self.write(lease_key, token, write, what=what, observed=False)
 
     @contextmanager
     def guard(self, lease_key: str, token: str | None, *, what: str) -> Iterator[Guard]:
@@ -138,10 +138,13 @@ class LeaseFence:
     # -- the mechanism ---------------------------------------------------------------------
 
     def write(
-        self, lease_key: str, token: str | None, write: Callable[[Lease], Lease], *, what: str
+        self, lease_key: str, token: str | None, write: Callable[[Lease], Lease], *, what: str,
+        observed: bool = True,
     ) -> Lease:
         """Run ``write(held lease)`` as the holder. ``write`` must condition on the lease it
-        is given (``LeaseTable.guarded_*`` do) and raise ``LeaseChanged`` when that fails."""
+        is given (``LeaseTable.guarded_*`` do) and raise ``LeaseChanged`` when that fails.
+        ``observed`` False: what ``write`` returns is not the item as written (a transaction
+        returns no attributes), so it does not put the next renewal off (``HeldSet.refresh``)."""
         lost: str | None = None
         asked = False
         failure: Exception | None = None
@@ -166,7 +169,7 @@ class LeaseFence:
                 else:
                     if fresh is None:
                         lost = self.held.gone_why(lease_key)
-                    elif not self.held.refresh(held, fresh, sent_at):
+                    elif not self.held.refresh(held, fresh, sent_at, observed=observed):
                         # Given up while this write was on its way: the write landed, but
                         # the processor was already told the lease is lost. Let it go at
                         # once instead of leaving it held by nobody until it expires.

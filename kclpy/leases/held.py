@@ -99,17 +99,24 @@ class HeldSet:
             count = len(self._held)
         self._publish(count)
 
-    def refresh(self, entry: HeldLease, lease: Lease, sent_at: float) -> bool:
+    def refresh(self, entry: HeldLease, lease: Lease, sent_at: float, *,
+                observed: bool = True) -> bool:
         """Record a holder's write of ``entry``'s lease that was sent at ``sent_at``. False,
         and nothing recorded, when the worker gave the lease up while the write was on its
         way (``expire``): a late answer must not bring back a lease whose processor was
-        already told it is lost - the shard would then stay held and never be consumed."""
+        already told it is lost - the shard would then stay held and never be consumed.
+
+        A write whose answer did not carry the item (``observed`` False: a transaction)
+        proves the lease held but leaves the next renewal due when it was: the renewal's
+        answer is how the holder sees what others added to the item (an operator's
+        recovery requests), so a shard that only commits transactions is still renewed."""
         with self._state:
             if self._held.get(lease.lease_key) is not entry:
                 return False
             entry.lease = lease
             entry.renewed_at = sent_at
-            entry.renew_due = sent_at + self.renewer_interval_s
+            if observed:
+                entry.renew_due = sent_at + self.renewer_interval_s
             return True
 
     def expire(self, now: float, failover_time_s: float) -> list[str]:

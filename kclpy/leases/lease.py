@@ -44,6 +44,9 @@ class Lease:
     #: kclpy's own lag recovery queue (``kclpy.recovery.queue``) as stored, a JSON string;
     #: Java KCL workers ignore the attribute. Written only through the fence.
     recovery: str | None = None
+    #: operator requests to that queue (``kclpy.recovery.requests``) its holder has not
+    #: folded in yet: added by ``kclpy recovery add`` / ``cancel`` without taking the lease
+    recovery_requests: frozenset[str] = field(default_factory=frozenset)
     #: kclpy's own: where a lease still at ``LATEST`` or ``AT_TIMESTAMP`` reads from (epoch
     #: ms of arrival), fixed by the first worker that resolved it, so that every later owner
     #: and processor restart resumes there and not at the tip (docs/design.md). Java KCL
@@ -91,8 +94,9 @@ class Lease:
 
     @property
     def is_finished(self) -> bool:
-        """Nothing left to read: the shard ended and no recovery of it is pending."""
-        return self.is_shard_end and not self.recovery
+        """Nothing left to read: the shard ended and no recovery of it is pending (queued,
+        or asked for by an operator and not folded into the queue yet)."""
+        return self.is_shard_end and not self.recovery and not self.recovery_requests
 
     def copy(self, **changes: Any) -> Lease:
         return dataclasses.replace(self, **changes)

@@ -32,6 +32,9 @@ ENDING_HASH_KEY = "endingHashKey"
 CHECKPOINT_OWNER = "checkpointOwner"
 #: kclpy's own attribute (lag recovery); unknown to the Java KCL, which ignores it
 RECOVERY = "kclpyRecovery"
+#: kclpy's own attribute (SS): operator requests to the recovery queue that the lease's
+#: holder has not folded into it yet (``kclpy.recovery.requests``); Java ignores it
+RECOVERY_REQUESTS = "kclpyRecoveryRequests"
 #: kclpy's own attribute: the resolved start of a lease still at LATEST / AT_TIMESTAMP
 START_AT = "kclpyStartAt"
 #: kclpy's own attribute: the shard is parked, no kclpy worker takes it; Java ignores it
@@ -112,6 +115,7 @@ def lease_from_item(item: Mapping[str, AttributeValueTypeDef]) -> Lease:
         ending_hash_key=_str(item, ENDING_HASH_KEY),
         checkpoint_owner=_str(item, CHECKPOINT_OWNER),
         recovery=_str(item, RECOVERY),
+        recovery_requests=_set(item, RECOVERY_REQUESTS),
         start_at_ms=_int(item, START_AT),
         parked=_str(item, PARKED),
         stream=_str(item, STREAM_NAME),
@@ -166,6 +170,7 @@ class UpdateBuilder:
         self._set: list[str] = []
         self._add: list[str] = []
         self._remove: list[str] = []
+        self._delete: list[str] = []
         self._conditions: list[str] = []
         self._placeholders: dict[str, str] = {}
         self._values: dict[str, AttributeValueTypeDef] = {}
@@ -175,6 +180,7 @@ class UpdateBuilder:
         (e.g. retried as the handing-off holder) without stacking conditions."""
         other = UpdateBuilder()
         other._set, other._add, other._remove = list(self._set), list(self._add), list(self._remove)
+        other._delete = list(self._delete)
         other._conditions = list(self._conditions)
         other._placeholders, other._values = dict(self._placeholders), dict(self._values)
         return other
@@ -197,6 +203,12 @@ class UpdateBuilder:
 
     def remove(self, attribute: str) -> UpdateBuilder:
         self._remove.append(self._name(attribute))
+        return self
+
+    def delete(self, attribute: str, value: AttributeValueTypeDef) -> UpdateBuilder:
+        """Take ``value``'s elements out of a set attribute, leaving any others; an emptied
+        set attribute is removed."""
+        self._delete.append(f"{self._name(attribute)} {self._value(value)}")
         return self
 
     def expect_equal(self, attribute: str, value: AttributeValueTypeDef) -> UpdateBuilder:
@@ -226,6 +238,8 @@ class UpdateBuilder:
             clauses.append("ADD " + ", ".join(self._add))
         if self._remove:
             clauses.append("REMOVE " + ", ".join(self._remove))
+        if self._delete:
+            clauses.append("DELETE " + ", ".join(self._delete))
         if not clauses:
             raise ValueError("an update must change at least one attribute")
         request: dict[str, Any] = {

@@ -12,6 +12,11 @@ A lease a worker holds is never changed from under it unless the operator says `
 (checkpoint set) - then the owner is removed with the change, and a worker (the same or
 another) takes the lease again within the failover time and starts from the new checkpoint.
 Parking always takes the lease from its holder: that is its purpose.
+
+The recovery queue is the exception: a backfill must not cost the holder its lease. A held
+lease gets the change as a request beside the queue (``kclpy.recovery.requests``), which
+leaves the counter alone; the holder folds it into its queue within one renewal. A lease
+nobody holds has its queue written directly, conditional on the counter as above.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from kclpy.leases import park as parking
 from kclpy.leases import serializer as ser
 from kclpy.leases.dynamo import CONDITION_FAILED
 from kclpy.leases.lease import SHARD_END, TRIM_HORIZON, Lease
-from kclpy.leases.serializer import UpdateBuilder, n, s
+from kclpy.leases.serializer import UpdateBuilder, n, s, ss
 from kclpy.leases.shard_sync import Shard, ShardSyncer
 from kclpy.leases.table import LeaseTable, checkpoint_changes
 from kclpy.ops.position import (
@@ -46,6 +51,7 @@ from kclpy.ops.position import (
 )
 from kclpy.ops.text import print_table
 from kclpy.recovery import queue as gaps
+from kclpy.recovery import requests as asked
 from kclpy.retry import error_code
 from kclpy.state import open_store
 from kclpy.streams import StreamIdentifier
@@ -145,8 +151,8 @@ def add_commands(commands: Any, common: argparse.ArgumentParser) -> None:
     add = recovery_actions.add_parser(
         "add", parents=[common], help="queue a backfill of a range of records",
         description="Queue the records FROM..TO (both included) of one shard for recovery. "
-                    "A worker holding the lease is told lease_lost and the shard is taken "
-                    "again with the gap queued.")
+                    "A worker holding the lease keeps it and starts reading the gap within "
+                    "one renewal (half the failover time).")
     add.add_argument("--shard-id", required=True, help="the shard")
     add.add_argument("--from", dest="first", required=True, type=_sequence, metavar="SEQ",
                      help="sequence number of the first record to read again")
@@ -162,8 +168,8 @@ def add_commands(commands: Any, common: argparse.ArgumentParser) -> None:
     cancel = recovery_actions.add_parser(
         "cancel", parents=[common], help="drop a queued gap",
         description="Drop one queued gap (by its number in 'kclpy recovery list') or all "
-                    "of a shard's. A worker holding the lease is told lease_lost and the "
-                    "shard is taken again without it.")
+                    "of a shard's. A worker holding the lease keeps it and stops reading the "
+                    "gap within one renewal (half the failover time).")
     cancel.add_argument("--shard-id", required=True, help="the shard")
     which_gap = cancel.add_mutually_exclusive_group(required=True)
     which_gap.add_argument("--gap", type=_gap_number, metavar="N",
@@ -516,27 +522,49 @@ def _report(args: argparse.Namespace, out: IO[str], document: dict[str, Any],
 # -- recovery add / list / cancel --------------------------------------------------------------
 
 
-QueueChange = Callable[[tuple[gaps.RecoveryRequest, ...]], tuple[gaps.RecoveryRequest, ...]]
+def _request(table: LeaseTable, lease: Lease, request: asked.QueueRequest
+             ) -> tuple[str | None, tuple[gaps.RecoveryRequest, ...]]:
+    """Make ``request`` of the shard's queue: ``(holder, queue as it will be)``.
 
-
-def _queue_write(table: LeaseTable, lease: Lease, change: QueueChange
-                 ) -> tuple[gaps.RecoveryRequest, ...]:
-    """Store ``change(queue as read)`` in the lease item; returns what was stored. A holder
-    keeps its own copy of the queue and rewrites it, so a held lease is taken from its
-    holder in the same write: its next renewal fails, it ends with lease_lost, and the next
-    tenure reads the queue written here."""
-    stored: list[tuple[gaps.RecoveryRequest, ...]] = []
-
-    def build(fresh: Lease) -> UpdateBuilder:
-        queue = change(_queued(fresh))
-        stored[:] = [queue]
-        value = gaps.dumps(queue)
-        update = UpdateBuilder()
-        return update.remove(ser.RECOVERY) if value is None else update.set(ser.RECOVERY,
-                                                                             s(value))
-
-    _write_fresh(table, lease, build, take=True)
-    return stored[0]
+    A held lease gets it as an element of its requests set, conditional only on the lease
+    still naming the owner read (the counter is left alone, so the holder keeps its lease
+    and folds the request in within one renewal); ``holder`` is that owner. A lease nobody
+    holds has its queue written directly, with any requests a holder left unfolded,
+    conditional on the counter read; ``holder`` is None. A lease that moved in between is
+    read again."""
+    element = request.to_text()
+    for _ in range(WRITE_ATTEMPTS):
+        fresh = table.get(lease.lease_key)
+        if fresh is None:
+            raise Refused(f"lease {lease.lease_key} was deleted meanwhile")
+        pending = [r for _, r in asked.read(fresh.recovery_requests)[0]]
+        queue = asked.apply(_queued(fresh), [*pending, request])
+        if fresh.lease_owner is None:
+            update = UpdateBuilder().expect_owner(None)
+            value = gaps.dumps(queue)
+            if value is None:
+                update.remove(ser.RECOVERY)
+            else:
+                update.set(ser.RECOVERY, s(value))
+            folded = asked.read(fresh.recovery_requests)[0]
+            if folded:
+                update.delete(ser.RECOVERY_REQUESTS, ss(text for text, _ in folded))
+            try:
+                _write(table, fresh, update)
+            except Refused:
+                continue
+            return None, queue
+        update = UpdateBuilder().add(ser.RECOVERY_REQUESTS, ss([element])).expect_owner(
+            fresh.lease_owner)
+        try:
+            table.call("UpdateItem", table.client.update_item, TableName=table.table_name,
+                       Key=ser.key_of(fresh.lease_key), **update.request())
+        except ClientError as exc:
+            if error_code(exc) == CONDITION_FAILED:
+                continue
+            raise
+        return fresh.lease_owner, queue
+    raise Refused(f"lease {lease.lease_key} kept changing; nothing written to it, run again")
 
 
 def _queued(lease: Lease) -> tuple[gaps.RecoveryRequest, ...]:
@@ -545,6 +573,21 @@ def _queued(lease: Lease) -> tuple[gaps.RecoveryRequest, ...]:
     except ValueError as exc:
         raise Refused(f"shard {lease.shard_id}: {exc}; fix or remove the {ser.RECOVERY} "
                       "attribute by hand") from None
+
+
+def _effective(lease: Lease) -> tuple[gaps.RecoveryRequest, ...]:
+    """The queue as it is once the holder has folded in the requests it has not yet."""
+    return asked.apply(_queued(lease), [r for _, r in asked.read(lease.recovery_requests)[0]])
+
+
+def _now_ms() -> int:
+    return round(datetime.now(timezone.utc).timestamp() * 1000)
+
+
+def _handed_to(holder: str | None) -> str:
+    if holder is None:
+        return ""
+    return f"; {holder} holds the lease and takes it in within one renewal"
 
 
 def recovery_add(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
@@ -574,65 +617,76 @@ def recovery_add(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
     end_ms = (last.timestamp_millis or 0) + 1
     request = gaps.RecoveryRequest.gap(start, start_sub, end_ms, first_ms,
                                        first.sequence_number)
-    queue = gaps.add(_queued(lease), request)
+    queue = gaps.add(_effective(lease), request)
+    holder = lease.lease_owner
     if not args.dry_run:
-        queue = _queue_write(table, lease, lambda queued: gaps.add(queued, request))
-    taken = f"; taken from {lease.lease_owner}" if lease.lease_owner and not args.dry_run \
-        else ""
+        holder, queue = _request(table, lease, asked.adding(request, _now_ms()))
     verb = "would queue" if args.dry_run else "queued"
     _report(args, out, {"shard_id": lease.shard_id, "dry_run": args.dry_run,
                         "gap": _gap_json(request), "queue": [_gap_json(r) for r in queue],
-                        "previous_owner": lease.lease_owner},
+                        "holder": holder},
             f"{verb} {lease.shard_id}: records after {start}"
             f"{'/' + str(start_sub) if start_sub else ''} that arrived before "
             f"{_iso(end_ms)} ({args.first} .. {args.last}); {len(queue)} gap(s) "
-            f"queued{taken}")
+            f"queued{'' if args.dry_run else _handed_to(holder)}")
     return 0
 
 
 def recovery_list(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
                   out: IO[str]) -> int:
     leases = [one_lease(args, table)] if args.shard_id else read_leases(args, table)
-    listed = [(lease, _queued(lease)) for lease in leases]
+    listed = []
+    for lease in leases:
+        stored = {(r.start, r.start_sub) for r in _queued(lease)}
+        readable, unreadable = asked.read(lease.recovery_requests)
+        listed.append((lease, _effective(lease), stored, readable, unreadable))
     if args.json:
         json.dump([{"shard_id": lease.shard_id, "owner": lease.lease_owner,
-                    "gaps": [_gap_json(r) for r in queue]} for lease, queue in listed],
-                  out, indent=2)
+                    "gaps": [{**_gap_json(r), "taken_in": (r.start, r.start_sub) in stored}
+                             for r in queue],
+                    "requests": [r.describe() for _, r in readable],
+                    "unreadable_requests": unreadable}
+                   for lease, queue, stored, readable, unreadable in listed], out, indent=2)
         out.write("\n")
         return 0
-    rows = [["SHARD", "GAP", "AFTER", "FIRST", "ENDS BEFORE", "DONE", "REMAINING"]]
-    for lease, queue in listed:
+    rows = [["SHARD", "GAP", "AFTER", "FIRST", "ENDS BEFORE", "DONE", "REMAINING", "STATE"]]
+    waiting = 0
+    for lease, queue, stored, readable, unreadable in listed:
+        waiting += len(readable)
         for number, request in enumerate(queue, 1):
             rows.append([lease.shard_id, str(number), request.start,
                          request.first_sequence or "-", _iso(request.end_ms),
                          request.done if request.started else "-",
-                         f"{request.remaining_ms() / 1000:.1f}s"])
+                         f"{request.remaining_ms() / 1000:.1f}s",
+                         "queued" if (request.start, request.start_sub) in stored
+                         else "requested"])
+        for text in unreadable:
+            out.write(f"{lease.shard_id}: unreadable request in {ser.RECOVERY_REQUESTS} "
+                      f"(remove it by hand): {text[:200]}\n")
     print_table(rows, out)
-    out.write(f"{len(rows) - 1} gap(s) in {_table_name(args)}\n")
+    note = (f"; {waiting} request(s) not yet taken in by the holder (shown applied)"
+            if waiting else "")
+    out.write(f"{len(rows) - 1} gap(s) in {_table_name(args)}{note}\n")
     return 0
 
 
 def recovery_cancel(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
                     out: IO[str]) -> int:
     lease = one_lease(args, table)
-    queue = _queued(lease)
+    queue = _effective(lease)
     if not queue:
         raise Refused(f"shard {lease.shard_id} has no queued gap")
     if not args.all and args.gap > len(queue):
         raise UsageError("--gap", f"shard {lease.shard_id} has {len(queue)} gap(s)")
-    dropped = () if args.all else (queue[args.gap - 1],)
-
-    def without(queued: tuple[gaps.RecoveryRequest, ...]) -> tuple[gaps.RecoveryRequest, ...]:
-        # By the gap's start, which identifies it even if the holder checkpointed it since.
-        starts = {(r.start, r.start_sub) for r in dropped}
-        return () if args.all else tuple(r for r in queued
-                                          if (r.start, r.start_sub) not in starts)
-
-    kept = _queue_write(table, lease, without)
-    _report(args, out, {"shard_id": lease.shard_id, "dropped": len(queue) - len(kept),
-                        "queue": [_gap_json(r) for r in kept]},
-            f"dropped {len(queue) - len(kept)} gap(s) of {lease.shard_id}; "
-            f"{len(kept)} left")
+    # By the gap's start, which identifies it even if the holder checkpointed it since;
+    # only the gaps listed now: a gap queued after this look is not dropped with them.
+    dropped = queue if args.all else (queue[args.gap - 1],)
+    holder, kept = _request(table, lease, asked.cancelling(
+        ((r.start, r.start_sub) for r in dropped), _now_ms()))
+    _report(args, out, {"shard_id": lease.shard_id, "dropped": len(dropped),
+                        "queue": [_gap_json(r) for r in kept], "holder": holder},
+            f"dropped {len(dropped)} gap(s) of {lease.shard_id}; {len(kept)} left"
+            f"{_handed_to(holder)}")
     return 0
 
 

@@ -13,6 +13,12 @@ by the worker's ``RecoveryRate``; a checkpoint through the recovery checkpointer
 gap's own checkpoint (never the live one), and the checkpoint that covers the gap's last
 record removes the gap. A gap read to its end without such a checkpoint stays queued and is
 read again, from its checkpoint, by the shard's next tenure.
+
+An operator changes the queue of a held shard through requests the lease item keeps beside
+it (``requests``): every write of the queue here folds in those the held lease shows, and
+removes them in the same fenced write. A renewal brings new ones into the held lease; the
+consumer then sees the shard ``active`` and its next ``poll`` writes the queue with them, so
+an operator's backfill starts within one renewal and the lease never changes hands for it.
 """
 
 from __future__ import annotations
@@ -26,11 +32,13 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from kclpy.checkpoint import Checkpointer, position_of
+from kclpy.errors import CheckpointError, ShutdownException
 from kclpy.leases.lease import TRIM_HORIZON, Lease
-from kclpy.leases.serializer import RECOVERY, UpdateBuilder, s
+from kclpy.leases.serializer import RECOVERY, RECOVERY_REQUESTS, UpdateBuilder, s, ss
 from kclpy.leases.table import checkpoint_changes
 from kclpy.metrics import Metrics
 from kclpy.recovery import queue as gaps
+from kclpy.recovery import requests as asked
 from kclpy.recovery.detect import first_record
 from kclpy.recovery.queue import Position, RecoveryRequest, position
 from kclpy.recovery.rate import RecoveryRate, ShardPacer
@@ -40,6 +48,9 @@ if TYPE_CHECKING:
     from kclpy.leases.fence import Guard, LeaseFence
 
 log = logging.getLogger(__name__)
+
+#: seconds before folding operator requests in again after a failed write (throttled)
+FOLD_RETRY_S = 1.0
 
 #: (start, until_ms, pacer, max_records) -> a fetcher of the shard; None means the default
 ReaderFactory = Callable[[StartPosition, "int | None", "Pacer | None", "int | None"],
@@ -98,6 +109,11 @@ class ShardRecovery:
         #: arrival (epoch ms) of the last recovery record handed out
         self._delivered_ms: int | None = None
         self._counted = False
+        self._published = False
+        #: operator request elements found unreadable (logged once each)
+        self._unreadable: set[str] = set()
+        #: monotonic time before which a failed fold of operator requests is not retried
+        self._fold_after = 0.0
         self._publish()
 
     # -- the consumer's side ---------------------------------------------------------------
@@ -141,7 +157,13 @@ class ShardRecovery:
 
     def poll(self) -> tuple[FetchResult, Checkpointer] | None:
         """The next recovery batch and the checkpointer that goes with it, if one is ready
-        now; never waits."""
+        now; never waits. Operator requests the held lease shows are folded in first."""
+        if self._requests_pending():
+            self._fold()
+        if self._reading is not None and not self._queued(self._reading):
+            log.warning("shard %s: the gap being recovered was cancelled by an operator; "
+                        "stopped reading it", self.shard_id)
+            self._stop_reader()
         if self._end_seen:
             self._close_gap()
         reader = self._reader if self._reader is not None else self._open_next()
@@ -173,9 +195,12 @@ class ShardRecovery:
 
     @property
     def active(self) -> bool:
-        """Gaps are queued that this tenure has not read to their end yet."""
+        """Gaps are queued that this tenure has not read to their end yet, or an operator
+        asked for a change of the queue that ``poll`` has not folded in yet."""
         with self._lock:
-            return any(_key(r) not in self._passed for r in self._queue)
+            if any(_key(r) not in self._passed for r in self._queue):
+                return True
+        return self._requests_pending()
 
     def stop(self) -> None:
         """The consumer is done with the shard: stop reading and leave the rate's turns."""
@@ -204,6 +229,11 @@ class ShardRecovery:
             queue = list(self._queue)
             index = next((i for i, r in enumerate(queue) if _key(r) == gap), None)
             if index is None:
+                # Finished already, or cancelled by an operator while this batch was being
+                # processed: a transaction's items still commit (the batch was applied
+                # once), the queue stays as it is.
+                if items:
+                    self._store(self._queue, items)
                 return
             done = (int(sequence_number), sub_sequence_number)
             final = self._final if self._reading == gap else self._ends.get(gap)
@@ -219,6 +249,38 @@ class ShardRecovery:
         return self._fence.guard(self.shard_id, self._token, what=what)
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _queued(self, gap: Position) -> bool:
+        with self._lock:
+            return any(_key(r) == gap for r in self._queue)
+
+    def _requests_pending(self) -> bool:
+        """The held lease (as the last renewal or write returned it) carries operator
+        requests not folded in yet. Reads the held entry without a write: cheap enough for
+        every turn of the consumer's loop."""
+        entry = self._fence.held.entry(self.shard_id)
+        if entry is None or entry.lease.concurrency_token != self._token:
+            return False
+        texts = entry.lease.recovery_requests
+        if not texts or texts <= self._unreadable:
+            return False
+        return time.monotonic() >= self._fold_after
+
+    def _fold(self) -> None:
+        """Write the queue with the operator requests the held lease shows. A lost lease
+        ends the tenure through the fence's listeners; a throttled or failed write is tried
+        again after ``FOLD_RETRY_S``."""
+        try:
+            with self._lock:
+                self._store(self._queue)
+        except ShutdownException as exc:
+            log.info("shard %s: lease lost while taking in recovery requests: %s",
+                     self.shard_id, exc)
+            self._fold_after = time.monotonic() + FOLD_RETRY_S
+        except CheckpointError as exc:
+            log.warning("shard %s: taking in recovery requests failed, trying again: %s",
+                        self.shard_id, exc)
+            self._fold_after = time.monotonic() + FOLD_RETRY_S
 
     def _open_next(self) -> ShardFetcher | None:
         with self._lock:
@@ -305,10 +367,20 @@ class ShardRecovery:
         committed nothing yet: an idle stream), it moves to the gap's last record in the
         same write: every record up to there is processed, and a next owner starting from
         the gap's start would find the same gap again and process it twice. Decided on the
-        held lease, under the fence's lock, so a live checkpoint never moves back."""
-        value = gaps.dumps(queue)
+        held lease, under the fence's lock, so a live checkpoint never moves back.
+
+        The operator requests the held lease carries are applied to ``queue`` and removed
+        from the item in the same write (``requests``); the queue written is what this
+        holder keeps from then on."""
+        written: list[tuple[RecoveryRequest, ...]] = []
 
         def write(lease: Lease) -> Lease:
+            # Called again, on a fresh copy, when the write is repeated during a handoff.
+            readable, unreadable = asked.read(lease.recovery_requests)
+            self._report_unreadable(unreadable)
+            final = asked.apply(queue, (request for _, request in readable))
+            folded = frozenset(text for text, _ in readable)
+            value = gaps.dumps(final)
             changes = UpdateBuilder()
             live = lease
             if finished is not None and position_of(
@@ -322,23 +394,48 @@ class ShardRecovery:
                 changes.remove(RECOVERY)
             else:
                 changes.set(RECOVERY, s(value))
+            if folded:
+                changes.delete(RECOVERY_REQUESTS, ss(folded))
+            written[:] = [final]
             if not items:
                 return self._fence.table.guarded_update(lease, changes)
             fresh = self._fence.table.guarded_transact(lease, changes, items)
-            return fresh.copy(recovery=value, checkpoint=live.checkpoint,
+            return fresh.copy(recovery=value, recovery_requests=lease.recovery_requests - folded,
+                              checkpoint=live.checkpoint,
                               checkpoint_sub_sequence_number=live.checkpoint_sub_sequence_number,
                               owner_switches_since_checkpoint=(
                                   live.owner_switches_since_checkpoint))
 
         self._fence.write(self.shard_id, self._token, write,
-                          what="recovery commit" if items else "recovery checkpoint")
-        self._queue = queue
+                          what="recovery commit" if items else "recovery checkpoint",
+                          observed=not items)
+        before = {_key(r) for r in self._queue}
+        self._queue = written[0]
+        for request in self._queue:
+            if _key(request) not in before:
+                log.info("shard %s: recovery gap after %s/%s up to %s queued", self.shard_id,
+                         request.start, request.start_sub, _iso(request.end_ms))
+        kept = {_key(r) for r in self._queue}
+        self._passed &= kept
+        self._ends = {gap: end for gap, end in self._ends.items() if gap in kept}
         self._publish()
+
+    def _report_unreadable(self, texts: Sequence[str]) -> None:
+        for text in texts:
+            if text not in self._unreadable:
+                self._unreadable.add(text)
+                log.error("shard %s: an operator recovery request in %s is unreadable and "
+                          "left there: %r; remove it by hand", self.shard_id,
+                          RECOVERY_REQUESTS, text[:200])
 
     def _publish(self) -> None:
         queue = self._queue
-        self._metrics.recovery_remaining_ms.labels(self.shard_id).set(
-            sum(r.remaining_ms() for r in queue))
+        if queue or self._published:
+            # Every held shard has a recovery (an operator may queue a gap at any time):
+            # a shard that never had a gap gets no series.
+            self._published = True
+            self._metrics.recovery_remaining_ms.labels(self.shard_id).set(
+                sum(r.remaining_ms() for r in queue))
         if bool(queue) != self._counted:
             self._counted = bool(queue)
             self._metrics.recovery_shards.inc(1 if queue else -1)
