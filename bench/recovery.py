@@ -182,11 +182,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
                       AWS_DEFAULT_REGION=REGION)
     print(f"building {options.records:,} records on the replay endpoint...", flush=True)
-    last_arrival_ms = round(time.time() * 1000)
+    started = time.monotonic()
     with start_moto_server() as moto, ReplayProcess(
             sys.executable, [f"{STREAM}:1:{options.records}:100"],
-            ["--last-arrival-ms", str(last_arrival_ms)]) as replay:
-        built_s = time.time() - last_arrival_ms / 1000
+            ["--last-arrival-ms", "now"]) as replay:
+        built_s = time.monotonic() - started
         print(f"built in {built_s:.0f} s; the backlog spans "
               f"{options.records / 1000:,.0f} s of arrivals", flush=True)
 

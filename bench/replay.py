@@ -726,6 +726,10 @@ class ReplayServer:
         self.stop()
 
 
+def _arrival(value: str) -> int | str:
+    return value if value == "now" else int(value)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -733,13 +737,18 @@ def main(argv: Sequence[str] | None = None) -> None:
                       help="NAME:SHARDS:RECORDS_PER_SHARD:SIZE[:kpl]; repeat for more streams")
     args.add_argument("--port", type=int, default=0, help="0 picks a free port")
     args.add_argument("--seed", type=int, default=7)
-    args.add_argument("--last-arrival-ms", type=int,
-                      help="epoch ms at which each shard's last record arrived "
-                           "(default: a fixed time in the past)")
+    args.add_argument("--last-arrival-ms", type=_arrival,
+                      help="epoch ms at which each shard's last record arrived, or 'now' for "
+                           "the moment this process starts building (default: a fixed time in "
+                           "the past)")
     args.add_argument("--subscription-s", type=float, default=300.0,
                       help="SubscribeToShard subscriptions end after this (AWS: 300)")
     options = args.parse_args(argv)
-    streams = [build_stream(i, spec, options.seed, options.last_arrival_ms)
+    # 'now' is read here, after the interpreter started and imported: a reader whose lag
+    # bound is a few seconds must find the newest record inside it however slow that was.
+    last_arrival_ms = (round(time.time() * 1000) if options.last_arrival_ms == "now"
+                       else options.last_arrival_ms)
+    streams = [build_stream(i, spec, options.seed, last_arrival_ms)
                for i, spec in enumerate(options.stream)]
     replay = Replay(streams)
     replay.subscription_s = options.subscription_s
