@@ -1,9 +1,9 @@
 """An amazon_kclpy v3 application that writes the fleet ledger (``tests/support/fleet.py``'s
 format): one JSON line per record and per event, appended with one ``write`` per batch to
 the file named by ``KCLPY_TEST_LEDGER``, tagged with the daemon's name
-(``KCLPY_TEST_WORKER``). It checkpoints after every batch, in ``shutdown_requested`` and at
-``shard_ended``, as a careful application does. Run unchanged by the Java MultiLangDaemon and
-by ``kclpy-worker --properties``.
+(``KCLPY_TEST_WORKER``). It checkpoints at the last record of every batch (again in
+``shutdown_requested``) and at ``shard_ended``, as a careful application does. Run unchanged
+by the Java MultiLangDaemon and by ``kclpy-worker --properties``.
 """
 
 import json
@@ -17,6 +17,7 @@ from amazon_kclpy.v3 import processor
 class FleetChild(processor.RecordProcessorBase):
     def __init__(self):
         self.shard_id = ""
+        self.last = None
         self.worker = os.environ["KCLPY_TEST_WORKER"]
         self.path = os.environ["KCLPY_TEST_LEDGER"]
 
@@ -52,9 +53,8 @@ class FleetChild(processor.RecordProcessorBase):
         self._write(*({"seq": r.sequence_number, "sub": r.sub_sequence_number,
                        "data": r.binary_data.decode()} for r in records))
         if records:
-            last = records[-1]
-            self._checkpoint(process_records_input.checkpointer, "process_records",
-                             last.sequence_number, last.sub_sequence_number)
+            self.last = (records[-1].sequence_number, records[-1].sub_sequence_number)
+            self._checkpoint(process_records_input.checkpointer, "process_records", *self.last)
 
     def lease_lost(self, lease_lost_input):
         self._write({"event": "lease_lost"})
@@ -65,7 +65,9 @@ class FleetChild(processor.RecordProcessorBase):
 
     def shutdown_requested(self, shutdown_requested_input):
         self._write({"event": "shutdown_requested"})
-        self._checkpoint(shutdown_requested_input.checkpointer, "shutdown_requested")
+        if self.last is not None:
+            self._checkpoint(shutdown_requested_input.checkpointer, "shutdown_requested",
+                             *self.last)
 
 
 if __name__ == "__main__":
