@@ -170,15 +170,28 @@ class Migration:
                       item.get("checkpointOwner", {}).get("S"))
                 for key, item in _items(self.dynamodb_url, self.app).items()}
 
+    def running(self) -> set[tuple[str, str]]:
+        """(shard, node) pairs with a processor initialized and not ended since. A Java node
+        may initialize a consumer for a lease it has already lost, after the new owner's
+        consumer started: the last ``initialize`` of a shard need not be its owner's."""
+        active: set[tuple[str, str]] = set()
+        for line in self.ledger.lines():
+            event = line.get("event")
+            if event == "initialize":
+                active.add((line["shard"], line["worker"]))
+            elif event in ("lease_lost", "shard_ended", "shutdown_requested"):
+                active.discard((line["shard"], line["worker"]))
+        return active
+
     def covered(self) -> dict[str, tuple[str | None, str | None]] | None:
         """The owners when every lease is held by a live node, without a handoff under way,
-        and each shard's last processor started on its owner: no lease stuck."""
+        and with a running processor on its owner: no lease stuck."""
         owners = self.owners()
         if (len(owners) != MIGRATION_SHARDS
                 or any(owner not in self.live or handing for owner, handing in owners.values())):
             return None
-        started = {e["shard"]: e["worker"] for e in self.ledger.events("initialize")}
-        if any(started.get(key) != owner for key, (owner, _) in owners.items()):
+        running = self.running()
+        if any((key, owner) not in running for key, (owner, _) in owners.items()):
             return None
         return owners
 
@@ -215,26 +228,29 @@ def test_a_rolling_migration_from_java_to_kclpy_and_back_under_load(
         with Producer(kinesis, run.stream, "rolling", per_batch=8) as producer:
             for n in range(3):
                 run.start("java", f"java-{n}")
-            wait_for(run.settled, 120, "the Java fleet")
+            wait_for(run.settled, 120, "the Java fleet", interval=0.5)
             began = len(run.ledger.lines())
             for old, kind, new in [("java-0", "kclpy", "kclpy-0"), ("java-1", "kclpy", "kclpy-1"),
                                    ("java-2", "kclpy", "kclpy-2"), ("kclpy-0", "java", "java-3"),
                                    ("kclpy-1", "java", "java-4"), ("kclpy-2", "java", "java-5")]:
                 started = time.monotonic()
                 run.start(kind, new)
-                wait_for(functools.partial(run.consuming, new), 120, f"{new} consuming")
+                wait_for(functools.partial(run.consuming, new), 120, f"{new} consuming",
+                         interval=0.5)
                 run.stop(old)
-                wait_for(run.covered, 120, f"every lease consumed after {old} -> {new}")
+                wait_for(run.covered, 120, f"every lease consumed after {old} -> {new}",
+                         interval=0.5)
                 steps.append((f"{old} -> {new}", time.monotonic() - started))
             # ownership settles: balanced, and then no lease moves
-            wait_for(run.settled, 120, "a balanced fleet")
+            wait_for(run.settled, 120, "a balanced fleet", interval=0.5)
             owners = run.settled()
             quiet_until = time.monotonic() + SETTLE_S
             while time.monotonic() < quiet_until:
                 assert run.owners() == owners
                 time.sleep(0.5)
             sent = producer.stop()
-        wait_for(lambda: run.ledger.processed_all(set(sent)), 120, "every record processed")
+        wait_for(lambda: run.ledger.processed_all(set(sent)), 120, "every record processed",
+                 interval=0.5)
     except BaseException:
         sys.stderr.write(run.logs())
         raise

@@ -165,10 +165,29 @@ def test_finished_leases_count_as_java_counts_them_only_with_java_in_the_table()
     balancer.observe(leases, 0.0)
     plain = balancer.plan(held=set(), known_shards=None, no_steal=(), now=1.0)
     java = balancer.plan(held=set(), known_shards=None, no_steal=(), now=1.0,
-                         count_finished=True)
+                         java_peers=True)
     assert (plain.total, plain.needed) == (4, 2)
     assert (java.total, java.needed) == (6, 3)
     assert not any(lease.is_finished for lease in java.take + java.steal)
+
+
+def test_with_java_peers_a_lease_free_for_a_failover_time_is_taken_above_target() -> None:
+    """A lease a kclpy worker released: Java takes it only two scans after its last change
+    (up to four failover times), so kclpy does not leave it free that long."""
+    leases = [Lease(f"k{n}", lease_owner="K", lease_counter=1) for n in range(3)]
+    leases += [Lease(f"j{n}", lease_owner="java", lease_counter=1) for n in range(3)]
+    leases += [Lease("o0", lease_owner="other", lease_counter=1), Lease("free", lease_counter=2)]
+    # 8 leases, 3 workers: K's target is 3, which it holds
+    balancer = Balancer("K", FAILOVER, rng=FirstChoiceRandom())
+    balancer.observe(leases, 0.0)
+    # every owner renews; the free lease stays as it was
+    balancer.observe([lease.copy(lease_counter=2) if lease.lease_owner else lease
+                      for lease in leases], FAILOVER)
+    held = {f"k{n}" for n in range(3)}
+    for java_peers, expected in ((False, ()), (True, ("free",))):
+        plan = balancer.plan(held=held, known_shards=None, no_steal=(), now=FAILOVER + 1,
+                             java_peers=java_peers)
+        assert tuple(lease.lease_key for lease in plan.take) == expected
 
 
 def test_a_finished_lease_a_java_worker_holds_is_left_to_its_cleanup() -> None:

@@ -24,7 +24,7 @@ Differences from Java, each cheap and deliberate:
 
 - Leases checkpointed at ``SHARD_END`` are never taken and do not count towards any
   worker's load, unless a lag recovery of the shard is still queued in them (or a Java
-  worker shares the table: ``count_finished``, see ``mixed.py``). Nothing else
+  worker shares the table: ``java_peers``, see ``mixed.py``). Nothing else
   needs them: a child only reads its parent's checkpoint, and a child lease missing after a
   crash is recreated by shard sync. Java takes them and renews them until they are cleaned
   up, paying DynamoDB writes for finished shards.
@@ -156,12 +156,15 @@ class Balancer:
         known_shards: AbstractSet[str] | None,
         no_steal: Collection[str],
         now: float,
-        count_finished: bool = False,
+        java_peers: bool = False,
     ) -> TakePlan:
-        """Decide what to take, given the leases this worker holds now. With
-        ``count_finished`` (a Java KCL 2.x worker shares the table), finished leases count
-        as Java's taker counts them - towards the total and their live owner's load - so
-        both compute the same target; they are still never taken."""
+        """Decide what to take, given the leases this worker holds now. With ``java_peers``
+        (a Java KCL 2.x worker shares the table), finished leases count as Java's taker
+        counts them - towards the total and their live owner's load - so both compute the
+        same target (they are still never taken); and a lease free for longer than one
+        failover time counts as very old: a Java worker under target may leave it free for
+        up to four failover times (it takes a lease only at the second of its scans, two
+        failover times apart, after the lease's last change)."""
         eligible = sorted(
             (
                 lease
@@ -188,7 +191,7 @@ class Balancer:
             else:
                 counts[owner] += 1
         finished = 0
-        if count_finished:
+        if java_peers:
             for lease in self._leases.values():
                 if (not lease.is_finished or lease.parked is not None
                         or (known_shards is not None and lease.lease_key not in known_shards)):
@@ -216,7 +219,8 @@ class Balancer:
         # order on every worker, and workers do not all race for the same one.
         self._rng.shuffle(available)
         available.sort(key=lambda lease: self.unchanged_for(lease.lease_key, now), reverse=True)
-        very_old_after = self.very_old_multiplier * self.failover_time_s
+        very_old_after = (self.failover_time_s if java_peers
+                          else self.very_old_multiplier * self.failover_time_s)
         very_old = [
             lease
             for lease in available

@@ -23,9 +23,15 @@ therefore speaks the Java 2.x protocol, and keeps its graceful handoff between k
   second (that holder was a kclpy worker, which would have let go) ``leaseOwner`` keeps the
   lease - without bumping the counter, so the real holder's renewals carry on.
 - *Finished leases* count as Java's taker counts them while a Java worker holds a live lease:
-  towards the fleet's total and their owner's load (``Balancer.plan(count_finished=True)``),
+  towards the fleet's total and their owner's load (``Balancer.plan(java_peers=True)``),
   so that both kinds of worker compute the same target and ownership settles. A finished
   lease held by a live Java worker is left to that worker's own lease cleanup.
+- *Free leases are not left to Java for long*: a Java worker takes a lease only at the
+  second of its scans (two failover times apart) after the lease's last change, so a lease a
+  kclpy worker released could go without a consumer for four failover times. While Java
+  workers share the table, a kclpy worker takes a lease free for longer than one failover
+  time even above its target (the balancer's "very old" rule, three failover times
+  otherwise); balancing moves it later if need be.
 """
 
 from __future__ import annotations

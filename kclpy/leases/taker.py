@@ -146,7 +146,7 @@ class LeaseTaker:
             foreign = self._mixed_fleet(leases, now)
             held = set(self.held.entries())
             plan = self._balancer.plan(held=held, known_shards=known, no_steal=no_steal, now=now,
-                                       count_finished=bool(foreign))
+                                       java_peers=bool(foreign))
             with self._state:
                 self._share = plan.share
             taken += [fresh for lease in plan.take if (fresh := self._take(lease, stolen=False))]
