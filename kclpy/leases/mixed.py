@@ -29,8 +29,8 @@ therefore speaks the Java 2.x protocol, and keeps its graceful handoff between k
 - *Free leases are not left to Java for long*: a Java worker takes a lease only at the
   second of its scans (two failover times apart) after the lease's last change, so a lease a
   kclpy worker released could go without a consumer for four failover times. While Java
-  workers share the table, a kclpy worker takes a lease free for longer than one failover
-  time even above its target (the balancer's "very old" rule, three failover times
+  workers share the table, a kclpy worker takes an unowned lease free for longer than one
+  failover time even above its target (the balancer's "very old" rule, three failover times
   otherwise); balancing moves it later if need be.
 """
 
