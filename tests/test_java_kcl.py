@@ -209,8 +209,8 @@ class Migration:
         return "".join(f"--- {d.name} ({d.kind}) ---\n{d.log_tail(3000)}\n" for d in self.every)
 
 
-# About 3.5 min on this shared machine (six daemons started one after another, four of them
-# JVMs, each step waiting for Java's two-failover-time taker cycle): above the suite's
+# About 3 min on this shared machine (six daemons started one after another, four of them
+# JVMs, each step waiting for Java's two-failover-time taker cycle): close to the suite's
 # default per-test timeout.
 @pytest.mark.timeout(600)
 def test_a_rolling_migration_from_java_to_kclpy_and_back_under_load(
