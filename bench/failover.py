@@ -12,6 +12,10 @@ lease protocol's part), and "first record", when the first record was processed 
 the new consumer's GetShardIterator and first GetRecords, which kinesis-mock serves slowly
 on a busy machine: 0.2 s to 2 s here, tens of milliseconds on AWS).
 
+A third figure, "join": seconds from starting a new worker next to the survivors until the
+fleet is balanced again with every processor started on its lease's owner; the new worker
+gets its share from live workers by graceful handoff.
+
     python bench/failover.py [--failover-ms 3000 10000] [--rounds 3] [--shards 8] [--workers 3]
 """
 
@@ -79,7 +83,7 @@ def _measure(group: Fleet, victim: str, signum: int, names: set[str]) -> Gaps:
 
 def run_round(
     kinesis_url: str, dynamodb_url: str, failover_ms: int, shards: int, workers: int, workdir: Path
-) -> tuple[Gaps, Gaps]:
+) -> tuple[Gaps, Gaps, float]:
     kinesis = kinesis_client(kinesis_url)
     stream = unique_name("failover")
     create_stream(kinesis, stream, shards)
@@ -95,11 +99,14 @@ def run_round(
         wait_for(lambda: group.balanced_among(names), 120, "a balanced fleet")
         killed = _measure(group, "w0", signal.SIGKILL, names)
         names -= {"w0"}
+        joined_at = time.monotonic()
         group.start("w-new")
         names |= {"w-new"}
-        wait_for(lambda: group.balanced_among(names), 120, "a balanced fleet again")
+        wait_for(lambda: group.settled(names), 120, "a balanced fleet again")
+        # a new worker gets its share by graceful handoff from the live ones
+        join_s = time.monotonic() - joined_at
         terminated = _measure(group, "w1", signal.SIGTERM, names)
-    return killed, terminated
+    return killed, terminated, join_s
 
 
 def _line(label: str, gaps: Gaps) -> str:
@@ -141,19 +148,24 @@ def main() -> int:
             print(f"failover time {failover_ms} ms, {args.shards} shards, {args.workers} workers")
             all_killed: list[Gaps] = []
             all_terminated: list[Gaps] = []
+            joins: list[float] = []
             for round_no in range(1, args.rounds + 1):
                 with tempfile.TemporaryDirectory() as tmp:
-                    killed, terminated = run_round(
+                    killed, terminated, join_s = run_round(
                         kinesis.url, dynamodb.url, failover_ms, args.shards, args.workers, Path(tmp)
                     )
                 print(f" round {round_no}")
                 print(_line("kill -9", killed))
                 print(_line("SIGTERM", terminated))
+                print(f"  join     a new worker started to a settled fleet: {join_s:.2f} s")
                 all_killed.append(killed)
                 all_terminated.append(terminated)
+                joins.append(join_s)
                 sys.stdout.flush()
             print(_summary("kill -9", all_killed, failover_ms / 1000))
             print(_summary("SIGTERM", all_terminated, None))
+            print(f" join (graceful handoff): median {statistics.median(joins):.2f} s,"
+                  f" max {max(joins):.2f} s")
     return 0
 
 

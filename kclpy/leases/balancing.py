@@ -23,7 +23,8 @@ must converge when all workers apply it at once:
 Differences from Java, each cheap and deliberate:
 
 - Leases checkpointed at ``SHARD_END`` are never taken and do not count towards any
-  worker's load, unless a lag recovery of the shard is still queued in them. Nothing else
+  worker's load, unless a lag recovery of the shard is still queued in them (or a Java
+  worker shares the table: ``java_peers``, see ``mixed.py``). Nothing else
   needs them: a child only reads its parent's checkpoint, and a child lease missing after a
   crash is recreated by shard sync. Java takes them and renews them until they are cleaned
   up, paying DynamoDB writes for finished shards.
@@ -167,8 +168,15 @@ class Balancer:
         known_shards: AbstractSet[str] | None,
         no_steal: Collection[str],
         now: float,
+        java_peers: bool = False,
     ) -> TakePlan:
-        """Decide what to take, given the leases this worker holds now."""
+        """Decide what to take, given the leases this worker holds now. With ``java_peers``
+        (a Java KCL 2.x worker shares the table), finished leases count as Java's taker
+        counts them - towards the total and their live owner's load - so both compute the
+        same target (they are still never taken); and an unowned lease (released) free for
+        longer than one failover time counts as very old: a Java worker under target may
+        leave it free for up to four failover times (it takes a lease only at the second of
+        its scans, two failover times apart, after the lease's last change)."""
         eligible = sorted(
             (
                 lease
@@ -194,15 +202,29 @@ class Balancer:
                 mine += 1
             else:
                 counts[owner] += 1
+        finished = 0
+        if java_peers:
+            for lease in self._leases.values():
+                if (not lease.is_finished or lease.parked is not None
+                        or (known_shards is not None and lease.lease_key not in known_shards)):
+                    continue
+                finished += 1
+                owner = lease.lease_owner
+                if owner is not None and not self.is_expired(lease, now):
+                    if owner == self.worker_id or lease.lease_key in held:
+                        mine += 1
+                    else:
+                        counts[owner] += 1
+        total = len(eligible) + finished
         workers = len(counts) + 1
-        share = len(eligible) / workers
-        target = 1 if workers >= len(eligible) else math.ceil(len(eligible) / workers)
+        share = total / workers
+        target = 1 if workers >= total else math.ceil(total / workers)
         limit = self.max_leases_for_worker
         if limit is not None:
             target = min(target, limit)
 
         def made(take: Sequence[Lease] = (), steal: Sequence[Lease] = ()) -> TakePlan:
-            return TakePlan(tuple(take), tuple(steal), share, workers, len(eligible),
+            return TakePlan(tuple(take), tuple(steal), share, workers, total,
                             len(available), max(0, target - mine))
 
         # Shuffle before the stable sort so that equally old leases come in a different
@@ -213,7 +235,9 @@ class Balancer:
         very_old = [
             lease
             for lease in available
-            if self.unchanged_for(lease.lease_key, now) > very_old_after
+            if self.unchanged_for(lease.lease_key, now) > (
+                self.failover_time_s if java_peers and lease.lease_owner is None
+                else very_old_after)
         ]
         if very_old:
             room = len(very_old) if limit is None else max(0, limit - mine)

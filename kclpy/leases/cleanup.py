@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 
 from kclpy.leases.lease import AT_TIMESTAMP, LATEST, TRIM_HORIZON, Lease
 
@@ -37,8 +38,11 @@ def has_progressed(lease: Lease) -> bool:
     return lease.checkpoint not in _NOT_STARTED
 
 
-def deletable(leases: Iterable[Lease], worker_id: str) -> list[Lease]:
-    """The finished leases this worker should delete now, by the rules above."""
+def deletable(
+    leases: Iterable[Lease], worker_id: str, keep: AbstractSet[str] = frozenset()
+) -> list[Lease]:
+    """The finished leases this worker should delete now, by the rules above; never those
+    in ``keep`` (finished leases a live Java worker holds: its own cleanup deletes them)."""
     by_key = {lease.lease_key: lease for lease in leases}
     children: defaultdict[str, set[str]] = defaultdict(set)
     for lease in by_key.values():
@@ -48,7 +52,7 @@ def deletable(leases: Iterable[Lease], worker_id: str) -> list[Lease]:
     result = []
     for key, lease in sorted(by_key.items()):
         kids = children[key]
-        if not lease.is_finished or not kids:
+        if not lease.is_finished or not kids or key in keep:
             continue
         if any(parent in by_key for parent in lease.parent_lease_keys):
             continue

@@ -64,6 +64,11 @@ class Lease:
     #: table (the SQL state store) can tell. Java KCL workers ignore the attribute; None for
     #: items created without it (by Java, or by kclpy before it).
     incarnation: str | None = field(default=None, compare=False)
+    #: kclpy's own: the kclpy worker that last took or adopted the lease. A Java KCL worker's
+    #: take leaves it unchanged, so it equals the holder only while a kclpy worker holds the
+    #: lease: how kclpy tells a holder that speaks the graceful handoff protocol
+    #: (``mixed.py``). None on items no kclpy worker has taken.
+    kclpy_holder: str | None = field(default=None, compare=False)
     #: In memory only, never persisted: a fresh value each time this worker takes the lease,
     #: so a checkpointer created for an earlier tenure cannot write into a later one.
     concurrency_token: str | None = field(default=None, compare=False)

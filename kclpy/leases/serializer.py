@@ -41,6 +41,9 @@ START_AT = "kclpyStartAt"
 PARKED = "kclpyParked"
 #: kclpy's lease incarnation (``Lease.incarnation``), written only when the item is created
 INCARNATION = "kclpyIncarnation"
+#: kclpy's own: the kclpy worker that last took the lease (``Lease.kclpy_holder``); Java
+#: workers neither read nor clear it, so it names the owner only while a kclpy worker holds it
+KCLPY_HOLDER = "kclpyHolder"
 #: Java multi-stream leases: the serialised stream identifier (named so for legacy reasons)
 #: and the bare shard id, beside a key that joins them
 STREAM_NAME = "streamName"
@@ -120,6 +123,7 @@ def lease_from_item(item: Mapping[str, AttributeValueTypeDef]) -> Lease:
         parked=_str(item, PARKED),
         stream=_str(item, STREAM_NAME),
         incarnation=_str(item, INCARNATION),
+        kclpy_holder=_str(item, KCLPY_HOLDER),
     )
 
 

@@ -159,17 +159,20 @@ class LeaseTable(DynamoTable):
         """Make ``owner`` the owner if nobody changed the lease since ``lease`` was read.
 
         Clears a 3.x handoff marker: a take is a fresh assignment. Counts an owner switch
-        when the owner changes or when a handoff completes, as Java does.
+        whenever the worker that held the lease (``checkpointOwner`` during a handoff, so a
+        take after asking for it counts too) was another one, as Java counts every owner
+        change. Marks the owner as a kclpy worker (``mixed.py``).
         """
         update = (
             UpdateBuilder()
             .set(ser.LEASE_OWNER, s(owner))
+            .set(ser.KCLPY_HOLDER, s(owner))
             .set(ser.LEASE_COUNTER, n(lease.lease_counter + 1))
             .remove(ser.CHECKPOINT_OWNER)
             .expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter))
         )
-        switching = lease.lease_owner is not None and lease.lease_owner != owner
-        if switching or lease.checkpoint_owner == owner:
+        previous = lease.checkpoint_owner or lease.lease_owner
+        if previous is not None and previous != owner:
             update.add(ser.OWNER_SWITCHES_SINCE_CHECKPOINT, n(1))
         return self._update(lease.lease_key, update, lease.concurrency_token)
 
@@ -204,6 +207,7 @@ class LeaseTable(DynamoTable):
         update = (
             UpdateBuilder()
             .set(ser.LEASE_COUNTER, n(lease.lease_counter + 1))
+            .set(ser.KCLPY_HOLDER, s(lease.lease_owner))
             .add(ser.OWNER_SWITCHES_SINCE_CHECKPOINT, n(1))
             .expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter))
             .expect_owner(lease.lease_owner)
@@ -281,6 +285,22 @@ class LeaseTable(DynamoTable):
             .expect_absent(ser.CHECKPOINT_OWNER)
         )
         return self._update(lease.lease_key, update, lease.concurrency_token)
+
+    def abandon_handoff(self, lease: Lease, *, restore_holder: bool) -> Lease:
+        """Remove a ``checkpointOwner`` that nobody will act on (``mixed.StaleHandoffs``).
+        With ``restore_holder``, ``leaseOwner`` goes back to the worker ``checkpointOwner``
+        names, which never stopped holding the lease (it ignored the request); without, the
+        lease stays with ``leaseOwner``, which took it during the handoff. Not fenced on the
+        counter, which the holder keeps bumping, nor bumping it (its renewals carry on): only
+        on both names being unchanged, so it fails once anything else moved the lease."""
+        if lease.checkpoint_owner is None or lease.lease_owner is None:
+            raise ValueError(f"lease {lease.lease_key} is not being handed off")
+        update = UpdateBuilder()
+        if restore_holder:
+            update.set(ser.LEASE_OWNER, s(lease.checkpoint_owner))
+        update.remove(ser.CHECKPOINT_OWNER).expect_owner(lease.lease_owner).expect_equal(
+            ser.CHECKPOINT_OWNER, s(lease.checkpoint_owner))
+        return self._update(lease.lease_key, update, None)
 
     def update_child_shard_ids(self, lease_key: str, child_ids: Iterable[str]) -> None:
         """Add children to a parent's ``childShardIds``; the counter is left alone so the

