@@ -33,6 +33,8 @@ STRAY_STDOUT_POLICIES = ("restart", "skip")
 RETRIEVAL_MODES = ("polling", "fanout")
 #: how fan-out subscriptions are sent (kclpy.retrieval.subscription)
 FANOUT_HTTP_VERSIONS = ("auto", "2", "1.1")
+#: ``--lease-assignment``: equal lease counts, or equal measured load (kclpy.leases.load)
+LEASE_ASSIGNMENTS = ("count", "load")
 
 
 def default_worker_id() -> str:
@@ -115,6 +117,15 @@ class KCLConfig:
     stream_tracker: StreamTracker | None = field(default=None, repr=False)
     former_streams_lease_deletion_delay_ms: int = 3_600_000
     properties_dir: Path | None = None
+    # -- lease assignment by load (kclpy.leases.load; docs/leases.md) --
+    lease_assignment: str = "count"
+    rebalance_threshold_percentage: int = 10
+    dampening_percentage: int = 60
+    allow_throughput_overshoot: bool = True
+    max_throughput_per_host_kbps: int | None = None
+    variance_balancing_frequency: int = 3
+    worker_metrics_ema_alpha: float = 0.5
+    worker_metrics_reporter_freq_ms: int = 30_000
 
     def __post_init__(self) -> None:
         # built from Python: errors name the keyword the caller wrote
@@ -333,6 +344,34 @@ OPTIONS: tuple[Option, ...] = (
          "Multi-stream: how long after a stream left the tracker (or was deleted) its leases "
          "are deleted.", "formerStreamsLeasesDeletionWaitMillis"),
 )
+#: lease assignment by load (kclpy.leases.load): the Java KCL 3.x keys with the same meaning
+LOAD_OPTIONS: tuple[Option, ...] = (
+    _opt("lease_assignment", "str",
+         "How leases are spread: count (equal lease counts, the Java KCL 2.x rule) or load "
+         "(equal measured load: CPU, else KB/s - as the Java KCL 3.x).", "leaseAssignment"),
+    _opt("rebalance_threshold_percentage", "int0",
+         "Load assignment: a worker more than this percentage above the fleet's average "
+         "load gives leases to workers below it.", "reBalanceThresholdPercentage"),
+    _opt("dampening_percentage", "int",
+         "Load assignment: the percentage (1-100) of a worker's excess load moved per "
+         "balancing round.", "dampeningPercentage"),
+    _opt("allow_throughput_overshoot", "bool",
+         "Load assignment: when no lease fits a worker's share, take the smallest one "
+         "whose move still lowers the busier worker.", "allowThroughputOvershoot"),
+    _opt("max_throughput_per_host_kbps", "int",
+         "Load assignment: KB/s beyond which a worker takes no more load from others "
+         "(default: no cap).", "maxThroughputPerHostKBps"),
+    _opt("variance_balancing_frequency", "int",
+         "Load assignment: a worker balances load every this many x 2 x failover time.",
+         "varianceBalancingFrequency"),
+    _opt("worker_metrics_ema_alpha", "fraction",
+         "Load assignment: weight (0-1] of the newest load sample in its moving average.",
+         "workerMetricsEMAAlpha"),
+    _opt("worker_metrics_reporter_freq_ms", "int",
+         "Load assignment: how often a worker samples and publishes its load.",
+         "workerMetricsReporterFreqInMillis"),
+)
+OPTIONS = OPTIONS + LOAD_OPTIONS
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
 OPTIONS_BY_KEY = {k.lower(): o for o in OPTIONS for k in o.properties_keys}
 
@@ -381,10 +420,8 @@ JAVA_ONLY_KEYS: Mapping[str, str] = {
         "TableName", "BillingMode", "ReadCapacity", "WriteCapacity",
         "PointInTimeRecoveryEnabled", "DeletionProtectionEnabled", "Tags")},
     **{k: _KCL3 for k in (
-        "inMemoryWorkerMetricsCaptureFrequencyMillis", "workerMetricsReporterFreqInMillis",
+        "inMemoryWorkerMetricsCaptureFrequencyMillis",
         "noOfPersistedMetricsPerWorkerMetrics", "disableWorkerMetrics",
-        "maxThroughputPerHostKBps", "dampeningPercentage", "reBalanceThresholdPercentage",
-        "allowThroughputOvershoot", "varianceBalancingFrequency", "workerMetricsEMAAlpha",
         "staleWorkerMetricsEntryCleanupDuration")},
 }
 #: Key prefixes of the same kind: credential providers and SDK client builder settings.
@@ -443,6 +480,8 @@ def _convert(option: Option, raw: Any, label: str) -> Any:
             raise ValueError
         if kind == "timestamp":
             return parse_timestamp(text)
+        if kind == "fraction":
+            return float(text)
     except ValueError:
         raise ConfigError(label, f"{text!r} is not a valid {_KIND_WORDS[kind]}") from None
     if kind == "position":
@@ -452,7 +491,8 @@ def _convert(option: Option, raw: Any, label: str) -> Any:
 
 _KIND_WORDS = {"int": "whole number", "int0": "whole number", "port": "port number",
                "bool": "boolean (true/false)",
-               "timestamp": "timestamp (ISO 8601 or epoch seconds)"}
+               "timestamp": "timestamp (ISO 8601 or epoch seconds)",
+               "fraction": "number"}
 
 
 # -- validation -----------------------------------------------------------------------------
@@ -542,6 +582,21 @@ def validate(config: KCLConfig, labels: Mapping[str, str], *, keywords: bool = F
         raise ConfigError(name("max_records"), f"must be at most 10000, got {config.max_records}")
     if config.state_store is not None:
         _validate_state_store(config.state_store, name("state_store"))
+    _validate_load_assignment(config, name)
+
+
+def _validate_load_assignment(config: KCLConfig, name: Callable[[str], str]) -> None:
+    """The options of ``LOAD_OPTIONS`` beyond their kind's own rule."""
+    if config.lease_assignment not in LEASE_ASSIGNMENTS:
+        raise ConfigError(name("lease_assignment"), f"{config.lease_assignment!r} is not one "
+                          f"of {', '.join(LEASE_ASSIGNMENTS)}")
+    if config.dampening_percentage > 100:
+        raise ConfigError(name("dampening_percentage"),
+                          f"must be at most 100, got {config.dampening_percentage}")
+    alpha = config.worker_metrics_ema_alpha
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
+        raise ConfigError(name("worker_metrics_ema_alpha"),
+                          f"must be a number in (0, 1], got {alpha!r}")
 
 
 #: DynamoDB's rule for a table name
