@@ -16,14 +16,12 @@ others idle. Here each worker:
    small Scan of as many items as there are workers, never the lease table;
 3. *takes load* (:class:`LoadBalancing`), as the thief in kclpy's protocol always does: a
    worker below the fleet's average looks for workers above the average by more than
-   ``reBalanceThresholdPercentage`` and asks (graceful handoff) for leases whose load fills
-   its share of their excess, damped by ``dampeningPercentage``. Its share is its deficit over
-   every below-average worker's deficit, so that all thieves together move at most the
-   damped excess even when they act at the same moment on the same figures. When no lease
-   fits, ``allowThroughputOvershoot`` lets it take the smallest lease whose move lowers the
-   busier of the two workers without lifting itself above the threshold; nothing is ever
-   taken that would lift the thief above the average by more than the threshold, which is
-   what keeps a lease from going back and forth.
+   ``reBalanceThresholdPercentage`` (or above itself by twice that) and asks (graceful
+   handoff) for leases worth its share of the gap, damped by ``dampeningPercentage``
+   (:func:`choose_steals` has the rules). When no lease fits, ``allowThroughputOvershoot``
+   lets it take the smallest lease whose move still lowers the busier of the two; nothing is
+   ever taken that would lift the thief above what the victim keeps, or above the average by
+   more than the threshold, which is what keeps a lease from going back and forth.
 
 Free leases (a dead worker's, new shards) are still taken by the count rules of
 ``balancing.py``: a shard without history has no known load, and nothing must wait for a
@@ -339,53 +337,84 @@ def choose_steals(
 ) -> list[Lease]:
     """The leases ``mine`` should ask for, given every fresh report (``fleet``, this
     worker's included) and the leases each other worker holds. Pure, so every rule is
-    tested without a table."""
+    tested without a table.
+
+    A *victim* is a worker above the average by more than the threshold, or above this
+    worker by more than twice the threshold (of the average): the second rule is what still
+    balances the rest of the fleet when one worker is far above the average with a lease
+    that cannot move (a single hot shard), which lifts the average above everyone else.
+    From each victim, most loaded first, this worker takes leases worth at most the damped
+    half of the gap between them divided by the number of workers that see the same victim
+    (so that they do not all take the same excess at once), and stops once it took the
+    damped part of its own deficit under the average; a lease is taken only if
+    this worker stays below what the victim keeps and within the threshold above the
+    average, so no lease can come back in the next round.
+    """
     if len(fleet) < 2:
         return []
     average = sum(r.load for r in fleet.values()) / len(fleet)
     if average <= 0 or mine.load >= average:
         return []
+    gap = 2 * settings.threshold * average
     ceiling = average * (1 + settings.threshold)
-    deficits = {w: average - r.load for w, r in fleet.items() if r.load < average}
-    my_part = deficits[mine.worker_id] / sum(deficits.values())
-    room = ceiling - mine.load  # never lift this worker above the threshold
-    wanted = settings.dampening * (average - mine.load)
-    kbps_room = math.inf if settings.max_kbps is None else settings.max_kbps - mine.kbps
-    chosen: list[Lease] = []
-    victims = sorted((r for w, r in fleet.items() if r.load > ceiling and w in owned),
+
+    def is_victim(victim: WorkerLoad, thief: WorkerLoad) -> bool:
+        return victim.load > ceiling or victim.load - thief.load > gap
+
+    thief = _Thief(mine, room=ceiling - mine.load,
+                   kbps_room=math.inf if settings.max_kbps is None
+                   else settings.max_kbps - mine.kbps)
+    victims = sorted((r for w, r in fleet.items() if w in owned and is_victim(r, mine)),
                      key=lambda r: (-r.load, r.worker_id))
     for victim in victims:
-        quota = min(wanted, settings.dampening * (victim.load - average) * my_part)
+        thieves = sum(1 for r in fleet.values() if r.load < average and is_victim(victim, r))
+        quota = settings.dampening * (victim.load - thief.load) / 2 / max(1, thieves)
+        left = victim.load
         candidates = sorted(
             (lease for lease in owned[victim.worker_id] if lease.lease_key not in no_steal),
             key=lambda lease: (-victim.lease_load(lease.lease_key), lease.lease_key))
-        moved = False
+        before = len(thief.chosen)
         for lease in candidates:
-            kbps = victim.lease_kbps.get(lease.lease_key, 0.0)
-            here = mine.load_of_kbps(kbps)
-            cost = victim.lease_load(lease.lease_key) if here is None else here
-            if cost <= quota and cost <= room and kbps <= kbps_room and cost > 0:
-                chosen.append(lease)
-                quota -= cost
-                wanted -= cost
-                room -= cost
-                kbps_room -= kbps
-                moved = True
-        if not moved and settings.allow_overshoot and candidates:
-            smallest = min(candidates, key=lambda lease: (victim.lease_load(lease.lease_key),
-                                                          lease.lease_key))
-            kbps = victim.lease_kbps.get(smallest.lease_key, 0.0)
-            here = mine.load_of_kbps(kbps)
-            cost = victim.lease_load(smallest.lease_key) if here is None else here
-            if 0 < cost <= room and kbps <= kbps_room and mine.load + cost < victim.load:
-                chosen.append(smallest)
-                wanted -= cost
-                room -= cost
-                kbps_room -= kbps
-        if wanted <= 0 or room <= 0:
+            taken = thief.take(victim, lease, left, quota)
+            if taken is not None:
+                quota -= taken[1]
+                left -= taken[0]
+        if len(thief.chosen) == before and settings.allow_overshoot:
+            for lease in reversed(candidates):  # the smallest that lowers the victim
+                if thief.take(victim, lease, left, math.inf) is not None:
+                    break
+        if (thief.room <= 0 or thief.load >= average
+                or thief.load - mine.load >= settings.dampening * (average - mine.load)):
             break
-    return chosen
+    return thief.chosen
 
+
+class _Thief:
+    """What one balancing round has chosen so far, and the room left."""
+
+    def __init__(self, mine: WorkerLoad, *, room: float, kbps_room: float) -> None:
+        self.mine = mine
+        self.load = mine.load
+        self.room = room
+        self.kbps_room = kbps_room
+        self.chosen: list[Lease] = []
+
+    def take(self, victim: WorkerLoad, lease: Lease, left: float,
+             budget: float) -> tuple[float, float] | None:
+        """Choose ``lease`` if it fits ``budget`` and the rules; (its load on the victim,
+        its load here) when chosen. ``left`` is what the victim keeps so far."""
+        kbps = victim.lease_kbps.get(lease.lease_key, 0.0)
+        there = victim.lease_load(lease.lease_key)
+        here = self.mine.load_of_kbps(kbps)
+        cost = there if here is None else here
+        if not (0 < cost <= min(budget, self.room) and kbps <= self.kbps_room
+                and self.load + cost <= left - there):
+            return None
+        self.chosen.append(lease)
+        self.load += cost
+        self.room -= cost
+        self.kbps_room -= kbps
+        return there, cost
 
 
 def load_balancing(config: KCLConfig, client: DynamoDBClient,

@@ -31,17 +31,29 @@ import random
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kclpy.leases import serializer as ser
 from kclpy.leases.budget import java_taker_interval
 from kclpy.leases.coordinator import LeaseCoordinator
 from kclpy.leases.lease import Lease
+from kclpy.leases.load import (
+    LOAD_TABLE_SUFFIX,
+    WORKER_ID,
+    LoadBalancing,
+    LoadMeter,
+    LoadSettings,
+    LoadTable,
+)
 from kclpy.leases.table import LeaseTable
 from tests.simulation.aws import Dynamo, Item
 from tests.simulation.scheduler import Sim
 
+if TYPE_CHECKING:
+    from mypy_boto3_dynamodb import DynamoDBClient
+
 TABLE = "scale"
+LOAD_TABLE = TABLE + LOAD_TABLE_SUFFIX
 #: DynamoDB's Scan page limit
 PAGE_BYTES = 1024 * 1024
 
@@ -117,14 +129,24 @@ class MeteredClient:
             largest = max(item_bytes(old) if old else 0, item_bytes(new) if new else 0)
             self.meter.write_units += max(1, math.ceil(largest / 1024))
 
+    def _key(self, kw: dict[str, Any], where: str) -> str:
+        hash_key = self.backend.tables[kw["TableName"]][0]
+        return str(kw[where][hash_key]["S"])
+
     def update_item(self, **kw: Any) -> dict[str, Any]:
-        return self._write("UpdateItem", kw["Key"]["leaseKey"]["S"], kw, self.backend.update_item)
+        return self._write("UpdateItem", self._key(kw, "Key"), kw, self.backend.update_item)
 
     def put_item(self, **kw: Any) -> dict[str, Any]:
-        return self._write("PutItem", kw["Item"]["leaseKey"]["S"], kw, self.backend.put_item)
+        return self._write("PutItem", self._key(kw, "Item"), kw, self.backend.put_item)
 
     def delete_item(self, **kw: Any) -> dict[str, Any]:
-        return self._write("DeleteItem", kw["Key"]["leaseKey"]["S"], kw, self.backend.delete_item)
+        return self._write("DeleteItem", self._key(kw, "Key"), kw, self.backend.delete_item)
+
+    def describe_table(self, **kw: Any) -> dict[str, Any]:
+        return self.backend.describe_table(**kw)
+
+    def create_table(self, **kw: Any) -> dict[str, Any]:
+        return self.backend.create_table(**kw)
 
     def get_item(self, **kw: Any) -> dict[str, Any]:
         self.meter.requests["GetItem"] += 1
@@ -137,8 +159,8 @@ class MeteredClient:
     def scan(self, **kw: Any) -> dict[str, Any]:
         """One page of at most 1 MB, from ``ExclusiveStartKey``."""
         self.meter.requests["Scan"] += 1
-        _, items = self.backend.tables[kw["TableName"]]
-        start = kw.get("ExclusiveStartKey", {}).get("leaseKey", {}).get("S")
+        hash_key, items = self.backend.tables[kw["TableName"]]
+        start = kw.get("ExclusiveStartKey", {}).get(hash_key, {}).get("S")
         keys = sorted(items)
         if start is not None:
             keys = keys[bisect.bisect_right(keys, start):]
@@ -157,9 +179,64 @@ class MeteredClient:
         self.meter.largest_page_items = max(self.meter.largest_page_items, len(page))
         self.meter.largest_page_bytes = max(self.meter.largest_page_bytes, size)
         answer: dict[str, Any] = {"Items": page}
-        if page and page[-1]["leaseKey"]["S"] != keys[-1]:
-            answer["LastEvaluatedKey"] = {"leaseKey": page[-1]["leaseKey"]}
+        if page and page[-1][hash_key]["S"] != keys[-1]:
+            answer["LastEvaluatedKey"] = {hash_key: page[-1][hash_key]}
         return answer
+
+
+# -- traffic -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Traffic:
+    """What each shard carries (KB/s) and how fast each worker processes (KB per CPU
+    second); accrued at every probe into the counters a worker's load meter reads."""
+
+    kbps: dict[str, float]
+    #: worker id -> KB one CPU second processes (absent: ``default_speed``)
+    speed: dict[str, float]
+    default_speed: float = 1000.0
+    #: worker id -> lease key -> (records, bytes) processed, cumulative
+    processed: dict[str, dict[str, tuple[float, float]]] = field(
+        default_factory=lambda: defaultdict(dict))
+    cpu_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def flow(self, fleet: Fleet, seconds: float) -> None:
+        for worker in fleet.live():
+            done = self.processed[worker.worker_id]
+            kb_total = 0.0
+            for key in worker.coordinator.held.entries():
+                kb = self.kbps.get(key, 0.0) * seconds
+                records, nbytes = done.get(key, (0.0, 0.0))
+                done[key] = (records + kb, nbytes + kb * 1024)
+                kb_total += kb
+            self.cpu_seconds[worker.worker_id] += kb_total / self.speed_of(worker.worker_id)
+
+    def speed_of(self, worker_id: str) -> float:
+        return float(self.speed.get(worker_id, self.default_speed))
+
+    def load(self, worker_id: str, keys: list[str]) -> float:
+        """The true load (CPU percent) of a worker holding ``keys``."""
+        return 100.0 * sum(self.kbps.get(k, 0.0) for k in keys) / self.speed_of(worker_id)
+
+
+def zipf_kbps(shards: int, total_kbps: float, *, top: float = 0.05,
+              top_share: float = 0.5) -> list[float]:
+    """Per-shard traffic from a Zipf law whose exponent makes the top ``top`` of the shards
+    carry ``top_share`` of the bytes, hottest first."""
+    head = max(1, round(top * shards))
+
+    def share(exponent: float) -> float:
+        weights = [1 / (rank ** exponent) for rank in range(1, shards + 1)]
+        return sum(weights[:head]) / sum(weights)
+
+    low, high = 0.0, 10.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if share(middle) < top_share else (low, middle)
+    weights = [1 / (rank ** high) for rank in range(1, shards + 1)]
+    scale = total_kbps / sum(weights)
+    return [w * scale for w in weights]
 
 
 # -- the fleet ---------------------------------------------------------------------------------
@@ -234,7 +311,8 @@ def java2_per_shard_hour(spec: ScaleSpec, item_size: float) -> tuple[float, floa
     scans_per_hour = spec.workers * 3600 / java_taker_interval(spec.failover_s)
     scan_units = math.ceil(spec.shards * item_size / 4096) / 2
     requests = renewals + scans_per_hour * pages / spec.shards
-    capacity = renewals * math.ceil(item_size / 1024) + 0.2 * scans_per_hour * scan_units / spec.shards
+    capacity = (renewals * math.ceil(item_size / 1024)
+                + 0.2 * scans_per_hour * scan_units / spec.shards)
     return requests, capacity
 
 
@@ -245,12 +323,21 @@ class SimWorker:
         self.worker_id = worker_id
         self.meter = Meter()
         self.alive = True
-        table = LeaseTable(MeteredClient(fleet.backend, self.meter), TABLE,
+        client = cast("DynamoDBClient", MeteredClient(fleet.backend, self.meter))
+        table = LeaseTable(client, TABLE,
                            clock=fleet.clock, sleep=fleet.no_sleep,
                            rng=random.Random(fleet.rng.getrandbits(64)))
+        self.load: LoadBalancing | None = None
+        if fleet.load_settings is not None:
+            load_table = LoadTable(client, LOAD_TABLE, clock=fleet.clock, sleep=fleet.no_sleep)
+            meter = LoadMeter(worker_id, lambda: fleet.traffic.processed[worker_id],
+                              clock=fleet.clock,
+                              cpu_seconds=lambda: fleet.traffic.cpu_seconds[worker_id],
+                              ema_alpha=fleet.load_settings.ema_alpha)
+            self.load = LoadBalancing(meter, load_table, fleet.load_settings, clock=fleet.clock)
         self.coordinator = LeaseCoordinator(
             table, worker_id, failover_time_s=fleet.spec.failover_s, clock=fleet.clock,
-            renewal_threads=1, rng=random.Random(fleet.rng.getrandbits(64)),
+            renewal_threads=1, rng=random.Random(fleet.rng.getrandbits(64)), load=self.load,
             **fleet.coordinator_options)
         self._first_scan = True
         self._next_poll: float | None = None
@@ -286,8 +373,13 @@ class SimWorker:
 class Fleet:
     """Workers, the shared table, and the event loop."""
 
-    def __init__(self, spec: ScaleSpec, **coordinator_options: Any) -> None:
+    def __init__(self, spec: ScaleSpec, *, traffic: Traffic | None = None,
+                 load_settings: LoadSettings | None = None,
+                 **coordinator_options: Any) -> None:
         self.spec = spec
+        self.traffic = traffic if traffic is not None else Traffic({}, {})
+        #: with settings: ``--lease-assignment load``
+        self.load_settings = load_settings
         self.coordinator_options = coordinator_options
         self.rng = random.Random(spec.seed)
         self.now = 0.0
@@ -298,6 +390,8 @@ class Fleet:
             # a checkpoint as long as a real sequence number, so items have a real size
             lease = Lease(f"shardId-{index:012d}", checkpoint=str(49_000_000 + index) * 7)
             self.backend.put_item(TableName=TABLE, Item=ser.lease_to_new_item(lease))
+        self.backend.create_table(TableName=LOAD_TABLE, KeySchema=[
+            {"AttributeName": WORKER_ID, "KeyType": "HASH"}])
         self.workers: dict[str, SimWorker] = {}
         self._events: list[tuple[float, int, str, str]] = []
         self._seq = 0
@@ -319,6 +413,8 @@ class Fleet:
 
     def _observe_write(self, table: str, key: str, old: Item | None, new: Item | None,
                        request: dict[str, Any]) -> None:
+        if table != TABLE:
+            return
         before = old.get(ser.LEASE_OWNER, {}).get("S") if old else None
         after = new.get(ser.LEASE_OWNER, {}).get("S") if new else None
         if after is not None and after != before:
@@ -370,6 +466,7 @@ class Fleet:
                     return None
                 self.now = next_probe
                 self._check_one_holder()
+                self.traffic.flow(self, self.spec.probe_s)
                 if self.on_probe is not None:
                     self.on_probe(self, self.spec.probe_s)
                 if settle and self.settled(self):
@@ -492,3 +589,62 @@ def summary(result: ScaleResult) -> dict[str, Any]:
         "item_bytes": round(result.item_bytes),
         "violations": len(result.violations),
     }
+
+
+# -- load-based assignment ---------------------------------------------------------------------
+
+
+def load_ratio(fleet: Fleet) -> float | None:
+    """The busiest live worker's true load over the fleet's average; None while a lease is
+    not held by a live worker."""
+    held = holders(fleet)
+    if held is None:
+        return None
+    loads = [fleet.traffic.load(worker_id, keys) for worker_id, keys in held.items()]
+    average = sum(loads) / len(loads)
+    return max(loads) / average if average > 0 else 1.0
+
+
+@dataclass
+class LoadRun:
+    """One fleet with skewed traffic, settled and then watched."""
+
+    #: from the cold start to the busiest worker within ``bound`` x the average (None: not
+    #: within the limit)
+    settled_after_s: float | None
+    #: busiest / average at every probe of the watch after settling (no handoff in flight)
+    ratios: list[float]
+    #: lease moves between workers per hour during the watch
+    moves_per_hour: float
+    violations: list[str]
+
+
+def run_load(spec: ScaleSpec, traffic: Traffic, settings: LoadSettings | None, *,
+             bound: float = 1.15, watch_s: float = 1800.0,
+             settle_limit_s: float = 3600.0) -> LoadRun:
+    """Start ``spec.workers`` workers on skewed ``traffic`` (``settings`` None: count-based
+    assignment), wait until the busiest is within ``bound`` x the average (count-based: until
+    the counts are balanced), then watch for ``watch_s``."""
+    fleet = Fleet(spec, traffic=traffic, load_settings=settings)
+
+    def settled(fleet: Fleet) -> bool:
+        if settings is None:
+            return balanced_by_count(fleet)
+        ratio = load_ratio(fleet)
+        return ratio is not None and ratio <= bound
+
+    fleet.settled = settled
+    for index in range(spec.workers):
+        fleet.start_worker(f"w{index:03d}", fleet.rng.random())
+    done = fleet.run_until(settle_limit_s, settle=True)
+    ratios: list[float] = []
+
+    def watch(fleet: Fleet, seconds: float) -> None:
+        ratio = load_ratio(fleet)
+        if ratio is not None:  # None while a handoff is in flight
+            ratios.append(ratio)
+
+    fleet.on_probe = watch
+    moved = fleet.moved
+    fleet.run_until(fleet.now + watch_s, settle=False)
+    return LoadRun(done, ratios, (fleet.moved - moved) * 3600 / watch_s, fleet.violations)
