@@ -227,14 +227,14 @@ def zipf_kbps(shards: int, total_kbps: float, *, top: float = 0.05,
     head = max(1, round(top * shards))
 
     def share(exponent: float) -> float:
-        weights = [1.0 / float(rank) ** exponent for rank in range(1, shards + 1)]
+        weights = [1.0 / math.pow(rank, exponent) for rank in range(1, shards + 1)]
         return sum(weights[:head]) / sum(weights)
 
     low, high = 0.0, 10.0
     for _ in range(60):
         middle = (low + high) / 2
         low, high = (middle, high) if share(middle) < top_share else (low, middle)
-    weights = [1.0 / float(rank) ** high for rank in range(1, shards + 1)]
+    weights = [1.0 / math.pow(rank, high) for rank in range(1, shards + 1)]
     scale = total_kbps / sum(weights)
     return [w * scale for w in weights]
 
