@@ -18,10 +18,12 @@ others idle. Here each worker:
    worker below the fleet's average looks for workers above the average by more than
    ``reBalanceThresholdPercentage`` (or above itself by twice that) and asks (graceful
    handoff) for leases worth its share of the gap, damped by ``dampeningPercentage``
-   (:func:`choose_steals` has the rules). When no lease fits, ``allowThroughputOvershoot``
-   lets it take the smallest lease whose move still lowers the busier of the two; nothing is
-   ever taken that would lift the thief above what the victim keeps, or above the average by
-   more than the threshold, which is what keeps a lease from going back and forth.
+   (:func:`choose_steals` has the rules). A lease fits when the thief stays below what the
+   victim keeps and within the threshold above the average, so it cannot come back in the
+   next round. When no lease fits, ``allowThroughputOvershoot`` lets it take the one lease
+   whose move lowers the two workers' sum of squared loads the most: that sum falls with
+   every move, so again nothing flaps, and a fast worker can take a hot shard off a slow
+   one.
 
 Free leases (a dead worker's, new shards) are still taken by the count rules of
 ``balancing.py``: a shard without history has no known load, and nothing must wait for a
@@ -348,7 +350,9 @@ def choose_steals(
     (so that they do not all take the same excess at once), and stops once it took the
     damped part of its own deficit under the average; a lease is taken only if
     this worker stays below what the victim keeps and within the threshold above the
-    average, so no lease can come back in the next round.
+    average, so no lease can come back in the next round. When none fits,
+    ``allow_overshoot`` allows one move that lowers the pair's sum of squared loads
+    (:meth:`_Thief.overshoot`).
     """
     if len(fleet) < 2:
         return []
@@ -380,9 +384,7 @@ def choose_steals(
                 quota -= taken[1]
                 left -= taken[0]
         if len(thief.chosen) == before and settings.allow_overshoot:
-            for lease in reversed(candidates):  # the smallest that lowers the victim
-                if thief.take(victim, lease, left, math.inf) is not None:
-                    break
+            thief.overshoot(victim, candidates, left)
         if (thief.room <= 0 or thief.load >= average
                 or thief.load - mine.load >= settings.dampening * (average - mine.load)):
             break
@@ -410,11 +412,35 @@ class _Thief:
         if not (0 < cost <= min(budget, self.room) and kbps <= self.kbps_room
                 and self.load + cost <= left - there):
             return None
+        self._choose(lease, cost, kbps)
+        return there, cost
+
+    def overshoot(self, victim: WorkerLoad, candidates: list[Lease], left: float) -> None:
+        """No lease fits the share: take the one whose move lowers the two workers' sum of
+        squared loads the most, if any does. That sum falls with every such move and would
+        rise with the move back, so no lease can flap; and unlike "stay below the victim"
+        it lets a fast worker take a hot lease off a slow one although it is then the
+        busier of the two (others take load from it next)."""
+        best: tuple[float, Lease, float, float] | None = None
+        for lease in candidates:
+            kbps = victim.lease_kbps.get(lease.lease_key, 0.0)
+            there = victim.lease_load(lease.lease_key)
+            here = self.mine.load_of_kbps(kbps)
+            cost = there if here is None else here
+            if cost <= 0 or kbps > self.kbps_room:
+                continue
+            change = ((self.load + cost) ** 2 + (left - there) ** 2
+                      - self.load ** 2 - left ** 2)
+            if change < 0 and (best is None or change < best[0]):
+                best = (change, lease, cost, kbps)
+        if best is not None:
+            self._choose(best[1], best[2], best[3])
+
+    def _choose(self, lease: Lease, cost: float, kbps: float) -> None:
         self.chosen.append(lease)
         self.load += cost
         self.room -= cost
         self.kbps_room -= kbps
-        return there, cost
 
 
 def load_balancing(config: KCLConfig, client: DynamoDBClient,

@@ -30,6 +30,7 @@ import math
 import random
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -316,6 +317,23 @@ def java2_per_shard_hour(spec: ScaleSpec, item_size: float) -> tuple[float, floa
     return requests, capacity
 
 
+class InlineExecutor:
+    """The renewer's pool, running each renewal at once on the caller's thread."""
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> Future[None]:
+        future: Future[None] = Future()
+        try:
+            fn(*args)
+        except Exception as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(None)
+        return future
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Nothing runs in the background."""
+
+
 class SimWorker:
     """One worker's lease coordinator, its loops driven by the fleet's event loop."""
 
@@ -339,6 +357,10 @@ class SimWorker:
             table, worker_id, failover_time_s=fleet.spec.failover_s, clock=fleet.clock,
             renewal_threads=1, rng=random.Random(fleet.rng.getrandbits(64)), load=self.load,
             **fleet.coordinator_options)
+        # Renewals run inline: a pool thread per worker would cost two thread switches per
+        # renewal, which on a busy machine is most of a run's wall time, and the order of
+        # one worker's renewals among themselves decides nothing here.
+        self.coordinator.renewer._pool = InlineExecutor()  # type: ignore[assignment]
         self._first_scan = True
         self._next_poll: float | None = None
 
