@@ -18,7 +18,7 @@ def skewed(shards: int, workers: int, seed: int) -> Traffic:
     keys = [f"shardId-{index:012d}" for index in range(shards)]
     rng.shuffle(keys)
     speeds = {f"w{index:03d}": rng.choice([500.0, 1000.0, 1500.0]) for index in range(workers)}
-    return Traffic(dict(zip(keys, zipf_kbps(shards, shards * 100.0))), speeds)
+    return Traffic(dict(zip(keys, zipf_kbps(shards, shards * 100.0), strict=True)), speeds)
 
 
 def test_load_assignment_keeps_the_busiest_worker_within_115_percent_of_the_average() -> None:
