@@ -31,13 +31,14 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SIZES = ("100x10,100x50,100x200,1000x10,1000x50,1000x200,10000x10,10000x50")
 
 
-def _child(size: str, failover_s: float, seed: int) -> None:
+def _child(size: str, failover_s: float, seed: int, steal: int) -> None:
     sys.path.insert(0, str(ROOT))
-    from tests.simulation.scale import ScaleSpec, run_scale, summary
+    from tests.simulation.scale import Fleet, ScaleSpec, run_scale, summary
 
     shards, workers = (int(part) for part in size.split("x"))
-    result = run_scale(ScaleSpec(shards, workers, failover_s=failover_s, seed=seed))
-    print(json.dumps(summary(result)), flush=True)
+    spec = ScaleSpec(shards, workers, failover_s=failover_s, seed=seed)
+    result = run_scale(spec, fleet=Fleet(spec, max_leases_to_steal_at_one_time=steal))
+    print(json.dumps({**summary(result), "max_leases_to_steal": steal}), flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,10 +48,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--failover-s", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--max-leases-to-steal", type=int, default=1,
+                        help="--max-leases-to-steal-at-one-time of every worker")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        _child(args.child, args.failover_s, args.seed)
+        _child(args.child, args.failover_s, args.seed, args.max_leases_to_steal)
         return 0
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -58,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for start in range(0, len(sizes), args.jobs):
         children = [subprocess.Popen(
             [sys.executable, __file__, "--child", size, "--failover-s", str(args.failover_s),
-             "--seed", str(args.seed)], stdout=subprocess.PIPE, env=env)
+             "--seed", str(args.seed), "--max-leases-to-steal", str(args.max_leases_to_steal)],
+            stdout=subprocess.PIPE, env=env)
             for size in sizes[start:start + args.jobs]]
         for child in children:
             out, _ = child.communicate()

@@ -3,13 +3,33 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kclpy import KCLConfig, Worker
 from kclpy.cli import worker_main
 from kclpy.config import build_config, from_properties
 from kclpy.leases.lease import Lease
-from kclpy.leases.load import LoadMeter, LoadSettings, WorkerLoad, choose_steals
+from kclpy.leases.load import (
+    LOAD_TABLE_SUFFIX,
+    LoadMeter,
+    LoadSettings,
+    WorkerLoad,
+    choose_steals,
+)
+from kclpy.local import LocalEndpoint
+from tests.support.recording import Ledger, RecordingProcessor
+from tests.support.streams import (
+    REGION,
+    create_stream,
+    dynamodb_client,
+    kinesis_client,
+    put_plain,
+    unique_name,
+    wait_for,
+)
+from tests.support.workers import running
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = LoadSettings()
@@ -99,11 +119,12 @@ def test_meter_rates_per_lease_and_cpu() -> None:
     assert load.lease_kbps == {"a": pytest.approx(5.0), "b": pytest.approx(0.5)}
     assert load.cpu_percent == pytest.approx(25.0)
     assert load.load == load.cpu_percent
-    # a lease taken since the last sample starts counting from now, whatever its counters
-    totals["c"] = (1e6, 1e9)
+    # a lease taken since the last sample: what it shows since then is this worker's work
+    totals["c"] = (10, 1024 * 100)
     now[0] = 20.0
     load = meter.sample({"a", "c"})
-    assert set(load.lease_kbps) == {"a", "c"} and load.lease_kbps["c"] == 0.0
+    assert set(load.lease_kbps) == {"a", "c"}
+    assert load.lease_kbps["c"] == pytest.approx(10.0)
 
 
 def test_java_3_keys_drive_the_options() -> None:
@@ -153,3 +174,39 @@ def test_bad_flag_exits_2_naming_it(capsys: pytest.CaptureFixture[str],
                         "--lease-assignment", "random"])
     assert code == 2
     assert "--lease-assignment" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_over_http_workers_publish_their_load_and_withdraw_it_on_shutdown(
+        embedded_endpoint: LocalEndpoint) -> None:
+    """Two workers with ``--lease-assignment load`` on the local endpoint: each publishes
+    its load in ``<lease table>-kclpyWorkerLoad`` (the records its processors handled, per
+    lease), every record is delivered, and a stopping worker deletes its report."""
+    url = embedded_endpoint.url
+    kinesis, dynamodb = kinesis_client(url), dynamodb_client(url)
+    stream, app = unique_name("load-stream"), unique_name("load-app")
+    create_stream(kinesis, stream, 2)
+    put_plain(kinesis, stream, [b"x" * 500] * 200)
+    ledger = Ledger()
+
+    def worker(name: str) -> Worker:
+        return Worker(KCLConfig(
+            application_name=app, stream_name=stream, region=REGION, worker_id=name,
+            kinesis_endpoint=url, dynamodb_endpoint=url, initial_position="TRIM_HORIZON",
+            failover_time_ms=3000, idle_time_between_reads_ms=100, max_records=20,
+            lease_assignment="load", worker_metrics_reporter_freq_ms=200),
+            lambda: RecordingProcessor(ledger))
+
+    def reports() -> dict[str, dict[str, Any]]:
+        items = dynamodb.scan(TableName=app + LOAD_TABLE_SUFFIX)["Items"]
+        return {item["workerId"]["S"]: item for item in items}
+
+    with running(worker("a")), running(worker("b")):
+        wait_for(lambda: sum(len(v) for v in ledger.by_shard().values()) == 200, 60,
+                 "every record delivered")
+        wait_for(lambda: set(reports()) == {"a", "b"}, 30, "both workers' reports")
+        wait_for(lambda: sum(float(r["kbps"]["N"]) for r in reports().values()) > 0, 30,
+                 "a report of the traffic")
+        leases = {key for r in reports().values() for key in r["leases"]["M"]}
+        assert leases <= {"shardId-000000000000", "shardId-000000000001"}
+    assert reports() == {}

@@ -151,7 +151,7 @@ class LoadMeter:
         self._alpha = ema_alpha
         self._since = clock()
         self._cpu_since = cpu_seconds()
-        #: the counters at the last sample, per lease held then
+        #: the counters at the last sample
         self._last: dict[str, tuple[float, float]] = {}
         self._lease_kbps: dict[str, float] = {}
         self._kbps: float | None = None
@@ -160,29 +160,29 @@ class LoadMeter:
         self._seq = 0
 
     def sample(self, held: AbstractSet[str]) -> WorkerLoad:
-        """Close the current interval and fold its rates into the moving averages. A lease
-        held now but not at the last sample starts counting from now (its counters may
-        carry an earlier tenure's records); leases no longer ``held`` are forgotten."""
+        """Close the current interval and fold its rates into the moving averages. The
+        counters grow only while this worker processes a lease, so what a lease shows since
+        the last sample is this worker's work whenever it was taken; leases no longer
+        ``held`` are forgotten."""
         now, cpu, totals = self._clock(), self._cpu_seconds(), self._totals()
         elapsed = max(1e-9, now - self._since)
         cpu_used = cpu - self._cpu_since
         self._since, self._cpu_since = now, cpu
         records = nbytes = 0.0
-        last: dict[str, tuple[float, float]] = {}
-        for key in held:
-            current = totals.get(key, (0.0, 0.0))
-            before = self._last.get(key, current)
+        for key, current in totals.items():
+            before = self._last.get(key, (0.0, 0.0))
             delta_records = max(0.0, current[0] - before[0])
             delta_bytes = max(0.0, current[1] - before[1])
             records += delta_records
             nbytes += delta_bytes
-            kbps = delta_bytes / 1024 / elapsed
-            self._lease_kbps[key] = (kbps if key not in self._last
-                                     else _ema(self._lease_kbps.get(key), kbps, self._alpha))
-            last[key] = current
+            if key in held:
+                kbps = delta_bytes / 1024 / elapsed
+                self._lease_kbps[key] = _ema(self._lease_kbps.get(key), kbps, self._alpha)
+        for key in held - self._lease_kbps.keys():
+            self._lease_kbps[key] = 0.0
         for key in self._lease_kbps.keys() - held:
             del self._lease_kbps[key]
-        self._last = last
+        self._last = dict(totals)
         self._kbps = _ema(self._kbps, nbytes / 1024 / elapsed, self._alpha)
         self._rps = _ema(self._rps, records / elapsed, self._alpha)
         self._cpu = _ema(self._cpu, 100.0 * cpu_used / elapsed, self._alpha)
