@@ -22,15 +22,17 @@ def skewed(shards: int, workers: int, seed: int) -> Traffic:
 
 
 def test_load_assignment_keeps_the_busiest_worker_within_115_percent_of_the_average() -> None:
-    """Settled, the busiest worker stays within 1.15 x the fleet's average load for five
-    minutes, with few moves and no lease ever held twice; count-based assignment on the same
-    history leaves it far above."""
+    """Settled, the busiest worker stays within 1.15 x the fleet's average load for ten
+    minutes; after the first five (the last rounds of converging) no lease moves at all; no
+    lease is ever held twice. Count-based assignment on the same history leaves the busiest
+    worker far above."""
     spec = ScaleSpec(100, 4, seed=2)
-    run = run_load(spec, skewed(100, 4, seed=1), SETTINGS, watch_s=300, settle_limit_s=900)
+    run = run_load(spec, skewed(100, 4, seed=1), SETTINGS, watch_s=600, calm_s=300,
+                   settle_limit_s=900)
     assert run.violations == []
     assert run.settled_after_s is not None
     assert max(run.ratios) <= 1.15
-    assert run.moves_per_hour <= 60
+    assert run.moves_per_hour == 0
     by_count = run_load(spec, skewed(100, 4, seed=1), None, watch_s=60, settle_limit_s=300)
     assert by_count.violations == []
     assert min(by_count.ratios) > 1.15

@@ -636,17 +636,18 @@ class LoadRun:
     settled_after_s: float | None
     #: busiest / average at every probe of the watch after settling (no handoff in flight)
     ratios: list[float]
-    #: lease moves between workers per hour during the watch
+    #: lease moves between workers per hour during the watch, after its calm period
     moves_per_hour: float
     violations: list[str]
 
 
 def run_load(spec: ScaleSpec, traffic: Traffic, settings: LoadSettings | None, *,
-             bound: float = 1.15, watch_s: float = 1800.0,
+             bound: float = 1.15, watch_s: float = 1800.0, calm_s: float = 0.0,
              settle_limit_s: float = 3600.0) -> LoadRun:
     """Start ``spec.workers`` workers on skewed ``traffic`` (``settings`` None: count-based
     assignment), wait until the busiest is within ``bound`` x the average (count-based: until
-    the counts are balanced), then watch for ``watch_s``."""
+    the counts are balanced), then watch for ``watch_s``: the ratios from settling on, the
+    moves after the first ``calm_s`` of the watch (the last rounds of converging)."""
     fleet = Fleet(spec, traffic=traffic, load_settings=settings)
 
     def settled(fleet: Fleet) -> bool:
@@ -667,6 +668,8 @@ def run_load(spec: ScaleSpec, traffic: Traffic, settings: LoadSettings | None, *
             ratios.append(ratio)
 
     fleet.on_probe = watch
+    fleet.run_until(fleet.now + calm_s, settle=False)
     moved = fleet.moved
-    fleet.run_until(fleet.now + watch_s, settle=False)
-    return LoadRun(done, ratios, (fleet.moved - moved) * 3600 / watch_s, fleet.violations)
+    fleet.run_until(fleet.now + watch_s - calm_s, settle=False)
+    moves_per_hour = (fleet.moved - moved) * 3600 / max(1.0, watch_s - calm_s)
+    return LoadRun(done, ratios, moves_per_hour, fleet.violations)
