@@ -6,10 +6,10 @@ coordinators of ``tests/simulation/scale.py`` against the in-memory DynamoDB.
 For each size and each assignment it prints one JSON line: seconds from a cold start until
 the busiest worker's load is within 1.15 x the fleet's average (count: until the lease
 counts are balanced), then, over the watch that follows, the largest and the median
-busiest / average ratio, and the lease moves per hour in the second half of the watch. Load balancing runs with reports
-every 10 s and a round every 20 s (``workerMetricsReporterFreqInMillis = 10000``,
-``varianceBalancingFrequency = 1`` with a 10 s failover time) so that a run settles in
-simulated minutes.
+busiest / average ratio, and the lease moves per hour in the second half of the watch.
+Load balancing runs with reports every 10 s and a round every 20 s
+(``workerMetricsReporterFreqInMillis = 10000``, ``varianceBalancingFrequency = 1`` with a
+10 s failover time) so that a run settles in simulated minutes.
 
     python bench/load_sim.py                       # 200 x 5, 400 x 8, 1000 x 10
     python bench/load_sim.py --sizes 100x4 --watch-s 600
