@@ -283,11 +283,11 @@ class LoadBalancing:
         busy: bool,
         count_steals: Iterable[Lease] = (),
     ) -> list[Lease]:
-        """The leases to ask for in this cycle: by load when a balancing round is due and no
-        handoff to this worker is still pending (``busy``). While the fleet reports no
-        traffic at all (an idle stream, or before the first reports) there is no load to
-        balance, and the count rule's ``count_steals`` are made instead, so that a fleet
-        still spreads its leases before data flows."""
+        """The leases to ask for in this cycle: by load when a balancing round is due and the
+        worker is not ``busy`` (taking free leases, or waiting for a handoff to it). While
+        the fleet reports no traffic at all (an idle stream, or before the first reports)
+        there is no load to balance, and the count rule's ``count_steals`` are made
+        instead, so that a fleet still spreads its leases before data flows."""
         self.report_if_due(held)
         now = self._clock()
         if self._fleet_kbps <= 0:

@@ -150,7 +150,8 @@ class LeaseTaker:
             taken += [fresh for lease in plan.take if (fresh := self._take(lease, stolen=False))]
             steals = plan.steal if self._load is None else self._load.steals(
                 leases, held=held, live=lambda lease: not self._balancer.is_expired(lease, now),
-                no_steal=no_steal, busy=bool(self.pending_handoffs()), count_steals=plan.steal)
+                no_steal=no_steal, busy=bool(plan.take or self.pending_handoffs()),
+                count_steals=plan.steal)
             taken += [fresh for lease in steals if (fresh := self.steal(lease))]
             if taken:
                 log.info("worker %s took %s", self.worker_id, ", ".join(t.lease_key for t in taken))
