@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
 from kclpy import KCLConfig, Worker
 from kclpy.cli import worker_main
 from kclpy.config import build_config, from_properties
+from kclpy.leases.dynamo import LeaseTableThrottled
 from kclpy.leases.lease import Lease
 from kclpy.leases.load import (
     LOAD_TABLE_SUFFIX,
+    LoadBalancing,
     LoadMeter,
     LoadSettings,
+    LoadTable,
     WorkerLoad,
     choose_steals,
 )
@@ -30,6 +33,9 @@ from tests.support.streams import (
     wait_for,
 )
 from tests.support.workers import running
+
+if TYPE_CHECKING:
+    from mypy_boto3_dynamodb import DynamoDBClient
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = LoadSettings()
@@ -210,3 +216,27 @@ def test_over_http_workers_publish_their_load_and_withdraw_it_on_shutdown(
         leases = {key for r in reports().values() for key in r["leases"]["M"]}
         assert leases <= {"shardId-000000000000", "shardId-000000000001"}
     assert reports() == {}
+
+
+class FailingTable(LoadTable):
+    """A load table DynamoDB keeps throttling."""
+
+    def __init__(self) -> None:
+        super().__init__(cast("DynamoDBClient", None), "t-kclpyWorkerLoad")
+
+    def publish(self, load: WorkerLoad) -> None:
+        raise LeaseTableThrottled("PutItem throttled")
+
+    def read_all(self) -> list[WorkerLoad]:
+        raise LeaseTableThrottled("Scan throttled")
+
+
+def test_an_unreachable_load_table_only_falls_back_to_the_count_rule() -> None:
+    """Reports that cannot be written or read cost the round, never the taker's cycle: the
+    count rule's steals are made as for an idle fleet."""
+    now = [0.0]
+    meter = LoadMeter("me", dict, clock=lambda: now[0], cpu_seconds=lambda: 0.0)
+    balancing = LoadBalancing(meter, FailingTable(), SETTINGS, clock=lambda: now[0])
+    count_steal = Lease("s", lease_owner="other")
+    assert balancing.steals([count_steal], held=set(), live=lambda lease: True,
+                            no_steal=(), busy=False, count_steals=[count_steal]) == [count_steal]

@@ -45,9 +45,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from botocore.exceptions import ClientError
-
-from kclpy.leases.dynamo import DynamoTable
+from kclpy.leases.dynamo import TABLE_ERRORS, DynamoTable
 from kclpy.leases.lease import Lease
 from kclpy.metrics import Metrics
 
@@ -239,7 +237,7 @@ class LoadTable(DynamoTable):
         try:
             self.call("DeleteItem", self.client.delete_item, TableName=self.table_name,
                       Key={WORKER_ID: {"S": worker_id}})
-        except ClientError as exc:
+        except TABLE_ERRORS as exc:
             log.info("withdrawing the load report of %s failed: %r", worker_id, exc)
 
 
@@ -270,7 +268,7 @@ class LoadBalancing:
         self.mine = self.meter.sample(held)
         try:
             self.table.publish(self.mine)
-        except ClientError as exc:
+        except TABLE_ERRORS as exc:
             log.warning("worker %s: publishing its load failed: %r", self.worker_id, exc)
 
     def steals(
@@ -314,11 +312,13 @@ class LoadBalancing:
         self._next_round = now + self.settings.balance_interval_s
         try:
             reports = self.table.read_all()
-        except ClientError as exc:
+        except TABLE_ERRORS as exc:
             log.warning("worker %s: reading the fleet's load failed: %r", self.worker_id, exc)
             return None
         fleet = {self.worker_id: self.mine}
         stale_after = 3 * self.settings.report_interval_s
+        reporting = {report.worker_id for report in reports}
+        self._seen = {w: seen for w, seen in self._seen.items() if w in reporting}
         for report in reports:
             seen = self._seen.get(report.worker_id)
             if seen is None or seen[0] != report.seq:
