@@ -32,6 +32,8 @@ ERROR_POLICIES = ("retry", "skip", "shutdown", "park")
 STRAY_STDOUT_POLICIES = ("restart", "skip")
 #: kclpy's own default is polling (API and CLI); Java's POLLING / FANOUT are accepted
 RETRIEVAL_MODES = ("polling", "fanout")
+#: ``--lease-assignment``: equal lease counts, or equal measured load (kclpy.leases.load)
+LEASE_ASSIGNMENTS = ("count", "load")
 
 
 def default_worker_id() -> str:
@@ -121,6 +123,15 @@ class KCLConfig:
     stream_tracker: StreamTracker | None = field(default=None, repr=False)
     former_streams_lease_deletion_delay_ms: int = 3_600_000
     properties_dir: Path | None = None
+    # -- lease assignment by load (kclpy.leases.load; docs/leases.md) --
+    lease_assignment: str = "count"
+    rebalance_threshold_percentage: int = 10
+    dampening_percentage: int = 60
+    allow_throughput_overshoot: bool = True
+    max_throughput_per_host_kbps: int | None = None
+    variance_balancing_frequency: int = 3
+    worker_metrics_ema_alpha: float = 0.5
+    worker_metrics_reporter_freq_ms: int = 30_000
 
     def __post_init__(self) -> None:
         self.validate()
@@ -194,7 +205,7 @@ class Option:
     name: str
     flag: str
     properties_keys: tuple[str, ...]
-    kind: str  # str, int, int0, bool, position, timestamp, port, url
+    kind: str  # str, int, int0, bool, position, timestamp, port, url, fraction
     help: str
     #: the range of a whole number (inclusive); None: unbounded on that side
     least: int | None = None
@@ -215,7 +226,11 @@ class Option:
         return self.rule(config, label) if self.rule is not None else None
 
     def _value_problem(self, value: Any) -> str | None:
-        if self.kind in _WHOLE_KINDS:
+        if self.kind == "fraction":
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not 0 < value <= 1):
+                return f"must be a number in (0, 1], got {value!r}"
+        elif self.kind in _WHOLE_KINDS:
             if not isinstance(value, int) or isinstance(value, bool):
                 return f"{value!r} is not a whole number"
             if self.least is not None and value < self.least:
@@ -536,6 +551,35 @@ OPTIONS: tuple[Option, ...] = (
          "Multi-stream: how long after a stream left the tracker (or was deleted) its leases "
          "are deleted.", "formerStreamsLeasesDeletionWaitMillis"),
 )
+#: lease assignment by load (kclpy.leases.load): the Java KCL 3.x keys with the same meaning
+LOAD_OPTIONS: tuple[Option, ...] = (
+    _opt("lease_assignment", "str",
+         "How leases are spread: count (equal lease counts, the Java KCL 2.x rule) or load "
+         "(equal measured load: CPU, else KB/s - as the Java KCL 3.x).", "leaseAssignment",
+         choices=LEASE_ASSIGNMENTS),
+    _opt("rebalance_threshold_percentage", "int0",
+         "Load assignment: a worker more than this percentage above the fleet's average "
+         "load gives leases to workers below it.", "reBalanceThresholdPercentage"),
+    _opt("dampening_percentage", "int",
+         "Load assignment: the percentage (1-100) of a worker's excess load moved per "
+         "balancing round.", "dampeningPercentage", most=100),
+    _opt("allow_throughput_overshoot", "bool",
+         "Load assignment: when no lease fits a worker's share, take the smallest one "
+         "whose move still lowers the busier worker.", "allowThroughputOvershoot"),
+    _opt("max_throughput_per_host_kbps", "int",
+         "Load assignment: KB/s beyond which a worker takes no more load from others "
+         "(default: no cap).", "maxThroughputPerHostKBps"),
+    _opt("variance_balancing_frequency", "int",
+         "Load assignment: a worker balances load every this many x 2 x failover time.",
+         "varianceBalancingFrequency"),
+    _opt("worker_metrics_ema_alpha", "fraction",
+         "Load assignment: weight (0-1] of the newest load sample in its moving average.",
+         "workerMetricsEMAAlpha"),
+    _opt("worker_metrics_reporter_freq_ms", "int",
+         "Load assignment: how often a worker samples and publishes its load.",
+         "workerMetricsReporterFreqInMillis"),
+)
+OPTIONS = OPTIONS + LOAD_OPTIONS
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
 OPTIONS_BY_KEY = {k.lower(): o for o in OPTIONS for k in o.properties_keys}
 
@@ -582,10 +626,8 @@ JAVA_ONLY_KEYS: Mapping[str, str] = {
         "TableName", "BillingMode", "ReadCapacity", "WriteCapacity",
         "PointInTimeRecoveryEnabled", "DeletionProtectionEnabled", "Tags")},
     **{k: _KCL3 for k in (
-        "inMemoryWorkerMetricsCaptureFrequencyMillis", "workerMetricsReporterFreqInMillis",
+        "inMemoryWorkerMetricsCaptureFrequencyMillis",
         "noOfPersistedMetricsPerWorkerMetrics", "disableWorkerMetrics",
-        "maxThroughputPerHostKBps", "dampeningPercentage", "reBalanceThresholdPercentage",
-        "allowThroughputOvershoot", "varianceBalancingFrequency", "workerMetricsEMAAlpha",
         "staleWorkerMetricsEntryCleanupDuration")},
 }
 #: Key prefixes of the same kind: credential providers and SDK client builder settings.
@@ -644,6 +686,8 @@ def _convert(option: Option, raw: Any, label: str) -> Any:
             raise ValueError
         if kind == "timestamp":
             return parse_timestamp(text)
+        if kind == "fraction":
+            return float(text)
     except ValueError:
         raise ConfigError(label, f"{text!r} is not a valid {_KIND_WORDS[kind]}") from None
     if kind == "position":
@@ -653,7 +697,8 @@ def _convert(option: Option, raw: Any, label: str) -> Any:
 
 _KIND_WORDS = {"int": "whole number", "int0": "whole number", "port": "port number",
                "bool": "boolean (true/false)",
-               "timestamp": "timestamp (ISO 8601 or epoch seconds)"}
+               "timestamp": "timestamp (ISO 8601 or epoch seconds)",
+               "fraction": "number"}
 
 
 # -- validation -----------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from kclpy.consumer import ConsumerSettings, FatalProcessorError, FetcherLike, S
 from kclpy.errors import ConfigError, KCLError, cannot_heal
 from kclpy.leases.coordinator import LeaseCoordinator
 from kclpy.leases.lease import AT_TIMESTAMP, TRIM_HORIZON, Lease
+from kclpy.leases.load import LoadBalancing, load_balancing
 from kclpy.leases.park import park_held
 from kclpy.leases.streams import ActiveStream, StreamSet
 from kclpy.leases.table import LeaseTable
@@ -108,6 +109,8 @@ class Worker:
         self.dynamodb: Any = None
         self.lease_table: LeaseTable | None = None
         self.coordinator: LeaseCoordinator | None = None
+        #: load reports and balancing, with ``--lease-assignment load``
+        self._load: LoadBalancing | None = None
         #: the streams consumed now, each with its shard sync (kclpy.leases.streams)
         self.streams: StreamSet | None = None
         self._cloudwatch: CloudWatchPublisher | None = None
@@ -214,6 +217,7 @@ class Worker:
         except InvalidRegionError as exc:
             raise ConfigError("--region", str(exc)) from None
         self.lease_table = LeaseTable(self.dynamodb, cfg.lease_table_name, metrics=self.metrics)
+        self._load = load_balancing(cfg, self.dynamodb, self.metrics)
         self._start_cloudwatch(session)
         self.streams = StreamSet(self.kinesis, self.lease_table, cfg, self.metrics,
                                  register=self._register_consumer if cfg.fan_out else None)
@@ -225,7 +229,7 @@ class Worker:
             graceful_handoff=cfg.is_graceful_lease_handoff_enabled,
             graceful_handoff_timeout_s=cfg.graceful_lease_handoff_timeout_ms / 1000,
             cleanup_leases=cfg.cleanup_leases_upon_shard_completion,
-            metrics=self.metrics)
+            metrics=self.metrics, load=self._load)
         self.coordinator.add_lease_lost_listener(self._on_lease_lost)
         self.coordinator.add_handoff_listener(self._on_handoff)
         if not self._initialize():
@@ -253,6 +257,8 @@ class Worker:
                 # the streams first: a misspelled stream creates nothing (firsthour, issue 29)
                 self.streams.refresh(starting=True)
                 self.lease_table.create_if_missing()
+                if self._load is not None:
+                    self._load.table.create_if_missing()
                 if self.state_store is not None:
                     self.state_store.open(self.dynamodb)
                 self._sync_shards(starting=True)
@@ -563,6 +569,8 @@ class Worker:
                             "period", killed)
         if self.coordinator is not None:
             self.coordinator.stop(release=True)
+        if self._load is not None:
+            self._load.table.withdraw(self.config.worker_id)
         if self._cloudwatch is not None:
             self._cloudwatch.stop()
         log.info("worker %s stopped", self.config.worker_id)

@@ -31,6 +31,7 @@ from kclpy.leases.budget import ScanBudget
 from kclpy.leases.fence import LeaseFence
 from kclpy.leases.held import HeldSet
 from kclpy.leases.lease import Lease
+from kclpy.leases.load import LoadBalancing
 from kclpy.leases.renewer import LeaseRenewer
 from kclpy.leases.table import LeaseTable
 from kclpy.leases.taker import LeaseTaker
@@ -59,6 +60,7 @@ class LeaseCoordinator:
         clock: Callable[[], float] = time.monotonic,
         renewal_threads: int = 16,
         rng: random.Random | None = None,
+        load: LoadBalancing | None = None,
     ) -> None:
         if failover_time_s <= 0:
             raise ValueError("failover_time_s must be positive")
@@ -87,7 +89,7 @@ class LeaseCoordinator:
             graceful_handoff=graceful_handoff,
             graceful_handoff_timeout_s=graceful_handoff_timeout_s,
             cleanup_leases=cleanup_leases, clock=clock, metrics=metrics,
-            interval_s=taker_interval_s)
+            interval_s=taker_interval_s, load=load)
         self.held.set_drop_hook(self.taker.remember_lost)
         self._stopping = threading.Event()
         self._releases_lock = threading.Lock()

@@ -38,6 +38,7 @@ from kclpy.leases.budget import ScanBudget
 from kclpy.leases.dynamo import TABLE_ERRORS
 from kclpy.leases.held import HeldSet
 from kclpy.leases.lease import Lease
+from kclpy.leases.load import LoadBalancing
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
 
@@ -67,6 +68,7 @@ class LeaseTaker:
         clock: Callable[[], float],
         metrics: Metrics | None = None,
         interval_s: float | None = None,
+        load: LoadBalancing | None = None,
     ) -> None:
         self.table = table
         self.held = held
@@ -78,6 +80,8 @@ class LeaseTaker:
         #: a fixed taker interval (None: as often as the scan budget allows)
         self.interval_s = interval_s
         self._balancer = balancer
+        #: with ``--lease-assignment load``: the load reports and the steals by load
+        self._load = load
         self._budget = budget
         self._clock = clock
         self._metrics = metrics
@@ -150,7 +154,11 @@ class LeaseTaker:
             with self._state:
                 self._share = plan.share
             taken += [fresh for lease in plan.take if (fresh := self._take(lease, stolen=False))]
-            taken += [fresh for lease in plan.steal if (fresh := self.steal(lease))]
+            steals = plan.steal if self._load is None else self._load.steals(
+                leases, held=held, live=lambda lease: not self._balancer.is_expired(lease, now),
+                no_steal=no_steal, busy=bool(plan.take or self.pending_handoffs()),
+                count_steals=plan.steal)
+            taken += [fresh for lease in steals if (fresh := self.steal(lease))]
             if taken:
                 log.info("worker %s took %s", self.worker_id, ", ".join(t.lease_key for t in taken))
             if self.cleanup_leases:
