@@ -32,6 +32,7 @@ import time
 import urllib.request
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -537,26 +538,35 @@ class _Producer:
         return rows
 
 
-def _split_one_shard(
+def _start_split(
     kinesis: KinesisClient, stream: str, rng: random.Random
-) -> tuple[str, list[str]]:
+) -> tuple[str, Future[list[str]]]:
+    """Split one open shard, chosen now, on a thread of its own; the shard and its future
+    children. kinesis-mock keeps the stream UPDATING for seconds (tens of seconds on a busy
+    machine), and the disruptions must not wait for it."""
     shards = [
         s for s in _all_shards(kinesis, stream)
         if "EndingSequenceNumber" not in s["SequenceNumberRange"]
     ]  # fmt: skip
     parent = rng.choice(sorted(shards, key=lambda s: s["ShardId"]))
+    executor = ThreadPoolExecutor(1, thread_name_prefix="chaos-split")
+    children = executor.submit(_split, kinesis, stream, parent)
+    executor.shutdown(wait=False)
+    return parent["ShardId"], children
+
+
+def _split(kinesis: KinesisClient, stream: str, parent: ShardTypeDef) -> list[str]:
     low = int(parent["HashKeyRange"]["StartingHashKey"])
     high = int(parent["HashKeyRange"]["EndingHashKey"])
     kinesis.split_shard(
         StreamName=stream, ShardToSplit=parent["ShardId"], NewStartingHashKey=str((low + high) // 2)
     )
     wait_for_stream_active(kinesis, stream)
-    children = [
+    return sorted(
         s["ShardId"]
         for s in _all_shards(kinesis, stream)
         if s.get("ParentShardId") == parent["ShardId"]
-    ]
-    return parent["ShardId"], sorted(children)
+    )
 
 
 def _all_shards(kinesis: KinesisClient, stream: str) -> list[ShardTypeDef]:
@@ -789,7 +799,7 @@ def _disrupt(
     begin = time.monotonic()
     end = begin + settings.chaos_s
     split_at = begin + settings.chaos_s * rng.uniform(0.25, 0.5)
-    split: tuple[str, list[str]] | None = None
+    split: tuple[str, Future[list[str]]] | None = None
     next_at = begin + rng.uniform(*settings.disruption_gap_s)
     kinds: list[str] = []
     pause = threading.Event()
@@ -798,8 +808,8 @@ def _disrupt(
             if slot.due is not None and slot.due <= now:
                 fleet.revive(slot)
         if split is None and now >= split_at:
-            split = _split_one_shard(kinesis, stream, rng)
-            say(f"{now - begin:5.1f} s  split {split[0]} into {', '.join(split[1])}")
+            split = _start_split(kinesis, stream, rng)
+            say(f"{now - begin:5.1f} s  split {split[0]}")
         if now >= next_at:
             running = fleet.running()
             if not kinds and settings.disruption_kinds:
@@ -816,7 +826,10 @@ def _disrupt(
             next_at = time.monotonic() + rng.uniform(*settings.disruption_gap_s)
         dues = [slot.due for slot in fleet.slots if slot.due is not None]
         pause.wait(max(0.0, min([next_at, end, *dues]) - time.monotonic()))
-    return split
+    if split is None:
+        return None
+    parent, children = split
+    return parent, children.result(timeout=settings.catch_up_timeout_s)
 
 
 def _apply(
