@@ -141,7 +141,7 @@ def test_exactly_once_with_lag_recovery_under_slow_answers(
     settings = ChaosSettings(seed=seed_from_environment(), workers=3, shards=4, chaos_s=window,
                              plain_records=4_000, kpl_records=4_000, max_lag_ms=1_000,
                              answer_hold_rate=0.08, answer_hold_bursts=max(3, int(window // 10)),
-                             stall_check=True, stuck_after_s=30.0)
+                             answer_hold_burst_s=8.0, stall_check=True, stuck_after_s=30.0)
     spec, read_state = _store(EXACTLY_ONCE, store, moto_server, tmp_path, request)
     result = _run(settings, EXACTLY_ONCE, spec, read_state, kinesis_mock, moto_server,
                   tmp_path, capsys)
