@@ -51,6 +51,9 @@ from kclpy.streams import StreamConfig
 
 log = logging.getLogger(__name__)
 
+#: how often a shutting-down worker looks for processors that are over, to release their leases
+_SHUTDOWN_POLL_S = 0.1
+
 #: ``--stream-name`` -> ``stream_name``: what a ConfigError from start-up is named by
 KEYWORD_OF_FLAG = {option.flag: option.name for option in OPTIONS}
 
@@ -550,17 +553,33 @@ class Worker:
 
     def _shutdown_consumers(self) -> None:
         """Let every processor checkpoint in shutdown_requested, then release the leases so
-        that another worker can take them at once instead of waiting for them to expire."""
+        that another worker can take them at once instead of waiting for them to expire.
+        No lease is taken once this starts (``stop_taking``)."""
         consumers = self.consumers()
         for consumer in consumers.values():
             consumer.request_shutdown()
         deadline = time.monotonic() + self.config.shutdown_grace_ms / 1000
-        late = False
-        for shard_id, consumer in consumers.items():
-            if not consumer.join(max(0.0, deadline - time.monotonic())):
-                late = True
-                log.warning("shard %s: shutdown_requested did not finish within the grace "
-                            "period; releasing the lease anyway", shard_id)
+        coordinator = self.coordinator
+        if coordinator is not None:
+            coordinator.stop_taking()
+            for shard_id in coordinator.held_leases().keys() - consumers.keys():
+                coordinator.release_soon(shard_id)  # taken last: nothing to finish
+        # Each lease goes as soon as its processor is over: held until the slowest one is,
+        # it would be consumed by nobody for up to the grace period.
+        waiting = dict(consumers)
+        while waiting and time.monotonic() < deadline:
+            for shard_id, consumer in list(waiting.items()):
+                if consumer.done:
+                    del waiting[shard_id]
+                    if coordinator is not None:
+                        coordinator.release_soon(shard_id)
+            if waiting:
+                next(iter(waiting.values())).join(
+                    min(_SHUTDOWN_POLL_S, max(0.0, deadline - time.monotonic())))
+        late = [shard_id for shard_id, consumer in waiting.items() if not consumer.done]
+        for shard_id in late:
+            log.warning("shard %s: shutdown_requested did not finish within the grace "
+                        "period; releasing the lease anyway", shard_id)
         if late:
             # A MultiLang child still busy must not keep processing once its lease moves on.
             killed = kill_children()

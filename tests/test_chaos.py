@@ -348,7 +348,6 @@ def test_chaos_run_loses_nothing(
 ) -> None:
     settings = ChaosSettings(seed=seed_from_environment())
     result = _chaos(settings, kinesis_mock, moto_server, tmp_path, capsys)
-    assert result.report.produced >= 20_000
     assert result.throttles_injected > 0
 
 
@@ -363,8 +362,8 @@ def test_fanout_chaos_run_loses_nothing(
 ) -> None:
     """The same chaos with enhanced fan-out, while the proxy refuses subscriptions and cuts
     or ends them part way; a shorter window than polling's still sees every fault."""
-    settings = ChaosSettings(seed=seed_from_environment(), retrieval_mode=FANOUT, chaos_s=45.0,
-                             plain_records=6_000, kpl_records=8_000)
+    settings = ChaosSettings(seed=seed_from_environment(), retrieval_mode=FANOUT, chaos_s=30.0,
+                             plain_records=4_000, kpl_records=5_000)
     result = _chaos(settings, kinesis_mock, moto_server, tmp_path, capsys)
     faults = result.subscription_faults
     assert all(faults[kind] > 0 for kind in SUBSCRIPTION_FAULTS), faults
@@ -388,10 +387,10 @@ def test_chaos_with_slow_lease_answers_stalls_no_shard(
     may drop such a lease and see it come back, but every shard must be consumed again, and
     no worker may hold one with no running consumer for longer than the failover time (its
     /status is watched throughout)."""
-    window = chaos_seconds(45.0)
+    window = chaos_seconds(30.0)
     settings = ChaosSettings(seed=seed_from_environment(), workers=2, shards=8, chaos_s=window,
-                             plain_records=4_000, kpl_records=4_000, answer_hold_rate=0.1,
-                             answer_hold_bursts=max(3, int(window // 15)), stall_check=True,
+                             plain_records=3_000, kpl_records=3_000, answer_hold_rate=0.1,
+                             answer_hold_bursts=max(3, int(window // 10)), stall_check=True,
                              stuck_after_s=30.0, disruption_kinds=())
     result = _chaos(settings, kinesis_mock, moto_server, tmp_path, capsys)
     assert result.holds["UpdateItem"] > 0, result.holds
@@ -412,8 +411,8 @@ def test_fanout_chaos_with_exception_events_loses_nothing(
     KMSThrottlingException, ResourceInUseException) instead of refusing them: each is
     retried and counted by its kind (no refusals are injected, so those counts are the
     events'), and nothing is lost."""
-    settings = ChaosSettings(seed=seed_from_environment(), retrieval_mode=FANOUT, chaos_s=45.0,
-                             plain_records=6_000, kpl_records=8_000,
+    settings = ChaosSettings(seed=seed_from_environment(), retrieval_mode=FANOUT, chaos_s=30.0,
+                             plain_records=4_000, kpl_records=5_000,
                              subscription_cut_rate=0.2, subscription_end_rate=0.1,
                              subscription_refusal_rates=(0.0, 0.0, 0.0),
                              subscription_exception_rate=0.3)
@@ -452,8 +451,8 @@ def test_multilang_chaos_with_misbehaving_children_loses_nothing_and_leaves_noth
     shutdown handler (past the shutdown grace, ignoring SIGTERM) and flood stdout: nothing
     is lost, no child is left running after the fleet (killed, stopped or not), and the
     workers' memory stays bounded."""
-    settings = ChaosSettings(seed=seed_from_environment(), chaos_s=45.0, plain_records=3_000,
-                             kpl_records=4_000)
+    settings = ChaosSettings(seed=seed_from_environment(), chaos_s=30.0, plain_records=2_500,
+                             kpl_records=3_000)
 
     def say(line: str) -> None:
         with capsys.disabled():

@@ -548,6 +548,31 @@ def test_stop_without_release_leaves_the_leases_to_expire(table: LeaseTable) -> 
     assert owners(table) == {"s1": "A"}
 
 
+def test_a_coordinator_that_stopped_taking_takes_nothing_and_keeps_renewing(
+    table: LeaseTable,
+) -> None:
+    """A worker shutting down stops its taker first (the Java KCL's ``stopLeaseTaker``):
+    once ``stop_taking`` returns, the taker thread is gone, so a lease freed later (or one a
+    shutdown's taker would have stolen) stays where it is, while the leases held are still
+    renewed until they are released."""
+    create(table, "s1")
+    a, _ = coordinator(table, "A", time.monotonic, failover_time_s=3.0)
+    a.start()
+    try:
+        wait_until(lambda: a.get_held("s1") is not None)
+        a.stop_taking()
+        assert "kclpy-lease-taker-A" not in {t.name for t in threading.enumerate()}
+        create(table, "s2")
+        a.wake_taker()
+        counter = fetch(table, "s1").lease_counter
+        wait_until(lambda: fetch(table, "s1").lease_counter > counter)  # renewed
+        assert set(a.held_leases()) == {"s1"}
+        assert fetch(table, "s2").lease_owner is None
+    finally:
+        a.stop(release=True)
+    assert owners(table) == {"s1": None, "s2": None}
+
+
 def test_wake_taker_runs_a_cycle_without_waiting_for_the_interval(client: Any) -> None:
     metrics = Metrics()
     table = LeaseTable(client, "app", metrics=metrics)

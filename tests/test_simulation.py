@@ -33,6 +33,7 @@ FOUND = [
     (625, "one-committer", "hole 4"),
     (159, "no-collateral-loss", "hole 6"),
     (947, "exactly-once", "re-created stream rule"),
+    (338, "consumed-while-held", "shutdown stall"),
 ]
 
 #: found and not fixed: seed -> the invariants it breaks (tests/simulation/FOUND.md says what

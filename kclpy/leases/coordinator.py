@@ -92,12 +92,15 @@ class LeaseCoordinator:
             interval_s=taker_interval_s, load=load)
         self.held.set_drop_hook(self.taker.remember_lost)
         self._stopping = threading.Event()
+        #: set once the worker shuts down: the taker thread ends, the renewer goes on
+        self._taking_stopped = threading.Event()
         self._releases_lock = threading.Lock()
         #: the background release writes of ``release_soon``
         self._releases: ThreadPoolExecutor | None = None
         self._last_renewal_cycle = clock()
         self._wake = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._taker_thread: threading.Thread | None = None
         #: set while the renewer keeps its schedule; fetchers and deliveries wait on it (see
         #: pace_retrieval)
         self.retrieval_gate = threading.Event()
@@ -110,13 +113,15 @@ class LeaseCoordinator:
         if self._threads:
             raise RuntimeError("LeaseCoordinator already started")
         self._stopping.clear()
+        self._taking_stopped.clear()
+        self._taker_thread = threading.Thread(
+            target=self._taker_loop, name=f"kclpy-lease-taker-{self.worker_id}", daemon=True
+        )
         self._threads = [
             threading.Thread(
                 target=self._renewer_loop, name=f"kclpy-lease-renewer-{self.worker_id}", daemon=True
             ),
-            threading.Thread(
-                target=self._taker_loop, name=f"kclpy-lease-taker-{self.worker_id}", daemon=True
-            ),
+            self._taker_thread,
         ]
         for thread in self._threads:
             thread.start()
@@ -137,6 +142,18 @@ class LeaseCoordinator:
         if release:
             self.release_all()
             self.taker.give_up_pending()
+
+    def stop_taking(self) -> None:
+        """Take, steal and adopt no lease from now on, as the Java KCL's ``stopLeaseTaker``
+        at the start of a graceful shutdown; the held leases are still renewed until they
+        are released. Returns once a taker cycle under way has ended, so that the caller
+        knows every lease it will ever hold: one taken while the processors wind down would
+        be held with no consumer until the worker stops, and moved away from a worker that
+        was consuming it."""
+        self._taking_stopped.set()
+        self._wake.set()
+        if self._taker_thread is not None:
+            self._taker_thread.join()
 
     def _renewer_loop(self) -> None:
         wake_at = self._clock()
@@ -183,7 +200,7 @@ class LeaseCoordinator:
     def _taker_loop(self) -> None:
         woken = True  # the first scan runs at once
         next_poll: float | None = None
-        while not self._stopping.is_set():
+        while not self._stopping.is_set() and not self._taking_stopped.is_set():
             try:
                 next_scan = self.taker.next_scan()
                 if woken or self._clock() >= next_scan:

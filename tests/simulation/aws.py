@@ -16,6 +16,7 @@ warm up per history, and what it does not know fails the history instead of gues
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -139,7 +140,10 @@ class Kinesis:
         for shard in stream.shards.values():
             if shard.ending_sequence is None and shard.start_hash <= hashed <= shard.end_hash:
                 seq = self._next_sequence()
-                shard.records.append(KRecord(seq, partition_key, data, self.sim.now))
+                # Kinesis stamps arrivals to the millisecond: a finer stamp than the service's
+                # fell between a live start and the end of a recovery gap at one instant
+                shard.records.append(KRecord(seq, partition_key, data,
+                                             math.floor(self.sim.now * 1000) / 1000))
                 return shard.shard_id, seq
         raise AssertionError(f"no open shard of {name} covers {hashed}")
 
@@ -233,7 +237,7 @@ class Kinesis:
                           or (kind == "AT_SEQUENCE_NUMBER" and r.sequence_number == seq)),
                          len(records))
         else:  # AT_TIMESTAMP
-            at = kwargs["Timestamp"].timestamp() - EPOCH
+            at = round(kwargs["Timestamp"].timestamp() - EPOCH, 3)
             index = next((i for i, r in enumerate(records) if r.arrival >= at), len(records))
         return {"ShardIterator": self._iterator(stream.name, shard.shard_id, index)}
 

@@ -27,7 +27,11 @@ Invariants (each named in a failure):
   request about that lease itself was faulty (delayed, lost, throttled, 5xx) or another worker
   took it;
 - ``liveness``: at the end of the quiet phase every record produced was delivered (applied,
-  with exactly-once state) and every shard's checkpoint covers it.
+  with exactly-once state) and every shard's checkpoint covers it;
+- ``consumed-while-held``: no running, unpaused worker holds an unfinished lease with no
+  running consumer for longer than the failover time, graceful shutdown included (what the
+  chaos runs' /status watch, ``tests.support.liveness``, checks over real HTTP). It is read
+  by a callback of the scheduler that never blocks, so a history is the same with it.
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ from tests.simulation.scheduler import Node, Sim
 
 #: after the faults stop, every shard is consumed again within failover time + this
 LIVENESS_BOUND_S = 20.0
+#: how often ``consumed-while-held`` compares every worker's held leases with its consumers
+WATCH_S = 0.25
 STREAM = "sim-stream"
 #: the second stream of a multi-stream history, which the tracker drops and names again
 OTHER_STREAM = "sim-other"
@@ -284,6 +290,11 @@ def _checkpoint_of(item: dict[str, Any]) -> tuple[int, int, int]:
     return (0, 0, 0)
 
 
+def _checkpoint_value(item: dict[str, Any]) -> str | None:
+    value = item.get("checkpoint", {}).get("S")
+    return None if value is None else str(value)
+
+
 def _show(position: tuple[int, int, int]) -> str:
     return {0: "start", 2: "SHARD_END"}.get(position[0], f"{position[1]}/{position[2]}")
 
@@ -463,6 +474,11 @@ class History:
         self.store: ObservedStore | ObservedSQLStore | None = None
         self.tracker = Tracker()
         self.kinesis.multi_stream = plan.multi_stream
+        #: (worker, lease key) -> since when it is held with no running consumer
+        self._unconsumed: dict[tuple[str, str], float] = {}
+        self._watched_at = 0.0
+        #: (worker, lease key, since) of every stall reported, so each is reported once
+        self._stalls: set[tuple[str, str, float]] = set()
 
     # -- fleet -----------------------------------------------------------------------------
 
@@ -535,6 +551,7 @@ class History:
         for when, what, arg in plan.events:
             sim.at(when, functools.partial(self._event, what, arg))
         end = plan.quiet + plan.failover_s + LIVENESS_BOUND_S
+        sim.at(WATCH_S, self._watch)
         sim.sleep(end)
         self.check_end()
 
@@ -580,6 +597,42 @@ class History:
             pair = self.kinesis.adjacent_open_pair(STREAM)
             if pair is not None:
                 self.kinesis.merge(STREAM, *pair)
+
+    # -- held and consumed ---------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """``consumed-while-held``, judged as the chaos runs' /status watch judges it: a
+        lease not written within the failover time is not held (``held_leases()`` gives it
+        up), one checkpointed at SHARD_END needs no consumer, and a worker paused since the
+        last look is watched afresh. Reads kclpy's state without its locks: no other thread
+        runs while a scheduler callback does."""
+        sim, failover = self.sim, self.plan.failover_s
+        now = sim.now
+        _, items = self.dynamo.tables.get(APP, ("", {}))
+        idle: set[tuple[str, str]] = set()
+        for name, (node, worker) in self.workers.items():
+            if (worker is None or worker.coordinator is None or node.killed
+                    or node.paused_until > self._watched_at):
+                continue
+            clock = node.clock(now)
+            for key, entry in list(worker.coordinator.held._held.items()):
+                item = items.get(key)  # None: the table was reset, its next write finds out
+                if (item is None or clock - entry.renewed_at > failover
+                        or SHARD_END in (entry.lease.checkpoint, _checkpoint_value(item))):
+                    continue
+                consumer = worker._consumers.get(key)
+                if consumer is not None and not consumer.done:
+                    continue
+                idle.add((name, key))
+                since = self._unconsumed.setdefault((name, key), now)
+                if now - since > failover and (name, key, since) not in self._stalls:
+                    self._stalls.add((name, key, since))
+                    what = "no consumer" if consumer is None else "its consumer DONE"
+                    self.observer.fail("consumed-while-held", f"{name} held {key} with {what} "
+                                       f"since {since:.2f}s, longer than the failover time")
+        self._unconsumed = {k: v for k, v in self._unconsumed.items() if k in idle}
+        self._watched_at = now
+        sim.at(now + WATCH_S, self._watch)
 
     # -- the end ---------------------------------------------------------------------------
 

@@ -87,14 +87,20 @@ class PlainChaosCounter(kclpy.IRecordProcessor):
         self._last_checkpoint = time.monotonic()
 
     def process_records(self, process_records_input: kclpy.ProcessRecordsInput) -> None:
+        # One upsert per key, in key order: batches of different shards write the same keys
+        # at once, and upserts in record order deadlocked each other (and were retried) for
+        # most of a run.
+        adds: Counter[str] = Counter()
+        for record in process_records_input.records:
+            key, number = key_and_value(record_id(record))
+            adds[f"count/{key}"] += 1
+            adds[f"sum/{key}"] += number
         with self._engine.begin() as conn:
-            for record in process_records_input.records:
-                key, number = key_and_value(record_id(record))
-                for name, add in ((f"count/{key}", 1), (f"sum/{key}", number)):
-                    upsert = postgresql.insert(self._table).values(state_key=name, value=add)
-                    conn.execute(upsert.on_conflict_do_update(
-                        index_elements=["state_key"],
-                        set_={"value": self._table.c.value + upsert.excluded.value}))
+            for name in sorted(adds):
+                upsert = postgresql.insert(self._table).values(state_key=name, value=adds[name])
+                conn.execute(upsert.on_conflict_do_update(
+                    index_elements=["state_key"],
+                    set_={"value": self._table.c.value + upsert.excluded.value}))
         if time.monotonic() - self._last_checkpoint >= self.CHECKPOINT_EVERY_S:
             _checkpoint(process_records_input.checkpointer)
             self._last_checkpoint = time.monotonic()
@@ -226,8 +232,10 @@ def run_state_chaos(
             return sum(max(0, want - state.get(k, 0)) for k, want in result.expected.items()
                        if k.startswith("count/"))
 
+        over = time.monotonic()
         result.catch_up_failure = wait_caught_up(
             uncounted, settings, rig.watch, f"every record counted (logs in {rig.logs})")
+        say(f"catch-up took {time.monotonic() - over:.0f} s")
         fleet.wait_up(60)
         rig.settle(result)
         result.sigterm_exit_codes.extend(fleet.terminate(*fleet.slots))
