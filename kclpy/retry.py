@@ -39,8 +39,6 @@ EQUAL = "equal"
 #: ... or the ceiling itself
 NO_JITTER = "none"
 JITTERS = (FULL, EQUAL, NO_JITTER)
-#: the draws of callers that bring no generator of their own
-_RNG = random.Random()
 
 # Kinesis, KMS (behind an encrypted stream), DynamoDB, plus the codes botocore's own
 # standard retry mode treats as throttling, so nothing botocore would retry is fatal here.
@@ -159,15 +157,17 @@ class RetryPolicy:
 
     def delay(self, attempt: int, rng: random.Random | None = None) -> float:
         """The wait before retry ``attempt`` (0 for the first retry)."""
-        draw = rng if rng is not None else _RNG
+        # the module's draw is looked up per call, never held: the fleet simulator replaces
+        # the module ``random`` of each kclpy module with its seeded one
+        uniform = rng.uniform if rng is not None else random.uniform
         ceiling = self.ceiling(attempt)
         if self.jitter == FULL:
-            wait = draw.uniform(0.0, ceiling)
+            wait = uniform(0.0, ceiling)
         elif self.jitter == EQUAL:
-            wait = draw.uniform(ceiling / 2, ceiling)
+            wait = uniform(ceiling / 2, ceiling)
         else:
             wait = ceiling
-        return wait + draw.uniform(0.0, self.spread_s) if self.spread_s else wait
+        return wait + uniform(0.0, self.spread_s) if self.spread_s else wait
 
     def gives_up(self, attempts: int) -> bool:
         """True once ``attempts`` calls were made and no more are allowed."""
