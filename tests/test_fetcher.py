@@ -1,4 +1,4 @@
-"""ShardFetcher against a scripted in-memory shard, and over real HTTP against moto's server."""
+"""ShardPipeline against a scripted in-memory shard, and over real HTTP against moto's server."""
 
 from __future__ import annotations
 
@@ -23,18 +23,18 @@ from botocore.stub import Stubber
 from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
 from kclpy.metrics import Metrics
 from kclpy.records import Record
-from kclpy.retrieval import fetcher as fetcher_module
 from kclpy.retrieval import parse
+from kclpy.retrieval import polling as polling_module
 from kclpy.retrieval.backoff import Backoff
-from kclpy.retrieval.fetcher import (
+from kclpy.retrieval.parse import ChildShard, GetRecordsPage
+from kclpy.retrieval.pipeline import FetchError, FetchResult, ShardPipeline
+from kclpy.retrieval.polling import PollingSource
+from kclpy.retrieval.source import (
     AFTER_SEQUENCE_NUMBER,
     AT_SEQUENCE_NUMBER,
-    FetchError,
-    FetchResult,
-    ShardFetcher,
+    ShardAddress,
     StartPosition,
 )
-from kclpy.retrieval.parse import ChildShard, GetRecordsPage
 
 SHARD = "shardId-000000000000"
 BASE_SEQ = 49_000_000_000_000_000_000
@@ -189,8 +189,8 @@ def fake_parse(monkeypatch: pytest.MonkeyPatch) -> None:
         if not isinstance(client, FakeShard):
             parse.install_fast_get_records(client)
 
-    monkeypatch.setattr(fetcher_module, "get_records", get_records)
-    monkeypatch.setattr(fetcher_module, "install_fast_get_records", install)
+    monkeypatch.setattr(polling_module, "get_records", get_records)
+    monkeypatch.setattr(polling_module, "install_fast_get_records", install)
 
 
 def make(
@@ -199,18 +199,34 @@ def make(
     *,
     sleeps: Sleeps | None = None,
     metrics: Metrics | None = None,
+    max_records: int = 10000,
+    idle_time_s: float = 1.0,
     **kwargs: Any,
-) -> ShardFetcher:
-    return ShardFetcher(
+) -> ShardPipeline:
+    """A polling pipeline of ``shard``; ``kwargs`` are the pipeline's."""
+    source = PollingSource(
         shard,  # type: ignore[arg-type]
-        SHARD,
-        start or StartPosition(TRIM_HORIZON),
-        stream_name="s",
+        ShardAddress(SHARD, stream_name="s"),
+        max_records=max_records,
+        idle_time_s=idle_time_s,
         backoff=Backoff(0.1, 1.0, rng=UpperBound()),
+        metrics=metrics,
+    )
+    return ShardPipeline(
+        source,
+        start or StartPosition(TRIM_HORIZON),
         metrics=metrics,
         sleep=sleeps if sleeps is not None else Sleeps(),
         **kwargs,
     )
+
+
+def polling(client: Any, start: StartPosition, address: ShardAddress, *,
+            metrics: Metrics | None = None, sleep: Sleeps | None = None,
+            hash_range: tuple[int, int] | None = None, **kwargs: Any) -> ShardPipeline:
+    """A polling pipeline of a real (or stubbed) client; ``kwargs`` are the source's."""
+    return ShardPipeline(PollingSource(client, address, metrics=metrics, **kwargs), start,
+                         hash_range=hash_range, metrics=metrics, sleep=sleep)
 
 
 def sample(metrics: Metrics, name: str, **labels: str) -> float:
@@ -218,7 +234,7 @@ def sample(metrics: Metrics, name: str, **labels: str) -> float:
     return 0.0 if value is None else value
 
 
-def drain(fetcher: ShardFetcher, limit: int = 100) -> list[FetchResult]:
+def drain(fetcher: ShardPipeline, limit: int = 100) -> list[FetchResult]:
     results = []
     for _ in range(limit):
         result = fetcher.fetch_once()
@@ -262,20 +278,15 @@ def test_impossible_checkpoints_are_refused(checkpoint: str) -> None:
 
 def test_stream_name_or_arn_is_required() -> None:
     with pytest.raises(ValueError):
-        ShardFetcher(FakeShard([]), SHARD, StartPosition(TRIM_HORIZON))  # type: ignore[arg-type]
+        ShardAddress(SHARD)
 
 
 def test_iterator_request_carries_arn_and_timestamp() -> None:
     shard = FakeShard([plain(0), plain(1), plain(2)])
     ts = datetime.fromtimestamp((1_700_000_000_000 + 1) / 1000, tz=timezone.utc)
     arn = "arn:aws:kinesis:us-east-1:123456789012:stream/s"
-    fetcher = ShardFetcher(
-        shard,  # type: ignore[arg-type]
-        SHARD,
-        StartPosition(AT_TIMESTAMP, timestamp=ts),
-        stream_arn=arn,
-        sleep=Sleeps(),
-    )
+    fetcher = polling(shard, StartPosition(AT_TIMESTAMP, timestamp=ts),
+                      ShardAddress(SHARD, stream_arn=arn), sleep=Sleeps())
     assert payloads(drain(fetcher)) == [b"plain-1", b"plain-2"]
     assert shard.shard_iterator_calls == [
         {"ShardId": SHARD, "StreamARN": arn, "ShardIteratorType": AT_TIMESTAMP, "Timestamp": ts}
@@ -285,14 +296,8 @@ def test_iterator_request_carries_arn_and_timestamp() -> None:
 def test_both_stream_name_and_arn_are_sent_when_both_are_known() -> None:
     shard = FakeShard([plain(0)])
     arn = "arn:aws:kinesis:us-east-1:123456789012:stream/s"
-    fetcher = ShardFetcher(
-        shard,  # type: ignore[arg-type]
-        SHARD,
-        StartPosition(TRIM_HORIZON),
-        stream_name="s",
-        stream_arn=arn,
-        sleep=Sleeps(),
-    )
+    fetcher = polling(shard, StartPosition(TRIM_HORIZON),
+                      ShardAddress(SHARD, stream_name="s", stream_arn=arn), sleep=Sleeps())
     fetcher.fetch_once()
     assert shard.shard_iterator_calls[0]["StreamARN"] == arn
     assert shard.shard_iterator_calls[0]["StreamName"] == "s"
@@ -370,7 +375,7 @@ def test_aggregates_outside_the_hash_range_are_filtered_counted_and_logged(
     inside, outside = str(2**100), str(2**127 + 5)
     shard = FakeShard([aggregate(0, 3, [inside, outside, inside]), aggregate(1, 2, [inside] * 2)])
     metrics = Metrics()
-    with caplog.at_level(logging.WARNING, logger="kclpy.retrieval.fetcher"):
+    with caplog.at_level(logging.WARNING, logger="kclpy.retrieval.pipeline"):
         results = drain(make(shard, metrics=metrics, hash_range=(low, high),
                              filter_outside_hash_range=True))
     assert payloads(results) == [b"agg-1-0", b"agg-1-1"]
@@ -478,11 +483,10 @@ def test_a_botocore_client_throttled_then_answering_through_stubber() -> None:
             },
             {"ShardIterator": "iterator-1", "Limit": 500},
         )
-        fetcher = ShardFetcher(
+        fetcher = polling(
             client,
-            SHARD,
             StartPosition(TRIM_HORIZON),
-            stream_name="s",
+            ShardAddress(SHARD, stream_name="s"),
             max_records=500,
             backoff=Backoff(0.1, 1.0, rng=UpperBound()),
             metrics=metrics,
@@ -652,14 +656,14 @@ def test_shard_end_checkpoint_never_reaches_the_fetcher() -> None:
 
 
 @pytest.fixture
-def running() -> Iterator[list[ShardFetcher]]:
-    fetchers: list[ShardFetcher] = []
+def running() -> Iterator[list[ShardPipeline]]:
+    fetchers: list[ShardPipeline] = []
     yield fetchers
     for f in fetchers:
         f.stop(timeout=5)
 
 
-def test_thread_delivers_everything_then_shard_end(running: list[ShardFetcher]) -> None:
+def test_thread_delivers_everything_then_shard_end(running: list[ShardPipeline]) -> None:
     shard = FakeShard([plain(i) for i in range(10)], page_size=3, closed=True)
     fetcher = make(shard, queue_size=2)
     running.append(fetcher)
@@ -678,7 +682,7 @@ def test_thread_delivers_everything_then_shard_end(running: list[ShardFetcher]) 
     assert fetcher.error is None
 
 
-def test_full_queue_blocks_the_fetcher(running: list[ShardFetcher]) -> None:
+def test_full_queue_blocks_the_fetcher(running: list[ShardPipeline]) -> None:
     shard = FakeShard([plain(i) for i in range(50)], page_size=1)
     metrics = Metrics()
     fetcher = make(shard, queue_size=2, metrics=metrics)
@@ -707,13 +711,8 @@ def test_stop_is_prompt_while_blocked_on_a_full_queue() -> None:
 
 def test_stop_interrupts_the_idle_sleep_and_wakes_a_blocked_get() -> None:
     shard = FakeShard([])
-    fetcher = ShardFetcher(
-        shard,  # type: ignore[arg-type]
-        SHARD,
-        StartPosition(LATEST),
-        stream_name="s",
-        idle_time_s=3600,
-    )
+    fetcher = polling(shard, StartPosition(LATEST), ShardAddress(SHARD, stream_name="s"),
+                      idle_time_s=3600)
     fetcher.start()
     got: list[object] = []
     consumer = threading.Thread(target=lambda: got.append(fetcher.get()))
@@ -728,7 +727,7 @@ def test_stop_interrupts_the_idle_sleep_and_wakes_a_blocked_get() -> None:
 
 
 def test_fatal_error_surfaces_after_the_results_fetched_before_it(
-    running: list[ShardFetcher],
+    running: list[ShardPipeline],
 ) -> None:
     shard = FakeShard([plain(0), plain(1)], page_size=1)
     not_found = error("ResourceNotFoundException")
@@ -758,7 +757,7 @@ def test_fatal_error_surfaces_after_the_results_fetched_before_it(
         fetcher.get()
 
 
-def test_fatal_error_on_get_shard_iterator_surfaces(running: list[ShardFetcher]) -> None:
+def test_fatal_error_on_get_shard_iterator_surfaces(running: list[ShardPipeline]) -> None:
     shard = FakeShard([plain(0)])
     shard.errors["GetShardIterator"] = [
         error("ResourceNotFoundException", operation="GetShardIterator")
@@ -771,7 +770,7 @@ def test_fatal_error_on_get_shard_iterator_surfaces(running: list[ShardFetcher])
     assert shard.get_records_calls == []
 
 
-def test_start_twice_is_refused(running: list[ShardFetcher]) -> None:
+def test_start_twice_is_refused(running: list[ShardPipeline]) -> None:
     fetcher = make(FakeShard([]))
     running.append(fetcher)
     fetcher.start()
@@ -859,7 +858,7 @@ def put_mixed(client: Any, stream: str, shard: dict[str, Any]) -> list[tuple[str
     return expected
 
 
-def read_all(fetcher: ShardFetcher, count: int) -> list[tuple[str, int, bytes]]:
+def read_all(fetcher: ShardPipeline, count: int) -> list[tuple[str, int, bytes]]:
     got: list[tuple[str, int, bytes]] = []
     fetcher.start()
     try:
@@ -895,11 +894,10 @@ def test_reads_plain_and_aggregated_records_over_http_exactly_once_in_order(
             int(shard["HashKeyRange"]["EndingHashKey"]),
         )
         metrics = Metrics()
-        fetcher = ShardFetcher(
+        fetcher = polling(
             client,
-            shard_id,
             StartPosition(TRIM_HORIZON),
-            stream_name=stream,
+            ShardAddress(shard_id, stream_name=stream),
             max_records=2,  # small pages: the read spans many GetRecords calls
             idle_time_s=0.05,
             hash_range=hash_range,
@@ -913,11 +911,10 @@ def test_reads_plain_and_aggregated_records_over_http_exactly_once_in_order(
         done = next(i for i, (_, _, p) in enumerate(expected[shard_id]) if b"agg-3-2" in p)
         checkpoint_seq, checkpoint_sub, _ = expected[shard_id][done]
         assert checkpoint_sub == 2
-        resumed = ShardFetcher(
+        resumed = polling(
             client,
-            shard_id,
             StartPosition.from_checkpoint(checkpoint_seq, checkpoint_sub, None),
-            stream_name=stream,
+            ShardAddress(shard_id, stream_name=stream),
             max_records=2,
             idle_time_s=0.05,
             hash_range=hash_range,
@@ -942,11 +939,10 @@ def test_a_split_parent_is_read_to_shard_end_with_its_children_over_http(
     )
     wait_active(client, stream)
 
-    fetcher = ShardFetcher(
+    fetcher = polling(
         client,
-        parent["ShardId"],
         StartPosition(TRIM_HORIZON),
-        stream_name=stream,
+        ShardAddress(parent["ShardId"], stream_name=stream),
         max_records=4,
         idle_time_s=0.05,
     )
