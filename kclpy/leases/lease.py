@@ -13,11 +13,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-TRIM_HORIZON = "TRIM_HORIZON"
-LATEST = "LATEST"
-AT_TIMESTAMP = "AT_TIMESTAMP"
-SHARD_END = "SHARD_END"
-SENTINELS = frozenset({TRIM_HORIZON, LATEST, AT_TIMESTAMP, SHARD_END})
+# The checkpoint sentinels are kclpy.position's; named here too, as the lease item stores them.
+from kclpy.position import AT_TIMESTAMP as AT_TIMESTAMP
+from kclpy.position import LATEST as LATEST
+from kclpy.position import SENTINELS as SENTINELS
+from kclpy.position import SHARD_END as SHARD_END
+from kclpy.position import TRIM_HORIZON as TRIM_HORIZON
 
 
 @dataclass
