@@ -44,7 +44,7 @@ class ShardSubscription:
         client: KinesisClient,
         consumer_arn: str,
         shard_id: str,
-        label: str,
+        lease_key: str,
         *,
         http_version: str,
         metrics: Metrics,
@@ -53,7 +53,7 @@ class ShardSubscription:
         self._client = client
         self._consumer_arn = consumer_arn
         self._shard_id = shard_id
-        self._label = label
+        self._lease_key = lease_key
         self._http_version = http_version
         self._metrics = metrics
         self._clock = clock
@@ -82,7 +82,7 @@ class ShardSubscription:
                     position(self._resume_after(last_sequence_number)),
                     http_version=self._http_version)
                 self._metrics.subscriptions.labels(
-                    self._label, "renewed" if self._subscribed_at else "opened").inc()
+                    self._lease_key, "renewed" if self._subscribed_at else "opened").inc()
                 self._subscribed_at = self._clock()
             try:
                 event = next(self._events)
@@ -93,8 +93,8 @@ class ShardSubscription:
                 self._events = None
                 raise
             self.continuation = event.continuation_sequence_number
-            self._metrics.subscription_events.labels(self._label).inc()
-            self._metrics.subscription_bytes.labels(self._label).inc(event.page.size_bytes)
+            self._metrics.subscription_events.labels(self._lease_key).inc()
+            self._metrics.subscription_bytes.labels(self._lease_key).inc(event.page.size_bytes)
             return event
 
     def _resume_after(self, last_sequence_number: str | None) -> str | None:
@@ -164,12 +164,12 @@ class FanOutSource:
         self._metrics = m
         self._retrying = Retrying(address, backoff, m)
         self._subscription = ShardSubscription(
-            client, consumer_arn, address.shard_id, address.label, http_version=http_version,
+            client, consumer_arn, address.shard_id, address.lease_key, http_version=http_version,
             metrics=m, clock=clock)
         self._probe_s = shard_end_probe_s
         self._clock = clock
         self._probed_at = clock()
-        self._m_behind = m.millis_behind_latest.labels(address.label)
+        self._m_behind = m.millis_behind_latest.labels(address.lease_key)
 
     def status(self) -> dict[str, Any]:
         """With the age of the open subscription (None between two)."""

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kclpy.errors import KCLError
-from kclpy.leases.lease import AT_TIMESTAMP
 from kclpy.metrics import Metrics
+from kclpy.position import AT_TIMESTAMP
 from kclpy.records import EMPTY, Record, Records
 from kclpy.retrieval.kpl import HashKeyRange, deaggregate
 from kclpy.retrieval.parse import ChildShard
@@ -113,7 +113,7 @@ class ShardPipeline:
         self._source = source
         self.shard_id = source.address.shard_id
         #: metrics and logs name the shard by its lease key
-        self.label = source.address.label
+        self.lease_key = source.address.lease_key
         self._key_range = None if hash_range is None else HashKeyRange(*hash_range)
         #: the Java KCL's filter of aggregates with sub-records outside the shard's range;
         #: off by default, because it drops aws-kinesis-agg aggregates for good (kpl.py)
@@ -131,7 +131,7 @@ class ShardPipeline:
 
         m = metrics if metrics is not None else Metrics()
         self._metrics = m
-        label = self.label
+        label = self.lease_key
         self._m_corrupt = m.deaggregation_errors.labels(label)
         self._m_filtered = m.records_filtered.labels(label)
         self._m_depth = m.prefetch_queue_depth.labels(label)
@@ -227,7 +227,7 @@ class ShardPipeline:
         # Wake a get() that is blocked on an empty queue.
         self._put_nowait(_END)
         with contextlib.suppress(KeyError):
-            self._metrics.prefetch_queue_depth.remove(self.label)
+            self._metrics.prefetch_queue_depth.remove(self.lease_key)
 
     @property
     def error(self) -> BaseException | None:
@@ -345,7 +345,7 @@ class ShardPipeline:
                 logger.warning(
                     "shard %s: %d user record(s) of aggregates with keys outside the shard's "
                     "hash-key range filtered out (kpl_hash_range_filter is on)",
-                    self.label, agg.filtered)
+                    self.lease_key, agg.filtered)
             records = self._drop_processed(agg.records)
         if not (records or page.shard_end or self._deliver_empty):
             return None

@@ -98,7 +98,7 @@ class PollingSource:
         self._pacer = pacer
         #: the read ends before the first record that arrived at or after this (epoch ms)
         self._until_ms = until_ms
-        label = address.label
+        label = address.lease_key
         self._m_seconds = m.get_records_seconds.labels(label)
         self._m_expired = m.iterator_expirations.labels(label)
         self._m_behind = m.millis_behind_latest.labels(label)

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
-from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
 from kclpy.metrics import Metrics
+from kclpy.position import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
 from kclpy.records import Record
 from kclpy.retrieval.backoff import THROTTLED, Backoff, classify
 from kclpy.retrieval.parse import ChildShard
@@ -91,7 +91,7 @@ class ShardAddress:
 
     Kinesis calls take the bare ``shard_id`` with the stream's name, ARN or both (both also
     suits moto, whose ARN-only iterators fail); metrics and logs name the shard by its lease
-    key (``label``), which in a multi-stream application starts with the stream
+    key (``lease_key``), which in a multi-stream application starts with the stream
     (``stream_id``, a serialised identifier).
     """
 
@@ -105,7 +105,7 @@ class ShardAddress:
             raise ValueError("a shard's address needs stream_name or stream_arn")
 
     @property
-    def label(self) -> str:
+    def lease_key(self) -> str:
         if self.stream_id is None:
             return self.shard_id
         return multi_stream_lease_key(self.stream_id, self.shard_id)
@@ -209,7 +209,7 @@ class Retrying:
     def call(self, reading: Reading, operation: str, call: Callable[[], _T],
              classifier: Callable[[BaseException], str | None] = classify) -> _T:
         """Run ``call`` until it succeeds or fails in a way retrying cannot fix."""
-        label = self._address.label
+        label = self._address.lease_key
         while True:
             try:
                 result = call()
