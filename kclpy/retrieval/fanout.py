@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 #: what the source answers for "where does reading resume after this sequence number
 #: (None: nothing handled yet)": the StartingPosition of a SubscribeToShard
-Position = Callable[[str | None], dict[str, Any]]
+StartingPositionAfter = Callable[[str | None], dict[str, Any]]
 
 
 class ShardSubscription:
@@ -70,7 +70,7 @@ class ShardSubscription:
             return None
         return round(self._clock() - self._subscribed_at, 1)
 
-    def next_event(self, position: Position, last_sequence_number: str | None
+    def next_event(self, position: StartingPositionAfter, last_sequence_number: str | None
                    ) -> SubscribeEvent:
         """The next event, opening a subscription when none is open: right away after one
         the service ended (after about five minutes), after the last event's continuation.

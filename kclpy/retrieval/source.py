@@ -161,10 +161,6 @@ class Reading:
         start = self.start
         return start.kind, start.sequence_number, start.timestamp
 
-    def sleep(self, seconds: float) -> None:
-        """Wait, waking early when the pipeline stops."""
-        self._sleep(seconds)
-
     def pause(self, seconds: float, cause: BaseException | None = None) -> None:
         """Wait before a retry; raise ``Stopped`` if the pipeline stopped meanwhile."""
         self._sleep(seconds)
