@@ -15,31 +15,18 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kclpy.errors import CheckpointError, InvalidStateException
-from kclpy.leases.lease import SENTINELS, SHARD_END, Lease
+from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import START_AT, UpdateBuilder, n
 from kclpy.metrics import Metrics
+from kclpy.position import SHARD_END
+from kclpy.position import Position as Position
+from kclpy.position import position_of as position_of
 from kclpy.records import Record
 
 if TYPE_CHECKING:
     from kclpy.leases.fence import Guard
 
 T = TypeVar("T")
-
-Position = tuple[int, int]
-#: sorts before every real sequence number: TRIM_HORIZON, LATEST, AT_TIMESTAMP
-_BEFORE_ALL: Position = (-1, 0)
-#: sorts after every real sequence number
-_AFTER_ALL: Position = (2**200, 0)
-
-
-def position_of(checkpoint: str | None, sub_sequence_number: int | None) -> Position:
-    """The sortable position of a stored checkpoint (sentinels included)."""
-    if checkpoint is None or checkpoint in SENTINELS - {SHARD_END}:
-        return _BEFORE_ALL
-    if checkpoint == SHARD_END:
-        return _AFTER_ALL
-    return int(checkpoint), sub_sequence_number or 0
-
 
 class CheckpointWriter(Protocol):
     def update_checkpoint(

@@ -40,9 +40,12 @@ from kclpy.records import Record
 from kclpy.recovery.detect import first_record
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
-from kclpy.retrieval.fetcher import Pacer, ShardFetcher, StartPosition
+from kclpy.retrieval.fanout import FanOutSource
 from kclpy.retrieval.parse import ChildShard
+from kclpy.retrieval.pipeline import ShardPipeline
+from kclpy.retrieval.polling import Pacer, PollingSource
 from kclpy.retrieval.registration import ConsumerRegistration, RegistrationSettings
+from kclpy.retrieval.source import PageSource, ShardAddress, StartPosition
 from kclpy.retry import NO_JITTER, Backoff, RetryPolicy
 from kclpy.state import open_store
 from kclpy.state.processor import StatefulProcessor, exactly_once_factory
@@ -447,54 +450,79 @@ class Worker:
 
     def _oldest_record(self, lease: Lease) -> Record | None:
         """The shard's oldest record now: a checkpoint before it was trimmed past."""
-        return first_record(self._shard_fetcher(lease, StartPosition(TRIM_HORIZON),
-                                                max_records=1))
+        return first_record(self._reader(lease, StartPosition(TRIM_HORIZON), max_records=1))
 
     def _make_fetcher(self, lease: Lease, checkpoint: str, sub_sequence_number: int,
                       start_at: datetime | None = None) -> FetcherLike:
+        """The shard's live reader: a pipeline fed by the retrieval mode's page source."""
         stream = self._stream(lease).config
         start = (StartPosition(AT_TIMESTAMP, timestamp=start_at) if start_at is not None
                  else StartPosition.from_checkpoint(
                      checkpoint, sub_sequence_number,
                      stream.initial_timestamp or self.config.initial_timestamp))
-        return self._shard_fetcher(lease, start)
+        mode = self.config.retrieval_mode.lower()
+        source = self._fanout_source(lease) if mode == "fanout" else self._polling_source(lease)
+        return self._pipeline(lease, source, start, live=True)
 
-    def _shard_fetcher(self, lease: Lease, start: StartPosition, *,
-                       until_ms: int | None = None, pacer: Pacer | None = None,
-                       max_records: int | None = None) -> ShardFetcher:
-        """A fetcher of the lease's shard: the live one, or (bounded, paced, always polling)
-        one of lag recovery's."""
-        cfg = self.config
+    def _reader(self, lease: Lease, start: StartPosition, *, until_ms: int | None = None,
+                pacer: Pacer | None = None, max_records: int | None = None) -> ShardPipeline:
+        """One of lag recovery's readers of the shard (a probe, or a gap's bounded, paced
+        read): always polling, whatever the retrieval mode."""
+        source = self._polling_source(lease, max_records=max_records, pacer=pacer,
+                                      until_ms=until_ms)
+        return self._pipeline(lease, source, start, live=False)
+
+    def _address(self, lease: Lease) -> ShardAddress:
         stream = self._stream(lease)
+        return ShardAddress(lease.shard_id, None if stream.config.arn else stream.label,
+                            stream.config.arn, stream.identifier)
+
+    def _polling_source(self, lease: Lease, *, max_records: int | None = None,
+                        pacer: Pacer | None = None, until_ms: int | None = None
+                        ) -> PollingSource:
+        cfg = self.config
+        return PollingSource(
+            self.kinesis, self._address(lease), max_records=max_records or cfg.max_records,
+            idle_time_s=cfg.idle_time_between_reads_ms / 1000, metrics=self.metrics,
+            pacer=pacer, until_ms=until_ms, backoff=self._read_backoff())
+
+    def _fanout_source(self, lease: Lease) -> FanOutSource:
+        cfg = self.config
+        consumer_arn = self._stream(lease).consumer_arn
+        assert consumer_arn is not None, "fan-out streams are opened with their consumer"
+        return FanOutSource(
+            self.kinesis, self._address(lease), consumer_arn,
+            http_version=cfg.fanout_http_version,
+            shard_end_probe_s=cfg.shard_sync_interval_ms / 1000, metrics=self.metrics,
+            backoff=self._read_backoff())
+
+    def _pipeline(self, lease: Lease, source: PageSource, start: StartPosition, *,
+                  live: bool) -> ShardPipeline:
+        cfg = self.config
         hash_range = None
         if lease.starting_hash_key is not None and lease.ending_hash_key is not None:
             hash_range = (int(lease.starting_hash_key), int(lease.ending_hash_key))
-        live = until_ms is None and pacer is None and max_records is None
-        return ShardFetcher(
-            self.kinesis, lease.shard_id, start, stream_id=stream.identifier,
-            stream_name=None if stream.config.arn else stream.label,
-            stream_arn=stream.config.arn,
-            max_records=max_records or cfg.max_records,
-            idle_time_s=cfg.idle_time_between_reads_ms / 1000,
-            queue_size=cfg.prefetch_queue_size, hash_range=hash_range, metrics=self.metrics,
+        return ShardPipeline(
+            source, start, queue_size=cfg.prefetch_queue_size, hash_range=hash_range,
             filter_outside_hash_range=cfg.kpl_hash_range_filter,
             deliver_empty=cfg.call_process_records_even_for_empty_record_list and live,
             gate=self.coordinator.retrieval_gate if self.coordinator is not None else None,
-            consumer_arn=stream.consumer_arn if live else None,
-            http_version=cfg.fanout_http_version,
-            shard_end_probe_s=cfg.shard_sync_interval_ms / 1000,
-            pacer=pacer, until_ms=until_ms,
-            backoff=Backoff(cfg.get_records_backoff_base_ms / 1000,
-                            cfg.get_records_backoff_cap_ms / 1000))
+            metrics=self.metrics)
+
+    def _read_backoff(self) -> Backoff:
+        """Each source's own backoff for GetRecords, iterators and subscriptions."""
+        cfg = self.config
+        return Backoff(cfg.get_records_backoff_base_ms / 1000,
+                       cfg.get_records_backoff_cap_ms / 1000)
 
     def _make_recovery(self, lease: Lease, token: str) -> ShardRecovery:
         """Called on the consumer's thread, so an unreadable queue fails that shard only."""
         assert self.coordinator is not None
 
         def reader(start: StartPosition, until_ms: int | None, pacer: Pacer | None,
-                   max_records: int | None) -> ShardFetcher:
-            return self._shard_fetcher(lease, start, until_ms=until_ms, pacer=pacer,
-                                       max_records=max_records)
+                   max_records: int | None) -> ShardPipeline:
+            return self._reader(lease, start, until_ms=until_ms, pacer=pacer,
+                                max_records=max_records)
 
         store, fence = self.state_store, self.coordinator.fence
         return ShardRecovery(

@@ -6,6 +6,7 @@ before their children, as polling does."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,10 @@ from kclpy.config import KCLConfig, build_config, from_properties
 from kclpy.errors import ConfigError
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
-from kclpy.retrieval.fanout import classify_subscribe
-from kclpy.retrieval.fetcher import ShardFetcher, StartPosition
+from kclpy.retrieval.fanout import FanOutSource, classify_subscribe
+from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.registration import list_consumers
+from kclpy.retrieval.source import ShardAddress, StartPosition
 from kclpy.retry import CONNECTION, IN_USE, THROTTLED, Backoff
 from tests.support.eventstream_server import Event, Script, Step, eventstream_server
 from tests.support.faultproxy import FaultProxy
@@ -45,6 +47,17 @@ def fanout_config(kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, strea
     return make_config(kinesis_mock.url, moto_server.url, stream, retrieval_mode="FANOUT",
                        retry_backoff_ms=200, max_describe_stream_consumer_retries=50,
                        **overrides)
+
+
+def fanout_pipeline(client: Any, *, metrics: Metrics,
+                    sleep: Callable[[float], None] | None = None,
+                    **options: Any) -> ShardPipeline:
+    """A pipeline of shard 0 of stream ``s`` from TRIM_HORIZON, fed by a fan-out source
+    through a made-up consumer; ``options`` are the source's."""
+    source = FanOutSource(
+        client, ShardAddress("shardId-000000000000", stream_name="s"),
+        "arn:aws:kinesis:us-east-1:1:stream/s/consumer/a:1", metrics=metrics, **options)
+    return ShardPipeline(source, StartPosition("TRIM_HORIZON"), metrics=metrics, sleep=sleep)
 
 
 def test_retrieval_modes_are_checked_naming_the_option() -> None:
@@ -102,10 +115,8 @@ def test_exception_events_and_damaged_frames_are_retried_and_counted(transport: 
     metrics = Metrics()
     with eventstream_server(script, http2=transport == "h2c") as url:
         client = session().client("kinesis", endpoint_url=url)
-        fetcher = ShardFetcher(
-            client, "shardId-000000000000", StartPosition("TRIM_HORIZON"), stream_name="s",
-            consumer_arn="arn:aws:kinesis:us-east-1:1:stream/s/consumer/a:1", metrics=metrics,
-            backoff=Backoff(0.01, 0.05), shard_end_probe_s=3600,
+        fetcher = fanout_pipeline(
+            client, metrics=metrics, backoff=Backoff(0.01, 0.05), shard_end_probe_s=3600,
             http_version="1.1" if transport == "http1.1" else "2")
         fetcher.start()
         try:
@@ -243,10 +254,8 @@ def test_a_subscription_survives_drops_refusals_and_throttles_and_ends_at_shard_
     with eventstream_server(script, http2=transport != "http1.1", tls=tls) as url:
         client = session().client("kinesis", endpoint_url=url,
                                   verify=str(certificate.cert_path) if tls else None)
-        fetcher = ShardFetcher(
-            client, "shardId-000000000000", StartPosition("TRIM_HORIZON"),
-            stream_name="s", consumer_arn="arn:aws:kinesis:us-east-1:1:stream/s/consumer/a:1",
-            metrics=metrics, sleep=lambda _: None, shard_end_probe_s=3600,
+        fetcher = fanout_pipeline(
+            client, metrics=metrics, sleep=lambda _: None, shard_end_probe_s=3600,
             http_version="1.1" if transport == "http1.1" else "auto" if tls else "2")
         results = [fetcher.fetch_once() for _ in range(6)]
     delivered = [r for result in results if result is not None for r in result.records]
@@ -282,10 +291,8 @@ def test_an_untrusted_certificate_is_a_counted_connection_failure_naming_the_cau
     with eventstream_server(script, tls=server_cert.server_context()) as url:
         client = session().client("kinesis", endpoint_url=url,
                                   verify=str(untrusted_ca.cert_path))
-        fetcher = ShardFetcher(
-            client, "shardId-000000000000", StartPosition("TRIM_HORIZON"), stream_name="s",
-            consumer_arn="arn:aws:kinesis:us-east-1:1:stream/s/consumer/a:1", metrics=metrics,
-            backoff=Backoff(0.01, 0.05), shard_end_probe_s=3600)
+        fetcher = fanout_pipeline(client, metrics=metrics, backoff=Backoff(0.01, 0.05),
+                                  shard_end_probe_s=3600)
         fetcher.start()
         try:
             wait_for(lambda: (metrics.registry.get_sample_value(

@@ -38,8 +38,10 @@ from kclpy.processor import (
     ShardEndedInput,
     ShutdownRequestedInput,
 )
-from kclpy.retrieval.fetcher import ShardFetcher, StartPosition
 from kclpy.retrieval.parse import ChildShard
+from kclpy.retrieval.pipeline import ShardPipeline
+from kclpy.retrieval.polling import PollingSource
+from kclpy.retrieval.source import ShardAddress, StartPosition
 from kclpy.retry import Backoff
 from tests.support.checkpoints import CheckpointWriterBase
 from tests.test_fuzz_retrieval import MAX_HASH_KEY, expected_outcome, payload, sub_records_of
@@ -262,13 +264,13 @@ def run_and_check(
     ended: list[Sequence[ChildShard]] = []
 
     def fetcher(lease: Lease, checkpoint: str, sub_sequence_number: int,
-                start_at: datetime | None = None) -> ShardFetcher:
-        return ShardFetcher(
-            client, lease.lease_key,
-            StartPosition.from_checkpoint(checkpoint, sub_sequence_number, None),
-            stream_name="fuzz", idle_time_s=0.0, metrics=metrics,
-            backoff=Backoff(base_s=0.001, cap_s=0.002),
-            hash_range=None if low is None or high is None else (low, high),
+                start_at: datetime | None = None) -> ShardPipeline:
+        source = PollingSource(
+            client, ShardAddress(lease.lease_key, stream_name="fuzz"), idle_time_s=0.0,
+            metrics=metrics, backoff=Backoff(base_s=0.001, cap_s=0.002))
+        return ShardPipeline(
+            source, StartPosition.from_checkpoint(checkpoint, sub_sequence_number, None),
+            metrics=metrics, hash_range=None if low is None or high is None else (low, high),
             filter_outside_hash_range=True,
         )  # fmt: skip
 

@@ -97,7 +97,7 @@ def test_with_the_java_filter_what_is_dropped_is_logged_with_shard_and_count(
         return sum(metrics.registry.get_sample_value(
             "kclpy_records_filtered_total", {"shard_id": shard}) or 0 for shard in shards)
 
-    with caplog.at_level(logging.WARNING, logger="kclpy.retrieval.fetcher"), \
+    with caplog.at_level(logging.WARNING, logger="kclpy.retrieval.pipeline"), \
             running(Worker(config, lambda: RecordingProcessor(ledger), metrics=metrics)):
         wait_for(lambda: len(ledger.payloads()) + filtered() >= len(payloads), 90,
                  "every user record delivered or filtered")

@@ -42,7 +42,9 @@ from kclpy.recovery import queue as gaps
 from kclpy.recovery.queue import RecoveryRequest
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
-from kclpy.retrieval.fetcher import Pacer, ShardFetcher, StartPosition
+from kclpy.retrieval.pipeline import ShardPipeline
+from kclpy.retrieval.polling import Pacer, PollingSource
+from kclpy.retrieval.source import ShardAddress, StartPosition
 from tests.support.determinism import Clock
 from tests.support.fleet import Fleet, fleet
 from tests.support.streams import (
@@ -230,7 +232,7 @@ def table(aws: None) -> LeaseTable:
 
 
 def unused_reader(start: StartPosition, until_ms: int | None, pacer: Pacer | None,
-                  max_records: int | None) -> ShardFetcher:
+                  max_records: int | None) -> ShardPipeline:
     raise AssertionError("no read expected")
 
 
@@ -451,11 +453,12 @@ class Shard:
     metrics: Metrics = field(default_factory=Metrics)
 
     def reader(self, start: StartPosition, until_ms: int | None, pacer: Pacer | None,
-               max_records: int | None) -> ShardFetcher:
-        return ShardFetcher(self.kinesis, "shardId-000000000000", start,
-                            stream_name=self.stream, max_records=max_records or 100,
-                            idle_time_s=0, pacer=pacer, until_ms=until_ms,
-                            metrics=self.metrics)
+               max_records: int | None) -> ShardPipeline:
+        source = PollingSource(
+            self.kinesis, ShardAddress("shardId-000000000000", stream_name=self.stream),
+            max_records=max_records or 100, idle_time_s=0, pacer=pacer, until_ms=until_ms,
+            metrics=self.metrics)
+        return ShardPipeline(source, start, metrics=self.metrics)
 
     def recovery(self, *, wall_clock: Any = time.time, stored: str | None = None
                  ) -> ShardRecovery:
@@ -521,7 +524,7 @@ def test_a_recovered_gap_is_not_logged_as_the_shard_ending(
     hour_later = time.time() + 3600
     recovery = shard.recovery(wall_clock=lambda: hour_later)
     assert recovery.begin(TRIM_HORIZON, 0) is not None
-    with caplog.at_level("INFO", logger="kclpy.retrieval.fetcher"):
+    with caplog.at_level("INFO", logger="kclpy.retrieval.polling"):
         assert len(recover_all(recovery)) == 30
     assert "the recovery gap was read to its end" in caplog.text
     assert "reached its end" not in caplog.text

@@ -24,7 +24,9 @@ from kclpy.recovery import queue as gaps
 from kclpy.recovery import requests as asked
 from kclpy.recovery.queue import RecoveryRequest
 from kclpy.recovery.shard import ShardRecovery
-from kclpy.retrieval.fetcher import FetchResult, Pacer, ShardFetcher, StartPosition
+from kclpy.retrieval.pipeline import FetchResult, ShardPipeline
+from kclpy.retrieval.polling import Pacer
+from kclpy.retrieval.source import StartPosition
 from tests.support.determinism import Clock
 from tests.support.streams import dynamodb_client, unique_name
 from tests.test_inspect import run_cli
@@ -76,10 +78,10 @@ class Readers:
         self.opened: list[tuple[StartPosition, IdleReader]] = []
 
     def __call__(self, start: StartPosition, until_ms: int | None, pacer: Pacer | None,
-                 max_records: int | None) -> ShardFetcher:
+                 max_records: int | None) -> ShardPipeline:
         reader = IdleReader()
         self.opened.append((start, reader))
-        return cast(ShardFetcher, reader)
+        return cast(ShardPipeline, reader)
 
 
 @pytest.fixture

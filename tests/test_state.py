@@ -34,7 +34,9 @@ from kclpy.processor import InitializeInput, ProcessRecordsInput
 from kclpy.records import Record, Records
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
-from kclpy.retrieval.fetcher import Pacer, ShardFetcher, StartPosition
+from kclpy.retrieval.pipeline import ShardPipeline
+from kclpy.retrieval.polling import Pacer, PollingSource
+from kclpy.retrieval.source import ShardAddress, StartPosition
 from kclpy.state.dynamodb import DynamoDBStateStore
 from kclpy.state.processor import ExactlyOnceProcessor, StatefulProcessor
 from kclpy.state.sql import SQLStateStore
@@ -526,10 +528,11 @@ class Stream:
                 for p in payloads]
 
     def reader(self, start: StartPosition, until_ms: int | None, pacer: Pacer | None,
-               max_records: int | None) -> ShardFetcher:
-        return ShardFetcher(self.kinesis, SHARD, start, stream_name="lagging",
-                            max_records=max_records or 7, idle_time_s=0, pacer=pacer,
-                            until_ms=until_ms, metrics=self.metrics)
+               max_records: int | None) -> ShardPipeline:
+        source = PollingSource(self.kinesis, ShardAddress(SHARD, stream_name="lagging"),
+                               max_records=max_records or 7, idle_time_s=0, pacer=pacer,
+                               until_ms=until_ms, metrics=self.metrics)
+        return ShardPipeline(source, start, metrics=self.metrics)
 
     def take(self, worker: str, clock: Clock) -> tuple[Shard, ShardRecovery]:
         """A tenure: the lease taken, and its recovery as the consumer makes it."""

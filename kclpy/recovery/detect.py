@@ -1,6 +1,6 @@
 """The two looks recovery takes at a shard before reading it: how old its first unprocessed
 record is (is the shard too far behind?), and which record is now the oldest one kept (was
-part of a gap trimmed by the stream's retention?). Both read through a one-record fetcher,
+part of a gap trimmed by the stream's retention?). Both read through a one-record pipeline,
 so iterators, retries and KPL de-aggregation are those of every other read."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from kclpy.records import Record
-from kclpy.retrieval.fetcher import FetchResult
+from kclpy.retrieval.pipeline import FetchResult
 
 #: pages an empty stretch of a shard may take before the probe gives up (Kinesis can answer
 #: a few empty pages before the first record of a shard that was idle for long)

@@ -68,7 +68,7 @@ class RecoveryRate:
 
 
 class ShardPacer:
-    """One shard's side of the budget, as the fetcher uses it before each GetRecords."""
+    """One shard's side of the budget, as the polling source uses it before each GetRecords."""
 
     def __init__(self, rate: RecoveryRate, shard_id: str) -> None:
         self._rate = rate

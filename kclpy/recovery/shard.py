@@ -8,11 +8,11 @@ lose a gap the live reader jumped over. Between live batches the consumer asks `
 a recovery batch; ``poll`` never waits, so a slow or rate-limited recovery never holds a live
 batch back.
 
-A gap is read by a second ``ShardFetcher`` of the shard, bounded by the gap's end and paced
-by the worker's ``RecoveryRate``; a checkpoint through the recovery checkpointer moves the
-gap's own checkpoint (never the live one), and the checkpoint that covers the gap's last
-record removes the gap. A gap read to its end without such a checkpoint stays queued and is
-read again, from its checkpoint, by the shard's next tenure.
+A gap is read by a second read pipeline of the shard, fed by a polling source bounded by the
+gap's end and paced by the worker's ``RecoveryRate``; a checkpoint through the recovery
+checkpointer moves the gap's own checkpoint (never the live one), and the checkpoint that
+covers the gap's last record removes the gap. A gap read to its end without such a
+checkpoint stays queued and is read again, from its checkpoint, by the shard's next tenure.
 
 An operator changes the queue of a held shard through requests the lease item keeps beside
 it (``requests``): every write of the queue here folds in those the held lease shows, and
@@ -42,7 +42,9 @@ from kclpy.recovery import requests as asked
 from kclpy.recovery.detect import first_record
 from kclpy.recovery.queue import Position, RecoveryRequest, position
 from kclpy.recovery.rate import RecoveryRate, ShardPacer
-from kclpy.retrieval.fetcher import FetchError, FetchResult, Pacer, ShardFetcher, StartPosition
+from kclpy.retrieval.pipeline import FetchError, FetchResult, ShardPipeline
+from kclpy.retrieval.polling import Pacer
+from kclpy.retrieval.source import StartPosition
 
 if TYPE_CHECKING:
     from kclpy.leases.fence import Guard, LeaseFence
@@ -52,9 +54,10 @@ log = logging.getLogger(__name__)
 #: seconds before folding operator requests in again after a failed write (throttled)
 FOLD_RETRY_S = 1.0
 
-#: (start, until_ms, pacer, max_records) -> a fetcher of the shard; None means the default
+#: (start, until_ms, pacer, max_records) -> a polling reader of the shard, ending before
+#: ``until_ms`` and paced by ``pacer`` when they are given; None means the default
 ReaderFactory = Callable[[StartPosition, "int | None", "Pacer | None", "int | None"],
-                         ShardFetcher]
+                         ShardPipeline]
 
 
 def _key(request: RecoveryRequest) -> Position:
@@ -98,7 +101,7 @@ class ShardRecovery:
         #: batch is committed) still removes the gap with that checkpoint
         self._ends: dict[Position, Position] = {}
         self._pacer: ShardPacer = rate.pacer(shard_id)
-        self._reader: ShardFetcher | None = None
+        self._reader: ShardPipeline | None = None
         self._reading: Position | None = None
         self._checkpointer: Checkpointer | None = None
         #: the last record handed out of the gap being read, and the same once its end was
@@ -282,7 +285,7 @@ class ShardRecovery:
                         self.shard_id, exc)
             self._fold_after = time.monotonic() + FOLD_RETRY_S
 
-    def _open_next(self) -> ShardFetcher | None:
+    def _open_next(self) -> ShardPipeline | None:
         with self._lock:
             request = next((r for r in self._queue if _key(r) not in self._passed), None)
         if request is None:

@@ -1,14 +1,16 @@
-"""One shard read with enhanced fan-out: the subscription a ShardFetcher reads instead of
-GetRecords pages.
+"""The enhanced fan-out page source: the events of the shard's SubscribeToShard
+subscriptions instead of GetRecords pages.
 
 A subscription lasts at most five minutes and may drop at any time; the next one starts
 after the last event's ``ContinuationSequenceNumber``. Everything after an event arrives
-(de-aggregation, the resume point, the queue, shard end) is the fetcher's, shared with
-polling, so the processor cannot tell which mode fed it.
+(de-aggregation, the resume point, the queue) is the pipeline's, shared with polling, so the
+processor cannot tell which mode fed it.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
@@ -18,15 +20,20 @@ from botocore.eventstream import ParserError
 from botocore.exceptions import ClientError
 
 from kclpy.metrics import Metrics
+from kclpy.retrieval.parse import ChildShard, get_records
+from kclpy.retrieval.polling import get_iterator
+from kclpy.retrieval.source import Page, Reading, Retrying, ShardAddress
 from kclpy.retrieval.subscription import SubscribeEvent, subscribe
-from kclpy.retry import CONNECTION, IN_USE, SERVER_ERROR, classify
+from kclpy.retry import CONNECTION, IN_USE, SERVER_ERROR, Backoff, classify
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
 
-#: what the fetcher answers for "where does reading resume after this sequence number
+logger = logging.getLogger(__name__)
+
+#: what the source answers for "where does reading resume after this sequence number
 #: (None: nothing handled yet)": the StartingPosition of a SubscribeToShard
-Position = Callable[[str | None], dict[str, Any]]
+StartingPositionAfter = Callable[[str | None], dict[str, Any]]
 
 
 class ShardSubscription:
@@ -37,7 +44,7 @@ class ShardSubscription:
         client: KinesisClient,
         consumer_arn: str,
         shard_id: str,
-        label: str,
+        lease_key: str,
         *,
         http_version: str,
         metrics: Metrics,
@@ -46,7 +53,7 @@ class ShardSubscription:
         self._client = client
         self._consumer_arn = consumer_arn
         self._shard_id = shard_id
-        self._label = label
+        self._lease_key = lease_key
         self._http_version = http_version
         self._metrics = metrics
         self._clock = clock
@@ -63,7 +70,7 @@ class ShardSubscription:
             return None
         return round(self._clock() - self._subscribed_at, 1)
 
-    def next_event(self, position: Position, last_sequence_number: str | None
+    def next_event(self, position: StartingPositionAfter, last_sequence_number: str | None
                    ) -> SubscribeEvent:
         """The next event, opening a subscription when none is open: right away after one
         the service ended (after about five minutes), after the last event's continuation.
@@ -75,7 +82,7 @@ class ShardSubscription:
                     position(self._resume_after(last_sequence_number)),
                     http_version=self._http_version)
                 self._metrics.subscriptions.labels(
-                    self._label, "renewed" if self._subscribed_at else "opened").inc()
+                    self._lease_key, "renewed" if self._subscribed_at else "opened").inc()
                 self._subscribed_at = self._clock()
             try:
                 event = next(self._events)
@@ -86,8 +93,8 @@ class ShardSubscription:
                 self._events = None
                 raise
             self.continuation = event.continuation_sequence_number
-            self._metrics.subscription_events.labels(self._label).inc()
-            self._metrics.subscription_bytes.labels(self._label).inc(event.page.size_bytes)
+            self._metrics.subscription_events.labels(self._lease_key).inc()
+            self._metrics.subscription_bytes.labels(self._lease_key).inc(event.page.size_bytes)
             return event
 
     def _resume_after(self, last_sequence_number: str | None) -> str | None:
@@ -124,3 +131,106 @@ def classify_subscribe(exc: BaseException) -> str | None:
     if isinstance(exc, ParserError):
         return SERVER_ERROR
     return classify(exc)
+
+
+class FanOutSource:
+    """One shard read through the registered consumer ``consumer_arn``'s subscriptions.
+
+    Failures to open or read a subscription (``ResourceInUseException`` while the previous
+    one is still open, throttling, 5xx, a dropped connection) back off and are counted as
+    GetRecords failures are. An idle shard at the tip is also checked with one GetRecords
+    every ``shard_end_probe_s``, for endpoints that never end a subscription on a closed
+    shard.
+    """
+
+    #: the service pushes: nothing to wait for between two reads
+    idle_s = 0.0
+
+    def __init__(
+        self,
+        client: KinesisClient,
+        address: ShardAddress,
+        consumer_arn: str,
+        *,
+        http_version: str = "auto",
+        shard_end_probe_s: float = 30.0,
+        backoff: Backoff | None = None,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        m = metrics if metrics is not None else Metrics()
+        self._client = client
+        self.address = address
+        self._metrics = m
+        self._retrying = Retrying(address, backoff, m)
+        self._subscription = ShardSubscription(
+            client, consumer_arn, address.shard_id, address.lease_key, http_version=http_version,
+            metrics=m, clock=clock)
+        self._probe_s = shard_end_probe_s
+        self._clock = clock
+        self._probed_at = clock()
+        self._m_behind = m.millis_behind_latest.labels(address.lease_key)
+
+    def status(self) -> dict[str, Any]:
+        """With the age of the open subscription (None between two)."""
+        return {"mode": "fanout", "subscription_age_s": self._subscription.age_s}
+
+    def close(self) -> None:
+        self._subscription.close()
+
+    def read(self, reading: Reading) -> Page:
+        """The next event of the shard's subscription, as a page."""
+        subscription = self._subscription
+
+        def position(after: str | None) -> dict[str, Any]:
+            kind, sequence_number, timestamp = reading.resume_point(after)
+            start: dict[str, Any] = {"Type": kind}
+            if sequence_number is not None:
+                start["SequenceNumber"] = sequence_number
+            if timestamp is not None:
+                start["Timestamp"] = timestamp
+            return start
+
+        event = self._retrying.call(
+            reading, "SubscribeToShard",
+            lambda: subscription.next_event(position, reading.last_sequence_number),
+            classify_subscribe)
+        self._retrying.backoff.reset()
+        page = event.page
+        millis = page.millis_behind_latest
+        if millis is not None:
+            self._m_behind.set(millis)
+        shard_end = event.continuation_sequence_number is None
+        if shard_end:
+            self.close()
+            logger.info("shard %s reached its end", self.address.shard_id)
+        caught_up = millis == 0
+        children = page.child_shards
+        if (caught_up and not page.records and not shard_end
+                and self._clock() - self._probed_at >= self._probe_s):
+            self._probed_at = self._clock()
+            found = self._probe_shard_end(reading)
+            if found is not None:
+                shard_end, children = True, found
+        return Page(page.records, millis, shard_end, children, caught_up)
+
+    def _probe_shard_end(self, reading: Reading) -> list[ChildShard] | None:
+        """Is the idle shard closed? One GetRecords after the last record handled: the
+        child shards when it answers shard end, else None. A subscription normally says so
+        itself (an event without a continuation); this covers endpoints that never do
+        (kinesis-mock keeps sending empty events on a closed shard), at one GetRecords per
+        ``shard_end_probe_s`` of an idle shard."""
+        try:
+            probe = self._retrying.call(
+                reading, "GetRecords", lambda: get_records(
+                    self._client,
+                    get_iterator(self._client, self.address, reading, self._retrying), 1))
+        except ClientError as exc:
+            logger.info("shard %s: shard-end probe failed: %s", self.address.shard_id, exc)
+            return None
+        if probe.next_shard_iterator is not None or probe.records:
+            return None
+        logger.info("shard %s reached its end (found by a GetRecords probe)",
+                    self.address.shard_id)
+        self.close()
+        return list(probe.child_shards)

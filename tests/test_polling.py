@@ -1,16 +1,14 @@
-"""ShardFetcher against a scripted in-memory shard, and over real HTTP against moto's server."""
+"""The polling page source (``kclpy.retrieval.polling``): start positions and iterators,
+retries and expiry, idling and shard end, against a scripted in-memory shard, a botocore
+Stubber, and over real HTTP against moto's server and kinesis-mock."""
 
 from __future__ import annotations
 
-import logging
-import random
-import re
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -22,213 +20,36 @@ from botocore.stub import Stubber
 
 from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
 from kclpy.metrics import Metrics
-from kclpy.records import Record
-from kclpy.retrieval import fetcher as fetcher_module
-from kclpy.retrieval import parse
-from kclpy.retrieval.fetcher import (
+from kclpy.retrieval.parse import ChildShard, GetRecordsPage
+from kclpy.retrieval.pipeline import ShardPipeline
+from kclpy.retrieval.source import (
     AFTER_SEQUENCE_NUMBER,
     AT_SEQUENCE_NUMBER,
-    FetchError,
-    FetchResult,
-    ShardFetcher,
+    ShardAddress,
     StartPosition,
 )
-from kclpy.retrieval.parse import ChildShard, GetRecordsPage
 from kclpy.retry import Backoff
-
-SHARD = "shardId-000000000000"
-BASE_SEQ = 49_000_000_000_000_000_000
-
-
-def seq(i: int) -> str:
-    return str(BASE_SEQ + i * 10)
-
-
-def plain(i: int, data: bytes | None = None) -> Record:
-    return Record(
-        sequence_number=seq(i),
-        partition_key=f"pk-{i}",
-        timestamp_millis=1_700_000_000_000 + i,
-        data=data if data is not None else f"plain-{i}".encode(),
-    )
-
-
-def aggregate(i: int, n: int, explicit_hash_keys: list[str] | None = None) -> Record:
-    agg = RecordAggregator()
-    for j in range(n):
-        ehk = explicit_hash_keys[j] if explicit_hash_keys else None
-        agg.add_user_record(f"pk-{i}-{j}", f"agg-{i}-{j}".encode(), ehk)
-    partition_key, _, data = agg.clear_and_get().get_contents()
-    return Record(
-        sequence_number=seq(i),
-        partition_key=partition_key,
-        timestamp_millis=1_700_000_000_000 + i,
-        data=data,
-    )
-
-
-def error(code: str, status: int = 400, operation: str = "GetRecords") -> ClientError:
-    response: Any = {
-        "Error": {"Code": code, "Message": "m"},
-        "ResponseMetadata": {"HTTPStatusCode": status},
-    }
-    return ClientError(response, operation)
-
-
-def payloads(results: list[FetchResult]) -> list[bytes]:
-    return [r.binary_data for result in results for r in result.records]
-
-
-def positions(records: list[Record]) -> list[tuple[int, int]]:
-    return [r.extended_sequence_number for r in records]
-
-
-@dataclass
-class FakeShard:
-    """One shard as a list of Kinesis records; iterators are ``it-<index>-<n>`` tokens.
-
-    ``errors[operation]`` is consumed front to back: each call raises the next one, if any.
-    """
-
-    records: list[Record]
-    page_size: int = 3
-    closed: bool = False
-    child_shards: list[ChildShard] = field(default_factory=list)
-    millis_behind: int | None = None
-    errors: dict[str, list[Exception]] = field(default_factory=dict)
-    shard_iterator_calls: list[dict[str, Any]] = field(default_factory=list)
-    get_records_calls: list[tuple[str, int]] = field(default_factory=list)
-    called: threading.Condition = field(default_factory=threading.Condition)
-    _issued: int = 0
-
-    def _raise_scripted(self, operation: str) -> None:
-        pending = self.errors.get(operation)
-        if pending:
-            raise pending.pop(0)
-
-    def get_shard_iterator(self, **params: Any) -> dict[str, Any]:
-        self.shard_iterator_calls.append(params)
-        self._raise_scripted("GetShardIterator")
-        kind = params["ShardIteratorType"]
-        seqs = [int(r.sequence_number) for r in self.records]
-        if kind == TRIM_HORIZON:
-            index = 0
-        elif kind == LATEST:
-            index = len(self.records)
-        elif kind == AT_SEQUENCE_NUMBER:
-            index = next(
-                (k for k, s in enumerate(seqs) if s >= int(params["StartingSequenceNumber"])),
-                len(seqs),
-            )
-        elif kind == AFTER_SEQUENCE_NUMBER:
-            index = next(
-                (k for k, s in enumerate(seqs) if s > int(params["StartingSequenceNumber"])),
-                len(seqs),
-            )
-        elif kind == AT_TIMESTAMP:
-            millis = params["Timestamp"].timestamp() * 1000
-            arrivals = [r.timestamp_millis or 0 for r in self.records]
-            index = next((k for k, a in enumerate(arrivals) if a >= millis), len(arrivals))
-        else:
-            raise AssertionError(kind)
-        self._issued += 1
-        return {"ShardIterator": f"it-{index}-{self._issued}"}
-
-    def page(self, iterator: str, limit: int) -> GetRecordsPage:
-        with self.called:
-            self.get_records_calls.append((iterator, limit))
-            self.called.notify_all()
-        self._raise_scripted("GetRecords")
-        match = re.fullmatch(r"it-(\d+)-\d+", iterator)
-        assert match, iterator
-        index = int(match.group(1))
-        batch = self.records[index : index + min(limit, self.page_size)]
-        after = index + len(batch)
-        at_end = after >= len(self.records)
-        self._issued += 1
-        next_iterator = None if self.closed and at_end else f"it-{after}-{self._issued}"
-        millis = self.millis_behind if self.millis_behind is not None else (0 if at_end else 5000)
-        return GetRecordsPage(
-            records=list(batch),
-            next_shard_iterator=next_iterator,
-            millis_behind_latest=millis,
-            child_shards=list(self.child_shards) if next_iterator is None else [],
-            size_bytes=sum(len(r.binary_data) for r in batch),
-        )
-
-    def wait_for_calls(self, n: int, timeout: float = 10.0) -> bool:
-        with self.called:
-            return self.called.wait_for(lambda: len(self.get_records_calls) >= n, timeout)
-
-
-class Sleeps:
-    def __init__(self) -> None:
-        self.delays: list[float] = []
-
-    def __call__(self, seconds: float) -> None:
-        self.delays.append(seconds)
-
-
-class UpperBound(random.Random):
-    """Full jitter's worst case: always the top of the range, so delays are predictable."""
-
-    def uniform(self, a: float, b: float) -> float:
-        return b
+from tests.support.fakeshard import (
+    SHARD,
+    FakeShard,
+    Sleeps,
+    UpperBound,
+    aggregate,
+    drain,
+    error,
+    make,
+    payloads,
+    plain,
+    polling,
+    route_get_records,
+    sample,
+    seq,
+)
 
 
 @pytest.fixture(autouse=True)
 def fake_parse(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Route the fetcher's GetRecords to ``FakeShard.page`` when the client is a fake."""
-
-    def get_records(client: Any, iterator: str, limit: int) -> GetRecordsPage:
-        if isinstance(client, FakeShard):
-            return client.page(iterator, limit)
-        return parse.get_records(client, iterator, limit)
-
-    def install(client: Any) -> None:
-        if not isinstance(client, FakeShard):
-            parse.install_fast_get_records(client)
-
-    monkeypatch.setattr(fetcher_module, "get_records", get_records)
-    monkeypatch.setattr(fetcher_module, "install_fast_get_records", install)
-
-
-def make(
-    shard: FakeShard,
-    start: StartPosition | None = None,
-    *,
-    sleeps: Sleeps | None = None,
-    metrics: Metrics | None = None,
-    **kwargs: Any,
-) -> ShardFetcher:
-    return ShardFetcher(
-        shard,  # type: ignore[arg-type]
-        SHARD,
-        start or StartPosition(TRIM_HORIZON),
-        stream_name="s",
-        backoff=Backoff(0.1, 1.0, rng=UpperBound()),
-        metrics=metrics,
-        sleep=sleeps if sleeps is not None else Sleeps(),
-        **kwargs,
-    )
-
-
-def sample(metrics: Metrics, name: str, **labels: str) -> float:
-    value = metrics.registry.get_sample_value(name, labels)
-    return 0.0 if value is None else value
-
-
-def drain(fetcher: ShardFetcher, limit: int = 100) -> list[FetchResult]:
-    results = []
-    for _ in range(limit):
-        result = fetcher.fetch_once()
-        if result is not None:
-            results.append(result)
-            if result.shard_end:
-                return results
-        elif fetcher.finished:
-            return results
-    return results
+    route_get_records(monkeypatch)
 
 
 # -- start positions ---------------------------------------------------------------------
@@ -262,20 +83,15 @@ def test_impossible_checkpoints_are_refused(checkpoint: str) -> None:
 
 def test_stream_name_or_arn_is_required() -> None:
     with pytest.raises(ValueError):
-        ShardFetcher(FakeShard([]), SHARD, StartPosition(TRIM_HORIZON))  # type: ignore[arg-type]
+        ShardAddress(SHARD)
 
 
 def test_iterator_request_carries_arn_and_timestamp() -> None:
     shard = FakeShard([plain(0), plain(1), plain(2)])
     ts = datetime.fromtimestamp((1_700_000_000_000 + 1) / 1000, tz=timezone.utc)
     arn = "arn:aws:kinesis:us-east-1:123456789012:stream/s"
-    fetcher = ShardFetcher(
-        shard,  # type: ignore[arg-type]
-        SHARD,
-        StartPosition(AT_TIMESTAMP, timestamp=ts),
-        stream_arn=arn,
-        sleep=Sleeps(),
-    )
+    fetcher = polling(shard, StartPosition(AT_TIMESTAMP, timestamp=ts),
+                      ShardAddress(SHARD, stream_arn=arn), sleep=Sleeps())
     assert payloads(drain(fetcher)) == [b"plain-1", b"plain-2"]
     assert shard.shard_iterator_calls == [
         {"ShardId": SHARD, "StreamARN": arn, "ShardIteratorType": AT_TIMESTAMP, "Timestamp": ts}
@@ -285,14 +101,8 @@ def test_iterator_request_carries_arn_and_timestamp() -> None:
 def test_both_stream_name_and_arn_are_sent_when_both_are_known() -> None:
     shard = FakeShard([plain(0)])
     arn = "arn:aws:kinesis:us-east-1:123456789012:stream/s"
-    fetcher = ShardFetcher(
-        shard,  # type: ignore[arg-type]
-        SHARD,
-        StartPosition(TRIM_HORIZON),
-        stream_name="s",
-        stream_arn=arn,
-        sleep=Sleeps(),
-    )
+    fetcher = polling(shard, StartPosition(TRIM_HORIZON),
+                      ShardAddress(SHARD, stream_name="s", stream_arn=arn), sleep=Sleeps())
     fetcher.fetch_once()
     assert shard.shard_iterator_calls[0]["StreamARN"] == arn
     assert shard.shard_iterator_calls[0]["StreamName"] == "s"
@@ -305,114 +115,6 @@ def test_stream_name_is_used_without_arn_and_limit_is_max_records() -> None:
     assert shard.shard_iterator_calls[0]["StreamName"] == "s"
     assert "StreamARN" not in shard.shard_iterator_calls[0]
     assert shard.get_records_calls[0][1] == 250
-
-
-# -- reading, resuming, de-aggregating ---------------------------------------------------
-
-
-def test_reads_plain_and_aggregated_records_in_order() -> None:
-    shard = FakeShard([plain(0), aggregate(1, 3), plain(2), aggregate(3, 2)], page_size=2)
-    results = drain(make(shard))
-    assert payloads(results) == [
-        b"plain-0",
-        b"agg-1-0",
-        b"agg-1-1",
-        b"agg-1-2",
-        b"plain-2",
-        b"agg-3-0",
-        b"agg-3-1",
-    ]
-    assert positions([r for res in results for r in res.records]) == [
-        (int(seq(0)), 0),
-        (int(seq(1)), 0),
-        (int(seq(1)), 1),
-        (int(seq(1)), 2),
-        (int(seq(2)), 0),
-        (int(seq(3)), 0),
-        (int(seq(3)), 1),
-    ]
-
-
-def test_resume_inside_an_aggregate_skips_the_sub_records_already_done() -> None:
-    shard = FakeShard([plain(0), aggregate(1, 5), plain(2)], page_size=10)
-    fetcher = make(shard, StartPosition.from_checkpoint(seq(1), 2, None))
-    results = drain(fetcher)
-    assert shard.shard_iterator_calls[0]["ShardIteratorType"] == AT_SEQUENCE_NUMBER
-    assert shard.shard_iterator_calls[0]["StartingSequenceNumber"] == seq(1)
-    assert payloads(results) == [b"agg-1-3", b"agg-1-4", b"plain-2"]
-
-
-def test_resume_at_a_plain_record_does_not_deliver_it_again() -> None:
-    shard = FakeShard([plain(0), plain(1), plain(2)])
-    results = drain(make(shard, StartPosition.from_checkpoint(seq(1), 0, None)))
-    assert payloads(results) == [b"plain-2"]
-
-
-def test_resume_at_the_last_sub_record_of_an_aggregate_moves_past_it() -> None:
-    shard = FakeShard([aggregate(0, 3), plain(1)], page_size=1)
-    results = drain(make(shard, StartPosition.from_checkpoint(seq(0), 2, None)))
-    assert payloads(results) == [b"plain-1"]
-
-
-def test_after_sequence_number_starts_after_the_whole_record() -> None:
-    shard = FakeShard([aggregate(0, 3), plain(1)])
-    results = drain(make(shard, StartPosition(AFTER_SEQUENCE_NUMBER, seq(0))))
-    assert shard.shard_iterator_calls[0]["ShardIteratorType"] == AFTER_SEQUENCE_NUMBER
-    assert payloads(results) == [b"plain-1"]
-
-
-def test_aggregates_outside_the_hash_range_are_filtered_counted_and_logged(
-        caplog: pytest.LogCaptureFixture) -> None:
-    # With the Java KCL's filter asked for: the KPL re-sends the user records of an aggregate
-    # that landed on the wrong shard, so an aggregate with any sub-record outside the
-    # shard's range is dropped whole - and said so at WARNING, with the shard and count.
-    low, high = 0, 2**127 - 1
-    inside, outside = str(2**100), str(2**127 + 5)
-    shard = FakeShard([aggregate(0, 3, [inside, outside, inside]), aggregate(1, 2, [inside] * 2)])
-    metrics = Metrics()
-    with caplog.at_level(logging.WARNING, logger="kclpy.retrieval.fetcher"):
-        results = drain(make(shard, metrics=metrics, hash_range=(low, high),
-                             filter_outside_hash_range=True))
-    assert payloads(results) == [b"agg-1-0", b"agg-1-1"]
-    assert sample(metrics, "kclpy_records_filtered_total", shard_id=SHARD) == 3
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any(f"shard {SHARD}: 3 user record(s)" in m for m in warnings), warnings
-
-
-def test_by_default_aggregates_outside_the_hash_range_are_delivered_whole() -> None:
-    inside, outside = str(2**100), str(2**127 + 5)
-    shard = FakeShard([aggregate(0, 3, [inside, outside, inside])])
-    metrics = Metrics()
-    results = drain(make(shard, metrics=metrics, hash_range=(0, 2**127 - 1)))
-    assert payloads(results) == [b"agg-0-0", b"agg-0-1", b"agg-0-2"]
-    assert sample(metrics, "kclpy_records_filtered_total", shard_id=SHARD) == 0
-
-
-def test_a_page_filtered_to_nothing_is_not_delivered_and_not_idled_on() -> None:
-    outside = str(2**127 + 5)
-    shard = FakeShard([aggregate(0, 2, [outside] * 2), plain(1)], page_size=1)
-    shard.millis_behind = 0
-    sleeps = Sleeps()
-    fetcher = make(shard, sleeps=sleeps, hash_range=(0, 2**127 - 1),
-                   filter_outside_hash_range=True)
-    assert fetcher.fetch_once() is None
-    assert sleeps.delays == []
-
-
-def test_a_corrupt_aggregate_is_delivered_raw_and_counted() -> None:
-    good = aggregate(0, 2)
-    data = bytearray(good.binary_data)
-    data[-1] ^= 0xFF  # break the MD5 trailer
-    corrupt = Record(
-        sequence_number=seq(0),
-        partition_key="pk",
-        timestamp_millis=0,
-        data=bytes(data),
-    )
-    metrics = Metrics()
-    results = drain(make(FakeShard([corrupt, plain(1)]), metrics=metrics))
-    assert payloads(results) == [bytes(data), b"plain-1"]
-    assert sample(metrics, "kclpy_deaggregation_errors_total", shard_id=SHARD) == 1
 
 
 # -- retries -----------------------------------------------------------------------------
@@ -478,11 +180,10 @@ def test_a_botocore_client_throttled_then_answering_through_stubber() -> None:
             },
             {"ShardIterator": "iterator-1", "Limit": 500},
         )
-        fetcher = ShardFetcher(
+        fetcher = polling(
             client,
-            SHARD,
             StartPosition(TRIM_HORIZON),
-            stream_name="s",
+            ShardAddress(SHARD, stream_name="s"),
             max_records=500,
             backoff=Backoff(0.1, 1.0, rng=UpperBound()),
             metrics=metrics,
@@ -648,137 +349,6 @@ def test_shard_end_checkpoint_never_reaches_the_fetcher() -> None:
         StartPosition.from_checkpoint(SHARD_END, 0, None)
 
 
-# -- the thread, the queue, stop and errors ----------------------------------------------
-
-
-@pytest.fixture
-def running() -> Iterator[list[ShardFetcher]]:
-    fetchers: list[ShardFetcher] = []
-    yield fetchers
-    for f in fetchers:
-        f.stop(timeout=5)
-
-
-def test_thread_delivers_everything_then_shard_end(running: list[ShardFetcher]) -> None:
-    shard = FakeShard([plain(i) for i in range(10)], page_size=3, closed=True)
-    fetcher = make(shard, queue_size=2)
-    running.append(fetcher)
-    fetcher.start()
-    results = []
-    while True:
-        result = fetcher.get(timeout=10)
-        assert result is not None
-        results.append(result)
-        if result.shard_end:
-            break
-    assert payloads(results) == [f"plain-{i}".encode() for i in range(10)]
-    # after the end, get() answers at once instead of waiting
-    assert fetcher.get() is None
-    assert fetcher.get() is None
-    assert fetcher.error is None
-
-
-def test_full_queue_blocks_the_fetcher(running: list[ShardFetcher]) -> None:
-    shard = FakeShard([plain(i) for i in range(50)], page_size=1)
-    metrics = Metrics()
-    fetcher = make(shard, queue_size=2, metrics=metrics)
-    running.append(fetcher)
-    fetcher.start()
-    # queue_size results queued, plus one held by the thread waiting for room
-    assert shard.wait_for_calls(3)
-    assert not shard.wait_for_calls(4, timeout=0.5)
-    assert sample(metrics, "kclpy_prefetch_queue_depth", shard_id=SHARD) == 2
-
-    first = fetcher.get(timeout=5)
-    assert first is not None and payloads([first]) == [b"plain-0"]
-    assert shard.wait_for_calls(4)
-    assert not shard.wait_for_calls(5, timeout=0.5)
-
-
-def test_stop_is_prompt_while_blocked_on_a_full_queue() -> None:
-    shard = FakeShard([plain(i) for i in range(50)], page_size=1)
-    fetcher = make(shard, queue_size=1)
-    fetcher.start()
-    assert shard.wait_for_calls(2)
-    fetcher.stop(timeout=5)
-    assert fetcher._thread is not None and not fetcher._thread.is_alive()
-    assert fetcher.error is None
-
-
-def test_stop_interrupts_the_idle_sleep_and_wakes_a_blocked_get() -> None:
-    shard = FakeShard([])
-    fetcher = ShardFetcher(
-        shard,  # type: ignore[arg-type]
-        SHARD,
-        StartPosition(LATEST),
-        stream_name="s",
-        idle_time_s=3600,
-    )
-    fetcher.start()
-    got: list[object] = []
-    consumer = threading.Thread(target=lambda: got.append(fetcher.get()))
-    consumer.start()
-    assert shard.wait_for_calls(1)
-    fetcher.stop(timeout=5)
-    assert fetcher._thread is not None and not fetcher._thread.is_alive()
-    consumer.join(timeout=5)
-    assert not consumer.is_alive()
-    assert got == [None]
-    assert len(shard.get_records_calls) == 1
-
-
-def test_fatal_error_surfaces_after_the_results_fetched_before_it(
-    running: list[ShardFetcher],
-) -> None:
-    shard = FakeShard([plain(0), plain(1)], page_size=1)
-    not_found = error("ResourceNotFoundException")
-    fetcher = make(shard)
-    running.append(fetcher)
-    original = shard.page
-
-    def fail_third(iterator: str, limit: int) -> GetRecordsPage:
-        if len(shard.get_records_calls) == 2:
-            shard.errors["GetRecords"] = [not_found]
-        return original(iterator, limit)
-
-    shard.page = fail_third  # type: ignore[method-assign]
-    fetcher.start()
-    assert payloads([r for r in (fetcher.get(5), fetcher.get(5)) if r]) == [
-        b"plain-0",
-        b"plain-1",
-    ]
-    with pytest.raises(FetchError) as raised:
-        fetcher.get(timeout=5)
-    assert raised.value.__cause__ is not_found
-    assert raised.value.shard_id == SHARD
-    assert fetcher.error is not_found
-    assert fetcher.finished
-    # every later call says the same, at once
-    with pytest.raises(FetchError):
-        fetcher.get()
-
-
-def test_fatal_error_on_get_shard_iterator_surfaces(running: list[ShardFetcher]) -> None:
-    shard = FakeShard([plain(0)])
-    shard.errors["GetShardIterator"] = [
-        error("ResourceNotFoundException", operation="GetShardIterator")
-    ]
-    fetcher = make(shard)
-    running.append(fetcher)
-    fetcher.start()
-    with pytest.raises(FetchError):
-        fetcher.get(timeout=5)
-    assert shard.get_records_calls == []
-
-
-def test_start_twice_is_refused(running: list[ShardFetcher]) -> None:
-    fetcher = make(FakeShard([]))
-    running.append(fetcher)
-    fetcher.start()
-    with pytest.raises(RuntimeError):
-        fetcher.start()
-
-
 # -- over real HTTP ----------------------------------------------------------------------
 
 
@@ -859,7 +429,7 @@ def put_mixed(client: Any, stream: str, shard: dict[str, Any]) -> list[tuple[str
     return expected
 
 
-def read_all(fetcher: ShardFetcher, count: int) -> list[tuple[str, int, bytes]]:
+def read_all(fetcher: ShardPipeline, count: int) -> list[tuple[str, int, bytes]]:
     got: list[tuple[str, int, bytes]] = []
     fetcher.start()
     try:
@@ -895,11 +465,10 @@ def test_reads_plain_and_aggregated_records_over_http_exactly_once_in_order(
             int(shard["HashKeyRange"]["EndingHashKey"]),
         )
         metrics = Metrics()
-        fetcher = ShardFetcher(
+        fetcher = polling(
             client,
-            shard_id,
             StartPosition(TRIM_HORIZON),
-            stream_name=stream,
+            ShardAddress(shard_id, stream_name=stream),
             max_records=2,  # small pages: the read spans many GetRecords calls
             idle_time_s=0.05,
             hash_range=hash_range,
@@ -913,11 +482,10 @@ def test_reads_plain_and_aggregated_records_over_http_exactly_once_in_order(
         done = next(i for i, (_, _, p) in enumerate(expected[shard_id]) if b"agg-3-2" in p)
         checkpoint_seq, checkpoint_sub, _ = expected[shard_id][done]
         assert checkpoint_sub == 2
-        resumed = ShardFetcher(
+        resumed = polling(
             client,
-            shard_id,
             StartPosition.from_checkpoint(checkpoint_seq, checkpoint_sub, None),
-            stream_name=stream,
+            ShardAddress(shard_id, stream_name=stream),
             max_records=2,
             idle_time_s=0.05,
             hash_range=hash_range,
@@ -942,11 +510,10 @@ def test_a_split_parent_is_read_to_shard_end_with_its_children_over_http(
     )
     wait_active(client, stream)
 
-    fetcher = ShardFetcher(
+    fetcher = polling(
         client,
-        parent["ShardId"],
         StartPosition(TRIM_HORIZON),
-        stream_name=stream,
+        ShardAddress(parent["ShardId"], stream_name=stream),
         max_records=4,
         idle_time_s=0.05,
     )
@@ -969,36 +536,3 @@ def test_a_split_parent_is_read_to_shard_end_with_its_children_over_http(
     assert sorted(c.starting_hash_key for c in result.child_shards) == ["0", str(2**127)]
 
 
-# -- the lease coordinator's retrieval gate ---------------------------------------------
-
-
-def test_a_closed_gate_holds_fetching_and_handing_out_until_it_opens() -> None:
-    shard = FakeShard([plain(i) for i in range(4)], page_size=2, closed=True)
-    gate = threading.Event()
-    fetcher = make(shard, gate=gate)
-    fetcher.start()
-    try:
-        assert fetcher.get(timeout=0.3) is None
-        assert (shard.shard_iterator_calls, shard.get_records_calls) == ([], [])
-        gate.set()
-        first = fetcher.get(timeout=10)
-        assert first is not None and payloads([first]) == [b"plain-0", b"plain-1"]
-        with shard.called:
-            shard.called.wait_for(lambda: len(shard.get_records_calls) == 2, timeout=10)
-        gate.clear()
-        # The second page is fetched and queued, but not handed out while the gate is shut.
-        assert fetcher.get(timeout=0.3) is None
-        gate.set()
-        second = fetcher.get(timeout=10)
-        assert second is not None and payloads([second]) == [b"plain-2", b"plain-3"]
-        assert second.shard_end
-    finally:
-        fetcher.stop()
-
-
-def test_a_fetcher_stops_while_its_gate_is_shut() -> None:
-    gate = threading.Event()
-    fetcher = make(FakeShard([plain(0)]), gate=gate)
-    fetcher.start()
-    fetcher.stop(timeout=10)
-    assert fetcher.get(timeout=None) is None

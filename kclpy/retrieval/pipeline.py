@@ -1,0 +1,372 @@
+"""One shard's read pipeline, the same for every retrieval mode: a fetch thread pulls pages
+from the shard's page source (``source.py``) into a bounded queue, ahead of the processor.
+
+A dedicated thread per shard keeps the network busy while the processor works on the
+previous batch; the queue bound (``queue_size`` results) is what caps the memory a slow
+processor can make a shard hold, because the thread blocks on a full queue instead of
+reading. While the lease coordinator's retrieval gate is shut (renewals come first), nothing
+is read or handed out.
+
+Pages wait in the queue as the source read them, with KPL aggregates still whole: they are
+expanded into user records by ``get()``, on the consumer's thread, right before the processor
+needs them. A 10 MiB page of 100-byte user records is 200 aggregates but about 90,000 user
+records; held whole it costs its 10 MiB, expanded several times that, and every long-lived
+Python object in a queue is one more for the garbage collector to walk through on every full
+collection.
+
+The resume point is the pipeline's: user records at or before a checkpoint
+``(sequence, sub-sequence)`` are dropped (the source starts AT the checkpoint's sequence
+number, since the rest of a KPL aggregate may still be due), records that arrived before an
+``AT_TIMESTAMP`` start are dropped, and every page handled is noted in the ``Reading`` the
+source resumes from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kclpy.errors import KCLError
+from kclpy.metrics import Metrics
+from kclpy.position import AT_TIMESTAMP
+from kclpy.records import EMPTY, Record, Records
+from kclpy.retrieval.kpl import HashKeyRange, deaggregate
+from kclpy.retrieval.parse import ChildShard
+from kclpy.retrieval.source import (
+    AT_SEQUENCE_NUMBER,
+    Page,
+    PageSource,
+    Reading,
+    StartPosition,
+    Stopped,
+)
+
+logger = logging.getLogger(__name__)
+
+# How long a blocked put/get waits before looking at the stop flag again: bounds how late
+# stop() is noticed without turning the wait into a busy loop.
+_POLL_S = 0.05
+
+
+@dataclass(slots=True)
+class FetchResult:
+    """One page, ready for the processor."""
+
+    #: de-aggregated, filtered, strictly after the resume point, in order
+    records: Records
+    millis_behind_latest: int | None
+    #: True on the final result of a closed shard (or of the bounded range being read)
+    shard_end: bool
+    #: the children named by the final page (empty before shard end)
+    child_shards: list[ChildShard]
+    #: millis_behind_latest == 0, or unknown and the page was empty
+    caught_up: bool
+
+
+class FetchError(KCLError):
+    """The pipeline stopped on an error retrying cannot fix; the original is ``__cause__``.
+
+    Wrapped so that a consumer catches one type and can tell a fetch failure from an error of
+    its own; ``shard_id`` says which shard to shut down.
+    """
+
+    def __init__(self, shard_id: str, cause: BaseException) -> None:
+        super().__init__(f"fetching shard {shard_id} failed: {cause!r}")
+        self.shard_id = shard_id
+        self.__cause__ = cause
+
+
+_END = object()
+"""Queued after the last result, so a get() blocked on an empty queue learns the thread ended."""
+
+
+class ShardPipeline:
+    """Reads one shard from ``source`` on its own thread (``start``/``get``/``stop``), or
+    step by step (``fetch_once``) for deterministic tests and one-record probes.
+
+    ``get()`` raises ``FetchError`` (cause: the botocore error) once the thread stopped on a
+    non-retryable error such as ResourceNotFoundException; results fetched before the error
+    are delivered first.
+    """
+
+    def __init__(
+        self,
+        source: PageSource,
+        start: StartPosition,
+        *,
+        queue_size: int = 3,
+        hash_range: tuple[int, int] | None = None,
+        filter_outside_hash_range: bool = False,
+        deliver_empty: bool = False,
+        gate: threading.Event | None = None,
+        metrics: Metrics | None = None,
+        sleep: Callable[[float], None] | None = None,
+    ) -> None:
+        if queue_size < 1:
+            raise ValueError("queue_size must be >= 1")
+        self._source = source
+        self.shard_id = source.address.shard_id
+        #: metrics and logs name the shard by its lease key
+        self.lease_key = source.address.lease_key
+        self._key_range = None if hash_range is None else HashKeyRange(*hash_range)
+        #: the Java KCL's filter of aggregates with sub-records outside the shard's range;
+        #: off by default, because it drops aws-kinesis-agg aggregates for good (kpl.py)
+        self._filter_outside = filter_outside_hash_range
+        self._deliver_empty = deliver_empty
+        self._stop = threading.Event()
+        #: reading and handing out pages wait while it is clear (the lease coordinator's
+        #: retrieval gate: renewals come first)
+        self._gate = gate
+        self._sleep = sleep if sleep is not None else self._interruptible_sleep
+        self._reading = Reading(start, self._stop, self._sleep)
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_size)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+        m = metrics if metrics is not None else Metrics()
+        self._metrics = m
+        label = self.lease_key
+        self._m_corrupt = m.deaggregation_errors.labels(label)
+        self._m_filtered = m.records_filtered.labels(label)
+        self._m_depth = m.prefetch_queue_depth.labels(label)
+
+        self._shard_ended = False
+        self._at_tip = False
+        self._millis_behind_latest: int | None = None
+        # Records at or before this (sequence, sub-sequence) were processed before we started;
+        # cleared as soon as one record beyond it is seen, since sequence numbers only grow.
+        self._skip_through: tuple[int, int] | None = (
+            (int(start.sequence_number), start.sub_sequence_number)
+            if start.kind == AT_SEQUENCE_NUMBER and start.sequence_number is not None
+            else None
+        )
+        # AT_TIMESTAMP: records that arrived before the timestamp are dropped until one at
+        # or after it is seen. Kinesis already starts there; an endpoint that rounds the
+        # timestamp (kinesis-mock: to the second) must not hand out records a recovery gap
+        # ending at that timestamp also reads.
+        self._skip_before_ms: int | None = (
+            round(start.timestamp.timestamp() * 1000)
+            if start.kind == AT_TIMESTAMP and start.timestamp is not None else None)
+
+    # -- consumer side -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the fetch thread; a daemon so a stuck HTTP call never blocks interpreter exit."""
+        if self._thread is not None:
+            raise RuntimeError(f"fetcher for {self.shard_id} already started")
+        self._thread = threading.Thread(
+            target=self._run, name=f"kclpy-fetch-{self.shard_id}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def caught_up(self) -> bool:
+        """The last page was empty at the tip of the shard and nothing waits in the queue:
+        empty pages are not queued, so this is how a consumer learns it has caught up."""
+        return self._at_tip and self._queue.empty()
+
+    @property
+    def retrieval(self) -> dict[str, Any]:
+        """How the shard is read, for ``/status``: the source's mode and what it adds."""
+        return self._source.status()
+
+    @property
+    def millis_behind_latest(self) -> int | None:
+        """MillisBehindLatest of the last page, empty pages included."""
+        return self._millis_behind_latest
+
+    def get(self, timeout: float | None = None) -> FetchResult | None:
+        """The next result, or None on timeout or once the pipeline finished (see ``finished``).
+
+        Raises FetchError if the thread stopped on a fatal error.
+        """
+        if self._stop.is_set():
+            timeout = 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        gate = self._gate
+        while gate is not None and not self._stop.is_set() and not gate.wait(
+                0.1 if deadline is None else max(0.0, deadline - time.monotonic())):
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+        while True:
+            try:
+                item = self._queue.get(timeout=None if deadline is None
+                                       else max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if item is _END:
+                # Leave the marker for the next call, so every later get() answers at once.
+                self._put_nowait(_END)
+                if self._error is not None:
+                    raise FetchError(self.shard_id, self._error)
+                return None
+            self._m_depth.set(self._queue.qsize())
+            assert isinstance(item, Page)
+            result = self._expand(item)
+            if result is not None:
+                return result
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop reading and join the thread.
+
+        Sleeps and queue waits notice at once; an HTTP call in flight is not interruptible, so
+        ``timeout`` bounds the join for callers that cannot wait for it.
+        """
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("fetch thread for %s still in a call after stop", self.shard_id)
+                return
+        # Wake a get() that is blocked on an empty queue.
+        self._put_nowait(_END)
+        with contextlib.suppress(KeyError):
+            self._metrics.prefetch_queue_depth.remove(self.lease_key)
+
+    @property
+    def error(self) -> BaseException | None:
+        """The non-retryable error that ended the fetch thread, if any."""
+        return self._error
+
+    @property
+    def finished(self) -> bool:
+        """True once nothing more will be read: shard end reached, failed, or stopped."""
+        return self._shard_ended or self._error is not None or self._stop.is_set()
+
+    def fetch_once(self) -> FetchResult | None:
+        """One iteration of the fetch loop, without the thread or the queue.
+
+        Returns what the loop would have queued: None for an empty page (unless
+        ``deliver_empty``), after shard end, and after stop(). Waits the source's idle time
+        when the page was empty and the shard caught up, as the loop does. Fatal errors
+        propagate.
+        """
+        try:
+            page, idle = self._fetch()
+        except Stopped:
+            return None
+        if idle:
+            self._sleep(self._source.idle_s)
+        return None if page is None else self._expand(page)
+
+    # -- fetch thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set() and not self._shard_ended:
+                self._await_gate()
+                page, idle = self._fetch()
+                if page is not None:
+                    self._put(page)
+                if idle:
+                    self._sleep(self._source.idle_s)
+        except Stopped:
+            pass
+        except Exception as exc:
+            logger.error("fetching shard %s stopped: %r", self.shard_id, exc)
+            self._error = exc
+        finally:
+            self._source.close()
+            with contextlib.suppress(Stopped):
+                self._put(_END)
+
+    def _await_gate(self) -> None:
+        gate = self._gate
+        while gate is not None and not gate.wait(0.1):
+            if self._stop.is_set():
+                raise Stopped
+
+    def _interruptible_sleep(self, seconds: float) -> None:
+        self._stop.wait(seconds)
+
+    def _put(self, item: object) -> None:
+        """Block until there is room, but notice stop() within ``_POLL_S``."""
+        while True:
+            if self._stop.is_set():
+                raise Stopped
+            try:
+                self._queue.put(item, timeout=_POLL_S)
+            except queue.Full:
+                continue
+            if item is not _END:
+                self._m_depth.set(self._queue.qsize())
+            return
+
+    def _put_nowait(self, item: object) -> None:
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(item)
+
+    def _fetch(self) -> tuple[Page | None, bool]:
+        """One read of the source: the page to queue (or None), and whether to wait the
+        source's idle time before the next."""
+        if self._shard_ended:
+            return None, False
+        page = self._source.read(self._reading)
+        raw = self._handled(page.records)
+        shard_end = page.shard_end
+        if shard_end:
+            self._shard_ended = True
+        at_tip = not raw and page.caught_up and not shard_end
+        self._at_tip = at_tip
+        self._millis_behind_latest = page.millis_behind_latest
+        if not (raw or shard_end or self._deliver_empty):
+            return None, at_tip and self._source.idle_s > 0
+        page.records = raw
+        return page, at_tip and self._source.idle_s > 0
+
+    def _handled(self, raw: Sequence[Record]) -> Sequence[Record]:
+        """Note the page as read (a source that starts again resumes after its last record)
+        and drop what arrived before an AT_TIMESTAMP start."""
+        if raw:
+            self._reading.last_sequence_number = raw[-1].sequence_number
+        if self._skip_before_ms is not None and raw:
+            raw = _arrived_from(raw, self._skip_before_ms)
+            if raw:
+                self._skip_before_ms = None
+        return raw
+
+    def _expand(self, page: Page) -> FetchResult | None:
+        """The page's user records (de-aggregated, filtered, after the resume point), or None
+        if nothing is left to deliver. Runs on the thread that calls ``get()``."""
+        records = EMPTY
+        if page.records:
+            agg = deaggregate(page.records, key_range=self._key_range,
+                              filter_outside=self._filter_outside)
+            if agg.corrupt:
+                self._m_corrupt.inc(agg.corrupt)
+            if agg.filtered:
+                self._m_filtered.inc(agg.filtered)
+                logger.warning(
+                    "shard %s: %d user record(s) of aggregates with keys outside the shard's "
+                    "hash-key range filtered out (kpl_hash_range_filter is on)",
+                    self.lease_key, agg.filtered)
+            records = self._drop_processed(agg.records)
+        if not (records or page.shard_end or self._deliver_empty):
+            return None
+        return FetchResult(records, page.millis_behind_latest, page.shard_end,
+                           page.child_shards, page.caught_up)
+
+    def _drop_processed(self, records: Records) -> Records:
+        """Drop the records at or before the checkpoint we resumed from."""
+        skip = self._skip_through
+        if skip is None:
+            return records
+        records = records.after(skip)
+        if records:
+            self._skip_through = None
+        return records
+
+
+def _arrived_from(records: Sequence[Record], from_ms: int) -> Sequence[Record]:
+    """The records from the first one that arrived at or after ``from_ms``."""
+    for index, record in enumerate(records):
+        arrived = record.timestamp_millis
+        if arrived is None or arrived >= from_ms:
+            return records[index:]
+    return records[:0]

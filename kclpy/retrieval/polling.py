@@ -1,0 +1,197 @@
+"""The polling page source: GetShardIterator once, then GetRecords page after page.
+
+Positions follow the Java KCL: a checkpoint ``(sequence, sub-sequence)`` is the last record
+done, so the iterator is taken AT that sequence number (the rest of a KPL aggregate may still
+be due; the pipeline drops every user record at or before the checkpoint). After an
+``ExpiredIteratorException`` the new iterator starts AFTER the last Kinesis record already
+handled, or at the original position if nothing was read yet. Neither a restart nor an
+expiry loses or repeats a record.
+
+Two options make it lag recovery's gap reader, and nothing else changes for that: ``pacer``
+(the worker-wide records-per-second budget, asked before each GetRecords for its ``Limit``)
+and ``until_ms`` (the read ends, as at a shard end, before the first record that arrived at
+or after it, or at the tip).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from botocore.exceptions import ClientError
+
+from kclpy.cloudwatch import COUNT, DETAILED, SUMMARY, shard_dimensions, success_and_time
+from kclpy.metrics import Metrics
+from kclpy.records import Record
+from kclpy.retrieval.parse import GetRecordsPage, get_records, install_fast_get_records
+from kclpy.retrieval.source import Page, Reading, Retrying, ShardAddress, Stopped
+from kclpy.retry import Backoff
+
+if TYPE_CHECKING:
+    import threading
+
+    from mypy_boto3_kinesis import KinesisClient
+
+logger = logging.getLogger(__name__)
+
+
+def _short(iterator: str) -> str:
+    """Iterators are bearer tokens for the shard's data: never log them whole."""
+    return f"{iterator[:12]}..."
+
+
+class Pacer(Protocol):
+    """A budget of records to read (lag recovery's rate bound): asked before each GetRecords
+    for its ``Limit``, given back what the page did not use."""
+
+    def take(self, want: int, stop: threading.Event) -> int:
+        """Records granted (at most ``want``); 0 once ``stop`` is set."""
+
+    def give_back(self, records: int) -> None: ...
+
+
+def get_iterator(client: KinesisClient, address: ShardAddress, reading: Reading,
+                 retrying: Retrying) -> str:
+    """A fresh iterator: after the last record handled, else at the start position."""
+    params = address.params()
+    kind, sequence_number, timestamp = reading.resume_point(reading.last_sequence_number)
+    params["ShardIteratorType"] = kind
+    if sequence_number is not None:
+        params["StartingSequenceNumber"] = sequence_number
+    if timestamp is not None:
+        params["Timestamp"] = timestamp
+    response = retrying.call(
+        reading, "GetShardIterator", lambda: client.get_shard_iterator(**params))
+    iterator: str = response["ShardIterator"]
+    logger.debug("shard %s: %s iterator %s", address.shard_id, kind, _short(iterator))
+    return iterator
+
+
+class PollingSource:
+    """GetRecords pages of one shard, ``max_records`` at most each (``pacer``: fewer)."""
+
+    def __init__(
+        self,
+        client: KinesisClient,
+        address: ShardAddress,
+        *,
+        max_records: int = 10000,
+        idle_time_s: float = 1.0,
+        backoff: Backoff | None = None,
+        metrics: Metrics | None = None,
+        pacer: Pacer | None = None,
+        until_ms: int | None = None,
+    ) -> None:
+        if not 1 <= max_records <= 10000:
+            raise ValueError("max_records must be between 1 and 10000")
+        self._client = client
+        self.address = address
+        self.idle_s = idle_time_s
+        self._max_records = max_records
+        m = metrics if metrics is not None else Metrics()
+        self._metrics = m
+        self._retrying = Retrying(address, backoff, m)
+        #: GetRecords Limits come from this budget
+        self._pacer = pacer
+        #: the read ends before the first record that arrived at or after this (epoch ms)
+        self._until_ms = until_ms
+        label = address.lease_key
+        self._m_seconds = m.get_records_seconds.labels(label)
+        self._m_expired = m.iterator_expirations.labels(label)
+        self._m_behind = m.millis_behind_latest.labels(label)
+        self._cw_dims = shard_dimensions(address.shard_id, address.stream_id)
+        self._iterator: str | None = None
+        install_fast_get_records(client)
+
+    def status(self) -> dict[str, Any]:
+        return {"mode": "polling"}
+
+    def close(self) -> None:
+        """An iterator holds nothing open."""
+
+    def read(self, reading: Reading) -> Page:
+        """One GetRecords (with retries), a fresh iterator first when there is none."""
+        limit = self._max_records
+        if self._pacer is not None:
+            limit = self._pacer.take(limit, reading.stop)
+            if not limit:
+                raise Stopped
+        fresh = False
+        backoff = self._retrying.backoff
+        while True:
+            if self._iterator is None:
+                self._iterator = get_iterator(self._client, self.address, reading,
+                                              self._retrying)
+                fresh = True
+            try:
+                page = self._retrying.call(
+                    reading, "GetRecords",
+                    functools.partial(self._timed_get_records, self._iterator, limit))
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") != "ExpiredIteratorException":
+                    raise
+                self._m_expired.inc()
+                self._metrics.cloudwatch.record(
+                    "ProcessTask", "ExpiredIterator", 1, COUNT, SUMMARY, self._cw_dims)
+                logger.info("iterator for %s expired; re-positioning", self.address.shard_id)
+                self._iterator = None
+                if fresh:
+                    # A brand-new iterator should not expire; back off rather than spin
+                    # against a service (or clock) that keeps answering so.
+                    reading.pause(backoff.next_delay(), exc)
+                continue
+            break
+        # Only a page is progress: a fresh iterator that then expires again must not reset.
+        backoff.reset()
+
+        self._iterator = page.next_shard_iterator
+        millis = page.millis_behind_latest
+        # A bounded read (a recovery gap) is behind on purpose: the shard's gauge is live's.
+        if millis is not None and self._until_ms is None:
+            self._m_behind.set(millis)
+        if self._pacer is not None:
+            self._pacer.give_back(limit - len(page.records))
+        caught_up = millis == 0 or (millis is None and not page.records)
+        shard_end = page.next_shard_iterator is None
+        children = page.child_shards
+        raw: Sequence[Record] = page.records
+        if self._until_ms is not None:
+            kept = _arrived_before(raw, self._until_ms)
+            if len(kept) < len(raw) or (caught_up and not raw):
+                shard_end, children = True, []
+            raw = kept
+        if shard_end:
+            if self._until_ms is not None and page.next_shard_iterator is not None:
+                # a recovery read: the shard is open, only the gap being read is over
+                logger.info("shard %s: the recovery gap was read to its end",
+                            self.address.shard_id)
+            else:
+                logger.info("shard %s reached its end", self.address.shard_id)
+        return Page(raw, millis, shard_end, children, caught_up)
+
+    def _timed_get_records(self, iterator: str, limit: int) -> GetRecordsPage:
+        started = time.perf_counter()
+        ok = False
+        try:
+            page = get_records(self._client, iterator, limit)
+            ok = True
+            return page
+        finally:
+            elapsed = time.perf_counter() - started
+            self._m_seconds.observe(elapsed)
+            success_and_time(self._metrics.cloudwatch, "ProcessTask",
+                             "KinesisDataFetcher.getRecords", ok, elapsed, DETAILED,
+                             self._cw_dims)
+
+
+def _arrived_before(records: Sequence[Record], until_ms: int) -> Sequence[Record]:
+    """The leading records that arrived before ``until_ms``: sequence numbers and arrival
+    times grow together within a shard, so the first one at or after it ends the range."""
+    for index, record in enumerate(records):
+        arrived = record.timestamp_millis
+        if arrived is not None and arrived >= until_ms:
+            return records[:index]
+    return records

@@ -1,0 +1,233 @@
+"""What a page source is: the one small interface every retrieval mode implements.
+
+A shard is read by one pipeline (``pipeline.py``: the bounded queue, the retrieval gate,
+stop, de-aggregation and KPL filtering, the resume point) fed by one page source, which only
+knows how to get the next page of Kinesis records from the service: GetRecords
+(``polling.py``), the events of a SubscribeToShard subscription (``fanout.py``), or a read
+bounded in rate and end (a polling source with a ``pacer`` and ``until_ms``: lag recovery's
+gap reader). As in the Java KCL, where ``PrefetchRecordsPublisher`` and
+``FanOutRecordsPublisher`` are siblings behind ``RecordsPublisher``, adding a retrieval mode
+means adding one module with a class that satisfies ``PageSource``; nothing after the page
+changes, so a processor cannot tell which mode fed it.
+
+A source is pulled, never pushes: the pipeline's fetch thread calls ``read`` in a loop, so a
+full queue holds the source back (no GetRecords, no bytes read from the subscription) and
+``stop`` is seen between two reads, or inside one through ``Reading.pause``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Protocol, TypeVar
+
+from kclpy.metrics import Metrics
+from kclpy.position import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
+from kclpy.records import Record
+from kclpy.retrieval.parse import ChildShard
+from kclpy.retry import THROTTLED, Backoff, classify
+from kclpy.streams import multi_stream_lease_key
+
+logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+AT_SEQUENCE_NUMBER = "AT_SEQUENCE_NUMBER"
+AFTER_SEQUENCE_NUMBER = "AFTER_SEQUENCE_NUMBER"
+_KINDS = frozenset({TRIM_HORIZON, LATEST, AT_TIMESTAMP, AT_SEQUENCE_NUMBER, AFTER_SEQUENCE_NUMBER})
+
+
+@dataclass(frozen=True)
+class StartPosition:
+    """Where a shard's reading begins.
+
+    For ``AT_SEQUENCE_NUMBER`` the position is a checkpoint: records at or before
+    ``(sequence_number, sub_sequence_number)`` were already processed and are not delivered
+    again. ``AFTER_SEQUENCE_NUMBER`` starts after the whole (possibly aggregated) record.
+    """
+
+    kind: str
+    sequence_number: str | None = None
+    sub_sequence_number: int = 0
+    timestamp: datetime | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"unknown start position kind {self.kind!r}")
+        if self.kind in (AT_SEQUENCE_NUMBER, AFTER_SEQUENCE_NUMBER):
+            seq = self.sequence_number
+            if seq is None or not (seq.isascii() and seq.isdigit()):
+                raise ValueError(f"{self.kind} needs a numeric sequence number")
+        if self.kind == AT_TIMESTAMP and self.timestamp is None:
+            raise ValueError("AT_TIMESTAMP needs a timestamp")
+        if self.sub_sequence_number < 0:
+            raise ValueError("sub_sequence_number must be >= 0")
+
+    @classmethod
+    def from_checkpoint(
+        cls, checkpoint: str, sub_sequence_number: int, initial_timestamp: datetime | None
+    ) -> StartPosition:
+        """The position for a lease's checkpoint (a sentinel or a sequence number).
+
+        A SHARD_END checkpoint means the shard is finished; reaching here with one is a bug in
+        the caller, so it raises instead of reading the shard again.
+        """
+        if checkpoint == SHARD_END:
+            raise ValueError("a SHARD_END checkpoint has nothing left to fetch")
+        if checkpoint in (TRIM_HORIZON, LATEST):
+            return cls(checkpoint)
+        if checkpoint == AT_TIMESTAMP:
+            if initial_timestamp is None:
+                raise ValueError("an AT_TIMESTAMP checkpoint needs the initial timestamp")
+            return cls(AT_TIMESTAMP, timestamp=initial_timestamp)
+        return cls(AT_SEQUENCE_NUMBER, checkpoint, sub_sequence_number)
+
+
+@dataclass(frozen=True)
+class ShardAddress:
+    """Which shard of which stream a source reads, and the name it is reported by.
+
+    Kinesis calls take the bare ``shard_id`` with the stream's name, ARN or both (both also
+    suits moto, whose ARN-only iterators fail); metrics and logs name the shard by its lease
+    key (``lease_key``), which in a multi-stream application starts with the stream
+    (``stream_id``, a serialised identifier).
+    """
+
+    shard_id: str
+    stream_name: str | None = None
+    stream_arn: str | None = None
+    stream_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.stream_name is None and self.stream_arn is None:
+            raise ValueError("a shard's address needs stream_name or stream_arn")
+
+    @property
+    def lease_key(self) -> str:
+        if self.stream_id is None:
+            return self.shard_id
+        return multi_stream_lease_key(self.stream_id, self.shard_id)
+
+    def params(self) -> dict[str, Any]:
+        """The stream and shard as a Kinesis request names them."""
+        params: dict[str, Any] = {"ShardId": self.shard_id}
+        if self.stream_arn is not None:
+            params["StreamARN"] = self.stream_arn
+        if self.stream_name is not None:
+            params["StreamName"] = self.stream_name
+        return params
+
+
+@dataclass
+class Page:
+    """One page as a source hands it over: Kinesis records, KPL aggregates still whole."""
+
+    records: Sequence[Record]
+    millis_behind_latest: int | None
+    #: the shard (or the bounded range being read) has nothing after this page
+    shard_end: bool
+    #: the children named by the final page (empty before shard end)
+    child_shards: list[ChildShard]
+    #: millis_behind_latest == 0, or unknown and the page was empty
+    caught_up: bool
+
+
+class Stopped(Exception):
+    """Unwinds a read once the pipeline was stopped."""
+
+
+class Reading:
+    """What the pipeline lends its source: where reading resumes, and a wait that ends at
+    ``stop``. The pipeline notes every page it handled here, so a source that must start
+    again (an expired iterator, a new subscription, a shard-end probe) resumes after the last
+    Kinesis record already handled - a page holds whole aggregates, so all its sub-records
+    were handled too - or at the start position if nothing was read yet."""
+
+    def __init__(self, start: StartPosition, stop: threading.Event,
+                 sleep: Callable[[float], None]) -> None:
+        self.start = start
+        self.stop = stop
+        self._sleep = sleep
+        #: the last Kinesis record (aggregate or plain) fully handled
+        self.last_sequence_number: str | None = None
+
+    def resume_point(self, after: str | None) -> tuple[str, str | None, datetime | None]:
+        """Where reading resumes, for an iterator or a subscription alike: after ``after``
+        (a record already handled), else at the start position."""
+        if after is not None:
+            return AFTER_SEQUENCE_NUMBER, after, None
+        start = self.start
+        return start.kind, start.sequence_number, start.timestamp
+
+    def pause(self, seconds: float, cause: BaseException | None = None) -> None:
+        """Wait before a retry; raise ``Stopped`` if the pipeline stopped meanwhile."""
+        self._sleep(seconds)
+        if self.stop.is_set():
+            raise Stopped from cause
+
+
+class PageSource(Protocol):
+    """One shard's pages, from whichever service call the retrieval mode uses.
+
+    ``read`` blocks until the next page (retrying what is worth retrying, waiting through
+    ``Reading.pause`` so a stop is seen) and raises ``Stopped`` once the pipeline stopped, or
+    the error retrying cannot fix. It is not called again after a page with ``shard_end``.
+    """
+
+    address: ShardAddress
+    #: how long the pipeline waits before the next read after an empty page at the tip
+    #: (polling's idle time between reads; 0 for a source the service pushes to)
+    idle_s: float
+
+    def read(self, reading: Reading) -> Page: ...
+
+    def close(self) -> None:
+        """Let go of what the source holds open (a subscription); called once, at the end."""
+
+    def status(self) -> dict[str, Any]:
+        """How the shard is read, for ``/status``: the mode, and what the mode adds."""
+
+
+class Retrying:
+    """One source's retries of the calls it makes, with its backoff, counted per shard.
+
+    The backoff is reset by the source, once a whole read succeeded: a fresh iterator that
+    then expires again must not reset it.
+    """
+
+    def __init__(self, address: ShardAddress, backoff: Backoff | None, metrics: Metrics) -> None:
+        self._address = address
+        self.backoff = backoff if backoff is not None else Backoff()
+        self._metrics = metrics
+
+    def call(self, reading: Reading, operation: str, call: Callable[[], _T],
+             classifier: Callable[[BaseException], str | None] = classify) -> _T:
+        """Run ``call`` until it succeeds or fails in a way retrying cannot fix."""
+        label = self._address.lease_key
+        while True:
+            try:
+                result = call()
+            except Exception as exc:
+                kind = classifier(exc)
+                if kind is None:
+                    raise
+                if kind == THROTTLED:
+                    self._metrics.throttles.labels(operation).inc()
+                self._metrics.get_records_errors.labels(label, kind).inc()
+                if operation == "SubscribeToShard":
+                    self._metrics.subscriptions.labels(label, f"failed_{kind}").inc()
+                delay = self.backoff.next_delay()
+                logger.warning(
+                    "%s on %s failed (%s, attempt %d); retrying in %.3fs: %s",
+                    operation,
+                    self._address.shard_id,
+                    kind,
+                    self.backoff.attempt,
+                    delay,
+                    exc,
+                )
+                reading.pause(delay, exc)
+                continue
+            return result
