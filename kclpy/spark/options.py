@@ -302,7 +302,9 @@ class SourceOptions:
         config = botocore.config.Config(
             max_pool_connections=pool, retries={"mode": "standard", "total_max_attempts": 1},
             connect_timeout=10, read_timeout=30, user_agent_extra=agent)
-        return self._session().client("kinesis", endpoint_url=self.endpoint_url, config=config)
+        session = self._session()
+        session.events.register("creating-serializer.kinesis", _millisecond_timestamps)
+        return session.client("kinesis", endpoint_url=self.endpoint_url, config=config)
 
     def _session(self) -> boto3.session.Session:
         """The standard credential chain, or a role assumed from it with credentials that
@@ -327,6 +329,17 @@ class SourceOptions:
             "env", _AssumedRole(fetcher))
         return boto3.session.Session(botocore_session=assumed, region_name=self.region)
 
+
+def _millisecond_timestamps(serializer_kwargs: dict[str, Any], **_: Any) -> None:
+    """Send ``AT_TIMESTAMP`` iterators' times to the millisecond, as the API takes them.
+
+    botocore truncates a JSON-protocol timestamp to the whole second unless a service asks
+    for more, so an iterator for ``LATEST`` resolved at 12:00:00.700 starts at 12:00:00.000
+    and every record of that second before it must be fetched and dropped (by the driver's
+    probe as much as by each executor). botocore versions before this event existed keep
+    the second: the reader drops the early records itself, which is correct, only dearer.
+    """
+    serializer_kwargs["timestamp_precision"] = "millisecond"
 
 
 class _AssumedRole(CredentialProvider):

@@ -348,15 +348,22 @@ class Probe:
     first_arrival_ms: int | None = None
     #: the shard is closed and nothing is left after the position
     shard_end: bool = False
+    #: the probe stepped over records it could not use (before an ``AT_TIMESTAMP`` start,
+    #: already consumed, outside the shard's hash keys) for all its calls without reaching
+    #: the tip: there may be something, so the shard is treated as holding something
+    undecided: bool = False
 
 
-def probe(reader: ShardReader, max_pages: int = 4) -> Probe:
-    """Look for the first record after the reader's start, one record per call.
+def probe(reader: ShardReader, max_pages: int = 64) -> Probe:
+    """Look for the first record after the reader's start, one record per call at first.
 
     The reader keeps its iterator, so the next probe of an idle shard is one GetRecords and
     no GetShardIterator. Records dropped on the client (already consumed, or before an
-    ``AT_TIMESTAMP`` start) are stepped over, with a growing ``Limit``, for at most
-    ``max_pages`` calls per probe.
+    ``AT_TIMESTAMP`` start: with botocore's default second-precision timestamps an
+    iterator lands up to a second early, on a whole second of older records) are stepped
+    over with a growing ``Limit``. "Nothing new" is only ever concluded from the tip or the
+    shard's end, never from running out of calls: a probe that gave up after a few pages
+    of older records once made a LATEST query skip a whole batch.
     """
     limit = 1
     for _ in range(max_pages):
@@ -368,7 +375,7 @@ def probe(reader: ShardReader, max_pages: int = 4) -> Probe:
         if page.at_tip:
             return Probe()
         limit = min(limit * 10, reader.limit)
-    return Probe()
+    return Probe(undecided=True)
 
 
 def advance_counted(

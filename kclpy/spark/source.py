@@ -271,7 +271,8 @@ class KinesisStreamReader(DataSourceStreamReader):
             seen = found[shard_id]
             if seen.shard_end:
                 positions[shard_id] = ShardPosition.shard_end()
-            elif seen.first_arrival_ms is not None and seen.first_arrival_ms < until_ms:
+            elif seen.undecided or (seen.first_arrival_ms is not None
+                                    and seen.first_arrival_ms < until_ms):
                 moving.append(shard_id)
         until = ShardPosition.at_timestamp(until_ms)
         if budget is None and per_shard is None:
