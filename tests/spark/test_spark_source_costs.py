@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -94,27 +95,32 @@ def test_available_now_fetches_each_record_once_and_the_driver_reads_no_batch(
     assert proxy.bytes[DRIVER] <= 0.05 * proxy.bytes[EXECUTOR], dict(proxy.bytes)
 
 
-def test_a_row_limit_reads_only_what_each_batch_needs(
-        proxy: CountingProxy, kinesis_mock: LocalEndpoint) -> None:
-    """A row limit is the one case where the driver reads records: a batch that ends after N
-    rows can only be found by counting them. The GetRecords ``Limit`` is cut to the share,
-    so every record is fetched once by the driver and once by an executor, not once per
-    batch as when each batch re-read every shard's remainder."""
+@pytest.mark.parametrize("recorded", [True, False], ids=["metadata-path", "driver-reads"])
+def test_a_row_limit_reads_each_record_once_on_the_executors(
+        proxy: CountingProxy, kinesis_mock: LocalEndpoint, tmp_path: Path,
+        recorded: bool) -> None:
+    """A batch that ends after N rows ends where its executor stops. With ``metadataPath``
+    the executor records that position and the driver reads no record of a batch (its
+    probes stop once a shard runs dry); without it the driver finds the position by reading
+    the batch once more: never more than once per record on each side, as the GetRecords
+    ``Limit`` is cut to what the batch still needs."""
     read_max_rows = pytest.importorskip("pyspark.sql.streaming.datasource").ReadMaxRows
     kinesis = kinesis_client(kinesis_mock.url)
     stream = unique_name("spark-cost-cap")
     create_stream(kinesis, stream, 4)
-    payloads = [f"c-{n}".encode() for n in range(2000)]
+    payloads = [f"c-{n}".encode() for n in range(800)]
     put_plain(kinesis, stream, payloads)
+    where = {"metadataPath": str(tmp_path / "ends")} if recorded else {}
     reader = make_reader(proxy.url, stream, startingPosition="TRIM_HORIZON", settleTime="0",
-                         minFetchPeriod="0")
+                         minFetchPeriod="0", **where)
 
     rows, batches = available_now(reader, read_max_rows(100))
 
     assert sorted(rows) == sorted(payloads)
-    assert batches >= 20
+    assert batches >= 8
     assert proxy.records[EXECUTOR] / len(rows) <= 1.1, dict(proxy.records)
-    assert proxy.records[DRIVER] / len(rows) <= 1.1, dict(proxy.records)
+    driver_share = 0.02 if recorded else 1.1
+    assert proxy.records[DRIVER] / len(rows) <= driver_share, dict(proxy.records)
 
 
 def last_arrival(kinesis: Any, stream: str) -> float:
