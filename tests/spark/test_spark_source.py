@@ -512,12 +512,15 @@ def test_a_batch_rerun_after_kill_9_of_the_driver_yields_the_same_rows(
         value = str(tmp_path / value) if name == "metadataPath" else value
         command += ["--option", f"{name}={value}"]
     env = _spark_env()
-    held = subprocess.Popen([*command, "--hold-batch", str(held_batch)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "held.log"
+    with log.open("wb") as sink:
+        held = subprocess.Popen([*command, "--hold-batch", str(held_batch)], env=env,
+                                stdout=sink, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: any(out.glob(f"batch-{held_batch}-*.json"))
                  or held.poll() is not None, 300, "the held batch reached foreachBatch")
-        assert held.poll() is None, "the held driver exited by itself"
+        assert held.poll() is None, "the held driver exited by itself: " + log.read_text(
+            errors="replace")[-3000:]
         assert (checkpoint / "offsets" / str(held_batch)).exists()
         assert not (checkpoint / "commits" / str(held_batch)).exists()
         held.send_signal(signal.SIGKILL)
