@@ -144,14 +144,14 @@ def test_tip_is_an_empty_page_so_small_pages_over_put_records_batches_are_exact(
     kinesis = kinesis_client(kinesis_mock.url)
     stream = unique_name("spark-tip")
     create_stream(kinesis, stream, 1)
-    before = [f"old-{n}".encode() for n in range(2000)]
+    before = [f"old-{n}".encode() for n in range(1000)]
     put_plain(kinesis, stream, before)
     clock = FakeClock()
     clock.now = last_arrival(kinesis, stream) + 0.001
     latest = make_reader(kinesis_mock.url, stream, clock, startingPosition="LATEST",
                          settleTime="0", minFetchPeriod="0", maxRecordsPerFetch="300")
     start = latest.initialOffset()
-    after = [f"new-{n}".encode() for n in range(2000)]
+    after = [f"new-{n}".encode() for n in range(1000)]
     put_plain(kinesis, stream, after)
     clock.now = last_arrival(kinesis, stream) + 0.001
 
