@@ -3,7 +3,9 @@
 Both read the same stream (``--shards`` shards, plain records of 200 bytes) to its end and
 hand every record to Spark, which counts them in ``foreachBatch``:
   * source: ``spark.readStream.format("kinesis")`` with Trigger.AvailableNow, Spark
-    ``local[N]`` for N executor cores;
+    ``local[N]`` for N executor cores; with ``--rows-per-batch`` also with that
+    ``maxRecordsPerBatch``, once with ``metadataPath`` (executors record where each batch
+    stopped) and once without (the driver reads each batch again to find out);
   * micro-batch: ``kclpy.spark.run_worker`` (one kclpy worker reads, leases in moto's
     DynamoDB) until every record reached ``foreachBatch``.
 Each run is its own process. Kinesis traffic goes through a counting proxy, which tells the
@@ -12,6 +14,7 @@ Driver CPU is the CPU of the Python process Spark runs the source's planning in
 (``python_streaming_source_runner``), sampled while the query runs.
 
 Run: PYTHONPATH=. python bench/spark_source.py [--shards 32] [--records 96000]
+     [--rows-per-batch 9600] [--runs source:1,source:2,rows:2,rows-recorded:2,microbatch:1]
 """
 
 from __future__ import annotations
@@ -96,7 +99,8 @@ def spark_session(cores: int) -> Any:
     return session
 
 
-def run_source(url: str, stream: str, cores: int, expect: int) -> Run:
+def run_source(url: str, stream: str, cores: int, expect: int,
+               options: dict[str, str]) -> Run:
     import kclpy.spark
 
     spark = spark_session(cores)
@@ -109,6 +113,8 @@ def run_source(url: str, stream: str, cores: int, expect: int) -> Run:
     reader = (spark.readStream.format("kinesis").option("streamName", stream)
               .option("endpointUrl", url).option("region", REGION)
               .option("startingPosition", "TRIM_HORIZON").option("settleTime", "0"))
+    for name, value in options.items():
+        reader = reader.option(name, value)
     checkpoint = Path("/tmp") / f"bench-spark-source-{uuid.uuid4().hex}"
     with RunnerCpu("python_streaming_source_runner") as cpu:
         started = time.perf_counter()
@@ -160,20 +166,26 @@ def run_microbatch(url: str, dynamodb: str, stream: str, cores: int, expect: int
 
 
 def child(options: argparse.Namespace) -> Run:
-    if options.child == "source":
-        return run_source(options.kinesis, options.stream, options.cores, options.expect)
+    if options.child != "microbatch":
+        extra: dict[str, str] = {}
+        if options.child in ("rows", "rows-recorded"):
+            extra["maxRecordsPerBatch"] = str(options.rows_per_batch)
+        if options.child == "rows-recorded":
+            extra["metadataPath"] = str(Path("/tmp") / f"bench-spark-ends-{uuid.uuid4().hex}")
+        return run_source(options.kinesis, options.stream, options.cores, options.expect,
+                          extra)
     return run_microbatch(options.kinesis, options.dynamodb, options.stream, options.cores,
                           options.expect)
 
 
 def run_child(kind: str, cores: int, kinesis: str, dynamodb: str, stream: str,
-              expect: int) -> Run:
+              expect: int, rows_per_batch: int) -> Run:
     env = child_environment()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCH.parent),
                                                       env.get("PYTHONPATH")]))
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--cores",
             str(cores), "--kinesis", kinesis, "--dynamodb", dynamodb, "--stream", stream,
-            "--expect", str(expect)]
+            "--expect", str(expect), "--rows-per-batch", str(rows_per_batch)]
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=1800,
                           check=False)
     lines = done.stdout.strip().splitlines()
@@ -188,7 +200,15 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shards", type=int, default=32)
     parser.add_argument("--records", type=int, default=96_000, help="records in the stream")
-    parser.add_argument("--child", choices=("source", "microbatch"), help=argparse.SUPPRESS)
+    parser.add_argument("--rows-per-batch", type=int, default=None,
+                        help="maxRecordsPerBatch of the rows and rows-recorded runs "
+                             "(default: a tenth of the records)")
+    parser.add_argument("--runs", default="source:1,source:2,rows:2,rows-recorded:2,"
+                        "microbatch:1,microbatch:2",
+                        help="which runs, as path:cores (paths: source, rows, rows-recorded, "
+                             "microbatch)")
+    parser.add_argument("--child", choices=("source", "rows", "rows-recorded", "microbatch"),
+                        help=argparse.SUPPRESS)
     parser.add_argument("--cores", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--kinesis", help=argparse.SUPPRESS)
     parser.add_argument("--dynamodb", help=argparse.SUPPRESS)
@@ -204,6 +224,9 @@ def main() -> None:
 
     per_shard = options.records // options.shards
     total = per_shard * options.shards
+    rows_per_batch = options.rows_per_batch or max(1, total // 10)
+    runs = [(kind, int(cores)) for kind, _, cores in
+            (run.partition(":") for run in options.runs.split(","))]
     stream = "bench"
     print(f"{total:,} records of {RECORD_SIZE} B over {options.shards} shards "
           "on the replay endpoint", flush=True)
@@ -213,18 +236,20 @@ def main() -> None:
         print("| Path | Executor cores | Rows/s | Records fetched per row (driver + executors) "
               "| Driver CPU s per million rows |")
         print("|---|---|---|---|---|")
-        for kind, cores in (("source", 1), ("source", 2), ("microbatch", 1),
-                            ("microbatch", 2)):
+        for kind, cores in runs:
             proxy.reset()
-            run = run_child(kind, cores, proxy.url, moto.url, stream, total)
+            run = run_child(kind, cores, proxy.url, moto.url, stream, total, rows_per_batch)
             records = dict(proxy.records)
             fetched = sum(records.values()) / run.rows
             split = (f"{fetched:.3f} ({records.get('kclpy-spark-driver', 0) / run.rows:.3f} + "
                      f"{records.get('kclpy-spark-executor', 0) / run.rows:.3f})"
-                     if kind == "source" else f"{fetched:.3f} (one worker)")
+                     if kind != "microbatch" else f"{fetched:.3f} (one worker)")
             cpu = ("-" if run.driver_cpu_s is None
                    else f"{run.driver_cpu_s / run.rows * 1e6:.2f}")
-            print(f"| {kind} | {cores} | {run.rows / run.wall_s:,.0f} | {split} | {cpu} |",
+            label = {"rows": f"source, maxRecordsPerBatch={rows_per_batch:,}",
+                     "rows-recorded": f"source, maxRecordsPerBatch={rows_per_batch:,}, "
+                                      "metadataPath"}.get(kind, kind)
+            print(f"| {label} | {cores} | {run.rows / run.wall_s:,.0f} | {split} | {cpu} |",
                   flush=True)
 
 

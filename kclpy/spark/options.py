@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,7 @@ from kclpy.spark.reading import StreamRef
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
 
-__all__ = ["ALIASES", "OPTIONS", "SourceOptions"]
+__all__ = ["ALIASES", "ALIAS_UNITS", "OPTIONS", "SourceOptions"]
 
 #: canonical name -> default as written in docs/spark.md (None: no default)
 OPTIONS: dict[str, str | None] = {
@@ -44,6 +45,9 @@ OPTIONS: dict[str, str | None] = {
     "timestamp": None,
     "maxRecordsPerBatch": None,
     "maxFetchRecordsPerShard": None,
+    "fetchBufferSize": None,
+    "maxFetchDuration": None,
+    "metadataPath": None,
     "maxRecordsPerFetch": "10000",
     "deaggregate": "true",
     "minFetchPeriod": "1s",
@@ -76,6 +80,15 @@ ALIASES: dict[str, str] = {
     "kinesis.stsSessionName": "roleSessionName",
     "awsSTSSessionName": "roleSessionName",
     "kinesis.stsEndpointUrl": "stsEndpoint",
+    "kinesis.maxFetchTimePerShardSec": "maxFetchDuration",
+    "kinesis.executor.maxFetchTimeInMs": "maxFetchDuration",
+    "kinesis.metadataPath": "metadataPath",
+}
+
+#: the unit a bare number has under an alias that names its unit (awslabs counts seconds)
+ALIAS_UNITS: dict[str, str] = {
+    "kinesis.maxfetchtimepershardsec": "s",
+    "kinesis.executor.maxfetchtimeinms": "ms",
 }
 
 #: other sources' options kclpy's source does not have: named, so the error says why
@@ -87,13 +100,12 @@ UNSUPPORTED: dict[str, str] = {
     **dict.fromkeys(["consumerMode", "consumerName", "kinesis.consumerType",
                      "kinesis.consumerName"],
                     "enhanced fan-out is not in the Spark source yet (kclpy's worker has it)"),
-    **dict.fromkeys(["kinesis.metadataCommitterType", "kinesis.metadataPath",
-                     "kinesis.dynamodb.tableName"],
-                    "positions live in Spark's offset log only, there is no metadata store"),
-    **dict.fromkeys(["maxFetchDuration", "kinesis.maxFetchTimePerShardSec", "fetchBufferSize",
-                     "maxFetchRate", "shardsPerTask", "kinesis.executor.maxFetchTimeInMs"],
-                    "batches end at a settled arrival time; limit rows with "
-                    "maxRecordsPerBatch or maxFetchRecordsPerShard"),
+    **dict.fromkeys(["kinesis.metadataCommitterType", "kinesis.dynamodb.tableName"],
+                    "the ends executors reach are kept in files under metadataPath (a "
+                    "directory the driver and executors share), not in DynamoDB"),
+    "maxFetchRate": "reads are paced per shard by minFetchPeriod and bounded per batch by "
+                    "fetchBufferSize, maxFetchRecordsPerShard and maxFetchDuration",
+    "shardsPerTask": "each shard with new records is one task",
 }
 _UNSUPPORTED_LOWER = {name.lower(): reason for name, reason in UNSUPPORTED.items()}
 
@@ -107,6 +119,10 @@ _ROLE_ARN = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+$")
 _SESSION_NAME = re.compile(r"^[\w+=,.@-]{2,64}$")
 _EXTERNAL_ID = re.compile(r"^[\w+=,.@:/-]{2,1224}$")
 _URL = re.compile(r"^https?://[^/\s]+")
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/")
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|kb|k|mb|m|gb|g|tb|t)?\s*$", re.IGNORECASE)
+_UNIT_BYTES = {"b": 1, "k": 1024, "kb": 1024, "m": 1024**2, "mb": 1024**2, "g": 1024**3,
+               "gb": 1024**3, "t": 1024**4, "tb": 1024**4}
 _LOWER = {name.lower(): name for name in OPTIONS}
 _ALIAS_LOWER = {alias.lower(): name for alias, name in ALIASES.items()}
 
@@ -153,6 +169,14 @@ class SourceOptions:
     starting_timestamp_ms: int | None = None
     max_records_per_batch: int | None = None
     max_fetch_records_per_shard: int | None = None
+    #: payload bytes per batch over all shards, split evenly among the shards that move: a
+    #: stopping condition (each shard stops after the record that reaches its share)
+    fetch_buffer_bytes: int | None = None
+    #: how long an executor reads one shard for one batch
+    max_fetch_duration_ms: int | None = None
+    #: a directory the driver and every executor see: where executors record the end a
+    #: budgeted batch reached (kclpy.spark.metadata)
+    metadata_path: str | None = None
     max_records_per_fetch: int = 10_000
     deaggregate: bool = True
     #: shortest time between two driver probes of one shard
@@ -169,6 +193,14 @@ class SourceOptions:
     role_session_name: str = "kclpy-spark"
     role_external_id: str | None = None
     sts_endpoint: str | None = None
+
+    @property
+    def budgeted(self) -> bool:
+        """Batches end where an executor stops (rows, bytes or time), not at a time alone."""
+        return (self.max_records_per_batch is not None
+                or self.max_fetch_records_per_shard is not None
+                or self.fetch_buffer_bytes is not None
+                or self.max_fetch_duration_ms is not None)
 
     @property
     def stream(self) -> StreamRef:
@@ -213,6 +245,9 @@ class SourceOptions:
             raw = text(name)
             if raw is None:
                 return default_ms
+            unit = ALIAS_UNITS.get(written(name).lower())
+            if unit is not None and raw.replace(".", "", 1).isdigit():
+                raw += unit
             value = _duration_ms(written(name), raw)
             if value < low_ms:
                 raise ConfigError(written(name), f"must be at least {low_ms} ms, got {raw!r}")
@@ -275,6 +310,29 @@ class SourceOptions:
         for option in ("roleSessionName", "roleExternalId", "stsEndpoint"):
             if option in opts and role is None:
                 raise ConfigError(written(option), "only meaningful with roleArn")
+        fetch_duration = duration("maxFetchDuration", 0, 1) if "maxFetchDuration" in opts \
+            else None
+        buffer_bytes = None
+        if "fetchBufferSize" in opts:
+            raw_size = text("fetchBufferSize") or ""
+            size = _BYTES.match(raw_size)
+            if size is None:
+                raise ConfigError(written("fetchBufferSize"),
+                                  f"{raw_size!r} is not a size (e.g. 10mb, 2gb, 500000)")
+            buffer_bytes = round(float(size.group(1)) * _UNIT_BYTES[(size.group(2) or "b")
+                                                                     .lower()])
+            if buffer_bytes < 1:
+                raise ConfigError(written("fetchBufferSize"), "must be at least 1 byte")
+        metadata = text("metadataPath") or None
+        if metadata is not None and _SCHEME.match(metadata):
+            raise ConfigError(written("metadataPath"),
+                              f"{metadata!r}: a directory path that the driver and every "
+                              "executor see (a local or mounted filesystem), not a URL")
+        if fetch_duration is not None and metadata is None:
+            raise ConfigError(written("maxFetchDuration"),
+                              "needs metadataPath: where a batch cut by time ended is known "
+                              "only to the executor that read it, and a re-run of the batch "
+                              "must end at the same record")
         return cls(
             streams=streams,
             region=text("region") or None,
@@ -283,6 +341,9 @@ class SourceOptions:
             starting_timestamp_ms=timestamp_ms,
             max_records_per_batch=integer("maxRecordsPerBatch", None, 1, 2**31),
             max_fetch_records_per_shard=integer("maxFetchRecordsPerShard", None, 1, 2**31),
+            fetch_buffer_bytes=buffer_bytes,
+            max_fetch_duration_ms=fetch_duration,
+            metadata_path=metadata,
             max_records_per_fetch=per_fetch,
             deaggregate=boolean("deaggregate", True),
             min_fetch_period_ms=duration("minFetchPeriod", 1000, 0),
@@ -298,11 +359,26 @@ class SourceOptions:
     def client(self, pool: int = 10, agent: str = "kclpy-spark") -> KinesisClient:
         """A Kinesis client; one attempt per botocore call, since reading retries with
         kclpy's own jittered backoff. ``agent`` tells driver and executor calls apart in a
-        proxy's counts (and in CloudTrail)."""
-        config = botocore.config.Config(
-            max_pool_connections=pool, retries={"mode": "standard", "total_max_attempts": 1},
-            connect_timeout=10, read_timeout=30, user_agent_extra=agent)
-        return self._session().client("kinesis", endpoint_url=self.endpoint_url, config=config)
+        proxy's counts (and in CloudTrail).
+
+        One per process for the same options: making one loads the service model again
+        (about 0.1 s of CPU, a second on a loaded machine), more than reading a small
+        batch's part costs, and Spark reuses its Python workers from task to task. Clients
+        are thread-safe, and never pickled (the reader holds options only)."""
+        key = (self, pool, agent)
+        with _CLIENTS_LOCK:
+            cached = _CLIENTS.get(key)
+            if cached is None:
+                config = botocore.config.Config(
+                    max_pool_connections=pool,
+                    retries={"mode": "standard", "total_max_attempts": 1},
+                    connect_timeout=10, read_timeout=30, user_agent_extra=agent)
+                session = self._session()
+                session.events.register("creating-serializer.kinesis", _millisecond_timestamps)
+                cached = session.client("kinesis", endpoint_url=self.endpoint_url,
+                                        config=config)
+                _CLIENTS[key] = cached
+            return cached
 
     def _session(self) -> boto3.session.Session:
         """The standard credential chain, or a role assumed from it with credentials that
@@ -327,6 +403,21 @@ class SourceOptions:
             "env", _AssumedRole(fetcher))
         return boto3.session.Session(botocore_session=assumed, region_name=self.region)
 
+
+_CLIENTS: dict[tuple[SourceOptions, int, str], KinesisClient] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _millisecond_timestamps(serializer_kwargs: dict[str, Any], **_: Any) -> None:
+    """Send ``AT_TIMESTAMP`` iterators' times to the millisecond, as the API takes them.
+
+    botocore truncates a JSON-protocol timestamp to the whole second unless a service asks
+    for more, so an iterator for ``LATEST`` resolved at 12:00:00.700 starts at 12:00:00.000
+    and every record of that second before it must be fetched and dropped (by the driver's
+    probe as much as by each executor). botocore versions before this event existed keep
+    the second: the reader drops the early records itself, which is correct, only dearer.
+    """
+    serializer_kwargs["timestamp_precision"] = "millisecond"
 
 
 class _AssumedRole(CredentialProvider):

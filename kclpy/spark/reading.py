@@ -9,9 +9,10 @@ the batch is already stored when the batch is planned, and a batch re-run after 
 reads exactly the same records. The driver only probes: one ``GetRecords(Limit=1)`` from
 each shard's position says whether anything new is there and when it arrived.
 
-Only a row limit (``maxRecordsPerBatch``, ``maxFetchRecordsPerShard``) makes the driver read
-records, to find the user record a batch ends at (:func:`advance_counted`), with the
-GetRecords ``Limit`` cut to what the batch still needs.
+A budget (rows, bytes, time per trigger) ends a batch where the executor stops
+(:class:`BudgetedRead`), which the executor records for the driver
+(:mod:`kclpy.spark.metadata`); the driver reads those records itself only when nothing was
+recorded, which a deterministic budget (rows, bytes) allows.
 
 "At the tip" is a page with no records whose ``MillisBehindLatest`` is 0 (or absent), or a
 shard end (no next iterator) — never ``MillisBehindLatest`` alone: kinesis-mock reports 0 on
@@ -43,13 +44,13 @@ if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
 
 __all__ = [
+    "BudgetedRead",
     "DataLossError",
     "EndNotFoundError",
     "Probe",
     "ShardInfo",
     "ShardReader",
     "StreamRef",
-    "advance_counted",
     "list_shards",
     "probe",
     "read_range",
@@ -348,15 +349,22 @@ class Probe:
     first_arrival_ms: int | None = None
     #: the shard is closed and nothing is left after the position
     shard_end: bool = False
+    #: the probe stepped over records it could not use (before an ``AT_TIMESTAMP`` start,
+    #: already consumed, outside the shard's hash keys) for all its calls without reaching
+    #: the tip: there may be something, so the shard is treated as holding something
+    undecided: bool = False
 
 
-def probe(reader: ShardReader, max_pages: int = 4) -> Probe:
-    """Look for the first record after the reader's start, one record per call.
+def probe(reader: ShardReader, max_pages: int = 64) -> Probe:
+    """Look for the first record after the reader's start, one record per call at first.
 
     The reader keeps its iterator, so the next probe of an idle shard is one GetRecords and
     no GetShardIterator. Records dropped on the client (already consumed, or before an
-    ``AT_TIMESTAMP`` start) are stepped over, with a growing ``Limit``, for at most
-    ``max_pages`` calls per probe.
+    ``AT_TIMESTAMP`` start: with botocore's default second-precision timestamps an
+    iterator lands up to a second early, on a whole second of older records) are stepped
+    over with a growing ``Limit``. "Nothing new" is only ever concluded from the tip or the
+    shard's end, never from running out of calls: a probe that gave up after a few pages
+    of older records once made a LATEST query skip a whole batch.
     """
     limit = 1
     for _ in range(max_pages):
@@ -368,45 +376,95 @@ def probe(reader: ShardReader, max_pages: int = 4) -> Probe:
         if page.at_tip:
             return Probe()
         limit = min(limit * 10, reader.limit)
-    return Probe()
+    return Probe(undecided=True)
 
 
-def advance_counted(
-    reader: ShardReader, start: ShardPosition, max_rows: int, until: ShardPosition,
-) -> tuple[ShardPosition, int]:
-    """Where a batch of at most ``max_rows`` user records from ``start`` ends, by reading
-    them (the reader's time bound is ``until``'s): the position and the count.
+class BudgetedRead:
+    """The records of an ``UPTO`` end: from its start, those that arrived before its time,
+    until one of its budgets is spent. Iterate it for the records (page by page); then
+    ``reached`` is the position it stopped at, ready for the next batch to start from.
 
-    ``until`` (an ``AT_TIMESTAMP`` end) when the shard's settled records run out first,
-    ``SHARD_END`` when the shard does."""
-    count = 0
-    last: Record | None = None
-    while count < max_rows:
-        page = reader.next_page(min(reader.limit, max_rows - count))
-        records = page.records
-        if len(records) > max_rows - count:
-            records = records[: max_rows - count]
-        if records:
-            last = records[-1]
-            count += len(records)
-        if count >= max_rows:
-            break
-        if page.reached_bound or page.at_tip:
-            return until, count
-        if page.shard_end:
-            return ShardPosition.shard_end(), count
-    return (ShardPosition.after(last) if last is not None else start), count
+    Rows are a strict bound and cut the GetRecords ``Limit``; bytes stop after the record
+    that reaches them (the ``Limit`` is cut to an estimate from the sizes seen so far); time
+    is checked between pages, after at least one page. ``timed=False`` ignores the time
+    budget: what the driver does to find again an end that no executor recorded.
+    """
+
+    def __init__(self, reader: ShardReader, end: ShardPosition, *, timed: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        assert end.is_budgeted and end.budget is not None and end.start is not None
+        self._reader = reader
+        self._end = end
+        self._budget = end.budget
+        self._timed = timed
+        self._clock = clock
+        self.reached: ShardPosition | None = None
+        self.rows = 0
+        self.bytes = 0
+
+    def __iter__(self) -> Iterator[Records]:
+        budget, reader = self._budget, self._reader
+        assert self._end.start is not None and self._end.timestamp_ms is not None
+        last: Record | None = None
+        deadline = (self._clock() + budget.duration_ms / 1000
+                    if self._timed and budget.duration_ms is not None else None)
+        while True:
+            page = reader.next_page(self._limit())
+            records, full = self._cut(page.records)
+            if records:
+                last = records[-1]
+                yield records
+            if full:
+                break
+            if page.reached_bound or page.at_tip:
+                self.reached = ShardPosition.at_timestamp(self._end.timestamp_ms)
+                return
+            if page.shard_end:
+                self.reached = ShardPosition.shard_end()
+                return
+            if deadline is not None and self._clock() >= deadline:
+                break
+        self.reached = ShardPosition.after(last) if last is not None else self._end.start
+
+    def _limit(self) -> int:
+        limit = self._reader.limit
+        if self._budget.rows is not None:
+            limit = min(limit, self._budget.rows - self.rows)
+        if self._budget.bytes is not None and self.rows:
+            average = max(1, self.bytes // self.rows)
+            limit = min(limit, (self._budget.bytes - self.bytes) // average + 1)
+        return max(1, limit)
+
+    def _cut(self, records: Records) -> tuple[Records, bool]:
+        """The part of a page within the budgets, and whether a budget is now spent."""
+        take = len(records)
+        full = False
+        if self._budget.rows is not None and self.rows + take >= self._budget.rows:
+            take = self._budget.rows - self.rows
+            full = True
+        if self._budget.bytes is not None:
+            size = self.bytes
+            for i in range(take):
+                size += records[i].size
+                if size >= self._budget.bytes:
+                    take = i + 1
+                    full = True
+                    break
+        if take < len(records):
+            records = records[:take]
+        self.rows += len(records)
+        self.bytes += records.payload_bytes() if records else 0
+        return records, full
 
 
 def read_range(
-    reader: ShardReader, end: ShardPosition, *, count: int | None = None,
+    reader: ShardReader, end: ShardPosition, *,
     idle_s: float = 0.5, idle_limit: int = 20, sleep: Callable[[float], None] = time.sleep,
 ) -> Iterator[Records]:
     """The records after the reader's start through ``end``, page by page.
 
     ``end`` is ``AFTER`` (through that user record), ``AT_TIMESTAMP`` (everything that arrived
     before it: the reader must have been made with that ``until_ms``) or ``SHARD_END``.
-    ``count``, the number of user records the driver counted, cuts the GetRecords ``Limit``.
 
     Raises EndNotFoundError when an ``AFTER`` or ``SHARD_END`` end is not reached (the shard
     ended before it, or the stream stays at its tip without it), instead of returning a short
@@ -415,9 +473,8 @@ def read_range(
     shard_id = reader.shard.shard_id
     target = end.extended if end.kind == AFTER else None
     idle = 0
-    left = count
     while True:
-        page = reader.next_page(None if left is None else min(reader.limit, max(left, 1)))
+        page = reader.next_page()
         records = page.records
         if target is not None:
             for i, record in enumerate(records):
@@ -430,8 +487,6 @@ def read_range(
                     return
         if records:
             idle = 0
-            if left is not None:
-                left -= len(records)
             yield records
         if end.kind == AT_TIMESTAMP and (page.reached_bound or page.at_tip or page.shard_end):
             return

@@ -12,8 +12,13 @@ Design points, each forced by how Spark drives a Python source:
   an executor reads it (:mod:`kclpy.spark.reading`). To know whether a shard has anything
   new, the driver probes it with ``GetRecords(Limit=1)``, at most once per
   ``minFetchPeriod`` per shard, and lists shards at most once per ``shardFetchInterval``.
-  Only a row limit makes the driver read: a batch that ends after N records can only be
-  found by counting them.
+- A budget (rows, bytes, time per trigger) cannot be turned into an end without reading,
+  so such a batch ends at the budget itself (an ``UPTO`` position, fixed when planned: the
+  same records whenever it is read); the executor that reads it records the position it
+  reached in ``metadataPath`` (:mod:`kclpy.spark.metadata`), where the driver finds the
+  next batch's start. Without ``metadataPath`` the driver finds it by reading those
+  records again, which rows and bytes allow (they stop at the same record every time) and
+  a time budget does not (so it needs ``metadataPath``).
 - The reader object is pickled to the executors, so it holds only options: boto3 clients
   are made inside each call and never stored, and ``__getstate__`` drops the driver's
   caches in case Spark pickles a driver-side instance.
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,22 +47,24 @@ import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 
 from kclpy.spark.arrow import SPARK_SCHEMA_DDL, records_to_batch
+from kclpy.spark.metadata import ConflictingEndError, PositionStore
 from kclpy.spark.offsets import (
     AFTER,
     AT_TIMESTAMP,
     SHARD_END,
+    Budget,
     ShardPosition,
     decode_offset,
     encode_offset,
 )
 from kclpy.spark.options import SourceOptions
 from kclpy.spark.reading import (
+    BudgetedRead,
     DataLossError,
     Probe,
     ShardInfo,
     ShardReader,
     StreamRef,
-    advance_counted,
     list_shards,
     probe,
     read_range,
@@ -91,25 +99,23 @@ class _ShardProbe:
     its iterator between probes) and what the last probe found."""
 
     position: ShardPosition
-    #: None when no probe was made: a row-limited batch stopped short of the shard's end,
-    #: so more is known to be there
-    reader: ShardReader | None
+    reader: ShardReader
     found: Probe
     probed_at: float
 
 
 class KinesisPartition(InputPartition):
-    """One shard's part of a batch: read after ``start`` through ``end`` (encoded positions).
-    ``count``: the user records the driver counted in it, when it did (cuts ``Limit``)."""
+    """One shard's part of a batch: read after ``start`` through ``end`` (encoded positions;
+    an ``UPTO`` end carries its own start). ``key``: the shard's key in the offset."""
 
-    def __init__(self, stream: StreamRef, shard: ShardInfo, start: str, end: str,
-                 count: int | None = None) -> None:
+    def __init__(self, stream: StreamRef, shard: ShardInfo, key: str, start: str,
+                 end: str) -> None:
         super().__init__(shard.shard_id)
         self.stream = stream
         self.shard = shard
+        self.key = key
         self.start = start
         self.end = end
-        self.count = count
 
 
 class KinesisDataSource(DataSource):
@@ -150,7 +156,10 @@ class KinesisStreamReader(DataSourceStreamReader):
         self._target_ms: int | None = None
         self._target_shards: frozenset[str] | None = None
         self._probes: dict[str, _ShardProbe] = {}
-        self._counts: dict[tuple[str, str, str], int] = {}
+        #: budgeted ends (encoded, with their shard key) -> the position they reached
+        self._resolved: dict[tuple[str, str], ShardPosition] = {}
+        #: which shard the last batch's row budget favoured, so that shards take turns
+        self._turn = 0
         self._client: KinesisClient | None = None
         #: positions found trimmed or shards found expired by the driver, with
         #: failOnDataLoss=false (an executor that finds one logs it)
@@ -236,27 +245,34 @@ class KinesisStreamReader(DataSourceStreamReader):
         self, start: dict[str, Any] | None = None, limit: Any = None
     ) -> dict[str, Any]:
         """The end of the next batch: every record that had arrived ``settleTime`` ago, on
-        the shards a probe found something new on, cut by ``limit`` rows if there is one.
+        the shards a probe found something new on, cut by the budgets if there are any
+        (``limit`` rows over all shards, ``maxFetchRecordsPerShard``, ``fetchBufferSize``,
+        ``maxFetchDuration``).
 
         Without ``start`` (Spark 4.0/4.1) it continues from the reader's own cursor, with no
-        row limit.
+        budget.
         """
         if start is None:
-            positions = dict(self._cursor) if self._cursor is not None else decode_offset(
+            given = dict(self._cursor) if self._cursor is not None else decode_offset(
                 self.initialOffset())
-            budget: int | None = None
-            per_shard: int | None = None
+            rows: int | None = None
+            budgeted = False
         else:
-            positions = decode_offset(start)
-            budget = getattr(limit, "max_rows", None)
-            per_shard = self.options.max_fetch_records_per_shard
+            given = decode_offset(start)
+            rows = getattr(limit, "max_rows", None)
+            budgeted = rows is not None or self.options.budgeted
         shards = self._list()
-        for shard_id in list(positions):
+        for shard_id in list(given):
             if shard_id not in shards:
-                position = positions.pop(shard_id)
+                position = given.pop(shard_id)
                 if not position.is_shard_end:
                     self._lost(f"shard {shard_id} is gone (expired) before it was read to "
                                f"its end: records after {position.encode()} are lost")
+        # A budgeted end stands for the position its executor reached: plan from that one,
+        # but give the end back unchanged for a shard with nothing new, so that an offset
+        # with nothing new equals its start (which is how Spark sees the end of a run).
+        positions = self._resolve_all(given)
+        cut_short = {s for s in given if given[s].is_budgeted and positions[s].kind == AFTER}
         # Children of a split or merge; absent from an offset means TRIM_HORIZON anyway,
         # listing them makes the offset show every shard the query knows.
         for shard_id in shards:
@@ -265,22 +281,92 @@ class KinesisStreamReader(DataSourceStreamReader):
         if self._target_ms is not None:
             until_ms = min(until_ms, self._target_ms)
         ready = [s for s in sorted(positions) if self._readable(s, positions)]
-        found = self._probe_all(positions, ready)
+        # A shard whose last part a budget cut short has more: no probe needed to know it.
+        found = self._probe_all(positions, [s for s in ready if s not in cut_short])
         moving = []
+        out = {s: given.get(s, positions[s]) for s in positions}
         for shard_id in ready:
-            seen = found[shard_id]
-            if seen.shard_end:
-                positions[shard_id] = ShardPosition.shard_end()
-            elif seen.first_arrival_ms is not None and seen.first_arrival_ms < until_ms:
+            seen = found.get(shard_id)
+            if seen is not None and seen.shard_end:
+                out[shard_id] = ShardPosition.shard_end()
+            elif seen is None or seen.undecided or (seen.first_arrival_ms is not None
+                                                    and seen.first_arrival_ms < until_ms):
                 moving.append(shard_id)
-        until = ShardPosition.at_timestamp(until_ms)
-        if budget is None and per_shard is None:
-            for shard_id in moving:
-                positions[shard_id] = until
+        if budgeted:
+            budgets = self._budgets(moving, rows)
+            plan = uuid.uuid4().hex[:12]
+            for shard_id, budget in budgets.items():
+                out[shard_id] = ShardPosition.upto(positions[shard_id], until_ms, budget, plan)
         else:
-            self._advance_counted(positions, moving, budget, per_shard, until)
-        self._cursor = positions
-        return encode_offset(positions)
+            until = ShardPosition.at_timestamp(until_ms)
+            for shard_id in moving:
+                out[shard_id] = until
+        self._cursor = out
+        return encode_offset(out)
+
+    def _budgets(self, moving: Sequence[str], rows: int | None) -> dict[str, Budget]:
+        """Each moving shard's budget: an equal share of the batch's rows (shards take turns
+        at the remainder, and at all of it when there are more shards than rows) and of
+        ``fetchBufferSize``, ``maxFetchRecordsPerShard`` and ``maxFetchDuration`` as they are."""
+        options = self.options
+        if not moving:
+            return {}
+        order = list(moving[self._turn % len(moving):]) + list(moving[:self._turn % len(moving)])
+        self._turn += 1
+        budgets: dict[str, Budget] = {}
+        share = (None if options.fetch_buffer_bytes is None
+                 else -(-options.fetch_buffer_bytes // len(moving)))
+        for i, shard_id in enumerate(order):
+            cap = options.max_fetch_records_per_shard
+            if rows is not None:
+                quota, extra = divmod(rows, len(order))
+                quota += 1 if i < extra else 0
+                if quota == 0:
+                    continue
+                cap = quota if cap is None else min(cap, quota)
+            budgets[shard_id] = Budget(cap, share, options.max_fetch_duration_ms)
+        return budgets
+
+    def _store(self) -> PositionStore | None:
+        path = self.options.metadata_path
+        return None if path is None else PositionStore(path)
+
+    def _resolve_all(self, given: Mapping[str, ShardPosition]) -> dict[str, ShardPosition]:
+        """The offset's positions with every budgeted end replaced by where it stopped."""
+        out = dict(given)
+        todo = [s for s in given if given[s].is_budgeted
+                and (s, given[s].encode()) not in self._resolved]
+        for shard_id, reached in zip(todo, _parallel(
+                [partial(self._resolve, s, given[s]) for s in todo]), strict=True):
+            self._resolved[(shard_id, given[shard_id].encode())] = reached
+        for shard_id, position in given.items():
+            if position.is_budgeted:
+                out[shard_id] = self._resolved[(shard_id, position.encode())]
+        return out
+
+    def _resolve(self, shard_id: str, end: ShardPosition) -> ShardPosition:
+        """Where a budgeted end stopped: as its executor recorded it, or, when no executor
+        did (no ``metadataPath``, or no task of the batch ran), by reading it here without
+        its time budget (and recording that, for any later attempt at the batch)."""
+        store = self._store()
+        if store is not None:
+            recorded = store.get(shard_id, end)
+            if recorded is not None:
+                return recorded
+        shard = self._shards.get(shard_id) or self._list(force=True).get(shard_id)
+        if shard is None:
+            raise DataLossError(f"shard {shard_id} is gone (expired): where its part "
+                                f"{end.encode()} of the last batch ended cannot be found")
+        assert end.start is not None
+        reading = BudgetedRead(self._reader(shard, end.start, until_ms=end.timestamp_ms), end,
+                               timed=False)
+        for _ in reading:
+            pass
+        assert reading.reached is not None
+        log.info("kinesis source: %s: no recorded end for %s; read to %s", shard_id,
+                 end.encode(), reading.reached.encode())
+        return reading.reached if store is None else store.put(shard_id, end,
+                                                                reading.reached)
 
     def _lost(self, message: str) -> None:
         if self.options.fail_on_data_loss:
@@ -336,7 +422,7 @@ class KinesisStreamReader(DataSourceStreamReader):
         def one(shard_id: str) -> tuple[_ShardProbe, int]:
             cached = self._probes.get(shard_id)
             position = positions[shard_id]
-            if cached is None or cached.position != position or cached.reader is None:
+            if cached is None or cached.position != position:
                 reader = self._reader(self._shards[shard_id], position)
             else:
                 reader = cached.reader
@@ -351,110 +437,91 @@ class KinesisStreamReader(DataSourceStreamReader):
             result[shard_id] = fresh.found
         return result
 
-    def _advance_counted(self, positions: dict[str, ShardPosition], moving: list[str],
-                         budget: int | None, per_shard: int | None,
-                         until: ShardPosition) -> None:
-        """Cut the moving shards' batches by rows: an equal share of ``budget`` each, then
-        what shards that ran dry left over, to those that did not. The driver reads these
-        records (only the ones the batch needs: ``Limit`` is cut to the share) to find
-        where each batch ends."""
-        starts = {s: positions[s] for s in moving}
-        caps: dict[str, int] = {}
-        for i, shard_id in enumerate(moving):
-            cap = per_shard if per_shard is not None else 2**31
-            if budget is not None:
-                share, extra = divmod(budget, len(moving))
-                cap = min(cap, share + (1 if i < extra else 0))
-            caps[shard_id] = cap
-        counts = self._count_all(positions, caps, until)
-        if budget is not None:
-            left = budget - sum(counts.values())
-            for shard_id in moving:
-                if left <= 0:
-                    break
-                if positions[shard_id] in (until, ShardPosition.shard_end()):
-                    continue
-                cap = left if per_shard is None else min(left, per_shard - counts[shard_id])
-                if cap <= 0:
-                    continue
-                more = self._count_all(positions, {shard_id: cap}, until)[shard_id]
-                counts[shard_id] += more
-                left -= more
-        now = self._clock()
-        for shard_id in moving:
-            end = positions[shard_id]
-            self._counts[(shard_id, starts[shard_id].encode(), end.encode())] = counts[shard_id]
-            if end.kind == AFTER:
-                # Cut by the limit before the time bound: the next batch need not wait for a
-                # probe to know this shard has more (if the cut fell on its last settled
-                # record, that batch's part is merely empty).
-                assert until.timestamp_ms is not None
-                self._probes[shard_id] = _ShardProbe(
-                    end, None, Probe(first_arrival_ms=until.timestamp_ms - 1), now)
-
-    def _count_all(self, positions: dict[str, ShardPosition], caps: Mapping[str, int],
-                   until: ShardPosition) -> dict[str, int]:
-        ids = [s for s in caps if caps[s] > 0]
-
-        def one(shard_id: str) -> tuple[ShardPosition, int]:
-            reader = self._reader(self._shards[shard_id], positions[shard_id],
-                                  until_ms=until.timestamp_ms)
-            return advance_counted(reader, positions[shard_id], caps[shard_id], until)
-
-        counts = dict.fromkeys(caps, 0)
-        for shard_id, (position, count) in zip(ids, _parallel([partial(one, s) for s in ids]),
-                                               strict=True):
-            positions[shard_id] = position
-            counts[shard_id] = count
-        return counts
-
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         begin, finish = decode_offset(start), decode_offset(end)
         self._cursor = dict(finish)
         parts: list[InputPartition] = []
         for shard_id, stop in sorted(finish.items()):
-            first = begin.get(shard_id, ShardPosition.trim_horizon())
-            if stop == first or first.is_shard_end or stop.kind not in (
-                    AFTER, SHARD_END, AT_TIMESTAMP):
+            given = begin.get(shard_id, ShardPosition.trim_horizon())
+            if stop == given or given.is_shard_end:
                 continue
-            if first.kind == AFTER and stop.kind == AFTER and stop.extended <= first.extended:
-                continue
-            if (first.kind == AT_TIMESTAMP and stop.kind == AT_TIMESTAMP
-                    and (stop.timestamp_ms or 0) <= (first.timestamp_ms or 0)):
-                continue
+            if stop.is_budgeted:
+                assert stop.start is not None
+                first = stop.start
+            else:
+                first = self._resolve_all({shard_id: given})[shard_id]
+                if stop == first or first.is_shard_end or stop.kind not in (
+                        AFTER, SHARD_END, AT_TIMESTAMP):
+                    continue
+                if first.kind == AFTER and stop.kind == AFTER and stop.extended <= first.extended:
+                    continue
+                if (first.kind == AT_TIMESTAMP and stop.kind == AT_TIMESTAMP
+                        and (stop.timestamp_ms or 0) <= (first.timestamp_ms or 0)):
+                    continue
             shard = self._shards.get(shard_id) or self._list(force=True).get(shard_id)
             if shard is None:
                 self._lost(f"shard {shard_id} is gone "
                            f"(expired): its part of the batch, after {first.encode()} "
                            f"through {stop.encode()}, cannot be read")
                 continue
-            count = self._counts.get((shard_id, first.encode(), stop.encode()))
-            parts.append(KinesisPartition(shard.stream, shard.info, first.encode(),
-                                          stop.encode(), count))
+            parts.append(KinesisPartition(shard.stream, shard.info, shard_id, first.encode(),
+                                          stop.encode()))
         return parts
 
     def commit(self, end: dict[str, Any]) -> None:
-        """Nothing to keep: Kinesis holds no consumer state; the offset log is the checkpoint."""
-        self._counts.clear()
+        """Kinesis holds no consumer state and the offset log is the checkpoint; what goes
+        are the recorded ends no batch can start from any more."""
+        store = self._store()
+        committed = decode_offset(end)
+        for shard_id, position in committed.items():
+            if position.is_budgeted and store is not None:
+                store.forget_older(shard_id, position)
+        keep = {(s, p.encode()) for s, p in committed.items() if p.is_budgeted}
+        self._resolved = {k: v for k, v in self._resolved.items() if k in keep}
 
     # -- executors --------------------------------------------------------------------------
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, KinesisPartition)
-        client = self.options.client(pool=2, agent="kclpy-spark-executor")
-        end = ShardPosition.decode(partition.end)
-        try:
-            reader = ShardReader(client, partition.stream, partition.shard,
-                                 ShardPosition.decode(partition.start),
-                                 deaggregate=self.options.deaggregate,
-                                 limit=self.options.max_records_per_fetch,
-                                 until_ms=end.timestamp_ms if end.kind == AT_TIMESTAMP else None,
-                                 fail_on_data_loss=self.options.fail_on_data_loss)
-            label = partition.stream.label
-            for records in read_range(reader, end, count=partition.count):
-                yield records_to_batch(label, partition.shard.shard_id, records)
-        finally:
-            client.close()
+        client = self.options.client(pool=4, agent="kclpy-spark-executor")
+        start, end = ShardPosition.decode(partition.start), ShardPosition.decode(partition.end)
+        label, shard_id = partition.stream.label, partition.shard.shard_id
+        if end.is_budgeted:
+            store = self._store()
+            recorded = None if store is None else store.get(partition.key, end)
+            if recorded is None:
+                reading = BudgetedRead(self._task_reader(client, partition, start, end),
+                                       end)
+                for records in reading:
+                    yield records_to_batch(label, shard_id, records)
+                assert reading.reached is not None
+                if store is not None:
+                    winner = store.put(partition.key, end, reading.reached)
+                    if winner != reading.reached:
+                        raise ConflictingEndError(
+                            f"shard {partition.key}: another attempt at {end.encode()} "
+                            f"ended at {winner.encode()}, this one at "
+                            f"{reading.reached.encode()}; Spark's retry reads to the former")
+                return
+            if recorded == start:
+                return
+            end = recorded
+            until_ms = (recorded.timestamp_ms if recorded.kind == AT_TIMESTAMP
+                        else None)
+        else:
+            until_ms = end.timestamp_ms if end.kind == AT_TIMESTAMP else None
+        reader = self._task_reader(client, partition, start, end, until_ms)
+        for records in read_range(reader, end):
+            yield records_to_batch(label, shard_id, records)
+
+    def _task_reader(self, client: KinesisClient, partition: KinesisPartition,
+                     start: ShardPosition, end: ShardPosition,
+                     until_ms: int | None = None) -> ShardReader:
+        return ShardReader(client, partition.stream, partition.shard, start,
+                           deaggregate=self.options.deaggregate,
+                           limit=self.options.max_records_per_fetch,
+                           until_ms=end.timestamp_ms if end.is_budgeted else until_ms,
+                           fail_on_data_loss=self.options.fail_on_data_loss)
 
 
 def _parallel(calls: Sequence[Callable[[], _T]]) -> list[_T]:

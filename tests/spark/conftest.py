@@ -48,6 +48,9 @@ def spark(aws_test_environment: None) -> Iterator[Any]:
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.default.parallelism", "2")
         .config("spark.sql.streaming.pollingDelay", "100ms")
+        # a loaded machine (CI, 2 cores) can take longer than the default 15 s to start a
+        # Python worker, which then fails the query
+        .config("spark.python.authenticate.socketTimeout", "120s")
         .getOrCreate()
     )
     session.sparkContext.setLogLevel("ERROR")

@@ -18,7 +18,8 @@ from pyspark.sql.datasource import DataSourceStreamReader
 
 from kclpy.errors import ConfigError
 from kclpy.local import LocalEndpoint
-from kclpy.spark.offsets import ShardPosition, decode_offset, encode_offset
+from kclpy.spark.metadata import PositionStore
+from kclpy.spark.offsets import Budget, ShardPosition, decode_offset, encode_offset
 from kclpy.spark.source import KinesisStreamReader, SourceOptions
 from tests.support.streams import (
     create_stream,
@@ -268,7 +269,56 @@ def test_row_limit_can_end_a_batch_inside_a_kpl_aggregate(kinesis_mock: LocalEnd
         ends.extend(decode_offset(end).values())
         offset = end
     assert seen == expected
-    assert any(p.kind == "AFTER" and 0 < p.sub_sequence_number < 9 for p in ends), ends
+    # each batch ends where its reader stopped: the next one starts there, mid-aggregate
+    starts = [p.start for p in ends if p.start is not None]
+    assert any(p.kind == "AFTER" and 0 < p.sub_sequence_number < 9 for p in starts), ends
+
+
+@pytest.mark.integration
+def test_byte_and_time_budgets_end_where_the_executor_stopped_and_a_rerun_ends_there_too(
+        kinesis_mock: LocalEndpoint, tmp_path: Path) -> None:
+    """``fetchBufferSize`` stops each shard after the record that reaches its share;
+    ``maxFetchDuration`` after the page that outlasts it. Where a part stopped is recorded
+    under ``metadataPath``, and any later attempt at the batch is held to it: here an
+    earlier attempt that stopped after 3 records (as a slower one might have)."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-budget")
+    create_stream(kinesis, stream, 1)
+    payloads = [f"{n:03d}".encode() + bytes(97) for n in range(50)]  # 100 bytes each
+    put_plain(kinesis, stream, payloads)
+    ends = tmp_path / "ends"
+    sized = reader_for(kinesis_mock.url, stream, startingPosition="TRIM_HORIZON",
+                       fetchBufferSize="1kb", metadataPath=str(ends))
+    offset = sized.initialOffset()
+    batches: list[list[bytes]] = []
+    while (end := sized.latestOffset(offset, None)) != offset:
+        batches.append(read_all(sized, offset, end))
+        sized.commit(end)
+        offset = end
+    assert [row for batch in batches for row in batch] == payloads
+    assert {len(batch) for batch in batches[:-1]} == {11}, "1,024 bytes: the 11th record"
+    assert len(list(ends.rglob("*.json"))) == 1, "only the committed end's record is kept"
+
+    timed = reader_for(kinesis_mock.url, stream, startingPosition="TRIM_HORIZON",
+                       maxFetchDuration="1ms", maxRecordsPerFetch="10",
+                       metadataPath=str(ends))
+    start = timed.initialOffset()
+    end = timed.latestOffset(start, None)
+    assert read_all(timed, start, end) == payloads[:10], "one page, then out of time"
+    assert read_all(timed, start, end) == payloads[:10], "a re-run: the same rows"
+
+    (key, planned), = decode_offset(end).items()
+    again = reader_for(kinesis_mock.url, stream, startingPosition="TRIM_HORIZON",
+                       maxFetchDuration="1ms", maxRecordsPerFetch="10",
+                       metadataPath=str(tmp_path / "other"))
+    earlier = PositionStore(str(tmp_path / "other"))
+    first = kinesis.get_shard_iterator(StreamName=stream, ShardId=key,
+                                       ShardIteratorType="TRIM_HORIZON")["ShardIterator"]
+    third = kinesis.get_records(ShardIterator=first, Limit=3)["Records"][-1]
+    earlier.put(key, planned, ShardPosition("AFTER", third["SequenceNumber"], 0))
+    assert read_all(again, start, end) == payloads[:3]
+    following = again.latestOffset(end, None)
+    assert read_all(again, end, following)[:1] == [payloads[3]]
 
 
 def test_offsets_round_trip_and_reject_garbage() -> None:
@@ -278,11 +328,16 @@ def test_offsets_round_trip_and_reject_garbage() -> None:
         "shardId-1": ShardPosition.trim_horizon(),
         "shardId-3": ShardPosition.at_timestamp(1_700_000_000_123),
         "shardId-4": ShardPosition.shard_end(),
+        "shardId-5": ShardPosition.upto(ShardPosition("AFTER", "4959", 2), 1_700_000_000_123,
+                                        Budget(rows=50, bytes=None, duration_ms=2000),
+                                        "a1b2c3"),
     }
     encoded = encode_offset(positions)
     assert list(encoded["shards"]) == sorted(positions)
     assert decode_offset(encoded) == positions
-    for bad in ("AFTER/12x/0", "AFTER/1/-1", "AT_TIMESTAMP/", "LATEST", "SHARD_END/1"):
+    for bad in ("AFTER/12x/0", "AFTER/1/-1", "AT_TIMESTAMP/", "LATEST", "SHARD_END/1",
+                "UPTO/1/0/-/-/a1/TRIM_HORIZON", "UPTO/1/-/-/-/a1/SHARD_END",
+                "UPTO/1/-/-/-//TRIM_HORIZON", "UPTO/1/5/-/-/a1"):
         with pytest.raises(ValueError):
             ShardPosition.decode(bad)
 
@@ -311,6 +366,12 @@ def test_offsets_round_trip_and_reject_garbage() -> None:
     ({"streamName": "s", "kinesis.awsSecretKey": "x"}, "kinesis.awsSecretKey"),
     ({"streamName": "s", "startingPosition": "LATEST 2024-01-01T00:00:00Z"},
      "startingPosition"),
+    ({"streamName": "s", "fetchBufferSize": "lots"}, "fetchBufferSize"),
+    ({"streamName": "s", "maxFetchDuration": "10s"}, "maxFetchDuration"),
+    ({"streamName": "s", "kinesis.maxFetchTimePerShardSec": "10"},
+     "kinesis.maxFetchTimePerShardSec"),
+    ({"streamName": "s", "metadataPath": "s3://bucket/ends"}, "metadataPath"),
+    ({"streamName": "s", "maxFetchRate": "1.0"}, "maxFetchRate"),
 ])
 def test_bad_options_name_the_option(options: dict[str, str], option: str) -> None:
     with pytest.raises(ConfigError) as excinfo:
@@ -376,6 +437,23 @@ def test_options_are_case_insensitive_and_typed() -> None:
     assert at.stream.label == "x"
 
 
+@pytest.mark.parametrize(("options", "duration_ms", "buffer_bytes"), [
+    ({"maxFetchDuration": "2m", "fetchBufferSize": "10mb"}, 120_000, 10 * 1024**2),
+    ({"maxFetchDuration": "1500", "fetchBufferSize": "2000"}, 1500, 2000),
+    ({"kinesis.maxFetchTimePerShardSec": "30"}, 30_000, None),  # awslabs counts seconds
+    ({"kinesis.executor.maxFetchTimeInMs": "1500"}, 1500, None),  # qubole, milliseconds
+    ({"fetchBufferSize": "1.5GB"}, None, round(1.5 * 1024**3)),
+])
+def test_byte_and_time_budgets_parse_with_their_units(
+        options: dict[str, str], duration_ms: int | None, buffer_bytes: int | None) -> None:
+    parsed = SourceOptions.parse({"streamName": "s", "kinesis.metadataPath": "/tmp/ends",
+                                  **options})
+    assert (parsed.max_fetch_duration_ms, parsed.fetch_buffer_bytes) == (
+        duration_ms, buffer_bytes)
+    assert parsed.metadata_path == "/tmp/ends"
+    assert parsed.budgeted
+
+
 def test_reader_pickles_without_clients() -> None:
     import pickle
 
@@ -403,13 +481,21 @@ def _spark_env() -> dict[str, str]:
 
 @pytest.mark.integration
 @pytest.mark.slow
-@pytest.mark.parametrize(("limit", "held_batch"), [(None, 0), ("200", 1)],
-                         ids=["ends-by-arrival-time", "ends-by-row-limit"])
+@pytest.mark.parametrize(("budget", "held_batch"), [
+    ({}, 0),
+    ({"maxRecordsPerBatch": "200", "maxFetchDuration": "300ms", "maxRecordsPerFetch": "40",
+      "metadataPath": "ends"}, 1),
+], ids=["ends-by-arrival-time", "ends-where-the-executors-stopped"])
 def test_a_batch_rerun_after_kill_9_of_the_driver_yields_the_same_rows(
-        kinesis_mock: LocalEndpoint, tmp_path: Path, limit: str | None,
+        kinesis_mock: LocalEndpoint, tmp_path: Path, budget: dict[str, str],
         held_batch: int) -> None:
     """The driver is killed after a batch was planned (its offsets are in the checkpoint)
-    and before it was committed; records written meanwhile must not change the re-run."""
+    and before it was committed; records written meanwhile must not change the re-run.
+
+    With budgets the batch ends where each executor stopped (after 100 rows, or 300 ms of
+    reading pages of 40, whichever came first): a time budget stops elsewhere on every
+    attempt, so the re-run must read to the end the killed run's executors recorded.
+    """
     import signal
     import subprocess
     import sys
@@ -422,15 +508,19 @@ def test_a_batch_rerun_after_kill_9_of_the_driver_yields_the_same_rows(
     out.mkdir()
     command = [sys.executable, "-m", "tests.support.spark_query", "--endpoint", kinesis_mock.url,
                "--stream", stream, "--checkpoint", str(checkpoint), "--out", str(out)]
-    if limit is not None:
-        command += ["--max-records-per-batch", limit]
+    for name, value in budget.items():
+        value = str(tmp_path / value) if name == "metadataPath" else value
+        command += ["--option", f"{name}={value}"]
     env = _spark_env()
-    held = subprocess.Popen([*command, "--hold-batch", str(held_batch)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "held.log"
+    with log.open("wb") as sink:
+        held = subprocess.Popen([*command, "--hold-batch", str(held_batch)], env=env,
+                                stdout=sink, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: any(out.glob(f"batch-{held_batch}-*.json"))
                  or held.poll() is not None, 300, "the held batch reached foreachBatch")
-        assert held.poll() is None, "the held driver exited by itself"
+        assert held.poll() is None, "the held driver exited by itself: " + log.read_text(
+            errors="replace")[-3000:]
         assert (checkpoint / "offsets" / str(held_batch)).exists()
         assert not (checkpoint / "commits" / str(held_batch)).exists()
         held.send_signal(signal.SIGKILL)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -94,43 +95,65 @@ def test_available_now_fetches_each_record_once_and_the_driver_reads_no_batch(
     assert proxy.bytes[DRIVER] <= 0.05 * proxy.bytes[EXECUTOR], dict(proxy.bytes)
 
 
-def test_a_row_limit_reads_only_what_each_batch_needs(
-        proxy: CountingProxy, kinesis_mock: LocalEndpoint) -> None:
-    """A row limit is the one case where the driver reads records: a batch that ends after N
-    rows can only be found by counting them. The GetRecords ``Limit`` is cut to the share,
-    so every record is fetched once by the driver and once by an executor, not once per
-    batch as when each batch re-read every shard's remainder."""
+@pytest.mark.parametrize("recorded", [True, False], ids=["metadata-path", "driver-reads"])
+def test_a_row_limit_reads_each_record_once_on_the_executors(
+        proxy: CountingProxy, kinesis_mock: LocalEndpoint, tmp_path: Path,
+        recorded: bool) -> None:
+    """A batch that ends after N rows ends where its executor stops. With ``metadataPath``
+    the executor records that position and the driver reads no record of a batch (its
+    probes stop once a shard runs dry); without it the driver finds the position by reading
+    the batch once more: never more than once per record on each side, as the GetRecords
+    ``Limit`` is cut to what the batch still needs."""
     read_max_rows = pytest.importorskip("pyspark.sql.streaming.datasource").ReadMaxRows
     kinesis = kinesis_client(kinesis_mock.url)
     stream = unique_name("spark-cost-cap")
     create_stream(kinesis, stream, 4)
-    payloads = [f"c-{n}".encode() for n in range(2000)]
+    payloads = [f"c-{n}".encode() for n in range(800)]
     put_plain(kinesis, stream, payloads)
+    where = {"metadataPath": str(tmp_path / "ends")} if recorded else {}
     reader = make_reader(proxy.url, stream, startingPosition="TRIM_HORIZON", settleTime="0",
-                         minFetchPeriod="0")
+                         minFetchPeriod="0", **where)
 
     rows, batches = available_now(reader, read_max_rows(100))
 
     assert sorted(rows) == sorted(payloads)
-    assert batches >= 20
+    assert batches >= 8
     assert proxy.records[EXECUTOR] / len(rows) <= 1.1, dict(proxy.records)
-    assert proxy.records[DRIVER] / len(rows) <= 1.1, dict(proxy.records)
+    driver_share = 0.02 if recorded else 1.1
+    assert proxy.records[DRIVER] / len(rows) <= driver_share, dict(proxy.records)
+
+
+def last_arrival(kinesis: Any, stream: str) -> float:
+    """The arrival time (epoch seconds) of the newest record of a one-shard stream."""
+    shard = kinesis.list_shards(StreamName=stream)["Shards"][0]["ShardId"]
+    iterator = kinesis.get_shard_iterator(StreamName=stream, ShardId=shard,
+                                          ShardIteratorType="TRIM_HORIZON")["ShardIterator"]
+    records = kinesis.get_records(ShardIterator=iterator, Limit=10_000)["Records"]
+    return float(records[-1]["ApproximateArrivalTimestamp"].timestamp())
 
 
 def test_tip_is_an_empty_page_so_small_pages_over_put_records_batches_are_exact(
         kinesis_mock: LocalEndpoint) -> None:
     """kinesis-mock reports MillisBehindLatest 0 on a page that ends inside the last
-    PutRecords batch while records remain; pages of 300 over batches of 500 show it."""
+    PutRecords batch while records remain; pages of 300 over batches of 500 show it.
+
+    LATEST is resolved 1 ms after the last older record arrived, the instant that once
+    lost the batch: an iterator at a second-precision time lands on the whole PutRecords
+    batch of 500 older records, and a probe that stopped after 1 + 10 + 100 + 300 of them
+    reported nothing new."""
     kinesis = kinesis_client(kinesis_mock.url)
     stream = unique_name("spark-tip")
     create_stream(kinesis, stream, 1)
-    before = [f"old-{n}".encode() for n in range(2000)]
+    before = [f"old-{n}".encode() for n in range(1000)]
     put_plain(kinesis, stream, before)
-    latest = make_reader(kinesis_mock.url, stream, startingPosition="LATEST", settleTime="0",
-                         minFetchPeriod="0", maxRecordsPerFetch="300")
+    clock = FakeClock()
+    clock.now = last_arrival(kinesis, stream) + 0.001
+    latest = make_reader(kinesis_mock.url, stream, clock, startingPosition="LATEST",
+                         settleTime="0", minFetchPeriod="0", maxRecordsPerFetch="300")
     start = latest.initialOffset()
-    after = [f"new-{n}".encode() for n in range(2000)]
+    after = [f"new-{n}".encode() for n in range(1000)]
     put_plain(kinesis, stream, after)
+    clock.now = last_arrival(kinesis, stream) + 0.001
 
     end = latest.latestOffset(start, None)
 
@@ -139,6 +162,34 @@ def test_tip_is_an_empty_page_so_small_pages_over_put_records_batches_are_exact(
                              settleTime="0", minFetchPeriod="0", maxRecordsPerFetch="300")
     rows, _ = available_now(everything)
     assert rows == before + after
+
+
+def test_a_probe_steps_over_a_second_of_older_records_before_concluding_anything(
+        kinesis_mock: LocalEndpoint) -> None:
+    """botocore sends a timestamp to the whole second unless told otherwise (older
+    botocore cannot be told), so an ``AT_TIMESTAMP`` iterator lands up to a second early.
+    The probe must step over every older record of that second, however many, and find
+    the newer one; and where nothing newer exists, find the tip, not give up."""
+    from kclpy.spark.offsets import ShardPosition
+    from kclpy.spark.reading import Probe, ShardReader, StreamRef, list_shards, probe
+
+    kinesis = kinesis_client(kinesis_mock.url)  # botocore's default: whole seconds
+    stream = unique_name("spark-coarse")
+    create_stream(kinesis, stream, 1)
+    put_plain(kinesis, stream, [f"old-{n}".encode() for n in range(1000)])
+    newest = last_arrival(kinesis, stream)
+    [shard] = list_shards(kinesis, StreamRef(stream))
+    position = ShardPosition.at_timestamp(round(newest * 1000) + 1)
+
+    nothing = ShardReader(kinesis, StreamRef(stream), shard, position, limit=300)
+    assert probe(nothing) == Probe()
+    assert nothing.fetched >= 500 or int(newest) != int(newest + 0.001), \
+        "the iterator did not land early: the test no longer shows the stepping"
+
+    put_plain(kinesis, stream, [b"new-0"])
+    something = ShardReader(kinesis, StreamRef(stream), shard, position, limit=300)
+    found = probe(something)
+    assert found.first_arrival_ms is not None and found.first_arrival_ms > newest * 1000
 
 
 def test_an_idle_query_polls_each_shard_at_most_once_a_second(

@@ -25,7 +25,8 @@ def main() -> None:
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--hold-batch", type=int, default=None)
-    parser.add_argument("--max-records-per-batch", default=None)
+    parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                        help="a source option (repeatable)")
     args = parser.parse_args()
 
     from pyspark.sql import SparkSession
@@ -35,15 +36,18 @@ def main() -> None:
     spark = (SparkSession.builder.master("local[2]").appName("kclpy-kill-test")
              .config("spark.ui.enabled", "false")
              .config("spark.ui.showConsoleProgress", "false")
-             .config("spark.sql.shuffle.partitions", "2").getOrCreate())
+             .config("spark.sql.shuffle.partitions", "2")
+             # a loaded machine can take longer than the default 15 s to start a worker
+             .config("spark.python.authenticate.socketTimeout", "120s").getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
     kclpy.spark.register(spark)
     out = Path(args.out)
     reader = (spark.readStream.format("kinesis").option("streamName", args.stream)
               .option("endpointUrl", args.endpoint).option("region", "us-east-1")
               .option("startingPosition", "TRIM_HORIZON").option("settleTime", "0"))
-    if args.max_records_per_batch:
-        reader = reader.option("maxRecordsPerBatch", args.max_records_per_batch)
+    for option in args.option:
+        name, _, value = option.partition("=")
+        reader = reader.option(name, value)
 
     def collect(df: Any, batch_id: int) -> None:
         rows = sorted([r.shard_id, r.sequence_number, r.sub_sequence_number, bytes(r.data).hex()]
