@@ -13,7 +13,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import datetime
 from types import FrameType
@@ -588,22 +588,28 @@ class Worker:
             consumer.request_shutdown()
         deadline = time.monotonic() + self.config.shutdown_grace_ms / 1000
         coordinator = self.coordinator
-        if coordinator is not None:
-            coordinator.stop_taking()
-            for shard_id in coordinator.held_leases().keys() - consumers.keys():
-                coordinator.release_soon(shard_id)  # taken last: nothing to finish
+        # The taker is told to stop but not waited for here: a cycle under way can take as
+        # long as its slowest answer, and the lease of a processor already over must not
+        # wait for it. What that cycle took last is released once it has ended.
+        taking = coordinator is not None and not coordinator.stop_taking(timeout=0)
+        if coordinator is not None and not taking:
+            self._release_unconsumed(coordinator, consumers)
         # Each lease goes as soon as its processor is over: held until the slowest one is,
         # it would be consumed by nobody for up to the grace period.
         waiting = dict(consumers)
-        while waiting and time.monotonic() < deadline:
+        while (waiting or taking) and time.monotonic() < deadline:
             for shard_id, consumer in list(waiting.items()):
                 if consumer.done:
                     del waiting[shard_id]
                     if coordinator is not None:
                         coordinator.release_soon(shard_id)
+            left = min(_SHUTDOWN_POLL_S, max(0.0, deadline - time.monotonic()))
+            if coordinator is not None and taking and coordinator.stop_taking(
+                    timeout=0 if waiting else left):
+                taking = False
+                self._release_unconsumed(coordinator, consumers)
             if waiting:
-                next(iter(waiting.values())).join(
-                    min(_SHUTDOWN_POLL_S, max(0.0, deadline - time.monotonic())))
+                next(iter(waiting.values())).join(left)
         late = [shard_id for shard_id, consumer in waiting.items() if not consumer.done]
         for shard_id in late:
             log.warning("shard %s: shutdown_requested did not finish within the grace "
@@ -621,6 +627,14 @@ class Worker:
         if self._cloudwatch is not None:
             self._cloudwatch.stop()
         log.info("worker %s stopped", self.config.worker_id)
+
+    @staticmethod
+    def _release_unconsumed(coordinator: LeaseCoordinator,
+                            consumers: Mapping[str, ShardConsumer]) -> None:
+        """Leases the taker took last, after the consumers were asked to stop: nothing to
+        finish, so they go at once."""
+        for shard_id in coordinator.held_leases().keys() - consumers.keys():
+            coordinator.release_soon(shard_id)
 
     def _start_cloudwatch(self, session: boto3.session.Session) -> None:
         """The Java KCL's CloudWatch metrics, when ``metrics_level`` asks for them."""

@@ -143,17 +143,20 @@ class LeaseCoordinator:
             self.release_all()
             self.taker.give_up_pending()
 
-    def stop_taking(self) -> None:
+    def stop_taking(self, timeout: float | None = None) -> bool:
         """Take, steal and adopt no lease from now on, as the Java KCL's ``stopLeaseTaker``
         at the start of a graceful shutdown; the held leases are still renewed until they
-        are released. Returns once a taker cycle under way has ended, so that the caller
-        knows every lease it will ever hold: one taken while the processors wind down would
-        be held with no consumer until the worker stops, and moved away from a worker that
-        was consuming it."""
+        are released. Waits up to ``timeout`` (None: for as long as it takes) for a taker
+        cycle under way to end, and says whether it has: only then does the caller know
+        every lease it will ever hold. One taken while the processors wind down would be
+        held with no consumer until the worker stops, and moved away from a worker that was
+        consuming it."""
         self._taking_stopped.set()
         self._wake.set()
-        if self._taker_thread is not None:
-            self._taker_thread.join()
+        if self._taker_thread is None:
+            return True
+        self._taker_thread.join(timeout)
+        return not self._taker_thread.is_alive()
 
     def _renewer_loop(self) -> None:
         wake_at = self._clock()
