@@ -1,12 +1,14 @@
 """The Java KCL's CloudWatch metrics, so dashboards and alarms built on a Java fleet keep working.
 
-Every datapoint carries a Java metric name, unit and level, an ``Operation`` and the
-dimensions the Java KCL gives it (``ShardId``, ``StreamId``, ``WorkerIdentifier``). Points
-below ``metricsLevel`` are dropped at once; dimensions outside ``metricsEnabledDimensions``
-are left off (``Operation`` always stays). Points with the same name, unit and dimensions are
-aggregated locally into one statistic set (sum, minimum, maximum, count), as the Java KCL's
-accumulating queue does, and a publisher thread sends what gathered every
-``metricsBufferTimeMillis`` with ``PutMetricData``, 20 datums a request.
+A metrics backend (``kclpy/telemetry.py``): each event of a metric declared with Java datums
+(``kclpy/metrics.py``) becomes those datums. Every datapoint carries a Java metric name,
+unit and level, an ``Operation`` and the dimensions the Java KCL gives it (``ShardId``,
+``StreamId``, ``WorkerIdentifier``). Points below ``metricsLevel`` are dropped at once;
+dimensions outside ``metricsEnabledDimensions`` are left off (``Operation`` always stays).
+Points with the same name, unit and dimensions are aggregated locally into one statistic set
+(sum, minimum, maximum, count), as the Java KCL's accumulating queue does, and a publisher
+thread sends what gathered every ``metricsBufferTimeMillis`` with ``PutMetricData``, 20
+datums a request.
 
 Nothing here may slow processing down: ``record`` takes a lock for a dictionary update and
 never waits for CloudWatch. When ``metricsMaxQueueSize`` distinct datums are waiting, the
@@ -29,16 +31,28 @@ from typing import Any, Protocol
 from botocore.exceptions import BotoCoreError, ClientError
 
 from kclpy.retry import THROTTLED, Backoff, classify
+from kclpy.telemetry import (
+    BYTES,
+    COUNT,
+    DETAILED,
+    MILLISECONDS,
+    NONE,
+    SUMMARY,
+    Dimensions,
+    Java,
+    JavaCall,
+    Metric,
+)
 
 log = logging.getLogger(__name__)
 
-NONE, SUMMARY, DETAILED = 0, 1, 2
+__all__ = ["BYTES", "COUNT", "DETAILED", "MILLISECONDS", "NONE", "SUMMARY",
+           "CloudWatchBackend", "CloudWatchPublisher", "parse_dimensions", "parse_level"]
+
 LEVELS = {"NONE": NONE, "SUMMARY": SUMMARY, "DETAILED": DETAILED}
 #: dimension names the Java KCL knows; ``ALL`` in ``metricsEnabledDimensions`` means all
 DIMENSIONS = ("Operation", "ShardId", "StreamId", "WorkerIdentifier")
 OPERATION = "Operation"
-
-COUNT, BYTES, MILLISECONDS = "Count", "Bytes", "Milliseconds"
 
 #: datums per PutMetricData request, as the Java KCL sends them
 BATCH = 20
@@ -53,14 +67,6 @@ class MetricsSink(Protocol):
 
     def record(self, operation: str, name: str, value: float, unit: str, level: int,
                dimensions: Mapping[str, str] | None = None) -> None: ...
-
-
-class NullSink:
-    """CloudWatch off (``metricsLevel`` NONE, kclpy's default): every point is ignored."""
-
-    def record(self, operation: str, name: str, value: float, unit: str, level: int,
-               dimensions: Mapping[str, str] | None = None) -> None:
-        return None
 
 
 def parse_level(text: str) -> int:
@@ -233,6 +239,81 @@ def _datum(key: Key, stats: _Stats, timestamp: datetime) -> dict[str, Any]:
         "StatisticValues": {"SampleCount": stats.count, "Sum": stats.sum,
                             "Minimum": stats.minimum, "Maximum": stats.maximum},
     }
+
+
+class CloudWatchBackend:
+    """The metrics backend that turns events into the Java KCL's datums, sent by ``sink``
+    (a :class:`CloudWatchPublisher`). A shard's datums carry ``ShardId`` (and ``StreamId``
+    in a multi-stream application), the worker's ``WorkerIdentifier``; a closed shard's
+    scope needs nothing removed, its datums simply stop."""
+
+    def __init__(self, sink: MetricsSink, worker_id: str, level: int) -> None:
+        self._sink = sink
+        self._worker = {"WorkerIdentifier": worker_id}
+        self._level = level
+
+    def scope(self, dimensions: Dimensions) -> _CloudWatchScope:
+        if dimensions.lease_key is None:
+            return _CloudWatchScope(self, self._worker)
+        dims = {"ShardId": dimensions.shard_id or dimensions.lease_key}
+        if dimensions.stream is not None:
+            dims["StreamId"] = dimensions.stream
+        return _CloudWatchScope(self, dims)
+
+    def enable(self, group: str) -> None:
+        return None
+
+
+class _CloudWatchScope:
+    def __init__(self, backend: CloudWatchBackend, dimensions: Mapping[str, str]) -> None:
+        self._backend = backend
+        self._dimensions = dimensions
+
+    def bind(self, metric: Metric, labels: tuple[str, ...]) -> _Datums | None:
+        """Only the datums the level asks for: a DETAILED one at SUMMARY costs nothing."""
+        level = self._backend._level
+        faces = tuple(f for f in metric.java if f.level <= level)
+        return _Datums(self._backend._sink, faces, self._dimensions) if faces else None
+
+    def remove(self, metric: Metric, labels: tuple[str, ...]) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class _Datums:
+    """One metric's datums in one scope."""
+
+    __slots__ = ("_calls", "_record", "_values")
+
+    def __init__(self, sink: MetricsSink, faces: tuple[Java | JavaCall, ...],
+                 dimensions: Mapping[str, str]) -> None:
+        self._record = sink.record
+        self._values = tuple(
+            (f.operation, f.name, f.unit, f.level, f.scale, dimensions if f.scoped else None)
+            for f in faces if isinstance(f, Java))
+        self._calls = tuple(
+            (f.operation, f"{f.prefix}." if f.prefix else "", f.level, dimensions)
+            for f in faces if isinstance(f, JavaCall))
+
+    def inc(self, amount: float = 1) -> None:
+        for operation, name, unit, level, scale, dims in self._values:
+            self._record(operation, name, amount * scale, unit, level, dims)
+
+    set = observe = inc
+
+    def call(self, seconds: float, ok: bool = True) -> None:
+        self.inc(seconds)
+        for operation, lead, level, dims in self._calls:
+            self._record(operation, f"{lead}Success", 1 if ok else 0, COUNT, level, dims)
+            self._record(operation, f"{lead}Time", seconds * 1000, MILLISECONDS, level, dims)
+class NullSink:
+    """CloudWatch off (``metricsLevel`` NONE, kclpy's default): every point is ignored."""
+
+    def record(self, operation: str, name: str, value: float, unit: str, level: int,
+               dimensions: Mapping[str, str] | None = None) -> None:
+        return None
 
 
 def shard_dimensions(shard_id: str, stream: str | None = None) -> dict[str, str]:

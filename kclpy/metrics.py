@@ -1,248 +1,520 @@
-"""Prometheus collectors, one registry per worker, and the sink of the Java KCL's CloudWatch
-metrics (``kclpy/cloudwatch.py``), which the same call sites feed.
+"""Every metric kclpy records, declared once, and the worker's metrics facade.
 
-One registry per worker (not the global default) so that several workers in one process —
-tests, or an application that consumes two streams — never mix their figures. Every name is
-prefixed ``kclpy_``; names and labels are documented in docs/operations.md.
+**Add a metric** with one declaration below (its kind, help, labels, whether it is per
+shard, its Java CloudWatch datums if the Java KCL has a twin) and one call where the event
+happens: ``scope.inc(METRIC)``, ``.set``, ``.observe`` or ``.call`` on the worker's
+:class:`Metrics` or on a shard's scope (``metrics.shard(lease_key)``); list it in
+docs/operations.md. **Add a backend** by implementing ``kclpy.telemetry.Backend`` and
+passing it to ``Metrics(backends=[...])`` (or ``add_backend`` before the worker starts):
+no call site changes.
+
+Names and labels are documented in docs/operations.md.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
-from kclpy.cloudwatch import MetricsSink, NullSink
+from prometheus_client import CollectorRegistry
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+from kclpy.prometheus import PrometheusBackend
+from kclpy.telemetry import (
+    BYTES,
+    DETAILED,
+    MILLISECONDS,
+    Backend,
+    BackendScope,
+    Dimensions,
+    Handle,
+    Java,
+    JavaCall,
+    Kind,
+    Metric,
+)
+
+COUNTER, GAUGE, HISTOGRAM, CALL = Kind.COUNTER, Kind.GAUGE, Kind.HISTOGRAM, Kind.CALL
+
+#: the Java KCL's CloudWatch operations
+PROCESS_TASK = "ProcessTask"
+RENEW_ALL_LEASES = "RenewAllLeases"
+TAKE_LEASES = "TakeLeases"
 
 
-class Metrics:
-    """All collectors of one worker. Pass ``Metrics()`` around; read ``.registry`` to serve."""
+def _shard(name: str, kind: Kind, help: str, *labels: str, **options: Any) -> Metric:
+    return Metric(name, kind, help, labels, per_shard=True, **options)
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        # processing
-        self.records_processed = Counter(
-            "kclpy_records_processed", "User records handed to the processor and returned from it.",
-            ["shard_id"], registry=r)
-        self.bytes_processed = Counter(
-            "kclpy_bytes_processed", "Payload bytes of the records processed.",
-            ["shard_id"], registry=r)
-        self.millis_behind_latest = Gauge(
-            "kclpy_millis_behind_latest", "MillisBehindLatest of the last GetRecords per shard.",
-            ["shard_id"], registry=r)
-        self.process_records_seconds = Histogram(
-            "kclpy_process_records_seconds", "Time spent in the processor's process_records.",
-            ["shard_id"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.processor_errors = Counter(
-            "kclpy_processor_errors", "Exceptions raised by processor callbacks.",
-            ["shard_id", "callback"], registry=r)
-        # retrieval
-        self.get_records_seconds = Histogram(
-            "kclpy_get_records_seconds", "GetRecords call latency, successes and failures.",
-            ["shard_id"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.get_records_errors = Counter(
-            "kclpy_get_records_errors", "Failed GetRecords/GetShardIterator calls by kind.",
-            ["shard_id", "kind"], registry=r)
-        self.throttles = Counter(
-            "kclpy_throttles", "Throttling responses (Kinesis and DynamoDB) by operation.",
-            ["operation"], registry=r)
-        self.iterator_expirations = Counter(
-            "kclpy_iterator_expirations", "ExpiredIteratorException answers, each re-positioned.",
-            ["shard_id"], registry=r)
-        self.deaggregation_errors = Counter(
-            "kclpy_deaggregation_errors",
-            "KPL aggregates that failed their MD5 or did not decode; each was delivered raw.",
-            ["shard_id"], registry=r)
-        self.records_filtered = Counter(
-            "kclpy_records_filtered",
-            "KPL sub-records dropped because their explicit hash key is outside the shard.",
-            ["shard_id"], registry=r)
-        self.prefetch_queue_depth = Gauge(
-            "kclpy_prefetch_queue_depth", "Fetched batches waiting for the processor.",
-            ["shard_id"], registry=r)
-        # checkpoints
-        self.checkpoints = Counter(
-            "kclpy_checkpoints", "Checkpoints written.", ["shard_id"], registry=r)
-        self.checkpoint_failures = Counter(
-            "kclpy_checkpoint_failures", "Checkpoint attempts that failed, by exception name.",
-            ["shard_id", "kind"], registry=r)
-        # leases
-        self.leases_held = Gauge(
-            "kclpy_leases_held", "Leases this worker holds now.", registry=r)
-        self.leases_taken = Counter(
-            "kclpy_leases_taken", "Leases taken (unowned or expired).", registry=r)
-        self.leases_stolen = Counter(
-            "kclpy_leases_stolen", "Leases taken from a live worker to balance load.", registry=r)
-        self.leases_lost = Counter(
-            "kclpy_leases_lost", "Leases lost to another worker or to a failed renewal.",
-            registry=r)
-        self.leases_expired = Counter(
-            "kclpy_leases_expired",
-            "Leases given up because no write of them succeeded within the failover time "
-            "(a subset of kclpy_leases_lost).", registry=r)
-        self.shards_unconsumed = Gauge(
-            "kclpy_shards_held_unconsumed",
-            "Leases held with no running consumer; /healthz fails once one lasts longer "
-            "than the failover time.", registry=r)
-        self.lease_renew_failures = Counter(
-            "kclpy_lease_renew_failures", "Renewals that failed (condition or error).", registry=r)
-        self.lease_renewals = Counter(
-            "kclpy_lease_renewals", "Successful lease renewals.", registry=r)
-        self.initialization_failures = Counter(
-            "kclpy_initialization_failures",
-            "Start-up attempts that failed, by exception name.",
-            ["kind"], registry=r)
-        self.retrieval_pauses = Counter(
-            "kclpy_retrieval_pauses",
-            "Times fetching and delivery paused because lease renewal ran late.", registry=r)
-        self.retrieval_paused = Gauge(
-            "kclpy_retrieval_paused",
-            "1 while fetching and delivery are paused for lease renewal to catch up.",
-            registry=r)
-        # consumers
-        self.shard_consumer_state = Gauge(
-            "kclpy_shard_consumer_state",
-            "1 for the state each shard consumer is in, 0 for the others.",
-            ["shard_id", "state"], registry=r)
-        # lag status (kclpy.ops.lag, evaluated by the ops endpoint's sampler)
-        self.shard_lag_status = Gauge(
-            "kclpy_shard_lag_status",
-            "1 for each held shard's current lag status (Burrow's rules), 0 for the others.",
-            ["shard_id", "status"], registry=r)
-        self.application_lag_status = Gauge(
-            "kclpy_application_lag_status",
-            "1 for the application's lag status over this worker's shards, 0 for the others.",
-            ["status"], registry=r)
-        self.lag_max_millis = Gauge(
-            "kclpy_lag_max_millis",
-            "Largest age of the oldest unprocessed record over this worker's shards.",
-            registry=r)
-        self.lag_total_records = Gauge(
-            "kclpy_lag_total_records",
-            "Kinesis records behind the checkpoints, summed over this worker's shards "
-            "(a lower bound once a shard is more than the probe's limit behind).", registry=r)
-        self.lag_webhook_events = Counter(
-            "kclpy_lag_webhook_events",
-            "Lag status changes sent to --lag-webhook, by outcome (sent, retried, failed, "
-            "dropped).", ["outcome"], registry=r)
-        self.data_lost_to_retention = Counter(
-            "kclpy_data_lost_to_retention",
-            "Shards started from a checkpoint the stream's retention had trimmed past (the "
-            "records between it and the oldest kept are lost; logged at ERROR).",
-            ["shard_id"], registry=r)
-        self.shard_failure_attempts = Gauge(
-            "kclpy_shard_failure_attempts",
-            "Failed attempts at the current batch of a FAILED shard (0 once one succeeds).",
-            ["shard_id"], registry=r)
-        self.shard_failing_since = Gauge(
-            "kclpy_shard_failing_since_seconds",
-            "Since when (epoch seconds) a FAILED shard's current batch has been failing "
-            "(0 once one succeeds).", ["shard_id"], registry=r)
-        self.shard_failure = Gauge(
-            "kclpy_shard_failure",
-            "1 for the exception type process_records last raised on a FAILED shard's batch.",
-            ["shard_id", "error_type"], registry=r)
-        self.shards_parked = Gauge(
-            "kclpy_shards_parked",
-            "Parked leases (kclpyParked) in the lease table as this worker last scanned it: "
-            "no worker takes them until 'kclpy shard resume'.", registry=r)
-        self.shards_parked_by_policy = Counter(
-            "kclpy_shards_parked_by_policy",
-            "Shards this worker parked under processor_error_policy=park.",
-            ["shard_id"], registry=r)
-        # MultiLangDaemon children
-        self.multilang_child_failures = Counter(
-            "kclpy_multilang_child_failures",
-            "MultiLangDaemon children killed because they exited, hung or broke the protocol.",
-            ["shard_id", "reason"], registry=r)
-        self.multilang_stray_stdout_lines = Counter(
-            "kclpy_multilang_stray_stdout_lines",
-            "Lines on a child's stdout that were not protocol messages and were skipped.",
-            ["shard_id"], registry=r)
-        self.multilang_stdout_full = Counter(
-            "kclpy_multilang_stdout_full",
-            "Times a child's unread stdout reached its bound and reading paused.",
-            ["shard_id"], registry=r)
-        # Spark micro-batches (kclpy-worker --spark-batch): on the registry only once a
-        # worker feeds Spark (register_spark), so a plain worker shows no kclpy_spark_* series
-        self.spark_batches = Counter(
-            "kclpy_spark_batches", "Micro-batches committed to Spark.", registry=None)
-        self.spark_records = Counter(
-            "kclpy_spark_records", "Records in committed micro-batches.", registry=None)
-        self.spark_foreach_batch_failures = Counter(
-            "kclpy_spark_foreach_batch_failures",
-            "foreach_batch calls that raised (each retried).", registry=None)
-        self.spark_lost_checkpoints = Counter(
-            "kclpy_spark_lost_checkpoints",
-            "Shard parts of a batch not checkpointed because the lease was lost.",
-            registry=None)
-        self._spark_registered = False
-        self.dynamodb_requests = Counter(
-            "kclpy_dynamodb_requests", "DynamoDB requests by operation.", ["operation"], registry=r)
-        # Exactly-once state (kclpy.state)
-        self.state_commits = Counter(
-            "kclpy_state_commits",
-            "Transactions committed with their checkpoint by a stateful processor.",
-            ["shard_id"], registry=r)
-        self.state_records = Counter(
-            "kclpy_state_records", "Records whose effects were committed exactly once.",
-            ["shard_id"], registry=r)
-        self.state_conflicts = Counter(
-            "kclpy_state_conflicts",
-            "Commits refused because another writer changed a state key first (each "
-            "transaction's records are then applied again).", ["shard_id"], registry=r)
-        # Enhanced fan-out (retrieval_mode=fanout)
-        self.subscriptions = Counter(
-            "kclpy_subscriptions",
-            "SubscribeToShard subscriptions by outcome: opened (first of a shard), renewed "
-            "(after the previous one ended or dropped), failed_<kind> (throttled, "
-            "server_error, connection, in_use).", ["shard_id", "outcome"], registry=r)
-        self.subscription_events = Counter(
-            "kclpy_subscription_events", "SubscribeToShard events received.", ["shard_id"],
-            registry=r)
-        self.subscription_bytes = Counter(
-            "kclpy_subscription_bytes", "Bytes of SubscribeToShard event payloads received.",
-            ["shard_id"], registry=r)
-        # Lag recovery (kclpy.recovery, max_lag_ms)
-        self.recovery_records = Counter(
-            "kclpy_recovery_records",
-            "Records of recovery gaps handed to the processor (flagged is_recovery).",
-            ["shard_id"], registry=r)
-        self.recovery_remaining_ms = Gauge(
-            "kclpy_recovery_remaining_ms",
-            "Arrival time still to recover per shard: each queued gap's end minus its "
-            "recovery checkpoint's arrival, summed.", ["shard_id"], registry=r)
-        self.recovery_shards = Gauge(
-            "kclpy_recovery_shards", "Held shards with recovery gaps queued.", registry=r)
-        self.recovery_trimmed = Counter(
-            "kclpy_recovery_trimmed",
-            "Recovery gaps found partly past the stream's retention (logged at ERROR with "
-            "the lost range; recovery went on with the rest).", ["shard_id"], registry=r)
-        # The Java KCL's CloudWatch metrics (kclpy.cloudwatch): off unless configured
-        self.cloudwatch: MetricsSink = NullSink()
-        self.cloudwatch_datums = Counter(
-            "kclpy_cloudwatch_datums",
-            "CloudWatch datums by outcome: sent, dropped_queue_full (the oldest waiting datum "
-            "gave way), dropped_failed (PutMetricData kept failing).", ["outcome"], registry=r)
-        self.cloudwatch_request_failures = Counter(
-            "kclpy_cloudwatch_request_failures",
-            "PutMetricData attempts that failed, by kind (throttled, error); retried with backoff.",
-            ["kind"], registry=r)
+
+def _worker(name: str, kind: Kind, help: str, *labels: str, **options: Any) -> Metric:
+    return Metric(name, kind, help, labels, **options)
+
+
+# -- processing ----------------------------------------------------------------------------
+RECORDS_PROCESSED = _shard(
+    "records_processed", COUNTER, "User records handed to the processor and returned from it.",
+    java=(Java(PROCESS_TASK, "RecordsProcessed"),), worker_total=True)
+BYTES_PROCESSED = _shard(
+    "bytes_processed", COUNTER, "Payload bytes of the records processed.",
+    java=(Java(PROCESS_TASK, "DataBytesProcessed", BYTES),), worker_total=True)
+MILLIS_BEHIND_LATEST = _shard(
+    "millis_behind_latest", GAUGE, "MillisBehindLatest of the last GetRecords per shard.")
+PROCESS_RECORDS = _shard(
+    "process_records_seconds", CALL, "Time spent in the processor's process_records.",
+    java=(Java(PROCESS_TASK, "RecordProcessor.processRecords.Time", MILLISECONDS, scale=1000),
+          JavaCall(PROCESS_TASK)))
+#: the MillisBehindLatest of a processed batch, as the Java ProcessTask reports it
+BATCH_MILLIS_BEHIND_LATEST = _shard(
+    "batch_millis_behind_latest", GAUGE, "MillisBehindLatest of each processed batch.",
+    prometheus=False,
+    java=(Java(PROCESS_TASK, "MillisBehindLatest", MILLISECONDS),
+          Java("ApplicationTracker", "MillisBehindLatest", MILLISECONDS, scoped=False)))
+PROCESSOR_ERRORS = _shard(
+    "processor_errors", COUNTER, "Exceptions raised by processor callbacks.", "callback")
+# -- retrieval -----------------------------------------------------------------------------
+GET_RECORDS = _shard(
+    "get_records_seconds", CALL, "GetRecords call latency, successes and failures.",
+    java=(JavaCall(PROCESS_TASK, "KinesisDataFetcher.getRecords", DETAILED),))
+GET_RECORDS_ERRORS = _shard(
+    "get_records_errors", COUNTER, "Failed GetRecords/GetShardIterator calls by kind.", "kind")
+THROTTLES = _worker(
+    "throttles", COUNTER, "Throttling responses (Kinesis and DynamoDB) by operation.",
+    "operation")
+ITERATOR_EXPIRATIONS = _shard(
+    "iterator_expirations", COUNTER, "ExpiredIteratorException answers, each re-positioned.",
+    java=(Java(PROCESS_TASK, "ExpiredIterator"),))
+DEAGGREGATION_ERRORS = _shard(
+    "deaggregation_errors", COUNTER,
+    "KPL aggregates that failed their MD5 or did not decode; each was delivered raw.")
+RECORDS_FILTERED = _shard(
+    "records_filtered", COUNTER,
+    "KPL sub-records dropped because their explicit hash key is outside the shard.")
+PREFETCH_QUEUE_DEPTH = _shard(
+    "prefetch_queue_depth", GAUGE, "Fetched batches waiting for the processor.")
+# -- checkpoints ---------------------------------------------------------------------------
+CHECKPOINTS = _shard("checkpoints", COUNTER, "Checkpoints written.")
+CHECKPOINT_FAILURES = _shard(
+    "checkpoint_failures", COUNTER, "Checkpoint attempts that failed, by exception name.",
+    "kind")
+# -- leases --------------------------------------------------------------------------------
+LEASES_HELD = _worker("leases_held", GAUGE, "Leases this worker holds now.")
+LEASES_TAKEN = _worker("leases_taken", COUNTER, "Leases taken (unowned or expired).")
+LEASES_STOLEN = _worker(
+    "leases_stolen", COUNTER, "Leases taken from a live worker to balance load.")
+LEASES_LOST = _worker(
+    "leases_lost", COUNTER, "Leases lost to another worker or to a failed renewal.")
+LEASES_EXPIRED = _worker(
+    "leases_expired", COUNTER,
+    "Leases given up because no write of them succeeded within the failover time "
+    "(a subset of kclpy_leases_lost).")
+SHARDS_UNCONSUMED = _worker(
+    "shards_held_unconsumed", GAUGE,
+    "Leases held with no running consumer; /healthz fails once one lasts longer "
+    "than the failover time.")
+RENEW_LEASE = _worker(
+    "lease_renewals", CALL, "Successful lease renewals.",
+    failures=("lease_renew_failures", "Renewals that failed (condition or error)."),
+    java=(JavaCall(RENEW_ALL_LEASES, "RenewLease", DETAILED),))
+INITIALIZATION_FAILURES = _worker(
+    "initialization_failures", COUNTER, "Start-up attempts that failed, by exception name.",
+    "kind")
+RETRIEVAL_PAUSES = _worker(
+    "retrieval_pauses", COUNTER,
+    "Times fetching and delivery paused because lease renewal ran late.")
+RETRIEVAL_PAUSED = _worker(
+    "retrieval_paused", GAUGE,
+    "1 while fetching and delivery are paused for lease renewal to catch up.")
+# the Java renewer's and taker's own figures (CloudWatch only)
+RENEWAL_PASS = _worker(
+    "renewal_pass", CALL, "One pass of the renewer.", prometheus=False,
+    java=(JavaCall(RENEW_ALL_LEASES),))
+RENEWAL_CURRENT_LEASES = _worker(
+    "renewal_current_leases", GAUGE, "Leases held after a renewal pass.", prometheus=False,
+    java=(Java(RENEW_ALL_LEASES, "CurrentLeases"),))
+RENEWAL_LOST_LEASES = _worker(
+    "renewal_lost_leases", GAUGE, "Leases lost in a renewal pass.", prometheus=False,
+    java=(Java(RENEW_ALL_LEASES, "LostLeases"),))
+TAKE_CYCLE = _worker(
+    "take_cycle", CALL, "One cycle of the lease taker.", prometheus=False,
+    java=(JavaCall(TAKE_LEASES),))
+LIST_LEASES = _worker(
+    "list_leases", CALL, "The taker's scan of the lease table.", prometheus=False,
+    java=(JavaCall(TAKE_LEASES, "ListLeases", DETAILED),))
+TAKEN_LEASES = _worker(
+    "taken_leases", GAUGE, "Leases a taker cycle took.", prometheus=False,
+    java=(Java(TAKE_LEASES, "TakenLeases"),))
+NUM_WORKERS = _worker(
+    "num_workers", GAUGE, "Live workers a taker cycle saw.", prometheus=False,
+    java=(Java(TAKE_LEASES, "NumWorkers"),))
+EXPIRED_LEASES = _worker(
+    "expired_leases", GAUGE, "Expired leases a taker cycle saw.", prometheus=False,
+    java=(Java(TAKE_LEASES, "ExpiredLeases"),))
+TOTAL_LEASES = _worker(
+    "total_leases", GAUGE, "Leases a taker cycle saw.", prometheus=False,
+    java=(Java(TAKE_LEASES, "TotalLeases", level=DETAILED),))
+NEEDED_LEASES = _worker(
+    "needed_leases", GAUGE, "Leases a taker cycle wanted.", prometheus=False,
+    java=(Java(TAKE_LEASES, "NeededLeases", level=DETAILED),))
+# -- consumers -----------------------------------------------------------------------------
+SHARD_CONSUMER_STATE = _shard(
+    "shard_consumer_state", GAUGE, "1 for the state each shard consumer is in, 0 for the others.",
+    "state")
+# -- lag status (kclpy.ops.lag, evaluated by the ops endpoint's sampler) -------------------
+SHARD_LAG_STATUS = _shard(
+    "shard_lag_status", GAUGE,
+    "1 for each held shard's current lag status (Burrow's rules), 0 for the others.", "status")
+APPLICATION_LAG_STATUS = _worker(
+    "application_lag_status", GAUGE,
+    "1 for the application's lag status over this worker's shards, 0 for the others.",
+    "status")
+LAG_MAX_MILLIS = _worker(
+    "lag_max_millis", GAUGE,
+    "Largest age of the oldest unprocessed record over this worker's shards.")
+LAG_TOTAL_RECORDS = _worker(
+    "lag_total_records", GAUGE,
+    "Kinesis records behind the checkpoints, summed over this worker's shards "
+    "(a lower bound once a shard is more than the probe's limit behind).")
+LAG_WEBHOOK_EVENTS = _worker(
+    "lag_webhook_events", COUNTER,
+    "Lag status changes sent to --lag-webhook, by outcome (sent, retried, failed, dropped).",
+    "outcome")
+DATA_LOST_TO_RETENTION = _shard(
+    "data_lost_to_retention", COUNTER,
+    "Shards started from a checkpoint the stream's retention had trimmed past (the "
+    "records between it and the oldest kept are lost; logged at ERROR).")
+SHARD_FAILURE_ATTEMPTS = _shard(
+    "shard_failure_attempts", GAUGE,
+    "Failed attempts at the current batch of a FAILED shard (0 once one succeeds).")
+SHARD_FAILING_SINCE = _shard(
+    "shard_failing_since_seconds", GAUGE,
+    "Since when (epoch seconds) a FAILED shard's current batch has been failing "
+    "(0 once one succeeds).")
+SHARD_FAILURE = _shard(
+    "shard_failure", GAUGE,
+    "1 for the exception type process_records last raised on a FAILED shard's batch.",
+    "error_type")
+SHARDS_PARKED = _worker(
+    "shards_parked", GAUGE,
+    "Parked leases (kclpyParked) in the lease table as this worker last scanned it: "
+    "no worker takes them until 'kclpy shard resume'.")
+SHARDS_PARKED_BY_POLICY = _shard(
+    "shards_parked_by_policy", COUNTER,
+    "Shards this worker parked under processor_error_policy=park.")
+# -- MultiLangDaemon children --------------------------------------------------------------
+MULTILANG_CHILD_FAILURES = _shard(
+    "multilang_child_failures", COUNTER,
+    "MultiLangDaemon children killed because they exited, hung or broke the protocol.",
+    "reason")
+MULTILANG_STRAY_STDOUT_LINES = _shard(
+    "multilang_stray_stdout_lines", COUNTER,
+    "Lines on a child's stdout that were not protocol messages and were skipped.")
+MULTILANG_STDOUT_FULL = _shard(
+    "multilang_stdout_full", COUNTER,
+    "Times a child's unread stdout reached its bound and reading paused.")
+# -- Spark micro-batches (kclpy-worker --spark-batch): shown only once a worker feeds Spark
+# (register_spark), so a plain worker shows no kclpy_spark_* series
+SPARK = "spark"
+SPARK_BATCHES = _worker(
+    "spark_batches", COUNTER, "Micro-batches committed to Spark.", group=SPARK)
+SPARK_RECORDS = _worker(
+    "spark_records", COUNTER, "Records in committed micro-batches.", group=SPARK)
+SPARK_FOREACH_BATCH_FAILURES = _worker(
+    "spark_foreach_batch_failures", COUNTER, "foreach_batch calls that raised (each retried).",
+    group=SPARK)
+SPARK_LOST_CHECKPOINTS = _worker(
+    "spark_lost_checkpoints", COUNTER,
+    "Shard parts of a batch not checkpointed because the lease was lost.", group=SPARK)
+DYNAMODB_REQUESTS = _worker(
+    "dynamodb_requests", COUNTER, "DynamoDB requests by operation.", "operation")
+# -- exactly-once state (kclpy.state) ------------------------------------------------------
+STATE_COMMITS = _shard(
+    "state_commits", COUNTER,
+    "Transactions committed with their checkpoint by a stateful processor.")
+STATE_RECORDS = _shard(
+    "state_records", COUNTER, "Records whose effects were committed exactly once.")
+STATE_CONFLICTS = _shard(
+    "state_conflicts", COUNTER,
+    "Commits refused because another writer changed a state key first (each "
+    "transaction's records are then applied again).")
+# -- enhanced fan-out (retrieval_mode=fanout) ----------------------------------------------
+SUBSCRIPTIONS = _shard(
+    "subscriptions", COUNTER,
+    "SubscribeToShard subscriptions by outcome: opened (first of a shard), renewed "
+    "(after the previous one ended or dropped), failed_<kind> (throttled, "
+    "server_error, connection, in_use).", "outcome")
+SUBSCRIPTION_EVENTS = _shard(
+    "subscription_events", COUNTER, "SubscribeToShard events received.")
+SUBSCRIPTION_BYTES = _shard(
+    "subscription_bytes", COUNTER, "Bytes of SubscribeToShard event payloads received.")
+# -- lag recovery (kclpy.recovery, max_lag_ms) ---------------------------------------------
+RECOVERY_RECORDS = _shard(
+    "recovery_records", COUNTER,
+    "Records of recovery gaps handed to the processor (flagged is_recovery).")
+RECOVERY_REMAINING_MS = _shard(
+    "recovery_remaining_ms", GAUGE,
+    "Arrival time still to recover per shard: each queued gap's end minus its "
+    "recovery checkpoint's arrival, summed.")
+RECOVERY_SHARDS = _worker(
+    "recovery_shards", GAUGE, "Held shards with recovery gaps queued.")
+RECOVERY_TRIMMED = _shard(
+    "recovery_trimmed", COUNTER,
+    "Recovery gaps found partly past the stream's retention (logged at ERROR with "
+    "the lost range; recovery went on with the rest).")
+# -- the CloudWatch publisher's own figures (kclpy.cloudwatch) -----------------------------
+CLOUDWATCH_DATUMS = _worker(
+    "cloudwatch_datums", COUNTER,
+    "CloudWatch datums by outcome: sent, dropped_queue_full (the oldest waiting datum "
+    "gave way), dropped_failed (PutMetricData kept failing).", "outcome")
+CLOUDWATCH_REQUEST_FAILURES = _worker(
+    "cloudwatch_request_failures", COUNTER,
+    "PutMetricData attempts that failed, by kind (throttled, error); retried with backoff.",
+    "kind")
+
+#: every metric above
+CATALOGUE: tuple[Metric, ...] = tuple(
+    value for value in dict(globals()).values() if isinstance(value, Metric))
+
+
+class _Noop:
+    """The handle of a metric no backend records, or of a closed scope."""
+
+    __slots__ = ()
+
+    def inc(self, amount: float = 1) -> None:
+        return None
+
+    def set(self, value: float) -> None:
+        return None
+
+    def observe(self, value: float) -> None:
+        return None
+
+    def call(self, seconds: float, ok: bool = True) -> None:
+        return None
+
+
+class _Fanout:
+    """One event to every interested backend."""
+
+    __slots__ = ("_handles",)
+
+    def __init__(self, handles: Sequence[Any]) -> None:
+        self._handles = tuple(handles)
+
+    def inc(self, amount: float = 1) -> None:
+        for handle in self._handles:
+            handle.inc(amount)
+
+    def set(self, value: float) -> None:
+        for handle in self._handles:
+            handle.set(value)
+
+    def observe(self, value: float) -> None:
+        for handle in self._handles:
+            handle.observe(value)
+
+    def call(self, seconds: float, ok: bool = True) -> None:
+        for handle in self._handles:
+            handle.call(seconds, ok)
+
+
+_NOOP = _Noop()
+
+
+class Scope:
+    """Where a call site records an event (the Java ``MetricsScope``): the worker's, or one
+    shard's. Events go to every backend; a closed scope records nothing."""
+
+    def __init__(self, dimensions: Dimensions, parts: Iterable[BackendScope]) -> None:
+        self.dimensions = dimensions
+        self._parts = tuple(parts)
+        self.closed = False
+
+    def bind(self, metric: Metric, *labels: str) -> Handle:
+        """The handle a hot path keeps: with one backend interested, that backend's own."""
+        if self.closed:
+            return _NOOP
+        handles = [h for part in self._parts
+                   if (h := part.bind(metric, labels)) is not None]
+        if not handles:
+            return _NOOP
+        return cast(Handle, handles[0]) if len(handles) == 1 else _Fanout(handles)
+
+    def inc(self, metric: Metric, *labels: str, by: float = 1) -> None:
+        self.bind(metric, *labels).inc(by)
+
+    def set(self, metric: Metric, value: float, *labels: str) -> None:
+        self.bind(metric, *labels).set(value)
+
+    def observe(self, metric: Metric, value: float, *labels: str) -> None:
+        self.bind(metric, *labels).observe(value)
+
+    def call(self, metric: Metric, seconds: float, ok: bool = True, *labels: str) -> None:
+        self.bind(metric, *labels).call(seconds, ok)
+
+    def remove(self, metric: Metric, *labels: str) -> None:
+        """Drop one series that no longer applies (the gauge of a state left behind)."""
+        for part in self._parts:
+            part.remove(metric, labels)
+
+    def close(self) -> None:
+        self.closed = True
+        for part in self._parts:
+            part.close()
+
+    def _add(self, backend: Backend) -> None:
+        self._parts = (*self._parts, backend.scope(self.dimensions))
+
+
+class _Cell:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+
+class WorkerTotals:
+    """The in-process backend behind the worker's totals: each ``worker_total`` metric per
+    lease key, kept after the shard leaves (Prometheus forgets it then), so the progress
+    line's and the load meter's differences never go backwards. One pair of numbers per
+    shard this worker ever processed; nothing of it is exported."""
+
+    def __init__(self) -> None:
+        self._cells: dict[tuple[str, str], _Cell] = {}
+        self._lock = threading.Lock()
+
+    def scope(self, dimensions: Dimensions) -> _TotalsScope:
+        return _TotalsScope(self, dimensions.lease_key)
+
+    def enable(self, group: str) -> None:
+        return None
+
+    def cell(self, metric: Metric, lease_key: str) -> _Cell:
+        with self._lock:
+            return self._cells.setdefault((metric.name, lease_key), _Cell())
+
+    def by_lease(self, metric: Metric) -> dict[str, float]:
+        with self._lock:
+            return {key: cell.value for (name, key), cell in self._cells.items()
+                    if name == metric.name}
+
+
+class _TotalsScope:
+    def __init__(self, totals: WorkerTotals, lease_key: str | None) -> None:
+        self._totals = totals
+        self._key = lease_key
+
+    def bind(self, metric: Metric, labels: tuple[str, ...]) -> _Cell | None:
+        if not metric.worker_total or self._key is None:
+            return None
+        return self._totals.cell(metric, self._key)
+
+    def remove(self, metric: Metric, labels: tuple[str, ...]) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class Metrics(Scope):
+    """A worker's metrics (the Java ``MetricsFactory``): the worker's own scope, the scopes
+    of its shards, and the backends every event goes to - Prometheus (``.registry`` is what
+    /metrics serves), the worker's totals, and any given. Pass one ``Metrics()`` around.
+
+    In a worker a shard has a scope only while the worker holds it (``open_shard`` to
+    ``close_shard``); events of any other shard are dropped. Elsewhere (a part used on its
+    own, a test) ``shard`` opens a scope on first use."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, *,
+                 backends: Iterable[Backend] = ()) -> None:
+        self.prometheus = PrometheusBackend(CATALOGUE, registry)
+        self.registry = self.prometheus.registry
+        self.totals = WorkerTotals()
+        self._backends: list[Backend] = [self.prometheus, self.totals, *backends]
+        super().__init__(Dimensions(), (b.scope(Dimensions()) for b in self._backends))
+        self._shards: dict[str, Scope] = {}
+        self._shards_lock = threading.Lock()
+        #: False in a worker: only the shards it opened have a scope
+        self.implicit_shards = True
+        self._closed_shard = Scope(Dimensions(), ())
+        self._closed_shard.closed = True
+        from kclpy.cloudwatch import NullSink
+        self.cloudwatch = NullSink()
+
+    def add_backend(self, backend: Backend) -> None:
+        """Another backend, for every scope open now or later; handles bound before miss it,
+        so add it before the worker starts its parts."""
+        with self._shards_lock:
+            self._backends.append(backend)
+            for scope in (self, *self._shards.values()):
+                scope._add(backend)
+
+    def open_shard(self, lease_key: str, shard_id: str | None = None,
+                   stream: str | None = None) -> Scope:
+        """The scope of a shard the worker starts consuming (the one already open, if any)."""
+        with self._shards_lock:
+            scope = self._shards.get(lease_key)
+            if scope is None:
+                dimensions = Dimensions(lease_key, shard_id, stream)
+                scope = self._shards[lease_key] = Scope(
+                    dimensions, (b.scope(dimensions) for b in self._backends))
+            return scope
+
+    def shard(self, lease_key: str, shard_id: str | None = None,
+              stream: str | None = None) -> Scope:
+        """The scope of an open shard; a closed one, recording nothing, for a shard a worker
+        does not hold."""
+        with self._shards_lock:
+            scope = self._shards.get(lease_key)
+        if scope is not None:
+            return scope
+        if self.implicit_shards:
+            return self.open_shard(lease_key, shard_id, stream)
+        return self._closed_shard
+
+    def close_shard(self, lease_key: str) -> None:
+        """The shard left the worker (lease lost, released, handed off, shard ended): its
+        series disappear from Prometheus, its CloudWatch datums stop."""
+        with self._shards_lock:
+            scope = self._shards.pop(lease_key, None)
+        if scope is not None:
+            scope.close()
+
+    def open_shards(self) -> list[str]:
+        with self._shards_lock:
+            return sorted(self._shards)
+
+    def total(self, metric: Metric) -> float:
+        """A ``worker_total`` metric over every shard this worker processed."""
+        return sum(self.totals.by_lease(metric).values())
 
     def cloudwatch_event(self, what: str, n: int) -> None:
         """The CloudWatch publisher's report of itself, counted here."""
         if what in ("throttled", "error"):
-            self.cloudwatch_request_failures.labels(what).inc(n)
+            self.inc(CLOUDWATCH_REQUEST_FAILURES, what, by=n)
         else:
-            self.cloudwatch_datums.labels(what).inc(n)
+            self.inc(CLOUDWATCH_DATUMS, what, by=n)
 
     def register_spark(self) -> None:
-        """Put the ``kclpy_spark_*`` collectors on the registry (once): the worker feeds
-        Spark micro-batches."""
-        if self._spark_registered:
-            return
-        self._spark_registered = True
-        for collector in (self.spark_batches, self.spark_records,
-                          self.spark_foreach_batch_failures, self.spark_lost_checkpoints):
-            self.registry.register(collector)
+        """Show the ``kclpy_spark_*`` metrics: the worker feeds Spark micro-batches."""
+        with self._shards_lock:
+            backends = list(self._backends)
+        for backend in backends:
+            backend.enable(SPARK)
+
+    # -- until every call site records through the interface ---------------------------------
+    cloudwatch: Any = None
+
+    _OLD_NAMES = {"shards_unconsumed": "shards_held_unconsumed",
+                  "shard_failing_since": "shard_failing_since_seconds"}
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "lease_renew_failures":
+            return self.prometheus._collectors["lease_renewals"][1]
+        entry = self.prometheus._collectors.get(self._OLD_NAMES.get(name, name))
+        if entry is None:
+            raise AttributeError(name)
+        return entry[0]
