@@ -19,7 +19,14 @@ import urllib3
 from botocore.eventstream import ParserError
 from botocore.exceptions import ClientError
 
-from kclpy.metrics import Metrics
+from kclpy.metrics import (
+    MILLIS_BEHIND_LATEST,
+    SUBSCRIPTION_BYTES,
+    SUBSCRIPTION_EVENTS,
+    SUBSCRIPTIONS,
+    Metrics,
+    Scope,
+)
 from kclpy.retrieval.parse import ChildShard, get_records
 from kclpy.retrieval.polling import get_iterator
 from kclpy.retrieval.source import Page, Reading, Retrying, ShardAddress
@@ -47,7 +54,7 @@ class ShardSubscription:
         lease_key: str,
         *,
         http_version: str,
-        metrics: Metrics,
+        metrics: Scope,
         clock: Callable[[], float],
     ) -> None:
         self._client = client
@@ -81,8 +88,7 @@ class ShardSubscription:
                     self._client, self._consumer_arn, self._shard_id,
                     position(self._resume_after(last_sequence_number)),
                     http_version=self._http_version)
-                self._metrics.subscriptions.labels(
-                    self._lease_key, "renewed" if self._subscribed_at else "opened").inc()
+                self._metrics.inc(SUBSCRIPTIONS, "renewed" if self._subscribed_at else "opened")
                 self._subscribed_at = self._clock()
             try:
                 event = next(self._events)
@@ -93,8 +99,8 @@ class ShardSubscription:
                 self._events = None
                 raise
             self.continuation = event.continuation_sequence_number
-            self._metrics.subscription_events.labels(self._lease_key).inc()
-            self._metrics.subscription_bytes.labels(self._lease_key).inc(event.page.size_bytes)
+            self._metrics.inc(SUBSCRIPTION_EVENTS)
+            self._metrics.inc(SUBSCRIPTION_BYTES, by=event.page.size_bytes)
             return event
 
     def _resume_after(self, last_sequence_number: str | None) -> str | None:
@@ -161,15 +167,15 @@ class FanOutSource:
         m = metrics if metrics is not None else Metrics()
         self._client = client
         self.address = address
-        self._metrics = m
         self._retrying = Retrying(address, backoff, m)
         self._subscription = ShardSubscription(
             client, consumer_arn, address.shard_id, address.lease_key, http_version=http_version,
-            metrics=m, clock=clock)
+            metrics=m.shard(address.lease_key, address.shard_id, address.stream_id), clock=clock)
         self._probe_s = shard_end_probe_s
         self._clock = clock
         self._probed_at = clock()
-        self._m_behind = m.millis_behind_latest.labels(address.lease_key)
+        self._m_behind = m.shard(address.lease_key, address.shard_id, address.stream_id).bind(
+            MILLIS_BEHIND_LATEST)
 
     def status(self) -> dict[str, Any]:
         """With the age of the open subscription (None between two)."""

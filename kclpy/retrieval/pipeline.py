@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kclpy.errors import KCLError
-from kclpy.metrics import Metrics
+from kclpy.metrics import DEAGGREGATION_ERRORS, PREFETCH_QUEUE_DEPTH, RECORDS_FILTERED, Metrics
 from kclpy.position import AT_TIMESTAMP
 from kclpy.records import EMPTY, Record, Records
 from kclpy.retrieval.kpl import HashKeyRange, deaggregate
@@ -130,11 +130,10 @@ class ShardPipeline:
         self._error: BaseException | None = None
 
         m = metrics if metrics is not None else Metrics()
-        self._metrics = m
-        label = self.lease_key
-        self._m_corrupt = m.deaggregation_errors.labels(label)
-        self._m_filtered = m.records_filtered.labels(label)
-        self._m_depth = m.prefetch_queue_depth.labels(label)
+        shard = m.shard(self.lease_key, self.shard_id, source.address.stream_id)
+        self._m_corrupt = shard.bind(DEAGGREGATION_ERRORS)
+        self._m_filtered = shard.bind(RECORDS_FILTERED)
+        self._m_depth = shard.bind(PREFETCH_QUEUE_DEPTH)
 
         self._shard_ended = False
         self._at_tip = False
@@ -226,8 +225,6 @@ class ShardPipeline:
                 return
         # Wake a get() that is blocked on an empty queue.
         self._put_nowait(_END)
-        with contextlib.suppress(KeyError):
-            self._metrics.prefetch_queue_depth.remove(self.lease_key)
 
     @property
     def error(self) -> BaseException | None:

@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from botocore.exceptions import ClientError
 
-from kclpy.cloudwatch import COUNT, DETAILED, SUMMARY, shard_dimensions, success_and_time
-from kclpy.metrics import Metrics
+from kclpy.metrics import GET_RECORDS, ITERATOR_EXPIRATIONS, MILLIS_BEHIND_LATEST, Metrics
 from kclpy.records import Record
 from kclpy.retrieval.parse import GetRecordsPage, get_records, install_fast_get_records
 from kclpy.retrieval.source import Page, Reading, Retrying, ShardAddress, Stopped
@@ -92,17 +91,15 @@ class PollingSource:
         self.idle_s = idle_time_s
         self._max_records = max_records
         m = metrics if metrics is not None else Metrics()
-        self._metrics = m
         self._retrying = Retrying(address, backoff, m)
         #: GetRecords Limits come from this budget
         self._pacer = pacer
         #: the read ends before the first record that arrived at or after this (epoch ms)
         self._until_ms = until_ms
-        label = address.lease_key
-        self._m_seconds = m.get_records_seconds.labels(label)
-        self._m_expired = m.iterator_expirations.labels(label)
-        self._m_behind = m.millis_behind_latest.labels(label)
-        self._cw_dims = shard_dimensions(address.shard_id, address.stream_id)
+        shard = m.shard(address.lease_key, address.shard_id, address.stream_id)
+        self._m_get_records = shard.bind(GET_RECORDS)
+        self._m_expired = shard.bind(ITERATOR_EXPIRATIONS)
+        self._m_behind = shard.bind(MILLIS_BEHIND_LATEST)
         self._iterator: str | None = None
         install_fast_get_records(client)
 
@@ -134,8 +131,6 @@ class PollingSource:
                 if exc.response.get("Error", {}).get("Code") != "ExpiredIteratorException":
                     raise
                 self._m_expired.inc()
-                self._metrics.cloudwatch.record(
-                    "ProcessTask", "ExpiredIterator", 1, COUNT, SUMMARY, self._cw_dims)
                 logger.info("iterator for %s expired; re-positioning", self.address.shard_id)
                 self._iterator = None
                 if fresh:
@@ -180,11 +175,7 @@ class PollingSource:
             ok = True
             return page
         finally:
-            elapsed = time.perf_counter() - started
-            self._m_seconds.observe(elapsed)
-            success_and_time(self._metrics.cloudwatch, "ProcessTask",
-                             "KinesisDataFetcher.getRecords", ok, elapsed, DETAILED,
-                             self._cw_dims)
+            self._m_get_records.call(time.perf_counter() - started, ok)
 
 
 def _arrived_before(records: Sequence[Record], until_ms: int) -> Sequence[Record]:

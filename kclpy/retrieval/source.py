@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
-from kclpy.metrics import Metrics
+from kclpy.metrics import GET_RECORDS_ERRORS, SUBSCRIPTIONS, THROTTLES, Metrics
 from kclpy.position import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
 from kclpy.records import Record
 from kclpy.retrieval.parse import ChildShard
@@ -201,11 +201,11 @@ class Retrying:
         self._address = address
         self.backoff = backoff if backoff is not None else Backoff()
         self._metrics = metrics
+        self._shard = metrics.shard(address.lease_key, address.shard_id, address.stream_id)
 
     def call(self, reading: Reading, operation: str, call: Callable[[], _T],
              classifier: Callable[[BaseException], str | None] = classify) -> _T:
         """Run ``call`` until it succeeds or fails in a way retrying cannot fix."""
-        label = self._address.lease_key
         while True:
             try:
                 result = call()
@@ -214,10 +214,10 @@ class Retrying:
                 if kind is None:
                     raise
                 if kind == THROTTLED:
-                    self._metrics.throttles.labels(operation).inc()
-                self._metrics.get_records_errors.labels(label, kind).inc()
+                    self._metrics.inc(THROTTLES, operation)
+                self._shard.inc(GET_RECORDS_ERRORS, kind)
                 if operation == "SubscribeToShard":
-                    self._metrics.subscriptions.labels(label, f"failed_{kind}").inc()
+                    self._shard.inc(SUBSCRIPTIONS, f"failed_{kind}")
                 delay = self.backoff.next_delay()
                 logger.warning(
                     "%s on %s failed (%s, attempt %d); retrying in %.3fs: %s",
