@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from kclpy.errors import CheckpointError, InvalidStateException
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import START_AT, UpdateBuilder, n
-from kclpy.metrics import Metrics
+from kclpy.metrics import CHECKPOINT_FAILURES, CHECKPOINTS, NOWHERE, Metrics
 from kclpy.position import SHARD_END
 from kclpy.position import Position as Position
 from kclpy.position import position_of as position_of
@@ -97,7 +97,7 @@ class Checkpointer:
         self.gap = gap
         self._writer = writer
         self._token = concurrency_token
-        self._metrics = metrics
+        self._m = metrics.shard(shard_id) if metrics is not None else NOWHERE
         self._lock = threading.Lock()
         self._last: Position = position_of(last_checkpoint, last_sub_sequence_number)
         self._last_value: tuple[str | None, int] = (last_checkpoint, last_sub_sequence_number or 0)
@@ -167,13 +167,11 @@ class Checkpointer:
             try:
                 write(self._writer, self.shard_id, self._token, value[0], value[1])
             except CheckpointError as exc:
-                if self._metrics is not None:
-                    self._metrics.checkpoint_failures.labels(self.shard_id, exc.name).inc()
+                self._m.inc(CHECKPOINT_FAILURES, exc.name)
                 raise
             self._last = position_of(*value)
             self._last_value = value
-        if self._metrics is not None:
-            self._metrics.checkpoints.labels(self.shard_id).inc()
+        self._m.inc(CHECKPOINTS)
 
     def fenced(self, fn: Callable[[CheckpointWriter, str, str], T]) -> T:
         """``fn(writer, shard_id, token)``: a holder-only write that is not a checkpoint
@@ -213,6 +211,5 @@ class Checkpointer:
         return text, sub
 
     def _invalid(self, why: str) -> InvalidStateException:
-        if self._metrics is not None:
-            self._metrics.checkpoint_failures.labels(self.shard_id, "InvalidStateException").inc()
+        self._m.inc(CHECKPOINT_FAILURES, "InvalidStateException")
         return InvalidStateException(f"shard {self.shard_id}: {why}")

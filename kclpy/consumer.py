@@ -20,18 +20,23 @@ from datetime import datetime, timezone
 from typing import Any, Protocol
 
 from kclpy.checkpoint import Checkpointer, CheckpointWriter, StartWriter, keep_start
-from kclpy.cloudwatch import (
-    BYTES,
-    COUNT,
-    MILLISECONDS,
-    SUMMARY,
-    shard_dimensions,
-    success_and_time,
-)
 from kclpy.errors import CheckpointError, KCLError, ProcessorRestartRequired, ShutdownException
 from kclpy.leases import park
 from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON, Lease
-from kclpy.metrics import Metrics
+from kclpy.metrics import (
+    BATCH_MILLIS_BEHIND_LATEST,
+    BYTES_PROCESSED,
+    DATA_LOST_TO_RETENTION,
+    PROCESS_RECORDS,
+    PROCESSOR_ERRORS,
+    RECORDS_PROCESSED,
+    SHARD_CONSUMER_STATE,
+    SHARD_FAILING_SINCE,
+    SHARD_FAILURE,
+    SHARD_FAILURE_ATTEMPTS,
+    SHARDS_PARKED_BY_POLICY,
+    Metrics,
+)
 from kclpy.processor import (
     InitializeInput,
     IRecordProcessor,
@@ -45,9 +50,6 @@ from kclpy.retrieval.parse import ChildShard
 from kclpy.retry import EQUAL, RetryPolicy
 
 log = logging.getLogger(__name__)
-
-#: the Java KCL's CloudWatch operation for a shard's processing metrics
-PROCESS_TASK = "ProcessTask"
 
 
 class ConsumerState(enum.Enum):
@@ -179,7 +181,12 @@ class ShardConsumer:
         #: the processor got its last callback (lease_lost, shutdown_requested, or
         #: shard_ended with SHARD_END checkpointed)
         self._processor_ended = False
-        self._cw_dims = shard_dimensions(lease.shard_id, lease.stream)
+        #: the shard's metrics (the worker opened its scope; closed when the shard leaves)
+        self._m = metrics.shard(lease.lease_key, lease.shard_id, lease.stream)
+        self._m_process = self._m.bind(PROCESS_RECORDS)
+        self._m_records = self._m.bind(RECORDS_PROCESSED)
+        self._m_bytes = self._m.bind(BYTES_PROCESSED)
+        self._m_behind = self._m.bind(BATCH_MILLIS_BEHIND_LATEST)
         #: where a lease at LATEST / AT_TIMESTAMP reads from, once resolved (``_start_of``)
         self._start_writer = start_writer
         self._initial_timestamp = initial_timestamp
@@ -356,7 +363,7 @@ class ShardConsumer:
                     InitializeInput(self.shard_id, checkpoint, sub_sequence_number,
                                     self.stream_name, self._lease.stream))
             except Exception:
-                self._metrics.processor_errors.labels(self.shard_id, "initialize").inc()
+                self._m.inc(PROCESSOR_ERRORS, "initialize")
                 log.exception("shard %s: initialize failed; retrying", self.shard_id)
                 if self._pause(self._backoff(attempt)):
                     return False
@@ -525,13 +532,15 @@ class ShardConsumer:
         attempt = 0
         while True:
             started = time.perf_counter()
+            ok = False
             try:
                 self._processor.process_records(ProcessRecordsInput(
                     self.shard_id, records, checkpointer, result.millis_behind_latest,
                     is_at_shard_end=result.shard_end and not is_recovery,
                     is_recovery=is_recovery))
+                ok = True
             except ProcessorRestartRequired as exc:
-                self._metrics.processor_errors.labels(self.shard_id, "process_records").inc()
+                self._m.inc(PROCESSOR_ERRORS, "process_records")
                 log.error("shard %s: processor must restart: %s", self.shard_id, exc)
                 return "restart"
             except ShutdownException as exc:
@@ -543,7 +552,7 @@ class ShardConsumer:
                 self.notify_lease_lost()
                 return "stopped"
             except Exception as exc:
-                self._metrics.processor_errors.labels(self.shard_id, "process_records").inc()
+                self._m.inc(PROCESSOR_ERRORS, "process_records")
                 self._note_failure(exc, attempt)
                 policy = self._settings.processor_error_policy
                 if policy == "skip":
@@ -568,31 +577,15 @@ class ShardConsumer:
                 attempt += 1
                 continue
             finally:
-                elapsed = time.perf_counter() - started
-                self._metrics.process_records_seconds.labels(self.shard_id).observe(elapsed)
-            size = records.payload_bytes()
-            self._metrics.records_processed.labels(self.shard_id).inc(len(records))
-            self._metrics.bytes_processed.labels(self.shard_id).inc(size)
+                self._m_process.call(time.perf_counter() - started, ok)
+            self._m_records.inc(len(records))
+            self._m_bytes.inc(records.payload_bytes())
+            if result.millis_behind_latest is not None:
+                self._m_behind.set(result.millis_behind_latest)
             if self.failure is not None:
                 self._clear_failure()
                 self._set_state(ConsumerState.PROCESSING)
-            self._report_batch(len(records), size, result.millis_behind_latest, elapsed)
             return "ok"
-
-    def _report_batch(self, count: int, size: int, millis_behind: int | None,
-                      seconds: float) -> None:
-        """The Java ``ProcessTask`` figures of one processed batch (CloudWatch)."""
-        sink, dims = self._metrics.cloudwatch, self._cw_dims
-        sink.record(PROCESS_TASK, "RecordsProcessed", count, COUNT, SUMMARY, dims)
-        sink.record(PROCESS_TASK, "DataBytesProcessed", size, BYTES, SUMMARY, dims)
-        sink.record(PROCESS_TASK, "RecordProcessor.processRecords.Time", seconds * 1000,
-                    MILLISECONDS, SUMMARY, dims)
-        if millis_behind is not None:
-            sink.record(PROCESS_TASK, "MillisBehindLatest", millis_behind, MILLISECONDS,
-                        SUMMARY, dims)
-            sink.record("ApplicationTracker", "MillisBehindLatest", millis_behind,
-                        MILLISECONDS, SUMMARY)
-        success_and_time(sink, PROCESS_TASK, None, True, seconds, SUMMARY, dims)
 
     def _end_with_shard_end(self, children: Sequence[ChildShard]) -> None:
         """Create the children's leases, then insist on a SHARD_END checkpoint, as the Java
@@ -606,7 +599,7 @@ class ShardConsumer:
             try:
                 self._processor.shard_ended(ShardEndedInput(self.shard_id, self._checkpointer))
             except Exception:
-                self._metrics.processor_errors.labels(self.shard_id, "shard_ended").inc()
+                self._m.inc(PROCESSOR_ERRORS, "shard_ended")
                 log.exception("shard %s: shard_ended failed", self.shard_id)
             if self._checkpointer.last_checkpoint[0] == SHARD_END:
                 self._processor_ended = True
@@ -634,7 +627,7 @@ class ShardConsumer:
         try:
             self._processor.lease_lost(LeaseLostInput(self.shard_id))
         except Exception:
-            self._metrics.processor_errors.labels(self.shard_id, "lease_lost").inc()
+            self._m.inc(PROCESSOR_ERRORS, "lease_lost")
             log.exception("shard %s: lease_lost failed", self.shard_id)
 
     def _end_with_shutdown_requested(self) -> None:
@@ -648,7 +641,7 @@ class ShardConsumer:
             self._processor.shutdown_requested(
                 ShutdownRequestedInput(self.shard_id, self._checkpointer))
         except Exception:
-            self._metrics.processor_errors.labels(self.shard_id, "shutdown_requested").inc()
+            self._m.inc(PROCESSOR_ERRORS, "shutdown_requested")
             log.exception("shard %s: shutdown_requested failed", self.shard_id)
 
     def _past_retention(self, checkpoint: str) -> bool:
@@ -661,7 +654,7 @@ class ShardConsumer:
         oldest = self._oldest_record()
         if oldest is None or int(oldest.sequence_number) <= int(checkpoint):
             return False
-        self._metrics.data_lost_to_retention.labels(self.shard_id).inc()
+        self._m.inc(DATA_LOST_TO_RETENTION)
         arrived = oldest.timestamp_millis
         log.error("shard %s: the checkpoint is past the stream's retention: records after %s "
                   "up to %s (the oldest kept%s) are lost", self.shard_id, checkpoint,
@@ -679,18 +672,16 @@ class ShardConsumer:
             self._clear_failure()
         self.failure = {"error_type": type(exc).__name__, "message": str(exc),
                         "attempts": attempt + 1, "since_ms": since}
-        metrics = self._metrics
-        metrics.shard_failure_attempts.labels(self.shard_id).set(attempt + 1)
-        metrics.shard_failing_since.labels(self.shard_id).set(since / 1000)
-        metrics.shard_failure.labels(self.shard_id, type(exc).__name__).set(1)
+        self._m.set(SHARD_FAILURE_ATTEMPTS, attempt + 1)
+        self._m.set(SHARD_FAILING_SINCE, since / 1000)
+        self._m.set(SHARD_FAILURE, 1, type(exc).__name__)
         self._set_state(ConsumerState.FAILED)
 
     def _clear_failure(self) -> None:
         assert self.failure is not None
-        metrics = self._metrics
-        metrics.shard_failure.remove(self.shard_id, self.failure["error_type"])
-        metrics.shard_failure_attempts.labels(self.shard_id).set(0)
-        metrics.shard_failing_since.labels(self.shard_id).set(0)
+        self._m.remove(SHARD_FAILURE, self.failure["error_type"])
+        self._m.set(SHARD_FAILURE_ATTEMPTS, 0)
+        self._m.set(SHARD_FAILING_SINCE, 0)
         self.failure = None
 
     def _park_shard(self, reason: str | None = None) -> None:
@@ -720,7 +711,7 @@ class ShardConsumer:
                           "batch will be retried by its next holder", self.shard_id, exc)
             else:
                 self.parked = True
-                self._metrics.shards_parked_by_policy.labels(self.shard_id).inc()
+                self._m.inc(SHARDS_PARKED_BY_POLICY)
         self._lease_lost.set()
 
     # -- state -------------------------------------------------------------------------------
@@ -731,8 +722,7 @@ class ShardConsumer:
 
     def _publish_state(self) -> None:
         for state in ConsumerState:
-            self._metrics.shard_consumer_state.labels(self.shard_id, state.value).set(
-                1 if state is self._state else 0)
+            self._m.set(SHARD_CONSUMER_STATE, 1 if state is self._state else 0, state.value)
 
 
 def _iso(epoch_ms: int) -> str:

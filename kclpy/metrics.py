@@ -325,10 +325,11 @@ class Scope:
     """Where a call site records an event (the Java ``MetricsScope``): the worker's, or one
     shard's. Events go to every backend; a closed scope records nothing."""
 
-    def __init__(self, dimensions: Dimensions, parts: Iterable[BackendScope]) -> None:
+    def __init__(self, dimensions: Dimensions, parts: Iterable[BackendScope], *,
+                 closed: bool = False) -> None:
         self.dimensions = dimensions
         self._parts = tuple(parts)
-        self.closed = False
+        self.closed = closed
 
     def bind(self, metric: Metric, *labels: str) -> Handle:
         """The handle a hot path keeps: with one backend interested, that backend's own."""
@@ -364,6 +365,10 @@ class Scope:
 
     def _add(self, backend: Backend) -> None:
         self._parts = (*self._parts, backend.scope(self.dimensions))
+
+
+#: a scope that records nothing: for a part used without metrics, or a shard not held
+NOWHERE = Scope(Dimensions(), (), closed=True)
 
 
 class _Cell:
@@ -439,8 +444,6 @@ class Metrics(Scope):
         self._shards_lock = threading.Lock()
         #: False in a worker: only the shards it opened have a scope
         self.implicit_shards = True
-        self._closed_shard = Scope(Dimensions(), ())
-        self._closed_shard.closed = True
         from kclpy.cloudwatch import NullSink
         self.cloudwatch = NullSink()
 
@@ -473,7 +476,7 @@ class Metrics(Scope):
             return scope
         if self.implicit_shards:
             return self.open_shard(lease_key, shard_id, stream)
-        return self._closed_shard
+        return NOWHERE
 
     def close_shard(self, lease_key: str) -> None:
         """The shard left the worker (lease lost, released, handed off, shard ended): its
