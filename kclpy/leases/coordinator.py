@@ -35,7 +35,7 @@ from kclpy.leases.load import LoadBalancing
 from kclpy.leases.renewer import LeaseRenewer
 from kclpy.leases.table import LeaseTable
 from kclpy.leases.taker import LeaseTaker
-from kclpy.metrics import Metrics
+from kclpy.metrics import NOWHERE, RETRIEVAL_PAUSED, RETRIEVAL_PAUSES, Metrics
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class LeaseCoordinator:
         self.renewer_interval_s = failover_time_s / 2
         #: how often a pending handoff to this worker is polled between scans
         self.handoff_poll_s = max(0.1, self.renewer_interval_s / 4)
-        self._metrics = metrics
+        self._metrics = metrics if metrics is not None else NOWHERE
         self._clock = clock
         self._budget = ScanBudget(failover_time_s, clock=clock, min_interval_s=min_scan_interval_s)
         balancer = Balancer(
@@ -191,14 +191,12 @@ class LeaseCoordinator:
             self.retrieval_gate.clear()
             log.warning("worker %s: lease renewal ran %.1fs late; pausing retrieval until it "
                         "catches up", self.worker_id, late_by_s)
-            if self._metrics is not None:
-                self._metrics.retrieval_pauses.inc()
-                self._metrics.retrieval_paused.set(1)
+            self._metrics.inc(RETRIEVAL_PAUSES)
+            self._metrics.set(RETRIEVAL_PAUSED, 1)
         elif not starved and not self.retrieval_gate.is_set():
             self.retrieval_gate.set()
             log.info("worker %s: lease renewal on time again; retrieval resumed", self.worker_id)
-            if self._metrics is not None:
-                self._metrics.retrieval_paused.set(0)
+            self._metrics.set(RETRIEVAL_PAUSED, 0)
 
     def _taker_loop(self) -> None:
         woken = True  # the first scan runs at once

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from botocore.exceptions import BotoCoreError, ClientError
 
 from kclpy.errors import KCLError
-from kclpy.metrics import Metrics
+from kclpy.metrics import DYNAMODB_REQUESTS, NOWHERE, THROTTLES, Metrics
 from kclpy.retry import THROTTLED, RetryPolicy, classify, error_code
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ class DynamoTable:
         self.client = client
         self.table_name = table_name
         self.hash_key = hash_key
-        self._metrics = metrics
+        self._metrics = metrics if metrics is not None else NOWHERE
         # short waits: a lease renewal must land within the failover time
         self._retries = RetryPolicy(backoff_base_s, backoff_cap_s, max_attempts=max_attempts)
         self._sleep = sleep
@@ -96,15 +96,13 @@ class DynamoTable:
         attempt = 0
         while True:
             attempt += 1
-            if self._metrics is not None:
-                self._metrics.dynamodb_requests.labels(operation).inc()
+            self._metrics.inc(DYNAMODB_REQUESTS, operation)
             try:
                 return fn(**kwargs)
             except ClientError as exc:
                 if classify(exc) != THROTTLED:
                     raise
-                if self._metrics is not None:
-                    self._metrics.throttles.labels(operation).inc()
+                self._metrics.inc(THROTTLES, operation)
                 if self._retries.gives_up(attempt):
                     raise self.throttled(
                         f"{operation} on {self.table_name} throttled {attempt} times"

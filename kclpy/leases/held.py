@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kclpy.leases.lease import Lease
-from kclpy.metrics import Metrics
+from kclpy.metrics import LEASES_EXPIRED, LEASES_HELD, LEASES_LOST, NOWHERE, Metrics
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class HeldSet:
         self.worker_id = worker_id
         self._on_drop: Listener | None = None
         self.renewer_interval_s = renewer_interval_s
-        self._metrics = metrics
+        self._metrics = metrics if metrics is not None else NOWHERE
         self._state = threading.Lock()
         self._held: dict[str, HeldLease] = {}
         #: one lock per lease key, never removed, so a lease is never guarded by two locks
@@ -137,9 +137,8 @@ class HeldSet:
             count = len(self._held)
         for key in expired:
             log.warning("worker %s gave up lease %s: %s", self.worker_id, key, self._gone[key])
-            if self._metrics is not None:
-                self._metrics.leases_lost.inc()
-                self._metrics.leases_expired.inc()
+            self._metrics.inc(LEASES_LOST)
+            self._metrics.inc(LEASES_EXPIRED)
         if expired:
             self._publish(count)
         return expired
@@ -160,8 +159,7 @@ class HeldSet:
         if self._on_drop is not None:
             self._on_drop(lease_key)
         log.warning("worker %s lost lease %s: %s", self.worker_id, lease_key, why)
-        if self._metrics is not None:
-            self._metrics.leases_lost.inc()
+        self._metrics.inc(LEASES_LOST)
         self._publish(count)
         return True
 
@@ -180,8 +178,7 @@ class HeldSet:
         return held
 
     def _publish(self, count: int) -> None:
-        if self._metrics is not None:
-            self._metrics.leases_held.set(count)
+        self._metrics.set(LEASES_HELD, count)
 
     # -- queries (copies) --------------------------------------------------------------------
 

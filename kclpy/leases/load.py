@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from kclpy.leases.dynamo import TABLE_ERRORS, DynamoTable
 from kclpy.leases.lease import Lease
-from kclpy.metrics import Metrics
+from kclpy.metrics import BYTES_PROCESSED, RECORDS_PROCESSED, Metrics
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb import DynamoDBClient
@@ -119,15 +119,14 @@ Totals = Mapping[str, tuple[float, float]]
 
 
 def processed_by_lease(metrics: Metrics) -> dict[str, tuple[float, float]]:
-    """The worker's own per-shard counters (``kclpy_records_processed``,
-    ``kclpy_bytes_processed``): what its processors handled, per lease key."""
-    totals: dict[str, list[float]] = {}
-    for index, counter in enumerate((metrics.records_processed, metrics.bytes_processed)):
-        for family in counter.collect():
-            for sample in family.samples:
-                if sample.name.endswith("_total"):
-                    totals.setdefault(sample.labels["shard_id"], [0.0, 0.0])[index] = sample.value
-    return {key: (value[0], value[1]) for key, value in totals.items()}
+    """The worker's totals of ``kclpy_records_processed`` and ``kclpy_bytes_processed``
+    per lease key: what its processors handled, kept after a shard leaves (its Prometheus
+    series do not stay), so a lease given up between two samples still counts its last
+    interval."""
+    records = metrics.totals.by_lease(RECORDS_PROCESSED)
+    nbytes = metrics.totals.by_lease(BYTES_PROCESSED)
+    return {key: (records.get(key, 0.0), nbytes.get(key, 0.0))
+            for key in records.keys() | nbytes.keys()}
 
 
 class LoadMeter:

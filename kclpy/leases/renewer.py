@@ -26,16 +26,19 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from kclpy.cloudwatch import COUNT, DETAILED, SUMMARY, success_and_time
 from kclpy.errors import KinesisClientLibDependencyException, ShutdownException, ThrottlingException
 from kclpy.leases.budget import ScanBudget
 from kclpy.leases.fence import LeaseFence
-from kclpy.metrics import Metrics
+from kclpy.metrics import (
+    NOWHERE,
+    RENEW_LEASE,
+    RENEWAL_CURRENT_LEASES,
+    RENEWAL_LOST_LEASES,
+    RENEWAL_PASS,
+    Metrics,
+)
 
 log = logging.getLogger(__name__)
-
-#: the Java KCL's CloudWatch operation for the renewer's metrics
-RENEW_ALL_LEASES = "RenewAllLeases"
 
 
 class LeaseRenewer:
@@ -62,7 +65,7 @@ class LeaseRenewer:
         self.graceful_handoff_timeout_s = graceful_handoff_timeout_s
         self._budget = budget
         self._clock = clock
-        self._metrics = metrics
+        self._metrics = metrics if metrics is not None else NOWHERE
         self._threads = threads
         self._pool: ThreadPoolExecutor | None = None
         self._flight = threading.Lock()
@@ -117,13 +120,9 @@ class LeaseRenewer:
     def _report(self, held_before: int, held: int, seconds: float) -> None:
         """The Java renewer's ``RenewAllLeases`` figures for one pass, once its last
         renewal is over."""
-        if self._metrics is None:
-            return
-        sink, dims = self._metrics.cloudwatch, {"WorkerIdentifier": self.worker_id}
-        sink.record(RENEW_ALL_LEASES, "CurrentLeases", held, COUNT, SUMMARY, dims)
-        sink.record(RENEW_ALL_LEASES, "LostLeases", max(0, held_before - held), COUNT, SUMMARY,
-                    dims)
-        success_and_time(sink, RENEW_ALL_LEASES, None, True, seconds, SUMMARY, dims)
+        self._metrics.set(RENEWAL_CURRENT_LEASES, held)
+        self._metrics.set(RENEWAL_LOST_LEASES, max(0, held_before - held))
+        self._metrics.call(RENEWAL_PASS, seconds, True)
 
     def next_wait(self) -> float:
         """Until the next renewal or handoff deadline; at most a quarter of the renewal
@@ -180,17 +179,10 @@ class LeaseRenewer:
             log.warning("worker %s: renewing %s failed: %r", self.worker_id, lease_key,
                         exc.__cause__ or exc)
             return
-        if self._metrics is not None:
-            self._metrics.lease_renewals.inc()
-            success_and_time(self._metrics.cloudwatch, RENEW_ALL_LEASES, "RenewLease", True,
-                             time.perf_counter() - started, DETAILED,
-                             {"WorkerIdentifier": self.worker_id})
+        self._metrics.call(RENEW_LEASE, time.perf_counter() - started, True)
 
     def _count_failure(self, seconds: float) -> None:
-        if self._metrics is not None:
-            self._metrics.lease_renew_failures.inc()
-            success_and_time(self._metrics.cloudwatch, RENEW_ALL_LEASES, "RenewLease", False,
-                             seconds, DETAILED, {"WorkerIdentifier": self.worker_id})
+        self._metrics.call(RENEW_LEASE, seconds, False)
 
 
 class _Pass:

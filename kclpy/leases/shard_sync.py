@@ -52,7 +52,7 @@ from kclpy.leases.lease import (
     new_incarnation,
 )
 from kclpy.leases.table import LeaseTable
-from kclpy.metrics import Metrics
+from kclpy.metrics import NOWHERE, THROTTLES, Metrics
 from kclpy.retry import THROTTLED, RetryPolicy, classify, error_code
 from kclpy.streams import multi_stream_lease_key
 
@@ -261,7 +261,7 @@ class ShardSyncer:
         #: the stream's creation epoch (seconds), written into each new lease's incarnation
         self.stream_epoch = stream_epoch if stream_epoch is not None or stream is None else (
             _epoch_of(stream))
-        self._metrics = metrics
+        self._metrics = metrics if metrics is not None else NOWHERE
         self._page: dict[str, int] = {} if page_size is None else {"MaxResults": page_size}
         self._retries = RetryPolicy(backoff_base_s, backoff_cap_s, max_attempts=max_attempts)
         self._sleep = sleep
@@ -292,8 +292,7 @@ class ShardSyncer:
             except ClientError as exc:
                 if classify(exc) != THROTTLED:
                     raise
-                if self._metrics is not None:
-                    self._metrics.throttles.labels("ListShards").inc()
+                self._metrics.inc(THROTTLES, "ListShards")
                 if self._retries.gives_up(attempt):
                     raise
                 self._sleep(self._retries.delay(attempt - 1, self._rng))

@@ -30,7 +30,6 @@ import time
 import uuid
 from collections.abc import Callable
 
-from kclpy.cloudwatch import COUNT, DETAILED, SUMMARY, NullSink, success_and_time
 from kclpy.errors import LeaseLostError
 from kclpy.leases import cleanup, handoff, mixed
 from kclpy.leases.balancing import Balancer
@@ -40,12 +39,22 @@ from kclpy.leases.held import HeldSet
 from kclpy.leases.lease import Lease
 from kclpy.leases.load import LoadBalancing
 from kclpy.leases.table import LeaseTable
-from kclpy.metrics import Metrics
+from kclpy.metrics import (
+    EXPIRED_LEASES,
+    LEASES_STOLEN,
+    LEASES_TAKEN,
+    LIST_LEASES,
+    NEEDED_LEASES,
+    NOWHERE,
+    NUM_WORKERS,
+    TAKE_CYCLE,
+    TAKEN_LEASES,
+    TOTAL_LEASES,
+    Metrics,
+)
 
 log = logging.getLogger(__name__)
 
-#: the Java KCL's CloudWatch operation for the taker's metrics
-TAKE_LEASES = "TakeLeases"
 
 #: how far past an overdue lease's expiry the scan that takes it is made
 _EXPIRY_MARGIN_S = 0.05
@@ -84,7 +93,7 @@ class LeaseTaker:
         self._load = load
         self._budget = budget
         self._clock = clock
-        self._metrics = metrics
+        self._metrics = metrics if metrics is not None else NOWHERE
         #: guards the fields below (never held while calling DynamoDB)
         self._state = threading.Lock()
         #: handoffs to this worker not finished yet: lease key -> (clock() when asked,
@@ -116,8 +125,6 @@ class LeaseTaker:
                 self._cycle += 1
                 self._last_scan_attempt = self._clock()
             self._budget.spend_scan()
-            sink = self._metrics.cloudwatch if self._metrics is not None else NullSink()
-            dims = {"WorkerIdentifier": self.worker_id}
             started = time.perf_counter()
             try:
                 leases = self.table.list_leases(consistent=False)
@@ -125,11 +132,10 @@ class LeaseTaker:
                 log.warning("worker %s: lease scan failed, no leases taken: %r",
                             self.worker_id, exc)
                 elapsed = time.perf_counter() - started
-                success_and_time(sink, TAKE_LEASES, "ListLeases", False, elapsed, DETAILED, dims)
-                success_and_time(sink, TAKE_LEASES, None, False, elapsed, SUMMARY, dims)
+                self._metrics.call(LIST_LEASES, elapsed, False)
+                self._metrics.call(TAKE_CYCLE, elapsed, False)
                 return []
-            success_and_time(sink, TAKE_LEASES, "ListLeases", True,
-                             time.perf_counter() - started, DETAILED, dims)
+            self._metrics.call(LIST_LEASES, time.perf_counter() - started, True)
             now = self._clock()
             self._balancer.observe(leases, now)
             with self._state:
@@ -163,13 +169,12 @@ class LeaseTaker:
                 log.info("worker %s took %s", self.worker_id, ", ".join(t.lease_key for t in taken))
             if self.cleanup_leases:
                 self._clean_up(leases, keep={lease.lease_key for lease in foreign})
-            for name, value, level in (
-                    ("TakenLeases", len(taken), SUMMARY), ("NumWorkers", plan.workers, SUMMARY),
-                    ("ExpiredLeases", plan.expired, SUMMARY), ("TotalLeases", plan.total, DETAILED),
-                    ("NeededLeases", plan.needed, DETAILED)):
-                sink.record(TAKE_LEASES, name, value, COUNT, level, dims)
-            success_and_time(sink, TAKE_LEASES, None, True, time.perf_counter() - started,
-                             SUMMARY, dims)
+            self._metrics.set(TAKEN_LEASES, len(taken))
+            self._metrics.set(NUM_WORKERS, plan.workers)
+            self._metrics.set(EXPIRED_LEASES, plan.expired)
+            self._metrics.set(TOTAL_LEASES, plan.total)
+            self._metrics.set(NEEDED_LEASES, plan.needed)
+            self._metrics.call(TAKE_CYCLE, time.perf_counter() - started, True)
             return taken
 
     def next_scan(self) -> float:
@@ -364,8 +369,7 @@ class LeaseTaker:
                 return None
             fresh.concurrency_token = uuid.uuid4().hex
             self._install(fresh, sent_at)
-        if self._metrics is not None:
-            self._metrics.leases_stolen.inc()
+        self._metrics.inc(LEASES_STOLEN)
         log.info("worker %s: handoff of %s complete", self.worker_id, lease.lease_key)
         return fresh.copy()
 
@@ -383,8 +387,7 @@ class LeaseTaker:
                 return None
             fresh.concurrency_token = uuid.uuid4().hex
             self._install(fresh, sent_at)
-        if self._metrics is not None:
-            (self._metrics.leases_stolen if stolen else self._metrics.leases_taken).inc()
+        self._metrics.inc(LEASES_STOLEN if stolen else LEASES_TAKEN)
         return fresh.copy()
 
     def _install(self, lease: Lease, sent_at: float) -> None:
