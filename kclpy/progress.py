@@ -8,8 +8,9 @@ this is that, in one line::
     progress: 12480 records (3.1 MB) in the last 30 s, 416.0 records/s; 4 shards held;
     largest MillisBehindLatest 1200 ms (shardId-000000000002)
 
-It reads the worker's own figures (its Prometheus counters and ``Worker.status()``), so it
-costs nothing on the record path and needs no hook in the worker.
+It reads the worker's own figures (its totals of records and bytes processed, which keep
+what shards that left processed, and ``Worker.status()``), so it costs nothing on the
+record path and needs no hook in the worker.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from kclpy.metrics import Metrics
+from kclpy.metrics import BYTES_PROCESSED, RECORDS_PROCESSED, Metrics
 
 log = logging.getLogger("kclpy.progress")
 
@@ -34,15 +35,8 @@ class Totals:
 
 
 def totals(metrics: Metrics) -> Totals:
-    """Records and bytes processed since the worker started, over every shard."""
-    records = bytes_ = 0.0
-    for family in metrics.registry.collect():
-        for sample in family.samples:
-            if sample.name == "kclpy_records_processed_total":
-                records += sample.value
-            elif sample.name == "kclpy_bytes_processed_total":
-                bytes_ += sample.value
-    return Totals(records, bytes_)
+    """Records and bytes processed since the worker started, over every shard it held."""
+    return Totals(metrics.total(RECORDS_PROCESSED), metrics.total(BYTES_PROCESSED))
 
 
 def progress_line(previous: Totals, current: Totals, elapsed_s: float,

@@ -23,7 +23,13 @@ import boto3
 import botocore.config
 from botocore.exceptions import InvalidRegionError, NoRegionError
 
-from kclpy.cloudwatch import NONE, CloudWatchPublisher, parse_dimensions, parse_level
+from kclpy.cloudwatch import (
+    NONE,
+    CloudWatchBackend,
+    CloudWatchPublisher,
+    parse_dimensions,
+    parse_level,
+)
 from kclpy.config import OPTIONS, KCLConfig
 from kclpy.consumer import ConsumerSettings, FatalProcessorError, FetcherLike, ShardConsumer
 from kclpy.errors import ConfigError, KCLError, cannot_heal
@@ -33,7 +39,13 @@ from kclpy.leases.load import LoadBalancing, load_balancing
 from kclpy.leases.park import park_held
 from kclpy.leases.streams import ActiveStream, StreamSet
 from kclpy.leases.table import LeaseTable
-from kclpy.metrics import Metrics
+from kclpy.metrics import (
+    INITIALIZATION_FAILURES,
+    LEASES_HELD,
+    SHARDS_PARKED,
+    SHARDS_UNCONSUMED,
+    Metrics,
+)
 from kclpy.multilang.process import kill_all as kill_children
 from kclpy.processor import IRecordProcessor
 from kclpy.records import Record
@@ -83,6 +95,9 @@ class Worker:
         config.validate()
         self.config = config
         self.metrics = metrics or Metrics()
+        # a shard has metrics while this worker holds it: opened with its consumer, closed
+        # when the consumer is retired (lease lost, released, handed off, shard ended)
+        self.metrics.implicit_shards = False
         if state_store is None and config.state_store:
             state_store = open_store(config.state_store)
         #: with a store, ``processor_factory`` makes StatefulProcessors (exactly-once state)
@@ -222,9 +237,9 @@ class Worker:
                               "regionName or AWS_DEFAULT_REGION)") from None
         except InvalidRegionError as exc:
             raise ConfigError("--region", str(exc)) from None
+        self._start_cloudwatch(session)
         self.lease_table = LeaseTable(self.dynamodb, cfg.lease_table_name, metrics=self.metrics)
         self._load = load_balancing(cfg, self.dynamodb, self.metrics)
-        self._start_cloudwatch(session)
         self.streams = StreamSet(self.kinesis, self.lease_table, cfg, self.metrics,
                                  register=self._register_consumer if cfg.fan_out else None)
         self.coordinator = LeaseCoordinator(
@@ -272,7 +287,7 @@ class Worker:
             except ConfigError:
                 raise
             except Exception as exc:
-                self.metrics.initialization_failures.labels(type(exc).__name__).inc()
+                self.metrics.inc(INITIALIZATION_FAILURES, type(exc).__name__)
                 # credentials or permissions: retrying cannot help (firsthour, issue 29)
                 if retries.gives_up(attempt) or cannot_heal(exc):
                     raise
@@ -346,6 +361,7 @@ class Worker:
                     consumer.notify_lease_lost()
                     if consumer.done:
                         del self._consumers[shard_id]
+                        self.metrics.close_shard(shard_id)
                     continue
                 if lease.checkpoint_owner is not None or not self._consumed(lease):
                     # Another worker asked for this lease: the processor gets
@@ -353,6 +369,7 @@ class Worker:
                     consumer.request_shutdown()
                     if consumer.done:
                         del self._consumers[shard_id]
+                        self.metrics.close_shard(shard_id)
                         self.coordinator.release_soon(shard_id)
                         del held[shard_id]
                     continue
@@ -365,6 +382,7 @@ class Worker:
                 # the lease is let go now so that a worker (this one included) takes it
                 # again and a new consumer resumes from the checkpoint.
                 del self._consumers[shard_id]
+                self.metrics.close_shard(shard_id)
                 self.coordinator.release_soon(shard_id)
                 # no longer held: not to be given a new consumer from this snapshot below
                 del held[shard_id]
@@ -395,9 +413,9 @@ class Worker:
                     self._consumers[shard_id] = consumer
                     consumer.start()
             self._track_unconsumed(held)
-        self.metrics.leases_held.set(len(held))
-        self.metrics.shards_parked.set(
-            sum(lease.parked is not None for lease in self.coordinator.all_leases()))
+        self.metrics.set(LEASES_HELD, len(held))
+        self.metrics.set(SHARDS_PARKED, sum(
+            lease.parked is not None for lease in self.coordinator.all_leases()))
 
     def _track_unconsumed(self, held: dict[str, Lease]) -> None:
         """Note since when each held lease has had no running consumer (the consumers lock
@@ -411,7 +429,7 @@ class Worker:
         for key in held:
             if key not in running:
                 self._unconsumed_since.setdefault(key, now)
-        self.metrics.shards_unconsumed.set(len(self._unconsumed_since))
+        self.metrics.set(SHARDS_UNCONSUMED, len(self._unconsumed_since))
 
     def unconsumed_for(self) -> float:
         """How long the longest-waiting held lease has had no running consumer (0: none)."""
@@ -437,6 +455,7 @@ class Worker:
         # Always: gaps already queued are recovered even with max_lag_ms off, and an
         # operator may queue one at any time (``kclpy recovery add``).
         recovery = functools.partial(self._make_recovery, lease, token)
+        self.metrics.open_shard(lease.lease_key, lease.shard_id, lease.stream)
         return ShardConsumer(
             lease, concurrency_token=token, processor_factory=self._records_processor,
             checkpoint_writer=self.coordinator.fence, lease_reader=self.coordinator,
@@ -601,6 +620,7 @@ class Worker:
             for shard_id, consumer in list(waiting.items()):
                 if consumer.done:
                     del waiting[shard_id]
+                    self.metrics.close_shard(shard_id)
                     if coordinator is not None:
                         coordinator.release_soon(shard_id)
             left = min(_SHUTDOWN_POLL_S, max(0.0, deadline - time.monotonic()))
@@ -622,6 +642,8 @@ class Worker:
                             "period", killed)
         if self.coordinator is not None:
             self.coordinator.stop(release=True)
+        for shard_id in consumers:
+            self.metrics.close_shard(shard_id)
         if self._load is not None:
             self._load.table.withdraw(self.config.worker_id)
         if self._cloudwatch is not None:
@@ -637,7 +659,8 @@ class Worker:
             coordinator.release_soon(shard_id)
 
     def _start_cloudwatch(self, session: boto3.session.Session) -> None:
-        """The Java KCL's CloudWatch metrics, when ``metrics_level`` asks for them."""
+        """The Java KCL's CloudWatch metrics, when ``metrics_level`` asks for them: a backend
+        added before any part binds its metrics."""
         cfg = self.config
         level = parse_level(cfg.metrics_level)
         if level == NONE:
@@ -653,7 +676,7 @@ class Worker:
             buffer_time_s=cfg.metrics_buffer_time_ms / 1000,
             max_queue_size=cfg.metrics_max_queue_size, on_event=self.metrics.cloudwatch_event)
         publisher.start()
-        self.metrics.cloudwatch = publisher
+        self.metrics.add_backend(CloudWatchBackend(publisher, cfg.worker_id, level))
         self._cloudwatch = publisher
 
     @contextmanager
