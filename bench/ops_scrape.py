@@ -27,7 +27,16 @@ from typing import Any
 
 import _common  # noqa: F401  (puts the checkout on sys.path)
 
-from kclpy.metrics import Metrics
+from kclpy.metrics import (
+    BYTES_PROCESSED,
+    CHECKPOINTS,
+    GET_RECORDS,
+    MILLIS_BEHIND_LATEST,
+    PROCESS_RECORDS,
+    RECORDS_PROCESSED,
+    SHARD_CONSUMER_STATE,
+    Metrics,
+)
 from kclpy.ops import serve_worker
 
 _PROBE_S = 0.005
@@ -63,16 +72,16 @@ class _Worker:
         self.kinesis = None
         for n in range(shards):
             shard = f"shardId-{n:012d}"
-            self.metrics.records_processed.labels(shard).inc(n)
-            self.metrics.bytes_processed.labels(shard).inc(n * 100)
-            self.metrics.process_records_seconds.labels(shard).observe(0.01)
-            self.metrics.get_records_seconds.labels(shard).observe(0.02)
-            self.metrics.millis_behind_latest.labels(shard).set(n)
-            self.metrics.checkpoints.labels(shard).inc()
+            scope = self.metrics.shard(shard)
+            scope.inc(RECORDS_PROCESSED, by=n)
+            scope.inc(BYTES_PROCESSED, by=n * 100)
+            scope.call(PROCESS_RECORDS, 0.01)
+            scope.call(GET_RECORDS, 0.02)
+            scope.set(MILLIS_BEHIND_LATEST, n)
+            scope.inc(CHECKPOINTS)
             for state in ("WAITING_ON_PARENTS", "INITIALIZING", "PROCESSING",
                           "SHUTTING_DOWN", "DONE"):
-                self.metrics.shard_consumer_state.labels(shard, state).set(
-                    state == "PROCESSING")
+                scope.set(SHARD_CONSUMER_STATE, state == "PROCESSING", state)
 
     def status(self) -> dict[str, Any]:
         return {"worker_id": "bench", "shards": {}}

@@ -308,26 +308,3 @@ class _Datums:
         for operation, lead, level, dims in self._calls:
             self._record(operation, f"{lead}Success", 1 if ok else 0, COUNT, level, dims)
             self._record(operation, f"{lead}Time", seconds * 1000, MILLISECONDS, level, dims)
-class NullSink:
-    """CloudWatch off (``metricsLevel`` NONE, kclpy's default): every point is ignored."""
-
-    def record(self, operation: str, name: str, value: float, unit: str, level: int,
-               dimensions: Mapping[str, str] | None = None) -> None:
-        return None
-
-
-def shard_dimensions(shard_id: str, stream: str | None = None) -> dict[str, str]:
-    """A shard's dimensions: ``ShardId``, and ``StreamId`` (the serialised stream identifier)
-    in a multi-stream application, as the Java KCL adds it there."""
-    return {"ShardId": shard_id} if stream is None else {"ShardId": shard_id, "StreamId": stream}
-
-
-def success_and_time(sink: MetricsSink, operation: str, prefix: str | None, ok: bool,
-                     seconds: float, level: int, dimensions: Mapping[str, str] | None = None
-                     ) -> None:
-    """Java's ``addSuccessAndLatency``: ``<prefix>.Success`` (1/0) and ``<prefix>.Time`` (ms),
-    or ``Success`` / ``Time`` without a prefix."""
-    lead = f"{prefix}." if prefix else ""
-    sink.record(operation, f"{lead}Success", 1 if ok else 0, COUNT, level, dimensions)
-    sink.record(operation, f"{lead}Time", seconds * 1000, MILLISECONDS, level, dimensions)
-

@@ -444,8 +444,6 @@ class Metrics(Scope):
         self._shards_lock = threading.Lock()
         #: False in a worker: only the shards it opened have a scope
         self.implicit_shards = True
-        from kclpy.cloudwatch import NullSink
-        self.cloudwatch = NullSink()
 
     def add_backend(self, backend: Backend) -> None:
         """Another backend, for every scope open now or later; handles bound before miss it,
@@ -508,16 +506,3 @@ class Metrics(Scope):
         for backend in backends:
             backend.enable(SPARK)
 
-    # -- until every call site records through the interface ---------------------------------
-    cloudwatch: Any = None
-
-    _OLD_NAMES = {"shards_unconsumed": "shards_held_unconsumed",
-                  "shard_failing_since": "shard_failing_since_seconds"}
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "lease_renew_failures":
-            return self.prometheus._collectors["lease_renewals"][1]
-        entry = self.prometheus._collectors.get(self._OLD_NAMES.get(name, name))
-        if entry is None:
-            raise AttributeError(name)
-        return entry[0]

@@ -18,7 +18,7 @@ import pytest
 
 from kclpy.local import LocalEndpoint
 from kclpy.local.demo import DEMO_AGGREGATES, DEMO_PLAIN_RECORDS, DEMO_RECORDS_PER_AGGREGATE
-from kclpy.metrics import Metrics
+from kclpy.metrics import BYTES_PROCESSED, RECORDS_PROCESSED, Metrics
 from kclpy.progress import ProgressReporter, Totals, progress_line, totals
 from tests.support.faultproxy import ALL, FaultProxy
 from tests.support.programs import path_without
@@ -385,12 +385,16 @@ def test_python_api_errors_name_the_keyword() -> None:
 
 def test_progress_line_counts_the_interval_and_names_the_laggard() -> None:
     metrics = Metrics()
-    metrics.records_processed.labels("shardId-0").inc(100)
-    metrics.bytes_processed.labels("shardId-0").inc(2_000)
+    metrics.shard("shardId-0").inc(RECORDS_PROCESSED, by=100)
+    metrics.shard("shardId-0").inc(BYTES_PROCESSED, by=2_000)
     before = totals(metrics)
-    metrics.records_processed.labels("shardId-0").inc(300)
-    metrics.records_processed.labels("shardId-1").inc(200)
-    metrics.bytes_processed.labels("shardId-1").inc(1_500_000)
+    metrics.shard("shardId-0").inc(RECORDS_PROCESSED, by=300)
+    metrics.shard("shardId-1").inc(RECORDS_PROCESSED, by=200)
+    metrics.shard("shardId-1").inc(BYTES_PROCESSED, by=1_500_000)
+    # a shard that leaves takes its series with it, not what it processed
+    metrics.close_shard("shardId-0")
+    assert metrics.registry.get_sample_value(
+        "kclpy_records_processed_total", {"shard_id": "shardId-0"}) is None
     status = {"held_leases": ["shardId-0", "shardId-1"],
               "shards": {"shardId-0": {"millis_behind_latest": 0},
                          "shardId-1": {"millis_behind_latest": 1200}}}
@@ -403,7 +407,7 @@ def test_progress_line_counts_the_interval_and_names_the_laggard() -> None:
 
 def test_progress_reporter_logs_at_info_until_stopped(caplog: pytest.LogCaptureFixture) -> None:
     metrics = Metrics()
-    metrics.records_processed.labels("shardId-0").inc(7)
+    metrics.shard("shardId-0").inc(RECORDS_PROCESSED, by=7)
     reporter = ProgressReporter(metrics, lambda: {"held_leases": ["shardId-0"]}, 0.05)
     pause = threading.Event()
     with caplog.at_level("INFO", logger="kclpy.progress"):

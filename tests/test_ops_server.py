@@ -22,7 +22,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kclpy import KCLConfig, Worker
 from kclpy.local import LocalEndpoint
-from kclpy.metrics import Metrics
+from kclpy.metrics import (
+    BYTES_PROCESSED,
+    MILLIS_BEHIND_LATEST,
+    PROCESS_RECORDS,
+    RECORDS_PROCESSED,
+    SHARD_CONSUMER_STATE,
+    Metrics,
+)
 from kclpy.ops import RunningServer, serve_worker
 from tests.support.recording import Ledger, RecordingProcessor
 from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name, wait_for
@@ -92,7 +99,7 @@ def test_healthz_follows_the_worker(fake_server: tuple[FakeWorker, RunningServer
 def test_metrics_are_the_workers_registry_in_both_formats(
         fake_server: tuple[FakeWorker, RunningServer]) -> None:
     worker, server = fake_server
-    worker.metrics.records_processed.labels("shard-1").inc(7)
+    worker.metrics.shard("shard-1").inc(RECORDS_PROCESSED, by=7)
     status, content_type, body = get(server.url + "/metrics")
     assert status == 200 and content_type.startswith("text/plain")
     assert 'kclpy_records_processed_total{shard_id="shard-1"} 7.0' in body
@@ -121,13 +128,14 @@ def fill_500_shards(metrics: Metrics) -> None:
     """The per-shard series of a worker holding 500 shards (about 0.8 MB of /metrics)."""
     for n in range(500):
         shard = f"shardId-{n:012d}"
-        metrics.records_processed.labels(shard).inc(n)
-        metrics.bytes_processed.labels(shard).inc(n)
-        metrics.process_records_seconds.labels(shard).observe(0.01)
-        metrics.millis_behind_latest.labels(shard).set(n)
+        scope = metrics.shard(shard)
+        scope.inc(RECORDS_PROCESSED, by=n)
+        scope.inc(BYTES_PROCESSED, by=n)
+        scope.call(PROCESS_RECORDS, 0.01)
+        scope.set(MILLIS_BEHIND_LATEST, n)
         for state in ("WAITING_ON_PARENTS", "INITIALIZING", "PROCESSING", "SHUTTING_DOWN",
                       "DONE"):
-            metrics.shard_consumer_state.labels(shard, state).set(state == "PROCESSING")
+            scope.set(SHARD_CONSUMER_STATE, state == "PROCESSING", state)
 
 
 def test_silent_connections_are_bounded_answered_busy_and_timed_out() -> None:

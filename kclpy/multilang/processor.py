@@ -32,7 +32,14 @@ from kclpy.errors import (
     ProcessorRestartRequired,
 )
 from kclpy.leases.lease import SHARD_END
-from kclpy.metrics import Metrics
+from kclpy.metrics import (
+    MULTILANG_CHILD_FAILURES,
+    MULTILANG_STDOUT_FULL,
+    MULTILANG_STRAY_STDOUT_LINES,
+    NOWHERE,
+    Metrics,
+    Scope,
+)
 from kclpy.multilang import protocol
 from kclpy.multilang.process import MAX_UNREAD_STDOUT_BYTES, ChildFailure, ChildProcess
 from kclpy.processor import (
@@ -108,6 +115,7 @@ class MultiLangRecordProcessor(IRecordProcessor):
         self._argv = list(argv)
         self._cwd = cwd
         self._metrics = metrics
+        self._m: Scope = NOWHERE
         self._response_timeout_s = response_timeout_s
         self._exit_timeout_s = exit_timeout_s
         self._env = env
@@ -128,6 +136,8 @@ class MultiLangRecordProcessor(IRecordProcessor):
         if self._child is not None:
             self._stop_child()
         self._shard_id = initialize_input.shard_id
+        if self._metrics is not None:
+            self._m = self._metrics.shard(self._shard_id)
         self._failure = None
         self._start_child(initialize_input.sequence_number,
                           initialize_input.sub_sequence_number)
@@ -196,8 +206,7 @@ class MultiLangRecordProcessor(IRecordProcessor):
             protocol.INITIALIZE, None)
 
     def _stdout_full(self) -> None:
-        if self._metrics is not None:
-            self._metrics.multilang_stdout_full.labels(self._shard_id).inc()
+        self._m.inc(MULTILANG_STDOUT_FULL)
 
     def _exchange(self, line: str, action: str, checkpointer: Checkpointer | None, *,
                   consequence: str = "the shard restarts from its last checkpoint") -> None:
@@ -242,8 +251,7 @@ class MultiLangRecordProcessor(IRecordProcessor):
                 log.warning("shard %s: child wrote a line that is not a protocol message to "
                             "stdout; skipped: %r", self._shard_id, line.strip()[:_QUOTE_CHARS],
                             extra={"shard_id": self._shard_id})
-                if self._metrics is not None:
-                    self._metrics.multilang_stray_stdout_lines.labels(self._shard_id).inc()
+                self._m.inc(MULTILANG_STRAY_STDOUT_LINES)
                 continue
             if message is not None:
                 return message
@@ -286,8 +294,7 @@ class MultiLangRecordProcessor(IRecordProcessor):
         log.error("shard %s: child pid %s %s while handling %s; killed it, %s%s%s",
                   self._shard_id, child.pid, detail, action, consequence, hint, stderr,
                   extra={"shard_id": self._shard_id, "reason": reason})
-        if self._metrics is not None:
-            self._metrics.multilang_child_failures.labels(self._shard_id, reason).inc()
+        self._m.inc(MULTILANG_CHILD_FAILURES, reason)
         self._failure = MultiLangChildError(
             self._shard_id, reason,
             f"shard {self._shard_id}: child process {detail} while handling {action}")

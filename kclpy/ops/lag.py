@@ -46,6 +46,12 @@ from typing import TYPE_CHECKING, Any
 
 from kclpy.checkpoint import Position, position_of
 from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
+from kclpy.metrics import (
+    APPLICATION_LAG_STATUS,
+    LAG_MAX_MILLIS,
+    LAG_TOTAL_RECORDS,
+    SHARD_LAG_STATUS,
+)
 from kclpy.retrieval.parse import get_records
 
 if TYPE_CHECKING:
@@ -433,20 +439,19 @@ class LagAlerts:
         metrics = self._metrics
         for shard_id in set(self._shards) - set(evaluations):
             for label in STATUS_LABELS:
-                metrics.shard_lag_status.remove(shard_id, label)
+                metrics.shard(shard_id).remove(SHARD_LAG_STATUS, label)
             del self._shards[shard_id]
         for shard_id, evaluation in sorted(evaluations.items()):
             status = evaluation.status.value
             for label in STATUS_LABELS:
-                metrics.shard_lag_status.labels(shard_id, label).set(
-                    1 if label == status else 0)
+                metrics.shard(shard_id).set(SHARD_LAG_STATUS, 1 if label == status else 0, label)
             previous = self._shards.get(shard_id)
             self._shards[shard_id] = status
             if previous != status and (previous is not None or status != "OK"):
                 self._changed(shard_id, status, previous, evaluation)
         app = _app_label(application_status(e.status for e in evaluations.values()))
         for label in STATUS_LABELS:
-            metrics.application_lag_status.labels(label).set(1 if label == app else 0)
+            metrics.set(APPLICATION_LAG_STATUS, 1 if label == app else 0, label)
         if app != self._app and (self._app is not None or app != "OK"):
             worst = [f"{s}: {e.status.value}" for s, e in sorted(evaluations.items())
                      if e.status is not ShardStatus.OK]
@@ -454,8 +459,8 @@ class LagAlerts:
                           "; ".join(worst) or "every shard OK")
         self._app = app
         latest = [e.latest for e in evaluations.values() if e.latest is not None]
-        metrics.lag_max_millis.set(max((o.lag.millis for o in latest), default=0))
-        metrics.lag_total_records.set(sum(o.lag.records for o in latest))
+        metrics.set(LAG_MAX_MILLIS, max((o.lag.millis for o in latest), default=0))
+        metrics.set(LAG_TOTAL_RECORDS, sum(o.lag.records for o in latest))
 
     def _changed(self, shard_id: str | None, status: str, previous: str | None,
                  evaluation: ShardEvaluation | None, reason: str | None = None) -> None:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import exposition
 
+from kclpy.metrics import LAG_WEBHOOK_EVENTS
 from kclpy.ops.lag import Lag, LagAlerts, LagProbe, LagTracker, Observation, report_to_json
 from kclpy.ops.webhook import Webhook
 
@@ -358,8 +359,9 @@ def serve_worker(
     webhook = None
     if tracker is not None:
         if lag_webhook is not None:
-            events = worker.metrics.lag_webhook_events
-            webhook = Webhook(lag_webhook, on_result=lambda o: events.labels(o).inc())
+            metrics = worker.metrics
+            webhook = Webhook(lag_webhook,
+                              on_result=lambda o: metrics.inc(LAG_WEBHOOK_EVENTS, o))
         alerts = LagAlerts(worker.metrics, worker.config.application_name,
                            webhook.send if webhook is not None else None)
         sampler = _LagSampler(worker, tracker, lag_interval_s, lag_records_limit, clock,

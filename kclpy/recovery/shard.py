@@ -36,7 +36,13 @@ from kclpy.errors import CheckpointError, ShutdownException
 from kclpy.leases.lease import TRIM_HORIZON, Lease
 from kclpy.leases.serializer import RECOVERY, RECOVERY_REQUESTS, UpdateBuilder, s, ss
 from kclpy.leases.table import checkpoint_changes
-from kclpy.metrics import Metrics
+from kclpy.metrics import (
+    RECOVERY_RECORDS,
+    RECOVERY_REMAINING_MS,
+    RECOVERY_SHARDS,
+    RECOVERY_TRIMMED,
+    Metrics,
+)
 from kclpy.recovery import queue as gaps
 from kclpy.recovery import requests as asked
 from kclpy.recovery.detect import first_record
@@ -91,6 +97,7 @@ class ShardRecovery:
         self._rate = rate
         self._max_lag_ms = max_lag_ms
         self._metrics = metrics
+        self._m = metrics.shard(shard_id)
         self._wall_clock = wall_clock
         self._lock = threading.Lock()
         self._queue = gaps.loads(stored)
@@ -193,7 +200,7 @@ class ShardRecovery:
         if not records:
             return None
         self._delivered_ms = records[-1].timestamp_millis
-        self._metrics.recovery_records.labels(self.shard_id).inc(len(records))
+        self._m.inc(RECOVERY_RECORDS, by=len(records))
         return result, self._checkpointer
 
     @property
@@ -209,7 +216,7 @@ class ShardRecovery:
         """The consumer is done with the shard: stop reading and leave the rate's turns."""
         self._stop_reader()
         if self._counted:
-            self._metrics.recovery_shards.dec()
+            self._metrics.inc(RECOVERY_SHARDS, by=-1)
             self._counted = False
 
     def status(self) -> list[dict[str, Any]]:
@@ -313,7 +320,7 @@ class ShardRecovery:
         oldest = first_record(self._readers(StartPosition(TRIM_HORIZON), None, None, 1))
         if oldest is not None and int(oldest.sequence_number) <= int(check):
             return resume
-        self._metrics.recovery_trimmed.labels(self.shard_id).inc()
+        self._m.inc(RECOVERY_TRIMMED)
         lost_from = f"after {check}" if request.started else f"from {check}"
         if oldest is None:
             # Retention trimmed the whole shard: nothing of the gap is left to read.
@@ -437,11 +444,10 @@ class ShardRecovery:
             # Every held shard has a recovery (an operator may queue a gap at any time):
             # a shard that never had a gap gets no series.
             self._published = True
-            self._metrics.recovery_remaining_ms.labels(self.shard_id).set(
-                sum(r.remaining_ms() for r in queue))
+            self._m.set(RECOVERY_REMAINING_MS, sum(r.remaining_ms() for r in queue))
         if bool(queue) != self._counted:
             self._counted = bool(queue)
-            self._metrics.recovery_shards.inc(1 if queue else -1)
+            self._metrics.inc(RECOVERY_SHARDS, by=1 if queue else -1)
 
 
 class GapWriter:

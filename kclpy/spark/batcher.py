@@ -41,7 +41,14 @@ from kclpy.errors import (
     InvalidStateException,
     ShutdownException,
 )
-from kclpy.metrics import Metrics
+from kclpy.metrics import (
+    NOWHERE,
+    SPARK_BATCHES,
+    SPARK_FOREACH_BATCH_FAILURES,
+    SPARK_LOST_CHECKPOINTS,
+    SPARK_RECORDS,
+    Metrics,
+)
 from kclpy.processor import (
     InitializeInput,
     IRecordProcessor,
@@ -251,7 +258,7 @@ class MicroBatcher:
         #: the unexpected error that stopped the batch loop, if any
         self.error: BaseException | None = None
         self.stats = BatcherStats()
-        self._m = metrics
+        self._m = metrics if metrics is not None else NOWHERE
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -436,9 +443,8 @@ class MicroBatcher:
             count = sum(r.count for r in ranges)
             self.stats.batches += 1
             self.stats.records += count
-            if self._m is not None:
-                self._m.spark_batches.inc()
-                self._m.spark_records.inc(count)
+            self._m.inc(SPARK_BATCHES)
+            self._m.inc(SPARK_RECORDS, by=count)
             for part in parts:
                 self._checkpoint(part)
             return info
@@ -471,8 +477,7 @@ class MicroBatcher:
                 return info
             except Exception:
                 self.stats.foreach_batch_failures += 1
-                if self._m is not None:
-                    self._m.spark_foreach_batch_failures.inc()
+                self._m.inc(SPARK_FOREACH_BATCH_FAILURES)
                 delay = backoff.next_delay()
                 log.exception("foreach_batch failed for batch %s (attempt %d); nothing is "
                               "checkpointed, retrying in %.2fs", batch_id, attempt, delay)
@@ -494,8 +499,7 @@ class MicroBatcher:
                 return
             except ShutdownException:
                 self.stats.lost_checkpoints += 1
-                if self._m is not None:
-                    self._m.spark_lost_checkpoints.inc()
+                self._m.inc(SPARK_LOST_CHECKPOINTS)
                 log.warning("shard %s: lease lost while batch was in flight; its %d record(s) "
                             "were written but not checkpointed and will be read again by the "
                             "new owner", shard_id, len(part.records))

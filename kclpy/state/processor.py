@@ -23,7 +23,7 @@ from functools import partial
 
 from kclpy.checkpoint import Checkpointer, Position, position_of
 from kclpy.errors import TransactionRejected
-from kclpy.metrics import Metrics
+from kclpy.metrics import NOWHERE, STATE_COMMITS, STATE_CONFLICTS, STATE_RECORDS, Metrics, Scope
 from kclpy.processor import (
     InitializeInput,
     IRecordProcessor,
@@ -83,6 +83,7 @@ class ExactlyOnceProcessor(IRecordProcessor):
         self._max_records = max_records
         self._max_seconds = max_seconds
         self._metrics = metrics
+        self._m: Scope = NOWHERE
         self._clock = clock
         self._sleep = sleep
         self._shard_id = ""
@@ -95,6 +96,8 @@ class ExactlyOnceProcessor(IRecordProcessor):
 
     def initialize(self, initialize_input: InitializeInput) -> None:
         self._shard_id = initialize_input.shard_id
+        if self._metrics is not None:
+            self._m = self._metrics.shard(self._shard_id)
         self._committed = position_of(initialize_input.sequence_number,
                                       initialize_input.sub_sequence_number)
         self._gaps = {}
@@ -195,8 +198,7 @@ class ExactlyOnceProcessor(IRecordProcessor):
                                                          gap=checkpointer.gap))
             except TransactionRejected:
                 self._store.forget(list(txn.versions))
-                if self._metrics is not None:
-                    self._metrics.state_conflicts.labels(self._shard_id).inc()
+                self._m.inc(STATE_CONFLICTS)
                 log.info("shard %s: a state key changed under transaction %d; applying its "
                          "%d record(s) again", self._shard_id, attempt, len(covered))
                 self._sleep(CONFLICT_RETRIES.delay(attempt))
@@ -213,9 +215,8 @@ class ExactlyOnceProcessor(IRecordProcessor):
             else:
                 self._gaps[checkpointer.gap] = (int(last.sequence_number),
                                                 last.sub_sequence_number)
-            if self._metrics is not None:
-                self._metrics.state_commits.labels(self._shard_id).inc()
-                self._metrics.state_records.labels(self._shard_id).inc(len(covered))
+            self._m.inc(STATE_COMMITS)
+            self._m.inc(STATE_RECORDS, by=len(covered))
             return
         raise TransactionRejected(
             f"shard {self._shard_id}: state keys kept changing under {MAX_CONFLICTS + 1} "
