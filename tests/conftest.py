@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,38 @@ def pytest_configure(config: pytest.Config) -> None:
             "kclpy's integration tests need Node.js (for kinesis-mock), and `node` is not on "
             "PATH: install Node.js 18 or later with npm (e.g. `apt-get install nodejs npm`), "
             "or run `pytest -m 'not integration'`")
+
+
+#: test files that run fleets of worker processes, JVMs or Spark, and check that no shard
+#: stalls: under pytest-xdist they share one group, so two of them never compete for the
+#: cores of a 2-core CI machine, while the light tests run beside them on the other worker
+_HEAVY_FILES = frozenset({
+    "test_chaos.py",
+    "test_state_chaos.py",
+    "test_java_kcl.py",
+    "test_docs_alerts.py",
+    "test_recovery.py",
+    "test_fleet.py",
+    "test_first_hour.py",
+})
+
+#: more workers than this only add heavy tests competing with each other for nothing
+_MOST_XDIST_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` is one worker per core, up to a few: the suite's wall time is set by its
+    one group of heavy tests, which runs on one worker whatever the count."""
+    return max(1, min(_MOST_XDIST_WORKERS, os.cpu_count() or 1))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        path = Path(item.path)
+        if "spark" in path.parts or path.name in _HEAVY_FILES:
+            item.add_marker(pytest.mark.xdist_group("heavy"))
 
 
 # Names whose values could route a test to real AWS or change how clients behave.
