@@ -239,9 +239,8 @@ def test_lost_lease_calls_lease_lost_and_fences_checkpoints(
         wait_for(lambda: (shard_id, "lease_lost") in ledger.events, 30, "lease_lost called")
         lost = worker.metrics.registry.get_sample_value("kclpy_leases_lost_total")
         assert lost is not None and lost >= 1
-        thief_item = lease_items(moto_server.url, config.lease_table_name)[shard_id]
-        assert thief_item["leaseOwner"]["S"] == "thief"
-        # The thief never renews: after the failover time the worker takes the shard back.
+        # The thief never renews: after the failover time the worker takes the shard back
+        # (on a loaded machine it may already have, so the thief's ownership is not read here).
         wait_for(lambda: lease_items(moto_server.url, config.lease_table_name)[shard_id]
                  .get("leaseOwner", {}).get("S") == config.worker_id, 30, "lease retaken")
         more = produce_mixed(kinesis, stream, "m", plain=20, aggregates=0, per_aggregate=1)
