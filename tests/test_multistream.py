@@ -262,8 +262,10 @@ def test_streams_added_and_deleted_while_running(
     tracker = Tracker([StreamConfig(kept), StreamConfig(doomed),
                        StreamConfig("not-created-yet", may_be_created_later=True)])
     ledger = Ledger()
+    # the delay is the time a dropped stream's processors have to shut down (and checkpoint)
+    # before their leases go: long enough for a loaded machine
     config = multi_config(kinesis_mock, moto_server, stream_tracker=tracker,
-                          former_streams_lease_deletion_delay_ms=1000)
+                          former_streams_lease_deletion_delay_ms=4000)
     with running(Worker(config, lambda: RecordingProcessor(ledger))) as worker:
         wait_for(lambda: sorted(ledger.payloads()) == [b"doomed-0", b"kept-0"], 60,
                  "both first streams read")
