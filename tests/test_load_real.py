@@ -97,8 +97,9 @@ def _key_for(low: int, high: int, taken: set[str]) -> str:
 
 
 class SkewedProducer:
-    """Puts a record of ``weights[i]`` bytes on shard i every tick, paced on a schedule from its start
-    (the traffic profile, not a delay), and records each in the ledger once accepted."""
+    """Puts a record of ``weights[shard]`` bytes on each shard every tick, paced on a schedule
+    from its start (the traffic profile, not a delay); records each in the ledger once
+    accepted."""
 
     def __init__(self, kinesis: KinesisClient, stream: str, ledger: Ledger,
                  weights: Mapping[str, int]) -> None:

@@ -46,5 +46,6 @@ def throughput_balancing(config: KCLConfig, client: DynamoDBClient,
 
 
 if __name__ == "__main__":
-    worker.load_balancing = throughput_balancing
+    # the seam: the worker builds its load balancing through this name
+    worker.load_balancing = throughput_balancing  # type: ignore[attr-defined]
     main()
