@@ -4,9 +4,10 @@ the simulator predicts for the same size and settings.
 ``bench/scale_sim.py`` measures fleets of up to 10,000 shards in virtual time: the real lease
 code, but no processes, no HTTP and no scheduler of a loaded machine. This bench checks it
 against reality at one point, the largest this machine holds (by default 10 processes on 100
-shards): real worker processes (``python -m kclpy``, default options but the failover time)
-read a stream of ``--shards`` shards on the replay endpoint of ``bench/replay.py`` (one
-record each, so nothing is ever checkpointed - the simulator has no consumers) and keep their
+shards): real worker processes (``python -m kclpy``, default options but the failover time
+and ``--idle-time-between-reads-ms``, see ``Settings``) read a stream of ``--shards`` shards
+on the replay endpoint of ``bench/replay.py`` (one record each, so nothing is ever
+checkpointed - the simulator has no consumers) and keep their
 leases in kclpy.local's moto (conditional writes atomic), served from this process behind a
 meter that counts every DynamoDB request per worker (each process names itself in its
 User-Agent, ``AWS_SDK_UA_APP_ID``), per operation and per table, and the largest Scan answer.
@@ -16,7 +17,8 @@ The phases are the simulator's (``tests/simulation/scale.py``, ``run_scale``):
 1. *cold start*: every process is started and held at its first DynamoDB request until all
    are there (the meter's gate), so Python's start-up on a loaded machine is not counted;
    from then until every lease is held by a live worker, none is being handed off, and the
-   lease counts differ by at most one (read from the table every second, as the simulator probes);
+   lease counts differ by at most one (read from the table every second, as the simulator
+   probes);
 2. *steady*: two failover times later, the requests over ``--steady-s`` (the simulator's
    120 s) per shard-hour and per worker-hour;
 3. *20 % die*: SIGKILL, until balanced among the others again;
@@ -250,6 +252,10 @@ class Settings:
     seed: int = 0
     #: a phase gives up after this many failover times (the simulator's limit)
     phase_limit_failovers: float = 60.0
+    #: how often a consumer polls its (idle) shard: the simulator runs no consumers, and on a
+    #: machine shared with other work a fleet polling 100 idle shards every second starves
+    #: its own renewers (leases expire on their holders), which measures the machine
+    idle_reads_ms: int = 10_000
     #: how long every process may take to reach its first DynamoDB request
     start_timeout_s: float = 600.0
 
@@ -266,6 +272,7 @@ class Fleet:
             "--kinesis-endpoint", kinesis_url, "--dynamodb-endpoint", dynamodb_url,
             "--initial-position", "TRIM_HORIZON",
             "--failover-time-ms", str(round(settings.failover_s * 1000)),
+            "--idle-time-between-reads-ms", str(settings.idle_reads_ms),
         ]  # fmt: skip
         self._logs = logs
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
@@ -462,11 +469,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--failover-ms", type=int, default=10_000)
     parser.add_argument("--steady-s", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--idle-reads-ms", type=int, default=10_000,
+                        help="--idle-time-between-reads-ms of every worker")
     parser.add_argument("--logs", type=Path, help="where the workers' logs go (default: a "
                         "temporary folder, kept)")
     args = parser.parse_args(argv)
     settings = Settings(args.workers, args.shards, args.failover_ms / 1000, args.steady_s,
-                        seed=args.seed)
+                        seed=args.seed, idle_reads_ms=args.idle_reads_ms)
     logs = args.logs or Path(os.environ.get("TMPDIR", "/tmp")) / f"fleet-scale-{os.getpid()}"
     logs.mkdir(parents=True, exist_ok=True)
     stream = f"fleet:{settings.shards}:1:{_RECORD_SIZE}"
