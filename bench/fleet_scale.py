@@ -359,6 +359,8 @@ def measure(settings: Settings, kinesis_url: str, stream: str, logs: Path) -> di
                 f"{name}: balanced among {len(live)}", fleet), 1)
             figures[f"{name}_moved"] = sampler.moves()[0] - moved
             figures[f"{name}_taken_free"] = sampler.moves()[1] - free
+            print(f"{name}: balanced among {len(live)} after {figures[f'{name}_s']} s, "
+                  f"{figures[f'{name}_moved']} lease(s) moved", flush=True)
 
         ids = [f"w{index:03d}" for index in range(settings.workers)]
         _admit(meter, fleet, ids, settings.start_timeout_s)
