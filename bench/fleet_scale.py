@@ -1,16 +1,18 @@
 """The scale simulator's figures for a fleet of real ``kclpy-worker`` processes, beside what
 the simulator predicts for the same size and settings.
 
-``bench/scale_sim.py`` measures fleets of up to 10,000 shards in virtual time: the real lease
-code, but no processes, no HTTP and no scheduler of a loaded machine. This bench checks it
-against reality at one point, the largest this machine holds (by default 10 processes on 100
-shards): real worker processes (``python -m kclpy``, default options but the failover time
-and ``--idle-time-between-reads-ms``, see ``Settings``) read a stream of ``--shards`` shards
-on the replay endpoint of ``bench/replay.py`` (one record each, so nothing is ever
-checkpointed - the simulator has no consumers) and keep their
-leases in kclpy.local's moto (conditional writes atomic), served from this process behind a
-meter that counts every DynamoDB request per worker (each process names itself in its
-User-Agent, ``AWS_SDK_UA_APP_ID``), per operation and per table, and the largest Scan answer.
+``bench/scale_sim.py`` measures fleets of up to 10,000 shards in virtual time: the real
+lease code, but no processes, no HTTP and no scheduler of a loaded machine. This bench
+checks it against reality at one point, the largest this machine holds (default 10 processes
+on 100 shards; docs/benchmarks.md has the runs, and why the one that held was 5 x 50 with a
+30 s failover time while other sessions loaded the machine): real worker processes (``python
+-m kclpy``, default options but the failover time and ``--idle-time-between-reads-ms``, see
+``Settings``) read a stream of ``--shards`` shards on the replay endpoint of
+``bench/replay.py`` (one record each, so nothing is ever checkpointed - the simulator has no
+consumers) and keep their leases in kclpy.local's moto (conditional writes atomic), served
+from this process behind a meter that counts every DynamoDB request per worker (each process
+names itself in its User-Agent, ``AWS_SDK_UA_APP_ID``), per operation and per table, and the
+largest Scan answer.
 
 The phases are the simulator's (``tests/simulation/scale.py``, ``run_scale``):
 
@@ -28,7 +30,7 @@ Leases moved counts owner changes between two workers (steals and handoffs) as t
 samples show them; a lease that changed hands twice between two samples counts once.
 
     python bench/fleet_scale.py                          # 10 processes x 100 shards
-    python bench/fleet_scale.py --workers 4 --shards 20 --failover-ms 4000
+    python bench/fleet_scale.py --workers 5 --shards 50 --failover-ms 30000
 """
 
 from __future__ import annotations
