@@ -41,6 +41,7 @@ _HEAVY_FILES = frozenset({
     "test_recovery.py",
     "test_fleet.py",
     "test_first_hour.py",
+    "test_load_real.py",
 })
 
 #: more workers than this only add heavy tests competing with each other for nothing
