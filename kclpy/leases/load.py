@@ -461,9 +461,10 @@ class _Thief:
 
 def load_balancing(config: KCLConfig, client: DynamoDBClient,
                    metrics: Metrics) -> LoadBalancing | None:
-    """The worker's load balancing for ``--lease-assignment load`` (None for ``count``):
-    the Java KCL 3.x knobs read as docs/configuration.md says."""
-    if config.lease_assignment != "load":
+    """The worker's load balancing for ``--lease-assignment load`` (None for ``count``,
+    unless ``--lease-assigner leader``, whose liveness is the load reports): the Java KCL 3.x
+    knobs read as docs/configuration.md says."""
+    if config.lease_assignment != "load" and config.lease_assigner != "leader":
         return None
     failover_s = config.failover_time_ms / 1000
     settings = LoadSettings(

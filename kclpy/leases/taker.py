@@ -338,6 +338,12 @@ class LeaseTaker:
             log.warning("worker %s: querying its leases failed: %r", self.worker_id, exc)
             return []
         new = set(keys) - set(self.held.entries()) - self.pending_handoffs()
+        with self._state:
+            known = self._known_shards
+        if known is not None:
+            # as the scanning taker: a lease of a stream this worker does not consume (yet)
+            # is left to expire and go to one that does
+            new &= known
         taken: list[Lease] = []
         for key in sorted(new):
             try:
