@@ -245,6 +245,8 @@ class Worker:
             cleanup_leases=cfg.cleanup_leases_upon_shard_completion,
             metrics=self.metrics, load=None if leader else self._load, leader=leader)
         self.coordinator.add_lease_lost_listener(self._on_lease_lost)
+        streams = self.streams
+        self.coordinator.set_consumable(lambda key: streams.for_lease_key(key) is not None)
         self.coordinator.add_handoff_listener(self._on_handoff)
         if not self._initialize():
             return

@@ -273,6 +273,10 @@ class LeaseCoordinator:
         """Only leases of these shards are taken; None allows every lease."""
         self.taker.set_known_shards(shard_ids)
 
+    def set_consumable(self, fn: Callable[[str], bool] | None) -> None:
+        """With a leader: which assigned leases this worker takes (``LeaseTaker``)."""
+        self.taker.set_consumable(fn)
+
     def wake_taker(self) -> None:
         self._wake.set()
 

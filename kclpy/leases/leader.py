@@ -8,12 +8,13 @@ workers x shards. Here:
 - *One leader*, elected through a lock item in kclpy's own worker-load table
   (``<lease table>-kclpyWorkerLoad``, key ``__kclpyLeader__``; never in the lease table, where
   a Java KCL 2.x worker would take it for a lease). The leader bumps the lock's ``term``
-  every third of the failover time; any other worker, reading it every half failover
-  time, that sees the term stand still for longer than the failover time, judged on its
-  own clock as lease expiry is, takes the lock over with a write conditional on that term. Two workers cannot both win a term; a leader
-  that stopped bumping stops believing it leads after one failover time, before anyone else
-  can take over. Two leaders for a moment would cost moves, never a lease: every
-  assignment is a write fenced on the lease counter.
+  every sixth of the failover time; any other worker, reading it every half failover time,
+  that sees the term stand still for longer than half the failover time, judged on its
+  own clock as lease expiry is, takes the lock over with a write conditional on that term:
+  a dead leader is replaced within one failover time, 1.5 at worst. Two workers cannot both win a term;
+  a leader that stopped bumping stops believing it leads once its term could have expired,
+  before anyone else can take over. Two leaders for a moment would cost moves, never a
+  lease: every assignment is a write fenced on the lease counter.
 - *Only the leader scans* the lease table, every third of the failover time and right when an
   overdue lease expires. It assigns free and expired leases to live workers, and moves
   leases from workers above their share to workers below it (``plan``): by lease count
@@ -85,18 +86,24 @@ class LeaderLock:
         self._term: int | None = None
         self._renewed_at = 0.0
         self._next_tick: float | None = None
+        #: the last term won was taken from another leader (not created on a cold start)
+        self.took_over = False
+
+    @property
+    def expiry_s(self) -> float:
+        """How long a term may stand still before another worker takes the lock over."""
+        return self.failover_time_s / 2
 
     @property
     def heartbeat_s(self) -> float:
-        return self.failover_time_s / 3
+        return self.expiry_s / 3
 
     @property
     def check_s(self) -> float:
         return self.failover_time_s / 2
 
     def is_leader(self) -> bool:
-        return (self._term is not None
-                and self._clock() - self._renewed_at < self.failover_time_s)
+        return self._term is not None and self._clock() - self._renewed_at < self.expiry_s
 
     def next_tick(self) -> float:
         return self._clock() if self._next_tick is None else self._next_tick
@@ -160,7 +167,7 @@ class LeaderLock:
         leader, term = item.get(LEADER, {}).get("S"), int(item.get(TERM, {}).get("N", "0"))
         if self._seen is None or self._seen[:2] != (leader, term):
             self._seen = (leader, term, now)
-        if now - self._seen[2] <= self.failover_time_s and leader != self.worker_id:
+        if now - self._seen[2] <= self.expiry_s and leader != self.worker_id:
             return
         # expired (or still naming this worker from an earlier run): take it over
         if self._write(
@@ -178,6 +185,7 @@ class LeaderLock:
         self._term = term
         self._renewed_at = now
         self._seen = (self.worker_id, term, now)
+        self.took_over = term > 1
 
     def resign(self) -> None:
         """A stopping leader deletes the lock so another worker takes over at its next check

@@ -116,6 +116,8 @@ class LeaseTaker:
         self._next_round: float | None = None
         self._next_discovery: float | None = None
         self._recent_moves = leader.RecentMoves()
+        #: whether this worker can consume a lease key (``set_consumable``)
+        self._consumable: Callable[[str], bool] | None = None
         #: workers the leader judged dead -> their report then (``leader.live_workers``)
         self._dead: dict[str, float] = {}
         #: whether this worker led at its last cycle
@@ -237,9 +239,9 @@ class LeaseTaker:
             leads = mode.lock.tick()
             now = self._clock()
             if leads and not self._led:
-                # A new leader lets the fleet's first reports arrive (a cold start) and
-                # watches the leases for a while (it judges expiry only on what it saw).
-                self._next_pass = now + mode.pass_interval_s
+                # On a cold start the first leader lets the fleet's first reports arrive;
+                # one that took over scans at once: it judges expiry only on what it saw.
+                self._next_pass = now + (0.0 if mode.lock.took_over else mode.pass_interval_s)
             self._led = leads
             taken: list[Lease] = []
             expiry = self._balancer.next_expiry(
@@ -338,12 +340,11 @@ class LeaseTaker:
             log.warning("worker %s: querying its leases failed: %r", self.worker_id, exc)
             return []
         new = set(keys) - set(self.held.entries()) - self.pending_handoffs()
-        with self._state:
-            known = self._known_shards
-        if known is not None:
-            # as the scanning taker: a lease of a stream this worker does not consume (yet)
-            # is left to expire and go to one that does
-            new &= known
+        consumable = self._consumable
+        if consumable is not None:
+            # a lease of a stream this worker does not consume (yet) is left to expire and
+            # go to one that does
+            new = {key for key in new if consumable(key)}
         taken: list[Lease] = []
         for key in sorted(new):
             try:
@@ -452,6 +453,12 @@ class LeaseTaker:
     def set_known_shards(self, shard_ids: set[str] | None) -> None:
         with self._state:
             self._known_shards = None if shard_ids is None else frozenset(shard_ids)
+
+    def set_consumable(self, fn: Callable[[str], bool] | None) -> None:
+        """With a leader: which assigned lease keys this worker takes (its streams'). The
+        known shards do not decide there: only the leader syncs shards, so the others
+        learn of a new child shard when it is assigned to them."""
+        self._consumable = fn
 
     def pending_handoffs(self) -> set[str]:
         with self._state:

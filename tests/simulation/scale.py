@@ -316,6 +316,8 @@ class ScaleResult:
     largest_scan_items: int
     item_bytes: float
     violations: list[str]
+    #: with a leader: whether the leader was among the workers killed (None: no leader)
+    leader_killed: bool | None = None
 
     def per_shard_hour(self, what: float) -> float:
         return what / self.spec.shards / (self.steady_s / 3600)
@@ -603,7 +605,12 @@ def run_scale(spec: ScaleSpec, *, fleet: Fleet | None = None) -> ScaleResult:
                    largest_page_bytes=steady.largest_page_bytes,
                    largest_query_items=steady.largest_query_items)
     churn = max(1, round(spec.churn * spec.workers))
+    leader_killed: bool | None = None
     for worker in fleet.rng.sample(fleet.live(), churn):
+        if worker.coordinator.leads():
+            leader_killed = True
+        elif leader_killed is None and worker.coordinator.leads() is False:
+            leader_killed = False
         fleet.kill(worker.worker_id)
     phase(f"{churn} die", fleet.now)
     joined = fleet.now
@@ -613,7 +620,7 @@ def run_scale(spec: ScaleSpec, *, fleet: Fleet | None = None) -> ScaleResult:
     sizes = [item_bytes(item) for item in fleet.items()]
     largest_scan = max((_largest_scan(w) for w in fleet.workers.values()), default=0)
     return ScaleResult(spec, phases, window, steady_s, largest_scan or spec.shards,
-                       sum(sizes) / len(sizes), fleet.violations)
+                       sum(sizes) / len(sizes), fleet.violations, leader_killed)
 
 
 def _largest_scan(worker: SimWorker) -> int:
@@ -656,6 +663,7 @@ def summary(result: ScaleResult) -> dict[str, Any]:
         "largest_query_items": result.steady.largest_query_items,
         "item_bytes": round(result.item_bytes),
         "violations": len(result.violations),
+        "leader_killed": result.leader_killed,
     }
 
 
