@@ -99,12 +99,33 @@ def test_a_worker_whose_lease_expired_after_its_last_report_is_dead_until_it_rep
     def expired_at(lease: Lease) -> float | None:
         return 105.0 if lease.lease_owner == "a" else None
 
-    assert set(live_workers(reports, reported.__getitem__, leases, expired_at, dead)) == {"b"}
+    def live(leases: list[Lease]) -> set[str]:
+        return set(live_workers(reports, reported.__getitem__, leases, expired_at, dead,
+                                unchanged_for=lambda lease: 0.0, claim_within_s=5.0))
+
+    assert live(leases) == {"b"}
     # its leases assigned away, it is still dead: no new report since
-    assert set(live_workers(reports, reported.__getitem__, [], expired_at, dead)) == {"b"}
+    assert live([]) == {"b"}
     reported["a"] = 130.0
-    assert set(live_workers(reports, reported.__getitem__, [], expired_at, dead)) == {"a", "b"}
+    assert live([]) == {"a", "b"}
     assert dead == {}
+
+
+def test_a_worker_that_never_takes_what_it_was_assigned_is_dead_and_the_lease_free() -> None:
+    """A worker with no lease proves it is alive by its reports alone, which stay fresh for
+    a while after it died: a lease assigned to it and left unclaimed (no ``kclpyHolder`` of
+    its own) for longer than ``claim_within_s`` marks it dead, and frees the lease."""
+    reports = {w: _report(w) for w in ("a", "b")}
+    assigned = _lease("s1", "a", counter=2)
+    taken = _lease("s2", "b", counter=3)
+    taken.kclpy_holder = "b"
+    dead: dict[str, float] = {}
+    live = live_workers(reports, lambda w: 100.0, [assigned, taken], lambda lease: None, dead,
+                        unchanged_for=lambda lease: 9.0, claim_within_s=5.0)
+    assert set(live) == {"b"}
+    decided = plan([assigned, taken], live, is_expired=_never_expired, known_shards=None,
+                   no_move=(), settings=None, rng=random.Random(4), dead=set(dead))
+    assert [(lease.lease_key, owner) for lease, owner in decided.assign] == [("s1", "b")]
 
 
 class _Clock:
@@ -151,5 +172,5 @@ def test_the_lock_one_leader_at_a_time_taken_over_within_the_failover_time() -> 
     assert item["leader"]["S"] == "w2"
     second.resign()
     assert backend.get_item(TableName="load", Key={WORKER_ID: {"S": LEADER_ITEM}}) == {}
-    clock.now += first.check_s
+    clock.now += 2 * first.check_s  # its next read, at a random phase within that
     assert first.tick() is True

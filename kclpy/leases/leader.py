@@ -8,12 +8,14 @@ workers x shards. Here:
 - *One leader*, elected through a lock item in kclpy's own worker-load table
   (``<lease table>-kclpyWorkerLoad``, key ``__kclpyLeader__``; never in the lease table, where
   a Java KCL 2.x worker would take it for a lease). The leader bumps the lock's ``term``
-  every sixth of the failover time; any other worker, reading it every half failover time,
-  that sees the term stand still for longer than half the failover time, judged on its
-  own clock as lease expiry is, takes the lock over with a write conditional on that term:
-  a dead leader is replaced within one failover time, 1.5 at worst. Two workers cannot both win a term;
-  a leader that stopped bumping stops believing it leads once its term could have expired,
-  before anyone else can take over. Two leaders for a moment would cost moves, never a
+  every sixth of the failover time, with the fleet's size. Any other worker that sees the
+  term stand still for longer than half the failover time, judged on its own clock as
+  lease expiry is, takes the lock over with a write conditional on that term. The others
+  read the lock every half failover time, spread over the fleet (about eight reads per
+  half failover time whatever its size, each read of a new term followed by one more once
+  it could have expired), so a dead leader is replaced within about one failover time.
+  Two workers cannot both win a term; a leader that stopped bumping stops believing it
+  leads once its term could have expired, before anyone else can take over. Two leaders for a moment would cost moves, never a
   lease: every assignment is a write fenced on the lease counter.
 - *Only the leader scans* the lease table, every third of the failover time and right when an
   overdue lease expires. It assigns free and expired leases to live workers, and moves
@@ -30,8 +32,8 @@ workers x shards. Here:
   report (they stopped renewing: dead). Each worker reports every
   ``workerMetricsReporterFreqInMillis`` in both modes.
 - *Every worker finds its leases* through the owner index (``LeaseOwnerToLeaseKeyIndex``, the
-  Java KCL 3.x's own: leaseOwner -> leaseKey, keys only), one Query every third of the
-  failover time that costs what its own keys weigh. A new key is read (GetItem) and taken
+  Java KCL 3.x's own: leaseOwner -> leaseKey, keys only), one Query every half failover
+  time that costs what its own keys weigh. A new key is read (GetItem) and taken
   with a write fenced on the counter the leader left (so its tenure starts on its own
   clock); one still being handed off waits as a steal's handoff waits (``taker.py``).
 
@@ -68,14 +70,23 @@ log = logging.getLogger(__name__)
 
 LEADER = "leader"
 TERM = "term"
+#: the fleet's size as the leader last counted it, written with each renewal
+WORKERS = "workers"
+#: how many lock reads the whole fleet makes per check interval, whatever its size
+_READERS = 8
 
 
 class LeaderLock:
     """The leader election on one worker. Not thread-safe: the taker's cycle calls it."""
 
     def __init__(self, table: LoadTable, worker_id: str, *, failover_time_s: float,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], rng: random.Random | None = None) -> None:
         self.table = table
+        self._rng = rng if rng is not None else random.Random()
+        #: the live workers of the leader's last pass (written into the lock when leading)
+        self.fleet_size = 1
+        #: the fleet's size as the lock says (spreads the other workers' reads)
+        self._readers = 1
         self.worker_id = worker_id
         self.failover_time_s = failover_time_s
         self._clock = clock
@@ -114,14 +125,27 @@ class LeaderLock:
         now = self._clock()
         if self._next_tick is not None and now < self._next_tick:
             return self.is_leader()
+        changed = False
         try:
             if self._term is not None:
                 self._renew(now)
             if self._term is None:
-                self._check(now)
+                changed = self._check(now)
         except TABLE_ERRORS as exc:
             log.warning("worker %s: leader lock: %r", self.worker_id, exc)
-        self._next_tick = now + (self.heartbeat_s if self._term is not None else self.check_s)
+        if self._term is not None:
+            self._next_tick = now + self.heartbeat_s
+        elif changed:
+            # a term seen for the first time: read again once it could have expired
+            self._next_tick = now + self.expiry_s * self._rng.uniform(1.05, 1.2)
+        else:
+            # Of a fleet of N, each worker reads every N / 8 check intervals (at a random
+            # phase), so the fleet reads the lock about eight times per interval whatever
+            # its size, each read of a new term followed by one more: a dead leader's last
+            # term is seen soon after it stopped, and confirmed half a failover time
+            # later, and the bill does not grow with the workers.
+            spread = max(1.0, self._readers / _READERS)
+            self._next_tick = now + self.check_s * spread * self._rng.uniform(0.5, 1.5)
         return self.is_leader()
 
     def _write(self, operation: str, fn: Callable[..., Any], **kw: Any) -> bool:
@@ -137,12 +161,13 @@ class LeaderLock:
         assert self._term is not None
         ok = self._write(
             "UpdateItem", self.table.client.update_item, Key={WORKER_ID: {"S": LEADER_ITEM}},
-            UpdateExpression="SET #t = :n",
+            UpdateExpression="SET #t = :n, #w = :w",
             ConditionExpression="#l = :me AND #t = :t",
-            ExpressionAttributeNames={"#t": TERM, "#l": LEADER},
+            ExpressionAttributeNames={"#t": TERM, "#l": LEADER, "#w": WORKERS},
             ExpressionAttributeValues={":n": {"N": str(self._term + 1)},
                                        ":me": {"S": self.worker_id},
-                                       ":t": {"N": str(self._term)}})
+                                       ":t": {"N": str(self._term)},
+                                       ":w": {"N": str(self.fleet_size)}})
         if ok:
             self._term += 1
             self._renewed_at = now
@@ -151,7 +176,9 @@ class LeaderLock:
             log.warning("worker %s: lost the leader lock", self.worker_id)
             self._term = None
 
-    def _check(self, now: float) -> None:
+    def _check(self, now: float) -> bool:
+        """Read the lock, take it over when it expired; whether its term was new to this
+        worker."""
         answer = self.table.call(
             "GetItem", self.table.client.get_item, TableName=self.table.table_name,
             Key={WORKER_ID: {"S": LEADER_ITEM}}, ConsistentRead=True)
@@ -163,12 +190,15 @@ class LeaderLock:
                            ConditionExpression="attribute_not_exists(#k)",
                            ExpressionAttributeNames={"#k": WORKER_ID}):
                 self._won(1, now)
-            return
+            return False
         leader, term = item.get(LEADER, {}).get("S"), int(item.get(TERM, {}).get("N", "0"))
-        if self._seen is None or self._seen[:2] != (leader, term):
+        self._readers = int(item.get(WORKERS, {}).get("N", "1"))
+        changed = self._seen is None or self._seen[:2] != (leader, term)
+        if changed:
             self._seen = (leader, term, now)
+        assert self._seen is not None
         if now - self._seen[2] <= self.expiry_s and leader != self.worker_id:
-            return
+            return changed
         # expired (or still naming this worker from an earlier run): take it over
         if self._write(
                 "UpdateItem", self.table.client.update_item,
@@ -179,6 +209,7 @@ class LeaderLock:
                                            ":me": {"S": self.worker_id},
                                            ":t": {"N": str(term)}}):
             self._won(term + 1, now)
+        return False
 
     def _won(self, term: int, now: float) -> None:
         log.info("worker %s leads lease assignment (term %d)", self.worker_id, term)
@@ -220,7 +251,7 @@ class LeaderMode:
 
     @property
     def discovery_interval_s(self) -> float:
-        return self.lock.failover_time_s / 3
+        return self.lock.failover_time_s / 2
 
 
 @dataclass(frozen=True)
@@ -235,24 +266,38 @@ class Assignment:
     workers: int = 0
 
 
+def unclaimed(lease: Lease) -> bool:
+    """Assigned by a leader and not taken yet: ``leaseOwner`` names a worker that never
+    wrote the lease as its holder (a take or an adoption writes ``kclpyHolder``)."""
+    return (lease.lease_owner is not None and lease.checkpoint_owner is None
+            and lease.kclpy_holder != lease.lease_owner)
+
+
 def live_workers(
     reports: Mapping[str, WorkerLoad],
     reported_at: Callable[[str], float],
     leases: Iterable[Lease],
     expired_at: Callable[[Lease], float | None],
     dead: dict[str, float],
+    *,
+    unchanged_for: Callable[[Lease], float],
+    claim_within_s: float,
 ) -> dict[str, WorkerLoad]:
     """The fresh reporters, less the dead: those owning a lease that expired after their
     last report (``expired_at``: when a lease expired on the leader's clock, None while it
-    has not). A dead worker's report stays fresh for a while, its leases stop moving at
-    once. ``dead`` remembers them (worker -> its report when judged) until they report
-    again, since their leases are soon assigned away."""
+    has not), and those that left a lease assigned to them ``unclaimed`` for longer than
+    ``claim_within_s`` (a worker without leases shows it is alive only by its reports,
+    which stay fresh for a while after it died). ``dead`` remembers them (worker -> its
+    report when judged) until they report again, since their leases are soon assigned
+    away."""
     for lease in leases:
         holder = lease.checkpoint_owner or lease.lease_owner
         if holder is None or holder not in reports:
             continue
         at = expired_at(lease)
         if at is not None and reported_at(holder) < at:
+            dead[holder] = reported_at(holder)
+        elif unclaimed(lease) and unchanged_for(lease) > claim_within_s:
             dead[holder] = reported_at(holder)
     for worker in list(dead):
         if worker not in reports or reported_at(worker) > dead[worker]:
@@ -269,9 +314,11 @@ def plan(
     no_move: Collection[str],
     settings: LoadSettings | None,
     rng: random.Random,
+    dead: Collection[str] = (),
 ) -> Assignment:
-    """Who should own what: free and expired leases (and those of owners not ``live``
-    whose lease expired) go to the live workers with the fewest leases; then leases move
+    """Who should own what: free and expired leases, and those assigned to a worker judged
+    ``dead`` that never took them (``unclaimed``), go to the live workers with the fewest
+    leases; then leases move
     from the busiest workers to the idlest - by count when ``settings`` is None or the fleet
     reports no traffic (counts end within one of each other), else by load
     (``choose_steals`` for each worker below the average, idlest first, on loads updated
@@ -286,7 +333,8 @@ def plan(
         if (lease.is_finished or lease.parked is not None
                 or (known_shards is not None and lease.lease_key not in known_shards)):
             continue
-        if lease.lease_owner is None or is_expired(lease):
+        if (lease.lease_owner is None or is_expired(lease)
+                or (lease.lease_owner in dead and unclaimed(lease))):
             free.append(lease)
         elif lease.lease_owner in owned:
             owned[lease.lease_owner].append(lease)

@@ -281,8 +281,11 @@ class LeaseTaker:
                 return None
             return now - self._balancer.unchanged_for(lease.lease_key, now) + self.failover_time_s
 
-        live = leader.live_workers(reports, mode.reports.reported_at, leases, expired_at,
-                                   self._dead)
+        live = leader.live_workers(
+            reports, mode.reports.reported_at, leases, expired_at, self._dead,
+            unchanged_for=lambda lease: self._balancer.unchanged_for(lease.lease_key, now),
+            claim_within_s=mode.discovery_interval_s + mode.pass_interval_s)
+        mode.lock.fleet_size = len(live)
         settings = mode.reports.settings
         balance = not mode.by_load or self._next_round is None or now >= self._next_round
         if mode.by_load and balance:
@@ -291,7 +294,7 @@ class LeaseTaker:
         decided = leader.plan(
             leases, live, is_expired=lambda lease: self._balancer.is_expired(lease, now),
             known_shards=known, no_move=self._recent_moves.keys(now, hold),
-            settings=settings if mode.by_load else None, rng=self._rng)
+            settings=settings if mode.by_load else None, rng=self._rng, dead=set(self._dead))
         taken: list[Lease] = []
         for lease, owner in decided.assign:
             if owner == self.worker_id:
