@@ -15,8 +15,9 @@ workers x shards. Here:
   half failover time whatever its size, each read of a new term followed by one more once
   it could have expired), so a dead leader is replaced within about one failover time.
   Two workers cannot both win a term; a leader that stopped bumping stops believing it
-  leads once its term could have expired, before anyone else can take over. Two leaders for a moment would cost moves, never a
-  lease: every assignment is a write fenced on the lease counter.
+  leads once its term could have expired, before anyone else can take over. Two leaders
+  for a moment would cost moves, never a lease: every assignment is a write fenced on the
+  lease counter.
 - *Only the leader scans* the lease table, every third of the failover time and right when an
   overdue lease expires. It assigns free and expired leases to live workers, and moves
   leases from workers above their share to workers below it (``plan``): by lease count
@@ -29,8 +30,8 @@ workers x shards. Here:
   processor finish and checkpoint first, as when a worker steals in kclpy's protocol.
 - *Live workers* are those whose report in the load table keeps changing (its sequence
   number, on the leader's clock), less those owning a lease that expired after their last
-  report (they stopped renewing: dead). Each worker reports every
-  ``workerMetricsReporterFreqInMillis`` in both modes.
+  report (they stopped renewing: dead) or leaving one assigned to them untaken. Each
+  worker reports every ``workerMetricsReporterFreqInMillis`` in both modes.
 - *Every worker finds its leases* through the owner index (``LeaseOwnerToLeaseKeyIndex``, the
   Java KCL 3.x's own: leaseOwner -> leaseKey, keys only), one Query every half failover
   time that costs what its own keys weigh. A new key is read (GetItem) and taken
@@ -295,9 +296,8 @@ def live_workers(
         if holder is None or holder not in reports:
             continue
         at = expired_at(lease)
-        if at is not None and reported_at(holder) < at:
-            dead[holder] = reported_at(holder)
-        elif unclaimed(lease) and unchanged_for(lease) > claim_within_s:
+        stopped = at is not None and reported_at(holder) < at
+        if stopped or (unclaimed(lease) and unchanged_for(lease) > claim_within_s):
             dead[holder] = reported_at(holder)
     for worker in list(dead):
         if worker not in reports or reported_at(worker) > dead[worker]:
