@@ -88,6 +88,8 @@ class LeaderLock:
         self.fleet_size = 1
         #: the fleet's size as the lock says (spreads the other workers' reads)
         self._readers = 1
+        #: the next read confirms a term the last one saw for the first time
+        self._confirming = False
         self.worker_id = worker_id
         self.failover_time_s = failover_time_s
         self._clock = clock
@@ -136,10 +138,12 @@ class LeaderLock:
             log.warning("worker %s: leader lock: %r", self.worker_id, exc)
         if self._term is not None:
             self._next_tick = now + self.heartbeat_s
-        elif changed:
+        elif changed and not self._confirming:
             # a term seen for the first time: read again once it could have expired
+            self._confirming = True
             self._next_tick = now + self.expiry_s * self._rng.uniform(1.05, 1.2)
         else:
+            self._confirming = False
             # Of a fleet of N, each worker reads every N / 8 check intervals (at a random
             # phase), so the fleet reads the lock about eight times per interval whatever
             # its size, each read of a new term followed by one more: a dead leader's last
