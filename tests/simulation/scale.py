@@ -697,12 +697,13 @@ class LoadRun:
 
 def run_load(spec: ScaleSpec, traffic: Traffic, settings: LoadSettings | None, *,
              bound: float = 1.15, watch_s: float = 1800.0, calm_s: float = 0.0,
-             settle_limit_s: float = 3600.0) -> LoadRun:
+             settle_limit_s: float = 3600.0, leader: bool = False) -> LoadRun:
     """Start ``spec.workers`` workers on skewed ``traffic`` (``settings`` None: count-based
     assignment), wait until the busiest is within ``bound`` x the average (count-based: until
     the counts are balanced), then watch for ``watch_s``: the ratios from settling on, the
-    moves after the first ``calm_s`` of the watch (the last rounds of converging)."""
-    fleet = Fleet(spec, traffic=traffic, load_settings=settings)
+    moves after the first ``calm_s`` of the watch (the last rounds of converging). With
+    ``leader``, one elected worker assigns (``--lease-assigner leader``)."""
+    fleet = Fleet(spec, traffic=traffic, load_settings=settings, leader=leader)
 
     def settled(fleet: Fleet) -> bool:
         if settings is None:
