@@ -312,10 +312,10 @@ class Worker:
     def _syncs_shards(self) -> bool:
         """With a leader (``--lease-assigner leader``) only the leader syncs shards after
         start-up, as in the Java KCL 3.x: a sync reads every lease key, the very scan the
-        other workers are spared. A stream tracker's streams are still refreshed on every
-        worker, which needs the sync."""
+        other workers are spared. The others only refresh a stream tracker's streams, so
+        that they consume what it names (``LeaseTaker.set_consumable``)."""
         assert self.coordinator is not None
-        return self.coordinator.leads() is not False or self.config.stream_tracker is not None
+        return self.coordinator.leads() is not False
 
     def _sync_shards(self, *, starting: bool = False) -> None:
         """Shard sync of every stream; at start-up, and at every sync while a tracker may
@@ -343,9 +343,13 @@ class Worker:
             self._reconcile()
             if self._fatal is not None:
                 return
-            if time.monotonic() >= next_sync and self._syncs_shards():
+            if time.monotonic() >= next_sync:
                 try:
-                    self._sync_shards()
+                    if self._syncs_shards():
+                        self._sync_shards()
+                    elif self.config.stream_tracker is not None:
+                        assert self.streams is not None
+                        self.streams.refresh()
                 except Exception:
                     log.exception("shard sync failed; retrying at the next interval")
                 next_sync = time.monotonic() + interval
