@@ -156,6 +156,7 @@ class LeaseCoordinator:
         held with no consumer until the worker stops, and moved away from a worker that was
         consuming it."""
         self._taking_stopped.set()
+        self.taker.stop_taking()
         self._wake.set()
         if self._taker_thread is None:
             return True

@@ -116,6 +116,8 @@ class LeaseTaker:
         self._next_round: float | None = None
         self._next_discovery: float | None = None
         self._recent_moves = leader.RecentMoves()
+        #: set when the worker shuts down: a led cycle under way writes nothing more
+        self._stopping = threading.Event()
         #: whether this worker can consume a lease key (``set_consumable``)
         self._consumable: Callable[[str], bool] | None = None
         #: workers the leader judged dead -> their report then (``leader.live_workers``)
@@ -246,6 +248,8 @@ class LeaseTaker:
             taken: list[Lease] = []
             expiry = self._balancer.next_expiry(
                 held=frozenset(), overdue_after=1.25 * self.failover_time_s / 2, now=now)
+            if self._stopping.is_set():
+                return []
             if leads and (self._next_pass is None or now >= self._next_pass
                           or (expiry is not None and now >= expiry)):
                 taken += self._lead(mode)
@@ -297,12 +301,16 @@ class LeaseTaker:
             settings=settings if mode.by_load else None, rng=self._rng, dead=set(self._dead))
         taken: list[Lease] = []
         for lease, owner in decided.assign:
+            if self._stopping.is_set():
+                return taken
             if owner == self.worker_id:
                 fresh = self._take(lease, stolen=False)
                 taken += [fresh] if fresh is not None else []
             else:
                 self._assign(lease, owner)
         for lease, owner in decided.move if balance else ():
+            if self._stopping.is_set():
+                return taken
             self._recent_moves.add(lease.lease_key, now)
             if owner == self.worker_id:
                 fresh = self.steal(lease)
@@ -350,6 +358,8 @@ class LeaseTaker:
             new = {key for key in new if consumable(key)}
         taken: list[Lease] = []
         for key in sorted(new):
+            if self._stopping.is_set():
+                break
             try:
                 lease = self.table.get(key)
             except TABLE_ERRORS as exc:
@@ -365,6 +375,12 @@ class LeaseTaker:
                 with self._state:
                     self._pending[key] = (self._clock(), lease.lease_counter)
         return taken
+
+    def stop_taking(self) -> None:
+        """The worker shuts down: a led cycle under way (a leader's pass makes many writes,
+        each as slow as its answer) stops before its next write, so the shutdown does not
+        wait for it while the leases it took have no consumer."""
+        self._stopping.set()
 
     def leads(self) -> bool | None:
         return None if self._leader is None else self._leader.lock.is_leader()
