@@ -111,7 +111,10 @@ class LeaseTaker:
         #: with ``--lease-assigner leader`` (``leader.py``): the election, the reports, and
         #: when this worker next scans as leader, balances by load, and looks for its leases
         self._leader = leader_mode
-        self._rng = rng if rng is not None else random.Random()
+        # only a leader draws (made only then: a simulated history seeds every generator
+        # from its own, so one more would change every history)
+        self._rng = (rng if rng is not None or leader_mode is None
+                     else random.Random())
         self._next_pass: float | None = None
         self._next_round: float | None = None
         self._next_discovery: float | None = None
@@ -298,7 +301,8 @@ class LeaseTaker:
         decided = leader.plan(
             leases, live, is_expired=lambda lease: self._balancer.is_expired(lease, now),
             known_shards=known, no_move=self._recent_moves.keys(now, hold),
-            settings=settings if mode.by_load else None, rng=self._rng, dead=set(self._dead))
+            settings=settings if mode.by_load else None, rng=self._rng or random.Random(),
+            dead=set(self._dead))
         taken: list[Lease] = []
         for lease, owner in decided.assign:
             if self._stopping.is_set():
