@@ -28,6 +28,7 @@ from kclpy.config import OPTIONS, KCLConfig
 from kclpy.consumer import ConsumerSettings, FatalProcessorError, FetcherLike, ShardConsumer
 from kclpy.errors import ConfigError, KCLError, cannot_heal
 from kclpy.leases.coordinator import LeaseCoordinator
+from kclpy.leases.leader import LeaderLock, LeaderMode
 from kclpy.leases.lease import AT_TIMESTAMP, TRIM_HORIZON, Lease
 from kclpy.leases.load import LoadBalancing, load_balancing
 from kclpy.leases.park import park_held
@@ -224,6 +225,13 @@ class Worker:
             raise ConfigError("--region", str(exc)) from None
         self.lease_table = LeaseTable(self.dynamodb, cfg.lease_table_name, metrics=self.metrics)
         self._load = load_balancing(cfg, self.dynamodb, self.metrics)
+        leader: LeaderMode | None = None
+        if cfg.lease_assigner == "leader":
+            assert self._load is not None
+            leader = LeaderMode(
+                LeaderLock(self._load.table, cfg.worker_id,
+                           failover_time_s=cfg.failover_time_ms / 1000, clock=time.monotonic),
+                self._load, by_load=cfg.lease_assignment == "load")
         self._start_cloudwatch(session)
         self.streams = StreamSet(self.kinesis, self.lease_table, cfg, self.metrics,
                                  register=self._register_consumer if cfg.fan_out else None)
@@ -235,8 +243,10 @@ class Worker:
             graceful_handoff=cfg.is_graceful_lease_handoff_enabled,
             graceful_handoff_timeout_s=cfg.graceful_lease_handoff_timeout_ms / 1000,
             cleanup_leases=cfg.cleanup_leases_upon_shard_completion,
-            metrics=self.metrics, load=self._load)
+            metrics=self.metrics, load=None if leader else self._load, leader=leader)
         self.coordinator.add_lease_lost_listener(self._on_lease_lost)
+        streams = self.streams
+        self.coordinator.set_consumable(lambda key: streams.for_lease_key(key) is not None)
         self.coordinator.add_handoff_listener(self._on_handoff)
         if not self._initialize():
             return
@@ -265,6 +275,8 @@ class Worker:
                 self.lease_table.create_if_missing()
                 if self._load is not None:
                     self._load.table.create_if_missing()
+                if cfg.lease_assigner == "leader":
+                    self.lease_table.ensure_owner_index()
                 if self.state_store is not None:
                     self.state_store.open(self.dynamodb)
                 self._sync_shards(starting=True)
@@ -297,6 +309,14 @@ class Worker:
                  stream.label, arn)
         return arn
 
+    def _syncs_shards(self) -> bool:
+        """With a leader (``--lease-assigner leader``) only the leader syncs shards after
+        start-up, as in the Java KCL 3.x: a sync reads every lease key, the very scan the
+        other workers are spared. The others only refresh a stream tracker's streams, so
+        that they consume what it names (``LeaseTaker.set_consumable``)."""
+        assert self.coordinator is not None
+        return self.coordinator.leads() is not False
+
     def _sync_shards(self, *, starting: bool = False) -> None:
         """Shard sync of every stream; at start-up, and at every sync while a tracker may
         name new ones, the streams are (re)opened first."""
@@ -325,7 +345,11 @@ class Worker:
                 return
             if time.monotonic() >= next_sync:
                 try:
-                    self._sync_shards()
+                    if self._syncs_shards():
+                        self._sync_shards()
+                    elif self.config.stream_tracker is not None:
+                        assert self.streams is not None
+                        self.streams.refresh()
                 except Exception:
                     log.exception("shard sync failed; retrying at the next interval")
                 next_sync = time.monotonic() + interval
