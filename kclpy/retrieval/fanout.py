@@ -212,7 +212,8 @@ class FanOutSource:
             found = self._probe_shard_end(reading)
             if found is not None:
                 shard_end, children = True, found
-        return Page(page.records, millis, shard_end, children, caught_up)
+        return Page(page.records, millis, shard_end, children, caught_up,
+                    at_tip=caught_up and not page.records, shard_closed=shard_end)
 
     def _probe_shard_end(self, reading: Reading) -> list[ChildShard] | None:
         """Is the idle shard closed? One GetRecords after the last record handled: the

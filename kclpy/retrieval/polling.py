@@ -10,7 +10,11 @@ expiry loses or repeats a record.
 Two options make it lag recovery's gap reader, and nothing else changes for that: ``pacer``
 (the worker-wide records-per-second budget, asked before each GetRecords for its ``Limit``)
 and ``until_ms`` (the read ends, as at a shard end, before the first record that arrived at
-or after it, or at the tip).
+or after it, or at the tip). The Spark source's executors read a batch's part with the same
+two (``until_ms``: the batch's end; ``Reading.limit``: what its budget still allows), and its
+driver probes with ``Reading.limit`` alone. A page says which end it met, apart: the shard
+closed (``shard_closed``), the bound (``bound_reached``), the tip (``at_tip``: an empty page
+not behind, never ``MillisBehindLatest`` alone).
 """
 
 from __future__ import annotations
@@ -104,6 +108,8 @@ class PollingSource:
         self._m_behind = m.millis_behind_latest.labels(label)
         self._cw_dims = shard_dimensions(address.shard_id, address.stream_id)
         self._iterator: str | None = None
+        #: Kinesis records the service returned (aggregates count one): what a read costs
+        self.records_fetched = 0
         install_fast_get_records(client)
 
     def status(self) -> dict[str, Any]:
@@ -115,6 +121,8 @@ class PollingSource:
     def read(self, reading: Reading) -> Page:
         """One GetRecords (with retries), a fresh iterator first when there is none."""
         limit = self._max_records
+        if reading.limit is not None:
+            limit = max(1, min(limit, reading.limit))
         if self._pacer is not None:
             limit = self._pacer.take(limit, reading.stop)
             if not limit:
@@ -140,7 +148,10 @@ class PollingSource:
                 self._iterator = None
                 if fresh:
                     # A brand-new iterator should not expire; back off rather than spin
-                    # against a service (or clock) that keeps answering so.
+                    # against a service (or clock) that keeps answering so, and give up
+                    # when the policy does.
+                    if backoff.policy.gives_up(backoff.attempt + 1):
+                        raise
                     reading.pause(backoff.next_delay(), exc)
                 continue
             break
@@ -154,13 +165,17 @@ class PollingSource:
             self._m_behind.set(millis)
         if self._pacer is not None:
             self._pacer.give_back(limit - len(page.records))
+        self.records_fetched += len(page.records)
         caught_up = millis == 0 or (millis is None and not page.records)
-        shard_end = page.next_shard_iterator is None
+        at_tip = caught_up and not page.records
+        closed = shard_end = page.next_shard_iterator is None
         children = page.child_shards
         raw: Sequence[Record] = page.records
+        bound_reached = False
         if self._until_ms is not None:
             kept = _arrived_before(raw, self._until_ms)
-            if len(kept) < len(raw) or (caught_up and not raw):
+            bound_reached = len(kept) < len(raw)
+            if bound_reached or at_tip:
                 shard_end, children = True, []
             raw = kept
         if shard_end:
@@ -170,7 +185,8 @@ class PollingSource:
                             self.address.shard_id)
             else:
                 logger.info("shard %s reached its end", self.address.shard_id)
-        return Page(raw, millis, shard_end, children, caught_up)
+        return Page(raw, millis, shard_end, children, caught_up, at_tip=at_tip,
+                    bound_reached=bound_reached, shard_closed=closed)
 
     def _timed_get_records(self, iterator: str, limit: int) -> GetRecordsPage:
         started = time.perf_counter()

@@ -132,6 +132,16 @@ class Page:
     child_shards: list[ChildShard]
     #: millis_behind_latest == 0, or unknown and the page was empty
     caught_up: bool
+    #: the page came back with no records and not behind: the tip, which is decided only
+    #: here - never from ``millis_behind_latest`` alone, since kinesis-mock reports 0 on a
+    #: page that ends inside the last PutRecords batch while records remain
+    at_tip: bool = False
+    #: a bounded read met a record that arrived at or after its end: the rest of the shard
+    #: is for a later read (``records`` stop before that record)
+    bound_reached: bool = False
+    #: the shard itself has nothing after this page (no next iterator, no continuation),
+    #: which a bounded read's ``shard_end`` alone does not say
+    shard_closed: bool = False
 
 
 class Stopped(Exception):
@@ -152,6 +162,10 @@ class Reading:
         self._sleep = sleep
         #: the last Kinesis record (aggregate or plain) fully handled
         self.last_sequence_number: str | None = None
+        #: the most records the next read may return, for a reader that needs only so many
+        #: more (a budgeted Spark batch, a probe); None: the source's own page size. A source
+        #: the service pushes to cannot cut its pages and ignores it.
+        self.limit: int | None = None
 
     def resume_point(self, after: str | None) -> tuple[str, str | None, datetime | None]:
         """Where reading resumes, for an iterator or a subscription alike: after ``after``
@@ -194,7 +208,9 @@ class Retrying:
     """One source's retries of the calls it makes, with its backoff, counted per shard.
 
     The backoff is reset by the source, once a whole read succeeded: a fresh iterator that
-    then expires again must not reset it.
+    then expires again must not reset it. A backoff whose policy has ``max_attempts`` gives
+    up after that many failed calls since that reset and raises the last error (a Spark
+    task is better retried by Spark than stuck here); without one it retries until stopped.
     """
 
     def __init__(self, address: ShardAddress, backoff: Backoff | None, metrics: Metrics) -> None:
@@ -204,7 +220,8 @@ class Retrying:
 
     def call(self, reading: Reading, operation: str, call: Callable[[], _T],
              classifier: Callable[[BaseException], str | None] = classify) -> _T:
-        """Run ``call`` until it succeeds or fails in a way retrying cannot fix."""
+        """Run ``call`` until it succeeds, fails in a way retrying cannot fix, or the
+        backoff's policy gives up."""
         label = self._address.lease_key
         while True:
             try:
@@ -218,6 +235,8 @@ class Retrying:
                 self._metrics.get_records_errors.labels(label, kind).inc()
                 if operation == "SubscribeToShard":
                     self._metrics.subscriptions.labels(label, f"failed_{kind}").inc()
+                if self.backoff.policy.gives_up(self.backoff.attempt + 1):
+                    raise
                 delay = self.backoff.next_delay()
                 logger.warning(
                     "%s on %s failed (%s, attempt %d); retrying in %.3fs: %s",
