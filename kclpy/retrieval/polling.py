@@ -22,14 +22,12 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from botocore.exceptions import ClientError
 
 from kclpy.cloudwatch import COUNT, DETAILED, SUMMARY, shard_dimensions, success_and_time
 from kclpy.metrics import Metrics
-from kclpy.records import Record
 from kclpy.retrieval.parse import GetRecordsPage, get_records, install_fast_get_records
 from kclpy.retrieval.source import Page, Reading, Retrying, ShardAddress, Stopped
 from kclpy.retry import Backoff
@@ -168,25 +166,17 @@ class PollingSource:
         self.records_fetched += len(page.records)
         caught_up = millis == 0 or (millis is None and not page.records)
         at_tip = caught_up and not page.records
-        closed = shard_end = page.next_shard_iterator is None
-        children = page.child_shards
-        raw: Sequence[Record] = page.records
-        bound_reached = False
-        if self._until_ms is not None:
-            kept = _arrived_before(raw, self._until_ms)
-            bound_reached = len(kept) < len(raw)
-            if bound_reached or at_tip:
-                shard_end, children = True, []
-            raw = kept
-        if shard_end:
-            if self._until_ms is not None and page.next_shard_iterator is not None:
+        closed = page.next_shard_iterator is None
+        result = Page(page.records, millis, closed, page.child_shards, caught_up, at_tip=at_tip,
+                      shard_closed=closed).within(self._until_ms)
+        if result.shard_end:
+            if not closed:
                 # a recovery read: the shard is open, only the gap being read is over
                 logger.info("shard %s: the recovery gap was read to its end",
                             self.address.shard_id)
             else:
                 logger.info("shard %s reached its end", self.address.shard_id)
-        return Page(raw, millis, shard_end, children, caught_up, at_tip=at_tip,
-                    bound_reached=bound_reached, shard_closed=closed)
+        return result
 
     def _timed_get_records(self, iterator: str, limit: int) -> GetRecordsPage:
         started = time.perf_counter()
@@ -202,12 +192,3 @@ class PollingSource:
                              "KinesisDataFetcher.getRecords", ok, elapsed, DETAILED,
                              self._cw_dims)
 
-
-def _arrived_before(records: Sequence[Record], until_ms: int) -> Sequence[Record]:
-    """The leading records that arrived before ``until_ms``: sequence numbers and arrival
-    times grow together within a shard, so the first one at or after it ends the range."""
-    for index, record in enumerate(records):
-        arrived = record.timestamp_millis
-        if arrived is not None and arrived >= until_ms:
-            return records[:index]
-    return records

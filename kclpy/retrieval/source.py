@@ -5,10 +5,11 @@ stop, de-aggregation and KPL filtering, the resume point) fed by one page source
 knows how to get the next page of Kinesis records from the service: GetRecords
 (``polling.py``), the events of a SubscribeToShard subscription (``fanout.py``), or a read
 bounded in rate and end (a polling source with a ``pacer`` and ``until_ms``: lag recovery's
-gap reader). As in the Java KCL, where ``PrefetchRecordsPublisher`` and
-``FanOutRecordsPublisher`` are siblings behind ``RecordsPublisher``, adding a retrieval mode
-means adding one module with a class that satisfies ``PageSource``; nothing after the page
-changes, so a processor cannot tell which mode fed it.
+gap reader; ``Page.within`` is that end, for any source given one). As in the Java KCL,
+where ``PrefetchRecordsPublisher`` and ``FanOutRecordsPublisher`` are siblings behind
+``RecordsPublisher``, adding a retrieval mode means adding one module with a class that
+satisfies ``PageSource``; nothing after the page changes, so a processor cannot tell which
+mode fed it.
 
 A source is pulled, never pushes: the pipeline's fetch thread calls ``read`` in a loop, so a
 full queue holds the source back (no GetRecords, no bytes read from the subscription) and
@@ -20,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
@@ -142,6 +143,30 @@ class Page:
     #: the shard itself has nothing after this page (no next iterator, no continuation),
     #: which a bounded read's ``shard_end`` alone does not say
     shard_closed: bool = False
+
+    def within(self, until_ms: int | None) -> Page:
+        """The page as a read bounded by ``until_ms`` (epoch ms) sees it: the read ends, as
+        at a shard end, before the first record that arrived at or after the bound, or at
+        the tip. The same for every source, so a bounded read (a recovery gap, a Spark
+        batch) ends at the same record whichever mode read it."""
+        if until_ms is None:
+            return self
+        kept = _arrived_before(self.records, until_ms)
+        reached = len(kept) < len(self.records)
+        if not (reached or self.at_tip):
+            return self
+        return replace(self, records=kept, shard_end=True, child_shards=[],
+                       bound_reached=reached)
+
+
+def _arrived_before(records: Sequence[Record], until_ms: int) -> Sequence[Record]:
+    """The leading records that arrived before ``until_ms``: sequence numbers and arrival
+    times grow together within a shard, so the first one at or after it ends the range."""
+    for index, record in enumerate(records):
+        arrived = record.timestamp_millis
+        if arrived is not None and arrived >= until_ms:
+            return records[:index]
+    return records
 
 
 class Stopped(Exception):

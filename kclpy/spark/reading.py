@@ -42,6 +42,7 @@ from botocore.exceptions import ClientError
 
 from kclpy.metrics import Metrics
 from kclpy.records import EMPTY, Record, Records
+from kclpy.retrieval.fanout import FanOutSource
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import PollingSource
 from kclpy.retrieval.source import AT_SEQUENCE_NUMBER, ShardAddress, StartPosition
@@ -193,6 +194,12 @@ class ShardReader:
     ``AT_TIMESTAMP/<ms>`` drops records that arrived earlier on the client too, since some
     endpoints (kinesis-mock) position such an iterator only to the second. ``retries``:
     failed calls retried per page before the error is raised (Spark retries the task).
+
+    ``consumer_arn``: read through that registered consumer's subscriptions (enhanced
+    fan-out, ``retrieval/fanout.py``) instead of GetRecords, bounded the same way; ``close``
+    then ends the subscription, so the shard's next task can subscribe. An idle subscription
+    is checked for a closed shard with one GetRecords after ``shard_end_probe_s`` (some
+    endpoints never end a subscription on a closed shard).
     """
 
     def __init__(
@@ -207,6 +214,8 @@ class ShardReader:
         until_ms: int | None = None,
         fail_on_data_loss: bool = True,
         retries: int = 8,
+        consumer_arn: str | None = None,
+        shard_end_probe_s: float = 30.0,
     ) -> None:
         if start.is_shard_end:
             raise ValueError(f"shard {shard.shard_id} is finished; nothing to read")
@@ -217,9 +226,15 @@ class ShardReader:
         self._fail_on_data_loss = fail_on_data_loss
         address = ShardAddress(shard.shard_id, stream.stream_name, stream.stream_arn)
         metrics = Metrics()
-        self._source = PollingSource(
-            client, address, max_records=limit, idle_time_s=0, until_ms=until_ms,
-            backoff=_retries(retries).backoff(), metrics=metrics)
+        backoff = _retries(retries).backoff()
+        self._source: PollingSource | FanOutSource
+        if consumer_arn is None:
+            self._source = PollingSource(client, address, max_records=limit, idle_time_s=0,
+                                         until_ms=until_ms, backoff=backoff, metrics=metrics)
+        else:
+            self._source = FanOutSource(client, address, consumer_arn, until_ms=until_ms,
+                                        shard_end_probe_s=shard_end_probe_s, backoff=backoff,
+                                        metrics=metrics)
         self._pipeline = ShardPipeline(
             self._source, _start_position(start), deliver_empty=True, deaggregate=deaggregate,
             hash_range=(shard.starting_hash_key, shard.ending_hash_key),
@@ -239,6 +254,10 @@ class ShardReader:
     def fetched(self) -> int:
         """Kinesis records fetched (for the records-fetched-per-row figure)."""
         return self._source.records_fetched
+
+    def close(self) -> None:
+        """End what the source holds open (a subscription); reading again opens another."""
+        self._source.close()
 
     def next_page(self, limit: int | None = None) -> Page:
         if self._over is not None:
