@@ -272,8 +272,8 @@ def bounded_source(shard: FakeShard, attempts: int, **kwargs: Any) -> ShardPipel
 @pytest.mark.parametrize("operation", ["GetRecords", "GetShardIterator"])
 def test_a_policy_with_max_attempts_gives_up_with_the_last_error(operation: str) -> None:
     shard = FakeShard([plain(0)])
-    throttles = [error("ProvisionedThroughputExceededException", operation=operation)
-                 for _ in range(3)]
+    throttles: list[Exception] = [
+        error("ProvisionedThroughputExceededException", operation=operation) for _ in range(3)]
     shard.errors[operation] = list(throttles)
     with pytest.raises(ClientError) as raised:
         bounded_source(shard, attempts=3).fetch_once()

@@ -28,6 +28,10 @@ Design points, each forced by how Spark drives a Python source:
   offset it produced or was shown (Spark re-announces the latest offset on restart through
   an empty ``partitions(offset, offset)`` call), with no row limit, because on 4.0/4.1 a
   limit would also cut Spark's own ``AvailableNow`` wrapper short.
+- Enhanced fan-out (``consumerName``/``consumerArn``): the driver registers the consumer
+  once per stream and puts its ARN in each partition; the executor subscribes instead of
+  polling, bounded by the same planned end, and closes the subscription when done. The
+  driver's probes stay ``GetRecords(Limit=1)``.
 - Parents before children: a shard whose parent is in the offset and not yet at SHARD_END
   is not read, so a child's first batch comes after its parents' last one.
 """
