@@ -282,6 +282,32 @@ def test_latest_starts_after_what_is_already_there(kinesis_mock: LocalEndpoint) 
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("budget", [{}, {"maxFetchRecordsPerShard": "25"}],
+                         ids=["ends-by-arrival-time", "ends-after-25-rows"])
+def test_a_fan_out_batch_read_again_yields_the_same_rows_and_polling_agrees(
+        kinesis_mock: LocalEndpoint, budget: dict[str, str]) -> None:
+    """A batch's end is fixed when it is planned, whichever way the executor reads: a
+    fan-out task run twice, with records written in between, yields the same rows, and so
+    does a polling task over the same end."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-efo-end")
+    create_stream(kinesis, stream, 1)
+    first = produce(kinesis, stream, "first", plain=40, aggregates=2)
+    fan_out = reader_for(kinesis_mock.url, stream, startingPosition="TRIM_HORIZON",
+                         consumerName="rerun", **budget)
+    start = fan_out.initialOffset()
+    end = fan_out.latestOffset(start, None)
+
+    rows = read_all(fan_out, start, end)
+    produce(kinesis, stream, "later", plain=20)
+    again = read_all(fan_out, start, end)
+    polled = read_all(reader_for(kinesis_mock.url, stream, **budget), start, end)
+
+    assert rows == again == polled
+    assert rows == (first[:25] if budget else first)
+
+
+@pytest.mark.integration
 def test_row_limit_can_end_a_batch_inside_a_kpl_aggregate(kinesis_mock: LocalEndpoint) -> None:
     read_max_rows = pytest.importorskip("pyspark.sql.streaming.datasource").ReadMaxRows
 
