@@ -97,6 +97,36 @@ def test_resume_at_the_last_sub_record_of_an_aggregate_moves_past_it() -> None:
     assert payloads(results) == [b"plain-1"]
 
 
+def test_a_checkpoint_whose_record_is_gone_is_reported_and_the_rest_delivered() -> None:
+    trimmed: list[tuple[str, str]] = []
+    shard = FakeShard([plain(5), aggregate(6, 2)])
+    results = drain(make(shard, StartPosition.from_checkpoint(seq(2), 0, None),
+                         on_trimmed=lambda at, first: trimmed.append((at, first))))
+    assert trimmed == [(seq(2), seq(5))]
+    assert payloads(results) == [b"plain-5", b"agg-6-0", b"agg-6-1"]
+
+    there = FakeShard([plain(2), plain(3)])
+    results = drain(make(there, StartPosition.from_checkpoint(seq(2), 0, None),
+                         on_trimmed=lambda at, first: trimmed.append((at, first))))
+    assert len(trimmed) == 1 and payloads(results) == [b"plain-3"]
+
+    def refuse(at: str, first: str) -> None:
+        raise LookupError(f"{at} gone, {first} first")
+
+    with pytest.raises(LookupError, match=seq(5)):
+        make(shard, StartPosition.from_checkpoint(seq(2), 0, None),
+             on_trimmed=refuse).fetch_once()
+
+
+def test_without_de_aggregation_an_aggregate_is_handed_over_whole_after_the_checkpoint(
+) -> None:
+    shard = FakeShard([plain(0), aggregate(1, 3), plain(2)])
+    results = drain(make(shard, StartPosition.from_checkpoint(seq(0), 0, None),
+                         deaggregate=False))
+    assert [r.sequence_number for r in results[0].records] == [seq(1), seq(2)]
+    assert results[0].records[0].binary_data == aggregate(1, 3).binary_data
+
+
 def test_after_sequence_number_starts_after_the_whole_record() -> None:
     shard = FakeShard([aggregate(0, 3), plain(1)])
     results = drain(make(shard, StartPosition(AFTER_SEQUENCE_NUMBER, seq(0))))

@@ -22,13 +22,14 @@ from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
 from kclpy.metrics import Metrics
 from kclpy.retrieval.parse import ChildShard, GetRecordsPage
 from kclpy.retrieval.pipeline import ShardPipeline
+from kclpy.retrieval.polling import PollingSource
 from kclpy.retrieval.source import (
     AFTER_SEQUENCE_NUMBER,
     AT_SEQUENCE_NUMBER,
     ShardAddress,
     StartPosition,
 )
-from kclpy.retry import Backoff
+from kclpy.retry import Backoff, RetryPolicy
 from tests.support.fakeshard import (
     SHARD,
     FakeShard,
@@ -257,6 +258,79 @@ def test_an_iterator_that_keeps_expiring_backs_off_instead_of_spinning() -> None
     result = make(shard, sleeps=sleeps).fetch_once()
     assert result is not None and payloads([result]) == [b"plain-0"]
     assert sleeps.delays == [0.1, 0.2, 0.4]
+
+
+def bounded_source(shard: FakeShard, attempts: int, **kwargs: Any) -> ShardPipeline:
+    """A polling pipeline whose retries give up after ``attempts`` failed calls."""
+    source = PollingSource(
+        shard,  # type: ignore[arg-type]
+        ShardAddress(SHARD, stream_name="s"),
+        backoff=RetryPolicy(0.1, 1.0, max_attempts=attempts).backoff(UpperBound()), **kwargs)
+    return ShardPipeline(source, StartPosition(TRIM_HORIZON), sleep=Sleeps())
+
+
+@pytest.mark.parametrize("operation", ["GetRecords", "GetShardIterator"])
+def test_a_policy_with_max_attempts_gives_up_with_the_last_error(operation: str) -> None:
+    shard = FakeShard([plain(0)])
+    throttles: list[Exception] = [
+        error("ProvisionedThroughputExceededException", operation=operation) for _ in range(3)]
+    shard.errors[operation] = list(throttles)
+    with pytest.raises(ClientError) as raised:
+        bounded_source(shard, attempts=3).fetch_once()
+    assert raised.value is throttles[2]
+
+    shard.errors[operation] = throttles[:2]
+    result = bounded_source(shard, attempts=3).fetch_once()
+    assert result is not None and payloads([result]) == [b"plain-0"]
+
+
+def test_an_iterator_that_keeps_expiring_gives_up_when_the_policy_does() -> None:
+    shard = FakeShard([plain(0)])
+    shard.errors["GetRecords"] = [error("ExpiredIteratorException") for _ in range(4)]
+    with pytest.raises(ClientError, match="ExpiredIterator"):
+        bounded_source(shard, attempts=3).fetch_once()
+    assert len(shard.get_records_calls) == 3
+
+
+def test_a_per_read_limit_cuts_the_get_records_limit_to_what_the_reader_still_needs() -> None:
+    shard = FakeShard([plain(i) for i in range(20)], page_size=100)
+    fetcher = make(shard, max_records=250)
+    fetcher.fetch_once(limit=7)
+    fetcher.fetch_once(limit=1000)
+    fetcher.fetch_once()
+    assert [limit for _, limit in shard.get_records_calls] == [7, 250, 250]
+
+
+def test_a_page_tells_the_tip_the_bound_and_the_shard_end_apart() -> None:
+    """The tip is an empty page not behind, never MillisBehindLatest 0 alone (kinesis-mock
+    reports 0 on a page inside the last PutRecords batch); a bounded read's end is not the
+    shard's."""
+    shard = FakeShard([plain(i) for i in range(4)], page_size=2, millis_behind=0)
+    fetcher = make(shard, deliver_empty=True)
+    first = fetcher.fetch_once()
+    assert first is not None and first.caught_up and not first.at_tip
+    fetcher.fetch_once()
+    tip = fetcher.fetch_once()
+    assert tip is not None and tip.at_tip and not (tip.shard_end or tip.shard_closed)
+
+    bounded = bounded_source(shard, attempts=3, until_ms=1_700_000_000_000 + 1,
+                             max_records=10)
+    cut = bounded.fetch_once()
+    assert cut is not None and payloads([cut]) == [b"plain-0"]
+    assert cut.bound_reached and cut.shard_end and not cut.shard_closed and not cut.at_tip
+
+    at_tip = bounded_source(FakeShard([plain(0)], millis_behind=0), attempts=3,
+                            until_ms=1_700_000_000_000 + 9)
+    assert at_tip.fetch_once() is not None
+    over = at_tip.fetch_once()
+    assert over is not None and over.shard_end and over.at_tip
+    assert not (over.shard_closed or over.bound_reached)
+
+    closed = bounded_source(FakeShard([plain(0)], closed=True), attempts=3,
+                            until_ms=1_700_000_000_000 + 9)
+    last = closed.fetch_once()
+    assert last is not None and last.shard_end and last.shard_closed
+    assert not last.bound_reached
 
 
 def test_fatal_error_propagates_from_fetch_once() -> None:

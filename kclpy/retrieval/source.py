@@ -5,10 +5,11 @@ stop, de-aggregation and KPL filtering, the resume point) fed by one page source
 knows how to get the next page of Kinesis records from the service: GetRecords
 (``polling.py``), the events of a SubscribeToShard subscription (``fanout.py``), or a read
 bounded in rate and end (a polling source with a ``pacer`` and ``until_ms``: lag recovery's
-gap reader). As in the Java KCL, where ``PrefetchRecordsPublisher`` and
-``FanOutRecordsPublisher`` are siblings behind ``RecordsPublisher``, adding a retrieval mode
-means adding one module with a class that satisfies ``PageSource``; nothing after the page
-changes, so a processor cannot tell which mode fed it.
+gap reader; ``Page.within`` is that end, for any source given one). As in the Java KCL,
+where ``PrefetchRecordsPublisher`` and ``FanOutRecordsPublisher`` are siblings behind
+``RecordsPublisher``, adding a retrieval mode means adding one module with a class that
+satisfies ``PageSource``; nothing after the page changes, so a processor cannot tell which
+mode fed it.
 
 A source is pulled, never pushes: the pipeline's fetch thread calls ``read`` in a loop, so a
 full queue holds the source back (no GetRecords, no bytes read from the subscription) and
@@ -20,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
@@ -132,6 +133,40 @@ class Page:
     child_shards: list[ChildShard]
     #: millis_behind_latest == 0, or unknown and the page was empty
     caught_up: bool
+    #: the page came back with no records and not behind: the tip, which is decided only
+    #: here - never from ``millis_behind_latest`` alone, since kinesis-mock reports 0 on a
+    #: page that ends inside the last PutRecords batch while records remain
+    at_tip: bool = False
+    #: a bounded read met a record that arrived at or after its end: the rest of the shard
+    #: is for a later read (``records`` stop before that record)
+    bound_reached: bool = False
+    #: the shard itself has nothing after this page (no next iterator, no continuation),
+    #: which a bounded read's ``shard_end`` alone does not say
+    shard_closed: bool = False
+
+    def within(self, until_ms: int | None) -> Page:
+        """The page as a read bounded by ``until_ms`` (epoch ms) sees it: the read ends, as
+        at a shard end, before the first record that arrived at or after the bound, or at
+        the tip. The same for every source, so a bounded read (a recovery gap, a Spark
+        batch) ends at the same record whichever mode read it."""
+        if until_ms is None:
+            return self
+        kept = _arrived_before(self.records, until_ms)
+        reached = len(kept) < len(self.records)
+        if not (reached or self.at_tip):
+            return self
+        return replace(self, records=kept, shard_end=True, child_shards=[],
+                       bound_reached=reached)
+
+
+def _arrived_before(records: Sequence[Record], until_ms: int) -> Sequence[Record]:
+    """The leading records that arrived before ``until_ms``: sequence numbers and arrival
+    times grow together within a shard, so the first one at or after it ends the range."""
+    for index, record in enumerate(records):
+        arrived = record.timestamp_millis
+        if arrived is not None and arrived >= until_ms:
+            return records[:index]
+    return records
 
 
 class Stopped(Exception):
@@ -152,6 +187,10 @@ class Reading:
         self._sleep = sleep
         #: the last Kinesis record (aggregate or plain) fully handled
         self.last_sequence_number: str | None = None
+        #: the most records the next read may return, for a reader that needs only so many
+        #: more (a budgeted Spark batch, a probe); None: the source's own page size. A source
+        #: the service pushes to cannot cut its pages and ignores it.
+        self.limit: int | None = None
 
     def resume_point(self, after: str | None) -> tuple[str, str | None, datetime | None]:
         """Where reading resumes, for an iterator or a subscription alike: after ``after``
@@ -194,7 +233,9 @@ class Retrying:
     """One source's retries of the calls it makes, with its backoff, counted per shard.
 
     The backoff is reset by the source, once a whole read succeeded: a fresh iterator that
-    then expires again must not reset it.
+    then expires again must not reset it. A backoff whose policy has ``max_attempts`` gives
+    up after that many failed calls since that reset and raises the last error (a Spark
+    task is better retried by Spark than stuck here); without one it retries until stopped.
     """
 
     def __init__(self, address: ShardAddress, backoff: Backoff | None, metrics: Metrics) -> None:
@@ -204,7 +245,8 @@ class Retrying:
 
     def call(self, reading: Reading, operation: str, call: Callable[[], _T],
              classifier: Callable[[BaseException], str | None] = classify) -> _T:
-        """Run ``call`` until it succeeds or fails in a way retrying cannot fix."""
+        """Run ``call`` until it succeeds, fails in a way retrying cannot fix, or the
+        backoff's policy gives up."""
         label = self._address.lease_key
         while True:
             try:
@@ -218,6 +260,8 @@ class Retrying:
                 self._metrics.get_records_errors.labels(label, kind).inc()
                 if operation == "SubscribeToShard":
                     self._metrics.subscriptions.labels(label, f"failed_{kind}").inc()
+                if self.backoff.policy.gives_up(self.backoff.attempt + 1):
+                    raise
                 delay = self.backoff.next_delay()
                 logger.warning(
                     "%s on %s failed (%s, attempt %d); retrying in %.3fs: %s",
