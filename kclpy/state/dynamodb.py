@@ -22,6 +22,7 @@ from typing import Any
 
 from kclpy.checkpoint import CheckpointWriter
 from kclpy.leases.dynamo import DynamoTable
+from kclpy.position import Position
 from kclpy.state.store import CommittedCache
 from kclpy.state.transaction import DELETED, Limits, StateTransaction, Versioned
 
@@ -88,7 +89,7 @@ class DynamoDBStateStore:
         checkpoint: str,
         sub_sequence_number: int,
         txn: StateTransaction,
-        gap: tuple[str, int] | None = None,
+        gap: Position | None = None,
     ) -> None:
         """``writer`` is the gap's when ``gap`` is set: the lease item's recovery queue, not
         its checkpoint, moves in the same transaction."""
@@ -96,7 +97,7 @@ class DynamoDBStateStore:
             shard_id, token, checkpoint, sub_sequence_number, self.items(txn))
         self._cache.committed(txn)
 
-    def gap_position(self, shard_id: str, gap: tuple[str, int]) -> tuple[str, int] | None:
+    def gap_position(self, shard_id: str, gap: Position) -> tuple[str, int] | None:
         """Nothing stored here: a gap's checkpoint in the lease item commits with its state."""
         return None
 

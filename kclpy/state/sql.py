@@ -36,7 +36,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
-from kclpy.checkpoint import CheckpointWriter, position_of
+from kclpy.checkpoint import CheckpointWriter
 from kclpy.errors import (
     CheckpointError,
     KinesisClientLibDependencyException,
@@ -44,6 +44,7 @@ from kclpy.errors import (
     TransactionRejected,
 )
 from kclpy.leases.lease import incarnation_order
+from kclpy.position import Position
 from kclpy.state.store import CommittedCache
 from kclpy.state.transaction import DELETED, Limits, StateTransaction, Versioned
 
@@ -242,7 +243,7 @@ class SQLStateStore:
         checkpoint: str,
         sub_sequence_number: int,
         txn: StateTransaction,
-        gap: tuple[str, int] | None = None,
+        gap: Position | None = None,
     ) -> None:
         """A gap's commit is fenced by the shard's row like a live one, but checks and moves
         the gap's own row (``<prefix>_gaps``); the lease item's copy is then updated
@@ -261,9 +262,9 @@ class SQLStateStore:
                 stored = row if gap is None else conn.execute(
                     sa.select(self.gaps.c.checkpoint, self.gaps.c.sub_sequence_number)
                     .where(self._gap_row(shard_id, gap)).with_for_update()).first()
-                if (stored is not None and stored.checkpoint is not None and position_of(
+                if (stored is not None and stored.checkpoint is not None and Position.of(
                         stored.checkpoint, stored.sub_sequence_number)
-                        >= position_of(checkpoint, sub_sequence_number)):
+                        >= Position.of(checkpoint, sub_sequence_number)):
                     log.info("shard %s: commit at %s/%d had landed already", shard_id,
                              checkpoint, sub_sequence_number)
                 else:
@@ -294,7 +295,7 @@ class SQLStateStore:
                         "was not updated (%s) and will be on the next commit", shard_id,
                         checkpoint, sub_sequence_number, exc)
 
-    def gap_position(self, shard_id: str, gap: tuple[str, int]) -> tuple[str, int] | None:
+    def gap_position(self, shard_id: str, gap: Position) -> tuple[str, int] | None:
         try:
             with self.engine.connect() as conn:
                 row = conn.execute(
@@ -309,7 +310,7 @@ class SQLStateStore:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _gap_row(self, shard_id: str, gap: tuple[str, int]) -> sa.ColumnElement[bool]:
+    def _gap_row(self, shard_id: str, gap: Position) -> sa.ColumnElement[bool]:
         return sa.and_(self.gaps.c.lease_key == shard_id, self.gaps.c.gap == _gap_name(gap))
 
     def _lock_checkpoint(self, conn: Connection, shard_id: str) -> Any:
@@ -356,9 +357,9 @@ class SQLStateStore:
         conn.execute(sa.delete(self.state).where(self.state.c.state_key == key))
 
 
-def _gap_name(gap: tuple[str, int]) -> str:
+def _gap_name(gap: Position) -> str:
     """A gap's key in ``<prefix>_gaps``: the position it starts after."""
-    return f"{gap[0]}/{gap[1]}"
+    return f"{gap.checkpoint}/{gap.sub_sequence_number}"
 
 
 def _json(value: Any) -> str:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kclpy.checkpoint import CheckpointWriter
+from kclpy.position import Position
 from kclpy.state.transaction import DELETED, Limits, StateTransaction, Versioned
 
 
@@ -37,7 +38,7 @@ class StateStore(Protocol):
         checkpoint: str,
         sub_sequence_number: int,
         txn: StateTransaction,
-        gap: tuple[str, int] | None = None,
+        gap: Position | None = None,
     ) -> None:
         """Commit ``txn`` with the checkpoint, all or nothing, fenced by the lease through
         ``writer``. ``gap`` names the lag-recovery gap the checkpoint is of (``writer`` is
@@ -45,7 +46,7 @@ class StateStore(Protocol):
         Raises ``TransactionRejected`` (nothing written) when a key changed since ``txn``
         read it; what the writer raises when the lease is lost or the write fails."""
 
-    def gap_position(self, shard_id: str, gap: tuple[str, int]) -> tuple[str, int] | None:
+    def gap_position(self, shard_id: str, gap: Position) -> tuple[str, int] | None:
         """The position the store last committed for ``gap`` of ``shard_id``, or None when
         the gap's checkpoint in the lease item is the store's own (the DynamoDB store)."""
 
