@@ -30,8 +30,9 @@ from kclpy.cloudwatch import (
 )
 from kclpy.errors import CheckpointError, KCLError, ProcessorRestartRequired, ShutdownException
 from kclpy.leases import park
-from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON, Lease
+from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, Lease
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from kclpy.processor import (
     InitializeInput,
     IRecordProcessor,
@@ -85,10 +86,10 @@ class LeaseReader(Protocol):
 
 
 class FetcherFactory(Protocol):
-    def __call__(self, lease: Lease, checkpoint: str, sub_sequence_number: int,
-                 start_at: datetime | None = None, /) -> FetcherLike:
-        """A fetcher positioned right after the checkpoint, or at ``start_at`` (the
-        arrival time live reading starts at while a gap is recovered)."""
+    def __call__(self, lease: Lease, start: Position, /) -> FetcherLike:
+        """A fetcher positioned right after ``start`` (the checkpoint), or at its time (an
+        ``AT_TIMESTAMP`` position: where live reading starts while a gap is recovered, or
+        where a lease still at ``LATEST`` / ``AT_TIMESTAMP`` was resolved to)."""
 
 
 class RecoveryLike(Protocol):
@@ -341,13 +342,13 @@ class ShardConsumer:
             start_at = self._start_of(checkpoint)
             if self._stopping():
                 return False
-        read_from = checkpoint, sub_sequence_number
+        read_from = Position.of(checkpoint, sub_sequence_number)
         if start_at is None and self._past_retention(checkpoint):
             if self._settings.fail_on_data_loss:
                 self._park_shard(f"checkpoint {checkpoint} is past the stream's retention "
                                  "(fail_on_data_loss)")
                 return False
-            read_from = TRIM_HORIZON, 0
+            read_from = Position.trim_horizon()
         attempt = 0
         while not self._stopping():
             processor = self._processor_factory()
@@ -367,10 +368,8 @@ class ShardConsumer:
                 self.shard_id, self._writer, self._token, checkpoint, sub_sequence_number,
                 self._metrics)
             if checkpoint != SHARD_END:
-                self._fetcher = (
-                    self._fetcher_factory(self._lease, *read_from)
-                    if start_at is None else
-                    self._fetcher_factory(self._lease, checkpoint, sub_sequence_number, start_at))
+                self._fetcher = self._fetcher_factory(
+                    self._lease, read_from if start_at is None else Position.at_time(start_at))
                 self._fetcher.start()
             return True
         return False

@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
-from datetime import datetime
 from types import FrameType
 from typing import Any, cast
 
@@ -28,13 +27,14 @@ from kclpy.config import OPTIONS, KCLConfig
 from kclpy.consumer import ConsumerSettings, FatalProcessorError, FetcherLike, ShardConsumer
 from kclpy.errors import ConfigError, KCLError, cannot_heal
 from kclpy.leases.coordinator import LeaseCoordinator
-from kclpy.leases.lease import AT_TIMESTAMP, TRIM_HORIZON, Lease
+from kclpy.leases.lease import Lease
 from kclpy.leases.load import LoadBalancing, load_balancing
 from kclpy.leases.park import park_held
 from kclpy.leases.streams import ActiveStream, StreamSet
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
 from kclpy.multilang.process import kill_all as kill_children
+from kclpy.position import Position
 from kclpy.processor import IRecordProcessor
 from kclpy.records import Record
 from kclpy.recovery.detect import first_record
@@ -45,7 +45,7 @@ from kclpy.retrieval.parse import ChildShard
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import Pacer, PollingSource
 from kclpy.retrieval.registration import ConsumerRegistration, RegistrationSettings
-from kclpy.retrieval.source import PageSource, ShardAddress, StartPosition
+from kclpy.retrieval.source import PageSource, ShardAddress, reading_start
 from kclpy.retry import NO_JITTER, Backoff, RetryPolicy
 from kclpy.state import open_store
 from kclpy.state.processor import StatefulProcessor, exactly_once_factory
@@ -450,21 +450,18 @@ class Worker:
 
     def _oldest_record(self, lease: Lease) -> Record | None:
         """The shard's oldest record now: a checkpoint before it was trimmed past."""
-        return first_record(self._reader(lease, StartPosition(TRIM_HORIZON), max_records=1))
+        return first_record(self._reader(lease, Position.trim_horizon(), max_records=1))
 
-    def _make_fetcher(self, lease: Lease, checkpoint: str, sub_sequence_number: int,
-                      start_at: datetime | None = None) -> FetcherLike:
+    def _make_fetcher(self, lease: Lease, checkpoint: Position) -> FetcherLike:
         """The shard's live reader: a pipeline fed by the retrieval mode's page source."""
         stream = self._stream(lease).config
-        start = (StartPosition(AT_TIMESTAMP, timestamp=start_at) if start_at is not None
-                 else StartPosition.from_checkpoint(
-                     checkpoint, sub_sequence_number,
-                     stream.initial_timestamp or self.config.initial_timestamp))
+        start = reading_start(checkpoint,
+                              stream.initial_timestamp or self.config.initial_timestamp)
         mode = self.config.retrieval_mode.lower()
         source = self._fanout_source(lease) if mode == "fanout" else self._polling_source(lease)
         return self._pipeline(lease, source, start, live=True)
 
-    def _reader(self, lease: Lease, start: StartPosition, *, until_ms: int | None = None,
+    def _reader(self, lease: Lease, start: Position, *, until_ms: int | None = None,
                 pacer: Pacer | None = None, max_records: int | None = None) -> ShardPipeline:
         """One of lag recovery's readers of the shard (a probe, or a gap's bounded, paced
         read): always polling, whatever the retrieval mode."""
@@ -496,7 +493,7 @@ class Worker:
             shard_end_probe_s=cfg.shard_sync_interval_ms / 1000, metrics=self.metrics,
             backoff=self._read_backoff())
 
-    def _pipeline(self, lease: Lease, source: PageSource, start: StartPosition, *,
+    def _pipeline(self, lease: Lease, source: PageSource, start: Position, *,
                   live: bool) -> ShardPipeline:
         cfg = self.config
         hash_range = None
@@ -519,7 +516,7 @@ class Worker:
         """Called on the consumer's thread, so an unreadable queue fails that shard only."""
         assert self.coordinator is not None
 
-        def reader(start: StartPosition, until_ms: int | None, pacer: Pacer | None,
+        def reader(start: Position, until_ms: int | None, pacer: Pacer | None,
                    max_records: int | None) -> ShardPipeline:
             return self._reader(lease, start, until_ms=until_ms, pacer=pacer,
                                 max_records=max_records)

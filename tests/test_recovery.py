@@ -38,13 +38,14 @@ from kclpy.leases.serializer import RECOVERY, UpdateBuilder
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from kclpy.recovery import queue as gaps
 from kclpy.recovery.queue import RecoveryRequest
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import Pacer, PollingSource
-from kclpy.retrieval.source import ShardAddress, StartPosition
+from kclpy.retrieval.source import ShardAddress
 from tests.support.determinism import Clock
 from tests.support.fleet import Fleet, fleet
 from tests.support.streams import (
@@ -231,7 +232,7 @@ def table(aws: None) -> LeaseTable:
     return table
 
 
-def unused_reader(start: StartPosition, until_ms: int | None, pacer: Pacer | None,
+def unused_reader(start: Position, until_ms: int | None, pacer: Pacer | None,
                   max_records: int | None) -> ShardPipeline:
     raise AssertionError("no read expected")
 
@@ -292,7 +293,7 @@ def test_the_new_owner_reads_the_queue_and_its_checkpoints_move_only_the_gap(
     lease = b.held.get("s1")
     assert lease is not None
     second = recovery_for(b, token_b, lease.recovery)
-    second.checkpoint((100, 0), "150", 0)
+    second.checkpoint(Position("100", 0), "150", 0)
     lease = table.get("s1")
     assert lease is not None and lease.checkpoint == TRIM_HORIZON
     assert [(r.start, r.done) for r in gaps.loads(lease.recovery)] == [("100", "150"),
@@ -452,7 +453,7 @@ class Shard:
     token: str
     metrics: Metrics = field(default_factory=Metrics)
 
-    def reader(self, start: StartPosition, until_ms: int | None, pacer: Pacer | None,
+    def reader(self, start: Position, until_ms: int | None, pacer: Pacer | None,
                max_records: int | None) -> ShardPipeline:
         source = PollingSource(
             self.kinesis, ShardAddress("shardId-000000000000", stream_name=self.stream),
@@ -722,10 +723,9 @@ def consume(lease: Lease, live: list[Result], recovery: FakeRecovery
     processor, writer = FlagLog(), Writer()
     starts: list[datetime | None] = []
 
-    def fetcher_factory(lease: Lease, checkpoint: str, sub: int,
-                        start_at: datetime | None = None) -> ScriptedFetcher:
-        starts.append(start_at)
-        return ScriptedFetcher(live, (checkpoint, sub))
+    def fetcher_factory(lease: Lease, start: Position) -> ScriptedFetcher:
+        starts.append(start.moment)
+        return ScriptedFetcher(live, (start.checkpoint, start.sub_sequence_number))
 
     consumer = ShardConsumer(
         lease, concurrency_token="t", processor_factory=lambda: processor,
@@ -813,8 +813,8 @@ def test_a_restart_asked_while_a_closed_shard_drains_re_reads_from_the_gaps_chec
     consumer = ShardConsumer(
         Lease("shard-1", checkpoint="50"), concurrency_token="t",
         processor_factory=lambda: processor, checkpoint_writer=writer, lease_reader=Leases(),
-        fetcher_factory=lambda lease, checkpoint, sub, start_at=None: ScriptedFetcher(
-            [Result([], shard_end=True)], (checkpoint, sub)),
+        fetcher_factory=lambda lease, start: ScriptedFetcher(
+            [Result([], shard_end=True)], (start.checkpoint, start.sub_sequence_number)),
         on_shard_end=lambda shard_id, children: None, settings=SETTINGS, metrics=Metrics(),
         rng=random.Random(1), recovery=lambda: recovery)
     consumer.start()

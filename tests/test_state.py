@@ -30,13 +30,14 @@ from kclpy.leases.shard_sync import ShardSyncer
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from kclpy.processor import InitializeInput, ProcessRecordsInput
 from kclpy.records import Record, Records
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import Pacer, PollingSource
-from kclpy.retrieval.source import ShardAddress, StartPosition
+from kclpy.retrieval.source import ShardAddress
 from kclpy.state.dynamodb import DynamoDBStateStore
 from kclpy.state.processor import ExactlyOnceProcessor, StatefulProcessor
 from kclpy.state.sql import SQLStateStore
@@ -527,7 +528,7 @@ class Stream:
                                         PartitionKey="pk")["SequenceNumber"]
                 for p in payloads]
 
-    def reader(self, start: StartPosition, until_ms: int | None, pacer: Pacer | None,
+    def reader(self, start: Position, until_ms: int | None, pacer: Pacer | None,
                max_records: int | None) -> ShardPipeline:
         source = PollingSource(self.kinesis, ShardAddress(SHARD, stream_name="lagging"),
                                max_records=max_records or 7, idle_time_s=0, pacer=pacer,

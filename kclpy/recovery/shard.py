@@ -31,20 +31,20 @@ from contextlib import AbstractContextManager
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-from kclpy.checkpoint import Checkpointer, position_of
+from kclpy.checkpoint import Checkpointer
 from kclpy.errors import CheckpointError, ShutdownException
 from kclpy.leases.lease import TRIM_HORIZON, Lease
 from kclpy.leases.serializer import RECOVERY, RECOVERY_REQUESTS, UpdateBuilder, s, ss
 from kclpy.leases.table import checkpoint_changes
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from kclpy.recovery import queue as gaps
 from kclpy.recovery import requests as asked
 from kclpy.recovery.detect import first_record
-from kclpy.recovery.queue import Position, RecoveryRequest, position
+from kclpy.recovery.queue import RecoveryRequest
 from kclpy.recovery.rate import RecoveryRate, ShardPacer
 from kclpy.retrieval.pipeline import FetchError, FetchResult, ShardPipeline
 from kclpy.retrieval.polling import Pacer
-from kclpy.retrieval.source import StartPosition
 
 if TYPE_CHECKING:
     from kclpy.leases.fence import Guard, LeaseFence
@@ -56,12 +56,12 @@ FOLD_RETRY_S = 1.0
 
 #: (start, until_ms, pacer, max_records) -> a polling reader of the shard, ending before
 #: ``until_ms`` and paced by ``pacer`` when they are given; None means the default
-ReaderFactory = Callable[[StartPosition, "int | None", "Pacer | None", "int | None"],
+ReaderFactory = Callable[[Position, "int | None", "Pacer | None", "int | None"],
                          ShardPipeline]
 
 
 def _key(request: RecoveryRequest) -> Position:
-    return position(request.start, request.start_sub)
+    return request.start_position
 
 
 class ShardRecovery:
@@ -137,11 +137,11 @@ class ShardRecovery:
             # after the commit landed): the records between were applied live, so the gap
             # starts after it. Claimed first, so no earlier tenure commits past it meanwhile.
             stored = self._claim()
-            if stored is not None and position_of(*stored) > position_of(
+            if stored is not None and Position.of(*stored) > Position.of(
                     checkpoint, sub_sequence_number):
                 checkpoint, sub_sequence_number = stored
         probe = self._readers(
-            StartPosition.from_checkpoint(checkpoint, sub_sequence_number, None), None, None, 1)
+            Position.of(checkpoint, sub_sequence_number), None, None, 1)
         first = first_record(probe)
         now_ms = round(self._wall_clock() * 1000)
         live_ms = now_ms - max_lag_ms
@@ -186,7 +186,7 @@ class ShardRecovery:
         records = result.records
         assert self._checkpointer is not None
         if records:
-            self._handed = records[-1].extended_sequence_number
+            self._handed = Position.after(records[-1])
         if result.shard_end:
             self._end_seen = True
             self._final = self._handed
@@ -238,7 +238,7 @@ class ShardRecovery:
                 if items:
                     self._store(self._queue, items)
                 return
-            done = (int(sequence_number), sub_sequence_number)
+            done = Position(sequence_number, sub_sequence_number)
             final = self._final if self._reading == gap else self._ends.get(gap)
             finished = None
             if final is not None and done >= final:
@@ -294,7 +294,7 @@ class ShardRecovery:
         self._reading = gap
         self._checkpointer = Checkpointer(
             self.shard_id, GapWriter(self, gap), self._token, request.done, request.done_sub,
-            gap=(request.start, request.start_sub))
+            gap=gap)
         reader = self._readers(self._start_of(request), request.end_ms, self._pacer, None)
         reader.start()
         self._reader = reader
@@ -302,15 +302,15 @@ class ShardRecovery:
                  request.done, request.done_sub, _iso(request.end_ms))
         return reader
 
-    def _start_of(self, request: RecoveryRequest) -> StartPosition:
+    def _start_of(self, request: RecoveryRequest) -> Position:
         """Where the gap's reading resumes: its checkpoint, unless the stream's retention
         has already trimmed past it; then what is left, from the oldest record kept, after
         logging and counting the loss."""
-        resume = StartPosition.from_checkpoint(request.done, request.done_sub, None)
+        resume = request.done_position
         check = request.done if request.started else request.first_sequence
         if check is None or check == TRIM_HORIZON:
             return resume
-        oldest = first_record(self._readers(StartPosition(TRIM_HORIZON), None, None, 1))
+        oldest = first_record(self._readers(Position.trim_horizon(), None, None, 1))
         if oldest is not None and int(oldest.sequence_number) <= int(check):
             return resume
         self._metrics.recovery_trimmed.labels(self.shard_id).inc()
@@ -325,7 +325,7 @@ class ShardRecovery:
                       "records %s up to %s (arrived %s) are lost; recovering the rest",
                       self.shard_id, lost_from, oldest.sequence_number,
                       _iso(oldest.timestamp_millis or 0))
-        return StartPosition(TRIM_HORIZON)
+        return Position.trim_horizon()
 
     def _close_gap(self) -> None:
         """The gap being read reached its end and its last batch was handed out."""
@@ -335,12 +335,12 @@ class ShardRecovery:
         # Read before taking ``_lock``: a checkpoint holds the checkpointer's lock while it
         # waits for ``_lock``.
         last = checkpointer.last_checkpoint
-        done = position_of(*last)
+        done = Position.of(*last)
         with self._lock:
             request = next((r for r in self._queue if _key(r) == gap), None)
             if request is not None and (final is None or done >= final):
                 self._store(tuple(r for r in self._queue if _key(r) != gap), (),
-                            None if last[0] is None else (request, last[0], last[1]))
+                            (request, last[0], last[1]))
                 return
             queued = request is not None
             if queued:
@@ -386,9 +386,10 @@ class ShardRecovery:
             value = gaps.dumps(final)
             changes = UpdateBuilder()
             live = lease
-            if finished is not None and position_of(
-                    lease.checkpoint, lease.checkpoint_sub_sequence_number) == position_of(
-                    finished[0].start, finished[0].start_sub):
+            # (``extended``: a live checkpoint at any sentinel before every record still
+            # names where a gap from TRIM_HORIZON starts)
+            if finished is not None and (
+                    lease.position.extended == finished[0].start_position.extended):
                 changes = checkpoint_changes(finished[1], finished[2])
                 live = lease.copy(checkpoint=finished[1],
                                   checkpoint_sub_sequence_number=finished[2],
