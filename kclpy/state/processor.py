@@ -86,7 +86,7 @@ class ExactlyOnceProcessor(IRecordProcessor):
         self._metrics = metrics
         self._clock = clock
         self._sleep = sleep
-        self._shard_id = ""
+        self._lease_key = ""
         #: the last live position committed (records at or before it are skipped on a retry)
         self._committed = Position.trim_horizon()
         #: the same for each lag-recovery gap (by the position it starts after): a gap's
@@ -95,7 +95,7 @@ class ExactlyOnceProcessor(IRecordProcessor):
         self._tenure_begun = False
 
     def initialize(self, initialize_input: InitializeInput) -> None:
-        self._shard_id = initialize_input.shard_id
+        self._lease_key = initialize_input.shard_id
         self._committed = Position.of(initialize_input.sequence_number,
                                       initialize_input.sub_sequence_number)
         self._gaps = {}
@@ -117,7 +117,7 @@ class ExactlyOnceProcessor(IRecordProcessor):
             self._tenure_begun = True
         gap = checkpointer.gap
         if process_records_input.is_recovery and gap is None:
-            raise ValueError(f"shard {self._shard_id}: a recovery batch's checkpointer must "
+            raise ValueError(f"shard {self._lease_key}: a recovery batch's checkpointer must "
                              "name its gap")
         committed = self._committed_of(gap, checkpointer).extended
         txn = self._begin()
@@ -133,7 +133,7 @@ class ExactlyOnceProcessor(IRecordProcessor):
                 txn, covered, started = self._begin(), [], self._clock()
                 if not self._apply(record, txn):
                     raise TransactionTooLarge(
-                        f"shard {self._shard_id}: record {record.sequence_number}/"
+                        f"shard {self._lease_key}: record {record.sequence_number}/"
                         f"{record.sub_sequence_number} alone writes more than one transaction "
                         f"holds ({self._store.limits})")
             covered.append(record)
@@ -164,7 +164,7 @@ class ExactlyOnceProcessor(IRecordProcessor):
         if gap is None:
             return self._committed
         if gap not in self._gaps:
-            stored = self._store.gap_position(self._shard_id, gap)
+            stored = self._store.gap_position(self._lease_key, gap)
             self._gaps[gap] = (Position.of(*stored) if stored is not None
                                else Position.trim_horizon())
         self._gaps[gap] = max(self._gaps[gap], checkpointer.position)
@@ -195,15 +195,15 @@ class ExactlyOnceProcessor(IRecordProcessor):
             except TransactionRejected:
                 self._store.forget(list(txn.versions))
                 if self._metrics is not None:
-                    self._metrics.state_conflicts.labels(self._shard_id).inc()
+                    self._metrics.state_conflicts.labels(self._lease_key).inc()
                 log.info("shard %s: a state key changed under transaction %d; applying its "
-                         "%d record(s) again", self._shard_id, attempt, len(covered))
+                         "%d record(s) again", self._lease_key, attempt, len(covered))
                 self._sleep(CONFLICT_RETRIES.delay(attempt))
                 txn = self._begin()
                 for record in covered:
                     if not self._apply(record, txn):
                         raise TransactionTooLarge(
-                            f"shard {self._shard_id}: records no longer fit one transaction "
+                            f"shard {self._lease_key}: records no longer fit one transaction "
                             "when applied again") from None
                 continue
             last = covered[-1]
@@ -212,11 +212,11 @@ class ExactlyOnceProcessor(IRecordProcessor):
             else:
                 self._gaps[checkpointer.gap] = Position.after(last)
             if self._metrics is not None:
-                self._metrics.state_commits.labels(self._shard_id).inc()
-                self._metrics.state_records.labels(self._shard_id).inc(len(covered))
+                self._metrics.state_commits.labels(self._lease_key).inc()
+                self._metrics.state_records.labels(self._lease_key).inc(len(covered))
             return
         raise TransactionRejected(
-            f"shard {self._shard_id}: state keys kept changing under {MAX_CONFLICTS + 1} "
+            f"shard {self._lease_key}: state keys kept changing under {MAX_CONFLICTS + 1} "
             "attempts; the batch fails and is delivered again", [])
 
 
