@@ -30,7 +30,7 @@ from kclpy.cloudwatch import (
 )
 from kclpy.errors import CheckpointError, KCLError, ProcessorRestartRequired, ShutdownException
 from kclpy.leases import park
-from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, Lease
+from kclpy.leases.lease import AT_TIMESTAMP, LATEST, Lease
 from kclpy.metrics import Metrics
 from kclpy.position import Position
 from kclpy.processor import (
@@ -95,7 +95,7 @@ class FetcherFactory(Protocol):
 class RecoveryLike(Protocol):
     """A shard's lag recovery (``kclpy.recovery.shard.ShardRecovery``)."""
 
-    def begin(self, checkpoint: str, sub_sequence_number: int) -> datetime | None: ...
+    def begin(self, live: Position) -> datetime | None: ...
     def poll(self) -> tuple[FetchResultLike, Checkpointer] | None: ...
     @property
     def active(self) -> bool: ...
@@ -333,7 +333,7 @@ class ShardConsumer:
         start_at = None
         if self._recovery is not None and not position.is_shard_end:
             try:
-                start_at = self._recovery.begin(checkpoint, sub_sequence_number)
+                start_at = self._recovery.begin(position)
             except ShutdownException as exc:
                 log.info("shard %s: lease lost while queueing a recovery gap: %s",
                          self.lease_key, exc)
@@ -500,7 +500,7 @@ class ShardConsumer:
                     return
             elif self._deliver(*batch, is_recovery=True) == "restart":
                 # Only the gap's reader can move back: the shard itself is finished.
-                recovery.begin(SHARD_END, 0)
+                recovery.begin(Position.shard_end())
 
     @property
     def recovery(self) -> list[dict[str, Any]]:

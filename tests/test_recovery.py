@@ -508,7 +508,7 @@ def recover_all(recovery: ShardRecovery) -> list[str]:
 def test_a_shard_behind_queues_its_gap_before_live_reading_and_recovers_it(shard: Shard) -> None:
     hour_later = time.time() + 3600
     recovery = shard.recovery(wall_clock=lambda: hour_later)
-    live_from = recovery.begin(TRIM_HORIZON, 0)
+    live_from = recovery.begin(Position.trim_horizon())
     assert live_from is not None
     assert live_from.timestamp() == pytest.approx(hour_later - 1, abs=0.01)
     [queued] = shard.queue()
@@ -524,7 +524,7 @@ def test_a_recovered_gap_is_not_logged_as_the_shard_ending(
         shard: Shard, caplog: pytest.LogCaptureFixture) -> None:
     hour_later = time.time() + 3600
     recovery = shard.recovery(wall_clock=lambda: hour_later)
-    assert recovery.begin(TRIM_HORIZON, 0) is not None
+    assert recovery.begin(Position.trim_horizon()) is not None
     with caplog.at_level("INFO", logger="kclpy.retrieval.polling"):
         assert len(recover_all(recovery)) == 30
     assert "the recovery gap was read to its end" in caplog.text
@@ -533,14 +533,14 @@ def test_a_recovered_gap_is_not_logged_as_the_shard_ending(
 
 def test_a_shard_within_max_lag_reads_live_from_its_checkpoint(shard: Shard) -> None:
     recovery = shard.recovery()
-    assert recovery.begin(TRIM_HORIZON, 0) is None
+    assert recovery.begin(Position.trim_horizon()) is None
     assert shard.queue() == () and not recovery.active
 
 
 def test_a_gap_not_checkpointed_to_its_end_stays_queued_for_the_next_owner(
         shard: Shard) -> None:
     recovery = shard.recovery(wall_clock=lambda: time.time() + 3600)
-    recovery.begin(TRIM_HORIZON, 0)
+    recovery.begin(Position.trim_horizon())
     seen: list[str] = []
 
     def step() -> bool:
@@ -561,7 +561,7 @@ def test_a_gap_read_to_its_end_is_finished_by_a_later_checkpoint_through_its_end
     """The Spark batcher checkpoints a batch only once Spark has it, after the gap reader
     reached the gap's end: that checkpoint still finishes the gap."""
     recovery = shard.recovery(wall_clock=lambda: time.time() + 3600)
-    recovery.begin(TRIM_HORIZON, 0)
+    recovery.begin(Position.trim_horizon())
     batches: list[tuple[Any, Checkpointer]] = []
 
     def step() -> bool:
@@ -677,8 +677,8 @@ class FakeRecovery:
         self.checkpointer = Checkpointer("shard-1", self.writer, "t", TRIM_HORIZON, 0)
         self.stopped = False
 
-    def begin(self, checkpoint: str, sub_sequence_number: int) -> datetime | None:
-        self.begun.append((checkpoint, sub_sequence_number))
+    def begin(self, live: Position) -> datetime | None:
+        self.begun.append((live.checkpoint, live.sub_sequence_number))
         return self.start_at
 
     def poll(self) -> tuple[Result, Checkpointer] | None:
@@ -781,8 +781,8 @@ class RewindingRecovery(FakeRecovery):
         super().__init__(batches)
         self.script = list(batches)
 
-    def begin(self, checkpoint: str, sub_sequence_number: int) -> datetime | None:
-        self.begun.append((checkpoint, sub_sequence_number))
+    def begin(self, live: Position) -> datetime | None:
+        self.begun.append((live.checkpoint, live.sub_sequence_number))
         done = self.checkpointer.last_checkpoint[0]
         after = int(done) if done is not None and done.isdigit() else -1
         self.batches = [b for b in self.script

@@ -121,8 +121,8 @@ class ShardRecovery:
 
     # -- the consumer's side ---------------------------------------------------------------
 
-    def begin(self, checkpoint: str, sub_sequence_number: int) -> datetime | None:
-        """Look at the first record after the live checkpoint; when it is older than
+    def begin(self, live: Position) -> datetime | None:
+        """Look at the first record after the live checkpoint ``live``; when it is older than
         ``max_lag_ms`` (None: never), queue its gap durably and return where live reading
         starts instead (None: read live from the checkpoint). Any gap being read is re-read
         from its own checkpoint, as a restarted processor must see it again."""
@@ -130,18 +130,17 @@ class ShardRecovery:
         self._passed.clear()
         self._ends.clear()
         max_lag_ms = self._max_lag_ms
-        if max_lag_ms is None or (checkpoint != TRIM_HORIZON and not checkpoint.isdigit()):
+        if max_lag_ms is None or not (live.is_record or live.sentinel == TRIM_HORIZON):
             return None
         if self._claim is not None:
             # The store's live position may be ahead of the lease's (its lease write failed
             # after the commit landed): the records between were applied live, so the gap
             # starts after it. Claimed first, so no earlier tenure commits past it meanwhile.
             stored = self._claim()
-            if stored is not None and Position.of(*stored) > Position.of(
-                    checkpoint, sub_sequence_number):
-                checkpoint, sub_sequence_number = stored
-        probe = self._readers(
-            Position.of(checkpoint, sub_sequence_number), None, None, 1)
+            if stored is not None and Position.of(*stored) > live:
+                live = Position.of(*stored)
+        checkpoint, sub_sequence_number = live.checkpoint, live.sub_sequence_number
+        probe = self._readers(live, None, None, 1)
         first = first_record(probe)
         now_ms = round(self._wall_clock() * 1000)
         live_ms = now_ms - max_lag_ms
