@@ -14,6 +14,7 @@ from kclpy.errors import ProcessorRestartRequired
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import UpdateBuilder
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from kclpy.processor import (
     InitializeInput,
     IRecordProcessor,
@@ -145,9 +146,8 @@ def run_consumer(pages: list[Result], processors: list[Recorder], *, lease: Leas
     fetchers: list[ScriptedFetcher] = []
     made = iter(processors)
 
-    def fetcher_factory(lease: Lease, checkpoint: str, sub: int,
-                        start_at: datetime | None = None) -> ScriptedFetcher:
-        fetcher = ScriptedFetcher(pages, (checkpoint, sub))
+    def fetcher_factory(lease: Lease, start: Position) -> ScriptedFetcher:
+        fetcher = ScriptedFetcher(pages, (start.checkpoint, start.sub_sequence_number))
         fetchers.append(fetcher)
         return fetcher
 
@@ -372,10 +372,9 @@ def latest_consumer(lease: Lease, processors: list[Recorder], keeper: StartKeepe
                     starts: list[datetime | None], pages: list[Result]) -> ShardConsumer:
     made = iter(processors)
 
-    def fetcher_factory(lease: Lease, checkpoint: str, sub: int,
-                        start_at: datetime | None = None) -> ScriptedFetcher:
-        starts.append(start_at)
-        return ScriptedFetcher(pages, (checkpoint, sub))
+    def fetcher_factory(lease: Lease, start: Position) -> ScriptedFetcher:
+        starts.append(start.moment)
+        return ScriptedFetcher(pages, (start.checkpoint, start.sub_sequence_number))
 
     return ShardConsumer(
         lease, concurrency_token="t", processor_factory=lambda: next(made),

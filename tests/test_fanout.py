@@ -16,10 +16,11 @@ from kclpy.config import KCLConfig, build_config, from_properties
 from kclpy.errors import ConfigError
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from kclpy.retrieval.fanout import FanOutSource, classify_subscribe
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.registration import list_consumers
-from kclpy.retrieval.source import ShardAddress, StartPosition
+from kclpy.retrieval.source import ShardAddress
 from kclpy.retry import CONNECTION, IN_USE, THROTTLED, Backoff
 from tests.support.eventstream_server import Event, Script, Step, eventstream_server
 from tests.support.faultproxy import FaultProxy
@@ -57,7 +58,7 @@ def fanout_pipeline(client: Any, *, metrics: Metrics,
     source = FanOutSource(
         client, ShardAddress("shardId-000000000000", stream_name="s"),
         "arn:aws:kinesis:us-east-1:1:stream/s/consumer/a:1", metrics=metrics, **options)
-    return ShardPipeline(source, StartPosition("TRIM_HORIZON"), metrics=metrics, sleep=sleep)
+    return ShardPipeline(source, Position("TRIM_HORIZON"), metrics=metrics, sleep=sleep)
 
 
 def test_retrieval_modes_are_checked_naming_the_option() -> None:

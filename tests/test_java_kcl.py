@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from kclpy.checkpoint import position_of
 from kclpy.local import LocalEndpoint
+from kclpy.position import Position
 from tests.support import java_kcl
 from tests.support.fleet import FleetLedger, Producer
 from tests.support.streams import (
@@ -45,9 +45,9 @@ def _items(dynamodb_url: str, table: str) -> dict[str, dict[str, Any]]:
     return {item["leaseKey"]["S"]: dict(item) for item in items}
 
 
-def _position(item: dict[str, Any]) -> tuple[int, int]:
+def _position(item: dict[str, Any]) -> Position:
     sub = int(item.get("checkpointSubSequenceNumber", {}).get("N", "0"))
-    return position_of(item["checkpoint"]["S"], sub)
+    return Position.of(item["checkpoint"]["S"], sub)
 
 
 def test_kclpy_resumes_exactly_where_the_java_kcl_checkpointed(
@@ -75,7 +75,7 @@ def test_kclpy_resumes_exactly_where_the_java_kcl_checkpointed(
     assert not any(line["worker"] != "java-0" for line in ledger.lines())
     table = _items(moto_server.url, app)
     assert set(table) == {f"shardId-00000000000{n}" for n in range(SHARDS)}
-    java_last = {line["shard"]: position_of(line["seq"], line["sub"])
+    java_last = {line["shard"]: Position.of(line["seq"], line["sub"])
                  for line in ledger.records()}
     # the Java KCL wrote its checkpoints into the shared table, at the last record delivered
     assert {key: _position(item) for key, item in table.items()} == java_last
@@ -94,13 +94,13 @@ def test_kclpy_resumes_exactly_where_the_java_kcl_checkpointed(
     assert set(starts) == set(java_last)
     for shard, line in starts.items():
         # the kclpy child is initialized at the Java checkpoint ...
-        assert position_of(line["checkpoint"], line["checkpoint_sub"]) == java_last[shard]
+        assert Position.of(line["checkpoint"], line["checkpoint_sub"]) == java_last[shard]
     resumed = [line for line in after if "data" in line]
     # ... and its first record is the one after it: nothing again, nothing skipped
     assert all(line["worker"] == "kclpy-0" for line in resumed)
     assert Counter(line["data"] for line in resumed) == Counter(second)
     for shard in java_last:
-        firsts = [position_of(r["seq"], r["sub"]) for r in resumed if r["shard"] == shard]
+        firsts = [Position.of(r["seq"], r["sub"]) for r in resumed if r["shard"] == shard]
         assert firsts and min(firsts) > java_last[shard]
 
 
@@ -271,14 +271,14 @@ def test_a_rolling_migration_from_java_to_kclpy_and_back_under_load(
     # 2.x notices at its next renewal and keeps delivering what it fetched until then, as it
     # does when a Java worker steals from it; such a delivery must come within ZOMBIE_S of
     # the new owner's first one
-    checkpointed: dict[str, tuple[int, int]] = {}
+    checkpointed: dict[str, Position] = {}
     by: dict[str, dict[str, Any]] = {}
     seen: dict[tuple[str, str, int], dict[str, Any]] = {}
     stint: dict[tuple[str, str], tuple[float, float]] = {}  # (shard, worker) -> first, last
     again = late = 0
     for line in run.ledger.lines():
         if line.get("event") == "checkpoint" and line["ok"] and line["seq"] is not None:
-            position = position_of(line["seq"], line["sub"])
+            position = Position.of(line["seq"], line["sub"])
             if position >= checkpointed.get(line["shard"], position):
                 checkpointed[line["shard"]], by[line["shard"]] = position, line
         elif "data" in line:
@@ -288,8 +288,8 @@ def test_a_rolling_migration_from_java_to_kclpy_and_back_under_load(
             record = (shard, line["seq"], line["sub"])
             if record in seen:
                 again += 1
-                done = checkpointed.get(shard, position_of(None, None))
-                if position_of(line["seq"], line["sub"]) <= done:
+                done = checkpointed.get(shard, Position.of(None, None))
+                if Position.of(line["seq"], line["sub"]) <= done:
                     owner = by[shard]["worker"]
                     taken_at = stint[shard, owner][0]
                     zombie = owner != worker and stint[shard, worker][0] < taken_at

@@ -5,6 +5,7 @@ Stubber, and over real HTTP against moto's server and kinesis-mock."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,14 +21,16 @@ from botocore.stub import Stubber
 
 from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from kclpy.retrieval.parse import ChildShard, GetRecordsPage
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import PollingSource
 from kclpy.retrieval.source import (
     AFTER_SEQUENCE_NUMBER,
     AT_SEQUENCE_NUMBER,
+    Reading,
     ShardAddress,
-    StartPosition,
+    reading_start,
 )
 from kclpy.retry import Backoff, RetryPolicy
 from tests.support.fakeshard import (
@@ -58,28 +61,26 @@ def fake_parse(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("sentinel", [TRIM_HORIZON, LATEST])
 def test_sentinel_checkpoints_map_to_their_iterator_type(sentinel: str) -> None:
-    assert StartPosition.from_checkpoint(sentinel, 0, None) == StartPosition(sentinel)
+    assert reading_start(Position(sentinel), None) == Position(sentinel)
 
 
 def test_at_timestamp_checkpoint_needs_the_initial_timestamp() -> None:
     ts = datetime(2024, 1, 2, tzinfo=timezone.utc)
-    assert StartPosition.from_checkpoint(AT_TIMESTAMP, 0, ts) == StartPosition(
-        AT_TIMESTAMP, timestamp=ts
-    )
+    assert reading_start(Position(AT_TIMESTAMP), ts) == Position.at_time(ts)
     with pytest.raises(ValueError):
-        StartPosition.from_checkpoint(AT_TIMESTAMP, 0, None)
+        reading_start(Position(AT_TIMESTAMP), None)
 
 
 def test_sequence_checkpoint_resumes_at_the_sequence_number() -> None:
-    assert StartPosition.from_checkpoint(seq(4), 7, None) == StartPosition(
-        AT_SEQUENCE_NUMBER, seq(4), 7
-    )
+    reading = Reading(reading_start(Position(seq(4), 7), None), threading.Event(), lambda s: None)
+    assert reading.resume_point(None) == (AT_SEQUENCE_NUMBER, seq(4), None)
+    assert reading.resume_point(seq(5)) == (AFTER_SEQUENCE_NUMBER, seq(5), None)
 
 
 @pytest.mark.parametrize("checkpoint", [SHARD_END, "not-a-number", ""])
 def test_impossible_checkpoints_are_refused(checkpoint: str) -> None:
     with pytest.raises(ValueError):
-        StartPosition.from_checkpoint(checkpoint, 0, None)
+        reading_start(Position.of(checkpoint, 0), None)
 
 
 def test_stream_name_or_arn_is_required() -> None:
@@ -91,7 +92,7 @@ def test_iterator_request_carries_arn_and_timestamp() -> None:
     shard = FakeShard([plain(0), plain(1), plain(2)])
     ts = datetime.fromtimestamp((1_700_000_000_000 + 1) / 1000, tz=timezone.utc)
     arn = "arn:aws:kinesis:us-east-1:123456789012:stream/s"
-    fetcher = polling(shard, StartPosition(AT_TIMESTAMP, timestamp=ts),
+    fetcher = polling(shard, Position.at_time(ts),
                       ShardAddress(SHARD, stream_arn=arn), sleep=Sleeps())
     assert payloads(drain(fetcher)) == [b"plain-1", b"plain-2"]
     assert shard.shard_iterator_calls == [
@@ -102,7 +103,7 @@ def test_iterator_request_carries_arn_and_timestamp() -> None:
 def test_both_stream_name_and_arn_are_sent_when_both_are_known() -> None:
     shard = FakeShard([plain(0)])
     arn = "arn:aws:kinesis:us-east-1:123456789012:stream/s"
-    fetcher = polling(shard, StartPosition(TRIM_HORIZON),
+    fetcher = polling(shard, Position(TRIM_HORIZON),
                       ShardAddress(SHARD, stream_name="s", stream_arn=arn), sleep=Sleeps())
     fetcher.fetch_once()
     assert shard.shard_iterator_calls[0]["StreamARN"] == arn
@@ -183,7 +184,7 @@ def test_a_botocore_client_throttled_then_answering_through_stubber() -> None:
         )
         fetcher = polling(
             client,
-            StartPosition(TRIM_HORIZON),
+            Position(TRIM_HORIZON),
             ShardAddress(SHARD, stream_name="s"),
             max_records=500,
             backoff=Backoff(0.1, 1.0, rng=UpperBound()),
@@ -241,7 +242,7 @@ def test_expired_iterator_repositions_after_the_last_fetched_record() -> None:
 
 def test_expired_iterator_before_any_record_restarts_from_the_checkpoint() -> None:
     shard = FakeShard([aggregate(0, 4), plain(1)])
-    fetcher = make(shard, StartPosition.from_checkpoint(seq(0), 1, None))
+    fetcher = make(shard, Position(seq(0), 1))
     shard.errors["GetRecords"] = [error("ExpiredIteratorException")]
     results = drain(fetcher)
     assert payloads(results) == [b"agg-0-2", b"agg-0-3", b"plain-1"]
@@ -266,7 +267,7 @@ def bounded_source(shard: FakeShard, attempts: int, **kwargs: Any) -> ShardPipel
         shard,  # type: ignore[arg-type]
         ShardAddress(SHARD, stream_name="s"),
         backoff=RetryPolicy(0.1, 1.0, max_attempts=attempts).backoff(UpperBound()), **kwargs)
-    return ShardPipeline(source, StartPosition(TRIM_HORIZON), sleep=Sleeps())
+    return ShardPipeline(source, Position.trim_horizon(), sleep=Sleeps())
 
 
 @pytest.mark.parametrize("operation", ["GetRecords", "GetShardIterator"])
@@ -420,7 +421,7 @@ def test_an_empty_final_page_is_still_delivered() -> None:
 
 def test_shard_end_checkpoint_never_reaches_the_fetcher() -> None:
     with pytest.raises(ValueError):
-        StartPosition.from_checkpoint(SHARD_END, 0, None)
+        reading_start(Position.of(SHARD_END, 0), None)
 
 
 # -- over real HTTP ----------------------------------------------------------------------
@@ -541,7 +542,7 @@ def test_reads_plain_and_aggregated_records_over_http_exactly_once_in_order(
         metrics = Metrics()
         fetcher = polling(
             client,
-            StartPosition(TRIM_HORIZON),
+            Position(TRIM_HORIZON),
             ShardAddress(shard_id, stream_name=stream),
             max_records=2,  # small pages: the read spans many GetRecords calls
             idle_time_s=0.05,
@@ -558,7 +559,7 @@ def test_reads_plain_and_aggregated_records_over_http_exactly_once_in_order(
         assert checkpoint_sub == 2
         resumed = polling(
             client,
-            StartPosition.from_checkpoint(checkpoint_seq, checkpoint_sub, None),
+            reading_start(Position.of(checkpoint_seq, checkpoint_sub), None),
             ShardAddress(shard_id, stream_name=stream),
             max_records=2,
             idle_time_s=0.05,
@@ -586,7 +587,7 @@ def test_a_split_parent_is_read_to_shard_end_with_its_children_over_http(
 
     fetcher = polling(
         client,
-        StartPosition(TRIM_HORIZON),
+        Position(TRIM_HORIZON),
         ShardAddress(parent["ShardId"], stream_name=stream),
         max_records=4,
         idle_time_s=0.05,

@@ -38,13 +38,14 @@ from kclpy.leases.serializer import RECOVERY, UpdateBuilder
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from kclpy.recovery import queue as gaps
 from kclpy.recovery.queue import RecoveryRequest
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import Pacer, PollingSource
-from kclpy.retrieval.source import ShardAddress, StartPosition
+from kclpy.retrieval.source import ShardAddress
 from tests.support.determinism import Clock
 from tests.support.fleet import Fleet, fleet
 from tests.support.streams import (
@@ -231,7 +232,7 @@ def table(aws: None) -> LeaseTable:
     return table
 
 
-def unused_reader(start: StartPosition, until_ms: int | None, pacer: Pacer | None,
+def unused_reader(start: Position, until_ms: int | None, pacer: Pacer | None,
                   max_records: int | None) -> ShardPipeline:
     raise AssertionError("no read expected")
 
@@ -292,7 +293,7 @@ def test_the_new_owner_reads_the_queue_and_its_checkpoints_move_only_the_gap(
     lease = b.held.get("s1")
     assert lease is not None
     second = recovery_for(b, token_b, lease.recovery)
-    second.checkpoint((100, 0), "150", 0)
+    second.checkpoint(Position("100", 0), "150", 0)
     lease = table.get("s1")
     assert lease is not None and lease.checkpoint == TRIM_HORIZON
     assert [(r.start, r.done) for r in gaps.loads(lease.recovery)] == [("100", "150"),
@@ -454,7 +455,7 @@ class Shard:
     written_at: float
     metrics: Metrics = field(default_factory=Metrics)
 
-    def reader(self, start: StartPosition, until_ms: int | None, pacer: Pacer | None,
+    def reader(self, start: Position, until_ms: int | None, pacer: Pacer | None,
                max_records: int | None) -> ShardPipeline:
         source = PollingSource(
             self.kinesis, ShardAddress("shardId-000000000000", stream_name=self.stream),
@@ -510,7 +511,7 @@ def recover_all(recovery: ShardRecovery) -> list[str]:
 def test_a_shard_behind_queues_its_gap_before_live_reading_and_recovers_it(shard: Shard) -> None:
     hour_later = time.time() + 3600
     recovery = shard.recovery(wall_clock=lambda: hour_later)
-    live_from = recovery.begin(TRIM_HORIZON, 0)
+    live_from = recovery.begin(Position.trim_horizon())
     assert live_from is not None
     assert live_from.timestamp() == pytest.approx(hour_later - 1, abs=0.01)
     [queued] = shard.queue()
@@ -526,7 +527,7 @@ def test_a_recovered_gap_is_not_logged_as_the_shard_ending(
         shard: Shard, caplog: pytest.LogCaptureFixture) -> None:
     hour_later = time.time() + 3600
     recovery = shard.recovery(wall_clock=lambda: hour_later)
-    assert recovery.begin(TRIM_HORIZON, 0) is not None
+    assert recovery.begin(Position.trim_horizon()) is not None
     with caplog.at_level("INFO", logger="kclpy.retrieval.polling"):
         assert len(recover_all(recovery)) == 30
     assert "the recovery gap was read to its end" in caplog.text
@@ -537,14 +538,14 @@ def test_a_shard_within_max_lag_reads_live_from_its_checkpoint(shard: Shard) -> 
     # the wall clock stops where the records were written: the shard is within its lag bound
     # however long a loaded machine takes to get here
     recovery = shard.recovery(wall_clock=lambda: shard.written_at)
-    assert recovery.begin(TRIM_HORIZON, 0) is None
+    assert recovery.begin(Position.trim_horizon()) is None
     assert shard.queue() == () and not recovery.active
 
 
 def test_a_gap_not_checkpointed_to_its_end_stays_queued_for_the_next_owner(
         shard: Shard) -> None:
     recovery = shard.recovery(wall_clock=lambda: time.time() + 3600)
-    recovery.begin(TRIM_HORIZON, 0)
+    recovery.begin(Position.trim_horizon())
     seen: list[str] = []
 
     def step() -> bool:
@@ -565,7 +566,7 @@ def test_a_gap_read_to_its_end_is_finished_by_a_later_checkpoint_through_its_end
     """The Spark batcher checkpoints a batch only once Spark has it, after the gap reader
     reached the gap's end: that checkpoint still finishes the gap."""
     recovery = shard.recovery(wall_clock=lambda: time.time() + 3600)
-    recovery.begin(TRIM_HORIZON, 0)
+    recovery.begin(Position.trim_horizon())
     batches: list[tuple[Any, Checkpointer]] = []
 
     def step() -> bool:
@@ -681,8 +682,8 @@ class FakeRecovery:
         self.checkpointer = Checkpointer("shard-1", self.writer, "t", TRIM_HORIZON, 0)
         self.stopped = False
 
-    def begin(self, checkpoint: str, sub_sequence_number: int) -> datetime | None:
-        self.begun.append((checkpoint, sub_sequence_number))
+    def begin(self, live: Position) -> datetime | None:
+        self.begun.append((live.checkpoint, live.sub_sequence_number))
         return self.start_at
 
     def poll(self) -> tuple[Result, Checkpointer] | None:
@@ -727,10 +728,9 @@ def consume(lease: Lease, live: list[Result], recovery: FakeRecovery
     processor, writer = FlagLog(), Writer()
     starts: list[datetime | None] = []
 
-    def fetcher_factory(lease: Lease, checkpoint: str, sub: int,
-                        start_at: datetime | None = None) -> ScriptedFetcher:
-        starts.append(start_at)
-        return ScriptedFetcher(live, (checkpoint, sub))
+    def fetcher_factory(lease: Lease, start: Position) -> ScriptedFetcher:
+        starts.append(start.moment)
+        return ScriptedFetcher(live, (start.checkpoint, start.sub_sequence_number))
 
     consumer = ShardConsumer(
         lease, concurrency_token="t", processor_factory=lambda: processor,
@@ -786,8 +786,8 @@ class RewindingRecovery(FakeRecovery):
         super().__init__(batches)
         self.script = list(batches)
 
-    def begin(self, checkpoint: str, sub_sequence_number: int) -> datetime | None:
-        self.begun.append((checkpoint, sub_sequence_number))
+    def begin(self, live: Position) -> datetime | None:
+        self.begun.append((live.checkpoint, live.sub_sequence_number))
         done = self.checkpointer.last_checkpoint[0]
         after = int(done) if done is not None and done.isdigit() else -1
         self.batches = [b for b in self.script
@@ -818,8 +818,8 @@ def test_a_restart_asked_while_a_closed_shard_drains_re_reads_from_the_gaps_chec
     consumer = ShardConsumer(
         Lease("shard-1", checkpoint="50"), concurrency_token="t",
         processor_factory=lambda: processor, checkpoint_writer=writer, lease_reader=Leases(),
-        fetcher_factory=lambda lease, checkpoint, sub, start_at=None: ScriptedFetcher(
-            [Result([], shard_end=True)], (checkpoint, sub)),
+        fetcher_factory=lambda lease, start: ScriptedFetcher(
+            [Result([], shard_end=True)], (start.checkpoint, start.sub_sequence_number)),
         on_shard_end=lambda shard_id, children: None, settings=SETTINGS, metrics=Metrics(),
         rng=random.Random(1), recovery=lambda: recovery)
     consumer.start()

@@ -30,13 +30,14 @@ from kclpy.leases.shard_sync import ShardSyncer
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from kclpy.processor import InitializeInput, ProcessRecordsInput
 from kclpy.records import Record, Records
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import Pacer, PollingSource
-from kclpy.retrieval.source import ShardAddress, StartPosition
+from kclpy.retrieval.source import ShardAddress
 from kclpy.state.dynamodb import DynamoDBStateStore
 from kclpy.state.processor import ExactlyOnceProcessor, StatefulProcessor
 from kclpy.state.sql import SQLStateStore
@@ -527,7 +528,7 @@ class Stream:
                                         PartitionKey="pk")["SequenceNumber"]
                 for p in payloads]
 
-    def reader(self, start: StartPosition, until_ms: int | None, pacer: Pacer | None,
+    def reader(self, start: Position, until_ms: int | None, pacer: Pacer | None,
                max_records: int | None) -> ShardPipeline:
         source = PollingSource(self.kinesis, ShardAddress(SHARD, stream_name="lagging"),
                                max_records=max_records or 7, idle_time_s=0, pacer=pacer,
@@ -580,7 +581,7 @@ def test_every_record_of_a_gap_is_applied_once_beside_the_live_position(
     stream = Stream(table)
     last = int(stream.put([f"old{i % 3}:1" for i in range(30)])[-1])
     shard, recovery = stream.take("A", Clock())
-    assert recovery.begin("TRIM_HORIZON", 0) is not None  # the gap: all 30 records
+    assert recovery.begin(Position.trim_horizon()) is not None  # the gap: all 30 records
     processor = runner(store, start=shard.start)
     live = [str(last + 1000), str(last + 2000)]  # what live reading delivers after the gap
     shard.deliver(processor, [Record(live[0], "pk", None, 0, b"new:1"),
@@ -607,13 +608,13 @@ def test_a_gap_finished_before_any_live_record_is_not_found_again_by_the_next_ow
     last = stream.put([f"old{i % 3}:1" for i in range(30)])[-1]
     clock = Clock()
     first, recovery = stream.take("A", clock)
-    assert recovery.begin("TRIM_HORIZON", 0) is not None
+    assert recovery.begin(Position.trim_horizon()) is not None
     recover(recovery, runner(store, start=first.start))
     recovery.stop()
     lease = stream.lease()
     assert (lease.checkpoint, lease.recovery) == (last, None)
     second, recovery = stream.take("B", clock)
-    assert recovery.begin(*second.start) is None, "no gap left to find"
+    assert recovery.begin(Position.of(*second.start)) is None, "no gap left to find"
     assert counts(store) == {"count/old0": 10, "count/old1": 10, "count/old2": 10}
 
 
@@ -643,7 +644,7 @@ def test_a_gap_found_by_the_next_owner_starts_after_what_the_sql_store_committed
         reader_factory=stream.reader, rate=RecoveryRate(100_000), max_lag_ms=1000,
         metrics=stream.metrics, wall_clock=lambda: time.time() + 3600,
         claim=partial(store.begin_tenure, second.fence, SHARD, second.checkpointer._token))
-    assert recovery.begin(*second.start) is not None
+    assert recovery.begin(Position.of(*second.start)) is not None
     recover(recovery, runner(store, start=second.start))
     assert counts(store) == {"count/old0": 10, "count/old1": 10, "count/old2": 10}
 
@@ -653,7 +654,7 @@ def test_a_closed_shards_gap_is_applied_and_the_lease_finished(
     stream = Stream(table)
     stream.put([f"old{i % 3}:1" for i in range(30)])
     first, queueing = stream.take("A", Clock())
-    assert queueing.begin("TRIM_HORIZON", 0) is not None
+    assert queueing.begin(Position.trim_horizon()) is not None
     queueing.stop()
     first.fence.update_checkpoint(SHARD, first.checkpointer._token, "SHARD_END", 0)
     shard, recovery = stream.take("B", Clock())  # a closed lease is taken for its gap
@@ -669,7 +670,7 @@ def test_a_gap_half_recovered_by_a_failed_worker_is_finished_once_by_the_next(
     stream.put([f"old{i % 3}:1" for i in range(30)])
     clock = Clock()
     first, recovery = stream.take("A", clock)
-    assert recovery.begin("TRIM_HORIZON", 0) is not None
+    assert recovery.begin(Position.trim_horizon()) is not None
     lease_update = first.fence.update
 
     def throttled(key: str, token: str | None, changes: UpdateBuilder, *, what: str) -> Lease:

@@ -28,6 +28,7 @@ from kclpy.leases.dynamo import (
 )
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import UpdateBuilder, key_of, n, s, ss
+from kclpy.position import Position
 from kclpy.retry import TRANSACTION_CANCELED, error_code
 
 if TYPE_CHECKING:
@@ -55,10 +56,12 @@ class LeaseChanged(LeaseLostError):
 def checkpoint_changes(checkpoint: str, sub_sequence_number: int) -> UpdateBuilder:
     """The lease item's changes for a checkpoint. As in Java's checkpointer, a checkpoint
     resets the owner-switch count and clears any pending (prepared) checkpoint."""
+    changes = UpdateBuilder()
+    for attribute, value in ser.checkpoint_attributes(
+            Position.of(checkpoint, sub_sequence_number)).items():
+        changes.set(attribute, value)
     return (
-        UpdateBuilder()
-        .set(ser.CHECKPOINT, s(checkpoint))
-        .set(ser.CHECKPOINT_SUB_SEQUENCE_NUMBER, n(sub_sequence_number))
+        changes
         .set(ser.OWNER_SWITCHES_SINCE_CHECKPOINT, n(0))
         .remove(ser.PENDING_CHECKPOINT)
         .remove(ser.PENDING_CHECKPOINT_SUB_SEQUENCE_NUMBER)

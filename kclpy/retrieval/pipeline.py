@@ -34,16 +34,14 @@ from typing import Any
 
 from kclpy.errors import KCLError
 from kclpy.metrics import Metrics
-from kclpy.position import AT_TIMESTAMP
+from kclpy.position import AT_TIMESTAMP, Position
 from kclpy.records import EMPTY, Record, Records
 from kclpy.retrieval.kpl import HashKeyRange, deaggregate
 from kclpy.retrieval.parse import ChildShard
 from kclpy.retrieval.source import (
-    AT_SEQUENCE_NUMBER,
     Page,
     PageSource,
     Reading,
-    StartPosition,
     Stopped,
 )
 
@@ -109,7 +107,7 @@ class ShardPipeline:
     def __init__(
         self,
         source: PageSource,
-        start: StartPosition,
+        start: Position,
         *,
         queue_size: int = 3,
         hash_range: tuple[int, int] | None = None,
@@ -156,11 +154,7 @@ class ShardPipeline:
         self._millis_behind_latest: int | None = None
         # Records at or before this (sequence, sub-sequence) were processed before we started;
         # cleared as soon as one record beyond it is seen, since sequence numbers only grow.
-        self._skip_through: tuple[int, int] | None = (
-            (int(start.sequence_number), start.sub_sequence_number)
-            if start.kind == AT_SEQUENCE_NUMBER and start.sequence_number is not None
-            else None
-        )
+        self._skip_through: tuple[int, int] | None = start.extended if start.is_record else None
         #: the checkpoint whose record the first record back must be (``on_trimmed``)
         self._check_trimmed = (start.sequence_number if on_trimmed is not None
                                and self._skip_through is not None else None)
@@ -169,8 +163,7 @@ class ShardPipeline:
         # timestamp (kinesis-mock: to the second) must not hand out records a recovery gap
         # ending at that timestamp also reads.
         self._skip_before_ms: int | None = (
-            round(start.timestamp.timestamp() * 1000)
-            if start.kind == AT_TIMESTAMP and start.timestamp is not None else None)
+            start.timestamp_ms if start.sentinel == AT_TIMESTAMP else None)
 
     # -- consumer side -------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
 from kclpy.metrics import Metrics
-from kclpy.position import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
+from kclpy.position import AT_TIMESTAMP, Position
 from kclpy.records import Record
 from kclpy.retrieval.parse import ChildShard
 from kclpy.retry import THROTTLED, Backoff, classify
@@ -35,55 +35,26 @@ from kclpy.streams import multi_stream_lease_key
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
+#: the iterator types reading starts with: a record position is read from its Kinesis record
+#: (its aggregate's sub-records up to it are dropped), a restart after the last record handled
 AT_SEQUENCE_NUMBER = "AT_SEQUENCE_NUMBER"
 AFTER_SEQUENCE_NUMBER = "AFTER_SEQUENCE_NUMBER"
-_KINDS = frozenset({TRIM_HORIZON, LATEST, AT_TIMESTAMP, AT_SEQUENCE_NUMBER, AFTER_SEQUENCE_NUMBER})
 
 
-@dataclass(frozen=True)
-class StartPosition:
-    """Where a shard's reading begins.
+def reading_start(checkpoint: Position, initial_timestamp: datetime | None) -> Position:
+    """Where a lease's checkpoint has its shard read from: the checkpoint itself (after it,
+    for a record), an ``AT_TIMESTAMP`` without a time at ``initial_timestamp``.
 
-    For ``AT_SEQUENCE_NUMBER`` the position is a checkpoint: records at or before
-    ``(sequence_number, sub_sequence_number)`` were already processed and are not delivered
-    again. ``AFTER_SEQUENCE_NUMBER`` starts after the whole (possibly aggregated) record.
+    A SHARD_END checkpoint means the shard is finished; reaching here with one is a bug in
+    the caller, so it raises instead of reading the shard again.
     """
-
-    kind: str
-    sequence_number: str | None = None
-    sub_sequence_number: int = 0
-    timestamp: datetime | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in _KINDS:
-            raise ValueError(f"unknown start position kind {self.kind!r}")
-        if self.kind in (AT_SEQUENCE_NUMBER, AFTER_SEQUENCE_NUMBER):
-            seq = self.sequence_number
-            if seq is None or not (seq.isascii() and seq.isdigit()):
-                raise ValueError(f"{self.kind} needs a numeric sequence number")
-        if self.kind == AT_TIMESTAMP and self.timestamp is None:
-            raise ValueError("AT_TIMESTAMP needs a timestamp")
-        if self.sub_sequence_number < 0:
-            raise ValueError("sub_sequence_number must be >= 0")
-
-    @classmethod
-    def from_checkpoint(
-        cls, checkpoint: str, sub_sequence_number: int, initial_timestamp: datetime | None
-    ) -> StartPosition:
-        """The position for a lease's checkpoint (a sentinel or a sequence number).
-
-        A SHARD_END checkpoint means the shard is finished; reaching here with one is a bug in
-        the caller, so it raises instead of reading the shard again.
-        """
-        if checkpoint == SHARD_END:
-            raise ValueError("a SHARD_END checkpoint has nothing left to fetch")
-        if checkpoint in (TRIM_HORIZON, LATEST):
-            return cls(checkpoint)
-        if checkpoint == AT_TIMESTAMP:
-            if initial_timestamp is None:
-                raise ValueError("an AT_TIMESTAMP checkpoint needs the initial timestamp")
-            return cls(AT_TIMESTAMP, timestamp=initial_timestamp)
-        return cls(AT_SEQUENCE_NUMBER, checkpoint, sub_sequence_number)
+    if checkpoint.is_shard_end:
+        raise ValueError("a SHARD_END checkpoint has nothing left to fetch")
+    if checkpoint.sentinel == AT_TIMESTAMP and checkpoint.timestamp_ms is None:
+        if initial_timestamp is None:
+            raise ValueError("an AT_TIMESTAMP checkpoint needs the initial timestamp")
+        return Position.at_time(initial_timestamp)
+    return checkpoint
 
 
 @dataclass(frozen=True)
@@ -180,7 +151,7 @@ class Reading:
     Kinesis record already handled - a page holds whole aggregates, so all its sub-records
     were handled too - or at the start position if nothing was read yet."""
 
-    def __init__(self, start: StartPosition, stop: threading.Event,
+    def __init__(self, start: Position, stop: threading.Event,
                  sleep: Callable[[float], None]) -> None:
         self.start = start
         self.stop = stop
@@ -198,7 +169,11 @@ class Reading:
         if after is not None:
             return AFTER_SEQUENCE_NUMBER, after, None
         start = self.start
-        return start.kind, start.sequence_number, start.timestamp
+        if start.is_record:
+            return AT_SEQUENCE_NUMBER, start.sequence_number, None
+        if start.is_shard_end or (start.sentinel == AT_TIMESTAMP and start.moment is None):
+            raise ValueError(f"cannot start reading at {start}")
+        return start.sequence_number, None, start.moment
 
     def pause(self, seconds: float, cause: BaseException | None = None) -> None:
         """Wait before a retry; raise ``Stopped`` if the pipeline stopped meanwhile."""

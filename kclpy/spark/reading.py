@@ -34,7 +34,6 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -45,9 +44,9 @@ from kclpy.records import EMPTY, Record, Records
 from kclpy.retrieval.fanout import FanOutSource
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import PollingSource
-from kclpy.retrieval.source import AT_SEQUENCE_NUMBER, ShardAddress, StartPosition
+from kclpy.retrieval.source import ShardAddress
 from kclpy.retry import RetryPolicy, classify, error_code
-from kclpy.spark.offsets import AFTER, AT_TIMESTAMP, SHARD_END, TRIM_HORIZON, ShardPosition
+from kclpy.spark.offsets import AFTER, AT_TIMESTAMP, SHARD_END, ShardPosition
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
@@ -236,7 +235,7 @@ class ShardReader:
                                         shard_end_probe_s=shard_end_probe_s, backoff=backoff,
                                         metrics=metrics)
         self._pipeline = ShardPipeline(
-            self._source, _start_position(start), deliver_empty=True, deaggregate=deaggregate,
+            self._source, start.position, deliver_empty=True, deaggregate=deaggregate,
             hash_range=(shard.starting_hash_key, shard.ending_hash_key),
             on_trimmed=self._trimmed if start.kind == AFTER else None, metrics=metrics,
             sleep=time.sleep)
@@ -295,20 +294,6 @@ class ShardReader:
             raise DataLossError(message + "; set failOnDataLoss=false to skip them")
         log.warning("kinesis source: data loss: %s; skipped (failOnDataLoss=false)", message)
         self.data_loss_events += 1
-
-
-def _start_position(position: ShardPosition) -> StartPosition:
-    """Where the pipeline starts for a source position: an ``AFTER`` position is a
-    checkpoint (the iterator AT its sequence number, since the rest of a KPL aggregate may
-    still be due, and the record itself shows nothing was trimmed)."""
-    if position.kind == AFTER:
-        return StartPosition(AT_SEQUENCE_NUMBER, position.sequence_number,
-                             position.sub_sequence_number)
-    if position.kind == AT_TIMESTAMP:
-        assert position.timestamp_ms is not None
-        return StartPosition(AT_TIMESTAMP, timestamp=datetime.fromtimestamp(
-            position.timestamp_ms / 1000, tz=timezone.utc))
-    return StartPosition(TRIM_HORIZON)
 
 
 @dataclass

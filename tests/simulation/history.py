@@ -52,6 +52,7 @@ from kclpy.config import KCLConfig
 from kclpy.errors import CheckpointError
 from kclpy.leases.held import HeldSet
 from kclpy.leases.lease import SHARD_END, Lease
+from kclpy.position import Position as CheckpointPosition
 from kclpy.processor import (
     InitializeInput,
     IRecordProcessor,
@@ -388,7 +389,7 @@ class ObservedSQLStore(SQLStateStore):
 
     def commit(self, writer: Any, shard_id: str, token: str, checkpoint: str,
                sub_sequence_number: int, txn: StateTransaction,
-               gap: tuple[str, int] | None = None) -> None:
+               gap: CheckpointPosition | None = None) -> None:
         self._round_trip()
         self._shard[id(scheduler.ACTIVE and scheduler.ACTIVE.current)] = shard_id
         super().commit(writer, shard_id, token, checkpoint, sub_sequence_number, txn, gap)
@@ -431,7 +432,7 @@ class ObservedStore(DynamoDBStateStore):
 
     def commit(self, writer: Any, shard_id: str, token: str, checkpoint: str,
                sub_sequence_number: int, txn: StateTransaction,
-               gap: tuple[str, int] | None = None) -> None:
+               gap: CheckpointPosition | None = None) -> None:
         observer = self.observer
         assert observer is not None
         observer.pending_txn[id(observer.sim.current)] = (dict(txn.versions), dict(txn.writes))

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import kclpy
-from kclpy.checkpoint import position_of
 from kclpy.errors import CheckpointError
+from kclpy.position import Position
 from tests.support.ledger import WORKER_ENV
 from tests.support.streams import dynamodb_client, put_plain
 
@@ -339,9 +339,9 @@ class LeaseSampler:
         self._table = table
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease-sampler", daemon=True)
-        self._last: dict[str, tuple[int, int]] = {}
+        self._last: dict[str, Position] = {}
         self.samples = 0
-        self.backwards: list[tuple[str, tuple[int, int], tuple[int, int]]] = []
+        self.backwards: list[tuple[str, Position, Position]] = []
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -352,7 +352,7 @@ class LeaseSampler:
             for item in items:
                 key = item["leaseKey"]["S"]
                 sub = int(item.get("checkpointSubSequenceNumber", {}).get("N", "0"))
-                position = position_of(item["checkpoint"]["S"], sub)
+                position = Position.of(item["checkpoint"]["S"], sub)
                 previous = self._last.get(key)
                 if previous is not None and position < previous:
                     self.backwards.append((key, previous, position))
