@@ -31,8 +31,8 @@ from tests.support.streams import (
     kinesis_client,
     put_plain,
     unique_name,
-    wait_for,
 )
+from tests.support.waiting import wait_for
 from tests.support.workers import running
 from tests.test_inspect import endpoints, run_cli
 from tests.test_ops_server import scrape, worker_config

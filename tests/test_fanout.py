@@ -24,14 +24,9 @@ from kclpy.retry import CONNECTION, IN_USE, THROTTLED, Backoff
 from tests.support.eventstream_server import Event, Script, Step, eventstream_server
 from tests.support.faultproxy import FaultProxy
 from tests.support.recording import Ledger
-from tests.support.streams import (
-    create_stream,
-    kinesis_client,
-    session,
-    unique_name,
-    wait_for,
-)
+from tests.support.streams import create_stream, kinesis_client, session, unique_name
 from tests.support.tls import loopback_certificate
+from tests.support.waiting import wait_for
 from tests.test_worker_integration import (
     assert_exactly_once,
     assert_in_order,

@@ -28,8 +28,8 @@ from tests.support.streams import (
     kinesis_client,
     put_plain,
     unique_name,
-    wait_for,
 )
+from tests.support.waiting import wait_for
 from tests.support.workers import running
 from tests.test_ops_server import worker_config
 from tests.test_recovery import age

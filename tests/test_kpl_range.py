@@ -19,7 +19,8 @@ from kclpy.metrics import Metrics
 from kclpy.spark.offsets import ShardPosition
 from kclpy.spark.reading import ShardReader, StreamRef, list_shards
 from tests.support.recording import Ledger, RecordingProcessor
-from tests.support.streams import create_stream, kinesis_client, unique_name, wait_for
+from tests.support.streams import create_stream, kinesis_client, unique_name
+from tests.support.waiting import wait_for
 from tests.support.workers import running
 
 pytestmark = pytest.mark.integration

@@ -33,8 +33,8 @@ from tests.support.streams import (
     kinesis_client,
     put_plain,
     unique_name,
-    wait_for,
 )
+from tests.support.waiting import wait_for
 from tests.support.workers import running
 
 pytestmark = pytest.mark.integration

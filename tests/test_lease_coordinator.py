@@ -29,6 +29,7 @@ from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from tests.support.determinism import Clock, FirstChoiceRandom
+from tests.support.waiting import wait_for
 
 REGION = "us-east-1"
 FAILOVER = 10.0
@@ -126,15 +127,6 @@ def fetch(table: LeaseTable, key: str) -> Lease:
 
 def sample(metrics: Metrics, name: str) -> float:
     return metrics.registry.get_sample_value(name) or 0.0
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """For tests with real threads: wait for a state, never assert on how long it took."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(0.01)
 
 
 # -- taking ----------------------------------------------------------------------------------
@@ -527,7 +519,7 @@ def test_started_threads_take_leases_and_stop_releases_them(table: LeaseTable) -
     a, _ = coordinator(table, "A", time.monotonic, failover_time_s=0.3)
     a.start()
     try:
-        wait_until(lambda: len(a.held_leases()) == 2)
+        wait_for(lambda: len(a.held_leases()) == 2)
         names = {thread.name for thread in threading.enumerate()}
         assert {"kclpy-lease-renewer-A", "kclpy-lease-taker-A"} <= names
     finally:
@@ -542,7 +534,7 @@ def test_stop_without_release_leaves_the_leases_to_expire(table: LeaseTable) -> 
     a, _ = coordinator(table, "A", time.monotonic, taker_interval_s=3600)
     a.start()
     try:
-        wait_until(lambda: a.get_held("s1") is not None)
+        wait_for(lambda: a.get_held("s1") is not None)
     finally:
         a.stop(release=False)
     assert owners(table) == {"s1": "A"}
@@ -559,13 +551,13 @@ def test_a_coordinator_that_stopped_taking_takes_nothing_and_keeps_renewing(
     a, _ = coordinator(table, "A", time.monotonic, failover_time_s=3.0)
     a.start()
     try:
-        wait_until(lambda: a.get_held("s1") is not None)
+        wait_for(lambda: a.get_held("s1") is not None)
         a.stop_taking()
         assert "kclpy-lease-taker-A" not in {t.name for t in threading.enumerate()}
         create(table, "s2")
         a.wake_taker()
         counter = fetch(table, "s1").lease_counter
-        wait_until(lambda: fetch(table, "s1").lease_counter > counter)  # renewed
+        wait_for(lambda: fetch(table, "s1").lease_counter > counter)  # renewed
         assert set(a.held_leases()) == {"s1"}
         assert fetch(table, "s2").lease_owner is None
     finally:
@@ -581,12 +573,12 @@ def test_wake_taker_runs_a_cycle_without_waiting_for_the_interval(client: Any) -
     a.start()
     try:
         scans = "kclpy_dynamodb_requests_total"
-        wait_until(
+        wait_for(
             lambda: (metrics.registry.get_sample_value(scans, {"operation": "Scan"}) or 0) >= 1
         )
         create(table, "new")
         a.wake_taker()
-        wait_until(lambda: a.get_held("new") is not None)
+        wait_for(lambda: a.get_held("new") is not None)
     finally:
         a.stop(release=True)
 
@@ -781,9 +773,9 @@ def late_renewer_pauses_retrieval(table: LeaseTable, clock: Clock) -> None:
     try:
         counter = fetch(table, "shard-1").lease_counter
         clock.advance(c.renewer_interval_s * 1.75)
-        wait_until(lambda: sample(metrics, "kclpy_retrieval_pauses_total") == 1)
-        wait_until(lambda: fetch(table, "shard-1").lease_counter > counter)
-        wait_until(c.retrieval_gate.is_set)
+        wait_for(lambda: sample(metrics, "kclpy_retrieval_pauses_total") == 1)
+        wait_for(lambda: fetch(table, "shard-1").lease_counter > counter)
+        wait_for(c.retrieval_gate.is_set)
         assert lost.shards == [] and c.get_held("shard-1") is not None
     finally:
         c.stop()

@@ -41,8 +41,8 @@ from tests.support.streams import (
     kinesis_client,
     put_plain,
     unique_name,
-    wait_for,
 )
+from tests.support.waiting import wait_for
 from tests.support.workers import running
 from tests.test_worker_integration import (
     assert_exactly_once,

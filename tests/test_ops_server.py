@@ -25,7 +25,8 @@ from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from kclpy.ops import RunningServer, serve_worker
 from tests.support.recording import Ledger, RecordingProcessor
-from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name, wait_for
+from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
+from tests.support.waiting import wait_for
 from tests.support.workers import running
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -53,8 +53,8 @@ from tests.support.streams import (
     kinesis_client,
     put_plain,
     unique_name,
-    wait_for,
 )
+from tests.support.waiting import wait_for
 from tests.support.workers import running as running_worker
 from tests.test_consumer import SETTINGS, Leases, Result, ScriptedFetcher, Writer, rec
 

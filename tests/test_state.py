@@ -50,8 +50,8 @@ from tests.support.streams import (
     put_aggregated,
     put_plain,
     unique_name,
-    wait_for,
 )
+from tests.support.waiting import wait_for
 from tests.support.workers import running
 
 REGION = "us-east-1"

@@ -29,8 +29,8 @@ from tests.support.streams import (
     put_aggregated,
     put_plain,
     unique_name,
-    wait_for,
 )
+from tests.support.waiting import wait_for
 from tests.support.workers import running as running_worker
 
 pytestmark = pytest.mark.integration
