@@ -14,6 +14,10 @@ import pytest
 
 from kclpy.local import LocalEndpoint, start_embedded, start_kinesis_mock, start_moto_server
 
+# The lease tests' in-process table and clock (tests/support/leases.py); a module that
+# defines its own fixture of the same name uses that one.
+from tests.support.leases import client, clock, table  # noqa: F401
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Node.js is the one thing the test command cannot install: kinesis-mock, the Kinesis

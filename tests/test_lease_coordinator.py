@@ -9,13 +9,10 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import boto3
 import pytest
-from botocore.exceptions import ClientError
-from moto import mock_aws
 
 from kclpy.errors import (
     KinesisClientLibDependencyException,
@@ -24,110 +21,24 @@ from kclpy.errors import (
 )
 from kclpy.leases.coordinator import LeaseCoordinator
 from kclpy.leases.dynamo import LeaseTableThrottled
-from kclpy.leases.lease import SHARD_END, Lease
+from kclpy.leases.lease import SHARD_END
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
-from tests.support.determinism import Clock, FirstChoiceRandom
+from tests.support.determinism import Clock
+from tests.support.leases import (
+    FAILOVER,
+    REGION,
+    FlakyClient,
+    Lost,
+    client_error,
+    coordinator,
+    create,
+    fetch,
+    owners,
+    sample,
+)
 from tests.support.waiting import wait_for
-
-REGION = "us-east-1"
-FAILOVER = 10.0
-
-
-@pytest.fixture(autouse=True)
-def _aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_DYNAMODB", "AWS_PROFILE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
-
-
-class FlakyClient:
-    """Delegates to a real client; ``fail[operation]`` makes that operation raise instead."""
-
-    def __init__(self, client: Any) -> None:
-        self._client = client
-        self.fail: dict[str, Callable[[], Exception]] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        if name in self.fail:
-            failure = self.fail[name]
-
-            def fail(**kwargs: Any) -> Any:
-                raise failure()
-
-            return fail
-        return getattr(self._client, name)
-
-
-def client_error(code: str) -> Callable[[], Exception]:
-    return lambda: ClientError({"Error": {"Code": code, "Message": code}}, "Op")
-
-
-@pytest.fixture
-def client() -> Iterator[Any]:
-    """Typed Any: it stands in for a DynamoDBClient."""
-    with mock_aws():
-        yield FlakyClient(boto3.client("dynamodb", region_name=REGION))
-
-
-@pytest.fixture
-def table(client: Any) -> LeaseTable:
-    lease_table = LeaseTable(client, "app", max_attempts=2, sleep=lambda _: None)
-    lease_table.create_if_missing()
-    return lease_table
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-class Lost:
-    """A lease-lost listener that records what it was told."""
-
-    def __init__(self) -> None:
-        self.shards: list[str] = []
-
-    def __call__(self, shard_id: str) -> None:
-        self.shards.append(shard_id)
-
-
-def coordinator(
-    table: LeaseTable, worker: str, clock: Callable[[], float], **kwargs: Any
-) -> tuple[LeaseCoordinator, Lost]:
-    kwargs.setdefault("failover_time_s", FAILOVER)
-    kwargs.setdefault("renewal_threads", 1)
-    # Steals here are outright takes, so these tests see the taker's rules alone; the
-    # graceful handoff a steal starts by default is tested in test_handoff.py.
-    kwargs.setdefault("graceful_handoff", False)
-    kwargs.setdefault("rng", FirstChoiceRandom())
-    c = LeaseCoordinator(table, worker, clock=clock, **kwargs)
-    lost = Lost()
-    c.add_lease_lost_listener(lost)
-    return c, lost
-
-
-def create(table: LeaseTable, *keys: str, **fields: Any) -> None:
-    for key in keys:
-        assert table.create(Lease(key, **fields))
-
-
-def owners(table: LeaseTable) -> dict[str, str | None]:
-    return {lease.lease_key: lease.lease_owner for lease in table.list_leases()}
-
-
-def fetch(table: LeaseTable, key: str) -> Lease:
-    lease = table.get(key)
-    assert lease is not None
-    return lease
-
-
-def sample(metrics: Metrics, name: str) -> float:
-    return metrics.registry.get_sample_value(name) or 0.0
-
 
 # -- taking ----------------------------------------------------------------------------------
 
