@@ -119,3 +119,21 @@ def fetch(table: LeaseTable, key: str) -> Lease:
 def sample(metrics: Metrics, name: str) -> float:
     """A metric without labels; 0 when it was never set."""
     return metrics.registry.get_sample_value(name) or 0.0
+
+
+def run_fleet(
+    coordinators: list[LeaseCoordinator], clock: Clock, cycles: int
+) -> list[dict[str, str | None]]:
+    """Taker cycles for every worker with three renewals of every worker in between, as the
+    threads would interleave them; returns ownership after each cycle."""
+    table = coordinators[0].table
+    history = []
+    for _ in range(cycles):
+        for c in coordinators:
+            c.run_taker_once()
+        for _ in range(6):
+            clock.advance(FAILOVER / 3)
+            for c in coordinators:
+                c.run_renewer_once()
+        history.append(owners(table))
+    return history
