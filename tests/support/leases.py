@@ -137,3 +137,12 @@ def run_fleet(
                 c.run_renewer_once()
         history.append(owners(table))
     return history
+
+
+def take_one(table: LeaseTable, clock: Clock, **kwargs: Any) -> tuple[LeaseCoordinator, Lost, str]:
+    """Worker A holding the one lease s1; its listener and the tenure's token."""
+    create(table, "s1")
+    a, lost = coordinator(table, "A", clock, **kwargs)
+    (lease,) = a.run_taker_once()
+    assert lease.concurrency_token is not None
+    return a, lost, lease.concurrency_token
