@@ -176,3 +176,55 @@ def test_the_memory_of_a_stolen_lease_lasts_one_cycle(
     assert a.run_taker_once() == []
     del client.fail["scan"]
     assert [lease.lease_key for lease in a.run_taker_once()] == ["s1"]
+
+
+# -- what the last scan says, and when the next comes ------------------------------------------
+
+
+def test_a_failed_scan_takes_nothing_keeps_what_is_held_and_the_next_cycle_takes(
+    table: LeaseTable, client: FlakyClient, clock: Clock
+) -> None:
+    create(table, "s1")
+    a, a_lost = coordinator(table, "A", clock)
+    assert [lease.lease_key for lease in a.run_taker_once()] == ["s1"]
+    create(table, "s2")
+    client.fail["scan"] = client_error("InternalServerError")
+    assert a.run_taker_once() == []
+    assert set(a.held_leases()) == {"s1"} and a_lost.shards == []
+    del client.fail["scan"]
+    assert [lease.lease_key for lease in a.run_taker_once()] == ["s2"]
+
+
+def test_the_last_scan_tells_leases_nobody_runs_from_those_another_worker_runs(
+    table: LeaseTable, clock: Clock
+) -> None:
+    create(table, "free", "b-live", "b-dead")
+    b, _ = coordinator(table, "B", clock, max_leases_for_worker=2)
+    b.run_taker_once()
+    assert set(b.held_leases()) == {"b-live", "b-dead"}
+    b.release("b-dead")
+    table.take(fetch(table, "b-dead"), "B")  # owned by B, and never renewed again
+    a, _ = coordinator(table, "A", clock)
+    a.set_known_shards(set())  # A only watches: it takes no lease of a shard it does not know
+    assert a.idle_leases() == [] and a.run_elsewhere() == frozenset(), "no scan yet"
+    a.run_taker_once()
+    assert {lease.lease_key for lease in a.idle_leases()} == {"free"}
+    assert a.run_elsewhere() == frozenset(), "not seen renewed yet: maybe a crashed run's"
+    clock.advance(FAILOVER / 2)
+    b.run_renewer_once()  # renews b-live only: b-dead is not held by B's coordinator
+    clock.advance(FAILOVER / 2 + 0.01)
+    a.run_taker_once()
+    assert a.run_elsewhere() == frozenset({"b-live"})
+    assert {lease.lease_key for lease in a.idle_leases()} == {"free", "b-dead"}
+
+
+def test_with_a_fixed_interval_the_next_scan_is_that_long_after_the_last_attempt(
+    table: LeaseTable, client: FlakyClient, clock: Clock
+) -> None:
+    a, _ = coordinator(table, "A", clock, taker_interval_s=7.0)
+    assert a.taker.next_scan() == clock() + 7.0, "never scanned: from now"
+    client.fail["scan"] = client_error("InternalServerError")
+    started = clock()
+    a.run_taker_once()
+    clock.advance(3.0)
+    assert a.taker.next_scan() == started + 7.0, "a failed scan counts as an attempt"
