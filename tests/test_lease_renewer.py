@@ -221,3 +221,23 @@ def late_renewer_pauses_retrieval(table: LeaseTable, clock: Clock) -> None:
     finally:
         c.stop()
     assert c.retrieval_gate.is_set()
+
+
+# -- how long the renewer sleeps -------------------------------------------------------------
+
+
+def test_the_renewer_sleeps_until_the_first_renewal_due_and_never_more_than_a_quarter_interval(
+    table: LeaseTable, clock: Clock
+) -> None:
+    quarter = FAILOVER / 2 / 4
+    a, _ = coordinator(table, "A", clock)
+    assert a.renewer.next_wait() == quarter, "no lease: it still wakes to prove it is alive"
+    create(table, "s1")
+    a.run_taker_once()
+    assert a.renewer.next_wait() == quarter
+    clock.advance(FAILOVER / 2 - 0.5)
+    assert a.renewer.next_wait() == pytest.approx(0.5), "s1 is due in half a second"
+    clock.advance(2.0)
+    assert a.renewer.next_wait() == 0.01, "overdue: at once, but never a busy loop"
+    a.run_renewer_once(due_only=True)
+    assert a.renewer.next_wait() == quarter
