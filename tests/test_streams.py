@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from kclpy.streams import StreamIdentifier, multi_stream_lease_key, stream_of_lease_key
+from kclpy.errors import ConfigError
+from kclpy.streams import (
+    StreamConfig,
+    StreamIdentifier,
+    StreamTracker,
+    multi_stream_lease_key,
+    stream_of_lease_key,
+)
 
 STREAM_ID = "123456789012:orders:1700000000"
 
@@ -38,3 +45,44 @@ def test_the_documented_promql_takes_the_stream_out_of_a_lease_key() -> None:
     match = re.fullmatch(found.group(1), key)
     assert match is not None and match.group(1) == "click-stream_v2.eu"
     assert re.fullmatch(found.group(1), "shardId-000000000007") is None
+
+
+def test_a_stream_given_by_arn_is_labelled_by_its_name_and_called_by_its_arn() -> None:
+    arn = "arn:aws-cn:kinesis:cn-north-1:123456789012:stream/orders"
+    by_arn = StreamConfig(arn=arn)
+    assert by_arn.label == "orders"
+    assert by_arn.api_params == {"StreamARN": arn}, "by ARN: it may be another account's"
+    assert StreamConfig("orders").api_params == {"StreamName": "orders"}
+    with pytest.raises(ConfigError, match="--stream-name"):
+        StreamConfig()
+    with pytest.raises(ConfigError, match=r"--initial-position.*'EARLIEST'"):
+        StreamConfig("orders", initial_position="EARLIEST")
+
+
+def test_the_creation_epoch_is_whole_seconds_whatever_form_the_time_came_in() -> None:
+    arn = "arn:aws:kinesis:us-east-1:123456789012:stream/orders"
+    from_float = StreamIdentifier.from_summary(
+        {"StreamARN": arn, "StreamCreationTimestamp": 1700000000.9})
+    from_datetime = StreamIdentifier.from_summary(
+        {"StreamARN": arn,
+         "StreamCreationTimestamp": datetime.fromtimestamp(1700000000.9, tz=timezone.utc)})
+    assert from_float == from_datetime == StreamIdentifier.parse(STREAM_ID)
+    assert str(from_float) == STREAM_ID
+    with pytest.raises(ValueError, match="unexpected stream ARN"):
+        StreamIdentifier.from_summary({"StreamARN": "arn:aws:s3:::bucket",
+                                       "StreamCreationTimestamp": 0})
+
+
+def test_only_a_key_starting_with_a_whole_stream_identifier_names_a_stream() -> None:
+    assert stream_of_lease_key("orders:shardId-000000000001") is None
+    assert stream_of_lease_key("123456789012:orders:notanepoch:shardId-000000000001") is None
+    assert stream_of_lease_key(f"{STREAM_ID}:") == STREAM_ID
+
+
+def test_any_object_with_stream_configs_is_a_tracker() -> None:
+    class Fixed:
+        def stream_configs(self) -> list[StreamConfig]:
+            return [StreamConfig("orders")]
+
+    assert isinstance(Fixed(), StreamTracker)
+    assert not isinstance(object(), StreamTracker)
