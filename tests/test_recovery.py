@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -31,8 +30,6 @@ from kclpy.checkpoint import Checkpointer
 from kclpy.consumer import ShardConsumer
 from kclpy.errors import ShutdownException
 from kclpy.leases.cleanup import deletable
-from kclpy.leases.fence import LeaseFence
-from kclpy.leases.held import HeldSet
 from kclpy.leases.lease import SHARD_END, TRIM_HORIZON, Lease
 from kclpy.leases.serializer import RECOVERY, UpdateBuilder
 from kclpy.leases.table import LeaseTable
@@ -47,6 +44,7 @@ from kclpy.retrieval.polling import Pacer, PollingSource
 from kclpy.retrieval.source import ShardAddress, StartPosition
 from tests.support.determinism import Clock
 from tests.support.fleet import Fleet, fleet
+from tests.support.recovery import Holder, gap, recovery_for
 from tests.support.streams import (
     create_stream,
     dynamodb_client,
@@ -60,12 +58,6 @@ from tests.test_consumer import SETTINGS, Leases, Result, ScriptedFetcher, Write
 
 REGION = "us-east-1"
 FAILOVER = 10.0
-
-
-def gap(start: str, end_ms: int, first_ms: int | None, *, done: str | None = None
-        ) -> RecoveryRequest:
-    request = RecoveryRequest.gap(start, 0, end_ms, first_ms, None)
-    return request if done is None else request.checkpointed(done, 0, None)
 
 
 # -- the queue -------------------------------------------------------------------------------
@@ -192,29 +184,6 @@ def test_a_pacer_stops_waiting_once_stopped() -> None:
 
 # -- the lease attribute (in-process moto) --------------------------------------------------
 
-@dataclass
-class Holder:
-    """One worker's held set and fence, taking by hand."""
-
-    table: LeaseTable
-    worker_id: str
-    clock: Clock
-    held: HeldSet = field(init=False)
-    fence: LeaseFence = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.held = HeldSet(self.worker_id, renewer_interval_s=FAILOVER / 2, metrics=Metrics())
-        self.fence = LeaseFence(self.table, self.held, failover_time_s=FAILOVER,
-                                clock=self.clock)
-
-    def take(self, key: str) -> str:
-        current = self.table.get(key)
-        assert current is not None
-        fresh = self.table.take(current, self.worker_id)
-        fresh.concurrency_token = uuid.uuid4().hex
-        self.held.install(fresh, self.clock())
-        return fresh.concurrency_token
-
 
 @pytest.fixture
 def aws() -> Iterator[None]:
@@ -229,18 +198,6 @@ def table(aws: None) -> LeaseTable:
     table.create_if_missing()
     assert table.create(Lease("s1"))
     return table
-
-
-def unused_reader(start: StartPosition, until_ms: int | None, pacer: Pacer | None,
-                  max_records: int | None) -> ShardPipeline:
-    raise AssertionError("no read expected")
-
-
-def recovery_for(holder: Holder, token: str, stored: str | None = None,
-                 **options: Any) -> ShardRecovery:
-    options.setdefault("reader_factory", unused_reader)
-    return ShardRecovery("s1", stored, token=token, fence=holder.fence,
-                         rate=RecoveryRate(1000), max_lag_ms=1000, metrics=Metrics(), **options)
 
 
 def stored_queue(table: LeaseTable) -> tuple[RecoveryRequest, ...]:
