@@ -22,6 +22,7 @@ from kclpy.local import LocalEndpoint
 from kclpy.ops import serve_worker
 from kclpy.ops.inspect import inspect_main, parse_args, run_status
 from tests.support.recording import Ledger, RecordingProcessor
+from tests.support.recovery import age
 from tests.support.streams import (
     create_stream,
     dynamodb_client,
@@ -32,7 +33,6 @@ from tests.support.streams import (
 from tests.support.waiting import wait_for
 from tests.support.workers import running
 from tests.test_ops_server import worker_config
-from tests.test_recovery import age
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -3,6 +3,7 @@ fence, no coordinator), and a shard's recovery through that worker's fence."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import Pacer
 from kclpy.retrieval.source import StartPosition
 from tests.support.determinism import Clock
+from tests.support.waiting import wait_for
 
 FAILOVER = 10.0
 
@@ -66,3 +68,11 @@ def recovery_for(holder: Holder, token: str, stored: str | None = None,
     options.setdefault("reader_factory", unused_reader)
     return ShardRecovery("s1", stored, token=token, fence=holder.fence,
                          rate=RecoveryRate(1000), max_lag_ms=1000, metrics=Metrics(), **options)
+
+
+def age(max_lag_ms: int) -> None:
+    """Let what was just written become older than ``max_lag_ms`` (an emulator cannot age
+    records): waits for the wall clock, asserts nothing about it."""
+    written = time.time()
+    wait_for(lambda: time.time() > written + max_lag_ms / 1000, 10 + max_lag_ms / 1000,
+             "the backlog to age", interval=0.1)
