@@ -16,7 +16,10 @@ from kclpy.local import LocalEndpoint, start_embedded, start_kinesis_mock, start
 
 # The lease tests' in-process table and clock (tests/support/leases.py); a module that
 # defines its own fixture of the same name uses that one.
+from tests.support.e2e import EndToEnd
 from tests.support.leases import client, clock, table  # noqa: F401
+from tests.support.recording import Ledger
+from tests.support.streams import kinesis_client
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -97,3 +100,16 @@ def postgres_url() -> Iterator[str]:
 
     with postgres_server() as url:
         yield url
+
+
+@pytest.fixture
+def e2e(kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> EndToEnd:
+    """kinesis-mock and moto's server with a Kinesis client: streams and worker
+    configurations for an end-to-end test (tests/support/e2e.py)."""
+    return EndToEnd(kinesis_mock.url, moto_server.url, kinesis_client(kinesis_mock.url))
+
+
+@pytest.fixture
+def ledger() -> Ledger:
+    """What the processors of a test's workers saw (tests/support/recording.py)."""
+    return Ledger()
