@@ -30,6 +30,7 @@ from kclpy.leases.serializer import RECOVERY
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from kclpy.recovery import queue as gaps
+from tests.support.e2e import lease_items, worker_config
 from tests.support.recovery import age
 from tests.support.streams import (
     create_stream,
@@ -99,25 +100,8 @@ class FlagRecorder(kclpy.IRecordProcessor):
         shutdown_requested_input.checkpointer.checkpoint()
 
 
-def make_config(kinesis_url: str, dynamodb_url: str, stream: str, **overrides: Any) -> KCLConfig:
-    values: dict[str, Any] = {
-        "application_name": unique_name("lag"), "stream_name": stream, "region": REGION,
-        "kinesis_endpoint": kinesis_url, "dynamodb_endpoint": dynamodb_url,
-        "initial_position": "TRIM_HORIZON", "failover_time_ms": 3000,
-        "idle_time_between_reads_ms": 100, "shard_sync_interval_ms": 1000,
-        "shutdown_grace_ms": 5000, "task_backoff_time_ms": 50,
-    }
-    values.update(overrides)
-    return KCLConfig(**values)
-
-
 def running(config: KCLConfig, deliveries: Deliveries) -> AbstractContextManager[Worker]:
     return running_worker(Worker(config, lambda: FlagRecorder(deliveries)))
-
-
-def lease_items(dynamodb_url: str, table: str) -> dict[str, dict[str, Any]]:
-    items = dynamodb_client(dynamodb_url).scan(TableName=table, ConsistentRead=True)["Items"]
-    return {item["leaseKey"]["S"]: item for item in items}
 
 
 def lease_item(dynamodb_url: str, table: str) -> dict[str, Any]:
@@ -138,7 +122,7 @@ def test_a_lagging_shard_reads_live_at_once_while_its_gap_is_recovered(
     max_lag_ms, rate = 1500, 100
     age(max_lag_ms)
     deliveries = Deliveries()
-    config = make_config(kinesis_mock.url, moto_server.url, stream, max_lag_ms=max_lag_ms,
+    config = worker_config(kinesis_mock.url, moto_server.url, stream, max_lag_ms=max_lag_ms,
                          recovery_max_rate=rate)
     caplog.set_level(logging.INFO, logger="kclpy.recovery")
     with running(config, deliveries) as worker:
@@ -345,7 +329,7 @@ def test_a_gap_of_a_shard_that_is_split_is_recovered_from_the_closed_parent(
     max_lag_ms = 1500
     age(max_lag_ms)
     deliveries = Deliveries()
-    config = make_config(kinesis_mock.url, moto_server.url, stream, max_lag_ms=max_lag_ms,
+    config = worker_config(kinesis_mock.url, moto_server.url, stream, max_lag_ms=max_lag_ms,
                          recovery_max_rate=60, parent_shard_poll_interval_ms=200)
     parent = "shardId-000000000000"
     with running(config, deliveries) as worker:

@@ -43,6 +43,7 @@ from kclpy.state.sql import SQLStateStore
 from kclpy.state.store import StateStore
 from kclpy.state.transaction import StateTransaction, TransactionTooLarge, Versioned
 from tests.support.determinism import Clock
+from tests.support.e2e import worker_config
 from tests.support.streams import (
     create_stream,
     dynamodb_client,
@@ -333,14 +334,11 @@ class PlainCounter(kclpy.RecordProcessor):
 
 def http_config(kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, app: str, stream: str,
                 **overrides: Any) -> kclpy.KCLConfig:
-    values: dict[str, Any] = {
-        "application_name": app, "stream_name": stream, "region": REGION,
-        "kinesis_endpoint": kinesis_mock.url, "dynamodb_endpoint": moto_server.url,
-        "initial_position": "TRIM_HORIZON", "failover_time_ms": 2000,
-        "idle_time_between_reads_ms": 100, "task_backoff_time_ms": 50,
-        "shard_sync_interval_ms": 1000, "max_records": 25}
-    values.update(overrides)
-    return kclpy.KCLConfig(**values)
+    """The end-to-end settings with a shorter failover, small batches (more commits) and
+    the default shutdown grace."""
+    return worker_config(kinesis_mock.url, moto_server.url, stream, **{
+        "application_name": app, "failover_time_ms": 2000, "max_records": 25,
+        "shutdown_grace_ms": 10_000, **overrides})
 
 
 def http_stream(kinesis_mock: LocalEndpoint) -> tuple[str, collections.Counter[str]]:
