@@ -5,10 +5,8 @@ real HTTP (kinesis-mock and moto's server) with a zombie and a retried batch."""
 from __future__ import annotations
 
 import collections
-import json
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -20,10 +18,7 @@ import sqlalchemy as sa
 from moto import mock_aws
 
 import kclpy
-from kclpy.checkpoint import Checkpointer
 from kclpy.errors import ShutdownException, ThrottlingException
-from kclpy.leases.fence import LeaseFence
-from kclpy.leases.held import HeldSet
 from kclpy.leases.lease import Lease, incarnation_order, new_incarnation
 from kclpy.leases.serializer import UpdateBuilder
 from kclpy.leases.shard_sync import ShardSyncer
@@ -31,7 +26,7 @@ from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from kclpy.processor import InitializeInput, ProcessRecordsInput
-from kclpy.records import Record, Records
+from kclpy.records import Record
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
 from kclpy.retrieval.pipeline import ShardPipeline
@@ -44,6 +39,7 @@ from kclpy.state.store import StateStore
 from kclpy.state.transaction import StateTransaction, TransactionTooLarge, Versioned
 from tests.support.determinism import Clock
 from tests.support.e2e import worker_config
+from tests.support.state import Counter, Shard, rec, runner, stored_state
 from tests.support.streams import (
     create_stream,
     dynamodb_client,
@@ -57,50 +53,6 @@ from tests.support.workers import running
 
 REGION = "us-east-1"
 FAILOVER = 10.0
-
-
-class Counter(StatefulProcessor):
-    """Counts records and sums their numeric payloads per key (``key:number``)."""
-
-    def __init__(self, fail_once_at: int | None = None) -> None:
-        self.applied = 0
-        self.fail_once_at = fail_once_at
-
-    def apply(self, record: Record, txn: StateTransaction) -> None:
-        key, number = record.binary_data.decode().split(":")
-        self.applied += 1
-        if self.fail_once_at is not None and self.applied == self.fail_once_at:
-            self.fail_once_at = None
-            raise RuntimeError("crash in the middle of a batch")
-        txn.update(f"count/{key}", lambda n: n + 1, 0)
-        txn.update(f"sum/{key}", lambda n: n + int(number), 0)
-
-
-def rec(seq: int, data: str, sub: int = 0) -> Record:
-    return Record(str(seq), "pk", None, sub, data.encode())
-
-
-class Shard:
-    """One shard held through a real fence, and the checkpointer its consumer would hand out."""
-
-    def __init__(self, table: LeaseTable, key: str, worker: str, clock: Clock) -> None:
-        self.held = HeldSet(worker, renewer_interval_s=FAILOVER / 2)
-        self.fence = LeaseFence(table, self.held, failover_time_s=FAILOVER, clock=clock)
-        current = table.get(key)
-        assert current is not None
-        fresh = table.take(current, worker)
-        fresh.concurrency_token = uuid.uuid4().hex
-        self.held.install(fresh, clock())
-        self.key = key
-        #: where the consumer would start: the lease's checkpoint when taken
-        self.start = (fresh.checkpoint, fresh.checkpoint_sub_sequence_number)
-        self.checkpointer = Checkpointer(key, self.fence, fresh.concurrency_token,
-                                         fresh.checkpoint, fresh.checkpoint_sub_sequence_number)
-
-    def deliver(self, processor: ExactlyOnceProcessor, records: list[Record]) -> None:
-        self.checkpointer.mark_delivered(records[-1])
-        processor.process_records(
-            ProcessRecordsInput(self.key, Records([records]), self.checkpointer, None))
 
 
 @pytest.fixture
@@ -139,26 +91,6 @@ def new_store(request: pytest.FixtureRequest, dynamodb: Any, tmp_path: Path
 @pytest.fixture
 def store(new_store: Callable[[], StateStore]) -> StateStore:
     return new_store()
-
-
-def stored_state(store: StateStore) -> dict[str, Any]:
-    """Every committed key and value, read around the store's cache."""
-    if isinstance(store, SQLStateStore):
-        with store.engine.connect() as conn:
-            rows = conn.execute(sa.select(store.state.c.state_key, store.state.c.state_value))
-            return {key: json.loads(value) for key, value in rows}
-    assert isinstance(store, DynamoDBStateStore)
-    items = store.table.client.scan(TableName=store.table_name, ConsistentRead=True)["Items"]
-    return {item["stateKey"]["S"]: json.loads(item["stateValue"]["S"]) for item in items}
-
-
-def runner(store: StateStore, processor: StatefulProcessor | None = None,
-           **kwargs: Any) -> ExactlyOnceProcessor:
-    metrics = kwargs.pop("metrics", Metrics())
-    start = kwargs.pop("start", ("TRIM_HORIZON", 0))
-    adapter = ExactlyOnceProcessor(processor or Counter(), store, metrics=metrics, **kwargs)
-    adapter.initialize(InitializeInput("s1", *start))
-    return adapter
 
 
 # -- committing through the fence --------------------------------------------------------------
