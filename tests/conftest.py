@@ -1,4 +1,5 @@
-"""Session-wide test environment and the local AWS endpoints every integration test shares.
+"""Session-wide test environment, the local AWS endpoints every integration test shares, and
+the fixtures several test modules use (end-to-end set-up, lease table, SQL state store).
 
 Set ``KCLPY_TEST_ENDPOINT`` (e.g. ``http://localhost:4566`` for LocalStack) to run the same
 tests against an endpoint started elsewhere: the endpoint fixtures then start nothing.
@@ -8,12 +9,23 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from kclpy.local import LocalEndpoint, start_embedded, start_kinesis_mock, start_moto_server
+from tests.support.e2e import EndToEnd
+
+# The lease tests' in-process table and clock (tests/support/leases.py); a module that
+# defines its own fixture of the same name uses that one.
+from tests.support.leases import client, clock, table  # noqa: F401
+from tests.support.recording import Ledger
+from tests.support.streams import kinesis_client, unique_name
+
+if TYPE_CHECKING:
+    from kclpy.state.sql import SQLStateStore
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -127,3 +139,34 @@ def postgres_url() -> Iterator[str]:
 
     with postgres_server() as url:
         yield url
+
+
+@pytest.fixture
+def e2e(kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> EndToEnd:
+    """kinesis-mock and moto's server with a Kinesis client: streams and worker
+    configurations for an end-to-end test (tests/support/e2e.py)."""
+    return EndToEnd(kinesis_mock.url, moto_server.url, kinesis_client(kinesis_mock.url))
+
+
+@pytest.fixture
+def ledger() -> Ledger:
+    """What the processors of a test's workers saw (tests/support/recording.py)."""
+    return Ledger()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def new_sql_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], SQLStateStore]:
+    """Another worker's view of one SQL state store (its own cache), on SQLite and on
+    PostgreSQL: test_state.py and test_state_sql.py."""
+    from kclpy.state.sql import SQLStateStore
+
+    url = (f"sqlite:///{tmp_path / 'state.db'}" if request.param == "sqlite"
+           else request.getfixturevalue("postgres_url"))
+    prefix = unique_name("again").replace("-", "_")
+
+    def sql() -> SQLStateStore:
+        store = SQLStateStore(url, prefix=prefix)
+        store.open(None)
+        return store
+
+    return sql

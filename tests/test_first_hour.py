@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from kclpy.progress import ProgressReporter, Totals, progress_line, totals
 from tests.support.faultproxy import ALL, FaultProxy
 from tests.support.programs import path_without
 from tests.support.streams import create_stream, dynamodb_client, kinesis_client, unique_name
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_RECORDS = DEMO_PLAIN_RECORDS + DEMO_AGGREGATES * DEMO_RECORDS_PER_AGGREGATE
@@ -405,14 +405,10 @@ def test_progress_reporter_logs_at_info_until_stopped(caplog: pytest.LogCaptureF
     metrics = Metrics()
     metrics.records_processed.labels("shardId-0").inc(7)
     reporter = ProgressReporter(metrics, lambda: {"held_leases": ["shardId-0"]}, 0.05)
-    pause = threading.Event()
     with caplog.at_level("INFO", logger="kclpy.progress"):
         reporter.start()
         try:
-            for _ in range(400):
-                if caplog.records:
-                    break
-                pause.wait(0.05)
+            wait_for(lambda: caplog.records, 20, "the first progress line")
         finally:
             reporter.stop()
     assert caplog.records and caplog.records[0].levelname == "INFO"

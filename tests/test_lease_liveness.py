@@ -32,13 +32,8 @@ from kclpy.metrics import Metrics
 from tests.support.determinism import Clock
 from tests.support.late import LateAnswers, LateSession, checkpoint_write
 from tests.support.recording import Ledger, RecordingProcessor
-from tests.support.streams import (
-    create_stream,
-    kinesis_client,
-    put_plain,
-    unique_name,
-    wait_for,
-)
+from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
+from tests.support.waiting import wait_for
 from tests.support.workers import running
 
 FAILOVER = 10.0

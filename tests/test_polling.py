@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ from tests.support.fakeshard import (
     sample,
     seq,
 )
+from tests.support.streams import wait_for_stream_active
 
 
 @pytest.fixture(autouse=True)
@@ -468,15 +468,6 @@ def kinesis_client(endpoint: Endpoint) -> Any:
     )
 
 
-def wait_active(client: Any, stream: str) -> None:
-    for _ in range(300):
-        summary = client.describe_stream_summary(StreamName=stream)["StreamDescriptionSummary"]
-        if summary["StreamStatus"] == "ACTIVE":
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"stream {stream} never became ACTIVE")
-
-
 def put_mixed(client: Any, stream: str, shard: dict[str, Any]) -> list[tuple[str, int, bytes]]:
     """Plain records and KPL aggregates routed to ``shard``; the expected user records."""
     low = shard["HashKeyRange"]["StartingHashKey"]
@@ -528,7 +519,7 @@ def test_reads_plain_and_aggregated_records_over_http_exactly_once_in_order(
     client = kinesis_client(kinesis_endpoint)
     stream = f"fetcher-{uuid.uuid4().hex[:8]}"
     client.create_stream(StreamName=stream, ShardCount=2)
-    wait_active(client, stream)
+    wait_for_stream_active(client, stream)
     shards = client.list_shards(StreamName=stream)["Shards"]
     assert len(shards) == 2
     expected = {s["ShardId"]: put_mixed(client, stream, s) for s in shards}
@@ -577,13 +568,13 @@ def test_a_split_parent_is_read_to_shard_end_with_its_children_over_http(
     client = kinesis_client(Endpoint(url, verify=not url.startswith("https")))
     stream = f"fetcher-split-{uuid.uuid4().hex[:8]}"
     client.create_stream(StreamName=stream, ShardCount=1)
-    wait_active(client, stream)
+    wait_for_stream_active(client, stream)
     parent = client.list_shards(StreamName=stream)["Shards"][0]
     expected = put_mixed(client, stream, parent)
     client.split_shard(
         StreamName=stream, ShardToSplit=parent["ShardId"], NewStartingHashKey=str(2**127)
     )
-    wait_active(client, stream)
+    wait_for_stream_active(client, stream)
 
     fetcher = polling(
         client,

@@ -28,9 +28,9 @@ from kclpy.recovery.shard import ShardRecovery
 from kclpy.retrieval.pipeline import FetchResult, ShardPipeline
 from kclpy.retrieval.polling import Pacer
 from tests.support.determinism import Clock
+from tests.support.recovery import Holder, recovery_for
 from tests.support.streams import dynamodb_client, unique_name
 from tests.test_inspect import run_cli
-from tests.test_recovery import Holder, recovery_for
 
 KEY = "s1"
 
