@@ -99,6 +99,9 @@ class Worker:
         self._consumers_lock = threading.Lock()
         #: held lease key -> time.monotonic() since when it has had no running consumer
         self._unconsumed_since: dict[str, float] = {}
+        #: held leases of finished shards kept without a consumer until the lease cleanup
+        #: deletes them, as Java KCL 2.x workers sharing the table expect (leases/mixed.py)
+        self._finished_held: set[str] = set()
         self._fatal: BaseException | None = None
         self._started = threading.Event()
         self._settings = ConsumerSettings(
@@ -361,10 +364,17 @@ class Worker:
                 if isinstance(consumer.error, FatalProcessorError):
                     self._fatal = consumer.error
                     continue
+                del self._consumers[shard_id]
+                if consumer.shard_ended and self.coordinator.java_peers():
+                    current = self.coordinator.get_held(shard_id)
+                    if current is not None and current.is_finished:
+                        # kept, as a Java worker keeps it: Java's taker counts it as ours
+                        # instead of taking it and running a consumer on a finished shard
+                        self._finished_held.add(shard_id)
+                        continue
                 # A held lease must always have a running consumer: whatever ended this one,
                 # the lease is let go now so that a worker (this one included) takes it
                 # again and a new consumer resumes from the checkpoint.
-                del self._consumers[shard_id]
                 self.coordinator.release_soon(shard_id)
                 # no longer held: not to be given a new consumer from this snapshot below
                 del held[shard_id]
@@ -384,8 +394,10 @@ class Worker:
                     log.warning("shard %s: consumer ended (%s) while its lease stayed held; "
                                 "releasing the lease so the shard is consumed again",
                                 shard_id, consumer.ended_why)
+            self._finished_held.intersection_update(
+                key for key, lease in held.items() if lease.is_finished)
             for shard_id, lease in held.items():
-                if shard_id in self._consumers:
+                if shard_id in self._consumers or shard_id in self._finished_held:
                     continue
                 if lease.checkpoint_owner is not None or not self._consumed(lease):
                     # asked for, or of a stream no longer consumed; nothing to finish
@@ -394,7 +406,8 @@ class Worker:
                     consumer = self._new_consumer(lease)
                     self._consumers[shard_id] = consumer
                     consumer.start()
-            self._track_unconsumed(held)
+            self._track_unconsumed(
+                {key: lease for key, lease in held.items() if key not in self._finished_held})
         self.metrics.leases_held.set(len(held))
         self.metrics.shards_parked.set(
             sum(lease.parked is not None for lease in self.coordinator.all_leases()))
@@ -575,7 +588,8 @@ class Worker:
                for lease in open_leases):
             return False
         consumers = self.consumers()
-        return all(shard_id in consumers and consumers[shard_id].caught_up for shard_id in held)
+        return all(shard_id in consumers and consumers[shard_id].caught_up
+                   for shard_id in held if shard_id not in self._finished_held)
 
     # -- shutdown ------------------------------------------------------------------------
 

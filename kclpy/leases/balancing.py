@@ -173,10 +173,11 @@ class Balancer:
         """Decide what to take, given the leases this worker holds now. With ``java_peers``
         (a Java KCL 2.x worker shares the table), finished leases count as Java's taker
         counts them - towards the total and their live owner's load - so both compute the
-        same target (they are still never taken); and an unowned lease (released) free for
-        longer than one failover time counts as very old: a Java worker under target may
-        leave it free for up to four failover times (it takes a lease only at the second of
-        its scans, two failover times apart, after the lease's last change)."""
+        same target (they are still never taken); and a lease free (released, or expired:
+        its owner stopped renewing) for longer than one failover time counts as very old: a
+        Java worker under target may leave it free for up to four failover times (it takes a
+        lease only at the second of its scans, two failover times apart, after the lease's
+        last change)."""
         eligible = sorted(
             (
                 lease
@@ -236,8 +237,7 @@ class Balancer:
             lease
             for lease in available
             if self.unchanged_for(lease.lease_key, now) > (
-                self.failover_time_s if java_peers and lease.lease_owner is None
-                else very_old_after)
+                self.failover_time_s if java_peers else very_old_after)
         ]
         if very_old:
             room = len(very_old) if limit is None else max(0, limit - mine)
