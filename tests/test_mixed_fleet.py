@@ -255,3 +255,30 @@ def test_a_kclpy_worker_deletes_the_finished_lease_it_holds_through_its_held_set
     assert k.get_held("p") is None
     k.run_renewer_once()
     assert table.get("p") is None
+
+
+def test_expired_leases_a_kclpy_peer_under_target_takes_are_left_to_it() -> None:
+    """Both kclpy workers scan at the expiry: one taking every expired lease above its target
+    would only make the other steal one back (a second move, by a handoff)."""
+    leases = [Lease(f"k{n}", lease_owner="K", lease_counter=1, kclpy_holder="K")
+              for n in range(2)]
+    leases += [Lease(f"p{n}", lease_owner="P", lease_counter=1, kclpy_holder="P")
+               for n in range(2)]
+    leases += [Lease(f"j{n}", lease_owner="java", lease_counter=1) for n in range(2)]
+    leases += [Lease(f"d{n}", lease_owner="stopped", lease_counter=1) for n in range(2)]
+    balancer = Balancer("K", FAILOVER, rng=FirstChoiceRandom())
+    balancer.observe(leases, 0.0)
+    renewed = [lease.copy(lease_counter=2) if lease.lease_owner != "stopped" else lease
+               for lease in leases]
+    balancer.observe(renewed, FAILOVER)
+    # 8 leases, 3 live workers: target 3; K and P hold 2 each and take one each
+    plan = balancer.plan(held={"k0", "k1"}, known_shards=None, no_steal=(), now=FAILOVER + 1,
+                         java_peers=True)
+    assert len(plan.take) == 1
+    # with P at its target, K takes both: only Java's slower taker would be left for one
+    full = [lease.copy(lease_owner="P", kclpy_holder="P") if lease.lease_key == "j0" else lease
+            for lease in renewed]
+    balancer.observe(full, FAILOVER + 1)
+    plan = balancer.plan(held={"k0", "k1"}, known_shards=None, no_steal=(), now=FAILOVER + 2,
+                         java_peers=True)
+    assert {lease.lease_key for lease in plan.take} == {"d0", "d1"}

@@ -40,6 +40,11 @@ therefore speaks the Java 2.x protocol, and keeps its graceful handoff between k
   time even above its target (the balancer's "very old" rule, three failover times
   otherwise): an expired one right at its expiry, for which the taker scans anyway. A
   Java worker under its target later steals one back if need be, one per taker cycle.
+  kclpy's release bumps the counter where Java's does not; that delays Java's taker by
+  nothing: it counts a lease's failover time from the first of its scans that sees the
+  lease's last value, and the holder's renewals (every half failover time) and last
+  checkpoint come right before the release anyway. Only when no kclpy worker is left do
+  Java's takers alone pick up a stopped kclpy worker's leases, on Java's own schedule.
 """
 
 from __future__ import annotations
