@@ -100,6 +100,9 @@ class Worker:
         self._consumers_lock = threading.Lock()
         #: held lease key -> time.monotonic() since when it has had no running consumer
         self._unconsumed_since: dict[str, float] = {}
+        #: held leases of finished shards kept without a consumer until the lease cleanup
+        #: deletes them, as Java KCL 2.x workers sharing the table expect (leases/mixed.py)
+        self._finished_held: set[str] = set()
         self._fatal: BaseException | None = None
         self._started = threading.Event()
         self._settings = ConsumerSettings(
@@ -385,10 +388,17 @@ class Worker:
                 if isinstance(consumer.error, FatalProcessorError):
                     self._fatal = consumer.error
                     continue
+                del self._consumers[lease_key]
+                if consumer.shard_ended and self.coordinator.java_peers():
+                    current = self.coordinator.get_held(lease_key)
+                    if current is not None and current.is_finished:
+                        # kept, as a Java worker keeps it: Java's taker counts it as ours
+                        # instead of taking it and running a consumer on a finished shard
+                        self._finished_held.add(lease_key)
+                        continue
                 # A held lease must always have a running consumer: whatever ended this one,
                 # the lease is let go now so that a worker (this one included) takes it
                 # again and a new consumer resumes from the checkpoint.
-                del self._consumers[lease_key]
                 self.coordinator.release_soon(lease_key)
                 # no longer held: not to be given a new consumer from this snapshot below
                 del held[lease_key]
@@ -408,8 +418,10 @@ class Worker:
                     log.warning("shard %s: consumer ended (%s) while its lease stayed held; "
                                 "releasing the lease so the shard is consumed again",
                                 lease_key, consumer.ended_why)
+            self._finished_held.intersection_update(
+                key for key, lease in held.items() if lease.is_finished)
             for lease_key, lease in held.items():
-                if lease_key in self._consumers:
+                if lease_key in self._consumers or lease_key in self._finished_held:
                     continue
                 if lease.checkpoint_owner is not None or not self._consumed(lease):
                     # asked for, or of a stream no longer consumed; nothing to finish
@@ -418,7 +430,8 @@ class Worker:
                     consumer = self._new_consumer(lease)
                     self._consumers[lease_key] = consumer
                     consumer.start()
-            self._track_unconsumed(held)
+            self._track_unconsumed(
+                {key: lease for key, lease in held.items() if key not in self._finished_held})
         self.metrics.leases_held.set(len(held))
         self.metrics.shards_parked.set(
             sum(lease.parked is not None for lease in self.coordinator.all_leases()))
@@ -495,7 +508,7 @@ class Worker:
 
     def _address(self, lease: Lease) -> ShardAddress:
         stream = self._stream(lease)
-        return ShardAddress(lease.shard_id, None if stream.config.arn else stream.label,
+        return ShardAddress(lease.lease_key, None if stream.config.arn else stream.label,
                             stream.config.arn, stream.identifier)
 
     def _polling_source(self, lease: Lease, *, max_records: int | None = None,
@@ -596,7 +609,8 @@ class Worker:
                for lease in open_leases):
             return False
         consumers = self.consumers()
-        return all(lease_key in consumers and consumers[lease_key].caught_up for lease_key in held)
+        return all(lease_key in consumers and consumers[lease_key].caught_up
+                   for lease_key in held if lease_key not in self._finished_held)
 
     # -- shutdown ------------------------------------------------------------------------
 

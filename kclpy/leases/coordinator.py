@@ -302,6 +302,10 @@ class LeaseCoordinator:
         """Leases handed to this worker whose previous owner has not let go yet."""
         return self.taker.pending_handoffs()
 
+    def java_peers(self) -> bool:
+        """A Java KCL 2.x worker holds a live lease in the table (as of the last scan)."""
+        return self.taker.java_peers()
+
     def get_lease(self, shard_id: str) -> Lease | None:
         """The lease as the table has it now (e.g. whether a parent reached SHARD_END)."""
         return self.table.get(shard_id)

@@ -96,6 +96,8 @@ class LeaseTaker:
         #: lease key -> taker cycle in which it was lost; not stolen back in the next cycle
         self._lost_in_cycle: dict[str, int] = {}
         self._known_shards: frozenset[str] | None = None
+        #: the last scan found a live lease of a worker that does not speak graceful handoff
+        self._java_peers = False
         #: the leases of the last scan, for readers that must not wait for a cycle
         self._last_scan: list[Lease] = []
         self._last_scan_at: float | None = None
@@ -172,6 +174,8 @@ class LeaseTaker:
                 if (fresh := self._progress_handoff(key, by_key.get(key), scanned_at=now))
             ]
             foreign = self._mixed_fleet(leases, now)
+            with self._state:
+                self._java_peers = bool(foreign)
             held = set(self.held.entries())
             plan = self._balancer.plan(held=held, known_shards=known, no_steal=no_steal, now=now,
                                        java_peers=bool(foreign))
@@ -186,7 +190,7 @@ class LeaseTaker:
             if taken:
                 log.info("worker %s took %s", self.worker_id, ", ".join(t.lease_key for t in taken))
             if self.cleanup_leases:
-                self._clean_up(leases, keep={lease.lease_key for lease in foreign})
+                self._clean_up(leases, now)
             for name, value, level in (
                     ("TakenLeases", len(taken), SUMMARY), ("NumWorkers", plan.workers, SUMMARY),
                     ("ExpiredLeases", plan.expired, SUMMARY), ("TotalLeases", plan.total, DETAILED),
@@ -279,6 +283,8 @@ class LeaseTaker:
             self._last_scan_at = now
             known = self._known_shards
         foreign = self._mixed_fleet(leases, now)
+        with self._state:
+            self._java_peers = bool(foreign)
         reports = mode.reports.fleet()
         if reports is None:
             return []
@@ -328,7 +334,7 @@ class LeaseTaker:
                      self.worker_id, len(decided.assign), len(decided.move) if balance else 0,
                      decided.workers)
         if self.cleanup_leases:
-            self._clean_up(leases, keep={lease.lease_key for lease in foreign})
+            self._clean_up(leases, now)
         return taken
 
     def _assign(self, lease: Lease, owner: str) -> None:
@@ -487,6 +493,11 @@ class LeaseTaker:
         with self._state:
             return set(self._pending)
 
+    def java_peers(self) -> bool:
+        """The last scan found a live lease held by a Java KCL 2.x worker (``mixed.py``)."""
+        with self._state:
+            return self._java_peers
+
     def all_leases(self) -> list[Lease]:
         with self._state:
             return [lease.copy() for lease in self._last_scan]
@@ -624,11 +635,19 @@ class LeaseTaker:
                         lease.checkpoint_owner if restore else lease.lease_owner)
         return mixed.foreign_live(leases, expired)
 
-    def _clean_up(self, leases: list[Lease], keep: set[str]) -> None:
-        """Delete the finished leases ``cleanup.py`` says this worker should delete."""
-        for lease in cleanup.deletable(leases, self.worker_id, keep):
+    def _clean_up(self, leases: list[Lease], now: float) -> None:
+        """Delete the finished leases ``cleanup.py`` says this worker should delete: never
+        one another live worker holds (its holder deletes it), and one this worker holds
+        (``mixed.py``: kept until deleted while Java workers share the table) through the
+        held set, so that its renewals stop first."""
+        keep = {lease.lease_key for lease in leases
+                if mixed.holder(lease) not in (None, self.worker_id)
+                and not self._balancer.is_expired(lease, now)}
+        held = set(self.held.entries())
+        for lease in cleanup.deletable(leases, self.worker_id, keep - held, held):
             try:
-                deleted = self.table.delete(lease)
+                deleted = (self._delete_held(lease.lease_key) if lease.lease_key in held
+                           else self.table.delete(lease))
             except TABLE_ERRORS as exc:
                 log.warning("worker %s: deleting %s failed: %r",
                             self.worker_id, lease.lease_key, exc)
@@ -636,3 +655,10 @@ class LeaseTaker:
             if deleted:
                 log.info("worker %s deleted the lease of finished shard %s",
                          self.worker_id, lease.lease_key)
+
+    def _delete_held(self, key: str) -> bool:
+        """Stop holding a finished lease and delete it, conditional on the counter this
+        worker last wrote. A delete that fails leaves it to expire, as a failed release."""
+        with self.held.lock_for(key):
+            entry = self.held.forget(key)
+            return entry is not None and self.table.delete(entry.lease)
