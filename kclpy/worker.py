@@ -508,7 +508,7 @@ class Worker:
 
     def _address(self, lease: Lease) -> ShardAddress:
         stream = self._stream(lease)
-        return ShardAddress(lease.lease_key, None if stream.config.arn else stream.label,
+        return ShardAddress(lease.shard_id, None if stream.config.arn else stream.label,
                             stream.config.arn, stream.identifier)
 
     def _polling_source(self, lease: Lease, *, max_records: int | None = None,
