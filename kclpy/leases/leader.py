@@ -65,7 +65,7 @@ from kclpy.leases.load import (
     WorkerLoad,
     choose_steals,
 )
-from kclpy.retry import error_code
+from kclpy.retry import error_code, spread
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class LeaderLock:
         elif changed and not self._confirming:
             # a term seen for the first time: read again once it could have expired
             self._confirming = True
-            self._next_tick = now + self.expiry_s * self._rng.uniform(1.05, 1.2)
+            self._next_tick = now + spread(self.expiry_s, 1.05, 1.2, self._rng)
         else:
             self._confirming = False
             # Of a fleet of N, each worker reads every N / 8 check intervals (at a random
@@ -149,8 +149,8 @@ class LeaderLock:
             # its size, each read of a new term followed by one more: a dead leader's last
             # term is seen soon after it stopped, and confirmed half a failover time
             # later, and the bill does not grow with the workers.
-            spread = max(1.0, self._readers / _READERS)
-            self._next_tick = now + self.check_s * spread * self._rng.uniform(0.5, 1.5)
+            readers = max(1.0, self._readers / _READERS)
+            self._next_tick = now + spread(self.check_s * readers, 0.5, 1.5, self._rng)
         return self.is_leader()
 
     def _write(self, operation: str, fn: Callable[..., Any], **kw: Any) -> bool:

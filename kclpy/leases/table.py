@@ -29,7 +29,7 @@ from kclpy.leases.dynamo import (
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import UpdateBuilder, key_of, n, s, ss
 from kclpy.position import Position
-from kclpy.retry import TRANSACTION_CANCELED, error_code
+from kclpy.retry import THROTTLED, TRANSACTION_CANCELED, classify, error_code
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb import DynamoDBClient
@@ -172,8 +172,9 @@ class LeaseTable(DynamoTable):
                     "Projection": {"ProjectionType": "KEYS_ONLY"}}}])
         except ClientError as exc:
             # another worker added it first (or is adding it): not an error
-            if error_code(exc) not in ("ValidationException", "ResourceInUseException",
-                                       "LimitExceededException"):
+            # (or too many table updates are under way: a later start adds it)
+            if (error_code(exc) not in ("ValidationException", "ResourceInUseException")
+                    and classify(exc) != THROTTLED):
                 raise
             return False
         log.info("added index %s to lease table %s", OWNER_INDEX, self.table_name)
