@@ -16,12 +16,14 @@ at a low rate (``--rate`` records/s, after the backlog). ``--kpl`` consumes KPL-
 records instead. kinesis-mock serves GetRecords slowly (about 5k records/s), which bounds
 the throughput of every way alike; CPU and memory are what this compares.
 
-    python bench/java_kcl.py [--records 20000] [--shards 2] [--rate 5] [--kpl]
+    python bench/java_kcl.py [--records 20000] [--shards 2] [--rate 5] [--latency-records 30]
+                             [--kpl] [--kinesis-endpoint URL --dynamodb-endpoint URL]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -97,7 +99,8 @@ def _existing_table(dynamodb_url: str, app: str, shards: list[str]) -> None:
 
 
 def run_way(way: str, kinesis_url: str, dynamodb_url: str, stream: str, shards: list[str],
-            backlog: int, rate: float, kpl: bool, workdir: Path) -> Result:
+            backlog: int, rate: float, kpl: bool, workdir: Path,
+            latency_records: int = 30) -> Result:
     app = unique_name(f"bench-{way}")
     _existing_table(dynamodb_url, app, shards)
     ledger = FleetLedger(workdir / f"{way}.jsonl")
@@ -121,7 +124,8 @@ def run_way(way: str, kinesis_url: str, dynamodb_url: str, stream: str, shards: 
         sampler.sample()
         cpu = sampler.cpu_s
         first = min(line["t"] for line in ledger.records()) - started
-        latencies = _latencies(kinesis_url, stream, ledger, rate, kpl, sampler)
+        latencies = _latencies(kinesis_url, stream, ledger, rate, kpl, sampler,
+                               latency_records)
     finally:
         daemon.process.send_signal(signal.SIGTERM)
         daemon.stop()
@@ -152,19 +156,25 @@ def _latencies(kinesis_url: str, stream: str, ledger: FleetLedger, rate: float, 
             if line["data"] in put_at]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=int, default=20000)
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--rate", type=float, default=5.0)
+    parser.add_argument("--latency-records", type=int, default=30,
+                        help="records put at --rate for the latency figure")
     parser.add_argument("--kpl", action="store_true")
-    args = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                      AWS_DEFAULT_REGION="us-east-1", AWS_REGION="us-east-1")
-    with start_kinesis_mock() as kinesis, start_moto_server() as dynamodb, \
-            tempfile.TemporaryDirectory() as tmp:
-        client = kinesis_client(kinesis.url)
+    parser.add_argument("--kinesis-endpoint", metavar="URL",
+                        help="a running kinesis-mock instead of starting one")
+    parser.add_argument("--dynamodb-endpoint", metavar="URL",
+                        help="a running DynamoDB with atomic conditional writes instead of "
+                             "starting kclpy.local's moto server")
+    args = parser.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        kinesis_url = args.kinesis_endpoint or stack.enter_context(start_kinesis_mock()).url
+        dynamodb_url = args.dynamodb_endpoint or stack.enter_context(start_moto_server()).url
+        tmp = stack.enter_context(tempfile.TemporaryDirectory())
+        client = kinesis_client(kinesis_url)
         stream = unique_name("bench-java")
         create_stream(client, stream, args.shards)
         shards = [s["ShardId"] for s in client.list_shards(StreamName=stream)["Shards"]]
@@ -177,8 +187,9 @@ def main() -> int:
                                partition_key=f"group-{group}")
         else:
             put_plain(client, stream, payloads, partition_keys=keys)
-        results = {way: run_way(way, kinesis.url, dynamodb.url, stream, shards, args.records,
-                                args.rate, args.kpl, Path(tmp)) for way in WAYS}
+        results = {way: run_way(way, kinesis_url, dynamodb_url, stream, shards, args.records,
+                                args.rate, args.kpl, Path(tmp), args.latency_records)
+                   for way in WAYS}
     base = results["java"]
     print(f"{args.records} {'KPL' if args.kpl else 'plain'} records on {args.shards} shards")
     for way, r in results.items():
@@ -197,4 +208,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                      AWS_DEFAULT_REGION="us-east-1", AWS_REGION="us-east-1")
     sys.exit(main())

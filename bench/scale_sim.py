@@ -15,6 +15,10 @@ one core, 300 shards x 20 workers take about 30 s, 1,000 x 50 about five minutes
     python bench/scale_sim.py                          # every size but 10,000 x 200
     python bench/scale_sim.py --sizes 10000x200        # the soak
     python bench/scale_sim.py --sizes 100x10,1000x50 --jobs 2
+
+With ``--lease-assigner leader`` one elected worker scans and assigns and the others Query
+the owner index (``kclpy/leases/leader.py``): only one worker parses the table, so even
+10,000 x 200 is minutes of one core rather than hours.
 """
 
 from __future__ import annotations
@@ -31,14 +35,16 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SIZES = ("100x10,100x50,100x200,1000x10,1000x50,1000x200,10000x10,10000x50")
 
 
-def _child(size: str, failover_s: float, seed: int, steal: int) -> None:
+def _child(size: str, failover_s: float, seed: int, steal: int, assigner: str) -> None:
     sys.path.insert(0, str(ROOT))
     from tests.simulation.scale import Fleet, ScaleSpec, run_scale, summary
 
     shards, workers = (int(part) for part in size.split("x"))
     spec = ScaleSpec(shards, workers, failover_s=failover_s, seed=seed)
-    result = run_scale(spec, fleet=Fleet(spec, max_leases_to_steal_at_one_time=steal))
-    print(json.dumps({**summary(result), "max_leases_to_steal": steal}), flush=True)
+    result = run_scale(spec, fleet=Fleet(spec, max_leases_to_steal_at_one_time=steal,
+                                         leader=assigner == "leader"))
+    print(json.dumps({**summary(result), "max_leases_to_steal": steal, "assigner": assigner}),
+          flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -50,10 +56,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--max-leases-to-steal", type=int, default=1,
                         help="--max-leases-to-steal-at-one-time of every worker")
+    parser.add_argument("--lease-assigner", choices=("worker", "leader"), default="worker",
+                        help="worker: every worker scans (Java 2.x); leader: one elected "
+                             "leader scans and assigns, the others query the owner index")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        _child(args.child, args.failover_s, args.seed, args.max_leases_to_steal)
+        _child(args.child, args.failover_s, args.seed, args.max_leases_to_steal,
+               args.lease_assigner)
         return 0
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -61,7 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for start in range(0, len(sizes), args.jobs):
         children = [subprocess.Popen(
             [sys.executable, __file__, "--child", size, "--failover-s", str(args.failover_s),
-             "--seed", str(args.seed), "--max-leases-to-steal", str(args.max_leases_to_steal)],
+             "--seed", str(args.seed), "--max-leases-to-steal", str(args.max_leases_to_steal),
+             "--lease-assigner", args.lease_assigner],
             stdout=subprocess.PIPE, env=env)
             for size in sizes[start:start + args.jobs]]
         for child in children:

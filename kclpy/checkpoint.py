@@ -18,9 +18,7 @@ from kclpy.errors import CheckpointError, InvalidStateException
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import START_AT, UpdateBuilder, n
 from kclpy.metrics import CHECKPOINT_FAILURES, CHECKPOINTS, NOWHERE, Metrics
-from kclpy.position import SHARD_END
-from kclpy.position import Position as Position
-from kclpy.position import position_of as position_of
+from kclpy.position import SHARD_END, Position
 from kclpy.records import Record
 
 if TYPE_CHECKING:
@@ -30,14 +28,14 @@ T = TypeVar("T")
 
 class CheckpointWriter(Protocol):
     def update_checkpoint(
-        self, shard_id: str, concurrency_token: str, checkpoint: str, sub_sequence_number: int
+        self, lease_key: str, concurrency_token: str, checkpoint: str, sub_sequence_number: int
     ) -> None:
         """Write the checkpoint, fenced. Raises ShutdownException, ThrottlingException or
         KinesisClientLibDependencyException."""
 
     def transact_checkpoint(
         self,
-        shard_id: str,
+        lease_key: str,
         concurrency_token: str,
         checkpoint: str,
         sub_sequence_number: int,
@@ -48,7 +46,7 @@ class CheckpointWriter(Protocol):
         when one of ``items`` was refused (nothing written)."""
 
     def guard(
-        self, shard_id: str, concurrency_token: str | None, *, what: str
+        self, lease_key: str, concurrency_token: str | None, *, what: str
     ) -> AbstractContextManager[Guard]:
         """Hold the lease for a write to another store (a SQL transaction) that fences
         itself on ``Guard.tenure``; raise ``LeaseLostError`` inside to report a newer
@@ -73,55 +71,61 @@ def keep_start(writer: StartWriter, lease_key: str, concurrency_token: str, at_m
                   what="start position")
 
 
-#: ``Checkpointer.commit``'s write: (writer, shard id, token, checkpoint, sub-sequence)
+#: ``Checkpointer.commit``'s write: (writer, lease key, token, checkpoint, sub-sequence)
 CommitWrite = Callable[[CheckpointWriter, str, str, str, int], None]
 
 class Checkpointer:
-    """One per shard consumer. Thread-safe: a Spark batcher may checkpoint from its own thread."""
+    """One per shard consumer. Thread-safe: a Spark batcher may checkpoint from its own thread.
+
+    ``lease_key`` names the lease it writes (in a multi-stream application the stream
+    identifier and the shard id); ``shard_id`` is kept as an alias of it, the name it had
+    before, since a processor may read it."""
 
     def __init__(
         self,
-        shard_id: str,
+        lease_key: str,
         writer: CheckpointWriter,
         concurrency_token: str,
         last_checkpoint: str | None,
         last_sub_sequence_number: int | None,
         metrics: Metrics | None = None,
         *,
-        gap: tuple[str, int] | None = None,
+        gap: Position | None = None,
     ) -> None:
-        self.shard_id = shard_id
+        self.lease_key = lease_key
         #: lag recovery: the gap (the position it starts after) whose own checkpoint this
         #: checkpointer moves; None for the shard's live checkpointer. A stateful processor
         #: keeps each gap's committed position apart from the live one by it.
         self.gap = gap
         self._writer = writer
         self._token = concurrency_token
-        self._m = metrics.shard(shard_id) if metrics is not None else NOWHERE
+        self._m = metrics.shard(lease_key) if metrics is not None else NOWHERE
         self._lock = threading.Lock()
-        self._last: Position = position_of(last_checkpoint, last_sub_sequence_number)
-        self._last_value: tuple[str | None, int] = (last_checkpoint, last_sub_sequence_number or 0)
+        self._last = Position.of(last_checkpoint, last_sub_sequence_number)
+        #: the last record delivered (the end of the batch being processed)
         self._largest: Position | None = None
-        self._largest_value: tuple[str, int] | None = None
         self._at_shard_end = False
+
+    @property
+    def shard_id(self) -> str:
+        """The lease key, under the name it had before ``lease_key`` (an alias)."""
+        return self.lease_key
 
     # -- called by the consumer -------------------------------------------------------------
 
-    def mark_delivered(self, record: Record) -> tuple[str, int] | None:
+    def mark_delivered(self, record: Record) -> Position | None:
         """``record`` (the last of a batch) is being handed to the processor. Returns the
         previous mark, for ``unmark_delivered`` when the batch is not processed after all."""
         with self._lock:
-            previous = self._largest_value
-            self._largest = (int(record.sequence_number), record.sub_sequence_number)
-            self._largest_value = (record.sequence_number, record.sub_sequence_number)
+            previous = self._largest
+            self._largest = Position.after(record)
             return previous
 
-    def unmark_delivered(self, previous: tuple[str, int] | None) -> None:
+    def unmark_delivered(self, previous: Position | None) -> None:
         """The batch failed and will not be retried by this processor: a no-argument
         ``checkpoint()`` (e.g. in ``shutdown_requested``) must not cover its records."""
         with self._lock:
-            self._largest_value = previous
-            self._largest = None if previous is None else (int(previous[0]), previous[1])
+            self._largest = previous
 
     def mark_shard_end(self) -> None:
         """Every record of the shard was delivered: SHARD_END becomes a valid position."""
@@ -129,9 +133,16 @@ class Checkpointer:
             self._at_shard_end = True
 
     @property
-    def last_checkpoint(self) -> tuple[str | None, int]:
+    def position(self) -> Position:
+        """The last checkpoint written (or the one the lease had)."""
         with self._lock:
-            return self._last_value
+            return self._last
+
+    @property
+    def last_checkpoint(self) -> tuple[str, int]:
+        """``position`` as the lease item stores it: (checkpoint, sub-sequence number)."""
+        with self._lock:
+            return self._last.checkpoint, self._last.sub_sequence_number
 
     # -- the processor's API (amazon_kclpy v3) ----------------------------------------------
 
@@ -147,11 +158,11 @@ class Checkpointer:
             sub_sequence_number = sequence_number.sub_sequence_number
             sequence_number = sequence_number.sequence_number
         self._write(sequence_number, sub_sequence_number,
-                    lambda writer, shard, token, checkpoint, sub:
-                    writer.update_checkpoint(shard, token, checkpoint, sub))
+                    lambda writer, key, token, checkpoint, sub:
+                    writer.update_checkpoint(key, token, checkpoint, sub))
 
     def commit(self, record: Record, write: CommitWrite) -> None:
-        """Checkpoint at ``record`` by ``write(writer, shard_id, token, checkpoint, sub)``,
+        """Checkpoint at ``record`` by ``write(writer, lease_key, token, checkpoint, sub)``,
         which lands the checkpoint together with other writes, all or nothing: how a stateful
         processor's transaction lands (``kclpy.state``). The position rules are those of
         ``checkpoint``; the writer's fence refuses it when the lease is no longer this
@@ -161,55 +172,51 @@ class Checkpointer:
     def _write(self, sequence_number: str | int | None, sub_sequence_number: int | None,
                write: CommitWrite) -> None:
         with self._lock:
-            value = self._resolve(sequence_number, sub_sequence_number)
-            if value is None:
+            position = self._resolve(sequence_number, sub_sequence_number)
+            if position is None:
                 return
             try:
-                write(self._writer, self.shard_id, self._token, value[0], value[1])
+                write(self._writer, self.lease_key, self._token, position.checkpoint,
+                      position.sub_sequence_number)
             except CheckpointError as exc:
                 self._m.inc(CHECKPOINT_FAILURES, exc.name)
                 raise
-            self._last = position_of(*value)
-            self._last_value = value
+            self._last = position
         self._m.inc(CHECKPOINTS)
 
     def fenced(self, fn: Callable[[CheckpointWriter, str, str], T]) -> T:
-        """``fn(writer, shard_id, token)``: a holder-only write that is not a checkpoint
+        """``fn(writer, lease_key, token)``: a holder-only write that is not a checkpoint
         (a state store claiming the shard for this tenure), serialized with checkpoints."""
         with self._lock:
-            return fn(self._writer, self.shard_id, self._token)
+            return fn(self._writer, self.lease_key, self._token)
 
     def _resolve(
         self, sequence_number: str | int | None, sub_sequence_number: int | None
-    ) -> tuple[str, int] | None:
-        """The (checkpoint, sub-sequence) to write, or None when there is nothing new."""
+    ) -> Position | None:
+        """The position to write, or None when there is nothing new."""
         if sequence_number is None:
             if self._at_shard_end:
-                return SHARD_END, 0
-            if self._largest_value is None:
+                return Position.shard_end()
+            if self._largest is None or self._largest <= self._last:
                 return None
-            if self._largest is not None and self._largest <= self._last:
-                return None
-            return self._largest_value
+            return self._largest
         text = str(sequence_number)
         if text == SHARD_END:
             if not self._at_shard_end:
                 raise self._invalid("SHARD_END before the shard's last record was delivered")
-            return SHARD_END, 0
-        # isdigit() alone accepts other scripts' digits (Arabic-Indic "150"), which int()
-        # reads but no other KCL could: a lease must only ever hold ASCII sequence numbers.
+            return Position.shard_end()
         if not (text.isascii() and text.isdigit()):
             raise self._invalid(f"{text!r} is not a sequence number")
         sub = int(sub_sequence_number or 0)
         if sub < 0:
             raise self._invalid(f"sub-sequence number {sub} is negative")
-        wanted = (int(text), sub)
+        wanted = Position(text, sub)
         if wanted < self._last:
-            raise self._invalid(f"{text}/{sub} is before the last checkpoint {self._last_value}")
+            raise self._invalid(f"{wanted} is before the last checkpoint {self._last}")
         if self._largest is None or wanted > self._largest:
-            raise self._invalid(f"{text}/{sub} is beyond the last record delivered")
-        return text, sub
+            raise self._invalid(f"{wanted} is beyond the last record delivered")
+        return wanted
 
     def _invalid(self, why: str) -> InvalidStateException:
         self._m.inc(CHECKPOINT_FAILURES, "InvalidStateException")
-        return InvalidStateException(f"shard {self.shard_id}: {why}")
+        return InvalidStateException(f"shard {self.lease_key}: {why}")

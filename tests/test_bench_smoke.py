@@ -6,11 +6,21 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import boto3
 import pytest
 
-from bench import consume, dynamodb_cost, exactly_once, kpl_steps, latency, replay, scale
+from bench import (
+    consume,
+    dynamodb_cost,
+    exactly_once,
+    fleet_scale,
+    kpl_steps,
+    latency,
+    replay,
+    scale,
+)
 from kclpy.local import LocalEndpoint
 
 PLAIN, KPL = 120, 700
@@ -128,3 +138,19 @@ def test_latency_bench_times_every_record_for_every_contender(
     for row in rows:
         p50, p90, p99 = (float(v) for v in re.findall(r"p\d\d\s+(-?\d+)", row))
         assert 0 <= p50 <= p90 <= p99, row
+
+
+def test_fleet_scale_bench_sets_each_real_figure_beside_the_simulated_one(tmp_path: Path) -> None:
+    """Two worker processes on two shards, failover 1 s: every phase ends balanced, each
+    figure has a real value and the simulator's, and the meter counts what the workers ask
+    of DynamoDB (the bench's own reads of the table left out)."""
+    stream = replay.build_stream(0, replay.StreamSpec("fleet", 2, 1, 100))
+    settings = fleet_scale.Settings(workers=2, shards=2, failover_s=1.0, steady_s=2.0)
+    with replay.ReplayServer([stream]) as server:
+        rows = fleet_scale.run(settings, server.url, "fleet", tmp_path)
+    by_key = {row["key"]: row for row in rows}
+    assert {key for _, key in fleet_scale.FIGURES} <= set(by_key)
+    assert all(row["real"] is not None and row["simulated"] is not None for row in rows)
+    assert by_key["largest_scan_items"]["real"] == 2
+    assert by_key["UpdateItem"]["real"] > 0, "renewals are counted"
+    assert by_key["die_moved"]["real"] >= 1, "the dead worker's lease changed hands"

@@ -273,6 +273,7 @@ def test_a_shard_held_without_a_running_consumer_past_the_failover_time_is_a_sta
 
     watch.observe(a, _status([PARENT, CHILD], {PARENT: "DONE", CHILD: "PROCESSING"}), 13.5)
     assert watch.stalls() == [Stall("a", PARENT, "DONE", 3.5, None)]
+    assert watch.stalls()[0].answers == 3, "seen idle at 10.0, 12.0 and 13.5 s"
     watch.observe(a, _status([CHILD], {CHILD: "PROCESSING"}), 16.0)  # released at last
     watch.observe(a, _status([CHILD], {}), 16.5)
     watch.observe(a, _status([CHILD], {}), 19.0)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kclpy.checkpoint import Checkpointer, position_of
+from kclpy.checkpoint import Checkpointer
 from kclpy.errors import InvalidStateException, ShutdownException
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from kclpy.records import Record
 from tests.support.checkpoints import CheckpointWriterBase
 
@@ -147,7 +148,7 @@ def test_unmark_delivered_withdraws_a_failed_batch() -> None:
 
 
 def test_positions_order_sentinels_around_sequence_numbers() -> None:
-    assert position_of("TRIM_HORIZON", 0) < position_of("1", 0) < position_of("1", 1)
-    assert position_of("LATEST", None) < position_of("0", 0)
-    assert position_of("99999999999999999999999999999999999999999999999999999999", 9) < \
-        position_of("SHARD_END", 0)
+    assert Position.of("TRIM_HORIZON", 0) < Position.of("1", 0) < Position.of("1", 1)
+    assert Position.of("LATEST", None) < Position.of("0", 0)
+    assert Position.of("99999999999999999999999999999999999999999999999999999999", 9) < \
+        Position.of("SHARD_END", 0)

@@ -21,8 +21,8 @@ from tests.support.streams import (
     kinesis_client,
     put_plain,
     unique_name,
-    wait_for,
 )
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 GOOD = ["--stream-name", "s", "--application-name", "a",

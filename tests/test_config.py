@@ -145,6 +145,7 @@ BREAKING: dict[str, dict[str, Any]] = {
     "max_task_backoff_time_ms": {"task_backoff_time_ms": 1000, "max_task_backoff_time_ms": 999},
     "processor_error_policy": {"processor_error_policy": "ignore"},
     "lease_assignment": {"lease_assignment": "random"},
+    "lease_assigner": {"lease_assigner": "everyone"},
     "dampening_percentage": {"dampening_percentage": 101},
     "metrics_port": {"metrics_port": 65536},
     "lag_webhook": {"lag_webhook": "https://hooks.example/x"},

@@ -14,6 +14,7 @@ from kclpy.errors import ProcessorRestartRequired
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import UpdateBuilder
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from kclpy.processor import (
     InitializeInput,
     IRecordProcessor,
@@ -25,6 +26,7 @@ from kclpy.processor import (
 from kclpy.records import Record, Records
 from kclpy.retrieval.parse import ChildShard
 from tests.support.checkpoints import CheckpointWriterBase
+from tests.support.waiting import wait_for
 
 SETTINGS = ConsumerSettings(parent_shard_poll_interval_s=0.01, task_backoff_s=0.001,
                             max_task_backoff_s=0.002, poll_timeout_s=0.01)
@@ -145,9 +147,8 @@ def run_consumer(pages: list[Result], processors: list[Recorder], *, lease: Leas
     fetchers: list[ScriptedFetcher] = []
     made = iter(processors)
 
-    def fetcher_factory(lease: Lease, checkpoint: str, sub: int,
-                        start_at: datetime | None = None) -> ScriptedFetcher:
-        fetcher = ScriptedFetcher(pages, (checkpoint, sub))
+    def fetcher_factory(lease: Lease, start: Position) -> ScriptedFetcher:
+        fetcher = ScriptedFetcher(pages, (start.checkpoint, start.sub_sequence_number))
         fetchers.append(fetcher)
         return fetcher
 
@@ -266,9 +267,7 @@ def test_restart_required_resumes_from_the_last_checkpoint() -> None:
 def test_lease_lost_calls_lease_lost_and_stops() -> None:
     log: list[object] = []
     consumer, writer, fetchers = run_consumer([Result([rec(1)])], [Recorder(log)], wait=False)
-    deadline = threading.Event()
-    while ("batch", [("1", 0)]) not in log:
-        deadline.wait(0.01)
+    wait_for(lambda: ("batch", [("1", 0)]) in log, 10, "the first batch delivered")
     consumer.notify_lease_lost()
     assert consumer.join(5)
     assert log[-1] == ("lease_lost",)
@@ -284,8 +283,8 @@ def test_shutdown_request_lets_the_processor_checkpoint() -> None:
 
     processor = NoCheckpointInBatch(log)
     consumer, writer, _ = run_consumer([Result([rec(1), rec(2)])], [processor], wait=False)
-    while not any(entry[0] == "batch" for entry in log if isinstance(entry, tuple)):
-        threading.Event().wait(0.01)
+    wait_for(lambda: any(entry[0] == "batch" for entry in log if isinstance(entry, tuple)),
+             10, "a batch delivered")
     consumer.request_shutdown()
     assert consumer.join(5)
     assert log[-1] == ("shutdown_requested",)
@@ -306,8 +305,7 @@ def test_failed_batch_is_not_checkpointed_by_shutdown_requested() -> None:
 
     consumer, writer, _ = run_consumer([Result([rec(1)]), Result([rec(2)])],
                                        [FailsOnTwo(log)], settings=slow, wait=False)
-    while ("fail", ["2"]) not in log:
-        threading.Event().wait(0.01)
+    wait_for(lambda: ("fail", ["2"]) in log, 10, "the failing batch delivered")
     consumer.request_shutdown()
     assert consumer.join(5)
     assert log[-1] == ("shutdown_requested",)
@@ -372,10 +370,9 @@ def latest_consumer(lease: Lease, processors: list[Recorder], keeper: StartKeepe
                     starts: list[datetime | None], pages: list[Result]) -> ShardConsumer:
     made = iter(processors)
 
-    def fetcher_factory(lease: Lease, checkpoint: str, sub: int,
-                        start_at: datetime | None = None) -> ScriptedFetcher:
-        starts.append(start_at)
-        return ScriptedFetcher(pages, (checkpoint, sub))
+    def fetcher_factory(lease: Lease, start: Position) -> ScriptedFetcher:
+        starts.append(start.moment)
+        return ScriptedFetcher(pages, (start.checkpoint, start.sub_sequence_number))
 
     return ShardConsumer(
         lease, concurrency_token="t", processor_factory=lambda: next(made),

@@ -25,17 +25,18 @@ from kclpy.ops.position import parse_position
 from kclpy.recovery import queue as gaps
 from kclpy.recovery import requests as asked
 from kclpy.retrieval.parse import get_records
+from tests.support.e2e import worker_config
 from tests.support.streams import (
     create_stream,
     dynamodb_client,
     kinesis_client,
     put_plain,
     unique_name,
-    wait_for,
 )
+from tests.support.waiting import wait_for
 from tests.support.workers import running
 from tests.test_inspect import endpoints, run_cli
-from tests.test_ops_server import scrape, worker_config
+from tests.test_ops_server import scrape
 
 SHARD = "shardId-000000000000"
 

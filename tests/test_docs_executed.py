@@ -30,7 +30,8 @@ import pytest
 
 import kclpy
 from kclpy.local import ProcessEndpoint, start_moto_server
-from tests.support.streams import dynamodb_client, kinesis_client, put_plain, wait_for
+from tests.support.streams import dynamodb_client, kinesis_client, put_plain
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),

@@ -14,39 +14,32 @@ import pytest
 
 from kclpy.config import KCLConfig, build_config, from_properties
 from kclpy.errors import ConfigError
-from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from kclpy.retrieval.fanout import FanOutSource, classify_subscribe
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.registration import list_consumers
-from kclpy.retrieval.source import ShardAddress, StartPosition
+from kclpy.retrieval.source import ShardAddress
 from kclpy.retry import CONNECTION, IN_USE, THROTTLED, Backoff
-from tests.support.eventstream_server import Event, Script, Step, eventstream_server
-from tests.support.faultproxy import FaultProxy
-from tests.support.recording import Ledger
-from tests.support.streams import (
-    create_stream,
-    kinesis_client,
-    session,
-    unique_name,
-    wait_for,
-)
-from tests.support.tls import loopback_certificate
-from tests.test_worker_integration import (
+from tests.support.e2e import (
+    EndToEnd,
     assert_exactly_once,
     assert_in_order,
-    make_config,
     produce_mixed,
     running,
     stream_active,
 )
+from tests.support.eventstream_server import Event, Script, Step, eventstream_server
+from tests.support.faultproxy import FaultProxy
+from tests.support.recording import Ledger
+from tests.support.streams import session
+from tests.support.tls import loopback_certificate
+from tests.support.waiting import wait_for
 
 
-def fanout_config(kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, stream: str,
-                  **overrides: Any) -> KCLConfig:
-    return make_config(kinesis_mock.url, moto_server.url, stream, retrieval_mode="FANOUT",
-                       retry_backoff_ms=200, max_describe_stream_consumer_retries=50,
-                       **overrides)
+def fanout_config(e2e: EndToEnd, stream: str, **overrides: Any) -> KCLConfig:
+    return e2e.config(stream, retrieval_mode="FANOUT", retry_backoff_ms=200,
+                      max_describe_stream_consumer_retries=50, **overrides)
 
 
 def fanout_pipeline(client: Any, *, metrics: Metrics,
@@ -57,7 +50,7 @@ def fanout_pipeline(client: Any, *, metrics: Metrics,
     source = FanOutSource(
         client, ShardAddress("shardId-000000000000", stream_name="s"),
         "arn:aws:kinesis:us-east-1:1:stream/s/consumer/a:1", metrics=metrics, **options)
-    return ShardPipeline(source, StartPosition("TRIM_HORIZON"), metrics=metrics, sleep=sleep)
+    return ShardPipeline(source, Position("TRIM_HORIZON"), metrics=metrics, sleep=sleep)
 
 
 def test_retrieval_modes_are_checked_naming_the_option() -> None:
@@ -144,13 +137,11 @@ def test_exception_events_and_damaged_frames_are_retried_and_counted(transport: 
 
 @pytest.mark.integration
 def test_fan_out_delivers_every_record_once_in_order_and_resumes_from_checkpoints(
-        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
-    kinesis = kinesis_client(kinesis_mock.url)
-    stream = unique_name("efo")
-    create_stream(kinesis, stream, 3)
+        e2e: EndToEnd, ledger: Ledger) -> None:
+    kinesis = e2e.kinesis
+    stream = e2e.stream("efo", 3)
     first = produce_mixed(kinesis, stream, "a", plain=150, aggregates=6, per_aggregate=20)
-    ledger = Ledger()
-    config = fanout_config(kinesis_mock, moto_server, stream)
+    config = fanout_config(e2e, stream)
     with running(config, ledger) as worker:
         wait_for(lambda: len(ledger.records) >= len(first), 120, "all records processed")
         live = produce_mixed(kinesis, stream, "live", plain=30, aggregates=1, per_aggregate=10)
@@ -181,13 +172,11 @@ def test_fan_out_delivers_every_record_once_in_order_and_resumes_from_checkpoint
 
 @pytest.mark.integration
 def test_fan_out_ends_split_and_merged_parents_before_their_children(
-        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
-    kinesis = kinesis_client(kinesis_mock.url)
-    stream = unique_name("efo-reshard")
-    create_stream(kinesis, stream, 2)
+        e2e: EndToEnd, ledger: Ledger) -> None:
+    kinesis = e2e.kinesis
+    stream = e2e.stream("efo-reshard", 2)
     expected = produce_mixed(kinesis, stream, "before", plain=80, aggregates=2, per_aggregate=10)
-    ledger = Ledger()
-    with running(fanout_config(kinesis_mock, moto_server, stream), ledger):
+    with running(fanout_config(e2e, stream), ledger):
         wait_for(lambda: len(ledger.records) >= len(expected), 60, "processing started")
         shards = kinesis.list_shards(StreamName=stream)["Shards"]
         low, high = (int(shards[0]["HashKeyRange"][k]) for k in ("StartingHashKey",
@@ -211,17 +200,15 @@ def test_fan_out_ends_split_and_merged_parents_before_their_children(
 
 
 def test_start_up_looks_each_stream_up_once_and_registers_by_its_arn(
-        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+        e2e: EndToEnd, ledger: Ledger) -> None:
     """The stream's DescribeStreamSummary at start-up also gives registration its ARN, so a
     fleet starting together does not spend a second call per worker on it (the operation
     allows 20 a second per account)."""
-    kinesis = kinesis_client(kinesis_mock.url)
-    stream = unique_name("efo-lookup")
-    create_stream(kinesis, stream, 1)
+    kinesis = e2e.kinesis
+    stream = e2e.stream("efo-lookup", 1)
     expected = produce_mixed(kinesis, stream, "l", plain=10, aggregates=1, per_aggregate=5)
-    ledger = Ledger()
-    with FaultProxy(kinesis_mock.url) as proxy:
-        config = fanout_config(kinesis_mock, moto_server, stream).replace(
+    with FaultProxy(e2e.kinesis_url) as proxy:
+        config = fanout_config(e2e, stream).replace(
             kinesis_endpoint=proxy.url)
         with running(config, ledger):
             wait_for(lambda: len(ledger.records) >= len(expected), 60, "all records processed")

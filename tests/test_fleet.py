@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from kclpy.checkpoint import position_of
 from kclpy.local import LocalEndpoint
+from kclpy.position import Position
 from tests.support.fleet import (
     ROOT,
     Fleet,
@@ -34,9 +34,9 @@ from tests.support.streams import (
     kinesis_client,
     put_plain,
     unique_name,
-    wait_for,
     wait_for_stream_active,
 )
+from tests.support.waiting import wait_for
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
@@ -143,8 +143,8 @@ def test_kill_9_survivors_resume_and_only_the_killed_workers_tail_is_repeated(
         assert first["pid"] == victim.pid and second["pid"] != victim.pid, payload
         shard = first["shard"]
         assert shard in orphaned
-        after = position_of(resumed_from[shard], 0)
-        assert (int(first["seq"]), first["sub"]) > after, (
+        after = Position.of(resumed_from[shard], 0)
+        assert Position(first["seq"], first["sub"]) > after, (
             f"{payload} was checkpointed by the killed worker, yet processed again"
         )
 

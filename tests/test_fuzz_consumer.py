@@ -17,7 +17,6 @@ import functools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
 import boto3
@@ -30,6 +29,7 @@ from hypothesis import strategies as st
 from kclpy.consumer import ConsumerSettings, ShardConsumer
 from kclpy.leases.lease import SHARD_END, Lease
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from kclpy.processor import (
     InitializeInput,
     IRecordProcessor,
@@ -41,7 +41,7 @@ from kclpy.processor import (
 from kclpy.retrieval.parse import ChildShard
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import PollingSource
-from kclpy.retrieval.source import ShardAddress, StartPosition
+from kclpy.retrieval.source import ShardAddress, reading_start
 from kclpy.retry import Backoff
 from tests.support.checkpoints import CheckpointWriterBase
 from tests.test_fuzz_retrieval import MAX_HASH_KEY, expected_outcome, payload, sub_records_of
@@ -263,13 +263,12 @@ def run_and_check(
     checkpoints = Checkpoints()
     ended: list[Sequence[ChildShard]] = []
 
-    def fetcher(lease: Lease, checkpoint: str, sub_sequence_number: int,
-                start_at: datetime | None = None) -> ShardPipeline:
+    def fetcher(lease: Lease, start: Position) -> ShardPipeline:
         source = PollingSource(
             client, ShardAddress(lease.lease_key, stream_name="fuzz"), idle_time_s=0.0,
             metrics=metrics, backoff=Backoff(base_s=0.001, cap_s=0.002))
         return ShardPipeline(
-            source, StartPosition.from_checkpoint(checkpoint, sub_sequence_number, None),
+            source, reading_start(start, None),
             metrics=metrics, hash_range=None if low is None or high is None else (low, high),
             filter_outside_hash_range=True,
         )  # fmt: skip

@@ -26,7 +26,8 @@ from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from tests.support.determinism import Clock, FirstChoiceRandom
 from tests.support.fleet import Producer, fleet
-from tests.support.streams import create_stream, kinesis_client, unique_name, wait_for
+from tests.support.streams import create_stream, kinesis_client, unique_name
+from tests.support.waiting import wait_for
 
 FAILOVER = 10.0
 TIMEOUT = 30.0

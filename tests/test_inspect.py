@@ -21,18 +21,18 @@ from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.ops import serve_worker
 from kclpy.ops.inspect import inspect_main, parse_args, run_status
+from tests.support.e2e import worker_config
 from tests.support.recording import Ledger, RecordingProcessor
+from tests.support.recovery import age
 from tests.support.streams import (
     create_stream,
     dynamodb_client,
     kinesis_client,
     put_plain,
     unique_name,
-    wait_for,
 )
+from tests.support.waiting import wait_for
 from tests.support.workers import running
-from tests.test_ops_server import worker_config
-from tests.test_recovery import age
 
 ROOT = Path(__file__).resolve().parent.parent
 

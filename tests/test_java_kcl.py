@@ -10,18 +10,20 @@ from the same kind of ``.properties`` file, against kinesis-mock and kclpy.local
 from __future__ import annotations
 
 import functools
+import json
+import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
-from kclpy.checkpoint import position_of
 from kclpy.local import LocalEndpoint
+from kclpy.position import Position
 from tests.support import java_kcl
-from tests.support.fleet import FleetLedger, Producer
+from tests.support.fleet import ROOT, FleetLedger, Producer
 from tests.support.streams import (
     create_stream,
     dynamodb_client,
@@ -45,9 +47,9 @@ def _items(dynamodb_url: str, table: str) -> dict[str, dict[str, Any]]:
     return {item["leaseKey"]["S"]: dict(item) for item in items}
 
 
-def _position(item: dict[str, Any]) -> tuple[int, int]:
+def _position(item: dict[str, Any]) -> Position:
     sub = int(item.get("checkpointSubSequenceNumber", {}).get("N", "0"))
-    return position_of(item["checkpoint"]["S"], sub)
+    return Position.of(item["checkpoint"]["S"], sub)
 
 
 def test_kclpy_resumes_exactly_where_the_java_kcl_checkpointed(
@@ -75,7 +77,7 @@ def test_kclpy_resumes_exactly_where_the_java_kcl_checkpointed(
     assert not any(line["worker"] != "java-0" for line in ledger.lines())
     table = _items(moto_server.url, app)
     assert set(table) == {f"shardId-00000000000{n}" for n in range(SHARDS)}
-    java_last = {line["shard"]: position_of(line["seq"], line["sub"])
+    java_last = {line["shard"]: Position.of(line["seq"], line["sub"])
                  for line in ledger.records()}
     # the Java KCL wrote its checkpoints into the shared table, at the last record delivered
     assert {key: _position(item) for key, item in table.items()} == java_last
@@ -94,13 +96,13 @@ def test_kclpy_resumes_exactly_where_the_java_kcl_checkpointed(
     assert set(starts) == set(java_last)
     for shard, line in starts.items():
         # the kclpy child is initialized at the Java checkpoint ...
-        assert position_of(line["checkpoint"], line["checkpoint_sub"]) == java_last[shard]
+        assert Position.of(line["checkpoint"], line["checkpoint_sub"]) == java_last[shard]
     resumed = [line for line in after if "data" in line]
     # ... and its first record is the one after it: nothing again, nothing skipped
     assert all(line["worker"] == "kclpy-0" for line in resumed)
     assert Counter(line["data"] for line in resumed) == Counter(second)
     for shard in java_last:
-        firsts = [position_of(r["seq"], r["sub"]) for r in resumed if r["shard"] == shard]
+        firsts = [Position.of(r["seq"], r["sub"]) for r in resumed if r["shard"] == shard]
         assert firsts and min(firsts) > java_last[shard]
 
 
@@ -109,12 +111,17 @@ FAILOVER_MS = 3000
 #: how long ownership must stay put once every node is up: two cycles of a Java taker,
 #: which runs every two failover times
 SETTLE_S = 2 * 2 * FAILOVER_MS / 1000
-#: the longest a shard may go without a consumer when a kclpy worker takes it over
-KCLPY_GAP_S = FAILOVER_MS / 1000 + 5
-#: ... and when a Java worker does: its taker scans every two failover times, notices a
-#: lease's last change at one scan and takes it at the first scan a failover time later, so
-#: up to four failover times after the lease's last write (Java's own failover)
-JAVA_GAP_S = 4 * FAILOVER_MS / 1000 + 5
+#: the longest a shard may go without a consumer (criterion 2): every gap a kclpy node could
+#: close, whoever closed it - a kclpy node takes a lease left free (released, or expired: its
+#: Java owner stopped) within a failover time and a scan while a Java node shares the table
+GAP_S = FAILOVER_MS / 1000 + 5
+#: Java 2.5.8's taker interval: ``2 * (failoverTimeMillis + epsilonMillis)``, epsilon 25 ms
+JAVA_TAKER_INTERVAL_S = 2 * (FAILOVER_MS + 25) / 1000
+#: ... and a gap only Java nodes could close (the last kclpy node stopped): Java's own
+#: failover. Its taker notices a lease's last change (the release) at its next scan and takes
+#: the lease at the scan after, two taker intervals after that change at most, then its
+#: scheduler starts the consumer (docs/migration.md)
+JAVA_GAP_S = 2 * JAVA_TAKER_INTERVAL_S + 5
 #: an old owner whose lease was taken delivers until its next renewal (a third of the
 #: failover time) fails and its batch in flight ends
 ZOMBIE_S = FAILOVER_MS / 1000 + 2
@@ -122,16 +129,33 @@ ZOMBIE_S = FAILOVER_MS / 1000 + 2
 STINT_GAP_S = 5.0
 
 
+class Gap(NamedTuple):
+    """A shard without a consumer: for how long, who had it before and after, and since when
+    (``time.time()``)."""
+
+    seconds: float
+    shard: str
+    before: str
+    after: str
+    since: float
+    #: the earlier processor ended on ``lease_lost`` while its node ran on: the lease was
+    #: taken from it (a steal), never free
+    stolen: bool = False
+
+
 class Migration:
     """Daemons of one application on one stream, replaced node by node."""
 
-    def __init__(self, kinesis_url: str, dynamodb_url: str, workdir: Path) -> None:
+    def __init__(self, kinesis_url: str, dynamodb_url: str, workdir: Path,
+                 shards: int = MIGRATION_SHARDS) -> None:
         self.kinesis_url, self.dynamodb_url, self.workdir = kinesis_url, dynamodb_url, workdir
+        self.shards = shards
         self.stream, self.app = unique_name("rolling"), unique_name("rolling-app")
         self.ledger = FleetLedger(workdir / "ledger.jsonl")
         self.live: dict[str, java_kcl.Daemon] = {}
         self.every: list[java_kcl.Daemon] = []
-        #: name -> time.time() when the node's process had exited
+        #: name -> time.time() when the node's process was started, and when it had exited
+        self.started: dict[str, float] = {}
         self.exited: dict[str, float] = {}
 
     def start(self, kind: str, name: str) -> None:
@@ -139,6 +163,7 @@ class Migration:
             stream=self.stream, application=self.app, worker_id=name,
             kinesis_url=self.kinesis_url, dynamodb_url=self.dynamodb_url,
             failover_ms=FAILOVER_MS, executable=java_kcl.child_command())
+        self.started[name] = time.time()
         daemon = java_kcl.start_daemon(kind, name, props, self.workdir, self.ledger.path)
         self.live[name] = daemon
         self.every.append(daemon)
@@ -150,25 +175,59 @@ class Migration:
     def consuming(self, name: str) -> bool:
         return any(line.get("worker") == name for line in self.ledger.records())
 
-    def gaps(self, since: int) -> list[tuple[float, str, str, str]]:
-        """Per handover of a shard after ledger line ``since``: the seconds it had no consumer
-        (from the previous consumer's last record, or from its node's exit when that came
-        later: a node shutting down still holds its shards), the shard, and who had it
-        before and after."""
+    def gaps(self, since: int) -> list[Gap]:
+        """Per handover of a shard after ledger line ``since`` (records in a row by
+        different processors): the seconds it had no consumer, from the end of the earlier
+        processor (the ``lease_lost``, ``shutdown_requested`` or ``shard_ended`` after its last
+        record, else its node's exit; until then it still ran, finishing or waiting for
+        records) or from its node's exit when that came later (a node shutting down holds
+        its leases until then: a Java node renews them to the end of its graceful shutdown)
+        to the later processor's start (its ``initialize``: the shard has a consumer again,
+        whose first records then take a GetShardIterator and a GetRecords; its first record
+        when no ``initialize`` came in between); none when the earlier one still ran then
+        (an old owner that has not noticed yet)."""
         found = []
         last: dict[str, tuple[float, str]] = {}
+        #: (shard, worker) -> its processor's end and its first end event
+        ended: dict[tuple[str, str], tuple[float, str]] = {}
+        #: (shard, worker) -> when its last processor was initialized
+        began: dict[tuple[str, str], float] = {}
         for line in self.ledger.lines()[since:]:
+            if line.get("event") in ("lease_lost", "shutdown_requested", "shard_ended"):
+                ended.setdefault((line["shard"], line["worker"]), (line["t"], line["event"]))
+            elif line.get("event") == "initialize":
+                began[line["shard"], line["worker"]] = line["t"]
             if "data" not in line:
                 continue
             shard, at, worker = line["shard"], line["t"], line["worker"]
             if shard in last:
                 before_at, before = last[shard]
-                exited = self.exited.get(before)
-                if exited is not None and before_at < exited < at:
-                    before_at = exited
-                found.append((at - before_at, shard, before, worker))
+                exited = self.exited.get(before, float("inf"))
+                ended_at, why = ended.get((shard, before), (float("inf"), ""))
+                end = min(ended_at, exited)
+                if before != worker or end < at:  # else the same processor ran on
+                    before_at = max(before_at, min(end, at))
+                    if before_at < exited < at:
+                        before_at = exited
+                    consumer = max(before_at, min(began.get((shard, worker), at), at))
+                    found.append(Gap(round(consumer - before_at, 1), shard, before, worker,
+                                     before_at, why == "lease_lost" and ended_at < exited))
             last[shard] = (at, worker)
+            ended.pop((shard, worker), None)
         return found
+
+    def java_only(self, gap: Gap) -> bool:
+        """Whether the gap is Java's own timing, which no kclpy node could shorten: a Java
+        node stole the lease (its taker's choice, then its consumer's start), or no kclpy
+        node but the old owner was running when the lease fell free."""
+        kinds = {daemon.name: daemon.kind for daemon in self.every}
+        if kinds[gap.after] == "java" and gap.stolen:
+            return True
+        return not any(
+            daemon.kind == "kclpy" and daemon.name != gap.before
+            and self.started[daemon.name] <= gap.since
+            < self.exited.get(daemon.name, float("inf"))
+            for daemon in self.every)
 
     def owners(self) -> dict[str, tuple[str | None, str | None]]:
         return {key: (item.get("leaseOwner", {}).get("S"),
@@ -192,7 +251,7 @@ class Migration:
         """The owners when every lease is held by a live node, without a handoff under way,
         and with a running processor on its owner: no lease stuck."""
         owners = self.owners()
-        if (len(owners) != MIGRATION_SHARDS
+        if (len(owners) != self.shards
                 or any(owner not in self.live or handing for owner, handing in owners.values())):
             return None
         running = self.running()
@@ -214,9 +273,9 @@ class Migration:
         return "".join(f"--- {d.name} ({d.kind}) ---\n{d.log_tail(3000)}\n" for d in self.every)
 
 
-# About 3 min on this shared machine (six daemons started one after another, four of them
-# JVMs, each step waiting for Java's two-failover-time taker cycle): close to the suite's
-# default per-test timeout.
+# 2.5 to 4.5 min on this shared machine (six daemons started one after another, four of them
+# JVMs, each step waiting for Java's first taker pass): close to the suite's default
+# per-test timeout. docs/benchmarks.md has its figures.
 @pytest.mark.timeout(600)
 def test_a_rolling_migration_from_java_to_kclpy_and_back_under_load(
     kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, tmp_path: Path
@@ -224,7 +283,9 @@ def test_a_rolling_migration_from_java_to_kclpy_and_back_under_load(
     """3 Java KCL nodes on 8 shards are replaced one at a time by kclpy nodes, then rolled
     back the same way, while a producer writes to every shard. Each step starts the new node,
     waits until it consumes, then SIGTERMs the old one (a surge rollout: the new node already
-    watches the lease table when the old one's leases fall free)."""
+    watches the lease table when the old one's leases fall free); the next step starts its
+    new node while the old node's leases are taken over, and stops its old node only once
+    every lease is consumed again."""
     run = Migration(kinesis_mock.url, moto_server.url, tmp_path)
     kinesis = kinesis_client(kinesis_mock.url)
     create_stream(kinesis, run.stream, MIGRATION_SHARDS)
@@ -235,17 +296,24 @@ def test_a_rolling_migration_from_java_to_kclpy_and_back_under_load(
                 run.start("java", f"java-{n}")
             wait_for(run.settled, 120, "the Java fleet", interval=0.5)
             began = len(run.ledger.lines())
+            previous = "the Java fleet"
             for old, kind, new in [("java-0", "kclpy", "kclpy-0"), ("java-1", "kclpy", "kclpy-1"),
                                    ("java-2", "kclpy", "kclpy-2"), ("kclpy-0", "java", "java-3"),
                                    ("kclpy-1", "java", "java-4"), ("kclpy-2", "java", "java-5")]:
+                # The next node starts once the old one has exited (a surge rollout: a
+                # rolling deployment starts the next pod then), while the previous node's
+                # leases are being taken over; the next old node stops only once every lease
+                # is consumed again and the new node consumes.
                 started = time.monotonic()
                 run.start(kind, new)
+                wait_for(run.covered, 120, f"every lease consumed after {previous}",
+                         interval=0.5)
                 wait_for(functools.partial(run.consuming, new), 120, f"{new} consuming",
                          interval=0.5)
                 run.stop(old)
-                wait_for(run.covered, 120, f"every lease consumed after {old} -> {new}",
-                         interval=0.5)
-                steps.append((f"{old} -> {new}", time.monotonic() - started))
+                previous = f"{old} -> {new}"
+                steps.append((previous, time.monotonic() - started))
+            wait_for(run.covered, 120, f"every lease consumed after {previous}", interval=0.5)
             # ownership settles: balanced, and then no lease moves
             wait_for(run.settled, 120, "a balanced fleet", interval=0.5)
             owners = run.settled()
@@ -271,14 +339,14 @@ def test_a_rolling_migration_from_java_to_kclpy_and_back_under_load(
     # 2.x notices at its next renewal and keeps delivering what it fetched until then, as it
     # does when a Java worker steals from it; such a delivery must come within ZOMBIE_S of
     # the new owner's first one
-    checkpointed: dict[str, tuple[int, int]] = {}
+    checkpointed: dict[str, Position] = {}
     by: dict[str, dict[str, Any]] = {}
     seen: dict[tuple[str, str, int], dict[str, Any]] = {}
     stint: dict[tuple[str, str], tuple[float, float]] = {}  # (shard, worker) -> first, last
     again = late = 0
     for line in run.ledger.lines():
         if line.get("event") == "checkpoint" and line["ok"] and line["seq"] is not None:
-            position = position_of(line["seq"], line["sub"])
+            position = Position.of(line["seq"], line["sub"])
             if position >= checkpointed.get(line["shard"], position):
                 checkpointed[line["shard"]], by[line["shard"]] = position, line
         elif "data" in line:
@@ -288,8 +356,8 @@ def test_a_rolling_migration_from_java_to_kclpy_and_back_under_load(
             record = (shard, line["seq"], line["sub"])
             if record in seen:
                 again += 1
-                done = checkpointed.get(shard, position_of(None, None))
-                if position_of(line["seq"], line["sub"]) <= done:
+                done = checkpointed.get(shard, Position.of(None, None))
+                if Position.of(line["seq"], line["sub"]) <= done:
                     owner = by[shard]["worker"]
                     taken_at = stint[shard, owner][0]
                     zombie = owner != worker and stint[shard, worker][0] < taken_at
@@ -298,13 +366,96 @@ def test_a_rolling_migration_from_java_to_kclpy_and_back_under_load(
                         f"checkpointed by: {by[shard]}\n{run.logs()}")
                     late += 1
             seen.setdefault(record, line)
-    # no shard without a consumer for longer than the failover time plus 5 s (a Java taker:
-    # its own failover, see JAVA_GAP_S)
+    # no shard without a consumer for longer than the failover time plus 5 s, except where
+    # only Java's timing decides it (a Java steal; or only Java nodes were left to take the
+    # lease over): JAVA_GAP_S, Java's own failover
     gaps = run.gaps(began)
+    strict = [gap for gap in gaps if not run.java_only(gap)]
     sys.stderr.write(
         f"rolling migration: {len(sent)} records, {again} delivered again ({late} by an old "
         f"owner before it noticed the lease was taken); seconds per step "
         f"{[(name, round(s, 1)) for name, s in steps]}; longest gaps "
-        f"{sorted((round(g[0], 1), *g[1:]) for g in gaps)[-6:]}\n")
-    assert not [g for g in gaps if g[3].startswith("kclpy") and g[0] > KCLPY_GAP_S]
-    assert not [g for g in gaps if g[3].startswith("java") and g[0] > JAVA_GAP_S]
+        f"{sorted(gap[:4] for gap in strict)[-4:]}, where Java's timing decides "
+        f"{sorted(gap[:4] for gap in gaps if gap not in strict)[-4:]}\n")
+    assert not [gap for gap in strict if gap.seconds > GAP_S], run.logs()
+    assert not [gap for gap in gaps if gap.seconds > JAVA_GAP_S], run.logs()
+
+
+@pytest.mark.timeout(300)
+def test_a_finished_shard_stays_with_its_kclpy_holder_until_its_cleanup_deletes_it(
+    kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, tmp_path: Path
+) -> None:
+    """Criterion 3: next to a Java node, a kclpy node keeps the lease of a shard it finished,
+    renewed, until its lease cleanup deletes it (as a Java node does), instead of releasing
+    it for Java's taker to take and run a consumer on a finished shard."""
+    run = Migration(kinesis_mock.url, moto_server.url, tmp_path, SHARDS)
+    kinesis = kinesis_client(kinesis_mock.url)
+    create_stream(kinesis, run.stream, SHARDS)
+    seen: list[tuple[str, str | None]] = []  # (checkpoint, leaseOwner) of the parent
+    try:
+        with Producer(kinesis, run.stream, "finished", per_batch=4) as producer:
+            run.start("kclpy", "kclpy-0")
+            wait_for(run.covered, 60, "kclpy-0 holding every shard", interval=0.5)
+            run.start("java", "java-0")
+            # Java's first taker pass steals one of kclpy-0's two leases
+            wait_for(lambda: run.consuming("java-0") and run.settled(), 120,
+                     "one shard each", interval=0.5)
+            parent = next(key for key, (owner, _) in run.owners().items() if owner == "kclpy-0")
+            shard = kinesis.list_shards(StreamName=run.stream)["Shards"]
+            low, high = next((int(s["HashKeyRange"]["StartingHashKey"]),
+                              int(s["HashKeyRange"]["EndingHashKey"]))
+                             for s in shard if s["ShardId"] == parent)
+            kinesis.split_shard(StreamName=run.stream, ShardToSplit=parent,
+                                NewStartingHashKey=str((low + high) // 2))
+
+            def parent_deleted() -> bool:
+                item = _items(run.dynamodb_url, run.app).get(parent)
+                if item is None:
+                    return True
+                if item["checkpoint"]["S"] == "SHARD_END":
+                    seen.append(("SHARD_END", item.get("leaseOwner", {}).get("S")))
+                return False
+
+            wait_for(parent_deleted, 150, f"the lease of finished {parent} deleted",
+                     interval=0.2)
+            sent = producer.stop()
+        wait_for(lambda: run.ledger.processed_all(set(sent)), 120, "every record processed",
+                 interval=0.5)
+    except BaseException:
+        sys.stderr.write(run.logs())
+        raise
+    finally:
+        for name in list(run.live):
+            run.stop(name)
+    assert seen, "the parent was deleted before it was seen finished"
+    # held by the node that finished it until deleted, never free for Java's taker to take
+    assert {owner for _, owner in seen} == {"kclpy-0"}, run.logs()
+    ended = [line for line in run.ledger.events("shard_ended") if line["shard"] == parent]
+    assert [line["worker"] for line in ended] == ["kclpy-0"]
+    # no Java consumer was ever started on the finished parent
+    assert not [line for line in run.ledger.events("initialize")
+                if line["shard"] == parent and line["worker"] == "java-0"]
+
+
+def test_the_peer_benchmark_reports_every_way_against_the_java_daemon(
+    kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint
+) -> None:
+    """``bench/java_kcl.py`` run as a user runs it, on a tiny backlog and the session's
+    emulators: a figure of each kind for every way, and each way's ratios to the Java
+    daemon's (criterion 4). Nothing is timed."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "java_kcl.py"), "--records", "40", "--shards",
+         "1", "--rate", "20", "--latency-records", "3", "--kinesis-endpoint",
+         kinesis_mock.url, "--dynamodb-endpoint", moto_server.url],
+        capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = done.stdout.splitlines()
+    assert out[0] == "40 plain records on 1 shards"
+    rows = [json.loads(line) for line in out[1:]]
+    assert [row["way"] for row in rows] == ["java", "multilang", "in-process"]
+    for row in rows:
+        assert row["cpu_s_per_100k"] > 0 and row["peak_rss_mb"] > 0, row
+        assert row["first_record_s"] > 0 and row["latency_ms"] > 0, row
+        assert set(row["vs_java"]) == {"cpu", "rss", "first_record", "latency"}
+    assert rows[0]["vs_java"] == {"cpu": 1.0, "rss": 1.0, "first_record": 1.0,
+                                  "latency": 1.0}

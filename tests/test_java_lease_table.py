@@ -18,13 +18,8 @@ from aws_kinesis_agg.aggregator import RecordAggregator
 from kclpy import KCLConfig, Worker
 from kclpy.local import LocalEndpoint
 from tests.support.recording import Ledger, RecordingProcessor
-from tests.support.streams import (
-    create_stream,
-    dynamodb_client,
-    kinesis_client,
-    unique_name,
-    wait_for,
-)
+from tests.support.streams import create_stream, dynamodb_client, kinesis_client, unique_name
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

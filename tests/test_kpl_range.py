@@ -13,13 +13,15 @@ from typing import Any
 import pytest
 from aws_kinesis_agg.aggregator import RecordAggregator
 
-from kclpy import KCLConfig, Worker
+from kclpy import Worker
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from kclpy.spark.offsets import ShardPosition
 from kclpy.spark.reading import ShardReader, StreamRef, list_shards
+from tests.support.e2e import worker_config
 from tests.support.recording import Ledger, RecordingProcessor
-from tests.support.streams import create_stream, kinesis_client, unique_name, wait_for
+from tests.support.streams import create_stream, kinesis_client, unique_name
+from tests.support.waiting import wait_for
 from tests.support.workers import running
 
 pytestmark = pytest.mark.integration
@@ -47,18 +49,6 @@ def produce_across_shards(kinesis: Any, stream: str) -> list[bytes]:
     return payloads
 
 
-def config_for(kinesis_url: str, dynamodb_url: str, stream: str, **overrides: Any) -> KCLConfig:
-    values: dict[str, Any] = {
-        "application_name": unique_name("app"), "stream_name": stream,
-        "region": "us-east-1", "kinesis_endpoint": kinesis_url,
-        "dynamodb_endpoint": dynamodb_url, "initial_position": "TRIM_HORIZON",
-        "failover_time_ms": 3000, "idle_time_between_reads_ms": 100,
-        "shard_sync_interval_ms": 1000, "shutdown_grace_ms": 5000,
-    }
-    values.update(overrides)
-    return KCLConfig(**values)
-
-
 @pytest.fixture(scope="module")
 def aggregated_stream(kinesis_mock: LocalEndpoint) -> tuple[str, list[bytes]]:
     kinesis = kinesis_client(kinesis_mock.url)
@@ -73,7 +63,7 @@ def test_the_worker_delivers_every_user_record_by_default(
     stream, payloads = aggregated_stream
     ledger = Ledger()
     metrics = Metrics()
-    config = config_for(kinesis_mock.url, moto_server.url, stream)
+    config = worker_config(kinesis_mock.url, moto_server.url, stream)
     with running(Worker(config, lambda: RecordingProcessor(ledger), metrics=metrics)):
         wait_for(lambda: len(ledger.payloads()) >= len(payloads), 90, "every user record")
     assert sorted(ledger.payloads()) == sorted(payloads), "each user record exactly once"
@@ -88,7 +78,7 @@ def test_with_the_java_filter_what_is_dropped_is_logged_with_shard_and_count(
     stream, payloads = aggregated_stream
     ledger = Ledger()
     metrics = Metrics()
-    config = config_for(kinesis_mock.url, moto_server.url, stream, kpl_hash_range_filter=True,
+    config = worker_config(kinesis_mock.url, moto_server.url, stream, kpl_hash_range_filter=True,
                         stop_when_caught_up=True)
     shards = [s.shard_id for s in list_shards(kinesis_client(kinesis_mock.url),
                                               StreamRef(stream))]

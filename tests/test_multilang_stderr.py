@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from kclpy.multilang.process import ChildProcess
 from kclpy.multilang.stderr import PartialLines
+from tests.support.waiting import wait_for
 
 NO_NEWLINE_CHILD = (
     "import sys\n"
@@ -51,12 +51,9 @@ def test_a_child_that_never_writes_a_newline_is_seen_while_it_runs(
                          shard_id="shardId-000000000000")
     child.start()
     try:
-        deadline = time.monotonic() + 20
-        seen: list[str] = []
-        while not seen and time.monotonic() < deadline:
-            seen = [getattr(r, "child_stderr", "") for r in caplog.records
-                    if getattr(r, "child_stderr", None)]
-            time.sleep(0.05)
+        seen = wait_for(lambda: [getattr(r, "child_stderr", "") for r in caplog.records
+                                 if getattr(r, "child_stderr", None)],
+                        20, "a line of the child's stderr in the log")
         assert seen == ["INFO:root:record processor initialised"]
         assert child._proc is not None and child._proc.poll() is None, "still running"
     finally:

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 import urllib.request
 from collections import Counter
 from collections.abc import Sequence
-from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import boto3
@@ -31,56 +28,23 @@ from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import lease_from_item, lease_to_new_item
 from kclpy.leases.shard_sync import Shard, plan_new_leases
 from kclpy.leases.streams import StreamSet
-from kclpy.local import LocalEndpoint
 from kclpy.ops import serve_worker
-from kclpy.streams import StreamIdentifier, multi_stream_lease_key, stream_of_lease_key
+from kclpy.streams import StreamIdentifier, stream_of_lease_key
+from tests.support.e2e import EndToEnd, assert_exactly_once, assert_in_order, produce_mixed
 from tests.support.recording import Ledger, RecordingProcessor
 from tests.support.streams import (
     create_stream,
     dynamodb_client,
-    kinesis_client,
     put_plain,
     unique_name,
-    wait_for,
 )
+from tests.support.waiting import wait_for
 from tests.support.workers import running
-from tests.test_worker_integration import (
-    assert_exactly_once,
-    assert_in_order,
-    make_config,
-    produce_mixed,
-)
 
 STREAM_ID = "123456789012:orders:1700000000"
 
 
 # -- unit ---------------------------------------------------------------------------------
-
-
-def test_stream_identifiers_serialise_as_java_does() -> None:
-    summary = {"StreamARN": "arn:aws:kinesis:eu-west-1:123456789012:stream/orders",
-               "StreamCreationTimestamp": datetime(2023, 11, 14, 22, 13, 20,
-                                                   tzinfo=timezone.utc)}
-    identifier = StreamIdentifier.from_summary(summary)
-    assert identifier.serialize() == STREAM_ID
-    assert StreamIdentifier.parse(STREAM_ID) == identifier
-    with pytest.raises(ValueError, match="account-id:stream-name:creation-epoch"):
-        StreamIdentifier.parse("orders")
-    assert stream_of_lease_key(f"{STREAM_ID}:shardId-000000000001") == STREAM_ID
-    assert stream_of_lease_key("shardId-000000000001") is None
-
-
-def test_the_documented_promql_takes_the_stream_out_of_a_lease_key() -> None:
-    """docs/operations.md's label_replace, applied as Prometheus applies it (anchored at
-    both ends), to the key of a stream whose name has dots, dashes and underscores."""
-    docs = (Path(__file__).parents[1] / "docs" / "operations.md").read_text()
-    found = re.search(r'"stream", "\$1", "shard_id", "([^"]+)"', docs)
-    assert found is not None, "operations.md lost its label_replace example"
-    key = multi_stream_lease_key("123456789012:click-stream_v2.eu:1700000000",
-                                 "shardId-000000000007")
-    match = re.fullmatch(found.group(1), key)
-    assert match is not None and match.group(1) == "click-stream_v2.eu"
-    assert re.fullmatch(found.group(1), "shardId-000000000007") is None
 
 
 def test_multi_stream_leases_are_keyed_and_stored_in_the_java_format() -> None:
@@ -174,11 +138,9 @@ class Tracker:
             self._streams = list(streams)
 
 
-def multi_config(kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint,
-                 **overrides: Any) -> KCLConfig:
+def multi_config(e2e: EndToEnd, **overrides: Any) -> KCLConfig:
     """The end-to-end tests' settings, with streams (or a tracker) instead of one stream."""
-    return make_config(kinesis_mock.url, moto_server.url, "", **{"stream_name": None,
-                                                                 **overrides})
+    return e2e.config("", **{"stream_name": None, **overrides})
 
 
 def stream_id(kinesis: Any, stream: str) -> str:
@@ -186,15 +148,10 @@ def stream_id(kinesis: Any, stream: str) -> str:
     return StreamIdentifier.from_summary(summary).serialize()
 
 
-def table_items(moto_server: LocalEndpoint, table: str) -> dict[str, dict[str, Any]]:
-    items = dynamodb_client(moto_server.url).scan(TableName=table, ConsistentRead=True)["Items"]
-    return {item["leaseKey"]["S"]: item for item in items}
-
-
 @pytest.mark.integration
 def test_one_worker_consumes_three_streams_once_and_in_order(
-        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
-    kinesis = kinesis_client(kinesis_mock.url)
+        e2e: EndToEnd, ledger: Ledger) -> None:
+    kinesis = e2e.kinesis
     names = [unique_name(f"ms{n}") for n in range(3)]
     for name, shards in zip(names, (2, 1, 2), strict=True):
         create_stream(kinesis, name, shards)
@@ -207,8 +164,7 @@ def test_one_worker_consumes_three_streams_once_and_in_order(
     put_plain(kinesis, names[0], expected[names[0]])
     put_plain(kinesis, names[2], expected[names[2]])
     ids = {name: stream_id(kinesis, name) for name in names}
-    ledger = Ledger()
-    config = multi_config(kinesis_mock, moto_server,
+    config = multi_config(e2e,
                           streams=tuple(StreamConfig(name) for name in names))
     everything = [p for payloads in expected.values() for p in payloads]
     worker = Worker(config, lambda: StreamRecordingProcessor(ledger))
@@ -241,7 +197,7 @@ def test_one_worker_consumes_three_streams_once_and_in_order(
     assert {r[2] for r in ledger.records if b"-kpl-" in r[3]} == set(range(10))
     announced = {name for _, name in ledger.events if name.startswith("stream:")}
     assert announced == {f"stream:{name}:{ids[name]}" for name in names}
-    items = table_items(moto_server, config.lease_table_name)
+    items = e2e.lease_items(config.lease_table_name)
     assert len(items) == 5
     for key, item in items.items():
         assert item["streamName"]["S"] in ids.values()
@@ -251,8 +207,8 @@ def test_one_worker_consumes_three_streams_once_and_in_order(
 
 @pytest.mark.integration
 def test_streams_added_and_deleted_while_running(
-        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
-    kinesis = kinesis_client(kinesis_mock.url)
+        e2e: EndToEnd, ledger: Ledger) -> None:
+    kinesis = e2e.kinesis
     kept, doomed, added = (unique_name(p) for p in ("kept", "doomed", "added"))
     for name in (kept, doomed, added):
         create_stream(kinesis, name, 1)
@@ -261,9 +217,10 @@ def test_streams_added_and_deleted_while_running(
     doomed_id = stream_id(kinesis, doomed)
     tracker = Tracker([StreamConfig(kept), StreamConfig(doomed),
                        StreamConfig("not-created-yet", may_be_created_later=True)])
-    ledger = Ledger()
-    config = multi_config(kinesis_mock, moto_server, stream_tracker=tracker,
-                          former_streams_lease_deletion_delay_ms=1000)
+    # the delay is the time a dropped stream's processors have to shut down (and checkpoint)
+    # before their leases go: long enough for a loaded machine
+    config = multi_config(e2e, stream_tracker=tracker,
+                          former_streams_lease_deletion_delay_ms=4000)
     with running(Worker(config, lambda: RecordingProcessor(ledger))) as worker:
         wait_for(lambda: sorted(ledger.payloads()) == [b"doomed-0", b"kept-0"], 60,
                  "both first streams read")
@@ -273,14 +230,14 @@ def test_streams_added_and_deleted_while_running(
                  "a stream added to the tracker is consumed")
         kinesis.delete_stream(StreamName=doomed)
         wait_for(lambda: not any(k.startswith(doomed_id)
-                                 for k in table_items(moto_server, config.lease_table_name)),
+                                 for k in e2e.lease_items(config.lease_table_name)),
                  60, "the deleted stream's leases are deleted after the delay")
         assert not any(key.startswith(doomed_id) for key in worker.consumers()), \
             "no consumer runs on a deleted stream"
         added_id = stream_id(kinesis, added)
         tracker.set([StreamConfig(kept)])
         wait_for(lambda: not any(k.startswith(added_id)
-                                 for k in table_items(moto_server, config.lease_table_name)),
+                                 for k in e2e.lease_items(config.lease_table_name)),
                  60, "the leases of a stream dropped from the tracker are deleted")
         put_plain(kinesis, added, [b"added-after-drop"])
         put_plain(kinesis, kept, [b"kept-1"])
@@ -297,11 +254,11 @@ def test_streams_added_and_deleted_while_running(
 
 @pytest.mark.integration
 def test_a_missing_stream_at_start_up_is_an_error_naming_it(
-        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
-    kinesis = kinesis_client(kinesis_mock.url)
+        e2e: EndToEnd) -> None:
+    kinesis = e2e.kinesis
     present = unique_name("present")
     create_stream(kinesis, present, 1)
-    config = multi_config(kinesis_mock, moto_server,
+    config = multi_config(e2e,
                           streams=(StreamConfig(present), StreamConfig("nowhere-to-be-found")))
     with pytest.raises(ConfigError, match="stream nowhere-to-be-found does not exist"):
         Worker(config, lambda: RecordingProcessor(Ledger())).run(install_signal_handlers=False)
@@ -309,13 +266,12 @@ def test_a_missing_stream_at_start_up_is_an_error_naming_it(
 
 @pytest.mark.integration
 def test_two_workers_balance_six_leases_of_two_streams_three_each(
-        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
-    kinesis = kinesis_client(kinesis_mock.url)
+        e2e: EndToEnd, ledger: Ledger) -> None:
+    kinesis = e2e.kinesis
     names = [unique_name("bal") for _ in range(2)]
     for name in names:
         create_stream(kinesis, name, 3)
-    ledger = Ledger()
-    config = multi_config(kinesis_mock, moto_server,
+    config = multi_config(e2e,
                           streams=tuple(StreamConfig(name) for name in names))
     with running(Worker(config.replace(worker_id="w1"), lambda: RecordingProcessor(ledger))) \
             as first, running(Worker(config.replace(worker_id="w2"),
@@ -332,9 +288,9 @@ def test_two_workers_balance_six_leases_of_two_streams_three_each(
 
 @pytest.mark.integration
 def test_a_java_multi_stream_table_resumes_at_its_checkpoints(
-        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
-    kinesis = kinesis_client(kinesis_mock.url)
-    dynamodb = dynamodb_client(moto_server.url)
+        e2e: EndToEnd, ledger: Ledger) -> None:
+    kinesis = e2e.kinesis
+    dynamodb = dynamodb_client(e2e.dynamodb_url)
     names = [unique_name("javams") for _ in range(2)]
     checkpoints: dict[str, str] = {}
     for name in names:
@@ -360,15 +316,14 @@ def test_a_java_multi_stream_table_resumes_at_its_checkpoints(
             "startingHashKey": {"S": shard["HashKeyRange"]["StartingHashKey"]},
             "endingHashKey": {"S": shard["HashKeyRange"]["EndingHashKey"]},
             "throughputKBps": {"N": "3.5"}})
-    ledger = Ledger()
-    config = multi_config(kinesis_mock, moto_server, application_name=table,
+    config = multi_config(e2e, application_name=table,
                           failover_time_ms=2000,
                           streams=tuple(StreamConfig(name) for name in names))
     with running(Worker(config, lambda: RecordingProcessor(ledger))):
         wait_for(lambda: len(ledger.records) >= 6, 60, "records after the Java checkpoints")
     assert sorted(ledger.payloads()) == sorted(
         f"{name}-{n}".encode() for name in names for n in range(3, 6))
-    items = table_items(moto_server, table)
+    items = e2e.lease_items(table)
     assert len(items) == 2, "no extra leases next to the Java ones"
     for name in names:
         (key, item), = [(k, i) for k, i in items.items() if i["streamName"]["S"] == ids[name]]
@@ -379,20 +334,20 @@ def test_a_java_multi_stream_table_resumes_at_its_checkpoints(
 
 @pytest.mark.integration
 def test_cloudwatch_datums_of_a_multi_stream_worker_carry_the_stream_id(
-        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
-    kinesis = kinesis_client(kinesis_mock.url)
+        e2e: EndToEnd, ledger: Ledger) -> None:
+    kinesis = e2e.kinesis
     names = [unique_name("cwms") for _ in range(2)]
     for name in names:
         create_stream(kinesis, name, 1)
         put_plain(kinesis, name, [f"{name}-{n}".encode() for n in range(4)])
     ids = {name: stream_id(kinesis, name) for name in names}
-    ledger = Ledger()
-    config = multi_config(kinesis_mock, moto_server, cloudwatch_endpoint=moto_server.url,
+    moto = e2e.dynamodb_url  # moto's server answers CloudWatch as well
+    config = multi_config(e2e, cloudwatch_endpoint=moto,
                           metrics_level="detailed", metrics_buffer_time_ms=500,
                           streams=tuple(StreamConfig(name) for name in names))
     with running(Worker(config, lambda: RecordingProcessor(ledger))):
         wait_for(lambda: len(ledger.records) >= 8, 60, "both streams processed")
-    cloudwatch = boto3.client("cloudwatch", endpoint_url=moto_server.url,
+    cloudwatch = boto3.client("cloudwatch", endpoint_url=moto,
                               region_name="us-east-1")
     metrics = cloudwatch.list_metrics(Namespace=config.application_name,
                                       MetricName="RecordsProcessed")["Metrics"]

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from kclpy import KCLConfig, Worker
+from kclpy import Worker
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import (
     BYTES_PROCESSED,
@@ -31,8 +31,10 @@ from kclpy.metrics import (
     Metrics,
 )
 from kclpy.ops import RunningServer, serve_worker
+from tests.support.e2e import worker_config
 from tests.support.recording import Ledger, RecordingProcessor
-from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name, wait_for
+from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
+from tests.support.waiting import wait_for
 from tests.support.workers import running
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -236,19 +238,6 @@ def test_binds_loopback_by_default_and_stop_frees_the_port() -> None:
 
 
 # -- a real worker -----------------------------------------------------------------------
-
-
-def worker_config(kinesis_url: str, dynamodb_url: str, stream: str, **overrides: Any
-                  ) -> KCLConfig:
-    values: dict[str, Any] = {
-        "application_name": unique_name("ops"), "stream_name": stream,
-        "region": "us-east-1", "kinesis_endpoint": kinesis_url,
-        "dynamodb_endpoint": dynamodb_url, "initial_position": "TRIM_HORIZON",
-        "failover_time_ms": 3000, "idle_time_between_reads_ms": 100,
-        "shard_sync_interval_ms": 1000, "shutdown_grace_ms": 5000,
-    }
-    values.update(overrides)
-    return KCLConfig(**values)
 
 
 @pytest.fixture

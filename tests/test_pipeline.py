@@ -13,18 +13,17 @@ from typing import Any
 
 import pytest
 
-from kclpy.leases.lease import AT_TIMESTAMP, LATEST
+from kclpy.leases.lease import LATEST
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from kclpy.records import Record
 from kclpy.retrieval.parse import GetRecordsPage
 from kclpy.retrieval.pipeline import FetchError, ShardPipeline
 from kclpy.retrieval.source import (
-    AFTER_SEQUENCE_NUMBER,
     AT_SEQUENCE_NUMBER,
     Page,
     Reading,
     ShardAddress,
-    StartPosition,
     Stopped,
 )
 from tests.support.fakeshard import (
@@ -78,7 +77,7 @@ def test_reads_plain_and_aggregated_records_in_order() -> None:
 
 def test_resume_inside_an_aggregate_skips_the_sub_records_already_done() -> None:
     shard = FakeShard([plain(0), aggregate(1, 5), plain(2)], page_size=10)
-    fetcher = make(shard, StartPosition.from_checkpoint(seq(1), 2, None))
+    fetcher = make(shard, Position(seq(1), 2))
     results = drain(fetcher)
     assert shard.shard_iterator_calls[0]["ShardIteratorType"] == AT_SEQUENCE_NUMBER
     assert shard.shard_iterator_calls[0]["StartingSequenceNumber"] == seq(1)
@@ -87,21 +86,44 @@ def test_resume_inside_an_aggregate_skips_the_sub_records_already_done() -> None
 
 def test_resume_at_a_plain_record_does_not_deliver_it_again() -> None:
     shard = FakeShard([plain(0), plain(1), plain(2)])
-    results = drain(make(shard, StartPosition.from_checkpoint(seq(1), 0, None)))
+    results = drain(make(shard, Position(seq(1), 0)))
     assert payloads(results) == [b"plain-2"]
 
 
 def test_resume_at_the_last_sub_record_of_an_aggregate_moves_past_it() -> None:
     shard = FakeShard([aggregate(0, 3), plain(1)], page_size=1)
-    results = drain(make(shard, StartPosition.from_checkpoint(seq(0), 2, None)))
+    results = drain(make(shard, Position(seq(0), 2)))
     assert payloads(results) == [b"plain-1"]
 
 
-def test_after_sequence_number_starts_after_the_whole_record() -> None:
-    shard = FakeShard([aggregate(0, 3), plain(1)])
-    results = drain(make(shard, StartPosition(AFTER_SEQUENCE_NUMBER, seq(0))))
-    assert shard.shard_iterator_calls[0]["ShardIteratorType"] == AFTER_SEQUENCE_NUMBER
-    assert payloads(results) == [b"plain-1"]
+def test_a_checkpoint_whose_record_is_gone_is_reported_and_the_rest_delivered() -> None:
+    trimmed: list[tuple[str, str]] = []
+    shard = FakeShard([plain(5), aggregate(6, 2)])
+    results = drain(make(shard, Position(seq(2)),
+                         on_trimmed=lambda at, first: trimmed.append((at, first))))
+    assert trimmed == [(seq(2), seq(5))]
+    assert payloads(results) == [b"plain-5", b"agg-6-0", b"agg-6-1"]
+
+    there = FakeShard([plain(2), plain(3)])
+    results = drain(make(there, Position(seq(2)),
+                         on_trimmed=lambda at, first: trimmed.append((at, first))))
+    assert len(trimmed) == 1 and payloads(results) == [b"plain-3"]
+
+    def refuse(at: str, first: str) -> None:
+        raise LookupError(f"{at} gone, {first} first")
+
+    with pytest.raises(LookupError, match=seq(5)):
+        make(shard, Position(seq(2)),
+             on_trimmed=refuse).fetch_once()
+
+
+def test_without_de_aggregation_an_aggregate_is_handed_over_whole_after_the_checkpoint(
+) -> None:
+    shard = FakeShard([plain(0), aggregate(1, 3), plain(2)])
+    results = drain(make(shard, Position(seq(0)),
+                         deaggregate=False))
+    assert [r.sequence_number for r in results[0].records] == [seq(1), seq(2)]
+    assert results[0].records[0].binary_data == aggregate(1, 3).binary_data
 
 
 def test_aggregates_outside_the_hash_range_are_filtered_counted_and_logged(
@@ -217,7 +239,7 @@ def test_stop_is_prompt_while_blocked_on_a_full_queue() -> None:
 
 def test_stop_interrupts_the_idle_sleep_and_wakes_a_blocked_get() -> None:
     shard = FakeShard([])
-    fetcher = polling(shard, StartPosition(LATEST), ShardAddress(SHARD, stream_name="s"),
+    fetcher = polling(shard, Position(LATEST), ShardAddress(SHARD, stream_name="s"),
                       idle_time_s=3600)
     fetcher.start()
     got: list[object] = []
@@ -360,7 +382,7 @@ def test_any_page_source_gets_the_resume_point_de_aggregation_and_the_queue() ->
     ]
     source = ScriptedSource(pages)
     sleeps = Sleeps()
-    pipeline = ShardPipeline(source, StartPosition.from_checkpoint(seq(0), 1, None),
+    pipeline = ShardPipeline(source, Position(seq(0), 1),
                              sleep=sleeps)
     assert pipeline.retrieval == {"mode": "scripted"}
     results = [pipeline.fetch_once() for _ in range(3)]
@@ -380,6 +402,6 @@ def test_records_before_an_at_timestamp_start_are_dropped_for_any_source() -> No
     arrived before it is dropped by the pipeline, whichever source read it."""
     start = datetime.fromtimestamp((1_700_000_000_000 + 2) / 1000, tz=timezone.utc)
     source = ScriptedSource([Page([plain(0), plain(1), plain(2), plain(3)], 0, False, [], True)])
-    result = ShardPipeline(source, StartPosition(AT_TIMESTAMP, timestamp=start),
+    result = ShardPipeline(source, Position.at_time(start),
                            sleep=Sleeps()).fetch_once()
     assert result is not None and payloads([result]) == [b"plain-2", b"plain-3"]

@@ -5,7 +5,7 @@ Stubber, and over real HTTP against moto's server and kinesis-mock."""
 from __future__ import annotations
 
 import socket
-import time
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,15 +20,18 @@ from botocore.stub import Stubber
 
 from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from kclpy.retrieval.parse import ChildShard, GetRecordsPage
 from kclpy.retrieval.pipeline import ShardPipeline
+from kclpy.retrieval.polling import PollingSource
 from kclpy.retrieval.source import (
     AFTER_SEQUENCE_NUMBER,
     AT_SEQUENCE_NUMBER,
+    Reading,
     ShardAddress,
-    StartPosition,
+    reading_start,
 )
-from kclpy.retry import Backoff
+from kclpy.retry import Backoff, RetryPolicy
 from tests.support.fakeshard import (
     SHARD,
     FakeShard,
@@ -45,6 +48,7 @@ from tests.support.fakeshard import (
     sample,
     seq,
 )
+from tests.support.streams import wait_for_stream_active
 
 
 @pytest.fixture(autouse=True)
@@ -57,28 +61,26 @@ def fake_parse(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("sentinel", [TRIM_HORIZON, LATEST])
 def test_sentinel_checkpoints_map_to_their_iterator_type(sentinel: str) -> None:
-    assert StartPosition.from_checkpoint(sentinel, 0, None) == StartPosition(sentinel)
+    assert reading_start(Position(sentinel), None) == Position(sentinel)
 
 
 def test_at_timestamp_checkpoint_needs_the_initial_timestamp() -> None:
     ts = datetime(2024, 1, 2, tzinfo=timezone.utc)
-    assert StartPosition.from_checkpoint(AT_TIMESTAMP, 0, ts) == StartPosition(
-        AT_TIMESTAMP, timestamp=ts
-    )
+    assert reading_start(Position(AT_TIMESTAMP), ts) == Position.at_time(ts)
     with pytest.raises(ValueError):
-        StartPosition.from_checkpoint(AT_TIMESTAMP, 0, None)
+        reading_start(Position(AT_TIMESTAMP), None)
 
 
 def test_sequence_checkpoint_resumes_at_the_sequence_number() -> None:
-    assert StartPosition.from_checkpoint(seq(4), 7, None) == StartPosition(
-        AT_SEQUENCE_NUMBER, seq(4), 7
-    )
+    reading = Reading(reading_start(Position(seq(4), 7), None), threading.Event(), lambda s: None)
+    assert reading.resume_point(None) == (AT_SEQUENCE_NUMBER, seq(4), None)
+    assert reading.resume_point(seq(5)) == (AFTER_SEQUENCE_NUMBER, seq(5), None)
 
 
 @pytest.mark.parametrize("checkpoint", [SHARD_END, "not-a-number", ""])
 def test_impossible_checkpoints_are_refused(checkpoint: str) -> None:
     with pytest.raises(ValueError):
-        StartPosition.from_checkpoint(checkpoint, 0, None)
+        reading_start(Position.of(checkpoint, 0), None)
 
 
 def test_stream_name_or_arn_is_required() -> None:
@@ -90,7 +92,7 @@ def test_iterator_request_carries_arn_and_timestamp() -> None:
     shard = FakeShard([plain(0), plain(1), plain(2)])
     ts = datetime.fromtimestamp((1_700_000_000_000 + 1) / 1000, tz=timezone.utc)
     arn = "arn:aws:kinesis:us-east-1:123456789012:stream/s"
-    fetcher = polling(shard, StartPosition(AT_TIMESTAMP, timestamp=ts),
+    fetcher = polling(shard, Position.at_time(ts),
                       ShardAddress(SHARD, stream_arn=arn), sleep=Sleeps())
     assert payloads(drain(fetcher)) == [b"plain-1", b"plain-2"]
     assert shard.shard_iterator_calls == [
@@ -101,7 +103,7 @@ def test_iterator_request_carries_arn_and_timestamp() -> None:
 def test_both_stream_name_and_arn_are_sent_when_both_are_known() -> None:
     shard = FakeShard([plain(0)])
     arn = "arn:aws:kinesis:us-east-1:123456789012:stream/s"
-    fetcher = polling(shard, StartPosition(TRIM_HORIZON),
+    fetcher = polling(shard, Position(TRIM_HORIZON),
                       ShardAddress(SHARD, stream_name="s", stream_arn=arn), sleep=Sleeps())
     fetcher.fetch_once()
     assert shard.shard_iterator_calls[0]["StreamARN"] == arn
@@ -182,7 +184,7 @@ def test_a_botocore_client_throttled_then_answering_through_stubber() -> None:
         )
         fetcher = polling(
             client,
-            StartPosition(TRIM_HORIZON),
+            Position(TRIM_HORIZON),
             ShardAddress(SHARD, stream_name="s"),
             max_records=500,
             backoff=Backoff(0.1, 1.0, rng=UpperBound()),
@@ -240,7 +242,7 @@ def test_expired_iterator_repositions_after_the_last_fetched_record() -> None:
 
 def test_expired_iterator_before_any_record_restarts_from_the_checkpoint() -> None:
     shard = FakeShard([aggregate(0, 4), plain(1)])
-    fetcher = make(shard, StartPosition.from_checkpoint(seq(0), 1, None))
+    fetcher = make(shard, Position(seq(0), 1))
     shard.errors["GetRecords"] = [error("ExpiredIteratorException")]
     results = drain(fetcher)
     assert payloads(results) == [b"agg-0-2", b"agg-0-3", b"plain-1"]
@@ -257,6 +259,79 @@ def test_an_iterator_that_keeps_expiring_backs_off_instead_of_spinning() -> None
     result = make(shard, sleeps=sleeps).fetch_once()
     assert result is not None and payloads([result]) == [b"plain-0"]
     assert sleeps.delays == [0.1, 0.2, 0.4]
+
+
+def bounded_source(shard: FakeShard, attempts: int, **kwargs: Any) -> ShardPipeline:
+    """A polling pipeline whose retries give up after ``attempts`` failed calls."""
+    source = PollingSource(
+        shard,  # type: ignore[arg-type]
+        ShardAddress(SHARD, stream_name="s"),
+        backoff=RetryPolicy(0.1, 1.0, max_attempts=attempts).backoff(UpperBound()), **kwargs)
+    return ShardPipeline(source, Position.trim_horizon(), sleep=Sleeps())
+
+
+@pytest.mark.parametrize("operation", ["GetRecords", "GetShardIterator"])
+def test_a_policy_with_max_attempts_gives_up_with_the_last_error(operation: str) -> None:
+    shard = FakeShard([plain(0)])
+    throttles: list[Exception] = [
+        error("ProvisionedThroughputExceededException", operation=operation) for _ in range(3)]
+    shard.errors[operation] = list(throttles)
+    with pytest.raises(ClientError) as raised:
+        bounded_source(shard, attempts=3).fetch_once()
+    assert raised.value is throttles[2]
+
+    shard.errors[operation] = throttles[:2]
+    result = bounded_source(shard, attempts=3).fetch_once()
+    assert result is not None and payloads([result]) == [b"plain-0"]
+
+
+def test_an_iterator_that_keeps_expiring_gives_up_when_the_policy_does() -> None:
+    shard = FakeShard([plain(0)])
+    shard.errors["GetRecords"] = [error("ExpiredIteratorException") for _ in range(4)]
+    with pytest.raises(ClientError, match="ExpiredIterator"):
+        bounded_source(shard, attempts=3).fetch_once()
+    assert len(shard.get_records_calls) == 3
+
+
+def test_a_per_read_limit_cuts_the_get_records_limit_to_what_the_reader_still_needs() -> None:
+    shard = FakeShard([plain(i) for i in range(20)], page_size=100)
+    fetcher = make(shard, max_records=250)
+    fetcher.fetch_once(limit=7)
+    fetcher.fetch_once(limit=1000)
+    fetcher.fetch_once()
+    assert [limit for _, limit in shard.get_records_calls] == [7, 250, 250]
+
+
+def test_a_page_tells_the_tip_the_bound_and_the_shard_end_apart() -> None:
+    """The tip is an empty page not behind, never MillisBehindLatest 0 alone (kinesis-mock
+    reports 0 on a page inside the last PutRecords batch); a bounded read's end is not the
+    shard's."""
+    shard = FakeShard([plain(i) for i in range(4)], page_size=2, millis_behind=0)
+    fetcher = make(shard, deliver_empty=True)
+    first = fetcher.fetch_once()
+    assert first is not None and first.caught_up and not first.at_tip
+    fetcher.fetch_once()
+    tip = fetcher.fetch_once()
+    assert tip is not None and tip.at_tip and not (tip.shard_end or tip.shard_closed)
+
+    bounded = bounded_source(shard, attempts=3, until_ms=1_700_000_000_000 + 1,
+                             max_records=10)
+    cut = bounded.fetch_once()
+    assert cut is not None and payloads([cut]) == [b"plain-0"]
+    assert cut.bound_reached and cut.shard_end and not cut.shard_closed and not cut.at_tip
+
+    at_tip = bounded_source(FakeShard([plain(0)], millis_behind=0), attempts=3,
+                            until_ms=1_700_000_000_000 + 9)
+    assert at_tip.fetch_once() is not None
+    over = at_tip.fetch_once()
+    assert over is not None and over.shard_end and over.at_tip
+    assert not (over.shard_closed or over.bound_reached)
+
+    closed = bounded_source(FakeShard([plain(0)], closed=True), attempts=3,
+                            until_ms=1_700_000_000_000 + 9)
+    last = closed.fetch_once()
+    assert last is not None and last.shard_end and last.shard_closed
+    assert not last.bound_reached
 
 
 def test_fatal_error_propagates_from_fetch_once() -> None:
@@ -346,7 +421,7 @@ def test_an_empty_final_page_is_still_delivered() -> None:
 
 def test_shard_end_checkpoint_never_reaches_the_fetcher() -> None:
     with pytest.raises(ValueError):
-        StartPosition.from_checkpoint(SHARD_END, 0, None)
+        reading_start(Position.of(SHARD_END, 0), None)
 
 
 # -- over real HTTP ----------------------------------------------------------------------
@@ -391,15 +466,6 @@ def kinesis_client(endpoint: Endpoint) -> Any:
         aws_secret_access_key="testing",
         verify=endpoint.verify,
     )
-
-
-def wait_active(client: Any, stream: str) -> None:
-    for _ in range(300):
-        summary = client.describe_stream_summary(StreamName=stream)["StreamDescriptionSummary"]
-        if summary["StreamStatus"] == "ACTIVE":
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"stream {stream} never became ACTIVE")
 
 
 def put_mixed(client: Any, stream: str, shard: dict[str, Any]) -> list[tuple[str, int, bytes]]:
@@ -453,7 +519,7 @@ def test_reads_plain_and_aggregated_records_over_http_exactly_once_in_order(
     client = kinesis_client(kinesis_endpoint)
     stream = f"fetcher-{uuid.uuid4().hex[:8]}"
     client.create_stream(StreamName=stream, ShardCount=2)
-    wait_active(client, stream)
+    wait_for_stream_active(client, stream)
     shards = client.list_shards(StreamName=stream)["Shards"]
     assert len(shards) == 2
     expected = {s["ShardId"]: put_mixed(client, stream, s) for s in shards}
@@ -467,7 +533,7 @@ def test_reads_plain_and_aggregated_records_over_http_exactly_once_in_order(
         metrics = Metrics()
         fetcher = polling(
             client,
-            StartPosition(TRIM_HORIZON),
+            Position(TRIM_HORIZON),
             ShardAddress(shard_id, stream_name=stream),
             max_records=2,  # small pages: the read spans many GetRecords calls
             idle_time_s=0.05,
@@ -484,7 +550,7 @@ def test_reads_plain_and_aggregated_records_over_http_exactly_once_in_order(
         assert checkpoint_sub == 2
         resumed = polling(
             client,
-            StartPosition.from_checkpoint(checkpoint_seq, checkpoint_sub, None),
+            reading_start(Position.of(checkpoint_seq, checkpoint_sub), None),
             ShardAddress(shard_id, stream_name=stream),
             max_records=2,
             idle_time_s=0.05,
@@ -502,17 +568,17 @@ def test_a_split_parent_is_read_to_shard_end_with_its_children_over_http(
     client = kinesis_client(Endpoint(url, verify=not url.startswith("https")))
     stream = f"fetcher-split-{uuid.uuid4().hex[:8]}"
     client.create_stream(StreamName=stream, ShardCount=1)
-    wait_active(client, stream)
+    wait_for_stream_active(client, stream)
     parent = client.list_shards(StreamName=stream)["Shards"][0]
     expected = put_mixed(client, stream, parent)
     client.split_shard(
         StreamName=stream, ShardToSplit=parent["ShardId"], NewStartingHashKey=str(2**127)
     )
-    wait_active(client, stream)
+    wait_for_stream_active(client, stream)
 
     fetcher = polling(
         client,
-        StartPosition(TRIM_HORIZON),
+        Position(TRIM_HORIZON),
         ShardAddress(parent["ShardId"], stream_name=stream),
         max_records=4,
         idle_time_s=0.05,

@@ -74,3 +74,17 @@ def test_the_design_module_map_names_every_module() -> None:
     modules = {str(path.relative_to(ROOT / "kclpy")) for path in (ROOT / "kclpy").rglob("*.py")}
     assert modules - named == set(), "modules missing from docs/design.md's map"
     assert named - modules == set(), "docs/design.md's map names modules that do not exist"
+
+
+def test_the_design_test_map_names_the_tests_of_every_lease_state_and_recovery_module() -> None:
+    design = (ROOT / "docs" / "design.md").read_text()
+    section = design.split("## Tests", 1)[1].split("\n## ", 1)[0]
+    rows = dict(re.findall(r"^\| `([a-z_/]+\.py)` \| `(tests/test_[a-z_]+\.py)` \|", section, re.M))
+    modules = {"streams.py"} | {
+        str(path.relative_to(ROOT / "kclpy"))
+        for package in ("leases", "state", "recovery")
+        for path in (ROOT / "kclpy" / package).glob("*.py")}
+    assert modules - set(rows) == set(), "modules without a row in docs/design.md's test map"
+    assert set(rows) - modules == set(), "docs/design.md's test map names modules that do not exist"
+    missing = {test for test in rows.values() if not (ROOT / test).exists()}
+    assert missing == set(), "docs/design.md's test map names test modules that do not exist"

@@ -20,7 +20,8 @@ from kclpy.retrieval.receive import MIN_POOLED_BYTES, BufferPool
 from kclpy.retry import CONNECTION, classify
 from tests.support.faultproxy import FaultProxy
 from tests.support.recording import Ledger, RecordingProcessor
-from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name, wait_for
+from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
+from tests.support.waiting import wait_for
 from tests.support.workers import running
 
 NO_RETRIES = Config(retries={"mode": "standard", "total_max_attempts": 1})

@@ -1,311 +1,51 @@
-"""Lag recovery: the gap queue, the rate budget, the queue's lease attribute and its fence
-(in-process moto), and a lagging shard end to end over real HTTP (kinesis-mock and moto's
-server): live records flow at once while the gap is recovered, flagged, within its rate."""
+"""Lag recovery as a whole: a lagging shard end to end over real HTTP (kinesis-mock and
+moto's server) - live records flow at once while the gap is recovered, flagged, within its
+rate - and the consumer's side, live and recovery batches on one delivery thread. Each
+module's own tests: test_recovery_queue.py, test_recovery_rate.py, test_recovery_detect.py,
+test_recovery_shard.py, test_recovery_requests.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import re
-import signal
 import subprocess
 import sys
 import threading
 import time
-import uuid
-from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import boto3
 import pytest
-from moto import mock_aws
 
 import kclpy
 from kclpy import KCLConfig, Worker
 from kclpy.checkpoint import Checkpointer
 from kclpy.consumer import ShardConsumer
-from kclpy.errors import ShutdownException
-from kclpy.leases.cleanup import deletable
-from kclpy.leases.fence import LeaseFence
-from kclpy.leases.held import HeldSet
 from kclpy.leases.lease import SHARD_END, TRIM_HORIZON, Lease
-from kclpy.leases.serializer import RECOVERY, UpdateBuilder
-from kclpy.leases.table import LeaseTable
+from kclpy.leases.serializer import RECOVERY
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from kclpy.recovery import queue as gaps
-from kclpy.recovery.queue import RecoveryRequest
-from kclpy.recovery.rate import RecoveryRate
-from kclpy.recovery.shard import ShardRecovery
-from kclpy.retrieval.pipeline import ShardPipeline
-from kclpy.retrieval.polling import Pacer, PollingSource
-from kclpy.retrieval.source import ShardAddress, StartPosition
-from tests.support.determinism import Clock
-from tests.support.fleet import Fleet, fleet
+from tests.support.e2e import lease_items, worker_config
+from tests.support.recovery import age
 from tests.support.streams import (
     create_stream,
     dynamodb_client,
     kinesis_client,
     put_plain,
     unique_name,
-    wait_for,
 )
+from tests.support.waiting import wait_for
 from tests.support.workers import running as running_worker
 from tests.test_consumer import SETTINGS, Leases, Result, ScriptedFetcher, Writer, rec
 
 REGION = "us-east-1"
 FAILOVER = 10.0
-
-
-def gap(start: str, end_ms: int, first_ms: int | None, *, done: str | None = None
-        ) -> RecoveryRequest:
-    request = RecoveryRequest.gap(start, 0, end_ms, first_ms, None)
-    return request if done is None else request.checkpointed(done, 0, None)
-
-
-# -- the queue -------------------------------------------------------------------------------
-
-def test_gaps_are_kept_in_order_of_their_start() -> None:
-    queue = gaps.add((), gap("300", 3000, 2500))
-    queue = gaps.add(queue, gap("100", 1000, 500))
-    assert [r.start for r in queue] == ["100", "300"]
-
-
-def test_a_second_outage_adds_a_gap_instead_of_replacing_the_first() -> None:
-    first = gap("100", 1000, 500, done="150")
-    queue = gaps.add((first,), gap("900", 5000, 4000))
-    assert queue == (first, gap("900", 5000, 4000))
-
-
-def test_overlapping_and_touching_gaps_are_merged_keeping_the_earlier_checkpoint() -> None:
-    first = gap("100", 1000, 500, done="150")
-    overlapping = gaps.add((first,), gap("200", 2000, 900))
-    assert [(r.start, r.done, r.end_ms) for r in overlapping] == [("100", "150", 2000)]
-    touching = gaps.add((first,), gap("200", 3000, 1000))
-    assert [(r.start, r.done, r.end_ms) for r in touching] == [("100", "150", 3000)]
-    apart = gaps.add((first,), gap("200", 3000, 1001))
-    assert len(apart) == 2
-
-
-def test_a_gap_found_again_from_the_same_checkpoint_keeps_the_progress_made() -> None:
-    """A worker that died before its live reader checkpointed: the next owner finds the same
-    gap, longer; the recovery checkpoint already written is not thrown away."""
-    recovered_some = gap("100", 1000, 500, done="400")
-    queue = gaps.add((recovered_some,), gap("100", 1800, 500))
-    assert [(r.start, r.done, r.end_ms) for r in queue] == [("100", "400", 1800)]
-
-
-def test_merging_sweeps_every_gap_a_new_one_bridges() -> None:
-    queue = (gap("100", 1000, 500), gap("300", 3000, 2500))
-    bridged = gaps.add(queue, gap("200", 2600, 1000))
-    assert [(r.start, r.end_ms) for r in bridged] == [("100", 3000)]
-
-
-def test_the_queue_round_trips_through_its_attribute_and_empties_to_none() -> None:
-    queue = (gap(TRIM_HORIZON, 1000, 500, done="150"),
-             RecoveryRequest.gap("900", 3, 5000, 4000, "901").checkpointed("950", 2, 4500))
-    assert gaps.loads(gaps.dumps(queue)) == queue
-    assert gaps.dumps(()) is None
-    assert gaps.loads(None) == ()
-    with pytest.raises(ValueError, match="unreadable recovery queue"):
-        gaps.loads('{"v":1,"requests":[{"start":"1"}]}')
-
-
-def test_remaining_time_runs_from_the_recovery_checkpoint_to_the_gap_end() -> None:
-    fresh = gap("100", 10_000, 4_000)
-    assert fresh.remaining_ms() == 6_000
-    assert fresh.checkpointed("200", 0, 9_000).remaining_ms() == 1_000
-
-
-# -- the rate budget -------------------------------------------------------------------------
-
-def drain(rate: RecoveryRate, clock: Clock, shards: list[str], seconds: float,
-          want: int = 10_000) -> dict[str, list[tuple[float, int]]]:
-    """Every shard asks in turn, as fetch threads would, on a hand-driven clock."""
-    grants: dict[str, list[tuple[float, int]]] = {shard: [] for shard in shards}
-    end = clock() + seconds
-    while clock() < end:
-        waits = []
-        for shard in shards:
-            granted, wait_s = rate.reserve(shard, want)
-            if granted:
-                grants[shard].append((clock(), granted))
-            else:
-                waits.append(wait_s)
-        if waits and len(waits) == len(shards):
-            clock.advance(min(waits))
-    return grants
-
-
-def test_no_ten_second_window_gets_more_than_the_rate_plus_ten_percent() -> None:
-    clock = Clock(100.0)
-    rate = RecoveryRate(1000, clock=clock)
-    grants = drain(rate, clock, ["a"], 60)["a"]
-    for start in range(100, 150):
-        window = sum(n for at, n in grants if start <= at < start + 10)
-        assert 9_000 <= window <= 11_000, (start, window)
-
-
-def test_recovering_shards_share_the_rate_fairly() -> None:
-    clock = Clock()
-    rate = RecoveryRate(600, clock=clock)
-    grants = drain(rate, clock, ["a", "b", "c"], 30)
-    totals = {shard: sum(n for _, n in got) for shard, got in grants.items()}
-    assert sum(totals.values()) <= 600 * 30 + 300
-    assert max(totals.values()) - min(totals.values()) <= 300, totals
-
-
-def test_a_shard_that_leaves_does_not_hold_up_the_others() -> None:
-    clock = Clock()
-    rate = RecoveryRate(100, clock=clock)
-    assert rate.reserve("a", 10_000)[0] == 50
-    assert rate.reserve("b", 10_000)[0] == 0  # b waits behind nobody but the empty bucket
-    assert rate.reserve("a", 10_000)[0] == 0  # a now waits behind b
-    rate.leave("b")
-    clock.advance(0.5)
-    assert rate.reserve("a", 10_000)[0] == 50
-
-
-@pytest.mark.parametrize("unused, granted", [(0, 0), (45, 50)])
-def test_tokens_a_page_did_not_use_are_given_back(unused: int, granted: int) -> None:
-    clock = Clock()
-    rate = RecoveryRate(100, clock=clock)
-    assert rate.reserve("a", 10_000)[0] == 50
-    rate.give_back(unused)
-    clock.advance(0.05)
-    assert rate.reserve("a", 10_000)[0] == granted
-
-
-def test_a_pacer_stops_waiting_once_stopped() -> None:
-    rate = RecoveryRate(1, clock=Clock())
-    pacer = rate.pacer("a")
-    stop = threading.Event()
-    assert pacer.take(5, stop) == 1
-    stop.set()
-    assert pacer.take(5, stop) == 0
-
-
-# -- the lease attribute (in-process moto) --------------------------------------------------
-
-@dataclass
-class Holder:
-    """One worker's held set and fence, taking by hand."""
-
-    table: LeaseTable
-    worker_id: str
-    clock: Clock
-    held: HeldSet = field(init=False)
-    fence: LeaseFence = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.held = HeldSet(self.worker_id, renewer_interval_s=FAILOVER / 2, metrics=Metrics())
-        self.fence = LeaseFence(self.table, self.held, failover_time_s=FAILOVER,
-                                clock=self.clock)
-
-    def take(self, key: str) -> str:
-        current = self.table.get(key)
-        assert current is not None
-        fresh = self.table.take(current, self.worker_id)
-        fresh.concurrency_token = uuid.uuid4().hex
-        self.held.install(fresh, self.clock())
-        return fresh.concurrency_token
-
-
-@pytest.fixture
-def aws() -> Iterator[None]:
-    with mock_aws():
-        yield
-
-
-@pytest.fixture
-def table(aws: None) -> LeaseTable:
-    table = LeaseTable(boto3.client("dynamodb", region_name=REGION), "app", max_attempts=3,
-                       sleep=lambda _: None)
-    table.create_if_missing()
-    assert table.create(Lease("s1"))
-    return table
-
-
-def unused_reader(start: StartPosition, until_ms: int | None, pacer: Pacer | None,
-                  max_records: int | None) -> ShardPipeline:
-    raise AssertionError("no read expected")
-
-
-def recovery_for(holder: Holder, token: str, stored: str | None = None,
-                 **options: Any) -> ShardRecovery:
-    options.setdefault("reader_factory", unused_reader)
-    return ShardRecovery("s1", stored, token=token, fence=holder.fence,
-                         rate=RecoveryRate(1000), max_lag_ms=1000, metrics=Metrics(), **options)
-
-
-def stored_queue(table: LeaseTable) -> tuple[RecoveryRequest, ...]:
-    lease = table.get("s1")
-    assert lease is not None
-    return gaps.loads(lease.recovery)
-
-
-def test_every_lease_write_keeps_the_queue(table: LeaseTable) -> None:
-    clock = Clock()
-    a, b = Holder(table, "A", clock), Holder(table, "B", clock)
-    token = a.take("s1")
-    queue = (gap("100", 5000, 4000),)
-    recovery = recovery_for(a, token)
-    with recovery._lock:
-        recovery._store(queue)
-    a.fence.update_checkpoint("s1", token, "200", 0)  # checkpoint
-    a.fence.update("s1", token, UpdateBuilder(), what="renewal")  # renewal
-    a.fence.release("s1")  # release
-    b.take("s1")  # take
-    steal = Holder(table, "C", clock)
-    steal.take("s1")  # steal: a take of an owned lease
-    assert not table.create(Lease("s1"))  # create of an existing lease leaves it alone
-    lease = table.get("s1")
-    assert lease is not None and lease.lease_owner == "C" and lease.checkpoint == "200"
-    assert gaps.loads(lease.recovery) == queue
-
-
-def test_a_worker_that_lost_the_lease_cannot_write_the_queue(table: LeaseTable) -> None:
-    clock = Clock()
-    zombie, thief = Holder(table, "A", clock), Holder(table, "B", clock)
-    token = zombie.take("s1")
-    thief.take("s1")
-    recovery = recovery_for(zombie, token)
-    with pytest.raises(ShutdownException), recovery._lock:
-        recovery._store((gap("100", 5000, 4000),))
-    assert stored_queue(table) == ()
-
-
-def test_the_new_owner_reads_the_queue_and_its_checkpoints_move_only_the_gap(
-        table: LeaseTable) -> None:
-    clock = Clock()
-    a, b = Holder(table, "A", clock), Holder(table, "B", clock)
-    token = a.take("s1")
-    first = recovery_for(a, token)
-    with first._lock:
-        first._store((gap("100", 5000, 4000), gap("900", 9000, 8000)))
-    token_b = b.take("s1")
-    lease = b.held.get("s1")
-    assert lease is not None
-    second = recovery_for(b, token_b, lease.recovery)
-    second.checkpoint((100, 0), "150", 0)
-    lease = table.get("s1")
-    assert lease is not None and lease.checkpoint == TRIM_HORIZON
-    assert [(r.start, r.done) for r in gaps.loads(lease.recovery)] == [("100", "150"),
-                                                                        ("900", "900")]
-    assert [g["checkpoint"] for g in second.status()] == ["150", "900"]
-
-
-def test_a_closed_shard_with_gaps_queued_is_not_finished() -> None:
-    closed = Lease("p", checkpoint=SHARD_END, child_shard_ids=frozenset({"c"}))
-    child = Lease("c", checkpoint="500", parent_shard_ids=frozenset({"p"}))
-    assert closed.is_finished and deletable([closed, child], "A") == [closed]
-    pending = closed.copy(recovery=gaps.dumps((gap("100", 5000, 4000),)))
-    assert not pending.is_finished and deletable([pending, child], "A") == []
 
 
 # -- over real HTTP: kinesis-mock and moto's server ------------------------------------------
@@ -361,39 +101,14 @@ class FlagRecorder(kclpy.IRecordProcessor):
         shutdown_requested_input.checkpointer.checkpoint()
 
 
-def make_config(kinesis_url: str, dynamodb_url: str, stream: str, **overrides: Any) -> KCLConfig:
-    values: dict[str, Any] = {
-        "application_name": unique_name("lag"), "stream_name": stream, "region": REGION,
-        "kinesis_endpoint": kinesis_url, "dynamodb_endpoint": dynamodb_url,
-        "initial_position": "TRIM_HORIZON", "failover_time_ms": 3000,
-        "idle_time_between_reads_ms": 100, "shard_sync_interval_ms": 1000,
-        "shutdown_grace_ms": 5000, "task_backoff_time_ms": 50,
-    }
-    values.update(overrides)
-    return KCLConfig(**values)
-
-
 def running(config: KCLConfig, deliveries: Deliveries) -> AbstractContextManager[Worker]:
     return running_worker(Worker(config, lambda: FlagRecorder(deliveries)))
-
-
-def lease_items(dynamodb_url: str, table: str) -> dict[str, dict[str, Any]]:
-    items = dynamodb_client(dynamodb_url).scan(TableName=table, ConsistentRead=True)["Items"]
-    return {item["leaseKey"]["S"]: item for item in items}
 
 
 def lease_item(dynamodb_url: str, table: str) -> dict[str, Any]:
     items = dynamodb_client(dynamodb_url).scan(TableName=table, ConsistentRead=True)["Items"]
     assert len(items) <= 1
     return items[0] if items else {}
-
-
-def age(max_lag_ms: int) -> None:
-    """Let what was just written become older than ``max_lag_ms`` (an emulator cannot age
-    records): waits for the wall clock, asserts nothing about it."""
-    written = time.time()
-    wait_for(lambda: time.time() > written + max_lag_ms / 1000, 10 + max_lag_ms / 1000,
-             "the backlog to age", interval=0.1)
 
 
 @pytest.mark.integration
@@ -408,7 +123,7 @@ def test_a_lagging_shard_reads_live_at_once_while_its_gap_is_recovered(
     max_lag_ms, rate = 1500, 100
     age(max_lag_ms)
     deliveries = Deliveries()
-    config = make_config(kinesis_mock.url, moto_server.url, stream, max_lag_ms=max_lag_ms,
+    config = worker_config(kinesis_mock.url, moto_server.url, stream, max_lag_ms=max_lag_ms,
                          recovery_max_rate=rate)
     caplog.set_level(logging.INFO, logger="kclpy.recovery")
     with running(config, deliveries) as worker:
@@ -441,228 +156,6 @@ def test_a_lagging_shard_reads_live_at_once_while_its_gap_is_recovered(
     assert len(recovered) <= rate * span + rate, "the recovery rate stays within its bound"
 
 
-# -- a shard's recovery against in-process moto (Kinesis and DynamoDB) ----------------------
-
-@dataclass
-class Shard:
-    kinesis: Any
-    stream: str
-    table: LeaseTable
-    holder: Holder
-    token: str
-    metrics: Metrics = field(default_factory=Metrics)
-
-    def reader(self, start: StartPosition, until_ms: int | None, pacer: Pacer | None,
-               max_records: int | None) -> ShardPipeline:
-        source = PollingSource(
-            self.kinesis, ShardAddress("shardId-000000000000", stream_name=self.stream),
-            max_records=max_records or 100, idle_time_s=0, pacer=pacer, until_ms=until_ms,
-            metrics=self.metrics)
-        return ShardPipeline(source, start, metrics=self.metrics)
-
-    def recovery(self, *, wall_clock: Any = time.time, stored: str | None = None
-                 ) -> ShardRecovery:
-        return ShardRecovery("shardId-000000000000", stored, token=self.token,
-                             fence=self.holder.fence, reader_factory=self.reader,
-                             rate=RecoveryRate(10_000), max_lag_ms=1000, metrics=self.metrics,
-                             wall_clock=wall_clock)
-
-    def queue(self) -> tuple[RecoveryRequest, ...]:
-        lease = self.table.get("shardId-000000000000")
-        assert lease is not None
-        return gaps.loads(lease.recovery)
-
-
-@pytest.fixture
-def shard(aws: None) -> Shard:
-    kinesis = boto3.client("kinesis", region_name=REGION)
-    kinesis.create_stream(StreamName="s", ShardCount=1)
-    for n in range(30):
-        kinesis.put_record(StreamName="s", Data=f"old-{n}".encode(), PartitionKey="k")
-    table = LeaseTable(boto3.client("dynamodb", region_name=REGION), "app", max_attempts=3,
-                       sleep=lambda _: None)
-    table.create_if_missing()
-    assert table.create(Lease("shardId-000000000000"))
-    holder = Holder(table, "A", Clock())
-    return Shard(kinesis, "s", table, holder, holder.take("shardId-000000000000"))
-
-
-def recover_all(recovery: ShardRecovery) -> list[str]:
-    """Poll as the delivery thread does, checkpointing each batch; the payloads."""
-    payloads: list[str] = []
-
-    def step() -> bool:
-        batch = recovery.poll()
-        if batch is not None:
-            result, checkpointer = batch
-            checkpointer.mark_delivered(result.records[-1])  # as the consumer does
-            payloads.extend(r.binary_data.decode() for r in result.records)
-            checkpointer.checkpoint()
-        return not recovery.active
-
-    wait_for(step, 10, "the gap recovered")
-    return payloads
-
-
-def test_a_shard_behind_queues_its_gap_before_live_reading_and_recovers_it(shard: Shard) -> None:
-    hour_later = time.time() + 3600
-    recovery = shard.recovery(wall_clock=lambda: hour_later)
-    live_from = recovery.begin(TRIM_HORIZON, 0)
-    assert live_from is not None
-    assert live_from.timestamp() == pytest.approx(hour_later - 1, abs=0.01)
-    [queued] = shard.queue()
-    assert (queued.start, queued.end_ms) == (TRIM_HORIZON, round(hour_later * 1000) - 1000)
-    assert recover_all(recovery) == [f"old-{n}" for n in range(30)]
-    assert shard.queue() == ()
-    assert shard.metrics.registry.get_sample_value(
-        "kclpy_recovery_records_total", {"shard_id": "shardId-000000000000"}) == 30
-    assert shard.metrics.registry.get_sample_value("kclpy_recovery_shards") == 0
-
-
-def test_a_recovered_gap_is_not_logged_as_the_shard_ending(
-        shard: Shard, caplog: pytest.LogCaptureFixture) -> None:
-    hour_later = time.time() + 3600
-    recovery = shard.recovery(wall_clock=lambda: hour_later)
-    assert recovery.begin(TRIM_HORIZON, 0) is not None
-    with caplog.at_level("INFO", logger="kclpy.retrieval.polling"):
-        assert len(recover_all(recovery)) == 30
-    assert "the recovery gap was read to its end" in caplog.text
-    assert "reached its end" not in caplog.text
-
-
-def test_a_shard_within_max_lag_reads_live_from_its_checkpoint(shard: Shard) -> None:
-    recovery = shard.recovery()
-    assert recovery.begin(TRIM_HORIZON, 0) is None
-    assert shard.queue() == () and not recovery.active
-
-
-def test_a_gap_not_checkpointed_to_its_end_stays_queued_for_the_next_owner(
-        shard: Shard) -> None:
-    recovery = shard.recovery(wall_clock=lambda: time.time() + 3600)
-    recovery.begin(TRIM_HORIZON, 0)
-    seen: list[str] = []
-
-    def step() -> bool:
-        batch = recovery.poll()
-        if batch is not None:
-            batch[1].mark_delivered(batch[0].records[-1])
-            seen.extend(r.binary_data.decode() for r in batch[0].records)
-        return not recovery.active
-
-    wait_for(step, 10, "the gap read to its end")
-    assert len(seen) == 30
-    [left] = shard.queue()
-    assert not left.started
-
-
-def test_a_gap_read_to_its_end_is_finished_by_a_later_checkpoint_through_its_end(
-        shard: Shard) -> None:
-    """The Spark batcher checkpoints a batch only once Spark has it, after the gap reader
-    reached the gap's end: that checkpoint still finishes the gap."""
-    recovery = shard.recovery(wall_clock=lambda: time.time() + 3600)
-    recovery.begin(TRIM_HORIZON, 0)
-    batches: list[tuple[Any, Checkpointer]] = []
-
-    def step() -> bool:
-        batch = recovery.poll()
-        if batch is not None:
-            batch[1].mark_delivered(batch[0].records[-1])
-            batches.append(batch)
-        return not recovery.active
-
-    wait_for(step, 10, "the gap read to its end")
-    assert shard.queue(), "not checkpointed yet: still queued"
-    result, checkpointer = batches[-1]
-    checkpointer.checkpoint(result.records[-1])
-    assert shard.queue() == ()
-
-
-def test_a_gap_whose_records_were_all_trimmed_is_reported(
-        shard: Shard, caplog: pytest.LogCaptureFixture) -> None:
-    """Retention trimmed the whole shard: nothing is left to read, and the loss is still
-    reported, not closed in silence."""
-    shard.kinesis.create_stream(StreamName="empty", ShardCount=1)
-    empty = dataclasses.replace(shard, stream="empty")
-    trimmed = RecoveryRequest.gap("0", 0, round(time.time() * 1000) + 60_000, 1, "5")
-    recovery = empty.recovery(stored=gaps.dumps((trimmed,)))
-    with caplog.at_level(logging.ERROR, logger="kclpy.recovery.shard"):
-        assert recover_all(recovery) == []
-    [error] = [r for r in caplog.records if r.levelno == logging.ERROR]
-    assert "from 5 up to its end" in error.getMessage()
-    assert "keeps no record" in error.getMessage()
-    assert empty.metrics.registry.get_sample_value(
-        "kclpy_recovery_trimmed_total", {"shard_id": "shardId-000000000000"}) == 1
-
-
-def test_a_gap_partly_past_retention_is_reported_and_the_rest_recovered(
-        shard: Shard, caplog: pytest.LogCaptureFixture) -> None:
-    records = shard.kinesis.get_records(ShardIterator=shard.kinesis.get_shard_iterator(
-        StreamName="s", ShardId="shardId-000000000000",
-        ShardIteratorType="TRIM_HORIZON")["ShardIterator"])["Records"]
-    oldest = int(records[0]["SequenceNumber"])
-    assert oldest > 0
-    # A gap whose first record came before the oldest record the shard still keeps.
-    trimmed = RecoveryRequest.gap("0", 0, round(time.time() * 1000) + 60_000, 1, "0")
-    recovery = shard.recovery(stored=gaps.dumps((trimmed,)))
-    with caplog.at_level(logging.ERROR, logger="kclpy.recovery.shard"):
-        assert recover_all(recovery) == [f"old-{n}" for n in range(30)]
-    [error] = [r for r in caplog.records if r.levelno == logging.ERROR]
-    assert "from 0 up to " + str(oldest) in error.getMessage()
-    assert shard.metrics.registry.get_sample_value(
-        "kclpy_recovery_trimmed_total", {"shard_id": "shardId-000000000000"}) == 1
-
-
-def stored_gaps(group: Fleet) -> tuple[RecoveryRequest, ...]:
-    items = group.lease_items()
-    item = items.get("shardId-000000000000", {})
-    return gaps.loads(item.get(RECOVERY, {}).get("S"))
-
-
-def recovering_from(worker_log: str) -> list[str]:
-    """The gap starts a worker's log says it recovered from, in order."""
-    return re.findall(r"recovering the gap after (\w+)/\d+ up to", worker_log)
-
-
-@pytest.mark.integration
-def test_kill_9_mid_recovery_then_a_second_outage_both_gaps_are_recovered_by_the_next_owner(
-        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, tmp_path: Path) -> None:
-    kinesis = kinesis_client(kinesis_mock.url)
-    stream = unique_name("lag")
-    create_stream(kinesis, stream, 1)
-    max_lag_ms = 1500
-    first_backlog = [f"old1-{n}" for n in range(400)]
-    put_plain(kinesis, stream, [p.encode() for p in first_backlog])
-    age(max_lag_ms)
-    options = ["--max-lag-ms", str(max_lag_ms), "--recovery-max-rate", "100"]
-    with fleet(kinesis_mock.url, moto_server.url, stream, unique_name("app"), tmp_path,
-               extra_args=options) as group:
-        a = group.start("a")
-        wait_for(lambda: any(g.started for g in stored_gaps(group)), 60,
-                 "the first gap partly recovered by a")
-        live = [f"live-{n}" for n in range(20)]
-        put_plain(kinesis, stream, [p.encode() for p in live])
-        wait_for(lambda: group.lease_items()["shardId-000000000000"]["checkpoint"]["S"].isdigit(),
-                 30, "a's live checkpoint")
-        a.signal(signal.SIGKILL)
-        a.process.wait(10)
-        [interrupted] = stored_gaps(group)
-        assert interrupted.started and interrupted.start == TRIM_HORIZON
-        # The second outage: records written while no worker runs.
-        second_backlog = [f"old2-{n}" for n in range(200)]
-        put_plain(kinesis, stream, [p.encode() for p in second_backlog])
-        age(max_lag_ms)
-        b = group.start("b")
-        everything = set(first_backlog + live + second_backlog)
-        wait_for(lambda: group.ledger.processed_all(everything), 120, "every record processed")
-        wait_for(lambda: not stored_gaps(group), 30, "both gaps finished")
-    starts = recovering_from(b.log_tail(200_000))
-    assert starts[0] == interrupted.done, "b resumes the first gap from a's recovery checkpoint"
-    assert len(set(starts)) == 2 and starts[1].isdigit(), "the second outage is a second gap"
-    by_b = [int(r["seq"]) for r in group.ledger.records()
-            if r["pid"] == b.pid and r["data"].startswith("old1-")]
-    assert by_b and min(by_b) > int(interrupted.done), "nothing before the checkpoint re-read"
-
-
 # -- the consumer's side: live and recovery batches on one delivery thread ------------------
 
 class FakeRecovery:
@@ -676,8 +169,8 @@ class FakeRecovery:
         self.checkpointer = Checkpointer("shard-1", self.writer, "t", TRIM_HORIZON, 0)
         self.stopped = False
 
-    def begin(self, checkpoint: str, sub_sequence_number: int) -> datetime | None:
-        self.begun.append((checkpoint, sub_sequence_number))
+    def begin(self, live: Position) -> datetime | None:
+        self.begun.append((live.checkpoint, live.sub_sequence_number))
         return self.start_at
 
     def poll(self) -> tuple[Result, Checkpointer] | None:
@@ -722,10 +215,9 @@ def consume(lease: Lease, live: list[Result], recovery: FakeRecovery
     processor, writer = FlagLog(), Writer()
     starts: list[datetime | None] = []
 
-    def fetcher_factory(lease: Lease, checkpoint: str, sub: int,
-                        start_at: datetime | None = None) -> ScriptedFetcher:
-        starts.append(start_at)
-        return ScriptedFetcher(live, (checkpoint, sub))
+    def fetcher_factory(lease: Lease, start: Position) -> ScriptedFetcher:
+        starts.append(start.moment)
+        return ScriptedFetcher(live, (start.checkpoint, start.sub_sequence_number))
 
     consumer = ShardConsumer(
         lease, concurrency_token="t", processor_factory=lambda: processor,
@@ -781,8 +273,8 @@ class RewindingRecovery(FakeRecovery):
         super().__init__(batches)
         self.script = list(batches)
 
-    def begin(self, checkpoint: str, sub_sequence_number: int) -> datetime | None:
-        self.begun.append((checkpoint, sub_sequence_number))
+    def begin(self, live: Position) -> datetime | None:
+        self.begun.append((live.checkpoint, live.sub_sequence_number))
         done = self.checkpointer.last_checkpoint[0]
         after = int(done) if done is not None and done.isdigit() else -1
         self.batches = [b for b in self.script
@@ -813,8 +305,8 @@ def test_a_restart_asked_while_a_closed_shard_drains_re_reads_from_the_gaps_chec
     consumer = ShardConsumer(
         Lease("shard-1", checkpoint="50"), concurrency_token="t",
         processor_factory=lambda: processor, checkpoint_writer=writer, lease_reader=Leases(),
-        fetcher_factory=lambda lease, checkpoint, sub, start_at=None: ScriptedFetcher(
-            [Result([], shard_end=True)], (checkpoint, sub)),
+        fetcher_factory=lambda lease, start: ScriptedFetcher(
+            [Result([], shard_end=True)], (start.checkpoint, start.sub_sequence_number)),
         on_shard_end=lambda shard_id, children: None, settings=SETTINGS, metrics=Metrics(),
         rng=random.Random(1), recovery=lambda: recovery)
     consumer.start()
@@ -837,7 +329,7 @@ def test_a_gap_of_a_shard_that_is_split_is_recovered_from_the_closed_parent(
     max_lag_ms = 1500
     age(max_lag_ms)
     deliveries = Deliveries()
-    config = make_config(kinesis_mock.url, moto_server.url, stream, max_lag_ms=max_lag_ms,
+    config = worker_config(kinesis_mock.url, moto_server.url, stream, max_lag_ms=max_lag_ms,
                          recovery_max_rate=60, parent_shard_poll_interval_ms=200)
     parent = "shardId-000000000000"
     with running(config, deliveries) as worker:

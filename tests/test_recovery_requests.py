@@ -19,6 +19,7 @@ from kclpy.leases.serializer import UpdateBuilder
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.ops import control
+from kclpy.position import Position
 from kclpy.records import Record, Records
 from kclpy.recovery import queue as gaps
 from kclpy.recovery import requests as asked
@@ -26,11 +27,10 @@ from kclpy.recovery.queue import RecoveryRequest
 from kclpy.recovery.shard import ShardRecovery
 from kclpy.retrieval.pipeline import FetchResult, ShardPipeline
 from kclpy.retrieval.polling import Pacer
-from kclpy.retrieval.source import StartPosition
 from tests.support.determinism import Clock
+from tests.support.recovery import Holder, recovery_for
 from tests.support.streams import dynamodb_client, unique_name
 from tests.test_inspect import run_cli
-from tests.test_recovery import Holder, recovery_for
 
 KEY = "s1"
 
@@ -75,9 +75,9 @@ class IdleReader:
 
 class Readers:
     def __init__(self) -> None:
-        self.opened: list[tuple[StartPosition, IdleReader]] = []
+        self.opened: list[tuple[Position, IdleReader]] = []
 
-    def __call__(self, start: StartPosition, until_ms: int | None, pacer: Pacer | None,
+    def __call__(self, start: Position, until_ms: int | None, pacer: Pacer | None,
                  max_records: int | None) -> ShardPipeline:
         reader = IdleReader()
         self.opened.append((start, reader))
@@ -188,7 +188,7 @@ def test_an_add_racing_the_holders_own_queue_write_is_kept_for_its_next_write(
     with recovery._lock:
         recovery._store((gap_after(100),))
     control._request(table, item(table), add(300))  # lands after the holder's last answer
-    recovery.checkpoint((100, 0), "150", 0)  # the holder's write, from what it has seen
+    recovery.checkpoint(Position("100", 0), "150", 0)  # the holder's write, from what it has seen
     lease = item(table)
     assert [(r.start, r.done) for r in gaps.loads(lease.recovery)] == [("100", "150")]
     assert len(lease.recovery_requests) == 1, "not in that write's DELETE: still waiting"
@@ -216,7 +216,7 @@ def test_adds_and_cancels_racing_the_holders_writes_are_each_applied_once(
         try:
             while not stop.is_set():
                 done += 1
-                recovery.checkpoint((10, 0), str(done), 0)
+                recovery.checkpoint(Position("10", 0), str(done), 0)
                 renew(holder)
                 recovery.poll()
         except BaseException as exc:  # reported below, with the thread's own traceback
@@ -367,7 +367,7 @@ def test_a_gap_committed_with_its_state_takes_requests_in_within_the_transaction
     assert entry is not None
     due = entry.renew_due
     holder.clock.advance(1)
-    recovery.checkpoint((100, 0), "150", 0, [put(state_table, "a")])
+    recovery.checkpoint(Position("100", 0), "150", 0, [put(state_table, "a")])
     lease = item(table)
     assert [(r.start, r.done) for r in gaps.loads(lease.recovery)] == [("100", "150"),
                                                                         ("300", "300")]
@@ -380,7 +380,7 @@ def test_a_gap_committed_with_its_state_takes_requests_in_within_the_transaction
     control._request(table, item(table), cancel(100))
     renew(holder)
     recovery.poll()
-    recovery.checkpoint((100, 0), "160", 0, [put(state_table, "b")])
+    recovery.checkpoint(Position("100", 0), "160", 0, [put(state_table, "b")])
     assert "Item" in table.client.get_item(TableName=state_table, Key={"k": {"S": "b"}})
     lease = item(table)
     assert starts(gaps.loads(lease.recovery)) == ["300"] and lease.lease_owner == "A"

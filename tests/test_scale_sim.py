@@ -3,7 +3,13 @@ up to 10,000 shards come from bench/scale_sim.py (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
-from tests.simulation.scale import ScaleSpec, java2_per_shard_hour, run_scale
+from tests.simulation.scale import (
+    Fleet,
+    ScaleSpec,
+    balanced_by_count,
+    java2_per_shard_hour,
+    run_scale,
+)
 
 
 def test_small_fleet_settles_within_two_failover_times_and_costs_no_more_than_java() -> None:
@@ -23,3 +29,52 @@ def test_small_fleet_settles_within_two_failover_times_and_costs_no_more_than_ja
     assert result.per_shard_hour(result.steady.total_requests) <= 1.02 * java_requests
     assert result.per_shard_hour(result.write_equivalents) <= 1.02 * java_capacity
     assert result.largest_scan_items == 40
+
+
+def test_with_a_leader_only_it_scans_and_the_fleet_settles_within_two_failover_times() -> None:
+    """The same fleet with ``--lease-assigner leader``: every phase settles within two
+    failover times, nothing is held twice, only one worker ever scans the lease table (the
+    others Query the owner index for their own keys), and the steady state costs less
+    capacity per shard-hour than a Java KCL 2.x fleet."""
+    spec = ScaleSpec(40, 8, failover_s=10.0, steady_s=60.0, seed=3)
+    fleet = Fleet(spec, leader=True)
+    result = run_scale(spec, fleet=fleet)
+    assert result.violations == []
+    for phase in result.phases:
+        assert phase.settled_after_s is not None, phase
+        assert phase.settled_after_s <= 2 * spec.failover_s, phase
+    assert result.phase("cold start").moved == 0  # the first pass waits for the fleet's reports
+    scanners = [w.worker_id for w in fleet.workers.values() if w.meter.requests["Scan"]]
+    assert len(scanners) == 1
+    assert result.steady.requests["Query"] > 0
+    _, java_capacity = java2_per_shard_hour(spec, result.item_bytes)
+    assert result.per_shard_hour(result.write_equivalents) < java_capacity
+
+
+def test_the_leader_killed_another_leads_and_every_lease_is_held_again() -> None:
+    """SIGKILL the leader of a settled fleet: a survivor holds the lock within the failover
+    time (its term expires after half of it, read every half), and within three failover
+    times (the lock's expiry, then the new leader watching the leases for one failover time
+    before judging any expired) the dead leader's leases are held by survivors, counts
+    within one."""
+    spec = ScaleSpec(30, 6, failover_s=10.0, seed=5)
+    fleet = Fleet(spec, leader=True)
+    for index in range(spec.workers):
+        fleet.start_worker(f"w{index:03d}", fleet.rng.random())
+    assert fleet.run_until(2 * spec.failover_s, settle=True) is not None
+    leader = next(w for w in fleet.live() if w.coordinator.leads())
+    fleet.kill(leader.worker_id)
+    killed_at = fleet.now
+
+    def led(fleet: Fleet) -> bool:
+        return any(w.coordinator.leads() for w in fleet.live())
+
+    fleet.settled = led
+    took_over = fleet.run_until(killed_at + 3 * spec.failover_s, settle=True)
+    assert took_over is not None
+    assert took_over - killed_at <= spec.failover_s + spec.probe_s
+    fleet.settled = balanced_by_count
+    settled = fleet.run_until(killed_at + 5 * spec.failover_s, settle=True)
+    assert settled is not None
+    assert settled - killed_at <= 3 * spec.failover_s + spec.probe_s
+    assert fleet.violations == []

@@ -27,7 +27,8 @@ from kclpy.ops import serve_worker
 from tests.support.ledger import LEDGER_ENV, RECORD, WORKER_ENV, Ledger
 from tests.support.recording import Ledger as MemoryLedger
 from tests.support.recording import RecordingProcessor
-from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name, wait_for
+from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
+from tests.support.waiting import wait_for
 from tests.support.workers import running
 
 pytestmark = pytest.mark.integration

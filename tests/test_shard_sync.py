@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import random
 import socket
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +22,8 @@ from kclpy.leases.table import LeaseTable, checkpoint_changes
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from kclpy.retrieval.parse import ChildShard
+from tests.support.streams import wait_for_stream_active
+from tests.support.waiting import wait_for
 
 REGION = "us-east-1"
 MAX_HASH = str(2**128 - 1)
@@ -298,13 +299,7 @@ def aws() -> Iterator[tuple[Any, LeaseTable]]:
 
 def make_stream(kinesis: Any, name: str, shards: int) -> None:
     kinesis.create_stream(StreamName=name, ShardCount=shards)
-    deadline = time.monotonic() + 30
-    while (
-        kinesis.describe_stream_summary(StreamName=name)["StreamDescriptionSummary"]["StreamStatus"]
-        != "ACTIVE"
-    ):
-        assert time.monotonic() < deadline, "stream never became ACTIVE"
-        time.sleep(0.05)
+    wait_for_stream_active(kinesis, name)
 
 
 def split_first_shard(kinesis: Any, name: str) -> tuple[str, list[str]]:
@@ -315,14 +310,13 @@ def split_first_shard(kinesis: Any, name: str) -> tuple[str, list[str]]:
     kinesis.split_shard(
         StreamName=name, ShardToSplit=parent["ShardId"], NewStartingHashKey=str((low + high) // 2)
     )
-    deadline = time.monotonic() + 30
-    while True:
+
+    def children() -> list[str] | None:
         after = kinesis.list_shards(StreamName=name)["Shards"]
-        children = [s["ShardId"] for s in after if s.get("ParentShardId") == parent["ShardId"]]
-        if len(children) == 2:
-            return parent["ShardId"], children
-        assert time.monotonic() < deadline, "split never showed up"
-        time.sleep(0.05)
+        found = [s["ShardId"] for s in after if s.get("ParentShardId") == parent["ShardId"]]
+        return found if len(found) == 2 else None
+
+    return parent["ShardId"], wait_for(children, 30, f"the two children of {parent['ShardId']}")
 
 
 def test_moto_pagination_works_despite_its_next_token_quirk(
@@ -557,7 +551,7 @@ def test_a_stream_created_again_under_its_name_is_consumed_from_the_initial_posi
     and processes the new stream's records."""
     from kclpy import KCLConfig, Worker
     from tests.support.recording import Ledger, RecordingProcessor
-    from tests.support.streams import create_stream, kinesis_client, put_plain, wait_for
+    from tests.support.streams import create_stream, kinesis_client, put_plain
     from tests.support.workers import running
 
     kinesis = kinesis_client(kinesis_mock.url)

@@ -21,7 +21,8 @@ from kclpy.local import LocalEndpoint
 from kclpy.supervisor import Spawn, Supervisor, run_processes, strip_processes
 from tests.support.fleet import ROOT, fleet
 from tests.support.proctable import alive, pids_running
-from tests.support.streams import create_stream, kinesis_client, unique_name, wait_for
+from tests.support.streams import create_stream, kinesis_client, unique_name
+from tests.support.waiting import wait_for
 
 #: A stand-in worker: records its argv, then behaves as its worker id's last part says.
 CHILD = """

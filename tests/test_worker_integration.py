@@ -7,96 +7,45 @@ produced: every record, in order per shard, exactly once where the protocol prom
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 from botocore.exceptions import ClientError
 
-from kclpy import KCLConfig, Worker
+from kclpy import Worker
 from kclpy.cli import worker_main
 from kclpy.errors import ConfigError
 from kclpy.local import LocalEndpoint
+from tests.support.e2e import (
+    EndToEnd,
+    assert_exactly_once,
+    assert_in_order,
+    produce_mixed,
+    running,
+    stream_active,
+    worker_config,
+)
 from tests.support.faultproxy import FaultProxy
 from tests.support.recording import Ledger, RecordingProcessor
 from tests.support.streams import (
-    create_stream,
     dynamodb_client,
-    kinesis_client,
-    put_aggregated,
-    put_plain,
     unique_name,
-    wait_for,
 )
+from tests.support.waiting import wait_for
 from tests.support.workers import running as running_worker
 
 pytestmark = pytest.mark.integration
 
 
-def make_config(kinesis_url: str, dynamodb_url: str, stream: str, **overrides: Any) -> KCLConfig:
-    values: dict[str, Any] = {
-        "application_name": unique_name("app"),
-        "stream_name": stream,
-        "region": "us-east-1",
-        "kinesis_endpoint": kinesis_url,
-        "dynamodb_endpoint": dynamodb_url,
-        "initial_position": "TRIM_HORIZON",
-        "failover_time_ms": 3000,
-        "idle_time_between_reads_ms": 100,
-        "shard_sync_interval_ms": 1000,
-        "parent_shard_poll_interval_ms": 200,
-        "shutdown_grace_ms": 5000,
-        "task_backoff_time_ms": 50,
-    }
-    values.update(overrides)
-    return KCLConfig(**values)
-
-
-def running(config: KCLConfig, ledger: Ledger) -> AbstractContextManager[Worker]:
-    return running_worker(Worker(config, lambda: RecordingProcessor(ledger)))
-
-
-def assert_in_order(ledger: Ledger) -> None:
-    for shard_id, records in ledger.by_shard().items():
-        positions = [(seq, sub) for seq, sub, _ in records]
-        assert positions == sorted(positions), f"{shard_id} out of order"
-
-
-def assert_exactly_once(ledger: Ledger, expected: list[bytes]) -> None:
-    seen = collections.Counter(ledger.payloads())
-    missing = set(expected) - set(seen)
-    duplicated = {p: n for p, n in seen.items() if n > 1}
-    assert not missing, f"{len(missing)} records never processed"
-    assert not duplicated, f"{len(duplicated)} records processed more than once"
-    assert sorted(seen) == sorted(expected)
-
-
-def produce_mixed(kinesis: Any, stream: str, tag: str, plain: int, aggregates: int,
-                  per_aggregate: int) -> list[bytes]:
-    payloads = [f"{tag}-plain-{n}".encode() for n in range(plain)]
-    put_plain(kinesis, stream, payloads)
-    aggregated = [f"{tag}-kpl-{n}".encode() for n in range(aggregates * per_aggregate)]
-    put_aggregated(kinesis, stream, aggregated, per_aggregate)
-    return payloads + aggregated
-
-
-def lease_items(dynamodb_url: str, table: str) -> dict[str, dict[str, Any]]:
-    client = dynamodb_client(dynamodb_url)
-    items = client.scan(TableName=table, ConsistentRead=True)["Items"]
-    return {item["leaseKey"]["S"]: item for item in items}
-
-
 def test_four_shards_plain_and_kpl_exactly_once_in_order(
-        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
-    kinesis = kinesis_client(kinesis_mock.url)
-    stream = unique_name("e2e")
-    create_stream(kinesis, stream, 4)
+        e2e: EndToEnd, ledger: Ledger) -> None:
+    kinesis = e2e.kinesis
+    stream = e2e.stream("e2e", 4)
     expected = produce_mixed(kinesis, stream, "a", plain=200, aggregates=10, per_aggregate=20)
-    ledger = Ledger()
-    config = make_config(kinesis_mock.url, moto_server.url, stream)
+    config = e2e.config(stream)
     with running(config, ledger) as worker:
         wait_for(lambda: len(ledger.records) >= len(expected), 120, "all records processed")
         assert set(worker.status()["held_leases"]) == set(ledger.by_shard()) | set(
@@ -104,7 +53,7 @@ def test_four_shards_plain_and_kpl_exactly_once_in_order(
     assert_exactly_once(ledger, expected)
     assert_in_order(ledger)
     assert len(ledger.by_shard()) == 4
-    items = lease_items(moto_server.url, config.lease_table_name)
+    items = e2e.lease_items(config.lease_table_name)
     assert len(items) == 4
     for item in items.values():
         assert "leaseOwner" not in item, "leases are released on shutdown"
@@ -114,13 +63,11 @@ def test_four_shards_plain_and_kpl_exactly_once_in_order(
 
 
 def test_stopped_mid_stream_and_restarted_resumes_from_checkpoint(
-        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
-    kinesis = kinesis_client(kinesis_mock.url)
-    stream = unique_name("restart")
-    create_stream(kinesis, stream, 2)
+        e2e: EndToEnd, ledger: Ledger) -> None:
+    kinesis = e2e.kinesis
+    stream = e2e.stream("restart", 2)
     first = produce_mixed(kinesis, stream, "one", plain=150, aggregates=5, per_aggregate=10)
-    ledger = Ledger()
-    config = make_config(kinesis_mock.url, moto_server.url, stream)
+    config = e2e.config(stream)
     with running(config, ledger):
         wait_for(lambda: len(ledger.records) >= len(first) // 2, 120, "half processed")
         second = produce_mixed(kinesis, stream, "two", plain=100, aggregates=5, per_aggregate=10)
@@ -138,13 +85,11 @@ def test_stopped_mid_stream_and_restarted_resumes_from_checkpoint(
 
 
 def test_split_and_merge_parents_before_children(
-        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
-    kinesis = kinesis_client(kinesis_mock.url)
-    stream = unique_name("reshard")
-    create_stream(kinesis, stream, 2)
+        e2e: EndToEnd, ledger: Ledger) -> None:
+    kinesis = e2e.kinesis
+    stream = e2e.stream("reshard", 2)
     expected = produce_mixed(kinesis, stream, "before", plain=100, aggregates=2, per_aggregate=10)
-    ledger = Ledger()
-    config = make_config(kinesis_mock.url, moto_server.url, stream)
+    config = e2e.config(stream)
     with running(config, ledger):
         wait_for(lambda: len(ledger.records) >= 20, 60, "processing started")
         shards = kinesis.list_shards(StreamName=stream)["Shards"]
@@ -181,25 +126,18 @@ def test_split_and_merge_parents_before_children(
     assert len(ended) == 3, "two split/merged parents and the merged-away sibling ended"
 
 
-def stream_active(kinesis: Any, stream: str) -> bool:
-    summary = kinesis.describe_stream_summary(StreamName=stream)["StreamDescriptionSummary"]
-    return bool(summary["StreamStatus"] == "ACTIVE")
-
-
 def test_throttling_and_iterator_expiry_are_survived_without_loss(
-        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
-    kinesis = kinesis_client(kinesis_mock.url)
-    stream = unique_name("faults")
-    create_stream(kinesis, stream, 2)
+        e2e: EndToEnd, ledger: Ledger) -> None:
+    kinesis = e2e.kinesis
+    stream = e2e.stream("faults", 2)
     expected = produce_mixed(kinesis, stream, "f", plain=300, aggregates=4, per_aggregate=10)
-    ledger = Ledger()
-    with FaultProxy(kinesis_mock.url, seed=7) as proxy:
+    with FaultProxy(e2e.kinesis_url, seed=7) as proxy:
         proxy.set_rule("GetRecords", throttle_rate=0.3)
         proxy.set_rule("GetShardIterator", throttle_rate=0.2)
         for _ in range(2):
             proxy.inject_once("GetRecords", (400, {
                 "__type": "ExpiredIteratorException", "message": "Iterator expired"}))
-        config = make_config(proxy.url, moto_server.url, stream, max_records=50)
+        config = worker_config(proxy.url, e2e.dynamodb_url, stream, max_records=50)
         with running(config, ledger) as worker:
             wait_for(lambda: len(ledger.records) >= len(expected), 120, "all processed")
             metrics = worker.metrics.registry
@@ -217,18 +155,16 @@ def test_throttling_and_iterator_expiry_are_survived_without_loss(
 
 
 def test_lost_lease_calls_lease_lost_and_fences_checkpoints(
-        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
-    kinesis = kinesis_client(kinesis_mock.url)
-    stream = unique_name("lost")
-    create_stream(kinesis, stream, 1)
+        e2e: EndToEnd, ledger: Ledger) -> None:
+    kinesis = e2e.kinesis
+    stream = e2e.stream("lost", 1)
     expected = produce_mixed(kinesis, stream, "l", plain=50, aggregates=0, per_aggregate=1)
-    ledger = Ledger()
-    config = make_config(kinesis_mock.url, moto_server.url, stream)
-    dynamodb = dynamodb_client(moto_server.url)
+    config = e2e.config(stream)
+    dynamodb = dynamodb_client(e2e.dynamodb_url)
     with running(config, ledger) as worker:
         wait_for(lambda: len(ledger.records) >= len(expected), 60, "processed")
         shard_id = next(iter(ledger.by_shard()))
-        item = lease_items(moto_server.url, config.lease_table_name)[shard_id]
+        item = e2e.lease_items(config.lease_table_name)[shard_id]
         counter = item["leaseCounter"]["N"]
         dynamodb.update_item(
             TableName=config.lease_table_name, Key={"leaseKey": {"S": shard_id}},
@@ -239,10 +175,9 @@ def test_lost_lease_calls_lease_lost_and_fences_checkpoints(
         wait_for(lambda: (shard_id, "lease_lost") in ledger.events, 30, "lease_lost called")
         lost = worker.metrics.registry.get_sample_value("kclpy_leases_lost_total")
         assert lost is not None and lost >= 1
-        thief_item = lease_items(moto_server.url, config.lease_table_name)[shard_id]
-        assert thief_item["leaseOwner"]["S"] == "thief"
-        # The thief never renews: after the failover time the worker takes the shard back.
-        wait_for(lambda: lease_items(moto_server.url, config.lease_table_name)[shard_id]
+        # The thief never renews: after the failover time the worker takes the shard back
+        # (on a loaded machine it may already have, so the thief's ownership is not read here).
+        wait_for(lambda: e2e.lease_items(config.lease_table_name)[shard_id]
                  .get("leaseOwner", {}).get("S") == config.worker_id, 30, "lease retaken")
         more = produce_mixed(kinesis, stream, "m", plain=20, aggregates=0, per_aggregate=1)
         wait_for(lambda: len(ledger.records) >= len(expected) + len(more), 60, "more processed")
@@ -250,22 +185,19 @@ def test_lost_lease_calls_lease_lost_and_fences_checkpoints(
 
 
 def test_endpoints_from_the_boto3_environment_chain(
-        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    kinesis = kinesis_client(kinesis_mock.url)
-    stream = unique_name("envchain")
-    create_stream(kinesis, stream, 1)
+        e2e: EndToEnd, ledger: Ledger, monkeypatch: pytest.MonkeyPatch) -> None:
+    kinesis = e2e.kinesis
+    stream = e2e.stream("envchain", 1)
     expected = produce_mixed(kinesis, stream, "env", plain=20, aggregates=1, per_aggregate=5)
-    monkeypatch.setenv("AWS_ENDPOINT_URL_KINESIS", kinesis_mock.url)
-    monkeypatch.setenv("AWS_ENDPOINT_URL_DYNAMODB", moto_server.url)
-    ledger = Ledger()
-    config = make_config(kinesis_mock.url, moto_server.url, stream).replace(
+    monkeypatch.setenv("AWS_ENDPOINT_URL_KINESIS", e2e.kinesis_url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_DYNAMODB", e2e.dynamodb_url)
+    config = e2e.config(stream).replace(
         kinesis_endpoint=None, dynamodb_endpoint=None, stop_when_caught_up=True)
     worker = Worker(config, lambda: RecordingProcessor(ledger))
     worker.run(install_signal_handlers=False)
     assert_exactly_once(ledger, expected)
-    assert worker.kinesis.meta.endpoint_url == kinesis_mock.url
-    assert worker.dynamodb.meta.endpoint_url == moto_server.url
+    assert worker.kinesis.meta.endpoint_url == e2e.kinesis_url
+    assert worker.dynamodb.meta.endpoint_url == e2e.dynamodb_url
 
 
 def initialization_failures(worker: Worker) -> float:
@@ -276,18 +208,16 @@ def initialization_failures(worker: Worker) -> float:
 
 
 def test_start_up_into_dynamodb_errors_is_retried_and_then_consumes(
-        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+        e2e: EndToEnd, ledger: Ledger) -> None:
     """Two start-up attempts fail (botocore's three tries of DescribeTable each get a 5xx);
     the third succeeds and the worker consumes as if nothing happened."""
-    kinesis = kinesis_client(kinesis_mock.url)
-    stream = unique_name("startup")
-    create_stream(kinesis, stream, 1)
+    kinesis = e2e.kinesis
+    stream = e2e.stream("startup", 1)
     expected = produce_mixed(kinesis, stream, "s", plain=20, aggregates=1, per_aggregate=5)
-    ledger = Ledger()
-    with FaultProxy(moto_server.url) as proxy:
+    with FaultProxy(e2e.dynamodb_url) as proxy:
         for _ in range(2 * 3):
             proxy.once("DescribeTable", "error_5xx")
-        config = make_config(kinesis_mock.url, proxy.url, stream,
+        config = worker_config(e2e.kinesis_url, proxy.url, stream,
                              max_initialization_attempts=3, initialization_backoff_ms=50)
         with running(config, ledger) as worker:
             wait_for(lambda: len(ledger.records) >= len(expected), 60, "all processed")
@@ -298,20 +228,17 @@ def test_start_up_into_dynamodb_errors_is_retried_and_then_consumes(
 
 
 @contextmanager
-def dynamodb_failing(kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint,
-                     **overrides: Any) -> Iterator[tuple[FaultProxy, Worker]]:
+def dynamodb_failing(e2e: EndToEnd, **overrides: Any) -> Iterator[tuple[FaultProxy, Worker]]:
     """A worker of a fresh one-shard stream whose every DescribeTable answers a 5xx."""
-    stream = unique_name("startup")
-    create_stream(kinesis_client(kinesis_mock.url), stream, 1)
-    with FaultProxy(moto_server.url) as proxy:
+    stream = e2e.stream("startup", 1)
+    with FaultProxy(e2e.dynamodb_url) as proxy:
         proxy.set_rule("DescribeTable", error_5xx_rate=1.0)
-        yield proxy, Worker(make_config(kinesis_mock.url, proxy.url, stream, **overrides),
+        yield proxy, Worker(worker_config(e2e.kinesis_url, proxy.url, stream, **overrides),
                             lambda: RecordingProcessor(Ledger()))
 
 
-def test_start_up_gives_up_after_its_attempts_and_a_config_error_at_once(
-        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
-    with dynamodb_failing(kinesis_mock, moto_server, max_initialization_attempts=2,
+def test_start_up_gives_up_after_its_attempts_and_a_config_error_at_once(e2e: EndToEnd) -> None:
+    with dynamodb_failing(e2e, max_initialization_attempts=2,
                           initialization_backoff_ms=10) as (proxy, worker):
         with pytest.raises(ClientError, match=r"InternalServerError|ServiceUnavailable"):
             worker.run(install_signal_handlers=False)
@@ -319,7 +246,7 @@ def test_start_up_gives_up_after_its_attempts_and_a_config_error_at_once(
     assert not worker.wait_started(0)
     assert initialization_failures(worker) == 2
 
-    missing = Worker(make_config(kinesis_mock.url, moto_server.url, unique_name("absent"),
+    missing = Worker(e2e.config(unique_name("absent"),
                                  initialization_backoff_ms=60_000),
                      lambda: RecordingProcessor(Ledger()))
     with pytest.raises(ConfigError, match=r"^stream_name: "):
@@ -327,11 +254,10 @@ def test_start_up_gives_up_after_its_attempts_and_a_config_error_at_once(
     assert initialization_failures(missing) == 0
 
 
-def test_shutdown_during_start_up_backoff_ends_the_worker_cleanly(
-        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+def test_shutdown_during_start_up_backoff_ends_the_worker_cleanly(e2e: EndToEnd) -> None:
     """A SIGTERM while the worker waits to retry its start-up stops it without waiting
     for the backoff (an hour here) and without taking a lease."""
-    with dynamodb_failing(kinesis_mock, moto_server,
+    with dynamodb_failing(e2e,
                           initialization_backoff_ms=3_600_000) as (_, worker):
         with running_worker(worker):
             wait_for(lambda: initialization_failures(worker), 30, "a failed start-up attempt")

@@ -50,6 +50,7 @@ from collections.abc import Collection, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
+from kclpy.leases import mixed
 from kclpy.leases.lease import Lease
 
 
@@ -173,10 +174,12 @@ class Balancer:
         """Decide what to take, given the leases this worker holds now. With ``java_peers``
         (a Java KCL 2.x worker shares the table), finished leases count as Java's taker
         counts them - towards the total and their live owner's load - so both compute the
-        same target (they are still never taken); and an unowned lease (released) free for
-        longer than one failover time counts as very old: a Java worker under target may
-        leave it free for up to four failover times (it takes a lease only at the second of
-        its scans, two failover times apart, after the lease's last change)."""
+        same target (they are still never taken); and a lease free (released, or expired:
+        its owner stopped renewing) for longer than one failover time counts as very old: a
+        Java worker under target may leave it free for up to four failover times (it takes a
+        lease only at the second of its scans, two failover times apart, after the lease's
+        last change). Such leases are taken above the target only as far as the other kclpy
+        workers' room below theirs does not cover them (``_kclpy_room``)."""
         eligible = sorted(
             (
                 lease
@@ -236,11 +239,13 @@ class Balancer:
             lease
             for lease in available
             if self.unchanged_for(lease.lease_key, now) > (
-                self.failover_time_s if java_peers and lease.lease_owner is None
-                else very_old_after)
+                self.failover_time_s if java_peers else very_old_after)
         ]
         if very_old:
             room = len(very_old) if limit is None else max(0, limit - mine)
+            if java_peers:
+                room = min(room, max(target - mine, len(very_old) - self._kclpy_room(
+                    counts, target)))
             return made(take=very_old[:room])
 
         needed = target - mine
@@ -250,6 +255,16 @@ class Balancer:
             return made(take=available[:needed])
         steals = self._choose_steals(eligible, counts, needed, target, no_steal)
         return made(steal=steals)
+
+    def _kclpy_room(self, counts: Counter[str], target: int) -> int:
+        """How many leases the other live kclpy workers (``mixed.speaks_handoff``) can still
+        take below their target. They take a free lease at the same scan as this worker (an
+        expired one right at its expiry), so with Java peers this worker takes above its
+        target only what they cannot: taking more would make one of them steal it back."""
+        kclpy = {lease.lease_owner for lease in self._leases.values()
+                 if mixed.speaks_handoff(lease)}
+        return sum(max(0, target - count) for owner, count in counts.items()
+                   if owner in kclpy and owner != self.worker_id)
 
     def _choose_steals(
         self,

@@ -14,12 +14,15 @@ when every child has made progress. A lease is therefore deleted when:
   child lease therefore always means "not created yet", and shard sync, which never
   leases an ancestor of a leased shard, can never recreate what was deleted.
 
-Nobody holds a finished lease (``taker.py``), so deletion cannot be left to its owner as in
-Java. Every worker evaluates these rules on each scan it makes anyway (no extra reads); the
-worker holding the first (by key) owned child lease deletes, because its progress is what
-made the parent deletable. When no child is owned (every child finished and was released)
-any worker may delete; the delete is conditional on the lease counter, so racing workers
-cost a failed request once in a shard's lifetime, never a wrong deletion.
+In a pure kclpy fleet nobody holds a finished lease (``taker.py``), so deletion cannot be
+left to its owner as in Java. Every worker evaluates these rules on each scan it makes anyway
+(no extra reads); the worker holding the first (by key) owned child lease deletes, because
+its progress is what made the parent deletable. When no child is owned (every child finished
+and was released) any worker may delete; the delete is conditional on the lease counter, so
+racing workers cost a failed request once in a shard's lifetime, never a wrong deletion.
+A finished lease that is held - by a Java KCL 2.x worker, or by a kclpy worker in a fleet
+with Java workers (``mixed.py``) - is deleted by its holder alone, as Java's lease cleanup
+does: a delete by anyone else would race the holder's renewals.
 """
 
 from __future__ import annotations
@@ -39,10 +42,14 @@ def has_progressed(lease: Lease) -> bool:
 
 
 def deletable(
-    leases: Iterable[Lease], worker_id: str, keep: AbstractSet[str] = frozenset()
+    leases: Iterable[Lease],
+    worker_id: str,
+    keep: AbstractSet[str] = frozenset(),
+    held: AbstractSet[str] = frozenset(),
 ) -> list[Lease]:
     """The finished leases this worker should delete now, by the rules above; never those
-    in ``keep`` (finished leases a live Java worker holds: its own cleanup deletes them)."""
+    in ``keep`` (finished leases another live worker holds: its own cleanup deletes them),
+    and those in ``held`` (this worker holds them) whichever worker holds their children."""
     by_key = {lease.lease_key: lease for lease in leases}
     children: defaultdict[str, set[str]] = defaultdict(set)
     for lease in by_key.values():
@@ -59,7 +66,7 @@ def deletable(
         if not all(kid in by_key and has_progressed(by_key[kid]) for kid in kids):
             continue
         owners = [by_key[kid].lease_owner for kid in sorted(kids) if by_key[kid].lease_owner]
-        if owners and owners[0] != worker_id:
+        if owners and owners[0] != worker_id and key not in held:
             continue
         result.append(lease)
     return result

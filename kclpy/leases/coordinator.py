@@ -30,6 +30,7 @@ from kclpy.leases.balancing import Balancer
 from kclpy.leases.budget import ScanBudget
 from kclpy.leases.fence import LeaseFence
 from kclpy.leases.held import HeldSet
+from kclpy.leases.leader import LeaderMode
 from kclpy.leases.lease import Lease
 from kclpy.leases.load import LoadBalancing
 from kclpy.leases.renewer import LeaseRenewer
@@ -61,6 +62,7 @@ class LeaseCoordinator:
         renewal_threads: int = 16,
         rng: random.Random | None = None,
         load: LoadBalancing | None = None,
+        leader: LeaderMode | None = None,
     ) -> None:
         if failover_time_s <= 0:
             raise ValueError("failover_time_s must be positive")
@@ -89,7 +91,8 @@ class LeaseCoordinator:
             graceful_handoff=graceful_handoff,
             graceful_handoff_timeout_s=graceful_handoff_timeout_s,
             cleanup_leases=cleanup_leases, clock=clock, metrics=metrics,
-            interval_s=taker_interval_s, load=load)
+            interval_s=taker_interval_s, load=load, leader_mode=leader,
+            rng=random.Random(rng.getrandbits(64)) if rng is not None and leader else None)
         self.held.set_drop_hook(self.taker.remember_lost)
         self._stopping = threading.Event()
         #: set once the worker shuts down: the taker thread ends, the renewer goes on
@@ -142,6 +145,7 @@ class LeaseCoordinator:
         if release:
             self.release_all()
             self.taker.give_up_pending()
+            self.taker.resign()
 
     def stop_taking(self, timeout: float | None = None) -> bool:
         """Take, steal and adopt no lease from now on, as the Java KCL's ``stopLeaseTaker``
@@ -152,6 +156,7 @@ class LeaseCoordinator:
         held with no consumer until the worker stops, and moved away from a worker that was
         consuming it."""
         self._taking_stopped.set()
+        self.taker.stop_taking()
         self._wake.set()
         if self._taker_thread is None:
             return True
@@ -238,6 +243,11 @@ class LeaseCoordinator:
     def run_renewer_once(self, *, due_only: bool = False) -> None:
         self.renewer.run_once(due_only=due_only)
 
+    def leads(self) -> bool | None:
+        """With a leader (``leader.py``): whether this worker is it; None when every worker
+        scans for itself."""
+        return self.taker.leads()
+
     def run_taker_once(self) -> list[Lease]:
         return self.taker.run_once()
 
@@ -262,6 +272,10 @@ class LeaseCoordinator:
         """Only leases of these shards are taken; None allows every lease."""
         self.taker.set_known_shards(shard_ids)
 
+    def set_consumable(self, fn: Callable[[str], bool] | None) -> None:
+        """With a leader: which assigned leases this worker takes (``LeaseTaker``)."""
+        self.taker.set_consumable(fn)
+
     def wake_taker(self) -> None:
         self._wake.set()
 
@@ -285,6 +299,10 @@ class LeaseCoordinator:
     def pending_handoffs(self) -> set[str]:
         """Leases handed to this worker whose previous owner has not let go yet."""
         return self.taker.pending_handoffs()
+
+    def java_peers(self) -> bool:
+        """A Java KCL 2.x worker holds a live lease in the table (as of the last scan)."""
+        return self.taker.java_peers()
 
     def get_lease(self, shard_id: str) -> Lease | None:
         """The lease as the table has it now (e.g. whether a parent reached SHARD_END)."""

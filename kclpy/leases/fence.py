@@ -187,15 +187,15 @@ class LeaseFence:
         return fresh.copy()
 
     def update_checkpoint(
-        self, shard_id: str, concurrency_token: str, checkpoint: str, sub_sequence_number: int
+        self, lease_key: str, concurrency_token: str, checkpoint: str, sub_sequence_number: int
     ) -> None:
         """``CheckpointWriter``: a checkpoint is a fenced update of the lease item."""
-        self.update(shard_id, concurrency_token,
+        self.update(lease_key, concurrency_token,
                     checkpoint_changes(checkpoint, sub_sequence_number), what="checkpoint")
 
     def transact_checkpoint(
         self,
-        shard_id: str,
+        lease_key: str,
         concurrency_token: str,
         checkpoint: str,
         sub_sequence_number: int,
@@ -203,7 +203,7 @@ class LeaseFence:
     ) -> None:
         """``CheckpointWriter``: a checkpoint committed with other items, all or nothing."""
         self.transact(
-            shard_id, concurrency_token, checkpoint_changes(checkpoint, sub_sequence_number),
+            lease_key, concurrency_token, checkpoint_changes(checkpoint, sub_sequence_number),
             items, what="commit",
             apply=lambda lease: lease.copy(
                 checkpoint=checkpoint, checkpoint_sub_sequence_number=sub_sequence_number,

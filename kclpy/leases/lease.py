@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from kclpy.position import AT_TIMESTAMP, LATEST, SENTINELS, SHARD_END, TRIM_HORIZON
+from kclpy.position import AT_TIMESTAMP, LATEST, SENTINELS, SHARD_END, TRIM_HORIZON, Position
 
 #: the sentinels are kclpy.position's, named here too because the lease's checkpoint holds them
 __all__ = ["AT_TIMESTAMP", "LATEST", "SENTINELS", "SHARD_END", "TRIM_HORIZON", "Lease",
@@ -92,6 +92,12 @@ class Lease:
     @property
     def child_lease_keys(self) -> frozenset[str]:
         return frozenset(self.key_of(c) for c in self.child_shard_ids)
+
+    @property
+    def position(self) -> Position:
+        """The checkpoint (``checkpoint`` and ``checkpoint_sub_sequence_number``, the lease
+        item's two attributes) as a position."""
+        return Position.of(self.checkpoint, self.checkpoint_sub_sequence_number)
 
     @property
     def is_shard_end(self) -> bool:

@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 #: the load table's name is the lease table's plus this
 LOAD_TABLE_SUFFIX = "-kclpyWorkerLoad"
 WORKER_ID = "workerId"
+#: the leader lock's key in the load table (``leader.py``), not a worker's report
+LEADER_ITEM = "__kclpyLeader__"
 
 
 @dataclass(frozen=True)
@@ -217,6 +219,8 @@ class LoadTable(DynamoTable):
         while True:
             page = self.call("Scan", self.client.scan, **request)
             for item in page.get("Items", []):
+                if item.get(WORKER_ID, {}).get("S") == LEADER_ITEM:
+                    continue
                 try:
                     loads.append(WorkerLoad(
                         item[WORKER_ID]["S"], float(item["load"]["N"]),
@@ -304,6 +308,18 @@ class LoadBalancing:
                     and not lease.is_finished and lease.parked is None):
                 owned.setdefault(lease.lease_owner, []).append(lease)
         return choose_steals(self.mine, reports, owned, self.settings, no_steal)
+
+    def fleet(self) -> dict[str, WorkerLoad] | None:
+        """The fleet's fresh reports (this worker's own latest sample included), read now;
+        None when the read failed. For a leader, which balances every worker's load."""
+        return self._refresh(self._clock())
+
+    def reported_at(self, worker_id: str) -> float:
+        """When (this worker's clock) ``worker_id``'s current report was first seen."""
+        if worker_id == self.worker_id:
+            return self._clock()
+        seen = self._seen.get(worker_id)
+        return seen[1] if seen is not None else float("-inf")
 
     def _refresh(self, now: float) -> dict[str, WorkerLoad] | None:
         """Read the fleet's reports; the fresh ones, this worker's own latest sample in
@@ -444,9 +460,10 @@ class _Thief:
 
 def load_balancing(config: KCLConfig, client: DynamoDBClient,
                    metrics: Metrics) -> LoadBalancing | None:
-    """The worker's load balancing for ``--lease-assignment load`` (None for ``count``):
-    the Java KCL 3.x knobs read as docs/configuration.md says."""
-    if config.lease_assignment != "load":
+    """The worker's load balancing for ``--lease-assignment load`` (None for ``count``,
+    unless ``--lease-assigner leader``, whose liveness is the load reports): the Java KCL 3.x
+    knobs read as docs/configuration.md says."""
+    if config.lease_assignment != "load" and config.lease_assigner != "leader":
         return None
     failover_s = config.failover_time_ms / 1000
     settings = LoadSettings(

@@ -24,14 +24,27 @@ therefore speaks the Java 2.x protocol, and keeps its graceful handoff between k
   lease - without bumping the counter, so the real holder's renewals carry on.
 - *Finished leases* count as Java's taker counts them while a Java worker holds a live lease:
   towards the fleet's total and their owner's load (``Balancer.plan(java_peers=True)``),
-  so that both kinds of worker compute the same target and ownership settles. A finished
-  lease held by a live Java worker is left to that worker's own lease cleanup.
+  so that both kinds of worker compute the same target and ownership settles. They are
+  also held as Java holds them: a kclpy worker that finishes a shard while Java workers
+  share the table keeps its lease, renewed and without a consumer, until its own lease
+  cleanup deletes it (``cleanup.py``: a held finished lease is deleted by its holder alone).
+  Released, it would be free for Java's taker, which takes it and starts a consumer on a
+  finished shard. A finished lease held by a live Java worker is left to that worker's own
+  lease cleanup. In a pure kclpy fleet finished leases are released (nothing needs them
+  held, and renewing them costs writes).
 - *Free leases are not left to Java for long*: a Java worker takes a lease only at the
-  second of its scans (two failover times apart) after the lease's last change, so a lease a
-  kclpy worker released could go without a consumer for four failover times. While Java
-  workers share the table, a kclpy worker takes an unowned lease free for longer than one
-  failover time even above its target (the balancer's "very old" rule, three failover times
-  otherwise); balancing moves it later if need be.
+  second of its scans (two failover times apart) after the lease's last change, so a lease
+  a kclpy worker released, or one a stopped Java worker left (Java 2.x never releases),
+  could go without a consumer for four failover times. While Java workers share the table,
+  a kclpy worker takes a lease free (unowned, or expired) for longer than one failover
+  time even above its target (the balancer's "very old" rule, three failover times
+  otherwise): an expired one right at its expiry, for which the taker scans anyway. A
+  Java worker under its target later steals one back if need be, one per taker cycle.
+  kclpy's release bumps the counter where Java's does not; that delays Java's taker by
+  nothing: it counts a lease's failover time from the first of its scans that sees the
+  lease's last value, and the holder's renewals (every half failover time) and last
+  checkpoint come right before the release anyway. Only when no kclpy worker is left do
+  Java's takers alone pick up a stopped kclpy worker's leases, on Java's own schedule.
 """
 
 from __future__ import annotations

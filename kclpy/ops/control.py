@@ -39,7 +39,7 @@ from kclpy.leases.serializer import UpdateBuilder, n, s, ss
 from kclpy.leases.shard_sync import Shard, ShardSyncer
 from kclpy.leases.table import LeaseTable, checkpoint_changes
 from kclpy.ops.position import (
-    Position,
+    Destination,
     PositionError,
     ShardReader,
     Target,
@@ -76,7 +76,7 @@ class Refused(Exception):
 # -- arguments -------------------------------------------------------------------------------
 
 
-def _position(text: str) -> Position:
+def _position(text: str) -> Destination:
     try:
         return parse_position(text)
     except ValueError as exc:
@@ -356,7 +356,7 @@ class Move:
 
 
 def _plan_moves(args: argparse.Namespace, kinesis: Any, table: LeaseTable) -> list[Move]:
-    position: Position = args.to
+    position: Destination = args.to
     if args.all_shards and position.names_one_shard:
         raise UsageError("--to", "a sequence number is one shard's: use --shard-id")
     leases = [one_lease(args, table)] if args.shard_id else read_leases(args, table)

@@ -44,7 +44,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kclpy.checkpoint import Position, position_of
 from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
 from kclpy.metrics import (
     APPLICATION_LAG_STATUS,
@@ -52,6 +51,7 @@ from kclpy.metrics import (
     LAG_TOTAL_RECORDS,
     SHARD_LAG_STATUS,
 )
+from kclpy.position import Position
 from kclpy.retrieval.parse import get_records
 
 if TYPE_CHECKING:
@@ -140,8 +140,10 @@ class Observation:
     recovering: bool = False
 
     @property
-    def position(self) -> Position:
-        return position_of(self.checkpoint, self.sub_sequence_number)
+    def position(self) -> tuple[int, int]:
+        """The checkpoint's place in the shard, the sentinels before every record counted as
+        one (an operator's move between them is no progress and no rewind)."""
+        return Position.of(self.checkpoint, self.sub_sequence_number).extended
 
 
 def checkpoint_written(previous: Observation, current: Observation) -> bool:

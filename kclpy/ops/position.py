@@ -30,6 +30,7 @@ from typing import Any
 from botocore.exceptions import ClientError
 
 from kclpy.leases.lease import LATEST, SHARD_END, TRIM_HORIZON
+from kclpy.position import Position
 from kclpy.records import Record
 from kclpy.retrieval import kpl
 from kclpy.retrieval.parse import get_records
@@ -50,14 +51,22 @@ class PositionError(ValueError):
 class Target:
     """The checkpoint to write and, for the operator, what it means."""
 
-    checkpoint: str
-    sub_sequence_number: int
+    position: Position
     meaning: str
+
+    @property
+    def checkpoint(self) -> str:
+        return self.position.checkpoint
+
+    @property
+    def sub_sequence_number(self) -> int:
+        return self.position.sub_sequence_number
 
 
 @dataclass(frozen=True)
-class Position:
-    """``--to`` as parsed: one of the sentinels, a sequence number or a time."""
+class Destination:
+    """``--to`` as parsed: one of the sentinels, a sequence number or a time; resolved
+    against a shard (``resolve``) it becomes a checkpoint ``Position``."""
 
     kind: str  # TRIM_HORIZON, LATEST, SEQUENCE or TIME
     sequence_number: str | None = None
@@ -75,12 +84,12 @@ class Position:
         return self.kind
 
 
-def parse_position(text: str) -> Position:
+def parse_position(text: str) -> Destination:
     """``--to``'s value; a naive time is UTC. Raises ValueError with the reason."""
     if text in (TRIM_HORIZON, LATEST):
-        return Position(text)
+        return Destination(text)
     if _SEQUENCE.match(text):
-        return Position("SEQUENCE", sequence_number=str(int(text)))
+        return Destination("SEQUENCE", sequence_number=str(int(text)))
     try:
         moment = datetime.fromisoformat(text)
     except ValueError:
@@ -88,7 +97,7 @@ def parse_position(text: str) -> Position:
                          "ISO-8601 time") from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=timezone.utc)
-    return Position("TIME", time=moment)
+    return Destination("TIME", time=moment)
 
 
 class ShardReader:
@@ -138,13 +147,13 @@ def _describe(record: Record) -> str:
     return f"record {record.sequence_number}{when}"
 
 
-def resolve(reader: ShardReader, position: Position, *, checkpoint: str,
+def resolve(reader: ShardReader, position: Destination, *, checkpoint: str,
             now: Callable[[], datetime] = lambda: datetime.now(timezone.utc)) -> Target | None:
     """The checkpoint for ``position`` in the reader's shard; None when the shard has
     nothing at or after the position and its lease is already at ``SHARD_END`` (a finished
     shard is left alone rather than read again)."""
     if position.kind == TRIM_HORIZON:
-        return Target(TRIM_HORIZON, 0, "before the shard's oldest record")
+        return Target(Position.trim_horizon(), "before the shard's oldest record")
     if position.kind == "SEQUENCE":
         assert position.sequence_number is not None
         return _at_sequence(reader, position.sequence_number)
@@ -155,7 +164,8 @@ def resolve(reader: ShardReader, position: Position, *, checkpoint: str,
 
 def _at_sequence(reader: ShardReader, sequence_number: str) -> Target:
     record = record_at(reader, sequence_number)
-    return Target(sequence_number, _last_sub_sequence(record), f"after {_describe(record)}")
+    return Target(Position(sequence_number, _last_sub_sequence(record)),
+                  f"after {_describe(record)}")
 
 
 def _before_time(reader: ShardReader, moment: datetime, *, finished: bool) -> Target | None:
@@ -167,10 +177,10 @@ def _before_time(reader: ShardReader, moment: datetime, *, finished: bool) -> Ta
     if last is None:
         if finished and not reached:
             return None  # an empty finished shard
-        return Target(TRIM_HORIZON, 0, "nothing arrived before " + moment.isoformat())
+        return Target(Position.trim_horizon(), "nothing arrived before " + moment.isoformat())
     if finished and not reached:
         return None
-    return Target(last.sequence_number, _last_sub_sequence(last),
+    return Target(Position(last.sequence_number, _last_sub_sequence(last)),
                   f"after {_describe(last)}, the last before {moment.isoformat()}")
 
 

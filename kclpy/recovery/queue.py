@@ -17,16 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 
-from kclpy.leases.lease import TRIM_HORIZON
-
-Position = tuple[int, int]
-
-
-def position(sequence_number: str, sub_sequence_number: int) -> Position:
-    """Sortable form of a gap position; ``TRIM_HORIZON`` sorts before every record."""
-    if sequence_number == TRIM_HORIZON:
-        return -1, 0
-    return int(sequence_number), sub_sequence_number
+from kclpy.position import Position
 
 
 @dataclass(frozen=True)
@@ -54,6 +45,15 @@ class RecoveryRequest:
         return cls(start, start_sub, end_ms, first_ms, first_sequence, start, start_sub)
 
     @property
+    def start_position(self) -> Position:
+        """Where the gap starts (after), its key in the queue."""
+        return Position.of(self.start, self.start_sub)
+
+    @property
+    def done_position(self) -> Position:
+        return Position.of(self.done, self.done_sub)
+
+    @property
     def started(self) -> bool:
         """Recovery checkpointed inside the gap at least once."""
         return (self.done, self.done_sub) != (self.start, self.start_sub)
@@ -71,7 +71,7 @@ class RecoveryRequest:
     def overlaps_next(self, later: RecoveryRequest) -> bool:
         """``later`` (which does not start before this gap) begins inside or right at the
         end of this gap, so the two are one."""
-        if position(later.start, later.start_sub) == position(self.start, self.start_sub):
+        if later.start_position == self.start_position:
             return True
         return later.first_ms is not None and later.first_ms <= self.end_ms
 
@@ -80,8 +80,8 @@ class RecoveryRequest:
         between it and that checkpoint was processed. With the same start, the checkpoint
         further on wins."""
         head = self
-        if position(later.start, later.start_sub) == position(self.start, self.start_sub) and (
-                position(later.done, later.done_sub) > position(self.done, self.done_sub)):
+        if later.start_position == self.start_position and (
+                later.done_position > self.done_position):
             head = later
         return replace(head, end_ms=max(self.end_ms, later.end_ms))
 
@@ -116,7 +116,7 @@ def _opt_str(value: object) -> str | None:
 def add(queue: tuple[RecoveryRequest, ...], request: RecoveryRequest
         ) -> tuple[RecoveryRequest, ...]:
     """``queue`` with ``request`` in its place, every overlapping or touching pair merged."""
-    ordered = sorted((*queue, request), key=lambda r: position(r.start, r.start_sub))
+    ordered = sorted((*queue, request), key=lambda r: r.start_position)
     result: list[RecoveryRequest] = []
     for item in ordered:
         if result and result[-1].overlaps_next(item):

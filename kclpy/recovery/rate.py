@@ -32,23 +32,23 @@ class RecoveryRate:
         self._refilled_at = clock()
         self._turns: collections.deque[str] = collections.deque()
 
-    def reserve(self, shard_id: str, want: int) -> tuple[int, float]:
-        """Records ``shard_id`` may read now: ``(granted, 0)``, or ``(0, seconds)`` to wait
+    def reserve(self, lease_key: str, want: int) -> tuple[int, float]:
+        """Records ``lease_key`` may read now: ``(granted, 0)``, or ``(0, seconds)`` to wait
         before asking again (its turn, or enough tokens, is not there yet)."""
         with self._lock:
             now = self._clock()
             self._tokens = min(float(self._burst),
                                self._tokens + (now - self._refilled_at) * self._rate)
             self._refilled_at = now
-            if shard_id not in self._turns:
-                self._turns.append(shard_id)
+            if lease_key not in self._turns:
+                self._turns.append(lease_key)
             need = min(max(1, want), self._burst)
-            if self._turns[0] == shard_id and self._tokens >= need:
+            if self._turns[0] == lease_key and self._tokens >= need:
                 self._turns.popleft()
                 granted = min(want, int(self._tokens))
                 self._tokens -= granted
                 return granted, 0.0
-            if self._turns[0] != shard_id:
+            if self._turns[0] != lease_key:
                 return 0, need / self._rate  # about when the shards ahead have had theirs
             return 0, max(need - self._tokens, 1.0) / self._rate
 
@@ -57,31 +57,31 @@ class RecoveryRate:
         with self._lock:
             self._tokens = min(float(self._burst), self._tokens + records)
 
-    def leave(self, shard_id: str) -> None:
-        """``shard_id`` stopped reading: it must not hold up the shards behind it."""
+    def leave(self, lease_key: str) -> None:
+        """``lease_key`` stopped reading: it must not hold up the shards behind it."""
         with self._lock:
-            if shard_id in self._turns:
-                self._turns.remove(shard_id)
+            if lease_key in self._turns:
+                self._turns.remove(lease_key)
 
-    def pacer(self, shard_id: str) -> ShardPacer:
-        return ShardPacer(self, shard_id)
+    def pacer(self, lease_key: str) -> ShardPacer:
+        return ShardPacer(self, lease_key)
 
 
 class ShardPacer:
     """One shard's side of the budget, as the polling source uses it before each GetRecords."""
 
-    def __init__(self, rate: RecoveryRate, shard_id: str) -> None:
+    def __init__(self, rate: RecoveryRate, lease_key: str) -> None:
         self._rate = rate
-        self._shard_id = shard_id
+        self._lease_key = lease_key
 
     def take(self, want: int, stop: threading.Event) -> int:
         """Block until records are granted (their number) or ``stop`` is set (0)."""
         while not stop.is_set():
-            granted, wait_s = self._rate.reserve(self._shard_id, want)
+            granted, wait_s = self._rate.reserve(self._lease_key, want)
             if granted:
                 return granted
             stop.wait(wait_s)
-        self._rate.leave(self._shard_id)
+        self._rate.leave(self._lease_key)
         return 0
 
     def give_back(self, records: int) -> None:
@@ -89,4 +89,4 @@ class ShardPacer:
             self._rate.give_back(records)
 
     def leave(self) -> None:
-        self._rate.leave(self._shard_id)
+        self._rate.leave(self._lease_key)

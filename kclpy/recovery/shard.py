@@ -31,7 +31,7 @@ from contextlib import AbstractContextManager
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-from kclpy.checkpoint import Checkpointer, position_of
+from kclpy.checkpoint import Checkpointer
 from kclpy.errors import CheckpointError, ShutdownException
 from kclpy.leases.lease import TRIM_HORIZON, Lease
 from kclpy.leases.serializer import RECOVERY, RECOVERY_REQUESTS, UpdateBuilder, s, ss
@@ -43,14 +43,14 @@ from kclpy.metrics import (
     RECOVERY_TRIMMED,
     Metrics,
 )
+from kclpy.position import Position
 from kclpy.recovery import queue as gaps
 from kclpy.recovery import requests as asked
 from kclpy.recovery.detect import first_record
-from kclpy.recovery.queue import Position, RecoveryRequest, position
+from kclpy.recovery.queue import RecoveryRequest
 from kclpy.recovery.rate import RecoveryRate, ShardPacer
 from kclpy.retrieval.pipeline import FetchError, FetchResult, ShardPipeline
 from kclpy.retrieval.polling import Pacer
-from kclpy.retrieval.source import StartPosition
 
 if TYPE_CHECKING:
     from kclpy.leases.fence import Guard, LeaseFence
@@ -62,12 +62,12 @@ FOLD_RETRY_S = 1.0
 
 #: (start, until_ms, pacer, max_records) -> a polling reader of the shard, ending before
 #: ``until_ms`` and paced by ``pacer`` when they are given; None means the default
-ReaderFactory = Callable[[StartPosition, "int | None", "Pacer | None", "int | None"],
+ReaderFactory = Callable[[Position, "int | None", "Pacer | None", "int | None"],
                          ShardPipeline]
 
 
 def _key(request: RecoveryRequest) -> Position:
-    return position(request.start, request.start_sub)
+    return request.start_position
 
 
 class ShardRecovery:
@@ -75,7 +75,7 @@ class ShardRecovery:
 
     def __init__(
         self,
-        shard_id: str,
+        lease_key: str,
         stored: str | None,
         *,
         token: str,
@@ -87,7 +87,7 @@ class ShardRecovery:
         wall_clock: Callable[[], float] = time.time,
         claim: Callable[[], tuple[str, int] | None] | None = None,
     ) -> None:
-        self.shard_id = shard_id
+        self.lease_key = lease_key
         #: a state store that keeps its own live position (the SQL store): claims the shard
         #: for this tenure and returns that position (``StateStore.begin_tenure``)
         self._claim = claim
@@ -97,7 +97,7 @@ class ShardRecovery:
         self._rate = rate
         self._max_lag_ms = max_lag_ms
         self._metrics = metrics
-        self._m = metrics.shard(shard_id)
+        self._m = metrics.shard(lease_key)
         self._wall_clock = wall_clock
         self._lock = threading.Lock()
         self._queue = gaps.loads(stored)
@@ -107,7 +107,7 @@ class ShardRecovery:
         #: through it: a processor that checkpoints later (the Spark batcher, once its
         #: batch is committed) still removes the gap with that checkpoint
         self._ends: dict[Position, Position] = {}
-        self._pacer: ShardPacer = rate.pacer(shard_id)
+        self._pacer: ShardPacer = rate.pacer(lease_key)
         self._reader: ShardPipeline | None = None
         self._reading: Position | None = None
         self._checkpointer: Checkpointer | None = None
@@ -128,8 +128,8 @@ class ShardRecovery:
 
     # -- the consumer's side ---------------------------------------------------------------
 
-    def begin(self, checkpoint: str, sub_sequence_number: int) -> datetime | None:
-        """Look at the first record after the live checkpoint; when it is older than
+    def begin(self, live: Position) -> datetime | None:
+        """Look at the first record after the live checkpoint ``live``; when it is older than
         ``max_lag_ms`` (None: never), queue its gap durably and return where live reading
         starts instead (None: read live from the checkpoint). Any gap being read is re-read
         from its own checkpoint, as a restarted processor must see it again."""
@@ -137,18 +137,17 @@ class ShardRecovery:
         self._passed.clear()
         self._ends.clear()
         max_lag_ms = self._max_lag_ms
-        if max_lag_ms is None or (checkpoint != TRIM_HORIZON and not checkpoint.isdigit()):
+        if max_lag_ms is None or not (live.is_record or live.sentinel == TRIM_HORIZON):
             return None
         if self._claim is not None:
             # The store's live position may be ahead of the lease's (its lease write failed
             # after the commit landed): the records between were applied live, so the gap
             # starts after it. Claimed first, so no earlier tenure commits past it meanwhile.
             stored = self._claim()
-            if stored is not None and position_of(*stored) > position_of(
-                    checkpoint, sub_sequence_number):
-                checkpoint, sub_sequence_number = stored
-        probe = self._readers(
-            StartPosition.from_checkpoint(checkpoint, sub_sequence_number, None), None, None, 1)
+            if stored is not None and Position.of(*stored) > live:
+                live = Position.of(*stored)
+        checkpoint, sub_sequence_number = live.checkpoint, live.sub_sequence_number
+        probe = self._readers(live, None, None, 1)
         first = first_record(probe)
         now_ms = round(self._wall_clock() * 1000)
         live_ms = now_ms - max_lag_ms
@@ -160,7 +159,7 @@ class ShardRecovery:
         with self._lock:
             self._store(gaps.add(self._queue, request))
         log.warning("shard %s: %d ms behind (more than max_lag_ms=%d); reading live from "
-                    "%s and recovering the gap after %s/%s separately", self.shard_id,
+                    "%s and recovering the gap after %s/%s separately", self.lease_key,
                     now_ms - arrived, max_lag_ms, _iso(live_ms), checkpoint,
                     sub_sequence_number)
         return datetime.fromtimestamp(live_ms / 1000, tz=timezone.utc)
@@ -172,7 +171,7 @@ class ShardRecovery:
             self._fold()
         if self._reading is not None and not self._queued(self._reading):
             log.warning("shard %s: the gap being recovered was cancelled by an operator; "
-                        "stopped reading it", self.shard_id)
+                        "stopped reading it", self.lease_key)
             self._stop_reader()
         if self._end_seen:
             self._close_gap()
@@ -183,7 +182,7 @@ class ShardRecovery:
             result = reader.get(timeout=0)
         except FetchError as exc:
             log.error("shard %s: recovery read failed; the gap stays queued for the next "
-                      "owner: %r", self.shard_id, exc)
+                      "owner: %r", self.lease_key, exc)
             if self._reading is not None:
                 self._passed.add(self._reading)
             self._stop_reader()
@@ -193,7 +192,7 @@ class ShardRecovery:
         records = result.records
         assert self._checkpointer is not None
         if records:
-            self._handed = records[-1].extended_sequence_number
+            self._handed = Position.after(records[-1])
         if result.shard_end:
             self._end_seen = True
             self._final = self._handed
@@ -245,7 +244,7 @@ class ShardRecovery:
                 if items:
                     self._store(self._queue, items)
                 return
-            done = (int(sequence_number), sub_sequence_number)
+            done = Position(sequence_number, sub_sequence_number)
             final = self._final if self._reading == gap else self._ends.get(gap)
             finished = None
             if final is not None and done >= final:
@@ -256,7 +255,7 @@ class ShardRecovery:
             self._store(tuple(queue), items, finished)
 
     def guard(self, what: str) -> AbstractContextManager[Guard]:
-        return self._fence.guard(self.shard_id, self._token, what=what)
+        return self._fence.guard(self.lease_key, self._token, what=what)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -268,7 +267,7 @@ class ShardRecovery:
         """The held lease (as the last renewal or write returned it) carries operator
         requests not folded in yet. Reads the held entry without a write: cheap enough for
         every turn of the consumer's loop."""
-        entry = self._fence.held.entry(self.shard_id)
+        entry = self._fence.held.entry(self.lease_key)
         if entry is None or entry.lease.concurrency_token != self._token:
             return False
         texts = entry.lease.recovery_requests
@@ -285,11 +284,11 @@ class ShardRecovery:
                 self._store(self._queue)
         except ShutdownException as exc:
             log.info("shard %s: lease lost while taking in recovery requests: %s",
-                     self.shard_id, exc)
+                     self.lease_key, exc)
             self._fold_after = time.monotonic() + FOLD_RETRY_S
         except CheckpointError as exc:
             log.warning("shard %s: taking in recovery requests failed, trying again: %s",
-                        self.shard_id, exc)
+                        self.lease_key, exc)
             self._fold_after = time.monotonic() + FOLD_RETRY_S
 
     def _open_next(self) -> ShardPipeline | None:
@@ -300,24 +299,24 @@ class ShardRecovery:
         gap = _key(request)
         self._reading = gap
         self._checkpointer = Checkpointer(
-            self.shard_id, GapWriter(self, gap), self._token, request.done, request.done_sub,
-            gap=(request.start, request.start_sub))
+            self.lease_key, GapWriter(self, gap), self._token, request.done, request.done_sub,
+            gap=gap)
         reader = self._readers(self._start_of(request), request.end_ms, self._pacer, None)
         reader.start()
         self._reader = reader
-        log.info("shard %s: recovering the gap after %s/%s up to %s", self.shard_id,
+        log.info("shard %s: recovering the gap after %s/%s up to %s", self.lease_key,
                  request.done, request.done_sub, _iso(request.end_ms))
         return reader
 
-    def _start_of(self, request: RecoveryRequest) -> StartPosition:
+    def _start_of(self, request: RecoveryRequest) -> Position:
         """Where the gap's reading resumes: its checkpoint, unless the stream's retention
         has already trimmed past it; then what is left, from the oldest record kept, after
         logging and counting the loss."""
-        resume = StartPosition.from_checkpoint(request.done, request.done_sub, None)
+        resume = request.done_position
         check = request.done if request.started else request.first_sequence
         if check is None or check == TRIM_HORIZON:
             return resume
-        oldest = first_record(self._readers(StartPosition(TRIM_HORIZON), None, None, 1))
+        oldest = first_record(self._readers(Position.trim_horizon(), None, None, 1))
         if oldest is not None and int(oldest.sequence_number) <= int(check):
             return resume
         self._m.inc(RECOVERY_TRIMMED)
@@ -325,14 +324,14 @@ class ShardRecovery:
         if oldest is None:
             # Retention trimmed the whole shard: nothing of the gap is left to read.
             log.error("shard %s: a recovery gap is past the stream's retention: records %s "
-                      "up to its end (%s) are lost; the shard keeps no record", self.shard_id,
+                      "up to its end (%s) are lost; the shard keeps no record", self.lease_key,
                       lost_from, _iso(request.end_ms))
         else:
             log.error("shard %s: part of a recovery gap is past the stream's retention: "
                       "records %s up to %s (arrived %s) are lost; recovering the rest",
-                      self.shard_id, lost_from, oldest.sequence_number,
+                      self.lease_key, lost_from, oldest.sequence_number,
                       _iso(oldest.timestamp_millis or 0))
-        return StartPosition(TRIM_HORIZON)
+        return Position.trim_horizon()
 
     def _close_gap(self) -> None:
         """The gap being read reached its end and its last batch was handed out."""
@@ -342,12 +341,12 @@ class ShardRecovery:
         # Read before taking ``_lock``: a checkpoint holds the checkpointer's lock while it
         # waits for ``_lock``.
         last = checkpointer.last_checkpoint
-        done = position_of(*last)
+        done = Position.of(*last)
         with self._lock:
             request = next((r for r in self._queue if _key(r) == gap), None)
             if request is not None and (final is None or done >= final):
                 self._store(tuple(r for r in self._queue if _key(r) != gap), (),
-                            None if last[0] is None else (request, last[0], last[1]))
+                            (request, last[0], last[1]))
                 return
             queued = request is not None
             if queued:
@@ -358,7 +357,7 @@ class ShardRecovery:
             log.warning("shard %s: recovery gap read to its end, but not checkpointed through "
                         "its last record yet; a later checkpoint through it finishes it, else "
                         "the shard's next owner reads it again from its checkpoint",
-                        self.shard_id)
+                        self.lease_key)
 
     def _stop_reader(self) -> None:
         reader, self._reader = self._reader, None
@@ -393,9 +392,10 @@ class ShardRecovery:
             value = gaps.dumps(final)
             changes = UpdateBuilder()
             live = lease
-            if finished is not None and position_of(
-                    lease.checkpoint, lease.checkpoint_sub_sequence_number) == position_of(
-                    finished[0].start, finished[0].start_sub):
+            # (``extended``: a live checkpoint at any sentinel before every record still
+            # names where a gap from TRIM_HORIZON starts)
+            if finished is not None and (
+                    lease.position.extended == finished[0].start_position.extended):
                 changes = checkpoint_changes(finished[1], finished[2])
                 live = lease.copy(checkpoint=finished[1],
                                   checkpoint_sub_sequence_number=finished[2],
@@ -416,14 +416,14 @@ class ShardRecovery:
                               owner_switches_since_checkpoint=(
                                   live.owner_switches_since_checkpoint))
 
-        self._fence.write(self.shard_id, self._token, write,
+        self._fence.write(self.lease_key, self._token, write,
                           what="recovery commit" if items else "recovery checkpoint",
                           observed=not items)
         before = {_key(r) for r in self._queue}
         self._queue = written[0]
         for request in self._queue:
             if _key(request) not in before:
-                log.info("shard %s: recovery gap after %s/%s up to %s queued", self.shard_id,
+                log.info("shard %s: recovery gap after %s/%s up to %s queued", self.lease_key,
                          request.start, request.start_sub, _iso(request.end_ms))
         kept = {_key(r) for r in self._queue}
         self._passed &= kept
@@ -435,7 +435,7 @@ class ShardRecovery:
             if text not in self._unreadable:
                 self._unreadable.add(text)
                 log.error("shard %s: an operator recovery request in %s is unreadable and "
-                          "left there: %r; remove it by hand", self.shard_id,
+                          "left there: %r; remove it by hand", self.lease_key,
                           RECOVERY_REQUESTS, text[:200])
 
     def _publish(self) -> None:
@@ -457,15 +457,15 @@ class GapWriter:
         self._recovery = recovery
         self._gap = gap
 
-    def update_checkpoint(self, shard_id: str, concurrency_token: str, checkpoint: str,
+    def update_checkpoint(self, lease_key: str, concurrency_token: str, checkpoint: str,
                           sub_sequence_number: int) -> None:
         self._recovery.checkpoint(self._gap, checkpoint, sub_sequence_number)
 
-    def transact_checkpoint(self, shard_id: str, concurrency_token: str, checkpoint: str,
+    def transact_checkpoint(self, lease_key: str, concurrency_token: str, checkpoint: str,
                             sub_sequence_number: int, items: Sequence[Any]) -> None:
         self._recovery.checkpoint(self._gap, checkpoint, sub_sequence_number, items)
 
-    def guard(self, shard_id: str, concurrency_token: str | None, *,
+    def guard(self, lease_key: str, concurrency_token: str | None, *,
               what: str) -> AbstractContextManager[Guard]:
         return self._recovery.guard(what)
 

@@ -146,7 +146,8 @@ class FanOutSource:
     one is still open, throttling, 5xx, a dropped connection) back off and are counted as
     GetRecords failures are. An idle shard at the tip is also checked with one GetRecords
     every ``shard_end_probe_s``, for endpoints that never end a subscription on a closed
-    shard.
+    shard. ``until_ms`` bounds the read as it bounds a polling one (``Page.within``): the
+    Spark source's executors read a batch's part to its planned end this way.
     """
 
     #: the service pushes: nothing to wait for between two reads
@@ -163,19 +164,23 @@ class FanOutSource:
         backoff: Backoff | None = None,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        until_ms: int | None = None,
     ) -> None:
         m = metrics if metrics is not None else Metrics()
+        shard = m.shard(address.lease_key, address.shard_id, address.stream_id)
         self._client = client
         self.address = address
         self._retrying = Retrying(address, backoff, m)
         self._subscription = ShardSubscription(
             client, consumer_arn, address.shard_id, address.lease_key, http_version=http_version,
-            metrics=m.shard(address.lease_key, address.shard_id, address.stream_id), clock=clock)
+            metrics=shard, clock=clock)
         self._probe_s = shard_end_probe_s
         self._clock = clock
         self._probed_at = clock()
-        self._m_behind = m.shard(address.lease_key, address.shard_id, address.stream_id).bind(
-            MILLIS_BEHIND_LATEST)
+        self._m_behind = shard.bind(MILLIS_BEHIND_LATEST)
+        self._until_ms = until_ms
+        #: Kinesis records the subscription delivered (aggregates count one)
+        self.records_fetched = 0
 
     def status(self) -> dict[str, Any]:
         """With the age of the open subscription (None between two)."""
@@ -203,8 +208,9 @@ class FanOutSource:
             classify_subscribe)
         self._retrying.backoff.reset()
         page = event.page
+        self.records_fetched += len(page.records)
         millis = page.millis_behind_latest
-        if millis is not None:
+        if millis is not None and self._until_ms is None:
             self._m_behind.set(millis)
         shard_end = event.continuation_sequence_number is None
         if shard_end:
@@ -218,7 +224,9 @@ class FanOutSource:
             found = self._probe_shard_end(reading)
             if found is not None:
                 shard_end, children = True, found
-        return Page(page.records, millis, shard_end, children, caught_up)
+        return Page(page.records, millis, shard_end, children, caught_up,
+                    at_tip=caught_up and not page.records,
+                    shard_closed=shard_end).within(self._until_ms)
 
     def _probe_shard_end(self, reading: Reading) -> list[ChildShard] | None:
         """Is the idle shard closed? One GetRecords after the last record handled: the

@@ -34,16 +34,14 @@ from typing import Any
 
 from kclpy.errors import KCLError
 from kclpy.metrics import DEAGGREGATION_ERRORS, PREFETCH_QUEUE_DEPTH, RECORDS_FILTERED, Metrics
-from kclpy.position import AT_TIMESTAMP
+from kclpy.position import AT_TIMESTAMP, Position
 from kclpy.records import EMPTY, Record, Records
 from kclpy.retrieval.kpl import HashKeyRange, deaggregate
 from kclpy.retrieval.parse import ChildShard
 from kclpy.retrieval.source import (
-    AT_SEQUENCE_NUMBER,
     Page,
     PageSource,
     Reading,
-    StartPosition,
     Stopped,
 )
 
@@ -67,6 +65,11 @@ class FetchResult:
     child_shards: list[ChildShard]
     #: millis_behind_latest == 0, or unknown and the page was empty
     caught_up: bool
+    #: the page's other ends, as its source reported them (``source.Page``): the tip (an
+    #: empty page, not behind), a bounded read's bound, the shard itself closed
+    at_tip: bool = False
+    bound_reached: bool = False
+    shard_closed: bool = False
 
 
 class FetchError(KCLError):
@@ -88,7 +91,13 @@ _END = object()
 
 class ShardPipeline:
     """Reads one shard from ``source`` on its own thread (``start``/``get``/``stop``), or
-    step by step (``fetch_once``) for deterministic tests and one-record probes.
+    step by step without a thread (``fetch_once``): deterministic tests, one-record probes,
+    and the Spark source, whose executors read inside a Spark task.
+
+    ``deaggregate=False`` hands KPL aggregates over whole. ``on_trimmed`` is told when a
+    start AT a checkpoint finds the checkpoint's record gone (the first record back is a
+    later one: those in between were trimmed by retention); it may raise, which ends the
+    read. None (the worker, as the Java KCL) does not look.
 
     ``get()`` raises ``FetchError`` (cause: the botocore error) once the thread stopped on a
     non-retryable error such as ResourceNotFoundException; results fetched before the error
@@ -98,12 +107,14 @@ class ShardPipeline:
     def __init__(
         self,
         source: PageSource,
-        start: StartPosition,
+        start: Position,
         *,
         queue_size: int = 3,
         hash_range: tuple[int, int] | None = None,
         filter_outside_hash_range: bool = False,
         deliver_empty: bool = False,
+        deaggregate: bool = True,
+        on_trimmed: Callable[[str, str], None] | None = None,
         gate: threading.Event | None = None,
         metrics: Metrics | None = None,
         sleep: Callable[[float], None] | None = None,
@@ -119,6 +130,8 @@ class ShardPipeline:
         #: off by default, because it drops aws-kinesis-agg aggregates for good (kpl.py)
         self._filter_outside = filter_outside_hash_range
         self._deliver_empty = deliver_empty
+        self._deaggregate = deaggregate
+        self._on_trimmed = on_trimmed
         self._stop = threading.Event()
         #: reading and handing out pages wait while it is clear (the lease coordinator's
         #: retrieval gate: renewals come first)
@@ -140,18 +153,16 @@ class ShardPipeline:
         self._millis_behind_latest: int | None = None
         # Records at or before this (sequence, sub-sequence) were processed before we started;
         # cleared as soon as one record beyond it is seen, since sequence numbers only grow.
-        self._skip_through: tuple[int, int] | None = (
-            (int(start.sequence_number), start.sub_sequence_number)
-            if start.kind == AT_SEQUENCE_NUMBER and start.sequence_number is not None
-            else None
-        )
+        self._skip_through: tuple[int, int] | None = start.extended if start.is_record else None
+        #: the checkpoint whose record the first record back must be (``on_trimmed``)
+        self._check_trimmed = (start.sequence_number if on_trimmed is not None
+                               and self._skip_through is not None else None)
         # AT_TIMESTAMP: records that arrived before the timestamp are dropped until one at
         # or after it is seen. Kinesis already starts there; an endpoint that rounds the
         # timestamp (kinesis-mock: to the second) must not hand out records a recovery gap
         # ending at that timestamp also reads.
         self._skip_before_ms: int | None = (
-            round(start.timestamp.timestamp() * 1000)
-            if start.kind == AT_TIMESTAMP and start.timestamp is not None else None)
+            start.timestamp_ms if start.sentinel == AT_TIMESTAMP else None)
 
     # -- consumer side -------------------------------------------------------------------
 
@@ -236,14 +247,15 @@ class ShardPipeline:
         """True once nothing more will be read: shard end reached, failed, or stopped."""
         return self._shard_ended or self._error is not None or self._stop.is_set()
 
-    def fetch_once(self) -> FetchResult | None:
+    def fetch_once(self, limit: int | None = None) -> FetchResult | None:
         """One iteration of the fetch loop, without the thread or the queue.
 
         Returns what the loop would have queued: None for an empty page (unless
         ``deliver_empty``), after shard end, and after stop(). Waits the source's idle time
         when the page was empty and the shard caught up, as the loop does. Fatal errors
-        propagate.
+        propagate. ``limit``: at most that many Kinesis records this read (``Reading.limit``).
         """
+        self._reading.limit = limit
         try:
             page, idle = self._fetch()
         except Stopped:
@@ -322,17 +334,30 @@ class ShardPipeline:
         and drop what arrived before an AT_TIMESTAMP start."""
         if raw:
             self._reading.last_sequence_number = raw[-1].sequence_number
+            if self._check_trimmed is not None:
+                self._look_for_trim(raw[0].sequence_number)
         if self._skip_before_ms is not None and raw:
             raw = _arrived_from(raw, self._skip_before_ms)
             if raw:
                 self._skip_before_ms = None
         return raw
 
+    def _look_for_trim(self, first: str) -> None:
+        """A start AT a checkpoint gets the checkpoint's record back first, unless Kinesis
+        no longer has it; ``on_trimmed`` decides what that means. The records after the gap
+        are all beyond the checkpoint, so the resume point lets them through."""
+        checkpoint, self._check_trimmed = self._check_trimmed, None
+        assert checkpoint is not None and self._on_trimmed is not None
+        if int(first) > int(checkpoint):
+            self._on_trimmed(checkpoint, first)
+
     def _expand(self, page: Page) -> FetchResult | None:
         """The page's user records (de-aggregated, filtered, after the resume point), or None
         if nothing is left to deliver. Runs on the thread that calls ``get()``."""
         records = EMPTY
-        if page.records:
+        if page.records and not self._deaggregate:
+            records = self._drop_processed(Records([page.records]))
+        elif page.records:
             agg = deaggregate(page.records, key_range=self._key_range,
                               filter_outside=self._filter_outside)
             if agg.corrupt:
@@ -347,7 +372,8 @@ class ShardPipeline:
         if not (records or page.shard_end or self._deliver_empty):
             return None
         return FetchResult(records, page.millis_behind_latest, page.shard_end,
-                           page.child_shards, page.caught_up)
+                           page.child_shards, page.caught_up, page.at_tip, page.bound_reached,
+                           page.shard_closed)
 
     def _drop_processed(self, records: Records) -> Records:
         """Drop the records at or before the checkpoint we resumed from."""

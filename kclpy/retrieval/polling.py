@@ -10,7 +10,11 @@ expiry loses or repeats a record.
 Two options make it lag recovery's gap reader, and nothing else changes for that: ``pacer``
 (the worker-wide records-per-second budget, asked before each GetRecords for its ``Limit``)
 and ``until_ms`` (the read ends, as at a shard end, before the first record that arrived at
-or after it, or at the tip).
+or after it, or at the tip). The Spark source's executors read a batch's part with the same
+two (``until_ms``: the batch's end; ``Reading.limit``: what its budget still allows), and its
+driver probes with ``Reading.limit`` alone. A page says which end it met, apart: the shard
+closed (``shard_closed``), the bound (``bound_reached``), the tip (``at_tip``: an empty page
+not behind, never ``MillisBehindLatest`` alone).
 """
 
 from __future__ import annotations
@@ -18,13 +22,11 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from botocore.exceptions import ClientError
 
 from kclpy.metrics import GET_RECORDS, ITERATOR_EXPIRATIONS, MILLIS_BEHIND_LATEST, Metrics
-from kclpy.records import Record
 from kclpy.retrieval.parse import GetRecordsPage, get_records, install_fast_get_records
 from kclpy.retrieval.source import Page, Reading, Retrying, ShardAddress, Stopped
 from kclpy.retry import Backoff
@@ -101,6 +103,8 @@ class PollingSource:
         self._m_expired = shard.bind(ITERATOR_EXPIRATIONS)
         self._m_behind = shard.bind(MILLIS_BEHIND_LATEST)
         self._iterator: str | None = None
+        #: Kinesis records the service returned (aggregates count one): what a read costs
+        self.records_fetched = 0
         install_fast_get_records(client)
 
     def status(self) -> dict[str, Any]:
@@ -112,6 +116,8 @@ class PollingSource:
     def read(self, reading: Reading) -> Page:
         """One GetRecords (with retries), a fresh iterator first when there is none."""
         limit = self._max_records
+        if reading.limit is not None:
+            limit = max(1, min(limit, reading.limit))
         if self._pacer is not None:
             limit = self._pacer.take(limit, reading.stop)
             if not limit:
@@ -135,7 +141,10 @@ class PollingSource:
                 self._iterator = None
                 if fresh:
                     # A brand-new iterator should not expire; back off rather than spin
-                    # against a service (or clock) that keeps answering so.
+                    # against a service (or clock) that keeps answering so, and give up
+                    # when the policy does.
+                    if backoff.policy.gives_up(backoff.attempt + 1):
+                        raise
                     reading.pause(backoff.next_delay(), exc)
                 continue
             break
@@ -149,23 +158,20 @@ class PollingSource:
             self._m_behind.set(millis)
         if self._pacer is not None:
             self._pacer.give_back(limit - len(page.records))
+        self.records_fetched += len(page.records)
         caught_up = millis == 0 or (millis is None and not page.records)
-        shard_end = page.next_shard_iterator is None
-        children = page.child_shards
-        raw: Sequence[Record] = page.records
-        if self._until_ms is not None:
-            kept = _arrived_before(raw, self._until_ms)
-            if len(kept) < len(raw) or (caught_up and not raw):
-                shard_end, children = True, []
-            raw = kept
-        if shard_end:
-            if self._until_ms is not None and page.next_shard_iterator is not None:
+        at_tip = caught_up and not page.records
+        closed = page.next_shard_iterator is None
+        result = Page(page.records, millis, closed, page.child_shards, caught_up, at_tip=at_tip,
+                      shard_closed=closed).within(self._until_ms)
+        if result.shard_end:
+            if not closed:
                 # a recovery read: the shard is open, only the gap being read is over
                 logger.info("shard %s: the recovery gap was read to its end",
                             self.address.shard_id)
             else:
                 logger.info("shard %s reached its end", self.address.shard_id)
-        return Page(raw, millis, shard_end, children, caught_up)
+        return result
 
     def _timed_get_records(self, iterator: str, limit: int) -> GetRecordsPage:
         started = time.perf_counter()
@@ -177,12 +183,3 @@ class PollingSource:
         finally:
             self._m_get_records.call(time.perf_counter() - started, ok)
 
-
-def _arrived_before(records: Sequence[Record], until_ms: int) -> Sequence[Record]:
-    """The leading records that arrived before ``until_ms``: sequence numbers and arrival
-    times grow together within a shard, so the first one at or after it ends the range."""
-    for index, record in enumerate(records):
-        arrived = record.timestamp_millis
-        if arrived is not None and arrived >= until_ms:
-            return records[:index]
-    return records

@@ -5,10 +5,11 @@ stop, de-aggregation and KPL filtering, the resume point) fed by one page source
 knows how to get the next page of Kinesis records from the service: GetRecords
 (``polling.py``), the events of a SubscribeToShard subscription (``fanout.py``), or a read
 bounded in rate and end (a polling source with a ``pacer`` and ``until_ms``: lag recovery's
-gap reader). As in the Java KCL, where ``PrefetchRecordsPublisher`` and
-``FanOutRecordsPublisher`` are siblings behind ``RecordsPublisher``, adding a retrieval mode
-means adding one module with a class that satisfies ``PageSource``; nothing after the page
-changes, so a processor cannot tell which mode fed it.
+gap reader; ``Page.within`` is that end, for any source given one). As in the Java KCL,
+where ``PrefetchRecordsPublisher`` and ``FanOutRecordsPublisher`` are siblings behind
+``RecordsPublisher``, adding a retrieval mode means adding one module with a class that
+satisfies ``PageSource``; nothing after the page changes, so a processor cannot tell which
+mode fed it.
 
 A source is pulled, never pushes: the pipeline's fetch thread calls ``read`` in a loop, so a
 full queue holds the source back (no GetRecords, no bytes read from the subscription) and
@@ -20,12 +21,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
 from kclpy.metrics import GET_RECORDS_ERRORS, SUBSCRIPTIONS, THROTTLES, Metrics
-from kclpy.position import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
+from kclpy.position import AT_TIMESTAMP, Position
 from kclpy.records import Record
 from kclpy.retrieval.parse import ChildShard
 from kclpy.retry import THROTTLED, Backoff, classify
@@ -34,55 +35,26 @@ from kclpy.streams import multi_stream_lease_key
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
+#: the iterator types reading starts with: a record position is read from its Kinesis record
+#: (its aggregate's sub-records up to it are dropped), a restart after the last record handled
 AT_SEQUENCE_NUMBER = "AT_SEQUENCE_NUMBER"
 AFTER_SEQUENCE_NUMBER = "AFTER_SEQUENCE_NUMBER"
-_KINDS = frozenset({TRIM_HORIZON, LATEST, AT_TIMESTAMP, AT_SEQUENCE_NUMBER, AFTER_SEQUENCE_NUMBER})
 
 
-@dataclass(frozen=True)
-class StartPosition:
-    """Where a shard's reading begins.
+def reading_start(checkpoint: Position, initial_timestamp: datetime | None) -> Position:
+    """Where a lease's checkpoint has its shard read from: the checkpoint itself (after it,
+    for a record), an ``AT_TIMESTAMP`` without a time at ``initial_timestamp``.
 
-    For ``AT_SEQUENCE_NUMBER`` the position is a checkpoint: records at or before
-    ``(sequence_number, sub_sequence_number)`` were already processed and are not delivered
-    again. ``AFTER_SEQUENCE_NUMBER`` starts after the whole (possibly aggregated) record.
+    A SHARD_END checkpoint means the shard is finished; reaching here with one is a bug in
+    the caller, so it raises instead of reading the shard again.
     """
-
-    kind: str
-    sequence_number: str | None = None
-    sub_sequence_number: int = 0
-    timestamp: datetime | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in _KINDS:
-            raise ValueError(f"unknown start position kind {self.kind!r}")
-        if self.kind in (AT_SEQUENCE_NUMBER, AFTER_SEQUENCE_NUMBER):
-            seq = self.sequence_number
-            if seq is None or not (seq.isascii() and seq.isdigit()):
-                raise ValueError(f"{self.kind} needs a numeric sequence number")
-        if self.kind == AT_TIMESTAMP and self.timestamp is None:
-            raise ValueError("AT_TIMESTAMP needs a timestamp")
-        if self.sub_sequence_number < 0:
-            raise ValueError("sub_sequence_number must be >= 0")
-
-    @classmethod
-    def from_checkpoint(
-        cls, checkpoint: str, sub_sequence_number: int, initial_timestamp: datetime | None
-    ) -> StartPosition:
-        """The position for a lease's checkpoint (a sentinel or a sequence number).
-
-        A SHARD_END checkpoint means the shard is finished; reaching here with one is a bug in
-        the caller, so it raises instead of reading the shard again.
-        """
-        if checkpoint == SHARD_END:
-            raise ValueError("a SHARD_END checkpoint has nothing left to fetch")
-        if checkpoint in (TRIM_HORIZON, LATEST):
-            return cls(checkpoint)
-        if checkpoint == AT_TIMESTAMP:
-            if initial_timestamp is None:
-                raise ValueError("an AT_TIMESTAMP checkpoint needs the initial timestamp")
-            return cls(AT_TIMESTAMP, timestamp=initial_timestamp)
-        return cls(AT_SEQUENCE_NUMBER, checkpoint, sub_sequence_number)
+    if checkpoint.is_shard_end:
+        raise ValueError("a SHARD_END checkpoint has nothing left to fetch")
+    if checkpoint.sentinel == AT_TIMESTAMP and checkpoint.timestamp_ms is None:
+        if initial_timestamp is None:
+            raise ValueError("an AT_TIMESTAMP checkpoint needs the initial timestamp")
+        return Position.at_time(initial_timestamp)
+    return checkpoint
 
 
 @dataclass(frozen=True)
@@ -132,6 +104,40 @@ class Page:
     child_shards: list[ChildShard]
     #: millis_behind_latest == 0, or unknown and the page was empty
     caught_up: bool
+    #: the page came back with no records and not behind: the tip, which is decided only
+    #: here - never from ``millis_behind_latest`` alone, since kinesis-mock reports 0 on a
+    #: page that ends inside the last PutRecords batch while records remain
+    at_tip: bool = False
+    #: a bounded read met a record that arrived at or after its end: the rest of the shard
+    #: is for a later read (``records`` stop before that record)
+    bound_reached: bool = False
+    #: the shard itself has nothing after this page (no next iterator, no continuation),
+    #: which a bounded read's ``shard_end`` alone does not say
+    shard_closed: bool = False
+
+    def within(self, until_ms: int | None) -> Page:
+        """The page as a read bounded by ``until_ms`` (epoch ms) sees it: the read ends, as
+        at a shard end, before the first record that arrived at or after the bound, or at
+        the tip. The same for every source, so a bounded read (a recovery gap, a Spark
+        batch) ends at the same record whichever mode read it."""
+        if until_ms is None:
+            return self
+        kept = _arrived_before(self.records, until_ms)
+        reached = len(kept) < len(self.records)
+        if not (reached or self.at_tip):
+            return self
+        return replace(self, records=kept, shard_end=True, child_shards=[],
+                       bound_reached=reached)
+
+
+def _arrived_before(records: Sequence[Record], until_ms: int) -> Sequence[Record]:
+    """The leading records that arrived before ``until_ms``: sequence numbers and arrival
+    times grow together within a shard, so the first one at or after it ends the range."""
+    for index, record in enumerate(records):
+        arrived = record.timestamp_millis
+        if arrived is not None and arrived >= until_ms:
+            return records[:index]
+    return records
 
 
 class Stopped(Exception):
@@ -145,13 +151,17 @@ class Reading:
     Kinesis record already handled - a page holds whole aggregates, so all its sub-records
     were handled too - or at the start position if nothing was read yet."""
 
-    def __init__(self, start: StartPosition, stop: threading.Event,
+    def __init__(self, start: Position, stop: threading.Event,
                  sleep: Callable[[float], None]) -> None:
         self.start = start
         self.stop = stop
         self._sleep = sleep
         #: the last Kinesis record (aggregate or plain) fully handled
         self.last_sequence_number: str | None = None
+        #: the most records the next read may return, for a reader that needs only so many
+        #: more (a budgeted Spark batch, a probe); None: the source's own page size. A source
+        #: the service pushes to cannot cut its pages and ignores it.
+        self.limit: int | None = None
 
     def resume_point(self, after: str | None) -> tuple[str, str | None, datetime | None]:
         """Where reading resumes, for an iterator or a subscription alike: after ``after``
@@ -159,7 +169,11 @@ class Reading:
         if after is not None:
             return AFTER_SEQUENCE_NUMBER, after, None
         start = self.start
-        return start.kind, start.sequence_number, start.timestamp
+        if start.is_record:
+            return AT_SEQUENCE_NUMBER, start.sequence_number, None
+        if start.is_shard_end or (start.sentinel == AT_TIMESTAMP and start.moment is None):
+            raise ValueError(f"cannot start reading at {start}")
+        return start.sequence_number, None, start.moment
 
     def pause(self, seconds: float, cause: BaseException | None = None) -> None:
         """Wait before a retry; raise ``Stopped`` if the pipeline stopped meanwhile."""
@@ -194,7 +208,9 @@ class Retrying:
     """One source's retries of the calls it makes, with its backoff, counted per shard.
 
     The backoff is reset by the source, once a whole read succeeded: a fresh iterator that
-    then expires again must not reset it.
+    then expires again must not reset it. A backoff whose policy has ``max_attempts`` gives
+    up after that many failed calls since that reset and raises the last error (a Spark
+    task is better retried by Spark than stuck here); without one it retries until stopped.
     """
 
     def __init__(self, address: ShardAddress, backoff: Backoff | None, metrics: Metrics) -> None:
@@ -205,7 +221,8 @@ class Retrying:
 
     def call(self, reading: Reading, operation: str, call: Callable[[], _T],
              classifier: Callable[[BaseException], str | None] = classify) -> _T:
-        """Run ``call`` until it succeeds or fails in a way retrying cannot fix."""
+        """Run ``call`` until it succeeds, fails in a way retrying cannot fix, or the
+        backoff's policy gives up."""
         while True:
             try:
                 result = call()
@@ -218,6 +235,8 @@ class Retrying:
                 self._shard.inc(GET_RECORDS_ERRORS, kind)
                 if operation == "SubscribeToShard":
                     self._shard.inc(SUBSCRIPTIONS, f"failed_{kind}")
+                if self.backoff.policy.gives_up(self.backoff.attempt + 1):
+                    raise
                 delay = self.backoff.next_delay()
                 logger.warning(
                     "%s on %s failed (%s, attempt %d); retrying in %.3fs: %s",

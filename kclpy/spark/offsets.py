@@ -4,7 +4,9 @@ Spark stores every batch's end offset as JSON in the query's checkpoint and comp
 by their JSON text, so an offset here is a plain dict with one short string per shard, keys
 sorted: equal positions always serialise the same way.
 
-A position says what has been consumed, never what comes next:
+A position says what has been consumed, never what comes next; it is kclpy's one position
+type (:class:`kclpy.position.Position`), written as that type writes itself for the offset
+log (``Position.encode``):
 
 - ``TRIM_HORIZON``: nothing of the shard yet (also what a shard absent from an offset means:
   a shard discovered later, a child of a split or merge, is read from its beginning);
@@ -30,14 +32,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kclpy.position import AFTER, AT_TIMESTAMP, SHARD_END, TRIM_HORIZON, Position
 from kclpy.records import Record
 
-__all__ = ["Budget", "ShardPosition", "decode_offset", "encode_offset"]
+__all__ = ["AFTER", "AT_TIMESTAMP", "SHARD_END", "TRIM_HORIZON", "UPTO", "Budget",
+           "ShardPosition", "decode_offset", "encode_offset"]
 
-TRIM_HORIZON = "TRIM_HORIZON"
-AT_TIMESTAMP = "AT_TIMESTAMP"
-AFTER = "AFTER"
-SHARD_END = "SHARD_END"
 UPTO = "UPTO"
 
 
@@ -76,6 +76,10 @@ class Budget:
 
 @dataclass(frozen=True)
 class ShardPosition:
+    """One shard's entry in an offset: a ``Position`` (``position``; its kind, sequence,
+    sub-sequence and time are its own) or an ``UPTO`` end, which is not a position yet but
+    the rule that finds one (a budget from a start)."""
+
     kind: str
     sequence_number: str | None = None
     sub_sequence_number: int = 0
@@ -86,39 +90,48 @@ class ShardPosition:
     plan: str | None = None
 
     def __post_init__(self) -> None:
-        if self.kind == AFTER:
-            seq = self.sequence_number
-            if seq is None or not (seq.isascii() and seq.isdigit()):
-                raise ValueError(f"AFTER needs a numeric sequence number, got {seq!r}")
-            if self.sub_sequence_number < 0:
-                raise ValueError("sub-sequence number must be >= 0")
-        elif self.kind == AT_TIMESTAMP:
-            if self.timestamp_ms is None:
-                raise ValueError("AT_TIMESTAMP needs a timestamp")
-        elif self.kind == UPTO:
+        if self.kind == UPTO:
             if (self.timestamp_ms is None or self.budget is None or self.start is None
                     or not self.plan or not self.plan.isalnum()):
                 raise ValueError("UPTO needs a time, a budget, a start and a plan")
             if self.start.kind in (UPTO, SHARD_END):
                 raise ValueError(f"UPTO cannot start at {self.start.kind}")
-        elif self.kind not in (TRIM_HORIZON, SHARD_END):
+        elif self.kind not in (TRIM_HORIZON, AT_TIMESTAMP, AFTER, SHARD_END):
             raise ValueError(f"unknown position kind {self.kind!r}")
+        else:
+            self.position.encode()  # raises when the position has no offset-log form
+
+    @property
+    def position(self) -> Position:
+        """The position this entry names (not for an ``UPTO`` end)."""
+        if self.kind == UPTO:
+            raise ValueError("an UPTO end names no position until it is read")
+        if self.kind == AFTER:
+            if self.sequence_number is None:
+                raise ValueError("AFTER needs a sequence number")
+            return Position(self.sequence_number, self.sub_sequence_number)
+        return Position(self.kind, timestamp_ms=self.timestamp_ms)
+
+    @classmethod
+    def of(cls, position: Position) -> ShardPosition:
+        return cls(position.kind, position.sequence_number if position.is_record else None,
+                   position.sub_sequence_number, position.timestamp_ms)
 
     @classmethod
     def trim_horizon(cls) -> ShardPosition:
-        return cls(TRIM_HORIZON)
+        return cls.of(Position.trim_horizon())
 
     @classmethod
     def shard_end(cls) -> ShardPosition:
-        return cls(SHARD_END)
+        return cls.of(Position.shard_end())
 
     @classmethod
     def at_timestamp(cls, timestamp_ms: int) -> ShardPosition:
-        return cls(AT_TIMESTAMP, timestamp_ms=timestamp_ms)
+        return cls.of(Position.at_timestamp(timestamp_ms))
 
     @classmethod
     def after(cls, record: Record) -> ShardPosition:
-        return cls(AFTER, record.sequence_number, record.sub_sequence_number)
+        return cls.of(Position.after(record))
 
     @classmethod
     def upto(cls, start: ShardPosition, until_ms: int, budget: Budget,
@@ -137,38 +150,27 @@ class ShardPosition:
     @property
     def extended(self) -> tuple[int, int]:
         """(sequence, sub-sequence) of an AFTER position, for comparing with records."""
-        assert self.kind == AFTER and self.sequence_number is not None
-        return int(self.sequence_number), self.sub_sequence_number
+        assert self.kind == AFTER
+        return self.position.extended
 
     def encode(self) -> str:
-        if self.kind == AFTER:
-            return f"{AFTER}/{self.sequence_number}/{self.sub_sequence_number}"
-        if self.kind == AT_TIMESTAMP:
-            return f"{AT_TIMESTAMP}/{self.timestamp_ms}"
         if self.kind == UPTO:
             assert self.budget is not None and self.start is not None
             return (f"{UPTO}/{self.timestamp_ms}/{self.budget.encode()}/{self.plan}/"
                     f"{self.start.encode()}")
-        return self.kind
+        return self.position.encode()
 
     @classmethod
     def decode(cls, text: str) -> ShardPosition:
         kind, _, rest = text.partition("/")
+        if kind != UPTO:
+            return cls.of(Position.decode(text))
         try:
-            if kind == AFTER:
-                seq, _, sub = rest.partition("/")
-                return cls(AFTER, seq, int(sub))
-            if kind == AT_TIMESTAMP:
-                return cls(AT_TIMESTAMP, timestamp_ms=int(rest))
-            if kind == UPTO:
-                until, rows, size, duration, plan, start = rest.split("/", 5)
-                return cls.upto(cls.decode(start), int(until),
-                                Budget.decode(rows, size, duration), plan)
-            if not rest:
-                return cls(kind)
+            until, rows, size, duration, plan, start = rest.split("/", 5)
+            return cls.upto(cls.decode(start), int(until),
+                            Budget.decode(rows, size, duration), plan)
         except ValueError as exc:
             raise ValueError(f"not a shard position: {text!r} ({exc})") from None
-        raise ValueError(f"not a shard position: {text!r}")
 
 
 def encode_offset(positions: Mapping[str, ShardPosition]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +58,9 @@ OPTIONS: dict[str, str | None] = {
     "roleSessionName": "kclpy-spark",
     "roleExternalId": None,
     "stsEndpoint": None,
+    "consumerMode": "polling",
+    "consumerName": None,
+    "consumerArn": None,
 }
 
 #: other sources' names -> kclpy's (Databricks ``kinesis``, awslabs ``aws-kinesis``, qubole)
@@ -83,6 +86,8 @@ ALIASES: dict[str, str] = {
     "kinesis.maxFetchTimePerShardSec": "maxFetchDuration",
     "kinesis.executor.maxFetchTimeInMs": "maxFetchDuration",
     "kinesis.metadataPath": "metadataPath",
+    "kinesis.consumerType": "consumerMode",
+    "kinesis.consumerName": "consumerName",
 }
 
 #: the unit a bare number has under an alias that names its unit (awslabs counts seconds)
@@ -97,9 +102,9 @@ UNSUPPORTED: dict[str, str] = {
                      "kinesis.awsSecretKey", "kinesis.credentialProviderClass",
                      "awsUseInstanceProfile"],
                     "credentials come from the standard AWS chain (or roleArn), never options"),
-    **dict.fromkeys(["consumerMode", "consumerName", "kinesis.consumerType",
-                     "kinesis.consumerName"],
-                    "enhanced fan-out is not in the Spark source yet (kclpy's worker has it)"),
+    "requireConsumerDeregistration": "kclpy never deregisters a consumer by itself: a "
+                                     "consumer outlives any one query (kclpy "
+                                     "deregister-consumer removes it)",
     **dict.fromkeys(["kinesis.metadataCommitterType", "kinesis.dynamodb.tableName"],
                     "the ends executors reach are kept in files under metadataPath (a "
                     "directory the driver and executors share), not in DynamoDB"),
@@ -109,6 +114,13 @@ UNSUPPORTED: dict[str, str] = {
 }
 _UNSUPPORTED_LOWER = {name.lower(): reason for name, reason in UNSUPPORTED.items()}
 
+#: consumerMode's values, with Databricks' (``polling``, ``efo``) and awslabs'
+#: ``kinesis.consumerType`` ones (``GetRecords``, ``SubscribeToShard``)
+_MODES = {"polling": "polling", "getrecords": "polling", "efo": "efo",
+          "subscribetoshard": "efo", "fanout": "efo"}
+_CONSUMER_NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,128}$")
+_CONSUMER_ARN = re.compile(r"^arn:aws[a-z-]*:kinesis:[a-z0-9-]+:\d{12}:stream/[\w.-]+/consumer/"
+                           r"[\w.-]+:\d+$")
 _POSITIONS = {"TRIM_HORIZON": "TRIM_HORIZON", "EARLIEST": "TRIM_HORIZON", "LATEST": "LATEST",
               "AT_TIMESTAMP": "AT_TIMESTAMP"}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|sec|seconds?|m|min|minutes?)?\s*$",
@@ -148,6 +160,38 @@ def _canonical(raw: Mapping[str, str]) -> dict[str, tuple[str, str]]:
             raise ConfigError(written, f"given twice (also as {out[name][0]!r})")
         out[name] = (written, str(value))
     return out
+
+
+def _consumer(text: Callable[[str], str | None], written: Callable[[str], str],
+              streams: int) -> tuple[str | None, str | None]:
+    """consumerMode, consumerName and consumerArn, checked together: fan-out needs exactly
+    one of the two consumers, and polling neither."""
+    raw_mode = text("consumerMode")
+    mode = "polling" if raw_mode is None else _MODES.get(raw_mode.lower())
+    if mode is None:
+        raise ConfigError(written("consumerMode"), f"{raw_mode!r} is not polling or efo "
+                          "(GetRecords or SubscribeToShard)")
+    name, arn = text("consumerName") or None, text("consumerArn") or None
+    if name is not None and arn is not None:
+        raise ConfigError(written("consumerArn"), "give consumerName or consumerArn, not both")
+    if raw_mode is not None and mode == "polling" and (name or arn):
+        raise ConfigError(written("consumerName" if name else "consumerArn"),
+                          f"only meaningful with enhanced fan-out, not {raw_mode!r}")
+    if mode == "efo" and name is None and arn is None:
+        raise ConfigError("consumerName", f"{written('consumerMode')}={raw_mode} needs "
+                          "consumerName (registered when missing) or consumerArn")
+    if name is not None and not _CONSUMER_NAME.match(name):
+        raise ConfigError(written("consumerName"),
+                          "1 to 128 letters, digits or _.- characters")
+    if arn is not None:
+        if not _CONSUMER_ARN.match(arn):
+            raise ConfigError(written("consumerArn"), f"{arn!r} is not a stream consumer ARN "
+                              "(arn:aws:kinesis:<region>:<account>:stream/<stream>/consumer/"
+                              "<name>:<timestamp>)")
+        if streams > 1:
+            raise ConfigError(written("consumerArn"), "a consumer belongs to one stream: with "
+                              "several streams give consumerName")
+    return name, arn
 
 
 def _duration_ms(written: str, raw: str) -> int:
@@ -193,6 +237,16 @@ class SourceOptions:
     role_session_name: str = "kclpy-spark"
     role_external_id: str | None = None
     sts_endpoint: str | None = None
+    #: enhanced fan-out: executors read through this consumer's SubscribeToShard (the
+    #: driver registers it once, when missing) ...
+    consumer_name: str | None = None
+    #: ... or through this registered consumer (one stream only)
+    consumer_arn: str | None = None
+
+    @property
+    def fan_out(self) -> bool:
+        """Executors read through enhanced fan-out, not GetRecords."""
+        return self.consumer_name is not None or self.consumer_arn is not None
 
     @property
     def budgeted(self) -> bool:
@@ -333,6 +387,7 @@ class SourceOptions:
                               "needs metadataPath: where a batch cut by time ended is known "
                               "only to the executor that read it, and a re-run of the batch "
                               "must end at the same record")
+        consumer_name, consumer_arn = _consumer(text, written, len(streams))
         return cls(
             streams=streams,
             region=text("region") or None,
@@ -354,6 +409,8 @@ class SourceOptions:
             role_session_name=session_name,
             role_external_id=external_id,
             sts_endpoint=sts,
+            consumer_name=consumer_name,
+            consumer_arn=consumer_arn,
         )
 
     def client(self, pool: int = 10, agent: str = "kclpy-spark") -> KinesisClient:

@@ -18,6 +18,12 @@ recorded, which a deterministic budget (rows, bytes) allows.
 shard end (no next iterator) — never ``MillisBehindLatest`` alone: kinesis-mock reports 0 on
 a page that ends inside the last PutRecords batch while records remain.
 
+The reading itself is the worker's: :class:`ShardReader` is the polling source
+(:mod:`kclpy.retrieval.polling`: iterators, expiry, retries, the time bound, a ``Limit`` per
+read) under the read pipeline (:mod:`kclpy.retrieval.pipeline`: de-aggregation and the
+resume point), stepped without the pipeline's thread. What is Spark's here is where a batch
+ends: the probe, the budgets, the end a read must reach.
+
 No threads, no state shared between calls: a reader lives for one task on one shard (or, on
 the driver, for one shard's probes), which is what a pickled Spark reader needs.
 """
@@ -26,19 +32,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from botocore.exceptions import ClientError
 
+from kclpy.metrics import Metrics
 from kclpy.records import EMPTY, Record, Records
-from kclpy.retrieval.kpl import HashKeyRange, deaggregate
-from kclpy.retrieval.parse import get_records
-from kclpy.retry import Backoff, classify
-from kclpy.spark.offsets import AFTER, AT_TIMESTAMP, SHARD_END, TRIM_HORIZON, ShardPosition
+from kclpy.retrieval.fanout import FanOutSource
+from kclpy.retrieval.pipeline import ShardPipeline
+from kclpy.retrieval.polling import PollingSource
+from kclpy.retrieval.source import ShardAddress
+from kclpy.retry import RetryPolicy, classify, error_code
+from kclpy.spark.offsets import AFTER, AT_TIMESTAMP, SHARD_END, ShardPosition
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
@@ -126,20 +134,27 @@ def list_shards(client: KinesisClient, stream: StreamRef, retries: int = 8) -> l
         params = {"NextToken": token}
 
 
+def _retries(retries: int) -> RetryPolicy:
+    """How the source's calls are retried: ``retries`` times at most, since a task that
+    still fails is better retried by Spark than stuck here."""
+    return RetryPolicy(0.2, 5.0, max_attempts=retries + 1)
+
+
 def _retrying(operation: str, retries: int, call: Callable[[], _T],
               sleep: Callable[[float], None] = time.sleep) -> _T:
-    """Retry throttles, server errors and dropped connections with kclpy's jittered backoff
-    (:mod:`kclpy.retry`); a Spark task that still fails after that is better
-    retried by Spark than stuck here."""
-    backoff = Backoff(0.2, 5.0)
+    """Retry throttles, server errors and dropped connections (:func:`kclpy.retry.classify`)
+    as the source's reads are retried."""
+    policy = _retries(retries)
+    attempt = 0
     while True:
         try:
             return call()
         except Exception as exc:
+            attempt += 1
             kind = classify(exc)
-            if kind is None or backoff.attempt >= retries:
+            if kind is None or policy.gives_up(attempt):
                 raise
-            delay = backoff.next_delay()
+            delay = policy.delay(attempt - 1)
             log.warning("%s failed (%s); retrying in %.2fs: %s", operation, kind, delay, exc)
             sleep(delay)
 
@@ -167,12 +182,23 @@ class Page:
 
 
 class ShardReader:
-    """Reads one shard forward from a position, one GetRecords page per ``next_page``.
+    """Reads one shard forward from a position, one GetRecords page per ``next_page``,
+    through the worker's own pieces: the polling source (iterators, GetRecords, expiry,
+    retries, the ``until_ms`` bound, the per-read ``Limit``) and the read pipeline stepped
+    without its thread (de-aggregation, the resume point inside an aggregate, the
+    ``AT_TIMESTAMP`` drop, the trimmed-checkpoint check).
 
     ``until_ms``: the reader's time bound; records that arrived at or after it are not
     returned and the page that meets one reports ``reached_bound``. A start at
     ``AT_TIMESTAMP/<ms>`` drops records that arrived earlier on the client too, since some
-    endpoints (kinesis-mock) position such an iterator only to the second.
+    endpoints (kinesis-mock) position such an iterator only to the second. ``retries``:
+    failed calls retried per page before the error is raised (Spark retries the task).
+
+    ``consumer_arn``: read through that registered consumer's subscriptions (enhanced
+    fan-out, ``retrieval/fanout.py``) instead of GetRecords, bounded the same way; ``close``
+    then ends the subscription, so the shard's next task can subscribe. An idle subscription
+    is checked for a closed shard with one GetRecords after ``shard_end_probe_s`` (some
+    endpoints never end a subscription on a closed shard).
     """
 
     def __init__(
@@ -187,156 +213,85 @@ class ShardReader:
         until_ms: int | None = None,
         fail_on_data_loss: bool = True,
         retries: int = 8,
+        consumer_arn: str | None = None,
+        shard_end_probe_s: float = 30.0,
     ) -> None:
         if start.is_shard_end:
             raise ValueError(f"shard {shard.shard_id} is finished; nothing to read")
-        self._client = client
         self._stream = stream
         self.shard = shard
         self._start = start
-        self._deaggregate = deaggregate
-        self._key_range = HashKeyRange(shard.starting_hash_key, shard.ending_hash_key)
         self.limit = limit
-        self._until_ms = until_ms
         self._fail_on_data_loss = fail_on_data_loss
-        self._retries = retries
-        self._iterator: str | None = None
-        self._skip_through = start.extended if start.kind == AFTER else None
-        self._from_ms = start.timestamp_ms if start.kind == AT_TIMESTAMP else None
-        #: whether the first record after an AFTER start must still be checked for a gap
-        self._check_gap = start.kind == AFTER
-        #: the last Kinesis record (aggregate or plain) returned whole: an expired iterator
-        #: resumes after it
-        self._last_raw: str | None = None
-        self.ended = False
-        #: Kinesis records fetched (for the records-fetched-per-row figure)
-        self.fetched = 0
+        address = ShardAddress(shard.shard_id, stream.stream_name, stream.stream_arn)
+        metrics = Metrics()
+        backoff = _retries(retries).backoff()
+        self._source: PollingSource | FanOutSource
+        if consumer_arn is None:
+            self._source = PollingSource(client, address, max_records=limit, idle_time_s=0,
+                                         until_ms=until_ms, backoff=backoff, metrics=metrics)
+        else:
+            self._source = FanOutSource(client, address, consumer_arn, until_ms=until_ms,
+                                        shard_end_probe_s=shard_end_probe_s, backoff=backoff,
+                                        metrics=metrics)
+        self._pipeline = ShardPipeline(
+            self._source, start.position, deliver_empty=True, deaggregate=deaggregate,
+            hash_range=(shard.starting_hash_key, shard.ending_hash_key),
+            on_trimmed=self._trimmed if start.kind == AFTER else None, metrics=metrics,
+            sleep=time.sleep)
+        #: the page that ended the read, handed out again (without records) if asked
+        self._over: Page | None = None
         #: gaps skipped with failOnDataLoss=false
         self.data_loss_events = 0
 
+    @property
+    def ended(self) -> bool:
+        """The shard is closed and every record of it was returned."""
+        return self._over is not None and self._over.shard_end
+
+    @property
+    def fetched(self) -> int:
+        """Kinesis records fetched (for the records-fetched-per-row figure)."""
+        return self._source.records_fetched
+
+    def close(self) -> None:
+        """End what the source holds open (a subscription); reading again opens another."""
+        self._source.close()
+
     def next_page(self, limit: int | None = None) -> Page:
-        if self.ended:
-            return Page(EMPTY, True, True, False)
-        expired = 0
-        while True:
-            if self._iterator is None:
-                fresh = self._get_iterator()
-                if fresh is None:  # the shard is gone and failOnDataLoss is false
-                    self.ended = True
-                    return Page(EMPTY, True, True, False)
-                self._iterator = fresh
-            iterator = self._iterator
-            try:
-                page = _retrying("GetRecords", self._retries, partial(
-                    get_records, self._client, iterator, max(1, limit or self.limit)))
-            except ClientError as exc:
-                code = exc.response.get("Error", {}).get("Code")
-                if code != "ExpiredIteratorException" or expired >= 3:
-                    raise
-                expired += 1
-                self._iterator = None
-                continue
-            break
-        self._iterator = page.next_shard_iterator
-        raw: Sequence[Record] = page.records
-        self.fetched += len(raw)
-        self.ended = page.next_shard_iterator is None
-        millis = page.millis_behind_latest
-        at_tip = not raw and (millis is None or millis == 0)
-        if raw:
-            self._last_raw = raw[-1].sequence_number
-            if self._check_gap:
-                self._check_for_gap(raw[0])
-        raw = self._drop_early(raw)
-        raw, reached = self._cut_at_bound(raw)
-        records = Records([raw])
-        if raw:
-            if self._deaggregate:
-                records = deaggregate(raw, key_range=self._key_range).records
-            records = self._drop_consumed(records)
+        if self._over is not None:
+            return self._over
+        try:
+            result = self._pipeline.fetch_once(limit or self.limit)
+        except ClientError as exc:
+            if not (exc.operation_name == "GetShardIterator" and self._start.kind == AFTER
+                    and error_code(exc) == "ResourceNotFoundException"):
+                raise
+            self._lost(f"shard {self.shard.shard_id} of {self._stream.label} is gone "
+                       f"(expired) after {self._start.sequence_number}")
+            self._over = Page(EMPTY, True, True, False)
+            return self._over
+        assert result is not None, "a reader's pipeline is never stopped"
+        records = result.records
         # A record without an arrival time (optional in the API, AWS always sends it) counts
         # as settled long ago.
         first_ms = (records[0].timestamp_millis or 0) if records else None
-        return Page(records, self.ended and not reached, at_tip, reached, first_ms)
+        page = Page(records, result.shard_closed and not result.bound_reached, result.at_tip,
+                    result.bound_reached, first_ms)
+        if result.shard_end:
+            self._over = Page(EMPTY, page.shard_end, page.at_tip, page.reached_bound)
+        return page
 
-    def _check_for_gap(self, first: Record) -> None:
+    def _trimmed(self, checkpoint: str, first: str) -> None:
         """An AFTER start resumes AT its sequence number: the first record back must be that
         record. A later one means Kinesis no longer has it (retention)."""
-        self._check_gap = False
-        assert self._start.sequence_number is not None
-        if int(first.sequence_number) <= int(self._start.sequence_number):
-            return
-        message = (f"shard {self.shard.shard_id} of {self._stream.label}: records after "
-                   f"{self._start.sequence_number} up to {first.sequence_number} are no "
-                   "longer in the stream (trimmed by retention?)")
-        if self._fail_on_data_loss:
-            raise DataLossError(message + "; set failOnDataLoss=false to skip them")
-        log.warning("kinesis source: data loss: %s; skipped (failOnDataLoss=false)", message)
-        self.data_loss_events += 1
-        self._skip_through = None
-
-    def _drop_early(self, raw: Sequence[Record]) -> Sequence[Record]:
-        since = self._from_ms
-        if since is None or not raw:
-            return raw
-        for i, record in enumerate(raw):
-            ts = record.timestamp_millis
-            if ts is None or ts >= since:
-                self._from_ms = None
-                return raw[i:] if i else raw
-        return raw[:0]
-
-    def _cut_at_bound(self, raw: Sequence[Record]) -> tuple[Sequence[Record], bool]:
-        until = self._until_ms
-        if until is None or not raw:
-            return raw, False
-        for i, record in enumerate(raw):
-            ts = record.timestamp_millis
-            if ts is not None and ts >= until:
-                return raw[:i], True
-        return raw, False
-
-    def _drop_consumed(self, records: Records) -> Records:
-        skip = self._skip_through
-        if skip is None:
-            return records
-        records = records.after(skip)
-        if records:
-            self._skip_through = None
-        return records
-
-    def _get_iterator(self) -> str | None:
-        params: dict[str, Any] = {**self._stream.params(), "ShardId": self.shard.shard_id}
-        start = self._start
-        if self._last_raw is not None:
-            params.update(ShardIteratorType="AFTER_SEQUENCE_NUMBER",
-                          StartingSequenceNumber=self._last_raw)
-        elif start.kind == AFTER:
-            # AT, not AFTER: the rest of a KPL aggregate may still be due; _drop_consumed
-            # removes what was consumed, and the record itself shows nothing was trimmed.
-            params.update(ShardIteratorType="AT_SEQUENCE_NUMBER",
-                          StartingSequenceNumber=start.sequence_number)
-        elif start.kind == AT_TIMESTAMP:
-            assert start.timestamp_ms is not None
-            params.update(ShardIteratorType=AT_TIMESTAMP, Timestamp=datetime.fromtimestamp(
-                start.timestamp_ms / 1000, tz=timezone.utc))
-        else:
-            params.update(ShardIteratorType=TRIM_HORIZON)
-        try:
-            response = _retrying("GetShardIterator", self._retries,
-                                 partial(self._client.get_shard_iterator, **params))
-        except ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code")
-            if code == "ResourceNotFoundException" and start.kind == AFTER:
-                self._lost(f"shard {self.shard.shard_id} of {self._stream.label} is gone "
-                           f"(expired) after {start.sequence_number}")
-                return None
-            raise
-        return response["ShardIterator"]
+        self._lost(f"shard {self.shard.shard_id} of {self._stream.label}: records after "
+                   f"{checkpoint} up to {first} are no longer in the stream (trimmed by "
+                   "retention?)")
 
     def _lost(self, message: str) -> None:
         if self._fail_on_data_loss:
-            raise DataLossError(message + "; set failOnDataLoss=false to skip it")
+            raise DataLossError(message + "; set failOnDataLoss=false to skip them")
         log.warning("kinesis source: data loss: %s; skipped (failOnDataLoss=false)", message)
         self.data_loss_events += 1
 

@@ -33,15 +33,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kclpy.position import Position
 from kclpy.spark.batcher import BatchInfo, current_batch
 
 __all__ = ["ParquetSink"]
 
 RANGES_FILE = "_kclpy_ranges.json"
 
-Position = tuple[int, int]
-#: before every record: the first position of a range written before ranges had one
-_BEFORE_ALL: Position = (-1, 0)
 
 
 class ParquetSink:
@@ -99,11 +97,13 @@ class ParquetSink:
             if not ranges_file.is_file():
                 continue
             for r in json.loads(ranges_file.read_text(encoding="utf-8")):
-                last = (int(r["last_sequence_number"]), int(r["last_sub_sequence_number"]))
+                last = Position(str(r["last_sequence_number"]),
+                                int(r["last_sub_sequence_number"]))
                 # A range file of an earlier kclpy holds only the last position: as then,
-                # everything up to it counts as written.
-                first = (_BEFORE_ALL if "first_sequence_number" not in r else
-                         (int(r["first_sequence_number"]), int(r["first_sub_sequence_number"])))
+                # everything up to it counts as written (from before every record).
+                first = (Position.trim_horizon() if "first_sequence_number" not in r else
+                         Position(str(r["first_sequence_number"]),
+                                  int(r["first_sub_sequence_number"])))
                 self._committed.setdefault(str(r["shard_id"]), []).append((first, last))
             self._seen.add(folder.name)
         return self._committed
@@ -118,25 +118,25 @@ class ParquetSink:
         col_seq, col_sub = f.col("sequence_number"), f.col("sub_sequence_number")
 
         def after(position: Position) -> Any:
-            seq, sub = str(position[0]), position[1]
+            seq, sub = position.sequence_number, position.sub_sequence_number
             return ((f.length(col_seq) > len(seq))
                     | ((f.length(col_seq) == len(seq)) & (col_seq > seq))
                     | ((col_seq == seq) & (col_sub > sub)))
 
         def before(position: Position) -> Any:
-            seq, sub = str(position[0]), position[1]
+            seq, sub = position.sequence_number, position.sub_sequence_number
             return ((f.length(col_seq) < len(seq))
                     | ((f.length(col_seq) == len(seq)) & (col_seq < seq))
                     | ((col_seq == seq) & (col_sub < sub)))
 
         written = None
         for r in info.ranges:
-            low = (int(r.first_sequence_number), r.first_sub_sequence_number)
-            high = (int(r.last_sequence_number), r.last_sub_sequence_number)
+            low = Position(r.first_sequence_number, r.first_sub_sequence_number)
+            high = Position(r.last_sequence_number, r.last_sub_sequence_number)
             for first, last in committed.get(r.shard_id, ()):
                 if first > high or last < low:
                     continue
-                inside = ~after(last) if first == _BEFORE_ALL else ~before(first) & ~after(last)
+                inside = ~after(last) if not first.is_record else ~before(first) & ~after(last)
                 condition = (f.col("shard_id") == r.shard_id) & inside
                 written = condition if written is None else written | condition
         return df if written is None else df.filter(~written)

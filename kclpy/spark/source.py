@@ -28,6 +28,10 @@ Design points, each forced by how Spark drives a Python source:
   offset it produced or was shown (Spark re-announces the latest offset on restart through
   an empty ``partitions(offset, offset)`` call), with no row limit, because on 4.0/4.1 a
   limit would also cut Spark's own ``AvailableNow`` wrapper short.
+- Enhanced fan-out (``consumerName``/``consumerArn``): the driver registers the consumer
+  once per stream and puts its ARN in each partition; the executor subscribes instead of
+  polling, bounded by the same planned end, and closes the subscription when done. The
+  driver's probes stay ``GetRecords(Limit=1)``.
 - Parents before children: a shard whose parent is in the offset and not yet at SHARD_END
   is not read, so a child's first batch comes after its parents' last one.
 """
@@ -46,6 +50,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 
+from kclpy.retrieval.registration import ConsumerRegistration
 from kclpy.spark.arrow import SPARK_SCHEMA_DDL, records_to_batch
 from kclpy.spark.metadata import ConflictingEndError, PositionStore
 from kclpy.spark.offsets import (
@@ -109,13 +114,15 @@ class KinesisPartition(InputPartition):
     an ``UPTO`` end carries its own start). ``key``: the shard's key in the offset."""
 
     def __init__(self, stream: StreamRef, shard: ShardInfo, key: str, start: str,
-                 end: str) -> None:
+                 end: str, consumer_arn: str | None = None) -> None:
         super().__init__(shard.shard_id)
         self.stream = stream
         self.shard = shard
         self.key = key
         self.start = start
         self.end = end
+        #: enhanced fan-out: the stream's registered consumer the executor subscribes with
+        self.consumer_arn = consumer_arn
 
 
 class KinesisDataSource(DataSource):
@@ -161,6 +168,8 @@ class KinesisStreamReader(DataSourceStreamReader):
         #: which shard the last batch's row budget favoured, so that shards take turns
         self._turn = 0
         self._client: KinesisClient | None = None
+        #: enhanced fan-out: each stream's consumer ARN (by stream label), registered once
+        self._consumers: dict[str, str] = {}
         #: positions found trimmed or shards found expired by the driver, with
         #: failOnDataLoss=false (an executor that finds one logs it)
         self.data_loss_events = 0
@@ -465,8 +474,25 @@ class KinesisStreamReader(DataSourceStreamReader):
                            f"through {stop.encode()}, cannot be read")
                 continue
             parts.append(KinesisPartition(shard.stream, shard.info, shard_id, first.encode(),
-                                          stop.encode()))
+                                          stop.encode(), self._consumer(shard.stream)))
         return parts
+
+    def _consumer(self, stream: StreamRef) -> str | None:
+        """The consumer ARN executors subscribe with (None: they poll): ``consumerArn`` as
+        given, or ``consumerName``'s, registered by the driver when missing (once per
+        stream and reader; kclpy never deregisters it, a consumer outlives a query)."""
+        options = self.options
+        if options.consumer_name is None:
+            return options.consumer_arn
+        arn = self._consumers.get(stream.label)
+        if arn is None:
+            registration = ConsumerRegistration(self._kinesis(), options.consumer_name,
+                                                stream_name=stream.stream_name,
+                                                stream_arn=stream.stream_arn)
+            arn = self._consumers[stream.label] = registration.get_or_create()
+            log.info("kinesis source: %s is read through enhanced fan-out consumer %s",
+                     stream.label, arn)
+        return arn
 
     def commit(self, end: dict[str, Any]) -> None:
         """Kinesis holds no consumer state and the offset log is the checkpoint; what goes
@@ -490,10 +516,13 @@ class KinesisStreamReader(DataSourceStreamReader):
             store = self._store()
             recorded = None if store is None else store.get(partition.key, end)
             if recorded is None:
-                reading = BudgetedRead(self._task_reader(client, partition, start, end),
-                                       end)
-                for records in reading:
-                    yield records_to_batch(label, shard_id, records)
+                budgeted = self._task_reader(client, partition, start, end)
+                reading = BudgetedRead(budgeted, end)
+                try:
+                    for records in reading:
+                        yield records_to_batch(label, shard_id, records)
+                finally:
+                    budgeted.close()
                 assert reading.reached is not None
                 if store is not None:
                     winner = store.put(partition.key, end, reading.reached)
@@ -511,17 +540,24 @@ class KinesisStreamReader(DataSourceStreamReader):
         else:
             until_ms = end.timestamp_ms if end.kind == AT_TIMESTAMP else None
         reader = self._task_reader(client, partition, start, end, until_ms)
-        for records in read_range(reader, end):
-            yield records_to_batch(label, shard_id, records)
+        try:
+            for records in read_range(reader, end):
+                yield records_to_batch(label, shard_id, records)
+        finally:
+            reader.close()
 
     def _task_reader(self, client: KinesisClient, partition: KinesisPartition,
                      start: ShardPosition, end: ShardPosition,
                      until_ms: int | None = None) -> ShardReader:
+        # A fan-out read to a shard's end looks for it at the first idle event: kinesis-mock
+        # never ends a subscription on a closed shard.
         return ShardReader(client, partition.stream, partition.shard, start,
                            deaggregate=self.options.deaggregate,
                            limit=self.options.max_records_per_fetch,
                            until_ms=end.timestamp_ms if end.is_budgeted else until_ms,
-                           fail_on_data_loss=self.options.fail_on_data_loss)
+                           fail_on_data_loss=self.options.fail_on_data_loss,
+                           consumer_arn=partition.consumer_arn,
+                           shard_end_probe_s=0.0 if end.is_shard_end else 30.0)
 
 
 def _parallel(calls: Sequence[Callable[[], _T]]) -> list[_T]:

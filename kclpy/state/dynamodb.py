@@ -22,6 +22,7 @@ from typing import Any
 
 from kclpy.checkpoint import CheckpointWriter
 from kclpy.leases.dynamo import DynamoTable
+from kclpy.position import Position
 from kclpy.state.store import CommittedCache
 from kclpy.state.transaction import DELETED, Limits, StateTransaction, Versioned
 
@@ -75,7 +76,7 @@ class DynamoDBStateStore:
                 else Versioned(json.loads(item[VALUE]["S"]), int(item[VERSION]["N"])))
 
     def begin_tenure(
-        self, writer: CheckpointWriter, shard_id: str, token: str
+        self, writer: CheckpointWriter, lease_key: str, token: str
     ) -> tuple[str, int] | None:
         """Nothing to claim: the lease item, fenced by its counter, holds the checkpoint."""
         return None
@@ -83,20 +84,20 @@ class DynamoDBStateStore:
     def commit(
         self,
         writer: CheckpointWriter,
-        shard_id: str,
+        lease_key: str,
         token: str,
         checkpoint: str,
         sub_sequence_number: int,
         txn: StateTransaction,
-        gap: tuple[str, int] | None = None,
+        gap: Position | None = None,
     ) -> None:
         """``writer`` is the gap's when ``gap`` is set: the lease item's recovery queue, not
         its checkpoint, moves in the same transaction."""
         writer.transact_checkpoint(
-            shard_id, token, checkpoint, sub_sequence_number, self.items(txn))
+            lease_key, token, checkpoint, sub_sequence_number, self.items(txn))
         self._cache.committed(txn)
 
-    def gap_position(self, shard_id: str, gap: tuple[str, int]) -> tuple[str, int] | None:
+    def gap_position(self, lease_key: str, gap: Position) -> tuple[str, int] | None:
         """Nothing stored here: a gap's checkpoint in the lease item commits with its state."""
         return None
 

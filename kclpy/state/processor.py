@@ -21,9 +21,10 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from kclpy.checkpoint import Checkpointer, Position, position_of
+from kclpy.checkpoint import Checkpointer
 from kclpy.errors import TransactionRejected
 from kclpy.metrics import NOWHERE, STATE_COMMITS, STATE_CONFLICTS, STATE_RECORDS, Metrics, Scope
+from kclpy.position import Position
 from kclpy.processor import (
     InitializeInput,
     IRecordProcessor,
@@ -86,19 +87,19 @@ class ExactlyOnceProcessor(IRecordProcessor):
         self._m: Scope = NOWHERE
         self._clock = clock
         self._sleep = sleep
-        self._shard_id = ""
+        self._lease_key = ""
         #: the last live position committed (records at or before it are skipped on a retry)
-        self._committed: Position = position_of(None, None)
+        self._committed = Position.trim_horizon()
         #: the same for each lag-recovery gap (by the position it starts after): a gap's
         #: records are older than every live one, so the two are never compared
-        self._gaps: dict[tuple[str, int], Position] = {}
+        self._gaps: dict[Position, Position] = {}
         self._tenure_begun = False
 
     def initialize(self, initialize_input: InitializeInput) -> None:
-        self._shard_id = initialize_input.shard_id
+        self._lease_key = initialize_input.shard_id
         if self._metrics is not None:
-            self._m = self._metrics.shard(self._shard_id)
-        self._committed = position_of(initialize_input.sequence_number,
+            self._m = self._metrics.shard(self._lease_key)
+        self._committed = Position.of(initialize_input.sequence_number,
                                       initialize_input.sub_sequence_number)
         self._gaps = {}
         self.processor.initialize(initialize_input)
@@ -115,13 +116,13 @@ class ExactlyOnceProcessor(IRecordProcessor):
             # Claimed from whichever batch comes first: a closed shard gets only gap batches.
             stored = checkpointer.fenced(self._store.begin_tenure)
             if stored is not None:
-                self._committed = max(self._committed, position_of(*stored))
+                self._committed = max(self._committed, Position.of(*stored))
             self._tenure_begun = True
         gap = checkpointer.gap
         if process_records_input.is_recovery and gap is None:
-            raise ValueError(f"shard {self._shard_id}: a recovery batch's checkpointer must "
+            raise ValueError(f"shard {self._lease_key}: a recovery batch's checkpointer must "
                              "name its gap")
-        committed = self._committed_of(gap, checkpointer)
+        committed = self._committed_of(gap, checkpointer).extended
         txn = self._begin()
         covered: list[Record] = []
         skipped: Record | None = None
@@ -135,7 +136,7 @@ class ExactlyOnceProcessor(IRecordProcessor):
                 txn, covered, started = self._begin(), [], self._clock()
                 if not self._apply(record, txn):
                     raise TransactionTooLarge(
-                        f"shard {self._shard_id}: record {record.sequence_number}/"
+                        f"shard {self._lease_key}: record {record.sequence_number}/"
                         f"{record.sub_sequence_number} alone writes more than one transaction "
                         f"holds ({self._store.limits})")
             covered.append(record)
@@ -144,9 +145,7 @@ class ExactlyOnceProcessor(IRecordProcessor):
                 txn, covered, started = self._begin(), [], self._clock()
         if covered:
             self._commit(checkpointer, txn, covered)
-        elif skipped is not None and (
-                int(skipped.sequence_number), skipped.sub_sequence_number) > position_of(
-                *checkpointer.last_checkpoint):
+        elif skipped is not None and Position.after(skipped) > checkpointer.position:
             checkpointer.checkpoint(skipped)
 
     def lease_lost(self, lease_lost_input: LeaseLostInput) -> None:
@@ -160,7 +159,7 @@ class ExactlyOnceProcessor(IRecordProcessor):
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _committed_of(self, gap: tuple[str, int] | None, checkpointer: Checkpointer
+    def _committed_of(self, gap: Position | None, checkpointer: Checkpointer
                       ) -> Position:
         """The last committed position of the live shard (``gap`` None) or of ``gap``: what
         this processor committed, the checkpoint the gap's checkpointer starts from, and -
@@ -168,10 +167,10 @@ class ExactlyOnceProcessor(IRecordProcessor):
         if gap is None:
             return self._committed
         if gap not in self._gaps:
-            stored = self._store.gap_position(self._shard_id, gap)
-            self._gaps[gap] = position_of(*stored) if stored is not None else position_of(
-                None, None)
-        self._gaps[gap] = max(self._gaps[gap], position_of(*checkpointer.last_checkpoint))
+            stored = self._store.gap_position(self._lease_key, gap)
+            self._gaps[gap] = (Position.of(*stored) if stored is not None
+                               else Position.trim_horizon())
+        self._gaps[gap] = max(self._gaps[gap], checkpointer.position)
         return self._gaps[gap]
 
     def _begin(self) -> StateTransaction:
@@ -200,26 +199,25 @@ class ExactlyOnceProcessor(IRecordProcessor):
                 self._store.forget(list(txn.versions))
                 self._m.inc(STATE_CONFLICTS)
                 log.info("shard %s: a state key changed under transaction %d; applying its "
-                         "%d record(s) again", self._shard_id, attempt, len(covered))
+                         "%d record(s) again", self._lease_key, attempt, len(covered))
                 self._sleep(CONFLICT_RETRIES.delay(attempt))
                 txn = self._begin()
                 for record in covered:
                     if not self._apply(record, txn):
                         raise TransactionTooLarge(
-                            f"shard {self._shard_id}: records no longer fit one transaction "
+                            f"shard {self._lease_key}: records no longer fit one transaction "
                             "when applied again") from None
                 continue
             last = covered[-1]
             if checkpointer.gap is None:
-                self._committed = (int(last.sequence_number), last.sub_sequence_number)
+                self._committed = Position.after(last)
             else:
-                self._gaps[checkpointer.gap] = (int(last.sequence_number),
-                                                last.sub_sequence_number)
+                self._gaps[checkpointer.gap] = Position.after(last)
             self._m.inc(STATE_COMMITS)
             self._m.inc(STATE_RECORDS, by=len(covered))
             return
         raise TransactionRejected(
-            f"shard {self._shard_id}: state keys kept changing under {MAX_CONFLICTS + 1} "
+            f"shard {self._lease_key}: state keys kept changing under {MAX_CONFLICTS + 1} "
             "attempts; the batch fails and is delivered again", [])
 
 

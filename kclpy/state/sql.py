@@ -36,7 +36,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
-from kclpy.checkpoint import CheckpointWriter, position_of
+from kclpy.checkpoint import CheckpointWriter
 from kclpy.errors import (
     CheckpointError,
     KinesisClientLibDependencyException,
@@ -44,6 +44,7 @@ from kclpy.errors import (
     TransactionRejected,
 )
 from kclpy.leases.lease import incarnation_order
+from kclpy.position import Position
 from kclpy.state.store import CommittedCache
 from kclpy.state.transaction import DELETED, Limits, StateTransaction, Versioned
 
@@ -164,18 +165,18 @@ class SQLStateStore:
         return Versioned(None, 0) if row is None else Versioned(json.loads(row[0]), row[1])
 
     def begin_tenure(
-        self, writer: CheckpointWriter, shard_id: str, token: str
+        self, writer: CheckpointWriter, lease_key: str, token: str
     ) -> tuple[str, int] | None:
         try:
             try:
-                return self._claim(writer, shard_id, token)
+                return self._claim(writer, lease_key, token)
             except IntegrityError:  # another tenure inserted the row first: lock it this time
-                return self._claim(writer, shard_id, token)
+                return self._claim(writer, lease_key, token)
         except DBAPIError as exc:
-            raise _unavailable(shard_id, "claim", exc) from exc
+            raise _unavailable(lease_key, "claim", exc) from exc
 
     def _claim(
-        self, writer: CheckpointWriter, shard_id: str, token: str
+        self, writer: CheckpointWriter, lease_key: str, token: str
     ) -> tuple[str, int] | None:
         """Stamp the shard's row with this tenure and return its position. The row names
         the lease incarnation (``Lease.incarnation``) its tenures belong to: a tenure counter
@@ -183,37 +184,37 @@ class SQLStateStore:
         stream created again, its counter starting over - takes the row over; its position
         is kept when the stream is the same one (every record up to it was applied), dropped
         when the stream was created again (its sequence numbers are another stream's)."""
-        with writer.guard(shard_id, token, what="state claim") as guard, \
+        with writer.guard(lease_key, token, what="state claim") as guard, \
                 self.engine.begin() as conn:
-            row = self._lock_checkpoint(conn, shard_id)
+            row = self._lock_checkpoint(conn, lease_key)
             incarnation = guard.lease.incarnation
             if row is None:
                 conn.execute(sa.insert(self.checkpoints).values(
-                    lease_key=shard_id, tenure=guard.tenure, checkpoint=None,
+                    lease_key=lease_key, tenure=guard.tenure, checkpoint=None,
                     sub_sequence_number=0, incarnation=incarnation))
                 return None
             position = (None if row.checkpoint is None
                         else (row.checkpoint, row.sub_sequence_number))
             stored = row.incarnation
             if incarnation is not None and stored is not None and incarnation != stored:
-                position = self._take_over(conn, shard_id, incarnation, stored, position)
+                position = self._take_over(conn, lease_key, incarnation, stored, position)
             elif row.tenure > guard.tenure:
                 if incarnation is None or stored is None:
                     log.error(
                         "shard %s: the state store holds tenure %d, above this lease's "
                         "counter %d, and no lease incarnation tells whether the lease was "
                         "created again: refused. If the lease or its stream was created "
-                        "again, delete the shard's row from %s", shard_id, row.tenure,
+                        "again, delete the shard's row from %s", lease_key, row.tenure,
                         guard.tenure, self.checkpoints.name)
                 raise LeaseLostError(f"state store holds tenure {row.tenure} > {guard.tenure}")
             conn.execute(sa.update(self.checkpoints)
-                         .where(self.checkpoints.c.lease_key == shard_id)
+                         .where(self.checkpoints.c.lease_key == lease_key)
                          .values(tenure=guard.tenure, incarnation=incarnation or stored,
                                  checkpoint=None if position is None else position[0],
                                  sub_sequence_number=0 if position is None else position[1]))
             return position
 
-    def _take_over(self, conn: Connection, shard_id: str, incarnation: str, stored: str,
+    def _take_over(self, conn: Connection, lease_key: str, incarnation: str, stored: str,
                    position: tuple[str, int] | None) -> tuple[str, int] | None:
         """The row is of another incarnation of the lease: refused when that one is newer
         (this worker holds a lease deleted since), otherwise the position to resume from."""
@@ -226,31 +227,31 @@ class SQLStateStore:
                 "shard %s: its stream was created again (creation epoch %d; the state store's "
                 "position %s is of the stream created at %d): that position and its gaps' "
                 "are dropped and the shard is read from its lease's checkpoint; the state is "
-                "kept", shard_id, epoch, position, stored_epoch)
-            conn.execute(sa.delete(self.gaps).where(self.gaps.c.lease_key == shard_id))
+                "kept", lease_key, epoch, position, stored_epoch)
+            conn.execute(sa.delete(self.gaps).where(self.gaps.c.lease_key == lease_key))
             return None
         log.warning("shard %s: its lease was created again (incarnation %s; the state store's "
                     "rows are of %s): resuming from the store's position %s, records up to it "
-                    "are not applied again", shard_id, incarnation, stored, position)
+                    "are not applied again", lease_key, incarnation, stored, position)
         return position
 
     def commit(
         self,
         writer: CheckpointWriter,
-        shard_id: str,
+        lease_key: str,
         token: str,
         checkpoint: str,
         sub_sequence_number: int,
         txn: StateTransaction,
-        gap: tuple[str, int] | None = None,
+        gap: Position | None = None,
     ) -> None:
         """A gap's commit is fenced by the shard's row like a live one, but checks and moves
         the gap's own row (``<prefix>_gaps``); the lease item's copy is then updated
         through ``writer`` - the gap's, which moves the gap in the recovery queue."""
         try:
-            with writer.guard(shard_id, token, what="state commit") as guard, \
+            with writer.guard(lease_key, token, what="state commit") as guard, \
                     self.engine.begin() as conn:
-                row = self._lock_checkpoint(conn, shard_id)
+                row = self._lock_checkpoint(conn, lease_key)
                 incarnation = guard.lease.incarnation
                 if row is None or row.tenure != guard.tenure or (
                         incarnation is not None and row.incarnation != incarnation):
@@ -260,11 +261,11 @@ class SQLStateStore:
                         f"{guard.tenure} of {incarnation}")
                 stored = row if gap is None else conn.execute(
                     sa.select(self.gaps.c.checkpoint, self.gaps.c.sub_sequence_number)
-                    .where(self._gap_row(shard_id, gap)).with_for_update()).first()
-                if (stored is not None and stored.checkpoint is not None and position_of(
+                    .where(self._gap_row(lease_key, gap)).with_for_update()).first()
+                if (stored is not None and stored.checkpoint is not None and Position.of(
                         stored.checkpoint, stored.sub_sequence_number)
-                        >= position_of(checkpoint, sub_sequence_number)):
-                    log.info("shard %s: commit at %s/%d had landed already", shard_id,
+                        >= Position.of(checkpoint, sub_sequence_number)):
+                    log.info("shard %s: commit at %s/%d had landed already", lease_key,
                              checkpoint, sub_sequence_number)
                 else:
                     self._write(conn, txn)
@@ -272,36 +273,36 @@ class SQLStateStore:
                                 "sub_sequence_number": sub_sequence_number}
                     if gap is None:
                         conn.execute(sa.update(self.checkpoints)
-                                     .where(self.checkpoints.c.lease_key == shard_id)
+                                     .where(self.checkpoints.c.lease_key == lease_key)
                                      .values(**position))
                     elif stored is None:
                         conn.execute(sa.insert(self.gaps).values(
-                            lease_key=shard_id, gap=_gap_name(gap), **position))
+                            lease_key=lease_key, gap=_gap_name(gap), **position))
                     else:
                         conn.execute(sa.update(self.gaps)
-                                     .where(self._gap_row(shard_id, gap)).values(**position))
+                                     .where(self._gap_row(lease_key, gap)).values(**position))
         except IntegrityError as exc:  # a key this transaction saw missing was inserted
-            raise TransactionRejected(f"shard {shard_id}: {exc.orig}", []) from exc
+            raise TransactionRejected(f"shard {lease_key}: {exc.orig}", []) from exc
         except DBAPIError as exc:
             if _is_conflict(exc):
-                raise TransactionRejected(f"shard {shard_id}: {exc.orig}", []) from exc
-            raise _unavailable(shard_id, "commit", exc) from exc
+                raise TransactionRejected(f"shard {lease_key}: {exc.orig}", []) from exc
+            raise _unavailable(lease_key, "commit", exc) from exc
         self._cache.committed(txn)
         try:
-            writer.update_checkpoint(shard_id, token, checkpoint, sub_sequence_number)
+            writer.update_checkpoint(lease_key, token, checkpoint, sub_sequence_number)
         except CheckpointError as exc:
             log.warning("shard %s: state committed at %s/%d; the lease table's checkpoint "
-                        "was not updated (%s) and will be on the next commit", shard_id,
+                        "was not updated (%s) and will be on the next commit", lease_key,
                         checkpoint, sub_sequence_number, exc)
 
-    def gap_position(self, shard_id: str, gap: tuple[str, int]) -> tuple[str, int] | None:
+    def gap_position(self, lease_key: str, gap: Position) -> tuple[str, int] | None:
         try:
             with self.engine.connect() as conn:
                 row = conn.execute(
                     sa.select(self.gaps.c.checkpoint, self.gaps.c.sub_sequence_number)
-                    .where(self._gap_row(shard_id, gap))).first()
+                    .where(self._gap_row(lease_key, gap))).first()
         except DBAPIError as exc:
-            raise _unavailable(shard_id, "gap read", exc) from exc
+            raise _unavailable(lease_key, "gap read", exc) from exc
         return None if row is None else (row.checkpoint, row.sub_sequence_number)
 
     def forget(self, keys: Sequence[str]) -> None:
@@ -309,14 +310,14 @@ class SQLStateStore:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _gap_row(self, shard_id: str, gap: tuple[str, int]) -> sa.ColumnElement[bool]:
-        return sa.and_(self.gaps.c.lease_key == shard_id, self.gaps.c.gap == _gap_name(gap))
+    def _gap_row(self, lease_key: str, gap: Position) -> sa.ColumnElement[bool]:
+        return sa.and_(self.gaps.c.lease_key == lease_key, self.gaps.c.gap == _gap_name(gap))
 
-    def _lock_checkpoint(self, conn: Connection, shard_id: str) -> Any:
+    def _lock_checkpoint(self, conn: Connection, lease_key: str) -> Any:
         c = self.checkpoints.c
         return conn.execute(
             sa.select(c.tenure, c.checkpoint, c.sub_sequence_number, c.incarnation)
-            .where(c.lease_key == shard_id).with_for_update()).first()
+            .where(c.lease_key == lease_key).with_for_update()).first()
 
     def _write(self, conn: Connection, txn: StateTransaction) -> None:
         """Every key in sorted order (two committers lock shared keys in the same order, so
@@ -356,9 +357,9 @@ class SQLStateStore:
         conn.execute(sa.delete(self.state).where(self.state.c.state_key == key))
 
 
-def _gap_name(gap: tuple[str, int]) -> str:
+def _gap_name(gap: Position) -> str:
     """A gap's key in ``<prefix>_gaps``: the position it starts after."""
-    return f"{gap[0]}/{gap[1]}"
+    return f"{gap.checkpoint}/{gap.sub_sequence_number}"
 
 
 def _json(value: Any) -> str:
@@ -369,11 +370,11 @@ def _conflict(key: str, version: int) -> TransactionRejected:
     return TransactionRejected(f"state key {key!r} changed since version {version}", [])
 
 
-def _unavailable(shard_id: str, what: str, exc: DBAPIError) -> KinesisClientLibDependencyException:
+def _unavailable(lease_key: str, what: str, exc: DBAPIError) -> KinesisClientLibDependencyException:
     """The database failed (lock timeout, lost connection): nothing is known to be written,
     so the batch is delivered again; a commit that did land is recognised by its position."""
     return KinesisClientLibDependencyException(
-        f"shard {shard_id}: state store {what} failed: {type(exc.orig).__name__}: {exc.orig}")
+        f"shard {lease_key}: state store {what} failed: {type(exc.orig).__name__}: {exc.orig}")
 
 
 def _is_conflict(exc: DBAPIError) -> bool:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kclpy.checkpoint import CheckpointWriter
+from kclpy.position import Position
 from kclpy.state.transaction import DELETED, Limits, StateTransaction, Versioned
 
 
@@ -20,9 +21,9 @@ class StateStore(Protocol):
         """Get ready (create what is missing), given the worker's DynamoDB client."""
 
     def begin_tenure(
-        self, writer: CheckpointWriter, shard_id: str, token: str
+        self, writer: CheckpointWriter, lease_key: str, token: str
     ) -> tuple[str, int] | None:
-        """A worker starts holding ``shard_id``: fence out earlier tenures and return the
+        """A worker starts holding ``lease_key``: fence out earlier tenures and return the
         position the store last committed for it (checkpoint, sub-sequence), or None when
         the lease table's checkpoint is the store's own (the DynamoDB store)."""
 
@@ -32,12 +33,12 @@ class StateStore(Protocol):
     def commit(
         self,
         writer: CheckpointWriter,
-        shard_id: str,
+        lease_key: str,
         token: str,
         checkpoint: str,
         sub_sequence_number: int,
         txn: StateTransaction,
-        gap: tuple[str, int] | None = None,
+        gap: Position | None = None,
     ) -> None:
         """Commit ``txn`` with the checkpoint, all or nothing, fenced by the lease through
         ``writer``. ``gap`` names the lag-recovery gap the checkpoint is of (``writer`` is
@@ -45,8 +46,8 @@ class StateStore(Protocol):
         Raises ``TransactionRejected`` (nothing written) when a key changed since ``txn``
         read it; what the writer raises when the lease is lost or the write fails."""
 
-    def gap_position(self, shard_id: str, gap: tuple[str, int]) -> tuple[str, int] | None:
-        """The position the store last committed for ``gap`` of ``shard_id``, or None when
+    def gap_position(self, lease_key: str, gap: Position) -> tuple[str, int] | None:
+        """The position the store last committed for ``gap`` of ``lease_key``, or None when
         the gap's checkpoint in the lease item is the store's own (the DynamoDB store)."""
 
     def forget(self, keys: Sequence[str]) -> None:

@@ -336,6 +336,8 @@ class Dynamo:
     def __init__(self, sim: Sim) -> None:
         self.sim = sim
         self.tables: dict[str, tuple[str, dict[str, Item]]] = {}
+        #: table -> index name -> (hash key, range key or None); every index is KEYS_ONLY
+        self.indexes: dict[str, dict[str, tuple[str, str | None]]] = {}
         self.on_write: Callable[[str, str, Item | None, Item | None, dict[str, Any]],
                                 None] | None = None
 
@@ -352,13 +354,58 @@ class Dynamo:
 
     def describe_table(self, **kw: Any) -> dict[str, Any]:
         self._table("DescribeTable", kw["TableName"])
-        return {"Table": {"TableName": kw["TableName"], "TableStatus": "ACTIVE"}}
+        table: dict[str, Any] = {"TableName": kw["TableName"], "TableStatus": "ACTIVE"}
+        indexes = self.indexes.get(kw["TableName"], {})
+        if indexes:
+            table["GlobalSecondaryIndexes"] = [
+                {"IndexName": name, "IndexStatus": "ACTIVE"} for name in sorted(indexes)]
+        return {"Table": table}
 
     def create_table(self, **kw: Any) -> dict[str, Any]:
         if kw["TableName"] in self.tables:
             raise client_error("CreateTable", "ResourceInUseException")
         self.tables[kw["TableName"]] = (kw["KeySchema"][0]["AttributeName"], {})
+        for index in kw.get("GlobalSecondaryIndexes", []):
+            self._add_index(kw["TableName"], index)
         return {"TableDescription": {"TableName": kw["TableName"], "TableStatus": "ACTIVE"}}
+
+    def _add_index(self, table: str, index: dict[str, Any]) -> None:
+        keys = {k["KeyType"]: k["AttributeName"] for k in index["KeySchema"]}
+        if index.get("Projection", {}).get("ProjectionType") != "KEYS_ONLY":
+            raise AssertionError("the simulator's indexes are KEYS_ONLY")
+        self.indexes.setdefault(table, {})[index["IndexName"]] = (keys["HASH"], keys.get("RANGE"))
+
+    def update_table(self, **kw: Any) -> dict[str, Any]:
+        """Only what adding a global secondary index needs; the index is ACTIVE at once."""
+        self._table("UpdateTable", kw["TableName"])
+        for update in kw.get("GlobalSecondaryIndexUpdates", []):
+            if "Create" not in update:
+                raise AssertionError(f"index update the simulator does not know: {update}")
+            if update["Create"]["IndexName"] in self.indexes.get(kw["TableName"], {}):
+                raise client_error("UpdateTable", "ValidationException")
+            self._add_index(kw["TableName"], update["Create"])
+        return {"TableDescription": {"TableName": kw["TableName"], "TableStatus": "ACTIVE"}}
+
+    def query(self, **kw: Any) -> dict[str, Any]:
+        """A Query of a KEYS_ONLY global secondary index on an equality of its hash key
+        (``#h = :v``): the matching items' table and index keys, in range-key order, in one
+        page."""
+        hash_key, items = self._table("Query", kw["TableName"])
+        index = self.indexes.get(kw["TableName"], {}).get(kw.get("IndexName", ""))
+        if index is None:
+            raise client_error("Query", "ValidationException")
+        match = re.fullmatch(r"(#\w+) = (:\w+)", kw["KeyConditionExpression"].strip())
+        if match is None:
+            raise AssertionError(f"key condition the simulator does not know: {kw}")
+        attribute = _resolve(kw.get("ExpressionAttributeNames", {}), match[1])
+        if attribute != index[0]:
+            raise client_error("Query", "ValidationException")
+        wanted = kw["ExpressionAttributeValues"][match[2]]
+        found = [item for item in items.values() if item.get(attribute) == wanted]
+        found.sort(key=lambda item: str(item.get(index[1] or hash_key, {}).get("S", "")))
+        keep = {hash_key, *(k for k in index if k is not None)}
+        return {"Items": [{k: _copy(v) for k, v in item.items() if k in keep} for item in found],
+                "Count": len(found)}
 
     def scan(self, **kw: Any) -> dict[str, Any]:
         _, items = self._table("Scan", kw["TableName"])

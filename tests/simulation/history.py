@@ -52,6 +52,7 @@ from kclpy.config import KCLConfig
 from kclpy.errors import CheckpointError
 from kclpy.leases.held import HeldSet
 from kclpy.leases.lease import SHARD_END, Lease
+from kclpy.position import Position as CheckpointPosition
 from kclpy.processor import (
     InitializeInput,
     IRecordProcessor,
@@ -109,13 +110,16 @@ class Plan:
     #: two streams: a multi-stream application whose tracker drops and adds one back
     multi_stream: bool = False
     events: list[tuple[float, str, int]] = field(default_factory=list)
+    #: ``--lease-assigner leader``: one elected worker scans and assigns (kclpy.leases.leader)
+    leader: bool = False
 
     def describe(self) -> str:
         events = ", ".join(f"{what}@{when:.1f}" for when, what, _ in self.events)
         f = self.faults
         return (f"seed {self.seed}: {self.workers} workers, {self.shards} shards"
                 f"{' per stream, 2 streams' if self.multi_stream else ''}, {self.mode}"
-                f"{' + lag recovery' if self.recovery else ''}, {self.records} records, "
+                f"{' + lag recovery' if self.recovery else ''}"
+                f"{', leader-assigned' if self.leader else ''}, {self.records} records, "
                 f"faults until {self.quiet:.0f}s (throttle {f.throttle:.2f}, 5xx "
                 f"{f.server_error:.2f}, lost {f.lost:.2f}, delayed {f.delay:.2f}); {events}")
 
@@ -146,6 +150,10 @@ def plan_for(seed: int) -> Plan:
         # an operator resets the lease table: the leases come back with new counters
         plan.events.append((sim_rng.uniform(5.0, quiet - 5.0), "reset", 0))
     plan.events.sort()
+    # Two seeds in seven run with a leader. Decided by the seed alone, not by a draw of the
+    # plan's generator, so every other seed's history (FOUND's and OPEN's among them, whose
+    # residues are 1, 2, 3, 5 and 6) stays what it was.
+    plan.leader = seed % 7 in (0, 4)
     return plan
 
 
@@ -381,7 +389,7 @@ class ObservedSQLStore(SQLStateStore):
 
     def commit(self, writer: Any, shard_id: str, token: str, checkpoint: str,
                sub_sequence_number: int, txn: StateTransaction,
-               gap: tuple[str, int] | None = None) -> None:
+               gap: CheckpointPosition | None = None) -> None:
         self._round_trip()
         self._shard[id(scheduler.ACTIVE and scheduler.ACTIVE.current)] = shard_id
         super().commit(writer, shard_id, token, checkpoint, sub_sequence_number, txn, gap)
@@ -424,7 +432,7 @@ class ObservedStore(DynamoDBStateStore):
 
     def commit(self, writer: Any, shard_id: str, token: str, checkpoint: str,
                sub_sequence_number: int, txn: StateTransaction,
-               gap: tuple[str, int] | None = None) -> None:
+               gap: CheckpointPosition | None = None) -> None:
         observer = self.observer
         assert observer is not None
         observer.pending_txn[id(observer.sim.current)] = (dict(txn.versions), dict(txn.writes))
@@ -505,7 +513,8 @@ class History:
             recovery_max_rate=1000, graceful_lease_handoff_timeout_ms=10_000,
             shutdown_grace_ms=5000, initialization_backoff_ms=500,
             task_backoff_time_ms=200, max_task_backoff_time_ms=2000,
-            transaction_max_time_ms=2000)
+            transaction_max_time_ms=2000,
+            lease_assigner="leader" if plan.leader else "worker")
         self.workers[name] = (node, None)
 
         def run() -> None:

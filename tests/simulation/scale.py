@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, cast
 from kclpy.leases import serializer as ser
 from kclpy.leases.budget import java_taker_interval
 from kclpy.leases.coordinator import LeaseCoordinator
+from kclpy.leases.leader import LeaderLock, LeaderMode
 from kclpy.leases.lease import Lease
 from kclpy.leases.load import (
     LOAD_TABLE_SUFFIX,
@@ -99,6 +100,8 @@ class Meter:
     #: the largest Scan page (items, bytes) and the largest full scan (items)
     largest_page_items: int = 0
     largest_page_bytes: int = 0
+    #: the largest owner-index Query answer (items)
+    largest_query_items: int = 0
 
     def add(self, other: Meter) -> None:
         self.requests.update(other.requests)
@@ -106,6 +109,7 @@ class Meter:
         self.write_units += other.write_units
         self.largest_page_items = max(self.largest_page_items, other.largest_page_items)
         self.largest_page_bytes = max(self.largest_page_bytes, other.largest_page_bytes)
+        self.largest_query_items = max(self.largest_query_items, other.largest_query_items)
 
     @property
     def total_requests(self) -> int:
@@ -129,6 +133,18 @@ class MeteredClient:
             new = self.backend.tables[kw["TableName"]][1].get(key)
             largest = max(item_bytes(old) if old else 0, item_bytes(new) if new else 0)
             self.meter.write_units += max(1, math.ceil(largest / 1024))
+            self.meter.write_units += self._index_writes(kw["TableName"], old, new)
+
+    def _index_writes(self, table: str, old: Item | None, new: Item | None) -> int:
+        """A keys-only index is written only when an index key changes: one unit to remove
+        the old entry, one to add the new one."""
+        units = 0
+        for hash_key, _ in self.backend.indexes.get(table, {}).values():
+            before = old.get(hash_key) if old else None
+            after = new.get(hash_key) if new else None
+            if before != after:
+                units += (before is not None) + (after is not None)
+        return units
 
     def _key(self, kw: dict[str, Any], where: str) -> str:
         hash_key = self.backend.tables[kw["TableName"]][0]
@@ -155,6 +171,19 @@ class MeteredClient:
         size = item_bytes(answer["Item"]) if "Item" in answer else 0
         units = max(1, math.ceil(size / 4096))
         self.meter.read_units += units if kw.get("ConsistentRead") else units / 2
+        return answer
+
+    def update_table(self, **kw: Any) -> dict[str, Any]:
+        return self.backend.update_table(**kw)
+
+    def query(self, **kw: Any) -> dict[str, Any]:
+        """A Query of the owner index, billed on the keys it returns."""
+        self.meter.requests["Query"] += 1
+        answer = self.backend.query(**kw)
+        size = sum(item_bytes(item) for item in answer["Items"])
+        self.meter.read_units += max(1, math.ceil(size / 4096)) / 2
+        self.meter.largest_query_items = max(self.meter.largest_query_items,
+                                             len(answer["Items"]))
         return answer
 
     def scan(self, **kw: Any) -> dict[str, Any]:
@@ -287,6 +316,8 @@ class ScaleResult:
     largest_scan_items: int
     item_bytes: float
     violations: list[str]
+    #: with a leader: whether the leader was among the workers killed (None: no leader)
+    leader_killed: bool | None = None
 
     def per_shard_hour(self, what: float) -> float:
         return what / self.spec.shards / (self.steady_s / 3600)
@@ -353,9 +384,20 @@ class SimWorker:
                               cpu_seconds=lambda: fleet.traffic.cpu_seconds[worker_id],
                               ema_alpha=fleet.load_settings.ema_alpha)
             self.load = LoadBalancing(meter, load_table, fleet.load_settings, clock=fleet.clock)
+        self.leader: LeaderMode | None = None
+        if fleet.leader:
+            settings = fleet.load_settings or LoadSettings()
+            reports = self.load or LoadBalancing(
+                LoadMeter(worker_id, dict, clock=fleet.clock, cpu_seconds=lambda: 0.0),
+                LoadTable(client, LOAD_TABLE, clock=fleet.clock, sleep=fleet.no_sleep),
+                settings, clock=fleet.clock)
+            lock = LeaderLock(reports.table, worker_id, failover_time_s=fleet.spec.failover_s,
+                              clock=fleet.clock)
+            self.leader = LeaderMode(lock, reports, by_load=fleet.load_settings is not None)
         self.coordinator = LeaseCoordinator(
             table, worker_id, failover_time_s=fleet.spec.failover_s, clock=fleet.clock,
-            renewal_threads=1, rng=random.Random(fleet.rng.getrandbits(64)), load=self.load,
+            renewal_threads=1, rng=random.Random(fleet.rng.getrandbits(64)),
+            load=None if self.leader else self.load, leader=self.leader,
             **fleet.coordinator_options)
         # Renewals run inline: a pool thread per worker would cost two thread switches per
         # renewal, which on a busy machine is most of a run's wall time, and the order of
@@ -396,9 +438,11 @@ class Fleet:
     """Workers, the shared table, and the event loop."""
 
     def __init__(self, spec: ScaleSpec, *, traffic: Traffic | None = None,
-                 load_settings: LoadSettings | None = None,
+                 load_settings: LoadSettings | None = None, leader: bool = False,
                  **coordinator_options: Any) -> None:
         self.spec = spec
+        #: ``--lease-assigner leader``: one elected worker scans and assigns (``leader.py``)
+        self.leader = leader
         self.traffic = traffic if traffic is not None else Traffic({}, {})
         #: with settings: ``--lease-assignment load``
         self.load_settings = load_settings
@@ -408,6 +452,8 @@ class Fleet:
         self.backend = Dynamo(Sim(spec.seed))
         self.backend.create_table(TableName=TABLE, KeySchema=[
             {"AttributeName": ser.LEASE_KEY, "KeyType": "HASH"}])
+        if leader:
+            LeaseTable(cast("DynamoDBClient", self.backend), TABLE).ensure_owner_index()
         for index in range(spec.shards):
             # a checkpoint as long as a real sequence number, so items have a real size
             lease = Lease(f"shardId-{index:012d}", checkpoint=str(49_000_000 + index) * 7)
@@ -556,9 +602,15 @@ def run_scale(spec: ScaleSpec, *, fleet: Fleet | None = None) -> ScaleResult:
                    read_units=steady.read_units - before.read_units,
                    write_units=steady.write_units - before.write_units,
                    largest_page_items=steady.largest_page_items,
-                   largest_page_bytes=steady.largest_page_bytes)
+                   largest_page_bytes=steady.largest_page_bytes,
+                   largest_query_items=steady.largest_query_items)
     churn = max(1, round(spec.churn * spec.workers))
+    leader_killed: bool | None = None
     for worker in fleet.rng.sample(fleet.live(), churn):
+        if worker.coordinator.leads():
+            leader_killed = True
+        elif leader_killed is None and worker.coordinator.leads() is False:
+            leader_killed = False
         fleet.kill(worker.worker_id)
     phase(f"{churn} die", fleet.now)
     joined = fleet.now
@@ -568,7 +620,7 @@ def run_scale(spec: ScaleSpec, *, fleet: Fleet | None = None) -> ScaleResult:
     sizes = [item_bytes(item) for item in fleet.items()]
     largest_scan = max((_largest_scan(w) for w in fleet.workers.values()), default=0)
     return ScaleResult(spec, phases, window, steady_s, largest_scan or spec.shards,
-                       sum(sizes) / len(sizes), fleet.violations)
+                       sum(sizes) / len(sizes), fleet.violations, leader_killed)
 
 
 def _largest_scan(worker: SimWorker) -> int:
@@ -608,8 +660,10 @@ def summary(result: ScaleResult) -> dict[str, Any]:
         "largest_scan_items": result.largest_scan_items,
         "largest_page_items": result.steady.largest_page_items,
         "largest_page_kb": round(result.steady.largest_page_bytes / 1024, 1),
+        "largest_query_items": result.steady.largest_query_items,
         "item_bytes": round(result.item_bytes),
         "violations": len(result.violations),
+        "leader_killed": result.leader_killed,
     }
 
 
@@ -643,12 +697,13 @@ class LoadRun:
 
 def run_load(spec: ScaleSpec, traffic: Traffic, settings: LoadSettings | None, *,
              bound: float = 1.15, watch_s: float = 1800.0, calm_s: float = 0.0,
-             settle_limit_s: float = 3600.0) -> LoadRun:
+             settle_limit_s: float = 3600.0, leader: bool = False) -> LoadRun:
     """Start ``spec.workers`` workers on skewed ``traffic`` (``settings`` None: count-based
     assignment), wait until the busiest is within ``bound`` x the average (count-based: until
     the counts are balanced), then watch for ``watch_s``: the ratios from settling on, the
-    moves after the first ``calm_s`` of the watch (the last rounds of converging)."""
-    fleet = Fleet(spec, traffic=traffic, load_settings=settings)
+    moves after the first ``calm_s`` of the watch (the last rounds of converging). With
+    ``leader``, one elected worker assigns (``--lease-assigner leader``)."""
+    fleet = Fleet(spec, traffic=traffic, load_settings=settings, leader=leader)
 
     def settled(fleet: Fleet) -> bool:
         if settings is None:

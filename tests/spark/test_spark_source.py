@@ -32,6 +32,8 @@ from tests.support.streams import (
 
 Row = tuple[int, str, str, int, bytes]
 
+CONSUMER_ARN = "arn:aws:kinesis:us-east-1:123456789012:stream/s/consumer/orders-spark:1700000000"
+
 #: Spark >= 4.2 passes read limits and drives AvailableNow through the reader; 4.0/4.1 do not
 READ_LIMITS = hasattr(DataSourceStreamReader, "getDefaultReadLimit")
 
@@ -176,6 +178,38 @@ def test_available_now_in_spark_is_exact_with_small_pages_and_reads_each_record_
     assert records.get("kclpy-spark-driver", 0) <= 2, records
 
 
+@pytest.mark.integration
+@pytest.mark.slow
+def test_fan_out_reads_every_record_once_and_a_restart_adds_only_new_ones(
+        spark: Any, kinesis_mock: LocalEndpoint, tmp_path: Path) -> None:
+    """``consumerName``: the driver registers the consumer once, the executors read the
+    batch's part through SubscribeToShard to its planned end; counted through a proxy."""
+    from kclpy.retrieval.registration import list_consumers
+    from tests.support.faultproxy import FaultProxy
+
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-efo")
+    create_stream(kinesis, stream, 2)
+    first = produce(kinesis, stream, "first", plain=200, aggregates=3)
+    checkpoint = tmp_path / "checkpoint"
+    with FaultProxy(kinesis_mock.url) as proxy:
+        rows = run_available_now(spark, proxy.url, stream, checkpoint,
+                                 consumerName="orders-spark")
+        assert_exactly(rows, first)
+        assert_ordered_per_shard(rows)
+        assert proxy.requests("SubscribeToShard") >= 2
+
+        second = produce(kinesis, stream, "second", plain=80, aggregates=1)
+        again = run_available_now(spark, proxy.url, stream, checkpoint,
+                                  consumerName="orders-spark")
+        assert_exactly(again, second)
+        assert min(r[0] for r in again) > max(r[0] for r in rows)
+        assert proxy.requests("RegisterStreamConsumer") == 1
+    arn = kinesis.describe_stream_summary(StreamName=stream)["StreamDescriptionSummary"][
+        "StreamARN"]
+    assert [c["ConsumerName"] for c in list_consumers(kinesis, arn)] == ["orders-spark"]
+
+
 def test_load_rejects_a_misspelt_option_naming_the_closest_one(spark: Any) -> None:
     from pyspark.errors import PySparkException
 
@@ -245,6 +279,32 @@ def test_latest_starts_after_what_is_already_there(kinesis_mock: LocalEndpoint) 
     end = reader.latestOffset(start, None)
 
     assert sorted(read_all(reader, start, end)) == sorted(new)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("budget", [{}, {"maxFetchRecordsPerShard": "25"}],
+                         ids=["ends-by-arrival-time", "ends-after-25-rows"])
+def test_a_fan_out_batch_read_again_yields_the_same_rows_and_polling_agrees(
+        kinesis_mock: LocalEndpoint, budget: dict[str, str]) -> None:
+    """A batch's end is fixed when it is planned, whichever way the executor reads: a
+    fan-out task run twice, with records written in between, yields the same rows, and so
+    does a polling task over the same end."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-efo-end")
+    create_stream(kinesis, stream, 1)
+    first = produce(kinesis, stream, "first", plain=40, aggregates=2)
+    fan_out = reader_for(kinesis_mock.url, stream, startingPosition="TRIM_HORIZON",
+                         consumerName="rerun", **budget)
+    start = fan_out.initialOffset()
+    end = fan_out.latestOffset(start, None)
+
+    rows = read_all(fan_out, start, end)
+    produce(kinesis, stream, "later", plain=20)
+    again = read_all(fan_out, start, end)
+    polled = read_all(reader_for(kinesis_mock.url, stream, **budget), start, end)
+
+    assert rows == again == polled
+    assert rows == (first[:25] if budget else first)
 
 
 @pytest.mark.integration
@@ -372,6 +432,17 @@ def test_offsets_round_trip_and_reject_garbage() -> None:
      "kinesis.maxFetchTimePerShardSec"),
     ({"streamName": "s", "metadataPath": "s3://bucket/ends"}, "metadataPath"),
     ({"streamName": "s", "maxFetchRate": "1.0"}, "maxFetchRate"),
+    ({"streamName": "s", "consumerMode": "push"}, "consumerMode"),
+    ({"streamName": "s", "consumerMode": "efo"}, "consumerName"),
+    ({"streamName": "s", "kinesis.consumerType": "GetRecords", "consumerName": "c"},
+     "consumerName"),
+    ({"streamName": "s", "consumerName": "a b"}, "consumerName"),
+    ({"streamName": "s", "consumerName": "c", "consumerArn": CONSUMER_ARN}, "consumerArn"),
+    ({"streamName": "s", "consumerArn": "arn:aws:kinesis:us-east-1:1:stream/s"},
+     "consumerArn"),
+    ({"streamName": "s,t", "consumerArn": CONSUMER_ARN}, "consumerArn"),
+    ({"streamName": "s", "requireConsumerDeregistration": "true"},
+     "requireConsumerDeregistration"),
 ])
 def test_bad_options_name_the_option(options: dict[str, str], option: str) -> None:
     with pytest.raises(ConfigError) as excinfo:
@@ -412,6 +483,22 @@ def test_other_sources_option_names_are_aliases(options: dict[str, str]) -> None
     assert parsed.region == "eu-west-1"
     assert parsed.max_records_per_fetch == 300
     assert parsed.shard_fetch_interval_ms == 5000
+
+
+@pytest.mark.parametrize(("options", "name", "arn"), [
+    ({"consumerName": "orders-spark"}, "orders-spark", None),
+    ({"consumerMode": "efo", "consumerName": "orders-spark"}, "orders-spark", None),
+    ({"kinesis.consumerType": "SubscribeToShard", "kinesis.consumerName": "orders-spark"},
+     "orders-spark", None),
+    ({"consumerArn": CONSUMER_ARN}, None, CONSUMER_ARN),
+], ids=["name", "databricks", "awslabs", "arn"])
+def test_fan_out_is_chosen_by_a_consumer_under_any_sources_names(
+        options: dict[str, str], name: str | None, arn: str | None) -> None:
+    parsed = SourceOptions.parse({"streamName": "s", **options})
+    assert parsed.fan_out
+    assert (parsed.consumer_name, parsed.consumer_arn) == (name, arn)
+    polling = SourceOptions.parse({"streamName": "s", "kinesis.consumerType": "GetRecords"})
+    assert not polling.fan_out
 
 
 def test_options_are_case_insensitive_and_typed() -> None:

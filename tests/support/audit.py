@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kclpy.checkpoint import Position, position_of
+from kclpy.position import Position
 from tests.support.ledger import (
     CHECKPOINT,
     CHECKPOINT_FAILED,
@@ -226,7 +226,7 @@ def audit(
         elif entry.event == RECORD:
             _check_delivery(report, session, entry, by_id, first, sessions)
         elif entry.event == CHECKPOINT:
-            position = position_of(entry.seq, entry.subseq)
+            position = Position.of(entry.seq, entry.subseq)
             _check_checkpoint(report, entry, position, coverage, first)
             confirmed[entry.shard] = max(position, confirmed.get(entry.shard, position))
             report.checkpoints += 1
@@ -255,7 +255,7 @@ def _check_start(
     before that row, and so before this session's owner took the lease - had the lease
     been taken first, the checkpoint's conditional write would have failed.
     """
-    session.start = position_of(entry.seq, entry.subseq)
+    session.start = Position.of(entry.seq, entry.subseq)
     session.init_n = entry.n
     if latest is not None and session.start < latest:
         report.violate(
@@ -277,7 +277,7 @@ def _check_delivery(
     report.deliveries += 1
     shard_figures = report.shards.setdefault(entry.shard, ShardFigures())
     shard_figures.deliveries += 1
-    position = (int(entry.seq), entry.subseq)
+    position = Position.of(entry.seq, entry.subseq)
     produced = by_id.get(entry.id)
     if produced is None:
         report.violate("processed but never produced", f"{entry.id} on {entry.shard}")

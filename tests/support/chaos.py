@@ -64,9 +64,9 @@ from tests.support.streams import (
     put_aggregated,
     put_plain,
     unique_name,
-    wait_for,
     wait_for_stream_active,
 )
+from tests.support.waiting import wait_for
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient

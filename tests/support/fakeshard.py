@@ -15,6 +15,7 @@ from botocore.exceptions import ClientError
 
 from kclpy.leases.lease import AT_TIMESTAMP, LATEST, TRIM_HORIZON
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from kclpy.records import Record
 from kclpy.retrieval import parse
 from kclpy.retrieval import polling as polling_module
@@ -25,7 +26,6 @@ from kclpy.retrieval.source import (
     AFTER_SEQUENCE_NUMBER,
     AT_SEQUENCE_NUMBER,
     ShardAddress,
-    StartPosition,
 )
 from kclpy.retry import Backoff
 
@@ -188,7 +188,7 @@ def route_get_records(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def make(
     shard: FakeShard,
-    start: StartPosition | None = None,
+    start: Position | None = None,
     *,
     sleeps: Sleeps | None = None,
     metrics: Metrics | None = None,
@@ -207,14 +207,14 @@ def make(
     )
     return ShardPipeline(
         source,
-        start or StartPosition(TRIM_HORIZON),
+        start or Position(TRIM_HORIZON),
         metrics=metrics,
         sleep=sleeps if sleeps is not None else Sleeps(),
         **kwargs,
     )
 
 
-def polling(client: Any, start: StartPosition, address: ShardAddress, *,
+def polling(client: Any, start: Position, address: ShardAddress, *,
             metrics: Metrics | None = None, sleep: Sleeps | None = None,
             hash_range: tuple[int, int] | None = None, **kwargs: Any) -> ShardPipeline:
     """A polling pipeline of a real (or stubbed) client; ``kwargs`` are the source's."""

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import kclpy
-from kclpy.checkpoint import position_of
 from kclpy.errors import CheckpointError
+from kclpy.position import Position
+from tests.support.ledger import WORKER_ENV
 from tests.support.streams import dynamodb_client, put_plain
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -159,6 +160,11 @@ class Fleet:
     failover_ms: int = 2000
     extra_args: list[str] = field(default_factory=list)
     workers: list[Worker] = field(default_factory=list)
+    #: what each worker process runs (``python -m MODULE``) and with which processor
+    module: str = "kclpy"
+    processor: str = "tests.support.fleet:FleetProcessor"
+    #: more environment for every worker (the SQLite ledger's path, say)
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def ledger(self) -> FleetLedger:
@@ -172,7 +178,7 @@ class Fleet:
         return [
             "--stream-name", self.stream,
             "--application-name", self.application,
-            "--processor", "tests.support.fleet:FleetProcessor",
+            "--processor", self.processor,
             "--worker-id", worker_id,
             "--region", "us-east-1",
             "--kinesis-endpoint", self.kinesis_url,
@@ -193,10 +199,12 @@ class Fleet:
             **os.environ,
             "KCLPY_TEST_LEDGER": str(self.ledger.path),
             "KCLPY_TEST_HOLD": str(self.hold_path(name)),
+            WORKER_ENV: name,
+            **self.env,
         }
         with log_path.open("wb") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "kclpy", *self.args(name)],
+                [sys.executable, "-m", self.module, *self.args(name)],
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
         worker = Worker(name, process, log_path)
@@ -331,9 +339,9 @@ class LeaseSampler:
         self._table = table
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease-sampler", daemon=True)
-        self._last: dict[str, tuple[int, int]] = {}
+        self._last: dict[str, Position] = {}
         self.samples = 0
-        self.backwards: list[tuple[str, tuple[int, int], tuple[int, int]]] = []
+        self.backwards: list[tuple[str, Position, Position]] = []
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -344,7 +352,7 @@ class LeaseSampler:
             for item in items:
                 key = item["leaseKey"]["S"]
                 sub = int(item.get("checkpointSubSequenceNumber", {}).get("N", "0"))
-                position = position_of(item["checkpoint"]["S"], sub)
+                position = Position.of(item["checkpoint"]["S"], sub)
                 previous = self._last.get(key)
                 if previous is not None and position < previous:
                     self.backwards.append((key, previous, position))

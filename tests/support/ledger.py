@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import kclpy
-from kclpy.checkpoint import Position, position_of
 from kclpy.errors import KinesisClientLibDependencyException, ShutdownException, ThrottlingException
+from kclpy.position import Position
 
 #: Environment of a worker process: the ledger's path, the worker's id as the lease table
 #: names it, and after how many batches its processors checkpoint.
@@ -105,8 +105,8 @@ class Produced:
     at: float
 
     @property
-    def position(self) -> tuple[int, int]:
-        return int(self.seq), self.subseq
+    def position(self) -> Position:
+        return Position(self.seq, self.subseq)
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ class LeaseSample:
 
     @property
     def position(self) -> Position:
-        return position_of(self.checkpoint, self.subseq)
+        return Position.of(self.checkpoint, self.subseq)
 
 
 def connect(path: str | Path) -> sqlite3.Connection:

@@ -26,7 +26,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tests.support.faultproxy import FaultProxy
@@ -114,11 +114,18 @@ class Stall:
     span_s: float
     #: what the worker's /healthz answered when the stall was found
     healthz: int | None
+    #: how many of the worker's answers in a row showed it, and the wall-clock time
+    #: (``time.time()``) of the first: a span over few answers is a worker that did not
+    #: answer in between, which the logs of that time explain
+    answers: int = field(default=1, compare=False)
+    since: float = field(default=0.0, compare=False)
 
     def describe(self) -> str:
         consumer = "no consumer" if self.state is None else f"its consumer {self.state}"
+        first = time.strftime("%H:%M:%S", time.localtime(self.since))
         return (f"{self.worker} held {self.shard} with {consumer} for {self.span_s:.1f} s "
-                f"(/healthz {self.healthz})")
+                f"(/healthz {self.healthz}; in {self.answers} answers in a row from "
+                f"{first}.{int(self.since % 1 * 1000):03d})")
 
 
 @dataclass(frozen=True)
@@ -141,8 +148,9 @@ class StallWatch:
         #: the shards whose lease checkpoint is SHARD_END (read from the lease table)
         self._finished = finished
         self._lock = threading.Lock()
-        #: (worker, shard) -> (first seen held without a running consumer, its state)
-        self._since: dict[tuple[str, str], tuple[float, str | None]] = {}
+        #: (worker, shard) -> when first seen held without a running consumer (monotonic
+        #: and wall clock), its state, and in how many answers in a row
+        self._since: dict[tuple[str, str], tuple[float, float, str | None, int]] = {}
         self._stalls: dict[tuple[str, str], Stall] = {}
         self.polls = 0
         self._stop = threading.Event()
@@ -194,12 +202,14 @@ class StallWatch:
             for key in [k for k in self._since if k[0] == target.worker and k[1] not in idle]:
                 del self._since[key]
             for shard, state in idle.items():
-                first, _ = self._since.setdefault((target.worker, shard), (now, state))
-                self._since[(target.worker, shard)] = (first, state)
+                first, wall, _, answers = self._since.get(
+                    (target.worker, shard), (now, time.time(), state, 0))
+                self._since[(target.worker, shard)] = (first, wall, state, answers + 1)
                 if now - first > self._failover_s:
-                    found.append((shard, state, now - first))
-        for shard, state, span in found:
-            stall = Stall(target.worker, shard, state, span, _get_status(target.port, "/healthz"))
+                    found.append((shard, state, now - first, answers + 1, wall))
+        for shard, state, span, answers, wall in found:
+            stall = Stall(target.worker, shard, state, span, _get_status(target.port, "/healthz"),
+                          answers, wall)
             with self._lock:
                 self._stalls[(target.worker, shard)] = stall
 

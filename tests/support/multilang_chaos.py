@@ -17,7 +17,7 @@ from pathlib import Path
 from tests.support.audit import AuditReport, audit
 from tests.support.chaos import ROOT, ChaosResult, ChaosRig, ChaosSettings, _parents, repeats
 from tests.support.proctable import pids_running
-from tests.support.streams import wait_for
+from tests.support.waiting import wait_for
 
 CHILD = ROOT / "tests" / "multilang_apps" / "chaos_child.py"
 CHILD_ENV = "KCLPY_CHAOS_CHILD"

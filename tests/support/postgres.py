@@ -17,12 +17,13 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import version
 from importlib.util import find_spec
 from pathlib import Path
+
+from tests.support.waiting import wait_for
 
 START_TIMEOUT_S = 60.0
 
@@ -107,16 +108,16 @@ def postgres_server() -> Iterator[str]:
 def _wait_ready(port: int, server: subprocess.Popen[bytes], log_path: Path) -> None:
     import psycopg
 
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
+    def accepting() -> bool:
         if server.poll() is not None:
             raise RuntimeError(f"postgres exited with {server.returncode}:\n"
                                f"{log_path.read_text(errors='replace')}")
         try:
             psycopg.connect(host="127.0.0.1", port=port, user="postgres", dbname="postgres",
                             connect_timeout=2).close()
-            return
         except psycopg.OperationalError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
+            return False
+        return True
+
+    wait_for(accepting, START_TIMEOUT_S, f"postgres to accept connections on port {port}",
+             interval=0.1)

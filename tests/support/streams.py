@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import boto3
 from aws_kinesis_agg.aggregator import RecordAggregator
 from botocore.config import Config
+
+# Re-exported for the test modules that still import it from here; new code imports it from
+# tests.support.waiting.
+from tests.support.waiting import wait_for as wait_for
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb import DynamoDBClient
@@ -60,27 +63,6 @@ def dynamodb_client(url: str, config: Config | None = None) -> DynamoDBClient:
 def unique_name(prefix: str) -> str:
     """A stream or table name no other test (or earlier run on a shared endpoint) uses."""
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
-
-
-def wait_for(
-    predicate: Callable[[], _T | None],
-    timeout: float = 10.0,
-    message: str = "",
-    interval: float = 0.05,
-) -> _T:
-    """Poll ``predicate`` until it returns something truthy, and return that.
-
-    Raises AssertionError naming what was awaited when ``timeout`` seconds pass first.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() >= deadline:
-            what = message or getattr(predicate, "__name__", repr(predicate))
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
 
 
 def create_stream(client: KinesisClient, name: str, shard_count: int) -> None:

@@ -1,0 +1,51 @@
+"""``python -m tests.support.throughput_worker ARGS``: ``kclpy-worker`` whose measured load is
+its throughput (KB/s), never its CPU.
+
+``--lease-assignment load`` balances a worker's CPU when its process spent any, else its
+KB/s (``kclpy.leases.load``). On a 2-core machine shared by other test runs, a worker's CPU
+is mostly interpreter start-up, polling and the neighbours' cache misses, so a test that
+must compare a real fleet with the simulator (where load is the shard traffic over the
+worker's speed) would compare noise. This entry point builds the worker's load balancing
+exactly as ``kclpy.leases.load.load_balancing`` does - same settings, table, counters and
+rules - with a meter that reads no CPU, so the load balanced is the KB/s the worker's
+processors handled: what the simulator's traffic is, on workers of equal speed.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import TYPE_CHECKING
+
+from kclpy import worker
+from kclpy.cli import main
+from kclpy.leases.load import LoadBalancing, LoadMeter, load_balancing, processed_by_lease
+from kclpy.metrics import Metrics
+
+if TYPE_CHECKING:
+    from mypy_boto3_dynamodb import DynamoDBClient
+
+    from kclpy.config import KCLConfig
+
+
+def no_cpu() -> float:
+    """A process clock that never moves: the meter falls back to KB/s."""
+    return 0.0
+
+
+def throughput_balancing(config: KCLConfig, client: DynamoDBClient,
+                         metrics: Metrics) -> LoadBalancing | None:
+    """``load_balancing`` with a meter blind to CPU."""
+    balancing = load_balancing(config, client, metrics)
+    if balancing is None:
+        return None
+    meter = LoadMeter(config.worker_id, functools.partial(processed_by_lease, metrics),
+                      clock=time.monotonic, cpu_seconds=no_cpu,
+                      ema_alpha=balancing.settings.ema_alpha)
+    return LoadBalancing(meter, balancing.table, balancing.settings, clock=time.monotonic)
+
+
+if __name__ == "__main__":
+    # the seam: the worker builds its load balancing through this name
+    worker.load_balancing = throughput_balancing  # type: ignore[attr-defined]
+    main()

@@ -1,0 +1,176 @@
+"""``kclpy.leases.leader``: the leader's decisions (pure), who counts as live, and the
+election over the simulator's in-memory DynamoDB (atomic conditional writes)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import TYPE_CHECKING, cast
+
+from kclpy.leases.leader import LeaderLock, live_workers, plan
+from kclpy.leases.lease import Lease
+from kclpy.leases.load import LEADER_ITEM, WORKER_ID, LoadSettings, LoadTable, WorkerLoad
+from tests.simulation.aws import Dynamo
+from tests.simulation.scheduler import Sim
+
+if TYPE_CHECKING:
+    from mypy_boto3_dynamodb import DynamoDBClient
+
+
+def _lease(key: str, owner: str | None = None, counter: int = 1,
+           checkpoint_owner: str | None = None) -> Lease:
+    return Lease(key, lease_owner=owner, lease_counter=counter, checkpoint_owner=checkpoint_owner)
+
+
+def _report(worker: str, load: float = 0.0, leases: dict[str, float] | None = None) -> WorkerLoad:
+    kbps = sum((leases or {}).values())
+    return WorkerLoad(worker, load, kbps, 0.0, load, leases or {}, 1)
+
+
+def _never_expired(lease: Lease) -> bool:
+    return False
+
+
+def test_free_leases_go_to_the_emptiest_workers_and_counts_end_within_one() -> None:
+    """Ten free leases over three idle workers: 4/3/3; then a worker holding all six of the
+    others' share gives the newcomer its excess, and nothing else moves."""
+    live = {w: _report(w) for w in ("a", "b", "c")}
+    decided = plan([_lease(f"s{i:02d}") for i in range(10)], live, is_expired=_never_expired,
+                   known_shards=None, no_move=(), settings=None, rng=random.Random(1))
+    assert sorted(Counter(owner for _, owner in decided.assign).values()) == [3, 3, 4]
+    assert decided.move == ()
+    leases = ([_lease(f"a{i}", "a") for i in range(6)] + [_lease(f"b{i}", "b") for i in range(3)])
+    decided = plan(leases, live, is_expired=_never_expired, known_shards=None, no_move=(),
+                   settings=None, rng=random.Random(1))
+    moved = Counter(owner for _, owner in decided.move)
+    assert moved == {"c": 3}
+    assert {lease.lease_owner for lease, _ in decided.move} == {"a"}
+
+
+def test_what_the_leader_leaves_alone() -> None:
+    """A lease being handed off counts for its new owner and never moves again; a lease
+    whose owner does not report but renews it (a Java KCL 2.x worker) is neither moved nor
+    counted; an expired one of such an owner is free; a recently moved one stays put;
+    finished, parked and unknown leases are nobody's business."""
+    live = {w: _report(w) for w in ("a", "b")}
+    leases = [
+        _lease("h1", "b", checkpoint_owner="a"), _lease("h2", "b", checkpoint_owner="a"),
+        _lease("h3", "b", checkpoint_owner="a"), _lease("j1", "java"), _lease("j2", "java"),
+        _lease("x1", "java", counter=7), _lease("r1", "b"), _lease("r2", "b"),
+    ]
+    done = _lease("f1")
+    done.checkpoint = "SHARD_END"
+    parked = _lease("p1")
+    parked.parked = "operator"
+    decided = plan([*leases, done, parked, _lease("u1")], live,
+                   is_expired=lambda lease: lease.lease_key == "x1",
+                   known_shards={lease.lease_key for lease in [*leases, done, parked]},
+                   no_move={"r1", "r2"}, settings=None, rng=random.Random(2))
+    assert [(lease.lease_key, owner) for lease, owner in decided.assign] == [("x1", "a")]
+    assert decided.move == ()
+
+
+def test_by_load_moves_damped_shares_from_the_busiest_and_leaves_a_balanced_fleet_alone() -> None:
+    """One worker at 90 % with three leases of 30 %, two at 10 % with one lease each: the
+    hot worker's leases go one to each idle worker (each takes what keeps it below what the
+    victim keeps); a fleet within the threshold of its average moves nothing."""
+    hot = _report("a", 90.0, {"a1": 300.0, "a2": 300.0, "a3": 300.0})
+    live = {"a": hot, "b": _report("b", 10.0, {"b1": 100.0}),
+            "c": _report("c", 10.0, {"c1": 100.0})}
+    leases = [_lease("a1", "a"), _lease("a2", "a"), _lease("a3", "a"), _lease("b1", "b"),
+              _lease("c1", "c")]
+    settings = LoadSettings(threshold=0.10, dampening=1.0)
+    decided = plan(leases, live, is_expired=_never_expired, known_shards=None, no_move=(),
+                   settings=settings, rng=random.Random(3))
+    assert sorted(owner for _, owner in decided.move) == ["b", "c"]
+    assert {lease.lease_owner for lease, _ in decided.move} == {"a"}
+    even = {w: _report(w, 50.0 + i, {f"{w}1": 500.0}) for i, w in enumerate("abc")}
+    decided = plan([_lease(f"{w}1", w) for w in "abc"], even, is_expired=_never_expired,
+                   known_shards=None, no_move=(), settings=settings, rng=random.Random(3))
+    assert decided.move == ()
+
+
+def test_a_worker_whose_lease_expired_after_its_last_report_is_dead_until_it_reports() -> None:
+    reports = {w: _report(w) for w in ("a", "b")}
+    reported = {"a": 100.0, "b": 100.0}
+    dead: dict[str, float] = {}
+    leases = [_lease("s1", "a"), _lease("s2", "b")]
+
+    def expired_at(lease: Lease) -> float | None:
+        return 105.0 if lease.lease_owner == "a" else None
+
+    def live(leases: list[Lease]) -> set[str]:
+        return set(live_workers(reports, reported.__getitem__, leases, expired_at, dead,
+                                unchanged_for=lambda lease: 0.0, claim_within_s=5.0))
+
+    assert live(leases) == {"b"}
+    # its leases assigned away, it is still dead: no new report since
+    assert live([]) == {"b"}
+    reported["a"] = 130.0
+    assert live([]) == {"a", "b"}
+    assert dead == {}
+
+
+def test_a_worker_that_never_takes_what_it_was_assigned_is_dead_and_the_lease_free() -> None:
+    """A worker with no lease proves it is alive by its reports alone, which stay fresh for
+    a while after it died: a lease assigned to it and left unclaimed (no ``kclpyHolder`` of
+    its own) for longer than ``claim_within_s`` marks it dead, and frees the lease."""
+    reports = {w: _report(w) for w in ("a", "b")}
+    assigned = _lease("s1", "a", counter=2)
+    taken = _lease("s2", "b", counter=3)
+    taken.kclpy_holder = "b"
+    dead: dict[str, float] = {}
+    live = live_workers(reports, lambda w: 100.0, [assigned, taken], lambda lease: None, dead,
+                        unchanged_for=lambda lease: 9.0, claim_within_s=5.0)
+    assert set(live) == {"b"}
+    decided = plan([assigned, taken], live, is_expired=_never_expired, known_shards=None,
+                   no_move=(), settings=None, rng=random.Random(4), dead=set(dead))
+    assert [(lease.lease_key, owner) for lease, owner in decided.assign] == [("s1", "b")]
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_lock_one_leader_at_a_time_taken_over_within_the_failover_time() -> None:
+    """Two workers on one lock: the first to read it wins; the other reads the term every
+    half failover time and takes over only once the term stood still for longer than half
+    the failover time on its own clock; the old leader, back, finds it lost on its next
+    renewal.
+    A resigning leader deletes the lock, so the next reader leads at once."""
+    backend = Dynamo(Sim(0))
+    backend.create_table(TableName="load", KeySchema=[{"AttributeName": WORKER_ID,
+                                                       "KeyType": "HASH"}])
+    client = cast("DynamoDBClient", backend)
+    clock = _Clock()
+
+    def lock(worker: str) -> LeaderLock:
+        table = LoadTable(client, "load", clock=clock, sleep=lambda s: None)
+        return LeaderLock(table, worker, failover_time_s=10.0, clock=clock)
+
+    first, second = lock("w1"), lock("w2")
+    assert first.tick() is True
+    assert second.tick() is False
+    for _ in range(18):  # 30 s of renewals every sixth of the failover time
+        clock.now += first.heartbeat_s
+        assert first.tick() is True
+        assert second.tick() is False
+    stopped_at = clock.now  # w1 stops renewing (paused)
+    while not second.tick():
+        clock.now += 0.5
+    # seen at a check after the last renewal, expired half a failover time later, found so
+    # at the next check: 1.5 failover times at worst
+    assert 5.0 < clock.now - stopped_at <= 5.0 + 2 * second.check_s + 0.5
+    assert first.is_leader() is False  # its belief ended one failover time after renewing
+    clock.now += first.heartbeat_s
+    assert first.tick() is False  # its renewal is refused: w2's term
+    item = backend.get_item(TableName="load", Key={WORKER_ID: {"S": LEADER_ITEM}})["Item"]
+    assert item["leader"]["S"] == "w2"
+    second.resign()
+    assert backend.get_item(TableName="load", Key={WORKER_ID: {"S": LEADER_ITEM}}) == {}
+    clock.now += 2 * first.check_s  # its next read, at a random phase within that
+    assert first.tick() is True

@@ -1,0 +1,81 @@
+"""``--lease-assigner leader`` over real HTTP: worker processes on kinesis-mock and the local
+DynamoDB (conditional writes atomic), the leader SIGKILLed."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kclpy.leases.load import LEADER_ITEM, LOAD_TABLE_SUFFIX, WORKER_ID
+from kclpy.leases.table import OWNER_INDEX
+from kclpy.local import LocalEndpoint
+from tests.support.fleet import Producer, fleet
+from tests.support.streams import (
+    create_stream,
+    dynamodb_client,
+    kinesis_client,
+    unique_name,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def _lock(dynamodb_url: str, application: str) -> tuple[str, int] | None:
+    """The leader lock as the load table holds it: (leader, term)."""
+    client = dynamodb_client(dynamodb_url)
+    try:
+        item: dict[str, Any] = client.get_item(
+            TableName=application + LOAD_TABLE_SUFFIX, Key={WORKER_ID: {"S": LEADER_ITEM}},
+            ConsistentRead=True).get("Item", {})
+    except client.exceptions.ResourceNotFoundException:
+        return None
+    if not item:
+        return None
+    return item["leader"]["S"], int(item["term"]["N"])
+
+
+def test_leader_sigkilled_another_leads_and_nothing_is_lost(
+    kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, tmp_path: Path
+) -> None:
+    """Three workers with a leader assign six shards (the lease table gets the owner index,
+    the lock lives in the load table, not among the leases), balance 2/2/2; the leader is
+    SIGKILLed: a survivor wins a later term of the lock, the dead leader's leases go to the
+    survivors (3/3), and every record put before, during and after is processed."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("leader")
+    create_stream(kinesis, stream, 6)
+    application = unique_name("app")
+    with fleet(kinesis_mock.url, moto_server.url, stream, application, tmp_path,
+               extra_args=["--lease-assigner", "leader"]) as group, \
+            Producer(kinesis, stream, "ld") as producer:
+        workers = {name: group.start(name) for name in ("w1", "w2", "w3")}
+        counts = wait_for(lambda: group.settled(set(workers)), 60, "a balanced fleet")
+        assert sorted(counts.values()) == [2, 2, 2]
+        described = dynamodb_client(moto_server.url).describe_table(TableName=application)
+        assert OWNER_INDEX in {i["IndexName"]
+                               for i in described["Table"].get("GlobalSecondaryIndexes", [])}
+        assert LEADER_ITEM not in group.lease_items()
+        lock = _lock(moto_server.url, application)
+        assert lock is not None
+        leader, term = lock
+        victim = workers.pop(leader)
+        victim.signal(signal.SIGKILL)
+        victim.process.wait(10)
+
+        def new_leader() -> tuple[str, int] | None:
+            now = _lock(moto_server.url, application)
+            return now if now is not None and now[0] != leader and now[1] > term else None
+
+        # the lock expires one failover time (2 s) after its last renewal on the reader's
+        # clock; the bound is for a machine shared by many test processes
+        wait_for(new_leader, 30, "a survivor taking the leader lock over")
+        counts = wait_for(lambda: group.settled(set(workers)), 60,
+                          "the dead leader's leases on the survivors")
+        assert sorted(counts.values()) == [3, 3]
+        sent = producer.stop()
+        wait_for(lambda: group.ledger.processed_all(set(sent)), 60, "every record processed")
+    assert set(group.ledger.payloads()) == set(sent)

@@ -1,0 +1,64 @@
+"""The gap queue (kclpy/recovery/queue.py): gaps kept in order, merged, found again, and
+stored in the lease's attribute."""
+
+from __future__ import annotations
+
+import pytest
+
+from kclpy.leases.lease import TRIM_HORIZON
+from kclpy.recovery import queue as gaps
+from kclpy.recovery.queue import RecoveryRequest
+from tests.support.recovery import gap
+
+# -- the queue -------------------------------------------------------------------------------
+
+def test_gaps_are_kept_in_order_of_their_start() -> None:
+    queue = gaps.add((), gap("300", 3000, 2500))
+    queue = gaps.add(queue, gap("100", 1000, 500))
+    assert [r.start for r in queue] == ["100", "300"]
+
+
+def test_a_second_outage_adds_a_gap_instead_of_replacing_the_first() -> None:
+    first = gap("100", 1000, 500, done="150")
+    queue = gaps.add((first,), gap("900", 5000, 4000))
+    assert queue == (first, gap("900", 5000, 4000))
+
+
+def test_overlapping_and_touching_gaps_are_merged_keeping_the_earlier_checkpoint() -> None:
+    first = gap("100", 1000, 500, done="150")
+    overlapping = gaps.add((first,), gap("200", 2000, 900))
+    assert [(r.start, r.done, r.end_ms) for r in overlapping] == [("100", "150", 2000)]
+    touching = gaps.add((first,), gap("200", 3000, 1000))
+    assert [(r.start, r.done, r.end_ms) for r in touching] == [("100", "150", 3000)]
+    apart = gaps.add((first,), gap("200", 3000, 1001))
+    assert len(apart) == 2
+
+
+def test_a_gap_found_again_from_the_same_checkpoint_keeps_the_progress_made() -> None:
+    """A worker that died before its live reader checkpointed: the next owner finds the same
+    gap, longer; the recovery checkpoint already written is not thrown away."""
+    recovered_some = gap("100", 1000, 500, done="400")
+    queue = gaps.add((recovered_some,), gap("100", 1800, 500))
+    assert [(r.start, r.done, r.end_ms) for r in queue] == [("100", "400", 1800)]
+
+
+def test_merging_sweeps_every_gap_a_new_one_bridges() -> None:
+    queue = (gap("100", 1000, 500), gap("300", 3000, 2500))
+    bridged = gaps.add(queue, gap("200", 2600, 1000))
+    assert [(r.start, r.end_ms) for r in bridged] == [("100", 3000)]
+
+
+def test_the_queue_round_trips_through_its_attribute_and_empties_to_none() -> None:
+    queue = (gap(TRIM_HORIZON, 1000, 500, done="150"),
+             RecoveryRequest.gap("900", 3, 5000, 4000, "901").checkpointed("950", 2, 4500))
+    assert gaps.loads(gaps.dumps(queue)) == queue
+    assert gaps.dumps(()) is None
+    assert gaps.loads(None) == ()
+    with pytest.raises(ValueError, match="unreadable recovery queue"):
+        gaps.loads('{"v":1,"requests":[{"start":"1"}]}')
+
+
+def test_remaining_time_runs_from_the_recovery_checkpoint_to_the_gap_end() -> None:
+    fresh = gap("100", 10_000, 4_000)
+    assert fresh.remaining_ms() == 6_000
+    assert fresh.checkpointed("200", 0, 9_000).remaining_ms() == 1_000

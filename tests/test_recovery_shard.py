@@ -1,0 +1,354 @@
+"""One shard's recovery (kclpy/recovery/shard.py): its queue kept in the lease item through
+every write and fenced like the checkpoint, the gap found when the shard starts too far
+behind, recovered, reported when trimmed, and left to the next owner when unfinished
+(in-process moto for Kinesis and DynamoDB; one fleet killed with -9 over real HTTP)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from moto import mock_aws
+
+from kclpy.checkpoint import Checkpointer
+from kclpy.errors import ShutdownException
+from kclpy.leases.cleanup import deletable
+from kclpy.leases.lease import SHARD_END, TRIM_HORIZON, Lease
+from kclpy.leases.serializer import RECOVERY, UpdateBuilder
+from kclpy.leases.table import LeaseTable
+from kclpy.local import LocalEndpoint
+from kclpy.metrics import Metrics
+from kclpy.position import Position
+from kclpy.recovery import queue as gaps
+from kclpy.recovery.queue import RecoveryRequest
+from kclpy.recovery.rate import RecoveryRate
+from kclpy.recovery.shard import ShardRecovery
+from kclpy.retrieval.pipeline import ShardPipeline
+from kclpy.retrieval.polling import Pacer, PollingSource
+from kclpy.retrieval.source import ShardAddress
+from tests.support.determinism import Clock
+from tests.support.fleet import Fleet, fleet
+from tests.support.recovery import Holder, age, gap, recovery_for
+from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
+from tests.support.waiting import wait_for
+
+REGION = "us-east-1"
+
+
+# -- the lease attribute (in-process moto) --------------------------------------------------
+
+
+@pytest.fixture
+def aws() -> Iterator[None]:
+    with mock_aws():
+        yield
+
+
+@pytest.fixture
+def table(aws: None) -> LeaseTable:
+    table = LeaseTable(boto3.client("dynamodb", region_name=REGION), "app", max_attempts=3,
+                       sleep=lambda _: None)
+    table.create_if_missing()
+    assert table.create(Lease("s1"))
+    return table
+
+
+def stored_queue(table: LeaseTable) -> tuple[RecoveryRequest, ...]:
+    lease = table.get("s1")
+    assert lease is not None
+    return gaps.loads(lease.recovery)
+
+
+def test_every_lease_write_keeps_the_queue(table: LeaseTable) -> None:
+    clock = Clock()
+    a, b = Holder(table, "A", clock), Holder(table, "B", clock)
+    token = a.take("s1")
+    queue = (gap("100", 5000, 4000),)
+    recovery = recovery_for(a, token)
+    with recovery._lock:
+        recovery._store(queue)
+    a.fence.update_checkpoint("s1", token, "200", 0)  # checkpoint
+    a.fence.update("s1", token, UpdateBuilder(), what="renewal")  # renewal
+    a.fence.release("s1")  # release
+    b.take("s1")  # take
+    steal = Holder(table, "C", clock)
+    steal.take("s1")  # steal: a take of an owned lease
+    assert not table.create(Lease("s1"))  # create of an existing lease leaves it alone
+    lease = table.get("s1")
+    assert lease is not None and lease.lease_owner == "C" and lease.checkpoint == "200"
+    assert gaps.loads(lease.recovery) == queue
+
+
+def test_a_worker_that_lost_the_lease_cannot_write_the_queue(table: LeaseTable) -> None:
+    clock = Clock()
+    zombie, thief = Holder(table, "A", clock), Holder(table, "B", clock)
+    token = zombie.take("s1")
+    thief.take("s1")
+    recovery = recovery_for(zombie, token)
+    with pytest.raises(ShutdownException), recovery._lock:
+        recovery._store((gap("100", 5000, 4000),))
+    assert stored_queue(table) == ()
+
+
+def test_the_new_owner_reads_the_queue_and_its_checkpoints_move_only_the_gap(
+        table: LeaseTable) -> None:
+    clock = Clock()
+    a, b = Holder(table, "A", clock), Holder(table, "B", clock)
+    token = a.take("s1")
+    first = recovery_for(a, token)
+    with first._lock:
+        first._store((gap("100", 5000, 4000), gap("900", 9000, 8000)))
+    token_b = b.take("s1")
+    lease = b.held.get("s1")
+    assert lease is not None
+    second = recovery_for(b, token_b, lease.recovery)
+    second.checkpoint(Position("100", 0), "150", 0)
+    lease = table.get("s1")
+    assert lease is not None and lease.checkpoint == TRIM_HORIZON
+    assert [(r.start, r.done) for r in gaps.loads(lease.recovery)] == [("100", "150"),
+                                                                        ("900", "900")]
+    assert [g["checkpoint"] for g in second.status()] == ["150", "900"]
+
+
+def test_a_closed_shard_with_gaps_queued_is_not_finished() -> None:
+    closed = Lease("p", checkpoint=SHARD_END, child_shard_ids=frozenset({"c"}))
+    child = Lease("c", checkpoint="500", parent_shard_ids=frozenset({"p"}))
+    assert closed.is_finished and deletable([closed, child], "A") == [closed]
+    pending = closed.copy(recovery=gaps.dumps((gap("100", 5000, 4000),)))
+    assert not pending.is_finished and deletable([pending, child], "A") == []
+
+
+# -- a shard's recovery against in-process moto (Kinesis and DynamoDB) ----------------------
+
+@dataclass
+class Shard:
+    kinesis: Any
+    stream: str
+    table: LeaseTable
+    holder: Holder
+    token: str
+    #: the wall clock just after the fixture's records were written
+    written_at: float
+    metrics: Metrics = field(default_factory=Metrics)
+
+    def reader(self, start: Position, until_ms: int | None, pacer: Pacer | None,
+               max_records: int | None) -> ShardPipeline:
+        source = PollingSource(
+            self.kinesis, ShardAddress("shardId-000000000000", stream_name=self.stream),
+            max_records=max_records or 100, idle_time_s=0, pacer=pacer, until_ms=until_ms,
+            metrics=self.metrics)
+        return ShardPipeline(source, start, metrics=self.metrics)
+
+    def recovery(self, *, wall_clock: Any = time.time, stored: str | None = None
+                 ) -> ShardRecovery:
+        return ShardRecovery("shardId-000000000000", stored, token=self.token,
+                             fence=self.holder.fence, reader_factory=self.reader,
+                             rate=RecoveryRate(10_000), max_lag_ms=1000, metrics=self.metrics,
+                             wall_clock=wall_clock)
+
+    def queue(self) -> tuple[RecoveryRequest, ...]:
+        lease = self.table.get("shardId-000000000000")
+        assert lease is not None
+        return gaps.loads(lease.recovery)
+
+
+@pytest.fixture
+def shard(aws: None) -> Shard:
+    kinesis = boto3.client("kinesis", region_name=REGION)
+    kinesis.create_stream(StreamName="s", ShardCount=1)
+    for n in range(30):
+        kinesis.put_record(StreamName="s", Data=f"old-{n}".encode(), PartitionKey="k")
+    table = LeaseTable(boto3.client("dynamodb", region_name=REGION), "app", max_attempts=3,
+                       sleep=lambda _: None)
+    table.create_if_missing()
+    assert table.create(Lease("shardId-000000000000"))
+    written_at = time.time()
+    holder = Holder(table, "A", Clock())
+    return Shard(kinesis, "s", table, holder, holder.take("shardId-000000000000"), written_at)
+
+
+def recover_all(recovery: ShardRecovery) -> list[str]:
+    """Poll as the delivery thread does, checkpointing each batch; the payloads."""
+    payloads: list[str] = []
+
+    def step() -> bool:
+        batch = recovery.poll()
+        if batch is not None:
+            result, checkpointer = batch
+            checkpointer.mark_delivered(result.records[-1])  # as the consumer does
+            payloads.extend(r.binary_data.decode() for r in result.records)
+            checkpointer.checkpoint()
+        return not recovery.active
+
+    wait_for(step, 10, "the gap recovered")
+    return payloads
+
+
+def test_a_shard_behind_queues_its_gap_before_live_reading_and_recovers_it(shard: Shard) -> None:
+    hour_later = time.time() + 3600
+    recovery = shard.recovery(wall_clock=lambda: hour_later)
+    live_from = recovery.begin(Position.trim_horizon())
+    assert live_from is not None
+    assert live_from.timestamp() == pytest.approx(hour_later - 1, abs=0.01)
+    [queued] = shard.queue()
+    assert (queued.start, queued.end_ms) == (TRIM_HORIZON, round(hour_later * 1000) - 1000)
+    assert recover_all(recovery) == [f"old-{n}" for n in range(30)]
+    assert shard.queue() == ()
+    assert shard.metrics.registry.get_sample_value(
+        "kclpy_recovery_records_total", {"shard_id": "shardId-000000000000"}) == 30
+    assert shard.metrics.registry.get_sample_value("kclpy_recovery_shards") == 0
+
+
+def test_a_recovered_gap_is_not_logged_as_the_shard_ending(
+        shard: Shard, caplog: pytest.LogCaptureFixture) -> None:
+    hour_later = time.time() + 3600
+    recovery = shard.recovery(wall_clock=lambda: hour_later)
+    assert recovery.begin(Position.trim_horizon()) is not None
+    with caplog.at_level("INFO", logger="kclpy.retrieval.polling"):
+        assert len(recover_all(recovery)) == 30
+    assert "the recovery gap was read to its end" in caplog.text
+    assert "reached its end" not in caplog.text
+
+
+def test_a_shard_within_max_lag_reads_live_from_its_checkpoint(shard: Shard) -> None:
+    # the wall clock stops where the records were written: the shard is within its lag bound
+    # however long a loaded machine takes to get here
+    recovery = shard.recovery(wall_clock=lambda: shard.written_at)
+    assert recovery.begin(Position.trim_horizon()) is None
+    assert shard.queue() == () and not recovery.active
+
+
+def test_a_gap_not_checkpointed_to_its_end_stays_queued_for_the_next_owner(
+        shard: Shard) -> None:
+    recovery = shard.recovery(wall_clock=lambda: time.time() + 3600)
+    recovery.begin(Position.trim_horizon())
+    seen: list[str] = []
+
+    def step() -> bool:
+        batch = recovery.poll()
+        if batch is not None:
+            batch[1].mark_delivered(batch[0].records[-1])
+            seen.extend(r.binary_data.decode() for r in batch[0].records)
+        return not recovery.active
+
+    wait_for(step, 10, "the gap read to its end")
+    assert len(seen) == 30
+    [left] = shard.queue()
+    assert not left.started
+
+
+def test_a_gap_read_to_its_end_is_finished_by_a_later_checkpoint_through_its_end(
+        shard: Shard) -> None:
+    """The Spark batcher checkpoints a batch only once Spark has it, after the gap reader
+    reached the gap's end: that checkpoint still finishes the gap."""
+    recovery = shard.recovery(wall_clock=lambda: time.time() + 3600)
+    recovery.begin(Position.trim_horizon())
+    batches: list[tuple[Any, Checkpointer]] = []
+
+    def step() -> bool:
+        batch = recovery.poll()
+        if batch is not None:
+            batch[1].mark_delivered(batch[0].records[-1])
+            batches.append(batch)
+        return not recovery.active
+
+    wait_for(step, 10, "the gap read to its end")
+    assert shard.queue(), "not checkpointed yet: still queued"
+    result, checkpointer = batches[-1]
+    checkpointer.checkpoint(result.records[-1])
+    assert shard.queue() == ()
+
+
+def test_a_gap_whose_records_were_all_trimmed_is_reported(
+        shard: Shard, caplog: pytest.LogCaptureFixture) -> None:
+    """Retention trimmed the whole shard: nothing is left to read, and the loss is still
+    reported, not closed in silence."""
+    shard.kinesis.create_stream(StreamName="empty", ShardCount=1)
+    empty = dataclasses.replace(shard, stream="empty")
+    trimmed = RecoveryRequest.gap("0", 0, round(time.time() * 1000) + 60_000, 1, "5")
+    recovery = empty.recovery(stored=gaps.dumps((trimmed,)))
+    with caplog.at_level(logging.ERROR, logger="kclpy.recovery.shard"):
+        assert recover_all(recovery) == []
+    [error] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "from 5 up to its end" in error.getMessage()
+    assert "keeps no record" in error.getMessage()
+    assert empty.metrics.registry.get_sample_value(
+        "kclpy_recovery_trimmed_total", {"shard_id": "shardId-000000000000"}) == 1
+
+
+def test_a_gap_partly_past_retention_is_reported_and_the_rest_recovered(
+        shard: Shard, caplog: pytest.LogCaptureFixture) -> None:
+    records = shard.kinesis.get_records(ShardIterator=shard.kinesis.get_shard_iterator(
+        StreamName="s", ShardId="shardId-000000000000",
+        ShardIteratorType="TRIM_HORIZON")["ShardIterator"])["Records"]
+    oldest = int(records[0]["SequenceNumber"])
+    assert oldest > 0
+    # A gap whose first record came before the oldest record the shard still keeps.
+    trimmed = RecoveryRequest.gap("0", 0, round(time.time() * 1000) + 60_000, 1, "0")
+    recovery = shard.recovery(stored=gaps.dumps((trimmed,)))
+    with caplog.at_level(logging.ERROR, logger="kclpy.recovery.shard"):
+        assert recover_all(recovery) == [f"old-{n}" for n in range(30)]
+    [error] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "from 0 up to " + str(oldest) in error.getMessage()
+    assert shard.metrics.registry.get_sample_value(
+        "kclpy_recovery_trimmed_total", {"shard_id": "shardId-000000000000"}) == 1
+
+
+def stored_gaps(group: Fleet) -> tuple[RecoveryRequest, ...]:
+    items = group.lease_items()
+    item = items.get("shardId-000000000000", {})
+    return gaps.loads(item.get(RECOVERY, {}).get("S"))
+
+
+def recovering_from(worker_log: str) -> list[str]:
+    """The gap starts a worker's log says it recovered from, in order."""
+    return re.findall(r"recovering the gap after (\w+)/\d+ up to", worker_log)
+
+
+@pytest.mark.integration
+def test_kill_9_mid_recovery_then_a_second_outage_both_gaps_are_recovered_by_the_next_owner(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, tmp_path: Path) -> None:
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("lag")
+    create_stream(kinesis, stream, 1)
+    max_lag_ms = 1500
+    first_backlog = [f"old1-{n}" for n in range(400)]
+    put_plain(kinesis, stream, [p.encode() for p in first_backlog])
+    age(max_lag_ms)
+    options = ["--max-lag-ms", str(max_lag_ms), "--recovery-max-rate", "100"]
+    with fleet(kinesis_mock.url, moto_server.url, stream, unique_name("app"), tmp_path,
+               extra_args=options) as group:
+        a = group.start("a")
+        wait_for(lambda: any(g.started for g in stored_gaps(group)), 60,
+                 "the first gap partly recovered by a")
+        live = [f"live-{n}" for n in range(20)]
+        put_plain(kinesis, stream, [p.encode() for p in live])
+        wait_for(lambda: group.lease_items()["shardId-000000000000"]["checkpoint"]["S"].isdigit(),
+                 30, "a's live checkpoint")
+        a.signal(signal.SIGKILL)
+        a.process.wait(10)
+        [interrupted] = stored_gaps(group)
+        assert interrupted.started and interrupted.start == TRIM_HORIZON
+        # The second outage: records written while no worker runs.
+        second_backlog = [f"old2-{n}" for n in range(200)]
+        put_plain(kinesis, stream, [p.encode() for p in second_backlog])
+        age(max_lag_ms)
+        b = group.start("b")
+        everything = set(first_backlog + live + second_backlog)
+        wait_for(lambda: group.ledger.processed_all(everything), 120, "every record processed")
+        wait_for(lambda: not stored_gaps(group), 30, "both gaps finished")
+    starts = recovering_from(b.log_tail(200_000))
+    assert starts[0] == interrupted.done, "b resumes the first gap from a's recovery checkpoint"
+    assert len(set(starts)) == 2 and starts[1].isdigit(), "the second outage is a second gap"
+    by_b = [int(r["seq"]) for r in group.ledger.records()
+            if r["pid"] == b.pid and r["data"].startswith("old1-")]
+    assert by_b and min(by_b) > int(interrupted.done), "nothing before the checkpoint re-read"

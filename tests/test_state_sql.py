@@ -1,0 +1,171 @@
+"""The SQL state store (kclpy/state/sql.py): its position is the truth when the lease item
+lags behind, workers open it together, a lease or a stream created again resumes from its
+position or from the start, and a checkpoints table of an earlier version is upgraded
+(SQLite, and PostgreSQL on loopback)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from kclpy.errors import ShutdownException, ThrottlingException
+from kclpy.leases.lease import Lease, new_incarnation
+from kclpy.leases.table import LeaseTable
+from kclpy.processor import InitializeInput
+from kclpy.state.processor import ExactlyOnceProcessor
+from kclpy.state.sql import SQLStateStore
+from tests.support.determinism import Clock
+from tests.support.state import Counter, Shard, rec, runner, stored_state
+from tests.support.streams import unique_name
+
+
+@pytest.fixture
+def table(table: LeaseTable) -> LeaseTable:
+    """The lease table with the leases of s1 and s2, as in test_state.py."""
+    for key in ("s1", "s2"):
+        assert table.create(Lease(key))
+    return table
+
+
+def test_a_new_owner_starts_from_the_sql_stores_position_when_the_lease_lags_behind(
+        table: LeaseTable, tmp_path: Path) -> None:
+    """The SQL store is the truth: its commit landed, the lease item's update after it did
+    not, and the next owner - starting from the lease's older checkpoint - applies nothing
+    twice."""
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    clock = Clock()
+    first = Shard(table, "s1", "A", clock)
+    lease_update = first.fence.update_checkpoint
+
+    def throttled(*args: Any) -> None:
+        raise ThrottlingException("the lease table is throttled")
+
+    first.fence.update_checkpoint = throttled  # type: ignore[method-assign, assignment]
+    store_a = SQLStateStore(url)
+    store_a.open(None)
+    first.deliver(runner(store_a), [rec(10, "k:1"), rec(11, "k:2")])
+    first.fence.update_checkpoint = lease_update  # type: ignore[method-assign]
+    assert (lease := table.get("s1")) is not None and lease.checkpoint == "TRIM_HORIZON"
+    second = Shard(table, "s1", "B", clock)
+    store_b = SQLStateStore(url)
+    store_b.open(None)
+    second.deliver(runner(store_b, start=second.start),
+                   [rec(10, "k:1"), rec(11, "k:2"), rec(12, "k:3")])
+    assert stored_state(store_b) == {"count/k": 3, "sum/k": 6}
+    assert (lease := table.get("s1")) is not None and lease.checkpoint == "12"
+
+
+def test_workers_starting_together_all_open_the_postgresql_store(postgres_url: str) -> None:
+    """Found by the chaos run: two CREATE TABLEs at once, the loser exited at start-up."""
+    prefix = unique_name("race").replace("-", "_")
+    stores = [SQLStateStore(postgres_url, prefix=prefix) for _ in range(6)]
+    failures: list[BaseException] = []
+
+    def open_store(store: SQLStateStore) -> None:
+        try:
+            store.open(None)
+        except Exception as exc:  # collected: a thread's exception is otherwise only logged
+            failures.append(exc)
+
+    threads = [threading.Thread(target=open_store, args=(store,)) for store in stores]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    with stores[0].engine.connect() as conn:
+        assert sa.inspect(conn).has_table(f"{prefix}_checkpoints")
+
+
+def create_again(table: LeaseTable, key: str, incarnation: str | None) -> None:
+    """The lease deleted (a former stream's, a table reset) and created anew: counter 0."""
+    lease = table.get(key)
+    assert lease is not None and table.delete(lease)
+    assert table.create(Lease(key, incarnation=incarnation))
+
+
+def first_life(table: LeaseTable, store: SQLStateStore, clock: Clock) -> Shard:
+    """The lease of ``s9`` (stream created at epoch 100) taken three times, the third
+    tenure committing records 10-12."""
+    assert table.create(Lease("s9", incarnation=new_incarnation(100, now=1000.0)))
+    for _ in range(2):
+        Shard(table, "s9", "A", clock)
+    shard = Shard(table, "s9", "A", clock)
+    adapter = ExactlyOnceProcessor(Counter(), store)
+    adapter.initialize(InitializeInput("s9", *shard.start))
+    shard.deliver(adapter, [rec(10, "k:1"), rec(11, "k:1"), rec(12, "k:1")])
+    return shard
+
+
+def second_life(table: LeaseTable, store: SQLStateStore, clock: Clock) -> Shard:
+    """The new lease taken once (counter 1, below the first life's tenure 3) and the
+    shard read again from its start, one record further."""
+    shard = Shard(table, "s9", "B", clock)
+    adapter = ExactlyOnceProcessor(Counter(), store)
+    adapter.initialize(InitializeInput("s9", *shard.start))
+    shard.deliver(adapter, [rec(10, "k:1"), rec(11, "k:1"), rec(12, "k:1"), rec(13, "k:1")])
+    return shard
+
+
+def test_a_lease_created_again_resumes_from_the_sql_stores_position(
+        table: LeaseTable, new_sql_store: Callable[[], SQLStateStore],
+        caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    zombie = first_life(table, new_sql_store(), clock)
+    create_again(table, "s9", new_incarnation(100, now=2000.0))
+    store = new_sql_store()
+    second_life(table, store, clock)
+    assert stored_state(store) == {"count/k": 4, "sum/k": 4}, "records 10-12 not applied again"
+    assert "lease was created again" in caplog.text
+    late = ExactlyOnceProcessor(Counter(), new_sql_store())
+    late.initialize(InitializeInput("s9", *zombie.start))
+    with pytest.raises(ShutdownException):  # the former lease's holder cannot take it back
+        zombie.deliver(late, [rec(14, "k:1")])
+    assert stored_state(store) == {"count/k": 4, "sum/k": 4}
+    assert (lease := table.get("s9")) is not None and lease.checkpoint == "13"
+
+
+def test_a_stream_created_again_is_read_from_its_start_on_the_sql_store(
+        table: LeaseTable, new_sql_store: Callable[[], SQLStateStore],
+        caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    first_life(table, new_sql_store(), clock)
+    create_again(table, "s9", new_incarnation(200, now=2000.0))  # same name, new stream
+    store = new_sql_store()
+    second_life(table, store, clock)
+    assert stored_state(store) == {"count/k": 7, "sum/k": 7}, "the new stream's 4 records"
+    assert "stream was created again" in caplog.text
+
+
+def test_a_lease_created_again_without_an_incarnation_is_refused_loudly(
+        table: LeaseTable, new_sql_store: Callable[[], SQLStateStore],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A lease item written without ``kclpyIncarnation`` (by Java, or an older kclpy): the
+    store cannot tell a new lease from a zombie, and says so instead of skipping."""
+    clock = Clock()
+    first_life(table, new_sql_store(), clock)
+    create_again(table, "s9", None)
+    with pytest.raises(ShutdownException):
+        second_life(table, new_sql_store(), clock)
+    assert "delete the shard's row" in caplog.text
+
+
+def test_a_checkpoints_table_of_an_earlier_version_gets_the_incarnation_column(
+        tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "CREATE TABLE kclpy_state_checkpoints (lease_key VARCHAR(1024) PRIMARY KEY, "
+            "tenure BIGINT NOT NULL, checkpoint VARCHAR(256), "
+            "sub_sequence_number BIGINT NOT NULL)")
+        conn.exec_driver_sql("INSERT INTO kclpy_state_checkpoints VALUES ('s1', 4, '12', 0)")
+    store = SQLStateStore(url)
+    store.open(None)
+    with store.engine.connect() as conn:
+        assert conn.execute(sa.select(store.checkpoints)).all() == [("s1", 4, "12", 0, None)]
