@@ -532,13 +532,11 @@ class ShardConsumer:
         attempt = 0
         while True:
             started = time.perf_counter()
-            ok = False
             try:
                 self._processor.process_records(ProcessRecordsInput(
                     self.lease_key, records, checkpointer, result.millis_behind_latest,
                     is_at_shard_end=result.shard_end and not is_recovery,
                     is_recovery=is_recovery))
-                ok = True
             except ProcessorRestartRequired as exc:
                 self._m.inc(PROCESSOR_ERRORS, "process_records")
                 log.error("shard %s: processor must restart: %s", self.lease_key, exc)
@@ -577,7 +575,11 @@ class ShardConsumer:
                 attempt += 1
                 continue
             finally:
-                self._m_process.call(time.perf_counter() - started, ok)
+                # Each attempt is one Java ProcessTask, and its Success is 1 even when the
+                # processor raised: the Java KCL catches processRecords' exception (logs it,
+                # skips the batch) and reports the task itself as succeeded. A processor's
+                # failures are kclpy_processor_errors_total.
+                self._m_process.call(time.perf_counter() - started)
             self._m_records.inc(len(records))
             self._m_bytes.inc(records.payload_bytes())
             if result.millis_behind_latest is not None:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
+from kclpy.cloudwatch import SUMMARY, CloudWatchBackend
 from kclpy.consumer import ConsumerSettings, ConsumerState, FatalProcessorError, ShardConsumer
 from kclpy.errors import ProcessorRestartRequired
 from kclpy.leases.lease import Lease
@@ -26,6 +27,7 @@ from kclpy.processor import (
 from kclpy.records import Record, Records
 from kclpy.retrieval.parse import ChildShard
 from tests.support.checkpoints import CheckpointWriterBase
+from tests.support.datums import DatumSink
 from tests.support.waiting import wait_for
 
 SETTINGS = ConsumerSettings(parent_shard_poll_interval_s=0.01, task_backoff_s=0.001,
@@ -141,7 +143,8 @@ class Recorder(IRecordProcessor):
 
 def run_consumer(pages: list[Result], processors: list[Recorder], *, lease: Lease | None = None,
                  leases: Leases | None = None, settings: ConsumerSettings = SETTINGS,
-                 on_end: list[object] | None = None, wait: bool = True
+                 on_end: list[object] | None = None, wait: bool = True,
+                 metrics: Metrics | None = None
                  ) -> tuple[ShardConsumer, Writer, list[ScriptedFetcher]]:
     writer = Writer()
     fetchers: list[ScriptedFetcher] = []
@@ -160,7 +163,8 @@ def run_consumer(pages: list[Result], processors: list[Recorder], *, lease: Leas
         lease or Lease("shard-1", lease_owner="w", checkpoint="TRIM_HORIZON"),
         concurrency_token="t", processor_factory=lambda: next(made),
         checkpoint_writer=writer, lease_reader=leases or Leases(), fetcher_factory=fetcher_factory,
-        on_shard_end=shard_end, settings=settings, metrics=Metrics(), rng=random.Random(1))
+        on_shard_end=shard_end, settings=settings, metrics=metrics or Metrics(),
+        rng=random.Random(1))
     consumer.start()
     if wait:
         assert consumer.join(10)
@@ -198,6 +202,27 @@ def test_processor_error_retries_the_same_batch() -> None:
     assert log[1:4] == [("fail", ["1", "2"]), ("fail", ["1", "2"]),
                         ("batch", [("1", 0), ("2", 0)])]
     assert writer.writes[0] == ("2", 0)
+
+
+def test_a_failed_attempt_is_a_java_process_task_that_succeeded() -> None:
+    """The Java KCL catches processRecords' exception and reports its ProcessTask as a
+    success; kclpy retries the batch, and each attempt is such a task. The records count
+    once, when the processor took them."""
+    sink = DatumSink()
+    metrics = Metrics(backends=[CloudWatchBackend(sink, "w", SUMMARY)])
+    log: list[object] = []
+    pages = [Result([rec(1), rec(2)], millis_behind_latest=7), Result([], shard_end=True)]
+    run_consumer(pages, [Recorder(log, fail_times=2)], metrics=metrics)
+    assert log[1:4] == [("fail", ["1", "2"]), ("fail", ["1", "2"]),
+                        ("batch", [("1", 0), ("2", 0)])]
+    assert sink.values("ProcessTask", "Success") == [1, 1, 1]
+    assert len(sink.values("ProcessTask", "RecordProcessor.processRecords.Time")) == 3
+    assert sink.values("ProcessTask", "RecordsProcessed") == [2]
+    assert sink.values("ProcessTask", "MillisBehindLatest") == [7]
+    # the failures are kclpy's own figure
+    assert metrics.registry.get_sample_value(
+        "kclpy_processor_errors_total",
+        {"shard_id": "shard-1", "callback": "process_records"}) == 2
 
 
 def test_skip_policy_moves_on() -> None:
