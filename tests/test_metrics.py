@@ -11,13 +11,12 @@ from __future__ import annotations
 import threading
 import urllib.request
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
 from kclpy import KCLConfig, Worker
 from kclpy.cloudwatch import CloudWatchBackend
-from kclpy.leases.load import processed_by_lease
+from kclpy.leases.load import LoadMeter, processed_by_lease
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import (
     BATCH_MILLIS_BEHIND_LATEST,
@@ -34,8 +33,16 @@ from kclpy.metrics import (
 from kclpy.ops.server import serve_worker
 from kclpy.progress import totals
 from kclpy.telemetry import COUNT, DETAILED, MILLISECONDS, SUMMARY, Dimensions, Kind, Metric
+from tests.support.datums import DatumSink
 from tests.support.recording import Ledger, RecordingProcessor
-from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name, wait_for
+from tests.support.streams import (
+    create_stream,
+    dynamodb_client,
+    kinesis_client,
+    put_plain,
+    unique_name,
+    wait_for,
+)
 from tests.support.workers import running
 
 Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -196,20 +203,8 @@ def test_a_worker_records_only_the_shards_it_opened() -> None:
     assert metrics.open_shards() == ["held"]
 
 
-class Sink:
-    """A CloudWatch publisher stand-in keeping every datum recorded."""
-
-    def __init__(self) -> None:
-        self.datums: list[tuple[str, str, float, str, int, dict[str, str] | None]] = []
-
-    def record(self, operation: str, name: str, value: float, unit: str, level: int,
-               dimensions: Any = None) -> None:
-        self.datums.append((operation, name, value, unit, level,
-                            None if dimensions is None else dict(dimensions)))
-
-
 def test_cloudwatch_datums_come_from_the_same_events_at_the_configured_level() -> None:
-    sink = Sink()
+    sink = DatumSink()
     metrics = Metrics(backends=[CloudWatchBackend(sink, "w1", SUMMARY)])
     shard = metrics.shard("acct:s:1:shardId-1", "shardId-1", "acct:s:1")
     shard.call(PROCESS_RECORDS, 0.25, True)
@@ -345,3 +340,57 @@ def test_a_handed_off_shard_leaves_the_old_owners_metrics_over_http(
                 assert totals(first.metrics).records >= 100
     finally:
         server.stop()
+
+
+@pytest.mark.integration
+def test_a_shard_retaken_by_the_same_worker_restarts_its_series_not_the_workers_totals(
+        embedded_endpoint: LocalEndpoint) -> None:
+    """Prometheus may restart a counter whose series was removed and made again (``rate()``
+    takes a restart in its stride); what the worker adds up itself - the progress line's
+    totals and the load meter's per-lease counters - must not go backwards."""
+    kinesis = kinesis_client(embedded_endpoint.url)
+    stream = unique_name("retake")
+    create_stream(kinesis, stream, 1)
+    put_plain(kinesis, stream, [f"a{n}".encode() for n in range(30)])
+    cfg = config(embedded_endpoint, stream, unique_name("app"), "w")
+    ledger = Ledger()
+    metrics = Metrics()
+    ticks = iter(range(10))
+    # one tick per sample and a whole weight on the last interval: its rate is its records
+    meter = LoadMeter("w", lambda: processed_by_lease(metrics), clock=lambda: next(ticks),
+                      ema_alpha=1.0)
+
+    def counted() -> bool:
+        return totals(metrics).records == len(ledger.records)
+
+    with running(Worker(cfg, lambda: RecordingProcessor(ledger), metrics=metrics)):
+        wait_for(lambda: len(ledger.records) >= 30 and counted(), 60, "the first 30 processed")
+        [key] = metrics.open_shards()
+        before = totals(metrics)
+        assert meter.sample({key}).records_per_s == before.records
+        table = dynamodb_client(embedded_endpoint.url)
+        item = table.get_item(TableName=cfg.lease_table_name, Key={"leaseKey": {"S": key}},
+                              ConsistentRead=True)["Item"]
+        table.update_item(
+            TableName=cfg.lease_table_name, Key={"leaseKey": {"S": key}},
+            UpdateExpression="SET leaseOwner = :thief, leaseCounter = leaseCounter + :one",
+            ConditionExpression="leaseCounter = :c",
+            ExpressionAttributeValues={":thief": {"S": "thief"}, ":one": {"N": "1"},
+                                       ":c": item["leaseCounter"]})
+        wait_for(lambda: (key, "lease_lost") in ledger.events, 30, "the lease lost")
+        # the thief never renews: after the failover time the worker takes the shard back
+        wait_for(lambda: ledger.events.count((key, "lease_lost")) == 1
+                 and sum(1 for k, e in ledger.events
+                         if k == key and e.startswith("initialize")) == 2, 60,
+                 "the shard retaken by the same worker")
+        processed_once = len(ledger.records)
+        put_plain(kinesis, stream, [f"b{n}".encode() for n in range(20)])
+        wait_for(lambda: len(ledger.records) >= processed_once + 20 and counted(), 60,
+                 "the next 20 processed")
+        after = totals(metrics)
+        series = metrics.registry.get_sample_value("kclpy_records_processed_total",
+                                                   {"shard_id": key})
+        assert series is not None and series < after.records, "one series across two tenures"
+        assert after.records == len(ledger.records) > before.records
+        assert processed_by_lease(metrics) == {key: (after.records, after.bytes)}
+        assert meter.sample({key}).records_per_s == after.records - before.records
