@@ -31,6 +31,7 @@ from kclpy.processor import (
 )
 from kclpy.records import Record
 from kclpy.streams import StreamConfig, StreamTracker
+from kclpy.telemetry import Backend as MetricsBackend
 
 if TYPE_CHECKING:
     from kclpy.state.dynamodb import DynamoDBStateStore
@@ -78,6 +79,7 @@ __all__ = [
     "KinesisClientLibDependencyException",
     "LeaseLostInput",
     "Metrics",
+    "MetricsBackend",
     "ProcessRecordsInput",
     "ProcessorRestartRequired",
     "Record",
