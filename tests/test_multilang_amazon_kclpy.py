@@ -29,9 +29,10 @@ from kclpy import KCLConfig, Worker
 from kclpy.arguments import parse_worker_args
 from kclpy.config import read_properties
 from kclpy.local import LocalEndpoint
-from kclpy.metrics import Metrics
+from kclpy.metrics import MULTILANG_CHILD_FAILURES, Metrics
 from kclpy.multilang import multilang_processor_factory
 from tests.multilang_apps.amazon_kclpy_dist import amazon_kclpy_root
+from tests.support.tally import Tally
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -85,11 +86,11 @@ def _run_until(worker: Worker, condition: Any, what: str) -> None:
     assert not errors, errors
 
 
-def _failures(metrics: Metrics) -> dict[tuple[str, str], float]:
-    return {(sample.labels["shard_id"], sample.labels["reason"]): sample.value
-            for family in metrics.registry.collect()
-            if family.name == "kclpy_multilang_child_failures"
-            for sample in family.samples if sample.name.endswith("_total")}
+def _failures(tally: Tally) -> dict[tuple[str, str], float]:
+    """Children killed, by shard and reason, counted after the shards left the stopped
+    worker (their Prometheus series left with them)."""
+    return {(str(key), reason): value
+            for (key, (reason,)), value in tally.counts(MULTILANG_CHILD_FAILURES).items()}
 
 
 def _write_application(folder: Path, sample_dir: Path, overrides: dict[str, str]) -> Path:
@@ -142,7 +143,8 @@ def test_the_unmodified_amazon_kclpy_sample_processes_every_record_and_checkpoin
     config, _ = parse_worker_args(["--properties", str(properties)])
     assert config.executable_name is not None and config.properties_dir == tmp_path.resolve()
     assert config.retrieval_mode == retrieval, "the Java daemon's DEFAULT rule"
-    metrics = Metrics()
+    tally = Tally()
+    metrics = Metrics(backends=[tally])
     factory = multilang_processor_factory(
         config.executable_name, cwd=config.properties_dir, metrics=metrics,
         env={"PYTHONPATH": str(root)})
@@ -171,7 +173,7 @@ def test_the_unmodified_amazon_kclpy_sample_processes_every_record_and_checkpoin
     items = dynamodb.scan(TableName=config.lease_table_name, ConsistentRead=True)["Items"]
     checkpoints = {item["leaseKey"]["S"]: item["checkpoint"]["S"] for item in items}
     assert checkpoints == {shard: max(seqs, key=int) for shard, seqs in produced.items()}
-    assert _failures(metrics) == {}, "no child had to be restarted"
+    assert _failures(tally) == {}, "no child had to be restarted"
 
 
 def test_a_crashed_child_restarts_from_the_last_checkpoint_and_nothing_is_lost(
@@ -201,7 +203,8 @@ def test_a_crashed_child_restarts_from_the_last_checkpoint_and_nothing_is_lost(
     assert bystander, "the partition keys should cover both shards"
 
     output = tmp_path / "events.jsonl"
-    metrics = Metrics()
+    tally = Tally()
+    metrics = Metrics(backends=[tally])
     factory = multilang_processor_factory(
         f"{shlex.quote(sys.executable)} v2_app.py", cwd=APPS, metrics=metrics,
         env={"PYTHONPATH": str(amazon_kclpy_root()), "KCLPY_TEST_OUTPUT": str(output)})
@@ -221,7 +224,7 @@ def test_a_crashed_child_restarts_from_the_last_checkpoint_and_nothing_is_lost(
                lambda: everything <= {e.get("data") for e in seen()}, "every record processed")
 
     events = seen()
-    assert _failures(metrics) == {(victim_shard, "exited"): 1.0}
+    assert _failures(tally) == {(victim_shard, "exited"): 1.0}
     starts = [e["sequence_number"] for e in events
               if e["event"] == "initialize" and e["shard_id"] == victim_shard]
     assert starts == ["TRIM_HORIZON", victim["checkpoint"]]
