@@ -338,11 +338,18 @@ class _Fleet:
         self._logs = logs
         self._env = env or {}
         #: (name, label): a counter every process serves on /metrics, read into
-        #: ``harvested`` before the process is killed or sent SIGTERM
+        #: ``harvested`` every second (``harvest_every``) and before the process is killed
+        #: or sent SIGTERM
         self._counter = counter
         #: every process serves /metrics, /status and /healthz, even without a counter
         self._ops = ops
-        self.harvested: Counter[str] = Counter()
+        #: (worker id, a series' labels) -> (what earlier tenures of the series counted, its
+        #: last value read). A shard's series leaves a worker with the shard and starts
+        #: again from 0 if the shard comes back, so a series is read while it lives and a
+        #: value lower than the last one read is a new tenure's.
+        self._read: dict[tuple[str, frozenset[tuple[str, str]]], tuple[float, float]] = {}
+        #: one harvest at a time, so two reads of a series are stored in the order taken
+        self._harvesting = threading.Lock()
         self.slots = [_Slot(i) for i in range(settings.workers)]
 
     def spawn(self, slot: _Slot) -> None:
@@ -426,22 +433,47 @@ class _Fleet:
         elif slot.state == "dead":
             self.spawn(slot)
 
+    @property
+    def harvested(self) -> Counter[str]:
+        """The counter summed by its label over every process and every series it served."""
+        if self._counter is None:
+            return Counter()
+        label = self._counter[1]
+        totals: Counter[str] = Counter()
+        with self._harvesting:
+            for (_, labels), (earlier, last) in self._read.items():
+                totals[dict(labels)[label]] += int(earlier + last)
+        return totals
+
     def harvest(self, slot: _Slot) -> None:
-        """Add the running worker's counter to ``harvested``, before its counts die with it;
-        a worker that does not answer yet (still starting) adds nothing."""
-        if self._counter is None or slot.metrics_port is None or slot.state != "running":
+        """Read the running worker's counter, before its counts die with it (or with a
+        shard it lets go); a worker that does not answer (still starting) adds nothing."""
+        if self._counter is None:
             return
         name, label = self._counter
-        url = f"http://127.0.0.1:{slot.metrics_port}/metrics"
-        try:
-            with urllib.request.urlopen(url, timeout=5) as response:
-                text = response.read().decode()
-        except OSError:
-            return
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and label in sample.labels:
-                    self.harvested[sample.labels[label]] += int(sample.value)
+        with self._harvesting:
+            if slot.metrics_port is None or slot.state != "running":
+                return
+            url = f"http://127.0.0.1:{slot.metrics_port}/metrics"
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    text = response.read().decode()
+            except OSError:
+                return
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == name and label in sample.labels:
+                        key = (slot.worker_id, frozenset(sample.labels.items()))
+                        earlier, last = self._read.get(key, (0.0, 0.0))
+                        if sample.value < last:
+                            earlier += last
+                        self._read[key] = (earlier, sample.value)
+
+    def harvest_every(self, interval_s: float, stop: threading.Event) -> None:
+        """Read every running worker's counter each ``interval_s`` until ``stop``."""
+        while not stop.wait(interval_s):
+            for slot in self.running():
+                self.harvest(slot)
 
     def watched(self) -> list[Watched]:
         """The running workers' /status ports, for a StallWatch."""
@@ -673,7 +705,8 @@ class ChaosRig:
         every worker and let the producer finish. The fleet keeps running (the rig kills
         it on the way out). With ``counter`` (name, label), each worker serves /metrics on
         a loopback port of its own, and the counter is summed in the fleet's
-        ``harvested`` over every process before it goes."""
+        ``harvested`` over every process and every shard it held, read every second and
+        before the process goes."""
         settings = self.settings
 
         def args(worker_id: str) -> list[str]:
@@ -684,6 +717,13 @@ class ChaosRig:
         fleet = _Fleet(settings, args, self.workdir / "ledger.db", self.logs, env, counter,
                        ops=settings.stall_check)
         self.stack.callback(fleet.kill_all)
+        if counter is not None:
+            stop = threading.Event()
+            harvester = threading.Thread(target=fleet.harvest_every, args=(1.0, stop),
+                                         name="chaos-harvest", daemon=True)
+            harvester.start()
+            self.stack.callback(harvester.join)
+            self.stack.callback(stop.set)
         for slot in fleet.slots:
             fleet.spawn(slot)
         if settings.stall_check:
