@@ -9,12 +9,14 @@ from the same kind of ``.properties`` file, against kinesis-mock and kclpy.local
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -172,6 +174,27 @@ class Migration:
         self.live.pop(name).stop()
         self.exited[name] = time.time()
 
+    @contextlib.contextmanager
+    def nodes(self) -> Iterator[None]:
+        """Every node still running is stopped when the body ends, however it ends; when it
+        fails, the nodes' logs go to stderr first (they explain a wait that timed out)."""
+        try:
+            yield
+        except BaseException:
+            sys.stderr.write(self.logs())
+            raise
+        finally:
+            for name in list(self.live):
+                self.stop(name)
+
+    def drain(self, producer: Producer) -> list[str]:
+        """Stop the producer and wait until the fleet has processed every record it sent,
+        which it returns."""
+        sent = producer.stop()
+        wait_for(lambda: self.ledger.processed_all(set(sent)), 120, "every record processed",
+                 interval=0.5)
+        return sent
+
     def consuming(self, name: str) -> bool:
         return any(line.get("worker") == name for line in self.ledger.records())
 
@@ -290,46 +313,37 @@ def test_a_rolling_migration_from_java_to_kclpy_and_back_under_load(
     kinesis = kinesis_client(kinesis_mock.url)
     create_stream(kinesis, run.stream, MIGRATION_SHARDS)
     steps: list[tuple[str, float]] = []
-    try:
-        with Producer(kinesis, run.stream, "rolling", per_batch=8) as producer:
-            for n in range(3):
-                run.start("java", f"java-{n}")
-            wait_for(run.settled, 120, "the Java fleet", interval=0.5)
-            began = len(run.ledger.lines())
-            previous = "the Java fleet"
-            for old, kind, new in [("java-0", "kclpy", "kclpy-0"), ("java-1", "kclpy", "kclpy-1"),
-                                   ("java-2", "kclpy", "kclpy-2"), ("kclpy-0", "java", "java-3"),
-                                   ("kclpy-1", "java", "java-4"), ("kclpy-2", "java", "java-5")]:
-                # The next node starts once the old one has exited (a surge rollout: a
-                # rolling deployment starts the next pod then), while the previous node's
-                # leases are being taken over; the next old node stops only once every lease
-                # is consumed again and the new node consumes.
-                started = time.monotonic()
-                run.start(kind, new)
-                wait_for(run.covered, 120, f"every lease consumed after {previous}",
-                         interval=0.5)
-                wait_for(functools.partial(run.consuming, new), 120, f"{new} consuming",
-                         interval=0.5)
-                run.stop(old)
-                previous = f"{old} -> {new}"
-                steps.append((previous, time.monotonic() - started))
-            wait_for(run.covered, 120, f"every lease consumed after {previous}", interval=0.5)
-            # ownership settles: balanced, and then no lease moves
-            wait_for(run.settled, 120, "a balanced fleet", interval=0.5)
-            owners = run.settled()
-            quiet_until = time.monotonic() + SETTLE_S
-            while time.monotonic() < quiet_until:
-                assert run.owners() == owners
-                time.sleep(0.5)
-            sent = producer.stop()
-        wait_for(lambda: run.ledger.processed_all(set(sent)), 120, "every record processed",
-                 interval=0.5)
-    except BaseException:
-        sys.stderr.write(run.logs())
-        raise
-    finally:
-        for name in list(run.live):
-            run.stop(name)
+    with run.nodes(), Producer(kinesis, run.stream, "rolling", per_batch=8) as producer:
+        for n in range(3):
+            run.start("java", f"java-{n}")
+        wait_for(run.settled, 120, "the Java fleet", interval=0.5)
+        began = len(run.ledger.lines())
+        previous = "the Java fleet"
+        for old, kind, new in [("java-0", "kclpy", "kclpy-0"), ("java-1", "kclpy", "kclpy-1"),
+                               ("java-2", "kclpy", "kclpy-2"), ("kclpy-0", "java", "java-3"),
+                               ("kclpy-1", "java", "java-4"), ("kclpy-2", "java", "java-5")]:
+            # The next node starts once the old one has exited (a surge rollout: a
+            # rolling deployment starts the next pod then), while the previous node's
+            # leases are being taken over; the next old node stops only once every lease
+            # is consumed again and the new node consumes.
+            started = time.monotonic()
+            run.start(kind, new)
+            wait_for(run.covered, 120, f"every lease consumed after {previous}",
+                     interval=0.5)
+            wait_for(functools.partial(run.consuming, new), 120, f"{new} consuming",
+                     interval=0.5)
+            run.stop(old)
+            previous = f"{old} -> {new}"
+            steps.append((previous, time.monotonic() - started))
+        wait_for(run.covered, 120, f"every lease consumed after {previous}", interval=0.5)
+        # ownership settles: balanced, and then no lease moves
+        wait_for(run.settled, 120, "a balanced fleet", interval=0.5)
+        owners = run.settled()
+        quiet_until = time.monotonic() + SETTLE_S
+        while time.monotonic() < quiet_until:
+            assert run.owners() == owners
+            time.sleep(0.5)
+        sent = run.drain(producer)
 
     # nothing lost
     assert set(sent) <= run.ledger.payloads().keys()
@@ -392,41 +406,32 @@ def test_a_finished_shard_stays_with_its_kclpy_holder_until_its_cleanup_deletes_
     kinesis = kinesis_client(kinesis_mock.url)
     create_stream(kinesis, run.stream, SHARDS)
     seen: list[tuple[str, str | None]] = []  # (checkpoint, leaseOwner) of the parent
-    try:
-        with Producer(kinesis, run.stream, "finished", per_batch=4) as producer:
-            run.start("kclpy", "kclpy-0")
-            wait_for(run.covered, 60, "kclpy-0 holding every shard", interval=0.5)
-            run.start("java", "java-0")
-            # Java's first taker pass steals one of kclpy-0's two leases
-            wait_for(lambda: run.consuming("java-0") and run.settled(), 120,
-                     "one shard each", interval=0.5)
-            parent = next(key for key, (owner, _) in run.owners().items() if owner == "kclpy-0")
-            shard = kinesis.list_shards(StreamName=run.stream)["Shards"]
-            low, high = next((int(s["HashKeyRange"]["StartingHashKey"]),
-                              int(s["HashKeyRange"]["EndingHashKey"]))
-                             for s in shard if s["ShardId"] == parent)
-            kinesis.split_shard(StreamName=run.stream, ShardToSplit=parent,
-                                NewStartingHashKey=str((low + high) // 2))
+    with run.nodes(), Producer(kinesis, run.stream, "finished", per_batch=4) as producer:
+        run.start("kclpy", "kclpy-0")
+        wait_for(run.covered, 60, "kclpy-0 holding every shard", interval=0.5)
+        run.start("java", "java-0")
+        # Java's first taker pass steals one of kclpy-0's two leases
+        wait_for(lambda: run.consuming("java-0") and run.settled(), 120,
+                 "one shard each", interval=0.5)
+        parent = next(key for key, (owner, _) in run.owners().items() if owner == "kclpy-0")
+        shard = kinesis.list_shards(StreamName=run.stream)["Shards"]
+        low, high = next((int(s["HashKeyRange"]["StartingHashKey"]),
+                          int(s["HashKeyRange"]["EndingHashKey"]))
+                         for s in shard if s["ShardId"] == parent)
+        kinesis.split_shard(StreamName=run.stream, ShardToSplit=parent,
+                            NewStartingHashKey=str((low + high) // 2))
 
-            def parent_deleted() -> bool:
-                item = _items(run.dynamodb_url, run.app).get(parent)
-                if item is None:
-                    return True
-                if item["checkpoint"]["S"] == "SHARD_END":
-                    seen.append(("SHARD_END", item.get("leaseOwner", {}).get("S")))
-                return False
+        def parent_deleted() -> bool:
+            item = _items(run.dynamodb_url, run.app).get(parent)
+            if item is None:
+                return True
+            if item["checkpoint"]["S"] == "SHARD_END":
+                seen.append(("SHARD_END", item.get("leaseOwner", {}).get("S")))
+            return False
 
-            wait_for(parent_deleted, 150, f"the lease of finished {parent} deleted",
-                     interval=0.2)
-            sent = producer.stop()
-        wait_for(lambda: run.ledger.processed_all(set(sent)), 120, "every record processed",
-                 interval=0.5)
-    except BaseException:
-        sys.stderr.write(run.logs())
-        raise
-    finally:
-        for name in list(run.live):
-            run.stop(name)
+        wait_for(parent_deleted, 150, f"the lease of finished {parent} deleted",
+                 interval=0.2)
+        run.drain(producer)
     assert seen, "the parent was deleted before it was seen finished"
     # held by the node that finished it until deleted, never free for Java's taker to take
     assert {owner for _, owner in seen} == {"kclpy-0"}, run.logs()
