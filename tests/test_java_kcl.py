@@ -238,10 +238,12 @@ class Migration:
         record, else its node's exit; until then it still ran, finishing or waiting for
         records) or from its node's exit when that came later (a node shutting down holds
         its leases until then: a Java node renews them to the end of its graceful shutdown)
-        to the later processor's start (its ``initialize``: the shard has a consumer again,
-        whose first records then take a GetShardIterator and a GetRecords; its first record
-        when no ``initialize`` came in between); none when the earlier one still ran then
-        (an old owner that has not noticed yet)."""
+        to the later processor's start: when its daemon started the child of its
+        ``initialize`` (the shard has a consumer again, whose interpreter then starts - slow
+        on a loaded host, and the application's cost, not the lease protocol's - and whose
+        first records take a GetShardIterator and a GetRecords), its first record when no
+        ``initialize`` came in between; none when the earlier one still ran then (an old
+        owner that has not noticed yet)."""
         found = []
         last: dict[str, tuple[float, str]] = {}
         #: (shard, worker) -> its processor's end and its first end event
