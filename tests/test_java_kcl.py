@@ -127,10 +127,12 @@ JAVA_TAKER_INTERVAL_S = 2 * (FAILOVER_MS + 25) / 1000
 #: apart (``DynamoDBLeaseTaker.updateAllLeases``, ``Lease.isExpired``): one to two taker
 #: intervals after the release, whatever the leaving node writes (every write moves the
 #: counter). Only a Java node started after the release takes them at once - at its first
-#: scan, where a lease it never saw unowned counts as expired - hence the roll-back's last
-#: step stops the kclpy node before it starts the Java one; that first scan comes after the
-#: JVM's start-up (4-5 s here, idle; more under load). Bound: Java's own failover
-#: (docs/migration.md)
+#: scan, where a lease it never saw unowned counts as expired long ago, which its taker takes
+#: whatever its target (``computeLeasesToTake``'s very old leases) - hence the roll-back's last
+#: step stops the kclpy node before it starts the Java one. That first scan comes after the
+#: JVM's start-up, 2-3 s here idle or beside busy loops but unbounded by the failover time
+#: (the peer benchmark saw a daemon's first record 13 s after its start at load 22), so
+#: the bound stays Java's own failover (docs/migration.md)
 JAVA_GAP_S = 2 * JAVA_TAKER_INTERVAL_S + 5
 #: an old owner whose lease was taken delivers until its next renewal (a third of the
 #: failover time) fails and its batch in flight ends
