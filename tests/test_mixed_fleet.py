@@ -19,6 +19,7 @@ from kclpy.leases.balancing import Balancer
 from kclpy.leases.coordinator import LeaseCoordinator
 from kclpy.leases.lease import SHARD_END, Lease
 from kclpy.leases.table import LeaseTable
+from kclpy.position import Position
 from tests.support.determinism import Clock, FirstChoiceRandom
 
 FAILOVER = 10.0
@@ -243,7 +244,7 @@ def test_a_kclpy_worker_deletes_the_finished_lease_it_holds_through_its_held_set
     assert k.java_peers()
     held = k.get_held("p")
     assert held is not None and held.concurrency_token is not None
-    k.fence.update_checkpoint("p", held.concurrency_token, SHARD_END, 0)
+    k.fence.update_checkpoint("p", held.concurrency_token, Position(SHARD_END))
     java_take(table, "c", "java")
     table.client.update_item(  # the Java worker checkpoints the child
         TableName="app", Key={"leaseKey": {"S": "c"}}, UpdateExpression="SET checkpoint = :s",
