@@ -98,8 +98,8 @@ class Leases:
     def __init__(self, leases: dict[str, Lease] | None = None) -> None:
         self.leases = leases or {}
 
-    def get_lease(self, shard_id: str) -> Lease | None:
-        return self.leases.get(shard_id)
+    def get_lease(self, lease_key: str) -> Lease | None:
+        return self.leases.get(lease_key)
 
 
 class Recorder(IRecordProcessor):

@@ -173,7 +173,7 @@ class Checkpoints(CheckpointWriterBase):
     ) -> None:
         self.last = (position.checkpoint, position.sub_sequence_number)
 
-    def get_lease(self, shard_id: str) -> Lease | None:
+    def get_lease(self, lease_key: str) -> Lease | None:
         return None
 
 
