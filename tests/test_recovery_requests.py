@@ -38,7 +38,8 @@ KEY = "s1"
 def gap_after(start: int, *, done: int | None = None) -> RecoveryRequest:
     """A gap whose arrival times keep it apart from every other gap of these tests."""
     request = RecoveryRequest.gap(str(start), 0, start * 10 + 5, start * 10, None)
-    return request if done is None else request.checkpointed(str(done), 0, start * 10 + 1)
+    return request if done is None else request.checkpointed(Position(str(done)),
+                                                             start * 10 + 1)
 
 
 def add(start: int) -> asked.QueueRequest:

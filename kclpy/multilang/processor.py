@@ -31,7 +31,6 @@ from kclpy.errors import (
     InvalidStateException,
     ProcessorRestartRequired,
 )
-from kclpy.leases.lease import SHARD_END
 from kclpy.metrics import Metrics
 from kclpy.multilang import protocol
 from kclpy.multilang.process import MAX_UNREAD_STDOUT_BYTES, ChildFailure, ChildProcess
@@ -155,10 +154,10 @@ class MultiLangRecordProcessor(IRecordProcessor):
         if self._child is None:
             # The previous attempt killed the child; every record was acknowledged by then,
             # so a fresh child resuming from the last checkpoint can end the shard.
-            last, sub = checkpointer.last_checkpoint
-            self._start_child(last, sub)
+            last = checkpointer.position
+            self._start_child(last.checkpoint, last.sub_sequence_number)
         self._exchange(protocol.encode_shard_ended(), protocol.SHARD_ENDED, checkpointer)
-        if checkpointer.last_checkpoint[0] == SHARD_END:
+        if checkpointer.position.is_shard_end:
             self._stop_child()
 
     def shutdown_requested(self, shutdown_requested_input: ShutdownRequestedInput) -> None:

@@ -241,8 +241,7 @@ class ShardRecovery:
             if final is not None and done >= final:
                 finished = (queue.pop(index), done)
             else:
-                queue[index] = queue[index].checkpointed(
-                    done.checkpoint, done.sub_sequence_number, self._delivered_ms)
+                queue[index] = queue[index].checkpointed(done, self._delivered_ms)
             self._store(tuple(queue), items, finished)
 
     def guard(self, what: str) -> AbstractContextManager[Guard]:
