@@ -28,22 +28,22 @@ T = TypeVar("T")
 
 class CheckpointWriter(Protocol):
     def update_checkpoint(
-        self, lease_key: str, concurrency_token: str, checkpoint: str, sub_sequence_number: int
+        self, lease_key: str, concurrency_token: str, position: Position
     ) -> None:
-        """Write the checkpoint, fenced. Raises ShutdownException, ThrottlingException or
-        KinesisClientLibDependencyException."""
+        """Write ``position`` as the checkpoint, fenced. Raises ShutdownException,
+        ThrottlingException or KinesisClientLibDependencyException."""
 
     def transact_checkpoint(
         self,
         lease_key: str,
         concurrency_token: str,
-        checkpoint: str,
-        sub_sequence_number: int,
+        position: Position,
         items: Sequence[Any],
     ) -> None:
-        """Write the checkpoint and ``items`` (DynamoDB ``TransactWriteItems`` entries) in one
-        fenced transaction; raises as ``update_checkpoint``, and ``TransactionRejected``
-        when one of ``items`` was refused (nothing written)."""
+        """Write ``position`` as the checkpoint and ``items`` (DynamoDB
+        ``TransactWriteItems`` entries) in one fenced transaction; raises as
+        ``update_checkpoint``, and ``TransactionRejected`` when one of ``items`` was refused
+        (nothing written)."""
 
     def guard(
         self, lease_key: str, concurrency_token: str | None, *, what: str
@@ -71,23 +71,22 @@ def keep_start(writer: StartWriter, lease_key: str, concurrency_token: str, at_m
                   what="start position")
 
 
-#: ``Checkpointer.commit``'s write: (writer, lease key, token, checkpoint, sub-sequence)
-CommitWrite = Callable[[CheckpointWriter, str, str, str, int], None]
+#: ``Checkpointer.commit``'s write: (writer, lease key, token, position)
+CommitWrite = Callable[[CheckpointWriter, str, str, Position], None]
 
 class Checkpointer:
     """One per shard consumer. Thread-safe: a Spark batcher may checkpoint from its own thread.
 
     ``lease_key`` names the lease it writes (in a multi-stream application the stream
     identifier and the shard id); ``shard_id`` is kept as an alias of it, the name it had
-    before, since a processor may read it."""
+    before, since a processor may read it. ``last`` is the checkpoint the lease had."""
 
     def __init__(
         self,
         lease_key: str,
         writer: CheckpointWriter,
         concurrency_token: str,
-        last_checkpoint: str | None,
-        last_sub_sequence_number: int | None,
+        last: Position,
         metrics: Metrics | None = None,
         *,
         gap: Position | None = None,
@@ -101,7 +100,7 @@ class Checkpointer:
         self._token = concurrency_token
         self._m = metrics.shard(lease_key) if metrics is not None else NOWHERE
         self._lock = threading.Lock()
-        self._last = Position.of(last_checkpoint, last_sub_sequence_number)
+        self._last = last
         #: the last record delivered (the end of the batch being processed)
         self._largest: Position | None = None
         self._at_shard_end = False
@@ -158,11 +157,11 @@ class Checkpointer:
             sub_sequence_number = sequence_number.sub_sequence_number
             sequence_number = sequence_number.sequence_number
         self._write(sequence_number, sub_sequence_number,
-                    lambda writer, key, token, checkpoint, sub:
-                    writer.update_checkpoint(key, token, checkpoint, sub))
+                    lambda writer, key, token, position:
+                    writer.update_checkpoint(key, token, position))
 
     def commit(self, record: Record, write: CommitWrite) -> None:
-        """Checkpoint at ``record`` by ``write(writer, lease_key, token, checkpoint, sub)``,
+        """Checkpoint at ``record`` by ``write(writer, lease_key, token, position)``,
         which lands the checkpoint together with other writes, all or nothing: how a stateful
         processor's transaction lands (``kclpy.state``). The position rules are those of
         ``checkpoint``; the writer's fence refuses it when the lease is no longer this
@@ -176,8 +175,7 @@ class Checkpointer:
             if position is None:
                 return
             try:
-                write(self._writer, self.lease_key, self._token, position.checkpoint,
-                      position.sub_sequence_number)
+                write(self._writer, self.lease_key, self._token, position)
             except CheckpointError as exc:
                 self._m.inc(CHECKPOINT_FAILURES, exc.name)
                 raise

@@ -22,12 +22,12 @@ from typing import Any
 
 from kclpy.cloudwatch import parse_dimensions, parse_level
 from kclpy.errors import ConfigError
+from kclpy.position import INITIAL_POSITIONS
 from kclpy.retrieval.subscription import FANOUT_HTTP_VERSIONS
 from kclpy.streams import StreamConfig, StreamTracker
 
 log = logging.getLogger(__name__)
 
-INITIAL_POSITIONS = ("LATEST", "TRIM_HORIZON", "AT_TIMESTAMP")
 ERROR_POLICIES = ("retry", "skip", "shutdown", "park")
 STRAY_STDOUT_POLICIES = ("restart", "skip")
 #: kclpy's own default is polling (API and CLI); Java's POLLING / FANOUT are accepted

@@ -373,8 +373,7 @@ class ShardConsumer:
                 continue
             self._processor = processor
             self._checkpointer = Checkpointer(
-                self.lease_key, self._writer, self._token, checkpoint, sub_sequence_number,
-                self._metrics)
+                self.lease_key, self._writer, self._token, position, self._metrics)
             if not position.is_shard_end:
                 self._fetcher = self._fetcher_factory(
                     self._lease, read_from if start_at is None else Position.at_time(start_at))

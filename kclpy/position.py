@@ -29,6 +29,8 @@ LATEST = "LATEST"
 AT_TIMESTAMP = "AT_TIMESTAMP"
 SHARD_END = "SHARD_END"
 SENTINELS = frozenset({TRIM_HORIZON, LATEST, AT_TIMESTAMP, SHARD_END})
+#: where a new lease may start (``initialPositionInStream``), in the order options list them
+INITIAL_POSITIONS = (LATEST, TRIM_HORIZON, AT_TIMESTAMP)
 #: the kind of a position that names a record, as the Spark offset log spells it
 AFTER = "AFTER"
 

@@ -19,6 +19,7 @@ from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
 from kclpy.errors import ConfigError
+from kclpy.position import AT_TIMESTAMP, INITIAL_POSITIONS
 
 _ARN = re.compile(
     r"^arn:(?P<partition>aws[\w-]*):kinesis:(?P<region>[\w-]+):(?P<account>\d+):"
@@ -47,11 +48,11 @@ class StreamConfig:
             raise ConfigError("--stream-name", "a stream needs a name or an ARN")
         if self.arn is not None and not _ARN.match(self.arn):
             raise ConfigError("--stream-arn", f"{self.arn!r} is not a Kinesis stream ARN")
-        if self.initial_position not in (None, "LATEST", "TRIM_HORIZON", "AT_TIMESTAMP"):
+        if self.initial_position is not None and self.initial_position not in INITIAL_POSITIONS:
             raise ConfigError("--initial-position",
-                              f"{self.initial_position!r} is not one of LATEST, TRIM_HORIZON, "
-                              "AT_TIMESTAMP")
-        if self.initial_position == "AT_TIMESTAMP" and self.initial_timestamp is None:
+                              f"{self.initial_position!r} is not one of "
+                              f"{', '.join(INITIAL_POSITIONS)}")
+        if self.initial_position == AT_TIMESTAMP and self.initial_timestamp is None:
             raise ConfigError("--initial-timestamp",
                               f"stream {self.label}: is required with AT_TIMESTAMP")
 

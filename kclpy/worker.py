@@ -345,7 +345,7 @@ class Worker:
         recent = self.coordinator.recent_lease_keys(2 * self.config.failover_time_ms / 1000)
         created = self.streams.sync(
             recent, None if recent is None else self.coordinator.all_leases())
-        self.coordinator.set_known_shards(self.streams.known_lease_keys())
+        self.coordinator.set_known_lease_keys(self.streams.known_lease_keys())
         self.streams.delete_due(self.coordinator.idle_leases(), self.coordinator.all_leases())
         if created:
             log.info("created %d lease(s): %s", len(created),
@@ -597,7 +597,7 @@ class Worker:
             # Emulators without ChildShards: a sync of the stream finds the children instead.
             stream.syncer.sync(self.coordinator.recent_lease_keys(
                 2 * self.config.failover_time_ms / 1000))
-        self.coordinator.set_known_shards(self.streams.known_lease_keys())
+        self.coordinator.set_known_lease_keys(self.streams.known_lease_keys())
         self.coordinator.wake_taker()
 
     def _on_handoff(self, lease_key: str) -> None:

@@ -17,11 +17,12 @@ class RecordingWriter(CheckpointWriterBase):
         self.writes: list[tuple[str, str, str, int]] = []
         self.fail = fail
 
-    def update_checkpoint(self, shard_id: str, concurrency_token: str, checkpoint: str,
-                          sub_sequence_number: int) -> None:
+    def update_checkpoint(self, lease_key: str, concurrency_token: str,
+                          position: Position) -> None:
         if self.fail is not None:
             raise self.fail
-        self.writes.append((shard_id, concurrency_token, checkpoint, sub_sequence_number))
+        self.writes.append((lease_key, concurrency_token, position.checkpoint,
+                            position.sub_sequence_number))
 
 
 def rec(seq: int, sub: int = 0) -> Record:
@@ -31,7 +32,7 @@ def rec(seq: int, sub: int = 0) -> Record:
 
 def make(writer: RecordingWriter, checkpoint: str = "TRIM_HORIZON", sub: int = 0,
          metrics: Metrics | None = None) -> Checkpointer:
-    return Checkpointer("shard-1", writer, "tok", checkpoint, sub, metrics)
+    return Checkpointer("shard-1", writer, "tok", Position.of(checkpoint, sub), metrics)
 
 
 def test_checkpoint_without_arguments_writes_last_delivered() -> None:

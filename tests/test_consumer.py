@@ -91,17 +91,17 @@ class Writer(CheckpointWriterBase):
     def __init__(self) -> None:
         self.writes: list[tuple[str, int]] = []
 
-    def update_checkpoint(self, shard_id: str, concurrency_token: str, checkpoint: str,
-                          sub_sequence_number: int) -> None:
-        self.writes.append((checkpoint, sub_sequence_number))
+    def update_checkpoint(self, lease_key: str, concurrency_token: str,
+                          position: Position) -> None:
+        self.writes.append((position.checkpoint, position.sub_sequence_number))
 
 
 class Leases:
     def __init__(self, leases: dict[str, Lease] | None = None) -> None:
         self.leases = leases or {}
 
-    def get_lease(self, shard_id: str) -> Lease | None:
-        return self.leases.get(shard_id)
+    def get_lease(self, lease_key: str) -> Lease | None:
+        return self.leases.get(lease_key)
 
 
 class Recorder(IRecordProcessor):

@@ -169,11 +169,11 @@ class Checkpoints(CheckpointWriterBase):
         self.last: tuple[str, int] | None = None
 
     def update_checkpoint(
-        self, shard_id: str, concurrency_token: str, checkpoint: str, sub_sequence_number: int
+        self, lease_key: str, concurrency_token: str, position: Position
     ) -> None:
-        self.last = (checkpoint, sub_sequence_number)
+        self.last = (position.checkpoint, position.sub_sequence_number)
 
-    def get_lease(self, shard_id: str) -> Lease | None:
+    def get_lease(self, lease_key: str) -> Lease | None:
         return None
 
 

@@ -24,6 +24,7 @@ from kclpy.leases.lease import Lease
 from kclpy.leases.table import LeaseChanged, LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from tests.support.determinism import Clock, FirstChoiceRandom
 from tests.support.fleet import Producer, fleet
 from tests.support.streams import create_stream, kinesis_client, unique_name
@@ -201,9 +202,9 @@ def test_the_owner_may_checkpoint_during_the_handoff(table: LeaseTable, clock: C
     assert held is not None and held.concurrency_token is not None
     # The checkpoint is what discovers the request here: it is retried as the handing-off
     # holder and succeeds.
-    a.fence.update_checkpoint("s1", held.concurrency_token, "1000", 0)
+    a.fence.update_checkpoint("s1", held.concurrency_token, Position("1000"))
     assert a_asked.shards == ["s1"]
-    a.fence.update_checkpoint("s1", held.concurrency_token, "2000", 1)
+    a.fence.update_checkpoint("s1", held.concurrency_token, Position("2000", 1))
     stored = fetch(table, "s1")
     assert (stored.checkpoint, stored.checkpoint_sub_sequence_number) == ("2000", 1)
     assert (stored.lease_owner, stored.checkpoint_owner) == ("B", "A")
@@ -222,11 +223,11 @@ def test_release_completes_the_handoff_and_the_new_owner_resumes_from_the_last_c
     a.run_renewer_once()
     held = a.get_held("s1")
     assert held is not None and held.concurrency_token is not None
-    a.fence.update_checkpoint("s1", held.concurrency_token, "777", 2)
+    a.fence.update_checkpoint("s1", held.concurrency_token, Position("777", 2))
     a.release("s1")
     assert a.get_held("s1") is None
     with pytest.raises(ShutdownException):
-        a.fence.update_checkpoint("s1", held.concurrency_token, "778", 0)
+        a.fence.update_checkpoint("s1", held.concurrency_token, Position("778"))
     stored = fetch(table, "s1")
     assert (stored.lease_owner, stored.checkpoint_owner) == ("B", None)
     (adopted,) = b.poll_handoffs()
@@ -290,7 +291,7 @@ def test_an_owner_that_does_not_finish_lets_go_after_the_timeout(
     assert a_asked.shards == ["s1"]
     assert a_lost.shards == ["s1"], "the processor that did not finish is fenced out"
     with pytest.raises(ShutdownException):
-        a.fence.update_checkpoint("s1", held.concurrency_token, "5", 0)
+        a.fence.update_checkpoint("s1", held.concurrency_token, Position("5"))
     assert fetch(table, "s1").checkpoint_owner is None
     assert [lease.lease_key for lease in b.poll_handoffs()] == ["s1"]
 

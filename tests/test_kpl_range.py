@@ -16,7 +16,7 @@ from aws_kinesis_agg.aggregator import RecordAggregator
 from kclpy import Worker
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import RECORDS_FILTERED, Metrics
-from kclpy.spark.offsets import ShardPosition
+from kclpy.position import Position
 from kclpy.spark.reading import ShardReader, StreamRef, list_shards
 from tests.support.e2e import worker_config
 from tests.support.recording import Ledger, RecordingProcessor
@@ -108,7 +108,7 @@ def test_the_spark_source_reader_delivers_every_user_record(
     ref = StreamRef(stream)
     seen: list[bytes] = []
     for shard in list_shards(kinesis, ref):
-        reader = ShardReader(kinesis, ref, shard, ShardPosition.trim_horizon())
+        reader = ShardReader(kinesis, ref, shard, Position.trim_horizon())
         while True:
             page = reader.next_page()
             seen.extend(record.binary_data for record in page.records)

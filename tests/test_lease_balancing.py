@@ -44,7 +44,7 @@ def plan_for(
     known: set[str] | None = None,
     no_steal: Iterable[str] = (),
 ) -> tuple[list[str], list[str]]:
-    plan = t.plan(held=set(held), known_shards=known, no_steal=set(no_steal), now=now)
+    plan = t.plan(held=set(held), known_lease_keys=known, no_steal=set(no_steal), now=now)
     return [lease.lease_key for lease in plan.take], [lease.lease_key for lease in plan.steal]
 
 
@@ -243,7 +243,7 @@ def simulate(workers: int, leases: int, rounds: int, seed: int) -> list[Counter[
             t = takers[name]
             t.observe([lease.copy() for lease in table.values()], now)
             held = {key for key, lease in table.items() if lease.lease_owner == name}
-            plan = t.plan(held=held, known_shards=None, no_steal=(), now=now)
+            plan = t.plan(held=held, known_lease_keys=None, no_steal=(), now=now)
             for lease in plan.take + plan.steal:
                 current = table[lease.lease_key]
                 if current.lease_counter == lease.lease_counter:
@@ -303,5 +303,5 @@ def test_a_lease_being_handed_off_is_never_stolen() -> None:
     ]
     t = taker("me", max_leases_to_steal_at_one_time=4)
     t.observe(leases, now=0.0)
-    plan = t.plan(held=set(), known_shards=None, no_steal=(), now=0.0)
+    plan = t.plan(held=set(), known_lease_keys=None, no_steal=(), now=0.0)
     assert plan.steal and all(lease.lease_key != "b4" for lease in plan.steal)

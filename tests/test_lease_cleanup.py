@@ -16,6 +16,7 @@ from kclpy.leases.coordinator import LeaseCoordinator
 from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON, Lease
 from kclpy.leases.shard_sync import Shard, ShardSyncer, plan_new_leases
 from kclpy.leases.table import LeaseTable
+from kclpy.position import Position
 
 
 def lease(key: str, checkpoint: str = TRIM_HORIZON, **fields: Any) -> Lease:
@@ -122,7 +123,7 @@ def test_the_child_holder_deletes_the_parent_on_its_next_scan(
     for key in ("c1", "c2"):
         held = worker.get_held(key)
         assert held is not None and held.concurrency_token is not None
-        worker.fence.update_checkpoint(key, held.concurrency_token, "123", 0)
+        worker.fence.update_checkpoint(key, held.concurrency_token, Position("123"))
     worker.run_taker_once()
     assert table.get("p") is None
     assert {item.lease_key for item in table.list_leases()} == {"c1", "c2"}

@@ -25,6 +25,7 @@ from kclpy.leases.dynamo import LeaseTableThrottled
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from tests.support.determinism import Clock
 from tests.support.leases import (
     FAILOVER,
@@ -46,7 +47,7 @@ from tests.support.waiting import wait_for
 def test_update_checkpoint_writes_and_counts_as_a_renewal(table: LeaseTable, clock: Clock) -> None:
     a, lost, token = take_one(table, clock)
     clock.advance(FAILOVER * 0.9)
-    a.fence.update_checkpoint("s1", token, "4959000", 3)
+    a.fence.update_checkpoint("s1", token, Position("4959000", 3))
     stored = fetch(table, "s1")
     assert (stored.checkpoint, stored.checkpoint_sub_sequence_number) == ("4959000", 3)
     assert a.get_held("s1") == stored
@@ -64,13 +65,13 @@ def test_checkpoint_with_a_stale_token_or_an_unheld_lease_is_refused(
 ) -> None:
     a, _, token = take_one(table, clock)
     with pytest.raises(ShutdownException):
-        a.fence.update_checkpoint("s1", "another-tenure", "1", 0)
+        a.fence.update_checkpoint("s1", "another-tenure", Position("1"))
     with pytest.raises(ShutdownException):
-        a.fence.update_checkpoint("other-shard", token, "1", 0)
+        a.fence.update_checkpoint("other-shard", token, Position("1"))
     assert fetch(table, "s1").checkpoint == "TRIM_HORIZON"
     a.release("s1")
     with pytest.raises(ShutdownException):
-        a.fence.update_checkpoint("s1", token, "1", 0)
+        a.fence.update_checkpoint("s1", token, Position("1"))
 
 
 def test_checkpoint_after_the_lease_was_taken_drops_it_and_notifies(
@@ -78,9 +79,9 @@ def test_checkpoint_after_the_lease_was_taken_drops_it_and_notifies(
 ) -> None:
     a, lost, token = take_one(table, clock)
     thief = table.take(fetch(table, "s1"), "B")
-    table.update_checkpoint(thief, "777", 0)
+    table.update_checkpoint(thief, Position("777"))
     with pytest.raises(ShutdownException):
-        a.fence.update_checkpoint("s1", token, "123", 0)
+        a.fence.update_checkpoint("s1", token, Position("123"))
     assert lost.shards == ["s1"]
     assert a.held_leases() == {}
     assert fetch(table, "s1").checkpoint == "777"
@@ -94,9 +95,9 @@ def test_a_retaken_lease_gets_a_new_token_and_old_checkpointers_are_fenced(
     (again,) = a.run_taker_once()
     assert again.concurrency_token not in (None, old_token)
     with pytest.raises(ShutdownException):
-        a.fence.update_checkpoint("s1", old_token, "5", 0)
+        a.fence.update_checkpoint("s1", old_token, Position("5"))
     assert again.concurrency_token is not None
-    a.fence.update_checkpoint("s1", again.concurrency_token, "5", 0)
+    a.fence.update_checkpoint("s1", again.concurrency_token, Position("5"))
 
 
 def test_throttled_checkpoint_raises_throttling_exception_and_keeps_the_lease(
@@ -105,7 +106,7 @@ def test_throttled_checkpoint_raises_throttling_exception_and_keeps_the_lease(
     a, lost, token = take_one(table, clock)
     client.fail["update_item"] = client_error("ProvisionedThroughputExceededException")
     with pytest.raises(ThrottlingException) as raised:
-        a.fence.update_checkpoint("s1", token, "1", 0)
+        a.fence.update_checkpoint("s1", token, Position("1"))
     assert isinstance(raised.value.__cause__, LeaseTableThrottled)
     assert lost.shards == []
     assert a.get_held("s1") is not None
@@ -117,7 +118,7 @@ def test_other_dynamodb_failures_raise_dependency_exception(
     a, lost, token = take_one(table, clock)
     client.fail["update_item"] = client_error("InternalServerError")
     with pytest.raises(KinesisClientLibDependencyException):
-        a.fence.update_checkpoint("s1", token, "1", 0)
+        a.fence.update_checkpoint("s1", token, Position("1"))
     assert lost.shards == []
 
 
@@ -138,7 +139,7 @@ def test_checkpoints_racing_renewals_always_use_the_freshest_counter(
     renewer = threading.Thread(target=renew)
     renewer.start()
     for i in range(rounds):
-        a.fence.update_checkpoint("s1", token, str(1000 + i), 0)
+        a.fence.update_checkpoint("s1", token, Position(str(1000 + i)))
     renewer.join()
     assert errors == []
     assert lost.shards == []
@@ -277,9 +278,9 @@ def test_over_http_three_workers_share_and_fence(moto_url: str) -> None:
     (a, _), (b, _), _ = workers
     shard, lease = next(iter(a.held_leases().items()))
     assert lease.concurrency_token is not None
-    a.fence.update_checkpoint(shard, lease.concurrency_token, "12345", 0)
+    a.fence.update_checkpoint(shard, lease.concurrency_token, Position("12345"))
     with pytest.raises(ShutdownException):
-        b.fence.update_checkpoint(shard, lease.concurrency_token, "99999", 0)
+        b.fence.update_checkpoint(shard, lease.concurrency_token, Position("99999"))
     assert fetch(table, shard).checkpoint == "12345"
 
 

@@ -22,6 +22,7 @@ from kclpy.leases.serializer import UpdateBuilder, s
 from kclpy.leases.table import LeaseTable, checkpoint_changes
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from tests.support.determinism import Clock
 
 if TYPE_CHECKING:
@@ -148,9 +149,9 @@ def test_a_zombies_write_is_rejected_and_reported_lost(table: LeaseTable, clock:
     zombie, thief = Worker(table, "A", clock), Worker(table, "B", clock)
     token = zombie.take("s1")
     thief_token = thief.take("s1")
-    thief.fence.update_checkpoint("s1", thief_token, "900", 0)
+    thief.fence.update_checkpoint("s1", thief_token, Position("900"))
     with pytest.raises(ShutdownException):
-        zombie.fence.update_checkpoint("s1", token, "100", 0)
+        zombie.fence.update_checkpoint("s1", token, Position("100"))
     assert zombie.lost.keys == ["s1"]
     assert zombie.held.get("s1") is None
     assert (stored(table).checkpoint, stored(table).lease_owner) == ("900", "B")
@@ -164,7 +165,7 @@ def test_a_suspended_holder_does_not_even_try_after_the_failover_time(
     before = client.calls.get("update_item", 0)
     clock.advance(FAILOVER + 0.1)
     with pytest.raises(ShutdownException):
-        a.fence.update_checkpoint("s1", token, "100", 0)
+        a.fence.update_checkpoint("s1", token, Position("100"))
     assert client.calls.get("update_item", 0) == before, "nothing was sent"
     assert a.lost.keys == ["s1"]
 
@@ -178,9 +179,9 @@ def test_an_earlier_tenures_token_is_refused_without_a_request(
     new = a.take("s1")
     before = client.calls.get("update_item", 0)
     with pytest.raises(ShutdownException):
-        a.fence.update_checkpoint("s1", old, "5", 0)
+        a.fence.update_checkpoint("s1", old, Position("5"))
     assert client.calls.get("update_item", 0) == before
-    a.fence.update_checkpoint("s1", new, "5", 0)
+    a.fence.update_checkpoint("s1", new, Position("5"))
     assert stored(table).checkpoint == "5"
 
 
@@ -214,18 +215,18 @@ def test_a_throttled_write_is_retried_and_keeps_the_fence(
     a, b = Worker(table, "A", clock), Worker(table, "B", clock)
     token = a.take("s1")
     client.failures["update_item"] = [throttled(), throttled()]
-    a.fence.update_checkpoint("s1", token, "10", 0)  # the third attempt goes through
+    a.fence.update_checkpoint("s1", token, Position("10"))  # the third attempt goes through
     assert stored(table).checkpoint == "10" and a.lost.keys == []
     # throttled on every attempt: an error the processor may retry, the lease still held
     client.failures["update_item"] = [throttled()] * 3
     with pytest.raises(ThrottlingException):
-        a.fence.update_checkpoint("s1", token, "11", 0)
+        a.fence.update_checkpoint("s1", token, Position("11"))
     assert a.held.get("s1") is not None and a.lost.keys == []
     # ... and the retry after a steal is still fenced: the fence never forgot the counter
     b.take("s1")
     client.failures["update_item"] = [throttled()]
     with pytest.raises(ShutdownException):
-        a.fence.update_checkpoint("s1", token, "12", 0)
+        a.fence.update_checkpoint("s1", token, Position("12"))
     assert stored(table).checkpoint == "10"
 
 
@@ -235,7 +236,7 @@ def test_a_write_that_discovers_a_handoff_request_is_repeated_as_the_handing_off
     a = Worker(table, "A", clock)
     token = a.take("s1")
     table.set_checkpoint_owner(stored(table), "B")
-    a.fence.update_checkpoint("s1", token, "77", 0)
+    a.fence.update_checkpoint("s1", token, Position("77"))
     assert a.asked.keys == ["s1"] and a.lost.keys == []
     assert a.held.handing_off("s1")
     lease = stored(table)
@@ -253,7 +254,7 @@ def test_a_transaction_commits_state_and_checkpoint_together(
     a = Worker(table, "A", clock)
     token = a.take("s1")
     fresh = a.fence.transact(
-        "s1", token, checkpoint_changes("500", 2), [put_state("x", "1")], what="commit",
+        "s1", token, checkpoint_changes(Position("500", 2)), [put_state("x", "1")], what="commit",
         apply=lambda lease: lease.copy(checkpoint="500", checkpoint_sub_sequence_number=2))
     assert state(client, "x") == "1"
     lease = stored(table)
@@ -270,7 +271,7 @@ def test_a_zombies_transaction_is_rejected_state_included(
     token = zombie.take("s1")
     thief.take("s1")
     with pytest.raises(ShutdownException):
-        zombie.fence.transact("s1", token, checkpoint_changes("500", 0),
+        zombie.fence.transact("s1", token, checkpoint_changes(Position("500")),
                               [put_state("x", "zombie")], what="commit")
     assert state(client, "x") is None, "the state write was rejected with the checkpoint"
     assert zombie.lost.keys == ["s1"]
@@ -286,12 +287,13 @@ def test_a_transaction_refused_by_its_own_items_keeps_the_lease(
     conditional = put_state("x", "2")
     conditional["Put"]["ConditionExpression"] = "attribute_exists(k)"
     with pytest.raises(TransactionRejected) as raised:
-        a.fence.transact("s1", token, checkpoint_changes("600", 0), [conditional], what="commit")
+        a.fence.transact("s1", token, checkpoint_changes(Position("600")), [conditional],
+                         what="commit")
     assert raised.value.reasons[1]["Code"] == "ConditionalCheckFailed"
     assert a.lost.keys == [] and a.held.get("s1") is not None
     assert stored(table).checkpoint == "TRIM_HORIZON" and state(client, "x") is None
     # the lease's counter did not move, so the next write still goes through
-    a.fence.update_checkpoint("s1", token, "601", 0)
+    a.fence.update_checkpoint("s1", token, Position("601"))
 
 
 def test_a_throttled_transaction_is_retried(
@@ -301,7 +303,7 @@ def test_a_throttled_transaction_is_retried(
     a = Worker(table, "A", clock)
     token = a.take("s1")
     client.failures["transact_write_items"] = [transaction_throttled()]
-    a.fence.transact("s1", token, checkpoint_changes("700", 0), [put_state("y", "1")],
+    a.fence.transact("s1", token, checkpoint_changes(Position("700")), [put_state("y", "1")],
                      what="commit")
     assert state(client, "y") == "1" and stored(table).checkpoint == "700"
     assert client.calls["transact_write_items"] == 2
@@ -350,13 +352,13 @@ def test_over_http_a_zombie_transaction_is_rejected(moto_server: LocalEndpoint) 
     clock = Clock()
     zombie, thief = Worker(table, "A", clock), Worker(table, "B", clock)
     token = zombie.take("s1")
-    zombie.fence.transact("s1", token, checkpoint_changes("10", 0),
+    zombie.fence.transact("s1", token, checkpoint_changes(Position("10")),
                           [put_state("x", "a", f"state-{suffix}")], what="commit")
     thief_token = thief.take("s1")
     with pytest.raises(ShutdownException):
-        zombie.fence.transact("s1", token, checkpoint_changes("20", 0),
+        zombie.fence.transact("s1", token, checkpoint_changes(Position("20")),
                               [put_state("x", "zombie", f"state-{suffix}")], what="commit")
-    thief.fence.transact("s1", thief_token, checkpoint_changes("30", 0),
+    thief.fence.transact("s1", thief_token, checkpoint_changes(Position("30")),
                          [put_state("x", "b", f"state-{suffix}")], what="commit")
     assert state(client, "x", f"state-{suffix}") == "b"
     assert stored(table).checkpoint == "30"

@@ -36,11 +36,11 @@ def test_free_leases_go_to_the_emptiest_workers_and_counts_end_within_one() -> N
     others' share gives the newcomer its excess, and nothing else moves."""
     live = {w: _report(w) for w in ("a", "b", "c")}
     decided = plan([_lease(f"s{i:02d}") for i in range(10)], live, is_expired=_never_expired,
-                   known_shards=None, no_move=(), settings=None, rng=random.Random(1))
+                   known_lease_keys=None, no_move=(), settings=None, rng=random.Random(1))
     assert sorted(Counter(owner for _, owner in decided.assign).values()) == [3, 3, 4]
     assert decided.move == ()
     leases = ([_lease(f"a{i}", "a") for i in range(6)] + [_lease(f"b{i}", "b") for i in range(3)])
-    decided = plan(leases, live, is_expired=_never_expired, known_shards=None, no_move=(),
+    decided = plan(leases, live, is_expired=_never_expired, known_lease_keys=None, no_move=(),
                    settings=None, rng=random.Random(1))
     moved = Counter(owner for _, owner in decided.move)
     assert moved == {"c": 3}
@@ -64,7 +64,7 @@ def test_what_the_leader_leaves_alone() -> None:
     parked.parked = "operator"
     decided = plan([*leases, done, parked, _lease("u1")], live,
                    is_expired=lambda lease: lease.lease_key == "x1",
-                   known_shards={lease.lease_key for lease in [*leases, done, parked]},
+                   known_lease_keys={lease.lease_key for lease in [*leases, done, parked]},
                    no_move={"r1", "r2"}, settings=None, rng=random.Random(2))
     assert [(lease.lease_key, owner) for lease, owner in decided.assign] == [("x1", "a")]
     assert decided.move == ()
@@ -80,13 +80,13 @@ def test_by_load_moves_damped_shares_from_the_busiest_and_leaves_a_balanced_flee
     leases = [_lease("a1", "a"), _lease("a2", "a"), _lease("a3", "a"), _lease("b1", "b"),
               _lease("c1", "c")]
     settings = LoadSettings(threshold=0.10, dampening=1.0)
-    decided = plan(leases, live, is_expired=_never_expired, known_shards=None, no_move=(),
+    decided = plan(leases, live, is_expired=_never_expired, known_lease_keys=None, no_move=(),
                    settings=settings, rng=random.Random(3))
     assert sorted(owner for _, owner in decided.move) == ["b", "c"]
     assert {lease.lease_owner for lease, _ in decided.move} == {"a"}
     even = {w: _report(w, 50.0 + i, {f"{w}1": 500.0}) for i, w in enumerate("abc")}
     decided = plan([_lease(f"{w}1", w) for w in "abc"], even, is_expired=_never_expired,
-                   known_shards=None, no_move=(), settings=settings, rng=random.Random(3))
+                   known_lease_keys=None, no_move=(), settings=settings, rng=random.Random(3))
     assert decided.move == ()
 
 
@@ -123,7 +123,7 @@ def test_a_worker_that_never_takes_what_it_was_assigned_is_dead_and_the_lease_fr
     live = live_workers(reports, lambda w: 100.0, [assigned, taken], lambda lease: None, dead,
                         unchanged_for=lambda lease: 9.0, claim_within_s=5.0)
     assert set(live) == {"b"}
-    decided = plan([assigned, taken], live, is_expired=_never_expired, known_shards=None,
+    decided = plan([assigned, taken], live, is_expired=_never_expired, known_lease_keys=None,
                    no_move=(), settings=None, rng=random.Random(4), dead=set(dead))
     assert [(lease.lease_key, owner) for lease, owner in decided.assign] == [("s1", "b")]
 

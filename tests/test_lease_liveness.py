@@ -29,6 +29,7 @@ from kclpy.leases.lease import Lease
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from tests.support.determinism import Clock
 from tests.support.late import LateAnswers, LateSession, checkpoint_write
 from tests.support.recording import Ledger, RecordingProcessor
@@ -101,7 +102,7 @@ def test_a_checkpoint_refused_after_local_expiry_says_so(late: LateAnswers) -> N
     clock.advance(FAILOVER + 1)
     worker.held_leases()
     with pytest.raises(ShutdownException, match="expired on this worker") as refused:
-        worker.fence.update_checkpoint("s1", held.concurrency_token, "100", 0)
+        worker.fence.update_checkpoint("s1", held.concurrency_token, Position("100"))
     assert "taken by another worker" not in str(refused.value)
 
 
@@ -114,10 +115,10 @@ def test_a_checkpoint_refused_after_a_steal_names_the_taker(late: LateAnswers) -
     assert current is not None
     worker.table.take(current, "B")
     with pytest.raises(ShutdownException, match=r"taken by another worker.*owner now B"):
-        worker.fence.update_checkpoint("s1", held.concurrency_token, "100", 0)
+        worker.fence.update_checkpoint("s1", held.concurrency_token, Position("100"))
     assert lost == ["s1"]
     with pytest.raises(ShutdownException, match="taken by another worker"):
-        worker.fence.update_checkpoint("s1", held.concurrency_token, "100", 0)
+        worker.fence.update_checkpoint("s1", held.concurrency_token, Position("100"))
 
 
 def test_a_slow_renewal_delays_neither_the_others_nor_the_loop(late: LateAnswers) -> None:

@@ -14,6 +14,7 @@ from kclpy.errors import ShutdownException
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from tests.support.determinism import Clock
 from tests.support.leases import (
     FAILOVER,
@@ -111,7 +112,7 @@ def test_a_lease_is_renewed_every_half_failover_and_a_checkpoint_counts(client: 
     a.run_renewer_once(due_only=True)
     assert updates(metrics) == written + 1
     clock.advance(FAILOVER / 4)
-    a.fence.update_checkpoint("s1", token, "100", 0)
+    a.fence.update_checkpoint("s1", token, Position("100"))
     clock.advance(FAILOVER / 2 - 0.01)
     a.run_renewer_once(due_only=True)
     assert updates(metrics) == written + 2, "the checkpoint postponed the renewal"
@@ -151,7 +152,7 @@ def test_a_worker_suspended_past_the_failover_time_holds_nothing_and_writes_noth
     assert a.held_leases() == {}, "not renewed for the failover time: no longer ours"
     written = updates(metrics)
     with pytest.raises(ShutdownException):
-        a.fence.update_checkpoint("s1", token, "100", 0)
+        a.fence.update_checkpoint("s1", token, Position("100"))
     assert updates(metrics) == written, "the stale checkpoint was refused without a write"
     assert lost.shards == ["s1"]
     a.run_renewer_once()

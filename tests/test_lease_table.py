@@ -18,6 +18,7 @@ from kclpy.leases.lease import SHARD_END, TRIM_HORIZON, Lease
 from kclpy.leases.table import LeaseChanged, LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 
 REGION = "us-east-1"
 
@@ -358,7 +359,7 @@ def test_writes_during_a_handoff_are_fenced_on_the_checkpoint_owner(table: Lease
     handing_off = lease.copy(lease_owner="thief", checkpoint_owner="java-worker")
     renewed = table.renew(handing_off)
     assert renewed.lease_counter == asked.lease_counter + 1
-    checkpointed = table.update_checkpoint(renewed, "12345", 0)
+    checkpointed = table.update_checkpoint(renewed, Position("12345"))
     assert checkpointed.checkpoint == "12345"
     with pytest.raises(LeaseChanged):
         table.renew(renewed.copy(checkpoint_owner="thief"))
@@ -391,7 +392,7 @@ def test_update_checkpoint_resets_switches_and_clears_pending(table: LeaseTable)
         ),
     )
     assert lease.pending_checkpoint == "999"
-    updated = table.update_checkpoint(lease, "123456789", 5)
+    updated = table.update_checkpoint(lease, Position("123456789", 5))
     assert updated.checkpoint == "123456789"
     assert updated.checkpoint_sub_sequence_number == 5
     assert updated.owner_switches_since_checkpoint == 0
@@ -411,10 +412,10 @@ def test_update_checkpoint_resets_switches_and_clears_pending(table: LeaseTable)
 def test_update_checkpoint_is_fenced_on_counter_and_owner(table: LeaseTable) -> None:
     lease = put_java(table, java_item("s"))
     with pytest.raises(LeaseLostError):
-        table.update_checkpoint(lease.copy(lease_owner="impostor"), SHARD_END, 0)
+        table.update_checkpoint(lease.copy(lease_owner="impostor"), Position(SHARD_END))
     table.renew(lease)
     with pytest.raises(LeaseLostError):
-        table.update_checkpoint(lease, SHARD_END, 0)
+        table.update_checkpoint(lease, Position(SHARD_END))
     current = table.get("s")
     assert current is not None and current.checkpoint_sub_sequence_number == 3
 
@@ -551,7 +552,7 @@ def test_over_http_java_items_and_fenced_writes(moto_url: str) -> None:
     renewed = table.renew(taken)
     with pytest.raises(LeaseLostError):
         table.renew(taken)
-    checkpointed = table.update_checkpoint(renewed, "4959", 1)
+    checkpointed = table.update_checkpoint(renewed, Position("4959", 1))
     evicted = table.evict(checkpointed)
     assert evicted.lease_owner is None
     assert evicted.lease_counter == java.lease_counter + 4

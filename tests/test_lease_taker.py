@@ -50,9 +50,9 @@ def test_shard_end_and_unknown_shards_are_not_taken(table: LeaseTable, clock: Cl
     create(table, "done", checkpoint=SHARD_END)
     create(table, "s1", "s2")
     a, _ = coordinator(table, "A", clock)
-    a.set_known_shards({"done", "s1"})
+    a.set_known_lease_keys({"done", "s1"})
     assert [lease.lease_key for lease in a.run_taker_once()] == ["s1"]
-    a.set_known_shards(None)
+    a.set_known_lease_keys(None)
     assert [lease.lease_key for lease in a.run_taker_once()] == ["s2"]
     assert owners(table)["done"] is None
 
@@ -141,9 +141,9 @@ def _lose_s1_to_b(table: LeaseTable, clock: Clock) -> tuple[LeaseCoordinator, Lo
     """A holds s1, then B steals it; C holds w. Returns A after its renewer noticed."""
     create(table, "s1", "s2", "w")
     a, lost = coordinator(table, "A", clock)
-    a.set_known_shards({"s1"})
+    a.set_known_lease_keys({"s1"})
     a.run_taker_once()
-    a.set_known_shards(None)
+    a.set_known_lease_keys(None)
     table.take(fetch(table, "s2"), "B")
     table.take(fetch(table, "s1"), "B")
     table.take(fetch(table, "w"), "C")
@@ -205,7 +205,7 @@ def test_the_last_scan_tells_leases_nobody_runs_from_those_another_worker_runs(
     b.release("b-dead")
     table.take(fetch(table, "b-dead"), "B")  # owned by B, and never renewed again
     a, _ = coordinator(table, "A", clock)
-    a.set_known_shards(set())  # A only watches: it takes no lease of a shard it does not know
+    a.set_known_lease_keys(set())  # A only watches: it takes no lease of a shard it does not know
     assert a.idle_leases() == [] and a.run_elsewhere() == frozenset(), "no scan yet"
     a.run_taker_once()
     assert {lease.lease_key for lease in a.idle_leases()} == {"free"}

@@ -19,6 +19,7 @@ from kclpy.leases.balancing import Balancer
 from kclpy.leases.coordinator import LeaseCoordinator
 from kclpy.leases.lease import SHARD_END, Lease
 from kclpy.leases.table import LeaseTable
+from kclpy.position import Position
 from tests.support.determinism import Clock, FirstChoiceRandom
 
 FAILOVER = 10.0
@@ -163,8 +164,8 @@ def test_finished_leases_count_as_java_counts_them_only_with_java_in_the_table()
                for n in range(2)]
     balancer = Balancer("K", FAILOVER, rng=FirstChoiceRandom())
     balancer.observe(leases, 0.0)
-    plain = balancer.plan(held=set(), known_shards=None, no_steal=(), now=1.0)
-    java = balancer.plan(held=set(), known_shards=None, no_steal=(), now=1.0,
+    plain = balancer.plan(held=set(), known_lease_keys=None, no_steal=(), now=1.0)
+    java = balancer.plan(held=set(), known_lease_keys=None, no_steal=(), now=1.0,
                          java_peers=True)
     assert (plain.total, plain.needed) == (4, 2)
     assert (java.total, java.needed) == (6, 3)
@@ -185,7 +186,7 @@ def test_with_java_peers_a_lease_free_for_a_failover_time_is_taken_above_target(
                       for lease in leases], FAILOVER)
     held = {f"k{n}" for n in range(3)}
     for java_peers, expected in ((False, ()), (True, ("free",))):
-        plan = balancer.plan(held=held, known_shards=None, no_steal=(), now=FAILOVER + 1,
+        plan = balancer.plan(held=held, known_lease_keys=None, no_steal=(), now=FAILOVER + 1,
                              java_peers=java_peers)
         assert tuple(lease.lease_key for lease in plan.take) == expected
 
@@ -210,9 +211,9 @@ def test_with_java_peers_a_silent_java_workers_lease_is_taken_above_target_at_ex
                       for lease in leases], FAILOVER)
     held = {f"k{n}" for n in range(3)}
     # 8 leases, 2 live workers: K's target is 4, it holds 3 and needs one
-    plain = balancer.plan(held=held, known_shards=None, no_steal=(), now=FAILOVER + 1)
+    plain = balancer.plan(held=held, known_lease_keys=None, no_steal=(), now=FAILOVER + 1)
     assert len(plain.take) == 1
-    java = balancer.plan(held=held, known_shards=None, no_steal=(), now=FAILOVER + 1,
+    java = balancer.plan(held=held, known_lease_keys=None, no_steal=(), now=FAILOVER + 1,
                          java_peers=True)
     assert {lease.lease_key for lease in java.take} == {"d0", "d1"}
 
@@ -243,7 +244,7 @@ def test_a_kclpy_worker_deletes_the_finished_lease_it_holds_through_its_held_set
     assert k.java_peers()
     held = k.get_held("p")
     assert held is not None and held.concurrency_token is not None
-    k.fence.update_checkpoint("p", held.concurrency_token, SHARD_END, 0)
+    k.fence.update_checkpoint("p", held.concurrency_token, Position(SHARD_END))
     java_take(table, "c", "java")
     table.client.update_item(  # the Java worker checkpoints the child
         TableName="app", Key={"leaseKey": {"S": "c"}}, UpdateExpression="SET checkpoint = :s",
@@ -272,13 +273,13 @@ def test_expired_leases_a_kclpy_peer_under_target_takes_are_left_to_it() -> None
                for lease in leases]
     balancer.observe(renewed, FAILOVER)
     # 8 leases, 3 live workers: target 3; K and P hold 2 each and take one each
-    plan = balancer.plan(held={"k0", "k1"}, known_shards=None, no_steal=(), now=FAILOVER + 1,
+    plan = balancer.plan(held={"k0", "k1"}, known_lease_keys=None, no_steal=(), now=FAILOVER + 1,
                          java_peers=True)
     assert len(plan.take) == 1
     # with P at its target, K takes both: only Java's slower taker would be left for one
     full = [lease.copy(lease_owner="P", kclpy_holder="P") if lease.lease_key == "j0" else lease
             for lease in renewed]
     balancer.observe(full, FAILOVER + 1)
-    plan = balancer.plan(held={"k0", "k1"}, known_shards=None, no_steal=(), now=FAILOVER + 2,
+    plan = balancer.plan(held={"k0", "k1"}, known_lease_keys=None, no_steal=(), now=FAILOVER + 2,
                          java_peers=True)
     assert {lease.lease_key for lease in plan.take} == {"d0", "d1"}

@@ -91,7 +91,7 @@ def test_a_child_flooding_stdout_is_bounded_and_nothing_is_lost(
     code = (f"import sys; sys.stdout.write('x' * {flood}); sys.stdout.write('\\nend\\n'); "
             "sys.stdout.flush()")
     full: list[int] = []
-    child = ChildProcess([sys.executable, "-c", code], cwd=tmp_path, shard_id="shard-1",
+    child = ChildProcess([sys.executable, "-c", code], cwd=tmp_path, lease_key="shard-1",
                          max_unread_bytes=1024 * 1024, on_full=lambda: full.append(1))
     before = rss_bytes()
     with caplog.at_level(logging.WARNING, logger="kclpy.multilang"):
@@ -128,7 +128,7 @@ def test_a_message_larger_than_the_pipe_reaches_a_child_blocked_on_its_stdout(
             "line = sys.stdin.readline()\n"
             "sys.stdout.write('got %d\\n' % len(line)); sys.stdout.flush()\n")
     full: list[int] = []
-    child = ChildProcess([sys.executable, "-c", code], cwd=tmp_path, shard_id="shard-1",
+    child = ChildProcess([sys.executable, "-c", code], cwd=tmp_path, lease_key="shard-1",
                          max_unread_bytes=256 * 1024, on_full=lambda: full.append(1))
     child.start()
     try:

@@ -32,6 +32,7 @@ from kclpy.multilang import (
     multilang_processor_factory,
     resolve_command,
 )
+from kclpy.position import Position
 from kclpy.processor import (
     InitializeInput,
     LeaseLostInput,
@@ -57,11 +58,11 @@ class FakeWriter(CheckpointWriterBase):
         self.writes: list[tuple[str, str, int]] = []
         self.failures: list[CheckpointError] = []
 
-    def update_checkpoint(self, shard_id: str, concurrency_token: str, checkpoint: str,
-                          sub_sequence_number: int) -> None:
+    def update_checkpoint(self, lease_key: str, concurrency_token: str,
+                          position: Position) -> None:
         if self.failures:
             raise self.failures.pop(0)
-        self.writes.append((shard_id, checkpoint, sub_sequence_number))
+        self.writes.append((lease_key, position.checkpoint, position.sub_sequence_number))
 
 
 class Shard:
@@ -69,7 +70,7 @@ class Shard:
 
     def __init__(self, processor: MultiLangRecordProcessor, writer: FakeWriter) -> None:
         self.processor = processor
-        self.checkpointer = Checkpointer(SHARD, writer, "token-1", "TRIM_HORIZON", 0)
+        self.checkpointer = Checkpointer(SHARD, writer, "token-1", Position.trim_horizon())
         self._next = 49_600_000_000_000_000_000_000_000_000_000_000_000_000_000_001
 
     def initialize(self) -> None:

@@ -48,7 +48,7 @@ def test_a_child_that_never_writes_a_newline_is_seen_while_it_runs(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="kclpy.multilang")
     child = ChildProcess([sys.executable, "-c", NO_NEWLINE_CHILD], cwd=tmp_path,
-                         shard_id="shardId-000000000000")
+                         lease_key="shardId-000000000000")
     child.start()
     try:
         seen = wait_for(lambda: [getattr(r, "child_stderr", "") for r in caplog.records

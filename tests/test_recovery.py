@@ -168,7 +168,7 @@ class FakeRecovery:
         self.start_at = start_at
         self.begun: list[tuple[str, int]] = []
         self.writer = Writer()
-        self.checkpointer = Checkpointer("shard-1", self.writer, "t", TRIM_HORIZON, 0)
+        self.checkpointer = Checkpointer("shard-1", self.writer, "t", Position.trim_horizon())
         self.stopped = False
 
     def begin(self, live: Position) -> datetime | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kclpy.leases.lease import TRIM_HORIZON
+from kclpy.position import Position
 from kclpy.recovery import queue as gaps
 from kclpy.recovery.queue import RecoveryRequest
 from tests.support.recovery import gap
@@ -50,7 +51,8 @@ def test_merging_sweeps_every_gap_a_new_one_bridges() -> None:
 
 def test_the_queue_round_trips_through_its_attribute_and_empties_to_none() -> None:
     queue = (gap(TRIM_HORIZON, 1000, 500, done="150"),
-             RecoveryRequest.gap("900", 3, 5000, 4000, "901").checkpointed("950", 2, 4500))
+             RecoveryRequest.gap("900", 3, 5000, 4000, "901").checkpointed(Position("950", 2),
+                                                                           4500))
     assert gaps.loads(gaps.dumps(queue)) == queue
     assert gaps.dumps(()) is None
     assert gaps.loads(None) == ()
@@ -61,4 +63,4 @@ def test_the_queue_round_trips_through_its_attribute_and_empties_to_none() -> No
 def test_remaining_time_runs_from_the_recovery_checkpoint_to_the_gap_end() -> None:
     fresh = gap("100", 10_000, 4_000)
     assert fresh.remaining_ms() == 6_000
-    assert fresh.checkpointed("200", 0, 9_000).remaining_ms() == 1_000
+    assert fresh.checkpointed(Position("200"), 9_000).remaining_ms() == 1_000

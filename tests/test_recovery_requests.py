@@ -38,7 +38,8 @@ KEY = "s1"
 def gap_after(start: int, *, done: int | None = None) -> RecoveryRequest:
     """A gap whose arrival times keep it apart from every other gap of these tests."""
     request = RecoveryRequest.gap(str(start), 0, start * 10 + 5, start * 10, None)
-    return request if done is None else request.checkpointed(str(done), 0, start * 10 + 1)
+    return request if done is None else request.checkpointed(Position(str(done)),
+                                                             start * 10 + 1)
 
 
 def add(start: int) -> asked.QueueRequest:
@@ -188,7 +189,8 @@ def test_an_add_racing_the_holders_own_queue_write_is_kept_for_its_next_write(
     with recovery._lock:
         recovery._store((gap_after(100),))
     control._request(table, item(table), add(300))  # lands after the holder's last answer
-    recovery.checkpoint(Position("100", 0), "150", 0)  # the holder's write, from what it has seen
+    # the holder's write, from what it has seen
+    recovery.checkpoint(Position("100", 0), Position("150"))
     lease = item(table)
     assert [(r.start, r.done) for r in gaps.loads(lease.recovery)] == [("100", "150")]
     assert len(lease.recovery_requests) == 1, "not in that write's DELETE: still waiting"
@@ -216,7 +218,7 @@ def test_adds_and_cancels_racing_the_holders_writes_are_each_applied_once(
         try:
             while not stop.is_set():
                 done += 1
-                recovery.checkpoint(Position("10", 0), str(done), 0)
+                recovery.checkpoint(Position("10", 0), Position(str(done)))
                 renew(holder)
                 recovery.poll()
         except BaseException as exc:  # reported below, with the thread's own traceback
@@ -367,7 +369,7 @@ def test_a_gap_committed_with_its_state_takes_requests_in_within_the_transaction
     assert entry is not None
     due = entry.renew_due
     holder.clock.advance(1)
-    recovery.checkpoint(Position("100", 0), "150", 0, [put(state_table, "a")])
+    recovery.checkpoint(Position("100", 0), Position("150"), [put(state_table, "a")])
     lease = item(table)
     assert [(r.start, r.done) for r in gaps.loads(lease.recovery)] == [("100", "150"),
                                                                         ("300", "300")]
@@ -380,7 +382,7 @@ def test_a_gap_committed_with_its_state_takes_requests_in_within_the_transaction
     control._request(table, item(table), cancel(100))
     renew(holder)
     recovery.poll()
-    recovery.checkpoint(Position("100", 0), "160", 0, [put(state_table, "b")])
+    recovery.checkpoint(Position("100", 0), Position("160"), [put(state_table, "b")])
     assert "Item" in table.client.get_item(TableName=state_table, Key={"k": {"S": "b"}})
     lease = item(table)
     assert starts(gaps.loads(lease.recovery)) == ["300"] and lease.lease_owner == "A"

@@ -76,7 +76,7 @@ def test_every_lease_write_keeps_the_queue(table: LeaseTable) -> None:
     recovery = recovery_for(a, token)
     with recovery._lock:
         recovery._store(queue)
-    a.fence.update_checkpoint("s1", token, "200", 0)  # checkpoint
+    a.fence.update_checkpoint("s1", token, Position("200"))  # checkpoint
     a.fence.update("s1", token, UpdateBuilder(), what="renewal")  # renewal
     a.fence.release("s1")  # release
     b.take("s1")  # take
@@ -111,7 +111,7 @@ def test_the_new_owner_reads_the_queue_and_its_checkpoints_move_only_the_gap(
     lease = b.held.get("s1")
     assert lease is not None
     second = recovery_for(b, token_b, lease.recovery)
-    second.checkpoint(Position("100", 0), "150", 0)
+    second.checkpoint(Position("100", 0), Position("150"))
     lease = table.get("s1")
     assert lease is not None and lease.checkpoint == TRIM_HORIZON
     assert [(r.start, r.done) for r in gaps.loads(lease.recovery)] == [("100", "150"),

@@ -21,6 +21,7 @@ from kclpy.leases.shard_sync import Shard, ShardSyncer, former_incarnation, plan
 from kclpy.leases.table import LeaseTable, checkpoint_changes
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from kclpy.retrieval.parse import ChildShard
 from tests.support.streams import wait_for_stream_active
 from tests.support.waiting import wait_for
@@ -410,7 +411,7 @@ def test_child_leases_from_get_records_are_created_once(aws: tuple[Any, LeaseTab
     assert syncer.known_shard_ids == {"shardId-000000000002", "shardId-000000000003"}
     # someone already took and advanced it: a second report changes nothing
     taken = table.take(lease, "w1")
-    table.update_checkpoint(taken, "123", 0)
+    table.update_checkpoint(taken, Position("123"))
     syncer.create_child_leases([child])
     again = table.get("shardId-000000000002")
     assert again is not None and (again.checkpoint, again.lease_owner) == ("123", "w1")
@@ -513,7 +514,8 @@ def test_a_shard_that_closes_between_the_listing_and_the_lease_read_is_not_a_for
         monkeypatch.setattr(syncer, "list_shards", lambda: next(answers))
         lease = table.get(only.shard_id)
         assert lease is not None
-        table.guarded_update(lease.copy(lease_owner=None), checkpoint_changes("SHARD_END", 0))
+        table.guarded_update(lease.copy(lease_owner=None),
+                             checkpoint_changes(Position.shard_end()))
         assert syncer.sync() == []
         kept = table.get(only.shard_id)
         assert kept is not None and kept.checkpoint == "SHARD_END"

@@ -454,8 +454,8 @@ def test_every_record_of_a_gap_is_applied_once_beside_the_live_position(
     assert (lease.checkpoint, lease.checkpoint_sub_sequence_number) == (live[1], 0), (
         "a gap's commits never move the live checkpoint")
     if isinstance(store, SQLStateStore):
-        assert store.begin_tenure(shard.fence, SHARD, shard.checkpointer._token) == (
-            live[1], 0), "nor the store's live position"
+        assert store.begin_tenure(shard.fence, SHARD, shard.checkpointer._token) == Position(
+            live[1]), "nor the store's live position"
 
 
 def test_a_gap_finished_before_any_live_record_is_not_found_again_by_the_next_owner(
@@ -516,7 +516,7 @@ def test_a_closed_shards_gap_is_applied_and_the_lease_finished(
     first, queueing = stream.take("A", Clock())
     assert queueing.begin(Position.trim_horizon()) is not None
     queueing.stop()
-    first.fence.update_checkpoint(SHARD, first.checkpointer._token, "SHARD_END", 0)
+    first.fence.update_checkpoint(SHARD, first.checkpointer._token, Position("SHARD_END"))
     shard, recovery = stream.take("B", Clock())  # a closed lease is taken for its gap
     assert shard.start == ("SHARD_END", 0)
     recover(recovery, runner(store, start=shard.start))

@@ -28,7 +28,7 @@ Differences from Java, each cheap and deliberate:
   needs them: a child only reads its parent's checkpoint, and a child lease missing after a
   crash is recreated by shard sync. Java takes them and renews them until they are cleaned
   up, paying DynamoDB writes for finished shards.
-- Leases of shards outside the known set (``set_known_shards``) are never taken or counted.
+- Leases of shards outside the known set (``set_known_lease_keys``) are never taken or counted.
 - Parked leases (``kclpyParked``, set by ``kclpy shard park`` or the ``park`` processor
   error policy) are never taken or counted until ``kclpy shard resume`` clears the mark.
 - Java treats a lease it sees for the first time unowned as free since the epoch, hence
@@ -166,7 +166,7 @@ class Balancer:
         self,
         *,
         held: AbstractSet[str],
-        known_shards: AbstractSet[str] | None,
+        known_lease_keys: AbstractSet[str] | None,
         no_steal: Collection[str],
         now: float,
         java_peers: bool = False,
@@ -186,7 +186,7 @@ class Balancer:
                 for lease in self._leases.values()
                 if not lease.is_finished
                 and lease.parked is None  # an operator or the park policy set it aside
-                and (known_shards is None or lease.lease_key in known_shards)
+                and (known_lease_keys is None or lease.lease_key in known_lease_keys)
             ),
             key=lambda lease: lease.lease_key,
         )
@@ -209,7 +209,8 @@ class Balancer:
         if java_peers:
             for lease in self._leases.values():
                 if (not lease.is_finished or lease.parked is not None
-                        or (known_shards is not None and lease.lease_key not in known_shards)):
+                        or (known_lease_keys is not None
+                            and lease.lease_key not in known_lease_keys)):
                     continue
                 finished += 1
                 owner = lease.lease_owner

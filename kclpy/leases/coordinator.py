@@ -258,19 +258,19 @@ class LeaseCoordinator:
         return self.taker.steal(lease)
 
     def add_lease_lost_listener(self, fn: Callable[[str], None]) -> None:
-        """``fn(shard_id)`` is called (from the renewer or a checkpointing thread, with no
+        """``fn(lease_key)`` is called (from the renewer or a checkpointing thread, with no
         coordinator lock held) each time a held lease turns out to be lost."""
         self.held.add_lost_listener(fn)
 
     def add_handoff_listener(self, fn: Callable[[str], None]) -> None:
-        """``fn(shard_id)`` is called when another worker asks for a held lease. The
+        """``fn(lease_key)`` is called when another worker asks for a held lease. The
         listener lets the shard's processor finish (it may still checkpoint) and then calls
-        ``release(shard_id)``. Without listeners the lease is released at once."""
+        ``release(lease_key)``. Without listeners the lease is released at once."""
         self.held.add_handoff_listener(fn)
 
-    def set_known_shards(self, shard_ids: set[str] | None) -> None:
-        """Only leases of these shards are taken; None allows every lease."""
-        self.taker.set_known_shards(shard_ids)
+    def set_known_lease_keys(self, lease_keys: set[str] | None) -> None:
+        """Only the leases with these keys are taken; None allows every lease."""
+        self.taker.set_known_lease_keys(lease_keys)
 
     def set_consumable(self, fn: Callable[[str], bool] | None) -> None:
         """With a leader: which assigned leases this worker takes (``LeaseTaker``)."""
@@ -289,12 +289,12 @@ class LeaseCoordinator:
             self.held.notify_lost(key)
         return self.held.leases()
 
-    def get_held(self, shard_id: str) -> Lease | None:
-        return self.held.get(shard_id)
+    def get_held(self, lease_key: str) -> Lease | None:
+        return self.held.get(lease_key)
 
-    def handing_off(self, shard_id: str) -> bool:
+    def handing_off(self, lease_key: str) -> bool:
         """Another worker asked for this held lease and waits for it."""
-        return self.held.handing_off(shard_id)
+        return self.held.handing_off(lease_key)
 
     def pending_handoffs(self) -> set[str]:
         """Leases handed to this worker whose previous owner has not let go yet."""
@@ -304,9 +304,9 @@ class LeaseCoordinator:
         """A Java KCL 2.x worker holds a live lease in the table (as of the last scan)."""
         return self.taker.java_peers()
 
-    def get_lease(self, shard_id: str) -> Lease | None:
+    def get_lease(self, lease_key: str) -> Lease | None:
         """The lease as the table has it now (e.g. whether a parent reached SHARD_END)."""
-        return self.table.get(shard_id)
+        return self.table.get(lease_key)
 
     def all_leases(self) -> list[Lease]:
         """Every lease as of the last taker scan."""
@@ -325,16 +325,16 @@ class LeaseCoordinator:
         need not scan the table again; None otherwise."""
         return self.taker.recent_lease_keys(max_age_s)
 
-    def release(self, shard_id: str) -> None:
+    def release(self, lease_key: str) -> None:
         """Give a held lease back so it can move at once (``LeaseFence.release``)."""
-        self.fence.release(shard_id)
+        self.fence.release(lease_key)
 
-    def release_soon(self, shard_id: str) -> None:
+    def release_soon(self, lease_key: str) -> None:
         """Give a held lease up now and write its release in the background. The worker
         loop releases this way: the write waits for the lease's lock, which a slow
         checkpoint or renewal of it may hold for up to the failover time, and every other
         shard's consumer would wait with it."""
-        held = self.fence.give_up(shard_id)
+        held = self.fence.give_up(lease_key)
         if held is None:
             return
         with self._releases_lock:

@@ -46,6 +46,7 @@ from kclpy.leases.held import HeldLease, HeldSet
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import UpdateBuilder
 from kclpy.leases.table import LeaseChanged, LeaseTable, checkpoint_changes
+from kclpy.position import Position
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb.type_defs import TransactWriteItemTypeDef
@@ -187,26 +188,26 @@ class LeaseFence:
         return fresh.copy()
 
     def update_checkpoint(
-        self, lease_key: str, concurrency_token: str, checkpoint: str, sub_sequence_number: int
+        self, lease_key: str, concurrency_token: str, position: Position
     ) -> None:
         """``CheckpointWriter``: a checkpoint is a fenced update of the lease item."""
-        self.update(lease_key, concurrency_token,
-                    checkpoint_changes(checkpoint, sub_sequence_number), what="checkpoint")
+        self.update(lease_key, concurrency_token, checkpoint_changes(position),
+                    what="checkpoint")
 
     def transact_checkpoint(
         self,
         lease_key: str,
         concurrency_token: str,
-        checkpoint: str,
-        sub_sequence_number: int,
+        position: Position,
         items: Sequence[TransactWriteItemTypeDef],
     ) -> None:
         """``CheckpointWriter``: a checkpoint committed with other items, all or nothing."""
         self.transact(
-            lease_key, concurrency_token, checkpoint_changes(checkpoint, sub_sequence_number),
+            lease_key, concurrency_token, checkpoint_changes(position),
             items, what="commit",
             apply=lambda lease: lease.copy(
-                checkpoint=checkpoint, checkpoint_sub_sequence_number=sub_sequence_number,
+                checkpoint=position.checkpoint,
+                checkpoint_sub_sequence_number=position.sub_sequence_number,
                 owner_switches_since_checkpoint=0))
 
     def release(self, lease_key: str) -> None:

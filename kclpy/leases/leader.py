@@ -314,7 +314,7 @@ def plan(
     live: Mapping[str, WorkerLoad],
     *,
     is_expired: Callable[[Lease], bool],
-    known_shards: AbstractSet[str] | None,
+    known_lease_keys: AbstractSet[str] | None,
     no_move: Collection[str],
     settings: LoadSettings | None,
     rng: random.Random,
@@ -335,7 +335,7 @@ def plan(
     free: list[Lease] = []
     for lease in sorted(leases, key=lambda lease: lease.lease_key):
         if (lease.is_finished or lease.parked is not None
-                or (known_shards is not None and lease.lease_key not in known_shards)):
+                or (known_lease_keys is not None and lease.lease_key not in known_lease_keys)):
             continue
         if (lease.lease_owner is None or is_expired(lease)
                 or (lease.lease_owner in dead and unclaimed(lease))):

@@ -53,6 +53,7 @@ from kclpy.leases.lease import (
 )
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import NOWHERE, THROTTLES, Metrics
+from kclpy.position import INITIAL_POSITIONS
 from kclpy.retry import THROTTLED, RetryPolicy, classify, error_code
 from kclpy.streams import multi_stream_lease_key
 
@@ -60,8 +61,6 @@ if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
 
 log = logging.getLogger(__name__)
-
-INITIAL_POSITIONS = (LATEST, TRIM_HORIZON, AT_TIMESTAMP)
 
 
 @dataclass(frozen=True)

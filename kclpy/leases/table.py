@@ -53,12 +53,12 @@ class LeaseChanged(LeaseLostError):
         self.current = current
 
 
-def checkpoint_changes(checkpoint: str, sub_sequence_number: int) -> UpdateBuilder:
-    """The lease item's changes for a checkpoint. As in Java's checkpointer, a checkpoint
-    resets the owner-switch count and clears any pending (prepared) checkpoint."""
+def checkpoint_changes(position: Position) -> UpdateBuilder:
+    """The lease item's changes for a checkpoint at ``position``. As in Java's
+    checkpointer, a checkpoint resets the owner-switch count and clears any pending
+    (prepared) checkpoint."""
     changes = UpdateBuilder()
-    for attribute, value in ser.checkpoint_attributes(
-            Position.of(checkpoint, sub_sequence_number)).items():
+    for attribute, value in ser.checkpoint_attributes(position).items():
         changes.set(attribute, value)
     return (
         changes
@@ -287,9 +287,9 @@ class LeaseTable(DynamoTable):
         )
         return self._update(lease.lease_key, update, lease.concurrency_token)
 
-    def update_checkpoint(self, lease: Lease, checkpoint: str, sub_sequence_number: int) -> Lease:
+    def update_checkpoint(self, lease: Lease, position: Position) -> Lease:
         """Record progress as the lease's holder (see ``checkpoint_changes``)."""
-        return self.guarded_update(lease, checkpoint_changes(checkpoint, sub_sequence_number))
+        return self.guarded_update(lease, checkpoint_changes(position))
 
     # -- writes only the holder may make (``fence.py`` is their one caller) ------------------
 

@@ -104,7 +104,7 @@ class LeaseTaker:
         self._pending: dict[str, tuple[float, int]] = {}
         #: lease key -> taker cycle in which it was lost; not stolen back in the next cycle
         self._lost_in_cycle: dict[str, int] = {}
-        self._known_shards: frozenset[str] | None = None
+        self._known_lease_keys: frozenset[str] | None = None
         #: the last scan found a live lease of a worker that does not speak graceful handoff
         self._java_peers = False
         #: the leases of the last scan, for readers that must not wait for a cycle
@@ -167,7 +167,7 @@ class LeaseTaker:
             with self._state:
                 self._last_scan = leases
                 self._last_scan_at = now
-                known = self._known_shards
+                known = self._known_lease_keys
                 cycle = self._cycle
                 self._lost_in_cycle = {
                     key: lost for key, lost in self._lost_in_cycle.items() if cycle - lost <= 1
@@ -183,8 +183,8 @@ class LeaseTaker:
             with self._state:
                 self._java_peers = bool(foreign)
             held = set(self.held.entries())
-            plan = self._balancer.plan(held=held, known_shards=known, no_steal=no_steal, now=now,
-                                       java_peers=bool(foreign))
+            plan = self._balancer.plan(held=held, known_lease_keys=known, no_steal=no_steal,
+                                       now=now, java_peers=bool(foreign))
             with self._state:
                 self._share = plan.share
             taken += [fresh for lease in plan.take if (fresh := self._take(lease, stolen=False))]
@@ -286,7 +286,7 @@ class LeaseTaker:
         with self._state:
             self._last_scan = leases
             self._last_scan_at = now
-            known = self._known_shards
+            known = self._known_lease_keys
         foreign = self._mixed_fleet(leases, now)
         with self._state:
             self._java_peers = bool(foreign)
@@ -311,7 +311,7 @@ class LeaseTaker:
         hold = 2 * (settings.balance_interval_s if mode.by_load else mode.pass_interval_s)
         decided = leader.plan(
             leases, live, is_expired=lambda lease: self._balancer.is_expired(lease, now),
-            known_shards=known, no_move=self._recent_moves.keys(now, hold),
+            known_lease_keys=known, no_move=self._recent_moves.keys(now, hold),
             settings=settings if mode.by_load else None, rng=self._rng or random.Random(),
             dead=set(self._dead))
         taken: list[Lease] = []
@@ -484,9 +484,9 @@ class LeaseTaker:
 
     # -- queries ---------------------------------------------------------------------------
 
-    def set_known_shards(self, shard_ids: set[str] | None) -> None:
+    def set_known_lease_keys(self, lease_keys: set[str] | None) -> None:
         with self._state:
-            self._known_shards = None if shard_ids is None else frozenset(shard_ids)
+            self._known_lease_keys = None if lease_keys is None else frozenset(lease_keys)
 
     def set_consumable(self, fn: Callable[[str], bool] | None) -> None:
         """With a leader: which assigned lease keys this worker takes (its streams'). The

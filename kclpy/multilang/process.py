@@ -97,14 +97,14 @@ class ChildTimeoutError(ChildFailure):
 class ChildProcess:
     """A started child with line-oriented access to its stdin and stdout."""
 
-    def __init__(self, argv: Sequence[str], *, cwd: Path, shard_id: str,
+    def __init__(self, argv: Sequence[str], *, cwd: Path, lease_key: str,
                  env: Mapping[str, str] | None = None,
                  max_unread_bytes: int = MAX_UNREAD_STDOUT_BYTES,
                  on_full: Callable[[], None] | None = None) -> None:
         if max_unread_bytes < 1:
             raise ValueError("max_unread_bytes must be positive")
         self.argv = list(argv)
-        self.shard_id = shard_id
+        self.lease_key = lease_key
         self._cwd = cwd
         self._env = env
         self._proc: subprocess.Popen[bytes] | None = None
@@ -147,12 +147,12 @@ class ChildProcess:
         os.set_blocking(self._proc.stdin.fileno(), False)
         self._spawn(self._read_stdout, self._proc.stdout, "stdout")
         self._spawn(self._read_stderr, self._proc.stderr, "stderr")
-        log.info("shard %s: started child pid %d: %s", self.shard_id, self._proc.pid,
-                 shlex.join(self.argv), extra={"shard_id": self.shard_id})
+        log.info("shard %s: started child pid %d: %s", self.lease_key, self._proc.pid,
+                 shlex.join(self.argv), extra={"shard_id": self.lease_key})
 
     def _spawn(self, target: Callable[[IO[bytes]], None], stream: IO[bytes], name: str) -> None:
         thread = threading.Thread(target=target, args=(stream,), daemon=True,
-                                  name=f"kclpy-multilang-{self.shard_id}-{name}")
+                                  name=f"kclpy-multilang-{self.lease_key}-{name}")
         thread.start()
         self._threads.append(thread)
 
@@ -170,7 +170,7 @@ class ChildProcess:
             while chunk := stream.readline(MAX_LINE_BYTES):
                 self._queue_piece(chunk)
         except OSError:
-            log.debug("shard %s: reading the child's stdout failed", self.shard_id,
+            log.debug("shard %s: reading the child's stdout failed", self.lease_key,
                       exc_info=True)
         finally:
             with self._ready:
@@ -187,8 +187,8 @@ class ChildProcess:
                     log.warning("shard %s: child pid %s wrote %d bytes to stdout that were "
                                 "not asked for; reading paused (the child blocks) until its "
                                 "next message. stdout is the protocol channel: log to stderr",
-                                self.shard_id, self.pid, self._unread,
-                                extra={"shard_id": self.shard_id})
+                                self.lease_key, self.pid, self._unread,
+                                extra={"shard_id": self.lease_key})
                     if self._on_full is not None:
                         self._on_full()
                 while (self._unread >= self._max_unread and not self._discard
@@ -209,13 +209,13 @@ class ChildProcess:
 
         def emit(text: str) -> None:
             self._stderr_tail.append(text)
-            log.info("shard %s: child stderr: %s", self.shard_id, text,
-                     extra={"shard_id": self.shard_id, "child_stderr": text})
+            log.info("shard %s: child stderr: %s", self.lease_key, text,
+                     extra={"shard_id": self.lease_key, "child_stderr": text})
 
         try:
             stderr.pump(stream.fileno(), emit, max_bytes=MAX_LINE_BYTES)
         except (OSError, ValueError):
-            log.debug("shard %s: reading the child's stderr failed", self.shard_id,
+            log.debug("shard %s: reading the child's stderr failed", self.lease_key,
                       exc_info=True)
 
     def send_line(self, line: str, timeout_s: float) -> None:
@@ -235,9 +235,9 @@ class ChildProcess:
                 self._sending = False
                 if self._dropped:
                     log.warning("shard %s: dropped %d bytes the child wrote to stdout beyond "
-                                "the %d unread while a message was sent to it", self.shard_id,
+                                "the %d unread while a message was sent to it", self.lease_key,
                                 self._dropped, self._max_unread,
-                                extra={"shard_id": self.shard_id})
+                                extra={"shard_id": self.lease_key})
                     self._dropped = 0
 
     def _write_line(self, line: str, timeout_s: float) -> None:
@@ -324,8 +324,8 @@ class ChildProcess:
             code = proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             log.warning("shard %s: child pid %d still running %gs after its last message; "
-                        "killing its process group", self.shard_id, proc.pid, grace_s,
-                        extra={"shard_id": self.shard_id})
+                        "killing its process group", self.lease_key, proc.pid, grace_s,
+                        extra={"shard_id": self.lease_key})
             self.kill()
             return proc.returncode
         self._ended()
@@ -348,8 +348,8 @@ class ChildProcess:
         try:
             proc.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
-            log.error("shard %s: child pid %d did not die after SIGKILL", self.shard_id,
-                      proc.pid, extra={"shard_id": self.shard_id})
+            log.error("shard %s: child pid %d did not die after SIGKILL", self.lease_key,
+                      proc.pid, extra={"shard_id": self.lease_key})
             return
         self._ended()
 

@@ -31,7 +31,6 @@ from kclpy.errors import (
     InvalidStateException,
     ProcessorRestartRequired,
 )
-from kclpy.leases.lease import SHARD_END
 from kclpy.metrics import (
     MULTILANG_CHILD_FAILURES,
     MULTILANG_STDOUT_FULL,
@@ -121,7 +120,7 @@ class MultiLangRecordProcessor(IRecordProcessor):
         self._env = env
         self._stray_stdout = stray_stdout
         self._max_unread = max_unread_stdout_bytes
-        self._shard_id = "?"
+        self._lease_key = "?"
         self._child: ChildProcess | None = None
         self._failure: MultiLangChildError | None = None
 
@@ -135,9 +134,9 @@ class MultiLangRecordProcessor(IRecordProcessor):
     def initialize(self, initialize_input: InitializeInput) -> None:
         if self._child is not None:
             self._stop_child()
-        self._shard_id = initialize_input.shard_id
+        self._lease_key = initialize_input.shard_id
         if self._metrics is not None:
-            self._m = self._metrics.shard(self._shard_id)
+            self._m = self._metrics.shard(self._lease_key)
         self._failure = None
         self._start_child(initialize_input.sequence_number,
                           initialize_input.sub_sequence_number)
@@ -165,10 +164,10 @@ class MultiLangRecordProcessor(IRecordProcessor):
         if self._child is None:
             # The previous attempt killed the child; every record was acknowledged by then,
             # so a fresh child resuming from the last checkpoint can end the shard.
-            last, sub = checkpointer.last_checkpoint
-            self._start_child(last, sub)
+            last = checkpointer.position
+            self._start_child(last.checkpoint, last.sub_sequence_number)
         self._exchange(protocol.encode_shard_ended(), protocol.SHARD_ENDED, checkpointer)
-        if checkpointer.last_checkpoint[0] == SHARD_END:
+        if checkpointer.position.is_shard_end:
             self._stop_child()
 
     def shutdown_requested(self, shutdown_requested_input: ShutdownRequestedInput) -> None:
@@ -194,7 +193,7 @@ class MultiLangRecordProcessor(IRecordProcessor):
     # -- the exchange --------------------------------------------------------------------
 
     def _start_child(self, sequence_number: str | None, sub_sequence_number: int | None) -> None:
-        child = ChildProcess(self._argv, cwd=self._cwd, shard_id=self._shard_id, env=self._env,
+        child = ChildProcess(self._argv, cwd=self._cwd, lease_key=self._lease_key, env=self._env,
                              max_unread_bytes=self._max_unread, on_full=self._stdout_full)
         self._child = child
         try:
@@ -202,7 +201,7 @@ class MultiLangRecordProcessor(IRecordProcessor):
         except ChildFailure as exc:
             self._fail(child, exc.reason, str(exc), protocol.INITIALIZE)
         self._exchange(
-            protocol.encode_initialize(self._shard_id, sequence_number, sub_sequence_number),
+            protocol.encode_initialize(self._lease_key, sequence_number, sub_sequence_number),
             protocol.INITIALIZE, None)
 
     def _stdout_full(self) -> None:
@@ -216,8 +215,8 @@ class MultiLangRecordProcessor(IRecordProcessor):
         if child is None:
             if self._failure is not None:
                 raise self._failure
-            raise MultiLangChildError(self._shard_id, "exited",
-                                      f"shard {self._shard_id}: no child process for {action}")
+            raise MultiLangChildError(self._lease_key, "exited",
+                                      f"shard {self._lease_key}: no child process for {action}")
         try:
             child.send_line(line, self._response_timeout_s)
             deadline = time.monotonic() + self._response_timeout_s
@@ -249,8 +248,8 @@ class MultiLangRecordProcessor(IRecordProcessor):
                 if self._stray_stdout == "restart":
                     raise
                 log.warning("shard %s: child wrote a line that is not a protocol message to "
-                            "stdout; skipped: %r", self._shard_id, line.strip()[:_QUOTE_CHARS],
-                            extra={"shard_id": self._shard_id})
+                            "stdout; skipped: %r", self._lease_key, line.strip()[:_QUOTE_CHARS],
+                            extra={"shard_id": self._lease_key})
                 self._m.inc(MULTILANG_STRAY_STDOUT_LINES)
                 continue
             if message is not None:
@@ -265,21 +264,21 @@ class MultiLangRecordProcessor(IRecordProcessor):
             # As the Java daemon: no checkpointer exists during initialize and leaseLost.
             error = InvalidStateException.name
             log.error("shard %s: child asked to checkpoint during %s, where it is not possible",
-                      self._shard_id, action, extra={"shard_id": self._shard_id})
+                      self._lease_key, action, extra={"shard_id": self._lease_key})
         else:
             try:
                 checkpointer.checkpoint(request.sequence_number, request.sub_sequence_number)
             except CheckpointError as exc:
                 error = exc.name
-                log.warning("shard %s: checkpoint at %s/%s failed: %s", self._shard_id,
+                log.warning("shard %s: checkpoint at %s/%s failed: %s", self._lease_key,
                             request.sequence_number, request.sub_sequence_number, exc,
-                            extra={"shard_id": self._shard_id})
+                            extra={"shard_id": self._lease_key})
             except Exception as exc:
                 # The Java daemon answers any throwable with its class name; the child decides.
                 error = type(exc).__name__
                 log.exception("shard %s: checkpoint at %s/%s failed unexpectedly",
-                              self._shard_id, request.sequence_number,
-                              request.sub_sequence_number, extra={"shard_id": self._shard_id})
+                              self._lease_key, request.sequence_number,
+                              request.sub_sequence_number, extra={"shard_id": self._lease_key})
         return protocol.encode_checkpoint_reply(request.sequence_number,
                                                 request.sub_sequence_number, error)
 
@@ -292,12 +291,12 @@ class MultiLangRecordProcessor(IRecordProcessor):
         stderr = f"; its last stderr lines: {' | '.join(tail)}" if tail else ""
         hint = _HINTS.get(reason, "")
         log.error("shard %s: child pid %s %s while handling %s; killed it, %s%s%s",
-                  self._shard_id, child.pid, detail, action, consequence, hint, stderr,
-                  extra={"shard_id": self._shard_id, "reason": reason})
+                  self._lease_key, child.pid, detail, action, consequence, hint, stderr,
+                  extra={"shard_id": self._lease_key, "reason": reason})
         self._m.inc(MULTILANG_CHILD_FAILURES, reason)
         self._failure = MultiLangChildError(
-            self._shard_id, reason,
-            f"shard {self._shard_id}: child process {detail} while handling {action}")
+            self._lease_key, reason,
+            f"shard {self._lease_key}: child process {detail} while handling {action}")
         raise self._failure
 
     def _stop_child(self) -> None:
@@ -305,8 +304,8 @@ class MultiLangRecordProcessor(IRecordProcessor):
         if child is None:
             return
         code = child.stop(self._exit_timeout_s)
-        log.info("shard %s: child pid %s ended with exit code %s", self._shard_id, child.pid,
-                 code, extra={"shard_id": self._shard_id})
+        log.info("shard %s: child pid %s ended with exit code %s", self._lease_key, child.pid,
+                 code, extra={"shard_id": self._lease_key})
 
 
 def resolve_command(executable: str, cwd: Path) -> list[str]:

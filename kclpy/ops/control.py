@@ -436,7 +436,7 @@ def _move_with_store(table: LeaseTable, store: Any, lease: Lease, target: Target
     holding = parking.marker("kclpy checkpoint set in progress", "operator")
 
     def move_and_park(fresh: Lease) -> UpdateBuilder:
-        return checkpoint_changes(target.checkpoint, target.sub_sequence_number).set(
+        return checkpoint_changes(target.position).set(
             ser.PARKED, s(holding))
 
     moved = _write_fresh(table, lease, move_and_park, take=force)
@@ -454,7 +454,7 @@ def _move_with_store(table: LeaseTable, store: Any, lease: Lease, target: Target
 
 
 def _moving_to(target: Target) -> Callable[[Lease], UpdateBuilder]:
-    return lambda _: checkpoint_changes(target.checkpoint, target.sub_sequence_number)
+    return lambda _: checkpoint_changes(target.position)
 
 
 def _print_moves(args: argparse.Namespace, moves: Sequence[Move], out: IO[str]) -> None:

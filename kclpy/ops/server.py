@@ -263,17 +263,17 @@ class _LagSampler:
         status = worker.status()
         registry = worker.metrics.registry
         shards: dict[str, Any] = status["shards"]
-        for shard_id, shard in shards.items():
+        for lease_key, shard in shards.items():
             checkpoint, sub = shard["checkpoint"], shard["checkpoint_sub_sequence_number"]
             now = self._clock()
             try:
-                lag = self._measure(shard_id, checkpoint, sub)
+                lag = self._measure(lease_key, checkpoint, sub)
             except Exception as exc:
-                log.warning("shard %s: lag not measured this time: %s", shard_id, exc)
+                log.warning("shard %s: lag not measured this time: %s", lease_key, exc)
                 continue
             writes = registry.get_sample_value("kclpy_checkpoints_total",
-                                               {"shard_id": shard_id}) or 0.0
-            self._tracker.record(shard_id, Observation(
+                                               {"shard_id": lease_key}) or 0.0
+            self._tracker.record(lease_key, Observation(
                 time=now, checkpoint=checkpoint, sub_sequence_number=sub, lag=lag,
                 owner=status["worker_id"], checkpoint_writes=writes,
                 waiting_on_parents=shard["state"] == _WAITING,

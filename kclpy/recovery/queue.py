@@ -63,9 +63,8 @@ class RecoveryRequest:
         since = self.done_ms if self.done_ms is not None else self.first_ms
         return max(0, self.end_ms - since) if since is not None else 0
 
-    def checkpointed(self, sequence_number: str, sub_sequence_number: int,
-                     arrival_ms: int | None) -> RecoveryRequest:
-        return replace(self, done=sequence_number, done_sub=sub_sequence_number,
+    def checkpointed(self, done: Position, arrival_ms: int | None) -> RecoveryRequest:
+        return replace(self, done=done.checkpoint, done_sub=done.sub_sequence_number,
                        done_ms=arrival_ms)
 
     def overlaps_next(self, later: RecoveryRequest) -> bool:

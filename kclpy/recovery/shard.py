@@ -85,7 +85,7 @@ class ShardRecovery:
         max_lag_ms: int | None,
         metrics: Metrics,
         wall_clock: Callable[[], float] = time.time,
-        claim: Callable[[], tuple[str, int] | None] | None = None,
+        claim: Callable[[], Position | None] | None = None,
     ) -> None:
         self.lease_key = lease_key
         #: a state store that keeps its own live position (the SQL store): claims the shard
@@ -144,8 +144,8 @@ class ShardRecovery:
             # after the commit landed): the records between were applied live, so the gap
             # starts after it. Claimed first, so no earlier tenure commits past it meanwhile.
             stored = self._claim()
-            if stored is not None and Position.of(*stored) > live:
-                live = Position.of(*stored)
+            if stored is not None and stored > live:
+                live = stored
         checkpoint, sub_sequence_number = live.checkpoint, live.sub_sequence_number
         probe = self._readers(live, None, None, 1)
         first = first_record(probe)
@@ -230,8 +230,7 @@ class ShardRecovery:
 
     # -- the gap checkpointer's writes ------------------------------------------------------
 
-    def checkpoint(self, gap: Position, sequence_number: str, sub_sequence_number: int,
-                   items: Sequence[Any] = ()) -> None:
+    def checkpoint(self, gap: Position, done: Position, items: Sequence[Any] = ()) -> None:
         """Move ``gap``'s checkpoint (fenced); the checkpoint covering the gap's last record
         removes the gap. ``items`` commit in the same transaction (a stateful processor)."""
         with self._lock:
@@ -244,14 +243,12 @@ class ShardRecovery:
                 if items:
                     self._store(self._queue, items)
                 return
-            done = Position(sequence_number, sub_sequence_number)
             final = self._final if self._reading == gap else self._ends.get(gap)
             finished = None
             if final is not None and done >= final:
-                finished = (queue.pop(index), sequence_number, sub_sequence_number)
+                finished = (queue.pop(index), done)
             else:
-                queue[index] = queue[index].checkpointed(
-                    sequence_number, sub_sequence_number, self._delivered_ms)
+                queue[index] = queue[index].checkpointed(done, self._delivered_ms)
             self._store(tuple(queue), items, finished)
 
     def guard(self, what: str) -> AbstractContextManager[Guard]:
@@ -299,8 +296,7 @@ class ShardRecovery:
         gap = _key(request)
         self._reading = gap
         self._checkpointer = Checkpointer(
-            self.lease_key, GapWriter(self, gap), self._token, request.done, request.done_sub,
-            gap=gap)
+            self.lease_key, GapWriter(self, gap), self._token, request.done_position, gap=gap)
         reader = self._readers(self._start_of(request), request.end_ms, self._pacer, None)
         reader.start()
         self._reader = reader
@@ -340,13 +336,12 @@ class ShardRecovery:
         self._stop_reader()
         # Read before taking ``_lock``: a checkpoint holds the checkpointer's lock while it
         # waits for ``_lock``.
-        last = checkpointer.last_checkpoint
-        done = Position.of(*last)
+        done = checkpointer.position
         with self._lock:
             request = next((r for r in self._queue if _key(r) == gap), None)
             if request is not None and (final is None or done >= final):
                 self._store(tuple(r for r in self._queue if _key(r) != gap), (),
-                            (request, last[0], last[1]))
+                            (request, done))
                 return
             queued = request is not None
             if queued:
@@ -368,7 +363,7 @@ class ShardRecovery:
         self._pacer.leave()
 
     def _store(self, queue: tuple[RecoveryRequest, ...], items: Sequence[Any] = (),
-               finished: tuple[RecoveryRequest, str, int] | None = None) -> None:
+               finished: tuple[RecoveryRequest, Position] | None = None) -> None:
         """Write ``queue`` to the lease item as its holder (the caller holds ``_lock``).
 
         ``finished`` is the gap this write removes, with the checkpoint that covered its last
@@ -396,9 +391,9 @@ class ShardRecovery:
             # names where a gap from TRIM_HORIZON starts)
             if finished is not None and (
                     lease.position.extended == finished[0].start_position.extended):
-                changes = checkpoint_changes(finished[1], finished[2])
-                live = lease.copy(checkpoint=finished[1],
-                                  checkpoint_sub_sequence_number=finished[2],
+                changes = checkpoint_changes(finished[1])
+                live = lease.copy(checkpoint=finished[1].checkpoint,
+                                  checkpoint_sub_sequence_number=finished[1].sub_sequence_number,
                                   owner_switches_since_checkpoint=0)
             if value is None:
                 changes.remove(RECOVERY)
@@ -457,13 +452,13 @@ class GapWriter:
         self._recovery = recovery
         self._gap = gap
 
-    def update_checkpoint(self, lease_key: str, concurrency_token: str, checkpoint: str,
-                          sub_sequence_number: int) -> None:
-        self._recovery.checkpoint(self._gap, checkpoint, sub_sequence_number)
+    def update_checkpoint(self, lease_key: str, concurrency_token: str,
+                          position: Position) -> None:
+        self._recovery.checkpoint(self._gap, position)
 
-    def transact_checkpoint(self, lease_key: str, concurrency_token: str, checkpoint: str,
-                            sub_sequence_number: int, items: Sequence[Any]) -> None:
-        self._recovery.checkpoint(self._gap, checkpoint, sub_sequence_number, items)
+    def transact_checkpoint(self, lease_key: str, concurrency_token: str, position: Position,
+                            items: Sequence[Any]) -> None:
+        self._recovery.checkpoint(self._gap, position, items)
 
     def guard(self, lease_key: str, concurrency_token: str | None, *,
               what: str) -> AbstractContextManager[Guard]:

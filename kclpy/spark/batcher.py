@@ -119,6 +119,9 @@ class BatchOptions:
 class ShardRange:
     """One shard's part of a batch: from the first record to the last, both included."""
 
+    #: the lease key the records were read for (the processor input's ``shard_id``; in a
+    #: multi-stream application it starts with the stream identifier), under the name of
+    #: the sink's column
     shard_id: str
     first_sequence_number: str
     first_sub_sequence_number: int
@@ -195,7 +198,8 @@ class _Lane:
 class _Shard:
     """One processor's view in the batcher: records waiting for a batch, and records in one."""
 
-    shard_id: str
+    #: the lease the processor was initialised for (its input's ``shard_id``)
+    lease_key: str
     #: the shard's stream (what its initialize input named)
     stream: str | None = None
     #: waiting records, in the order they were delivered, one lane per checkpointer
@@ -296,8 +300,8 @@ class MicroBatcher:
 
     # -- called by the processors (consumer threads) -------------------------------------
 
-    def _register(self, shard_id: str, stream: str | None = None) -> _Shard:
-        shard = _Shard(shard_id, stream)
+    def _register(self, lease_key: str, stream: str | None = None) -> _Shard:
+        shard = _Shard(lease_key, stream)
         with self._cond:
             self._shards.append(shard)
         return shard
@@ -349,7 +353,7 @@ class MicroBatcher:
         with self._cond:
             if shard.pending:
                 log.info("shard %s: %s; dropping %d uncommitted record(s), the next owner "
-                         "reads them again", shard.shard_id, why, shard.pending)
+                         "reads them again", shard.lease_key, why, shard.pending)
             shard.closed = True
             shard.lanes = []
             shard.pending_since = None
@@ -430,7 +434,7 @@ class MicroBatcher:
     def _run_batch(self, parts: list[_Part]) -> BatchInfo | None:
         ranges = tuple(
             ShardRange(
-                p.shard.shard_id,
+                p.shard.lease_key,
                 p.records[0].sequence_number, p.records[0].sub_sequence_number,
                 p.records[-1].sequence_number, p.records[-1].sub_sequence_number,
                 len(p.records), p.is_recovery)
@@ -469,8 +473,8 @@ class MicroBatcher:
             try:
                 if table is None:
                     table = records_to_table(
-                        self.stream, [(p.shard.shard_id, p.records) for p in parts],
-                        self._decode, streams={p.shard.shard_id: p.shard.stream
+                        self.stream, [(p.shard.lease_key, p.records) for p in parts],
+                        self._decode, streams={p.shard.lease_key: p.shard.stream
                                                for p in parts if p.shard.stream})
                 df = self._spark.createDataFrame(table)
                 self._foreach_batch(df, batch_id)
@@ -491,7 +495,7 @@ class MicroBatcher:
 
     def _checkpoint(self, part: _Part) -> None:
         last = part.records[-1]
-        shard_id = part.shard.shard_id
+        lease_key = part.shard.lease_key
         backoff = Backoff(self.options.retry_base_s, self.options.retry_cap_s)
         for attempt in range(1, self.options.checkpoint_attempts + 1):
             try:
@@ -502,24 +506,24 @@ class MicroBatcher:
                 self._m.inc(SPARK_LOST_CHECKPOINTS)
                 log.warning("shard %s: lease lost while batch was in flight; its %d record(s) "
                             "were written but not checkpointed and will be read again by the "
-                            "new owner", shard_id, len(part.records))
+                            "new owner", lease_key, len(part.records))
                 self._close(part.shard, "lease lost")
                 return
             except InvalidStateException:
                 self.stats.failed_checkpoints += 1
-                log.exception("shard %s: checkpoint refused", shard_id)
+                log.exception("shard %s: checkpoint refused", lease_key)
                 return
             except CheckpointError as exc:
                 if attempt == self.options.checkpoint_attempts:
                     break
                 delay = backoff.next_delay()
                 log.warning("shard %s: checkpoint failed (%s, attempt %d); retrying in %.2fs",
-                            shard_id, exc.name, attempt, delay)
+                            lease_key, exc.name, attempt, delay)
                 if self._stopped.wait(delay):
                     break
         self.stats.failed_checkpoints += 1
         log.error("shard %s: could not checkpoint after batch; its records will be read again",
-                  shard_id)
+                  lease_key)
 
     def _release(self, parts: list[_Part]) -> None:
         with self._cond:
@@ -564,5 +568,5 @@ class _BatchingProcessor(IRecordProcessor):
             return
         if not self._batcher._drain(self._shard, self._batcher.options.drain_timeout_s):
             log.warning("shard %s: shutting down with records not yet committed; they will be "
-                        "read again", self._shard.shard_id)
+                        "read again", self._shard.lease_key)
         self._batcher._close(self._shard, "shutdown requested")

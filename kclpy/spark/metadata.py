@@ -23,7 +23,8 @@ import os
 import uuid
 from pathlib import Path
 
-from kclpy.spark.offsets import ShardPosition
+from kclpy.position import Position
+from kclpy.spark.offsets import UptoEnd
 
 __all__ = ["ConflictingEndError", "PositionStore"]
 
@@ -38,12 +39,12 @@ class PositionStore:
     def __init__(self, root: str) -> None:
         self.root = Path(root)
 
-    def _path(self, shard_key: str, end: ShardPosition) -> Path:
+    def _path(self, shard_key: str, end: UptoEnd) -> Path:
         shard = hashlib.sha256(shard_key.encode()).hexdigest()[:24]
         name = hashlib.sha256(end.encode().encode()).hexdigest()[:40]
         return self.root / shard / f"{name}.json"
 
-    def get(self, shard_key: str, end: ShardPosition) -> ShardPosition | None:
+    def get(self, shard_key: str, end: UptoEnd) -> Position | None:
         """The position the end was recorded to have reached, None if it was not."""
         try:
             text = self._path(shard_key, end).read_text(encoding="utf-8")
@@ -53,9 +54,9 @@ class PositionStore:
         if item.get("end") != end.encode():
             raise ValueError(f"{self.root}: the record for {end.encode()} names "
                              f"{item.get('end')!r} (a hash collision or a foreign file)")
-        return ShardPosition.decode(item["reached"])
+        return Position.decode(item["reached"])
 
-    def put(self, shard_key: str, end: ShardPosition, reached: ShardPosition) -> ShardPosition:
+    def put(self, shard_key: str, end: UptoEnd, reached: Position) -> Position:
         """Record ``reached`` unless a position is recorded already; the recorded one."""
         path = self._path(shard_key, end)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -76,7 +77,7 @@ class PositionStore:
         assert recorded is not None
         return recorded
 
-    def forget_older(self, shard_key: str, end: ShardPosition) -> None:
+    def forget_older(self, shard_key: str, end: UptoEnd) -> None:
         """Drop the records written before ``end``'s: once ``end`` is committed no batch
         starts from an earlier end again. Older by the time written, since a later batch's
         parts are always read (and recorded) after an earlier one's committed."""

@@ -18,7 +18,8 @@ log (``Position.encode``):
 A batch cut by a budget (rows, bytes or time per trigger) ends at a position the driver does
 not know when it plans, since only reading finds where N records end:
 
-- ``UPTO/<until ms>/<rows>/<bytes>/<ms>/<plan>/<start>``: from ``start``, the records that
+- ``UPTO/<until ms>/<rows>/<bytes>/<ms>/<plan>/<start>`` (an ``UptoEnd``; an offset's entry
+  is a ``Position`` or one of these, ``OffsetEntry``): from ``start``, the records that
   arrived before ``until``, stopping once ``rows`` user records, ``bytes`` of payload or
   ``ms`` of reading are reached (``-``: no such budget). ``plan`` makes each planned end
   distinct. The executor that reads it records the concrete position it reached
@@ -30,13 +31,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from kclpy.position import AFTER, AT_TIMESTAMP, SHARD_END, TRIM_HORIZON, Position
-from kclpy.records import Record
 
 __all__ = ["AFTER", "AT_TIMESTAMP", "SHARD_END", "TRIM_HORIZON", "UPTO", "Budget",
-           "ShardPosition", "decode_offset", "encode_offset"]
+           "OffsetEntry", "UptoEnd", "decode_entry", "decode_offset", "encode_offset"]
 
 UPTO = "UPTO"
 
@@ -75,110 +75,60 @@ class Budget:
 
 
 @dataclass(frozen=True)
-class ShardPosition:
-    """One shard's entry in an offset: a ``Position`` (``position``; its kind, sequence,
-    sub-sequence and time are its own) or an ``UPTO`` end, which is not a position yet but
-    the rule that finds one (a budget from a start)."""
+class UptoEnd:
+    """A budgeted batch's end (``UPTO``): not a position yet but the rule that finds one -
+    from ``start``, the records that arrived before ``until_ms``, until ``budget`` is spent.
+    ``plan`` makes each planned end distinct. Reading it yields a ``Position``."""
 
-    kind: str
-    sequence_number: str | None = None
-    sub_sequence_number: int = 0
-    timestamp_ms: int | None = None
-    #: of an UPTO end: its budget, where reading starts and the plan that made it
-    budget: Budget | None = None
-    start: ShardPosition | None = None
-    plan: str | None = None
+    start: Position
+    until_ms: int
+    budget: Budget
+    plan: str
 
     def __post_init__(self) -> None:
-        if self.kind == UPTO:
-            if (self.timestamp_ms is None or self.budget is None or self.start is None
-                    or not self.plan or not self.plan.isalnum()):
-                raise ValueError("UPTO needs a time, a budget, a start and a plan")
-            if self.start.kind in (UPTO, SHARD_END):
-                raise ValueError(f"UPTO cannot start at {self.start.kind}")
-        elif self.kind not in (TRIM_HORIZON, AT_TIMESTAMP, AFTER, SHARD_END):
-            raise ValueError(f"unknown position kind {self.kind!r}")
-        else:
-            self.position.encode()  # raises when the position has no offset-log form
+        if not self.plan or not self.plan.isalnum():
+            raise ValueError(f"UPTO needs a plan of letters and digits, got {self.plan!r}")
+        if self.start.is_shard_end:
+            raise ValueError("UPTO cannot start at SHARD_END")
+        self.start.encode()  # raises when the start has no offset-log form
 
     @property
-    def position(self) -> Position:
-        """The position this entry names (not for an ``UPTO`` end)."""
-        if self.kind == UPTO:
-            raise ValueError("an UPTO end names no position until it is read")
-        if self.kind == AFTER:
-            if self.sequence_number is None:
-                raise ValueError("AFTER needs a sequence number")
-            return Position(self.sequence_number, self.sub_sequence_number)
-        return Position(self.kind, timestamp_ms=self.timestamp_ms)
-
-    @classmethod
-    def of(cls, position: Position) -> ShardPosition:
-        return cls(position.kind, position.sequence_number if position.is_record else None,
-                   position.sub_sequence_number, position.timestamp_ms)
-
-    @classmethod
-    def trim_horizon(cls) -> ShardPosition:
-        return cls.of(Position.trim_horizon())
-
-    @classmethod
-    def shard_end(cls) -> ShardPosition:
-        return cls.of(Position.shard_end())
-
-    @classmethod
-    def at_timestamp(cls, timestamp_ms: int) -> ShardPosition:
-        return cls.of(Position.at_timestamp(timestamp_ms))
-
-    @classmethod
-    def after(cls, record: Record) -> ShardPosition:
-        return cls.of(Position.after(record))
-
-    @classmethod
-    def upto(cls, start: ShardPosition, until_ms: int, budget: Budget,
-             plan: str) -> ShardPosition:
-        return cls(UPTO, timestamp_ms=until_ms, budget=budget, start=start, plan=plan)
-
-    @property
-    def is_budgeted(self) -> bool:
-        """An end found only by reading (see the module's docstring)."""
-        return self.kind == UPTO
+    def kind(self) -> str:
+        return UPTO
 
     @property
     def is_shard_end(self) -> bool:
-        return self.kind == SHARD_END
-
-    @property
-    def extended(self) -> tuple[int, int]:
-        """(sequence, sub-sequence) of an AFTER position, for comparing with records."""
-        assert self.kind == AFTER
-        return self.position.extended
+        """Never: it starts before the shard's end and names no position until read."""
+        return False
 
     def encode(self) -> str:
-        if self.kind == UPTO:
-            assert self.budget is not None and self.start is not None
-            return (f"{UPTO}/{self.timestamp_ms}/{self.budget.encode()}/{self.plan}/"
-                    f"{self.start.encode()}")
-        return self.position.encode()
-
-    @classmethod
-    def decode(cls, text: str) -> ShardPosition:
-        kind, _, rest = text.partition("/")
-        if kind != UPTO:
-            return cls.of(Position.decode(text))
-        try:
-            until, rows, size, duration, plan, start = rest.split("/", 5)
-            return cls.upto(cls.decode(start), int(until),
-                            Budget.decode(rows, size, duration), plan)
-        except ValueError as exc:
-            raise ValueError(f"not a shard position: {text!r} ({exc})") from None
+        return (f"{UPTO}/{self.until_ms}/{self.budget.encode()}/{self.plan}/"
+                f"{self.start.encode()}")
 
 
-def encode_offset(positions: Mapping[str, ShardPosition]) -> dict[str, Any]:
+#: one shard's entry in an offset: a position, or a budgeted end that finds one
+OffsetEntry: TypeAlias = Position | UptoEnd
+
+
+def decode_entry(text: str) -> OffsetEntry:
+    """The entry ``encode`` wrote as ``text``; ValueError for anything else."""
+    kind, _, rest = text.partition("/")
+    if kind != UPTO:
+        return Position.decode(text)
+    try:
+        until, rows, size, duration, plan, start = rest.split("/", 5)
+        return UptoEnd(Position.decode(start), int(until), Budget.decode(rows, size, duration),
+                       plan)
+    except ValueError as exc:
+        raise ValueError(f"not a shard position: {text!r} ({exc})") from None
+
+
+def encode_offset(positions: Mapping[str, OffsetEntry]) -> dict[str, Any]:
     return {"shards": {shard: positions[shard].encode() for shard in sorted(positions)}}
 
 
-def decode_offset(offset: Mapping[str, Any]) -> dict[str, ShardPosition]:
+def decode_offset(offset: Mapping[str, Any]) -> dict[str, OffsetEntry]:
     shards = offset.get("shards")
     if not isinstance(shards, dict):
         raise ValueError(f"not a kinesis source offset: {offset!r}")
-    return {str(shard): ShardPosition.decode(str(text)) for shard, text in shards.items()}
+    return {str(shard): decode_entry(str(text)) for shard, text in shards.items()}

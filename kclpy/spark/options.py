@@ -28,6 +28,7 @@ from botocore.credentials import (
 
 from kclpy.config import parse_timestamp
 from kclpy.errors import ConfigError
+from kclpy.position import AT_TIMESTAMP, LATEST, TRIM_HORIZON
 from kclpy.spark.reading import StreamRef
 
 if TYPE_CHECKING:
@@ -121,8 +122,8 @@ _MODES = {"polling": "polling", "getrecords": "polling", "efo": "efo",
 _CONSUMER_NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,128}$")
 _CONSUMER_ARN = re.compile(r"^arn:aws[a-z-]*:kinesis:[a-z0-9-]+:\d{12}:stream/[\w.-]+/consumer/"
                            r"[\w.-]+:\d+$")
-_POSITIONS = {"TRIM_HORIZON": "TRIM_HORIZON", "EARLIEST": "TRIM_HORIZON", "LATEST": "LATEST",
-              "AT_TIMESTAMP": "AT_TIMESTAMP"}
+_POSITIONS = {TRIM_HORIZON: TRIM_HORIZON, "EARLIEST": TRIM_HORIZON, LATEST: LATEST,
+              AT_TIMESTAMP: AT_TIMESTAMP}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|sec|seconds?|m|min|minutes?)?\s*$",
                        re.IGNORECASE)
 _UNIT_MS = {"ms": 1, "s": 1000, "sec": 1000, "second": 1000, "seconds": 1000,

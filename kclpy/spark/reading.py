@@ -40,13 +40,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from botocore.exceptions import ClientError
 
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from kclpy.records import EMPTY, Record, Records
 from kclpy.retrieval.fanout import FanOutSource
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import PollingSource
 from kclpy.retrieval.source import ShardAddress
 from kclpy.retry import RetryPolicy, classify, error_code
-from kclpy.spark.offsets import AFTER, AT_TIMESTAMP, SHARD_END, ShardPosition
+from kclpy.spark.offsets import AFTER, AT_TIMESTAMP, SHARD_END, UptoEnd
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
@@ -206,7 +207,7 @@ class ShardReader:
         client: KinesisClient,
         stream: StreamRef,
         shard: ShardInfo,
-        start: ShardPosition,
+        start: Position,
         *,
         deaggregate: bool = True,
         limit: int = 10_000,
@@ -235,7 +236,7 @@ class ShardReader:
                                         shard_end_probe_s=shard_end_probe_s, backoff=backoff,
                                         metrics=metrics)
         self._pipeline = ShardPipeline(
-            self._source, start.position, deliver_empty=True, deaggregate=deaggregate,
+            self._source, start, deliver_empty=True, deaggregate=deaggregate,
             hash_range=(shard.starting_hash_key, shard.ending_hash_key),
             on_trimmed=self._trimmed if start.kind == AFTER else None, metrics=metrics,
             sleep=time.sleep)
@@ -345,21 +346,19 @@ class BudgetedRead:
     budget: what the driver does to find again an end that no executor recorded.
     """
 
-    def __init__(self, reader: ShardReader, end: ShardPosition, *, timed: bool = True,
+    def __init__(self, reader: ShardReader, end: UptoEnd, *, timed: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        assert end.is_budgeted and end.budget is not None and end.start is not None
         self._reader = reader
         self._end = end
         self._budget = end.budget
         self._timed = timed
         self._clock = clock
-        self.reached: ShardPosition | None = None
+        self.reached: Position | None = None
         self.rows = 0
         self.bytes = 0
 
     def __iter__(self) -> Iterator[Records]:
         budget, reader = self._budget, self._reader
-        assert self._end.start is not None and self._end.timestamp_ms is not None
         last: Record | None = None
         deadline = (self._clock() + budget.duration_ms / 1000
                     if self._timed and budget.duration_ms is not None else None)
@@ -372,14 +371,14 @@ class BudgetedRead:
             if full:
                 break
             if page.reached_bound or page.at_tip:
-                self.reached = ShardPosition.at_timestamp(self._end.timestamp_ms)
+                self.reached = Position.at_timestamp(self._end.until_ms)
                 return
             if page.shard_end:
-                self.reached = ShardPosition.shard_end()
+                self.reached = Position.shard_end()
                 return
             if deadline is not None and self._clock() >= deadline:
                 break
-        self.reached = ShardPosition.after(last) if last is not None else self._end.start
+        self.reached = Position.after(last) if last is not None else self._end.start
 
     def _limit(self) -> int:
         limit = self._reader.limit
@@ -413,7 +412,7 @@ class BudgetedRead:
 
 
 def read_range(
-    reader: ShardReader, end: ShardPosition, *,
+    reader: ShardReader, end: Position, *,
     idle_s: float = 0.5, idle_limit: int = 20, sleep: Callable[[float], None] = time.sleep,
 ) -> Iterator[Records]:
     """The records after the reader's start through ``end``, page by page.

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 
+from kclpy.position import Position
 from kclpy.retrieval.registration import ConsumerRegistration
 from kclpy.spark.arrow import SPARK_SCHEMA_DDL, records_to_batch
 from kclpy.spark.metadata import ConflictingEndError, PositionStore
@@ -58,7 +59,9 @@ from kclpy.spark.offsets import (
     AT_TIMESTAMP,
     SHARD_END,
     Budget,
-    ShardPosition,
+    OffsetEntry,
+    UptoEnd,
+    decode_entry,
     decode_offset,
     encode_offset,
 )
@@ -103,7 +106,7 @@ class _ShardProbe:
     """The driver's view of one shard after one position: its probing reader (which keeps
     its iterator between probes) and what the last probe found."""
 
-    position: ShardPosition
+    position: Position
     reader: ShardReader
     found: Probe
     probed_at: float
@@ -159,12 +162,12 @@ class KinesisStreamReader(DataSourceStreamReader):
         # Driver-side caches, rebuilt on demand (never pickled, see __getstate__).
         self._shards: dict[str, _Shard] = {}
         self._listed_at: float | None = None
-        self._cursor: dict[str, ShardPosition] | None = None
+        self._cursor: dict[str, OffsetEntry] | None = None
         self._target_ms: int | None = None
         self._target_shards: frozenset[str] | None = None
         self._probes: dict[str, _ShardProbe] = {}
         #: budgeted ends (encoded, with their shard key) -> the position they reached
-        self._resolved: dict[tuple[str, str], ShardPosition] = {}
+        self._resolved: dict[tuple[str, str], Position] = {}
         #: which shard the last batch's row budget favoured, so that shards take turns
         self._turn = 0
         self._client: KinesisClient | None = None
@@ -212,7 +215,7 @@ class KinesisStreamReader(DataSourceStreamReader):
             self._listed_at = now
         return self._shards
 
-    def _reader(self, shard: _Shard, start: ShardPosition,
+    def _reader(self, shard: _Shard, start: Position,
                 until_ms: int | None = None) -> ShardReader:
         return ShardReader(self._kinesis(), shard.stream, shard.info, start,
                            deaggregate=self.options.deaggregate,
@@ -222,16 +225,17 @@ class KinesisStreamReader(DataSourceStreamReader):
     def initialOffset(self) -> dict[str, Any]:
         shards = list(self._list(force=True).values())
         kind = self.options.starting_position
+        positions: dict[str, OffsetEntry]
         if kind == "LATEST":
             # Everything that arrived before now is "consumed": no read needed to find it.
-            at = ShardPosition.at_timestamp(self._now_ms())
+            at = Position.at_timestamp(self._now_ms())
             positions = {s.key: at for s in shards}
         elif kind == AT_TIMESTAMP:
             assert self.options.starting_timestamp_ms is not None
-            at = ShardPosition.at_timestamp(self.options.starting_timestamp_ms)
+            at = Position.at_timestamp(self.options.starting_timestamp_ms)
             positions = {s.key: at for s in shards}
         else:
-            positions = {s.key: ShardPosition.trim_horizon() for s in shards}
+            positions = {s.key: Position.trim_horizon() for s in shards}
         self._cursor = positions
         return encode_offset(positions)
 
@@ -281,11 +285,12 @@ class KinesisStreamReader(DataSourceStreamReader):
         # but give the end back unchanged for a shard with nothing new, so that an offset
         # with nothing new equals its start (which is how Spark sees the end of a run).
         positions = self._resolve_all(given)
-        cut_short = {s for s in given if given[s].is_budgeted and positions[s].kind == AFTER}
+        cut_short = {s for s in given
+                     if isinstance(given[s], UptoEnd) and positions[s].kind == AFTER}
         # Children of a split or merge; absent from an offset means TRIM_HORIZON anyway,
         # listing them makes the offset show every shard the query knows.
         for shard_id in shards:
-            positions.setdefault(shard_id, ShardPosition.trim_horizon())
+            positions.setdefault(shard_id, Position.trim_horizon())
         until_ms = self._now_ms() - self.options.settle_ms
         if self._target_ms is not None:
             until_ms = min(until_ms, self._target_ms)
@@ -293,11 +298,11 @@ class KinesisStreamReader(DataSourceStreamReader):
         # A shard whose last part a budget cut short has more: no probe needed to know it.
         found = self._probe_all(positions, [s for s in ready if s not in cut_short])
         moving = []
-        out = {s: given.get(s, positions[s]) for s in positions}
+        out: dict[str, OffsetEntry] = {s: given.get(s, positions[s]) for s in positions}
         for shard_id in ready:
             seen = found.get(shard_id)
             if seen is not None and seen.shard_end:
-                out[shard_id] = ShardPosition.shard_end()
+                out[shard_id] = Position.shard_end()
             elif seen is None or seen.undecided or (seen.first_arrival_ms is not None
                                                     and seen.first_arrival_ms < until_ms):
                 moving.append(shard_id)
@@ -305,9 +310,9 @@ class KinesisStreamReader(DataSourceStreamReader):
             budgets = self._budgets(moving, rows)
             plan = uuid.uuid4().hex[:12]
             for shard_id, budget in budgets.items():
-                out[shard_id] = ShardPosition.upto(positions[shard_id], until_ms, budget, plan)
+                out[shard_id] = UptoEnd(positions[shard_id], until_ms, budget, plan)
         else:
-            until = ShardPosition.at_timestamp(until_ms)
+            until = Position.at_timestamp(until_ms)
             for shard_id in moving:
                 out[shard_id] = until
         self._cursor = out
@@ -340,20 +345,17 @@ class KinesisStreamReader(DataSourceStreamReader):
         path = self.options.metadata_path
         return None if path is None else PositionStore(path)
 
-    def _resolve_all(self, given: Mapping[str, ShardPosition]) -> dict[str, ShardPosition]:
+    def _resolve_all(self, given: Mapping[str, OffsetEntry]) -> dict[str, Position]:
         """The offset's positions with every budgeted end replaced by where it stopped."""
-        out = dict(given)
-        todo = [s for s in given if given[s].is_budgeted
-                and (s, given[s].encode()) not in self._resolved]
-        for shard_id, reached in zip(todo, _parallel(
-                [partial(self._resolve, s, given[s]) for s in todo]), strict=True):
-            self._resolved[(shard_id, given[shard_id].encode())] = reached
-        for shard_id, position in given.items():
-            if position.is_budgeted:
-                out[shard_id] = self._resolved[(shard_id, position.encode())]
-        return out
+        todo = [(s, e) for s, e in given.items()
+                if isinstance(e, UptoEnd) and (s, e.encode()) not in self._resolved]
+        for (shard_id, end), reached in zip(todo, _parallel(
+                [partial(self._resolve, s, e) for s, e in todo]), strict=True):
+            self._resolved[(shard_id, end.encode())] = reached
+        return {shard_id: self._resolved[(shard_id, entry.encode())]
+                if isinstance(entry, UptoEnd) else entry for shard_id, entry in given.items()}
 
-    def _resolve(self, shard_id: str, end: ShardPosition) -> ShardPosition:
+    def _resolve(self, shard_id: str, end: UptoEnd) -> Position:
         """Where a budgeted end stopped: as its executor recorded it, or, when no executor
         did (no ``metadataPath``, or no task of the batch ran), by reading it here without
         its time budget (and recording that, for any later attempt at the batch)."""
@@ -366,8 +368,7 @@ class KinesisStreamReader(DataSourceStreamReader):
         if shard is None:
             raise DataLossError(f"shard {shard_id} is gone (expired): where its part "
                                 f"{end.encode()} of the last batch ended cannot be found")
-        assert end.start is not None
-        reading = BudgetedRead(self._reader(shard, end.start, until_ms=end.timestamp_ms), end,
+        reading = BudgetedRead(self._reader(shard, end.start, until_ms=end.until_ms), end,
                                timed=False)
         for _ in reading:
             pass
@@ -384,7 +385,7 @@ class KinesisStreamReader(DataSourceStreamReader):
         log.warning("kinesis source: data loss (%d so far): %s; skipped (failOnDataLoss=false)",
                     self.data_loss_events, message)
 
-    def _readable(self, shard_id: str, positions: Mapping[str, ShardPosition]) -> bool:
+    def _readable(self, shard_id: str, positions: Mapping[str, Position]) -> bool:
         position = positions[shard_id]
         if position.is_shard_end:
             return False
@@ -398,7 +399,7 @@ class KinesisStreamReader(DataSourceStreamReader):
             return False
         return all(p not in positions or positions[p].is_shard_end for p in shard.parents)
 
-    def _probe_all(self, positions: Mapping[str, ShardPosition],
+    def _probe_all(self, positions: Mapping[str, Position],
                    ready: Sequence[str]) -> dict[str, Probe]:
         """What each ready shard holds after its position, probing each shard at most once
         per ``minFetchPeriod`` (a shard already known to hold something is not probed)."""
@@ -451,11 +452,10 @@ class KinesisStreamReader(DataSourceStreamReader):
         self._cursor = dict(finish)
         parts: list[InputPartition] = []
         for shard_id, stop in sorted(finish.items()):
-            given = begin.get(shard_id, ShardPosition.trim_horizon())
+            given = begin.get(shard_id, Position.trim_horizon())
             if stop == given or given.is_shard_end:
                 continue
-            if stop.is_budgeted:
-                assert stop.start is not None
+            if isinstance(stop, UptoEnd):
                 first = stop.start
             else:
                 first = self._resolve_all({shard_id: given})[shard_id]
@@ -500,9 +500,9 @@ class KinesisStreamReader(DataSourceStreamReader):
         store = self._store()
         committed = decode_offset(end)
         for shard_id, position in committed.items():
-            if position.is_budgeted and store is not None:
+            if isinstance(position, UptoEnd) and store is not None:
                 store.forget_older(shard_id, position)
-        keep = {(s, p.encode()) for s, p in committed.items() if p.is_budgeted}
+        keep = {(s, p.encode()) for s, p in committed.items() if isinstance(p, UptoEnd)}
         self._resolved = {k: v for k, v in self._resolved.items() if k in keep}
 
     # -- executors --------------------------------------------------------------------------
@@ -510,9 +510,9 @@ class KinesisStreamReader(DataSourceStreamReader):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, KinesisPartition)
         client = self.options.client(pool=4, agent="kclpy-spark-executor")
-        start, end = ShardPosition.decode(partition.start), ShardPosition.decode(partition.end)
+        start, end = Position.decode(partition.start), decode_entry(partition.end)
         label, shard_id = partition.stream.label, partition.shard.shard_id
-        if end.is_budgeted:
+        if isinstance(end, UptoEnd):
             store = self._store()
             recorded = None if store is None else store.get(partition.key, end)
             if recorded is None:
@@ -534,27 +534,26 @@ class KinesisStreamReader(DataSourceStreamReader):
                 return
             if recorded == start:
                 return
-            end = recorded
-            until_ms = (recorded.timestamp_ms if recorded.kind == AT_TIMESTAMP
-                        else None)
+            stop = recorded
         else:
-            until_ms = end.timestamp_ms if end.kind == AT_TIMESTAMP else None
-        reader = self._task_reader(client, partition, start, end, until_ms)
+            stop = end
+        until_ms = stop.timestamp_ms if stop.kind == AT_TIMESTAMP else None
+        reader = self._task_reader(client, partition, start, stop, until_ms)
         try:
-            for records in read_range(reader, end):
+            for records in read_range(reader, stop):
                 yield records_to_batch(label, shard_id, records)
         finally:
             reader.close()
 
     def _task_reader(self, client: KinesisClient, partition: KinesisPartition,
-                     start: ShardPosition, end: ShardPosition,
+                     start: Position, end: OffsetEntry,
                      until_ms: int | None = None) -> ShardReader:
         # A fan-out read to a shard's end looks for it at the first idle event: kinesis-mock
         # never ends a subscription on a closed shard.
         return ShardReader(client, partition.stream, partition.shard, start,
                            deaggregate=self.options.deaggregate,
                            limit=self.options.max_records_per_fetch,
-                           until_ms=end.timestamp_ms if end.is_budgeted else until_ms,
+                           until_ms=end.until_ms if isinstance(end, UptoEnd) else until_ms,
                            fail_on_data_loss=self.options.fail_on_data_loss,
                            consumer_arn=partition.consumer_arn,
                            shard_end_probe_s=0.0 if end.is_shard_end else 30.0)

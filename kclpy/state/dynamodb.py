@@ -77,7 +77,7 @@ class DynamoDBStateStore:
 
     def begin_tenure(
         self, writer: CheckpointWriter, lease_key: str, token: str
-    ) -> tuple[str, int] | None:
+    ) -> Position | None:
         """Nothing to claim: the lease item, fenced by its counter, holds the checkpoint."""
         return None
 
@@ -86,18 +86,16 @@ class DynamoDBStateStore:
         writer: CheckpointWriter,
         lease_key: str,
         token: str,
-        checkpoint: str,
-        sub_sequence_number: int,
+        position: Position,
         txn: StateTransaction,
         gap: Position | None = None,
     ) -> None:
         """``writer`` is the gap's when ``gap`` is set: the lease item's recovery queue, not
         its checkpoint, moves in the same transaction."""
-        writer.transact_checkpoint(
-            lease_key, token, checkpoint, sub_sequence_number, self.items(txn))
+        writer.transact_checkpoint(lease_key, token, position, self.items(txn))
         self._cache.committed(txn)
 
-    def gap_position(self, lease_key: str, gap: Position) -> tuple[str, int] | None:
+    def gap_position(self, lease_key: str, gap: Position) -> Position | None:
         """Nothing stored here: a gap's checkpoint in the lease item commits with its state."""
         return None
 

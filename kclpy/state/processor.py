@@ -116,7 +116,7 @@ class ExactlyOnceProcessor(IRecordProcessor):
             # Claimed from whichever batch comes first: a closed shard gets only gap batches.
             stored = checkpointer.fenced(self._store.begin_tenure)
             if stored is not None:
-                self._committed = max(self._committed, Position.of(*stored))
+                self._committed = max(self._committed, stored)
             self._tenure_begun = True
         gap = checkpointer.gap
         if process_records_input.is_recovery and gap is None:
@@ -168,8 +168,7 @@ class ExactlyOnceProcessor(IRecordProcessor):
             return self._committed
         if gap not in self._gaps:
             stored = self._store.gap_position(self._lease_key, gap)
-            self._gaps[gap] = (Position.of(*stored) if stored is not None
-                               else Position.trim_horizon())
+            self._gaps[gap] = stored if stored is not None else Position.trim_horizon()
         self._gaps[gap] = max(self._gaps[gap], checkpointer.position)
         return self._gaps[gap]
 

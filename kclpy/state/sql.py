@@ -166,7 +166,7 @@ class SQLStateStore:
 
     def begin_tenure(
         self, writer: CheckpointWriter, lease_key: str, token: str
-    ) -> tuple[str, int] | None:
+    ) -> Position | None:
         try:
             try:
                 return self._claim(writer, lease_key, token)
@@ -177,7 +177,7 @@ class SQLStateStore:
 
     def _claim(
         self, writer: CheckpointWriter, lease_key: str, token: str
-    ) -> tuple[str, int] | None:
+    ) -> Position | None:
         """Stamp the shard's row with this tenure and return its position. The row names
         the lease incarnation (``Lease.incarnation``) its tenures belong to: a tenure counter
         is only compared within one incarnation. A later incarnation - the lease or the
@@ -194,7 +194,7 @@ class SQLStateStore:
                     sub_sequence_number=0, incarnation=incarnation))
                 return None
             position = (None if row.checkpoint is None
-                        else (row.checkpoint, row.sub_sequence_number))
+                        else Position.of(row.checkpoint, row.sub_sequence_number))
             stored = row.incarnation
             if incarnation is not None and stored is not None and incarnation != stored:
                 position = self._take_over(conn, lease_key, incarnation, stored, position)
@@ -210,12 +210,13 @@ class SQLStateStore:
             conn.execute(sa.update(self.checkpoints)
                          .where(self.checkpoints.c.lease_key == lease_key)
                          .values(tenure=guard.tenure, incarnation=incarnation or stored,
-                                 checkpoint=None if position is None else position[0],
-                                 sub_sequence_number=0 if position is None else position[1]))
+                                 checkpoint=None if position is None else position.checkpoint,
+                                 sub_sequence_number=(0 if position is None
+                                                      else position.sub_sequence_number)))
             return position
 
     def _take_over(self, conn: Connection, lease_key: str, incarnation: str, stored: str,
-                   position: tuple[str, int] | None) -> tuple[str, int] | None:
+                   position: Position | None) -> Position | None:
         """The row is of another incarnation of the lease: refused when that one is newer
         (this worker holds a lease deleted since), otherwise the position to resume from."""
         if incarnation_order(incarnation) < incarnation_order(stored):
@@ -240,8 +241,7 @@ class SQLStateStore:
         writer: CheckpointWriter,
         lease_key: str,
         token: str,
-        checkpoint: str,
-        sub_sequence_number: int,
+        position: Position,
         txn: StateTransaction,
         gap: Position | None = None,
     ) -> None:
@@ -263,24 +263,22 @@ class SQLStateStore:
                     sa.select(self.gaps.c.checkpoint, self.gaps.c.sub_sequence_number)
                     .where(self._gap_row(lease_key, gap)).with_for_update()).first()
                 if (stored is not None and stored.checkpoint is not None and Position.of(
-                        stored.checkpoint, stored.sub_sequence_number)
-                        >= Position.of(checkpoint, sub_sequence_number)):
-                    log.info("shard %s: commit at %s/%d had landed already", lease_key,
-                             checkpoint, sub_sequence_number)
+                        stored.checkpoint, stored.sub_sequence_number) >= position):
+                    log.info("shard %s: commit at %s had landed already", lease_key, position)
                 else:
                     self._write(conn, txn)
-                    position = {"checkpoint": checkpoint,
-                                "sub_sequence_number": sub_sequence_number}
+                    columns = {"checkpoint": position.checkpoint,
+                               "sub_sequence_number": position.sub_sequence_number}
                     if gap is None:
                         conn.execute(sa.update(self.checkpoints)
                                      .where(self.checkpoints.c.lease_key == lease_key)
-                                     .values(**position))
+                                     .values(**columns))
                     elif stored is None:
                         conn.execute(sa.insert(self.gaps).values(
-                            lease_key=lease_key, gap=_gap_name(gap), **position))
+                            lease_key=lease_key, gap=_gap_name(gap), **columns))
                     else:
                         conn.execute(sa.update(self.gaps)
-                                     .where(self._gap_row(lease_key, gap)).values(**position))
+                                     .where(self._gap_row(lease_key, gap)).values(**columns))
         except IntegrityError as exc:  # a key this transaction saw missing was inserted
             raise TransactionRejected(f"shard {lease_key}: {exc.orig}", []) from exc
         except DBAPIError as exc:
@@ -289,13 +287,13 @@ class SQLStateStore:
             raise _unavailable(lease_key, "commit", exc) from exc
         self._cache.committed(txn)
         try:
-            writer.update_checkpoint(lease_key, token, checkpoint, sub_sequence_number)
+            writer.update_checkpoint(lease_key, token, position)
         except CheckpointError as exc:
-            log.warning("shard %s: state committed at %s/%d; the lease table's checkpoint "
+            log.warning("shard %s: state committed at %s; the lease table's checkpoint "
                         "was not updated (%s) and will be on the next commit", lease_key,
-                        checkpoint, sub_sequence_number, exc)
+                        position, exc)
 
-    def gap_position(self, lease_key: str, gap: Position) -> tuple[str, int] | None:
+    def gap_position(self, lease_key: str, gap: Position) -> Position | None:
         try:
             with self.engine.connect() as conn:
                 row = conn.execute(
@@ -303,7 +301,7 @@ class SQLStateStore:
                     .where(self._gap_row(lease_key, gap))).first()
         except DBAPIError as exc:
             raise _unavailable(lease_key, "gap read", exc) from exc
-        return None if row is None else (row.checkpoint, row.sub_sequence_number)
+        return None if row is None else Position.of(row.checkpoint, row.sub_sequence_number)
 
     def forget(self, keys: Sequence[str]) -> None:
         self._cache.forget(keys)

@@ -22,10 +22,10 @@ class StateStore(Protocol):
 
     def begin_tenure(
         self, writer: CheckpointWriter, lease_key: str, token: str
-    ) -> tuple[str, int] | None:
+    ) -> Position | None:
         """A worker starts holding ``lease_key``: fence out earlier tenures and return the
-        position the store last committed for it (checkpoint, sub-sequence), or None when
-        the lease table's checkpoint is the store's own (the DynamoDB store)."""
+        position the store last committed for it, or None when the lease table's
+        checkpoint is the store's own (the DynamoDB store)."""
 
     def read(self, key: str) -> Versioned:
         """The committed value of ``key`` and its version (0: no such key)."""
@@ -35,18 +35,17 @@ class StateStore(Protocol):
         writer: CheckpointWriter,
         lease_key: str,
         token: str,
-        checkpoint: str,
-        sub_sequence_number: int,
+        position: Position,
         txn: StateTransaction,
         gap: Position | None = None,
     ) -> None:
-        """Commit ``txn`` with the checkpoint, all or nothing, fenced by the lease through
-        ``writer``. ``gap`` names the lag-recovery gap the checkpoint is of (``writer`` is
-        then the gap's), None the shard's live checkpoint: the two never share a position.
-        Raises ``TransactionRejected`` (nothing written) when a key changed since ``txn``
-        read it; what the writer raises when the lease is lost or the write fails."""
+        """Commit ``txn`` with the checkpoint at ``position``, all or nothing, fenced by the
+        lease through ``writer``. ``gap`` names the lag-recovery gap the checkpoint is of
+        (``writer`` is then the gap's), None the shard's live checkpoint: the two never share
+        a position. Raises ``TransactionRejected`` (nothing written) when a key changed since
+        ``txn`` read it; what the writer raises when the lease is lost or the write fails."""
 
-    def gap_position(self, lease_key: str, gap: Position) -> tuple[str, int] | None:
+    def gap_position(self, lease_key: str, gap: Position) -> Position | None:
         """The position the store last committed for ``gap`` of ``lease_key``, or None when
         the gap's checkpoint in the lease item is the store's own (the DynamoDB store)."""
 

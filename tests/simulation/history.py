@@ -387,12 +387,11 @@ class ObservedSQLStore(SQLStateStore):
         #: the shard each simulated thread is committing (``_write`` is not told)
         self._shard: dict[int, str] = {}
 
-    def commit(self, writer: Any, shard_id: str, token: str, checkpoint: str,
-               sub_sequence_number: int, txn: StateTransaction,
-               gap: CheckpointPosition | None = None) -> None:
+    def commit(self, writer: Any, lease_key: str, token: str, position: CheckpointPosition,
+               txn: StateTransaction, gap: CheckpointPosition | None = None) -> None:
         self._round_trip()
-        self._shard[id(scheduler.ACTIVE and scheduler.ACTIVE.current)] = shard_id
-        super().commit(writer, shard_id, token, checkpoint, sub_sequence_number, txn, gap)
+        self._shard[id(scheduler.ACTIVE and scheduler.ACTIVE.current)] = lease_key
+        super().commit(writer, lease_key, token, position, txn, gap)
 
     def _fetch(self, key: str) -> Versioned:
         self._round_trip()
@@ -430,14 +429,13 @@ class ObservedStore(DynamoDBStateStore):
 
     observer: Observer | None = None
 
-    def commit(self, writer: Any, shard_id: str, token: str, checkpoint: str,
-               sub_sequence_number: int, txn: StateTransaction,
-               gap: CheckpointPosition | None = None) -> None:
+    def commit(self, writer: Any, lease_key: str, token: str, position: CheckpointPosition,
+               txn: StateTransaction, gap: CheckpointPosition | None = None) -> None:
         observer = self.observer
         assert observer is not None
         observer.pending_txn[id(observer.sim.current)] = (dict(txn.versions), dict(txn.writes))
         try:
-            super().commit(writer, shard_id, token, checkpoint, sub_sequence_number, txn, gap)
+            super().commit(writer, lease_key, token, position, txn, gap)
         finally:
             observer.pending_txn.pop(id(observer.sim.current), None)
 

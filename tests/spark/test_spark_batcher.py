@@ -15,6 +15,7 @@ import pytest
 
 from kclpy.checkpoint import Checkpointer
 from kclpy.errors import ShutdownException, ThrottlingException
+from kclpy.position import Position
 from kclpy.processor import (
     InitializeInput,
     IRecordProcessor,
@@ -42,15 +43,15 @@ class Writer(CheckpointWriterBase):
         self.throttled: dict[str, int] = {}
         self.lock = threading.Lock()
 
-    def update_checkpoint(self, shard_id: str, concurrency_token: str, checkpoint: str,
-                          sub_sequence_number: int) -> None:
+    def update_checkpoint(self, lease_key: str, concurrency_token: str,
+                          position: Position) -> None:
         with self.lock:
-            if shard_id in self.lost:
-                raise ShutdownException(f"{shard_id} is owned by someone else")
-            if self.throttled.get(shard_id, 0) > 0:
-                self.throttled[shard_id] -= 1
+            if lease_key in self.lost:
+                raise ShutdownException(f"{lease_key} is owned by someone else")
+            if self.throttled.get(lease_key, 0) > 0:
+                self.throttled[lease_key] -= 1
                 raise ThrottlingException("slow down")
-            self.writes.append((shard_id, checkpoint, sub_sequence_number))
+            self.writes.append((lease_key, position.checkpoint, position.sub_sequence_number))
 
     def of(self, shard_id: str) -> list[tuple[str, int]]:
         with self.lock:
@@ -102,7 +103,7 @@ class Shard:
                  stream: str | None = None) -> None:
         self.shard_id = shard_id
         self.processor: IRecordProcessor = batcher.processor_factory()
-        self.checkpointer = Checkpointer(shard_id, writer, "token", "TRIM_HORIZON", 0)
+        self.checkpointer = Checkpointer(shard_id, writer, "token", Position.trim_horizon())
         self.processor.initialize(InitializeInput(shard_id, "TRIM_HORIZON", 0, stream))
 
     def deliver(self, batch: list[Record]) -> None:
@@ -423,7 +424,7 @@ def test_a_recovered_gap_and_live_records_are_separate_parts_each_checkpointed_i
     batcher = make(sink)
     shard = Shard(batcher, writer, "shard-a")
     gap_writer = Writer()
-    gap = Checkpointer("shard-a", gap_writer, "token", "1000", 0)
+    gap = Checkpointer("shard-a", gap_writer, "token", Position("1000"))
     live = records(0, 900, 3)
     recovered = records(0, 101, 3)
     shard.deliver(live)

@@ -18,8 +18,16 @@ from pyspark.sql.datasource import DataSourceStreamReader
 
 from kclpy.errors import ConfigError
 from kclpy.local import LocalEndpoint
+from kclpy.position import Position
 from kclpy.spark.metadata import PositionStore
-from kclpy.spark.offsets import Budget, ShardPosition, decode_offset, encode_offset
+from kclpy.spark.offsets import (
+    Budget,
+    OffsetEntry,
+    UptoEnd,
+    decode_entry,
+    decode_offset,
+    encode_offset,
+)
 from kclpy.spark.source import KinesisStreamReader, SourceOptions
 from tests.support.streams import (
     create_stream,
@@ -318,7 +326,7 @@ def test_row_limit_can_end_a_batch_inside_a_kpl_aggregate(kinesis_mock: LocalEnd
     reader = reader_for(kinesis_mock.url, stream, startingPosition="TRIM_HORIZON")
     offset = reader.initialOffset()
     seen: list[bytes] = []
-    ends: list[ShardPosition] = []
+    ends: list[OffsetEntry] = []
     for _ in range(10):
         end = reader.latestOffset(offset, read_max_rows(7))
         if end == offset:
@@ -330,7 +338,7 @@ def test_row_limit_can_end_a_batch_inside_a_kpl_aggregate(kinesis_mock: LocalEnd
         offset = end
     assert seen == expected
     # each batch ends where its reader stopped: the next one starts there, mid-aggregate
-    starts = [p.start for p in ends if p.start is not None]
+    starts = [p.start for p in ends if isinstance(p, UptoEnd)]
     assert any(p.kind == "AFTER" and 0 < p.sub_sequence_number < 9 for p in starts), ends
 
 
@@ -368,6 +376,7 @@ def test_byte_and_time_budgets_end_where_the_executor_stopped_and_a_rerun_ends_t
     assert read_all(timed, start, end) == payloads[:10], "a re-run: the same rows"
 
     (key, planned), = decode_offset(end).items()
+    assert isinstance(planned, UptoEnd)
     again = reader_for(kinesis_mock.url, stream, startingPosition="TRIM_HORIZON",
                        maxFetchDuration="1ms", maxRecordsPerFetch="10",
                        metadataPath=str(tmp_path / "other"))
@@ -375,22 +384,20 @@ def test_byte_and_time_budgets_end_where_the_executor_stopped_and_a_rerun_ends_t
     first = kinesis.get_shard_iterator(StreamName=stream, ShardId=key,
                                        ShardIteratorType="TRIM_HORIZON")["ShardIterator"]
     third = kinesis.get_records(ShardIterator=first, Limit=3)["Records"][-1]
-    earlier.put(key, planned, ShardPosition("AFTER", third["SequenceNumber"], 0))
+    earlier.put(key, planned, Position(third["SequenceNumber"]))
     assert read_all(again, start, end) == payloads[:3]
     following = again.latestOffset(end, None)
     assert read_all(again, end, following)[:1] == [payloads[3]]
 
 
 def test_offsets_round_trip_and_reject_garbage() -> None:
-    positions = {
-        "shardId-2": ShardPosition(
-            "AFTER", "49590338271490256608559692538361571095921575989136588898", 3),
-        "shardId-1": ShardPosition.trim_horizon(),
-        "shardId-3": ShardPosition.at_timestamp(1_700_000_000_123),
-        "shardId-4": ShardPosition.shard_end(),
-        "shardId-5": ShardPosition.upto(ShardPosition("AFTER", "4959", 2), 1_700_000_000_123,
-                                        Budget(rows=50, bytes=None, duration_ms=2000),
-                                        "a1b2c3"),
+    positions: dict[str, OffsetEntry] = {
+        "shardId-2": Position("49590338271490256608559692538361571095921575989136588898", 3),
+        "shardId-1": Position.trim_horizon(),
+        "shardId-3": Position.at_timestamp(1_700_000_000_123),
+        "shardId-4": Position.shard_end(),
+        "shardId-5": UptoEnd(Position("4959", 2), 1_700_000_000_123,
+                             Budget(rows=50, bytes=None, duration_ms=2000), "a1b2c3"),
     }
     encoded = encode_offset(positions)
     assert list(encoded["shards"]) == sorted(positions)
@@ -399,7 +406,7 @@ def test_offsets_round_trip_and_reject_garbage() -> None:
                 "UPTO/1/0/-/-/a1/TRIM_HORIZON", "UPTO/1/-/-/-/a1/SHARD_END",
                 "UPTO/1/-/-/-//TRIM_HORIZON", "UPTO/1/5/-/-/a1"):
         with pytest.raises(ValueError):
-            ShardPosition.decode(bad)
+            decode_entry(bad)
 
 
 @pytest.mark.parametrize(("options", "option"), [

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from kclpy.local import LocalEndpoint
+from kclpy.position import Position
 from kclpy.spark.offsets import decode_offset
 from kclpy.spark.source import KinesisStreamReader, SourceOptions
 from tests.support.counting import CountingProxy
@@ -170,7 +171,6 @@ def test_a_probe_steps_over_a_second_of_older_records_before_concluding_anything
     botocore cannot be told), so an ``AT_TIMESTAMP`` iterator lands up to a second early.
     The probe must step over every older record of that second, however many, and find
     the newer one; and where nothing newer exists, find the tip, not give up."""
-    from kclpy.spark.offsets import ShardPosition
     from kclpy.spark.reading import Probe, ShardReader, StreamRef, list_shards, probe
 
     kinesis = kinesis_client(kinesis_mock.url)  # botocore's default: whole seconds
@@ -179,7 +179,7 @@ def test_a_probe_steps_over_a_second_of_older_records_before_concluding_anything
     put_plain(kinesis, stream, [f"old-{n}".encode() for n in range(1000)])
     newest = last_arrival(kinesis, stream)
     [shard] = list_shards(kinesis, StreamRef(stream))
-    position = ShardPosition.at_timestamp(round(newest * 1000) + 1)
+    position = Position.at_timestamp(round(newest * 1000) + 1)
 
     nothing = ShardReader(kinesis, StreamRef(stream), shard, position, limit=300)
     assert probe(nothing) == Probe()

@@ -7,6 +7,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from kclpy.leases.fence import Guard
+from kclpy.position import Position
 
 
 class CheckpointWriterBase:
@@ -14,14 +15,14 @@ class CheckpointWriterBase:
     transactions and guarded writes belong to the exactly-once tests, and reaching them from
     any other test is a failure of that test."""
 
-    def update_checkpoint(self, shard_id: str, concurrency_token: str, checkpoint: str,
-                          sub_sequence_number: int) -> None:
+    def update_checkpoint(self, lease_key: str, concurrency_token: str,
+                          position: Position) -> None:
         raise NotImplementedError
 
-    def transact_checkpoint(self, shard_id: str, concurrency_token: str, checkpoint: str,
-                            sub_sequence_number: int, items: Sequence[Any]) -> None:
-        raise AssertionError(f"shard {shard_id}: this test's writer takes no transactions")
+    def transact_checkpoint(self, lease_key: str, concurrency_token: str, position: Position,
+                            items: Sequence[Any]) -> None:
+        raise AssertionError(f"shard {lease_key}: this test's writer takes no transactions")
 
-    def guard(self, shard_id: str, concurrency_token: str | None, *,
+    def guard(self, lease_key: str, concurrency_token: str | None, *,
               what: str) -> AbstractContextManager[Guard]:
-        raise AssertionError(f"shard {shard_id}: this test's writer guards no {what}")
+        raise AssertionError(f"shard {lease_key}: this test's writer guards no {what}")

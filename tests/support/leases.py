@@ -75,10 +75,11 @@ class Lost:
     """A lease-lost listener that records what it was told."""
 
     def __init__(self) -> None:
+        #: the lease keys, in the order they were lost
         self.shards: list[str] = []
 
-    def __call__(self, shard_id: str) -> None:
-        self.shards.append(shard_id)
+    def __call__(self, lease_key: str) -> None:
+        self.shards.append(lease_key)
 
 
 def coordinator(

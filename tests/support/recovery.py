@@ -28,7 +28,7 @@ def gap(start: str, end_ms: int, first_ms: int | None, *, done: str | None = Non
         ) -> RecoveryRequest:
     """A gap from ``start`` to ``end_ms``; with ``done``, checkpointed that far already."""
     request = RecoveryRequest.gap(start, 0, end_ms, first_ms, None)
-    return request if done is None else request.checkpointed(done, 0, None)
+    return request if done is None else request.checkpointed(Position(done), None)
 
 
 @dataclass

@@ -64,7 +64,7 @@ class Shard:
         #: where the consumer would start: the lease's checkpoint when taken
         self.start = (fresh.checkpoint, fresh.checkpoint_sub_sequence_number)
         self.checkpointer = Checkpointer(key, self.fence, fresh.concurrency_token,
-                                         fresh.checkpoint, fresh.checkpoint_sub_sequence_number)
+                                         fresh.position)
 
     def deliver(self, processor: ExactlyOnceProcessor, records: list[Record]) -> None:
         self.checkpointer.mark_delivered(records[-1])
