@@ -34,6 +34,7 @@ FOUND = [
     (159, "no-collateral-loss", "hole 6"),
     (947, "exactly-once", "re-created stream rule"),
     (338, "consumed-while-held", "shutdown stall"),
+    (553, "consumed-while-held", "slow shard sync"),
 ]
 
 #: found and not fixed: seed -> the invariants it breaks (tests/simulation/FOUND.md says what
@@ -42,7 +43,6 @@ OPEN: dict[int, frozenset[str]] = {
     400: frozenset({"liveness", "exactly-once"}),
     # found by the histories that run with a leader (issue 28), not fixed yet
     186: frozenset({"liveness", "exactly-once"}),
-    553: frozenset({"consumed-while-held"}),
     844: frozenset({"liveness"}),
 }
 
