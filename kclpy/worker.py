@@ -2,8 +2,9 @@
 
 Shard sync creates leases; the lease coordinator takes and renews them; for every held lease
 the worker runs a ShardConsumer whose fetcher reads the shard and whose processor the user
-wrote. The worker loop reconciles held leases with running consumers, repeats shard sync,
-and on shutdown lets every processor checkpoint before the leases are released.
+wrote. The worker loop reconciles held leases with running consumers while a thread of its
+own repeats shard sync, and on shutdown lets every processor checkpoint before the leases are
+released.
 """
 
 from __future__ import annotations
