@@ -2,8 +2,9 @@
 
 Shard sync creates leases; the lease coordinator takes and renews them; for every held lease
 the worker runs a ShardConsumer whose fetcher reads the shard and whose processor the user
-wrote. The worker loop reconciles held leases with running consumers, repeats shard sync,
-and on shutdown lets every processor checkpoint before the leases are released.
+wrote. The worker loop reconciles held leases with running consumers while a thread of its
+own repeats shard sync, and on shutdown lets every processor checkpoint before the leases are
+released.
 """
 
 from __future__ import annotations
@@ -355,27 +356,40 @@ class Worker:
     # -- the loop ------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        syncing = threading.Event()
+        syncer = threading.Thread(target=self._sync_loop, args=(syncing,),
+                                  name=f"kclpy-shard-sync-{self.config.worker_id}", daemon=True)
+        syncer.start()
+        try:
+            while not self._stop.is_set():
+                self._reconcile()
+                if self._fatal is not None:
+                    return
+                if self.config.stop_when_caught_up and self._all_caught_up():
+                    log.info("every shard is caught up; stopping (stop_when_caught_up)")
+                    return
+                self._wake.wait(0.2)
+                self._wake.clear()
+        finally:
+            # Not joined: a sync under way ends with its slowest answer, and the shutdown
+            # that follows must not wait for it.
+            syncing.set()
+
+    def _sync_loop(self, done: threading.Event) -> None:
+        """Shard sync on a thread of its own: a ListShards slowed by throttles or a slow
+        endpoint (simulator seed 553: 4.3 s) held the loop, so the consumers of leases the
+        taker (or, with a leader, the leader) gave this worker meanwhile did not start, and
+        the leases stayed held by nobody's consumer past the failover time."""
         interval = self.config.shard_sync_interval_ms / 1000
-        next_sync = time.monotonic() + interval
-        while not self._stop.is_set():
-            self._reconcile()
-            if self._fatal is not None:
-                return
-            if time.monotonic() >= next_sync:
-                try:
-                    if self._syncs_shards():
-                        self._sync_shards()
-                    elif self.config.stream_tracker is not None:
-                        assert self.streams is not None
-                        self.streams.refresh()
-                except Exception:
-                    log.exception("shard sync failed; retrying at the next interval")
-                next_sync = time.monotonic() + interval
-            if self.config.stop_when_caught_up and self._all_caught_up():
-                log.info("every shard is caught up; stopping (stop_when_caught_up)")
-                return
-            self._wake.wait(0.2)
-            self._wake.clear()
+        while not done.wait(interval) and not self._stop.is_set():
+            try:
+                if self._syncs_shards():
+                    self._sync_shards()
+                elif self.config.stream_tracker is not None:
+                    assert self.streams is not None
+                    self.streams.refresh()
+            except Exception:
+                log.exception("shard sync failed; retrying at the next interval")
 
     def _reconcile(self) -> None:
         """Start a consumer for every newly held lease; retire consumers that are over."""
@@ -646,7 +660,9 @@ class Worker:
         # long as its slowest answer, and the lease of a processor already over must not
         # wait for it. What that cycle took last is released once it has ended.
         taking = coordinator is not None and not coordinator.stop_taking(timeout=0)
-        if coordinator is not None and not taking:
+        if coordinator is not None:
+            # Taken since the last reconcile: no consumer to wait for, even while the
+            # taker's cycle (slow answers) goes on.
             self._release_unconsumed(coordinator, consumers)
         # Each lease goes as soon as its processor is over: held until the slowest one is,
         # it would be consumed by nobody for up to the grace period.

@@ -10,7 +10,7 @@ import logging
 import re
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,12 +148,12 @@ class Shard:
             metrics=self.metrics)
         return ShardPipeline(source, start, metrics=self.metrics)
 
-    def recovery(self, *, wall_clock: Any = time.time, stored: str | None = None
-                 ) -> ShardRecovery:
+    def recovery(self, *, wall_clock: Any = time.time, stored: str | None = None,
+                 claim: Callable[[], Position | None] | None = None) -> ShardRecovery:
         return ShardRecovery("shardId-000000000000", stored, token=self.token,
                              fence=self.holder.fence, reader_factory=self.reader,
                              rate=RecoveryRate(10_000), max_lag_ms=1000, metrics=self.metrics,
-                             wall_clock=wall_clock)
+                             wall_clock=wall_clock, claim=claim)
 
     def queue(self) -> tuple[RecoveryRequest, ...]:
         lease = self.table.get("shardId-000000000000")
@@ -217,6 +217,28 @@ def test_a_recovered_gap_is_not_logged_as_the_shard_ending(
         assert len(recover_all(recovery)) == 30
     assert "the recovery gap was read to its end" in caplog.text
     assert "reached its end" not in caplog.text
+
+
+def test_a_gap_after_the_state_stores_position_moves_the_live_checkpoint_past_it(
+        shard: Shard) -> None:
+    """A lease created again (at TRIM_HORIZON) while the SQL store kept the shard's position:
+    the gap starts after the store's position, and once every record after it is processed
+    the live checkpoint must not stay behind it (simulator seed 844), or the next owner would
+    read the gap again."""
+    iterator = shard.kinesis.get_shard_iterator(
+        StreamName="s", ShardId="shardId-000000000000",
+        ShardIteratorType="TRIM_HORIZON")["ShardIterator"]
+    sequence = [r["SequenceNumber"] for r in
+                shard.kinesis.get_records(ShardIterator=iterator)["Records"]]
+    recovery = shard.recovery(wall_clock=lambda: time.time() + 3600,
+                              claim=lambda: Position.of(sequence[9], 0))
+    assert recovery.begin(Position.trim_horizon()) is not None
+    [queued] = shard.queue()
+    assert queued.start == sequence[9]
+    assert recover_all(recovery) == [f"old-{n}" for n in range(10, 30)]
+    lease = shard.table.get("shardId-000000000000")
+    assert lease is not None
+    assert (lease.checkpoint, lease.recovery) == (sequence[29], None)
 
 
 def test_a_shard_within_max_lag_reads_live_from_its_checkpoint(shard: Shard) -> None:

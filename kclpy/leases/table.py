@@ -218,35 +218,15 @@ class LeaseTable(DynamoTable):
         take after asking for it counts too) was another one, as Java counts every owner
         change. Marks the owner as a kclpy worker (``mixed.py``).
         """
-        update = (
-            UpdateBuilder()
-            .set(ser.LEASE_OWNER, s(owner))
-            .set(ser.KCLPY_HOLDER, s(owner))
-            .set(ser.LEASE_COUNTER, n(lease.lease_counter + 1))
-            .remove(ser.CHECKPOINT_OWNER)
-            .expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter))
-        )
-        previous = lease.checkpoint_owner or lease.lease_owner
-        if previous is not None and previous != owner:
-            update.add(ser.OWNER_SWITCHES_SINCE_CHECKPOINT, n(1))
-        return self._update(lease.lease_key, update, lease.concurrency_token)
+        return self._update(lease.lease_key, _owner_update(lease, owner, holds=True),
+                            lease.concurrency_token)
 
     def assign(self, lease: Lease, owner: str) -> Lease:
         """A leader's assignment of a free or expired lease to ``owner``, who takes it when
         it finds it (``take``, a second write that starts its tenure on its own clock). The
         counter is bumped, so whoever held it before is fenced out; ``kclpyHolder`` is left
         alone: ``owner`` does not hold the lease until it takes it."""
-        update = (
-            UpdateBuilder()
-            .set(ser.LEASE_OWNER, s(owner))
-            .set(ser.LEASE_COUNTER, n(lease.lease_counter + 1))
-            .remove(ser.CHECKPOINT_OWNER)
-            .expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter))
-        )
-        previous = lease.checkpoint_owner or lease.lease_owner
-        if previous is not None and previous != owner:
-            update.add(ser.OWNER_SWITCHES_SINCE_CHECKPOINT, n(1))
-        return self._update(lease.lease_key, update, None)
+        return self._update(lease.lease_key, _owner_update(lease, owner, holds=False), None)
 
     def renew(self, lease: Lease) -> Lease:
         """Bump the counter, proving to every other worker that the holder is alive.
@@ -428,3 +408,23 @@ def _expect_holder(update: UpdateBuilder, lease: Lease) -> None:
         update.expect_equal(ser.CHECKPOINT_OWNER, s(lease.checkpoint_owner))
     else:
         update.expect_owner(lease.lease_owner)
+
+
+def _owner_update(lease: Lease, owner: str, *, holds: bool) -> UpdateBuilder:
+    """The write that makes ``owner`` the lease's owner, shared by a take and a leader's
+    assignment so that both fence the same way: the counter is bumped on the condition that
+    nobody changed it since ``lease`` was read, a 3.x handoff marker is cleared (a fresh
+    assignment), and an owner switch counts whenever the worker that held the lease
+    (``checkpointOwner`` during a handoff) was another one, as Java counts every owner change.
+    ``holds``: the owner holds it from this write on (a take marks it a kclpy worker,
+    ``mixed.py``); an assignment leaves ``kclpyHolder`` to the assignee's take."""
+    update = UpdateBuilder().set(ser.LEASE_OWNER, s(owner))
+    if holds:
+        update.set(ser.KCLPY_HOLDER, s(owner))
+    (update.set(ser.LEASE_COUNTER, n(lease.lease_counter + 1))
+     .remove(ser.CHECKPOINT_OWNER)
+     .expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter)))
+    previous = lease.checkpoint_owner or lease.lease_owner
+    if previous is not None and previous != owner:
+        update.add(ser.OWNER_SWITCHES_SINCE_CHECKPOINT, n(1))
+    return update

@@ -162,12 +162,8 @@ class LeaseTaker:
                 self._metrics.call(TAKE_CYCLE, elapsed, False)
                 return []
             self._metrics.call(LIST_LEASES, time.perf_counter() - started, True)
-            now = self._clock()
-            self._balancer.observe(leases, now)
+            now, known = self._scanned(leases)
             with self._state:
-                self._last_scan = leases
-                self._last_scan_at = now
-                known = self._known_lease_keys
                 cycle = self._cycle
                 self._lost_in_cycle = {
                     key: lost for key, lost in self._lost_in_cycle.items() if cycle - lost <= 1
@@ -179,12 +175,10 @@ class LeaseTaker:
                 for key in sorted(self.pending_handoffs())
                 if (fresh := self._progress_handoff(key, by_key.get(key), scanned_at=now))
             ]
-            foreign = self._mixed_fleet(leases, now)
-            with self._state:
-                self._java_peers = bool(foreign)
+            java_peers = self._java_side(leases, now)
             held = set(self.held.entries())
             plan = self._balancer.plan(held=held, known_lease_keys=known, no_steal=no_steal,
-                                       now=now, java_peers=bool(foreign))
+                                       now=now, java_peers=java_peers)
             with self._state:
                 self._share = plan.share
             taken += [fresh for lease in plan.take if (fresh := self._take(lease, stolen=False))]
@@ -281,15 +275,8 @@ class LeaseTaker:
         except TABLE_ERRORS as exc:
             log.warning("worker %s: leader's lease scan failed: %r", self.worker_id, exc)
             return []
-        now = self._clock()
-        self._balancer.observe(leases, now)
-        with self._state:
-            self._last_scan = leases
-            self._last_scan_at = now
-            known = self._known_lease_keys
-        foreign = self._mixed_fleet(leases, now)
-        with self._state:
-            self._java_peers = bool(foreign)
+        now, known = self._scanned(leases)
+        self._java_side(leases, now)
         reports = mode.reports.fleet()
         if reports is None:
             return []
@@ -614,6 +601,26 @@ class LeaseTaker:
         self.held.install(lease, sent_at)
         with self._state:
             self._pending.pop(lease.lease_key, None)
+
+    def _scanned(self, leases: list[Lease]) -> tuple[float, frozenset[str] | None]:
+        """What both passes (scanning and leading) do first with a fresh scan: the balancer
+        learns which leases changed (expiry is judged from it), and the scan is kept for shard
+        sync and the status page. Returns the scan's time and the shards this worker knows."""
+        now = self._clock()
+        self._balancer.observe(leases, now)
+        with self._state:
+            self._last_scan = leases
+            self._last_scan_at = now
+            return now, self._known_lease_keys
+
+    def _java_side(self, leases: list[Lease], now: float) -> bool:
+        """``_mixed_fleet`` for a pass, remembered for the consumers (``java_peers``): True
+        while live Java KCL 2.x workers share the table. Called after the scanning pass has
+        progressed its handoffs, whose pending set the stale-handoff check reads."""
+        java_peers = bool(self._mixed_fleet(leases, now))
+        with self._state:
+            self._java_peers = java_peers
+        return java_peers
 
     def _mixed_fleet(self, leases: list[Lease], now: float) -> list[Lease]:
         """The Java KCL 2.x side of a scan (``mixed.py``): undo the handoff requests nobody

@@ -122,6 +122,9 @@ class ShardRecovery:
         self._published = False
         #: operator request elements found unreadable (logged once each)
         self._unreadable: set[str] = set()
+        #: where the gap ``begin`` queued this tenure starts: the live position it found,
+        #: which may be the state store's, ahead of the lease's checkpoint (``_store``)
+        self._began: Position | None = None
         #: monotonic time before which a failed fold of operator requests is not retried
         self._fold_after = 0.0
         self._publish()
@@ -136,6 +139,7 @@ class ShardRecovery:
         self._stop_reader()
         self._passed.clear()
         self._ends.clear()
+        self._began = None
         max_lag_ms = self._max_lag_ms
         if max_lag_ms is None or not (live.is_record or live.sentinel == TRIM_HORIZON):
             return None
@@ -158,6 +162,7 @@ class ShardRecovery:
                                       first.sequence_number)
         with self._lock:
             self._store(gaps.add(self._queue, request))
+            self._began = _key(request)
         log.warning("shard %s: %d ms behind (more than max_lag_ms=%d); reading live from "
                     "%s and recovering the gap after %s/%s separately", self.lease_key,
                     now_ms - arrived, max_lag_ms, _iso(live_ms), checkpoint,
@@ -370,8 +375,12 @@ class ShardRecovery:
         record. When the live checkpoint still names where that gap starts (live reading
         committed nothing yet: an idle stream), it moves to the gap's last record in the
         same write: every record up to there is processed, and a next owner starting from
-        the gap's start would find the same gap again and process it twice. Decided on the
-        held lease, under the fence's lock, so a live checkpoint never moves back.
+        the gap's start would find the same gap again and process it twice. The same when
+        the gap is the one ``begin`` queued after the state store's position, ahead of the
+        lease's checkpoint (a lease created again while the store kept the shard's position:
+        the store says every record up to the gap's start is applied); otherwise the live
+        checkpoint stayed behind the gap for good (simulator seed 844). Decided on the held
+        lease, under the fence's lock, so a live checkpoint never moves back.
 
         The operator requests the held lease carries are applied to ``queue`` and removed
         from the item in the same write (``requests``); the queue written is what this
@@ -389,8 +398,8 @@ class ShardRecovery:
             live = lease
             # (``extended``: a live checkpoint at any sentinel before every record still
             # names where a gap from TRIM_HORIZON starts)
-            if finished is not None and (
-                    lease.position.extended == finished[0].start_position.extended):
+            if finished is not None and _live_behind(lease.position, finished[0],
+                                                     self._began):
                 changes = checkpoint_changes(finished[1])
                 live = lease.copy(checkpoint=finished[1].checkpoint,
                                   checkpoint_sub_sequence_number=finished[1].sub_sequence_number,
@@ -463,6 +472,14 @@ class GapWriter:
     def guard(self, lease_key: str, concurrency_token: str | None, *,
               what: str) -> AbstractContextManager[Guard]:
         return self._recovery.guard(what)
+
+
+def _live_behind(live: Position, gap: RecoveryRequest, began: Position | None) -> bool:
+    """Live reading committed nothing past the start of ``gap``, whose every record is now
+    processed: the live checkpoint names where the gap starts, or is behind it when the gap
+    is the one ``begin`` started at the state store's position (``began``)."""
+    at, start = live.extended, gap.start_position.extended
+    return at == start or (_key(gap) == began and at < start)
 
 
 def _iso(epoch_ms: int) -> str:
