@@ -20,6 +20,7 @@ from kclpy.leases.load import (
     LoadTable,
     WorkerLoad,
     choose_steals,
+    project,
 )
 from kclpy.local import LocalEndpoint
 from tests.support.recording import Ledger, RecordingProcessor
@@ -121,16 +122,42 @@ def test_meter_rates_per_lease_and_cpu() -> None:
     now[0], cpu[0] = 10.0, 5.0
     totals.update(a=(100, 10 * 1024 * 10), b=(10, 1024 * 10))
     load = meter.sample({"a", "b"})
-    # moving averages over the first interval (nothing yet) and this one
-    assert load.lease_kbps == {"a": pytest.approx(5.0), "b": pytest.approx(0.5)}
+    # a lease's rate from the first whole interval it was held; the process's CPU a moving
+    # average over the first (empty) interval and this one
+    assert load.lease_kbps == {"a": pytest.approx(10.0), "b": pytest.approx(1.0)}
     assert load.cpu_percent == pytest.approx(25.0)
-    assert load.load == load.cpu_percent
-    # a lease taken since the last sample: what it shows since then is this worker's work
-    totals["c"] = (10, 1024 * 100)
+    # the load is the held leases' KB/s at the CPU a KB/s cost: 50 % for 11 KB/s
+    assert load.load == pytest.approx(50.0)
+    # a lease taken during the interval showed only part of it: not reported until it was
+    # held for a whole one; a lease given away counts no more at once
+    totals["c"] = (10, 1024 * 50)
     now[0] = 20.0
     load = meter.sample({"a", "c"})
-    assert set(load.lease_kbps) == {"a", "c"}
+    assert set(load.lease_kbps) == {"a"}
+    assert load.kbps == pytest.approx(load.lease_kbps["a"])
+    totals["c"] = (20, 1024 * 150)
+    now[0] = 30.0
+    load = meter.sample({"a", "c"})
     assert load.lease_kbps["c"] == pytest.approx(10.0)
+    assert load.kbps == pytest.approx(sum(load.lease_kbps.values()))
+
+
+def test_a_report_is_judged_as_of_the_lease_table() -> None:
+    """A worker that took a lease since its report counts it at what its previous owner
+    reported, and the giver no longer counts it: neither looks idle or busy for a move
+    already made, so the taker does not take a second lease for the same gap."""
+    giver = report("giver", {"a": 20.0, "b": 10.0, "c": 10.0})
+    taker = report("taker", {"t": 20.0})
+    reports = {"giver": giver, "taker": taker}
+    victims = {"giver": [Lease("a", lease_owner="giver"), Lease("c", lease_owner="giver")]}
+    # "b" moved to the taker after both reports: judged on them, the taker takes again
+    assert choose_steals(taker, reports, victims, SETTINGS) != []
+    projected = project(reports, {"a": "giver", "c": "giver", "t": "taker", "b": "taker"},
+                        {"b": 10.0})
+    assert projected["giver"].load == pytest.approx(30.0)
+    assert projected["taker"].load == pytest.approx(30.0)
+    assert projected["taker"].lease_kbps == {"t": 20.0, "b": 10.0}
+    assert choose_steals(projected["taker"], projected, victims, SETTINGS) == []
 
 
 def test_java_3_keys_drive_the_options() -> None:

@@ -42,7 +42,7 @@ import math
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kclpy.leases.dynamo import TABLE_ERRORS, DynamoTable
@@ -153,6 +153,8 @@ class LoadMeter:
         #: the counters at the last sample
         self._last: dict[str, tuple[float, float]] = {}
         self._lease_kbps: dict[str, float] = {}
+        #: the leases held at the last sample (only those are measured over a whole interval)
+        self._held: frozenset[str] = frozenset()
         self._kbps: float | None = None
         self._rps: float | None = None
         self._cpu: float | None = None
@@ -161,8 +163,11 @@ class LoadMeter:
     def sample(self, held: AbstractSet[str]) -> WorkerLoad:
         """Close the current interval and fold its rates into the moving averages. The
         counters grow only while this worker processes a lease, so what a lease shows since
-        the last sample is this worker's work whenever it was taken; leases no longer
-        ``held`` are forgotten."""
+        the last sample is this worker's work; but a lease taken during the interval shows
+        only part of it, so a lease's rate is first folded in once it was held for a whole
+        interval (until then it is not reported: a reader estimates it from its previous
+        owner's report). Leases no longer ``held`` are forgotten at once, and the published
+        load is that of the leases held now (see :meth:`current`)."""
         now, cpu, totals = self._clock(), self._cpu_seconds(), self._totals()
         elapsed = max(1e-9, now - self._since)
         cpu_used = cpu - self._cpu_since
@@ -174,13 +179,14 @@ class LoadMeter:
             delta_bytes = max(0.0, current[1] - before[1])
             records += delta_records
             nbytes += delta_bytes
-            if key in held:
+            if key in held and key in self._held:
                 kbps = delta_bytes / 1024 / elapsed
                 self._lease_kbps[key] = _ema(self._lease_kbps.get(key), kbps, self._alpha)
-        for key in held - self._lease_kbps.keys():
+        for key in (held & self._held) - self._lease_kbps.keys():
             self._lease_kbps[key] = 0.0
         for key in self._lease_kbps.keys() - held:
             del self._lease_kbps[key]
+        self._held = frozenset(held)
         self._last = dict(totals)
         self._kbps = _ema(self._kbps, nbytes / 1024 / elapsed, self._alpha)
         self._rps = _ema(self._rps, records / elapsed, self._alpha)
@@ -189,9 +195,15 @@ class LoadMeter:
         return self.current()
 
     def current(self) -> WorkerLoad:
-        kbps, cpu = self._kbps or 0.0, self._cpu or 0.0
-        return WorkerLoad(self.worker_id, cpu if cpu > 0 else kbps, kbps, self._rps or 0.0,
-                          cpu, dict(self._lease_kbps), self._seq)
+        """The load of the leases held now: their smoothed KB/s at the worker's smoothed
+        cost per KB/s. The totals' own moving averages would go on counting a lease for
+        several reports after it left (or before it arrived), so that a worker that just
+        gave a lease away would still look busy and lose another."""
+        kbps = sum(self._lease_kbps.values())
+        cpu = self._cpu or 0.0
+        load = kbps * (cpu / self._kbps if cpu > 0 else 1.0) if self._kbps else cpu
+        return WorkerLoad(self.worker_id, load, kbps, self._rps or 0.0, cpu,
+                          dict(self._lease_kbps), self._seq)
 
 
 class LoadTable(DynamoTable):
@@ -262,6 +274,9 @@ class LoadBalancing:
         self.mine = meter.current()
         #: the fleet's throughput in the last reports read (0: nothing to balance by load)
         self._fleet_kbps = 0.0
+        #: lease key -> its KB/s in the latest fresh report that measured it: what a lease
+        #: that moved since its new owner's report weighs (:func:`project`)
+        self._known_kbps: dict[str, float] = {}
 
     def report_if_due(self, held: AbstractSet[str]) -> None:
         now = self._clock()
@@ -302,12 +317,22 @@ class LoadBalancing:
         if reports is None:
             return []
         owned: dict[str, list[Lease]] = {}
+        owners: dict[str, str] = {}
+        stopped: set[str] = set()
         for lease in leases:
-            if (lease.lease_owner is not None and lease.lease_owner != self.worker_id
-                    and lease.checkpoint_owner is None and live(lease)
-                    and not lease.is_finished and lease.parked is None):
-                owned.setdefault(lease.lease_owner, []).append(lease)
-        return choose_steals(self.mine, reports, owned, self.settings, no_steal)
+            owner = lease.lease_owner
+            if owner is None or lease.is_finished or lease.parked is not None:
+                continue
+            if not live(lease):
+                stopped.add(owner)
+                continue
+            owners[lease.lease_key] = owner
+            if owner != self.worker_id and lease.checkpoint_owner is None:
+                owned.setdefault(owner, []).append(lease)
+        stopped.discard(self.worker_id)
+        fleet = project({w: r for w, r in reports.items() if w not in stopped}, owners,
+                        self._known_kbps)
+        return choose_steals(fleet[self.worker_id], fleet, owned, self.settings, no_steal)
 
     def fleet(self) -> dict[str, WorkerLoad] | None:
         """The fleet's fresh reports (this worker's own latest sample included), read now;
@@ -342,7 +367,42 @@ class LoadBalancing:
             if report.worker_id != self.worker_id and now - seen[1] <= stale_after:
                 fleet[report.worker_id] = report
         self._fleet_kbps = sum(report.kbps for report in fleet.values())
+        for report in fleet.values():
+            self._known_kbps.update(report.lease_kbps)
         return fleet
+
+
+def project(
+    reports: Mapping[str, WorkerLoad],
+    owners: Mapping[str, str],
+    known_kbps: Mapping[str, float],
+) -> dict[str, WorkerLoad]:
+    """Each report as of the lease table: the leases ``owners`` (lease key -> worker, a
+    lease being handed off counted for the worker it goes to) gives each reporter now,
+    those in its report at the KB/s it reported, those it gained since (or holds but has
+    not measured for a whole interval yet) at ``known_kbps`` - what their previous owner
+    reported - and those it lost since not at all; the load at the reporter's own cost per
+    KB/s. A report predates the moves made since: judged as it is, a worker that just took
+    a lease looks idle enough to take again, and its victim busy enough to lose another,
+    so the same lease can go back and forth. A lease nobody measured yet weighs the
+    average of the known ones."""
+    average_kbps = sum(known_kbps.values()) / len(known_kbps) if known_kbps else 0.0
+    measured = [r for r in reports.values() if r.kbps > 0]
+    fleet_cost = (sum(r.load for r in measured) / sum(r.kbps for r in measured)
+                  if measured else None)
+    keys: dict[str, list[str]] = {worker: [] for worker in reports}
+    for key, owner in owners.items():
+        if owner in keys:
+            keys[owner].append(key)
+    projected: dict[str, WorkerLoad] = {}
+    for worker, report in reports.items():
+        lease_kbps = {key: report.lease_kbps[key] if key in report.lease_kbps
+                      else known_kbps.get(key, average_kbps) for key in keys[worker]}
+        kbps = sum(lease_kbps.values())
+        cost = report.load / report.kbps if report.kbps > 0 else fleet_cost
+        load = report.load if cost is None else cost * kbps
+        projected[worker] = replace(report, load=load, kbps=kbps, lease_kbps=lease_kbps)
+    return projected
 
 
 def choose_steals(

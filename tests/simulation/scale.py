@@ -469,6 +469,8 @@ class Fleet:
         #: called with the fleet after every probe (load-based runs feed traffic here)
         self.on_probe: Callable[[Fleet, float], None] | None = None
         self.settled: Callable[[Fleet], bool] = balanced_by_count
+        #: when traffic last flowed into the workers' counters
+        self._flowed_at = 0.0
         #: broken invariants, as found by the probes
         self.violations: list[str] = []
 
@@ -534,7 +536,10 @@ class Fleet:
                     return None
                 self.now = next_probe
                 self._check_one_holder()
-                self.traffic.flow(self, self.spec.probe_s)
+                # what flowed since the last probe: a run resumed at the instant the last
+                # one stopped probes that instant again, and must not count it twice
+                self.traffic.flow(self, self.now - self._flowed_at)
+                self._flowed_at = self.now
                 if self.on_probe is not None:
                     self.on_probe(self, self.spec.probe_s)
                 if settle and self.settled(self):
@@ -693,6 +698,8 @@ class LoadRun:
     #: lease moves between workers per hour during the watch, after its calm period
     moves_per_hour: float
     violations: list[str]
+    #: the ``ratios`` sampled after the calm period
+    calm_ratios: list[float] = field(default_factory=list)
 
 
 def run_load(spec: ScaleSpec, traffic: Traffic, settings: LoadSettings | None, *,
@@ -724,7 +731,7 @@ def run_load(spec: ScaleSpec, traffic: Traffic, settings: LoadSettings | None, *
 
     fleet.on_probe = watch
     fleet.run_until(fleet.now + calm_s, settle=False)
-    moved = fleet.moved
+    moved, calm = fleet.moved, len(ratios)
     fleet.run_until(fleet.now + watch_s - calm_s, settle=False)
     moves_per_hour = (fleet.moved - moved) * 3600 / max(1.0, watch_s - calm_s)
-    return LoadRun(done, ratios, moves_per_hour, fleet.violations)
+    return LoadRun(done, ratios, moves_per_hour, fleet.violations, ratios[calm:])
