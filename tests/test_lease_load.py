@@ -214,7 +214,9 @@ def test_over_http_workers_publish_their_load_and_withdraw_it_on_shutdown(
         embedded_endpoint: LocalEndpoint) -> None:
     """Two workers with ``--lease-assignment load`` on the local endpoint: each publishes
     its load in ``<lease table>-kclpyWorkerLoad`` (the records its processors handled, per
-    lease), every record is delivered, and a stopping worker deletes its report."""
+    lease), every record is delivered, and a stopping worker deletes its report. A lease is
+    measured once held for a whole report interval, so traffic keeps flowing until a
+    report shows it."""
     url = embedded_endpoint.url
     kinesis, dynamodb = kinesis_client(url), dynamodb_client(url)
     stream, app = unique_name("load-stream"), unique_name("load-app")
@@ -238,8 +240,12 @@ def test_over_http_workers_publish_their_load_and_withdraw_it_on_shutdown(
         wait_for(lambda: sum(len(v) for v in ledger.by_shard().values()) == 200, 60,
                  "every record delivered")
         wait_for(lambda: set(reports()) == {"a", "b"}, 30, "both workers' reports")
-        wait_for(lambda: sum(float(r["kbps"]["N"]) for r in reports().values()) > 0, 30,
-                 "a report of the traffic")
+
+        def traffic_reported() -> bool:
+            put_plain(kinesis, stream, [b"y" * 500] * 20)
+            return sum(float(r["kbps"]["N"]) for r in reports().values()) > 0
+
+        wait_for(traffic_reported, 30, "a report of the traffic", interval=0.2)
         leases = {key for r in reports().values() for key in r["leases"]["M"]}
         assert leases <= {"shardId-000000000000", "shardId-000000000001"}
     assert reports() == {}
