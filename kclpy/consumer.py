@@ -655,7 +655,7 @@ class ShardConsumer:
         oldest = self._oldest_record()
         if oldest is None or int(oldest.sequence_number) <= checkpoint.extended[0]:
             return False
-        self._m.inc(DATA_LOST_TO_RETENTION)
+        self._metrics.inc(DATA_LOST_TO_RETENTION, self.lease_key)
         arrived = oldest.timestamp_millis
         log.error("shard %s: the checkpoint is past the stream's retention: records after %s "
                   "up to %s (the oldest kept%s) are lost", self.lease_key,
@@ -713,7 +713,7 @@ class ShardConsumer:
                           "batch will be retried by its next holder", self.lease_key, exc)
             else:
                 self.parked = True
-                self._m.inc(SHARDS_PARKED_BY_POLICY)
+                self._metrics.inc(SHARDS_PARKED_BY_POLICY, self.lease_key)
         self._lease_lost.set()
 
     # -- state -------------------------------------------------------------------------------

@@ -178,10 +178,13 @@ LAG_WEBHOOK_EVENTS = _worker(
     "lag_webhook_events", COUNTER,
     "Lag status changes sent to --lag-webhook, by outcome (sent, retried, failed, dropped).",
     "outcome")
-DATA_LOST_TO_RETENTION = _shard(
+# A loss or a park is an event to alert on after the shard left the worker (a parked shard
+# leaves at once): these two are the worker's, labelled with the shard, so their series stay
+# when the shard's own series go.
+DATA_LOST_TO_RETENTION = _worker(
     "data_lost_to_retention", COUNTER,
     "Shards started from a checkpoint the stream's retention had trimmed past (the "
-    "records between it and the oldest kept are lost; logged at ERROR).")
+    "records between it and the oldest kept are lost; logged at ERROR).", "shard_id")
 SHARD_FAILURE_ATTEMPTS = _shard(
     "shard_failure_attempts", GAUGE,
     "Failed attempts at the current batch of a FAILED shard (0 once one succeeds).")
@@ -197,9 +200,9 @@ SHARDS_PARKED = _worker(
     "shards_parked", GAUGE,
     "Parked leases (kclpyParked) in the lease table as this worker last scanned it: "
     "no worker takes them until 'kclpy shard resume'.")
-SHARDS_PARKED_BY_POLICY = _shard(
+SHARDS_PARKED_BY_POLICY = _worker(
     "shards_parked_by_policy", COUNTER,
-    "Shards this worker parked under processor_error_policy=park.")
+    "Shards this worker parked under processor_error_policy=park.", "shard_id")
 # -- MultiLangDaemon children --------------------------------------------------------------
 MULTILANG_CHILD_FAILURES = _shard(
     "multilang_child_failures", COUNTER,

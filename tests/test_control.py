@@ -454,6 +454,9 @@ def test_the_park_policy_parks_a_failing_shard_and_the_rest_keeps_running(
                  60, "the other shard processed")
         wait_for(lambda: scrape(server).get(("kclpy_shards_parked", ())) == 1, 60,
                  "kclpy_shards_parked")
+        # the shard left the worker when it parked; the count of the park stays
+        assert scrape(server)[("kclpy_shards_parked_by_policy_total",
+                               (("shard_id", SHARD),))] == 1
         assert ("lease_lost", "") in journal.of(SHARD)
         code, out, _ = run_cli(capsys, "leases", "--application-name", config.application_name,
                                *endpoints(kinesis_mock, moto_server))
