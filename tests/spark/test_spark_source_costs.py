@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import botocore.serialize
 import pytest
 
 from kclpy.local import LocalEndpoint
@@ -22,7 +23,14 @@ from kclpy.spark.offsets import decode_offset
 from kclpy.spark.source import KinesisStreamReader, SourceOptions
 from tests.support.counting import CountingProxy
 from tests.support.faultproxy import FaultProxy
-from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
+from tests.support.streams import (
+    TEST_CONFIG,
+    create_stream,
+    kinesis_client,
+    put_plain,
+    session,
+    unique_name,
+)
 
 DRIVER, EXECUTOR = "kclpy-spark-driver", "kclpy-spark-executor"
 
@@ -170,15 +178,29 @@ def test_tip_is_an_empty_page_so_small_pages_over_put_records_batches_are_exact(
     assert rows == before + after
 
 
+def whole_second_client(url: str) -> Any:
+    """A Kinesis client that sends timestamps to the whole second, as botocore before 1.44
+    does by default (and cannot be told otherwise); newer botocore does so at its
+    ``legacy`` precision."""
+    boto = session()
+    legacy = getattr(botocore.serialize, "TIMESTAMP_PRECISION_LEGACY", None)
+    if legacy is not None:
+        def whole_seconds(serializer_kwargs: dict[str, Any], **_: Any) -> None:
+            serializer_kwargs["timestamp_precision"] = legacy
+
+        boto.events.register("creating-serializer.kinesis", whole_seconds)
+    return boto.client("kinesis", endpoint_url=url, config=TEST_CONFIG)
+
+
 def test_a_probe_steps_over_a_second_of_older_records_before_concluding_anything(
         kinesis_mock: LocalEndpoint) -> None:
-    """botocore sends a timestamp to the whole second unless told otherwise (older
-    botocore cannot be told), so an ``AT_TIMESTAMP`` iterator lands up to a second early.
-    The probe must step over every older record of that second, however many, and find
-    the newer one; and where nothing newer exists, find the tip, not give up."""
+    """A botocore that sends a timestamp to the whole second makes an ``AT_TIMESTAMP``
+    iterator land up to a second early. The probe must step over every older record of
+    that second, however many, and find the newer one; and where nothing newer exists,
+    find the tip, not give up."""
     from kclpy.spark.reading import Probe, ShardReader, StreamRef, list_shards, probe
 
-    kinesis = kinesis_client(kinesis_mock.url)  # botocore's default: whole seconds
+    kinesis = whole_second_client(kinesis_mock.url)
     stream = unique_name("spark-coarse")
     create_stream(kinesis, stream, 1)
     put_plain(kinesis, stream, [f"old-{n}".encode() for n in range(1000)])
