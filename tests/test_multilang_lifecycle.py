@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,63 @@ def test_a_message_larger_than_the_pipe_reaches_a_child_blocked_on_its_stdout(
     finally:
         child.kill()
 
+
+
+def _stdout_reader_settled(lease_key: str) -> bool:
+    """The child's stdout reader has decided what to do with what it read last: it ended (it
+    read the end of stdout) or it waits to queue a piece (``_queue_piece``)."""
+    name = f"kclpy-multilang-{lease_key}-stdout"
+    thread = next((t for t in threading.enumerate() if t.name == name), None)
+    if thread is None or thread.ident is None:
+        return True
+    frame = sys._current_frames().get(thread.ident)
+    names = []
+    while frame is not None:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return bool(names) and names[0] == "wait" and "_queue_piece" in names
+
+
+def test_an_answer_written_as_soon_as_the_message_lands_is_kept_over_the_bound(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The child's stdout is at the bound and it answers the moment the last byte of a
+    message reaches it, while the worker is still in its send: the answer is kept, not dropped
+    with the unasked output written before the message (CI lost it so once). The send is held
+    after its last write until the child has answered and exited and the reader has decided
+    about the answer, which makes that moment certain."""
+    code = ("import sys\n"
+            "for _ in range(65): sys.stdout.write('j' * 4095 + '\\n')\n"
+            "sys.stdout.flush()\n"
+            "sys.stderr.write('flooded\\n'); sys.stderr.flush()\n"
+            "line = sys.stdin.readline()\n"
+            "sys.stdout.write('got %d\\n' % len(line)); sys.stdout.flush()\n")
+    caplog.set_level(logging.INFO, logger="kclpy.multilang")
+    full: list[int] = []
+    child = ChildProcess([sys.executable, "-c", code], cwd=tmp_path, lease_key="shard-1",
+                         max_unread_bytes=64 * 4096, on_full=lambda: full.append(1))
+    real_write = os.write
+
+    def write(fd: int, data: bytes | memoryview) -> int:
+        written = real_write(fd, data)
+        if bytes(data[:written]).endswith(b"hello\n") or bytes(data[:written]) == b"\n":
+            pid = child.pid
+            assert pid is not None
+            wait_for(lambda: not alive(pid), 30, "the child's answer and exit")
+            wait_for(lambda: _stdout_reader_settled("shard-1"), 30, "the reader's decision")
+        return written
+
+    child.start()
+    try:
+        wait_for(lambda: full and "flooded" in caplog.text, 30, "the bound reached, flood done")
+        monkeypatch.setattr(os, "write", write)
+        child.send_line("hello", 30)
+        monkeypatch.undo()
+        while (line := child.read_line(30)).startswith("j"):
+            pass
+        assert line == "got 6\n"
+    finally:
+        child.kill()
 
 @pytest.mark.integration
 @pytest.mark.parametrize(("ending", "hang_in"), [(signal.SIGTERM, "shutdownRequested"),

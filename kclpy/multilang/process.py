@@ -13,7 +13,9 @@ exchanges (logging to stdout, a line without an end) must not grow the worker wi
 At the bound the reader stops reading, so the child blocks on its full pipe - as any writer
 to a slow reader does, and as the Java daemon's on-demand reader makes it - until the next
 exchange reads what was written. Only while a message is being sent (a blocked child cannot
-read it) is output beyond the bound dropped: it cannot be an answer to that message.
+read it) is output beyond the bound dropped, and only until its last byte is written: before
+that the child cannot have read the message, so nothing it wrote can be the answer. From the
+write of the last byte on, the answer may follow at once, so the reader waits instead.
 Reaching the bound is logged (WARNING) and counted (``on_full``).
 
 The child runs in its own session (process group), so that a stuck child and anything it
@@ -118,6 +120,8 @@ class ChildProcess:
         self._full = False
         #: a message is being written to the child (``send_line``), and what was dropped
         self._sending = False
+        #: the message's last byte is being or has been written: the child may answer now
+        self._last_byte = False
         self._dropped = 0
         self._ready = threading.Condition()
         self._stdout_closed = False
@@ -192,9 +196,9 @@ class ChildProcess:
                     if self._on_full is not None:
                         self._on_full()
                 while (self._unread >= self._max_unread and not self._discard
-                       and not self._sending):
+                       and not (self._sending and not self._last_byte)):
                     self._ready.wait()
-                if self._unread >= self._max_unread and self._sending:
+                if self._unread >= self._max_unread and self._sending and not self._last_byte:
                     self._dropped += len(piece)
                     return
             if self._discard:
@@ -223,8 +227,9 @@ class ChildProcess:
 
         A child paused on its full stdout does not read its stdin, so a message larger than
         the pipe would wait for it for ever. While a message is sent, output beyond the
-        bound is therefore read and dropped: written before the child read the message, it
-        cannot be the answer to it, only more of what the protocol does not expect."""
+        bound is therefore read and dropped until the message's last byte is written: the
+        child cannot have read the message before, so what it wrote cannot be the answer to it,
+        only more of what the protocol does not expect."""
         with self._ready:
             self._sending = True
             self._ready.notify_all()
@@ -233,6 +238,8 @@ class ChildProcess:
         finally:
             with self._ready:
                 self._sending = False
+                self._last_byte = False
+                self._ready.notify_all()
                 if self._dropped:
                     log.warning("shard %s: dropped %d bytes the child wrote to stdout beyond "
                                 "the %d unread while a message was sent to it", self.lease_key,
@@ -256,9 +263,19 @@ class ChildProcess:
                         f"({len(data)} bytes of a message left to write)")
                 if not selector.select(remaining):
                     continue
+                last = len(data) == 1
+                if last:
+                    # From here on the child may have the whole message and answer it: the
+                    # reader keeps what it reads (``_queue_piece``). The last byte goes alone,
+                    # so that every write before it leaves the message unfinished.
+                    with self._ready:
+                        self._last_byte = True
                 try:
-                    written = os.write(fd, data)
+                    written = os.write(fd, data if last else data[:-1])
                 except BlockingIOError:
+                    if last:
+                        with self._ready:
+                            self._last_byte = False
                     continue
                 except OSError as exc:
                     # BrokenPipeError in practice: the child closed stdin or exited.
