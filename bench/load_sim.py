@@ -27,8 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kclpy.leases.load import LoadSettings
-from tests.simulation.scale import ScaleSpec, run_load
-from tests.test_load_balance_sim import skewed
+from tests.simulation.scale import ScaleSpec, run_load, skewed
 
 
 def main(argv: Sequence[str] | None = None) -> int:

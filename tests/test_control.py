@@ -25,7 +25,9 @@ from kclpy.ops.position import parse_position
 from kclpy.recovery import queue as gaps
 from kclpy.recovery import requests as asked
 from kclpy.retrieval.parse import get_records
+from tests.support.cli import endpoints, run_cli
 from tests.support.e2e import worker_config
+from tests.support.scrape import scrape
 from tests.support.streams import (
     create_stream,
     dynamodb_client,
@@ -35,8 +37,6 @@ from tests.support.streams import (
 )
 from tests.support.waiting import wait_for
 from tests.support.workers import running
-from tests.test_inspect import endpoints, run_cli
-from tests.test_ops_server import scrape
 
 SHARD = "shardId-000000000000"
 

@@ -43,8 +43,8 @@ from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import PollingSource
 from kclpy.retrieval.source import ShardAddress, reading_start
 from kclpy.retry import Backoff
+from tests.support.aggregates import MAX_HASH_KEY, expected_outcome, payload, sub_records_of
 from tests.support.checkpoints import CheckpointWriterBase
-from tests.test_fuzz_retrieval import MAX_HASH_KEY, expected_outcome, payload, sub_records_of
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient

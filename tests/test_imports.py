@@ -4,6 +4,7 @@ import; docs/design.md's "Layers" table says which layer each module is in)."""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 from tests.support.imports import find_cycle, import_graph, read_layers, upward_imports
@@ -65,3 +66,19 @@ def test_an_import_up_the_layers_is_reported(tmp_path: Path) -> None:
                          "| top | `__init__.py` `top.py` |\n| low | `low/` |\n", package)
     assert layers == [{"pkg", "pkg.top"}, {"pkg.low", "pkg.low.part"}]
     assert upward_imports(import_graph(package), layers) == [("pkg.low.part", "pkg.top")]
+
+
+def test_no_module_imports_a_test_module() -> None:
+    """What several test modules or a benchmark share lives in tests/support/ or
+    tests/simulation/, so that a test module can change without breaking another."""
+    tests = ROOT.parent / "tests"
+    graph = import_graph(tests)
+    bench = {f"bench.{path.stem}": path for path in sorted((ROOT.parent / "bench").glob("*.py"))}
+    for name, path in bench.items():
+        graph[name] = {node.module for node in ast.walk(ast.parse(path.read_text()))
+                       if isinstance(node, ast.ImportFrom) and node.module}
+        graph[name] |= {alias.name for node in ast.walk(ast.parse(path.read_text()))
+                        if isinstance(node, ast.Import) for alias in node.names}
+    found = sorted((name, target) for name, targets in graph.items() for target in targets
+                   if target.startswith("tests.test_"))
+    assert found == []

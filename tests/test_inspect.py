@@ -20,7 +20,8 @@ from kclpy.leases.lease import Lease
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.ops import serve_worker
-from kclpy.ops.inspect import inspect_main, parse_args, run_status
+from kclpy.ops.inspect import parse_args, run_status
+from tests.support.cli import endpoints, run_cli
 from tests.support.e2e import worker_config
 from tests.support.recording import Ledger, RecordingProcessor
 from tests.support.recovery import age
@@ -35,21 +36,6 @@ from tests.support.waiting import wait_for
 from tests.support.workers import running
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """``kclpy ARGV`` in this process: (exit code, stdout, stderr)."""
-    try:
-        code = inspect_main(list(argv))
-    except SystemExit as exc:  # argparse usage errors
-        code = int(exc.code or 0)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def endpoints(kinesis: LocalEndpoint, dynamodb: LocalEndpoint) -> list[str]:
-    return ["--region", "us-east-1", "--kinesis-endpoint", kinesis.url,
-            "--dynamodb-endpoint", dynamodb.url]
 
 
 # -- kclpy leases ------------------------------------------------------------------------

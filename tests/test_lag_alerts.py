@@ -27,10 +27,10 @@ from kclpy.ops.lag import NO_LAG, Lag, LagAlerts, Observation, ShardEvaluation, 
 from kclpy.ops.webhook import Webhook, redacted
 from tests.support.e2e import worker_config
 from tests.support.recording import Ledger, RecordingProcessor
+from tests.support.scrape import scrape
 from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
 from tests.support.waiting import wait_for
 from tests.support.workers import running
-from tests.test_ops_server import scrape
 
 ROOT = Path(__file__).resolve().parent.parent
 

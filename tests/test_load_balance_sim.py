@@ -4,23 +4,13 @@ count-based assignment gives on them, are in docs/benchmarks.md (bench/load_sim.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from kclpy.leases.load import LoadSettings
-from tests.simulation.scale import ScaleSpec, Traffic, run_load, zipf_kbps
+from tests.simulation.scale import ScaleSpec, Traffic, run_load, skewed
 
 #: balancing rounds every 20 s and reports every 10 s, so that a test settles in minutes
 SETTINGS = LoadSettings(report_interval_s=10.0, balance_interval_s=20.0)
-
-
-def skewed(shards: int, workers: int, seed: int) -> Traffic:
-    rng = random.Random(seed)
-    keys = [f"shardId-{index:012d}" for index in range(shards)]
-    rng.shuffle(keys)
-    speeds = {f"w{index:03d}": rng.choice([500.0, 1000.0, 1500.0]) for index in range(workers)}
-    return Traffic(dict(zip(keys, zipf_kbps(shards, shards * 100.0), strict=True)), speeds)
 
 
 def test_load_assignment_keeps_the_busiest_worker_within_115_percent_of_the_average() -> None:

@@ -25,9 +25,9 @@ from kclpy.multilang.process import ChildProcess
 from kclpy.processor import IRecordProcessor
 from tests.support.fleet import ROOT
 from tests.support.proctable import alive, pids_running
+from tests.support.scripted import Leases, ScriptedFetcher, Writer
 from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
 from tests.support.waiting import wait_for
-from tests.test_consumer import Leases, ScriptedFetcher, Writer
 
 APPS = Path(__file__).parent / "multilang_apps"
 SETTINGS = ConsumerSettings(parent_shard_poll_interval_s=0.01, task_backoff_s=0.001,

@@ -9,8 +9,6 @@ import re
 import socket
 import struct
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +16,6 @@ from typing import Any
 
 import pytest
 from prometheus_client import Counter, Gauge, Histogram
-from prometheus_client.parser import text_string_to_metric_families
 
 from kclpy import Worker
 from kclpy.local import LocalEndpoint
@@ -33,29 +30,12 @@ from kclpy.metrics import (
 from kclpy.ops import RunningServer, serve_worker
 from tests.support.e2e import worker_config
 from tests.support.recording import Ledger, RecordingProcessor
+from tests.support.scrape import get, scrape
 from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
 from tests.support.waiting import wait_for
 from tests.support.workers import running
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def get(url: str, accept: str | None = None) -> tuple[int, str, str]:
-    """(status, content type, body) of a GET, error statuses included."""
-    request = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, response.headers["Content-Type"], response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.headers["Content-Type"], exc.read().decode()
-
-
-def scrape(server: RunningServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of /metrics, keyed by name and sorted labels."""
-    status, _, body = get(server.url + "/metrics")
-    assert status == 200
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(body) for sample in family.samples}
 
 
 def total(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str) -> float:

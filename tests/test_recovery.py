@@ -33,6 +33,7 @@ from kclpy.position import Position
 from kclpy.recovery import queue as gaps
 from tests.support.e2e import lease_items, worker_config
 from tests.support.recovery import age
+from tests.support.scripted import SETTINGS, Leases, Result, ScriptedFetcher, Writer, rec
 from tests.support.streams import (
     create_stream,
     dynamodb_client,
@@ -43,7 +44,6 @@ from tests.support.streams import (
 from tests.support.tally import Tally
 from tests.support.waiting import wait_for
 from tests.support.workers import running as running_worker
-from tests.test_consumer import SETTINGS, Leases, Result, ScriptedFetcher, Writer, rec
 
 REGION = "us-east-1"
 FAILOVER = 10.0

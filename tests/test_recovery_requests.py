@@ -27,10 +27,10 @@ from kclpy.recovery.queue import RecoveryRequest
 from kclpy.recovery.shard import ShardRecovery
 from kclpy.retrieval.pipeline import FetchResult, ShardPipeline
 from kclpy.retrieval.polling import Pacer
+from tests.support.cli import run_cli
 from tests.support.determinism import Clock
 from tests.support.recovery import Holder, recovery_for
 from tests.support.streams import dynamodb_client, unique_name
-from tests.test_inspect import run_cli
 
 KEY = "s1"
 

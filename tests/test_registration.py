@@ -21,8 +21,8 @@ from kclpy.retrieval.registration import (
     deregister,
     list_consumers,
 )
+from tests.support.cli import run_cli
 from tests.support.streams import create_stream, kinesis_client, unique_name
-from tests.test_inspect import run_cli
 
 STREAM_ARN = "arn:aws:kinesis:us-east-1:123456789012:stream/orders"
 CONSUMER_ARN = f"{STREAM_ARN}/consumer/app:1700000000"

@@ -735,3 +735,13 @@ def run_load(spec: ScaleSpec, traffic: Traffic, settings: LoadSettings | None, *
     fleet.run_until(fleet.now + watch_s - calm_s, settle=False)
     moves_per_hour = (fleet.moved - moved) * 3600 / max(1.0, watch_s - calm_s)
     return LoadRun(done, ratios, moves_per_hour, fleet.violations, ratios[calm:])
+
+
+def skewed(shards: int, workers: int, seed: int) -> Traffic:
+    """Zipf traffic on shards in a random order (the top 5 % carry half the bytes), on workers
+    of three speeds, drawn from ``seed``: the histories load assignment is measured on."""
+    rng = random.Random(seed)
+    keys = [f"shardId-{index:012d}" for index in range(shards)]
+    rng.shuffle(keys)
+    speeds = {f"w{index:03d}": rng.choice([500.0, 1000.0, 1500.0]) for index in range(workers)}
+    return Traffic(dict(zip(keys, zipf_kbps(shards, shards * 100.0), strict=True)), speeds)
