@@ -240,11 +240,12 @@ STATE_CONFLICTS = _shard(
     "Commits refused because another writer changed a state key first (each "
     "transaction's records are then applied again).")
 # -- enhanced fan-out (retrieval_mode=fanout) ----------------------------------------------
-SUBSCRIPTIONS = _shard(
+SUBSCRIPTIONS = _worker(
     "subscriptions", COUNTER,
     "SubscribeToShard subscriptions by outcome: opened (first of a shard), renewed "
     "(after the previous one ended or dropped), failed_<kind> (throttled, "
-    "server_error, connection, in_use).", "outcome")
+    "server_error, connection, in_use). The worker's, not a shard's: a failure that made "
+    "the shard move on stays counted after it left.", "outcome")
 SUBSCRIPTION_EVENTS = _shard(
     "subscription_events", COUNTER, "SubscribeToShard events received.")
 SUBSCRIPTION_BYTES = _shard(

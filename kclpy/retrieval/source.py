@@ -234,7 +234,7 @@ class Retrying:
                     self._metrics.inc(THROTTLES, operation)
                 self._shard.inc(GET_RECORDS_ERRORS, kind)
                 if operation == "SubscribeToShard":
-                    self._shard.inc(SUBSCRIPTIONS, f"failed_{kind}")
+                    self._metrics.inc(SUBSCRIPTIONS, f"failed_{kind}")
                 if self.backoff.policy.gives_up(self.backoff.attempt + 1):
                     raise
                 delay = self.backoff.next_delay()
