@@ -124,9 +124,13 @@ FAILOVER_MS = 3000
 #: time shorter than that start-up the bound could not hold, whatever kclpy did
 #: (docs/migration.md)
 ROLLING_FAILOVER_MS = 10_000
-#: how long ownership must stay put once every node is up: two cycles of a Java taker,
-#: which runs every two failover times
-SETTLE_S = 2 * 2 * ROLLING_FAILOVER_MS / 1000
+#: Java 2.5.8's taker interval: ``2 * (failoverTimeMillis + epsilonMillis)``, epsilon 25 ms
+JAVA_TAKER_INTERVAL_S = 2 * (ROLLING_FAILOVER_MS + 25) / 1000
+#: how long ownership must stay put once every node is up (only Java nodes then): a taker
+#: interval and a scan, in which every node's taker has looked at the balanced table at least
+#: once and left it as it was. Java's taker decides on the counts alone (no lease is expired
+#: while every owner renews), so a table one pass left alone, every later pass leaves alone
+SETTLE_S = JAVA_TAKER_INTERVAL_S + 2
 #: the longest a shard may go without a consumer (criterion 2), from the end of its old
 #: processor to the start of the new one's child. A kclpy node takes a lease left free
 #: (released, or expired: its Java owner stopped) within a failover time and a scan; a
@@ -234,9 +238,10 @@ class Migration:
 
     def gaps(self, since: int) -> list[Gap]:
         """Per handover of a shard after ledger line ``since`` (records in a row by
-        different processors): the seconds it had no consumer, from the end of the earlier
-        processor (the ``lease_lost``, ``shutdown_requested`` or ``shard_ended`` after its last
-        record, else its node's exit; until then it still ran, finishing or waiting for
+        different processors, or a processor that ended before its first record): the
+        seconds it had no consumer, from the end of the earlier processor (the
+        ``lease_lost``, ``shutdown_requested`` or ``shard_ended`` after its last record,
+        else its node's exit; until then it still ran, finishing or waiting for
         records) or from its node's exit when that came later (a node shutting down holds
         its leases until then: a Java node renews them to the end of its graceful shutdown)
         to the later processor's start: when its daemon started the child of its
@@ -252,15 +257,32 @@ class Migration:
         #: (shard, worker) -> when its last processor's child was started, and when it was
         #: initialized
         began: dict[tuple[str, str], tuple[float, float]] = {}
+        #: (shard, worker) of processors initialized that have delivered no record yet
+        idle: set[tuple[str, str]] = set()
         for line in self.ledger.lines()[since:]:
-            if line.get("event") in ("lease_lost", "shutdown_requested", "shard_ended"):
-                ended.setdefault((line["shard"], line["worker"]), (line["t"], line["event"]))
-            elif line.get("event") == "initialize":
+            event = line.get("event")
+            if event in ("lease_lost", "shutdown_requested", "shard_ended"):
+                key = (line["shard"], line["worker"])
+                ended.setdefault(key, (line["t"], event))
+                if key not in idle:
+                    continue
+                # a processor that ended before its first record was the shard's consumer
+                # all the same: the gap before it ends at its child's start, the next one
+                # begins at its end
+                idle.discard(key)
+                shard, worker = key
+                at, until = began[key][1], line["t"]  # it ran from its initialize to here
+            elif event == "initialize":
                 spawned = line.get("spawned") or line["t"]
                 began[line["shard"], line["worker"]] = (spawned, line["t"])
-            if "data" not in line:
+                idle.add((line["shard"], line["worker"]))
                 continue
-            shard, at, worker = line["shard"], line["t"], line["worker"]
+            elif "data" in line:
+                shard, at, worker = line["shard"], line["t"], line["worker"]
+                until = at
+                idle.discard((shard, worker))
+            else:
+                continue
             if shard in last:
                 before_at, before = last[shard]
                 exited = self.exited.get(before, float("inf"))
@@ -276,8 +298,9 @@ class Migration:
                                      before_at, why == "lease_lost" and ended_at < exited,
                                      round(max(before_at, min(initialized, at)) - before_at,
                                            1)))
-            last[shard] = (at, worker)
-            ended.pop((shard, worker), None)
+            last[shard] = (until, worker)
+            if "data" in line:
+                ended.pop((shard, worker), None)
         return found
 
     def java_only(self, gap: Gap) -> bool:
@@ -361,9 +384,11 @@ def test_a_rolling_migration_from_java_to_kclpy_and_back_under_load(
     steps: list[tuple[str, float]] = []
     begun: list[tuple[str, float]] = []  # each step's name and start (time.time())
     with run.nodes(), Producer(kinesis, run.stream, "rolling", per_batch=8) as producer:
+        started = time.monotonic()
         for n in range(3):
             run.start("java", f"java-{n}")
         wait_for(run.settled, 120, "the Java fleet", interval=0.5)
+        steps.append(("the Java fleet settled", time.monotonic() - started))
         began = len(run.ledger.lines())
         previous = "the Java fleet"
         for old, kind, new in [("java-0", "kclpy", "kclpy-0"), ("java-1", "kclpy", "kclpy-1"),
@@ -386,15 +411,19 @@ def test_a_rolling_migration_from_java_to_kclpy_and_back_under_load(
                 run.stop(old)
             previous = f"{old} -> {new}"
             steps.append((previous, time.monotonic() - started))
+        started = time.monotonic()
         wait_for(run.covered, 120, f"every lease consumed after {previous}", interval=0.5)
         # ownership settles: balanced, and then no lease moves
         wait_for(run.settled, 120, "a balanced fleet", interval=0.5)
+        steps.append(("the Java fleet settled again", time.monotonic() - started))
         owners = run.settled()
         quiet_until = time.monotonic() + SETTLE_S
         while time.monotonic() < quiet_until:
             assert run.owners() == owners
             time.sleep(0.5)
+        started = time.monotonic()
         sent = run.drain(producer)
+        steps.append(("drained", time.monotonic() - started))
 
     # nothing lost
     assert set(sent) <= run.ledger.payloads().keys()
