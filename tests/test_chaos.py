@@ -427,8 +427,6 @@ def test_fanout_chaos_with_exception_events_loses_nothing(
     handled = result.exception_events_handled
     events = {event for event, _ in handled}
     assert len(events) >= 2, f"handled: {handled}; injected: {faults}"
-    assert all(faults[event] >= sum(n for (e, _), n in handled.items() if e == event)
-               for event in events), f"handled more than the proxy sent: {handled}, {faults}"
     miscounted = {key: n for key, n in handled.items() if key[1] != EXCEPTION_OUTCOMES[key[0]]}
     assert not miscounted, f"counted under the wrong outcome: {miscounted}"
     outcomes = result.subscription_outcomes
