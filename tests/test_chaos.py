@@ -19,7 +19,6 @@ from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint, free_port
 from tests.support.audit import AuditReport, audit
 from tests.support.chaos import (
-    EXCEPTION_EVENTS,
     FANOUT,
     KILL,
     STOP,
@@ -410,8 +409,14 @@ def test_fanout_chaos_with_exception_events_loses_nothing(
     """Fan-out chaos where the proxy also ends subscriptions part way with the exception
     events the service sends for transient trouble (InternalFailureException,
     KMSThrottlingException, ResourceInUseException) instead of refusing them: each is
-    retried and counted by its kind (no refusals are injected, so those counts are the
-    events'), and nothing is lost."""
+    retried and counted by its kind, and nothing is lost.
+
+    What the workers handled is read from their logs: the retry warning is written right
+    after the count, names the outcome it was counted under, and outlives a SIGKILL. The
+    proxy's own count is of events written, some into the subscription of a frozen or
+    killed worker that never reads them, and the harvest of /metrics misses counts whose
+    per-shard series left with the shard before the next read (``handled_exception_events``).
+    """
     settings = ChaosSettings(seed=seed_from_environment(), retrieval_mode=FANOUT, chaos_s=30.0,
                              plain_records=4_000, kpl_records=5_000,
                              subscription_cut_rate=0.2, subscription_end_rate=0.1,
@@ -419,11 +424,14 @@ def test_fanout_chaos_with_exception_events_loses_nothing(
                              subscription_exception_rate=0.3)
     result = _chaos(settings, kinesis_mock, moto_server, tmp_path, capsys)
     faults = result.subscription_faults
-    injected = [name for name in EXCEPTION_EVENTS if faults[name] > 0]
-    assert len(injected) >= 2, faults
+    handled = result.exception_events_handled
+    events = {event for event, _ in handled}
+    assert len(events) >= 2, f"handled: {handled}; injected: {faults}"
+    miscounted = {key: n for key, n in handled.items() if key[1] != EXCEPTION_OUTCOMES[key[0]]}
+    assert not miscounted, f"counted under the wrong outcome: {miscounted}"
     outcomes = result.subscription_outcomes
-    assert all(outcomes[EXCEPTION_OUTCOMES[name]] > 0 for name in injected), (
-        f"the workers did not count the exception events: {outcomes}")
+    assert any(outcomes[EXCEPTION_OUTCOMES[event]] > 0 for event in events), (
+        f"no exception event's count reached /metrics: {outcomes}")
 
 
 #: how a worker counts each exception event in kclpy_subscriptions_total (test_fanout.py

@@ -14,7 +14,7 @@ from moto import mock_aws
 
 from kclpy.errors import LeaseLostError
 from kclpy.leases.dynamo import LeaseTableThrottled
-from kclpy.leases.lease import SHARD_END, TRIM_HORIZON, Lease
+from kclpy.leases.lease import SHARD_END, TRIM_HORIZON, Lease, new_incarnation
 from kclpy.leases.table import LeaseChanged, LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
@@ -460,6 +460,32 @@ def test_delete_is_conditional_on_the_counter(table: LeaseTable) -> None:
     assert table.get("s") is not None
     current = table.get("s")
     assert current is not None and table.delete(current) is True
+    assert table.get("s") is None
+
+
+def test_delete_leaves_a_lease_created_again_whose_counter_reached_the_one_read(
+        table: LeaseTable) -> None:
+    """Shard sync run by two workers over a stream created again: each reads the former
+    lease, one replaces it, and the new lease's counter climbs back to the value the other
+    read. That other's delete must not remove the new lease (then taken and read by a
+    worker) on the strength of a counter alone."""
+    table.create(Lease("s", incarnation=new_incarnation(1)))
+    former = table.get("s")
+    assert former is not None and former.incarnation is not None
+    assert table.delete(former) is True
+    table.create(Lease("s", incarnation=new_incarnation(2)))
+    created = table.get("s")
+    assert created is not None and created.lease_counter == former.lease_counter
+    assert table.delete(former) is False
+    assert table.get("s") is not None
+
+
+def test_delete_of_a_lease_created_without_an_incarnation(table: LeaseTable) -> None:
+    """A Java KCL (or older kclpy) lease has no incarnation: deleted on its counter."""
+    table.create(Lease("s"))
+    lease = table.get("s")
+    assert lease is not None and lease.incarnation is None
+    assert table.delete(lease) is True
     assert table.get("s") is None
 
 

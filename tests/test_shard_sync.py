@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import socket
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -588,3 +589,36 @@ def test_a_stream_created_again_under_its_name_is_consumed_from_the_initial_posi
     assert ledger.payloads() == [b"first-life", b"second-life"]
     assert any("created again" in r.getMessage() for r in caplog.records
                if r.levelname == "WARNING")
+
+
+@pytest.mark.integration
+def test_a_stopped_worker_leaves_no_shard_sync_under_way(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    """Over real HTTP, ListShards answered 2 s late: a worker asked to stop while its shard
+    sync waits for that answer returns from run() only once the sync is over, so a stopped
+    worker creates and deletes no lease (its late sync, judged on its last scan, raced the
+    next worker over a stream created again meanwhile)."""
+    from kclpy import KCLConfig, Worker
+    from tests.support.faultproxy import FaultProxy
+    from tests.support.recording import Ledger, RecordingProcessor
+    from tests.support.streams import create_stream, kinesis_client
+    from tests.support.workers import running
+
+    stream = f"stopsync-{uuid.uuid4().hex[:8]}"
+    create_stream(kinesis_client(kinesis_mock.url), stream, 1)
+    ledger = Ledger()
+    with FaultProxy(kinesis_mock.url, seed=1) as proxy:
+        config = KCLConfig(
+            application_name=f"app-{uuid.uuid4().hex[:8]}", stream_name=stream, region=REGION,
+            kinesis_endpoint=proxy.url, dynamodb_endpoint=moto_server.url,
+            initial_position="TRIM_HORIZON", failover_time_ms=3000,
+            idle_time_between_reads_ms=100, shard_sync_interval_ms=200)
+        worker = Worker(config, lambda: RecordingProcessor(ledger))
+        syncer = f"kclpy-shard-sync-{config.worker_id}"
+        with running(worker):
+            assert worker.wait_started(60)
+            listed = proxy.requests("ListShards")
+            proxy.set_rule("ListShards", latency_s=2.0)
+            wait_for(lambda: proxy.requests("ListShards") > listed, 30, "a slow ListShards")
+        assert not any(t.name == syncer for t in threading.enumerate()), (
+            "the shard sync outlived run()")

@@ -365,16 +365,30 @@ class LeaseTable(DynamoTable):
         self._update(lease_key, update, None)
 
     def delete(self, lease: Lease) -> bool:
-        """Delete the lease if it is unchanged since read; False if it changed or is gone."""
+        """Delete the lease if it is unchanged since read; False if it changed or is gone.
+
+        Unchanged means the same counter *and* the same item: a lease deleted and created
+        again under its key (a stream created again, or its shard sync run by two workers)
+        counts up from 0 again and passes through the counter an earlier read saw, so a
+        writer holding that read would delete the new lease. The incarnation, written once
+        when an item is created, tells the two apart (items created without one, by Java
+        or an older kclpy, have none)."""
+        names = {"#c": ser.LEASE_COUNTER, "#i": ser.INCARNATION}
+        values: dict[str, Any] = {":c": n(lease.lease_counter)}
+        if lease.incarnation is None:
+            condition = "#c = :c AND attribute_not_exists(#i)"
+        else:
+            condition = "#c = :c AND #i = :i"
+            values[":i"] = s(lease.incarnation)
         try:
             self.call(
                 "DeleteItem",
                 self.client.delete_item,
                 TableName=self.table_name,
                 Key=key_of(lease.lease_key),
-                ConditionExpression="#c = :c",
-                ExpressionAttributeNames={"#c": ser.LEASE_COUNTER},
-                ExpressionAttributeValues={":c": n(lease.lease_counter)},
+                ConditionExpression=condition,
+                ExpressionAttributeNames=names,
+                ExpressionAttributeValues=values,
             )
         except ClientError as exc:
             if error_code(exc) == CONDITION_FAILED:

@@ -23,6 +23,7 @@ import argparse
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -187,6 +188,10 @@ class ChaosResult:
     #: fan-out: kclpy_subscriptions_total by outcome, summed over every worker process, each
     #: read right before it was killed or sent SIGTERM
     subscription_outcomes: Counter[str] = field(default_factory=Counter)
+    #: fan-out: the proxy's exception events the workers handled, by (event type, the
+    #: ``failed_<kind>`` outcome they were counted under), from the workers' logs
+    #: (``handled_exception_events``)
+    exception_events_handled: Counter[tuple[str, str]] = field(default_factory=Counter)
     #: fan-out: the stream's registered consumers at the end
     consumers: list[str] = field(default_factory=list)
     #: the duplicate window: the most records one processor instance repeated, and the
@@ -225,6 +230,10 @@ class ChaosResult:
                 f"kclpy_subscriptions_total of all workers: {outcomes or 'none'}; "
                 f"consumers: {', '.join(self.consumers) or 'none'}",
             ]
+            if self.exception_events_handled:
+                handled = ", ".join(f"{event} {n} ({outcome})" for (event, outcome), n in
+                                    sorted(self.exception_events_handled.items()))
+                lines.append(f"exception events the workers handled (their logs): {handled}")
         lines.append(f"largest repeat after a failover: {self.largest_repeat} records, "
                      f"redoing {self.largest_repeat_s:.1f} s of the previous owners' processing")
         lines += liveness_lines(s, self.holds, self.longest_hold_s, self.stalls)
@@ -806,6 +815,8 @@ def run_chaos(
             result.consumers = sorted(c["ConsumerName"] for c in list_consumers(rig.kinesis, arn))
         result.sigterm_exit_codes.extend(fleet.terminate(*fleet.slots))
         result.subscription_outcomes = fleet.harvested
+        if fanout:
+            result.exception_events_handled = handled_exception_events(rig.logs)
         samples = rig.sampler.stop()
         ledger.record_lease_samples(samples)
         result.throttles_injected = rig.kinesis_proxy.faults("throttle", "GetRecords")
@@ -817,6 +828,33 @@ def run_chaos(
         result.largest_repeat, result.largest_repeat_s = repeats(journal)
     result.duration_s = time.monotonic() - started
     return result
+
+
+#: the retry warning ``kclpy.retrieval.source.Retrying`` logs right after it counted a failed
+#: subscription as ``failed_<kind>``, here for an exception event the fault proxy sent (its
+#: payload names the event's type)
+_HANDLED_EVENT = re.compile(
+    r"SubscribeToShard on \S+ failed \((?P<kind>\w+), attempt \d+\); retrying in .*"
+    r"FaultProxy: (?P<event>\w+)")
+
+
+def handled_exception_events(logs: Path) -> Counter[tuple[str, str]]:
+    """The exception events the workers handled, by (event type, outcome counted), read
+    from every worker process's log.
+
+    The proxy counts an event when it writes it, not when a worker reads it: one written
+    into the subscription of a frozen or killed worker may never be read. And a worker's
+    count lives in a per-shard series that leaves /metrics with the shard, a SIGSTOPped
+    worker's shards leave as soon as it resumes, and a killed one's /metrics may not answer
+    its last read: ``harvested`` can miss every event of a kind. A worker's log is written
+    as it goes and outlives a SIGKILL, so it is the lossless record of what was handled.
+    """
+    handled: Counter[tuple[str, str]] = Counter()
+    for log in sorted(logs.glob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if (match := _HANDLED_EVENT.search(line)) is not None:
+                handled[(match["event"], f"failed_{match['kind']}")] += 1
+    return handled
 
 
 def _disrupt(
