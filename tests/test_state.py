@@ -20,7 +20,7 @@ from moto import mock_aws
 
 import kclpy
 from kclpy.errors import ShutdownException, ThrottlingException
-from kclpy.leases.lease import Lease, incarnation_order, new_incarnation
+from kclpy.leases.lease import Lease, incarnation_epoch, new_incarnation
 from kclpy.leases.serializer import UpdateBuilder
 from kclpy.leases.shard_sync import ShardSyncer
 from kclpy.leases.table import LeaseTable
