@@ -341,6 +341,27 @@ def test_every_new_tenure_starts_above_every_counter_of_the_one_before(
         assert guard.tenure > a_last
 
 
+def test_a_deleted_leases_holder_cannot_write_into_the_lease_created_again(
+    table: LeaseTable, clock: Clock
+) -> None:
+    """The lease created again and taken by the same worker id (a restarted process) reaches
+    the same counter as the deleted one had: only the incarnation tells the items apart."""
+    assert table.create(Lease("s2", incarnation="0:2000:first"))
+    stale = Worker(table, "A", clock)
+    stale_token = stale.take("s2")
+    gone = table.get("s2")
+    assert gone is not None and table.delete(gone)
+    assert table.create(Lease("s2", incarnation="0:1000:second"))  # a clock behind
+    fresh = Worker(table, "A", clock)
+    fresh_token = fresh.take("s2")
+    assert table.get("s2") == gone, "same owner and counter"
+    with pytest.raises(ShutdownException):
+        stale.fence.update_checkpoint("s2", stale_token, Position("100"))
+    fresh.fence.update_checkpoint("s2", fresh_token, Position("200"))
+    lease = table.get("s2")
+    assert lease is not None and (lease.checkpoint, lease.incarnation) == ("200", "0:1000:second")
+
+
 # -- over HTTP -------------------------------------------------------------------------------
 
 @pytest.mark.integration

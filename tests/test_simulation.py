@@ -36,14 +36,12 @@ FOUND = [
     (338, "consumed-while-held", "shutdown stall"),
     (553, "consumed-while-held", "slow shard sync"),
     (844, "liveness", "gap after the store's position"),
+    (139, "liveness", "incarnations ordered by clocks"),
 ]
 
 #: found and not fixed: seed -> the invariants it breaks (tests/simulation/FOUND.md says what
 #: and why). A chunk fails if such a seed breaks anything else, or stops breaking these.
-OPEN: dict[int, frozenset[str]] = {
-    # a lease created again by a worker whose clock is behind (FOUND.md: "Open")
-    139: frozenset({"liveness", "exactly-once"}),
-}
+OPEN: dict[int, frozenset[str]] = {}
 
 
 def _report(outcomes: list[dict[str, Any]]) -> str:

@@ -26,6 +26,7 @@ neither loses the lease.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -57,12 +58,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Guard:
-    """What a write to another store needs to fence itself: the lease as held now, and the
-    counter its tenure started at. Raise ``LeaseLostError`` inside ``LeaseFence.guard`` when
-    the store shows a newer tenure; the fence then treats the lease as lost."""
+    """What a write to another store needs to fence itself: the lease as held now, the
+    counter its tenure started at, and ``current``, a consistent read of the lease item as
+    the table holds it now (None: gone). Raise ``LeaseLostError`` inside
+    ``LeaseFence.guard`` when the store shows a newer tenure; the fence then treats the lease
+    as lost.
+
+    ``current`` is how a store tells which of two incarnations of a lease is the live one
+    (``Lease.incarnation``): the one the table holds. Their creation times cannot tell it,
+    since different workers' clocks stamp them (simulator seed 139)."""
 
     lease: Lease
     tenure: int
+    current: Callable[[], Lease | None]
 
 
 class LeaseFence:
@@ -128,7 +136,8 @@ class LeaseFence:
                 self.held.drop(lease_key, lost_why)
             else:
                 try:
-                    yield Guard(held.lease.copy(), held.tenure)
+                    yield Guard(held.lease.copy(), held.tenure,
+                                functools.partial(self._current, lease_key, what))
                 except LeaseLostError as exc:
                     lost_why = f"{what} found a newer tenure: {exc}"
                     self.held.drop(lease_key, lost_why)
@@ -250,6 +259,17 @@ class LeaseFence:
         if token is not None and held.lease.concurrency_token != token:
             raise ShutdownException(f"shard {lease_key}: lease held again in a newer tenure")
         return held
+
+    def _current(self, lease_key: str, what: str) -> Lease | None:
+        """``Guard.current``: the lease item, read consistently. A failed read raises what a
+        failed fenced write raises, and loses nothing: the caller's batch is tried again."""
+        try:
+            return self.table.get(lease_key)
+        except LeaseTableThrottled as exc:
+            raise ThrottlingException(f"shard {lease_key}: {what}: {exc}") from exc
+        except (ClientError, BotoCoreError) as exc:
+            raise KinesisClientLibDependencyException(
+                f"shard {lease_key}: {what}: reading the lease failed: {exc}") from exc
 
     def _let_go(self, lease: Lease, what: str) -> None:
         """Release a lease whose late write landed after this worker had given it up."""

@@ -17,7 +17,7 @@ from kclpy.position import AT_TIMESTAMP, LATEST, SENTINELS, SHARD_END, TRIM_HORI
 
 #: the sentinels are kclpy.position's, named here too because the lease's checkpoint holds them
 __all__ = ["AT_TIMESTAMP", "LATEST", "SENTINELS", "SHARD_END", "TRIM_HORIZON", "Lease",
-           "incarnation_order", "new_incarnation"]
+           "incarnation_epoch", "new_incarnation"]
 
 
 @dataclass
@@ -115,17 +115,17 @@ class Lease:
 
 def new_incarnation(stream_epoch: int | None, now: float | None = None) -> str:
     """A fresh ``Lease.incarnation``: ``<stream creation epoch>:<creation ms>:<random>``,
-    the epoch 0 when unknown. Later incarnations of one lease key sort after earlier ones
-    (``incarnation_order``): a lease is created again only after the earlier item is gone."""
+    the epoch 0 when unknown. Unique, but not ordered: the creation time is the creating
+    worker's clock, and workers' clocks differ, so a later incarnation may carry an earlier
+    time. Which incarnation is live is what the lease table holds (``Guard.current``)."""
     created_ms = round((time.time() if now is None else now) * 1000)
     return f"{stream_epoch or 0}:{created_ms}:{uuid.uuid4().hex[:12]}"
 
 
-def incarnation_order(incarnation: str) -> tuple[int, int]:
-    """(stream creation epoch, creation ms) of an incarnation; (0, 0) when unreadable."""
-    epoch, _, rest = incarnation.partition(":")
-    created, _, _ = rest.partition(":")
+def incarnation_epoch(incarnation: str) -> int:
+    """The stream creation epoch an incarnation names; 0 when unknown or unreadable."""
+    epoch, _, _ = incarnation.partition(":")
     try:
-        return int(epoch), int(created)
+        return int(epoch)
     except ValueError:
-        return 0, 0
+        return 0

@@ -409,9 +409,14 @@ def _lease_or_none(item: object) -> Lease | None:
 
 def _guard(changes: UpdateBuilder, lease: Lease) -> UpdateBuilder:
     """``changes`` as a holder's write (a copy: ``changes`` may be fenced again for another
-    lease state): the counter bumped, the counter held and the holder expected."""
+    lease state): the counter bumped, the counter held and the holder expected - and the
+    incarnation held, when the item has one: a lease deleted and created again starts its
+    counter over, so the same holder and counter alone could name another item than the
+    one this worker took (a stale holder of a deleted lease writing into its successor)."""
     update = changes.copy().set(ser.LEASE_COUNTER, n(lease.lease_counter + 1))
     _expect_holder(update.expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter)), lease)
+    if lease.incarnation is not None:
+        update.expect_equal(ser.INCARNATION, s(lease.incarnation))
     return update
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -43,10 +43,13 @@ from kclpy.errors import (
     LeaseLostError,
     TransactionRejected,
 )
-from kclpy.leases.lease import incarnation_order
+from kclpy.leases.lease import incarnation_epoch
 from kclpy.position import Position
 from kclpy.state.store import CommittedCache
 from kclpy.state.transaction import DELETED, Limits, StateTransaction, Versioned
+
+if TYPE_CHECKING:
+    from kclpy.leases.fence import Guard
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +200,7 @@ class SQLStateStore:
                         else Position.of(row.checkpoint, row.sub_sequence_number))
             stored = row.incarnation
             if incarnation is not None and stored is not None and incarnation != stored:
-                position = self._take_over(conn, lease_key, incarnation, stored, position)
+                position = self._take_over(conn, guard, incarnation, stored, position)
             elif row.tenure > guard.tenure:
                 if incarnation is None or stored is None:
                     log.error(
@@ -215,14 +218,22 @@ class SQLStateStore:
                                                       else position.sub_sequence_number)))
             return position
 
-    def _take_over(self, conn: Connection, lease_key: str, incarnation: str, stored: str,
+    def _take_over(self, conn: Connection, guard: Guard, incarnation: str, stored: str,
                    position: Position | None) -> Position | None:
-        """The row is of another incarnation of the lease: refused when that one is newer
-        (this worker holds a lease deleted since), otherwise the position to resume from."""
-        if incarnation_order(incarnation) < incarnation_order(stored):
-            raise LeaseLostError(f"state store holds lease incarnation {stored}, newer than "
-                                 f"{incarnation}")
-        epoch, stored_epoch = incarnation_order(incarnation)[0], incarnation_order(stored)[0]
+        """The row is of another incarnation of the lease. Taken over only when this
+        worker's is the one the lease table holds now (a consistent read, made while the row
+        is locked): one lease item per key exists at a time, so every incarnation that
+        stamped the row before is an earlier, deleted one, and a holder of a deleted one
+        finds another incarnation in the table and is refused. Creation times do not
+        order incarnations: different workers' clocks stamp them (simulator seed 139).
+        Returns the position to resume from."""
+        lease_key = guard.lease.lease_key
+        current = guard.current()
+        if current is None or current.incarnation != incarnation:
+            raise LeaseLostError(
+                f"state store holds lease incarnation {stored}; the lease table holds "
+                f"{'none' if current is None else current.incarnation}, not {incarnation}")
+        epoch, stored_epoch = incarnation_epoch(incarnation), incarnation_epoch(stored)
         if epoch and stored_epoch and epoch != stored_epoch:
             log.warning(
                 "shard %s: its stream was created again (creation epoch %d; the state store's "
