@@ -64,6 +64,7 @@ from kclpy.leases.load import (
     LoadTable,
     WorkerLoad,
     choose_steals,
+    project,
 )
 from kclpy.retry import error_code, spread
 
@@ -319,6 +320,7 @@ def plan(
     settings: LoadSettings | None,
     rng: random.Random,
     dead: Collection[str] = (),
+    known_kbps: Mapping[str, float] | None = None,
 ) -> Assignment:
     """Who should own what: free and expired leases, and those assigned to a worker judged
     ``dead`` that never took them (``unclaimed``), go to the live workers with the fewest
@@ -326,7 +328,12 @@ def plan(
     from the busiest workers to the idlest - by count when ``settings`` is None or the fleet
     reports no traffic (counts end within one of each other), else by load
     (``choose_steals`` for each worker below the average, idlest first, on loads updated
-    with every move chosen before). A lease being handed off counts for the worker it moves
+    with every move chosen before), every report first projected onto the leases just
+    scanned and assigned (``load.project``: a report predates the moves made since, and
+    judged as it is the worker that just got a lease looks idle enough to get another and
+    its giver busy enough to lose another, so a lease would go back and forth); a lease
+    that moved since its new owner's report weighs its ``known_kbps`` (the last KB/s a
+    report measured for it; by default what ``live`` reports). A lease being handed off counts for the worker it moves
     to and never moves again; a lease whose owner is not live but renews it (a Java KCL
     worker, a worker whose reports stopped) is left alone and counted for nobody."""
     if not live:
@@ -357,7 +364,12 @@ def plan(
                for worker, keys in owned.items()}
     fleet_kbps = sum(report.kbps for report in live.values())
     if settings is not None and fleet_kbps > 0:
-        move = _by_load(live, movable, settings)
+        owners = {lease.lease_key: worker for worker, keys in owned.items() for lease in keys}
+        owners.update((lease.lease_key, worker) for lease, worker in assign)
+        if known_kbps is None:
+            known_kbps = {key: kbps for report in live.values()
+                          for key, kbps in report.lease_kbps.items()}
+        move = _by_load(project(live, owners, known_kbps), movable, settings)
     else:
         move = _by_count(counts, movable, order)
     return Assignment(tuple(assign), tuple(move), len(live))

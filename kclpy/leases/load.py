@@ -334,6 +334,12 @@ class LoadBalancing:
                         self._known_kbps)
         return choose_steals(fleet[self.worker_id], fleet, owned, self.settings, no_steal)
 
+    @property
+    def known_kbps(self) -> Mapping[str, float]:
+        """Lease key -> its KB/s in the latest fresh report that measured it (for a
+        leader's :func:`project`)."""
+        return self._known_kbps
+
     def fleet(self) -> dict[str, WorkerLoad] | None:
         """The fleet's fresh reports (this worker's own latest sample included), read now;
         None when the read failed. For a leader, which balances every worker's load."""

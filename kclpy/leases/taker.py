@@ -300,7 +300,7 @@ class LeaseTaker:
             leases, live, is_expired=lambda lease: self._balancer.is_expired(lease, now),
             known_lease_keys=known, no_move=self._recent_moves.keys(now, hold),
             settings=settings if mode.by_load else None, rng=self._rng or random.Random(),
-            dead=set(self._dead))
+            dead=set(self._dead), known_kbps=mode.reports.known_kbps)
         taken: list[Lease] = []
         for lease, owner in decided.assign:
             if self._stopping.is_set():
