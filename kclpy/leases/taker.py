@@ -138,6 +138,10 @@ class LeaseTaker:
         self._dead: dict[str, float] = {}
         #: whether this worker led at its last cycle
         self._led = False
+        #: with a leader: a scan asked for by a worker that does not lead (``survey``), and
+        #: clock() of the last one
+        self._survey_asked = False
+        self._last_survey: float | None = None
 
     # -- the cycle -------------------------------------------------------------------------
 
@@ -227,6 +231,8 @@ class LeaseTaker:
     def _next_led(self, mode: leader.LeaderMode, now: float) -> float:
         due = [mode.lock.next_tick(),
                now if self._next_discovery is None else self._next_discovery]
+        if self._survey_asked and not mode.lock.is_leader():
+            due.append(self._next_survey(mode, now))
         if mode.lock.is_leader():
             due.append(now if self._next_pass is None else self._next_pass)
             with self._cycle_lock:
@@ -263,6 +269,8 @@ class LeaseTaker:
             if self._next_discovery is None or now >= self._next_discovery:
                 self._next_discovery = now + mode.discovery_interval_s
                 taken += self._discover()
+            if not leads and self._survey_asked and now >= self._next_survey(mode, now):
+                self._survey()
             if taken:
                 log.info("worker %s took %s", self.worker_id, ", ".join(t.lease_key for t in taken))
             return taken
@@ -328,6 +336,29 @@ class LeaseTaker:
         if self.cleanup_leases:
             self._clean_up(leases, now)
         return taken
+
+    def survey(self) -> bool:
+        """Ask for a scan of the lease table at the next led cycle (at most one every
+        leader pass interval) although this worker does not lead: ``--stop-when-caught-up``
+        judges from the whole table whether every other lease is run elsewhere, which only
+        the leader scans otherwise. A worker asks only once its own shards are drained, so
+        a fleet that runs on pays nothing for it. Returns whether this asks anew (the
+        cycle should be woken)."""
+        asked, self._survey_asked = self._survey_asked, True
+        return not asked
+
+    def _next_survey(self, mode: leader.LeaderMode, now: float) -> float:
+        return now if self._last_survey is None else self._last_survey + mode.pass_interval_s
+
+    def _survey(self) -> None:
+        self._survey_asked = False
+        self._last_survey = self._clock()
+        try:
+            leases = self.table.list_leases(consistent=False)
+        except TABLE_ERRORS as exc:
+            log.warning("worker %s: lease scan failed: %r", self.worker_id, exc)
+            return
+        self._scanned(leases)
 
     def _assign(self, lease: Lease, owner: str) -> None:
         try:
