@@ -654,17 +654,20 @@ class Worker:
         expires and is taken, so nothing is skipped."""
         assert self.coordinator is not None
         held = self.coordinator.held_leases()
+        consumers = self.consumers()
+        if not all(lease_key in consumers and consumers[lease_key].caught_up
+                   for lease_key in held if lease_key not in self._finished_held):
+            return False
+        if self.coordinator.leads() is False:
+            # with a leader only the leader scans the table: a drained worker asks for scans
+            self.coordinator.survey()
         leases = self.coordinator.all_leases()
         if not leases:
             return False  # the taker has not scanned the table yet
         elsewhere = self.coordinator.run_elsewhere()
         open_leases = [lease for lease in leases if not lease.is_finished and not lease.parked]
-        if any(lease.lease_key not in held and lease.lease_key not in elsewhere
-               for lease in open_leases):
-            return False
-        consumers = self.consumers()
-        return all(lease_key in consumers and consumers[lease_key].caught_up
-                   for lease_key in held if lease_key not in self._finished_held)
+        return all(lease.lease_key in held or lease.lease_key in elsewhere
+                   for lease in open_leases)
 
     # -- shutdown ------------------------------------------------------------------------
 

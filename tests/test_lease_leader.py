@@ -90,6 +90,21 @@ def test_by_load_moves_damped_shares_from_the_busiest_and_leaves_a_balanced_flee
     assert decided.move == ()
 
 
+def test_by_load_judges_each_report_as_of_the_lease_table_not_as_of_when_it_was_sent() -> None:
+    """The hot worker's report still counts a1, which the leader already handed to b (the
+    lease table says ``leaseOwner`` b, ``checkpointOwner`` a): projected onto the table, b
+    is at the average (its 10 plus a1's 30) and a at 60, so only c takes a lease. Judged
+    on the reports as sent, b looks idle and takes a second lease off a, which leaves a
+    below the others and sends a lease back at the next round."""
+    live = {"a": _report("a", 90.0, {"a1": 300.0, "a2": 300.0, "a3": 300.0}),
+            "b": _report("b", 10.0, {"b1": 100.0}), "c": _report("c", 10.0, {"c1": 100.0})}
+    leases = [_lease("a1", "b", checkpoint_owner="a"), _lease("a2", "a"), _lease("a3", "a"),
+              _lease("b1", "b"), _lease("c1", "c")]
+    decided = plan(leases, live, is_expired=_never_expired, known_lease_keys=None, no_move=(),
+                   settings=LoadSettings(threshold=0.10, dampening=1.0), rng=random.Random(3))
+    assert [(lease.lease_owner, owner) for lease, owner in decided.move] == [("a", "c")]
+
+
 def test_a_worker_whose_lease_expired_after_its_last_report_is_dead_until_it_reports() -> None:
     reports = {w: _report(w) for w in ("a", "b")}
     reported = {"a": 100.0, "b": 100.0}

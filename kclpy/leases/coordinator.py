@@ -248,6 +248,12 @@ class LeaseCoordinator:
         scans for itself."""
         return self.taker.leads()
 
+    def survey(self) -> None:
+        """With a leader, on a worker that does not lead: scan the lease table soon, so that
+        ``all_leases`` and ``run_elsewhere`` see the whole table (``LeaseTaker.survey``)."""
+        if self.taker.survey():
+            self.wake_taker()
+
     def run_taker_once(self) -> list[Lease]:
         return self.taker.run_once()
 
