@@ -283,3 +283,31 @@ def test_expired_leases_a_kclpy_peer_under_target_takes_are_left_to_it() -> None
     plan = balancer.plan(held={"k0", "k1"}, known_lease_keys=None, no_steal=(), now=FAILOVER + 2,
                          java_peers=True)
     assert {lease.lease_key for lease in plan.take} == {"d0", "d1"}
+
+
+def test_expired_leases_are_not_left_to_a_kclpy_peer_that_may_not_have_watched_them() -> None:
+    """P took its first lease less than a failover time ago (a node started as the stopped
+    node's leases fell free): it may judge them expired only a failover time after its own
+    start, so K takes them above its target rather than leave them without a consumer."""
+    leases = [Lease(f"k{n}", lease_owner="K", lease_counter=1, kclpy_holder="K")
+              for n in range(2)]
+    leases += [Lease(f"j{n}", lease_owner="java", lease_counter=1) for n in range(4)]
+    leases += [Lease(f"d{n}", lease_owner="stopped", lease_counter=1) for n in range(2)]
+    balancer = Balancer("K", FAILOVER, rng=FirstChoiceRandom())
+    balancer.observe(leases, 0.0)
+    renewed = [lease.copy(lease_counter=2) if lease.lease_owner != "stopped" else lease
+               for lease in leases]
+    # P steals j0 from Java just before the stopped node's leases expire
+    renewed = [lease.copy(lease_owner="P", kclpy_holder="P") if lease.lease_key == "j0"
+               else lease for lease in renewed]
+    balancer.observe(renewed, FAILOVER)
+    # 8 leases, 3 live workers: target 3; K holds 2, P holds 1 and has room for 2
+    plan = balancer.plan(held={"k0", "k1"}, known_lease_keys=None, no_steal=(), now=FAILOVER + 1,
+                         java_peers=True)
+    assert {lease.lease_key for lease in plan.take} == {"d0", "d1"}
+    # once P has owned leases for a failover time, its room counts again
+    balancer.observe([lease.copy(lease_counter=3) if lease.lease_owner != "stopped" else lease
+                      for lease in renewed], 2 * FAILOVER)
+    plan = balancer.plan(held={"k0", "k1"}, known_lease_keys=None, no_steal=(),
+                         now=2 * FAILOVER + 0.5, java_peers=True)
+    assert len(plan.take) == 1

@@ -103,6 +103,8 @@ class Balancer:
         self._leases: dict[str, Lease] = {}
         #: leases whose counter this worker has seen move
         self._renewed: set[str] = set()
+        #: lease owner -> when this worker first saw it own a lease (since it last did)
+        self._owners_since: dict[str, float] = {}
 
     def observe(self, leases: Iterable[Lease], now: float) -> None:
         """Record one full scan, taken at ``now`` (after the scan returned)."""
@@ -113,12 +115,16 @@ class Balancer:
             del self._seen[key]
             self._renewed.discard(key)
         self._leases = fresh
+        owners = {lease.lease_owner for lease in fresh.values() if lease.lease_owner}
+        self._owners_since = {owner: self._owners_since.get(owner, now) for owner in owners}
 
     def observe_one(self, lease: Lease, now: float) -> None:
         """Record a single read (a handoff poll between scans): it counts towards expiry
         like a scan does, so a dead owner's lease is not judged on scans alone."""
         self._see(lease, now)
         self._leases[lease.lease_key] = lease
+        if lease.lease_owner:
+            self._owners_since.setdefault(lease.lease_owner, now)
 
     def _see(self, lease: Lease, now: float) -> None:
         seen = self._seen.get(lease.lease_key)
@@ -246,7 +252,7 @@ class Balancer:
             room = len(very_old) if limit is None else max(0, limit - mine)
             if java_peers:
                 room = min(room, max(target - mine, len(very_old) - self._kclpy_room(
-                    counts, target)))
+                    counts, target, now)))
             return made(take=very_old[:room])
 
         needed = target - mine
@@ -257,15 +263,22 @@ class Balancer:
         steals = self._choose_steals(eligible, counts, needed, target, no_steal)
         return made(steal=steals)
 
-    def _kclpy_room(self, counts: Counter[str], target: int) -> int:
+    def _kclpy_room(self, counts: Counter[str], target: int, now: float) -> int:
         """How many leases the other live kclpy workers (``mixed.speaks_handoff``) can still
         take below their target. They take a free lease at the same scan as this worker (an
         expired one right at its expiry), so with Java peers this worker takes above its
-        target only what they cannot: taking more would make one of them steal it back."""
+        target only what they cannot: taking more would make one of them steal it back.
+
+        Only workers this one has seen own leases for a failover time count: a worker that
+        started since may not have watched an expiring lease long enough to judge it expired,
+        and would take it up to a failover time late (the rolling migration's new node, which
+        starts as the old one's leases fall free). Taking such a lease above target costs
+        at most one graceful handoff later."""
         kclpy = {lease.lease_owner for lease in self._leases.values()
                  if mixed.speaks_handoff(lease)}
         return sum(max(0, target - count) for owner, count in counts.items()
-                   if owner in kclpy and owner != self.worker_id)
+                   if owner in kclpy and owner != self.worker_id
+                   and now - self._owners_since.get(owner, now) >= self.failover_time_s)
 
     def _choose_steals(
         self,
