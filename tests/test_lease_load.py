@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, cast
 import pytest
 
 from kclpy import KCLConfig, Worker
+from kclpy.arguments import parse_worker_args
 from kclpy.cli import worker_main
 from kclpy.config import build_config, from_properties
 from kclpy.leases.dynamo import LeaseTableThrottled
@@ -20,9 +21,12 @@ from kclpy.leases.load import (
     LoadTable,
     WorkerLoad,
     choose_steals,
+    load_balancing,
     project,
 )
 from kclpy.local import LocalEndpoint
+from kclpy.metrics import Metrics
+from tests.support.fleet import load_flags
 from tests.support.recording import Ledger, RecordingProcessor
 from tests.support.streams import (
     REGION,
@@ -173,6 +177,26 @@ def test_java_3_keys_drive_the_options() -> None:
             config.max_throughput_per_host_kbps, config.variance_balancing_frequency,
             config.worker_metrics_ema_alpha, config.worker_metrics_reporter_freq_ms) == (
         "load", 20, 80, False, 2048, 5, 0.25, 5000)
+
+
+@pytest.mark.parametrize("settings", [
+    LoadSettings(threshold=0.10, dampening=0.6, balance_interval_s=4.0, report_interval_s=4.0),
+    LoadSettings(threshold=0.25, dampening=0.8, allow_overshoot=False, max_kbps=2048.0,
+                 balance_interval_s=12.0, report_interval_s=5.0, ema_alpha=0.25),
+])
+def test_a_fleets_load_flags_give_its_workers_those_settings(
+        settings: LoadSettings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/test_load_real.py predicts with the settings its worker processes balance with:
+    the flags ``load_flags`` makes, parsed as ``kclpy-worker`` parses them."""
+    monkeypatch.chdir(ROOT)
+    config, _ = parse_worker_args([
+        "--stream-name", "s", "--application-name", "a", "--failover-time-ms", "2000",
+        "--processor", "examples/printing_processor.py:PrintingProcessor",
+        *load_flags(settings, failover_s=2.0)])
+    balancing = load_balancing(config, cast("DynamoDBClient", None), Metrics())
+    assert balancing is not None and balancing.settings == settings
+    with pytest.raises(ValueError, match="multiple of 2 x the failover time"):
+        load_flags(settings, failover_s=5.0)
 
 
 @pytest.mark.parametrize(("text", "option"), [

@@ -30,7 +30,7 @@ from kclpy.leases.load import LOAD_TABLE_SUFFIX, LoadSettings
 from kclpy.local import LocalEndpoint
 from tests.simulation.scale import ScaleSpec, Traffic, run_load
 from tests.support.audit import LeaseSampler, audit
-from tests.support.fleet import Fleet, fleet
+from tests.support.fleet import Fleet, fleet, load_flags
 from tests.support.ledger import CHECKPOINT_EVERY_ENV, LEDGER_ENV, PLAIN, Ledger, Produced
 from tests.support.streams import (
     create_stream,
@@ -64,15 +64,9 @@ FAILOVER_S = 2.0
 REPORT_S = 4.0
 ROUND_S = 2 * FAILOVER_S
 THRESHOLD = 0.10
-LOAD_ARGS = [
-    "--lease-assignment", "load",
-    "--rebalance-threshold-percentage", str(round(THRESHOLD * 100)),
-    "--dampening-percentage", "60",
-    "--variance-balancing-frequency", "1",
-    "--worker-metrics-reporter-freq-ms", str(round(REPORT_S * 1000)),
-    "--worker-metrics-ema-alpha", "0.5",
-    "--idle-time-between-reads-ms", "250",
-]  # fmt: skip
+SETTINGS = LoadSettings(threshold=THRESHOLD, dampening=0.6, report_interval_s=REPORT_S,
+                        balance_interval_s=ROUND_S, ema_alpha=0.5)
+LOAD_ARGS = [*load_flags(SETTINGS, FAILOVER_S), "--idle-time-between-reads-ms", "250"]
 #: the fleet counts as settled once no lease changed owner for this long (three rounds)
 QUIET_S = 3 * ROUND_S
 #: processors checkpoint every 5th batch, so a killed worker leaves records to repeat
@@ -240,9 +234,7 @@ def test_load_assignment_settles_as_simulated_and_a_worker_killed_mid_move_loses
     weights = {shard: HOT if index in HOT_SHARDS else COLD
                for index, shard in enumerate(shard_ids)}
 
-    settings = LoadSettings(threshold=THRESHOLD, dampening=0.6, report_interval_s=REPORT_S,
-                            balance_interval_s=ROUND_S, ema_alpha=0.5)
-    predicted = simulated(weights, settings)
+    predicted = simulated(weights, SETTINGS)
     by_count = simulated(weights, None)
     assert min(by_count) > 1 + THRESHOLD, by_count  # what load assignment is there to fix
 

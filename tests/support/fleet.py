@@ -26,6 +26,7 @@ from typing import Any
 
 import kclpy
 from kclpy.errors import CheckpointError
+from kclpy.leases.load import LoadSettings
 from kclpy.position import Position
 from tests.support.ledger import WORKER_ENV
 from tests.support.streams import dynamodb_client, put_plain
@@ -266,6 +267,30 @@ class Fleet:
             if owner is None or started.get(key) != pids.get(owner):
                 return None
         return counts
+
+
+def load_flags(settings: LoadSettings, failover_s: float) -> list[str]:
+    """The ``kclpy-worker`` flags that make a worker balance by load with ``settings``
+    (its ``--failover-time-ms`` being ``failover_s``), so a test predicts with the settings
+    its worker processes run with (tests/test_lease_load.py parses them back). A round is
+    ``varianceBalancingFrequency`` x 2 x failover: ``balance_interval_s`` must be a
+    multiple of twice the failover time."""
+    frequency = round(settings.balance_interval_s / (2 * failover_s))
+    if frequency < 1 or frequency * 2 * failover_s != settings.balance_interval_s:
+        raise ValueError(f"a balancing round of {settings.balance_interval_s:g} s is not a "
+                         f"multiple of 2 x the failover time ({failover_s:g} s)")
+    flags = [
+        "--lease-assignment", "load",
+        "--rebalance-threshold-percentage", str(round(settings.threshold * 100)),
+        "--dampening-percentage", str(round(settings.dampening * 100)),
+        "--allow-throughput-overshoot", str(settings.allow_overshoot).lower(),
+        "--variance-balancing-frequency", str(frequency),
+        "--worker-metrics-reporter-freq-ms", str(round(settings.report_interval_s * 1000)),
+        "--worker-metrics-ema-alpha", str(settings.ema_alpha),
+    ]  # fmt: skip
+    if settings.max_kbps is not None:
+        flags += ["--max-throughput-per-host-kbps", str(round(settings.max_kbps))]
+    return flags
 
 
 @contextmanager
