@@ -34,10 +34,8 @@ def test_small_fleet_settles_within_two_failover_times_and_costs_no_more_than_ja
 def test_with_a_leader_only_it_scans_and_the_fleet_settles_within_two_failover_times() -> None:
     """The same fleet with ``--lease-assigner leader``: every phase settles within two
     failover times, nothing is held twice, only one worker ever scans the lease table (the
-    others Query the owner index for their own keys, and only when the lock's generation
-    says assignments changed: never in the steady state, where every worker reads just the
-    lock), and the steady state costs less capacity per shard-hour than a Java KCL 2.x
-    fleet."""
+    others Query the owner index for their own keys), and the steady state costs less
+    capacity per shard-hour than a Java KCL 2.x fleet."""
     spec = ScaleSpec(40, 8, failover_s=10.0, steady_s=60.0, seed=3)
     fleet = Fleet(spec, leader=True)
     result = run_scale(spec, fleet=fleet)
@@ -48,8 +46,7 @@ def test_with_a_leader_only_it_scans_and_the_fleet_settles_within_two_failover_t
     assert result.phase("cold start").moved == 0  # the first pass waits for the fleet's reports
     scanners = [w.worker_id for w in fleet.workers.values() if w.meter.requests["Scan"]]
     assert len(scanners) == 1
-    assert result.steady.requests["Query"] == 0
-    assert result.steady.requests["GetItem"] >= spec.workers * spec.steady_s / spec.failover_s
+    assert result.steady.requests["Query"] > 0
     _, java_capacity = java2_per_shard_hour(spec, result.item_bytes)
     assert result.per_shard_hour(result.write_equivalents) < java_capacity
 

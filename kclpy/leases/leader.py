@@ -8,14 +8,12 @@ workers x shards. Here:
 - *One leader*, elected through a lock item in kclpy's own worker-load table
   (``<lease table>-kclpyWorkerLoad``, key ``__kclpyLeader__``; never in the lease table, where
   a Java KCL 2.x worker would take it for a lease). The leader bumps the lock's ``term``
-  every sixth of the failover time. Any other worker that sees the term stand still for
-  longer than half the failover time, judged on its own clock as lease expiry is, takes
-  the lock over with a write conditional on that term. The others read the lock (one
-  eventually consistent GetItem) every half failover time, each read of a new term
-  followed by one more once it could have expired, so a dead leader is replaced within
-  about one failover time. The lock also carries the assignment ``generation`` (bumped
-  after a pass that gave leases to other workers) and the ``rollCall`` (bumped when the
-  leader took over or saw a lease go overdue: every worker reports at once).
+  every sixth of the failover time, with the fleet's size. Any other worker that sees the
+  term stand still for longer than half the failover time, judged on its own clock as
+  lease expiry is, takes the lock over with a write conditional on that term. The others
+  read the lock every half failover time, spread over the fleet (about eight reads per
+  half failover time whatever its size, each read of a new term followed by one more once
+  it could have expired), so a dead leader is replaced within about one failover time.
   Two workers cannot both win a term; a leader that stopped bumping stops believing it
   leads once its term could have expired, before anyone else can take over. Two leaders
   for a moment would cost moves, never a lease: every assignment is a write fenced on the
@@ -33,16 +31,10 @@ workers x shards. Here:
 - *Live workers* are those whose report in the load table keeps changing (its sequence
   number, on the leader's clock), less those owning a lease that expired after their last
   report (they stopped renewing: dead) or leaving one assigned to them untaken. Each
-  worker reports every ``workerMetricsReporterFreqInMillis`` in both modes, and at once
-  when it reads a new roll call: for a failover time after a roll call the leader gives
-  leases only to workers that answered it or renew leases, then judges the silent ones
-  dead until they report again (``LeaseTaker._roll_call``), so a dead worker without
-  leases is not handed any.
+  worker reports every ``workerMetricsReporterFreqInMillis`` in both modes.
 - *Every worker finds its leases* through the owner index (``LeaseOwnerToLeaseKeyIndex``, the
-  Java KCL 3.x's own: leaseOwner -> leaseKey, keys only), one Query that costs what its own
-  keys weigh, when the lock's leader or generation changed (and once more a half failover
-  time later: the index lags the table), else every thirty failover times in case one was
-  missed. A new key is read (GetItem) and taken
+  Java KCL 3.x's own: leaseOwner -> leaseKey, keys only), one Query every half failover
+  time that costs what its own keys weigh. A new key is read (GetItem) and taken
   with a write fenced on the counter the leader left (so its tenure starts on its own
   clock); one still being handed off waits as a steal's handoff waits (``taker.py``).
 
@@ -80,13 +72,10 @@ log = logging.getLogger(__name__)
 
 LEADER = "leader"
 TERM = "term"
-#: bumped by the leader after a pass that assigned or moved leases to other workers: a
-#: worker Queries the owner index only when it changed since its last look
-GENERATION = "generation"
-#: bumped by the leader when it took over and when a lease goes overdue (its holder may be
-#: dead): every worker that reads a new call publishes its load report at once, so the
-#: leader can tell live workers without leases from dead ones within a lock read
-CALL = "rollCall"
+#: the fleet's size as the leader last counted it, written with each renewal
+WORKERS = "workers"
+#: how many lock reads the whole fleet makes per check interval, whatever its size
+_READERS = 8
 
 
 class LeaderLock:
@@ -96,14 +85,10 @@ class LeaderLock:
                  clock: Callable[[], float], rng: random.Random | None = None) -> None:
         self.table = table
         self._rng = rng if rng is not None else random.Random()
-        #: the assignment generation and roll call as last read (or, leading, written)
-        self.generation = 0
-        self.call = 0
-        #: leading: the next write of the lock bumps the generation / the roll call
-        self._bump_generation = False
-        self._bump_call = False
-        #: leading: this worker's clock when its latest roll call was written
-        self.call_at: float | None = None
+        #: the live workers of the leader's last pass (written into the lock when leading)
+        self.fleet_size = 1
+        #: the fleet's size as the lock says (spreads the other workers' reads)
+        self._readers = 1
         #: the next read confirms a term the last one saw for the first time
         self._confirming = False
         self.worker_id = worker_id
@@ -160,36 +145,14 @@ class LeaderLock:
             self._next_tick = now + spread(self.expiry_s, 1.05, 1.2, self._rng)
         else:
             self._confirming = False
-            # Every worker reads the lock every half failover time (eventually consistent,
-            # the cheapest read there is): it is how a worker learns that it was assigned
-            # leases (the generation) and that the leader calls the roll, in place of a
-            # Query of the owner index every half failover time.
-            self._next_tick = now + spread(self.check_s, 0.8, 1.0, self._rng)
+            # Of a fleet of N, each worker reads every N / 8 check intervals (at a random
+            # phase), so the fleet reads the lock about eight times per interval whatever
+            # its size, each read of a new term followed by one more: a dead leader's last
+            # term is seen soon after it stopped, and confirmed half a failover time
+            # later, and the bill does not grow with the workers.
+            readers = max(1.0, self._readers / _READERS)
+            self._next_tick = now + spread(self.check_s * readers, 0.5, 1.5, self._rng)
         return self.is_leader()
-
-    def bump_generation(self) -> None:
-        """Leading: leases were assigned or moved to other workers; tell them (written
-        with the next renewal, or ``flush``)."""
-        self._bump_generation = True
-
-    def roll_call(self) -> None:
-        """Leading: ask every worker to report now (written with ``flush``)."""
-        self._bump_call = True
-
-    def flush(self) -> None:
-        """Leading: write a pending generation or roll call now rather than at the next
-        renewal (a sixth of the failover time later)."""
-        if self._term is None or not (self._bump_generation or self._bump_call):
-            return
-        try:
-            self._renew(self._clock())
-        except TABLE_ERRORS as exc:
-            log.warning("worker %s: leader lock: %r", self.worker_id, exc)
-
-    def assignments(self) -> tuple[str | None, int]:
-        """(the leader, its assignment generation) as last read or written: when it
-        changes, this worker may have been assigned leases."""
-        return (None if self._seen is None else self._seen[0]), self.generation
 
     def _write(self, operation: str, fn: Callable[..., Any], **kw: Any) -> bool:
         try:
@@ -202,27 +165,19 @@ class LeaderLock:
 
     def _renew(self, now: float) -> None:
         assert self._term is not None
-        generation = self.generation + self._bump_generation
-        call = self.call + self._bump_call
         ok = self._write(
             "UpdateItem", self.table.client.update_item, Key={WORKER_ID: {"S": LEADER_ITEM}},
-            UpdateExpression="SET #t = :n, #g = :g, #c = :c",
+            UpdateExpression="SET #t = :n, #w = :w",
             ConditionExpression="#l = :me AND #t = :t",
-            ExpressionAttributeNames={"#t": TERM, "#l": LEADER, "#g": GENERATION,
-                                      "#c": CALL},
+            ExpressionAttributeNames={"#t": TERM, "#l": LEADER, "#w": WORKERS},
             ExpressionAttributeValues={":n": {"N": str(self._term + 1)},
                                        ":me": {"S": self.worker_id},
                                        ":t": {"N": str(self._term)},
-                                       ":g": {"N": str(generation)},
-                                       ":c": {"N": str(call)}})
+                                       ":w": {"N": str(self.fleet_size)}})
         if ok:
             self._term += 1
             self._renewed_at = now
             self._seen = (self.worker_id, self._term, now)
-            if self._bump_call:
-                self.call_at = now
-            self.generation, self.call = generation, call
-            self._bump_generation = self._bump_call = False
         else:
             log.warning("worker %s: lost the leader lock", self.worker_id)
             self._term = None
@@ -230,11 +185,9 @@ class LeaderLock:
     def _check(self, now: float) -> bool:
         """Read the lock, take it over when it expired; whether its term was new to this
         worker."""
-        # Eventually consistent: a stale answer can only delay a takeover (the takeover
-        # write is conditional on the term read) or a generation seen one read later.
         answer = self.table.call(
             "GetItem", self.table.client.get_item, TableName=self.table.table_name,
-            Key={WORKER_ID: {"S": LEADER_ITEM}}, ConsistentRead=False)
+            Key={WORKER_ID: {"S": LEADER_ITEM}}, ConsistentRead=True)
         item = answer.get("Item")
         if item is None:
             if self._write("PutItem", self.table.client.put_item,
@@ -245,8 +198,7 @@ class LeaderLock:
                 self._won(1, now)
             return False
         leader, term = item.get(LEADER, {}).get("S"), int(item.get(TERM, {}).get("N", "0"))
-        self.generation = int(item.get(GENERATION, {}).get("N", "0"))
-        self.call = int(item.get(CALL, {}).get("N", "0"))
+        self._readers = int(item.get(WORKERS, {}).get("N", "1"))
         changed = self._seen is None or self._seen[:2] != (leader, term)
         if changed:
             self._seen = (leader, term, now)
@@ -271,12 +223,6 @@ class LeaderLock:
         self._renewed_at = now
         self._seen = (self.worker_id, term, now)
         self.took_over = term > 1
-        self.call_at = None
-        if self.took_over:
-            # the workers without leases show they live by answering, before this leader
-            # may judge any lease expired (it watches them for a failover time first)
-            self.roll_call()
-            self.flush()
 
     def resign(self) -> None:
         """A stopping leader deletes the lock so another worker takes over at its next check
@@ -312,12 +258,6 @@ class LeaderMode:
     @property
     def discovery_interval_s(self) -> float:
         return self.lock.failover_time_s / 2
-
-    @property
-    def requery_interval_s(self) -> float:
-        """How often a worker Queries its leases although the lock's generation stood
-        still (in case it missed one)."""
-        return 30 * self.lock.failover_time_s
 
 
 @dataclass(frozen=True)
@@ -393,10 +333,9 @@ def plan(
     judged as it is the worker that just got a lease looks idle enough to get another and
     its giver busy enough to lose another, so a lease would go back and forth); a lease
     that moved since its new owner's report weighs its ``known_kbps`` (the last KB/s a
-    report measured for it; by default what ``live`` reports). A lease being handed off
-    counts for the worker it moves to and never moves again; a lease whose owner is not
-    live but renews it (a Java KCL worker, a worker whose reports stopped) is left alone
-    and counted for nobody."""
+    report measured for it; by default what ``live`` reports). A lease being handed off counts for the worker it moves
+    to and never moves again; a lease whose owner is not live but renews it (a Java KCL
+    worker, a worker whose reports stopped) is left alone and counted for nobody."""
     if not live:
         return Assignment()
     owned: dict[str, list[Lease]] = {worker: [] for worker in live}

@@ -271,11 +271,6 @@ class LoadBalancing:
         self._next_round: float | None = None
         #: worker id -> (report seq, this worker's clock when it first saw that seq)
         self._seen: dict[str, tuple[int, float]] = {}
-        #: worker id -> this worker's clock when it last saw that worker's seq change (not
-        #: its first sighting): proof that it was alive then
-        self._changed_at: dict[str, float] = {}
-        #: this worker's clock at its first read of the fleet's reports
-        self._reading_since: float | None = None
         self.mine = meter.current()
         #: the fleet's throughput in the last reports read (0: nothing to balance by load)
         self._fleet_kbps = 0.0
@@ -283,11 +278,9 @@ class LoadBalancing:
         #: that moved since its new owner's report weighs (:func:`project`)
         self._known_kbps: dict[str, float] = {}
 
-    def report_if_due(self, held: AbstractSet[str], *, now_anyway: bool = False) -> None:
-        """Publish a report when one is due (or ``now_anyway``: the leader called the
-        roll)."""
+    def report_if_due(self, held: AbstractSet[str]) -> None:
         now = self._clock()
-        if not now_anyway and self._next_report is not None and now < self._next_report:
+        if self._next_report is not None and now < self._next_report:
             return
         self._next_report = now + self.settings.report_interval_s
         self.mine = self.meter.sample(held)
@@ -352,17 +345,6 @@ class LoadBalancing:
         None when the read failed. For a leader, which balances every worker's load."""
         return self._refresh(self._clock())
 
-    def reported_since(self, worker_id: str, at: float) -> bool:
-        """``worker_id`` is known to have reported after ``at`` (this worker's clock): its
-        report was seen to change since, or a report was seen first since while this
-        worker already read the fleet's reports before ``at`` (a report first read in
-        this worker's first read may be a dead worker's last)."""
-        if worker_id == self.worker_id or self._changed_at.get(worker_id, -math.inf) > at:
-            return True
-        seen = self._seen.get(worker_id)
-        return (seen is not None and seen[1] > at and self._reading_since is not None
-                and self._reading_since < at)
-
     def reported_at(self, worker_id: str) -> float:
         """When (this worker's clock) ``worker_id``'s current report was first seen."""
         if worker_id == self.worker_id:
@@ -379,17 +361,12 @@ class LoadBalancing:
         except TABLE_ERRORS as exc:
             log.warning("worker %s: reading the fleet's load failed: %r", self.worker_id, exc)
             return None
-        if self._reading_since is None:
-            self._reading_since = now
         fleet = {self.worker_id: self.mine}
         stale_after = 3 * self.settings.report_interval_s
         reporting = {report.worker_id for report in reports}
         self._seen = {w: seen for w, seen in self._seen.items() if w in reporting}
-        self._changed_at = {w: at for w, at in self._changed_at.items() if w in reporting}
         for report in reports:
             seen = self._seen.get(report.worker_id)
-            if seen is not None and seen[0] != report.seq:
-                self._changed_at[report.worker_id] = now
             if seen is None or seen[0] != report.seq:
                 self._seen[report.worker_id] = (report.seq, now)
                 seen = self._seen[report.worker_id]

@@ -38,7 +38,7 @@ from kclpy.leases.budget import ScanBudget
 from kclpy.leases.dynamo import TABLE_ERRORS
 from kclpy.leases.held import HeldSet
 from kclpy.leases.lease import Lease
-from kclpy.leases.load import LoadBalancing, WorkerLoad
+from kclpy.leases.load import LoadBalancing
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import (
     EXPIRED_LEASES,
@@ -142,12 +142,6 @@ class LeaseTaker:
         #: clock() of the last one
         self._survey_asked = False
         self._last_survey: float | None = None
-        #: (leader, assignment generation) of the lock when this worker last Queried its
-        #: leases, and the roll call it last answered
-        self._assignments_seen: tuple[str | None, int] | None = None
-        self._call_seen: int | None = None
-        #: leading: the roll call (its time) whose silent workers were judged dead
-        self._call_closed: float | None = None
 
     # -- the cycle -------------------------------------------------------------------------
 
@@ -255,12 +249,8 @@ class LeaseTaker:
             with self._state:
                 self._cycle += 1
                 self._last_scan_attempt = self._clock()
-            held = set(self.held.entries())
-            mode.reports.report_if_due(held)
+            mode.reports.report_if_due(set(self.held.entries()))
             leads = mode.lock.tick()
-            if not leads and self._call_seen is not None and mode.lock.call != self._call_seen:
-                mode.reports.report_if_due(held, now_anyway=True)  # the leader calls the roll
-            self._call_seen = mode.lock.call
             now = self._clock()
             if leads and not self._led:
                 # On a cold start the first leader lets the fleet's first reports arrive;
@@ -276,15 +266,8 @@ class LeaseTaker:
                           or (expiry is not None and now >= expiry)):
                 taken += self._lead(mode)
             now = self._clock()
-            # Query the owner index when the lock says assignments changed (and once more
-            # a lock read later: the index lags the table), else only rarely, in case a
-            # generation was missed
-            state = mode.lock.assignments()
-            changed = state != self._assignments_seen
-            if changed or self._next_discovery is None or now >= self._next_discovery:
-                self._assignments_seen = state
-                self._next_discovery = now + (mode.discovery_interval_s if changed
-                                              else mode.requery_interval_s)
+            if self._next_discovery is None or now >= self._next_discovery:
+                self._next_discovery = now + mode.discovery_interval_s
                 taken += self._discover()
             if not leads and self._survey_asked and now >= self._next_survey(mode, now):
                 self._survey()
@@ -315,7 +298,7 @@ class LeaseTaker:
             reports, mode.reports.reported_at, leases, expired_at, self._dead,
             unchanged_for=lambda lease: self._balancer.unchanged_for(lease.lease_key, now),
             claim_within_s=mode.discovery_interval_s + mode.pass_interval_s)
-        live = self._roll_call(mode, leases, live, now)
+        mode.lock.fleet_size = len(live)
         settings = mode.reports.settings
         balance = not mode.by_load or self._next_round is None or now >= self._next_round
         if mode.by_load and balance:
@@ -335,7 +318,6 @@ class LeaseTaker:
                 taken += [fresh] if fresh is not None else []
             else:
                 self._assign(lease, owner)
-                mode.lock.bump_generation()
         for lease, owner in decided.move if balance else ():
             if self._stopping.is_set():
                 return taken
@@ -345,60 +327,15 @@ class LeaseTaker:
                 taken += [fresh] if fresh is not None else []
             elif self.graceful_handoff and mixed.speaks_handoff(lease):
                 self._hand(lease, owner)
-                mode.lock.bump_generation()
             else:
                 self._assign(lease, owner)
-                mode.lock.bump_generation()
         if decided.assign or (balance and decided.move):
             log.info("worker %s (leader) assigned %d and moved %d lease(s) over %d worker(s)",
                      self.worker_id, len(decided.assign), len(decided.move) if balance else 0,
                      decided.workers)
-        mode.lock.flush()
         if self.cleanup_leases:
             self._clean_up(leases, now)
         return taken
-
-    def _roll_call(self, mode: leader.LeaderMode, leases: list[Lease],
-                   live: dict[str, WorkerLoad], now: float) -> dict[str, WorkerLoad]:
-        """A worker without leases shows it lives only by its reports, every
-        ``workerMetricsReporterFreqInMillis`` (30 s): a dead one looks alive for that long,
-        and leases assigned to it wait until they are seen unclaimed. So the leader calls
-        the roll (``LeaderLock.roll_call``) when it took over and when a lease it saw
-        renewed goes overdue (its holder may be dead, and its leases will need new owners
-        a failover time after its last renewal); every worker reads the call within half a
-        failover time and reports at once. Until every live worker could have answered
-        and a pass seen it, only those that answered (or renew their leases) get leases;
-        then those that stayed silent are dead until they report again."""
-        overdue_after = 1.25 * self.failover_time_s / 2
-        renewing: set[str] = set()
-        suspect = False
-        for lease in leases:
-            holder = lease.checkpoint_owner or lease.lease_owner
-            if holder is None or lease.is_finished or not self._balancer.seen_renewed(
-                    lease.lease_key):
-                continue
-            unchanged = self._balancer.unchanged_for(lease.lease_key, now)
-            if unchanged <= overdue_after:
-                renewing.add(holder)
-            elif holder != self.worker_id and (mode.lock.call_at is None
-                                               or now - unchanged > mode.lock.call_at):
-                suspect = True
-        if suspect:
-            mode.lock.roll_call()
-            mode.lock.flush()
-        call_at = mode.lock.call_at
-        if call_at is None:
-            return live
-        answered = {w: r for w, r in live.items()
-                    if w in renewing or mode.reports.reported_since(w, call_at)}
-        if now - call_at <= mode.lock.check_s + mode.pass_interval_s + mode.lock.heartbeat_s:
-            return answered
-        if self._call_closed != call_at:
-            self._call_closed = call_at
-            for worker in live.keys() - answered.keys():
-                self._dead[worker] = mode.reports.reported_at(worker)
-            return answered
-        return live
 
     def survey(self) -> bool:
         """Ask for a scan of the lease table at the next led cycle (at most one every
