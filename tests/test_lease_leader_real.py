@@ -96,7 +96,10 @@ def test_with_a_leader_every_worker_stops_by_itself_when_caught_up(
     sent = [f"dr-{n}" for n in range(120)]
     put_plain(kinesis, stream, [payload.encode() for payload in sent])
     application = unique_name("app")
+    # a 6 s failover time: the first leader waits 2 s for the other's first report before
+    # it assigns (a lease moved later could not be handed off while its processor is held)
     with fleet(kinesis_mock.url, moto_server.url, stream, application, tmp_path,
+               failover_ms=6000,
                extra_args=["--lease-assigner", "leader", "--stop-when-caught-up"]) as group:
         names = ("w1", "w2")
         for name in names:
@@ -110,6 +113,6 @@ def test_with_a_leader_every_worker_stops_by_itself_when_caught_up(
             group.hold_path(name).unlink()
         # a bound for a machine shared by many test processes: drained in seconds, then a
         # few scans a third of the failover time (2 s) apart
-        codes = [worker.process.wait(90) for worker in workers]
+        codes = [worker.process.wait(120) for worker in workers]
     assert codes == [0, 0]
     assert set(group.ledger.payloads()) == set(sent)
