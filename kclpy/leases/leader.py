@@ -333,8 +333,9 @@ def plan(
     judged as it is the worker that just got a lease looks idle enough to get another and
     its giver busy enough to lose another, so a lease would go back and forth); a lease
     that moved since its new owner's report weighs its ``known_kbps`` (the last KB/s a
-    report measured for it; by default what ``live`` reports). A lease being handed off counts for the worker it moves
-    to and never moves again; a lease whose owner is not live but renews it (a Java KCL
+    report measured for it; by default what ``live`` reports). A lease being handed off
+    counts for the worker it moves to and never moves again; a lease whose owner is not
+    live but renews it (a Java KCL
     worker, a worker whose reports stopped) is left alone and counted for nobody."""
     if not live:
         return Assignment()
