@@ -122,7 +122,9 @@ class FileLedgerProcessor(kclpy.IRecordProcessor):
 
 
 def read_file_ledger(path: str) -> list[dict[str, Any]]:
+    """The whole lines of the ledger: a worker may be writing the last one while it is read
+    (CI once read half a line), and that line is read whole at the next look."""
     if not os.path.exists(path):
         return []
     with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+        return [json.loads(line) for line in fh if line.endswith("\n") and line.strip()]
