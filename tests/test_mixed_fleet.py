@@ -68,6 +68,19 @@ def fetch(table: LeaseTable, key: str) -> Lease:
     return lease
 
 
+def owned(prefix: str, owner: str, count: int, *, kclpy: bool = False) -> list[Lease]:
+    """``count`` leases ``<prefix>0``... held by ``owner`` at counter 1 (a kclpy holder's
+    with its ``kclpyHolder`` mark)."""
+    return [Lease(f"{prefix}{n}", lease_owner=owner, lease_counter=1,
+                  kclpy_holder=owner if kclpy else None) for n in range(count)]
+
+
+def renewed_but_stopped(leases: list[Lease], counter: int) -> list[Lease]:
+    """Every lease renewed to ``counter`` but the stopped node's."""
+    return [lease.copy(lease_counter=counter) if lease.lease_owner != "stopped" else lease
+            for lease in leases]
+
+
 def test_a_java_owner_is_stolen_from_outright_and_a_kclpy_owner_is_asked(
     table: LeaseTable,
 ) -> None:
@@ -201,14 +214,11 @@ def test_a_finished_lease_a_java_worker_holds_is_left_to_its_cleanup() -> None:
 def test_with_java_peers_a_silent_java_workers_lease_is_taken_above_target_at_expiry() -> None:
     """A Java node stopped (Java 2.x never releases): its leases expire a failover time after
     its last renewal, and a Java worker would wait up to two more of its taker scans."""
-    leases = [Lease(f"k{n}", lease_owner="K", lease_counter=1) for n in range(3)]
-    leases += [Lease(f"j{n}", lease_owner="java", lease_counter=1) for n in range(3)]
-    leases += [Lease(f"d{n}", lease_owner="stopped", lease_counter=1) for n in range(2)]
+    leases = owned("k", "K", 3) + owned("j", "java", 3) + owned("d", "stopped", 2)
     balancer = Balancer("K", FAILOVER, rng=FirstChoiceRandom())
     balancer.observe(leases, 0.0)
     # every owner renews but the stopped one
-    balancer.observe([lease.copy(lease_counter=2) if lease.lease_owner != "stopped" else lease
-                      for lease in leases], FAILOVER)
+    balancer.observe(renewed_but_stopped(leases, 2), FAILOVER)
     held = {f"k{n}" for n in range(3)}
     # 8 leases, 2 live workers: K's target is 4, it holds 3 and needs one
     plain = balancer.plan(held=held, known_lease_keys=None, no_steal=(), now=FAILOVER + 1)
@@ -261,16 +271,11 @@ def test_a_kclpy_worker_deletes_the_finished_lease_it_holds_through_its_held_set
 def test_expired_leases_a_kclpy_peer_under_target_takes_are_left_to_it() -> None:
     """Both kclpy workers scan at the expiry: one taking every expired lease above its target
     would only make the other steal one back (a second move, by a handoff)."""
-    leases = [Lease(f"k{n}", lease_owner="K", lease_counter=1, kclpy_holder="K")
-              for n in range(2)]
-    leases += [Lease(f"p{n}", lease_owner="P", lease_counter=1, kclpy_holder="P")
-               for n in range(2)]
-    leases += [Lease(f"j{n}", lease_owner="java", lease_counter=1) for n in range(2)]
-    leases += [Lease(f"d{n}", lease_owner="stopped", lease_counter=1) for n in range(2)]
+    leases = (owned("k", "K", 2, kclpy=True) + owned("p", "P", 2, kclpy=True)
+              + owned("j", "java", 2) + owned("d", "stopped", 2))
     balancer = Balancer("K", FAILOVER, rng=FirstChoiceRandom())
     balancer.observe(leases, 0.0)
-    renewed = [lease.copy(lease_counter=2) if lease.lease_owner != "stopped" else lease
-               for lease in leases]
+    renewed = renewed_but_stopped(leases, 2)
     balancer.observe(renewed, FAILOVER)
     # 8 leases, 3 live workers: target 3; K and P hold 2 each and take one each
     plan = balancer.plan(held={"k0", "k1"}, known_lease_keys=None, no_steal=(), now=FAILOVER + 1,
@@ -289,14 +294,10 @@ def test_expired_leases_are_not_left_to_a_kclpy_peer_that_may_not_have_watched_t
     """P took its first lease less than a failover time ago (a node started as the stopped
     node's leases fell free): it may judge them expired only a failover time after its own
     start, so K takes them above its target rather than leave them without a consumer."""
-    leases = [Lease(f"k{n}", lease_owner="K", lease_counter=1, kclpy_holder="K")
-              for n in range(2)]
-    leases += [Lease(f"j{n}", lease_owner="java", lease_counter=1) for n in range(4)]
-    leases += [Lease(f"d{n}", lease_owner="stopped", lease_counter=1) for n in range(2)]
+    leases = owned("k", "K", 2, kclpy=True) + owned("j", "java", 4) + owned("d", "stopped", 2)
     balancer = Balancer("K", FAILOVER, rng=FirstChoiceRandom())
     balancer.observe(leases, 0.0)
-    renewed = [lease.copy(lease_counter=2) if lease.lease_owner != "stopped" else lease
-               for lease in leases]
+    renewed = renewed_but_stopped(leases, 2)
     # P steals j0 from Java just before the stopped node's leases expire
     renewed = [lease.copy(lease_owner="P", kclpy_holder="P") if lease.lease_key == "j0"
                else lease for lease in renewed]
@@ -306,8 +307,7 @@ def test_expired_leases_are_not_left_to_a_kclpy_peer_that_may_not_have_watched_t
                          java_peers=True)
     assert {lease.lease_key for lease in plan.take} == {"d0", "d1"}
     # once P has owned leases for a failover time, its room counts again
-    balancer.observe([lease.copy(lease_counter=3) if lease.lease_owner != "stopped" else lease
-                      for lease in renewed], 2 * FAILOVER)
+    balancer.observe(renewed_but_stopped(renewed, 3), 2 * FAILOVER)
     plan = balancer.plan(held={"k0", "k1"}, known_lease_keys=None, no_steal=(),
                          now=2 * FAILOVER + 0.5, java_peers=True)
     assert len(plan.take) == 1
