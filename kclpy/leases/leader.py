@@ -335,8 +335,8 @@ def plan(
     that moved since its new owner's report weighs its ``known_kbps`` (the last KB/s a
     report measured for it; by default what ``live`` reports). A lease being handed off
     counts for the worker it moves to and never moves again; a lease whose owner is not
-    live but renews it (a Java KCL
-    worker, a worker whose reports stopped) is left alone and counted for nobody."""
+    live but renews it (a Java KCL worker, a worker whose reports stopped) is left alone
+    and counted for nobody."""
     if not live:
         return Assignment()
     owned: dict[str, list[Lease]] = {worker: [] for worker in live}
