@@ -248,14 +248,18 @@ def test_load_assignment_settles_as_simulated_and_a_worker_killed_mid_move_loses
         env={LEDGER_ENV: str(ledger_path), CHECKPOINT_EVERY_ENV: str(CHECKPOINT_EVERY)},
     ) as group:
         sampler = LeaseSampler(dynamodb, application, interval_s=0.2)
+        names = [f"w{index}" for index in range(WORKERS)]
+        for name in names:
+            group.start(name)
+        live = set(names)
+        wait_for(lambda: group.balanced_among(live), 90, "the three workers to hold "
+                 "every lease")
+        sampler.start()
+        # Traffic starts only now: with no load anywhere nothing moves by load, so the first
+        # handoff from here on is a load move. (With traffic from the start, a slow start-up
+        # could let the load moves finish before the fleet was first seen balanced by count,
+        # and no move was left to catch.)
         with SkewedProducer(kinesis, stream, ledger, weights) as producer:
-            names = [f"w{index}" for index in range(WORKERS)]
-            for name in names:
-                group.start(name)
-            live = set(names)
-            wait_for(lambda: group.balanced_among(live), 90, "the three workers to hold "
-                     "every lease")
-            sampler.start()
             # The first load move, caught while its lease is being handed off.
             lease, victim = wait_for(lambda: _handoff(group, live), 60,
                                      "a lease handed off by load", interval=0.01)
