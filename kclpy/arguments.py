@@ -23,6 +23,7 @@ from kclpy.config import (
     read_properties,
 )
 from kclpy.errors import ConfigError
+from kclpy.position import TRIM_HORIZON
 from kclpy.streams import StreamConfig
 
 LOCAL_DEMO_NAME = "kclpy-demo"
@@ -127,7 +128,7 @@ def parse_worker_args(argv: Sequence[str] | None) -> tuple[KCLConfig, argparse.N
         _check_local(values, labels)
         values.setdefault("stream_name", LOCAL_DEMO_NAME)
         values.setdefault("application_name", LOCAL_DEMO_NAME)
-        values.setdefault("initial_position", "TRIM_HORIZON")
+        values.setdefault("initial_position", TRIM_HORIZON)
         values.setdefault("region", "us-east-1")
     config = build_config(values, labels)
     if not args.processes.isdigit() or int(args.processes) < 1:

@@ -22,7 +22,7 @@ from typing import Any
 
 from kclpy.cloudwatch import parse_dimensions, parse_level
 from kclpy.errors import ConfigError
-from kclpy.position import INITIAL_POSITIONS
+from kclpy.position import AT_TIMESTAMP, INITIAL_POSITIONS, LATEST
 from kclpy.retrieval.subscription import FANOUT_HTTP_VERSIONS
 from kclpy.streams import StreamConfig, StreamTracker
 
@@ -55,7 +55,7 @@ class KCLConfig:
     region: str | None = None
     kinesis_endpoint: str | None = None
     dynamodb_endpoint: str | None = None
-    initial_position: str = "LATEST"
+    initial_position: str = LATEST
     initial_timestamp: datetime | None = None
     failover_time_ms: int = 10_000
     max_records: int = 10_000
@@ -319,7 +319,7 @@ def _stream_arn(config: KCLConfig, label: Callable[[str], str]) -> str | None:
 
 
 def _initial_timestamp(config: KCLConfig, label: Callable[[str], str]) -> str | None:
-    if config.initial_position == "AT_TIMESTAMP" and config.initial_timestamp is None:
+    if config.initial_position == AT_TIMESTAMP and config.initial_timestamp is None:
         return "is required with AT_TIMESTAMP"
     return None
 
@@ -820,7 +820,7 @@ def from_properties(properties: Mapping[str, str], *, base_dir: Path | None = No
                 continue
             # The Java daemon's initialPositionInStreamExtended is a timestamp and means
             # AT_TIMESTAMP by itself.
-            values["initial_position"] = "AT_TIMESTAMP"
+            values["initial_position"] = AT_TIMESTAMP
             labels.setdefault("initial_position", key)
         values[option.name] = _convert(option, raw, key)
         labels[option.name] = key

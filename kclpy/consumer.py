@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from kclpy.checkpoint import Checkpointer, CheckpointWriter, StartWriter, keep_start
 from kclpy.errors import CheckpointError, KCLError, ProcessorRestartRequired, ShutdownException
 from kclpy.leases import park
-from kclpy.leases.lease import AT_TIMESTAMP, LATEST, Lease
+from kclpy.leases.lease import Lease
 from kclpy.metrics import (
     BATCH_MILLIS_BEHIND_LATEST,
     BYTES_PROCESSED,
@@ -37,7 +37,7 @@ from kclpy.metrics import (
     SHARDS_PARKED_BY_POLICY,
     Metrics,
 )
-from kclpy.position import Position
+from kclpy.position import AT_TIMESTAMP, LATEST, Position
 from kclpy.processor import (
     InitializeInput,
     IRecordProcessor,

@@ -3,14 +3,17 @@ form and its Spark offset-log form."""
 
 from __future__ import annotations
 
+import ast
 import itertools
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pytest
 
 from kclpy.position import (
     AT_TIMESTAMP,
     LATEST,
+    SENTINELS,
     SHARD_END,
     TRIM_HORIZON,
     Position,
@@ -81,3 +84,25 @@ def test_the_offset_log_text() -> None:
                 "SHARD_END/1", "AFTER/1", "nothing"):
         with pytest.raises(ValueError):
             Position.decode(bad)
+
+
+def test_the_sentinels_are_spelt_out_only_in_position_py() -> None:
+    """Everything else names them by their constants, so a reader finds every use of one by
+    its name. A ``ShutdownReason`` value is a processor's shutdown cause, not a position."""
+    package = Path(__file__).resolve().parent.parent / "kclpy"
+    allowed = {package / "position.py": None, package / "processor.py": {"SHARD_END"}}
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path in allowed and allowed[path] is None:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        # a module re-exporting a constant lists its name in __all__: no value spelt out
+        exported = {id(name) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+                    for name in ast.walk(node.value)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and node.value in SENTINELS
+                    and id(node) not in exported
+                    and node.value not in (allowed.get(path) or ())):
+                found.append(f"{path.relative_to(package)}:{node.lineno}: {node.value}")
+    assert found == []

@@ -31,7 +31,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 
-from kclpy.leases.lease import AT_TIMESTAMP, LATEST, TRIM_HORIZON, Lease
+from kclpy.leases.lease import Lease
+from kclpy.position import AT_TIMESTAMP, LATEST, TRIM_HORIZON
 
 _NOT_STARTED = frozenset({TRIM_HORIZON, LATEST, AT_TIMESTAMP})
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from kclpy.leases.lease import TRIM_HORIZON, Lease
-from kclpy.position import Position
+from kclpy.leases.lease import Lease
+from kclpy.position import TRIM_HORIZON, Position
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb.type_defs import AttributeValueTypeDef

@@ -34,7 +34,7 @@ from kclpy.errors import ConfigError
 from kclpy.leases import park as parking
 from kclpy.leases import serializer as ser
 from kclpy.leases.dynamo import CONDITION_FAILED
-from kclpy.leases.lease import SHARD_END, TRIM_HORIZON, Lease
+from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import UpdateBuilder, n, s, ss
 from kclpy.leases.shard_sync import Shard, ShardSyncer
 from kclpy.leases.table import LeaseTable, checkpoint_changes
@@ -50,6 +50,7 @@ from kclpy.ops.position import (
     resolve,
 )
 from kclpy.ops.text import print_table
+from kclpy.position import SHARD_END, TRIM_HORIZON
 from kclpy.recovery import queue as gaps
 from kclpy.recovery import requests as asked
 from kclpy.retry import error_code

@@ -49,7 +49,7 @@ from kclpy.arguments import OneLineParser
 from kclpy.errors import KCLError
 from kclpy.leases import park as parking
 from kclpy.leases import serializer as ser
-from kclpy.leases.lease import SHARD_END, Lease
+from kclpy.leases.lease import Lease
 from kclpy.leases.shard_sync import ShardSyncer
 from kclpy.leases.table import LeaseTable
 from kclpy.ops import consumers, control
@@ -63,6 +63,7 @@ from kclpy.ops.lag import (
     report_to_json,
 )
 from kclpy.ops.text import print_table
+from kclpy.position import SHARD_END
 from kclpy.retry import error_code
 from kclpy.streams import StreamIdentifier
 

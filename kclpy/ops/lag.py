@@ -44,14 +44,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
 from kclpy.metrics import (
     APPLICATION_LAG_STATUS,
     LAG_MAX_MILLIS,
     LAG_TOTAL_RECORDS,
     SHARD_LAG_STATUS,
 )
-from kclpy.position import Position
+from kclpy.position import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON, Position
 from kclpy.retrieval.parse import get_records
 
 if TYPE_CHECKING:

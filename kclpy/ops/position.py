@@ -29,8 +29,7 @@ from typing import Any
 
 from botocore.exceptions import ClientError
 
-from kclpy.leases.lease import LATEST, SHARD_END, TRIM_HORIZON
-from kclpy.position import Position
+from kclpy.position import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON, Position
 from kclpy.records import Record
 from kclpy.retrieval import kpl
 from kclpy.retrieval.parse import get_records
@@ -199,7 +198,7 @@ def last_before(reader: ShardReader, moment: datetime, is_past: Callable[[Record
         since = moment - look_back
         from_oldest = since.timestamp() * 1000 <= oldest_ms
         records = (reader.records(TRIM_HORIZON) if from_oldest
-                   else reader.records("AT_TIMESTAMP", Timestamp=since))
+                   else reader.records(AT_TIMESTAMP, Timestamp=since))
         last: Record | None = None
         reached = False
         for record in records:

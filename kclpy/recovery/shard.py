@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from kclpy.checkpoint import Checkpointer
 from kclpy.errors import CheckpointError, ShutdownException
-from kclpy.leases.lease import TRIM_HORIZON, Lease
+from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import RECOVERY, RECOVERY_REQUESTS, UpdateBuilder, s, ss
 from kclpy.leases.table import checkpoint_changes
 from kclpy.metrics import (
@@ -43,7 +43,7 @@ from kclpy.metrics import (
     RECOVERY_TRIMMED,
     Metrics,
 )
-from kclpy.position import Position
+from kclpy.position import TRIM_HORIZON, Position
 from kclpy.recovery import queue as gaps
 from kclpy.recovery import requests as asked
 from kclpy.recovery.detect import first_record

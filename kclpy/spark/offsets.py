@@ -33,10 +33,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from kclpy.position import AFTER, AT_TIMESTAMP, SHARD_END, TRIM_HORIZON, Position
+from kclpy.position import Position
 
-__all__ = ["AFTER", "AT_TIMESTAMP", "SHARD_END", "TRIM_HORIZON", "UPTO", "Budget",
-           "OffsetEntry", "UptoEnd", "decode_entry", "decode_offset", "encode_offset"]
+__all__ = ["UPTO", "Budget", "OffsetEntry", "UptoEnd", "decode_entry", "decode_offset",
+           "encode_offset"]
 
 UPTO = "UPTO"
 

@@ -42,7 +42,7 @@ OPTIONS: dict[str, str | None] = {
     "streamArn": None,
     "region": None,
     "endpointUrl": None,
-    "startingPosition": "LATEST",
+    "startingPosition": LATEST,
     "timestamp": None,
     "maxRecordsPerBatch": None,
     "maxFetchRecordsPerShard": None,
@@ -210,7 +210,7 @@ class SourceOptions:
     streams: tuple[StreamRef, ...]
     region: str | None = None
     endpoint_url: str | None = None
-    starting_position: str = "LATEST"
+    starting_position: str = LATEST
     starting_timestamp_ms: int | None = None
     max_records_per_batch: int | None = None
     max_fetch_records_per_shard: int | None = None
@@ -323,16 +323,16 @@ class SourceOptions:
         labels = [stream.label for stream in streams]
         if len(set(labels)) != len(labels):
             raise ConfigError(written(option), "two streams of the same name")
-        raw_position = text("startingPosition") or "LATEST"
+        raw_position = text("startingPosition") or LATEST
         kind, _, inline_ts = raw_position.partition(" ")  # awslabs: "AT_TIMESTAMP <time>"
         position = _POSITIONS.get(kind.upper())
-        if position is None or (inline_ts and position != "AT_TIMESTAMP"):
+        if position is None or (inline_ts and position != AT_TIMESTAMP):
             raise ConfigError(written("startingPosition"),
                               f"{raw_position!r} is not TRIM_HORIZON, LATEST or AT_TIMESTAMP")
         if inline_ts and "timestamp" in opts:
             raise ConfigError(written("timestamp"), "the time is in startingPosition already")
         timestamp_ms = None
-        if position == "AT_TIMESTAMP":
+        if position == AT_TIMESTAMP:
             raw_ts = inline_ts.strip() or text("timestamp")
             if not raw_ts:
                 raise ConfigError("timestamp", "required with startingPosition AT_TIMESTAMP")

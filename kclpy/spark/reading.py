@@ -40,14 +40,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from botocore.exceptions import ClientError
 
 from kclpy.metrics import Metrics
-from kclpy.position import Position
+from kclpy.position import AFTER, AT_TIMESTAMP, SHARD_END, Position
 from kclpy.records import EMPTY, Record, Records
 from kclpy.retrieval.fanout import FanOutSource
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import PollingSource
 from kclpy.retrieval.source import ShardAddress
 from kclpy.retry import RetryPolicy, classify, error_code
-from kclpy.spark.offsets import AFTER, AT_TIMESTAMP, SHARD_END, UptoEnd
+from kclpy.spark.offsets import UptoEnd
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient

@@ -50,14 +50,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 
-from kclpy.position import Position
+from kclpy.position import AFTER, AT_TIMESTAMP, LATEST, SHARD_END, Position
 from kclpy.retrieval.registration import ConsumerRegistration
 from kclpy.spark.arrow import SPARK_SCHEMA_DDL, records_to_batch
 from kclpy.spark.metadata import ConflictingEndError, PositionStore
 from kclpy.spark.offsets import (
-    AFTER,
-    AT_TIMESTAMP,
-    SHARD_END,
     Budget,
     OffsetEntry,
     UptoEnd,
@@ -226,7 +223,7 @@ class KinesisStreamReader(DataSourceStreamReader):
         shards = list(self._list(force=True).values())
         kind = self.options.starting_position
         positions: dict[str, OffsetEntry]
-        if kind == "LATEST":
+        if kind == LATEST:
             # Everything that arrived before now is "consumed": no read needed to find it.
             at = Position.at_timestamp(self._now_ms())
             positions = {s.key: at for s in shards}
