@@ -277,7 +277,7 @@ def test_fatal_error_surfaces_after_the_results_fetched_before_it(
     with pytest.raises(FetchError) as raised:
         fetcher.get(timeout=5)
     assert raised.value.__cause__ is not_found
-    assert raised.value.shard_id == SHARD
+    assert raised.value.lease_key == SHARD
     assert fetcher.error is not_found
     assert fetcher.finished
     # every later call says the same, at once

@@ -79,9 +79,9 @@ class MultiLangChildError(ProcessorRestartRequired):
     """The shard's child process failed and was killed. ``reason`` is one of ``start_failed``,
     ``exited``, ``timeout``, ``protocol`` (the metric label)."""
 
-    def __init__(self, shard_id: str, reason: str, message: str) -> None:
+    def __init__(self, lease_key: str, reason: str, message: str) -> None:
         super().__init__(message)
-        self.shard_id = shard_id
+        self.lease_key = lease_key
         self.reason = reason
 
 

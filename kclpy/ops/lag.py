@@ -272,7 +272,9 @@ def _owner_note(observations: Sequence[Observation]) -> str:
 
 
 class LagTracker:
-    """One :class:`ShardWindow` per shard, fed with observations as they are made.
+    """One :class:`ShardWindow` per shard, fed with observations as they are made. A shard
+    is named by ``key``: its lease key in a worker (``/status``), its bare shard id in the
+    inspector, which reads one stream.
 
     Thread-safe: the worker's sampler thread records while HTTP threads evaluate.
     """
@@ -282,24 +284,24 @@ class LagTracker:
         self._windows: dict[str, ShardWindow] = {}
         self._lock = threading.Lock()
 
-    def record(self, shard_id: str, observation: Observation) -> Observation:
+    def record(self, key: str, observation: Observation) -> Observation:
         """Add an observation; returns it with ``written`` set from the previous one."""
         with self._lock:
-            window = self._windows.get(shard_id)
+            window = self._windows.get(key)
             if window is None:
-                window = self._windows[shard_id] = ShardWindow(self.window_s)
+                window = self._windows[key] = ShardWindow(self.window_s)
             previous = window.latest
             written = previous is not None and checkpoint_written(previous, observation)
             observation = dataclasses.replace(observation, written=written)
             window.add(observation)
             return observation
 
-    def retain(self, shard_ids: Iterable[str]) -> None:
+    def retain(self, keys: Iterable[str]) -> None:
         """Forget shards no longer observed (a lease lost or a shard gone)."""
-        keep = set(shard_ids)
+        keep = set(keys)
         with self._lock:
-            for shard_id in set(self._windows) - keep:
-                del self._windows[shard_id]
+            for key in set(self._windows) - keep:
+                del self._windows[key]
 
     def evaluate(self, now: float) -> dict[str, ShardEvaluation]:
         with self._lock:
@@ -383,11 +385,12 @@ class LagProbe:
         return Lag(records=count, records_exact=exact, millis=millis)
 
 
-def evaluation_to_json(shard_id: str, evaluation: ShardEvaluation) -> dict[str, Any]:
-    """The JSON shape both /status and ``kclpy status --json`` use for one shard."""
+def evaluation_to_json(key: str, evaluation: ShardEvaluation) -> dict[str, Any]:
+    """The JSON shape both /status and ``kclpy status --json`` use for one shard; its
+    ``shard_id`` field is the tracker's ``key`` (the lease key in /status)."""
     latest = evaluation.latest
     result: dict[str, Any] = {
-        "shard_id": shard_id,
+        "shard_id": key,
         "status": evaluation.status.value,
         "reason": evaluation.reason,
         "complete": round(evaluation.complete, 3),
@@ -423,8 +426,9 @@ def _app_label(status: AppStatus) -> str:
 
 
 class LagAlerts:
-    """Publishes each evaluation as enum gauges and tells ``notify`` of every status that
-    changed (a shard's, or the application's with ``shard_id`` None)."""
+    """Publishes a worker's evaluations (by lease key) as enum gauges and tells ``notify``
+    of every status that changed (a shard's, or the application's with the document's
+    ``shard_id`` None)."""
 
     def __init__(self, metrics: Metrics, application: str,
                  notify: Callable[[dict[str, Any]], None] | None = None,
@@ -438,18 +442,19 @@ class LagAlerts:
 
     def publish(self, evaluations: Mapping[str, ShardEvaluation]) -> None:
         metrics = self._metrics
-        for shard_id in set(self._shards) - set(evaluations):
+        for lease_key in set(self._shards) - set(evaluations):
             for label in STATUS_LABELS:
-                metrics.shard(shard_id).remove(SHARD_LAG_STATUS, label)
-            del self._shards[shard_id]
-        for shard_id, evaluation in sorted(evaluations.items()):
+                metrics.shard(lease_key).remove(SHARD_LAG_STATUS, label)
+            del self._shards[lease_key]
+        for lease_key, evaluation in sorted(evaluations.items()):
             status = evaluation.status.value
             for label in STATUS_LABELS:
-                metrics.shard(shard_id).set(SHARD_LAG_STATUS, 1 if label == status else 0, label)
-            previous = self._shards.get(shard_id)
-            self._shards[shard_id] = status
+                metrics.shard(lease_key).set(SHARD_LAG_STATUS, 1 if label == status else 0,
+                                             label)
+            previous = self._shards.get(lease_key)
+            self._shards[lease_key] = status
             if previous != status and (previous is not None or status != "OK"):
-                self._changed(shard_id, status, previous, evaluation)
+                self._changed(lease_key, status, previous, evaluation)
         app = _app_label(application_status(e.status for e in evaluations.values()))
         for label in STATUS_LABELS:
             metrics.set(APPLICATION_LAG_STATUS, 1 if label == app else 0, label)
@@ -463,14 +468,14 @@ class LagAlerts:
         metrics.set(LAG_MAX_MILLIS, max((o.lag.millis for o in latest), default=0))
         metrics.set(LAG_TOTAL_RECORDS, sum(o.lag.records for o in latest))
 
-    def _changed(self, shard_id: str | None, status: str, previous: str | None,
+    def _changed(self, lease_key: str | None, status: str, previous: str | None,
                  evaluation: ShardEvaluation | None, reason: str | None = None) -> None:
-        log.info("lag status of %s: %s -> %s", shard_id or "the application",
+        log.info("lag status of %s: %s -> %s", lease_key or "the application",
                  previous or "none", status)
         if self._notify is None:
             return
         document: dict[str, Any] = {
-            "application": self._application, "shard_id": shard_id, "status": status,
+            "application": self._application, "shard_id": lease_key, "status": status,
             "previous_status": previous,
             "reason": reason if evaluation is None else evaluation.reason,
             "time_ms": round(self._wall_clock() * 1000),

@@ -215,7 +215,7 @@ class FanOutSource:
         shard_end = event.continuation_sequence_number is None
         if shard_end:
             self.close()
-            logger.info("shard %s reached its end", self.address.shard_id)
+            logger.info("shard %s reached its end", self.address.lease_key)
         caught_up = millis == 0
         children = page.child_shards
         if (caught_up and not page.records and not shard_end
@@ -240,11 +240,11 @@ class FanOutSource:
                     self._client,
                     get_iterator(self._client, self.address, reading, self._retrying), 1))
         except ClientError as exc:
-            logger.info("shard %s: shard-end probe failed: %s", self.address.shard_id, exc)
+            logger.info("shard %s: shard-end probe failed: %s", self.address.lease_key, exc)
             return None
         if probe.next_shard_iterator is not None or probe.records:
             return None
         logger.info("shard %s reached its end (found by a GetRecords probe)",
-                    self.address.shard_id)
+                    self.address.lease_key)
         self.close()
         return list(probe.child_shards)

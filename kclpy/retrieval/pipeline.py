@@ -76,12 +76,12 @@ class FetchError(KCLError):
     """The pipeline stopped on an error retrying cannot fix; the original is ``__cause__``.
 
     Wrapped so that a consumer catches one type and can tell a fetch failure from an error of
-    its own; ``shard_id`` says which shard to shut down.
+    its own; ``lease_key`` says which shard to shut down.
     """
 
-    def __init__(self, shard_id: str, cause: BaseException) -> None:
-        super().__init__(f"fetching shard {shard_id} failed: {cause!r}")
-        self.shard_id = shard_id
+    def __init__(self, lease_key: str, cause: BaseException) -> None:
+        super().__init__(f"fetching shard {lease_key} failed: {cause!r}")
+        self.lease_key = lease_key
         self.__cause__ = cause
 
 
@@ -122,7 +122,6 @@ class ShardPipeline:
         if queue_size < 1:
             raise ValueError("queue_size must be >= 1")
         self._source = source
-        self.shard_id = source.address.shard_id
         #: metrics and logs name the shard by its lease key
         self.lease_key = source.address.lease_key
         self._key_range = None if hash_range is None else HashKeyRange(*hash_range)
@@ -143,7 +142,7 @@ class ShardPipeline:
         self._error: BaseException | None = None
 
         m = metrics if metrics is not None else Metrics()
-        shard = m.shard(self.lease_key, self.shard_id, source.address.stream_id)
+        shard = m.shard(self.lease_key, source.address.shard_id, source.address.stream_id)
         self._m_corrupt = shard.bind(DEAGGREGATION_ERRORS)
         self._m_filtered = shard.bind(RECORDS_FILTERED)
         self._m_depth = shard.bind(PREFETCH_QUEUE_DEPTH)
@@ -169,9 +168,9 @@ class ShardPipeline:
     def start(self) -> None:
         """Start the fetch thread; a daemon so a stuck HTTP call never blocks interpreter exit."""
         if self._thread is not None:
-            raise RuntimeError(f"fetcher for {self.shard_id} already started")
+            raise RuntimeError(f"fetcher for {self.lease_key} already started")
         self._thread = threading.Thread(
-            target=self._run, name=f"kclpy-fetch-{self.shard_id}", daemon=True
+            target=self._run, name=f"kclpy-fetch-{self.lease_key}", daemon=True
         )
         self._thread.start()
 
@@ -214,7 +213,7 @@ class ShardPipeline:
                 # Leave the marker for the next call, so every later get() answers at once.
                 self._put_nowait(_END)
                 if self._error is not None:
-                    raise FetchError(self.shard_id, self._error)
+                    raise FetchError(self.lease_key, self._error)
                 return None
             self._m_depth.set(self._queue.qsize())
             assert isinstance(item, Page)
@@ -232,7 +231,7 @@ class ShardPipeline:
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
-                logger.warning("fetch thread for %s still in a call after stop", self.shard_id)
+                logger.warning("fetch thread for %s still in a call after stop", self.lease_key)
                 return
         # Wake a get() that is blocked on an empty queue.
         self._put_nowait(_END)
@@ -278,7 +277,7 @@ class ShardPipeline:
         except Stopped:
             pass
         except Exception as exc:
-            logger.error("fetching shard %s stopped: %r", self.shard_id, exc)
+            logger.error("fetching shard %s stopped: %r", self.lease_key, exc)
             self._error = exc
         finally:
             self._source.close()

@@ -67,7 +67,7 @@ def get_iterator(client: KinesisClient, address: ShardAddress, reading: Reading,
     response = retrying.call(
         reading, "GetShardIterator", lambda: client.get_shard_iterator(**params))
     iterator: str = response["ShardIterator"]
-    logger.debug("shard %s: %s iterator %s", address.shard_id, kind, _short(iterator))
+    logger.debug("shard %s: %s iterator %s", address.lease_key, kind, _short(iterator))
     return iterator
 
 
@@ -137,7 +137,7 @@ class PollingSource:
                 if exc.response.get("Error", {}).get("Code") != "ExpiredIteratorException":
                     raise
                 self._m_expired.inc()
-                logger.info("iterator for %s expired; re-positioning", self.address.shard_id)
+                logger.info("iterator for %s expired; re-positioning", self.address.lease_key)
                 self._iterator = None
                 if fresh:
                     # A brand-new iterator should not expire; back off rather than spin
@@ -168,9 +168,9 @@ class PollingSource:
             if not closed:
                 # a recovery read: the shard is open, only the gap being read is over
                 logger.info("shard %s: the recovery gap was read to its end",
-                            self.address.shard_id)
+                            self.address.lease_key)
             else:
-                logger.info("shard %s reached its end", self.address.shard_id)
+                logger.info("shard %s reached its end", self.address.lease_key)
         return result
 
     def _timed_get_records(self, iterator: str, limit: int) -> GetRecordsPage:

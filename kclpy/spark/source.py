@@ -272,11 +272,11 @@ class KinesisStreamReader(DataSourceStreamReader):
             rows = getattr(limit, "max_rows", None)
             budgeted = rows is not None or self.options.budgeted
         shards = self._list()
-        for shard_id in list(given):
-            if shard_id not in shards:
-                position = given.pop(shard_id)
+        for key in list(given):
+            if key not in shards:
+                position = given.pop(key)
                 if not position.is_shard_end:
-                    self._lost(f"shard {shard_id} is gone (expired) before it was read to "
+                    self._lost(f"shard {key} is gone (expired) before it was read to "
                                f"its end: records after {position.encode()} are lost")
         # A budgeted end stands for the position its executor reached: plan from that one,
         # but give the end back unchanged for a shard with nothing new, so that an offset
@@ -286,8 +286,8 @@ class KinesisStreamReader(DataSourceStreamReader):
                      if isinstance(given[s], UptoEnd) and positions[s].kind == AFTER}
         # Children of a split or merge; absent from an offset means TRIM_HORIZON anyway,
         # listing them makes the offset show every shard the query knows.
-        for shard_id in shards:
-            positions.setdefault(shard_id, Position.trim_horizon())
+        for key in shards:
+            positions.setdefault(key, Position.trim_horizon())
         until_ms = self._now_ms() - self.options.settle_ms
         if self._target_ms is not None:
             until_ms = min(until_ms, self._target_ms)
@@ -296,22 +296,22 @@ class KinesisStreamReader(DataSourceStreamReader):
         found = self._probe_all(positions, [s for s in ready if s not in cut_short])
         moving = []
         out: dict[str, OffsetEntry] = {s: given.get(s, positions[s]) for s in positions}
-        for shard_id in ready:
-            seen = found.get(shard_id)
+        for key in ready:
+            seen = found.get(key)
             if seen is not None and seen.shard_end:
-                out[shard_id] = Position.shard_end()
+                out[key] = Position.shard_end()
             elif seen is None or seen.undecided or (seen.first_arrival_ms is not None
                                                     and seen.first_arrival_ms < until_ms):
-                moving.append(shard_id)
+                moving.append(key)
         if budgeted:
             budgets = self._budgets(moving, rows)
             plan = uuid.uuid4().hex[:12]
-            for shard_id, budget in budgets.items():
-                out[shard_id] = UptoEnd(positions[shard_id], until_ms, budget, plan)
+            for key, budget in budgets.items():
+                out[key] = UptoEnd(positions[key], until_ms, budget, plan)
         else:
             until = Position.at_timestamp(until_ms)
-            for shard_id in moving:
-                out[shard_id] = until
+            for key in moving:
+                out[key] = until
         self._cursor = out
         return encode_offset(out)
 
@@ -327,7 +327,7 @@ class KinesisStreamReader(DataSourceStreamReader):
         budgets: dict[str, Budget] = {}
         share = (None if options.fetch_buffer_bytes is None
                  else -(-options.fetch_buffer_bytes // len(moving)))
-        for i, shard_id in enumerate(order):
+        for i, key in enumerate(order):
             cap = options.max_fetch_records_per_shard
             if rows is not None:
                 quota, extra = divmod(rows, len(order))
@@ -335,7 +335,7 @@ class KinesisStreamReader(DataSourceStreamReader):
                 if quota == 0:
                     continue
                 cap = quota if cap is None else min(cap, quota)
-            budgets[shard_id] = Budget(cap, share, options.max_fetch_duration_ms)
+            budgets[key] = Budget(cap, share, options.max_fetch_duration_ms)
         return budgets
 
     def _store(self) -> PositionStore | None:
@@ -346,33 +346,33 @@ class KinesisStreamReader(DataSourceStreamReader):
         """The offset's positions with every budgeted end replaced by where it stopped."""
         todo = [(s, e) for s, e in given.items()
                 if isinstance(e, UptoEnd) and (s, e.encode()) not in self._resolved]
-        for (shard_id, end), reached in zip(todo, _parallel(
+        for (key, end), reached in zip(todo, _parallel(
                 [partial(self._resolve, s, e) for s, e in todo]), strict=True):
-            self._resolved[(shard_id, end.encode())] = reached
-        return {shard_id: self._resolved[(shard_id, entry.encode())]
-                if isinstance(entry, UptoEnd) else entry for shard_id, entry in given.items()}
+            self._resolved[(key, end.encode())] = reached
+        return {key: self._resolved[(key, entry.encode())]
+                if isinstance(entry, UptoEnd) else entry for key, entry in given.items()}
 
-    def _resolve(self, shard_id: str, end: UptoEnd) -> Position:
+    def _resolve(self, key: str, end: UptoEnd) -> Position:
         """Where a budgeted end stopped: as its executor recorded it, or, when no executor
         did (no ``metadataPath``, or no task of the batch ran), by reading it here without
         its time budget (and recording that, for any later attempt at the batch)."""
         store = self._store()
         if store is not None:
-            recorded = store.get(shard_id, end)
+            recorded = store.get(key, end)
             if recorded is not None:
                 return recorded
-        shard = self._shards.get(shard_id) or self._list(force=True).get(shard_id)
+        shard = self._shards.get(key) or self._list(force=True).get(key)
         if shard is None:
-            raise DataLossError(f"shard {shard_id} is gone (expired): where its part "
+            raise DataLossError(f"shard {key} is gone (expired): where its part "
                                 f"{end.encode()} of the last batch ended cannot be found")
         reading = BudgetedRead(self._reader(shard, end.start, until_ms=end.until_ms), end,
                                timed=False)
         for _ in reading:
             pass
         assert reading.reached is not None
-        log.info("kinesis source: %s: no recorded end for %s; read to %s", shard_id,
+        log.info("kinesis source: %s: no recorded end for %s; read to %s", key,
                  end.encode(), reading.reached.encode())
-        return reading.reached if store is None else store.put(shard_id, end,
+        return reading.reached if store is None else store.put(key, end,
                                                                 reading.reached)
 
     def _lost(self, message: str) -> None:
@@ -382,13 +382,13 @@ class KinesisStreamReader(DataSourceStreamReader):
         log.warning("kinesis source: data loss (%d so far): %s; skipped (failOnDataLoss=false)",
                     self.data_loss_events, message)
 
-    def _readable(self, shard_id: str, positions: Mapping[str, Position]) -> bool:
-        position = positions[shard_id]
+    def _readable(self, key: str, positions: Mapping[str, Position]) -> bool:
+        position = positions[key]
         if position.is_shard_end:
             return False
-        if self._target_shards is not None and shard_id not in self._target_shards:
+        if self._target_shards is not None and key not in self._target_shards:
             return False
-        shard = self._shards[shard_id]
+        shard = self._shards[key]
         if (self._target_ms is not None and position.kind == AT_TIMESTAMP
                 and (position.timestamp_ms or 0) >= self._target_ms and not shard.info.closed):
             # Read to the AvailableNow target; an open shard has nothing more for this run
@@ -405,57 +405,57 @@ class KinesisStreamReader(DataSourceStreamReader):
         result: dict[str, Probe] = {}
         due: list[str] = []
         wait = 0.0
-        for shard_id in ready:
-            cached = self._probes.get(shard_id)
-            if cached is not None and cached.position == positions[shard_id] and (
+        for key in ready:
+            cached = self._probes.get(key)
+            if cached is not None and cached.position == positions[key] and (
                     cached.found.first_arrival_ms is not None or cached.found.shard_end):
-                result[shard_id] = cached.found
+                result[key] = cached.found
             elif cached is not None and now - cached.probed_at < period:
-                if cached.position == positions[shard_id]:
-                    result[shard_id] = cached.found
+                if cached.position == positions[key]:
+                    result[key] = cached.found
                 elif self._target_ms is not None:
                     # AvailableNow ends at the first batch with nothing new, so a shard
                     # at a new position must be probed: after its interval, not never.
                     wait = max(wait, period - (now - cached.probed_at))
-                    due.append(shard_id)
+                    due.append(key)
                 else:
-                    result[shard_id] = Probe()
+                    result[key] = Probe()
             else:
-                due.append(shard_id)
+                due.append(key)
         if wait > 0:
             time.sleep(wait)
             now = self._clock()
 
-        def one(shard_id: str) -> tuple[_ShardProbe, int]:
-            cached = self._probes.get(shard_id)
-            position = positions[shard_id]
+        def one(key: str) -> tuple[_ShardProbe, int]:
+            cached = self._probes.get(key)
+            position = positions[key]
             if cached is None or cached.position != position:
-                reader = self._reader(self._shards[shard_id], position)
+                reader = self._reader(self._shards[key], position)
             else:
                 reader = cached.reader
             lost = reader.data_loss_events
             found = probe(reader)
             return _ShardProbe(position, reader, found, now), reader.data_loss_events - lost
 
-        for shard_id, (fresh, lost) in zip(due, _parallel([partial(one, s) for s in due]),
+        for key, (fresh, lost) in zip(due, _parallel([partial(one, s) for s in due]),
                                            strict=True):
             self.data_loss_events += lost
-            self._probes[shard_id] = fresh
-            result[shard_id] = fresh.found
+            self._probes[key] = fresh
+            result[key] = fresh.found
         return result
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         begin, finish = decode_offset(start), decode_offset(end)
         self._cursor = dict(finish)
         parts: list[InputPartition] = []
-        for shard_id, stop in sorted(finish.items()):
-            given = begin.get(shard_id, Position.trim_horizon())
+        for key, stop in sorted(finish.items()):
+            given = begin.get(key, Position.trim_horizon())
             if stop == given or given.is_shard_end:
                 continue
             if isinstance(stop, UptoEnd):
                 first = stop.start
             else:
-                first = self._resolve_all({shard_id: given})[shard_id]
+                first = self._resolve_all({key: given})[key]
                 if stop == first or first.is_shard_end or stop.kind not in (
                         AFTER, SHARD_END, AT_TIMESTAMP):
                     continue
@@ -464,13 +464,13 @@ class KinesisStreamReader(DataSourceStreamReader):
                 if (first.kind == AT_TIMESTAMP and stop.kind == AT_TIMESTAMP
                         and (stop.timestamp_ms or 0) <= (first.timestamp_ms or 0)):
                     continue
-            shard = self._shards.get(shard_id) or self._list(force=True).get(shard_id)
+            shard = self._shards.get(key) or self._list(force=True).get(key)
             if shard is None:
-                self._lost(f"shard {shard_id} is gone "
+                self._lost(f"shard {key} is gone "
                            f"(expired): its part of the batch, after {first.encode()} "
                            f"through {stop.encode()}, cannot be read")
                 continue
-            parts.append(KinesisPartition(shard.stream, shard.info, shard_id, first.encode(),
+            parts.append(KinesisPartition(shard.stream, shard.info, key, first.encode(),
                                           stop.encode(), self._consumer(shard.stream)))
         return parts
 
@@ -496,9 +496,9 @@ class KinesisStreamReader(DataSourceStreamReader):
         are the recorded ends no batch can start from any more."""
         store = self._store()
         committed = decode_offset(end)
-        for shard_id, position in committed.items():
+        for key, position in committed.items():
             if isinstance(position, UptoEnd) and store is not None:
-                store.forget_older(shard_id, position)
+                store.forget_older(key, position)
         keep = {(s, p.encode()) for s, p in committed.items() if isinstance(p, UptoEnd)}
         self._resolved = {k: v for k, v in self._resolved.items() if k in keep}
 
