@@ -219,6 +219,17 @@ class Option:
     secret: bool = False
     rule: Rule | None = None
 
+    @property
+    def ceiling(self) -> int:
+        """The largest whole number the option takes: its own ``most``, else the bound of
+        its unit (``_MOST_BY_UNIT``)."""
+        if self.most is not None:
+            return self.most
+        for suffix, most in _MOST_BY_UNIT:
+            if self.name.endswith(suffix):
+                return most
+        return _MOST_COUNT
+
     def problem(self, config: KCLConfig, label: Callable[[str], str]) -> str | None:
         """What is wrong with this option's value in ``config``, or None."""
         value = getattr(config, self.name)
@@ -240,10 +251,10 @@ class Option:
                 if self.kind == "port":
                     return f"{value!r} is not a port ({self.least}..{self.most})"
                 return f"must be at least {self.least}, got {value}"
-            if self.most is not None and value > self.most:
+            if value > self.ceiling:
                 if self.kind == "port":
                     return f"{value!r} is not a port ({self.least}..{self.most})"
-                return f"must be at most {self.most}, got {value}"
+                return f"must be at most {self.ceiling}, got {value}"
         elif self.kind == "bool" and not isinstance(value, bool):
             return f"{value!r} is not a boolean (true/false)"
         elif self.kind == "timestamp" and not isinstance(value, datetime):
@@ -260,6 +271,13 @@ class Option:
 _WHOLE_KINDS = ("int", "int0", "port")
 #: the least value of each whole-number kind unless an option says otherwise
 _LEAST = {"int": 1, "int0": 0, "port": 0}
+#: the largest value of a whole-number option with no bound of its own, by its name's unit:
+#: a time of about 3 years at most (longer than Kinesis keeps a record), since a wait beyond
+#: ``threading.TIMEOUT_MAX`` (292 years) raises in the thread that waits - after start-up,
+#: where no error names the option - and a wait may be a few times an option's value
+_MOST_BY_UNIT = (("_ms", 10**11), ("_s", 10**8), ("_seconds", 10**8))
+#: ... and a count at most the Java KCL's ``int``
+_MOST_COUNT = 2**31 - 1
 
 
 def _opt(name: str, kind: str, help: str, *keys: str, least: int | None = None,
@@ -447,7 +465,9 @@ OPTIONS: tuple[Option, ...] = (
          "logging the loss and reading on from the oldest record.", "failOnDataLoss"),
     _opt("prefetch_queue_size", "int",
          "Fetched batches buffered per shard (bounds memory).", "prefetchQueueSize"),
-    _opt("max_pool_connections", "int", "botocore connection pool size.", "maxPoolConnections"),
+    # urllib3 fills a pool's queue to its size up front; no host has more ports than this
+    _opt("max_pool_connections", "int", "botocore connection pool size (1..65535).",
+         "maxPoolConnections", most=65535),
     _opt("stop_when_caught_up", "bool",
          "Shut down cleanly once every shard is caught up (drain and exit). In a fleet each "
          "worker stops once its own shards are drained and every other lease is seen "

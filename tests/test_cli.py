@@ -98,6 +98,10 @@ BAD_CONFIGS: list[tuple[str, list[str], str]] = [
      "--lag-webhook"),
     ("bad cloudwatch endpoint", [*GOOD, "--cloudwatch-endpoint", "monitoring"],
      "--cloudwatch-endpoint"),
+    ("a failover time no thread can wait", [*GOOD, "--failover-time-ms", "10" * 12],
+     "--failover-time-ms"),
+    ("a pool urllib3 would fill for ever", [*GOOD, "--max-pool-connections", "2147483647"],
+     "--max-pool-connections"),
 ]
 
 BAD_PROPERTIES: list[tuple[str, str, str]] = [
@@ -109,6 +113,7 @@ BAD_PROPERTIES: list[tuple[str, str, str]] = [
     ("properties boolean", "callProcessRecordsEvenForEmptyRecordList = sometimes\n",
      "callProcessRecordsEvenForEmptyRecordList"),
     ("properties max records", "maxRecords = lots\n", "maxRecords"),
+    ("properties lag window", "lagWindowSeconds = 99999999999\n", "lagWindowSeconds"),
     ("properties endpoint", "dynamoDBEndpoint = dynamodb\n", "dynamoDBEndpoint"),
     ("properties backoff cap", "getRecordsBackoffCapMillis = 50\n", "getRecordsBackoffCapMillis"),
     ("properties backoff base and cap",

@@ -142,6 +142,7 @@ BREAKING: dict[str, dict[str, Any]] = {
     "initial_position": {"initial_position": "latest"},
     "initial_timestamp": {"initial_position": "AT_TIMESTAMP"},
     "max_records": {"max_records": 10_001},
+    "max_pool_connections": {"max_pool_connections": 65_536},
     "max_task_backoff_time_ms": {"task_backoff_time_ms": 1000, "max_task_backoff_time_ms": 999},
     "processor_error_policy": {"processor_error_policy": "ignore"},
     "lease_assignment": {"lease_assignment": "random"},
@@ -189,6 +190,23 @@ def test_every_whole_number_option_has_a_range(option: Option) -> None:
         KCLConfig(application_name="a", stream_name="s",
                   **{option.name: "7"})  # type: ignore[arg-type]
     assert info.value.option == option.name and "whole number" in info.value.message
+    with pytest.raises(ConfigError) as info:
+        KCLConfig(application_name="a", stream_name="s",
+                  **{option.name: option.ceiling + 1})  # type: ignore[arg-type]
+    assert info.value.option == option.name
+    assert ("not a port" if option.kind == "port" else f"at most {option.ceiling},"
+            ) in info.value.message
+
+
+@pytest.mark.parametrize("option", [o for o in OPTIONS if o.kind in ("int", "int0")
+                                    and o.name.endswith(("_ms", "_s", "_seconds"))],
+                         ids=lambda o: o.name)
+def test_no_time_option_takes_a_wait_a_thread_cannot_make(option: Option) -> None:
+    """A wait beyond ``threading.TIMEOUT_MAX`` raises in the thread that waits, after the
+    worker started; so the largest time an option takes stays far below it (a wait may be
+    a few times an option's value)."""
+    seconds = option.ceiling / (1000 if option.name.endswith("_ms") else 1)
+    assert seconds * 50 < threading.TIMEOUT_MAX
 
 
 @pytest.mark.parametrize("option", [o for o in OPTIONS if o.kind == "bool"], ids=lambda o: o.name)
