@@ -88,3 +88,17 @@ def test_the_design_test_map_names_the_tests_of_every_lease_state_and_recovery_m
     assert set(rows) - modules == set(), "docs/design.md's test map names modules that do not exist"
     missing = {test for test in rows.values() if not (ROOT / test).exists()}
     assert missing == set(), "docs/design.md's test map names test modules that do not exist"
+
+
+def test_the_design_says_where_to_change_each_common_thing_in_one_guess() -> None:
+    """docs/design.md's guide: backoff, a retrieval mode, a store, a metric and an option each
+    have an entry, and every module or test it names exists."""
+    design = (ROOT / "docs" / "design.md").read_text()
+    guide = design.split("Where to change, in one guess:", 1)[1].split("\n| Module |", 1)[0]
+    entries = re.findall(r"^- \*\*(.+?)\*\*", guide, re.M)
+    for topic in ("backoff", "retrieval mode", "state store", "metric", "option"):
+        assert any(topic in entry for entry in entries), (topic, entries)
+    named = set(re.findall(r"`((?:tests/)?[a-z_/]+\.py)`", guide))
+    missing = {path for path in named
+               if not (ROOT / path).exists() and not (ROOT / "kclpy" / path).exists()}
+    assert named and missing == set(), "docs/design.md's guide names files that do not exist"
