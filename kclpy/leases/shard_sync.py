@@ -402,8 +402,8 @@ class ShardSyncer:
             if self._table.create(lease):
                 log.info(
                     "created lease for child shard %s of %s",
-                    child.shard_id,
-                    ", ".join(sorted(child.parent_shards)),
+                    lease.lease_key,
+                    ", ".join(sorted(lease.parent_lease_keys)),
                 )
             self._known = self._known | {child.shard_id}
         by_parent: dict[str, set[str]] = {}
