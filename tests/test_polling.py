@@ -23,7 +23,7 @@ from kclpy.metrics import Metrics
 from kclpy.position import Position
 from kclpy.retrieval.parse import ChildShard, GetRecordsPage
 from kclpy.retrieval.pipeline import ShardPipeline
-from kclpy.retrieval.polling import PollingSource
+from kclpy.retrieval.polling import PollingSource, one_off_pages
 from kclpy.retrieval.source import (
     AFTER_SEQUENCE_NUMBER,
     AT_SEQUENCE_NUMBER,
@@ -199,6 +199,33 @@ def test_a_botocore_client_throttled_then_answering_through_stubber() -> None:
     assert result.caught_up and not result.shard_end
     assert sleeps.delays == [0.1]
     assert sample(metrics, "kclpy_throttles_total", operation="GetRecords") == 1
+
+
+def test_a_one_off_read_tries_each_call_once_and_ends_with_a_closed_shard() -> None:
+    """The lag probe's and the inspector's reads: the first failure is theirs to report (no
+    retry, no wait), and reading resumes after the record named."""
+    client = boto3.client("kinesis", region_name="us-east-1", aws_access_key_id="testing",
+                          aws_secret_access_key="testing")
+    address = ShardAddress(SHARD, stream_name="s")
+    iterator = {"StreamName": "s", "ShardId": SHARD, "ShardIteratorType": AFTER_SEQUENCE_NUMBER,
+                "StartingSequenceNumber": seq(4)}
+    with Stubber(client) as stubber:
+        stubber.add_response("get_shard_iterator", {"ShardIterator": "it-1"}, iterator)
+        stubber.add_client_error("get_records",
+                                 service_error_code="ProvisionedThroughputExceededException",
+                                 http_status_code=400)
+        with pytest.raises(ClientError):
+            next(one_off_pages(client, address, Position(seq(4)), after=seq(4), limit=5))
+        stubber.add_response("get_shard_iterator", {"ShardIterator": "it-2"}, iterator)
+        stubber.add_response("get_records", {
+            "Records": [{"SequenceNumber": seq(5), "Data": b"x", "PartitionKey": "p",
+                         "ApproximateArrivalTimestamp": datetime(2024, 5, 6,
+                                                                 tzinfo=timezone.utc)}],
+            "MillisBehindLatest": 0}, {"ShardIterator": "it-2", "Limit": 5})
+        pages = list(one_off_pages(client, address, Position(seq(4)), after=seq(4), limit=5))
+        stubber.assert_no_pending_responses()
+    assert [[r.sequence_number for r in page.records] for page in pages] == [[seq(5)]]
+    assert pages[0].shard_closed
 
 
 def test_get_shard_iterator_errors_are_retried_with_their_own_operation_label() -> None:

@@ -51,7 +51,8 @@ from kclpy.metrics import (
     SHARD_LAG_STATUS,
 )
 from kclpy.position import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON, Position
-from kclpy.retrieval.parse import get_records
+from kclpy.retrieval.polling import one_off_pages
+from kclpy.retrieval.source import ShardAddress
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
@@ -311,13 +312,14 @@ class LagTracker:
 class LagProbe:
     """Measures a checkpoint's lag with the Kinesis API, as cheaply as it can be had.
 
-    Kinesis has no "latest offset" to subtract from, so the probe reads from the checkpoint:
-    one GetShardIterator (AFTER_SEQUENCE_NUMBER) and GetRecords with ``Limit=records_limit``,
-    following the iterator for at most ``max_pages`` pages while the pages are empty but
-    behind (AWS can answer empty pages before old data). Records behind is the number of
-    records returned, exact when the last page reached the tip (MillisBehindLatest 0) and
-    otherwise a lower bound. Seconds behind is the age of the first record after the
-    checkpoint (0 when there is none), else the page's MillisBehindLatest.
+    Kinesis has no "latest offset" to subtract from, so the probe reads from the checkpoint
+    (through retrieval's polling source, each call tried once): one GetShardIterator
+    (AFTER_SEQUENCE_NUMBER) and GetRecords with ``Limit=records_limit``, following the
+    iterator for at most ``max_pages`` pages while the pages are empty but behind (AWS can
+    answer empty pages before old data). Records behind is the number of records returned,
+    exact when the last page reached the tip (MillisBehindLatest 0) and otherwise a lower
+    bound. Seconds behind is the age of the first record after the checkpoint (0 when there
+    is none), else the page's MillisBehindLatest.
 
     Cost per shard and probe: 1 GetShardIterator and usually 1 GetRecords, against the
     shard's limits of 5 calls/s and 2 MB/s shared with the consumers, transferring at most
@@ -340,11 +342,8 @@ class LagProbe:
         if not 1 <= records_limit <= 10000:
             raise ValueError("records_limit must be between 1 and 10000")
         self._kinesis = kinesis
-        self._stream: dict[str, str] = {}
-        if stream_arn is not None:
-            self._stream["StreamARN"] = stream_arn
-        if stream_name is not None:
-            self._stream["StreamName"] = stream_name
+        self._stream_name = stream_name
+        self._stream_arn = stream_arn
         self.records_limit = records_limit
         self._max_pages = max_pages
         self._wall_clock = wall_clock
@@ -355,24 +354,21 @@ class LagProbe:
         because the lease does not record the timestamp."""
         if checkpoint in (SHARD_END, LATEST):
             return NO_LAG
-        params: dict[str, Any] = {"ShardId": shard_id, **self._stream}
+        address = ShardAddress(shard_id, self._stream_name, self._stream_arn)
         if checkpoint in (None, TRIM_HORIZON, AT_TIMESTAMP):
-            params["ShardIteratorType"] = TRIM_HORIZON
+            pages = one_off_pages(self._kinesis, address, Position.trim_horizon(),
+                                  limit=self.records_limit)
         else:
-            params["ShardIteratorType"] = "AFTER_SEQUENCE_NUMBER"
-            params["StartingSequenceNumber"] = checkpoint
-        iterator: str = self._kinesis.get_shard_iterator(**params)["ShardIterator"]
-        pages = 0
-        while True:
-            page = get_records(self._kinesis, iterator, self.records_limit)
-            pages += 1
+            # after the checkpoint's Kinesis record: an aggregate it is inside counts as done
+            pages = one_off_pages(self._kinesis, address, Position(checkpoint),
+                                  after=checkpoint, limit=self.records_limit)
+        for read, page in enumerate(pages, 1):
             count, behind = len(page.records), page.millis_behind_latest
-            if count or behind == 0 or page.next_shard_iterator is None \
-                    or pages >= self._max_pages:
+            if count or behind == 0 or page.shard_closed or read >= self._max_pages:
                 break
-            iterator = page.next_shard_iterator
+        pages.close()
         # Emulators may leave MillisBehindLatest out; a short page then means the tip.
-        at_tip = (page.next_shard_iterator is None or behind == 0
+        at_tip = (page.shard_closed or behind == 0
                   or (behind is None and count < self.records_limit))
         exact = at_tip and count < self.records_limit
         first_arrival = page.records[0].timestamp_millis if count else None

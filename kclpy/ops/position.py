@@ -21,18 +21,20 @@ records is delivered again.
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from botocore.exceptions import ClientError
 
-from kclpy.position import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON, Position
+from kclpy.position import LATEST, SHARD_END, TRIM_HORIZON, Position
 from kclpy.records import Record
 from kclpy.retrieval import kpl
-from kclpy.retrieval.parse import get_records
+from kclpy.retrieval.polling import one_off_pages
+from kclpy.retrieval.source import ShardAddress
 from kclpy.retry import error_code
 
 #: GetRecords pages one resolution may read before giving up (a shard read end to end)
@@ -100,34 +102,26 @@ def parse_position(text: str) -> Destination:
 
 
 class ShardReader:
-    """Reads one shard just enough to resolve a position."""
+    """Reads one shard just enough to resolve a position, through retrieval's polling
+    source (``one_off_pages``: each call tried once; Kinesis records, aggregates whole)."""
 
     def __init__(self, kinesis: Any, stream: Mapping[str, str], shard_id: str) -> None:
         self._kinesis = kinesis
-        self._stream = dict(stream)
-        self._shard_id = shard_id
+        self._address = ShardAddress(shard_id, stream.get("StreamName"), stream.get("StreamARN"))
 
-    def _iterator(self, kind: str, **where: Any) -> str | None:
-        response = self._kinesis.get_shard_iterator(
-            **self._stream, ShardId=self._shard_id, ShardIteratorType=kind, **where)
-        iterator: str | None = response.get("ShardIterator")
-        return iterator
+    def records(self, start: Position) -> Iterator[Record]:
+        """The shard's records from ``start`` on, page by page, up to its tip."""
+        with contextlib.closing(one_off_pages(self._kinesis, self._address, start)) as pages:
+            for read, page in enumerate(pages, 1):
+                yield from page.records
+                if not page.records and page.millis_behind_latest == 0:
+                    return
+                if read >= MAX_PAGES:
+                    raise PositionError(f"shard {self._address.shard_id}: gave up after "
+                                        f"reading {MAX_PAGES} pages")
 
-    def records(self, kind: str, **where: Any) -> Any:
-        """The shard's records from the iterator ``kind`` on, page by page, up to its tip."""
-        iterator = self._iterator(kind, **where)
-        for _ in range(MAX_PAGES):
-            if iterator is None:
-                return
-            page = get_records(self._kinesis, iterator, 10_000)
-            yield from page.records
-            if not page.records and page.millis_behind_latest == 0:
-                return
-            iterator = page.next_shard_iterator
-        raise PositionError(f"shard {self._shard_id}: gave up after reading {MAX_PAGES} pages")
-
-    def first(self, kind: str, **where: Any) -> Record | None:
-        return next(iter(self.records(kind, **where)), None)
+    def first(self, start: Position) -> Record | None:
+        return next(iter(self.records(start)), None)
 
 
 def _last_sub_sequence(record: Record) -> int:
@@ -189,7 +183,7 @@ def last_before(reader: ShardReader, moment: datetime, is_past: Callable[[Record
     order, and ``is_past`` must accept every record that arrived at or after ``moment``),
     and whether such a first record was seen at all. Kinesis has no backwards iterator, so
     this reads forward from ever earlier times until a record before it is found."""
-    oldest = reader.first(TRIM_HORIZON)
+    oldest = reader.first(Position.trim_horizon())
     if oldest is None:
         return None, False
     oldest_ms = oldest.timestamp_millis or 0
@@ -197,8 +191,8 @@ def last_before(reader: ShardReader, moment: datetime, is_past: Callable[[Record
     while True:
         since = moment - look_back
         from_oldest = since.timestamp() * 1000 <= oldest_ms
-        records = (reader.records(TRIM_HORIZON) if from_oldest
-                   else reader.records(AT_TIMESTAMP, Timestamp=since))
+        records = reader.records(Position.trim_horizon() if from_oldest
+                                 else Position.at_time(since))
         last: Record | None = None
         reached = False
         for record in records:
@@ -215,7 +209,7 @@ def record_at(reader: ShardReader, sequence_number: str) -> Record:
     """The shard's record ``sequence_number``; PositionError when the shard has no such
     record now."""
     try:
-        record = reader.first("AT_SEQUENCE_NUMBER", StartingSequenceNumber=sequence_number)
+        record = reader.first(Position(sequence_number))
     except ClientError as exc:
         # AWS says InvalidArgument; kinesis-mock says ResourceNotFound (the stream and shard
         # were found before this is called)

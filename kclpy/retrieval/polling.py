@@ -15,25 +15,29 @@ two (``until_ms``: the batch's end; ``Reading.limit``: what its budget still all
 driver probes with ``Reading.limit`` alone. A page says which end it met, apart: the shard
 closed (``shard_closed``), the bound (``bound_reached``), the tip (``at_tip``: an empty page
 not behind, never ``MillisBehindLatest`` alone).
+
+A tool's or a probe's look at a shard (the lag probe, ``kclpy checkpoint set --to``) reads
+through the same source too (``one_off_pages``), with no retries and no pipeline.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from botocore.exceptions import ClientError
 
 from kclpy.metrics import GET_RECORDS, ITERATOR_EXPIRATIONS, MILLIS_BEHIND_LATEST, Metrics
+from kclpy.position import Position
 from kclpy.retrieval.parse import GetRecordsPage, get_records, install_fast_get_records
 from kclpy.retrieval.source import Page, Reading, Retrying, ShardAddress, Stopped
-from kclpy.retry import Backoff
+from kclpy.retry import Backoff, RetryPolicy
 
 if TYPE_CHECKING:
-    import threading
-
     from mypy_boto3_kinesis import KinesisClient
 
 logger = logging.getLogger(__name__)
@@ -183,3 +187,36 @@ class PollingSource:
         finally:
             self._m_get_records.call(time.perf_counter() - started, ok)
 
+
+
+#: a one-off read's calls: the first failure is the caller's to report (it looks again later)
+_ONCE = RetryPolicy(0.0, 0.0, max_attempts=1)
+
+
+@functools.cache
+def _uncounted() -> Metrics:
+    """Metrics no worker serves, and without shard scopes: a probe's reads are not the
+    shard's consumption."""
+    metrics = Metrics()
+    metrics.implicit_shards = False
+    return metrics
+
+
+def one_off_pages(client: KinesisClient, address: ShardAddress, start: Position, *,
+                  after: str | None = None, limit: int = 10000
+                  ) -> Generator[Page, None, None]:
+    """The shard's pages from ``start`` (or after the Kinesis record ``after``), read by a
+    polling source for a tool or a probe: every call tried once, nothing counted in the
+    worker's metrics, Kinesis records as the service returns them (aggregates whole). Ends
+    after the page that finds the shard closed; the caller stops at the tip or earlier."""
+    source = PollingSource(client, address, max_records=limit, idle_time_s=0.0,
+                           backoff=Backoff(policy=_ONCE), metrics=_uncounted())
+    reading = Reading(start, threading.Event(), time.sleep)
+    reading.last_sequence_number = after
+    while True:
+        page = source.read(reading)
+        if page.records:
+            reading.last_sequence_number = page.records[-1].sequence_number
+        yield page
+        if page.shard_closed:
+            return
