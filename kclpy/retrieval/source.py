@@ -241,7 +241,7 @@ class Retrying:
                 logger.warning(
                     "%s on %s failed (%s, attempt %d); retrying in %.3fs: %s",
                     operation,
-                    self._address.shard_id,
+                    self._address.lease_key,
                     kind,
                     self.backoff.attempt,
                     delay,
