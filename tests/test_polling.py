@@ -4,6 +4,7 @@ Stubber, and over real HTTP against moto's server and kinesis-mock."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import uuid
@@ -201,9 +202,12 @@ def test_a_botocore_client_throttled_then_answering_through_stubber() -> None:
     assert sample(metrics, "kclpy_throttles_total", operation="GetRecords") == 1
 
 
-def test_a_one_off_read_tries_each_call_once_and_ends_with_a_closed_shard() -> None:
+def test_a_one_off_read_tries_each_call_once_and_ends_with_a_closed_shard(
+        caplog: pytest.LogCaptureFixture) -> None:
     """The lag probe's and the inspector's reads: the first failure is theirs to report (no
-    retry, no wait), and reading resumes after the record named."""
+    retry, no wait), reading resumes after the record named, and the shard's end is the
+    consumer's to log, not a probe's."""
+    caplog.set_level(logging.INFO)
     client = boto3.client("kinesis", region_name="us-east-1", aws_access_key_id="testing",
                           aws_secret_access_key="testing")
     address = ShardAddress(SHARD, stream_name="s")
@@ -226,6 +230,7 @@ def test_a_one_off_read_tries_each_call_once_and_ends_with_a_closed_shard() -> N
         stubber.assert_no_pending_responses()
     assert [[r.sequence_number for r in page.records] for page in pages] == [[seq(5)]]
     assert pages[0].shard_closed
+    assert "reached its end" not in caplog.text
 
 
 def test_get_shard_iterator_errors_are_retried_with_their_own_operation_label() -> None:

@@ -89,6 +89,7 @@ class PollingSource:
         metrics: Metrics | None = None,
         pacer: Pacer | None = None,
         until_ms: int | None = None,
+        probe: bool = False,
     ) -> None:
         if not 1 <= max_records <= 10000:
             raise ValueError("max_records must be between 1 and 10000")
@@ -102,6 +103,8 @@ class PollingSource:
         self._pacer = pacer
         #: the read ends before the first record that arrived at or after this (epoch ms)
         self._until_ms = until_ms
+        #: a tool's or a probe's look: the ends it meets are the shard consumer's to log
+        self._probe = probe
         shard = m.shard(address.lease_key, address.shard_id, address.stream_id)
         self._m_get_records = shard.bind(GET_RECORDS)
         self._m_expired = shard.bind(ITERATOR_EXPIRATIONS)
@@ -168,7 +171,7 @@ class PollingSource:
         closed = page.next_shard_iterator is None
         result = Page(page.records, millis, closed, page.child_shards, caught_up, at_tip=at_tip,
                       shard_closed=closed).within(self._until_ms)
-        if result.shard_end:
+        if result.shard_end and not self._probe:
             if not closed:
                 # a recovery read: the shard is open, only the gap being read is over
                 logger.info("shard %s: the recovery gap was read to its end",
@@ -210,7 +213,7 @@ def one_off_pages(client: KinesisClient, address: ShardAddress, start: Position,
     worker's metrics, Kinesis records as the service returns them (aggregates whole). Ends
     after the page that finds the shard closed; the caller stops at the tip or earlier."""
     source = PollingSource(client, address, max_records=limit, idle_time_s=0.0,
-                           backoff=Backoff(policy=_ONCE), metrics=_uncounted())
+                           backoff=Backoff(policy=_ONCE), metrics=_uncounted(), probe=True)
     reading = Reading(start, threading.Event(), time.sleep)
     reading.last_sequence_number = after
     while True:
