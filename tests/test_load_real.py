@@ -207,15 +207,10 @@ class Settling:
         return owners
 
     def wait(self, live: set[str], timeout: float) -> dict[str, str | None]:
-        deadline = time.monotonic() + timeout
-        while (owners := self.poll(live)) is None:
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"the fleet did not settle within {self._bound:.2f} x the average load "
-                    f"in {timeout:g} s: last busiest/average {self.ratio}, owners "
-                    f"{self.owners}")
-            time.sleep(0.2)
-        return owners
+        return wait_for(lambda: self.poll(live), timeout,
+                        f"the fleet to settle within {self._bound:.2f} x the average load",
+                        interval=0.2,
+                        seen=lambda: f"busiest/average {self.ratio}, owners {self.owners}")
 
 
 def test_load_assignment_settles_as_simulated_and_a_worker_killed_mid_move_loses_nothing(

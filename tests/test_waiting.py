@@ -51,3 +51,13 @@ def test_an_exception_in_the_predicate_is_raised_at_once() -> None:
 
     with pytest.raises(KeyError, match="probe"):
         wait_for(broken, 3600)
+
+
+def test_a_predicate_keeping_its_state_elsewhere_shows_that_state_at_the_timeout() -> None:
+    polls: list[int] = []
+
+    def settled() -> None:
+        polls.append(len(polls))
+
+    with pytest.raises(AssertionError, match=r"waiting for quiet; last seen: 'polled [1-9]\d* x'"):
+        wait_for(settled, 0.05, "quiet", interval=0.01, seen=lambda: f"polled {len(polls)} x")

@@ -21,11 +21,13 @@ def wait_for(
     timeout: float = 10.0,
     message: str = "",
     interval: float = 0.05,
+    seen: Callable[[], object] | None = None,
 ) -> _T:
     """Poll ``predicate`` until it returns something truthy, and return that.
 
     Raises AssertionError when ``timeout`` seconds pass first, naming what was awaited
-    (``message``, else the predicate's name) and the last value ``predicate`` returned.
+    (``message``, else the predicate's name) and the last value ``predicate`` returned, or
+    ``seen()`` when the predicate keeps what it saw elsewhere and only answers None.
     An exception ``predicate`` raises is not caught: a broken probe fails at once rather
     than at the timeout.
     """
@@ -37,7 +39,8 @@ def wait_for(
         if time.monotonic() >= deadline:
             what = message or getattr(predicate, "__name__", repr(predicate))
             raise AssertionError(
-                f"timed out after {timeout:g} s waiting for {what}; last seen: {_shown(result)}")
+                f"timed out after {timeout:g} s waiting for {what}; "
+                f"last seen: {_shown(result if seen is None else seen())}")
         time.sleep(interval)
 
 
