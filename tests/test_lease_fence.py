@@ -254,6 +254,27 @@ def test_a_consumer_whose_lease_expired_while_it_fetched_hands_the_batch_to_nobo
     assert stored(table).checkpoint == "1"
 
 
+def test_a_release_written_late_leaves_the_tenure_that_took_the_lease_again(
+    table: LeaseTable, clock: Clock
+) -> None:
+    """``release_soon`` gives a lease up at once and writes the release in the background; if
+    the lease is taken again first (by the same worker, a new tenure), that stale release is
+    refused by the counter - and must not drop the new tenure, whose processor would then
+    run on with every checkpoint refused and its records delivered again by the next
+    holder."""
+    a = Worker(table, "A", clock)
+    a.take("s1")
+    given_up = a.fence.give_up("s1")
+    assert given_up is not None
+    again = a.take("s1")
+    a.fence.write_release(given_up)
+    entry = a.held.entry("s1")
+    assert entry is not None and entry.lease.concurrency_token == again
+    a.fence.update_checkpoint("s1", again, Position("5"))
+    assert (stored(table).lease_owner, stored(table).checkpoint) == ("A", "5")
+    assert a.lost.keys == []
+
+
 def test_an_earlier_tenures_token_is_refused_without_a_request(
     table: LeaseTable, client: ScriptedClient, clock: Clock
 ) -> None:

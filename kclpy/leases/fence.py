@@ -319,7 +319,7 @@ class LeaseFence:
                 pass
         owner = current.lease_owner if current is not None else None
         self.held.drop(key, f"taken by another worker ({what} found it changed; owner now "
-                            f"{owner or 'nobody'})")
+                            f"{owner or 'nobody'})", held)
         return None
 
     def _read(self, lease_key: str) -> Lease | None:
