@@ -156,6 +156,7 @@ class ShardConsumer:
         wall_clock: Callable[[], float] = time.time,
         park: Callable[[str, str, str], None] | None = None,
         oldest_record: Callable[[], Record | None] | None = None,
+        holds: Callable[[], bool] | None = None,
     ) -> None:
         #: the lease key, unique across the streams of a multi-stream application
         self.lease_key = lease.lease_key
@@ -206,6 +207,9 @@ class ShardConsumer:
         self._park = park
         #: the shard's oldest record now (a one-record read from TRIM_HORIZON)
         self._oldest_record = oldest_record
+        #: whether this tenure still holds the lease (``LeaseFence.holds``), asked before
+        #: every batch is handed to the processor
+        self._holds = holds
         #: while process_records keeps failing on one batch: the last error and since when
         self.failure: dict[str, Any] | None = None
         #: the park policy parked the shard (its lease is then let go)
@@ -306,6 +310,11 @@ class ShardConsumer:
 
     def _stopping(self) -> bool:
         return self._lease_lost.is_set() or self._shutdown.is_set()
+
+    def _lease_gone(self) -> bool:
+        """This tenure no longer holds the lease: told so, or its fence says so (a lease
+        given up between the loop's last look and now, or not yet noticed by anyone)."""
+        return self._lease_lost.is_set() or (self._holds is not None and not self._holds())
 
     def _wait_for_parents(self) -> bool:
         """Block until every parent that has a lease is checkpointed at SHARD_END, so that a
@@ -530,6 +539,16 @@ class ShardConsumer:
         previous = checkpointer.mark_delivered(records[-1]) if records else None
         attempt = 0
         while True:
+            if self._lease_gone():
+                # Given up while this batch was fetched (the lease not renewed within the
+                # failover time, or taken): its checkpoint would be refused, so every record
+                # of it would be processed here and again by the next holder.
+                log.info("shard %s: lease lost before a batch of %d record(s) was delivered; "
+                         "left to the next holder", self.lease_key, len(records))
+                if records:
+                    checkpointer.unmark_delivered(previous)
+                self.notify_lease_lost()
+                return "stopped"
             started = time.perf_counter()
             try:
                 self._processor.process_records(ProcessRecordsInput(

@@ -537,7 +537,8 @@ class Worker:
             initial_timestamp=(self._stream(lease).config.initial_timestamp
                                or self.config.initial_timestamp),
             park=functools.partial(park_held, self.coordinator.fence),
-            oldest_record=functools.partial(self._oldest_record, lease))
+            oldest_record=functools.partial(self._oldest_record, lease),
+            holds=functools.partial(self.coordinator.fence.holds, lease.lease_key, token))
 
     def _oldest_record(self, lease: Lease) -> Record | None:
         """The shard's oldest record now: a checkpoint before it was trimmed past."""

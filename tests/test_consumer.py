@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 
 from kclpy.cloudwatch import SUMMARY, CloudWatchBackend
@@ -68,14 +68,16 @@ class Recorder(IRecordProcessor):
 def run_consumer(pages: list[Result], processors: list[Recorder], *, lease: Lease | None = None,
                  leases: Leases | None = None, settings: ConsumerSettings = SETTINGS,
                  on_end: list[object] | None = None, wait: bool = True,
-                 metrics: Metrics | None = None
+                 metrics: Metrics | None = None,
+                 fetcher_type: type[ScriptedFetcher] = ScriptedFetcher,
+                 holds: Callable[[], bool] | None = None,
                  ) -> tuple[ShardConsumer, Writer, list[ScriptedFetcher]]:
     writer = Writer()
     fetchers: list[ScriptedFetcher] = []
     made = iter(processors)
 
     def fetcher_factory(lease: Lease, start: Position) -> ScriptedFetcher:
-        fetcher = ScriptedFetcher(pages, (start.checkpoint, start.sub_sequence_number))
+        fetcher = fetcher_type(pages, (start.checkpoint, start.sub_sequence_number))
         fetchers.append(fetcher)
         return fetcher
 
@@ -88,12 +90,16 @@ def run_consumer(pages: list[Result], processors: list[Recorder], *, lease: Leas
         concurrency_token="t", processor_factory=lambda: next(made),
         checkpoint_writer=writer, lease_reader=leases or Leases(), fetcher_factory=fetcher_factory,
         on_shard_end=shard_end, settings=settings, metrics=metrics or Metrics(),
-        rng=random.Random(1))
+        rng=random.Random(1), holds=holds)
+    consumers.append(consumer)
     consumer.start()
     if wait:
         assert consumer.join(10)
     return consumer, writer, fetchers
 
+
+#: every consumer run_consumer made, latest last (a fetcher reaches its consumer here)
+consumers: list[ShardConsumer] = []
 
 CHILD = ChildShard("shard-2", ("shard-1",), "0", "10")
 
@@ -221,6 +227,53 @@ def test_lease_lost_calls_lease_lost_and_stops() -> None:
     assert consumer.join(5)
     assert log[-1] == ("lease_lost",)
     assert fetchers[0].stopped
+
+
+class LostWhileFetchingTwo(ScriptedFetcher):
+    """Hands record 2 out only after the consumer was told its lease is lost, as the
+    worker's lost listener tells it when a renewal, or ``held_leases()``, gives the lease up
+    while the fetch is under way (CI: a batch fetched under load, delivered 26 ms after
+    "gave up lease ...: not renewed for 2.1s")."""
+
+    def get(self, timeout: float | None = None) -> Result | None:
+        result = super().get(timeout)
+        if result is not None and [r.sequence_number for r in result.records] == ["2"]:
+            consumers[-1].notify_lease_lost()
+        return result
+
+
+def test_a_batch_fetched_as_the_lease_is_lost_is_never_handed_to_the_processor() -> None:
+    """Its checkpoint would be refused, so the next holder would deliver it again: the
+    processor must not see it at all, only lease_lost."""
+    log: list[object] = []
+    pages = [Result([rec(1)]), Result([rec(2)]), Result([rec(3)])]
+    consumer, writer, fetchers = run_consumer(pages, [Recorder(log)],
+                                              fetcher_type=LostWhileFetchingTwo)
+    assert log == [("init", "TRIM_HORIZON", 0), ("batch", [("1", 0)]), ("lease_lost",)]
+    assert writer.writes == [("1", 0)]
+    assert fetchers[0].stopped
+
+
+def test_a_lease_its_fence_no_longer_holds_gets_no_more_batches() -> None:
+    """Given up by nobody yet - not renewed within the failover time while the process was
+    starved - the lease is already one whose checkpoints the fence refuses: the consumer
+    asks ``holds`` before each batch and ends with lease_lost instead."""
+    log: list[object] = []
+    handed: list[str] = []
+
+    class Counting(ScriptedFetcher):
+        def get(self, timeout: float | None = None) -> Result | None:
+            result = super().get(timeout)
+            if result is not None:
+                handed.extend(r.sequence_number for r in result.records)
+            return result
+
+    pages = [Result([rec(1)]), Result([rec(2)]), Result([rec(3)])]
+    consumer, writer, _ = run_consumer(pages, [Recorder(log)], fetcher_type=Counting,
+                                       holds=lambda: "2" not in handed)
+    assert log == [("init", "TRIM_HORIZON", 0), ("batch", [("1", 0)]), ("lease_lost",)]
+    assert writer.writes == [("1", 0)]
+    assert consumer.ended_why == "told the lease was lost"
 
 
 def test_shutdown_request_lets_the_processor_checkpoint() -> None:

@@ -87,7 +87,8 @@ def test_three_workers_started_apart_end_balanced_without_ping_pong(
         assert len(group.ledger.events("initialize")) == initialized
     payloads = group.ledger.payloads()
     assert set(payloads) == set(sent) | set(more)
-    assert max(payloads.values()) == 1, "rebalancing by graceful handoff duplicates nothing"
+    assert max(payloads.values()) == 1, (
+        f"rebalancing by graceful handoff duplicates nothing\n{group.duplicates_report()}")
 
 
 def resume_checkpoints(ledger: FleetLedger, after_line: int, pid: int) -> dict[str, str]:
@@ -180,7 +181,8 @@ def test_sigterm_hands_over_within_the_fleet_with_zero_duplicates(
     assert shutdowns == orphaned
     payloads = ledger.payloads()
     assert set(payloads) == set(sent)
-    assert max(payloads.values()) == 1, "a graceful shutdown duplicates nothing"
+    assert max(payloads.values()) == 1, (
+        f"a graceful shutdown duplicates nothing\n{group.duplicates_report()}")
 
 
 def test_a_zombie_finds_its_leases_gone_and_can_never_checkpoint(
@@ -286,7 +288,7 @@ def test_a_split_while_two_workers_run_keeps_order_and_cleans_up_the_parent(
     ledger = group.ledger
     payloads = ledger.payloads()
     assert set(payloads) == set(sent)
-    assert max(payloads.values()) == 1
+    assert max(payloads.values()) == 1, group.duplicates_report()
     lines = ledger.records()
     last_parent = max(i for i, r in enumerate(lines) if r["shard"] == parent["ShardId"])
     first_child = min(i for i, r in enumerate(lines) if r["shard"] in children)

@@ -4,6 +4,7 @@ the lease dropped and the lost listeners told. In-process moto, one section over
 
 from __future__ import annotations
 
+import functools
 import threading
 import uuid
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ import pytest
 from botocore.exceptions import ClientError
 from moto import mock_aws
 
+from kclpy.consumer import ShardConsumer
 from kclpy.errors import LeaseLostError, ShutdownException, ThrottlingException, TransactionRejected
 from kclpy.leases.fence import LeaseFence
 from kclpy.leases.held import HeldSet
@@ -23,7 +25,16 @@ from kclpy.leases.table import LeaseTable, checkpoint_changes
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from kclpy.position import Position
+from kclpy.processor import (
+    InitializeInput,
+    IRecordProcessor,
+    LeaseLostInput,
+    ProcessRecordsInput,
+    ShardEndedInput,
+    ShutdownRequestedInput,
+)
 from tests.support.determinism import Clock
+from tests.support.scripted import SETTINGS, Leases, Result, ScriptedFetcher, rec
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb.type_defs import TransactWriteItemTypeDef
@@ -168,6 +179,100 @@ def test_a_suspended_holder_does_not_even_try_after_the_failover_time(
         a.fence.update_checkpoint("s1", token, Position("100"))
     assert client.calls.get("update_item", 0) == before, "nothing was sent"
     assert a.lost.keys == ["s1"]
+
+
+def test_holds_says_whether_the_tenures_checkpoint_would_get_through(
+    table: LeaseTable, clock: Clock
+) -> None:
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    assert a.fence.holds("s1", token)
+    assert not a.fence.holds("s1", "an earlier tenure")
+    assert not a.fence.holds("s2", token)
+    clock.advance(FAILOVER + 0.1)
+    assert not a.fence.holds("s1", token)
+    assert a.held.entry("s1") is not None and a.lost.keys == [], "asking gives nothing up"
+    with pytest.raises(ShutdownException):
+        a.fence.update_checkpoint("s1", token, Position("100"))
+
+
+class Delivered(IRecordProcessor):
+    """Checkpoints every batch; records what it was handed and how it ended."""
+
+    def __init__(self) -> None:
+        self.log: list[object] = []
+
+    def initialize(self, initialize_input: InitializeInput) -> None:
+        self.log.append("initialize")
+
+    def process_records(self, process_records_input: ProcessRecordsInput) -> None:
+        self.log.append([r.sequence_number for r in process_records_input.records])
+        process_records_input.checkpointer.checkpoint()
+
+    def lease_lost(self, lease_lost_input: LeaseLostInput) -> None:
+        self.log.append("lease_lost")
+
+    def shard_ended(self, shard_ended_input: ShardEndedInput) -> None:
+        self.log.append("shard_ended")
+
+    def shutdown_requested(self, shutdown_requested_input: ShutdownRequestedInput) -> None:
+        self.log.append("shutdown_requested")
+
+
+def test_a_consumer_whose_lease_expired_while_it_fetched_hands_the_batch_to_nobody(
+    table: LeaseTable, clock: Clock
+) -> None:
+    """CI (test_fleet's SIGTERM handover, load 20 on 2 cores): a worker starved past the
+    failover time fetched a batch, and delivered it although its fence already refused
+    every checkpoint of that tenure; the next holder delivered it again. The consumer asks
+    the fence before each batch, so the batch goes to the next holder only."""
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    lease = a.held.get("s1")
+    assert lease is not None
+
+    class Starved(ScriptedFetcher):
+        """The process is starved past the failover time while record 2 is fetched."""
+
+        def get(self, timeout: float | None = None) -> Result | None:
+            result = super().get(timeout)
+            if result is not None and [r.sequence_number for r in result.records] == ["2"]:
+                clock.advance(FAILOVER + 0.1)
+            return result
+
+    processor = Delivered()
+    pages = [Result([rec(1)]), Result([rec(2)]), Result([rec(3)])]
+    consumer = ShardConsumer(
+        lease, concurrency_token=token, processor_factory=lambda: processor,
+        checkpoint_writer=a.fence, lease_reader=Leases(),
+        fetcher_factory=lambda _lease, start: Starved(pages, (start.checkpoint, 0)),
+        on_shard_end=lambda _key, _children: None, settings=SETTINGS, metrics=Metrics(),
+        holds=functools.partial(a.fence.holds, "s1", token))
+    consumer.start()
+    assert consumer.join(10)
+    assert processor.log == ["initialize", ["1"], "lease_lost"]
+    assert stored(table).checkpoint == "1"
+
+
+def test_a_release_written_late_leaves_the_tenure_that_took_the_lease_again(
+    table: LeaseTable, clock: Clock
+) -> None:
+    """``release_soon`` gives a lease up at once and writes the release in the background; if
+    the lease is taken again first (by the same worker, a new tenure), that stale release is
+    refused by the counter - and must not drop the new tenure, whose processor would then
+    run on with every checkpoint refused and its records delivered again by the next
+    holder."""
+    a = Worker(table, "A", clock)
+    a.take("s1")
+    given_up = a.fence.give_up("s1")
+    assert given_up is not None
+    again = a.take("s1")
+    a.fence.write_release(given_up)
+    entry = a.held.entry("s1")
+    assert entry is not None and entry.lease.concurrency_token == again
+    a.fence.update_checkpoint("s1", again, Position("5"))
+    assert (stored(table).lease_owner, stored(table).checkpoint) == ("A", "5")
+    assert a.lost.keys == []
 
 
 def test_an_earlier_tenures_token_is_refused_without_a_request(

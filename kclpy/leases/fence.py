@@ -196,6 +196,16 @@ class LeaseFence:
             raise ShutdownException(f"shard {lease_key}: {what} refused: lease {lost}")
         return fresh.copy()
 
+    def holds(self, lease_key: str, token: str) -> bool:
+        """Whether a checkpoint of tenure ``token`` would be let through now: the lease is
+        held in that tenure and was written within the failover time. Read without the
+        lease's lock and without giving anything up (``write`` does that), so a consumer can
+        ask before every batch: a batch handed to a processor once this is False can never
+        be checkpointed, and the next holder delivers it again."""
+        held = self.held.entry(lease_key)
+        return (held is not None and held.lease.concurrency_token == token
+                and not self._expired(held))
+
     def update_checkpoint(
         self, lease_key: str, concurrency_token: str, position: Position
     ) -> None:
@@ -309,7 +319,7 @@ class LeaseFence:
                 pass
         owner = current.lease_owner if current is not None else None
         self.held.drop(key, f"taken by another worker ({what} found it changed; owner now "
-                            f"{owner or 'nobody'})")
+                            f"{owner or 'nobody'})", held)
         return None
 
     def _read(self, lease_key: str) -> Lease | None:

@@ -148,12 +148,16 @@ class HeldSet:
         with self._state:
             return self._gone.get(lease_key, "not held by this worker")
 
-    def drop(self, lease_key: str, why: str) -> bool:
+    def drop(self, lease_key: str, why: str, entry: HeldLease | None = None) -> bool:
         """Forget a lost lease (its lock held; notify after releasing it). False if it was
-        not held."""
+        not held - or, given ``entry`` (the tenure the failed write was made for), if the
+        lease is held in another entry now: the background release of a tenure given up
+        must not drop the tenure that took the lease again before that release was written."""
         with self._state:
-            if self._held.pop(lease_key, None) is None:
+            current = self._held.get(lease_key)
+            if current is None or (entry is not None and current is not entry):
                 return False
+            del self._held[lease_key]
             self._gone[lease_key] = why
             count = len(self._held)
         if self._on_drop is not None:

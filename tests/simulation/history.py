@@ -50,7 +50,7 @@ from sqlalchemy.pool import StaticPool
 
 from kclpy.config import KCLConfig
 from kclpy.errors import CheckpointError
-from kclpy.leases.held import HeldSet
+from kclpy.leases.held import HeldLease, HeldSet
 from kclpy.leases.lease import SHARD_END, Lease
 from kclpy.position import Position as CheckpointPosition
 from kclpy.processor import (
@@ -766,8 +766,8 @@ def _install_drop_hook() -> None:
         return
     original = HeldSet.drop
 
-    def drop(self: HeldSet, lease_key: str, why: str) -> bool:
-        dropped = original(self, lease_key, why)
+    def drop(self: HeldSet, lease_key: str, why: str, entry: HeldLease | None = None) -> bool:
+        dropped = original(self, lease_key, why, entry)
         sim = scheduler.ACTIVE
         if dropped and sim is not None and sim.current is not None:
             observer = getattr(sim, "observer", None)

@@ -128,6 +128,30 @@ class FleetLedger:
     def processed_all(self, expected: set[str]) -> bool:
         return expected <= set(self.payloads())
 
+    def repeats(self, most: int = 5) -> str:
+        """The payloads delivered more than once (``most`` of them), each delivery as
+        process, shard and sequence number, and every lifecycle event of those processes'
+        tenures of those shards: what tells a re-read (one sequence number, several
+        tenures) from a record written twice (several sequence numbers), and which tenure
+        could not checkpoint (accepted checkpoints are left out). For a failed "duplicates
+        nothing"."""
+        lines = self.lines()
+        counts = Counter(line["data"] for line in lines if "data" in line)
+        repeated = sorted(payload for payload, n in counts.items() if n > 1)
+        shown = set(repeated[:most])
+        deliveries = [line for line in lines if line.get("data") in shown]
+        tenures = {(line["pid"], line["shard"]) for line in deliveries}
+        out = [f"{len(repeated)} payload(s) delivered more than once; the first {len(shown)}:"]
+        for line in lines:
+            if line.get("data") in shown:
+                out.append(f"  {line['t']:.3f} pid {line['pid']} {line['shard']} "
+                           f"seq {line['seq']}/{line['sub']}: {line['data']}")
+            elif ("event" in line and (line["pid"], line["shard"]) in tenures
+                  and not (line["event"] == "checkpoint" and line["ok"])):
+                detail = {k: v for k, v in line.items() if k not in ("t", "pid", "shard")}
+                out.append(f"  {line['t']:.3f} pid {line['pid']} {line['shard']}: {detail}")
+        return "\n".join(out)
+
 
 @dataclass
 class Worker:
@@ -143,6 +167,12 @@ class Worker:
 
     def signal(self, signum: int) -> None:
         self.process.send_signal(signum)
+
+    def warnings(self) -> list[str]:
+        """The WARNING and ERROR lines of this worker's log (a lease given up, a late
+        renewal), which a check made after the fleet stopped does not otherwise show."""
+        text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        return [line for line in text.splitlines() if " WARNING " in line or " ERROR " in line]
 
     def log_tail(self, max_bytes: int = 6000) -> str:
         text = self.log_path.read_text(encoding="utf-8", errors="replace")
@@ -226,6 +256,15 @@ class Fleet:
                 worker.process.kill()
                 codes[worker.name] = worker.process.wait()
         return codes
+
+    def duplicates_report(self) -> str:
+        """``FleetLedger.repeats`` and every worker's warnings (pid and name), for a failed
+        "duplicates nothing" check."""
+        parts = [self.ledger.repeats()]
+        for worker in self.workers:
+            parts.append(f"--- {worker.name} (pid {worker.pid}) warnings ---")
+            parts.extend(worker.warnings()[-30:])
+        return "\n".join(parts)
 
     def owners(self) -> dict[str, str | None]:
         """Lease key -> owner, as the table says now (SHARD_END leases left out)."""
