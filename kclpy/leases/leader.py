@@ -30,8 +30,11 @@ workers x shards. Here:
   processor finish and checkpoint first, as when a worker steals in kclpy's protocol.
 - *Live workers* are those whose report in the load table keeps changing (its sequence
   number, on the leader's clock), less those owning a lease that expired after their last
-  report (they stopped renewing: dead) or leaving one assigned to them untaken. Each
-  worker reports every ``workerMetricsReporterFreqInMillis`` in both modes.
+  report (they stopped renewing: dead) or leaving one assigned to them untaken
+  (``LeaderMode.claim_within_s`` after the write). Each worker reports every
+  ``workerMetricsReporterFreqInMillis`` in both modes. While some are known dead, free
+  leases go first to the workers that reported last (``plan``'s ``recency``): an idle
+  worker that died with them looks alive until its report goes stale.
 - *Every worker finds its leases* through the owner index (``LeaseOwnerToLeaseKeyIndex``, the
   Java KCL 3.x's own: leaseOwner -> leaseKey, keys only), one Query every half failover
   time that costs what its own keys weigh. A new key is read (GetItem) and taken
