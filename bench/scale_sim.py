@@ -35,12 +35,14 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SIZES = ("100x10,100x50,100x200,1000x10,1000x50,1000x200,10000x10,10000x50")
 
 
-def _child(size: str, failover_s: float, seed: int, steal: int, assigner: str) -> None:
+def _child(size: str, failover_s: float, seed: int, steal: int, assigner: str,
+           kill_leader: bool) -> None:
     sys.path.insert(0, str(ROOT))
     from tests.simulation.scale import Fleet, ScaleSpec, run_scale, summary
 
     shards, workers = (int(part) for part in size.split("x"))
-    spec = ScaleSpec(shards, workers, failover_s=failover_s, seed=seed)
+    spec = ScaleSpec(shards, workers, failover_s=failover_s, seed=seed,
+                     kill_leader=True if kill_leader else None)
     result = run_scale(spec, fleet=Fleet(spec, max_leases_to_steal_at_one_time=steal,
                                          leader=assigner == "leader"))
     print(json.dumps({**summary(result), "max_leases_to_steal": steal, "assigner": assigner}),
@@ -59,11 +61,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lease-assigner", choices=("worker", "leader"), default="worker",
                         help="worker: every worker scans (Java 2.x); leader: one elected "
                              "leader scans and assigns, the others query the owner index")
+    parser.add_argument("--kill-leader", action="store_true",
+                        help="with --lease-assigner leader: the leader is always among the "
+                             "workers killed (by default the draw decides)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         _child(args.child, args.failover_s, args.seed, args.max_leases_to_steal,
-               args.lease_assigner)
+               args.lease_assigner, args.kill_leader)
         return 0
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -72,7 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         children = [subprocess.Popen(
             [sys.executable, __file__, "--child", size, "--failover-s", str(args.failover_s),
              "--seed", str(args.seed), "--max-leases-to-steal", str(args.max_leases_to_steal),
-             "--lease-assigner", args.lease_assigner],
+             "--lease-assigner", args.lease_assigner,
+             *(["--kill-leader"] if args.kill_leader else [])],
             stdout=subprocess.PIPE, env=env)
             for size in sizes[start:start + args.jobs]]
         for child in children:

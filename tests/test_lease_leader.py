@@ -47,6 +47,26 @@ def test_free_leases_go_to_the_emptiest_workers_and_counts_end_within_one() -> N
     assert {lease.lease_owner for lease, _ in decided.move} == {"a"}
 
 
+def test_among_workers_with_as_few_leases_those_that_reported_last_get_the_free_ones() -> None:
+    """Two free leases, four idle workers: with ``recency`` (worker -> when it last showed it
+    lives, on the leader's clock then on the reporter's) the two most recent get them,
+    whatever the generator draws; the reporter's clock only orders workers the leader's
+    clock ties; without ``recency`` the draw decides."""
+    live = {w: _report(w) for w in ("a", "b", "c", "d")}
+    recency = {"a": (5.0, 100.0), "b": (9.0, 1.0), "c": (5.0, 200.0), "d": (5.0, 150.0)}
+    winners = set()
+    for seed in range(20):
+        decided = plan([_lease("s0"), _lease("s1")], live, is_expired=_never_expired,
+                       known_lease_keys=None, no_move=(), settings=None,
+                       rng=random.Random(seed), recency=recency)
+        winners.add(frozenset(owner for _, owner in decided.assign))
+    assert winners == {frozenset({"b", "c"})}
+    drawn = {frozenset(owner for _, owner in plan(
+        [_lease("s0"), _lease("s1")], live, is_expired=_never_expired, known_lease_keys=None,
+        no_move=(), settings=None, rng=random.Random(seed)).assign) for seed in range(20)}
+    assert len(drawn) > 1
+
+
 def test_what_the_leader_leaves_alone() -> None:
     """A lease being handed off counts for its new owner and never moves again; a lease
     whose owner does not report but renews it (a Java KCL 2.x worker) is neither moved nor

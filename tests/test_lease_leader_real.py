@@ -4,12 +4,13 @@ DynamoDB (conditional writes atomic), the leader SIGKILLed."""
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kclpy.leases.load import LEADER_ITEM, LOAD_TABLE_SUFFIX, WORKER_ID
+from kclpy.leases.load import LEADER_ITEM, LOAD_TABLE_SUFFIX, WORKER_ID, WRITTEN_AT
 from kclpy.leases.table import OWNER_INDEX
 from kclpy.local import LocalEndpoint
 from tests.support.fleet import Producer, fleet
@@ -45,11 +46,14 @@ def test_leader_sigkilled_another_leads_and_nothing_is_lost(
     """Three workers with a leader assign six shards (the lease table gets the owner index,
     the lock lives in the load table, not among the leases), balance 2/2/2; the leader is
     SIGKILLed: a survivor wins a later term of the lock, the dead leader's leases go to the
-    survivors (3/3), and every record put before, during and after is processed."""
+    survivors (3/3), and every record put before, during and after is processed. Every
+    worker's report carries the wall-clock time it was written (``writtenAt``, what a new
+    leader orders idle workers by)."""
     kinesis = kinesis_client(kinesis_mock.url)
     stream = unique_name("leader")
     create_stream(kinesis, stream, 6)
     application = unique_name("app")
+    started = time.time()
     with fleet(kinesis_mock.url, moto_server.url, stream, application, tmp_path,
                extra_args=["--lease-assigner", "leader"]) as group, \
             Producer(kinesis, stream, "ld") as producer:
@@ -60,6 +64,12 @@ def test_leader_sigkilled_another_leads_and_nothing_is_lost(
         assert OWNER_INDEX in {i["IndexName"]
                                for i in described["Table"].get("GlobalSecondaryIndexes", [])}
         assert LEADER_ITEM not in group.lease_items()
+        reports = dynamodb_client(moto_server.url).scan(
+            TableName=application + LOAD_TABLE_SUFFIX)["Items"]
+        written = {item[WORKER_ID]["S"]: float(item[WRITTEN_AT]["N"]) for item in reports
+                   if item[WORKER_ID]["S"] != LEADER_ITEM}
+        assert set(written) == set(workers)
+        assert all(started - 1 <= at <= time.time() + 1 for at in written.values()), written
         lock = _lock(moto_server.url, application)
         assert lock is not None
         leader, term = lock

@@ -78,3 +78,22 @@ def test_the_leader_killed_another_leads_and_every_lease_is_held_again() -> None
     assert settled is not None
     assert settled - killed_at <= 3 * spec.failover_s + spec.probe_s
     assert fleet.violations == []
+
+
+def test_the_leader_killed_among_idle_workers_the_fleet_balances_within_two_failover_times(
+) -> None:
+    """100 shards, 200 workers (half of them hold nothing and show they live only by their
+    30 s load reports), 40 killed with the leader among them: within two failover times
+    every lease is held by a survivor, counts within one. The new leader saw every report
+    at once; it hands the dead workers' leases first to the workers that reported last
+    (the reporters' own stamps tell it who wrote after the deaths), not at random among
+    the idle, where a fifth of them are dead and each lease given to one came back only
+    once it stayed untaken (30 to 70 s)."""
+    for seed in (0, 1):
+        spec = ScaleSpec(100, 200, failover_s=10.0, seed=seed, kill_leader=True)
+        result = run_scale(spec, fleet=Fleet(spec, leader=True))
+        assert result.leader_killed
+        assert result.violations == []
+        died = result.phase("40 die")
+        assert died.settled_after_s is not None
+        assert died.settled_after_s <= 2 * spec.failover_s, died

@@ -30,8 +30,11 @@ workers x shards. Here:
   processor finish and checkpoint first, as when a worker steals in kclpy's protocol.
 - *Live workers* are those whose report in the load table keeps changing (its sequence
   number, on the leader's clock), less those owning a lease that expired after their last
-  report (they stopped renewing: dead) or leaving one assigned to them untaken. Each
-  worker reports every ``workerMetricsReporterFreqInMillis`` in both modes.
+  report (they stopped renewing: dead) or leaving one assigned to them untaken
+  (``LeaderMode.claim_within_s`` after the write). Each worker reports every
+  ``workerMetricsReporterFreqInMillis`` in both modes. While some are known dead, free
+  leases go first to the workers that reported last (``plan``'s ``recency``): an idle
+  worker that died with them looks alive until its report goes stale.
 - *Every worker finds its leases* through the owner index (``LeaseOwnerToLeaseKeyIndex``, the
   Java KCL 3.x's own: leaseOwner -> leaseKey, keys only), one Query every half failover
   time that costs what its own keys weigh. A new key is read (GetItem) and taken
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 import random
 from collections.abc import Callable, Collection, Iterable, Mapping
 from collections.abc import Set as AbstractSet
@@ -259,6 +263,13 @@ class LeaderMode:
     def discovery_interval_s(self) -> float:
         return self.lock.failover_time_s / 2
 
+    @property
+    def claim_within_s(self) -> float:
+        """How long after the leader wrote an assignment the assignee may leave it untaken
+        before it is judged dead: its Query interval, and a sixth of the failover time for
+        that Query, the read and the take."""
+        return self.discovery_interval_s + self.lock.failover_time_s / 6
+
 
 @dataclass(frozen=True)
 class Assignment:
@@ -321,6 +332,7 @@ def plan(
     rng: random.Random,
     dead: Collection[str] = (),
     known_kbps: Mapping[str, float] | None = None,
+    recency: Mapping[str, tuple[float, float]] | None = None,
 ) -> Assignment:
     """Who should own what: free and expired leases, and those assigned to a worker judged
     ``dead`` that never took them (``unclaimed``), go to the live workers with the fewest
@@ -336,7 +348,13 @@ def plan(
     report measured for it; by default what ``live`` reports). A lease being handed off
     counts for the worker it moves to and never moves again; a lease whose owner is not
     live but renews it (a Java KCL worker, a worker whose reports stopped) is left alone
-    and counted for nobody."""
+    and counted for nobody.
+
+    Among workers with as few leases, a free lease goes first to the one with the highest
+    ``recency`` (worker -> how lately it showed it lives, compared as tuples; absent: the
+    oldest), else at random: when workers were just found dead, the live ones that hold
+    nothing look alike (their reports stay fresh for a while after they die), and a lease
+    handed to a dead one comes back only once it stayed untaken."""
     if not live:
         return Assignment()
     owned: dict[str, list[Lease]] = {worker: [] for worker in live}
@@ -352,14 +370,16 @@ def plan(
             owned[lease.lease_owner].append(lease)
     counts = {worker: len(keys) for worker, keys in owned.items()}
     order = {worker: rng.random() for worker in live}
-    heap = [(count, order[worker], worker) for worker, count in counts.items()]
+    never = (-math.inf, -math.inf)
+    rank = {worker: tuple(-at for at in (recency or {}).get(worker, never)) for worker in live}
+    heap = [(count, rank[worker], order[worker], worker) for worker, count in counts.items()]
     heapq.heapify(heap)
     assign: list[tuple[Lease, str]] = []
     for lease in free:
-        count, tie, worker = heapq.heappop(heap)
+        count, lately, tie, worker = heapq.heappop(heap)
         assign.append((lease, worker))
         counts[worker] = count + 1
-        heapq.heappush(heap, (count + 1, tie, worker))
+        heapq.heappush(heap, (count + 1, lately, tie, worker))
     movable = {worker: [lease for lease in keys
                         if lease.checkpoint_owner is None and lease.lease_key not in no_move]
                for worker, keys in owned.items()}

@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import random
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from collections.abc import Set as AbstractSet
@@ -48,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 from kclpy.leases.dynamo import TABLE_ERRORS, DynamoTable
 from kclpy.leases.lease import Lease
 from kclpy.metrics import BYTES_PROCESSED, RECORDS_PROCESSED, Metrics
+from kclpy.retry import spread
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb import DynamoDBClient
@@ -61,6 +63,8 @@ LOAD_TABLE_SUFFIX = "-kclpyWorkerLoad"
 WORKER_ID = "workerId"
 #: the leader lock's key in the load table (``leader.py``), not a worker's report
 LEADER_ITEM = "__kclpyLeader__"
+#: a report's ``WorkerLoad.written_at``
+WRITTEN_AT = "writtenAt"
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,10 @@ class WorkerLoad:
     lease_kbps: Mapping[str, float] = field(default_factory=dict)
     #: bumped at each report: how readers tell a live reporter (their own clock decides)
     seq: int = 0
+    #: the reporter's wall clock (epoch seconds) when it wrote the report; None from a
+    #: reporter that does not write it. Only ever orders candidates (``leader.plan``'s
+    #: ``recency``), never decides liveness: clocks differ between hosts
+    written_at: float | None = None
 
     def lease_load(self, lease_key: str) -> float:
         """The share of this worker's load one of its leases accounts for."""
@@ -223,6 +231,8 @@ class LoadTable(DynamoTable):
             "cpuPercent": {"N": f"{load.cpu_percent:.3f}"},
             "seq": {"N": str(load.seq)},
             "leases": {"M": {k: {"N": f"{v:.3f}"} for k, v in load.lease_kbps.items()}},
+            **({} if load.written_at is None
+               else {WRITTEN_AT: {"N": f"{load.written_at:.3f}"}}),
         })
 
     def read_all(self) -> list[WorkerLoad]:
@@ -239,7 +249,8 @@ class LoadTable(DynamoTable):
                         float(item["kbps"]["N"]), float(item["recordsPerSecond"]["N"]),
                         float(item["cpuPercent"]["N"]),
                         {k: float(v["N"]) for k, v in item.get("leases", {}).get("M", {}).items()},
-                        int(item["seq"]["N"])))
+                        int(item["seq"]["N"]),
+                        float(item[WRITTEN_AT]["N"]) if WRITTEN_AT in item else None))
                 except (KeyError, ValueError):
                     log.warning("skipping malformed item in %s: %s", self.table_name, sorted(item))
             last = page.get("LastEvaluatedKey")
@@ -261,8 +272,13 @@ class LoadBalancing:
     the taker calls it from its cycle only."""
 
     def __init__(self, meter: LoadMeter, table: LoadTable, settings: LoadSettings, *,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float],
+                 wall_clock: Callable[[], float] = time.time,
+                 rng: random.Random | None = None) -> None:
         self.meter = meter
+        self._rng = rng
+        #: stamps each report (``WorkerLoad.written_at``)
+        self._wall_clock = wall_clock
         self.table = table
         self.settings = settings
         self._clock = clock
@@ -282,8 +298,14 @@ class LoadBalancing:
         now = self._clock()
         if self._next_report is not None and now < self._next_report:
             return
-        self._next_report = now + self.settings.report_interval_s
-        self.mine = self.meter.sample(held)
+        interval = self.settings.report_interval_s
+        # The second report comes after a random share of one to three halves of the
+        # interval: a fleet started at once would otherwise report in bursts, and a leader
+        # looking for who still lives between two bursts (``leader.plan``'s ``recency``)
+        # would find no report newer than a death.
+        first = self._next_report is None
+        self._next_report = now + (spread(interval, 0.5, 1.5, self._rng) if first else interval)
+        self.mine = replace(self.meter.sample(held), written_at=self._wall_clock())
         try:
             self.table.publish(self.mine)
         except TABLE_ERRORS as exc:

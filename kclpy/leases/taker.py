@@ -25,6 +25,7 @@ with a write of the same lease through the fence.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -136,6 +137,9 @@ class LeaseTaker:
         self._consumable: Callable[[str], bool] | None = None
         #: workers the leader judged dead -> their report then (``leader.live_workers``)
         self._dead: dict[str, float] = {}
+        #: lease key -> when the leader judges its assignee dead if it is still untaken then
+        #: (a pass is made right then, as at an overdue lease's expiry)
+        self._claims: dict[str, float] = {}
         #: whether this worker led at its last cycle
         self._led = False
         #: with a leader: a scan asked for by a worker that does not lead (``survey``), and
@@ -235,6 +239,8 @@ class LeaseTaker:
             due.append(self._next_survey(mode, now))
         if mode.lock.is_leader():
             due.append(now if self._next_pass is None else self._next_pass)
+            if self._claims:
+                due.append(min(self._claims.values()))
             with self._cycle_lock:
                 expiry = self._balancer.next_expiry(
                     held=frozenset(), overdue_after=1.25 * self.failover_time_s / 2, now=now)
@@ -262,8 +268,10 @@ class LeaseTaker:
                 held=frozenset(), overdue_after=1.25 * self.failover_time_s / 2, now=now)
             if self._stopping.is_set():
                 return []
+            claim = min(self._claims.values(), default=None)
             if leads and (self._next_pass is None or now >= self._next_pass
-                          or (expiry is not None and now >= expiry)):
+                          or (expiry is not None and now >= expiry)
+                          or (claim is not None and now >= claim)):
                 taken += self._lead(mode)
             now = self._clock()
             if self._next_discovery is None or now >= self._next_discovery:
@@ -297,18 +305,29 @@ class LeaseTaker:
         live = leader.live_workers(
             reports, mode.reports.reported_at, leases, expired_at, self._dead,
             unchanged_for=lambda lease: self._balancer.unchanged_for(lease.lease_key, now),
-            claim_within_s=mode.discovery_interval_s + mode.pass_interval_s)
+            claim_within_s=mode.claim_within_s)
+        self._claims = {lease.lease_key: self._claims[lease.lease_key] for lease in leases
+                        if lease.lease_key in self._claims and leader.unclaimed(lease)
+                        and self._claims[lease.lease_key] > now}
         mode.lock.fleet_size = len(live)
         settings = mode.reports.settings
         balance = not mode.by_load or self._next_round is None or now >= self._next_round
         if mode.by_load and balance:
             self._next_round = now + settings.balance_interval_s
         hold = 2 * (settings.balance_interval_s if mode.by_load else mode.pass_interval_s)
+        # Workers were just found dead: others may have died with them unseen (an idle
+        # worker shows it lives only by its reports, which stay fresh for a while), so free
+        # leases go first to those that reported last - on this worker's clock (a report it
+        # saw change), then on the reporter's own (a leader that just took over saw every
+        # report at once). Clocks only order the candidates; liveness stays as judged.
+        recency = {worker: (mode.reports.reported_at(worker),
+                            -math.inf if report.written_at is None else report.written_at)
+                   for worker, report in live.items()} if self._dead else None
         decided = leader.plan(
             leases, live, is_expired=lambda lease: self._balancer.is_expired(lease, now),
             known_lease_keys=known, no_move=self._recent_moves.keys(now, hold),
             settings=settings if mode.by_load else None, rng=self._rng or random.Random(),
-            dead=set(self._dead), known_kbps=mode.reports.known_kbps)
+            dead=set(self._dead), known_kbps=mode.reports.known_kbps, recency=recency)
         taken: list[Lease] = []
         for lease, owner in decided.assign:
             if self._stopping.is_set():
@@ -316,8 +335,9 @@ class LeaseTaker:
             if owner == self.worker_id:
                 fresh = self._take(lease, stolen=False)
                 taken += [fresh] if fresh is not None else []
-            else:
-                self._assign(lease, owner)
+            elif self._assign(lease, owner):
+                self._claims[lease.lease_key] = (self._clock() + mode.claim_within_s
+                                                 + _EXPIRY_MARGIN_S)
         for lease, owner in decided.move if balance else ():
             if self._stopping.is_set():
                 return taken
@@ -360,12 +380,18 @@ class LeaseTaker:
             return
         self._scanned(leases)
 
-    def _assign(self, lease: Lease, owner: str) -> None:
+    def _assign(self, lease: Lease, owner: str) -> bool:
+        """Write the assignment; whether it was written. The lease's new counter is
+        observed as written, so that how long it stays untaken counts from the write
+        (``leader.live_workers``), not from the next scan."""
         try:
-            self.table.assign(lease, owner)
+            assigned = self.table.assign(lease, owner)
         except (LeaseLostError, *TABLE_ERRORS) as exc:
             log.info("worker %s: assigning %s to %s failed: %r",
                      self.worker_id, lease.lease_key, owner, exc)
+            return False
+        self._balancer.observe_one(assigned, self._clock())
+        return True
 
     def _hand(self, lease: Lease, owner: str) -> None:
         try:

@@ -291,6 +291,9 @@ class ScaleSpec:
     phase_limit_failovers: float = 60.0
     #: the steady window the cost is measured over
     steady_s: float = 120.0
+    #: with a leader: True puts the leader among the workers killed (one of the sample
+    #: swapped for it); None leaves it to the draw
+    kill_leader: bool | None = None
 
 
 @dataclass
@@ -383,16 +386,19 @@ class SimWorker:
                               clock=fleet.clock,
                               cpu_seconds=lambda: fleet.traffic.cpu_seconds[worker_id],
                               ema_alpha=fleet.load_settings.ema_alpha)
-            self.load = LoadBalancing(meter, load_table, fleet.load_settings, clock=fleet.clock)
+            self.load = LoadBalancing(meter, load_table, fleet.load_settings, clock=fleet.clock,
+                                      wall_clock=fleet.clock,
+                                      rng=fleet.worker_rng(worker_id, "reports"))
         self.leader: LeaderMode | None = None
         if fleet.leader:
             settings = fleet.load_settings or LoadSettings()
             reports = self.load or LoadBalancing(
                 LoadMeter(worker_id, dict, clock=fleet.clock, cpu_seconds=lambda: 0.0),
                 LoadTable(client, LOAD_TABLE, clock=fleet.clock, sleep=fleet.no_sleep),
-                settings, clock=fleet.clock)
+                settings, clock=fleet.clock, wall_clock=fleet.clock,
+                rng=fleet.worker_rng(worker_id, "reports"))
             lock = LeaderLock(reports.table, worker_id, failover_time_s=fleet.spec.failover_s,
-                              clock=fleet.clock)
+                              clock=fleet.clock, rng=fleet.worker_rng(worker_id, "lock"))
             self.leader = LeaderMode(lock, reports, by_load=fleet.load_settings is not None)
         self.coordinator = LeaseCoordinator(
             table, worker_id, failover_time_s=fleet.spec.failover_s, clock=fleet.clock,
@@ -476,6 +482,12 @@ class Fleet:
 
     def clock(self) -> float:
         return self.now
+
+    def worker_rng(self, worker_id: str, purpose: str) -> random.Random:
+        """A generator of one worker's own for one ``purpose``, seeded by the fleet's seed
+        and the worker's id without drawing from ``rng`` (whose draws decide the rest of
+        the history): an unseeded one would make two runs of one seed differ."""
+        return random.Random(f"{self.spec.seed}/{worker_id}/{purpose}")
 
     @staticmethod
     def no_sleep(seconds: float) -> None:
@@ -611,7 +623,11 @@ def run_scale(spec: ScaleSpec, *, fleet: Fleet | None = None) -> ScaleResult:
                    largest_query_items=steady.largest_query_items)
     churn = max(1, round(spec.churn * spec.workers))
     leader_killed: bool | None = None
-    for worker in fleet.rng.sample(fleet.live(), churn):
+    doomed = fleet.rng.sample(fleet.live(), churn)
+    leaders = [w for w in fleet.live() if w.coordinator.leads()]
+    if spec.kill_leader and leaders and leaders[0] not in doomed:
+        doomed[-1] = leaders[0]
+    for worker in doomed:
         if worker.coordinator.leads():
             leader_killed = True
         elif leader_killed is None and worker.coordinator.leads() is False:
