@@ -9,9 +9,9 @@ import re
 from collections import Counter
 
 from kclpy.leases.coordinator import LeaseCoordinator
-from kclpy.leases.lease import SHARD_END
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
+from kclpy.position import SHARD_END
 from tests.support.determinism import Clock
 from tests.support.leases import (
     FAILOVER,
