@@ -105,7 +105,7 @@ def held_lease(table: LeaseTable, key: str) -> tuple[LeaseFence, Checkpointer]:
     taken = table.take(lease, "bench")
     taken.concurrency_token = uuid.uuid4().hex
     held.install(taken, time.monotonic())
-    return fence, Checkpointer(key, fence, taken.concurrency_token, taken.position)
+    return fence, Checkpointer(key, fence, taken.concurrency_token, taken.checkpoint)
 
 
 def run_stateful(url: str, pages: list[list[Record]]) -> Side:

@@ -266,7 +266,7 @@ class ShardConsumer:
         """The shard's checkpoint: the processor's last, else the lease's."""
         if self._checkpointer is not None:
             return self._checkpointer.position
-        return self._lease.position
+        return self._lease.checkpoint
 
     # -- the delivery thread -----------------------------------------------------------------
 
@@ -282,7 +282,7 @@ class ShardConsumer:
                         self._set_state(ConsumerState.PROCESSING)
                         self._drain_recovery()
                     self.caught_up = self.shard_ended = True
-                elif self._initialize(self._lease.position):
+                elif self._initialize(self._lease.checkpoint):
                     self._set_state(ConsumerState.PROCESSING)
                     self._process_loop()
         except FatalProcessorError as exc:

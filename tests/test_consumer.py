@@ -86,7 +86,7 @@ def run_consumer(pages: list[Result], processors: list[Recorder], *, lease: Leas
             on_end.append((shard_id, list(children)))
 
     consumer = ShardConsumer(
-        lease or Lease("shard-1", lease_owner="w", checkpoint="TRIM_HORIZON"),
+        lease or Lease("shard-1", lease_owner="w", checkpoint=Position.trim_horizon()),
         concurrency_token="t", processor_factory=lambda: next(made),
         checkpoint_writer=writer, lease_reader=leases or Leases(), fetcher_factory=fetcher_factory,
         on_shard_end=shard_end, settings=settings, metrics=metrics or Metrics(),
@@ -181,7 +181,7 @@ def test_the_processor_gets_lease_lost_when_the_consumer_fails() -> None:
             raise RuntimeError("fetching stopped")
 
     consumer = ShardConsumer(
-        Lease("shard-1", lease_owner="w", checkpoint="TRIM_HORIZON"), concurrency_token="t",
+        Lease("shard-1", lease_owner="w"), concurrency_token="t",
         processor_factory=lambda: Recorder(log), checkpoint_writer=Writer(),
         lease_reader=Leases(), fetcher_factory=lambda *_: Broken([], ("TRIM_HORIZON", 0)),
         on_shard_end=lambda *_: None, settings=SETTINGS, metrics=Metrics())
@@ -317,14 +317,14 @@ def test_failed_batch_is_not_checkpointed_by_shutdown_requested() -> None:
 
 def test_waits_for_parents_until_shard_end() -> None:
     log: list[object] = []
-    parent = Lease("shard-0", checkpoint="123")
+    parent = Lease("shard-0", checkpoint=Position("123"))
     leases = Leases({"shard-0": parent})
     lease = Lease("shard-1", parent_shard_ids=frozenset({"shard-0", "gone"}))
     consumer, _, _ = run_consumer([Result([rec(1)]), Result([], shard_end=True)],
                                   [Recorder(log)], lease=lease, leases=leases, wait=False)
     threading.Event().wait(0.1)
     assert consumer.state is ConsumerState.WAITING_ON_PARENTS and log == []
-    leases.leases["shard-0"] = parent.copy(checkpoint="SHARD_END")
+    leases.leases["shard-0"] = parent.copy(checkpoint=Position.shard_end())
     assert consumer.join(5)
     assert log[0] == ("init", "TRIM_HORIZON", 0)
 
@@ -332,7 +332,7 @@ def test_waits_for_parents_until_shard_end() -> None:
 def test_lease_already_at_shard_end_needs_no_processor() -> None:
     log: list[object] = []
     consumer, writer, fetchers = run_consumer(
-        [], [Recorder(log)], lease=Lease("shard-1", checkpoint="SHARD_END"))
+        [], [Recorder(log)], lease=Lease("shard-1", checkpoint=Position.shard_end()))
     assert log == [] and fetchers == [] and consumer.shard_ended
 
 
@@ -393,7 +393,7 @@ def test_latest_is_resolved_once_kept_in_the_lease_and_reused_by_a_restart() -> 
     keeper = StartKeeper()
     starts: list[datetime | None] = []
     pages = [Result([rec(1)]), Result([], shard_end=True)]
-    consumer = latest_consumer(Lease("shard-1", lease_owner="w", checkpoint="LATEST"),
+    consumer = latest_consumer(Lease("shard-1", lease_owner="w", checkpoint=Position.latest()),
                                [Crashing(log), Recorder(log)], keeper, starts, pages)
     consumer.start()
     assert consumer.join(10)
@@ -406,7 +406,8 @@ def test_latest_is_resolved_once_kept_in_the_lease_and_reused_by_a_restart() -> 
 def test_a_start_kept_in_the_lease_is_used_as_it_is() -> None:
     keeper = StartKeeper()
     starts: list[datetime | None] = []
-    lease = Lease("shard-1", lease_owner="w", checkpoint="LATEST", start_at_ms=1_600_000_000_000)
+    lease = Lease("shard-1", lease_owner="w", checkpoint=Position.latest(),
+                  start_at_ms=1_600_000_000_000)
     consumer = latest_consumer(lease, [Recorder([])], keeper, starts,
                                [Result([], shard_end=True)])
     consumer.start()

@@ -16,12 +16,13 @@ from botocore.exceptions import ClientError
 
 import kclpy
 from kclpy import Worker
-from kclpy.leases.lease import TRIM_HORIZON, Lease
+from kclpy.leases.lease import Lease
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.ops import control, serve_worker
 from kclpy.ops.inspect import read_worker
 from kclpy.ops.position import parse_position
+from kclpy.position import TRIM_HORIZON, Position
 from kclpy.recovery import queue as gaps
 from kclpy.recovery import requests as asked
 from kclpy.retrieval.parse import get_records
@@ -155,7 +156,7 @@ def test_set_to_a_sequence_number_is_conditional_and_dry_run_writes_nothing(
     written = put_plain(kinesis, stream, [f"r{i}".encode() for i in range(6)])
     sequences = [seq for _, seq in written]
     app, table = lease_table(moto_server.url, Lease(SHARD, lease_counter=7,
-                                                    checkpoint=sequences[5],
+                                                    checkpoint=Position(sequences[5]),
                                                     owner_switches_since_checkpoint=2))
     code, out, _ = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
                                   "--shard-id", SHARD, "--to", sequences[2], "--dry-run",
@@ -164,7 +165,7 @@ def test_set_to_a_sequence_number_is_conditional_and_dry_run_writes_nothing(
     (planned,) = json.loads(out)["shards"]
     assert planned["to"] == {"checkpoint": sequences[2], "sub_sequence_number": 0}
     assert planned["written"] is False
-    assert table.get(SHARD) == Lease(SHARD, lease_counter=7, checkpoint=sequences[5],
+    assert table.get(SHARD) == Lease(SHARD, lease_counter=7, checkpoint=Position(sequences[5]),
                                      owner_switches_since_checkpoint=2)
 
     code, out, _ = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
@@ -174,7 +175,7 @@ def test_set_to_a_sequence_number_is_conditional_and_dry_run_writes_nothing(
     after = table.get(SHARD)
     assert after is not None
     assert (after.checkpoint, after.lease_counter, after.owner_switches_since_checkpoint) == (
-        sequences[2], 8, 0)
+        Position(sequences[2]), 8, 0)
 
 
 @pytest.mark.integration
@@ -197,20 +198,20 @@ def test_a_time_resolves_to_the_last_record_before_it(
     everything = arrivals(kinesis, stream)
     first_at_or_after = next(seq for seq, ms in everything if ms >= cut[1])
     expected = everything[[seq for seq, _ in everything].index(first_at_or_after) - 1][0]
-    app, table = lease_table(moto_server.url, Lease(SHARD, checkpoint="TRIM_HORIZON"))
+    app, table = lease_table(moto_server.url, Lease(SHARD, checkpoint=Position.trim_horizon()))
     when = datetime.fromtimestamp(cut[1] / 1000, timezone.utc).isoformat(
         timespec="milliseconds")
     code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
                                     "--shard-id", SHARD, "--to", when)
     assert code == 0, err
     lease = table.get(SHARD)
-    assert lease is not None and lease.checkpoint == expected
+    assert lease is not None and lease.checkpoint.sequence_number == expected
     # A time before every record is the shard's beginning.
     code, _, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
                                   "--shard-id", SHARD, "--to", "2001-01-01T00:00:00Z")
     assert code == 0, err
     lease = table.get(SHARD)
-    assert lease is not None and lease.checkpoint == "TRIM_HORIZON"
+    assert lease is not None and lease.checkpoint == Position.trim_horizon()
 
 
 @pytest.mark.integration
@@ -218,13 +219,13 @@ def test_a_held_lease_is_refused_naming_the_holder_and_nothing_is_written(
         capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
         moto_server: LocalEndpoint, stream: str) -> None:
     app, table = lease_table(moto_server.url, Lease(SHARD, lease_owner="worker-a",
-                                                    lease_counter=3, checkpoint="LATEST"))
+                                                    lease_counter=3, checkpoint=Position.latest()))
     code, _, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
                                   "--all-shards", "--to", "TRIM_HORIZON")
     assert code == 1
     assert "worker-a" in err and "--force" in err
     assert table.get(SHARD) == Lease(SHARD, lease_owner="worker-a", lease_counter=3,
-                                     checkpoint="LATEST")
+                                     checkpoint=Position.latest())
 
 
 @pytest.mark.integration
@@ -288,7 +289,7 @@ def test_forced_move_resumes_a_running_worker_right_after_the_new_position(
     table = LeaseTable(dynamodb_client(moto_server.url), config.application_name)
     with running(worker):
         wait_for(lambda: (lease := current(table)) is not None
-                 and lease.checkpoint == first[-1], 60, "all first records checkpointed")
+                 and lease.checkpoint == Position(first[-1]), 60, "all first records checkpointed")
         code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server,
                                         config.application_name, stream, "--shard-id", SHARD,
                                         "--to", first[2])
@@ -329,7 +330,7 @@ def test_a_parked_shard_is_left_alone_until_resumed_then_starts_at_its_checkpoin
         before = [seq for shard, seq in put_plain(kinesis, stream, [b"x"] * 40,
                                                   [str(i) for i in range(40)]) if shard == SHARD]
         wait_for(lambda: (lease := current(table)) is not None and lease.lease_owner
-                 and lease.checkpoint == before[-1], 60, "the shard checkpointed")
+                 and lease.checkpoint.sequence_number == before[-1], 60, "the shard checkpointed")
         code, out, err = run_cli(capsys, "shard", "park", *cli, "--reason", "poison")
         assert code == 0, err
         wait_for(lambda: ("lease_lost", "") in journal.of(SHARD), 60, "lease_lost")
@@ -437,7 +438,7 @@ def test_the_park_policy_parks_a_failing_shard_and_the_rest_keeps_running(
         good = [seq for shard, seq in put_plain(kinesis, stream, [b"ok"] * 40,
                                                 [str(i) for i in range(40)]) if shard == SHARD]
         wait_for(lambda: (lease := current(table)) is not None
-                 and lease.checkpoint == good[-1], 60, "the shard checkpointed")
+                 and lease.checkpoint.sequence_number == good[-1], 60, "the shard checkpointed")
         broken.set()
         written = put_plain(kinesis, stream, [b"x"] * 40, [str(i) for i in range(40)])
         on_parked = [seq for shard, seq in written if shard == SHARD]
@@ -449,7 +450,7 @@ def test_the_park_policy_parks_a_failing_shard_and_the_rest_keeps_running(
         parked = wait_for(parked_lease, 60, "the shard parked")
         marker = json.loads(parked.parked or "")
         assert marker["attempts"] == 3 and "ValueError: cannot parse record" in marker["error"]
-        assert parked.checkpoint == good[-1]
+        assert parked.checkpoint.sequence_number == good[-1]
         wait_for(lambda: journal.records_since_last_initialize(other)[-1:] == on_other[-1:],
                  60, "the other shard processed")
         wait_for(lambda: scrape(server).get(("kclpy_shards_parked", ())) == 1, 60,
@@ -508,7 +509,7 @@ def test_a_backfill_is_read_by_the_shards_holder_without_the_lease_changing_hand
 
     with running(worker):
         wait_for(lambda: (lease := current(table)) is not None
-                 and lease.checkpoint == sequences[-1], 60, "every record checkpointed")
+                 and lease.checkpoint == Position(sequences[-1]), 60, "every record checkpointed")
         held = current(table)
         holder = None if held is None else held.lease_owner
         assert holder is not None
@@ -564,7 +565,7 @@ def test_recovery_cancel_drops_a_queued_gap_and_bad_ranges_name_the_argument(
         moto_server: LocalEndpoint, stream: str) -> None:
     kinesis = kinesis_client(kinesis_mock.url)
     sequences = [seq for _, seq in put_plain(kinesis, stream, [b"a", b"b", b"c"], ["k"] * 3)]
-    app, table = lease_table(moto_server.url, Lease(SHARD, checkpoint=sequences[-1]))
+    app, table = lease_table(moto_server.url, Lease(SHARD, checkpoint=Position(sequences[-1])))
     cli = ["--application-name", app, "--shard-id", SHARD,
            *endpoints(kinesis_mock, moto_server)]
     code, _, err = run_cli(capsys, "recovery", "add", *cli, "--stream-name", stream,
@@ -584,7 +585,8 @@ def test_recovery_cancel_drops_a_queued_gap_and_bad_ranges_name_the_argument(
     code, out, err = run_cli(capsys, "recovery", "cancel", *cli, "--gap", "1")
     assert code == 0, err
     lease = table.get(SHARD)
-    assert lease is not None and lease.recovery is None and lease.checkpoint == sequences[-1]
+    assert lease is not None and lease.recovery is None
+    assert lease.checkpoint == Position(sequences[-1])
 
 
 # -- data lost to retention ------------------------------------------------------------------
@@ -607,7 +609,7 @@ def test_a_checkpoint_past_retention_is_logged_counted_and_optionally_parks(
                            fail_on_data_loss=fail_on_data_loss)
     table = LeaseTable(dynamodb_client(moto_server.url), config.application_name)
     table.create_if_missing()
-    table.create(Lease(SHARD, checkpoint=start))
+    table.create(Lease(SHARD, checkpoint=Position(start)))
     journal = Journal()
     worker = Worker(config, lambda: JournalProcessor(journal))
     with serve_worker(worker, lag_window_s=None) as server, running(worker), \
@@ -626,7 +628,7 @@ def test_a_checkpoint_past_retention_is_logged_counted_and_optionally_parks(
     if fail_on_data_loss:
         assert not [kind for kind, _ in journal.of(SHARD) if kind == "record"]
         lease = current(table)
-        assert lease is not None and lease.checkpoint == start
+        assert lease is not None and lease.checkpoint.sequence_number == start
         assert "fail_on_data_loss" in (lease.parked or "")
 
 
@@ -648,14 +650,15 @@ def test_an_exactly_once_applications_sql_position_moves_with_the_checkpoint(
         conn.execute(sa.insert(store.checkpoints).values(
             lease_key=SHARD, tenure=4, checkpoint=sequences[3], sub_sequence_number=0))
     app, table = lease_table(moto_server.url, Lease(SHARD, lease_counter=6,
-                                                    checkpoint=sequences[3]))
+                                                    checkpoint=Position(sequences[3])))
     code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
                                     "--shard-id", SHARD, "--to", sequences[0],
                                     "--state-store", url)
     assert code == 0, err
     lease = table.get(SHARD)
     assert lease is not None
-    assert (lease.checkpoint, lease.parked, lease.lease_counter) == (sequences[0], None, 8)
+    assert (lease.checkpoint, lease.parked) == (Position(sequences[0]), None)
+    assert lease.lease_counter == 8
     with store.engine.connect() as conn:
         row = conn.execute(sa.select(store.checkpoints)).one()
     assert (row.checkpoint, row.sub_sequence_number, row.tenure) == (sequences[0], 0, 7)
@@ -682,7 +685,7 @@ def test_replay_from_a_time_moves_every_shard_of_a_running_worker(
         later = put_plain(kinesis, stream, [b"late"] * 20, [str(i) for i in range(20)])
         last = {key: [s for k, s in later if k == key][-1] for key in shards}
         wait_for(lambda: all((lease := current(table, key)) is not None
-                             and lease.checkpoint == last[key] for key in shards),
+                             and lease.checkpoint.sequence_number == last[key] for key in shards),
                  60, "every record checkpointed")
         # Replay from the time the first later record of shard 0 arrived.
         first_late = next(s for k, s in later if k == SHARD)

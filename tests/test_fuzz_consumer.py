@@ -27,9 +27,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kclpy.consumer import ConsumerSettings, ShardConsumer
-from kclpy.leases.lease import SHARD_END, Lease
+from kclpy.leases.lease import Lease
 from kclpy.metrics import Metrics
-from kclpy.position import Position
+from kclpy.position import SHARD_END, Position
 from kclpy.processor import (
     InitializeInput,
     IRecordProcessor,

@@ -21,6 +21,7 @@ from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.ops import serve_worker
 from kclpy.ops.inspect import parse_args, run_status
+from kclpy.position import Position
 from tests.support.cli import endpoints, run_cli
 from tests.support.e2e import worker_config
 from tests.support.recording import Ledger, RecordingProcessor
@@ -49,14 +50,15 @@ def lease_table(moto_server: LocalEndpoint) -> str:
     client = dynamodb_client(moto_server.url)
     table = LeaseTable(client, name)
     table.create_if_missing()
-    table.create(Lease("shardId-000000000000", checkpoint="SHARD_END",
+    table.create(Lease("shardId-000000000000", checkpoint=Position.shard_end(),
                        child_shard_ids=frozenset({"shardId-000000000001",
                                                   "shardId-000000000002"})))
     table.create(Lease("shardId-000000000001", lease_owner="worker-a", lease_counter=41,
-                       checkpoint="49590338271490256608559692538361571095921575989136588898",
-                       checkpoint_sub_sequence_number=3, owner_switches_since_checkpoint=2,
+                       checkpoint=Position(
+                           "49590338271490256608559692538361571095921575989136588898", 3),
+                       owner_switches_since_checkpoint=2,
                        parent_shard_ids=frozenset({"shardId-000000000000"})))
-    table.create(Lease("shardId-000000000002", checkpoint="TRIM_HORIZON",
+    table.create(Lease("shardId-000000000002", checkpoint=Position.trim_horizon(),
                        parent_shard_ids=frozenset({"shardId-000000000000"})))
     client.update_item(TableName=name, Key={"leaseKey": {"S": "shardId-000000000001"}},
                        UpdateExpression="SET throughputKBps = :t",
@@ -321,7 +323,7 @@ def test_watch_prints_the_sliding_window_after_every_sample(
     table = LeaseTable(dynamodb_client(moto_server.url), name)
     table.create_if_missing()
     shard_id = kinesis.list_shards(StreamName=stream)["Shards"][0]["ShardId"]
-    table.create(Lease(shard_id, checkpoint="TRIM_HORIZON"))
+    table.create(Lease(shard_id, checkpoint=Position.trim_horizon()))
     clock = FakeClock()
     args = parse_args(["status", "--application-name", name, "--stream-name", stream,
                        "--watch", "--count", "3", "--window-seconds", "60", "--samples", "3",
@@ -357,8 +359,8 @@ def test_status_lists_unleased_shards_and_unlisted_leases_without_judging_them(
     name = unique_name("partial")
     table = LeaseTable(dynamodb_client(moto_server.url), name)
     table.create_if_missing()
-    table.create(Lease(leased, lease_owner="w-7", checkpoint="TRIM_HORIZON"))
-    table.create(Lease("shardId-000000000999", checkpoint="SHARD_END"))
+    table.create(Lease(leased, lease_owner="w-7", checkpoint=Position.trim_horizon()))
+    table.create(Lease("shardId-000000000999", checkpoint=Position.shard_end()))
     clock = FakeClock()
     args = parse_args(["status", "--application-name", name, "--stream-name", stream,
                        "--window-seconds", "10", "--samples", "2", "--records-limit", "2",

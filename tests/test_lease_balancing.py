@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kclpy.leases.balancing import Balancer
-from kclpy.leases.lease import SHARD_END, Lease
+from kclpy.leases.lease import Lease
+from kclpy.position import Position
 
 FAILOVER = 10.0
 
@@ -169,8 +170,8 @@ def test_very_old_leases_are_taken_regardless_of_target_up_to_the_maximum() -> N
 
 def test_shard_end_and_unknown_leases_are_never_taken_nor_counted() -> None:
     t = taker()
-    finished = [Lease("done", lease_counter=1, checkpoint=SHARD_END)]
-    busy = [Lease("busy-done", lease_owner="w2", checkpoint=SHARD_END)]
+    finished = [Lease("done", lease_counter=1, checkpoint=Position.shard_end())]
+    busy = [Lease("busy-done", lease_owner="w2", checkpoint=Position.shard_end())]
     t.observe(finished + busy + owned(None, "a", "b", "gone"), now=0.0)
     assert plan_for(t, 0.0, known={"a", "b", "done", "busy-done"}) == (["a", "b"], [])
 

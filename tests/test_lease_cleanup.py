@@ -13,17 +13,17 @@ from moto import mock_aws
 
 from kclpy.leases.cleanup import deletable, has_progressed
 from kclpy.leases.coordinator import LeaseCoordinator
-from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON, Lease
+from kclpy.leases.lease import Lease
 from kclpy.leases.shard_sync import Shard, ShardSyncer, plan_new_leases
 from kclpy.leases.table import LeaseTable
-from kclpy.position import Position
+from kclpy.position import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON, Position
 
 
 def lease(key: str, checkpoint: str = TRIM_HORIZON, **fields: Any) -> Lease:
     for name in ("parent_shard_ids", "child_shard_ids"):
         if name in fields:
             fields[name] = frozenset(fields[name])
-    return Lease(key, checkpoint=checkpoint, **fields)
+    return Lease(key, checkpoint=Position(checkpoint), **fields)
 
 
 def keys(leases: list[Lease]) -> list[str]:

@@ -49,7 +49,7 @@ def test_update_checkpoint_writes_and_counts_as_a_renewal(table: LeaseTable, clo
     clock.advance(FAILOVER * 0.9)
     a.fence.update_checkpoint("s1", token, Position("4959000", 3))
     stored = fetch(table, "s1")
-    assert (stored.checkpoint, stored.checkpoint_sub_sequence_number) == ("4959000", 3)
+    assert stored.checkpoint == Position("4959000", 3)
     assert a.get_held("s1") == stored
     # the checkpoint refreshed the lease: a failing renewer does not drop it yet
     client = table.client
@@ -68,7 +68,7 @@ def test_checkpoint_with_a_stale_token_or_an_unheld_lease_is_refused(
         a.fence.update_checkpoint("s1", "another-tenure", Position("1"))
     with pytest.raises(ShutdownException):
         a.fence.update_checkpoint("other-shard", token, Position("1"))
-    assert fetch(table, "s1").checkpoint == "TRIM_HORIZON"
+    assert fetch(table, "s1").checkpoint == Position.trim_horizon()
     a.release("s1")
     with pytest.raises(ShutdownException):
         a.fence.update_checkpoint("s1", token, Position("1"))
@@ -84,7 +84,7 @@ def test_checkpoint_after_the_lease_was_taken_drops_it_and_notifies(
         a.fence.update_checkpoint("s1", token, Position("123"))
     assert lost.shards == ["s1"]
     assert a.held_leases() == {}
-    assert fetch(table, "s1").checkpoint == "777"
+    assert fetch(table, "s1").checkpoint.sequence_number == "777"
 
 
 def test_a_retaken_lease_gets_a_new_token_and_old_checkpointers_are_fenced(
@@ -145,7 +145,7 @@ def test_checkpoints_racing_renewals_always_use_the_freshest_counter(
     assert lost.shards == []
     stored = fetch(table, "s1")
     assert stored.lease_counter == 1 + 2 * rounds
-    assert stored.checkpoint == str(1000 + rounds - 1)
+    assert stored.checkpoint.sequence_number == str(1000 + rounds - 1)
 
 
 # -- releasing and the threads -----------------------------------------------------------------
@@ -281,7 +281,7 @@ def test_over_http_three_workers_share_and_fence(moto_url: str) -> None:
     a.fence.update_checkpoint(shard, lease.concurrency_token, Position("12345"))
     with pytest.raises(ShutdownException):
         b.fence.update_checkpoint(shard, lease.concurrency_token, Position("99999"))
-    assert fetch(table, shard).checkpoint == "12345"
+    assert fetch(table, shard).checkpoint.sequence_number == "12345"
 
 
 def test_healthy_only_while_renewals_run() -> None:

@@ -165,7 +165,7 @@ def test_a_zombies_write_is_rejected_and_reported_lost(table: LeaseTable, clock:
         zombie.fence.update_checkpoint("s1", token, Position("100"))
     assert zombie.lost.keys == ["s1"]
     assert zombie.held.get("s1") is None
-    assert (stored(table).checkpoint, stored(table).lease_owner) == ("900", "B")
+    assert (stored(table).checkpoint.sequence_number, stored(table).lease_owner) == ("900", "B")
 
 
 def test_a_suspended_holder_does_not_even_try_after_the_failover_time(
@@ -287,7 +287,7 @@ def test_an_earlier_tenures_token_is_refused_without_a_request(
         a.fence.update_checkpoint("s1", old, Position("5"))
     assert client.calls.get("update_item", 0) == before
     a.fence.update_checkpoint("s1", new, Position("5"))
-    assert stored(table).checkpoint == "5"
+    assert stored(table).checkpoint.sequence_number == "5"
 
 
 def test_writes_racing_renewals_always_condition_on_the_freshest_counter(
@@ -321,7 +321,7 @@ def test_a_throttled_write_is_retried_and_keeps_the_fence(
     token = a.take("s1")
     client.failures["update_item"] = [throttled(), throttled()]
     a.fence.update_checkpoint("s1", token, Position("10"))  # the third attempt goes through
-    assert stored(table).checkpoint == "10" and a.lost.keys == []
+    assert stored(table).checkpoint.sequence_number == "10" and a.lost.keys == []
     # throttled on every attempt: an error the processor may retry, the lease still held
     client.failures["update_item"] = [throttled()] * 3
     with pytest.raises(ThrottlingException):
@@ -332,7 +332,7 @@ def test_a_throttled_write_is_retried_and_keeps_the_fence(
     client.failures["update_item"] = [throttled()]
     with pytest.raises(ShutdownException):
         a.fence.update_checkpoint("s1", token, Position("12"))
-    assert stored(table).checkpoint == "10"
+    assert stored(table).checkpoint.sequence_number == "10"
 
 
 def test_a_write_that_discovers_a_handoff_request_is_repeated_as_the_handing_off_holder(
@@ -345,7 +345,8 @@ def test_a_write_that_discovers_a_handoff_request_is_repeated_as_the_handing_off
     assert a.asked.keys == ["s1"] and a.lost.keys == []
     assert a.held.handing_off("s1")
     lease = stored(table)
-    assert (lease.checkpoint, lease.lease_owner, lease.checkpoint_owner) == ("77", "B", "A")
+    assert lease.checkpoint == Position("77")
+    assert (lease.lease_owner, lease.checkpoint_owner) == ("B", "A")
     a.fence.release("s1")
     assert (stored(table).lease_owner, stored(table).checkpoint_owner) == ("B", None)
 
@@ -360,10 +361,10 @@ def test_a_transaction_commits_state_and_checkpoint_together(
     token = a.take("s1")
     fresh = a.fence.transact(
         "s1", token, checkpoint_changes(Position("500", 2)), [put_state("x", "1")], what="commit",
-        apply=lambda lease: lease.copy(checkpoint="500", checkpoint_sub_sequence_number=2))
+        apply=lambda lease: lease.copy(checkpoint=Position("500", 2)))
     assert state(client, "x") == "1"
     lease = stored(table)
-    assert (lease.checkpoint, lease.checkpoint_sub_sequence_number) == ("500", 2)
+    assert lease.checkpoint == Position("500", 2)
     assert fresh == lease
     assert a.held.get("s1") == lease
 
@@ -380,7 +381,7 @@ def test_a_zombies_transaction_is_rejected_state_included(
                               [put_state("x", "zombie")], what="commit")
     assert state(client, "x") is None, "the state write was rejected with the checkpoint"
     assert zombie.lost.keys == ["s1"]
-    assert stored(table).checkpoint == "TRIM_HORIZON"
+    assert stored(table).checkpoint == Position.trim_horizon()
 
 
 def test_a_transaction_refused_by_its_own_items_keeps_the_lease(
@@ -396,7 +397,7 @@ def test_a_transaction_refused_by_its_own_items_keeps_the_lease(
                          what="commit")
     assert raised.value.reasons[1]["Code"] == "ConditionalCheckFailed"
     assert a.lost.keys == [] and a.held.get("s1") is not None
-    assert stored(table).checkpoint == "TRIM_HORIZON" and state(client, "x") is None
+    assert stored(table).checkpoint == Position.trim_horizon() and state(client, "x") is None
     # the lease's counter did not move, so the next write still goes through
     a.fence.update_checkpoint("s1", token, Position("601"))
 
@@ -410,7 +411,7 @@ def test_a_throttled_transaction_is_retried(
     client.failures["transact_write_items"] = [transaction_throttled()]
     a.fence.transact("s1", token, checkpoint_changes(Position("700")), [put_state("y", "1")],
                      what="commit")
-    assert state(client, "y") == "1" and stored(table).checkpoint == "700"
+    assert state(client, "y") == "1" and stored(table).checkpoint.sequence_number == "700"
     assert client.calls["transact_write_items"] == 2
 
 
@@ -464,7 +465,8 @@ def test_a_deleted_leases_holder_cannot_write_into_the_lease_created_again(
         stale.fence.update_checkpoint("s2", stale_token, Position("100"))
     fresh.fence.update_checkpoint("s2", fresh_token, Position("200"))
     lease = table.get("s2")
-    assert lease is not None and (lease.checkpoint, lease.incarnation) == ("200", "0:1000:second")
+    assert lease is not None
+    assert (lease.checkpoint, lease.incarnation) == (Position("200"), "0:1000:second")
 
 
 # -- over HTTP -------------------------------------------------------------------------------
@@ -487,6 +489,6 @@ def test_over_http_a_zombie_transaction_is_rejected(moto_server: LocalEndpoint) 
     thief.fence.transact("s1", thief_token, checkpoint_changes(Position("30")),
                          [put_state("x", "b", f"state-{suffix}")], what="commit")
     assert state(client, "x", f"state-{suffix}") == "b"
-    assert stored(table).checkpoint == "30"
+    assert stored(table).checkpoint.sequence_number == "30"
     assert zombie.lost.keys == ["s1"]
 

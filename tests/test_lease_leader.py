@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, cast
 from kclpy.leases.leader import LeaderLock, live_workers, plan
 from kclpy.leases.lease import Lease
 from kclpy.leases.load import LEADER_ITEM, WORKER_ID, LoadSettings, LoadTable, WorkerLoad
+from kclpy.position import Position
 from tests.simulation.aws import Dynamo
 from tests.simulation.scheduler import Sim
 
@@ -79,7 +80,7 @@ def test_what_the_leader_leaves_alone() -> None:
         _lease("x1", "java", counter=7), _lease("r1", "b"), _lease("r2", "b"),
     ]
     done = _lease("f1")
-    done.checkpoint = "SHARD_END"
+    done.checkpoint = Position.shard_end()
     parked = _lease("p1")
     parked.parked = "operator"
     decided = plan([*leases, done, parked, _lease("u1")], live,

@@ -157,7 +157,7 @@ def test_a_worker_suspended_past_the_failover_time_holds_nothing_and_writes_noth
     assert lost.shards == ["s1"]
     a.run_renewer_once()
     assert updates(metrics) == written, "nor is the lease renewed"
-    assert fetch(table, "s1").checkpoint == "TRIM_HORIZON"
+    assert fetch(table, "s1").checkpoint == Position.trim_horizon()
 
 
 def test_shard_sync_can_reuse_the_takers_scan(table: LeaseTable, clock: Clock) -> None:

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON, Lease
+from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import UpdateBuilder, lease_from_item, lease_to_new_item, n, s, ss
+from kclpy.position import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON, Position
 
 JAVA_ITEM: dict[str, Any] = {
     "leaseKey": {"S": "shardId-000000000007"},
@@ -37,10 +38,8 @@ def test_reads_every_java_attribute() -> None:
         lease_key="shardId-000000000007",
         lease_owner="ip-10-0-0-1.ec2.internal:4f9c0e2a",
         lease_counter=1234,
-        checkpoint="49590338271490256608559692538361571095921575989136588898",
-        checkpoint_sub_sequence_number=7,
-        pending_checkpoint="49590338271490256608559692538361571095921575989136589000",
-        pending_checkpoint_sub_sequence_number=2,
+        checkpoint=Position("49590338271490256608559692538361571095921575989136588898", 7),
+        pending_checkpoint=Position("49590338271490256608559692538361571095921575989136589000", 2),
         pending_checkpoint_state=b"\x00\x01state",
         owner_switches_since_checkpoint=3,
         parent_shard_ids=frozenset({"shardId-000000000001", "shardId-000000000002"}),
@@ -50,6 +49,14 @@ def test_reads_every_java_attribute() -> None:
         checkpoint_owner="old-worker",
     )
     assert lease.concurrency_token is None
+
+
+def test_a_java_item_is_written_back_as_java_wrote_it() -> None:
+    """The checkpoint and the pending checkpoint are one value each in the lease and two
+    attributes each in the item: the same two, with the same values, both ways."""
+    item = lease_to_new_item(lease_from_item(JAVA_ITEM))
+    assert item == {name: value for name, value in JAVA_ITEM.items()
+                    if name not in ("throughputKBps", "someFutureAttribute")}
 
 
 @pytest.mark.parametrize("sentinel", [TRIM_HORIZON, LATEST, AT_TIMESTAMP, SHARD_END])
@@ -62,7 +69,7 @@ def test_reads_sentinel_checkpoints(sentinel: str) -> None:
             "checkpointSubSequenceNumber": {"N": "0"},
         }
     )
-    assert lease.checkpoint == sentinel
+    assert lease.checkpoint.sequence_number == sentinel
     assert lease.is_shard_end == (sentinel == SHARD_END)
 
 
@@ -70,17 +77,16 @@ def test_minimal_unowned_item_gets_defaults() -> None:
     lease = lease_from_item({"leaseKey": {"S": "shardId-0"}, "leaseCounter": {"N": "5"}})
     assert lease.lease_owner is None
     assert lease.lease_counter == 5
-    assert lease.checkpoint == TRIM_HORIZON
+    assert lease.checkpoint == Position.trim_horizon()
     assert lease.parent_shard_ids == frozenset()
     assert lease.pending_checkpoint is None
-    assert lease.pending_checkpoint_sub_sequence_number is None
 
 
 def test_pending_sub_sequence_without_pending_checkpoint_is_ignored() -> None:
     lease = lease_from_item(
         {"leaseKey": {"S": "k"}, "pendingCheckpointSubSequenceNumber": {"N": "4"}}
     )
-    assert lease.pending_checkpoint_sub_sequence_number is None
+    assert lease.pending_checkpoint is None
 
 
 def test_item_without_string_lease_key_is_rejected() -> None:
@@ -89,7 +95,7 @@ def test_item_without_string_lease_key_is_rejected() -> None:
 
 
 def test_new_item_has_java_attribute_names_and_omits_unset_optionals() -> None:
-    item = lease_to_new_item(Lease("shardId-1", checkpoint=LATEST))
+    item = lease_to_new_item(Lease("shardId-1", checkpoint=Position.latest()))
     assert item == {
         "leaseKey": {"S": "shardId-1"},
         "leaseCounter": {"N": "0"},
@@ -111,22 +117,20 @@ _optional_numbers = st.one_of(st.none(), st.integers(min_value=0, max_value=2**6
 @st.composite
 def leases(draw: st.DrawFn) -> Lease:
     pending = draw(st.one_of(st.none(), st.integers(min_value=0).map(str)))
+    pending_sub = draw(st.integers(min_value=0, max_value=2**31))
     hash_keys = draw(st.one_of(st.none(), st.tuples(_ids, _ids)))
     return Lease(
         lease_key=draw(_ids),
         lease_owner=draw(st.one_of(st.none(), _ids)),
         lease_counter=draw(st.integers(min_value=0, max_value=2**63)),
-        checkpoint=draw(
-            st.one_of(
+        checkpoint=Position(
+            draw(st.one_of(
                 st.sampled_from([TRIM_HORIZON, LATEST, AT_TIMESTAMP, SHARD_END]),
                 st.integers(min_value=0, max_value=10**60).map(str),
-            )
+            )),
+            draw(st.integers(min_value=0, max_value=2**31)),
         ),
-        checkpoint_sub_sequence_number=draw(st.integers(min_value=0, max_value=2**31)),
-        pending_checkpoint=pending,
-        pending_checkpoint_sub_sequence_number=(
-            None if pending is None else draw(st.integers(min_value=0, max_value=2**31))
-        ),
+        pending_checkpoint=None if pending is None else Position(pending, pending_sub),
         pending_checkpoint_state=draw(st.one_of(st.none(), st.binary(max_size=16))),
         owner_switches_since_checkpoint=draw(st.integers(min_value=0, max_value=1000)),
         parent_shard_ids=draw(st.frozensets(_ids, max_size=2)),

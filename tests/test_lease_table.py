@@ -14,11 +14,11 @@ from moto import mock_aws
 
 from kclpy.errors import LeaseLostError
 from kclpy.leases.dynamo import LeaseTableThrottled
-from kclpy.leases.lease import SHARD_END, TRIM_HORIZON, Lease, new_incarnation
+from kclpy.leases.lease import Lease, new_incarnation
 from kclpy.leases.table import LeaseChanged, LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
-from kclpy.position import Position
+from kclpy.position import SHARD_END, TRIM_HORIZON, Position
 
 REGION = "us-east-1"
 
@@ -194,15 +194,15 @@ def test_reads_java_items_with_sentinels_sub_sequences_and_parents(table: LeaseT
     first = leases["shardId-000000000001"]
     assert first.lease_owner == "java-worker"
     assert first.lease_counter == 41
-    assert first.checkpoint == "49590338271490256608559692538361571095921575989136588898"
-    assert first.checkpoint_sub_sequence_number == 3
+    assert first.checkpoint == Position(
+        "49590338271490256608559692538361571095921575989136588898", 3)
     assert first.owner_switches_since_checkpoint == 2
     assert first.parent_shard_ids == {"shardId-000000000000"}
     assert first.ending_hash_key == "340282366920938463463374607431768211455"
     assert leases["shardId-000000000002"].is_shard_end
     assert leases["shardId-000000000002"].parent_shard_ids == {"shardId-a", "shardId-b"}
     assert leases["shardId-000000000003"].lease_owner is None
-    assert leases["shardId-000000000003"].checkpoint == TRIM_HORIZON
+    assert leases["shardId-000000000003"].checkpoint.sentinel == TRIM_HORIZON
 
 
 def test_get_returns_none_for_a_missing_lease(table: LeaseTable) -> None:
@@ -249,11 +249,11 @@ def test_list_leases_skips_items_that_are_not_leases(table: LeaseTable) -> None:
 
 
 def test_create_is_conditional_on_absence(table: LeaseTable) -> None:
-    assert table.create(Lease("s", checkpoint="LATEST")) is True
-    assert table.create(Lease("s", checkpoint=TRIM_HORIZON, lease_counter=9)) is False
+    assert table.create(Lease("s", checkpoint=Position.latest())) is True
+    assert table.create(Lease("s", checkpoint=Position.trim_horizon(), lease_counter=9)) is False
     lease = table.get("s")
     assert lease is not None
-    assert (lease.checkpoint, lease.lease_counter) == ("LATEST", 0)
+    assert (lease.checkpoint.sequence_number, lease.lease_counter) == ("LATEST", 0)
 
 
 def test_take_unowned_lease(table: LeaseTable) -> None:
@@ -360,7 +360,7 @@ def test_writes_during_a_handoff_are_fenced_on_the_checkpoint_owner(table: Lease
     renewed = table.renew(handing_off)
     assert renewed.lease_counter == asked.lease_counter + 1
     checkpointed = table.update_checkpoint(renewed, Position("12345"))
-    assert checkpointed.checkpoint == "12345"
+    assert checkpointed.checkpoint.sequence_number == "12345"
     with pytest.raises(LeaseChanged):
         table.renew(renewed.copy(checkpoint_owner="thief"))
 
@@ -391,10 +391,9 @@ def test_update_checkpoint_resets_switches_and_clears_pending(table: LeaseTable)
             pendingCheckpointState={"B": b"state"},
         ),
     )
-    assert lease.pending_checkpoint == "999"
+    assert lease.pending_checkpoint == Position("999", 1)
     updated = table.update_checkpoint(lease, Position("123456789", 5))
-    assert updated.checkpoint == "123456789"
-    assert updated.checkpoint_sub_sequence_number == 5
+    assert updated.checkpoint == Position("123456789", 5)
     assert updated.owner_switches_since_checkpoint == 0
     assert updated.lease_counter == 42
     assert updated.lease_owner == "java-worker"
@@ -412,12 +411,12 @@ def test_update_checkpoint_resets_switches_and_clears_pending(table: LeaseTable)
 def test_update_checkpoint_is_fenced_on_counter_and_owner(table: LeaseTable) -> None:
     lease = put_java(table, java_item("s"))
     with pytest.raises(LeaseLostError):
-        table.update_checkpoint(lease.copy(lease_owner="impostor"), Position(SHARD_END))
+        table.update_checkpoint(lease.copy(lease_owner="impostor"), Position.shard_end())
     table.renew(lease)
     with pytest.raises(LeaseLostError):
-        table.update_checkpoint(lease, Position(SHARD_END))
+        table.update_checkpoint(lease, Position.shard_end())
     current = table.get("s")
-    assert current is not None and current.checkpoint_sub_sequence_number == 3
+    assert current is not None and current.checkpoint.sub_sequence_number == 3
 
 
 def test_set_checkpoint_owner_writes_the_java_3_handoff(table: LeaseTable) -> None:
@@ -572,7 +571,7 @@ def test_over_http_java_items_and_fenced_writes(moto_url: str) -> None:
     table = LeaseTable(client, f"app-{uuid.uuid4().hex}")
     assert table.create_if_missing() is True
     java = put_java(table, java_item("shardId-000000000001"))
-    assert java.checkpoint_sub_sequence_number == 3
+    assert java.checkpoint.sub_sequence_number == 3
 
     taken = table.take(java, "w1")
     renewed = table.renew(taken)
@@ -582,6 +581,6 @@ def test_over_http_java_items_and_fenced_writes(moto_url: str) -> None:
     evicted = table.evict(checkpointed)
     assert evicted.lease_owner is None
     assert evicted.lease_counter == java.lease_counter + 4
-    assert evicted.checkpoint == "4959"
+    assert evicted.checkpoint.sequence_number == "4959"
     assert raw(table, "shardId-000000000001")["javaOnly"] == java_item("x")["javaOnly"]
     assert [lease.lease_key for lease in table.list_leases()] == ["shardId-000000000001"]

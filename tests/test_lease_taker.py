@@ -9,9 +9,9 @@ import re
 from collections import Counter
 
 from kclpy.leases.coordinator import LeaseCoordinator
-from kclpy.leases.lease import SHARD_END
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
+from kclpy.position import Position
 from tests.support.determinism import Clock
 from tests.support.leases import (
     FAILOVER,
@@ -47,7 +47,7 @@ def test_a_lone_worker_takes_every_lease_with_a_fresh_token_each(
 
 
 def test_shard_end_and_unknown_shards_are_not_taken(table: LeaseTable, clock: Clock) -> None:
-    create(table, "done", checkpoint=SHARD_END)
+    create(table, "done", checkpoint=Position.shard_end())
     create(table, "s1", "s2")
     a, _ = coordinator(table, "A", clock)
     a.set_known_lease_keys({"done", "s1"})

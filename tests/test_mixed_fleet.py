@@ -17,7 +17,7 @@ from moto import mock_aws
 from kclpy.leases import cleanup, mixed
 from kclpy.leases.balancing import Balancer
 from kclpy.leases.coordinator import LeaseCoordinator
-from kclpy.leases.lease import SHARD_END, Lease
+from kclpy.leases.lease import Lease
 from kclpy.leases.table import LeaseTable
 from kclpy.position import Position
 from tests.support.determinism import Clock, FirstChoiceRandom
@@ -173,7 +173,7 @@ def test_a_java_take_during_a_kclpy_handoff_leaves_the_lease_with_java(
 
 def test_finished_leases_count_as_java_counts_them_only_with_java_in_the_table() -> None:
     leases = [Lease(f"s{n}", lease_owner="java", lease_counter=1) for n in range(4)]
-    leases += [Lease(f"f{n}", lease_owner="java", lease_counter=1, checkpoint=SHARD_END)
+    leases += [Lease(f"f{n}", lease_owner="java", lease_counter=1, checkpoint=Position.shard_end())
                for n in range(2)]
     balancer = Balancer("K", FAILOVER, rng=FirstChoiceRandom())
     balancer.observe(leases, 0.0)
@@ -205,8 +205,10 @@ def test_with_java_peers_a_lease_free_for_a_failover_time_is_taken_above_target(
 
 
 def test_a_finished_lease_a_java_worker_holds_is_left_to_its_cleanup() -> None:
-    parent = Lease("p", lease_owner="java", checkpoint=SHARD_END, child_shard_ids=frozenset({"c"}))
-    child = Lease("c", lease_owner="K", checkpoint="123", parent_shard_ids=frozenset({"p"}))
+    parent = Lease("p", lease_owner="java", checkpoint=Position.shard_end(),
+                   child_shard_ids=frozenset({"c"}))
+    child = Lease("c", lease_owner="K", checkpoint=Position("123"),
+                  parent_shard_ids=frozenset({"p"}))
     assert cleanup.deletable([parent, child], "K") == [parent]
     assert cleanup.deletable([parent, child], "K", keep={"p"}) == []
 
@@ -229,8 +231,10 @@ def test_with_java_peers_a_silent_java_workers_lease_is_taken_above_target_at_ex
 
 
 def test_a_held_finished_lease_is_deleted_by_its_holder_alone() -> None:
-    parent = Lease("p", lease_owner="K", checkpoint=SHARD_END, child_shard_ids=frozenset({"c"}))
-    child = Lease("c", lease_owner="java", checkpoint="123", parent_shard_ids=frozenset({"p"}))
+    parent = Lease("p", lease_owner="K", checkpoint=Position.shard_end(),
+                   child_shard_ids=frozenset({"c"}))
+    child = Lease("c", lease_owner="java", checkpoint=Position("123"),
+                  parent_shard_ids=frozenset({"p"}))
     # the child's holder would delete an unowned parent; a held one is its holder's to delete
     assert cleanup.deletable([parent, child], "java", keep={"p"}) == []
     assert cleanup.deletable([parent, child], "K", held={"p"}) == [parent]
@@ -254,7 +258,7 @@ def test_a_kclpy_worker_deletes_the_finished_lease_it_holds_through_its_held_set
     assert k.java_peers()
     held = k.get_held("p")
     assert held is not None and held.concurrency_token is not None
-    k.fence.update_checkpoint("p", held.concurrency_token, Position(SHARD_END))
+    k.fence.update_checkpoint("p", held.concurrency_token, Position.shard_end())
     java_take(table, "c", "java")
     table.client.update_item(  # the Java worker checkpoints the child
         TableName="app", Key={"leaseKey": {"S": "c"}}, UpdateExpression="SET checkpoint = :s",

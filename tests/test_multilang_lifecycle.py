@@ -68,7 +68,7 @@ def test_a_failed_consumer_ends_its_child(tmp_path: Path) -> None:
             raise RuntimeError("fetching stopped")
 
     consumer = ShardConsumer(
-        Lease("shard-1", lease_owner="w", checkpoint="TRIM_HORIZON"), concurrency_token="t",
+        Lease("shard-1", lease_owner="w"), concurrency_token="t",
         processor_factory=factory, checkpoint_writer=Writer(), lease_reader=Leases(),
         fetcher_factory=lambda *_: Broken([], ("TRIM_HORIZON", 0)),
         on_shard_end=lambda *_: None, settings=SETTINGS, metrics=Metrics())

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from kclpy.leases.lease import LATEST
 from kclpy.metrics import Metrics
 from kclpy.position import Position
 from kclpy.records import Record
@@ -239,7 +238,7 @@ def test_stop_is_prompt_while_blocked_on_a_full_queue() -> None:
 
 def test_stop_interrupts_the_idle_sleep_and_wakes_a_blocked_get() -> None:
     shard = FakeShard([])
-    fetcher = polling(shard, Position(LATEST), ShardAddress(SHARD, stream_name="s"),
+    fetcher = polling(shard, Position.latest(), ShardAddress(SHARD, stream_name="s"),
                       idle_time_s=3600)
     fetcher.start()
     got: list[object] = []

@@ -19,9 +19,8 @@ from aws_kinesis_agg.aggregator import RecordAggregator
 from botocore.exceptions import ClientError, EndpointConnectionError
 from botocore.stub import Stubber
 
-from kclpy.leases.lease import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON
 from kclpy.metrics import Metrics
-from kclpy.position import Position
+from kclpy.position import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON, Position
 from kclpy.retrieval.parse import ChildShard, GetRecordsPage
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import PollingSource, one_off_pages
@@ -104,7 +103,7 @@ def test_iterator_request_carries_arn_and_timestamp() -> None:
 def test_both_stream_name_and_arn_are_sent_when_both_are_known() -> None:
     shard = FakeShard([plain(0)])
     arn = "arn:aws:kinesis:us-east-1:123456789012:stream/s"
-    fetcher = polling(shard, Position(TRIM_HORIZON),
+    fetcher = polling(shard, Position.trim_horizon(),
                       ShardAddress(SHARD, stream_name="s", stream_arn=arn), sleep=Sleeps())
     fetcher.fetch_once()
     assert shard.shard_iterator_calls[0]["StreamARN"] == arn
@@ -185,7 +184,7 @@ def test_a_botocore_client_throttled_then_answering_through_stubber() -> None:
         )
         fetcher = polling(
             client,
-            Position(TRIM_HORIZON),
+            Position.trim_horizon(),
             ShardAddress(SHARD, stream_name="s"),
             max_records=500,
             backoff=Backoff(0.1, 1.0, rng=UpperBound()),
@@ -565,7 +564,7 @@ def test_reads_plain_and_aggregated_records_over_http_exactly_once_in_order(
         metrics = Metrics()
         fetcher = polling(
             client,
-            Position(TRIM_HORIZON),
+            Position.trim_horizon(),
             ShardAddress(shard_id, stream_name=stream),
             max_records=2,  # small pages: the read spans many GetRecords calls
             idle_time_s=0.05,
@@ -610,7 +609,7 @@ def test_a_split_parent_is_read_to_shard_end_with_its_children_over_http(
 
     fetcher = polling(
         client,
-        Position(TRIM_HORIZON),
+        Position.trim_horizon(),
         ShardAddress(parent["ShardId"], stream_name=stream),
         max_records=4,
         idle_time_s=0.05,

@@ -25,11 +25,11 @@ import kclpy
 from kclpy import KCLConfig, Worker
 from kclpy.checkpoint import Checkpointer
 from kclpy.consumer import ShardConsumer
-from kclpy.leases.lease import SHARD_END, TRIM_HORIZON, Lease
+from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import RECOVERY
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import RECOVERY_RECORDS, Metrics
-from kclpy.position import Position
+from kclpy.position import SHARD_END, TRIM_HORIZON, Position
 from kclpy.recovery import queue as gaps
 from tests.support.e2e import lease_items, worker_config
 from tests.support.recovery import age
@@ -238,7 +238,7 @@ LIVE_FROM = datetime(2030, 1, 1, tzinfo=timezone.utc)
 def test_recovery_batches_are_flagged_and_checkpoint_the_gap_not_the_live_shard() -> None:
     recovery = FakeRecovery([Result([rec(1), rec(2)]), Result([rec(3)])], start_at=LIVE_FROM)
     live = [Result([rec(100)]), Result([rec(101)]), Result([], shard_end=True)]
-    processor, writer, starts = consume(Lease("shard-1", checkpoint=TRIM_HORIZON), live,
+    processor, writer, starts = consume(Lease("shard-1", checkpoint=Position.trim_horizon()), live,
                                         recovery)
     assert recovery.begun == [(TRIM_HORIZON, 0)] and starts == [LIVE_FROM]
     recovered = [seqs for kind, *rest in processor.log if kind == "recovery" for seqs in rest]
@@ -252,7 +252,7 @@ def test_recovery_batches_are_flagged_and_checkpoint_the_gap_not_the_live_shard(
 def test_a_gap_left_at_shard_end_is_recovered_before_the_lease_goes() -> None:
     recovery = FakeRecovery([Result([rec(1)]), Result([rec(2)]), Result([rec(3)])])
     live = [Result([], shard_end=True)]
-    processor, writer, _ = consume(Lease("shard-1", checkpoint="50"), live, recovery)
+    processor, writer, _ = consume(Lease("shard-1", checkpoint=Position("50")), live, recovery)
     assert processor.log == [("init", "50"), ("recovery", ["1"]), ("shard_ended",),
                              ("recovery", ["2"]), ("recovery", ["3"])]
     assert recovery.writer.writes == [("1", 0), ("2", 0), ("3", 0)]
@@ -261,7 +261,8 @@ def test_a_gap_left_at_shard_end_is_recovered_before_the_lease_goes() -> None:
 
 def test_a_closed_shard_with_a_gap_queued_is_recovered_without_live_reading() -> None:
     recovery = FakeRecovery([Result([rec(1)]), Result([rec(2)])])
-    processor, writer, starts = consume(Lease("shard-1", checkpoint=SHARD_END), [], recovery)
+    processor, writer, starts = consume(Lease("shard-1", checkpoint=Position.shard_end()), [],
+                                        recovery)
     assert processor.log == [("init", SHARD_END), ("recovery", ["1"]), ("recovery", ["2"])]
     assert starts == [] and recovery.begun == [] and writer.writes == []
     assert recovery.writer.writes == [("1", 0), ("2", 0)]
@@ -305,7 +306,7 @@ def test_a_restart_asked_while_a_closed_shard_drains_re_reads_from_the_gaps_chec
     recovery = RewindingRecovery([Result([rec(1)]), Result([rec(2)]), Result([rec(3)])])
     processor, writer = RestartOnce(), Writer()
     consumer = ShardConsumer(
-        Lease("shard-1", checkpoint="50"), concurrency_token="t",
+        Lease("shard-1", checkpoint=Position("50")), concurrency_token="t",
         processor_factory=lambda: processor, checkpoint_writer=writer, lease_reader=Leases(),
         fetcher_factory=lambda lease, start: ScriptedFetcher(
             [Result([], shard_end=True)], (start.checkpoint, start.sub_sequence_number)),

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kclpy.leases.lease import TRIM_HORIZON
-from kclpy.position import Position
+from kclpy.position import TRIM_HORIZON, Position
 from kclpy.recovery import queue as gaps
 from kclpy.recovery.queue import RecoveryRequest
 from tests.support.recovery import gap

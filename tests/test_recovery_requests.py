@@ -14,7 +14,7 @@ from typing import Any, cast
 import pytest
 
 from kclpy.leases import serializer as ser
-from kclpy.leases.lease import SHARD_END, Lease
+from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import UpdateBuilder
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
@@ -89,7 +89,7 @@ class Readers:
 def table(moto_server: LocalEndpoint) -> LeaseTable:
     table = LeaseTable(dynamodb_client(moto_server.url), unique_name("requests"))
     table.create_if_missing()
-    assert table.create(Lease(KEY, checkpoint="5000"))
+    assert table.create(Lease(KEY, checkpoint=Position("5000")))
     return table
 
 
@@ -143,7 +143,7 @@ def test_requests_apply_in_the_order_made_and_round_trip_through_their_element()
 
 
 def test_a_finished_shard_with_a_request_waiting_is_not_finished() -> None:
-    closed = Lease("p", checkpoint=SHARD_END)
+    closed = Lease("p", checkpoint=Position.shard_end())
     assert closed.is_finished
     assert not closed.copy(recovery_requests=frozenset({add(100).to_text()})).is_finished
 

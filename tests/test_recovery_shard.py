@@ -22,12 +22,12 @@ from moto import mock_aws
 from kclpy.checkpoint import Checkpointer
 from kclpy.errors import ShutdownException
 from kclpy.leases.cleanup import deletable
-from kclpy.leases.lease import SHARD_END, TRIM_HORIZON, Lease
+from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import RECOVERY, UpdateBuilder
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
-from kclpy.position import Position
+from kclpy.position import TRIM_HORIZON, Position
 from kclpy.recovery import queue as gaps
 from kclpy.recovery.queue import RecoveryRequest
 from kclpy.recovery.rate import RecoveryRate
@@ -84,7 +84,7 @@ def test_every_lease_write_keeps_the_queue(table: LeaseTable) -> None:
     steal.take("s1")  # steal: a take of an owned lease
     assert not table.create(Lease("s1"))  # create of an existing lease leaves it alone
     lease = table.get("s1")
-    assert lease is not None and lease.lease_owner == "C" and lease.checkpoint == "200"
+    assert lease is not None and lease.lease_owner == "C" and lease.checkpoint == Position("200")
     assert gaps.loads(lease.recovery) == queue
 
 
@@ -113,15 +113,15 @@ def test_the_new_owner_reads_the_queue_and_its_checkpoints_move_only_the_gap(
     second = recovery_for(b, token_b, lease.recovery)
     second.checkpoint(Position("100", 0), Position("150"))
     lease = table.get("s1")
-    assert lease is not None and lease.checkpoint == TRIM_HORIZON
+    assert lease is not None and lease.checkpoint == Position.trim_horizon()
     assert [(r.start, r.done) for r in gaps.loads(lease.recovery)] == [("100", "150"),
                                                                         ("900", "900")]
     assert [g["checkpoint"] for g in second.status()] == ["150", "900"]
 
 
 def test_a_closed_shard_with_gaps_queued_is_not_finished() -> None:
-    closed = Lease("p", checkpoint=SHARD_END, child_shard_ids=frozenset({"c"}))
-    child = Lease("c", checkpoint="500", parent_shard_ids=frozenset({"p"}))
+    closed = Lease("p", checkpoint=Position.shard_end(), child_shard_ids=frozenset({"c"}))
+    child = Lease("c", checkpoint=Position("500"), parent_shard_ids=frozenset({"p"}))
     assert closed.is_finished and deletable([closed, child], "A") == [closed]
     pending = closed.copy(recovery=gaps.dumps((gap("100", 5000, 4000),)))
     assert not pending.is_finished and deletable([pending, child], "A") == []
@@ -238,7 +238,7 @@ def test_a_gap_after_the_state_stores_position_moves_the_live_checkpoint_past_it
     assert recover_all(recovery) == [f"old-{n}" for n in range(10, 30)]
     lease = shard.table.get("shardId-000000000000")
     assert lease is not None
-    assert (lease.checkpoint, lease.recovery) == (sequence[29], None)
+    assert (lease.checkpoint, lease.recovery) == (Position(sequence[29]), None)
 
 
 def test_a_shard_within_max_lag_reads_live_from_its_checkpoint(shard: Shard) -> None:

@@ -17,12 +17,12 @@ from botocore.stub import Stubber
 from moto import mock_aws
 
 from kclpy.errors import ConfigError
-from kclpy.leases.lease import AT_TIMESTAMP, LATEST, TRIM_HORIZON, Lease
+from kclpy.leases.lease import Lease
 from kclpy.leases.shard_sync import Shard, ShardSyncer, former_incarnation, plan_new_leases
 from kclpy.leases.table import LeaseTable, checkpoint_changes
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
-from kclpy.position import Position
+from kclpy.position import AT_TIMESTAMP, LATEST, TRIM_HORIZON, Position
 from kclpy.retrieval.parse import ChildShard
 from tests.support.streams import wait_for_stream_active
 from tests.support.waiting import wait_for
@@ -91,7 +91,8 @@ def java_example() -> list[Shard]:
 
 def planned(shards: list[Shard], existing: set[str], position: str) -> list[tuple[str, str]]:
     return [
-        (lease.lease_key, lease.checkpoint) for lease in plan_new_leases(shards, existing, position)
+        (lease.lease_key, lease.checkpoint.sequence_number)
+        for lease in plan_new_leases(shards, existing, position)
     ]
 
 
@@ -157,7 +158,7 @@ def test_new_leases_record_both_parents_and_the_hash_range() -> None:
     assert (p1.lease_key, p2.lease_key) == ("p1", "p2")
     assert merged == Lease(
         "merged",
-        checkpoint=TRIM_HORIZON,
+        checkpoint=Position.trim_horizon(),
         parent_shard_ids=frozenset({"p1", "p2"}),
         starting_hash_key="0",
         ending_hash_key="199",
@@ -346,7 +347,7 @@ def test_sync_creates_latest_leases_once(aws: tuple[Any, LeaseTable]) -> None:
     for s in wire:
         lease = table.get(s["ShardId"])
         assert lease is not None
-        assert lease.checkpoint == LATEST
+        assert lease.checkpoint == Position.latest()
         assert lease.lease_owner is None
         assert lease.parent_shard_ids == frozenset()
         assert lease.starting_hash_key == s["HashKeyRange"]["StartingHashKey"]
@@ -363,7 +364,7 @@ def test_children_of_a_leased_parent_start_at_trim_horizon(aws: tuple[Any, Lease
     created = {lease.lease_key: lease for lease in syncer.sync()}
     assert sorted(created) == sorted(children)
     for child in children:
-        assert created[child].checkpoint == TRIM_HORIZON
+        assert created[child].checkpoint == Position.trim_horizon()
         assert created[child].parent_shard_ids == {parent}
     stored = table.get(children[0])
     assert stored is not None and stored.parent_shard_ids == {parent}
@@ -375,7 +376,7 @@ def test_fresh_latest_application_ignores_a_closed_parent(aws: tuple[Any, LeaseT
     parent, children = split_first_shard(kinesis, "s")
     created = ShardSyncer(kinesis, table, stream_name="s").sync()
     assert sorted((lease.lease_key, lease.checkpoint) for lease in created) == sorted(
-        (child, LATEST) for child in children
+        (child, Position.latest()) for child in children
     )
     assert table.get(parent) is None
 
@@ -388,7 +389,7 @@ def test_fresh_trim_horizon_application_reads_the_parent_first(
     parent, children = split_first_shard(kinesis, "s")
     created = ShardSyncer(kinesis, table, stream_name="s", initial_position=TRIM_HORIZON).sync()
     assert created[0].lease_key == parent
-    assert {lease.checkpoint for lease in created} == {TRIM_HORIZON}
+    assert {lease.checkpoint.sequence_number for lease in created} == {TRIM_HORIZON}
     assert {lease.lease_key for lease in created} == {parent, *children}
 
 
@@ -401,7 +402,7 @@ def test_child_leases_from_get_records_are_created_once(aws: tuple[Any, LeaseTab
     lease = table.get("shardId-000000000002")
     assert lease == Lease(
         "shardId-000000000002",
-        checkpoint=TRIM_HORIZON,
+        checkpoint=Position.trim_horizon(),
         parent_shard_ids=frozenset({"shardId-000000000000"}),
         starting_hash_key="0",
         ending_hash_key="99",
@@ -415,7 +416,7 @@ def test_child_leases_from_get_records_are_created_once(aws: tuple[Any, LeaseTab
     table.update_checkpoint(taken, Position("123"))
     syncer.create_child_leases([child])
     again = table.get("shardId-000000000002")
-    assert again is not None and (again.checkpoint, again.lease_owner) == ("123", "w1")
+    assert again is not None and (again.checkpoint, again.lease_owner) == (Position("123"), "w1")
 
 
 def test_a_child_without_parents_is_rejected(aws: tuple[Any, LeaseTable]) -> None:
@@ -473,7 +474,7 @@ def test_over_http_kinesis_mock_paginates_and_follows_a_split(
     assert len(syncer.sync()) == 3
     parent, children = split_first_shard(kinesis, name)
     created = {lease.lease_key: lease.checkpoint for lease in syncer.sync()}
-    assert created == dict.fromkeys(children, TRIM_HORIZON)
+    assert created == dict.fromkeys(children, Position.trim_horizon())
     assert parent in syncer.known_shard_ids
 
 
@@ -491,7 +492,7 @@ def test_over_http_kinesis_mock_paginates_and_follows_a_split(
 ])
 def test_a_lease_of_a_former_stream_of_the_same_name_is_told_apart(
         checkpoint: str, listed: Shard, former: bool) -> None:
-    lease = Lease("s0", checkpoint=checkpoint, lease_counter=3)
+    lease = Lease("s0", checkpoint=Position(checkpoint), lease_counter=3)
     assert (former_incarnation(lease, listed) is not None) is former
 
 
@@ -519,7 +520,7 @@ def test_a_shard_that_closes_between_the_listing_and_the_lease_read_is_not_a_for
                              checkpoint_changes(Position.shard_end()))
         assert syncer.sync() == []
         kept = table.get(only.shard_id)
-        assert kept is not None and kept.checkpoint == "SHARD_END"
+        assert kept is not None and kept.checkpoint == Position.shard_end()
 
 
 def test_sync_replaces_the_lease_of_a_former_stream_at_the_initial_position(
@@ -530,15 +531,16 @@ def test_sync_replaces_the_lease_of_a_former_stream_at_the_initial_position(
         table = LeaseTable(boto3.client("dynamodb", region_name=REGION), "app")
         table.create_if_missing()
         # The former stream's shard of the same id, finished and checkpointed at SHARD_END.
-        assert table.create(Lease("shardId-000000000000", checkpoint="SHARD_END",
+        assert table.create(Lease("shardId-000000000000", checkpoint=Position.shard_end(),
                                   child_shard_ids=frozenset({"shardId-000000000001"})))
         syncer = ShardSyncer(kinesis, table, stream_name="s", initial_position=LATEST)
         with caplog.at_level("WARNING", logger="kclpy.leases.shard_sync"):
             created = syncer.sync()
-        assert [(lease.lease_key, lease.checkpoint) for lease in created] == [
+        assert [(lease.lease_key, lease.checkpoint.sequence_number) for lease in created] == [
             ("shardId-000000000000", LATEST)]
         fresh = table.get("shardId-000000000000")
-        assert fresh is not None and fresh.checkpoint == LATEST and not fresh.child_shard_ids
+        assert fresh is not None and not fresh.child_shard_ids
+        assert fresh.checkpoint == Position.latest()
         assert any("created again" in r.getMessage() and "shardId-000000000000" in r.getMessage()
                    for r in caplog.records if r.levelname == "WARNING")
         assert syncer.sync() == [], "a lease of this incarnation is left alone"

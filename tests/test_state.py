@@ -103,7 +103,7 @@ def test_state_and_checkpoint_commit_together(table: LeaseTable, store: StateSto
     shard.deliver(adapter, [rec(10, "k1:5"), rec(11, "k2:7"), rec(12, "k1:1")])
     assert stored_state(store) == {"count/k1": 2, "sum/k1": 6, "count/k2": 1, "sum/k2": 7}
     lease = table.get("s1")
-    assert lease is not None and lease.checkpoint == "12"
+    assert lease is not None and lease.checkpoint.sequence_number == "12"
 
 
 def test_a_zombies_transaction_is_rejected_state_included_and_the_new_owner_applies_once(
@@ -119,7 +119,7 @@ def test_a_zombies_transaction_is_rejected_state_included_and_the_new_owner_appl
         zombie.deliver(zombie_run, [rec(11, "k:2"), rec(12, "k:3")])
     assert stored_state(zombie_store) == {"count/k": 3, "sum/k": 6}, "the zombie's 2nd: nothing"
     lease = table.get("s1")
-    assert lease is not None and (lease.lease_owner, lease.checkpoint) == ("B", "12")
+    assert lease is not None and (lease.lease_owner, lease.checkpoint) == ("B", Position("12"))
 
 
 def test_a_batch_retried_after_a_crash_is_applied_once(table: LeaseTable, store: StateStore
@@ -148,7 +148,7 @@ def test_more_distinct_keys_than_one_transaction_holds_split_at_record_boundarie
     commits = metrics.registry.get_sample_value("kclpy_state_commits_total", {"shard_id": "s1"})
     assert commits == 6
     lease = table.get("s1")
-    assert lease is not None and lease.checkpoint == "349"
+    assert lease is not None and lease.checkpoint.sequence_number == "349"
 
 
 def test_a_record_that_alone_exceeds_a_transaction_is_refused(
@@ -163,7 +163,8 @@ def test_a_record_that_alone_exceeds_a_transaction_is_refused(
         shard.deliver(runner(store, Wide()), [rec(10, "x:0")])
     assert stored_state(store) == {}
     lease = table.get("s1")
-    assert lease is not None and lease.checkpoint == "TRIM_HORIZON", "the record is not skipped"
+    assert lease is not None
+    assert lease.checkpoint == Position.trim_horizon(), "the record is not skipped"
 
 
 def test_two_shards_updating_one_key_never_lose_an_update(
@@ -380,7 +381,7 @@ class Stream:
         self.kinesis = boto3.client("kinesis", region_name=REGION)
         self.kinesis.create_stream(StreamName="lagging", ShardCount=1)
         self.table = table
-        assert table.create(Lease(SHARD, checkpoint=checkpoint))
+        assert table.create(Lease(SHARD, checkpoint=Position(checkpoint)))
         self.metrics = Metrics()
 
     def put(self, payloads: list[str]) -> list[str]:
@@ -451,7 +452,7 @@ def test_every_record_of_a_gap_is_applied_once_beside_the_live_position(
                              "count/new": 2}
     lease = stream.lease()
     assert lease.recovery is None, "the gap, checkpointed through its end, is removed"
-    assert (lease.checkpoint, lease.checkpoint_sub_sequence_number) == (live[1], 0), (
+    assert lease.checkpoint == Position(live[1]), (
         "a gap's commits never move the live checkpoint")
     if isinstance(store, SQLStateStore):
         assert store.begin_tenure(shard.fence, SHARD, shard.checkpointer._token) == Position(
@@ -472,7 +473,7 @@ def test_a_gap_finished_before_any_live_record_is_not_found_again_by_the_next_ow
     recover(recovery, runner(store, start=first.start))
     recovery.stop()
     lease = stream.lease()
-    assert (lease.checkpoint, lease.recovery) == (last, None)
+    assert (lease.checkpoint.sequence_number, lease.recovery) == (last, None)
     second, recovery = stream.take("B", clock)
     assert recovery.begin(Position.of(*second.start)) is None, "no gap left to find"
     assert counts(store) == {"count/old0": 10, "count/old1": 10, "count/old2": 10}
@@ -496,7 +497,7 @@ def test_a_gap_found_by_the_next_owner_starts_after_what_the_sql_store_committed
     records = [Record(seq, "pk", None, 0, f"old{i % 3}:1".encode())
                for i, seq in enumerate(sequence[:12])]
     first.deliver(runner(new_sql_store(), start=first.start), records)
-    assert stream.lease().checkpoint == "TRIM_HORIZON"
+    assert stream.lease().checkpoint == Position.trim_horizon()
     second, _ = stream.take("B", clock)
     store = new_sql_store()
     recovery = ShardRecovery(
@@ -516,7 +517,7 @@ def test_a_closed_shards_gap_is_applied_and_the_lease_finished(
     first, queueing = stream.take("A", Clock())
     assert queueing.begin(Position.trim_horizon()) is not None
     queueing.stop()
-    first.fence.update_checkpoint(SHARD, first.checkpointer._token, Position("SHARD_END"))
+    first.fence.update_checkpoint(SHARD, first.checkpointer._token, Position.shard_end())
     shard, recovery = stream.take("B", Clock())  # a closed lease is taken for its gap
     assert shard.start == ("SHARD_END", 0)
     recover(recovery, runner(store, start=shard.start))
@@ -637,7 +638,7 @@ def test_a_lease_created_again_by_a_worker_whose_clock_is_behind_is_not_refused(
     live_again(table, store, "C", clock, 1500.0,
                [rec(10, "k:1"), rec(11, "k:1"), rec(12, "k:1")])
     lease = table.get("s1")
-    assert lease is not None and (lease.lease_owner, lease.checkpoint) == ("C", "12")
+    assert lease is not None and (lease.lease_owner, lease.checkpoint) == ("C", Position("12"))
     with pytest.raises(ShutdownException):  # the deleted incarnation's holder, as a new tenure
         ahead.deliver(runner(new_store(), start=ahead.start), [rec(12, "k:1"), rec(13, "k:1")])
     counted = 3 if isinstance(store, SQLStateStore) else 6  # SQL: the store's position

@@ -16,6 +16,7 @@ import sqlalchemy as sa
 from kclpy.errors import ShutdownException, ThrottlingException
 from kclpy.leases.lease import Lease, new_incarnation
 from kclpy.leases.table import LeaseTable
+from kclpy.position import Position
 from kclpy.processor import InitializeInput
 from kclpy.state.processor import ExactlyOnceProcessor
 from kclpy.state.sql import SQLStateStore
@@ -50,14 +51,14 @@ def test_a_new_owner_starts_from_the_sql_stores_position_when_the_lease_lags_beh
     store_a.open(None)
     first.deliver(runner(store_a), [rec(10, "k:1"), rec(11, "k:2")])
     first.fence.update_checkpoint = lease_update  # type: ignore[method-assign]
-    assert (lease := table.get("s1")) is not None and lease.checkpoint == "TRIM_HORIZON"
+    assert (lease := table.get("s1")) is not None and lease.checkpoint == Position.trim_horizon()
     second = Shard(table, "s1", "B", clock)
     store_b = SQLStateStore(url)
     store_b.open(None)
     second.deliver(runner(store_b, start=second.start),
                    [rec(10, "k:1"), rec(11, "k:2"), rec(12, "k:3")])
     assert stored_state(store_b) == {"count/k": 3, "sum/k": 6}
-    assert (lease := table.get("s1")) is not None and lease.checkpoint == "12"
+    assert (lease := table.get("s1")) is not None and lease.checkpoint == Position("12")
 
 
 def test_workers_starting_together_all_open_the_postgresql_store(postgres_url: str) -> None:
@@ -127,7 +128,7 @@ def test_a_lease_created_again_resumes_from_the_sql_stores_position(
     with pytest.raises(ShutdownException):  # the former lease's holder cannot take it back
         zombie.deliver(late, [rec(14, "k:1")])
     assert stored_state(store) == {"count/k": 4, "sum/k": 4}
-    assert (lease := table.get("s9")) is not None and lease.checkpoint == "13"
+    assert (lease := table.get("s9")) is not None and lease.checkpoint.sequence_number == "13"
 
 
 def test_a_stream_created_again_is_read_from_its_start_on_the_sql_store(

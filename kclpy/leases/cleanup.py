@@ -39,7 +39,7 @@ _NOT_STARTED = frozenset({TRIM_HORIZON, LATEST, AT_TIMESTAMP})
 
 def has_progressed(lease: Lease) -> bool:
     """Checkpointed at a sequence number or at SHARD_END, not at a starting position."""
-    return lease.checkpoint not in _NOT_STARTED
+    return lease.checkpoint.sequence_number not in _NOT_STARTED
 
 
 def deletable(

@@ -225,8 +225,7 @@ class LeaseFence:
             lease_key, concurrency_token, checkpoint_changes(position),
             items, what="commit",
             apply=lambda lease: lease.copy(
-                checkpoint=position.checkpoint,
-                checkpoint_sub_sequence_number=position.sub_sequence_number,
+                checkpoint=position,
                 owner_switches_since_checkpoint=0))
 
     def release(self, lease_key: str) -> None:

@@ -13,11 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from kclpy.position import AT_TIMESTAMP, LATEST, SENTINELS, SHARD_END, TRIM_HORIZON, Position
-
-#: the sentinels are kclpy.position's, named here too because the lease's checkpoint holds them
-__all__ = ["AT_TIMESTAMP", "LATEST", "SENTINELS", "SHARD_END", "TRIM_HORIZON", "Lease",
-           "incarnation_epoch", "new_incarnation"]
+from kclpy.position import Position
 
 
 @dataclass
@@ -28,10 +24,11 @@ class Lease:
     lease_key: str
     lease_owner: str | None = None
     lease_counter: int = 0
-    checkpoint: str = TRIM_HORIZON
-    checkpoint_sub_sequence_number: int = 0
-    pending_checkpoint: str | None = None
-    pending_checkpoint_sub_sequence_number: int | None = None
+    #: the item's ``checkpoint`` and ``checkpointSubSequenceNumber`` attributes as one value
+    #: (``serializer.py`` is the only code that reads or writes those attributes)
+    checkpoint: Position = field(default_factory=Position.trim_horizon)
+    #: ``pendingCheckpoint`` and ``pendingCheckpointSubSequenceNumber``, likewise
+    pending_checkpoint: Position | None = None
     pending_checkpoint_state: bytes | None = None
     owner_switches_since_checkpoint: int = 0
     parent_shard_ids: frozenset[str] = field(default_factory=frozenset)
@@ -94,14 +91,8 @@ class Lease:
         return frozenset(self.key_of(c) for c in self.child_shard_ids)
 
     @property
-    def position(self) -> Position:
-        """The checkpoint (``checkpoint`` and ``checkpoint_sub_sequence_number``, the lease
-        item's two attributes) as a position."""
-        return Position.of(self.checkpoint, self.checkpoint_sub_sequence_number)
-
-    @property
     def is_shard_end(self) -> bool:
-        return self.checkpoint == SHARD_END
+        return self.checkpoint.is_shard_end
 
     @property
     def is_finished(self) -> bool:

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kclpy.leases.lease import Lease
-from kclpy.position import TRIM_HORIZON, Position
+from kclpy.position import Position
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb.type_defs import AttributeValueTypeDef
@@ -109,16 +109,14 @@ def lease_from_item(item: Mapping[str, AttributeValueTypeDef]) -> Lease:
         raise ValueError(f"lease item without a string {LEASE_KEY}: {sorted(item)}")
     state = item.get(PENDING_CHECKPOINT_STATE)
     pending = _str(item, PENDING_CHECKPOINT) or None
+    pending_sub = _int(item, PENDING_CHECKPOINT_SUB_SEQUENCE_NUMBER)
     return Lease(
         lease_key=key,
         lease_owner=_str(item, LEASE_OWNER),
         lease_counter=_int(item, LEASE_COUNTER) or 0,
-        checkpoint=_str(item, CHECKPOINT) or TRIM_HORIZON,
-        checkpoint_sub_sequence_number=_int(item, CHECKPOINT_SUB_SEQUENCE_NUMBER) or 0,
-        pending_checkpoint=pending,
-        pending_checkpoint_sub_sequence_number=(
-            _int(item, PENDING_CHECKPOINT_SUB_SEQUENCE_NUMBER) if pending is not None else None
-        ),
+        checkpoint=Position.of(_str(item, CHECKPOINT) or None,
+                               _int(item, CHECKPOINT_SUB_SEQUENCE_NUMBER)),
+        pending_checkpoint=None if pending is None else Position.of(pending, pending_sub),
         pending_checkpoint_state=None if state is None else state.get("B"),
         owner_switches_since_checkpoint=_int(item, OWNER_SWITCHES_SINCE_CHECKPOINT) or 0,
         parent_shard_ids=_set(item, PARENT_SHARD_ID),
@@ -142,7 +140,7 @@ def lease_to_new_item(lease: Lease) -> dict[str, AttributeValueTypeDef]:
     item: dict[str, AttributeValueTypeDef] = {
         LEASE_KEY: s(lease.lease_key),
         LEASE_COUNTER: n(lease.lease_counter),
-        **checkpoint_attributes(lease.position),
+        **checkpoint_attributes(lease.checkpoint),
         OWNER_SWITCHES_SINCE_CHECKPOINT: n(lease.owner_switches_since_checkpoint),
     }
     if lease.lease_owner is not None:
@@ -152,9 +150,9 @@ def lease_to_new_item(lease: Lease) -> dict[str, AttributeValueTypeDef]:
     if lease.child_shard_ids:
         item[CHILD_SHARD_IDS] = ss(lease.child_shard_ids)
     if lease.pending_checkpoint is not None:
-        item[PENDING_CHECKPOINT] = s(lease.pending_checkpoint)
+        item[PENDING_CHECKPOINT] = s(lease.pending_checkpoint.checkpoint)
         item[PENDING_CHECKPOINT_SUB_SEQUENCE_NUMBER] = n(
-            lease.pending_checkpoint_sub_sequence_number or 0
+            lease.pending_checkpoint.sub_sequence_number
         )
     if lease.pending_checkpoint_state is not None:
         item[PENDING_CHECKPOINT_STATE] = {"B": lease.pending_checkpoint_state}

@@ -43,17 +43,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 from botocore.exceptions import ClientError
 
 from kclpy.errors import ConfigError, LeaseLostError
-from kclpy.leases.lease import (
-    AT_TIMESTAMP,
-    LATEST,
-    SHARD_END,
-    TRIM_HORIZON,
-    Lease,
-    new_incarnation,
-)
+from kclpy.leases.lease import Lease, new_incarnation
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import NOWHERE, THROTTLES, Metrics
-from kclpy.position import INITIAL_POSITIONS
+from kclpy.position import (
+    AT_TIMESTAMP,
+    INITIAL_POSITIONS,
+    LATEST,
+    TRIM_HORIZON,
+    Position,
+)
 from kclpy.retry import THROTTLED, RetryPolicy, classify, error_code
 from kclpy.streams import multi_stream_lease_key
 
@@ -125,10 +124,10 @@ def former_incarnation(lease: Lease, shard: Shard) -> str | None:
     finished lease of an open shard (see ``SHARD_END_BUT_OPEN``). An end beyond the shard's
     ending sequence number is not used: moto lists a closed shard ending at 0 while its
     records go on."""
-    checkpoint = lease.checkpoint
-    if checkpoint == SHARD_END and shard.is_open:
+    if lease.is_shard_end and shard.is_open:
         return SHARD_END_BUT_OPEN
-    if checkpoint.isdigit() and int(checkpoint) < int(shard.starting_sequence_number):
+    checkpoint = lease.checkpoint.sequence_number
+    if lease.checkpoint.is_record and int(checkpoint) < int(shard.starting_sequence_number):
         return (f"its checkpoint {checkpoint} is before the shard's first sequence number "
                 f"{shard.starting_sequence_number}")
     return None
@@ -159,7 +158,7 @@ def _new_lease(shard: Shard, checkpoint: str, stream: str | None) -> Lease:
     return Lease(
         lease_key=shard.shard_id if stream is None else multi_stream_lease_key(
             stream, shard.shard_id),
-        checkpoint=checkpoint,
+        checkpoint=Position(checkpoint),
         parent_shard_ids=frozenset(shard.parent_ids),
         starting_hash_key=shard.starting_hash_key,
         ending_hash_key=shard.ending_hash_key,
@@ -392,7 +391,7 @@ class ShardSyncer:
                 raise ValueError(f"child shard {child.shard_id} names no parent shard")
             lease = Lease(
                 lease_key=self.lease_key(child.shard_id),
-                checkpoint=TRIM_HORIZON,
+                checkpoint=Position.trim_horizon(),
                 parent_shard_ids=frozenset(child.parent_shards),
                 starting_hash_key=child.starting_hash_key,
                 ending_hash_key=child.ending_hash_key,

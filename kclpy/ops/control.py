@@ -50,7 +50,7 @@ from kclpy.ops.position import (
     resolve,
 )
 from kclpy.ops.text import print_table
-from kclpy.position import SHARD_END, TRIM_HORIZON
+from kclpy.position import TRIM_HORIZON
 from kclpy.recovery import queue as gaps
 from kclpy.recovery import requests as asked
 from kclpy.retry import error_code
@@ -346,8 +346,8 @@ class Move:
         return {
             "shard_id": lease.shard_id, "lease_key": lease.lease_key,
             "owner": lease.lease_owner, "lease_counter": lease.lease_counter,
-            "from": {"checkpoint": lease.checkpoint,
-                     "sub_sequence_number": lease.checkpoint_sub_sequence_number},
+            "from": {"checkpoint": lease.checkpoint.sequence_number,
+                     "sub_sequence_number": lease.checkpoint.sub_sequence_number},
             "to": None if not moved else {
                 "checkpoint": self.target.checkpoint if self.target else None,
                 "sub_sequence_number": self.target.sub_sequence_number if self.target else 0},
@@ -372,7 +372,7 @@ def _plan_moves(args: argparse.Namespace, kinesis: Any, table: LeaseTable) -> li
             continue
         reader = ShardReader(kinesis, _stream_params(args), lease.shard_id)
         try:
-            target = resolve(reader, position, checkpoint=lease.checkpoint)
+            target = resolve(reader, position, checkpoint=lease.checkpoint.sequence_number)
         except PositionError as exc:
             raise UsageError("--to", f"shard {lease.shard_id}: {exc}") from None
         if target is None:
@@ -469,7 +469,8 @@ def _print_moves(args: argparse.Namespace, moves: Sequence[Move], out: IO[str]) 
         lease = move.lease
         target = move.target
         rows.append([lease.shard_id, lease.lease_owner or "-", str(lease.lease_counter),
-                     _checkpoint_text(lease.checkpoint, lease.checkpoint_sub_sequence_number),
+                     _checkpoint_text(lease.checkpoint.sequence_number,
+                                      lease.checkpoint.sub_sequence_number),
                      "-" if target is None else _checkpoint_text(
                          target.checkpoint, target.sub_sequence_number),
                      "-" if target is None else target.meaning, move.note or "-"])
@@ -489,14 +490,14 @@ def _checkpoint_text(checkpoint: str, sub: int) -> str:
 
 def park(args: argparse.Namespace, table: LeaseTable, out: IO[str]) -> int:
     lease = one_lease(args, table)
-    if lease.checkpoint == SHARD_END and not lease.recovery:
+    if lease.is_shard_end and not lease.recovery:
         raise Refused(f"shard {lease.shard_id} is finished (SHARD_END): nothing to park")
     value = parking.marker(args.reason, "operator")
     _write_fresh(table, lease, lambda _: UpdateBuilder().set(ser.PARKED, s(value)), take=True)
     taken = f", taken from {lease.lease_owner}" if lease.lease_owner else ""
     _report(args, out, {"shard_id": lease.shard_id, "parked": True,
                         "previous_owner": lease.lease_owner},
-            f"parked {lease.shard_id}{taken}; checkpoint stays {lease.checkpoint}")
+            f"parked {lease.shard_id}{taken}; checkpoint stays {lease.checkpoint.sequence_number}")
     return 0
 
 
@@ -507,7 +508,7 @@ def resume_shard(args: argparse.Namespace, table: LeaseTable, out: IO[str]) -> i
     _write(table, lease, UpdateBuilder().remove(ser.PARKED))
     _report(args, out, {"shard_id": lease.shard_id, "parked": False},
             f"resumed {lease.shard_id}: a worker takes it within the failover time, from "
-            f"checkpoint {lease.checkpoint}")
+            f"checkpoint {lease.checkpoint.sequence_number}")
     return 0
 
 

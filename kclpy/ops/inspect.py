@@ -63,7 +63,6 @@ from kclpy.ops.lag import (
     report_to_json,
 )
 from kclpy.ops.text import print_table
-from kclpy.position import SHARD_END
 from kclpy.retry import error_code
 from kclpy.streams import StreamIdentifier
 
@@ -282,8 +281,8 @@ def _leases(args: argparse.Namespace, out: IO[str]) -> int:
             parked.append(f"{lease.shard_id}: {marker.get('reason')}"
                           + (f" ({marker['error']})" if marker.get("error") else ""))
         rows.append([stream_name(lease) or "-", lease.shard_id, lease_state(lease), owner,
-                     str(lease.lease_counter), lease.checkpoint,
-                     str(lease.checkpoint_sub_sequence_number),
+                     str(lease.lease_counter), lease.checkpoint.sequence_number,
+                     str(lease.checkpoint.sub_sequence_number),
                      str(lease.owner_switches_since_checkpoint),
                      ",".join(sorted(lease.parent_shard_ids)) or "-",
                      ",".join(sorted(lease.child_shard_ids)) or "-"])
@@ -362,13 +361,14 @@ class TableSampler:
             lease = leases[shard_id]
             # A parent whose lease is gone was finished and cleaned up, as the consumer
             # itself concludes before it starts a child.
-            waiting = any(p in leases and leases[p].checkpoint != SHARD_END
+            waiting = any(p in leases and not leases[p].is_shard_end
                           for p in lease.parent_shard_ids)
-            lag = self._probe.measure(shard_id, lease.checkpoint,
-                                      lease.checkpoint_sub_sequence_number)
+            checkpoint = lease.checkpoint
+            lag = self._probe.measure(shard_id, checkpoint.sequence_number,
+                                      checkpoint.sub_sequence_number)
             self._tracker.record(shard_id, Observation(
-                time=now, checkpoint=lease.checkpoint,
-                sub_sequence_number=lease.checkpoint_sub_sequence_number, lag=lag,
+                time=now, checkpoint=checkpoint.sequence_number,
+                sub_sequence_number=checkpoint.sub_sequence_number, lag=lag,
                 lease_counter=lease.lease_counter, owner=lease.lease_owner,
                 owner_switches=lease.owner_switches_since_checkpoint,
                 waiting_on_parents=waiting))

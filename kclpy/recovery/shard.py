@@ -398,12 +398,10 @@ class ShardRecovery:
             live = lease
             # (``extended``: a live checkpoint at any sentinel before every record still
             # names where a gap from TRIM_HORIZON starts)
-            if finished is not None and _live_behind(lease.position, finished[0],
+            if finished is not None and _live_behind(lease.checkpoint, finished[0],
                                                      self._began):
                 changes = checkpoint_changes(finished[1])
-                live = lease.copy(checkpoint=finished[1].checkpoint,
-                                  checkpoint_sub_sequence_number=finished[1].sub_sequence_number,
-                                  owner_switches_since_checkpoint=0)
+                live = lease.copy(checkpoint=finished[1], owner_switches_since_checkpoint=0)
             if value is None:
                 changes.remove(RECOVERY)
             else:
@@ -416,7 +414,6 @@ class ShardRecovery:
             fresh = self._fence.table.guarded_transact(lease, changes, items)
             return fresh.copy(recovery=value, recovery_requests=lease.recovery_requests - folded,
                               checkpoint=live.checkpoint,
-                              checkpoint_sub_sequence_number=live.checkpoint_sub_sequence_number,
                               owner_switches_since_checkpoint=(
                                   live.owner_switches_since_checkpoint))
 

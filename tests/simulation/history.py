@@ -51,7 +51,8 @@ from sqlalchemy.pool import StaticPool
 from kclpy.config import KCLConfig
 from kclpy.errors import CheckpointError
 from kclpy.leases.held import HeldLease, HeldSet
-from kclpy.leases.lease import SHARD_END, Lease
+from kclpy.leases.lease import Lease
+from kclpy.position import SHARD_END
 from kclpy.position import Position as CheckpointPosition
 from kclpy.processor import (
     InitializeInput,
@@ -625,7 +626,7 @@ class History:
             for key, entry in list(worker.coordinator.held._held.items()):
                 item = items.get(key)  # None: the table was reset, its next write finds out
                 if (item is None or clock - entry.renewed_at > failover
-                        or SHARD_END in (entry.lease.checkpoint, _checkpoint_value(item))):
+                        or entry.lease.is_shard_end or _checkpoint_value(item) == SHARD_END):
                     continue
                 consumer = worker._consumers.get(key)
                 if consumer is not None and not consumer.done:

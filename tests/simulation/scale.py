@@ -48,6 +48,7 @@ from kclpy.leases.load import (
     LoadTable,
 )
 from kclpy.leases.table import LeaseTable
+from kclpy.position import Position
 from tests.simulation.aws import Dynamo, Item
 from tests.simulation.scheduler import Sim
 
@@ -462,7 +463,7 @@ class Fleet:
             LeaseTable(cast("DynamoDBClient", self.backend), TABLE).ensure_owner_index()
         for index in range(spec.shards):
             # a checkpoint as long as a real sequence number, so items have a real size
-            lease = Lease(f"shardId-{index:012d}", checkpoint=str(49_000_000 + index) * 7)
+            lease = Lease(f"shardId-{index:012d}", checkpoint=Position(str(49_000_000 + index) * 7))
             self.backend.put_item(TableName=TABLE, Item=ser.lease_to_new_item(lease))
         self.backend.create_table(TableName=LOAD_TABLE, KeySchema=[
             {"AttributeName": WORKER_ID, "KeyType": "HASH"}])

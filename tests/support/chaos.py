@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kclpy.leases.lease import SHARD_END
 from kclpy.local import free_port
+from kclpy.position import SHARD_END
 from kclpy.retrieval.registration import list_consumers
 from tests.support.audit import AuditReport, LeaseSampler, audit
 from tests.support.faultproxy import FaultProxy

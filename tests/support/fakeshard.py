@@ -13,9 +13,8 @@ import pytest
 from aws_kinesis_agg.aggregator import RecordAggregator
 from botocore.exceptions import ClientError
 
-from kclpy.leases.lease import AT_TIMESTAMP, LATEST, TRIM_HORIZON
 from kclpy.metrics import Metrics
-from kclpy.position import Position
+from kclpy.position import AT_TIMESTAMP, LATEST, TRIM_HORIZON, Position
 from kclpy.records import Record
 from kclpy.retrieval import parse
 from kclpy.retrieval import polling as polling_module
@@ -207,7 +206,7 @@ def make(
     )
     return ShardPipeline(
         source,
-        start or Position(TRIM_HORIZON),
+        start or Position.trim_horizon(),
         metrics=metrics,
         sleep=sleeps if sleeps is not None else Sleeps(),
         **kwargs,

@@ -62,9 +62,9 @@ class Shard:
         self.held.install(fresh, clock())
         self.key = key
         #: where the consumer would start: the lease's checkpoint when taken
-        self.start = (fresh.checkpoint, fresh.checkpoint_sub_sequence_number)
+        self.start = (fresh.checkpoint.sequence_number, fresh.checkpoint.sub_sequence_number)
         self.checkpointer = Checkpointer(key, self.fence, fresh.concurrency_token,
-                                         fresh.position)
+                                         fresh.checkpoint)
 
     def deliver(self, processor: ExactlyOnceProcessor, records: list[Record]) -> None:
         self.checkpointer.mark_delivered(records[-1])
