@@ -251,7 +251,7 @@ def test_a_consumer_whose_lease_expired_while_it_fetched_hands_the_batch_to_nobo
     consumer.start()
     assert consumer.join(10)
     assert processor.log == ["initialize", ["1"], "lease_lost"]
-    assert stored(table).checkpoint == "1"
+    assert stored(table).checkpoint == Position("1")
 
 
 def test_a_release_written_late_leaves_the_tenure_that_took_the_lease_again(
@@ -271,7 +271,7 @@ def test_a_release_written_late_leaves_the_tenure_that_took_the_lease_again(
     entry = a.held.entry("s1")
     assert entry is not None and entry.lease.concurrency_token == again
     a.fence.update_checkpoint("s1", again, Position("5"))
-    assert (stored(table).lease_owner, stored(table).checkpoint) == ("A", "5")
+    assert (stored(table).lease_owner, stored(table).checkpoint) == ("A", Position("5"))
     assert a.lost.keys == []
 
 
