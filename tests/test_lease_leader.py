@@ -210,3 +210,36 @@ def test_the_lock_one_leader_at_a_time_taken_over_within_the_failover_time() -> 
     assert backend.get_item(TableName="load", Key={WORKER_ID: {"S": LEADER_ITEM}}) == {}
     clock.now += 2 * first.check_s  # its next read, at a random phase within that
     assert first.tick() is True
+
+
+def test_a_fleet_started_at_once_reads_the_lock_within_the_first_interval() -> None:
+    """200 workers join a fleet whose lock says 200 workers: each reads it every 25 check
+    intervals, and the first of those reads falls anywhere in that period, so some worker
+    looks within the first interval after joining (about eight do) and a leader lost in the
+    fleet's first minute is noticed as soon as later. Drawn within 0.5-1.5 periods, as every
+    later read is, no worker would look for 12.5 intervals (62 s at 10 s failover)."""
+    backend = Dynamo(Sim(0))
+    backend.create_table(TableName="load", KeySchema=[{"AttributeName": WORKER_ID,
+                                                       "KeyType": "HASH"}])
+    backend.put_item(TableName="load", Item={WORKER_ID: {"S": LEADER_ITEM},
+                                             "leader": {"S": "boss"}, "term": {"N": "1"},
+                                             "workers": {"N": "200"}})
+    client = cast("DynamoDBClient", backend)
+    clock = _Clock()
+    locks = [LeaderLock(LoadTable(client, "load", clock=clock, sleep=lambda s: None),
+                        f"w{index}", failover_time_s=10.0, clock=clock,
+                        rng=random.Random(index))
+             for index in range(200)]
+    for lock in locks:
+        assert lock.tick() is False  # a term seen for the first time
+    confirmed_at = max(lock.next_tick() for lock in locks)
+    clock.now = confirmed_at
+    backend.update_item(TableName="load", Key={WORKER_ID: {"S": LEADER_ITEM}},
+                        UpdateExpression="SET #t = :t", ExpressionAttributeNames={"#t": "term"},
+                        ExpressionAttributeValues={":t": {"N": "2"}})  # the leader renews
+    for lock in locks:
+        assert lock.tick() is False
+    first_reads = sorted(lock.next_tick() - confirmed_at for lock in locks)
+    check_s = locks[0].check_s
+    assert sum(1 for wait in first_reads if wait <= check_s) >= 1, first_reads[:5]
+    assert first_reads[-1] <= 25 * check_s

@@ -95,6 +95,8 @@ class LeaderLock:
         self._readers = 1
         #: the next read confirms a term the last one saw for the first time
         self._confirming = False
+        #: a regular read has been scheduled (the first falls anywhere in its period)
+        self._phased = False
         self.worker_id = worker_id
         self.failover_time_s = failover_time_s
         self._clock = clock
@@ -153,9 +155,13 @@ class LeaderLock:
             # phase), so the fleet reads the lock about eight times per interval whatever
             # its size, each read of a new term followed by one more: a dead leader's last
             # term is seen soon after it stopped, and confirmed half a failover time
-            # later, and the bill does not grow with the workers.
+            # later, and the bill does not grow with the workers. The first of these reads
+            # falls anywhere in its period: drawn as the later ones are, a fleet started at
+            # once would not look at the lock for half a period (a minute at 200 workers).
             readers = max(1.0, self._readers / _READERS)
-            self._next_tick = now + spread(self.check_s * readers, 0.5, 1.5, self._rng)
+            low, high = (0.5, 1.5) if self._phased else (0.0, 1.0)
+            self._phased = True
+            self._next_tick = now + spread(self.check_s * readers, low, high, self._rng)
         return self.is_leader()
 
     def _write(self, operation: str, fn: Callable[..., Any], **kw: Any) -> bool:
