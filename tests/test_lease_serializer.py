@@ -94,6 +94,16 @@ def test_item_without_string_lease_key_is_rejected() -> None:
         lease_from_item({"leaseKey": {"N": "1"}})
 
 
+@pytest.mark.parametrize(("attribute", "value"), [
+    ("checkpoint", "12ab"), ("pendingCheckpoint", "-5"), ("checkpoint", "\u0661\u0662")])
+def test_an_item_with_a_checkpoint_no_kcl_writes_is_rejected_naming_lease_and_attribute(
+    attribute: str, value: str
+) -> None:
+    item = {"leaseKey": s("shardId-7"), "checkpoint": s("42"), attribute: s(value)}
+    with pytest.raises(ValueError, match=f"lease shardId-7: {attribute} '{value}'"):
+        lease_from_item(item)
+
+
 def test_new_item_has_java_attribute_names_and_omits_unset_optionals() -> None:
     item = lease_to_new_item(Lease("shardId-1", checkpoint=Position.latest()))
     assert item == {

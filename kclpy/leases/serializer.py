@@ -102,6 +102,19 @@ def checkpoint_attributes(position: Position) -> dict[str, AttributeValueTypeDef
             CHECKPOINT_SUB_SEQUENCE_NUMBER: n(position.sub_sequence_number)}
 
 
+def _position(key: str, attribute: str, checkpoint: str | None,
+              sub_sequence_number: int | None) -> Position:
+    """A checkpoint attribute read as a position. An item no KCL could have written (a
+    checkpoint neither a sequence number nor a sentinel) fails the read naming the lease and
+    the attribute, as the Java KCL's serializer fails on it: nothing can resume from it, and
+    skipping the item would leave its shard unread without a word."""
+    try:
+        return Position.of(checkpoint, sub_sequence_number)
+    except ValueError as exc:
+        raise ValueError(f"lease {key}: {attribute} {checkpoint!r} "
+                         f"(sub-sequence {sub_sequence_number}): {exc}") from exc
+
+
 def lease_from_item(item: Mapping[str, AttributeValueTypeDef]) -> Lease:
     """Read a lease item written by this library or by any Java KCL 2.x/3.x version."""
     key = _str(item, LEASE_KEY)
@@ -114,9 +127,10 @@ def lease_from_item(item: Mapping[str, AttributeValueTypeDef]) -> Lease:
         lease_key=key,
         lease_owner=_str(item, LEASE_OWNER),
         lease_counter=_int(item, LEASE_COUNTER) or 0,
-        checkpoint=Position.of(_str(item, CHECKPOINT) or None,
-                               _int(item, CHECKPOINT_SUB_SEQUENCE_NUMBER)),
-        pending_checkpoint=None if pending is None else Position.of(pending, pending_sub),
+        checkpoint=_position(key, CHECKPOINT, _str(item, CHECKPOINT) or None,
+                             _int(item, CHECKPOINT_SUB_SEQUENCE_NUMBER)),
+        pending_checkpoint=(None if pending is None
+                            else _position(key, PENDING_CHECKPOINT, pending, pending_sub)),
         pending_checkpoint_state=None if state is None else state.get("B"),
         owner_switches_since_checkpoint=_int(item, OWNER_SWITCHES_SINCE_CHECKPOINT) or 0,
         parent_shard_ids=_set(item, PARENT_SHARD_ID),
