@@ -368,6 +368,14 @@ class ShardConsumer:
             read_from = Position.trim_horizon()
         attempt = 0
         while not self._stopping():
+            if self._lease_gone():
+                # Given up while this consumer started (its worker starved past the failover
+                # time): the next holder may have checkpointed past ``position`` since, so a
+                # processor started now would start from a stale checkpoint.
+                log.info("shard %s: lease lost before its processor was initialized",
+                         self.lease_key)
+                self.notify_lease_lost()
+                return False
             processor = self._processor_factory()
             try:
                 processor.initialize(

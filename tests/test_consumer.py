@@ -276,6 +276,19 @@ def test_a_lease_its_fence_no_longer_holds_gets_no_more_batches() -> None:
     assert consumer.ended_why == "told the lease was lost"
 
 
+def test_a_lease_given_up_before_the_processor_started_gets_no_processor() -> None:
+    """A worker starved past the failover time while a consumer was starting (CI's
+    MultiLang chaos: SIGSTOPped right after adopting a lease) gives the lease up, and the
+    next holder may have checkpointed further since: a processor initialized now would
+    start from the stale checkpoint this consumer was made with. It gets none - the
+    consumer ends with the lease lost before ``initialize``."""
+    log: list[object] = []
+    consumer, writer, _ = run_consumer([Result([rec(1)])], [Recorder(log)], holds=lambda: False)
+    assert log == []
+    assert writer.writes == []
+    assert consumer.ended_why == "told the lease was lost"
+
+
 def test_shutdown_request_lets_the_processor_checkpoint() -> None:
     log: list[object] = []
 
