@@ -10,6 +10,7 @@ that no checkpoint ever moves backwards.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import kclpy
 from kclpy.errors import CheckpointError
@@ -30,6 +31,9 @@ from kclpy.leases.load import LoadSettings
 from kclpy.position import Position
 from tests.support.ledger import WORKER_ENV
 from tests.support.streams import dynamodb_client, put_plain
+
+if TYPE_CHECKING:
+    from mypy_boto3_dynamodb import DynamoDBClient
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -274,8 +278,15 @@ class Fleet:
             if item["checkpoint"]["S"] != "SHARD_END"
         }
 
+    @functools.cached_property
+    def _dynamodb(self) -> DynamoDBClient:
+        """One client for every look at the table: making a client costs about as much CPU
+        as a scan, and a test polling for a state that lasts half a second (a handoff)
+        would miss it between two slow looks."""
+        return dynamodb_client(self.dynamodb_url)
+
     def lease_items(self) -> dict[str, dict[str, Any]]:
-        client = dynamodb_client(self.dynamodb_url)
+        client = self._dynamodb
         try:
             items = client.scan(TableName=self.application, ConsistentRead=True)["Items"]
         except client.exceptions.ResourceNotFoundException:

@@ -37,6 +37,9 @@ from kclpy.position import Position
 LEDGER_ENV = "KCLPY_TEST_LEDGER_DB"
 WORKER_ENV = "KCLPY_TEST_WORKER_ID"
 CHECKPOINT_EVERY_ENV = "KCLPY_TEST_CHECKPOINT_EVERY"
+#: seconds a processor takes to let go after ``shutdown_requested`` (one that flushes
+#: before a handoff), so that a test can act while a handoff is surely under way
+HANDOFF_HOLD_ENV = "KCLPY_TEST_HANDOFF_HOLD_S"
 
 PLAIN = "plain"
 KPL = "kpl"
@@ -356,3 +359,4 @@ class LedgerProcessor(kclpy.IRecordProcessor):
     def shutdown_requested(self, shutdown_requested_input: kclpy.ShutdownRequestedInput) -> None:
         self._checkpoint(shutdown_requested_input.checkpointer)
         self._event(SHUTDOWN_REQUESTED)
+        time.sleep(float(os.environ.get(HANDOFF_HOLD_ENV, "0")))
