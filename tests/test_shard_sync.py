@@ -496,6 +496,22 @@ def test_a_lease_of_a_former_stream_of_the_same_name_is_told_apart(
     assert (former_incarnation(lease, listed) is not None) is former
 
 
+@pytest.mark.parametrize(("incarnation", "stream_epoch", "former"), [
+    ("1700000000:1700000001000:abc", 1700000500, True),   # made for an older stream
+    ("1700000500:1700000501000:abc", 1700000500, False),  # made for this one
+    ("0:1700000001000:abc", 1700000500, False),           # stream epoch unknown when made
+    (None, 1700000500, False),                            # made by Java or an older kclpy
+    ("1700000000:1700000001000:abc", None, False),        # listed stream's epoch unknown
+])
+def test_a_lease_made_for_a_stream_created_at_another_second_is_of_a_former_stream(
+        incarnation: str | None, stream_epoch: int | None, former: bool) -> None:
+    """The sequence numbers do not tell (the checkpoint is after the new shard's first):
+    the lease's incarnation names the creation second of the stream it was made for."""
+    lease = Lease("s0", checkpoint=Position("5000"), lease_counter=3, incarnation=incarnation)
+    assert (former_incarnation(lease, shard("s0", start=1000), stream_epoch)
+            is not None) is former
+
+
 def test_a_shard_that_closes_between_the_listing_and_the_lease_read_is_not_a_former_stream(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Found by the simulator (seed 947): the listing shows the shard open, a merge closes

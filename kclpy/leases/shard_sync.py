@@ -16,8 +16,9 @@ Which shards get a lease, and where a new lease starts (the Java KCL
 A stream deleted and created again under the same name, with the lease table kept, lists
 shard ids its former incarnation had leases for; those leases would hide the new shards (a
 ``SHARD_END`` lease is never read again, a sequence-number checkpoint points into a stream
-that is gone). A lease is of a former incarnation when it is at ``SHARD_END`` while its shard
-is open (a closed shard never reopens), or its checkpoint lies before the shard's first
+that is gone). A lease is of a former incarnation when kclpy made it for a stream created at
+another second (a lease's incarnation names its stream's creation second), when it is at
+``SHARD_END`` while its shard is open (a closed shard never reopens), or its checkpoint lies before the shard's first
 sequence number (every record of a shard is at or after it). Such a lease is deleted (read
 again and conditional on its counter, so a lease that moved meanwhile is left alone) and
 created anew like any lease of a new shard, at the initial position, with a WARNING. Leases
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from botocore.exceptions import ClientError
 
 from kclpy.errors import ConfigError, LeaseLostError
-from kclpy.leases.lease import Lease, new_incarnation
+from kclpy.leases.lease import Lease, incarnation_epoch, new_incarnation
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import NOWHERE, THROTTLES, Metrics
 from kclpy.position import (
@@ -118,12 +119,19 @@ class ChildShardLike(Protocol):
 SHARD_END_BUT_OPEN = "it is at SHARD_END but the shard is open"
 
 
-def former_incarnation(lease: Lease, shard: Shard) -> str | None:
+def former_incarnation(lease: Lease, shard: Shard, stream_epoch: int | None = None) -> str | None:
     """Why ``lease`` cannot be a lease of the listed ``shard`` (it is of a former stream of
-    the same name), or None: a checkpoint before the shard's first sequence number, or a
-    finished lease of an open shard (see ``SHARD_END_BUT_OPEN``). An end beyond the shard's
-    ending sequence number is not used: moto lists a closed shard ending at 0 while its
-    records go on."""
+    the same name), or None: created by kclpy for a stream created at another second than
+    the listed one (``stream_epoch``, whole seconds; the lease's incarnation holds its own),
+    a checkpoint before the shard's first sequence number, or a finished lease of an open
+    shard (see ``SHARD_END_BUT_OPEN``). The sequence numbers alone do not always tell: an
+    endpoint may number a new stream's shard below the old one's checkpoint. An end beyond
+    the shard's ending sequence number is not used: moto lists a closed shard ending at 0
+    while its records go on."""
+    created = incarnation_epoch(lease.incarnation) if lease.incarnation else 0
+    if created and stream_epoch and created != stream_epoch:
+        return (f"it was created for a stream created at epoch {created}, and this one was "
+                f"created at {stream_epoch}")
     if lease.is_shard_end and shard.is_open:
         return SHARD_END_BUT_OPEN
     checkpoint = lease.checkpoint.sequence_number
@@ -360,10 +368,10 @@ class ShardSyncer:
         relisted: dict[str, Shard] | None = None
         for seen in leases:
             shard = by_key.get(seen.lease_key)
-            if shard is None or former_incarnation(seen, shard) is None:
+            if shard is None or former_incarnation(seen, shard, self.stream_epoch) is None:
                 continue
             lease = self._table.get(seen.lease_key)
-            why = None if lease is None else former_incarnation(lease, shard)
+            why = None if lease is None else former_incarnation(lease, shard, self.stream_epoch)
             if why == SHARD_END_BUT_OPEN:
                 # Listed after the lease was read: a shard that closed meanwhile shows closed.
                 if relisted is None:
