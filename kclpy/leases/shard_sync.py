@@ -18,12 +18,12 @@ shard ids its former incarnation had leases for; those leases would hide the new
 ``SHARD_END`` lease is never read again, a sequence-number checkpoint points into a stream
 that is gone). A lease is of a former incarnation when kclpy made it for a stream created at
 another second (a lease's incarnation names its stream's creation second), when it is at
-``SHARD_END`` while its shard is open (a closed shard never reopens), or its checkpoint lies before the shard's first
-sequence number (every record of a shard is at or after it). Such a lease is deleted (read
-again and conditional on its counter, so a lease that moved meanwhile is left alone) and
-created anew like any lease of a new shard, at the initial position, with a WARNING. Leases
-that were never checkpointed cannot be told apart, and need not be: they start where a new
-lease would.
+``SHARD_END`` while its shard is open (a closed shard never reopens), or when its checkpoint
+lies before the shard's first sequence number (every record of a shard is at or after it).
+Such a lease is deleted (read again and conditional on its counter, so a lease that moved
+meanwhile is left alone) and created anew like any lease of a new shard, at the initial
+position, with a WARNING. Leases that were never checkpointed need no replacing: they start
+where a new lease would.
 
 Java creates only the first generation below the handled shards and leaves the rest to the
 ``ChildShards`` that GetRecords returns at shard end. Creating every generation in one pass
