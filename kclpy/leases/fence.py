@@ -202,9 +202,11 @@ class LeaseFence:
         lease's lock and without giving anything up (``write`` does that), so a consumer can
         ask before every batch: a batch handed to a processor once this is False can never
         be checkpointed, and the next holder delivers it again."""
-        held = self.held.entry(lease_key)
-        return (held is not None and held.lease.concurrency_token == token
-                and not self._expired(held))
+        try:
+            held = self._holding(lease_key, token)
+        except ShutdownException:
+            return False
+        return not self._expired(held)
 
     def update_checkpoint(
         self, lease_key: str, concurrency_token: str, position: Position
