@@ -80,6 +80,23 @@ def test_an_unobserved_write_proves_the_lease_held_but_keeps_the_renewal_due() -
     assert entry.lease.lease_counter == 3
 
 
+def test_a_write_that_returns_a_new_assignment_notice_tells_the_notice_hook() -> None:
+    """A leader's notice rides on the holder's next write (``leader.py``): only a changed
+    notice tells the hook, not one the lease already carried when taken."""
+    heard: list[str] = []
+    held = HeldSet("A", renewer_interval_s=INTERVAL)
+    held.set_notice_hook(lambda: heard.append("notice"))
+    held.install(lease("s1", 1, "t").copy(assignment_notice="old"), sent_at=0.0)
+    entry = held.entry("s1")
+    assert entry is not None
+    assert held.refresh(entry, lease("s1", 2, "t").copy(assignment_notice="old"), sent_at=1.0)
+    assert heard == []
+    assert held.refresh(entry, lease("s1", 3, "t").copy(assignment_notice="new"), sent_at=2.0)
+    assert heard == ["notice"]
+    assert held.refresh(entry, lease("s1", 4, "t").copy(assignment_notice="new"), sent_at=3.0)
+    assert heard == ["notice"]
+
+
 def test_a_lost_lease_tells_the_drop_hook_and_a_released_one_only_after_a_handoff() -> None:
     dropped: list[str] = []
     held = HeldSet("A", renewer_interval_s=INTERVAL)

@@ -7,7 +7,7 @@ import random
 from collections import Counter
 from typing import TYPE_CHECKING, cast
 
-from kclpy.leases.leader import LeaderLock, live_workers, plan
+from kclpy.leases.leader import LeaderLock, held_leases, live_workers, plan
 from kclpy.leases.lease import Lease
 from kclpy.leases.load import LEADER_ITEM, WORKER_ID, LoadSettings, LoadTable, WorkerLoad
 from kclpy.position import Position
@@ -162,6 +162,36 @@ def test_a_worker_that_never_takes_what_it_was_assigned_is_dead_and_the_lease_fr
     decided = plan([assigned, taken], live, is_expired=_never_expired, known_lease_keys=None,
                    no_move=(), settings=None, rng=random.Random(4), dead=set(dead))
     assert [(lease.lease_key, owner) for lease, owner in decided.assign] == [("s1", "b")]
+
+
+def test_an_assignment_a_holder_was_not_notified_of_is_judged_by_its_expiry() -> None:
+    """A worker that holds leases queries for new ones only on a notice (or every three
+    failover times): left untaken past the claim window, a lease assigned to it without a
+    notice says nothing of its life, since it renews what it holds; one it was notified of
+    does."""
+    reports = {w: _report(w) for w in ("a", "b")}
+    assigned = _lease("s1", "a", counter=2)
+    held = _lease("s2", "a", counter=7)
+    held.kclpy_holder = "a"
+
+    def live(noticed: set[str]) -> set[str]:
+        return set(live_workers(reports, lambda w: 100.0, [assigned, held], lambda lease: None,
+                                {}, unchanged_for=lambda lease: 9.0, claim_within_s=5.0,
+                                holders={"a"}, noticed=noticed))
+
+    assert live(set()) == {"a", "b"}
+    assert live({"s1"}) == {"b"}
+
+
+def test_a_notice_goes_on_a_lease_its_worker_holds_and_takes_and_renews() -> None:
+    leases = [_lease("held", "a"), _lease("assigned", "a"), _lease("handing", "a", 3, "b"),
+              _lease("expired", "a"), _lease("b's", "b")]
+    for lease in leases:
+        lease.kclpy_holder = lease.checkpoint_owner or lease.lease_owner
+    leases[1].kclpy_holder = None
+    held = held_leases(leases, is_expired=lambda lease: lease.lease_key == "expired")
+    assert {w: [lease.lease_key for lease in ls] for w, ls in held.items()} == {
+        "a": ["held"], "b": ["b's"]}
 
 
 class _Clock:

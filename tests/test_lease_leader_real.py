@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from kclpy.leases.load import LEADER_ITEM, LOAD_TABLE_SUFFIX, WORKER_ID, WRITTEN_AT
+from kclpy.leases.serializer import ASSIGNMENT_NOTICE
 from kclpy.leases.table import OWNER_INDEX
 from kclpy.local import LocalEndpoint
 from tests.support.fleet import Producer, fleet
@@ -46,7 +47,8 @@ def test_leader_sigkilled_another_leads_and_nothing_is_lost(
     """Three workers with a leader assign six shards (the lease table gets the owner index,
     the lock lives in the load table, not among the leases), balance 2/2/2; the leader is
     SIGKILLed: a survivor wins a later term of the lock, the dead leader's leases go to the
-    survivors (3/3), and every record put before, during and after is processed. Every
+    survivors (3/3), a survivor told of its new lease by a notice on one it held, and every
+    record put before, during and after is processed. Every
     worker's report carries the wall-clock time it was written (``writtenAt``, what a new
     leader orders idle workers by)."""
     kinesis = kinesis_client(kinesis_mock.url)
@@ -87,6 +89,11 @@ def test_leader_sigkilled_another_leads_and_nothing_is_lost(
         counts = wait_for(lambda: group.settled(set(workers)), 60,
                           "the dead leader's leases on the survivors")
         assert sorted(counts.values()) == [3, 3]
+        # a survivor that held leases was told of the one it got, on one it held
+        # (``LeaseTable.notify_holder``), by a write its renewals went on through
+        noticed = [key for key, item in group.lease_items().items()
+                   if ASSIGNMENT_NOTICE in item]
+        assert noticed, "the new leader notified no holder"
         sent = producer.stop()
         wait_for(lambda: group.ledger.processed_all(set(sent)), 60, "every record processed")
     assert set(group.ledger.payloads()) == set(sent)

@@ -311,6 +311,33 @@ def test_renew_bumps_the_counter_only(table: LeaseTable) -> None:
     assert raw(table, "s")["throughputKBps"] == {"N": "12.5"}
 
 
+def test_an_assignment_notice_leaves_the_holders_renewal_alone_and_comes_back_with_it(
+    table: LeaseTable,
+) -> None:
+    """A leader notifies a holder on a lease it holds: the counter is untouched, so the
+    holder's next renewal (fenced on the counter it holds) passes and returns the notice. A
+    notice to a worker that does not hold the lease, or holds it handing it off, is refused."""
+    table.create(Lease("s"))
+    assigned = table.get("s")
+    assert assigned is not None
+    mine = table.take(assigned, "w1")
+    assert not table.notify_holder(mine, "w2", "n1")
+    assert table.notify_holder(mine, "w1", "n1")
+    renewed = table.renew(mine)
+    assert (renewed.lease_counter, renewed.assignment_notice) == (mine.lease_counter + 1, "n1")
+    handing = table.set_checkpoint_owner(renewed, "w2")
+    assert not table.notify_holder(handing, "w1", "n2")
+    assert fetch_notice(table, "s") == "n1"
+    untaken = table.assign(table.take(handing, "w1"), "w3")
+    assert not table.notify_holder(untaken, "w3", "n3"), "assigned, not taken: nobody renews it"
+
+
+def fetch_notice(table: LeaseTable, key: str) -> str | None:
+    lease = table.get(key)
+    assert lease is not None
+    return lease.assignment_notice
+
+
 def test_renew_fails_when_owner_or_counter_changed(table: LeaseTable) -> None:
     table.create(Lease("s"))
     lease = table.get("s")

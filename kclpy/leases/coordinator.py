@@ -94,6 +94,7 @@ class LeaseCoordinator:
             interval_s=taker_interval_s, load=load, leader_mode=leader,
             rng=random.Random(rng.getrandbits(64)) if rng is not None and leader else None)
         self.held.set_drop_hook(self.taker.remember_lost)
+        self.held.set_notice_hook(self._assignment_noticed)
         self._stopping = threading.Event()
         #: set once the worker shuts down: the taker thread ends, the renewer goes on
         self._taking_stopped = threading.Event()
@@ -281,6 +282,10 @@ class LeaseCoordinator:
     def set_consumable(self, fn: Callable[[str], bool] | None) -> None:
         """With a leader: which assigned leases this worker takes (``LeaseTaker``)."""
         self.taker.set_consumable(fn)
+
+    def _assignment_noticed(self) -> None:
+        self.taker.heard_notice()
+        self._wake.set()
 
     def wake_taker(self) -> None:
         self._wake.set()

@@ -51,6 +51,7 @@ class HeldSet:
     ) -> None:
         self.worker_id = worker_id
         self._on_drop: Listener | None = None
+        self._on_notice: Callable[[], None] | None = None
         self.renewer_interval_s = renewer_interval_s
         self._metrics = metrics if metrics is not None else NOWHERE
         self._state = threading.Lock()
@@ -62,6 +63,11 @@ class HeldSet:
         #: why each lease this worker no longer holds was given up, so that a write refused
         #: for it says "expired here" or "taken by another worker", not just "not held"
         self._gone: dict[str, str] = {}
+
+    def set_notice_hook(self, fn: Callable[[], None]) -> None:
+        """``fn()`` is called when a write's answer shows a leader's new assignment notice on a
+        held lease (``Lease.assignment_notice``): the taker then looks for its new leases."""
+        self._on_notice = fn
 
     def set_drop_hook(self, fn: Listener) -> None:
         """``fn(key)`` is called at once (the lease's lock held) when a lease is lost or
@@ -113,11 +119,16 @@ class HeldSet:
         with self._state:
             if self._held.get(lease.lease_key) is not entry:
                 return False
+            noticed = (lease.assignment_notice is not None
+                       and lease.assignment_notice != entry.lease.assignment_notice)
             entry.lease = lease
             entry.renewed_at = sent_at
             if observed:
                 entry.renew_due = sent_at + self.renewer_interval_s
-            return True
+            on_notice = self._on_notice if noticed else None
+        if on_notice is not None:
+            on_notice()
+        return True
 
     def expire(self, now: float, failover_time_s: float) -> list[str]:
         """Give up every lease not written for longer than the failover time, without

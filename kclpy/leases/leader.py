@@ -36,10 +36,17 @@ workers x shards. Here:
   leases go first to the workers that reported last (``plan``'s ``recency``): an idle
   worker that died with them looks alive until its report goes stale.
 - *Every worker finds its leases* through the owner index (``LeaseOwnerToLeaseKeyIndex``, the
-  Java KCL 3.x's own: leaseOwner -> leaseKey, keys only), one Query every half failover
-  time that costs what its own keys weigh. A new key is read (GetItem) and taken
-  with a write fenced on the counter the leader left (so its tenure starts on its own
-  clock); one still being handed off waits as a steal's handoff waits (``taker.py``).
+  Java KCL 3.x's own: leaseOwner -> leaseKey, keys only), with a Query that costs what its
+  own keys weigh. A new key is read (GetItem) and taken with a write fenced on the counter
+  the leader left (so its tenure starts on its own clock); one still being handed off
+  waits as a steal's handoff waits (``taker.py``). A worker that holds nothing Queries
+  every half failover time. One that holds leases is *notified*: after a pass gives it
+  leases, the leader writes a token on one of the leases it holds
+  (``Lease.assignment_notice``, fenced on the holder, not on the counter), the holder's
+  next renewal returns it changed, and the holder Queries at once; otherwise it Queries
+  only every three failover times. Holders' Queries were most of the bill that grows
+  with the workers (half the requests at 100 shards x 50 workers), and a notice costs one
+  write per worker given leases, nothing once the fleet is settled.
 
 The pure decision is :func:`plan`; :class:`LeaderLock` is the election; the taker carries
 both out (``LeaseTaker.run_once``).
@@ -270,6 +277,14 @@ class LeaderMode:
         return self.lock.failover_time_s / 2
 
     @property
+    def held_discovery_interval_s(self) -> float:
+        """How often a worker that holds leases queries the owner index regardless of notices:
+        for an assignment whose notice it missed (it lost the noticed lease before renewing
+        it; a leader of an older kclpy writes none). Such an assignment is free again
+        anyway once it stayed untaken for the failover time."""
+        return 3 * self.lock.failover_time_s
+
+    @property
     def claim_within_s(self) -> float:
         """How long after the leader wrote an assignment the assignee may leave it untaken
         before it is judged dead: its Query interval, and a sixth of the failover time for
@@ -296,6 +311,19 @@ def unclaimed(lease: Lease) -> bool:
             and lease.kclpy_holder != lease.lease_owner)
 
 
+def held_leases(leases: Iterable[Lease], *,
+                is_expired: Callable[[Lease], bool]) -> dict[str, list[Lease]]:
+    """Worker -> the live leases it holds (took, and is not handing off): those a notice to
+    it can be written on (``LeaseTable.notify_holder``)."""
+    held: dict[str, list[Lease]] = {}
+    for lease in leases:
+        owner = lease.lease_owner
+        if (owner is not None and lease.kclpy_holder == owner and lease.checkpoint_owner is None
+                and not is_expired(lease)):
+            held.setdefault(owner, []).append(lease)
+    return held
+
+
 def live_workers(
     reports: Mapping[str, WorkerLoad],
     reported_at: Callable[[str], float],
@@ -305,6 +333,8 @@ def live_workers(
     *,
     unchanged_for: Callable[[Lease], float],
     claim_within_s: float,
+    holders: AbstractSet[str] = frozenset(),
+    noticed: AbstractSet[str] = frozenset(),
 ) -> dict[str, WorkerLoad]:
     """The fresh reporters, less the dead: those owning a lease that expired after their
     last report (``expired_at``: when a lease expired on the leader's clock, None while it
@@ -312,14 +342,21 @@ def live_workers(
     ``claim_within_s`` (a worker without leases shows it is alive only by its reports,
     which stay fresh for a while after it died). ``dead`` remembers them (worker -> its
     report when judged) until they report again, since their leases are soon assigned
-    away."""
+    away.
+
+    An assignment to one of ``holders`` (workers renewing a lease: they show they live)
+    whose key is not in ``noticed`` (the leases this leader assigned with a notice) says
+    nothing: such a worker queries for its leases only every
+    ``LeaderMode.held_discovery_interval_s``; the lease is free again once it expires."""
     for lease in leases:
         holder = lease.checkpoint_owner or lease.lease_owner
         if holder is None or holder not in reports:
             continue
         at = expired_at(lease)
         stopped = at is not None and reported_at(holder) < at
-        if stopped or (unclaimed(lease) and unchanged_for(lease) > claim_within_s):
+        claimed_late = (unclaimed(lease) and unchanged_for(lease) > claim_within_s
+                        and (holder not in holders or lease.lease_key in noticed))
+        if stopped or claimed_late:
             dead[holder] = reported_at(holder)
     for worker in list(dead):
         if worker not in reports or reported_at(worker) > dead[worker]:

@@ -66,6 +66,11 @@ class Lease:
     #: lease: how kclpy tells a holder that speaks the graceful handoff protocol
     #: (``mixed.py``). None on items no kclpy worker has taken.
     kclpy_holder: str | None = field(default=None, compare=False)
+    #: kclpy's own: a token a leader writes on a lease its holder holds, after assigning that
+    #: holder more leases (``--lease-assigner leader``). The holder's next renewal returns it
+    #: changed and the holder then looks for its new leases at once, instead of querying the
+    #: owner index every half failover time (``leader.py``). Java KCL workers ignore it.
+    assignment_notice: str | None = field(default=None, compare=False)
     #: In memory only, never persisted: a fresh value each time this worker takes the lease,
     #: so a checkpointer created for an earlier tenure cannot write into a later one.
     concurrency_token: str | None = field(default=None, compare=False)

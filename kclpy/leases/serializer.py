@@ -45,6 +45,9 @@ INCARNATION = "kclpyIncarnation"
 #: kclpy's own: the kclpy worker that last took the lease (``Lease.kclpy_holder``); Java
 #: workers neither read nor clear it, so it names the owner only while a kclpy worker holds it
 KCLPY_HOLDER = "kclpyHolder"
+#: kclpy's own: a leader's notice to the lease's holder that it was assigned more leases
+#: (``Lease.assignment_notice``); Java workers neither read nor clear it
+ASSIGNMENT_NOTICE = "kclpyAssignmentNotice"
 #: Java multi-stream leases: the serialised stream identifier (named so for legacy reasons)
 #: and the bare shard id, beside a key that joins them
 STREAM_NAME = "streamName"
@@ -145,6 +148,7 @@ def lease_from_item(item: Mapping[str, AttributeValueTypeDef]) -> Lease:
         stream=_str(item, STREAM_NAME),
         incarnation=_str(item, INCARNATION),
         kclpy_holder=_str(item, KCLPY_HOLDER),
+        assignment_notice=_str(item, ASSIGNMENT_NOTICE),
     )
 
 

@@ -354,6 +354,20 @@ class LeaseTable(DynamoTable):
             ser.CHECKPOINT_OWNER, s(lease.checkpoint_owner))
         return self._update(lease.lease_key, update, None)
 
+    def notify_holder(self, lease: Lease, holder: str, notice: str) -> bool:
+        """A leader's notice to ``holder`` that it was assigned more leases, written on a
+        lease it holds (``Lease.assignment_notice``); False when ``holder`` no longer holds
+        it. Fenced on the holder, not on the counter, and leaving the counter alone, so the
+        holder's renewals go on undisturbed and the next one returns the notice."""
+        update = (UpdateBuilder().set(ser.ASSIGNMENT_NOTICE, s(notice))
+                  .expect_owner(holder).expect_equal(ser.KCLPY_HOLDER, s(holder))
+                  .expect_absent(ser.CHECKPOINT_OWNER))
+        try:
+            self._update(lease.lease_key, update, None)
+        except LeaseChanged:
+            return False
+        return True
+
     def update_child_shard_ids(self, lease_key: str, child_ids: Iterable[str]) -> None:
         """Add children to a parent's ``childShardIds``; the counter is left alone so the
         owner's renewals are not disturbed (Java does the same)."""

@@ -54,12 +54,15 @@ from kclpy.metrics import (
     TOTAL_LEASES,
     Metrics,
 )
+from kclpy.retry import spread
 
 log = logging.getLogger(__name__)
 
 
 #: how far past an overdue lease's expiry the scan that takes it is made
 _EXPIRY_MARGIN_S = 0.05
+#: leases of one holder a leader tries to write an assignment notice on
+_NOTICE_TRIES = 2
 
 
 class LeaseTaker:
@@ -129,7 +132,14 @@ class LeaseTaker:
                      else random.Random())
         self._next_pass: float | None = None
         self._next_round: float | None = None
-        self._next_discovery: float | None = None
+        #: clock() of this worker's last owner index Query, whether it held a lease then,
+        #: and whether a leader's assignment notice arrived since (``heard_notice``)
+        self._last_discovery: float | None = None
+        self._held_at_discovery = False
+        #: how long after the last Query a worker that holds leases Queries again, drawn
+        #: at each Query (``LeaderMode.held_discovery_interval_s``, spread)
+        self._held_discovery_s = 0.0
+        self._notice_heard = False
         self._recent_moves = leader.RecentMoves()
         #: set when the worker shuts down: a led cycle under way writes nothing more
         self._stopping = threading.Event()
@@ -140,6 +150,9 @@ class LeaseTaker:
         #: lease key -> when the leader judges its assignee dead if it is still untaken then
         #: (a pass is made right then, as at an overdue lease's expiry)
         self._claims: dict[str, float] = {}
+        #: lease keys the leader assigned to a holder it then notified (``_notify``); the
+        #: others assigned to holders are judged by their expiry (``leader.live_workers``)
+        self._noticed: set[str] = set()
         #: whether this worker led at its last cycle
         self._led = False
         #: with a leader: a scan asked for by a worker that does not lead (``survey``), and
@@ -233,8 +246,7 @@ class LeaseTaker:
     # -- led by one worker (``leader.py``) ------------------------------------------------
 
     def _next_led(self, mode: leader.LeaderMode, now: float) -> float:
-        due = [mode.lock.next_tick(),
-               now if self._next_discovery is None else self._next_discovery]
+        due = [mode.lock.next_tick(), self._next_discovery(mode, now)]
         if self._survey_asked and not mode.lock.is_leader():
             due.append(self._next_survey(mode, now))
         if mode.lock.is_leader():
@@ -274,8 +286,14 @@ class LeaseTaker:
                           or (claim is not None and now >= claim)):
                 taken += self._lead(mode)
             now = self._clock()
-            if self._next_discovery is None or now >= self._next_discovery:
-                self._next_discovery = now + mode.discovery_interval_s
+            if now >= self._next_discovery(mode, now):
+                # spread, so that the workers of a fleet started at once do not Query in step
+                held_discovery_s = spread(mode.held_discovery_interval_s, 0.5, 1.5, self._rng)
+                with self._state:
+                    self._notice_heard = False
+                    self._last_discovery = now
+                    self._held_at_discovery = len(self.held) > 0
+                    self._held_discovery_s = held_discovery_s
                 taken += self._discover()
             if not leads and self._survey_asked and now >= self._next_survey(mode, now):
                 self._survey()
@@ -302,10 +320,14 @@ class LeaseTaker:
                 return None
             return now - self._balancer.unchanged_for(lease.lease_key, now) + self.failover_time_s
 
+        held_by = leader.held_leases(
+            leases, is_expired=lambda lease: self._balancer.is_expired(lease, now))
+        self._noticed &= {lease.lease_key for lease in leases if leader.unclaimed(lease)}
         live = leader.live_workers(
             reports, mode.reports.reported_at, leases, expired_at, self._dead,
             unchanged_for=lambda lease: self._balancer.unchanged_for(lease.lease_key, now),
-            claim_within_s=mode.claim_within_s)
+            claim_within_s=mode.claim_within_s, holders=held_by.keys(),
+            noticed=self._noticed)
         self._claims = {lease.lease_key: self._claims[lease.lease_key] for lease in leases
                         if lease.lease_key in self._claims and leader.unclaimed(lease)
                         and self._claims[lease.lease_key] > now}
@@ -329,6 +351,8 @@ class LeaseTaker:
             settings=settings if mode.by_load else None, rng=self._rng or random.Random(),
             dead=set(self._dead), known_kbps=mode.reports.known_kbps, recency=recency)
         taken: list[Lease] = []
+        #: worker -> the leases this pass gave it
+        given: dict[str, list[str]] = {}
         for lease, owner in decided.assign:
             if self._stopping.is_set():
                 return taken
@@ -338,6 +362,7 @@ class LeaseTaker:
             elif self._assign(lease, owner):
                 self._claims[lease.lease_key] = (self._clock() + mode.claim_within_s
                                                  + _EXPIRY_MARGIN_S)
+                given.setdefault(owner, []).append(lease.lease_key)
         for lease, owner in decided.move if balance else ():
             if self._stopping.is_set():
                 return taken
@@ -345,10 +370,16 @@ class LeaseTaker:
             if owner == self.worker_id:
                 fresh = self.steal(lease)
                 taken += [fresh] if fresh is not None else []
-            elif self.graceful_handoff and mixed.speaks_handoff(lease):
-                self._hand(lease, owner)
-            else:
-                self._assign(lease, owner)
+            elif (self._hand(lease, owner) if self.graceful_handoff and mixed.speaks_handoff(lease)
+                  else self._assign(lease, owner)):
+                given.setdefault(owner, []).append(lease.lease_key)
+        moved = {lease.lease_key for lease, _ in decided.move} if balance else set()
+        for owner, keys in given.items():
+            if self._stopping.is_set():
+                return taken
+            if self._notify(owner, [lease for lease in held_by.get(owner, ())
+                                    if lease.lease_key not in moved]):
+                self._noticed.update(keys)
         if decided.assign or (balance and decided.move):
             log.info("worker %s (leader) assigned %d and moved %d lease(s) over %d worker(s)",
                      self.worker_id, len(decided.assign), len(decided.move) if balance else 0,
@@ -393,12 +424,49 @@ class LeaseTaker:
         self._balancer.observe_one(assigned, self._clock())
         return True
 
-    def _hand(self, lease: Lease, owner: str) -> None:
+    def _hand(self, lease: Lease, owner: str) -> bool:
+        """Ask the lease's holder to hand it to ``owner``; whether the request was written."""
         try:
             self.table.set_checkpoint_owner(lease, owner)
         except (LeaseLostError, *TABLE_ERRORS) as exc:
             log.info("worker %s: moving %s to %s failed: %r",
                      self.worker_id, lease.lease_key, owner, exc)
+            return False
+        return True
+
+    def _notify(self, holder: str, held: list[Lease]) -> bool:
+        """Tell a worker that holds leases that it was given more: a notice on one of the
+        leases it holds, which its next renewal returns (``LeaseTable.notify_holder``).
+        Whether one was written; a worker that holds none queries the owner index every
+        half failover time and needs none."""
+        notice = uuid.uuid4().hex[:16]
+        for lease in held[:_NOTICE_TRIES]:
+            try:
+                if self.table.notify_holder(lease, holder, notice):
+                    return True
+            except TABLE_ERRORS as exc:
+                log.info("worker %s: notifying %s on %s failed: %r",
+                         self.worker_id, holder, lease.lease_key, exc)
+        return False
+
+    def heard_notice(self) -> None:
+        """A renewal returned a leader's new assignment notice: look for this worker's new
+        leases at the next cycle (the coordinator wakes it)."""
+        with self._state:
+            self._notice_heard = True
+
+    def _next_discovery(self, mode: leader.LeaderMode, now: float) -> float:
+        """When this worker next queries the owner index for its leases: at once after a
+        notice, every half failover time while it holds nothing (or did not at its last
+        Query: the leader may have judged it idle then), else about every
+        ``LeaderMode.held_discovery_interval_s``."""
+        with self._state:
+            if self._notice_heard or self._last_discovery is None:
+                return now
+            last, held_then = self._last_discovery, self._held_at_discovery
+            held_discovery_s = self._held_discovery_s
+        holds = held_then and len(self.held) > 0
+        return last + (held_discovery_s if holds else mode.discovery_interval_s)
 
     def _discover(self) -> list[Lease]:
         """Take the leases the owner index names this worker for and it does not hold: read
