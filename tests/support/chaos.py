@@ -160,6 +160,11 @@ class ChaosSettings:
     stuck_after_s: float | None = None
     #: lag recovery (``--max-lag-ms``) on every worker; None: off
     max_lag_ms: int | None = None
+    #: polling: the GetRecords limit of every worker (``--max-records``); None: kclpy's.
+    #: Without one a batch is whatever a shard holds beyond the checkpoint, so the number
+    #: of batches, and of whatever a processor draws per batch, shrinks as the fleet falls
+    #: behind on a slow machine
+    max_records: int | None = None
     #: fan-out: share of subscriptions ended at a cut point by an exception event, its type
     #: drawn from EXCEPTION_EVENTS
     subscription_exception_rate: float = 0.0
@@ -634,10 +639,14 @@ def worker_args(
     worker_id: str, processor_args: list[str],
 ) -> list[str]:  # fmt: skip
     """One chaos worker's ``kclpy-worker`` command line after ``-m kclpy``."""
-    retrieval = ([] if settings.retrieval_mode == POLLING
-                 else ["--retrieval-mode", settings.retrieval_mode])
+    # Always said: a properties file without retrievalMode reads with fan-out, as the Java
+    # MultiLangDaemon does, and the MultiLang fleet read with fan-out unseen (no
+    # subscription faults, no GetRecords to throttle) while its settings said polling.
+    retrieval = ["--retrieval-mode", settings.retrieval_mode]
     if settings.max_lag_ms is not None:
         retrieval += ["--max-lag-ms", str(settings.max_lag_ms)]
+    if settings.max_records is not None:
+        retrieval += ["--max-records", str(settings.max_records)]
     return [*retrieval,
         "--stream-name", stream,
         "--application-name", application,
