@@ -23,6 +23,7 @@ from tests.support.chaos import (
     KILL,
     STOP,
     SUBSCRIPTION_FAULTS,
+    SUBSCRIPTION_OUTCOMES,
     TERM,
     ChaosResult,
     ChaosSettings,
@@ -361,14 +362,17 @@ def test_fanout_chaos_run_loses_nothing(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The same chaos with enhanced fan-out, while the proxy refuses subscriptions and cuts
-    or ends them part way; a shorter window than polling's still sees every fault."""
+    or ends them part way. The window is shorter than polling's, and goes on until every
+    fault was made and counted: how many subscriptions 30 s see depends on the machine (CI
+    once had 5 cuts, no clean end and one throttle in a run where renewals ran 5 s late)."""
     settings = ChaosSettings(seed=seed_from_environment(), retrieval_mode=FANOUT, chaos_s=30.0,
-                             plain_records=4_000, kpl_records=5_000)
+                             plain_records=4_000, kpl_records=5_000,
+                             subscription_overtime_s=120.0)
     result = _chaos(settings, kinesis_mock, moto_server, tmp_path, capsys)
     faults = result.subscription_faults
     assert all(faults[kind] > 0 for kind in SUBSCRIPTION_FAULTS), faults
     outcomes = result.subscription_outcomes
-    assert all(outcomes[o] > 0 for o in ("renewed", "failed_connection", "failed_in_use")), (
+    assert all(outcomes[o] > 0 for o in SUBSCRIPTION_OUTCOMES), (
         f"the workers did not see the drops: {outcomes}")
     assert len(result.consumers) == 1, f"one consumer for the fleet: {result.consumers}"
 
