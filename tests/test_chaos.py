@@ -23,6 +23,7 @@ from tests.support.chaos import (
     KILL,
     STOP,
     SUBSCRIPTION_FAULTS,
+    SUBSCRIPTION_OUTCOMES,
     TERM,
     ChaosResult,
     ChaosSettings,
@@ -361,14 +362,17 @@ def test_fanout_chaos_run_loses_nothing(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The same chaos with enhanced fan-out, while the proxy refuses subscriptions and cuts
-    or ends them part way; a shorter window than polling's still sees every fault."""
+    or ends them part way. The window is shorter than polling's, and goes on until every
+    fault was made and counted: how many subscriptions 30 s see depends on the machine (CI
+    once had 5 cuts, no clean end and one throttle in a run where renewals ran 5 s late)."""
     settings = ChaosSettings(seed=seed_from_environment(), retrieval_mode=FANOUT, chaos_s=30.0,
-                             plain_records=4_000, kpl_records=5_000)
+                             plain_records=4_000, kpl_records=5_000,
+                             subscription_overtime_s=120.0)
     result = _chaos(settings, kinesis_mock, moto_server, tmp_path, capsys)
     faults = result.subscription_faults
     assert all(faults[kind] > 0 for kind in SUBSCRIPTION_FAULTS), faults
     outcomes = result.subscription_outcomes
-    assert all(outcomes[o] > 0 for o in ("renewed", "failed_connection", "failed_in_use")), (
+    assert all(outcomes[o] > 0 for o in SUBSCRIPTION_OUTCOMES), (
         f"the workers did not see the drops: {outcomes}")
     assert len(result.consumers) == 1, f"one consumer for the fleet: {result.consumers}"
 
@@ -441,6 +445,12 @@ EXCEPTION_OUTCOMES = {"InternalFailureException": "failed_server_error",
                       "ResourceInUseException": "failed_in_use"}
 
 
+#: the GetRecords limit of the MultiLangDaemon chaos: a shard's 2,650 / 6 Kinesis records
+#: come in 9 or more batches however far behind the fleet is, about 50 draws of each
+#: per-batch misbehaviour in all (none at 0.85**50 or 0.8**50, below 1e-3)
+MULTILANG_MAX_RECORDS = 50
+
+
 #: what a worker process may reach with its children flooding stdout: a few MiB over its
 #: usual size (the unread output of each child is bounded at 1 MiB), far below the 4 MiB a
 #: flood writes times the floods of a run
@@ -459,9 +469,13 @@ def test_multilang_chaos_with_misbehaving_children_loses_nothing_and_leaves_noth
     """The chaos run with MultiLangDaemon workers whose children crash, hang in their
     shutdown handler (past the shutdown grace, ignoring SIGTERM) and flood stdout: nothing
     is lost, no child is left running after the fleet (killed, stopped or not), and the
-    workers' memory stays bounded."""
+    workers' memory stays bounded.
+
+    Crashes and floods are drawn per batch, so batches are bounded (``max_records``): CI
+    once had about 20 batches for 5,500 records, a fleet far behind on a loaded machine,
+    and no flood among them."""
     settings = ChaosSettings(seed=seed_from_environment(), chaos_s=30.0, plain_records=2_500,
-                             kpl_records=3_000)
+                             kpl_records=3_000, max_records=MULTILANG_MAX_RECORDS)
 
     def say(line: str) -> None:
         with capsys.disabled():

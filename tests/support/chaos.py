@@ -87,6 +87,10 @@ FANOUT = "fanout"
 SUBSCRIBE = "SubscribeToShard"
 #: what the Kinesis proxy does to subscriptions, as its fault counters name it
 SUBSCRIPTION_FAULTS = ("cut_stream", "end_stream", "in_use", "throttle", "error_5xx")
+#: the kclpy_subscriptions_total outcomes a fan-out run's workers must have counted: a
+#: subscription renewed after one ended, and failures on a broken connection and on a
+#: shard still in use
+SUBSCRIPTION_OUTCOMES = ("renewed", "failed_connection", "failed_in_use")
 #: the exception events a SubscribeToShard stream carries for transient trouble, which the
 #: fan-out variant with ``subscription_exception_rate`` injects part way through
 EXCEPTION_EVENTS = ("InternalFailureException", "KMSThrottlingException",
@@ -160,13 +164,36 @@ class ChaosSettings:
     stuck_after_s: float | None = None
     #: lag recovery (``--max-lag-ms``) on every worker; None: off
     max_lag_ms: int | None = None
+    #: polling: the GetRecords limit of every worker (``--max-records``); None: kclpy's.
+    #: Without one a batch is whatever a shard holds beyond the checkpoint, so the number
+    #: of batches, and of whatever a processor draws per batch, shrinks as the fleet falls
+    #: behind on a slow machine
+    max_records: int | None = None
     #: fan-out: share of subscriptions ended at a cut point by an exception event, its type
     #: drawn from EXCEPTION_EVENTS
     subscription_exception_rate: float = 0.0
+    #: fan-out: the disruptions go on past ``chaos_s``, for at most this long, until the
+    #: proxy has made every subscription fault these settings inject and the workers have
+    #: counted every SUBSCRIPTION_OUTCOMES (``missing_subscription_faults``). How many
+    #: subscriptions a window sees depends on the machine, not only on the window: on a
+    #: loaded one most SubscribeToShard calls are refused while a stopped or killed
+    #: predecessor's subscription is open, and a cut is only made in one that streams
+    subscription_overtime_s: float = 0.0
 
     @property
     def failover_s(self) -> float:
         return self.failover_ms / 1000
+
+    @property
+    def subscription_faults_injected(self) -> tuple[str, ...]:
+        """The SUBSCRIPTION_FAULTS these settings inject (fan-out only)."""
+        if self.retrieval_mode != FANOUT:
+            return ()
+        in_use, throttle, server_error = self.subscription_refusal_rates
+        rates = {"cut_stream": self.subscription_cut_rate,
+                 "end_stream": self.subscription_end_rate, "in_use": in_use,
+                 "throttle": throttle, "error_5xx": server_error}
+        return tuple(kind for kind in SUBSCRIPTION_FAULTS if rates[kind] > 0)
 
 
 @dataclass
@@ -634,10 +661,14 @@ def worker_args(
     worker_id: str, processor_args: list[str],
 ) -> list[str]:  # fmt: skip
     """One chaos worker's ``kclpy-worker`` command line after ``-m kclpy``."""
-    retrieval = ([] if settings.retrieval_mode == POLLING
-                 else ["--retrieval-mode", settings.retrieval_mode])
+    # Always said: a properties file without retrievalMode reads with fan-out, as the Java
+    # MultiLangDaemon does, and the MultiLang fleet read with fan-out unseen (no
+    # subscription faults, no GetRecords to throttle) while its settings said polling.
+    retrieval = ["--retrieval-mode", settings.retrieval_mode]
     if settings.max_lag_ms is not None:
         retrieval += ["--max-lag-ms", str(settings.max_lag_ms)]
+    if settings.max_records is not None:
+        retrieval += ["--max-records", str(settings.max_records)]
     return [*retrieval,
         "--stream-name", stream,
         "--application-name", application,
@@ -754,8 +785,10 @@ class ChaosRig:
                              settings.chaos_s * 0.8)
         self.stack.callback(producer.stop)
         producer.start()
-        result.split = _disrupt(fleet, self.ledger, self.kinesis, self.stream, settings,
-                                self.rng, result, self.say)
+        proxy = self.kinesis_proxy
+        result.split = _disrupt(
+            fleet, self.ledger, self.kinesis, self.stream, settings, self.rng, result, self.say,
+            lambda: missing_subscription_faults(settings, proxy, fleet.harvested))
         for slot in fleet.slots:
             fleet.revive(slot)
         producer.join(settings.catch_up_timeout_s)
@@ -857,6 +890,22 @@ def handled_exception_events(logs: Path) -> Counter[tuple[str, str]]:
     return handled
 
 
+def missing_subscription_faults(settings: ChaosSettings, proxy: FaultProxy,
+                                outcomes: Counter[str]) -> list[str]:
+    """What a fan-out run has yet to see: the subscription faults the settings inject that
+    the proxy has not made yet, and the SUBSCRIPTION_OUTCOMES absent from ``outcomes``
+    (the workers' kclpy_subscriptions_total); nothing for a run without overtime."""
+    if settings.retrieval_mode != FANOUT or not settings.subscription_overtime_s:
+        return []
+    return ([kind for kind in settings.subscription_faults_injected
+             if not proxy.faults(kind, SUBSCRIBE)]
+            + [outcome for outcome in SUBSCRIPTION_OUTCOMES if not outcomes[outcome]])
+
+
+#: how often an overtime looks again at what is missing
+_OVERTIME_POLL_S = 0.5
+
+
 def _disrupt(
     fleet: _Fleet,
     ledger: Ledger,
@@ -866,22 +915,44 @@ def _disrupt(
     rng: random.Random,
     result: Tally,
     say: Callable[[str], None],
+    missing: Callable[[], list[str]],
 ) -> tuple[str, list[str]] | None:
     """The chaos window: every few seconds one running worker is killed, frozen past the
     failover time, or stopped gracefully and restarted; one shard is split on the way.
 
     At least two workers keep running through every disruption, so the fleet always has
     somewhere to move leases to. The kinds come round in shuffled rounds, so even a short
-    window sees each of them; a SIGTERM waits for a worker that is up.
+    window sees each of them; a SIGTERM waits for a worker that is up. While ``missing()``
+    names a fault the run has yet to see, the window goes on, for at most
+    ``settings.subscription_overtime_s``: each disruption moves leases, and each moved
+    lease is subscribed to again.
     """
     begin = time.monotonic()
     end = begin + settings.chaos_s
+    overtime_end = end + settings.subscription_overtime_s
+    announced = False
+
+    def going_on(now: float) -> bool:
+        nonlocal announced
+        if now < end:
+            return True
+        left = missing() if now < overtime_end else []
+        if left and not announced:
+            say(f"{now - begin:5.1f} s  the window goes on (at most "
+                f"{settings.subscription_overtime_s:g} s more): no {', '.join(left)} yet")
+            announced = True
+        elif announced and not left:
+            still = missing()
+            say(f"{now - begin:5.1f} s  the window ends"
+                + (f" without {', '.join(still)}" if still else ""))
+        return bool(left)
+
     split_at = begin + settings.chaos_s * rng.uniform(0.25, 0.5)
     split: tuple[str, Future[list[str]]] | None = None
     next_at = begin + rng.uniform(*settings.disruption_gap_s)
     kinds: list[str] = []
     pause = threading.Event()
-    while (now := time.monotonic()) < end:
+    while going_on(now := time.monotonic()):
         for slot in fleet.slots:
             if slot.due is not None and slot.due <= now:
                 fleet.revive(slot)
@@ -903,7 +974,8 @@ def _disrupt(
                 result.disruptions[kind] += 1
             next_at = time.monotonic() + rng.uniform(*settings.disruption_gap_s)
         dues = [slot.due for slot in fleet.slots if slot.due is not None]
-        pause.wait(max(0.0, min([next_at, end, *dues]) - time.monotonic()))
+        horizon = end if now < end else now + _OVERTIME_POLL_S
+        pause.wait(max(0.0, min([next_at, horizon, *dues]) - time.monotonic()))
     if split is None:
         return None
     parent, children = split
