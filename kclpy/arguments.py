@@ -103,8 +103,9 @@ def parse_worker_args(argv: Sequence[str] | None) -> tuple[KCLConfig, argparse.N
     labels.update(env_labels)
     if args.properties:
         path = Path(args.properties)
-        prop_values, prop_labels = from_properties(read_properties(path),
-                                                   base_dir=path.resolve().parent)
+        prop_values, prop_labels = from_properties(
+            read_properties(path), base_dir=path.resolve().parent,
+            retrieval_mode_set=args.retrieval_mode is not None or "retrieval_mode" in env_values)
         values.update(prop_values)
         labels.update(prop_labels)
     names, arns = args.stream_name or [], args.stream_arn or []

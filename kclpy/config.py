@@ -815,12 +815,15 @@ def read_properties(path: Path) -> dict[str, str]:
 
 
 def from_properties(properties: Mapping[str, str], *, base_dir: Path | None = None,
-                    warn: Callable[[str], None] | None = None) -> tuple[dict[str, Any],
-                                                                        dict[str, str]]:
+                    warn: Callable[[str], None] | None = None,
+                    retrieval_mode_set: bool = False) -> tuple[dict[str, Any],
+                                                               dict[str, str]]:
     """Values and labels (field -> key as written) from MultiLangDaemon properties.
 
     Java-only keys are accepted with one log line saying how kclpy treats them; unknown keys
-    are warned about once each.
+    are warned about once each. ``retrieval_mode_set``: a flag or the environment sets the
+    retrieval mode, so the Java daemon's default for a file without ``retrievalMode`` (and
+    its warning) does not apply.
     """
     say = warn or log.warning
     values: dict[str, Any] = {}
@@ -844,7 +847,12 @@ def from_properties(properties: Mapping[str, str], *, base_dir: Path | None = No
             labels.setdefault("initial_position", key)
         values[option.name] = _convert(option, raw, key)
         labels[option.name] = key
-    _java_default_retrieval(properties, values, labels)
+    if not retrieval_mode_set:
+        _java_default_retrieval(properties, values, labels)
+    elif str(values.get("retrieval_mode", "")).upper() == "DEFAULT":
+        # "whatever the default is": the mode set elsewhere is the more specific choice
+        del values["retrieval_mode"]
+        labels.pop("retrieval_mode", None)
     if base_dir is not None:
         values["properties_dir"] = base_dir
     return values, labels

@@ -6,12 +6,14 @@ before their children, as polling does."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kclpy.arguments import parse_worker_args
 from kclpy.config import KCLConfig, build_config, from_properties
 from kclpy.errors import ConfigError
 from kclpy.metrics import Metrics
@@ -73,6 +75,29 @@ def test_properties_files_get_the_java_daemons_retrieval_mode(
     values, labels = from_properties({"applicationName": "a", "streamName": "s", **written})
     config = build_config(values, labels)
     assert config.retrieval_mode.lower() == mode
+
+
+@pytest.mark.parametrize("written", [{}, {"retrievalMode": "DEFAULT"}])
+@pytest.mark.parametrize("where", ["flag", "environment"])
+def test_a_retrieval_mode_set_by_flag_or_environment_wins_over_the_java_default(
+        written: dict[str, str], where: str, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Java daemon's fan-out default is what a file without a retrieval mode implies, not
+    a setting: a flag or ``KCLPY_RETRIEVAL_MODE`` says polling, and the worker polls, without
+    the warning that it reads with fan-out."""
+    properties = tmp_path / "app.properties"
+    properties.write_text("".join(f"{k} = {v}\n" for k, v in
+                                  {"applicationName": "a", "streamName": "s",
+                                   "executableName": "app.py", **written}.items()))
+    argv = ["--properties", str(properties)]
+    if where == "flag":
+        argv += ["--retrieval-mode", "polling"]
+    else:
+        monkeypatch.setenv("KCLPY_RETRIEVAL_MODE", "polling")
+    with caplog.at_level(logging.WARNING):
+        config, _ = parse_worker_args(argv)
+    assert config.retrieval_mode.lower() == "polling"
+    assert not [r for r in caplog.records if "fan-out" in r.getMessage()]
 
 
 def test_subscription_failures_are_classified_for_backoff() -> None:
