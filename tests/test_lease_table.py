@@ -10,12 +10,13 @@ from typing import Any
 import boto3
 import pytest
 from botocore.exceptions import ClientError
+from botocore.stub import Stubber
 from moto import mock_aws
 
 from kclpy.errors import LeaseLostError
 from kclpy.leases.dynamo import LeaseTableThrottled
 from kclpy.leases.lease import Lease, new_incarnation
-from kclpy.leases.table import LeaseChanged, LeaseTable
+from kclpy.leases.table import OWNER_INDEX, LeaseChanged, LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from kclpy.position import SHARD_END, TRIM_HORIZON, Position
@@ -336,6 +337,44 @@ def fetch_notice(table: LeaseTable, key: str) -> str | None:
     lease = table.get(key)
     assert lease is not None
     return lease.assignment_notice
+
+
+def test_the_owner_index_is_added_once(table: LeaseTable) -> None:
+    assert table.ensure_owner_index() is True
+    assert table.ensure_owner_index() is False
+    owner = table.take(table_lease(table, "s"), "w1")
+    assert table.keys_owned_by(owner.lease_owner or "") == ["s"]
+
+
+@pytest.mark.parametrize(("there_after", "raises"), [(True, False), (False, True)])
+def test_a_worker_that_lost_the_race_to_add_the_owner_index_goes_on(
+        there_after: bool, raises: bool) -> None:
+    """A fleet started at once races to add the index; moto answers the losers' UpdateTable
+    with an internal error where DynamoDB says ValidationException. Either way the index
+    being there afterwards is success; an error that left no index is raised."""
+    client = boto3.client("dynamodb", region_name=REGION)
+    lease_table = LeaseTable(client, "app")
+    index = {"IndexName": OWNER_INDEX,
+             "KeySchema": [{"AttributeName": "leaseOwner", "KeyType": "HASH"}],
+             "Projection": {"ProjectionType": "KEYS_ONLY"}}
+    with Stubber(client) as stubber:
+        stubber.add_response("describe_table", {"Table": {"TableName": "app"}})
+        stubber.add_client_error("update_table", "InternalServerError", http_status_code=500)
+        stubber.add_response("describe_table", {"Table": {
+            "TableName": "app", "GlobalSecondaryIndexes": [index] if there_after else []}})
+        if raises:
+            with pytest.raises(ClientError):
+                lease_table.ensure_owner_index()
+        else:
+            assert lease_table.ensure_owner_index() is False
+        stubber.assert_no_pending_responses()
+
+
+def table_lease(table: LeaseTable, key: str) -> Lease:
+    table.create(Lease(key))
+    lease = table.get(key)
+    assert lease is not None
+    return lease
 
 
 def test_renew_fails_when_owner_or_counter_changed(table: LeaseTable) -> None:

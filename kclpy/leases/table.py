@@ -153,11 +153,12 @@ class LeaseTable(DynamoTable):
     def ensure_owner_index(self) -> bool:
         """Add the owner index to the table unless it has it; True if this call added it.
         Queries of an index still being built fail; callers fall back to what they did
-        before (a leader-assigned worker then waits for the index, see ``leader.py``)."""
-        described = self.call(
-            "DescribeTable", self.client.describe_table, TableName=self.table_name)["Table"]
-        names = {index["IndexName"] for index in described.get("GlobalSecondaryIndexes", [])}
-        if OWNER_INDEX in names:
+        before (a leader-assigned worker then waits for the index, see ``leader.py``).
+
+        A fleet started at once races to add it: whatever the losers' UpdateTable answers
+        (DynamoDB a ValidationException, or ResourceInUseException while the table is
+        updating; moto an internal error), the index being there afterwards is success."""
+        if self._has_owner_index():
             return False
         try:
             self.call(
@@ -174,11 +175,17 @@ class LeaseTable(DynamoTable):
             # another worker added it first (or is adding it): not an error
             # (or too many table updates are under way: a later start adds it)
             if (error_code(exc) not in ("ValidationException", "ResourceInUseException")
-                    and classify(exc) != THROTTLED):
+                    and classify(exc) != THROTTLED and not self._has_owner_index()):
                 raise
             return False
         log.info("added index %s to lease table %s", OWNER_INDEX, self.table_name)
         return True
+
+    def _has_owner_index(self) -> bool:
+        described = self.call(
+            "DescribeTable", self.client.describe_table, TableName=self.table_name)["Table"]
+        return OWNER_INDEX in {index["IndexName"]
+                               for index in described.get("GlobalSecondaryIndexes", [])}
 
     def get(self, lease_key: str) -> Lease | None:
         response = self.call(
