@@ -31,6 +31,8 @@ samples show them; a lease that changed hands twice between two samples counts o
 
     python bench/fleet_scale.py                          # 10 processes x 100 shards
     python bench/fleet_scale.py --workers 5 --shards 50 --failover-ms 30000
+    python bench/fleet_scale.py --workers 5 --shards 50 --failover-ms 30000 \
+        --lease-assigner leader                          # one leader assigns (leader.py)
 """
 
 from __future__ import annotations
@@ -190,6 +192,8 @@ class Sampler:
     table: str
     owners: dict[str, str | None] = field(default_factory=dict)
     handing_off: bool = False
+    #: some lease names an owner that has not taken it (``kclpyHolder`` differs)
+    untaken: bool = False
     moved: int = 0
     taken_free: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -202,6 +206,9 @@ class Sampler:
             except self.client.exceptions.ResourceNotFoundException:
                 continue
             owners = {i["leaseKey"]["S"]: i.get("leaseOwner", {}).get("S") for i in items}
+            # a leader's assignment names the owner before the owner has taken the lease
+            untaken = any(i.get("kclpyHolder", {}).get("S") != i.get("leaseOwner", {}).get("S")
+                          for i in items)
             with self._lock:
                 for key, owner in owners.items():
                     before = self.owners.get(key)
@@ -212,15 +219,17 @@ class Sampler:
                             self.moved += 1
                 self.owners = owners
                 self.handing_off = any("checkpointOwner" in i for i in items)
+                self.untaken = untaken
 
     def stop(self) -> None:
         self._stop.set()
 
     def balanced(self, live: set[str], shards: int) -> bool:
         """The simulator's ``balanced_by_count`` on the table: every lease held by a live
-        worker, none being handed off, counts (live workers without a lease: 0) within one."""
+        worker that took it, none being handed off, counts (live workers without a lease:
+        0) within one."""
         with self._lock:
-            if len(self.owners) < shards or self.handing_off:
+            if len(self.owners) < shards or self.handing_off or self.untaken:
                 return False
             if not set(self.owners.values()) <= live:
                 return False
@@ -260,6 +269,8 @@ class Settings:
     idle_reads_ms: int = 10_000
     #: how long every process may take to reach its first DynamoDB request
     start_timeout_s: float = 600.0
+    #: ``--lease-assigner`` of every worker (and the simulator's ``Fleet(leader=...)``)
+    lease_assigner: str = "worker"
 
 
 class Fleet:
@@ -275,6 +286,7 @@ class Fleet:
             "--initial-position", "TRIM_HORIZON",
             "--failover-time-ms", str(round(settings.failover_s * 1000)),
             "--idle-time-between-reads-ms", str(settings.idle_reads_ms),
+            "--lease-assigner", settings.lease_assigner,
         ]  # fmt: skip
         self._logs = logs
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
@@ -409,12 +421,12 @@ def _cost(steady: Counter[tuple[str, str, str]], seconds: float, settings: Setti
 
 def simulate(settings: Settings) -> dict[str, Any]:
     """The simulator's figures for the same size and settings."""
-    from tests.simulation.scale import ScaleSpec, run_scale, summary
+    from tests.simulation.scale import Fleet, ScaleSpec, run_scale, summary
 
     spec = ScaleSpec(settings.shards, settings.workers, failover_s=settings.failover_s,
                      seed=settings.seed, churn=settings.churn, steady_s=settings.steady_s,
                      phase_limit_failovers=settings.phase_limit_failovers)
-    return summary(run_scale(spec))
+    return summary(run_scale(spec, fleet=Fleet(spec, leader=settings.lease_assigner == "leader")))
 
 
 #: (label, key): the figures compared, in the order printed
@@ -477,9 +489,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="--idle-time-between-reads-ms of every worker")
     parser.add_argument("--logs", type=Path, help="where the workers' logs go (default: a "
                         "temporary folder, kept)")
+    parser.add_argument("--lease-assigner", choices=("worker", "leader"), default="worker",
+                        help="--lease-assigner of every worker, and of the simulated fleet")
     args = parser.parse_args(argv)
     settings = Settings(args.workers, args.shards, args.failover_ms / 1000, args.steady_s,
-                        seed=args.seed, idle_reads_ms=args.idle_reads_ms)
+                        seed=args.seed, idle_reads_ms=args.idle_reads_ms,
+                        lease_assigner=args.lease_assigner)
     logs = args.logs or Path(os.environ.get("TMPDIR", "/tmp")) / f"fleet-scale-{os.getpid()}"
     logs.mkdir(parents=True, exist_ok=True)
     stream = f"fleet:{settings.shards}:1:{_RECORD_SIZE}"

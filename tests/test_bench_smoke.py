@@ -140,12 +140,15 @@ def test_latency_bench_times_every_record_for_every_contender(
         assert 0 <= p50 <= p90 <= p99, row
 
 
-def test_fleet_scale_bench_sets_each_real_figure_beside_the_simulated_one(tmp_path: Path) -> None:
-    """Two worker processes on two shards, failover 1 s: every phase ends balanced, each
-    figure has a real value and the simulator's, and the meter counts what the workers ask
-    of DynamoDB (the bench's own reads of the table left out)."""
+@pytest.mark.parametrize("assigner", ["worker", "leader"])
+def test_fleet_scale_bench_sets_each_real_figure_beside_the_simulated_one(
+        tmp_path: Path, assigner: str) -> None:
+    """Two worker processes on two shards, failover 1 s, each way of assigning: every phase
+    ends balanced, each figure has a real value and the simulator's, and the meter counts
+    what the workers ask of DynamoDB (the bench's own reads of the table left out)."""
     stream = replay.build_stream(0, replay.StreamSpec("fleet", 2, 1, 100))
-    settings = fleet_scale.Settings(workers=2, shards=2, failover_s=1.0, steady_s=2.0)
+    settings = fleet_scale.Settings(workers=2, shards=2, failover_s=1.0, steady_s=2.0,
+                                    lease_assigner=assigner)
     with replay.ReplayServer([stream]) as server:
         rows = fleet_scale.run(settings, server.url, "fleet", tmp_path)
     by_key = {row["key"]: row for row in rows}
@@ -154,3 +157,5 @@ def test_fleet_scale_bench_sets_each_real_figure_beside_the_simulated_one(tmp_pa
     assert by_key["largest_scan_items"]["real"] == 2
     assert by_key["UpdateItem"]["real"] > 0, "renewals are counted"
     assert by_key["die_moved"]["real"] >= 1, "the dead worker's lease changed hands"
+    if assigner == "leader":
+        assert by_key["Query"]["real"] > 0, "the workers look for their leases in the index"
