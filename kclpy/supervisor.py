@@ -34,15 +34,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from types import FrameType
 
 from kclpy.arguments import parse_worker_args
 from kclpy.errors import ConfigError
 from kclpy.lifetime import die_with_parent
 from kclpy.retry import NO_JITTER, RetryPolicy
+from kclpy.signals import on_stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -229,19 +229,9 @@ class Supervisor:
             elif self._clock() >= child.restart_at:
                 self._start(child)
 
-    @contextmanager
-    def forwarding_signals(self) -> Iterator[None]:
+    def forwarding_signals(self) -> AbstractContextManager[None]:
         """While inside, SIGTERM and SIGINT go to every child (main thread only)."""
-
-        def handle(signum: int, frame: FrameType | None) -> None:
-            self.stop(signum)
-
-        previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield
-        finally:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
+        return on_stop_signals(self.stop)
 
 
 def run_processes(argv: list[str], n: int) -> int:

@@ -14,9 +14,8 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
-from types import FrameType
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any, cast
 
 import boto3
@@ -61,6 +60,7 @@ from kclpy.retrieval.polling import Pacer, PollingSource
 from kclpy.retrieval.registration import ConsumerRegistration, RegistrationSettings
 from kclpy.retrieval.source import PageSource, ShardAddress, reading_start
 from kclpy.retry import NO_JITTER, Backoff, RetryPolicy
+from kclpy.signals import on_stop_signals
 from kclpy.state import open_store
 from kclpy.state.processor import StatefulProcessor, exactly_once_factory
 from kclpy.state.store import StateStore
@@ -154,7 +154,7 @@ class Worker:
         """
         main = threading.current_thread() is threading.main_thread()
         handlers = main if install_signal_handlers is None else install_signal_handlers
-        with self._signals() if handlers else nullcontext():
+        with on_stop_signals(self._on_stop_signal) if handlers else nullcontext():
             try:
                 self._setup()
                 self._loop()
@@ -170,7 +170,8 @@ class Worker:
             raise WorkerFatalError(str(self._fatal)) from self._fatal
 
     def shutdown(self) -> None:
-        """Ask for a graceful shutdown; safe from any thread and from signal handlers."""
+        """Ask for a graceful shutdown; safe from any thread (a signal handler must call it
+        from another one: ``kclpy.signals``)."""
         self._stop.set()
         self._wake.set()
 
@@ -755,16 +756,8 @@ class Worker:
         self.metrics.add_backend(CloudWatchBackend(publisher, cfg.worker_id, level))
         self._cloudwatch = publisher
 
-    @contextmanager
-    def _signals(self) -> Iterator[None]:
-        def handle(signum: int, frame: FrameType | None) -> None:
-            log.info("received %s; shutting down", signal.Signals(signum).name)
-            self.shutdown()
-
-        previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield
-        finally:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
+    def _on_stop_signal(self, signum: int) -> None:
+        """SIGTERM or SIGINT, on a thread of its own (``kclpy.signals``)."""
+        log.info("received %s; shutting down", signal.Signals(signum).name)
+        self.shutdown()
 
