@@ -284,6 +284,8 @@ class LeaseCoordinator:
         self.taker.set_consumable(fn)
 
     def _assignment_noticed(self) -> None:
+        """A renewal returned a leader's notice: the taker looks for the new leases now, not
+        at its next scheduled cycle (a holder's own Query may be minutes away)."""
         self.taker.heard_notice()
         self._wake.set()
 
