@@ -179,6 +179,9 @@ class ChaosSettings:
     #: loaded one most SubscribeToShard calls are refused while a stopped or killed
     #: predecessor's subscription is open, and a cut is only made in one that streams
     subscription_overtime_s: float = 0.0
+    #: fan-out with exception events: the overtime also goes on until the workers' logs
+    #: show this many kinds of them handled (``handled_exception_events``)
+    exception_kinds_handled: int = 0
 
     @property
     def failover_s(self) -> float:
@@ -788,7 +791,7 @@ class ChaosRig:
         proxy = self.kinesis_proxy
         result.split = _disrupt(
             fleet, self.ledger, self.kinesis, self.stream, settings, self.rng, result, self.say,
-            lambda: missing_subscription_faults(settings, proxy, fleet.harvested))
+            lambda: missing_subscription_faults(settings, proxy, fleet.harvested, self.logs))
         for slot in fleet.slots:
             fleet.revive(slot)
         producer.join(settings.catch_up_timeout_s)
@@ -891,15 +894,23 @@ def handled_exception_events(logs: Path) -> Counter[tuple[str, str]]:
 
 
 def missing_subscription_faults(settings: ChaosSettings, proxy: FaultProxy,
-                                outcomes: Counter[str]) -> list[str]:
+                                outcomes: Counter[str], logs: Path) -> list[str]:
     """What a fan-out run has yet to see: the subscription faults the settings inject that
-    the proxy has not made yet, and the SUBSCRIPTION_OUTCOMES absent from ``outcomes``
-    (the workers' kclpy_subscriptions_total); nothing for a run without overtime."""
+    the proxy has not made yet; with exception events, fewer kinds of them handled than
+    ``exception_kinds_handled`` (the workers' logs), else the SUBSCRIPTION_OUTCOMES absent
+    from ``outcomes`` (the workers' kclpy_subscriptions_total; refusals and cuts alone make
+    them all); nothing for a run without overtime."""
     if settings.retrieval_mode != FANOUT or not settings.subscription_overtime_s:
         return []
-    return ([kind for kind in settings.subscription_faults_injected
-             if not proxy.faults(kind, SUBSCRIBE)]
-            + [outcome for outcome in SUBSCRIPTION_OUTCOMES if not outcomes[outcome]])
+    missing = [kind for kind in settings.subscription_faults_injected
+               if not proxy.faults(kind, SUBSCRIBE)]
+    if settings.subscription_exception_rate > 0:
+        kinds = {event for event, _ in handled_exception_events(logs)}
+        if len(kinds) < settings.exception_kinds_handled:
+            missing.append(f"{settings.exception_kinds_handled} kinds of exception events "
+                           f"handled ({len(kinds)} so far)")
+        return missing
+    return missing + [outcome for outcome in SUBSCRIPTION_OUTCOMES if not outcomes[outcome]]
 
 
 #: how often an overtime looks again at what is missing
