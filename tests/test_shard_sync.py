@@ -6,6 +6,7 @@ import dataclasses
 import random
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -502,11 +503,16 @@ def test_a_lease_of_a_former_stream_of_the_same_name_is_told_apart(
     ("0:1700000001000:abc", 1700000500, False),           # stream epoch unknown when made
     (None, 1700000500, False),                            # made by Java or an older kclpy
     ("1700000000:1700000001000:abc", None, False),        # listed stream's epoch unknown
+    ("1700000500.25:1700000501000:abc", 1700000500.75, True),  # the same second, not ms
+    ("1700000500.25:1700000501000:abc", 1700000500.25, False),  # made for this one
+    ("1700000500:1700000501000:abc", 1700000500.75, False),  # made before ms were kept
 ])
-def test_a_lease_made_for_a_stream_created_at_another_second_is_of_a_former_stream(
-        incarnation: str | None, stream_epoch: int | None, former: bool) -> None:
+def test_a_lease_made_for_a_stream_created_at_another_time_is_of_a_former_stream(
+        incarnation: str | None, stream_epoch: float | None, former: bool) -> None:
     """The sequence numbers do not tell (the checkpoint is after the new shard's first):
-    the lease's incarnation names the creation second of the stream it was made for."""
+    the lease's incarnation names the creation time of the stream it was made for, to the
+    millisecond (kinesis-mock deletes and creates a stream again within one second, and
+    numbers the new shard's records as the old one's)."""
     lease = Lease("s0", checkpoint=Position("5000"), lease_counter=3, incarnation=incarnation)
     assert (former_incarnation(lease, shard("s0", start=1000), stream_epoch)
             is not None) is former
@@ -563,13 +569,69 @@ def test_sync_replaces_the_lease_of_a_former_stream_at_the_initial_position(
 
 
 @pytest.mark.integration
+def test_a_stream_created_again_within_the_second_is_told_by_its_creation_milliseconds(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    """kinesis-mock deletes and creates a stream again in well under a second, and within
+    one second numbers the new shard's records exactly as the old one's: neither the
+    creation second nor the checkpoint tells the old lease from a lease of the new stream;
+    the millisecond does. (A run whose second life starts in the next second is told by the
+    second too, and passes either way.)"""
+    from kclpy.leases.streams import _created_at
+    from tests.support.streams import (
+        create_stream,
+        dynamodb_client,
+        kinesis_client,
+        put_plain,
+    )
+
+    kinesis = kinesis_client(kinesis_mock.url)
+    table = LeaseTable(dynamodb_client(moto_server.url), f"app-{uuid.uuid4().hex[:8]}")
+    table.create_if_missing()
+    stream = f"again-{uuid.uuid4().hex[:8]}"
+
+    def syncer() -> ShardSyncer:
+        summary = kinesis.describe_stream_summary(StreamName=stream)["StreamDescriptionSummary"]
+        return ShardSyncer(kinesis, table, stream_name=stream, initial_position=TRIM_HORIZON,
+                           stream_epoch=_created_at(summary))
+
+    # both lives within one second, as far as the machine allows: at the start of one
+    time.sleep(1 - time.time() % 1)
+    create_stream(kinesis, stream, 1)
+    put_plain(kinesis, stream, [b"first-life"])
+    (lease,) = syncer().sync()
+    shard_id = lease.lease_key
+    record = kinesis.get_records(ShardIterator=kinesis.get_shard_iterator(
+        StreamName=stream, ShardId=shard_id, ShardIteratorType="TRIM_HORIZON")["ShardIterator"])
+    checkpoint = record["Records"][0]["SequenceNumber"]
+    held = table.take(lease, "a")
+    table.guarded_update(held, checkpoint_changes(Position(checkpoint)))
+    kinesis.delete_stream(StreamName=stream)
+
+    def gone() -> bool:
+        try:
+            kinesis.describe_stream_summary(StreamName=stream)
+        except kinesis.exceptions.ResourceNotFoundException:
+            return True
+        return False
+
+    wait_for(gone, 30, "the stream deleted")
+    create_stream(kinesis, stream, 1)
+    again = syncer()
+    (replaced,) = again.sync()
+    assert replaced.lease_key == shard_id
+    assert replaced.checkpoint == Position.trim_horizon()
+    assert again.sync() == [], "the new lease is the new stream's"
+
+
+@pytest.mark.integration
 def test_a_stream_created_again_under_its_name_is_consumed_from_the_initial_position(
         kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint,
         caplog: pytest.LogCaptureFixture) -> None:
     """Over real HTTP: a worker consumes and checkpoints a stream, which is then deleted and
-    created again with the lease table kept. The next worker finds the old lease's
-    checkpoint before the new shard's first sequence number, replaces the lease (WARNING)
-    and processes the new stream's records."""
+    created again with the lease table kept. The next worker finds the old lease made for
+    a stream created at another time (its incarnation: kinesis-mock numbers the new shard's
+    records as the old one's, and at times the whole first life fits in one second),
+    replaces the lease (WARNING) and processes the new stream's records."""
     from kclpy import KCLConfig, Worker
     from tests.support.recording import Ledger, RecordingProcessor
     from tests.support.streams import create_stream, kinesis_client, put_plain

@@ -109,19 +109,34 @@ class Lease:
         return dataclasses.replace(self, **changes)
 
 
-def new_incarnation(stream_epoch: int | None, now: float | None = None) -> str:
-    """A fresh ``Lease.incarnation``: ``<stream creation epoch>:<creation ms>:<random>``,
-    the epoch 0 when unknown. Unique, but not ordered: the creation time is the creating
-    worker's clock, and workers' clocks differ, so a later incarnation may carry an earlier
-    time. Which incarnation is live is what the lease table holds (``Guard.current``)."""
+def new_incarnation(stream_epoch: float | None, now: float | None = None) -> str:
+    """A fresh ``Lease.incarnation``: ``<stream creation time>:<creation ms>:<random>``, the
+    stream's creation time in seconds to the millisecond the endpoint gives (0 when
+    unknown). Unique, but not ordered: the creation time is the creating worker's clock, and
+    workers' clocks differ, so a later incarnation may carry an earlier time. Which
+    incarnation is live is what the lease table holds (``Guard.current``)."""
     created_ms = round((time.time() if now is None else now) * 1000)
-    return f"{stream_epoch or 0}:{created_ms}:{uuid.uuid4().hex[:12]}"
+    epoch = f"{stream_epoch or 0:.3f}".rstrip("0").rstrip(".")
+    return f"{epoch}:{created_ms}:{uuid.uuid4().hex[:12]}"
 
 
-def incarnation_epoch(incarnation: str) -> int:
-    """The stream creation epoch an incarnation names; 0 when unknown or unreadable."""
+def same_stream(created: float, other: float) -> bool:
+    """Whether two creation times of a stream name (seconds) are one stream: to the
+    millisecond when both carry a fraction, else to the second - an incarnation written
+    before 2026-11-27 (or at a whole second) holds whole seconds only, as Java's stream
+    identifier does. Whole seconds do not tell a stream deleted and created again within
+    one second (kinesis-mock does both in half a second, and numbers the new shard's
+    records as the old one's)."""
+    if created.is_integer() or other.is_integer():
+        return int(created) == int(other)
+    return abs(created - other) < 0.0005
+
+
+def incarnation_epoch(incarnation: str) -> float:
+    """The stream creation time an incarnation names (seconds); 0 when unknown or
+    unreadable."""
     epoch, _, _ = incarnation.partition(":")
     try:
-        return int(epoch)
+        return float(epoch)
     except ValueError:
         return 0

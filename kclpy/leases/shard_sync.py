@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from botocore.exceptions import ClientError
 
 from kclpy.errors import ConfigError, LeaseLostError
-from kclpy.leases.lease import Lease, incarnation_epoch, new_incarnation
+from kclpy.leases.lease import Lease, incarnation_epoch, new_incarnation, same_stream
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import NOWHERE, THROTTLES, Metrics
 from kclpy.position import (
@@ -119,17 +119,19 @@ class ChildShardLike(Protocol):
 SHARD_END_BUT_OPEN = "it is at SHARD_END but the shard is open"
 
 
-def former_incarnation(lease: Lease, shard: Shard, stream_epoch: int | None = None) -> str | None:
+def former_incarnation(lease: Lease, shard: Shard,
+                       stream_epoch: float | None = None) -> str | None:
     """Why ``lease`` cannot be a lease of the listed ``shard`` (it is of a former stream of
-    the same name), or None: created by kclpy for a stream created at another second than
-    the listed one (``stream_epoch``, whole seconds; the lease's incarnation holds its own),
+    the same name), or None: created by kclpy for a stream created at another time than
+    the listed one (``stream_epoch``, seconds; the lease's incarnation holds its own,
+    compared as ``same_stream`` says),
     a checkpoint before the shard's first sequence number, or a finished lease of an open
     shard (see ``SHARD_END_BUT_OPEN``). The sequence numbers alone do not always tell: an
     endpoint may number a new stream's shard below the old one's checkpoint. An end beyond
     the shard's ending sequence number is not used: moto lists a closed shard ending at 0
     while its records go on."""
     created = incarnation_epoch(lease.incarnation) if lease.incarnation else 0
-    if created and stream_epoch and created != stream_epoch:
+    if created and stream_epoch and not same_stream(created, stream_epoch):
         return (f"it was created for a stream created at epoch {created}, and this one was "
                 f"created at {stream_epoch}")
     if lease.is_shard_end and shard.is_open:
@@ -239,7 +241,7 @@ class ShardSyncer:
         stream_arn: str | None = None,
         initial_position: str = LATEST,
         stream: str | None = None,
-        stream_epoch: int | None = None,
+        stream_epoch: float | None = None,
         metrics: Metrics | None = None,
         page_size: int | None = None,
         max_attempts: int = 6,
@@ -264,7 +266,8 @@ class ShardSyncer:
         )
         self.initial_position = initial_position
         self.stream = stream
-        #: the stream's creation epoch (seconds), written into each new lease's incarnation
+        #: the stream's creation time (seconds, to the millisecond when known), written into
+        #: each new lease's incarnation
         self.stream_epoch = stream_epoch if stream_epoch is not None or stream is None else (
             _epoch_of(stream))
         self._metrics = metrics if metrics is not None else NOWHERE

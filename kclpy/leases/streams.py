@@ -129,7 +129,7 @@ class StreamSet:
             self.kinesis, self.table, stream_name=None if stream.arn else stream.label,
             stream_arn=stream.arn,
             initial_position=stream.initial_position or cfg.initial_position,
-            stream=identifier, stream_epoch=_creation_epoch(summary), metrics=self.metrics,
+            stream=identifier, stream_epoch=_created_at(summary), metrics=self.metrics,
             max_attempts=cfg.max_list_shards_retry_attempts,
             backoff_base_s=cfg.list_shards_backoff_base_ms / 1000,
             backoff_cap_s=cfg.list_shards_backoff_cap_ms / 1000)
@@ -222,10 +222,11 @@ class StreamSet:
         return lease.stream or stream_of_lease_key(lease.lease_key)
 
 
-def _creation_epoch(summary: Mapping[str, Any]) -> int | None:
-    """A DescribeStreamSummary's creation time in whole seconds (as Java's stream
-    identifier holds it); None when the endpoint leaves it out."""
+def _created_at(summary: Mapping[str, Any]) -> float | None:
+    """A DescribeStreamSummary's creation time in seconds, to the millisecond (a stream
+    deleted and created again within one second is another stream: ``same_stream``); None
+    when the endpoint leaves it out."""
     created = summary.get("StreamCreationTimestamp")
     if isinstance(created, datetime):
-        return int(created.timestamp())
-    return int(float(created)) if isinstance(created, (int, float, str)) else None
+        return round(created.timestamp(), 3)
+    return round(float(created), 3) if isinstance(created, (int, float, str)) else None

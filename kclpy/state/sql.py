@@ -43,7 +43,7 @@ from kclpy.errors import (
     LeaseLostError,
     TransactionRejected,
 )
-from kclpy.leases.lease import incarnation_epoch
+from kclpy.leases.lease import incarnation_epoch, same_stream
 from kclpy.position import Position
 from kclpy.state.store import CommittedCache
 from kclpy.state.transaction import DELETED, Limits, StateTransaction, Versioned
@@ -234,10 +234,10 @@ class SQLStateStore:
                 f"state store holds lease incarnation {stored}; the lease table holds "
                 f"{'none' if current is None else current.incarnation}, not {incarnation}")
         epoch, stored_epoch = incarnation_epoch(incarnation), incarnation_epoch(stored)
-        if epoch and stored_epoch and epoch != stored_epoch:
+        if epoch and stored_epoch and not same_stream(epoch, stored_epoch):
             log.warning(
-                "shard %s: its stream was created again (creation epoch %d; the state store's "
-                "position %s is of the stream created at %d): that position and its gaps' "
+                "shard %s: its stream was created again (creation epoch %s; the state store's "
+                "position %s is of the stream created at %s): that position and its gaps' "
                 "are dropped and the shard is read from its lease's checkpoint; the state is "
                 "kept", lease_key, epoch, position, stored_epoch)
             conn.execute(sa.delete(self.gaps).where(self.gaps.c.lease_key == lease_key))
