@@ -158,4 +158,6 @@ def test_fleet_scale_bench_sets_each_real_figure_beside_the_simulated_one(
     assert by_key["UpdateItem"]["real"] > 0, "renewals are counted"
     assert by_key["die_moved"]["real"] >= 1, "the dead worker's lease changed hands"
     if assigner == "leader":
-        assert by_key["Query"]["real"] > 0, "the workers look for their leases in the index"
+        # every half failover time a few reads of the lock (a holder's own Query comes only
+        # every 1.5-4.5 failover times: maybe not in a 2 s window)
+        assert by_key["GetItem"]["real"] > 0, "the workers read the leader lock"
