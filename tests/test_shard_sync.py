@@ -568,6 +568,20 @@ def test_sync_replaces_the_lease_of_a_former_stream_at_the_initial_position(
         assert syncer.sync() == [], "a lease of this incarnation is left alone"
 
 
+def _delete(kinesis: Any, stream: str) -> None:
+    """Delete ``stream`` and wait until the endpoint no longer lists it."""
+    kinesis.delete_stream(StreamName=stream)
+
+    def gone() -> bool:
+        try:
+            kinesis.describe_stream_summary(StreamName=stream)
+        except kinesis.exceptions.ResourceNotFoundException:
+            return True
+        return False
+
+    wait_for(gone, 30, "the stream deleted")
+
+
 @pytest.mark.integration
 def test_a_stream_created_again_within_the_second_is_told_by_its_creation_milliseconds(
         kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
@@ -605,16 +619,7 @@ def test_a_stream_created_again_within_the_second_is_told_by_its_creation_millis
     checkpoint = record["Records"][0]["SequenceNumber"]
     held = table.take(lease, "a")
     table.guarded_update(held, checkpoint_changes(Position(checkpoint)))
-    kinesis.delete_stream(StreamName=stream)
-
-    def gone() -> bool:
-        try:
-            kinesis.describe_stream_summary(StreamName=stream)
-        except kinesis.exceptions.ResourceNotFoundException:
-            return True
-        return False
-
-    wait_for(gone, 30, "the stream deleted")
+    _delete(kinesis, stream)
     create_stream(kinesis, stream, 1)
     again = syncer()
     (replaced,) = again.sync()
@@ -652,16 +657,7 @@ def test_a_stream_created_again_under_its_name_is_consumed_from_the_initial_posi
         idle_time_between_reads_ms=100, shard_sync_interval_ms=1000)
     with running(Worker(config, lambda: RecordingProcessor(ledger))):
         wait_for(lambda: b"first-life" in ledger.payloads(), 60, "the first stream read")
-    kinesis.delete_stream(StreamName=stream)
-
-    def gone() -> bool:
-        try:
-            kinesis.describe_stream_summary(StreamName=stream)
-        except kinesis.exceptions.ResourceNotFoundException:
-            return True
-        return False
-
-    wait_for(gone, 30, "the stream deleted")
+    _delete(kinesis, stream)
     create_stream(kinesis, stream, 1)
     put_plain(kinesis, stream, [b"second-life"])
     with running(Worker(config.replace(worker_id="b"), lambda: RecordingProcessor(ledger))):
