@@ -91,10 +91,13 @@ def committed(workdir: Path) -> list[dict[str, Any]]:
 
 
 def parquet_rows(workdir: Path) -> collections.Counter[str]:
-    root = workdir / "out"
-    if not any(root.glob("batch_id=*")):
+    """The rows of the committed batches: ``batch_id=N`` folders, each renamed into place
+    whole. Not the whole output folder: its ``_staging`` holds the writes under way, whose
+    Spark task folders come and go while they are listed (CI once failed listing one)."""
+    files = sorted(str(path) for path in (workdir / "out").glob("batch_id=*/*.parquet"))
+    if not files:
         return collections.Counter()
-    table = pq.read_table(root, columns=["data"])
+    table = pq.read_table(files, columns=["data"])
     return collections.Counter(bytes(value).decode() for value in table.column("data").to_pylist())
 
 
