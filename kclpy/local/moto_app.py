@@ -62,5 +62,8 @@ def make_moto_server(host: str, port: int) -> BaseWSGIServer:
     # keeps importing kclpy.local cheap for everything that never serves moto in-process.
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
 
+    from kclpy.local import moto_quirks
+
+    moto_quirks.install()
     app = SerialApp(DomainDispatcherApplication(create_backend_app))
     return make_server(host, port, app, threaded=True, request_handler=_QuietRequestHandler)
