@@ -5,7 +5,8 @@ With the state in a DynamoDB table (created when missing), on the embedded local
     kclpy-worker --local --processor examples/running_count.py:RunningCount \
         --state-store running-counts --stop-when-caught-up
 
-or in a SQL database - SQLite on one host, PostgreSQL for a fleet (pip install 'kclpy[sql]'):
+or in a SQL database - SQLite on one host, PostgreSQL for a fleet
+(pip install 'kinesis-kclpy[sql]'):
 
     kclpy-worker --local --processor examples/running_count.py:RunningCount \
         --state-store sqlite:///running-counts.db --stop-when-caught-up

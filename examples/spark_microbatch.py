@@ -68,7 +68,7 @@ def main() -> int:
             from kclpy.local import start_embedded
             from kclpy.local.demo import local_session, seed_demo_stream
         except ImportError:
-            parser.error("--local needs the embedded endpoint: pip install 'kclpy[local]'")
+            parser.error("--local needs the embedded endpoint: pip install 'kinesis-kclpy[local]'")
 
         endpoint = start_embedded()
         kinesis_endpoint = dynamodb_endpoint = endpoint.url

@@ -43,7 +43,7 @@ def main() -> int:
             from kclpy.local import start_embedded
             from kclpy.local.demo import local_session, seed_demo_stream
         except ImportError:
-            parser.error("--local needs the embedded endpoint: pip install 'kclpy[local]'")
+            parser.error("--local needs the embedded endpoint: pip install 'kinesis-kclpy[local]'")
 
         endpoint = start_embedded()
         endpoint_url = endpoint.url
@@ -60,7 +60,7 @@ def main() -> int:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYTHONPATH", os.path.dirname(os.path.dirname(kclpy.__file__)))
 
-    # no Java installed: use the runtime the kclpy[spark] extra brings (a set-up Java wins)
+    # no Java installed: use the runtime the kinesis-kclpy[spark] extra brings (a set-up Java wins)
     kclpy.spark.ensure_java()
     spark = SparkSession.builder.appName("kclpy-structured-streaming").getOrCreate()
     kclpy.spark.register(spark)

@@ -175,4 +175,4 @@ def _check_local(values: dict[str, Any], labels: dict[str, str]) -> None:
         import werkzeug  # noqa: F401
     except ImportError:
         raise ConfigError("--local", "needs the embedded endpoint, which is an extra: "
-                          "pip install 'kclpy[local]'") from None
+                          "pip install 'kinesis-kclpy[local]'") from None

@@ -234,7 +234,7 @@ def _spark_main(config: KCLConfig, args: argparse.Namespace) -> int:
         from kclpy.spark import run_spark_batch_worker
     except ImportError as exc:
         raise ConfigError("--spark-batch", f"needs the spark extra: pip install "
-                          f"'kclpy[spark]' ({exc})") from None
+                          f"'kinesis-kclpy[spark]' ({exc})") from None
     return run_spark_batch_worker(config, args.spark_batch, decode_spec=args.spark_decode,
                                   progress_interval_s=args.progress_interval)
 

@@ -194,7 +194,7 @@ def test_local_without_the_extra_names_the_extra(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert error_lines(result) == [
         "kclpy-worker: error: --local: needs the embedded endpoint, which is an extra: "
-        "pip install 'kclpy[local]'"]
+        "pip install 'kinesis-kclpy[local]'"]
 
 
 # -- errors that cannot heal ----------------------------------------------------------------

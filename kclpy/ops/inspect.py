@@ -45,6 +45,7 @@ import boto3
 import botocore.config
 from botocore.exceptions import BotoCoreError, ClientError, NoRegionError
 
+from kclpy import __version__
 from kclpy.arguments import OneLineParser
 from kclpy.errors import KCLError
 from kclpy.leases import park as parking
@@ -105,6 +106,7 @@ def _url(text: str) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog=PROG, description="Inspect a kclpy (or Java KCL) application.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     common = OneLineParser(add_help=False)
     common.add_argument("--application-name", required=True,
@@ -559,8 +561,13 @@ def _sample(sampler: TableSampler, args: argparse.Namespace) -> Sample:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    """The command line; a usage error exits 2 with one line naming the option."""
+    """The command line; a usage error exits 2 with one line naming the option. Bare
+    ``kclpy`` prints the help, which lists the commands, and exits 2 as a command group
+    without its command does in click."""
     parser = _parser()
+    if not (sys.argv[1:] if argv is None else argv):
+        parser.print_help()
+        raise SystemExit(2)
     args = parser.parse_args(argv)
     if args.command == "status" and args.count is not None and not args.watch:
         parser.error("argument --count: only with --watch")

