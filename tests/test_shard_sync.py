@@ -19,7 +19,13 @@ from moto import mock_aws
 
 from kclpy.errors import ConfigError
 from kclpy.leases.lease import Lease
-from kclpy.leases.shard_sync import Shard, ShardSyncer, former_incarnation, plan_new_leases
+from kclpy.leases.shard_sync import (
+    Shard,
+    ShardSyncer,
+    aged_out,
+    former_incarnation,
+    plan_new_leases,
+)
 from kclpy.leases.table import LeaseTable, checkpoint_changes
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
@@ -425,6 +431,127 @@ def test_a_child_without_parents_is_rejected(aws: tuple[Any, LeaseTable]) -> Non
     syncer = ShardSyncer(kinesis, table, stream_name="s")
     with pytest.raises(ValueError, match="no parent"):
         syncer.create_child_leases([ChildShard("orphan", (), "0", "1")])
+
+
+# -- shards the retention removed before their leases finished ------------------------------
+
+
+def test_only_unfinished_leases_of_unlisted_parents_of_listed_shards_are_aged_out() -> None:
+    """P left the listing while its child C is listed (C still names it): aged out, and so
+    is its own parent G, which only P's lease names - G first. X is unlisted too, but no
+    listed shard names it (a child made from ChildShards that a listing does not show yet):
+    kept. A finished parent (F), a parked one (K), a listed one (L) and another stream's
+    lease of the same shard id are never aged out."""
+    listed = [shard("C", "P", "F"), shard("D", "K"), shard("E", "L"), shard("L")]
+    leases = [
+        Lease("G", checkpoint=Position("5")),
+        Lease("P", checkpoint=Position.trim_horizon(), parent_shard_ids=frozenset({"G"})),
+        Lease("X", checkpoint=Position.trim_horizon(), parent_shard_ids=frozenset({"C"})),
+        Lease("F", checkpoint=Position.shard_end()),
+        Lease("K", checkpoint=Position("7"), parked="{}"),
+        Lease("L", checkpoint=Position("8")),
+        Lease("C", checkpoint=Position.trim_horizon(), parent_shard_ids=frozenset({"P", "F"})),
+    ]
+    assert list(aged_out(listed, leases, lambda shard_id: shard_id)) == ["G", "P"]
+    other = "acct:other:1"
+    assert list(aged_out(listed, [lease.copy(lease_key=f"{other}:{lease.lease_key}",
+                                             stream=other) for lease in leases],
+                         lambda shard_id: f"acct:mine:1:{shard_id}")) == []
+
+
+class TableReader:
+    """The parent-waiting code's view of the lease table: the table itself."""
+
+    def __init__(self, table: LeaseTable) -> None:
+        self.table = table
+
+    def get_lease(self, lease_key: str) -> Lease | None:
+        return self.table.get(lease_key)
+
+
+def test_children_of_a_parent_the_retention_removed_unfinished_start(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The stuck child: a split parent whose lease never reached SHARD_END (the application
+    was stopped for longer than the retention period) has left ListShards. No worker takes
+    it (it is not listed), so its child waited WAITING_ON_PARENTS for ever. Shard sync
+    deletes it - on a second listing and the lease read between them, never on one - and
+    counts the loss; the child then starts. The retention is simulated by the listing (in
+    process, moto): an emulator cannot age a shard out."""
+    from kclpy.consumer import ConsumerState, ShardConsumer
+    from kclpy.processor import (
+        InitializeInput,
+        IRecordProcessor,
+        LeaseLostInput,
+        ProcessRecordsInput,
+        ShardEndedInput,
+        ShutdownRequestedInput,
+    )
+    from tests.support.scripted import SETTINGS, Result, ScriptedFetcher, Writer, rec
+
+    with mock_aws():
+        kinesis = boto3.client("kinesis", region_name=REGION)
+        make_stream(kinesis, "s", 1)
+        parent, children = split_first_shard(kinesis, "s")
+        table = LeaseTable(boto3.client("dynamodb", region_name=REGION), "app")
+        table.create_if_missing()
+        metrics = Metrics()
+        syncer = ShardSyncer(kinesis, table, stream_name="s", initial_position=TRIM_HORIZON,
+                             metrics=metrics)
+        assert sorted(lease.lease_key for lease in syncer.sync()) == sorted([parent, *children])
+        real = syncer.list_shards
+        retained = [s for s in real() if s.shard_id != parent]
+        child = table.get(children[0])
+        assert child is not None and child.parent_shard_ids == {parent}
+
+        initialized = threading.Event()
+
+        class Processor(IRecordProcessor):
+            def initialize(self, initialize_input: InitializeInput) -> None:
+                initialized.set()
+
+            def process_records(self, process_records_input: ProcessRecordsInput) -> None:
+                pass
+
+            def lease_lost(self, lease_lost_input: LeaseLostInput) -> None:
+                pass
+
+            def shard_ended(self, shard_ended_input: ShardEndedInput) -> None:
+                pass
+
+            def shutdown_requested(self, shutdown_input: ShutdownRequestedInput) -> None:
+                pass
+
+        consumer = ShardConsumer(
+            child, concurrency_token="t", processor_factory=lambda: Processor(),
+            checkpoint_writer=Writer(), lease_reader=TableReader(table),
+            fetcher_factory=lambda lease, start: ScriptedFetcher(
+                [Result([rec(1)])], (start.checkpoint, start.sub_sequence_number)),
+            on_shard_end=lambda *_: None, settings=SETTINGS, metrics=Metrics())
+        consumer.start()
+        try:
+            assert consumer.state is ConsumerState.WAITING_ON_PARENTS
+            # One listing without the parent, then one with it (a listing that missed it):
+            # nothing is deleted.
+            answers = iter([retained, real()])
+            monkeypatch.setattr(syncer, "list_shards", lambda: next(answers))
+            assert syncer.sync() == []
+            assert table.get(parent) is not None
+            assert not initialized.is_set()
+            # Gone from every listing since: deleted, counted, logged, and the child starts.
+            monkeypatch.setattr(syncer, "list_shards", lambda: list(retained))
+            with caplog.at_level("ERROR", logger="kclpy.leases.shard_sync"):
+                assert syncer.sync() == []
+            assert table.get(parent) is None
+            assert initialized.wait(10), "the child still waits on the parent"
+            assert metrics.registry.get_sample_value(
+                "kclpy_data_lost_to_retention_total", {"shard_id": parent}) == 1
+            (error,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+            assert parent in error and "lost" in error and children[0] in error
+            assert syncer.sync() == [] and {lease.lease_key for lease in table.list_leases()} \
+                == set(children), "nothing more to do, and no lease made again"
+        finally:
+            consumer.request_shutdown()
+            assert consumer.join(10)
 
 
 # -- over real HTTP ----------------------------------------------------------------------------
