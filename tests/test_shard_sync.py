@@ -606,6 +606,76 @@ def test_over_http_kinesis_mock_paginates_and_follows_a_split(
     assert parent in syncer.known_shard_ids
 
 
+@pytest.mark.integration
+def test_over_http_a_worker_starts_the_children_of_a_parent_the_retention_removed(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Over real HTTP: an application stopped before it read a split parent, for longer than
+    the retention period. The worker deletes the parent's lease (ERROR, counted) and reads
+    its children. kinesis-mock cannot age data out, so the fault proxy answers what AWS
+    answers once the parent's records are past the retention: ListShards without the parent
+    (its children still name it) and GetShardIterator of it with ResourceNotFoundException;
+    everything else is the emulator's, and the lease table is moto's server. On the code
+    before the fix the children wait on the parent's lease for ever."""
+    from kclpy import KCLConfig, Worker
+    from tests.support.faultproxy import FaultProxy
+    from tests.support.recording import Ledger, RecordingProcessor
+    from tests.support.streams import create_stream, dynamodb_client, kinesis_client, put_plain
+    from tests.support.workers import running
+
+    caplog.set_level("INFO", logger="kclpy")
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = f"aged-{uuid.uuid4().hex[:8]}"
+    create_stream(kinesis, stream, 1)
+    put_plain(kinesis, stream, [b"trimmed"])
+    parent, children = split_first_shard(kinesis, stream)
+    payloads = [f"child-{i}".encode() for i in range(8)]
+    assert {shard_id for shard_id, _ in put_plain(kinesis, stream, payloads)} <= set(children)
+    config = KCLConfig(
+        application_name=f"app-{uuid.uuid4().hex[:8]}", stream_name=stream, region=REGION,
+        dynamodb_endpoint=moto_server.url, initial_position="TRIM_HORIZON",
+        failover_time_ms=3000, idle_time_between_reads_ms=100, shard_sync_interval_ms=500,
+        parent_shard_poll_interval_ms=200)
+    table = LeaseTable(dynamodb_client(moto_server.url), config.application_name)
+    table.create_if_missing()
+    # Where the application stood when it stopped: every lease made, none read.
+    made = ShardSyncer(kinesis, table, stream_name=stream, initial_position=TRIM_HORIZON).sync()
+    assert sorted(lease.lease_key for lease in made) == sorted([parent, *children])
+
+    def listed_without_parent(request: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+        if "NextToken" in request:
+            return None
+        answer = kinesis.list_shards(**request)
+        body: dict[str, Any] = {"Shards": [s for s in answer["Shards"]
+                                           if s["ShardId"] != parent]}
+        if "NextToken" in answer:
+            body["NextToken"] = answer["NextToken"]
+        return 200, body
+
+    def parent_not_found(request: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+        if request.get("ShardId") != parent:
+            return None
+        return 400, {"__type": "ResourceNotFoundException",
+                     "message": f"Shard {parent} in stream {stream} does not exist"}
+
+    ledger = Ledger()
+    with FaultProxy(kinesis_mock.url, seed=1) as proxy:
+        proxy.set_rule("ListShards", respond=listed_without_parent)
+        proxy.set_rule("GetShardIterator", respond=parent_not_found)
+        worker = Worker(config.replace(kinesis_endpoint=proxy.url),
+                        lambda: RecordingProcessor(ledger))
+        with running(worker):
+            wait_for(lambda: set(payloads) <= set(ledger.payloads()), 60,
+                     "the children's records")
+            lost = worker.metrics.registry.get_sample_value(
+                "kclpy_data_lost_to_retention_total", {"shard_id": parent})
+    assert b"trimmed" not in ledger.payloads()
+    assert table.get(parent) is None
+    assert lost == 1
+    assert any(parent in r.getMessage() and "lost" in r.getMessage()
+               for r in caplog.records if r.levelname == "ERROR")
+
+
 # -- a stream deleted and created again under the same name -----------------------------------
 
 
