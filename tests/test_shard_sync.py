@@ -438,13 +438,16 @@ def test_a_child_without_parents_is_rejected(aws: tuple[Any, LeaseTable]) -> Non
 
 def test_only_unfinished_leases_of_unlisted_parents_of_listed_shards_are_aged_out() -> None:
     """P left the listing while its child C is listed (C still names it): aged out, and so
-    is its own parent G, which only P's lease names - G first. X is unlisted too, but no
-    listed shard names it (a child made from ChildShards that a listing does not show yet):
-    kept. A finished parent (F), a parked one (K), a listed one (L) and another stream's
-    lease of the same shard id are never aged out."""
+    is its own parent G, which only P's lease names, and G's finished parent H, whose
+    deletion lease cleanup would wait for until G's lease progressed - ancestors first. X
+    is unlisted too, but no listed shard names it (a child made from ChildShards that a
+    listing does not show yet): kept. A finished parent only listed shards name (F: lease
+    cleanup's), a parked one (K), a listed one (L) and another stream's leases are never
+    aged out."""
     listed = [shard("C", "P", "F"), shard("D", "K"), shard("E", "L"), shard("L")]
     leases = [
-        Lease("G", checkpoint=Position("5")),
+        Lease("H", checkpoint=Position.shard_end()),
+        Lease("G", checkpoint=Position("5"), parent_shard_ids=frozenset({"H"})),
         Lease("P", checkpoint=Position.trim_horizon(), parent_shard_ids=frozenset({"G"})),
         Lease("X", checkpoint=Position.trim_horizon(), parent_shard_ids=frozenset({"C"})),
         Lease("F", checkpoint=Position.shard_end()),
@@ -452,7 +455,7 @@ def test_only_unfinished_leases_of_unlisted_parents_of_listed_shards_are_aged_ou
         Lease("L", checkpoint=Position("8")),
         Lease("C", checkpoint=Position.trim_horizon(), parent_shard_ids=frozenset({"P", "F"})),
     ]
-    assert list(aged_out(listed, leases, lambda shard_id: shard_id)) == ["G", "P"]
+    assert list(aged_out(listed, leases, lambda shard_id: shard_id)) == ["H", "G", "P"]
     other = "acct:other:1"
     assert list(aged_out(listed, [lease.copy(lease_key=f"{other}:{lease.lease_key}",
                                              stream=other) for lease in leases],

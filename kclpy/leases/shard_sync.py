@@ -182,7 +182,10 @@ def _depths(by_id: Mapping[str, Shard]) -> dict[str, int]:
 def aged_out(shards: Iterable[Shard], leases: Iterable[Lease],
              lease_key: Callable[[str], str]) -> dict[str, Lease]:
     """The leases of shards the stream's retention removed before they were finished
-    (module docstring), by lease key, ancestors before descendants.
+    (module docstring), by lease key, ancestors before descendants; with them the finished
+    leases of those shards' unlisted ancestors, which lease cleanup would otherwise keep for
+    ever (it deletes a finished lease only once every child's lease has progressed, and
+    these children's leases are about to go).
 
     ``leases`` may hold other streams' leases: only those whose key ``lease_key`` gives to
     a shard named as a parent are considered. Evidence comes from the listing alone: a
@@ -191,22 +194,32 @@ def aged_out(shards: Iterable[Shard], leases: Iterable[Lease],
     when its records are past the retention period."""
     listed = {lease_key(shard.shard_id) for shard in shards}
     by_key = {lease.lease_key: lease for lease in leases}
+
+    def unlisted(key: str) -> Lease | None:
+        lease = by_key.get(key)
+        # A parked lease stays the operator's decision.
+        return None if key in listed or lease is None or lease.parked else lease
+
     #: lease keys of the parents named by listed shards, then by aged-out leases
     named = [lease_key(parent) for shard in shards for parent in shard.parent_ids]
     found: dict[str, Lease] = {}
-    seen: set[str] = set()
     while named:
         key = named.pop()
-        if key in seen or key in listed:
-            continue
-        seen.add(key)
-        lease = by_key.get(key)
-        if lease is None or lease.is_shard_end or lease.parked:
-            # A finished lease blocks nobody (lease cleanup deletes it once its children
-            # progressed); a parked one stays the operator's decision.
+        lease = unlisted(key)
+        if key in found or lease is None or lease.is_shard_end:
+            # A finished lease that only listed shards name blocks nobody: lease cleanup
+            # deletes it once its children progressed.
             continue
         found[key] = lease
         named.extend(lease.parent_lease_keys)
+    above = [parent for lease in found.values() for parent in lease.parent_lease_keys]
+    while above:
+        key = above.pop()
+        lease = unlisted(key)
+        if key in found or lease is None:
+            continue
+        found[key] = lease
+        above.extend(lease.parent_lease_keys)
     return {key: found[key] for key in _ancestors_first(found)}
 
 
@@ -459,6 +472,10 @@ class ShardSyncer:
             if not self._table.delete(lease):
                 continue
             remaining.discard(key)
+            if lease.is_shard_end:
+                log.info("deleted the lease of finished shard %s, an ancestor of shards "
+                         "the stream's retention removed unfinished", key)
+                continue
             self._metrics.inc(DATA_LOST_TO_RETENTION, key)
             log.error(
                 "shard %s left the stream unfinished: the stream's retention trimmed its "
