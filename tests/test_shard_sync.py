@@ -462,6 +462,59 @@ def test_only_unfinished_leases_of_unlisted_parents_of_listed_shards_are_aged_ou
                          lambda shard_id: f"acct:mine:1:{shard_id}")) == []
 
 
+def test_a_stream_created_again_gives_no_evidence_of_aged_out_shards() -> None:
+    """The former stream's leases of shards 3 and 4 (children of its shard 0, unfinished)
+    are unlisted, but the new stream's listed shards name no parent: nothing is aged out."""
+    listed = [shard("shardId-0", start=1000), shard("shardId-1", start=1000)]
+    former = [Lease(f"shardId-{i}", checkpoint=Position("5"),
+                    parent_shard_ids=frozenset({"shardId-0"})) for i in (3, 4)]
+    assert aged_out(listed, former, lambda shard_id: shard_id) == {}
+
+
+def test_a_lease_waits_for_its_aged_out_parent_to_go_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two generations aged out (0 split into 1 and 2, 1 split into 3 and 4; 0 and 1 left
+    the listing): a failed delete of 0 keeps 1 too, so nothing is ever deleted below a lease
+    that remains; the next sync deletes both, each counted once."""
+    with mock_aws():
+        kinesis = boto3.client("kinesis", region_name=REGION)
+        make_stream(kinesis, "s", 1)
+        first, (second, _) = split_first_shard(kinesis, "s")
+        (listed_second,) = [s for s in kinesis.list_shards(StreamName="s")["Shards"]
+                            if s["ShardId"] == second]
+        low = int(listed_second["HashKeyRange"]["StartingHashKey"])
+        high = int(listed_second["HashKeyRange"]["EndingHashKey"])
+        kinesis.split_shard(StreamName="s", ShardToSplit=second,
+                            NewStartingHashKey=str((low + high) // 2))
+        table = LeaseTable(boto3.client("dynamodb", region_name=REGION), "app")
+        table.create_if_missing()
+        metrics = Metrics()
+        syncer = ShardSyncer(kinesis, table, stream_name="s", initial_position=TRIM_HORIZON,
+                             metrics=metrics)
+        assert len(syncer.sync()) == 5
+        retained = [s for s in syncer.list_shards() if s.shard_id not in (first, second)]
+        assert len(retained) == 3
+        monkeypatch.setattr(syncer, "list_shards", lambda: list(retained))
+        delete = table.delete
+        refused: list[str] = []
+
+        def refuse_first_once(lease: Lease) -> bool:
+            if lease.lease_key == first and not refused:
+                refused.append(first)
+                return False
+            return delete(lease)
+
+        monkeypatch.setattr(table, "delete", refuse_first_once)
+        syncer.sync()
+        assert refused == [first]
+        assert table.get(first) is not None and table.get(second) is not None
+        syncer.sync()
+        assert table.get(first) is None and table.get(second) is None
+        assert [metrics.registry.get_sample_value("kclpy_data_lost_to_retention_total",
+                                                  {"shard_id": key})
+                for key in (first, second)] == [1, 1]
+
+
 class TableReader:
     """The parent-waiting code's view of the lease table: the table itself."""
 
@@ -632,6 +685,7 @@ def test_over_http_a_worker_starts_the_children_of_a_parent_the_retention_remove
     create_stream(kinesis, stream, 1)
     put_plain(kinesis, stream, [b"trimmed"])
     parent, children = split_first_shard(kinesis, stream)
+    wait_for_stream_active(kinesis, stream)
     payloads = [f"child-{i}".encode() for i in range(8)]
     assert {shard_id for shard_id, _ in put_plain(kinesis, stream, payloads)} <= set(children)
     config = KCLConfig(
