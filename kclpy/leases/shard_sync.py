@@ -477,13 +477,14 @@ class ShardSyncer:
                          "the stream's retention removed unfinished", key)
                 continue
             self._metrics.inc(DATA_LOST_TO_RETENTION, key)
+            children = {self.lease_key(s.shard_id) for s in shards
+                        if lease.shard_id in s.parent_ids} | {
+                child for child, aged in confirmed.items() if key in aged.parent_lease_keys}
             log.error(
                 "shard %s left the stream unfinished: the stream's retention trimmed its "
                 "records (those after checkpoint %s) before they were processed, and they "
                 "are lost. Its lease is deleted so that its child shards (%s) can start.",
-                key, lease.checkpoint, ", ".join(sorted(
-                    self.lease_key(s.shard_id) for s in shards
-                    if lease.shard_id in s.parent_ids)) or "not listed")
+                key, lease.checkpoint, ", ".join(sorted(children)))
 
     def _retire_former(self, shards: Iterable[Shard], leases: Iterable[Lease]) -> set[str]:
         """Delete the leases of a former stream of the same name that hide listed shards;
