@@ -457,7 +457,9 @@ class ShardSyncer:
         and a listing made after that read must still name it. Deleting is conditional
         on the counter read, so a write in between keeps the lease until the next sync.
         A lease whose aged-out parent's lease is still there waits for it: deleting from
-        the top down keeps the descendants naming the rest."""
+        the top down keeps the descendants naming the rest. Relies on ``list_shards``
+        returning every page or raising: a listing cut short without an error, twice in a
+        row, would look like shards gone."""
         candidates = aged_out(shards, leases, self.lease_key)
         if not candidates:
             return
