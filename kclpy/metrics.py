@@ -184,7 +184,9 @@ LAG_WEBHOOK_EVENTS = _worker(
 DATA_LOST_TO_RETENTION = _worker(
     "data_lost_to_retention", COUNTER,
     "Shards started from a checkpoint the stream's retention had trimmed past (the "
-    "records between it and the oldest kept are lost; logged at ERROR).", "shard_id")
+    "records between it and the oldest kept are lost), and unfinished shards whose lease "
+    "shard sync deleted because the retention had removed the shard from the stream (the "
+    "records after its checkpoint are lost); each logged at ERROR.", "shard_id")
 SHARD_FAILURE_ATTEMPTS = _shard(
     "shard_failure_attempts", GAUGE,
     "Failed attempts at the current batch of a FAILED shard (0 once one succeeds).")

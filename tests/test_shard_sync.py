@@ -19,7 +19,13 @@ from moto import mock_aws
 
 from kclpy.errors import ConfigError
 from kclpy.leases.lease import Lease
-from kclpy.leases.shard_sync import Shard, ShardSyncer, former_incarnation, plan_new_leases
+from kclpy.leases.shard_sync import (
+    Shard,
+    ShardSyncer,
+    aged_out,
+    former_incarnation,
+    plan_new_leases,
+)
 from kclpy.leases.table import LeaseTable, checkpoint_changes
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
@@ -427,6 +433,183 @@ def test_a_child_without_parents_is_rejected(aws: tuple[Any, LeaseTable]) -> Non
         syncer.create_child_leases([ChildShard("orphan", (), "0", "1")])
 
 
+# -- shards the retention removed before their leases finished ------------------------------
+
+
+def test_only_unfinished_leases_of_unlisted_parents_of_listed_shards_are_aged_out() -> None:
+    """P left the listing while its child C is listed (C still names it): aged out, and so
+    is its own parent G, which only P's lease names, and G's finished parent H, whose
+    deletion lease cleanup would wait for until G's lease progressed - ancestors first. X
+    is unlisted too, but no listed shard names it (a child made from ChildShards that a
+    listing does not show yet): kept. A finished parent only listed shards name (F: lease
+    cleanup's), a parked one (K), a listed one (L) and another stream's leases are never
+    aged out."""
+    listed = [shard("C", "P", "F"), shard("D", "K"), shard("E", "L"), shard("L")]
+    leases = [
+        Lease("H", checkpoint=Position.shard_end()),
+        Lease("G", checkpoint=Position("5"), parent_shard_ids=frozenset({"H"})),
+        Lease("P", checkpoint=Position.trim_horizon(), parent_shard_ids=frozenset({"G"})),
+        Lease("X", checkpoint=Position.trim_horizon(), parent_shard_ids=frozenset({"C"})),
+        Lease("F", checkpoint=Position.shard_end()),
+        Lease("K", checkpoint=Position("7"), parked="{}"),
+        Lease("L", checkpoint=Position("8")),
+        Lease("C", checkpoint=Position.trim_horizon(), parent_shard_ids=frozenset({"P", "F"})),
+    ]
+    assert list(aged_out(listed, leases, lambda shard_id: shard_id)) == ["H", "G", "P"]
+    other = "acct:other:1"
+    assert list(aged_out(listed, [lease.copy(lease_key=f"{other}:{lease.lease_key}",
+                                             stream=other) for lease in leases],
+                         lambda shard_id: f"acct:mine:1:{shard_id}")) == []
+
+
+def test_a_stream_created_again_gives_no_evidence_of_aged_out_shards() -> None:
+    """The former stream's leases of shards 3 and 4 (children of its shard 0, unfinished)
+    are unlisted, but the new stream's listed shards name no parent: nothing is aged out."""
+    listed = [shard("shardId-0", start=1000), shard("shardId-1", start=1000)]
+    former = [Lease(f"shardId-{i}", checkpoint=Position("5"),
+                    parent_shard_ids=frozenset({"shardId-0"})) for i in (3, 4)]
+    assert aged_out(listed, former, lambda shard_id: shard_id) == {}
+
+
+def test_a_lease_waits_for_its_aged_out_parent_to_go_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two generations aged out (0 split into 1 and 2, 1 split into 3 and 4; 0 and 1 left
+    the listing): a failed delete of 0 keeps 1 too, so nothing is ever deleted below a lease
+    that remains; the next sync deletes both, each counted once."""
+    with mock_aws():
+        kinesis = boto3.client("kinesis", region_name=REGION)
+        make_stream(kinesis, "s", 1)
+        first, (second, _) = split_first_shard(kinesis, "s")
+        (listed_second,) = [s for s in kinesis.list_shards(StreamName="s")["Shards"]
+                            if s["ShardId"] == second]
+        low = int(listed_second["HashKeyRange"]["StartingHashKey"])
+        high = int(listed_second["HashKeyRange"]["EndingHashKey"])
+        kinesis.split_shard(StreamName="s", ShardToSplit=second,
+                            NewStartingHashKey=str((low + high) // 2))
+        table = LeaseTable(boto3.client("dynamodb", region_name=REGION), "app")
+        table.create_if_missing()
+        metrics = Metrics()
+        syncer = ShardSyncer(kinesis, table, stream_name="s", initial_position=TRIM_HORIZON,
+                             metrics=metrics)
+        assert len(syncer.sync()) == 5
+        retained = [s for s in syncer.list_shards() if s.shard_id not in (first, second)]
+        assert len(retained) == 3
+        monkeypatch.setattr(syncer, "list_shards", lambda: list(retained))
+        delete = table.delete
+        refused: list[str] = []
+
+        def refuse_first_once(lease: Lease) -> bool:
+            if lease.lease_key == first and not refused:
+                refused.append(first)
+                return False
+            return delete(lease)
+
+        monkeypatch.setattr(table, "delete", refuse_first_once)
+        syncer.sync()
+        assert refused == [first]
+        assert table.get(first) is not None and table.get(second) is not None
+        syncer.sync()
+        assert table.get(first) is None and table.get(second) is None
+        assert [metrics.registry.get_sample_value("kclpy_data_lost_to_retention_total",
+                                                  {"shard_id": key})
+                for key in (first, second)] == [1, 1]
+
+
+class TableReader:
+    """The parent-waiting code's view of the lease table: the table itself."""
+
+    def __init__(self, table: LeaseTable) -> None:
+        self.table = table
+
+    def get_lease(self, lease_key: str) -> Lease | None:
+        return self.table.get(lease_key)
+
+
+def test_children_of_a_parent_the_retention_removed_unfinished_start(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The stuck child: a split parent whose lease never reached SHARD_END (the application
+    was stopped for longer than the retention period) has left ListShards. No worker takes
+    it (it is not listed), so its child waited WAITING_ON_PARENTS for ever. Shard sync
+    deletes it - on a second listing and the lease read between them, never on one - and
+    counts the loss; the child then starts. The retention is simulated by the listing (in
+    process, moto): an emulator cannot age a shard out."""
+    from kclpy.consumer import ConsumerState, ShardConsumer
+    from kclpy.processor import (
+        InitializeInput,
+        IRecordProcessor,
+        LeaseLostInput,
+        ProcessRecordsInput,
+        ShardEndedInput,
+        ShutdownRequestedInput,
+    )
+    from tests.support.scripted import SETTINGS, Result, ScriptedFetcher, Writer, rec
+
+    with mock_aws():
+        kinesis = boto3.client("kinesis", region_name=REGION)
+        make_stream(kinesis, "s", 1)
+        parent, children = split_first_shard(kinesis, "s")
+        table = LeaseTable(boto3.client("dynamodb", region_name=REGION), "app")
+        table.create_if_missing()
+        metrics = Metrics()
+        syncer = ShardSyncer(kinesis, table, stream_name="s", initial_position=TRIM_HORIZON,
+                             metrics=metrics)
+        assert sorted(lease.lease_key for lease in syncer.sync()) == sorted([parent, *children])
+        real = syncer.list_shards
+        retained = [s for s in real() if s.shard_id != parent]
+        child = table.get(children[0])
+        assert child is not None and child.parent_shard_ids == {parent}
+
+        initialized = threading.Event()
+
+        class Processor(IRecordProcessor):
+            def initialize(self, initialize_input: InitializeInput) -> None:
+                initialized.set()
+
+            def process_records(self, process_records_input: ProcessRecordsInput) -> None:
+                pass
+
+            def lease_lost(self, lease_lost_input: LeaseLostInput) -> None:
+                pass
+
+            def shard_ended(self, shard_ended_input: ShardEndedInput) -> None:
+                pass
+
+            def shutdown_requested(self, shutdown_input: ShutdownRequestedInput) -> None:
+                pass
+
+        consumer = ShardConsumer(
+            child, concurrency_token="t", processor_factory=lambda: Processor(),
+            checkpoint_writer=Writer(), lease_reader=TableReader(table),
+            fetcher_factory=lambda lease, start: ScriptedFetcher(
+                [Result([rec(1)])], (start.checkpoint, start.sub_sequence_number)),
+            on_shard_end=lambda *_: None, settings=SETTINGS, metrics=Metrics())
+        consumer.start()
+        try:
+            assert consumer.state is ConsumerState.WAITING_ON_PARENTS
+            # One listing without the parent, then one with it (a listing that missed it):
+            # nothing is deleted.
+            answers = iter([retained, real()])
+            monkeypatch.setattr(syncer, "list_shards", lambda: next(answers))
+            assert syncer.sync() == []
+            assert table.get(parent) is not None
+            assert not initialized.is_set()
+            # Gone from every listing since: deleted, counted, logged, and the child starts.
+            monkeypatch.setattr(syncer, "list_shards", lambda: list(retained))
+            with caplog.at_level("ERROR", logger="kclpy.leases.shard_sync"):
+                assert syncer.sync() == []
+            assert table.get(parent) is None
+            assert initialized.wait(10), "the child still waits on the parent"
+            assert metrics.registry.get_sample_value(
+                "kclpy_data_lost_to_retention_total", {"shard_id": parent}) == 1
+            (error,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+            assert parent in error and "lost" in error and children[0] in error
+            assert syncer.sync() == [] and {lease.lease_key for lease in table.list_leases()} \
+                == set(children), "nothing more to do, and no lease made again"
+        finally:
+            consumer.request_shutdown()
+            assert consumer.join(10)
+
+
 # -- over real HTTP ----------------------------------------------------------------------------
 
 
@@ -477,6 +660,77 @@ def test_over_http_kinesis_mock_paginates_and_follows_a_split(
     created = {lease.lease_key: lease.checkpoint for lease in syncer.sync()}
     assert created == dict.fromkeys(children, Position.trim_horizon())
     assert parent in syncer.known_shard_ids
+
+
+@pytest.mark.integration
+def test_over_http_a_worker_starts_the_children_of_a_parent_the_retention_removed(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Over real HTTP: an application stopped before it read a split parent, for longer than
+    the retention period. The worker deletes the parent's lease (ERROR, counted) and reads
+    its children. kinesis-mock cannot age data out, so the fault proxy answers what AWS
+    answers once the parent's records are past the retention: ListShards without the parent
+    (its children still name it) and GetShardIterator of it with ResourceNotFoundException;
+    everything else is the emulator's, and the lease table is moto's server. On the code
+    before the fix the children wait on the parent's lease for ever."""
+    from kclpy import KCLConfig, Worker
+    from tests.support.faultproxy import FaultProxy
+    from tests.support.recording import Ledger, RecordingProcessor
+    from tests.support.streams import create_stream, dynamodb_client, kinesis_client, put_plain
+    from tests.support.workers import running
+
+    caplog.set_level("INFO", logger="kclpy")
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = f"aged-{uuid.uuid4().hex[:8]}"
+    create_stream(kinesis, stream, 1)
+    put_plain(kinesis, stream, [b"trimmed"])
+    parent, children = split_first_shard(kinesis, stream)
+    wait_for_stream_active(kinesis, stream)
+    payloads = [f"child-{i}".encode() for i in range(8)]
+    assert {shard_id for shard_id, _ in put_plain(kinesis, stream, payloads)} <= set(children)
+    config = KCLConfig(
+        application_name=f"app-{uuid.uuid4().hex[:8]}", stream_name=stream, region=REGION,
+        dynamodb_endpoint=moto_server.url, initial_position="TRIM_HORIZON",
+        failover_time_ms=3000, idle_time_between_reads_ms=100, shard_sync_interval_ms=500,
+        parent_shard_poll_interval_ms=200)
+    table = LeaseTable(dynamodb_client(moto_server.url), config.application_name)
+    table.create_if_missing()
+    # Where the application stood when it stopped: every lease made, none read.
+    made = ShardSyncer(kinesis, table, stream_name=stream, initial_position=TRIM_HORIZON).sync()
+    assert sorted(lease.lease_key for lease in made) == sorted([parent, *children])
+
+    def listed_without_parent(request: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+        if "NextToken" in request:
+            return None
+        answer = kinesis.list_shards(**request)
+        body: dict[str, Any] = {"Shards": [s for s in answer["Shards"]
+                                           if s["ShardId"] != parent]}
+        if "NextToken" in answer:
+            body["NextToken"] = answer["NextToken"]
+        return 200, body
+
+    def parent_not_found(request: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+        if request.get("ShardId") != parent:
+            return None
+        return 400, {"__type": "ResourceNotFoundException",
+                     "message": f"Shard {parent} in stream {stream} does not exist"}
+
+    ledger = Ledger()
+    with FaultProxy(kinesis_mock.url, seed=1) as proxy:
+        proxy.set_rule("ListShards", respond=listed_without_parent)
+        proxy.set_rule("GetShardIterator", respond=parent_not_found)
+        worker = Worker(config.replace(kinesis_endpoint=proxy.url),
+                        lambda: RecordingProcessor(ledger))
+        with running(worker):
+            wait_for(lambda: set(payloads) <= set(ledger.payloads()), 60,
+                     "the children's records")
+            lost = worker.metrics.registry.get_sample_value(
+                "kclpy_data_lost_to_retention_total", {"shard_id": parent})
+    assert b"trimmed" not in ledger.payloads()
+    assert table.get(parent) is None
+    assert lost == 1
+    assert any(parent in r.getMessage() and "lost" in r.getMessage()
+               for r in caplog.records if r.levelname == "ERROR")
 
 
 # -- a stream deleted and created again under the same name -----------------------------------

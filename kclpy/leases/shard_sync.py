@@ -25,6 +25,21 @@ meanwhile is left alone) and created anew like any lease of a new shard, at the 
 position, with a WARNING. Leases that were never checkpointed need no replacing: they start
 where a new lease would.
 
+A shard whose data the stream's retention trimmed away leaves ``ListShards``; a closed
+shard does so once its last record is older than the retention period. If its lease was not
+at ``SHARD_END`` by then (the application was stopped, or the shard stalled, for longer than
+the retention period), no worker would ever take it (only listed shards are taken) and its
+children would wait for it for ever. Such a lease is *aged out*: not at ``SHARD_END``, not
+parked, its shard absent from the listing, and its shard named as a parent by a listed shard
+(or by the lease of another aged-out shard). It is deleted, as the Java KCL's lease cleanup
+deletes a "garbage" lease, and its children start: what it still held is lost to retention,
+which is logged at ERROR and counted in ``kclpy_data_lost_to_retention_total``. Never on one
+listing alone: the lease is read again, then the stream is listed again, and only a shard
+still absent and still named is deleted (conditional on the counter just read), ancestors
+first. A child that a ListShards answer does not show yet (its lease made from
+``ChildShards``) is never named by a listed shard, and a stream deleted (not listed) or
+created again (its listed shards name only its own parents) gives no such evidence.
+
 Java creates only the first generation below the handled shards and leaves the rest to the
 ``ChildShards`` that GetRecords returns at shard end. Creating every generation in one pass
 gives the same result and also works on emulators that never return ``ChildShards``
@@ -46,7 +61,7 @@ from botocore.exceptions import ClientError
 from kclpy.errors import ConfigError, LeaseLostError
 from kclpy.leases.lease import Lease, incarnation_epoch, new_incarnation, same_stream
 from kclpy.leases.table import LeaseTable
-from kclpy.metrics import NOWHERE, THROTTLES, Metrics
+from kclpy.metrics import DATA_LOST_TO_RETENTION, NOWHERE, THROTTLES, Metrics
 from kclpy.position import (
     AT_TIMESTAMP,
     INITIAL_POSITIONS,
@@ -162,6 +177,72 @@ def _depths(by_id: Mapping[str, Shard]) -> dict[str, int]:
             depth[shard_id] = 1 + max((depth[p] for p in parents), default=-1)
             stack.pop()
     return depth
+
+
+def aged_out(shards: Iterable[Shard], leases: Iterable[Lease],
+             lease_key: Callable[[str], str]) -> dict[str, Lease]:
+    """The leases of shards the stream's retention removed before they were finished
+    (module docstring), by lease key, ancestors before descendants; with them the finished
+    leases of those shards' unlisted ancestors, which lease cleanup would otherwise keep for
+    ever (it deletes a finished lease only once every child's lease has progressed, and
+    these children's leases are about to go).
+
+    ``leases`` may hold other streams' leases: only those whose key ``lease_key`` gives to
+    a shard named as a parent are considered. Evidence comes from the listing alone: a
+    listed shard naming an unlisted parent (or an aged-out lease naming one) says that
+    parent existed in this stream and is gone, and a closed shard leaves ``ListShards`` only
+    when its records are past the retention period."""
+    listed = {lease_key(shard.shard_id) for shard in shards}
+    by_key = {lease.lease_key: lease for lease in leases}
+
+    def unlisted(key: str) -> Lease | None:
+        lease = by_key.get(key)
+        # A parked lease stays the operator's decision.
+        return None if key in listed or lease is None or lease.parked else lease
+
+    #: lease keys of the parents named by listed shards, then by aged-out leases
+    named = [lease_key(parent) for shard in shards for parent in shard.parent_ids]
+    found: dict[str, Lease] = {}
+    while named:
+        key = named.pop()
+        lease = unlisted(key)
+        if key in found or lease is None or lease.is_shard_end:
+            # A finished lease that only listed shards name blocks nobody: lease cleanup
+            # deletes it once its children progressed.
+            continue
+        found[key] = lease
+        named.extend(lease.parent_lease_keys)
+    above = [parent for lease in found.values() for parent in lease.parent_lease_keys]
+    while above:
+        key = above.pop()
+        lease = unlisted(key)
+        if key in found or lease is None:
+            continue
+        found[key] = lease
+        above.extend(lease.parent_lease_keys)
+    return {key: found[key] for key in _ancestors_first(found)}
+
+
+def _ancestors_first(leases: Mapping[str, Lease]) -> list[str]:
+    """The keys of ``leases``, each after every one of its ancestors among them."""
+    order: list[str] = []
+    placed: set[str] = set()
+    for start in sorted(leases):
+        stack = [start]
+        while stack:
+            key = stack[-1]
+            if key in placed:
+                stack.pop()
+                continue
+            pending = [p for p in sorted(leases[key].parent_lease_keys)
+                       if p in leases and p not in placed and p not in stack]
+            if pending:
+                stack.extend(pending)
+                continue
+            placed.add(key)
+            order.append(key)
+            stack.pop()
+    return order
 
 
 def _new_lease(shard: Shard, checkpoint: str, stream: str | None) -> Lease:
@@ -347,7 +428,51 @@ class ShardSyncer:
                 "shard sync created leases: %s",
                 ", ".join(f"{lease.lease_key}@{lease.checkpoint}" for lease in created),
             )
+        if leases is not None:
+            # After the creations: a child missing a lease was just given one at
+            # TRIM_HORIZON, as a descendant of the lease about to go.
+            self._delete_aged_out(shards, leases)
         return created
+
+    def _delete_aged_out(self, shards: Sequence[Shard], leases: Iterable[Lease]) -> None:
+        """Delete the leases of shards the retention removed unfinished (``aged_out``), so
+        their children start; the records they still held are lost, logged and counted.
+
+        A lease is judged on two listings and a read between them: the sync's listing
+        names it, the lease is read again (a lease finished or parked meanwhile is kept),
+        and a listing made after that read must still name it. Deleting is conditional
+        on the counter read, so a write in between keeps the lease until the next sync.
+        A lease whose aged-out parent's lease is still there waits for it: deleting from
+        the top down keeps the descendants naming the rest. Relies on ``list_shards``
+        returning every page or raising: a listing cut short without an error, twice in a
+        row, would look like shards gone."""
+        candidates = aged_out(shards, leases, self.lease_key)
+        if not candidates:
+            return
+        fresh = {key: lease for key in candidates
+                 if (lease := self._table.get(key)) is not None}
+        confirmed = aged_out(self.list_shards(), fresh.values(), self.lease_key)
+        #: confirmed and not deleted (yet): their descendants wait
+        remaining = set(confirmed)
+        for key, lease in confirmed.items():
+            if any(parent in remaining for parent in lease.parent_lease_keys):
+                continue  # its aged-out parent could not be deleted: next sync
+            if not self._table.delete(lease):
+                continue
+            remaining.discard(key)
+            if lease.is_shard_end:
+                log.info("deleted the lease of finished shard %s, an ancestor of shards "
+                         "the stream's retention removed unfinished", key)
+                continue
+            self._metrics.inc(DATA_LOST_TO_RETENTION, key)
+            children = {self.lease_key(s.shard_id) for s in shards
+                        if lease.shard_id in s.parent_ids} | {
+                child for child, aged in confirmed.items() if key in aged.parent_lease_keys}
+            log.error(
+                "shard %s left the stream unfinished: the stream's retention trimmed its "
+                "records (those after checkpoint %s) before they were processed, and they "
+                "are lost. Its lease is deleted so that its child shards (%s) can start.",
+                key, lease.checkpoint, ", ".join(sorted(children)))
 
     def _retire_former(self, shards: Iterable[Shard], leases: Iterable[Lease]) -> set[str]:
         """Delete the leases of a former stream of the same name that hide listed shards;
