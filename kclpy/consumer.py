@@ -14,6 +14,7 @@ import logging
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -177,6 +178,9 @@ class ShardConsumer:
         self._state = ConsumerState.WAITING_ON_PARENTS
         self._processor: IRecordProcessor | None = None
         self._checkpointer: Checkpointer | None = None
+        #: the checkpointers handed to the current processor (its live one and those of the
+        #: recovery batches it got), retired when it is replaced (``_retire``)
+        self._handed: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
         self._fetcher: FetcherLike | None = None
         self._make_recovery = recovery
         self._recovery: RecoveryLike | None = None
@@ -391,6 +395,7 @@ class ShardConsumer:
             self._processor = processor
             self._checkpointer = Checkpointer(
                 self.lease_key, self._writer, self._token, position, self._metrics)
+            self._handed = weakref.WeakSet([self._checkpointer])
             if not position.is_shard_end:
                 self._fetcher = self._fetcher_factory(
                     self._lease, read_from if start_at is None else Position.at_time(start_at))
@@ -450,12 +455,14 @@ class ShardConsumer:
 
     def _restart(self, attempt: int) -> bool:
         """Throw the processor away and resume from the last checkpoint (at-least-once);
-        a lease still at ``LATEST`` / ``AT_TIMESTAMP`` from where it was first resolved."""
+        a lease still at ``LATEST`` / ``AT_TIMESTAMP`` from where it was first resolved.
+        The discarded processor's checkpointers are retired first: its successor starts
+        from the position they wrote last, and none of them can write behind it."""
         assert self._checkpointer is not None and self._fetcher is not None
-        checkpoint = self._checkpointer.position
         self._fetcher.stop()
         self._fetcher = None
         self._processor = None
+        checkpoint = self._retire("the processor was restarted")
         start = self._start_at
         log.warning("shard %s: restarting the processor from checkpoint %s/%s%s",
                     self.lease_key, checkpoint.checkpoint, checkpoint.sub_sequence_number,
@@ -464,6 +471,17 @@ class ShardConsumer:
         if self._pause(self._backoff(attempt)):
             return False
         return self._initialize(checkpoint)
+
+    def _retire(self, why: str) -> Position:
+        """Retire the checkpointers handed to the processor being replaced: its live one and
+        those of the recovery batches it got (whose gaps ``RecoveryLike.begin`` has read
+        again from their checkpoints, with new checkpointers). Returns the live one's last
+        checkpoint."""
+        assert self._checkpointer is not None
+        for checkpointer in list(self._handed):
+            checkpointer.retire(why)
+        self._handed = weakref.WeakSet()
+        return self._checkpointer.position
 
     def _recovering(self) -> bool:
         return self._recovery is not None and self._recovery.active
@@ -541,6 +559,8 @@ class ShardConsumer:
                  is_recovery: bool = False) -> str:
         """Hand one batch to the processor; 'ok', 'restart' or 'stopped'. A recovery batch
         comes with its gap's checkpointer; a live one uses the shard's."""
+        if checkpointer is not None:
+            self._handed.add(checkpointer)
         checkpointer = checkpointer or self._checkpointer
         assert self._processor is not None and checkpointer is not None
         records = result.records
