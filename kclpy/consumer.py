@@ -454,22 +454,31 @@ class ShardConsumer:
         return True
 
     def _restart(self, attempt: int) -> bool:
-        """Throw the processor away and resume from the last checkpoint (at-least-once);
-        a lease still at ``LATEST`` / ``AT_TIMESTAMP`` from where it was first resolved.
-        The discarded processor's checkpointers are retired first: its successor starts
-        from the position they wrote last, and none of them can write behind it."""
+        """Throw the processor away and resume from the shard's durable checkpoint
+        (at-least-once); a lease still at ``LATEST`` / ``AT_TIMESTAMP`` from where it was
+        first resolved.
+
+        The durable checkpoint is read from the lease item, as the Java KCL's InitializeTask
+        reads it, not taken from the discarded processor's checkpointer: lag recovery moves
+        the live checkpoint past a gap it finished (``ShardRecovery._store``) without that
+        checkpointer knowing, and resuming from the stale one would queue and deliver the
+        whole gap again. The discarded processor's checkpointers are retired first, so none
+        of them can write behind the position read."""
         assert self._checkpointer is not None and self._fetcher is not None
         self._fetcher.stop()
         self._fetcher = None
         self._processor = None
-        checkpoint = self._retire("the processor was restarted")
+        last = self._retire("the processor was restarted")
+        if self._pause(self._backoff(attempt)):
+            return False
+        checkpoint = self._durable_checkpoint(last)
+        if checkpoint is None:
+            return False
         start = self._start_at
         log.warning("shard %s: restarting the processor from checkpoint %s/%s%s",
                     self.lease_key, checkpoint.checkpoint, checkpoint.sub_sequence_number,
                     "" if start is None or checkpoint.sentinel not in (LATEST, AT_TIMESTAMP)
                     else f" (resolved to {start.isoformat(timespec='milliseconds')})")
-        if self._pause(self._backoff(attempt)):
-            return False
         return self._initialize(checkpoint)
 
     def _retire(self, why: str) -> Position:
@@ -482,6 +491,34 @@ class ShardConsumer:
             checkpointer.retire(why)
         self._handed = weakref.WeakSet()
         return self._checkpointer.position
+
+    def _durable_checkpoint(self, last: Position) -> Position | None:
+        """The live checkpoint the lease item holds now, never behind ``last`` (the discarded
+        checkpointer's, which every write of this tenure went before). A failed read is tried
+        again after a backoff; None when the consumer must stop meanwhile, or when the item
+        shows the shard finished by another tenure (this one then lost the lease)."""
+        attempt = 0
+        while True:
+            try:
+                lease = self._leases.get_lease(self.lease_key)
+                break
+            except Exception as exc:
+                log.warning("shard %s: reading the lease to restart the processor failed "
+                            "(%r); retrying", self.lease_key, exc)
+                if self._pause(self._backoff(attempt)):
+                    return None
+                attempt += 1
+        durable = None if lease is None else lease.checkpoint
+        if durable is not None and durable.is_shard_end:
+            log.info("shard %s: the lease item is at SHARD_END, written by another tenure; "
+                     "the lease was lost", self.lease_key)
+            self.notify_lease_lost()
+            return None
+        # A sentinel in the item says nothing was checkpointed (a LATEST / AT_TIMESTAMP
+        # start is resolved by ``_start_of``): only a record position can be ahead.
+        if durable is not None and durable.is_record and (not last.is_record or durable > last):
+            return durable
+        return last
 
     def _recovering(self) -> bool:
         return self._recovery is not None and self._recovery.active
