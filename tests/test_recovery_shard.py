@@ -452,6 +452,87 @@ def test_a_restart_after_a_finished_gap_resumes_from_the_durable_checkpoint(
     assert shard.queue() == ()
 
 
+class KeepsTheGapCheckpointer(Restarting):
+    """Checkpoints each recovery batch and keeps its checkpointer (as a background thread
+    would); its second recovery batch raises ``ProcessorRestartRequired``."""
+
+    def __init__(self, table: LeaseTable) -> None:
+        super().__init__(table)
+        self.kept: list[Checkpointer] = []
+
+    def process_records(self, p: ProcessRecordsInput) -> None:
+        if p.is_recovery:
+            self.kept.append(p.checkpointer)
+            if len(self.kept) == 2:
+                raise ProcessorRestartRequired("child died")
+        super().process_records(p)
+
+
+class CallsTheKeptOne(Restarting):
+    """The successor: in ``initialize``, before any batch, it checkpoints through the gap
+    checkpointer its predecessor kept (no arguments: the last record handed to it)."""
+
+    def __init__(self, table: LeaseTable, predecessor: KeepsTheGapCheckpointer) -> None:
+        super().__init__(table)
+        self.predecessor = predecessor
+        self.refused: list[str] = []
+
+    def initialize(self, i: InitializeInput) -> None:
+        super().initialize(i)
+        try:
+            self.predecessor.kept[-1].checkpoint()
+        except ShutdownException as exc:
+            self.refused.append(exc.name)
+
+
+def test_a_gap_checkpointer_from_before_a_restart_cannot_skip_the_failed_batch(
+        shard: Shard) -> None:
+    """The replaced processor's gap checkpointer was handed the batch that failed: a
+    checkpoint through it would move the gap's checkpoint over that batch before the gap is
+    read again, and nobody would ever process those records. It is refused; the successor
+    gets the gap again from its checkpoint."""
+    key = "shardId-000000000000"
+    held = shard.holder.held.entry(key)
+    assert held is not None
+    hour_later = time.time() + 3600
+    made: list[ShardRecovery] = []
+
+    def pages_of_ten(start: Position, until_ms: int | None, pacer: Pacer | None,
+                     max_records: int | None) -> ShardPipeline:
+        return shard.reader(start, until_ms, pacer, max_records or 10)
+
+    def recovery() -> ShardRecovery:
+        made.append(ShardRecovery(
+            key, None, token=shard.token, fence=shard.holder.fence,
+            reader_factory=pages_of_ten, rate=RecoveryRate(10_000), max_lag_ms=1000,
+            metrics=shard.metrics, wall_clock=lambda: hour_later))
+        return made[-1]
+
+    def live(lease: Lease, start: Position) -> LiveAfterTheGaps:
+        return LiveAfterTheGaps([Result([], shard_end=True)],
+                                (start.checkpoint, start.sub_sequence_number),
+                                lambda: bool(made) and made[0].active)
+
+    first = KeepsTheGapCheckpointer(shard.table)
+    second = CallsTheKeptOne(shard.table, first)
+    processors = iter([first, second])
+    consumer = ShardConsumer(
+        held.lease.copy(), concurrency_token=shard.token,
+        processor_factory=lambda: next(processors), checkpoint_writer=shard.holder.fence,
+        lease_reader=LeaseTableReader(shard.table), fetcher_factory=live,
+        on_shard_end=lambda key, children: None, settings=SETTINGS, metrics=shard.metrics,
+        rng=random.Random(1), recovery=recovery,
+        holds=functools.partial(shard.holder.fence.holds, key, shard.token))
+    consumer.start()
+    assert consumer.join(30) and consumer.error is None and consumer.shard_ended
+    assert len(first.records) == 10, "the first processor checkpointed one batch of ten"
+    successor = [seq for is_recovery, seq in second.records if is_recovery]
+    assert len(successor) == 20 and int(successor[0]) > int(first.records[-1][1]), \
+        "the successor gets every gap record after the gap's checkpoint"
+    assert second.refused == ["ShutdownException"]
+    assert shard.queue() == ()
+
+
 def stored_gaps(group: Fleet) -> tuple[RecoveryRequest, ...]:
     items = group.lease_items()
     item = items.get("shardId-000000000000", {})
