@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from kclpy.checkpoint import Checkpointer, CheckpointWriter, StartWriter, keep_start
 from kclpy.errors import CheckpointError, KCLError, ProcessorRestartRequired, ShutdownException
 from kclpy.leases import park
+from kclpy.leases.dynamo import TABLE_ERRORS
 from kclpy.leases.lease import Lease
 from kclpy.metrics import (
     BATCH_MILLIS_BEHIND_LATEST,
@@ -502,7 +503,7 @@ class ShardConsumer:
             try:
                 lease = self._leases.get_lease(self.lease_key)
                 break
-            except Exception as exc:
+            except TABLE_ERRORS as exc:
                 log.warning("shard %s: reading the lease to restart the processor failed "
                             "(%r); retrying", self.lease_key, exc)
                 if self._pause(self._backoff(attempt)):
