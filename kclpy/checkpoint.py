@@ -1,7 +1,9 @@
 """The checkpointer a processor is handed, and the one rule it enforces: never move wrongly.
 
 A checkpoint may only name a position that was delivered to the processor and is not before
-the last checkpoint; anything else is ``InvalidStateException``, as in the Java KCL. The
+the last checkpoint; anything else is ``InvalidStateException``, as in the Java KCL. A
+checkpointer whose processor was replaced (``retire``) refuses every write with
+``ShutdownException``, so within one tenure the checkpoint only moves forward. The
 write itself goes through a ``CheckpointWriter`` (the lease coordinator), which fences it on
 the lease's concurrency token so a worker that lost the lease can never overwrite the new
 owner's progress.
@@ -14,7 +16,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from kclpy.errors import CheckpointError, InvalidStateException
+from kclpy.errors import CheckpointError, InvalidStateException, ShutdownException
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import START_AT, UpdateBuilder, n
 from kclpy.metrics import CHECKPOINT_FAILURES, CHECKPOINTS, NOWHERE, Metrics
@@ -104,6 +106,8 @@ class Checkpointer:
         #: the last record delivered (the end of the batch being processed)
         self._largest: Position | None = None
         self._at_shard_end = False
+        #: why this checkpointer may no longer write (``retire``); None while it may
+        self._retired: str | None = None
 
     @property
     def shard_id(self) -> str:
@@ -130,6 +134,20 @@ class Checkpointer:
         """Every record of the shard was delivered: SHARD_END becomes a valid position."""
         with self._lock:
             self._at_shard_end = True
+
+    def retire(self, why: str) -> Position:
+        """The processor this was handed to has been replaced (``ProcessorRestartRequired``):
+        every later write through it raises ``ShutdownException``, the Java KCL's name for a
+        checkpoint by a processor instance that was shut down. Such a processor may keep the
+        checkpointer (a background thread, an asynchronous batcher), but its last checkpoint
+        may be behind its successor's and its last delivered record may cover a batch that
+        failed and was never processed: a write through it could move the checkpoint back or
+        past records nobody processed. Waits for a write under way, so the position returned
+        (the last checkpoint it wrote) is final, and a successor started from the durable
+        checkpoint read after this is never overtaken by it."""
+        with self._lock:
+            self._retired = why
+            return self._last
 
     @property
     def position(self) -> Position:
@@ -171,6 +189,7 @@ class Checkpointer:
     def _write(self, sequence_number: str | int | None, sub_sequence_number: int | None,
                write: CommitWrite) -> None:
         with self._lock:
+            self._refuse_if_retired()
             position = self._resolve(sequence_number, sub_sequence_number)
             if position is None:
                 return
@@ -186,7 +205,16 @@ class Checkpointer:
         """``fn(writer, lease_key, token)``: a holder-only write that is not a checkpoint
         (a state store claiming the shard for this tenure), serialized with checkpoints."""
         with self._lock:
+            self._refuse_if_retired()
             return fn(self._writer, self.lease_key, self._token)
+
+    def _refuse_if_retired(self) -> None:
+        """Raise ``ShutdownException`` once ``retire`` was called (the caller holds the lock)."""
+        if self._retired is not None:
+            self._m.inc(CHECKPOINT_FAILURES, ShutdownException.name)
+            raise ShutdownException(f"shard {self.lease_key}: this checkpointer's processor "
+                                    f"was shut down ({self._retired}); its successor "
+                                    "checkpoints the shard now")
 
     def _resolve(
         self, sequence_number: str | int | None, sub_sequence_number: int | None

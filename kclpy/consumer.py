@@ -14,6 +14,7 @@ import logging
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 from kclpy.checkpoint import Checkpointer, CheckpointWriter, StartWriter, keep_start
 from kclpy.errors import CheckpointError, KCLError, ProcessorRestartRequired, ShutdownException
 from kclpy.leases import park
+from kclpy.leases.dynamo import TABLE_ERRORS
 from kclpy.leases.lease import Lease
 from kclpy.metrics import (
     BATCH_MILLIS_BEHIND_LATEST,
@@ -177,6 +179,9 @@ class ShardConsumer:
         self._state = ConsumerState.WAITING_ON_PARENTS
         self._processor: IRecordProcessor | None = None
         self._checkpointer: Checkpointer | None = None
+        #: the checkpointers handed to the current processor (its live one and those of the
+        #: recovery batches it got), retired when it is replaced (``_retire``)
+        self._handed: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
         self._fetcher: FetcherLike | None = None
         self._make_recovery = recovery
         self._recovery: RecoveryLike | None = None
@@ -391,6 +396,7 @@ class ShardConsumer:
             self._processor = processor
             self._checkpointer = Checkpointer(
                 self.lease_key, self._writer, self._token, position, self._metrics)
+            self._handed = weakref.WeakSet([self._checkpointer])
             if not position.is_shard_end:
                 self._fetcher = self._fetcher_factory(
                     self._lease, read_from if start_at is None else Position.at_time(start_at))
@@ -449,21 +455,71 @@ class ShardConsumer:
         return True
 
     def _restart(self, attempt: int) -> bool:
-        """Throw the processor away and resume from the last checkpoint (at-least-once);
-        a lease still at ``LATEST`` / ``AT_TIMESTAMP`` from where it was first resolved."""
+        """Throw the processor away and resume from the shard's durable checkpoint
+        (at-least-once); a lease still at ``LATEST`` / ``AT_TIMESTAMP`` from where it was
+        first resolved.
+
+        The durable checkpoint is read from the lease item, as the Java KCL's InitializeTask
+        reads it, not taken from the discarded processor's checkpointer: lag recovery moves
+        the live checkpoint past a gap it finished (``ShardRecovery._store``) without that
+        checkpointer knowing, and resuming from the stale one would queue and deliver the
+        whole gap again. The discarded processor's checkpointers are retired first, so none
+        of them can write behind the position read."""
         assert self._checkpointer is not None and self._fetcher is not None
-        checkpoint = self._checkpointer.position
         self._fetcher.stop()
         self._fetcher = None
         self._processor = None
+        last = self._retire("the processor was restarted")
+        if self._pause(self._backoff(attempt)):
+            return False
+        checkpoint = self._durable_checkpoint(last)
+        if checkpoint is None:
+            return False
         start = self._start_at
         log.warning("shard %s: restarting the processor from checkpoint %s/%s%s",
                     self.lease_key, checkpoint.checkpoint, checkpoint.sub_sequence_number,
                     "" if start is None or checkpoint.sentinel not in (LATEST, AT_TIMESTAMP)
                     else f" (resolved to {start.isoformat(timespec='milliseconds')})")
-        if self._pause(self._backoff(attempt)):
-            return False
         return self._initialize(checkpoint)
+
+    def _retire(self, why: str) -> Position:
+        """Retire the checkpointers handed to the processor being replaced: its live one and
+        those of the recovery batches it got (whose gaps ``RecoveryLike.begin`` has read
+        again from their checkpoints, with new checkpointers). Returns the live one's last
+        checkpoint."""
+        assert self._checkpointer is not None
+        for checkpointer in list(self._handed):
+            checkpointer.retire(why)
+        self._handed = weakref.WeakSet()
+        return self._checkpointer.position
+
+    def _durable_checkpoint(self, last: Position) -> Position | None:
+        """The live checkpoint the lease item holds now, never behind ``last`` (the discarded
+        checkpointer's, which every write of this tenure went before). A failed read is tried
+        again after a backoff; None when the consumer must stop meanwhile, or when the item
+        shows the shard finished by another tenure (this one then lost the lease)."""
+        attempt = 0
+        while True:
+            try:
+                lease = self._leases.get_lease(self.lease_key)
+                break
+            except TABLE_ERRORS as exc:
+                log.warning("shard %s: reading the lease to restart the processor failed "
+                            "(%r); retrying", self.lease_key, exc)
+                if self._pause(self._backoff(attempt)):
+                    return None
+                attempt += 1
+        durable = None if lease is None else lease.checkpoint
+        if durable is not None and durable.is_shard_end:
+            log.info("shard %s: the lease item is at SHARD_END, written by another tenure; "
+                     "the lease was lost", self.lease_key)
+            self.notify_lease_lost()
+            return None
+        # A sentinel in the item says nothing was checkpointed (a LATEST / AT_TIMESTAMP
+        # start is resolved by ``_start_of``): only a record position can be ahead.
+        if durable is not None and durable.is_record and (not last.is_record or durable > last):
+            return durable
+        return last
 
     def _recovering(self) -> bool:
         return self._recovery is not None and self._recovery.active
@@ -541,6 +597,8 @@ class ShardConsumer:
                  is_recovery: bool = False) -> str:
         """Hand one batch to the processor; 'ok', 'restart' or 'stopped'. A recovery batch
         comes with its gap's checkpointer; a live one uses the shard's."""
+        if checkpointer is not None:
+            self._handed.add(checkpointer)
         checkpointer = checkpointer or self._checkpointer
         assert self._processor is not None and checkpointer is not None
         records = result.records

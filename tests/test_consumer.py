@@ -7,9 +7,10 @@ import threading
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 
+from kclpy.checkpoint import Checkpointer
 from kclpy.cloudwatch import SUMMARY, CloudWatchBackend
 from kclpy.consumer import ConsumerSettings, ConsumerState, FatalProcessorError, ShardConsumer
-from kclpy.errors import ProcessorRestartRequired
+from kclpy.errors import CheckpointError, ProcessorRestartRequired
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import UpdateBuilder
 from kclpy.metrics import Metrics
@@ -217,6 +218,64 @@ def test_restart_required_resumes_from_the_last_checkpoint() -> None:
     assert ("init", "1", 0) in log  # re-initialized from the checkpoint after record 1
     assert log[-2:] == [("batch", [("2", 0), ("3", 0)]), ("shard_ended",)]
     assert len(fetchers) == 2 and fetchers[0].stopped
+
+
+def restart_keeping_the_checkpointer(*, in_initialize: bool = False,
+                                     after_4: str | None = None) -> tuple[list[str], Writer]:
+    """A processor that keeps its checkpointer (as a background thread would) and dies on
+    the batch (2, 3); its successor checkpoints through the kept one: without arguments in
+    ``initialize`` (``in_initialize``), at ``after_4`` once it checkpointed record 4.
+    Returns the errors those calls raised (by name) and the writer."""
+    log: list[object] = []
+    pages = [Result([rec(1)]), Result([rec(2), rec(3)]), Result([rec(4)]),
+             Result([], shard_end=True)]
+    kept: list[Checkpointer] = []
+    refused: list[str] = []
+
+    def stale(sequence_number: str | None = None) -> None:
+        try:
+            kept[-1].checkpoint(sequence_number)
+        except CheckpointError as exc:
+            refused.append(exc.name)
+
+    class Crashing(Recorder):
+        def process_records(self, p: ProcessRecordsInput) -> None:
+            kept.append(p.checkpointer)
+            if p.records[0].sequence_number == "2":
+                raise ProcessorRestartRequired("child died")
+            super().process_records(p)
+
+    class Successor(Recorder):
+        def initialize(self, i: InitializeInput) -> None:
+            super().initialize(i)
+            if in_initialize:
+                stale()
+
+        def process_records(self, p: ProcessRecordsInput) -> None:
+            super().process_records(p)
+            if p.records[-1].sequence_number == "4" and after_4 is not None:
+                stale(after_4)
+
+    _, writer, _ = run_consumer(pages, [Crashing(log), Successor(log)])
+    return refused, writer
+
+
+def test_a_checkpointer_from_before_a_restart_cannot_move_the_checkpoint_back() -> None:
+    """A replaced processor's checkpointer knows only its own last checkpoint (1), not its
+    successor's (4): a write through it is refused with the Java ShutdownException (this
+    processor instance was shut down) instead of moving the checkpoint back to 2."""
+    refused, writer = restart_keeping_the_checkpointer(after_4="2")
+    assert writer.writes == [("1", 0), ("3", 0), ("4", 0), ("SHARD_END", 0)]
+    assert refused == ["ShutdownException"]
+
+
+def test_a_checkpointer_from_before_a_restart_cannot_cover_the_failed_batch() -> None:
+    """The replaced processor's checkpointer was handed the batch (2, 3) that failed: its
+    no-argument checkpoint would cover records nobody processed yet (lost if the worker then
+    crashed). Refused; the successor processes the batch and checkpoints it."""
+    refused, writer = restart_keeping_the_checkpointer(in_initialize=True)
+    assert writer.writes == [("1", 0), ("3", 0), ("4", 0), ("SHARD_END", 0)]
+    assert refused == ["ShutdownException"]
 
 
 def test_lease_lost_calls_lease_lost_and_stops() -> None:

@@ -6,9 +6,12 @@ behind, recovered, reported when trimmed, and left to the next owner when unfini
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import random
 import re
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -20,7 +23,8 @@ import pytest
 from moto import mock_aws
 
 from kclpy.checkpoint import Checkpointer
-from kclpy.errors import ShutdownException
+from kclpy.consumer import ShardConsumer
+from kclpy.errors import ProcessorRestartRequired, ShutdownException
 from kclpy.leases.cleanup import deletable
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import RECOVERY, UpdateBuilder
@@ -28,6 +32,15 @@ from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from kclpy.position import TRIM_HORIZON, Position
+from kclpy.processor import (
+    InitializeInput,
+    IRecordProcessor,
+    LeaseLostInput,
+    ProcessRecordsInput,
+    ShardEndedInput,
+    ShutdownRequestedInput,
+)
+from kclpy.records import Record
 from kclpy.recovery import queue as gaps
 from kclpy.recovery.queue import RecoveryRequest
 from kclpy.recovery.rate import RecoveryRate
@@ -38,6 +51,7 @@ from kclpy.retrieval.source import ShardAddress
 from tests.support.determinism import Clock
 from tests.support.fleet import Fleet, fleet
 from tests.support.recovery import Holder, age, gap, recovery_for
+from tests.support.scripted import SETTINGS, Result, ScriptedFetcher
 from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
 from tests.support.waiting import wait_for
 
@@ -136,8 +150,8 @@ class Shard:
     table: LeaseTable
     holder: Holder
     token: str
-    #: the wall clock just after the fixture's records were written
-    written_at: float
+    #: the wall clock just before the fixture's records were written: each arrived after it
+    writing_at: float
     metrics: Metrics = field(default_factory=Metrics)
 
     def reader(self, start: Position, until_ms: int | None, pacer: Pacer | None,
@@ -165,15 +179,15 @@ class Shard:
 def shard(aws: None) -> Shard:
     kinesis = boto3.client("kinesis", region_name=REGION)
     kinesis.create_stream(StreamName="s", ShardCount=1)
+    writing_at = time.time()
     for n in range(30):
         kinesis.put_record(StreamName="s", Data=f"old-{n}".encode(), PartitionKey="k")
     table = LeaseTable(boto3.client("dynamodb", region_name=REGION), "app", max_attempts=3,
                        sleep=lambda _: None)
     table.create_if_missing()
     assert table.create(Lease("shardId-000000000000"))
-    written_at = time.time()
     holder = Holder(table, "A", Clock())
-    return Shard(kinesis, "s", table, holder, holder.take("shardId-000000000000"), written_at)
+    return Shard(kinesis, "s", table, holder, holder.take("shardId-000000000000"), writing_at)
 
 
 def recover_all(recovery: ShardRecovery) -> list[str]:
@@ -242,9 +256,11 @@ def test_a_gap_after_the_state_stores_position_moves_the_live_checkpoint_past_it
 
 
 def test_a_shard_within_max_lag_reads_live_from_its_checkpoint(shard: Shard) -> None:
-    # the wall clock stops where the records were written: the shard is within its lag bound
-    # however long a loaded machine takes to get here
-    recovery = shard.recovery(wall_clock=lambda: shard.written_at)
+    # the wall clock stops where the records started to be written: the shard is within its
+    # lag bound however long a loaded machine takes to write them (taking the time after
+    # the writes and the lease table's creation failed at load average 26: the first record
+    # was then more than max_lag_ms older) or to get here
+    recovery = shard.recovery(wall_clock=lambda: shard.writing_at)
     assert recovery.begin(Position.trim_horizon()) is None
     assert shard.queue() == () and not recovery.active
 
@@ -323,6 +339,200 @@ def test_a_gap_partly_past_retention_is_reported_and_the_rest_recovered(
     assert "from 0 up to " + str(oldest) in error.getMessage()
     assert shard.metrics.registry.get_sample_value(
         "kclpy_recovery_trimmed_total", {"shard_id": "shardId-000000000000"}) == 1
+
+
+class LeaseTableReader:
+    """The consumer's ``LeaseReader`` over a lease table (the coordinator's ``get_lease``)."""
+
+    def __init__(self, table: LeaseTable) -> None:
+        self.table = table
+
+    def get_lease(self, lease_key: str) -> Lease | None:
+        return self.table.get(lease_key)
+
+
+class Restarting(IRecordProcessor):
+    """Checkpoints every batch; with ``restart_on_live``, its first live batch raises
+    ``ProcessorRestartRequired`` (a MultiLang child that died) after noting the lease's
+    checkpoint then."""
+
+    def __init__(self, table: LeaseTable, *, restart_on_live: bool = False) -> None:
+        self.table = table
+        self.restart_on_live = restart_on_live
+        self.started_after: Position | None = None
+        self.records: list[tuple[bool, str]] = []
+        self.durable_at_restart: Position | None = None
+
+    def initialize(self, i: InitializeInput) -> None:
+        self.started_after = Position.of(i.sequence_number, i.sub_sequence_number)
+
+    def process_records(self, p: ProcessRecordsInput) -> None:
+        if self.restart_on_live and not p.is_recovery:
+            lease = self.table.get("shardId-000000000000")
+            assert lease is not None
+            self.durable_at_restart = lease.checkpoint
+            raise ProcessorRestartRequired("child died")
+        self.records.extend((p.is_recovery, r.sequence_number) for r in p.records)
+        p.checkpointer.checkpoint()
+
+    def lease_lost(self, i: LeaseLostInput) -> None:
+        pass
+
+    def shard_ended(self, i: ShardEndedInput) -> None:
+        i.checkpointer.checkpoint()
+
+    def shutdown_requested(self, i: ShutdownRequestedInput) -> None:
+        pass
+
+
+class LiveAfterTheGaps(ScriptedFetcher):
+    """The live reader: its pages come only once no gap is being recovered, so the live
+    batch that restarts the processor comes after the gap was finished."""
+
+    def __init__(self, pages: list[Result], start_after: tuple[str, int],
+                 recovering: Callable[[], bool]) -> None:
+        super().__init__(pages, start_after)
+        self.recovering = recovering
+        self.idle = threading.Event()
+
+    def get(self, timeout: float | None = None) -> Result | None:
+        if self.recovering():
+            self.idle.wait(timeout or 0)  # a live reader with nothing new yet
+            return None
+        return super().get(timeout)
+
+
+def test_a_restart_after_a_finished_gap_resumes_from_the_durable_checkpoint(
+        shard: Shard) -> None:
+    """The gap's end moved the live checkpoint (live reading had committed nothing): a
+    processor restarted after that (a MultiLang child that died) resumes from the lease's
+    checkpoint, not from the checkpoint its predecessor's checkpointer knew (where the gap
+    started), which would queue the whole gap and deliver it again."""
+    key = "shardId-000000000000"
+    held = shard.holder.held.entry(key)
+    assert held is not None
+    hour_later = time.time() + 3600
+    made: list[ShardRecovery] = []
+
+    def recovery() -> ShardRecovery:
+        made.append(shard.recovery(wall_clock=lambda: hour_later))
+        return made[-1]
+
+    def recovering() -> bool:
+        return bool(made) and made[0].active
+
+    live_sequence = "9" * 60
+    pages = [Result([Record(sequence_number=live_sequence, partition_key="k",
+                            timestamp_millis=round(hour_later * 1000), data=b"live")]),
+             Result([], shard_end=True)]
+    fetchers: list[LiveAfterTheGaps] = []
+
+    def live(lease: Lease, start: Position) -> LiveAfterTheGaps:
+        fetchers.append(LiveAfterTheGaps(
+            pages, (start.checkpoint, start.sub_sequence_number), recovering))
+        return fetchers[-1]
+
+    first = Restarting(shard.table, restart_on_live=True)
+    second = Restarting(shard.table)
+    processors = iter([first, second])
+    consumer = ShardConsumer(
+        held.lease.copy(), concurrency_token=shard.token,
+        processor_factory=lambda: next(processors), checkpoint_writer=shard.holder.fence,
+        lease_reader=LeaseTableReader(shard.table),
+        fetcher_factory=live, on_shard_end=lambda key, children: None, settings=SETTINGS,
+        metrics=shard.metrics, rng=random.Random(1), recovery=recovery,
+        holds=functools.partial(shard.holder.fence.holds, key, shard.token))
+    consumer.start()
+    assert consumer.join(30) and consumer.error is None and consumer.shard_ended
+    gap_records = [seq for is_recovery, seq in first.records if is_recovery]
+    assert len(gap_records) == 30, "the first processor recovered the whole gap"
+    last_of_gap = Position(gap_records[-1])
+    assert first.durable_at_restart == last_of_gap, "the gap's end moved the live checkpoint"
+    assert second.records == [(False, live_sequence)], \
+        "nothing at or before the durable checkpoint is delivered again"
+    assert second.started_after == last_of_gap
+    assert shard.queue() == ()
+
+
+class KeepsTheGapCheckpointer(Restarting):
+    """Checkpoints each recovery batch and keeps its checkpointer (as a background thread
+    would); its second recovery batch raises ``ProcessorRestartRequired``."""
+
+    def __init__(self, table: LeaseTable) -> None:
+        super().__init__(table)
+        self.kept: list[Checkpointer] = []
+
+    def process_records(self, p: ProcessRecordsInput) -> None:
+        if p.is_recovery:
+            self.kept.append(p.checkpointer)
+            if len(self.kept) == 2:
+                raise ProcessorRestartRequired("child died")
+        super().process_records(p)
+
+
+class CallsTheKeptOne(Restarting):
+    """The successor: in ``initialize``, before any batch, it checkpoints through the gap
+    checkpointer its predecessor kept (no arguments: the last record handed to it)."""
+
+    def __init__(self, table: LeaseTable, predecessor: KeepsTheGapCheckpointer) -> None:
+        super().__init__(table)
+        self.predecessor = predecessor
+        self.refused: list[str] = []
+
+    def initialize(self, i: InitializeInput) -> None:
+        super().initialize(i)
+        try:
+            self.predecessor.kept[-1].checkpoint()
+        except ShutdownException as exc:
+            self.refused.append(exc.name)
+
+
+def test_a_gap_checkpointer_from_before_a_restart_cannot_skip_the_failed_batch(
+        shard: Shard) -> None:
+    """The replaced processor's gap checkpointer was handed the batch that failed: a
+    checkpoint through it would move the gap's checkpoint over that batch before the gap is
+    read again, and nobody would ever process those records. It is refused; the successor
+    gets the gap again from its checkpoint."""
+    key = "shardId-000000000000"
+    held = shard.holder.held.entry(key)
+    assert held is not None
+    hour_later = time.time() + 3600
+    made: list[ShardRecovery] = []
+
+    def pages_of_ten(start: Position, until_ms: int | None, pacer: Pacer | None,
+                     max_records: int | None) -> ShardPipeline:
+        return shard.reader(start, until_ms, pacer, max_records or 10)
+
+    def recovery() -> ShardRecovery:
+        made.append(ShardRecovery(
+            key, None, token=shard.token, fence=shard.holder.fence,
+            reader_factory=pages_of_ten, rate=RecoveryRate(10_000), max_lag_ms=1000,
+            metrics=shard.metrics, wall_clock=lambda: hour_later))
+        return made[-1]
+
+    def live(lease: Lease, start: Position) -> LiveAfterTheGaps:
+        return LiveAfterTheGaps([Result([], shard_end=True)],
+                                (start.checkpoint, start.sub_sequence_number),
+                                lambda: bool(made) and made[0].active)
+
+    first = KeepsTheGapCheckpointer(shard.table)
+    second = CallsTheKeptOne(shard.table, first)
+    processors = iter([first, second])
+    consumer = ShardConsumer(
+        held.lease.copy(), concurrency_token=shard.token,
+        processor_factory=lambda: next(processors), checkpoint_writer=shard.holder.fence,
+        lease_reader=LeaseTableReader(shard.table), fetcher_factory=live,
+        on_shard_end=lambda key, children: None, settings=SETTINGS, metrics=shard.metrics,
+        rng=random.Random(1), recovery=recovery,
+        holds=functools.partial(shard.holder.fence.holds, key, shard.token))
+    consumer.start()
+    assert consumer.join(30) and consumer.error is None and consumer.shard_ended
+    assert len(first.records) == 10, "the first processor checkpointed one batch of ten"
+    successor = [seq for is_recovery, seq in second.records if is_recovery]
+    assert len(successor) == 20 and int(successor[0]) > int(first.records[-1][1]), \
+        "the successor gets every gap record after the gap's checkpoint"
+    assert second.refused == ["ShutdownException"]
+    assert shard.queue() == ()
 
 
 def stored_gaps(group: Fleet) -> tuple[RecoveryRequest, ...]:
