@@ -704,3 +704,118 @@ def test_replay_from_a_time_moves_every_shard_of_a_running_worker(
             and journal.records_since_last_initialize(key) == expected[key]
             for key in shards), 60, "both shards replayed from the time")
     assert first_late in expected[SHARD]
+
+
+# -- replay of a resharded stream; every shard's outcome --------------------------------------
+
+
+def _later_write(kinesis: Any, stream: str, payload: bytes, after_ms: int) -> tuple[str, int] | None:
+    """Write ``payload`` once more; (sequence, arrival ms) if it arrived after ``after_ms``."""
+    put_plain(kinesis, stream, [payload], ["k"])
+    last = arrivals(kinesis, stream)[-1]
+    return last if last[1] > after_ms else None
+
+
+@pytest.mark.integration
+def test_replay_from_a_time_recreates_a_cleaned_up_parent_and_its_children_wait_for_it(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str) -> None:
+    """``--all-shards --to TIME`` after a split whose parent lease cleanup deleted: the plan
+    names the parent, creates its lease at the last record before TIME (parents, children
+    and hash range as shard sync makes them) and moves the children to their beginning; a
+    worker then reads the parent's records from TIME, and each child's only after them."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    put_plain(kinesis, stream, [b"p0"], ["k"])
+    early = arrivals(kinesis, stream)[-1]
+    cut = wait_for(lambda: _later_write(kinesis, stream, b"p1", early[1]), 10,
+                   "a parent record in a later millisecond")
+    put_plain(kinesis, stream, [b"p2"], ["k"])
+    parent_records = [seq for seq, _ in arrivals(kinesis, stream)]
+    replayed = parent_records[parent_records.index(cut[0]):]
+    (parent,) = kinesis.list_shards(StreamName=stream)["Shards"]
+    low, high = (int(parent["HashKeyRange"][k]) for k in ("StartingHashKey", "EndingHashKey"))
+    kinesis.split_shard(StreamName=stream, ShardToSplit=SHARD,
+                        NewStartingHashKey=str((low + high) // 2))
+    children = wait_for(lambda: [s["ShardId"] for s in kinesis.list_shards(
+        StreamName=stream)["Shards"] if s.get("ParentShardId") == SHARD] or None, 30,
+        "the children listed")
+    assert len(children) == 2
+    wait_for(lambda: kinesis.describe_stream_summary(StreamName=stream)[
+        "StreamDescriptionSummary"]["StreamStatus"] == "ACTIVE", 30, "the stream active")
+    written = put_plain(kinesis, stream, [f"c{i}".encode() for i in range(12)])
+    child_records = {child: [seq for shard, seq in written if shard == child]
+                     for child in children}
+    assert all(child_records.values())
+    # The parent was processed to its end and its lease deleted by lease cleanup: only the
+    # children's leases are left, each checkpointed at its last record.
+    app, table = lease_table(moto_server.url, *(
+        Lease(child, checkpoint=Position(child_records[child][-1]),
+              parent_shard_ids=frozenset({SHARD})) for child in children))
+    when = datetime.fromtimestamp(cut[1] / 1000, timezone.utc).isoformat(
+        timespec="milliseconds")
+    code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                    "--all-shards", "--to", when, "--dry-run", "--json")
+    assert code == 0, err
+    planned = {m["shard_id"]: m for m in json.loads(out)["shards"]}
+    assert planned[SHARD]["create"] is True and planned[SHARD]["outcome"] == "planned"
+    assert table.get(SHARD) is None
+    code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                    "--all-shards", "--to", when, "--json")
+    assert code == 0, err
+    outcomes = {m["shard_id"]: m["outcome"] for m in json.loads(out)["shards"]}
+    assert outcomes == {SHARD: "created", **{child: "moved" for child in children}}
+    recreated = table.get(SHARD)
+    assert recreated is not None
+    assert recreated.checkpoint == Position(parent_records[parent_records.index(cut[0]) - 1])
+    assert recreated.child_shard_ids == frozenset(children)
+    assert recreated.starting_hash_key == str(low) and recreated.lease_owner is None
+    for child in children:
+        lease = table.get(child)
+        assert lease is not None and lease.checkpoint == Position.trim_horizon()
+
+    journal = Journal()
+    config = worker_config(kinesis_mock.url, moto_server.url, stream, application_name=app)
+    with running(Worker(config, lambda: JournalProcessor(journal))):
+        wait_for(lambda: all(journal.records_since_last_initialize(child)
+                             == child_records[child] for child in children), 60,
+                 "the children read again")
+    with journal.lock:
+        order = [(shard, value) for shard, kind, value in journal.entries if kind == "record"]
+    assert [value for shard, value in order if shard == SHARD] == replayed
+    last_of_parent = order.index((SHARD, replayed[-1]))
+    for child in children:
+        assert order.index((child, child_records[child][0])) > last_of_parent
+
+
+@pytest.mark.integration
+def test_a_lease_taken_between_plan_and_write_is_reported_with_every_other_shards_outcome(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker takes one lease after the plan was made: the other shards are still moved,
+    the table (here JSON) names each shard's outcome and why, and the command exits 1."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("control")
+    create_stream(kinesis, stream, 2)
+    other = "shardId-000000000001"
+    app, table = lease_table(moto_server.url, Lease(SHARD, checkpoint=Position.latest()),
+                             Lease(other, checkpoint=Position.latest()))
+    plan = control._plan_moves
+
+    def plan_then_taken(*args: Any) -> list[control.Move]:
+        moves = plan(*args)
+        lease = table.get(SHARD)
+        assert lease is not None
+        table.take(lease, "worker-b")
+        return moves
+
+    monkeypatch.setattr(control, "_plan_moves", plan_then_taken)
+    code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                    "--all-shards", "--to", "TRIM_HORIZON", "--json")
+    assert code == 1
+    shards = {m["shard_id"]: m for m in json.loads(out)["shards"]}
+    assert shards[other]["outcome"] == "moved" and shards[other]["error"] is None
+    assert shards[SHARD]["outcome"] == "refused" and "worker-b" in shards[SHARD]["error"]
+    assert "1 shard(s) not moved" in err and SHARD in err
+    taken, moved = table.get(SHARD), table.get(other)
+    assert taken is not None and taken.checkpoint == Position.latest()
+    assert moved is not None and moved.checkpoint == Position.trim_horizon()
