@@ -819,3 +819,34 @@ def test_a_lease_taken_between_plan_and_write_is_reported_with_every_other_shard
     taken, moved = table.get(SHARD), table.get(other)
     assert taken is not None and taken.checkpoint == Position.latest()
     assert moved is not None and moved.checkpoint == Position.trim_horizon()
+
+
+@pytest.mark.integration
+def test_a_stream_created_again_has_its_current_incarnations_lease_picked(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str) -> None:
+    """A multi-stream table keeps the leases of a former stream of the same name (its
+    identifier names another creation second) beside the current one's: the commands act
+    on the current stream's lease, whose key sorts after the former's."""
+    from kclpy.streams import StreamIdentifier
+
+    kinesis = kinesis_client(kinesis_mock.url)
+    summary = kinesis.describe_stream_summary(StreamName=stream)["StreamDescriptionSummary"]
+    current_id = StreamIdentifier.from_summary(summary)
+    former_id = StreamIdentifier(current_id.account_id, current_id.name,
+                                 current_id.creation_epoch - 3600)
+    former, now = (Lease(f"{i}:{SHARD}", checkpoint=Position.trim_horizon(), stream=str(i))
+                   for i in (former_id, current_id))
+    assert former.lease_key < now.lease_key
+    app, table = lease_table(moto_server.url, former, now)
+    cli = ["--application-name", app, "--stream-name", stream, "--shard-id", SHARD,
+           *endpoints(kinesis_mock, moto_server)]
+    code, out, err = run_cli(capsys, "shard", "park", *cli)
+    assert code == 0, err
+    parked, left = table.get(now.lease_key), table.get(former.lease_key)
+    assert parked is not None and parked.parked is not None
+    assert left is not None and left.parked is None
+    code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                    "--all-shards", "--to", "LATEST", "--json")
+    assert code == 0, err
+    assert [m["lease_key"] for m in json.loads(out)["shards"]] == [now.lease_key]
