@@ -544,9 +544,7 @@ def test_a_backfill_is_read_by_the_shards_holder_without_the_lease_changing_hand
         # Refused only when the holder had already recovered the whole range.
         assert code == 0 or "has no queued gap" in err, err
         wait_for(settled, 60, "the backfill cancelled or done")
-    last_ms = everything[5][1]
-    expected = [seq for seq, ms in everything[2:] if ms <= last_ms]
-    assert first_gap == expected and sequences[2:6] == expected[:4]
+    assert first_gap == sequences[2:6], "FROM..TO, nothing after TO"
     second = journal.recovered(SHARD)[len(first_gap):]
     assert second == sequences[:len(second)], "a prefix of the cancelled range, each once"
     if code != 0:
@@ -850,3 +848,51 @@ def test_a_stream_created_again_has_its_current_incarnations_lease_picked(
                                     "--all-shards", "--to", "LATEST", "--json")
     assert code == 0, err
     assert [m["lease_key"] for m in json.loads(out)["shards"]] == [now.lease_key]
+
+
+@pytest.mark.integration
+def test_a_backfill_ends_at_the_record_asked_for_not_at_its_millisecond(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str) -> None:
+    """``recovery add --to SEQ`` where records after SEQ arrived in the same millisecond:
+    the worker replays FROM..SEQ and not one record more."""
+    kinesis = kinesis_client(kinesis_mock.url)
+
+    def batch_in_one_millisecond() -> list[str] | None:
+        """Six records of one PutRecords request; their sequence numbers once the
+        second to fifth arrived in one millisecond (kinesis-mock stamps a request at once)."""
+        written = [seq for _, seq in put_plain(kinesis, stream, [b"x"] * 6, ["k"] * 6)]
+        arrived = dict(arrivals(kinesis, stream))
+        return written if len({arrived[seq] for seq in written[1:5]}) == 1 else None
+
+    batch = wait_for(batch_in_one_millisecond, 10, "a batch stamped in one millisecond")
+    everything = [seq for seq, _ in arrivals(kinesis, stream)]
+    app, table = lease_table(moto_server.url, Lease(SHARD, checkpoint=Position(everything[-1])))
+    code, out, err = run_cli(capsys, "recovery", "add", "--application-name", app,
+                             "--stream-name", stream, "--shard-id", SHARD,
+                             "--from", batch[1], "--to", batch[3], "--json",
+                             *endpoints(kinesis_mock, moto_server))
+    assert code == 0, err
+    assert json.loads(out)["gap"]["last_sequence"] == batch[3]
+    journal = Journal()
+    config = worker_config(kinesis_mock.url, moto_server.url, stream, application_name=app)
+    with running(Worker(config, lambda: JournalProcessor(journal))):
+        wait_for(lambda: (lease := current(table)) is not None and lease.recovery is None
+                 and len(journal.recovered(SHARD)) >= 3, 60, "the gap recovered")
+    assert journal.recovered(SHARD) == batch[1:4]
+    assert not [kind for kind, _ in journal.of(SHARD) if kind == "record"]
+
+
+def test_a_gap_ending_at_a_record_merges_without_growing_or_losing_records() -> None:
+    """Merging keeps the later end (an end at a record is before every record arrived in
+    its millisecond), and a gap starting after a gap's last record is another gap."""
+    bounded = gaps.RecoveryRequest.gap(TRIM_HORIZON, 0, 1001, 900, "10", last_sequence="30")
+    timed = gaps.RecoveryRequest.gap("20", 0, 1001, 950, "25")
+    (merged,) = gaps.add((bounded,), timed)
+    assert (merged.start, merged.end_ms, merged.last_sequence) == (TRIM_HORIZON, 1001, None)
+    longer = gaps.RecoveryRequest.gap("20", 0, 1001, 950, "25", last_sequence="40")
+    (merged,) = gaps.add((bounded,), longer)
+    assert (merged.end_ms, merged.last_sequence) == (1001, "40")
+    after = gaps.RecoveryRequest.gap("35", 0, 2000, 1000, "36")
+    assert gaps.add((bounded,), after) == (bounded, after)
+    assert gaps.loads(gaps.dumps((bounded,))) == (bounded,)

@@ -13,6 +13,12 @@ A lease a worker holds is never changed from under it unless the operator says `
 another) takes the lease again within the failover time and starts from the new checkpoint.
 Parking always takes the lease from its holder: that is its purpose.
 
+``checkpoint set --all-shards`` is a replay of the whole stream: it also creates the lease of
+a closed parent that lease cleanup deleted, when the parent still holds records after the
+position, so that its children wait for it again (``_lost_ancestors``). Its writes go parents
+first; one that fails does not stop the others (a DynamoDB table cannot move every lease in
+one step), and every shard's outcome is printed (``_write_moves``).
+
 The recovery queue is the exception: a backfill must not cost the holder its lease. A held
 lease gets the change as a request beside the queue (``kclpy.recovery.requests``), which
 leaves the counter alone; the holder folds it into its queue within one renewal. A lease
@@ -108,7 +114,9 @@ def add_commands(commands: Any, common: argparse.ArgumentParser) -> None:
     which.add_argument("--shard-id", help="the shard whose checkpoint moves")
     which.add_argument("--all-shards", action="store_true",
                        help="every shard of the stream (a finished shard with nothing "
-                            "after POSITION is left alone)")
+                            "after POSITION is left alone; a closed parent whose lease was "
+                            "cleaned up gets a lease again when it holds records after "
+                            "POSITION)")
     _stream_options(move, required=True)
     move.add_argument("--to", required=True, type=_position, metavar="POSITION",
                       help="TRIM_HORIZON, LATEST (now), a sequence number of the shard, or "
@@ -799,11 +807,13 @@ def recovery_add(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
                             lambda record: int(record.sequence_number) >= int(args.first))
     start, start_sub = ((before.sequence_number, last_sub_sequence(before))
                         if before is not None else (TRIM_HORIZON, 0))
-    # A gap ends before an arrival time (where live reading meets it), so it ends right
-    # after the millisecond the last record arrived in.
+    # The gap ends at the last record asked for: records after it that arrived in the same
+    # millisecond are not replayed. Its reading still ends before the millisecond after
+    # that record arrived, where every gap's reading ends.
     end_ms = (last.timestamp_millis or 0) + 1
     request = gaps.RecoveryRequest.gap(start, start_sub, end_ms, first_ms,
-                                       first.sequence_number)
+                                       first.sequence_number,
+                                       last_sequence=last.sequence_number)
     queue = gaps.add(_effective(lease), request)
     holder = lease.lease_owner
     if not args.dry_run:
@@ -813,8 +823,8 @@ def recovery_add(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
                         "gap": _gap_json(request), "queue": [_gap_json(r) for r in queue],
                         "holder": holder},
             f"{verb} {lease.shard_id}: records after {start}"
-            f"{'/' + str(start_sub) if start_sub else ''} that arrived before "
-            f"{_iso(end_ms)} ({args.first} .. {args.last}); {len(queue)} gap(s) "
+            f"{'/' + str(start_sub) if start_sub else ''} through {last.sequence_number} "
+            f"({args.first} .. {args.last}); {len(queue)} gap(s) "
             f"queued{'' if args.dry_run else _handed_to(holder)}")
     return 0
 
@@ -837,13 +847,13 @@ def recovery_list(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
                    for lease, queue, stored, readable, unreadable in listed], out, indent=2)
         out.write("\n")
         return 0
-    rows = [["SHARD", "GAP", "AFTER", "FIRST", "ENDS BEFORE", "DONE", "REMAINING", "STATE"]]
+    rows = [["SHARD", "GAP", "AFTER", "FIRST", "ENDS", "DONE", "REMAINING", "STATE"]]
     waiting = 0
     for lease, queue, stored, readable, unreadable in listed:
         waiting += len(readable)
         for number, request in enumerate(queue, 1):
             rows.append([lease.shard_id, str(number), request.start,
-                         request.first_sequence or "-", _iso(request.end_ms),
+                         request.first_sequence or "-", _ends_text(request),
                          request.done if request.started else "-",
                          f"{request.remaining_ms() / 1000:.1f}s",
                          "queued" if (request.start, request.start_sub) in stored
@@ -878,9 +888,16 @@ def recovery_cancel(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
     return 0
 
 
+def _ends_text(request: gaps.RecoveryRequest) -> str:
+    if request.last_sequence is not None:
+        return f"through {request.last_sequence}"
+    return f"before {_iso(request.end_ms)}"
+
+
 def _gap_json(request: gaps.RecoveryRequest) -> dict[str, Any]:
     return {"after": request.start, "after_sub": request.start_sub,
             "first_sequence": request.first_sequence, "ends_before": _iso(request.end_ms),
+            "last_sequence": request.last_sequence,
             "done": request.done if request.started else None,
             "remaining_ms": request.remaining_ms()}
 
