@@ -717,11 +717,16 @@ def _later_write(kinesis: Any, stream: str, payload: bytes, after_ms: int) -> tu
 @pytest.mark.integration
 def test_replay_from_a_time_recreates_a_cleaned_up_parent_and_its_children_wait_for_it(
         capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
-        moto_server: LocalEndpoint, stream: str) -> None:
+        moto_server: LocalEndpoint, stream: str, tmp_path: Path) -> None:
     """``--all-shards --to TIME`` after a split whose parent lease cleanup deleted: the plan
     names the parent, creates its lease at the last record before TIME (parents, children
     and hash range as shard sync makes them) and moves the children to their beginning; a
-    worker then reads the parent's records from TIME, and each child's only after them."""
+    worker then reads the parent's records from TIME, and each child's only after them. A
+    SQL state store's row of the deleted lease moves too, to the new lease's incarnation."""
+    import sqlalchemy as sa
+
+    from kclpy.state.sql import SQLStateStore
+
     kinesis = kinesis_client(kinesis_mock.url)
     put_plain(kinesis, stream, [b"p0"], ["k"])
     early = arrivals(kinesis, stream)[-1]
@@ -757,8 +762,16 @@ def test_replay_from_a_time_recreates_a_cleaned_up_parent_and_its_children_wait_
     planned = {m["shard_id"]: m for m in json.loads(out)["shards"]}
     assert planned[SHARD]["create"] is True and planned[SHARD]["outcome"] == "planned"
     assert table.get(SHARD) is None
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    store = SQLStateStore(url)
+    store.open(None)
+    with store.engine.begin() as conn:
+        conn.execute(sa.insert(store.checkpoints).values(
+            lease_key=SHARD, tenure=9, checkpoint=parent_records[-1], sub_sequence_number=0,
+            incarnation="0:1:former"))
     code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
-                                    "--all-shards", "--to", when, "--json")
+                                    "--all-shards", "--to", when, "--json",
+                                    "--state-store", url)
     assert code == 0, err
     outcomes = {m["shard_id"]: m["outcome"] for m in json.loads(out)["shards"]}
     assert outcomes == {SHARD: "created", **{child: "moved" for child in children}}
@@ -767,6 +780,11 @@ def test_replay_from_a_time_recreates_a_cleaned_up_parent_and_its_children_wait_
     assert recreated.checkpoint == Position(parent_records[parent_records.index(cut[0]) - 1])
     assert recreated.child_shard_ids == frozenset(children)
     assert recreated.starting_hash_key == str(low) and recreated.lease_owner is None
+    assert recreated.parked is None
+    with store.engine.connect() as conn:
+        row = conn.execute(sa.select(store.checkpoints)).one()
+    assert (row.checkpoint, row.incarnation) == (recreated.checkpoint.sequence_number,
+                                                 recreated.incarnation)
     for child in children:
         lease = table.get(child)
         assert lease is not None and lease.checkpoint == Position.trim_horizon()
