@@ -707,7 +707,8 @@ def test_replay_from_a_time_moves_every_shard_of_a_running_worker(
 # -- replay of a resharded stream; every shard's outcome --------------------------------------
 
 
-def _later_write(kinesis: Any, stream: str, payload: bytes, after_ms: int) -> tuple[str, int] | None:
+def _later_write(kinesis: Any, stream: str, payload: bytes,
+                 after_ms: int) -> tuple[str, int] | None:
     """Write ``payload`` once more; (sequence, arrival ms) if it arrived after ``after_ms``."""
     put_plain(kinesis, stream, [payload], ["k"])
     last = arrivals(kinesis, stream)[-1]
