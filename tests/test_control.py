@@ -915,3 +915,33 @@ def test_a_gap_ending_at_a_record_merges_without_growing_or_losing_records() -> 
     after = gaps.RecoveryRequest.gap("35", 0, 2000, 1000, "36")
     assert gaps.add((bounded,), after) == (bounded, after)
     assert gaps.loads(gaps.dumps((bounded,))) == (bounded,)
+
+
+@pytest.mark.integration
+def test_a_shard_not_moved_keeps_its_descendants_where_they_are(
+        moto_server: LocalEndpoint) -> None:
+    """Writes go parents first, and the children of a parent whose write failed are not
+    written: moved back without it, they would be read before the records it was to read
+    again. A shard beside them is written."""
+    from kclpy.ops.position import Target
+
+    parent, child, grandchild, beside = (f"shardId-00000000000{i}" for i in range(4))
+    leases = [Lease(parent, lease_owner="worker-b", checkpoint=Position.shard_end()),
+              Lease(child, checkpoint=Position.latest(), parent_shard_ids=frozenset({parent})),
+              Lease(grandchild, checkpoint=Position.latest(),
+                    parent_shard_ids=frozenset({child})),
+              Lease(beside, checkpoint=Position.latest())]
+    _, table = lease_table(moto_server.url, *leases)
+    back = Target(Position.trim_horizon(), "before the shard's oldest record")
+    # planned while the parent was free; a worker took it since (no --force)
+    moves = [control.Move(lease.copy(lease_owner=None), back, depth=depth)
+             for lease, depth in zip(leases, (0, 1, 2, 0), strict=True)]
+    control._write_moves(table, None, sorted(moves, key=lambda m: m.depth), force=False)
+    outcome = {m.lease.shard_id: (m.outcome(False), m.failed) for m in moves}
+    assert outcome[parent][0] == "refused" and "worker-b" in (outcome[parent][1] or "")
+    assert outcome[child][0] == "refused" and parent in (outcome[child][1] or "")
+    assert outcome[grandchild][0] == "refused" and child in (outcome[grandchild][1] or "")
+    assert outcome[beside] == ("moved", None)
+    assert [(lease.checkpoint if (lease := table.get(key)) else None)
+            for key in (parent, child, grandchild, beside)] == [
+        Position.shard_end(), Position.latest(), Position.latest(), Position.trim_horizon()]

@@ -404,7 +404,8 @@ class Move:
             return "refused"
         if self.written:
             return "created" if self.create else "moved"
-        return "planned" if dry_run else "refused"
+        # not tried: a dry run, or the whole plan refused (a held lease without --force)
+        return "planned" if dry_run else "not written"
 
     def to_json(self, dry_run: bool = False) -> dict[str, Any]:
         lease = self.lease
