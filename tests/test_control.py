@@ -544,9 +544,7 @@ def test_a_backfill_is_read_by_the_shards_holder_without_the_lease_changing_hand
         # Refused only when the holder had already recovered the whole range.
         assert code == 0 or "has no queued gap" in err, err
         wait_for(settled, 60, "the backfill cancelled or done")
-    last_ms = everything[5][1]
-    expected = [seq for seq, ms in everything[2:] if ms <= last_ms]
-    assert first_gap == expected and sequences[2:6] == expected[:4]
+    assert first_gap == sequences[2:6], "FROM..TO, nothing after TO"
     second = journal.recovered(SHARD)[len(first_gap):]
     assert second == sequences[:len(second)], "a prefix of the cancelled range, each once"
     if code != 0:
@@ -704,3 +702,246 @@ def test_replay_from_a_time_moves_every_shard_of_a_running_worker(
             and journal.records_since_last_initialize(key) == expected[key]
             for key in shards), 60, "both shards replayed from the time")
     assert first_late in expected[SHARD]
+
+
+# -- replay of a resharded stream; every shard's outcome --------------------------------------
+
+
+def _later_write(kinesis: Any, stream: str, payload: bytes,
+                 after_ms: int) -> tuple[str, int] | None:
+    """Write ``payload`` once more; (sequence, arrival ms) if it arrived after ``after_ms``."""
+    put_plain(kinesis, stream, [payload], ["k"])
+    last = arrivals(kinesis, stream)[-1]
+    return last if last[1] > after_ms else None
+
+
+@pytest.mark.integration
+def test_replay_from_a_time_recreates_a_cleaned_up_parent_and_its_children_wait_for_it(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str, tmp_path: Path) -> None:
+    """``--all-shards --to TIME`` after a split whose parent lease cleanup deleted: the plan
+    names the parent, creates its lease at the last record before TIME (parents, children
+    and hash range as shard sync makes them) and moves the children to their beginning; a
+    worker then reads the parent's records from TIME, and each child's only after them. A
+    SQL state store's row of the deleted lease moves too, to the new lease's incarnation."""
+    import sqlalchemy as sa
+
+    from kclpy.state.sql import SQLStateStore
+
+    kinesis = kinesis_client(kinesis_mock.url)
+    put_plain(kinesis, stream, [b"p0"], ["k"])
+    early = arrivals(kinesis, stream)[-1]
+    cut = wait_for(lambda: _later_write(kinesis, stream, b"p1", early[1]), 10,
+                   "a parent record in a later millisecond")
+    put_plain(kinesis, stream, [b"p2"], ["k"])
+    parent_records = [seq for seq, _ in arrivals(kinesis, stream)]
+    replayed = parent_records[parent_records.index(cut[0]):]
+    (parent,) = kinesis.list_shards(StreamName=stream)["Shards"]
+    low, high = (int(parent["HashKeyRange"][k]) for k in ("StartingHashKey", "EndingHashKey"))
+    kinesis.split_shard(StreamName=stream, ShardToSplit=SHARD,
+                        NewStartingHashKey=str((low + high) // 2))
+    children = wait_for(lambda: [s["ShardId"] for s in kinesis.list_shards(
+        StreamName=stream)["Shards"] if s.get("ParentShardId") == SHARD] or None, 30,
+        "the children listed")
+    assert len(children) == 2
+    wait_for(lambda: kinesis.describe_stream_summary(StreamName=stream)[
+        "StreamDescriptionSummary"]["StreamStatus"] == "ACTIVE", 30, "the stream active")
+    written = put_plain(kinesis, stream, [f"c{i}".encode() for i in range(12)])
+    child_records = {child: [seq for shard, seq in written if shard == child]
+                     for child in children}
+    assert all(child_records.values())
+    # The parent was processed to its end and its lease deleted by lease cleanup: only the
+    # children's leases are left, each checkpointed at its last record.
+    app, table = lease_table(moto_server.url, *(
+        Lease(child, checkpoint=Position(child_records[child][-1]),
+              parent_shard_ids=frozenset({SHARD})) for child in children))
+    when = datetime.fromtimestamp(cut[1] / 1000, timezone.utc).isoformat(
+        timespec="milliseconds")
+    code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                    "--all-shards", "--to", when, "--dry-run", "--json")
+    assert code == 0, err
+    planned = {m["shard_id"]: m for m in json.loads(out)["shards"]}
+    assert planned[SHARD]["create"] is True and planned[SHARD]["outcome"] == "planned"
+    assert table.get(SHARD) is None
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    store = SQLStateStore(url)
+    store.open(None)
+    with store.engine.begin() as conn:
+        conn.execute(sa.insert(store.checkpoints).values(
+            lease_key=SHARD, tenure=9, checkpoint=parent_records[-1], sub_sequence_number=0,
+            incarnation="0:1:former"))
+    code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                    "--all-shards", "--to", when, "--json",
+                                    "--state-store", url)
+    assert code == 0, err
+    outcomes = {m["shard_id"]: m["outcome"] for m in json.loads(out)["shards"]}
+    assert outcomes == {SHARD: "created", **{child: "moved" for child in children}}
+    recreated = table.get(SHARD)
+    assert recreated is not None
+    assert recreated.checkpoint == Position(parent_records[parent_records.index(cut[0]) - 1])
+    assert recreated.child_shard_ids == frozenset(children)
+    assert recreated.starting_hash_key == str(low) and recreated.lease_owner is None
+    assert recreated.parked is None
+    with store.engine.connect() as conn:
+        row = conn.execute(sa.select(store.checkpoints)).one()
+    assert (row.checkpoint, row.incarnation) == (recreated.checkpoint.sequence_number,
+                                                 recreated.incarnation)
+    for child in children:
+        lease = table.get(child)
+        assert lease is not None and lease.checkpoint == Position.trim_horizon()
+
+    journal = Journal()
+    config = worker_config(kinesis_mock.url, moto_server.url, stream, application_name=app)
+    with running(Worker(config, lambda: JournalProcessor(journal))):
+        wait_for(lambda: all(journal.records_since_last_initialize(child)
+                             == child_records[child] for child in children), 60,
+                 "the children read again")
+    with journal.lock:
+        order = [(shard, value) for shard, kind, value in journal.entries if kind == "record"]
+    assert [value for shard, value in order if shard == SHARD] == replayed
+    last_of_parent = order.index((SHARD, replayed[-1]))
+    for child in children:
+        assert order.index((child, child_records[child][0])) > last_of_parent
+
+
+@pytest.mark.integration
+def test_a_lease_taken_between_plan_and_write_is_reported_with_every_other_shards_outcome(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker takes one lease after the plan was made: the other shards are still moved,
+    the table (here JSON) names each shard's outcome and why, and the command exits 1."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("control")
+    create_stream(kinesis, stream, 2)
+    other = "shardId-000000000001"
+    app, table = lease_table(moto_server.url, Lease(SHARD, checkpoint=Position.latest()),
+                             Lease(other, checkpoint=Position.latest()))
+    plan = control._plan_moves
+
+    def plan_then_taken(*args: Any) -> list[control.Move]:
+        moves = plan(*args)
+        lease = table.get(SHARD)
+        assert lease is not None
+        table.take(lease, "worker-b")
+        return moves
+
+    monkeypatch.setattr(control, "_plan_moves", plan_then_taken)
+    code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                    "--all-shards", "--to", "TRIM_HORIZON", "--json")
+    assert code == 1
+    shards = {m["shard_id"]: m for m in json.loads(out)["shards"]}
+    assert shards[other]["outcome"] == "moved" and shards[other]["error"] is None
+    assert shards[SHARD]["outcome"] == "refused" and "worker-b" in shards[SHARD]["error"]
+    assert "1 shard(s) not moved" in err and SHARD in err
+    taken, moved = table.get(SHARD), table.get(other)
+    assert taken is not None and taken.checkpoint == Position.latest()
+    assert moved is not None and moved.checkpoint == Position.trim_horizon()
+
+
+@pytest.mark.integration
+def test_a_stream_created_again_has_its_current_incarnations_lease_picked(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str) -> None:
+    """A multi-stream table keeps the leases of a former stream of the same name (its
+    identifier names another creation second) beside the current one's: the commands act
+    on the current stream's lease, whose key sorts after the former's."""
+    from kclpy.streams import StreamIdentifier
+
+    kinesis = kinesis_client(kinesis_mock.url)
+    summary = kinesis.describe_stream_summary(StreamName=stream)["StreamDescriptionSummary"]
+    current_id = StreamIdentifier.from_summary(summary)
+    former_id = StreamIdentifier(current_id.account_id, current_id.name,
+                                 current_id.creation_epoch - 3600)
+    former, now = (Lease(f"{i}:{SHARD}", checkpoint=Position.trim_horizon(), stream=str(i))
+                   for i in (former_id, current_id))
+    assert former.lease_key < now.lease_key
+    app, table = lease_table(moto_server.url, former, now)
+    cli = ["--application-name", app, "--stream-name", stream, "--shard-id", SHARD,
+           *endpoints(kinesis_mock, moto_server)]
+    code, out, err = run_cli(capsys, "shard", "park", *cli)
+    assert code == 0, err
+    parked, left = table.get(now.lease_key), table.get(former.lease_key)
+    assert parked is not None and parked.parked is not None
+    assert left is not None and left.parked is None
+    code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                    "--all-shards", "--to", "LATEST", "--json")
+    assert code == 0, err
+    assert [m["lease_key"] for m in json.loads(out)["shards"]] == [now.lease_key]
+
+
+@pytest.mark.integration
+def test_a_backfill_ends_at_the_record_asked_for_not_at_its_millisecond(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str) -> None:
+    """``recovery add --to SEQ`` where records after SEQ arrived in the same millisecond:
+    the worker replays FROM..SEQ and not one record more."""
+    kinesis = kinesis_client(kinesis_mock.url)
+
+    def batch_in_one_millisecond() -> list[str] | None:
+        """Six records of one PutRecords request; their sequence numbers once the
+        second to fifth arrived in one millisecond (kinesis-mock stamps a request at once)."""
+        written = [seq for _, seq in put_plain(kinesis, stream, [b"x"] * 6, ["k"] * 6)]
+        arrived = dict(arrivals(kinesis, stream))
+        return written if len({arrived[seq] for seq in written[1:5]}) == 1 else None
+
+    batch = wait_for(batch_in_one_millisecond, 10, "a batch stamped in one millisecond")
+    everything = [seq for seq, _ in arrivals(kinesis, stream)]
+    app, table = lease_table(moto_server.url, Lease(SHARD, checkpoint=Position(everything[-1])))
+    code, out, err = run_cli(capsys, "recovery", "add", "--application-name", app,
+                             "--stream-name", stream, "--shard-id", SHARD,
+                             "--from", batch[1], "--to", batch[3], "--json",
+                             *endpoints(kinesis_mock, moto_server))
+    assert code == 0, err
+    assert json.loads(out)["gap"]["last_sequence"] == batch[3]
+    journal = Journal()
+    config = worker_config(kinesis_mock.url, moto_server.url, stream, application_name=app)
+    with running(Worker(config, lambda: JournalProcessor(journal))):
+        wait_for(lambda: (lease := current(table)) is not None and lease.recovery is None
+                 and len(journal.recovered(SHARD)) >= 3, 60, "the gap recovered")
+    assert journal.recovered(SHARD) == batch[1:4]
+    assert not [kind for kind, _ in journal.of(SHARD) if kind == "record"]
+
+
+def test_a_gap_ending_at_a_record_merges_without_growing_or_losing_records() -> None:
+    """Merging keeps the later end (an end at a record is before every record arrived in
+    its millisecond), and a gap starting after a gap's last record is another gap."""
+    bounded = gaps.RecoveryRequest.gap(TRIM_HORIZON, 0, 1001, 900, "10", last_sequence="30")
+    timed = gaps.RecoveryRequest.gap("20", 0, 1001, 950, "25")
+    (merged,) = gaps.add((bounded,), timed)
+    assert (merged.start, merged.end_ms, merged.last_sequence) == (TRIM_HORIZON, 1001, None)
+    longer = gaps.RecoveryRequest.gap("20", 0, 1001, 950, "25", last_sequence="40")
+    (merged,) = gaps.add((bounded,), longer)
+    assert (merged.end_ms, merged.last_sequence) == (1001, "40")
+    after = gaps.RecoveryRequest.gap("35", 0, 2000, 1000, "36")
+    assert gaps.add((bounded,), after) == (bounded, after)
+    assert gaps.loads(gaps.dumps((bounded,))) == (bounded,)
+
+
+@pytest.mark.integration
+def test_a_shard_not_moved_keeps_its_descendants_where_they_are(
+        moto_server: LocalEndpoint) -> None:
+    """Writes go parents first, and the children of a parent whose write failed are not
+    written: moved back without it, they would be read before the records it was to read
+    again. A shard beside them is written."""
+    from kclpy.ops.position import Target
+
+    parent, child, grandchild, beside = (f"shardId-00000000000{i}" for i in range(4))
+    leases = [Lease(parent, lease_owner="worker-b", checkpoint=Position.shard_end()),
+              Lease(child, checkpoint=Position.latest(), parent_shard_ids=frozenset({parent})),
+              Lease(grandchild, checkpoint=Position.latest(),
+                    parent_shard_ids=frozenset({child})),
+              Lease(beside, checkpoint=Position.latest())]
+    _, table = lease_table(moto_server.url, *leases)
+    back = Target(Position.trim_horizon(), "before the shard's oldest record")
+    # planned while the parent was free; a worker took it since (no --force)
+    moves = [control.Move(lease.copy(lease_owner=None), back, depth=depth)
+             for lease, depth in zip(leases, (0, 1, 2, 0), strict=True)]
+    control._write_moves(table, None, sorted(moves, key=lambda m: m.depth), force=False)
+    outcome = {m.lease.shard_id: (m.outcome(False), m.failed) for m in moves}
+    assert outcome[parent][0] == "refused" and "worker-b" in (outcome[parent][1] or "")
+    assert outcome[child][0] == "refused" and parent in (outcome[child][1] or "")
+    assert outcome[grandchild][0] == "refused" and child in (outcome[grandchild][1] or "")
+    assert outcome[beside] == ("moved", None)
+    assert [(lease.checkpoint if (lease := table.get(key)) else None)
+            for key in (parent, child, grandchild, beside)] == [
+        Position.shard_end(), Position.latest(), Position.latest(), Position.trim_horizon()]

@@ -13,6 +13,12 @@ A lease a worker holds is never changed from under it unless the operator says `
 another) takes the lease again within the failover time and starts from the new checkpoint.
 Parking always takes the lease from its holder: that is its purpose.
 
+``checkpoint set --all-shards`` is a replay of the whole stream: it also creates the lease of
+a closed parent that lease cleanup deleted, when the parent still holds records after the
+position, so that its children wait for it again (``_lost_ancestors``). Its writes go parents
+first; one that fails does not stop the others (a DynamoDB table cannot move every lease in
+one step), and every shard's outcome is printed (``_write_moves``).
+
 The recovery queue is the exception: a backfill must not cost the holder its lease. A held
 lease gets the change as a request beside the queue (``kclpy.recovery.requests``), which
 leaves the counter alone; the holder folds it into its queue within one renewal. A lease
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import IO, Any
@@ -34,9 +40,10 @@ from kclpy.errors import ConfigError
 from kclpy.leases import park as parking
 from kclpy.leases import serializer as ser
 from kclpy.leases.dynamo import CONDITION_FAILED
-from kclpy.leases.lease import Lease
+from kclpy.leases.lease import Lease, incarnation_epoch, new_incarnation, same_stream
 from kclpy.leases.serializer import UpdateBuilder, n, s, ss
 from kclpy.leases.shard_sync import Shard, ShardSyncer
+from kclpy.leases.shard_sync import _depths as shard_depths
 from kclpy.leases.table import LeaseTable, checkpoint_changes
 from kclpy.ops.position import (
     Destination,
@@ -50,7 +57,7 @@ from kclpy.ops.position import (
     resolve,
 )
 from kclpy.ops.text import print_table
-from kclpy.position import TRIM_HORIZON
+from kclpy.position import SHARD_END, TRIM_HORIZON, Position
 from kclpy.recovery import queue as gaps
 from kclpy.recovery import requests as asked
 from kclpy.retry import error_code
@@ -107,7 +114,9 @@ def add_commands(commands: Any, common: argparse.ArgumentParser) -> None:
     which.add_argument("--shard-id", help="the shard whose checkpoint moves")
     which.add_argument("--all-shards", action="store_true",
                        help="every shard of the stream (a finished shard with nothing "
-                            "after POSITION is left alone)")
+                            "after POSITION is left alone; a closed parent whose lease was "
+                            "cleaned up gets a lease again when it holds records after "
+                            "POSITION)")
     _stream_options(move, required=True)
     move.add_argument("--to", required=True, type=_position, metavar="POSITION",
                       help="TRIM_HORIZON, LATEST (now), a sequence number of the shard, or "
@@ -203,8 +212,8 @@ def run(args: argparse.Namespace, kinesis: Any, dynamodb: Any, out: IO[str]) -> 
     if args.command == "recovery":
         return _RECOVERY[args.action](args, kinesis, table, out)
     if args.action == "park":
-        return park(args, table, out)
-    return resume_shard(args, table, out)
+        return park(args, kinesis, table, out)
+    return resume_shard(args, kinesis, table, out)
 
 
 # -- finding leases --------------------------------------------------------------------------
@@ -233,8 +242,9 @@ def stream_name(lease: Lease) -> str | None:
         return lease.stream
 
 
-def read_leases(args: argparse.Namespace, table: LeaseTable) -> list[Lease]:
-    """The leases of the stream named by the arguments (all of a single-stream table)."""
+def read_leases(args: argparse.Namespace, table: LeaseTable, kinesis: Any) -> list[Lease]:
+    """The leases of the stream named by the arguments (all of a single-stream table); in a
+    multi-stream table, those of the stream's current incarnation only (``_current``)."""
     try:
         leases = table.list_leases()
     except ClientError as exc:
@@ -249,13 +259,52 @@ def read_leases(args: argparse.Namespace, table: LeaseTable) -> list[Lease]:
             raise UsageError("--stream-name", "the table holds several streams' leases; "
                              "name the stream")
         return sorted(leases, key=lambda lease: lease.lease_key)
-    return sorted((lease for lease in leases
-                   if lease.stream is None or stream_name(lease) == wanted),
-                  key=lambda lease: lease.lease_key)
+    named = [lease for lease in leases
+             if lease.stream is None or stream_name(lease) == wanted]
+    return sorted(_current(args, named, kinesis), key=lambda lease: lease.lease_key)
 
 
-def one_lease(args: argparse.Namespace, table: LeaseTable) -> Lease:
-    for lease in read_leases(args, table):
+def _current(args: argparse.Namespace, leases: list[Lease], kinesis: Any) -> list[Lease]:
+    """The leases of the stream's current incarnation, when the table holds leases of
+    several streams of that name (deleted and created again: Java's stream identifier,
+    hence the lease key, names the creation second, and the former stream's leases stay
+    until someone deletes them). Which one is current is the stream's creation time, as
+    DescribeStreamSummary gives it, compared as ``same_stream`` does; asked only when
+    there is a choice, so park / resume of an unambiguous shard need no Kinesis call."""
+    identifiers = {lease.stream for lease in leases if lease.stream is not None}
+    if len(identifiers) <= 1:
+        return leases
+    option = "--stream-name" if args.stream_name else "--stream-arn"
+    try:
+        summary = kinesis.describe_stream_summary(**_stream_params(args))[
+            "StreamDescriptionSummary"]
+    except ClientError as exc:
+        if error_code(exc) == "ResourceNotFoundException":
+            raise UsageError(option, f"stream {stream_label(args)!r} does not exist, and the "
+                             f"table holds leases of {len(identifiers)} former streams of "
+                             f"that name ({', '.join(sorted(identifiers))})") from None
+        raise
+    created = summary["StreamCreationTimestamp"]
+    created_s = created.timestamp() if isinstance(created, datetime) else float(created)
+
+    def is_current(identifier: str) -> bool:
+        try:
+            epoch = StreamIdentifier.parse(identifier).creation_epoch
+        except ValueError:
+            return False
+        return same_stream(float(epoch), created_s)
+
+    kept = [lease for lease in leases if lease.stream is None or is_current(lease.stream)]
+    if not any(lease.stream for lease in kept):
+        raise UsageError(option, f"the table holds leases of {len(identifiers)} streams named "
+                         f"{stream_label(args)!r} ({', '.join(sorted(identifiers))}), none "
+                         f"of the stream that exists now (created at {created_s:.0f})")
+    return kept
+
+
+def one_lease(args: argparse.Namespace, table: LeaseTable, kinesis: Any) -> Lease:
+    """The lease of ``--shard-id``, of the stream's current incarnation."""
+    for lease in read_leases(args, table, kinesis):
         if lease.shard_id == args.shard_id:
             return lease
     raise UsageError("--shard-id", f"no lease for shard {args.shard_id!r} in "
@@ -333,57 +382,140 @@ def _write_fresh(table: LeaseTable, lease: Lease,
 
 @dataclass
 class Move:
-    """One lease's planned checkpoint change."""
+    """One shard's planned checkpoint change, and what became of it."""
 
     lease: Lease
     target: Target | None
     note: str = ""
     written: bool = False
+    #: the shard has no lease (cleaned up after it ended, or never leased): the move
+    #: creates one at the target, so its records after the position are read again
+    create: bool = False
+    #: generation in the shard tree (0: no listed parent): writes go parents first
+    depth: int = 0
+    #: why the write was not made (the lease moved or was taken meanwhile, a parent was
+    #: not moved, the endpoint failed); None while nothing went wrong
+    failed: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def outcome(self, dry_run: bool) -> str:
+        if self.target is None:
+            return "unchanged"
+        if self.failed is not None:
+            return "refused"
+        if self.written:
+            return "created" if self.create else "moved"
+        # not tried: a dry run, or the whole plan refused (a held lease without --force)
+        return "planned" if dry_run else "not written"
+
+    def to_json(self, dry_run: bool = False) -> dict[str, Any]:
         lease = self.lease
         moved = self.target is not None
         return {
             "shard_id": lease.shard_id, "lease_key": lease.lease_key,
             "owner": lease.lease_owner, "lease_counter": lease.lease_counter,
-            "from": {"checkpoint": lease.checkpoint.sequence_number,
-                     "sub_sequence_number": lease.checkpoint.sub_sequence_number},
+            "from": None if self.create else {
+                "checkpoint": lease.checkpoint.sequence_number,
+                "sub_sequence_number": lease.checkpoint.sub_sequence_number},
             "to": None if not moved else {
                 "checkpoint": self.target.checkpoint if self.target else None,
                 "sub_sequence_number": self.target.sub_sequence_number if self.target else 0},
             "meaning": self.target.meaning if self.target else None,
-            "note": self.note or None, "written": self.written,
+            "create": self.create, "note": self.note or None, "written": self.written,
+            "outcome": self.outcome(dry_run), "error": self.failed,
         }
 
 
 def _plan_moves(args: argparse.Namespace, kinesis: Any, table: LeaseTable) -> list[Move]:
+    """Every shard's move, parents before children. With ``--all-shards`` that includes the
+    listed shards that hold records after the position but have no lease: ancestors of
+    leased shards whose lease cleanup deleted (``_lost_ancestors``)."""
     position: Destination = args.to
     if args.all_shards and position.names_one_shard:
         raise UsageError("--to", "a sequence number is one shard's: use --shard-id")
-    leases = [one_lease(args, table)] if args.shard_id else read_leases(args, table)
+    leases = ([one_lease(args, table, kinesis)] if args.shard_id
+              else read_leases(args, table, kinesis))
     shards = _shards(args, kinesis, table)
     if args.shard_id and args.shard_id not in shards:
         raise UsageError("--shard-id", f"stream {stream_label(args)!r} has no shard "
                          f"{args.shard_id!r} (expired beyond retention?)")
+    depth = shard_depths(shards)
     moves: list[Move] = []
     for lease in leases:
         if lease.shard_id not in shards:
             moves.append(Move(lease, None, "the stream no longer lists the shard"))
             continue
-        reader = ShardReader(kinesis, _stream_params(args), lease.shard_id)
-        try:
-            target = resolve(reader, position, checkpoint=lease.checkpoint.sequence_number)
-        except PositionError as exc:
-            raise UsageError("--to", f"shard {lease.shard_id}: {exc}") from None
-        if target is None:
-            moves.append(Move(lease, None, "finished, nothing after the position"))
-        else:
-            moves.append(Move(lease, target))
-    return moves
+        target = _resolve(args, kinesis, lease.shard_id, position,
+                          lease.checkpoint.sequence_number)
+        moves.append(Move(lease, target, "" if target else "finished, nothing after the "
+                          "position", depth=depth[lease.shard_id]))
+    if args.all_shards and leases:
+        for shard in _lost_ancestors(leases, shards):
+            target = _resolve(args, kinesis, shard.shard_id, position, SHARD_END)
+            if target is None:
+                continue  # nothing after the position: nothing to read again
+            moves.append(Move(_recreated(shard, shards, leases[0]), target,
+                              "no lease (cleaned up after the shard ended): created, so its "
+                              "children wait for it again", create=True,
+                              depth=depth[shard.shard_id]))
+    return sorted(moves, key=lambda m: (m.depth, m.lease.lease_key))
+
+
+def _resolve(args: argparse.Namespace, kinesis: Any, shard_id: str, position: Destination,
+             checkpoint: str) -> Target | None:
+    reader = ShardReader(kinesis, _stream_params(args), shard_id)
+    try:
+        if position.kind == TRIM_HORIZON and checkpoint == SHARD_END and (
+                reader.first(Position.trim_horizon()) is None):
+            return None  # a finished shard retention emptied: nothing to read again
+        return resolve(reader, position, checkpoint=checkpoint)
+    except PositionError as exc:
+        raise UsageError("--to", f"shard {shard_id}: {exc}") from None
+
+
+def _lost_ancestors(leases: Sequence[Lease], shards: Mapping[str, Shard]) -> list[Shard]:
+    """The listed ancestors of leased shards that have no lease themselves. Lease cleanup
+    deletes a parent's lease once its children progressed (``kclpy.leases.cleanup``), and
+    shard sync never creates a lease for an ancestor of a leased shard, so no worker would
+    ever read such a shard again - yet while retention keeps it, it holds records after an
+    earlier position, which a replay from there must deliver (before its children's)."""
+    leased = {lease.shard_id for lease in leases}
+    found: dict[str, Shard] = {}
+    stack = [shard_id for shard_id in leased if shard_id in shards]
+    while stack:
+        for parent in shards[stack.pop()].parent_ids:
+            if parent in shards and parent not in leased and parent not in found:
+                found[parent] = shards[parent]
+                stack.append(parent)
+    return [found[key] for key in sorted(found)]
+
+
+def _recreated(shard: Shard, shards: Mapping[str, Shard], sibling: Lease) -> Lease:
+    """The lease shard sync would have made for ``shard`` (parents, children, hash range,
+    the stream's identifier and creation time taken from a lease of the same stream), at
+    SHARD_END until the move sets its checkpoint."""
+    if sibling.incarnation:
+        epoch: float | None = incarnation_epoch(sibling.incarnation) or None
+    elif sibling.stream is not None:
+        epoch = float(StreamIdentifier.parse(sibling.stream).creation_epoch)
+    else:
+        epoch = None
+    children = frozenset(other.shard_id for other in shards.values()
+                         if shard.shard_id in other.parent_ids)
+    return Lease(lease_key=sibling.key_of(shard.shard_id), checkpoint=Position.shard_end(),
+                 parent_shard_ids=frozenset(shard.parent_ids), child_shard_ids=children,
+                 starting_hash_key=shard.starting_hash_key,
+                 ending_hash_key=shard.ending_hash_key, stream=sibling.stream,
+                 incarnation=new_incarnation(epoch))
 
 
 def set_checkpoint(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
                    out: IO[str]) -> int:
+    """Plan every shard's move, then write them parents first. A held lease without
+    ``--force`` refuses the whole command before anything is written. Past that point one
+    shard's write can still fail (a worker took the lease, shard sync created it, the
+    endpoint gave up): the other shards are still written - except that shard's
+    descendants, which would otherwise be read before the records it was to read again -
+    every shard's outcome is printed, and the command exits 1."""
     moves = _plan_moves(args, kinesis, table)
     held = [m for m in moves if m.target is not None and m.lease.lease_owner is not None]
     refused = bool(held) and not args.force
@@ -393,20 +525,71 @@ def set_checkpoint(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
                      else f"refused: held by {holder} (use --force to take it)")
     store = _sql_store(args.state_store) if args.state_store else None
     if not refused and not args.dry_run:
-        for move in moves:
-            if move.target is None:
-                continue
-            if store is None:
-                _write_fresh(table, move.lease, _moving_to(move.target), take=args.force)
-            else:
-                _move_with_store(table, store, move.lease, move.target, force=args.force)
-            move.written = True
+        _write_moves(table, store, moves, force=args.force)
     _print_moves(args, moves, out)
     if refused:
         holders = ", ".join(f"{m.lease.shard_id} by {m.lease.lease_owner}" for m in held)
         raise Refused(f"nothing written: lease(s) held ({holders}); stop the worker, or "
                       "use --force to take the lease(s) from the holder")
+    failed = [m for m in moves if m.failed is not None]
+    if failed:
+        moved = sum(m.written for m in moves)
+        names = ", ".join(m.lease.shard_id for m in failed)
+        raise Refused(f"{len(failed)} shard(s) not moved ({names}), {moved} moved: see the "
+                      "table above; run the command again")
     return 0
+
+
+def _write_moves(table: LeaseTable, store: Any, moves: Sequence[Move], *,
+                 force: bool) -> None:
+    """Write ``moves`` (parents first), noting each one's outcome on it."""
+    not_moved: set[str] = set()
+    for move in moves:
+        if move.target is None:
+            continue
+        blocked = sorted(move.lease.parent_lease_keys & not_moved)
+        if blocked:
+            move.failed = (f"not written: its parent {', '.join(blocked)} was not moved, and "
+                           "its records must be read again before this shard's")
+            not_moved.add(move.lease.lease_key)
+            continue
+        try:
+            if store is not None:
+                _move_with_store(table, store, move.lease, move.target, force=force,
+                                 create=move.create)
+            elif move.create:
+                _create(table, move.lease, move.target)
+            else:
+                _write_fresh(table, move.lease, _moving_to(move.target), take=force)
+        except Refused as exc:
+            move.failed = str(exc)
+        except Exception as exc:  # reported with every other shard's outcome
+            move.failed = f"failed: {exc!r}"
+        if move.failed is None:
+            move.written = True
+        else:
+            not_moved.add(move.lease.lease_key)
+
+
+def _create(table: LeaseTable, lease: Lease, target: Target, parked: str | None = None
+            ) -> Lease:
+    """Put ``lease`` at ``target`` unless a lease of its key exists meanwhile (shard sync
+    never creates one for an ancestor of a leased shard, so one that exists was made by
+    another operator command: refused, the operator runs again)."""
+    created = lease.copy(checkpoint=target.position, parked=parked)
+    item = ser.lease_to_new_item(created)
+    if parked is not None:
+        item[ser.PARKED] = s(parked)
+    try:
+        table.call("PutItem", table.client.put_item, TableName=table.table_name, Item=item,
+                   ConditionExpression="attribute_not_exists(#k)",
+                   ExpressionAttributeNames={"#k": ser.LEASE_KEY})
+    except ClientError as exc:
+        if error_code(exc) == CONDITION_FAILED:
+            raise Refused(f"nothing written to {lease.lease_key}: a lease was created for it "
+                          "since it was read; run again") from None
+        raise
+    return created
 
 
 def _sql_store(spec: str) -> Any:
@@ -423,7 +606,7 @@ def _sql_store(spec: str) -> Any:
 
 
 def _move_with_store(table: LeaseTable, store: Any, lease: Lease, target: Target, *,
-                     force: bool) -> None:
+                     force: bool, create: bool = False) -> None:
     """Move the lease's checkpoint and the SQL store's position for it together.
 
     A stateful processor resumes after the later of the two, so the store must move too.
@@ -431,7 +614,10 @@ def _move_with_store(table: LeaseTable, store: Any, lease: Lease, target: Target
     would read the store's old position), then the store's row is moved and its tenure
     raised to the lease's new counter (so a commit of the previous holder's tenure is
     refused from then on), then the lease is unparked. Interrupted half-way, the shard
-    stays parked, visibly, until ``kclpy shard resume``."""
+    stays parked, visibly, until ``kclpy shard resume``. A lease ``create``d again (a
+    cleaned-up parent) is created parked; the store's row, if it kept one, is moved and
+    given the new lease's incarnation, since the store would otherwise resume after its
+    own, later, position (``SQLStateStore._take_over``)."""
     import sqlalchemy as sa
 
     holding = parking.marker("kclpy checkpoint set in progress", "operator")
@@ -440,17 +626,22 @@ def _move_with_store(table: LeaseTable, store: Any, lease: Lease, target: Target
         return checkpoint_changes(target.position).set(
             ser.PARKED, s(holding))
 
-    moved = _write_fresh(table, lease, move_and_park, take=force)
+    moved = (_create(table, lease, target, holding) if create
+             else _write_fresh(table, lease, move_and_park, take=force))
     columns = store.checkpoints.c
     with store.engine.begin() as conn:
         row = conn.execute(sa.select(columns.tenure).where(
             columns.lease_key == lease.lease_key).with_for_update()).first()
         if row is not None:
+            values: dict[str, Any] = {
+                "checkpoint": target.checkpoint,
+                "sub_sequence_number": target.sub_sequence_number,
+                "tenure": moved.lease_counter if create else max(int(row.tenure),
+                                                                 moved.lease_counter)}
+            if create:
+                values["incarnation"] = moved.incarnation
             conn.execute(sa.update(store.checkpoints)
-                         .where(columns.lease_key == lease.lease_key)
-                         .values(checkpoint=target.checkpoint,
-                                 sub_sequence_number=target.sub_sequence_number,
-                                 tenure=max(int(row.tenure), moved.lease_counter)))
+                         .where(columns.lease_key == lease.lease_key).values(**values))
     _write(table, moved, UpdateBuilder().remove(ser.PARKED))
 
 
@@ -461,19 +652,21 @@ def _moving_to(target: Target) -> Callable[[Lease], UpdateBuilder]:
 def _print_moves(args: argparse.Namespace, moves: Sequence[Move], out: IO[str]) -> None:
     if args.json:
         json.dump({"dry_run": args.dry_run, "position": str(args.to),
-                   "shards": [m.to_json() for m in moves]}, out, indent=2)
+                   "shards": [m.to_json(args.dry_run) for m in moves]}, out, indent=2)
         out.write("\n")
         return
-    rows = [["SHARD", "OWNER", "COUNTER", "FROM", "TO", "MEANING", "NOTE"]]
+    rows = [["SHARD", "OWNER", "COUNTER", "FROM", "TO", "MEANING", "OUTCOME", "NOTE"]]
     for move in moves:
         lease = move.lease
         target = move.target
         rows.append([lease.shard_id, lease.lease_owner or "-", str(lease.lease_counter),
-                     _checkpoint_text(lease.checkpoint.sequence_number,
-                                      lease.checkpoint.sub_sequence_number),
+                     "(no lease)" if move.create else _checkpoint_text(
+                         lease.checkpoint.sequence_number,
+                         lease.checkpoint.sub_sequence_number),
                      "-" if target is None else _checkpoint_text(
                          target.checkpoint, target.sub_sequence_number),
-                     "-" if target is None else target.meaning, move.note or "-"])
+                     "-" if target is None else target.meaning, move.outcome(args.dry_run),
+                     "; ".join(n for n in (move.note, move.failed) if n) or "-"])
     print_table(rows, out)
     written = sum(m.written for m in moves)
     verb = "would move" if args.dry_run else "moved"
@@ -488,8 +681,8 @@ def _checkpoint_text(checkpoint: str, sub: int) -> str:
 # -- park / resume ---------------------------------------------------------------------------
 
 
-def park(args: argparse.Namespace, table: LeaseTable, out: IO[str]) -> int:
-    lease = one_lease(args, table)
+def park(args: argparse.Namespace, kinesis: Any, table: LeaseTable, out: IO[str]) -> int:
+    lease = one_lease(args, table, kinesis)
     if lease.is_shard_end and not lease.recovery:
         raise Refused(f"shard {lease.shard_id} is finished (SHARD_END): nothing to park")
     value = parking.marker(args.reason, "operator")
@@ -501,8 +694,9 @@ def park(args: argparse.Namespace, table: LeaseTable, out: IO[str]) -> int:
     return 0
 
 
-def resume_shard(args: argparse.Namespace, table: LeaseTable, out: IO[str]) -> int:
-    lease = one_lease(args, table)
+def resume_shard(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
+                 out: IO[str]) -> int:
+    lease = one_lease(args, table, kinesis)
     if lease.parked is None:
         raise Refused(f"shard {lease.shard_id} is not parked")
     _write(table, lease, UpdateBuilder().remove(ser.PARKED))
@@ -594,7 +788,7 @@ def _handed_to(holder: str | None) -> str:
 
 def recovery_add(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
                  out: IO[str]) -> int:
-    lease = one_lease(args, table)
+    lease = one_lease(args, table, kinesis)
     if args.shard_id not in _shards(args, kinesis, table):
         raise UsageError("--shard-id", f"stream {stream_label(args)!r} has no shard "
                          f"{args.shard_id!r}")
@@ -614,11 +808,13 @@ def recovery_add(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
                             lambda record: int(record.sequence_number) >= int(args.first))
     start, start_sub = ((before.sequence_number, last_sub_sequence(before))
                         if before is not None else (TRIM_HORIZON, 0))
-    # A gap ends before an arrival time (where live reading meets it), so it ends right
-    # after the millisecond the last record arrived in.
+    # The gap ends at the last record asked for: records after it that arrived in the same
+    # millisecond are not replayed. Its reading still ends before the millisecond after
+    # that record arrived, where every gap's reading ends.
     end_ms = (last.timestamp_millis or 0) + 1
     request = gaps.RecoveryRequest.gap(start, start_sub, end_ms, first_ms,
-                                       first.sequence_number)
+                                       first.sequence_number,
+                                       last_sequence=last.sequence_number)
     queue = gaps.add(_effective(lease), request)
     holder = lease.lease_owner
     if not args.dry_run:
@@ -628,15 +824,16 @@ def recovery_add(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
                         "gap": _gap_json(request), "queue": [_gap_json(r) for r in queue],
                         "holder": holder},
             f"{verb} {lease.shard_id}: records after {start}"
-            f"{'/' + str(start_sub) if start_sub else ''} that arrived before "
-            f"{_iso(end_ms)} ({args.first} .. {args.last}); {len(queue)} gap(s) "
+            f"{'/' + str(start_sub) if start_sub else ''} through {last.sequence_number} "
+            f"({args.first} .. {args.last}); {len(queue)} gap(s) "
             f"queued{'' if args.dry_run else _handed_to(holder)}")
     return 0
 
 
 def recovery_list(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
                   out: IO[str]) -> int:
-    leases = [one_lease(args, table)] if args.shard_id else read_leases(args, table)
+    leases = ([one_lease(args, table, kinesis)] if args.shard_id
+              else read_leases(args, table, kinesis))
     listed = []
     for lease in leases:
         stored = {(r.start, r.start_sub) for r in _queued(lease)}
@@ -651,13 +848,13 @@ def recovery_list(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
                    for lease, queue, stored, readable, unreadable in listed], out, indent=2)
         out.write("\n")
         return 0
-    rows = [["SHARD", "GAP", "AFTER", "FIRST", "ENDS BEFORE", "DONE", "REMAINING", "STATE"]]
+    rows = [["SHARD", "GAP", "AFTER", "FIRST", "ENDS", "DONE", "REMAINING", "STATE"]]
     waiting = 0
     for lease, queue, stored, readable, unreadable in listed:
         waiting += len(readable)
         for number, request in enumerate(queue, 1):
             rows.append([lease.shard_id, str(number), request.start,
-                         request.first_sequence or "-", _iso(request.end_ms),
+                         request.first_sequence or "-", _ends_text(request),
                          request.done if request.started else "-",
                          f"{request.remaining_ms() / 1000:.1f}s",
                          "queued" if (request.start, request.start_sub) in stored
@@ -674,7 +871,7 @@ def recovery_list(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
 
 def recovery_cancel(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
                     out: IO[str]) -> int:
-    lease = one_lease(args, table)
+    lease = one_lease(args, table, kinesis)
     queue = _effective(lease)
     if not queue:
         raise Refused(f"shard {lease.shard_id} has no queued gap")
@@ -692,9 +889,16 @@ def recovery_cancel(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
     return 0
 
 
+def _ends_text(request: gaps.RecoveryRequest) -> str:
+    if request.last_sequence is not None:
+        return f"through {request.last_sequence}"
+    return f"before {_iso(request.end_ms)}"
+
+
 def _gap_json(request: gaps.RecoveryRequest) -> dict[str, Any]:
     return {"after": request.start, "after_sub": request.start_sub,
             "first_sequence": request.first_sequence, "ends_before": _iso(request.end_ms),
+            "last_sequence": request.last_sequence,
             "done": request.done if request.started else None,
             "remaining_ms": request.remaining_ms()}
 

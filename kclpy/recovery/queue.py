@@ -2,9 +2,12 @@
 
 A gap starts right after a position (a checkpoint: sequence and sub-sequence number, or
 ``TRIM_HORIZON``) and ends before a time: it holds the records that arrived before
-``end_ms``. The live reader of the same shard starts ``AT_TIMESTAMP`` ``end_ms``, which
-Kinesis defines as the first record that arrived at or after it, so recovery and live
-reading meet without a gap and without an overlap.
+``end_ms``. An operator's gap (``kclpy recovery add --to SEQ``) also ends at a record,
+``last_sequence``: a millisecond holds many records, and the ones after that record are not
+the operator's to replay. The live reader of the same shard starts ``AT_TIMESTAMP``
+``end_ms`` (a gap the lag detector found), which Kinesis defines as the first record that
+arrived at or after it, so recovery and live reading meet without a gap and without an
+overlap.
 
 Each gap carries its own checkpoint (``done``), so recovery resumes where it stopped, with
 any owner. A new gap is merged with any gap it overlaps or touches (its first record arrived
@@ -17,7 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 
-from kclpy.position import Position
+from kclpy.position import TRIM_HORIZON, Position
 
 
 @dataclass(frozen=True)
@@ -38,11 +41,15 @@ class RecoveryRequest:
     done_sub: int
     #: arrival of the record at ``done`` (None before the first recovery checkpoint)
     done_ms: int | None = None
+    #: the gap's last record (every user record of it), when it ends at a record as well
+    #: as before ``end_ms`` (an operator's gap); None: every record before ``end_ms``
+    last_sequence: str | None = None
 
     @classmethod
     def gap(cls, start: str, start_sub: int, end_ms: int, first_ms: int | None,
-            first_sequence: str | None) -> RecoveryRequest:
-        return cls(start, start_sub, end_ms, first_ms, first_sequence, start, start_sub)
+            first_sequence: str | None, last_sequence: str | None = None) -> RecoveryRequest:
+        return cls(start, start_sub, end_ms, first_ms, first_sequence, start, start_sub,
+                   last_sequence=last_sequence)
 
     @property
     def start_position(self) -> Position:
@@ -72,6 +79,10 @@ class RecoveryRequest:
         end of this gap, so the two are one."""
         if later.start_position == self.start_position:
             return True
+        if self.last_sequence is not None:
+            # ends at a record: ``later`` must start at or before it (a start is a
+            # checkpoint, so starting after the last record itself is touching)
+            return later.start != TRIM_HORIZON and int(later.start) <= int(self.last_sequence)
         return later.first_ms is not None and later.first_ms <= self.end_ms
 
     def merged(self, later: RecoveryRequest) -> RecoveryRequest:
@@ -82,12 +93,17 @@ class RecoveryRequest:
         if later.start_position == self.start_position and (
                 later.done_position > self.done_position):
             head = later
-        return replace(head, end_ms=max(self.end_ms, later.end_ms))
+        end = max(self, later, key=_end)
+        return replace(head, end_ms=end.end_ms, last_sequence=end.last_sequence)
 
     def to_json(self) -> dict[str, object]:
-        return {"start": self.start, "startSub": self.start_sub, "endMs": self.end_ms,
-                "firstMs": self.first_ms, "firstSequence": self.first_sequence,
-                "done": self.done, "doneSub": self.done_sub, "doneMs": self.done_ms}
+        value: dict[str, object] = {
+            "start": self.start, "startSub": self.start_sub, "endMs": self.end_ms,
+            "firstMs": self.first_ms, "firstSequence": self.first_sequence,
+            "done": self.done, "doneSub": self.done_sub, "doneMs": self.done_ms}
+        if self.last_sequence is not None:
+            value["lastSequence"] = self.last_sequence
+        return value
 
     @classmethod
     def from_json(cls, value: dict[str, object]) -> RecoveryRequest:
@@ -95,7 +111,17 @@ class RecoveryRequest:
                    end_ms=_int(value["endMs"]), first_ms=_opt_int(value.get("firstMs")),
                    first_sequence=_opt_str(value.get("firstSequence")),
                    done=str(value["done"]), done_sub=_int(value["doneSub"]),
-                   done_ms=_opt_int(value.get("doneMs")))
+                   done_ms=_opt_int(value.get("doneMs")),
+                   last_sequence=_opt_str(value.get("lastSequence")))
+
+
+def _end(request: RecoveryRequest) -> tuple[int, int, int]:
+    """Orders gaps' ends: by ``end_ms``; at the same ``end_ms`` a gap ending at a record
+    (which arrived before ``end_ms``) ends before one that takes every record arrived
+    before it, and of two ending at records the later record ends later."""
+    if request.last_sequence is None:
+        return request.end_ms, 1, 0
+    return request.end_ms, 0, int(request.last_sequence)
 
 
 def _int(value: object) -> int:

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -110,6 +111,8 @@ class ShardRecovery:
         self._pacer: ShardPacer = rate.pacer(lease_key)
         self._reader: ShardPipeline | None = None
         self._reading: Position | None = None
+        #: the last record of the gap being read, when it ends at one (``last_sequence``)
+        self._through: str | None = None
         self._checkpointer: Checkpointer | None = None
         #: the last record handed out of the gap being read, and the same once its end was
         #: seen (the position a checkpoint must reach to finish the gap)
@@ -194,6 +197,8 @@ class ShardRecovery:
             return None
         if result is None:
             return None
+        if self._through is not None:
+            result = _through(result, self._through)
         records = result.records
         assert self._checkpointer is not None
         if records:
@@ -300,6 +305,7 @@ class ShardRecovery:
             return None
         gap = _key(request)
         self._reading = gap
+        self._through = request.last_sequence
         self._checkpointer = Checkpointer(
             self.lease_key, GapWriter(self, gap), self._token, request.done_position, gap=gap)
         reader = self._readers(self._start_of(request), request.end_ms, self._pacer, None)
@@ -362,6 +368,7 @@ class ShardRecovery:
     def _stop_reader(self) -> None:
         reader, self._reader = self._reader, None
         self._reading, self._end_seen, self._checkpointer = None, False, None
+        self._through = None
         self._handed = self._final = None
         if reader is not None:
             reader.stop()
@@ -469,6 +476,26 @@ class GapWriter:
     def guard(self, lease_key: str, concurrency_token: str | None, *,
               what: str) -> AbstractContextManager[Guard]:
         return self._recovery.guard(what)
+
+
+def _through(result: FetchResult, last_sequence: str) -> FetchResult:
+    """The batch as a gap ending at record ``last_sequence`` sees it: its records up to that
+    one (every user record of it), and the gap's end once a later record shows. The read
+    itself stops before ``end_ms`` (the millisecond after that record arrived), so a record
+    after it in the same millisecond comes through the reader and is dropped here."""
+    records = result.records
+    bound = int(last_sequence)
+    low, high = 0, len(records)
+    while low < high:  # the first record after the bound; sequence numbers grow
+        middle = (low + high) // 2
+        if int(records[middle].sequence_number) <= bound:
+            low = middle + 1
+        else:
+            high = middle
+    if low == len(records):
+        return result
+    return replace(result, records=records[:low], shard_end=True, child_shards=[],
+                   bound_reached=True)
 
 
 def _live_behind(live: Position, gap: RecoveryRequest, began: Position | None) -> bool:
