@@ -249,9 +249,13 @@ class LeaseTable(DynamoTable):
         Normally the owner is removed and any worker may take the lease. During a handoff
         (``checkpoint_owner`` set) only ``checkpointOwner`` is removed, as Java 3.x does: that
         completes the handoff and ``leaseOwner`` already names the worker that takes over.
+        A parked lease (the holder's ``park`` policy marked it during the handoff) cancels
+        the handoff instead: both names go, as an operator's park removes them, so the
+        lease is left to nobody until it is resumed - never to a worker that would start a
+        consumer on it (``handoff.next_step``).
         """
         update = UpdateBuilder()
-        if lease.checkpoint_owner is None:
+        if lease.checkpoint_owner is None or lease.parked is not None:
             update.remove(ser.LEASE_OWNER)
         update.remove(ser.CHECKPOINT_OWNER)
         return self.guarded_update(lease, update)
@@ -260,7 +264,9 @@ class LeaseTable(DynamoTable):
         """Finish receiving a handed-off lease: ``lease_owner`` (the caller) already names the
         new owner and the previous owner has cleared ``checkpointOwner``. Bumping the counter
         starts the new tenure; it fails if the previous owner has not let go yet or anything
-        else changed since ``lease`` was read."""
+        else changed since ``lease`` was read, and it never adopts a parked lease (the
+        counter alone already refuses a copy read before the park; the condition states the
+        rule where it cannot be bypassed)."""
         if lease.lease_owner is None:
             raise ValueError(f"lease {lease.lease_key} has no owner to adopt it")
         update = (
@@ -271,6 +277,7 @@ class LeaseTable(DynamoTable):
             .expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter))
             .expect_owner(lease.lease_owner)
             .expect_absent(ser.CHECKPOINT_OWNER)
+            .expect_absent(ser.PARKED)
         )
         return self._update(lease.lease_key, update, lease.concurrency_token)
 
