@@ -26,7 +26,7 @@ from kclpy.leases.dynamo import (
     LeaseTableThrottled,
     cancellation_reasons,
 )
-from kclpy.leases.lease import Lease
+from kclpy.leases.lease import Lease, new_write_id
 from kclpy.leases.serializer import UpdateBuilder, key_of, n, s, ss
 from kclpy.position import Position
 from kclpy.retry import THROTTLED, TRANSACTION_CANCELED, classify, error_code
@@ -303,11 +303,12 @@ class LeaseTable(DynamoTable):
         one transaction: all or nothing. Returns ``lease`` with the counter it now has (a
         transaction returns no attributes); ``LeaseChanged`` when the lease item's condition
         failed, ``TransactionRejected`` when only the caller's items were refused."""
+        write_id = lease.write_id or new_write_id()
         update: dict[str, Any] = {
             "TableName": self.table_name,
             "Key": key_of(lease.lease_key),
             "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
-            **_guard(changes, lease).request(),
+            **_guard(changes, lease.copy(write_id=write_id)).request(),
         }
         lease_item = cast("TransactWriteItemTypeDef", {"Update": update})
         try:
@@ -330,7 +331,8 @@ class LeaseTable(DynamoTable):
             raise TransactionRejected(
                 f"transaction on lease {lease.lease_key} cancelled by its items: {codes}", reasons
             ) from exc
-        return lease.copy(lease_counter=lease.lease_counter + 1)
+        return lease.copy(lease_counter=lease.lease_counter + 1, last_write=write_id,
+                          write_id=None)
 
     def set_checkpoint_owner(self, lease: Lease, new_owner: str) -> Lease:
         """Start a Java KCL 3.x graceful handoff of ``lease`` to ``new_owner``.
@@ -440,8 +442,11 @@ def _guard(changes: UpdateBuilder, lease: Lease) -> UpdateBuilder:
     lease state): the counter bumped, the counter held and the holder expected - and the
     incarnation held, when the item has one: a lease deleted and created again starts its
     counter over, so the same holder and counter alone could name another item than the
-    one this worker took (a stale holder of a deleted lease writing into its successor)."""
+    one this worker took (a stale holder of a deleted lease writing into its successor).
+    Stamped with the write's id (``lease.write_id``, else a fresh one), so that a writer
+    whose answer is lost can recognise its write in the item (``LeaseFence``)."""
     update = changes.copy().set(ser.LEASE_COUNTER, n(lease.lease_counter + 1))
+    update.set(ser.WRITE_ID, s(lease.write_id or new_write_id()))
     _expect_holder(update.expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter)), lease)
     if lease.incarnation is not None:
         update.expect_equal(ser.INCARNATION, s(lease.incarnation))
