@@ -643,3 +643,28 @@ def test_an_earlier_unanswered_renewal_is_recognised_and_never_taken_for_another
         a.fence.update_checkpoint("s1", token, Position("2000"))
     assert a.lost.keys == ["s1"]
     assert (stored(table).lease_owner, stored(table).checkpoint) == ("B", Position("1000"))
+
+
+@pytest.mark.integration
+def test_a_transaction_whose_first_attempt_landed_commits_once(
+    lossy: tuple[FaultProxy, LeaseTable],
+) -> None:
+    """A checkpoint committed with a state item, applied and its answer lost: the retry is
+    refused (or, on AWS, answered from its ``ClientRequestToken``), and the commit counts as
+    made - the lease kept, the state written once."""
+    proxy, table = lossy
+    client: Any = table.client
+    state_table = unique_name("state")
+    make_state_table(client, state_table)
+    clock = Clock()
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    proxy.once("TransactWriteItems", "lose_response")
+    a.fence.transact("s1", token, checkpoint_changes(Position("10")),
+                     [put_state("x", "a", state_table)], what="commit")
+    assert proxy.faults("lose_response") == 1
+    assert a.lost.keys == []
+    assert stored(table).checkpoint == Position("10")
+    assert state(client, "x", state_table) == "a"
+    a.fence.update_checkpoint("s1", token, Position("20"))
+    assert stored(table).checkpoint == Position("20")
