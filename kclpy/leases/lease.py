@@ -8,6 +8,7 @@ written by newer Java KCL versions are kept untouched because we never rewrite a
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -121,7 +122,7 @@ class Lease:
 def new_write_id() -> str:
     """A fresh ``Lease.write_id``: 96 random bits, so no other write - by this worker or any
     other - ever stamps the same one."""
-    return uuid.uuid4().hex[:24]
+    return secrets.token_hex(12)
 
 
 def new_incarnation(stream_epoch: float | None, now: float | None = None) -> str:
