@@ -17,7 +17,7 @@ import pytest
 from moto import mock_aws
 
 from kclpy.errors import ShutdownException
-from kclpy.leases import handoff
+from kclpy.leases import handoff, park
 from kclpy.leases.coordinator import LeaseCoordinator
 from kclpy.leases.dynamo import LeaseTableThrottled
 from kclpy.leases.lease import Lease
@@ -335,6 +335,86 @@ def test_an_owner_that_ignores_the_protocol_is_taken_over_after_timeout_and_fail
     assert "s1" in b.held_leases()
     stored = fetch(table, "s1")
     assert (stored.lease_owner, stored.checkpoint_owner) == ("B", None)
+
+
+def park_s1_as_a(a: LeaseCoordinator) -> None:
+    """A's ``park`` processor-error policy marks s1 through A's fence, as the consumer does."""
+    held = a.get_held("s1")
+    assert held is not None and held.concurrency_token is not None
+    park.park_held(a.fence, "s1", held.concurrency_token,
+                   park.marker("processor failed 3 times", "A", error="boom", attempts=3))
+
+
+def test_a_lease_parked_during_a_handoff_is_not_adopted_and_the_handoff_is_cancelled(
+    table: LeaseTable, clock: Clock
+) -> None:
+    """A is handing s1 off to B when its processor's errors park the shard (the park write
+    goes through as the handing-off holder). Its release then cancels the handoff - the
+    lease ends unowned and parked, as an operator's park leaves it - and B stops waiting
+    instead of adopting the lease and starting a consumer on a parked shard."""
+    a, a_lost, a_asked, b = b_asks_a_for_s1(table, clock)
+    a.run_renewer_once()
+    assert a_asked.shards == ["s1"] and a.handing_off("s1")
+    park_s1_as_a(a)
+    a.release("s1")
+    stored = fetch(table, "s1")
+    assert stored.parked is not None
+    assert (stored.lease_owner, stored.checkpoint_owner) == (None, None), "handoff cancelled"
+    assert b.poll_handoffs() == []
+    assert b.pending_handoffs() == set(), "B stops waiting for it"
+    assert "s1" not in {lease.lease_key for lease in b.run_taker_once()}
+    assert "s1" not in b.held_leases()
+    assert a_lost.shards == []
+
+
+def test_a_lease_parked_by_a_holder_that_died_during_the_handoff_is_never_taken(
+    table: LeaseTable, clock: Clock
+) -> None:
+    """A parks s1 while handing it off and dies before releasing it (the item still says
+    ``leaseOwner=B, checkpointOwner=A``): when it expires, B forgets the handoff instead of
+    taking the lease."""
+    a, _, _, b = b_asks_a_for_s1(table, clock)
+    a.run_renewer_once()
+    park_s1_as_a(a)
+    stored = fetch(table, "s1")
+    assert (stored.lease_owner, stored.checkpoint_owner) == ("B", "A")
+    clock.advance(TIMEOUT + 2 * FAILOVER)
+    b.run_taker_once()
+    clock.advance(0.01)
+    b.run_taker_once()
+    b.poll_handoffs()
+    assert "s1" not in b.held_leases()
+    assert b.pending_handoffs() == set()
+    stored = fetch(table, "s1")
+    assert stored.parked is not None and stored.kclpy_holder == "A"
+
+
+def test_a_worker_assigned_leases_by_a_leader_never_takes_a_parked_one(
+    table: LeaseTable, clock: Clock
+) -> None:
+    """With ``--lease-assigner leader`` a worker takes what the owner index names it for.
+    A parked lease left naming it (released by a holder that handed it off before this
+    release cancelled such a handoff) is not taken."""
+    table.ensure_owner_index()
+    assert table.create(Lease("s1", lease_owner="B", lease_counter=4))
+    client: Any = table.client
+    client.update_item(TableName="app", Key={"leaseKey": {"S": "s1"}},
+                       UpdateExpression="SET kclpyParked = :p",
+                       ExpressionAttributeValues={":p": {"S": "{}"}})
+    b, _, _ = worker(table, "B", clock)
+    assert b.taker._discover() == []
+    assert b.pending_handoffs() == set() and "s1" not in b.held_leases()
+    assert fetch(table, "s1").lease_counter == 4
+
+
+def test_a_parked_lease_is_forgotten_whatever_else_its_handoff_says() -> None:
+    asked = Lease("s1", lease_owner="B", lease_counter=5, checkpoint_owner="A", parked="{}")
+    for expired, overdue in [(False, False), (True, False), (False, True)]:
+        assert handoff.next_step(asked, "B", asked_at_counter=5, expired=expired,
+                                 overdue=overdue) is handoff.Step.FORGET
+    let_go = asked.copy(checkpoint_owner=None, lease_counter=7)
+    assert handoff.next_step(let_go, "B", asked_at_counter=5, expired=False,
+                             overdue=False) is handoff.Step.FORGET
 
 
 def test_a_read_older_than_the_request_does_not_cancel_it() -> None:

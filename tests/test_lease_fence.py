@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import boto3
@@ -16,7 +16,13 @@ from botocore.exceptions import ClientError
 from moto import mock_aws
 
 from kclpy.consumer import ShardConsumer
-from kclpy.errors import LeaseLostError, ShutdownException, ThrottlingException, TransactionRejected
+from kclpy.errors import (
+    KinesisClientLibDependencyException,
+    LeaseLostError,
+    ShutdownException,
+    ThrottlingException,
+    TransactionRejected,
+)
 from kclpy.leases.fence import LeaseFence
 from kclpy.leases.held import HeldSet
 from kclpy.leases.lease import Lease
@@ -34,7 +40,9 @@ from kclpy.processor import (
     ShutdownRequestedInput,
 )
 from tests.support.determinism import Clock
+from tests.support.faultproxy import FaultProxy
 from tests.support.scripted import SETTINGS, Leases, Result, ScriptedFetcher, rec
+from tests.support.streams import dynamodb_client, unique_name
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb.type_defs import TransactWriteItemTypeDef
@@ -351,6 +359,55 @@ def test_a_write_that_discovers_a_handoff_request_is_repeated_as_the_handing_off
     assert (stored(table).lease_owner, stored(table).checkpoint_owner) == ("B", None)
 
 
+class AnswerLost:
+    """Stands in for the lease table's client: the next UpdateItem is applied, then
+    ``meanwhile()`` runs (another worker's write), then the SDK's retry of the same request
+    is refused by the condition the first attempt changed - with the item as it is then, as
+    ``ReturnValuesOnConditionCheckFailure`` returns it."""
+
+    def __init__(self, client: Any, meanwhile: Callable[[], object]) -> None:
+        self._client = client
+        self._meanwhile: Callable[[], object] | None = meanwhile
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def update_item(self, **kwargs: Any) -> Any:
+        meanwhile, self._meanwhile = self._meanwhile, None
+        if meanwhile is None:
+            return self._client.update_item(**kwargs)
+        self._client.update_item(**kwargs)
+        meanwhile()
+        item = self._client.get_item(TableName=kwargs["TableName"], Key=kwargs["Key"],
+                                     ConsistentRead=True)["Item"]
+        response: Any = {"Error": {"Code": "ConditionalCheckFailedException",
+                                   "Message": "The conditional request failed"},
+                         "Item": item}
+        raise ClientError(response, "UpdateItem")
+
+
+def test_a_request_written_between_a_landed_checkpoint_and_its_refused_retry_is_taken_up(
+    table: LeaseTable, client: ScriptedClient, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A's checkpoint lands, B asks for the lease (no counter bump), then the SDK's retry of
+    the checkpoint is refused: the checkpoint succeeded, and A hands the lease off."""
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    raw = client._client
+    other = LeaseTable(raw, "app", sleep=lambda _: None)
+    monkeypatch.setattr(table, "client", AnswerLost(
+        raw, lambda: other.set_checkpoint_owner(stored(other), "B")))
+    a.fence.update_checkpoint("s1", token, Position("77"))
+    assert a.lost.keys == [] and a.asked.keys == ["s1"]
+    assert a.held.handing_off("s1")
+    a.fence.update_checkpoint("s1", token, Position("78"))
+    lease = stored(table)
+    assert lease.checkpoint == Position("78")
+    assert (lease.lease_owner, lease.checkpoint_owner) == ("B", "A")
+    a.fence.release("s1")
+    assert (stored(table).lease_owner, stored(table).checkpoint_owner) == ("B", None)
+
+
 # -- TransactWriteItems ----------------------------------------------------------------------
 
 def test_a_transaction_commits_state_and_checkpoint_together(
@@ -492,3 +549,122 @@ def test_over_http_a_zombie_transaction_is_rejected(moto_server: LocalEndpoint) 
     assert stored(table).checkpoint.sequence_number == "30"
     assert zombie.lost.keys == ["s1"]
 
+
+
+# -- a write whose answer was lost -----------------------------------------------------------
+
+@pytest.fixture
+def lossy(embedded_endpoint: LocalEndpoint) -> Iterator[tuple[FaultProxy, LeaseTable]]:
+    """A lease table reached through a fault proxy: a test can make DynamoDB apply a write
+    and the answer never arrive (botocore then re-sends the same request, three attempts)."""
+    with FaultProxy(embedded_endpoint.url, seed=5) as proxy:
+        table = make_table(dynamodb_client(proxy.url), unique_name("app"))
+        yield proxy, table
+
+
+@pytest.mark.integration
+def test_a_renewal_whose_first_attempt_landed_keeps_the_lease(
+    lossy: tuple[FaultProxy, LeaseTable],
+) -> None:
+    """The renewal is applied, its answer lost, and botocore's retry of the same request is
+    refused by the condition the first attempt changed: the item is exactly what the
+    renewal made it, so the worker keeps its lease instead of dropping it ("owner now A")
+    and leaving the shard to nobody for a failover time."""
+    proxy, table = lossy
+    clock = Clock()
+    a = Worker(table, "A", clock)
+    a.take("s1")
+    before = stored(table).lease_counter
+    proxy.once("UpdateItem", "lose_response")
+    a.fence.write("s1", None, table.renew, what="renewal")
+    assert proxy.faults("lose_response") == 1 and proxy.requests("UpdateItem") == 3, (
+        "the take, the renewal's lost attempt and its refused retry")
+    assert a.lost.keys == []
+    held = a.held.get("s1")
+    assert held is not None and held.lease_counter == before + 1 == stored(table).lease_counter
+    a.fence.write("s1", None, table.renew, what="renewal")
+    assert stored(table).lease_counter == before + 2, "the next write holds the right counter"
+
+
+@pytest.mark.integration
+def test_a_checkpoint_whose_first_attempt_landed_succeeds(
+    lossy: tuple[FaultProxy, LeaseTable],
+) -> None:
+    proxy, table = lossy
+    clock = Clock()
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    proxy.once("UpdateItem", "lose_response")
+    a.fence.update_checkpoint("s1", token, Position("1000", 2))
+    assert proxy.faults("lose_response") == 1
+    assert a.lost.keys == []
+    assert stored(table).checkpoint == Position("1000", 2)
+    a.fence.update_checkpoint("s1", token, Position("2000"))
+    assert stored(table).checkpoint == Position("2000")
+
+
+@pytest.mark.integration
+def test_an_earlier_unanswered_renewal_is_recognised_and_never_taken_for_another_write(
+    lossy: tuple[FaultProxy, LeaseTable],
+) -> None:
+    """A renewal lands but no answer ever comes (every attempt's answer lost: the caller
+    gets an error). The next write, a checkpoint, is refused by the counter that renewal
+    moved: the item has the same owner and the counter one higher - what the checkpoint
+    would have made of it but for the checkpoint itself. The fence recognises the renewal
+    by its write id, not by owner and counter, and writes the checkpoint on top of it."""
+    proxy, table = lossy
+    clock = Clock()
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    before = stored(table).lease_counter
+    for _ in range(3):
+        proxy.once("UpdateItem", "lose_response")
+    with pytest.raises(KinesisClientLibDependencyException):
+        a.fence.write("s1", None, table.renew, what="renewal")
+    assert stored(table).lease_counter == before + 1, "the renewal landed"
+    clock.advance(1.0)
+    a.fence.update_checkpoint("s1", token, Position("1000"))
+    assert a.lost.keys == []
+    item = stored(table)
+    assert item.checkpoint == Position("1000"), "the checkpoint itself was written"
+    assert item.lease_counter == before + 2
+    held = a.held.entry("s1")
+    assert held is not None and held.lease.lease_counter == before + 2
+    # Another worker's write is never taken for ours: A's next renewal lands unanswered
+    # again, then B takes the lease. A's own write is in the item's history, no longer its
+    # state (the counter moved on past it), so A's next write is refused and A lets go.
+    for _ in range(3):
+        proxy.once("UpdateItem", "lose_response")
+    with pytest.raises(KinesisClientLibDependencyException):
+        a.fence.write("s1", None, table.renew, what="renewal")
+    b = Worker(table, "B", clock)
+    b.take("s1")
+    with pytest.raises(ShutdownException):
+        a.fence.update_checkpoint("s1", token, Position("2000"))
+    assert a.lost.keys == ["s1"]
+    assert (stored(table).lease_owner, stored(table).checkpoint) == ("B", Position("1000"))
+
+
+@pytest.mark.integration
+def test_a_transaction_whose_first_attempt_landed_commits_once(
+    lossy: tuple[FaultProxy, LeaseTable],
+) -> None:
+    """A checkpoint committed with a state item, applied and its answer lost: the retry is
+    refused (or, on AWS, answered from its ``ClientRequestToken``), and the commit counts as
+    made - the lease kept, the state written once."""
+    proxy, table = lossy
+    client: Any = table.client
+    state_table = unique_name("state")
+    make_state_table(client, state_table)
+    clock = Clock()
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    proxy.once("TransactWriteItems", "lose_response")
+    a.fence.transact("s1", token, checkpoint_changes(Position("10")),
+                     [put_state("x", "a", state_table)], what="commit")
+    assert proxy.faults("lose_response") == 1
+    assert a.lost.keys == []
+    assert stored(table).checkpoint == Position("10")
+    assert state(client, "x", state_table) == "a"
+    a.fence.update_checkpoint("s1", token, Position("20"))
+    assert stored(table).checkpoint == Position("20")

@@ -44,7 +44,7 @@ from kclpy.errors import (
 from kclpy.leases import handoff
 from kclpy.leases.dynamo import TABLE_ERRORS, LeaseTableThrottled
 from kclpy.leases.held import HeldLease, HeldSet
-from kclpy.leases.lease import Lease
+from kclpy.leases.lease import Lease, new_write_id
 from kclpy.leases.serializer import UpdateBuilder
 from kclpy.leases.table import LeaseChanged, LeaseTable, checkpoint_changes
 from kclpy.position import Position
@@ -303,25 +303,66 @@ class LeaseFence:
         lease is lost (already dropped). A handoff request discovered on the way puts
         ``held`` in the handing-off state (``handoff_since`` set, so the caller can tell) and
         the write is repeated as the handing-off holder, fenced on ``checkpointOwner``.
-        Table errors other than a failed condition propagate."""
+        Table errors other than a failed condition propagate; the write is then remembered
+        as unanswered (``HeldLease.unanswered``), since it may have landed.
+
+        A refused write is first checked against this worker's own writes (``own_write``):
+        the usual way to a refusal that is no loss is a write applied but its answer lost,
+        and the SDK's retry of the same request refused by the counter it had just moved.
+        If the item carries this write's id, the write landed: it succeeded. If it carries
+        the id of an earlier write of this lease that got no answer, that write landed: the
+        lease is dated from its sending and this write is made again from the counter it
+        left. Either way the lease is not dropped with "owner now <this worker>"."""
         key = held.lease.lease_key
+        write_id = new_write_id()
+        sent_at = self._clock()
         try:
-            return write(held.lease)
+            return write(held.lease.copy(write_id=write_id))
         except LeaseChanged as exc:
             current = exc.current if exc.current is not None else self._read(key)
+        except TABLE_ERRORS:
+            held.unanswered[write_id] = sent_at
+            raise
+        landed = own_write(held.lease, current, {write_id, *held.unanswered})
+        if landed is not None:
+            assert current is not None
+            fresh = self._landed(held, current)
+            if landed == write_id:
+                log.info("worker %s: the %s of %s landed; its answer was lost", self.worker_id,
+                         what, key)
+                return fresh
+            log.info("worker %s: an unanswered write of %s landed; repeating the %s on it",
+                     self.worker_id, key, what)
+            if not self.held.refresh(held, fresh, held.unanswered[landed]):
+                self._let_go(fresh, what)  # given up meanwhile; the write made it ours
+                return None
+            return self._attempt(held, write, what)
         if handoff.is_request_to_hand_off(held.lease, current, self.worker_id):
             assert current is not None
             log.info("worker %s: %s asks for lease %s", self.worker_id, current.lease_owner, key)
             held.lease = handoff.as_handing_off(held.lease, current, self.worker_id)
             held.handoff_since = self._clock()
-            try:
-                return write(held.lease)
-            except LeaseLostError:
-                pass
+            # repeated as the handing-off holder (an attempt of its own: its answer may be
+            # lost too); refused again, the lease is dropped there
+            return self._attempt(held, write, what)
         owner = current.lease_owner if current is not None else None
         self.held.drop(key, f"taken by another worker ({what} found it changed; owner now "
                             f"{owner or 'nobody'})", held)
         return None
+
+    def _landed(self, held: HeldLease, current: Lease) -> Lease:
+        """``current``, an item one of this worker's writes of ``held`` produced (its answer
+        lost), as that write's result. A handoff request written after it (it does not bump
+        the counter, so ``current`` shows it) is taken up as a refused write takes it up:
+        ``held`` goes to the handing-off state and the caller announces it."""
+        fresh = current.copy(concurrency_token=held.lease.concurrency_token)
+        if handoff.is_request_to_hand_off(
+                held.lease.copy(lease_counter=current.lease_counter), current, self.worker_id):
+            log.info("worker %s: %s asks for lease %s", self.worker_id, current.lease_owner,
+                     current.lease_key)
+            held.lease = handoff.as_handing_off(held.lease, current, self.worker_id)
+            held.handoff_since = self._clock()
+        return fresh
 
     def _read(self, lease_key: str) -> Lease | None:
         """The current item after a failed condition, for endpoints that do not return it."""
@@ -330,4 +371,27 @@ class LeaseFence:
         except TABLE_ERRORS as exc:
             log.warning("worker %s: reading %s failed: %r", self.worker_id, lease_key, exc)
             return None
+
+
+def own_write(expected: Lease, current: Lease | None, write_ids: set[str]) -> str | None:
+    """Which of ``write_ids`` - ids of this worker's writes of ``expected``, each conditioned
+    on its counter - produced ``current``, the item after one of them was refused; None if
+    none did. One did when the item carries its id (``Lease.last_write``) at the counter it
+    set, ``expected``'s plus one.
+
+    Why this cannot be fooled (docs/leases.md, "A write whose answer was lost"): an id is
+    random and stamped by one write alone, re-sent only by the SDK's retries of that same
+    request, and a conditional write applies all its changes or none; so an item carrying
+    it had that write applied. Every later change that bumps the counter (any holder's
+    write, a take, an adoption, a leader's assignment, an operator's write, a Java worker's
+    write) leaves the counter above ``expected + 1``, so at that counter the item is the
+    write's result plus only changes that leave the counter alone (a handoff request, a
+    leader's notice, child shard ids, recovery requests). Owner and counter alone would be
+    ambiguous: an earlier write of the same worker from the same counter that got no answer
+    leaves both the same, and taking it for the current one would report a checkpoint
+    written that was not, or date a renewal later than it happened."""
+    if (current is None or current.last_write is None
+            or current.lease_counter != expected.lease_counter + 1):
+        return None
+    return current.last_write if current.last_write in write_ids else None
 

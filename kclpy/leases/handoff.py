@@ -13,6 +13,11 @@ The states of one lease, as the table shows them:
                                 starts from A's last checkpoint.
 ==============================  =====================================================
 
+A lease parked while it is handed off (A's ``park`` processor-error policy marks it through
+A's fence, as the handing-off holder) is never adopted: A's release removes both names,
+cancelling the handoff (the lease ends unowned and parked, as an operator's park leaves it),
+and B forgets a parked lease whatever state it is in (``next_step``).
+
 A finds out it was asked when its next fenced write (renewal or checkpoint) fails and the
 item it gets back names it as ``checkpointOwner`` with an unchanged counter; it then repeats
 the write as the handing-off holder. B finds out A let go by reading the lease (its scans,
@@ -86,8 +91,15 @@ def next_step(
     when the handoff was asked (asking does not bump it, so a read still at that counter
     naming another owner is older than the request - reads may be eventually consistent);
     ``expired``: its counter stood still for longer than the failover time; ``overdue``:
-    the handoff has waited longer than the handoff timeout plus the failover time."""
-    if lease is None:
+    the handoff has waited longer than the handoff timeout plus the failover time.
+
+    A parked lease (``kclpyParked``: the holder's ``park`` processor-error policy marked it
+    while handing it off, or an operator parked it) is forgotten whatever the rest says:
+    nobody may start a consumer on it until an operator resumes it, so there is nothing to
+    wait for. Its holder's release cancels the handoff (``LeaseTable.evict``); a holder that
+    died before releasing leaves the request behind, which the requester must not complete
+    by a take either."""
+    if lease is None or lease.parked is not None:
         return Step.FORGET
     if lease.lease_owner != worker_id:
         return Step.WAIT if lease.lease_counter <= asked_at_counter else Step.FORGET

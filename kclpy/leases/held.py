@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kclpy.leases.lease import Lease
 from kclpy.metrics import LEASES_EXPIRED, LEASES_HELD, LEASES_LOST, NOWHERE, Metrics
@@ -36,6 +36,12 @@ class HeldLease:
     tenure: int
     #: clock() when another worker asked for this lease (graceful handoff), or None
     handoff_since: float | None = None
+    #: the writes of this lease sent since the last one known to have landed whose answer
+    #: never came (an error after the request left: it may have landed), by write id
+    #: (``Lease.write_id``), each with the clock() reading when it was sent. The fence
+    #: recognises one of them in the item when a later write is refused by the counter it
+    #: moved, and dates the lease from its sending, never later (``LeaseFence._attempt``).
+    unanswered: dict[str, float] = field(default_factory=dict)
 
 
 class HeldSet:
@@ -123,6 +129,8 @@ class HeldSet:
                        and lease.assignment_notice != entry.lease.assignment_notice)
             entry.lease = lease
             entry.renewed_at = sent_at
+            # a write from the counter these were sent at landed: none of them can land now
+            entry.unanswered.clear()
             if observed:
                 entry.renew_due = sent_at + self.renewer_interval_s
             on_notice = self._on_notice if noticed else None

@@ -8,6 +8,7 @@ written by newer Java KCL versions are kept untouched because we never rewrite a
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -71,6 +72,15 @@ class Lease:
     #: changed and the holder then looks for its new leases at once, instead of querying the
     #: owner index every half failover time (``leader.py``). Java KCL workers ignore it.
     assignment_notice: str | None = field(default=None, compare=False)
+    #: kclpy's own ``kclpyWrite``: the id of the holder's write (renewal, checkpoint, release,
+    #: any write through ``LeaseFence``) that last changed the item. Each such write stamps a
+    #: fresh random id; a writer whose answer was lost finds its own id here, at the counter
+    #: its write set, and knows the write landed (``fence.py``). Java KCL workers ignore it.
+    last_write: str | None = field(default=None, compare=False)
+    #: In memory only: the id the next holder's write of this copy stamps (``last_write``),
+    #: chosen by the fence so that it knows the id even when the write gets no answer. None:
+    #: the write draws a fresh one (``new_write_id``).
+    write_id: str | None = field(default=None, compare=False)
     #: In memory only, never persisted: a fresh value each time this worker takes the lease,
     #: so a checkpointer created for an earlier tenure cannot write into a later one.
     concurrency_token: str | None = field(default=None, compare=False)
@@ -107,6 +117,12 @@ class Lease:
 
     def copy(self, **changes: Any) -> Lease:
         return dataclasses.replace(self, **changes)
+
+
+def new_write_id() -> str:
+    """A fresh ``Lease.write_id``: 96 random bits, so no other write - by this worker or any
+    other - ever stamps the same one."""
+    return secrets.token_hex(12)
 
 
 def new_incarnation(stream_epoch: float | None, now: float | None = None) -> str:

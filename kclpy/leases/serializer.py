@@ -48,6 +48,10 @@ KCLPY_HOLDER = "kclpyHolder"
 #: kclpy's own: a leader's notice to the lease's holder that it was assigned more leases
 #: (``Lease.assignment_notice``); Java workers neither read nor clear it
 ASSIGNMENT_NOTICE = "kclpyAssignmentNotice"
+#: kclpy's own: the id of the holder's write that last changed the lease (``Lease.last_write``),
+#: so that a writer whose answer was lost can recognise its own write in the item
+#: (``fence.py``); Java workers neither read nor clear it
+WRITE_ID = "kclpyWrite"
 #: Java multi-stream leases: the serialised stream identifier (named so for legacy reasons)
 #: and the bare shard id, beside a key that joins them
 STREAM_NAME = "streamName"
@@ -149,6 +153,7 @@ def lease_from_item(item: Mapping[str, AttributeValueTypeDef]) -> Lease:
         incarnation=_str(item, INCARNATION),
         kclpy_holder=_str(item, KCLPY_HOLDER),
         assignment_notice=_str(item, ASSIGNMENT_NOTICE),
+        last_write=_str(item, WRITE_ID),
     )
 
 

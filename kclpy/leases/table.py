@@ -26,7 +26,7 @@ from kclpy.leases.dynamo import (
     LeaseTableThrottled,
     cancellation_reasons,
 )
-from kclpy.leases.lease import Lease
+from kclpy.leases.lease import Lease, new_write_id
 from kclpy.leases.serializer import UpdateBuilder, key_of, n, s, ss
 from kclpy.position import Position
 from kclpy.retry import THROTTLED, TRANSACTION_CANCELED, classify, error_code
@@ -249,9 +249,13 @@ class LeaseTable(DynamoTable):
         Normally the owner is removed and any worker may take the lease. During a handoff
         (``checkpoint_owner`` set) only ``checkpointOwner`` is removed, as Java 3.x does: that
         completes the handoff and ``leaseOwner`` already names the worker that takes over.
+        A parked lease (the holder's ``park`` policy marked it during the handoff) cancels
+        the handoff instead: both names go, as an operator's park removes them, so the
+        lease is left to nobody until it is resumed - never to a worker that would start a
+        consumer on it (``handoff.next_step``).
         """
         update = UpdateBuilder()
-        if lease.checkpoint_owner is None:
+        if lease.checkpoint_owner is None or lease.parked is not None:
             update.remove(ser.LEASE_OWNER)
         update.remove(ser.CHECKPOINT_OWNER)
         return self.guarded_update(lease, update)
@@ -260,7 +264,9 @@ class LeaseTable(DynamoTable):
         """Finish receiving a handed-off lease: ``lease_owner`` (the caller) already names the
         new owner and the previous owner has cleared ``checkpointOwner``. Bumping the counter
         starts the new tenure; it fails if the previous owner has not let go yet or anything
-        else changed since ``lease`` was read."""
+        else changed since ``lease`` was read, and it never adopts a parked lease (the
+        counter alone already refuses a copy read before the park; the condition states the
+        rule where it cannot be bypassed)."""
         if lease.lease_owner is None:
             raise ValueError(f"lease {lease.lease_key} has no owner to adopt it")
         update = (
@@ -271,6 +277,7 @@ class LeaseTable(DynamoTable):
             .expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter))
             .expect_owner(lease.lease_owner)
             .expect_absent(ser.CHECKPOINT_OWNER)
+            .expect_absent(ser.PARKED)
         )
         return self._update(lease.lease_key, update, lease.concurrency_token)
 
@@ -296,11 +303,12 @@ class LeaseTable(DynamoTable):
         one transaction: all or nothing. Returns ``lease`` with the counter it now has (a
         transaction returns no attributes); ``LeaseChanged`` when the lease item's condition
         failed, ``TransactionRejected`` when only the caller's items were refused."""
+        write_id = lease.write_id or new_write_id()
         update: dict[str, Any] = {
             "TableName": self.table_name,
             "Key": key_of(lease.lease_key),
             "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
-            **_guard(changes, lease).request(),
+            **_guard(changes, lease.copy(write_id=write_id)).request(),
         }
         lease_item = cast("TransactWriteItemTypeDef", {"Update": update})
         try:
@@ -323,7 +331,8 @@ class LeaseTable(DynamoTable):
             raise TransactionRejected(
                 f"transaction on lease {lease.lease_key} cancelled by its items: {codes}", reasons
             ) from exc
-        return lease.copy(lease_counter=lease.lease_counter + 1)
+        return lease.copy(lease_counter=lease.lease_counter + 1, last_write=write_id,
+                          write_id=None)
 
     def set_checkpoint_owner(self, lease: Lease, new_owner: str) -> Lease:
         """Start a Java KCL 3.x graceful handoff of ``lease`` to ``new_owner``.
@@ -433,8 +442,11 @@ def _guard(changes: UpdateBuilder, lease: Lease) -> UpdateBuilder:
     lease state): the counter bumped, the counter held and the holder expected - and the
     incarnation held, when the item has one: a lease deleted and created again starts its
     counter over, so the same holder and counter alone could name another item than the
-    one this worker took (a stale holder of a deleted lease writing into its successor)."""
+    one this worker took (a stale holder of a deleted lease writing into its successor).
+    Stamped with the write's id (``lease.write_id``, else a fresh one), so that a writer
+    whose answer is lost can recognise its write in the item (``LeaseFence``)."""
     update = changes.copy().set(ser.LEASE_COUNTER, n(lease.lease_counter + 1))
+    update.set(ser.WRITE_ID, s(lease.write_id or new_write_id()))
     _expect_holder(update.expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter)), lease)
     if lease.incarnation is not None:
         update.expect_equal(ser.INCARNATION, s(lease.incarnation))

@@ -492,8 +492,8 @@ class LeaseTaker:
             except TABLE_ERRORS as exc:
                 log.warning("worker %s: reading %s failed: %r", self.worker_id, key, exc)
                 continue
-            if lease is None or lease.lease_owner != self.worker_id:
-                continue
+            if lease is None or lease.lease_owner != self.worker_id or lease.parked is not None:
+                continue  # a parked lease is nobody's until it is resumed (handoff.next_step)
             self._balancer.observe_one(lease, self._clock())
             if lease.checkpoint_owner is None:
                 fresh = self._take(lease, stolen=False)
