@@ -22,6 +22,7 @@ from kclpy.local import (
     start_moto_server,
 )
 from kclpy.local.kinesis_mock import node_runtime
+from tests.support import lock
 from tests.support.e2e import EndToEnd
 
 # The lease tests' in-process table and clock (tests/support/leases.py); a module that
@@ -70,6 +71,11 @@ _HEAVY_FILES = frozenset({
 
 #: more workers than this only add heavy tests competing with each other for nothing
 _MOST_XDIST_WORKERS = 4
+
+
+def pytest_report_header() -> str:
+    """Whether this run has the committed lock's releases or others (tests/support/lock.py)."""
+    return lock.status().header()
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:

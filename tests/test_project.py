@@ -35,6 +35,97 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert f"python -m {runner}" in ci
 
 
+def test_the_test_command_installs_through_the_committed_lock() -> None:
+    pip = readme_commands()[1].partition(" && ")[0]
+    assert pip.endswith(" -c .ci/constraints.txt"), pip
+
+
+def test_the_lock_pins_every_dependency_the_test_command_installs() -> None:
+    """A dependency added to setup.cfg without moving the lock forward (.ci/lock) would be
+    installed at whatever release is newest: the lock would no longer hold the run still."""
+    import configparser
+
+    from packaging.requirements import Requirement
+
+    from tests.support.lock import canonical, pins
+
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    lines = setup["options"]["install_requires"].splitlines()
+    for extra in ("test", "spark", "local", "sql"):
+        lines += setup["options.extras_require"][extra].splitlines()
+    locked = pins()
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        requirement = Requirement(line)
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            continue
+        name = canonical(requirement.name)
+        assert name in locked, f"{name} is not in .ci/constraints.txt: run .ci/lock"
+        assert requirement.specifier.contains(locked[name]), (
+            f"setup.cfg wants {requirement}, the lock pins {locked[name]}: run .ci/lock")
+
+
+def test_the_run_header_says_whether_the_lock_was_installed(tmp_path: Path) -> None:
+    from tests.support.lock import status
+
+    lock = tmp_path / "constraints.txt"
+    lock.write_text('# a comment\npytest==0.0.1\nno-such-dist-kclpy==1.0\n'
+                    'skipped==1.0; python_version < "3"\n')
+    text = status(lock).header()
+    assert text.startswith("dependencies: NOT the committed lock"), text
+    assert "2 of 2 pins differ" in text and "no-such-dist-kclpy absent (lock 1.0)" in text
+    from importlib.metadata import version
+
+    lock.write_text(f"pytest=={version('pytest')}\n")
+    assert status(lock).header().startswith("dependencies: the committed lock"), text
+
+
+#: what an install line may name besides this checkout: kclpy's own distribution, and the
+#: other distributions the docs mean on purpose (the bench's baseline, the Java daemon's app)
+OTHER_DISTRIBUTIONS = frozenset({"async-kinesis", "amazon_kclpy", "amazon-kclpy"})
+
+
+def install_lines() -> list[tuple[str, str]]:
+    """Every ``pip install ...`` in the README, docs, examples, kclpy's hints and the bench."""
+    found: list[tuple[str, str]] = []
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+             *sorted((ROOT / "examples").rglob("*.py")), *sorted((ROOT / "kclpy").rglob("*.py")),
+             *sorted((ROOT / "bench").rglob("*.py")), *sorted((ROOT / "localstack").rglob("*"))]
+    for path in files:
+        if not path.is_file():
+            continue
+        for match in re.finditer(r"pip install ([^\n`\"]+)", path.read_text()):
+            command = re.split(r"&&|\|\||;|\)", match.group(1))[0]
+            found.append((str(path.relative_to(ROOT)), command.strip()))
+    return found
+
+
+def test_every_install_line_names_this_distribution() -> None:
+    """``pip install kclpy`` installs an unrelated 2016 project: every hint and doc must name
+    the distribution this checkout builds (setup.cfg's name), or the checkout itself."""
+    import configparser
+
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    ours = setup["metadata"]["name"]
+    assert ours != "kclpy"
+    lines = install_lines()
+    assert any(ours in line for _, line in lines)
+    for where, line in lines:
+        for word in line.split():
+            word = word.strip("'.,;:)(")
+            if not word or word.startswith(("-", ".", "/", "$", "<")) or "=" in word:
+                continue
+            name = re.split(r"[\[<>=!~ ]", word, maxsplit=1)[0]
+            if name in ("e", "q", "U") or not re.fullmatch(r"[A-Za-z][\w.-]*", name):
+                continue
+            assert name == ours or name in OTHER_DISTRIBUTIONS, (
+                f"{where}: `pip install {line}` names {name!r}, not {ours!r}")
+
+
 def test_configuration_reference_lists_every_option() -> None:
     reference = (ROOT / "docs" / "configuration.md").read_text()
     for option in OPTIONS:
