@@ -52,7 +52,7 @@ REGION = "us-east-1"
 STREAM = "recovery"
 #: what one shard serves a polling application at most
 KINESIS_READ_BYTES_PER_S = 2 * 1024 * 1024
-#: recovery's bound holds over any window of this length (issue 16)
+#: recovery's bound holds over any window of this length (the lag-recovery rate promise)
 WINDOW_S = 10
 
 

@@ -268,7 +268,7 @@ def test_running_count_example_counts_the_demo_stream_once_per_record(tmp_path: 
 
 @pytest.mark.integration
 def test_a_stream_created_again_is_counted_again_on_the_sql_store(tmp_path: Path) -> None:
-    """Issue 22, hole 4: the same command twice, each run on a fresh embedded stream (same
+    """The simulator's hole 4 (FOUND.md): the same command twice, each run on a fresh embedded stream (same
     name, same shard ids) and lease table. The store's position is of the first stream: the
     second run must not skip its records as committed, and says what it did."""
     url = f"sqlite:///{tmp_path / 'counts.db'}"

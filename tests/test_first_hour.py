@@ -1,4 +1,4 @@
-"""The mistakes and paths of a user's first hour (issue 29): each ends in one clear line, and
+"""The mistakes and paths of a user's first hour: each ends in one clear line, and
 ``--local`` never leaves the machine.
 
 Every run is a child process started the way the console script starts (its folder, not the

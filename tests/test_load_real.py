@@ -1,6 +1,6 @@
 """``--lease-assignment load`` over real HTTP: three ``kclpy-worker`` processes on kinesis-mock
 and kclpy.local's DynamoDB (conditional writes atomic), eight shards of which two carry a
-quarter of the traffic each, the shape of issue 28's measurement (count-based assignment left
+quarter of the traffic each, the shape of the load-assignment measurement (count-based assignment left
 the busiest worker at 1.75 x the average).
 
 The fleet must settle where the scale simulator (``tests/simulation/scale.py``, the same

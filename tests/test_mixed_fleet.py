@@ -127,7 +127,7 @@ def test_a_take_after_asking_counts_an_owner_switch(table: LeaseTable) -> None:
 
 
 def test_a_request_to_a_java_holder_whose_requester_died_is_undone(table: LeaseTable) -> None:
-    """The stuck lease of issue 27: ``leaseOwner=<dead requester>, checkpointOwner=<java>``,
+    """The stuck lease a mixed-fleet review found: ``leaseOwner=<dead requester>, checkpointOwner=<java>``,
     renewed by Java for ever. Another kclpy worker gives it back to Java, which keeps
     renewing it undisturbed."""
     clock = Clock()
