@@ -47,6 +47,15 @@ def test_every_documented_rule_parses() -> None:
         assert firing(rule, empty) == []
 
 
+def test_every_rule_says_how_bad_and_what_to_do() -> None:
+    """Alertmanager routes on ``severity`` and a pager shows ``summary``/``description``: a
+    rule without them pages someone with a bare name."""
+    for rule in documented_rules():
+        assert rule.labels.get("severity") in ("critical", "warning"), rule.alert
+        assert rule.annotations.get("summary"), rule.alert
+        assert len(rule.annotations.get("description", "")) > 20, rule.alert
+
+
 def test_the_old_rule_fired_on_a_busy_worker_and_the_new_one_does_not() -> None:
     """Checkpoints every batch renew the leases: the renewal counter stays at 0."""
     scrapes = Scrapes()

@@ -269,6 +269,9 @@ class Rule:
     alert: str
     expr: str
     for_s: float = 0.0
+    #: the rule's ``labels:`` and ``annotations:`` (one level, ``key: value`` lines)
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
 
 
 def firing(rule: Rule, data: Scrapes, *, time_scale: float = 1.0) -> list[float]:
@@ -306,21 +309,37 @@ def _scale(expr: Expr, time_scale: float) -> None:
 
 def rules_from_yaml_block(text: str) -> list[Rule]:
     """The ``- alert:`` entries of a Prometheus rules file as docs/operations.md shows it
-    (``expr:`` on one line or as a ``|`` block, optional ``for:``); no YAML library needed."""
+    (``expr:`` on one line or as a ``|`` block, optional ``for:``, ``labels:`` and
+    ``annotations:`` of one level); no YAML library needed."""
     rules: list[Rule] = []
     lines = text.splitlines()
     index = 0
     current: dict[str, str] = {}
+    maps: dict[str, dict[str, str]] = {"labels": {}, "annotations": {}}
+    inside: str | None = None
 
     def flush() -> None:
         if current:
             rules.append(Rule(current["alert"], current["expr"],
-                              parse_duration(current["for"]) if "for" in current else 0.0))
+                              parse_duration(current["for"]) if "for" in current else 0.0,
+                              dict(maps["labels"]), dict(maps["annotations"])))
             current.clear()
+            for values in maps.values():
+                values.clear()
 
+    def indent_of(line: str) -> int:
+        return len(line) - len(line.lstrip())
+
+    map_indent = 0
     while index < len(lines):
-        line = lines[index].strip()
+        raw = lines[index]
+        line = raw.strip()
         index += 1
+        if inside is not None and line and indent_of(raw) > map_indent:
+            key, _, value = line.partition(":")
+            maps[inside][key.strip()] = value.strip().strip('"')
+            continue
+        inside = None
         if line.startswith("- alert:"):
             flush()
             current["alert"] = line.split(":", 1)[1].strip()
@@ -328,15 +347,18 @@ def rules_from_yaml_block(text: str) -> list[Rule]:
             value = line.split(":", 1)[1].strip()
             if value == "|":
                 body = []
-                indent = len(lines[index]) - len(lines[index].lstrip())
-                while index < len(lines) and (len(lines[index]) - len(lines[index].lstrip())
-                                              >= indent) and lines[index].strip():
+                indent = indent_of(lines[index])
+                while index < len(lines) and indent_of(lines[index]) >= indent and (
+                        lines[index].strip()):
                     body.append(lines[index].strip())
                     index += 1
                 value = " ".join(body)
             current["expr"] = value
         elif line.startswith("for:"):
             current["for"] = line.split(":", 1)[1].strip()
+        elif line in ("labels:", "annotations:"):
+            inside = line[:-1]
+            map_indent = indent_of(raw)
     flush()
     return rules
 
