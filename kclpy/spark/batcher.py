@@ -660,16 +660,41 @@ class _BatchingProcessor(IRecordProcessor):
     def __init__(self, batcher: MicroBatcher) -> None:
         self._batcher = batcher
         self._shard: _Shard | None = None
+        self._lease_key: str | None = None
+        self._stream: str | None = None
+        #: shard_ended checkpointed SHARD_END: only a parent's recovered gaps come now
+        self._ended = False
 
     def initialize(self, initialize_input: InitializeInput) -> None:
-        self._shard = self._batcher._register(initialize_input.shard_id,
-                                              initialize_input.stream_name)
+        self._lease_key = initialize_input.shard_id
+        self._stream = initialize_input.stream_name
+        self._shard = self._batcher._register(self._lease_key, self._stream)
 
     def process_records(self, process_records_input: ProcessRecordsInput) -> None:
+        if self._ended:
+            self._process_after_shard_end(process_records_input)
+            return
         assert self._shard is not None
         self._batcher._offer(self._shard, process_records_input.records,
                              process_records_input.checkpointer,
                              process_records_input.is_recovery)
+
+    def _process_after_shard_end(self, process_records_input: ProcessRecordsInput) -> None:
+        """A recovered gap's batch of a shard that ended (the consumer recovers what is
+        still queued before letting the lease go): committed before this returns, in a
+        shard entry of its own that is forgotten again, so a finished shard leaves nothing
+        in the batcher. Dropping it would leave the gap queued for the lease's next owner."""
+        assert self._lease_key is not None
+        shard = self._batcher._register(self._lease_key, self._stream)
+        try:
+            self._batcher._offer(shard, process_records_input.records,
+                                 process_records_input.checkpointer,
+                                 process_records_input.is_recovery)
+            if not self._batcher._drain(shard, timeout=None):
+                log.warning("shard %s: a recovered gap's batch after the shard's end was not "
+                            "committed; the gap stays queued", self._lease_key)
+        finally:
+            self._batcher._close(shard, "recovered gap batch done")
 
     def lease_lost(self, lease_lost_input: LeaseLostInput) -> None:
         if self._shard is not None:
@@ -682,6 +707,8 @@ class _BatchingProcessor(IRecordProcessor):
         if self._batcher._drain(self._shard, timeout=None):
             shard_ended_input.checkpointer.checkpoint()
             self._batcher._close(self._shard, "shard ended")
+            self._shard = None
+            self._ended = True
 
     def shutdown_requested(self, shutdown_requested_input: ShutdownRequestedInput) -> None:
         if self._shard is None:

@@ -571,3 +571,30 @@ def test_the_commit_fence_yields_each_leases_tenure_and_refuses_a_lost_one(
     assert seen == [{"shard-a": 7, "shard-b": 9}]
     assert lost == [frozenset({"shard-b"})]
 
+
+def test_a_parents_recovered_gap_batches_after_shard_end_are_committed(
+        writer: Writer, sink: Sink) -> None:
+    """After shard_ended, the consumer hands the processor what lag recovery still has
+    queued for the parent: each such batch is committed and checkpointed through the gap's
+    checkpointer before process_records returns, not dropped for the next owner."""
+    batcher = make(sink)
+    batcher.start()
+    try:
+        a = Shard(batcher, writer, "shard-a")
+        a.deliver(records(0, 900, 2))
+        a.checkpointer.mark_shard_end()
+        a.processor.shard_ended(ShardEndedInput("shard-a", a.checkpointer))
+        gap_writer = Writer()
+        gap = Checkpointer("shard-a", gap_writer, "token", Position("1000"))
+        for start in (101, 104):
+            recovered = records(0, start, 3)
+            gap.mark_delivered(recovered[-1])
+            a.processor.process_records(
+                ProcessRecordsInput("shard-a", recovered, gap, None, is_recovery=True))
+            assert gap_writer.of("shard-a")[-1] == (recovered[-1].sequence_number, 0)
+    finally:
+        batcher.stop(10)
+    assert writer.of("shard-a") == [("1901", 0), ("SHARD_END", 0)]
+    assert gap_writer.of("shard-a") == [("1103", 0), ("1106", 0)]
+    assert sum(t.num_rows for t in sink.tables) == 8
+    assert batcher._shards == []
