@@ -553,12 +553,11 @@ class MicroBatcher:
             for p in parts)
 
     @staticmethod
-    def _guard(part: _Part) -> AbstractContextManager[Guard]:
+    def _guard(part: _Part, what: str) -> AbstractContextManager[Guard]:
         """The lease fence's guard of ``part``'s tenure (the writer and token its
         checkpointer holds: a gap's checkpointer guards the same lease and tenure)."""
         return part.checkpointer.fenced(
-            lambda writer, lease_key, token: writer.guard(lease_key, token,
-                                                          what="spark batch commit"))
+            lambda writer, lease_key, token: writer.guard(lease_key, token, what=what))
 
     @staticmethod
     def _by_lease(parts: Sequence[_Part]) -> dict[str, _Part]:
@@ -574,7 +573,7 @@ class MicroBatcher:
         lost = set()
         for lease_key, part in self._by_lease(parts).items():
             try:
-                with self._guard(part):
+                with self._guard(part, "spark batch"):
                     pass
             except ShutdownException:
                 lost.add(lease_key)
@@ -588,7 +587,7 @@ class MicroBatcher:
         with ExitStack() as stack:
             for lease_key, part in self._by_lease(parts).items():
                 try:
-                    guards[lease_key] = stack.enter_context(self._guard(part))
+                    guards[lease_key] = stack.enter_context(self._guard(part, "spark sink commit"))
                 except ShutdownException:
                     lost.add(lease_key)
             if lost:
