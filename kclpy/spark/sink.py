@@ -49,7 +49,6 @@ folders an earlier kclpy staged directly under ``_staging/``.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -95,7 +94,11 @@ class _Committed:
 
 @contextmanager
 def _commit_lock(root: Path) -> Iterator[None]:
-    """The folder's commit lock: one committer at a time, across threads and processes."""
+    """The folder's commit lock: one committer at a time, across threads and processes.
+    (``fcntl`` is imported here: POSIX only, and ``kclpy.spark`` must still import
+    elsewhere.)"""
+    import fcntl
+
     path = root / COMMIT_LOCK
     with _GUARD:
         thread_lock = _THREAD_LOCKS.setdefault(str(path.resolve()), threading.Lock())
@@ -169,6 +172,8 @@ class ParquetSink:
     def _start(self) -> None:
         """Once per sink: take this sink's staging lock and remove the staging folders of
         sinks that hold theirs no more (killed part way through a write)."""
+        import fcntl
+
         if self._staging_lock is not None:
             return
         self._staging_root.mkdir(parents=True, exist_ok=True)
