@@ -170,10 +170,12 @@ class BatchInfo:
     #: 0 for the first call of this batch, then 1, 2, ... for retries
     attempt: int
     #: enter around the sink's commit (None outside a batcher: nothing to fence on). It
-    #: holds every part's lease through the lease fence's ``guard`` - renewals and the
-    #: release of a handoff that gave up wait for the block, so the lease cannot move
-    #: inside it - and yields each lease key's ``Guard`` (``tenure``: the lease counter the
-    #: tenure started at). Raises :class:`FencedOut` when a lease is no longer held.
+    #: holds every part's lease through the lease fence's ``guard`` - this worker's
+    #: renewals, checkpoints and release of the lease (the one a graceful handoff waits
+    #: for) wait for the block - and yields each lease key's ``Guard`` (``tenure``: the
+    #: lease counter the tenure started at). Raises :class:`FencedOut` when a lease is no
+    #: longer held. Another worker taking the lease once it expired here does not wait, so
+    #: a sink also stores the tenure with each commit and refuses an earlier one's.
     commit_fence: CommitFence | None = field(default=None, compare=False, repr=False)
 
 
@@ -522,12 +524,21 @@ class MicroBatcher:
                 self._foreach_batch(df, batch_id)
                 return info, parts
             except FencedOut as exc:
-                # Nothing was committed; the refused parts go, the rest is called again now.
-                log.warning("batch %s: the sink refused %s; calling again without them",
-                            batch_id, exc)
-                parts = self._drop_fenced(parts, exc.lease_keys, "sink's commit fenced out")
-                table, attempt = None, 0
-                continue
+                # Nothing was committed; the refused parts go, the rest is called again now
+                # (a refusal naming none of them is an ordinary failure: backed off below).
+                kept = self._drop_fenced(parts, exc.lease_keys & {p.shard.lease_key
+                                                                  for p in parts},
+                                         "sink's commit fenced out")
+                if len(kept) != len(parts):
+                    log.warning("batch %s: the sink refused %s; calling again without them",
+                                batch_id, exc)
+                    parts, table, attempt = kept, None, 0
+                    continue
+                self.stats.foreach_batch_failures += 1
+                self._m.inc(SPARK_FOREACH_BATCH_FAILURES)
+                delay = backoff.next_delay()
+                log.error("foreach_batch for batch %s refused leases it does not hold (%s); "
+                          "retrying in %.2fs", batch_id, exc, delay)
             except Exception:
                 self.stats.foreach_batch_failures += 1
                 self._m.inc(SPARK_FOREACH_BATCH_FAILURES)
