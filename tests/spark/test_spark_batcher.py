@@ -598,3 +598,29 @@ def test_a_parents_recovered_gap_batches_after_shard_end_are_committed(
     assert gap_writer.of("shard-a") == [("1103", 0), ("1106", 0)]
     assert sum(t.num_rows for t in sink.tables) == 8
     assert batcher._shards == []
+
+
+def test_a_fenced_out_naming_none_of_the_batchs_leases_is_retried_like_a_failure(
+        writer: Writer, sink: Sink) -> None:
+    """A sink's FencedOut that names no lease of the batch drops nothing: it is an ordinary
+    failure, retried with the same id after a backoff (never a tight loop of re-calls)."""
+    from kclpy.spark.batcher import FencedOut
+
+    batcher = make(sink)
+    a = Shard(batcher, writer, "shard-a")
+    a.deliver(records(0, 0, 2))
+    ids: list[str] = []
+
+    def foreach_batch(df: pa.Table, batch_id: str) -> None:
+        ids.append(batch_id)
+        if len(ids) == 1:
+            raise FencedOut({"shard-z"}, "not this batch's")
+        sink(df, batch_id)
+
+    batcher._foreach_batch = foreach_batch
+
+    assert batcher.run_once() is not None
+
+    assert len(ids) == 2 and ids[0] == ids[1]
+    assert batcher.stats.foreach_batch_failures == 1 and batcher.stats.fenced_parts == 0
+    assert writer.of("shard-a") == [("1001", 0)]
