@@ -22,18 +22,28 @@ Why the pieces look the way they do:
 - A checkpoint refused with ``ShutdownException`` means another worker owns the shard now;
   its part of the batch was written but stays un-checkpointed, and the new owner reads it
   again from the last checkpoint. That is logged and counted, never raised into the loop.
+- Before each call of ``foreach_batch`` every part's lease is asked of the lease fence (its
+  ``guard``: held in the tenure the records were read in, and renewed within the failover
+  time). A part whose lease is gone is dropped from the batch before Spark sees it: its new
+  owner reads those records again, and a zombie that kept handing them to the sink would
+  write them a second time. A sink that commits (``ParquetSink``) goes further: it commits
+  inside ``BatchInfo.commit_fence``, which holds every part's lease for the commit and gives
+  its tenure, and raises :class:`FencedOut` for the parts it refuses; the batcher then drops
+  those parts and calls again with the rest.
 """
 
 from __future__ import annotations
 
 import contextvars
+import functools
 import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kclpy.checkpoint import Checkpointer
 from kclpy.errors import (
@@ -61,10 +71,14 @@ from kclpy.records import Record
 from kclpy.retry import Backoff
 from kclpy.spark.arrow import Decoder, records_to_table
 
+if TYPE_CHECKING:
+    from kclpy.leases.fence import Guard
+
 __all__ = [
     "BatchInfo",
     "BatchOptions",
     "BatcherStats",
+    "FencedOut",
     "ForeachBatch",
     "MicroBatcher",
     "ShardRange",
@@ -132,6 +146,20 @@ class ShardRange:
     is_recovery: bool = False
 
 
+#: ``BatchInfo.commit_fence``: entered around a sink's commit, yields each lease key's Guard
+CommitFence = Callable[[], AbstractContextManager[Mapping[str, "Guard"]]]
+
+
+class FencedOut(ShutdownException):
+    """Raised (by the batcher's commit fence, or by a sink) when some of a batch's leases are
+    no longer this worker's: nothing of the batch was committed. ``lease_keys`` names them;
+    the batcher drops their parts and calls ``foreach_batch`` again with the rest."""
+
+    def __init__(self, lease_keys: Collection[str], why: str) -> None:
+        super().__init__(f"lease(s) {', '.join(sorted(lease_keys))}: {why}")
+        self.lease_keys = frozenset(lease_keys)
+
+
 @dataclass(frozen=True)
 class BatchInfo:
     """What a sink may want besides the DataFrame; see :func:`current_batch`."""
@@ -141,6 +169,14 @@ class BatchInfo:
     ranges: tuple[ShardRange, ...]
     #: 0 for the first call of this batch, then 1, 2, ... for retries
     attempt: int
+    #: enter around the sink's commit (None outside a batcher: nothing to fence on). It
+    #: holds every part's lease through the lease fence's ``guard`` - this worker's
+    #: renewals, checkpoints and release of the lease (the one a graceful handoff waits
+    #: for) wait for the block - and yields each lease key's ``Guard`` (``tenure``: the
+    #: lease counter the tenure started at). Raises :class:`FencedOut` when a lease is no
+    #: longer held. Another worker taking the lease once it expired here does not wait, so
+    #: a sink also stores the tenure with each commit and refuses an earlier one's.
+    commit_fence: CommitFence | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -154,6 +190,8 @@ class BatcherStats:
     lost_checkpoints: int = 0
     #: shard parts not checkpointed for any other reason (after retries)
     failed_checkpoints: int = 0
+    #: shard parts dropped from a batch, unwritten, because the lease fence refused them
+    fenced_parts: int = 0
 
 
 _CURRENT: contextvars.ContextVar[BatchInfo | None] = contextvars.ContextVar(
@@ -432,43 +470,49 @@ class MicroBatcher:
         return parts
 
     def _run_batch(self, parts: list[_Part]) -> BatchInfo | None:
-        ranges = tuple(
-            ShardRange(
-                p.shard.lease_key,
-                p.records[0].sequence_number, p.records[0].sub_sequence_number,
-                p.records[-1].sequence_number, p.records[-1].sub_sequence_number,
-                len(p.records), p.is_recovery)
-            for p in parts)
-        batch_id = batch_id_for(self.stream, ranges)
         try:
-            info = self._call_until_success(parts, batch_id, ranges)
-            if info is None:
+            done = self._call_until_success(parts)
+            if done is None:
                 return None
-            count = sum(r.count for r in ranges)
+            info, written = done
+            count = sum(r.count for r in info.ranges)
             self.stats.batches += 1
             self.stats.records += count
             self._m.inc(SPARK_BATCHES)
             self._m.inc(SPARK_RECORDS, by=count)
-            for part in parts:
+            for part in written:
                 self._checkpoint(part)
             return info
         finally:
             self._release(parts)
 
     def _call_until_success(
-        self, parts: list[_Part], batch_id: str, ranges: tuple[ShardRange, ...]
-    ) -> BatchInfo | None:
-        """Call foreach_batch until it returns; None if the batcher stopped meanwhile.
+        self, parts: list[_Part]
+    ) -> tuple[BatchInfo, list[_Part]] | None:
+        """Call foreach_batch until it returns: the batch as written and its parts. None if
+        the batcher stopped meanwhile, or every part's lease was lost.
 
         The table is built inside the retried block: a decoder that raises must hold the
         batch back like a failing sink does, since skipping it would let the shards' next
-        batches checkpoint past records that never reached Spark.
+        batches checkpoint past records that never reached Spark. Before each call the
+        parts whose lease the fence no longer lets through are dropped (their records are
+        the new owner's to write), and so are those a sink refused with ``FencedOut``; the
+        rest is a new batch, with its own id.
         """
         backoff = Backoff(self.options.retry_base_s, self.options.retry_cap_s)
         attempt = 0
         table = None
         while True:
-            info = BatchInfo(batch_id, self.stream, ranges, attempt)
+            kept = self._drop_fenced(parts, self._lost_leases(parts), "lease lost before "
+                                     "foreach_batch")
+            if len(kept) != len(parts):
+                parts, table, attempt = kept, None, 0
+            if not parts:
+                return None
+            ranges = self._ranges(parts)
+            batch_id = batch_id_for(self.stream, ranges)
+            info = BatchInfo(batch_id, self.stream, ranges, attempt,
+                             commit_fence=functools.partial(self._commit_fence, parts))
             token = _CURRENT.set(info)
             try:
                 if table is None:
@@ -478,7 +522,23 @@ class MicroBatcher:
                                                for p in parts if p.shard.stream})
                 df = self._spark.createDataFrame(table)
                 self._foreach_batch(df, batch_id)
-                return info
+                return info, parts
+            except FencedOut as exc:
+                # Nothing was committed; the refused parts go, the rest is called again now
+                # (a refusal naming none of them is an ordinary failure: backed off below).
+                kept = self._drop_fenced(parts, exc.lease_keys & {p.shard.lease_key
+                                                                  for p in parts},
+                                         "sink's commit fenced out")
+                if len(kept) != len(parts):
+                    log.warning("batch %s: the sink refused %s; calling again without them",
+                                batch_id, exc)
+                    parts, table, attempt = kept, None, 0
+                    continue
+                self.stats.foreach_batch_failures += 1
+                self._m.inc(SPARK_FOREACH_BATCH_FAILURES)
+                delay = backoff.next_delay()
+                log.error("foreach_batch for batch %s refused leases it does not hold (%s); "
+                          "retrying in %.2fs", batch_id, exc, delay)
             except Exception:
                 self.stats.foreach_batch_failures += 1
                 self._m.inc(SPARK_FOREACH_BATCH_FAILURES)
@@ -492,6 +552,76 @@ class MicroBatcher:
                 log.warning("batcher stopped while batch %s was failing; its records stay "
                             "un-checkpointed and will be read again", batch_id)
                 return None
+
+    @staticmethod
+    def _ranges(parts: Sequence[_Part]) -> tuple[ShardRange, ...]:
+        return tuple(
+            ShardRange(
+                p.shard.lease_key,
+                p.records[0].sequence_number, p.records[0].sub_sequence_number,
+                p.records[-1].sequence_number, p.records[-1].sub_sequence_number,
+                len(p.records), p.is_recovery)
+            for p in parts)
+
+    @staticmethod
+    def _guard(part: _Part, what: str) -> AbstractContextManager[Guard]:
+        """The lease fence's guard of ``part``'s tenure (the writer and token its
+        checkpointer holds: a gap's checkpointer guards the same lease and tenure)."""
+        return part.checkpointer.fenced(
+            lambda writer, lease_key, token: writer.guard(lease_key, token, what=what))
+
+    @staticmethod
+    def _by_lease(parts: Sequence[_Part]) -> dict[str, _Part]:
+        """One part per lease key (a live part and a gap's share the lease and its lock),
+        in key order, so that the locks of several leases are always taken in one order."""
+        first: dict[str, _Part] = {}
+        for part in parts:
+            first.setdefault(part.shard.lease_key, part)
+        return dict(sorted(first.items()))
+
+    def _lost_leases(self, parts: Sequence[_Part]) -> set[str]:
+        """The lease keys of ``parts`` the fence no longer lets this tenure write."""
+        lost = set()
+        for lease_key, part in self._by_lease(parts).items():
+            try:
+                with self._guard(part, "spark batch"):
+                    pass
+            except ShutdownException:
+                lost.add(lease_key)
+        return lost
+
+    @contextmanager
+    def _commit_fence(self, parts: Sequence[_Part]) -> Iterator[Mapping[str, Guard]]:
+        """``BatchInfo.commit_fence``: every part's lease held for the block."""
+        guards: dict[str, Guard] = {}
+        lost: set[str] = set()
+        with ExitStack() as stack:
+            for lease_key, part in self._by_lease(parts).items():
+                try:
+                    guards[lease_key] = stack.enter_context(self._guard(part, "spark sink commit"))
+                except ShutdownException:
+                    lost.add(lease_key)
+            if lost:
+                raise FencedOut(lost, "no longer held by this worker's tenure")
+            yield guards
+
+    def _drop_fenced(self, parts: list[_Part], lease_keys: Collection[str],
+                     why: str) -> list[_Part]:
+        """``parts`` without those of ``lease_keys``, whose shards are closed: their records
+        were not written and are read again by whoever holds the lease now."""
+        if not lease_keys:
+            return parts
+        kept = []
+        for part in parts:
+            if part.shard.lease_key not in lease_keys:
+                kept.append(part)
+                continue
+            self.stats.fenced_parts += 1
+            self._m.inc(SPARK_LOST_CHECKPOINTS)
+            log.warning("shard %s: %s; its %d record(s) are left to the lease's new owner",
+                        part.shard.lease_key, why, len(part.records))
+            self._close(part.shard, why)
+        return kept
 
     def _checkpoint(self, part: _Part) -> None:
         last = part.records[-1]
@@ -540,16 +670,41 @@ class _BatchingProcessor(IRecordProcessor):
     def __init__(self, batcher: MicroBatcher) -> None:
         self._batcher = batcher
         self._shard: _Shard | None = None
+        self._lease_key: str | None = None
+        self._stream: str | None = None
+        #: shard_ended checkpointed SHARD_END: only a parent's recovered gaps come now
+        self._ended = False
 
     def initialize(self, initialize_input: InitializeInput) -> None:
-        self._shard = self._batcher._register(initialize_input.shard_id,
-                                              initialize_input.stream_name)
+        self._lease_key = initialize_input.shard_id
+        self._stream = initialize_input.stream_name
+        self._shard = self._batcher._register(self._lease_key, self._stream)
 
     def process_records(self, process_records_input: ProcessRecordsInput) -> None:
+        if self._ended:
+            self._process_after_shard_end(process_records_input)
+            return
         assert self._shard is not None
         self._batcher._offer(self._shard, process_records_input.records,
                              process_records_input.checkpointer,
                              process_records_input.is_recovery)
+
+    def _process_after_shard_end(self, process_records_input: ProcessRecordsInput) -> None:
+        """A recovered gap's batch of a shard that ended (the consumer recovers what is
+        still queued before letting the lease go): committed before this returns, in a
+        shard entry of its own that is forgotten again, so a finished shard leaves nothing
+        in the batcher. Dropping it would leave the gap queued for the lease's next owner."""
+        assert self._lease_key is not None
+        shard = self._batcher._register(self._lease_key, self._stream)
+        try:
+            self._batcher._offer(shard, process_records_input.records,
+                                 process_records_input.checkpointer,
+                                 process_records_input.is_recovery)
+            if not self._batcher._drain(shard, timeout=None):
+                log.warning("shard %s: a recovered gap's batch after the shard's end was not "
+                            "committed; the gap stays queued", self._lease_key)
+        finally:
+            self._batcher._close(shard, "recovered gap batch done")
 
     def lease_lost(self, lease_lost_input: LeaseLostInput) -> None:
         if self._shard is not None:
@@ -562,6 +717,8 @@ class _BatchingProcessor(IRecordProcessor):
         if self._batcher._drain(self._shard, timeout=None):
             shard_ended_input.checkpointer.checkpoint()
             self._batcher._close(self._shard, "shard ended")
+            self._shard = None
+            self._ended = True
 
     def shutdown_requested(self, shutdown_requested_input: ShutdownRequestedInput) -> None:
         if self._shard is None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import threading
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,8 @@ import pytest
 
 from kclpy.checkpoint import Checkpointer
 from kclpy.errors import ShutdownException, ThrottlingException
+from kclpy.leases.fence import Guard
+from kclpy.leases.lease import Lease
 from kclpy.position import Position
 from kclpy.processor import (
     InitializeInput,
@@ -35,13 +39,29 @@ FAST = BatchOptions(min_interval_s=0.0, max_interval_s=0.05, retry_base_s=0.001,
 
 class Writer(CheckpointWriterBase):
     """The lease table's checkpoint write, recorded; shards in ``lost`` refuse like a
-    lost lease, shards in ``throttled`` refuse ``n`` times like a throttled table."""
+    lost lease, shards in ``throttled`` refuse ``n`` times like a throttled table. Its
+    ``guard`` is the fence's as the batcher asks it: refused for a shard in ``lost`` or
+    ``fenced`` (a lease this tenure no longer holds), else the tenure in ``tenures``;
+    ``guarded`` counts the calls."""
 
     def __init__(self) -> None:
         self.writes: list[tuple[str, str, int]] = []
         self.lost: set[str] = set()
-        self.throttled: dict[str, int] = {}
+        self.fenced: set[str] = set()
+        self.tenures: dict[str, int] = {}
+        self.guarded: list[str] = []
         self.lock = threading.Lock()
+        self.throttled: dict[str, int] = {}
+
+    @contextmanager
+    def guard(self, lease_key: str, concurrency_token: str | None, *,
+              what: str) -> Iterator[Guard]:
+        with self.lock:
+            self.guarded.append(lease_key)
+            if lease_key in self.lost or lease_key in self.fenced:
+                raise ShutdownException(f"{lease_key} is owned by someone else")
+            tenure = self.tenures.get(lease_key, 1)
+        yield Guard(Lease(lease_key), tenure, lambda: None)
 
     def update_checkpoint(self, lease_key: str, concurrency_token: str,
                           position: Position) -> None:
@@ -251,15 +271,24 @@ def test_process_records_blocks_until_the_backlog_is_committed(writer: Writer,
 
 def test_lease_lost_in_flight_skips_that_shards_checkpoint_only(writer: Writer,
                                                                 sink: Sink) -> None:
+    """The fence still let the batch through before foreach_batch; the checkpoint after it
+    finds the lease gone."""
     batcher = make(sink, BatchOptions(max_pending_per_shard=2, min_interval_s=0.0,
                                       max_interval_s=1.0))
     a, b = Shard(batcher, writer, "shard-a"), Shard(batcher, writer, "shard-b")
     blocked = a.deliver_in_thread(records(0, 0, 4))
     b.deliver(records(1, 0, 1))
-    writer.lost.add("shard-a")
+    original = sink.__call__
+
+    def lose_during_call(df: pa.Table, batch_id: str) -> None:
+        writer.lost.add("shard-a")
+        original(df, batch_id)
+
+    batcher._foreach_batch = lose_during_call
 
     batcher.run_once()
 
+    assert sum(t.num_rows for t in sink.tables) == 5
     assert batcher.stats.lost_checkpoints == 1
     assert writer.of("shard-a") == []
     assert writer.of("shard-b") == [("2000", 0)]
@@ -450,3 +479,148 @@ def test_the_batch_id_tells_a_recovered_range_from_a_live_one() -> None:
     assert batch_id_for("s", [live]) != batch_id_for("s", [recovered])
     other = ShardRange("a", "10", 0, "12", 0, 3)
     assert batch_id_for("s", [other, recovered]) == batch_id_for("s", [recovered, other])
+
+
+def test_a_part_whose_lease_the_fence_refuses_is_not_handed_to_foreach_batch(
+        writer: Writer, sink: Sink) -> None:
+    """The lease of shard-a moved before the batch started: its records are the new
+    owner's to write. The batch holds shard-b's alone, and shard-a's are not batched again."""
+    batcher = make(sink)
+    a, b = Shard(batcher, writer, "shard-a"), Shard(batcher, writer, "shard-b")
+    a.deliver(records(0, 0, 3))
+    b.deliver(records(1, 0, 2))
+    writer.fenced.add("shard-a")
+
+    info = batcher.run_once()
+
+    assert info is not None
+    assert [r.shard_id for r in info.ranges] == ["shard-b"]
+    (table,) = sink.tables
+    assert set(table.column("shard_id").to_pylist()) == {"shard-b"}
+    assert writer.of("shard-a") == [] and writer.of("shard-b") == [("2001", 0)]
+    assert batcher.stats.fenced_parts == 1
+    a.deliver(records(0, 3, 1))
+    assert batcher.run_once() is None
+
+
+def test_a_sink_that_raises_fenced_out_gets_the_batch_again_without_those_parts(
+        writer: Writer, sink: Sink) -> None:
+    """A sink's commit found shard-a committed by a later tenure (FencedOut): nothing was
+    committed, so the batcher calls again at once with shard-b's part only, under its own id,
+    and checkpoints shard-b alone."""
+    from kclpy.spark.batcher import FencedOut
+
+    batcher = make(sink)
+    a, b = Shard(batcher, writer, "shard-a"), Shard(batcher, writer, "shard-b")
+    a.deliver(records(0, 0, 3))
+    b.deliver(records(1, 0, 2))
+    calls: list[tuple[str, ...]] = []
+
+    def foreach_batch(df: pa.Table, batch_id: str) -> None:
+        info = current_batch()
+        assert info is not None
+        calls.append(tuple(sorted(r.shard_id for r in info.ranges)))
+        if len(calls) == 1:
+            raise FencedOut({"shard-a"}, "a later tenure committed")
+        sink(df, batch_id)
+
+    batcher._foreach_batch = foreach_batch
+
+    info = batcher.run_once()
+
+    assert calls == [("shard-a", "shard-b"), ("shard-b",)]
+    assert info is not None and info.attempt == 0
+    assert batcher.stats.foreach_batch_failures == 0
+    assert writer.of("shard-a") == [] and writer.of("shard-b") == [("2001", 0)]
+
+
+def test_the_commit_fence_yields_each_leases_tenure_and_refuses_a_lost_one(
+        writer: Writer) -> None:
+    """``BatchInfo.commit_fence`` guards each lease once (a live part and a gap's share it),
+    yields its tenure, and raises FencedOut naming the leases no longer held."""
+    from kclpy.spark.batcher import FencedOut
+
+    seen: list[dict[str, int]] = []
+    lost: list[frozenset[str]] = []
+
+    def foreach_batch(df: pa.Table, batch_id: str) -> None:
+        info = current_batch()
+        assert info is not None and info.commit_fence is not None
+        with info.commit_fence() as guards:
+            seen.append({key: guard.tenure for key, guard in guards.items()})
+        writer.fenced.add("shard-b")
+        try:
+            with info.commit_fence():
+                raise AssertionError("entered the commit fence of a lost lease")
+        except FencedOut as exc:
+            lost.append(exc.lease_keys)
+
+    batcher = MicroBatcher(FakeSpark(), foreach_batch, stream="orders", options=FAST)
+    a, b = Shard(batcher, writer, "shard-a"), Shard(batcher, writer, "shard-b")
+    writer.tenures.update({"shard-a": 7, "shard-b": 9})
+    gap = Checkpointer("shard-a", writer, "token", Position("1000"))
+    recovered = records(0, 101, 2)
+    gap.mark_delivered(recovered[-1])
+    a.deliver(records(0, 900, 2))
+    a.processor.process_records(
+        ProcessRecordsInput("shard-a", recovered, gap, None, is_recovery=True))
+    b.deliver(records(1, 0, 1))
+
+    assert batcher.run_once() is not None
+
+    assert seen == [{"shard-a": 7, "shard-b": 9}]
+    assert lost == [frozenset({"shard-b"})]
+
+
+def test_a_parents_recovered_gap_batches_after_shard_end_are_committed(
+        writer: Writer, sink: Sink) -> None:
+    """After shard_ended, the consumer hands the processor what lag recovery still has
+    queued for the parent: each such batch is committed and checkpointed through the gap's
+    checkpointer before process_records returns, not dropped for the next owner."""
+    batcher = make(sink)
+    batcher.start()
+    try:
+        a = Shard(batcher, writer, "shard-a")
+        a.deliver(records(0, 900, 2))
+        a.checkpointer.mark_shard_end()
+        a.processor.shard_ended(ShardEndedInput("shard-a", a.checkpointer))
+        gap_writer = Writer()
+        gap = Checkpointer("shard-a", gap_writer, "token", Position("1000"))
+        for start in (101, 104):
+            recovered = records(0, start, 3)
+            gap.mark_delivered(recovered[-1])
+            a.processor.process_records(
+                ProcessRecordsInput("shard-a", recovered, gap, None, is_recovery=True))
+            assert gap_writer.of("shard-a")[-1] == (recovered[-1].sequence_number, 0)
+    finally:
+        batcher.stop(10)
+    assert writer.of("shard-a") == [("1901", 0), ("SHARD_END", 0)]
+    assert gap_writer.of("shard-a") == [("1103", 0), ("1106", 0)]
+    assert sum(t.num_rows for t in sink.tables) == 8
+    assert batcher._shards == []
+
+
+def test_a_fenced_out_naming_none_of_the_batchs_leases_is_retried_like_a_failure(
+        writer: Writer, sink: Sink) -> None:
+    """A sink's FencedOut that names no lease of the batch drops nothing: it is an ordinary
+    failure, retried with the same id after a backoff (never a tight loop of re-calls)."""
+    from kclpy.spark.batcher import FencedOut
+
+    batcher = make(sink)
+    a = Shard(batcher, writer, "shard-a")
+    a.deliver(records(0, 0, 2))
+    ids: list[str] = []
+
+    def foreach_batch(df: pa.Table, batch_id: str) -> None:
+        ids.append(batch_id)
+        if len(ids) == 1:
+            raise FencedOut({"shard-z"}, "not this batch's")
+        sink(df, batch_id)
+
+    batcher._foreach_batch = foreach_batch
+
+    assert batcher.run_once() is not None
+
+    assert len(ids) == 2 and ids[0] == ids[1]
+    assert batcher.stats.foreach_batch_failures == 1 and batcher.stats.fenced_parts == 0
+    assert writer.of("shard-a") == [("1001", 0)]
