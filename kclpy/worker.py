@@ -293,7 +293,7 @@ class Worker:
         while True:
             attempt += 1
             try:
-                # the streams first: a misspelled stream creates nothing (a first-hour review's finding)
+                # the streams first: a misspelled stream creates nothing (a first-hour finding)
                 self.streams.refresh(starting=True)
                 self.lease_table.create_if_missing()
                 if self._load is not None:
@@ -308,7 +308,7 @@ class Worker:
                 raise
             except Exception as exc:
                 self.metrics.inc(INITIALIZATION_FAILURES, type(exc).__name__)
-                # credentials or permissions: retrying cannot help (a first-hour review's finding)
+                # credentials or permissions: retrying cannot help (a first-hour finding)
                 if retries.gives_up(attempt) or cannot_heal(exc):
                     raise
                 log.warning("worker %s: start-up attempt %d of %d failed (%s: %s); retrying "

@@ -143,6 +143,24 @@ def test_bad_flags_exit_2_naming_the_option(
     _one_line_naming(capsys.readouterr().err, option)
 
 
+@pytest.mark.integration
+def test_a_busy_metrics_port_exits_2_naming_the_option(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """EADDRINUSE used to end the run with a bare traceback and exit 1."""
+    import socket
+
+    monkeypatch.chdir(ROOT)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = worker_main(["--local", "--processor",
+                            "examples/printing_processor.py:PrintingProcessor",
+                            "--stop-when-caught-up", "--metrics-port", str(port)])
+    assert code == 2
+    _one_line_naming(capsys.readouterr().err, "--metrics-port")
+
+
 @pytest.mark.parametrize(("text", "option"), [c[1:] for c in BAD_PROPERTIES],
                          ids=[c[0] for c in BAD_PROPERTIES])
 def test_bad_properties_exit_2_naming_the_key(
@@ -268,9 +286,10 @@ def test_running_count_example_counts_the_demo_stream_once_per_record(tmp_path: 
 
 @pytest.mark.integration
 def test_a_stream_created_again_is_counted_again_on_the_sql_store(tmp_path: Path) -> None:
-    """The simulator's hole 4 (FOUND.md): the same command twice, each run on a fresh embedded stream (same
-    name, same shard ids) and lease table. The store's position is of the first stream: the
-    second run must not skip its records as committed, and says what it did."""
+    """The simulator's hole 4 (FOUND.md): the same command twice, each run on a fresh
+    embedded stream (same name, same shard ids) and lease table. The store's position is of
+    the first stream: the second run must not skip its records as committed, and says what
+    it did."""
     url = f"sqlite:///{tmp_path / 'counts.db'}"
     command = _worker_command("--local", "--processor", "examples/running_count.py:RunningCount",
                               "--state-store", url, "--stop-when-caught-up")

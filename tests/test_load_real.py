@@ -1,7 +1,7 @@
 """``--lease-assignment load`` over real HTTP: three ``kclpy-worker`` processes on kinesis-mock
 and kclpy.local's DynamoDB (conditional writes atomic), eight shards of which two carry a
-quarter of the traffic each, the shape of the load-assignment measurement (count-based assignment left
-the busiest worker at 1.75 x the average).
+quarter of the traffic each, the shape of the load-assignment measurement (count-based
+assignment left the busiest worker at 1.75 x the average).
 
 The fleet must settle where the scale simulator (``tests/simulation/scale.py``, the same
 lease and load code on the in-memory DynamoDB in virtual time) settles on the same traffic

@@ -127,9 +127,9 @@ def test_a_take_after_asking_counts_an_owner_switch(table: LeaseTable) -> None:
 
 
 def test_a_request_to_a_java_holder_whose_requester_died_is_undone(table: LeaseTable) -> None:
-    """The stuck lease a mixed-fleet review found: ``leaseOwner=<dead requester>, checkpointOwner=<java>``,
-    renewed by Java for ever. Another kclpy worker gives it back to Java, which keeps
-    renewing it undisturbed."""
+    """The stuck lease a mixed-fleet review found: ``leaseOwner=<dead requester>,
+    checkpointOwner=<java>``, renewed by Java for ever. Another kclpy worker gives it back
+    to Java, which keeps renewing it undisturbed."""
     clock = Clock()
     for key in ("s1", "s2"):
         assert table.create(Lease(key))

@@ -28,6 +28,7 @@ same way ``kclpy status`` measures it, so both always agree on what "behind" mea
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import socket
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import exposition
 
+from kclpy.errors import ConfigError
 from kclpy.metrics import LAG_WEBHOOK_EVENTS
 from kclpy.ops.lag import Lag, LagAlerts, LagProbe, LagTracker, Observation, report_to_json
 from kclpy.ops.webhook import Webhook
@@ -296,6 +298,15 @@ class _LagSampler:
         return probe.measure(shard_id, checkpoint, sub)
 
 
+def _bind_error(host: str, port: int, exc: OSError) -> ConfigError:
+    """A port in use or not ours to bind is the port option's fault; an address this host
+    does not have is the host option's: either is a configuration error (exit 2), said in
+    one line, not a traceback."""
+    option = "--metrics-port" if exc.errno in (errno.EADDRINUSE, errno.EACCES) else (
+        "--metrics-host")
+    return ConfigError(option, f"cannot serve on {host}:{port}: {exc.strerror or exc}")
+
+
 class RunningServer:
     """A started ops endpoint. ``stop()`` closes the socket and ends its threads."""
 
@@ -353,8 +364,11 @@ def serve_worker(
     POSTed every status change (``kclpy.ops.webhook``).
     """
     tracker = LagTracker(lag_window_s) if lag_window_s is not None else None
-    httpd = _Server((host, port), worker, tracker, clock, max_connections=max_connections,
-                    timeout_s=timeout_s)
+    try:
+        httpd = _Server((host, port), worker, tracker, clock, max_connections=max_connections,
+                        timeout_s=timeout_s)
+    except OSError as exc:
+        raise _bind_error(host, port, exc) from None
     sampler = None
     webhook = None
     if tracker is not None:
