@@ -20,8 +20,9 @@ from kclpy.position import Position
 from kclpy.processor import InitializeInput
 from kclpy.state.processor import ExactlyOnceProcessor
 from kclpy.state.sql import SQLStateStore
+from kclpy.state.transaction import Versioned
 from tests.support.determinism import Clock
-from tests.support.state import Counter, Shard, rec, runner, stored_state
+from tests.support.state import Counter, Ops, Shard, rec, runner, stored_state
 from tests.support.streams import unique_name
 
 
@@ -170,3 +171,28 @@ def test_a_checkpoints_table_of_an_earlier_version_gets_the_incarnation_column(
     store.open(None)
     with store.engine.connect() as conn:
         assert conn.execute(sa.select(store.checkpoints)).all() == [("s1", 4, "12", 0, None)]
+
+
+def test_a_state_table_of_an_earlier_version_gets_the_incarnation_column_and_stays_usable(
+        table: LeaseTable, tmp_path: Path) -> None:
+    """Upgraded in place: the rows an earlier kclpy wrote are read and updated as they
+    were, and a key created now gets an incarnation."""
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "CREATE TABLE kclpy_state (state_key VARCHAR(1024) PRIMARY KEY, "
+            "state_value TEXT NOT NULL, version BIGINT NOT NULL)")
+        conn.exec_driver_sql("INSERT INTO kclpy_state VALUES ('k', '7', 3)")
+    store = SQLStateStore(url)
+    store.open(None)
+    shard = Shard(table, "s1", "A", Clock())
+    adapter = runner(store, Ops())
+    shard.deliver(adapter, [rec(10, "add:1")])
+    fresh = SQLStateStore(url)
+    assert fresh.read("k") == Versioned(8, 4)
+    fresh.forget(["k"])
+    shard.deliver(adapter, [rec(11, "del")])  # a commit each: the key gone, then created
+    shard.deliver(adapter, [rec(12, "set:1")])
+    created = fresh.read("k")
+    assert (created.value, created.version) == (1, 1) and created.incarnation is not None

@@ -1,15 +1,17 @@
 """State in a SQL database (SQLAlchemy Core): SQLite on one host, PostgreSQL across hosts.
 
 Three tables, named after ``prefix``: ``<prefix>`` holds one row per key (``state_key``,
-``state_value`` as JSON text, ``version``), ``<prefix>_checkpoints`` one row per shard
+``state_value`` as JSON text, ``version``, ``incarnation``: drawn when the key is created,
+so a key deleted and created again - its version starting over - is told from its former
+life; NULL in rows written before the column), ``<prefix>_checkpoints`` one row per shard
 (``lease_key``, ``tenure``, ``checkpoint``, ``sub_sequence_number``, ``incarnation``) and
 ``<prefix>_gaps`` one row per lag-recovery gap a commit covered (``lease_key``, ``gap``: the
 position the gap starts after, ``checkpoint``, ``sub_sequence_number``). A commit is one database
 transaction that locks the shard's checkpoint row, checks that it still carries this worker's
 tenure (the lease counter the tenure started at: ``LeaseFence.guard``), writes every state
-change conditioned on the version it was read at, and moves the checkpoint. A worker that
-takes a shard first stamps the row with its own, larger tenure (``begin_tenure``), so a
-zombie's commit finds a newer tenure and is rejected whole; it waits on the row lock for a
+change conditioned on the version and incarnation it was read at, and moves the checkpoint. A
+worker that takes a shard first stamps the row with its own, larger tenure (``begin_tenure``),
+so a zombie's commit finds a newer tenure and is rejected whole; it waits on the row lock for a
 commit already under way, so the position it then reads includes that commit.
 
 Here the store, not the lease table, holds the truth: the lease item's checkpoint is brought
@@ -57,9 +59,11 @@ log = logging.getLogger(__name__)
 #: stays small keeps row locks short
 MAX_ITEMS = 10_000
 MAX_BYTES = 64_000_000
-#: the checkpoint row's column naming the lease incarnation its tenures belong to
+#: the checkpoint row's column naming the lease incarnation its tenures belong to, and the
+#: state row's naming the life of its key (``Versioned.incarnation``)
 INCARNATION = "incarnation"
 INCARNATION_LENGTH = 100
+KEY_INCARNATION_LENGTH = 32
 #: marks a key the transaction read but did not write
 _READ_ONLY = object()
 
@@ -109,7 +113,8 @@ class SQLStateStore:
             prefix, meta,
             sa.Column("state_key", sa.String(1024), primary_key=True),
             sa.Column("state_value", sa.Text, nullable=False),
-            sa.Column("version", sa.BigInteger, nullable=False))
+            sa.Column("version", sa.BigInteger, nullable=False),
+            sa.Column(INCARNATION, sa.String(KEY_INCARNATION_LENGTH)))
         self.checkpoints = sa.Table(
             f"{prefix}_checkpoints", meta,
             sa.Column("lease_key", sa.String(1024), primary_key=True),
@@ -137,13 +142,15 @@ class SQLStateStore:
             self._meta.create_all(self.engine)
         except DBAPIError:
             self._meta.create_all(self.engine)
-        self._add_incarnation_column()
+        self._add_incarnation_column(self.checkpoints, INCARNATION_LENGTH)
+        self._add_incarnation_column(self.state, KEY_INCARNATION_LENGTH)
 
-    def _add_incarnation_column(self) -> None:
-        """A checkpoints table created before rows named their lease incarnation gets the
-        column (rows without one are judged by tenure alone, as they were)."""
+    def _add_incarnation_column(self, table: sa.Table, length: int) -> None:
+        """A table created before its rows had an incarnation gets the column. Checkpoint
+        rows without one are judged by tenure alone, as they were; state rows without one
+        are read and updated as they were (their NULL is checked like any incarnation)."""
         def missing() -> bool:
-            columns = sa.inspect(self.engine).get_columns(self.checkpoints.name)
+            columns = sa.inspect(self.engine).get_columns(table.name)
             return INCARNATION not in {column["name"] for column in columns}
 
         if not missing():
@@ -152,8 +159,8 @@ class SQLStateStore:
         try:
             with self.engine.begin() as conn:
                 conn.exec_driver_sql(
-                    f"ALTER TABLE {quote(self.checkpoints.name)} ADD COLUMN "
-                    f"{quote(INCARNATION)} VARCHAR({INCARNATION_LENGTH})")
+                    f"ALTER TABLE {quote(table.name)} ADD COLUMN "
+                    f"{quote(INCARNATION)} VARCHAR({length})")
         except DBAPIError:
             if missing():  # not another worker's ALTER that won the race
                 raise
@@ -163,9 +170,11 @@ class SQLStateStore:
 
     def _fetch(self, key: str) -> Versioned:
         with self.engine.connect() as conn:
-            row = conn.execute(sa.select(self.state.c.state_value, self.state.c.version)
-                               .where(self.state.c.state_key == key)).first()
-        return Versioned(None, 0) if row is None else Versioned(json.loads(row[0]), row[1])
+            c = self.state.c
+            row = conn.execute(sa.select(c.state_value, c.version, c.incarnation)
+                               .where(c.state_key == key)).first()
+        return (Versioned(None, 0) if row is None
+                else Versioned(json.loads(row.state_value), row.version, row.incarnation))
 
     def begin_tenure(
         self, writer: CheckpointWriter, lease_key: str, token: str
@@ -330,25 +339,31 @@ class SQLStateStore:
 
     def _write(self, conn: Connection, txn: StateTransaction) -> None:
         """Every key in sorted order (two committers lock shared keys in the same order, so
-        PostgreSQL never has to break a deadlock between them)."""
+        PostgreSQL never has to break a deadlock between them). A key is as it was read
+        when both its version and its incarnation are: the version alone starts over when
+        the key is deleted and created again."""
         c = self.state.c
         for key in sorted(txn.versions):
-            version = txn.versions[key]
-            same = sa.and_(c.state_key == key, c.version == version)
+            version, incarnation = txn.versions[key], txn.incarnations[key]
+            same = sa.and_(c.state_key == key, c.version == version,
+                           c.incarnation.is_(None) if incarnation is None
+                           else c.incarnation == incarnation)
             value = txn.writes.get(key, _READ_ONLY)
             if version == 0 and (value is _READ_ONLY or value is DELETED):
                 self._check_absent(conn, key)
             elif value is _READ_ONLY:
-                found = conn.execute(sa.select(c.version).where(c.state_key == key)
-                                     .with_for_update(read=True)).scalar()
-                if (found or 0) != version:
+                found = conn.execute(sa.select(c.version, c.incarnation)
+                                     .where(c.state_key == key)
+                                     .with_for_update(read=True)).first()
+                if found is None or (found.version, found.incarnation) != (version, incarnation):
                     raise _conflict(key, version)
             elif value is DELETED:
                 if conn.execute(sa.delete(self.state).where(same)).rowcount != 1:
                     raise _conflict(key, version)
             elif version == 0:
                 conn.execute(sa.insert(self.state).values(
-                    state_key=key, state_value=_json(value), version=1))
+                    state_key=key, state_value=_json(value), version=1,
+                    incarnation=incarnation))
             elif conn.execute(sa.update(self.state).where(same).values(
                     state_value=_json(value), version=version + 1)).rowcount != 1:
                 raise _conflict(key, version)

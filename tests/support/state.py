@@ -44,6 +44,20 @@ class Counter(StatefulProcessor):
         txn.update(f"sum/{key}", lambda n: n + int(number), 0)
 
 
+class Ops(StatefulProcessor):
+    """Each record one operation on ``k``: ``add:N``, ``set:N``, ``del`` or ``del-if:N``
+    (delete when ``k`` is N)."""
+
+    def apply(self, record: Record, txn: StateTransaction) -> None:
+        op, _, number = record.binary_data.decode().partition(":")
+        if op == "add":
+            txn.update("k", lambda n: n + int(number), 0)
+        elif op == "set":
+            txn.put("k", int(number))
+        elif op == "del" or txn.get("k") == int(number):
+            txn.delete("k")
+
+
 def rec(seq: int, data: str, sub: int = 0) -> Record:
     """Record ``seq`` (sub-sequence ``sub``) carrying ``data``."""
     return Record(str(seq), "pk", None, sub, data.encode())
