@@ -706,6 +706,53 @@ def test_a_delete_on_a_stale_cache_of_a_key_created_again_is_refused(
     assert stored_state(store_a) == {"k": 100}
 
 
+# -- a key only read is checked at commit (review: write skew through a read-only key) -------
+
+
+class OnCall(StatefulProcessor):
+    """While ``watched`` is 0, set ``mine`` to 1: two shards guard each other's key, so at
+    most one of the two may ever be 1. ``meanwhile`` runs between the read and the commit."""
+
+    def __init__(self, watched: str, mine: str, meanwhile: Callable[[], None] | None = None
+                 ) -> None:
+        self.watched, self.mine, self.meanwhile = watched, mine, meanwhile
+
+    def apply(self, record: Record, txn: StateTransaction) -> None:
+        if record.binary_data == b"seed":
+            txn.put("x", 0)
+            txn.put("y", 0)
+            return
+        watched = txn.get(self.watched)
+        if self.meanwhile is not None:
+            meanwhile, self.meanwhile = self.meanwhile, None
+            meanwhile()
+        if watched == 0:
+            txn.put(self.mine, 1)
+
+
+@pytest.mark.parametrize("stale_cache", [False, True], ids=["read", "stale-cache"])
+def test_a_key_only_read_and_changed_by_another_shard_refuses_the_commit(
+        table: LeaseTable, new_store: Callable[[], StateStore], stale_cache: bool) -> None:
+    """Shard 1 reads ``x`` (never writes it) and sets ``y``; shard 2 reads ``y`` and sets
+    ``x``, committing in between. Serially one of the two finds the other's 1; without a
+    check of the key only read both write 1 (write skew)."""
+    clock = Clock()
+    store_1, store_2 = new_store(), new_store()
+    one, two = Shard(table, "s1", "A", clock), Shard(table, "s2", "B", clock)
+    other = ExactlyOnceProcessor(OnCall("y", "x"), store_2)
+    other.initialize(InitializeInput("s2", "TRIM_HORIZON", 0))
+    guard = OnCall("x", "y")
+    run_1 = runner(store_1, guard)
+    one.deliver(run_1, [rec(10, "seed")])
+    assert (store_1.read("x").value, store_2.read("y").value) == (0, 0)
+    if stale_cache:
+        two.deliver(other, [rec(10, "guard")])  # store_1 still caches x = 0
+    else:
+        guard.meanwhile = lambda: two.deliver(other, [rec(10, "guard")])
+    one.deliver(run_1, [rec(11, "guard")])
+    assert stored_state(store_1) in [{"x": 1, "y": 0}, {"x": 0, "y": 1}]
+
+
 def test_a_key_written_before_keys_had_an_incarnation_is_read_updated_and_checked(
         table: LeaseTable, new_store: Callable[[], StateStore]) -> None:
     """Stored data of an earlier kclpy (no incarnation) stays readable and updatable in
