@@ -16,11 +16,13 @@ import sqlalchemy as sa
 from kclpy.errors import ShutdownException, ThrottlingException
 from kclpy.leases.lease import Lease, new_incarnation
 from kclpy.leases.table import LeaseTable
+from kclpy.metrics import Metrics
 from kclpy.position import Position
 from kclpy.processor import InitializeInput
-from kclpy.state.processor import ExactlyOnceProcessor
+from kclpy.records import Record
+from kclpy.state.processor import ExactlyOnceProcessor, StatefulProcessor
 from kclpy.state.sql import SQLStateStore
-from kclpy.state.transaction import Versioned
+from kclpy.state.transaction import StateTransaction, Versioned
 from tests.support.determinism import Clock
 from tests.support.state import Counter, Ops, Shard, rec, runner, stored_state
 from tests.support.streams import unique_name
@@ -196,3 +198,53 @@ def test_a_state_table_of_an_earlier_version_gets_the_incarnation_column_and_sta
     shard.deliver(adapter, [rec(12, "set:1")])
     created = fresh.read("k")
     assert (created.value, created.version) == (1, 1) and created.incarnation is not None
+
+
+class Probe(StatefulProcessor):
+    """Counts records into ``k``, and has each commit's own database transaction write down
+    how long its lock waits may last (PostgreSQL ``lock_timeout``, SQLite busy timeout)."""
+
+    def __init__(self, store: SQLStateStore, probe: sa.Table) -> None:
+        self.setting = (
+            sa.select(sa.func.current_setting("lock_timeout"))
+            if store.engine.dialect.name == "postgresql" else
+            sa.select(sa.literal_column("CAST(timeout AS TEXT)"))
+            .select_from(sa.text("pragma_busy_timeout")))
+        self.probe = probe
+
+    def apply(self, record: Record, txn: StateTransaction) -> None:
+        txn.update("k", lambda n: n + 1, 0)
+        txn.emit(sa.insert(self.probe).from_select(["wait"], self.setting))
+
+
+def test_a_commit_waits_on_a_hot_row_a_quarter_failover_time_then_applies_again(
+        table: LeaseTable, new_sql_store: Callable[[], SQLStateStore]) -> None:
+    """A commit holds the lease's lock (renewals of the lease wait for it), so its lock
+    waits end after a quarter of the failover time - here 0.4 s, so 100 ms - instead of the
+    store's 10 s, which would cost a renewal and the lease. The wait that runs out is
+    refused like a conflict and the record applied again, the lease's lock let go in
+    between (here the other transaction ends then)."""
+    store = new_sql_store()
+    probe = sa.Table(f"{store.state.name}_probe", sa.MetaData(), sa.Column("wait", sa.Text))
+    probe.create(store.engine)
+    shard = Shard(table, "s1", "A", Clock(), failover=0.4)
+    metrics = Metrics()
+    hot = store.engine.connect()
+    hot_txn: list[sa.RootTransaction] = []
+
+    def backoff(_: float) -> None:
+        hot_txn.pop().rollback()  # the other writer ends while the commit backs off
+
+    adapter = runner(store, Probe(store, probe), metrics=metrics, sleep=backoff)
+    shard.deliver(adapter, [rec(10, "k:1")])
+    hot_txn.append(hot.begin())  # SQLite: BEGIN IMMEDIATE, the file's write lock
+    hot.execute(sa.select(store.state).where(store.state.c.state_key == "k").with_for_update())
+    shard.deliver(adapter, [rec(11, "k:1")])
+    hot.close()
+    assert stored_state(store) == {"k": 2}
+    assert metrics.registry.get_sample_value(
+        "kclpy_state_conflicts_total", {"shard_id": "s1"}) == 1
+    with store.engine.connect() as conn:
+        waits = conn.execute(sa.select(probe.c.wait)).scalars().all()
+    assert set(waits) == {"100ms" if store.engine.dialect.name == "postgresql" else "100"}
+    assert len(waits) == 2, "the refused attempt's probe rolled back with it"

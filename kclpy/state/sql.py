@@ -21,6 +21,11 @@ skips records it covers. A commit that finds its own position already stored (th
 attempt landed, but its answer was lost) is taken as done. A gap's commit is fenced by the
 shard's row the same way but moves the gap's row, never the shard's.
 
+A claim or a commit holds the lease's lock (``LeaseFence.guard``), which the lease's renewals
+wait for; its lock waits therefore end after a quarter of the failover time (``Guard.wait_s``,
+2.5 s by default, never more than ``lock_timeout_s``), and a commit whose wait ran out is
+refused like a version conflict and applied again with the lease's lock let go (``_locked``).
+
 Tenures are counted per lease incarnation (``Lease.incarnation``, written when the lease
 item is created): the checkpoint row names the one its tenure belongs to, so a lease or a
 stream created again - its counter starting over - is recognised instead of being refused
@@ -31,7 +36,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -66,6 +72,8 @@ INCARNATION_LENGTH = 100
 KEY_INCARNATION_LENGTH = 32
 #: marks a key the transaction read but did not write
 _READ_ONLY = object()
+#: SQLite's primary result code for a lock wait that ran out (extended codes share it)
+SQLITE_BUSY = 5
 
 
 def _is_sqlite(engine: Engine) -> bool:
@@ -94,6 +102,9 @@ class SQLStateStore:
     def __init__(
         self, url: str | Engine, *, prefix: str = "kclpy_state", lock_timeout_s: float = 10.0
     ) -> None:
+        #: the longest lock wait of a read; a claim's or a commit's is shorter still when the
+        #: lease's failover time asks for it (``_locked``)
+        self.lock_timeout_s = lock_timeout_s
         if isinstance(url, Engine):
             self.engine = url
         else:
@@ -197,7 +208,7 @@ class SQLStateStore:
         is kept when the stream is the same one (every record up to it was applied), dropped
         when the stream was created again (its sequence numbers are another stream's)."""
         with writer.guard(lease_key, token, what="state claim") as guard, \
-                self.engine.begin() as conn:
+                self._locked(guard) as conn:
             row = self._lock_checkpoint(conn, lease_key)
             incarnation = guard.lease.incarnation
             if row is None:
@@ -270,7 +281,7 @@ class SQLStateStore:
         through ``writer`` - the gap's, which moves the gap in the recovery queue."""
         try:
             with writer.guard(lease_key, token, what="state commit") as guard, \
-                    self.engine.begin() as conn:
+                    self._locked(guard) as conn:
                 row = self._lock_checkpoint(conn, lease_key)
                 incarnation = guard.lease.incarnation
                 if row is None or row.tenure != guard.tenure or (
@@ -327,6 +338,35 @@ class SQLStateStore:
         self._cache.forget(keys)
 
     # -- internals ---------------------------------------------------------------------------
+
+    @contextmanager
+    def _locked(self, guard: Guard) -> Iterator[Connection]:
+        """A database transaction run while the lease's lock is held (a claim, a commit):
+        its lock waits end after ``guard.wait_s`` (a quarter of the failover time), not
+        ``lock_timeout_s``, so a hot row or a busy SQLite file never holds up the lease's
+        renewal until the lease is lost. A wait that runs out raises (nothing written): a
+        commit is then refused like a conflict (``_is_conflict``) and applied again after
+        the conflict backoff, its lease's lock let go in between; a claim fails its batch,
+        which is delivered again."""
+        wait_ms = max(1, int(min(self.lock_timeout_s, guard.wait_s) * 1000))
+        with self.engine.connect() as conn:
+            # SQLite waits at BEGIN (IMMEDIATE), before any statement of ours: its busy
+            # timeout is the connection's, set before and put back after
+            raw: Any = conn.connection.driver_connection if _is_sqlite(self.engine) else None
+            before = None if raw is None else raw.execute("PRAGMA busy_timeout").fetchone()[0]
+            if raw is not None:
+                raw.execute(f"PRAGMA busy_timeout = {wait_ms}")
+            try:
+                with conn.begin():
+                    if self.engine.dialect.name == "postgresql":
+                        conn.exec_driver_sql(f"SET LOCAL lock_timeout = {wait_ms}")
+                    yield conn
+            finally:
+                if raw is not None:
+                    # a connection broken meanwhile is the pool's to drop; its error, not
+                    # this one, is the commit's
+                    with suppress(Exception):
+                        raw.execute(f"PRAGMA busy_timeout = {before}")
 
     def _gap_row(self, lease_key: str, gap: Position) -> sa.ColumnElement[bool]:
         return sa.and_(self.gaps.c.lease_key == lease_key, self.gaps.c.gap == _gap_name(gap))
@@ -402,6 +442,10 @@ def _unavailable(lease_key: str, what: str, exc: DBAPIError) -> KinesisClientLib
 
 
 def _is_conflict(exc: DBAPIError) -> bool:
-    """PostgreSQL broke a deadlock or a serialization conflict: apply again, like a
-    version conflict."""
-    return getattr(exc.orig, "sqlstate", None) in {"40001", "40P01"}
+    """PostgreSQL broke a deadlock or a serialization conflict, or a lock wait ran out its
+    budget (PostgreSQL ``lock_not_available``, SQLite ``SQLITE_BUSY``: a hot row or file):
+    apply again, like a version conflict."""
+    if getattr(exc.orig, "sqlstate", None) in {"40001", "40P01", "55P03"}:
+        return True
+    code = getattr(exc.orig, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF == SQLITE_BUSY

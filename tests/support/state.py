@@ -66,9 +66,10 @@ def rec(seq: int, data: str, sub: int = 0) -> Record:
 class Shard:
     """One shard held through a real fence, and the checkpointer its consumer would hand out."""
 
-    def __init__(self, table: LeaseTable, key: str, worker: str, clock: Clock) -> None:
-        self.held = HeldSet(worker, renewer_interval_s=FAILOVER / 2)
-        self.fence = LeaseFence(table, self.held, failover_time_s=FAILOVER, clock=clock)
+    def __init__(self, table: LeaseTable, key: str, worker: str, clock: Clock,
+                 failover: float = FAILOVER) -> None:
+        self.held = HeldSet(worker, renewer_interval_s=failover / 2)
+        self.fence = LeaseFence(table, self.held, failover_time_s=failover, clock=clock)
         current = table.get(key)
         assert current is not None
         fresh = table.take(current, worker)
