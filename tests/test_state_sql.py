@@ -248,3 +248,22 @@ def test_a_commit_waits_on_a_hot_row_a_quarter_failover_time_then_applies_again(
         waits = conn.execute(sa.select(probe.c.wait)).scalars().all()
     assert set(waits) == {"100ms" if store.engine.dialect.name == "postgresql" else "100"}
     assert len(waits) == 2, "the refused attempt's probe rolled back with it"
+
+
+def test_a_commit_found_landed_already_leaves_no_stale_cache(
+        table: LeaseTable, new_sql_store: Callable[[], SQLStateStore]) -> None:
+    """A commit landed and its answer was lost: the batch is applied again in a new
+    transaction, whose commit finds its position stored and writes nothing. The cache must
+    not take the new transaction for what is stored - a key it created carries another
+    incarnation than the one that landed - or the next commit of the key is refused."""
+    store = new_sql_store()
+    shard = Shard(table, "s1", "A", Clock())
+    token = shard.checkpointer._token
+    assert store.begin_tenure(shard.fence, "s1", token) is None
+    for attempt in range(2):
+        txn = StateTransaction(store.read, store.limits)
+        txn.put("k", 1)
+        store.commit(shard.fence, "s1", token, Position("10"), txn)
+        if attempt == 0:  # its answer lost: the cache holds what was read before it
+            store._cache.remember({"k": Versioned(None, 0)})
+    assert store.read("k") == new_sql_store().read("k")

@@ -279,6 +279,7 @@ class SQLStateStore:
         """A gap's commit is fenced by the shard's row like a live one, but checks and moves
         the gap's own row (``<prefix>_gaps``); the lease item's copy is then updated
         through ``writer`` - the gap's, which moves the gap in the recovery queue."""
+        landed_before = False
         try:
             with writer.guard(lease_key, token, what="state commit") as guard, \
                     self._locked(guard) as conn:
@@ -296,6 +297,7 @@ class SQLStateStore:
                 if (stored is not None and stored.checkpoint is not None and Position.of(
                         stored.checkpoint, stored.sub_sequence_number) >= position):
                     log.info("shard %s: commit at %s had landed already", lease_key, position)
+                    landed_before = True
                 else:
                     self._write(conn, txn)
                     columns = {"checkpoint": position.checkpoint,
@@ -316,7 +318,12 @@ class SQLStateStore:
             if _is_conflict(exc):
                 raise TransactionRejected(f"shard {lease_key}: {exc.orig}", []) from exc
             raise _unavailable(lease_key, "commit", exc) from exc
-        self._cache.committed(txn)
+        if landed_before:
+            # What landed was an earlier attempt's: its keys created then carry that
+            # attempt's incarnations, not this one's, and its values need not be these
+            self._cache.forget(list(txn.versions))
+        else:
+            self._cache.committed(txn)
         try:
             writer.update_checkpoint(lease_key, token, position)
         except CheckpointError as exc:
