@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +73,8 @@ INCARNATION_LENGTH = 100
 KEY_INCARNATION_LENGTH = 32
 #: marks a key the transaction read but did not write
 _READ_ONLY = object()
+#: ``Connection.info`` key of the time past which a commit stops before its next statement
+_DEADLINE = "kclpy_state_deadline"
 #: SQLite's primary result code for a lock wait that ran out (extended codes share it)
 SQLITE_BUSY = 5
 
@@ -100,11 +103,13 @@ class SQLStateStore:
     limits = Limits(items=MAX_ITEMS, bytes=MAX_BYTES)
 
     def __init__(
-        self, url: str | Engine, *, prefix: str = "kclpy_state", lock_timeout_s: float = 10.0
+        self, url: str | Engine, *, prefix: str = "kclpy_state", lock_timeout_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         #: the longest lock wait of a read; a claim's or a commit's is shorter still when the
         #: lease's failover time asks for it (``_locked``)
         self.lock_timeout_s = lock_timeout_s
+        self._clock = clock
         if isinstance(url, Engine):
             self.engine = url
         else:
@@ -349,13 +354,19 @@ class SQLStateStore:
     @contextmanager
     def _locked(self, guard: Guard) -> Iterator[Connection]:
         """A database transaction run while the lease's lock is held (a claim, a commit):
-        its lock waits end after ``guard.wait_s`` (a quarter of the failover time), not
-        ``lock_timeout_s``, so a hot row or a busy SQLite file never holds up the lease's
-        renewal until the lease is lost. A wait that runs out raises (nothing written): a
+        its lock waits end within ``guard.wait_s`` (a quarter of the failover time) in all,
+        not ``lock_timeout_s`` each, so hot rows or a busy SQLite file never hold up the
+        lease's renewal until the lease is lost. A wait that runs out raises (nothing written): a
         commit is then refused like a conflict (``_is_conflict``) and applied again after
         the conflict backoff, its lease's lock let go in between; a claim fails its batch,
         which is delivered again."""
-        wait_ms = max(1, int(min(self.lock_timeout_s, guard.wait_s) * 1000))
+        budget_s = min(self.lock_timeout_s, guard.wait_s)
+        postgresql = self.engine.dialect.name == "postgresql"
+        # PostgreSQL bounds each lock wait, not their sum: each gets half the budget, and a
+        # commit past the other half stops before its next statement (``_write``). SQLite
+        # waits once, at BEGIN: the whole budget.
+        wait_ms = max(1, int(budget_s * (500 if postgresql else 1000)))
+        deadline = self._clock() + budget_s / 2 if postgresql else float("inf")
         with self.engine.connect() as conn:
             # SQLite waits at BEGIN (IMMEDIATE), before any statement of ours: its busy
             # timeout is the connection's, set before and put back after
@@ -365,10 +376,12 @@ class SQLStateStore:
                 raw.execute(f"PRAGMA busy_timeout = {wait_ms}")
             try:
                 with conn.begin():
-                    if self.engine.dialect.name == "postgresql":
+                    if postgresql:
                         conn.exec_driver_sql(f"SET LOCAL lock_timeout = {wait_ms}")
+                    conn.info[_DEADLINE] = deadline
                     yield conn
             finally:
+                conn.info.pop(_DEADLINE, None)
                 if raw is not None:
                     # a connection broken meanwhile is the pool's to drop; its error, not
                     # this one, is the commit's
@@ -390,7 +403,12 @@ class SQLStateStore:
         when both its version and its incarnation are: the version alone starts over when
         the key is deleted and created again."""
         c = self.state.c
+        deadline = conn.info.get(_DEADLINE, float("inf"))
         for key in sorted(txn.versions):
+            if self._clock() > deadline:
+                raise TransactionRejected(
+                    "state commit: lock waits took longer than the lease's renewals allow; "
+                    "applied again", [])
             version, incarnation = txn.versions[key], txn.incarnations[key]
             same = sa.and_(c.state_key == key, c.version == version,
                            c.incarnation.is_(None) if incarnation is None
