@@ -366,7 +366,7 @@ class SQLStateStore:
         # commit past the other half stops before its next statement (``_write``). SQLite
         # waits once, at BEGIN: the whole budget.
         wait_ms = max(1, int(budget_s * (500 if postgresql else 1000)))
-        deadline = self._clock() + budget_s / 2 if postgresql else float("inf")
+        deadline = self._clock() + budget_s / 2 if postgresql else None
         with self.engine.connect() as conn:
             # SQLite waits at BEGIN (IMMEDIATE), before any statement of ours: its busy
             # timeout is the connection's, set before and put back after
@@ -378,7 +378,8 @@ class SQLStateStore:
                 with conn.begin():
                     if postgresql:
                         conn.exec_driver_sql(f"SET LOCAL lock_timeout = {wait_ms}")
-                    conn.info[_DEADLINE] = deadline
+                    if deadline is not None:
+                        conn.info[_DEADLINE] = deadline
                     yield conn
             finally:
                 conn.info.pop(_DEADLINE, None)
@@ -403,9 +404,9 @@ class SQLStateStore:
         when both its version and its incarnation are: the version alone starts over when
         the key is deleted and created again."""
         c = self.state.c
-        deadline = conn.info.get(_DEADLINE, float("inf"))
+        deadline: float | None = conn.info.get(_DEADLINE)
         for key in sorted(txn.versions):
-            if self._clock() > deadline:
+            if deadline is not None and self._clock() > deadline:
                 raise TransactionRejected(
                     "state commit: lock waits took longer than the lease's renewals allow; "
                     "applied again", [])
