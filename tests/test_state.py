@@ -7,6 +7,7 @@ stores' shared cache in test_state_transaction.py and test_state_store.py."""
 from __future__ import annotations
 
 import collections
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from typing import Any
 
 import boto3
 import pytest
+import sqlalchemy as sa
 from moto import mock_aws
 
 import kclpy
@@ -41,7 +43,7 @@ from kclpy.state.store import StateStore
 from kclpy.state.transaction import StateTransaction, TransactionTooLarge, Versioned
 from tests.support.determinism import Clock
 from tests.support.e2e import worker_config
-from tests.support.state import Counter, Shard, rec, runner, stored_state
+from tests.support.state import Counter, Ops, Shard, rec, runner, stored_state
 from tests.support.streams import (
     create_stream,
     dynamodb_client,
@@ -643,3 +645,147 @@ def test_a_lease_created_again_by_a_worker_whose_clock_is_behind_is_not_refused(
         ahead.deliver(runner(new_store(), start=ahead.start), [rec(12, "k:1"), rec(13, "k:1")])
     counted = 3 if isinstance(store, SQLStateStore) else 6  # SQL: the store's position
     assert stored_state(store) == {"count/k": counted, "sum/k": counted}
+
+
+# -- a key deleted and created again is not its former life (review: lost update) -------------
+
+
+def test_a_key_deleted_and_created_again_does_not_pass_a_stale_cache_of_its_former_life(
+        table: LeaseTable, new_store: Callable[[], StateStore]) -> None:
+    """Worker A commits ``k=1`` (version 1); worker B, on another shard, deletes ``k`` and
+    creates ``k=100`` - version 1 again; A adds 1 to its cached 1. Serially that is 101: A's
+    commit must be refused, its record applied again to 100, never ``k=2``."""
+    lost_update(table, new_store)
+
+
+@pytest.mark.integration
+def test_over_http_a_key_created_again_does_not_pass_a_stale_cache_of_its_former_life(
+        embedded_endpoint: LocalEndpoint) -> None:
+    """The same on kclpy.local's DynamoDB over real HTTP (its conditions, not moto's)."""
+    client = dynamodb_client(embedded_endpoint.url)
+    lease_table = LeaseTable(client, unique_name("aba"), sleep=lambda _: None)
+    lease_table.create_if_missing()
+    for key in ("s1", "s2"):
+        assert lease_table.create(Lease(key))
+    state_table = f"{lease_table.table_name}-state"
+    lost_update(lease_table, lambda: DynamoDBStateStore(state_table, client=client))
+
+
+def lost_update(table: LeaseTable, new_store: Callable[[], StateStore]) -> None:
+    """The interleaving of the test above, asserted."""
+    clock = Clock()
+    store_a, store_b = new_store(), new_store()  # two workers' caches
+    a, b = Shard(table, "s1", "A", clock), Shard(table, "s2", "B", clock)
+    run_a = runner(store_a, Ops())
+    run_b = ExactlyOnceProcessor(Ops(), store_b)
+    run_b.initialize(InitializeInput("s2", "TRIM_HORIZON", 0))
+    a.deliver(run_a, [rec(10, "add:1")])
+    assert store_a.read("k").version == 1
+    b.deliver(run_b, [rec(10, "del")])  # two commits: the delete, then the new key
+    b.deliver(run_b, [rec(11, "set:100")])
+    assert store_b.read("k").version == 1, "the new key's version starts over"
+    a.deliver(run_a, [rec(11, "add:1")])
+    assert stored_state(store_a) == {"k": 101}
+    assert store_a.read("k") == new_store().read("k"), "A's cache holds what is stored"
+
+
+def test_a_delete_on_a_stale_cache_of_a_key_created_again_is_refused(
+        table: LeaseTable, new_store: Callable[[], StateStore]) -> None:
+    """The same for a delete: A deletes ``k`` when it is 1, and must not take its cached
+    version 1 of the former key for the key B created again as 100."""
+    clock = Clock()
+    store_a, store_b = new_store(), new_store()
+    a, b = Shard(table, "s1", "A", clock), Shard(table, "s2", "B", clock)
+    run_a = runner(store_a, Ops())
+    run_b = ExactlyOnceProcessor(Ops(), store_b)
+    run_b.initialize(InitializeInput("s2", "TRIM_HORIZON", 0))
+    a.deliver(run_a, [rec(10, "set:1")])
+    b.deliver(run_b, [rec(10, "del")])
+    b.deliver(run_b, [rec(11, "set:100")])
+    a.deliver(run_a, [rec(11, "del-if:1")])
+    assert stored_state(store_a) == {"k": 100}
+
+
+# -- a key only read is checked at commit (review: write skew through a read-only key) -------
+
+
+class OnCall(StatefulProcessor):
+    """While ``watched`` is 0, set ``mine`` to 1: two shards guard each other's key, so at
+    most one of the two may ever be 1. ``meanwhile`` runs between the read and the commit."""
+
+    def __init__(self, watched: str, mine: str, meanwhile: Callable[[], None] | None = None
+                 ) -> None:
+        self.watched, self.mine, self.meanwhile = watched, mine, meanwhile
+
+    def apply(self, record: Record, txn: StateTransaction) -> None:
+        if record.binary_data == b"seed":
+            txn.put("x", 0)
+            txn.put("y", 0)
+            return
+        watched = txn.get(self.watched)
+        if self.meanwhile is not None:
+            meanwhile, self.meanwhile = self.meanwhile, None
+            meanwhile()
+        if watched == 0:
+            txn.put(self.mine, 1)
+
+
+@pytest.mark.parametrize("stale_cache", [False, True], ids=["read", "stale-cache"])
+def test_a_key_only_read_and_changed_by_another_shard_refuses_the_commit(
+        table: LeaseTable, new_store: Callable[[], StateStore], stale_cache: bool) -> None:
+    """Shard 1 reads ``x`` (never writes it) and sets ``y``; shard 2 reads ``y`` and sets
+    ``x``, committing in between. Serially one of the two finds the other's 1; without a
+    check of the key only read both write 1 (write skew)."""
+    clock = Clock()
+    store_1, store_2 = new_store(), new_store()
+    one, two = Shard(table, "s1", "A", clock), Shard(table, "s2", "B", clock)
+    other = ExactlyOnceProcessor(OnCall("y", "x"), store_2)
+    other.initialize(InitializeInput("s2", "TRIM_HORIZON", 0))
+    guard = OnCall("x", "y")
+    run_1 = runner(store_1, guard)
+    one.deliver(run_1, [rec(10, "seed")])
+    assert (store_1.read("x").value, store_2.read("y").value) == (0, 0)
+    if stale_cache:
+        two.deliver(other, [rec(10, "guard")])  # store_1 still caches x = 0
+    else:
+        guard.meanwhile = lambda: two.deliver(other, [rec(10, "guard")])
+    one.deliver(run_1, [rec(11, "guard")])
+    assert stored_state(store_1) in [{"x": 1, "y": 0}, {"x": 0, "y": 1}]
+
+
+def test_a_key_written_before_keys_had_an_incarnation_is_read_updated_and_checked(
+        table: LeaseTable, new_store: Callable[[], StateStore]) -> None:
+    """Stored data of an earlier kclpy (no incarnation) stays readable and updatable in
+    place, and its missing incarnation is checked like any other: the key deleted and
+    created again by this version is another life."""
+    clock = Clock()
+    store_a, store_b = new_store(), new_store()
+    legacy_put(store_a, "k", 7, 1)
+    assert store_a.read("k") == Versioned(7, 1)
+    a, b = Shard(table, "s1", "A", clock), Shard(table, "s2", "B", clock)
+    run_a = runner(store_a, Ops())
+    run_b = ExactlyOnceProcessor(Ops(), store_b)
+    run_b.initialize(InitializeInput("s2", "TRIM_HORIZON", 0))
+    a.deliver(run_a, [rec(10, "add:1")])
+    assert new_store().read("k") == Versioned(8, 2)
+    legacy_put(store_a, "k", 1, 1)  # another legacy life at version 1, cached by A
+    store_a.forget(["k"])
+    assert store_a.read("k") == Versioned(1, 1)
+    b.deliver(run_b, [rec(10, "del")])
+    b.deliver(run_b, [rec(11, "set:100")])
+    a.deliver(run_a, [rec(11, "add:1")])
+    assert stored_state(store_a) == {"k": 101}
+
+
+def legacy_put(store: StateStore, key: str, value: Any, version: int) -> None:
+    """``key`` stored as kclpy stored it before keys had an incarnation."""
+    if isinstance(store, SQLStateStore):
+        with store.engine.begin() as conn:
+            conn.execute(sa.delete(store.state).where(store.state.c.state_key == key))
+            conn.execute(sa.insert(store.state).values(
+                state_key=key, state_value=json.dumps(value), version=version))
+        return
+    assert isinstance(store, DynamoDBStateStore)
+    store.table.client.put_item(TableName=store.table_name, Item={
+        "stateKey": {"S": key}, "stateValue": {"S": json.dumps(value)},
+        "stateVersion": {"N": str(version)}})

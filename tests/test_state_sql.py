@@ -16,12 +16,15 @@ import sqlalchemy as sa
 from kclpy.errors import ShutdownException, ThrottlingException
 from kclpy.leases.lease import Lease, new_incarnation
 from kclpy.leases.table import LeaseTable
+from kclpy.metrics import Metrics
 from kclpy.position import Position
 from kclpy.processor import InitializeInput
-from kclpy.state.processor import ExactlyOnceProcessor
+from kclpy.records import Record
+from kclpy.state.processor import ExactlyOnceProcessor, StatefulProcessor
 from kclpy.state.sql import SQLStateStore
+from kclpy.state.transaction import StateTransaction, Versioned
 from tests.support.determinism import Clock
-from tests.support.state import Counter, Shard, rec, runner, stored_state
+from tests.support.state import Counter, Ops, Shard, rec, runner, stored_state
 from tests.support.streams import unique_name
 
 
@@ -170,3 +173,121 @@ def test_a_checkpoints_table_of_an_earlier_version_gets_the_incarnation_column(
     store.open(None)
     with store.engine.connect() as conn:
         assert conn.execute(sa.select(store.checkpoints)).all() == [("s1", 4, "12", 0, None)]
+
+
+def test_a_state_table_of_an_earlier_version_gets_the_incarnation_column_and_stays_usable(
+        table: LeaseTable, tmp_path: Path) -> None:
+    """Upgraded in place: the rows an earlier kclpy wrote are read and updated as they
+    were, and a key created now gets an incarnation."""
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "CREATE TABLE kclpy_state (state_key VARCHAR(1024) PRIMARY KEY, "
+            "state_value TEXT NOT NULL, version BIGINT NOT NULL)")
+        conn.exec_driver_sql("INSERT INTO kclpy_state VALUES ('k', '7', 3)")
+    store = SQLStateStore(url)
+    store.open(None)
+    shard = Shard(table, "s1", "A", Clock())
+    adapter = runner(store, Ops())
+    shard.deliver(adapter, [rec(10, "add:1")])
+    fresh = SQLStateStore(url)
+    assert fresh.read("k") == Versioned(8, 4)
+    fresh.forget(["k"])
+    shard.deliver(adapter, [rec(11, "del")])  # a commit each: the key gone, then created
+    shard.deliver(adapter, [rec(12, "set:1")])
+    created = fresh.read("k")
+    assert (created.value, created.version) == (1, 1) and created.incarnation is not None
+
+
+class Probe(StatefulProcessor):
+    """Counts records into ``k``, and has each commit's own database transaction write down
+    how long its lock waits may last (PostgreSQL ``lock_timeout``, SQLite busy timeout)."""
+
+    def __init__(self, store: SQLStateStore, probe: sa.Table) -> None:
+        self.setting = (
+            sa.select(sa.func.current_setting("lock_timeout"))
+            if store.engine.dialect.name == "postgresql" else
+            sa.select(sa.literal_column("CAST(timeout AS TEXT)"))
+            .select_from(sa.text("pragma_busy_timeout")))
+        self.probe = probe
+
+    def apply(self, record: Record, txn: StateTransaction) -> None:
+        txn.update("k", lambda n: n + 1, 0)
+        txn.emit(sa.insert(self.probe).from_select(["wait"], self.setting))
+
+
+def test_a_commit_waits_on_a_hot_row_a_quarter_failover_time_then_applies_again(
+        table: LeaseTable, new_sql_store: Callable[[], SQLStateStore]) -> None:
+    """A commit holds the lease's lock (renewals of the lease wait for it), so its lock
+    waits end within a quarter of the failover time - here 0.4 s, so 100 ms - instead of the
+    store's 10 s, which would cost a renewal and the lease. The wait that runs out is
+    refused like a conflict and the record applied again, the lease's lock let go in
+    between (here the other transaction ends then)."""
+    store = new_sql_store()
+    probe = sa.Table(f"{store.state.name}_probe", sa.MetaData(), sa.Column("wait", sa.Text))
+    probe.create(store.engine)
+    shard = Shard(table, "s1", "A", Clock(), failover=0.4)
+    metrics = Metrics()
+    hot = store.engine.connect()
+    hot_txn: list[sa.RootTransaction] = []
+
+    def backoff(_: float) -> None:
+        hot_txn.pop().rollback()  # the other writer ends while the commit backs off
+
+    adapter = runner(store, Probe(store, probe), metrics=metrics, sleep=backoff)
+    shard.deliver(adapter, [rec(10, "k:1")])
+    hot_txn.append(hot.begin())  # SQLite: BEGIN IMMEDIATE, the file's write lock
+    hot.execute(sa.select(store.state).where(store.state.c.state_key == "k").with_for_update())
+    shard.deliver(adapter, [rec(11, "k:1")])
+    hot.close()
+    assert stored_state(store) == {"k": 2}
+    assert metrics.registry.get_sample_value(
+        "kclpy_state_conflicts_total", {"shard_id": "s1"}) == 1
+    with store.engine.connect() as conn:
+        waits = conn.execute(sa.select(probe.c.wait)).scalars().all()
+    # PostgreSQL: half for each wait, the sum bounded by the other half (the test below)
+    assert set(waits) == {"50ms" if store.engine.dialect.name == "postgresql" else "100"}
+    assert len(waits) == 2, "the refused attempt's probe rolled back with it"
+
+
+def test_a_commit_found_landed_already_leaves_no_stale_cache(
+        table: LeaseTable, new_sql_store: Callable[[], SQLStateStore]) -> None:
+    """A commit landed and its answer was lost: the batch is applied again in a new
+    transaction, whose commit finds its position stored and writes nothing. The cache must
+    not take the new transaction for what is stored - a key it created carries another
+    incarnation than the one that landed - or the next commit of the key is refused."""
+    store = new_sql_store()
+    shard = Shard(table, "s1", "A", Clock())
+    token = shard.checkpointer._token
+    assert store.begin_tenure(shard.fence, "s1", token) is None
+    for attempt in range(2):
+        txn = StateTransaction(store.read, store.limits)
+        txn.put("k", 1)
+        store.commit(shard.fence, "s1", token, Position("10"), txn)
+        if attempt == 0:  # its answer lost: the cache holds what was read before it
+            store._cache.remember({"k": Versioned(None, 0)})
+    assert store.read("k") == new_sql_store().read("k")
+
+
+def test_a_postgresql_commit_whose_lock_waits_add_up_past_its_budget_stops_and_applies_again(
+        table: LeaseTable, postgres_url: str) -> None:
+    """PostgreSQL bounds each lock wait, not their sum: a commit that meets one hot row
+    after another would hold the lease's lock for many waits. Past half its budget (the
+    other half is each wait's) it stops before its next statement, nothing written, and is
+    applied again like a conflict. The store's clock jumps past the budget once, as if the
+    first key's row had kept the commit waiting."""
+    readings = iter([0.0, 0.0, 0.0, 60.0])  # claim, commit start, before key 1, before key 2
+
+    def clock() -> float:
+        return next(readings, 60.0)
+
+    store = SQLStateStore(postgres_url, prefix=unique_name("sum").replace("-", "_"),
+                          clock=clock)
+    store.open(None)
+    shard = Shard(table, "s1", "A", Clock(), failover=0.4)
+    metrics = Metrics()
+    shard.deliver(runner(store, metrics=metrics, sleep=lambda _: None), [rec(10, "k:5")])
+    assert stored_state(store) == {"count/k": 1, "sum/k": 5}
+    assert metrics.registry.get_sample_value(
+        "kclpy_state_conflicts_total", {"shard_id": "s1"}) == 1

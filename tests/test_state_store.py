@@ -43,16 +43,22 @@ def test_a_key_is_read_from_the_store_once_and_again_only_once_forgotten() -> No
 
 
 def test_a_committed_transaction_becomes_the_cached_state_one_version_on() -> None:
-    reads = Reads({"a": Versioned(1, 3), "gone": Versioned("x", 7)})
+    reads = Reads({"a": Versioned(1, 3), "b": Versioned(5, 2, "life-2"),
+                   "gone": Versioned("x", 7, "life-1")})
     cache = CommittedCache()
     txn = StateTransaction(lambda key: cache.read(key, reads), Limits(10, 10_000))
     txn.update("a", lambda n: n + 1)
+    txn.update("b", lambda n: n + 1)
     txn.put("new", [1])
     txn.delete("gone")
     cache.committed(txn)
     reads.keys.clear()
-    assert cache.read("a", reads) == Versioned(2, 4)
-    assert cache.read("new", reads) == Versioned([1], 1)
+    assert cache.read("a", reads) == Versioned(2, 4), "a key without an incarnation keeps none"
+    assert cache.read("b", reads) == Versioned(6, 3, "life-2")
+    new = cache.read("new", reads)
+    assert (new.value, new.version) == ([1], 1)
+    assert new.incarnation is not None and new.incarnation == txn.incarnations["new"], (
+        "a created key's incarnation is the one its commit wrote")
     assert cache.read("gone", reads) == Versioned(None, 0)
     assert reads.keys == [], "every committed key came from the cache"
 

@@ -75,3 +75,24 @@ def test_outgoing_writes_count_as_items_and_bytes_and_go_with_their_record() -> 
     big = StateTransaction(empty_store, Limits(10, 50))
     big.emit({"Put": {"Item": "x" * 100}})
     assert big.over_limits(), "bytes count as well as items"
+
+
+def test_a_key_read_as_absent_gets_a_new_incarnation_per_transaction_and_one_read_keeps_its_own(
+        ) -> None:
+    """The incarnation a created key will carry is drawn when the transaction first finds it
+    absent, and differs between transactions: a key created again is another life. An
+    undone record takes it back with its version."""
+    store = {"a": Versioned(1, 4, "life-1")}
+
+    def read(key: str) -> Versioned:
+        return store.get(key, Versioned(None, 0))
+
+    first, second = (StateTransaction(read, Limits(10, 10_000)) for _ in range(2))
+    for txn in (first, second):
+        txn.put("new", 1)
+        assert txn.get("a") == 1 and txn.incarnations["a"] == "life-1"
+    assert None is not first.incarnations["new"] != second.incarnations["new"] is not None
+    first.begin_record()
+    first.put("other", 1)
+    first.undo_record()
+    assert set(first.incarnations) == {"new", "a"}

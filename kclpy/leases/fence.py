@@ -71,6 +71,12 @@ class Guard:
     lease: Lease
     tenure: int
     current: Callable[[], Lease | None]
+    #: how long the write may wait on the other store's locks. The lease's lock is held
+    #: meanwhile, so a renewal that falls due waits too: renewals come every half failover
+    #: time and the lease is lost after a whole one, so a wait of a quarter still leaves a
+    #: quarter for the renewal's own round trip. The store must give up (nothing written)
+    #: when it runs out, and retry with the lease's lock let go
+    wait_s: float = float("inf")
 
 
 class LeaseFence:
@@ -137,7 +143,8 @@ class LeaseFence:
             else:
                 try:
                     yield Guard(held.lease.copy(), held.tenure,
-                                functools.partial(self._current, lease_key, what))
+                                functools.partial(self._current, lease_key, what),
+                                wait_s=self.failover_time_s / 4)
                 except LeaseLostError as exc:
                     lost_why = f"{what} found a newer tenure: {exc}"
                     self.held.drop(lease_key, lost_why)

@@ -1,7 +1,11 @@
 """State in a DynamoDB table, committed in the lease item's own ``TransactWriteItems``.
 
-One item per key: ``stateKey`` (S, the hash key), ``stateValue`` (S, JSON) and
-``stateVersion`` (N). Every write is conditioned on the version the transaction read, so two
+One item per key: ``stateKey`` (S, the hash key), ``stateValue`` (S, JSON), ``stateVersion``
+(N) and ``stateIncarnation`` (S: drawn when the key is created; items written before it
+existed have none, and are read and updated as they are). Every write is conditioned on the
+version and incarnation the transaction read - the version alone starts over at 1 when a key
+is deleted and created again, and would let another worker's cached version 1 of the
+former key through (a lost update) - so two
 workers of one application that update the same key from different shards never lose each
 other's update: the second one's transaction is refused (``TransactionRejected``), and its
 records are applied again to the state as it now is. A transaction holds the lease item
@@ -29,6 +33,7 @@ from kclpy.state.transaction import DELETED, Limits, StateTransaction, Versioned
 KEY = "stateKey"
 VALUE = "stateValue"
 VERSION = "stateVersion"
+INCARNATION = "stateIncarnation"
 #: DynamoDB allows 100 items per transaction; the lease item is one of them
 MAX_ITEMS = 99
 #: DynamoDB allows 4 MB per transaction; the margin covers the lease item and encoding
@@ -72,8 +77,10 @@ class DynamoDBStateStore:
             "GetItem", table.client.get_item, TableName=self.table_name,
             Key={KEY: {"S": key}}, ConsistentRead=True)
         item = response.get("Item")
-        return (Versioned(None, 0) if item is None
-                else Versioned(json.loads(item[VALUE]["S"]), int(item[VERSION]["N"])))
+        if item is None:
+            return Versioned(None, 0)
+        return Versioned(json.loads(item[VALUE]["S"]), int(item[VERSION]["N"]),
+                         item.get(INCARNATION, {}).get("S"))
 
     def begin_tenure(
         self, writer: CheckpointWriter, lease_key: str, token: str
@@ -106,22 +113,39 @@ class DynamoDBStateStore:
         entries: list[Any] = []
         for key, version in txn.versions.items():
             value = txn.writes.get(key, _READ_ONLY)
-            condition = ({"ConditionExpression": "attribute_not_exists(#k)",
-                          "ExpressionAttributeNames": {"#k": KEY}} if version == 0 else
-                         {"ConditionExpression": "#v = :v",
-                          "ExpressionAttributeNames": {"#v": VERSION},
-                          "ExpressionAttributeValues": {":v": {"N": str(version)}}})
+            incarnation = txn.incarnations[key]
+            condition = _condition(version, incarnation)
             target = {"TableName": self.table_name, "Key": {KEY: {"S": key}}}
             if value is _READ_ONLY or (value is DELETED and version == 0):
                 entries.append({"ConditionCheck": {**target, **condition}})
             elif value is DELETED:
                 entries.append({"Delete": {**target, **condition}})
             else:
-                entries.append({"Put": {"TableName": self.table_name, "Item": {
-                    KEY: {"S": key},
-                    VALUE: {"S": json.dumps(value, separators=(",", ":"))},
-                    VERSION: {"N": str(version + 1)}}, **condition}})
+                item = {KEY: {"S": key},
+                        VALUE: {"S": json.dumps(value, separators=(",", ":"))},
+                        VERSION: {"N": str(version + 1)}}
+                if incarnation is not None:
+                    item[INCARNATION] = {"S": incarnation}
+                entries.append({"Put": {"TableName": self.table_name, "Item": item,
+                                        **condition}})
         return [*entries, *txn.outgoing]
 
     def forget(self, keys: Sequence[str]) -> None:
         self._cache.forget(keys)
+
+
+def _condition(version: int, incarnation: str | None) -> dict[str, Any]:
+    """The key is as the transaction read it: absent (``version`` 0), or at ``version`` in
+    ``incarnation`` (None: an item written before keys had one)."""
+    if version == 0:
+        return {"ConditionExpression": "attribute_not_exists(#k)",
+                "ExpressionAttributeNames": {"#k": KEY}}
+    values: dict[str, Any] = {":v": {"N": str(version)}}
+    if incarnation is None:
+        expression = "#v = :v AND attribute_not_exists(#i)"
+    else:
+        expression = "#v = :v AND #i = :i"
+        values[":i"] = {"S": incarnation}
+    return {"ConditionExpression": expression,
+            "ExpressionAttributeNames": {"#v": VERSION, "#i": INCARNATION},
+            "ExpressionAttributeValues": values}

@@ -1,15 +1,17 @@
 """State in a SQL database (SQLAlchemy Core): SQLite on one host, PostgreSQL across hosts.
 
 Three tables, named after ``prefix``: ``<prefix>`` holds one row per key (``state_key``,
-``state_value`` as JSON text, ``version``), ``<prefix>_checkpoints`` one row per shard
+``state_value`` as JSON text, ``version``, ``incarnation``: drawn when the key is created,
+so a key deleted and created again - its version starting over - is told from its former
+life; NULL in rows written before the column), ``<prefix>_checkpoints`` one row per shard
 (``lease_key``, ``tenure``, ``checkpoint``, ``sub_sequence_number``, ``incarnation``) and
 ``<prefix>_gaps`` one row per lag-recovery gap a commit covered (``lease_key``, ``gap``: the
 position the gap starts after, ``checkpoint``, ``sub_sequence_number``). A commit is one database
 transaction that locks the shard's checkpoint row, checks that it still carries this worker's
 tenure (the lease counter the tenure started at: ``LeaseFence.guard``), writes every state
-change conditioned on the version it was read at, and moves the checkpoint. A worker that
-takes a shard first stamps the row with its own, larger tenure (``begin_tenure``), so a
-zombie's commit finds a newer tenure and is rejected whole; it waits on the row lock for a
+change conditioned on the version and incarnation it was read at, and moves the checkpoint. A
+worker that takes a shard first stamps the row with its own, larger tenure (``begin_tenure``),
+so a zombie's commit finds a newer tenure and is rejected whole; it waits on the row lock for a
 commit already under way, so the position it then reads includes that commit.
 
 Here the store, not the lease table, holds the truth: the lease item's checkpoint is brought
@@ -18,6 +20,11 @@ when that write fails the commit still stands - the next owner reads the store's
 skips records it covers. A commit that finds its own position already stored (the previous
 attempt landed, but its answer was lost) is taken as done. A gap's commit is fenced by the
 shard's row the same way but moves the gap's row, never the shard's.
+
+A claim or a commit holds the lease's lock (``LeaseFence.guard``), which the lease's renewals
+wait for; its lock waits therefore end after a quarter of the failover time (``Guard.wait_s``,
+2.5 s by default, never more than ``lock_timeout_s``), and a commit whose wait ran out is
+refused like a version conflict and applied again with the lease's lock let go (``_locked``).
 
 Tenures are counted per lease incarnation (``Lease.incarnation``, written when the lease
 item is created): the checkpoint row names the one its tenure belongs to, so a lease or a
@@ -29,7 +36,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -57,11 +66,17 @@ log = logging.getLogger(__name__)
 #: stays small keeps row locks short
 MAX_ITEMS = 10_000
 MAX_BYTES = 64_000_000
-#: the checkpoint row's column naming the lease incarnation its tenures belong to
+#: the checkpoint row's column naming the lease incarnation its tenures belong to, and the
+#: state row's naming the life of its key (``Versioned.incarnation``)
 INCARNATION = "incarnation"
 INCARNATION_LENGTH = 100
+KEY_INCARNATION_LENGTH = 32
 #: marks a key the transaction read but did not write
 _READ_ONLY = object()
+#: ``Connection.info`` key of the time past which a commit stops before its next statement
+_DEADLINE = "kclpy_state_deadline"
+#: SQLite's primary result code for a lock wait that ran out (extended codes share it)
+SQLITE_BUSY = 5
 
 
 def _is_sqlite(engine: Engine) -> bool:
@@ -88,8 +103,13 @@ class SQLStateStore:
     limits = Limits(items=MAX_ITEMS, bytes=MAX_BYTES)
 
     def __init__(
-        self, url: str | Engine, *, prefix: str = "kclpy_state", lock_timeout_s: float = 10.0
+        self, url: str | Engine, *, prefix: str = "kclpy_state", lock_timeout_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        #: the longest lock wait of a read; a claim's or a commit's is shorter still when the
+        #: lease's failover time asks for it (``_locked``)
+        self.lock_timeout_s = lock_timeout_s
+        self._clock = clock
         if isinstance(url, Engine):
             self.engine = url
         else:
@@ -109,7 +129,8 @@ class SQLStateStore:
             prefix, meta,
             sa.Column("state_key", sa.String(1024), primary_key=True),
             sa.Column("state_value", sa.Text, nullable=False),
-            sa.Column("version", sa.BigInteger, nullable=False))
+            sa.Column("version", sa.BigInteger, nullable=False),
+            sa.Column(INCARNATION, sa.String(KEY_INCARNATION_LENGTH)))
         self.checkpoints = sa.Table(
             f"{prefix}_checkpoints", meta,
             sa.Column("lease_key", sa.String(1024), primary_key=True),
@@ -137,13 +158,15 @@ class SQLStateStore:
             self._meta.create_all(self.engine)
         except DBAPIError:
             self._meta.create_all(self.engine)
-        self._add_incarnation_column()
+        self._add_incarnation_column(self.checkpoints, INCARNATION_LENGTH)
+        self._add_incarnation_column(self.state, KEY_INCARNATION_LENGTH)
 
-    def _add_incarnation_column(self) -> None:
-        """A checkpoints table created before rows named their lease incarnation gets the
-        column (rows without one are judged by tenure alone, as they were)."""
+    def _add_incarnation_column(self, table: sa.Table, length: int) -> None:
+        """A table created before its rows had an incarnation gets the column. Checkpoint
+        rows without one are judged by tenure alone, as they were; state rows without one
+        are read and updated as they were (their NULL is checked like any incarnation)."""
         def missing() -> bool:
-            columns = sa.inspect(self.engine).get_columns(self.checkpoints.name)
+            columns = sa.inspect(self.engine).get_columns(table.name)
             return INCARNATION not in {column["name"] for column in columns}
 
         if not missing():
@@ -152,8 +175,8 @@ class SQLStateStore:
         try:
             with self.engine.begin() as conn:
                 conn.exec_driver_sql(
-                    f"ALTER TABLE {quote(self.checkpoints.name)} ADD COLUMN "
-                    f"{quote(INCARNATION)} VARCHAR({INCARNATION_LENGTH})")
+                    f"ALTER TABLE {quote(table.name)} ADD COLUMN "
+                    f"{quote(INCARNATION)} VARCHAR({length})")
         except DBAPIError:
             if missing():  # not another worker's ALTER that won the race
                 raise
@@ -163,9 +186,11 @@ class SQLStateStore:
 
     def _fetch(self, key: str) -> Versioned:
         with self.engine.connect() as conn:
-            row = conn.execute(sa.select(self.state.c.state_value, self.state.c.version)
-                               .where(self.state.c.state_key == key)).first()
-        return Versioned(None, 0) if row is None else Versioned(json.loads(row[0]), row[1])
+            c = self.state.c
+            row = conn.execute(sa.select(c.state_value, c.version, c.incarnation)
+                               .where(c.state_key == key)).first()
+        return (Versioned(None, 0) if row is None
+                else Versioned(json.loads(row.state_value), row.version, row.incarnation))
 
     def begin_tenure(
         self, writer: CheckpointWriter, lease_key: str, token: str
@@ -188,7 +213,7 @@ class SQLStateStore:
         is kept when the stream is the same one (every record up to it was applied), dropped
         when the stream was created again (its sequence numbers are another stream's)."""
         with writer.guard(lease_key, token, what="state claim") as guard, \
-                self.engine.begin() as conn:
+                self._locked(guard) as conn:
             row = self._lock_checkpoint(conn, lease_key)
             incarnation = guard.lease.incarnation
             if row is None:
@@ -259,9 +284,10 @@ class SQLStateStore:
         """A gap's commit is fenced by the shard's row like a live one, but checks and moves
         the gap's own row (``<prefix>_gaps``); the lease item's copy is then updated
         through ``writer`` - the gap's, which moves the gap in the recovery queue."""
+        landed_before = False
         try:
             with writer.guard(lease_key, token, what="state commit") as guard, \
-                    self.engine.begin() as conn:
+                    self._locked(guard) as conn:
                 row = self._lock_checkpoint(conn, lease_key)
                 incarnation = guard.lease.incarnation
                 if row is None or row.tenure != guard.tenure or (
@@ -276,6 +302,7 @@ class SQLStateStore:
                 if (stored is not None and stored.checkpoint is not None and Position.of(
                         stored.checkpoint, stored.sub_sequence_number) >= position):
                     log.info("shard %s: commit at %s had landed already", lease_key, position)
+                    landed_before = True
                 else:
                     self._write(conn, txn)
                     columns = {"checkpoint": position.checkpoint,
@@ -296,7 +323,12 @@ class SQLStateStore:
             if _is_conflict(exc):
                 raise TransactionRejected(f"shard {lease_key}: {exc.orig}", []) from exc
             raise _unavailable(lease_key, "commit", exc) from exc
-        self._cache.committed(txn)
+        if landed_before:
+            # What landed was an earlier attempt's: its keys created then carry that
+            # attempt's incarnations, not this one's, and its values need not be these
+            self._cache.forget(list(txn.versions))
+        else:
+            self._cache.committed(txn)
         try:
             writer.update_checkpoint(lease_key, token, position)
         except CheckpointError as exc:
@@ -319,6 +351,44 @@ class SQLStateStore:
 
     # -- internals ---------------------------------------------------------------------------
 
+    @contextmanager
+    def _locked(self, guard: Guard) -> Iterator[Connection]:
+        """A database transaction run while the lease's lock is held (a claim, a commit):
+        its lock waits end within ``guard.wait_s`` (a quarter of the failover time) in all,
+        not ``lock_timeout_s`` each, so hot rows or a busy SQLite file never hold up the
+        lease's renewal until the lease is lost. A wait that runs out raises (nothing written): a
+        commit is then refused like a conflict (``_is_conflict``) and applied again after
+        the conflict backoff, its lease's lock let go in between; a claim fails its batch,
+        which is delivered again."""
+        budget_s = min(self.lock_timeout_s, guard.wait_s)
+        postgresql = self.engine.dialect.name == "postgresql"
+        # PostgreSQL bounds each lock wait, not their sum: each gets half the budget, and a
+        # commit past the other half stops before its next statement (``_write``). SQLite
+        # waits once, at BEGIN: the whole budget.
+        wait_ms = max(1, int(budget_s * (500 if postgresql else 1000)))
+        deadline = self._clock() + budget_s / 2 if postgresql else None
+        with self.engine.connect() as conn:
+            # SQLite waits at BEGIN (IMMEDIATE), before any statement of ours: its busy
+            # timeout is the connection's, set before and put back after
+            raw: Any = conn.connection.driver_connection if _is_sqlite(self.engine) else None
+            before = None if raw is None else raw.execute("PRAGMA busy_timeout").fetchone()[0]
+            if raw is not None:
+                raw.execute(f"PRAGMA busy_timeout = {wait_ms}")
+            try:
+                with conn.begin():
+                    if postgresql:
+                        conn.exec_driver_sql(f"SET LOCAL lock_timeout = {wait_ms}")
+                    if deadline is not None:
+                        conn.info[_DEADLINE] = deadline
+                    yield conn
+            finally:
+                conn.info.pop(_DEADLINE, None)
+                if raw is not None:
+                    # a connection broken meanwhile is the pool's to drop; its error, not
+                    # this one, is the commit's
+                    with suppress(Exception):
+                        raw.execute(f"PRAGMA busy_timeout = {before}")
+
     def _gap_row(self, lease_key: str, gap: Position) -> sa.ColumnElement[bool]:
         return sa.and_(self.gaps.c.lease_key == lease_key, self.gaps.c.gap == _gap_name(gap))
 
@@ -330,25 +400,36 @@ class SQLStateStore:
 
     def _write(self, conn: Connection, txn: StateTransaction) -> None:
         """Every key in sorted order (two committers lock shared keys in the same order, so
-        PostgreSQL never has to break a deadlock between them)."""
+        PostgreSQL never has to break a deadlock between them). A key is as it was read
+        when both its version and its incarnation are: the version alone starts over when
+        the key is deleted and created again."""
         c = self.state.c
+        deadline: float | None = conn.info.get(_DEADLINE)
         for key in sorted(txn.versions):
-            version = txn.versions[key]
-            same = sa.and_(c.state_key == key, c.version == version)
+            if deadline is not None and self._clock() > deadline:
+                raise TransactionRejected(
+                    "state commit: lock waits took longer than the lease's renewals allow; "
+                    "applied again", [])
+            version, incarnation = txn.versions[key], txn.incarnations[key]
+            same = sa.and_(c.state_key == key, c.version == version,
+                           c.incarnation.is_(None) if incarnation is None
+                           else c.incarnation == incarnation)
             value = txn.writes.get(key, _READ_ONLY)
             if version == 0 and (value is _READ_ONLY or value is DELETED):
                 self._check_absent(conn, key)
             elif value is _READ_ONLY:
-                found = conn.execute(sa.select(c.version).where(c.state_key == key)
-                                     .with_for_update(read=True)).scalar()
-                if (found or 0) != version:
+                found = conn.execute(sa.select(c.version, c.incarnation)
+                                     .where(c.state_key == key)
+                                     .with_for_update(read=True)).first()
+                if found is None or (found.version, found.incarnation) != (version, incarnation):
                     raise _conflict(key, version)
             elif value is DELETED:
                 if conn.execute(sa.delete(self.state).where(same)).rowcount != 1:
                     raise _conflict(key, version)
             elif version == 0:
                 conn.execute(sa.insert(self.state).values(
-                    state_key=key, state_value=_json(value), version=1))
+                    state_key=key, state_value=_json(value), version=1,
+                    incarnation=incarnation))
             elif conn.execute(sa.update(self.state).where(same).values(
                     state_value=_json(value), version=version + 1)).rowcount != 1:
                 raise _conflict(key, version)
@@ -387,6 +468,10 @@ def _unavailable(lease_key: str, what: str, exc: DBAPIError) -> KinesisClientLib
 
 
 def _is_conflict(exc: DBAPIError) -> bool:
-    """PostgreSQL broke a deadlock or a serialization conflict: apply again, like a
-    version conflict."""
-    return getattr(exc.orig, "sqlstate", None) in {"40001", "40P01"}
+    """PostgreSQL broke a deadlock or a serialization conflict, or a lock wait ran out its
+    budget (PostgreSQL ``lock_not_available``, SQLite ``SQLITE_BUSY``: a hot row or file):
+    apply again, like a version conflict."""
+    if getattr(exc.orig, "sqlstate", None) in {"40001", "40P01", "55P03"}:
+        return True
+    code = getattr(exc.orig, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF == SQLITE_BUSY

@@ -59,8 +59,9 @@ CACHE_SIZE = 100_000
 
 class CommittedCache:
     """Committed values with their versions, so a key only this worker updates is read from
-    the store once. A stale entry costs one refused commit (its version no longer matches),
-    never a wrong value. Thread-safe: shards of one worker share their store."""
+    the store once. A stale entry costs one refused commit (its version or, for a key deleted
+    and created again since, its incarnation no longer matches), never a wrong value.
+    Thread-safe: shards of one worker share their store."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -83,9 +84,11 @@ class CommittedCache:
             self._values.update(values)
 
     def committed(self, txn: StateTransaction) -> None:
-        """``txn`` landed: its writes are the committed values, one version on."""
+        """``txn`` landed: its writes are the committed values, one version on, in the
+        incarnation the transaction read or created them in."""
         self.remember({
-            key: Versioned(None, 0) if value is DELETED else Versioned(value, txn.versions[key] + 1)
+            key: Versioned(None, 0) if value is DELETED
+            else Versioned(value, txn.versions[key] + 1, txn.incarnations[key])
             for key, value in txn.writes.items()})
 
     def forget(self, keys: Sequence[str]) -> None:

@@ -10,6 +10,7 @@ fresh one. Values are anything ``json`` can encode; keys are strings.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,13 +41,23 @@ class Versioned:
     value: Any
     #: 0 when the key does not exist in the store
     version: int
+    #: names this life of the key: drawn anew each time the key is created, so a key
+    #: deleted and created again - its version starting over at 1 - never matches what was
+    #: read of its former life (another worker's cached ``version`` 1). None: no such key,
+    #: or a key written before keys had one (its own life, as distinct as any other)
+    incarnation: str | None = None
+
+
+def new_incarnation() -> str:
+    """The incarnation of a key a transaction creates: 128 random bits."""
+    return uuid.uuid4().hex
 
 
 def encoded_size(key: str, value: Any) -> int:
     """Bytes a staged write adds to a transaction (key, JSON value and a margin for the
-    attribute names and version)."""
+    attribute names, the version and the incarnation)."""
     body = 0 if value is DELETED else len(json.dumps(value, separators=(",", ":")))
-    return len(key.encode("utf-8")) + body + 64
+    return len(key.encode("utf-8")) + body + 112
 
 
 class StateTransaction:
@@ -59,11 +70,16 @@ class StateTransaction:
         self.writes: dict[str, Any] = {}
         #: versions of the keys read or written, as the store had them when first read
         self.versions: dict[str, int] = {}
+        #: the incarnation each of those keys has, as read, or - a key read as absent - the
+        #: one it gets if this transaction creates it. A commit's conditions compare it
+        #: beside the version: a version alone repeats when a key is created again
+        self.incarnations: dict[str, str | None] = {}
         #: the store's own extra writes (DynamoDB: TransactWriteItems entries; SQL:
         #: SQLAlchemy statements)
         self.outgoing: list[Any] = []
         self._size = 0
-        self._undo: tuple[dict[str, Any], dict[str, int], int, int] | None = None
+        self._undo: tuple[dict[str, Any], dict[str, int], dict[str, str | None], int, int
+                          ] | None = None
 
     # -- the processor's API ---------------------------------------------------------------
 
@@ -103,7 +119,8 @@ class StateTransaction:
 
     def begin_record(self) -> None:
         """Remember the state before the next record, so its writes can be undone."""
-        self._undo = (dict(self.writes), dict(self.versions), len(self.outgoing), self._size)
+        self._undo = (dict(self.writes), dict(self.versions), dict(self.incarnations),
+                      len(self.outgoing), self._size)
 
     def over_limits(self) -> bool:
         """Every key read or written is one item of the commit (a write, or a check that a
@@ -114,7 +131,7 @@ class StateTransaction:
     def undo_record(self) -> None:
         """Take back the writes of the record begun last."""
         assert self._undo is not None
-        self.writes, self.versions, outgoing, self._size = self._undo
+        self.writes, self.versions, self.incarnations, outgoing, self._size = self._undo
         del self.outgoing[outgoing:]
         self._undo = None
 
@@ -126,6 +143,8 @@ class StateTransaction:
         current = self._read(key)
         if key not in self.versions:
             self.versions[key] = current.version
+            self.incarnations[key] = (current.incarnation if current.version
+                                      else new_incarnation())
             self._size += encoded_size(key, DELETED)
         return current
 

@@ -44,6 +44,20 @@ class Counter(StatefulProcessor):
         txn.update(f"sum/{key}", lambda n: n + int(number), 0)
 
 
+class Ops(StatefulProcessor):
+    """Each record one operation on ``k``: ``add:N``, ``set:N``, ``del`` or ``del-if:N``
+    (delete when ``k`` is N)."""
+
+    def apply(self, record: Record, txn: StateTransaction) -> None:
+        op, _, number = record.binary_data.decode().partition(":")
+        if op == "add":
+            txn.update("k", lambda n: n + int(number), 0)
+        elif op == "set":
+            txn.put("k", int(number))
+        elif op == "del" or txn.get("k") == int(number):
+            txn.delete("k")
+
+
 def rec(seq: int, data: str, sub: int = 0) -> Record:
     """Record ``seq`` (sub-sequence ``sub``) carrying ``data``."""
     return Record(str(seq), "pk", None, sub, data.encode())
@@ -52,9 +66,10 @@ def rec(seq: int, data: str, sub: int = 0) -> Record:
 class Shard:
     """One shard held through a real fence, and the checkpointer its consumer would hand out."""
 
-    def __init__(self, table: LeaseTable, key: str, worker: str, clock: Clock) -> None:
-        self.held = HeldSet(worker, renewer_interval_s=FAILOVER / 2)
-        self.fence = LeaseFence(table, self.held, failover_time_s=FAILOVER, clock=clock)
+    def __init__(self, table: LeaseTable, key: str, worker: str, clock: Clock,
+                 failover: float = FAILOVER) -> None:
+        self.held = HeldSet(worker, renewer_interval_s=failover / 2)
+        self.fence = LeaseFence(table, self.held, failover_time_s=failover, clock=clock)
         current = table.get(key)
         assert current is not None
         fresh = table.take(current, worker)
