@@ -301,7 +301,7 @@ def test_over_http_the_plain_processor_counts_a_crashed_batch_twice(
     assert duplicates == 4, counts()
 
 
-# -- every key read is checked at commit, absent keys included (issue 22, hole 3) --------------
+# -- every key read is checked at commit, absent keys included (the simulator's hole 3) -----------
 
 class Sweeper(StatefulProcessor):
     """Shard 1's rule: when ``k`` is absent, delete it (a no-op) and record that it was.
@@ -370,7 +370,7 @@ def test_over_http_a_delete_of_a_key_read_as_absent_is_checked_at_commit(
                       stale_cache=False) in SERIAL_OUTCOMES
 
 
-# -- exactly-once state with lag recovery (issue 22, hole 2) ----------------------------------
+# -- exactly-once state with lag recovery (the simulator's hole 2) --------------------------------
 
 SHARD = "shardId-000000000000"
 
@@ -596,7 +596,7 @@ def test_over_http_a_lagging_shards_gap_and_live_records_are_each_applied_once(
     assert int(lease()["checkpoint"]["S"]) > 0, "the live checkpoint is a live record's"
 
 
-# -- a lease created with the stream's incarnation (issue 22, hole 4) ------------------------
+# -- a lease created with the stream's incarnation (the simulator's hole 4) -----------------------
 
 
 def test_leases_are_created_with_an_incarnation_naming_the_streams_epoch(
