@@ -8,6 +8,7 @@ worker, and the supervisor that checks the configuration once before starting N 
 from __future__ import annotations
 
 import argparse
+import difflib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -34,10 +35,29 @@ _REPEATABLE = ("stream_name", "stream_arn")
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line naming the option, with exit code 2 (the
-    exit code every kclpy command uses for a bad configuration)."""
+    exit code every kclpy command uses for a bad configuration); a misspelt flag gets a
+    "did you mean", and no flag is taken from a prefix of its name: ``--stop-when`` is an
+    error, not ``--stop-when-caught-up``, so a flag added later can never change what an
+    existing command line means."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {message}{self._suggestion(message)}\n")
+
+    def _suggestion(self, message: str) -> str:
+        if not message.startswith("unrecognized arguments: "):
+            return ""
+        known = [flag for action in self._actions for flag in action.option_strings]
+        for word in message.removeprefix("unrecognized arguments: ").split():
+            name = word.split("=", 1)[0]
+            if name.startswith("--"):
+                close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+                if close:
+                    return f" (did you mean {close[0]}?)"
+        return ""
 
 
 def worker_parser() -> argparse.ArgumentParser:

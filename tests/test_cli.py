@@ -143,6 +143,22 @@ def test_bad_flags_exit_2_naming_the_option(
     _one_line_naming(capsys.readouterr().err, option)
 
 
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--stop-when", *GOOD], "(did you mean --stop-when-caught-up?)"),
+    (["--stream-nme", "s", *GOOD[2:]], "(did you mean --stream-name?)"),
+    (["--shard", "1", *GOOD], "unrecognized arguments: --shard 1"),
+])
+def test_a_prefix_or_misspelt_flag_is_refused_with_a_suggestion(
+        argv: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse took ``--stop-when`` for ``--stop-when-caught-up`` and ``--shard`` for
+    ``--shard-sync-interval-ms`` silently."""
+    with pytest.raises(SystemExit) as exit_:
+        worker_main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert said in err and err.count("\n") == 1, err
+
+
 @pytest.mark.integration
 def test_a_busy_metrics_port_exits_2_naming_the_option(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
