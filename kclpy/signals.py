@@ -14,6 +14,7 @@ starts a thread (a worker starts one per shard it takes).
 from __future__ import annotations
 
 import _thread
+import os
 import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,14 +22,28 @@ from types import FrameType
 
 #: the signals that ask a kclpy process to stop
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: a second Ctrl-C ends the process at once, as uvicorn and gunicorn do: no processor is
+#: called again and no lease is released, so the records since each shard's last checkpoint
+#: are read again by the next owner once the leases expire (a failover time)
+EXIT_FORCED = 128 + signal.SIGINT
+FORCED_EXIT_LINE = ("kclpy: second interrupt: exiting now; records since each shard's last "
+                    "checkpoint will be read again\n")
 
 
 @contextmanager
 def on_stop_signals(fn: Callable[[int], None]) -> Iterator[None]:
     """While inside (main thread only), SIGTERM and SIGINT call ``fn(signum)`` on a thread of
-    their own; the previous handlers come back on the way out."""
+    their own, except a second SIGINT, which exits at once (``EXIT_FORCED``); the previous
+    handlers come back on the way out."""
+
+    interrupted = False
 
     def handle(signum: int, frame: FrameType | None) -> None:
+        nonlocal interrupted
+        if signum == signal.SIGINT and interrupted:
+            os.write(2, FORCED_EXIT_LINE.encode())
+            os._exit(EXIT_FORCED)
+        interrupted = interrupted or signum == signal.SIGINT
         _thread.start_new_thread(fn, (signum,))
 
     previous = {sig: signal.signal(sig, handle) for sig in STOP_SIGNALS}

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
-from kclpy.signals import STOP_SIGNALS, on_stop_signals
+from kclpy.signals import EXIT_FORCED, STOP_SIGNALS, on_stop_signals
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_signal_landing_inside_the_lock_its_work_needs_does_not_hang() -> None:
@@ -46,3 +51,30 @@ def test_each_stop_signal_calls_back_off_the_main_thread_and_the_old_handlers_co
         assert done.wait(10)
     assert sorted(calls) == sorted((sig, False) for sig in STOP_SIGNALS)
     assert {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} == before
+
+
+def test_a_second_interrupt_exits_at_once_while_the_first_still_shuts_down() -> None:
+    """The first Ctrl-C starts a graceful shutdown, which here never ends (a processor stuck in
+    shutdown_requested); the second ends the process, saying what is read again."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import sys, threading\n"
+            "from kclpy.signals import on_stop_signals\n"
+            "def stop(signum):\n"
+            "    print('stopping', flush=True)\n"
+            "    threading.Event().wait()\n"
+            "with on_stop_signals(stop):\n"
+            "    print('ready', flush=True)\n"
+            "    threading.Event().wait()\n")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"
+        child.send_signal(signal.SIGINT)
+        assert child.stdout.readline().strip() == "stopping"
+        child.send_signal(signal.SIGINT)
+        code = child.wait(timeout=60)
+    finally:
+        child.kill()
+    assert code == EXIT_FORCED == 130
+    assert child.stderr is not None and "will be read again" in child.stderr.read()
