@@ -40,12 +40,34 @@ class OneLineParser(argparse.ArgumentParser):
     error, not ``--stop-when-caught-up``, so a flag added later can never change what an
     existing command line means."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, usage_exit_code: int = 2, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        #: a check command (``kclpy status``) says UNKNOWN (3) on a usage error, as Nagios
+        #: plugins do, so that a typo is never read as the application's ERROR (2)
+        self.usage_exit_code = usage_exit_code
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}{self._suggestion(message)}\n")
+        self.exit(self.usage_exit_code,
+                  f"{self.prog}: error: {message}{self._suggestion(message)}\n")
+
+    def parse_args(  # type: ignore[override]
+            self, args: Sequence[str] | None = None,
+            namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        """As argparse, except that a flag left over is reported by the subcommand it was
+        given to: with its exit code and a suggestion from that subcommand's own flags."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._command_parser(parsed).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def _command_parser(self, parsed: argparse.Namespace) -> OneLineParser:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(parsed, action.dest, None) or "")
+                if isinstance(chosen, OneLineParser):
+                    return chosen._command_parser(parsed)
+        return self
 
     def _suggestion(self, message: str) -> str:
         if not message.startswith("unrecognized arguments: "):

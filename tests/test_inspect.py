@@ -144,8 +144,10 @@ def test_a_missing_table_names_the_option(
 ])
 def test_bad_arguments_exit_2_with_one_line_naming_the_option(
         capsys: pytest.CaptureFixture[str], argv: list[str], option: str) -> None:
+    """Exit 2, except for ``status``, a check whose 2 means ERROR: its usage errors are
+    UNKNOWN (3)."""
     code, out, err = run_cli(capsys, *argv)
-    assert (code, out) == (2, "")
+    assert (code, out) == (3 if argv[0] == "status" else 2, "")
     assert len(err.splitlines()) == 1 and option in err
 
 
@@ -165,7 +167,7 @@ def test_status_of_a_missing_stream_names_the_option(
     code, _, err = run_cli(capsys, "status", "--application-name", lease_table,
                            "--stream-name", unique_name("absent"), "--window-seconds", "0.1",
                            "--samples", "2", *endpoints(kinesis_mock, moto_server))
-    assert code == 2
+    assert code == 3
     assert "--stream-name: stream" in err and len(err.splitlines()) == 1
 
 
@@ -431,7 +433,7 @@ def test_status_with_workers_shows_retrieval_mode_subscription_age_and_recovery_
 def test_a_bad_worker_url_names_the_option(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_cli(capsys, "status", "--application-name", "a", "--stream-name", "s",
                            "--worker", "localhost:9000")
-    assert code == 2
+    assert code == 3  # status: a usage error is UNKNOWN
     assert "--worker" in err and err.count("\n") == 1
 
 
@@ -466,3 +468,31 @@ def test_a_multi_stream_table_is_shown_and_inspected_one_stream_at_a_time(
     report = json.loads(report_out.getvalue())
     assert len(report["shards"]) == 2 and report["status"] == "OK"
     assert report["unleased_shards"] == [] and report["unlisted_leases"] == []
+
+
+@pytest.mark.parametrize(("argv", "code"), [
+    (["status", "--application-name", "a"], 3),
+    (["status", "--application-name", "a", "--stream-name", "s", "--count", "2"], 3),
+    (["status", "--application-name", "a", "--stream-name", "s", "--windw-seconds", "5"], 3),
+    (["leases"], 2),
+])
+def test_a_usage_error_of_status_is_unknown_not_error(
+        argv: list[str], code: int, capsys: pytest.CaptureFixture[str]) -> None:
+    """``kclpy status`` is a check (Nagios, Sensu): its ERROR is exit 2, so a typo in its
+    command line must say UNKNOWN (3); the other commands keep exit 2 for usage errors."""
+    got, _, err = run_cli(capsys, *argv)
+    assert got == code, err
+    assert err.count("\n") == 1 and "error:" in err
+
+
+def test_status_on_a_terminal_says_what_it_samples_before_it_waits(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Silent for the whole window (30 s by default), it looked hung."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, _, err = run_cli(capsys, "status", "--application-name", "a", "--stream-name", "s",
+                           "--window-seconds", "0.1", "--samples", "2", "--region", "us-east-1",
+                           "--kinesis-endpoint", "http://127.0.0.1:9",
+                           "--dynamodb-endpoint", "http://127.0.0.1:9")
+    assert code == 3
+    assert err.splitlines()[0] == ("sampling 2 times over 0.1 s (--window-seconds, --samples) "
+                                   "before the first status ...")

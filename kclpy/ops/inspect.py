@@ -127,8 +127,10 @@ def _parser() -> argparse.ArgumentParser:
     only.add_argument("--stream-name", help="only this stream's leases (multi-stream tables)")
     only.add_argument("--stream-arn", help="only this stream's leases, by ARN")
     status = commands.add_parser(
-        "status", parents=[common], help="per-shard lag status (exit 0 OK, 1 WARN, 2 ERROR)",
-        description="Evaluate each shard's lag with Burrow's rules over a sampled window.")
+        "status", parents=[common],
+        help="per-shard lag status (exit 0 OK, 1 WARN, 2 ERROR, 3 UNKNOWN)",
+        description="Evaluate each shard's lag with Burrow's rules over a sampled window.",
+        usage_exit_code=EXIT_UNKNOWN)
     stream = status.add_mutually_exclusive_group(required=True)
     stream.add_argument("--stream-name", help="the stream the application consumes")
     stream.add_argument("--stream-arn", help="the stream's ARN (instead of its name)")
@@ -518,6 +520,11 @@ def run_status(args: argparse.Namespace, out: IO[str], *,
 
     sampler = TableSampler(table, syncer, probe, tracker, clock, identify)
     interval = args.window_seconds / (args.samples - 1)
+    if not args.json and sys.stderr.isatty():
+        # the first verdict needs the whole window: tell a person, rather than sit silent
+        # for it (a monitoring check's stderr stays one line, its error)
+        print(f"sampling {args.samples} times over {args.window_seconds:g} s "
+              f"(--window-seconds, --samples) before the first status ...", file=sys.stderr)
     evaluations = args.count if args.watch else 1
     code = EXIT_UNKNOWN
     start = clock()
@@ -570,7 +577,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         raise SystemExit(2)
     args = parser.parse_args(argv)
     if args.command == "status" and args.count is not None and not args.watch:
-        parser.error("argument --count: only with --watch")
+        parser.exit(EXIT_UNKNOWN, f"{PROG} status: error: argument --count: only with --watch\n")
     return args
 
 
@@ -592,7 +599,7 @@ def inspect_main(argv: Sequence[str] | None = None) -> int:
         return run_status(args, sys.stdout)
     except UsageError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_UNKNOWN if args.command == "status" else 2
     except Refused as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return control.EXIT_REFUSED
