@@ -68,7 +68,7 @@ class KinesisClock:
     say how far it is from Kinesis' (``skew_ms``), never for a bound."""
 
     def __init__(self, *, monotonic: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = lambda: time.time()) -> None:
         self._monotonic = monotonic
         self._wall = wall
         self._lock = threading.Lock()
