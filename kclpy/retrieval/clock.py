@@ -29,8 +29,10 @@ client; the worker's sources publish the estimated skew as ``kclpy_clock_skew_se
 
 One clock per botocore client (one endpoint), fed by an ``after-call`` handler on every
 Kinesis call of that client: GetShardIterator and ListShards teach it as GetRecords does.
-An endpoint that sends no ``Date`` and no records leaves it unknown (``None``); callers then
-fall back to the local clock, as before.
+An endpoint that sends no ``Date`` and no records leaves it unknown (``None``): a polling
+read then falls back to the local clock, as before (an endpoint without a ``Date`` header
+is not HTTP/1.1; botocore's Stubber answers carry one only when a test gives it); a fan-out
+read keeps its range open for the next event, whose subscription answer shows the time.
 """
 
 from __future__ import annotations
@@ -127,11 +129,6 @@ class KinesisClock:
         if high is None:
             return local_ms
         return min(local_ms, int(high + self._monotonic() * 1000))
-
-    def now_or_local_ms(self) -> int:
-        """``now_ms``, or the local clock for an endpoint that never showed its time."""
-        known = self.now_ms()
-        return round(self._wall() * 1000) if known is None else known
 
     def skew_ms(self) -> int | None:
         """How far the local clock is ahead of Kinesis' (negative: behind), best estimate:

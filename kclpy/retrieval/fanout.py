@@ -206,8 +206,10 @@ class FanOutSource:
             return start
 
         # Taken before waiting for the event, which the service sends later; the tip it
-        # shows is at least this late (``Page.within``).
-        kinesis_ms = self._kinesis_clock.now_or_local_ms()
+        # shows is at least this late (``Page.within``). None before any answer showed
+        # Kinesis' time (a fresh client: the subscription's own answer comes inside
+        # ``next_event``): a bounded read then stays open for the next event.
+        kinesis_ms = self._kinesis_clock.now_ms()
         event = self._retrying.call(
             reading, "SubscribeToShard",
             lambda: subscription.next_event(position, reading.last_sequence_number),

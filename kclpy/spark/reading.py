@@ -171,7 +171,8 @@ class Page:
     records: Records
     #: the shard is closed and every record of it was returned
     shard_end: bool
-    #: a page with no records and not behind: nothing more right now
+    #: a page with no records and not behind: nothing more right now (for a reader with a
+    #: time bound: and Kinesis' time has passed the bound, so the read ends here)
     at_tip: bool
     #: a record that arrived at or after the reader's ``until_ms`` was seen: the rest of the
     #: shard belongs to a later batch
