@@ -31,6 +31,7 @@ from kclpy.processor import InitializeInput, ProcessRecordsInput
 from kclpy.records import Record
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
+from kclpy.retrieval.clock import kinesis_clock
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import Pacer, PollingSource
 from kclpy.retrieval.source import ShardAddress
@@ -402,6 +403,9 @@ class Stream:
         lease = self.table.get(SHARD)
         assert lease is not None
         hour_later = time.time() + 3600
+        # An hour later for Kinesis too (an emulator cannot age records): a gap's reader
+        # ends at the tip only once Kinesis' time is past the gap's end.
+        kinesis_clock(self.kinesis).observe(round(hour_later * 1000))
         return shard, ShardRecovery(
             SHARD, lease.recovery, token=shard.checkpointer._token, fence=shard.fence,
             reader_factory=self.reader, rate=RecoveryRate(100_000), max_lag_ms=1000,
@@ -500,6 +504,7 @@ def test_a_gap_found_by_the_next_owner_starts_after_what_the_sql_store_committed
     assert stream.lease().checkpoint == Position.trim_horizon()
     second, _ = stream.take("B", clock)
     store = new_sql_store()
+    kinesis_clock(stream.kinesis).observe(round((time.time() + 3600) * 1000))
     recovery = ShardRecovery(
         SHARD, None, token=second.checkpointer._token, fence=second.fence,
         reader_factory=stream.reader, rate=RecoveryRate(100_000), max_lag_ms=1000,
