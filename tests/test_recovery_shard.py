@@ -12,7 +12,6 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from kclpy.recovery import queue as gaps
 from kclpy.recovery.queue import RecoveryRequest
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
-from kclpy.retrieval.clock import KinesisClock, kinesis_clock
+from kclpy.retrieval.clock import kinesis_clock
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import Pacer, PollingSource
 from kclpy.retrieval.source import ShardAddress
@@ -156,10 +155,10 @@ class Shard:
                  claim: Callable[[], Position | None] | None = None) -> ShardRecovery:
         """The shard's recovery at the time ``wall_clock`` tells: Kinesis' time as well as
         the local one (an emulator cannot age records, so both clocks move on instead;
-        ``kinesis_clock`` keeps the highest time it was shown)."""
-        # Carried forward by no monotonic clock: Kinesis' time is the highest shown.
-        clock = kinesis_clock(self.kinesis, partial(KinesisClock, monotonic=lambda: 0.0))
-        clock.observe(round(wall_clock() * 1000))
+        moto's own Date headers tell the real time and are not taken in)."""
+        clock = kinesis_clock(self.kinesis, skew.AgedKinesisClock)
+        assert isinstance(clock, skew.AgedKinesisClock)
+        clock.move_to(wall_clock())
         return ShardRecovery("shardId-000000000000", stored, token=self.token,
                              fence=self.holder.fence, reader_factory=self.reader,
                              rate=RecoveryRate(10_000), max_lag_ms=1000, metrics=self.metrics,

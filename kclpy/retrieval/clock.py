@@ -29,10 +29,12 @@ client; the worker's sources publish the estimated skew as ``kclpy_clock_skew_se
 
 One clock per botocore client (one endpoint), fed by an ``after-call`` handler on every
 Kinesis call of that client: GetShardIterator and ListShards teach it as GetRecords does.
-An endpoint that sends no ``Date`` and no records leaves it unknown (``None``): a polling
-read then falls back to the local clock, as before (an endpoint without a ``Date`` header
-is not HTTP/1.1; botocore's Stubber answers carry one only when a test gives it); a fan-out
-read keeps its range open for the next event, whose subscription answer shows the time.
+Only an endpoint whose answers carry a ``Date`` header is trusted to show its time at the
+tip (``shown_ms``): records alone only say when the last one arrived, which on an idle
+shard would keep a bounded read open for good. An endpoint without one (not HTTP/1.1: a
+stand-in, the simulator, botocore's Stubber unless the test gives one) keeps the local
+clock, as before. A fan-out read keeps its range open through its first event, whose
+subscription answer is the first to show the time on a fresh client.
 """
 
 from __future__ import annotations
@@ -117,6 +119,17 @@ class KinesisClock:
         with self._lock:
             low = self._low
         return None if low is None else int(low + self._monotonic() * 1000)
+
+    def shown_ms(self) -> int | None:
+        """``now_ms`` once an answer carried Kinesis' time (a ``Date`` header); None while
+        none did. What a bounded read compares its bound with at the tip: records alone
+        only show when the last of them arrived, which on an idle shard stays behind any
+        bound for good, so an endpoint that never sends its time (a stand-in, the
+        simulator's) keeps the local clock, as before."""
+        with self._lock:
+            if self._high is None:
+                return None
+        return self.now_ms()
 
     def plan_ms(self, local_ms: int) -> int:
         """A time to plan a bound on (a batch's end, a gap's end, a ``LATEST`` start): the

@@ -182,6 +182,7 @@ class FanOutSource:
         self._until_ms = until_ms
         #: Kinesis' time as this client's answers show it: where a bounded read ends
         self._kinesis_clock = kinesis_clock(client)
+        self._read_once = False
         #: Kinesis records the subscription delivered (aggregates count one)
         self.records_fetched = 0
 
@@ -206,10 +207,14 @@ class FanOutSource:
             return start
 
         # Taken before waiting for the event, which the service sends later; the tip it
-        # shows is at least this late (``Page.within``). None before any answer showed
-        # Kinesis' time (a fresh client: the subscription's own answer comes inside
-        # ``next_event``): a bounded read then stays open for the next event.
-        kinesis_ms = self._kinesis_clock.now_ms()
+        # shows is at least this late (``Page.within``). Before any answer showed Kinesis'
+        # time (a fresh client: the subscription's own answer comes inside ``next_event``)
+        # a bounded read stays open through its first event; an endpoint that still shows
+        # none after it keeps the local clock, as before.
+        kinesis_ms = self._kinesis_clock.shown_ms()
+        if kinesis_ms is None and self._read_once:
+            kinesis_ms = round(time.time() * 1000)
+        self._read_once = True
         event = self._retrying.call(
             reading, "SubscribeToShard",
             lambda: subscription.next_event(position, reading.last_sequence_number),

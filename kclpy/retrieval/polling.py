@@ -173,7 +173,7 @@ class PollingSource:
                                               self._retrying)
                 fresh = True
             # Taken before the call: the tip the answer shows is at least this late.
-            kinesis_ms = clock.now_ms()
+            kinesis_ms = clock.shown_ms()
             try:
                 page = self._retrying.call(
                     reading, "GetRecords",
@@ -212,8 +212,8 @@ class PollingSource:
         at_tip = caught_up and not page.records
         closed = page.next_shard_iterator is None
         if kinesis_ms is None:
-            # An endpoint that showed no time of its own (no Date header, no records yet):
-            # the local clock, as before there was a Kinesis clock.
+            # An endpoint that showed no time of its own (no Date header): the local
+            # clock, as before there was a Kinesis clock.
             kinesis_ms = round(time.time() * 1000)
         result = Page(page.records, millis, closed, page.child_shards, caught_up, at_tip=at_tip,
                       shard_closed=closed).within(self._until_ms, kinesis_ms)

@@ -10,6 +10,8 @@ from typing import Any
 
 from botocore.stub import Stubber
 
+from kclpy.retrieval.clock import KinesisClock
+
 #: Kinesis' time when the script starts (2026-01-01T00:00:00Z), epoch ms
 KINESIS_MS = 1_767_225_600_000
 #: how far the local clock is ahead of Kinesis' in these scripts
@@ -45,3 +47,20 @@ def script_late_record(stubber: Stubber) -> None:
     stubber.add_response("get_records", page(k + 1000, 3, record(1, k + 1000)))
     stubber.add_response("get_records", page(k + 5000, 4))
     stubber.add_response("get_records", page(k + 5000, 5))
+
+
+class AgedKinesisClock(KinesisClock):
+    """Kinesis' clock for tests that age records by moving time on (an emulator cannot age
+    records): the time they show it (``observe``) is Kinesis' time, held still, and the
+    emulator's own ``Date`` headers, which tell the real time, are not taken in."""
+
+    def __init__(self) -> None:
+        super().__init__(monotonic=lambda: 0.0)
+
+    def observe_date(self, date: str) -> None:
+        """The emulator's real time is before the test's Kinesis time."""
+
+    def move_to(self, epoch_s: float) -> None:
+        """Kinesis' time is ``epoch_s`` (to the millisecond)."""
+        ms = round(epoch_s * 1000)
+        self.observe(ms, ms + 1)
