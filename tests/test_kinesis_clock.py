@@ -47,6 +47,11 @@ def test_a_page_shows_a_lower_bound_and_a_lower_one_never_lowers_it() -> None:
     assert clock.now_ms() == K - 1000
     clock.observe_page([], 0)
     assert clock.now_ms() == K - 1000, "an empty page says nothing about time"
+    assert clock.shown_ms() is None, (
+        "records alone never end a bounded read at the tip: on an idle shard they stay "
+        "behind its bound for good")
+    clock.observe_date(formatdate(K / 1000, usegmt=True))
+    assert clock.shown_ms() == K
 
 
 def test_a_local_clock_surely_ahead_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
