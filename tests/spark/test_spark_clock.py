@@ -21,8 +21,14 @@ from botocore.stub import Stubber
 
 from kclpy.local import LocalEndpoint
 from kclpy.position import AT_TIMESTAMP, Position
-from kclpy.spark.offsets import decode_offset
-from kclpy.spark.reading import ShardInfo, ShardReader, StreamRef, read_range
+from kclpy.spark.offsets import Budget, UptoEnd, decode_offset
+from kclpy.spark.reading import (
+    BudgetedRead,
+    ShardInfo,
+    ShardReader,
+    StreamRef,
+    read_range,
+)
 from kclpy.spark.source import KinesisStreamReader, SourceOptions
 from tests.support import skew
 from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
@@ -54,6 +60,24 @@ def test_an_executor_reads_to_a_batch_end_in_kinesis_future_without_skipping(
     assert rows == [b"r0", b"r1"], "the record that arrived after the first tip is read"
     stubber.assert_no_pending_responses()
     assert waits and all(w > 0 for w in waits), "the tip is looked at again after a wait"
+
+
+def test_a_budgeted_read_to_an_end_in_kinesis_future_does_not_stop_at_the_first_tip(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same with a row budget (an ``UPTO`` end): the position it records for the next
+    batch is the end only once the records before it were all read."""
+    monkeypatch.setattr(time, "sleep", lambda _: None)
+    end = skew.KINESIS_MS + skew.SKEW_MS - 1000
+    client = stubbed_client()
+    with Stubber(client) as stubber:
+        skew.script_late_record(stubber)
+        reader = ShardReader(client, StreamRef("s"), ShardInfo(SHARD, (), 0, 2**128 - 1, False),
+                             Position.trim_horizon(), until_ms=end)
+        reading = BudgetedRead(reader, UptoEnd(Position.trim_horizon(), end, Budget(rows=10),
+                                               "p1"))
+        rows = [r.binary_data for records in reading for r in records]
+    assert rows == [b"r0", b"r1"]
+    assert reading.reached == Position.at_timestamp(end)
 
 
 def test_the_driver_plans_a_batch_end_on_kinesis_time_not_its_own_clock_ahead(
