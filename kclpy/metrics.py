@@ -89,6 +89,11 @@ DEAGGREGATION_ERRORS = _shard(
 RECORDS_FILTERED = _shard(
     "records_filtered", COUNTER,
     "KPL sub-records dropped because their explicit hash key is outside the shard.")
+CLOCK_SKEW = _worker(
+    "clock_skew_seconds", GAUGE,
+    "How far the local clock is ahead of Kinesis' (negative: behind), as Kinesis' answers "
+    "show its time (Date header, arrivals); to within about half a second. Bounded reads "
+    "and planned ends use Kinesis' time, never this clock's.")
 PREFETCH_QUEUE_DEPTH = _shard(
     "prefetch_queue_depth", GAUGE, "Fetched batches waiting for the processor.")
 # -- checkpoints ---------------------------------------------------------------------------

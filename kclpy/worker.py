@@ -53,6 +53,7 @@ from kclpy.records import Record
 from kclpy.recovery.detect import first_record
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
+from kclpy.retrieval.clock import kinesis_clock
 from kclpy.retrieval.fanout import FanOutSource
 from kclpy.retrieval.parse import ChildShard
 from kclpy.retrieval.pipeline import ShardPipeline
@@ -619,6 +620,7 @@ class Worker:
             lease.lease_key, lease.recovery, token=token, fence=fence,
             reader_factory=reader, rate=self._recovery_rate,
             max_lag_ms=self.config.max_lag_ms, metrics=self.metrics,
+            kinesis_clock=kinesis_clock(self.kinesis),
             claim=None if store is None else functools.partial(
                 store.begin_tenure, fence, lease.lease_key, token))
 

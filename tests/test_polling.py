@@ -32,6 +32,7 @@ from kclpy.retrieval.source import (
     reading_start,
 )
 from kclpy.retry import Backoff, RetryPolicy
+from tests.support import skew
 from tests.support.fakeshard import (
     SHARD,
     FakeShard,
@@ -351,6 +352,9 @@ def test_a_page_tells_the_tip_the_bound_and_the_shard_end_apart() -> None:
     assert cut is not None and payloads([cut]) == [b"plain-0"]
     assert cut.bound_reached and cut.shard_end and not cut.shard_closed and not cut.at_tip
 
+    # (A stand-in that shows no time of its own: the local clock says the bound is past.
+    # test_a_bounded_read_ends_at_the_tip_only_once_kinesis_time_has_passed_its_bound is
+    # the tip before Kinesis' time reaches the bound.)
     at_tip = bounded_source(FakeShard([plain(0)], millis_behind=0), attempts=3,
                             until_ms=1_700_000_000_000 + 9)
     assert at_tip.fetch_once() is not None
@@ -633,3 +637,35 @@ def test_a_split_parent_is_read_to_shard_end_with_its_children_over_http(
     assert sorted(c.starting_hash_key for c in result.child_shards) == ["0", str(2**127)]
 
 
+
+
+def test_a_bounded_read_ends_at_the_tip_only_once_kinesis_time_has_passed_its_bound() -> None:
+    """A bound computed on a local clock 5 s ahead of Kinesis' (a gap's end 1 s before the
+    local time) is in Kinesis' future: the tip reached before it is not the read's end,
+    since records still arrive before the bound. Ending there skipped them: lag recovery's
+    live reader starts at the bound, so such a record belonged to no read (10 of 40 with a
+    5 s skew). The read looks again, waiting between looks, until Kinesis' answers show its
+    time past the bound; the record that arrived meanwhile is read."""
+    client = boto3.client("kinesis", region_name="us-east-1", aws_access_key_id="x",
+                          aws_secret_access_key="x")
+    bound = skew.KINESIS_MS + skew.SKEW_MS - 1000
+    with Stubber(client) as stubber:
+        skew.script_late_record(stubber)
+        sleeps = Sleeps()
+        reader = ShardPipeline(
+            PollingSource(client, ShardAddress(SHARD, stream_name="s"), idle_time_s=0,
+                          until_ms=bound),
+            Position.trim_horizon(), sleep=sleeps)
+        got: list[bytes] = []
+        for _ in range(10):
+            result = reader.fetch_once()
+            if result is not None:
+                got.extend(r.binary_data for r in result.records)
+            if reader.finished:
+                break
+    assert got == [b"r0", b"r1"], "the record that arrived after the first tip is read"
+    stubber.assert_no_pending_responses()
+    assert result is not None and result.shard_end and result.at_tip
+    assert not (result.bound_reached or result.shard_closed)
+    assert len(sleeps.delays) == 2 and all(d > 0 for d in sleeps.delays), (
+        "the tip is looked at again after a wait, not in a busy loop")

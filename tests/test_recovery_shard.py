@@ -20,6 +20,7 @@ from typing import Any
 
 import boto3
 import pytest
+from botocore.stub import Stubber
 from moto import mock_aws
 
 from kclpy.checkpoint import Checkpointer
@@ -45,9 +46,11 @@ from kclpy.recovery import queue as gaps
 from kclpy.recovery.queue import RecoveryRequest
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
+from kclpy.retrieval.clock import kinesis_clock
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import Pacer, PollingSource
 from kclpy.retrieval.source import ShardAddress
+from tests.support import skew
 from tests.support.determinism import Clock
 from tests.support.fleet import Fleet, fleet
 from tests.support.recovery import Holder, age, gap, recovery_for
@@ -164,10 +167,16 @@ class Shard:
 
     def recovery(self, *, wall_clock: Any = time.time, stored: str | None = None,
                  claim: Callable[[], Position | None] | None = None) -> ShardRecovery:
+        """The shard's recovery at the time ``wall_clock`` tells: Kinesis' time as well as
+        the local one (an emulator cannot age records, so both clocks move on instead;
+        moto's own Date headers tell the real time and are not taken in)."""
+        clock = kinesis_clock(self.kinesis, skew.AgedKinesisClock)
+        assert isinstance(clock, skew.AgedKinesisClock)
+        clock.move_to(wall_clock())
         return ShardRecovery("shardId-000000000000", stored, token=self.token,
                              fence=self.holder.fence, reader_factory=self.reader,
                              rate=RecoveryRate(10_000), max_lag_ms=1000, metrics=self.metrics,
-                             wall_clock=wall_clock, claim=claim)
+                             wall_clock=wall_clock, claim=claim, kinesis_clock=clock)
 
     def queue(self) -> tuple[RecoveryRequest, ...]:
         lease = self.table.get("shardId-000000000000")
@@ -312,7 +321,8 @@ def test_a_gap_whose_records_were_all_trimmed_is_reported(
     reported, not closed in silence."""
     shard.kinesis.create_stream(StreamName="empty", ShardCount=1)
     empty = dataclasses.replace(shard, stream="empty")
-    trimmed = RecoveryRequest.gap("0", 0, round(time.time() * 1000) + 60_000, 1, "5")
+    # (ending now: a gap reader ends at the tip once Kinesis' time is past its end)
+    trimmed = RecoveryRequest.gap("0", 0, round(time.time() * 1000), 1, "5")
     recovery = empty.recovery(stored=gaps.dumps((trimmed,)))
     with caplog.at_level(logging.ERROR, logger="kclpy.recovery.shard"):
         assert recover_all(recovery) == []
@@ -331,7 +341,8 @@ def test_a_gap_partly_past_retention_is_reported_and_the_rest_recovered(
     oldest = int(records[0]["SequenceNumber"])
     assert oldest > 0
     # A gap whose first record came before the oldest record the shard still keeps.
-    trimmed = RecoveryRequest.gap("0", 0, round(time.time() * 1000) + 60_000, 1, "0")
+    # (ending now: a gap reader ends at the tip once Kinesis' time is past its end)
+    trimmed = RecoveryRequest.gap("0", 0, round(time.time() * 1000), 1, "0")
     recovery = shard.recovery(stored=gaps.dumps((trimmed,)))
     with caplog.at_level(logging.ERROR, logger="kclpy.recovery.shard"):
         assert recover_all(recovery) == [f"old-{n}" for n in range(30)]
@@ -584,3 +595,56 @@ def test_kill_9_mid_recovery_then_a_second_outage_both_gaps_are_recovered_by_the
     by_b = [int(r["seq"]) for r in group.ledger.records()
             if r["pid"] == b.pid and r["data"].startswith("old1-")]
     assert by_b and min(by_b) > int(interrupted.done), "nothing before the checkpoint re-read"
+
+
+def test_a_local_clock_ahead_of_kinesis_neither_ends_a_gap_nor_starts_live_in_its_future(
+        table: LeaseTable) -> None:
+    """The local clock is 5 s ahead of Kinesis' and max_lag_ms is 1 s: the gap's end and
+    live reading's start were planned on the local clock, 4 s into Kinesis' future, and the
+    gap's reader ended at the tip: a record arriving in those 4 s belonged to neither
+    (10 of 40 in the review). Planned on Kinesis' time as its answers show it (Date
+    header), the gap ends, and live reading starts, where Kinesis' time was: a record
+    that arrives after the gap was read is live's."""
+    k = skew.KINESIS_MS
+    client = boto3.client("kinesis", region_name=REGION)
+    holder = Holder(table, "A", Clock())
+    token = holder.take("s1")
+    with Stubber(client) as stubber:
+        # the probe: the first record after the checkpoint, 3 s old in Kinesis' time
+        stubber.add_response("get_shard_iterator", skew.answer(k, ShardIterator="it-0"))
+        stubber.add_response("get_records", skew.answer(
+            k, Records=[skew.record(0, k - 3000)], NextShardIterator="it-1",
+            MillisBehindLatest=2000))
+        # the look at the oldest record kept (retention), then the gap's reader: both
+        # records, then the tip
+        stubber.add_response("get_shard_iterator", skew.answer(k, ShardIterator="it-t"))
+        stubber.add_response("get_records", skew.page(k, 9, skew.record(0, k - 3000)))
+        stubber.add_response("get_shard_iterator", skew.answer(k, ShardIterator="it-2"))
+        stubber.add_response("get_records", skew.page(
+            k, 3, skew.record(0, k - 3000), skew.record(1, k - 1000)))
+        stubber.add_response("get_records", skew.page(k, 4))
+
+        def reader(start: Position, until_ms: int | None, pacer: Pacer | None,
+                   max_records: int | None) -> ShardPipeline:
+            source = PollingSource(client, ShardAddress("s1", stream_name="s"),
+                                   max_records=max_records or 100, idle_time_s=0,
+                                   pacer=pacer, until_ms=until_ms)
+            return ShardPipeline(source, start)
+
+        recovery = ShardRecovery(
+            "s1", None, token=token, fence=holder.fence, reader_factory=reader,
+            rate=RecoveryRate(10_000), max_lag_ms=1000, metrics=Metrics(),
+            wall_clock=lambda: (k + skew.SKEW_MS) / 1000,
+            kinesis_clock=kinesis_clock(client))
+        live_from = recovery.begin(Position.trim_horizon())
+        assert live_from is not None
+        live_ms = round(live_from.timestamp() * 1000)
+        [queued] = stored_queue(table)
+        assert queued.end_ms == live_ms, "the gap and live reading meet"
+        assert recover_all(recovery) == ["r0", "r1"]
+        stubber.assert_no_pending_responses()
+    # A record that arrives now, half a second later in Kinesis' time, after the gap was
+    # read to its end: live reading starts at or before its arrival, so it is read.
+    assert live_ms <= k + 500, (
+        f"live reading starts {live_ms - k} ms into Kinesis' future: records arriving "
+        "before then belong to no read")

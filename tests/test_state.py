@@ -33,6 +33,7 @@ from kclpy.processor import InitializeInput, ProcessRecordsInput
 from kclpy.records import Record
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
+from kclpy.retrieval.clock import kinesis_clock
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import Pacer, PollingSource
 from kclpy.retrieval.source import ShardAddress
@@ -41,6 +42,7 @@ from kclpy.state.processor import ExactlyOnceProcessor, StatefulProcessor
 from kclpy.state.sql import SQLStateStore
 from kclpy.state.store import StateStore
 from kclpy.state.transaction import StateTransaction, TransactionTooLarge, Versioned
+from tests.support import skew
 from tests.support.determinism import Clock
 from tests.support.e2e import worker_config
 from tests.support.state import Counter, Ops, Shard, rec, runner, stored_state
@@ -382,6 +384,9 @@ class Stream:
     def __init__(self, table: LeaseTable, checkpoint: str = "TRIM_HORIZON") -> None:
         self.kinesis = boto3.client("kinesis", region_name=REGION)
         self.kinesis.create_stream(StreamName="lagging", ShardCount=1)
+        clock = kinesis_clock(self.kinesis, skew.AgedKinesisClock)
+        assert isinstance(clock, skew.AgedKinesisClock)
+        self.kinesis_clock = clock
         self.table = table
         assert table.create(Lease(SHARD, checkpoint=Position(checkpoint)))
         self.metrics = Metrics()
@@ -404,6 +409,9 @@ class Stream:
         lease = self.table.get(SHARD)
         assert lease is not None
         hour_later = time.time() + 3600
+        # An hour later for Kinesis too (an emulator cannot age records): a gap's reader
+        # ends at the tip only once Kinesis' time is past the gap's end.
+        self.kinesis_clock.move_to(hour_later)
         return shard, ShardRecovery(
             SHARD, lease.recovery, token=shard.checkpointer._token, fence=shard.fence,
             reader_factory=self.reader, rate=RecoveryRate(100_000), max_lag_ms=1000,
@@ -502,6 +510,7 @@ def test_a_gap_found_by_the_next_owner_starts_after_what_the_sql_store_committed
     assert stream.lease().checkpoint == Position.trim_horizon()
     second, _ = stream.take("B", clock)
     store = new_sql_store()
+    stream.kinesis_clock.move_to(time.time() + 3600)
     recovery = ShardRecovery(
         SHARD, None, token=second.checkpointer._token, fence=second.fence,
         reader_factory=stream.reader, rate=RecoveryRate(100_000), max_lag_ms=1000,

@@ -50,6 +50,7 @@ from kclpy.recovery import requests as asked
 from kclpy.recovery.detect import first_record
 from kclpy.recovery.queue import RecoveryRequest
 from kclpy.recovery.rate import RecoveryRate, ShardPacer
+from kclpy.retrieval.clock import SKEW_MARGIN_MS, KinesisClock
 from kclpy.retrieval.pipeline import FetchError, FetchResult, ShardPipeline
 from kclpy.retrieval.polling import Pacer
 
@@ -85,8 +86,9 @@ class ShardRecovery:
         rate: RecoveryRate,
         max_lag_ms: int | None,
         metrics: Metrics,
-        wall_clock: Callable[[], float] = time.time,
+        wall_clock: Callable[[], float] = lambda: time.time(),
         claim: Callable[[], Position | None] | None = None,
+        kinesis_clock: KinesisClock | None = None,
     ) -> None:
         self.lease_key = lease_key
         #: a state store that keeps its own live position (the SQL store): claims the shard
@@ -100,6 +102,9 @@ class ShardRecovery:
         self._metrics = metrics
         self._m = metrics.shard(lease_key)
         self._wall_clock = wall_clock
+        #: Kinesis' time as its answers show it: a gap's end is an arrival time, which
+        #: Kinesis' clock stamps, so the lag is measured on it (``begin``)
+        self._kinesis_clock = kinesis_clock
         self._lock = threading.Lock()
         self._queue = gaps.loads(stored)
         #: gaps read to their end in this tenure without a checkpoint covering them
@@ -130,6 +135,7 @@ class ShardRecovery:
         self._began: Position | None = None
         #: monotonic time before which a failed fold of operator requests is not retried
         self._fold_after = 0.0
+        self._skew_logged = False
         self._publish()
 
     # -- the consumer's side ---------------------------------------------------------------
@@ -156,7 +162,7 @@ class ShardRecovery:
         checkpoint, sub_sequence_number = live.checkpoint, live.sub_sequence_number
         probe = self._readers(live, None, None, 1)
         first = first_record(probe)
-        now_ms = round(self._wall_clock() * 1000)
+        now_ms = self._now_ms()
         live_ms = now_ms - max_lag_ms
         arrived = None if first is None else first.timestamp_millis
         if first is None or arrived is None or arrived >= live_ms:
@@ -265,6 +271,25 @@ class ShardRecovery:
         return self._fence.guard(self.lease_key, self._token, what=what)
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _now_ms(self) -> int:
+        """The local clock, but never later than Kinesis' time as its answers (to the probe
+        just made) allow it to be (``KinesisClock.plan_ms``). A gap ends, and live reading
+        starts, ``max_lag_ms`` before it: on a local clock ahead of Kinesis' by more than
+        that, the end would be in Kinesis' future, and live reading would start after
+        records that had not arrived yet (the gap's reader waits for Kinesis' time to pass
+        its end as well, so none is lost either way; planned so, it seldom waits)."""
+        local = round(self._wall_clock() * 1000)
+        clock = self._kinesis_clock
+        if clock is None:
+            return local
+        ahead = clock.ahead_ms(local)
+        if ahead > max(SKEW_MARGIN_MS, self._max_lag_ms or 0) and not self._skew_logged:
+            self._skew_logged = True
+            log.warning("shard %s: the local clock is %d ms or more ahead of Kinesis' "
+                        "(max_lag_ms=%s): lag and recovery gaps are measured on Kinesis' "
+                        "time", self.lease_key, ahead, self._max_lag_ms)
+        return clock.plan_ms(local)
 
     def _queued(self, gap: Position) -> bool:
         with self._lock:

@@ -27,6 +27,7 @@ from kclpy.metrics import (
     Metrics,
     Scope,
 )
+from kclpy.retrieval.clock import kinesis_clock
 from kclpy.retrieval.parse import ChildShard, get_records
 from kclpy.retrieval.polling import get_iterator
 from kclpy.retrieval.source import Page, Reading, Retrying, ShardAddress
@@ -179,6 +180,9 @@ class FanOutSource:
         self._probed_at = clock()
         self._m_behind = shard.bind(MILLIS_BEHIND_LATEST)
         self._until_ms = until_ms
+        #: Kinesis' time as this client's answers show it: where a bounded read ends
+        self._kinesis_clock = kinesis_clock(client)
+        self._read_once = False
         #: Kinesis records the subscription delivered (aggregates count one)
         self.records_fetched = 0
 
@@ -202,6 +206,15 @@ class FanOutSource:
                 start["Timestamp"] = timestamp
             return start
 
+        # Taken before waiting for the event, which the service sends later; the tip it
+        # shows is at least this late (``Page.within``). Before any answer showed Kinesis'
+        # time (a fresh client: the subscription's own answer comes inside ``next_event``)
+        # a bounded read stays open through its first event; an endpoint that still shows
+        # none after it keeps the local clock, as before.
+        kinesis_ms = self._kinesis_clock.shown_ms()
+        if kinesis_ms is None and self._read_once:
+            kinesis_ms = round(time.time() * 1000)
+        self._read_once = True
         event = self._retrying.call(
             reading, "SubscribeToShard",
             lambda: subscription.next_event(position, reading.last_sequence_number),
@@ -210,6 +223,7 @@ class FanOutSource:
         page = event.page
         self.records_fetched += len(page.records)
         millis = page.millis_behind_latest
+        self._kinesis_clock.observe_page(page.records, millis)
         if millis is not None and self._until_ms is None:
             self._m_behind.set(millis)
         shard_end = event.continuation_sequence_number is None
@@ -226,7 +240,7 @@ class FanOutSource:
                 shard_end, children = True, found
         return Page(page.records, millis, shard_end, children, caught_up,
                     at_tip=caught_up and not page.records,
-                    shard_closed=shard_end).within(self._until_ms)
+                    shard_closed=shard_end).within(self._until_ms, kinesis_ms)
 
     def _probe_shard_end(self, reading: Reading) -> list[ChildShard] | None:
         """Is the idle shard closed? One GetRecords after the last record handled: the

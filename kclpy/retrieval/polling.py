@@ -16,6 +16,12 @@ driver probes with ``Reading.limit`` alone. A page says which end it met, apart:
 closed (``shard_closed``), the bound (``bound_reached``), the tip (``at_tip``: an empty page
 not behind, never ``MillisBehindLatest`` alone).
 
+A bounded read ends at the tip only once Kinesis' own time, as its answers show it
+(:mod:`kclpy.retrieval.clock`), had passed ``until_ms`` when the GetRecords was sent: a
+bound still in Kinesis' future (one computed on a local clock running ahead) keeps the read
+polling the tip, and waiting ``idle_s`` between two looks, until a record at or after the
+bound arrives or Kinesis' time passes it.
+
 A tool's or a probe's look at a shard (the lag probe, ``kclpy checkpoint set --to``) reads
 through the same source too (``one_off_pages``), with no retries and no pipeline.
 """
@@ -31,8 +37,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from botocore.exceptions import ClientError
 
-from kclpy.metrics import GET_RECORDS, ITERATOR_EXPIRATIONS, MILLIS_BEHIND_LATEST, Metrics
+from kclpy.metrics import (
+    CLOCK_SKEW,
+    GET_RECORDS,
+    ITERATOR_EXPIRATIONS,
+    MILLIS_BEHIND_LATEST,
+    Metrics,
+)
 from kclpy.position import Position
+from kclpy.retrieval.clock import kinesis_clock
 from kclpy.retrieval.parse import GetRecordsPage, get_records, install_fast_get_records
 from kclpy.retrieval.source import Page, Reading, Retrying, ShardAddress, Stopped
 from kclpy.retry import Backoff, RetryPolicy
@@ -41,6 +54,12 @@ if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
 
 logger = logging.getLogger(__name__)
+
+#: the longest a bounded read waits at the tip before looking again while Kinesis' time has
+#: not reached its bound (it waits less when the bound is nearer)
+BOUND_WAIT_S = 1.0
+#: the shortest such wait: the tip is not polled in a busy loop
+BOUND_WAIT_MIN_S = 0.05
 
 
 def _short(iterator: str) -> str:
@@ -95,7 +114,10 @@ class PollingSource:
             raise ValueError("max_records must be between 1 and 10000")
         self._client = client
         self.address = address
-        self.idle_s = idle_time_s
+        self._idle_s = idle_time_s
+        #: ms still between Kinesis' time and the bound, when the last page was a tip the
+        #: bounded read could not end at yet (0: not waiting for Kinesis' time)
+        self._short_ms = 0
         self._max_records = max_records
         m = metrics if metrics is not None else Metrics()
         self._retrying = Retrying(address, backoff, m)
@@ -109,10 +131,22 @@ class PollingSource:
         self._m_get_records = shard.bind(GET_RECORDS)
         self._m_expired = shard.bind(ITERATOR_EXPIRATIONS)
         self._m_behind = shard.bind(MILLIS_BEHIND_LATEST)
+        self._m_skew = m.bind(CLOCK_SKEW)
+        #: Kinesis' time as this client's answers show it: where a bounded read ends
+        self._kinesis_clock = kinesis_clock(client)
         self._iterator: str | None = None
         #: Kinesis records the service returned (aggregates count one): what a read costs
         self.records_fetched = 0
         install_fast_get_records(client)
+
+    @property
+    def idle_s(self) -> float:
+        """The wait after an empty page at the tip: the idle time between reads, and for a
+        bounded read whose bound Kinesis' time has not reached, up to ``BOUND_WAIT_S``."""
+        short = self._short_ms
+        if not short:
+            return self._idle_s
+        return max(self._idle_s, min(BOUND_WAIT_S, max(BOUND_WAIT_MIN_S, short / 1000)))
 
     def status(self) -> dict[str, Any]:
         return {"mode": "polling"}
@@ -131,11 +165,15 @@ class PollingSource:
                 raise Stopped
         fresh = False
         backoff = self._retrying.backoff
+        clock = self._kinesis_clock
+        kinesis_ms: int | None = None
         while True:
             if self._iterator is None:
                 self._iterator = get_iterator(self._client, self.address, reading,
                                               self._retrying)
                 fresh = True
+            # Taken before the call: the tip the answer shows is at least this late.
+            kinesis_ms = clock.shown_ms()
             try:
                 page = self._retrying.call(
                     reading, "GetRecords",
@@ -166,11 +204,25 @@ class PollingSource:
         if self._pacer is not None:
             self._pacer.give_back(limit - len(page.records))
         self.records_fetched += len(page.records)
+        clock.observe_page(page.records, millis)
+        skew = clock.skew_ms()
+        if skew is not None:
+            self._m_skew.set(skew / 1000)
         caught_up = millis == 0 or (millis is None and not page.records)
         at_tip = caught_up and not page.records
         closed = page.next_shard_iterator is None
+        if kinesis_ms is None:
+            # An endpoint that showed no time of its own (no Date header): the local
+            # clock, as before there was a Kinesis clock.
+            kinesis_ms = round(time.time() * 1000)
         result = Page(page.records, millis, closed, page.child_shards, caught_up, at_tip=at_tip,
-                      shard_closed=closed).within(self._until_ms)
+                      shard_closed=closed).within(self._until_ms, kinesis_ms)
+        until = self._until_ms
+        self._short_ms = (until - kinesis_ms if until is not None and result.at_tip
+                          and not result.shard_end else 0)
+        if self._short_ms and not self._probe:
+            logger.debug("shard %s: at the tip %d ms before Kinesis' time reaches the "
+                         "read's end; looking again", self.address.lease_key, self._short_ms)
         if result.shard_end and not self._probe:
             if not closed:
                 # a recovery read: the shard is open, only the gap being read is over

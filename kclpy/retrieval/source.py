@@ -115,16 +115,25 @@ class Page:
     #: which a bounded read's ``shard_end`` alone does not say
     shard_closed: bool = False
 
-    def within(self, until_ms: int | None) -> Page:
+    def within(self, until_ms: int | None, kinesis_ms: int | None = None) -> Page:
         """The page as a read bounded by ``until_ms`` (epoch ms) sees it: the read ends, as
         at a shard end, before the first record that arrived at or after the bound, or at
-        the tip. The same for every source, so a bounded read (a recovery gap, a Spark
-        batch) ends at the same record whichever mode read it."""
+        the tip once Kinesis' time has passed the bound. The same for every source, so a
+        bounded read (a recovery gap, a Spark batch) ends at the same record whichever mode
+        read it.
+
+        ``kinesis_ms`` is a lower bound of Kinesis' time when the page was asked for
+        (:mod:`kclpy.retrieval.clock`). The tip only says that every record that had
+        arrived by then was read: with the bound still in Kinesis' future, records that
+        arrive later belong to the range, so the read stays open (the page stays at the
+        tip, not at an end) and looks again. None (nothing known) keeps the range open.
+        """
         if until_ms is None:
             return self
         kept = _arrived_before(self.records, until_ms)
         reached = len(kept) < len(self.records)
-        if not (reached or self.at_tip):
+        passed = self.at_tip and kinesis_ms is not None and kinesis_ms >= until_ms
+        if not (reached or passed):
             return self
         return replace(self, records=kept, shard_end=True, child_shards=[],
                        bound_reached=reached)
@@ -191,9 +200,12 @@ class PageSource(Protocol):
     """
 
     address: ShardAddress
-    #: how long the pipeline waits before the next read after an empty page at the tip
-    #: (polling's idle time between reads; 0 for a source the service pushes to)
-    idle_s: float
+
+    @property
+    def idle_s(self) -> float:
+        """How long the pipeline waits before the next read after an empty page at the tip
+        (polling's idle time between reads, longer while a bounded read waits for Kinesis'
+        time to reach its end; 0 for a source the service pushes to)."""
 
     def read(self, reading: Reading) -> Page: ...
 

@@ -16,7 +16,11 @@ recorded, which a deterministic budget (rows, bytes) allows.
 
 "At the tip" is a page with no records whose ``MillisBehindLatest`` is 0 (or absent), or a
 shard end (no next iterator) — never ``MillisBehindLatest`` alone: kinesis-mock reports 0 on
-a page that ends inside the last PutRecords batch while records remain.
+a page that ends inside the last PutRecords batch while records remain. A read bounded by
+an arrival time ends at the tip only once Kinesis' own time has passed that time
+(:mod:`kclpy.retrieval.clock`): a driver whose clock runs ahead of Kinesis' would otherwise
+end a batch before records that still arrive before its end, which no batch would read.
+The driver plans its ends on Kinesis' time too, so an executor seldom waits for it.
 
 The reading itself is the worker's: :class:`ShardReader` is the polling source
 (:mod:`kclpy.retrieval.polling`: iterators, expiry, retries, the time bound, a ``Limit`` per
@@ -167,7 +171,8 @@ class Page:
     records: Records
     #: the shard is closed and every record of it was returned
     shard_end: bool
-    #: a page with no records and not behind: nothing more right now
+    #: a page with no records and not behind: nothing more right now (for a reader with a
+    #: time bound: and Kinesis' time has passed the bound, so the read ends here)
     at_tip: bool
     #: a record that arrived at or after the reader's ``until_ms`` was seen: the rest of the
     #: shard belongs to a later batch
@@ -222,6 +227,7 @@ class ShardReader:
         self._stream = stream
         self.shard = shard
         self._start = start
+        self._bounded = until_ms is not None
         self.limit = limit
         self._fail_on_data_loss = fail_on_data_loss
         address = ShardAddress(shard.shard_id, stream.stream_name, stream.stream_arn)
@@ -280,7 +286,10 @@ class ShardReader:
         # A record without an arrival time (optional in the API, AWS always sends it) counts
         # as settled long ago.
         first_ms = (records[0].timestamp_millis or 0) if records else None
-        page = Page(records, result.shard_closed and not result.bound_reached, result.at_tip,
+        # A bounded read's tip is its end only once Kinesis' time passed the bound (the
+        # source then ends the read there); before that it is one more page to look past.
+        at_tip = result.at_tip and (result.shard_end or not self._bounded)
+        page = Page(records, result.shard_closed and not result.bound_reached, at_tip,
                     result.bound_reached, first_ms)
         if result.shard_end:
             self._over = Page(EMPTY, page.shard_end, page.at_tip, page.reached_bound)

@@ -51,6 +51,7 @@ import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 
 from kclpy.position import AFTER, AT_TIMESTAMP, LATEST, SHARD_END, Position
+from kclpy.retrieval.clock import SKEW_MARGIN_MS, kinesis_clock
 from kclpy.retrieval.registration import ConsumerRegistration
 from kclpy.spark.arrow import SPARK_SCHEMA_DDL, records_to_batch
 from kclpy.spark.metadata import ConflictingEndError, PositionStore
@@ -173,6 +174,7 @@ class KinesisStreamReader(DataSourceStreamReader):
         #: positions found trimmed or shards found expired by the driver, with
         #: failOnDataLoss=false (an executor that finds one logs it)
         self.data_loss_events = 0
+        self._skew_logged = False
 
     def __getstate__(self) -> dict[str, Any]:
         return {"options": self.options}
@@ -187,10 +189,27 @@ class KinesisStreamReader(DataSourceStreamReader):
     def _kinesis(self) -> KinesisClient:
         if self._client is None:
             self._client = self.options.client(pool=32, agent="kclpy-spark-driver")
+        # Every answer from here on shows Kinesis' time (ListShards before a LATEST start).
+        kinesis_clock(self._client)
         return self._client
 
     def _now_ms(self) -> int:
-        return round(self._clock() * 1000)
+        """The local clock, but never later than Kinesis' time as its answers to this
+        driver allow it to be (``KinesisClock.plan_ms``). Batch ends, a ``LATEST`` start
+        and the ``AvailableNow`` target are arrival times, which Kinesis' clock stamps:
+        one planned on a local clock ahead of Kinesis' would be in Kinesis' future, and
+        the records that arrived before it after its batch was read would belong to no
+        batch. (The executors' reads wait for Kinesis' time to pass an end anyway;
+        planning on it keeps them from waiting.)"""
+        clock = kinesis_clock(self._kinesis())
+        local = round(self._clock() * 1000)
+        ahead = clock.ahead_ms(local)
+        if ahead > SKEW_MARGIN_MS and not self._skew_logged:
+            self._skew_logged = True
+            log.warning("kinesis source: the driver's clock is %d ms or more ahead of Kinesis' "
+                        "(settleTime=%d ms): batches end on Kinesis' time instead", ahead,
+                        self.options.settle_ms)
+        return clock.plan_ms(local)
 
     def _list(self, force: bool = False) -> dict[str, _Shard]:
         """The streams' shards by offset key, from ListShards at most once per
@@ -220,6 +239,7 @@ class KinesisStreamReader(DataSourceStreamReader):
                            fail_on_data_loss=self.options.fail_on_data_loss)
 
     def initialOffset(self) -> dict[str, Any]:
+        # (Listed first: the answer shows Kinesis' time for a LATEST start.)
         shards = list(self._list(force=True).values())
         kind = self.options.starting_position
         positions: dict[str, OffsetEntry]
@@ -239,8 +259,8 @@ class KinesisStreamReader(DataSourceStreamReader):
     def prepareForTriggerAvailableNow(self) -> None:
         """Fix the target: every record that arrived before now, on the shards there are
         now. Waits ``settleTime`` once, so that the last batch can end at the target."""
-        self._target_ms = self._now_ms()
         self._target_shards = frozenset(self._list(force=True))
+        self._target_ms = self._now_ms()
         log.info("kinesis source: AvailableNow target: arrivals before %d on %d shards",
                  self._target_ms, len(self._target_shards))
         time.sleep(self.options.settle_ms / 1000)
