@@ -540,7 +540,8 @@ class Worker:
                                or self.config.initial_timestamp),
             park=functools.partial(park_held, self.coordinator.fence),
             oldest_record=functools.partial(self._oldest_record, lease),
-            holds=functools.partial(self.coordinator.fence.holds, lease.lease_key, token))
+            holds=functools.partial(self.coordinator.fence.holds, lease.lease_key, token),
+            wall_clock=kinesis_clock(self.kinesis).planned_now)
 
     def _oldest_record(self, lease: Lease) -> Record | None:
         """The shard's oldest record now: a checkpoint before it was trimmed past."""

@@ -70,3 +70,13 @@ def test_a_clock_within_the_date_precision_is_not_reported(
     with caplog.at_level(logging.WARNING, logger="kclpy.retrieval.clock"):
         clock.observe_date(formatdate(K / 1000, usegmt=True))
     assert caplog.records == [] and clock.ahead_ms() == 0
+
+
+def test_a_latest_start_is_planned_on_kinesis_time_not_a_clock_ahead_of_it() -> None:
+    """The worker resolves a ``LATEST`` lease to ``planned_now``: with the host 5 s ahead,
+    the start is at most the Date header's precision past Kinesis' time, not 5 s into its
+    future (records arriving in between would have been skipped)."""
+    clock = KinesisClock(monotonic=Ticking(), wall=lambda: (K + 5000) / 1000)
+    assert clock.planned_now() == (K + 5000) / 1000, "nothing known yet: the local clock"
+    clock.observe_date(formatdate(K / 1000, usegmt=True))
+    assert clock.planned_now() == (K + 1000) / 1000

@@ -68,8 +68,9 @@ _HANDLER_ID = "kclpy.retrieval.clock.observe"
 class KinesisClock:
     """A lower bound of Kinesis' time now, from what its answers showed (thread-safe).
 
-    ``monotonic`` carries observations forward; ``wall`` is the local clock, used only to
-    say how far it is from Kinesis' (``skew_ms``), never for a bound."""
+    ``monotonic`` carries observations forward; ``wall`` is the local clock, used to say
+    how far it is from Kinesis' (``skew_ms``) and, bounded by Kinesis' time, to plan on
+    (``planned_now``)."""
 
     def __init__(self, *, monotonic: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = lambda: time.time()) -> None:
@@ -142,6 +143,12 @@ class KinesisClock:
         if high is None:
             return local_ms
         return min(local_ms, int(high + self._monotonic() * 1000))
+
+    def planned_now(self) -> float:
+        """Now, in epoch seconds, to start a ``LATEST`` lease at: the local clock planned
+        on Kinesis' time (``plan_ms``), so a host clock running ahead cannot start the lease
+        past records that arrive meanwhile."""
+        return self.plan_ms(round(self._wall() * 1000)) / 1000
 
     def skew_ms(self) -> int | None:
         """How far the local clock is ahead of Kinesis' (negative: behind), best estimate:
