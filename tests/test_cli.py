@@ -320,6 +320,39 @@ def test_a_stream_created_again_is_counted_again_on_the_sql_store(tmp_path: Path
 
 
 @pytest.mark.integration
+def test_an_application_name_reused_for_another_stream_is_refused_and_changes_nothing(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
+    """A first-day mistake: the same --application-name on another stream replaced the first
+    stream's leases (their checkpoints lost) and --stop-when-caught-up never stopped."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    first, second = unique_name("orders"), unique_name("payments")
+    for stream in (first, second):
+        create_stream(kinesis, stream, 1)
+        put_plain(kinesis, stream, [b"r0", b"r1"])
+    app = unique_name("shared-app")
+
+    def run(stream: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            _worker_command(
+                "--stream-name", stream, "--application-name", app,
+                "--processor", "examples/printing_processor.py:PrintingProcessor",
+                "--region", "us-east-1", "--kinesis-endpoint", kinesis_mock.url,
+                "--dynamodb-endpoint", moto_server.url, "--initial-position", "TRIM_HORIZON",
+                "--idle-time-between-reads-ms", "100", "--stop-when-caught-up"),
+            cwd=ROOT, capture_output=True, text=True, timeout=180)
+
+    assert run(first).returncode == 0
+    dynamodb = dynamodb_client(moto_server.url)
+    before = dynamodb.scan(TableName=app, ConsistentRead=True)["Items"]
+    refused = run(second)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    errors = [line for line in refused.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "--application-name" in errors[0] and first in errors[0]
+    assert dynamodb.scan(TableName=app, ConsistentRead=True)["Items"] == before
+    assert " data=r0" not in refused.stdout
+
+
+@pytest.mark.integration
 def test_running_count_example_with_the_dynamodb_store(
         kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint) -> None:
     kinesis = kinesis_client(kinesis_mock.url)

@@ -625,6 +625,41 @@ def moto_url(moto_server: LocalEndpoint) -> str:
     return moto_server.url
 
 
+def test_a_table_of_another_stream_is_refused_and_left_as_it_is(
+    aws: tuple[Any, LeaseTable],
+) -> None:
+    """An application name reused for another stream: its leases looked like a former
+    incarnation of the new stream and were replaced, their checkpoints lost."""
+    kinesis, table = aws
+    make_stream(kinesis, "orders", 2)
+    make_stream(kinesis, "payments", 2)
+    ShardSyncer(kinesis, table, stream_name="orders", initial_position=TRIM_HORIZON).sync()
+    before = {lease.lease_key: lease for lease in table.list_leases()}
+    assert {lease.stream_name for lease in before.values()} == {"orders"}
+    arn = kinesis.describe_stream_summary(
+        StreamName="payments")["StreamDescriptionSummary"]["StreamARN"]
+    for identity in ({"stream_name": "payments"}, {"stream_arn": arn}):
+        with pytest.raises(ConfigError, match="holds the leases of stream 'orders'") as error:
+            ShardSyncer(kinesis, table, initial_position=TRIM_HORIZON, **identity).sync()
+        assert error.value.option == "application_name"
+    after = {lease.lease_key: lease for lease in table.list_leases()}
+    assert after == before
+    assert [a.incarnation for a in after.values()] == [b.incarnation for b in before.values()]
+    # the stream itself, by name or by ARN, is of course not refused
+    orders = kinesis.describe_stream_summary(
+        StreamName="orders")["StreamDescriptionSummary"]["StreamARN"]
+    assert ShardSyncer(kinesis, table, stream_arn=orders).sync() == []
+
+
+def test_leases_without_a_stream_name_are_not_judged(aws: tuple[Any, LeaseTable]) -> None:
+    """Java's leases, and kclpy's from before kclpyStreamName, cannot tell their stream."""
+    kinesis, table = aws
+    make_stream(kinesis, "payments", 1)
+    table.create(Lease(lease_key="shardId-000000000007", checkpoint=Position.trim_horizon()))
+    created = ShardSyncer(kinesis, table, stream_name="payments").sync()
+    assert [lease.stream_name for lease in created] == ["payments"]
+
+
 @pytest.mark.integration
 def test_over_http_moto_server_paginates_and_syncs(moto_url: str) -> None:
     kinesis = boto3.client("kinesis", endpoint_url=moto_url, region_name=REGION)

@@ -62,6 +62,12 @@ class Lease:
     #: table (the SQL state store) can tell. Java KCL workers ignore the attribute; None for
     #: items created without it (by Java, or by kclpy before it).
     incarnation: str | None = field(default=None, compare=False)
+    #: kclpy's own ``kclpyStreamName``: the stream a single-stream lease was created for, so
+    #: that a worker started on another stream with the same application name (table) is
+    #: refused instead of taking the table's leases for a former stream of its own
+    #: (``shard_sync.refuse_another_streams_table``). None on multi-stream leases (their key
+    #: names the stream), on Java's and on kclpy's before it.
+    stream_name: str | None = field(default=None, compare=False)
     #: kclpy's own: the kclpy worker that last took or adopted the lease. A Java KCL worker's
     #: take leaves it unchanged, so it equals the holder only while a kclpy worker holds the
     #: lease: how kclpy tells a holder that speaks the graceful handoff protocol

@@ -42,6 +42,7 @@ START_AT = "kclpyStartAt"
 PARKED = "kclpyParked"
 #: kclpy's lease incarnation (``Lease.incarnation``), written only when the item is created
 INCARNATION = "kclpyIncarnation"
+KCLPY_STREAM_NAME = "kclpyStreamName"
 #: kclpy's own: the kclpy worker that last took the lease (``Lease.kclpy_holder``); Java
 #: workers neither read nor clear it, so it names the owner only while a kclpy worker holds it
 KCLPY_HOLDER = "kclpyHolder"
@@ -151,6 +152,7 @@ def lease_from_item(item: Mapping[str, AttributeValueTypeDef]) -> Lease:
         parked=_str(item, PARKED),
         stream=_str(item, STREAM_NAME),
         incarnation=_str(item, INCARNATION),
+        stream_name=_str(item, KCLPY_STREAM_NAME),
         kclpy_holder=_str(item, KCLPY_HOLDER),
         assignment_notice=_str(item, ASSIGNMENT_NOTICE),
         last_write=_str(item, WRITE_ID),
@@ -189,6 +191,8 @@ def lease_to_new_item(lease: Lease) -> dict[str, AttributeValueTypeDef]:
         item[SHARD_ID] = s(lease.shard_id)
     if lease.incarnation is not None:
         item[INCARNATION] = s(lease.incarnation)
+    if lease.stream_name is not None:
+        item[KCLPY_STREAM_NAME] = s(lease.stream_name)
     return item
 
 

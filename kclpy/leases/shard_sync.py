@@ -257,6 +257,23 @@ def _new_lease(shard: Shard, checkpoint: str, stream: str | None) -> Lease:
     )
 
 
+def refuse_another_streams_table(leases: Iterable[Lease], stream: str, table: str) -> None:
+    """Refuse, before anything is written, a single-stream table whose leases kclpy made for
+    another stream: an application name reused for another stream. Its leases would look
+    like a former incarnation of this stream, be replaced (their checkpoints lost) and left
+    unrenewed. A lease without the name (Java's, or kclpy's before it wrote the name) cannot
+    tell; a stream deleted and created again under the same name passes, and its former
+    leases are replaced as before."""
+    others = sorted({lease.stream_name for lease in leases
+                     if lease.stream_name is not None and lease.stream_name != stream})
+    if others:
+        raise ConfigError(
+            "application_name",
+            f"the lease table {table!r} holds the leases of stream {others[0]!r}, not of "
+            f"{stream!r}: another application uses this name; give this one its own "
+            "application name (or --table-name)")
+
+
 def shard_ids_of(lease_keys: Iterable[str], stream: str | None) -> set[str]:
     """The shards of ``stream`` (a serialised identifier, None for a single-stream table)
     among lease keys of a table that may hold other streams' leases too."""
@@ -347,6 +364,9 @@ class ShardSyncer:
         )
         self.initial_position = initial_position
         self.stream = stream
+        #: the name written on single-stream leases (``Lease.stream_name``)
+        self.stream_label = (str(stream_name) if stream_arn is None
+                             else stream_arn.rpartition("/")[2])
         #: the stream's creation time (seconds, to the millisecond when known), written into
         #: each new lease's incarnation
         self.stream_epoch = stream_epoch if stream_epoch is not None or stream is None else (
@@ -357,6 +377,10 @@ class ShardSyncer:
         self._sleep = sleep
         self._rng = rng if rng is not None else random.Random()
         self._known: frozenset[str] = frozenset()
+
+    @property
+    def _single_stream_name(self) -> str | None:
+        return self.stream_label if self.stream is None else None
 
     @property
     def known_shard_ids(self) -> frozenset[str]:
@@ -415,10 +439,14 @@ class ShardSyncer:
             leases = self._table.list_leases()
             existing = {lease.lease_key for lease in leases}
         if leases is not None:
+            leases = list(leases)
+            if self.stream is None:
+                refuse_another_streams_table(leases, self.stream_label, self._table.table_name)
             existing = set(existing) - self._retire_former(shards, leases)
         created = [
             lease
-            for lease in (planned.copy(incarnation=new_incarnation(self.stream_epoch))
+            for lease in (planned.copy(incarnation=new_incarnation(self.stream_epoch),
+                                       stream_name=self._single_stream_name)
                           for planned in plan_new_leases(
                               shards, existing, self.initial_position, self.stream))
             if self._table.create(lease)
@@ -519,6 +547,7 @@ class ShardSyncer:
                 ending_hash_key=child.ending_hash_key,
                 stream=self.stream,
                 incarnation=new_incarnation(self.stream_epoch),
+                stream_name=self._single_stream_name,
             )
             if self._table.create(lease):
                 log.info(

@@ -505,7 +505,7 @@ def _recreated(shard: Shard, shards: Mapping[str, Shard], sibling: Lease) -> Lea
                  parent_shard_ids=frozenset(shard.parent_ids), child_shard_ids=children,
                  starting_hash_key=shard.starting_hash_key,
                  ending_hash_key=shard.ending_hash_key, stream=sibling.stream,
-                 incarnation=new_incarnation(epoch))
+                 incarnation=new_incarnation(epoch), stream_name=sibling.stream_name)
 
 
 def set_checkpoint(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
