@@ -341,7 +341,7 @@ def condition_holds(item: Item | None, expression: str | None, names: dict[str, 
 
 def apply_update(item: Item, expression: str, names: dict[str, str],
                  values: dict[str, Any]) -> None:
-    for clause in re.split(r"\s(?=SET |ADD |REMOVE )", expression.strip()):
+    for clause in re.split(r"\s(?=SET |ADD |REMOVE |DELETE )", expression.strip()):
         verb, _, rest = clause.partition(" ")
         for part in (p.strip() for p in rest.split(",")):
             if verb == "SET":
@@ -359,6 +359,15 @@ def apply_update(item: Item, expression: str, names: dict[str, str],
                 else:
                     merged = set(old["SS"]) if old else set()
                     item[attribute] = {"SS": sorted(merged | set(operand["SS"]))}
+            elif verb == "DELETE":  # elements out of a set (a recovery gap done with)
+                name, _, value = part.partition(" ")
+                attribute = _resolve(names, name)
+                old = item.get(attribute)
+                left = (set(old["SS"]) if old else set()) - set(values[value]["SS"])
+                if left:
+                    item[attribute] = {"SS": sorted(left)}
+                else:  # DynamoDB removes a set left empty
+                    item.pop(attribute, None)
             else:
                 raise AssertionError(f"update the simulator does not know: {clause!r}")
 

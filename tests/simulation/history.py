@@ -85,7 +85,7 @@ from tests.simulation.aws import (
     Session,
     Touch,
 )
-from tests.simulation.scheduler import EPOCH, Node, Sim
+from tests.simulation.scheduler import EPOCH, Node, Sim, Task
 
 #: after the faults stop, every shard is consumed again within failover time + this
 LIVENESS_BOUND_S = 20.0
@@ -253,7 +253,7 @@ class Observer:
         #: (grown world) the node whose write to each lease item landed last
         self.last_writer: dict[str, str | None] = {}
         #: (grown world) the lease writes each operator command (its task) landed
-        self.operator_writes: dict[int, int] = defaultdict(int)
+        self.operator_writes: dict[Task, int] = defaultdict(int)
         #: (grown world) when each lease's records were delivered, batch by batch
         self.delivery_times: dict[str, list[float]] = defaultdict(list)
         #: (grown world) the lease table's items, for the drop hook
@@ -273,7 +273,7 @@ class Observer:
             writer = task.node.name if task is not None else None
             self.last_writer[key] = writer
             if writer == OPERATOR and task is not None:
-                self.operator_writes[id(task)] += 1
+                self.operator_writes[task] += 1
             if writer != OPERATOR:  # an operator's rewind moves a checkpoint back on purpose
                 self._lease_write(key, old, new)
         txn = self.pending_txn.pop(id(self.sim.current), None)
@@ -807,11 +807,17 @@ class History:
             def parked(started: float) -> None:
                 park: list[Any] = [key, sim.now, None]
                 self.parks.append(park)
+
+                def resume() -> None:
+                    # the park ends when the first resume is sent: its write may land
+                    # long before its answer, or before a retry of it fails
+                    if park[2] is None:
+                        park[2] = sim.now
+                    self._run_operator("op-resume", ["shard", "resume", *common,
+                                                     "--shard-id", key], lambda _: None, True)
+
                 resume_at = min(sim.now + plan.failover_s * (1 + arg % 2), plan.quiet)
-                sim.at(max(resume_at, sim.now), functools.partial(
-                    self._run_operator, "op-resume",
-                    ["shard", "resume", *common, "--shard-id", key],
-                    lambda _: park.__setitem__(2, sim.now), True))
+                sim.at(max(resume_at, sim.now), resume)
 
             self._run_operator(what, ["shard", "park", *common, "--shard-id", key], parked)
         elif what == "op-backfill":
@@ -844,7 +850,8 @@ class History:
         def run() -> None:
             args = operator_parser().parse_args(argv)
             started = sim.now
-            me = id(sim.current)
+            me = sim.current
+            assert me is not None
             try:
                 control.run(args, clients["kinesis"], clients["dynamodb"], io.StringIO())
             except Exception as exc:  # any failure is judged the same way
