@@ -631,7 +631,11 @@ class FaultyClient:
                     what = "delayed"
             if lease_key is not None and what:
                 self.touched[(self.node.name, lease_key)] = Touch(sim.now + latency, what)
-            sim.log(f"{self.service}.{name} {what or 'ok'} {latency:.3f}s")
+            if sim.trace is not None:  # the lease and the answer: what a replay reader needs
+                answer = (what or (error.response["Error"]["Code"]
+                                   if isinstance(error, ClientError) else "ok"))
+                about = f" {lease_key}" if lease_key is not None else ""
+                sim.log(f"{self.service}.{name}{about} {answer} {latency:.3f}s")
             sim.sleep(latency * self.node.rate)
             if error is None:
                 return result
