@@ -811,8 +811,9 @@ class History:
                 def resume() -> None:
                     # the park ends when the first resume is sent: its write may land
                     # long before its answer, or before a retry of it fails
-                    if park[2] is None:
-                        park[2] = sim.now
+                    if park[2] is not None:
+                        return  # ended by a reset of the lease table: nothing to resume
+                    park[2] = sim.now
                     self._run_operator("op-resume", ["shard", "resume", *common,
                                                      "--shard-id", key], lambda _: None, True)
 
