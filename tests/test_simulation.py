@@ -49,7 +49,17 @@ FOUND = [
 
 #: seed, invariant, hole: what the grown world (issue 36) found on fd986fc, not fixed on this
 #: branch (tests/simulation/FOUND.md, "Found on fd986fc by the grown world (issue 36)")
-FOUND_36: list[tuple[int, str, str]] = []
+FOUND_36: list[tuple[int, str, str]] = [
+    (19, "exactly-once", "hole 1"),
+    (189, "liveness", "hole 2"),
+    (7, "liveness", "hole 4"),
+    (223, "operator-replay", "hole 6"),
+    (794, "operator-partial", "hole 6"),
+    (546, "exactly-once", "hole 7"),
+    (72, "own-write-lost", "hole 9"),
+    (21, "operator-partial", "new: the CLI's lost answer"),
+    (169, "exactly-once", "new: live start behind a queued gap"),
+]
 
 #: found and not fixed: seed -> the invariants it breaks (tests/simulation/FOUND.md says what
 #: and why). A chunk fails if such a seed breaks anything else, or stops breaking these.
