@@ -73,6 +73,9 @@ class KShard:
     starting_sequence: int = 0
     ending_sequence: int | None = None
     children: list[str] = field(default_factory=list)
+    #: when the shard was closed (true virtual time): with a retention, a closed shard leaves
+    #: ListShards once its last record could have been trimmed
+    closed_at: float | None = None
 
 
 @dataclass
@@ -94,6 +97,30 @@ class Kinesis:
         self.streams: dict[str, KStream] = {}
         self._sequence = 10**20
         self._iterators: dict[str, tuple[str, str, int]] = {}
+        #: the stream's retention in virtual seconds (None: nothing is ever trimmed). Kinesis'
+        #: is 24 hours at least; a history compresses it so that trimming happens within it:
+        #: records older than this are no longer returned, and a closed shard leaves
+        #: ListShards (and GetShardIterator answers ResourceNotFound) this long after it was
+        #: closed, while leases may still name it
+        self.retention_s: float | None = None
+
+    def trimmed(self, record: KRecord) -> bool:
+        """Whether retention has trimmed ``record`` by now."""
+        return self.retention_s is not None and record.arrival + self.retention_s <= self.sim.now
+
+    def expired(self, shard: KShard) -> bool:
+        """Whether a closed ``shard`` has left the stream (its retention ran out)."""
+        return (self.retention_s is not None and shard.closed_at is not None
+                and shard.closed_at + self.retention_s <= self.sim.now)
+
+    def _horizon(self, shard: KShard) -> int:
+        """The index of the shard's oldest untrimmed record (records stay in the list, for
+        the invariants; the API never returns one before this index)."""
+        if self.retention_s is None:
+            return 0
+        cut = self.sim.now - self.retention_s
+        records = shard.records
+        return next((i for i, r in enumerate(records) if r.arrival > cut), len(records))
 
     #: lease keys are the Java multi-stream ones (``account:stream:epoch:shard``)
     multi_stream = False
@@ -149,6 +176,7 @@ class Kinesis:
 
     def _close(self, shard: KShard) -> None:
         shard.ending_sequence = self._next_sequence()
+        shard.closed_at = self.sim.now
 
     def split(self, name: str, shard_id: str) -> list[str]:
         stream = self.streams[name]
@@ -204,6 +232,8 @@ class Kinesis:
         stream = self._stream("ListShards", kwargs)
         shards = []
         for shard in stream.shards.values():
+            if self.expired(shard):
+                continue
             entry: dict[str, Any] = {
                 "ShardId": shard.shard_id,
                 "HashKeyRange": {"StartingHashKey": str(shard.start_hash),
@@ -222,7 +252,7 @@ class Kinesis:
     def get_shard_iterator(self, **kwargs: Any) -> dict[str, Any]:
         stream = self._stream("GetShardIterator", kwargs)
         shard = stream.shards.get(kwargs["ShardId"])
-        if shard is None:
+        if shard is None or self.expired(shard):
             raise client_error("GetShardIterator", "ResourceNotFoundException")
         kind = kwargs["ShardIteratorType"]
         records = shard.records
@@ -239,6 +269,7 @@ class Kinesis:
         else:  # AT_TIMESTAMP
             at = round(kwargs["Timestamp"].timestamp() - EPOCH, 3)
             index = next((i for i, r in enumerate(records) if r.arrival >= at), len(records))
+        index = max(index, self._horizon(shard))
         return {"ShardIterator": self._iterator(stream.name, shard.shard_id, index)}
 
     def _iterator(self, stream: str, shard: str, index: int) -> str:
@@ -252,9 +283,11 @@ class Kinesis:
         except KeyError:
             raise client_error("GetRecords", "InvalidArgumentException") from None
         stream = self.streams.get(name)
-        if stream is None or shard_id not in stream.shards:
+        if stream is None or shard_id not in stream.shards or self.expired(
+                stream.shards[shard_id]):
             raise client_error("GetRecords", "ResourceNotFoundException")
         shard = stream.shards[shard_id]
+        index = max(index, self._horizon(shard))
         limit = int(kwargs.get("Limit", 10000))
         page = shard.records[index:index + limit]
         end = index + len(page)
@@ -308,7 +341,7 @@ def condition_holds(item: Item | None, expression: str | None, names: dict[str, 
 
 def apply_update(item: Item, expression: str, names: dict[str, str],
                  values: dict[str, Any]) -> None:
-    for clause in re.split(r"\s(?=SET |ADD |REMOVE )", expression.strip()):
+    for clause in re.split(r"\s(?=SET |ADD |REMOVE |DELETE )", expression.strip()):
         verb, _, rest = clause.partition(" ")
         for part in (p.strip() for p in rest.split(",")):
             if verb == "SET":
@@ -326,6 +359,15 @@ def apply_update(item: Item, expression: str, names: dict[str, str],
                 else:
                     merged = set(old["SS"]) if old else set()
                     item[attribute] = {"SS": sorted(merged | set(operand["SS"]))}
+            elif verb == "DELETE":  # elements out of a set (a recovery gap done with)
+                name, _, value = part.partition(" ")
+                attribute = _resolve(names, name)
+                old = item.get(attribute)
+                left = (set(old["SS"]) if old else set()) - set(values[value]["SS"])
+                if left:
+                    item[attribute] = {"SS": sorted(left)}
+                else:  # DynamoDB removes a set left empty
+                    item.pop(attribute, None)
             else:
                 raise AssertionError(f"update the simulator does not know: {clause!r}")
 
@@ -589,7 +631,11 @@ class FaultyClient:
                     what = "delayed"
             if lease_key is not None and what:
                 self.touched[(self.node.name, lease_key)] = Touch(sim.now + latency, what)
-            sim.log(f"{self.service}.{name} {what or 'ok'} {latency:.3f}s")
+            if sim.trace is not None:  # the lease and the answer: what a replay reader needs
+                answer = (what or (error.response["Error"]["Code"]
+                                   if isinstance(error, ClientError) else "ok"))
+                about = f" {lease_key}" if lease_key is not None else ""
+                sim.log(f"{self.service}.{name}{about} {answer} {latency:.3f}s")
             sim.sleep(latency * self.node.rate)
             if error is None:
                 return result

@@ -38,10 +38,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
+import json
 import logging
+import random
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 import sqlalchemy as sa
@@ -49,9 +53,11 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.pool import StaticPool
 
 from kclpy.config import KCLConfig
-from kclpy.errors import CheckpointError
+from kclpy.errors import CheckpointError, ProcessorRestartRequired
 from kclpy.leases.held import HeldLease, HeldSet
 from kclpy.leases.lease import Lease
+from kclpy.ops import control
+from kclpy.ops.inspect import _parser as operator_parser
 from kclpy.position import SHARD_END
 from kclpy.position import Position as CheckpointPosition
 from kclpy.processor import (
@@ -70,8 +76,16 @@ from kclpy.state.transaction import DELETED, StateTransaction, Versioned
 from kclpy.streams import StreamConfig
 from kclpy.worker import Worker
 from tests.simulation import scheduler
-from tests.simulation.aws import Dynamo, FaultPlan, FaultyClient, Kinesis, Session, Touch
-from tests.simulation.scheduler import Node, Sim
+from tests.simulation.aws import (
+    Dynamo,
+    FaultPlan,
+    FaultyClient,
+    Kinesis,
+    KRecord,
+    Session,
+    Touch,
+)
+from tests.simulation.scheduler import EPOCH, Node, Sim, Task
 
 #: after the faults stop, every shard is consumed again within failover time + this
 LIVENESS_BOUND_S = 20.0
@@ -83,6 +97,12 @@ OTHER_STREAM = "sim-other"
 APP = "sim-app"
 STATE_TABLE = "sim-state"
 FLAG_KEYS = 3
+#: the seeds that found holes before issue 36 keep the world they were found in (and the
+#: invariants of then), so FOUND.md's replay commands still show what they showed; every
+#: other seed runs the grown world
+CLASSIC_SEEDS = frozenset({1, 5, 6, 10, 40, 139, 159, 186, 338, 400, 471, 553, 625, 844, 947})
+#: the operator's node name (its writes are not a worker's)
+OPERATOR = "operator"
 
 Position = tuple[int, int]
 
@@ -113,14 +133,29 @@ class Plan:
     events: list[tuple[float, str, int]] = field(default_factory=list)
     #: ``--lease-assigner leader``: one elected worker scans and assigns (kclpy.leases.leader)
     leader: bool = False
+    #: the grown world of issue 36 (False: the classic world, ``CLASSIC_SEEDS``): per-worker
+    #: state stores (each with its own cache), workers' clocks offset from Kinesis' arrival
+    #: clock by up to ``skew_s`` both ways, a list-append workload checked on values,
+    #: retention, processor restarts, operator commands and the invariants that go with them
+    grown: bool = False
+    skew_s: float = 0.5
+    max_lag_ms: int = 3000
+    #: the stream's retention in virtual seconds (``Kinesis.retention_s``)
+    retention_s: float | None = None
+    #: per batch (per record with exactly-once state): the processor raises
+    #: ``ProcessorRestartRequired`` (a MultiLang child died), so the consumer restarts it
+    restart_p: float = 0.0
 
     def describe(self) -> str:
         events = ", ".join(f"{what}@{when:.1f}" for when, what, _ in self.events)
         f = self.faults
+        grown = (f", grown world (clock skew {self.skew_s:.1f}s, max lag {self.max_lag_ms} ms, "
+                 f"retention {'none' if self.retention_s is None else f'{self.retention_s:.0f}s'}"
+                 f", restarts {self.restart_p:.2f})" if self.grown else "")
         return (f"seed {self.seed}: {self.workers} workers, {self.shards} shards"
                 f"{' per stream, 2 streams' if self.multi_stream else ''}, {self.mode}"
                 f"{' + lag recovery' if self.recovery else ''}"
-                f"{', leader-assigned' if self.leader else ''}, {self.records} records, "
+                f"{', leader-assigned' if self.leader else ''}{grown}, {self.records} records, "
                 f"faults until {self.quiet:.0f}s (throttle {f.throttle:.2f}, 5xx "
                 f"{f.server_error:.2f}, lost {f.lost:.2f}, delayed {f.delay:.2f}); {events}")
 
@@ -155,7 +190,33 @@ def plan_for(seed: int) -> Plan:
     # plan's generator, so every other seed's history (FOUND's and OPEN's among them, whose
     # residues are 1, 2, 3, 5 and 6) stays what it was.
     plan.leader = seed % 7 in (0, 4)
+    if seed not in CLASSIC_SEEDS:
+        _grow(plan, random.Random(seed * 104729 + 36))
     return plan
+
+
+def _grow(plan: Plan, rng: random.Random) -> None:
+    """The grown world's draws, from a generator of their own (the classic draws above are
+    the same for every seed, so a classic seed's plan is what it was)."""
+    plan.grown = True
+    plan.skew_s = rng.choice([0.5, 2.0, 4.0, 6.0])
+    plan.max_lag_ms = rng.choice([1000, 3000, 5000])
+    if not plan.recovery and rng.random() < 0.15:
+        plan.recovery = True
+    if rng.random() < 0.35:
+        plan.retention_s = rng.uniform(15.0, 30.0)
+    plan.restart_p = rng.choice([0.0, 0.0, 0.02, 0.05])
+    if rng.random() < 0.5:  # resharding, so that operators and retention meet it
+        plan.events.append((rng.uniform(2.0, plan.quiet - 3.0), rng.choice(["split", "merge"]),
+                            rng.randrange(1 << 30)))
+    if not plan.multi_stream and rng.random() < 0.6:
+        kinds = ["op-park", "op-park"]
+        if plan.mode == "plain":  # a rewind or a backfill applies records again
+            kinds += ["op-rewind", "op-rewind", "op-backfill"]
+        for _ in range(rng.choice([1, 1, 2])):
+            plan.events.append((rng.uniform(3.0, plan.quiet - 8.0), rng.choice(kinds),
+                                rng.randrange(1 << 30)))
+    plan.events.sort()
 
 
 @dataclass
@@ -184,7 +245,19 @@ class Observer:
         #: the workers by node name (the history fills it)
         self.workers: dict[str, Worker] = {}
         self.pending_txn: dict[int, tuple[dict[str, int], dict[str, Any]]] = {}
+        #: every committed transaction in the order it landed: the versions it read and what
+        #: it wrote (``rec/<seq>`` names each record it applied)
         self.transactions: list[tuple[dict[str, int], dict[str, Any]]] = []
+        #: (grown world) the last virtual time each record was delivered
+        self.delivered_at: dict[tuple[str, Position], float] = {}
+        #: (grown world) the node whose write to each lease item landed last
+        self.last_writer: dict[str, str | None] = {}
+        #: (grown world) the lease writes each operator command (its task) landed
+        self.operator_writes: dict[Task, int] = defaultdict(int)
+        #: (grown world) when each lease's records were delivered, batch by batch
+        self.delivery_times: dict[str, list[float]] = defaultdict(list)
+        #: (grown world) the lease table's items, for the drop hook
+        self.lease_items: Callable[[], dict[str, Any]] = dict
 
     def fail(self, invariant: str, detail: str) -> None:
         violation = Violation(invariant, f"at {self.sim.now:.3f}s: {detail}")
@@ -196,7 +269,13 @@ class Observer:
     def on_write(self, table: str, key: str, old: dict[str, Any] | None,
                  new: dict[str, Any] | None, request: dict[str, Any]) -> None:
         if table == APP:
-            self._lease_write(key, old, new)
+            task = self.sim.current
+            writer = task.node.name if task is not None else None
+            self.last_writer[key] = writer
+            if writer == OPERATOR and task is not None:
+                self.operator_writes[task] += 1
+            if writer != OPERATOR:  # an operator's rewind moves a checkpoint back on purpose
+                self._lease_write(key, old, new)
         txn = self.pending_txn.pop(id(self.sim.current), None)
         if txn is not None:
             self._transaction_landed(*txn)
@@ -222,7 +301,8 @@ class Observer:
             return
         delivered = self.delivered[key]
         missing = [r.sequence_number for r in shard.records
-                   if (r.sequence_number, 0) <= after and (r.sequence_number, 0) not in delivered]
+                   if (r.sequence_number, 0) <= after and (r.sequence_number, 0) not in delivered
+                   and not self.kinesis.trimmed(r)]
         if missing:
             self.fail("nothing-lost", f"lease {key} checkpointed at {_show(after)} but "
                       f"{len(missing)} record(s) up to it were never delivered "
@@ -231,8 +311,14 @@ class Observer:
     # -- processors ------------------------------------------------------------------------
 
     def delivered_batch(self, node: str, shard: str, records: list[Record]) -> None:
+        now = self.sim.now
         for record in records:
-            self.delivered[shard].add((int(record.sequence_number), record.sub_sequence_number))
+            position = (int(record.sequence_number), record.sub_sequence_number)
+            self.delivered[shard].add(position)
+            if self.plan.grown:
+                self.delivered_at[(shard, position)] = now
+        if self.plan.grown and records:
+            self.delivery_times[shard].append(now)
 
     def tenure_started(self, node: str, key: str, counter: int) -> None:
         """A worker starts a tenure of a lease (``HeldSet.install`` with a new token)."""
@@ -274,6 +360,12 @@ class Observer:
     # -- lease drops -----------------------------------------------------------------------
 
     def dropped(self, node: Node, key: str, why: str) -> None:
+        if node.name == "controller":
+            # the end's checks read ``held_leases()``, which gives up what the stopped
+            # fleet has not renewed: not a drop of the history
+            return
+        if self.plan.grown and "failover time" not in why and not node.killed:
+            self._own_write(node, key, why)
         if "failover time" not in why or node.killed:
             return
         now = self.sim.now
@@ -287,6 +379,22 @@ class Observer:
         self.fail("no-collateral-loss",
                   f"{node.name} dropped lease {key} ({why}) though no request about it was "
                   "faulty and the worker was not paused")
+
+    def _own_write(self, node: Node, key: str, why: str) -> None:
+        """``own-write-lost``: a worker drops a lease as lost (not as expired) while the
+        table names it the owner and the last write that landed on the item was its own - a
+        write whose answer was lost and whose retry then failed its condition against the
+        first attempt's result is the usual way."""
+        item = self.lease_items().get(key)
+        if item is None or item.get("leaseOwner", {}).get("S") != node.name:
+            return
+        if item.get("checkpointOwner", {}).get("S", node.name) != node.name:
+            return  # its own handoff request names it: it asked, it does not hold
+        if self.last_writer.get(key) != node.name:
+            return
+        self.fail("own-write-lost", f"{node.name} dropped lease {key} ({why}) though the "
+                  f"table names it the owner (counter {item.get('leaseCounter', {}).get('N')}) "
+                  "and the last write that landed on the item was its own")
 
 
 def _checkpoint_of(item: dict[str, Any]) -> tuple[int, int, int]:
@@ -334,6 +442,7 @@ class PlainProcessor(IRecordProcessor):
         records = list(process_records_input.records)
         self.context.observer.delivered_batch(self.context.node.name, self.shard, records)
         if records:
+            maybe_restart(self.context, 1.0)
             self._checkpoint(process_records_input.checkpointer.checkpoint)
 
     def _checkpoint(self, checkpoint: Callable[[], None]) -> None:
@@ -349,6 +458,45 @@ class PlainProcessor(IRecordProcessor):
 
     def shutdown_requested(self, shutdown_requested_input: ShutdownRequestedInput) -> None:
         self._checkpoint(shutdown_requested_input.checkpointer.checkpoint)
+
+
+def maybe_restart(context: Context, share: float) -> None:
+    """(grown world) The processor dies after seeing a batch and before checkpointing it -
+    a MultiLang child that exited - with ``share`` of the plan's probability, so that the
+    consumer's restart path (``ShardConsumer._restart``) runs in histories."""
+    observer = context.observer
+    if observer.plan.restart_p and observer.sim.rng.random() < observer.plan.restart_p * share:
+        observer.sim.log(f"{context.node.name}: processor restart required")
+        raise ProcessorRestartRequired("simulated: the processor's child exited")
+
+
+class ListState(StatefulProcessor):
+    """(grown world) A list-append workload in the manner of Jepsen's Elle: record ``A<n>``
+    appends its sequence number to ``list/<n>``, record ``D<n>`` reads and deletes it (so a
+    key is deleted and created again, at version 1 again), and every record counts itself
+    under ``rec/<seq>``. The lists are shared by every shard. ``History._check_values``
+    replays the committed transactions in the order they landed and checks every value
+    written, not only versions."""
+
+    def __init__(self, context: Context) -> None:
+        self.context = context
+        self.shard = ""
+
+    def initialize(self, initialize_input: InitializeInput) -> None:
+        self.shard = initialize_input.shard_id
+
+    def apply(self, record: Record, txn: StateTransaction) -> None:
+        self.context.observer.delivered_batch(self.context.node.name, self.shard, [record])
+        maybe_restart(self.context, 0.2)
+        seq = int(record.sequence_number)
+        txn.update(f"rec/{seq}", lambda n: n + 1, 0)
+        data = record.binary_data.decode()
+        key = f"list/{data[1:]}"
+        if data.startswith("D"):
+            txn.get(key)
+            txn.delete(key)
+        else:
+            txn.update(key, lambda items: [*items, seq], [])
 
 
 class CountingState(StatefulProcessor):
@@ -475,6 +623,14 @@ class History:
         self.dynamo = Dynamo(self.sim)
         self.observer = Observer(self.sim, self.kinesis, plan)
         self.dynamo.on_write = self.observer.on_write
+        self.observer.lease_items = lambda: self.dynamo.tables.get(APP, ("", {}))[1]
+        self.kinesis.retention_s = plan.retention_s
+        #: (grown world) what the operator did, for the end's checks: rewinds and backfills
+        #: (lease key or None for all shards, the arrival time or sequence range, since when),
+        #: parks (lease key, parked from, resumed at)
+        self.rewinds: list[tuple[float, float]] = []
+        self.backfills: list[tuple[str, int, int, float]] = []
+        self.parks: list[list[Any]] = []
         self.workers: dict[str, tuple[Node, Worker | None]] = {}
         self.produced: dict[str, list[tuple[int, str, bytes]]] = defaultdict(list)
         self._generation = 0
@@ -493,8 +649,10 @@ class History:
         self._generation += 1
         rng = self.sim.rng
         name = f"w{self._generation}"
-        node = Node(name, offset=rng.uniform(-0.5, 0.5), rate=1 + rng.uniform(-0.002, 0.002))
         plan = self.plan
+        # A worker's clock against Kinesis' arrival clock (true virtual time), both ways
+        node = Node(name, offset=rng.uniform(-plan.skew_s, plan.skew_s),
+                    rate=1 + rng.uniform(-0.002, 0.002))
         clients = {
             "kinesis": FaultyClient(self.sim, node, self.kinesis, "kinesis", plan.faults,
                                     self.observer.touched, max_attempts=1),
@@ -508,7 +666,8 @@ class History:
             stream_tracker=self.tracker if plan.multi_stream else None,
             initial_position="TRIM_HORIZON", failover_time_ms=int(plan.failover_s * 1000),
             idle_time_between_reads_ms=500, shard_sync_interval_ms=5000,
-            parent_shard_poll_interval_ms=1000, max_lag_ms=3000 if plan.recovery else None,
+            parent_shard_poll_interval_ms=1000,
+            max_lag_ms=plan.max_lag_ms if plan.recovery else None,
             recovery_max_rate=1000, graceful_lease_handoff_timeout_ms=10_000,
             shutdown_grace_ms=5000, initialization_backoff_ms=500,
             task_backoff_time_ms=200, max_task_backoff_time_ms=2000,
@@ -519,8 +678,10 @@ class History:
         def run() -> None:
             if plan.mode != "plain":
                 assert self.store is not None
-                store = self.store
-                worker = Worker(config, lambda: CountingState(context),
+                store = self.store if not plan.grown else self._own_store()
+                state: Callable[[Context], StatefulProcessor] = (
+                    ListState if plan.grown else CountingState)
+                worker = Worker(config, lambda: state(context),
                                 session=Session(clients), state_store=store)  # type: ignore[arg-type]
             else:
                 worker = Worker(config, lambda: PlainProcessor(context),
@@ -531,6 +692,17 @@ class History:
             worker.run(install_signal_handlers=False)
 
         self.sim.spawn(f"{name}-main", run, node)
+
+    def _own_store(self) -> ObservedStore | ObservedSQLStore:
+        """(grown world) Each worker its own store object, as each process has: its own
+        cache of committed values, over the one state table or database."""
+        store: ObservedStore | ObservedSQLStore
+        if isinstance(self.store, ObservedSQLStore):
+            store = ObservedSQLStore(self.store.engine)
+        else:
+            store = ObservedStore(STATE_TABLE)
+        store.observer = self.observer
+        return store
 
     def live(self) -> list[str]:
         return [name for name, (node, worker) in self.workers.items()
@@ -567,7 +739,7 @@ class History:
         rng = self.sim.rng
         key = f"k{rng.randrange(12)}"
         flag = rng.randrange(FLAG_KEYS)
-        data = f"{'D' if rng.random() < 0.2 else 'I'}{flag}".encode()
+        data = f"{'D' if rng.random() < 0.2 else 'A' if self.plan.grown else 'I'}{flag}".encode()
         stream = OTHER_STREAM if self.plan.multi_stream and rng.random() < 0.5 else STREAM
         shard, seq = self.kinesis.put(stream, key, data)
         self.produced[self.kinesis.lease_key(stream, shard)].append((seq, key, data))
@@ -601,10 +773,108 @@ class History:
         elif what == "reset":
             _, items = self.dynamo.tables.get(APP, ("", {}))
             items.clear()
+            for park in self.parks:  # the park marks went with the table
+                if park[2] is None:
+                    park[2] = sim.now
         elif what == "merge":
             pair = self.kinesis.adjacent_open_pair(STREAM)
             if pair is not None:
                 self.kinesis.merge(STREAM, *pair)
+        elif what.startswith("op-"):
+            self._operator(what, arg)
+
+    # -- the operator (grown world) ------------------------------------------------------
+
+    def _operator(self, what: str, arg: int) -> None:
+        """An operator runs one of the ``kclpy`` control commands against the live fleet:
+        ``checkpoint set --all-shards --to TIME --force`` (a rewind), ``shard park`` (then
+        ``shard resume`` one or two failover times later) or ``recovery add`` (a backfill),
+        whatever the resharding and the holders are at that moment."""
+        sim, plan = self.sim, self.plan
+        _, items = self.dynamo.tables.get(APP, ("", {}))
+        common = ["--application-name", APP, "--region", "us-east-1"]
+        if what == "op-rewind":
+            at = round(sim.now - 1.0 - (arg % 700) / 100, 3)  # 1-8 s ago, Kinesis' clock
+            iso = datetime.fromtimestamp(EPOCH + at, timezone.utc).replace(
+                tzinfo=None).isoformat(timespec="milliseconds")
+            argv = ["checkpoint", "set", *common, "--stream-name", STREAM, "--all-shards",
+                    "--to", iso, "--force"]
+            self._run_operator(what, argv, lambda started: self.rewinds.append((at, started)))
+        elif what == "op-park":
+            keys = sorted(k for k, item in items.items()
+                          if _checkpoint_value(item) != SHARD_END
+                          and not any(p[0] == k and p[2] is None for p in self.parks))
+            if not keys:
+                return
+            key = keys[arg % len(keys)]
+
+            def parked(started: float) -> None:
+                park: list[Any] = [key, sim.now, None]
+                self.parks.append(park)
+
+                def resume() -> None:
+                    # the park ends when the first resume is sent: its write may land
+                    # long before its answer, or before a retry of it fails
+                    if park[2] is not None:
+                        return  # ended by a reset of the lease table: nothing to resume
+                    park[2] = sim.now
+                    self._run_operator("op-resume", ["shard", "resume", *common,
+                                                     "--shard-id", key], lambda _: None, True)
+
+                resume_at = min(sim.now + plan.failover_s * (1 + arg % 2), plan.quiet)
+                sim.at(max(resume_at, sim.now), resume)
+
+            self._run_operator(what, ["shard", "park", *common, "--shard-id", key], parked)
+        elif what == "op-backfill":
+            shards = [s for s in self.kinesis.open_shards(STREAM)
+                      if sum(not self.kinesis.trimmed(r) for r in s.records) >= 2]
+            if not shards:
+                return
+            shard = shards[arg % len(shards)]
+            kept = [r.sequence_number for r in shard.records if not self.kinesis.trimmed(r)]
+            first = kept[arg % (len(kept) - 1)]
+            last = kept[min(len(kept) - 1, kept.index(first) + 1 + arg % 5)]
+            argv = ["recovery", "add", *common, "--stream-name", STREAM, "--shard-id",
+                    shard.shard_id, "--from", str(first), "--to", str(last)]
+            self._run_operator(what, argv, lambda started: self.backfills.append(
+                (shard.shard_id, first, last, started)))
+
+    def _run_operator(self, what: str, argv: list[str], done: Callable[[float], None],
+                      again: bool = False) -> None:
+        """Run the command's own code (``kclpy.ops.control.run``) on a node of its own,
+        through the faulty clients; ``done(started)`` when it succeeded. A command that
+        fails after some of its writes landed breaks ``operator-partial``: the operator is
+        left with a plan half carried out."""
+        sim, observer = self.sim, self.observer
+        node = Node(OPERATOR)
+        clients = {service: FaultyClient(sim, node, backend, service, self.plan.faults,
+                                         observer.touched, max_attempts=3)
+                   for service, backend in (("kinesis", self.kinesis),
+                                            ("dynamodb", self.dynamo))}
+
+        def run() -> None:
+            args = operator_parser().parse_args(argv)
+            started = sim.now
+            me = sim.current
+            assert me is not None
+            try:
+                control.run(args, clients["kinesis"], clients["dynamodb"], io.StringIO())
+            except Exception as exc:  # any failure is judged the same way
+                sim.log(f"operator: {' '.join(argv[:2])} failed: {exc!r}")
+                written = observer.operator_writes[me]
+                if written:
+                    observer.fail("operator-partial", f"`kclpy {' '.join(argv)}` failed "
+                                  f"({type(exc).__name__}: {exc}) after {written} of its "
+                                  "writes landed")
+                if again:  # a resume is tried until it works, as an operator would
+                    sim.at(sim.now + 1.0, functools.partial(
+                        self._run_operator, what, argv, done, again))
+                return
+            sim.log(f"operator: {' '.join(argv)} done")
+            done(started)
+
+        sim.log(f"controller: {what} {' '.join(argv)}")
+        sim.spawn(f"operator-{what}", run, node)
 
     # -- held and consumed ---------------------------------------------------------------
 
@@ -651,15 +921,16 @@ class History:
             records = shard.records
             shard_id = self.kinesis.lease_key(stream_name, shard_id)
             undelivered = [r.sequence_number for r in records
-                           if (r.sequence_number, 0) not in observer.delivered[shard_id]]
+                           if (r.sequence_number, 0) not in observer.delivered[shard_id]
+                           and not self.excused(r)]
             if undelivered:
                 observer.fail("liveness", f"shard {shard_id}: {len(undelivered)} of "
                               f"{len(records)} record(s) never delivered "
                               f"(first {undelivered[0]}); {self._holder(shard_id, leases)}")
                 continue
             item = leases.get(shard_id)
-            if item is None:
-                continue  # finished and cleaned up after its children
+            if item is None or self.kinesis.expired(shard):
+                continue  # finished and cleaned up after its children, or gone from the stream
             checkpoint = _checkpoint_of(item)
             stored = (self._sql_checkpoint(shard_id) if isinstance(self.store, SQLStateStore)
                       else None)
@@ -670,8 +941,60 @@ class History:
             if checkpoint < want:
                 observer.fail("liveness", f"shard {shard_id}: checkpoint {_show(checkpoint)} "
                               f"short of {_show(want)} at the end")
+        if self.plan.grown:
+            self._check_operator()
         if self.plan.mode != "plain":
             self._check_state()
+
+    def excused(self, record: KRecord) -> bool:
+        """A record retention trimmed before the quiet phase was a failover time old: the
+        fleet may have lagged past it during the faults (a pause, a kill). One trimmed later
+        was readable by a quiet fleet, so it must have been read."""
+        retention = self.plan.retention_s
+        return (retention is not None
+                and record.arrival + retention <= self.plan.quiet + self.plan.failover_s)
+
+    def _check_operator(self) -> None:
+        """``operator-replay``: after ``checkpoint set --all-shards --to T`` every record
+        that arrived at or after T (and before the command) is delivered again, in every
+        shard of the stream, closed ones included; after ``recovery add`` every record of
+        the range is. ``parked-consumed``: from one failover time after ``shard park`` (the
+        holder learns at its next renewal) until ``shard resume``, nobody delivers the
+        shard's records. Records trimmed by retention are excused."""
+        observer, kinesis = self.observer, self.kinesis
+        stream = kinesis.streams[STREAM]
+        for at, started in self.rewinds:
+            for shard in stream.shards.values():
+                missed = [r.sequence_number for r in shard.records
+                          if at <= r.arrival < started and not kinesis.trimmed(r)
+                          and observer.delivered_at.get((shard.shard_id, (r.sequence_number, 0)),
+                                                        -1.0) < started]
+                if missed:
+                    observer.fail("operator-replay", f"`checkpoint set --all-shards` to "
+                                  f"{at:.3f}s at {started:.3f}s: {len(missed)} record(s) of "
+                                  f"{shard.shard_id} that arrived since were not delivered "
+                                  f"again (first {missed[0]})")
+                    return
+        for shard_id, first, last, started in self.backfills:
+            shard = stream.shards[shard_id]
+            missed = [r.sequence_number for r in shard.records
+                      if first <= r.sequence_number <= last and not kinesis.trimmed(r)
+                      and observer.delivered_at.get((shard_id, (r.sequence_number, 0)),
+                                                    -1.0) < started]
+            if missed:
+                observer.fail("operator-replay", f"`recovery add` of {shard_id} {first}..{last}"
+                              f" at {started:.3f}s: {len(missed)} record(s) not delivered "
+                              f"again (first {missed[0]})")
+                return
+        for key, parked, resumed in self.parks:
+            until = resumed if resumed is not None else self.sim.now
+            during = [t for t in observer.delivery_times[key]
+                      if parked + self.plan.failover_s < t < until]
+            if during:
+                observer.fail("parked-consumed", f"{key} parked at {parked:.3f}s (resumed "
+                              f"{'never' if resumed is None else f'at {resumed:.3f}s'}) but "
+                              f"records of it were delivered at {during[0]:.3f}s")
+                return
 
     def _sql_checkpoint(self, lease_key: str) -> dict[str, Any] | None:
         """The SQL store's checkpoint row, shaped as a lease item's checkpoint."""
@@ -693,6 +1016,79 @@ class History:
                 return {str(key): int(version) for key, version in rows}
         _, state = self.dynamo.tables.get(STATE_TABLE, ("", {}))
         return {key: int(item["stateVersion"]["N"]) for key, item in state.items()}
+
+    def _stored_values(self) -> dict[str, Any]:
+        store = self.store
+        if isinstance(store, SQLStateStore):
+            with store.engine.connect() as conn:
+                rows = conn.execute(sa.select(store.state.c.state_key, store.state.c.state_value))
+                return {str(key): json.loads(value) for key, value in rows}
+        _, state = self.dynamo.tables.get(STATE_TABLE, ("", {}))
+        return {key: json.loads(item["stateValue"]["S"]) for key, item in state.items()}
+
+    def _check_values(self) -> None:
+        """``exactly-once`` on values (grown world), as Elle checks a list-append history:
+        the transactions, replayed in the order they landed, must each have written exactly
+        what its records compute from the values current then - each record's append lands
+        on the list the serial order before it left, a delete clears it - and, without lag
+        recovery (whose gaps are older than live records on purpose), each shard's records
+        land in the shard's order. Then the store must hold the replay's values, and every
+        record not trimmed before it was read must count once. Linear in the history: a
+        version check passes a key deleted and created again (its version starts at 1
+        again), a value check does not."""
+        observer, kinesis = self.observer, self.kinesis
+        data_of = {seq: (lease, data.decode()) for lease, produced in self.produced.items()
+                   for seq, _, data in produced}
+        values: dict[str, Any] = {}
+        last_of: dict[str, int] = {}
+        missing = object()
+        for index, (_, writes) in enumerate(observer.transactions):
+            seqs = sorted(int(key[4:]) for key in writes if key.startswith("rec/"))
+            view: dict[str, Any] = {}
+
+            def current(key: str, view: dict[str, Any] = view) -> Any:
+                value = view[key] if key in view else values.get(key)
+                return None if value is DELETED else value
+
+            for seq in seqs:
+                lease, text = data_of[seq]
+                if not self.plan.recovery:
+                    if seq <= last_of.get(lease, -1):
+                        observer.fail("exactly-once", f"transaction {index} applied record "
+                                      f"{seq} of {lease} after record {last_of[lease]} "
+                                      "(shard order broken, or applied again)")
+                        return
+                    last_of[lease] = seq
+                view[f"rec/{seq}"] = (current(f"rec/{seq}") or 0) + 1
+                key = f"list/{text[1:]}"
+                view[key] = DELETED if text.startswith("D") else [*(current(key) or []), seq]
+            for key in sorted(set(view) | set(writes)):
+                wrote, serial = writes.get(key, missing), view.get(key, missing)
+                if wrote is not serial and wrote != serial:
+                    show = {id(DELETED): "deleted", id(missing): "nothing"}
+                    observer.fail("exactly-once", f"transaction {index} (records {seqs}) wrote "
+                                  f"{key} = {show.get(id(wrote), wrote)}, but the transactions "
+                                  f"in the order they landed give {show.get(id(serial), serial)}"
+                                  " (lost update)")
+                    return
+            for key, value in writes.items():
+                if value is DELETED:
+                    values.pop(key, None)
+                else:
+                    values[key] = value
+        stored = self._stored_values()
+        if stored != values:
+            wrong = sorted(k for k in set(stored) | set(values) if stored.get(k) != values.get(k))
+            observer.fail("exactly-once", f"the state holds {wrong[0]} = {stored.get(wrong[0])}"
+                          f", the serial replay {values.get(wrong[0])}")
+            return
+        for _, _, shard in kinesis.all_shards():
+            for record in shard.records:
+                applied = values.get(f"rec/{record.sequence_number}")
+                if applied != 1 and not (applied is None and self.excused(record)):
+                    observer.fail("exactly-once", f"record {record.sequence_number} applied "
+                                  f"{applied or 0} times")
+                    return
 
     def _holder(self, shard_id: str, leases: dict[str, Any]) -> str:
         """Who holds the lease and what its consumer is doing: a lease held and renewed
@@ -731,6 +1127,9 @@ class History:
         if stored != versions:
             observer.fail("exactly-once", "the state table differs from the serial replay "
                           "of the committed transactions")
+            return
+        if self.plan.grown:
+            self._check_values()
             return
         counts: dict[str, int] = defaultdict(int)
         for records in self.produced.values():

@@ -767,7 +767,9 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    import kclpy.worker  # noqa: F401 - loads everything the worker uses
+    # loads everything the worker uses, and the operator's commands (grown world)
+    import kclpy.ops.inspect
+    import kclpy.worker  # noqa: F401
 
     for name, module in list(sys.modules.items()):
         if not (name == "kclpy" or name.startswith("kclpy.")) or module is None:
