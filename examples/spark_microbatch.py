@@ -28,10 +28,15 @@ import json
 import os
 import sys
 
-import pyarrow as pa
+try:
+    import pyarrow as pa
+
+    from kclpy.spark import BatchOptions, ParquetSink, run_worker
+except ModuleNotFoundError as missing:
+    sys.exit(f"this example needs the spark extra ({missing.name} is not installed): "
+             "pip install 'kinesis-kclpy[spark]'")
 
 from kclpy import KCLConfig
-from kclpy.spark import BatchOptions, ParquetSink, run_worker
 
 #: the ``--spark-batch`` target: a ParquetSink is a ``foreach_batch(df, batch_id)``
 foreach_batch = ParquetSink(os.environ.get("KCLPY_SPARK_OUTPUT", "spark-output"))

@@ -20,10 +20,14 @@ import argparse
 import os
 import sys
 
-from pyspark.sql import SparkSession
-from pyspark.sql import functions as f
+try:
+    from pyspark.sql import SparkSession
+    from pyspark.sql import functions as f
 
-import kclpy.spark
+    import kclpy.spark
+except ModuleNotFoundError as missing:
+    sys.exit(f"this example needs the spark extra ({missing.name} is not installed): "
+             "pip install 'kinesis-kclpy[spark]'")
 
 
 def main() -> int:

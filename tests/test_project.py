@@ -143,6 +143,24 @@ def test_no_reference_to_a_tracker_no_user_can_see() -> None:
     assert not found, "\n".join(found)
 
 
+@pytest.mark.parametrize("example", ["spark_microbatch.py", "spark_structured_streaming.py"])
+def test_an_example_without_its_extra_names_the_extra(example: str) -> None:
+    """Without the spark extra the examples ended in a raw ModuleNotFoundError."""
+    blocker = (
+        "import runpy, sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('pyspark', 'pyarrow'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        f"runpy.run_path({str(ROOT / 'examples' / example)!r}, run_name='__main__')\n")
+    result = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().endswith("pip install 'kinesis-kclpy[spark]'"), result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_configuration_reference_lists_every_option() -> None:
     reference = (ROOT / "docs" / "configuration.md").read_text()
     for option in OPTIONS:
