@@ -509,6 +509,10 @@ def test_a_gap_checkpointer_from_before_a_restart_cannot_skip_the_failed_batch(
     assert held is not None
     hour_later = time.time() + 3600
     made: list[ShardRecovery] = []
+    # records are aged by moving both clocks on, as Shard.recovery does
+    clock = kinesis_clock(shard.kinesis, skew.AgedKinesisClock)
+    assert isinstance(clock, skew.AgedKinesisClock)
+    clock.move_to(hour_later)
 
     def pages_of_ten(start: Position, until_ms: int | None, pacer: Pacer | None,
                      max_records: int | None) -> ShardPipeline:
@@ -518,7 +522,7 @@ def test_a_gap_checkpointer_from_before_a_restart_cannot_skip_the_failed_batch(
         made.append(ShardRecovery(
             key, None, token=shard.token, fence=shard.holder.fence,
             reader_factory=pages_of_ten, rate=RecoveryRate(10_000), max_lag_ms=1000,
-            metrics=shard.metrics, wall_clock=lambda: hour_later))
+            metrics=shard.metrics, wall_clock=lambda: hour_later, kinesis_clock=clock))
         return made[-1]
 
     def live(lease: Lease, start: Position) -> LiveAfterTheGaps:
