@@ -31,6 +31,7 @@ from tests.support.streams import (
     session,
     unique_name,
 )
+from tests.support.waiting import wait_for
 
 DRIVER, EXECUTOR = "kclpy-spark-driver", "kclpy-spark-executor"
 
@@ -245,8 +246,15 @@ def test_an_idle_query_polls_each_shard_at_most_once_a_second(
 
     new = [f"n-{n}".encode() for n in range(50)]
     put_plain(kinesis, stream, new)
-    clock.now = max(clock.now, time.time()) + 2.0  # past the records' settle margin
-    end = reader.latestOffset(offset, None)
+
+    def planned_past_the_records() -> dict[str, Any] | None:
+        # A batch ends settleTime before Kinesis' own time (its Date headers), whatever the
+        # driver's clock says: real time must pass the records' settle margin.
+        clock.now = max(clock.now, time.time()) + 2.0
+        end = reader.latestOffset(offset, None)
+        return end if end != offset and len(read_batch(reader, offset, end)) == len(new) else None
+
+    end = wait_for(planned_past_the_records, 30, "a batch that holds the new records")
     assert sorted(read_batch(reader, offset, end)) == sorted(new)
     assert {p.kind for p in decode_offset(end).values()} == {"AT_TIMESTAMP"}
 
