@@ -127,8 +127,9 @@ def test_every_install_line_names_this_distribution() -> None:
 
 
 def test_no_reference_to_a_tracker_no_user_can_see() -> None:
-    """"issue 24" points at the project's internal tracker, which users do not have: say
-    what was done (and when), or name the test or doc that holds the reason."""
+    """A reference to the project's internal tracker (the word, a space and a number) means
+    nothing to a user: say what was done (and when), or name the test or doc that holds
+    the reason."""
     found = []
     for folder in ("kclpy", "docs", "examples", "bench", "tests", "localstack"):
         for path in sorted((ROOT / folder).rglob("*")):

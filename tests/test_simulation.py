@@ -1,17 +1,17 @@
 """The fleet simulator (tests/simulation): 1,000 seeded histories, replay, and the holes it
-found on the code before issue 22's fixes.
+found on the code before the first review's fixes (2026-11-26).
 
 Histories run in two child processes (CI has two cores) with ``PYTHONHASHSEED=0``, so a seed
 names one history exactly; every failure prints the command that replays it.
 
-Holes 1-4 and 6 of issue 22 broke histories before they were fixed; ``FOUND`` keeps the
-seeds that found them, each of which must now replay clean (they keep the classic world,
-``history.CLASSIC_SEEDS``). Every other seed runs the grown world of issue 36, which found
-holes on fd986fc that are being fixed elsewhere: ``FOUND_36`` names a seed for each, which
-must replay exactly and is expected to break until its fix is merged (then it moves to
-``FOUND``), and ``OPEN`` (``tests/simulation/open_seeds.py``) lists every default seed that
-breaks on fd986fc with the invariants it breaks, so the soak stays green while the holes are
-open and fails as soon as a seed breaks anything else.
+Holes 1-4 and 6 of the first review broke histories before they were fixed; ``FOUND`` keeps
+the seeds that found them, each of which must now replay clean (they keep the classic world,
+``history.CLASSIC_SEEDS``). Every other seed runs the grown world of the edge review
+(2026-12-06), which found holes on fd986fc that are being fixed elsewhere: ``FOUND_36``
+names a seed for each, which must replay exactly and is expected to break until its fix is
+merged (then it moves to ``FOUND``), and ``OPEN`` (``tests/simulation/open_seeds.py``) lists
+every default seed that breaks on fd986fc with the invariants it breaks, so the soak stays
+green while the holes are open and fails as soon as a seed breaks anything else.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ FOUND = [
     (139, "liveness", "incarnations ordered by clocks"),
 ]
 
-#: seed, invariant, hole: what the grown world (issue 36) found on fd986fc, not fixed on this
-#: branch (tests/simulation/FOUND.md, "Found on fd986fc by the grown world (issue 36)")
+#: seed, invariant, hole: what the grown world (the edge review of 2026-12-06) found on
+#: fd986fc (tests/simulation/FOUND.md, "Found on fd986fc by the grown world")
 FOUND_36: list[tuple[int, str, str]] = [
     (19, "exactly-once", "hole 1"),
     (189, "liveness", "hole 2"),
@@ -59,7 +59,15 @@ FOUND_36: list[tuple[int, str, str]] = [
     (72, "own-write-lost", "hole 9"),
     (21, "operator-partial", "new: the CLI's lost answer"),
     (169, "exactly-once", "new: live start behind a queued gap"),
+    (559, "exactly-once", "open: a record applied 0 times"),
+    (173, "exactly-once", "open: shard order broken"),
+    (706, "operator-partial", "open: shard resume's lost answer"),
+    (971, "operator-replay", "open: a rewind not replayed"),
 ]
+
+#: the seeds of FOUND_36 whose holes are fixed (FOUND.md, "After the fixes were merged"):
+#: each must replay clean; the others stay strict xfails until theirs are
+FIXED_36 = frozenset({19, 189, 7, 223, 794, 546, 72, 21, 169})
 
 #: found and not fixed: seed -> the invariants it breaks (tests/simulation/FOUND.md says what
 #: and why). A chunk fails if such a seed breaks anything else, or stops breaking these.
@@ -115,17 +123,25 @@ def test_found_36_seed_replays_exactly(seed: int, invariant: str, hole: str) -> 
     first, second = (run_seeds([seed], 1)[0] for _ in range(2))
     assert first["digest"] == second["digest"]
     assert first["violations"] == second["violations"]
-    assert invariant in {v[0] for v in first["violations"]}, "no longer breaks: see FOUND.md"
+    if seed not in FIXED_36:
+        assert invariant in {v[0] for v in first["violations"]}, "no longer breaks: FIXED_36"
 
 
-@pytest.mark.xfail(strict=True, reason="open on fd986fc: move the seed to FOUND (and out of "
-                   "OPEN) when its fix is merged")
-@pytest.mark.parametrize(("seed", "invariant", "hole"), FOUND_36,
-                         ids=[f"{hole}-seed-{seed}" for seed, _, hole in FOUND_36])
+_OPEN_36_MARK = pytest.mark.xfail(strict=True, reason="still open: move the seed to FIXED_36 "
+                                  "(and out of OPEN) when its fix is merged")
+
+
+@pytest.mark.parametrize(("seed", "invariant", "hole"), [
+    pytest.param(seed, invariant, hole, id=f"{hole}-seed-{seed}",
+                 marks=() if seed in FIXED_36 else _OPEN_36_MARK)
+    for seed, invariant, hole in FOUND_36])
 def test_found_36_seed_is_clean(seed: int, invariant: str, hole: str) -> None:
-    """Each hole the grown world found must be fixed: strict xfail until it is."""
+    """Each hole the grown world found must be fixed: a fixed one's seed replays clean, an
+    open one's is a strict xfail until it is."""
     outcome = run_seeds([seed], 1)[0]
     assert invariant not in {v[0] for v in outcome["violations"]}, _report([outcome])
+    if seed in FIXED_36:
+        assert not outcome["violations"], _report([outcome])
 
 
 def test_classic_seeds_keep_their_world() -> None:

@@ -21,10 +21,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from email.utils import formatdate
 from typing import Any
 
 from botocore.exceptions import ClientError, ReadTimeoutError
 
+from kclpy.retrieval.clock import kinesis_clock
 from tests.simulation import scheduler
 from tests.simulation.scheduler import EPOCH, Node, Sim
 
@@ -636,7 +638,12 @@ class FaultyClient:
                                    if isinstance(error, ClientError) else "ok"))
                 about = f" {lease_key}" if lease_key is not None else ""
                 sim.log(f"{self.service}.{name}{about} {answer} {latency:.3f}s")
+            answered_at = sim.now
             sim.sleep(latency * self.node.rate)
+            if self.service == "kinesis" and what != "lost":
+                # AWS stamps every answer with a Date header of its own clock (whole
+                # seconds): kclpy's KinesisClock learns Kinesis' time from it
+                kinesis_clock(self).observe_date(formatdate(EPOCH + answered_at, usegmt=True))
             if error is None:
                 return result
             if attempt < self.max_attempts and _retryable(error):

@@ -97,8 +97,8 @@ OTHER_STREAM = "sim-other"
 APP = "sim-app"
 STATE_TABLE = "sim-state"
 FLAG_KEYS = 3
-#: the seeds that found holes before issue 36 keep the world they were found in (and the
-#: invariants of then), so FOUND.md's replay commands still show what they showed; every
+#: the seeds that found holes before the edge review of 2026-12-06 keep the world they were found in
+#: (and the invariants of then), so FOUND.md's replay commands still show what they showed; every
 #: other seed runs the grown world
 CLASSIC_SEEDS = frozenset({1, 5, 6, 10, 40, 139, 159, 186, 338, 400, 471, 553, 625, 844, 947})
 #: the operator's node name (its writes are not a worker's)
@@ -133,10 +133,10 @@ class Plan:
     events: list[tuple[float, str, int]] = field(default_factory=list)
     #: ``--lease-assigner leader``: one elected worker scans and assigns (kclpy.leases.leader)
     leader: bool = False
-    #: the grown world of issue 36 (False: the classic world, ``CLASSIC_SEEDS``): per-worker
-    #: state stores (each with its own cache), workers' clocks offset from Kinesis' arrival
-    #: clock by up to ``skew_s`` both ways, a list-append workload checked on values,
-    #: retention, processor restarts, operator commands and the invariants that go with them
+    #: the grown world of the edge review of 2026-12-06 (False: the classic world,
+    #: ``CLASSIC_SEEDS``): per-worker state stores (each with its own cache), workers' clocks offset
+    #: from Kinesis' arrival clock by up to ``skew_s`` both ways, a list-append workload checked on
+    #: values, retention, processor restarts, operator commands and the invariants that go with them
     grown: bool = False
     skew_s: float = 0.5
     max_lag_ms: int = 3000
@@ -274,17 +274,18 @@ class Observer:
             self.last_writer[key] = writer
             if writer == OPERATOR and task is not None:
                 self.operator_writes[task] += 1
-            if writer != OPERATOR:  # an operator's rewind moves a checkpoint back on purpose
-                self._lease_write(key, old, new)
+            # an operator's rewind moves a checkpoint back on purpose; a lease it creates
+            # (a cleaned-up parent it replays) is a new incarnation all the same
+            self._lease_write(key, old, new, monotonic=writer != OPERATOR)
         txn = self.pending_txn.pop(id(self.sim.current), None)
         if txn is not None:
             self._transaction_landed(*txn)
 
     def _lease_write(self, key: str, old: dict[str, Any] | None,
-                     new: dict[str, Any] | None) -> None:
+                     new: dict[str, Any] | None, *, monotonic: bool = True) -> None:
         if old is None and new is not None:
             self.incarnation[key] += 1
-        if new is None or old is None:
+        if new is None or old is None or not monotonic:
             return
         before, after = _checkpoint_of(old), _checkpoint_of(new)
         if after < before:
@@ -862,11 +863,17 @@ class History:
             except Exception as exc:  # any failure is judged the same way
                 sim.log(f"operator: {' '.join(argv[:2])} failed: {exc!r}")
                 written = observer.operator_writes[me]
-                if written:
+                # A partial move the command reports shard by shard, saying to run it again,
+                # is its documented outcome (operations.md): the operator runs it again, and
+                # ``operator-replay`` judges the result. A failure that does not say what it
+                # left behind is the hole.
+                reported = isinstance(exc, control.Refused) and "run the command again" in str(
+                    exc)
+                if written and not reported:
                     observer.fail("operator-partial", f"`kclpy {' '.join(argv)}` failed "
                                   f"({type(exc).__name__}: {exc}) after {written} of its "
                                   "writes landed")
-                if again:  # a resume is tried until it works, as an operator would
+                if again or reported:  # tried until it works, as an operator would
                     sim.at(sim.now + 1.0, functools.partial(
                         self._run_operator, what, argv, done, again))
                 return
