@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from email.utils import formatdate
-from typing import Any
+from typing import Any, cast
 
 from botocore.exceptions import ClientError, ReadTimeoutError
 
@@ -643,7 +643,8 @@ class FaultyClient:
             if self.service == "kinesis" and what != "lost":
                 # AWS stamps every answer with a Date header of its own clock (whole
                 # seconds): kclpy's KinesisClock learns Kinesis' time from it
-                kinesis_clock(self).observe_date(formatdate(EPOCH + answered_at, usegmt=True))
+                clock = kinesis_clock(cast(Any, self))  # a stand-in for a KinesisClient
+                clock.observe_date(formatdate(EPOCH + answered_at, usegmt=True))
             if error is None:
                 return result
             if attempt < self.max_attempts and _retryable(error):
