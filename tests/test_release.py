@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import venv
 import zipfile
 from pathlib import Path
 
@@ -73,19 +72,23 @@ def test_the_wheel_holds_the_package_typed_and_licensed_and_nothing_else(
 def test_the_installed_wheel_runs_the_readme_main_job(
     dists: dict[str, Path], tmp_path: Path,
 ) -> None:
+    # A user's shell, not this test process's: the Spark tests' session puts the checkout on
+    # PYTHONPATH, where its egg-info would tell pip that kinesis-kclpy is installed already.
+    environment = {key: value for key, value in os.environ.items()
+                   if not key.startswith(("AWS_", "KCLPY_", "PYTHON", "VIRTUAL_ENV"))}
     env_dir = tmp_path / "venv"
-    venv.EnvBuilder(with_pip=True).create(env_dir)
+    subprocess.run([sys.executable, "-m", "venv", str(env_dir)], check=True, timeout=300,
+                   env=environment)
     python = env_dir / "bin" / "python"
     install = subprocess.run(
         [str(python), "-m", "pip", "install", "-q", f"{dists['wheel']}[local]",
          "-c", str(ROOT / ".ci" / "constraints.txt")],
-        capture_output=True, text=True, timeout=600)
+        capture_output=True, text=True, timeout=600, env=environment)
     assert install.returncode == 0, install.stderr[-3000:]
+    assert (env_dir / "bin" / "kclpy-worker").exists(), install.stdout[-3000:]
     work = tmp_path / "user"
     (work / "examples").mkdir(parents=True)
     shutil.copy(ROOT / "examples" / "printing_processor.py", work / "examples")
-    environment = {key: value for key, value in os.environ.items()
-                   if not key.startswith(("AWS_", "KCLPY_", "PYTHON"))}
     environment["PATH"] = os.pathsep.join([str(env_dir / "bin"), environment.get("PATH", "")])
     version = subprocess.run([str(env_dir / "bin" / "kclpy"), "--version"], cwd=work,
                              capture_output=True, text=True, timeout=60, env=environment)
