@@ -471,13 +471,8 @@ def maybe_restart(context: Context, share: float) -> None:
         raise ProcessorRestartRequired("simulated: the processor's child exited")
 
 
-class ListState(StatefulProcessor):
-    """(grown world) A list-append workload in the manner of Jepsen's Elle: record ``A<n>``
-    appends its sequence number to ``list/<n>``, record ``D<n>`` reads and deletes it (so a
-    key is deleted and created again, at version 1 again), and every record counts itself
-    under ``rec/<seq>``. The lists are shared by every shard. ``History._check_values``
-    replays the committed transactions in the order they landed and checks every value
-    written, not only versions."""
+class _ShardState(StatefulProcessor):
+    """A stateful processor of one shard of a simulated worker: what each workload shares."""
 
     def __init__(self, context: Context) -> None:
         self.context = context
@@ -485,6 +480,15 @@ class ListState(StatefulProcessor):
 
     def initialize(self, initialize_input: InitializeInput) -> None:
         self.shard = initialize_input.shard_id
+
+
+class ListState(_ShardState):
+    """(grown world) A list-append workload in the manner of Jepsen's Elle: record ``A<n>``
+    appends its sequence number to ``list/<n>``, record ``D<n>`` reads and deletes it (so a
+    key is deleted and created again, at version 1 again), and every record counts itself
+    under ``rec/<seq>``. The lists are shared by every shard. ``History._check_values``
+    replays the committed transactions in the order they landed and checks every value
+    written, not only versions."""
 
     def apply(self, record: Record, txn: StateTransaction) -> None:
         self.context.observer.delivered_batch(self.context.node.name, self.shard, [record])
@@ -500,18 +504,11 @@ class ListState(StatefulProcessor):
             txn.update(key, lambda items: [*items, seq], [])
 
 
-class CountingState(StatefulProcessor):
+class CountingState(_ShardState):
     """Counts each record once under its own key, per partition key, and toggles shared
     flags: a record ``D<n>`` deletes ``flag/<n>`` after reading it (maybe absent), any other
     record of flag ``n`` increments it - so shards contend on keys, read absent keys and
     delete them."""
-
-    def __init__(self, context: Context) -> None:
-        self.context = context
-        self.shard = ""
-
-    def initialize(self, initialize_input: InitializeInput) -> None:
-        self.shard = initialize_input.shard_id
 
     def apply(self, record: Record, txn: StateTransaction) -> None:
         self.context.observer.delivered_batch(self.context.node.name, self.shard, [record])
