@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from moto import mock_aws
 
 import kclpy
-from kclpy.errors import ShutdownException, ThrottlingException
+from kclpy.errors import ShutdownException, ThrottlingException, TransactionRejected
 from kclpy.leases.lease import Lease, incarnation_epoch, new_incarnation
 from kclpy.leases.serializer import UpdateBuilder
 from kclpy.leases.shard_sync import ShardSyncer
@@ -38,7 +38,7 @@ from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import Pacer, PollingSource
 from kclpy.retrieval.source import ShardAddress
 from kclpy.state.dynamodb import DynamoDBStateStore
-from kclpy.state.processor import ExactlyOnceProcessor, StatefulProcessor
+from kclpy.state.processor import MAX_CONFLICTS, ExactlyOnceProcessor, StatefulProcessor
 from kclpy.state.sql import SQLStateStore
 from kclpy.state.store import StateStore
 from kclpy.state.transaction import StateTransaction, TransactionTooLarge, Versioned
@@ -187,6 +187,59 @@ def test_two_shards_updating_one_key_never_lose_an_update(
     conflicts = sum(metrics.registry.get_sample_value(
         "kclpy_state_conflicts_total", {"shard_id": s}) or 0 for s in ("s1", "s2"))
     assert conflicts >= 4
+
+
+class HotKeys:
+    """The store under test, with other shards committing to every key a transaction of more
+    than ``fits`` records touches before it lands: such a transaction always loses the race."""
+
+    def __init__(self, store: StateStore, fits: int) -> None:
+        self._store, self._fits = store, fits
+        self.refused = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def commit(self, writer: Any, lease_key: str, token: str, position: Position,
+               txn: StateTransaction, gap: Position | None = None) -> None:
+        if len(txn.writes) > 2 * self._fits:  # Counter writes two keys per record
+            self.refused += 1
+            raise TransactionRejected("another shard wrote these keys first", [])
+        self._store.commit(writer, lease_key, token, position, txn, gap)
+
+
+def test_a_transaction_that_keeps_losing_races_commits_in_smaller_ones(
+        table: LeaseTable, store: StateStore) -> None:
+    """Fails on the code before (the whole batch was applied again eleven times, then failed):
+    halving after each conflict commits every record once, checkpoints in order."""
+    shard = Shard(table, "s1", "A", Clock())
+    hot = HotKeys(store, fits=3)
+    metrics = Metrics()
+    adapter = ExactlyOnceProcessor(Counter(), hot, metrics=metrics,  # type: ignore[arg-type]
+                                   sleep=lambda _: None)
+    adapter.initialize(InitializeInput("s1", "TRIM_HORIZON", 0))
+    shard.deliver(adapter, [rec(100 + i, f"k{i}:{i}") for i in range(40)])
+    state = stored_state(store)
+    assert all((state[f"count/k{i}"], state[f"sum/k{i}"]) == (1, i) for i in range(40))
+    assert hot.refused > 0
+    commits = metrics.registry.get_sample_value("kclpy_state_commits_total", {"shard_id": "s1"})
+    assert commits is not None and commits >= 40 / 3
+    lease = table.get("s1")
+    assert lease is not None and lease.checkpoint.sequence_number == "139"
+
+
+def test_a_transaction_refused_every_time_still_fails_its_batch(
+        table: LeaseTable, store: StateStore) -> None:
+    """Halving ends at one record: a writer that wins every race fails the batch (delivered
+    again by the consumer) after MAX_CONFLICTS + 1 attempts in a row, nothing applied."""
+    shard = Shard(table, "s1", "A", Clock())
+    hot = HotKeys(store, fits=0)
+    adapter = ExactlyOnceProcessor(Counter(), hot, sleep=lambda _: None)  # type: ignore[arg-type]
+    adapter.initialize(InitializeInput("s1", "TRIM_HORIZON", 0))
+    with pytest.raises(TransactionRejected):
+        shard.deliver(adapter, [rec(100 + i, f"k{i}:{i}") for i in range(8)])
+    assert hot.refused == MAX_CONFLICTS + 1
+    assert stored_state(store) == {}
 
 
 # -- a real worker over HTTP -------------------------------------------------------------------
