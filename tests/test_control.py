@@ -215,6 +215,51 @@ def test_a_time_resolves_to_the_last_record_before_it(
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("lagging", ["record", "TRIM_HORIZON"])
+def test_a_replay_of_every_shard_never_moves_a_lagging_shard_forward(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, lagging: str) -> None:
+    """``--all-shards --to TIME`` replays; a shard whose checkpoint is before TIME keeps it (it
+    is only taken from its holder, so what it delivered is delivered again), while a shard
+    past TIME moves back. Fails on the code before: the lagging shard moved forward to TIME,
+    skipping records it never processed (simulator seed 244)."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("control")
+    create_stream(kinesis, stream, 2)
+    other = "shardId-000000000001"
+    keys = [str(i) for i in range(10)]  # both shards get some (md5 of the keys)
+    put_plain(kinesis, stream, [b"early"] * len(keys), keys)
+    early = max(ms for shard in (SHARD, other) for _, ms in arrivals(kinesis, stream, shard))
+
+    def later() -> int | None:
+        """Write to both shards once more; the arrival if both got it after ``early``."""
+        put_plain(kinesis, stream, [b"late"] * len(keys), keys)
+        newest = min(arrivals(kinesis, stream, shard)[-1][1] for shard in (SHARD, other))
+        return newest if newest > early else None
+
+    cut_ms = wait_for(later, 10, "records in a later millisecond")
+    behind = arrivals(kinesis, stream)[0][0]
+    ahead = arrivals(kinesis, stream, other)[-1][0]
+    checkpoint = Position(behind) if lagging == "record" else Position.trim_horizon()
+    app, table = lease_table(
+        moto_server.url, Lease(SHARD, lease_owner="worker-a", lease_counter=3,
+                               checkpoint=checkpoint),
+        Lease(other, lease_owner="worker-b", lease_counter=5, checkpoint=Position(ahead)))
+    when = datetime.fromtimestamp(cut_ms / 1000, timezone.utc).isoformat(
+        timespec="milliseconds")
+    code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                    "--all-shards", "--to", when, "--force", "--json")
+    assert code == 0, err
+    outcomes = {row["shard_id"]: row["outcome"] for row in json.loads(out)["shards"]}
+    assert outcomes == {SHARD: "kept", other: "moved"}
+    kept, moved = table.get(SHARD), table.get(other)
+    assert kept is not None and moved is not None
+    assert kept.checkpoint == checkpoint, "a lagging shard is never moved forward"
+    assert (kept.lease_owner, kept.lease_counter > 3) == (None, True), "taken from its holder"
+    assert moved.checkpoint < Position(ahead)
+
+
+@pytest.mark.integration
 def test_a_held_lease_is_refused_naming_the_holder_and_nothing_is_written(
         capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
         moto_server: LocalEndpoint, stream: str) -> None:

@@ -13,11 +13,13 @@ A lease a worker holds is never changed from under it unless the operator says `
 another) takes the lease again within the failover time and starts from the new checkpoint.
 Parking always takes the lease from its holder: that is its purpose.
 
-``checkpoint set --all-shards`` is a replay of the whole stream: it also creates the lease of
-a closed parent that lease cleanup deleted, when the parent still holds records after the
-position, so that its children wait for it again (``_lost_ancestors``). Its writes go parents
-first; one that fails does not stop the others (a DynamoDB table cannot move every lease in
-one step), and every shard's outcome is printed (``_write_moves``).
+``checkpoint set --all-shards`` is a replay of the whole stream, never a skip: a shard whose
+checkpoint is already before the position (a lagging one) keeps it and is only taken from its
+holder, so what it delivered past its checkpoint is delivered again (``_kept``). It also
+creates the lease of a closed parent that lease cleanup deleted, when the parent still holds
+records after the position, so that its children wait for it again (``_lost_ancestors``). Its
+writes go parents first; one that fails does not stop the others (a DynamoDB table cannot
+move every lease in one step), and every shard's outcome is printed (``_write_moves``).
 
 The recovery queue is the exception: a backfill must not cost the holder its lease. A held
 lease gets the change as a request beside the queue (``kclpy.recovery.requests``), which
@@ -393,6 +395,9 @@ class Move:
     create: bool = False
     #: generation in the shard tree (0: no listed parent): writes go parents first
     depth: int = 0
+    #: ``--all-shards`` on a shard already before the position: its own checkpoint is
+    #: written again (the holder loses the lease), never moved forward
+    kept: bool = False
     #: why the write was not made (the lease moved or was taken meanwhile, a parent was
     #: not moved, the endpoint failed); None while nothing went wrong
     failed: str | None = None
@@ -403,7 +408,7 @@ class Move:
         if self.failed is not None:
             return "refused"
         if self.written:
-            return "created" if self.create else "moved"
+            return "created" if self.create else "kept" if self.kept else "moved"
         # not tried: a dry run, or the whole plan refused (a held lease without --force)
         return "planned" if dry_run else "not written"
 
@@ -446,6 +451,10 @@ def _plan_moves(args: argparse.Namespace, kinesis: Any, table: LeaseTable) -> li
             continue
         target = _resolve(args, kinesis, lease.shard_id, position,
                           lease.checkpoint.sequence_number)
+        if args.all_shards and target is not None and _behind(lease.checkpoint,
+                                                              target.position):
+            moves.append(_kept(lease, depth[lease.shard_id]))
+            continue
         moves.append(Move(lease, target, "" if target else "finished, nothing after the "
                           "position", depth=depth[lease.shard_id]))
     if args.all_shards and leases:
@@ -458,6 +467,20 @@ def _plan_moves(args: argparse.Namespace, kinesis: Any, table: LeaseTable) -> li
                               "children wait for it again", create=True,
                               depth=depth[shard.shard_id]))
     return sorted(moves, key=lambda m: (m.depth, m.lease.lease_key))
+
+
+def _behind(checkpoint: Position, target: Position) -> bool:
+    """Whether a shard at ``checkpoint`` has records before ``target`` it never processed
+    (``TRIM_HORIZON`` or a record checkpoint before it): moving it to ``target`` would skip
+    them (simulator seed 244: a replay of the stream skipped a lagging shard's record)."""
+    return (checkpoint.is_record or checkpoint.sequence_number == TRIM_HORIZON) and (
+        checkpoint < target)
+
+
+def _kept(lease: Lease, depth: int) -> Move:
+    return Move(lease, Target(lease.checkpoint, "its own checkpoint, before the position"),
+                "already before the position: kept, not moved forward over records never "
+                "processed", depth=depth, kept=True)
 
 
 def _resolve(args: argparse.Namespace, kinesis: Any, shard_id: str, position: Destination,
@@ -554,7 +577,7 @@ def _write_moves(table: LeaseTable, store: Any, moves: Sequence[Move], *,
             not_moved.add(move.lease.lease_key)
             continue
         try:
-            if store is not None:
+            if store is not None and not move.kept:  # a kept shard's store row stays put
                 _move_with_store(table, store, move.lease, move.target, force=force,
                                  create=move.create)
             elif move.create:
