@@ -28,6 +28,7 @@ from kclpy.recovery import requests as asked
 from kclpy.retrieval.parse import get_records
 from tests.support.cli import endpoints, run_cli
 from tests.support.e2e import worker_config
+from tests.support.faultproxy import FaultProxy
 from tests.support.scrape import scrape
 from tests.support.streams import (
     create_stream,
@@ -257,6 +258,31 @@ def test_a_replay_of_every_shard_never_moves_a_lagging_shard_forward(
     assert kept.checkpoint == checkpoint, "a lagging shard is never moved forward"
     assert (kept.lease_owner, kept.lease_counter > 3) == (None, True), "taken from its holder"
     assert moved.checkpoint < Position(ahead)
+
+
+@pytest.mark.integration
+def test_a_write_whose_answer_was_lost_after_it_landed_is_reported_written(
+        capsys: pytest.CaptureFixture[str], embedded_endpoint: LocalEndpoint) -> None:
+    """``shard resume`` lands, its answer is lost, and botocore's retry is refused by the
+    counter the first attempt bumped: the command recognises its own write id in the item
+    and says the shard resumed. Fails on the code before ("nothing written to it, run
+    again" for a write that was made; simulator seeds 21 and 706)."""
+    stream = unique_name("control")
+    create_stream(kinesis_client(embedded_endpoint.url), stream, 1)
+    with FaultProxy(embedded_endpoint.url, seed=5) as proxy:
+        app, table = lease_table(proxy.url, Lease(SHARD, lease_counter=4))
+        cli = ["--application-name", app, "--stream-name", stream, "--shard-id", SHARD,
+               "--region", "us-east-1", "--kinesis-endpoint", embedded_endpoint.url,
+               "--dynamodb-endpoint", proxy.url]
+        code, _, err = run_cli(capsys, "shard", "park", *cli, "--reason", "poison")
+        assert code == 0, err
+        proxy.once("UpdateItem", "lose_response")
+        code, out, err = run_cli(capsys, "shard", "resume", *cli)
+        assert proxy.faults("lose_response") == 1
+        assert code == 0, err
+        assert f"resumed {SHARD}" in out
+        lease = table.get(SHARD)
+        assert lease is not None and lease.parked is None and lease.lease_counter == 6
 
 
 @pytest.mark.integration
