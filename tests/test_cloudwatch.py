@@ -144,13 +144,20 @@ def test_a_request_failing_every_attempt_drops_its_datums_and_counts_them(
 
 
 def test_a_refused_request_is_not_retried() -> None:
+    """A success waits behind the refusal: a retry would take it and send the datum. (With
+    only the refusal queued, a retry's UnStubbedResponseError was swallowed by the retry
+    loop and the test passed with retries forced on.)"""
     client, stub = stubbed()
     stub.add_client_error("put_metric_data", "AccessDenied", http_status_code=403)
-    cw = publisher(client)
+    stub.add_response("put_metric_data", {}, {"Namespace": "app", "MetricData": ANY})
+    waits: list[float] = []
+    cw = publisher(client, sleep=waits.append)
     cw.record("ProcessTask", "RecordsProcessed", 1, COUNT, SUMMARY, {"ShardId": "s0"})
     with stub:
         assert cw.flush() == 0
-    stub.assert_no_pending_responses()
+    assert waits == []
+    with pytest.raises(AssertionError):
+        stub.assert_no_pending_responses()  # the success is still queued: never asked for
 
 
 def test_levels_and_dimensions_are_validated_naming_the_option() -> None:
