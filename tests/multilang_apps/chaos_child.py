@@ -38,6 +38,7 @@ from tests.support.ledger import (
 )
 
 CHILD_ENV = "KCLPY_CHAOS_CHILD"
+SEED_ENV = "KCLPY_CHAOS_CHILD_SEED"
 FLOOD_LINES = 64
 FLOOD_LINE = "f" * 65535 + "\n"
 
@@ -59,6 +60,18 @@ class Child:
         self.last_delivered = None
         self.last_checkpoint = None
         self.checkpointed = True
+
+    def earlier_starts(self, start):
+        """How many children of this run began this shard at ``start`` before this one.
+        Part of the seed: the run's seed alone would make a restarted child draw what its
+        predecessor drew, and crash at the same record for ever."""
+        starts = self.run_folder / "starts.log"
+        mine = f"{self.shard_id} {start}"
+        before = (sum(line == mine for line in starts.read_text().splitlines())
+                  if starts.exists() else 0)
+        with starts.open("a") as out:
+            out.write(mine + "\n")
+        return before
 
     def note(self, behaviour):
         with (self.run_folder / "behaviours.log").open("a") as out:
@@ -98,7 +111,9 @@ class Child:
             action = message["action"]
             if action == "initialize":
                 self.shard_id = message["shardId"]
-                self.rng.seed(f"{self.shard_id}:{message['sequenceNumber']}:{self.session}")
+                start = message["sequenceNumber"]
+                self.rng.seed(f"{os.environ.get(SEED_ENV, '')}:{self.shard_id}:{start}:"
+                              f"{self.earlier_starts(start)}")
                 self.event(INITIALIZE, message["sequenceNumber"], message["subSequenceNumber"])
             elif action == "processRecords":
                 self.process(message["records"])

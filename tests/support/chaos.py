@@ -1,9 +1,10 @@
 """The chaos run: a fleet of ``kclpy-worker`` processes consuming a stream while they are
 killed, frozen and restarted, a shard is split, and the proxies throttle and fail requests.
 
-Everything random comes from one seed, printed at the start, so a failing run can be
-replayed (``KCLPY_CHAOS_SEED``); what the processes do in between still depends on timing,
-so a replay reproduces the faults, not every interleaving. ``python -m tests.support.chaos``
+Everything random comes from one seed, printed at the start: each test's own, fixed, unless
+``KCLPY_CHAOS_SEED`` names another (or ``random``), so a failing run can be replayed (the
+MultiLang children draw from it too); what the processes do in between still depends on
+timing, so a replay reproduces the faults, not every interleaving. ``python -m tests.support.chaos``
 runs longer chaos against emulators it starts itself.
 
 The fleet reads by polling (GetRecords, throttled by the proxy) or by enhanced fan-out
@@ -100,10 +101,14 @@ _PLAIN_BATCH = 250
 _AGGREGATES_PER_BATCH = 10
 
 
-def seed_from_environment() -> int:
-    """``$KCLPY_CHAOS_SEED`` to replay a run, else a fresh one."""
+def seed_from_environment(default: int) -> int:
+    """``$KCLPY_CHAOS_SEED`` to replay a run (``random`` for a fresh one, as a soak
+    wants), else the run's own ``default``: a suite run is the same plan of faults every
+    time, so what one CI run covers the next one covers too."""
     configured = os.environ.get(SEED_ENV)
-    return int(configured) if configured else random.SystemRandom().randrange(2**32)
+    if not configured:
+        return default
+    return random.SystemRandom().randrange(2**32) if configured == "random" else int(configured)
 
 
 def chaos_seconds(default: float) -> float:
@@ -1029,7 +1034,8 @@ def _local_endpoints() -> Iterator[tuple[str, str]]:
 def main(argv: list[str] | None = None) -> int:
     """Longer chaos than CI can afford, against emulators started here."""
     parser = argparse.ArgumentParser(prog="python -m tests.support.chaos")
-    parser.add_argument("--seed", type=int, default=seed_from_environment())
+    parser.add_argument("--seed", type=int, default=seed_from_environment(
+        random.SystemRandom().randrange(2**32)))
     parser.add_argument("--chaos-seconds", type=float, default=300.0)
     parser.add_argument("--plain-records", type=int, default=10_000)
     parser.add_argument("--kpl-records", type=int, default=12_000)

@@ -21,6 +21,8 @@ from tests.support.waiting import wait_for
 
 CHILD = ROOT / "tests" / "multilang_apps" / "chaos_child.py"
 CHILD_ENV = "KCLPY_CHAOS_CHILD"
+#: the run's seed, from which every child draws its misbehaviour
+CHILD_SEED_ENV = "KCLPY_CHAOS_CHILD_SEED"
 BEHAVIOURS = ("crash", "hang", "flood")
 
 
@@ -105,7 +107,8 @@ def run_multilang_chaos(
         result = MultiLangChaosResult(chaos)
         memory = _MemoryWatch(rig.application).start()
         rig.stack.callback(memory.stop)
-        env = {CHILD_ENV: ",".join(f"{kind}={rate}" for kind, rate in rates.items())}
+        env = {CHILD_ENV: ",".join(f"{kind}={rate}" for kind, rate in rates.items()),
+               CHILD_SEED_ENV: str(settings.seed)}
         fleet = rig.window(chaos, ["--properties", str(properties)], env=env,
                            counter=("kclpy_multilang_child_failures_total", "reason"))
         say(f"chaos over after {time.monotonic() - started:.0f} s; the fleet catches up")
