@@ -154,6 +154,38 @@ def test_exactly_once_with_lag_recovery_under_slow_answers(
     assert sum(result.holds.values()) > 0, result.holds
 
 
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_exactly_once_with_lag_recovery_and_worker_clocks_skewed_against_kinesis(
+    kinesis_mock: LocalEndpoint,
+    moto_server: LocalEndpoint,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    request: pytest.FixtureRequest,
+) -> None:
+    """The chaos run with one worker's wall clock 4 s ahead of Kinesis' and one's 4 s behind,
+    ``max_lag_ms`` 2 s and lag recovery on: a worker ahead of Kinesis by more than
+    ``max_lag_ms`` planned its live start and its gap's end in Kinesis' future and skipped
+    the records between the tip and that time (the edge review's hole 4, which a unit
+    test shows with a Stubber); here over real processes, kills and a split: every
+    record applied exactly once, none at or before a checkpoint applied again."""
+    settings = ChaosSettings(seed=seed_from_environment(23), workers=3, shards=4, chaos_s=30.0,
+                             plain_records=3_000, kpl_records=3_000, max_lag_ms=2_000,
+                             clock_skews_s=(4.0, -4.0), stall_check=True, stuck_after_s=30.0)
+    spec, read_state = _store(EXACTLY_ONCE, "dynamodb", moto_server, tmp_path, request)
+    result = _run(settings, EXACTLY_ONCE, spec, read_state, kinesis_mock, moto_server,
+                  tmp_path, capsys)
+    skewed = [log.read_text(errors="replace") for log in result.logs.glob("*.log")]
+    for skew in ("+4.0 s", "-4.0 s"):
+        assert any(f"wall clock is skewed by {skew}" in text for text in skewed), skew
+    assert result.catch_up_failure is None, result.catch_up_failure
+    _assert_chaos_happened(result)
+    assert result.wrong_keys == {}, f"logs in {result.logs}"
+    assert result.counted == result.produced
+    assert result.stalls == [], [stall.describe() for stall in result.stalls]
+
+
 def _assert_chaos_happened(result: StateChaosResult) -> None:
     """Every fault of the run came round, and the fleet came through it cleanly."""
     assert result.produced == result.settings.plain_records + result.settings.kpl_records

@@ -76,6 +76,10 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 SEED_ENV = "KCLPY_CHAOS_SEED"
+#: a worker's wall-clock offset (``ChaosSettings.clock_skews_s``), applied by the
+#: ``sitecustomize`` in this folder
+SKEW_ENV = "KCLPY_TEST_CLOCK_SKEW_S"
+SKEWED_CLOCK = Path(__file__).parent / "skewed_clock"
 #: a longer chaos window for the runs that read it (a soak), in seconds
 SECONDS_ENV = "KCLPY_CHAOS_SECONDS"
 
@@ -169,6 +173,9 @@ class ChaosSettings:
     stuck_after_s: float | None = None
     #: lag recovery (``--max-lag-ms``) on every worker; None: off
     max_lag_ms: int | None = None
+    #: per worker place (by index): its wall clock's offset from the host's, in seconds
+    #: (``tests/support/skewed_clock``); places past the tuple's end are not skewed
+    clock_skews_s: tuple[float, ...] = ()
     #: polling: the GetRecords limit of every worker (``--max-records``); None: kclpy's.
     #: Without one a batch is whatever a shard holds beyond the checkpoint, so the number
     #: of batches, and of whatever a processor draws per batch, shrinks as the fleet falls
@@ -406,6 +413,11 @@ class _Fleet:
             CHECKPOINT_EVERY_ENV: str(self._settings.checkpoint_every_batches),
             **self._env,
         }
+        skews = self._settings.clock_skews_s
+        if slot.index < len(skews) and skews[slot.index]:
+            env[SKEW_ENV] = str(skews[slot.index])
+            env["PYTHONPATH"] = os.pathsep.join(
+                filter(None, [str(SKEWED_CLOCK), env.get("PYTHONPATH", "")]))
         args = self._args(slot.worker_id)
         slot.metrics_port = None
         if self._counter is not None or self._ops:
