@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ import pytest
 from kclpy import KCLConfig, Worker
 from kclpy.local import free_port
 from kclpy.local.demo import DEMO_AGGREGATES, DEMO_PLAIN_RECORDS, DEMO_RECORDS_PER_AGGREGATE
+from kclpy.ops.inspect import inspect_main
 from tests.support.programs import path_without
 from tests.support.recording import Ledger, RecordingProcessor
 from tests.support.streams import create_stream, put_plain, unique_name
@@ -179,3 +181,19 @@ def test_without_node_one_line_names_the_local_extra_and_exit_2(
         assert lines[0].startswith("kclpy-worker: error: --retrieval-mode: ")
     else:
         assert lines[0].startswith("kclpy local: error: ") and "--no-kinesis-mock" in lines[0]
+
+
+
+@pytest.mark.parametrize("option", ["--port", "--kinesis-port"])
+def test_a_busy_port_is_one_line_naming_its_flag_and_exit_2(
+        option: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, moto's bind failed with a traceback and kinesis-mock's after three starts."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = inspect_main(["local", option, str(port)])
+    lines = capsys.readouterr().err.splitlines()
+    assert code == 2
+    assert len(lines) == 1 and lines[0].startswith(
+        f"kclpy local: error: {option}: cannot listen on 127.0.0.1 port {port}: "), lines

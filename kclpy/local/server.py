@@ -9,6 +9,8 @@ which is enough for polling.
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -72,6 +74,13 @@ def local_command(args: argparse.Namespace, out: IO[str]) -> int:
     """Start the servers, print the ``export`` lines, and wait for a stop signal: exit 0
     after a clean stop, 1 when a server could not start or kinesis-mock died, 2 without the
     Node.js kinesis-mock needs."""
+    for option, port in (("--port", args.port), ("--kinesis-port", args.kinesis_port)):
+        problem = _cannot_listen(args.host, port)
+        if problem is not None:
+            where = option if problem.errno in (errno.EADDRINUSE, errno.EACCES) else "--host"
+            print(f"kclpy local: error: {where}: cannot listen on {args.host} port {port}: "
+                  f"{problem.strerror or problem}", file=sys.stderr)
+            return 2
     if not args.no_kinesis_mock:
         try:
             require_node()
@@ -97,6 +106,24 @@ def local_command(args: argparse.Namespace, out: IO[str]) -> int:
         except LocalEndpointError as exc:
             print(f"kclpy local: error: {exc}", file=sys.stderr)
             return 1
+
+
+def _cannot_listen(host: str, port: int) -> OSError | None:
+    """Why a server could not listen on ``host``:``port`` now, if it could not: a busy port
+    or an address this machine does not have is one line naming the flag, not a traceback
+    from moto or three failed starts of kinesis-mock."""
+    if port == 0 and host in (LOOPBACK, "localhost"):
+        return None
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            # as the servers themselves bind: TIME_WAIT leftovers of an earlier run are no
+            # obstacle
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as exc:
+        return exc
+    return None
 
 
 def _wait(stop: threading.Event, servers: LocalServers) -> int:
