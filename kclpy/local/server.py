@@ -72,8 +72,8 @@ def local_servers(*, host: str = LOOPBACK, port: int = 0, kinesis_port: int = 0,
 
 def local_command(args: argparse.Namespace, out: IO[str]) -> int:
     """Start the servers, print the ``export`` lines, and wait for a stop signal: exit 0
-    after a clean stop, 1 when a server could not start or kinesis-mock died, 2 without the
-    Node.js kinesis-mock needs."""
+    after a clean stop, 1 when a server could not start or kinesis-mock died, 2 for a port
+    it cannot listen on or without the Node.js kinesis-mock needs."""
     for option, port in (("--port", args.port), ("--kinesis-port", args.kinesis_port)):
         problem = _cannot_listen(args.host, port)
         if problem is not None:

@@ -24,7 +24,8 @@ Exit codes: ``status`` exits 0 for OK, 1 for WARN, 2 for ERROR, 3 when the statu
 be determined (AWS unreachable, access denied); the other commands exit 0, or 1 on such
 failures (``deregister-consumer`` also when there was no such consumer; the control
 commands of ``kclpy.ops.control`` also when they refused to act). ``kclpy local`` exits 0
-once stopped by Ctrl-C or SIGTERM, 1 when a server failed, 2 without the ``local`` extra.
+once stopped by Ctrl-C or SIGTERM, 1 when a server failed, 2 for a busy port or without the
+``local`` extra (moto, or the Node.js kinesis-mock runs on).
 Bad arguments, a lease table or stream that does not exist, or no region exit 2 with one
 line naming the option.
 """
