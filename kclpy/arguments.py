@@ -91,7 +91,8 @@ def worker_parser() -> argparse.ArgumentParser:
     parser.add_argument("--properties", metavar="FILE",
                         help="MultiLangDaemon .properties file (flags win over it)")
     parser.add_argument("--local", action="store_true",
-                        help="start the embedded local AWS endpoint (demo stream included)")
+                        help="start the embedded local AWS endpoint (demo stream included; "
+                             "with --retrieval-mode fanout, kinesis-mock serves Kinesis)")
     parser.add_argument("--processes", metavar="N", default="1",
                         help="run N worker processes sharing the lease table (all cores)")
     parser.add_argument("--spark-batch", metavar="SPEC",
@@ -205,16 +206,22 @@ def _check_local(values: dict[str, Any], labels: dict[str, str]) -> None:
         if values.get(field_name):
             raise ConfigError(labels.get(field_name, field_name), "cannot be combined with "
                               "--local, which serves every AWS API itself on 127.0.0.1")
-    if str(values.get("retrieval_mode", "polling")).lower() == "fanout" or values.get(
-            "consumer_arn"):
-        option = "consumer_arn" if values.get("consumer_arn") else "retrieval_mode"
-        raise ConfigError(labels.get(option, "--retrieval-mode"),
-                          "enhanced fan-out cannot run on --local: the embedded endpoint has "
-                          "no SubscribeToShard (use polling, or kinesis-mock: "
-                          "localstack/README.md)")
+    if values.get("consumer_arn"):
+        raise ConfigError(labels.get("consumer_arn", "--consumer-arn"),
+                          "cannot be combined with --local, whose streams and consumers live "
+                          "only on this machine (--retrieval-mode fanout registers one)")
     try:
         import moto  # noqa: F401
         import werkzeug  # noqa: F401
     except ImportError:
         raise ConfigError("--local", "needs the embedded endpoint, which is an extra: "
                           "pip install 'kinesis-kclpy[local]'") from None
+    if str(values.get("retrieval_mode", "polling")).lower() == "fanout":
+        from kclpy.local.endpoints import LocalEndpointError
+        from kclpy.local.kinesis_mock import require_node
+
+        try:
+            require_node()
+        except LocalEndpointError as exc:
+            raise ConfigError(labels.get("retrieval_mode", "--retrieval-mode"),
+                              f"fanout on --local runs kinesis-mock: {exc}") from None

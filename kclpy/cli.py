@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import boto3
 from botocore.exceptions import BotoCoreError
@@ -26,6 +26,9 @@ from kclpy.progress import reporting_progress
 from kclpy.state.processor import StatefulProcessor
 from kclpy.supervisor import run_processes
 from kclpy.worker import Worker
+
+if TYPE_CHECKING:
+    from kclpy.local.server import LocalServers
 
 log = logging.getLogger("kclpy")
 
@@ -99,14 +102,14 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         factory = _processor_factory(config, args, metrics)
     except ConfigError as exc:
         return _config_error(exc, labels)
+    except _CannotStart as exc:
+        return _cannot_start(exc)
     from kclpy.worker import WorkerFatalError
 
     try:
         if args.local:
-            from kclpy.local import start_embedded
-
-            with start_embedded() as endpoint:
-                config, session = _on_local_endpoint(config, endpoint.url)
+            with _local_servers(config) as servers:
+                config, session = _on_local_endpoint(config, servers)
                 _run(Worker(config, factory, metrics=metrics, session=session),
                      args.progress_interval)
         else:
@@ -116,8 +119,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         return _config_error(exc, labels)
     except _CannotStart as exc:
-        print(f"kclpy-worker: error: {exc}", file=sys.stderr)
-        return 1
+        return _cannot_start(exc)
     except WorkerFatalError as exc:
         log.error("worker stopped on a fatal error: %s", exc)
         log.debug("the fatal error's traceback", exc_info=True)
@@ -154,7 +156,13 @@ def user_label(exc: ConfigError, labels: dict[str, str]) -> str:
 
 
 class _CannotStart(Exception):
-    """Start-up met something retrying cannot fix (no credentials at all)."""
+    """Start-up met something retrying cannot fix (no credentials at all, a local server
+    that would not start)."""
+
+
+def _cannot_start(exc: _CannotStart) -> int:
+    print(f"kclpy-worker: error: {exc}", file=sys.stderr)
+    return 1
 
 
 def _session_with_credentials(config: KCLConfig) -> boto3.session.Session:
@@ -173,37 +181,54 @@ def _session_with_credentials(config: KCLConfig) -> boto3.session.Session:
     return session
 
 
-def _on_local_endpoint(config: KCLConfig, url: str) -> tuple[KCLConfig, boto3.session.Session]:
-    """``config`` pointed at the embedded endpoint for every AWS API it may call (CloudWatch
+@contextlib.contextmanager
+def _local_servers(config: KCLConfig) -> Iterator[LocalServers]:
+    """What ``--local`` runs on: moto in this process, and with fan-out kinesis-mock (the
+    emulator with SubscribeToShard) as a child process; one that cannot start is a start-up
+    failure, not a worker failure."""
+    from kclpy.local import LocalEndpointError
+    from kclpy.local.server import local_servers
+
+    with contextlib.ExitStack() as stack:
+        try:
+            servers = stack.enter_context(local_servers(kinesis_mock=config.fan_out))
+        except LocalEndpointError as exc:
+            raise _CannotStart(str(exc)) from None
+        yield servers
+
+
+def _on_local_endpoint(config: KCLConfig, servers: LocalServers
+                       ) -> tuple[KCLConfig, boto3.session.Session]:
+    """``config`` pointed at the local servers for every AWS API it may call (CloudWatch
     included), the demo stream seeded, and a session with dummy credentials: nothing leaves
     the machine, and the user's real credentials are never used."""
     from kclpy.local.demo import local_session, seed_demo_stream
 
-    config = config.replace(kinesis_endpoint=url, dynamodb_endpoint=url,
-                            cloudwatch_endpoint=url)
+    config = config.replace(kinesis_endpoint=servers.kinesis_url,
+                            dynamodb_endpoint=servers.moto_url,
+                            cloudwatch_endpoint=servers.moto_url)
     session = local_session(config.region or "us-east-1")
-    seed_demo_stream(session, url, config.stream_label)
+    seed_demo_stream(session, servers.kinesis_url, config.stream_label)
     return config, session
 
 
 def _local_processes(config: KCLConfig, argv: list[str], processes: int) -> int:
-    """``--local --processes N``: one embedded endpoint, started and seeded here, shared by
-    the N workers (each its own would give each worker every shard of its own copy)."""
-    from kclpy.local import start_embedded
+    """``--local --processes N``: one set of local servers, started and seeded here, shared
+    by the N workers (each its own would give each worker every shard of its own copy)."""
     from kclpy.local.demo import local_session, seed_demo_stream
 
-    with start_embedded() as endpoint:
+    with _local_servers(config) as servers:
         region = config.region or "us-east-1"
-        seed_demo_stream(local_session(region), endpoint.url, config.stream_label)
+        seed_demo_stream(local_session(region), servers.kinesis_url, config.stream_label)
         # lowest precedence (below .properties and flags), as --local's own defaults are
         shared = {
             "KCLPY_STREAM_NAME": config.stream_name or "",
             "KCLPY_APPLICATION_NAME": config.application_name,
             "KCLPY_INITIAL_POSITION": config.initial_position,
             "KCLPY_REGION": region,
-            "KCLPY_KINESIS_ENDPOINT": endpoint.url,
-            "KCLPY_DYNAMODB_ENDPOINT": endpoint.url,
-            "KCLPY_CLOUDWATCH_ENDPOINT": endpoint.url,
+            "KCLPY_KINESIS_ENDPOINT": servers.kinesis_url,
+            "KCLPY_DYNAMODB_ENDPOINT": servers.moto_url,
+            "KCLPY_CLOUDWATCH_ENDPOINT": servers.moto_url,
             "AWS_ACCESS_KEY_ID": "kclpy-local",
             "AWS_SECRET_ACCESS_KEY": "kclpy-local",
         }

@@ -174,7 +174,8 @@ def test_local_with_two_processes_shares_one_endpoint_and_prints_each_record_onc
 @pytest.mark.parametrize(
     ("args", "named"),
     [
-        (["--retrieval-mode", "fanout"], "--retrieval-mode: enhanced fan-out cannot run on"),
+        (["--consumer-arn", "arn:aws:kinesis:us-east-1:1:stream/s/consumer/c:1"],
+         "--consumer-arn: cannot be combined with --local"),
         (["--kinesis-endpoint", "http://127.0.0.1:1"], "--kinesis-endpoint: cannot be combined"),
     ],
 )

@@ -105,8 +105,9 @@ class EmbeddedEndpoint(LocalEndpoint):
     sees the same streams and tables, and ``moto.mock_aws`` leaving a block resets them.
     """
 
-    def __init__(self, server: BaseWSGIServer, thread: threading.Thread) -> None:
-        super().__init__(f"http://{LOOPBACK}:{server.server_port}")
+    def __init__(self, server: BaseWSGIServer, thread: threading.Thread,
+                 host: str = LOOPBACK) -> None:
+        super().__init__(f"http://{url_host(host)}:{server.server_port}")
         self._server = server
         self._thread = thread
 
@@ -166,20 +167,29 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def start_embedded() -> EmbeddedEndpoint:
-    """Serve moto's Kinesis and DynamoDB on one loopback port from a thread of this process.
+def url_host(host: str) -> str:
+    """The host of a URL that reaches a server bound to ``host`` from this machine: loopback
+    for the wildcard addresses."""
+    if host in ("", "0.0.0.0", "::"):  # noqa: S104
+        return LOOPBACK
+    return f"[{host}]" if ":" in host else host
+
+
+def start_embedded(host: str = LOOPBACK, port: int = 0) -> EmbeddedEndpoint:
+    """Serve moto's AWS backends (Kinesis, DynamoDB, CloudWatch, ...) on ``host``:``port``
+    (0: a free port) from a thread of this process.
 
     This is what moto's ThreadedMotoServer does, except that conditional writes are atomic
     (see :mod:`kclpy.local.moto_app`), stopping also closes the listening socket
     (ThreadedMotoServer leaves the port bound until the process exits) and per-request access
     logging is off.
     """
-    server = make_moto_server(LOOPBACK, 0)
+    server = make_moto_server(host, port)
     # A short poll interval only bounds how long stop() waits for the serving loop to notice.
     serve = functools.partial(server.serve_forever, poll_interval=0.05)
     thread = threading.Thread(target=serve, name=f"kclpy-moto-{server.server_port}", daemon=True)
     thread.start()
-    return EmbeddedEndpoint(server, thread)
+    return EmbeddedEndpoint(server, thread, host)
 
 
 def start_moto_server() -> ProcessEndpoint:
@@ -206,14 +216,16 @@ Prepare = Callable[[Path], tuple[Sequence[str], Mapping[str, str], int]]
 
 
 def launch(
-    name: str, prepare: Prepare, *, services: Sequence[str], ready_timeout_s: float
+    name: str, prepare: Prepare, *, services: Sequence[str], ready_timeout_s: float,
+    host: str = LOOPBACK,
 ) -> ProcessEndpoint:
     """Start a child in its own session and return it once every service in ``services``
     answers over HTTP; a child that dies first is retried on fresh ports (see _START_ATTEMPTS).
+    ``host`` is the address the child binds, which its URL reaches.
     """
     attempts_left = _START_ATTEMPTS
     while True:
-        endpoint = _spawn(name, prepare)
+        endpoint = _spawn(name, prepare, host)
         try:
             _wait_until_ready(endpoint, name, services, ready_timeout_s)
         except _ExitedEarly:
@@ -228,7 +240,7 @@ def launch(
         return endpoint
 
 
-def _spawn(name: str, prepare: Prepare) -> ProcessEndpoint:
+def _spawn(name: str, prepare: Prepare, host: str) -> ProcessEndpoint:
     workdir = Path(tempfile.mkdtemp(prefix=f"kclpy-{name}-"))
     log_path = workdir / f"{name}.log"
     try:
@@ -246,7 +258,7 @@ def _spawn(name: str, prepare: Prepare) -> ProcessEndpoint:
     except BaseException:
         shutil.rmtree(workdir, ignore_errors=True)
         raise
-    return ProcessEndpoint(f"http://{LOOPBACK}:{port}", process, workdir, log_path)
+    return ProcessEndpoint(f"http://{url_host(host)}:{port}", process, workdir, log_path)
 
 
 class _ExitedEarly(LocalEndpointError):

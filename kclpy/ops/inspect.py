@@ -17,11 +17,15 @@ each lease's stream and ``--stream-name`` / ``--stream-arn`` pick one stream's l
   (``kclpy.ops.control``).
 - ``kclpy consumers`` / ``register-consumer`` / ``deregister-consumer``: the stream's
   enhanced fan-out consumers (``kclpy.ops.consumers``).
+- ``kclpy local``: Kinesis, DynamoDB and CloudWatch served on this machine without Docker
+  until Ctrl-C (``kclpy.local.server``); it prints the ``AWS_ENDPOINT_URL_*`` lines to use.
 
 Exit codes: ``status`` exits 0 for OK, 1 for WARN, 2 for ERROR, 3 when the status could not
 be determined (AWS unreachable, access denied); the other commands exit 0, or 1 on such
 failures (``deregister-consumer`` also when there was no such consumer; the control
-commands of ``kclpy.ops.control`` also when they refused to act).
+commands of ``kclpy.ops.control`` also when they refused to act). ``kclpy local`` exits 0
+once stopped by Ctrl-C or SIGTERM, 1 when a server failed, 2 for a busy port or without the
+``local`` extra (moto, or the Node.js kinesis-mock runs on).
 Bad arguments, a lease table or stream that does not exist, or no region exit 2 with one
 line naming the option.
 """
@@ -170,7 +174,35 @@ def _parser() -> argparse.ArgumentParser:
                         metavar="N", help="GetRecords Limit when counting records behind; "
                         "more are shown as N+ (default 1000)")
     control.add_commands(commands, common)
+    _add_local_command(commands)
     return parser
+
+
+def _add_local_command(commands: argparse._SubParsersAction[OneLineParser]) -> None:
+    """``kclpy local``'s flags; its code (``kclpy.local.server``) needs the ``local`` extra,
+    so it is imported only when the command runs."""
+    local = commands.add_parser(
+        "local", help="serve Kinesis, DynamoDB and CloudWatch locally (no Docker) until Ctrl-C",
+        description="Serve Kinesis (kinesis-mock, with SubscribeToShard), DynamoDB and "
+                    "CloudWatch (moto) on this machine and print the environment variables "
+                    "that point kclpy, boto3 and the AWS CLI at them. Runs until Ctrl-C or "
+                    "SIGTERM. Needs the local extra: pip install 'kinesis-kclpy[local]'.")
+    local.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1: the endpoints accept "
+                            "any credentials)")
+    local.add_argument("--port", type=_whole(0, 65535), default=0, metavar="N",
+                       help="moto's port: DynamoDB and CloudWatch (default 0: a free port)")
+    local.add_argument("--kinesis-port", type=_whole(0, 65535), default=0, metavar="N",
+                       help="kinesis-mock's port (default 0: a free port)")
+    local.add_argument("--region", default="us-east-1",
+                       help="the region printed for clients (default us-east-1)")
+    local.add_argument("--no-kinesis-mock", action="store_true",
+                       help="serve Kinesis from moto instead: no Node.js, polling only "
+                            "(no SubscribeToShard)")
+    local.add_argument("--demo-stream", metavar="NAME",
+                       help="create stream NAME holding the demo records of kclpy-worker --local")
+    local.add_argument("--log-level", default="WARNING",
+                       choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
 # -- AWS -------------------------------------------------------------------------------------
@@ -586,6 +618,8 @@ def inspect_main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prog = f"{PROG} {args.command}"
+    if args.command == "local":
+        return _local(args, prog)
     try:
         if args.command == "leases":
             return _leases(args, sys.stdout)
@@ -606,6 +640,16 @@ def inspect_main(argv: Sequence[str] | None = None) -> int:
     except (ClientError, BotoCoreError, KCLError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_UNKNOWN if args.command == "status" else 1
+
+
+def _local(args: argparse.Namespace, prog: str) -> int:
+    try:
+        from kclpy.local.server import local_command
+    except ImportError as exc:
+        print(f"{prog}: error: needs the local extra: pip install 'kinesis-kclpy[local]' "
+              f"({exc})", file=sys.stderr)
+        return 2
+    return local_command(args, sys.stdout)
 
 
 _CONSUMER_COMMANDS = {"consumers": consumers.list_command,
