@@ -11,12 +11,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import boto3
 import pytest
 from botocore.exceptions import ClientError
+from botocore.stub import Stubber
 
 import kclpy
 from kclpy import Worker
+from kclpy.leases import serializer as ser
 from kclpy.leases.lease import Lease
+from kclpy.leases.serializer import UpdateBuilder
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.ops import control, serve_worker
@@ -283,6 +287,26 @@ def test_a_write_whose_answer_was_lost_after_it_landed_is_reported_written(
         assert f"resumed {SHARD}" in out
         lease = table.get(SHARD)
         assert lease is not None and lease.parked is None and lease.lease_counter == 6
+
+
+def test_a_refused_retry_after_an_unanswered_attempt_says_the_write_may_have_landed() -> None:
+    """The first attempt got no answer; before botocore's retry another writer changed the
+    lease (its own write id in the item): whether the first attempt landed cannot be told,
+    so the command must not say "nothing written". Fails on the code before (simulator seed
+    458: a park landed between a resume and its retry)."""
+    client = boto3.client("dynamodb", region_name="us-east-1")
+    table = LeaseTable(client, "app")
+    changed = ser.lease_to_new_item(Lease(SHARD, lease_counter=6))
+    changed[ser.WRITE_ID] = {"S": "another-writers-id"}
+    with Stubber(client) as stub:
+        stub.add_client_error("update_item", "ConditionalCheckFailedException",
+                              http_status_code=400, response_meta={"RetryAttempts": 1})
+        stub.add_response("get_item", {"Item": changed})
+        with pytest.raises(control.Refused) as refused:
+            control._write(table, Lease(SHARD, lease_counter=4),
+                           UpdateBuilder().remove(ser.PARKED))
+    assert "may have landed" in str(refused.value) and "nothing written" not in str(
+        refused.value)
 
 
 @pytest.mark.integration

@@ -42,7 +42,6 @@ from kclpy.errors import ConfigError
 from kclpy.leases import park as parking
 from kclpy.leases import serializer as ser
 from kclpy.leases.dynamo import CONDITION_FAILED
-from kclpy.leases.fence import own_write
 from kclpy.leases.lease import (
     Lease,
     incarnation_epoch,
@@ -345,8 +344,12 @@ def _write(table: LeaseTable, lease: Lease, update: UpdateBuilder) -> Lease:
     longer write it. Stamped with a write id of its own, as the workers' writes are: a write
     that landed and lost its answer (botocore's retry is then refused by the counter it
     bumped) is recognised in the item and reported as written, not as "nothing written"
-    (simulator seeds 21 and 706); and a worker never takes the operator's change for one of
-    its own writes (``kclpy.leases.fence.own_write``)."""
+    (simulator seeds 21 and 706) - at any counter: the id is this request's alone, and a
+    worker may have taken the lease since (a resume's purpose). When another writer's id
+    replaced it, a refused retry says the write may have landed instead of "nothing
+    written" (seed 458: a park landed between a resume and its retry). And a worker never
+    takes the operator's change for one of its own writes
+    (``kclpy.leases.fence.own_write``)."""
     write_id = new_write_id()
     update.set(ser.LEASE_COUNTER, n(lease.lease_counter + 1)).set(ser.WRITE_ID, s(write_id))
     update.expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter))
@@ -357,8 +360,15 @@ def _write(table: LeaseTable, lease: Lease, update: UpdateBuilder) -> Lease:
     except ClientError as exc:
         if error_code(exc) == CONDITION_FAILED:
             current = table.get(lease.lease_key)
-            if current is not None and own_write(lease, current, {write_id}):
-                return current
+            if current is not None and current.last_write == write_id:
+                return current  # landed; a take since leaves the id (takes stamp none)
+            if exc.response.get("ResponseMetadata", {}).get("RetryAttempts", 0):
+                raise Refused(
+                    f"lease {lease.lease_key}: an attempt of this write got no answer and the "
+                    f"retry found the lease changed since it was read (counter "
+                    f"{lease.lease_counter}): the write may have landed before another "
+                    "writer changed the lease; see `kclpy leases` and run the command again "
+                    "if it is still needed") from None
             raise Refused(f"lease {lease.lease_key} changed since it was read (counter "
                           f"{lease.lease_counter}); nothing written to it, run again") from None
         raise

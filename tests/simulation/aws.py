@@ -650,6 +650,8 @@ class FaultyClient:
             if attempt < self.max_attempts and _retryable(error):
                 sim.sleep(rng.random() * min(20.0, 2.0 ** (attempt - 1)) * self.node.rate)
                 continue
+            if isinstance(error, ClientError):  # as botocore tells how often it retried
+                error.response.setdefault("ResponseMetadata", {})["RetryAttempts"] = attempt - 1
             raise error
 
 
