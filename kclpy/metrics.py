@@ -85,7 +85,9 @@ ITERATOR_EXPIRATIONS = _shard(
     java=(Java(PROCESS_TASK, "ExpiredIterator"),))
 DEAGGREGATION_ERRORS = _shard(
     "deaggregation_errors", COUNTER,
-    "KPL aggregates that failed their MD5 or did not decode; each was delivered raw.")
+    "KPL aggregates delivered raw instead of expanded, by reason: malformed (bad MD5, "
+    "undecodable), key_limits (a key beyond Kinesis' limits), too_large (beyond what a KPL "
+    "aggregate can hold).", "reason")
 RECORDS_FILTERED = _shard(
     "records_filtered", COUNTER,
     "KPL sub-records dropped because their explicit hash key is outside the shard.")

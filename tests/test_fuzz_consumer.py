@@ -38,6 +38,7 @@ from kclpy.processor import (
     ShardEndedInput,
     ShutdownRequestedInput,
 )
+from kclpy.retrieval.kpl import CORRUPT_REASONS
 from kclpy.retrieval.parse import ChildShard
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import PollingSource
@@ -288,7 +289,9 @@ def run_and_check(
     assert counter(metrics, "kclpy_processor_errors_total") == 0
     expected, corrupt, filtered = expected_records(pages, low, high)
     assert processor.records == expected
-    assert counter(metrics, "kclpy_deaggregation_errors_total") == corrupt
+    assert sum(metrics.registry.get_sample_value(
+        "kclpy_deaggregation_errors_total", {"shard_id": SHARD, "reason": reason}) or 0
+        for reason in CORRUPT_REASONS) == corrupt
     assert counter(metrics, "kclpy_records_filtered_total") == filtered
     assert server.served == list(range(len(pages))), "every page once, in order"
     retried = sum(fault != "none" for fault in fault_list)

@@ -254,13 +254,17 @@ def test_filtering_leaves_other_records_alone() -> None:
     assert (result.corrupt, result.filtered) == (0, 2)
 
 
-def test_non_numeric_explicit_hash_key_is_corrupt_only_when_filtering() -> None:
-    record = wire(manual(["a"], ["not-a-number"], [(0, 0, b"x")]))
-    unfiltered = deaggregate([record])
-    assert [r.explicit_hash_key for r in unfiltered.records] == ["not-a-number"]
-    filtered = deaggregate([record], 0, MAX_HASH_KEY, filter_outside=True)
-    assert filtered.records == [record]
-    assert (filtered.corrupt, filtered.filtered) == (1, 0)
+@pytest.mark.parametrize("ehk", ["not-a-number", "-1", "", "1" * 40])
+def test_an_explicit_hash_key_kinesis_would_refuse_makes_the_aggregate_corrupt(
+        ehk: str) -> None:
+    """Whether filtering or not: Kinesis takes a decimal of at most 39 digits, and checks
+    that on the outer record only."""
+    record = wire(manual(["a"], ["7", ehk], [(0, 0, b"x")]))
+    for filtering in (False, True):
+        result = deaggregate([record], 0, MAX_HASH_KEY, filter_outside=filtering)
+        assert result.records == [record]
+        assert (result.corrupt, result.filtered) == (1, 0)
+        assert result.reasons == {"key_limits": 1}
 
 
 @pytest.mark.parametrize(("start", "end", "kept"), [
@@ -380,3 +384,71 @@ def test_the_whole_key_space_needs_no_hashing(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(kpl, "_md5", counting)
     result = deaggregate([wire(kpl_blob(USERS))], 0, 2**128 - 1, filter_outside=True)
     assert key_hashes(counting.lengths) == 0 and len(result.records) == len(USERS)
+
+
+def empty_subs(table: list[str], count: int) -> bytes:
+    """``count`` empty sub-records all under the table's first key, hand-encoded: the
+    cheapest sub-record there is (6 bytes), as a producer hoping to multiply a shared key
+    writes them."""
+    sub = field(3, field(1, 0) + field(3, b""))
+    return sign(b"".join(field(1, key.encode()) for key in table) + sub * count)
+
+
+@pytest.mark.parametrize(("key", "expanded"), [
+    ("k" * 256, True),          # Kinesis' limit exactly
+    ("k" * 257, False),         # one character more
+    ("\u00e9" * 256, True),     # characters, not bytes
+    ("k" * 500_000, False),
+])
+def test_a_partition_key_longer_than_kinesis_allows_makes_the_aggregate_corrupt(
+        key: str, expanded: bool) -> None:
+    record = wire(empty_subs([key], 10))
+    result = deaggregate([record])
+    if expanded:
+        assert [r.partition_key for r in result.records] == [key] * 10
+        assert result.corrupt == 0
+    else:
+        assert result.records == [record]
+        assert result.reasons == {"key_limits": 1}
+
+
+def test_a_long_key_in_a_table_with_explicit_hash_keys_is_refused_too() -> None:
+    record = wire(manual(["a", "k" * 257], ["5"], [(0, 0, b"x")]))
+    assert deaggregate([record]).reasons == {"key_limits": 1}
+
+
+def test_the_largest_expansion_a_legal_ascii_key_allows_is_within_the_bound() -> None:
+    """The worst a KPL aggregate within Kinesis' key limit can do with ASCII keys: a
+    256-character key shared by empty sub-records, about 43 times its size."""
+    record = wire(empty_subs(["k" * 256], 20_000))
+    result = deaggregate([record])
+    assert (len(result.records), result.corrupt) == (20_000, 0)
+    assert 40 * len(record.binary_data) < 20_000 * 256 < kpl.MAX_EXPANSION * len(
+        record.binary_data)
+
+
+def test_an_aggregate_expanding_beyond_the_bound_is_delivered_raw() -> None:
+    """256 four-byte characters (a legal key of 1,024 bytes) shared by empty sub-records:
+    about 170 times the aggregate's size once every record carries its key."""
+    record = wire(empty_subs(["\U0001f600" * 256], 20_000))
+    result = deaggregate([record])
+    assert result.records == [record]
+    assert result.reasons == {"too_large": 1}
+
+
+def test_an_aggregate_with_more_sub_records_than_a_kpl_aggregate_holds_is_delivered_raw(
+        ) -> None:
+    most = wire(empty_subs(["k"], kpl.MAX_SUB_RECORDS))
+    assert len(deaggregate([most]).records) == kpl.MAX_SUB_RECORDS
+    beyond = wire(empty_subs(["k"], kpl.MAX_SUB_RECORDS + 1))
+    result = deaggregate([beyond])
+    assert result.records == [beyond]
+    assert result.reasons == {"too_large": 1}
+
+
+def test_reasons_are_counted_apart() -> None:
+    records = [wire(kpl_blob(USERS)), wire(sign(b"\xff")), wire(empty_subs(["k" * 300], 1)),
+               wire(empty_subs(["k" * 257], 1))]
+    result = deaggregate(records)
+    assert result.corrupt == 3
+    assert result.reasons == {"malformed": 1, "key_limits": 2}

@@ -30,6 +30,7 @@ from kclpy.multilang import (
     MultiLangChildError,
     MultiLangRecordProcessor,
     multilang_processor_factory,
+    protocol,
     resolve_command,
 )
 from kclpy.position import Position
@@ -603,3 +604,38 @@ def test_the_factory_makes_one_processor_per_call(
     finally:
         first.close()
         second.close()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_batch_larger_than_a_message_reaches_the_child_as_several_in_order(
+        version: int, make: Callable[..., MultiLangRecordProcessor], output: Path) -> None:
+    """Each line is acknowledged before the next is sent; while the child handles one, a
+    checkpoint without arguments lands at that line's last record and one beyond it is
+    refused: nothing the child has not been given is ever covered."""
+    cap = 850
+    writer = FakeWriter()
+    shard = Shard(make(f"v{version}_app.py", max_message_bytes=cap), writer)
+    shard.initialize()
+    batch = shard.records("one", "checkpoint-last", "three", "four", "five", "six", "seven",
+                          "eight")
+    batch[2] = Record(sequence_number=batch[2].sequence_number, partition_key="pk-2",
+                      timestamp_millis=batch[2].timestamp_millis,
+                      data=f"checkpoint {batch[-1].sequence_number}".encode())
+    lines = list(protocol.split_process_records(batch, 250, cap))
+    assert len(lines) >= 3
+    assert all(len(line) <= cap for line, _ in lines)
+    first_last = lines[0][1]
+    assert first_last is not None and 2 <= batch.index(first_last) < len(batch) - 1
+
+    shard.deliver(batch)
+
+    sizes = [len(json.loads(line)["records"]) for line, _ in lines]
+    assert [b["count"] for b in events(output, "batch")] == sizes
+    assert [r["data"] for r in events(output, "record")] == [
+        r.binary_data.decode() for r in batch]
+    assert writer.writes == [(SHARD, first_last.sequence_number, 0)]
+    assert [e["error"] for e in events(output, "checkpoint")] == [
+        None, "InvalidStateException"]
+    # the consumer's mark is where the last line leaves it: the whole batch
+    shard.checkpointer.checkpoint()
+    assert writer.writes[-1] == (SHARD, batch[-1].sequence_number, 0)

@@ -33,6 +33,13 @@ def _record(seq: str, data: bytes, *, sub: int = 0, key: str = "pk",
 # -- what kclpy writes ----------------------------------------------------------------------
 
 
+def one_line(records: list[Record], millis_behind_latest: int | None) -> str:
+    """A batch small enough for one processRecords line, as that line."""
+    [(line, last)] = protocol.split_process_records(records, millis_behind_latest)
+    assert last == (records[-1] if records else None)
+    return line
+
+
 def test_initialize_carries_shard_and_checkpoint() -> None:
     line = protocol.encode_initialize("shardId-000000000001", "4950000", 3)
     assert json.loads(line) == {"action": "initialize", "shardId": "shardId-000000000001",
@@ -55,7 +62,7 @@ def test_process_records_encodes_records_as_the_java_daemon() -> None:
         Record(sequence_number="200", partition_key="p2", timestamp_millis=None,
                sub_sequence_number=4, b64=base64.b64encode(b"from the wire").decode()),
     ]
-    line = protocol.encode_process_records(records, 1234)
+    line = one_line(records, 1234)
     assert "\n" not in line
     assert json.loads(line) == {
         "action": "processRecords",
@@ -72,7 +79,7 @@ def test_process_records_encodes_records_as_the_java_daemon() -> None:
 
 
 def test_empty_batch_and_unknown_lag() -> None:
-    assert json.loads(protocol.encode_process_records([], None)) == {
+    assert json.loads(one_line([], None)) == {
         "action": "processRecords", "records": [], "millisBehindLatest": None}
 
 
@@ -175,7 +182,7 @@ def test_amazon_kclpy_decodes_every_message_kclpy_writes(
     assert isinstance(init, messages.InitializeInput)
     assert (init.shard_id, init.sequence_number, init.sub_sequence_number) == ("s-1", "9", 2)
 
-    batch = _decode_in_amazon_kclpy(kclpy_modules, protocol.encode_process_records(
+    batch = _decode_in_amazon_kclpy(kclpy_modules, one_line(
         [_record("100", b"hello", sub=1, key="key-a")], 42))
     assert isinstance(batch, messages.ProcessRecordsInput)
     assert batch.millis_behind_latest == 42
@@ -267,7 +274,7 @@ def test_amazon_kclpy_process_speaks_the_protocol_both_ways(
     processor = _processor_classes(kclpy_modules, seen)[version]()
     to_child = "\n".join([
         protocol.encode_initialize("shardId-7", "TRIM_HORIZON", 0),
-        protocol.encode_process_records([_record("10", b"a"), _record("11", b"b", sub=2)], 0),
+        one_line([_record("10", b"a"), _record("11", b"b", sub=2)], 0),
         protocol.encode_checkpoint_reply("11", 2, "ThrottlingException"),
         protocol.encode_lease_lost(),
     ]) + "\n"
@@ -289,3 +296,41 @@ def test_amazon_kclpy_process_speaks_the_protocol_both_ways(
     assert seen == [("initialize", "shardId-7"), ("records", ["10", "11"]),
                     ("checkpoint", "11", "ThrottlingException"), lost]
 
+
+
+# -- batches larger than a message --------------------------------------------------------
+
+
+def _varied(count: int) -> list[Record]:
+    """Records whose JSON varies in every way a line's size depends on: escaped and
+    non-ASCII partition keys, empty and large payloads, missing arrival times, long
+    sub-sequence numbers."""
+    keys = ["pk", '"quoted\\', "\u00e9t\u00e9", "\U0001f600" * 3, "tab\there", "k" * 256]
+    return [_record(str(10**40 + i), bytes(range(256))[: (i * 37) % 300] * (1 + i % 3),
+                    sub=(i * 7919) ** 3, key=keys[i % len(keys)],
+                    ts=None if i % 5 == 0 else 1_700_000_000_000 + i) for i in range(count)]
+
+
+@pytest.mark.parametrize("cap", [1, 400, 1_000, 5_000, 100_000])
+def test_a_batch_is_split_into_lines_within_the_cap_in_order(cap: int) -> None:
+    records = _varied(60)
+    lines = list(protocol.split_process_records(records, 77, cap))
+    decoded = [json.loads(line) for line, _ in lines]
+    assert all(message["millisBehindLatest"] == 77 for message in decoded)
+    # every record, once, in order, as the Java daemon encodes it
+    assert [r for message in decoded for r in message["records"]] == [
+        json.loads(one_line([record], 77))["records"][0] for record in records]
+    for (line, last), message in zip(lines, decoded, strict=True):
+        assert len(line) <= cap or len(message["records"]) == 1
+        assert last == records[sum(len(m["records"]) for m in decoded[:decoded.index(message)])
+                               + len(message["records"]) - 1]
+    # as few lines as the cap allows: each would overflow with the next line's first record
+    for (line, _), following in zip(lines, decoded[1:], strict=False):
+        grown = json.loads(line)
+        grown["records"].append(following["records"][0])
+        assert len(protocol._dump(grown)) > cap
+
+
+def test_an_empty_batch_is_one_line() -> None:
+    assert [json.loads(line)["records"] for line, _ in
+            protocol.split_process_records([], None, 10)] == [[]]

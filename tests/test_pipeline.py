@@ -176,7 +176,8 @@ def test_a_corrupt_aggregate_is_delivered_raw_and_counted() -> None:
     metrics = Metrics()
     results = drain(make(FakeShard([corrupt, plain(1)]), metrics=metrics))
     assert payloads(results) == [bytes(data), b"plain-1"]
-    assert sample(metrics, "kclpy_deaggregation_errors_total", shard_id=SHARD) == 1
+    assert sample(metrics, "kclpy_deaggregation_errors_total", shard_id=SHARD,
+                  reason="malformed") == 1
 
 
 # -- the thread, the queue, stop and errors ----------------------------------------------

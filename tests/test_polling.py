@@ -21,6 +21,7 @@ from botocore.stub import Stubber
 
 from kclpy.metrics import Metrics
 from kclpy.position import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON, Position
+from kclpy.retrieval.kpl import CORRUPT_REASONS
 from kclpy.retrieval.parse import ChildShard, GetRecordsPage
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import PollingSource, one_off_pages
@@ -577,7 +578,8 @@ def test_reads_plain_and_aggregated_records_over_http_exactly_once_in_order(
         )
         assert read_all(fetcher, len(expected[shard_id])) == expected[shard_id]
         assert sample(metrics, "kclpy_records_filtered_total", shard_id=shard_id) == 0
-        assert sample(metrics, "kclpy_deaggregation_errors_total", shard_id=shard_id) == 0
+        assert all(sample(metrics, "kclpy_deaggregation_errors_total", shard_id=shard_id,
+                          reason=reason) == 0 for reason in CORRUPT_REASONS)
 
         # restart from a checkpoint inside the second aggregate (sub-record 2 of 7 done)
         done = next(i for i, (_, _, p) in enumerate(expected[shard_id]) if b"agg-3-2" in p)

@@ -92,7 +92,8 @@ class MultiLangRecordProcessor(IRecordProcessor):
     message was sent to it (a checkpoint reply starts a new wait, so a long batch that keeps
     checkpointing is fine). ``exit_timeout_s`` is how long the child may take to exit after
     its last message before its process group is killed. ``max_unread_stdout_bytes`` bounds
-    what the child may write to stdout ahead of being asked (``process``).
+    what the child may write to stdout ahead of being asked (``process``);
+    ``max_message_bytes`` the JSON of one ``processRecords`` line (``process_records``).
     """
 
     def __init__(
@@ -106,6 +107,7 @@ class MultiLangRecordProcessor(IRecordProcessor):
         env: Mapping[str, str] | None = None,
         stray_stdout: StrayStdoutPolicy = "restart",
         max_unread_stdout_bytes: int = MAX_UNREAD_STDOUT_BYTES,
+        max_message_bytes: int = protocol.MAX_MESSAGE_BYTES,
     ) -> None:
         if not argv:
             raise ValueError("argv must name a program")
@@ -120,6 +122,7 @@ class MultiLangRecordProcessor(IRecordProcessor):
         self._env = env
         self._stray_stdout = stray_stdout
         self._max_unread = max_unread_stdout_bytes
+        self._max_message_bytes = max_message_bytes
         self._lease_key = "?"
         self._child: ChildProcess | None = None
         self._failure: MultiLangChildError | None = None
@@ -142,10 +145,22 @@ class MultiLangRecordProcessor(IRecordProcessor):
                           initialize_input.sub_sequence_number)
 
     def process_records(self, process_records_input: ProcessRecordsInput) -> None:
-        self._exchange(
-            protocol.encode_process_records(process_records_input.records,
-                                            process_records_input.millis_behind_latest),
-            protocol.PROCESS_RECORDS, process_records_input.checkpointer)
+        """Sends the batch as ``processRecords`` lines of at most ``max_message_bytes``, one
+        after the other, each acknowledged before the next is sent.
+
+        While the child handles a line, the checkpointer's last record delivered is that
+        line's last: a ``checkpoint()`` without arguments covers what the child was given,
+        never the rest of the batch, and a position beyond it is refused as one beyond what
+        was delivered. The consumer's own mark (the batch's last record) is where the last
+        line leaves it."""
+        checkpointer = process_records_input.checkpointer
+        lines = protocol.split_process_records(process_records_input.records,
+                                               process_records_input.millis_behind_latest,
+                                               self._max_message_bytes)
+        for line, last in lines:
+            if last is not None:
+                checkpointer.mark_delivered(last)
+            self._exchange(line, protocol.PROCESS_RECORDS, checkpointer)
 
     def lease_lost(self, lease_lost_input: LeaseLostInput) -> None:
         if self._child is None:

@@ -15,7 +15,7 @@ message whose ``error`` is the Java exception name (or null).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,11 @@ SHUTDOWN_REQUESTED = "shutdownRequested"
 CHECKPOINT = "checkpoint"
 STATUS = "status"
 RECORD = "record"
+
+#: The most JSON one ``processRecords`` line may hold, partition keys and all (a record larger
+#: than that travels alone). The Java daemon sends a GetRecords page as one line; a page of
+#: 10 MiB of tiny KPL user records would make a line of 700 MiB, and one per shard at once.
+MAX_MESSAGE_BYTES = 4 * 2**20
 
 #: the actions the daemon sends that the child acknowledges with a status message
 DAEMON_ACTIONS = frozenset({INITIALIZE, PROCESS_RECORDS, LEASE_LOST, SHARD_ENDED,
@@ -98,9 +103,58 @@ def encode_record(record: Record) -> dict[str, Any]:
     }
 
 
-def encode_process_records(records: Sequence[Record], millis_behind_latest: int | None) -> str:
-    return _dump({"action": PROCESS_RECORDS,
-                  "records": [encode_record(record) for record in records],
+# What a record's JSON object costs besides its strings' contents and its two numbers (and
+# the comma after it).
+_RECORD_OVERHEAD = len(_dump({
+    "action": RECORD, "data": "", "partitionKey": "", "sequenceNumber": "",
+    "subSequenceNumber": 0, "approximateArrivalTimestamp": 0})) - 2 + 1
+_KEY_CACHE_SIZE = 65_536
+
+
+def split_process_records(
+    records: Iterable[Record], millis_behind_latest: int | None,
+    max_bytes: int = MAX_MESSAGE_BYTES,
+) -> Iterator[tuple[str, Record | None]]:
+    """One batch as ``processRecords`` lines of at most ``max_bytes`` each (a record larger
+    than that alone in its line), in order, with the last record of each: the checkpoint a
+    child's ``checkpoint()`` without arguments may take while it handles that line. An empty
+    batch is one line without records.
+
+    Records are encoded one at a time and each line once, so what is held at a time is one
+    line's worth, whatever the batch holds. A line's size is known before it is made: each
+    record's strings are base64, digits and its partition key, whose JSON (escapes and all)
+    is measured once per key.
+    """
+    head = len(_dump({"action": PROCESS_RECORDS, "records": [],
+                      "millisBehindLatest": millis_behind_latest}))
+    key_sizes: dict[str, int] = {}
+    chunk: list[dict[str, Any]] = []
+    size = head
+    last: Record | None = None
+    for record in records:
+        encoded = encode_record(record)
+        key = encoded["partitionKey"]
+        key_size = key_sizes.get(key)
+        if key_size is None:
+            if len(key_sizes) >= _KEY_CACHE_SIZE:
+                key_sizes.clear()
+            key_size = key_sizes[key] = len(json.dumps(key)) - 2
+        # str(None) is as long as JSON's null
+        cost = (_RECORD_OVERHEAD + len(encoded["data"]) + key_size
+                + len(encoded["sequenceNumber"]) + len(str(encoded["subSequenceNumber"]))
+                + len(str(encoded["approximateArrivalTimestamp"])))
+        if last is not None and size + cost > max_bytes:
+            yield _process_records_line(chunk, millis_behind_latest), last
+            chunk, size = [], head
+        chunk.append(encoded)
+        size += cost
+        last = record
+    yield _process_records_line(chunk, millis_behind_latest), last
+
+
+def _process_records_line(encoded: list[dict[str, Any]], millis_behind_latest: int | None
+                          ) -> str:
+    return _dump({"action": PROCESS_RECORDS, "records": encoded,
                   "millisBehindLatest": millis_behind_latest})
 
 

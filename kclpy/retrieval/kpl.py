@@ -18,14 +18,25 @@ all, for good. So here it is off unless asked for (``filter_outside``): every su
 delivered, and a KPL misprediction costs at worst a duplicate, which at-least-once allows.
 Every reader of shards (the worker's fetcher, lag recovery's gap reader, the Spark source)
 de-aggregates through :func:`deaggregate` and so follows the same rule.
+
+Kinesis checks its partition-key limit (1 to 256 characters) and its explicit-hash-key form
+(a decimal of at most 39 digits) on the outer record only: inside an aggregate anything goes,
+and the MD5 proves nothing (anyone can compute it). A producer could thus share one
+500,000-character key among 85,000 empty sub-records, and whatever copies the key per record
+(a MultiLang message, an Arrow column) would need 40 GiB for one 1 MiB record. So an aggregate
+is expanded only if its tables keep Kinesis' own limits and it stays within what a KPL
+aggregate can hold (:data:`MAX_SUB_RECORDS`, :data:`MAX_EXPANSION`); otherwise it is delivered
+raw and counted, like any other corrupt aggregate, with a reason (:data:`CORRUPT_REASONS`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
 
@@ -58,7 +69,11 @@ sys.modules.setdefault("config_pb2", config_pb2)
 from aws_kinesis_agg.messages_pb2 import AggregatedRecord  # noqa: E402
 
 __all__ = [
+    "CORRUPT_REASONS",
     "MAGIC",
+    "MAX_EXPANSION",
+    "MAX_PARTITION_KEY_CHARS",
+    "MAX_SUB_RECORDS",
     "AggregatedRecord",
     "DeaggregationResult",
     "HashKeyRange",
@@ -76,6 +91,32 @@ _B64_SIXTH = frozenset("ghijklmnopqrstuv")
 _MAX_HASH_KEY = 2**128 - 1
 #: partition keys whose verdict a HashKeyRange keeps (a few MB at most)
 _MAX_VERDICTS = 65_536
+
+#: Kinesis' limit on a partition key, in characters (PutRecord refuses a longer one)
+MAX_PARTITION_KEY_CHARS = 256
+#: Kinesis' form of an explicit hash key: a decimal of at most 39 digits (2**128 - 1 has 39)
+_EXPLICIT_HASH_KEY = re.compile(r"[0-9]{1,39}")
+#: The most sub-records an aggregate may hold: what the KPL's largest aggregate (1 MiB,
+#: the ceiling of its ``AggregationMaxSize``) can hold, each sub-record taking at least 6
+#: bytes of it (its tag and length, the key index and an empty payload).
+MAX_SUB_RECORDS = 2**20 // 6
+#: How many times its own size an aggregate may grow to when expanded, counting for each
+#: sub-record its payload and its keys in UTF-8 (what copying them per record costs). A
+#: sub-record takes at least 6 bytes of the aggregate, so with ASCII keys within Kinesis'
+#: 256 characters it grows at most 43 times (256 / 6): only keys of more than 384 UTF-8
+#: bytes shared by (near-)empty sub-records reach this bound.
+MAX_EXPANSION = 64
+
+#: Why an aggregate was delivered raw (the ``reason`` label of kclpy_deaggregation_errors):
+#: ``malformed`` (too short, bad MD5, undecodable, a key not UTF-8, no sub-records, a table
+#: index out of range), ``key_limits`` (a partition key longer than 256 characters or an
+#: explicit hash key that is not a decimal of at most 39 digits), ``too_large`` (more than
+#: :data:`MAX_SUB_RECORDS` sub-records, or expanding to more than :data:`MAX_EXPANSION` times
+#: its size).
+MALFORMED = "malformed"
+KEY_LIMITS = "key_limits"
+TOO_LARGE = "too_large"
+CORRUPT_REASONS = (MALFORMED, KEY_LIMITS, TOO_LARGE)
 
 _parse_aggregate = AggregatedRecord.FromString
 _md5 = hashlib.md5
@@ -127,8 +168,9 @@ class DeaggregationResult:
 
     ``corrupt``: aggregates delivered as ONE raw record (the original object) because they
     were too short, failed their MD5, did not decode, lacked a required protobuf field, had
-    a key that is not valid UTF-8, had no sub-records, or had a table index (or, when
-    filtering, an explicit hash key) that is not valid.
+    a key that is not valid UTF-8, had no sub-records, had a table index that is not valid,
+    had a key beyond Kinesis' limits or would expand beyond what a KPL aggregate can hold;
+    ``reasons`` counts them by :data:`CORRUPT_REASONS`.
     ``filtered``: sub-records dropped by hash-key filtering (only with ``filter_outside``,
     see :func:`deaggregate`); whoever asked for it logs them at WARNING.
     """
@@ -136,6 +178,7 @@ class DeaggregationResult:
     records: Records
     corrupt: int
     filtered: int
+    reasons: Counter[str] = field(default_factory=Counter)
 
 
 def is_aggregated(record: Record) -> bool:
@@ -195,28 +238,25 @@ def deaggregate(
         return DeaggregationResult(Records([records]), 0, 0)
     parts: list[list[Record] | UserRecords] = []
     run: list[Record] = []
-    corrupt = 0
+    reasons: Counter[str] = Counter()
     filtered = 0
     for record in records:
         if not is_aggregated(record):
             run.append(record)
             continue
         expanded = _expand(record)
-        if expanded is None:
+        if isinstance(expanded, str):
             run.append(record)
-            corrupt += 1
+            reasons[expanded] += 1
             continue
         users, keys = expanded
         # Every key of the table in range: then so is every sub-record (they can only use
         # keys of the table). Otherwise look at the sub-records themselves, since a key
         # that no sub-record uses must not get the aggregate filtered.
-        verdict: bool | None = True
+        verdict = True
         if bounds is not None and not (keys is not None and bounds.keys_in_range(keys)):
             verdict = bounds.users_in_range(users)
-        if verdict is None:
-            run.append(record)
-            corrupt += 1
-        elif verdict:
+        if verdict:
             if run:
                 parts.append(run)
                 run = []
@@ -225,12 +265,13 @@ def deaggregate(
             filtered += len(users)
     if run:
         parts.append(run)
-    return DeaggregationResult(Records(parts), corrupt, filtered)
+    return DeaggregationResult(Records(parts), reasons.total(), filtered, reasons)
 
 
-def _expand(record: Record) -> tuple[UserRecords, list[str] | None] | None:
+def _expand(record: Record) -> tuple[UserRecords, list[str] | None] | str:
     """The aggregate's user records and, when none of them has an explicit hash key, the
-    partition-key table; None if the aggregate is corrupt in any way.
+    partition-key table; or, if the aggregate is corrupt in any way, why (one of
+    :data:`CORRUPT_REASONS`).
 
     Nothing is delivered from an aggregate until all of it checked out, so a bad aggregate
     is never half-delivered. A table index out of range surfaces as the IndexError of the
@@ -239,39 +280,74 @@ def _expand(record: Record) -> tuple[UserRecords, list[str] | None] | None:
     try:
         blob = record.binary_data
         if len(blob) <= _MIN_SIZE:
-            return None
+            return MALFORMED
         # A view, not a slice: a slice would copy the whole aggregate once more.
         body = memoryview(blob)[len(MAGIC) : -_DIGEST_SIZE]
         if _md5(body).digest() != blob[-_DIGEST_SIZE:]:
-            return None
+            return MALFORMED
         aggregate = _parse_aggregate(body)
         if not aggregate.records:
-            return None
+            return MALFORMED
         if aggregate.explicit_hash_key_table or not _canonical(aggregate, blob):
             # upb does not enforce proto2 "required" on parse; protobuf-java, which the Java
             # KCL uses, rejects such a message, and a sub-record without its data or key
             # index would otherwise come out as an empty payload or the first partition key.
-            return _expand_checked(record, aggregate) if aggregate.IsInitialized() else None
+            if not aggregate.IsInitialized():
+                return MALFORMED
+            return _expand_checked(record, aggregate, len(blob))
         columns = _parse_columns(body)
         subs = columns.records
         key_indexes = subs.partition_key_index
         if subs.explicit_hash_key_index:
             # An explicit-hash-key index with no table to point into.
-            return None
+            return MALFORMED
         # A list built once: indexing the protobuf container would make a new str per
         # sub-record. upb hands back bytes, not str, for a proto2 string that is not valid
         # UTF-8; the KPL only writes text, so such a table means a damaged aggregate, and
         # str.join rejects it (TypeError) in one C call.
         pks = list(columns.partition_key_table)
         "".join(pks)
-        users = UserRecords(record.sequence_number, record._arrival_s, list(subs.data),
-                            list(map(pks.__getitem__, key_indexes)))
+        data = list(subs.data)
+        pk_keys = list(map(pks.__getitem__, key_indexes))
+        refused = _beyond_limits(pks, (), data, pk_keys, None, len(blob))
+        if refused is not None:
+            return refused
+        users = UserRecords(record.sequence_number, record._arrival_s, data, pk_keys)
     # The payload is untrusted bytes (an MD5 is no signature): whatever base64, the protobuf
     # runtime or a table lookup raise on it (binascii.Error, DecodeError, EncodeError,
     # IndexError, TypeError) means "not a usable aggregate".
     except Exception:
-        return None
+        return MALFORMED
     return users, pks
+
+
+def _beyond_limits(pks: Sequence[str], ehks: Sequence[str], data: list[bytes],
+                   pk_column: list[str], ehk_column: list[str | None] | None,
+                   size: int) -> str | None:
+    """Why the aggregate must not be expanded (:data:`KEY_LIMITS` or :data:`TOO_LARGE`), or
+    None if it may be.
+
+    The tables are checked whole (the KPL writes no entry that no sub-record uses), in C
+    calls. The expanded size is first bounded from above by the longest keys; only an
+    aggregate whose bound exceeds :data:`MAX_EXPANSION` has its sub-records' keys summed.
+    """
+    if pks and max(map(len, pks)) > MAX_PARTITION_KEY_CHARS:
+        return KEY_LIMITS
+    if ehks and not all(map(_EXPLICIT_HASH_KEY.fullmatch, ehks)):
+        return KEY_LIMITS
+    count = len(data)
+    if count > MAX_SUB_RECORDS:
+        return TOO_LARGE
+    # A key is at most 4 UTF-8 bytes a character, an explicit hash key 39 ASCII bytes.
+    longest = 4 * max(map(len, pks), default=0) + (39 if ehks else 0)
+    allowed = MAX_EXPANSION * size
+    if size + count * longest <= allowed:
+        return None
+    key_bytes = {key: len(key.encode("utf-8")) for key in pks}
+    expanded = sum(map(len, data)) + sum(map(key_bytes.__getitem__, pk_column))
+    if ehk_column is not None:
+        expanded += sum(len(key) for key in ehk_column if key is not None)
+    return TOO_LARGE if expanded > allowed else None
 
 
 def _canonical(aggregate: Any, blob: bytes) -> bool:
@@ -291,8 +367,8 @@ def _canonical(aggregate: Any, blob: bytes) -> bool:
 
 
 def _expand_checked(
-    record: Record, aggregate: Any
-) -> tuple[UserRecords, list[str] | None] | None:
+    record: Record, aggregate: Any, size: int
+) -> tuple[UserRecords, list[str] | None] | str:
     """The general case, explicit hash keys or a repeated field: a ``HasField`` per
     sub-record (an explicit-hash-key index must be told apart from an absent one, which
     reads as 0)."""
@@ -302,16 +378,17 @@ def _expand_checked(
         "".join(pks)
         "".join(ehks)
         subs = aggregate.records
-        users = UserRecords(
-            record.sequence_number,
-            record._arrival_s,
-            [sub.data for sub in subs],
-            [pks[sub.partition_key_index] for sub in subs],
-            [ehks[sub.explicit_hash_key_index] if sub.HasField("explicit_hash_key_index")
-             else None for sub in subs],
-        )
+        data = [sub.data for sub in subs]
+        pk_column = [pks[sub.partition_key_index] for sub in subs]
+        ehk_column = [ehks[sub.explicit_hash_key_index]
+                      if sub.HasField("explicit_hash_key_index") else None for sub in subs]
+        refused = _beyond_limits(pks, ehks, data, pk_column, ehk_column, size)
+        if refused is not None:
+            return refused
+        users = UserRecords(record.sequence_number, record._arrival_s, data, pk_column,
+                            ehk_column)
     except Exception:
-        return None
+        return MALFORMED
     return users, None
 
 
@@ -371,18 +448,13 @@ class HashKeyRange:
                 verdicts[pk] = low_digest <= _md5(pk.encode("utf-8")).digest() <= high_digest
         return all(map(verdicts.__getitem__, keys))
 
-    def users_in_range(self, users: UserRecords) -> bool | None:
-        """True if every user record's effective hash key is within range; None if an
-        explicit hash key is not a decimal integer (the aggregate is then corrupt, not
-        filtered)."""
+    def users_in_range(self, users: UserRecords) -> bool:
+        """True if every user record's effective hash key is within range. Explicit hash keys
+        are decimals here: an aggregate with any other is refused before it is expanded."""
         ehks = users.explicit_hash_keys
         if ehks is None:
             return self.keys_in_range(users.partition_keys)
-        explicit = {k for k in ehks if k is not None}
+        explicit = {int(k) for k in ehks if k is not None}
         implicit = [pk for pk, k in zip(users.partition_keys, ehks, strict=True) if k is None]
-        try:
-            explicit_keys = [int(k) for k in explicit]
-        except ValueError:
-            return None
         low, high = self.low, self.high
-        return all(low <= k <= high for k in explicit_keys) and self.keys_in_range(implicit)
+        return all(low <= k <= high for k in explicit) and self.keys_in_range(implicit)

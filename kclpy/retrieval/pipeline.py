@@ -36,7 +36,7 @@ from kclpy.errors import KCLError
 from kclpy.metrics import DEAGGREGATION_ERRORS, PREFETCH_QUEUE_DEPTH, RECORDS_FILTERED, Metrics
 from kclpy.position import AT_TIMESTAMP, Position
 from kclpy.records import EMPTY, Record, Records
-from kclpy.retrieval.kpl import HashKeyRange, deaggregate
+from kclpy.retrieval.kpl import CORRUPT_REASONS, HashKeyRange, deaggregate
 from kclpy.retrieval.parse import ChildShard
 from kclpy.retrieval.source import (
     Page,
@@ -143,7 +143,8 @@ class ShardPipeline:
 
         m = metrics if metrics is not None else Metrics()
         shard = m.shard(self.lease_key, source.address.shard_id, source.address.stream_id)
-        self._m_corrupt = shard.bind(DEAGGREGATION_ERRORS)
+        self._m_corrupt = {reason: shard.bind(DEAGGREGATION_ERRORS, reason)
+                           for reason in CORRUPT_REASONS}
         self._m_filtered = shard.bind(RECORDS_FILTERED)
         self._m_depth = shard.bind(PREFETCH_QUEUE_DEPTH)
 
@@ -359,8 +360,8 @@ class ShardPipeline:
         elif page.records:
             agg = deaggregate(page.records, key_range=self._key_range,
                               filter_outside=self._filter_outside)
-            if agg.corrupt:
-                self._m_corrupt.inc(agg.corrupt)
+            for reason, count in agg.reasons.items():
+                self._m_corrupt[reason].inc(count)
             if agg.filtered:
                 self._m_filtered.inc(agg.filtered)
                 logger.warning(

@@ -12,7 +12,14 @@ Call :func:`ensure_java` before building a ``SparkSession`` yourself: on a machi
 Java it points Spark at the runtime the ``spark`` extra installs (``run_worker`` does it).
 """
 
-from kclpy.spark.arrow import SCHEMA, SPARK_SCHEMA_DDL, Decoder, records_to_batch, records_to_table
+from kclpy.spark.arrow import (
+    SCHEMA,
+    SPARK_SCHEMA_DDL,
+    Decoder,
+    records_to_batch,
+    records_to_batches,
+    records_to_table,
+)
 from kclpy.spark.batcher import (
     BatcherStats,
     BatchInfo,
@@ -42,6 +49,7 @@ __all__ = [
     "current_batch",
     "ensure_java",
     "records_to_batch",
+    "records_to_batches",
     "records_to_table",
     "register",
     "run_spark_batch_worker",

@@ -9,17 +9,19 @@ the column types match what Spark's Arrow reader expects (``timestamp[us, UTC]``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import pyarrow as pa
 
 from kclpy.records import Record
 
 __all__ = [
+    "MAX_BATCH_BYTES",
     "SCHEMA",
     "SPARK_SCHEMA_DDL",
     "Decoder",
     "records_to_batch",
+    "records_to_batches",
     "records_to_table",
 ]
 
@@ -49,6 +51,16 @@ Decoder = Callable[[pa.BinaryArray], "pa.Table | pa.RecordBatch"]
 
 _MS_TIMESTAMP = pa.timestamp("ms", tz="UTC")
 
+#: The most bytes of strings and payloads one record batch holds (a record larger than that
+#: is alone in its batch). A batch copies every record's partition key, and a GetRecords page
+#: of 10 MiB of tiny KPL user records holds up to 1.7 million of them: as one batch, several
+#: hundred MiB at once per shard.
+MAX_BATCH_BYTES = 4 * 2**20
+#: what a row costs in Arrow besides its strings and payload: the sub-sequence number and
+#: arrival time (8 bytes each), five 4-byte offsets and a validity bit or so
+_ROW_OVERHEAD = 8 + 8 + 5 * 4 + 1
+_KEY_CACHE_SIZE = 65_536
+
 
 def records_to_batch(stream: str, shard_id: str, records: Sequence[Record]) -> pa.RecordBatch:
     """One shard's records as a batch with :data:`SCHEMA`."""
@@ -73,6 +85,36 @@ def records_to_batch(stream: str, shard_id: str, records: Sequence[Record]) -> p
     )
 
 
+def records_to_batches(stream: str, shard_id: str, records: Iterable[Record],
+                       max_bytes: int = MAX_BATCH_BYTES) -> Iterator[pa.RecordBatch]:
+    """One shard's records as batches with :data:`SCHEMA` of at most ``max_bytes`` each, in
+    order; none when there are no records.
+
+    A row is counted with its partition key (in UTF-8, measured once per key), sequence
+    number, payload and the stream and shard names repeated in it, so the batches stay
+    bounded however many records share one key. Records are built one batch at a time.
+    """
+    names = len(stream.encode()) + len(shard_id.encode()) + _ROW_OVERHEAD
+    key_sizes: dict[str, int] = {}
+    chunk: list[Record] = []
+    size = 0
+    for record in records:
+        key = record.partition_key
+        key_size = key_sizes.get(key)
+        if key_size is None:
+            if len(key_sizes) >= _KEY_CACHE_SIZE:
+                key_sizes.clear()
+            key_size = key_sizes[key] = len(key.encode("utf-8"))
+        cost = names + key_size + len(record.sequence_number) + record.size
+        if chunk and size + cost > max_bytes:
+            yield records_to_batch(stream, shard_id, chunk)
+            chunk, size = [], 0
+        chunk.append(record)
+        size += cost
+    if chunk:
+        yield records_to_batch(stream, shard_id, chunk)
+
+
 def records_to_table(
     stream: str,
     parts: Iterable[tuple[str, Sequence[Record]]],
@@ -80,7 +122,8 @@ def records_to_table(
     *,
     streams: Mapping[str, str] | None = None,
 ) -> pa.Table:
-    """Several shards' records (``(shard_id, records)`` pairs) as one table. Their ``stream``
+    """Several shards' records (``(shard_id, records)`` pairs) as one table, made of record
+    batches of at most :data:`MAX_BATCH_BYTES` each (:func:`records_to_batches`). Their ``stream``
     column is ``stream``, or for a shard of a multi-stream application what ``streams`` maps
     its id to.
 
@@ -89,8 +132,8 @@ def records_to_table(
     silently misaligning payloads and decoded values.
     """
     named = streams or {}
-    batches = [records_to_batch(named.get(shard_id, stream), shard_id, records)
-               for shard_id, records in parts]
+    batches = [batch for shard_id, records in parts
+               for batch in records_to_batches(named.get(shard_id, stream), shard_id, records)]
     table = pa.Table.from_batches(batches, schema=SCHEMA)
     if decode is None:
         return table

@@ -53,7 +53,7 @@ from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPart
 from kclpy.position import AFTER, AT_TIMESTAMP, LATEST, SHARD_END, Position
 from kclpy.retrieval.clock import SKEW_MARGIN_MS, kinesis_clock
 from kclpy.retrieval.registration import ConsumerRegistration
-from kclpy.spark.arrow import SPARK_SCHEMA_DDL, records_to_batch
+from kclpy.spark.arrow import SPARK_SCHEMA_DDL, records_to_batches
 from kclpy.spark.metadata import ConflictingEndError, PositionStore
 from kclpy.spark.offsets import (
     Budget,
@@ -537,7 +537,7 @@ class KinesisStreamReader(DataSourceStreamReader):
                 reading = BudgetedRead(budgeted, end)
                 try:
                     for records in reading:
-                        yield records_to_batch(label, shard_id, records)
+                        yield from records_to_batches(label, shard_id, records)
                 finally:
                     budgeted.close()
                 assert reading.reached is not None
@@ -558,7 +558,7 @@ class KinesisStreamReader(DataSourceStreamReader):
         reader = self._task_reader(client, partition, start, stop, until_ms)
         try:
             for records in read_range(reader, stop):
-                yield records_to_batch(label, shard_id, records)
+                yield from records_to_batches(label, shard_id, records)
         finally:
             reader.close()
 

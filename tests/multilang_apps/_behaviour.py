@@ -11,6 +11,8 @@ A payload is plain text; its first word is a command:
 - ``stderr <text>``: write ``<text>`` to stderr
 - ``checkpoint [<sequence number>]``: checkpoint at this record (or at the number given)
   and log the outcome
+- ``checkpoint-last``: checkpoint without arguments (the last record delivered) and log
+  the outcome
 - anything else: just logged
 
 Events are JSON lines appended to the file named by ``KCLPY_TEST_OUTPUT``, each with the
@@ -74,6 +76,8 @@ def act(data, checkpointer, sequence_number, sub_sequence_number):
     elif command == "stderr":
         sys.stderr.write(argument + "\n")
         sys.stderr.flush()
+    elif command == "checkpoint-last":
+        checkpoint(checkpointer)
     elif command == "checkpoint":
         if argument:
             checkpoint(checkpointer, argument, 0)
