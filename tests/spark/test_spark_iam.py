@@ -12,7 +12,7 @@ import pytest
 
 from kclpy.local import LocalEndpoint
 from tests.support.faultproxy import FaultProxy
-from tests.support.iam import Names, denied, role_statements
+from tests.support.iam import Names, denied, needless, role_statements
 from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
 
 
@@ -62,6 +62,8 @@ def test_a_spark_querys_calls_are_allowed_by_the_spark_policies(
             ) <= operations
     assert denied(role_statements(role, names), calls, names) == [], \
         f"the {role}'s policies in docs/iam.md lack these"
+    assert needless(role_statements(role, names), calls, names) == [], \
+        f"the {role}'s policies in docs/iam.md allow these, which it did not need"
     if options:
         assert denied(role_statements("spark source", names), calls, names), \
             "reading through a consumer needs more than the polling source's policy"

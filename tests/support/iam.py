@@ -46,6 +46,19 @@ SERVICES = ("kinesis", "dynamodb", "cloudwatch")
 TRANSACT_ENTRIES = {"Put": "PutItem", "Update": "UpdateItem", "Delete": "DeleteItem",
                     "ConditionCheck": "ConditionCheckItem"}
 
+#: the actions a role's policy allows that one ordinary run may not make, and when they are
+#: made; any other action a run's policies allow and the run did not make is one too many
+CONDITIONAL = {
+    "dynamodb:UpdateTable": "adds the lease owner index, with a leader only",
+    "dynamodb:Query": "reads the lease owner index, with a leader only",
+    "dynamodb:DeleteItem": "lease clean-up after a shard ends; the leader's lock given up; "
+                           "a state key deleted",
+    "dynamodb:GetItem": "the leader's lock; a lease read again after a lost write",
+    "dynamodb:PutItem": "checkpoint set creating a cleaned-up lease again",
+    "dynamodb:ConditionCheckItem": "a state key only read",
+    "kinesis:ListStreamConsumers": "a registration lost to another worker's",
+}
+
 #: kclpy's own code that only ever talks to a local emulator (the demo, endpoint probes,
 #: moto's corrections): not a role's
 LOCAL_ONLY = ROOT / "kclpy" / "local"
@@ -208,6 +221,15 @@ def denied(statements: Iterable[Statement], calls: Iterable[Call], names: Names
             if str(need) not in missing and not any(allows(s, need) for s in statements):
                 missing[str(need)] = f"{need} (for {call.service} {call.operation})"
     return sorted(missing.values())
+
+
+def needless(statements: Iterable[Statement], calls: Iterable[Call], names: Names
+             ) -> list[str]:
+    """The actions ``statements`` allow that ``calls`` never needed and that are not
+    :data:`CONDITIONAL`: more than the run's role needs."""
+    used = {need.action.lower() for call in calls for need in needs(call, names)}
+    allowed = {action for s in statements for action in s.actions}
+    return sorted(a for a in allowed if a.lower() not in used and a not in CONDITIONAL)
 
 
 # -- what the code can call --------------------------------------------------------------
