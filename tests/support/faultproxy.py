@@ -22,15 +22,22 @@ applied upstream at once, and only its answer is late, as when AWS retries a thr
 inside the service or an answer crosses a latency spike. A writer whose deadline depends on
 when it learns of its write (a lease renewal, a checkpoint) sees the write land long before
 it can tell.
+
+A proxy made with ``record_calls=True`` also keeps every request's service, operation and
+parameters (:meth:`FaultProxy.calls`): what a client behind it asked AWS for, whichever
+process it runs in, which is how tests/test_iam.py holds the documented IAM policies to what
+each role really calls.
 """
 
 from __future__ import annotations
 
 import contextlib
 import http.client
+import io
 import json
 import logging
 import random
+import re
 import select
 import socket
 import struct
@@ -45,6 +52,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any, Literal
 from urllib.parse import urlsplit
+
+from botocore.parsers import RpcV2CBORParser
 
 from kclpy.retrieval.subscription import encode_frame
 
@@ -87,6 +96,9 @@ _HOP_BY_HOP = frozenset(
 _KINESIS_DATA_PLANE = frozenset({"GetRecords", "GetShardIterator", "PutRecord", "PutRecords"})
 _DYNAMODB_PREFIX = "com.amazonaws.dynamodb.v20120810#"
 _EVENT_STREAM = "application/vnd.amazon.eventstream"
+_CBOR = "application/cbor"
+_RPC_V2_PATH = re.compile(r"^/service/(?P<target>[^/]+)/operation/(?P<operation>[^/?]+)")
+_CLOUDWATCH_TARGET = "GraniteServiceVersion20100801"
 #: an event-stream frame's prelude: total length, headers length, prelude CRC
 _PRELUDE = 12
 #: larger than any frame Kinesis sends (a 10 MB page); a bigger length means a foreign body
@@ -155,6 +167,23 @@ class _Request:
             return {}
         return parsed if isinstance(parsed, dict) else {}
 
+    def parameters(self) -> dict[str, Any]:
+        """The request's parameters, from its JSON or (CloudWatch's protocol) CBOR body."""
+        if self.content_type != _CBOR or not self.body:
+            return self.json()
+        parsed = RpcV2CBORParser().parse_data_item(io.BytesIO(self.body))
+        return parsed if isinstance(parsed, dict) else {}
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request a recording proxy received: ``service`` as IAM names it (``kinesis``,
+    ``dynamodb``, ``cloudwatch``), the operation and its parameters."""
+
+    service: str
+    operation: str
+    parameters: dict[str, Any]
+
 
 _OneShot = FaultKind | tuple[int, dict[str, Any]] | StreamCut
 """A fault, a canned ``(status, body)`` answer, or a stream cut, for one request."""
@@ -169,7 +198,7 @@ class FaultProxy:
     the same faults on every run.
     """
 
-    def __init__(self, upstream_url: str, *, seed: int = 0) -> None:
+    def __init__(self, upstream_url: str, *, seed: int = 0, record_calls: bool = False) -> None:
         upstream = urlsplit(upstream_url)
         if upstream.scheme != "http" or upstream.hostname is None:
             raise ValueError(f"upstream must be a plain http:// URL, not {upstream_url!r}")
@@ -181,6 +210,7 @@ class FaultProxy:
         self._rules: dict[str, _Rule] = {}
         self._pending: dict[str, deque[_OneShot]] = {}
         self._requests: Counter[str] = Counter()
+        self._calls: list[Call] | None = [] if record_calls else None
         self._faults: Counter[tuple[str, str]] = Counter()
         self._holds: dict[str, _Hold] = {}
         self._held: list[tuple[str, float]] = []
@@ -344,6 +374,14 @@ class FaultProxy:
                 return sum(self._requests.values())
             return self._requests[operation]
 
+    def calls(self) -> list[Call]:
+        """Every request received so far, in order (faulted ones too: a client that was
+        refused still asked); only for a proxy made with ``record_calls=True``."""
+        with self._lock:
+            if self._calls is None:
+                raise RuntimeError("this FaultProxy was made without record_calls=True")
+            return list(self._calls)
+
     def faults(self, kind: str, operation: str = ALL) -> int:
         """Faults of ``kind`` injected into ``operation`` (default: any operation).
 
@@ -368,6 +406,8 @@ class FaultProxy:
         operation = request.operation
         with self._lock:
             self._requests[operation] += 1
+            if self._calls is not None:
+                self._calls.append(Call(request.service, operation, request.parameters()))
             rule = self._rules.get(operation) or self._rules.get(ALL)
             for key in (operation, ALL):
                 pending = self._pending.get(key)
@@ -610,7 +650,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             return
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         request = _parse_request(
-            self.headers.get("X-Amz-Target", ""), self.headers.get("Content-Type", ""), body
+            self.headers.get("X-Amz-Target", ""), self.headers.get("Content-Type", ""), body,
+            self.path,
         )
         proxy = self.server.proxy
         latency, action, responder = proxy._decide(request)
@@ -829,7 +870,19 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         self.wfile.write(payload)
 
 
-def _parse_request(target: str, content_type: str, body: bytes) -> _Request:
-    prefix, _, operation = target.rpartition(".")
-    service = "dynamodb" if prefix.startswith("DynamoDB") else "kinesis"
+def _parse_request(target: str, content_type: str, body: bytes, path: str = "/") -> _Request:
+    """The operation is named in ``X-Amz-Target`` (``Kinesis_20131202.GetRecords``), or with
+    the RPC v2 CBOR protocol CloudWatch can speak, in the path
+    (``/service/GraniteServiceVersion20100801/operation/PutMetricData``)."""
+    rpc = _RPC_V2_PATH.match(path)
+    if not target and rpc:
+        prefix, operation = rpc["target"], rpc["operation"]
+    else:
+        prefix, _, operation = target.rpartition(".")
+    if prefix.startswith("DynamoDB"):
+        service = "dynamodb"
+    elif prefix == _CLOUDWATCH_TARGET:
+        service = "cloudwatch"
+    else:
+        service = "kinesis"
     return _Request(operation=operation, service=service, content_type=content_type, body=body)
