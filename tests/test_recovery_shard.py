@@ -231,6 +231,25 @@ def test_a_shard_behind_queues_its_gap_before_live_reading_and_recovers_it(shard
     assert shard.metrics.registry.get_sample_value("kclpy_recovery_shards") == 0
 
 
+def test_live_reading_starts_after_a_queued_gap_that_ends_later_than_its_own_start(
+        shard: Shard) -> None:
+    """A previous holder queued the gap up to a later time than this tenure's live start (its
+    clock, or Kinesis' time then, was later): live reading starts at the queued gap's end,
+    not at its own, or the records in between would be both in the gap and read live -
+    applied twice with exactly-once state. Fails on the code before (simulator seed 464:
+    live from 09.921 s beside a queued gap up to 12.984 s)."""
+    hour_later = time.time() + 3600
+    earlier_holder = shard.recovery(wall_clock=lambda: hour_later + 10)
+    assert earlier_holder.begin(Position.trim_horizon()) is not None
+    [queued] = shard.queue()
+    recovery = shard.recovery(wall_clock=lambda: hour_later, stored=gaps.dumps((queued,)))
+    live_from = recovery.begin(Position.trim_horizon())
+    assert live_from is not None
+    assert round(live_from.timestamp() * 1000) == queued.end_ms, "live starts where the gap ends"
+    assert [(q.start, q.end_ms) for q in shard.queue()] == [(TRIM_HORIZON, queued.end_ms)]
+    assert recover_all(recovery) == [f"old-{n}" for n in range(30)]
+
+
 def test_a_recovered_gap_is_not_logged_as_the_shard_ending(
         shard: Shard, caplog: pytest.LogCaptureFixture) -> None:
     hour_later = time.time() + 3600

@@ -72,6 +72,18 @@ def _key(request: RecoveryRequest) -> Position:
     return request.start_position
 
 
+def _time_end_of(queue: tuple[RecoveryRequest, ...], start: Position) -> int:
+    """The end time of the queued gap that ``start`` lies in, when it ends at a time (0
+    otherwise). A gap a previous holder queued may end later than this tenure's own live
+    start (its clock, or Kinesis' time then, was later): live reading must start there, not
+    before, or the records in between are both in the gap and read live - applied twice with
+    exactly-once state (simulator seeds 169 and 464)."""
+    holding = [request for request in queue if request.start_position <= start]
+    if not holding or holding[-1].last_sequence is not None:  # (the queue is in order)
+        return 0
+    return holding[-1].end_ms
+
+
 class ShardRecovery:
     """Used from the shard consumer's delivery thread; checkpoints may come from any thread."""
 
@@ -170,8 +182,10 @@ class ShardRecovery:
         request = RecoveryRequest.gap(checkpoint, sub_sequence_number, live_ms, arrived,
                                       first.sequence_number)
         with self._lock:
-            self._store(gaps.add(self._queue, request))
+            queue = gaps.add(self._queue, request)
+            self._store(queue)
             self._began = _key(request)
+        live_ms = max(live_ms, _time_end_of(queue, request.start_position))
         log.warning("shard %s: %d ms behind (more than max_lag_ms=%d); reading live from "
                     "%s and recovering the gap after %s/%s separately", self.lease_key,
                     now_ms - arrived, max_lag_ms, _iso(live_ms), checkpoint,
