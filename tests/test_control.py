@@ -616,8 +616,11 @@ def test_a_huge_exception_message_parks_the_shard_once(
     worker = Worker(config, lambda: Huge(journal))
     table = LeaseTable(dynamodb_client(moto_server.url), config.application_name)
     with serve_worker(worker, lag_window_s=None) as server, running(worker):
-        parked = wait_for(lambda: (lease := current(table)) is not None and lease.parked
-                          and not lease.lease_owner and lease, 60, "the shard parked")
+        def parked_lease() -> Lease | None:
+            lease = current(table)
+            return lease if lease is not None and lease.parked and not lease.lease_owner else None
+
+        parked = wait_for(parked_lease, 60, "the shard parked")
         wait_for(lambda: scrape(server).get(("kclpy_shards_parked", ())) == 1, 60,
                  "kclpy_shards_parked")
         assert scrape(server)[("kclpy_shards_parked_by_policy_total",
