@@ -992,3 +992,10 @@ def test_a_park_text_is_cut_on_a_character_boundary_counting_utf8_bytes() -> Non
     assert parking.bounded("abc", 3) == "abc"
     assert parking.bounded("\u00e9" * 3, 5) == "\u00e9\u00e9... [2 more bytes]"
     assert parking.bounded("a\U0001f600", 4) == "a... [4 more bytes]"
+
+
+def test_a_park_mark_nested_too_deep_to_decode_is_shown_as_its_reason() -> None:
+    nested = "[" * 100_000 + "]" * 100_000
+    described = parking.describe(nested)
+    assert described is not None and described["reason"].endswith(" more bytes]")
+    assert parking.describe('{"reason": "maintenance"}') == {"reason": "maintenance"}

@@ -64,14 +64,15 @@ def bounded(text: str, limit: int = MAX_TEXT_BYTES) -> str:
 
 
 def describe(value: str | None) -> dict[str, Any] | None:
-    """The mark as a JSON object; a hand-written plain string is taken as the reason."""
+    """The mark as a JSON object; a hand-written plain string (or JSON nested too deep to
+    decode, which raises RecursionError, not a decode error) is taken as the reason."""
     if value is None:
         return None
     try:
         parsed = json.loads(value)
-    except json.JSONDecodeError:
-        return {"reason": value}
-    return parsed if isinstance(parsed, dict) else {"reason": value}
+    except (json.JSONDecodeError, RecursionError):
+        return {"reason": bounded(value)}
+    return parsed if isinstance(parsed, dict) else {"reason": bounded(value)}
 
 
 def park_held(fence: FencedWriter, lease_key: str, token: str, value: str) -> None:
