@@ -4,6 +4,7 @@ started here), and the alert rules docs/operations.md gives."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import re
@@ -279,3 +280,34 @@ def test_the_webhook_follows_no_redirect_so_its_credentials_stay_at_their_origin
         assert all(b"Authorization: Basic" in head for head in redirecting.heads)
     elsewhere.close()
     assert elsewhere.heads == []
+
+
+def test_a_receiver_dribbling_its_answer_is_cut_at_the_webhooks_deadline() -> None:
+    """A status line sent a byte at a time, each byte well within the socket timeout: the
+    POST is cut once its whole time is up (a failed attempt), and the retry is delivered."""
+    outcomes: list[str] = []
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(10)
+        port = listener.getsockname()[1]
+        hook = Webhook(f"http://127.0.0.1:{port}/hook", timeout_s=0.5, max_attempts=2,
+                       backoff_s=0.01, on_result=outcomes.append)
+        try:
+            hook.send({"status": "STOP"})
+            dribbled, _ = listener.accept()
+            with dribbled:
+                assert b"POST /hook" in dribbled.recv(65536)
+                dribbled.sendall(b"HTTP/1.1")
+
+                def one_more_byte() -> bool:
+                    with contextlib.suppress(OSError):
+                        dribbled.send(b" ")
+                    return "retried" in outcomes
+
+                wait_for(one_more_byte, 30, "the dribbled answer cut")
+            answered, _ = listener.accept()
+            with answered:
+                answered.recv(65536)
+                answered.sendall(b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n")
+            wait_for(lambda: outcomes == ["retried", "sent"], 30, "the retry delivered")
+        finally:
+            hook.stop()

@@ -20,11 +20,13 @@ event is logged and counted, never the end of the delivery thread.
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import json
 import logging
 import queue
 import random
+import socket
 import threading
 import urllib.parse
 import urllib.request
@@ -56,7 +58,67 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
         return None
 
 
-_OPENER = urllib.request.build_opener(_NoRedirects)
+class _Deadline:
+    """Cuts the sockets of one POST once its whole time is up. A socket timeout bounds each
+    read only: a receiver dribbling its answer a byte at a time would hold the delivery
+    thread, and every alert queued behind it, for as long as it liked."""
+
+    def __init__(self, seconds: float) -> None:
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._expired = False
+        self._timer = threading.Timer(seconds, self._cut)
+        self._timer.daemon = True
+
+    def __enter__(self) -> _Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.append(sock)
+            expired = self._expired
+        if expired:
+            self._cut()
+
+    def _cut(self) -> None:
+        with self._lock:
+            self._expired = True
+            sockets = list(self._sockets)
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def opener(self) -> urllib.request.OpenerDirector:
+        """urllib's, redirects refused, with every connection it opens watched (proxies
+        from the environment still apply)."""
+        deadline = self
+
+        class Connection(http.client.HTTPConnection):
+            def connect(self) -> None:
+                super().connect()
+                deadline.watch(self.sock)
+
+        class SecureConnection(http.client.HTTPSConnection):
+            def connect(self) -> None:
+                super().connect()
+                deadline.watch(self.sock)
+
+        class Handler(urllib.request.HTTPHandler):
+            def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+                return self.do_open(Connection, req)
+
+        class SecureHandler(urllib.request.HTTPSHandler):
+            def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+                return self.do_open(SecureConnection, req,
+                                    context=self._context)  # type: ignore[attr-defined]
+
+        return urllib.request.build_opener(_NoRedirects, Handler, SecureHandler)
+
+
 #: what a POST to a broken, hostile or vanished receiver raises: each is a failed attempt
 _RECEIVER_ERRORS = (OSError, http.client.HTTPException, ValueError)
 
@@ -78,8 +140,8 @@ def _request(url: str, document: Mapping[str, Any], timeout_s: float) -> None:
     request = urllib.request.Request(  # noqa: S310 (http or https, checked above)
         target, data=body, headers=headers, method="POST")
     # The answer's status is all that counts; its body is not read, so a receiver cannot
-    # make the worker hold an endless or cut one.
-    with _OPENER.open(request, timeout=timeout_s):
+    # make the worker hold an endless or cut one; the whole POST ends within timeout_s.
+    with _Deadline(timeout_s) as deadline, deadline.opener().open(request, timeout=timeout_s):
         pass
 
 
