@@ -1,7 +1,7 @@
 """The worker's operations endpoint: ``/metrics``, ``/healthz`` and ``/status`` over HTTP.
 
 One accepting thread, bounded so that no client can tie the worker up (the numbers are in
-docs/operations.md, "The ops endpoint under hostile clients"):
+docs/operations.md, "The worker's HTTP endpoint"):
 
 - it reads every request head itself, non-blocking, so a connection that sends its request
   slowly costs a socket and a bounded buffer, never a thread. A request head must be
