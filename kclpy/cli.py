@@ -283,7 +283,8 @@ def serving(worker: Worker) -> Iterator[None]:
 
     cfg = worker.config
     with serve_worker(worker, cfg.metrics_host, port, lag_window_s=cfg.lag_window_s,
-                      lag_interval_s=cfg.lag_interval_s, lag_webhook=cfg.lag_webhook) as server:
+                      lag_interval_s=cfg.lag_interval_s, lag_webhook=cfg.lag_webhook,
+                      allowed_hosts=(cfg.ops_allowed_hosts or "").split(",")) as server:
         log.info("serving /metrics, /healthz and /status on %s", server.url)
         yield
 

@@ -82,6 +82,7 @@ class KCLConfig:
     executable_name: str | None = None
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    ops_allowed_hosts: str | None = None
     lag_window_s: int = 300
     lag_interval_s: int = 30
     lag_webhook: str | None = None
@@ -475,6 +476,10 @@ OPTIONS: tuple[Option, ...] = (
     _opt("metrics_port", "port",
          "Serve /metrics, /healthz and /status on this port (default: off).", "metricsPort"),
     _opt("metrics_host", "str", "Address the metrics endpoint binds.", "metricsHost"),
+    _opt("ops_allowed_hosts", "str",
+         "Host names (comma-separated; * for any) the metrics endpoint answers besides its "
+         "bind address, localhost and IP addresses; others get 421 (DNS rebinding).",
+         "opsAllowedHosts"),
     _opt("lag_window_s", "int",
          "Window over which the metrics endpoint evaluates each shard's lag status.",
          "lagWindowSeconds"),

@@ -185,6 +185,11 @@ LAG_WEBHOOK_EVENTS = _worker(
     "lag_webhook_events", COUNTER,
     "Lag status changes sent to --lag-webhook, by outcome (sent, retried, failed, dropped).",
     "outcome")
+OPS_REFUSED = _worker(
+    "ops_requests_refused", COUNTER,
+    "Connections to the ops endpoint closed without their answer, by reason: timeout (no "
+    "whole request within the timeout), evicted (dropped for a newer connection), "
+    "too_large, bad_request, misdirected (Host not served) or busy.", "reason")
 # A loss or a park is an event to alert on after the shard left the worker (a parked shard
 # leaves at once): these two are the worker's, labelled with the shard, so their series stay
 # when the shard's own series go.

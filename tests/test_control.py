@@ -18,6 +18,7 @@ from botocore.stub import Stubber
 
 import kclpy
 from kclpy import Worker
+from kclpy.leases import park as parking
 from kclpy.leases import serializer as ser
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import UpdateBuilder
@@ -685,6 +686,46 @@ def test_recovery_cancel_drops_a_queued_gap_and_bad_ranges_name_the_argument(
 # -- data lost to retention ------------------------------------------------------------------
 
 
+class Huge(JournalProcessor):
+    """Raises with a 1 MB message (2-byte UTF-8 characters and control characters)."""
+
+    MESSAGE = ("\u00e9" * 1000 + "\x00\n") * 500
+
+    def process_records(self, process_records_input: kclpy.ProcessRecordsInput) -> None:
+        raise ValueError(self.MESSAGE)
+
+
+@pytest.mark.integration
+def test_a_huge_exception_message_parks_the_shard_once(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint, stream: str) -> None:
+    """The park mark cuts the error to a bounded size, so the write fits DynamoDB's 400 KB
+    item limit and the shard is parked once; before, the write was refused, the lease
+    released unmarked, retaken, failed on and parked again, without end."""
+    assert len(Huge.MESSAGE.encode()) > 1_000_000
+    kinesis = kinesis_client(kinesis_mock.url)
+    put_plain(kinesis, stream, [b"x"])
+    journal = Journal()
+    config = worker_config(kinesis_mock.url, moto_server.url, stream,
+                           processor_error_policy="park", processor_error_attempts=2,
+                           task_backoff_time_ms=10, max_task_backoff_time_ms=20)
+    worker = Worker(config, lambda: Huge(journal))
+    table = LeaseTable(dynamodb_client(moto_server.url), config.application_name)
+    with serve_worker(worker, lag_window_s=None) as server, running(worker):
+        def parked_lease() -> Lease | None:
+            lease = current(table)
+            return lease if lease is not None and lease.parked and not lease.lease_owner else None
+
+        parked = wait_for(parked_lease, 60, "the shard parked")
+        wait_for(lambda: scrape(server).get(("kclpy_shards_parked", ())) == 1, 60,
+                 "kclpy_shards_parked")
+        assert scrape(server)[("kclpy_shards_parked_by_policy_total",
+                               (("shard_id", SHARD),))] == 1
+    error = json.loads(parked.parked or "")["error"]
+    assert error.startswith("ValueError: \u00e9\u00e9") and error.endswith(" more bytes]")
+    assert len(error.encode()) < 5000
+    assert [kind for kind, _ in journal.of(SHARD)].count("initialize") == 1
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("fail_on_data_loss", [False, True])
 def test_a_checkpoint_past_retention_is_logged_counted_and_optionally_parks(
@@ -1040,3 +1081,16 @@ def test_a_shard_not_moved_keeps_its_descendants_where_they_are(
     assert [(lease.checkpoint if (lease := table.get(key)) else None)
             for key in (parent, child, grandchild, beside)] == [
         Position.shard_end(), Position.latest(), Position.latest(), Position.trim_horizon()]
+
+
+def test_a_park_text_is_cut_on_a_character_boundary_counting_utf8_bytes() -> None:
+    assert parking.bounded("abc", 3) == "abc"
+    assert parking.bounded("\u00e9" * 3, 5) == "\u00e9\u00e9... [2 more bytes]"
+    assert parking.bounded("a\U0001f600", 4) == "a... [4 more bytes]"
+
+
+def test_a_park_mark_nested_too_deep_to_decode_is_shown_as_its_reason() -> None:
+    nested = "[" * 100_000 + "]" * 100_000
+    described = parking.describe(nested)
+    assert described is not None and described["reason"].endswith(" more bytes]")
+    assert parking.describe('{"reason": "maintenance"}') == {"reason": "maintenance"}

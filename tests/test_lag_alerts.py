@@ -4,9 +4,12 @@ started here), and the alert rules docs/operations.md gives."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import re
+import socket
+import struct
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -197,3 +200,114 @@ def test_the_lag_flags_are_validated_and_a_bad_webhook_url_is_not_echoed() -> No
     with pytest.raises(ConfigError) as info:
         build_config({**base, "lag_interval_s": 0}, {})
     assert info.value.option == "--lag-interval-s"
+
+
+class ScriptedReceiver:
+    """A hand-written HTTP peer on a free loopback port: connection ``i`` gets ``script[i]``
+    (the last entry once the script is used up), raw bytes sent as they are, or ``None``:
+    closed with a reset and no answer. Keeps the head of each request it read."""
+
+    def __init__(self, script: list[bytes | None]) -> None:
+        self.script = script
+        self.heads: list[bytes] = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.listener.getsockname()[1])
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data and (chunk := conn.recv(65536)):
+                    data += chunk
+                self.heads.append(data.split(b"\r\n\r\n", 1)[0])
+                answer = self.script[min(len(self.heads), len(self.script)) - 1]
+                if answer is None:
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                else:
+                    conn.sendall(answer)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_the_webhook_survives_a_receiver_that_does_not_speak_http() -> None:
+    """A garbage status line, a reset, a close without an answer, then a cut body: each a
+    failed POST that is retried (the cut body's 200 is a delivery), and the next event is
+    delivered too: the delivery thread is still there."""
+    ok = b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n"
+    receiver = ScriptedReceiver([
+        b"HELLO\x00\xff garbage\r\n\r\n", None, b"",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\ncut", ok])
+    outcomes: list[str] = []
+    hook = Webhook(f"http://127.0.0.1:{receiver.port}/hook", backoff_s=0.01,
+                   max_backoff_s=0.05, on_result=outcomes.append)
+    try:
+        hook.send({"status": "STOP"})
+        wait_for(lambda: outcomes == ["retried"] * 3 + ["sent"], 30, "the first delivery")
+        hook.send({"status": "OK"})
+        wait_for(lambda: len(outcomes) == 5, 30, "the second delivery")
+    finally:
+        hook.stop()
+        receiver.close()
+    assert outcomes == ["retried"] * 3 + ["sent", "sent"]
+    assert len(receiver.heads) == 5
+
+
+def test_the_webhook_follows_no_redirect_so_its_credentials_stay_at_their_origin() -> None:
+    """A 302 to another origin (and a 307 that would keep the POST): neither is followed,
+    so the other origin sees no request and no Authorization; each is a failed POST."""
+    elsewhere = ScriptedReceiver([b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n"])
+    for code in (b"302 Found", b"307 Temporary Redirect"):
+        redirecting = ScriptedReceiver([
+            b"HTTP/1.1 " + code + b"\r\nLocation: http://localhost:%d/steal\r\n"
+            b"Content-Length: 0\r\n\r\n" % elsewhere.port])
+        outcomes: list[str] = []
+        hook = Webhook(f"http://alice:s3cret@127.0.0.1:{redirecting.port}/hook",
+                       max_attempts=2, backoff_s=0.01, on_result=outcomes.append)
+        try:
+            hook.send({"status": "STOP"})
+            wait_for(lambda seen=outcomes: seen == ["retried", "failed"], 30,  # type: ignore[misc]
+                     "the event given up")
+        finally:
+            hook.stop()
+            redirecting.close()
+        assert all(b"Authorization: Basic" in head for head in redirecting.heads)
+    elsewhere.close()
+    assert elsewhere.heads == []
+
+
+def test_a_receiver_dribbling_its_answer_is_cut_at_the_webhooks_deadline() -> None:
+    """A status line sent a byte at a time, each byte well within the socket timeout: the
+    POST is cut once its whole time is up (a failed attempt), and the retry is delivered."""
+    outcomes: list[str] = []
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(10)
+        port = listener.getsockname()[1]
+        hook = Webhook(f"http://127.0.0.1:{port}/hook", timeout_s=0.5, max_attempts=2,
+                       backoff_s=0.01, on_result=outcomes.append)
+        try:
+            hook.send({"status": "STOP"})
+            dribbled, _ = listener.accept()
+            with dribbled:
+                assert b"POST /hook" in dribbled.recv(65536)
+                dribbled.sendall(b"HTTP/1.1")
+
+                def one_more_byte() -> bool:
+                    with contextlib.suppress(OSError):
+                        dribbled.send(b" ")
+                    return "retried" in outcomes
+
+                wait_for(one_more_byte, 30, "the dribbled answer cut")
+            answered, _ = listener.accept()
+            with answered:
+                answered.recv(65536)
+                answered.sendall(b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n")
+            wait_for(lambda: outcomes == ["retried", "sent"], 30, "the retry delivered")
+        finally:
+            hook.stop()

@@ -28,6 +28,7 @@ from kclpy.metrics import (
     Metrics,
 )
 from kclpy.ops import RunningServer, serve_worker
+from kclpy.ops.server import MAX_HEAD_BYTES, HostCheck
 from tests.support.e2e import worker_config
 from tests.support.recording import Ledger, RecordingProcessor
 from tests.support.scrape import get, scrape
@@ -120,39 +121,172 @@ def fill_500_shards(metrics: Metrics) -> None:
             scope.set(SHARD_CONSUMER_STATE, state == "PROCESSING", state)
 
 
-def test_silent_connections_are_bounded_answered_busy_and_timed_out() -> None:
-    """Connections that send nothing: no more than ``max_connections`` hold a thread, the
-    next is answered 503 at once, and each is dropped after ``timeout_s``, after which the
-    endpoint answers again."""
+def raw(server: RunningServer, request: bytes) -> bytes:
+    """The whole answer to ``request`` sent as is over one connection."""
+    with socket.create_connection((server.host, server.port), timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+def cut(sock: socket.socket) -> bool:
+    """Whether the server closed ``sock`` (a read finds the end, or the peer reset it)."""
+    try:
+        return sock.recv(1024, socket.MSG_DONTWAIT) == b"" or cut(sock)
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_dribbling_clients_are_cut_at_the_deadline_and_healthz_answers_meanwhile() -> None:
+    """Twenty clients each sending a request one byte at a time, more than there are
+    answering threads: each byte arrives well within any per-read timeout, yet every one is
+    cut once ``timeout_s`` since its accept has passed, and /healthz answers 200 at every
+    round while they are connected."""
     worker = FakeWorker()
+    worker.healthy = True
+    request = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * 4000
     with serve_worker(worker, lag_window_s=None, max_connections=3,  # type: ignore[arg-type]
                       timeout_s=0.5) as server:
-        silent = [socket.create_connection((server.host, server.port), timeout=10)
-                  for _ in range(3)]
+        dribblers = [socket.create_connection((server.host, server.port), timeout=10)
+                     for _ in range(20)]
         try:
-            wait_for(lambda: get(server.url + "/healthz")[0] == 503 and
-                     "busy" in get(server.url + "/healthz")[2], 10, "a busy answer")
-            for sock in silent:
-                assert sock.recv(1024) == b"", "a silent connection is closed by the server"
+            sent = 0
+            live = set(range(len(dribblers)))
+
+            def one_round() -> bool:
+                nonlocal sent
+                for i in sorted(live):
+                    try:
+                        dribblers[i].send(request[sent:sent + 1])
+                    except OSError:
+                        live.discard(i)
+                    else:
+                        if cut(dribblers[i]):
+                            live.discard(i)
+                sent += 1
+                assert sent < len(request), "a dribbler finished its request uncut"
+                assert get(server.url + "/healthz")[:1] == (200,)
+                return not live
+
+            wait_for(one_round, 60, "every dribbler cut")
         finally:
-            for sock in silent:
+            for sock in dribblers:
                 sock.close()
-        assert get(server.url + "/healthz")[2].startswith("unhealthy")
+        refused = scrape(server)
+    assert refused[("kclpy_ops_requests_refused_total", (("reason", "timeout"),))] == 20
+
+
+def test_answers_past_max_connections_are_busy_but_healthz_is_not() -> None:
+    """While ``max_connections`` renders are under way, one more /metrics is answered 503
+    at once; /healthz is answered by the accepting thread and is not refused."""
+    worker = FakeWorker()
+    worker.healthy = True
+    release = threading.Event()
+    entered = threading.Event()
+    real_collect = worker.metrics.registry.collect
+
+    def blocked_collect() -> Any:
+        entered.set()
+        release.wait(30)
+        yield from real_collect()
+
+    worker.metrics.registry.collect = blocked_collect  # type: ignore[method-assign]
+    with (serve_worker(worker, lag_window_s=None, max_connections=1,  # type: ignore[arg-type]
+                       ) as server, ThreadPoolExecutor(1) as pool):
+        first = pool.submit(get, server.url + "/metrics")
+        assert entered.wait(10)
+        try:
+            assert get(server.url + "/metrics")[0::2] == (503, "busy\n")
+            assert get(server.url + "/healthz")[:1] == (200,)
+        finally:
+            release.set()
+        assert first.result()[0] == 200
+
+
+def test_the_oldest_half_sent_request_is_dropped_for_a_new_connection() -> None:
+    worker = FakeWorker()
+    worker.healthy = True
+    with serve_worker(worker, lag_window_s=None, max_pending=4) as server:  # type: ignore[arg-type]
+        holders = [socket.create_connection((server.host, server.port), timeout=10)
+                   for _ in range(4)]
+        try:
+            for sock in holders:
+                sock.sendall(b"GET /healthz HTTP/1.1\r\n")
+            assert get(server.url + "/healthz")[:1] == (200,)
+            assert holders[0].recv(1024).startswith(b"HTTP/1.1 503")
+        finally:
+            for sock in holders:
+                sock.close()
+
+
+@pytest.mark.parametrize(("request_bytes", "status"), [
+    (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", b"400"),
+    (b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n folded\r\n\r\n", b"400"),
+    (b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil.example\r\n\r\n", b"400"),
+    (b"POST /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 99\r\n\r\n", b"405"),
+    # one byte past the bound, so the server has read all of it before it answers
+    (b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX: ".ljust(MAX_HEAD_BYTES + 1, b"a"),
+     b"431"),
+    (b"GET /healthz HTTP/1.1\r\nHost: rebound.example:8080\r\n\r\n", b"421"),
+    (b"GET /healthz HTTP/1.1\r\n\r\n", b"421"),
+    (b"GET /healthz HTTP/1.1\r\nHost: localhost:1\r\n\r\n", b"503"),
+    (b"GET /healthz HTTP/1.0\nHost: 127.0.0.1\n\n", b"503"),
+])
+def test_malformed_misdirected_and_odd_requests(request_bytes: bytes, status: bytes) -> None:
+    with serve_worker(FakeWorker(), lag_window_s=None) as server:  # type: ignore[arg-type]
+        assert raw(server, request_bytes).split(b" ", 2)[1] == status
+
+
+def test_allowed_hosts_adds_names_and_a_wildcard_bind_answers_any_address() -> None:
+    with serve_worker(FakeWorker(), lag_window_s=None,  # type: ignore[arg-type]
+                      allowed_hosts=["Ops.Example"]) as server:
+        assert raw(server, b"GET /healthz HTTP/1.1\r\nHost: ops.example.\r\n\r\n"
+                   ).startswith(b"HTTP/1.1 503")
+        assert raw(server, b"GET /healthz HTTP/1.1\r\nHost: other.example\r\n\r\n"
+                   ).startswith(b"HTTP/1.1 421")
+    # a wildcard bind (checked without binding one: tests serve on loopback only)
+    wildcard = HostCheck("0.0.0.0")
+    assert all(wildcard.allows(host) for host in ("10.1.2.3:9000", "[fd00::1]", "localhost"))
+    assert not any(wildcard.allows(host) for host in ("rebound.example", "10.1.2.3:x", ""))
+    assert not HostCheck("10.1.2.3").allows("10.9.9.9")
+
+
+def test_status_bounds_and_escapes_a_failures_message() -> None:
+    class Failing(FakeWorker):
+        def status(self) -> dict[str, Any]:
+            status = super().status()
+            status["shards"]["shard-1"]["failure"] = {
+                "error_type": "ValueError", "attempts": 2,
+                "message": "\x1b[2J\rforged line\n" + "x" * 10_000}
+            return status
+
+    with serve_worker(Failing(), lag_window_s=None) as server:  # type: ignore[arg-type]
+        status, _, body = get(server.url + "/status")
+    failure = json.loads(body)["shards"]["shard-1"]["failure"]
+    assert status == 200 and failure["error_type"] == "ValueError"
+    assert failure["message"].startswith("\\x1b[2J\\rforged line\\n")
+    assert failure["message"].endswith("[9817 more characters]")
+    assert len(failure["message"]) < 300
 
 
 def test_a_stalled_request_is_dropped_after_the_timeout() -> None:
-    """Half a request, then nothing (a slow-loris client): the connection is closed."""
+    """Half a request, then nothing (a slow-loris client): answered 408 and closed."""
     with (serve_worker(FakeWorker(), lag_window_s=None,  # type: ignore[arg-type]
                        timeout_s=0.5) as server,
           socket.create_connection((server.host, server.port), timeout=10) as sock):
-        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        assert sock.recv(1024).startswith(b"HTTP/1.1 408 Request Timeout\r\n")
         assert sock.recv(1024) == b""
 
 
 def test_each_connection_serves_one_request() -> None:
     with serve_worker(FakeWorker(), lag_window_s=None) as server:  # type: ignore[arg-type]
         with socket.create_connection((server.host, server.port), timeout=10) as sock:
-            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             answer = b""
             while chunk := sock.recv(65536):
                 answer += chunk
@@ -168,7 +302,7 @@ def test_a_scraper_that_hangs_up_early_is_not_an_error(
         for _ in range(5):
             sock = socket.create_connection((server.host, server.port), timeout=10)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             sock.recv(100)
             # reset, not a clean close: the server's next write fails
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -405,3 +539,23 @@ def test_grafana_dashboard_parses_and_queries_only_existing_metrics() -> None:
     for required in ("kclpy_records_processed_total", "kclpy_millis_behind_latest",
                      "kclpy_leases_held", "kclpy_get_records_seconds_bucket"):
         assert required in used
+
+
+def test_ops_allowed_hosts_from_the_command_line_reaches_the_endpoint() -> None:
+    from kclpy.arguments import parse_worker_args
+    from kclpy.cli import serving
+
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    config, _ = parse_worker_args([
+        "--stream-name", "s", "--application-name", "a", "--processor", "x:Y",
+        "--metrics-port", str(port), "--ops-allowed-hosts", "ops.example, scrape.example"])
+    worker = FakeWorker()
+    worker.config = config  # type: ignore[attr-defined]
+    seen: list[bytes] = []
+    with serving(worker):  # type: ignore[arg-type]
+        for host in (b"scrape.example:9464", b"evil.example"):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: " + host + b"\r\n\r\n")
+                seen.append(sock.recv(1024).split(b" ", 2)[1])
+    assert seen == [b"503", b"421"]

@@ -63,3 +63,9 @@ def test_remaining_time_runs_from_the_recovery_checkpoint_to_the_gap_end() -> No
     fresh = gap("100", 10_000, 4_000)
     assert fresh.remaining_ms() == 6_000
     assert fresh.checkpointed(Position("200"), 9_000).remaining_ms() == 1_000
+
+
+def test_a_queue_nested_too_deep_to_decode_is_unreadable() -> None:
+    nested = '{"v":1,"requests":' + "[" * 100_000 + "]" * 100_000 + "}"
+    with pytest.raises(ValueError, match="unreadable recovery queue"):
+        gaps.loads(nested)

@@ -6,6 +6,7 @@ writes are atomic; the worker end to end over real HTTP is in test_control.py.""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -386,3 +387,15 @@ def test_a_gap_committed_with_its_state_takes_requests_in_within_the_transaction
     assert "Item" in table.client.get_item(TableName=state_table, Key={"k": {"S": "b"}})
     lease = item(table)
     assert starts(gaps.loads(lease.recovery)) == ["300"] and lease.lease_owner == "A"
+
+
+def test_a_request_nested_too_deep_to_decode_is_unreadable_not_an_escape() -> None:
+    """JSON nested deeper than the decoder's recursion limit raises RecursionError, which
+    no ValueError handler catches; such an element is unreadable like a typo (left in the
+    item and logged by the holder), and the readable ones still apply."""
+    nested = '{"add":' + "[" * 100_000 + "]" * 100_000 + "}"
+    with pytest.raises(RecursionError):
+        json.loads(nested)
+    first = asked.adding(gap_after(100), 1_000)
+    readable, unreadable = asked.read([nested, first.to_text()])
+    assert [r for _, r in readable] == [first] and unreadable == [nested]

@@ -10,6 +10,11 @@ the same write. A worker whose processor keeps failing on one batch (``park`` po
 the lease through its fence while still holding it, then releases it the way any consumer
 that ended is released: if the worker dies in between, the lease expires and, being marked,
 is still not taken.
+
+The reason and the error are cut to ``MAX_TEXT_BYTES`` UTF-8 bytes each (the cut counted in
+the text), so the mark, JSON-escaped, stays far below DynamoDB's 400 KB item limit: a
+processor's exception message can be any size, and a park write the table refuses would
+release the lease unmarked, to be taken, failed on and parked again, for ever.
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ from kclpy.leases import serializer as ser
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import UpdateBuilder, s
 
+#: UTF-8 bytes kept of the reason and of the error; JSON escaping at most sextuples a byte
+#: (a control character becomes ``\u00XX``), so the mark stays under 50 KB
+MAX_TEXT_BYTES = 4096
+
 
 class FencedWriter(Protocol):
     """``LeaseFence.update``: a write only the current holder of the lease may make."""
@@ -33,9 +42,10 @@ class FencedWriter(Protocol):
 def marker(reason: str, by: str, *, error: str | None = None,
            attempts: int | None = None, since_ms: int | None = None) -> str:
     """The attribute's value: who parked the shard, when (epoch ms) and why."""
-    value: dict[str, Any] = {"reason": reason, "by": by, "atMs": int(time.time() * 1000)}
+    value: dict[str, Any] = {"reason": bounded(reason), "by": by,
+                             "atMs": int(time.time() * 1000)}
     if error is not None:
-        value["error"] = error
+        value["error"] = bounded(error)
     if attempts is not None:
         value["attempts"] = attempts
     if since_ms is not None:
@@ -43,15 +53,26 @@ def marker(reason: str, by: str, *, error: str | None = None,
     return json.dumps(value, separators=(",", ":"))
 
 
+def bounded(text: str, limit: int = MAX_TEXT_BYTES) -> str:
+    """``text`` cut to at most ``limit`` UTF-8 bytes, on a character boundary, and the
+    number of bytes cut said at its end."""
+    data = text.encode("utf-8", "surrogatepass")
+    if len(data) <= limit:
+        return text
+    kept = data[:limit].decode("utf-8", "ignore")
+    return f"{kept}... [{len(data) - len(kept.encode('utf-8', 'surrogatepass'))} more bytes]"
+
+
 def describe(value: str | None) -> dict[str, Any] | None:
-    """The mark as a JSON object; a hand-written plain string is taken as the reason."""
+    """The mark as a JSON object; a hand-written plain string (or JSON nested too deep to
+    decode, which raises RecursionError, not a decode error) is taken as the reason."""
     if value is None:
         return None
     try:
         parsed = json.loads(value)
-    except json.JSONDecodeError:
-        return {"reason": value}
-    return parsed if isinstance(parsed, dict) else {"reason": value}
+    except (json.JSONDecodeError, RecursionError):
+        return {"reason": bounded(value)}
+    return parsed if isinstance(parsed, dict) else {"reason": bounded(value)}
 
 
 def park_held(fence: FencedWriter, lease_key: str, token: str, value: str) -> None:

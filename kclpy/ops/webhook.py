@@ -8,17 +8,26 @@ dropped and counted, since the newest status is the one an on-call engineer need
 The URL may carry credentials (``https://user:secret@host/...`` or a token in the query
 string). They are used, never shown: user information becomes a basic ``Authorization``
 header, and every log line names the URL without user information and without its query.
+They go to the URL's own origin only: a redirect is never followed (a POST that a 301 or
+302 turns into a GET would lose the event anyway), so neither the header nor the query can
+reach another host or go from https to plain http. A 3xx answer is a failed POST.
+
+The receiver is not trusted to speak HTTP: a garbage status line, a cut answer or a reset
+is a failed POST like any other (retried, counted), and whatever else goes wrong with one
+event is logged and counted, never the end of the delivery thread.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import http.client
 import json
 import logging
 import queue
 import random
+import socket
 import threading
-import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping
@@ -41,6 +50,79 @@ def redacted(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """Every 3xx stays an error (``HTTPError``) instead of being followed."""
+
+    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str,
+                         headers: Any, newurl: str) -> None:
+        return None
+
+
+class _Deadline:
+    """Cuts the sockets of one POST once its whole time is up. A socket timeout bounds each
+    read only: a receiver dribbling its answer a byte at a time would hold the delivery
+    thread, and every alert queued behind it, for as long as it liked."""
+
+    def __init__(self, seconds: float) -> None:
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._expired = False
+        self._timer = threading.Timer(seconds, self._cut)
+        self._timer.daemon = True
+
+    def __enter__(self) -> _Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.append(sock)
+            expired = self._expired
+        if expired:
+            self._cut()
+
+    def _cut(self) -> None:
+        with self._lock:
+            self._expired = True
+            sockets = list(self._sockets)
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def opener(self) -> urllib.request.OpenerDirector:
+        """urllib's, redirects refused, with every connection it opens watched (proxies
+        from the environment still apply)."""
+        deadline = self
+
+        class Connection(http.client.HTTPConnection):
+            def connect(self) -> None:
+                super().connect()
+                deadline.watch(self.sock)
+
+        class SecureConnection(http.client.HTTPSConnection):
+            def connect(self) -> None:
+                super().connect()
+                deadline.watch(self.sock)
+
+        class Handler(urllib.request.HTTPHandler):
+            def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+                return self.do_open(Connection, req)
+
+        class SecureHandler(urllib.request.HTTPSHandler):
+            def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+                return self.do_open(SecureConnection, req,
+                                    context=self._context)  # type: ignore[attr-defined]
+
+        return urllib.request.build_opener(_NoRedirects, Handler, SecureHandler)
+
+
+#: what a POST to a broken, hostile or vanished receiver raises: each is a failed attempt
+_RECEIVER_ERRORS = (OSError, http.client.HTTPException, ValueError)
+
+
 def _request(url: str, document: Mapping[str, Any], timeout_s: float) -> None:
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https"):
@@ -57,8 +139,10 @@ def _request(url: str, document: Mapping[str, Any], timeout_s: float) -> None:
     body = json.dumps(document).encode()
     request = urllib.request.Request(  # noqa: S310 (http or https, checked above)
         target, data=body, headers=headers, method="POST")
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310 (idem)
-        response.read()
+    # The answer's status is all that counts; its body is not read, so a receiver cannot
+    # make the worker hold an endless or cut one; the whole POST ends within timeout_s.
+    with _Deadline(timeout_s) as deadline, deadline.opener().open(request, timeout=timeout_s):
+        pass
 
 
 class Webhook:
@@ -109,14 +193,21 @@ class Webhook:
                 document = self._queue.get(timeout=0.2)
             except queue.Empty:
                 continue
-            self._deliver(document)
+            try:
+                self._deliver(document)
+            except Exception as exc:
+                # Not a receiver error (those are retried): a bug must cost this event
+                # only, never every later alert.
+                self._on_result("failed")
+                log.error("lag webhook %s: an event could not be delivered (%s); "
+                          "delivering the next ones", redacted(self.url), type(exc).__name__)
 
     def _deliver(self, document: Mapping[str, Any]) -> None:
         attempt = 0
         while True:
             try:
                 _request(self.url, document, self._timeout_s)
-            except (OSError, urllib.error.URLError) as exc:
+            except _RECEIVER_ERRORS as exc:
                 # The exception's text may repeat the URL; only its kind is logged.
                 reason = getattr(exc, "code", None) or type(exc).__name__
                 delay = self._retries.delay(attempt, self._rng)

@@ -168,5 +168,6 @@ def loads(text: str | None) -> tuple[RecoveryRequest, ...]:
         value = json.loads(text)
         requests = value["requests"]
         return tuple(RecoveryRequest.from_json(r) for r in requests)
-    except (TypeError, KeyError, json.JSONDecodeError) as exc:
+    except (TypeError, KeyError, json.JSONDecodeError, RecursionError) as exc:
+        # RecursionError: JSON nested too deep to decode is as unreadable as a typo
         raise ValueError(f"unreadable recovery queue {text[:80]!r}: {exc!r}") from None

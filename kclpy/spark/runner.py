@@ -106,7 +106,8 @@ def _serving(worker: Any) -> AbstractContextManager[Any]:
 
     log.info("serving /metrics, /healthz and /status on %s:%s", worker.config.metrics_host,
              port)
-    return serve_worker(worker, worker.config.metrics_host, port)
+    return serve_worker(worker, worker.config.metrics_host, port,
+                        allowed_hosts=(worker.config.ops_allowed_hosts or "").split(","))
 
 
 def load_callable(spec: str, option: str) -> Callable[..., Any]:
