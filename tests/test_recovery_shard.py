@@ -250,6 +250,22 @@ def test_live_reading_starts_after_a_queued_gap_that_ends_later_than_its_own_sta
     assert recover_all(recovery) == [f"old-{n}" for n in range(30)]
 
 
+def test_a_tenure_not_behind_still_starts_live_after_a_gap_queued_at_its_checkpoint(
+        shard: Shard) -> None:
+    """This tenure is within ``max_lag_ms`` of the records after its checkpoint, but a
+    previous holder queued a gap from that checkpoint: its records are the gap's, and live
+    reading starts at the gap's end. Fails on the code before (live from the checkpoint
+    beside the gap: simulator seed 292, a record applied twice)."""
+    hour_later = time.time() + 3600
+    assert shard.recovery(wall_clock=lambda: hour_later).begin(Position.trim_horizon())
+    [queued] = shard.queue()
+    recovery = shard.recovery(wall_clock=lambda: shard.writing_at, stored=gaps.dumps((queued,)))
+    live_from = recovery.begin(Position.trim_horizon())
+    assert live_from is not None, "live reading from the checkpoint would read the gap again"
+    assert round(live_from.timestamp() * 1000) == queued.end_ms
+    assert recover_all(recovery) == [f"old-{n}" for n in range(30)]
+
+
 def test_a_recovered_gap_is_not_logged_as_the_shard_ending(
         shard: Shard, caplog: pytest.LogCaptureFixture) -> None:
     hour_later = time.time() + 3600

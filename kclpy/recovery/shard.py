@@ -75,9 +75,10 @@ def _key(request: RecoveryRequest) -> Position:
 def _time_end_of(queue: tuple[RecoveryRequest, ...], start: Position) -> int:
     """The end time of the queued gap that ``start`` lies in, when it ends at a time (0
     otherwise). A gap a previous holder queued may end later than this tenure's own live
-    start (its clock, or Kinesis' time then, was later): live reading must start there, not
-    before, or the records in between are both in the gap and read live - applied twice with
-    exactly-once state (simulator seeds 169 and 464)."""
+    start (its clock, or Kinesis' time then, was later), or this tenure may not be behind
+    at all: live reading must start at the gap's end, not before, or the records in between
+    are both in the gap and read live - applied twice with exactly-once state (simulator
+    seeds 169, 292 and 464)."""
     holding = [request for request in queue if request.start_position <= start]
     if not holding or holding[-1].last_sequence is not None:  # (the queue is in order)
         return 0
@@ -177,8 +178,14 @@ class ShardRecovery:
         now_ms = self._now_ms()
         live_ms = now_ms - max_lag_ms
         arrived = None if first is None else first.timestamp_millis
-        if first is None or arrived is None or arrived >= live_ms:
+        if first is None or arrived is None:
             return None
+        if arrived >= live_ms:
+            # Not behind; but a gap queued at the checkpoint by a previous holder already
+            # covers the records up to its end: live reading starts there (seed 292)
+            queued_ms = _time_end_of(self._queue, live)
+            return (datetime.fromtimestamp(queued_ms / 1000, tz=timezone.utc)
+                    if queued_ms > arrived else None)
         request = RecoveryRequest.gap(checkpoint, sub_sequence_number, live_ms, arrived,
                                       first.sequence_number)
         with self._lock:
