@@ -23,6 +23,7 @@ from kclpy.loading import load_object
 from kclpy.metrics import Metrics
 from kclpy.processor import IRecordProcessor
 from kclpy.progress import reporting_progress
+from kclpy.redaction import add_secrets, configure_logging, redact
 from kclpy.state.processor import StatefulProcessor
 from kclpy.supervisor import run_processes
 from kclpy.worker import Worker
@@ -90,6 +91,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     try:
         config, args = parse_worker_args(argv)
         labels = args.labels
+        add_secrets((config.lag_webhook, config.state_store))
         if args.processes > 1:
             if args.local:
                 return _local_processes(config, argv, args.processes)
@@ -116,7 +118,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         return _config_error(exc, labels)
     except _CannotStart as exc:
-        print(f"kclpy-worker: error: {exc}", file=sys.stderr)
+        print(f"kclpy-worker: error: {redact(str(exc))}", file=sys.stderr)
         return 1
     except WorkerFatalError as exc:
         log.error("worker stopped on a fatal error: %s", exc)
@@ -124,8 +126,8 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         return 1
     except Exception as exc:
         if cannot_heal(exc):
-            print(f"kclpy-worker: error: {exc} (retrying cannot help: check the credentials "
-                  "and their permissions)", file=sys.stderr)
+            print(f"kclpy-worker: error: {redact(str(exc))} (retrying cannot help: check the "
+                  "credentials and their permissions)", file=sys.stderr)
             return 1
         log.error("worker failed: %s: %s (--log-level DEBUG shows the traceback)",
                   type(exc).__name__, exc)
@@ -137,7 +139,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
 def _config_error(exc: ConfigError, labels: dict[str, str]) -> int:
     """One line naming the option as the user gave it (flag, properties key, environment
     variable); exit code 2."""
-    print(f"kclpy-worker: error: {user_label(exc, labels)}", file=sys.stderr)
+    print(f"kclpy-worker: error: {redact(user_label(exc, labels))}", file=sys.stderr)
     return 2
 
 
@@ -165,6 +167,8 @@ def _session_with_credentials(config: KCLConfig) -> boto3.session.Session:
         credentials = session.get_credentials()
     except BotoCoreError as exc:
         raise _CannotStart(f"AWS credentials could not be loaded: {exc}") from None
+    if credentials is not None:
+        add_secrets((credentials.secret_key, credentials.token))
     if credentials is None:
         raise _CannotStart(
             "no AWS credentials found (the standard chain: AWS_ACCESS_KEY_ID and "
@@ -213,19 +217,10 @@ def _local_processes(config: KCLConfig, argv: list[str], processes: int) -> int:
         return run_processes([arg for arg in argv if arg != "--local"], processes)
 
 
-#: At DEBUG these print request headers and canonical requests, session tokens included.
-_CREDENTIAL_LEAKING_LOGGERS = ("botocore", "boto3", "urllib3", "s3transfer")
-
-
 def _configure_logging(level: str) -> None:
-    """kclpy's own loggers at ``level``; the AWS SDK's never below INFO, because at DEBUG
-    they log credentials (the session token in headers), and credentials are never logged."""
-    logging.basicConfig(
-        level=level, format="%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s")
-    for name in _CREDENTIAL_LEAKING_LOGGERS:
-        logger = logging.getLogger(name)
-        if logger.getEffectiveLevel() < logging.INFO:
-            logger.setLevel(logging.INFO)
+    """kclpy's own loggers at ``level``, through handlers that mask credentials whatever
+    logger a record comes from (kclpy.redaction)."""
+    configure_logging(level, "%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s")
 
 
 def _spark_main(config: KCLConfig, args: argparse.Namespace) -> int:

@@ -84,7 +84,8 @@ class KCLConfig:
     metrics_host: str = "127.0.0.1"
     lag_window_s: int = 300
     lag_interval_s: int = 30
-    lag_webhook: str | None = None
+    #: may carry user information (a token): kept out of repr, as ``state_store``
+    lag_webhook: str | None = field(default=None, repr=False)
     timeout_in_seconds: int = 300
     stray_stdout: str = "restart"
     #: a DynamoDB table name or a SQLAlchemy URL, which may carry a password: kept out of repr
@@ -766,7 +767,9 @@ def _state_store_problem(value: str) -> str | None:
     if re.match(r"^[A-Za-z][A-Za-z0-9+]*:", value):
         scheme = value.split(":", 1)[0]
         hint = f" (a database URL starts with {scheme}://, e.g. sqlite:///state.db)"
-    return (f"{value!r} is neither a DynamoDB table name (3-255 of A-Z a-z 0-9 _ . -) nor "
+    # a malformed URL may still hold a password, so only a value that cannot is echoed
+    shown = "the value" if re.search(r"[:@/]", value) else repr(value)
+    return (f"{shown} is neither a DynamoDB table name (3-255 of A-Z a-z 0-9 _ . -) nor "
             f"a database URL{hint}")
 
 

@@ -64,6 +64,7 @@ from kclpy.ops.lag import (
     report_to_json,
 )
 from kclpy.ops.text import print_table
+from kclpy.redaction import configure_logging, redact
 from kclpy.retry import error_code
 from kclpy.streams import StreamIdentifier
 
@@ -583,8 +584,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def inspect_main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     prog = f"{PROG} {args.command}"
     try:
         if args.command == "leases":
@@ -598,13 +598,13 @@ def inspect_main(argv: Sequence[str] | None = None) -> int:
             return control.run(args, kinesis, dynamodb, sys.stdout)
         return run_status(args, sys.stdout)
     except UsageError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {redact(str(exc))}", file=sys.stderr)
         return EXIT_UNKNOWN if args.command == "status" else 2
     except Refused as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
+        print(f"{prog}: {redact(str(exc))}", file=sys.stderr)
         return control.EXIT_REFUSED
     except (ClientError, BotoCoreError, KCLError) as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {redact(str(exc))}", file=sys.stderr)
         return EXIT_UNKNOWN if args.command == "status" else 1
 
 
