@@ -19,7 +19,7 @@ from botocore.exceptions import BotoCoreError
 from kclpy.arguments import early_log_level, parse_worker_args
 from kclpy.config import OPTIONS_BY_NAME, KCLConfig
 from kclpy.errors import ConfigError, cannot_heal
-from kclpy.loading import load_object
+from kclpy.loading import current_folder_last, load_object
 from kclpy.metrics import Metrics
 from kclpy.processor import IRecordProcessor
 from kclpy.progress import reporting_progress
@@ -73,19 +73,11 @@ def _processor_factory(config: KCLConfig, args: argparse.Namespace, metrics: Met
         response_timeout_s=float(config.timeout_in_seconds), stray_stdout=stray)
 
 
-def _import_from_current_folder() -> None:
-    """``--processor mypkg.audit:Printer`` run from the folder holding ``mypkg/`` imports it,
-    as ``python -m`` and uvicorn do; a console script's sys.path starts at its own folder."""
-    cwd = os.getcwd()
-    if "" not in sys.path and cwd not in sys.path:
-        sys.path.insert(0, cwd)
-
-
 def worker_main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # before parsing: a .properties file logs what it changes while it is read
     _configure_logging(early_log_level(argv))
-    _import_from_current_folder()
+    current_folder_last()
     metrics = Metrics()
     labels: dict[str, str] = {}
     try:

@@ -63,8 +63,14 @@ _STOP_MARGIN_S = 20.0
 _HIGHEST_PORT = 65535
 
 
+#: ``-P`` (Python 3.11+): ``-m`` does not put the current folder first on the path, where a
+#: module planted there would shadow an installed one before kclpy moves it last
+#: (``kclpy.loading.current_folder_last``)
+_SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
+
+
 def _spawn_worker(argv: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "kclpy", *argv],
+    return subprocess.Popen([sys.executable, *_SAFE_PATH, "-m", "kclpy", *argv],
                             preexec_fn=die_with_parent(signal.SIGTERM))
 
 
