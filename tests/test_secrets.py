@@ -24,7 +24,7 @@ import boto3
 import pytest
 
 from kclpy import KCLConfig, Worker, redaction
-from kclpy.arguments import SECRET_FLAG_ENV, parse_worker_args
+from kclpy.arguments import SECRET_FLAG_ENV, parse_worker_args, secrets_out_of_argv
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint, free_port
 from kclpy.ops import serve_worker
@@ -319,3 +319,20 @@ def test_processes_children_get_secret_flags_in_their_environment_not_argv(
         monkeypatch.setattr(os, "environ", child_env)
         config, _ = parse_worker_args(child_argv)
         assert (config.lag_webhook, config.state_store) == (webhook, store)
+
+
+def test_a_secret_handed_to_a_child_keeps_the_flags_precedence_over_the_properties_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Moved from argv to the environment, the flag's value must still win over the
+    properties file, as it did on the parent's command line."""
+    properties = tmp_path / "app.properties"
+    properties.write_text("streamName = s\napplicationName = a\nmetricsPort = 0\n"
+                          "lagWebhook = https://hooks.example/from-file\n", encoding="utf-8")
+    argv = ["--properties", str(properties), "--processor", "x:Y",
+            "--lag-webhook", "https://hooks.example/from-flag"]
+    child_argv, handed = secrets_out_of_argv(argv)
+    for name, value in handed.items():
+        monkeypatch.setenv(name, value)
+    config, _ = parse_worker_args(child_argv)
+    assert "--lag-webhook" not in child_argv
+    assert config.lag_webhook == "https://hooks.example/from-flag"
