@@ -767,10 +767,18 @@ def _state_store_problem(value: str) -> str | None:
     if re.match(r"^[A-Za-z][A-Za-z0-9+]*:", value):
         scheme = value.split(":", 1)[0]
         hint = f" (a database URL starts with {scheme}://, e.g. sqlite:///state.db)"
-    # a malformed URL may still hold a password, so only a value that cannot is echoed
-    shown = "the value" if re.search(r"[:@/]", value) else repr(value)
-    return (f"{shown} is neither a DynamoDB table name (3-255 of A-Z a-z 0-9 _ . -) nor "
-            f"a database URL{hint}")
+    return (f"{_without_userinfo(value)!r} is neither a DynamoDB table name (3-255 of A-Z a-z "
+            f"0-9 _ . -) nor a database URL{hint}")
+
+
+def _without_userinfo(value: str) -> str:
+    """``value`` as it may be echoed: a malformed URL may still hold a password, before its
+    last ``@``, so everything between the scheme and that ``@`` is masked."""
+    if "@" not in value:
+        return value
+    head, _, host = value.rpartition("@")
+    scheme = re.match(r"^[A-Za-z][A-Za-z0-9+]*:/*", head)
+    return f"{scheme.group() if scheme else ''}***@{host}"
 
 
 def _validate_streams(config: KCLConfig) -> None:
