@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -31,6 +32,10 @@ LOCAL_DEMO_NAME = "kclpy-demo"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: flags given once per stream of a multi-stream application
 _REPEATABLE = ("stream_name", "stream_arn")
+#: where ``kclpy-worker --processes N`` hands its children a secret option given as a flag:
+#: their argv is readable by every local user (``/proc/<pid>/cmdline``), their environment
+#: is not. Read back with a flag's precedence, so the children see what the parent saw.
+SECRET_FLAG_ENV = "KCLPY_FLAG_"  # noqa: S105 (a variable-name prefix)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -123,6 +128,24 @@ def worker_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def secrets_out_of_argv(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """``argv`` without its secret options' flags, and those values as the environment
+    variables (``SECRET_FLAG_ENV``) that carry them to a child instead."""
+    flags = {option.flag: option for option in OPTIONS if option.secret}
+    rest: list[str] = []
+    secrets: dict[str, str] = {}
+    args = iter(argv)
+    for arg in args:
+        flag, equals, value = arg.partition("=")
+        if flag in flags:
+            option = flags[flag]
+            secrets[SECRET_FLAG_ENV + option.name.upper()] = (
+                value if equals else next(args, ""))
+        else:
+            rest.append(arg)
+    return rest, secrets
+
+
 def early_log_level(argv: Sequence[str]) -> str:
     """The ``--log-level`` of ``argv`` (INFO when absent or invalid), known before the rest
     is parsed: reading a .properties file already logs what it changes."""
@@ -167,6 +190,11 @@ def parse_worker_args(argv: Sequence[str] | None) -> tuple[KCLConfig, argparse.N
         raw = getattr(args, option.name, None)
         if raw is not None:
             values[option.name] = convert_cli_value(option.name, raw)
+            labels[option.name] = option.flag
+    for option in OPTIONS:
+        handed = os.environ.get(SECRET_FLAG_ENV + option.name.upper())
+        if option.secret and handed is not None and getattr(args, option.name) is None:
+            values[option.name] = convert_cli_value(option.name, handed)
             labels[option.name] = option.flag
     if args.local:
         _check_local(values, labels)

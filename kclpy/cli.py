@@ -19,10 +19,11 @@ from botocore.exceptions import BotoCoreError
 from kclpy.arguments import early_log_level, parse_worker_args
 from kclpy.config import OPTIONS_BY_NAME, KCLConfig
 from kclpy.errors import ConfigError, cannot_heal
-from kclpy.loading import load_object
+from kclpy.loading import current_folder_last, load_object
 from kclpy.metrics import Metrics
 from kclpy.processor import IRecordProcessor
 from kclpy.progress import reporting_progress
+from kclpy.redaction import add_secrets, configure_logging, redact
 from kclpy.state.processor import StatefulProcessor
 from kclpy.supervisor import run_processes
 from kclpy.worker import Worker
@@ -75,24 +76,17 @@ def _processor_factory(config: KCLConfig, args: argparse.Namespace, metrics: Met
         response_timeout_s=float(config.timeout_in_seconds), stray_stdout=stray)
 
 
-def _import_from_current_folder() -> None:
-    """``--processor mypkg.audit:Printer`` run from the folder holding ``mypkg/`` imports it,
-    as ``python -m`` and uvicorn do; a console script's sys.path starts at its own folder."""
-    cwd = os.getcwd()
-    if "" not in sys.path and cwd not in sys.path:
-        sys.path.insert(0, cwd)
-
-
 def worker_main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # before parsing: a .properties file logs what it changes while it is read
     _configure_logging(early_log_level(argv))
-    _import_from_current_folder()
+    current_folder_last()
     metrics = Metrics()
     labels: dict[str, str] = {}
     try:
         config, args = parse_worker_args(argv)
         labels = args.labels
+        add_secrets((config.lag_webhook, config.state_store))
         if args.processes > 1:
             if args.local:
                 return _local_processes(config, argv, args.processes)
@@ -126,8 +120,8 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         return 1
     except Exception as exc:
         if cannot_heal(exc):
-            print(f"kclpy-worker: error: {exc} (retrying cannot help: check the credentials "
-                  "and their permissions)", file=sys.stderr)
+            print(f"kclpy-worker: error: {redact(str(exc))} (retrying cannot help: check the "
+                  "credentials and their permissions)", file=sys.stderr)
             return 1
         log.error("worker failed: %s: %s (--log-level DEBUG shows the traceback)",
                   type(exc).__name__, exc)
@@ -139,7 +133,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
 def _config_error(exc: ConfigError, labels: dict[str, str]) -> int:
     """One line naming the option as the user gave it (flag, properties key, environment
     variable); exit code 2."""
-    print(f"kclpy-worker: error: {user_label(exc, labels)}", file=sys.stderr)
+    print(f"kclpy-worker: error: {redact(user_label(exc, labels))}", file=sys.stderr)
     return 2
 
 
@@ -161,7 +155,7 @@ class _CannotStart(Exception):
 
 
 def _cannot_start(exc: _CannotStart) -> int:
-    print(f"kclpy-worker: error: {exc}", file=sys.stderr)
+    print(f"kclpy-worker: error: {redact(str(exc))}", file=sys.stderr)
     return 1
 
 
@@ -173,6 +167,8 @@ def _session_with_credentials(config: KCLConfig) -> boto3.session.Session:
         credentials = session.get_credentials()
     except BotoCoreError as exc:
         raise _CannotStart(f"AWS credentials could not be loaded: {exc}") from None
+    if credentials is not None:
+        add_secrets((credentials.secret_key, credentials.token))
     if credentials is None:
         raise _CannotStart(
             "no AWS credentials found (the standard chain: AWS_ACCESS_KEY_ID and "
@@ -238,19 +234,10 @@ def _local_processes(config: KCLConfig, argv: list[str], processes: int) -> int:
         return run_processes([arg for arg in argv if arg != "--local"], processes)
 
 
-#: At DEBUG these print request headers and canonical requests, session tokens included.
-_CREDENTIAL_LEAKING_LOGGERS = ("botocore", "boto3", "urllib3", "s3transfer")
-
-
 def _configure_logging(level: str) -> None:
-    """kclpy's own loggers at ``level``; the AWS SDK's never below INFO, because at DEBUG
-    they log credentials (the session token in headers), and credentials are never logged."""
-    logging.basicConfig(
-        level=level, format="%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s")
-    for name in _CREDENTIAL_LEAKING_LOGGERS:
-        logger = logging.getLogger(name)
-        if logger.getEffectiveLevel() < logging.INFO:
-            logger.setLevel(logging.INFO)
+    """kclpy's own loggers at ``level``, through handlers that mask credentials whatever
+    logger a record comes from (kclpy.redaction)."""
+    configure_logging(level, "%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s")
 
 
 def _spark_main(config: KCLConfig, args: argparse.Namespace) -> int:

@@ -85,7 +85,8 @@ class KCLConfig:
     ops_allowed_hosts: str | None = None
     lag_window_s: int = 300
     lag_interval_s: int = 30
-    lag_webhook: str | None = None
+    #: may carry user information (a token): kept out of repr, as ``state_store``
+    lag_webhook: str | None = field(default=None, repr=False)
     timeout_in_seconds: int = 300
     stray_stdout: str = "restart"
     #: a DynamoDB table name or a SQLAlchemy URL, which may carry a password: kept out of repr
@@ -771,8 +772,18 @@ def _state_store_problem(value: str) -> str | None:
     if re.match(r"^[A-Za-z][A-Za-z0-9+]*:", value):
         scheme = value.split(":", 1)[0]
         hint = f" (a database URL starts with {scheme}://, e.g. sqlite:///state.db)"
-    return (f"{value!r} is neither a DynamoDB table name (3-255 of A-Z a-z 0-9 _ . -) nor "
-            f"a database URL{hint}")
+    return (f"{_without_userinfo(value)!r} is neither a DynamoDB table name (3-255 of A-Z a-z "
+            f"0-9 _ . -) nor a database URL{hint}")
+
+
+def _without_userinfo(value: str) -> str:
+    """``value`` as it may be echoed: a malformed URL may still hold a password, before its
+    last ``@``, so everything between the scheme and that ``@`` is masked."""
+    if "@" not in value:
+        return value
+    head, _, host = value.rpartition("@")
+    scheme = re.match(r"^[A-Za-z][A-Za-z0-9+]*:/*", head)
+    return f"{scheme.group() if scheme else ''}***@{host}"
 
 
 def _validate_streams(config: KCLConfig) -> None:

@@ -8,11 +8,26 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from kclpy.errors import ConfigError
+
+
+def current_folder_last() -> None:
+    """Put the current folder on ``sys.path`` after the installed packages.
+
+    ``--processor mypkg.audit:Printer`` run from the folder holding ``mypkg/`` imports it,
+    as ``python -m`` and uvicorn do. But a folder is not always the user's own (a shared
+    upload folder, a checkout of someone else's branch): first on the path, any ``moto.py``
+    or ``json.py`` planted there would run inside the worker in place of the real package.
+    Last, it can only add modules, never replace an installed one."""
+    cwd = os.getcwd()
+    here = {"", ".", cwd, os.path.realpath(cwd)}
+    sys.path[:] = [entry for entry in sys.path if entry not in here]
+    sys.path.append(cwd)
 
 
 class _NotFound(Exception):

@@ -21,7 +21,10 @@ matter of starting N workers that share the lease table. The supervisor does onl
   after the failover time as with any dead worker, and balanced back once it returns, so
   a restart costs no more than the crash did. Stopping the whole group instead would turn
   one bad process into a full outage. A child that exits 0 on its own (e.g.
-  ``--stop-when-caught-up``) or 2 (bad configuration: it would fail again) is not restarted.
+  ``--stop-when-caught-up``) or 2 (bad configuration: it would fail again) is not restarted;
+- a secret option given as a flag (``--lag-webhook``, ``--state-store``) reaches the
+  children in their environment, not on their command lines, which every local user can
+  read (``kclpy.arguments.SECRET_FLAG_ENV``).
 
 Exit code: 0 when every child's last run exited 0, else 1.
 """
@@ -29,6 +32,7 @@ Exit code: 0 when every child's last run exited 0, else 1.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -38,9 +42,10 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from kclpy.arguments import parse_worker_args
+from kclpy.arguments import parse_worker_args, secrets_out_of_argv
 from kclpy.errors import ConfigError
 from kclpy.lifetime import die_with_parent
+from kclpy.redaction import redact
 from kclpy.retry import NO_JITTER, RetryPolicy
 from kclpy.signals import on_stop_signals
 
@@ -58,8 +63,14 @@ _STOP_MARGIN_S = 20.0
 _HIGHEST_PORT = 65535
 
 
+#: ``-P`` (Python 3.11+): ``-m`` does not put the current folder first on the path, where a
+#: module planted there would shadow an installed one before kclpy moves it last
+#: (``kclpy.loading.current_folder_last``)
+_SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
+
+
 def _spawn_worker(argv: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "kclpy", *argv],
+    return subprocess.Popen([sys.executable, *_SAFE_PATH, "-m", "kclpy", *argv],
                             preexec_fn=die_with_parent(signal.SIGTERM))
 
 
@@ -234,12 +245,14 @@ class Supervisor:
         return on_stop_signals(self.stop)
 
 
-def run_processes(argv: list[str], n: int) -> int:
+def run_processes(argv: list[str], n: int, *, spawn: Spawn = _spawn_worker) -> int:
     """What ``kclpy-worker --processes N`` runs: N workers with ``argv`` (``--processes``
     removed), signals forwarded, restarted when they die. Returns the exit code: 0 when every
     worker's last run exited 0, 1 otherwise, 2 for a bad configuration (checked once here,
     before any process starts)."""
-    child_argv = strip_processes(argv)
+    child_argv, secrets = secrets_out_of_argv(strip_processes(argv))
+    # inherited by every child, and read there with the flags' precedence
+    os.environ.update(secrets)
     try:
         config, _ = parse_worker_args(child_argv)
         port = config.metrics_port
@@ -247,12 +260,13 @@ def run_processes(argv: list[str], n: int) -> int:
             raise ConfigError("--metrics-port", f"{port} + {n} processes needs ports up to "
                               f"{port + n - 1}, beyond {_HIGHEST_PORT}")
     except ConfigError as exc:
-        print(f"kclpy-worker: error: {exc}", file=sys.stderr)
+        print(f"kclpy-worker: error: {redact(str(exc))}", file=sys.stderr)
         return _CONFIG_ERROR
     if port:
         log.info("worker processes serve /metrics, /healthz and /status on %s ports %d-%d",
                  config.metrics_host, port, port + n - 1)
     supervisor = Supervisor(child_argv, n, worker_id=config.worker_id, metrics_port=port,
-                            stop_timeout_s=config.shutdown_grace_ms / 1000 + _STOP_MARGIN_S)
+                            stop_timeout_s=config.shutdown_grace_ms / 1000 + _STOP_MARGIN_S,
+                            spawn=spawn)
     with supervisor.forwarding_signals():
         return supervisor.run()

@@ -372,3 +372,40 @@ def test_running_count_example_with_the_dynamodb_store(
     items = dynamodb_client(moto_server.url).scan(TableName=table)["Items"]
     counts = {i["stateKey"]["S"]: int(i["stateValue"]["S"]) for i in items}
     assert sum(v for k, v in counts.items() if k.startswith("count/")) == 30, counts
+
+
+PLANTED = '''
+import pathlib
+pathlib.Path(__file__).with_name("planted-ran").write_text("yes")
+raise SystemExit("a planted moto.py ran instead of the installed moto")
+'''
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("how", ["console script", "python -m kclpy"])
+def test_a_module_planted_in_the_current_folder_never_shadows_an_installed_one(
+        how: str, tmp_path: Path) -> None:
+    """--local imports moto; a moto.py in the folder the worker starts from must not run in
+    its place, while the user's own processor module there still loads."""
+    (tmp_path / "moto.py").write_text(PLANTED)
+    (tmp_path / "myproc.py").write_text((ROOT / "examples" / "printing_processor.py").read_text())
+    script = Path(sys.executable).with_name("kclpy-worker")
+    command = [str(script)] if how == "console script" else [sys.executable, "-m", "kclpy"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [*command, "--local", "--processor", "myproc:PrintingProcessor",
+         "--stop-when-caught-up"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert not (tmp_path / "planted-ran").exists(), result.stderr[-2000:]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sum("data=" in line for line in result.stdout.splitlines()) == 20
+
+
+def test_the_current_folder_goes_after_the_installed_packages(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from kclpy.loading import current_folder_last
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", ["", str(tmp_path), "/site-packages"])
+    current_folder_last()
+    assert sys.path == ["/site-packages", str(tmp_path)]

@@ -256,3 +256,13 @@ def test_the_worker_refuses_a_config_changed_after_it_was_made() -> None:
         Worker(config, lambda: RecordingProcessor(Ledger()))
     assert info.value.option == "get_records_backoff_cap_ms"
     assert threading.active_count() == threads
+
+
+def test_a_malformed_database_url_is_echoed_without_its_password() -> None:
+    from kclpy import KCLConfig
+
+    with pytest.raises(ConfigError) as info:
+        KCLConfig(stream_name="s", application_name="a",
+                  state_store="postgresql:/kclpy:pw-canary@db.example/state")
+    assert "pw-canary" not in str(info.value)
+    assert "'postgresql:/***@db.example/state'" in str(info.value)

@@ -16,11 +16,14 @@ import pytest
 
 import kclpy
 from kclpy import StreamConfig, Worker
+from kclpy.leases import park as parking
 from kclpy.leases.lease import Lease
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
+from kclpy.ops import inspect as inspect_module
 from kclpy.ops import serve_worker
 from kclpy.ops.inspect import parse_args, run_status
+from kclpy.ops.text import TerminalText
 from kclpy.position import Position
 from tests.support.cli import endpoints, run_cli
 from tests.support.e2e import worker_config
@@ -496,3 +499,67 @@ def test_status_on_a_terminal_says_what_it_samples_before_it_waits(
     assert code == 3
     assert err.splitlines()[0] == ("sampling 2 times over 0.1 s (--window-seconds, --samples) "
                                    "before the first status ...")
+
+
+# -- what others wrote reaches the terminal escaped ---------------------------------------
+
+#: a title change, a screen clear, a colour, a cursor move up and a line break: each would
+#: act on the operator's terminal if printed raw
+HOSTILE = "\x1b]0;owned\x07\x1b[2J\x1b[31mred\x1b[1A\nforged\u202e"
+
+
+def assert_escaped(text: str) -> None:
+    assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text
+    assert "forged" not in {line.strip() for line in text.splitlines()}
+    assert "\\x1b]0;owned\\x07" in text
+
+
+@pytest.mark.integration
+def test_leases_escape_control_characters_of_worker_ids_and_park_reasons(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint) -> None:
+    name = unique_name("hostile")
+    client = dynamodb_client(moto_server.url)
+    table = LeaseTable(client, name)
+    table.create_if_missing()
+    table.create(Lease("shardId-000000000000", lease_owner=f"worker{HOSTILE}",
+                       checkpoint=Position.trim_horizon()))
+    table.create(Lease("shardId-000000000001", checkpoint=Position.trim_horizon()))
+    mark = parking.marker(f"reason{HOSTILE}", f"op{HOSTILE}", error=f"key{HOSTILE}")
+    client.update_item(TableName=name, Key={"leaseKey": {"S": "shardId-000000000001"}},
+                       UpdateExpression="SET kclpyParked = :p",
+                       ExpressionAttributeValues={":p": {"S": mark}})
+    code, out, _ = run_cli(capsys, "leases", "--application-name", name,
+                           *endpoints(kinesis_mock, moto_server))
+    assert code == 0
+    assert out.count("\\x1b]0;owned\\x07") == 3  # the owner, the reason and the error
+    assert_escaped(out)
+
+
+def test_status_escapes_control_characters_of_every_reported_field() -> None:
+    """A status report's fields come from the lease table, the workers' /status documents
+    and the records' producers (a failure message quotes a partition key)."""
+    report = {
+        "application": "app", "stream": "s", "status": "ERR", "window_seconds": 60,
+        "samples": 2, "unleased_shards": [f"shard{HOSTILE}"],
+        "unlisted_leases": [f"lease{HOSTILE}"],
+        "shards": [{"shard_id": f"id{HOSTILE}", "status": "STALL", "owner": f"w{HOSTILE}",
+                    "checkpoint": "1", "reason": f"r{HOSTILE}",
+                    "failure": {"error_type": "ValueError", "attempts": 3, "since_ms": 0,
+                                "message": f"bad partition key {HOSTILE}"}}],
+        "parked": {f"p{HOSTILE}": {"reason": f"r{HOSTILE}", "by": f"by{HOSTILE}",
+                                  "error": f"e{HOSTILE}"}},
+        "workers": [{"url": "http://127.0.0.1:1", "reachable": False,
+                     "error": f"e{HOSTILE}"}],
+    }
+    out = io.StringIO()
+    inspect_module._print_status(report, out, as_json=False, watching=False)
+    assert_escaped(out.getvalue())
+    # one escaped copy per field, none dropped
+    assert out.getvalue().count("\\x1b]0;owned\\x07") == 12
+
+
+def test_the_inspector_output_stream_escapes_what_a_command_writes() -> None:
+    out = io.StringIO()
+    TerminalText(out).write(f"line{HOSTILE}\n")
+    assert out.getvalue().endswith("\n") and "\x1b" not in out.getvalue()

@@ -483,6 +483,22 @@ def test_an_acknowledgement_for_the_wrong_action_breaks_the_protocol(
     assert failures(metrics, "protocol") == 1
 
 
+def test_a_message_nested_too_deeply_breaks_the_protocol_in_step(
+        make: Callable[..., MultiLangRecordProcessor], metrics: Metrics) -> None:
+    """The exchange ends on the defined protocol failure (the child is replaced), so the
+    next child's answers are never read as replies to the wrong message."""
+    deep = ('{"action": "status", "responseFor": "processRecords", "x": ' + "[" * 5_000
+            + "]" * 5_000 + "}")
+    processor = make("raw_child.py", env=raw_env({"processRecords": [deep]}))
+    shard = Shard(processor, FakeWriter())
+    shard.initialize()
+    with pytest.raises(MultiLangChildError) as info:
+        shard.deliver(shard.records("x"))
+    assert info.value.reason == "protocol"
+    assert "nested too deeply" in str(info.value)
+    assert failures(metrics, "protocol") == 1
+
+
 def test_a_child_that_exits_before_acknowledging_initialize(
         make: Callable[..., MultiLangRecordProcessor], metrics: Metrics) -> None:
     processor = make("raw_child.py", env=raw_env({"initialize": "exit:7"}))

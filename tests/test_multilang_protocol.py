@@ -157,6 +157,20 @@ def test_malformed_or_unexpected_messages_break_the_protocol(line: str) -> None:
     assert info.value.line == line
 
 
+@pytest.mark.parametrize("line", [
+    '{"action": "status", "responseFor": "initialize", "x": ' + "[" * 100_000 + "]" * 100_000
+    + "}",
+    "[" * 100_000 + "]" * 100_000,
+])
+def test_json_nested_past_the_recursion_limit_breaks_the_protocol(line: str) -> None:
+    """A child's message nested deeper than the parser can follow is a broken message like
+    any other (the child is restarted), not a RecursionError escaping the exchange."""
+    with pytest.raises(ProtocolError) as info:
+        decode_child_line(line)
+    assert not isinstance(info.value, StrayLine)
+    assert "nested too deeply" in str(info.value)
+
+
 # -- against the real amazon_kclpy ----------------------------------------------------------
 
 

@@ -5,6 +5,7 @@ position or from the start, and a checkpoints table of an earlier version is upg
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,7 @@ from kclpy.position import Position
 from kclpy.processor import InitializeInput
 from kclpy.records import Record
 from kclpy.state.processor import ExactlyOnceProcessor, StatefulProcessor
-from kclpy.state.sql import SQLStateStore
+from kclpy.state.sql import SQLStateStore, StateStoreUnavailable
 from kclpy.state.transaction import StateTransaction, Versioned
 from tests.support.determinism import Clock
 from tests.support.state import Counter, Ops, Shard, rec, runner, stored_state
@@ -291,3 +292,35 @@ def test_a_postgresql_commit_whose_lock_waits_add_up_past_its_budget_stops_and_a
     assert stored_state(store) == {"count/k": 1, "sum/k": 5}
     assert metrics.registry.get_sample_value(
         "kclpy_state_conflicts_total", {"shard_id": "s1"}) == 1
+
+
+# -- no wait on the database is unbounded ----------------------------------------------------
+
+
+def test_opening_a_store_on_a_host_that_never_answers_fails_naming_the_connect_timeout(
+) -> None:
+    """A listener that accepts (the kernel completes the handshake) and never says a word:
+    without a connect timeout, start-up hung there for as long as the host stayed silent."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        store = SQLStateStore(f"postgresql+psycopg://kclpy:pg-canary-pw@127.0.0.1:{port}/db",
+                              connect_timeout_s=2)
+        with pytest.raises(StateStoreUnavailable) as info:
+            store.open(None)
+    message = str(info.value)
+    assert "connect timeout 2s" in message and "timeout expired" in message
+    assert "pg-canary-pw" not in message
+
+
+def test_postgresql_sessions_carry_the_statement_and_connect_timeouts(
+        postgres_url: str) -> None:
+    store = SQLStateStore(postgres_url, prefix=unique_name("timeouts").replace("-", "_"),
+                          statement_timeout_s=7, lock_timeout_s=3)
+    with store.engine.connect() as conn:
+        shown = {name: conn.exec_driver_sql(f"SHOW {name}").scalar()
+                 for name in ("statement_timeout", "lock_timeout")}
+        dsn = conn.connection.driver_connection.info.get_parameters()  # type: ignore[union-attr]
+    assert shown == {"statement_timeout": "7s", "lock_timeout": "3s"}
+    assert dsn.get("connect_timeout") == "10"

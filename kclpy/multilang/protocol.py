@@ -185,7 +185,8 @@ def decode_child_line(line: str) -> ChildMessage | None:
     leaves blank lines between messages.
 
     Raises StrayLine for a line that is not a JSON message object and ProtocolError for a
-    message the child must not send or with fields of the wrong type.
+    message the child must not send, with fields of the wrong type, or nested too deeply to
+    parse.
     """
     text = line.strip()
     if not text:
@@ -194,6 +195,10 @@ def decode_child_line(line: str) -> ChildMessage | None:
         message = json.loads(text)
     except ValueError:
         raise StrayLine("not JSON", line) from None
+    except RecursionError:
+        # JSON nested deeper than Python's recursion limit: a broken message, handled as
+        # one (the child is restarted), not an exception escaping the exchange mid-message
+        raise ProtocolError("a JSON message nested too deeply", line) from None
     if not isinstance(message, dict) or not isinstance(message.get("action"), str):
         raise StrayLine("not a JSON object with an action", line)
     action = message["action"]

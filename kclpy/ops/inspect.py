@@ -67,7 +67,8 @@ from kclpy.ops.lag import (
     application_status,
     report_to_json,
 )
-from kclpy.ops.text import print_table
+from kclpy.ops.text import TerminalText, print_table, printable
+from kclpy.redaction import configure_logging, redact
 from kclpy.retry import error_code
 from kclpy.streams import StreamIdentifier
 
@@ -314,8 +315,8 @@ def _leases(args: argparse.Namespace, out: IO[str]) -> int:
             owner += f" (handoff from {lease.checkpoint_owner})"
         marker = parking.describe(lease.parked)
         if marker is not None:
-            parked.append(f"{lease.shard_id}: {marker.get('reason')}"
-                          + (f" ({marker['error']})" if marker.get("error") else ""))
+            parked.append(printable(f"{lease.shard_id}: {marker.get('reason')}")
+                          + (printable(f" ({marker['error']})") if marker.get("error") else ""))
         rows.append([stream_name(lease) or "-", lease.shard_id, lease_state(lease), owner,
                      str(lease.lease_counter), lease.checkpoint.sequence_number,
                      str(lease.checkpoint.sub_sequence_number),
@@ -510,24 +511,28 @@ def _print_status(report: Mapping[str, Any], out: IO[str], *, as_json: bool,
     print_table(rows, out)
     for worker in workers or []:
         if not worker["reachable"]:
-            out.write(f"worker {worker['url']} unreachable: {worker['error']}\n")
+            out.write(printable(f"worker {worker['url']} unreachable: {worker['error']}")
+                      + "\n")
     for shard in report["shards"]:
         failure = shard.get("failure")
         if failure:
             since = time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                   time.gmtime(int(failure.get("since_ms") or 0) / 1000))
-            out.write(f"shard {shard['shard_id']} FAILED: {failure.get('error_type')}: "
-                      f"{failure.get('message')} ({failure.get('attempts')} attempt(s) "
-                      f"since {since})\n")
+            out.write(printable(f"shard {shard['shard_id']} FAILED: "
+                                f"{failure.get('error_type')}: {failure.get('message')} "
+                                f"({failure.get('attempts')} attempt(s) since {since})")
+                      + "\n")
     for shard_id, mark in sorted(report.get("parked", {}).items()):
         why = mark.get("reason") or "-"
         error = f" ({mark['error']})" if mark.get("error") else ""
-        out.write(f"shard {shard_id} PARKED by {mark.get('by') or '-'}: {why}{error}\n")
+        out.write(printable(f"shard {shard_id} PARKED by {mark.get('by') or '-'}: {why}{error}")
+                  + "\n")
     if report["unleased_shards"]:
-        out.write(f"open shards without a lease: {', '.join(report['unleased_shards'])}\n")
+        out.write(printable(f"open shards without a lease: "
+                            f"{', '.join(report['unleased_shards'])}") + "\n")
     if report["unlisted_leases"]:
-        out.write("leases of shards the stream no longer lists: "
-                  f"{', '.join(report['unlisted_leases'])}\n")
+        out.write(printable("leases of shards the stream no longer lists: "
+                            f"{', '.join(report['unlisted_leases'])}") + "\n")
     out.flush()
 
 
@@ -615,30 +620,31 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def inspect_main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     prog = f"{PROG} {args.command}"
     if args.command == "local":
         return _local(args, prog)
+    # every command's output, and the errors below, may quote what producers wrote
+    stdout: Any = TerminalText(sys.stdout)
     try:
         if args.command == "leases":
-            return _leases(args, sys.stdout)
+            return _leases(args, stdout)
         if args.command in _CONSUMER_COMMANDS:
             kinesis, _ = _clients(args)
-            return _CONSUMER_COMMANDS[args.command](args, kinesis, sys.stdout)
+            return _CONSUMER_COMMANDS[args.command](args, kinesis, stdout)
         if args.command in control.command_names():
             prog += f" {args.action}"
             kinesis, dynamodb = _clients(args)
-            return control.run(args, kinesis, dynamodb, sys.stdout)
-        return run_status(args, sys.stdout)
+            return control.run(args, kinesis, dynamodb, stdout)
+        return run_status(args, stdout)
     except UsageError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {printable(redact(str(exc)))}", file=sys.stderr)
         return EXIT_UNKNOWN if args.command == "status" else 2
     except Refused as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
+        print(f"{prog}: {printable(redact(str(exc)))}", file=sys.stderr)
         return control.EXIT_REFUSED
     except (ClientError, BotoCoreError, KCLError) as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {printable(redact(str(exc)))}", file=sys.stderr)
         return EXIT_UNKNOWN if args.command == "status" else 1
 
 

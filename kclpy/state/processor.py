@@ -9,8 +9,9 @@ lease fence. The user's processor never checkpoints.
 A transaction ends after each batch, after ``max_records`` records, after ``max_seconds``,
 or right before a record that would take it past the store's limits. When the store refuses
 it because another writer changed a key it read, the first half of the transaction's records
-is applied again to the state as it now is and committed, then the rest. When the lease is gone the transaction is
-dropped, state included, and the user's ``lease_lost`` is called as usual.
+is applied again to the state as it now is and committed, then the rest. When the lease is
+gone the transaction is dropped, state included, and the user's ``lease_lost`` is called as
+usual.
 """
 
 from __future__ import annotations

@@ -30,6 +30,14 @@ Tenures are counted per lease incarnation (``Lease.incarnation``, written when t
 item is created): the checkpoint row names the one its tenure belongs to, so a lease or a
 stream created again - its counter starting over - is recognised instead of being refused
 for ever or, worse, having its records skipped as committed (``_claim``).
+
+No wait on the database is unbounded: a host that accepts connections and never answers (a
+dead backend behind a load balancer, a half-open route) would otherwise hang start-up or a
+shard for ever. PostgreSQL connections give up after ``connect_timeout_s`` (libpq's
+``connect_timeout``, whole seconds, at least 2) and statements after
+``statement_timeout_s``; SQLite has no network, and its only wait, for the file's lock, is
+``lock_timeout_s`` (its busy timeout). Opening a store that cannot be reached raises
+:class:`StateStoreUnavailable` naming the timeout.
 """
 
 from __future__ import annotations
@@ -48,12 +56,14 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from kclpy.checkpoint import CheckpointWriter
 from kclpy.errors import (
     CheckpointError,
+    KCLError,
     KinesisClientLibDependencyException,
     LeaseLostError,
     TransactionRejected,
 )
 from kclpy.leases.lease import incarnation_epoch, same_stream
 from kclpy.position import Position
+from kclpy.redaction import redact
 from kclpy.state.store import CommittedCache
 from kclpy.state.transaction import DELETED, Limits, StateTransaction, Versioned
 
@@ -104,11 +114,13 @@ class SQLStateStore:
 
     def __init__(
         self, url: str | Engine, *, prefix: str = "kclpy_state", lock_timeout_s: float = 10.0,
+        connect_timeout_s: float = 10.0, statement_timeout_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         #: the longest lock wait of a read; a claim's or a commit's is shorter still when the
         #: lease's failover time asks for it (``_locked``)
         self.lock_timeout_s = lock_timeout_s
+        self.connect_timeout_s = connect_timeout_s
         self._clock = clock
         if isinstance(url, Engine):
             self.engine = url
@@ -116,10 +128,14 @@ class SQLStateStore:
             # A row lock held by a frozen or partitioned worker must not stall a shard (and
             # its shutdown) for ever: the wait ends in an error and the batch is retried.
             sqlite = url.startswith("sqlite")
-            connect_args: dict[str, Any] = (
-                {"timeout": lock_timeout_s} if sqlite
-                else {"options": f"-c lock_timeout={int(lock_timeout_s * 1000)}"}
-                if url.startswith("postgresql") else {})
+            connect_args: dict[str, Any] = {}
+            if sqlite:
+                connect_args = {"timeout": lock_timeout_s}
+            elif url.startswith("postgresql"):
+                connect_args = {
+                    "connect_timeout": _libpq_seconds(connect_timeout_s),
+                    "options": f"-c lock_timeout={int(lock_timeout_s * 1000)} "
+                               f"-c statement_timeout={int(statement_timeout_s * 1000)}"}
             self.engine = sa.create_engine(url, connect_args=connect_args,
                                            pool_pre_ping=not sqlite)
             if sqlite:
@@ -154,6 +170,13 @@ class SQLStateStore:
         """Create the tables when missing. Workers starting together race to create them;
         the loser's CREATE fails once the winner's is committed, and a second look finds
         them."""
+        try:
+            with self.engine.connect():
+                pass
+        except DBAPIError as exc:
+            raise StateStoreUnavailable(
+                f"cannot connect to the state store {self!r} (connect timeout "
+                f"{self.connect_timeout_s:g}s): {redact(str(exc.orig)).strip()}") from None
         try:
             self._meta.create_all(self.engine)
         except DBAPIError:
@@ -450,6 +473,16 @@ class SQLStateStore:
 def _gap_name(gap: Position) -> str:
     """A gap's key in ``<prefix>_gaps``: the position it starts after."""
     return f"{gap.checkpoint}/{gap.sub_sequence_number}"
+
+
+class StateStoreUnavailable(KCLError):
+    """The state store's database could not be reached (refused, or silent past the
+    connect timeout); the worker's start-up retries it like any other start-up failure."""
+
+
+def _libpq_seconds(seconds: float) -> int:
+    """libpq's ``connect_timeout``: whole seconds, and it takes anything below 2 as 2."""
+    return max(2, round(seconds))
 
 
 def _json(value: Any) -> str:
