@@ -59,15 +59,21 @@ FOUND_36: list[tuple[int, str, str]] = [
     (72, "own-write-lost", "hole 9"),
     (21, "operator-partial", "new: the CLI's lost answer"),
     (169, "exactly-once", "new: live start behind a queued gap"),
-    (559, "exactly-once", "open: a record applied 0 times"),
-    (173, "exactly-once", "open: shard order broken"),
-    (706, "operator-partial", "open: shard resume's lost answer"),
-    (971, "operator-replay", "open: a rewind not replayed"),
+    (559, "exactly-once", "conflict starvation near retention"),
+    (173, "exactly-once", "world: SQLite's lock"),
+    (706, "operator-partial", "the CLI's lost answer, resume"),
+    (971, "operator-replay", "a replay moved a lagging shard forward"),
+    (341, "exactly-once", "new: conflict starvation"),
+    (458, "operator-partial", "new: a retry after another's write"),
+    (464, "exactly-once", "new: live start before a queued gap's end"),
+    (292, "exactly-once", "new: live from the checkpoint beside a queued gap"),
 ]
 
-#: the seeds of FOUND_36 whose holes are fixed (FOUND.md, "After the fixes were merged"):
-#: each must replay clean; the others stay strict xfails until theirs are
-FIXED_36 = frozenset({19, 189, 7, 223, 794, 546, 72, 21, 169})
+#: the seeds of FOUND_36 whose holes are fixed (FOUND.md, "After the fixes were merged" and
+#: "The fifteen analysed"): each must replay clean; any other stays a strict xfail until its
+#: fix is merged
+FIXED_36 = frozenset({19, 189, 7, 223, 794, 546, 72, 21, 169, 559, 173, 706, 971, 341, 458,
+                      464, 292})
 
 #: found and not fixed: seed -> the invariants it breaks (tests/simulation/FOUND.md says what
 #: and why). A chunk fails if such a seed breaks anything else, or stops breaking these.

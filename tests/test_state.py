@@ -215,8 +215,7 @@ def test_a_transaction_that_keeps_losing_races_commits_in_smaller_ones(
     shard = Shard(table, "s1", "A", Clock())
     hot = HotKeys(store, fits=3)
     metrics = Metrics()
-    adapter = ExactlyOnceProcessor(Counter(), hot, metrics=metrics,  # type: ignore[arg-type]
-                                   sleep=lambda _: None)
+    adapter = ExactlyOnceProcessor(Counter(), hot, metrics=metrics, sleep=lambda _: None)
     adapter.initialize(InitializeInput("s1", "TRIM_HORIZON", 0))
     shard.deliver(adapter, [rec(100 + i, f"k{i}:{i}") for i in range(40)])
     state = stored_state(store)
@@ -234,7 +233,7 @@ def test_a_transaction_refused_every_time_still_fails_its_batch(
     again by the consumer) after MAX_CONFLICTS + 1 attempts in a row, nothing applied."""
     shard = Shard(table, "s1", "A", Clock())
     hot = HotKeys(store, fits=0)
-    adapter = ExactlyOnceProcessor(Counter(), hot, sleep=lambda _: None)  # type: ignore[arg-type]
+    adapter = ExactlyOnceProcessor(Counter(), hot, sleep=lambda _: None)
     adapter.initialize(InitializeInput("s1", "TRIM_HORIZON", 0))
     with pytest.raises(TransactionRejected):
         shard.deliver(adapter, [rec(100 + i, f"k{i}:{i}") for i in range(8)])

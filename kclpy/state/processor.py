@@ -194,7 +194,8 @@ class ExactlyOnceProcessor(IRecordProcessor):
         lose every race and never commit (simulator seed 341: 55 records refused four times
         in a row while their oldest aged out of the stream). Every commit that lands moves
         the checkpoint forward, so only conflicts in a row count against the limit."""
-        batch, rest = list(covered), []
+        batch: list[Record] = list(covered)
+        rest: list[Record] = []
         conflicts = 0
         while batch:
             try:

@@ -651,7 +651,8 @@ class FaultyClient:
                 sim.sleep(rng.random() * min(20.0, 2.0 ** (attempt - 1)) * self.node.rate)
                 continue
             if isinstance(error, ClientError):  # as botocore tells how often it retried
-                error.response.setdefault("ResponseMetadata", {})["RetryAttempts"] = attempt - 1
+                meta: Any = error.response.setdefault("ResponseMetadata", {})  # type: ignore[typeddict-item]
+                meta["RetryAttempts"] = attempt - 1
             raise error
 
 

@@ -561,8 +561,8 @@ class ObservedSQLStore(SQLStateStore):
         as SQLite's busy timeout does."""
         budget_s = min(self.lock_timeout_s, guard.wait_s)
         if not self.write_lock.acquire(timeout=budget_s):
-            busy = sqlite3.OperationalError("database is locked")
-            busy.sqlite_errorcode = sqlite3.SQLITE_BUSY
+            busy: Any = sqlite3.OperationalError("database is locked")
+            busy.sqlite_errorcode = 5  # SQLITE_BUSY
             raise sa.exc.OperationalError("BEGIN IMMEDIATE", None, busy)
         try:
             with super()._locked(guard) as conn:
