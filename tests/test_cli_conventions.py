@@ -1,0 +1,183 @@
+"""What a user of uvicorn or gunicorn expects of ``kclpy-worker``: ``--help`` grouped, with
+each option's default and choices; a "did you mean" for every name a user can misspell
+(environment variable, properties key, stream, processor class); one log line per event, in
+order; and the lines of ``--processes N`` saying which worker they come from."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+import boto3
+import pytest
+from botocore.stub import Stubber
+
+from kclpy.arguments import HELP_GROUPS, worker_parser
+from kclpy.config import OPTIONS, OTHER_VARIABLES, KCLConfig, from_environment, from_properties
+from kclpy.errors import ConfigError, closest
+from kclpy.leases.streams import StreamSet
+from kclpy.leases.table import LeaseTable
+from kclpy.loading import load_object
+
+if TYPE_CHECKING:
+    from mypy_boto3_kinesis import KinesisClient
+
+ROOT = Path(__file__).resolve().parent.parent
+_MAIN_JOB = ["--local", "--processor", "examples/printing_processor.py:PrintingProcessor",
+             "--stop-when-caught-up"]
+
+
+# -- --help -----------------------------------------------------------------------------------
+
+
+def _grouped(parser: argparse.ArgumentParser) -> dict[str, list[argparse.Action]]:
+    return {group.title or "": list(group._group_actions) for group in parser._action_groups}
+
+
+def test_every_option_is_in_exactly_one_help_group() -> None:
+    parser = worker_parser()
+    listed = [dest for _, dests in HELP_GROUPS for dest in dests]
+    assert len(listed) == len(set(listed)), "an option is in two groups"
+    groups = _grouped(parser)
+    assert groups["positional arguments"] == []
+    placed = [action.dest for title, actions in groups.items() if title != "options"
+              for action in actions]
+    assert sorted(placed) == sorted(listed)
+    general = {action.dest for action in groups["options"]}
+    assert general == {"help", "version"}
+    assert {o.name for o in OPTIONS} - set(placed) == {"executable_name"}
+    titled = [title for title in groups if title not in ("options", "positional arguments")]
+    assert titled == [t for t, _ in HELP_GROUPS]
+
+
+def test_help_shows_each_options_default_and_choices(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        worker_parser().parse_args(["--help"])
+    assert exit_.value.code == 0
+    # one option's help as one line, whatever the terminal's width
+    text = " ".join(capsys.readouterr().out.split())
+    for title, _ in HELP_GROUPS:
+        assert f" {title}: " in text, title
+    flags = [o.flag for o in OPTIONS if o.name != "executable_name"]
+    for option in OPTIONS:
+        if option.name == "executable_name":
+            continue
+        start = text.index(f" {option.flag} ")
+        later = [i for i in (text.find(f" {f} ", start + 1) for f in flags) if i > start]
+        own = text[start:min(later, default=len(text))]
+        if option.listed_choices:
+            assert f"choices: {', '.join(option.listed_choices)}" in own, option.flag
+        default = option.default
+        if default is not None:
+            shown = str(default).lower() if isinstance(default, bool) else str(default)
+            assert f"default: {shown})" in own, option.flag
+    for flag, said in (("--log-level", "choices: DEBUG, INFO, WARNING, ERROR; default: INFO"),
+                       ("--processes", "default: 1"), ("--progress-interval", "default: 30")):
+        assert said in text[text.index(f" {flag} "):], flag
+
+
+def test_the_defaults_shown_are_the_configs_own() -> None:
+    """One source: a default changed in KCLConfig changes --help."""
+    config = KCLConfig(application_name="a", stream_name="s")
+    for option in OPTIONS:
+        if option.default is not None:
+            assert getattr(config, option.name) == option.default, option.name
+
+
+# -- did you mean -----------------------------------------------------------------------------
+
+
+def test_one_helper_finds_the_near_miss_in_its_own_spelling() -> None:
+    assert closest("--stream-nme", ["--stream-name", "--stream-arn"]) == "--stream-name"
+    assert closest("STARTINGPOSITON", ["startingPosition"], ignore_case=True) == \
+        "startingPosition"
+    assert closest("shard", ["--failover-time-ms"]) is None
+
+
+def test_a_misspelt_environment_variable_is_warned_about_with_the_closest_name(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """It used to be ignored without a word: the stream name came from somewhere else, or
+    the worker failed with "--stream-name is required" beside the variable that sets it."""
+    with caplog.at_level(logging.WARNING, logger="kclpy.config"):
+        values, _ = from_environment({"KCLPY_STREAM_NAMES": "orders", "KCLPY_REGION": "eu",
+                                      "KCLPY_XYZZY": "1", "OTHER_STREAM_NAMES": "x",
+                                      **dict.fromkeys(OTHER_VARIABLES, "1")})
+    assert values == {"region": "eu"}
+    said = [record.getMessage() for record in caplog.records]
+    assert said == [
+        "environment variable KCLPY_STREAM_NAMES is not a kclpy setting and is ignored "
+        "(did you mean KCLPY_STREAM_NAME?)",
+        "environment variable KCLPY_XYZZY is not a kclpy setting and is ignored",
+    ]
+
+
+def test_every_kclpy_variable_the_package_reads_is_known() -> None:
+    """A variable read somewhere in kclpy but missing from OTHER_VARIABLES would be warned
+    about as unknown while it works."""
+    read = set()
+    for path in (ROOT / "kclpy").rglob("*.py"):
+        read |= set(re.findall(r"environ(?:\.get\(|\[)\"(KCLPY_[A-Z_]+)\"",
+                               path.read_text()))
+    assert read and read <= set(OTHER_VARIABLES)
+
+
+def test_a_misspelt_properties_key_is_warned_about_with_the_closest_key() -> None:
+    said: list[str] = []
+    values, _ = from_properties({"maxRecordz": "5", "retrievalMode": "POLLING",
+                                 "somethingElse": "1", "maxActiveThreads": "4"},
+                                warn=said.append)
+    assert "max_records" not in values
+    assert said == ["unknown properties key 'maxRecordz' ignored (did you mean 'maxRecords'?)",
+                    "unknown properties key 'somethingElse' ignored"]
+
+
+def test_a_misspelt_processor_class_is_named_as_it_is_spelt(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(ConfigError) as error:
+        load_object("examples/printing_processor.py:PrintingProcesor", "--processor")
+    assert error.value.option == "--processor"
+    assert error.value.message.endswith(
+        "has no attribute 'PrintingProcesor' (did you mean "
+        "examples/printing_processor.py:PrintingProcessor?)")
+
+
+def _stream_set(kinesis: KinesisClient, stream_name: str) -> StreamSet:
+    config = KCLConfig(application_name="a", stream_name=stream_name)
+    # a stream that does not exist is refused before the lease table is touched
+    return StreamSet(kinesis, cast(LeaseTable, None), config)
+
+
+def _missing(stubber: Stubber, name: str) -> None:
+    stubber.add_client_error("describe_stream_summary", "ResourceNotFoundException",
+                             expected_params={"StreamName": name})
+
+
+def test_a_stream_that_does_not_exist_is_refused_with_the_closest_stream_name() -> None:
+    kinesis: KinesisClient = boto3.client(
+        "kinesis", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    with Stubber(kinesis) as stubber:
+        _missing(stubber, "ordrs")
+        stubber.add_response("list_streams", {"StreamNames": ["audit", "orders"],
+                                              "HasMoreStreams": True, "NextToken": "next"})
+        stubber.add_response("list_streams", {"StreamNames": ["payments"],
+                                              "HasMoreStreams": False}, {"NextToken": "next"})
+        with pytest.raises(ConfigError) as error:
+            _stream_set(kinesis, "ordrs").refresh(starting=True)
+        stubber.assert_no_pending_responses()
+    assert str(error.value) == "--stream-name: stream ordrs does not exist (did you mean orders?)"
+
+
+def test_a_caller_who_may_not_list_streams_gets_the_same_error_without_a_suggestion() -> None:
+    kinesis: KinesisClient = boto3.client(
+        "kinesis", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    with Stubber(kinesis) as stubber:
+        _missing(stubber, "ordrs")
+        stubber.add_client_error("list_streams", "AccessDeniedException")
+        with pytest.raises(ConfigError) as error:
+            _stream_set(kinesis, "ordrs").refresh(starting=True)
+    assert str(error.value) == "--stream-name: stream ordrs does not exist"
