@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -181,3 +184,70 @@ def test_a_caller_who_may_not_list_streams_gets_the_same_error_without_a_suggest
         with pytest.raises(ConfigError) as error:
             _stream_set(kinesis, "ordrs").refresh(starting=True)
     assert str(error.value) == "--stream-name: stream ordrs does not exist"
+
+
+# -- the log of a run -------------------------------------------------------------------------
+
+#: ``2026-01-01 00:00:00,000 LEVEL [worker id] [thread] logger: message``
+_LINE = re.compile(r"^\S+ \S+ (?P<level>[A-Z]+) (?:\[(?P<worker>[^\]]+)\] )?"
+                   r"\[(?P<thread>[^\]]+)\] (?P<logger>\S+): (?P<message>.*)$")
+
+
+def _kclpy_worker(args: list[str], env: dict[str, str] | None = None
+                  ) -> tuple[int, list[re.Match[str]]]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("KCLPY_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "kclpy", *args], cwd=ROOT, capture_output=True, text=True,
+        env={**environ, "PYTHONPATH": str(ROOT), **(env or {})}, timeout=240, check=False)
+    lines = [_LINE.match(line) for line in result.stderr.splitlines()]
+    assert all(lines), result.stderr
+    return result.returncode, cast("list[re.Match[str]]", lines)
+
+
+def _first(lines: list[str], pattern: str) -> int:
+    return next(i for i, line in enumerate(lines) if re.search(pattern, line))
+
+
+@pytest.mark.integration
+def test_a_local_run_logs_each_event_once_and_in_order() -> None:
+    """The shard sync and the worker both logged the leases created, and the stream was
+    said to be consumed before the lease table existed and again by the worker."""
+    code, parsed = _kclpy_worker(_MAIN_JOB)
+    assert code == 0
+    lines = [m["message"] for m in parsed]
+    assert len(lines) == len(set(lines)), lines
+    assert len([line for line in lines if "created" in line and "lease" in line]) == 2, lines
+    assert len([line for line in lines if "consuming" in line]) == 1, lines
+    order = [_first(lines, r"^created lease table"),
+             _first(lines, r"^shard sync created leases"),
+             _first(lines, r"^worker \S+ consuming kclpy-demo"),
+             _first(lines, r"^worker \S+ took shardId"),
+             _first(lines, r"^every shard is caught up; stopping"),
+             _first(lines, r"^worker \S+ stopped")]
+    assert order == sorted(order), lines
+
+
+@pytest.mark.integration
+def test_every_line_of_a_worker_process_names_its_worker_and_warnings_are_said_once(
+        tmp_path: Path) -> None:
+    """The supervisor and each of its N workers loaded the configuration and warned about it,
+    and N workers' lines (progress included) were interleaved without saying whose."""
+    properties = tmp_path / "app.properties"
+    properties.write_text("maxRecordz = 5\nretrievalMode = POLLING\n")
+    code, parsed = _kclpy_worker(
+        [*_MAIN_JOB, "--processes", "2", "--properties", str(properties),
+         "--worker-id", "w", "--progress-interval", "0.1"],
+        {"KCLPY_STREAM_NAMES": "x"})
+    assert code == 0
+    messages = [m["message"] for m in parsed]
+    assert sum("KCLPY_STREAM_NAMES" in line for line in messages) == 1, messages
+    assert sum("maxRecordz" in line for line in messages) == 1, messages
+    started = [line for line in messages if line.startswith("worker process")]
+    assert started[:2] == [f"worker process {i} started (pid {pid}, worker id w-{i})"
+                           for i, pid in enumerate(re.findall(r"pid (\d+)", " ".join(started))[:2])]
+    from_workers = [m for m in parsed if m["logger"] not in ("kclpy.supervisor", "kclpy.config")]
+    assert from_workers, messages
+    assert all(m["worker"] in ("w-0", "w-1") for m in from_workers), messages
+    for i in (0, 1):
+        assert any(m["worker"] == f"w-{i}" and m["message"].startswith(f"worker w-{i} stopped")
+                   for m in from_workers)
