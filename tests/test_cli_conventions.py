@@ -91,6 +91,16 @@ def test_the_defaults_shown_are_the_configs_own() -> None:
             assert getattr(config, option.name) == option.default, option.name
 
 
+def test_the_configuration_reference_shows_the_same_defaults() -> None:
+    reference = (ROOT / "docs" / "configuration.md").read_text()
+    rows = {match[1]: [cell.strip() for cell in match[0].split("|")[1:-1]]
+            for match in re.finditer(r"^\| `(--[a-z0-9-]+)` \|.*\|$", reference, re.M)}
+    for option in OPTIONS:
+        if option.default is not None:
+            default = str(option.default)
+            assert rows[option.flag][3].lower() == default.lower(), option.flag
+
+
 # -- did you mean -----------------------------------------------------------------------------
 
 
