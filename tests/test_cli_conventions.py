@@ -252,9 +252,9 @@ def test_every_line_of_a_worker_process_names_its_worker_and_warnings_are_said_o
     messages = [m["message"] for m in parsed]
     assert sum("KCLPY_STREAM_NAMES" in line for line in messages) == 1, messages
     assert sum("maxRecordz" in line for line in messages) == 1, messages
-    started = [line for line in messages if line.startswith("worker process")]
-    assert started[:2] == [f"worker process {i} started (pid {pid}, worker id w-{i})"
-                           for i, pid in enumerate(re.findall(r"pid (\d+)", " ".join(started))[:2])]
+    for i in (0, 1):
+        started = rf"^worker process {i} started \(pid \d+, worker id w-{i}\)$"
+        assert sum(bool(re.match(started, line)) for line in messages) == 1, messages
     from_workers = [m for m in parsed if m["logger"] not in ("kclpy.supervisor", "kclpy.config")]
     assert from_workers, messages
     assert all(m["worker"] in ("w-0", "w-1") for m in from_workers), messages
