@@ -8,7 +8,6 @@ worker, and the supervisor that checks the configuration once before starting N 
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,7 +23,7 @@ from kclpy.config import (
     from_properties,
     read_properties,
 )
-from kclpy.errors import ConfigError
+from kclpy.errors import ConfigError, closest
 from kclpy.position import TRIM_HORIZON
 from kclpy.streams import StreamConfig
 
@@ -80,51 +79,129 @@ class OneLineParser(argparse.ArgumentParser):
         known = [flag for action in self._actions for flag in action.option_strings]
         for word in message.removeprefix("unrecognized arguments: ").split():
             name = word.split("=", 1)[0]
-            if name.startswith("--"):
-                close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-                if close:
-                    return f" (did you mean {close[0]}?)"
+            close = closest(name, known) if name.startswith("--") else None
+            if close:
+                return f" (did you mean {close}?)"
         return ""
+
+
+#: ``kclpy-worker --help`` in the sections a reader looks for, each option (by its dest) in
+#: exactly one; what each option is, its default and its choices come from the option itself
+HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Application & stream", (
+        "processor", "properties", "processes", "stream_name", "stream_arn",
+        "application_name", "worker_id", "region", "kinesis_endpoint", "dynamodb_endpoint",
+        "initial_position", "initial_timestamp", "stop_when_caught_up",
+        "max_initialization_attempts", "initialization_backoff_ms",
+        "former_streams_lease_deletion_delay_ms")),
+    ("Leases", (
+        "table_name", "failover_time_ms", "shard_sync_interval_ms", "max_leases_for_worker",
+        "max_leases_to_steal_at_one_time", "parent_shard_poll_interval_ms",
+        "cleanup_leases_upon_shard_completion", "is_graceful_lease_handoff_enabled",
+        "graceful_lease_handoff_timeout_ms", "list_shards_backoff_base_ms",
+        "list_shards_backoff_cap_ms", "max_list_shards_retry_attempts", "lease_assignment",
+        "lease_assigner", "rebalance_threshold_percentage", "dampening_percentage",
+        "allow_throughput_overshoot", "max_throughput_per_host_kbps",
+        "variance_balancing_frequency", "worker_metrics_ema_alpha",
+        "worker_metrics_reporter_freq_ms")),
+    ("Retrieval", (
+        "retrieval_mode", "max_records", "idle_time_between_reads_ms", "prefetch_queue_size",
+        "max_pool_connections", "get_records_backoff_base_ms", "get_records_backoff_cap_ms",
+        "kpl_hash_range_filter", "consumer_name", "consumer_arn", "fanout_http_version",
+        "register_stream_consumer_retries", "max_describe_stream_consumer_retries",
+        "retry_backoff_ms")),
+    ("Processing & checkpoints", (
+        "call_process_records_even_for_empty_record_list", "processor_error_policy",
+        "processor_error_attempts", "task_backoff_time_ms", "max_task_backoff_time_ms",
+        "fail_on_data_loss", "shutdown_grace_ms", "timeout_in_seconds", "stray_stdout")),
+    ("Lag & recovery", (
+        "max_lag_ms", "recovery_max_rate", "lag_window_s", "lag_interval_s", "lag_webhook")),
+    ("State store", ("state_store", "transaction_max_records", "transaction_max_time_ms")),
+    ("Metrics & operations", (
+        "metrics_port", "metrics_host", "progress_interval", "metrics_level",
+        "metrics_enabled_dimensions", "metrics_buffer_time_ms", "metrics_max_queue_size",
+        "metrics_namespace", "cloudwatch_region", "cloudwatch_endpoint")),
+    ("Spark", ("spark_batch", "spark_decode")),
+    ("Logging", ("log_level",)),
+    ("Local/dev", ("local",)),
+)
+
+
+#: what a value of each kind of option looks like, in the usage and help lines
+_METAVARS = {"int": "N", "int0": "N", "port": "PORT", "url": "URL", "timestamp": "TIME",
+             "fraction": "NUMBER"}
+
+
+def _help(text: str, default: Any = None, choices: Sequence[str] = ()) -> str:
+    """``text`` with the choices and default argparse would not show by itself: a config
+    option's argparse default stays None (an unset flag must not hide the environment or
+    the properties file), so its default is ``KCLConfig``'s, stated here."""
+    notes = []
+    if choices:
+        notes.append(f"choices: {', '.join(choices)}")
+    if default is not None:
+        shown = str(default).lower() if isinstance(default, bool) else str(default)
+        notes.append(f"default: {shown}")
+    suffix = f" ({'; '.join(notes)})" if notes else ""
+    return (text + suffix).replace("%", "%%")
 
 
 def worker_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
-        prog="kclpy-worker",
-        description="Consume a Kinesis stream with a kclpy record processor.")
-    parser.add_argument("--processor", metavar="SPEC",
-                        help="pkg.module:Class or path/to/file.py:Class (an IRecordProcessor)")
-    parser.add_argument("--properties", metavar="FILE",
-                        help="MultiLangDaemon .properties file (flags win over it)")
-    parser.add_argument("--local", action="store_true",
-                        help="start the embedded local AWS endpoint (demo stream included; "
-                             "with --retrieval-mode fanout, kinesis-mock serves Kinesis)")
-    parser.add_argument("--processes", metavar="N", default="1",
-                        help="run N worker processes sharing the lease table (all cores)")
-    parser.add_argument("--spark-batch", metavar="SPEC",
-                        help="hand micro-batches to foreach_batch(df, batch_id) at SPEC "
-                             "(pkg.module:function) instead of running a processor")
-    parser.add_argument("--spark-decode", metavar="SPEC",
-                        help="with --spark-batch: decode(data: pyarrow.BinaryArray) -> "
-                             "pyarrow.Table of extra columns, one row per record")
-    parser.add_argument("--log-level", default="INFO", type=str.upper, metavar="LEVEL",
-                        choices=LOG_LEVELS, help="DEBUG, INFO, WARNING or ERROR (any case)")
-    parser.add_argument("--progress-interval", metavar="SECONDS", default="30",
-                        help="log a progress line (records, bytes, shards held, largest "
-                             "MillisBehindLatest) this often; 0 turns it off")
+        prog="kclpy-worker", usage="%(prog)s [options] (--processor SPEC | --properties FILE "
+                                   "| --spark-batch SPEC)",
+        description="Consume a Kinesis stream with a kclpy record processor. Each option "
+                    "can also be set in a --properties file or a KCLPY_* environment "
+                    "variable (docs/configuration.md); flags win.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    groups = {}
+    for title, dests in HELP_GROUPS:
+        group = parser.add_argument_group(title)
+        groups.update(dict.fromkeys(dests, group))
+    groups["processor"].add_argument(
+        "--processor", metavar="SPEC",
+        help="pkg.module:Class or path/to/file.py:Class (an IRecordProcessor)")
+    groups["properties"].add_argument(
+        "--properties", metavar="FILE",
+        help="MultiLangDaemon .properties file (flags win over it)")
+    groups["local"].add_argument(
+        "--local", action="store_true",
+        help="start the embedded local AWS endpoint (demo stream included; with "
+             "--retrieval-mode fanout, kinesis-mock serves Kinesis)")
+    groups["processes"].add_argument(
+        "--processes", metavar="N", default="1",
+        help=_help("run N worker processes sharing the lease table (all cores)", "1"))
+    groups["spark_batch"].add_argument(
+        "--spark-batch", metavar="SPEC",
+        help="hand micro-batches to foreach_batch(df, batch_id) at SPEC (pkg.module:function) "
+             "instead of running a processor")
+    groups["spark_decode"].add_argument(
+        "--spark-decode", metavar="SPEC",
+        help="with --spark-batch: decode(data: pyarrow.BinaryArray) -> pyarrow.Table of extra "
+             "columns, one row per record")
+    groups["log_level"].add_argument(
+        "--log-level", default="INFO", type=str.upper, metavar="LEVEL", choices=LOG_LEVELS,
+        help=_help("kclpy's log level (any case)", "INFO", LOG_LEVELS))
+    groups["progress_interval"].add_argument(
+        "--progress-interval", metavar="SECONDS", default="30",
+        help=_help("log a progress line (records, bytes, shards held, largest "
+                   "MillisBehindLatest) this often; 0 turns it off", "30"))
     for option in OPTIONS:
         if option.name in ("executable_name",):
             continue
+        group = groups[option.name]
+        text = _help(option.help, option.default, option.listed_choices)
+        metavar = _METAVARS.get(option.kind, "TEXT")
         if option.name in _REPEATABLE:
-            parser.add_argument(option.flag, dest=option.name, action="append",
-                                metavar=option.kind.upper(),
-                                help=option.help + " Repeat it to consume several streams.")
+            group.add_argument(option.flag, dest=option.name, action="append", metavar="NAME"
+                               if option.name == "stream_name" else "ARN",
+                               help=text + " Repeat it to consume several streams.")
         elif option.kind == "bool":
-            parser.add_argument(option.flag, dest=option.name, nargs="?", const="true",
-                                metavar="BOOL", help=option.help)
+            group.add_argument(option.flag, dest=option.name, nargs="?", const="true",
+                               metavar="BOOL", help=text)
         else:
-            parser.add_argument(option.flag, dest=option.name, metavar=option.kind.upper(),
-                                help=option.help)
+            group.add_argument(option.flag, dest=option.name,
+                               metavar="NAME" if option.listed_choices else metavar, help=text)
     return parser
 
 
@@ -149,11 +226,23 @@ def secrets_out_of_argv(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]
 def early_log_level(argv: Sequence[str]) -> str:
     """The ``--log-level`` of ``argv`` (INFO when absent or invalid), known before the rest
     is parsed: reading a .properties file already logs what it changes."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--log-level", default="INFO", type=str.upper)
-    known, _ = parser.parse_known_args(list(argv))
-    level = str(known.log_level)
+    level = str(_early(argv).log_level)
     return level if level in LOG_LEVELS else "INFO"
+
+
+def early_worker_id(argv: Sequence[str]) -> str | None:
+    """The last ``--worker-id`` of ``argv``: the one a supervisor gives each of its
+    children, known before logging is set up, so every line of the child names it."""
+    worker_id = _early(argv).worker_id
+    return str(worker_id) if worker_id else None
+
+
+def _early(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--log-level", default="INFO", type=str.upper)
+    parser.add_argument("--worker-id")
+    known, _ = parser.parse_known_args(list(argv))
+    return known
 
 
 def parse_worker_args(argv: Sequence[str] | None) -> tuple[KCLConfig, argparse.Namespace]:

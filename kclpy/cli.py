@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, cast
 import boto3
 from botocore.exceptions import BotoCoreError
 
-from kclpy.arguments import early_log_level, parse_worker_args
-from kclpy.config import OPTIONS_BY_NAME, KCLConfig
+from kclpy.arguments import early_log_level, early_worker_id, parse_worker_args
+from kclpy.config import OPTIONS_BY_NAME, SUPERVISED, KCLConfig
 from kclpy.errors import ConfigError, cannot_heal
 from kclpy.loading import current_folder_last, load_object
 from kclpy.metrics import Metrics
@@ -78,19 +78,22 @@ def _processor_factory(config: KCLConfig, args: argparse.Namespace, metrics: Met
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    supervised = SUPERVISED in os.environ
     # before parsing: a .properties file logs what it changes while it is read
-    _configure_logging(early_log_level(argv))
+    _configure_logging(early_log_level(argv),
+                       early_worker_id(argv) if supervised else None)
     current_folder_last()
     metrics = Metrics()
     labels: dict[str, str] = {}
     try:
-        config, args = parse_worker_args(argv)
+        with _said_by_the_supervisor() if supervised else contextlib.nullcontext():
+            config, args = parse_worker_args(argv)
         labels = args.labels
         add_secrets((config.lag_webhook, config.state_store))
         if args.processes > 1:
             if args.local:
                 return _local_processes(config, argv, args.processes)
-            return run_processes(argv, args.processes)
+            return run_processes(argv, args.processes, config)
         if args.spark_batch:
             return _spark_main(config, args)
         factory = _processor_factory(config, args, metrics)
@@ -231,13 +234,31 @@ def _local_processes(config: KCLConfig, argv: list[str], processes: int) -> int:
         for name in ("AWS_SESSION_TOKEN", "AWS_PROFILE"):
             os.environ.pop(name, None)
         os.environ.update({k: v for k, v in shared.items() if v})
-        return run_processes([arg for arg in argv if arg != "--local"], processes)
+        return run_processes([arg for arg in argv if arg != "--local"], processes, config)
 
 
-def _configure_logging(level: str) -> None:
+def _configure_logging(level: str, worker_id: str | None = None) -> None:
     """kclpy's own loggers at ``level``, through handlers that mask credentials whatever
-    logger a record comes from (kclpy.redaction)."""
-    configure_logging(level, "%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s")
+    logger a record comes from (kclpy.redaction). ``worker_id``: the worker is one of a
+    supervisor's, whose children share one terminal; each line names the worker it comes
+    from."""
+    who = "" if worker_id is None else f"[{worker_id.replace('%', '%%')}] "
+    configure_logging(level, f"%(asctime)s %(levelname)s {who}[%(threadName)s] %(name)s: "
+                             "%(message)s")
+
+
+@contextlib.contextmanager
+def _said_by_the_supervisor() -> Iterator[None]:
+    """A supervised worker loads the configuration its supervisor loaded and logged about
+    already (an unknown key, an ignored Java key): said again by each child, every such line
+    would appear N + 1 times. Errors are still shown."""
+    loader = logging.getLogger("kclpy.config")
+    level = loader.level
+    loader.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        loader.setLevel(level)
 
 
 def _spark_main(config: KCLConfig, args: argparse.Namespace) -> int:

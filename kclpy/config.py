@@ -20,8 +20,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kclpy.cloudwatch import parse_dimensions, parse_level
-from kclpy.errors import ConfigError
+from kclpy.cloudwatch import LEVELS, parse_dimensions, parse_level
+from kclpy.errors import ConfigError, closest
 from kclpy.position import AT_TIMESTAMP, INITIAL_POSITIONS, LATEST
 from kclpy.retrieval.subscription import FANOUT_HTTP_VERSIONS
 from kclpy.streams import StreamConfig, StreamTracker
@@ -220,6 +220,19 @@ class Option:
     #: a value never echoed in errors (it may carry credentials)
     secret: bool = False
     rule: Rule | None = None
+    #: the values ``rule`` accepts (in any case), for ``--help``; ``choices`` are exact
+    rule_choices: tuple[str, ...] = ()
+
+    @property
+    def listed_choices(self) -> tuple[str, ...]:
+        """The values ``--help`` lists for the option: its choices, exact or not."""
+        return self.choices or self.rule_choices
+
+    @property
+    def default(self) -> Any:
+        """The option's default: ``KCLConfig``'s own (None for a computed one)."""
+        spec = KCLConfig.__dataclass_fields__[self.name]
+        return None if spec.default is dataclasses.MISSING else spec.default
 
     @property
     def ceiling(self) -> int:
@@ -284,13 +297,14 @@ _MOST_COUNT = 2**31 - 1
 
 def _opt(name: str, kind: str, help: str, *keys: str, least: int | None = None,
          most: int | None = None, choices: tuple[str, ...] = (), secret: bool = False,
-         rule: Rule | None = None) -> Option:
+         rule: Rule | None = None, rule_choices: tuple[str, ...] = ()) -> Option:
     if least is None:
         least = _LEAST.get(kind)
     if kind == "port" and most is None:
         most = 65535
     return Option(name, "--" + name.replace("_", "-"), keys, kind, help, least=least,
-                  most=most, choices=choices, secret=secret, rule=rule)
+                  most=most, choices=choices, secret=secret, rule=rule,
+                  rule_choices=rule_choices)
 
 
 # -- cross-field rules: each belongs to the option it names in its error ------------------
@@ -504,7 +518,7 @@ OPTIONS: tuple[Option, ...] = (
     _opt("retrieval_mode", "str",
          "How shards are read: polling (GetRecords) or fanout (enhanced fan-out, "
          "SubscribeToShard through a registered consumer).", "retrievalMode",
-         rule=_retrieval_mode),
+         rule=_retrieval_mode, rule_choices=RETRIEVAL_MODES),
     _opt("consumer_name", "str",
          "Fan-out: the stream consumer to use or register (default: the application name).",
          "consumerName"),
@@ -541,8 +555,9 @@ OPTIONS: tuple[Option, ...] = (
          "Shard sync: ListShards calls while throttled before the sync fails (it is tried "
          "again at the next interval).", "maxListShardsRetryAttempts"),
     _opt("metrics_level", "str",
-         "CloudWatch: publish the Java KCL's metrics at this level (none, summary, detailed).",
-         "metricsLevel", rule=_parsed_by(parse_level, "metrics_level")),
+         "CloudWatch: publish the Java KCL's metrics at this level.",
+         "metricsLevel", rule=_parsed_by(parse_level, "metrics_level"),
+         rule_choices=tuple(level.lower() for level in LEVELS)),
     _opt("metrics_enabled_dimensions", "str",
          "CloudWatch: dimensions to send (comma-separated, or ALL); Operation always is.",
          "metricsEnabledDimensions",
@@ -574,8 +589,8 @@ OPTIONS: tuple[Option, ...] = (
          "fairly by its recovering shards.", "recoveryMaxRecordsPerSecond"),
     _opt("kpl_hash_range_filter", "bool",
          "Drop a KPL aggregate whose sub-records' hash keys fall outside the shard's range "
-         "(the Java KCL's rule; loses aws-kinesis-agg aggregates, logged at WARNING). "
-         "Default: every sub-record is delivered.", "kplHashRangeFilter"),
+         "(the Java KCL's rule; loses aws-kinesis-agg aggregates, logged at WARNING); off, "
+         "every sub-record is delivered.", "kplHashRangeFilter"),
     _opt("former_streams_lease_deletion_delay_ms", "int0",
          "Multi-stream: how long after a stream left the tracker (or was deleted) its leases "
          "are deleted.", "formerStreamsLeasesDeletionWaitMillis"),
@@ -616,6 +631,8 @@ LOAD_OPTIONS: tuple[Option, ...] = (
 OPTIONS = OPTIONS + LOAD_OPTIONS
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
 OPTIONS_BY_KEY = {k.lower(): o for o in OPTIONS for k in o.properties_keys}
+#: every properties key as written in the reference, for a misspelt key's suggestion
+_PROPERTIES_KEYS = tuple(k for o in OPTIONS for k in o.properties_keys)
 
 #: Keys of the Java MultiLangDaemon that mean nothing without a JVM: accepted, logged once.
 _CREDENTIALS = "credentials come from the standard boto3 chain"
@@ -851,7 +868,9 @@ def from_properties(properties: Mapping[str, str], *, base_dir: Path | None = No
             log.info("properties key %s is accepted and ignored: %s", key, reason)
             continue
         if option is None:
-            say(f"unknown properties key {key!r} ignored")
+            close = closest(key, _PROPERTIES_KEYS, ignore_case=True)
+            say(f"unknown properties key {key!r} ignored"
+                + (f" (did you mean {close!r}?)" if close else ""))
             continue
         if option.name == "initial_timestamp":
             if raw.strip().upper() in INITIAL_POSITIONS:
@@ -934,8 +953,26 @@ def from_environment(environ: Mapping[str, str] | None = None) -> tuple[dict[str
     values: dict[str, Any] = {}
     labels: dict[str, str] = {}
     for option in OPTIONS:
-        var = "KCLPY_" + option.name.upper()
+        var = environment_variable(option)
         if var in env:
             values[option.name] = _convert(option, env[var], var)
             labels[option.name] = var
+    known = [*(environment_variable(option) for option in OPTIONS), *OTHER_VARIABLES]
+    for var in sorted(env):
+        if var.startswith(_PREFIX) and var not in known:
+            close = closest(var, known)
+            log.warning("environment variable %s is not a kclpy setting and is ignored%s",
+                        var, f" (did you mean {close}?)" if close else "")
     return values, labels
+
+
+_PREFIX = "KCLPY_"
+#: set by ``--processes N`` in each worker process it starts (kclpy.supervisor)
+SUPERVISED = "KCLPY_WORKER_PROCESS"
+#: ``KCLPY_*`` variables kclpy reads that are not options, so never warned about
+OTHER_VARIABLES = ("KCLPY_CACHE_DIR", SUPERVISED)
+
+
+def environment_variable(option: Option) -> str:
+    """The variable that sets ``option``: ``KCLPY_`` and its keyword in capitals."""
+    return _PREFIX + option.name.upper()

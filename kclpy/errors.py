@@ -6,6 +6,8 @@ the class names are part of the public contract and must not change.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -100,3 +102,18 @@ def cannot_heal(exc: BaseException) -> bool:
         code = response.get("Error", {}).get("Code")
         return code in _UNHEALABLE_CODES
     return False
+
+
+def closest(word: str, known: Iterable[str], *, ignore_case: bool = False) -> str | None:
+    """The known name ``word`` was most likely meant to be, as it is spelt in ``known``, or
+    None when none is close. Every "did you mean" of kclpy (flags, environment variables,
+    properties keys, Spark options, stream names, processor classes) asks this one, so they
+    all agree on what counts as a near miss."""
+    spellings = {(name.lower() if ignore_case else name): name for name in known}
+    matches = difflib.get_close_matches(word.lower() if ignore_case else word, list(spellings),
+                                        n=1, cutoff=_CLOSE_ENOUGH)
+    return spellings[matches[0]] if matches else None
+
+
+#: difflib's own default: a one- or two-letter slip in a name, not a different word
+_CLOSE_ENOUGH = 0.6

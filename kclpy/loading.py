@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kclpy.errors import ConfigError
+from kclpy.errors import ConfigError, closest
 
 
 def current_folder_last() -> None:
@@ -73,5 +73,7 @@ def load_object(spec: str, option: str, *, base_dir: Path | None = None) -> Any:
         raise ConfigError(option, _import_failure(module_name, exc)) from None
     target = getattr(module, name, None)
     if target is None:
-        raise ConfigError(option, f"{module_name!r} has no attribute {name!r}")
+        close = closest(name, [attr for attr in vars(module) if not attr.startswith("_")])
+        hint = f" (did you mean {module_name}:{close}?)" if close else ""
+        raise ConfigError(option, f"{module_name!r} has no attribute {name!r}{hint}")
     return target

@@ -43,6 +43,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from kclpy.arguments import parse_worker_args, secrets_out_of_argv
+from kclpy.config import SUPERVISED, KCLConfig
 from kclpy.errors import ConfigError
 from kclpy.lifetime import die_with_parent
 from kclpy.redaction import redact
@@ -71,6 +72,7 @@ _SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
 
 def _spawn_worker(argv: list[str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, *_SAFE_PATH, "-m", "kclpy", *argv],
+                            env={**os.environ, SUPERVISED: "1"},
                             preexec_fn=die_with_parent(signal.SIGTERM))
 
 
@@ -101,6 +103,7 @@ def child_metrics_port(port: int | None, index: int) -> list[str]:
 class _Child:
     index: int
     argv: list[str]
+    worker_id: str
     process: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     #: when a crashed child starts again (None: not waiting to restart)
@@ -140,7 +143,7 @@ class Supervisor:
         base = strip_processes(argv)
         self.children = [
             _Child(i, [*base, "--worker-id", f"{worker_id}-{i}",
-                       *child_metrics_port(metrics_port, i)])
+                       *child_metrics_port(metrics_port, i)], f"{worker_id}-{i}")
             for i in range(n)]
         self._stop_timeout_s = stop_timeout_s
         self._spawn = spawn
@@ -200,7 +203,8 @@ class Supervisor:
         child.process = self._spawn(child.argv)
         child.started_at = self._clock()
         child.restart_at = None
-        log.info("worker process %d started (pid %d)", child.index, child.process.pid)
+        log.info("worker process %d started (pid %d, worker id %s)", child.index,
+                 child.process.pid, child.worker_id)
 
     def _reap(self) -> None:
         for child in self.children:
@@ -245,16 +249,19 @@ class Supervisor:
         return on_stop_signals(self.stop)
 
 
-def run_processes(argv: list[str], n: int, *, spawn: Spawn = _spawn_worker) -> int:
+def run_processes(argv: list[str], n: int, config: KCLConfig | None = None, *,
+                  spawn: Spawn = _spawn_worker) -> int:
     """What ``kclpy-worker --processes N`` runs: N workers with ``argv`` (``--processes``
     removed), signals forwarded, restarted when they die. Returns the exit code: 0 when every
     worker's last run exited 0, 1 otherwise, 2 for a bad configuration (checked once here,
-    before any process starts)."""
+    before any process starts). ``config``: ``argv`` already parsed, by the CLI; parsing it
+    again would log each of its warnings (an unknown key, say) twice."""
     child_argv, secrets = secrets_out_of_argv(strip_processes(argv))
     # inherited by every child, and read there with the flags' precedence
     os.environ.update(secrets)
     try:
-        config, _ = parse_worker_args(child_argv)
+        if config is None:
+            config, _ = parse_worker_args(child_argv)
         port = config.metrics_port
         if port and port + n - 1 > _HIGHEST_PORT:
             raise ConfigError("--metrics-port", f"{port} + {n} processes needs ports up to "

@@ -354,8 +354,7 @@ class Worker:
         self.coordinator.set_known_lease_keys(self.streams.known_lease_keys())
         self.streams.delete_due(self.coordinator.idle_leases(), self.coordinator.all_leases())
         if created:
-            log.info("created %d lease(s): %s", len(created),
-                     ", ".join(lease.lease_key for lease in created))
+            # each stream's shard sync has logged the leases it created
             self.coordinator.wake_taker()
 
     # -- the loop ------------------------------------------------------------------------

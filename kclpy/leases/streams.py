@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from botocore.exceptions import ClientError
 
 from kclpy.config import KCLConfig
-from kclpy.errors import ConfigError
+from kclpy.errors import ConfigError, closest
 from kclpy.leases.lease import Lease
 from kclpy.leases.shard_sync import ShardSyncer
 from kclpy.leases.table import LeaseTable
@@ -38,6 +38,30 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NOT_FOUND = "ResourceNotFoundException"
+
+
+#: ListStreams pages read at most for a misspelt stream name's suggestion (100 names each)
+_SUGGESTION_PAGES = 10
+
+
+def _suggest_stream(kinesis: KinesisClient, name: str | None) -> str:
+    """" (did you mean X?)" for a stream name that does not exist, when the account has a
+    stream named almost so. Only a help: a caller not allowed to list streams, or any other
+    failure, gets no suggestion, never a different error."""
+    if not name:
+        return ""
+    names: list[str] = []
+    try:
+        pages = kinesis.get_paginator("list_streams").paginate()
+        for number, page in enumerate(pages):
+            names.extend(page.get("StreamNames", ()))
+            if number + 1 >= _SUGGESTION_PAGES:
+                break
+    except Exception:
+        log.debug("no stream name suggestion: ListStreams failed", exc_info=True)
+        return ""
+    close = closest(name, names)
+    return f" (did you mean {close}?)" if close else ""
 
 
 @dataclass
@@ -119,8 +143,9 @@ class StreamSet:
             if error_code(exc) != NOT_FOUND:
                 raise
             if starting and not stream.may_be_created_later:
+                hint = _suggest_stream(self.kinesis, stream.name) if not stream.arn else ""
                 raise ConfigError("--stream-name" if stream.name else "--stream-arn",
-                                  f"stream {stream.label} does not exist") from None
+                                  f"stream {stream.label} does not exist{hint}") from None
             log.info("stream %s does not exist (yet); looking again at the next shard sync",
                      stream.label)
             return
@@ -137,8 +162,10 @@ class StreamSet:
         self.active[key] = ActiveStream(stream, identifier, syncer, consumer_arn)
         if self.former.pop(key, None) is not None:
             log.info("stream %s is back; its leases are kept", stream.label)
-        log.info("consuming stream %s%s", stream.label,
-                 f" ({identifier})" if identifier else "")
+        # A single stream opened at start-up is named by the worker's own start line, which
+        # follows once the lease table is there; said here too, it read as started twice.
+        say = log.debug if starting and not self.config.multi_stream else log.info
+        say("consuming stream %s%s", stream.label, f" ({identifier})" if identifier else "")
 
     def _retire(self, key: str, reason: str) -> None:
         active = self.active.pop(key)

@@ -10,7 +10,6 @@ docs/spark.md). Names are case-insensitive, as Spark's options are.
 
 from __future__ import annotations
 
-import difflib
 import re
 import threading
 from collections.abc import Callable, Mapping
@@ -27,7 +26,7 @@ from botocore.credentials import (
 )
 
 from kclpy.config import parse_timestamp
-from kclpy.errors import ConfigError
+from kclpy.errors import ConfigError, closest
 from kclpy.position import AT_TIMESTAMP, LATEST, TRIM_HORIZON
 from kclpy.spark.reading import StreamRef
 
@@ -150,12 +149,8 @@ def _canonical(raw: Mapping[str, str]) -> dict[str, tuple[str, str]]:
         if name is None and low in _UNSUPPORTED_LOWER:
             raise ConfigError(written, f"not supported: {_UNSUPPORTED_LOWER[low]}")
         if name is None:
-            known = list(OPTIONS) + list(ALIASES)
-            close = difflib.get_close_matches(low, [k.lower() for k in known], n=1, cutoff=0.6)
-            hint = ""
-            if close:
-                match = next(k for k in known if k.lower() == close[0])
-                hint = f"; did you mean {_LOWER.get(close[0]) or match!r}?"
+            close = closest(written, [*OPTIONS, *ALIASES], ignore_case=True)
+            hint = f"; did you mean {close!r}?" if close else ""
             raise ConfigError(written, f"unknown option {written!r}{hint}")
         if name in out:
             raise ConfigError(written, f"given twice (also as {out[name][0]!r})")
