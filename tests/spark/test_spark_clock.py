@@ -7,12 +7,20 @@ to no batch (the next one starts at the end), silently. The driver now plans on 
 time as its answers show it, and an executor ends a read at the tip only once Kinesis'
 time has passed the batch's end (:mod:`kclpy.retrieval.clock`). Deterministic with
 botocore's Stubber (answers carrying Kinesis' ``Date``), and over real HTTP (kinesis-mock)
-with the driver's clock skewed in-process."""
+with the driver's clock skewed in-process; and a real Spark query whose Python processes'
+wall clocks run ahead of kinesis-mock's."""
 
 from __future__ import annotations
 
+import collections
+import json
 import logging
+import os
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -31,6 +39,8 @@ from kclpy.spark.reading import (
 )
 from kclpy.spark.source import KinesisStreamReader, SourceOptions
 from tests.support import skew
+from tests.support.chaos import SKEW_ENV, SKEWED_CLOCK
+from tests.support.spark_query import spark_env
 from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
 from tests.support.waiting import wait_for
 
@@ -151,3 +161,76 @@ def test_a_driver_clock_ahead_of_kinesis_skips_no_record_over_real_http(
 
     wait_for(read_everything, 30, "every record read", interval=0.2)
     assert sorted(rows) == sorted(first + second), "every record in exactly one batch"
+
+
+def delivered(out: Path) -> collections.Counter[bytes]:
+    """Every row the query's ``foreachBatch`` wrote, counted (each batch file is renamed
+    into place whole)."""
+    return collections.Counter(bytes.fromhex(row[3]) for path in out.glob("batch-*.json")
+                               for row in json.loads(path.read_text()))
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_spark_query_whose_python_clocks_are_ahead_of_kinesis_skips_no_record(
+        kinesis_mock: LocalEndpoint, tmp_path: Path) -> None:
+    """A real query (its own SparkSession in a driver process, micro-batches every 200 ms
+    into ``foreachBatch``) whose Python processes' wall clocks are 5 s ahead of
+    kinesis-mock's, settleTime 1 s. The skew (``tests/support/skewed_clock``) is in the
+    environment the JVM passes on, so the Python workers Spark starts to plan batches
+    (``latestOffset``) and to read them run ahead too; the JVM's own clock, which only
+    paces triggers, is not skewed. A batch planned on the skewed clock ends 4 s in Kinesis'
+    future, and records arriving after its read reached the tip but before that end
+    belonged to no batch (and kinesis-mock refuses the next batch's start, an
+    ``AT_TIMESTAMP`` in its future: the query fails). Records are written before the query
+    starts and all the while its next four batches run: every one is in exactly one row."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-skewq")
+    create_stream(kinesis, stream, 2)
+    out, log, checkpoint = tmp_path / "out", tmp_path / "driver.log", tmp_path / "checkpoint"
+    out.mkdir()
+    env = spark_env()
+    env[SKEW_ENV] = str(skew.SKEW_MS / 1000)
+    env["PYTHONPATH"] = os.pathsep.join([str(SKEWED_CLOCK), env["PYTHONPATH"]])
+    command = [sys.executable, "-m", "tests.support.spark_query", "--endpoint", kinesis_mock.url,
+               "--stream", stream, "--checkpoint", str(checkpoint), "--out", str(out),
+               "--processing-time", "200 milliseconds", "--option", "settleTime=1s"]
+    written = [f"before-{n}".encode() for n in range(100)]
+    put_plain(kinesis, stream, written)
+    stop = threading.Event()
+
+    def produce() -> None:
+        """A few records every 100 ms: some arrive in every window between a batch's read
+        reaching the tip and the batch's end."""
+        wave = 0
+        while not stop.wait(0.1):
+            payloads = [f"while-{wave}-{n}".encode() for n in range(4)]
+            put_plain(kinesis, stream, payloads)
+            written.extend(payloads)
+            wave += 1
+
+    with log.open("wb") as sink:
+        driver = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    producer = threading.Thread(target=produce, name="producer", daemon=True)
+    try:
+        wait_for(lambda: (checkpoint / "commits" / "0").exists() or driver.poll() is not None,
+                 240, "the first batch committed")
+        assert driver.poll() is None, log.read_text(errors="replace")[-3000:]
+        producer.start()
+        wait_for(lambda: (checkpoint / "commits" / "4").exists() or driver.poll() is not None,
+                 120, "four more batches committed while records were written")
+        stop.set()
+        producer.join(30)
+        assert driver.poll() is None, log.read_text(errors="replace")[-3000:]
+        wait_for(lambda: set(written) <= set(delivered(out)), 60, "every record delivered",
+                 seen=lambda: (len(set(written) - set(delivered(out))), len(written)))
+    finally:
+        stop.set()
+        driver.terminate()
+        driver.wait(60)
+    rows = delivered(out)
+    assert rows == collections.Counter(written), (
+        f"repeated: {sorted(r for r, n in rows.items() if n > 1)[:10]}")
+    text = log.read_text(errors="replace")
+    assert text.count("wall clock is skewed by +5.0 s") >= 2, "no Python worker was skewed"
+    assert "ahead of Kinesis'" in text, "the planning worker did not see the skew"

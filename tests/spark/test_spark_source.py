@@ -29,6 +29,7 @@ from kclpy.spark.offsets import (
     encode_offset,
 )
 from kclpy.spark.source import KinesisStreamReader, SourceOptions
+from tests.support.spark_query import spark_env
 from tests.support.streams import (
     create_stream,
     kinesis_client,
@@ -558,21 +559,6 @@ def test_reader_pickles_without_clients() -> None:
     assert clone._client is None
 
 
-def _spark_env() -> dict[str, str]:
-    import os
-    import sys
-
-    import kclpy
-    from kclpy.spark.java import ensure_java
-
-    env = dict(os.environ)
-    ensure_java(env)
-    root = str(Path(kclpy.__file__).resolve().parent.parent)
-    env.update(PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable,
-               PYTHONPATH=os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")])))
-    return env
-
-
 @pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize(("budget", "held_batch"), [
@@ -605,7 +591,7 @@ def test_a_batch_rerun_after_kill_9_of_the_driver_yields_the_same_rows(
     for name, value in budget.items():
         value = str(tmp_path / value) if name == "metadataPath" else value
         command += ["--option", f"{name}={value}"]
-    env = _spark_env()
+    env = spark_env()
     log = tmp_path / "held.log"
     with log.open("wb") as sink:
         held = subprocess.Popen([*command, "--hold-batch", str(held_batch)], env=env,
