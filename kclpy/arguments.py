@@ -118,7 +118,7 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "max_lag_ms", "recovery_max_rate", "lag_window_s", "lag_interval_s", "lag_webhook")),
     ("State store", ("state_store", "transaction_max_records", "transaction_max_time_ms")),
     ("Metrics & operations", (
-        "metrics_port", "metrics_host", "progress_interval", "metrics_level",
+        "metrics_port", "metrics_host", "ops_allowed_hosts", "progress_interval", "metrics_level",
         "metrics_enabled_dimensions", "metrics_buffer_time_ms", "metrics_max_queue_size",
         "metrics_namespace", "cloudwatch_region", "cloudwatch_endpoint")),
     ("Spark", ("spark_batch", "spark_decode")),
