@@ -13,7 +13,7 @@ import pytest
 from kclpy.local import kinesis_mock
 from kclpy.local.endpoints import LocalEndpointError
 from kclpy.spark import java
-from tests.support import postgres
+from tests.support import java_kcl, postgres
 
 
 @pytest.fixture
@@ -92,3 +92,28 @@ def test_postgresql_binaries_are_run_from_no_shared_fixed_path() -> None:
     bin_dir, _ = postgres._binaries()
     assert not str(bin_dir).startswith(f"/tmp/kclpy-postgres-{postgres.POSTGRES_WHEEL_VERSION}/")
     assert (bin_dir / "postgres").is_file()
+
+
+@pytest.mark.integration
+def test_a_changed_cached_java_kcl_folder_is_unpacked_again(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The Java KCL daemon runs every jar its cached folder holds: a jar changed or added
+    there is noticed on reuse (against the hash-checked wheel) and the folder unpacked again.
+    Fails on the code before (a folder marked complete was reused unchecked)."""
+    real = java_kcl.java_kcl_root()
+    wheel = real.parent / java_kcl.WHEEL_FILE
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    shutil.copy2(wheel, cache / wheel.name)
+    monkeypatch.setattr(java_kcl, "cache_dir", lambda: cache)
+    monkeypatch.setattr(java_kcl, "_checked", set())
+    root = java_kcl.java_kcl_root()
+    jars = root / "amazon_kclpy" / "jars"
+    kcl = next(jars.glob(f"amazon-kinesis-client-multilang-{java_kcl.KCL_VERSION}.jar"))
+    original = kcl.read_bytes()
+    kcl.write_bytes(original + b"tampered")
+    (jars / "planted.jar").write_bytes(b"PK")
+    java_kcl._checked.clear()
+    assert java_kcl.java_kcl_root() == root
+    assert kcl.read_bytes() == original
+    assert not (jars / "planted.jar").exists()

