@@ -399,3 +399,14 @@ def test_a_request_nested_too_deep_to_decode_is_unreadable_not_an_escape() -> No
     first = asked.adding(gap_after(100), 1_000)
     readable, unreadable = asked.read([nested, first.to_text()])
     assert [r for _, r in readable] == [first] and unreadable == [nested]
+
+
+@pytest.mark.parametrize("text", ['{"id":"x","at":1e309,"cancel":[["1",0]]}',
+                                  '{"id":"x","at":1,"cancel":[["1",-1e309]]}'])
+def test_a_request_with_an_infinite_number_is_unreadable_not_an_escape(text: str) -> None:
+    """JSON reads 1e309 as an infinite float and int() of it raises OverflowError, which no
+    ValueError handler catches: it would escape the holder's queue write (and ``kclpy-ctl``'s
+    listing). Such an element is unreadable like a typo, and the readable ones still apply."""
+    first = asked.adding(gap_after(100), 1_000)
+    readable, unreadable = asked.read([text, first.to_text()])
+    assert [r for _, r in readable] == [first] and unreadable == [text]

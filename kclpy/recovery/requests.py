@@ -65,8 +65,10 @@ class QueueRequest:
             request = cls(id=str(body["id"]), at_ms=int(body["at"]),
                           add=None if add is None else RecoveryRequest.from_json(add),
                           cancel=cancel)
-        except (TypeError, KeyError, ValueError, AttributeError, RecursionError) as exc:
-            # RecursionError: JSON nested too deep to decode is as unreadable as a typo
+        except (TypeError, KeyError, ValueError, AttributeError, RecursionError,
+                OverflowError) as exc:
+            # RecursionError: JSON nested too deep to decode is as unreadable as a typo;
+            # OverflowError: int() of an infinite time (JSON reads 1e309 as a float)
             raise ValueError(f"unreadable recovery request {text[:80]!r}: {exc!r}") from None
         if (request.add is None) == (not request.cancel):
             raise ValueError(f"unreadable recovery request {text[:80]!r}: neither an add nor "
