@@ -795,6 +795,10 @@ def test_a_lease_of_a_former_stream_of_the_same_name_is_told_apart(
     ("1700000500.25:1700000501000:abc", 1700000500.75, True),  # the same second, not ms
     ("1700000500.25:1700000501000:abc", 1700000500.25, False),  # made for this one
     ("1700000500:1700000501000:abc", 1700000500.75, False),  # made before ms were kept
+    # hand-written, not a time: unknown, as an unreadable epoch is (int(inf) would raise)
+    ("1e999:1700000501000:abc", 1700000500, False),
+    ("-inf:1700000501000:abc", 1700000500, False),
+    ("nan:1700000501000:abc", 1700000500, False),
 ])
 def test_a_lease_made_for_a_stream_created_at_another_time_is_of_a_former_stream(
         incarnation: str | None, stream_epoch: float | None, former: bool) -> None:

@@ -8,6 +8,7 @@ written by newer Java KCL versions are kept untouched because we never rewrite a
 from __future__ import annotations
 
 import dataclasses
+import math
 import secrets
 import time
 import uuid
@@ -156,9 +157,11 @@ def same_stream(created: float, other: float) -> bool:
 
 def incarnation_epoch(incarnation: str) -> float:
     """The stream creation time an incarnation names (seconds); 0 when unknown or
-    unreadable."""
+    unreadable. An infinite or NaN time (a hand-written ``1e999``) is unreadable: every
+    comparison with it is meaningless, and ``same_stream`` would raise on int() of it."""
     epoch, _, _ = incarnation.partition(":")
     try:
-        return float(epoch)
+        value = float(epoch)
     except ValueError:
         return 0
+    return value if math.isfinite(value) else 0
