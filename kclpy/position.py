@@ -20,6 +20,7 @@ every layer can use it.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Protocol
@@ -38,6 +39,10 @@ AFTER = "AFTER"
 _BEFORE_ALL = (-1, 0)
 _AFTER_ALL = (2**200, 0)
 #: a sentinel's place among positions (a record's is 0)
+#: the most digits a sequence number may have: as many as int() reads (positions are ordered
+#: by int(), which raises ValueError beyond Python's limit, 4,300 digits by default)
+MAX_SEQUENCE_DIGITS = sys.get_int_max_str_digits() or sys.maxsize
+
 _RANK = {AT_TIMESTAMP: -3, TRIM_HORIZON: -2, LATEST: -1, SHARD_END: 1}
 
 
@@ -68,6 +73,10 @@ class Position:
         # reads but no other KCL could: a lease must only ever hold ASCII sequence numbers.
         if seq not in SENTINELS and not (seq.isascii() and seq.isdigit()):
             raise ValueError(f"not a sequence number or a sentinel: {seq!r}")
+        if len(seq) > MAX_SEQUENCE_DIGITS:
+            # read as a position, it would fail every comparison later, wherever made
+            raise ValueError(f"a sequence number of {len(seq)} digits: more than "
+                             f"{MAX_SEQUENCE_DIGITS}, too many to order")
         if self.sub_sequence_number < 0:
             raise ValueError(f"sub-sequence number {self.sub_sequence_number} is negative")
         if self.timestamp_ms is not None and seq != AT_TIMESTAMP:

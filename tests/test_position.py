@@ -13,6 +13,7 @@ import pytest
 from kclpy.position import (
     AT_TIMESTAMP,
     LATEST,
+    MAX_SEQUENCE_DIGITS,
     SENTINELS,
     SHARD_END,
     TRIM_HORIZON,
@@ -45,6 +46,16 @@ def test_a_lease_items_two_attributes_round_trip() -> None:
 def test_only_ascii_digits_or_a_sentinel(bad: str) -> None:
     with pytest.raises(ValueError):
         Position(bad)
+
+
+def test_a_sequence_number_too_long_to_order_is_refused() -> None:
+    """Positions are ordered by int(), which refuses more than Python's digit limit: such a
+    sequence number (a hand-written lease checkpoint) is refused when read, not by whatever
+    comparison meets it first (a lease item holding it is unreadable, and skipped)."""
+    longest = "1" * MAX_SEQUENCE_DIGITS
+    assert Position(longest) > Position("1")
+    with pytest.raises(ValueError, match="too many to order"):
+        Position(longest + "1")
 
 
 def test_a_negative_sub_sequence_or_a_stray_time_is_refused() -> None:
