@@ -5,7 +5,9 @@ supervisor. test_fleet.py runs it with real workers too."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -175,13 +177,17 @@ def test_a_bad_configuration_exits_2_before_starting_anything(
 
 
 def consecutive_free_ports(count: int) -> int:
-    """The first of ``count`` ports in a row that are free on 127.0.0.1 now."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            first = int(probe.getsockname()[1])
-        if first + count - 1 > 65535:
-            continue
+    """The first of ``count`` ports in a row that are free on 127.0.0.1 now, below the
+    kernel's ephemeral range: a port in that range can be taken between this check and the
+    worker's bind by an outgoing connection of a test running beside this one (the emulators'
+    clients open many), and the worker then exits 2 on a busy --metrics-port (a clean-clone
+    run saw P+1 taken that way)."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(10_000, max(10_001, low - count))
         sockets = []
         try:
             for port in range(first, first + count):
