@@ -124,14 +124,18 @@ class LeaseRenewer:
         self._metrics.set(RENEWAL_LOST_LEASES, max(0, held_before - held))
         self._metrics.call(RENEWAL_PASS, seconds, True)
 
+    def renewing(self) -> frozenset[str]:
+        """The leases whose renewal was started and has not ended: the next pass skips them."""
+        with self._flight:
+            return frozenset(self._in_flight)
+
     def next_wait(self) -> float:
         """Until the next renewal or handoff deadline; at most a quarter of the renewal
         interval, so the loop keeps proving it is alive (the coordinator's ``healthy``) even
         with no leases, and notices soon when the process is too busy to run it."""
         now = self._clock()
         deadlines = [now + self.interval_s / 4]
-        with self._flight:
-            in_flight = set(self._in_flight)
+        in_flight = self.renewing()
         for key, held in self.held.entries().items():
             if key in in_flight:
                 continue  # its renewal is on its way; when it ends, its due time is new
