@@ -22,8 +22,9 @@ from kclpy.local import (
     start_moto_server,
 )
 from kclpy.local.kinesis_mock import node_runtime
-from tests.support import lock
+from tests.support import aws_calls, lock
 from tests.support.e2e import EndToEnd
+from tests.support.iam import documented_policies
 
 # The lease tests' in-process table and clock (tests/support/leases.py); a module that
 # defines its own fixture of the same name uses that one.
@@ -44,6 +45,7 @@ def pytest_configure(config: pytest.Config) -> None:
     moto in-process (the unit tests' ``mock_aws``) gets the corrections ``kclpy.local`` gives
     the moto it serves, so both answer as AWS does."""
     moto_quirks.install()
+    aws_calls.install()
     if os.environ.get("KCLPY_TEST_ENDPOINT") or "not integration" in (config.option.markexpr
                                                                         or ""):
         return
@@ -71,6 +73,47 @@ _HEAVY_FILES = frozenset({
 
 #: more workers than this only add heavy tests competing with each other for nothing
 _MOST_XDIST_WORKERS = 4
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Every AWS operation kclpy made in this run is allowed by docs/iam.md
+    (``tests/support/aws_calls.py``): an xdist worker hands its record to the controller,
+    which checks the whole run's and fails it on a miss."""
+    config = session.config
+    if hasattr(config, "workeroutput"):
+        config.workeroutput["kclpy_aws_calls"] = aws_calls.dump()
+        return
+    if exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+        return
+    calls = aws_calls.recorded()
+    misses = aws_calls.not_allowed(calls, documented_policies())
+    config.stash[_AWS_CALLS] = (len(calls), misses)
+    if misses:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    aws_calls.merge(getattr(node, "workeroutput", {}).get("kclpy_aws_calls", []))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    counted = terminalreporter.config.stash.get(_AWS_CALLS, None)
+    if counted is None:
+        return
+    operations, misses = counted
+    if misses:
+        terminalreporter.section("AWS operations docs/iam.md does not allow", red=True)
+        for line in misses:
+            terminalreporter.write_line(line)
+    else:
+        terminalreporter.write_line(
+            f"kclpy made {operations} distinct AWS operation(s) in this run's test process(es); "
+            "docs/iam.md allows each")
+
+
+_AWS_CALLS = pytest.StashKey[tuple[int, list[str]]]()
 
 
 def pytest_report_header() -> str:

@@ -9,15 +9,20 @@ and resource. Each check is also shown to fail once a policy loses what a call n
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import boto3
 import pytest
+from botocore.stub import Stubber
 
 from kclpy import Worker
+from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
+from tests.support import aws_calls
 from tests.support.cli import endpoints, run_cli
 from tests.support.e2e import EndToEnd, produce_mixed, running, worker_config
 from tests.support.faultproxy import Call, FaultProxy
@@ -87,6 +92,45 @@ def test_an_action_taken_out_of_every_policy_fails_the_static_check() -> None:
     policies = {name: tuple(s.without_action("kinesis:SubscribeToShard") for s in statements)
                 for name, statements in documented_policies().items()}
     assert not_allowed_anywhere(policies, code_actions()) == ["kinesis:SubscribeToShard"]
+
+
+# -- the whole run's calls ------------------------------------------------------------------
+
+
+def _caller_seen_from(module: str) -> str | None:
+    """What the run recorder attributes a call to when the code that makes it is ``module``."""
+    namespace: dict[str, Any] = {"__name__": module, "aws_calls": aws_calls, "sys": sys}
+    exec("def call():\n    return aws_calls.kclpy_caller(sys._getframe())\n", namespace)
+    return namespace["call"]()  # type: ignore[no-any-return]
+
+
+def test_the_run_recorder_keeps_kclpy_calls_and_leaves_the_tests_and_the_emulators() -> None:
+    assert _caller_seen_from("kclpy.leases.table") == "kclpy.leases.table"
+    assert _caller_seen_from("kclpy") == "kclpy"
+    assert _caller_seen_from("kclpy.local.demo") is None, "kclpy/local is not a role's"
+    assert _caller_seen_from("tests.support.streams") is None, "a test's own call"
+    assert _caller_seen_from("kclpyx.other") is None
+
+
+def test_a_call_made_through_kclpy_in_this_process_is_recorded() -> None:
+    """The recorder is installed in every test process (``conftest.py``), and a call made by
+    kclpy's lease table on a stubbed client is recorded with the module that made it."""
+    client = boto3.client("dynamodb", region_name="us-east-1")
+    with Stubber(client) as stub:
+        stub.add_response("get_item", {})
+        assert LeaseTable(client, "app").get("shard-0") is None
+    assert aws_calls.recorded()[("dynamodb", "GetItem")].startswith("kclpy.")
+
+
+def test_the_run_check_names_a_recorded_operation_no_policy_allows() -> None:
+    calls = {("kinesis", "SubscribeToShard"): "kclpy.retrieval.subscription",
+             ("dynamodb", "UpdateItem"): "kclpy.leases.table"}
+    assert aws_calls.not_allowed(calls, documented_policies()) == []
+    policies = {name: tuple(s.without_action("kinesis:SubscribeToShard") for s in statements)
+                for name, statements in documented_policies().items()}
+    assert aws_calls.not_allowed(calls, policies) == [
+        "kinesis:SubscribeToShard (made by kclpy.retrieval.subscription) needs "
+        "kinesis:SubscribeToShard, which no policy in docs/iam.md allows"]
 
 
 def _call(service: str, operation: str, **parameters: Any) -> Call:
