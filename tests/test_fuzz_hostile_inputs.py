@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from kclpy.errors import LeaseLostError
 from kclpy.leases.table import LeaseTable
 from tests.support import hostile_inputs_child as child
 from tests.support.determinism import Clock
@@ -87,11 +88,12 @@ LEASES: dict[str, str | dict[str, Any]] = {
     "counter_negative": {"counter": "-7"},
     "counter_1e309": UNREADABLE,
     "counter_nan": UNREADABLE,
-    # a value of another type than the attribute's is read as absent
-    "counter_as_s": {},
-    "counter_as_m": {},
-    "counter_as_l": {},
-    "counter_as_b": {},
+    # a counter of another type could match no conditional write: refused (absent reads as 0)
+    "counter_as_s": UNREADABLE,
+    "counter_as_m": UNREADABLE,
+    "counter_as_l": UNREADABLE,
+    "counter_as_b": UNREADABLE,
+    # any other attribute of another type than its own is read as absent
     "checkpoint_400k_digits": UNREADABLE,
     "checkpoint_5000_digits": UNREADABLE,
     "checkpoint_not_digits": UNREADABLE,
@@ -186,9 +188,8 @@ def test_the_taker_takes_the_good_leases_and_skips_the_absurd_items(
         table.client.put_item(TableName=table.table_name,
                               Item={"leaseKey": {"S": key}, "leaseCounter": {"N": "1"}})
     # cases DynamoDB stores (at most 400 KB an item, numbers of 38 digits, finite; the key
-    # is the table's string hash key), each with the leaseCounter every KCL writes: an item
-    # without one (or with one of another type) reads as counter 0, and the taker's take,
-    # conditional on that counter, fails on it in every cycle
+    # is the table's string hash key), each with the leaseCounter every KCL writes (an item
+    # without one, or with one of another type: the next test)
 
     stored = sorted({"checkpoint_not_digits", "checkpoint_5000_digits", "sub_negative",
                      "counter_negative", "incarnation_infinite", "recovery_infinite",
@@ -206,3 +207,37 @@ def test_the_taker_takes_the_good_leases_and_skips_the_absurd_items(
     assert taken == set(good) | readable
     skipped = [r for r in caplog.records if r.getMessage().startswith("skipping malformed")]
     assert len(skipped) == len(unreadable)
+
+
+def test_an_item_without_a_lease_counter_is_taken_and_one_of_another_type_is_skipped(
+        table: LeaseTable, clock: Clock, caplog: pytest.LogCaptureFixture) -> None:
+    """An item written by hand or by another tool without ``leaseCounter`` was read as
+    counter 0, and every take, conditional on a counter of 0, failed on it: the shard stayed
+    unconsumed with nothing said. It is taken now (its counter then exists); an item whose
+    counter is a string can be taken by no conditional write and is skipped with a warning
+    naming it, as every item no lease can be read from."""
+    table.client.put_item(TableName=table.table_name,
+                          Item={"leaseKey": {"S": "no-counter"}, "checkpoint": {"S": "LATEST"}})
+    table.client.put_item(TableName=table.table_name,
+                          Item={"leaseKey": {"S": "string-counter"},
+                                "leaseCounter": {"S": "3"}})
+    stale = table.get("no-counter")
+    assert stale is not None and stale.counter_absent and stale.lease_counter == 0
+    worker, _ = coordinator(table, "A", clock, max_leases_for_worker=10)
+    with caplog.at_level(logging.WARNING, logger="kclpy"):
+        taken = {lease.lease_key for lease in worker.run_taker_once()}
+    assert taken == {"no-counter"}
+    item = table.get("no-counter")
+    assert item is not None and item.lease_owner == "A" and item.lease_counter == 1
+    skipped = [r.getMessage() for r in caplog.records
+               if r.getMessage().startswith("skipping malformed")]
+    assert skipped == [f"skipping malformed item in {table.table_name}: "
+                       "['leaseCounter', 'leaseKey']"]
+    # the copy read before A's take is fenced out like any stale copy, and once the item is
+    # deleted a take of it does not create it again
+    with pytest.raises(LeaseLostError):
+        table.take(stale, "B")
+    table.client.delete_item(TableName=table.table_name, Key={"leaseKey": {"S": "no-counter"}})
+    with pytest.raises(LeaseLostError):
+        table.take(stale, "B")
+    assert table.get("no-counter") is None

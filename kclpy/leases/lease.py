@@ -88,6 +88,10 @@ class Lease:
     #: chosen by the fence so that it knows the id even when the write gets no answer. None:
     #: the write draws a fresh one (``new_write_id``).
     write_id: str | None = field(default=None, compare=False)
+    #: In memory only: the item has no ``leaseCounter`` (written by hand or by another tool;
+    #: every KCL writes one). It reads as counter 0, and the first take expects the counter
+    #: absent instead of 0, which no such item could ever match (``table._owner_update``).
+    counter_absent: bool = field(default=False, compare=False)
     #: In memory only, never persisted: a fresh value each time this worker takes the lease,
     #: so a checkpointer created for an earlier tenure cannot write into a later one.
     concurrency_token: str | None = field(default=None, compare=False)

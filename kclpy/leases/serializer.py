@@ -91,6 +91,17 @@ def _int(item: Mapping[str, AttributeValueTypeDef], name: str) -> int | None:
     return int(value["N"])
 
 
+def _counter(key: str, item: Mapping[str, AttributeValueTypeDef]) -> int:
+    """The lease counter: absent reads as 0 (never taken); of another type it is refused, as
+    no conditional write on it could ever succeed and the lease would silently stay untaken."""
+    value = item.get(LEASE_COUNTER)
+    if value is None:
+        return 0
+    if "N" not in value:
+        raise ValueError(f"lease {key}: {LEASE_COUNTER} is not a number: {sorted(value)}")
+    return int(value["N"])
+
+
 def _set(item: Mapping[str, AttributeValueTypeDef], name: str) -> frozenset[str]:
     value = item.get(name)
     if value is None:
@@ -134,7 +145,8 @@ def lease_from_item(item: Mapping[str, AttributeValueTypeDef]) -> Lease:
     return Lease(
         lease_key=key,
         lease_owner=_str(item, LEASE_OWNER),
-        lease_counter=_int(item, LEASE_COUNTER) or 0,
+        lease_counter=_counter(key, item),
+        counter_absent=LEASE_COUNTER not in item,
         checkpoint=_position(key, CHECKPOINT, _str(item, CHECKPOINT) or None,
                              _int(item, CHECKPOINT_SUB_SEQUENCE_NUMBER)),
         pending_checkpoint=(None if pending is None

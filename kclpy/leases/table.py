@@ -473,9 +473,13 @@ def _owner_update(lease: Lease, owner: str, *, holds: bool) -> UpdateBuilder:
     update = UpdateBuilder().set(ser.LEASE_OWNER, s(owner))
     if holds:
         update.set(ser.KCLPY_HOLDER, s(owner))
-    (update.set(ser.LEASE_COUNTER, n(lease.lease_counter + 1))
-     .remove(ser.CHECKPOINT_OWNER)
-     .expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter)))
+    update.set(ser.LEASE_COUNTER, n(lease.lease_counter + 1)).remove(ser.CHECKPOINT_OWNER)
+    if lease.counter_absent:
+        # still the item read: it exists (an UpdateItem would create a deleted lease again)
+        # and nobody has taken it since (every take and renewal writes a counter)
+        update.expect_present(ser.LEASE_KEY).expect_absent(ser.LEASE_COUNTER)
+    else:
+        update.expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter))
     previous = lease.checkpoint_owner or lease.lease_owner
     if previous is not None and previous != owner:
         update.add(ser.OWNER_SWITCHES_SINCE_CHECKPOINT, n(1))
