@@ -111,20 +111,24 @@ def test_the_top_level_help_lists_each_command_with_its_own_help(
         assert f" {word} {help_text} " in said + " ", word
 
 
-@pytest.mark.parametrize(("argv", "prog"), [
-    (["shard", "frobnicate"], "kclpy shard"),
-    (["shard", "prak", "--application-name", "app"], "kclpy shard"),
-    (["recovery", "lsit"], "kclpy recovery"),
-    (["leasse", "--application-name", "app"], "kclpy"),
+@pytest.mark.parametrize(("argv", "prog", "suggested"), [
+    (["shard", "frobnicate"], "kclpy shard", None),
+    (["shard", "prak", "--application-name", "app"], "kclpy shard", "park"),
+    (["recovery", "lsit"], "kclpy recovery", "list"),
+    (["leasse", "--application-name", "app"], "kclpy", "leases"),
 ])
 def test_an_unknown_command_or_action_exits_2_naming_it(
-        argv: list[str], prog: str, ran: list[tuple[str, ...]],
+        argv: list[str], prog: str, suggested: str | None, ran: list[tuple[str, ...]],
         capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, *argv)
     unknown = argv[len(prog.split()) - 1]
     assert (code, out, ran) == (2, "", [])
     assert err.startswith(f"{prog}: error: "), err
     assert err.count("\n") == 1 and f"invalid choice: {unknown!r}" in err, err
+    if suggested is None:
+        assert "did you mean" not in err
+    else:
+        assert err.endswith(f" (did you mean {suggested}?)\n"), err
 
 
 @pytest.mark.parametrize(("words", "suggested"), [
@@ -151,5 +155,4 @@ def test_the_console_script_and_python_m_run_the_table() -> None:
     result = subprocess.run([sys.executable, "-m", "kclpy.ops.commands", "shard", "prak"],
                             cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 2
-    assert result.stderr.startswith("kclpy shard: error: argument action: invalid choice: "
-                                    "'prak'"), result.stderr
+    assert result.stderr.endswith("(did you mean park?)\n"), result.stderr
