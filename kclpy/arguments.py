@@ -65,6 +65,18 @@ class OneLineParser(argparse.ArgumentParser):
             self._command_parser(parsed).error(f"unrecognized arguments: {' '.join(extras)}")
         return parsed
 
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        """As argparse, plus the closest choice: a misspelt command (``kclpy shard prak``)
+        or level gets the same "did you mean" as a misspelt flag."""
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as exc:
+            close = closest(str(value), [str(choice) for choice in action.choices or ()])
+            if close is None:
+                raise
+            raise argparse.ArgumentError(
+                action, f"{exc.message} (did you mean {close}?)") from None
+
     def _command_parser(self, parsed: argparse.Namespace) -> OneLineParser:
         for action in self._actions:
             if isinstance(action, argparse._SubParsersAction):

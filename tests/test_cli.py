@@ -147,6 +147,8 @@ def test_bad_flags_exit_2_naming_the_option(
     (["--stop-when", *GOOD], "(did you mean --stop-when-caught-up?)"),
     (["--stream-nme", "s", *GOOD[2:]], "(did you mean --stream-name?)"),
     (["--shard", "1", *GOOD], "unrecognized arguments: --shard 1"),
+    (["--log-level", "debg", *GOOD], "invalid choice: 'DEBG' (choose from 'DEBUG', 'INFO', "
+                                      "'WARNING', 'ERROR') (did you mean DEBUG?)"),
 ])
 def test_a_prefix_or_misspelt_flag_is_refused_with_a_suggestion(
         argv: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:

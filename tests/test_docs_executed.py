@@ -59,7 +59,7 @@ def console(tmp_path: Path, name: str, module: str) -> list[str]:
 
 def command_argv(tmp_path: Path, command: str) -> list[str]:
     words = shlex.split(command)
-    scripts = {"kclpy-worker": "kclpy.cli", "kclpy": "kclpy.ops.inspect"}
+    scripts = {"kclpy-worker": "kclpy.cli", "kclpy": "kclpy.ops.commands"}
     return console(tmp_path, words[0], scripts[words[0]]) + words[1:]
 
 
@@ -251,10 +251,10 @@ def command_lines() -> list[tuple[str, str]]:
 @pytest.mark.parametrize(("page", "command"), command_lines())
 def test_every_documented_command_line_parses(page: str, command: str) -> None:
     from kclpy.arguments import worker_parser
-    from kclpy.ops.inspect import _parser
+    from kclpy.ops.commands import build_parser
 
     words = shlex.split(re.sub(r"\s[A-Z_]+=\S+", "", command))
-    parser = worker_parser() if words[0] == "kclpy-worker" else _parser()
+    parser = worker_parser() if words[0] == "kclpy-worker" else build_parser()
     try:
         parser.parse_args(words[1:])
     except SystemExit as exc:

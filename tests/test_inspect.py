@@ -22,7 +22,8 @@ from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.ops import inspect as inspect_module
 from kclpy.ops import serve_worker
-from kclpy.ops.inspect import parse_args, run_status
+from kclpy.ops.commands import parse_args
+from kclpy.ops.inspect import run_status
 from kclpy.ops.text import TerminalText
 from kclpy.position import Position
 from tests.support.cli import endpoints, run_cli
@@ -304,7 +305,7 @@ def test_status_reports_stop_while_a_processor_does_not_checkpoint_and_ok_after(
             gate.paused.clear()
         wait_for(lambda: checkpoints(moto_server, table) == second, 30, "caught up again")
         result = subprocess.run(
-            [sys.executable, "-m", "kclpy.ops.inspect", *status_args], cwd=ROOT,
+            [sys.executable, "-m", "kclpy.ops.commands", *status_args], cwd=ROOT,
             capture_output=True, text=True, timeout=120, env=dict(os.environ), check=False)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()

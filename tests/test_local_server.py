@@ -21,7 +21,7 @@ import pytest
 from kclpy import KCLConfig, Worker
 from kclpy.local import free_port
 from kclpy.local.demo import DEMO_AGGREGATES, DEMO_PLAIN_RECORDS, DEMO_RECORDS_PER_AGGREGATE
-from kclpy.ops.inspect import inspect_main
+from kclpy.ops.commands import operator_main
 from tests.support.programs import path_without
 from tests.support.recording import Ledger, RecordingProcessor
 from tests.support.streams import create_stream, put_plain, unique_name
@@ -46,7 +46,7 @@ def _environment(**extra: str) -> dict[str, str]:
 def kclpy_local(*args: str) -> Iterator[tuple[subprocess.Popen[str], dict[str, str]]]:
     """``kclpy local ARGS`` as a child, and the variables it printed; the child is stopped
     (SIGKILL) if the test left it running."""
-    process = subprocess.Popen([sys.executable, "-m", "kclpy.ops.inspect", "local", *args],
+    process = subprocess.Popen([sys.executable, "-m", "kclpy.ops.commands", "local", *args],
                                cwd=ROOT, env=_environment(), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     try:
@@ -158,7 +158,7 @@ def test_worker_local_fanout_consumes_the_demo_records_through_kinesis_mock() ->
 
 
 @pytest.mark.parametrize("command", [
-    ["kclpy.ops.inspect", "local"],
+    ["kclpy.ops.commands", "local"],
     ["kclpy", "--local", "--retrieval-mode", "fanout", "--processor",
      "examples/printing_processor.py:PrintingProcessor"]], ids=["kclpy local", "kclpy-worker"])
 def test_without_node_one_line_names_the_local_extra_and_exit_2(
@@ -192,7 +192,7 @@ def test_a_busy_port_is_one_line_naming_its_flag_and_exit_2(
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        code = inspect_main(["local", option, str(port)])
+        code = operator_main(["local", option, str(port)])
     lines = capsys.readouterr().err.splitlines()
     assert code == 2
     assert len(lines) == 1 and lines[0].startswith(

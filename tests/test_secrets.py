@@ -231,9 +231,9 @@ def test_the_operator_commands_at_debug_print_no_secret(
     env = secret_environment(secrets, free_port())
     where = ["--region", "us-east-1", "--kinesis-endpoint", kinesis_mock.url,
              "--dynamodb-endpoint", moto_server.url, "--log-level", "DEBUG"]
-    leases = run(["-m", "kclpy.ops.inspect", "leases", "--application-name", stream, *where],
+    leases = run(["-m", "kclpy.ops.commands", "leases", "--application-name", stream, *where],
                  env)
-    status = run(["-m", "kclpy.ops.inspect", "status", "--stream-name", stream,
+    status = run(["-m", "kclpy.ops.commands", "status", "--stream-name", stream,
                   "--application-name", stream, "--samples", "2", "--window-seconds", "0.1",
                   *where], env)
     # both ran to the end, their logging live and their credentials the canaries

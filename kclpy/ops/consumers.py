@@ -4,6 +4,7 @@ enhanced fan-out consumer, looked after by an operator.
 Fan-out workers register their application's consumer at start-up and never deregister it
 (``kclpy/retrieval/registration.py`` does it the Java KCL's way); these commands show every
 consumer of a stream, register one ahead of a deployment, and remove one no longer wanted.
+Their flags and help are their entries in ``kclpy.ops.commands``'s table.
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ The recovery queue is the exception: a backfill must not cost the holder its lea
 lease gets the change as a request beside the queue (``kclpy.recovery.requests``), which
 leaves the counter alone; the holder folds it into its queue within one renewal. A lease
 nobody holds has its queue written directly, conditional on the counter as above.
+
+The commands' flags and help are their entries in ``kclpy.ops.commands``'s table, which
+hands each handler here its arguments, the Kinesis client and the lease table.
 """
 
 from __future__ import annotations
@@ -60,7 +63,6 @@ from kclpy.ops.position import (
     Target,
     last_before,
     last_sub_sequence,
-    parse_position,
     record_at,
     resolve,
 )
@@ -89,145 +91,10 @@ class Refused(Exception):
     since it was read): exit 1 with the message."""
 
 
-# -- arguments -------------------------------------------------------------------------------
-
-
-def _position(text: str) -> Destination:
-    try:
-        return parse_position(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _stream_options(parser: argparse.ArgumentParser, *, required: bool) -> None:
-    where = parser.add_mutually_exclusive_group(required=required)
-    where.add_argument("--stream-name", help="the stream (picks one stream's leases in a "
-                       "multi-stream table)")
-    where.add_argument("--stream-arn", help="the stream's ARN (instead of its name)")
-
-
-def add_commands(commands: Any, common: argparse.ArgumentParser) -> None:
-    """The control subcommands, beside the inspector's (``commands`` is its subparsers)."""
-    checkpoint = commands.add_parser(
-        "checkpoint", help="move a shard's checkpoint",
-        description="Move checkpoints (replay from a time, skip a poison record).")
-    actions = checkpoint.add_subparsers(dest="action", required=True,
-                                        parser_class=type(checkpoint))
-    move = actions.add_parser(
-        "set", parents=[common], help="set the checkpoint of one shard or all shards",
-        description="Set where workers resume: right after POSITION. The write is "
-                    "conditional on the lease counter read; a lease a worker holds is "
-                    "refused unless --force.")
-    which = move.add_mutually_exclusive_group(required=True)
-    which.add_argument("--shard-id", help="the shard whose checkpoint moves")
-    which.add_argument("--all-shards", action="store_true",
-                       help="every shard of the stream (a finished shard with nothing "
-                            "after POSITION is left alone; a closed parent whose lease was "
-                            "cleaned up gets a lease again when it holds records after "
-                            "POSITION)")
-    _stream_options(move, required=True)
-    move.add_argument("--to", required=True, type=_position, metavar="POSITION",
-                      help="TRIM_HORIZON, LATEST (now), a sequence number of the shard, or "
-                           "an ISO-8601 time (naive = UTC): the next record processed is "
-                           "the first after the sequence number / at or after the time")
-    move.add_argument("--force", action="store_true",
-                      help="also move a lease a worker holds: it is taken from the holder "
-                           "(lease_lost) and taken again from the new checkpoint")
-    move.add_argument("--dry-run", action="store_true", help="print what would change, "
-                      "write nothing")
-    move.add_argument("--state-store", metavar="SPEC",
-                      help="the exactly-once application's state store (the workers' "
-                           "--state-store): a SQL store's position is moved too")
-
-    shard = commands.add_parser("shard", help="park or resume a shard",
-                                description="Park a shard so that no worker takes it, or "
-                                            "resume it.")
-    shard_actions = shard.add_subparsers(dest="action", required=True,
-                                         parser_class=type(shard))
-    park = shard_actions.add_parser(
-        "park", parents=[common], help="release the shard's lease and keep every worker "
-        "off it", description="Take the lease from its holder (lease_lost) and mark it "
-        "parked: no kclpy worker takes it until 'kclpy shard resume'.")
-    park.add_argument("--shard-id", required=True, help="the shard to park")
-    park.add_argument("--reason", default="parked by an operator",
-                      help="why (shown by 'kclpy leases' and the workers' /status)")
-    _stream_options(park, required=False)
-    resume = shard_actions.add_parser(
-        "resume", parents=[common], help="let workers take a parked shard again",
-        description="Clear the park mark; a worker takes the lease within the failover "
-                    "time and starts at its last checkpoint.")
-    resume.add_argument("--shard-id", required=True, help="the shard to resume")
-    _stream_options(resume, required=False)
-
-
-    recovery = commands.add_parser(
-        "recovery", help="queue, show or drop backfills of a shard",
-        description="The shard's recovery queue: gaps read again beside live reading, "
-                    "their records flagged is_recovery.")
-    recovery_actions = recovery.add_subparsers(dest="action", required=True,
-                                               parser_class=type(recovery))
-    add = recovery_actions.add_parser(
-        "add", parents=[common], help="queue a backfill of a range of records",
-        description="Queue the records FROM..TO (both included) of one shard for recovery. "
-                    "A worker holding the lease keeps it and starts reading the gap within "
-                    "one renewal (half the failover time).")
-    add.add_argument("--shard-id", required=True, help="the shard")
-    add.add_argument("--from", dest="first", required=True, type=_sequence, metavar="SEQ",
-                     help="sequence number of the first record to read again")
-    add.add_argument("--to", dest="last", required=True, type=_sequence, metavar="SEQ",
-                     help="sequence number of the last record to read again")
-    add.add_argument("--dry-run", action="store_true", help="print the gap, write nothing")
-    _stream_options(add, required=True)
-    listing = recovery_actions.add_parser(
-        "list", parents=[common], help="every queued gap",
-        description="Print every shard's queued recovery gaps.")
-    listing.add_argument("--shard-id", help="only this shard's gaps")
-    _stream_options(listing, required=False)
-    cancel = recovery_actions.add_parser(
-        "cancel", parents=[common], help="drop a queued gap",
-        description="Drop one queued gap (by its number in 'kclpy recovery list') or all "
-                    "of a shard's. A worker holding the lease keeps it and stops reading the "
-                    "gap within one renewal (half the failover time).")
-    cancel.add_argument("--shard-id", required=True, help="the shard")
-    which_gap = cancel.add_mutually_exclusive_group(required=True)
-    which_gap.add_argument("--gap", type=_gap_number, metavar="N",
-                           help="the gap's number (1 = first) in 'kclpy recovery list'")
-    which_gap.add_argument("--all", action="store_true", help="every gap of the shard")
-    _stream_options(cancel, required=False)
-
-
-def _sequence(text: str) -> str:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a sequence number")
-    return str(int(text))
-
-
-def _gap_number(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a gap number (1, 2, ...)")
-    return int(text)
-
-
-def command_names() -> frozenset[str]:
-    return frozenset({"checkpoint", "shard", "recovery"})
-
-
-def run(args: argparse.Namespace, kinesis: Any, dynamodb: Any, out: IO[str]) -> int:
-    """Carry out one control command; raises UsageError / Refused for the caller to print."""
-    table = LeaseTable(dynamodb, _table_name(args), max_attempts=5)
-    if args.command == "checkpoint":
-        return set_checkpoint(args, kinesis, table, out)
-    if args.command == "recovery":
-        return _RECOVERY[args.action](args, kinesis, table, out)
-    if args.action == "park":
-        return park(args, kinesis, table, out)
-    return resume_shard(args, kinesis, table, out)
-
-
 # -- finding leases --------------------------------------------------------------------------
 
 
-def _table_name(args: argparse.Namespace) -> str:
+def table_name(args: argparse.Namespace) -> str:
     return str(args.table_name or args.application_name)
 
 
@@ -258,7 +125,7 @@ def read_leases(args: argparse.Namespace, table: LeaseTable, kinesis: Any) -> li
     except ClientError as exc:
         if error_code(exc) == "ResourceNotFoundException":
             option = "--table-name" if args.table_name else "--application-name"
-            raise UsageError(option, f"lease table {_table_name(args)!r} does not "
+            raise UsageError(option, f"lease table {table_name(args)!r} does not "
                              "exist") from None
         raise
     wanted = stream_label(args)
@@ -316,7 +183,7 @@ def one_lease(args: argparse.Namespace, table: LeaseTable, kinesis: Any) -> Leas
         if lease.shard_id == args.shard_id:
             return lease
     raise UsageError("--shard-id", f"no lease for shard {args.shard_id!r} in "
-                     f"{_table_name(args)}")
+                     f"{table_name(args)}")
 
 
 def _stream_params(args: argparse.Namespace) -> dict[str, str]:
@@ -719,7 +586,7 @@ def _print_moves(args: argparse.Namespace, moves: Sequence[Move], out: IO[str]) 
     written = sum(m.written for m in moves)
     verb = "would move" if args.dry_run else "moved"
     count = sum(m.target is not None for m in moves) if args.dry_run else written
-    out.write(f"{verb} {count} checkpoint(s) in {_table_name(args)}\n")
+    out.write(f"{verb} {count} checkpoint(s) in {table_name(args)}\n")
 
 
 def _checkpoint_text(checkpoint: str, sub: int) -> str:
@@ -913,7 +780,7 @@ def recovery_list(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
     print_table(rows, out)
     note = (f"; {waiting} request(s) not yet taken in by the holder (shown applied)"
             if waiting else "")
-    out.write(f"{len(rows) - 1} gap(s) in {_table_name(args)}{note}\n")
+    out.write(f"{len(rows) - 1} gap(s) in {table_name(args)}{note}\n")
     return 0
 
 
@@ -955,5 +822,3 @@ def _iso(epoch_ms: int) -> str:
     return datetime.fromtimestamp(epoch_ms / 1000, timezone.utc).isoformat(
         timespec="milliseconds")
 
-
-_RECOVERY = {"add": recovery_add, "list": recovery_list, "cancel": recovery_cancel}

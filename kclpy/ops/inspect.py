@@ -1,4 +1,5 @@
-"""``kclpy``: look at an application's leases and lag from any machine with read access.
+"""``kclpy leases`` and ``kclpy status``: an application's leases and lag, looked at from any
+machine with read access.
 
 No worker needs to run: everything comes from the lease table (Scan) and the stream
 (ListShards, and GetShardIterator + GetRecords at each checkpoint to measure lag).
@@ -13,21 +14,10 @@ No worker needs to run: everything comes from the lease table (Scan) and the str
 
 In a multi-stream table (Java ``MultiStreamLease`` keys, ``kclpy.streams``) ``leases`` shows
 each lease's stream and ``--stream-name`` / ``--stream-arn`` pick one stream's leases.
-- ``kclpy checkpoint set``, ``kclpy shard park`` / ``resume``: operator controls
-  (``kclpy.ops.control``).
-- ``kclpy consumers`` / ``register-consumer`` / ``deregister-consumer``: the stream's
-  enhanced fan-out consumers (``kclpy.ops.consumers``).
-- ``kclpy local``: Kinesis, DynamoDB and CloudWatch served on this machine without Docker
-  until Ctrl-C (``kclpy.local.server``); it prints the ``AWS_ENDPOINT_URL_*`` lines to use.
 
-Exit codes: ``status`` exits 0 for OK, 1 for WARN, 2 for ERROR, 3 when the status could not
-be determined (AWS unreachable, access denied); the other commands exit 0, or 1 on such
-failures (``deregister-consumer`` also when there was no such consumer; the control
-commands of ``kclpy.ops.control`` also when they refused to act). ``kclpy local`` exits 0
-once stopped by Ctrl-C or SIGTERM, 1 when a server failed, 2 for a busy port or without the
-``local`` extra (moto, or the Node.js kinesis-mock runs on).
-Bad arguments, a lease table or stream that does not exist, or no region exit 2 with one
-line naming the option.
+Their flags, and every other ``kclpy`` command, are in ``kclpy.ops.commands``'s table.
+``status`` exits 0 for OK, 1 for WARN, 2 for ERROR, 3 when the status could not be
+determined (AWS unreachable, access denied).
 """
 
 from __future__ import annotations
@@ -36,8 +26,6 @@ import argparse
 import base64
 import json
 import logging
-import math
-import re
 import sys
 import time
 import urllib.request
@@ -47,18 +35,14 @@ from typing import IO, Any
 
 import boto3
 import botocore.config
-from botocore.exceptions import BotoCoreError, ClientError, NoRegionError
+from botocore.exceptions import ClientError, NoRegionError
 
-from kclpy import __version__
-from kclpy.arguments import OneLineParser
-from kclpy.errors import KCLError
 from kclpy.leases import park as parking
 from kclpy.leases import serializer as ser
 from kclpy.leases.lease import Lease
 from kclpy.leases.shard_sync import ShardSyncer
 from kclpy.leases.table import LeaseTable
-from kclpy.ops import consumers, control
-from kclpy.ops.control import Refused, UsageError, stream_label, stream_name
+from kclpy.ops.control import UsageError, stream_label, stream_name, table_name
 from kclpy.ops.lag import (
     LagProbe,
     LagTracker,
@@ -67,149 +51,22 @@ from kclpy.ops.lag import (
     application_status,
     report_to_json,
 )
-from kclpy.ops.text import TerminalText, print_table, printable
-from kclpy.redaction import configure_logging, redact
+from kclpy.ops.text import print_table, printable
 from kclpy.retry import error_code
 from kclpy.streams import StreamIdentifier
 
 log = logging.getLogger("kclpy.inspect")
 
-PROG = "kclpy"
 #: ``kclpy status`` when the status could not be determined (Nagios' UNKNOWN)
 EXIT_UNKNOWN = 3
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def _whole(least: int, most: int | None = None) -> Callable[[str], int]:
-    def convert(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be at least {least}, got {text}")
-        if most is not None and value > most:
-            raise argparse.ArgumentTypeError(f"must be at most {most}, got {text}")
-        return value
-    return convert
-
-
-def _url(text: str) -> str:
-    if not re.match(r"^https?://[^\s/]+", text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not an http(s) URL")
-    return text
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog=PROG, description="Inspect a kclpy (or Java KCL) application.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    common = OneLineParser(add_help=False)
-    common.add_argument("--application-name", required=True,
-                        help="application name (the lease table's default name)")
-    common.add_argument("--table-name", help="lease table (default: the application name)")
-    common.add_argument("--region", help="AWS region (default: the boto3 chain)")
-    common.add_argument("--kinesis-endpoint", type=_url, metavar="URL",
-                        help="Kinesis endpoint URL (default: the boto3 chain)")
-    common.add_argument("--dynamodb-endpoint", type=_url, metavar="URL",
-                        help="DynamoDB endpoint URL (default: the boto3 chain)")
-    common.add_argument("--json", action="store_true", help="print JSON")
-    common.add_argument("--log-level", default="WARNING",
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    leases = commands.add_parser(
-        "leases", parents=[common], help="every lease: owner, counter, checkpoint, lineage",
-        description="Print every lease of the application's lease table.")
-    only = leases.add_mutually_exclusive_group()
-    only.add_argument("--stream-name", help="only this stream's leases (multi-stream tables)")
-    only.add_argument("--stream-arn", help="only this stream's leases, by ARN")
-    status = commands.add_parser(
-        "status", parents=[common],
-        help="per-shard lag status (exit 0 OK, 1 WARN, 2 ERROR, 3 UNKNOWN)",
-        description="Evaluate each shard's lag with Burrow's rules over a sampled window.",
-        usage_exit_code=EXIT_UNKNOWN)
-    stream = status.add_mutually_exclusive_group(required=True)
-    stream.add_argument("--stream-name", help="the stream the application consumes")
-    stream.add_argument("--stream-arn", help="the stream's ARN (instead of its name)")
-    status.add_argument("--window-seconds", type=_positive_seconds, default=30.0,
-                        metavar="S", help="length of the evaluation window (default 30)")
-    status.add_argument("--samples", type=_whole(2), default=4, metavar="N",
-                        help="observations per window, at least 2 (default 4)")
-    status.add_argument("--watch", action="store_true",
-                        help="keep sampling; print the sliding window's status after each")
-    status.add_argument("--count", type=_whole(1), metavar="N",
-                        help="with --watch: stop after N evaluations")
-    status.add_argument("--worker", type=_url, action="append", default=[], metavar="URL",
-                        help="a worker's ops endpoint (repeatable): adds each shard's "
-                             "retrieval mode, subscription age and recovery queue")
-    for name, help_text, description in (
-            ("consumers", "the stream's enhanced fan-out consumers",
-             "List every consumer registered on the stream."),
-            ("register-consumer", "register the application's consumer, wait until ACTIVE",
-             "Register the consumer (if missing) and wait until it is ACTIVE; print its ARN."),
-            ("deregister-consumer", "deregister the application's consumer",
-             "Deregister the consumer (exit 1 when there is none); kclpy never does it "
-             "by itself.")):
-        command = commands.add_parser(name, parents=[common], help=help_text,
-                                      description=description)
-        where = command.add_mutually_exclusive_group(required=True)
-        where.add_argument("--stream-name", help="the stream")
-        where.add_argument("--stream-arn", help="the stream's ARN (instead of its name)")
-        command.add_argument("--consumer-name",
-                             help="the consumer (default: the application name, as workers)")
-        command.add_argument("--register-retries", type=_whole(1), default=10, metavar="N",
-                             help="registerStreamConsumerRetries (default 10)")
-        command.add_argument("--describe-retries", type=_whole(1), default=10, metavar="N",
-                             help="maxDescribeStreamConsumerRetries (default 10)")
-        command.add_argument("--retry-backoff-ms", type=_whole(0), default=1000, metavar="MS",
-                             help="retryBackoffMillis (default 1000)")
-    status.add_argument("--records-limit", type=_whole(1, 10000), default=1000,
-                        metavar="N", help="GetRecords Limit when counting records behind; "
-                        "more are shown as N+ (default 1000)")
-    control.add_commands(commands, common)
-    _add_local_command(commands)
-    return parser
-
-
-def _add_local_command(commands: argparse._SubParsersAction[OneLineParser]) -> None:
-    """``kclpy local``'s flags; its code (``kclpy.local.server``) needs the ``local`` extra,
-    so it is imported only when the command runs."""
-    local = commands.add_parser(
-        "local", help="serve Kinesis, DynamoDB and CloudWatch locally (no Docker) until Ctrl-C",
-        description="Serve Kinesis (kinesis-mock, with SubscribeToShard), DynamoDB and "
-                    "CloudWatch (moto) on this machine and print the environment variables "
-                    "that point kclpy, boto3 and the AWS CLI at them. Runs until Ctrl-C or "
-                    "SIGTERM. Needs the local extra: pip install 'kinesis-kclpy[local]'.")
-    local.add_argument("--host", default="127.0.0.1",
-                       help="address to listen on (default 127.0.0.1: the endpoints accept "
-                            "any credentials)")
-    local.add_argument("--port", type=_whole(0, 65535), default=0, metavar="N",
-                       help="moto's port: DynamoDB and CloudWatch (default 0: a free port)")
-    local.add_argument("--kinesis-port", type=_whole(0, 65535), default=0, metavar="N",
-                       help="kinesis-mock's port (default 0: a free port)")
-    local.add_argument("--region", default="us-east-1",
-                       help="the region printed for clients (default us-east-1)")
-    local.add_argument("--no-kinesis-mock", action="store_true",
-                       help="serve Kinesis from moto instead: no Node.js, polling only "
-                            "(no SubscribeToShard)")
-    local.add_argument("--demo-stream", metavar="NAME",
-                       help="create stream NAME holding the demo records of kclpy-worker --local")
-    local.add_argument("--log-level", default="WARNING",
-                       choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
 # -- AWS -------------------------------------------------------------------------------------
 
 
-def _clients(args: argparse.Namespace) -> tuple[Any, Any]:
+def clients(args: argparse.Namespace) -> tuple[Any, Any]:
+    """``(kinesis, dynamodb)`` as the common flags say, retrying less than the workers do:
+    an operator waiting at a terminal wants an answer, or the error, within seconds."""
     session = boto3.session.Session(region_name=args.region)
     config = botocore.config.Config(retries={"mode": "standard", "total_max_attempts": 3},
                                     connect_timeout=5, read_timeout=30)
@@ -223,13 +80,9 @@ def _clients(args: argparse.Namespace) -> tuple[Any, Any]:
     return kinesis, dynamodb
 
 
-def _table_name(args: argparse.Namespace) -> str:
-    return str(args.table_name or args.application_name)
-
-
 def _missing_table(args: argparse.Namespace) -> UsageError:
     option = "--table-name" if args.table_name else "--application-name"
-    return UsageError(option, f"lease table {_table_name(args)!r} does not exist")
+    return UsageError(option, f"lease table {table_name(args)!r} does not exist")
 
 
 def _scan(dynamodb: Any, table: str) -> list[dict[str, Any]]:
@@ -282,10 +135,9 @@ def item_to_json(item: Mapping[str, Any]) -> dict[str, Any]:
     return {name: _plain(value) for name, value in sorted(item.items())}
 
 
-def _leases(args: argparse.Namespace, out: IO[str]) -> int:
-    _, dynamodb = _clients(args)
+def leases_command(args: argparse.Namespace, dynamodb: Any, out: IO[str]) -> int:
     try:
-        items = _scan(dynamodb, _table_name(args))
+        items = _scan(dynamodb, table_name(args))
     except ClientError as exc:
         if error_code(exc) == "ResourceNotFoundException":
             raise _missing_table(args) from None
@@ -326,7 +178,7 @@ def _leases(args: argparse.Namespace, out: IO[str]) -> int:
     print_table(rows, out)
     for line in parked:
         out.write(f"parked {line}\n")
-    out.write(f"{len(leases)} lease(s) in {_table_name(args)}\n")
+    out.write(f"{len(leases)} lease(s) in {table_name(args)}\n")
     return 0
 
 
@@ -422,7 +274,7 @@ def status_report(args: argparse.Namespace, sample: Sample,
     report = {
         "application": args.application_name,
         "stream": args.stream_name or args.stream_arn,
-        "table": _table_name(args),
+        "table": table_name(args),
         **report_to_json(evaluations, args.window_seconds),
         "samples": args.samples,
         "unleased_shards": sample.unleased_shards,
@@ -537,12 +389,14 @@ def _print_status(report: Mapping[str, Any], out: IO[str], *, as_json: bool,
 
 
 def run_status(args: argparse.Namespace, out: IO[str], *,
+               aws: tuple[Any, Any] | None = None,
                clock: Callable[[], float] = time.monotonic,
                sleep: Callable[[float], None] = time.sleep,
                wall_clock: Callable[[], float] = time.time) -> int:
-    """Sample and evaluate; returns the exit code of the last evaluation."""
-    kinesis, dynamodb = _clients(args)
-    table = LeaseTable(dynamodb, _table_name(args), max_attempts=5)
+    """Sample and evaluate; returns the exit code of the last evaluation. ``aws`` is
+    ``(kinesis, dynamodb)``, made from the flags when not given."""
+    kinesis, dynamodb = aws or clients(args)
+    table = LeaseTable(dynamodb, table_name(args), max_attempts=5)
     syncer = ShardSyncer(kinesis, table, stream_name=args.stream_name,
                          stream_arn=args.stream_arn)
     probe = LagProbe(kinesis, stream_name=args.stream_name, stream_arn=args.stream_arn,
@@ -599,73 +453,3 @@ def _sample(sampler: TableSampler, args: argparse.Namespace) -> Sample:
             raise UsageError(option, f"stream {args.stream_name or args.stream_arn!r} "
                              "does not exist") from None
         raise
-
-
-# -- entry points ----------------------------------------------------------------------------
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    """The command line; a usage error exits 2 with one line naming the option. Bare
-    ``kclpy`` prints the help, which lists the commands, and exits 2 as a command group
-    without its command does in click."""
-    parser = _parser()
-    if not (sys.argv[1:] if argv is None else argv):
-        parser.print_help()
-        raise SystemExit(2)
-    args = parser.parse_args(argv)
-    if args.command == "status" and args.count is not None and not args.watch:
-        parser.exit(EXIT_UNKNOWN, f"{PROG} status: error: argument --count: only with --watch\n")
-    return args
-
-
-def inspect_main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
-    prog = f"{PROG} {args.command}"
-    if args.command == "local":
-        return _local(args, prog)
-    # every command's output, and the errors below, may quote what producers wrote
-    stdout: Any = TerminalText(sys.stdout)
-    try:
-        if args.command == "leases":
-            return _leases(args, stdout)
-        if args.command in _CONSUMER_COMMANDS:
-            kinesis, _ = _clients(args)
-            return _CONSUMER_COMMANDS[args.command](args, kinesis, stdout)
-        if args.command in control.command_names():
-            prog += f" {args.action}"
-            kinesis, dynamodb = _clients(args)
-            return control.run(args, kinesis, dynamodb, stdout)
-        return run_status(args, stdout)
-    except UsageError as exc:
-        print(f"{prog}: error: {printable(redact(str(exc)))}", file=sys.stderr)
-        return EXIT_UNKNOWN if args.command == "status" else 2
-    except Refused as exc:
-        print(f"{prog}: {printable(redact(str(exc)))}", file=sys.stderr)
-        return control.EXIT_REFUSED
-    except (ClientError, BotoCoreError, KCLError) as exc:
-        print(f"{prog}: error: {printable(redact(str(exc)))}", file=sys.stderr)
-        return EXIT_UNKNOWN if args.command == "status" else 1
-
-
-def _local(args: argparse.Namespace, prog: str) -> int:
-    try:
-        from kclpy.local.server import local_command
-    except ImportError as exc:
-        print(f"{prog}: error: needs the local extra: pip install 'kinesis-kclpy[local]' "
-              f"({exc})", file=sys.stderr)
-        return 2
-    return local_command(args, sys.stdout)
-
-
-_CONSUMER_COMMANDS = {"consumers": consumers.list_command,
-                      "register-consumer": consumers.register_command,
-                      "deregister-consumer": consumers.deregister_command}
-
-
-def main() -> None:
-    sys.exit(inspect_main())
-
-
-if __name__ == "__main__":
-    main()

@@ -58,7 +58,7 @@ from kclpy.errors import CheckpointError, ProcessorRestartRequired
 from kclpy.leases.held import HeldLease, HeldSet
 from kclpy.leases.lease import Lease
 from kclpy.ops import control
-from kclpy.ops.inspect import _parser as operator_parser
+from kclpy.ops.commands import Clients, build_parser, execute
 from kclpy.position import SHARD_END
 from kclpy.position import Position as CheckpointPosition
 from kclpy.processor import (
@@ -868,7 +868,7 @@ class History:
 
     def _run_operator(self, what: str, argv: list[str], done: Callable[[float], None],
                       again: bool = False) -> None:
-        """Run the command's own code (``kclpy.ops.control.run``) on a node of its own,
+        """Run the command's own code (``kclpy.ops.commands.execute``) on a node of its own,
         through the faulty clients; ``done(started)`` when it succeeded. A command that
         fails after some of its writes landed breaks ``operator-partial``: the operator is
         left with a plan half carried out."""
@@ -880,12 +880,13 @@ class History:
                                             ("dynamodb", self.dynamo))}
 
         def run() -> None:
-            args = operator_parser().parse_args(argv)
+            args = build_parser().parse_args(argv)
             started = sim.now
             me = sim.current
             assert me is not None
             try:
-                control.run(args, clients["kinesis"], clients["dynamodb"], io.StringIO())
+                aws = Clients(args, (clients["kinesis"], clients["dynamodb"]))
+                execute(args, aws, io.StringIO())
             except Exception as exc:  # any failure is judged the same way
                 sim.log(f"operator: {' '.join(argv[:2])} failed: {exc!r}")
                 written = observer.operator_writes[me]

@@ -768,7 +768,7 @@ def install() -> None:
     if _installed:
         return
     # loads everything the worker uses, and the operator's commands (grown world)
-    import kclpy.ops.inspect
+    import kclpy.ops.commands
     import kclpy.worker  # noqa: F401
 
     for name, module in list(sys.modules.items()):

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from kclpy.local import LocalEndpoint
-from kclpy.ops.inspect import inspect_main
+from kclpy.ops.commands import operator_main
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     """``kclpy ARGV`` in this process: (exit code, stdout, stderr)."""
     try:
-        code = inspect_main(list(argv))
+        code = operator_main(list(argv))
     except SystemExit as exc:  # argparse usage errors
         code = int(exc.code or 0)
     captured = capsys.readouterr()
