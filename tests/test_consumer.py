@@ -387,6 +387,32 @@ def test_failed_batch_is_not_checkpointed_by_shutdown_requested() -> None:
     assert writer.writes == [("1", 0)]
 
 
+def test_a_lease_lost_while_a_shutdown_request_waits_ends_with_lease_lost() -> None:
+    """A stream dropped from the tracker asks its consumer to shut down. When the lease
+    expires on the worker before the consumer gets to that request (a CPU-starved machine:
+    renewals late past the failover time), another worker may hold the lease already, so the
+    processor is told ``lease_lost`` and given no checkpointer - the Java KCL's
+    ``ShutdownReason`` ranks LEASE_LOST above REQUESTED the same way."""
+    log: list[object] = []
+    in_batch, go_on = threading.Event(), threading.Event()
+
+    class HeldInBatch(Recorder):
+        def process_records(self, p: ProcessRecordsInput) -> None:
+            self.log.append(("batch", [r.sequence_number for r in p.records]))
+            in_batch.set()
+            go_on.wait(10)
+
+    consumer, writer, _ = run_consumer([Result([rec(1)])], [HeldInBatch(log)], wait=False)
+    assert in_batch.wait(10)
+    consumer.request_shutdown()
+    consumer.notify_lease_lost()
+    go_on.set()
+    assert consumer.join(5)
+    assert log == [("init", "TRIM_HORIZON", 0), ("batch", ["1"]), ("lease_lost",)]
+    assert writer.writes == []
+    assert consumer.ended_why == "told the lease was lost"
+
+
 def test_waits_for_parents_until_shard_end() -> None:
     log: list[object] = []
     parent = Lease("shard-0", checkpoint=Position("123"))

@@ -57,6 +57,19 @@ def test_shard_end_and_unknown_shards_are_not_taken(table: LeaseTable, clock: Cl
     assert owners(table)["done"] is None
 
 
+def test_a_known_lease_of_a_stream_no_longer_consumed_is_not_taken(
+    table: LeaseTable, clock: Clock
+) -> None:
+    """A stream dropped from the tracker leaves the known shards only at the end of the
+    shard sync that dropped it; the taker asks the worker's streams before each take."""
+    create(table, "s1", "s2")
+    a, _ = coordinator(table, "A", clock)
+    a.set_known_lease_keys({"s1", "s2"})
+    a.set_consumable(lambda key: key != "s2")
+    assert [lease.lease_key for lease in a.run_taker_once()] == ["s1"]
+    assert owners(table) == {"s1": "A", "s2": None}
+
+
 def test_all_leases_is_the_last_scan_and_get_lease_reads_fresh(
     table: LeaseTable, clock: Clock
 ) -> None:

@@ -218,8 +218,13 @@ def test_streams_added_and_deleted_while_running(
     tracker = Tracker([StreamConfig(kept), StreamConfig(doomed),
                        StreamConfig("not-created-yet", may_be_created_later=True)])
     # the delay is the time a dropped stream's processors have to shut down (and checkpoint)
-    # before their leases go: long enough for a loaded machine
-    config = multi_config(e2e, stream_tracker=tracker,
+    # before their leases go: long enough for a loaded machine. The failover time is long
+    # for the same reason: on a loaded 2-core machine renewals ran up to 1.9 s late, and with
+    # the suite's 3 s the worker rightly gave up its own leases (not renewed within the
+    # failover time). The processor of the stream to be dropped then got lease_lost, before
+    # the drop or while its shutdown request was pending; either way no processor holding
+    # the lease was left to be asked to shut down, which is not what this test is about.
+    config = multi_config(e2e, stream_tracker=tracker, failover_time_ms=10_000,
                           former_streams_lease_deletion_delay_ms=4000)
     with running(Worker(config, lambda: RecordingProcessor(ledger))) as worker:
         wait_for(lambda: sorted(ledger.payloads()) == [b"doomed-0", b"kept-0"], 60,
@@ -247,9 +252,10 @@ def test_streams_added_and_deleted_while_running(
             "kclpy_leases_held") == 1, "only the kept stream's lease is held"
     assert Counter(ledger.payloads()) == Counter(
         [b"kept-0", b"doomed-0", b"added-0", b"added-1", b"kept-1"])
-    assert (added, "shutdown_requested") in {
-        (StreamIdentifier.parse(stream_of_lease_key(k) or "0:x:0").name, e)
-        for k, e in ledger.events}, "the dropped stream's processor could checkpoint"
+    added_events = [event for key, event in ledger.events
+                    if StreamIdentifier.parse(stream_of_lease_key(key) or "0:x:0").name == added]
+    assert added_events[-1:] == ["shutdown_requested"], \
+        "the processor running when its stream was dropped could checkpoint"
 
 
 @pytest.mark.integration

@@ -202,12 +202,14 @@ class LeaseTaker:
                                        now=now, java_peers=java_peers)
             with self._state:
                 self._share = plan.share
-            taken += [fresh for lease in plan.take if (fresh := self._take(lease, stolen=False))]
+            taken += [fresh for lease in plan.take
+                      if self._consumes(lease) and (fresh := self._take(lease, stolen=False))]
             steals = plan.steal if self._load is None else self._load.steals(
                 leases, held=held, live=lambda lease: not self._balancer.is_expired(lease, now),
                 no_steal=no_steal, busy=bool(plan.take or self.pending_handoffs()),
                 count_steals=plan.steal)
-            taken += [fresh for lease in steals if (fresh := self.steal(lease))]
+            taken += [fresh for lease in steals
+                      if self._consumes(lease) and (fresh := self.steal(lease))]
             if taken:
                 log.info("worker %s took %s", self.worker_id, ", ".join(t.lease_key for t in taken))
             if self.cleanup_leases:
@@ -601,10 +603,19 @@ class LeaseTaker:
             self._known_lease_keys = None if lease_keys is None else frozenset(lease_keys)
 
     def set_consumable(self, fn: Callable[[str], bool] | None) -> None:
-        """With a leader: which assigned lease keys this worker takes (its streams'). The
-        known shards do not decide there: only the leader syncs shards, so the others
-        learn of a new child shard when it is assigned to them."""
+        """Which lease keys this worker takes (its streams'). With a leader it alone
+        decides: only the leader syncs shards, so the others learn of a new child shard
+        when it is assigned to them. Without one the known shards decide, and this only
+        closes their window (``_consumes``)."""
         self._consumable = fn
+
+    def _consumes(self, lease: Lease) -> bool:
+        """The scanning taker's last check before a take or steal. The known shards drop a
+        stream that left the tracker only once shard sync has listed every stream still
+        consumed (slow under load); a cycle in that window took the dropped stream's lease
+        and the worker released it at once, with no processor."""
+        consumable = self._consumable
+        return consumable is None or consumable(lease.lease_key)
 
     def pending_handoffs(self) -> set[str]:
         with self._state:

@@ -761,9 +761,9 @@ class ChaosRig:
     def window(self, result: Tally, processor_args: list[str],
                env: dict[str, str] | None = None,
                counter: tuple[str, str] | None = None) -> _Fleet:
-        """Start the fleet and the producer, disrupt for the chaos window, then resume
-        every worker and let the producer finish. The fleet keeps running (the rig kills
-        it on the way out). With ``counter`` (name, label), each worker serves /metrics on
+        """Start the fleet, and once it is up the producer; disrupt for the chaos window,
+        then resume every worker and let the producer finish. The fleet keeps running (the
+        rig kills it on the way out). With ``counter`` (name, label), each worker serves /metrics on
         a loopback port of its own, and the counter is summed in the fleet's
         ``harvested`` over every process and every shard it held, read every second and
         before the process goes."""
@@ -786,6 +786,12 @@ class ChaosRig:
             self.stack.callback(stop.set)
         for slot in fleet.slots:
             fleet.spawn(slot)
+        # The window starts once the fleet is up. Started at the spawn, it was spent on
+        # Python's imports on a loaded machine (workers up 27-36 s after their spawn, load
+        # average 25 on 2 cores): a SIGTERM, first in its round, waits for a worker that is
+        # up and the kills and freezes wait behind it, so the 30 s window of
+        # test_state_chaos's skewed-clocks run ended with no disruption at all.
+        fleet.wait_up(60)
         if settings.stall_check:
             sampler = self.sampler
             self.watch = StallWatch(
