@@ -131,7 +131,7 @@ class ConsumerSettings:
         return RetryPolicy(self.task_backoff_s, self.max_task_backoff_s, jitter=EQUAL)
 
 
-class FatalProcessorError(Exception):
+class FatalProcessorError(KCLError):
     """process_records failed under the ``shutdown`` policy: the worker must stop."""
 
 
