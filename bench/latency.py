@@ -99,7 +99,7 @@ def bare_loop(kinesis: object, stream: str, arrivals: Arrivals, stop: threading.
         while not stop.is_set():
             for event in subscribe(kinesis, arn, SHARD, position, http_version="1.1"):
                 arrivals.ready.set()
-                arrivals.saw([r.binary_data for r in event.page.records])
+                arrivals.saw([r.binary_data for r in event.records])
                 if event.continuation_sequence_number:
                     position = {"Type": "AFTER_SEQUENCE_NUMBER",
                                 "SequenceNumber": event.continuation_sequence_number}

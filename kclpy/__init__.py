@@ -16,6 +16,7 @@ from kclpy.errors import (
     ProcessorRestartRequired,
     ShutdownException,
     ThrottlingException,
+    TransactionRejected,
 )
 from kclpy.metrics import Metrics
 from kclpy.processor import (
@@ -36,7 +37,7 @@ from kclpy.telemetry import Backend as MetricsBackend
 if TYPE_CHECKING:
     from kclpy.state.dynamodb import DynamoDBStateStore
     from kclpy.state.processor import StatefulProcessor
-    from kclpy.state.sql import SQLStateStore
+    from kclpy.state.sql import SQLStateStore, StateStoreUnavailable
     from kclpy.state.transaction import StateTransaction, TransactionTooLarge
     from kclpy.worker import Worker, WorkerFatalError
 
@@ -48,6 +49,7 @@ _STATE = {
     "DynamoDBStateStore": "kclpy.state.dynamodb",
     "StatefulProcessor": "kclpy.state.processor",
     "SQLStateStore": "kclpy.state.sql",
+    "StateStoreUnavailable": "kclpy.state.sql",
     "StateTransaction": "kclpy.state.transaction",
     "TransactionTooLarge": "kclpy.state.transaction",
 }
@@ -90,11 +92,13 @@ __all__ = [
     "ShutdownException",
     "ShutdownReason",
     "ShutdownRequestedInput",
+    "StateStoreUnavailable",
     "StateTransaction",
     "StatefulProcessor",
     "StreamConfig",
     "StreamTracker",
     "ThrottlingException",
+    "TransactionRejected",
     "TransactionTooLarge",
     "Worker",
     "WorkerFatalError",

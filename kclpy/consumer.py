@@ -49,7 +49,7 @@ from kclpy.processor import (
     ShutdownRequestedInput,
 )
 from kclpy.records import Record, Records
-from kclpy.retrieval.parse import ChildShard
+from kclpy.retrieval.page import ChildShard, Page
 from kclpy.retry import EQUAL, RetryPolicy
 
 log = logging.getLogger(__name__)
@@ -65,17 +65,9 @@ class ConsumerState(enum.Enum):
     FAILED = "FAILED"
 
 
-class FetchResultLike(Protocol):
-    records: Records
-    millis_behind_latest: int | None
-    shard_end: bool
-    child_shards: list[ChildShard]
-    caught_up: bool
-
-
 class FetcherLike(Protocol):
     def start(self) -> None: ...
-    def get(self, timeout: float | None = None) -> FetchResultLike | None: ...
+    def get(self, timeout: float | None = None) -> Page[Records] | None: ...
     def stop(self) -> None: ...
     @property
     def caught_up(self) -> bool: ...
@@ -100,7 +92,7 @@ class RecoveryLike(Protocol):
     """A shard's lag recovery (``kclpy.recovery.shard.ShardRecovery``)."""
 
     def begin(self, live: Position) -> datetime | None: ...
-    def poll(self) -> tuple[FetchResultLike, Checkpointer] | None: ...
+    def poll(self) -> tuple[Page[Records], Checkpointer] | None: ...
     @property
     def active(self) -> bool: ...
     def stop(self) -> None: ...
@@ -131,7 +123,7 @@ class ConsumerSettings:
         return RetryPolicy(self.task_backoff_s, self.max_task_backoff_s, jitter=EQUAL)
 
 
-class FatalProcessorError(Exception):
+class FatalProcessorError(KCLError):
     """process_records failed under the ``shutdown`` policy: the worker must stop."""
 
 
@@ -593,7 +585,7 @@ class ShardConsumer:
         fetcher = self._fetcher
         return fetcher.retrieval if fetcher is not None else {}
 
-    def _deliver(self, result: FetchResultLike, checkpointer: Checkpointer | None = None, *,
+    def _deliver(self, result: Page[Records], checkpointer: Checkpointer | None = None, *,
                  is_recovery: bool = False) -> str:
         """Hand one batch to the processor; 'ok', 'restart' or 'stopped'. A recovery batch
         comes with its gap's checkpointer; a live one uses the shard's."""

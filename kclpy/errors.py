@@ -12,7 +12,9 @@ from typing import Any
 
 
 class KCLError(Exception):
-    """Base class of every error kclpy raises on purpose."""
+    """Base class of every error kclpy raises on purpose, so that one ``except`` tells them
+    from bugs and SDK errors. Control-flow signals that never leave the package raising them
+    are not errors and stay outside (docs/errors.md draws the tree and names them)."""
 
 
 class CheckpointError(KCLError):

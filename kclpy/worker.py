@@ -55,7 +55,7 @@ from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
 from kclpy.retrieval.clock import kinesis_clock
 from kclpy.retrieval.fanout import FanOutSource
-from kclpy.retrieval.parse import ChildShard
+from kclpy.retrieval.page import ChildShard
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import Pacer, PollingSource
 from kclpy.retrieval.registration import ConsumerRegistration, RegistrationSettings

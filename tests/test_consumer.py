@@ -23,7 +23,7 @@ from kclpy.processor import (
     ShardEndedInput,
     ShutdownRequestedInput,
 )
-from kclpy.retrieval.parse import ChildShard
+from kclpy.retrieval.page import ChildShard
 from tests.support.datums import DatumSink
 from tests.support.scripted import SETTINGS, Leases, Result, ScriptedFetcher, Writer, rec
 from tests.support.waiting import wait_for

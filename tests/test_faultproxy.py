@@ -7,7 +7,7 @@ import json
 import random
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -18,9 +18,11 @@ from botocore.eventstream import EventStreamBuffer
 from botocore.exceptions import ClientError, ConnectionClosedError, ReadTimeoutError
 
 from kclpy.local import LocalEndpoint, free_port
+from kclpy.records import Record
 from kclpy.retrieval.fanout import classify_subscribe
+from kclpy.retrieval.page import Page
 from kclpy.retrieval.registration import ConsumerRegistration, RegistrationSettings
-from kclpy.retrieval.subscription import SubscribeEvent, subscribe
+from kclpy.retrieval.subscription import subscribe
 from kclpy.retry import CONNECTION
 from tests.support.eventstream_server import Event, event_frame
 from tests.support.faultproxy import FaultProxy, StreamCut
@@ -769,11 +771,11 @@ def test_a_held_update_lands_and_botocore_learns_of_it_late(dynamodb_proxy: Faul
 
 def _read_when_free(
     client: Any, arn: str, shard: str, position: dict[str, Any]
-) -> list[SubscribeEvent]:
+) -> list[Page[Sequence[Record]]]:
     """A subscription's events, read to its end. kinesis-mock refuses a consumer's second
     subscription to a shard (with an exception event) until it noticed that the first one's
     connection closed, a few seconds later."""
-    read: list[list[SubscribeEvent]] = []
+    read: list[list[Page[Sequence[Record]]]] = []
 
     def attempt() -> bool:
         try:
@@ -811,7 +813,7 @@ def test_subscription_faults_reach_kclpy_as_the_services_would(kinesis_proxy: Fa
     kinesis_proxy.cut_stream_once("SubscribeToShard", StreamCut(after_frames=1))
     events = subscribe(client, arn, shard, start)
     first = next(events)
-    assert [r.binary_data for r in first.page.records] == [b"a", b"b"]
+    assert [r.binary_data for r in first.records] == [b"a", b"b"]
     with pytest.raises(Exception) as broken:
         next(events)
     assert classify_subscribe(broken.value) == CONNECTION, broken.value
@@ -821,6 +823,6 @@ def test_subscription_faults_reach_kclpy_as_the_services_would(kinesis_proxy: Fa
     kinesis_proxy.set_rule("SubscribeToShard", end_stream_rate=1.0, stream_cut_frames=(1, 1))
     after = {"Type": "AFTER_SEQUENCE_NUMBER", "SequenceNumber": first.continuation_sequence_number}
     ended = _read_when_free(client, arn, shard, after)
-    assert len(ended) == 1 and not ended[0].page.records
+    assert len(ended) == 1 and not ended[0].records
     assert (kinesis_proxy.faults("cut_stream"), kinesis_proxy.faults("end_stream")) == (1, 1)
     assert kinesis_proxy.faults("in_use") == kinesis_proxy.faults("throttle") == 1

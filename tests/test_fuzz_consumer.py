@@ -39,7 +39,7 @@ from kclpy.processor import (
     ShutdownRequestedInput,
 )
 from kclpy.retrieval.kpl import CORRUPT_REASONS
-from kclpy.retrieval.parse import ChildShard
+from kclpy.retrieval.page import ChildShard
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import PollingSource
 from kclpy.retrieval.source import ShardAddress, reading_start

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from kclpy.records import Record, is_wire_record
 from kclpy.retrieval.kpl import MAGIC, AggregatedRecord, deaggregate, is_aggregated
-from kclpy.retrieval.parse import ChildShard, parse_get_records
+from kclpy.retrieval.page import ChildShard
+from kclpy.retrieval.parse import parse_get_records
 from tests.support.aggregates import (
     MAX_HASH_KEY,
     expected_outcome,

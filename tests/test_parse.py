@@ -7,7 +7,7 @@ import json
 import queue
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -20,10 +20,10 @@ from botocore.parsers import ResponseParserError
 from botocore.stub import Stubber
 from moto.server import ThreadedMotoServer
 
+from kclpy.records import Record
 from kclpy.retrieval import parse
+from kclpy.retrieval.page import ChildShard, Page
 from kclpy.retrieval.parse import (
-    ChildShard,
-    GetRecordsPage,
     get_records,
     install_fast_get_records,
     parse_get_records,
@@ -275,7 +275,7 @@ def test_install_is_idempotent_and_leaves_botocore_metadata(
     calls: list[int] = []
     real = parse.parse_get_records
 
-    def counting(raw: bytes) -> GetRecordsPage:
+    def counting(raw: bytes) -> Page[Sequence[Record]]:
         calls.append(len(raw))
         return real(raw)
 

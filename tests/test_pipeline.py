@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -16,11 +16,10 @@ import pytest
 from kclpy.metrics import Metrics
 from kclpy.position import Position
 from kclpy.records import Record
-from kclpy.retrieval.parse import GetRecordsPage
+from kclpy.retrieval.page import Page
 from kclpy.retrieval.pipeline import FetchError, ShardPipeline
 from kclpy.retrieval.source import (
     AT_SEQUENCE_NUMBER,
-    Page,
     Reading,
     ShardAddress,
     Stopped,
@@ -263,7 +262,7 @@ def test_fatal_error_surfaces_after_the_results_fetched_before_it(
     running.append(fetcher)
     original = shard.page
 
-    def fail_third(iterator: str, limit: int) -> GetRecordsPage:
+    def fail_third(iterator: str, limit: int) -> Page[Sequence[Record]]:
         if len(shard.get_records_calls) == 2:
             shard.errors["GetRecords"] = [not_found]
         return original(iterator, limit)
@@ -350,13 +349,13 @@ class ScriptedSource:
 
     idle_s = 0.0
 
-    def __init__(self, pages: list[Page]) -> None:
+    def __init__(self, pages: list[Page[Sequence[Record]]]) -> None:
         self.address = ShardAddress(SHARD, stream_name="s")
         self._pages = pages
         self.resumed_after: list[str | None] = []
         self.closed = 0
 
-    def read(self, reading: Reading) -> Page:
+    def read(self, reading: Reading) -> Page[Sequence[Record]]:
         self.resumed_after.append(reading.last_sequence_number)
         if not self._pages:
             reading.pause(0.01)
@@ -375,7 +374,7 @@ def test_any_page_source_gets_the_resume_point_de_aggregation_and_the_queue() ->
     pipeline drops what is at or before the checkpoint (inside an aggregate too), notes the
     last record of each page for the source to resume after, never idles after an empty
     page when the source says it need not, and closes the source once at the end."""
-    pages = [
+    pages: list[Page[Sequence[Record]]] = [
         Page([aggregate(0, 3)], 5000, False, [], False),
         Page([], 0, False, [], True),
         Page([plain(1), plain(2)], 0, True, [], True),

@@ -8,7 +8,7 @@ import logging
 import socket
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -21,8 +21,9 @@ from botocore.stub import Stubber
 
 from kclpy.metrics import Metrics
 from kclpy.position import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON, Position
+from kclpy.records import Record
 from kclpy.retrieval.kpl import CORRUPT_REASONS
-from kclpy.retrieval.parse import ChildShard, GetRecordsPage
+from kclpy.retrieval.page import ChildShard, Page
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import PollingSource, one_off_pages
 from kclpy.retrieval.source import (
@@ -407,7 +408,7 @@ def test_unknown_lag_with_an_empty_page_counts_as_caught_up() -> None:
     sleeps = Sleeps()
     original = shard.page
 
-    def no_lag(iterator: str, limit: int) -> GetRecordsPage:
+    def no_lag(iterator: str, limit: int) -> Page[Sequence[Record]]:
         page = original(iterator, limit)
         page.millis_behind_latest = None
         return page

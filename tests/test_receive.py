@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import boto3
@@ -14,8 +14,10 @@ from moto import mock_aws
 from bench import replay
 from kclpy import KCLConfig, Worker
 from kclpy.local import LocalEndpoint
+from kclpy.records import Record
 from kclpy.retrieval import receive
-from kclpy.retrieval.parse import GetRecordsPage, get_records
+from kclpy.retrieval.page import Page
+from kclpy.retrieval.parse import get_records
 from kclpy.retrieval.receive import MIN_POOLED_BYTES, BufferPool
 from kclpy.retry import CONNECTION, classify
 from tests.support.faultproxy import FaultProxy
@@ -95,7 +97,7 @@ def trim_horizon(client: Any, stream: str) -> str:
                                          ShardIteratorType="TRIM_HORIZON")["ShardIterator"])
 
 
-def assert_same_as_botocore(page: GetRecordsPage, expected: dict[str, Any]) -> None:
+def assert_same_as_botocore(page: Page[Sequence[Record]], expected: dict[str, Any]) -> None:
     assert len(page.records) == len(expected["Records"])
     for ours, theirs in zip(page.records, expected["Records"], strict=True):
         assert (ours.sequence_number, ours.partition_key, ours.binary_data) == (

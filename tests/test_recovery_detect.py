@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 
 from kclpy.records import Record, Records
 from kclpy.recovery.detect import PROBE_PAGES, first_record
-from kclpy.retrieval.pipeline import FetchResult
+from kclpy.retrieval.page import Page
 
 
-def page(*sequences: int, caught_up: bool = False) -> FetchResult:
+def page(*sequences: int, caught_up: bool = False) -> Page[Records]:
     records = [Record(str(n), "pk", None, 0, str(n).encode()) for n in sequences]
-    return FetchResult(Records([records]), None, False, [], caught_up)
+    return Page(Records([records]), None, False, (), caught_up)
 
 
 @dataclass
@@ -21,12 +21,12 @@ class ScriptedProbe:
     """Answers its pages in order (None: the pipeline had nothing this time), then empty
     pages; ``caught_up`` and ``finished`` come true after the given number of fetches."""
 
-    pages: list[FetchResult | None]
+    pages: list[Page[Records] | None]
     caught_up_after: int | None = None
     finished_after: int | None = None
     fetches: int = field(default=0, init=False)
 
-    def fetch_once(self) -> FetchResult | None:
+    def fetch_once(self) -> Page[Records] | None:
         self.fetches += 1
         return self.pages.pop(0) if self.pages else page()
 

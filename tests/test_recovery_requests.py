@@ -26,7 +26,8 @@ from kclpy.recovery import queue as gaps
 from kclpy.recovery import requests as asked
 from kclpy.recovery.queue import RecoveryRequest
 from kclpy.recovery.shard import ShardRecovery
-from kclpy.retrieval.pipeline import FetchResult, ShardPipeline
+from kclpy.retrieval.page import Page
+from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import Pacer
 from tests.support.cli import run_cli
 from tests.support.determinism import Clock
@@ -62,8 +63,8 @@ class IdleReader:
     def __init__(self) -> None:
         self.stopped = False
 
-    def fetch_once(self) -> FetchResult:
-        return FetchResult(Records([[Record("1", "pk", None, 0, b"")]]), None, False, [], False)
+    def fetch_once(self) -> Page[Records]:
+        return Page(Records([[Record("1", "pk", None, 0, b"")]]), None)
 
     def start(self) -> None:
         return None
@@ -71,7 +72,7 @@ class IdleReader:
     def stop(self) -> None:
         self.stopped = True
 
-    def get(self, timeout: float | None = None) -> FetchResult | None:
+    def get(self, timeout: float | None = None) -> Page[Records] | None:
         return None
 
 

@@ -243,9 +243,9 @@ def test_put_records_reach_get_records_and_are_pushed_to_a_waiting_subscription(
     events = subscribe(client, arn, shard, {"Type": "LATEST"}, http_version="1.1")
     client.put_records(StreamName="live", Records=[
         {"Data": b"second", "PartitionKey": "k"}, {"Data": b"third", "PartitionKey": "k"}])
-    pushed = next(e for e in events if e.page.records)
+    pushed = next(e for e in events if e.records)
     events.close()
-    assert [r.binary_data for r in pushed.page.records] == [b"second", b"third"]
+    assert [r.binary_data for r in pushed.records] == [b"second", b"third"]
     assert int(pushed.continuation_sequence_number or 0) > int(put["SequenceNumber"])
     records = client.get_records(ShardIterator=iterator(client, "live", shard))["Records"]
     assert [r["Data"] for r in records] == [b"first", b"second", b"third"]

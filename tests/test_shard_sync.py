@@ -30,7 +30,7 @@ from kclpy.leases.table import LeaseTable, checkpoint_changes
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from kclpy.position import AT_TIMESTAMP, LATEST, TRIM_HORIZON, Position
-from kclpy.retrieval.parse import ChildShard
+from kclpy.retrieval.page import ChildShard
 from tests.support.streams import wait_for_stream_active
 from tests.support.waiting import wait_for
 

@@ -29,6 +29,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from werkzeug.serving import BaseWSGIServer
 
+from kclpy.errors import KCLError
 from kclpy.local.moto_app import make_moto_server
 
 LOOPBACK = "127.0.0.1"
@@ -53,7 +54,7 @@ _IMPORT_ROOT = str(Path(__file__).resolve().parents[2])
 _E = TypeVar("_E", bound="LocalEndpoint")
 
 
-class LocalEndpointError(RuntimeError):
+class LocalEndpointError(KCLError, RuntimeError):
     """A local endpoint could not be installed or started; the message carries the evidence."""
 
 

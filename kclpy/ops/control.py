@@ -41,7 +41,7 @@ from typing import IO, Any
 
 from botocore.exceptions import ClientError
 
-from kclpy.errors import ConfigError
+from kclpy.errors import ConfigError, KCLError
 from kclpy.leases import park as parking
 from kclpy.leases import serializer as ser
 from kclpy.leases.dynamo import CONDITION_FAILED
@@ -78,7 +78,7 @@ from kclpy.streams import StreamIdentifier
 EXIT_REFUSED = 1
 
 
-class UsageError(Exception):
+class UsageError(KCLError):
     """A bad argument found after parsing: exit 2, naming ``option``."""
 
     def __init__(self, option: str, message: str) -> None:
@@ -86,7 +86,7 @@ class UsageError(Exception):
         self.option = option
 
 
-class Refused(Exception):
+class Refused(KCLError):
     """The command would not act (a held lease without ``--force``, a lease that changed
     since it was read): exit 1 with the message."""
 

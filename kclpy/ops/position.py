@@ -30,6 +30,7 @@ from typing import Any
 
 from botocore.exceptions import ClientError
 
+from kclpy.errors import KCLError
 from kclpy.position import LATEST, SHARD_END, TRIM_HORIZON, Position
 from kclpy.records import Record
 from kclpy.retrieval import kpl
@@ -44,7 +45,7 @@ FIRST_LOOK_BACK = timedelta(seconds=30)
 _SEQUENCE = re.compile(r"^[0-9]{1,128}$")
 
 
-class PositionError(ValueError):
+class PositionError(KCLError, ValueError):
     """The position cannot be used for this shard; the message says why."""
 
 

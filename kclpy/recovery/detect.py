@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kclpy.records import Record
-from kclpy.retrieval.pipeline import FetchResult
+from kclpy.records import Record, Records
+from kclpy.retrieval.page import Page
 
 #: pages an empty stretch of a shard may take before the probe gives up (Kinesis can answer
 #: a few empty pages before the first record of a shard that was idle for long)
@@ -16,7 +16,7 @@ PROBE_PAGES = 20
 
 
 class Probe(Protocol):
-    def fetch_once(self) -> FetchResult | None: ...
+    def fetch_once(self) -> Page[Records] | None: ...
 
     @property
     def caught_up(self) -> bool: ...

@@ -45,13 +45,15 @@ from kclpy.metrics import (
     Metrics,
 )
 from kclpy.position import TRIM_HORIZON, Position
+from kclpy.records import Records
 from kclpy.recovery import queue as gaps
 from kclpy.recovery import requests as asked
 from kclpy.recovery.detect import first_record
 from kclpy.recovery.queue import RecoveryRequest
 from kclpy.recovery.rate import RecoveryRate, ShardPacer
 from kclpy.retrieval.clock import SKEW_MARGIN_MS, KinesisClock
-from kclpy.retrieval.pipeline import FetchError, FetchResult, ShardPipeline
+from kclpy.retrieval.page import Page
+from kclpy.retrieval.pipeline import FetchError, ShardPipeline
 from kclpy.retrieval.polling import Pacer
 
 if TYPE_CHECKING:
@@ -199,7 +201,7 @@ class ShardRecovery:
                     sub_sequence_number)
         return datetime.fromtimestamp(live_ms / 1000, tz=timezone.utc)
 
-    def poll(self) -> tuple[FetchResult, Checkpointer] | None:
+    def poll(self) -> tuple[Page[Records], Checkpointer] | None:
         """The next recovery batch and the checkpointer that goes with it, if one is ready
         now; never waits. Operator requests the held lease shows are folded in first."""
         if self._requests_pending():
@@ -524,7 +526,7 @@ class GapWriter:
         return self._recovery.guard(what)
 
 
-def _through(result: FetchResult, last_sequence: str) -> FetchResult:
+def _through(result: Page[Records], last_sequence: str) -> Page[Records]:
     """The batch as a gap ending at record ``last_sequence`` sees it: its records up to that
     one (every user record of it), and the gap's end once a later record shows. The read
     itself stops before ``end_ms`` (the millisecond after that record arrived), so a record
@@ -540,7 +542,7 @@ def _through(result: FetchResult, last_sequence: str) -> FetchResult:
             high = middle
     if low == len(records):
         return result
-    return replace(result, records=records[:low], shard_end=True, child_shards=[],
+    return replace(result, records=records[:low], shard_end=True, child_shards=(),
                    bound_reached=True)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -27,11 +27,13 @@ from kclpy.metrics import (
     Metrics,
     Scope,
 )
+from kclpy.records import Record
 from kclpy.retrieval.clock import kinesis_clock
-from kclpy.retrieval.parse import ChildShard, get_records
+from kclpy.retrieval.page import ChildShard, Page
+from kclpy.retrieval.parse import get_records
 from kclpy.retrieval.polling import get_iterator
-from kclpy.retrieval.source import Page, Reading, Retrying, ShardAddress
-from kclpy.retrieval.subscription import SubscribeEvent, subscribe
+from kclpy.retrieval.source import Reading, Retrying, ShardAddress
+from kclpy.retrieval.subscription import subscribe
 from kclpy.retry import CONNECTION, IN_USE, SERVER_ERROR, Backoff, classify
 
 if TYPE_CHECKING:
@@ -65,7 +67,7 @@ class ShardSubscription:
         self._http_version = http_version
         self._metrics = metrics
         self._clock = clock
-        self._events: Generator[SubscribeEvent, None, None] | None = None
+        self._events: Generator[Page[Sequence[Record]], None, None] | None = None
         #: the last event's ContinuationSequenceNumber (None before the first, and at the end)
         self.continuation: str | None = None
         #: clock() when the current subscription was opened (0: never)
@@ -79,8 +81,8 @@ class ShardSubscription:
         return round(self._clock() - self._subscribed_at, 1)
 
     def next_event(self, position: StartingPositionAfter, last_sequence_number: str | None
-                   ) -> SubscribeEvent:
-        """The next event, opening a subscription when none is open: right away after one
+                   ) -> Page[Sequence[Record]]:
+        """The next event's page, opening a subscription when none is open: right away after one
         the service ended (after about five minutes), after the last event's continuation.
         A failure leaves no subscription open, so a retry opens a new one."""
         while True:
@@ -101,7 +103,7 @@ class ShardSubscription:
                 raise
             self.continuation = event.continuation_sequence_number
             self._metrics.inc(SUBSCRIPTION_EVENTS)
-            self._metrics.inc(SUBSCRIPTION_BYTES, by=event.page.size_bytes)
+            self._metrics.inc(SUBSCRIPTION_BYTES, by=event.size_bytes)
             return event
 
     def _resume_after(self, last_sequence_number: str | None) -> str | None:
@@ -193,7 +195,7 @@ class FanOutSource:
     def close(self) -> None:
         self._subscription.close()
 
-    def read(self, reading: Reading) -> Page:
+    def read(self, reading: Reading) -> Page[Sequence[Record]]:
         """The next event of the shard's subscription, as a page."""
         subscription = self._subscription
 
@@ -215,18 +217,17 @@ class FanOutSource:
         if kinesis_ms is None and self._read_once:
             kinesis_ms = round(time.time() * 1000)
         self._read_once = True
-        event = self._retrying.call(
+        page = self._retrying.call(
             reading, "SubscribeToShard",
             lambda: subscription.next_event(position, reading.last_sequence_number),
             classify_subscribe)
         self._retrying.backoff.reset()
-        page = event.page
         self.records_fetched += len(page.records)
         millis = page.millis_behind_latest
         self._kinesis_clock.observe_page(page.records, millis)
         if millis is not None and self._until_ms is None:
             self._m_behind.set(millis)
-        shard_end = event.continuation_sequence_number is None
+        shard_end = page.continuation_sequence_number is None
         if shard_end:
             self.close()
             logger.info("shard %s reached its end", self.address.lease_key)
@@ -238,9 +239,11 @@ class FanOutSource:
             found = self._probe_shard_end(reading)
             if found is not None:
                 shard_end, children = True, found
-        return Page(page.records, millis, shard_end, children, caught_up,
-                    at_tip=caught_up and not page.records,
-                    shard_closed=shard_end).within(self._until_ms, kinesis_ms)
+        # the parse's page, completed with what only the source decides
+        page.caught_up, page.at_tip = caught_up, caught_up and not page.records
+        page.shard_end = page.shard_closed = shard_end
+        page.child_shards = children
+        return page.within(self._until_ms, kinesis_ms)
 
     def _probe_shard_end(self, reading: Reading) -> list[ChildShard] | None:
         """Is the idle shard closed? One GetRecords after the last record handled: the

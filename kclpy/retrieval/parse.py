@@ -16,7 +16,6 @@ into the dict that ``client.get_records`` returns.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from datetime import datetime
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any, cast
@@ -26,16 +25,16 @@ from botocore.parsers import ResponseParserError
 
 from kclpy.records import Record, WireRecords
 from kclpy.retrieval import receive
+from kclpy.retrieval.page import ChildShard, Page
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
 
 __all__ = [
-    "ChildShard",
-    "GetRecordsPage",
     "get_records",
     "install_fast_get_records",
     "parse_get_records",
+    "parse_subscribe_event",
 ]
 
 _EVENT = "before-parse.kinesis.GetRecords"
@@ -45,30 +44,7 @@ _PAGE_KEY = "_kclpy_get_records_page"
 _wire_fields = itemgetter("Data", "PartitionKey", "SequenceNumber", "ApproximateArrivalTimestamp")
 
 
-@dataclass(frozen=True, slots=True)
-class ChildShard:
-    """A shard that continues a closed one; GetRecords names them once the parent is read."""
-
-    shard_id: str
-    parent_shards: tuple[str, ...]
-    starting_hash_key: str
-    ending_hash_key: str
-
-
-@dataclass(slots=True)
-class GetRecordsPage:
-    """One GetRecords answer. ``next_shard_iterator is None`` means the shard is closed and
-    every record of it has been returned (shard end)."""
-
-    #: in order, not de-aggregated (a :class:`~kclpy.records.WireRecords` when parsed here)
-    records: Sequence[Record]
-    next_shard_iterator: str | None
-    millis_behind_latest: int | None
-    child_shards: list[ChildShard] = field(default_factory=list)
-    size_bytes: int = 0
-
-
-def parse_get_records(body: bytes) -> GetRecordsPage:
+def parse_get_records(body: bytes) -> Page[Sequence[Record]]:
     """Parse the JSON body of a successful GetRecords answer.
 
     Records are not de-aggregated and their data is not base64-decoded here: both happen
@@ -84,17 +60,18 @@ def parse_get_records(body: bytes) -> GetRecordsPage:
     return page
 
 
-def parse_subscribe_event(payload: bytes) -> tuple[GetRecordsPage, str | None]:
+def parse_subscribe_event(payload: bytes) -> Page[Sequence[Record]]:
     """Parse a ``SubscribeToShardEvent`` payload (enhanced fan-out) exactly as a GetRecords
-    body: its records, lag and child shards are the same JSON. Returns the page and the
-    event's ``ContinuationSequenceNumber`` (None at shard end); the page's
+    body: its records, lag and child shards are the same JSON. The page's
+    ``continuation_sequence_number`` is the event's (None at shard end); its
     ``next_shard_iterator`` is left None, since a subscription has none."""
     doc, page = _parse_page(payload, "SubscribeToShardEvent")
     continuation = doc.get("ContinuationSequenceNumber")
-    return page, None if continuation is None else str(continuation)
+    page.continuation_sequence_number = None if continuation is None else str(continuation)
+    return page
 
 
-def _parse_page(body: bytes, what: str) -> tuple[dict[str, Any], GetRecordsPage]:
+def _parse_page(body: bytes, what: str) -> tuple[dict[str, Any], Page[Sequence[Record]]]:
     try:
         # orjson: about 1.5x json.loads on these documents, and json.loads is most of the
         # parse for large payloads.
@@ -120,9 +97,8 @@ def _parse_page(body: bytes, what: str) -> tuple[dict[str, Any], GetRecordsPage]
             )
             for c in doc.get("ChildShards") or ()
         ]
-        return doc, GetRecordsPage(
+        return doc, Page(
             records=records,
-            next_shard_iterator=None,
             millis_behind_latest=doc.get("MillisBehindLatest"),
             child_shards=child_shards,
             size_bytes=len(body),
@@ -161,7 +137,8 @@ def install_fast_get_records(client: KinesisClient) -> None:
     receive.install(client)
 
 
-def get_records(client: KinesisClient, shard_iterator: str, limit: int) -> GetRecordsPage:
+def get_records(client: KinesisClient, shard_iterator: str, limit: int
+                ) -> Page[Sequence[Record]]:
     """Call GetRecords through ``client`` and return the parsed page.
 
     Installs the hook if needed. botocore's exceptions (``ClientError`` for throttling,
@@ -172,14 +149,14 @@ def get_records(client: KinesisClient, shard_iterator: str, limit: int) -> GetRe
     install_fast_get_records(client)
     response = cast(dict[str, Any], client.get_records(ShardIterator=shard_iterator, Limit=limit))
     page = response.get(_PAGE_KEY)
-    if isinstance(page, GetRecordsPage):
+    if isinstance(page, Page):
         return page
     # No HTTP answer was parsed: botocore's Stubber (or another before-send handler)
     # supplied a ready-made response dict.
     return _page_from_botocore(response)
 
 
-def _page_from_botocore(response: dict[str, Any]) -> GetRecordsPage:
+def _page_from_botocore(response: dict[str, Any]) -> Page[Sequence[Record]]:
     records = [
         Record(
             sequence_number=r["SequenceNumber"],
@@ -198,12 +175,11 @@ def _page_from_botocore(response: dict[str, Any]) -> GetRecordsPage:
         )
         for c in response.get("ChildShards", ())
     ]
-    return GetRecordsPage(
+    return Page(
         records=records,
-        next_shard_iterator=response.get("NextShardIterator"),
         millis_behind_latest=response.get("MillisBehindLatest"),
         child_shards=child_shards,
-        size_bytes=0,
+        next_shard_iterator=response.get("NextShardIterator"),
     )
 
 

@@ -29,7 +29,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from kclpy.errors import KCLError
@@ -37,39 +36,14 @@ from kclpy.metrics import DEAGGREGATION_ERRORS, PREFETCH_QUEUE_DEPTH, RECORDS_FI
 from kclpy.position import AT_TIMESTAMP, Position
 from kclpy.records import EMPTY, Record, Records
 from kclpy.retrieval.kpl import CORRUPT_REASONS, HashKeyRange, deaggregate
-from kclpy.retrieval.parse import ChildShard
-from kclpy.retrieval.source import (
-    Page,
-    PageSource,
-    Reading,
-    Stopped,
-)
+from kclpy.retrieval.page import Page
+from kclpy.retrieval.source import PageSource, Reading, Stopped
 
 logger = logging.getLogger(__name__)
 
 # How long a blocked put/get waits before looking at the stop flag again: bounds how late
 # stop() is noticed without turning the wait into a busy loop.
 _POLL_S = 0.05
-
-
-@dataclass(slots=True)
-class FetchResult:
-    """One page, ready for the processor."""
-
-    #: de-aggregated, filtered, strictly after the resume point, in order
-    records: Records
-    millis_behind_latest: int | None
-    #: True on the final result of a closed shard (or of the bounded range being read)
-    shard_end: bool
-    #: the children named by the final page (empty before shard end)
-    child_shards: list[ChildShard]
-    #: millis_behind_latest == 0, or unknown and the page was empty
-    caught_up: bool
-    #: the page's other ends, as its source reported them (``source.Page``): the tip (an
-    #: empty page, not behind), a bounded read's bound, the shard itself closed
-    at_tip: bool = False
-    bound_reached: bool = False
-    shard_closed: bool = False
 
 
 class FetchError(KCLError):
@@ -191,7 +165,7 @@ class ShardPipeline:
         """MillisBehindLatest of the last page, empty pages included."""
         return self._millis_behind_latest
 
-    def get(self, timeout: float | None = None) -> FetchResult | None:
+    def get(self, timeout: float | None = None) -> Page[Records] | None:
         """The next result, or None on timeout or once the pipeline finished (see ``finished``).
 
         Raises FetchError if the thread stopped on a fatal error.
@@ -247,7 +221,7 @@ class ShardPipeline:
         """True once nothing more will be read: shard end reached, failed, or stopped."""
         return self._shard_ended or self._error is not None or self._stop.is_set()
 
-    def fetch_once(self, limit: int | None = None) -> FetchResult | None:
+    def fetch_once(self, limit: int | None = None) -> Page[Records] | None:
         """One iteration of the fetch loop, without the thread or the queue.
 
         Returns what the loop would have queued: None for an empty page (unless
@@ -311,7 +285,7 @@ class ShardPipeline:
         with contextlib.suppress(queue.Full):
             self._queue.put_nowait(item)
 
-    def _fetch(self) -> tuple[Page | None, bool]:
+    def _fetch(self) -> tuple[Page[Sequence[Record]] | None, bool]:
         """One read of the source: the page to queue (or None), and whether to wait the
         source's idle time before the next."""
         if self._shard_ended:
@@ -351,7 +325,7 @@ class ShardPipeline:
         if int(first) > int(checkpoint):
             self._on_trimmed(checkpoint, first)
 
-    def _expand(self, page: Page) -> FetchResult | None:
+    def _expand(self, page: Page[Sequence[Record]]) -> Page[Records] | None:
         """The page's user records (de-aggregated, filtered, after the resume point), or None
         if nothing is left to deliver. Runs on the thread that calls ``get()``."""
         records = EMPTY
@@ -371,9 +345,8 @@ class ShardPipeline:
             records = self._drop_processed(agg.records)
         if not (records or page.shard_end or self._deliver_empty):
             return None
-        return FetchResult(records, page.millis_behind_latest, page.shard_end,
-                           page.child_shards, page.caught_up, page.at_tip, page.bound_reached,
-                           page.shard_closed)
+        return Page(records, page.millis_behind_latest, page.shard_end, page.child_shards,
+                    page.caught_up, page.at_tip, page.bound_reached, page.shard_closed)
 
     def _drop_processed(self, records: Records) -> Records:
         """Drop the records at or before the checkpoint we resumed from."""

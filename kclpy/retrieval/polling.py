@@ -32,7 +32,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from botocore.exceptions import ClientError
@@ -45,9 +45,11 @@ from kclpy.metrics import (
     Metrics,
 )
 from kclpy.position import Position
+from kclpy.records import Record
 from kclpy.retrieval.clock import kinesis_clock
-from kclpy.retrieval.parse import GetRecordsPage, get_records, install_fast_get_records
-from kclpy.retrieval.source import Page, Reading, Retrying, ShardAddress, Stopped
+from kclpy.retrieval.page import Page
+from kclpy.retrieval.parse import get_records, install_fast_get_records
+from kclpy.retrieval.source import Reading, Retrying, ShardAddress, Stopped
 from kclpy.retry import Backoff, RetryPolicy
 
 if TYPE_CHECKING:
@@ -154,7 +156,7 @@ class PollingSource:
     def close(self) -> None:
         """An iterator holds nothing open."""
 
-    def read(self, reading: Reading) -> Page:
+    def read(self, reading: Reading) -> Page[Sequence[Record]]:
         """One GetRecords (with retries), a fresh iterator first when there is none."""
         limit = self._max_records
         if reading.limit is not None:
@@ -209,14 +211,15 @@ class PollingSource:
         if skew is not None:
             self._m_skew.set(skew / 1000)
         caught_up = millis == 0 or (millis is None and not page.records)
-        at_tip = caught_up and not page.records
         closed = page.next_shard_iterator is None
+        # the parse's page, completed with what only the source decides
+        page.caught_up, page.at_tip = caught_up, caught_up and not page.records
+        page.shard_end = page.shard_closed = closed
         if kinesis_ms is None:
             # An endpoint that showed no time of its own (no Date header): the local
             # clock, as before there was a Kinesis clock.
             kinesis_ms = round(time.time() * 1000)
-        result = Page(page.records, millis, closed, page.child_shards, caught_up, at_tip=at_tip,
-                      shard_closed=closed).within(self._until_ms, kinesis_ms)
+        result = page.within(self._until_ms, kinesis_ms)
         until = self._until_ms
         self._short_ms = (until - kinesis_ms if until is not None and result.at_tip
                           and not result.shard_end else 0)
@@ -232,7 +235,7 @@ class PollingSource:
                 logger.info("shard %s reached its end", self.address.lease_key)
         return result
 
-    def _timed_get_records(self, iterator: str, limit: int) -> GetRecordsPage:
+    def _timed_get_records(self, iterator: str, limit: int) -> Page[Sequence[Record]]:
         started = time.perf_counter()
         ok = False
         try:
@@ -259,7 +262,7 @@ def _uncounted() -> Metrics:
 
 def one_off_pages(client: KinesisClient, address: ShardAddress, start: Position, *,
                   after: str | None = None, limit: int = 10000
-                  ) -> Generator[Page, None, None]:
+                  ) -> Generator[Page[Sequence[Record]], None, None]:
     """The shard's pages from ``start`` (or after the Kinesis record ``after``), read by a
     polling source for a tool or a probe: every call tried once, nothing counted in the
     worker's metrics, Kinesis records as the service returns them (aggregates whole). Ends

@@ -21,14 +21,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
 from kclpy.metrics import GET_RECORDS_ERRORS, SUBSCRIPTIONS, THROTTLES, Metrics
 from kclpy.position import AT_TIMESTAMP, Position
 from kclpy.records import Record
-from kclpy.retrieval.parse import ChildShard
+from kclpy.retrieval.page import Page
 from kclpy.retry import THROTTLED, Backoff, classify
 from kclpy.streams import multi_stream_lease_key
 
@@ -92,63 +92,6 @@ class ShardAddress:
         return params
 
 
-@dataclass
-class Page:
-    """One page as a source hands it over: Kinesis records, KPL aggregates still whole."""
-
-    records: Sequence[Record]
-    millis_behind_latest: int | None
-    #: the shard (or the bounded range being read) has nothing after this page
-    shard_end: bool
-    #: the children named by the final page (empty before shard end)
-    child_shards: list[ChildShard]
-    #: millis_behind_latest == 0, or unknown and the page was empty
-    caught_up: bool
-    #: the page came back with no records and not behind: the tip, which is decided only
-    #: here - never from ``millis_behind_latest`` alone, since kinesis-mock reports 0 on a
-    #: page that ends inside the last PutRecords batch while records remain
-    at_tip: bool = False
-    #: a bounded read met a record that arrived at or after its end: the rest of the shard
-    #: is for a later read (``records`` stop before that record)
-    bound_reached: bool = False
-    #: the shard itself has nothing after this page (no next iterator, no continuation),
-    #: which a bounded read's ``shard_end`` alone does not say
-    shard_closed: bool = False
-
-    def within(self, until_ms: int | None, kinesis_ms: int | None = None) -> Page:
-        """The page as a read bounded by ``until_ms`` (epoch ms) sees it: the read ends, as
-        at a shard end, before the first record that arrived at or after the bound, or at
-        the tip once Kinesis' time has passed the bound. The same for every source, so a
-        bounded read (a recovery gap, a Spark batch) ends at the same record whichever mode
-        read it.
-
-        ``kinesis_ms`` is a lower bound of Kinesis' time when the page was asked for
-        (:mod:`kclpy.retrieval.clock`). The tip only says that every record that had
-        arrived by then was read: with the bound still in Kinesis' future, records that
-        arrive later belong to the range, so the read stays open (the page stays at the
-        tip, not at an end) and looks again. None (nothing known) keeps the range open.
-        """
-        if until_ms is None:
-            return self
-        kept = _arrived_before(self.records, until_ms)
-        reached = len(kept) < len(self.records)
-        passed = self.at_tip and kinesis_ms is not None and kinesis_ms >= until_ms
-        if not (reached or passed):
-            return self
-        return replace(self, records=kept, shard_end=True, child_shards=[],
-                       bound_reached=reached)
-
-
-def _arrived_before(records: Sequence[Record], until_ms: int) -> Sequence[Record]:
-    """The leading records that arrived before ``until_ms``: sequence numbers and arrival
-    times grow together within a shard, so the first one at or after it ends the range."""
-    for index, record in enumerate(records):
-        arrived = record.timestamp_millis
-        if arrived is not None and arrived >= until_ms:
-            return records[:index]
-    return records
-
-
 class Stopped(Exception):
     """Unwinds a read once the pipeline was stopped."""
 
@@ -207,7 +150,7 @@ class PageSource(Protocol):
         (polling's idle time between reads, longer while a bounded read waits for Kinesis'
         time to reach its end; 0 for a source the service pushes to)."""
 
-    def read(self, reading: Reading) -> Page: ...
+    def read(self, reading: Reading) -> Page[Sequence[Record]]: ...
 
     def close(self) -> None:
         """Let go of what the source holds open (a subscription); called once, at the end."""

@@ -24,8 +24,7 @@ import os
 import ssl
 import struct
 import threading
-from collections.abc import Generator, Iterator
-from dataclasses import dataclass
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -34,7 +33,9 @@ from botocore.awsrequest import AWSPreparedRequest, AWSResponse
 from botocore.eventstream import EventStreamBuffer
 from botocore.exceptions import ClientError
 
-from kclpy.retrieval.parse import GetRecordsPage, parse_subscribe_event
+from kclpy.records import Record
+from kclpy.retrieval.page import Page
+from kclpy.retrieval.parse import parse_subscribe_event
 
 #: how a subscription is sent: HTTP/2 to https endpoints and HTTP/1.1 to http ones, or one
 #: of the two for every endpoint (``--fanout-http-version``)
@@ -49,13 +50,6 @@ _CHUNK = 64 * 1024
 #: HTTP/1.1 connection headers HTTP/2 forbids
 _CONNECTION_HEADERS = {"connection", "transfer-encoding", "keep-alive", "upgrade",
                        "proxy-connection", "expect"}
-
-
-@dataclass(slots=True)
-class SubscribeEvent:
-    page: GetRecordsPage
-    #: where the next subscription continues (AFTER_SEQUENCE_NUMBER); None at shard end
-    continuation_sequence_number: str | None
 
 
 def _header(name: str, value: str) -> bytes:
@@ -245,8 +239,8 @@ def install(client: Any, *, http_version: str = "auto", max_connections: int = 1
 
 def subscribe(client: Any, consumer_arn: str, shard_id: str,
               starting_position: dict[str, Any], *, http_version: str = "auto"
-              ) -> Generator[SubscribeEvent, None, None]:
-    """Open a subscription and yield its events until the service ends it (about five
+              ) -> Generator[Page[Sequence[Record]], None, None]:
+    """Open a subscription and yield its events, as pages, until the service ends it (about five
     minutes) or the connection drops. Errors sent as event-stream exceptions raise
     ``ClientError`` with their type as the code, as an error answer would."""
     install(client, http_version=http_version)
@@ -258,7 +252,7 @@ def subscribe(client: Any, consumer_arn: str, shard_id: str,
     return _events(real)
 
 
-def _events(raw: Any) -> Generator[SubscribeEvent, None, None]:
+def _events(raw: Any) -> Generator[Page[Sequence[Record]], None, None]:
     buffer = EventStreamBuffer()
     try:
         for chunk in raw.stream(_CHUNK, decode_content=False):
@@ -269,8 +263,7 @@ def _events(raw: Any) -> Generator[SubscribeEvent, None, None]:
                 kind = headers.get(":message-type")
                 if kind == "event":
                     if headers.get(":event-type") == "SubscribeToShardEvent":
-                        page, continuation = parse_subscribe_event(message.payload)
-                        yield SubscribeEvent(page, continuation)
+                        yield parse_subscribe_event(message.payload)
                     continue  # initial-response, or an event type this client does not know
                 code = str(headers.get(":exception-type") or headers.get(":error-code")
                            or "InternalFailure")

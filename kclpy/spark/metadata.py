@@ -23,13 +23,14 @@ import os
 import uuid
 from pathlib import Path
 
+from kclpy.errors import KCLError
 from kclpy.position import Position
 from kclpy.spark.offsets import UptoEnd
 
 __all__ = ["ConflictingEndError", "PositionStore"]
 
 
-class ConflictingEndError(RuntimeError):
+class ConflictingEndError(KCLError, RuntimeError):
     """Another attempt at the same part of a batch recorded a different end first: this
     attempt's rows are not the batch's, so the task fails and Spark's retry reads to the
     recorded end."""

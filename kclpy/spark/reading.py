@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from botocore.exceptions import ClientError
 
+from kclpy.errors import KCLError
 from kclpy.metrics import Metrics
 from kclpy.position import AFTER, AT_TIMESTAMP, SHARD_END, Position
 from kclpy.records import EMPTY, Record, Records
@@ -107,12 +108,12 @@ class ShardInfo:
     closed: bool
 
 
-class DataLossError(RuntimeError):
+class DataLossError(KCLError, RuntimeError):
     """Records between a checkpointed position and what Kinesis still has are gone (trimmed
     by retention, or the shard expired): raised when ``failOnDataLoss`` is true."""
 
 
-class EndNotFoundError(RuntimeError):
+class EndNotFoundError(KCLError, RuntimeError):
     """The records a batch was planned with are not there (expired, or a different stream)."""
 
 

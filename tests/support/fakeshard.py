@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import re
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,11 +16,11 @@ from botocore.exceptions import ClientError
 
 from kclpy.metrics import Metrics
 from kclpy.position import AT_TIMESTAMP, LATEST, TRIM_HORIZON, Position
-from kclpy.records import Record
+from kclpy.records import Record, Records
 from kclpy.retrieval import parse
 from kclpy.retrieval import polling as polling_module
-from kclpy.retrieval.parse import ChildShard, GetRecordsPage
-from kclpy.retrieval.pipeline import FetchResult, ShardPipeline
+from kclpy.retrieval.page import ChildShard, Page
+from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import PollingSource
 from kclpy.retrieval.source import (
     AFTER_SEQUENCE_NUMBER,
@@ -67,7 +68,7 @@ def error(code: str, status: int = 400, operation: str = "GetRecords") -> Client
     return ClientError(response, operation)
 
 
-def payloads(results: list[FetchResult]) -> list[bytes]:
+def payloads(results: list[Page[Records]]) -> list[bytes]:
     return [r.binary_data for result in results for r in result.records]
 
 
@@ -126,7 +127,7 @@ class FakeShard:
         self._issued += 1
         return {"ShardIterator": f"it-{index}-{self._issued}"}
 
-    def page(self, iterator: str, limit: int) -> GetRecordsPage:
+    def page(self, iterator: str, limit: int) -> Page[Sequence[Record]]:
         with self.called:
             self.get_records_calls.append((iterator, limit))
             self.called.notify_all()
@@ -140,11 +141,11 @@ class FakeShard:
         self._issued += 1
         next_iterator = None if self.closed and at_end else f"it-{after}-{self._issued}"
         millis = self.millis_behind if self.millis_behind is not None else (0 if at_end else 5000)
-        return GetRecordsPage(
+        return Page(
             records=list(batch),
-            next_shard_iterator=next_iterator,
             millis_behind_latest=millis,
             child_shards=list(self.child_shards) if next_iterator is None else [],
+            next_shard_iterator=next_iterator,
             size_bytes=sum(len(r.binary_data) for r in batch),
         )
 
@@ -172,7 +173,7 @@ def route_get_records(monkeypatch: pytest.MonkeyPatch) -> None:
     """Route the polling source's GetRecords to ``FakeShard.page`` when the client is a
     fake (a real client keeps kclpy's own parse)."""
 
-    def get_records(client: Any, iterator: str, limit: int) -> GetRecordsPage:
+    def get_records(client: Any, iterator: str, limit: int) -> Page[Sequence[Record]]:
         if isinstance(client, FakeShard):
             return client.page(iterator, limit)
         return parse.get_records(client, iterator, limit)
@@ -226,7 +227,7 @@ def sample(metrics: Metrics, name: str, **labels: str) -> float:
     return 0.0 if value is None else value
 
 
-def drain(fetcher: ShardPipeline, limit: int = 100) -> list[FetchResult]:
+def drain(fetcher: ShardPipeline, limit: int = 100) -> list[Page[Records]]:
     results = []
     for _ in range(limit):
         result = fetcher.fetch_once()

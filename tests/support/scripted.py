@@ -12,7 +12,7 @@ from kclpy.consumer import ConsumerSettings
 from kclpy.leases.lease import Lease
 from kclpy.position import Position
 from kclpy.records import Record, Records
-from kclpy.retrieval.parse import ChildShard
+from kclpy.retrieval.page import ChildShard, Page
 from tests.support.checkpoints import CheckpointWriterBase
 
 SETTINGS = ConsumerSettings(parent_shard_poll_interval_s=0.01, task_backoff_s=0.001,
@@ -24,17 +24,16 @@ def rec(seq: int, sub: int = 0) -> Record:
                   sub_sequence_number=sub, data=b"payload")
 
 
-class Result:
-    """A fetch result as the consumer reads it."""
+class Result(Page[Records]):
+    """A page as the consumer reads it, written with plain lists and a lag of 0."""
+
+    __slots__ = ()
 
     def __init__(self, records: Sequence[Record], millis_behind_latest: int | None = 0,
                  shard_end: bool = False, child_shards: Sequence[ChildShard] = (),
                  caught_up: bool = False) -> None:
-        self.records = Records([list(records)])
-        self.millis_behind_latest = millis_behind_latest
-        self.shard_end = shard_end
-        self.child_shards = list(child_shards)
-        self.caught_up = caught_up
+        super().__init__(Records([list(records)]), millis_behind_latest, shard_end,
+                         list(child_shards), caught_up)
 
 
 class ScriptedFetcher:
