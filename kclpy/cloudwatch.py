@@ -5,6 +5,12 @@ A metrics backend (``kclpy/telemetry.py``): each event of a metric declared with
 unit and level, an ``Operation`` and the dimensions the Java KCL gives it (``ShardId``,
 ``StreamId``, ``WorkerIdentifier``). Points below ``metricsLevel`` are dropped at once;
 dimensions outside ``metricsEnabledDimensions`` are left off (``Operation`` always stays).
+A labelled metric's labels are dimensions too, named as the labels, after the Java ones:
+summing its label sets into one datum would make a datum no query can take apart, so each
+label set is a datum (and a CloudWatch metric) of its own. CloudWatch refuses a whole
+request for one datum beyond its limits, so every datum is kept within them: 30 dimensions
+at most (the first ones kept), names cut to 255 characters, values to 1024 printable ASCII
+characters (others become ``?``), and a dimension whose value is empty or blank is left off.
 Points with the same name, unit and dimensions are aggregated locally into one statistic set
 (sum, minimum, maximum, count), as the Java KCL's accumulating queue does, and a publisher
 thread sends what gathered every ``metricsBufferTimeMillis`` with ``PutMetricData``, 20
@@ -56,6 +62,10 @@ OPERATION = "Operation"
 
 #: datums per PutMetricData request, as the Java KCL sends them
 BATCH = 20
+#: CloudWatch's limits on a datum's dimensions
+MAX_DIMENSIONS = 30
+MAX_DIMENSION_NAME = 255
+MAX_DIMENSION_VALUE = 1024
 #: attempts per request before its datums are given up
 ATTEMPTS = 4
 BACKOFF_BASE_S = 0.2
@@ -144,10 +154,16 @@ class CloudWatchPublisher:
                dimensions: Mapping[str, str] | None = None) -> None:
         if level > self.level or self.level == NONE:
             return
-        dims = [(OPERATION, operation)]
+        dims = {OPERATION: operation}
         if dimensions:
-            dims.extend((k, v) for k, v in dimensions.items() if k in self.enabled_dimensions)
-        key: Key = (name, unit, tuple(dims))
+            for k, v in dimensions.items():
+                # metricsEnabledDimensions names the Java dimensions; labels always go
+                if k in DIMENSIONS and k not in self.enabled_dimensions:
+                    continue
+                text = _dimension_value(v)
+                if text is not None and len(dims) < MAX_DIMENSIONS:
+                    dims.setdefault(k[:MAX_DIMENSION_NAME], text)
+        key: Key = (name, unit, tuple(dims.items()))
         dropped = False
         with self._lock:
             stats = self._queue.get(key)
@@ -229,6 +245,15 @@ class CloudWatchPublisher:
             self._on_event(what, n)
 
 
+def _dimension_value(text: str) -> str | None:
+    """``text`` as CloudWatch takes a dimension value, or None when nothing of it would be
+    left: CloudWatch refuses an empty or blank value, and anything but printable ASCII."""
+    if not (text.isascii() and text.isprintable()):
+        text = "".join(c if c.isascii() and c.isprintable() else "?" for c in text)
+    text = text[:MAX_DIMENSION_VALUE]
+    return text if text.strip() else None
+
+
 def _datum(key: Key, stats: _Stats, timestamp: datetime) -> dict[str, Any]:
     name, unit, dims = key
     return {
@@ -244,8 +269,9 @@ def _datum(key: Key, stats: _Stats, timestamp: datetime) -> dict[str, Any]:
 class CloudWatchBackend:
     """The metrics backend that turns events into the Java KCL's datums, sent by ``sink``
     (a :class:`CloudWatchPublisher`). A shard's datums carry ``ShardId`` (and ``StreamId``
-    in a multi-stream application), the worker's ``WorkerIdentifier``; a closed shard's
-    scope needs nothing removed, its datums simply stop."""
+    in a multi-stream application), the worker's ``WorkerIdentifier``, and a labelled
+    metric's datums its labels as well; a closed shard's scope needs nothing removed, its
+    datums simply stop."""
 
     def __init__(self, sink: MetricsSink, worker_id: str, level: int) -> None:
         self._sink = sink
@@ -273,7 +299,10 @@ class _CloudWatchScope:
         """Only the datums the level asks for: a DETAILED one at SUMMARY costs nothing."""
         level = self._backend._level
         faces = tuple(f for f in metric.java if f.level <= level)
-        return _Datums(self._backend._sink, faces, self._dimensions) if faces else None
+        if not faces:
+            return None
+        return _Datums(self._backend._sink, faces, self._dimensions,
+                       dict(zip(metric.labels, labels, strict=True)))
 
     def remove(self, metric: Metric, labels: tuple[str, ...]) -> None:
         return None
@@ -283,18 +312,24 @@ class _CloudWatchScope:
 
 
 class _Datums:
-    """One metric's datums in one scope."""
+    """One metric's datums in one scope, for one set of label values: the scope's
+    dimensions, then the labels (a label named as one of the scope's dimensions gives way
+    to it). An unscoped datum (the application's) keeps its labels."""
 
     __slots__ = ("_calls", "_record", "_values")
 
     def __init__(self, sink: MetricsSink, faces: tuple[Java | JavaCall, ...],
-                 dimensions: Mapping[str, str]) -> None:
+                 dimensions: Mapping[str, str], labels: Mapping[str, str]) -> None:
         self._record = sink.record
+        scoped = dict(dimensions)
+        for name, value in labels.items():
+            scoped.setdefault(name, value)
+        unscoped = dict(labels) or None
         self._values = tuple(
-            (f.operation, f.name, f.unit, f.level, f.scale, dimensions if f.scoped else None)
+            (f.operation, f.name, f.unit, f.level, f.scale, scoped if f.scoped else unscoped)
             for f in faces if isinstance(f, Java))
         self._calls = tuple(
-            (f.operation, f"{f.prefix}." if f.prefix else "", f.level, dimensions)
+            (f.operation, f"{f.prefix}." if f.prefix else "", f.level, scoped)
             for f in faces if isinstance(f, JavaCall))
 
     def inc(self, amount: float = 1) -> None:

@@ -17,6 +17,7 @@ from kclpy.cloudwatch import (
     DETAILED,
     MILLISECONDS,
     SUMMARY,
+    CloudWatchBackend,
     CloudWatchPublisher,
     parse_dimensions,
     parse_level,
@@ -25,6 +26,7 @@ from kclpy.config import KCLConfig, build_config, from_properties
 from kclpy.errors import ConfigError
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
+from kclpy.telemetry import Java, Kind, Metric
 from tests.support.recording import Ledger, RecordingProcessor
 from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name, wait_for
 from tests.support.workers import running
@@ -106,6 +108,75 @@ def test_datums_go_out_twenty_a_request() -> None:
 def stubbed() -> tuple[Any, Stubber]:
     client = boto3.client("cloudwatch", region_name="us-east-1")
     return client, Stubber(client)
+
+
+#: a per-shard counter with a label and a Java datum (no such metric is declared yet: the
+#: backend must not depend on which ones are)
+FETCH_ERRORS = Metric("test_fetch_errors", Kind.COUNTER, "Fetch errors by kind.", ("kind",),
+                      per_shard=True, java=(Java("ProcessTask", "FetchErrors"),))
+
+
+def statistics(total: float, count: int, low: float, high: float) -> dict[str, float]:
+    return {"SampleCount": count, "Sum": total, "Minimum": low, "Maximum": high}
+
+
+def test_a_labelled_counter_becomes_one_datum_per_label_set_with_its_labels_as_dimensions(
+        ) -> None:
+    """Before labels were dimensions, the three events became one datum (Sum 4) with
+    neither label value in it."""
+    client, stub = stubbed()
+    shard = [{"Name": "Operation", "Value": "ProcessTask"},
+             {"Name": "ShardId", "Value": "shardId-1"}]
+    stub.add_response("put_metric_data", {}, {"Namespace": "app", "MetricData": [
+        {"MetricName": "FetchErrors", "Unit": COUNT, "Timestamp": ANY,
+         "Dimensions": [*shard, {"Name": "kind", "Value": "throttled"}],
+         "StatisticValues": statistics(3, 2, 1, 2)},
+        {"MetricName": "FetchErrors", "Unit": COUNT, "Timestamp": ANY,
+         "Dimensions": [*shard, {"Name": "kind", "Value": "expired"}],
+         "StatisticValues": statistics(1, 1, 1, 1)}]})
+    cw = publisher(client)
+    metrics = Metrics(backends=[CloudWatchBackend(cw, "w1", SUMMARY)])
+    scope = metrics.shard("shardId-1", "shardId-1")
+    scope.inc(FETCH_ERRORS, "throttled")
+    scope.inc(FETCH_ERRORS, "expired")
+    scope.inc(FETCH_ERRORS, "throttled", by=2)
+    with stub:
+        assert cw.flush() == 2
+    stub.assert_no_pending_responses()
+
+
+def test_labels_stay_dimensions_whatever_metrics_enabled_dimensions_leaves_off() -> None:
+    client = Recorder()
+    cw = publisher(client, enabled_dimensions=parse_dimensions("Operation"))
+    Metrics(backends=[CloudWatchBackend(cw, "w1", SUMMARY)]).shard("s0", "s0").inc(
+        FETCH_ERRORS, "expired")
+    cw.flush()
+    assert [dims(d) for d in client.datums()] == [{"Operation": "ProcessTask", "kind": "expired"}]
+
+
+def test_label_dimensions_are_kept_within_cloudwatchs_limits() -> None:
+    """CloudWatch refuses a request with a datum of more than 30 dimensions, or a blank or
+    longer than 1024 or non-ASCII value; one such label would lose the request's other
+    datums. botocore checks the lower bounds of a request (the Stubber goes through it)."""
+    many = tuple(f"l{n:02}" for n in range(40))
+    wide = Metric("test_wide", Kind.COUNTER, "Forty labels.", ("blank", "empty", "long", "odd",
+                                                               "ShardId", *many),
+                  per_shard=True, java=(Java("ProcessTask", "Wide"),))
+    client, stub = stubbed()
+    expected = [("Operation", "ProcessTask"), ("ShardId", "shardId-1"), ("long", "x" * 1024),
+                ("odd", "na?ve?"), *((name, name.upper()) for name in many[:26])]
+    stub.add_response("put_metric_data", {}, {"Namespace": "app", "MetricData": [
+        {"MetricName": "Wide", "Unit": COUNT, "Timestamp": ANY,
+         "Dimensions": [{"Name": n, "Value": v} for n, v in expected],
+         "StatisticValues": statistics(1, 1, 1, 1)}]})
+    cw = publisher(client)
+    metrics = Metrics(backends=[CloudWatchBackend(cw, "w1", SUMMARY)])
+    metrics.shard("shardId-1", "shardId-1").inc(
+        wide, "  ", "", "x" * 2000, "na\u00efve\n", "not-the-shard",
+        *(name.upper() for name in many))
+    with stub:
+        assert cw.flush() == 1
+    stub.assert_no_pending_responses()
 
 
 def test_throttling_is_retried_with_backoff_and_then_sent() -> None:

@@ -56,7 +56,6 @@ from kclpy.retrieval.registration import ConsumerRegistration
 from kclpy.spark.arrow import SPARK_SCHEMA_DDL, records_to_batches
 from kclpy.spark.metadata import ConflictingEndError, PositionStore
 from kclpy.spark.offsets import (
-    Budget,
     OffsetEntry,
     UptoEnd,
     decode_entry,
@@ -64,6 +63,15 @@ from kclpy.spark.offsets import (
     encode_offset,
 )
 from kclpy.spark.options import SourceOptions
+from kclpy.spark.planning import (
+    Limits,
+    ShardNode,
+    Target,
+    live_entries,
+    plan_batch,
+    probe_keys,
+    starts,
+)
 from kclpy.spark.reading import (
     BudgetedRead,
     DataLossError,
@@ -89,14 +97,13 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True)
 class _Shard:
-    """A shard of one of the source's streams. Its key in an offset is its shard id, or
-    ``<stream>/<shard id>`` when the source reads several streams."""
+    """A shard of one of the source's streams: where to read it, and its place among the
+    offset's shards (its key is its shard id, or ``<stream>/<shard id>`` when the source
+    reads several streams)."""
 
     stream: StreamRef
     info: ShardInfo
-    key: str
-    #: the keys of its parents (same stream)
-    parents: tuple[str, ...]
+    node: ShardNode
 
 
 @dataclass
@@ -161,8 +168,7 @@ class KinesisStreamReader(DataSourceStreamReader):
         self._shards: dict[str, _Shard] = {}
         self._listed_at: float | None = None
         self._cursor: dict[str, OffsetEntry] | None = None
-        self._target_ms: int | None = None
-        self._target_shards: frozenset[str] | None = None
+        self._target: Target | None = None
         self._probes: dict[str, _ShardProbe] = {}
         #: budgeted ends (encoded, with their shard key) -> the position they reached
         self._resolved: dict[tuple[str, str], Position] = {}
@@ -224,9 +230,9 @@ class KinesisStreamReader(DataSourceStreamReader):
                     return f"{label}/{shard_id}" if several else shard_id
 
                 for info in list_shards(self._kinesis(), stream):
-                    shards[key(info.shard_id)] = _Shard(
-                        stream, info, key(info.shard_id),
-                        tuple(key(p) for p in info.parent_shard_ids))
+                    node = ShardNode(key(info.shard_id),
+                                     tuple(key(p) for p in info.parent_shard_ids), info.closed)
+                    shards[node.key] = _Shard(stream, info, node)
             self._shards = shards
             self._listed_at = now
         return self._shards
@@ -246,23 +252,23 @@ class KinesisStreamReader(DataSourceStreamReader):
         if kind == LATEST:
             # Everything that arrived before now is "consumed": no read needed to find it.
             at = Position.at_timestamp(self._now_ms())
-            positions = {s.key: at for s in shards}
+            positions = {s.node.key: at for s in shards}
         elif kind == AT_TIMESTAMP:
             assert self.options.starting_timestamp_ms is not None
             at = Position.at_timestamp(self.options.starting_timestamp_ms)
-            positions = {s.key: at for s in shards}
+            positions = {s.node.key: at for s in shards}
         else:
-            positions = {s.key: Position.trim_horizon() for s in shards}
+            positions = {s.node.key: Position.trim_horizon() for s in shards}
         self._cursor = positions
         return encode_offset(positions)
 
     def prepareForTriggerAvailableNow(self) -> None:
         """Fix the target: every record that arrived before now, on the shards there are
         now. Waits ``settleTime`` once, so that the last batch can end at the target."""
-        self._target_shards = frozenset(self._list(force=True))
-        self._target_ms = self._now_ms()
+        shards = frozenset(self._list(force=True))
+        self._target = Target(self._now_ms(), shards)
         log.info("kinesis source: AvailableNow target: arrivals before %d on %d shards",
-                 self._target_ms, len(self._target_shards))
+                 self._target.until_ms, len(shards))
         time.sleep(self.options.settle_ms / 1000)
 
     def getDefaultReadLimit(self) -> Any:
@@ -280,83 +286,35 @@ class KinesisStreamReader(DataSourceStreamReader):
         ``maxFetchDuration``).
 
         Without ``start`` (Spark 4.0/4.1) it continues from the reader's own cursor, with no
-        budget.
+        budget. The calls here gather what AWS knows; :mod:`kclpy.spark.planning` decides.
         """
+        limits: Limits | None = None
         if start is None:
             given = dict(self._cursor) if self._cursor is not None else decode_offset(
                 self.initialOffset())
-            rows: int | None = None
-            budgeted = False
         else:
             given = decode_offset(start)
             rows = getattr(limit, "max_rows", None)
-            budgeted = rows is not None or self.options.budgeted
-        shards = self._list()
-        for key in list(given):
-            if key not in shards:
-                position = given.pop(key)
-                if not position.is_shard_end:
-                    self._lost(f"shard {key} is gone (expired) before it was read to "
-                               f"its end: records after {position.encode()} are lost")
-        # A budgeted end stands for the position its executor reached: plan from that one,
-        # but give the end back unchanged for a shard with nothing new, so that an offset
-        # with nothing new equals its start (which is how Spark sees the end of a run).
-        positions = self._resolve_all(given)
-        cut_short = {s for s in given
-                     if isinstance(given[s], UptoEnd) and positions[s].kind == AFTER}
-        # Children of a split or merge; absent from an offset means TRIM_HORIZON anyway,
-        # listing them makes the offset show every shard the query knows.
-        for key in shards:
-            positions.setdefault(key, Position.trim_horizon())
-        until_ms = self._now_ms() - self.options.settle_ms
-        if self._target_ms is not None:
-            until_ms = min(until_ms, self._target_ms)
-        ready = [s for s in sorted(positions) if self._readable(s, positions)]
-        # A shard whose last part a budget cut short has more: no probe needed to know it.
-        found = self._probe_all(positions, [s for s in ready if s not in cut_short])
-        moving = []
-        out: dict[str, OffsetEntry] = {s: given.get(s, positions[s]) for s in positions}
-        for key in ready:
-            seen = found.get(key)
-            if seen is not None and seen.shard_end:
-                out[key] = Position.shard_end()
-            elif seen is None or seen.undecided or (seen.first_arrival_ms is not None
-                                                    and seen.first_arrival_ms < until_ms):
-                moving.append(key)
-        if budgeted:
-            budgets = self._budgets(moving, rows)
-            plan = uuid.uuid4().hex[:12]
-            for key, budget in budgets.items():
-                out[key] = UptoEnd(positions[key], until_ms, budget, plan)
-        else:
-            until = Position.at_timestamp(until_ms)
-            for key in moving:
-                out[key] = until
-        self._cursor = out
-        return encode_offset(out)
-
-    def _budgets(self, moving: Sequence[str], rows: int | None) -> dict[str, Budget]:
-        """Each moving shard's budget: an equal share of the batch's rows (shards take turns
-        at the remainder, and at all of it when there are more shards than rows) and of
-        ``fetchBufferSize``, ``maxFetchRecordsPerShard`` and ``maxFetchDuration`` as they are."""
-        options = self.options
-        if not moving:
-            return {}
-        order = list(moving[self._turn % len(moving):]) + list(moving[:self._turn % len(moving)])
-        self._turn += 1
-        budgets: dict[str, Budget] = {}
-        share = (None if options.fetch_buffer_bytes is None
-                 else -(-options.fetch_buffer_bytes // len(moving)))
-        for i, key in enumerate(order):
-            cap = options.max_fetch_records_per_shard
-            if rows is not None:
-                quota, extra = divmod(rows, len(order))
-                quota += 1 if i < extra else 0
-                if quota == 0:
-                    continue
-                cap = quota if cap is None else min(cap, quota)
-            budgets[key] = Budget(cap, share, options.max_fetch_duration_ms)
-        return budgets
+            if rows is not None or self.options.budgeted:
+                options = self.options
+                limits = Limits(rows, options.max_fetch_records_per_shard,
+                                options.fetch_buffer_bytes, options.max_fetch_duration_ms)
+        nodes = {key: shard.node for key, shard in self._list().items()}
+        given, gone = live_entries(given, nodes)
+        for key, position in gone.items():
+            self._lost(f"shard {key} is gone (expired) before it was read to "
+                       f"its end: records after {position.encode()} are lost")
+        # A budgeted end stands for the position its executor reached: plan from that one.
+        positions = starts(self._resolve_all(given), nodes)
+        # (Kinesis' time before the probes, whose answers would move it.)
+        now_ms = self._now_ms()
+        found = self._probe_all(positions, probe_keys(given, positions, nodes, self._target))
+        plan = plan_batch(given, positions, nodes, found, now_ms=now_ms,
+                          settle_ms=self.options.settle_ms, target=self._target,
+                          limits=limits, turn=self._turn, plan_id=uuid.uuid4().hex[:12])
+        self._turn = plan.turn
+        self._cursor = plan.offset
+        return encode_offset(plan.offset)
 
     def _store(self) -> PositionStore | None:
         path = self.options.metadata_path
@@ -402,20 +360,6 @@ class KinesisStreamReader(DataSourceStreamReader):
         log.warning("kinesis source: data loss (%d so far): %s; skipped (failOnDataLoss=false)",
                     self.data_loss_events, message)
 
-    def _readable(self, key: str, positions: Mapping[str, Position]) -> bool:
-        position = positions[key]
-        if position.is_shard_end:
-            return False
-        if self._target_shards is not None and key not in self._target_shards:
-            return False
-        shard = self._shards[key]
-        if (self._target_ms is not None and position.kind == AT_TIMESTAMP
-                and (position.timestamp_ms or 0) >= self._target_ms and not shard.info.closed):
-            # Read to the AvailableNow target; an open shard has nothing more for this run
-            # (a closed one is probed once more to find its end, which frees its children).
-            return False
-        return all(p not in positions or positions[p].is_shard_end for p in shard.parents)
-
     def _probe_all(self, positions: Mapping[str, Position],
                    ready: Sequence[str]) -> dict[str, Probe]:
         """What each ready shard holds after its position, probing each shard at most once
@@ -433,7 +377,7 @@ class KinesisStreamReader(DataSourceStreamReader):
             elif cached is not None and now - cached.probed_at < period:
                 if cached.position == positions[key]:
                     result[key] = cached.found
-                elif self._target_ms is not None:
+                elif self._target is not None:
                     # AvailableNow ends at the first batch with nothing new, so a shard
                     # at a new position must be probed: after its interval, not never.
                     wait = max(wait, period - (now - cached.probed_at))
