@@ -169,6 +169,8 @@ def compile_processor(javac: str, classpath: str, into: Path) -> None:
 
 @dataclass(frozen=True)
 class Settings:
+    """What every side is given: the endpoints, and the polling both sides use."""
+
     kinesis_url: str
     dynamodb_url: str
     max_records: int
@@ -176,8 +178,17 @@ class Settings:
     timeout_s: int
 
 
-def run_side(side: str, stream: str, expect: int, settings: Settings, java: str,
-             classpath: str, workdir: Path) -> tuple[Run, float]:
+@dataclass(frozen=True)
+class Runner:
+    """Where the Java side comes from, and where every side's log goes."""
+
+    java: str
+    classpath: str
+    workdir: Path
+
+
+def run_side(side: str, stream: str, expect: int, settings: Settings,
+             runner: Runner) -> tuple[Run, float]:
     """The side's report, and the epoch second its process was spawned at."""
     application = f"bench-{side}-{uuid.uuid4().hex[:12]}"
     existing_table(settings.dynamodb_url, application, [SHARD])
@@ -189,11 +200,11 @@ def run_side(side: str, stream: str, expect: int, settings: Settings, java: str,
                 "--max-records", str(settings.max_records), "--idle-ms", str(settings.idle_ms),
                 "--timeout-s", str(settings.timeout_s)]
     else:
-        argv = [java, *JVMS[side.removeprefix("java-")], *JAVA_PROPERTIES, "-cp", classpath,
-                "JavaNative", settings.kinesis_url, settings.dynamodb_url, stream, application,
-                str(expect),
+        argv = [runner.java, *JVMS[side.removeprefix("java-")], *JAVA_PROPERTIES,
+                "-cp", runner.classpath, "JavaNative", settings.kinesis_url,
+                settings.dynamodb_url, stream, application, str(expect),
                 str(settings.max_records), str(settings.idle_ms), str(settings.timeout_s)]
-    log = workdir / f"{side}-{stream}-{uuid.uuid4().hex[:8]}.log"
+    log = runner.workdir / f"{side}-{stream}-{uuid.uuid4().hex[:8]}.log"
     with log.open("w") as stderr:
         spawned_at = time.time()
         done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=stderr, text=True,
@@ -363,51 +374,57 @@ def compare(args: argparse.Namespace, streams: list[str], jvms: list[str], javac
     from tests.support import java_kcl
 
     sides = ["kclpy", *(f"java-{jvm}" for jvm in jvms)]
-    specs = [f"{name}:1:{args.records}:{STREAMS[name][0]}{':kpl' if STREAMS[name][1] else ''}"
-             for name in streams]
     with contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        classes = workdir / "classes"
         jars = java_kcl.classpath()
-        compile_processor(javac, jars, classes)
+        compile_processor(javac, jars, workdir / "classes")
         print(f"{javac} compiled the processor; the JVM is {java_kcl.java()}; "
               f"tuned: {' '.join(TUNED_JVM_FLAGS)}", flush=True)
         dynamodb_url = (args.dynamodb_endpoint
                         or stack.enter_context(start_moto_server()).url)
-        print(f"building {args.records:,} records per stream on the replay endpoint...",
-              flush=True)
-        replay = stack.enter_context(ReplayProcess(sys.executable, specs))
-        settings = Settings(replay.url, dynamodb_url, args.max_records, args.idle_ms,
-                            args.timeout_s)
-        classpath = os.pathsep.join([str(classes), jars])
+        runner = Runner(java_kcl.java(), os.pathsep.join([str(workdir / "classes"), jars]),
+                        workdir)
         failed = False
         for index, stream in enumerate(streams):
             size, kpl = STREAMS[stream]
-            measured: dict[str, list[Figures]] = {side: [] for side in sides}
-            checksums: dict[str, set[tuple[int, int, int]]] = {side: set() for side in sides}
-            for round_ in range(args.rounds):
-                turn = (index + round_) % len(sides)
-                for side in sides[turn:] + sides[:turn]:
-                    run, spawned_at = run_side(side, stream, args.records, settings,
-                                               java_kcl.java(), classpath, workdir)
-                    checksums[side].add((run.records, run.bytes, run.checksum))
-                    measured[side].append(figures(run, spawned_at))
-            seen = set().union(*checksums.values())
-            kind = "user records in KPL aggregates" if kpl else "records"
-            print(f"{args.records:,} x {size} B {kind}, 1 shard ({stream})", flush=True)
-            if len(seen) != 1 or next(iter(seen))[0] != args.records:
-                print(f"  the sides saw different records: {checksums}", flush=True)
-                failed = True
-                continue
-            ours = median_figures(measured["kclpy"])
-            for side in sides:
-                theirs = median_figures(measured[side])
-                row: dict[str, Any] = {"side": side, "stream": stream,
-                                       **{k: _round(v) for k, v in asdict(theirs).items()}}
-                if side != "kclpy":
-                    row["kclpy_over_java"] = ratios(ours, theirs)
-                print(json.dumps(row), flush=True)
+            spec = f"{stream}:1:{args.records}:{size}{':kpl' if kpl else ''}"
+            print(f"building {args.records:,} records on the replay endpoint...", flush=True)
+            # One stream at a time: a million 1 KiB records take 3 GB in the replay process
+            # and minutes to build on a busy machine.
+            with ReplayProcess(sys.executable, [spec], start_timeout_s=args.timeout_s) as replay:
+                settings = Settings(replay.url, dynamodb_url, args.max_records, args.idle_ms,
+                                    args.timeout_s)
+                kind = "user records in KPL aggregates" if kpl else "records"
+                print(f"{args.records:,} x {size} B {kind}, 1 shard ({stream})", flush=True)
+                failed |= not compare_on(stream, index, args, sides, settings, runner)
     return 1 if failed else 0
+
+
+def compare_on(stream: str, index: int, args: argparse.Namespace, sides: list[str],
+               settings: Settings, runner: Runner) -> bool:
+    """Every side on one stream, ``--rounds`` times, the order rotated by stream and round;
+    prints a row per side and returns whether every side saw the same records."""
+    measured: dict[str, list[Figures]] = {side: [] for side in sides}
+    seen: set[tuple[int, int, int]] = set()
+    for round_ in range(args.rounds):
+        turn = (index + round_) % len(sides)
+        for side in sides[turn:] + sides[:turn]:
+            run, spawned_at = run_side(side, stream, args.records, settings, runner)
+            seen.add((run.records, run.bytes, run.checksum))
+            measured[side].append(figures(run, spawned_at))
+    if len(seen) != 1 or next(iter(seen))[0] != args.records:
+        print(f"  the sides saw different records (count, bytes, CRC32 sum): {sorted(seen)}",
+              flush=True)
+        return False
+    ours = median_figures(measured["kclpy"])
+    for side in sides:
+        theirs = median_figures(measured[side])
+        row: dict[str, Any] = {"side": side, "stream": stream,
+                               **{k: _round(v) for k, v in asdict(theirs).items()}}
+        if side != "kclpy":
+            row["kclpy_over_java"] = ratios(ours, theirs)
+        print(json.dumps(row), flush=True)
+    return True
 
 
 def _round(value: float | None) -> float | None:
