@@ -84,7 +84,7 @@ class Task:
 class _Carrier:
     """A real thread that runs simulated threads one after another. A history starts about a
     hundred of them and a child process runs hundreds of histories; starting and joining a
-    real thread for each cost more than the scheduling itself, so a finished task's thread
+    real thread for each was a few per cent of a history's CPU, so a finished task's thread
     waits in :data:`_IDLE` for the next one. Nothing of a task outlives it on its carrier:
     kclpy keeps no thread-local state (``threading.local``) in the modules that run here."""
 
