@@ -16,6 +16,8 @@ green while the holes are open and fails as soon as a seed breaks anything else.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -162,3 +164,17 @@ def test_found_seeds_are_documented() -> None:
     for seed, invariant, hole in [*FOUND, *FOUND_36]:
         assert f"| {seed} | `{invariant}` | {hole} " in found, (seed, hole)
         assert REPLAY.format(seed=seed) in found
+
+
+def test_digests_file_names_each_history(tmp_path: Path) -> None:
+    """``--digests`` writes what two versions of the code are compared on (a change meant
+    only to make the simulator cheaper must leave every line as it was): one line per seed,
+    with the digest and the number of scheduling decisions the soak itself reports."""
+    path = tmp_path / "digests.txt"
+    subprocess.run([sys.executable, "-m", "tests.simulation", "--histories", "2", "--seed",
+                    "3", "--jobs", "1", "--digests", str(path)], check=True,
+                   stdout=subprocess.DEVNULL, cwd=Path(__file__).parent.parent)
+    expected = run_seeds([3, 4], 1)
+    assert path.read_text().splitlines() == [
+        f"{o['seed']} {o['digest']} {o['switches']} "
+        f"{','.join(sorted({v[0] for v in o['violations']})) or '-'}" for o in expected]

@@ -127,7 +127,20 @@ class Lease:
         return self.is_shard_end and not self.recovery and not self.recovery_requests
 
     def copy(self, **changes: Any) -> Lease:
-        return dataclasses.replace(self, **changes)
+        """``dataclasses.replace``, without its ``getattr`` per field and its ``__init__``:
+        the taker hands out a copy of every lease of the table several times a second
+        (``all_leases``), and replace was about 7 % of the fleet simulator's CPU. A lease has
+        no ``__post_init__`` and no attribute besides its fields, so the copy is the same."""
+        unknown = changes.keys() - _FIELDS
+        if unknown:
+            raise TypeError(f"Lease has no field {sorted(unknown)[0]!r}")
+        new = object.__new__(Lease)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(changes)
+        return new
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(Lease))
 
 
 def new_write_id() -> str:

@@ -40,12 +40,17 @@ STREAM_OF_SINGLE = ""
 
 def _copy(value: Any) -> Any:
     """A deep copy of request and item documents (dicts, lists and immutable leaves),
-    several times cheaper than ``copy.deepcopy``."""
+    several times cheaper than ``copy.deepcopy``. Leaves are not passed to a call of
+    their own: most of a document's values are (an item is attributes of one string
+    each), and every request and every item read is copied."""
     if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
+        return {k: _copy(v) if isinstance(v, _CONTAINERS) else v for k, v in value.items()}
     if isinstance(value, list):
-        return [_copy(v) for v in value]
+        return [_copy(v) if isinstance(v, _CONTAINERS) else v for v in value]
     return value
+
+
+_CONTAINERS = (dict, list)
 
 
 def client_error(operation: str, code: str, status: int = 400, **extra: Any) -> ClientError:

@@ -36,6 +36,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+_get_ident = _thread.get_ident
+
 #: the wall clock of virtual time 0 (epoch seconds): arrival timestamps and lag use it
 EPOCH = 1_800_000_000.0
 
@@ -75,7 +77,48 @@ class Task:
         self.generation = 0
         self.timed_out = False
         self.joiners: list[Task] = []
-        self.real: _threading.Thread | None = None
+        #: the identity of the real thread (a :class:`_Carrier`) that runs this task
+        self.ident: int | None = None
+
+
+class _Carrier:
+    """A real thread that runs simulated threads one after another. A history starts about a
+    hundred of them and a child process runs hundreds of histories; starting and joining a
+    real thread for each was a few per cent of a history's CPU, so a finished task's thread
+    waits in :data:`_IDLE` for the next one. Nothing of a task outlives it on its carrier:
+    kclpy keeps no thread-local state (``threading.local``) in the modules that run here."""
+
+    def __init__(self) -> None:
+        self.sim: Sim | None = None
+        self.task: Task | None = None
+        self._assigned = _thread.allocate_lock()
+        self._assigned.acquire()
+        thread = _threading.Thread(target=self._loop, name="sim-carrier", daemon=True)
+        thread.start()
+        assert thread.ident is not None
+        self.ident: int = thread.ident
+
+    def carry(self, sim: Sim, task: Task) -> None:
+        self.sim, self.task = sim, task
+        task.ident = self.ident
+        self._assigned.release()
+
+    def _loop(self) -> None:
+        while True:
+            self._assigned.acquire()
+            sim, task = self.sim, self.task
+            assert sim is not None and task is not None
+            self.sim = self.task = None
+            sim._body(task)
+            del sim, task  # an idle carrier keeps nothing of a finished history alive
+            # The body's last act handed the baton on, so a spawn may already have missed
+            # this carrier and started another: harmless, the pool only grows to the most
+            # tasks alive at once.
+            _IDLE.append(self)
+
+
+#: carriers waiting for a task (appended and popped under the GIL: no lock needed)
+_IDLE: deque[_Carrier] = deque()
 
 
 class Sim:
@@ -97,6 +140,8 @@ class Sim:
         self.stop_at = float("inf")
         self.error: BaseException | None = None
         self.trace: list[str] | None = [] if trace else None
+        #: the latest end of any node's pause: until then ``_pick`` filters paused nodes
+        self._paused_until = 0.0
 
     # -- threads ------------------------------------------------------------------------
 
@@ -104,10 +149,7 @@ class Sim:
         parent = self.current
         task = Task(self, name, node or (parent.node if parent else Node("sim")), target)
         self.tasks.append(task)
-        real = _threading.Thread(target=self._body, args=(task,), name=f"sim:{name}",
-                                 daemon=True)
-        task.real = real
-        real.start()
+        (_IDLE.pop() if _IDLE else _Carrier()).carry(self, task)
         if task.node.killed:
             task.killed = True
         else:
@@ -155,20 +197,23 @@ class Sim:
                 self.current = task
                 task.baton.release()
                 self._main.acquire()
-        for task in self.tasks:
-            if task.real is not None:
-                task.real.join()
 
     # -- the baton ----------------------------------------------------------------------
 
     def _pick(self) -> Task | None:
         while True:
-            candidates = [t for t in self._runnable if t.node.paused_until <= self.now]
-            if candidates:
-                task = candidates[self.rng.randrange(len(candidates))] if len(
-                    candidates) > 1 else candidates[0]
-                self._runnable.remove(task)
-                return task
+            runnable = self._runnable
+            if self._paused_until <= self.now:  # no node paused: every runnable task
+                if runnable:
+                    return runnable.pop(self.rng.randrange(len(runnable))
+                                        if len(runnable) > 1 else 0)
+            else:
+                candidates = [t for t in runnable if t.node.paused_until <= self.now]
+                if candidates:
+                    task = candidates[self.rng.randrange(len(candidates))] if len(
+                        candidates) > 1 else candidates[0]
+                    runnable.remove(task)
+                    return task
             nxt = self._next_event()
             if nxt is None or nxt > self.stop_at:
                 return None
@@ -183,8 +228,9 @@ class Sim:
             times.append(self._timers[0][0])
         if self._wakeups:
             times.append(self._wakeups[0][0])
-        paused = [t.node.paused_until for t in self._runnable if t.node.paused_until > self.now]
-        times.extend(paused)
+        if self._paused_until > self.now:
+            times.extend(t.node.paused_until for t in self._runnable
+                         if t.node.paused_until > self.now)
         return min(times) if times else None
 
     def _fire(self) -> None:
@@ -216,7 +262,7 @@ class Sim:
 
     def me(self) -> Task:
         task = self.current
-        if task is None or task.real is not _threading.current_thread():
+        if task is None or task.ident != _get_ident():
             raise RuntimeError("a simulated primitive was used outside a simulated thread")
         if task.killed:
             raise Killed
@@ -286,6 +332,7 @@ class Sim:
 
     def pause(self, node: Node, seconds: float) -> None:
         node.paused_until = max(node.paused_until, self.now + seconds)
+        self._paused_until = max(self._paused_until, node.paused_until)
 
 
 #: the simulation running in this process (the stand-ins dispatch to it)
@@ -302,11 +349,18 @@ def _sim() -> Sim:
 
 
 def monotonic() -> float:
-    return _sim().node_now()
+    sim = ACTIVE
+    if sim is None:
+        raise RuntimeError("no simulation is running")
+    task = sim.current  # Sim.node_now, inlined: kclpy reads its clocks very often
+    if task is None:
+        return sim.now
+    node = task.node
+    return node.offset + sim.now * node.rate
 
 
 def wall_time() -> float:
-    return EPOCH + _sim().node_now()
+    return EPOCH + monotonic()
 
 
 def sleep(seconds: float) -> None:
