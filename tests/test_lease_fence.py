@@ -176,6 +176,25 @@ def test_a_zombies_write_is_rejected_and_reported_lost(table: LeaseTable, clock:
     assert (stored(table).checkpoint.sequence_number, stored(table).lease_owner) == ("900", "B")
 
 
+def test_a_checkpoint_puts_the_next_renewal_off_and_a_transaction_does_not(
+    table: LeaseTable, client: ScriptedClient, clock: Clock
+) -> None:
+    """An UpdateItem's answer carries the item, so it renews the lease as well as a renewal
+    would; a transaction's carries nothing, so the renewal stays due when it was (the
+    renewal is how the holder sees what others added to the item)."""
+    make_state_table(client)
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    entry = a.held.entry("s1")
+    assert entry is not None
+    clock.advance(1.0)
+    a.fence.update_checkpoint("s1", token, Position("100"))
+    assert (entry.renewed_at, entry.renew_due) == (1.0, 1.0 + FAILOVER / 2)
+    clock.advance(1.0)
+    a.fence.transact_checkpoint("s1", token, Position("200"), [put_state("k", "v")])
+    assert (entry.renewed_at, entry.renew_due) == (2.0, 1.0 + FAILOVER / 2)
+
+
 def test_a_suspended_holder_does_not_even_try_after_the_failover_time(
     table: LeaseTable, client: ScriptedClient, clock: Clock
 ) -> None:
