@@ -4,6 +4,7 @@ the lease dropped and the lost listeners told. In-process moto, one section over
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import uuid
@@ -61,11 +62,15 @@ class Told:
 
 
 class ScriptedClient:
-    """A real client whose next calls of an operation can be made to raise first."""
+    """A real client whose next calls of an operation can be made to raise first, to run
+    something first (``before``), or to be made and then answered with a 500 (``lost``:
+    the answer lost on its way back, whatever the call did)."""
 
     def __init__(self, client: Any) -> None:
         self._client = client
         self.failures: dict[str, list[Exception]] = {}
+        self.before: dict[str, list[Callable[[], None]]] = {}
+        self.lost: dict[str, int] = {}
         self.calls: dict[str, int] = {}
 
     def __getattr__(self, name: str) -> Any:
@@ -75,9 +80,18 @@ class ScriptedClient:
 
         def call(**kwargs: Any) -> Any:
             self.calls[name] = self.calls.get(name, 0) + 1
+            hooks = self.before.get(name)
+            if hooks:
+                hooks.pop(0)()
             pending = self.failures.get(name)
             if pending:
                 raise pending.pop(0)
+            if self.lost.get(name):
+                self.lost[name] -= 1
+                with contextlib.suppress(ClientError):
+                    real(**kwargs)
+                raise ClientError({"Error": {"Code": "InternalServerError", "Message": "lost"}},
+                                  name)
             return real(**kwargs)
 
         return call
@@ -193,6 +207,28 @@ def test_a_checkpoint_puts_the_next_renewal_off_and_a_transaction_does_not(
     clock.advance(1.0)
     a.fence.transact_checkpoint("s1", token, Position("200"), [put_state("k", "v")])
     assert (entry.renewed_at, entry.renew_due) == (2.0, 1.0 + FAILOVER / 2)
+
+
+def test_an_unanswered_write_recognised_after_the_lease_was_given_up_lets_the_lease_go(
+    table: LeaseTable, client: ScriptedClient, clock: Clock
+) -> None:
+    """A renewal lands and gets no answer; the next checkpoint is refused by the counter it
+    moved and recognises it - but the worker gave the lease up while the checkpoint was on
+    its way (its processor was told). The landed renewal made the lease this worker's again:
+    it is released at once, and the checkpoint is neither repeated nor reported written."""
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    before = stored(table).lease_counter
+    client.lost["update_item"] = 1  # a 500 is not retried by the table: the caller sees it
+    with pytest.raises(KinesisClientLibDependencyException):
+        a.fence.write("s1", None, table.renew, what="renewal")
+    assert stored(table).lease_counter == before + 1, "the renewal landed"
+    client.before["update_item"] = [lambda: a.held.expire(clock() + FAILOVER + 1, FAILOVER)]
+    with pytest.raises(ShutdownException):
+        a.fence.update_checkpoint("s1", token, Position("100"))
+    assert a.held.get("s1") is None
+    item = stored(table)
+    assert (item.lease_owner, item.checkpoint) == (None, Position.trim_horizon())
 
 
 def test_a_suspended_holder_does_not_even_try_after_the_failover_time(
