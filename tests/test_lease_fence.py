@@ -207,6 +207,7 @@ def test_a_checkpoint_puts_the_next_renewal_off_and_a_transaction_does_not(
     clock.advance(1.0)
     a.fence.transact_checkpoint("s1", token, Position("200"), [put_state("k", "v")])
     assert (entry.renewed_at, entry.renew_due) == (2.0, 1.0 + FAILOVER / 2)
+    assert a.asked.keys == [], "nobody asked for the lease: no handoff announced"
 
 
 def test_an_unanswered_write_recognised_after_the_lease_was_given_up_lets_the_lease_go(
@@ -456,6 +457,7 @@ def test_a_request_written_between_a_landed_checkpoint_and_its_refused_retry_is_
     assert a.lost.keys == [] and a.asked.keys == ["s1"]
     assert a.held.handing_off("s1")
     a.fence.update_checkpoint("s1", token, Position("78"))
+    assert a.asked.keys == ["s1"], "a request already taken up is announced once"
     lease = stored(table)
     assert lease.checkpoint == Position("78")
     assert (lease.lease_owner, lease.checkpoint_owner) == ("B", "A")
