@@ -178,16 +178,33 @@ def stored(table: LeaseTable) -> Lease:
 
 # -- UpdateItem ------------------------------------------------------------------------------
 
-def test_a_zombies_write_is_rejected_and_reported_lost(table: LeaseTable, clock: Clock) -> None:
+def test_a_zombies_write_is_rejected_and_reported_lost(
+    table: LeaseTable, client: ScriptedClient, clock: Clock
+) -> None:
     zombie, thief = Worker(table, "A", clock), Worker(table, "B", clock)
     token = zombie.take("s1")
     thief_token = thief.take("s1")
     thief.fence.update_checkpoint("s1", thief_token, Position("900"))
-    with pytest.raises(ShutdownException):
+    reads = client.calls.get("get_item", 0)
+    with pytest.raises(ShutdownException, match="owner now B"):
         zombie.fence.update_checkpoint("s1", token, Position("100"))
+    assert client.calls.get("get_item", 0) == reads, "the refusal carried the item: no read"
     assert zombie.lost.keys == ["s1"]
     assert zombie.held.get("s1") is None
     assert (stored(table).checkpoint.sequence_number, stored(table).lease_owner) == ("900", "B")
+
+
+def test_a_write_to_a_deleted_lease_is_rejected_and_reported_lost(
+    table: LeaseTable, clock: Clock
+) -> None:
+    """The item is gone (an operator, a stream created again): the refusal carries no item,
+    and the holder drops the lease as owned by nobody."""
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    assert table.delete(stored(table))
+    with pytest.raises(ShutdownException, match="owner now nobody"):
+        a.fence.update_checkpoint("s1", token, Position("100"))
+    assert a.lost.keys == ["s1"] and table.get("s1") is None
 
 
 def test_a_checkpoint_puts_the_next_renewal_off_and_a_transaction_does_not(
