@@ -65,7 +65,7 @@ TARGETS: dict[str, Target] = {
         "kclpy/leases/fence.py",
         ("LeaseFence.guard", "LeaseFence.write", "LeaseFence.holds", "LeaseFence._holding",
          "LeaseFence._expired", "LeaseFence._attempt", "LeaseFence._landed", "own_write"),
-        ("tests/test_lease_fence.py", "-m", "not integration")),
+        ("tests/test_lease_fence.py",)),
     "state-transaction": Target(
         "kclpy/state/transaction.py",
         ("StateTransaction.get", "StateTransaction._version_of", "StateTransaction.over_limits",
