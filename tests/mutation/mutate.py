@@ -76,7 +76,8 @@ TARGETS: dict[str, Target] = {
         ("tests/test_state.py", "-k", f"dynamodb and ({STATE_VALIDATION})")),
     "state-sql": Target(
         "kclpy/state/sql.py", ("SQLStateStore._write", "SQLStateStore._check_absent"),
-        ("tests/test_state.py", "-k", f"sqlite and ({STATE_VALIDATION})")),
+        ("tests/test_state.py", "tests/test_state_sql.py", "-k",
+         f"sqlite and ({STATE_VALIDATION}) or lock_waits_add_up")),
     "checkpoint": Target(
         "kclpy/checkpoint.py",
         ("Checkpointer.mark_delivered", "Checkpointer.checkpoint", "Checkpointer._write",
