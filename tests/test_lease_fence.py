@@ -69,7 +69,7 @@ class ScriptedClient:
     def __init__(self, client: Any) -> None:
         self._client = client
         self.failures: dict[str, list[Exception]] = {}
-        self.before: dict[str, list[Callable[[], None]]] = {}
+        self.before: dict[str, list[Callable[[], object]]] = {}
         self.lost: dict[str, int] = {}
         self.calls: dict[str, int] = {}
 
