@@ -115,12 +115,17 @@ def test_shard_end_only_after_the_shard_ended() -> None:
     writer = RecordingWriter()
     cp = make(writer)
     cp.mark_delivered(rec(5))
-    with pytest.raises(InvalidStateException):
+    with pytest.raises(InvalidStateException, match="before the shard's last record"):
         cp.checkpoint("SHARD_END")
     cp.mark_shard_end()
     cp.checkpoint()
     assert writer.writes[-1][2:] == ("SHARD_END", 0)
     assert cp.last_checkpoint == ("SHARD_END", 0)
+    named = make(writer)  # SHARD_END named, as amazon_kclpy processors may
+    named.mark_delivered(rec(5))
+    named.mark_shard_end()
+    named.checkpoint("SHARD_END")
+    assert named.last_checkpoint == ("SHARD_END", 0)
 
 
 def test_writer_errors_propagate_and_do_not_move_the_checkpoint() -> None:
@@ -153,3 +158,27 @@ def test_positions_order_sentinels_around_sequence_numbers() -> None:
     assert Position.of("LATEST", None) < Position.of("0", 0)
     assert Position.of("99999999999999999999999999999999999999999999999999999999", 9) < \
         Position.of("SHARD_END", 0)
+
+
+def test_a_retired_checkpointer_writes_nothing_by_any_path() -> None:
+    """Once its processor was replaced, a checkpointer refuses every write - a checkpoint,
+    a commit, a fenced claim - and the position it returned on retiring stays its last."""
+    writer = RecordingWriter()
+    metrics = Metrics()
+    cp = make(writer, metrics=metrics)
+    cp.mark_delivered(rec(10))
+    cp.checkpoint()
+    assert cp.retire("restarted") == Position("10")
+    cp.mark_delivered(rec(11))
+    with pytest.raises(ShutdownException, match="restarted"):
+        cp.checkpoint()
+    with pytest.raises(ShutdownException):
+        cp.commit(rec(11), lambda w, key, token, position: w.update_checkpoint(
+            key, token, position))
+    with pytest.raises(ShutdownException):
+        cp.fenced(lambda w, key, token: None)
+    assert writer.writes == [("shard-1", "tok", "10", 0)]
+    assert cp.position == Position("10")
+    failures = metrics.registry.get_sample_value(
+        "kclpy_checkpoint_failures_total", {"shard_id": "shard-1", "kind": "ShutdownException"})
+    assert failures == 3

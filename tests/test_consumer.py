@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import random
 import threading
 from collections.abc import Callable, Sequence
@@ -413,14 +414,34 @@ def test_a_lease_lost_while_a_shutdown_request_waits_ends_with_lease_lost() -> N
     assert consumer.ended_why == "told the lease was lost"
 
 
+class ReadCounting(Leases):
+    """Leases that count the reads of each key."""
+
+    def __init__(self, leases: dict[str, Lease]) -> None:
+        super().__init__(leases)
+        self.reads: collections.Counter[str] = collections.Counter()
+        self.read = threading.Condition()
+
+    def get_lease(self, lease_key: str) -> Lease | None:
+        with self.read:
+            self.reads[lease_key] += 1
+            self.read.notify_all()
+        return super().get_lease(lease_key)
+
+    def wait_reads(self, lease_key: str, count: int) -> bool:
+        with self.read:
+            return self.read.wait_for(lambda: self.reads[lease_key] >= count, timeout=10)
+
+
 def test_waits_for_parents_until_shard_end() -> None:
     log: list[object] = []
     parent = Lease("shard-0", checkpoint=Position("123"))
-    leases = Leases({"shard-0": parent})
+    leases = ReadCounting({"shard-0": parent})
     lease = Lease("shard-1", parent_shard_ids=frozenset({"shard-0", "gone"}))
     consumer, _, _ = run_consumer([Result([rec(1)]), Result([], shard_end=True)],
                                   [Recorder(log)], lease=lease, leases=leases, wait=False)
-    threading.Event().wait(0.1)
+    # a second read of the parent proves the first one was judged "wait"
+    assert leases.wait_reads("shard-0", 2)
     assert consumer.state is ConsumerState.WAITING_ON_PARENTS and log == []
     leases.leases["shard-0"] = parent.copy(checkpoint=Position.shard_end())
     assert consumer.join(5)

@@ -4,6 +4,7 @@ the lease dropped and the lost listeners told. In-process moto, one section over
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import uuid
@@ -61,11 +62,15 @@ class Told:
 
 
 class ScriptedClient:
-    """A real client whose next calls of an operation can be made to raise first."""
+    """A real client whose next calls of an operation can be made to raise first, to run
+    something first (``before``), or to be made and then answered with a 500 (``lost``:
+    the answer lost on its way back, whatever the call did)."""
 
     def __init__(self, client: Any) -> None:
         self._client = client
         self.failures: dict[str, list[Exception]] = {}
+        self.before: dict[str, list[Callable[[], object]]] = {}
+        self.lost: dict[str, int] = {}
         self.calls: dict[str, int] = {}
 
     def __getattr__(self, name: str) -> Any:
@@ -75,9 +80,18 @@ class ScriptedClient:
 
         def call(**kwargs: Any) -> Any:
             self.calls[name] = self.calls.get(name, 0) + 1
+            hooks = self.before.get(name)
+            if hooks:
+                hooks.pop(0)()
             pending = self.failures.get(name)
             if pending:
                 raise pending.pop(0)
+            if self.lost.get(name):
+                self.lost[name] -= 1
+                with contextlib.suppress(ClientError):
+                    real(**kwargs)
+                raise ClientError({"Error": {"Code": "InternalServerError", "Message": "lost"}},
+                                  name)
             return real(**kwargs)
 
         return call
@@ -164,16 +178,75 @@ def stored(table: LeaseTable) -> Lease:
 
 # -- UpdateItem ------------------------------------------------------------------------------
 
-def test_a_zombies_write_is_rejected_and_reported_lost(table: LeaseTable, clock: Clock) -> None:
+def test_a_zombies_write_is_rejected_and_reported_lost(
+    table: LeaseTable, client: ScriptedClient, clock: Clock
+) -> None:
     zombie, thief = Worker(table, "A", clock), Worker(table, "B", clock)
     token = zombie.take("s1")
     thief_token = thief.take("s1")
     thief.fence.update_checkpoint("s1", thief_token, Position("900"))
-    with pytest.raises(ShutdownException):
+    reads = client.calls.get("get_item", 0)
+    with pytest.raises(ShutdownException, match="owner now B"):
         zombie.fence.update_checkpoint("s1", token, Position("100"))
+    assert client.calls.get("get_item", 0) == reads, "the refusal carried the item: no read"
     assert zombie.lost.keys == ["s1"]
     assert zombie.held.get("s1") is None
     assert (stored(table).checkpoint.sequence_number, stored(table).lease_owner) == ("900", "B")
+
+
+def test_a_write_to_a_deleted_lease_is_rejected_and_reported_lost(
+    table: LeaseTable, clock: Clock
+) -> None:
+    """The item is gone (an operator, a stream created again): the refusal carries no item,
+    and the holder drops the lease as owned by nobody."""
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    assert table.delete(stored(table))
+    with pytest.raises(ShutdownException, match="owner now nobody"):
+        a.fence.update_checkpoint("s1", token, Position("100"))
+    assert a.lost.keys == ["s1"] and table.get("s1") is None
+
+
+def test_a_checkpoint_puts_the_next_renewal_off_and_a_transaction_does_not(
+    table: LeaseTable, client: ScriptedClient, clock: Clock
+) -> None:
+    """An UpdateItem's answer carries the item, so it renews the lease as well as a renewal
+    would; a transaction's carries nothing, so the renewal stays due when it was (the
+    renewal is how the holder sees what others added to the item)."""
+    make_state_table(client)
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    entry = a.held.entry("s1")
+    assert entry is not None
+    clock.advance(1.0)
+    a.fence.update_checkpoint("s1", token, Position("100"))
+    assert (entry.renewed_at, entry.renew_due) == (1.0, 1.0 + FAILOVER / 2)
+    clock.advance(1.0)
+    a.fence.transact_checkpoint("s1", token, Position("200"), [put_state("k", "v")])
+    assert (entry.renewed_at, entry.renew_due) == (2.0, 1.0 + FAILOVER / 2)
+    assert a.asked.keys == [], "nobody asked for the lease: no handoff announced"
+
+
+def test_an_unanswered_write_recognised_after_the_lease_was_given_up_lets_the_lease_go(
+    table: LeaseTable, client: ScriptedClient, clock: Clock
+) -> None:
+    """A renewal lands and gets no answer; the next checkpoint is refused by the counter it
+    moved and recognises it - but the worker gave the lease up while the checkpoint was on
+    its way (its processor was told). The landed renewal made the lease this worker's again:
+    it is released at once, and the checkpoint is neither repeated nor reported written."""
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    before = stored(table).lease_counter
+    client.lost["update_item"] = 1  # a 500 is not retried by the table: the caller sees it
+    with pytest.raises(KinesisClientLibDependencyException):
+        a.fence.write("s1", None, table.renew, what="renewal")
+    assert stored(table).lease_counter == before + 1, "the renewal landed"
+    client.before["update_item"] = [lambda: a.held.expire(clock() + FAILOVER + 1, FAILOVER)]
+    with pytest.raises(ShutdownException):
+        a.fence.update_checkpoint("s1", token, Position("100"))
+    assert a.held.get("s1") is None
+    item = stored(table)
+    assert (item.lease_owner, item.checkpoint) == (None, Position.trim_horizon())
 
 
 def test_a_suspended_holder_does_not_even_try_after_the_failover_time(
@@ -401,6 +474,7 @@ def test_a_request_written_between_a_landed_checkpoint_and_its_refused_retry_is_
     assert a.lost.keys == [] and a.asked.keys == ["s1"]
     assert a.held.handing_off("s1")
     a.fence.update_checkpoint("s1", token, Position("78"))
+    assert a.asked.keys == ["s1"], "a request already taken up is announced once"
     lease = stored(table)
     assert lease.checkpoint == Position("78")
     assert (lease.lease_owner, lease.checkpoint_owner) == ("B", "A")

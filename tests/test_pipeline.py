@@ -6,6 +6,7 @@ here, to show any ``PageSource`` will do."""
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
@@ -209,21 +210,48 @@ def test_thread_delivers_everything_then_shard_end(running: list[ShardPipeline])
     assert fetcher.error is None
 
 
+class RefusingQueue(queue.Queue[object]):
+    """The pipeline's queue, noting how many GetRecords calls the shard had seen each time a
+    put found it full: once a put of the page read by call n was refused, the fetch thread is
+    provably waiting for room, and reads nothing more until a get makes some."""
+
+    def __init__(self, maxsize: int, shard: FakeShard) -> None:
+        super().__init__(maxsize)
+        self.shard = shard
+        self.refused = threading.Condition()
+        self.refused_at: list[int] = []
+
+    def put(self, item: object, block: bool = True, timeout: float | None = None) -> None:
+        try:
+            super().put(item, block, timeout)
+        except queue.Full:
+            with self.refused:
+                self.refused_at.append(len(self.shard.get_records_calls))
+                self.refused.notify_all()
+            raise
+
+    def wait_refused_after(self, calls: int) -> bool:
+        with self.refused:
+            return self.refused.wait_for(lambda: calls in self.refused_at, timeout=10)
+
+
 def test_full_queue_blocks_the_fetcher(running: list[ShardPipeline]) -> None:
     shard = FakeShard([plain(i) for i in range(50)], page_size=1)
     metrics = Metrics()
     fetcher = make(shard, queue_size=2, metrics=metrics)
+    refusing = RefusingQueue(2, shard)
+    fetcher._queue = refusing
     running.append(fetcher)
     fetcher.start()
     # queue_size results queued, plus one held by the thread waiting for room
-    assert shard.wait_for_calls(3)
-    assert not shard.wait_for_calls(4, timeout=0.5)
+    assert refusing.wait_refused_after(3)
+    assert len(shard.get_records_calls) == 3
     assert sample(metrics, "kclpy_prefetch_queue_depth", shard_id=SHARD) == 2
 
     first = fetcher.get(timeout=5)
     assert first is not None and payloads([first]) == [b"plain-0"]
-    assert shard.wait_for_calls(4)
-    assert not shard.wait_for_calls(5, timeout=0.5)
+    assert refusing.wait_refused_after(4)
+    assert len(shard.get_records_calls) == 4
 
 
 def test_stop_is_prompt_while_blocked_on_a_full_queue() -> None:
@@ -308,13 +336,37 @@ def test_start_twice_is_refused(running: list[ShardPipeline]) -> None:
 # -- the lease coordinator's retrieval gate ---------------------------------------------
 
 
+class Gate(threading.Event):
+    """The retrieval gate, noting which threads found it shut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shut_for: set[int] = set()
+        self.noted = threading.Condition()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        opened = super().wait(timeout)
+        if not opened:
+            with self.noted:
+                self.shut_for.add(threading.get_ident())
+                self.noted.notify_all()
+        return opened
+
+    def wait_refused_by(self, thread: threading.Thread | None) -> bool:
+        assert thread is not None
+        with self.noted:
+            return self.noted.wait_for(lambda: thread.ident in self.shut_for, timeout=10)
+
+
 def test_a_closed_gate_holds_fetching_and_handing_out_until_it_opens() -> None:
     shard = FakeShard([plain(i) for i in range(4)], page_size=2, closed=True)
-    gate = threading.Event()
+    gate = Gate()
     fetcher = make(shard, gate=gate)
     fetcher.start()
     try:
-        assert fetcher.get(timeout=0.3) is None
+        assert fetcher.get(timeout=0) is None
+        # once the fetch thread found the gate shut, it reads nothing until it opens
+        assert gate.wait_refused_by(fetcher._thread)
         assert (shard.shard_iterator_calls, shard.get_records_calls) == ([], [])
         gate.set()
         first = fetcher.get(timeout=10)
@@ -323,7 +375,7 @@ def test_a_closed_gate_holds_fetching_and_handing_out_until_it_opens() -> None:
             shard.called.wait_for(lambda: len(shard.get_records_calls) == 2, timeout=10)
         gate.clear()
         # The second page is fetched and queued, but not handed out while the gate is shut.
-        assert fetcher.get(timeout=0.3) is None
+        assert fetcher.get(timeout=0) is None
         gate.set()
         second = fetcher.get(timeout=10)
         assert second is not None and payloads([second]) == [b"plain-2", b"plain-3"]

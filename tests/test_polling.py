@@ -52,6 +52,7 @@ from tests.support.fakeshard import (
     seq,
 )
 from tests.support.streams import wait_for_stream_active
+from tests.support.waiting import wait_for
 
 
 @pytest.fixture(autouse=True)
@@ -542,8 +543,10 @@ def read_all(fetcher: ShardPipeline, count: int) -> list[tuple[str, int, bytes]]
             got.extend(
                 (r.sequence_number, r.sub_sequence_number, r.binary_data) for r in result.records
             )
-        # nothing beyond: a duplicate would already be queued behind the last page
-        assert fetcher.get(timeout=0.5) is None
+        # nothing beyond: once the fetcher read the tip empty with nothing queued, a
+        # duplicate would have had to be queued behind the last page
+        wait_for(lambda: fetcher.caught_up, 30, "the fetcher to read the tip of the shard")
+        assert fetcher.get(timeout=0) is None
     finally:
         fetcher.stop(timeout=10)
     return got

@@ -516,13 +516,27 @@ def test_a_lease_waits_for_its_aged_out_parent_to_go_first(
 
 
 class TableReader:
-    """The parent-waiting code's view of the lease table: the table itself."""
+    """The parent-waiting code's view of the lease table: the table itself, its reads
+    counted as they complete."""
 
     def __init__(self, table: LeaseTable) -> None:
         self.table = table
+        self.reads = 0
+        self.read = threading.Condition()
 
     def get_lease(self, lease_key: str) -> Lease | None:
-        return self.table.get(lease_key)
+        lease = self.table.get(lease_key)
+        with self.read:
+            self.reads += 1
+            self.read.notify_all()
+        return lease
+
+    def judged_again(self) -> bool:
+        """True once the consumer acted on a read it completed after this call: read n+1
+        completed after it, and the consumer went on to read n+2 (it decided to wait)."""
+        with self.read:
+            target = self.reads + 2
+            return self.read.wait_for(lambda: self.reads >= target, timeout=10)
 
 
 def test_children_of_a_parent_the_retention_removed_unfinished_start(
@@ -577,9 +591,10 @@ def test_children_of_a_parent_the_retention_removed_unfinished_start(
             def shutdown_requested(self, shutdown_input: ShutdownRequestedInput) -> None:
                 pass
 
+        reader = TableReader(table)
         consumer = ShardConsumer(
             child, concurrency_token="t", processor_factory=lambda: Processor(),
-            checkpoint_writer=Writer(), lease_reader=TableReader(table),
+            checkpoint_writer=Writer(), lease_reader=reader,
             fetcher_factory=lambda lease, start: ScriptedFetcher(
                 [Result([rec(1)])], (start.checkpoint, start.sub_sequence_number)),
             on_shard_end=lambda *_: None, settings=SETTINGS, metrics=Metrics())
@@ -592,6 +607,7 @@ def test_children_of_a_parent_the_retention_removed_unfinished_start(
             monkeypatch.setattr(syncer, "list_shards", lambda: next(answers))
             assert syncer.sync() == []
             assert table.get(parent) is not None
+            assert reader.judged_again(), "the child stopped reading its parent's lease"
             assert not initialized.is_set()
             # Gone from every listing since: deleted, counted, logged, and the child starts.
             monkeypatch.setattr(syncer, "list_shards", lambda: list(retained))

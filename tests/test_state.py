@@ -771,8 +771,9 @@ def test_a_delete_on_a_stale_cache_of_a_key_created_again_is_refused(
 
 
 class OnCall(StatefulProcessor):
-    """While ``watched`` is 0, set ``mine`` to 1: two shards guard each other's key, so at
-    most one of the two may ever be 1. ``meanwhile`` runs between the read and the commit."""
+    """While ``watched`` is 0 or absent, set ``mine`` to 1: two shards guard each other's
+    key, so at most one of the two may ever be 1. ``meanwhile`` runs between the read and
+    the commit."""
 
     def __init__(self, watched: str, mine: str, meanwhile: Callable[[], None] | None = None
                  ) -> None:
@@ -787,16 +788,42 @@ class OnCall(StatefulProcessor):
         if self.meanwhile is not None:
             meanwhile, self.meanwhile = self.meanwhile, None
             meanwhile()
-        if watched == 0:
+        if watched in (0, None):
             txn.put(self.mine, 1)
 
 
+@pytest.mark.parametrize("seeded", [True, False], ids=["present", "absent"])
 @pytest.mark.parametrize("stale_cache", [False, True], ids=["read", "stale-cache"])
 def test_a_key_only_read_and_changed_by_another_shard_refuses_the_commit(
-        table: LeaseTable, new_store: Callable[[], StateStore], stale_cache: bool) -> None:
+        table: LeaseTable, new_store: Callable[[], StateStore], stale_cache: bool,
+        seeded: bool) -> None:
     """Shard 1 reads ``x`` (never writes it) and sets ``y``; shard 2 reads ``y`` and sets
     ``x``, committing in between. Serially one of the two finds the other's 1; without a
-    check of the key only read both write 1 (write skew)."""
+    check of the key only read both write 1 (write skew). ``absent``: ``x`` and ``y`` were
+    never written, so the key only read is checked for staying absent (a mutant that
+    skipped that check alone passed every other state test)."""
+    only_read_skew(table, new_store, stale_cache, seeded)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("seeded", [True, False], ids=["present", "absent"])
+def test_over_http_a_key_only_read_and_changed_by_another_shard_refuses_the_commit(
+        embedded_endpoint: LocalEndpoint, seeded: bool) -> None:
+    """The same on kclpy.local's DynamoDB over real HTTP (its ``ConditionCheck``, not
+    moto's)."""
+    client = dynamodb_client(embedded_endpoint.url)
+    lease_table = LeaseTable(client, unique_name("oncall"), sleep=lambda _: None)
+    lease_table.create_if_missing()
+    for key in ("s1", "s2"):
+        assert lease_table.create(Lease(key))
+    state_table = f"{lease_table.table_name}-state"
+    only_read_skew(lease_table, lambda: DynamoDBStateStore(state_table, client=client),
+                   stale_cache=False, seeded=seeded)
+
+
+def only_read_skew(table: LeaseTable, new_store: Callable[[], StateStore], stale_cache: bool,
+                   seeded: bool) -> None:
+    """The interleaving of the tests above, asserted."""
     clock = Clock()
     store_1, store_2 = new_store(), new_store()
     one, two = Shard(table, "s1", "A", clock), Shard(table, "s2", "B", clock)
@@ -804,14 +831,17 @@ def test_a_key_only_read_and_changed_by_another_shard_refuses_the_commit(
     other.initialize(InitializeInput("s2", "TRIM_HORIZON", 0))
     guard = OnCall("x", "y")
     run_1 = runner(store_1, guard)
-    one.deliver(run_1, [rec(10, "seed")])
-    assert (store_1.read("x").value, store_2.read("y").value) == (0, 0)
+    if seeded:
+        one.deliver(run_1, [rec(10, "seed")])
+    start = 0 if seeded else None
+    assert (store_1.read("x").value, store_2.read("y").value) == (start, start)
     if stale_cache:
-        two.deliver(other, [rec(10, "guard")])  # store_1 still caches x = 0
+        two.deliver(other, [rec(10, "guard")])  # store_1 still caches x as it was
     else:
         guard.meanwhile = lambda: two.deliver(other, [rec(10, "guard")])
     one.deliver(run_1, [rec(11, "guard")])
-    assert stored_state(store_1) in [{"x": 1, "y": 0}, {"x": 0, "y": 1}]
+    serial = ([{"x": 1, "y": 0}, {"x": 0, "y": 1}] if seeded else [{"x": 1}, {"y": 1}])
+    assert stored_state(store_1) in serial
 
 
 def test_a_key_written_before_keys_had_an_incarnation_is_read_updated_and_checked(

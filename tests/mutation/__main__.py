@@ -1,0 +1,5 @@
+import sys
+
+from tests.mutation.mutate import main
+
+sys.exit(main())
