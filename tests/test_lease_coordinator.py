@@ -306,3 +306,42 @@ def test_healthy_only_while_renewals_run() -> None:
     finally:
         coordinator.stop(release=False)
     assert not healthy()
+
+
+def test_a_stop_while_start_is_starting_the_threads_waits_for_them(
+        table: LeaseTable, clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The renewer's first pass can make a worker look healthy before ``start`` has started
+    the taker thread; a ``stop`` from another thread then joined a thread not yet started
+    (RuntimeError, seen in a clean-clone run of test_ops_server). ``stop`` now waits for
+    ``start`` to have started every thread, and stops them."""
+    worker, _ = coordinator(table, "A", clock)
+    in_start, go_on = threading.Event(), threading.Event()
+    start = threading.Thread.start
+
+    def held_taker_start(thread: threading.Thread) -> None:
+        if thread.name.startswith("kclpy-lease-taker"):
+            in_start.set()
+            assert go_on.wait(10)
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", held_taker_start)
+    starting = threading.Thread(target=worker.start)
+    start(starting)
+    assert in_start.wait(10)
+    stopped: list[BaseException | None] = []
+
+    def stop() -> None:
+        try:
+            worker.stop(release=False)
+            stopped.append(None)
+        except BaseException as exc:  # whatever stop raised is the finding
+            stopped.append(exc)
+
+    stopping = threading.Thread(target=stop)
+    start(stopping)
+    go_on.set()
+    starting.join(10)
+    stopping.join(10)
+    assert stopped == [None]
+    assert worker._threads == [] and all(not t.is_alive() for t in threading.enumerate()
+                                         if t.name.startswith("kclpy-lease-"))

@@ -105,6 +105,10 @@ class LeaseCoordinator:
         self._wake = threading.Event()
         self._threads: list[threading.Thread] = []
         self._taker_thread: threading.Thread | None = None
+        #: held while ``start`` starts the threads: a ``stop`` from another thread (the
+        #: renewer's first pass may already make the worker look healthy) must not find a
+        #: thread created and not yet started
+        self._lifecycle = threading.Lock()
         #: set while the renewer keeps its schedule; fetchers and deliveries wait on it (see
         #: pace_retrieval)
         self.retrieval_gate = threading.Event()
@@ -114,30 +118,31 @@ class LeaseCoordinator:
 
     def start(self) -> None:
         """Start the renewer and taker threads; the first taker cycle runs at once."""
-        if self._threads:
-            raise RuntimeError("LeaseCoordinator already started")
-        self._stopping.clear()
-        self._taking_stopped.clear()
-        self._taker_thread = threading.Thread(
-            target=self._taker_loop, name=f"kclpy-lease-taker-{self.worker_id}", daemon=True
-        )
-        self._threads = [
-            threading.Thread(
-                target=self._renewer_loop, name=f"kclpy-lease-renewer-{self.worker_id}", daemon=True
-            ),
-            self._taker_thread,
-        ]
-        for thread in self._threads:
-            thread.start()
+        with self._lifecycle:
+            if self._threads:
+                raise RuntimeError("LeaseCoordinator already started")
+            self._stopping.clear()
+            self._taking_stopped.clear()
+            self._taker_thread = threading.Thread(
+                target=self._taker_loop, name=f"kclpy-lease-taker-{self.worker_id}",
+                daemon=True)
+            self._threads = [
+                threading.Thread(target=self._renewer_loop,
+                                 name=f"kclpy-lease-renewer-{self.worker_id}", daemon=True),
+                self._taker_thread,
+            ]
+            for thread in self._threads:
+                thread.start()
 
     def stop(self, *, release: bool = True) -> None:
         """Stop both threads; with ``release``, hand every held lease back at once so other
         workers need not wait for them to expire."""
         self._stopping.set()
         self._wake.set()
-        for thread in self._threads:
+        with self._lifecycle:
+            threads, self._threads = self._threads, []
+        for thread in threads:
             thread.join()
-        self._threads = []
         self.renewer.close()
         with self._releases_lock:
             releases, self._releases = self._releases, None
