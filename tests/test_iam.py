@@ -27,6 +27,7 @@ from tests.support.cli import endpoints, run_cli
 from tests.support.e2e import EndToEnd, produce_mixed, running, worker_config
 from tests.support.faultproxy import Call, FaultProxy
 from tests.support.iam import (
+    PAGE,
     ROLES,
     Names,
     Statement,
@@ -120,6 +121,19 @@ def test_a_call_made_through_kclpy_in_this_process_is_recorded() -> None:
         stub.add_response("get_item", {})
         assert LeaseTable(client, "app").get("shard-0") is None
     assert aws_calls.recorded()[("dynamodb", "GetItem")].startswith("kclpy.")
+
+
+def test_the_actions_granted_elsewhere_are_no_policys_and_the_page_names_each() -> None:
+    page = PAGE.read_text()
+    for action in aws_calls.GRANTED_ELSEWHERE:
+        assert not_allowed_anywhere(documented_policies(), [action]) == [action]
+        assert f"`{action}`" in page
+    calls = {("kinesis", "ListStreams"): "kclpy.leases.streams",
+             ("sts", "AssumeRole"): "kclpy.spark.reading",
+             ("sts", "GetCallerIdentity"): "kclpy.somewhere"}
+    assert aws_calls.not_allowed(calls, documented_policies()) == [
+        "sts:GetCallerIdentity (made by kclpy.somewhere) needs sts:GetCallerIdentity, which "
+        "no policy in docs/iam.md allows"]
 
 
 def test_the_run_check_names_a_recorded_operation_no_policy_allows() -> None:
