@@ -1011,7 +1011,11 @@ def _disrupt(
         horizon = end if now < end else now + _OVERTIME_POLL_S
         pause.wait(max(0.0, min([next_at, horizon, *dues]) - time.monotonic()))
     if split is None:
-        return None
+        # a disruption that blocked (a SIGTERMed worker slow to exit on a loaded machine)
+        # can carry the loop past the window before the split's time: split now, so that
+        # every run reshards while its fleet recovers
+        split = _start_split(kinesis, stream, rng)
+        say(f"{time.monotonic() - begin:5.1f} s  split {split[0]} (after the window)")
     parent, children = split
     return parent, children.result(timeout=settings.catch_up_timeout_s)
 
