@@ -404,6 +404,18 @@ def write_skew(table: LeaseTable, new_store: Callable[[], StateStore], stale_cac
 SERIAL_OUTCOMES = [{"m": "k was absent"}, {"k": 1}]
 
 
+def over_http(endpoint: LocalEndpoint, prefix: str) -> tuple[LeaseTable, Callable[[], StateStore]]:
+    """A lease table with shards s1 and s2 on kclpy.local's DynamoDB (its conditions, atomic,
+    over real HTTP, not moto's in-process ones) and stores of its state table."""
+    client = dynamodb_client(endpoint.url)
+    lease_table = LeaseTable(client, unique_name(prefix), sleep=lambda _: None)
+    lease_table.create_if_missing()
+    for key in ("s1", "s2"):
+        assert lease_table.create(Lease(key))
+    state_table = f"{lease_table.table_name}-state"
+    return lease_table, lambda: DynamoDBStateStore(state_table, client=client)
+
+
 @pytest.mark.parametrize("stale_cache", [False, True], ids=["read", "stale-cache"])
 def test_a_delete_of_a_key_read_as_absent_is_checked_at_commit(
         table: LeaseTable, new_store: Callable[[], StateStore], stale_cache: bool) -> None:
@@ -414,14 +426,8 @@ def test_a_delete_of_a_key_read_as_absent_is_checked_at_commit(
 def test_over_http_a_delete_of_a_key_read_as_absent_is_checked_at_commit(
         embedded_endpoint: LocalEndpoint) -> None:
     """The same on kclpy.local's DynamoDB (conditional writes atomic) over real HTTP."""
-    client = dynamodb_client(embedded_endpoint.url)
-    lease_table = LeaseTable(client, unique_name("skew"), sleep=lambda _: None)
-    lease_table.create_if_missing()
-    for key in ("s1", "s2"):
-        assert lease_table.create(Lease(key))
-    state_table = f"{lease_table.table_name}-state"
-    assert write_skew(lease_table, lambda: DynamoDBStateStore(state_table, client=client),
-                      stale_cache=False) in SERIAL_OUTCOMES
+    lease_table, new_store = over_http(embedded_endpoint, "skew")
+    assert write_skew(lease_table, new_store, stale_cache=False) in SERIAL_OUTCOMES
 
 
 # -- exactly-once state with lag recovery (the simulator's hole 2) --------------------------------
@@ -723,13 +729,8 @@ def test_a_key_deleted_and_created_again_does_not_pass_a_stale_cache_of_its_form
 def test_over_http_a_key_created_again_does_not_pass_a_stale_cache_of_its_former_life(
         embedded_endpoint: LocalEndpoint) -> None:
     """The same on kclpy.local's DynamoDB over real HTTP (its conditions, not moto's)."""
-    client = dynamodb_client(embedded_endpoint.url)
-    lease_table = LeaseTable(client, unique_name("aba"), sleep=lambda _: None)
-    lease_table.create_if_missing()
-    for key in ("s1", "s2"):
-        assert lease_table.create(Lease(key))
-    state_table = f"{lease_table.table_name}-state"
-    lost_update(lease_table, lambda: DynamoDBStateStore(state_table, client=client))
+    lease_table, new_store = over_http(embedded_endpoint, "aba")
+    lost_update(lease_table, new_store)
 
 
 def lost_update(table: LeaseTable, new_store: Callable[[], StateStore]) -> None:
@@ -811,14 +812,8 @@ def test_over_http_a_key_only_read_and_changed_by_another_shard_refuses_the_comm
         embedded_endpoint: LocalEndpoint, seeded: bool) -> None:
     """The same on kclpy.local's DynamoDB over real HTTP (its ``ConditionCheck``, not
     moto's)."""
-    client = dynamodb_client(embedded_endpoint.url)
-    lease_table = LeaseTable(client, unique_name("oncall"), sleep=lambda _: None)
-    lease_table.create_if_missing()
-    for key in ("s1", "s2"):
-        assert lease_table.create(Lease(key))
-    state_table = f"{lease_table.table_name}-state"
-    only_read_skew(lease_table, lambda: DynamoDBStateStore(state_table, client=client),
-                   stale_cache=False, seeded=seeded)
+    lease_table, new_store = over_http(embedded_endpoint, "oncall")
+    only_read_skew(lease_table, new_store, stale_cache=False, seeded=seeded)
 
 
 def only_read_skew(table: LeaseTable, new_store: Callable[[], StateStore], stale_cache: bool,
