@@ -950,7 +950,7 @@ def _disrupt(
     result: Tally,
     say: Callable[[str], None],
     missing: Callable[[], list[str]],
-) -> tuple[str, list[str]] | None:
+) -> tuple[str, list[str]]:
     """The chaos window: every few seconds one running worker is killed, frozen past the
     failover time, or stopped gracefully and restarted; one shard is split on the way.
 
