@@ -24,6 +24,7 @@ from kclpy.metrics import Metrics
 from kclpy.processor import IRecordProcessor
 from kclpy.progress import reporting_progress
 from kclpy.redaction import add_secrets, configure_logging, redact
+from kclpy.sessions import aws_session
 from kclpy.state.processor import StatefulProcessor
 from kclpy.supervisor import run_processes
 from kclpy.worker import Worker
@@ -165,7 +166,7 @@ def _cannot_start(exc: _CannotStart) -> int:
 def _session_with_credentials(config: KCLConfig) -> boto3.session.Session:
     """A session whose credentials resolved: without any, every start-up attempt would fail
     the same way, so the worker is not started at all."""
-    session = boto3.session.Session(region_name=config.region)
+    session = aws_session(config.region)
     try:
         credentials = session.get_credentials()
     except BotoCoreError as exc:

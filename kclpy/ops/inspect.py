@@ -33,10 +33,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-import boto3
 import botocore.config
 from botocore.exceptions import ClientError, NoRegionError
 
+from kclpy.errors import ConfigError
 from kclpy.leases import park as parking
 from kclpy.leases import serializer as ser
 from kclpy.leases.lease import Lease
@@ -53,6 +53,7 @@ from kclpy.ops.lag import (
 )
 from kclpy.ops.text import print_table, printable
 from kclpy.retry import error_code
+from kclpy.sessions import aws_session
 from kclpy.streams import StreamIdentifier
 
 log = logging.getLogger("kclpy.inspect")
@@ -67,7 +68,10 @@ EXIT_UNKNOWN = 3
 def clients(args: argparse.Namespace) -> tuple[Any, Any]:
     """``(kinesis, dynamodb)`` as the common flags say, retrying less than the workers do:
     an operator waiting at a terminal wants an answer, or the error, within seconds."""
-    session = boto3.session.Session(region_name=args.region)
+    try:
+        session = aws_session(args.region)
+    except ConfigError as exc:
+        raise UsageError(exc.option, exc.message) from None
     config = botocore.config.Config(retries={"mode": "standard", "total_max_attempts": 3},
                                     connect_timeout=5, read_timeout=30)
     try:
