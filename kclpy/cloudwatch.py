@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from kclpy.retry import THROTTLED, Backoff, classify
+from kclpy.retry import THROTTLED, GaveUp, RetryPolicy, classify, retrying
 from kclpy.telemetry import (
     BYTES,
     COUNT,
@@ -67,9 +67,7 @@ MAX_DIMENSIONS = 30
 MAX_DIMENSION_NAME = 255
 MAX_DIMENSION_VALUE = 1024
 #: attempts per request before its datums are given up
-ATTEMPTS = 4
-BACKOFF_BASE_S = 0.2
-BACKOFF_CAP_S = 5.0
+RETRIES = RetryPolicy(0.2, 5.0, max_attempts=4)
 
 
 class MetricsSink(Protocol):
@@ -218,26 +216,28 @@ class CloudWatchPublisher:
     def _put(self, batch: list[dict[str, Any]]) -> bool:
         """One PutMetricData, retried on throttling, 5xx and connection errors (the same
         classification and full-jitter backoff as every other AWS call of kclpy)."""
-        backoff = Backoff(BACKOFF_BASE_S, BACKOFF_CAP_S)
-        last: Exception | None = None
-        for attempt in range(ATTEMPTS):
-            try:
-                self._client.put_metric_data(Namespace=self.namespace, MetricData=batch)
-                return True
-            except (ClientError, BotoCoreError) as exc:
-                last = exc
-                kind = classify(exc)
-                self._event("throttled" if kind == THROTTLED else "error", 1)
-                if kind is None:
-                    log.warning("CloudWatch refused %d datums: %s", len(batch), exc)
-                    return False
+        def put() -> bool:
+            self._client.put_metric_data(Namespace=self.namespace, MetricData=batch)
+            return True
+
+        def retryable(exc: BaseException) -> bool:
+            if not isinstance(exc, (ClientError, BotoCoreError)):
+                return False
+            kind = classify(exc)
+            self._event("throttled" if kind == THROTTLED else "error", 1)
+            if kind is not None:
                 log.debug("PutMetricData failed (%s): %s", kind, exc)
-            if attempt + 1 < ATTEMPTS:
-                self._sleep(backoff.next_delay())
-        log.warning("CloudWatch: %d datums dropped after %d attempts to %s (last: %s)",
-                    len(batch), ATTEMPTS,
-                    getattr(getattr(self._client, "meta", None), "endpoint_url", "CloudWatch"),
-                    last)
+            return kind is not None
+
+        try:
+            return retrying(put, RETRIES, retry_on=retryable, wait=self._sleep)
+        except GaveUp as gave_up:
+            log.warning("CloudWatch: %d datums dropped after %d attempts to %s (last: %s)",
+                        len(batch), gave_up.attempts,
+                        getattr(getattr(self._client, "meta", None), "endpoint_url",
+                                "CloudWatch"), gave_up.__cause__)
+        except (ClientError, BotoCoreError) as exc:
+            log.warning("CloudWatch refused %d datums: %s", len(batch), exc)
         return False
 
     def _event(self, what: str, n: int) -> None:

@@ -14,6 +14,11 @@ Retries after a processor's failure keep "equal" jitter (at least half the ceili
 processor gets a breather), the supervisor's restarts none (one child, nothing to spread),
 and registration the Java KCL's fixed wait plus up to 100 ms.
 
+``retrying`` is the one loop around a call that may fail: the call, the policy, what is worth
+retrying, and how to wait (a sleep, or an event's ``wait`` so that a shutdown ends the wait).
+Callers keep only what is theirs: the error they raise when the attempts are spent
+(:class:`GaveUp`) and what they count or log per failure.
+
 ``classify`` is shared by Kinesis, DynamoDB (a cancelled transaction included) and
 CloudWatch calls, so all agree on what a throttle is and feed the same metric labels.
 """
@@ -21,10 +26,17 @@ CloudWatch calls, so all agree on what a throttle is and feed the same metric la
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from botocore.exceptions import ClientError, ConnectionError, HTTPClientError
 from botocore.parsers import ResponseParserError
+
+from kclpy.errors import KCLError
+
+T = TypeVar("T")
 
 THROTTLED = "throttled"
 SERVER_ERROR = "server_error"
@@ -232,3 +244,65 @@ class Backoff:
     def reset(self) -> None:
         """Start over after a success, so a later throttle begins with a short delay again."""
         self._attempt = 0
+
+
+class GaveUp(KCLError):
+    """:func:`retrying` spent the policy's attempts; ``__cause__`` is the last failure."""
+
+    def __init__(self, attempts: int) -> None:
+        super().__init__(f"gave up after {attempts} attempts")
+        self.attempts = attempts
+
+
+class RetryStopped(KCLError):
+    """:func:`retrying`'s wait was ended by a stop (its ``wait`` returned True) before the
+    next attempt; ``__cause__`` is the last failure."""
+
+
+def retrying(
+    call: Callable[[], T],
+    policy: RetryPolicy,
+    *,
+    retry_on: Callable[[BaseException], bool],
+    wait: Callable[[float], bool | None] | None = None,
+    rng: random.Random | None = None,
+    on_retry: Callable[[BaseException, int, float], None] | None = None,
+) -> T:
+    """``call()``'s result, calling again after each failure ``retry_on`` accepts.
+
+    A failure ``retry_on`` refuses is raised as it is. Before retry n (from 0) the wait is
+    ``policy.delay(n)``; ``on_retry(failure, attempts so far, delay)`` is told first, so a
+    log line can say how long. ``wait(delay)`` returning True (an ``Event.wait`` that saw
+    its event) raises :class:`RetryStopped`; None sleeps. The policy's ``max_attempts`` spent raises
+    :class:`GaveUp`. Both chain the last failure. ``policy.max_attempts`` None retries until
+    the call succeeds, is refused or is stopped.
+    """
+    attempts = 0
+    while True:
+        try:
+            return call()
+        except Exception as exc:
+            if not retry_on(exc):
+                raise
+            attempts += 1
+            if policy.gives_up(attempts):
+                raise GaveUp(attempts) from exc
+            delay = policy.delay(attempts - 1, rng)
+            if on_retry is not None:
+                on_retry(exc, attempts, delay)
+            if wait is None:
+                # looked up per wait, as ``random`` is: the fleet simulator replaces both
+                time.sleep(delay)
+            elif wait(delay):
+                raise RetryStopped(f"stopped after {attempts} attempts") from exc
+
+
+def is_throttle(exc: BaseException) -> bool:
+    """``retry_on`` for calls that retry throttling only (a 5xx or a lost connection was
+    already retried by botocore's own attempts)."""
+    return classify(exc) == THROTTLED
+
+
+def is_transient(exc: BaseException) -> bool:
+    """``retry_on`` for calls that retry every retryable kind :func:`classify` knows."""
+    return classify(exc) is not None

@@ -25,8 +25,13 @@ from kclpy.retry import (
     SERVER_ERROR,
     THROTTLED,
     Backoff,
+    GaveUp,
     RetryPolicy,
+    RetryStopped,
     classify,
+    is_throttle,
+    is_transient,
+    retrying,
 )
 
 
@@ -239,6 +244,57 @@ def _backoff_formulas(path: Path) -> list[str]:
 #: error codes that only a classification of errors has reason to name
 _THROTTLE_CODES = ("LimitExceededException", "ProvisionedThroughputExceededException",
                    "ThrottlingException", "RequestLimitExceeded", "ThrottlingError")
+
+
+class Flaky:
+    """Fails with the given errors in turn, then answers ``"done"``."""
+
+    def __init__(self, *errors: Exception) -> None:
+        self.errors = list(errors)
+        self.calls = 0
+
+    def __call__(self) -> str:
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return "done"
+
+
+def test_the_runner_retries_what_it_is_told_and_waits_the_policys_delays() -> None:
+    call = Flaky(client_error("ThrottlingException"), client_error("InternalFailure", 500))
+    waits: list[float] = []
+    told: list[tuple[str, int, float]] = []
+    answer = retrying(call, RetryPolicy(1.0, 8.0, jitter=NO_JITTER), retry_on=is_transient,
+                      wait=waits.append, on_retry=lambda exc, n, d: told.append(
+                          (type(exc).__name__, n, d)))
+    assert answer == "done" and call.calls == 3
+    assert waits == [1.0, 2.0]
+    assert told == [("ClientError", 1, 1.0), ("ClientError", 2, 2.0)]
+
+
+def test_the_runner_raises_a_refused_failure_at_once() -> None:
+    denied = client_error("AccessDeniedException")
+    call = Flaky(client_error("ThrottlingException"), denied)
+    with pytest.raises(ClientError) as raised:
+        retrying(call, RetryPolicy(0.0, 0.0), retry_on=is_throttle, wait=lambda _: None)
+    assert raised.value is denied and call.calls == 2
+
+
+def test_the_runner_gives_up_after_the_policys_attempts_naming_the_last_failure() -> None:
+    last = client_error("ThrottlingException")
+    call = Flaky(client_error("ThrottlingException"), client_error("ThrottlingException"), last)
+    with pytest.raises(GaveUp) as raised:
+        retrying(call, RetryPolicy(0.0, 0.0, max_attempts=3), retry_on=is_throttle,
+                 wait=lambda _: None)
+    assert raised.value.attempts == 3 and raised.value.__cause__ is last
+    assert call.calls == 3
+
+
+def test_a_stop_during_the_wait_ends_the_runner_before_another_attempt() -> None:
+    call = Flaky(client_error("ThrottlingException"), client_error("ThrottlingException"))
+    with pytest.raises(RetryStopped):
+        retrying(call, RetryPolicy(1.0, 1.0), retry_on=is_throttle, wait=lambda _: True)
+    assert call.calls == 1
 
 
 def test_every_retry_goes_through_kclpy_retry() -> None:

@@ -23,7 +23,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from kclpy.errors import KCLError
 from kclpy.metrics import DYNAMODB_REQUESTS, NOWHERE, THROTTLES, Metrics
-from kclpy.retry import THROTTLED, RetryPolicy, classify, error_code
+from kclpy.retry import GaveUp, RetryPolicy, error_code, is_throttle, retrying
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb import DynamoDBClient
@@ -93,21 +93,23 @@ class DynamoTable:
 
     def call(self, operation: str, fn: Callable[..., T], **kwargs: Any) -> T:
         """One logical request: counted per attempt, throttling retried, the rest raised."""
-        attempt = 0
-        while True:
-            attempt += 1
+        def attempt() -> T:
             self._metrics.inc(DYNAMODB_REQUESTS, operation)
-            try:
-                return fn(**kwargs)
-            except ClientError as exc:
-                if classify(exc) != THROTTLED:
-                    raise
-                self._metrics.inc(THROTTLES, operation)
-                if self._retries.gives_up(attempt):
-                    raise self.throttled(
-                        f"{operation} on {self.table_name} throttled {attempt} times"
-                    ) from exc
-                self._sleep(self._retries.delay(attempt - 1, self._rng))
+            return fn(**kwargs)
+
+        def throttled(exc: BaseException) -> bool:
+            if not is_throttle(exc):
+                return False
+            self._metrics.inc(THROTTLES, operation)
+            return True
+
+        try:
+            return retrying(attempt, self._retries, retry_on=throttled, wait=self._sleep,
+                            rng=self._rng)
+        except GaveUp as gave_up:
+            raise self.throttled(
+                f"{operation} on {self.table_name} throttled {gave_up.attempts} times"
+            ) from gave_up.__cause__
 
     def _status(self) -> str | None:
         try:

@@ -33,7 +33,7 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kclpy.retry import EQUAL, RetryPolicy
+from kclpy.retry import EQUAL, GaveUp, RetryPolicy, RetryStopped, retrying
 
 log = logging.getLogger(__name__)
 
@@ -203,25 +203,22 @@ class Webhook:
                           "delivering the next ones", redacted(self.url), type(exc).__name__)
 
     def _deliver(self, document: Mapping[str, Any]) -> None:
-        attempt = 0
-        while True:
-            try:
-                _request(self.url, document, self._timeout_s)
-            except _RECEIVER_ERRORS as exc:
-                # The exception's text may repeat the URL; only its kind is logged.
-                reason = getattr(exc, "code", None) or type(exc).__name__
-                delay = self._retries.delay(attempt, self._rng)
-                attempt += 1
-                if self._retries.gives_up(attempt):
-                    break
-                self._on_result("retried")
-                log.warning("lag webhook %s: POST failed (%s); retrying in %.1fs",
-                            redacted(self.url), reason, delay)
-                if self._stop.wait(delay):
-                    return
-                continue
-            self._on_result("sent")
+        def retry_later(exc: BaseException, attempts: int, delay: float) -> None:
+            # The exception's text may repeat the URL; only its kind is logged.
+            reason = getattr(exc, "code", None) or type(exc).__name__
+            self._on_result("retried")
+            log.warning("lag webhook %s: POST failed (%s); retrying in %.1fs",
+                        redacted(self.url), reason, delay)
+
+        try:
+            retrying(lambda: _request(self.url, document, self._timeout_s), self._retries,
+                     retry_on=lambda exc: isinstance(exc, _RECEIVER_ERRORS),
+                     wait=self._stop.wait, rng=self._rng, on_retry=retry_later)
+        except RetryStopped:
             return
-        self._on_result("failed")
-        log.error("lag webhook %s: gave up on an event after %d attempts",
-                  redacted(self.url), attempt)
+        except GaveUp as gave_up:
+            self._on_result("failed")
+            log.error("lag webhook %s: gave up on an event after %d attempts",
+                      redacted(self.url), gave_up.attempts)
+            return
+        self._on_result("sent")

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from botocore.exceptions import ClientError
 
 from kclpy.errors import KCLError, KinesisClientLibDependencyException
-from kclpy.retry import NO_JITTER, THROTTLED, RetryPolicy, classify, error_code
+from kclpy.retry import NO_JITTER, GaveUp, RetryPolicy, error_code, is_throttle, retrying
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +52,10 @@ class RegistrationSettings:
         if self.register_retries < 1 or self.describe_retries < 1 or self.backoff_s < 0:
             raise ValueError("retries must be at least 1 and the backoff not negative")
 
-    @property
-    def retries(self) -> RetryPolicy:
+    def retries(self, attempts: int | None = None) -> RetryPolicy:
         """The Java KCL's wait between throttled calls: fixed, plus up to 100 ms."""
-        return RetryPolicy(self.backoff_s, self.backoff_s, jitter=NO_JITTER, spread_s=0.1)
+        return RetryPolicy(self.backoff_s, self.backoff_s, max_attempts=attempts,
+                           jitter=NO_JITTER, spread_s=0.1)
 
 
 class ConsumerRegistration:
@@ -138,18 +138,15 @@ class ConsumerRegistration:
         return arn
 
     def _throttled(self, call: Callable[[], T], attempts: int, operation: str) -> T:
-        for attempt in range(attempts):
-            try:
-                return call()
-            except ClientError as exc:
-                if classify(exc) != THROTTLED:
-                    raise
-                if attempt + 1 == attempts:
-                    raise KinesisClientLibDependencyException(
-                        f"{operation} throttled {attempts} times") from exc
-                log.info("%s throttled; retrying", operation)
-                self._sleep(self._settings.retries.delay(attempt))
-        raise AssertionError("unreachable: attempts >= 1")
+        def retry_later(exc: BaseException, attempt: int, delay: float) -> None:
+            log.info("%s throttled; retrying", operation)
+
+        try:
+            return retrying(call, self._settings.retries(attempts),
+                            retry_on=is_throttle, wait=self._sleep, on_retry=retry_later)
+        except GaveUp as gave_up:
+            raise KinesisClientLibDependencyException(
+                f"{operation} throttled {attempts} times") from gave_up.__cause__
 
 
 def list_consumers(kinesis: Any, stream_arn: str) -> list[dict[str, Any]]:
