@@ -157,9 +157,15 @@ def test_a_worker_posts_its_lag_status_changes_and_exports_the_gauges(
         wait_for(lambda: any(d["status"] == "STOP" for d in receiver.documents()), 60,
                  "a STOP posted")
         samples = scrape(server)
-    stop = next(d for d in receiver.documents() if d["status"] == "STOP")
+    shard_documents = [d for d in receiver.documents() if d["shard_id"] is not None]
+    stop_at = next(i for i, d in enumerate(shard_documents) if d["status"] == "STOP")
+    stop = shard_documents[stop_at]
     assert stop["application"] == config.application_name
-    assert stop["shard_id"] == "shardId-000000000000" and stop["previous_status"] == "OK"
+    assert stop["shard_id"] == "shardId-000000000000"
+    # OK when an evaluation saw the shard healthy first; on a busy machine the first one
+    # may already see it stopped, and then there was no previous status to name
+    assert stop["previous_status"] == (
+        shard_documents[stop_at - 1]["status"] if stop_at else None)
     assert "no checkpoint" in stop["reason"]
     assert any(d["shard_id"] is None and d["status"] == "ERR" for d in receiver.documents())
     assert samples[("kclpy_shard_lag_status",
