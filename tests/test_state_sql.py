@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from kclpy.errors import ShutdownException, ThrottlingException
+from kclpy.errors import KCLError, ShutdownException, ThrottlingException
 from kclpy.leases.lease import Lease, new_incarnation
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
@@ -27,6 +27,7 @@ from kclpy.state.transaction import StateTransaction, Versioned
 from tests.support.determinism import Clock
 from tests.support.state import Counter, Ops, Shard, rec, runner, stored_state
 from tests.support.streams import unique_name
+from tests.support.waiting import wait_for
 
 
 @pytest.fixture
@@ -320,7 +321,44 @@ def test_postgresql_sessions_carry_the_statement_and_connect_timeouts(
                           statement_timeout_s=7, lock_timeout_s=3)
     with store.engine.connect() as conn:
         shown = {name: conn.exec_driver_sql(f"SHOW {name}").scalar()
-                 for name in ("statement_timeout", "lock_timeout")}
+                 for name in ("statement_timeout", "lock_timeout",
+                              "idle_in_transaction_session_timeout")}
         dsn = conn.connection.driver_connection.info.get_parameters()  # type: ignore[union-attr]
-    assert shown == {"statement_timeout": "7s", "lock_timeout": "3s"}
+    assert shown == {"statement_timeout": "7s", "lock_timeout": "3s",
+                     "idle_in_transaction_session_timeout": "3s"}
     assert dsn.get("connect_timeout") == "10"
+
+
+def test_a_holder_frozen_inside_a_transaction_is_ended_by_the_server_and_frees_the_shard(
+        table: LeaseTable, postgres_url: str) -> None:
+    """A worker stopped (SIGSTOP, a host cut off) between its commit's statements keeps its
+    checkpoint row locked; without a server-side end to idle transactions the shard's next
+    owner failed every claim on lock_timeout for as long as the holder stayed frozen."""
+    prefix = unique_name("frozen").replace("-", "_")
+    held = SQLStateStore(postgres_url, prefix=prefix, lock_timeout_s=1)
+    held.open(None)
+    table.create(Lease("s1"))
+    clock = Clock()
+    Shard(table, "s1", "A", clock).deliver(runner(held), [rec(1, "a:1")])
+    frozen = held.engine.connect()
+    frozen.begin()
+    frozen.execute(sa.select(held.checkpoints).with_for_update())
+    clock.advance(60)  # A's lease expired; B takes it
+    successor = SQLStateStore(postgres_url, prefix=prefix, lock_timeout_s=1)
+    b = Shard(table, "s1", "B", clock)
+    adapter = runner(successor)
+    failures: list[str] = []
+
+    def delivered() -> bool:
+        try:
+            b.deliver(adapter, [rec(2, "a:1"), rec(3, "a:1")])
+        except KCLError as exc:
+            failures.append(type(exc).__name__)
+            return False
+        return True
+
+    wait_for(delivered, 60, "the shard's new owner commits while its old one is frozen")
+    assert stored_state(successor)["count/a"] == 3
+    with pytest.raises(sa.exc.DBAPIError):
+        frozen.execute(sa.select(sa.literal(1)))
+    frozen.close()

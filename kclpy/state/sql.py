@@ -126,7 +126,10 @@ class SQLStateStore:
             self.engine = url
         else:
             # A row lock held by a frozen or partitioned worker must not stall a shard (and
-            # its shutdown) for ever: the wait ends in an error and the batch is retried.
+            # its shutdown) for ever: the wait ends in an error and the batch is retried;
+            # and on PostgreSQL the server ends a transaction left idle that long (a
+            # SIGSTOPped holder, a host cut off mid-commit), which frees its locks: the
+            # holder's COMMIT then fails, so nothing of it lands.
             sqlite = url.startswith("sqlite")
             connect_args: dict[str, Any] = {}
             if sqlite:
@@ -135,7 +138,9 @@ class SQLStateStore:
                 connect_args = {
                     "connect_timeout": _libpq_seconds(connect_timeout_s),
                     "options": f"-c lock_timeout={int(lock_timeout_s * 1000)} "
-                               f"-c statement_timeout={int(statement_timeout_s * 1000)}"}
+                               f"-c statement_timeout={int(statement_timeout_s * 1000)} "
+                               "-c idle_in_transaction_session_timeout="
+                               f"{int(lock_timeout_s * 1000)}"}
             self.engine = sa.create_engine(url, connect_args=connect_args,
                                            pool_pre_ping=not sqlite)
             if sqlite:
