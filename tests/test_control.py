@@ -1094,3 +1094,38 @@ def test_a_park_mark_nested_too_deep_to_decode_is_shown_as_its_reason() -> None:
     described = parking.describe(nested)
     assert described is not None and described["reason"].endswith(" more bytes]")
     assert parking.describe('{"reason": "maintenance"}') == {"reason": "maintenance"}
+
+
+@pytest.mark.integration
+def test_a_replay_reads_again_the_records_a_queued_gap_had_already_processed(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, stream: str) -> None:
+    """A lagging tenure left a gap after r1, recovered through r6, and checkpointed r10
+    live. ``checkpoint set --to r3`` promises reading right after r3: before, the gap's
+    progress sent live reading to the gap's end and the gap on after r6, and r4 to r6 were
+    never read again."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    put_plain(kinesis, stream, [f"r{i}".encode() for i in range(1, 11)])
+    records = arrivals(kinesis, stream)
+    seq = [s for s, _ in records]
+    config = worker_config(kinesis_mock.url, moto_server.url, stream).replace(
+        max_lag_ms=3_600_000)
+    app, table = lease_table(moto_server.url, Lease(SHARD))
+    config = config.replace(application_name=app)
+    processed = gaps.RecoveryRequest.gap(seq[0], 0, records[-1][1] + 1, records[1][1],
+                                         seq[1]).checkpointed(Position(seq[5]), records[5][1])
+    lease = table.get(SHARD)
+    assert lease is not None
+    control._write(table, lease, UpdateBuilder().set(ser.CHECKPOINT, ser.s(seq[9])).set(
+        ser.RECOVERY, ser.s(gaps.dumps((processed,)) or "")))
+    code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
+                                    "--shard-id", SHARD, "--to", seq[2])
+    assert code == 0, err
+    moved = table.get(SHARD)
+    assert moved is not None and moved.recovery is None
+    journal = Journal()
+    with running(Worker(config, lambda: JournalProcessor(journal))):
+        wait_for(lambda: set(seq[3:]) <= {v for k, v in journal.of(SHARD)
+                                          if k in ("record", "recovery")},
+                 60, "every record after r3 read again")
+    assert [v for k, v in journal.of(SHARD) if k in ("record", "recovery")] == seq[3:]

@@ -3,6 +3,8 @@ stored in the lease's attribute."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kclpy.position import TRIM_HORIZON, Position
@@ -69,3 +71,44 @@ def test_a_queue_nested_too_deep_to_decode_is_unreadable() -> None:
     nested = '{"v":1,"requests":' + "[" * 100_000 + "]" * 100_000 + "}"
     with pytest.raises(ValueError, match="unreadable recovery queue"):
         gaps.loads(nested)
+
+
+# -- an operator's replay (kclpy checkpoint set) -------------------------------------------------
+
+
+def test_a_replay_drops_gaps_it_reads_again_and_ends_the_one_it_cuts_at_its_position() -> None:
+    before = gap("100", 2_000, 1_100)
+    straddling = gap("300", 4_000, 3_100, done="350")
+    after = gap("600", 7_000, 6_100)
+    kept = gaps.replayed_from((before, straddling, after), Position("500"))
+    assert [(r.start, r.done, r.last_sequence) for r in kept] == [
+        ("100", "100", "500"), ("300", "350", "500")]
+    assert kept[1].end_ms == 4_000
+
+
+def test_a_replay_drops_a_gap_processed_through_its_position() -> None:
+    """The review's case: a gap after r1 recovered through r6, the checkpoint moved to r3.
+    Kept, its progress sent live reading to the gap's end and the gap on after r6: r4 to
+    r6 were never read again."""
+    processed = gap("1", 10_000, 2_000, done="6")
+    assert gaps.replayed_from((processed,), Position("3")) == ()
+
+
+def test_a_replay_keeps_an_operators_earlier_end() -> None:
+    request = RecoveryRequest.gap("100", 0, 9_000, 1_000, None, last_sequence="400")
+    (kept,) = gaps.replayed_from((request,), Position("500"))
+    assert kept.last_sequence == "400"
+
+
+def test_a_replay_from_a_time_ends_gaps_at_that_time_and_drops_those_after_it() -> None:
+    early = gap("100", 5_000, 1_000)
+    late = gap("300", 9_000, 6_000)
+    done_past = replace(gap("50", 8_000, 500, done="90"), done_ms=6_500)
+    kept = gaps.replayed_from((done_past, early, late), Position.at_timestamp(4_000))
+    assert [(r.start, r.end_ms) for r in kept] == [("100", 4_000)]
+
+
+def test_a_replay_from_the_horizon_drops_every_gap_and_from_the_tip_keeps_them() -> None:
+    queue = (gap("100", 2_000, 1_100), gap("300", 4_000, 3_100))
+    assert gaps.replayed_from(queue, Position.trim_horizon()) == ()
+    assert gaps.replayed_from(queue, Position.latest()) == queue

@@ -538,8 +538,7 @@ def _move_with_store(table: LeaseTable, store: Any, lease: Lease, target: Target
     holding = parking.marker("kclpy checkpoint set in progress", "operator")
 
     def move_and_park(fresh: Lease) -> UpdateBuilder:
-        return checkpoint_changes(target.position).set(
-            ser.PARKED, s(holding))
+        return _replay_changes(fresh, target.position).set(ser.PARKED, s(holding))
 
     moved = (_create(table, lease, target, holding) if create
              else _write_fresh(table, lease, move_and_park, take=force))
@@ -561,7 +560,27 @@ def _move_with_store(table: LeaseTable, store: Any, lease: Lease, target: Target
 
 
 def _moving_to(target: Target) -> Callable[[Lease], UpdateBuilder]:
-    return lambda _: checkpoint_changes(target.position)
+    return lambda fresh: _replay_changes(fresh, target.position)
+
+
+def _replay_changes(fresh: Lease, position: Position) -> UpdateBuilder:
+    """The checkpoint moved to ``position``, and the shard's recovery queue cut to what
+    reading right after it still needs (``queue.replayed_from``); requests a holder has not
+    folded in yet are folded in here, so that none of them outlives the cut."""
+    changes = checkpoint_changes(position)
+    folded = asked.read(fresh.recovery_requests)[0]
+    stored = _queued(fresh)
+    kept = gaps.replayed_from(_effective(fresh), position)
+    if kept == stored and not folded:
+        return changes
+    value = gaps.dumps(kept)
+    if value is None:
+        changes.remove(ser.RECOVERY)
+    else:
+        changes.set(ser.RECOVERY, s(value))
+    if folded:
+        changes.delete(ser.RECOVERY_REQUESTS, ss(text for text, _ in folded))
+    return changes
 
 
 def _print_moves(args: argparse.Namespace, moves: Sequence[Move], out: IO[str]) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 
-from kclpy.position import TRIM_HORIZON, Position
+from kclpy.position import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON, Position
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,43 @@ def add(queue: tuple[RecoveryRequest, ...], request: RecoveryRequest
         else:
             result.append(item)
     return tuple(result)
+
+
+def replayed_from(queue: tuple[RecoveryRequest, ...], position: Position
+                  ) -> tuple[RecoveryRequest, ...]:
+    """What is left of ``queue`` once the live checkpoint is moved to ``position`` by an
+    operator (``kclpy checkpoint set``), whose promise is that reading resumes right after
+    it: each gap keeps only the records up to ``position`` it has not processed yet.
+
+    Live reading reads every record after ``position`` again, so a gap that starts at or
+    after it, or whose own checkpoint is at or past it, is dropped; a gap that straddles it
+    ends there (at that record, or for a time, at that time). Left as it was, a gap's
+    progress sent the next tenure's live reading to the gap's end and the gap on after its
+    own checkpoint: the records in between were never read again. ``TRIM_HORIZON`` drops
+    every gap; ``LATEST`` and ``SHARD_END`` keep the queue (no record before the tip is
+    read live, and nothing processed is read again).
+    """
+    if position.sentinel == TRIM_HORIZON:
+        return ()
+    if position.sentinel in (LATEST, SHARD_END):
+        return queue
+    kept: list[RecoveryRequest] = []
+    for gap in queue:
+        if position.sentinel == AT_TIMESTAMP:
+            at = position.timestamp_ms
+            if at is None:
+                kept.append(gap)
+            elif not ((gap.first_ms is not None and gap.first_ms >= at)
+                      or (gap.done_ms is not None and gap.done_ms >= at)):
+                kept.append(replace(gap, end_ms=min(gap.end_ms, at)))
+            continue
+        if gap.start_position >= position or gap.done_position >= position:
+            continue
+        last = position.sequence_number
+        if gap.last_sequence is not None and int(gap.last_sequence) < int(last):
+            last = gap.last_sequence
+        kept.append(replace(gap, last_sequence=last))
+    return tuple(kept)
 
 
 def dumps(queue: tuple[RecoveryRequest, ...]) -> str | None:
