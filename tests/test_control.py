@@ -772,7 +772,7 @@ def test_an_exactly_once_applications_sql_position_moves_with_the_checkpoint(
         moto_server: LocalEndpoint, stream: str, tmp_path: Path) -> None:
     import sqlalchemy as sa
 
-    from kclpy.state.sql import SQLStateStore
+    from kclpy.state.sql import SQLStateStore, gap_name
 
     kinesis = kinesis_client(kinesis_mock.url)
     sequences = [seq for _, seq in put_plain(kinesis, stream, [f"r{i}".encode()
@@ -780,11 +780,20 @@ def test_an_exactly_once_applications_sql_position_moves_with_the_checkpoint(
     url = f"sqlite:///{tmp_path / 'state.db'}"
     store = SQLStateStore(url)
     store.open(None)
+    # a gap after r2 the store has progress of: the move to r0 reads it again live
+    after_r2 = gap_name(Position(sequences[2]))
     with store.engine.begin() as conn:
         conn.execute(sa.insert(store.checkpoints).values(
             lease_key=SHARD, tenure=4, checkpoint=sequences[3], sub_sequence_number=0))
+        conn.execute(sa.insert(store.gaps).values(
+            lease_key=SHARD, gap=after_r2, checkpoint=sequences[3], sub_sequence_number=0))
     app, table = lease_table(moto_server.url, Lease(SHARD, lease_counter=6,
                                                     checkpoint=Position(sequences[3])))
+    queued = gaps.RecoveryRequest.gap(sequences[2], 0, 2**42, None, None)
+    held = table.get(SHARD)
+    assert held is not None
+    control._write(table, held, UpdateBuilder().set(ser.RECOVERY, ser.s(
+        gaps.dumps((queued,)) or "")))
     code, out, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
                                     "--shard-id", SHARD, "--to", sequences[0],
                                     "--state-store", url)
@@ -792,10 +801,12 @@ def test_an_exactly_once_applications_sql_position_moves_with_the_checkpoint(
     lease = table.get(SHARD)
     assert lease is not None
     assert (lease.checkpoint, lease.parked) == (Position(sequences[0]), None)
-    assert lease.lease_counter == 8
+    assert lease.lease_counter == 9 and lease.recovery is None
     with store.engine.connect() as conn:
         row = conn.execute(sa.select(store.checkpoints)).one()
-    assert (row.checkpoint, row.sub_sequence_number, row.tenure) == (sequences[0], 0, 7)
+        gap_rows = conn.execute(sa.select(store.gaps)).all()
+    assert (row.checkpoint, row.sub_sequence_number, row.tenure) == (sequences[0], 0, 8)
+    assert gap_rows == []
     code, _, err = checkpoint_set(capsys, kinesis_mock, moto_server, app, stream,
                                   "--shard-id", SHARD, "--to", "TRIM_HORIZON",
                                   "--state-store", "nosuch://x")

@@ -72,6 +72,7 @@ from kclpy.recovery import queue as gaps
 from kclpy.recovery import requests as asked
 from kclpy.retry import error_code
 from kclpy.state import open_store
+from kclpy.state.sql import gap_name
 from kclpy.streams import StreamIdentifier
 
 #: exit code when the command refused to act or the lease moved under it
@@ -556,6 +557,11 @@ def _move_with_store(table: LeaseTable, store: Any, lease: Lease, target: Target
                 values["incarnation"] = moved.incarnation
             conn.execute(sa.update(store.checkpoints)
                          .where(columns.lease_key == lease.lease_key).values(**values))
+        # the store's progress of a gap the move dropped must not survive it: a gap found
+        # later after the same position would resume from it
+        kept = [gap_name(r.start_position) for r in _queued(moved)]
+        conn.execute(sa.delete(store.gaps).where(
+            store.gaps.c.lease_key == lease.lease_key, store.gaps.c.gap.not_in(kept)))
     _write(table, moved, UpdateBuilder().remove(ser.PARKED))
 
 

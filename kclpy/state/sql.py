@@ -341,7 +341,7 @@ class SQLStateStore:
                                      .values(**columns))
                     elif stored is None:
                         conn.execute(sa.insert(self.gaps).values(
-                            lease_key=lease_key, gap=_gap_name(gap), **columns))
+                            lease_key=lease_key, gap=gap_name(gap), **columns))
                     else:
                         conn.execute(sa.update(self.gaps)
                                      .where(self._gap_row(lease_key, gap)).values(**columns))
@@ -418,7 +418,7 @@ class SQLStateStore:
                         raw.execute(f"PRAGMA busy_timeout = {before}")
 
     def _gap_row(self, lease_key: str, gap: Position) -> sa.ColumnElement[bool]:
-        return sa.and_(self.gaps.c.lease_key == lease_key, self.gaps.c.gap == _gap_name(gap))
+        return sa.and_(self.gaps.c.lease_key == lease_key, self.gaps.c.gap == gap_name(gap))
 
     def _lock_checkpoint(self, conn: Connection, lease_key: str) -> Any:
         c = self.checkpoints.c
@@ -475,7 +475,7 @@ class SQLStateStore:
         conn.execute(sa.delete(self.state).where(self.state.c.state_key == key))
 
 
-def _gap_name(gap: Position) -> str:
+def gap_name(gap: Position) -> str:
     """A gap's key in ``<prefix>_gaps``: the position it starts after."""
     return f"{gap.checkpoint}/{gap.sub_sequence_number}"
 
