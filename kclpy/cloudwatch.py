@@ -235,7 +235,7 @@ class CloudWatchPublisher:
             log.warning("CloudWatch: %d datums dropped after %d attempts to %s (last: %s)",
                         len(batch), gave_up.attempts,
                         getattr(getattr(self._client, "meta", None), "endpoint_url",
-                                "CloudWatch"), gave_up.__cause__)
+                                "CloudWatch"), gave_up.last)
         except (ClientError, BotoCoreError) as exc:
             log.warning("CloudWatch refused %d datums: %s", len(batch), exc)
         return False

@@ -247,11 +247,13 @@ class Backoff:
 
 
 class GaveUp(KCLError):
-    """:func:`retrying` spent the policy's attempts; ``__cause__`` is the last failure."""
+    """:func:`retrying` spent the policy's attempts; ``last`` (also the ``__cause__``) is
+    the last failure, which a caller that reports failures as they are raises again."""
 
-    def __init__(self, attempts: int) -> None:
+    def __init__(self, attempts: int, last: BaseException) -> None:
         super().__init__(f"gave up after {attempts} attempts")
         self.attempts = attempts
+        self.last = last
 
 
 class RetryStopped(KCLError):
@@ -261,7 +263,7 @@ class RetryStopped(KCLError):
 
 def retrying(
     call: Callable[[], T],
-    policy: RetryPolicy,
+    retries: RetryPolicy | Backoff,
     *,
     retry_on: Callable[[BaseException], bool],
     wait: Callable[[float], bool | None] | None = None,
@@ -270,31 +272,40 @@ def retrying(
 ) -> T:
     """``call()``'s result, calling again after each failure ``retry_on`` accepts.
 
-    A failure ``retry_on`` refuses is raised as it is. Before retry n (from 0) the wait is
-    ``policy.delay(n)``; ``on_retry(failure, attempts so far, delay)`` is told first, so a
+    A failure ``retry_on`` refuses is raised as it is. Before each retry the wait is the
+    policy's next delay; ``on_retry(failure, failures so far, delay)`` is told first, so a
     log line can say how long. ``wait(delay)`` returning True (an ``Event.wait`` that saw
-    its event) raises :class:`RetryStopped`; None sleeps. The policy's ``max_attempts`` spent raises
-    :class:`GaveUp`. Both chain the last failure. ``policy.max_attempts`` None retries until
-    the call succeeds, is refused or is stopped.
+    its event) raises :class:`RetryStopped`; None sleeps. The policy's ``max_attempts``
+    spent raises :class:`GaveUp`. Both chain the last failure. Without ``max_attempts`` it
+    retries until the call succeeds, is refused or is stopped.
+
+    With a policy, the failures are this call's. With a :class:`Backoff` they are the
+    backoff's: they add up over calls until its owner resets it after a success of its own
+    (a shard's reads: a fresh iterator whose read fails again is not a success).
     """
-    attempts = 0
+    policy = retries if isinstance(retries, RetryPolicy) else retries.policy
+    failures = 0 if isinstance(retries, RetryPolicy) else retries.attempt
     while True:
         try:
             return call()
         except Exception as exc:
             if not retry_on(exc):
                 raise
-            attempts += 1
-            if policy.gives_up(attempts):
-                raise GaveUp(attempts) from exc
-            delay = policy.delay(attempts - 1, rng)
+            if policy.gives_up(failures + 1):
+                raise GaveUp(failures + 1, exc) from exc
+            if isinstance(retries, Backoff):
+                delay = retries.next_delay()
+            else:
+                # the module's draw unless given one (the fleet simulator seeds it)
+                delay = policy.delay(failures, rng)
+            failures += 1
             if on_retry is not None:
-                on_retry(exc, attempts, delay)
+                on_retry(exc, failures, delay)
             if wait is None:
                 # looked up per wait, as ``random`` is: the fleet simulator replaces both
                 time.sleep(delay)
             elif wait(delay):
-                raise RetryStopped(f"stopped after {attempts} attempts") from exc
+                raise RetryStopped(f"stopped after {failures} attempts") from exc
 
 
 def is_throttle(exc: BaseException) -> bool:

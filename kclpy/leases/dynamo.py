@@ -109,7 +109,7 @@ class DynamoTable:
         except GaveUp as gave_up:
             raise self.throttled(
                 f"{operation} on {self.table_name} throttled {gave_up.attempts} times"
-            ) from gave_up.__cause__
+            ) from gave_up.last
 
     def _status(self) -> str | None:
         try:

@@ -146,7 +146,7 @@ class ConsumerRegistration:
                             retry_on=is_throttle, wait=self._sleep, on_retry=retry_later)
         except GaveUp as gave_up:
             raise KinesisClientLibDependencyException(
-                f"{operation} throttled {attempts} times") from gave_up.__cause__
+                f"{operation} throttled {attempts} times") from gave_up.last
 
 
 def list_consumers(kinesis: Any, stream_arn: str) -> list[dict[str, Any]]:

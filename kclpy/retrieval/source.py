@@ -29,7 +29,7 @@ from kclpy.metrics import GET_RECORDS_ERRORS, SUBSCRIPTIONS, THROTTLES, Metrics
 from kclpy.position import AT_TIMESTAMP, Position
 from kclpy.records import Record
 from kclpy.retrieval.page import Page
-from kclpy.retry import THROTTLED, Backoff, classify
+from kclpy.retry import THROTTLED, Backoff, GaveUp, classify, retrying
 from kclpy.streams import multi_stream_lease_key
 
 logger = logging.getLogger(__name__)
@@ -177,31 +177,27 @@ class Retrying:
     def call(self, reading: Reading, operation: str, call: Callable[[], _T],
              classifier: Callable[[BaseException], str | None] = classify) -> _T:
         """Run ``call`` until it succeeds, fails in a way retrying cannot fix, or the
-        backoff's policy gives up."""
-        while True:
-            try:
-                result = call()
-            except Exception as exc:
-                kind = classifier(exc)
-                if kind is None:
-                    raise
-                if kind == THROTTLED:
-                    self._metrics.inc(THROTTLES, operation)
-                self._shard.inc(GET_RECORDS_ERRORS, kind)
-                if operation == "SubscribeToShard":
-                    self._metrics.inc(SUBSCRIPTIONS, f"failed_{kind}")
-                if self.backoff.policy.gives_up(self.backoff.attempt + 1):
-                    raise
-                delay = self.backoff.next_delay()
-                logger.warning(
-                    "%s on %s failed (%s, attempt %d); retrying in %.3fs: %s",
-                    operation,
-                    self._address.lease_key,
-                    kind,
-                    self.backoff.attempt,
-                    delay,
-                    exc,
-                )
-                reading.pause(delay, exc)
-                continue
-            return result
+        backoff's policy gives up (the last failure is raised as it is)."""
+        kinds: list[str] = []
+
+        def counted(exc: BaseException) -> bool:
+            kind = classifier(exc)
+            if kind is None:
+                return False
+            if kind == THROTTLED:
+                self._metrics.inc(THROTTLES, operation)
+            self._shard.inc(GET_RECORDS_ERRORS, kind)
+            if operation == "SubscribeToShard":
+                self._metrics.inc(SUBSCRIPTIONS, f"failed_{kind}")
+            kinds.append(kind)
+            return True
+
+        def retry_later(exc: BaseException, attempt: int, delay: float) -> None:
+            logger.warning("%s on %s failed (%s, attempt %d); retrying in %.3fs: %s",
+                           operation, self._address.lease_key, kinds[-1], attempt, delay, exc)
+
+        try:
+            return retrying(call, self.backoff, retry_on=counted, wait=reading.pause,
+                            on_retry=retry_later)
+        except GaveUp as gave_up:
+            raise gave_up.last from None
