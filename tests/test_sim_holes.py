@@ -4,52 +4,141 @@ nothing either way, so each mechanism is pinned here on its own.
 
 Seed 400 (``liveness``, SQL store): the lease table was reset while the fleet ran, and
 ``shardId-000000000001``'s lease - created again by shard sync - reached its end and created
-its merge child's lease before any sync created ``shardId-000000000000``'s again. From then
-on the listed, unfinished parent counts as processed: shard sync treats every ancestor of a
-leased shard as handled (as the Java KCL does, since lease cleanup deletes finished parents)
-and the child's consumer treats a parent without a lease as finished, so the records written
-to ``shardId-000000000000`` after the reset are never delivered.
+its merge child's lease before any sync created ``shardId-000000000000``'s again. Shard sync
+counted every ancestor of a leased shard as handled (as the Java KCL does, since lease cleanup
+deletes finished parents), so the records written to ``shardId-000000000000`` after the
+reset were never delivered. A child's lease now vouches only for the parents its
+``kclpyFinishedParents`` names (or, without that attribute, for all of them once it has
+progressed: lease cleanup waits for that), and shard sync creates the others again.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
 import pytest
+from moto import mock_aws
 
 from kclpy.leases.lease import Lease
-from kclpy.leases.shard_sync import Shard, plan_new_leases
-from kclpy.position import TRIM_HORIZON, Position
+from kclpy.leases.shard_sync import Shard, ShardSyncer, plan_new_leases
+from kclpy.leases.table import LeaseTable
+from kclpy.position import LATEST, TRIM_HORIZON, Position
+from kclpy.retrieval.page import ChildShard
 
 MAX_HASH = str(2**128 - 1)
 HALF = str(2**127)
+ZERO, ONE, MERGED = "shardId-000000000000", "shardId-000000000001", "shardId-000000000002"
 
 
 def merge() -> list[Shard]:
     """Shards 0 and 1 merged into 2; 0 and 1 closed but still listed (within retention)."""
     return [
-        Shard("shardId-000000000000", None, None, "0", str(2**127 - 1), "100", "199"),
-        Shard("shardId-000000000001", None, None, HALF, MAX_HASH, "100", "199"),
-        Shard("shardId-000000000002", "shardId-000000000000", "shardId-000000000001", "0",
-              MAX_HASH, "300", None),
+        Shard(ZERO, None, None, "0", str(2**127 - 1), "100", "199"),
+        Shard(ONE, None, None, HALF, MAX_HASH, "100", "199"),
+        Shard(MERGED, ZERO, ONE, "0", MAX_HASH, "300", None),
     ]
 
 
-def after_the_reset() -> dict[str, Lease]:
+def child(checkpoint: Position, finished: frozenset[str] = frozenset()) -> Lease:
+    return Lease(MERGED, checkpoint=checkpoint, parent_shard_ids=frozenset({ZERO, ONE}),
+                 finished_parents=finished)
+
+
+def plan(leases: list[Lease], position: str = TRIM_HORIZON) -> list[str]:
+    by_key = {lease.lease_key: lease for lease in leases}
+    return [lease.lease_key for lease in plan_new_leases(merge(), set(by_key), position,
+                                                         leases=by_key)]
+
+
+def test_a_parent_a_lease_table_reset_deleted_is_created_again_below_a_leased_child() -> None:
     """The lease table after the reset, as seed 400 left it: shard 1 read to its end, the
     child's lease made from its ``ChildShards`` and not yet read, shard 0 without a lease."""
-    return {
-        "shardId-000000000001": Lease("shardId-000000000001",
-                                      checkpoint=Position.shard_end()),
-        "shardId-000000000002": Lease(
-            "shardId-000000000002", checkpoint=Position.trim_horizon(),
-            parent_shard_ids=frozenset({"shardId-000000000000", "shardId-000000000001"})),
-    }
+    after_the_reset = [Lease(ONE, checkpoint=Position.shard_end()),
+                       child(Position.trim_horizon(), frozenset({ONE}))]
+    assert plan(after_the_reset) == [ZERO]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open hole (simulator seed 400): shard sync treats every ancestor of a leased shard as "
-    "handled, so a listed parent whose lease a lease-table reset deleted is never created "
-    "again once its merge child has a lease; telling it from a parent lease cleanup deleted "
-    "needs a marker of finished parents in the child's lease (FOUND.md)"))
-def test_a_parent_a_lease_table_reset_deleted_is_created_again_below_a_leased_child() -> None:
-    planned = plan_new_leases(merge(), set(after_the_reset()), TRIM_HORIZON)
-    assert [lease.lease_key for lease in planned] == ["shardId-000000000000"]
+def test_a_parent_missing_beside_a_child_that_started_without_it_is_created_again() -> None:
+    """The child's consumer takes a parent without a lease for finished (as Java's does), so
+    the child may have progressed before the sync ran: what it records still says that only
+    shard 1 was read to its end, after lease cleanup deleted shard 1's lease too."""
+    assert plan([child(Position("350"), frozenset({ONE}))]) == [ZERO]
+
+
+def test_a_lease_without_the_record_vouches_for_its_parents_once_it_progressed() -> None:
+    """A child the Java KCL (or an older kclpy) made and processed: its parents were cleaned
+    up after it progressed, as Java's cleanup does, and are never read again."""
+    assert plan([child(Position("350"))]) == []
+    assert plan([child(Position.shard_end())]) == []
+
+
+def test_an_unprogressed_child_without_the_record_still_skips_closed_roots_at_latest() -> None:
+    """A parent no child vouches for is planned like any shard: at LATEST a closed root is
+    not read, as a fresh application would not read it."""
+    assert plan([child(Position.latest())], LATEST) == []
+    assert plan([child(Position.trim_horizon())], TRIM_HORIZON) == [ZERO, ONE]
+
+
+def test_only_the_lease_keys_known_keeps_the_java_rule() -> None:
+    """A sync handed lease keys without the leases cannot tell, and creates nothing above a
+    leased shard."""
+    assert plan_new_leases(merge(), {MERGED}, TRIM_HORIZON) == []
+
+
+class Listing:
+    """ListShards of a fixed shard list, as AWS answers it (one page)."""
+
+    def __init__(self, shards: list[Shard]) -> None:
+        self._shards = shards
+
+    def list_shards(self, **params: Any) -> dict[str, Any]:
+        return {"Shards": [{
+            "ShardId": shard.shard_id,
+            **({"ParentShardId": shard.parent_shard_id} if shard.parent_shard_id else {}),
+            **({"AdjacentParentShardId": shard.adjacent_parent_shard_id}
+               if shard.adjacent_parent_shard_id else {}),
+            "HashKeyRange": {"StartingHashKey": shard.starting_hash_key,
+                             "EndingHashKey": shard.ending_hash_key},
+            "SequenceNumberRange": {
+                "StartingSequenceNumber": shard.starting_sequence_number,
+                **({"EndingSequenceNumber": shard.ending_sequence_number}
+                   if shard.ending_sequence_number else {})},
+        } for shard in self._shards]}
+
+
+@pytest.fixture
+def table(monkeypatch: pytest.MonkeyPatch) -> Iterator[LeaseTable]:
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_DYNAMODB", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    with mock_aws():
+        leases = LeaseTable(boto3.client("dynamodb", region_name="us-east-1"), "app")
+        leases.create_if_missing()
+        yield leases
+
+
+def test_a_reset_parent_is_read_again_and_a_finished_one_is_not(table: LeaseTable) -> None:
+    """The whole path over the lease table: each parent's shard end records it in the child's
+    lease (created or already there), a reset's deletion of an unfinished parent is undone by
+    the next sync, and the deletion of both parents once finished is not."""
+    syncer = ShardSyncer(Listing(merge()), table, stream_name="s",  # type: ignore[arg-type]
+                         initial_position=TRIM_HORIZON)
+    assert [lease.lease_key for lease in syncer.sync()] == [ZERO, ONE, MERGED]
+    reported = ChildShard(MERGED, (ZERO, ONE), "0", MAX_HASH)
+
+    syncer.create_child_leases([reported], ONE)
+    parent = table.get(ZERO)
+    assert parent is not None and table.delete(parent)  # the reset, shard 0 unfinished
+    assert [lease.lease_key for lease in syncer.sync()] == [ZERO]
+    syncer.create_child_leases([reported], ZERO)
+    merged = table.get(MERGED)
+    assert merged is not None and merged.finished_parents == {ZERO, ONE}
+
+    table.update_checkpoint(table.take(merged, "w1"), Position("350"))
+    for key in (ZERO, ONE):  # lease cleanup, after the child progressed
+        finished = table.get(key)
+        assert finished is not None and table.delete(finished)
+    assert syncer.sync() == []
