@@ -85,6 +85,11 @@ TARGETS: dict[str, Target] = {
         ("tests/test_checkpoint.py",)),
     "handoff": Target("kclpy/leases/handoff.py", (), ("tests/test_handoff.py",)),
     "park": Target("kclpy/leases/park.py", (), ("tests/test_control.py", "-k", "park")),
+    # the taker's side of a park: a parked lease is never planned for taking nor its expiry
+    # awaited (``--only`` the sites on the ``parked`` lines; the rest are the taker's own)
+    "park-take": Target(
+        "kclpy/leases/balancing.py", ("Balancer.next_expiry", "Balancer.plan"),
+        ("tests/test_lease_balancing.py", "tests/test_lease_taker.py")),
     "recovery-gaps": Target("kclpy/recovery/queue.py", (), ("tests/test_recovery_queue.py",)),
 }
 
