@@ -1094,3 +1094,15 @@ def test_a_park_mark_nested_too_deep_to_decode_is_shown_as_its_reason() -> None:
     described = parking.describe(nested)
     assert described is not None and described["reason"].endswith(" more bytes]")
     assert parking.describe('{"reason": "maintenance"}') == {"reason": "maintenance"}
+
+
+def test_a_park_mark_says_what_it_was_told_and_nothing_else() -> None:
+    """The park policy's mark says since when the shard failed; an operator's says nothing
+    of it (an empty ``failingSinceMs`` would read as a failure at the epoch)."""
+    by_policy = json.loads(parking.marker("processor_error_policy=park", "worker",
+                                          error="ValueError: bad", attempts=3,
+                                          since_ms=1_700_000_000_000))
+    assert (by_policy["error"], by_policy["attempts"], by_policy["failingSinceMs"]) == (
+        "ValueError: bad", 3, 1_700_000_000_000)
+    by_operator = json.loads(parking.marker("maintenance", "ops"))
+    assert set(by_operator) == {"reason", "by", "atMs"}
