@@ -86,7 +86,8 @@ TARGETS: dict[str, Target] = {
     "handoff": Target("kclpy/leases/handoff.py", (), ("tests/test_handoff.py",)),
     "park": Target("kclpy/leases/park.py", (), ("tests/test_control.py", "-k", "park")),
     # the taker's side of a park: a parked lease is never planned for taking nor its expiry
-    # awaited (``--only`` the sites on the ``parked`` lines; the rest are the taker's own)
+    # awaited (``--only 6 29 35``, the sites of the ``parked`` checks; the rest are the
+    # taker's own rules)
     "park-take": Target(
         "kclpy/leases/balancing.py", ("Balancer.next_expiry", "Balancer.plan"),
         ("tests/test_lease_balancing.py", "tests/test_lease_taker.py")),
