@@ -631,7 +631,8 @@ class Worker:
         if stream is None:
             return  # a stream no longer consumed: its children are not ours to create
         if children:
-            stream.syncer.create_child_leases(children)  # records them as known shards
+            # records them as known shards, and this shard as finished in each
+            stream.syncer.create_child_leases(children, lease_key)
         else:
             # Emulators without ChildShards: a sync of the stream finds the children instead.
             stream.syncer.sync(self.coordinator.recent_lease_keys(

@@ -1140,3 +1140,15 @@ def test_a_replay_reads_again_the_records_a_queued_gap_had_already_processed(
                                           if k in ("record", "recovery")},
                  60, "every record after r3 read again")
     assert [v for k, v in journal.of(SHARD) if k in ("record", "recovery")] == seq[3:]
+
+
+def test_a_park_mark_says_what_it_was_told_and_nothing_else() -> None:
+    """The park policy's mark says since when the shard failed; an operator's says nothing
+    of it (an empty ``failingSinceMs`` would read as a failure at the epoch)."""
+    by_policy = json.loads(parking.marker("processor_error_policy=park", "worker",
+                                          error="ValueError: bad", attempts=3,
+                                          since_ms=1_700_000_000_000))
+    assert (by_policy["error"], by_policy["attempts"], by_policy["failingSinceMs"]) == (
+        "ValueError: bad", 3, 1_700_000_000_000)
+    by_operator = json.loads(parking.marker("maintenance", "ops"))
+    assert set(by_operator) == {"reason", "by", "atMs"}

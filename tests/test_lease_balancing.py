@@ -176,6 +176,44 @@ def test_shard_end_and_unknown_leases_are_never_taken_nor_counted() -> None:
     assert plan_for(t, 0.0, known={"a", "b", "done", "busy-done"}) == (["a", "b"], [])
 
 
+PARKED = '{"reason":"maintenance","by":"ops"}'
+
+
+def test_a_parked_lease_is_never_taken_stolen_counted_nor_awaited() -> None:
+    """An operator or the park policy set it aside: nobody takes it, free or expired, and it
+    neither raises its owner's load nor makes this worker wait for its expiry."""
+    t = taker()
+    t.observe([Lease("parked-free", lease_counter=1, parked=PARKED),
+               Lease("parked-owned", lease_owner="w2", lease_counter=1, parked=PARKED),
+               *owned(None, "a")], now=0.0)
+    assert plan_for(t, 0.0) == (["a"], [])
+    assert plan_for(t, 100.0) == (["a"], []), "expired, still parked"
+    assert t.next_expiry(held=set(), overdue_after=6.0, now=7.0) is None
+
+
+def test_with_java_peers_a_finished_parked_lease_counts_towards_nobodys_load() -> None:
+    """Java's taker counts finished leases; a parked one is kclpy's alone to ignore, so it
+    does not make its owner look live and loaded."""
+    t = taker()
+    t.observe([Lease("done", lease_owner="w2", lease_counter=1,
+                     checkpoint=Position.shard_end(), parked=PARKED),
+               *owned(None, "a", "b", "c")], now=0.0)
+    plan = t.plan(held=set(), known_lease_keys=None, no_steal=set(), now=0.0, java_peers=True)
+    assert [lease.lease_key for lease in plan.take] == ["a", "b", "c"]
+
+
+def test_with_java_peers_a_finished_lease_of_an_unknown_shard_counts_towards_nobodys_load(
+) -> None:
+    """A finished lease of a shard this worker does not consume (another stream's) is not
+    in the total Java's taker and this one share."""
+    t = taker()
+    t.observe([Lease("elsewhere", lease_owner="w2", lease_counter=1,
+                     checkpoint=Position.shard_end()), *owned(None, "a", "b", "c")], now=0.0)
+    plan = t.plan(held=set(), known_lease_keys={"a", "b", "c"}, no_steal=set(), now=0.0,
+                  java_peers=True)
+    assert [lease.lease_key for lease in plan.take] == ["a", "b", "c"]
+
+
 # -- stealing ------------------------------------------------------------------------------
 
 

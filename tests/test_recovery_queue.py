@@ -112,3 +112,55 @@ def test_a_replay_from_the_horizon_drops_every_gap_and_from_the_tip_keeps_them()
     queue = (gap("100", 2_000, 1_100), gap("300", 4_000, 3_100))
     assert gaps.replayed_from(queue, Position.trim_horizon()) == ()
     assert gaps.replayed_from(queue, Position.latest()) == queue
+
+# -- an operator's gap, which ends at a record (``kclpy recovery add --to SEQ``) -------------
+
+def operator_gap(start: str, last: str) -> RecoveryRequest:
+    """An operator's gap ending at record ``last``, every record of it arrived by 1000 ms."""
+    return RecoveryRequest.gap(start, 0, 1000, 500, None, last_sequence=last)
+
+
+def test_an_operator_gap_merges_a_gap_starting_at_or_before_its_last_record_only() -> None:
+    """A millisecond holds many records: a later gap that begins after the operator's last
+    record is another gap, even when its first record arrived before the operator gap's end
+    (the arrival rule alone would merge them and replay records nobody asked for)."""
+    inside = gaps.add((operator_gap("100", "500"),), gap("400", 2000, 900))
+    assert [(r.start, r.end_ms, r.last_sequence) for r in inside] == [("100", 2000, None)]
+    at_the_end = gaps.add((operator_gap("100", "500"),), gap("500", 2000, 900))
+    assert len(at_the_end) == 1
+    after = gaps.add((operator_gap("100", "500"),), gap("600", 2000, 900))
+    assert [(r.start, r.last_sequence) for r in after] == [("100", "500"), ("600", None)]
+
+
+def test_gaps_with_the_same_start_are_one_whatever_their_ends() -> None:
+    """Two operator requests from TRIM_HORIZON, and a found gap whose first record is not
+    known: the same start is the same gap, merged to the later end."""
+    twice = gaps.add((operator_gap(TRIM_HORIZON, "500"),), operator_gap(TRIM_HORIZON, "700"))
+    assert [(r.start, r.last_sequence) for r in twice] == [(TRIM_HORIZON, "700")]
+    unknown_first = gaps.add((gap("100", 1000, 500),), gap("100", 3000, None))
+    assert [(r.start, r.end_ms) for r in unknown_first] == [("100", 3000)]
+
+
+def test_an_operator_gap_round_trips_with_its_last_record_and_a_found_one_without() -> None:
+    queue = (operator_gap("100", "500"), gap("900", 5000, 4000))
+    text = gaps.dumps(queue)
+    assert gaps.loads(text) == queue
+    assert text is not None and text.count("lastSequence") == 1
+
+
+def test_a_gap_has_started_once_recovery_checkpointed_inside_it() -> None:
+    """What ``kclpy recovery list`` shows as done, and where recovery says a trimmed gap's
+    loss begins (after its checkpoint, or from its first record)."""
+    fresh = gap("100", 1000, 500)
+    assert not fresh.started
+    assert fresh.checkpointed(Position("150"), 600).started
+    assert fresh.checkpointed(Position("100", 1), 600).started
+
+
+def test_a_queue_whose_numbers_are_strings_is_unreadable() -> None:
+    """A hand-edited attribute with ``"endMs": "5000"`` would compare a string with numbers
+    later, in the middle of a recovery; it is refused when read."""
+    stored = gaps.dumps((gap("100", 5000, 4000),))
+    assert stored is not None
+    with pytest.raises(ValueError, match="whole number"):
+        gaps.loads(stored.replace('"endMs":5000', '"endMs":"5000"'))

@@ -12,7 +12,8 @@ when every child has made progress. A lease is therefore deleted when:
 - none of its own parents still has a lease, so deletion runs from the top of the shard
   tree down (Java's rule too). A child lease is never deleted before its parent; a missing
   child lease therefore always means "not created yet", and shard sync, which never
-  leases an ancestor of a leased shard, can never recreate what was deleted. Shard sync's
+  leases an ancestor a progressed (or ``kclpyFinishedParents``) child vouches for, can
+  never recreate what was deleted. Shard sync's
   deletion of the leases of shards the retention removed unfinished
   (``shard_sync.aged_out``) keeps to this too: it deletes their unlisted ancestors'
   leases, finished or not, first.

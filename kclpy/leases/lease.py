@@ -84,6 +84,12 @@ class Lease:
     #: fresh random id; a writer whose answer was lost finds its own id here, at the counter
     #: its write set, and knows the write landed (``fence.py``). Java KCL workers ignore it.
     last_write: str | None = field(default=None, compare=False)
+    #: kclpy's own ``kclpyFinishedParents``: the parent shards that were read to their end
+    #: (their records delivered), each added by its parent's holder at that parent's shard
+    #: end. Once a parent's lease is gone it is what tells a parent lease cleanup deleted
+    #: after it finished from one a lease-table reset deleted unfinished (``shard_sync``).
+    #: Java KCL workers ignore it; empty on items Java or an older kclpy made.
+    finished_parents: frozenset[str] = field(default_factory=frozenset, compare=False)
     #: In memory only: the id the next holder's write of this copy stamps (``last_write``),
     #: chosen by the fence so that it knows the id even when the write gets no answer. None:
     #: the write draws a fresh one (``new_write_id``).

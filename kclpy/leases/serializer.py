@@ -53,6 +53,9 @@ ASSIGNMENT_NOTICE = "kclpyAssignmentNotice"
 #: so that a writer whose answer was lost can recognise its own write in the item
 #: (``fence.py``); Java workers neither read nor clear it
 WRITE_ID = "kclpyWrite"
+#: kclpy's own (SS): the parents read to their end (``Lease.finished_parents``), added by each
+#: parent's holder without the counter; Java workers neither read nor clear it
+FINISHED_PARENTS = "kclpyFinishedParents"
 #: Java multi-stream leases: the serialised stream identifier (named so for legacy reasons)
 #: and the bare shard id, beside a key that joins them
 STREAM_NAME = "streamName"
@@ -168,6 +171,7 @@ def lease_from_item(item: Mapping[str, AttributeValueTypeDef]) -> Lease:
         kclpy_holder=_str(item, KCLPY_HOLDER),
         assignment_notice=_str(item, ASSIGNMENT_NOTICE),
         last_write=_str(item, WRITE_ID),
+        finished_parents=_set(item, FINISHED_PARENTS),
     )
 
 
@@ -186,6 +190,8 @@ def lease_to_new_item(lease: Lease) -> dict[str, AttributeValueTypeDef]:
         item[PARENT_SHARD_ID] = ss(lease.parent_shard_ids)
     if lease.child_shard_ids:
         item[CHILD_SHARD_IDS] = ss(lease.child_shard_ids)
+    if lease.finished_parents:
+        item[FINISHED_PARENTS] = ss(lease.finished_parents)
     if lease.pending_checkpoint is not None:
         item[PENDING_CHECKPOINT] = s(lease.pending_checkpoint.checkpoint)
         item[PENDING_CHECKPOINT_SUB_SEQUENCE_NUMBER] = n(

@@ -10,8 +10,21 @@ Which shards get a lease, and where a new lease starts (the Java KCL
 - Otherwise, with ``TRIM_HORIZON`` or ``AT_TIMESTAMP`` every shard gets a lease at the
   initial position; with ``LATEST`` only open shards do (at ``LATEST``) and closed roots are
   ignored, since their data is older than "now".
-- An ancestor of a leased shard never gets a lease: its data was processed already (its
-  lease may have been cleaned up) or deliberately skipped.
+- An ancestor that a leased shard vouches for never gets a lease: its data was processed
+  already (its lease may have been cleaned up) or deliberately skipped. A lease vouches for
+  the parents its ``kclpyFinishedParents`` names (each parent's holder adds its shard there
+  at its shard end, before its lease can be cleaned up); a lease without that attribute
+  (made by the Java KCL, by an older kclpy, or by shard sync on an endpoint without
+  ``ChildShards``) vouches for every parent once it has progressed past its start, and for
+  none before: lease cleanup deletes a parent only after every child progressed, so a
+  parent missing beside an unprogressed child was deleted unfinished (a lease table reset
+  while the fleet ran). A parent vouched for vouches for all of its own ancestors. The Java
+  KCL counts every ancestor of a leased shard as handled, so a merge parent a reset deleted
+  before it finished is never read again once its child has a lease: its records after its
+  checkpoint are lost (simulator seed 400). kclpy creates it again like any unhandled shard;
+  its child may then be processed before it (the child's consumer, as Java's, takes a parent
+  without a lease for finished), so order across that merge is not kept, but no record is
+  lost.
 
 A stream deleted and created again under the same name, with the lease table kept, lists
 shard ids its former incarnation had leases for; those leases would hide the new shards (a
@@ -59,6 +72,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from botocore.exceptions import ClientError
 
 from kclpy.errors import ConfigError, LeaseLostError
+from kclpy.leases.cleanup import has_progressed
 from kclpy.leases.lease import Lease, incarnation_epoch, new_incarnation, same_stream
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import DATA_LOST_TO_RETENTION, NOWHERE, THROTTLES, Metrics
@@ -283,22 +297,43 @@ def shard_ids_of(lease_keys: Iterable[str], stream: str | None) -> set[str]:
     return {key[len(prefix):] for key in lease_keys if key.startswith(prefix)}
 
 
+def _lease_key(shard_id: str, stream: str | None) -> str:
+    return shard_id if stream is None else multi_stream_lease_key(stream, shard_id)
+
+
 def _epoch_of(stream: str) -> int | None:
     """The creation epoch of a serialised stream identifier (``account:name:epoch``)."""
     epoch = stream.rpartition(":")[2]
     return int(epoch) if epoch.isdigit() else None
 
 
+def vouched_parents(shard: Shard, lease: Lease | None) -> tuple[str, ...]:
+    """The parents of ``shard`` that its lease shows finished, whether or not they still
+    have leases (module docstring). ``lease`` None (its content not known, only its key; or
+    the shard has no lease and was itself vouched for by a child): every parent."""
+    if lease is None:
+        return shard.parent_ids
+    if lease.finished_parents:
+        return tuple(p for p in shard.parent_ids if p in lease.finished_parents)
+    return shard.parent_ids if has_progressed(lease) else ()
+
+
 def plan_new_leases(
     shards: Iterable[Shard], existing_lease_keys: Collection[str], initial_position: str,
-    stream: str | None = None,
+    stream: str | None = None, leases: Mapping[str, Lease] | None = None,
 ) -> list[Lease]:
-    """The leases a sync must create (rules in the module docstring), parents first."""
+    """The leases a sync must create (rules in the module docstring), parents first.
+    ``leases`` (by lease key) are the existing leases themselves: without them a leased
+    shard vouches for all its ancestors, as in the Java KCL."""
     by_id = {shard.shard_id: shard for shard in shards}
     handled = shard_ids_of(existing_lease_keys, stream)
+    leased = frozenset(handled)
     stack = [key for key in handled if key in by_id]
     while stack:
-        for parent in by_id[stack.pop()].parent_ids:
+        shard_id = stack.pop()
+        lease = (None if leases is None or shard_id not in leased
+                 else leases.get(_lease_key(shard_id, stream)))
+        for parent in vouched_parents(by_id[shard_id], lease):
             if parent in by_id and parent not in handled:
                 handled.add(parent)
                 stack.append(parent)
@@ -443,12 +478,14 @@ class ShardSyncer:
             if self.stream is None:
                 refuse_another_streams_table(leases, self.stream_label, self._table.table_name)
             existing = set(existing) - self._retire_former(shards, leases)
+        known = None if leases is None else {
+            lease.lease_key: lease for lease in leases if lease.lease_key in existing}
         created = [
             lease
             for lease in (planned.copy(incarnation=new_incarnation(self.stream_epoch),
                                        stream_name=self._single_stream_name)
                           for planned in plan_new_leases(
-                              shards, existing, self.initial_position, self.stream))
+                              shards, existing, self.initial_position, self.stream, known))
             if self._table.create(lease)
         ]
         if created:
@@ -529,13 +566,19 @@ class ShardSyncer:
             deleted.add(lease.lease_key)
         return deleted
 
-    def create_child_leases(self, children: Iterable[ChildShardLike]) -> None:
+    def create_child_leases(self, children: Iterable[ChildShardLike],
+                            finished_lease_key: str | None = None) -> None:
         """Leases for the children GetRecords reported at a parent's shard end, at
         TRIM_HORIZON with their parents recorded, and the children recorded in each parent's
         ``childShardIds`` (as Java does; lease cleanup then knows every child before it
         judges a parent finished). Idempotent: a lease that exists is left as it is,
-        whoever created it."""
+        whoever created it, except that the parent read to its end (``finished_lease_key``,
+        the caller's lease) is added to every child's ``finished_parents``, which outlives
+        the parent's lease (module docstring)."""
         children = list(children)
+        finished = None if finished_lease_key is None else (
+            finished_lease_key if self.stream is None
+            else finished_lease_key.removeprefix(self.stream + ":"))
         for child in children:
             if not child.parent_shards:
                 raise ValueError(f"child shard {child.shard_id} names no parent shard")
@@ -548,6 +591,7 @@ class ShardSyncer:
                 stream=self.stream,
                 incarnation=new_incarnation(self.stream_epoch),
                 stream_name=self._single_stream_name,
+                finished_parents=frozenset() if finished is None else frozenset({finished}),
             )
             if self._table.create(lease):
                 log.info(
@@ -555,6 +599,14 @@ class ShardSyncer:
                     lease.lease_key,
                     ", ".join(sorted(lease.parent_lease_keys)),
                 )
+            elif finished is not None:
+                try:
+                    self._table.add_finished_parent(lease.lease_key, finished)
+                except LeaseLostError:
+                    # Deleted since the create found it: finished and cleaned up, or a
+                    # reset; either way nothing vouches for a parent through it any more.
+                    log.debug("child lease %s is gone; %s not recorded in it",
+                              lease.lease_key, finished)
             self._known = self._known | {child.shard_id}
         by_parent: dict[str, set[str]] = {}
         for child in children:

@@ -394,6 +394,15 @@ class LeaseTable(DynamoTable):
         update.expect_present(ser.LEASE_KEY)
         self._update(lease_key, update, None)
 
+    def add_finished_parent(self, lease_key: str, parent_shard_id: str) -> None:
+        """Record in a child's ``kclpyFinishedParents`` that ``parent_shard_id`` was read to
+        its end; the counter is left alone, as for ``update_child_shard_ids``, so the
+        child's holder is not disturbed. Raises ``LeaseLostError`` when the child has no
+        lease."""
+        update = UpdateBuilder().add(ser.FINISHED_PARENTS, ss({parent_shard_id}))
+        update.expect_present(ser.LEASE_KEY)
+        self._update(lease_key, update, None)
+
     def delete(self, lease: Lease) -> bool:
         """Delete the lease if it is unchanged since read; False if it changed or is gone.
 

@@ -137,6 +137,34 @@ class Shard:
         return thread
 
 
+class NotingCondition(threading.Condition):
+    """The batcher's condition, noting each thread that waits on it: a ``process_records``
+    caller noted waiting has found its shard over the bound under the lock, and only a
+    commit that brings the shard back under it (and notifies) lets it return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited: set[int] = set()
+        self.noted = threading.Condition()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with self.noted:
+            self.waited.add(threading.get_ident())
+            self.noted.notify_all()
+        return super().wait(timeout)
+
+    def wait_for_waiter(self, thread: threading.Thread) -> bool:
+        with self.noted:
+            return self.noted.wait_for(lambda: thread.ident in self.waited, timeout=10)
+
+
+def blocking(batcher: MicroBatcher) -> NotingCondition:
+    """Put a ``NotingCondition`` in the batcher before any shard uses it."""
+    cond = NotingCondition()
+    batcher._cond = cond
+    return cond
+
+
 @pytest.fixture
 def writer() -> Writer:
     return Writer()
@@ -255,9 +283,10 @@ def test_process_records_blocks_until_the_backlog_is_committed(writer: Writer,
                                                                sink: Sink) -> None:
     batcher = make(sink, BatchOptions(max_pending_per_shard=5, min_interval_s=0.0,
                                       max_interval_s=1.0))
+    cond = blocking(batcher)
     a = Shard(batcher, writer, "shard-a")
     blocked = a.deliver_in_thread(records(0, 0, 8))
-    blocked.join(0.3)
+    assert cond.wait_for_waiter(blocked), "process_records never waited with 8 > 5 pending"
     assert blocked.is_alive(), "process_records returned with 8 > 5 records pending"
 
     batcher.run_once()
@@ -275,8 +304,11 @@ def test_lease_lost_in_flight_skips_that_shards_checkpoint_only(writer: Writer,
     finds the lease gone."""
     batcher = make(sink, BatchOptions(max_pending_per_shard=2, min_interval_s=0.0,
                                       max_interval_s=1.0))
+    cond = blocking(batcher)
     a, b = Shard(batcher, writer, "shard-a"), Shard(batcher, writer, "shard-b")
     blocked = a.deliver_in_thread(records(0, 0, 4))
+    # its 4 records are offered before the batch is cut
+    assert cond.wait_for_waiter(blocked)
     b.deliver(records(1, 0, 1))
     original = sink.__call__
 
