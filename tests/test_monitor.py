@@ -6,17 +6,20 @@ the Burrow-style API, the metrics, the cost per round, and never a write."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from html.parser import HTMLParser
+from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kclpy.leases import park as parking
@@ -33,6 +36,7 @@ from kclpy.position import Position
 from tests.support.cli import run_cli
 from tests.support.faultproxy import FaultProxy
 from tests.support.iam import Names
+from tests.support.promql import Rule, Scrapes, by_name, firing, rules_from_yaml_block
 from tests.support.streams import (
     create_stream,
     dynamodb_client,
@@ -42,6 +46,7 @@ from tests.support.streams import (
 )
 from tests.test_iam import assert_allowed
 
+ROOT = Path(__file__).resolve().parent.parent
 WINDOW_S = 20.0
 INTERVAL_S = 5.0
 FAILOVER_S = 10.0
@@ -374,3 +379,86 @@ def test_a_busy_port_exits_2_naming_it(capsys: pytest.CaptureFixture[str]) -> No
 def test_the_host_defaults_to_loopback() -> None:
     args = parse_args(["monitor", "--application-name", "a", "--port", "0"])
     assert args.host == "127.0.0.1"
+
+
+# -- the docs: alert rules evaluated over the monitor's scrapes, the Grafana panel ---------
+
+TIME_SCALE = 10.0
+
+
+def operations_section(heading: str, language: str) -> str:
+    text = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    section = text.split(heading, 1)[1]
+    block = re.search(rf"```{language}\n(.*?)```", section, re.DOTALL)
+    assert block is not None
+    return block.group(1)
+
+
+def monitor_rules() -> dict[str, Rule]:
+    return dict(by_name(rules_from_yaml_block(
+        operations_section("### Alert rules over the monitor", "yaml"))))
+
+
+def make_healthy_app(url: str) -> tuple[str, Any]:
+    """An application whose worker renews its lease and has read everything."""
+    stream = unique_name("mon-ok")
+    create_stream(kinesis_client(url), stream, 1)
+    name = unique_name("mon-ok-app")
+    dynamodb = dynamodb_client(url)
+    table = LeaseTable(dynamodb, name)
+    table.create_if_missing()
+    table.create(Lease("shardId-000000000000", lease_owner="w-1", lease_counter=1,
+                       stream_name=stream, checkpoint=Position.trim_horizon()))
+    return name, dynamodb
+
+
+def scraped(monitor: Monitor, clock: FakeClock, n: int,
+            between: Callable[[], None] = lambda: None) -> Scrapes:
+    scrapes = Scrapes()
+    for _ in range(n):
+        between()
+        monitor.run_once()
+        scrapes.add_text(clock.now * TIME_SCALE, generate_latest(monitor.registry).decode())
+        clock.now += INTERVAL_S
+    return scrapes
+
+
+@pytest.mark.integration
+def test_the_monitor_rules_fire_on_a_dead_application_and_not_on_a_healthy_one(
+        moto_server: LocalEndpoint) -> None:
+    rules = monitor_rules()
+    assert set(rules) >= {"KclpyMonitorApplicationError", "KclpyMonitorNoLiveWorker",
+                          "KclpyMonitorShardParked", "KclpyMonitorBehindRetention"}
+    name, dynamodb = make_healthy_app(moto_server.url)
+
+    def renew() -> None:
+        dynamodb.update_item(TableName=name, Key={"leaseKey": {"S": "shardId-000000000000"}},
+                             UpdateExpression="SET leaseCounter = leaseCounter + :one",
+                             ExpressionAttributeValues={":one": {"N": "1"}})
+
+    clock = FakeClock()
+    healthy = Monitor([ApplicationWatch(name, kinesis_client(moto_server.url), dynamodb,
+                                        window_s=WINDOW_S, failover_s=FAILOVER_S,
+                                        clock=clock)], interval_s=INTERVAL_S, clock=clock)
+    scrapes = scraped(healthy, clock, 10, renew)
+    assert healthy.view(name) is not None
+    assert [s.status for s in healthy.views()] == ["OK"]
+    for rule in rules.values():
+        assert firing(rule, scrapes, time_scale=TIME_SCALE) == [], rule.alert
+
+    app = make_app(moto_server.url)
+    dead = Monitor([watch(app, moto_server.url, clock)], interval_s=INTERVAL_S, clock=clock)
+    scrapes = scraped(dead, clock, 10)
+    fired = {alert for alert, rule in rules.items()
+             if firing(rule, scrapes, time_scale=TIME_SCALE)}
+    assert fired == {"KclpyMonitorApplicationError", "KclpyMonitorNoLiveWorker",
+                     "KclpyMonitorShardParked", "KclpyMonitorBehindRetention"}
+
+
+def test_the_grafana_panel_parses_and_reads_only_the_monitors_metrics() -> None:
+    panel = json.loads(operations_section("### A Grafana panel", "json"))
+    exprs = [target["expr"] for target in panel["targets"]]
+    used = {name for expr in exprs for name in re.findall(r"\bkclpy_[a-z_]+", expr)}
+    assert used and used <= exported_names(), used - exported_names()
+    for expr in exprs:
+        assert "application" in expr

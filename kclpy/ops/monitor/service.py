@@ -53,6 +53,8 @@ METRICS: dict[str, str] = {
     "monitor_shards_behind_retention": "Unfinished leases whose records the stream's "
                                        "retention removed or is about to remove.",
     "monitor_live_workers": "Workers that renewed a lease within the failover time.",
+    "monitor_open_leases": "Unfinished, unparked leases: shards some worker should be "
+                           "reading.",
     "monitor_evaluation_timestamp_seconds": "When the application was last evaluated "
                                             "(epoch seconds).",
     "monitor_sample_failures": "Samples of the application that failed (AWS errors).",
@@ -173,6 +175,7 @@ class _Collector(Collector):
         parked = gauge("monitor_shards_parked", ("application", "stream"))
         behind = gauge("monitor_shards_behind_retention", ("application", "stream"))
         live = gauge("monitor_live_workers", ("application",))
+        open_leases = gauge("monitor_open_leases", ("application",))
         evaluated = gauge("monitor_evaluation_timestamp_seconds", ("application",))
         failed = CounterMetricFamily(PREFIX + "monitor_sample_failures",
                                      METRICS["monitor_sample_failures"],
@@ -182,6 +185,8 @@ class _Collector(Collector):
             for label in STATUS_LABELS[:3]:
                 app_status.add_metric([app, label], 1.0 if view.status == label else 0.0)
             live.add_metric([app], len(view.live_workers))
+            open_leases.add_metric([app], sum(1 for s in view.shards
+                                              if not s.finished and s.parked is None))
             evaluated.add_metric([app], view.evaluated_ms / 1000)
             failed.add_metric([app], failures.get(app, 0))
             for stream in view.streams:
@@ -199,7 +204,7 @@ class _Collector(Collector):
                 if shard.millis_behind is not None:
                     seconds.add_metric(where, shard.millis_behind / 1000)
         yield from (shard_status, app_status, records, seconds, parked, behind, live,
-                    evaluated, failed)
+                    open_leases, evaluated, failed)
 
 
 class Monitor:
