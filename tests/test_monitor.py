@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -29,8 +32,16 @@ from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
 from kclpy.ops.commands import parse_args
 from kclpy.ops.lag import Lag, LagAlerts, Observation, ShardEvaluation, ShardStatus
-from kclpy.ops.monitor import ApplicationWatch, Monitor, exported_names, serve_monitor
+from kclpy.ops.monitor import (
+    ApplicationWatch,
+    AppView,
+    Monitor,
+    ShardView,
+    exported_names,
+    serve_monitor,
+)
 from kclpy.ops.monitor.command import build
+from kclpy.ops.monitor.page import render
 from kclpy.ops.monitor.service import TableDiscovery, is_lease_table
 from kclpy.position import Position
 from tests.support.cli import run_cli
@@ -44,6 +55,7 @@ from tests.support.streams import (
     put_plain,
     unique_name,
 )
+from tests.support.waiting import wait_for
 from tests.test_iam import assert_allowed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -462,3 +474,73 @@ def test_the_grafana_panel_parses_and_reads_only_the_monitors_metrics() -> None:
     assert used and used <= exported_names(), used - exported_names()
     for expr in exprs:
         assert "application" in expr
+
+
+# -- the page on its own, and the command as a process --------------------------------------
+
+
+def shard_view(shard_id: str, parents: tuple[str, ...] = (), **kw: Any) -> ShardView:
+    fields: dict[str, Any] = {
+        "lease_key": shard_id, "shard_id": shard_id, "stream": "s", "status": "OK",
+        "reason": "consuming", "complete": 1.0, "owner": "w-1", "checkpoint": "1",
+        "lease_counter": 1, "records_behind": 0, "records_exact": True, "millis_behind": 0,
+        "parents": parents, "children": (), "checkpoint_age_s": 4.0, "observed_s": 30.0,
+        "history": ((20.0, 0, 0), (10.0, 1500, 3), (0.0, 0, 0))}
+    fields.update(kw)
+    return ShardView(**fields)
+
+
+def test_the_page_shows_a_split_and_a_merge_as_lineage_and_marks_each_state() -> None:
+    """0 split into 1 and 2, which merged into 3: 3 is listed once, under its first
+    parent; a recovering shard and one parked since a time are marked, and the
+    application's own name is escaped too."""
+    shards = (
+        shard_view("shardId-0", finished=True, checkpoint="SHARD_END"),
+        shard_view("shardId-1", ("shardId-0",), recovering=True),
+        shard_view("shardId-2", ("shardId-0",), owner=None, status="STOP",
+                   parked={"reason": "bad <batch>", "by": "ops", "atMs": 1_795_000_000_000}),
+        shard_view("shardId-3", ("shardId-1", "shardId-2"), waiting_on_parents=True,
+                   checkpoint_age_s=None, history=()),
+    )
+    view = AppView(name="<app>", table="<app>", status="ERR", reasons=("why <not>",),
+                   window_s=30.0, complete=1.0, streams=("s",), shards=shards,
+                   owners=("w-1",), live_workers=("w-1",), unleased_shards=(),
+                   evaluated_ms=1_795_000_000_000)
+    page = Page()
+    page.feed(render([view], 30.0, 1_795_000_030_000))
+    assert page.apps == {"<app>": "ERR"} and page.scripts == 0 and page.refresh == "30"
+    assert [(r["data-shard"], r["data-depth"]) for r in page.rows] == [
+        ("shardId-0", "0"), ("shardId-1", "1"), ("shardId-3", "2"), ("shardId-2", "1")]
+    text = "".join(page.text)
+    assert "RECOVERING" in text and "FINISHED" in text and "WAITING ON PARENTS" in text
+    assert "bad <batch> since 2026-11-18 11:06:40Z" in text
+    assert "why <not>" in text and "\u2265 30s" in text  # an age not seen to change yet
+    assert page.svgs == 3  # no chart without a history
+
+
+@pytest.mark.integration
+def test_the_command_serves_until_sigterm_and_exits_0(moto_server: LocalEndpoint) -> None:
+    app = make_app(moto_server.url)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kclpy.ops.commands", "monitor", "--application-name",
+         app.name, "--port", "0", "--window-s", "10", "--interval-s", "1",
+         "--region", "us-east-1", "--kinesis-endpoint", moto_server.url,
+         "--dynamodb-endpoint", moto_server.url],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        url = process.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), url
+
+        def evaluated() -> dict[str, Any] | None:
+            code, _, body = get(f"{url}/v1/applications/{app.name}/status")
+            return json.loads(body)["status"] if code == 200 else None
+
+        status = wait_for(evaluated, 60, "the first evaluation")
+        assert status["application"] == app.name and status["status"] == "ERR"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

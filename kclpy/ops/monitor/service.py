@@ -267,7 +267,7 @@ class Monitor:
         """A round of samples ended within three intervals (or none was due yet)."""
         with self._lock:
             done = self._round_done
-        return done is None or self._clock() - done < 3 * self.interval_s + 30
+        return done is None or self._clock() - done < 3 * self.interval_s
 
     def wait_rounds(self, rounds: int, timeout_s: float) -> bool:
         """Wait until ``rounds`` rounds have ended since the monitor started."""
