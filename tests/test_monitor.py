@@ -5,6 +5,7 @@ the Burrow-style API, the metrics, the cost per round, and never a write."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import signal
@@ -57,6 +58,7 @@ from tests.support.streams import (
 )
 from tests.support.waiting import wait_for
 from tests.test_iam import assert_allowed
+from tests.test_lag_alerts import Receiver
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW_S = 20.0
@@ -518,12 +520,28 @@ def test_the_page_shows_a_split_and_a_merge_as_lineage_and_marks_each_state() ->
     assert page.svgs == 3  # no chart without a history
 
 
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    """A webhook receiver whose first POST fails (500): the monitor must retry it."""
+    server = Receiver(fail=1)
+    server.thread.start()
+    yield server
+    server.httpd.shutdown()
+    server.httpd.server_close()
+
+
 @pytest.mark.integration
-def test_the_command_serves_until_sigterm_and_exits_0(moto_server: LocalEndpoint) -> None:
+def test_the_command_serves_posts_changes_and_exits_0_on_sigterm(
+        moto_server: LocalEndpoint, receiver: Receiver) -> None:
+    """As a process: the URL on stdout, the API answering, every change POSTed with the
+    URL's credentials as a basic Authorization header (the failed first POST retried), and
+    the credentials nowhere in its output."""
     app = make_app(moto_server.url)
+    hook = f"http://user:s3cret-token@127.0.0.1:{receiver.port}/hook?key=s3cret-key"
     process = subprocess.Popen(
         [sys.executable, "-m", "kclpy.ops.commands", "monitor", "--application-name",
          app.name, "--port", "0", "--window-s", "10", "--interval-s", "1",
+         "--lag-webhook", hook, "--log-level", "DEBUG",
          "--region", "us-east-1", "--kinesis-endpoint", moto_server.url,
          "--dynamodb-endpoint", moto_server.url],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -538,9 +556,20 @@ def test_the_command_serves_until_sigterm_and_exits_0(moto_server: LocalEndpoint
 
         status = wait_for(evaluated, 60, "the first evaluation")
         assert status["application"] == app.name and status["status"] == "ERR"
+        posted = wait_for(lambda: [d for d in receiver.documents() if d["shard_id"] is None],
+                          60, "the application's change POSTed", seen=receiver.documents)
+        assert posted[0]["status"] == "ERR" and posted[0]["application"] == app.name
+        with receiver.lock:
+            headers = receiver.posts[0][0]
+            assert receiver.fail < 0  # the first POST was answered 500, then retried
+        assert headers["Authorization"] == "Basic " + base64.b64encode(
+            b"user:s3cret-token").decode()
         process.send_signal(signal.SIGTERM)
-        assert process.wait(60) == 0
+        out, err = process.communicate(timeout=60)
+        assert process.returncode == 0, err
     finally:
         if process.poll() is None:
             process.kill()
-            process.wait()
+            process.communicate()
+    assert "s3cret" not in out + err
+    assert f"webhook http://127.0.0.1:{receiver.port}/hook" in err

@@ -344,7 +344,7 @@ def _on_lease_table(run: Callable[[argparse.Namespace, Any, LeaseTable, IO[str]]
 
 
 def _monitor(args: argparse.Namespace, aws: Clients, out: IO[str]) -> int:
-    return monitor.run(args, None, out)
+    return monitor.run(args, out)
 
 
 def _local(args: argparse.Namespace, aws: Clients, out: IO[str]) -> int:

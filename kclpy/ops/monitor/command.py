@@ -8,6 +8,7 @@ import logging
 import sys
 import threading
 import urllib.parse
+from collections.abc import Callable
 from typing import IO, Any
 
 import boto3
@@ -25,7 +26,9 @@ from kclpy.signals import on_stop_signals
 log = logging.getLogger("kclpy.monitor")
 
 
-def add_flags(parser: OneLineParser, *, url: Any, seconds: Any, whole: Any) -> None:
+def add_flags(parser: OneLineParser, *, url: Callable[[str], str],
+              seconds: Callable[[str], float],
+              whole: Callable[[int, int], Callable[[str], int]]) -> None:
     """The monitor's flags; ``url``, ``seconds`` and ``whole`` are the command table's
     argument types, so that every ``kclpy`` command checks a value the same way."""
     which = parser.add_mutually_exclusive_group(required=True)
@@ -115,10 +118,10 @@ def build(args: argparse.Namespace, kinesis: Any, dynamodb: Any) -> Monitor:
                    lag_webhook=args.lag_webhook)
 
 
-def run(args: argparse.Namespace, aws: tuple[Any, Any] | None, out: IO[str]) -> int:
+def run(args: argparse.Namespace, out: IO[str]) -> int:
     """Serve until SIGTERM or Ctrl-C; exit 0 then. A port that cannot be bound is a usage
     error naming ``--port`` (or ``--host`` for an address this host does not have)."""
-    kinesis, dynamodb = aws or clients(args)
+    kinesis, dynamodb = clients(args)
     monitor = build(args, kinesis, dynamodb)
     try:
         server = serve_monitor(monitor, args.host, args.port,

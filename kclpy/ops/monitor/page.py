@@ -1,11 +1,11 @@
 """The monitor's page at ``/``: every application at a glance, for the on-call engineer.
 
 Rendered on the server from the last evaluations, no script: a ``meta refresh`` reloads it
-every interval. Each application shows its status and why, its workers, and its shards as
-the resharding lineage (a child under its parents, indented), each with its owner,
-checkpoint age, lag and a small inline SVG chart of the lag over the window; parked,
-recovering and finished shards are marked. Lease owners, parked reasons and errors are
-written by users and processors: every text goes through ``html.escape``.
+every interval. The applications in trouble come first. Each shows its status and why, its
+workers, and its shards as the resharding lineage (a child under its parents, indented),
+each with its owner, checkpoint age, lag and a small inline SVG chart of the lag over the
+window; parked, recovering and finished shards are marked. Lease owners, parked reasons and
+errors are written by users and processors: every text goes through ``html.escape``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from kclpy.ops.monitor.watch import AppView, ShardView
 _COLOURS = {"OK": "#2e7d32", "WARN": "#ef6c00", "ERR": "#c62828", "STOP": "#c62828",
             "STALL": "#c62828", "REWIND": "#c62828"}
 _GREY = "#757575"
+_RANK = {"ERR": 0, "WARN": 1, "-": 2, "OK": 4}
 CHART_WIDTH = 160
 CHART_HEIGHT = 32
 
@@ -174,7 +175,9 @@ def render(views: Sequence[AppView], refresh_s: float, now_ms: int) -> str:
     counts = {status: sum(1 for v in views if v.status == status) for status in
               ("ERR", "WARN", "OK")}
     summary = ", ".join(f"{n} {status}" for status, n in counts.items() if n) or "none yet"
-    body = "\n".join(_application(view) for view in views) or (
+    # the worst first: the page is read from the top when something is wrong
+    ranked = sorted(views, key=lambda v: (_RANK.get(v.status, 3), v.name))
+    body = "\n".join(_application(view) for view in ranked) or (
         "<p>No application evaluated yet: the first round is under way.</p>")
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             f'<meta http-equiv="refresh" content="{max(1, round(refresh_s))}">'
