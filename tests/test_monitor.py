@@ -6,6 +6,7 @@ the Burrow-style API, the metrics, the cost per round, and never a write."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import re
 import signal
@@ -45,6 +46,7 @@ from kclpy.ops.monitor.command import build
 from kclpy.ops.monitor.page import render
 from kclpy.ops.monitor.service import TableDiscovery, is_lease_table
 from kclpy.position import Position
+from kclpy.streams import StreamIdentifier, multi_stream_lease_key
 from tests.support.cli import run_cli
 from tests.support.faultproxy import FaultProxy
 from tests.support.iam import Names
@@ -66,6 +68,7 @@ INTERVAL_S = 5.0
 FAILOVER_S = 10.0
 #: what a lease owner or a park reason may say: markup that must stay text on the page
 HOSTILE = '<script>alert("x")</script> & <b>'
+SHARD = "shardId-000000000000"
 FINISHED = "shardId-000000000990"
 EXPIRED = "shardId-000000000999"
 
@@ -573,3 +576,41 @@ def test_the_command_serves_posts_changes_and_exits_0_on_sigterm(
             process.communicate()
     assert "s3cret" not in out + err
     assert f"webhook http://127.0.0.1:{receiver.port}/hook" in err
+
+
+@pytest.mark.integration
+def test_a_multi_stream_tables_streams_come_from_its_lease_keys(
+        moto_server: LocalEndpoint) -> None:
+    """Each stream of a multi-stream table judged apart, by the name in its lease keys; an
+    older incarnation's leases (a stream deleted and created again) left out; and
+    ``--stream-name`` picks one stream."""
+    kinesis = kinesis_client(moto_server.url)
+    streams = [unique_name("mon-ms") for _ in range(2)]
+    name = unique_name("mon-ms-app")
+    table = LeaseTable(dynamodb_client(moto_server.url), name)
+    table.create_if_missing()
+    identifiers = []
+    for stream in streams:
+        create_stream(kinesis, stream, 1)
+        summary = kinesis.describe_stream_summary(StreamName=stream)
+        identifier = StreamIdentifier.from_summary(summary["StreamDescriptionSummary"])
+        identifiers.append(identifier)
+        table.create(Lease(multi_stream_lease_key(identifier.serialize(), SHARD),
+                           lease_owner="w-1", stream=identifier.serialize(),
+                           checkpoint=Position.trim_horizon()))
+    older = dataclasses.replace(identifiers[0],
+                                creation_epoch=identifiers[0].creation_epoch - 60)
+    table.create(Lease(multi_stream_lease_key(older.serialize(), SHARD), lease_owner="w-0",
+                       stream=older.serialize(), checkpoint=Position.trim_horizon()))
+    clock = FakeClock()
+    dynamodb = dynamodb_client(moto_server.url)
+    view = ApplicationWatch(name, kinesis, dynamodb, window_s=WINDOW_S,
+                            failover_s=FAILOVER_S, clock=clock).sample()
+    assert view.streams == tuple(sorted(streams))
+    assert sorted((s.stream, s.shard_id, s.owner) for s in view.shards) == sorted(
+        (stream, SHARD, "w-1") for stream in streams)
+    assert {s.lease_key for s in view.shards} == {
+        multi_stream_lease_key(i.serialize(), SHARD) for i in identifiers}
+    one = ApplicationWatch(name, kinesis, dynamodb, window_s=WINDOW_S, failover_s=FAILOVER_S,
+                           stream_name=streams[1], clock=clock).sample()
+    assert one.streams == (streams[1],) and len(one.shards) == 1

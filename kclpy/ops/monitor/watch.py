@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,11 +146,10 @@ class ApplicationWatch:
     def __init__(self, name: str, kinesis: Any, dynamodb: Any, *, window_s: float,
                  failover_s: float, records_limit: int = 1000,
                  stream_name: str | None = None, stream_arn: str | None = None,
-                 table_name: str | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.name = name
-        self.table_name = table_name or name
+        self.table_name = name
         self._kinesis = kinesis
         self._table = LeaseTable(dynamodb, self.table_name, max_attempts=2)
         self.window_s = window_s
@@ -169,7 +168,7 @@ class ApplicationWatch:
 
     # -- reading -----------------------------------------------------------------------
 
-    def _streams(self, leases: Iterable[Lease]) -> dict[StreamRef, list[Lease]]:
+    def _streams(self, leases: Sequence[Lease]) -> dict[StreamRef, list[Lease]]:
         """The leases by the stream they belong to (one stream in a single-stream table)."""
         groups: dict[StreamRef, list[Lease]] = {}
         newest: dict[str, str] = {}
