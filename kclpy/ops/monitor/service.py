@@ -27,14 +27,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kclpy.leases import serializer as ser
-from kclpy.ops.lag import STATUS_LABELS
-from kclpy.ops.monitor.watch import ApplicationWatch, AppView, StreamUnknown
+from kclpy.ops.lag import AppStatus, ShardStatus
+from kclpy.ops.monitor.watch import ApplicationWatch, AppView, StreamUnknown, app_label
 from kclpy.ops.webhook import Webhook
 from kclpy.prometheus import PREFIX
 from kclpy.retry import error_code
 
 log = logging.getLogger("kclpy.monitor")
 
+#: the label values of the two status enums, as the worker's gauges have them
+_APP_LABELS = tuple(app_label(status) for status in AppStatus)
+_SHARD_LABELS = tuple(status.value for status in ShardStatus)
 #: how often ``--all-applications`` lists the account's tables again
 DISCOVERY_INTERVAL_S = 300.0
 
@@ -182,7 +185,7 @@ class _Collector(Collector):
                                      labels=["application"])
         for view in views:
             app = view.name
-            for label in STATUS_LABELS[:3]:
+            for label in _APP_LABELS:
                 app_status.add_metric([app, label], 1.0 if view.status == label else 0.0)
             live.add_metric([app], len(view.live_workers))
             open_leases.add_metric([app], sum(1 for s in view.shards
@@ -195,10 +198,9 @@ class _Collector(Collector):
                     1 for s in view.shards if s.stream == stream and s.behind_retention))
             for shard in view.shards:
                 where = [app, shard.stream, shard.shard_id]
-                for label in STATUS_LABELS:
-                    if label != "ERR":
-                        shard_status.add_metric([*where, label],
-                                                1.0 if shard.status == label else 0.0)
+                for label in _SHARD_LABELS:
+                    shard_status.add_metric([*where, label],
+                                            1.0 if shard.status == label else 0.0)
                 if shard.records_behind is not None:
                     records.add_metric(where, shard.records_behind)
                 if shard.millis_behind is not None:
