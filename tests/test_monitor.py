@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import http.client
 import json
 import re
 import signal
@@ -341,6 +342,18 @@ def test_the_page_the_api_and_the_metrics_over_http(moto_server: LocalEndpoint) 
         assert {name for name, _ in samples} <= exported_names()
 
         assert get(server.url + "/healthz")[0] == 200
+
+        # a page for browsers: a name re-pointed at it (DNS rebinding) is refused, counted
+        connection = http.client.HTTPConnection(server.host, server.port, timeout=10)
+        connection.request("GET", "/", headers={"Host": "attacker.example"})
+        assert connection.getresponse().status == 421
+        connection.close()
+        _, _, body = get(server.url + "/metrics")
+        refused = {(s.name, s.labels.get("reason")): s.value
+                   for family in text_string_to_metric_families(body.decode())
+                   for s in family.samples if s.name.startswith("kclpy_ops_requests_refused")}
+        assert refused[("kclpy_ops_requests_refused_total", "misdirected")] == 1
+        assert {name for name, _ in refused} <= exported_names()
 
 
 @pytest.mark.integration

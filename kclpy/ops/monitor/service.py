@@ -63,13 +63,15 @@ METRICS: dict[str, str] = {
     "monitor_sample_failures": "Samples of the application that failed (AWS errors).",
     "lag_webhook_events": "Status changes sent to --lag-webhook, by outcome (sent, "
                           "retried, failed, dropped).",
+    "ops_requests_refused": "Connections to the monitor closed without their answer, by "
+                            "reason (as the worker's endpoint counts them).",
 }
 
 
 def exported_names() -> set[str]:
     """Every sample name the monitor's ``/metrics`` can show."""
     names = {PREFIX + name for name in METRICS}
-    return names | {name + "_total" for name in names}
+    return names | {name + suffix for name in names for suffix in ("_total", "_created")}
 
 
 def is_lease_table(description: Mapping[str, Any]) -> bool:

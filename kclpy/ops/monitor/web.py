@@ -24,7 +24,7 @@ from typing import Any, cast
 from prometheus_client import Counter, exposition
 
 from kclpy.ops.monitor.page import render
-from kclpy.ops.monitor.service import Monitor
+from kclpy.ops.monitor.service import METRICS, Monitor
 from kclpy.ops.monitor.watch import AppView, ShardView
 from kclpy.ops.server import RunningServer, _Server
 from kclpy.prometheus import PREFIX
@@ -89,8 +89,8 @@ class _Face:
     def __init__(self, monitor: Monitor) -> None:
         self._monitor = monitor
         self.metrics = _Refusals(Counter(
-            PREFIX + "ops_requests_refused", "Connections to the monitor closed without "
-            "their answer, by reason.", ["reason"], registry=monitor.registry))
+            PREFIX + "ops_requests_refused", METRICS["ops_requests_refused"], ["reason"],
+            registry=monitor.registry))
 
     @property
     def healthy(self) -> bool:
