@@ -76,6 +76,7 @@ _HEAVY_FILES = frozenset({
     "test_fleet.py",
     "test_first_hour.py",
     "test_load_real.py",
+    "test_monitor_fleet.py",
 })
 
 #: more workers than this only add heavy tests competing with each other for nothing

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MINIMAL_ARGS: dict[tuple[str, ...], list[str]] = {
     ("leases",): ["--application-name", "app"],
     ("status",): ["--application-name", "app", "--stream-name", "s"],
+    ("monitor",): ["--application-name", "app", "--port", "0"],
     ("consumers",): ["--application-name", "app", "--stream-name", "s"],
     ("register-consumer",): ["--application-name", "app", "--stream-name", "s"],
     ("deregister-consumer",): ["--application-name", "app", "--stream-arn", "arn"],

@@ -11,7 +11,8 @@ and one ``Command`` entry (a two-word command whose first word is new also needs
 ``GROUPS`` entry). ``tests/test_commands.py`` then runs it from the command line, with its
 handler replaced, and its ``--help``.
 
-The commands: ``leases`` and ``status`` (``kclpy.ops.inspect``); ``consumers``,
+The commands: ``leases`` and ``status`` (``kclpy.ops.inspect``); ``monitor``
+(``kclpy.ops.monitor``); ``consumers``,
 ``register-consumer`` and ``deregister-consumer`` (``kclpy.ops.consumers``);
 ``checkpoint set``, ``shard park`` / ``resume`` and ``recovery add`` / ``list`` / ``cancel``
 (``kclpy.ops.control``); ``local`` (``kclpy.local.server``).
@@ -21,7 +22,8 @@ be determined (AWS unreachable, access denied); the other commands exit 0, or 1 
 failures (``deregister-consumer`` also when there was no such consumer; the control
 commands also when they refused to act). ``kclpy local`` exits 0 once stopped by Ctrl-C or
 SIGTERM, 1 when a server failed, 2 for a busy port or without the ``local`` extra (moto, or
-the Node.js kinesis-mock runs on). Bad arguments, a lease table or stream that does not
+the Node.js kinesis-mock runs on); ``kclpy monitor`` exits 0 once stopped, 2 for a port it
+cannot listen on. Bad arguments, a lease table or stream that does not
 exist, or no region exit 2 with one line naming the option (``status``: 3, so that a typo
 is never read as the application's ERROR).
 """
@@ -44,6 +46,7 @@ from kclpy.errors import KCLError, closest
 from kclpy.leases.table import LeaseTable
 from kclpy.ops import consumers, control, inspect
 from kclpy.ops.control import Refused, UsageError
+from kclpy.ops.monitor import command as monitor
 from kclpy.ops.position import Destination, parse_position
 from kclpy.ops.text import TerminalText, printable
 from kclpy.redaction import configure_logging, redact
@@ -290,6 +293,10 @@ def _recovery_cancel_flags(parser: OneLineParser) -> None:
     _stream_flags(parser, required=False)
 
 
+def _monitor_flags(parser: OneLineParser) -> None:
+    monitor.add_flags(parser, url=_url, seconds=_positive_seconds, whole=_whole)
+
+
 def _local_flags(parser: OneLineParser) -> None:
     """Here rather than in ``kclpy.local.server``: that module needs the ``local`` extra,
     and ``kclpy local --help`` must work without it."""
@@ -336,6 +343,10 @@ def _on_lease_table(run: Callable[[argparse.Namespace, Any, LeaseTable, IO[str]]
     return handler
 
 
+def _monitor(args: argparse.Namespace, aws: Clients, out: IO[str]) -> int:
+    return monitor.run(args, out)
+
+
 def _local(args: argparse.Namespace, aws: Clients, out: IO[str]) -> int:
     try:
         from kclpy.local.server import local_command
@@ -366,6 +377,12 @@ COMMANDS: dict[tuple[str, ...], Command] = {command.words: command for command i
             "Evaluate each shard's lag with Burrow's rules over a sampled window.",
             _status_flags, _status, usage_exit=inspect.EXIT_UNKNOWN,
             failure_exit=inspect.EXIT_UNKNOWN, check=_status_check),
+    Command(("monitor",), "serve every application's lag status: page, JSON API, metrics",
+            "Watch one or many applications from outside (every shard, held or not), "
+            "evaluate their lag with the rules of 'kclpy status' over a sliding window, "
+            "serve the result at / (page), /v1/applications (JSON) and /metrics, and POST "
+            "every status change to --lag-webhook. Reads only; runs until Ctrl-C or "
+            "SIGTERM.", _monitor_flags, _monitor, aws=False, check=monitor.check),
     Command(("consumers",), "the stream's enhanced fan-out consumers",
             "List every consumer registered on the stream.", _consumer_flags,
             _on_kinesis(consumers.list_command)),

@@ -348,7 +348,7 @@ class _Server:
                 self._send_now(conn, _answer(
                     200 if healthy else 503,
                     b"ok\n" if healthy else b"unhealthy: leases are not being renewed\n"))
-            elif path not in ("/metrics", "/status"):
+            elif not self._serves(path):
                 self._send_now(conn, _answer(404, b"not found\n"))
             elif not self._slots.acquire(blocking=False):
                 self._busy(peer)
@@ -402,9 +402,7 @@ class _Server:
         try:
             conn.settimeout(self.timeout_s)
             try:
-                content_type, body = (self._metrics(accept) if path == "/metrics" else
-                                      self.rendered.get(("/status", ""), self._status_json))
-                status = 200
+                status, content_type, body = self._render(path, accept)
             except Exception:
                 log.exception("ops endpoint: %s failed", path)
                 status, content_type, body = 500, "text/plain; charset=utf-8", b"internal error\n"
@@ -417,6 +415,17 @@ class _Server:
         finally:
             conn.close()
             self._slots.release()
+
+    def _serves(self, path: str) -> bool:
+        """Whether ``path`` gets an answering thread (else 404 from the accepting thread):
+        a server of other pages on the same plumbing (``kclpy monitor``) says its own."""
+        return path in ("/metrics", "/status")
+
+    def _render(self, path: str, accept: str) -> tuple[int, str, bytes]:
+        """The answer to a GET of a served ``path``: status, content type, body."""
+        if path == "/metrics":
+            return (200, *self._metrics(accept))
+        return (200, *self.rendered.get(("/status", ""), self._status_json))
 
     def _metrics(self, accept: str) -> tuple[str, bytes]:
         encoder, content_type = exposition.choose_encoder(accept)

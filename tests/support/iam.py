@@ -35,6 +35,7 @@ ROLES: dict[str, tuple[str, ...]] = {
     "exactly-once worker": ("worker", "state-store"),
     "metrics-publishing worker": ("worker", "cloudwatch"),
     "operator": ("operator",),
+    "monitor": ("monitor",),
     "spark source": ("spark-source",),
     "spark fan-out source": ("spark-source", "spark-fan-out"),
 }
@@ -57,6 +58,8 @@ CONDITIONAL = {
     "dynamodb:PutItem": "checkpoint set creating a cleaned-up lease again",
     "dynamodb:ConditionCheckItem": "a state key only read",
     "kinesis:ListStreamConsumers": "a registration lost to another worker's",
+    "dynamodb:ListTables": "kclpy monitor --all-applications only",
+    "dynamodb:DescribeTable": "kclpy monitor --all-applications only",
 }
 
 #: kclpy's own code that only ever talks to a local emulator (the demo, endpoint probes,
