@@ -196,11 +196,15 @@ class MicroBatchWorld:
 
     def writing(self) -> None:
         """A staging write's duration: short, or (during the faults) past the failover time
-        and up to twice the graceful handoff timeout."""
+        and up to twice the graceful handoff timeout, ending by the quiet phase as a pause
+        does (seed 765: a write of 19 s from 2 s before it held the shard's reader back
+        through it, and retention, 19 s, trimmed records nobody had read - as it would a
+        real sink that slow, but no fault of a quiet fleet)."""
         sim = scheduler.ACTIVE
         assert sim is not None
         if self._faulty() and sim.rng.random() < LONG_WRITE_P:
-            seconds = sim.rng.uniform(self.plan.failover_s, 20.0)
+            seconds = min(sim.rng.uniform(self.plan.failover_s, 20.0),
+                          self.plan.quiet - sim.now)
             sim.log(f"sink: a write of {seconds:.1f}s (a zombie if its lease moves)")
         else:
             seconds = sim.rng.uniform(0.01, 0.2)
