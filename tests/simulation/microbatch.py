@@ -78,7 +78,7 @@ Row = tuple[str, str, int]
 
 def hosts_microbatch(seed: int) -> bool:
     """One seed in five of the grown world runs the micro-batch path. Decided by the seed
-    alone, so no other history changes; no seed of ``FOUND_36`` is one of them."""
+    alone, so no other history changed; none of the seeds ``FOUND_36`` held before is one."""
     return seed % 5 == 0
 
 
