@@ -31,7 +31,9 @@ Invariants (each named in a failure):
 - ``consumed-while-held``: no running, unpaused worker holds an unfinished lease with no
   running consumer for longer than the failover time, graceful shutdown included (what the
   chaos runs' /status watch, ``tests.support.liveness``, checks over real HTTP). It is read
-  by a callback of the scheduler that never blocks, so a history is the same with it.
+  by a callback of the scheduler that never blocks, so a history is the same with it;
+- ``committed-once``, ``committed-in-order``: the micro-batch histories' sink
+  (``tests/simulation/microbatch.py``), where a commit is what counts as a delivery.
 """
 
 from __future__ import annotations

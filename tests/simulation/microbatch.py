@@ -28,7 +28,8 @@ Invariants (the end's checks read the committed folders on disk, what Spark woul
 
 A commit is what the history counts as a delivery: ``nothing-lost`` (a checkpoint passes
 only committed records) and ``liveness`` (every record committed, every checkpoint at the
-end) judge the sink's output, not what the batcher was handed.
+end) judge the sink's output, not what the batcher was handed. The batcher's processors
+never ask for a restart, so the plan's ``restart_p`` has no effect here.
 """
 
 from __future__ import annotations
