@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 
 from tests.simulation.__main__ import REPLAY, run_seeds
-from tests.simulation.history import CLASSIC_SEEDS
+from tests.simulation.history import CLASSIC_SEEDS, plan_for
+from tests.simulation.microbatch import MICROBATCH
 from tests.simulation.open_seeds import OPEN_36
 
 HISTORIES = 1000
@@ -69,13 +70,18 @@ FOUND_36: list[tuple[int, str, str]] = [
     (458, "operator-partial", "new: a retry after another's write"),
     (464, "exactly-once", "new: live start before a queued gap's end"),
     (292, "exactly-once", "new: live from the checkpoint beside a queued gap"),
+    # the micro-batch histories (FOUND.md, "The micro-batch path with zombie writers")
+    (30, "committed-once", "hole 5"),
+    (65, "committed-once", "hole 5"),
+    (25, "liveness", "gap after shard end"),
+    (1345, "liveness", "new: a finished parent taken for its gaps"),
 ]
 
-#: the seeds of FOUND_36 whose holes are fixed (FOUND.md, "After the fixes were merged" and
-#: "The fifteen analysed"): each must replay clean; any other stays a strict xfail until its
-#: fix is merged
+#: the seeds of FOUND_36 whose holes are fixed (FOUND.md, "After the fixes were merged", "The
+#: fifteen analysed" and "The micro-batch path with zombie writers"): each must replay clean;
+#: any other stays a strict xfail until its fix is merged
 FIXED_36 = frozenset({19, 189, 7, 223, 794, 546, 72, 21, 169, 559, 173, 706, 971, 341, 458,
-                      464, 292})
+                      464, 292, 30, 65, 25, 1345})
 
 #: found and not fixed: seed -> the invariants it breaks (tests/simulation/FOUND.md says what
 #: and why). A chunk fails if such a seed breaks anything else, or stops breaking these.
@@ -157,6 +163,15 @@ def test_classic_seeds_keep_their_world() -> None:
     world's seeds do not."""
     assert {seed for seed, _, _ in FOUND} <= CLASSIC_SEEDS
     assert not {seed for seed, _, _ in FOUND_36} & CLASSIC_SEEDS
+
+
+def test_the_micro_batch_seeds_and_only_they_run_the_micro_batch_path() -> None:
+    """The seeds that found the micro-batch path's holes run it; the seeds found before it
+    was hosted keep the world they were found in."""
+    microbatch = {30, 65, 25, 1345}
+    assert {seed for seed, _, _ in FOUND_36} >= microbatch
+    for seed, _, _ in [*FOUND, *FOUND_36]:
+        assert (plan_for(seed).mode == MICROBATCH) == (seed in microbatch), seed
 
 
 def test_found_seeds_are_documented() -> None:

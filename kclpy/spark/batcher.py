@@ -59,6 +59,7 @@ from kclpy.metrics import (
     SPARK_RECORDS,
     Metrics,
 )
+from kclpy.position import SHARD_END
 from kclpy.processor import (
     InitializeInput,
     IRecordProcessor,
@@ -672,12 +673,20 @@ class _BatchingProcessor(IRecordProcessor):
         self._shard: _Shard | None = None
         self._lease_key: str | None = None
         self._stream: str | None = None
-        #: shard_ended checkpointed SHARD_END: only a parent's recovered gaps come now
+        #: shard_ended checkpointed SHARD_END, or the processor was started at SHARD_END: only
+        #: a parent's recovered gaps come now
         self._ended = False
 
     def initialize(self, initialize_input: InitializeInput) -> None:
         self._lease_key = initialize_input.shard_id
         self._stream = initialize_input.stream_name
+        if initialize_input.sequence_number == SHARD_END:
+            # A finished shard taken only to recover its queued gaps: the consumer lets the
+            # lease go as soon as it handed them over, so each must be committed before
+            # process_records returns, as after shard_ended (else the batch finds the
+            # lease gone, the gap stays queued, and every next owner does the same).
+            self._ended = True
+            return
         self._shard = self._batcher._register(self._lease_key, self._stream)
 
     def process_records(self, process_records_input: ProcessRecordsInput) -> None:

@@ -31,7 +31,9 @@ Invariants (each named in a failure):
 - ``consumed-while-held``: no running, unpaused worker holds an unfinished lease with no
   running consumer for longer than the failover time, graceful shutdown included (what the
   chaos runs' /status watch, ``tests.support.liveness``, checks over real HTTP). It is read
-  by a callback of the scheduler that never blocks, so a history is the same with it.
+  by a callback of the scheduler that never blocks, so a history is the same with it;
+- ``committed-once``, ``committed-in-order``: the micro-batch histories' sink
+  (``tests/simulation/microbatch.py``), where a commit is what counts as a delivery.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ from tests.simulation.aws import (
     Session,
     Touch,
 )
+from tests.simulation.microbatch import MICROBATCH, MicroBatchWorld, hosts_microbatch
 from tests.simulation.scheduler import EPOCH, Node, Sim, Task
 
 #: after the faults stop, every shard is consumed again within failover time + this
@@ -124,7 +127,9 @@ class Plan:
     seed: int
     workers: int
     shards: int
-    mode: str  # plain | exactly-once (DynamoDB store) | exactly-once-sql (SQLite store)
+    #: plain | exactly-once (DynamoDB store) | exactly-once-sql (SQLite store) | microbatch
+    #: (Spark's micro-batch path into ParquetSink, tests/simulation/microbatch.py)
+    mode: str
     recovery: bool
     failover_s: float
     quiet: float
@@ -193,6 +198,8 @@ def plan_for(seed: int) -> Plan:
     # residues are 1, 2, 3, 5 and 6) stays what it was.
     plan.leader = seed % 7 in (0, 4)
     if seed not in CLASSIC_SEEDS:
+        if hosts_microbatch(seed):
+            plan.mode = MICROBATCH
         _grow(plan, random.Random(seed * 104729 + 36))
     return plan
 
@@ -677,6 +684,8 @@ class History:
         self._watched_at = 0.0
         #: (worker, lease key, since) of every stall reported, so each is reported once
         self._stalls: set[tuple[str, str, float]] = set()
+        self.microbatch = (MicroBatchWorld(plan, self.observer) if plan.mode == MICROBATCH
+                           else None)
 
     # -- fleet -----------------------------------------------------------------------------
 
@@ -711,7 +720,10 @@ class History:
         self.workers[name] = (node, None)
 
         def run() -> None:
-            if plan.mode != "plain":
+            worker: Worker
+            if self.microbatch is not None:
+                worker = self.microbatch.worker(config, node, Session(clients))
+            elif plan.mode != "plain":
                 assert self.store is not None
                 store = self.store if not plan.grown else self._own_store()
                 state: Callable[[Context], StatefulProcessor] = (
@@ -986,7 +998,9 @@ class History:
                               f"short of {_show(want)} at the end")
         if self.plan.grown:
             self._check_operator()
-        if self.plan.mode != "plain":
+        if self.microbatch is not None:
+            self.microbatch.check_end()
+        elif self.plan.mode != "plain":
             self._check_state()
 
     def excused(self, record: KRecord, lease_key: str) -> bool:

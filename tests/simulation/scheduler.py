@@ -823,12 +823,14 @@ def install() -> None:
         return
     # loads everything the worker uses, and the operator's commands (grown world)
     import kclpy.ops.commands
+    import kclpy.spark.sink  # the micro-batch path (tests/simulation/microbatch.py)
     import kclpy.worker  # noqa: F401
 
     for name, module in list(sys.modules.items()):
         if not (name == "kclpy" or name.startswith("kclpy.")) or module is None:
             continue
-        if name.startswith(("kclpy.spark", "kclpy.local", "kclpy.multilang")):
+        if name.startswith(("kclpy.spark", "kclpy.local", "kclpy.multilang")) and name not in (
+                "kclpy.spark.batcher", "kclpy.spark.sink"):
             continue
         namespace = vars(module)
         for attr, real in _REAL_MODULES.items():

@@ -632,6 +632,32 @@ def test_a_parents_recovered_gap_batches_after_shard_end_are_committed(
     assert batcher._shards == []
 
 
+def test_a_finished_parent_taken_for_its_queued_gaps_commits_them_before_it_lets_go(
+        writer: Writer, sink: Sink) -> None:
+    """A lease already at SHARD_END is taken only to recover the gaps still queued for it;
+    the consumer starts its processor at SHARD_END, hands the gaps over and lets the lease
+    go. Each gap batch is committed and checkpointed before process_records returns:
+    offered to the batch loop instead, it found the lease gone before foreach_batch, and
+    every next owner did the same (simulator seed 1345)."""
+    batcher = make(sink, BatchOptions(max_records=100, max_interval_s=3600,
+                                      min_interval_s=3600))
+    batcher.start()
+    try:
+        processor = batcher.processor_factory()
+        processor.initialize(InitializeInput("shard-a", "SHARD_END", 0))
+        gap_writer = Writer()
+        gap = Checkpointer("shard-a", gap_writer, "token", Position("1000"))
+        recovered = records(0, 101, 3)
+        gap.mark_delivered(recovered[-1])
+        processor.process_records(
+            ProcessRecordsInput("shard-a", recovered, gap, None, is_recovery=True))
+        assert gap_writer.of("shard-a") == [("1103", 0)]
+    finally:
+        batcher.stop(10)
+    assert sum(t.num_rows for t in sink.tables) == 3
+    assert batcher._shards == []
+
+
 def test_a_fenced_out_naming_none_of_the_batchs_leases_is_retried_like_a_failure(
         writer: Writer, sink: Sink) -> None:
     """A sink's FencedOut that names no lease of the batch drops nothing: it is an ordinary
