@@ -32,6 +32,7 @@ from tests.support.iam import (
     Names,
     Statement,
     actions_of,
+    assert_allowed,
     denied,
     documented_policies,
     needless,
@@ -239,22 +240,6 @@ def run_names(e2e: EndToEnd, stream: str, application: str) -> Names:
     return Names(region=region, account=account, stream=stream, application=application,
                  consumer=application, namespace=application,
                  state_table=f"{application}-state")
-
-
-def assert_allowed(role: str, calls: list[Call], names: Names, *,
-                   policies: tuple[str, ...] | None = None) -> None:
-    """Every call is allowed by the role's own policies, and those allow nothing the run
-    did not need but what only some runs need (``CONDITIONAL``); ``policies`` narrows the
-    second check to the ones this run's calls are all of (a CloudWatch proxy's)."""
-    assert calls, f"nothing recorded for the {role}"
-    statements = role_statements(role, names)
-    assert denied(statements, calls, names) == [], \
-        f"the {role}'s policies in docs/iam.md lack these"
-    if policies is not None:
-        documented = documented_policies()
-        statements = tuple(s for name in policies for s in documented[name])
-    assert needless(statements, calls, names) == [], \
-        f"the {role}'s policies in docs/iam.md allow these, which it did not need"
 
 
 @pytest.mark.integration

@@ -50,7 +50,7 @@ from kclpy.position import Position
 from kclpy.streams import StreamIdentifier, multi_stream_lease_key
 from tests.support.cli import run_cli
 from tests.support.faultproxy import FaultProxy
-from tests.support.iam import Names
+from tests.support.iam import Names, assert_allowed
 from tests.support.promql import Rule, Scrapes, by_name, firing, rules_from_yaml_block
 from tests.support.streams import (
     create_stream,
@@ -60,8 +60,7 @@ from tests.support.streams import (
     unique_name,
 )
 from tests.support.waiting import wait_for
-from tests.test_iam import assert_allowed
-from tests.test_lag_alerts import Receiver
+from tests.support.webhooks import Receiver
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW_S = 20.0

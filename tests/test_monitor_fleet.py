@@ -32,7 +32,7 @@ from tests.support.streams import (
     unique_name,
 )
 from tests.support.waiting import wait_for
-from tests.test_lag_alerts import Receiver
+from tests.support.webhooks import Receiver
 
 WINDOW_S = 6.0
 INTERVAL_S = 1.0

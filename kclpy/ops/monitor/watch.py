@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kclpy.errors import KCLError
 from kclpy.leases import park as parking
 from kclpy.leases.lease import Lease
 from kclpy.leases.shard_sync import ShardSyncer
@@ -353,7 +354,7 @@ class ApplicationWatch:
             history=tuple((now - t, millis, records) for t, millis, records in seen.history))
 
 
-class StreamUnknown(Exception):
+class StreamUnknown(KCLError):
     """A single-stream lease table whose leases do not say which stream they are of."""
 
     def __init__(self, table: str) -> None:
