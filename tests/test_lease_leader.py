@@ -5,11 +5,25 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from kclpy.leases.leader import LeaderLock, held_leases, live_workers, plan
+import pytest
+from botocore.exceptions import ClientError
+
+from kclpy.leases.coordinator import LeaseCoordinator
+from kclpy.leases.leader import LeaderLock, LeaderMode, held_leases, live_workers, plan
 from kclpy.leases.lease import Lease
-from kclpy.leases.load import LEADER_ITEM, WORKER_ID, LoadSettings, LoadTable, WorkerLoad
+from kclpy.leases.load import (
+    LEADER_ITEM,
+    LOAD_TABLE_SUFFIX,
+    WORKER_ID,
+    LoadBalancing,
+    LoadMeter,
+    LoadSettings,
+    LoadTable,
+    WorkerLoad,
+)
+from kclpy.leases.table import OWNER_INDEX, LeaseTable
 from kclpy.position import Position
 from tests.simulation.aws import Dynamo
 from tests.simulation.scheduler import Sim
@@ -273,3 +287,78 @@ def test_a_fleet_started_at_once_reads_the_lock_within_the_first_interval() -> N
     check_s = locks[0].check_s
     assert sum(1 for wait in first_reads if wait <= check_s) >= 1, first_reads[:5]
     assert first_reads[-1] <= 25 * check_s
+
+
+# -- workers with a leader over the simulator's DynamoDB (atomic; an index can be building) --
+
+_FAILOVER = 10.0
+
+
+class _Counted:
+    """The simulator's DynamoDB, counting the calls made of it by operation."""
+
+    def __init__(self, backend: Dynamo) -> None:
+        self.backend = backend
+        self.calls: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        self.calls[name] += 1
+        return getattr(self.backend, name)
+
+
+def _tables(backend: Dynamo) -> tuple[LeaseTable, _Counted]:
+    client = _Counted(backend)
+    table = LeaseTable(cast("DynamoDBClient", client), "app", sleep=lambda s: None)
+    table.create_if_missing()
+    LoadTable(cast("DynamoDBClient", client), "app" + LOAD_TABLE_SUFFIX,
+              sleep=lambda s: None).create_if_missing()
+    return table, client
+
+
+def _led_worker(table: LeaseTable, name: str, clock: _Clock) -> LeaseCoordinator:
+    """A worker's lease coordinator with ``--lease-assigner leader``, as ``Worker`` builds it."""
+    load = LoadBalancing(LoadMeter(name, dict, clock=clock),
+                         LoadTable(table.client, "app" + LOAD_TABLE_SUFFIX, sleep=lambda s: None),
+                         LoadSettings(report_interval_s=2.0), clock=clock)
+    mode = LeaderMode(LeaderLock(load.table, name, failover_time_s=_FAILOVER, clock=clock),
+                      load, by_load=False)
+    return LeaseCoordinator(table, name, failover_time_s=_FAILOVER, clock=clock,
+                            renewal_threads=1, rng=random.Random(1), leader=mode)
+
+
+def _assign(table: LeaseTable, key: str, owner: str) -> None:
+    """What a leader's pass writes for a free lease."""
+    lease = table.get(key)
+    assert lease is not None
+    table.assign(lease, owner)
+
+
+def test_while_the_owner_index_backfills_a_worker_finds_its_leases_by_a_scan() -> None:
+    """On AWS an index added to a table backfills for minutes: DescribeTable says CREATING
+    and a Query of it is refused with a ValidationException. A worker assigned a lease
+    then must not wait for the index (the leader would take every lease itself, one
+    claim timeout at a time): it reads its keys from a scan, and Queries again once the
+    index answers."""
+    backend = Dynamo(Sim(0))
+    backend.index_build_s = 60.0
+    table, client = _tables(backend)
+    assert table.ensure_owner_index()
+    described = backend.describe_table(TableName="app")["Table"]
+    assert described["TableStatus"] == "UPDATING"
+    assert described["GlobalSecondaryIndexes"] == [
+        {"IndexName": OWNER_INDEX, "IndexStatus": "CREATING", "Backfilling": True}]
+    with pytest.raises(ClientError, match="Cannot read from backfilling global secondary index"):
+        table.keys_owned_by("B")
+    for key in ("s1", "s2"):
+        assert table.create(Lease(key))
+    _assign(table, "s1", "B")
+    b = _led_worker(table, "B", _Clock())
+    client.calls.clear()
+    assert [lease.lease_key for lease in b.taker._discover()] == ["s1"]
+    assert set(b.held_leases()) == {"s1"}
+    assert client.calls["scan"] == 1
+    backend.sim.now = 60.0  # built
+    _assign(table, "s2", "B")
+    client.calls.clear()
+    assert [lease.lease_key for lease in b.taker._discover()] == ["s2"]
+    assert (client.calls["scan"], client.calls["query"]) == (0, 1)

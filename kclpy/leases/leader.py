@@ -90,6 +90,22 @@ WORKERS = "workers"
 _READERS = 8
 
 
+#: what DynamoDB says to a Query of an index it is still building (``CREATING``: minutes
+#: after ``UpdateTable`` added it to a table with items), and of one it does not have
+_INDEX_UNREADABLE = ("Cannot read from backfilling global secondary index",
+                     "The table does not have the specified index")
+
+
+def index_unreadable(exc: ClientError) -> bool:
+    """A Query of the owner index was refused because the index cannot be read yet (still
+    backfilling, or not added: a fleet's first start raced or was throttled adding it). A
+    worker then reads its keys from a scan instead (``LeaseTaker._owned_keys``): waiting for
+    the index would leave every lease the leader assigns it untaken for as long as the
+    build takes, and the leader would take them all itself one claim timeout at a time."""
+    message = str(exc.response.get("Error", {}).get("Message", ""))
+    return error_code(exc) == "ValidationException" and message.startswith(_INDEX_UNREADABLE)
+
+
 class LeaderLock:
     """The leader election on one worker. Not thread-safe: the taker's cycle calls it."""
 

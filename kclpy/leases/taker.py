@@ -32,6 +32,8 @@ import time
 import uuid
 from collections.abc import Callable
 
+from botocore.exceptions import ClientError
+
 from kclpy.errors import LeaseLostError
 from kclpy.leases import cleanup, handoff, leader, mixed
 from kclpy.leases.balancing import Balancer
@@ -159,6 +161,8 @@ class LeaseTaker:
         #: clock() of the last one
         self._survey_asked = False
         self._last_survey: float | None = None
+        #: the last Query of the owner index was refused (``_owned_keys``)
+        self._index_unreadable = False
 
     # -- the cycle -------------------------------------------------------------------------
 
@@ -470,12 +474,35 @@ class LeaseTaker:
         holds = held_then and len(self.held) > 0
         return last + (held_discovery_s if holds else mode.discovery_interval_s)
 
+    def _owned_keys(self) -> list[str]:
+        """The keys the owner index names this worker for; while the index cannot be read
+        (``leader.index_unreadable``: on AWS a new index backfills for minutes), those a
+        scan of the table does, at the price of the scans every worker makes without a
+        leader, until the index answers."""
+        try:
+            keys = self.table.keys_owned_by(self.worker_id)
+        except ClientError as exc:
+            if not leader.index_unreadable(exc):
+                raise
+            if not self._index_unreadable:
+                log.warning("worker %s: the owner index cannot be read yet (%s); looking for "
+                            "its leases by scanning the lease table until it can",
+                            self.worker_id, exc)
+            self._index_unreadable = True
+            return [lease.lease_key for lease in self.table.list_leases(consistent=False)
+                    if lease.lease_owner == self.worker_id]
+        if self._index_unreadable:
+            log.info("worker %s: the owner index answers; no more scans for its leases",
+                     self.worker_id)
+        self._index_unreadable = False
+        return keys
+
     def _discover(self) -> list[Lease]:
         """Take the leases the owner index names this worker for and it does not hold: read
         each (the index lags the table) and take it fenced on its counter, or wait for its
         previous holder to let go as a steal's handoff waits."""
         try:
-            keys = self.table.keys_owned_by(self.worker_id)
+            keys = self._owned_keys()
         except TABLE_ERRORS as exc:
             log.warning("worker %s: querying its leases failed: %r", self.worker_id, exc)
             return []
