@@ -362,3 +362,51 @@ def test_while_the_owner_index_backfills_a_worker_finds_its_leases_by_a_scan() -
     client.calls.clear()
     assert [lease.lease_key for lease in b.taker._discover()] == ["s2"]
     assert (client.calls["scan"], client.calls["query"]) == (0, 1)
+
+
+def test_a_stopping_worker_hands_its_released_lease_to_a_live_worker_without_the_leader() -> None:
+    """A worker that shuts down with a leader leaves the fleet first (its report and, if it
+    leads, the lock go) and hands each lease it releases straight to the live worker with
+    the fewest leases, with a notice on one that worker holds: the lease is taken after the
+    taker's next renewal, before any leader pass (there is no leader left here). Counted
+    as live while it released, the stopping worker used to be given its own leases back by
+    the leader, and they came back only once it was judged dead."""
+    backend = Dynamo(Sim(0))
+    table, _ = _tables(backend)
+    table.ensure_owner_index()
+    for key in ("s1", "s2", "s3"):
+        assert table.create(Lease(key))
+    clock = _Clock()
+    a, b, c = (_led_worker(table, name, clock) for name in ("A", "B", "C"))
+    for worker, keys in ((a, ("s1",)), (b, ("s2", "s3")), (c, ())):
+        worker.run_taker_once()  # the first cycle reports the worker's load (A leads)
+        for key in keys:
+            _assign(table, key, worker.worker_id)
+    for worker in (a, b):
+        worker.taker._discover()
+    clock.now += 3.0  # the next reports (every 2 s here), with the leases now held
+    for worker in (a, b, c):
+        worker.taker._leader.reports.report_if_due(set(worker.held_leases()))  # type: ignore[union-attr]
+    assert a.leads() is True
+    assert a.stop_taking()
+    assert LEADER_ITEM not in _load_items(backend)
+    assert "A" not in _load_items(backend)
+    a.release("s1")
+    stored = table.get("s1")
+    assert stored is not None and stored.lease_owner == "C", "to the worker with the fewest"
+    assert not any(worker.leads() for worker in (b, c))
+    clock.now += 2.0  # C held nothing: it Queries every half failover time
+    assert [lease.lease_key for lease in c.run_taker_once()] == ["s1"]
+    assert b.stop_taking()
+    b.release("s2")
+    stored = table.get("s2")
+    assert stored is not None and stored.lease_owner == "C"
+    noticed = table.get("s1")
+    assert noticed is not None and noticed.assignment_notice is not None
+    c.run_renewer_once()  # renewing s1 returns the notice: C looks for its leases now
+    assert [lease.lease_key for lease in c.run_taker_once()] == ["s2"]
+    assert set(c.held_leases()) == {"s1", "s2"}
+
+
+def _load_items(backend: Dynamo) -> dict[str, Any]:
+    return backend.tables["app" + LOAD_TABLE_SUFFIX][1]

@@ -30,6 +30,7 @@ import random
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 
 from botocore.exceptions import ClientError
@@ -163,6 +164,12 @@ class LeaseTaker:
         self._last_survey: float | None = None
         #: the last Query of the owner index was refused (``_owned_keys``)
         self._index_unreadable = False
+        #: stopping (``leave``, ``hand_over``): whether the report and the lock were given
+        #: up, the fleet as read once (live worker -> the leases it owns, and those it
+        #: holds), and how many released leases went to each worker
+        self._left = False
+        self._leaving_view: tuple[dict[str, int], dict[str, list[Lease]]] | None = None
+        self._handed: dict[str, int] = {}
 
     # -- the cycle -------------------------------------------------------------------------
 
@@ -454,6 +461,88 @@ class LeaseTaker:
                 log.info("worker %s: notifying %s on %s failed: %r",
                          self.worker_id, holder, lease.lease_key, exc)
         return False
+
+    def leave(self) -> None:
+        """With a leader, once this worker's last taker cycle has ended at shutdown: its
+        report goes and, leading, it gives up the lock, before its leases are released.
+        Counted as live while it releases them, it would be the worker with the fewest
+        leases, and a leader would assign it the very leases it lets go, which it never
+        takes: they came back only once it was judged dead (``claim_within_s``), five to
+        seven seconds at 5 s failover where the default assigner needs half a second."""
+        mode = self._leader
+        if mode is None or self._left:
+            return
+        self._left = True
+        mode.reports.table.withdraw(self.worker_id)
+        mode.lock.resign()
+
+    def hand_over(self, lease_key: str) -> str | None:
+        """With a leader, for a stopping worker that just released ``lease_key``: assign it
+        to the live worker that reports the fewest leases (``_successor``) and notify that
+        worker on the leases it holds, as a leader's pass would, instead of leaving it to
+        the leader's next pass and the notice after it. The assignment is the leader's own
+        write (fenced on the counter the release left), so a leader that got there first
+        wins and nothing is assigned twice; the leader may move it again later. Returns
+        the worker it went to (None: left to the leader)."""
+        mode = self._leader
+        if mode is None:
+            return None
+        try:
+            lease = self.table.get(lease_key)
+        except TABLE_ERRORS as exc:
+            log.info("worker %s: reading %s to hand it over failed: %r",
+                     self.worker_id, lease_key, exc)
+            return None
+        if (lease is None or lease.lease_owner is not None or lease.is_finished
+                or lease.parked is not None):
+            return None  # finished, parked, or already on its way to someone
+        successor = self._successor(mode)
+        if successor is None:
+            return None
+        target, held = successor
+        if not self._assign(lease, target):
+            with self._state:
+                self._handed[target] -= 1
+            return None
+        self._notify(target, held)
+        log.info("worker %s handed %s over to %s", self.worker_id, lease_key, target)
+        return target
+
+    def _successor(self, mode: leader.LeaderMode) -> tuple[str, list[Lease]] | None:
+        """Who gets a lease a stopping worker lets go, and the leases it holds (where the
+        notice goes): of the workers that report, the one that owns the fewest leases,
+        counting those already handed to it. The reports and the lease table are read
+        once per shutdown (a scan, as a leader's pass makes). A report not rewritten for
+        three report intervals is left out, judged on this host's wall clock: a preference
+        only - a lease handed to a worker that died is assigned again by the leader once
+        it stays untaken (``leader.live_workers``)."""
+        with self._state:
+            view = self._leaving_view
+        if view is None:
+            try:
+                reports = mode.reports.table.read_all()
+                leases = self.table.list_leases(consistent=False)
+            except TABLE_ERRORS as exc:
+                log.info("worker %s: reading the fleet to hand its leases over failed: %r",
+                         self.worker_id, exc)
+                return None
+            stale_before = time.time() - 3 * mode.reports.settings.report_interval_s
+            live = {report.worker_id for report in reports
+                    if report.worker_id != self.worker_id
+                    and (report.written_at is None or report.written_at >= stale_before)}
+            owned = Counter(lease.lease_owner for lease in leases if not lease.is_finished)
+            held = leader.held_leases(leases, is_expired=lambda lease: False)
+            view = ({worker: owned[worker] for worker in live},
+                    {worker: held.get(worker, []) for worker in live})
+            with self._state:
+                self._leaving_view = view
+        counts, held_by = view
+        if not counts:
+            return None
+        with self._state:  # chosen and counted at once: releases are written in parallel
+            target = min(counts, key=lambda w: (counts[w] + self._handed.get(w, 0), w))
+            self._handed[target] = self._handed.get(target, 0) + 1
+        return target, held_by[target]
 
     def heard_notice(self) -> None:
         """A renewal returned a leader's new assignment notice: look for this worker's new
