@@ -368,13 +368,14 @@ def test_a_stopping_worker_hands_its_released_lease_to_a_live_worker_without_the
     """A worker that shuts down with a leader leaves the fleet first (its report and, if it
     leads, the lock go) and hands each lease it releases straight to the live worker with
     the fewest leases, with a notice on one that worker holds: the lease is taken after the
-    taker's next renewal, before any leader pass (there is no leader left here). Counted
-    as live while it released, the stopping worker used to be given its own leases back by
-    the leader, and they came back only once it was judged dead."""
+    taker's next renewal, before any leader pass (there is no leader left here). A lease
+    a leader assigned it and it never took goes the same way. Counted as live while it
+    released, the stopping worker used to be given its own leases back by the leader, and
+    they came back only once it was judged dead."""
     backend = Dynamo(Sim(0))
     table, _ = _tables(backend)
     table.ensure_owner_index()
-    for key in ("s1", "s2", "s3"):
+    for key in ("s1", "s2", "s3", "s4"):
         assert table.create(Lease(key))
     clock = _Clock()
     a, b, c = (_led_worker(table, name, clock) for name in ("A", "B", "C"))
@@ -388,7 +389,10 @@ def test_a_stopping_worker_hands_its_released_lease_to_a_live_worker_without_the
     for worker in (a, b, c):
         worker.taker._leader.reports.report_if_due(set(worker.held_leases()))  # type: ignore[union-attr]
     assert a.leads() is True
+    _assign(table, "s4", "A")  # a leader's last pass: A stops before it takes it
     assert a.stop_taking()
+    untaken = table.get("s4")
+    assert untaken is not None and untaken.lease_owner == "C"
     assert LEADER_ITEM not in _load_items(backend)
     assert "A" not in _load_items(backend)
     a.release("s1")
@@ -396,7 +400,7 @@ def test_a_stopping_worker_hands_its_released_lease_to_a_live_worker_without_the
     assert stored is not None and stored.lease_owner == "C", "to the worker with the fewest"
     assert not any(worker.leads() for worker in (b, c))
     clock.now += 2.0  # C held nothing: it Queries every half failover time
-    assert [lease.lease_key for lease in c.run_taker_once()] == ["s1"]
+    assert sorted(lease.lease_key for lease in c.run_taker_once()) == ["s1", "s4"]
     assert b.stop_taking()
     b.release("s2")
     stored = table.get("s2")
@@ -405,7 +409,7 @@ def test_a_stopping_worker_hands_its_released_lease_to_a_live_worker_without_the
     assert noticed is not None and noticed.assignment_notice is not None
     c.run_renewer_once()  # renewing s1 returns the notice: C looks for its leases now
     assert [lease.lease_key for lease in c.run_taker_once()] == ["s2"]
-    assert set(c.held_leases()) == {"s1", "s2"}
+    assert set(c.held_leases()) == {"s1", "s2", "s4"}
 
 
 def _load_items(backend: Dynamo) -> dict[str, Any]:

@@ -475,12 +475,23 @@ class LeaseTaker:
         self._left = True
         mode.reports.table.withdraw(self.worker_id)
         mode.lock.resign()
+        # What a leader assigned it and it never took (its taker stopped first) would wait
+        # for the leader to judge it gone, or to expire: handed over as its own releases are
+        try:
+            keys = self._owned_keys()
+        except TABLE_ERRORS as exc:
+            log.info("worker %s: looking for leases assigned to it failed: %r",
+                     self.worker_id, exc)
+            return
+        for key in sorted(set(keys) - set(self.held.entries()) - self.pending_handoffs()):
+            self.hand_over(key)
 
     def hand_over(self, lease_key: str) -> str | None:
-        """With a leader, for a stopping worker that just released ``lease_key``: assign it
-        to the live worker that reports the fewest leases (``_successor``) and notify that
-        worker on the leases it holds, as a leader's pass would, instead of leaving it to
-        the leader's next pass and the notice after it. The assignment is the leader's own
+        """With a leader, for a stopping worker that just released ``lease_key`` (or was
+        assigned it and never took it): assign it to the live worker that owns the fewest
+        leases (``_successor``) and notify that worker on a lease it holds, as a leader's
+        pass would, instead of leaving it to the leader's next pass and the notice after
+        it. The assignment is the leader's own
         write (fenced on the counter the release left), so a leader that got there first
         wins and nothing is assigned twice; the leader may move it again later. Returns
         the worker it went to (None: left to the leader)."""
@@ -493,9 +504,10 @@ class LeaseTaker:
             log.info("worker %s: reading %s to hand it over failed: %r",
                      self.worker_id, lease_key, exc)
             return None
-        if (lease is None or lease.lease_owner is not None or lease.is_finished
-                or lease.parked is not None):
-            return None  # finished, parked, or already on its way to someone
+        if (lease is None or lease.is_finished or lease.parked is not None
+                or not (lease.lease_owner is None
+                        or (lease.lease_owner == self.worker_id and leader.unclaimed(lease)))):
+            return None  # finished, parked, or on its way to someone else
         successor = self._successor(mode)
         if successor is None:
             return None
