@@ -414,3 +414,30 @@ def test_a_stopping_worker_hands_its_released_lease_to_a_live_worker_without_the
 
 def _load_items(backend: Dynamo) -> dict[str, Any]:
     return backend.tables["app" + LOAD_TABLE_SUFFIX][1]
+
+
+def test_a_leader_moves_a_lease_whose_holder_renewed_since_the_scan() -> None:
+    """A move is a handoff request fenced on the counter the leader's scan saw; a holder
+    that checkpoints every batch bumps it several times a second, so the request was
+    refused pass after pass. Refused, the leader reads the lease again and, still held by
+    the same worker with no handoff under way, asks once more on the current counter; a
+    lease that moved to someone else meanwhile is left alone."""
+    backend = Dynamo(Sim(0))
+    table, _ = _tables(backend)
+    for key in ("s1", "s2"):
+        assert table.create(Lease(key))
+    clock = _Clock()
+    leader, holder = _led_worker(table, "L", clock), _led_worker(table, "H", clock)
+    for key in ("s1", "s2"):
+        _assign(table, key, "H")
+    table.ensure_owner_index()
+    holder.taker._discover()
+    scanned = {lease.lease_key: lease for lease in table.list_leases()}
+    holder.run_renewer_once()  # both renewed since the scan
+    assert leader.taker._hand(scanned["s1"], "L") is True
+    s1 = table.get("s1")
+    assert s1 is not None and (s1.lease_owner, s1.checkpoint_owner) == ("L", "H")
+    _assign(table, "s2", "X")  # moved on: taken from H meanwhile
+    assert leader.taker._hand(scanned["s2"], "L") is False
+    s2 = table.get("s2")
+    assert s2 is not None and (s2.lease_owner, s2.checkpoint_owner) == ("X", None)

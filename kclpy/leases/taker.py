@@ -438,9 +438,31 @@ class LeaseTaker:
         return True
 
     def _hand(self, lease: Lease, owner: str) -> bool:
-        """Ask the lease's holder to hand it to ``owner``; whether the request was written."""
+        """Ask the lease's holder to hand it to ``owner``; whether the request was written.
+        The request is fenced on the counter the scan saw, which a holder that checkpoints
+        every batch bumps several times a second: refused so, the lease is read again and,
+        still held by the same worker with no handoff under way, asked for once more on
+        its current counter. Without that second try a busy lease could not be moved for
+        pass after pass (a joining worker waited 30 s for one lease, twelve refusals)."""
         try:
             self.table.set_checkpoint_owner(lease, owner)
+            return True
+        except LeaseLostError:
+            pass
+        except TABLE_ERRORS as exc:
+            log.info("worker %s: moving %s to %s failed: %r",
+                     self.worker_id, lease.lease_key, owner, exc)
+            return False
+        try:
+            current = self.table.get(lease.lease_key)
+            if (current is None or current.lease_owner != lease.lease_owner
+                    or current.kclpy_holder != lease.lease_owner
+                    or current.checkpoint_owner is not None or current.parked is not None
+                    or current.is_finished):
+                log.info("worker %s: %s moved on before it could be moved to %s",
+                         self.worker_id, lease.lease_key, owner)
+                return False
+            self.table.set_checkpoint_owner(current, owner)
         except (LeaseLostError, *TABLE_ERRORS) as exc:
             log.info("worker %s: moving %s to %s failed: %r",
                      self.worker_id, lease.lease_key, owner, exc)
