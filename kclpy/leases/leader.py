@@ -47,7 +47,13 @@ workers x shards. Here:
   only every 1.5-4.5 failover times (``LeaderMode.held_discovery_interval_s``, spread).
   Holders' Queries were most of the bill that grows with the workers (360 of the 1,286
   requests per shard-hour at 100 shards x 50 workers), and a notice costs one write per
-  worker given leases, nothing once the fleet is settled.
+  worker given leases, nothing once the fleet is settled. While the index is still being
+  built (on AWS minutes after the first worker added it) its Query is refused, and a
+  worker reads its keys from a scan instead (``index_unreadable``).
+- *A stopping worker leaves first*: once its taker has stopped it withdraws its report and,
+  leading, resigns the lock; then it hands each lease it releases straight to the
+  reporting worker that owns the fewest, with a notice, as a pass would
+  (``LeaseTaker.hand_over``). Still counted as live, it was given its own leases back.
 
 The pure decision is :func:`plan`; :class:`LeaderLock` is the election; the taker carries
 both out (``LeaseTaker.run_once``).
