@@ -5,11 +5,25 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from kclpy.leases.leader import LeaderLock, held_leases, live_workers, plan
+import pytest
+from botocore.exceptions import ClientError
+
+from kclpy.leases.coordinator import LeaseCoordinator
+from kclpy.leases.leader import LeaderLock, LeaderMode, held_leases, live_workers, plan
 from kclpy.leases.lease import Lease
-from kclpy.leases.load import LEADER_ITEM, WORKER_ID, LoadSettings, LoadTable, WorkerLoad
+from kclpy.leases.load import (
+    LEADER_ITEM,
+    LOAD_TABLE_SUFFIX,
+    WORKER_ID,
+    LoadBalancing,
+    LoadMeter,
+    LoadSettings,
+    LoadTable,
+    WorkerLoad,
+)
+from kclpy.leases.table import OWNER_INDEX, LeaseTable
 from kclpy.position import Position
 from tests.simulation.aws import Dynamo
 from tests.simulation.scheduler import Sim
@@ -273,3 +287,157 @@ def test_a_fleet_started_at_once_reads_the_lock_within_the_first_interval() -> N
     check_s = locks[0].check_s
     assert sum(1 for wait in first_reads if wait <= check_s) >= 1, first_reads[:5]
     assert first_reads[-1] <= 25 * check_s
+
+
+# -- workers with a leader over the simulator's DynamoDB (atomic; an index can be building) --
+
+_FAILOVER = 10.0
+
+
+class _Counted:
+    """The simulator's DynamoDB, counting the calls made of it by operation."""
+
+    def __init__(self, backend: Dynamo) -> None:
+        self.backend = backend
+        self.calls: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        self.calls[name] += 1
+        return getattr(self.backend, name)
+
+
+def _tables(backend: Dynamo) -> tuple[LeaseTable, _Counted]:
+    client = _Counted(backend)
+    table = LeaseTable(cast("DynamoDBClient", client), "app", sleep=lambda s: None)
+    table.create_if_missing()
+    LoadTable(cast("DynamoDBClient", client), "app" + LOAD_TABLE_SUFFIX,
+              sleep=lambda s: None).create_if_missing()
+    return table, client
+
+
+def _led_worker(table: LeaseTable, name: str, clock: _Clock) -> LeaseCoordinator:
+    """A worker's lease coordinator with ``--lease-assigner leader``, as ``Worker`` builds it."""
+    load = LoadBalancing(LoadMeter(name, dict, clock=clock),
+                         LoadTable(table.client, "app" + LOAD_TABLE_SUFFIX, sleep=lambda s: None),
+                         LoadSettings(report_interval_s=2.0), clock=clock)
+    mode = LeaderMode(LeaderLock(load.table, name, failover_time_s=_FAILOVER, clock=clock),
+                      load, by_load=False)
+    return LeaseCoordinator(table, name, failover_time_s=_FAILOVER, clock=clock,
+                            renewal_threads=1, rng=random.Random(1), leader=mode)
+
+
+def _assign(table: LeaseTable, key: str, owner: str) -> None:
+    """What a leader's pass writes for a free lease."""
+    lease = table.get(key)
+    assert lease is not None
+    table.assign(lease, owner)
+
+
+def test_while_the_owner_index_backfills_a_worker_finds_its_leases_by_a_scan() -> None:
+    """On AWS an index added to a table backfills for minutes: DescribeTable says CREATING
+    and a Query of it is refused with a ValidationException. A worker assigned a lease
+    then must not wait for the index (the leader would take every lease itself, one
+    claim timeout at a time): it reads its keys from a scan, and Queries again once the
+    index answers."""
+    backend = Dynamo(Sim(0))
+    backend.index_build_s = 60.0
+    table, client = _tables(backend)
+    assert table.ensure_owner_index()
+    described = backend.describe_table(TableName="app")["Table"]
+    assert described["TableStatus"] == "UPDATING"
+    assert described["GlobalSecondaryIndexes"] == [
+        {"IndexName": OWNER_INDEX, "IndexStatus": "CREATING", "Backfilling": True}]
+    with pytest.raises(ClientError, match="Cannot read from backfilling global secondary index"):
+        table.keys_owned_by("B")
+    for key in ("s1", "s2"):
+        assert table.create(Lease(key))
+    _assign(table, "s1", "B")
+    b = _led_worker(table, "B", _Clock())
+    client.calls.clear()
+    assert [lease.lease_key for lease in b.taker._discover()] == ["s1"]
+    assert set(b.held_leases()) == {"s1"}
+    assert client.calls["scan"] == 1
+    backend.sim.now = 60.0  # built
+    _assign(table, "s2", "B")
+    client.calls.clear()
+    assert [lease.lease_key for lease in b.taker._discover()] == ["s2"]
+    assert (client.calls["scan"], client.calls["query"]) == (0, 1)
+
+
+def test_a_stopping_worker_hands_its_released_lease_to_a_live_worker_without_the_leader() -> None:
+    """A worker that shuts down with a leader leaves the fleet first (its report and, if it
+    leads, the lock go) and hands each lease it releases straight to the live worker with
+    the fewest leases, with a notice on one that worker holds: the lease is taken after the
+    taker's next renewal, before any leader pass (there is no leader left here). A lease
+    a leader assigned it and it never took goes the same way. Counted as live while it
+    released, the stopping worker used to be given its own leases back by the leader, and
+    they came back only once it was judged dead."""
+    backend = Dynamo(Sim(0))
+    table, _ = _tables(backend)
+    table.ensure_owner_index()
+    for key in ("s1", "s2", "s3", "s4"):
+        assert table.create(Lease(key))
+    clock = _Clock()
+    a, b, c = (_led_worker(table, name, clock) for name in ("A", "B", "C"))
+    for worker, keys in ((a, ("s1",)), (b, ("s2", "s3")), (c, ())):
+        worker.run_taker_once()  # the first cycle reports the worker's load (A leads)
+        for key in keys:
+            _assign(table, key, worker.worker_id)
+    for worker in (a, b):
+        worker.taker._discover()
+    clock.now += 3.0  # the next reports (every 2 s here), with the leases now held
+    for worker in (a, b, c):
+        worker.taker._leader.reports.report_if_due(set(worker.held_leases()))  # type: ignore[union-attr]
+    assert a.leads() is True
+    _assign(table, "s4", "A")  # a leader's last pass: A stops before it takes it
+    assert a.stop_taking()
+    untaken = table.get("s4")
+    assert untaken is not None and untaken.lease_owner == "C"
+    assert LEADER_ITEM not in _load_items(backend)
+    assert "A" not in _load_items(backend)
+    a.release("s1")
+    stored = table.get("s1")
+    assert stored is not None and stored.lease_owner == "C", "to the worker with the fewest"
+    assert not any(worker.leads() for worker in (b, c))
+    clock.now += 2.0  # C held nothing: it Queries every half failover time
+    assert sorted(lease.lease_key for lease in c.run_taker_once()) == ["s1", "s4"]
+    assert b.stop_taking()
+    b.release("s2")
+    stored = table.get("s2")
+    assert stored is not None and stored.lease_owner == "C"
+    noticed = table.get("s1")
+    assert noticed is not None and noticed.assignment_notice is not None
+    c.run_renewer_once()  # renewing s1 returns the notice: C looks for its leases now
+    assert [lease.lease_key for lease in c.run_taker_once()] == ["s2"]
+    assert set(c.held_leases()) == {"s1", "s2", "s4"}
+
+
+def _load_items(backend: Dynamo) -> dict[str, Any]:
+    return backend.tables["app" + LOAD_TABLE_SUFFIX][1]
+
+
+def test_a_leader_moves_a_lease_whose_holder_renewed_since_the_scan() -> None:
+    """A move is a handoff request fenced on the counter the leader's scan saw; a holder
+    that checkpoints every batch bumps it several times a second, so the request was
+    refused pass after pass. Refused, the leader reads the lease again and, still held by
+    the same worker with no handoff under way, asks once more on the current counter; a
+    lease that moved to someone else meanwhile is left alone."""
+    backend = Dynamo(Sim(0))
+    table, _ = _tables(backend)
+    for key in ("s1", "s2"):
+        assert table.create(Lease(key))
+    clock = _Clock()
+    leader, holder = _led_worker(table, "L", clock), _led_worker(table, "H", clock)
+    for key in ("s1", "s2"):
+        _assign(table, key, "H")
+    table.ensure_owner_index()
+    holder.taker._discover()
+    scanned = {lease.lease_key: lease for lease in table.list_leases()}
+    holder.run_renewer_once()  # both renewed since the scan
+    assert leader.taker._hand(scanned["s1"], "L") is True
+    s1 = table.get("s1")
+    assert s1 is not None and (s1.lease_owner, s1.checkpoint_owner) == ("L", "H")
+    _assign(table, "s2", "X")  # moved on: taken from H meanwhile
+    assert leader.taker._hand(scanned["s2"], "L") is False
+    s2 = table.get("s2")
+    assert s2 is not None and (s2.lease_owner, s2.checkpoint_owner) == ("X", None)

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from kclpy.leases.balancing import Balancer
 from kclpy.leases.budget import ScanBudget
 from kclpy.leases.fence import LeaseFence
-from kclpy.leases.held import HeldSet
+from kclpy.leases.held import HeldLease, HeldSet
 from kclpy.leases.leader import LeaderMode
 from kclpy.leases.lease import Lease
 from kclpy.leases.load import LoadBalancing
@@ -160,14 +160,18 @@ class LeaseCoordinator:
         cycle under way to end, and says whether it has: only then does the caller know
         every lease it will ever hold. One taken while the processors wind down would be
         held with no consumer until the worker stops, and moved away from a worker that was
-        consuming it."""
+        consuming it. Once it has ended, a worker with a leader leaves the fleet
+        (``LeaseTaker.leave``), and each lease it releases from then on is handed straight
+        to a live worker (``LeaseTaker.hand_over``)."""
         self._taking_stopped.set()
         self.taker.stop_taking()
         self._wake.set()
-        if self._taker_thread is None:
-            return True
-        self._taker_thread.join(timeout)
-        return not self._taker_thread.is_alive()
+        if self._taker_thread is not None:
+            self._taker_thread.join(timeout)
+            if self._taker_thread.is_alive():
+                return False
+        self.taker.leave()
+        return True
 
     def _renewer_loop(self) -> None:
         wake_at = self._clock()
@@ -345,7 +349,9 @@ class LeaseCoordinator:
 
     def release(self, lease_key: str) -> None:
         """Give a held lease back so it can move at once (``LeaseFence.release``)."""
-        self.fence.release(lease_key)
+        held = self.fence.give_up(lease_key)
+        if held is not None:
+            self._write_release(held)
 
     def release_soon(self, lease_key: str) -> None:
         """Give a held lease up now and write its release in the background. The worker
@@ -359,7 +365,14 @@ class LeaseCoordinator:
             if self._releases is None:
                 self._releases = ThreadPoolExecutor(
                     4, thread_name_prefix=f"kclpy-release-{self.worker_id}")
-            self._releases.submit(self.fence.write_release, held)
+            self._releases.submit(self._write_release, held)
+
+    def _write_release(self, held: HeldLease) -> None:
+        """Write a release; once the worker stops taking (it shuts down), with a leader,
+        hand the lease straight to a live worker (``LeaseTaker.hand_over``)."""
+        self.fence.write_release(held)
+        if self._taking_stopped.is_set():
+            self.taker.hand_over(held.lease.lease_key)
 
     def release_all(self) -> None:
         for key in self.held.entries():

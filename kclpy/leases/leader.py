@@ -47,7 +47,13 @@ workers x shards. Here:
   only every 1.5-4.5 failover times (``LeaderMode.held_discovery_interval_s``, spread).
   Holders' Queries were most of the bill that grows with the workers (360 of the 1,286
   requests per shard-hour at 100 shards x 50 workers), and a notice costs one write per
-  worker given leases, nothing once the fleet is settled.
+  worker given leases, nothing once the fleet is settled. While the index is still being
+  built (on AWS minutes after the first worker added it) its Query is refused, and a
+  worker reads its keys from a scan instead (``index_unreadable``).
+- *A stopping worker leaves first*: once its taker has stopped it withdraws its report and,
+  leading, resigns the lock; then it hands each lease it releases straight to the
+  reporting worker that owns the fewest, with a notice, as a pass would
+  (``LeaseTaker.hand_over``). Still counted as live, it was given its own leases back.
 
 The pure decision is :func:`plan`; :class:`LeaderLock` is the election; the taker carries
 both out (``LeaseTaker.run_once``).
@@ -88,6 +94,22 @@ TERM = "term"
 WORKERS = "workers"
 #: how many lock reads the whole fleet makes per check interval, whatever its size
 _READERS = 8
+
+
+#: what DynamoDB says to a Query of an index it is still building (``CREATING``: minutes
+#: after ``UpdateTable`` added it to a table with items), and of one it does not have
+_INDEX_UNREADABLE = ("Cannot read from backfilling global secondary index",
+                     "The table does not have the specified index")
+
+
+def index_unreadable(exc: ClientError) -> bool:
+    """A Query of the owner index was refused because the index cannot be read yet (still
+    backfilling, or not added: a fleet's first start raced or was throttled adding it). A
+    worker then reads its keys from a scan instead (``LeaseTaker._owned_keys``): waiting for
+    the index would leave every lease the leader assigns it untaken for as long as the
+    build takes, and the leader would take them all itself one claim timeout at a time."""
+    message = str(exc.response.get("Error", {}).get("Message", ""))
+    return error_code(exc) == "ValidationException" and message.startswith(_INDEX_UNREADABLE)
 
 
 class LeaderLock:

@@ -152,8 +152,8 @@ class LeaseTable(DynamoTable):
 
     def ensure_owner_index(self) -> bool:
         """Add the owner index to the table unless it has it; True if this call added it.
-        Queries of an index still being built fail; callers fall back to what they did
-        before (a leader-assigned worker then waits for the index, see ``leader.py``).
+        Queries of an index still being built fail; a leader-assigned worker then reads
+        its keys from a scan until the index answers (``leader.index_unreadable``).
 
         A fleet started at once races to add it: whatever the losers' UpdateTable answers
         (DynamoDB a ValidationException, or ResourceInUseException while the table is

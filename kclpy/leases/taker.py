@@ -30,7 +30,10 @@ import random
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
+
+from botocore.exceptions import ClientError
 
 from kclpy.errors import LeaseLostError
 from kclpy.leases import cleanup, handoff, leader, mixed
@@ -159,6 +162,14 @@ class LeaseTaker:
         #: clock() of the last one
         self._survey_asked = False
         self._last_survey: float | None = None
+        #: the last Query of the owner index was refused (``_owned_keys``)
+        self._index_unreadable = False
+        #: stopping (``leave``, ``hand_over``): whether the report and the lock were given
+        #: up, the fleet as read once (live worker -> the leases it owns, and those it
+        #: holds), and how many released leases went to each worker
+        self._left = False
+        self._leaving_view: tuple[dict[str, int], dict[str, list[Lease]]] | None = None
+        self._handed: dict[str, int] = {}
 
     # -- the cycle -------------------------------------------------------------------------
 
@@ -427,9 +438,31 @@ class LeaseTaker:
         return True
 
     def _hand(self, lease: Lease, owner: str) -> bool:
-        """Ask the lease's holder to hand it to ``owner``; whether the request was written."""
+        """Ask the lease's holder to hand it to ``owner``; whether the request was written.
+        The request is fenced on the counter the scan saw, which a holder that checkpoints
+        every batch bumps several times a second: refused so, the lease is read again and,
+        still held by the same worker with no handoff under way, asked for once more on
+        its current counter. Without that second try a busy lease could not be moved for
+        pass after pass (a joining worker waited 30 s for one lease, twelve refusals)."""
         try:
             self.table.set_checkpoint_owner(lease, owner)
+            return True
+        except LeaseLostError:
+            pass
+        except TABLE_ERRORS as exc:
+            log.info("worker %s: moving %s to %s failed: %r",
+                     self.worker_id, lease.lease_key, owner, exc)
+            return False
+        try:
+            current = self.table.get(lease.lease_key)
+            if (current is None or current.lease_owner != lease.lease_owner
+                    or current.kclpy_holder != lease.lease_owner
+                    or current.checkpoint_owner is not None or current.parked is not None
+                    or current.is_finished):
+                log.info("worker %s: %s moved on before it could be moved to %s",
+                         self.worker_id, lease.lease_key, owner)
+                return False
+            self.table.set_checkpoint_owner(current, owner)
         except (LeaseLostError, *TABLE_ERRORS) as exc:
             log.info("worker %s: moving %s to %s failed: %r",
                      self.worker_id, lease.lease_key, owner, exc)
@@ -451,6 +484,100 @@ class LeaseTaker:
                          self.worker_id, holder, lease.lease_key, exc)
         return False
 
+    def leave(self) -> None:
+        """With a leader, once this worker's last taker cycle has ended at shutdown: its
+        report goes and, leading, it gives up the lock, before its leases are released.
+        Counted as live while it releases them, it would be the worker with the fewest
+        leases, and a leader would assign it the very leases it lets go, which it never
+        takes: they came back only once it was judged dead (``claim_within_s``), five to
+        seven seconds at 5 s failover where the default assigner needs half a second."""
+        mode = self._leader
+        if mode is None or self._left:
+            return
+        self._left = True
+        mode.reports.table.withdraw(self.worker_id)
+        mode.lock.resign()
+        # What a leader assigned it and it never took (its taker stopped first) would wait
+        # for the leader to judge it gone, or to expire: handed over as its own releases are
+        try:
+            keys = self._owned_keys()
+        except TABLE_ERRORS as exc:
+            log.info("worker %s: looking for leases assigned to it failed: %r",
+                     self.worker_id, exc)
+            return
+        for key in sorted(set(keys) - set(self.held.entries()) - self.pending_handoffs()):
+            self.hand_over(key)
+
+    def hand_over(self, lease_key: str) -> str | None:
+        """With a leader, for a stopping worker that just released ``lease_key`` (or was
+        assigned it and never took it): assign it to the live worker that owns the fewest
+        leases (``_successor``) and notify that worker on a lease it holds, as a leader's
+        pass would, instead of leaving it to the leader's next pass and the notice after
+        it. The assignment is the leader's own
+        write (fenced on the counter the release left), so a leader that got there first
+        wins and nothing is assigned twice; the leader may move it again later. Returns
+        the worker it went to (None: left to the leader)."""
+        mode = self._leader
+        if mode is None:
+            return None
+        try:
+            lease = self.table.get(lease_key)
+        except TABLE_ERRORS as exc:
+            log.info("worker %s: reading %s to hand it over failed: %r",
+                     self.worker_id, lease_key, exc)
+            return None
+        if (lease is None or lease.is_finished or lease.parked is not None
+                or not (lease.lease_owner is None
+                        or (lease.lease_owner == self.worker_id and leader.unclaimed(lease)))):
+            return None  # finished, parked, or on its way to someone else
+        successor = self._successor(mode)
+        if successor is None:
+            return None
+        target, held = successor
+        if not self._assign(lease, target):
+            with self._state:
+                self._handed[target] -= 1
+            return None
+        self._notify(target, held)
+        log.info("worker %s handed %s over to %s", self.worker_id, lease_key, target)
+        return target
+
+    def _successor(self, mode: leader.LeaderMode) -> tuple[str, list[Lease]] | None:
+        """Who gets a lease a stopping worker lets go, and the leases it holds (where the
+        notice goes): of the workers that report, the one that owns the fewest leases,
+        counting those already handed to it. The reports and the lease table are read
+        once per shutdown (a scan, as a leader's pass makes). A report not rewritten for
+        three report intervals is left out, judged on this host's wall clock: a preference
+        only - a lease handed to a worker that died is assigned again by the leader once
+        it stays untaken (``leader.live_workers``)."""
+        with self._state:
+            view = self._leaving_view
+        if view is None:
+            try:
+                reports = mode.reports.table.read_all()
+                leases = self.table.list_leases(consistent=False)
+            except TABLE_ERRORS as exc:
+                log.info("worker %s: reading the fleet to hand its leases over failed: %r",
+                         self.worker_id, exc)
+                return None
+            stale_before = time.time() - 3 * mode.reports.settings.report_interval_s
+            live = {report.worker_id for report in reports
+                    if report.worker_id != self.worker_id
+                    and (report.written_at is None or report.written_at >= stale_before)}
+            owned = Counter(lease.lease_owner for lease in leases if not lease.is_finished)
+            held = leader.held_leases(leases, is_expired=lambda lease: False)
+            view = ({worker: owned[worker] for worker in live},
+                    {worker: held.get(worker, []) for worker in live})
+            with self._state:
+                self._leaving_view = view
+        counts, held_by = view
+        if not counts:
+            return None
+        with self._state:  # chosen and counted at once: releases are written in parallel
+            target = min(counts, key=lambda w: (counts[w] + self._handed.get(w, 0), w))
+            self._handed[target] = self._handed.get(target, 0) + 1
+        return target, held_by[target]
+
     def heard_notice(self) -> None:
         """A renewal returned a leader's new assignment notice: look for this worker's new
         leases at the next cycle (the coordinator wakes it)."""
@@ -470,12 +597,35 @@ class LeaseTaker:
         holds = held_then and len(self.held) > 0
         return last + (held_discovery_s if holds else mode.discovery_interval_s)
 
+    def _owned_keys(self) -> list[str]:
+        """The keys the owner index names this worker for; while the index cannot be read
+        (``leader.index_unreadable``: on AWS a new index backfills for minutes), those a
+        scan of the table does, at the price of the scans every worker makes without a
+        leader, until the index answers."""
+        try:
+            keys = self.table.keys_owned_by(self.worker_id)
+        except ClientError as exc:
+            if not leader.index_unreadable(exc):
+                raise
+            if not self._index_unreadable:
+                log.warning("worker %s: the owner index cannot be read yet (%s); looking for "
+                            "its leases by scanning the lease table until it can",
+                            self.worker_id, exc)
+            self._index_unreadable = True
+            return [lease.lease_key for lease in self.table.list_leases(consistent=False)
+                    if lease.lease_owner == self.worker_id]
+        if self._index_unreadable:
+            log.info("worker %s: the owner index answers; no more scans for its leases",
+                     self.worker_id)
+        self._index_unreadable = False
+        return keys
+
     def _discover(self) -> list[Lease]:
         """Take the leases the owner index names this worker for and it does not hold: read
         each (the index lags the table) and take it fenced on its counter, or wait for its
         previous holder to let go as a steal's handoff waits."""
         try:
-            keys = self.table.keys_owned_by(self.worker_id)
+            keys = self._owned_keys()
         except TABLE_ERRORS as exc:
             log.warning("worker %s: querying its leases failed: %r", self.worker_id, exc)
             return []

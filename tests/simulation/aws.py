@@ -53,8 +53,9 @@ def _copy(value: Any) -> Any:
 _CONTAINERS = (dict, list)
 
 
-def client_error(operation: str, code: str, status: int = 400, **extra: Any) -> ClientError:
-    response: Any = {"Error": {"Code": code, "Message": code},
+def client_error(operation: str, code: str, status: int = 400, message: str | None = None,
+                 **extra: Any) -> ClientError:
+    response: Any = {"Error": {"Code": code, "Message": message or code},
                      "ResponseMetadata": {"HTTPStatusCode": status}, **extra}
     return ClientError(response, operation)
 
@@ -387,6 +388,12 @@ class Dynamo:
         self.tables: dict[str, tuple[str, dict[str, Item]]] = {}
         #: table -> index name -> (hash key, range key or None); every index is KEYS_ONLY
         self.indexes: dict[str, dict[str, tuple[str, str | None]]] = {}
+        #: how long an index added to an existing table (UpdateTable) takes to build, in
+        #: virtual seconds: on AWS it backfills for minutes, and until then DescribeTable
+        #: says CREATING and a Query of it is refused
+        self.index_build_s = 0.0
+        #: (table, index name) -> the virtual time its backfill ends
+        self._backfilled_at: dict[tuple[str, str], float] = {}
         self.on_write: Callable[[str, str, Item | None, Item | None, dict[str, Any]],
                                 None] | None = None
 
@@ -407,8 +414,15 @@ class Dynamo:
         indexes = self.indexes.get(kw["TableName"], {})
         if indexes:
             table["GlobalSecondaryIndexes"] = [
-                {"IndexName": name, "IndexStatus": "ACTIVE"} for name in sorted(indexes)]
+                {"IndexName": name, "IndexStatus": "ACTIVE"} if self._built(kw["TableName"], name)
+                else {"IndexName": name, "IndexStatus": "CREATING", "Backfilling": True}
+                for name in sorted(indexes)]
+            if not all(self._built(kw["TableName"], name) for name in indexes):
+                table["TableStatus"] = "UPDATING"
         return {"Table": table}
+
+    def _built(self, table: str, index: str) -> bool:
+        return self.sim.now >= self._backfilled_at.get((table, index), 0.0)
 
     def create_table(self, **kw: Any) -> dict[str, Any]:
         if kw["TableName"] in self.tables:
@@ -425,7 +439,8 @@ class Dynamo:
         self.indexes.setdefault(table, {})[index["IndexName"]] = (keys["HASH"], keys.get("RANGE"))
 
     def update_table(self, **kw: Any) -> dict[str, Any]:
-        """Only what adding a global secondary index needs; the index is ACTIVE at once."""
+        """Only what adding a global secondary index needs; the index is ACTIVE after
+        ``index_build_s``."""
         self._table("UpdateTable", kw["TableName"])
         for update in kw.get("GlobalSecondaryIndexUpdates", []):
             if "Create" not in update:
@@ -433,6 +448,8 @@ class Dynamo:
             if update["Create"]["IndexName"] in self.indexes.get(kw["TableName"], {}):
                 raise client_error("UpdateTable", "ValidationException")
             self._add_index(kw["TableName"], update["Create"])
+            self._backfilled_at[(kw["TableName"], update["Create"]["IndexName"])] = (
+                self.sim.now + self.index_build_s)
         return {"TableDescription": {"TableName": kw["TableName"], "TableStatus": "ACTIVE"}}
 
     def query(self, **kw: Any) -> dict[str, Any]:
@@ -443,6 +460,10 @@ class Dynamo:
         index = self.indexes.get(kw["TableName"], {}).get(kw.get("IndexName", ""))
         if index is None:
             raise client_error("Query", "ValidationException")
+        if not self._built(kw["TableName"], kw["IndexName"]):
+            # DynamoDB's own words while a new index backfills
+            raise client_error("Query", "ValidationException", message=(
+                f"Cannot read from backfilling global secondary index: {kw['IndexName']}"))
         match = re.fullmatch(r"(#\w+) = (:\w+)", kw["KeyConditionExpression"].strip())
         if match is None:
             raise AssertionError(f"key condition the simulator does not know: {kw}")

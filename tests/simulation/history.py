@@ -106,6 +106,10 @@ FLAG_KEYS = 3
 #: (and the invariants of then), so FOUND.md's replay commands still show what they showed; every
 #: other seed runs the grown world
 CLASSIC_SEEDS = frozenset({1, 5, 6, 10, 40, 139, 159, 186, 338, 400, 471, 553, 625, 844, 947})
+#: the seeds whose stories FOUND.md tells (the classic ones and the grown world's,
+#: ``tests/test_simulation.py``'s FOUND_36) keep the choice of assigner they were found with
+STORIED_SEEDS = CLASSIC_SEEDS | frozenset({7, 19, 21, 72, 169, 173, 189, 223, 292, 341, 458, 464,
+                                           546, 559, 706, 794, 971})
 #: the operator's node name (its writes are not a worker's)
 OPERATOR = "operator"
 
@@ -140,6 +144,9 @@ class Plan:
     events: list[tuple[float, str, int]] = field(default_factory=list)
     #: ``--lease-assigner leader``: one elected worker scans and assigns (kclpy.leases.leader)
     leader: bool = False
+    #: with a leader: how long the owner index the first worker adds takes to build (virtual
+    #: seconds; ``Dynamo.index_build_s``), during which every Query of it is refused
+    index_build_s: float = 0.0
     #: the grown world of the edge review of 2026-12-06 (False: the classic world,
     #: ``CLASSIC_SEEDS``): per-worker state stores (each with its own cache), workers' clocks offset
     #: from Kinesis' arrival clock by up to ``skew_s`` both ways, a list-append workload checked on
@@ -155,6 +162,8 @@ class Plan:
 
     def describe(self) -> str:
         events = ", ".join(f"{what}@{when:.1f}" for when, what, _ in self.events)
+        index = (f", owner index built in {self.index_build_s:.0f}s" if self.index_build_s
+                 else "")
         f = self.faults
         grown = (f", grown world (clock skew {self.skew_s:.1f}s, max lag {self.max_lag_ms} ms, "
                  f"retention {'none' if self.retention_s is None else f'{self.retention_s:.0f}s'}"
@@ -162,7 +171,9 @@ class Plan:
         return (f"seed {self.seed}: {self.workers} workers, {self.shards} shards"
                 f"{' per stream, 2 streams' if self.multi_stream else ''}, {self.mode}"
                 f"{' + lag recovery' if self.recovery else ''}"
-                f"{', leader-assigned' if self.leader else ''}{grown}, {self.records} records, "
+                f"{', leader-assigned' if self.leader else ''}"
+                f"{index}"
+                f"{grown}, {self.records} records, "
                 f"faults until {self.quiet:.0f}s (throttle {f.throttle:.2f}, 5xx "
                 f"{f.server_error:.2f}, lost {f.lost:.2f}, delayed {f.delay:.2f}); {events}")
 
@@ -193,10 +204,19 @@ def plan_for(seed: int) -> Plan:
         # an operator resets the lease table: the leases come back with new counters
         plan.events.append((sim_rng.uniform(5.0, quiet - 5.0), "reset", 0))
     plan.events.sort()
-    # Two seeds in seven run with a leader. Decided by the seed alone, not by a draw of the
-    # plan's generator, so every other seed's history (FOUND's and OPEN's among them, whose
-    # residues are 1, 2, 3, 5 and 6) stays what it was.
-    plan.leader = seed % 7 in (0, 4)
+    # Nearly two seeds in three run with a leader: those of residue 0 or 4 modulo 7 (the
+    # two in seven that always did), and every other even seed but the storied ones.
+    # Decided by the seed alone, not by a draw of the plan's generator, so the histories
+    # of the odd and the storied seeds stay what they were.
+    storied = seed in STORIED_SEEDS
+    plan.leader = seed % 7 in (0, 4) or (not storied and seed % 2 == 0)
+    if plan.leader and not storied:
+        # Half of those add the owner index to a table where it takes a while to build
+        # (on AWS minutes): until then every Query of it is refused, as DynamoDB refuses
+        # reads of a backfilling index. A generator of its own, for the same reason.
+        index_rng = random.Random(seed * 15485863 + 7)
+        if index_rng.random() < 0.5:
+            plan.index_build_s = index_rng.uniform(3.0, quiet)
     if seed not in CLASSIC_SEEDS:
         if hosts_microbatch(seed):
             plan.mode = MICROBATCH
@@ -661,6 +681,7 @@ class History:
         self.sim = Sim(plan.seed, trace=trace)
         self.kinesis = Kinesis(self.sim)
         self.dynamo = Dynamo(self.sim)
+        self.dynamo.index_build_s = plan.index_build_s
         self.observer = Observer(self.sim, self.kinesis, plan)
         self.dynamo.on_write = self.observer.on_write
         self.observer.lease_items = lambda: self.dynamo.tables.get(APP, ("", {}))[1]
@@ -673,6 +694,8 @@ class History:
         self.parks: list[list[Any]] = []
         #: lease key -> when the operator's last ``shard resume`` of it succeeded
         self.resumed: dict[str, float] = {}
+        #: lease keys whose ``shard resume`` was sent and has not succeeded yet
+        self.resuming: set[str] = set()
         self.workers: dict[str, tuple[Node, Worker | None]] = {}
         self.produced: dict[str, list[tuple[int, str, bytes]]] = defaultdict(list)
         self._generation = 0
@@ -848,8 +871,11 @@ class History:
                     "--to", iso, "--force"]
             self._run_operator(what, argv, lambda started: self.rewinds.append((at, started)))
         elif what == "op-park":
+            # Not a shard still being resumed: the operator runs a refused resume again
+            # until it works, and one that works after a new park would end that park too
+            # (seed 36), a mistake of the simulated operator, not kclpy's
             keys = sorted(k for k, item in items.items()
-                          if _checkpoint_value(item) != SHARD_END
+                          if _checkpoint_value(item) != SHARD_END and k not in self.resuming
                           and not any(p[0] == k and p[2] is None for p in self.parks))
             if not keys:
                 return
@@ -865,9 +891,14 @@ class History:
                     if park[2] is not None:
                         return  # ended by a reset of the lease table: nothing to resume
                     park[2] = sim.now
+                    self.resuming.add(key)
+
+                    def resumed(_: float) -> None:
+                        self.resumed[key] = sim.now
+                        self.resuming.discard(key)
+
                     self._run_operator("op-resume", ["shard", "resume", *common,
-                                                     "--shard-id", key],
-                                       lambda _: self.resumed.__setitem__(key, sim.now), True)
+                                                     "--shard-id", key], resumed, True)
 
                 resume_at = min(sim.now + plan.failover_s * (1 + arg % 2), plan.quiet)
                 sim.at(max(resume_at, sim.now), resume)
