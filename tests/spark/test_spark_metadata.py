@@ -14,6 +14,7 @@ from typing import Any
 
 import boto3
 import pytest
+import botocore.session
 
 from kclpy.errors import ConfigError
 from kclpy.local import LocalEndpoint
@@ -30,6 +31,8 @@ from kclpy.spark.metadata import (
 from kclpy.spark.offsets import Budget, UptoEnd
 from kclpy.spark.options import SourceOptions
 from tests.support.counting import CountingProxy
+from tests.support.faultproxy import Call
+from tests.support.iam import Names, denied, needless, role_statements
 from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
 
 DRIVER, EXECUTOR = "kclpy-spark-driver", "kclpy-spark-executor"
@@ -230,15 +233,38 @@ def proxy(kinesis_mock: LocalEndpoint) -> Iterator[CountingProxy]:
         yield counting
 
 
+def recorded_calls(monkeypatch: pytest.MonkeyPatch) -> list[Call]:
+    """Every call of the clients made in this process from now on, with its parameters: the
+    recording proxy reads JSON requests only, and S3's are REST. (Through the clients'
+    events, so that the suite's own recorder still sees kclpy make them.)"""
+    calls: list[Call] = []
+    create = botocore.session.Session.create_client
+
+    def creating(session: botocore.session.Session, *args: Any, **kwargs: Any) -> Any:
+        client = create(session, *args, **kwargs)
+        service = client.meta.service_model.service_name
+
+        def record(params: dict[str, Any], model: Any, **_: Any) -> None:
+            calls.append(Call(service, model.name, dict(params)))
+
+        client.meta.events.register("before-parameter-build", record)
+        return client
+
+    monkeypatch.setattr(botocore.session.Session, "create_client", creating)
+    return calls
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("kind", ["s3", "dynamodb"])
 def test_a_row_limit_with_ends_in_a_bucket_or_table_reads_each_record_once(
         proxy: CountingProxy, kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint,
-        kind: str) -> None:
+        monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
     """As with a shared directory (tests/spark/test_spark_source_costs.py): the executors
     record where each part stopped, so the driver reads no batch again, about one fetch per
     row in all where the driver reading to find out costs two; and as batches commit, only
-    the last committed batch's records remain."""
+    the last committed batch's records remain. Every call the driver and the executors made
+    is allowed by the role's policies in docs/iam.md, and each action they allow was
+    needed."""
     from tests.spark.test_spark_source_costs import available_now, make_reader
 
     read_max_rows = pytest.importorskip("pyspark.sql.streaming.datasource").ReadMaxRows
@@ -257,7 +283,9 @@ def test_a_row_limit_with_ends_in_a_bucket_or_table_reads_each_record_once(
                          minFetchPeriod="0", metadataPath=where,
                          metadataEndpointUrl=moto_server.url)
 
+    calls = recorded_calls(monkeypatch)
     rows, batches = available_now(reader, read_max_rows(100))
+    monkeypatch.undo()
 
     assert sorted(rows) == sorted(payloads)
     assert batches >= 8
@@ -269,3 +297,9 @@ def test_a_row_limit_with_ends_in_a_bucket_or_table_reads_each_record_once(
     else:
         kept = dynamodb(moto_server.url).scan(TableName=table)["Items"]
     assert 1 <= len(kept) <= 4, f"one record per shard of the last budgeted batch: {kept}"
+    names = Names(region="us-east-1", account="000000000000", stream=stream,
+                  metadata_table=table if kind == "dynamodb" else "none",
+                  bucket=bucket if kind == "s3" else "none", prefix=f"{stream}/")
+    role = "spark source, ends in S3" if kind == "s3" else "spark source, ends in DynamoDB"
+    assert denied(role_statements(role, names), calls, names) == []
+    assert needless(role_statements(role, names), calls, names) == []
