@@ -303,3 +303,46 @@ def test_a_row_limit_with_ends_in_a_bucket_or_table_reads_each_record_once(
     role = "spark source, ends in S3" if kind == "s3" else "spark source, ends in DynamoDB"
     assert denied(role_statements(role, names), calls, names) == []
     assert needless(role_statements(role, names), calls, names) == []
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["s3", "dynamodb"])
+def test_a_spark_query_with_ends_in_a_bucket_or_table_fetches_each_record_once(
+        spark: Any, proxy: CountingProxy, kinesis_mock: LocalEndpoint,
+        moto_server: LocalEndpoint, tmp_path: Path, kind: str) -> None:
+    """The same through Spark itself: its executors (Python workers the JVM started, with no
+    folder in common with the driver's but the bucket or table) record the ends, and the
+    driver plans from them without fetching a batch again."""
+    if not hasattr(pytest.importorskip("pyspark.sql.datasource").DataSourceStreamReader,
+                   "getDefaultReadLimit"):
+        pytest.skip("maxRecordsPerBatch is a read limit from Spark 4.2")
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-meta-q")
+    create_stream(kinesis, stream, 2)
+    payloads = [f"q-{n}".encode() for n in range(600)]
+    put_plain(kinesis, stream, payloads)
+    where = (f"s3://{new_bucket(moto_server.url)}/{stream}" if kind == "s3"
+             else f"dynamodb://{unique_name('ends')}/{stream}")
+    reader = (spark.readStream.format("kinesis").option("streamName", stream)
+              .option("endpointUrl", proxy.url).option("region", "us-east-1")
+              .option("startingPosition", "TRIM_HORIZON").option("settleTime", "0")
+              .option("maxRecordsPerBatch", "100").option("metadataPath", where)
+              .option("metadataEndpointUrl", moto_server.url))
+    rows: list[bytes] = []
+    batches: list[int] = []
+
+    def collect(df: Any, batch_id: int) -> None:
+        batches.append(batch_id)
+        rows.extend(bytes(r.data) for r in df.collect())
+
+    query = (reader.load().writeStream.foreachBatch(collect)
+             .option("checkpointLocation", str(tmp_path / "checkpoint"))
+             .trigger(availableNow=True).start())
+    assert query.awaitTermination(240), "availableNow query did not finish"
+    assert query.exception() is None
+
+    assert sorted(rows) == sorted(payloads)
+    assert len(batches) >= 6
+    assert proxy.records[EXECUTOR] / len(rows) <= 1.1, dict(proxy.records)
+    assert proxy.records[DRIVER] / len(rows) <= 0.05, dict(proxy.records)
