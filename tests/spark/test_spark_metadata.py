@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import boto3
-import pytest
 import botocore.session
+import pytest
 
 from kclpy.errors import ConfigError
 from kclpy.local import LocalEndpoint
