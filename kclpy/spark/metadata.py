@@ -343,9 +343,9 @@ def parse_location(text: str) -> Location:
             raise ValueError(f"{text!r} is not scheme://name/prefix")
         return Location("", text)
     scheme, name, prefix = url["scheme"].lower(), url["name"], url["prefix"]
-    if scheme not in STORES or not scheme:
+    if scheme not in STORES:
         raise ValueError(f"{text!r}: a directory path, s3://bucket/prefix or "
-                         "dynamodb://table/prefix, not a " + scheme + ":// URL")
+                         f"dynamodb://table/prefix, not {scheme}://")
     pattern, what = (_BUCKET, "an S3 bucket name") if scheme == "s3" else (_TABLE,
                                                                           "a DynamoDB table name")
     if not pattern.match(name):

@@ -7,6 +7,8 @@ fetches each record once, as with a shared directory.
 
 from __future__ import annotations
 
+import io
+import json
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +17,8 @@ from typing import Any
 import boto3
 import botocore.session
 import pytest
+from botocore.response import StreamingBody
+from botocore.stub import Stubber
 
 from kclpy.errors import ConfigError
 from kclpy.local import LocalEndpoint
@@ -57,7 +61,7 @@ def new_bucket(url: str) -> str:
     return bucket
 
 
-def store_options(url: str, where: str, endpoint: str | None = None) -> SourceOptions:
+def store_options(where: str, endpoint: str | None = None) -> SourceOptions:
     given = {"streamName": "s", "region": "us-east-1", "metadataPath": where}
     if endpoint is not None:
         given["metadataEndpointUrl"] = endpoint
@@ -77,7 +81,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> MetadataStore:
         fixture = "moto_server" if kind == "dynamodb" else "embedded_endpoint"
         endpoint = request.getfixturevalue(fixture).url
         where = f"dynamodb://{unique_name('ends')}/query-1"
-    opened = open_store(store_options(endpoint or "", where, endpoint))
+    opened = open_store(store_options(where, endpoint))
     assert opened is not None
     return opened
 
@@ -159,8 +163,7 @@ def test_the_table_is_created_on_first_use_pay_per_request(
     table = unique_name("ends")
     client = dynamodb(moto_server.url)
     assert table not in client.list_tables()["TableNames"]
-    opened = open_store(store_options(moto_server.url, f"dynamodb://{table}",
-                                      moto_server.url))
+    opened = open_store(store_options(f"dynamodb://{table}", moto_server.url))
     assert isinstance(opened, TableStore)
     described = client.describe_table(TableName=table)["Table"]
     assert described["BillingModeSummary"]["BillingMode"] == "PAY_PER_REQUEST"
@@ -180,6 +183,34 @@ def test_a_missing_bucket_is_an_error_naming_it(moto_server: LocalEndpoint) -> N
         store.put(SHARD, upto(Position("1")), Position("2"))
 
 
+def test_a_write_s3_answers_409_is_tried_again_and_finds_the_winner() -> None:
+    """409 ConditionalRequestConflict: another attempt's write of the same record is in
+    flight, which S3 asks to retry; the retry's 412 means that one landed: its end stands."""
+    client = boto3.client("s3", region_name="us-east-1")
+    store = ObjectStore(client, "bucket", "q/")
+    end = upto(Position("1"))
+    winner = json.dumps({"end": end.encode(), "reached": "AFTER/5/0"}).encode()
+    with Stubber(client) as stub:
+        stub.add_client_error("put_object", "ConditionalRequestConflict", http_status_code=409)
+        stub.add_client_error("put_object", "PreconditionFailed", http_status_code=412)
+        stub.add_response("get_object", {"Body": StreamingBody(io.BytesIO(winner),
+                                                               len(winner))})
+        assert store.put(SHARD, end, Position("9")) == Position("5")
+        stub.assert_no_pending_responses()
+
+
+def test_a_refused_put_without_the_old_item_reads_the_winner() -> None:
+    """A DynamoDB-compatible store that does not return the item a condition failed on: the
+    recorded end is read, not assumed."""
+    client = boto3.client("dynamodb", region_name="us-east-1")
+    store = TableStore(client, "ends", "")
+    with Stubber(client) as stub:
+        stub.add_client_error("put_item", "ConditionalCheckFailedException")
+        stub.add_response("get_item", {"Item": {"reached": {"S": "AFTER/5/0"}}})
+        assert store.put(SHARD, upto(Position("1")), Position("9")) == Position("5")
+        stub.assert_no_pending_responses()
+
+
 @pytest.mark.parametrize(("text", "location"), [
     ("/mnt/shared/ends", Location("", "/mnt/shared/ends")),
     ("s3://my-bucket", Location("s3", "my-bucket", "")),
@@ -194,7 +225,7 @@ def test_metadata_path_names_a_directory_a_bucket_or_a_table(text: str,
 
 
 @pytest.mark.parametrize(("options", "option", "words"), [
-    ({"metadataPath": "hdfs://namenode/ends"}, "metadataPath", "not a hdfs:// URL"),
+    ({"metadataPath": "hdfs://namenode/ends"}, "metadataPath", "not hdfs://"),
     ({"metadataPath": "s3://"}, "metadataPath", "not an S3 bucket name"),
     ({"metadataPath": "s3://Bad_Bucket/x"}, "metadataPath", "not an S3 bucket name"),
     ({"metadataPath": "dynamodb://t"}, "metadataPath", "not a DynamoDB table name"),
@@ -217,7 +248,7 @@ def test_a_bad_metadata_option_is_one_line_naming_it(options: dict[str, str], op
 
 def test_a_directory_store_is_the_files_it_always_was(tmp_path: Path) -> None:
     """Records written by an earlier release under a directory are found after upgrading."""
-    opened = open_store(store_options("", str(tmp_path)))
+    opened = open_store(store_options(str(tmp_path)))
     assert isinstance(opened, PositionStore)
     end = upto(Position("4"))
     PositionStore(str(tmp_path)).put(SHARD, end, Position("8"))
