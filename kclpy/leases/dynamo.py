@@ -17,7 +17,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -58,7 +58,8 @@ def cancellation_reasons(exc: ClientError) -> list[dict[str, Any]]:
 
 class DynamoTable:
     """One table and the client that reaches it. Thread-safe: it holds no mutable state
-    besides the client's. ``hash_key`` names the string hash key the table is created with."""
+    besides the client's. ``hash_key`` (and ``range_key``, when the table's items are
+    queried by hash key) name the string keys the table is created with."""
 
     #: what the table is, for messages
     kind = "DynamoDB"
@@ -71,6 +72,7 @@ class DynamoTable:
         table_name: str,
         *,
         hash_key: str,
+        range_key: str | None = None,
         metrics: Metrics | None = None,
         max_attempts: int = 5,
         backoff_base_s: float = 0.05,
@@ -82,6 +84,7 @@ class DynamoTable:
         self.client = client
         self.table_name = table_name
         self.hash_key = hash_key
+        self.range_key = range_key
         self._metrics = metrics if metrics is not None else NOWHERE
         # short waits: a lease renewal must land within the failover time
         self._retries = RetryPolicy(backoff_base_s, backoff_cap_s, max_attempts=max_attempts)
@@ -131,13 +134,17 @@ class DynamoTable:
         """
         created = False
         if self._status() is None:
+            keys: list[tuple[str, Literal["HASH", "RANGE"]]] = [(self.hash_key, "HASH")]
+            if self.range_key is not None:
+                keys.append((self.range_key, "RANGE"))
             try:
                 self.call(
                     "CreateTable",
                     self.client.create_table,
                     TableName=self.table_name,
-                    KeySchema=[{"AttributeName": self.hash_key, "KeyType": "HASH"}],
-                    AttributeDefinitions=[{"AttributeName": self.hash_key, "AttributeType": "S"}],
+                    KeySchema=[{"AttributeName": name, "KeyType": kind} for name, kind in keys],
+                    AttributeDefinitions=[{"AttributeName": name, "AttributeType": "S"}
+                                          for name, _ in keys],
                     BillingMode="PAY_PER_REQUEST",
                 )
                 created = True

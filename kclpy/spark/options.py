@@ -28,6 +28,7 @@ from botocore.credentials import (
 from kclpy.config import parse_timestamp
 from kclpy.errors import ConfigError, closest
 from kclpy.position import AT_TIMESTAMP, LATEST, TRIM_HORIZON
+from kclpy.spark.metadata import parse_location
 from kclpy.spark.reading import StreamRef
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ OPTIONS: dict[str, str | None] = {
     "fetchBufferSize": None,
     "maxFetchDuration": None,
     "metadataPath": None,
+    "metadataEndpointUrl": None,
     "maxRecordsPerFetch": "10000",
     "deaggregate": "true",
     "minFetchPeriod": "1s",
@@ -106,8 +108,8 @@ UNSUPPORTED: dict[str, str] = {
                                      "consumer outlives any one query (kclpy "
                                      "deregister-consumer removes it)",
     **dict.fromkeys(["kinesis.metadataCommitterType", "kinesis.dynamodb.tableName"],
-                    "the ends executors reach are kept in files under metadataPath (a "
-                    "directory the driver and executors share), not in DynamoDB"),
+                    "the store of the ends executors reach is named by metadataPath alone: "
+                    "dynamodb://<table>, s3://<bucket>/<prefix> or a shared directory"),
     "maxFetchRate": "reads are paced per shard by minFetchPeriod and bounded per batch by "
                     "fetchBufferSize, maxFetchRecordsPerShard and maxFetchDuration",
     "shardsPerTask": "each shard with new records is one task",
@@ -131,7 +133,6 @@ _ROLE_ARN = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+$")
 _SESSION_NAME = re.compile(r"^[\w+=,.@-]{2,64}$")
 _EXTERNAL_ID = re.compile(r"^[\w+=,.@:/-]{2,1224}$")
 _URL = re.compile(r"^https?://[^/\s]+")
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/")
 _BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|kb|k|mb|m|gb|g|tb|t)?\s*$", re.IGNORECASE)
 _UNIT_BYTES = {"b": 1, "k": 1024, "kb": 1024, "m": 1024**2, "mb": 1024**2, "g": 1024**3,
                "gb": 1024**3, "t": 1024**4, "tb": 1024**4}
@@ -214,9 +215,12 @@ class SourceOptions:
     fetch_buffer_bytes: int | None = None
     #: how long an executor reads one shard for one batch
     max_fetch_duration_ms: int | None = None
-    #: a directory the driver and every executor see: where executors record the end a
-    #: budgeted batch reached (kclpy.spark.metadata)
+    #: where executors record the end a budgeted batch reached, which the driver and every
+    #: executor reach: a directory, s3://bucket/prefix or dynamodb://table/prefix
+    #: (kclpy.spark.metadata)
     metadata_path: str | None = None
+    #: the S3 or DynamoDB endpoint of metadata_path's store (None: the standard chain's)
+    metadata_endpoint_url: str | None = None
     max_records_per_fetch: int = 10_000
     deaggregate: bool = True
     #: shortest time between two driver probes of one shard
@@ -342,7 +346,9 @@ class SourceOptions:
         per_fetch = integer("maxRecordsPerFetch", 10_000, 1, 10_000)
         assert per_fetch is not None
         endpoint, sts = text("endpointUrl") or None, text("stsEndpoint") or None
-        for option, url in (("endpointUrl", endpoint), ("stsEndpoint", sts)):
+        metadata_endpoint = text("metadataEndpointUrl") or None
+        for option, url in (("endpointUrl", endpoint), ("stsEndpoint", sts),
+                            ("metadataEndpointUrl", metadata_endpoint)):
             if url is not None and not _URL.match(url):
                 raise ConfigError(written(option), f"{url!r} is not an http(s) URL")
         role = text("roleArn") or None
@@ -374,10 +380,13 @@ class SourceOptions:
             if buffer_bytes < 1:
                 raise ConfigError(written("fetchBufferSize"), "must be at least 1 byte")
         metadata = text("metadataPath") or None
-        if metadata is not None and _SCHEME.match(metadata):
-            raise ConfigError(written("metadataPath"),
-                              f"{metadata!r}: a directory path that the driver and every "
-                              "executor see (a local or mounted filesystem), not a URL")
+        try:
+            scheme = None if metadata is None else parse_location(metadata).scheme
+        except ValueError as exc:
+            raise ConfigError(written("metadataPath"), str(exc)) from None
+        if metadata_endpoint is not None and not scheme:
+            raise ConfigError(written("metadataEndpointUrl"), "only meaningful with a "
+                              "metadataPath of s3:// or dynamodb://")
         if fetch_duration is not None and metadata is None:
             raise ConfigError(written("maxFetchDuration"),
                               "needs metadataPath: where a batch cut by time ended is known "
@@ -395,6 +404,7 @@ class SourceOptions:
             fetch_buffer_bytes=buffer_bytes,
             max_fetch_duration_ms=fetch_duration,
             metadata_path=metadata,
+            metadata_endpoint_url=metadata_endpoint,
             max_records_per_fetch=per_fetch,
             deaggregate=boolean("deaggregate", True),
             min_fetch_period_ms=duration("minFetchPeriod", 1000, 0),
@@ -426,16 +436,17 @@ class SourceOptions:
                     max_pool_connections=pool,
                     retries={"mode": "standard", "total_max_attempts": 1},
                     connect_timeout=10, read_timeout=30, user_agent_extra=agent)
-                session = self._session()
+                session = self.session()
                 session.events.register("creating-serializer.kinesis", _millisecond_timestamps)
                 cached = session.client("kinesis", endpoint_url=self.endpoint_url,
                                         config=config)
                 _CLIENTS[key] = cached
             return cached
 
-    def _session(self) -> boto3.session.Session:
+    def session(self) -> boto3.session.Session:
         """The standard credential chain, or a role assumed from it with credentials that
-        botocore refreshes before they expire (a driver outlives an STS session)."""
+        botocore refreshes before they expire (a driver outlives an STS session): for
+        Kinesis and for metadataPath's store alike."""
         if self.role_arn is None:
             return boto3.session.Session(region_name=self.region)
         base = botocore.session.Session()

@@ -54,7 +54,7 @@ from kclpy.position import AFTER, AT_TIMESTAMP, LATEST, SHARD_END, Position
 from kclpy.retrieval.clock import SKEW_MARGIN_MS, kinesis_clock
 from kclpy.retrieval.registration import ConsumerRegistration
 from kclpy.spark.arrow import SPARK_SCHEMA_DDL, records_to_batches
-from kclpy.spark.metadata import ConflictingEndError, PositionStore
+from kclpy.spark.metadata import ConflictingEndError, MetadataStore, open_store
 from kclpy.spark.offsets import (
     OffsetEntry,
     UptoEnd,
@@ -316,9 +316,8 @@ class KinesisStreamReader(DataSourceStreamReader):
         self._cursor = plan.offset
         return encode_offset(plan.offset)
 
-    def _store(self) -> PositionStore | None:
-        path = self.options.metadata_path
-        return None if path is None else PositionStore(path)
+    def _store(self) -> MetadataStore | None:
+        return open_store(self.options)
 
     def _resolve_all(self, given: Mapping[str, OffsetEntry]) -> dict[str, Position]:
         """The offset's positions with every budgeted end replaced by where it stopped."""

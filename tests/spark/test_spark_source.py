@@ -438,7 +438,7 @@ def test_offsets_round_trip_and_reject_garbage() -> None:
     ({"streamName": "s", "maxFetchDuration": "10s"}, "maxFetchDuration"),
     ({"streamName": "s", "kinesis.maxFetchTimePerShardSec": "10"},
      "kinesis.maxFetchTimePerShardSec"),
-    ({"streamName": "s", "metadataPath": "s3://bucket/ends"}, "metadataPath"),
+    ({"streamName": "s", "metadataPath": "hdfs://namenode/ends"}, "metadataPath"),
     ({"streamName": "s", "maxFetchRate": "1.0"}, "maxFetchRate"),
     ({"streamName": "s", "consumerMode": "push"}, "consumerMode"),
     ({"streamName": "s", "consumerMode": "efo"}, "consumerName"),

@@ -38,10 +38,16 @@ ROLES: dict[str, tuple[str, ...]] = {
     "monitor": ("monitor",),
     "spark source": ("spark-source",),
     "spark fan-out source": ("spark-source", "spark-fan-out"),
+    "spark source, ends in DynamoDB": ("spark-source", "spark-metadata-table"),
+    "spark source, ends in S3": ("spark-source", "spark-metadata-bucket"),
 }
 
 #: the services kclpy calls, by their IAM prefix
-SERVICES = ("kinesis", "dynamodb", "cloudwatch")
+SERVICES = ("kinesis", "dynamodb", "cloudwatch", "s3")
+
+#: S3 operations whose IAM action has another name (the others are named as the operation)
+S3_ACTIONS = {"ListObjectsV2": "ListBucket", "DeleteObjects": "DeleteObject",
+              "HeadObject": "GetObject"}
 
 #: a TransactWriteItems entry -> the IAM action it is authorised by
 TRANSACT_ENTRIES = {"Put": "PutItem", "Update": "UpdateItem", "Delete": "DeleteItem",
@@ -67,7 +73,8 @@ CONDITIONAL = {
 LOCAL_ONLY = ROOT / "kclpy" / "local"
 
 _HEADING = re.compile(r"^### `(?P<name>[a-z-]+)` policy\s*$")
-_PLACEHOLDER = re.compile(r"\b(REGION|ACCOUNT|STREAM|APPLICATION|CONSUMER|STATE_TABLE|NAMESPACE)\b")
+_PLACEHOLDER = re.compile(r"\b(REGION|ACCOUNT|STREAM|APPLICATION|CONSUMER|STATE_TABLE|NAMESPACE"
+                          r"|METADATA_TABLE|BUCKET|PREFIX)\b")
 
 
 @dataclass(frozen=True)
@@ -106,11 +113,16 @@ class Names:
     consumer: str = "none"
     state_table: str = "none"
     namespace: str = "none"
+    metadata_table: str = "none"
+    bucket: str = "none"
+    prefix: str = "none"
 
     def fill(self, text: str) -> str:
         values = {"REGION": self.region, "ACCOUNT": self.account, "STREAM": self.stream,
                   "APPLICATION": self.application, "CONSUMER": self.consumer,
-                  "STATE_TABLE": self.state_table, "NAMESPACE": self.namespace}
+                  "STATE_TABLE": self.state_table, "NAMESPACE": self.namespace,
+                  "METADATA_TABLE": self.metadata_table, "BUCKET": self.bucket,
+                  "PREFIX": self.prefix}
         return _PLACEHOLDER.sub(lambda m: values[m[1]], text)
 
     @property
@@ -178,6 +190,14 @@ def needs(call: Call, names: Names) -> list[Need]:
     if call.service == "cloudwatch":
         return [Need(f"cloudwatch:{call.operation}", "*",
                      {"cloudwatch:namespace": str(params.get("Namespace"))})]
+    if call.service == "s3":
+        action = f"s3:{S3_ACTIONS.get(call.operation, call.operation)}"
+        bucket = f"arn:aws:s3:::{params['Bucket']}"
+        if call.operation == "ListObjectsV2":
+            return [Need(action, bucket)]
+        keys = ([o["Key"] for o in params["Delete"]["Objects"]]
+                if call.operation == "DeleteObjects" else [params["Key"]])
+        return [Need(action, f"{bucket}/{key}") for key in keys]
     raise ValueError(f"a call to a service kclpy does not use: {call}")
 
 
@@ -273,6 +293,8 @@ def actions_of(service: str, operation: str) -> set[str]:
     """The IAM actions a call of ``operation`` can need (a transaction: each entry's)."""
     if (service, operation) == ("dynamodb", "TransactWriteItems"):
         return {f"dynamodb:{action}" for action in TRANSACT_ENTRIES.values()}
+    if service == "s3":
+        return {f"s3:{S3_ACTIONS.get(operation, operation)}"}
     return {f"{service}:{operation}"}
 
 
