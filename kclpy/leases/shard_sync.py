@@ -69,8 +69,6 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from botocore.exceptions import ClientError
-
 from kclpy.errors import ConfigError, LeaseLostError
 from kclpy.leases.cleanup import has_progressed
 from kclpy.leases.lease import Lease, incarnation_epoch, new_incarnation, same_stream
@@ -83,7 +81,7 @@ from kclpy.position import (
     TRIM_HORIZON,
     Position,
 )
-from kclpy.retry import THROTTLED, RetryPolicy, classify
+from kclpy.retry import GaveUp, RetryPolicy, is_throttle, retrying
 from kclpy.streams import multi_stream_lease_key
 
 if TYPE_CHECKING:
@@ -431,18 +429,17 @@ class ShardSyncer:
         return shard_id if self.stream is None else multi_stream_lease_key(self.stream, shard_id)
 
     def _list_page(self, params: dict[str, Any]) -> dict[str, Any]:
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return dict(self._kinesis.list_shards(**params))
-            except ClientError as exc:
-                if classify(exc) != THROTTLED:
-                    raise
-                self._metrics.inc(THROTTLES, "ListShards")
-                if self._retries.gives_up(attempt):
-                    raise
-                self._sleep(self._retries.delay(attempt - 1, self._rng))
+        def throttled(exc: BaseException) -> bool:
+            if not is_throttle(exc):
+                return False
+            self._metrics.inc(THROTTLES, "ListShards")
+            return True
+
+        try:
+            return retrying(lambda: dict(self._kinesis.list_shards(**params)), self._retries,
+                            retry_on=throttled, wait=self._sleep, rng=self._rng)
+        except GaveUp as gave_up:
+            raise gave_up.last from None
 
     def list_shards(self) -> list[Shard]:
         """Every shard of the stream, following NextToken the way AWS requires: the stream
