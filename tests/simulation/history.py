@@ -696,6 +696,8 @@ class History:
         self.resumed: dict[str, float] = {}
         #: lease keys whose ``shard resume`` was sent and has not succeeded yet
         self.resuming: set[str] = set()
+        #: shards whose ``shard park`` is running (a failed one keeps its shard here)
+        self.parking: set[str] = set()
         self.workers: dict[str, tuple[Node, Worker | None]] = {}
         self.produced: dict[str, list[tuple[int, str, bytes]]] = defaultdict(list)
         self._generation = 0
@@ -874,14 +876,19 @@ class History:
             # Not a shard still being resumed: the operator runs a refused resume again
             # until it works, and one that works after a new park would end that park too
             # (seed 36), a mistake of the simulated operator, not kclpy's
+            # nor one whose park is still running: two parks in flight end with the same
+            # resume, and the later one's own resume then fails for ever (seed 375)
             keys = sorted(k for k, item in items.items()
                           if _checkpoint_value(item) != SHARD_END and k not in self.resuming
+                          and k not in self.parking
                           and not any(p[0] == k and p[2] is None for p in self.parks))
             if not keys:
                 return
             key = keys[arg % len(keys)]
+            self.parking.add(key)
 
             def parked(started: float) -> None:
+                self.parking.discard(key)
                 park: list[Any] = [key, sim.now, None]
                 self.parks.append(park)
 
