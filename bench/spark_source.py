@@ -260,7 +260,7 @@ def run_floor(expect: int, rows_per_batch: int, kpl: bool) -> Rates:
     page = [Record(sequence_number=str(10**55 + i), partition_key=f"pk-{i % 1000}",
                    timestamp_millis=1_700_000_000_000 + i,
                    sub_sequence_number=i % 244 if kpl else 0,
-                   data=bytes(RECORD_SIZE)) for i in range(10_000)]
+                   data=bytes(RECORD_SIZE)) for i in range(min(10_000, rows_per_batch))]
     batch = records_to_batch("bench", "shardId-000000000000", page)
 
     class Floor(DataSource):
