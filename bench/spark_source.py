@@ -32,8 +32,9 @@ same records) makes a column of its own.
 
 Run: PYTHONPATH=. python bench/spark_source.py [--records 1000000] [--shards 4]
      [--rows-per-batch 100000] [--streams plain,kpl] [--runs worker,source,microbatch,floor]
-     [--limit-records 300000] [--smoke]
-(``--smoke``: 20,000 records and no limit section, to try the harness in a minute or two.)
+     [--limit-records 300000] [--smoke] [--executor-only [--profile]]
+(``--smoke``: 20,000 records and no limit section, to try the harness in a minute or two;
+``--executor-only``: a task's read in this process, no Spark, to profile the Python side.)
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
 from consume import ReplayProcess, child_environment, run_child  # noqa: E402
+from replay import FIRST_ARRIVAL_MS  # noqa: E402
 
 REGION = "us-east-1"
 #: payload bytes of the main streams' records (plain records, and KPL user records)
@@ -344,6 +346,49 @@ def run_contender(kind: str, kinesis: str, dynamodb: str, stream: str, expect: i
     return run_spark_child(kind, kinesis, dynamodb, stream, expect, rows_per_batch, kpl)
 
 
+# -- the executor's own Python work, without Spark ------------------------------------------------
+
+def executor_only(records: int, kpl: bool, profile: bool) -> float:
+    """Rows per CPU second of ``KinesisStreamReader.read`` on one shard part of ``records``
+    records (the whole shard, ended by an arrival time as planned batches are), called in
+    this process with no Spark around it: what a task costs in Python, before Spark's
+    Arrow hand-off. ``profile`` prints cProfile's top functions on a CPU clock."""
+    import cProfile
+    import pstats
+
+    from kclpy.position import Position
+    from kclpy.spark.options import SourceOptions
+    from kclpy.spark.reading import StreamRef, list_shards
+    from kclpy.spark.source import KinesisPartition, KinesisStreamReader
+
+    os.environ.update({k: v for k, v in child_environment().items() if k.startswith("AWS_")})
+    spec = f"s:1:{records}:{RECORD_SIZE}{':kpl' if kpl else ''}"
+    with ReplayProcess(sys.executable, [spec]) as replay:
+        options = SourceOptions.parse({"streamName": "s", "endpointUrl": replay.url,
+                                       "region": REGION})
+        reader = KinesisStreamReader(options)
+        stream = StreamRef("s")
+        shard = list_shards(options.client(), stream)[0]
+
+        def part(until_ms: int) -> KinesisPartition:
+            return KinesisPartition(stream, shard, shard.shard_id,
+                                    Position.trim_horizon().encode(),
+                                    Position.at_timestamp(until_ms).encode())
+
+        # a first small part: imports, the client and the first connection outside the clock
+        sum(batch.num_rows for batch in reader.read(part(FIRST_ARRIVAL_MS + 100)))
+        profiler = cProfile.Profile(time.process_time)
+        started = time.process_time()
+        if profile:
+            profiler.enable()
+        rows = sum(batch.num_rows for batch in reader.read(part(int(time.time() * 1000))))
+        profiler.disable()
+        cpu = time.process_time() - started
+    if profile:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
+    return rows / cpu
+
+
 # -- the Java KCL's column of the limit table ----------------------------------------------------
 
 def java_rates(records: int, javac: str, dynamodb: str) -> dict[str, float]:
@@ -427,6 +472,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="records per limit stream (0: no limit section)")
     parser.add_argument("--javac", help="a JDK's javac for the Java KCL's column "
                                         "(default: $JAVA_HOME/bin/javac, PATH)")
+    parser.add_argument("--executor-only", action="store_true",
+                        help="only the executor's read in this process, no Spark "
+                             "(--records on one shard, plain and KPL)")
+    parser.add_argument("--profile", action="store_true",
+                        help="with --executor-only: cProfile's top functions")
     parser.add_argument("--smoke", action="store_true",
                         help="20,000 records in batches of 4,000, no limit section")
     parser.add_argument("--child", choices=("source", "microbatch", "floor"),
@@ -439,6 +489,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = parser.parse_args(argv)
     if options.child:
         print(json.dumps(asdict(child(options))), flush=True)
+        return 0
+    if options.executor_only:
+        for name in ("plain", "kpl"):
+            rate = executor_only(options.records, name == "kpl", options.profile)
+            print(f"{name}: {rate:,.0f} rows per CPU s in the executor's read, no Spark",
+                  flush=True)
         return 0
     if options.smoke:
         options.records, options.rows_per_batch, options.limit_records = 20_000, 4_000, 0
