@@ -685,13 +685,14 @@ def test_a_bound_cuts_rows_and_aggregates_where_it_cuts_the_records_one_by_one()
                          None if i % 4 == 0 else 1_700_000_000.0005 + i / 1000)
                         for i in range(12)])
     users = UserRecords("9" * 30, 1_700_000_000.02, [b"a", b"b"], ["p", "q"])
-    for records in (rows, Records([rows, users]), Records([users, rows])):
+    cases: list[Records | WireRecords] = [rows, Records([rows, users]), Records([users, rows])]
+    for records in cases:
         built = list(records)
         for until in (1_699_999_999_000, 1_700_000_000_001, 1_700_000_000_005,
                       1_700_000_000_011, 1_700_000_000_020, 1_700_000_000_021,
                       1_800_000_000_000):
             expected = next((i for i, r in enumerate(built) if r.timestamp_millis is not None
                              and r.timestamp_millis >= until), len(built))
-            page = Page(records, 0).within(until)
+            page = Page[Sequence[Record]](records, 0).within(until)
             assert list(page.records) == built[:expected]
             assert page.bound_reached == (expected < len(built))

@@ -120,12 +120,14 @@ def _latest_arrival_ms(part: Sequence[Record]) -> int | None:
     """The latest arrival in a run, as ``timestamp_millis`` rounds it (None: none has one).
     Rounding is monotonic, so no record of a run whose latest arrival is before a bound
     reaches it."""
+    seconds: float | None
     if isinstance(part, WireRecords):
         seconds = max(filter(_known, map(_arrival_s, part.rows)), default=None)
     elif isinstance(part, UserRecords):
         seconds = part.arrival_s
     else:
-        return max(filter(_known, (r.timestamp_millis for r in part)), default=None)
+        return max((ms for ms in (r.timestamp_millis for r in part) if ms is not None),
+                   default=None)
     return None if seconds is None else round(seconds * 1000)
 
 

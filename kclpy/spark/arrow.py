@@ -127,11 +127,18 @@ class _Chunk:
         self.size = 0
 
     def add(self, run: _Run, start: int, stop: int, size: int) -> None:
-        whole = start == 0 and stop == len(run.data)
-        for column, values in ((self.data, run.data), (self.keys, run.keys),
-                               (self.sequences, run.sequences), (self.subs, run.subs),
-                               (self.arrivals, run.arrivals)):
-            column.extend(values if whole else values[start:stop])
+        if start == 0 and stop == len(run.data):
+            self.data.extend(run.data)
+            self.keys.extend(run.keys)
+            self.sequences.extend(run.sequences)
+            self.subs.extend(run.subs)
+            self.arrivals.extend(run.arrivals)
+        else:
+            self.data.extend(run.data[start:stop])
+            self.keys.extend(run.keys[start:stop])
+            self.sequences.extend(run.sequences[start:stop])
+            self.subs.extend(run.subs[start:stop])
+            self.arrivals.extend(run.arrivals[start:stop])
         self.size += size
 
     def batch(self, stream: str, shard_id: str) -> pa.RecordBatch:
