@@ -47,7 +47,7 @@ from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
 from kclpy.retrieval.clock import kinesis_clock
 from kclpy.retrieval.fanout import FanOutSource
-from kclpy.retrieval.pipeline import ShardPipeline
+from kclpy.retrieval.pipeline import Batching, ShardPipeline
 from kclpy.retrieval.polling import Pacer, PollingSource
 from kclpy.retrieval.registration import ConsumerRegistration, RegistrationSettings
 from kclpy.retrieval.source import PageSource, ShardAddress, reading_start
@@ -278,7 +278,7 @@ class Retrieval:
 
         store, fence = self._state_store, self._coordinator.fence
         return ShardRecovery(
-            lease.lease_key, lease.recovery, token=token, fence=fence,
+            lease, token=token, fence=fence,
             reader_factory=reader, rate=self._recovery_rate,
             max_lag_ms=self._config.max_lag_ms, metrics=self._metrics,
             kinesis_clock=kinesis_clock(self._kinesis),
@@ -319,10 +319,11 @@ class Retrieval:
         hash_range = None
         if lease.starting_hash_key is not None and lease.ending_hash_key is not None:
             hash_range = (int(lease.starting_hash_key), int(lease.ending_hash_key))
+        batching = Batching(
+            hash_range=hash_range, filter_outside_hash_range=cfg.kpl_hash_range_filter,
+            deliver_empty=cfg.call_process_records_even_for_empty_record_list and live)
         return ShardPipeline(
-            source, start, queue_size=cfg.prefetch_queue_size, hash_range=hash_range,
-            filter_outside_hash_range=cfg.kpl_hash_range_filter,
-            deliver_empty=cfg.call_process_records_even_for_empty_record_list and live,
+            source, start, queue_size=cfg.prefetch_queue_size, batching=batching,
             gate=self._coordinator.retrieval_gate, metrics=self._metrics)
 
     def _read_backoff(self) -> Backoff:

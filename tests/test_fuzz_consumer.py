@@ -40,7 +40,7 @@ from kclpy.processor import (
 )
 from kclpy.retrieval.kpl import CORRUPT_REASONS
 from kclpy.retrieval.page import ChildShard
-from kclpy.retrieval.pipeline import ShardPipeline
+from kclpy.retrieval.pipeline import Batching, ShardPipeline
 from kclpy.retrieval.polling import PollingSource
 from kclpy.retrieval.source import ShardAddress, reading_start
 from kclpy.retry import Backoff
@@ -271,8 +271,9 @@ def run_and_check(
             metrics=metrics, backoff=Backoff(base_s=0.001, cap_s=0.002))
         return ShardPipeline(
             source, reading_start(start, None),
-            metrics=metrics, hash_range=None if low is None or high is None else (low, high),
-            filter_outside_hash_range=True,
+            metrics=metrics, batching=Batching(
+                hash_range=None if low is None or high is None else (low, high),
+                filter_outside_hash_range=True),
         )  # fmt: skip
 
     consumer = ShardConsumer(

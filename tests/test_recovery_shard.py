@@ -172,7 +172,7 @@ class Shard:
         clock = kinesis_clock(self.kinesis, skew.AgedKinesisClock)
         assert isinstance(clock, skew.AgedKinesisClock)
         clock.move_to(wall_clock())
-        return ShardRecovery("shardId-000000000000", stored, token=self.token,
+        return ShardRecovery(Lease("shardId-000000000000", recovery=stored), token=self.token,
                              fence=self.holder.fence, reader_factory=self.reader,
                              rate=RecoveryRate(10_000), max_lag_ms=1000, metrics=self.metrics,
                              wall_clock=wall_clock, claim=claim, kinesis_clock=clock)
@@ -553,7 +553,7 @@ def test_a_gap_checkpointer_from_before_a_restart_cannot_skip_the_failed_batch(
 
     def recovery() -> ShardRecovery:
         made.append(ShardRecovery(
-            key, None, token=shard.token, fence=shard.holder.fence,
+            Lease(key), token=shard.token, fence=shard.holder.fence,
             reader_factory=pages_of_ten, rate=RecoveryRate(10_000), max_lag_ms=1000,
             metrics=shard.metrics, wall_clock=lambda: hour_later, kinesis_clock=clock))
         return made[-1]
@@ -668,7 +668,7 @@ def test_a_local_clock_ahead_of_kinesis_neither_ends_a_gap_nor_starts_live_in_it
             return ShardPipeline(source, start)
 
         recovery = ShardRecovery(
-            "s1", None, token=token, fence=holder.fence, reader_factory=reader,
+            Lease("s1"), token=token, fence=holder.fence, reader_factory=reader,
             rate=RecoveryRate(10_000), max_lag_ms=1000, metrics=Metrics(),
             wall_clock=lambda: (k + skew.SKEW_MS) / 1000,
             kinesis_clock=kinesis_clock(client))
