@@ -3,8 +3,10 @@
 WAITING_ON_PARENTS -> INITIALIZING -> PROCESSING -> SHUTTING_DOWN -> DONE, as in the Java KCL.
 The fetcher runs ahead on its own thread; this thread is the only one that calls the
 processor, so a processor sees its shard's records strictly in order and never concurrently.
-Everything the consumer needs from above (leases, fetchers, child-lease creation) is handed
-in as callables, so it never reaches back up the chain to the worker.
+Everything the consumer needs from above comes in three seams, so it never reaches back up
+the chain to the worker: the lease fence it writes through (``ShardFence``), the readers of
+its shard (``ShardReaders``, built by ``kclpy.composition``) and the worker that runs it
+(``ShardHost``).
 """
 
 from __future__ import annotations
@@ -77,17 +79,6 @@ class FetcherLike(Protocol):
     def retrieval(self) -> dict[str, Any]: ...
 
 
-class LeaseReader(Protocol):
-    def get_lease(self, lease_key: str) -> Lease | None: ...
-
-
-class FetcherFactory(Protocol):
-    def __call__(self, lease: Lease, start: Position, /) -> FetcherLike:
-        """A fetcher positioned right after ``start`` (the checkpoint), or at its time (an
-        ``AT_TIMESTAMP`` position: where live reading starts while a gap is recovered, or
-        where a lease still at ``LATEST`` / ``AT_TIMESTAMP`` was resolved to)."""
-
-
 class RecoveryLike(Protocol):
     """A shard's lag recovery (``kclpy.recovery.shard.ShardRecovery``)."""
 
@@ -99,8 +90,52 @@ class RecoveryLike(Protocol):
     def status(self) -> list[dict[str, Any]]: ...
 
 
-#: (shard id, child shards reported by GetRecords) -> None; creates the children's leases
-ShardEndHook = Callable[[str, Sequence[ChildShard]], None]
+class ShardFence(CheckpointWriter, StartWriter, Protocol):
+    """The lease fence (``LeaseFence``) as one tenure of a shard uses it: checkpoints, the
+    resolved start and the park mark are all writes only the holder may make, and whether
+    the tenure still holds the lease is asked of the same fence that refuses them."""
+
+    def holds(self, lease_key: str, token: str) -> bool:
+        """Whether a checkpoint of tenure ``token`` would be let through now."""
+
+
+class ShardReaders(Protocol):
+    """How one lease's shard is read: the retrieval mode, lag recovery and the clock are
+    chosen where the parts are built (``kclpy.composition``), so a new mode or reader
+    changes nothing here."""
+
+    def live(self, start: Position) -> FetcherLike:
+        """A fetcher positioned right after ``start`` (the checkpoint), or at its time (an
+        ``AT_TIMESTAMP`` position: where live reading starts while a gap is recovered, or
+        where a lease still at ``LATEST`` / ``AT_TIMESTAMP`` was resolved to)."""
+
+    def recovery(self) -> RecoveryLike | None:
+        """The shard's lag recovery (None: none); made on the consumer's thread, so an
+        unreadable queue fails this shard only."""
+
+    def oldest_record(self) -> Record | None:
+        """The shard's oldest record now (a one-record read from ``TRIM_HORIZON``), to tell
+        a checkpoint the stream's retention trimmed past; None: nothing kept, or not looked."""
+
+    def now(self) -> float:
+        """Now in epoch seconds, where a ``LATEST`` lease starts (Kinesis' clock)."""
+
+    @property
+    def initial_timestamp(self) -> datetime | None:
+        """Where an ``AT_TIMESTAMP`` lease starts (None: the fetcher resolves it)."""
+
+
+class ShardHost(Protocol):
+    """What a consumer asks of the worker running it, and tells it; the worker implements
+    it (tests write their own)."""
+
+    def get_lease(self, lease_key: str) -> Lease | None:
+        """The lease as the table has it now (a parent at ``SHARD_END``, the durable
+        checkpoint a restarted processor resumes from)."""
+
+    def shard_ended(self, lease_key: str, children: Sequence[ChildShard]) -> None:
+        """The shard is fully read: its children's leases are to be created (as GetRecords
+        reported them; none: found by a shard sync)."""
 
 
 @dataclass(frozen=True)
@@ -136,21 +171,13 @@ class ShardConsumer:
         *,
         concurrency_token: str,
         processor_factory: Callable[[], IRecordProcessor],
-        checkpoint_writer: CheckpointWriter,
-        lease_reader: LeaseReader,
-        fetcher_factory: FetcherFactory,
-        on_shard_end: ShardEndHook,
+        fence: ShardFence,
+        readers: ShardReaders,
+        host: ShardHost,
         settings: ConsumerSettings,
         metrics: Metrics,
         rng: random.Random | None = None,
-        recovery: Callable[[], RecoveryLike] | None = None,
         stream_name: str | None = None,
-        start_writer: StartWriter | None = None,
-        initial_timestamp: datetime | None = None,
-        wall_clock: Callable[[], float] = time.time,
-        park: Callable[[str, str, str], None] | None = None,
-        oldest_record: Callable[[], Record | None] | None = None,
-        holds: Callable[[], bool] | None = None,
     ) -> None:
         #: the lease key, unique across the streams of a multi-stream application
         self.lease_key = lease.lease_key
@@ -158,10 +185,9 @@ class ShardConsumer:
         self._lease = lease
         self._token = concurrency_token
         self._processor_factory = processor_factory
-        self._writer = checkpoint_writer
-        self._leases = lease_reader
-        self._fetcher_factory = fetcher_factory
-        self._on_shard_end = on_shard_end
+        self._fence = fence
+        self._readers = readers
+        self._host = host
         self._settings = settings
         self._metrics = metrics
         self._rng = rng or random.Random()
@@ -175,7 +201,6 @@ class ShardConsumer:
         #: recovery batches it got), retired when it is replaced (``_retire``)
         self._handed: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
         self._fetcher: FetcherLike | None = None
-        self._make_recovery = recovery
         self._recovery: RecoveryLike | None = None
         #: the processor got its last callback (lease_lost, shutdown_requested, or
         #: shard_ended with SHARD_END checkpointed)
@@ -187,9 +212,6 @@ class ShardConsumer:
         self._m_bytes = self._m.bind(BYTES_PROCESSED)
         self._m_behind = self._m.bind(BATCH_MILLIS_BEHIND_LATEST)
         #: where a lease at LATEST / AT_TIMESTAMP reads from, once resolved (``_start_of``)
-        self._start_writer = start_writer
-        self._initial_timestamp = initial_timestamp
-        self._wall_clock = wall_clock
         self._start_at: datetime | None = None
         self._thread = threading.Thread(
             target=self._run, name=f"kclpy-consumer-{self.lease_key}", daemon=True)
@@ -200,13 +222,6 @@ class ShardConsumer:
         #: the processor checkpointed SHARD_END
         self.shard_ended = False
         self.millis_behind_latest: int | None = None
-        #: (lease key, token, park mark) -> None: marks the lease parked through the fence
-        self._park = park
-        #: the shard's oldest record now (a one-record read from TRIM_HORIZON)
-        self._oldest_record = oldest_record
-        #: whether this tenure still holds the lease (``LeaseFence.holds``), asked before
-        #: every batch is handed to the processor
-        self._holds = holds
         #: while process_records keeps failing on one batch: the last error and since when
         self.failure: dict[str, Any] | None = None
         #: the park policy parked the shard (its lease is then let go)
@@ -271,8 +286,7 @@ class ShardConsumer:
         try:
             if self._wait_for_parents():
                 self._set_state(ConsumerState.INITIALIZING)
-                if self._make_recovery is not None:
-                    self._recovery = self._make_recovery()
+                self._recovery = self._readers.recovery()
                 if self._lease.is_shard_end:
                     # A closed shard's lease is only taken while gaps of it are queued.
                     if self._recovering() and self._initialize(Position.shard_end()):
@@ -310,8 +324,9 @@ class ShardConsumer:
 
     def _lease_gone(self) -> bool:
         """This tenure no longer holds the lease: told so, or its fence says so (a lease
-        given up between the loop's last look and now, or not yet noticed by anyone)."""
-        return self._lease_lost.is_set() or (self._holds is not None and not self._holds())
+        given up between the loop's last look and now, or not yet noticed by anyone): asked
+        before every batch is handed to the processor."""
+        return self._lease_lost.is_set() or not self._fence.holds(self.lease_key, self._token)
 
     def _wait_for_parents(self) -> bool:
         """Block until every parent that has a lease is checkpointed at SHARD_END, so that a
@@ -319,7 +334,7 @@ class ShardConsumer:
         pending = set(self._lease.parent_lease_keys)
         while pending:
             for parent in sorted(pending):
-                lease = self._leases.get_lease(parent)
+                lease = self._host.get_lease(parent)
                 if lease is None or lease.is_shard_end:
                     pending.discard(parent)
             if not pending:
@@ -387,11 +402,11 @@ class ShardConsumer:
                 continue
             self._processor = processor
             self._checkpointer = Checkpointer(
-                self.lease_key, self._writer, self._token, position, self._metrics)
+                self.lease_key, self._fence, self._token, position, self._metrics)
             self._handed = weakref.WeakSet([self._checkpointer])
             if not position.is_shard_end:
-                self._fetcher = self._fetcher_factory(
-                    self._lease, read_from if start_at is None else Position.at_time(start_at))
+                self._fetcher = self._readers.live(
+                    read_from if start_at is None else Position.at_time(start_at))
                 self._fetcher.start()
             return True
         return False
@@ -412,10 +427,11 @@ class ShardConsumer:
             log.info("shard %s: %s lease resumes from %s, where it was first resolved",
                      self.lease_key, checkpoint, _iso(at_ms))
         else:
+            initial_timestamp = self._readers.initial_timestamp
             if checkpoint == LATEST:
-                at_ms = round(self._wall_clock() * 1000)
-            elif self._initial_timestamp is not None:
-                at_ms = round(self._initial_timestamp.timestamp() * 1000)
+                at_ms = round(self._readers.now() * 1000)
+            elif initial_timestamp is not None:
+                at_ms = round(initial_timestamp.timestamp() * 1000)
             else:
                 return None
             if not self._keep_start(at_ms):
@@ -428,11 +444,10 @@ class ShardConsumer:
     def _keep_start(self, at_ms: int) -> bool:
         """Write the resolved start through the fence, retrying what a checkpoint would
         retry; False when the lease was lost or the consumer stops meanwhile."""
-        writer = self._start_writer
         attempt = 0
-        while writer is not None:
+        while True:
             try:
-                keep_start(writer, self.lease_key, self._token, at_ms)
+                keep_start(self._fence, self.lease_key, self._token, at_ms)
                 return True
             except ShutdownException as exc:
                 log.info("shard %s: lease lost while keeping its start: %s", self.lease_key, exc)
@@ -444,7 +459,6 @@ class ShardConsumer:
                 if self._pause(self._backoff(attempt)):
                     return False
                 attempt += 1
-        return True
 
     def _restart(self, attempt: int) -> bool:
         """Throw the processor away and resume from the shard's durable checkpoint
@@ -493,7 +507,7 @@ class ShardConsumer:
         attempt = 0
         while True:
             try:
-                lease = self._leases.get_lease(self.lease_key)
+                lease = self._host.get_lease(self.lease_key)
                 break
             except TABLE_ERRORS as exc:
                 log.warning("shard %s: reading the lease to restart the processor failed "
@@ -670,7 +684,7 @@ class ShardConsumer:
         KCL does: without it the children would wait on this parent for ever."""
         assert self._processor is not None and self._checkpointer is not None
         self._set_state(ConsumerState.SHUTTING_DOWN)
-        self._on_shard_end(self.lease_key, children)
+        self._host.shard_ended(self.lease_key, children)
         self._checkpointer.mark_shard_end()
         attempt = 0
         while True:
@@ -727,9 +741,9 @@ class ShardConsumer:
         comes after it, so the records between them (if any were written) are lost. Logged
         at ERROR with the range and counted, as lag recovery does for its gaps; live
         reading then starts at the oldest record instead of failing on the trimmed one."""
-        if self._oldest_record is None or not checkpoint.is_record:
+        if not checkpoint.is_record:
             return False
-        oldest = self._oldest_record()
+        oldest = self._readers.oldest_record()
         if oldest is None or int(oldest.sequence_number) <= checkpoint.extended[0]:
             return False
         self._metrics.inc(DATA_LOST_TO_RETENTION, self.lease_key)
@@ -779,18 +793,17 @@ class ShardConsumer:
         else:
             log.error("shard %s: parking the shard: %s", self.lease_key, reason)
             value = park.marker(reason, "worker")
-        if self._park is not None:
-            try:
-                self._park(self.lease_key, self._token, value)
-            except ShutdownException as exc:
-                log.warning("shard %s: lease lost before it could be parked: %s",
-                            self.lease_key, exc)
-            except KCLError as exc:
-                log.error("shard %s: parking failed (%r); the lease is released and the "
-                          "batch will be retried by its next holder", self.lease_key, exc)
-            else:
-                self.parked = True
-                self._metrics.inc(SHARDS_PARKED_BY_POLICY, self.lease_key)
+        try:
+            park.park_held(self._fence, self.lease_key, self._token, value)
+        except ShutdownException as exc:
+            log.warning("shard %s: lease lost before it could be parked: %s",
+                        self.lease_key, exc)
+        except KCLError as exc:
+            log.error("shard %s: parking failed (%r); the lease is released and the "
+                      "batch will be retried by its next holder", self.lease_key, exc)
+        else:
+            self.parked = True
+            self._metrics.inc(SHARDS_PARKED_BY_POLICY, self.lease_key)
         self._lease_lost.set()
 
     # -- state -------------------------------------------------------------------------------

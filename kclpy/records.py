@@ -382,6 +382,15 @@ class WireRecords(RecordSequence):
         """Every record's base64 text, in C."""
         return list(map(wire_b64, self.rows))
 
+    def payloads(self) -> list[bytes]:
+        """Every record's payload as bytes, decoded in C: for a consumer that wants the
+        whole column (kclpy.spark.arrow) rather than one record at a time."""
+        texts = self.texts()
+        try:
+            return list(map(b64decode, texts, repeat(None), repeat(True)))
+        except ValueError:
+            return list(map(_decode, texts))
+
     def payload_bytes(self) -> int:
         texts = self.texts()
         # Canonical base64 is a multiple of 4 characters per record, and "=" only ever pads
@@ -419,6 +428,12 @@ class Records(RecordSequence):
 
     def __len__(self) -> int:
         return self._ends[-1] if self._ends else 0
+
+    @property
+    def parts(self) -> Sequence[_Part]:
+        """The runs the batch is made of, in order, none empty: what a consumer that works
+        on whole columns (kclpy.spark.arrow) reads instead of building every record."""
+        return self._parts
 
     def __iter__(self) -> Iterator[Record]:
         parts = self._parts

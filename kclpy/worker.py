@@ -1,43 +1,31 @@
-"""The scheduler: the one place that knows every part and wires them together.
+"""The scheduler: the run loop over the parts ``kclpy.composition`` builds from the config.
 
 Shard sync creates leases; the lease coordinator takes and renews them; for every held lease
-the worker runs a ShardConsumer whose fetcher reads the shard and whose processor the user
+the worker runs a ShardConsumer whose readers read the shard and whose processor the user
 wrote. The worker loop reconciles held leases with running consumers while a thread of its
 own repeats shard sync, and on shutdown lets every processor checkpoint before the leases are
-released.
+released. Which parts there are, and how options become them, is the composition's job.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
-from typing import Any, cast
+from typing import Any
 
 import boto3
-import botocore.config
-from botocore.exceptions import InvalidRegionError, NoRegionError
 
-from kclpy.cloudwatch import (
-    NONE,
-    CloudWatchBackend,
-    CloudWatchPublisher,
-    parse_dimensions,
-    parse_level,
-)
+from kclpy.composition import WorkerParts, build_parts, consumer_settings, record_processors
 from kclpy.config import OPTIONS, KCLConfig
-from kclpy.consumer import ConsumerSettings, FatalProcessorError, FetcherLike, ShardConsumer
+from kclpy.consumer import FatalProcessorError, ShardConsumer
 from kclpy.errors import ConfigError, KCLError, cannot_heal
 from kclpy.leases.coordinator import LeaseCoordinator
-from kclpy.leases.leader import LeaderLock, LeaderMode
 from kclpy.leases.lease import Lease
-from kclpy.leases.load import LoadBalancing, load_balancing
-from kclpy.leases.park import park_held
-from kclpy.leases.streams import ActiveStream, StreamSet
+from kclpy.leases.streams import StreamSet
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import (
     INITIALIZATION_FAILURES,
@@ -47,23 +35,11 @@ from kclpy.metrics import (
     Metrics,
 )
 from kclpy.multilang.process import kill_all as kill_children
-from kclpy.position import Position
 from kclpy.processor import IRecordProcessor
-from kclpy.records import Record
-from kclpy.recovery.detect import first_record
-from kclpy.recovery.rate import RecoveryRate
-from kclpy.recovery.shard import ShardRecovery
-from kclpy.retrieval.clock import kinesis_clock
-from kclpy.retrieval.fanout import FanOutSource
 from kclpy.retrieval.page import ChildShard
-from kclpy.retrieval.pipeline import ShardPipeline
-from kclpy.retrieval.polling import Pacer, PollingSource
-from kclpy.retrieval.registration import ConsumerRegistration, RegistrationSettings
-from kclpy.retrieval.source import PageSource, ShardAddress, reading_start
-from kclpy.retry import NO_JITTER, Backoff, RetryPolicy
+from kclpy.retry import NO_JITTER, RetryPolicy
 from kclpy.signals import on_stop_signals
-from kclpy.state import open_store
-from kclpy.state.processor import StatefulProcessor, exactly_once_factory
+from kclpy.state.processor import StatefulProcessor
 from kclpy.state.store import StateStore
 from kclpy.streams import StreamConfig
 
@@ -101,15 +77,11 @@ class Worker:
         # a shard has metrics while this worker holds it: opened with its consumer, closed
         # when the consumer is retired (lease lost, released, handed off, shard ended)
         self.metrics.implicit_shards = False
-        if state_store is None and config.state_store:
-            state_store = open_store(config.state_store)
         #: with a store, ``processor_factory`` makes StatefulProcessors (exactly-once state)
-        self.state_store = state_store
-        self._records_processor: Callable[[], IRecordProcessor] = (
-            cast("Callable[[], IRecordProcessor]", processor_factory) if state_store is None
-            else exactly_once_factory(
-                processor_factory, state_store, max_records=config.transaction_max_records,
-                max_seconds=config.transaction_max_time_ms / 1000, metrics=self.metrics))
+        self.state_store: StateStore | None
+        self._records_processor: Callable[[], IRecordProcessor]
+        self.state_store, self._records_processor = record_processors(
+            config, processor_factory, state_store, self.metrics)
         self._session = session
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -124,27 +96,15 @@ class Worker:
         self._started = threading.Event()
         #: the shard-sync thread (``_sync_loop``), once the loop runs
         self._syncer: threading.Thread | None = None
-        self._settings = ConsumerSettings(
-            parent_shard_poll_interval_s=config.parent_shard_poll_interval_ms / 1000,
-            task_backoff_s=config.task_backoff_time_ms / 1000,
-            max_task_backoff_s=config.max_task_backoff_time_ms / 1000,
-            processor_error_policy=config.processor_error_policy,
-            processor_error_attempts=config.processor_error_attempts,
-            fail_on_data_loss=config.fail_on_data_loss,
-            call_process_records_even_for_empty_record_list=(
-                config.call_process_records_even_for_empty_record_list),
-        )
+        self._settings = consumer_settings(config)
+        #: what ``run()`` runs, built by ``kclpy.composition`` when it starts
+        self._parts: WorkerParts | None = None
         self.kinesis: Any = None
         self.dynamodb: Any = None
         self.lease_table: LeaseTable | None = None
         self.coordinator: LeaseCoordinator | None = None
-        #: load reports and balancing, with ``--lease-assignment load``
-        self._load: LoadBalancing | None = None
         #: the streams consumed now, each with its shard sync (kclpy.leases.streams)
         self.streams: StreamSet | None = None
-        self._cloudwatch: CloudWatchPublisher | None = None
-        #: lag recovery: the records per second all recovery reads of this worker share
-        self._recovery_rate = RecoveryRate(config.recovery_max_rate)
 
     # -- public --------------------------------------------------------------------------
 
@@ -226,51 +186,12 @@ class Worker:
 
     def _setup(self) -> None:
         cfg = self.config
-        session = self._session or boto3.session.Session(region_name=cfg.region)
-        # Retrieval and shard sync retry with their own capped, jittered backoff and count
-        # every throttle; a second retry layer in botocore would hide them and multiply waits.
-        kinesis_cfg = botocore.config.Config(
-            max_pool_connections=cfg.max_pool_connections,
-            retries={"mode": "standard", "total_max_attempts": 1},
-            connect_timeout=10, read_timeout=30)
-        dynamodb_cfg = botocore.config.Config(
-            max_pool_connections=cfg.max_pool_connections,
-            retries={"mode": "standard", "total_max_attempts": 3},
-            connect_timeout=10, read_timeout=30)
-        try:
-            self.kinesis = session.client(
-                "kinesis", endpoint_url=cfg.kinesis_endpoint, config=kinesis_cfg)
-            self.dynamodb = session.client(
-                "dynamodb", endpoint_url=cfg.dynamodb_endpoint, config=dynamodb_cfg)
-        except NoRegionError:
-            raise ConfigError("--region", "no region configured (set --region, "
-                              "regionName or AWS_DEFAULT_REGION)") from None
-        except InvalidRegionError as exc:
-            raise ConfigError("--region", str(exc)) from None
-        self._start_cloudwatch(session)
-        self.lease_table = LeaseTable(self.dynamodb, cfg.lease_table_name, metrics=self.metrics)
-        self._load = load_balancing(cfg, self.dynamodb, self.metrics)
-        leader: LeaderMode | None = None
-        if cfg.lease_assigner == "leader":
-            assert self._load is not None
-            leader = LeaderMode(
-                LeaderLock(self._load.table, cfg.worker_id,
-                           failover_time_s=cfg.failover_time_ms / 1000, clock=time.monotonic),
-                self._load, by_load=cfg.lease_assignment == "load")
-        self.streams = StreamSet(self.kinesis, self.lease_table, cfg, self.metrics,
-                                 register=self._register_consumer if cfg.fan_out else None)
-        self.coordinator = LeaseCoordinator(
-            self.lease_table, cfg.worker_id,
-            failover_time_s=cfg.failover_time_ms / 1000,
-            max_leases_for_worker=cfg.max_leases_for_worker,
-            max_leases_to_steal_at_one_time=cfg.max_leases_to_steal_at_one_time,
-            graceful_handoff=cfg.is_graceful_lease_handoff_enabled,
-            graceful_handoff_timeout_s=cfg.graceful_lease_handoff_timeout_ms / 1000,
-            cleanup_leases=cfg.cleanup_leases_upon_shard_completion,
-            metrics=self.metrics, load=None if leader else self._load, leader=leader)
+        parts = build_parts(cfg, self.metrics, self._session, self.state_store)
+        self._parts = parts
+        self.kinesis, self.dynamodb = parts.kinesis, parts.dynamodb
+        self.lease_table, self.streams = parts.lease_table, parts.streams
+        self.coordinator = parts.coordinator
         self.coordinator.add_lease_lost_listener(self._on_lease_lost)
-        streams = self.streams
-        self.coordinator.set_consumable(lambda key: streams.for_lease_key(key) is not None)
         self.coordinator.add_handoff_listener(self._on_handoff)
         if not self._initialize():
             return
@@ -285,7 +206,8 @@ class Worker:
         second later would have worked. A ConfigError (a missing stream, say) is not
         transient and ends the worker at once. False when shutdown came first."""
         assert self.lease_table is not None and self.streams is not None
-        cfg = self.config
+        assert self._parts is not None
+        cfg, load = self.config, self._parts.load
         # the Java Scheduler's fixed wait between attempts
         wait_s = cfg.initialization_backoff_ms / 1000
         retries = RetryPolicy(wait_s, wait_s, max_attempts=cfg.max_initialization_attempts,
@@ -297,8 +219,8 @@ class Worker:
                 # the streams first: a misspelled stream creates nothing (a first-hour finding)
                 self.streams.refresh(starting=True)
                 self.lease_table.create_if_missing()
-                if self._load is not None:
-                    self._load.table.create_if_missing()
+                if load is not None:
+                    load.table.create_if_missing()
                 if cfg.lease_assigner == "leader":
                     self.lease_table.ensure_owner_index()
                 if self.state_store is not None:
@@ -318,20 +240,6 @@ class Worker:
             if self._stop.wait(retries.delay(attempt - 1)):
                 log.info("worker %s: shutdown requested during start-up", cfg.worker_id)
                 return False
-
-    def _register_consumer(self, stream: StreamConfig, stream_arn: str) -> str:
-        """Enhanced fan-out: the application's consumer of the stream, registered if missing
-        (one per stream; ``consumer_arn`` names an existing one of a single stream)."""
-        cfg = self.config
-        arn = cfg.consumer_arn or ConsumerRegistration(
-            self.kinesis, cfg.consumer_name or cfg.application_name, stream_arn=stream_arn,
-            settings=RegistrationSettings(
-                register_retries=cfg.register_stream_consumer_retries,
-                describe_retries=cfg.max_describe_stream_consumer_retries,
-                backoff_s=cfg.retry_backoff_ms / 1000)).get_or_create()
-        log.info("worker %s reads %s with enhanced fan-out through %s", cfg.worker_id,
-                 stream.label, arn)
-        return arn
 
     def _syncs_shards(self) -> bool:
         """With a leader (``--lease-assigner leader``) only the leader syncs shards after
@@ -514,117 +422,26 @@ class Worker:
         """The lease's stream is one this worker consumes now."""
         return self.streams is not None and self.streams.for_lease(lease) is not None
 
-    def _stream(self, lease: Lease) -> ActiveStream:
-        assert self.streams is not None
-        stream = self.streams.for_lease(lease)
-        if stream is None:
-            raise KCLError(f"lease {lease.lease_key} is of a stream this worker does not consume")
-        return stream
-
     def _new_consumer(self, lease: Lease) -> ShardConsumer:
-        assert self.coordinator is not None
+        assert self.coordinator is not None and self._parts is not None
         token = lease.concurrency_token
         assert token is not None
-        # Always: gaps already queued are recovered even with max_lag_ms off, and an
-        # operator may queue one at any time (``kclpy recovery add``).
-        recovery = functools.partial(self._make_recovery, lease, token)
+        readers = self._parts.retrieval.readers(lease, token)
+        stream_name = self._parts.retrieval.stream(lease).label
         self.metrics.open_shard(lease.lease_key, lease.shard_id, lease.stream)
         return ShardConsumer(
             lease, concurrency_token=token, processor_factory=self._records_processor,
-            checkpoint_writer=self.coordinator.fence, lease_reader=self.coordinator,
-            fetcher_factory=self._make_fetcher, on_shard_end=self._on_shard_end,
-            settings=self._settings, metrics=self.metrics, recovery=recovery,
-            stream_name=self._stream(lease).label, start_writer=self.coordinator.fence,
-            initial_timestamp=(self._stream(lease).config.initial_timestamp
-                               or self.config.initial_timestamp),
-            park=functools.partial(park_held, self.coordinator.fence),
-            oldest_record=functools.partial(self._oldest_record, lease),
-            holds=functools.partial(self.coordinator.fence.holds, lease.lease_key, token),
-            wall_clock=kinesis_clock(self.kinesis).planned_now)
+            fence=self.coordinator.fence, readers=readers, host=self, settings=self._settings,
+            metrics=self.metrics, stream_name=stream_name)
 
-    def _oldest_record(self, lease: Lease) -> Record | None:
-        """The shard's oldest record now: a checkpoint before it was trimmed past."""
-        return first_record(self._reader(lease, Position.trim_horizon(), max_records=1))
+    # -- kclpy.consumer.ShardHost, from the consumers' threads -----------------------------
 
-    def _make_fetcher(self, lease: Lease, checkpoint: Position) -> FetcherLike:
-        """The shard's live reader: a pipeline fed by the retrieval mode's page source."""
-        stream = self._stream(lease).config
-        start = reading_start(checkpoint,
-                              stream.initial_timestamp or self.config.initial_timestamp)
-        mode = self.config.retrieval_mode.lower()
-        source = self._fanout_source(lease) if mode == "fanout" else self._polling_source(lease)
-        return self._pipeline(lease, source, start, live=True)
-
-    def _reader(self, lease: Lease, start: Position, *, until_ms: int | None = None,
-                pacer: Pacer | None = None, max_records: int | None = None) -> ShardPipeline:
-        """One of lag recovery's readers of the shard (a probe, or a gap's bounded, paced
-        read): always polling, whatever the retrieval mode."""
-        source = self._polling_source(lease, max_records=max_records, pacer=pacer,
-                                      until_ms=until_ms)
-        return self._pipeline(lease, source, start, live=False)
-
-    def _address(self, lease: Lease) -> ShardAddress:
-        stream = self._stream(lease)
-        return ShardAddress(lease.shard_id, None if stream.config.arn else stream.label,
-                            stream.config.arn, stream.identifier)
-
-    def _polling_source(self, lease: Lease, *, max_records: int | None = None,
-                        pacer: Pacer | None = None, until_ms: int | None = None
-                        ) -> PollingSource:
-        cfg = self.config
-        return PollingSource(
-            self.kinesis, self._address(lease), max_records=max_records or cfg.max_records,
-            idle_time_s=cfg.idle_time_between_reads_ms / 1000, metrics=self.metrics,
-            pacer=pacer, until_ms=until_ms, backoff=self._read_backoff())
-
-    def _fanout_source(self, lease: Lease) -> FanOutSource:
-        cfg = self.config
-        consumer_arn = self._stream(lease).consumer_arn
-        assert consumer_arn is not None, "fan-out streams are opened with their consumer"
-        return FanOutSource(
-            self.kinesis, self._address(lease), consumer_arn,
-            http_version=cfg.fanout_http_version,
-            shard_end_probe_s=cfg.shard_sync_interval_ms / 1000, metrics=self.metrics,
-            backoff=self._read_backoff())
-
-    def _pipeline(self, lease: Lease, source: PageSource, start: Position, *,
-                  live: bool) -> ShardPipeline:
-        cfg = self.config
-        hash_range = None
-        if lease.starting_hash_key is not None and lease.ending_hash_key is not None:
-            hash_range = (int(lease.starting_hash_key), int(lease.ending_hash_key))
-        return ShardPipeline(
-            source, start, queue_size=cfg.prefetch_queue_size, hash_range=hash_range,
-            filter_outside_hash_range=cfg.kpl_hash_range_filter,
-            deliver_empty=cfg.call_process_records_even_for_empty_record_list and live,
-            gate=self.coordinator.retrieval_gate if self.coordinator is not None else None,
-            metrics=self.metrics)
-
-    def _read_backoff(self) -> Backoff:
-        """Each source's own backoff for GetRecords, iterators and subscriptions."""
-        cfg = self.config
-        return Backoff(cfg.get_records_backoff_base_ms / 1000,
-                       cfg.get_records_backoff_cap_ms / 1000)
-
-    def _make_recovery(self, lease: Lease, token: str) -> ShardRecovery:
-        """Called on the consumer's thread, so an unreadable queue fails that shard only."""
+    def get_lease(self, lease_key: str) -> Lease | None:
+        """The lease as the table has it now (a consumer's parents, its durable checkpoint)."""
         assert self.coordinator is not None
+        return self.coordinator.get_lease(lease_key)
 
-        def reader(start: Position, until_ms: int | None, pacer: Pacer | None,
-                   max_records: int | None) -> ShardPipeline:
-            return self._reader(lease, start, until_ms=until_ms, pacer=pacer,
-                                max_records=max_records)
-
-        store, fence = self.state_store, self.coordinator.fence
-        return ShardRecovery(
-            lease.lease_key, lease.recovery, token=token, fence=fence,
-            reader_factory=reader, rate=self._recovery_rate,
-            max_lag_ms=self.config.max_lag_ms, metrics=self.metrics,
-            kinesis_clock=kinesis_clock(self.kinesis),
-            claim=None if store is None else functools.partial(
-                store.begin_tenure, fence, lease.lease_key, token))
-
-    def _on_shard_end(self, lease_key: str, children: Sequence[ChildShard]) -> None:
+    def shard_ended(self, lease_key: str, children: Sequence[ChildShard]) -> None:
         """Called from a consumer's thread when its shard (a lease key) is fully read."""
         assert self.streams is not None and self.coordinator is not None
         stream = self.streams.for_lease_key(lease_key)
@@ -724,10 +541,8 @@ class Worker:
             self.coordinator.stop(release=True)
         for lease_key in consumers:
             self.metrics.close_shard(lease_key)
-        if self._load is not None:
-            self._load.table.withdraw(self.config.worker_id)
-        if self._cloudwatch is not None:
-            self._cloudwatch.stop()
+        if self._parts is not None:
+            self._parts.close(self.config.worker_id)
         log.info("worker %s stopped", self.config.worker_id)
 
     @staticmethod
@@ -737,27 +552,6 @@ class Worker:
         finish, so they go at once."""
         for lease_key in coordinator.held_leases().keys() - consumers.keys():
             coordinator.release_soon(lease_key)
-
-    def _start_cloudwatch(self, session: boto3.session.Session) -> None:
-        """The Java KCL's CloudWatch metrics, when ``metrics_level`` asks for them: a backend
-        added before any part binds its metrics."""
-        cfg = self.config
-        level = parse_level(cfg.metrics_level)
-        if level == NONE:
-            return
-        client = session.client(
-            "cloudwatch", region_name=cfg.cloudwatch_region or cfg.region,
-            endpoint_url=cfg.cloudwatch_endpoint,
-            config=botocore.config.Config(retries={"mode": "standard", "total_max_attempts": 1},
-                                          connect_timeout=10, read_timeout=30))
-        publisher = CloudWatchPublisher(
-            client, cfg.metrics_namespace or cfg.application_name, level=level,
-            enabled_dimensions=parse_dimensions(cfg.metrics_enabled_dimensions),
-            buffer_time_s=cfg.metrics_buffer_time_ms / 1000,
-            max_queue_size=cfg.metrics_max_queue_size, on_event=self.metrics.cloudwatch_event)
-        publisher.start()
-        self.metrics.add_backend(CloudWatchBackend(publisher, cfg.worker_id, level))
-        self._cloudwatch = publisher
 
     def _on_stop_signal(self, signum: int) -> None:
         """SIGTERM or SIGINT, on a thread of its own (``kclpy.signals``)."""

@@ -20,6 +20,7 @@ from bench import (
     latency,
     replay,
     scale,
+    spark_source,
 )
 from kclpy.local import LocalEndpoint
 
@@ -161,3 +162,22 @@ def test_fleet_scale_bench_sets_each_real_figure_beside_the_simulated_one(
         # every half failover time a few reads of the lock (a holder's own Query comes only
         # every 1.5-4.5 failover times: maybe not in a 2 s window)
         assert by_key["GetItem"]["real"] > 0, "the workers read the leader lock"
+
+
+def test_spark_source_tells_start_up_from_the_steady_rate() -> None:
+    """Rows after the first batch over the CPU they took; start-up is the first batch's CPU
+    beyond its rows at that rate."""
+    rates = spark_source.rates_from([spark_source.Point(0, 0.0, 10.0),
+                                     spark_source.Point(100, 5.0, 13.0),
+                                     spark_source.Point(300, 7.0, 15.0)], {})
+    assert (rates.rows, rates.steady_per_cpu_s, rates.steady_per_s) == (300, 100.0, 100.0)
+    assert (rates.startup_cpu_s, rates.startup_wall_s) == (2.0, 5.0)
+    with pytest.raises(RuntimeError, match="too few batches"):
+        spark_source.rates_from([spark_source.Point(0, 0.0, 0.0)], {})
+
+
+def test_spark_source_counts_shards_at_kinesis_limits() -> None:
+    # plain 1 KiB: 1,000 records/s and 1 MiB/s bind together; reads 2 MiB/s
+    assert spark_source.shards_per_core(10_000, 1024, kpl=False) == (10.0, 10_000 / 2048)
+    write, read = spark_source.shards_per_core(10_000, 200, kpl=True)
+    assert write == 2 * read and 1.5 < write < 2.5

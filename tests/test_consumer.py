@@ -26,7 +26,16 @@ from kclpy.processor import (
 )
 from kclpy.retrieval.page import ChildShard
 from tests.support.datums import DatumSink
-from tests.support.scripted import SETTINGS, Leases, Result, ScriptedFetcher, Writer, rec
+from tests.support.scripted import (
+    SETTINGS,
+    Host,
+    Leases,
+    Readers,
+    Result,
+    ScriptedFetcher,
+    Writer,
+    rec,
+)
 from tests.support.waiting import wait_for
 
 
@@ -72,13 +81,13 @@ def run_consumer(pages: list[Result], processors: list[Recorder], *, lease: Leas
                  on_end: list[object] | None = None, wait: bool = True,
                  metrics: Metrics | None = None,
                  fetcher_type: type[ScriptedFetcher] = ScriptedFetcher,
-                 holds: Callable[[], bool] | None = None,
+                 holds: Callable[[], bool] = lambda: True,
                  ) -> tuple[ShardConsumer, Writer, list[ScriptedFetcher]]:
-    writer = Writer()
+    writer = Writer(holding=holds)
     fetchers: list[ScriptedFetcher] = []
     made = iter(processors)
 
-    def fetcher_factory(lease: Lease, start: Position) -> ScriptedFetcher:
+    def fetcher_factory(start: Position) -> ScriptedFetcher:
         fetcher = fetcher_type(pages, (start.checkpoint, start.sub_sequence_number))
         fetchers.append(fetcher)
         return fetcher
@@ -89,10 +98,9 @@ def run_consumer(pages: list[Result], processors: list[Recorder], *, lease: Leas
 
     consumer = ShardConsumer(
         lease or Lease("shard-1", lease_owner="w", checkpoint=Position.trim_horizon()),
-        concurrency_token="t", processor_factory=lambda: next(made),
-        checkpoint_writer=writer, lease_reader=leases or Leases(), fetcher_factory=fetcher_factory,
-        on_shard_end=shard_end, settings=settings, metrics=metrics or Metrics(),
-        rng=random.Random(1), holds=holds)
+        concurrency_token="t", processor_factory=lambda: next(made), fence=writer,
+        readers=Readers(fetcher_factory), host=Host(leases or Leases(), shard_end),
+        settings=settings, metrics=metrics or Metrics(), rng=random.Random(1))
     consumers.append(consumer)
     consumer.start()
     if wait:
@@ -184,9 +192,9 @@ def test_the_processor_gets_lease_lost_when_the_consumer_fails() -> None:
 
     consumer = ShardConsumer(
         Lease("shard-1", lease_owner="w"), concurrency_token="t",
-        processor_factory=lambda: Recorder(log), checkpoint_writer=Writer(),
-        lease_reader=Leases(), fetcher_factory=lambda *_: Broken([], ("TRIM_HORIZON", 0)),
-        on_shard_end=lambda *_: None, settings=SETTINGS, metrics=Metrics())
+        processor_factory=lambda: Recorder(log), fence=Writer(),
+        readers=Readers(lambda _start: Broken([], ("TRIM_HORIZON", 0))), host=Host(Leases()),
+        settings=SETTINGS, metrics=Metrics())
     consumer.start()
     assert consumer.join(10)
     assert isinstance(consumer.error, RuntimeError)
@@ -473,10 +481,11 @@ def test_initialize_failure_is_retried() -> None:
     assert writer.writes == [("1", 0), ("SHARD_END", 0)]
 
 
-class StartKeeper:
-    """The fence's ``update``, recording the resolved starts written."""
+class StartKeeper(Writer):
+    """The fence, recording the resolved starts its ``update`` wrote."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.kept: list[tuple[str, int]] = []
 
     def update(self, lease_key: str, token: str | None, changes: UpdateBuilder, *,
@@ -491,15 +500,14 @@ def latest_consumer(lease: Lease, processors: list[Recorder], keeper: StartKeepe
                     starts: list[datetime | None], pages: list[Result]) -> ShardConsumer:
     made = iter(processors)
 
-    def fetcher_factory(lease: Lease, start: Position) -> ScriptedFetcher:
+    def fetcher_factory(start: Position) -> ScriptedFetcher:
         starts.append(start.moment)
         return ScriptedFetcher(pages, (start.checkpoint, start.sub_sequence_number))
 
     return ShardConsumer(
-        lease, concurrency_token="t", processor_factory=lambda: next(made),
-        checkpoint_writer=Writer(), lease_reader=Leases(), fetcher_factory=fetcher_factory,
-        on_shard_end=lambda shard_id, children: None, settings=SETTINGS, metrics=Metrics(),
-        rng=random.Random(1), start_writer=keeper, wall_clock=lambda: 1_700_000_000.123)
+        lease, concurrency_token="t", processor_factory=lambda: next(made), fence=keeper,
+        readers=Readers(fetcher_factory, clock=lambda: 1_700_000_000.123),
+        host=Host(Leases()), settings=SETTINGS, metrics=Metrics(), rng=random.Random(1))
 
 
 def test_latest_is_resolved_once_kept_in_the_lease_and_reused_by_a_restart() -> None:

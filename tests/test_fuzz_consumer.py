@@ -40,12 +40,13 @@ from kclpy.processor import (
 )
 from kclpy.retrieval.kpl import CORRUPT_REASONS
 from kclpy.retrieval.page import ChildShard
-from kclpy.retrieval.pipeline import ShardPipeline
+from kclpy.retrieval.pipeline import Batching, ShardPipeline
 from kclpy.retrieval.polling import PollingSource
 from kclpy.retrieval.source import ShardAddress, reading_start
 from kclpy.retry import Backoff
 from tests.support.aggregates import MAX_HASH_KEY, expected_outcome, payload, sub_records_of
 from tests.support.checkpoints import CheckpointWriterBase
+from tests.support.scripted import Host, Readers
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
@@ -264,20 +265,21 @@ def run_and_check(
     checkpoints = Checkpoints()
     ended: list[Sequence[ChildShard]] = []
 
-    def fetcher(lease: Lease, start: Position) -> ShardPipeline:
+    def fetcher(start: Position) -> ShardPipeline:
         source = PollingSource(
             client, ShardAddress(lease.lease_key, stream_name="fuzz"), idle_time_s=0.0,
             metrics=metrics, backoff=Backoff(base_s=0.001, cap_s=0.002))
         return ShardPipeline(
             source, reading_start(start, None),
-            metrics=metrics, hash_range=None if low is None or high is None else (low, high),
-            filter_outside_hash_range=True,
+            metrics=metrics, batching=Batching(
+                hash_range=None if low is None or high is None else (low, high),
+                filter_outside_hash_range=True),
         )  # fmt: skip
 
     consumer = ShardConsumer(
         lease, concurrency_token="token", processor_factory=lambda: processor,
-        checkpoint_writer=checkpoints, lease_reader=checkpoints, fetcher_factory=fetcher,
-        on_shard_end=lambda shard_id, children: ended.append(children),
+        fence=checkpoints, readers=Readers(fetcher),
+        host=Host(checkpoints, lambda shard_id, children: ended.append(children)),
         settings=ConsumerSettings(poll_timeout_s=0.01, task_backoff_s=0.001,
                                   max_task_backoff_s=0.002),
         metrics=metrics,

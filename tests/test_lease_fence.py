@@ -5,7 +5,6 @@ the lease dropped and the lost listeners told. In-process moto, one section over
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -42,7 +41,7 @@ from kclpy.processor import (
 )
 from tests.support.determinism import Clock
 from tests.support.faultproxy import FaultProxy
-from tests.support.scripted import SETTINGS, Leases, Result, ScriptedFetcher, rec
+from tests.support.scripted import SETTINGS, Host, Leases, Readers, Result, ScriptedFetcher, rec
 from tests.support.streams import dynamodb_client, unique_name
 
 if TYPE_CHECKING:
@@ -325,10 +324,8 @@ def test_a_consumer_whose_lease_expired_while_it_fetched_hands_the_batch_to_nobo
     pages = [Result([rec(1)]), Result([rec(2)]), Result([rec(3)])]
     consumer = ShardConsumer(
         lease, concurrency_token=token, processor_factory=lambda: processor,
-        checkpoint_writer=a.fence, lease_reader=Leases(),
-        fetcher_factory=lambda _lease, start: Starved(pages, (start.checkpoint, 0)),
-        on_shard_end=lambda _key, _children: None, settings=SETTINGS, metrics=Metrics(),
-        holds=functools.partial(a.fence.holds, "s1", token))
+        fence=a.fence, readers=Readers(lambda start: Starved(pages, (start.checkpoint, 0))),
+        host=Host(Leases()), settings=SETTINGS, metrics=Metrics())
     consumer.start()
     assert consumer.join(10)
     assert processor.log == ["initialize", ["1"], "lease_lost"]

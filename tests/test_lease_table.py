@@ -586,8 +586,7 @@ def test_throttling_is_retried_with_capped_jittered_backoff() -> None:
         client,
         "t",
         metrics=metrics,
-        backoff_base_s=1.0,
-        backoff_cap_s=3.0,
+        backoff_s=(1.0, 3.0),
         sleep=sleeps.append,
         rng=random.Random(7),
     )

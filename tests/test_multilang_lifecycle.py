@@ -25,7 +25,7 @@ from kclpy.multilang.process import ChildProcess
 from kclpy.processor import IRecordProcessor
 from tests.support.fleet import ROOT
 from tests.support.proctable import alive, pids_running
-from tests.support.scripted import Leases, ScriptedFetcher, Writer
+from tests.support.scripted import Host, Leases, Readers, ScriptedFetcher, Writer
 from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
 from tests.support.waiting import wait_for
 
@@ -69,9 +69,9 @@ def test_a_failed_consumer_ends_its_child(tmp_path: Path) -> None:
 
     consumer = ShardConsumer(
         Lease("shard-1", lease_owner="w"), concurrency_token="t",
-        processor_factory=factory, checkpoint_writer=Writer(), lease_reader=Leases(),
-        fetcher_factory=lambda *_: Broken([], ("TRIM_HORIZON", 0)),
-        on_shard_end=lambda *_: None, settings=SETTINGS, metrics=Metrics())
+        processor_factory=factory, fence=Writer(),
+        readers=Readers(lambda _start: Broken([], ("TRIM_HORIZON", 0))), host=Host(Leases()),
+        settings=SETTINGS, metrics=Metrics())
     consumer.start()
     try:
         assert consumer.join(30)

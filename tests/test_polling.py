@@ -21,7 +21,7 @@ from botocore.stub import Stubber
 
 from kclpy.metrics import Metrics
 from kclpy.position import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON, Position
-from kclpy.records import Record
+from kclpy.records import Record, Records, UserRecords, WireRecords
 from kclpy.retrieval.kpl import CORRUPT_REASONS
 from kclpy.retrieval.page import ChildShard, Page
 from kclpy.retrieval.pipeline import ShardPipeline
@@ -675,3 +675,24 @@ def test_a_bounded_read_ends_at_the_tip_only_once_kinesis_time_has_passed_its_bo
     assert not (result.bound_reached or result.shard_closed)
     assert len(sleeps.delays) == 2 and all(d > 0 for d in sleeps.delays), (
         "the tip is looked at again after a wait, not in a busy loop")
+
+
+def test_a_bound_cuts_rows_and_aggregates_where_it_cuts_the_records_one_by_one() -> None:
+    """Page.within reads whole runs' arrivals in C: the cut is the first record at or after
+    the bound, as when every record is looked at, for wire rows, an aggregate's user records
+    and records without an arrival time."""
+    rows = WireRecords([("eA==", f"k{i}", str(10**20 + i),
+                         None if i % 4 == 0 else 1_700_000_000.0005 + i / 1000)
+                        for i in range(12)])
+    users = UserRecords("9" * 30, 1_700_000_000.02, [b"a", b"b"], ["p", "q"])
+    cases: list[Records | WireRecords] = [rows, Records([rows, users]), Records([users, rows])]
+    for records in cases:
+        built = list(records)
+        for until in (1_699_999_999_000, 1_700_000_000_001, 1_700_000_000_005,
+                      1_700_000_000_011, 1_700_000_000_020, 1_700_000_000_021,
+                      1_800_000_000_000):
+            expected = next((i for i, r in enumerate(built) if r.timestamp_millis is not None
+                             and r.timestamp_millis >= until), len(built))
+            page = Page[Sequence[Record]](records, 0).within(until)
+            assert list(page.records) == built[:expected]
+            assert page.bound_reached == (expected < len(built))

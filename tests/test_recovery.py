@@ -34,7 +34,16 @@ from kclpy.recovery import queue as gaps
 from kclpy.recovery.shard import ShardRecovery
 from tests.support.e2e import lease_items, worker_config
 from tests.support.recovery import age
-from tests.support.scripted import SETTINGS, Leases, Result, ScriptedFetcher, Writer, rec
+from tests.support.scripted import (
+    SETTINGS,
+    Host,
+    Leases,
+    Readers,
+    Result,
+    ScriptedFetcher,
+    Writer,
+    rec,
+)
 from tests.support.streams import (
     create_stream,
     dynamodb_client,
@@ -270,15 +279,14 @@ def consume(lease: Lease, live: list[Result], recovery: FakeRecovery
     processor, writer = FlagLog(), Writer()
     starts: list[datetime | None] = []
 
-    def fetcher_factory(lease: Lease, start: Position) -> ScriptedFetcher:
+    def fetcher_factory(start: Position) -> ScriptedFetcher:
         starts.append(start.moment)
         return ScriptedFetcher(live, (start.checkpoint, start.sub_sequence_number))
 
     consumer = ShardConsumer(
-        lease, concurrency_token="t", processor_factory=lambda: processor,
-        checkpoint_writer=writer, lease_reader=Leases(), fetcher_factory=fetcher_factory,
-        on_shard_end=lambda shard_id, children: None, settings=SETTINGS, metrics=Metrics(),
-        rng=random.Random(1), recovery=lambda: recovery)
+        lease, concurrency_token="t", processor_factory=lambda: processor, fence=writer,
+        readers=Readers(fetcher_factory, make_recovery=lambda: recovery),
+        host=Host(Leases()), settings=SETTINGS, metrics=Metrics(), rng=random.Random(1))
     consumer.start()
     assert consumer.join(10)
     assert consumer.error is None
@@ -360,11 +368,11 @@ def test_a_restart_asked_while_a_closed_shard_drains_re_reads_from_the_gaps_chec
     processor, writer = RestartOnce(), Writer()
     consumer = ShardConsumer(
         Lease("shard-1", checkpoint=Position("50")), concurrency_token="t",
-        processor_factory=lambda: processor, checkpoint_writer=writer, lease_reader=Leases(),
-        fetcher_factory=lambda lease, start: ScriptedFetcher(
+        processor_factory=lambda: processor, fence=writer,
+        readers=Readers(lambda start: ScriptedFetcher(
             [Result([], shard_end=True)], (start.checkpoint, start.sub_sequence_number)),
-        on_shard_end=lambda shard_id, children: None, settings=SETTINGS, metrics=Metrics(),
-        rng=random.Random(1), recovery=lambda: recovery)
+            make_recovery=lambda: recovery),
+        host=Host(Leases()), settings=SETTINGS, metrics=Metrics(), rng=random.Random(1))
     consumer.start()
     assert consumer.join(10) and consumer.error is None
     handed = [tuple(rest[0]) for kind, *rest in processor.log if kind in ("recovery", "restart")]

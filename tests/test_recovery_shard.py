@@ -6,7 +6,6 @@ behind, recovered, reported when trimmed, and left to the next owner when unfini
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import random
 import re
@@ -54,7 +53,7 @@ from tests.support import skew
 from tests.support.determinism import Clock
 from tests.support.fleet import Fleet, fleet
 from tests.support.recovery import Holder, age, gap, recovery_for
-from tests.support.scripted import SETTINGS, Result, ScriptedFetcher
+from tests.support.scripted import SETTINGS, Host, Readers, Result, ScriptedFetcher
 from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
 from tests.support.waiting import wait_for
 
@@ -173,7 +172,7 @@ class Shard:
         clock = kinesis_clock(self.kinesis, skew.AgedKinesisClock)
         assert isinstance(clock, skew.AgedKinesisClock)
         clock.move_to(wall_clock())
-        return ShardRecovery("shardId-000000000000", stored, token=self.token,
+        return ShardRecovery(Lease("shardId-000000000000", recovery=stored), token=self.token,
                              fence=self.holder.fence, reader_factory=self.reader,
                              rate=RecoveryRate(10_000), max_lag_ms=1000, metrics=self.metrics,
                              wall_clock=wall_clock, claim=claim, kinesis_clock=clock)
@@ -388,7 +387,7 @@ def test_a_gap_partly_past_retention_is_reported_and_the_rest_recovered(
 
 
 class LeaseTableReader:
-    """The consumer's ``LeaseReader`` over a lease table (the coordinator's ``get_lease``)."""
+    """The consumer's leases, read from a lease table (the coordinator's ``get_lease``)."""
 
     def __init__(self, table: LeaseTable) -> None:
         self.table = table
@@ -473,7 +472,7 @@ def test_a_restart_after_a_finished_gap_resumes_from_the_durable_checkpoint(
              Result([], shard_end=True)]
     fetchers: list[LiveAfterTheGaps] = []
 
-    def live(lease: Lease, start: Position) -> LiveAfterTheGaps:
+    def live(start: Position) -> LiveAfterTheGaps:
         fetchers.append(LiveAfterTheGaps(
             pages, (start.checkpoint, start.sub_sequence_number), recovering))
         return fetchers[-1]
@@ -483,11 +482,10 @@ def test_a_restart_after_a_finished_gap_resumes_from_the_durable_checkpoint(
     processors = iter([first, second])
     consumer = ShardConsumer(
         held.lease.copy(), concurrency_token=shard.token,
-        processor_factory=lambda: next(processors), checkpoint_writer=shard.holder.fence,
-        lease_reader=LeaseTableReader(shard.table),
-        fetcher_factory=live, on_shard_end=lambda key, children: None, settings=SETTINGS,
-        metrics=shard.metrics, rng=random.Random(1), recovery=recovery,
-        holds=functools.partial(shard.holder.fence.holds, key, shard.token))
+        processor_factory=lambda: next(processors), fence=shard.holder.fence,
+        readers=Readers(live, make_recovery=recovery),
+        host=Host(LeaseTableReader(shard.table)), settings=SETTINGS,
+        metrics=shard.metrics, rng=random.Random(1))
     consumer.start()
     assert consumer.join(30) and consumer.error is None and consumer.shard_ended
     gap_records = [seq for is_recovery, seq in first.records if is_recovery]
@@ -555,12 +553,12 @@ def test_a_gap_checkpointer_from_before_a_restart_cannot_skip_the_failed_batch(
 
     def recovery() -> ShardRecovery:
         made.append(ShardRecovery(
-            key, None, token=shard.token, fence=shard.holder.fence,
+            Lease(key), token=shard.token, fence=shard.holder.fence,
             reader_factory=pages_of_ten, rate=RecoveryRate(10_000), max_lag_ms=1000,
             metrics=shard.metrics, wall_clock=lambda: hour_later, kinesis_clock=clock))
         return made[-1]
 
-    def live(lease: Lease, start: Position) -> LiveAfterTheGaps:
+    def live(start: Position) -> LiveAfterTheGaps:
         return LiveAfterTheGaps([Result([], shard_end=True)],
                                 (start.checkpoint, start.sub_sequence_number),
                                 lambda: bool(made) and made[0].active)
@@ -570,11 +568,10 @@ def test_a_gap_checkpointer_from_before_a_restart_cannot_skip_the_failed_batch(
     processors = iter([first, second])
     consumer = ShardConsumer(
         held.lease.copy(), concurrency_token=shard.token,
-        processor_factory=lambda: next(processors), checkpoint_writer=shard.holder.fence,
-        lease_reader=LeaseTableReader(shard.table), fetcher_factory=live,
-        on_shard_end=lambda key, children: None, settings=SETTINGS, metrics=shard.metrics,
-        rng=random.Random(1), recovery=recovery,
-        holds=functools.partial(shard.holder.fence.holds, key, shard.token))
+        processor_factory=lambda: next(processors), fence=shard.holder.fence,
+        readers=Readers(live, make_recovery=recovery),
+        host=Host(LeaseTableReader(shard.table)), settings=SETTINGS, metrics=shard.metrics,
+        rng=random.Random(1))
     consumer.start()
     assert consumer.join(30) and consumer.error is None and consumer.shard_ended
     assert len(first.records) == 10, "the first processor checkpointed one batch of ten"
@@ -671,7 +668,7 @@ def test_a_local_clock_ahead_of_kinesis_neither_ends_a_gap_nor_starts_live_in_it
             return ShardPipeline(source, start)
 
         recovery = ShardRecovery(
-            "s1", None, token=token, fence=holder.fence, reader_factory=reader,
+            Lease("s1"), token=token, fence=holder.fence, reader_factory=reader,
             rate=RecoveryRate(10_000), max_lag_ms=1000, metrics=Metrics(),
             wall_clock=lambda: (k + skew.SKEW_MS) / 1000,
             kinesis_clock=kinesis_clock(client))

@@ -556,7 +556,15 @@ def test_children_of_a_parent_the_retention_removed_unfinished_start(
         ShardEndedInput,
         ShutdownRequestedInput,
     )
-    from tests.support.scripted import SETTINGS, Result, ScriptedFetcher, Writer, rec
+    from tests.support.scripted import (
+        SETTINGS,
+        Host,
+        Readers,
+        Result,
+        ScriptedFetcher,
+        Writer,
+        rec,
+    )
 
     with mock_aws():
         kinesis = boto3.client("kinesis", region_name=REGION)
@@ -594,10 +602,9 @@ def test_children_of_a_parent_the_retention_removed_unfinished_start(
         reader = TableReader(table)
         consumer = ShardConsumer(
             child, concurrency_token="t", processor_factory=lambda: Processor(),
-            checkpoint_writer=Writer(), lease_reader=reader,
-            fetcher_factory=lambda lease, start: ScriptedFetcher(
-                [Result([rec(1)])], (start.checkpoint, start.sub_sequence_number)),
-            on_shard_end=lambda *_: None, settings=SETTINGS, metrics=Metrics())
+            fence=Writer(), readers=Readers(lambda start: ScriptedFetcher(
+                [Result([rec(1)])], (start.checkpoint, start.sub_sequence_number))),
+            host=Host(reader), settings=SETTINGS, metrics=Metrics())
         consumer.start()
         try:
             assert consumer.state is ConsumerState.WAITING_ON_PARENTS

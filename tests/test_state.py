@@ -471,7 +471,7 @@ class Stream:
         # ends at the tip only once Kinesis' time is past the gap's end.
         self.kinesis_clock.move_to(hour_later)
         return shard, ShardRecovery(
-            SHARD, lease.recovery, token=shard.checkpointer._token, fence=shard.fence,
+            lease, token=shard.checkpointer._token, fence=shard.fence,
             reader_factory=self.reader, rate=RecoveryRate(100_000), max_lag_ms=1000,
             metrics=self.metrics, wall_clock=lambda: hour_later)
 
@@ -570,7 +570,7 @@ def test_a_gap_found_by_the_next_owner_starts_after_what_the_sql_store_committed
     store = new_sql_store()
     stream.kinesis_clock.move_to(time.time() + 3600)
     recovery = ShardRecovery(
-        SHARD, None, token=second.checkpointer._token, fence=second.fence,
+        Lease(SHARD), token=second.checkpointer._token, fence=second.fence,
         reader_factory=stream.reader, rate=RecoveryRate(100_000), max_lag_ms=1000,
         metrics=stream.metrics, wall_clock=lambda: time.time() + 3600,
         claim=partial(store.begin_tenure, second.fence, SHARD, second.checkpointer._token))

@@ -75,8 +75,7 @@ class DynamoTable:
         range_key: str | None = None,
         metrics: Metrics | None = None,
         max_attempts: int = 5,
-        backoff_base_s: float = 0.05,
-        backoff_cap_s: float = 2.0,
+        backoff_s: tuple[float, float] = (0.05, 2.0),
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
@@ -86,8 +85,8 @@ class DynamoTable:
         self.hash_key = hash_key
         self.range_key = range_key
         self._metrics = metrics if metrics is not None else NOWHERE
-        # short waits: a lease renewal must land within the failover time
-        self._retries = RetryPolicy(backoff_base_s, backoff_cap_s, max_attempts=max_attempts)
+        # short waits, (base, cap): a lease renewal must land within the failover time
+        self._retries = RetryPolicy(*backoff_s, max_attempts=max_attempts)
         self._sleep = sleep
         self._clock = clock
         self._rng = rng if rng is not None else random.Random()

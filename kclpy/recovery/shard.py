@@ -92,8 +92,7 @@ class ShardRecovery:
 
     def __init__(
         self,
-        lease_key: str,
-        stored: str | None,
+        lease: Lease,
         *,
         token: str,
         fence: LeaseFence,
@@ -105,7 +104,7 @@ class ShardRecovery:
         claim: Callable[[], Position | None] | None = None,
         kinesis_clock: KinesisClock | None = None,
     ) -> None:
-        self.lease_key = lease_key
+        self.lease_key = lease_key = lease.lease_key
         #: a state store that keeps its own live position (the SQL store): claims the shard
         #: for this tenure and returns that position (``StateStore.begin_tenure``)
         self._claim = claim
@@ -121,7 +120,8 @@ class ShardRecovery:
         #: Kinesis' clock stamps, so the lag is measured on it (``begin``)
         self._kinesis_clock = kinesis_clock
         self._lock = threading.Lock()
-        self._queue = gaps.loads(stored)
+        #: the gaps ``lease`` was taken with (its ``kclpyRecovery``)
+        self._queue = gaps.loads(lease.recovery)
         #: gaps read to their end in this tenure without a checkpoint covering them
         self._passed: set[Position] = set()
         #: the last record of each gap read to its end this tenure but not yet checkpointed

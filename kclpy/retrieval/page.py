@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
+from operator import is_not, itemgetter
 from typing import Generic, TypeVar
 
-from kclpy.records import Record
+from kclpy.records import Record, Records, UserRecords, WireRecords
 
 __all__ = ["ChildShard", "Page"]
 
@@ -92,9 +94,42 @@ class Page(Generic[R]):
 
 def _arrived_before(records: Sequence[Record], until_ms: int) -> Sequence[Record]:
     """The leading records that arrived before ``until_ms``: sequence numbers and arrival
-    times grow together within a shard, so the first one at or after it ends the range."""
-    for index, record in enumerate(records):
+    times grow together within a shard, so the first one at or after it ends the range.
+
+    Every page of a bounded read (each Spark task's) passes through here, and a page that
+    ends before the bound is the common case: a run of wire rows or of an aggregate's user
+    records whose latest arrival is before it is kept whole, its arrivals read in C, and
+    records are built only in the run that holds the bound."""
+    start = 0
+    if isinstance(records, Records | WireRecords | UserRecords):
+        for part in records.parts if isinstance(records, Records) else (records,):
+            latest = _latest_arrival_ms(part)
+            if latest is not None and latest >= until_ms:
+                break
+            start += len(part)
+        else:
+            return records
+    for index, record in enumerate(records[start:], start):
         arrived = record.timestamp_millis
         if arrived is not None and arrived >= until_ms:
             return records[:index]
     return records
+
+
+def _latest_arrival_ms(part: Sequence[Record]) -> int | None:
+    """The latest arrival in a run, as ``timestamp_millis`` rounds it (None: none has one).
+    Rounding is monotonic, so no record of a run whose latest arrival is before a bound
+    reaches it."""
+    seconds: float | None
+    if isinstance(part, WireRecords):
+        seconds = max(filter(_known, map(_arrival_s, part.rows)), default=None)
+    elif isinstance(part, UserRecords):
+        seconds = part.arrival_s
+    else:
+        return max((ms for ms in (r.timestamp_millis for r in part) if ms is not None),
+                   default=None)
+    return None if seconds is None else round(seconds * 1000)
+
+
+_arrival_s = itemgetter(3)
+_known = partial(is_not, None)

@@ -29,6 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kclpy.errors import KCLError
@@ -63,12 +64,29 @@ _END = object()
 """Queued after the last result, so a get() blocked on an empty queue learns the thread ended."""
 
 
+@dataclass(frozen=True)
+class Batching:
+    """How a page's records become the batch handed out: read together, because each
+    reader of a shard (the worker's live one, lag recovery's, a Spark task's) picks them
+    together."""
+
+    #: the shard's hash key range, which the KPL parser checks sub-records against
+    hash_range: tuple[int, int] | None = None
+    #: the Java KCL's filter of aggregates with sub-records outside the shard's range;
+    #: off by default, because it drops aws-kinesis-agg aggregates for good (kpl.py)
+    filter_outside_hash_range: bool = False
+    #: hand out pages without records too (the processor asked for empty batches)
+    deliver_empty: bool = False
+    #: False: KPL aggregates are handed over whole
+    deaggregate: bool = True
+
+
 class ShardPipeline:
     """Reads one shard from ``source`` on its own thread (``start``/``get``/``stop``), or
     step by step without a thread (``fetch_once``): deterministic tests, one-record probes,
     and the Spark source, whose executors read inside a Spark task.
 
-    ``deaggregate=False`` hands KPL aggregates over whole. ``on_trimmed`` is told when a
+    ``batching`` says what each page becomes. ``on_trimmed`` is told when a
     start AT a checkpoint finds the checkpoint's record gone (the first record back is a
     later one: those in between were trimmed by retention); it may raise, which ends the
     read. None (the worker, as the Java KCL) does not look.
@@ -84,10 +102,7 @@ class ShardPipeline:
         start: Position,
         *,
         queue_size: int = 3,
-        hash_range: tuple[int, int] | None = None,
-        filter_outside_hash_range: bool = False,
-        deliver_empty: bool = False,
-        deaggregate: bool = True,
+        batching: Batching = Batching(),
         on_trimmed: Callable[[str, str], None] | None = None,
         gate: threading.Event | None = None,
         metrics: Metrics | None = None,
@@ -98,12 +113,11 @@ class ShardPipeline:
         self._source = source
         #: metrics and logs name the shard by its lease key
         self.lease_key = source.address.lease_key
+        hash_range = batching.hash_range
         self._key_range = None if hash_range is None else HashKeyRange(*hash_range)
-        #: the Java KCL's filter of aggregates with sub-records outside the shard's range;
-        #: off by default, because it drops aws-kinesis-agg aggregates for good (kpl.py)
-        self._filter_outside = filter_outside_hash_range
-        self._deliver_empty = deliver_empty
-        self._deaggregate = deaggregate
+        self._filter_outside = batching.filter_outside_hash_range
+        self._deliver_empty = batching.deliver_empty
+        self._deaggregate = batching.deaggregate
         self._on_trimmed = on_trimmed
         self._stop = threading.Event()
         #: reading and handing out pages wait while it is clear (the lease coordinator's

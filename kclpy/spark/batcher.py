@@ -68,7 +68,7 @@ from kclpy.processor import (
     ShardEndedInput,
     ShutdownRequestedInput,
 )
-from kclpy.records import Record
+from kclpy.records import Record, Records
 from kclpy.retry import Backoff
 from kclpy.spark.arrow import Decoder, records_to_table
 
@@ -230,7 +230,31 @@ class _Lane:
 
     checkpointer: Checkpointer
     is_recovery: bool
-    records: list[Record] = field(default_factory=list)
+    #: the shard's batches as they were delivered (a page's rows, an aggregate's columns),
+    #: in order: copied into a list they would build a Record per row, which cost more than
+    #: the rest of this path's work on a record
+    runs: list[Sequence[Record]] = field(default_factory=list)
+    count: int = 0
+
+    def add(self, records: Sequence[Record]) -> None:
+        self.runs.append(records)
+        self.count += len(records)
+
+    def take(self, most: int) -> Records:
+        """The first ``most`` waiting records (fewer if fewer wait), removed from the lane."""
+        taken: list[Sequence[Record]] = []
+        left = most
+        while self.runs and left:
+            run = self.runs[0]
+            if len(run) <= left:
+                taken.append(self.runs.pop(0))
+                left -= len(run)
+            else:
+                taken.append(run[:left])
+                self.runs[0] = run[left:]
+                left = 0
+        self.count -= most - left
+        return Records(taken)
 
 
 @dataclass(eq=False)
@@ -252,14 +276,14 @@ class _Shard:
     @property
     def pending(self) -> int:
         """How many records wait for a batch."""
-        return sum(len(lane.records) for lane in self.lanes)
+        return sum(lane.count for lane in self.lanes)
 
 
 @dataclass
 class _Part:
     shard: _Shard
     checkpointer: Checkpointer
-    records: list[Record]
+    records: Sequence[Record]
     is_recovery: bool = False
 
 
@@ -363,7 +387,7 @@ class MicroBatcher:
             if lane is None:
                 lane = _Lane(checkpointer, is_recovery)
                 shard.lanes.append(lane)
-            lane.records.extend(records)
+            lane.add(records)
             self._cond.notify_all()
             bound = self.options.max_pending_per_shard
             while (shard.pending + shard.in_flight > bound
@@ -458,9 +482,8 @@ class MicroBatcher:
             for lane in list(shard.lanes):
                 if room == 0:
                     break
-                taken = lane.records[:room]
-                del lane.records[:len(taken)]
-                if not lane.records:
+                taken = lane.take(room)
+                if not lane.count:
                     shard.lanes.remove(lane)
                 shard.in_flight += len(taken)
                 room -= len(taken)

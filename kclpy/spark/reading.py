@@ -48,7 +48,7 @@ from kclpy.metrics import Metrics
 from kclpy.position import AFTER, AT_TIMESTAMP, SHARD_END, Position
 from kclpy.records import EMPTY, Record, Records
 from kclpy.retrieval.fanout import FanOutSource
-from kclpy.retrieval.pipeline import ShardPipeline
+from kclpy.retrieval.pipeline import Batching, ShardPipeline
 from kclpy.retrieval.polling import PollingSource
 from kclpy.retrieval.source import ShardAddress
 from kclpy.retry import RetryPolicy, classify, error_code
@@ -246,8 +246,9 @@ class ShardReader:
                                         shard_end_probe_s=shard_end_probe_s, backoff=backoff,
                                         metrics=metrics)
         self._pipeline = ShardPipeline(
-            self._source, start, deliver_empty=True, deaggregate=deaggregate,
-            hash_range=(shard.starting_hash_key, shard.ending_hash_key),
+            self._source, start, batching=Batching(
+                deliver_empty=True, deaggregate=deaggregate,
+                hash_range=(shard.starting_hash_key, shard.ending_hash_key)),
             on_trimmed=self._trimmed if start.kind == AFTER else None, metrics=metrics,
             sleep=time.sleep)
         #: the page that ended the read, handed out again (without records) if asked

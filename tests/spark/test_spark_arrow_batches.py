@@ -3,11 +3,16 @@ key, no record batch grows past its cap, and no record is lost or moved."""
 
 from __future__ import annotations
 
+import base64
+import json
+
 import pyarrow as pa
 import pytest
+from aws_kinesis_agg.aggregator import RecordAggregator
 
-from kclpy.records import Record
+from kclpy.records import Record, Records
 from kclpy.retrieval.kpl import MAGIC, deaggregate
+from kclpy.retrieval.parse import parse_get_records
 from kclpy.spark.arrow import (
     MAX_BATCH_BYTES,
     SCHEMA,
@@ -73,3 +78,32 @@ def test_a_table_of_several_shards_is_made_of_bounded_batches() -> None:
     assert table.column("shard_id").to_pylist() == ["a"] * 40 + ["b"] * 40
     assert table.column("sequence_number").to_pylist() == [
         r.sequence_number for r in records] * 2
+
+
+def test_columns_read_from_rows_and_aggregates_equal_the_records_read_one_by_one() -> None:
+    """The columnar reading of a page's rows and an aggregate's columns (no record built)
+    gives the table the records themselves give: payloads decoded the same (a non-canonical
+    one included), arrival times rounded as ``timestamp_millis`` rounds them."""
+    wire = [{"SequenceNumber": str(10**50 + i), "PartitionKey": f"k\u00e9{i % 3}",
+             "Data": base64.b64encode(bytes([i]) * (i % 7)).decode(),
+             "ApproximateArrivalTimestamp": 1.001 + i / 1000} for i in range(30)]
+    wire[3]["Data"] = "aG\nk="  # not canonical: a line break inside
+    del wire[5]["ApproximateArrivalTimestamp"]
+    page = parse_get_records(json.dumps({"Records": wire, "NextShardIterator": "x"}).encode())
+    aggregator = RecordAggregator()
+    for i in range(50):
+        aggregator.add_user_record(f"key{i % 4}", b"x" * i)
+    blob = aggregator.clear_and_get().get_contents()[2]
+    outer = Record(sequence_number="7" * 56, partition_key="outer",
+                   timestamp_millis=1_700_000_000_001, data=blob)
+    user = deaggregate([outer]).records[3:]
+    together = Records([page.records, user])
+    assert isinstance(together.parts[1], Records)
+    built = list(together)
+    assert records_to_batch("s", "shard", together).equals(
+        records_to_batch("s", "shard", built))
+    for cap in (1, 300, MAX_BATCH_BYTES):
+        fast = list(records_to_batches("s", "shard", together, cap))
+        slow = list(records_to_batches("s", "shard", built, cap))
+        assert [b.num_rows for b in fast] == [b.num_rows for b in slow]
+        assert pa.Table.from_batches(fast).equals(pa.Table.from_batches(slow))

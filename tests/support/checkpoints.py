@@ -7,13 +7,17 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from kclpy.leases.fence import Guard
+from kclpy.leases.lease import Lease
+from kclpy.leases.serializer import UpdateBuilder
 from kclpy.position import Position
 
 
 class CheckpointWriterBase:
     """A ``CheckpointWriter`` whose subclasses record or refuse ``update_checkpoint``;
     transactions and guarded writes belong to the exactly-once tests, and reaching them from
-    any other test is a failure of that test."""
+    any other test is a failure of that test. Also a consumer's ``ShardFence``: the tenure
+    always holds its lease, and a fenced update (a resolved start, a park mark) belongs to
+    the tests of those, whose writers override it."""
 
     def update_checkpoint(self, lease_key: str, concurrency_token: str,
                           position: Position) -> None:
@@ -26,3 +30,10 @@ class CheckpointWriterBase:
     def guard(self, lease_key: str, concurrency_token: str | None, *,
               what: str) -> AbstractContextManager[Guard]:
         raise AssertionError(f"shard {lease_key}: this test's writer guards no {what}")
+
+    def update(self, lease_key: str, token: str | None, changes: UpdateBuilder, *,
+               what: str) -> Lease:
+        raise AssertionError(f"shard {lease_key}: this test's writer takes no {what} write")
+
+    def holds(self, lease_key: str, token: str) -> bool:
+        return True

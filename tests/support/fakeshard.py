@@ -7,7 +7,7 @@ import random
 import re
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import pytest
@@ -20,7 +20,7 @@ from kclpy.records import Record, Records
 from kclpy.retrieval import parse
 from kclpy.retrieval import polling as polling_module
 from kclpy.retrieval.page import ChildShard, Page
-from kclpy.retrieval.pipeline import ShardPipeline
+from kclpy.retrieval.pipeline import Batching, ShardPipeline
 from kclpy.retrieval.polling import PollingSource
 from kclpy.retrieval.source import (
     AFTER_SEQUENCE_NUMBER,
@@ -30,6 +30,8 @@ from kclpy.retrieval.source import (
 from kclpy.retry import Backoff
 
 SHARD = "shardId-000000000000"
+#: the keywords ``make`` hands to the pipeline's ``Batching``
+BATCHING = {option.name for option in fields(Batching)}
 BASE_SEQ = 49_000_000_000_000_000_000
 
 
@@ -196,7 +198,7 @@ def make(
     idle_time_s: float = 1.0,
     **kwargs: Any,
 ) -> ShardPipeline:
-    """A polling pipeline of ``shard``; ``kwargs`` are the pipeline's."""
+    """A polling pipeline of ``shard``; ``kwargs`` are the pipeline's, or its ``Batching``'s."""
     source = PollingSource(
         shard,  # type: ignore[arg-type]
         ShardAddress(SHARD, stream_name="s"),
@@ -205,11 +207,13 @@ def make(
         backoff=Backoff(0.1, 1.0, rng=UpperBound()),
         metrics=metrics,
     )
+    batching = {name: kwargs.pop(name) for name in BATCHING if name in kwargs}
     return ShardPipeline(
         source,
         start or Position.trim_horizon(),
         metrics=metrics,
         sleep=sleeps if sleeps is not None else Sleeps(),
+        batching=Batching(**batching),
         **kwargs,
     )
 
@@ -219,7 +223,7 @@ def polling(client: Any, start: Position, address: ShardAddress, *,
             hash_range: tuple[int, int] | None = None, **kwargs: Any) -> ShardPipeline:
     """A polling pipeline of a real (or stubbed) client; ``kwargs`` are the source's."""
     return ShardPipeline(PollingSource(client, address, metrics=metrics, **kwargs), start,
-                         hash_range=hash_range, metrics=metrics, sleep=sleep)
+                         batching=Batching(hash_range=hash_range), metrics=metrics, sleep=sleep)
 
 
 def sample(metrics: Metrics, name: str, **labels: str) -> float:

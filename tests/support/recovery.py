@@ -10,6 +10,7 @@ from typing import Any
 
 from kclpy.leases.fence import LeaseFence
 from kclpy.leases.held import HeldSet
+from kclpy.leases.lease import Lease
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
 from kclpy.position import Position
@@ -66,7 +67,7 @@ def recovery_for(holder: Holder, token: str, stored: str | None = None,
     """The recovery of lease s1 by ``holder`` in tenure ``token``, from the queue
     ``stored``; 1000 records/s and a 1 s max lag unless ``options`` say otherwise."""
     options.setdefault("reader_factory", unused_reader)
-    return ShardRecovery("s1", stored, token=token, fence=holder.fence,
+    return ShardRecovery(Lease("s1", recovery=stored), token=token, fence=holder.fence,
                          rate=RecoveryRate(1000), max_lag_ms=1000, metrics=Metrics(), **options)
 
 

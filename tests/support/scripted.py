@@ -1,14 +1,18 @@
 """Doubles for driving a ``ShardConsumer`` without AWS: a fetcher that serves scripted
 pages (and, restarted, only what lies after a checkpoint), a checkpoint writer that records
-what it was asked to write, and a lease table of fixed leases."""
+what it was asked to write, a lease table of fixed leases, and the consumer's readers and
+host made of a test's callables."""
 
 from __future__ import annotations
 
 import queue
-from collections.abc import Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Protocol
 
-from kclpy.consumer import ConsumerSettings
+from kclpy.consumer import ConsumerSettings, FetcherLike, RecoveryLike
 from kclpy.leases.lease import Lease
 from kclpy.position import Position
 from kclpy.records import Record, Records
@@ -71,9 +75,19 @@ class ScriptedFetcher:
         return {"mode": "scripted"}
 
 
+def _always() -> bool:
+    return True
+
+
 class Writer(CheckpointWriterBase):
-    def __init__(self) -> None:
+    """Records the checkpoints written; the tenure holds its lease while ``holding`` says."""
+
+    def __init__(self, holding: Callable[[], bool] = _always) -> None:
         self.writes: list[tuple[str, int]] = []
+        self.holding = holding
+
+    def holds(self, lease_key: str, token: str) -> bool:
+        return self.holding()
 
     def update_checkpoint(self, lease_key: str, concurrency_token: str,
                           position: Position) -> None:
@@ -86,3 +100,49 @@ class Leases:
 
     def get_lease(self, lease_key: str) -> Lease | None:
         return self.leases.get(lease_key)
+
+
+class LeaseReader(Protocol):
+    def get_lease(self, lease_key: str) -> Lease | None: ...
+
+
+def _ignore_shard_end(lease_key: str, children: Sequence[ChildShard]) -> None:
+    """A test that does not look at shard ends."""
+
+
+@dataclass
+class Host:
+    """A ``ShardHost``: leases read from ``leases``, every shard end told to ``on_end``."""
+
+    leases: LeaseReader
+    on_end: Callable[[str, Sequence[ChildShard]], None] = _ignore_shard_end
+
+    def get_lease(self, lease_key: str) -> Lease | None:
+        return self.leases.get_lease(lease_key)
+
+    def shard_ended(self, lease_key: str, children: Sequence[ChildShard]) -> None:
+        self.on_end(lease_key, children)
+
+
+@dataclass
+class Readers:
+    """``ShardReaders`` made of a test's callables: ``fetcher`` is the live reader, no lag
+    recovery unless ``make_recovery``, no retention check, the host's clock unless
+    ``clock``."""
+
+    fetcher: Callable[[Position], FetcherLike]
+    make_recovery: Callable[[], RecoveryLike] | None = None
+    clock: Callable[[], float] = time.time
+    initial_timestamp: datetime | None = None
+
+    def live(self, start: Position) -> FetcherLike:
+        return self.fetcher(start)
+
+    def recovery(self) -> RecoveryLike | None:
+        return None if self.make_recovery is None else self.make_recovery()
+
+    def oldest_record(self) -> Record | None:
+        return None
+
+    def now(self) -> float:
+        return self.clock()
