@@ -13,11 +13,12 @@ is applied again to the state as it now is and committed, then the rest. When th
 gone the transaction is dropped, state included, and the user's ``lease_lost`` is called as
 usual.
 
-A commit that failed without an answer may have landed, and so may an earlier one when a
-commit is refused: the store is then asked what it holds (``durable_position``), and records
-it covers are never applied again - the state already holds them - so the checkpoint only
-moves forward. The store's position, committed with the state in one write, is what says
-which records the state holds.
+A commit that failed without an answer may have landed, now or - still on its way - later:
+until a later commit of its line lands, the store is asked what it holds
+(``durable_position``) before each batch of the line and after each refused commit, and
+records it covers are never applied again - the state already holds them - so the checkpoint
+only moves forward. The store's position, committed with the state in one write, is what
+says which records the state holds.
 """
 
 from __future__ import annotations
@@ -100,9 +101,9 @@ class ExactlyOnceProcessor(IRecordProcessor):
         #: the same for each lag-recovery gap (by the position it starts after): a gap's
         #: records are older than every live one, so the two are never compared
         self._gaps: dict[Position, Position] = {}
-        #: the lines (None: live, else the gap) whose last commit failed with its outcome
-        #: unknown: what they committed is read back from the store before the next batch
-        self._in_doubt: set[Position | None] = set()
+        #: the lines (None: live, else the gap) whose commit at the position failed with
+        #: its outcome unknown and is not known to have landed or to be unable to land
+        self._in_doubt: dict[Position | None, Position] = {}
         self._tenure_begun = False
 
     def initialize(self, initialize_input: InitializeInput) -> None:
@@ -112,7 +113,7 @@ class ExactlyOnceProcessor(IRecordProcessor):
         self._committed = Position.of(initialize_input.sequence_number,
                                       initialize_input.sub_sequence_number)
         self._gaps = {}
-        self._in_doubt = set()
+        self._in_doubt = {}
         self.processor.initialize(initialize_input)
 
     def process_records(self, process_records_input: ProcessRecordsInput) -> None:
@@ -135,7 +136,6 @@ class ExactlyOnceProcessor(IRecordProcessor):
                              "name its gap")
         if gap in self._in_doubt:
             self._read_back(checkpointer)
-            self._in_doubt.discard(gap)
         committed = self._committed_of(gap, checkpointer).extended
         txn = self._begin()
         covered: list[Record] = []
@@ -192,11 +192,18 @@ class ExactlyOnceProcessor(IRecordProcessor):
         return self._gaps[gap]
 
     def _read_back(self, checkpointer: Checkpointer) -> bool:
-        """Ask the store what it holds for ``checkpointer``'s line and take it as committed
-        when it is further: a commit whose answer was lost landed. True if it was."""
+        """Ask the store what it holds for ``checkpointer``'s line, which is in doubt, and
+        take it as committed when it is further: a commit whose answer was lost landed.
+        True if it was. Asked only while in doubt: a refused commit is otherwise a
+        conflict, and the read would wait on the very lock that refused it (SQLite)."""
         gap = checkpointer.gap
+        doubted = self._in_doubt.get(gap)
+        if doubted is None:
+            return False
         known = self._committed_of(gap, checkpointer)
         durable = checkpointer.fenced(partial(self._store.durable_position, gap=gap))
+        if durable is not None and durable >= doubted:
+            del self._in_doubt[gap]  # it landed (or a later commit did): it cannot land now
         if durable is None or durable <= known:
             return False
         log.info("shard %s: a commit whose answer was lost had landed: %s is committed, not "
@@ -267,7 +274,7 @@ class ExactlyOnceProcessor(IRecordProcessor):
                 # cached values of its keys are stale and its records must not be applied
                 # again; the next batch of this line reads back what landed
                 self._store.forget(list(txn.versions))
-                self._in_doubt.add(checkpointer.gap)
+                self._in_doubt[checkpointer.gap] = Position.after(batch[-1])
                 raise
             self._landed(checkpointer, batch)
             conflicts = 0
@@ -285,6 +292,9 @@ class ExactlyOnceProcessor(IRecordProcessor):
         return txn
 
     def _landed(self, checkpointer: Checkpointer, records: Sequence[Record]) -> None:
+        """A commit landed; one of the line in doubt no longer can, fenced on the lease's
+        counter (or the SQL store's row) this commit moved past it."""
+        self._in_doubt.pop(checkpointer.gap, None)
         after = Position.after(records[-1])
         if checkpointer.gap is None:
             self._committed = after
