@@ -47,6 +47,11 @@ class CheckpointWriter(Protocol):
         ``update_checkpoint``, and ``TransactionRejected`` when one of ``items`` was refused
         (nothing written)."""
 
+    def durable_checkpoint(self, lease_key: str, concurrency_token: str) -> Position | None:
+        """The checkpoint this writer moves as the lease table holds it now (a consistent
+        read): after a write whose answer was lost, the only way to learn whether it landed.
+        None when the table holds none (the lease gone). Raises as ``update_checkpoint``."""
+
     def guard(
         self, lease_key: str, concurrency_token: str | None, *, what: str
     ) -> AbstractContextManager[Guard]:

@@ -311,6 +311,25 @@ def test_a_refused_retry_after_an_unanswered_attempt_says_the_write_may_have_lan
 
 
 @pytest.mark.integration
+def test_a_forced_move_of_a_lease_without_a_counter_is_written(
+        capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
+        embedded_endpoint: LocalEndpoint, stream: str) -> None:
+    """A lease item written without ``leaseCounter`` (by hand or by a tool): the operator's
+    write expects it still without one, as a take does, instead of ``leaseCounter = 0``,
+    which no such item passes ("kept changing; nothing written" before)."""
+    app, table = lease_table(embedded_endpoint.url)
+    table.client.put_item(TableName=app, Item={
+        "leaseKey": {"S": SHARD}, "checkpoint": {"S": "LATEST"},
+        "checkpointSubSequenceNumber": {"N": "0"}})
+    code, _, err = checkpoint_set(capsys, kinesis_mock, embedded_endpoint, app, stream,
+                                  "--shard-id", SHARD, "--to", "TRIM_HORIZON", "--force")
+    assert code == 0, err
+    lease = table.get(SHARD)
+    assert lease is not None and lease.checkpoint == Position.trim_horizon()
+    assert not lease.counter_absent and lease.lease_counter == 1
+
+
+@pytest.mark.integration
 def test_a_held_lease_is_refused_naming_the_holder_and_nothing_is_written(
         capsys: pytest.CaptureFixture[str], kinesis_mock: LocalEndpoint,
         moto_server: LocalEndpoint, stream: str) -> None:

@@ -337,6 +337,34 @@ def test_an_owner_that_ignores_the_protocol_is_taken_over_after_timeout_and_fail
     assert (stored.lease_owner, stored.checkpoint_owner) == ("B", None)
 
 
+def test_a_handed_off_lease_no_longer_consumed_is_not_adopted(
+    table: LeaseTable, clock: Clock
+) -> None:
+    """The worker stopped consuming s1's stream while its handoff was under way: it does not
+    adopt the lease (then release it at once, with no processor) and forgets the handoff."""
+    a, _, a_asked, b = b_asks_a_for_s1(table, clock)
+    a.run_renewer_once()
+    assert a_asked.shards == ["s1"]
+    a.release("s1")
+    b.set_consumable(lambda key: key != "s1")
+    assert b.poll_handoffs() == []
+    assert b.held_leases() == {} and b.pending_handoffs() == set()
+    assert fetch(table, "s1").lease_owner == "B", "not adopted: nothing written"
+
+
+def test_a_lease_no_longer_consumed_is_not_taken_when_its_handoff_timed_out(
+    table: LeaseTable, clock: Clock
+) -> None:
+    """The same for the take that follows an owner that never let go."""
+    a, _, _, b = b_asks_a_for_s1(table, clock)
+    b.set_consumable(lambda key: key != "s1")
+    clock.advance(TIMEOUT + FAILOVER + 1)
+    before = fetch(table, "s1")
+    b.run_taker_once()
+    assert "s1" not in b.held_leases() and "s1" not in b.pending_handoffs()
+    assert fetch(table, "s1").lease_counter == before.lease_counter, "nothing written"
+
+
 def park_s1_as_a(a: LeaseCoordinator) -> None:
     """A's ``park`` processor-error policy marks s1 through A's fence, as the consumer does."""
     held = a.get_held("s1")

@@ -739,3 +739,46 @@ def test_a_transaction_whose_first_attempt_landed_commits_once(
     assert state(client, "x", state_table) == "a"
     a.fence.update_checkpoint("s1", token, Position("20"))
     assert stored(table).checkpoint == Position("20")
+
+
+def add_one(key: str, table: str) -> TransactWriteItemTypeDef:
+    """An unconditioned item that counts how often it was applied (a user's ``emit``)."""
+    return {"Update": {"TableName": table, "Key": {"k": s(key)},
+                       "UpdateExpression": "ADD #n :one",
+                       "ExpressionAttributeNames": {"#n": "n"},
+                       "ExpressionAttributeValues": {":one": {"N": "1"}}}}
+
+
+@pytest.mark.integration
+def test_a_transaction_is_never_repeated_over_an_earlier_unanswered_one_that_landed(
+    lossy: tuple[FaultProxy, LeaseTable],
+) -> None:
+    """A commit lands and every attempt's answer is lost; the next commit, built without
+    knowing, is refused by the counter the first one moved. Repeated from that counter its
+    items would apply a second time (an unconditioned one) or be refused as a conflict
+    with this worker's own writes: it is not repeated. Nothing is written, the lease is
+    kept at the landed commit's counter, and ``TransactionRejected`` sends the committer to
+    read back what landed."""
+    proxy, table = lossy
+    client: Any = table.client
+    state_table = unique_name("state")
+    make_state_table(client, state_table)
+    clock = Clock()
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    before = stored(table).lease_counter
+    for _ in range(3):
+        proxy.once("TransactWriteItems", "lose_response")
+    with pytest.raises(KinesisClientLibDependencyException):
+        a.fence.transact_checkpoint("s1", token, Position("10"), [add_one("x", state_table)])
+    assert stored(table).checkpoint == Position("10"), "the first commit landed"
+    with pytest.raises(TransactionRejected, match="earlier transaction"):
+        a.fence.transact_checkpoint("s1", token, Position("10"), [add_one("x", state_table)])
+    item = client.get_item(TableName=state_table, Key={"k": s("x")}, ConsistentRead=True)
+    assert item["Item"]["n"] == {"N": "1"}, "applied once"
+    assert a.lost.keys == []
+    held = a.held.entry("s1")
+    assert held is not None and held.lease.lease_counter == before + 1
+    assert a.fence.durable_checkpoint("s1", token) == Position("10")
+    a.fence.transact_checkpoint("s1", token, Position("20"), [add_one("x", state_table)])
+    assert stored(table).checkpoint == Position("20")

@@ -545,6 +545,32 @@ def test_delete_leaves_a_lease_created_again_whose_counter_reached_the_one_read(
     assert table.get("s") is not None
 
 
+def without_counter(table: LeaseTable, key: str) -> Lease:
+    """A finished lease item written by hand or by a tool, with no ``leaseCounter``, as read."""
+    table.client.put_item(TableName=table.table_name, Item={
+        "leaseKey": {"S": key}, "checkpoint": {"S": SHARD_END},
+        "checkpointSubSequenceNumber": {"N": "0"}})
+    lease = table.get(key)
+    assert lease is not None and lease.counter_absent
+    return lease
+
+
+def deletes_a_lease_without_a_counter(table: LeaseTable) -> None:
+    """No counter is not ``leaseCounter = 0`` to DynamoDB: the delete of such an item expects
+    it still without one, as a take does, and a copy read before a take is refused."""
+    stale = without_counter(table, "s")
+    table.take(stale, "w")
+    assert table.delete(stale) is False, "taken since it was read"
+    assert table.get("s") is not None
+    table.client.delete_item(TableName=table.table_name, Key={"leaseKey": {"S": "s"}})
+    assert table.delete(without_counter(table, "s")) is True
+    assert table.get("s") is None
+
+
+def test_delete_of_a_lease_without_a_counter(table: LeaseTable) -> None:
+    deletes_a_lease_without_a_counter(table)
+
+
 def test_delete_of_a_lease_created_without_an_incarnation(table: LeaseTable) -> None:
     """A Java KCL (or older kclpy) lease has no incarnation: deleted on its counter."""
     table.create(Lease("s"))
@@ -649,3 +675,12 @@ def test_over_http_java_items_and_fenced_writes(moto_url: str) -> None:
     assert evicted.checkpoint.sequence_number == "4959"
     assert raw(table, "shardId-000000000001")["javaOnly"] == java_item("x")["javaOnly"]
     assert [lease.lease_key for lease in table.list_leases()] == ["shardId-000000000001"]
+
+
+@pytest.mark.integration
+def test_over_http_delete_of_a_lease_without_a_counter(embedded_endpoint: LocalEndpoint) -> None:
+    """The same on kclpy.local's DynamoDB, whose conditions are atomic."""
+    client = boto3.client("dynamodb", endpoint_url=embedded_endpoint.url, region_name=REGION)
+    table = LeaseTable(client, f"app-{uuid.uuid4().hex}")
+    table.create_if_missing()
+    deletes_a_lease_without_a_counter(table)

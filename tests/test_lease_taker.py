@@ -9,6 +9,8 @@ import re
 from collections import Counter
 
 from kclpy.leases.coordinator import LeaseCoordinator
+from kclpy.leases.leader import LeaderLock, LeaderMode
+from kclpy.leases.load import LoadBalancing, LoadMeter, LoadSettings, LoadTable
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
 from kclpy.position import Position
@@ -241,3 +243,24 @@ def test_with_a_fixed_interval_the_next_scan_is_that_long_after_the_last_attempt
     a.run_taker_once()
     clock.advance(3.0)
     assert a.taker.next_scan() == started + 7.0, "a failed scan counts as an attempt"
+
+
+def test_a_leader_never_takes_a_lease_it_does_not_consume(
+    table: LeaseTable, clock: Clock
+) -> None:
+    """A leader's own take goes through the same check as a scanning taker's: a lease of a
+    stream it no longer consumes is left for another worker, not taken and released at
+    once (which also left it unclaimed, and the leader judging its assignee dead)."""
+    create(table, "s1", "s2")
+    load_table = LoadTable(table.client, "app-load", clock=clock, sleep=lambda _: None)
+    load_table.create_if_missing()
+    reports = LoadBalancing(LoadMeter("A", dict, clock=clock, cpu_seconds=lambda: 0.0),
+                            load_table, LoadSettings(), clock=clock, wall_clock=clock)
+    mode = LeaderMode(LeaderLock(load_table, "A", failover_time_s=FAILOVER, clock=clock),
+                      reports, by_load=False)
+    a, _ = coordinator(table, "A", clock, leader=mode)
+    a.set_consumable(lambda key: key != "s2")
+    for _ in range(3):
+        a.run_taker_once()
+        clock.advance(FAILOVER)
+    assert owners(table) == {"s1": "A", "s2": None}

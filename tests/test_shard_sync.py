@@ -884,6 +884,25 @@ def test_sync_replaces_the_lease_of_a_former_stream_at_the_initial_position(
         assert syncer.sync() == [], "a lease of this incarnation is left alone"
 
 
+def test_sync_replaces_a_former_streams_lease_written_without_a_counter() -> None:
+    """The same lease as a hand-written or tool-written item without ``leaseCounter``: its
+    delete expects the counter still absent (``leaseCounter = 0`` fails on it), so it is
+    replaced too instead of leaving the open shard without a lease for good."""
+    with mock_aws():
+        kinesis = boto3.client("kinesis", region_name=REGION)
+        kinesis.create_stream(StreamName="s", ShardCount=1)
+        table = LeaseTable(boto3.client("dynamodb", region_name=REGION), "app")
+        table.create_if_missing()
+        table.client.put_item(TableName="app", Item={
+            "leaseKey": {"S": "shardId-000000000000"}, "checkpoint": {"S": "SHARD_END"},
+            "checkpointSubSequenceNumber": {"N": "0"}})
+        syncer = ShardSyncer(kinesis, table, stream_name="s", initial_position=LATEST)
+        assert [lease.lease_key for lease in syncer.sync()] == ["shardId-000000000000"]
+        fresh = table.get("shardId-000000000000")
+        assert fresh is not None and fresh.checkpoint == Position.latest()
+        assert not fresh.counter_absent
+
+
 def _delete(kinesis: Any, stream: str) -> None:
     """Delete ``stream`` and wait until the endpoint no longer lists it."""
     kinesis.delete_stream(StreamName=stream)

@@ -45,6 +45,7 @@ from kclpy.state.transaction import StateTransaction, TransactionTooLarge, Versi
 from tests.support import skew
 from tests.support.determinism import Clock
 from tests.support.e2e import worker_config
+from tests.support.faultproxy import FaultProxy
 from tests.support.state import Counter, Ops, Shard, rec, runner, stored_state
 from tests.support.streams import (
     create_stream,
@@ -875,3 +876,89 @@ def legacy_put(store: StateStore, key: str, value: Any, version: int) -> None:
     store.table.client.put_item(TableName=store.table_name, Item={
         "stateKey": {"S": key}, "stateValue": {"S": json.dumps(value)},
         "stateVersion": {"N": str(version)}})
+
+
+# -- a commit whose answer was lost -----------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_over_http_a_commit_whose_answers_were_lost_is_not_applied_again(
+        embedded_endpoint: LocalEndpoint) -> None:
+    """A commit lands and the answer of every botocore attempt is lost (kclpy.local's
+    DynamoDB behind the fault proxy): the batch fails and is delivered again to the same
+    processor, whose cache and committed position never saw the commit land. It reads back
+    what the store holds and applies nothing twice; the lease's checkpoint never moves
+    back. Before, the retry's commit was repeated over the landed one, refused by its own
+    state writes, and half the batch applied again to the state that held it (count 8,
+    checkpoint 4 -> 2 -> 4)."""
+    with FaultProxy(embedded_endpoint.url, seed=5) as proxy:
+        client = dynamodb_client(proxy.url)
+        lease_table = LeaseTable(client, unique_name("lost"), max_attempts=3,
+                                 sleep=lambda _: None)
+        lease_table.create_if_missing()
+        assert lease_table.create(Lease("s1"))
+        store = DynamoDBStateStore(f"{lease_table.table_name}-state", client=client)
+        checkpoints: list[Position] = []
+
+        def seen(**_: Any) -> None:
+            lease = lease_table.get("s1")
+            assert lease is not None
+            checkpoints.append(lease.checkpoint)
+
+        client.meta.events.register("after-call.dynamodb.TransactWriteItems", seen)
+        client.meta.events.register("after-call.dynamodb.UpdateItem", seen)
+        shard = Shard(lease_table, "s1", "A", Clock())
+        processor = runner(store)
+        batch = [rec(seq, "a:1") for seq in range(1, 5)]
+        for _ in range(3):
+            proxy.once("TransactWriteItems", "lose_response")
+        with pytest.raises(kclpy.KinesisClientLibDependencyException):
+            shard.deliver(processor, batch)
+        shard.deliver(processor, batch)
+        shard.deliver(processor, [rec(5, "a:1")])
+        assert proxy.faults("lose_response") == 3
+        assert stored_state(store) == {"count/a": 5, "sum/a": 5}
+    assert checkpoints == sorted(checkpoints), f"moved back: {checkpoints}"
+    assert checkpoints[-1] == Position("5")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("lagging", [False, True], ids=["live", "gap"])
+def test_over_http_a_workers_commit_whose_answers_were_lost_is_applied_once(
+        lagging: bool, kinesis_mock: LocalEndpoint, embedded_endpoint: LocalEndpoint) -> None:
+    """The same through a whole Worker, its DynamoDB behind the fault proxy: the first
+    commit - of live records, or of a lagging shard's gap - lands and every answer to it is
+    lost; the consumer delivers the batch again and the state counts each record once."""
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("eo-lost")
+    create_stream(kinesis, stream, 1)
+    payloads = [b"a:1"] * 20
+    put_plain(kinesis, stream, payloads)
+    max_lag_ms = 1500
+    if lagging:
+        written = time.time()
+        wait_for(lambda: time.time() > written + max_lag_ms / 1000, 30, "the records to age",
+                 interval=0.1)
+    app = unique_name("eo-lost-app")
+    with FaultProxy(embedded_endpoint.url, seed=5) as proxy:
+        for _ in range(3):
+            proxy.once("TransactWriteItems", "lose_response")
+        config = http_config(kinesis_mock, embedded_endpoint, app, stream,
+                             dynamodb_endpoint=proxy.url, state_store=f"{app}-state",
+                             **({"max_lag_ms": max_lag_ms} if lagging else {}))
+        worker = kclpy.Worker(config, Counter)
+        store = DynamoDBStateStore(f"{app}-state", client=dynamodb_client(embedded_endpoint.url))
+        dynamodb = dynamodb_client(embedded_endpoint.url)
+
+        def lease() -> dict[str, Any]:
+            return dynamodb.get_item(TableName=config.lease_table_name, ConsistentRead=True,
+                                     Key={"leaseKey": {"S": SHARD}}).get("Item", {})
+
+        with running(worker):
+            wait_for(lambda: proxy.faults("lose_response") == 3, 60, "the answers lost")
+            # a live record after them: applied once the failed batch was delivered again
+            put_plain(kinesis, stream, [b"b:1"])
+            wait_for(lambda: stored_state(store).get("count/b") == 1, 60,
+                     "the later record applied")
+            wait_for(lambda: "kclpyRecovery" not in lease(), 60, "no gap left")
+    assert stored_state(store) == {"count/a": 20, "sum/a": 20, "count/b": 1, "sum/b": 1}

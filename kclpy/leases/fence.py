@@ -40,6 +40,7 @@ from kclpy.errors import (
     LeaseLostError,
     ShutdownException,
     ThrottlingException,
+    TransactionRejected,
 )
 from kclpy.leases import handoff
 from kclpy.leases.dynamo import TABLE_ERRORS, LeaseTableThrottled
@@ -121,13 +122,14 @@ class LeaseFence:
         if this worker no longer holds the lease, nothing is written, ``items`` included.
         ``apply`` updates the held copy the way ``changes`` updated the item (a transaction
         returns no attributes). A failed condition of one of ``items`` raises
-        ``TransactionRejected`` and leaves the lease held."""
+        ``TransactionRejected`` and leaves the lease held; so does an earlier transaction of
+        this lease whose answer was lost and that is found to have landed (``_attempt``)."""
 
         def write(lease: Lease) -> Lease:
             fresh = self.table.guarded_transact(lease, changes, items)
             return apply(fresh) if apply is not None else fresh
 
-        return self.write(lease_key, token, write, what=what, observed=False)
+        return self.write(lease_key, token, write, what=what, transaction=True)
 
     @contextmanager
     def guard(self, lease_key: str, token: str | None, *, what: str) -> Iterator[Guard]:
@@ -156,12 +158,15 @@ class LeaseFence:
 
     def write(
         self, lease_key: str, token: str | None, write: Callable[[Lease], Lease], *, what: str,
-        observed: bool = True,
+        transaction: bool = False,
     ) -> Lease:
         """Run ``write(held lease)`` as the holder. ``write`` must condition on the lease it
         is given (``LeaseTable.guarded_*`` do) and raise ``LeaseChanged`` when that fails.
-        ``observed`` False: what ``write`` returns is not the item as written (a transaction
-        returns no attributes), so it does not put the next renewal off (``HeldSet.refresh``)."""
+        ``transaction``: ``write`` commits other items with the lease item
+        (``guarded_transact``). What it returns is then not the item as written (a
+        transaction returns no attributes), so it does not put the next renewal off
+        (``HeldSet.refresh``), and it is never repeated over an earlier transaction of the
+        lease that landed unanswered (``_attempt``)."""
         lost: str | None = None
         asked = False
         failure: Exception | None = None
@@ -175,7 +180,7 @@ class LeaseFence:
                 self.held.drop(lease_key, lost)
             else:
                 try:
-                    fresh = self._attempt(held, write, what)
+                    fresh = self._attempt(held, write, what, transaction)
                 except LeaseTableThrottled as exc:
                     failure = ThrottlingException(f"shard {lease_key}: {what}: {exc}")
                     failure.__cause__ = exc
@@ -186,7 +191,8 @@ class LeaseFence:
                 else:
                     if fresh is None:
                         lost = self.held.gone_why(lease_key)
-                    elif not self.held.refresh(held, fresh, sent_at, observed=observed):
+                    elif not self.held.refresh(held, fresh, sent_at,
+                                               observed=not transaction):
                         # Given up while this write was on its way: the write landed, but
                         # the processor was already told the lease is lost. Let it go at
                         # once instead of leaving it held by nobody until it expires.
@@ -221,6 +227,17 @@ class LeaseFence:
         """``CheckpointWriter``: a checkpoint is a fenced update of the lease item."""
         self.update(lease_key, concurrency_token, checkpoint_changes(position),
                     what="checkpoint")
+
+    def durable_checkpoint(self, lease_key: str, concurrency_token: str) -> Position | None:
+        """``CheckpointWriter``: the lease item's checkpoint, read consistently."""
+        current = self.durable_lease(lease_key, concurrency_token)
+        return None if current is None else current.checkpoint
+
+    def durable_lease(self, lease_key: str, token: str) -> Lease | None:
+        """The lease item as the table holds it now, read consistently for its holder in
+        tenure ``token`` (``ShutdownException`` when it is not held in it any more)."""
+        self._holding(lease_key, token)
+        return self._current(lease_key, "reading the lease back")
 
     def transact_checkpoint(
         self,
@@ -305,7 +322,8 @@ class LeaseFence:
     def _expired(self, held: HeldLease) -> bool:
         return self._clock() - held.renewed_at > self.failover_time_s
 
-    def _attempt(self, held: HeldLease, write: Callable[[Lease], Lease], what: str) -> Lease | None:
+    def _attempt(self, held: HeldLease, write: Callable[[Lease], Lease], what: str,
+                 transaction: bool = False) -> Lease | None:
         """One fenced write (the lease's lock held). Returns the fresh lease, or None when the
         lease is lost (already dropped). A handoff request discovered on the way puts
         ``held`` in the handing-off state (``handoff_since`` set, so the caller can tell) and
@@ -319,7 +337,13 @@ class LeaseFence:
         If the item carries this write's id, the write landed: it succeeded. If it carries
         the id of an earlier write of this lease that got no answer, that write landed: the
         lease is dated from its sending and this write is made again from the counter it
-        left. Either way the lease is not dropped with "owner now <this worker>"."""
+        left. Either way the lease is not dropped with "owner now <this worker>".
+
+        Except a ``transaction`` over an earlier transaction that landed: its items (state
+        writes conditioned on the versions read before it, a user's unconditioned ones) were
+        built without it, and repeated they would be refused or applied twice. Nothing is
+        written and ``TransactionRejected`` says so; the committer reads back what landed
+        (``durable_checkpoint``) before it applies anything again."""
         key = held.lease.lease_key
         write_id = new_write_id()
         sent_at = self._clock()
@@ -329,6 +353,8 @@ class LeaseFence:
             current = exc.current if exc.current is not None else self._read(key)
         except TABLE_ERRORS:
             held.unanswered[write_id] = sent_at
+            if transaction:
+                held.unanswered_transactions.add(write_id)
             raise
         landed = own_write(held.lease, current, {write_id, *held.unanswered})
         if landed is not None:
@@ -338,12 +364,17 @@ class LeaseFence:
                 log.info("worker %s: the %s of %s landed; its answer was lost", self.worker_id,
                          what, key)
                 return fresh
-            log.info("worker %s: an unanswered write of %s landed; repeating the %s on it",
-                     self.worker_id, key, what)
+            repeat = not (transaction and landed in held.unanswered_transactions)
+            log.info("worker %s: an unanswered write of %s landed; %s", self.worker_id, key,
+                     f"repeating the {what} on it" if repeat else f"the {what} is not repeated")
             if not self.held.refresh(held, fresh, held.unanswered[landed]):
                 self._let_go(fresh, what)  # given up meanwhile; the write made it ours
                 return None
-            return self._attempt(held, write, what)
+            if not repeat:
+                raise TransactionRejected(
+                    f"shard {key}: an earlier transaction of this lease whose answer was lost "
+                    f"landed; the {what} was not written", [])
+            return self._attempt(held, write, what, transaction)
         if handoff.is_request_to_hand_off(held.lease, current, self.worker_id):
             assert current is not None
             log.info("worker %s: %s asks for lease %s", self.worker_id, current.lease_owner, key)
@@ -351,7 +382,7 @@ class LeaseFence:
             held.handoff_since = self._clock()
             # repeated as the handing-off holder (an attempt of its own: its answer may be
             # lost too); refused again, the lease is dropped there
-            return self._attempt(held, write, what)
+            return self._attempt(held, write, what, transaction)
         owner = current.lease_owner if current is not None else None
         self.held.drop(key, f"taken by another worker ({what} found it changed; owner now "
                             f"{owner or 'nobody'})", held)

@@ -42,6 +42,10 @@ class HeldLease:
     #: recognises one of them in the item when a later write is refused by the counter it
     #: moved, and dates the lease from its sending, never later (``LeaseFence._attempt``).
     unanswered: dict[str, float] = field(default_factory=dict)
+    #: those of ``unanswered`` that committed other items with the lease item (a state
+    #: transaction): a later transaction is never repeated over one of them that landed,
+    #: since its own items were built on the state as it was before that one
+    unanswered_transactions: set[str] = field(default_factory=set)
 
 
 class HeldSet:
@@ -131,6 +135,7 @@ class HeldSet:
             entry.renewed_at = sent_at
             # a write from the counter these were sent at landed: none of them can land now
             entry.unanswered.clear()
+            entry.unanswered_transactions.clear()
             if observed:
                 entry.renew_due = sent_at + self.renewer_interval_s
             on_notice = self._on_notice if noticed else None

@@ -284,6 +284,19 @@ class UpdateBuilder:
             return self.expect_absent(LEASE_OWNER)
         return self.expect_equal(LEASE_OWNER, s(owner))
 
+    def condition(self) -> dict[str, Any]:
+        """The keyword arguments of the conditions alone, for a write that is not an
+        UpdateItem (a conditional DeleteItem)."""
+        if not self._conditions:
+            raise ValueError("no condition to state")
+        request: dict[str, Any] = {
+            "ConditionExpression": " AND ".join(self._conditions),
+            "ExpressionAttributeNames": {p: a for a, p in self._placeholders.items()},
+        }
+        if self._values:
+            request["ExpressionAttributeValues"] = dict(self._values)
+        return request
+
     def request(self) -> dict[str, Any]:
         """The UpdateItem keyword arguments for the expression, condition, names and values."""
         clauses = []

@@ -214,13 +214,12 @@ class LeaseTaker:
             with self._state:
                 self._share = plan.share
             taken += [fresh for lease in plan.take
-                      if self._consumes(lease) and (fresh := self._take(lease, stolen=False))]
+                      if (fresh := self._take(lease, stolen=False))]
             steals = plan.steal if self._load is None else self._load.steals(
                 leases, held=held, live=lambda lease: not self._balancer.is_expired(lease, now),
                 no_steal=no_steal, busy=bool(plan.take or self.pending_handoffs()),
                 count_steals=plan.steal)
-            taken += [fresh for lease in steals
-                      if self._consumes(lease) and (fresh := self.steal(lease))]
+            taken += [fresh for lease in steals if (fresh := self.steal(lease))]
             if taken:
                 log.info("worker %s took %s", self.worker_id, ", ".join(t.lease_key for t in taken))
             if self.cleanup_leases:
@@ -673,9 +672,12 @@ class LeaseTaker:
 
     def steal(self, lease: Lease) -> Lease | None:
         """Take a lease from a live worker: with graceful handoff, ask its owner to let go
-        (returns None; the lease arrives when the owner has finished), else take outright."""
+        (returns None; the lease arrives when the owner has finished), else take outright.
+        Nothing is asked for a lease this worker would not consume (``_consumes``)."""
         if not self.graceful_handoff or not mixed.speaks_handoff(lease):
             return self._take(lease, stolen=True)
+        if not self._consumes(lease):
+            return None
         with self.held.lock_for(lease.lease_key):
             try:
                 asked_at_counter = self.table.set_checkpoint_owner(
@@ -760,10 +762,13 @@ class LeaseTaker:
         self._consumable = fn
 
     def _consumes(self, lease: Lease) -> bool:
-        """The scanning taker's last check before a take or steal. The known shards drop a
-        stream that left the tracker only once shard sync has listed every stream still
-        consumed (slow under load); a cycle in that window took the dropped stream's lease
-        and the worker released it at once, with no processor."""
+        """The last check before any tenure starts (``_start_tenure``: a take, a steal, a
+        leader's own take, an adoption or a take after a handoff timed out) or a handoff is
+        asked for. The known shards drop a stream that left the tracker only once shard
+        sync has listed every stream still consumed (slow under load); a take in that
+        window got the dropped stream's lease and the worker released it at once, with no
+        processor - and a leader then counted the live worker it had assigned the lease to
+        as dead for not claiming it."""
         consumable = self._consumable
         return consumable is None or consumable(lease.lease_key)
 
@@ -849,37 +854,43 @@ class LeaseTaker:
         return self._take(lease, stolen=True)
 
     def _adopt(self, lease: Lease) -> Lease | None:
-        with self.held.lock_for(lease.lease_key):
-            sent_at = self._clock()
-            try:
-                fresh = self.table.adopt(lease)
-            except LeaseLostError:
-                return None
-            except TABLE_ERRORS as exc:
-                log.warning("worker %s: adopting %s failed: %r",
-                            self.worker_id, lease.lease_key, exc)
-                return None
-            fresh.concurrency_token = uuid.uuid4().hex
-            self._install(fresh, sent_at)
-        self._metrics.inc(LEASES_STOLEN)
-        log.info("worker %s: handoff of %s complete", self.worker_id, lease.lease_key)
-        return fresh.copy()
+        fresh = self._start_tenure(lease, self.table.adopt, "adopting")
+        if fresh is not None:
+            self._metrics.inc(LEASES_STOLEN)
+            log.info("worker %s: handoff of %s complete", self.worker_id, lease.lease_key)
+        return fresh
 
     def _take(self, lease: Lease, *, stolen: bool) -> Lease | None:
+        fresh = self._start_tenure(
+            lease, lambda read: self.table.take(read, self.worker_id), "taking")
+        if fresh is not None:
+            self._metrics.inc(LEASES_STOLEN if stolen else LEASES_TAKEN)
+        return fresh
+
+    def _start_tenure(self, lease: Lease, write: Callable[[Lease], Lease],
+                      what: str) -> Lease | None:
+        """Every way this worker starts holding a lease (a take, an adoption) goes through
+        here, so none can skip ``_consumes``: a lease of a stream this worker no longer
+        consumes is not written at all (a pending handoff of it is dropped). The fresh
+        lease, or None when it is not consumed or changed before it could be written."""
+        if not self._consumes(lease):
+            with self._state:
+                self._pending.pop(lease.lease_key, None)
+            return None
         with self.held.lock_for(lease.lease_key):
             sent_at = self._clock()
             try:
-                fresh = self.table.take(lease, self.worker_id)
+                fresh = write(lease)
             except LeaseLostError:
-                log.info("worker %s: lease %s changed before it could be taken",
-                         self.worker_id, lease.lease_key)
+                log.info("worker %s: lease %s changed before %s it",
+                         self.worker_id, lease.lease_key, what)
                 return None
             except TABLE_ERRORS as exc:
-                log.warning("worker %s: taking %s failed: %r", self.worker_id, lease.lease_key, exc)
+                log.warning("worker %s: %s %s failed: %r", self.worker_id, what,
+                            lease.lease_key, exc)
                 return None
             fresh.concurrency_token = uuid.uuid4().hex
             self._install(fresh, sent_at)
-        self._metrics.inc(LEASES_STOLEN if stolen else LEASES_TAKEN)
         return fresh.copy()
 
     def _install(self, lease: Lease, sent_at: float) -> None:

@@ -55,7 +55,7 @@ from kclpy.leases.lease import (
 from kclpy.leases.serializer import UpdateBuilder, n, s, ss
 from kclpy.leases.shard_sync import Shard, ShardSyncer
 from kclpy.leases.shard_sync import _depths as shard_depths
-from kclpy.leases.table import LeaseTable, checkpoint_changes
+from kclpy.leases.table import LeaseTable, checkpoint_changes, expect_counter
 from kclpy.ops.position import (
     Destination,
     PositionError,
@@ -220,7 +220,7 @@ def _write(table: LeaseTable, lease: Lease, update: UpdateBuilder) -> Lease:
     (``kclpy.leases.fence.own_write``)."""
     write_id = new_write_id()
     update.set(ser.LEASE_COUNTER, n(lease.lease_counter + 1)).set(ser.WRITE_ID, s(write_id))
-    update.expect_equal(ser.LEASE_COUNTER, n(lease.lease_counter))
+    expect_counter(update, lease)
     try:
         response = table.call("UpdateItem", table.client.update_item,
                               TableName=table.table_name, Key=ser.key_of(lease.lease_key),

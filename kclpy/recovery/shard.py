@@ -293,6 +293,18 @@ class ShardRecovery:
     def guard(self, what: str) -> AbstractContextManager[Guard]:
         return self._fence.guard(self.lease_key, self._token, what=what)
 
+    def durable(self, gap: Position) -> Position | None:
+        """``gap``'s checkpoint in the lease item as the table holds it now (read
+        consistently, whatever answers of this holder's writes were lost): ``SHARD_END``,
+        after every record, once the gap is gone from the item's queue (a checkpoint covered
+        its last record, or an operator cancelled it); None when the lease item is gone."""
+        current = self._fence.durable_lease(self.lease_key, self._token)
+        if current is None:
+            return None
+        request = next((r for r in gaps.loads(current.recovery) if _key(r) == gap), None)
+        return (Position.shard_end() if request is None
+                else Position.of(request.done, request.done_sub))
+
     # -- internals ---------------------------------------------------------------------------
 
     def _now_ms(self) -> int:
@@ -474,7 +486,7 @@ class ShardRecovery:
 
         self._fence.write(self.lease_key, self._token, write,
                           what="recovery commit" if items else "recovery checkpoint",
-                          observed=not items)
+                          transaction=bool(items))
         before = {_key(r) for r in self._queue}
         self._queue = written[0]
         for request in self._queue:
@@ -520,6 +532,9 @@ class GapWriter:
     def transact_checkpoint(self, lease_key: str, concurrency_token: str, position: Position,
                             items: Sequence[Any]) -> None:
         self._recovery.checkpoint(self._gap, position, items)
+
+    def durable_checkpoint(self, lease_key: str, concurrency_token: str) -> Position | None:
+        return self._recovery.durable(self._gap)
 
     def guard(self, lease_key: str, concurrency_token: str | None, *,
               what: str) -> AbstractContextManager[Guard]:

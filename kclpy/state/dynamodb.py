@@ -102,6 +102,12 @@ class DynamoDBStateStore:
         writer.transact_checkpoint(lease_key, token, position, self.items(txn))
         self._cache.committed(txn)
 
+    def durable_position(
+        self, writer: CheckpointWriter, lease_key: str, token: str, gap: Position | None
+    ) -> Position | None:
+        """The lease item's checkpoint (or its gap's), which commits with the state."""
+        return writer.durable_checkpoint(lease_key, token)
+
     def gap_position(self, lease_key: str, gap: Position) -> Position | None:
         """Nothing stored here: a gap's checkpoint in the lease item commits with its state."""
         return None

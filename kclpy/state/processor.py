@@ -12,6 +12,13 @@ it because another writer changed a key it read, the first half of the transacti
 is applied again to the state as it now is and committed, then the rest. When the lease is
 gone the transaction is dropped, state included, and the user's ``lease_lost`` is called as
 usual.
+
+A commit that failed without an answer may have landed, now or - still on its way - later:
+until a later commit of its line lands, the store is asked what it holds
+(``durable_position``) before each batch of the line and after each refused commit, and
+records it covers are never applied again - the state already holds them - so the checkpoint
+only moves forward. The store's position, committed with the state in one write, is what
+says which records the state holds.
 """
 
 from __future__ import annotations
@@ -94,6 +101,9 @@ class ExactlyOnceProcessor(IRecordProcessor):
         #: the same for each lag-recovery gap (by the position it starts after): a gap's
         #: records are older than every live one, so the two are never compared
         self._gaps: dict[Position, Position] = {}
+        #: the lines (None: live, else the gap) whose commit at the position failed with
+        #: its outcome unknown and is not known to have landed or to be unable to land
+        self._in_doubt: dict[Position | None, Position] = {}
         self._tenure_begun = False
 
     def initialize(self, initialize_input: InitializeInput) -> None:
@@ -103,6 +113,7 @@ class ExactlyOnceProcessor(IRecordProcessor):
         self._committed = Position.of(initialize_input.sequence_number,
                                       initialize_input.sub_sequence_number)
         self._gaps = {}
+        self._in_doubt = {}
         self.processor.initialize(initialize_input)
 
     def process_records(self, process_records_input: ProcessRecordsInput) -> None:
@@ -123,18 +134,24 @@ class ExactlyOnceProcessor(IRecordProcessor):
         if process_records_input.is_recovery and gap is None:
             raise ValueError(f"shard {self._lease_key}: a recovery batch's checkpointer must "
                              "name its gap")
+        if gap in self._in_doubt:
+            self._read_back(checkpointer)
         committed = self._committed_of(gap, checkpointer).extended
         txn = self._begin()
         covered: list[Record] = []
         skipped: Record | None = None
         started = self._clock()
         for record in process_records_input.records:
-            if (int(record.sequence_number), record.sub_sequence_number) <= committed:
+            if record.extended_sequence_number <= committed:
                 skipped = record  # committed before this batch failed and came again
                 continue
             if not self._apply(record, txn):
                 self._commit(checkpointer, txn, covered)
+                committed = self._committed_of(gap, checkpointer).extended
                 txn, covered, started = self._begin(), [], self._clock()
+                if record.extended_sequence_number <= committed:
+                    skipped = record  # a commit read back landed with this record
+                    continue
                 if not self._apply(record, txn):
                     raise TransactionTooLarge(
                         f"shard {self._lease_key}: record {record.sequence_number}/"
@@ -143,6 +160,7 @@ class ExactlyOnceProcessor(IRecordProcessor):
             covered.append(record)
             if len(covered) >= self._max_records or self._clock() - started >= self._max_seconds:
                 self._commit(checkpointer, txn, covered)
+                committed = self._committed_of(gap, checkpointer).extended
                 txn, covered, started = self._begin(), [], self._clock()
         if covered:
             self._commit(checkpointer, txn, covered)
@@ -172,6 +190,30 @@ class ExactlyOnceProcessor(IRecordProcessor):
             self._gaps[gap] = stored if stored is not None else Position.trim_horizon()
         self._gaps[gap] = max(self._gaps[gap], checkpointer.position)
         return self._gaps[gap]
+
+    def _read_back(self, checkpointer: Checkpointer) -> bool:
+        """Ask the store what it holds for ``checkpointer``'s line, which is in doubt, and
+        take it as committed when it is further: a commit whose answer was lost landed.
+        True if it was. Asked only while in doubt: a refused commit is otherwise a
+        conflict, and the read would wait on the very lock that refused it (SQLite)."""
+        gap = checkpointer.gap
+        doubted = self._in_doubt.get(gap)
+        if doubted is None:
+            return False
+        known = self._committed_of(gap, checkpointer)
+        durable = checkpointer.fenced(partial(self._store.durable_position, gap=gap))
+        if durable is not None and durable >= doubted:
+            del self._in_doubt[gap]  # it landed (or a later commit did): it cannot land now
+        if durable is None or durable <= known:
+            return False
+        log.info("shard %s: a commit whose answer was lost had landed: %s is committed, not "
+                 "%s; the records up to it are not applied again", self._lease_key, durable,
+                 known)
+        if gap is None:
+            self._committed = durable
+        else:
+            self._gaps[gap] = durable
+        return True
 
     def _begin(self) -> StateTransaction:
         return StateTransaction(self._store.read, self._store.limits)
@@ -203,6 +245,15 @@ class ExactlyOnceProcessor(IRecordProcessor):
                                                        gap=checkpointer.gap))
             except TransactionRejected:
                 self._store.forget(list(txn.versions))
+                if self._read_back(checkpointer):
+                    # refused because an earlier commit of these records had landed: the
+                    # rest of them is applied again, to the state that holds that commit
+                    done = self._committed_of(checkpointer.gap, checkpointer).extended
+                    batch = [r for r in [*batch, *rest] if r.extended_sequence_number > done]
+                    rest = []
+                    if batch:
+                        txn = self._applied_again(batch)
+                    continue
                 self._m.inc(STATE_CONFLICTS)
                 if conflicts == MAX_CONFLICTS:
                     raise TransactionRejected(
@@ -218,6 +269,13 @@ class ExactlyOnceProcessor(IRecordProcessor):
                 batch, rest = batch[:half], batch[half:] + rest
                 txn = self._applied_again(batch)
                 continue
+            except Exception:
+                # no answer (or the lease lost): the commit may have landed, and then the
+                # cached values of its keys are stale and its records must not be applied
+                # again; the next batch of this line reads back what landed
+                self._store.forget(list(txn.versions))
+                self._in_doubt[checkpointer.gap] = Position.after(batch[-1])
+                raise
             self._landed(checkpointer, batch)
             conflicts = 0
             batch, rest = rest, []
@@ -234,6 +292,9 @@ class ExactlyOnceProcessor(IRecordProcessor):
         return txn
 
     def _landed(self, checkpointer: Checkpointer, records: Sequence[Record]) -> None:
+        """A commit landed; one of the line in doubt no longer can, fenced on the lease's
+        counter (or the SQL store's row) this commit moved past it."""
+        self._in_doubt.pop(checkpointer.gap, None)
         after = Position.after(records[-1])
         if checkpointer.gap is None:
             self._committed = after

@@ -364,6 +364,25 @@ class SQLStateStore:
                         "was not updated (%s) and will be on the next commit", lease_key,
                         position, exc)
 
+    def durable_position(
+        self, writer: CheckpointWriter, lease_key: str, token: str, gap: Position | None
+    ) -> Position | None:
+        """The shard's checkpoint row (or its gap's row): the store's, not the lease item's
+        copy, which may lag behind it."""
+        if gap is not None:
+            return self.gap_position(lease_key, gap)
+        try:
+            with self.engine.connect() as conn:
+                row = conn.execute(
+                    sa.select(self.checkpoints.c.checkpoint,
+                              self.checkpoints.c.sub_sequence_number)
+                    .where(self.checkpoints.c.lease_key == lease_key)).first()
+        except DBAPIError as exc:
+            raise _unavailable(lease_key, "checkpoint read", exc) from exc
+        if row is None or row.checkpoint is None:
+            return None
+        return Position.of(row.checkpoint, row.sub_sequence_number)
+
     def gap_position(self, lease_key: str, gap: Position) -> Position | None:
         try:
             with self.engine.connect() as conn:

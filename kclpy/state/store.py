@@ -45,6 +45,14 @@ class StateStore(Protocol):
         a position. Raises ``TransactionRejected`` (nothing written) when a key changed since
         ``txn`` read it; what the writer raises when the lease is lost or the write fails."""
 
+    def durable_position(
+        self, writer: CheckpointWriter, lease_key: str, token: str, gap: Position | None
+    ) -> Position | None:
+        """The position the store holds for ``lease_key``'s live line (``gap`` None) or for
+        ``gap``, read afresh (``writer`` is the gap's when ``gap`` is set): after a commit
+        whose outcome is unknown or that was refused, what landed - an attempt whose answer
+        was lost included. None when the store holds none."""
+
     def gap_position(self, lease_key: str, gap: Position) -> Position | None:
         """The position the store last committed for ``gap`` of ``lease_key``, or None when
         the gap's checkpoint in the lease item is the store's own (the DynamoDB store)."""

@@ -27,6 +27,9 @@ class CheckpointWriterBase:
                             items: Sequence[Any]) -> None:
         raise AssertionError(f"shard {lease_key}: this test's writer takes no transactions")
 
+    def durable_checkpoint(self, lease_key: str, concurrency_token: str) -> Position | None:
+        raise AssertionError(f"shard {lease_key}: this test's writer reads no checkpoint back")
+
     def guard(self, lease_key: str, concurrency_token: str | None, *,
               what: str) -> AbstractContextManager[Guard]:
         raise AssertionError(f"shard {lease_key}: this test's writer guards no {what}")
