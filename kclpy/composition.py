@@ -51,7 +51,7 @@ from kclpy.retrieval.pipeline import Batching, ShardPipeline
 from kclpy.retrieval.polling import Pacer, PollingSource
 from kclpy.retrieval.registration import ConsumerRegistration, RegistrationSettings
 from kclpy.retrieval.source import PageSource, ShardAddress, reading_start
-from kclpy.retry import Backoff
+from kclpy.retry import Backoff, read_policy
 from kclpy.state import open_store
 from kclpy.state.processor import StatefulProcessor, exactly_once_factory
 from kclpy.state.store import StateStore
@@ -329,8 +329,8 @@ class Retrieval:
     def _read_backoff(self) -> Backoff:
         """Each source's own backoff for GetRecords, iterators and subscriptions."""
         cfg = self._config
-        return Backoff(cfg.get_records_backoff_base_ms / 1000,
-                       cfg.get_records_backoff_cap_ms / 1000)
+        return read_policy(cfg.get_records_backoff_base_ms,
+                           cfg.get_records_backoff_cap_ms).backoff()
 
 
 class ShardReading:

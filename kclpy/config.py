@@ -24,6 +24,7 @@ from kclpy.cloudwatch import LEVELS, parse_dimensions, parse_level
 from kclpy.errors import ConfigError, closest
 from kclpy.position import AT_TIMESTAMP, INITIAL_POSITIONS, LATEST
 from kclpy.retrieval.subscription import FANOUT_HTTP_VERSIONS
+from kclpy.retry import READ_BACKOFF_BASE_MS, READ_BACKOFF_CAP_MS
 from kclpy.streams import StreamConfig, StreamTracker
 
 log = logging.getLogger(__name__)
@@ -100,8 +101,8 @@ class KCLConfig:
     max_describe_stream_consumer_retries: int = 10
     retry_backoff_ms: int = 1000
     #: GetRecords / SubscribeToShard retries (throttles, 5xx, connections): capped full jitter
-    get_records_backoff_base_ms: int = 100
-    get_records_backoff_cap_ms: int = 5_000
+    get_records_backoff_base_ms: int = READ_BACKOFF_BASE_MS
+    get_records_backoff_cap_ms: int = READ_BACKOFF_CAP_MS
     #: ListShards retries while throttled (shard sync)
     list_shards_backoff_base_ms: int = 200
     list_shards_backoff_cap_ms: int = 5_000

@@ -197,6 +197,20 @@ class RetryPolicy:
         return Backoff(policy=self, rng=rng)
 
 
+#: the defaults of every shard read's backoff (the worker's getRecordsBackoffBaseMillis and
+#: getRecordsBackoffCapMillis, the Spark source's getRecordsBackoffBase and ...Cap)
+READ_BACKOFF_BASE_MS = 100
+READ_BACKOFF_CAP_MS = 5_000
+
+
+def read_policy(base_ms: int = READ_BACKOFF_BASE_MS, cap_ms: int = READ_BACKOFF_CAP_MS,
+                max_attempts: int | None = None) -> RetryPolicy:
+    """How a shard read retries GetRecords, iterators and subscriptions, wherever it runs:
+    a worker's fetch threads without a limit (they retry until the shard's lease moves), a
+    Spark task ``max_attempts`` times (a task that still fails is better retried by Spark)."""
+    return RetryPolicy(base_ms / 1000, cap_ms / 1000, max_attempts=max_attempts)
+
+
 class Backoff:
     """A ``RetryPolicy`` with its attempt count: a loop that retries until a success calls
     ``reset``. Capped exponential with full jitter unless the policy says otherwise.

@@ -28,8 +28,9 @@ from botocore.credentials import (
 from kclpy.config import parse_timestamp
 from kclpy.errors import ConfigError, closest
 from kclpy.position import AT_TIMESTAMP, LATEST, TRIM_HORIZON
+from kclpy.retry import READ_BACKOFF_BASE_MS, READ_BACKOFF_CAP_MS, RetryPolicy, read_policy
 from kclpy.spark.metadata import parse_location
-from kclpy.spark.reading import StreamRef
+from kclpy.spark.reading import TASK_READ_ATTEMPTS, StreamRef
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
@@ -56,6 +57,8 @@ OPTIONS: dict[str, str | None] = {
     "shardFetchInterval": "5s",
     "settleTime": "1s",
     "failOnDataLoss": "true",
+    "getRecordsBackoffBase": "100ms",
+    "getRecordsBackoffCap": "5s",
     "roleArn": None,
     "roleSessionName": "kclpy-spark",
     "roleExternalId": None,
@@ -231,6 +234,10 @@ class SourceOptions:
     #: batch, so a batch never ends where records may still be arriving
     settle_ms: int = 1000
     fail_on_data_loss: bool = True
+    #: a task's read retries (GetRecords, iterators, subscriptions): the worker's backoff
+    #: (kclpy.retry.read_policy), capped in attempts
+    read_backoff_base_ms: int = READ_BACKOFF_BASE_MS
+    read_backoff_cap_ms: int = READ_BACKOFF_CAP_MS
     #: an IAM role to assume (through STS, from the standard credential chain) for every
     #: Kinesis call, on the driver and on each executor
     role_arn: str | None = None
@@ -242,6 +249,13 @@ class SourceOptions:
     consumer_name: str | None = None
     #: ... or through this registered consumer (one stream only)
     consumer_arn: str | None = None
+
+    @property
+    def read_retries(self) -> RetryPolicy:
+        """How a task's read retries: as a worker's, but :data:`TASK_READ_ATTEMPTS` times at
+        most, since a task that still fails is better retried by Spark than stuck here."""
+        return read_policy(self.read_backoff_base_ms, self.read_backoff_cap_ms,
+                           max_attempts=TASK_READ_ATTEMPTS)
 
     @property
     def fan_out(self) -> bool:
@@ -393,6 +407,11 @@ class SourceOptions:
                               "only to the executor that read it, and a re-run of the batch "
                               "must end at the same record")
         consumer_name, consumer_arn = _consumer(text, written, len(streams))
+        backoff_base = duration("getRecordsBackoffBase", READ_BACKOFF_BASE_MS, 1)
+        backoff_cap = duration("getRecordsBackoffCap", READ_BACKOFF_CAP_MS, 1)
+        if backoff_cap < backoff_base:
+            raise ConfigError(written("getRecordsBackoffCap"),
+                              f"must be at least getRecordsBackoffBase ({backoff_base} ms)")
         return cls(
             streams=streams,
             region=text("region") or None,
@@ -411,6 +430,8 @@ class SourceOptions:
             shard_fetch_interval_ms=duration("shardFetchInterval", 5000, 0),
             settle_ms=duration("settleTime", 1000, 0),
             fail_on_data_loss=boolean("failOnDataLoss", True),
+            read_backoff_base_ms=backoff_base,
+            read_backoff_cap_ms=backoff_cap,
             role_arn=role,
             role_session_name=session_name,
             role_external_id=external_id,

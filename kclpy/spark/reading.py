@@ -51,7 +51,15 @@ from kclpy.retrieval.fanout import FanOutSource
 from kclpy.retrieval.pipeline import Batching, ShardPipeline
 from kclpy.retrieval.polling import PollingSource
 from kclpy.retrieval.source import ShardAddress
-from kclpy.retry import RetryPolicy, classify, error_code
+from kclpy.retry import (
+    GaveUp,
+    RetryPolicy,
+    classify,
+    error_code,
+    is_transient,
+    read_policy,
+    retrying,
+)
 from kclpy.spark.offsets import UptoEnd
 
 if TYPE_CHECKING:
@@ -117,7 +125,14 @@ class EndNotFoundError(KCLError, RuntimeError):
     """The records a batch was planned with are not there (expired, or a different stream)."""
 
 
-def list_shards(client: KinesisClient, stream: StreamRef, retries: int = 8) -> list[ShardInfo]:
+#: calls a task's read makes of one request before the error is raised: 8 retries
+TASK_READ_ATTEMPTS = 9
+#: a task's read retries with the source's default backoff (``SourceOptions.read_retries``)
+TASK_READS = read_policy(max_attempts=TASK_READ_ATTEMPTS)
+
+
+def list_shards(client: KinesisClient, stream: StreamRef,
+                retries: RetryPolicy = TASK_READS) -> list[ShardInfo]:
     """Every shard the stream still has (closed ones within retention included).
 
     Pages follow AWS's rule that a call with ``NextToken`` names nothing else.
@@ -140,29 +155,19 @@ def list_shards(client: KinesisClient, stream: StreamRef, retries: int = 8) -> l
         params = {"NextToken": token}
 
 
-def _retries(retries: int) -> RetryPolicy:
-    """How the source's calls are retried: ``retries`` times at most, since a task that
-    still fails is better retried by Spark than stuck here."""
-    return RetryPolicy(0.2, 5.0, max_attempts=retries + 1)
-
-
-def _retrying(operation: str, retries: int, call: Callable[[], _T],
+def _retrying(operation: str, retries: RetryPolicy, call: Callable[[], _T],
               sleep: Callable[[float], None] = time.sleep) -> _T:
     """Retry throttles, server errors and dropped connections (:func:`kclpy.retry.classify`)
-    as the source's reads are retried."""
-    policy = _retries(retries)
-    attempt = 0
-    while True:
-        try:
-            return call()
-        except Exception as exc:
-            attempt += 1
-            kind = classify(exc)
-            if kind is None or policy.gives_up(attempt):
-                raise
-            delay = policy.delay(attempt - 1)
-            log.warning("%s failed (%s); retrying in %.2fs: %s", operation, kind, delay, exc)
-            sleep(delay)
+    as the source's reads are retried; the last failure is raised as it is."""
+    def retry_later(exc: BaseException, attempt: int, delay: float) -> None:
+        log.warning("%s failed (%s); retrying in %.2fs: %s", operation, classify(exc), delay,
+                    exc)
+
+    try:
+        return retrying(call, retries, retry_on=is_transient, wait=sleep,
+                        on_retry=retry_later)
+    except GaveUp as gave_up:
+        raise gave_up.last from None
 
 
 @dataclass
@@ -198,8 +203,8 @@ class ShardReader:
     ``until_ms``: the reader's time bound; records that arrived at or after it are not
     returned and the page that meets one reports ``reached_bound``. A start at
     ``AT_TIMESTAMP/<ms>`` drops records that arrived earlier on the client too, since some
-    endpoints (kinesis-mock) position such an iterator only to the second. ``retries``:
-    failed calls retried per page before the error is raised (Spark retries the task).
+    endpoints (kinesis-mock) position such an iterator only to the second. ``retries``: how
+    failed calls are retried per page before the error is raised (Spark retries the task).
 
     ``consumer_arn``: read through that registered consumer's subscriptions (enhanced
     fan-out, ``retrieval/fanout.py``) instead of GetRecords, bounded the same way; ``close``
@@ -219,7 +224,7 @@ class ShardReader:
         limit: int = 10_000,
         until_ms: int | None = None,
         fail_on_data_loss: bool = True,
-        retries: int = 8,
+        retries: RetryPolicy = TASK_READS,
         consumer_arn: str | None = None,
         shard_end_probe_s: float = 30.0,
     ) -> None:
@@ -236,7 +241,7 @@ class ShardReader:
         # each reader keeps its own, private and gone with it (0.4 ms to build). What the
         # source reports goes through Spark's query progress (``fetched``).
         metrics = Metrics()
-        backoff = _retries(retries).backoff()
+        backoff = retries.backoff()
         self._source: PollingSource | FanOutSource
         if consumer_arn is None:
             self._source = PollingSource(client, address, max_records=limit, idle_time_s=0,

@@ -229,7 +229,7 @@ class KinesisStreamReader(DataSourceStreamReader):
                 def key(shard_id: str, label: str = stream.label) -> str:
                     return f"{label}/{shard_id}" if several else shard_id
 
-                for info in list_shards(self._kinesis(), stream):
+                for info in list_shards(self._kinesis(), stream, self.options.read_retries):
                     node = ShardNode(key(info.shard_id),
                                      tuple(key(p) for p in info.parent_shard_ids), info.closed)
                     shards[node.key] = _Shard(stream, info, node)
@@ -242,7 +242,8 @@ class KinesisStreamReader(DataSourceStreamReader):
         return ShardReader(self._kinesis(), shard.stream, shard.info, start,
                            deaggregate=self.options.deaggregate,
                            limit=self.options.max_records_per_fetch, until_ms=until_ms,
-                           fail_on_data_loss=self.options.fail_on_data_loss)
+                           fail_on_data_loss=self.options.fail_on_data_loss,
+                           retries=self.options.read_retries)
 
     def initialOffset(self) -> dict[str, Any]:
         # (Listed first: the answer shows Kinesis' time for a LATEST start.)
@@ -515,6 +516,7 @@ class KinesisStreamReader(DataSourceStreamReader):
                            limit=self.options.max_records_per_fetch,
                            until_ms=end.until_ms if isinstance(end, UptoEnd) else until_ms,
                            fail_on_data_loss=self.options.fail_on_data_loss,
+                           retries=self.options.read_retries,
                            consumer_arn=partition.consumer_arn,
                            shard_end_probe_s=0.0 if end.is_shard_end else 30.0)
 

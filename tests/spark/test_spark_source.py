@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from pyspark.sql.datasource import DataSourceStreamReader
 
+from kclpy.config import KCLConfig
 from kclpy.errors import ConfigError
 from kclpy.local import LocalEndpoint
 from kclpy.position import Position
@@ -451,6 +452,9 @@ def test_offsets_round_trip_and_reject_garbage() -> None:
     ({"streamName": "s,t", "consumerArn": CONSUMER_ARN}, "consumerArn"),
     ({"streamName": "s", "requireConsumerDeregistration": "true"},
      "requireConsumerDeregistration"),
+    ({"streamName": "s", "getRecordsBackoffBase": "2s", "getRecordsBackoffCap": "1s"},
+     "getRecordsBackoffCap"),
+    ({"streamName": "s", "getRecordsBackoffBase": "soon"}, "getRecordsBackoffBase"),
 ])
 def test_bad_options_name_the_option(options: dict[str, str], option: str) -> None:
     with pytest.raises(ConfigError) as excinfo:
@@ -530,6 +534,19 @@ def test_options_are_case_insensitive_and_typed() -> None:
                                    "kinesis.startingPosition": "AT_TIMESTAMP 2024-01-02T03:04:05Z"})
     assert awslabs.starting_timestamp_ms == 1_704_164_645_000
     assert at.stream.label == "x"
+
+
+def test_a_tasks_reads_retry_with_the_workers_backoff_capped_in_attempts() -> None:
+    """One read policy (kclpy.retry.read_policy) for worker and executors: the defaults are
+    the worker's, the options move both bounds, and a task gives up where Spark retries."""
+    default = SourceOptions.parse({"streamName": "s"}).read_retries
+    worker = KCLConfig(stream_name="s", application_name="a")
+    assert (default.base_s, default.cap_s) == (worker.get_records_backoff_base_ms / 1000,
+                                               worker.get_records_backoff_cap_ms / 1000)
+    assert default.max_attempts == 9
+    tuned = SourceOptions.parse({"streamName": "s", "getRecordsBackoffBase": "250ms",
+                                 "getRecordsBackoffCap": "2s"}).read_retries
+    assert (tuned.base_s, tuned.cap_s) == (0.25, 2.0)
 
 
 @pytest.mark.parametrize(("options", "duration_ms", "buffer_bytes"), [
