@@ -17,9 +17,9 @@ from typing import IO
 
 import pytest
 
+from kclpy.errors import ConfigError
 from kclpy.ops import commands
 from kclpy.ops.commands import COMMANDS, GROUPS, Clients, build_parser, execute
-from kclpy.ops.control import UsageError
 from tests.support.cli import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,7 +141,7 @@ def test_dispatch_of_arguments_without_an_entry_raises_and_runs_no_handler(
     with words the table does not have: before the table, ``control.run`` ran
     ``resume_shard`` for any action other than ``park``."""
     args = argparse.Namespace(command=words[0], **({"action": words[1]} if words[1:] else {}))
-    with pytest.raises(UsageError) as error:
+    with pytest.raises(ConfigError) as error:
         execute(args, Clients(args, (None, None)), io.StringIO())
     assert str(error.value) == f"command: {' '.join(words)!r} is not a kclpy command{suggested}"
     assert ran == []

@@ -42,10 +42,10 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from kclpy import __version__
 from kclpy.arguments import LOG_LEVELS, OneLineParser
-from kclpy.errors import KCLError, closest
+from kclpy.errors import ConfigError, KCLError, closest
 from kclpy.leases.table import LeaseTable
 from kclpy.ops import consumers, control, inspect
-from kclpy.ops.control import Refused, UsageError
+from kclpy.ops.control import Refused
 from kclpy.ops.monitor import command as monitor
 from kclpy.ops.position import Destination, parse_position
 from kclpy.ops.text import TerminalText, printable
@@ -475,7 +475,7 @@ def lookup(words: tuple[str, ...]) -> Command:
     if command is None:
         said = " ".join(words)
         close = closest(said, [" ".join(known) for known in COMMANDS])
-        raise UsageError("command", f"{said!r} is not a kclpy command"
+        raise ConfigError("command", f"{said!r} is not a kclpy command"
                          + (f" (did you mean {close}?)" if close else ""))
     return command
 
@@ -510,7 +510,7 @@ def operator_main(argv: Sequence[str] | None = None) -> int:
     stdout: Any = TerminalText(sys.stdout)
     try:
         return execute(args, Clients(args), stdout)
-    except UsageError as exc:
+    except ConfigError as exc:
         print(f"{prog}: error: {printable(redact(str(exc)))}", file=sys.stderr)
         return command.usage_exit
     except Refused as exc:

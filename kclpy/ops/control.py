@@ -79,14 +79,6 @@ from kclpy.streams import StreamIdentifier
 EXIT_REFUSED = 1
 
 
-class UsageError(KCLError):
-    """A bad argument found after parsing: exit 2, naming ``option``."""
-
-    def __init__(self, option: str, message: str) -> None:
-        super().__init__(f"{option}: {message}")
-        self.option = option
-
-
 class Refused(KCLError):
     """The command would not act (a held lease without ``--force``, a lease that changed
     since it was read): exit 1 with the message."""
@@ -126,13 +118,13 @@ def read_leases(args: argparse.Namespace, table: LeaseTable, kinesis: Any) -> li
     except ClientError as exc:
         if error_code(exc) == "ResourceNotFoundException":
             option = "--table-name" if args.table_name else "--application-name"
-            raise UsageError(option, f"lease table {table_name(args)!r} does not "
+            raise ConfigError(option, f"lease table {table_name(args)!r} does not "
                              "exist") from None
         raise
     wanted = stream_label(args)
     if wanted is None:
         if any(lease.stream for lease in leases):
-            raise UsageError("--stream-name", "the table holds several streams' leases; "
+            raise ConfigError("--stream-name", "the table holds several streams' leases; "
                              "name the stream")
         return sorted(leases, key=lambda lease: lease.lease_key)
     named = [lease for lease in leases
@@ -156,7 +148,7 @@ def _current(args: argparse.Namespace, leases: list[Lease], kinesis: Any) -> lis
             "StreamDescriptionSummary"]
     except ClientError as exc:
         if error_code(exc) == "ResourceNotFoundException":
-            raise UsageError(option, f"stream {stream_label(args)!r} does not exist, and the "
+            raise ConfigError(option, f"stream {stream_label(args)!r} does not exist, and the "
                              f"table holds leases of {len(identifiers)} former streams of "
                              f"that name ({', '.join(sorted(identifiers))})") from None
         raise
@@ -172,7 +164,7 @@ def _current(args: argparse.Namespace, leases: list[Lease], kinesis: Any) -> lis
 
     kept = [lease for lease in leases if lease.stream is None or is_current(lease.stream)]
     if not any(lease.stream for lease in kept):
-        raise UsageError(option, f"the table holds leases of {len(identifiers)} streams named "
+        raise ConfigError(option, f"the table holds leases of {len(identifiers)} streams named "
                          f"{stream_label(args)!r} ({', '.join(sorted(identifiers))}), none "
                          f"of the stream that exists now (created at {created_s:.0f})")
     return kept
@@ -183,7 +175,7 @@ def one_lease(args: argparse.Namespace, table: LeaseTable, kinesis: Any) -> Leas
     for lease in read_leases(args, table, kinesis):
         if lease.shard_id == args.shard_id:
             return lease
-    raise UsageError("--shard-id", f"no lease for shard {args.shard_id!r} in "
+    raise ConfigError("--shard-id", f"no lease for shard {args.shard_id!r} in "
                      f"{table_name(args)}")
 
 
@@ -201,7 +193,7 @@ def _shards(args: argparse.Namespace, kinesis: Any, table: LeaseTable) -> dict[s
     except ClientError as exc:
         if error_code(exc) == "ResourceNotFoundException":
             option = "--stream-name" if args.stream_name else "--stream-arn"
-            raise UsageError(option, f"stream {stream_label(args)!r} does not "
+            raise ConfigError(option, f"stream {stream_label(args)!r} does not "
                              "exist") from None
         raise
 
@@ -329,12 +321,12 @@ def _plan_moves(args: argparse.Namespace, kinesis: Any, table: LeaseTable) -> li
     leased shards whose lease cleanup deleted (``_lost_ancestors``)."""
     position: Destination = args.to
     if args.all_shards and position.names_one_shard:
-        raise UsageError("--to", "a sequence number is one shard's: use --shard-id")
+        raise ConfigError("--to", "a sequence number is one shard's: use --shard-id")
     leases = ([one_lease(args, table, kinesis)] if args.shard_id
               else read_leases(args, table, kinesis))
     shards = _shards(args, kinesis, table)
     if args.shard_id and args.shard_id not in shards:
-        raise UsageError("--shard-id", f"stream {stream_label(args)!r} has no shard "
+        raise ConfigError("--shard-id", f"stream {stream_label(args)!r} has no shard "
                          f"{args.shard_id!r} (expired beyond retention?)")
     depth = shard_depths(shards)
     moves: list[Move] = []
@@ -385,7 +377,7 @@ def _resolve(args: argparse.Namespace, kinesis: Any, shard_id: str, position: De
             return None  # a finished shard retention emptied: nothing to read again
         return resolve(reader, position, checkpoint=checkpoint)
     except PositionError as exc:
-        raise UsageError("--to", f"shard {shard_id}: {exc}") from None
+        raise ConfigError("--to", f"shard {shard_id}: {exc}") from None
 
 
 def _lost_ancestors(leases: Sequence[Lease], shards: Mapping[str, Shard]) -> list[Shard]:
@@ -514,7 +506,7 @@ def _sql_store(spec: str) -> Any:
     try:
         store = open_store(spec)
     except ConfigError as exc:
-        raise UsageError("--state-store", str(exc).split(": ", 1)[-1]) from None
+        raise ConfigError("--state-store", exc.message) from None
     if getattr(store, "checkpoints", None) is None:
         return None
     store.open(None)
@@ -730,19 +722,19 @@ def recovery_add(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
                  out: IO[str]) -> int:
     lease = one_lease(args, table, kinesis)
     if args.shard_id not in _shards(args, kinesis, table):
-        raise UsageError("--shard-id", f"stream {stream_label(args)!r} has no shard "
+        raise ConfigError("--shard-id", f"stream {stream_label(args)!r} has no shard "
                          f"{args.shard_id!r}")
     if int(args.first) > int(args.last):
-        raise UsageError("--to", f"{args.last} comes before --from {args.first}")
+        raise ConfigError("--to", f"{args.last} comes before --from {args.first}")
     reader = ShardReader(kinesis, _stream_params(args), lease.shard_id)
     try:
         first = record_at(reader, args.first)
     except PositionError as exc:
-        raise UsageError("--from", str(exc)) from None
+        raise ConfigError("--from", str(exc)) from None
     try:
         last = record_at(reader, args.last)
     except PositionError as exc:
-        raise UsageError("--to", str(exc)) from None
+        raise ConfigError("--to", str(exc)) from None
     first_ms = first.timestamp_millis or 0
     before, _ = last_before(reader, datetime.fromtimestamp(first_ms / 1000, timezone.utc),
                             lambda record: int(record.sequence_number) >= int(args.first))
@@ -816,7 +808,7 @@ def recovery_cancel(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
     if not queue:
         raise Refused(f"shard {lease.shard_id} has no queued gap")
     if not args.all and args.gap > len(queue):
-        raise UsageError("--gap", f"shard {lease.shard_id} has {len(queue)} gap(s)")
+        raise ConfigError("--gap", f"shard {lease.shard_id} has {len(queue)} gap(s)")
     # By the gap's start, which identifies it even if the holder checkpointed it since;
     # only the gaps listed now: a gap queued after this look is not dropped with them.
     dropped = queue if args.all else (queue[args.gap - 1],)

@@ -42,7 +42,7 @@ from kclpy.leases import serializer as ser
 from kclpy.leases.lease import Lease
 from kclpy.leases.shard_sync import ShardSyncer
 from kclpy.leases.table import LeaseTable
-from kclpy.ops.control import UsageError, stream_label, stream_name, table_name
+from kclpy.ops.control import stream_label, stream_name, table_name
 from kclpy.ops.lag import (
     LagProbe,
     LagTracker,
@@ -68,10 +68,7 @@ EXIT_UNKNOWN = 3
 def clients(args: argparse.Namespace) -> tuple[Any, Any]:
     """``(kinesis, dynamodb)`` as the common flags say, retrying less than the workers do:
     an operator waiting at a terminal wants an answer, or the error, within seconds."""
-    try:
-        session = aws_session(args.region)
-    except ConfigError as exc:
-        raise UsageError(exc.option, exc.message) from None
+    session = aws_session(args.region)
     config = botocore.config.Config(retries={"mode": "standard", "total_max_attempts": 3},
                                     connect_timeout=5, read_timeout=30)
     try:
@@ -79,14 +76,14 @@ def clients(args: argparse.Namespace) -> tuple[Any, Any]:
         dynamodb = session.client("dynamodb", endpoint_url=args.dynamodb_endpoint,
                                   config=config)
     except NoRegionError:
-        raise UsageError("--region", "no region configured (set --region or "
+        raise ConfigError("--region", "no region configured (set --region or "
                          "AWS_DEFAULT_REGION)") from None
     return kinesis, dynamodb
 
 
-def _missing_table(args: argparse.Namespace) -> UsageError:
+def _missing_table(args: argparse.Namespace) -> ConfigError:
     option = "--table-name" if args.table_name else "--application-name"
-    return UsageError(option, f"lease table {table_name(args)!r} does not exist")
+    return ConfigError(option, f"lease table {table_name(args)!r} does not exist")
 
 
 def _scan(dynamodb: Any, table: str) -> list[dict[str, Any]]:
@@ -454,6 +451,6 @@ def _sample(sampler: TableSampler, args: argparse.Namespace) -> Sample:
             raise _missing_table(args) from None
         if code == "ResourceNotFoundException":
             option = "--stream-name" if args.stream_name else "--stream-arn"
-            raise UsageError(option, f"stream {args.stream_name or args.stream_arn!r} "
+            raise ConfigError(option, f"stream {args.stream_name or args.stream_arn!r} "
                              "does not exist") from None
         raise

@@ -16,7 +16,7 @@ import botocore.config
 from botocore.exceptions import NoRegionError
 
 from kclpy.arguments import LOG_LEVELS, OneLineParser
-from kclpy.ops.control import UsageError
+from kclpy.errors import ConfigError
 from kclpy.ops.monitor.service import Monitor, TableDiscovery
 from kclpy.ops.monitor.watch import ApplicationWatch
 from kclpy.ops.monitor.web import serve_monitor
@@ -99,7 +99,7 @@ def clients(args: argparse.Namespace) -> tuple[Any, Any]:
                 session.client("dynamodb", endpoint_url=args.dynamodb_endpoint,
                                config=config))
     except NoRegionError:
-        raise UsageError("--region", "no region configured (set --region or "
+        raise ConfigError("--region", "no region configured (set --region or "
                          "AWS_DEFAULT_REGION)") from None
 
 
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace, out: IO[str]) -> int:
     except OSError as exc:
         monitor.stop()
         option = "--port" if exc.errno in (errno.EADDRINUSE, errno.EACCES) else "--host"
-        raise UsageError(option, f"cannot serve on {args.host}:{args.port}: "
+        raise ConfigError(option, f"cannot serve on {args.host}:{args.port}: "
                          f"{exc.strerror or exc}") from None
     stop = threading.Event()
     with on_stop_signals(lambda signum: stop.set()), server:
