@@ -32,7 +32,7 @@ from tests.support.recording import Ledger, RecordingProcessor
 from tests.support.scrape import scrape
 from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
 from tests.support.waiting import wait_for
-from tests.support.webhooks import Receiver
+from tests.support.webhooks import Receiver, receiving
 from tests.support.workers import running
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,11 +40,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
-    server = Receiver(fail=1)
-    server.thread.start()
-    yield server
-    server.httpd.shutdown()
-    server.httpd.server_close()
+    """A webhook receiver whose first POST fails (500): the webhook must retry it."""
+    with receiving(fail=1) as server:
+        yield server
 
 
 def evaluation(status: ShardStatus, lag: Lag = NO_LAG) -> ShardEvaluation:

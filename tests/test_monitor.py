@@ -60,7 +60,7 @@ from tests.support.streams import (
     unique_name,
 )
 from tests.support.waiting import wait_for
-from tests.support.webhooks import Receiver
+from tests.support.webhooks import Receiver, receiving
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW_S = 20.0
@@ -538,11 +538,8 @@ def test_the_page_shows_a_split_and_a_merge_as_lineage_and_marks_each_state() ->
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
     """A webhook receiver whose first POST fails (500): the monitor must retry it."""
-    server = Receiver(fail=1)
-    server.thread.start()
-    yield server
-    server.httpd.shutdown()
-    server.httpd.server_close()
+    with receiving(fail=1) as server:
+        yield server
 
 
 @pytest.mark.integration

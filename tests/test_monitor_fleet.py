@@ -32,7 +32,7 @@ from tests.support.streams import (
     unique_name,
 )
 from tests.support.waiting import wait_for
-from tests.support.webhooks import Receiver
+from tests.support.webhooks import Receiver, receiving
 
 WINDOW_S = 6.0
 INTERVAL_S = 1.0
@@ -47,11 +47,8 @@ ROUNDS = round(WINDOW_S / INTERVAL_S) + 2
 
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
-    server = Receiver()
-    server.thread.start()
-    yield server
-    server.httpd.shutdown()
-    server.httpd.server_close()
+    with receiving() as server:
+        yield server
 
 
 def status(monitor: Monitor, app: str) -> tuple[str, dict[str, str]] | None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -40,3 +42,15 @@ class Receiver:
     def documents(self) -> list[dict[str, Any]]:
         with self.lock:
             return [document for _, document in self.posts]
+
+
+@contextlib.contextmanager
+def receiving(fail: int = 0) -> Iterator[Receiver]:
+    """A :class:`Receiver` serving until the block ends."""
+    server = Receiver(fail=fail)
+    server.thread.start()
+    try:
+        yield server
+    finally:
+        server.httpd.shutdown()
+        server.httpd.server_close()
