@@ -35,9 +35,11 @@ from kclpy.streams import StreamConfig, StreamTracker
 from kclpy.telemetry import Backend as MetricsBackend
 
 if TYPE_CHECKING:
+    from kclpy.state import register_store
     from kclpy.state.dynamodb import DynamoDBStateStore
     from kclpy.state.processor import StatefulProcessor
     from kclpy.state.sql import SQLStateStore, StateStoreUnavailable
+    from kclpy.state.store import StateStore
     from kclpy.state.transaction import StateTransaction, TransactionTooLarge
     from kclpy.worker import Worker, WorkerFatalError
 
@@ -50,6 +52,8 @@ _STATE = {
     "StatefulProcessor": "kclpy.state.processor",
     "SQLStateStore": "kclpy.state.sql",
     "StateStoreUnavailable": "kclpy.state.sql",
+    "StateStore": "kclpy.state.store",
+    "register_store": "kclpy.state",
     "StateTransaction": "kclpy.state.transaction",
     "TransactionTooLarge": "kclpy.state.transaction",
 }
@@ -92,6 +96,7 @@ __all__ = [
     "ShutdownException",
     "ShutdownReason",
     "ShutdownRequestedInput",
+    "StateStore",
     "StateStoreUnavailable",
     "StateTransaction",
     "StatefulProcessor",
@@ -103,4 +108,5 @@ __all__ = [
     "Worker",
     "WorkerFatalError",
     "__version__",
+    "register_store",
 ]

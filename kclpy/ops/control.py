@@ -72,7 +72,7 @@ from kclpy.recovery import queue as gaps
 from kclpy.recovery import requests as asked
 from kclpy.retry import error_code
 from kclpy.state import open_store
-from kclpy.state.sql import gap_name
+from kclpy.state.store import StateStore
 from kclpy.streams import StreamIdentifier
 
 #: exit code when the command refused to act or the lease moved under it
@@ -431,7 +431,7 @@ def set_checkpoint(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
         holder = move.lease.lease_owner
         move.note = (f"taken from {holder}" if args.force
                      else f"refused: held by {holder} (use --force to take it)")
-    store = _sql_store(args.state_store) if args.state_store else None
+    store = _position_keeping_store(args.state_store) if args.state_store else None
     if not refused and not args.dry_run:
         _write_moves(table, store, moves, force=args.force)
     _print_moves(args, moves, out)
@@ -448,7 +448,7 @@ def set_checkpoint(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
     return 0
 
 
-def _write_moves(table: LeaseTable, store: Any, moves: Sequence[Move], *,
+def _write_moves(table: LeaseTable, store: StateStore | None, moves: Sequence[Move], *,
                  force: bool) -> None:
     """Write ``moves`` (parents first), noting each one's outcome on it."""
     not_moved: set[str] = set()
@@ -500,22 +500,23 @@ def _create(table: LeaseTable, lease: Lease, target: Target, parked: str | None 
     return created
 
 
-def _sql_store(spec: str) -> Any:
-    """The SQL state store ``spec`` names, or None for the DynamoDB store (it keeps its
-    position in the lease item itself, so it moves with the checkpoint)."""
+def _position_keeping_store(spec: str) -> StateStore | None:
+    """The state store ``spec`` names when it keeps positions of its own
+    (``StateStore.keeps_position``), opened; None for one whose position is the lease
+    item's checkpoint, which moves with it."""
     try:
         store = open_store(spec)
     except ConfigError as exc:
         raise ConfigError("--state-store", exc.message) from None
-    if getattr(store, "checkpoints", None) is None:
+    if not store.keeps_position:
         return None
     store.open(None)
     return store
 
 
-def _move_with_store(table: LeaseTable, store: Any, lease: Lease, target: Target, *,
+def _move_with_store(table: LeaseTable, store: StateStore, lease: Lease, target: Target, *,
                      force: bool, create: bool = False) -> None:
-    """Move the lease's checkpoint and the SQL store's position for it together.
+    """Move the lease's checkpoint and the store's own position for it together.
 
     A stateful processor resumes after the later of the two, so the store must move too.
     The lease is first moved and parked in one write (so no worker starts a tenure that
@@ -526,7 +527,6 @@ def _move_with_store(table: LeaseTable, store: Any, lease: Lease, target: Target
     cleaned-up parent) is created parked; the store's row, if it kept one, is moved and
     given the new lease's incarnation, since the store would otherwise resume after its
     own, later, position (``SQLStateStore._take_over``)."""
-    import sqlalchemy as sa
 
     holding = parking.marker("kclpy checkpoint set in progress", "operator")
 
@@ -535,25 +535,9 @@ def _move_with_store(table: LeaseTable, store: Any, lease: Lease, target: Target
 
     moved = (_create(table, lease, target, holding) if create
              else _write_fresh(table, lease, move_and_park, take=force))
-    columns = store.checkpoints.c
-    with store.engine.begin() as conn:
-        row = conn.execute(sa.select(columns.tenure).where(
-            columns.lease_key == lease.lease_key).with_for_update()).first()
-        if row is not None:
-            values: dict[str, Any] = {
-                "checkpoint": target.checkpoint,
-                "sub_sequence_number": target.sub_sequence_number,
-                "tenure": moved.lease_counter if create else max(int(row.tenure),
-                                                                 moved.lease_counter)}
-            if create:
-                values["incarnation"] = moved.incarnation
-            conn.execute(sa.update(store.checkpoints)
-                         .where(columns.lease_key == lease.lease_key).values(**values))
-        # the store's progress of a gap the move dropped must not survive it: a gap found
-        # later after the same position would resume from it
-        kept = [gap_name(r.start_position) for r in _queued(moved)]
-        conn.execute(sa.delete(store.gaps).where(
-            store.gaps.c.lease_key == lease.lease_key, store.gaps.c.gap.not_in(kept)))
+    store.move_position(lease.lease_key, target.position, tenure=moved.lease_counter,
+                        incarnation=moved.incarnation if create else None,
+                        gaps=[r.start_position for r in _queued(moved)])
     _write(table, moved, UpdateBuilder().remove(ser.PARKED))
 
 

@@ -21,7 +21,7 @@ assumed the key absent must be refused when another shard created it meanwhile.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from kclpy.checkpoint import CheckpointWriter
@@ -46,6 +46,8 @@ class DynamoDBStateStore:
     """A state table (hash key ``stateKey``), created PAY_PER_REQUEST when missing."""
 
     limits = Limits(items=MAX_ITEMS, bytes=MAX_BYTES)
+    #: its position is the lease item's checkpoint (and a gap's, the gap entry's)
+    keeps_position = False
 
     def __init__(self, table_name: str, *, client: Any = None) -> None:
         self.table_name = table_name
@@ -67,6 +69,10 @@ class DynamoDBStateStore:
         if self._table is None:
             raise RuntimeError(f"state store {self.table_name} used before open()")
         return self._table
+
+    def move_position(self, lease_key: str, position: Position, *, tenure: int,
+                      incarnation: str | None, gaps: Collection[Position]) -> None:
+        """Nothing to move: the lease item's checkpoint moved is this store's position."""
 
     def read(self, key: str) -> Versioned:
         return self._cache.read(key, self._fetch)

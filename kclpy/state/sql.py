@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
@@ -111,6 +111,9 @@ class SQLStateStore:
     (``sqlite:///state.db``, ``postgresql+psycopg://user@host/db``) or an ``Engine``."""
 
     limits = Limits(items=MAX_ITEMS, bytes=MAX_BYTES)
+    #: its checkpoint rows: a stateful processor resumes after the later of this position
+    #: and the lease item's
+    keeps_position = True
 
     def __init__(
         self, url: str | Engine, *, prefix: str = "kclpy_state", lock_timeout_s: float = 10.0,
@@ -392,6 +395,32 @@ class SQLStateStore:
         except DBAPIError as exc:
             raise _unavailable(lease_key, "gap read", exc) from exc
         return None if row is None else Position.of(row.checkpoint, row.sub_sequence_number)
+
+    def move_position(self, lease_key: str, position: Position, *, tenure: int,
+                      incarnation: str | None, gaps: Collection[Position]) -> None:
+        """The checkpoint row moved to ``position`` (when the store has one) with its tenure
+        raised to ``tenure``, so a commit of the previous holder's tenure is refused from
+        then on - set to it with the ``incarnation`` of a lease created again, since the
+        store would otherwise resume after its own, later, position (``_take_over``); and
+        the progress of every gap not in ``gaps`` dropped: a gap found later after the same
+        position would resume from it."""
+        columns = self.checkpoints.c
+        with self.engine.begin() as conn:
+            row = conn.execute(sa.select(columns.tenure).where(
+                columns.lease_key == lease_key).with_for_update()).first()
+            if row is not None:
+                values: dict[str, Any] = {
+                    "checkpoint": position.checkpoint,
+                    "sub_sequence_number": position.sub_sequence_number,
+                    "tenure": tenure if incarnation is not None else max(int(row.tenure),
+                                                                         tenure)}
+                if incarnation is not None:
+                    values[INCARNATION] = incarnation
+                conn.execute(sa.update(self.checkpoints)
+                             .where(columns.lease_key == lease_key).values(**values))
+            conn.execute(sa.delete(self.gaps).where(
+                self.gaps.c.lease_key == lease_key,
+                self.gaps.c.gap.not_in([gap_name(gap) for gap in gaps])))
 
     def forget(self, keys: Sequence[str]) -> None:
         self._cache.forget(keys)

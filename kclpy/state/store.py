@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 from kclpy.checkpoint import CheckpointWriter
@@ -12,10 +12,27 @@ from kclpy.state.transaction import DELETED, Limits, StateTransaction, Versioned
 
 
 class StateStore(Protocol):
-    """A store whose writes commit in one atomic write with a lease's checkpoint."""
+    """A store whose writes commit in one atomic write with a lease's checkpoint.
+
+    Chosen by the ``state_store`` option's URL scheme (:func:`kclpy.state.open_store`, whose
+    registry a store of one's own joins with :func:`kclpy.state.register_store`)."""
 
     #: what one transaction may hold
     limits: Limits
+    #: the store keeps each lease's position itself, beside the lease item's checkpoint (a
+    #: stateful processor resumes after the later of the two): an operator's move of a
+    #: checkpoint must move the store's too (``move_position``). False: the lease item's
+    #: checkpoint is the store's own, and moves with it.
+    keeps_position: bool
+
+    def move_position(self, lease_key: str, position: Position, *, tenure: int,
+                      incarnation: str | None, gaps: Collection[Position]) -> None:
+        """An operator moved ``lease_key``'s checkpoint to ``position`` (``kclpy checkpoint
+        set --state-store``), the lease now at counter ``tenure`` (and, for a lease created
+        again, ``incarnation``): move the store's own position there, refuse commits of
+        earlier tenures, and forget the progress of every gap not in ``gaps`` (the queue
+        the move kept). Called only when ``keeps_position``; a store that keeps none does
+        nothing."""
 
     def open(self, dynamodb: Any) -> None:
         """Get ready (create what is missing), given the worker's DynamoDB client."""
