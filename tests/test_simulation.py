@@ -95,6 +95,10 @@ def _report(outcomes: list[dict[str, Any]]) -> str:
 
 
 @pytest.mark.slow
+# A hang guard, not a bound on speed: 250 histories, leader and micro-batch ones (whose
+# children import pyspark) included, took over the suite's 300 s each with two suites
+# sharing a 2-core machine.
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_histories(chunk: int) -> None:
     """A quarter of the 1,000 default seeds: no history may break an invariant."""
