@@ -17,7 +17,7 @@ import functools
 import time
 from typing import TYPE_CHECKING
 
-from kclpy import worker
+from kclpy import composition
 from kclpy.cli import main
 from kclpy.leases.load import LoadBalancing, LoadMeter, load_balancing, processed_by_lease
 from kclpy.metrics import Metrics
@@ -45,7 +45,15 @@ def throughput_balancing(config: KCLConfig, client: DynamoDBClient,
     return LoadBalancing(meter, balancing.table, balancing.settings, clock=time.monotonic)
 
 
+#: the name ``kclpy.composition.build_parts`` builds a worker's load balancing through; when
+#: it moved (into the composition, from the worker) a patch of the old home went on silently
+#: measuring CPU, and the real fleet stopped settling where the simulator does
+SEAM = "load_balancing"
+
+
 if __name__ == "__main__":
-    # the seam: the worker builds its load balancing through this name
-    worker.load_balancing = throughput_balancing  # type: ignore[attr-defined]
+    if not hasattr(composition, SEAM):
+        raise SystemExit(f"kclpy.composition has no {SEAM}: the worker's load balancing is "
+                         "built elsewhere now; patch it there")
+    setattr(composition, SEAM, throughput_balancing)
     main()
