@@ -495,9 +495,14 @@ class PlainProcessor(IRecordProcessor):
 def maybe_restart(context: Context, share: float) -> None:
     """(grown world) The processor dies after seeing a batch and before checkpointing it -
     a MultiLang child that exited - with ``share`` of the plan's probability, so that the
-    consumer's restart path (``ShardConsumer._restart``) runs in histories."""
+    consumer's restart path (``ShardConsumer._restart``) runs in histories. A dying child is
+    a fault like the others, so it stops with them at ``quiet``: a processor that died on
+    every large batch of the quiet phase kept a resumed shard from catching up before its
+    backlog aged out (simulator seed 561)."""
     observer = context.observer
-    if observer.plan.restart_p and observer.sim.rng.random() < observer.plan.restart_p * share:
+    plan = observer.plan
+    if (plan.restart_p and observer.sim.now < plan.quiet
+            and observer.sim.rng.random() < plan.restart_p * share):
         observer.sim.log(f"{context.node.name}: processor restart required")
         raise ProcessorRestartRequired("simulated: the processor's child exited")
 
