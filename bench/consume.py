@@ -373,6 +373,22 @@ def per_million(cpu_s: float, records: int) -> float:
     return cpu_s / records * 1e6
 
 
+def contenders_for(options: argparse.Namespace) -> list[str]:
+    """Who runs, each with at least one run: a contender left without runs would have no
+    median to print (``--async-kinesis-repetitions 0`` once crashed the summary)."""
+    if options.retrieval_mode == "fanout":
+        return list(FANOUT_CONTENDERS)
+    if options.async_kinesis_repetitions <= 0:
+        print("async-kinesis: --async-kinesis-repetitions 0; left out", flush=True)
+        return [c for c in CONTENDERS if c != "async-kinesis"]
+    if not has_module(options.async_kinesis_python, "kinesis"):
+        print("async-kinesis: not installed in "
+              f"{options.async_kinesis_python} (pip install async-kinesis); left out",
+              flush=True)
+        return [c for c in CONTENDERS if c != "async-kinesis"]
+    return list(CONTENDERS)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -409,13 +425,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                "boto3-subscribe": sys.executable,
                "async-kinesis": options.async_kinesis_python}
     fanout = options.retrieval_mode == "fanout"
-    contenders = list(FANOUT_CONTENDERS) if fanout else [
-        c for c in CONTENDERS
-        if c != "async-kinesis" or has_module(options.async_kinesis_python, "kinesis")]
-    if not fanout and "async-kinesis" not in contenders:
-        print("async-kinesis: not installed in "
-              f"{options.async_kinesis_python} (pip install async-kinesis); left out",
-              flush=True)
+    contenders = contenders_for(options)
     print(f"building {total:,} records per stream on the replay endpoint...", flush=True)
     with start_moto_server() as moto, ReplayProcess(sys.executable, list(streams.values())) \
             as replay:

@@ -3,6 +3,7 @@ record once, child processes report back, the DynamoDB counter counts. Nothing i
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from collections.abc import Iterator
@@ -181,3 +182,14 @@ def test_spark_source_counts_shards_at_kinesis_limits() -> None:
     assert spark_source.shards_per_core(10_000, 1024, kpl=False) == (10.0, 10_000 / 2048)
     write, read = spark_source.shards_per_core(10_000, 200, kpl=True)
     assert write == 2 * read and 1.5 < write < 2.5
+
+
+def test_async_kinesis_with_no_repetitions_is_left_out_not_summarised_empty(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    options = argparse.Namespace(retrieval_mode="polling", async_kinesis_repetitions=0,
+                                 async_kinesis_python=sys.executable)
+    assert consume.contenders_for(options) == ["kclpy", "boto3"]
+    assert "left out" in capsys.readouterr().out
+    assert consume.contenders_for(argparse.Namespace(
+        retrieval_mode="fanout", async_kinesis_repetitions=0,
+        async_kinesis_python=sys.executable)) == ["kclpy", "boto3-subscribe"]
