@@ -16,6 +16,7 @@ green while the holes are open and fails as soon as a seed breaks anything else.
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -114,31 +115,50 @@ def test_histories(chunk: int) -> None:
     assert not healed, f"seeds {sorted(healed)} no longer break: take them out of OPEN"
 
 
+@functools.cache
+def _found_runs() -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
+    """Every found seed's outcome, twice: in two fresh processes, one running the seeds in
+    the opposite order of the other, so a history that depended on what ran before it in its
+    process shows as two digests. Two children instead of one per seed and run: each child
+    pays about a CPU second of imports, and the found seeds' tests paid it about a hundred
+    times. The tests that read it share one pytest-xdist worker (``FOUND_GROUP``)."""
+    seeds = sorted({seed for seed, _, _ in [*FOUND, *FOUND_36]})
+    runs = [run_seeds(order, 1) for order in (seeds, seeds[::-1])]
+    return ({int(o["seed"]): o for o in runs[0]}, {int(o["seed"]): o for o in runs[1]})
+
+
+#: the found seeds' tests, on one xdist worker so that ``_found_runs`` runs once
+FOUND_GROUP = pytest.mark.xdist_group("simulation-found")
+
+
+@FOUND_GROUP
 @pytest.mark.parametrize(("seed", "invariant", "hole"), FOUND,
                          ids=[f"{hole}-seed-{seed}" for seed, _, hole in FOUND])
 def test_found_seed_replays_exactly(seed: int, invariant: str, hole: str) -> None:
     """The same seed in two fresh processes is the same history, to the digest of what every
     processor saw and committed, and to the number of scheduling decisions."""
-    first, second = (run_seeds([seed], 1)[0] for _ in range(2))
+    first, second = _found_runs()[0][seed], _found_runs()[1][seed]
     assert first["digest"] == second["digest"]
     assert first["switches"] == second["switches"]
     assert first["violations"] == second["violations"]
 
 
+@FOUND_GROUP
 @pytest.mark.parametrize(("seed", "invariant", "hole"), FOUND,
                          ids=[f"{hole}-seed-{seed}" for seed, _, hole in FOUND])
 def test_found_seed_is_clean(seed: int, invariant: str, hole: str) -> None:
     """Each seed that found a hole must pass once the hole is fixed."""
-    outcome = run_seeds([seed], 1)[0]
+    outcome = _found_runs()[0][seed]
     assert invariant not in {v[0] for v in outcome["violations"]}, _report([outcome])
     assert not outcome["violations"], _report([outcome])
 
 
+@FOUND_GROUP
 @pytest.mark.parametrize(("seed", "invariant", "hole"), FOUND_36,
                          ids=[f"{hole}-seed-{seed}" for seed, _, hole in FOUND_36])
 def test_found_36_seed_replays_exactly(seed: int, invariant: str, hole: str) -> None:
     """A seed the grown world found a hole with is one history, in two fresh processes."""
-    first, second = (run_seeds([seed], 1)[0] for _ in range(2))
+    first, second = _found_runs()[0][seed], _found_runs()[1][seed]
     assert first["digest"] == second["digest"]
     assert first["violations"] == second["violations"]
     if seed not in FIXED_36:
@@ -149,6 +169,7 @@ _OPEN_36_MARK = pytest.mark.xfail(strict=True, reason="still open: move the seed
                                   "(and out of OPEN) when its fix is merged")
 
 
+@FOUND_GROUP
 @pytest.mark.parametrize(("seed", "invariant", "hole"), [
     pytest.param(seed, invariant, hole, id=f"{hole}-seed-{seed}",
                  marks=() if seed in FIXED_36 else _OPEN_36_MARK)
@@ -156,7 +177,7 @@ _OPEN_36_MARK = pytest.mark.xfail(strict=True, reason="still open: move the seed
 def test_found_36_seed_is_clean(seed: int, invariant: str, hole: str) -> None:
     """Each hole the grown world found must be fixed: a fixed one's seed replays clean, an
     open one's is a strict xfail until it is."""
-    outcome = run_seeds([seed], 1)[0]
+    outcome = _found_runs()[0][seed]
     assert invariant not in {v[0] for v in outcome["violations"]}, _report([outcome])
     if seed in FIXED_36:
         assert not outcome["violations"], _report([outcome])
