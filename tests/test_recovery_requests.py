@@ -13,7 +13,9 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import pytest
+from botocore.exceptions import ReadTimeoutError
 
+from kclpy.errors import KinesisClientLibDependencyException
 from kclpy.leases import serializer as ser
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import UpdateBuilder
@@ -189,7 +191,7 @@ def test_an_add_racing_the_holders_own_queue_write_is_kept_for_its_next_write(
         table: LeaseTable) -> None:
     holder, _, recovery, _ = holding(table)
     with recovery._lock:
-        recovery._store((gap_after(100),))
+        recovery._store(lambda _: (gap_after(100),))
     control._request(table, item(table), add(300))  # lands after the holder's last answer
     # the holder's write, from what it has seen
     recovery.checkpoint(Position("100", 0), Position("150"))
@@ -211,7 +213,7 @@ def test_adds_and_cancels_racing_the_holders_writes_are_each_applied_once(
     the holder's progress kept, and the lease never left the holder."""
     holder, _, recovery, _ = holding(table)
     with recovery._lock:
-        recovery._store((gap_after(10),))
+        recovery._store(lambda _: (gap_after(10),))
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -261,6 +263,78 @@ def test_a_cancel_stops_the_holders_reading_of_the_gap(table: LeaseTable) -> Non
     lease = item(table)
     assert lease.recovery is None and not lease.recovery_requests
     assert lease.lease_owner == "A"
+
+
+# -- a queue write whose answer was lost -----------------------------------------------------
+
+
+def answer_lost(monkeypatch: pytest.MonkeyPatch, table: LeaseTable) -> None:
+    """The table's next UpdateItem lands and its answer is lost (the connection dropped on
+    the way back); later ones are answered."""
+    real = table.client.update_item
+    lost = [True]
+
+    def update_item(**kwargs: Any) -> Any:
+        answer = real(**kwargs)
+        if lost.pop() if lost else False:
+            raise ReadTimeoutError(endpoint_url="dynamodb")
+        return answer
+
+    monkeypatch.setattr(table.client, "update_item", update_item)
+
+
+def holding_gaps(table: LeaseTable) -> tuple[Holder, ShardRecovery]:
+    """A holder whose recovery queued the gaps after 100 and 900 at an operator's request,
+    reading the first."""
+    holder, _, recovery, _ = holding(table)
+    control._request(table, item(table), add(100))
+    control._request(table, item(table), add(900))
+    renew(holder)
+    recovery.poll()
+    assert queued(table) == [("100", "100"), ("900", "900")]
+    return holder, recovery
+
+
+def queued(table: LeaseTable) -> list[tuple[str, str]]:
+    return [(r.start, r.done) for r in gaps.loads(item(table).recovery)]
+
+
+@pytest.mark.parametrize("finished", [False, True], ids=["checkpointed", "finished"])
+def test_a_gap_checkpoint_whose_answer_was_lost_survives_the_fold_of_an_operator_request(
+        finished: bool, table: LeaseTable, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gap's checkpoint (or the one that finished the gap) lands and its answer is lost;
+    an operator then cancels another gap, and the holder folds that in. The fold writes the
+    queue the item holds: before, it wrote the holder's own copy, which never saw the
+    landed write, and moved the gap's checkpoint back (150 -> 100) or queued the finished
+    gap again."""
+    holder, recovery = holding_gaps(table)
+    if finished:
+        recovery._final = Position("150")  # the gap being read ended there
+    answer_lost(monkeypatch, table)
+    with pytest.raises(KinesisClientLibDependencyException):
+        recovery.checkpoint(Position("100", 0), Position("150"))
+    landed = [("900", "900")] if finished else [("100", "150"), ("900", "900")]
+    assert queued(table) == landed
+    control._request(table, item(table), cancel(900))
+    renew(holder)  # its answer shows the request, and the item the lost write left
+    recovery.poll()
+    assert queued(table) == landed[:-1]
+    assert not item(table).recovery_requests and item(table).lease_owner == "A"
+
+
+def test_a_gap_checkpoint_whose_answer_was_lost_survives_the_next_checkpoint_of_another_gap(
+        table: LeaseTable, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same without a renewal between: the next queue write is refused by the counter
+    the lost one moved, and the fence makes it again on the item that write left. It
+    moves the other gap's checkpoint and keeps the landed one (before: 150 -> 100)."""
+    _, recovery = holding_gaps(table)
+    answer_lost(monkeypatch, table)
+    with pytest.raises(KinesisClientLibDependencyException):
+        recovery.checkpoint(Position("100", 0), Position("150"))
+    recovery.checkpoint(Position("900", 0), Position("950"))
+    assert queued(table) == [("100", "150"), ("900", "950")]
+    recovery.checkpoint(Position("100", 0), Position("120"))
+    assert queued(table) == [("100", "150"), ("900", "950")], "never moved back"
 
 
 # -- a lease on the move, or nobody's --------------------------------------------------------
@@ -364,7 +438,7 @@ def test_a_gap_committed_with_its_state_takes_requests_in_within_the_transaction
         table: LeaseTable, state_table: str) -> None:
     holder, _, recovery, _ = holding(table)
     with recovery._lock:
-        recovery._store((gap_after(100),))
+        recovery._store(lambda _: (gap_after(100),))
     control._request(table, item(table), add(300))
     renew(holder)
     entry = holder.held.entry(KEY)

@@ -91,7 +91,7 @@ def test_every_lease_write_keeps_the_queue(table: LeaseTable) -> None:
     queue = (gap("100", 5000, 4000),)
     recovery = recovery_for(a, token)
     with recovery._lock:
-        recovery._store(queue)
+        recovery._store(lambda _: queue)
     a.fence.update_checkpoint("s1", token, Position("200"))  # checkpoint
     a.fence.update("s1", token, UpdateBuilder(), what="renewal")  # renewal
     a.fence.release("s1")  # release
@@ -111,7 +111,7 @@ def test_a_worker_that_lost_the_lease_cannot_write_the_queue(table: LeaseTable) 
     thief.take("s1")
     recovery = recovery_for(zombie, token)
     with pytest.raises(ShutdownException), recovery._lock:
-        recovery._store((gap("100", 5000, 4000),))
+        recovery._store(lambda _: (gap("100", 5000, 4000),))
     assert stored_queue(table) == ()
 
 
@@ -122,7 +122,7 @@ def test_the_new_owner_reads_the_queue_and_its_checkpoints_move_only_the_gap(
     token = a.take("s1")
     first = recovery_for(a, token)
     with first._lock:
-        first._store((gap("100", 5000, 4000), gap("900", 9000, 8000)))
+        first._store(lambda _: (gap("100", 5000, 4000), gap("900", 9000, 8000)))
     token_b = b.take("s1")
     lease = b.held.get("s1")
     assert lease is not None

@@ -191,8 +191,8 @@ class ShardRecovery:
         request = RecoveryRequest.gap(checkpoint, sub_sequence_number, live_ms, arrived,
                                       first.sequence_number)
         with self._lock:
-            queue = gaps.add(self._queue, request)
-            self._store(queue)
+            self._store(lambda queue: gaps.add(queue, request))
+            queue = self._queue
             self._began = _key(request)
         live_ms = max(live_ms, _time_end_of(queue, request.start_position))
         log.warning("shard %s: %d ms behind (more than max_lag_ms=%d); reading live from "
@@ -273,22 +273,28 @@ class ShardRecovery:
         """Move ``gap``'s checkpoint (fenced); the checkpoint covering the gap's last record
         removes the gap. ``items`` commit in the same transaction (a stateful processor)."""
         with self._lock:
-            queue = list(self._queue)
-            index = next((i for i, r in enumerate(queue) if _key(r) == gap), None)
-            if index is None:
+            request = next((r for r in self._queue if _key(r) == gap), None)
+            if request is None and not items:
                 # Finished already, or cancelled by an operator while this batch was being
-                # processed: a transaction's items still commit (the batch was applied
-                # once), the queue stays as it is.
-                if items:
-                    self._store(self._queue, items)
+                # processed: nothing to move (a transaction's items still commit below:
+                # the batch was applied once).
                 return
             final = self._final if self._reading == gap else self._ends.get(gap)
             finished = None
-            if final is not None and done >= final:
-                finished = (queue.pop(index), done)
-            else:
-                queue[index] = queue[index].checkpointed(done, self._delivered_ms)
-            self._store(tuple(queue), items, finished)
+            if request is not None and final is not None and done >= final:
+                finished = (request, done)
+            delivered_ms = self._delivered_ms
+
+            def change(queue: tuple[RecoveryRequest, ...]) -> tuple[RecoveryRequest, ...]:
+                # A gap's checkpoint a write whose answer was lost moved further, or that
+                # write's removal of the gap, is kept: this checkpoint never undoes it.
+                if finished is not None:
+                    return tuple(r for r in queue if _key(r) != gap)
+                return tuple(r.checkpointed(done, delivered_ms)
+                             if _key(r) == gap and r.done_position < done else r
+                             for r in queue)
+
+            self._store(change, items, finished)
 
     def guard(self, what: str) -> AbstractContextManager[Guard]:
         return self._fence.guard(self.lease_key, self._token, what=what)
@@ -348,7 +354,7 @@ class ShardRecovery:
         again after ``FOLD_RETRY_S``."""
         try:
             with self._lock:
-                self._store(self._queue)
+                self._store(lambda queue: queue)
         except ShutdownException as exc:
             log.info("shard %s: lease lost while taking in recovery requests: %s",
                      self.lease_key, exc)
@@ -411,7 +417,7 @@ class ShardRecovery:
         with self._lock:
             request = next((r for r in self._queue if _key(r) == gap), None)
             if request is not None and (final is None or done >= final):
-                self._store(tuple(r for r in self._queue if _key(r) != gap), (),
+                self._store(lambda queue: tuple(r for r in queue if _key(r) != gap), (),
                             (request, done))
                 return
             queued = request is not None
@@ -434,9 +440,17 @@ class ShardRecovery:
             reader.stop()
         self._pacer.leave()
 
-    def _store(self, queue: tuple[RecoveryRequest, ...], items: Sequence[Any] = (),
+    def _store(self, change: Callable[[tuple[RecoveryRequest, ...]], tuple[RecoveryRequest, ...]],
+               items: Sequence[Any] = (),
                finished: tuple[RecoveryRequest, Position] | None = None) -> None:
-        """Write ``queue`` to the lease item as its holder (the caller holds ``_lock``).
+        """Write the queue ``change`` makes of the lease item's to the lease item as its
+        holder (the caller holds ``_lock``). The item's queue is the one the lease the fence
+        writes shows, never ``_queue``: a write of the queue whose answer was lost may have
+        landed, and ``_queue`` then lacks what it wrote (a gap's checkpoint, a gap removed).
+        The fence hands this write the item such a write left - taken up by a renewal, or
+        found when this write is refused by the counter it moved - and a queue made of
+        ``_queue`` would undo it (a gap's checkpoint moved back, a finished gap queued again
+        by the next fold of an operator's request).
 
         ``finished`` is the gap this write removes, with the checkpoint that covered its last
         record. When the live checkpoint still names where that gap starts (live reading
@@ -449,16 +463,18 @@ class ShardRecovery:
         checkpoint stayed behind the gap for good (simulator seed 844). Decided on the held
         lease, under the fence's lock, so a live checkpoint never moves back.
 
-        The operator requests the held lease carries are applied to ``queue`` and removed
+        The operator requests the held lease carries are applied to that queue and removed
         from the item in the same write (``requests``); the queue written is what this
         holder keeps from then on."""
         written: list[tuple[RecoveryRequest, ...]] = []
 
         def write(lease: Lease) -> Lease:
-            # Called again, on a fresh copy, when the write is repeated during a handoff.
+            # Called again, on a fresh copy, when the write is repeated (during a handoff,
+            # or over an earlier write of this holder found landed).
             readable, unreadable = asked.read(lease.recovery_requests)
             self._report_unreadable(unreadable)
-            final = asked.apply(queue, (request for _, request in readable))
+            final = asked.apply(change(gaps.loads(lease.recovery)),
+                                (request for _, request in readable))
             folded = frozenset(text for text, _ in readable)
             value = gaps.dumps(final)
             changes = UpdateBuilder()
