@@ -154,6 +154,19 @@ class Checkpointer:
             self._retired = why
             return self._last
 
+    def catch_up(self) -> None:
+        """Take the checkpoint the lease holds now (read consistently) as the last one
+        written when it is further: a commit of this tenure whose answer was lost - maybe a
+        replaced processor's, landed after this checkpointer was made from the checkpoint
+        read then - moved it on, and a checkpoint written behind it would move the lease
+        back (``checkpoint`` refuses only positions before ``position``). Raises as a
+        checkpoint does."""
+        with self._lock:
+            self._refuse_if_retired()
+            durable = self._writer.durable_checkpoint(self.lease_key, self._token)
+            if durable is not None and durable > self._last:
+                self._last = durable
+
     @property
     def position(self) -> Position:
         """The last checkpoint written (or the one the lease had)."""

@@ -75,6 +75,18 @@ class TransactionRejected(KCLError):
         self.reasons = reasons
 
 
+class EarlierTransactionLanded(TransactionRejected):
+    """The fence wrote nothing of this transaction because an earlier transaction of the
+    same tenure, whose answer was lost, was found to have landed: this one was built without
+    it. Whoever sent that earlier one may have been replaced since (a processor restarted
+    with ``ProcessorRestartRequired``) and its successor never knew it was in doubt, so the
+    committer must read back what landed - its position, the values of its keys - before it
+    applies anything again; taken for a conflict, records it covered are applied twice."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, [])
+
+
 class ProcessorRestartRequired(KCLError):
     """Raised from a processor callback when the processor cannot go on as it is (e.g. a
     MultiLangDaemon child died). The consumer discards it, makes a new one and resumes from

@@ -18,9 +18,11 @@ from typing import Any
 import boto3
 import pytest
 import sqlalchemy as sa
+from botocore.exceptions import ReadTimeoutError
 from moto import mock_aws
 
 import kclpy
+from kclpy.checkpoint import Checkpointer
 from kclpy.errors import ShutdownException, ThrottlingException, TransactionRejected
 from kclpy.leases.lease import Lease, incarnation_epoch, new_incarnation
 from kclpy.leases.serializer import UpdateBuilder
@@ -962,3 +964,56 @@ def test_over_http_a_workers_commit_whose_answers_were_lost_is_applied_once(
                      "the later record applied")
             wait_for(lambda: "kclpyRecovery" not in lease(), 60, "no gap left")
     assert stored_state(store) == {"count/a": 20, "sum/a": 20, "count/b": 1, "sum/b": 1}
+
+
+def test_a_commit_landing_after_its_processor_was_restarted_is_not_applied_again(
+        table: LeaseTable, dynamodb: Any) -> None:
+    """A commit of records 1-3 is on its way when its answer is lost; the processor is then
+    replaced in the same tenure (``ProcessorRestartRequired``) and its successor starts
+    from the lease's checkpoint, which does not show the commit yet. The commit lands; the
+    successor's first commit is refused by the fence (an earlier transaction of the tenure
+    landed) although the successor never had a commit in doubt. It reads back what landed
+    and applies none of those records again, and its lease checkpoint never moves back
+    behind the landed one. Before, the refusal was taken for a key conflict: the records
+    were applied a second time (count 7 for 4 records) and the checkpoint went 3 -> 1 -> 2;
+    without the checkpointer catching up with the lease it still went 3 -> 2."""
+    store = DynamoDBStateStore("state", client=dynamodb)
+    shard = Shard(table, "s1", "A", Clock())
+    first = runner(store)
+    real = dynamodb.transact_write_items
+    on_its_way: list[dict[str, Any]] = []
+
+    def answer_lost(**kwargs: Any) -> Any:
+        if not on_its_way:
+            on_its_way.append(kwargs)  # sent; it lands when the test says so
+            raise ReadTimeoutError(endpoint_url="dynamodb")
+        return real(**kwargs)
+
+    dynamodb.transact_write_items = answer_lost
+    with pytest.raises(kclpy.KinesisClientLibDependencyException):
+        shard.deliver(first, [rec(1, "a:1"), rec(2, "a:1"), rec(3, "a:1")])
+    # the consumer's restart: the old checkpointer retired, the successor made from the
+    # lease's checkpoint as it reads it now
+    last = shard.checkpointer.retire("the processor was restarted")
+    durable = table.get("s1")
+    assert durable is not None and durable.checkpoint == Position.trim_horizon()
+    held = shard.held.entry("s1")
+    assert held is not None
+    shard.checkpointer = Checkpointer("s1", shard.fence, held.lease.concurrency_token,
+                                      max(durable.checkpoint, last))
+    successor = runner(store, max_records=1)
+    real(**on_its_way[0])  # the first processor's commit lands
+    checkpoints: list[Position] = []
+
+    def seen(**_: Any) -> None:
+        lease = table.get("s1")
+        assert lease is not None
+        checkpoints.append(lease.checkpoint)
+
+    dynamodb.meta.events.register("after-call.dynamodb.TransactWriteItems", seen)
+    dynamodb.meta.events.register("after-call.dynamodb.UpdateItem", seen)
+    shard.deliver(successor, [rec(1, "a:1"), rec(2, "a:1")])
+    shard.deliver(successor, [rec(3, "a:1"), rec(4, "a:1")])
+    assert stored_state(store) == {"count/a": 4, "sum/a": 4}
+    assert checkpoints == sorted(checkpoints), f"moved back: {checkpoints}"
+    assert checkpoints[-1] == Position("4")

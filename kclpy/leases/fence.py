@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING
 from botocore.exceptions import BotoCoreError, ClientError
 
 from kclpy.errors import (
+    EarlierTransactionLanded,
     KinesisClientLibDependencyException,
     LeaseLostError,
     ShutdownException,
     ThrottlingException,
-    TransactionRejected,
 )
 from kclpy.leases import handoff
 from kclpy.leases.dynamo import TABLE_ERRORS, LeaseTableThrottled
@@ -122,8 +122,9 @@ class LeaseFence:
         if this worker no longer holds the lease, nothing is written, ``items`` included.
         ``apply`` updates the held copy the way ``changes`` updated the item (a transaction
         returns no attributes). A failed condition of one of ``items`` raises
-        ``TransactionRejected`` and leaves the lease held; so does an earlier transaction of
-        this lease whose answer was lost and that is found to have landed (``_attempt``)."""
+        ``TransactionRejected`` and leaves the lease held; an earlier transaction of this
+        lease whose answer was lost and that is found to have landed raises
+        ``EarlierTransactionLanded``, a kind of it, and leaves it held too (``_attempt``)."""
 
         def write(lease: Lease) -> Lease:
             fresh = self.table.guarded_transact(lease, changes, items)
@@ -342,7 +343,7 @@ class LeaseFence:
         Except a ``transaction`` over an earlier transaction that landed: its items (state
         writes conditioned on the versions read before it, a user's unconditioned ones) were
         built without it, and repeated they would be refused or applied twice. Nothing is
-        written and ``TransactionRejected`` says so; the committer reads back what landed
+        written and ``EarlierTransactionLanded`` says so; the committer reads back what landed
         (``durable_checkpoint``) before it applies anything again."""
         key = held.lease.lease_key
         write_id = new_write_id()
@@ -371,9 +372,9 @@ class LeaseFence:
                 self._let_go(fresh, what)  # given up meanwhile; the write made it ours
                 return None
             if not repeat:
-                raise TransactionRejected(
+                raise EarlierTransactionLanded(
                     f"shard {key}: an earlier transaction of this lease whose answer was lost "
-                    f"landed; the {what} was not written", [])
+                    f"landed; the {what} was not written")
             return self._attempt(held, write, what, transaction)
         if handoff.is_request_to_hand_off(held.lease, current, self.worker_id):
             assert current is not None

@@ -18,7 +18,11 @@ until a later commit of its line lands, the store is asked what it holds
 (``durable_position``) before each batch of the line and after each refused commit, and
 records it covers are never applied again - the state already holds them - so the checkpoint
 only moves forward. The store's position, committed with the state in one write, is what
-says which records the state holds.
+says which records the state holds. The lease fence remembers such a commit for the whole
+tenure, beyond a processor replaced meanwhile (``ProcessorRestartRequired``), whose
+successor cannot know it is in doubt: a commit the fence refuses because an earlier one
+landed (``EarlierTransactionLanded``) is always read back, and the checkpointer catches up
+with the checkpoint that landed.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from kclpy.checkpoint import Checkpointer
-from kclpy.errors import TransactionRejected
+from kclpy.errors import EarlierTransactionLanded, TransactionRejected
 from kclpy.metrics import NOWHERE, STATE_COMMITS, STATE_CONFLICTS, STATE_RECORDS, Metrics, Scope
 from kclpy.position import Position
 from kclpy.processor import (
@@ -191,18 +195,21 @@ class ExactlyOnceProcessor(IRecordProcessor):
         self._gaps[gap] = max(self._gaps[gap], checkpointer.position)
         return self._gaps[gap]
 
-    def _read_back(self, checkpointer: Checkpointer) -> bool:
+    def _read_back(self, checkpointer: Checkpointer, *, landed: bool = False) -> bool:
         """Ask the store what it holds for ``checkpointer``'s line, which is in doubt, and
         take it as committed when it is further: a commit whose answer was lost landed.
-        True if it was. Asked only while in doubt: a refused commit is otherwise a
-        conflict, and the read would wait on the very lock that refused it (SQLite)."""
+        True if it was. Asked only while in doubt, or when the fence found that an earlier
+        commit of the tenure ``landed`` (``EarlierTransactionLanded``: its sender may be a
+        processor this one replaced, so this one's ``_in_doubt`` cannot know of it): a
+        refused commit is otherwise a conflict, and the read would wait on the very lock
+        that refused it (SQLite)."""
         gap = checkpointer.gap
         doubted = self._in_doubt.get(gap)
-        if doubted is None:
+        if doubted is None and not landed:
             return False
         known = self._committed_of(gap, checkpointer)
         durable = checkpointer.fenced(partial(self._store.durable_position, gap=gap))
-        if durable is not None and durable >= doubted:
+        if durable is not None and doubted is not None and durable >= doubted:
             del self._in_doubt[gap]  # it landed (or a later commit did): it cannot land now
         if durable is None or durable <= known:
             return False
@@ -243,11 +250,16 @@ class ExactlyOnceProcessor(IRecordProcessor):
             try:
                 checkpointer.commit(batch[-1], partial(self._store.commit, txn=txn,
                                                        gap=checkpointer.gap))
-            except TransactionRejected:
+            except TransactionRejected as exc:
                 self._store.forget(list(txn.versions))
-                if self._read_back(checkpointer):
-                    # refused because an earlier commit of these records had landed: the
-                    # rest of them is applied again, to the state that holds that commit
+                landed = isinstance(exc, EarlierTransactionLanded)
+                if landed:
+                    # maybe a replaced predecessor's commit, which this processor never knew
+                    # was in doubt: the lease's checkpoint may be past this checkpointer's
+                    checkpointer.catch_up()
+                if self._read_back(checkpointer, landed=landed) or landed:
+                    # refused because an earlier commit had landed: the records it did not
+                    # cover are applied again, to the state that holds that commit
                     done = self._committed_of(checkpointer.gap, checkpointer).extended
                     batch = [r for r in [*batch, *rest] if r.extended_sequence_number > done]
                     rest = []
