@@ -997,9 +997,7 @@ def test_a_commit_landing_after_its_processor_was_restarted_is_not_applied_again
     last = shard.checkpointer.retire("the processor was restarted")
     durable = table.get("s1")
     assert durable is not None and durable.checkpoint == Position.trim_horizon()
-    held = shard.held.entry("s1")
-    assert held is not None
-    shard.checkpointer = Checkpointer("s1", shard.fence, held.lease.concurrency_token,
+    shard.checkpointer = Checkpointer("s1", shard.fence, shard.checkpointer._token,
                                       max(durable.checkpoint, last))
     successor = runner(store, max_records=1)
     real(**on_its_way[0])  # the first processor's commit lands
