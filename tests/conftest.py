@@ -64,13 +64,11 @@ def pytest_configure(config: pytest.Config) -> None:
             "`apt-get install nodejs npm`), or run `pytest -m 'not integration'`")
 
 
-#: test files that run fleets of worker processes, JVMs or Spark, and check that no shard
-#: stalls: under pytest-xdist they share one group, so two of them never compete for the
-#: cores of a 2-core CI machine, while the light tests run beside them on the other worker
-_HEAVY_FILES = frozenset({
+#: test files that run fleets of worker processes and check that no shard stalls: under
+#: pytest-xdist they share one group, so two of them never compete with each other
+_FLEET_FILES = frozenset({
     "test_chaos.py",
     "test_state_chaos.py",
-    "test_java_kcl.py",
     "test_docs_alerts.py",
     "test_recovery.py",
     "test_fleet.py",
@@ -78,6 +76,11 @@ _HEAVY_FILES = frozenset({
     "test_load_real.py",
     "test_monitor_fleet.py",
 })
+#: test files that start JVMs (Spark, the Java KCL): a group of their own. The two groups
+#: were one until the suite's wall time on a 2-core CI machine was that group's alone
+#: (33 min, the light tests long done on the other worker); now each worker starts with one
+#: and takes light tests when it is through
+_JVM_FILES = frozenset({"test_java_kcl.py"})
 
 #: more workers than this only add heavy tests competing with each other for nothing
 _MOST_XDIST_WORKERS = 4
@@ -131,17 +134,22 @@ def pytest_report_header() -> str:
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto`` is one worker per core, up to a few: the suite's wall time is set by its
-    one group of heavy tests, which runs on one worker whatever the count."""
+    two groups of heavy tests, each of which runs on one worker whatever the count."""
     return max(1, min(_MOST_XDIST_WORKERS, os.cpu_count() or 1))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist: the heavy groups, and the slow tests first among the rest, so that
+    no minutes-long test starts last and leaves the other worker idle meanwhile."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
         path = Path(item.path)
-        if "spark" in path.parts or path.name in _HEAVY_FILES:
-            item.add_marker(pytest.mark.xdist_group("heavy"))
+        if "spark" in path.parts or path.name in _JVM_FILES:
+            item.add_marker(pytest.mark.xdist_group("jvm"))
+        elif path.name in _FLEET_FILES:
+            item.add_marker(pytest.mark.xdist_group("fleet"))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 # Names whose values could route a test to real AWS or change how clients behave.
