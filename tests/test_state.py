@@ -883,6 +883,21 @@ def legacy_put(store: StateStore, key: str, value: Any, version: int) -> None:
 # -- a commit whose answer was lost -----------------------------------------------------------
 
 
+def checkpoints_after_writes(client: Any, table: LeaseTable, lease_key: str) -> list[Position]:
+    """The lease's checkpoint as read after each TransactWriteItems and UpdateItem the
+    client makes, growing as they are made: how a test sees a checkpoint move back."""
+    checkpoints: list[Position] = []
+
+    def seen(**_: Any) -> None:
+        lease = table.get(lease_key)
+        assert lease is not None
+        checkpoints.append(lease.checkpoint)
+
+    client.meta.events.register("after-call.dynamodb.TransactWriteItems", seen)
+    client.meta.events.register("after-call.dynamodb.UpdateItem", seen)
+    return checkpoints
+
+
 @pytest.mark.integration
 def test_over_http_a_commit_whose_answers_were_lost_is_not_applied_again(
         embedded_endpoint: LocalEndpoint) -> None:
@@ -900,15 +915,7 @@ def test_over_http_a_commit_whose_answers_were_lost_is_not_applied_again(
         lease_table.create_if_missing()
         assert lease_table.create(Lease("s1"))
         store = DynamoDBStateStore(f"{lease_table.table_name}-state", client=client)
-        checkpoints: list[Position] = []
-
-        def seen(**_: Any) -> None:
-            lease = lease_table.get("s1")
-            assert lease is not None
-            checkpoints.append(lease.checkpoint)
-
-        client.meta.events.register("after-call.dynamodb.TransactWriteItems", seen)
-        client.meta.events.register("after-call.dynamodb.UpdateItem", seen)
+        checkpoints = checkpoints_after_writes(client, lease_table, "s1")
         shard = Shard(lease_table, "s1", "A", Clock())
         processor = runner(store)
         batch = [rec(seq, "a:1") for seq in range(1, 5)]
@@ -1001,15 +1008,7 @@ def test_a_commit_landing_after_its_processor_was_restarted_is_not_applied_again
                                       max(durable.checkpoint, last))
     successor = runner(store, max_records=1)
     real(**on_its_way[0])  # the first processor's commit lands
-    checkpoints: list[Position] = []
-
-    def seen(**_: Any) -> None:
-        lease = table.get("s1")
-        assert lease is not None
-        checkpoints.append(lease.checkpoint)
-
-    dynamodb.meta.events.register("after-call.dynamodb.TransactWriteItems", seen)
-    dynamodb.meta.events.register("after-call.dynamodb.UpdateItem", seen)
+    checkpoints = checkpoints_after_writes(dynamodb, table, "s1")
     shard.deliver(successor, [rec(1, "a:1"), rec(2, "a:1")])
     shard.deliver(successor, [rec(3, "a:1"), rec(4, "a:1")])
     assert stored_state(store) == {"count/a": 4, "sum/a": 4}
