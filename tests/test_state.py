@@ -462,8 +462,10 @@ class Stream:
                                until_ms=until_ms, metrics=self.metrics)
         return ShardPipeline(source, start, metrics=self.metrics)
 
-    def take(self, worker: str, clock: Clock) -> tuple[Shard, ShardRecovery]:
-        """A tenure: the lease taken, and its recovery as the consumer makes it."""
+    def take(self, worker: str, clock: Clock, store: StateStore | None = None
+             ) -> tuple[Shard, ShardRecovery]:
+        """A tenure: the lease taken, and its recovery as the consumer makes it (with the
+        worker's state store, when given, as the composition passes it)."""
         shard = Shard(self.table, SHARD, worker, clock)
         lease = self.table.get(SHARD)
         assert lease is not None
@@ -474,7 +476,7 @@ class Stream:
         return shard, ShardRecovery(
             lease, token=shard.checkpointer._token, fence=shard.fence,
             reader_factory=self.reader, rate=RecoveryRate(100_000), max_lag_ms=1000,
-            metrics=self.metrics, wall_clock=lambda: hour_later)
+            metrics=self.metrics, wall_clock=lambda: hour_later, store=store)
 
     def lease(self) -> Lease:
         lease = self.table.get(SHARD)
@@ -593,6 +595,45 @@ def test_a_closed_shards_gap_is_applied_and_the_lease_finished(
     recover(recovery, runner(store, start=shard.start))
     assert counts(store) == {"count/old0": 10, "count/old1": 10, "count/old2": 10}
     assert stream.lease().is_finished
+
+
+def test_a_gap_being_recovered_when_the_lease_table_is_reset_is_lost_by_no_store(
+        table: LeaseTable, store: StateStore) -> None:
+    """Simulator seed 186: the lease item, and the gap queue in it, deleted while a gap was
+    half recovered and live reading had committed past it; the lease created again at
+    TRIM_HORIZON. The SQL store resumes live from its own position and queues the gap again
+    from its own progress: every record applied once. The DynamoDB store's positions went
+    with the lease item: the shard is read again from TRIM_HORIZON, nothing lost, and the
+    records applied before the reset are applied again (docs/reliability.md)."""
+    stream = Stream(table)
+    table.delete(stream.lease())
+    assert table.create(Lease(SHARD, incarnation=new_incarnation(100, now=1000.0)))
+    last = int(stream.put([f"old{i}:1" for i in range(30)])[-1])
+    clock = Clock()
+    first, recovery = stream.take("A", clock, store)
+    assert recovery.begin(Position.trim_horizon()) is not None  # the gap: all 30 records
+    processor = ExactlyOnceProcessor(Counter(), store)
+    processor.initialize(InitializeInput(SHARD, "TRIM_HORIZON", 0))
+    live = [str(last + 1000), str(last + 2000)]  # what live reading delivers after the gap
+    first.deliver(processor, [Record(live[0], "pk", None, 0, b"new:1"),
+                              Record(live[1], "pk", None, 0, b"new:1")])
+    recover(recovery, processor, batches=2)  # 14 of the gap's 30 records
+    recovery.stop()
+
+    assert table.delete(stream.lease())  # the reset, and shard sync creating it again
+    assert table.create(Lease(SHARD, incarnation=new_incarnation(100, now=2000.0)))
+    second, recovery = stream.take("B", clock, store)
+    recovery.begin(Position.trim_horizon())
+    processor = ExactlyOnceProcessor(Counter(), store)
+    processor.initialize(InitializeInput(SHARD, "TRIM_HORIZON", 0))
+    recover(recovery, processor)
+
+    applied = {key: value for key, value in counts(store).items() if key != "count/new"}
+    twice = set() if isinstance(store, SQLStateStore) else {f"count/old{i}" for i in range(14)}
+    assert applied == {f"count/old{i}": 2 if f"count/old{i}" in twice else 1
+                       for i in range(30)}
+    assert stream.lease().recovery is None
+    assert store.stored_gaps(SHARD) == {}
 
 
 def test_a_gap_half_recovered_by_a_failed_worker_is_finished_once_by_the_next(

@@ -67,8 +67,9 @@ def recovery_for(holder: Holder, token: str, stored: str | None = None,
     """The recovery of lease s1 by ``holder`` in tenure ``token``, from the queue
     ``stored``; 1000 records/s and a 1 s max lag unless ``options`` say otherwise."""
     options.setdefault("reader_factory", unused_reader)
+    options.setdefault("max_lag_ms", 1000)
     return ShardRecovery(Lease("s1", recovery=stored), token=token, fence=holder.fence,
-                         rate=RecoveryRate(1000), max_lag_ms=1000, metrics=Metrics(), **options)
+                         rate=RecoveryRate(1000), metrics=Metrics(), **options)
 
 
 def age(max_lag_ms: int) -> None:
