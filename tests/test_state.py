@@ -11,7 +11,6 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -576,7 +575,7 @@ def test_a_gap_found_by_the_next_owner_starts_after_what_the_sql_store_committed
         Lease(SHARD), token=second.checkpointer._token, fence=second.fence,
         reader_factory=stream.reader, rate=RecoveryRate(100_000), max_lag_ms=1000,
         metrics=stream.metrics, wall_clock=lambda: time.time() + 3600,
-        claim=partial(store.begin_tenure, second.fence, SHARD, second.checkpointer._token))
+        store=store)
     assert recovery.begin(Position.of(*second.start)) is not None
     recover(recovery, runner(store, start=second.start))
     assert counts(store) == {"count/old0": 10, "count/old1": 10, "count/old2": 10}

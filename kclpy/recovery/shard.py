@@ -116,16 +116,14 @@ class ShardRecovery:
         max_lag_ms: int | None,
         metrics: Metrics,
         wall_clock: Callable[[], float] = lambda: time.time(),
-        claim: Callable[[], Position | None] | None = None,
         kinesis_clock: KinesisClock | None = None,
         store: StateStore | None = None,
     ) -> None:
         self.lease_key = lease_key = lease.lease_key
-        if claim is None and store is not None:
-            claim = functools.partial(store.begin_tenure, fence, lease_key, token)
-        #: a state store that keeps its own live position (the SQL store): claims the shard
-        #: for this tenure and returns that position (``StateStore.begin_tenure``)
-        self._claim = claim
+        #: the worker's state store: claims the shard for this tenure and returns the
+        #: position it keeps itself, if it does (the SQL store; ``StateStore.begin_tenure``)
+        self._claim = (None if store is None
+                       else functools.partial(store.begin_tenure, fence, lease_key, token))
         self._claimed = False
         #: the store that keeps gaps beside the lease item's queue (``keeps_position``)
         self._gap_store = store if store is not None and store.keeps_position else None

@@ -56,6 +56,18 @@ class Holder:
         return fresh.concurrency_token
 
 
+@dataclass
+class Claimed:
+    """A state store as lag recovery sees one that keeps the shard's live position at
+    ``position`` and none of its gaps."""
+
+    position: Position | None
+    keeps_position = False
+
+    def begin_tenure(self, writer: Any, lease_key: str, token: str) -> Position | None:
+        return self.position
+
+
 def unused_reader(start: Position, until_ms: int | None, pacer: Pacer | None,
                   max_records: int | None) -> ShardPipeline:
     """The reader of a recovery that must not read."""
