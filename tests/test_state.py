@@ -27,9 +27,10 @@ from kclpy.leases.shard_sync import ShardSyncer
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
-from kclpy.position import Position
+from kclpy.position import TRIM_HORIZON, Position
 from kclpy.processor import InitializeInput, ProcessRecordsInput
 from kclpy.records import Record
+from kclpy.recovery import queue as gaps
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
 from kclpy.retrieval.clock import kinesis_clock
@@ -633,6 +634,45 @@ def test_a_gap_being_recovered_when_the_lease_table_is_reset_is_lost_by_no_store
                        for i in range(30)}
     assert stream.lease().recovery is None
     assert store.stored_gaps(SHARD) == {}
+
+
+def test_a_gap_the_sql_store_learnt_of_but_whose_queue_write_failed_is_applied_once(
+        table: LeaseTable, new_sql_store: Callable[[], SQLStateStore],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The store learns of a gap before the queue holding it is written: a worker that dies
+    between the two leaves a row whose gap was never queued. The next tenure queues it
+    again and its live reading starts after it, not inside it: every record once."""
+    stream = Stream(table)
+    stream.put([f"old{i}:1" for i in range(30)])
+    clock = Clock()
+    first, recovery = stream.take("A", clock, new_sql_store())
+    fence_write = first.fence.write
+
+    def dies_before_queueing(key: str, token: str | None, write: Callable[[Lease], Lease], *,
+                             what: str, transaction: bool = False) -> Lease:
+        if what == "recovery checkpoint":
+            raise ThrottlingException("the worker died before this write")
+        return fence_write(key, token, write, what=what, transaction=transaction)
+
+    first.fence.write = dies_before_queueing  # type: ignore[method-assign, assignment]
+    with pytest.raises(ThrottlingException):
+        recovery.begin(Position.trim_horizon())
+    assert stream.lease().recovery is None
+    store = new_sql_store()
+    [remembered] = store.stored_gaps(SHARD).values()
+    assert remembered is not None
+
+    second, recovery = stream.take("B", clock, store)
+    with caplog.at_level("WARNING"):
+        live_start = recovery.begin(Position.trim_horizon())
+    assert "queued again" in caplog.text
+    [queued] = gaps.loads(stream.lease().recovery)
+    assert queued.start == TRIM_HORIZON and queued.end_ms >= remembered.end_ms
+    assert live_start is not None and live_start.timestamp() * 1000 >= queued.end_ms
+    processor = ExactlyOnceProcessor(Counter(), store)
+    processor.initialize(InitializeInput(SHARD, "TRIM_HORIZON", 0))
+    recover(recovery, processor)
+    assert counts(store) == {f"count/old{i}": 1 for i in range(30)}
 
 
 def test_a_gap_half_recovered_by_a_failed_worker_is_finished_once_by_the_next(
