@@ -281,9 +281,7 @@ class Retrieval:
             lease, token=token, fence=fence,
             reader_factory=reader, rate=self._recovery_rate,
             max_lag_ms=self._config.max_lag_ms, metrics=self._metrics,
-            kinesis_clock=kinesis_clock(self._kinesis),
-            claim=None if store is None else functools.partial(
-                store.begin_tenure, fence, lease.lease_key, token))
+            kinesis_clock=kinesis_clock(self._kinesis), store=store)
 
     def now(self) -> float:
         """Kinesis' now, where a ``LATEST`` lease starts."""

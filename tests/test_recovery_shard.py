@@ -52,7 +52,7 @@ from kclpy.retrieval.source import ShardAddress
 from tests.support import skew
 from tests.support.determinism import Clock
 from tests.support.fleet import Fleet, fleet
-from tests.support.recovery import Holder, age, gap, recovery_for
+from tests.support.recovery import Claimed, Holder, age, gap, recovery_for
 from tests.support.scripted import SETTINGS, Host, Readers, Result, ScriptedFetcher
 from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
 from tests.support.waiting import wait_for
@@ -165,7 +165,7 @@ class Shard:
         return ShardPipeline(source, start, metrics=self.metrics)
 
     def recovery(self, *, wall_clock: Any = time.time, stored: str | None = None,
-                 claim: Callable[[], Position | None] | None = None) -> ShardRecovery:
+                 store: Claimed | None = None) -> ShardRecovery:
         """The shard's recovery at the time ``wall_clock`` tells: Kinesis' time as well as
         the local one (an emulator cannot age records, so both clocks move on instead;
         moto's own Date headers tell the real time and are not taken in)."""
@@ -175,7 +175,8 @@ class Shard:
         return ShardRecovery(Lease("shardId-000000000000", recovery=stored), token=self.token,
                              fence=self.holder.fence, reader_factory=self.reader,
                              rate=RecoveryRate(10_000), max_lag_ms=1000, metrics=self.metrics,
-                             wall_clock=wall_clock, claim=claim, kinesis_clock=clock)
+                             wall_clock=wall_clock, kinesis_clock=clock,
+                             store=store)  # type: ignore[arg-type]
 
     def queue(self) -> tuple[RecoveryRequest, ...]:
         lease = self.table.get("shardId-000000000000")
@@ -288,7 +289,7 @@ def test_a_gap_after_the_state_stores_position_moves_the_live_checkpoint_past_it
     sequence = [r["SequenceNumber"] for r in
                 shard.kinesis.get_records(ShardIterator=iterator)["Records"]]
     recovery = shard.recovery(wall_clock=lambda: time.time() + 3600,
-                              claim=lambda: Position.of(sequence[9], 0))
+                              store=Claimed(Position.of(sequence[9], 0)))
     assert recovery.begin(Position.trim_horizon()) is not None
     [queued] = shard.queue()
     assert queued.start == sequence[9]

@@ -18,12 +18,15 @@ live past it; the gap was recovered through record 18 when the lease table was r
 gap queue lives in the lease item (``kclpyRecovery``) and went with it; the lease created
 again resumed, as it must, from the SQL store's live position (record 71), and nothing
 queued the rest of the gap again although the store's ``_gaps`` table still held its row:
-records 19 to the gap's end were never delivered. Still there (the strict xfail below).
+records 19 to the gap's end were never delivered. Now the SQL store records each gap, with
+its end, before the queue holding it is written, and a tenure that begins queues again every
+gap the store holds that its lease's queue lacks, from the store's progress to that end.
 """
 
 from __future__ import annotations
 
-import functools
+import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,16 +39,26 @@ from moto import mock_aws
 from kclpy.leases.lease import Lease, new_incarnation
 from kclpy.leases.shard_sync import Shard, ShardSyncer, plan_new_leases
 from kclpy.leases.table import LeaseTable
+from kclpy.metrics import Metrics
 from kclpy.position import LATEST, TRIM_HORIZON, Position
+from kclpy.processor import InitializeInput, ProcessRecordsInput
 from kclpy.recovery import queue as gaps
+from kclpy.recovery.queue import RecoveryRequest
 from kclpy.retrieval.page import ChildShard
+from kclpy.retrieval.pipeline import ShardPipeline
+from kclpy.retrieval.polling import Pacer, PollingSource
+from kclpy.retrieval.source import ShardAddress
+from kclpy.state.processor import ExactlyOnceProcessor
 from kclpy.state.sql import SQLStateStore
 from tests.support.determinism import Clock
 from tests.support.recovery import Holder, recovery_for
+from tests.support.state import Counter, stored_state
+from tests.support.waiting import wait_for
 
 MAX_HASH = str(2**128 - 1)
 HALF = str(2**127)
 ZERO, ONE, MERGED = "shardId-000000000000", "shardId-000000000001", "shardId-000000000002"
+SHARD = ZERO
 
 
 def merge() -> list[Shard]:
@@ -160,47 +173,73 @@ def test_a_reset_parent_is_read_again_and_a_finished_one_is_not(table: LeaseTabl
     assert syncer.sync() == []
 
 
-class AtTheTip:
-    """A probe of a shard with nothing after the position asked: the store's live position
-    is the shard's last record."""
-
-    caught_up = True
-    finished = False
-
-    def fetch_once(self) -> None:
-        return None
-
-    def stop(self) -> None:
-        return None
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "open hole (simulator seed 186): a lease-table reset drops the lease item's recovery "
-    "queue; the SQL store keeps the unfinished gap's row but not where the gap ends, and "
-    "nothing queues it again (FOUND.md, docs/reliability.md)"))
 def test_a_gap_the_sql_store_holds_unfinished_is_queued_again_under_a_lease_created_again(
         table: LeaseTable, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """The store as seed 186's reset left it: the live position at record 250 (read live
-    past the gap) and the gap after TRIM_HORIZON recovered through record 40; the lease
-    created again, at TRIM_HORIZON with no queue."""
+    """The store as seed 186's reset left it: 30 records, the live position at record 25
+    (read live past the gap), the gap after TRIM_HORIZON ending at record 19, recovered
+    through record 9; the lease created again, at TRIM_HORIZON with no queue. The gap is
+    queued again from the store's progress to its stored end, and records 10 to 19 - only
+    they - are applied, once."""
+    kinesis = boto3.client("kinesis", region_name="us-east-1")
+    kinesis.create_stream(StreamName="s", ShardCount=1)
+    writing_at = time.time()
+    sequence = [kinesis.put_record(StreamName="s", Data=f"r{n}:1".encode(),
+                                   PartitionKey="k")["SequenceNumber"] for n in range(30)]
+    arrived = kinesis.get_records(ShardIterator=kinesis.get_shard_iterator(
+        StreamName="s", ShardId=SHARD, ShardIteratorType="TRIM_HORIZON")["ShardIterator"]
+    )["Records"][19]["ApproximateArrivalTimestamp"]
+    end_ms = round(arrived.timestamp() * 1000) + 1
+    queued = RecoveryRequest.gap(TRIM_HORIZON, 0, end_ms, None, sequence[0],
+                                 last_sequence=sequence[19])
     store = SQLStateStore(f"sqlite:///{tmp_path / 'state.db'}")
     store.open(None)
     with store.engine.begin() as conn:
         conn.execute(sa.insert(store.checkpoints).values(
-            lease_key="s1", tenure=3, checkpoint="250", sub_sequence_number=0,
+            lease_key="s1", tenure=3, checkpoint=sequence[25], sub_sequence_number=0,
             incarnation=new_incarnation(100, now=1000.0)))
         conn.execute(sa.insert(store.gaps).values(
-            lease_key="s1", gap=f"{TRIM_HORIZON}/0", checkpoint="40", sub_sequence_number=0))
+            lease_key="s1", gap=f"{TRIM_HORIZON}/0", checkpoint=sequence[9],
+            sub_sequence_number=0, gap_end=json.dumps(queued.to_json())))
     assert table.create(Lease("s1", incarnation=new_incarnation(100, now=2000.0)))
     holder = Holder(table, "B", Clock())
     token = holder.take("s1")
-    recovery = recovery_for(holder, token,
-                            reader_factory=lambda *_: AtTheTip(),
-                            claim=functools.partial(store.begin_tenure, holder.fence, "s1",
-                                                    token))
+    metrics = Metrics()
 
-    assert recovery.begin(Position.trim_horizon()) is None
-    assert "lease was created again" in caplog.text  # resumed from the store's record 250
+    def reader(start: Position, until_ms: int | None, pacer: Pacer | None,
+               max_records: int | None) -> ShardPipeline:
+        source = PollingSource(kinesis, ShardAddress(SHARD, stream_name="s"),
+                               max_records=max_records or 4, idle_time_s=0, pacer=pacer,
+                               until_ms=until_ms, metrics=metrics)
+        return ShardPipeline(source, start, metrics=metrics)
+
+    # the wall clock of the writes: the records after the store's position are not behind
+    recovery = recovery_for(holder, token, reader_factory=reader, store=store,
+                            wall_clock=lambda: writing_at)
+
+    with caplog.at_level("INFO"):
+        assert recovery.begin(Position.trim_horizon()) is None
+    assert "lease was created again" in caplog.text  # resumed from the store's record 25
+    assert caplog.text.count("queued again") == 1
     lease = table.get("s1")
     assert lease is not None
-    assert [(r.start, r.done) for r in gaps.loads(lease.recovery)] == [(TRIM_HORIZON, "40")]
+    [again] = gaps.loads(lease.recovery)
+    assert again == queued.checkpointed(Position(sequence[9]), None)
+
+    processor = ExactlyOnceProcessor(Counter(), store, metrics=metrics)
+    processor.initialize(InitializeInput("s1", TRIM_HORIZON, 0))
+
+    def step() -> bool:
+        batch = recovery.poll()
+        if batch is not None:
+            result, checkpointer = batch
+            checkpointer.mark_delivered(result.records[-1])
+            processor.process_records(ProcessRecordsInput(
+                "s1", result.records, checkpointer, None, is_recovery=True))
+        return not recovery.active
+
+    wait_for(step, 30, "the gap queued again recovered", interval=0)
+    assert stored_state(store) == {**{f"count/r{n}": 1 for n in range(10, 20)},
+                                   **{f"sum/r{n}": 1 for n in range(10, 20)}}
+    lease = table.get("s1")
+    assert lease is not None and lease.recovery is None
+    assert store.stored_gaps("s1") == {}, "a finished gap leaves the store too"

@@ -49,6 +49,7 @@ FOUND = [
     (553, "consumed-while-held", "slow shard sync"),
     (844, "liveness", "gap after the store's position"),
     (139, "liveness", "incarnations ordered by clocks"),
+    (186, "liveness", "gap lost by a reset"),
 ]
 
 #: seed, invariant, hole: what the grown world (the edge review of 2026-12-06) found on

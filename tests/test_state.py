@@ -11,7 +11,6 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +29,10 @@ from kclpy.leases.shard_sync import ShardSyncer
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
-from kclpy.position import Position
+from kclpy.position import TRIM_HORIZON, Position
 from kclpy.processor import InitializeInput, ProcessRecordsInput
 from kclpy.records import Record
+from kclpy.recovery import queue as gaps
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
 from kclpy.retrieval.clock import kinesis_clock
@@ -464,8 +464,10 @@ class Stream:
                                until_ms=until_ms, metrics=self.metrics)
         return ShardPipeline(source, start, metrics=self.metrics)
 
-    def take(self, worker: str, clock: Clock) -> tuple[Shard, ShardRecovery]:
-        """A tenure: the lease taken, and its recovery as the consumer makes it."""
+    def take(self, worker: str, clock: Clock, store: StateStore | None = None
+             ) -> tuple[Shard, ShardRecovery]:
+        """A tenure: the lease taken, and its recovery as the consumer makes it (with the
+        worker's state store, when given, as the composition passes it)."""
         shard = Shard(self.table, SHARD, worker, clock)
         lease = self.table.get(SHARD)
         assert lease is not None
@@ -476,7 +478,7 @@ class Stream:
         return shard, ShardRecovery(
             lease, token=shard.checkpointer._token, fence=shard.fence,
             reader_factory=self.reader, rate=RecoveryRate(100_000), max_lag_ms=1000,
-            metrics=self.metrics, wall_clock=lambda: hour_later)
+            metrics=self.metrics, wall_clock=lambda: hour_later, store=store)
 
     def lease(self) -> Lease:
         lease = self.table.get(SHARD)
@@ -576,7 +578,7 @@ def test_a_gap_found_by_the_next_owner_starts_after_what_the_sql_store_committed
         Lease(SHARD), token=second.checkpointer._token, fence=second.fence,
         reader_factory=stream.reader, rate=RecoveryRate(100_000), max_lag_ms=1000,
         metrics=stream.metrics, wall_clock=lambda: time.time() + 3600,
-        claim=partial(store.begin_tenure, second.fence, SHARD, second.checkpointer._token))
+        store=store)
     assert recovery.begin(Position.of(*second.start)) is not None
     recover(recovery, runner(store, start=second.start))
     assert counts(store) == {"count/old0": 10, "count/old1": 10, "count/old2": 10}
@@ -595,6 +597,84 @@ def test_a_closed_shards_gap_is_applied_and_the_lease_finished(
     recover(recovery, runner(store, start=shard.start))
     assert counts(store) == {"count/old0": 10, "count/old1": 10, "count/old2": 10}
     assert stream.lease().is_finished
+
+
+def test_a_gap_being_recovered_when_the_lease_table_is_reset_is_lost_by_no_store(
+        table: LeaseTable, store: StateStore) -> None:
+    """Simulator seed 186: the lease item, and the gap queue in it, deleted while a gap was
+    half recovered and live reading had committed past it; the lease created again at
+    TRIM_HORIZON. The SQL store resumes live from its own position and queues the gap again
+    from its own progress: every record applied once. The DynamoDB store's positions went
+    with the lease item: the shard is read again from TRIM_HORIZON, nothing lost, and the
+    records applied before the reset are applied again (docs/reliability.md)."""
+    stream = Stream(table)
+    table.delete(stream.lease())
+    assert table.create(Lease(SHARD, incarnation=new_incarnation(100, now=1000.0)))
+    last = int(stream.put([f"old{i}:1" for i in range(30)])[-1])
+    clock = Clock()
+    first, recovery = stream.take("A", clock, store)
+    assert recovery.begin(Position.trim_horizon()) is not None  # the gap: all 30 records
+    processor = ExactlyOnceProcessor(Counter(), store)
+    processor.initialize(InitializeInput(SHARD, "TRIM_HORIZON", 0))
+    live = [str(last + 1000), str(last + 2000)]  # what live reading delivers after the gap
+    first.deliver(processor, [Record(live[0], "pk", None, 0, b"new:1"),
+                              Record(live[1], "pk", None, 0, b"new:1")])
+    recover(recovery, processor, batches=2)  # 14 of the gap's 30 records
+    recovery.stop()
+
+    assert table.delete(stream.lease())  # the reset, and shard sync creating it again
+    assert table.create(Lease(SHARD, incarnation=new_incarnation(100, now=2000.0)))
+    second, recovery = stream.take("B", clock, store)
+    recovery.begin(Position.trim_horizon())
+    processor = ExactlyOnceProcessor(Counter(), store)
+    processor.initialize(InitializeInput(SHARD, "TRIM_HORIZON", 0))
+    recover(recovery, processor)
+
+    applied = {key: value for key, value in counts(store).items() if key != "count/new"}
+    twice = set() if isinstance(store, SQLStateStore) else {f"count/old{i}" for i in range(14)}
+    assert applied == {f"count/old{i}": 2 if f"count/old{i}" in twice else 1
+                       for i in range(30)}
+    assert stream.lease().recovery is None
+    assert store.stored_gaps(SHARD) == {}
+
+
+def test_a_gap_the_sql_store_learnt_of_but_whose_queue_write_failed_is_applied_once(
+        table: LeaseTable, new_sql_store: Callable[[], SQLStateStore],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The store learns of a gap before the queue holding it is written: a worker that dies
+    between the two leaves a row whose gap was never queued. The next tenure queues it
+    again and its live reading starts after it, not inside it: every record once."""
+    stream = Stream(table)
+    stream.put([f"old{i}:1" for i in range(30)])
+    clock = Clock()
+    first, recovery = stream.take("A", clock, new_sql_store())
+    fence_write = first.fence.write
+
+    def dies_before_queueing(key: str, token: str | None, write: Callable[[Lease], Lease], *,
+                             what: str, transaction: bool = False) -> Lease:
+        if what == "recovery checkpoint":
+            raise ThrottlingException("the worker died before this write")
+        return fence_write(key, token, write, what=what, transaction=transaction)
+
+    first.fence.write = dies_before_queueing  # type: ignore[method-assign, assignment]
+    with pytest.raises(ThrottlingException):
+        recovery.begin(Position.trim_horizon())
+    assert stream.lease().recovery is None
+    store = new_sql_store()
+    [remembered] = store.stored_gaps(SHARD).values()
+    assert remembered is not None
+
+    second, recovery = stream.take("B", clock, store)
+    with caplog.at_level("WARNING"):
+        live_start = recovery.begin(Position.trim_horizon())
+    assert "queued again" in caplog.text
+    [queued] = gaps.loads(stream.lease().recovery)
+    assert queued.start == TRIM_HORIZON and queued.end_ms >= remembered.end_ms
+    assert live_start is not None and live_start.timestamp() * 1000 >= queued.end_ms
+    processor = ExactlyOnceProcessor(Counter(), store)
+    processor.initialize(InitializeInput(SHARD, "TRIM_HORIZON", 0))
+    recover(recovery, processor)
+    assert counts(store) == {f"count/old{i}": 1 for i in range(30)}
 
 
 def test_a_gap_half_recovered_by_a_failed_worker_is_finished_once_by_the_next(

@@ -21,10 +21,12 @@ from kclpy.metrics import Metrics
 from kclpy.position import Position
 from kclpy.processor import InitializeInput
 from kclpy.records import Record
+from kclpy.recovery import queue as gaps
 from kclpy.state.processor import ExactlyOnceProcessor, StatefulProcessor
 from kclpy.state.sql import SQLStateStore, StateStoreUnavailable
 from kclpy.state.transaction import StateTransaction, Versioned
 from tests.support.determinism import Clock
+from tests.support.recovery import Holder, gap, recovery_for
 from tests.support.state import Counter, Ops, Shard, rec, runner, stored_state
 from tests.support.streams import unique_name
 from tests.support.waiting import wait_for
@@ -362,3 +364,33 @@ def test_a_holder_frozen_inside_a_transaction_is_ended_by_the_server_and_frees_t
     with pytest.raises(sa.exc.DBAPIError):
         frozen.execute(sa.select(sa.literal(1)))
     frozen.close()
+
+
+def test_a_gaps_table_of_an_earlier_version_gets_the_end_column_filled_by_the_next_tenure(
+        table: LeaseTable, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Upgraded in place: an earlier kclpy wrote a gap's row at its first commit, without
+    the gap's end. The next tenure records the end of the gap its lease still queues (its
+    progress kept), and drops the row of a gap no longer queued, whose end nobody knows."""
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "CREATE TABLE kclpy_state_gaps (lease_key VARCHAR(1024) NOT NULL, "
+            "gap VARCHAR(300) NOT NULL, checkpoint VARCHAR(256) NOT NULL, "
+            "sub_sequence_number BIGINT NOT NULL, PRIMARY KEY (lease_key, gap))")
+        conn.exec_driver_sql(
+            "INSERT INTO kclpy_state_gaps VALUES ('s1', '10/0', '15', 0), "
+            "('s1', '40/0', '44', 0)")
+    store = SQLStateStore(url)
+    store.open(None)
+    assert store.stored_gaps("s1") == {Position("10"): None, Position("40"): None}
+    holder = Holder(table, "A", Clock())
+    token = holder.take("s1")
+    queued = gap("10", 5000, 4000, done="12")
+    recovery = recovery_for(holder, token, gaps.dumps((queued,)), store=store,
+                            max_lag_ms=None)
+    with caplog.at_level("INFO"):
+        assert recovery.begin(Position("30")) is None
+    assert store.stored_gaps("s1") == {Position("10"): queued.checkpointed(Position("15"),
+                                                                           None)}
+    assert "written by an older kclpy without their end: dropped" in caplog.text

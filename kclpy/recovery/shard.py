@@ -14,6 +14,13 @@ checkpointer moves the gap's own checkpoint (never the live one), and the checkp
 covers the gap's last record removes the gap. A gap read to its end without such a
 checkpoint stays queued and is read again, from its checkpoint, by the shard's next tenure.
 
+A state store that keeps its own positions (the SQL store) outlives the lease item, which a
+lease-table reset deletes with its queue: the lease created again resumes from the store's live
+position, past any gap being recovered. So the store learns each gap before the queue holding
+it is written (``StateStore.record_gaps``) and forgets it once a write took it out
+(``drop_gaps``); a tenure that begins re-queues every gap the store still holds that its
+lease's queue lacks, from the store's progress to the gap's end (simulator seed 186).
+
 An operator changes the queue of a held shard through requests the lease item keeps beside
 it (``requests``): every write of the queue here folds in those the held lease shows, and
 removes them in the same fenced write. A renewal brings new ones into the held lease; the
@@ -23,6 +30,7 @@ an operator's backfill starts within one renewal and the lease never changes han
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -58,6 +66,7 @@ from kclpy.retrieval.polling import Pacer
 
 if TYPE_CHECKING:
     from kclpy.leases.fence import Guard, LeaseFence
+    from kclpy.state.store import StateStore
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +81,12 @@ ReaderFactory = Callable[[Position, "int | None", "Pacer | None", "int | None"],
 
 def _key(request: RecoveryRequest) -> Position:
     return request.start_position
+
+
+def _queued_as(request: RecoveryRequest) -> tuple[int, int | None, str | None, str | None]:
+    """What a state store keeps of a gap besides its progress: a change of it (a merge, an
+    operator's replay) is recorded again."""
+    return request.end_ms, request.first_ms, request.first_sequence, request.last_sequence
 
 
 def _time_end_of(queue: tuple[RecoveryRequest, ...], start: Position) -> int:
@@ -101,13 +116,20 @@ class ShardRecovery:
         max_lag_ms: int | None,
         metrics: Metrics,
         wall_clock: Callable[[], float] = lambda: time.time(),
-        claim: Callable[[], Position | None] | None = None,
         kinesis_clock: KinesisClock | None = None,
+        store: StateStore | None = None,
     ) -> None:
         self.lease_key = lease_key = lease.lease_key
-        #: a state store that keeps its own live position (the SQL store): claims the shard
-        #: for this tenure and returns that position (``StateStore.begin_tenure``)
-        self._claim = claim
+        #: the worker's state store: claims the shard for this tenure and returns the
+        #: position it keeps itself, if it does (the SQL store; ``StateStore.begin_tenure``)
+        self._claim = (None if store is None
+                       else functools.partial(store.begin_tenure, fence, lease_key, token))
+        self._claimed = False
+        #: the store that keeps gaps beside the lease item's queue (``keeps_position``)
+        self._gap_store = store if store is not None and store.keeps_position else None
+        #: the gaps ``_gap_store`` holds a row of, as this tenure recorded them (None: a
+        #: row it has not recorded, its end maybe unknown)
+        self._recorded: dict[Position, tuple[int, int | None, str | None, str | None] | None] = {}
         self._token = token
         self._fence = fence
         self._readers = reader_factory
@@ -164,16 +186,17 @@ class ShardRecovery:
         self._passed.clear()
         self._ends.clear()
         self._began = None
+        # Claimed first, so no earlier tenure commits past the store's position meanwhile
+        stored = self._claim_tenure()
+        self._restore()
         max_lag_ms = self._max_lag_ms
         if max_lag_ms is None or not (live.is_record or live.sentinel == TRIM_HORIZON):
             return None
-        if self._claim is not None:
+        if stored is not None and stored > live:
             # The store's live position may be ahead of the lease's (its lease write failed
-            # after the commit landed): the records between were applied live, so the gap
-            # starts after it. Claimed first, so no earlier tenure commits past it meanwhile.
-            stored = self._claim()
-            if stored is not None and stored > live:
-                live = stored
+            # after the commit landed, or the lease was created again): the records between
+            # were applied live, so the gap starts after it.
+            live = stored
         checkpoint, sub_sequence_number = live.checkpoint, live.sub_sequence_number
         probe = self._readers(live, None, None, 1)
         first = first_record(probe)
@@ -332,6 +355,88 @@ class ShardRecovery:
                         "time", self.lease_key, ahead, self._max_lag_ms)
         return clock.plan_ms(local)
 
+    def _claim_tenure(self) -> Position | None:
+        """Claim the shard in the state store for this tenure (``StateStore.begin_tenure``)
+        and return the store's live position; None without a store."""
+        if self._claim is None:
+            return None
+        stored = self._claim()
+        self._claimed = True
+        return stored
+
+    def _restore(self) -> None:
+        """Queue again the gaps the state store holds that the lease's queue lacks: the
+        lease item was deleted and created again (a lease-table reset) while a gap was being
+        recovered, or the process died between the store's record of a new gap and the queue
+        write. Each is queued from the store's progress to its end; records the store
+        committed are skipped by its own position, and a gap that had finished (its row's
+        drop lost) reads nothing and leaves at once. Rows an older kclpy wrote without an
+        end cannot be queued again: those whose gap is not queued are dropped. Every queued
+        gap gets its row, so that a reset from now on loses none."""
+        store = self._gap_store
+        if store is None:
+            return
+        held = store.stored_gaps(self.lease_key)
+        with self._lock:
+            queued = {_key(r) for r in self._queue}
+            lost = [r for key, r in held.items() if key not in queued and r is not None]
+            unknown = [key for key, r in held.items() if key not in queued and r is None]
+            self._recorded = {key: None if r is None or key not in queued else _queued_as(r)
+                              for key, r in held.items()}
+            if unknown:
+                log.info("shard %s: the state store held the progress of %d gap(s) not queued, "
+                         "written by an older kclpy without their end: dropped", self.lease_key,
+                         len(unknown))
+                store.drop_gaps(self._fence, self.lease_key, self._token, unknown)
+                for key in unknown:
+                    del self._recorded[key]
+            queue = self._queue
+            for request in lost:
+                queue = gaps.add(queue, request)
+            if lost:
+                log.warning("shard %s: the lease's recovery queue lacks %d gap(s) the state "
+                            "store holds unfinished (the lease item was deleted and created "
+                            "again, or a queue write was lost); queued again: %s",
+                            self.lease_key, len(lost), ", ".join(
+                                f"after {r.start}/{r.start_sub} from {r.done}/{r.done_sub} "
+                                f"up to {_iso(r.end_ms)}" for r in lost))
+                self._store(queue)
+            else:
+                self._record(queue)
+
+    def _record(self, queue: tuple[RecoveryRequest, ...]) -> None:
+        """Have the state store keep ``queue``'s gaps as queued, before the queue is written
+        (the caller holds ``_lock``); gaps recorded so already are not written again."""
+        store = self._gap_store
+        if store is None:
+            return
+        pending = [r for r in queue if self._recorded.get(_key(r)) != _queued_as(r)]
+        if not pending:
+            return
+        if not self._claimed:
+            self._claim_tenure()  # fenced by this tenure's claim, as commits are
+        store.record_gaps(self._fence, self.lease_key, self._token, pending)
+        for request in pending:
+            self._recorded[_key(request)] = _queued_as(request)
+
+    def _forget_left(self) -> None:
+        """Drop the state store's rows of gaps the queue just written no longer holds. A
+        failure leaves them for the next write to drop (or, after a crash, for the next
+        tenure to queue again and see read to their end)."""
+        store = self._gap_store
+        kept = {_key(r) for r in self._queue}
+        left = [gap for gap in self._recorded if gap not in kept]
+        if store is None or not left:
+            return
+        try:
+            store.drop_gaps(self._fence, self.lease_key, self._token, left)
+        except CheckpointError as exc:
+            log.warning("shard %s: the state store keeps %d gap(s) no longer queued (%s); "
+                        "dropped later", self.lease_key, len(left), exc)
+            return
+        for gap in left:
+            del self._recorded[gap]
+
     def _queued(self, gap: Position) -> bool:
         with self._lock:
             return any(_key(r) == gap for r in self._queue)
@@ -467,11 +572,22 @@ class ShardRecovery:
         from the item in the same write (``requests``); the queue written is what this
         holder keeps from then on."""
         written: list[tuple[RecoveryRequest, ...]] = []
+        seen: frozenset[str] | None = None
+        if self._gap_store is not None:
+            # The store learns the queue first; the write folds in only the requests that
+            # queue was planned with (one come since waits for the next write).
+            entry = self._fence.held.entry(self.lease_key)
+            readable_now, _ = asked.read(() if entry is None
+                                         else entry.lease.recovery_requests)
+            seen = frozenset(text for text, _ in readable_now)
+            self._record(asked.apply(queue, (request for _, request in readable_now)))
 
         def write(lease: Lease) -> Lease:
             # Called again, on a fresh copy, when the write is repeated (during a handoff,
             # or over an earlier write of this holder found landed).
             readable, unreadable = asked.read(lease.recovery_requests)
+            if seen is not None:
+                readable = [(text, request) for text, request in readable if text in seen]
             self._report_unreadable(unreadable)
             final = asked.apply(change(gaps.loads(lease.recovery)),
                                 (request for _, request in readable))
@@ -512,6 +628,7 @@ class ShardRecovery:
         kept = {_key(r) for r in self._queue}
         self._passed &= kept
         self._ends = {gap: end for gap, end in self._ends.items() if gap in kept}
+        self._forget_left()
         self._publish()
 
     def _report_unreadable(self, texts: Sequence[str]) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 from kclpy.checkpoint import CheckpointWriter
 from kclpy.leases.dynamo import DynamoTable
 from kclpy.position import Position
+from kclpy.recovery.queue import RecoveryRequest
 from kclpy.state.store import CommittedCache
 from kclpy.state.transaction import DELETED, Limits, StateTransaction, Versioned
 
@@ -117,6 +118,18 @@ class DynamoDBStateStore:
     def gap_position(self, lease_key: str, gap: Position) -> Position | None:
         """Nothing stored here: a gap's checkpoint in the lease item commits with its state."""
         return None
+
+    def record_gaps(self, writer: CheckpointWriter, lease_key: str, token: str,
+                    queue: Sequence[RecoveryRequest]) -> None:
+        """Nothing to keep: a gap's end and checkpoint live in the lease item's queue, which
+        a lease-table reset deletes together with the position it would resume from."""
+
+    def drop_gaps(self, writer: CheckpointWriter, lease_key: str, token: str,
+                  gaps: Collection[Position]) -> None:
+        """Nothing kept, nothing to drop."""
+
+    def stored_gaps(self, lease_key: str) -> dict[Position, RecoveryRequest | None]:
+        return {}
 
     def items(self, txn: StateTransaction) -> list[Any]:
         """The transaction's entries besides the lease item: each write, and a check of

@@ -5,8 +5,10 @@ Three tables, named after ``prefix``: ``<prefix>`` holds one row per key (``stat
 so a key deleted and created again - its version starting over - is told from its former
 life; NULL in rows written before the column), ``<prefix>_checkpoints`` one row per shard
 (``lease_key``, ``tenure``, ``checkpoint``, ``sub_sequence_number``, ``incarnation``) and
-``<prefix>_gaps`` one row per lag-recovery gap a commit covered (``lease_key``, ``gap``: the
-position the gap starts after, ``checkpoint``, ``sub_sequence_number``). A commit is one database
+``<prefix>_gaps`` one row per lag-recovery gap queued (``lease_key``, ``gap``: the position the
+gap starts after, ``checkpoint``, ``sub_sequence_number``: what its commits reached, and
+``gap_end``: the gap as it was queued, where it ends among it; NULL in rows an older kclpy wrote,
+which learnt of a gap only at its first commit). A commit is one database
 transaction that locks the shard's checkpoint row, checks that it still carries this worker's
 tenure (the lease counter the tenure started at: ``LeaseFence.guard``), writes every state
 change conditioned on the version and incarnation it was read at, and moves the checkpoint. A
@@ -20,6 +22,12 @@ when that write fails the commit still stands - the next owner reads the store's
 skips records it covers. A commit that finds its own position already stored (the previous
 attempt landed, but its answer was lost) is taken as done. A gap's commit is fenced by the
 shard's row the same way but moves the gap's row, never the shard's.
+
+The gap queue itself lives in the lease item (``kclpyRecovery``), which a lease-table reset
+deletes while this store keeps the shard's position past the gap: so the holder records each
+gap here before it queues it (``record_gaps``), and the next tenure queues again every gap
+the store holds that its lease's queue lacks (``ShardRecovery``, simulator seed 186). Rows
+go when their gap leaves the queue (``drop_gaps``), after that write.
 
 A claim or a commit holds the lease's lock (``LeaseFence.guard``), which the lease's renewals
 wait for; its lock waits therefore end after a quarter of the failover time (``Guard.wait_s``,
@@ -63,6 +71,7 @@ from kclpy.errors import (
 )
 from kclpy.leases.lease import incarnation_epoch, same_stream
 from kclpy.position import Position
+from kclpy.recovery.queue import RecoveryRequest
 from kclpy.redaction import redact
 from kclpy.state.store import CommittedCache
 from kclpy.state.transaction import DELETED, Limits, StateTransaction, Versioned
@@ -81,6 +90,8 @@ MAX_BYTES = 64_000_000
 INCARNATION = "incarnation"
 INCARNATION_LENGTH = 100
 KEY_INCARNATION_LENGTH = 32
+#: the gaps row's column holding the gap as it was queued (``RecoveryRequest`` JSON)
+GAP_END = "gap_end"
 #: marks a key the transaction read but did not write
 _READ_ONLY = object()
 #: ``Connection.info`` key of the time past which a commit stops before its next statement
@@ -167,7 +178,8 @@ class SQLStateStore:
             sa.Column("lease_key", sa.String(1024), primary_key=True),
             sa.Column("gap", sa.String(300), primary_key=True),
             sa.Column("checkpoint", sa.String(256), nullable=False),
-            sa.Column("sub_sequence_number", sa.BigInteger, nullable=False))
+            sa.Column("sub_sequence_number", sa.BigInteger, nullable=False),
+            sa.Column(GAP_END, sa.Text))
         self._meta = meta
         self._cache = CommittedCache()
 
@@ -189,16 +201,19 @@ class SQLStateStore:
             self._meta.create_all(self.engine)
         except DBAPIError:
             self._meta.create_all(self.engine)
-        self._add_incarnation_column(self.checkpoints, INCARNATION_LENGTH)
-        self._add_incarnation_column(self.state, KEY_INCARNATION_LENGTH)
+        self._add_column(self.checkpoints, INCARNATION, f"VARCHAR({INCARNATION_LENGTH})")
+        self._add_column(self.state, INCARNATION, f"VARCHAR({KEY_INCARNATION_LENGTH})")
+        self._add_column(self.gaps, GAP_END, "TEXT")
 
-    def _add_incarnation_column(self, table: sa.Table, length: int) -> None:
-        """A table created before its rows had an incarnation gets the column. Checkpoint
-        rows without one are judged by tenure alone, as they were; state rows without one
-        are read and updated as they were (their NULL is checked like any incarnation)."""
+    def _add_column(self, table: sa.Table, name: str, sql_type: str) -> None:
+        """A table created by an older kclpy gets the column, nullable. Checkpoint rows
+        without an incarnation are judged by tenure alone, as they were; state rows without
+        one are read and updated as they were (their NULL is checked like any incarnation);
+        gap rows without an end are kept while their gap is queued (the holder's next queue
+        write fills it in) and dropped when it is not (``stored_gaps``)."""
         def missing() -> bool:
             columns = sa.inspect(self.engine).get_columns(table.name)
-            return INCARNATION not in {column["name"] for column in columns}
+            return name not in {column["name"] for column in columns}
 
         if not missing():
             return
@@ -206,8 +221,7 @@ class SQLStateStore:
         try:
             with self.engine.begin() as conn:
                 conn.exec_driver_sql(
-                    f"ALTER TABLE {quote(table.name)} ADD COLUMN "
-                    f"{quote(INCARNATION)} VARCHAR({length})")
+                    f"ALTER TABLE {quote(table.name)} ADD COLUMN {quote(name)} {sql_type}")
         except DBAPIError:
             if missing():  # not another worker's ALTER that won the race
                 raise
@@ -319,14 +333,7 @@ class SQLStateStore:
         try:
             with writer.guard(lease_key, token, what="state commit") as guard, \
                     self._locked(guard) as conn:
-                row = self._lock_checkpoint(conn, lease_key)
-                incarnation = guard.lease.incarnation
-                if row is None or row.tenure != guard.tenure or (
-                        incarnation is not None and row.incarnation != incarnation):
-                    raise LeaseLostError(
-                        f"state store holds tenure {None if row is None else row.tenure} of "
-                        f"{None if row is None else row.incarnation}, this worker "
-                        f"{guard.tenure} of {incarnation}")
+                row = self._fenced_row(conn, guard, lease_key)
                 stored = row if gap is None else conn.execute(
                     sa.select(self.gaps.c.checkpoint, self.gaps.c.sub_sequence_number)
                     .where(self._gap_row(lease_key, gap)).with_for_update()).first()
@@ -396,6 +403,60 @@ class SQLStateStore:
             raise _unavailable(lease_key, "gap read", exc) from exc
         return None if row is None else Position.of(row.checkpoint, row.sub_sequence_number)
 
+    def record_gaps(self, writer: CheckpointWriter, lease_key: str, token: str,
+                    queue: Sequence[RecoveryRequest]) -> None:
+        """Before the holder writes ``queue`` to the lease item: each gap's row gets the gap
+        as queued (where it ends), a new one its checkpoint from the queue. Written first, so
+        a crash between the two writes leaves a row whose gap is not queued - queued again by
+        the next tenure, its committed records skipped by the row's own position - never a
+        queued gap this store could lose to a reset. Fenced like a commit: a previous
+        tenure's row would send the next one back over records it applied live."""
+        with self._fenced(writer, lease_key, token, "gap record") as conn:
+            for request in queue:
+                found = conn.execute(sa.select(self.gaps.c.gap).where(
+                    self._gap_row(lease_key, request.start_position))
+                    .with_for_update()).first()
+                end = json.dumps(request.to_json(), separators=(",", ":"))
+                if found is None:
+                    conn.execute(sa.insert(self.gaps).values(
+                        lease_key=lease_key, gap=gap_name(request.start_position),
+                        checkpoint=request.done, sub_sequence_number=request.done_sub,
+                        **{GAP_END: end}))
+                else:
+                    conn.execute(sa.update(self.gaps).where(
+                        self._gap_row(lease_key, request.start_position))
+                        .values(**{GAP_END: end}))
+
+    def drop_gaps(self, writer: CheckpointWriter, lease_key: str, token: str,
+                  gaps: Collection[Position]) -> None:
+        """``gaps`` left the lease item's queue (finished, cancelled, merged into another),
+        in a write that landed: their rows go. Fenced, so a holder that lost the lease
+        meanwhile never drops a row its successor queued again."""
+        with self._fenced(writer, lease_key, token, "gap drop") as conn:
+            conn.execute(sa.delete(self.gaps).where(
+                self.gaps.c.lease_key == lease_key,
+                self.gaps.c.gap.in_([gap_name(gap) for gap in gaps])))
+
+    def stored_gaps(self, lease_key: str) -> dict[Position, RecoveryRequest | None]:
+        """Every gap of ``lease_key`` the store holds, by where it starts: as it was queued,
+        checkpointed where the store's commits reached; None for a row an older kclpy wrote
+        (its end unknown)."""
+        try:
+            with self.engine.connect() as conn:
+                rows = conn.execute(sa.select(
+                    self.gaps.c.gap, self.gaps.c.checkpoint, self.gaps.c.sub_sequence_number,
+                    self.gaps.c[GAP_END]).where(self.gaps.c.lease_key == lease_key)).all()
+        except DBAPIError as exc:
+            raise _unavailable(lease_key, "gap read", exc) from exc
+        held: dict[Position, RecoveryRequest | None] = {}
+        for row in rows:
+            start, _, sub = str(row.gap).rpartition("/")
+            end = row[3]
+            held[Position.of(start, int(sub))] = None if end is None else (
+                RecoveryRequest.from_json(json.loads(end)).checkpointed(
+                    Position.of(row.checkpoint, row.sub_sequence_number), None))
+        return held
+
     def move_position(self, lease_key: str, position: Position, *, tenure: int,
                       incarnation: str | None, gaps: Collection[Position]) -> None:
         """The checkpoint row moved to ``position`` (when the store has one) with its tenure
@@ -464,6 +525,32 @@ class SQLStateStore:
                     # this one, is the commit's
                     with suppress(Exception):
                         raw.execute(f"PRAGMA busy_timeout = {before}")
+
+    @contextmanager
+    def _fenced(self, writer: CheckpointWriter, lease_key: str, token: str,
+                what: str) -> Iterator[Connection]:
+        """A transaction of this tenure's, its lease's lock held and the shard's row locked
+        and checked as a commit checks it; database failures as a commit's."""
+        try:
+            with writer.guard(lease_key, token, what=f"state {what}") as guard, \
+                    self._locked(guard) as conn:
+                self._fenced_row(conn, guard, lease_key)
+                yield conn
+        except DBAPIError as exc:
+            raise _unavailable(lease_key, what, exc) from exc
+
+    def _fenced_row(self, conn: Connection, guard: Guard, lease_key: str) -> Any:
+        """The shard's row, locked, when it carries this worker's tenure; else the lease is
+        lost (``LeaseLostError``)."""
+        row = self._lock_checkpoint(conn, lease_key)
+        incarnation = guard.lease.incarnation
+        if row is None or row.tenure != guard.tenure or (
+                incarnation is not None and row.incarnation != incarnation):
+            raise LeaseLostError(
+                f"state store holds tenure {None if row is None else row.tenure} of "
+                f"{None if row is None else row.incarnation}, this worker "
+                f"{guard.tenure} of {incarnation}")
+        return row
 
     def _gap_row(self, lease_key: str, gap: Position) -> sa.ColumnElement[bool]:
         return sa.and_(self.gaps.c.lease_key == lease_key, self.gaps.c.gap == gap_name(gap))

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kclpy.checkpoint import CheckpointWriter
 from kclpy.position import Position
 from kclpy.state.transaction import DELETED, Limits, StateTransaction, Versioned
+
+if TYPE_CHECKING:
+    from kclpy.recovery.queue import RecoveryRequest
 
 
 class StateStore(Protocol):
@@ -73,6 +76,24 @@ class StateStore(Protocol):
     def gap_position(self, lease_key: str, gap: Position) -> Position | None:
         """The position the store last committed for ``gap`` of ``lease_key``, or None when
         the gap's checkpoint in the lease item is the store's own (the DynamoDB store)."""
+
+    def record_gaps(self, writer: CheckpointWriter, lease_key: str, token: str,
+                    queue: Sequence[RecoveryRequest]) -> None:
+        """The holder is about to write ``queue`` to the lease item: keep each gap's end (and,
+        for a gap new to the store, its checkpoint), fenced like a commit. A lease-table
+        reset deletes the queue with the lease item; a store that keeps positions would
+        otherwise resume past a gap it can no longer tell the end of (simulator seed 186).
+        Called only when ``keeps_position``."""
+
+    def drop_gaps(self, writer: CheckpointWriter, lease_key: str, token: str,
+                  gaps: Collection[Position]) -> None:
+        """``gaps`` (by where they start) left the lease item's queue in a write that
+        landed: forget them, fenced like a commit. Called only when ``keeps_position``."""
+
+    def stored_gaps(self, lease_key: str) -> dict[Position, RecoveryRequest | None]:
+        """The gaps the store keeps for ``lease_key``, by where they start: each as queued,
+        its checkpoint where the store's commits reached; None when the store knows its
+        progress but not its end. Called only when ``keeps_position``."""
 
     def forget(self, keys: Sequence[str]) -> None:
         """What is known of ``keys`` may be stale (a conflicting writer, a new tenure)."""

@@ -56,6 +56,18 @@ class Holder:
         return fresh.concurrency_token
 
 
+@dataclass
+class Claimed:
+    """A state store as lag recovery sees one that keeps the shard's live position at
+    ``position`` and none of its gaps."""
+
+    position: Position | None
+    keeps_position = False
+
+    def begin_tenure(self, writer: Any, lease_key: str, token: str) -> Position | None:
+        return self.position
+
+
 def unused_reader(start: Position, until_ms: int | None, pacer: Pacer | None,
                   max_records: int | None) -> ShardPipeline:
     """The reader of a recovery that must not read."""
@@ -67,8 +79,9 @@ def recovery_for(holder: Holder, token: str, stored: str | None = None,
     """The recovery of lease s1 by ``holder`` in tenure ``token``, from the queue
     ``stored``; 1000 records/s and a 1 s max lag unless ``options`` say otherwise."""
     options.setdefault("reader_factory", unused_reader)
+    options.setdefault("max_lag_ms", 1000)
     return ShardRecovery(Lease("s1", recovery=stored), token=token, fence=holder.fence,
-                         rate=RecoveryRate(1000), max_lag_ms=1000, metrics=Metrics(), **options)
+                         rate=RecoveryRate(1000), metrics=Metrics(), **options)
 
 
 def age(max_lag_ms: int) -> None:
