@@ -390,9 +390,11 @@ class ShardRecovery:
                 store.drop_gaps(self._fence, self.lease_key, self._token, unknown)
                 for key in unknown:
                     del self._recorded[key]
-            queue = self._queue
-            for request in lost:
-                queue = gaps.add(queue, request)
+            def requeue(queue: tuple[RecoveryRequest, ...]) -> tuple[RecoveryRequest, ...]:
+                for request in lost:
+                    queue = gaps.add(queue, request)
+                return queue
+
             if lost:
                 log.warning("shard %s: the lease's recovery queue lacks %d gap(s) the state "
                             "store holds unfinished (the lease item was deleted and created "
@@ -400,9 +402,9 @@ class ShardRecovery:
                             self.lease_key, len(lost), ", ".join(
                                 f"after {r.start}/{r.start_sub} from {r.done}/{r.done_sub} "
                                 f"up to {_iso(r.end_ms)}" for r in lost))
-                self._store(queue)
+                self._store(requeue)
             else:
-                self._record(queue)
+                self._record(self._queue)
 
     def _record(self, queue: tuple[RecoveryRequest, ...]) -> None:
         """Have the state store keep ``queue``'s gaps as queued, before the queue is written
@@ -574,13 +576,17 @@ class ShardRecovery:
         written: list[tuple[RecoveryRequest, ...]] = []
         seen: frozenset[str] | None = None
         if self._gap_store is not None:
-            # The store learns the queue first; the write folds in only the requests that
-            # queue was planned with (one come since waits for the next write).
+            # The store learns the queue first, as planned on the held lease; the write
+            # folds in only the requests that queue was planned with (one come since waits
+            # for the next write). A queue the write makes of another item (one an earlier
+            # write whose answer was lost left) holds no gap this holder did not record
+            # before that earlier write.
             entry = self._fence.held.entry(self.lease_key)
+            planned = change(() if entry is None else gaps.loads(entry.lease.recovery))
             readable_now, _ = asked.read(() if entry is None
                                          else entry.lease.recovery_requests)
             seen = frozenset(text for text, _ in readable_now)
-            self._record(asked.apply(queue, (request for _, request in readable_now)))
+            self._record(asked.apply(planned, (request for _, request in readable_now)))
 
         def write(lease: Lease) -> Lease:
             # Called again, on a fresh copy, when the write is repeated (during a handoff,
