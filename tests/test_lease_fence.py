@@ -782,3 +782,26 @@ def test_a_transaction_is_never_repeated_over_an_earlier_unanswered_one_that_lan
     assert a.fence.durable_checkpoint("s1", token) == Position("10")
     a.fence.transact_checkpoint("s1", token, Position("20"), [add_one("x", state_table)])
     assert stored(table).checkpoint == Position("20")
+
+
+def test_a_checkpoint_never_moves_the_lease_back_over_an_earlier_one_that_landed_unanswered(
+    table: LeaseTable, client: ScriptedClient, clock: Clock
+) -> None:
+    """A checkpoint at 10 lands but every answer is lost; the processor is replaced in the
+    same tenure and its successor, made from the checkpoint read before 10 was known,
+    checkpoints 7. The fence finds the earlier write landed and repeats this one on the
+    item it left: the lease must stay at 10, or the next holder delivers 8-10 again, at or
+    before a checkpoint that was durable. (An independent review found the repeat moving it
+    back; exactly-once commits were fixed for it first.)"""
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    a.fence.update_checkpoint("s1", token, Position("5"))
+    client.lost["update_item"] = 1
+    with pytest.raises(KinesisClientLibDependencyException):
+        a.fence.update_checkpoint("s1", token, Position("10"))
+    assert stored(table).checkpoint == Position("10")
+    a.fence.update_checkpoint("s1", token, Position("7"))
+    assert stored(table).checkpoint == Position("10")
+    assert a.held.get("s1") is not None, "still held: nothing was lost"
+    a.fence.update_checkpoint("s1", token, Position("11"))
+    assert stored(table).checkpoint == Position("11")

@@ -225,9 +225,25 @@ class LeaseFence:
     def update_checkpoint(
         self, lease_key: str, concurrency_token: str, position: Position
     ) -> None:
-        """``CheckpointWriter``: a checkpoint is a fenced update of the lease item."""
-        self.update(lease_key, concurrency_token, checkpoint_changes(position),
-                    what="checkpoint")
+        """``CheckpointWriter``: a checkpoint is a fenced update of the lease item. It never
+        moves the lease back over a later checkpoint: one of this tenure whose answer was
+        lost can land after a replaced processor's successor was made from the checkpoint
+        read before it, and the successor's next checkpoint, repeated on the item that
+        write left (``_attempt``), would undo it - the next holder would deliver again
+        records at or before a checkpoint that was durable. Such a write renews the lease
+        and leaves its checkpoint where it is."""
+
+        def write(lease: Lease) -> Lease:
+            durable = lease.checkpoint
+            if durable.is_record and position.is_record and durable > position:
+                log.warning("shard %s: checkpoint %s/%d left at %s/%d, where an earlier "
+                            "checkpoint of this tenure landed unanswered", lease_key,
+                            position.sequence_number, position.sub_sequence_number,
+                            durable.sequence_number, durable.sub_sequence_number)
+                return self.table.guarded_update(lease, UpdateBuilder())
+            return self.table.guarded_update(lease, checkpoint_changes(position))
+
+        self.write(lease_key, concurrency_token, write, what="checkpoint")
 
     def durable_checkpoint(self, lease_key: str, concurrency_token: str) -> Position | None:
         """``CheckpointWriter``: the lease item's checkpoint, read consistently."""
