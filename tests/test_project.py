@@ -243,7 +243,6 @@ OVER_THE_LIMIT = {
     "kclpy/leases/coordinator.py:LeaseCoordinator": 16,
     "kclpy/leases/shard_sync.py:ShardSyncer": 14,
     "kclpy/leases/taker.py:LeaseTaker": 14,
-    "kclpy/spark/reading.py:ShardReader": 11,
 }
 
 
