@@ -47,7 +47,7 @@ from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
 from kclpy.retrieval.clock import kinesis_clock
 from kclpy.retrieval.pipeline import Batching, ShardPipeline
-from kclpy.retrieval.modes import POLLING, SourceContext, retrieval_mode
+from kclpy.retrieval.modes import POLLING, RetrievalContext, retrieval_mode
 from kclpy.retrieval.polling import Pacer
 from kclpy.retrieval.registration import ConsumerRegistration, RegistrationSettings
 from kclpy.retrieval.source import PageSource, ShardAddress, reading_start
@@ -257,7 +257,7 @@ class Retrieval:
         consumer_arn = self.stream(lease).consumer_arn
         if mode.needs_consumer:
             assert consumer_arn is not None, "such streams are opened with their consumer"
-        source = mode.source(SourceContext(
+        source = mode.source(RetrievalContext(
             self._kinesis, self._address(lease), self._metrics, self._read_backoff(),
             consumer_arn=consumer_arn, max_records=cfg.max_records,
             idle_time_s=cfg.idle_time_between_reads_ms / 1000,
@@ -270,7 +270,7 @@ class Retrieval:
         """One of lag recovery's readers of the shard (a probe, or a gap's bounded, paced
         read): always polling, whatever the retrieval mode."""
         cfg = self._config
-        source = POLLING.source(SourceContext(
+        source = POLLING.source(RetrievalContext(
             self._kinesis, self._address(lease), self._metrics, self._read_backoff(),
             max_records=max_records or cfg.max_records,
             idle_time_s=cfg.idle_time_between_reads_ms / 1000, until_ms=until_ms,

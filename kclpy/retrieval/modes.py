@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class SourceContext:
+class RetrievalContext:
     """What a worker or a Spark task has when it builds a shard's source: a mode takes what
     it needs and ignores the rest, so adding a value here changes no mode."""
 
@@ -68,7 +68,7 @@ class RetrievalMode(Protocol):
         registers one before any shard is read, and ``kclpy-worker --local`` serves
         Kinesis with kinesis-mock, whose SubscribeToShard moto lacks."""
 
-    def source(self, context: SourceContext) -> PageSource:
+    def source(self, context: RetrievalContext) -> PageSource:
         """One shard's live page source."""
 
 
@@ -80,7 +80,7 @@ class PollingMode:
     aliases: tuple[str, ...] = ("getrecords",)
     needs_consumer: bool = False
 
-    def source(self, context: SourceContext) -> PageSource:
+    def source(self, context: RetrievalContext) -> PageSource:
         from kclpy.retrieval.polling import PollingSource
 
         return PollingSource(
@@ -98,7 +98,7 @@ class FanOutMode:
     aliases: tuple[str, ...] = ("efo", "subscribetoshard")
     needs_consumer: bool = True
 
-    def source(self, context: SourceContext) -> PageSource:
+    def source(self, context: RetrievalContext) -> PageSource:
         from kclpy.retrieval.fanout import FanOutSource
 
         if context.consumer_arn is None:
@@ -123,18 +123,23 @@ def register_retrieval_mode(mode: RetrievalMode) -> None:
     """Make ``mode`` a value of ``retrievalMode`` (``--retrieval-mode``,
     ``KCLPY_RETRIEVAL_MODE``) and of a Spark source's ``consumerMode``. Register it before
     the configuration is read, in every process that reads with it (a Spark executor
-    imports the module that registers it too). A word another mode already has is refused:
-    a name must mean one mode wherever it is read."""
-    words = [mode.name.lower(), *(alias.lower() for alias in mode.aliases)]
+    imports the module that registers it too). A word another mode already has is refused,
+    and so is a built-in mode's name: a name must mean one mode wherever it is read. A mode
+    of the same name registered again (its module executed again) replaces the earlier one."""
+    name = mode.name.lower()
+    words = [name, *(alias.lower() for alias in mode.aliases)]
     for word in words:
         if not word.isidentifier():
             raise ValueError(f"{word!r} is not a retrieval mode name")
         held = _MODES.get(word)
-        if held is not None and held is not mode:
+        if held is not None and held is not mode and (
+                held.name.lower() != name or held in (POLLING, FAN_OUT)):
             raise ValueError(f"{word!r} already names the retrieval mode {held.name!r}")
+    for word in [word for word, held in _MODES.items() if held.name.lower() == name]:
+        del _MODES[word]
     for word in words:
         _MODES[word] = mode
-    _NAMES[mode.name.lower()] = mode
+    _NAMES[name] = mode
 
 
 def retrieval_mode(name: str, option: str = "retrievalMode") -> RetrievalMode:

@@ -48,7 +48,7 @@ from kclpy.metrics import Metrics
 from kclpy.position import AFTER, AT_TIMESTAMP, SHARD_END, Position
 from kclpy.records import EMPTY, Record, Records
 from kclpy.retrieval.pipeline import Batching, ShardPipeline
-from kclpy.retrieval.modes import SourceContext, retrieval_mode
+from kclpy.retrieval.modes import RetrievalContext, retrieval_mode
 from kclpy.retrieval.source import ShardAddress
 from kclpy.retry import (
     GaveUp,
@@ -253,7 +253,7 @@ class ShardReader:
         # each reader keeps its own, private and gone with it (0.4 ms to build). What the
         # source reports goes through Spark's query progress (``fetched``).
         metrics = Metrics()
-        self._source = retrieval_mode(retrieval.mode, "consumerMode").source(SourceContext(
+        self._source = retrieval_mode(retrieval.mode, "consumerMode").source(RetrievalContext(
             client, address, metrics, retries.backoff(), consumer_arn=retrieval.consumer_arn,
             max_records=limit, idle_time_s=0, until_ms=until_ms,
             shard_end_probe_s=retrieval.shard_end_probe_s))
