@@ -87,6 +87,7 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'kclpy' has no attribute {name!r}")
 
 __all__ = [
+    "STATE_DELETED",
     "CheckpointError",
     "Checkpointer",
     "ConfigError",
@@ -109,7 +110,6 @@ __all__ = [
     "RetrievalContext",
     "RetrievalMode",
     "SQLStateStore",
-    "STATE_DELETED",
     "ShardEndedInput",
     "ShutdownException",
     "ShutdownReason",

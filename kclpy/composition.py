@@ -46,8 +46,8 @@ from kclpy.recovery.detect import first_record
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
 from kclpy.retrieval.clock import kinesis_clock
-from kclpy.retrieval.pipeline import Batching, ShardPipeline
 from kclpy.retrieval.modes import POLLING, RetrievalContext, retrieval_mode
+from kclpy.retrieval.pipeline import Batching, ShardPipeline
 from kclpy.retrieval.polling import Pacer
 from kclpy.retrieval.registration import ConsumerRegistration, RegistrationSettings
 from kclpy.retrieval.source import PageSource, ShardAddress, reading_start

@@ -237,7 +237,8 @@ def test_the_design_says_where_to_change_each_common_thing_in_one_guess() -> Non
 MAX_CONSTRUCTOR_PARAMETERS = 10
 
 #: constructors over the limit, each pinned at its count: their modules (lease coordination)
-#: are being reworked on branches of their own, which this one does not touch. A count may only go down; an entry at or under the limit is stale and fails too.
+#: are being reworked on branches of their own, which this one does not touch. A count may
+#: only go down; an entry at or under the limit is stale and fails too.
 OVER_THE_LIMIT = {
     "kclpy/leases/coordinator.py:LeaseCoordinator": 16,
     "kclpy/leases/shard_sync.py:ShardSyncer": 14,

@@ -47,8 +47,8 @@ from kclpy.errors import KCLError
 from kclpy.metrics import Metrics
 from kclpy.position import AFTER, AT_TIMESTAMP, SHARD_END, Position
 from kclpy.records import EMPTY, Record, Records
-from kclpy.retrieval.pipeline import Batching, ShardPipeline
 from kclpy.retrieval.modes import RetrievalContext, retrieval_mode
+from kclpy.retrieval.pipeline import Batching, ShardPipeline
 from kclpy.retrieval.source import ShardAddress
 from kclpy.retry import (
     GaveUp,
