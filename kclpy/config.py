@@ -376,7 +376,7 @@ def _region(config: KCLConfig, label: Callable[[str], str]) -> str | None:
 
 def _retrieval_mode(config: KCLConfig, label: Callable[[str], str]) -> str | None:
     """A mode of the registry (``retrieval/modes.py``), read when the config is checked so
-    that a mode registered from outside before then is accepted. Kclpy's own default is
+    that a mode registered from outside before then is accepted. kclpy's own default is
     polling (API and CLI); Java's POLLING / FANOUT are the same names in another case."""
     try:
         retrieval_mode(str(config.retrieval_mode))
