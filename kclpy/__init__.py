@@ -31,6 +31,13 @@ from kclpy.processor import (
     ShutdownRequestedInput,
 )
 from kclpy.records import Record
+from kclpy.retrieval.modes import (
+    RetrievalContext,
+    RetrievalMode,
+    register_retrieval_mode,
+    retrieval_mode,
+)
+from kclpy.retrieval.source import PageSource
 from kclpy.streams import StreamConfig, StreamTracker
 from kclpy.telemetry import Backend as MetricsBackend
 
@@ -40,13 +47,16 @@ if TYPE_CHECKING:
     from kclpy.state.processor import StatefulProcessor
     from kclpy.state.sql import SQLStateStore, StateStoreUnavailable
     from kclpy.state.store import StateStore
-    from kclpy.state.transaction import StateTransaction, TransactionTooLarge
+    from kclpy.state.transaction import DELETED as STATE_DELETED
+    from kclpy.state.transaction import Limits as StateLimits
+    from kclpy.state.transaction import StateTransaction, TransactionTooLarge, Versioned
     from kclpy.worker import Worker, WorkerFatalError
 
 __version__ = "0.1.0"
 
 
-#: exactly-once state, imported on first use like the worker
+#: exactly-once state, imported on first use like the worker: a public name -> its module,
+#: or ``module:name`` where the module's own name would say too little at the top level
 _STATE = {
     "DynamoDBStateStore": "kclpy.state.dynamodb",
     "StatefulProcessor": "kclpy.state.processor",
@@ -56,6 +66,9 @@ _STATE = {
     "register_store": "kclpy.state",
     "StateTransaction": "kclpy.state.transaction",
     "TransactionTooLarge": "kclpy.state.transaction",
+    "StateLimits": "kclpy.state.transaction:Limits",
+    "STATE_DELETED": "kclpy.state.transaction:DELETED",
+    "Versioned": "kclpy.state.transaction",
 }
 
 
@@ -69,10 +82,12 @@ def __getattr__(name: str) -> object:
     if name in _STATE:
         import importlib
 
-        return getattr(importlib.import_module(_STATE[name]), name)
+        module, _, attribute = _STATE[name].partition(":")
+        return getattr(importlib.import_module(module), attribute or name)
     raise AttributeError(f"module 'kclpy' has no attribute {name!r}")
 
 __all__ = [
+    "STATE_DELETED",
     "CheckpointError",
     "Checkpointer",
     "ConfigError",
@@ -86,16 +101,20 @@ __all__ = [
     "LeaseLostInput",
     "Metrics",
     "MetricsBackend",
+    "PageSource",
     "ProcessRecordsInput",
     "ProcessorRestartRequired",
     "Record",
     "RecordProcessor",
     "RecordProcessorBase",
+    "RetrievalContext",
+    "RetrievalMode",
     "SQLStateStore",
     "ShardEndedInput",
     "ShutdownException",
     "ShutdownReason",
     "ShutdownRequestedInput",
+    "StateLimits",
     "StateStore",
     "StateStoreUnavailable",
     "StateTransaction",
@@ -105,8 +124,11 @@ __all__ = [
     "ThrottlingException",
     "TransactionRejected",
     "TransactionTooLarge",
+    "Versioned",
     "Worker",
     "WorkerFatalError",
     "__version__",
+    "register_retrieval_mode",
     "register_store",
+    "retrieval_mode",
 ]

@@ -25,6 +25,7 @@ from kclpy.config import (
 )
 from kclpy.errors import ConfigError, closest
 from kclpy.position import TRIM_HORIZON
+from kclpy.retrieval.modes import retrieval_mode
 from kclpy.streams import StreamConfig
 
 LOCAL_DEMO_NAME = "kclpy-demo"
@@ -345,7 +346,8 @@ def _check_local(values: dict[str, Any], labels: dict[str, str]) -> None:
     except ImportError:
         raise ConfigError("--local", "needs the embedded endpoint, which is an extra: "
                           "pip install 'kinesis-kclpy[local]'") from None
-    if str(values.get("retrieval_mode", "polling")).lower() == "fanout":
+    if retrieval_mode(str(values.get("retrieval_mode", "polling")),
+                      labels.get("retrieval_mode", "--retrieval-mode")).needs_consumer:
         from kclpy.local.endpoints import LocalEndpointError
         from kclpy.local.kinesis_mock import require_node
 

@@ -4,8 +4,8 @@ The Worker runs the loop (consumers started and retired, shard sync, shutdown); 
 is built here: the AWS clients, the CloudWatch publisher, the lease table, load balancing and
 the leader, the streams, the lease coordinator, the exactly-once state store, and for every
 held lease the readers of its shard (the retrieval mode's live source, lag recovery's reads,
-Kinesis' clock). A new retrieval mode, store or metrics backend therefore changes this
-module, never the loop.
+Kinesis' clock). A retrieval mode or a store is looked up here in its registry, and a
+metrics backend added here: none of them changes the loop.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ from kclpy.recovery.detect import first_record
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
 from kclpy.retrieval.clock import kinesis_clock
-from kclpy.retrieval.fanout import FanOutSource
+from kclpy.retrieval.modes import POLLING, RetrievalContext, retrieval_mode
 from kclpy.retrieval.pipeline import Batching, ShardPipeline
-from kclpy.retrieval.polling import Pacer, PollingSource
+from kclpy.retrieval.polling import Pacer
 from kclpy.retrieval.registration import ConsumerRegistration, RegistrationSettings
 from kclpy.retrieval.source import PageSource, ShardAddress, reading_start
 from kclpy.retry import Backoff, read_policy
@@ -219,8 +219,9 @@ def _register_consumer(config: KCLConfig, kinesis: Any, stream: StreamConfig,
 
 
 class Retrieval:
-    """How this worker reads its shards: the live reader of the retrieval mode, and lag
-    recovery's polling readers (probes and bounded, paced gap reads), over one pipeline."""
+    """How this worker reads its shards: the live reader of the retrieval mode (looked up
+    in ``retrieval/modes.py``'s registry), and lag recovery's polling readers (probes and
+    bounded, paced gap reads), over one pipeline."""
 
     def __init__(self, config: KCLConfig, kinesis: Any, streams: StreamSet,
                  coordinator: LeaseCoordinator, metrics: Metrics,
@@ -251,16 +252,29 @@ class Retrieval:
     def live(self, lease: Lease, checkpoint: Position) -> FetcherLike:
         """The shard's live reader: a pipeline fed by the retrieval mode's page source."""
         start = reading_start(checkpoint, self.initial_timestamp(lease))
-        mode = self._config.retrieval_mode.lower()
-        source = self._fanout_source(lease) if mode == "fanout" else self._polling_source(lease)
+        cfg = self._config
+        mode = retrieval_mode(cfg.retrieval_mode)
+        consumer_arn = self.stream(lease).consumer_arn
+        if mode.needs_consumer:
+            assert consumer_arn is not None, "such streams are opened with their consumer"
+        source = mode.source(RetrievalContext(
+            self._kinesis, self._address(lease), self._metrics, self._read_backoff(),
+            consumer_arn=consumer_arn, max_records=cfg.max_records,
+            idle_time_s=cfg.idle_time_between_reads_ms / 1000,
+            shard_end_probe_s=cfg.shard_sync_interval_ms / 1000,
+            http_version=cfg.fanout_http_version))
         return self._pipeline(lease, source, start, live=True)
 
     def reader(self, lease: Lease, start: Position, *, until_ms: int | None = None,
                pacer: Pacer | None = None, max_records: int | None = None) -> ShardPipeline:
         """One of lag recovery's readers of the shard (a probe, or a gap's bounded, paced
         read): always polling, whatever the retrieval mode."""
-        source = self._polling_source(lease, max_records=max_records, pacer=pacer,
-                                      until_ms=until_ms)
+        cfg = self._config
+        source = POLLING.source(RetrievalContext(
+            self._kinesis, self._address(lease), self._metrics, self._read_backoff(),
+            max_records=max_records or cfg.max_records,
+            idle_time_s=cfg.idle_time_between_reads_ms / 1000, until_ms=until_ms,
+            pacer=pacer))
         return self._pipeline(lease, source, start, live=False)
 
     def oldest_record(self, lease: Lease) -> Record | None:
@@ -291,25 +305,6 @@ class Retrieval:
         stream = self.stream(lease)
         return ShardAddress(lease.shard_id, None if stream.config.arn else stream.label,
                             stream.config.arn, stream.identifier)
-
-    def _polling_source(self, lease: Lease, *, max_records: int | None = None,
-                        pacer: Pacer | None = None, until_ms: int | None = None
-                        ) -> PollingSource:
-        cfg = self._config
-        return PollingSource(
-            self._kinesis, self._address(lease), max_records=max_records or cfg.max_records,
-            idle_time_s=cfg.idle_time_between_reads_ms / 1000, metrics=self._metrics,
-            pacer=pacer, until_ms=until_ms, backoff=self._read_backoff())
-
-    def _fanout_source(self, lease: Lease) -> FanOutSource:
-        cfg = self._config
-        consumer_arn = self.stream(lease).consumer_arn
-        assert consumer_arn is not None, "fan-out streams are opened with their consumer"
-        return FanOutSource(
-            self._kinesis, self._address(lease), consumer_arn,
-            http_version=cfg.fanout_http_version,
-            shard_end_probe_s=cfg.shard_sync_interval_ms / 1000, metrics=self._metrics,
-            backoff=self._read_backoff())
 
     def _pipeline(self, lease: Lease, source: PageSource, start: Position, *,
                   live: bool) -> ShardPipeline:

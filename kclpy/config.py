@@ -23,6 +23,7 @@ from typing import Any
 from kclpy.cloudwatch import LEVELS, parse_dimensions, parse_level
 from kclpy.errors import ConfigError, closest
 from kclpy.position import AT_TIMESTAMP, INITIAL_POSITIONS, LATEST
+from kclpy.retrieval.modes import retrieval_mode, retrieval_mode_names
 from kclpy.retrieval.subscription import FANOUT_HTTP_VERSIONS
 from kclpy.retry import READ_BACKOFF_BASE_MS, READ_BACKOFF_CAP_MS
 from kclpy.streams import StreamConfig, StreamTracker
@@ -31,8 +32,6 @@ log = logging.getLogger(__name__)
 
 ERROR_POLICIES = ("retry", "skip", "shutdown", "park")
 STRAY_STDOUT_POLICIES = ("restart", "skip")
-#: kclpy's own default is polling (API and CLI); Java's POLLING / FANOUT are accepted
-RETRIEVAL_MODES = ("polling", "fanout")
 #: ``--lease-assignment``: equal lease counts, or equal measured load (kclpy.leases.load)
 LEASE_ASSIGNMENTS = ("count", "load")
 #: who decides the assignment: every worker for itself (Java 2.x), or one elected leader
@@ -150,7 +149,9 @@ class KCLConfig:
 
     @property
     def fan_out(self) -> bool:
-        return self.retrieval_mode.lower() == "fanout"
+        """The retrieval mode reads through a registered stream consumer: the worker
+        registers one, and ``--local`` serves Kinesis with kinesis-mock."""
+        return retrieval_mode(self.retrieval_mode).needs_consumer
 
     @property
     def lease_table_name(self) -> str:
@@ -221,13 +222,16 @@ class Option:
     #: a value never echoed in errors (it may carry credentials)
     secret: bool = False
     rule: Rule | None = None
-    #: the values ``rule`` accepts (in any case), for ``--help``; ``choices`` are exact
-    rule_choices: tuple[str, ...] = ()
+    #: the values ``rule`` accepts (in any case), for ``--help``; ``choices`` are exact. A
+    #: function when the values are a registry's, read when ``--help`` is built (after a
+    #: value registered from outside joined it)
+    rule_choices: tuple[str, ...] | Callable[[], tuple[str, ...]] = ()
 
     @property
     def listed_choices(self) -> tuple[str, ...]:
         """The values ``--help`` lists for the option: its choices, exact or not."""
-        return self.choices or self.rule_choices
+        rule_choices = self.rule_choices() if callable(self.rule_choices) else self.rule_choices
+        return self.choices or rule_choices
 
     @property
     def default(self) -> Any:
@@ -298,7 +302,8 @@ _MOST_COUNT = 2**31 - 1
 
 def _opt(name: str, kind: str, help: str, *keys: str, least: int | None = None,
          most: int | None = None, choices: tuple[str, ...] = (), secret: bool = False,
-         rule: Rule | None = None, rule_choices: tuple[str, ...] = ()) -> Option:
+         rule: Rule | None = None,
+         rule_choices: tuple[str, ...] | Callable[[], tuple[str, ...]] = ()) -> Option:
     if least is None:
         least = _LEAST.get(kind)
     if kind == "port" and most is None:
@@ -370,11 +375,16 @@ def _region(config: KCLConfig, label: Callable[[str], str]) -> str | None:
 
 
 def _retrieval_mode(config: KCLConfig, label: Callable[[str], str]) -> str | None:
-    if str(config.retrieval_mode).lower() in RETRIEVAL_MODES:
-        return None
-    hint = (" (DEFAULT, the Java daemon's rule, is resolved for .properties files only)"
-            if str(config.retrieval_mode).upper() == "DEFAULT" else "")
-    return f"{config.retrieval_mode!r} is not one of {', '.join(RETRIEVAL_MODES)}{hint}"
+    """A mode of the registry (``retrieval/modes.py``), read when the config is checked so
+    that a mode registered from outside before then is accepted. kclpy's own default is
+    polling (API and CLI); Java's POLLING / FANOUT are the same names in another case."""
+    try:
+        retrieval_mode(str(config.retrieval_mode))
+    except ConfigError as exc:
+        hint = (" (DEFAULT, the Java daemon's rule, is resolved for .properties files only)"
+                if str(config.retrieval_mode).upper() == "DEFAULT" else "")
+        return f"{exc.message}{hint}"
+    return None
 
 
 def _consumer_arn(config: KCLConfig, label: Callable[[str], str]) -> str | None:
@@ -519,7 +529,7 @@ OPTIONS: tuple[Option, ...] = (
     _opt("retrieval_mode", "str",
          "How shards are read: polling (GetRecords) or fanout (enhanced fan-out, "
          "SubscribeToShard through a registered consumer).", "retrievalMode",
-         rule=_retrieval_mode, rule_choices=RETRIEVAL_MODES),
+         rule=_retrieval_mode, rule_choices=retrieval_mode_names),
     _opt("consumer_name", "str",
          "Fan-out: the stream consumer to use or register (default: the application name).",
          "consumerName"),

@@ -39,6 +39,7 @@ from kclpy.retrieval.clock import kinesis_clock
 from kclpy.retrieval.pipeline import ShardPipeline
 from kclpy.retrieval.polling import Pacer, PollingSource
 from kclpy.retrieval.source import ShardAddress
+from kclpy.state import open_store
 from kclpy.state.dynamodb import DynamoDBStateStore
 from kclpy.state.processor import MAX_CONFLICTS, ExactlyOnceProcessor, StatefulProcessor
 from kclpy.state.sql import SQLStateStore
@@ -48,7 +49,15 @@ from tests.support import skew
 from tests.support.determinism import Clock
 from tests.support.e2e import worker_config
 from tests.support.faultproxy import FaultProxy
-from tests.support.state import Counter, Ops, Shard, rec, runner, stored_state
+from tests.support.state import (
+    Counter,
+    Ops,
+    Shard,
+    rec,
+    runner,
+    stored_state,
+    toy_extensions,
+)
 from tests.support.streams import (
     create_stream,
     dynamodb_client,
@@ -79,12 +88,17 @@ def table(dynamodb: Any) -> LeaseTable:
     return lease_table
 
 
-@pytest.fixture(params=["dynamodb", "sqlite", "postgresql"])
+@pytest.fixture(params=["dynamodb", "sqlite", "postgresql", "dict"])
 def new_store(request: pytest.FixtureRequest, dynamodb: Any, tmp_path: Path
               ) -> Callable[[], StateStore]:
-    """Another worker's view of the one store under test (its own cache)."""
+    """Another worker's view of the one store under test (its own cache). ``dict`` is
+    examples/toy_extensions.py's store, opened through kclpy's registry like any other."""
     if request.param == "dynamodb":
         return lambda: DynamoDBStateStore("app-state", client=dynamodb)
+    if request.param == "dict":
+        toy_extensions()
+        spec = f"toy://{unique_name('state')}"
+        return lambda: open_store(spec)
     url = (f"sqlite:///{tmp_path / 'state.db'}" if request.param == "sqlite"
            else request.getfixturevalue("postgres_url"))
     prefix = unique_name("state").replace("-", "_")
@@ -953,6 +967,9 @@ def legacy_put(store: StateStore, key: str, value: Any, version: int) -> None:
             conn.execute(sa.delete(store.state).where(store.state.c.state_key == key))
             conn.execute(sa.insert(store.state).values(
                 state_key=key, state_value=json.dumps(value), version=version))
+        return
+    if isinstance(store, toy_extensions().DictStateStore):
+        store.table[key] = Versioned(value, version)
         return
     assert isinstance(store, DynamoDBStateStore)
     store.table.client.put_item(TableName=store.table_name, Item={

@@ -139,6 +139,9 @@ class ShardPipeline:
         self._shard_ended = False
         self._at_tip = False
         self._millis_behind_latest: int | None = None
+        #: Kinesis records (an aggregate counts once) the source handed over, whatever its
+        #: mode: a Spark task's records-fetched-per-row figure
+        self.records_fetched = 0
         # Records at or before this (sequence, sub-sequence) were processed before we started;
         # cleared as soon as one record beyond it is seen, since sequence numbers only grow.
         self._skip_through: tuple[int, int] | None = start.extended if start.is_record else None
@@ -305,6 +308,7 @@ class ShardPipeline:
         if self._shard_ended:
             return None, False
         page = self._source.read(self._reading)
+        self.records_fetched += len(page.records)
         raw = self._handled(page.records)
         shard_end = page.shard_end
         if shard_end:

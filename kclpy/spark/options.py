@@ -28,6 +28,7 @@ from botocore.credentials import (
 from kclpy.config import parse_timestamp
 from kclpy.errors import ConfigError, closest
 from kclpy.position import AT_TIMESTAMP, LATEST, TRIM_HORIZON
+from kclpy.retrieval.modes import FAN_OUT, POLLING, retrieval_mode
 from kclpy.retry import READ_BACKOFF_BASE_MS, READ_BACKOFF_CAP_MS, RetryPolicy, read_policy
 from kclpy.spark.metadata import parse_location
 from kclpy.spark.reading import TASK_READ_ATTEMPTS, StreamRef
@@ -119,10 +120,6 @@ UNSUPPORTED: dict[str, str] = {
 }
 _UNSUPPORTED_LOWER = {name.lower(): reason for name, reason in UNSUPPORTED.items()}
 
-#: consumerMode's values, with Databricks' (``polling``, ``efo``) and awslabs'
-#: ``kinesis.consumerType`` ones (``GetRecords``, ``SubscribeToShard``)
-_MODES = {"polling": "polling", "getrecords": "polling", "efo": "efo",
-          "subscribetoshard": "efo", "fanout": "efo"}
 _CONSUMER_NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,128}$")
 _CONSUMER_ARN = re.compile(r"^arn:aws[a-z-]*:kinesis:[a-z0-9-]+:\d{12}:stream/[\w.-]+/consumer/"
                            r"[\w.-]+:\d+$")
@@ -163,21 +160,24 @@ def _canonical(raw: Mapping[str, str]) -> dict[str, tuple[str, str]]:
 
 
 def _consumer(text: Callable[[str], str | None], written: Callable[[str], str],
-              streams: int) -> tuple[str | None, str | None]:
-    """consumerMode, consumerName and consumerArn, checked together: fan-out needs exactly
-    one of the two consumers, and polling neither."""
+              streams: int) -> tuple[str, str | None, str | None]:
+    """consumerMode, consumerName and consumerArn, checked together: a mode that reads
+    through a consumer needs exactly one of the two, and any other mode neither. The mode
+    is the worker's (``retrieval/modes.py``'s registry, which also knows Databricks'
+    ``efo`` and awslabs' ``kinesis.consumerType`` words ``GetRecords`` and
+    ``SubscribeToShard``); without one, a consumer given means enhanced fan-out."""
     raw_mode = text("consumerMode")
-    mode = "polling" if raw_mode is None else _MODES.get(raw_mode.lower())
-    if mode is None:
-        raise ConfigError(written("consumerMode"), f"{raw_mode!r} is not polling or efo "
-                          "(GetRecords or SubscribeToShard)")
     name, arn = text("consumerName") or None, text("consumerArn") or None
+    if raw_mode is not None:
+        mode = retrieval_mode(raw_mode, written("consumerMode"))
+    else:
+        mode = FAN_OUT if name or arn else POLLING
     if name is not None and arn is not None:
         raise ConfigError(written("consumerArn"), "give consumerName or consumerArn, not both")
-    if raw_mode is not None and mode == "polling" and (name or arn):
+    if not mode.needs_consumer and (name or arn):
         raise ConfigError(written("consumerName" if name else "consumerArn"),
                           f"only meaningful with enhanced fan-out, not {raw_mode!r}")
-    if mode == "efo" and name is None and arn is None:
+    if mode.needs_consumer and name is None and arn is None:
         raise ConfigError("consumerName", f"{written('consumerMode')}={raw_mode} needs "
                           "consumerName (registered when missing) or consumerArn")
     if name is not None and not _CONSUMER_NAME.match(name):
@@ -191,7 +191,7 @@ def _consumer(text: Callable[[str], str | None], written: Callable[[str], str],
         if streams > 1:
             raise ConfigError(written("consumerArn"), "a consumer belongs to one stream: with "
                               "several streams give consumerName")
-    return name, arn
+    return mode.name, name, arn
 
 
 def _duration_ms(written: str, raw: str) -> int:
@@ -244,6 +244,9 @@ class SourceOptions:
     role_session_name: str = "kclpy-spark"
     role_external_id: str | None = None
     sts_endpoint: str | None = None
+    #: how executors read (a name of ``retrieval/modes.py``'s registry: each executor looks
+    #: it up, so a mode registered from outside must be registered there too)
+    retrieval_mode: str = "polling"
     #: enhanced fan-out: executors read through this consumer's SubscribeToShard (the
     #: driver registers it once, when missing) ...
     consumer_name: str | None = None
@@ -259,8 +262,8 @@ class SourceOptions:
 
     @property
     def fan_out(self) -> bool:
-        """Executors read through enhanced fan-out, not GetRecords."""
-        return self.consumer_name is not None or self.consumer_arn is not None
+        """Executors read through a registered stream consumer (enhanced fan-out)."""
+        return retrieval_mode(self.retrieval_mode, "consumerMode").needs_consumer
 
     @property
     def budgeted(self) -> bool:
@@ -406,7 +409,7 @@ class SourceOptions:
                               "needs metadataPath: where a batch cut by time ended is known "
                               "only to the executor that read it, and a re-run of the batch "
                               "must end at the same record")
-        consumer_name, consumer_arn = _consumer(text, written, len(streams))
+        mode, consumer_name, consumer_arn = _consumer(text, written, len(streams))
         backoff_base = duration("getRecordsBackoffBase", READ_BACKOFF_BASE_MS, 1)
         backoff_cap = duration("getRecordsBackoffCap", READ_BACKOFF_CAP_MS, 1)
         if backoff_cap < backoff_base:
@@ -436,6 +439,7 @@ class SourceOptions:
             role_session_name=session_name,
             role_external_id=external_id,
             sts_endpoint=sts,
+            retrieval_mode=mode,
             consumer_name=consumer_name,
             consumer_arn=consumer_arn,
         )

@@ -47,9 +47,8 @@ from kclpy.errors import KCLError
 from kclpy.metrics import Metrics
 from kclpy.position import AFTER, AT_TIMESTAMP, SHARD_END, Position
 from kclpy.records import EMPTY, Record, Records
-from kclpy.retrieval.fanout import FanOutSource
+from kclpy.retrieval.modes import RetrievalContext, retrieval_mode
 from kclpy.retrieval.pipeline import Batching, ShardPipeline
-from kclpy.retrieval.polling import PollingSource
 from kclpy.retrieval.source import ShardAddress
 from kclpy.retry import (
     GaveUp,
@@ -193,6 +192,21 @@ class Page:
         return self.shard_end or self.at_tip or self.reached_bound
 
 
+@dataclass(frozen=True)
+class TaskRetrieval:
+    """How a task reads its shard: the retrieval mode's name (each executor looks it up in
+    the registry, so it travels as text), the registered consumer a fan-out mode reads
+    through, and how often an idle subscription looks for a closed shard (some endpoints
+    never end a subscription on a closed shard)."""
+
+    mode: str = "polling"
+    consumer_arn: str | None = None
+    shard_end_probe_s: float = 30.0
+
+
+POLLING_TASKS = TaskRetrieval()
+
+
 class ShardReader:
     """Reads one shard forward from a position, one GetRecords page per ``next_page``,
     through the worker's own pieces: the polling source (iterators, GetRecords, expiry,
@@ -206,11 +220,10 @@ class ShardReader:
     endpoints (kinesis-mock) position such an iterator only to the second. ``retries``: how
     failed calls are retried per page before the error is raised (Spark retries the task).
 
-    ``consumer_arn``: read through that registered consumer's subscriptions (enhanced
-    fan-out, ``retrieval/fanout.py``) instead of GetRecords, bounded the same way; ``close``
-    then ends the subscription, so the shard's next task can subscribe. An idle subscription
-    is checked for a closed shard with one GetRecords after ``shard_end_probe_s`` (some
-    endpoints never end a subscription on a closed shard).
+    ``retrieval``: the retrieval mode that builds the source (``retrieval/modes.py``'s
+    registry, as the worker's), with its consumer: enhanced fan-out reads through that
+    registered consumer's subscriptions, bounded the same way; ``close`` then ends the
+    subscription, so the shard's next task can subscribe.
     """
 
     def __init__(
@@ -225,8 +238,7 @@ class ShardReader:
         until_ms: int | None = None,
         fail_on_data_loss: bool = True,
         retries: RetryPolicy = TASK_READS,
-        consumer_arn: str | None = None,
-        shard_end_probe_s: float = 30.0,
+        retrieval: TaskRetrieval = POLLING_TASKS,
     ) -> None:
         if start.is_shard_end:
             raise ValueError(f"shard {shard.shard_id} is finished; nothing to read")
@@ -241,15 +253,10 @@ class ShardReader:
         # each reader keeps its own, private and gone with it (0.4 ms to build). What the
         # source reports goes through Spark's query progress (``fetched``).
         metrics = Metrics()
-        backoff = retries.backoff()
-        self._source: PollingSource | FanOutSource
-        if consumer_arn is None:
-            self._source = PollingSource(client, address, max_records=limit, idle_time_s=0,
-                                         until_ms=until_ms, backoff=backoff, metrics=metrics)
-        else:
-            self._source = FanOutSource(client, address, consumer_arn, until_ms=until_ms,
-                                        shard_end_probe_s=shard_end_probe_s, backoff=backoff,
-                                        metrics=metrics)
+        self._source = retrieval_mode(retrieval.mode, "consumerMode").source(RetrievalContext(
+            client, address, metrics, retries.backoff(), consumer_arn=retrieval.consumer_arn,
+            max_records=limit, idle_time_s=0, until_ms=until_ms,
+            shard_end_probe_s=retrieval.shard_end_probe_s))
         self._pipeline = ShardPipeline(
             self._source, start, batching=Batching(
                 deliver_empty=True, deaggregate=deaggregate,
@@ -269,7 +276,7 @@ class ShardReader:
     @property
     def fetched(self) -> int:
         """Kinesis records fetched (for the records-fetched-per-row figure)."""
-        return self._source.records_fetched
+        return self._pipeline.records_fetched
 
     def close(self) -> None:
         """End what the source holds open (a subscription); reading again opens another."""

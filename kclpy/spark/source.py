@@ -79,6 +79,7 @@ from kclpy.spark.reading import (
     ShardInfo,
     ShardReader,
     StreamRef,
+    TaskRetrieval,
     list_shards,
     probe,
     read_range,
@@ -122,7 +123,7 @@ class KinesisPartition(InputPartition):
     an ``UPTO`` end carries its own start). ``key``: the shard's key in the offset."""
 
     def __init__(self, stream: StreamRef, shard: ShardInfo, key: str, start: str,
-                 end: str, consumer_arn: str | None = None) -> None:
+                 end: str, consumer_arn: str | None = None, mode: str = "polling") -> None:
         super().__init__(shard.shard_id)
         self.stream = stream
         self.shard = shard
@@ -131,6 +132,8 @@ class KinesisPartition(InputPartition):
         self.end = end
         #: enhanced fan-out: the stream's registered consumer the executor subscribes with
         self.consumer_arn = consumer_arn
+        #: the retrieval mode's name, looked up in the executor's registry
+        self.mode = mode
 
 
 class KinesisDataSource(DataSource):
@@ -435,7 +438,8 @@ class KinesisStreamReader(DataSourceStreamReader):
                            f"through {stop.encode()}, cannot be read")
                 continue
             parts.append(KinesisPartition(shard.stream, shard.info, key, first.encode(),
-                                          stop.encode(), self._consumer(shard.stream)))
+                                          stop.encode(), self._consumer(shard.stream),
+                                          self.options.retrieval_mode))
         return parts
 
     def _consumer(self, stream: StreamRef) -> str | None:
@@ -517,8 +521,9 @@ class KinesisStreamReader(DataSourceStreamReader):
                            until_ms=end.until_ms if isinstance(end, UptoEnd) else until_ms,
                            fail_on_data_loss=self.options.fail_on_data_loss,
                            retries=self.options.read_retries,
-                           consumer_arn=partition.consumer_arn,
-                           shard_end_probe_s=0.0 if end.is_shard_end else 30.0)
+                           retrieval=TaskRetrieval(
+                               partition.mode, partition.consumer_arn,
+                               shard_end_probe_s=0.0 if end.is_shard_end else 30.0))
 
 
 def _parallel(calls: Sequence[Callable[[], _T]]) -> list[_T]:

@@ -4,8 +4,13 @@ around its cache."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
+import sys
 import uuid
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import sqlalchemy as sa
@@ -87,8 +92,24 @@ class Shard:
             ProcessRecordsInput(self.key, Records([records]), self.checkpointer, None))
 
 
+@functools.cache
+def toy_extensions() -> ModuleType:
+    """examples/toy_extensions.py, imported once per process: importing it registers its
+    retrieval mode and its ``toy://`` store (its dict store is one of every store test's
+    stores, run through the same cases as the package's own)."""
+    path = Path(__file__).resolve().parents[2] / "examples" / "toy_extensions.py"
+    spec = importlib.util.spec_from_file_location("toy_extensions", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["toy_extensions"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def stored_state(store: StateStore) -> dict[str, Any]:
     """Every committed key and value, read around the store's cache."""
+    if isinstance(store, toy_extensions().DictStateStore):
+        return {key: held.value for key, held in store.table.items()}
     if isinstance(store, SQLStateStore):
         with store.engine.connect() as conn:
             rows = conn.execute(sa.select(store.state.c.state_key, store.state.c.state_value))
