@@ -20,14 +20,15 @@ from botocore.parsers import ResponseParserError
 from botocore.stub import Stubber
 from moto.server import ThreadedMotoServer
 
-from kclpy.records import Record
-from kclpy.retrieval import parse
+from kclpy.records import Record, is_wire_record
+from kclpy.retrieval import kpl, parse, receive
 from kclpy.retrieval.page import ChildShard, Page
 from kclpy.retrieval.parse import (
     get_records,
     install_fast_get_records,
     parse_get_records,
 )
+from tests.support.aggregates import sign
 from tests.support.decoding import counting_decodes
 
 SEQ = "49590338271490256608559692538361571095921575989136588898"
@@ -142,6 +143,102 @@ def test_records_keep_their_order() -> None:
     assert [r.sequence_number for r in page.records] == [str(1000 + i) for i in range(50)]
     assert [r.binary_data for r in page.records] == [f"r{i}".encode() for i in range(50)]
 
+
+
+# --- pages of KPL aggregates: payloads decoded straight from the body -----------------------
+
+
+def aggregate(*users: tuple[str, bytes]) -> bytes:
+    message = kpl.AggregatedRecord()
+    for index, (key, data) in enumerate(users):
+        message.partition_key_table.append(key)
+        message.records.add(partition_key_index=index, data=data)
+    return sign(message.SerializeToString())
+
+
+def compact(doc: dict[str, Any]) -> bytes:
+    """JSON as Kinesis writes it: no spaces."""
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def fields(records: Sequence[Record]) -> list[tuple[Any, ...]]:
+    return [(r.binary_data, r.data, r.partition_key, r.sequence_number, r.sub_sequence_number,
+             r.timestamp_millis, r.explicit_hash_key) for r in records]
+
+
+# A partition key holding the text the parse looks for: JSON escapes its quotes, so it
+# must not be taken for a payload.
+TRICKY_KEY = '"Data":"84maw'
+KPL_PAGE: dict[str, Any] = {
+    "Records": [
+        wire_record(aggregate(("a", b"one"), ("b", b"two")), seq="1", pk=TRICKY_KEY,
+                    ApproximateArrivalTimestamp=1714000000.5),
+        wire_record(b"plain, not aggregated", seq="2", ApproximateArrivalTimestamp=1714000001),
+        wire_record(aggregate((TRICKY_KEY, b"\xff" * 300)), seq="3"),
+        wire_record(b"", seq="4", ApproximateArrivalTimestamp=1714000002),
+    ],
+    "NextShardIterator": "next", "MillisBehindLatest": 7,
+}
+
+
+def test_a_page_of_aggregates_reads_as_the_plain_parse_reads_it() -> None:
+    fast = parse_get_records(compact(KPL_PAGE))
+    # json.dumps' spaces keep the page on the plain parse.
+    plain = parse_get_records(body(**KPL_PAGE))
+    assert not any(map(is_wire_record, fast.records))
+    assert all(map(is_wire_record, plain.records))
+    assert fields(fast.records) == fields(plain.records)
+    assert (fast.next_shard_iterator, fast.millis_behind_latest) == ("next", 7)
+    users = kpl.deaggregate(fast.records)
+    assert users.corrupt == 0
+    assert fields(users.records) == fields(kpl.deaggregate(plain.records).records)
+    assert [r.binary_data for r in users.records] == [
+        b"one", b"two", b"plain, not aggregated", b"\xff" * 300, b""]
+
+
+def test_a_pooled_body_is_searched_in_its_buffer_and_other_views_are_parsed_plainly() -> None:
+    raw = compact(KPL_PAGE)
+    buffer = receive.POOL.take(len(raw))
+    buffer[: len(raw)] = raw
+    pooled = memoryview(buffer)[: len(raw)]
+    assert receive.searchable(pooled) is buffer
+    assert fields(parse_get_records(pooled).records) == fields(parse_get_records(raw).records)
+    # A view that does not start at its object's start: searching the object would read
+    # other bytes, so it is parsed the plain way.
+    foreign = memoryview(bytearray(b"garbage" + raw))[7:]
+    assert receive.searchable(foreign) is None
+    page = parse_get_records(foreign)
+    assert all(map(is_wire_record, page.records))
+    assert fields(page.records) == fields(parse_get_records(raw).records)
+
+
+def _escaped_slash(raw: bytes) -> bytes:
+    # "/" may be written "\/" in JSON; the first aggregate's text holds one.
+    text = base64.b64encode(aggregate(("k", b"\xff\xff\xff" * 40))).decode()
+    assert "/" in text
+    return raw.replace(text.encode(), text.replace("/", "\\/").encode())
+
+
+@pytest.mark.parametrize("make", [
+    # the payload is not plain base64 text
+    _escaped_slash,
+    # a "Data" key outside the records
+    lambda raw: raw[:-1] + b',"Extra":{"Data":"84mawA=="}}',
+    # a record's payload spelled with a space: the marker check notices it was not cut
+    lambda raw: raw.replace(b'"Data":"cGxh', b'"Data": "cGxh'),
+], ids=["escaped", "data-key-elsewhere", "spaced"])
+def test_a_page_the_fast_parse_is_not_sure_of_is_parsed_plainly(make: Any) -> None:
+    doc = dict(KPL_PAGE, Records=[
+        wire_record(aggregate(("k", b"\xff\xff\xff" * 40)), seq="1"), *KPL_PAGE["Records"]])
+    raw = make(compact(doc))
+    page = parse_get_records(raw)
+    assert all(map(is_wire_record, page.records))
+    assert fields(page.records) == fields(parse_get_records(body(**doc)).records)
+
+
+def test_a_garbled_page_of_aggregates_is_still_an_error() -> None:
+    with pytest.raises(ResponseParserError):
+        parse_get_records(compact(KPL_PAGE)[:-5])
 
 @pytest.mark.parametrize("raw", [
     b"", b"not json", b"[]", b"null", b"{}", b'{"Records": 5}', b'{"Records": [{}]}',

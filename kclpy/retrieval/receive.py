@@ -35,7 +35,7 @@ from botocore.exceptions import ConnectionClosedError, HTTPClientError, ReadTime
 from urllib3.exceptions import ProtocolError
 from urllib3.exceptions import ReadTimeoutError as URLLib3ReadTimeoutError
 
-__all__ = ["POOL", "BufferPool", "PooledSession", "install", "release"]
+__all__ = ["POOL", "BufferPool", "PooledSession", "install", "release", "searchable"]
 
 #: bodies below this are read the ordinary way: the allocator reuses memory for them anyway
 MIN_POOLED_BYTES = 256 * 1024
@@ -47,6 +47,14 @@ _MAX_IDLE = 4
 #: worker has caught up, the buffers sized for full pages go
 _OVERSIZE = 4
 _CHUNK = 64 * 1024
+
+
+class _Buffer(bytearray):
+    """A pool buffer. Its own type says where a body came from: the only views of it are
+    the ones :meth:`PooledSession.send` makes, each from the buffer's start
+    (:func:`searchable` relies on that)."""
+
+    __slots__ = ()
 
 
 class BufferPool:
@@ -63,7 +71,7 @@ class BufferPool:
         with self._lock:
             buffer = self._idle.pop() if self._idle else None
         if buffer is None or len(buffer) < size:
-            buffer = bytearray(-(-size // _STEP) * _STEP)
+            buffer = _Buffer(-(-size // _STEP) * _STEP)
         return buffer
 
     def give(self, buffer: bytearray, used: int) -> None:
@@ -146,6 +154,18 @@ def release(body: object) -> None:
         buffer, size = body.obj, body.nbytes
         body.release()
         POOL.give(buffer, size)
+
+
+def searchable(body: object) -> bytes | bytearray | None:
+    """What ``body``'s bytes can be searched in with ``find`` (a memoryview has no
+    ``find``), its first ``len(body)`` bytes being the body's; None if there is no such
+    object. A pooled body is a view of the start of its buffer (:class:`_Buffer`); views of
+    anything else may start anywhere in it."""
+    if isinstance(body, bytes | bytearray):
+        return body
+    if isinstance(body, memoryview) and type(body.obj) is _Buffer:
+        return body.obj
+    return None
 
 
 def _poolable_length(response: AWSResponse) -> int | None:
