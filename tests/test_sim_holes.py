@@ -195,6 +195,17 @@ def test_a_sync_on_a_scan_from_before_a_reset_creates_the_parents_too(table: Lea
     assert counting.scans == 1, "a sync with nothing to create trusts the scan it is handed"
 
 
+def test_a_sync_that_relies_on_no_parent_trusts_the_scan_it_is_handed(table: LeaseTable) -> None:
+    """Only a lease planned below a listed shard the view counts as handled depends on the
+    view being current; one created with its parents (a scan showing the table empty) does
+    not, and costs no scan of its own."""
+    counting = CountingTable(table)
+    syncer = ShardSyncer(Listing(merge()), counting,  # type: ignore[arg-type]
+                         stream_name="s", initial_position=TRIM_HORIZON)
+    assert [lease.lease_key for lease in syncer.sync(set(), [])] == [ZERO, ONE, MERGED]
+    assert counting.scans == 0
+
+
 class AtTheTip:
     """A probe of a shard with nothing after the position asked: the store's live position
     is the shard's last record."""

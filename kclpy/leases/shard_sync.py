@@ -316,6 +316,15 @@ def vouched_parents(shard: Shard, lease: Lease | None) -> tuple[str, ...]:
     return shard.parent_ids if has_progressed(lease) else ()
 
 
+def _relies_on_parents(planned: Iterable[Lease], shards: Iterable[Shard]) -> bool:
+    """Whether a planned lease has a listed parent that is not planned too: the plan counted
+    that parent as handled on the view of the table it was given (``ShardSyncer.sync``)."""
+    planned_ids = {lease.lease_key.rpartition(":")[2]: lease for lease in planned}
+    listed = {shard.shard_id for shard in shards}
+    return any(parent in listed and parent not in planned_ids
+               for lease in planned_ids.values() for parent in lease.parent_shard_ids)
+
+
 def plan_new_leases(
     shards: Iterable[Shard], existing_lease_keys: Collection[str], initial_position: str,
     stream: str | None = None, leases: Mapping[str, Lease] | None = None,
@@ -466,8 +475,9 @@ class ShardSyncer:
         since, unfinished: counted as handled, a merge's parents were left without leases
         and the sync created their child's lease alone, their records never read (simulator
         seed 260, with a leader, whose pass's scan is the only one the sync gets). So a sync
-        that would create a lease plans again on a scan of its own first: new shards are
-        rare, a reset rarer, and the plan then judges the table as it is.
+        that would create a lease below a listed shard it does not create (one the view says
+        is handled) plans again on a scan of its own first: new child shards are rare, a
+        reset rarer, and the plan then judges the table as it is.
         """
         shards = self.list_shards()
         self._known = frozenset(shard.shard_id for shard in shards)
@@ -477,7 +487,7 @@ class ShardSyncer:
             existing = {lease.lease_key for lease in leases}
         leases = None if leases is None else list(leases)
         planned = self._plan(shards, existing, leases)
-        if planned and not fresh:
+        if not fresh and _relies_on_parents(planned, shards):
             leases = self._table.list_leases()
             planned = self._plan(shards, {lease.lease_key for lease in leases}, leases)
         created = [

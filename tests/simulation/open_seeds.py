@@ -6,8 +6,8 @@ holes fixed (FOUND.md, "The fifteen analysed"). Generated from
 the soak green while they are open, and fails when a seed breaks anything else or no longer
 breaks (then take it out: its hole was fixed). Regenerate it after a fix is merged.
 Seed 260, found when leader mode went to nearly two seeds in three (FOUND.md, "Found by
-the leader histories"), is fixed: a shard sync that would create leases reads the table
-first instead of trusting a scan from before a lease-table reset.
+the leader histories"), is fixed: a shard sync that would create a child's lease reads the
+table first instead of trusting a scan from before a lease-table reset.
 """
 
 from __future__ import annotations
