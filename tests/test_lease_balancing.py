@@ -349,6 +349,17 @@ def test_an_overdue_lease_stays_due_after_its_expiry_until_a_scan_sees_it_expire
     assert t.next_expiry(held=set(), overdue_after=6.0, now=110.06) is None, "scanned expired"
 
 
+def test_a_failed_scan_after_its_expiry_leaves_an_overdue_lease_to_the_regular_scans() -> None:
+    """While the table fails, a lease still due would make every cycle scan again at once."""
+    t = taker("me")
+    t.observe([*owned("dead", "d1", counter=4)], now=100.0)
+    t.observe([*owned("dead", "d1", counter=4)], now=107.0)
+    t.scan_failed(109.0)
+    assert t.next_expiry(held=set(), overdue_after=6.0, now=109.5) == 100.0 + FAILOVER
+    t.scan_failed(110.05)
+    assert t.next_expiry(held=set(), overdue_after=6.0, now=110.1) is None
+
+
 def test_a_lease_being_handed_off_is_never_stolen() -> None:
     leases = [
         *owned("busy", "b1", "b2", "b3"),

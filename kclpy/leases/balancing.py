@@ -136,6 +136,12 @@ class Balancer:
             if seen is not None:
                 self._renewed.add(lease.lease_key)
 
+    def scan_failed(self, sent_at: float) -> None:
+        """A full scan sent at ``sent_at`` failed. An overdue lease that expired before it is
+        no longer due (``next_expiry``): a scan was tried for it, and while the table keeps
+        failing every cycle would otherwise scan again at once; the regular scans go on."""
+        self._scanned_at = max(self._scanned_at, sent_at)
+
     def unchanged_for(self, lease_key: str, now: float) -> float:
         """How long the lease's counter has stood still, as far as this worker has seen."""
         return now - self._seen[lease_key][1]
