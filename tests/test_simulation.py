@@ -86,6 +86,11 @@ FOUND_36: list[tuple[int, str, str]] = [
 FIXED_36 = frozenset({19, 189, 7, 223, 794, 546, 72, 21, 169, 559, 173, 706, 971, 341, 458,
                       464, 292, 30, 65, 25, 1345, 260})
 
+#: seeds of FOUND_36 whose plan has moved on since they were found (the world grew): 260 was
+#: a leader history on the SQL store and now plans the micro-batch path; its mechanism is
+#: pinned by tests/test_sim_holes.py (FOUND.md, "Found by the leader histories")
+MOVED_WORLD = frozenset({260})
+
 #: found and not fixed: seed -> the invariants it breaks (tests/simulation/FOUND.md says what
 #: and why). A chunk fails if such a seed breaks anything else, or stops breaking these.
 OPEN: dict[int, frozenset[str]] = {**OPEN_36}
@@ -178,6 +183,8 @@ def test_the_micro_batch_seeds_and_only_they_run_the_micro_batch_path() -> None:
     microbatch = {30, 65, 25, 1345}
     assert {seed for seed, _, _ in FOUND_36} >= microbatch
     for seed, _, _ in [*FOUND, *FOUND_36]:
+        if seed in MOVED_WORLD:
+            continue
         assert (plan_for(seed).mode == MICROBATCH) == (seed in microbatch), seed
 
 
