@@ -335,6 +335,31 @@ def test_an_overdue_lease_is_reported_with_the_time_it_will_expire() -> None:
     assert t.is_expired(owned("dead", "d1", counter=4)[0], 111.0)
 
 
+def test_an_overdue_lease_stays_due_after_its_expiry_until_a_scan_sees_it_expired() -> None:
+    """The cycle that wakes for an overdue lease's expiry wakes after it (a margin, a busy
+    thread): judged on that clock the lease had already expired, it was no longer reported,
+    nothing scanned, and the lease waited for the regular scan - with a leader, up to a
+    pass interval (bench/leader_failover.py's logs: a pass 0.1 s before the expiry, the
+    next 1.6 s after it)."""
+    t = taker("me")
+    t.observe([*owned("dead", "d1", counter=4)], now=100.0)
+    t.observe([*owned("dead", "d1", counter=4)], now=107.0)
+    assert t.next_expiry(held=set(), overdue_after=6.0, now=110.05) == 100.0 + FAILOVER
+    t.observe([*owned("dead", "d1", counter=4)], now=110.06)
+    assert t.next_expiry(held=set(), overdue_after=6.0, now=110.06) is None, "scanned expired"
+
+
+def test_a_failed_scan_after_its_expiry_leaves_an_overdue_lease_to_the_regular_scans() -> None:
+    """While the table fails, a lease still due would make every cycle scan again at once."""
+    t = taker("me")
+    t.observe([*owned("dead", "d1", counter=4)], now=100.0)
+    t.observe([*owned("dead", "d1", counter=4)], now=107.0)
+    t.scan_failed(109.0)
+    assert t.next_expiry(held=set(), overdue_after=6.0, now=109.5) == 100.0 + FAILOVER
+    t.scan_failed(110.05)
+    assert t.next_expiry(held=set(), overdue_after=6.0, now=110.1) is None
+
+
 def test_a_lease_being_handed_off_is_never_stolen() -> None:
     leases = [
         *owned("busy", "b1", "b2", "b3"),

@@ -77,13 +77,21 @@ FOUND_36: list[tuple[int, str, str]] = [
     (65, "committed-once", "hole 5"),
     (25, "liveness", "gap after shard end"),
     (1345, "liveness", "new: a finished parent taken for its gaps"),
+    # the leader histories (FOUND.md, "Found by the leader histories")
+    (260, "liveness", "shard sync on a scan from before a reset"),
 ]
 
 #: the seeds of FOUND_36 whose holes are fixed (FOUND.md, "After the fixes were merged", "The
-#: fifteen analysed" and "The micro-batch path with zombie writers"): each must replay clean;
+#: fifteen analysed", "The micro-batch path with zombie writers" and "Found by the leader
+#: histories"): each must replay clean;
 #: any other stays a strict xfail until its fix is merged
 FIXED_36 = frozenset({19, 189, 7, 223, 794, 546, 72, 21, 169, 559, 173, 706, 971, 341, 458,
-                      464, 292, 30, 65, 25, 1345})
+                      464, 292, 30, 65, 25, 1345, 260})
+
+#: seeds of FOUND_36 whose plan has moved on since they were found (the world grew): 260 was
+#: a leader history on the SQL store and now plans the micro-batch path; its mechanism is
+#: pinned by tests/test_sim_holes.py (FOUND.md, "Found by the leader histories")
+MOVED_WORLD = frozenset({260})
 
 #: found and not fixed: seed -> the invariants it breaks (tests/simulation/FOUND.md says what
 #: and why). A chunk fails if such a seed breaks anything else, or stops breaking these.
@@ -197,6 +205,8 @@ def test_the_micro_batch_seeds_and_only_they_run_the_micro_batch_path() -> None:
     microbatch = {30, 65, 25, 1345}
     assert {seed for seed, _, _ in FOUND_36} >= microbatch
     for seed, _, _ in [*FOUND, *FOUND_36]:
+        if seed in MOVED_WORLD:
+            continue
         assert (plan_for(seed).mode == MICROBATCH) == (seed in microbatch), seed
 
 

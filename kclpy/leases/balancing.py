@@ -105,6 +105,8 @@ class Balancer:
         self._renewed: set[str] = set()
         #: lease owner -> when this worker first saw it own a lease (since it last did)
         self._owners_since: dict[str, float] = {}
+        #: when the last full scan was observed (``next_expiry``)
+        self._scanned_at = -math.inf
 
     def observe(self, leases: Iterable[Lease], now: float) -> None:
         """Record one full scan, taken at ``now`` (after the scan returned)."""
@@ -115,6 +117,7 @@ class Balancer:
             del self._seen[key]
             self._renewed.discard(key)
         self._leases = fresh
+        self._scanned_at = now
         owners = {lease.lease_owner for lease in fresh.values() if lease.lease_owner}
         self._owners_since = {owner: self._owners_since.get(owner, now) for owner in owners}
 
@@ -132,6 +135,12 @@ class Balancer:
             self._seen[lease.lease_key] = (lease.lease_counter, now)
             if seen is not None:
                 self._renewed.add(lease.lease_key)
+
+    def scan_failed(self, sent_at: float) -> None:
+        """A full scan sent at ``sent_at`` failed. An overdue lease that expired before it is
+        no longer due (``next_expiry``): a scan was tried for it, and while the table keeps
+        failing every cycle would otherwise scan again at once; the regular scans go on."""
+        self._scanned_at = max(self._scanned_at, sent_at)
 
     def unchanged_for(self, lease_key: str, now: float) -> float:
         """How long the lease's counter has stood still, as far as this worker has seen."""
@@ -154,17 +163,20 @@ class Balancer:
     ) -> float | None:
         """When the first *overdue* lease will expire: one owned by another worker (or left
         over under this worker's name) whose counter has stood still for longer than
-        ``overdue_after`` but not yet for the failover time. Its owner missed a renewal, so
-        it is probably dead; a scan right at its expiry takes it over without waiting for the
-        regular scan. None when no lease is overdue."""
+        ``overdue_after`` and that no full scan has seen expired yet. Its owner missed a
+        renewal, so it is probably dead; a scan right at its expiry takes it over without
+        waiting for the regular scan. The moment may have passed already (the caller scans
+        at once): judged "not expired yet" on the clock of the call, a lease dropped out as
+        soon as it expired, so a cycle woken right after the expiry found nothing due and
+        waited for the regular scan (with a leader, up to a pass interval, a third of the
+        failover time, late). None when no lease is overdue."""
         soonest: float | None = None
         for key, lease in self._leases.items():
             if (lease.lease_owner is None or key in held or lease.is_finished
                     or lease.parked is not None):
                 continue
-            still = self.unchanged_for(key, now)
-            if overdue_after < still <= self.failover_time_s:
-                at = self._seen[key][1] + self.failover_time_s
+            at = self._seen[key][1] + self.failover_time_s
+            if self.unchanged_for(key, now) > overdue_after and at > self._scanned_at:
                 soonest = at if soonest is None else min(soonest, at)
         return soonest
 

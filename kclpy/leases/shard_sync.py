@@ -316,6 +316,15 @@ def vouched_parents(shard: Shard, lease: Lease | None) -> tuple[str, ...]:
     return shard.parent_ids if has_progressed(lease) else ()
 
 
+def _relies_on_parents(planned: Iterable[Lease], shards: Iterable[Shard]) -> bool:
+    """Whether a planned lease has a listed parent that is not planned too: the plan counted
+    that parent as handled on the view of the table it was given (``ShardSyncer.sync``)."""
+    planned_ids = {lease.lease_key.rpartition(":")[2]: lease for lease in planned}
+    listed = {shard.shard_id for shard in shards}
+    return any(parent in listed and parent not in planned_ids
+               for lease in planned_ids.values() for parent in lease.parent_shard_ids)
+
+
 def plan_new_leases(
     shards: Iterable[Shard], existing_lease_keys: Collection[str], initial_position: str,
     stream: str | None = None, leases: Mapping[str, Lease] | None = None,
@@ -459,30 +468,33 @@ class ShardSyncer:
         be found and replaced (module docstring); without ``existing`` the table is scanned
         for both.
 
-        ``existing`` are the lease keys of a recent scan (the lease taker's), which saves
-        scanning the table again. A slightly stale view is safe: it can only lack leases
-        created since (their creation is then tried and refused, creation being conditional),
-        and a lease deleted since was finished, so it has descendants with leases and is
-        never created again.
+        ``existing`` are the lease keys of a recent scan (the lease taker's, up to two
+        failover times old), which saves scanning the table again as long as the sync has
+        nothing to create. A stale view may lack leases created since, which is harmless
+        (creation is conditional), but it may also show leases a lease-table reset deleted
+        since, unfinished: counted as handled, a merge's parents were left without leases
+        and the sync created their child's lease alone, their records never read (simulator
+        seed 260, with a leader, whose pass's scan is the only one the sync gets). So a sync
+        that would create a lease below a listed shard it does not create (one the view says
+        is handled) plans again on a scan of its own first: new child shards are rare, a
+        reset rarer, and the plan then judges the table as it is.
         """
         shards = self.list_shards()
         self._known = frozenset(shard.shard_id for shard in shards)
+        fresh = existing is None
         if existing is None:
             leases = self._table.list_leases()
             existing = {lease.lease_key for lease in leases}
-        if leases is not None:
-            leases = list(leases)
-            if self.stream is None:
-                refuse_another_streams_table(leases, self.stream_label, self._table.table_name)
-            existing = set(existing) - self._retire_former(shards, leases)
-        known = None if leases is None else {
-            lease.lease_key: lease for lease in leases if lease.lease_key in existing}
+        leases = None if leases is None else list(leases)
+        planned = self._plan(shards, existing, leases)
+        if not fresh and _relies_on_parents(planned, shards):
+            leases = self._table.list_leases()
+            planned = self._plan(shards, {lease.lease_key for lease in leases}, leases)
         created = [
             lease
-            for lease in (planned.copy(incarnation=new_incarnation(self.stream_epoch),
-                                       stream_name=self._single_stream_name)
-                          for planned in plan_new_leases(
-                              shards, existing, self.initial_position, self.stream, known))
+            for lease in (new.copy(incarnation=new_incarnation(self.stream_epoch),
+                                   stream_name=self._single_stream_name)
+                          for new in planned)
             if self._table.create(lease)
         ]
         if created:
@@ -495,6 +507,18 @@ class ShardSyncer:
             # TRIM_HORIZON, as a descendant of the lease about to go.
             self._delete_aged_out(shards, leases)
         return created
+
+    def _plan(self, shards: Sequence[Shard], existing: Collection[str],
+              leases: list[Lease] | None) -> list[Lease]:
+        """The leases to create on this view of the table, once the leases of a former
+        stream of the same name that hide listed shards are deleted (they are planned anew)."""
+        if leases is not None:
+            if self.stream is None:
+                refuse_another_streams_table(leases, self.stream_label, self._table.table_name)
+            existing = set(existing) - self._retire_former(shards, leases)
+        known = None if leases is None else {
+            lease.lease_key: lease for lease in leases if lease.lease_key in existing}
+        return plan_new_leases(shards, existing, self.initial_position, self.stream, known)
 
     def _delete_aged_out(self, shards: Sequence[Shard], leases: Iterable[Lease]) -> None:
         """Delete the leases of shards the retention removed unfinished (``aged_out``), so

@@ -184,11 +184,13 @@ class LeaseTaker:
                 self._last_scan_attempt = self._clock()
             self._budget.spend_scan()
             started = time.perf_counter()
+            sent_at = self._clock()
             try:
                 leases = self.table.list_leases(consistent=False)
             except TABLE_ERRORS as exc:
                 log.warning("worker %s: lease scan failed, no leases taken: %r",
                             self.worker_id, exc)
+                self._balancer.scan_failed(sent_at)
                 elapsed = time.perf_counter() - started
                 self._metrics.call(LIST_LEASES, elapsed, False)
                 self._metrics.call(TAKE_CYCLE, elapsed, False)
@@ -315,11 +317,13 @@ class LeaseTaker:
 
     def _lead(self, mode: leader.LeaderMode) -> list[Lease]:
         """One leader pass: scan, decide (``leader.plan``), write the decisions."""
-        self._next_pass = self._clock() + mode.pass_interval_s
+        sent_at = self._clock()
+        self._next_pass = sent_at + mode.pass_interval_s
         try:
             leases = self.table.list_leases(consistent=False)
         except TABLE_ERRORS as exc:
             log.warning("worker %s: leader's lease scan failed: %r", self.worker_id, exc)
+            self._balancer.scan_failed(sent_at)
             return []
         now, known = self._scanned(leases)
         self._java_side(leases, now)
@@ -420,6 +424,7 @@ class LeaseTaker:
             leases = self.table.list_leases(consistent=False)
         except TABLE_ERRORS as exc:
             log.warning("worker %s: lease scan failed: %r", self.worker_id, exc)
+            self._balancer.scan_failed(self._last_survey)
             return
         self._scanned(leases)
 
