@@ -163,16 +163,22 @@ def test_a_lease_created_again_without_an_incarnation_is_refused_loudly(
     assert "delete the shard's row" in caplog.text
 
 
+def older_database(tmp_path: Path, *statements: str) -> str:
+    """A SQLite file as an earlier kclpy left it (its tables made by ``statements``)."""
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    with sa.create_engine(url).begin() as conn:
+        for statement in statements:
+            conn.exec_driver_sql(statement)
+    return url
+
+
 def test_a_checkpoints_table_of_an_earlier_version_gets_the_incarnation_column(
         tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'old.db'}"
-    engine = sa.create_engine(url)
-    with engine.begin() as conn:
-        conn.exec_driver_sql(
-            "CREATE TABLE kclpy_state_checkpoints (lease_key VARCHAR(1024) PRIMARY KEY, "
-            "tenure BIGINT NOT NULL, checkpoint VARCHAR(256), "
-            "sub_sequence_number BIGINT NOT NULL)")
-        conn.exec_driver_sql("INSERT INTO kclpy_state_checkpoints VALUES ('s1', 4, '12', 0)")
+    url = older_database(
+        tmp_path,
+        "CREATE TABLE kclpy_state_checkpoints (lease_key VARCHAR(1024) PRIMARY KEY, "
+        "tenure BIGINT NOT NULL, checkpoint VARCHAR(256), sub_sequence_number BIGINT NOT NULL)",
+        "INSERT INTO kclpy_state_checkpoints VALUES ('s1', 4, '12', 0)")
     store = SQLStateStore(url)
     store.open(None)
     with store.engine.connect() as conn:
@@ -183,13 +189,11 @@ def test_a_state_table_of_an_earlier_version_gets_the_incarnation_column_and_sta
         table: LeaseTable, tmp_path: Path) -> None:
     """Upgraded in place: the rows an earlier kclpy wrote are read and updated as they
     were, and a key created now gets an incarnation."""
-    url = f"sqlite:///{tmp_path / 'old.db'}"
-    engine = sa.create_engine(url)
-    with engine.begin() as conn:
-        conn.exec_driver_sql(
-            "CREATE TABLE kclpy_state (state_key VARCHAR(1024) PRIMARY KEY, "
-            "state_value TEXT NOT NULL, version BIGINT NOT NULL)")
-        conn.exec_driver_sql("INSERT INTO kclpy_state VALUES ('k', '7', 3)")
+    url = older_database(
+        tmp_path,
+        "CREATE TABLE kclpy_state (state_key VARCHAR(1024) PRIMARY KEY, "
+        "state_value TEXT NOT NULL, version BIGINT NOT NULL)",
+        "INSERT INTO kclpy_state VALUES ('k', '7', 3)")
     store = SQLStateStore(url)
     store.open(None)
     shard = Shard(table, "s1", "A", Clock())
@@ -371,16 +375,12 @@ def test_a_gaps_table_of_an_earlier_version_gets_the_end_column_filled_by_the_ne
     """Upgraded in place: an earlier kclpy wrote a gap's row at its first commit, without
     the gap's end. The next tenure records the end of the gap its lease still queues (its
     progress kept), and drops the row of a gap no longer queued, whose end nobody knows."""
-    url = f"sqlite:///{tmp_path / 'old.db'}"
-    engine = sa.create_engine(url)
-    with engine.begin() as conn:
-        conn.exec_driver_sql(
-            "CREATE TABLE kclpy_state_gaps (lease_key VARCHAR(1024) NOT NULL, "
-            "gap VARCHAR(300) NOT NULL, checkpoint VARCHAR(256) NOT NULL, "
-            "sub_sequence_number BIGINT NOT NULL, PRIMARY KEY (lease_key, gap))")
-        conn.exec_driver_sql(
-            "INSERT INTO kclpy_state_gaps VALUES ('s1', '10/0', '15', 0), "
-            "('s1', '40/0', '44', 0)")
+    url = older_database(
+        tmp_path,
+        "CREATE TABLE kclpy_state_gaps (lease_key VARCHAR(1024) NOT NULL, "
+        "gap VARCHAR(300) NOT NULL, checkpoint VARCHAR(256) NOT NULL, "
+        "sub_sequence_number BIGINT NOT NULL, PRIMARY KEY (lease_key, gap))",
+        "INSERT INTO kclpy_state_gaps VALUES ('s1', '10/0', '15', 0), ('s1', '40/0', '44', 0)")
     store = SQLStateStore(url)
     store.open(None)
     assert store.stored_gaps("s1") == {Position("10"): None, Position("40"): None}
