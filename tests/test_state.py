@@ -649,7 +649,8 @@ def test_a_gap_being_recovered_when_the_lease_table_is_reset_is_lost_by_no_store
     assert applied == {f"count/old{i}": 2 if f"count/old{i}" in twice else 1
                        for i in range(30)}
     assert stream.lease().recovery is None
-    assert store.stored_gaps(SHARD) == {}
+    if store.keeps_position:  # a store keeping no position has no gaps of its own
+        assert store.stored_gaps(SHARD) == {}
 
 
 def test_a_gap_the_sql_store_learnt_of_but_whose_queue_write_failed_is_applied_once(
