@@ -130,17 +130,12 @@ def _found_runs() -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]
     the opposite order of the other, so a history that depended on what ran before it in its
     process shows as two digests. Two children instead of one per seed and run: each child
     pays about a CPU second of imports, and the found seeds' tests paid it about a hundred
-    times. The tests that read it share one pytest-xdist worker (``FOUND_GROUP``)."""
+    times; now each pytest-xdist worker that runs one of them pays it once."""
     seeds = sorted({seed for seed, _, _ in [*FOUND, *FOUND_36]})
     runs = [run_seeds(order, 1) for order in (seeds, seeds[::-1])]
     return ({int(o["seed"]): o for o in runs[0]}, {int(o["seed"]): o for o in runs[1]})
 
 
-#: the found seeds' tests, on one xdist worker so that ``_found_runs`` runs once
-FOUND_GROUP = pytest.mark.xdist_group("simulation-found")
-
-
-@FOUND_GROUP
 @pytest.mark.parametrize(("seed", "invariant", "hole"), FOUND,
                          ids=[f"{hole}-seed-{seed}" for seed, _, hole in FOUND])
 def test_found_seed_replays_exactly(seed: int, invariant: str, hole: str) -> None:
@@ -152,7 +147,6 @@ def test_found_seed_replays_exactly(seed: int, invariant: str, hole: str) -> Non
     assert first["violations"] == second["violations"]
 
 
-@FOUND_GROUP
 @pytest.mark.parametrize(("seed", "invariant", "hole"), FOUND,
                          ids=[f"{hole}-seed-{seed}" for seed, _, hole in FOUND])
 def test_found_seed_is_clean(seed: int, invariant: str, hole: str) -> None:
@@ -162,7 +156,6 @@ def test_found_seed_is_clean(seed: int, invariant: str, hole: str) -> None:
     assert not outcome["violations"], _report([outcome])
 
 
-@FOUND_GROUP
 @pytest.mark.parametrize(("seed", "invariant", "hole"), FOUND_36,
                          ids=[f"{hole}-seed-{seed}" for seed, _, hole in FOUND_36])
 def test_found_36_seed_replays_exactly(seed: int, invariant: str, hole: str) -> None:
@@ -178,7 +171,6 @@ _OPEN_36_MARK = pytest.mark.xfail(strict=True, reason="still open: move the seed
                                   "(and out of OPEN) when its fix is merged")
 
 
-@FOUND_GROUP
 @pytest.mark.parametrize(("seed", "invariant", "hole"), [
     pytest.param(seed, invariant, hole, id=f"{hole}-seed-{seed}",
                  marks=() if seed in FIXED_36 else _OPEN_36_MARK)
