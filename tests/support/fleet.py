@@ -65,6 +65,11 @@ class FleetProcessor(kclpy.IRecordProcessor):
             os.close(fd)
 
     def _checkpoint(self, checkpointer: kclpy.Checkpointer, during: str) -> None:
+        # The outcome line is written once the call returns, which can be long after the
+        # write reached DynamoDB: a worker stopped (SIGSTOP) in between reports it only when
+        # resumed. This line says when the attempt began, so a test can tell a checkpoint
+        # under way when the worker froze from one made after it was resumed.
+        self._write({"event": "checkpointing", "during": during})
         try:
             checkpointer.checkpoint()
         except CheckpointError as exc:
