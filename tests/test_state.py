@@ -6,7 +6,9 @@ stores' shared cache in test_state_transaction.py and test_state_store.py."""
 
 from __future__ import annotations
 
+import argparse
 import collections
+import io
 import json
 import threading
 import time
@@ -29,6 +31,7 @@ from kclpy.leases.shard_sync import ShardSyncer
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
+from kclpy.ops import control
 from kclpy.position import TRIM_HORIZON, Position
 from kclpy.processor import InitializeInput, ProcessRecordsInput
 from kclpy.records import Record
@@ -1112,3 +1115,43 @@ def test_a_commit_landing_after_its_processor_was_restarted_is_not_applied_again
     assert stored_state(store) == {"count/a": 4, "sum/a": 4}
     assert checkpoints == sorted(checkpoints), f"moved back: {checkpoints}"
     assert checkpoints[-1] == Position("4")
+
+
+def test_a_gap_an_operator_cancelled_while_nobody_held_the_lease_stays_cancelled(
+        table: LeaseTable, tmp_path: Path) -> None:
+    """``kclpy recovery cancel`` of a lease nobody holds writes the queue directly; the SQL
+    store still held the gap's row (it keeps every queued gap, to survive a lease-table
+    reset), and the next tenure took the row for a gap a reset had lost and queued it
+    again: the cancelled records were applied after all. Given the workers'
+    ``--state-store``, the command parks the lease with the queue write, drops the row and
+    unparks it."""
+    spec = f"sqlite:///{tmp_path / 'state.db'}"
+
+    def new_store() -> SQLStateStore:
+        store = SQLStateStore(spec)
+        store.open(None)
+        return store
+
+    stream = Stream(table)
+    last = int(stream.put([f"old{i}:1" for i in range(30)])[-1])
+    clock = Clock()
+    first, recovery = stream.take("A", clock, new_store())
+    assert recovery.begin(Position.trim_horizon()) is not None
+    processor = runner(new_store(), start=first.start)
+    live = Record(str(last + 1000), "pk", None, 0, b"new:1")  # read live after the gap
+    first.deliver(processor, [live])
+    recover(recovery, processor, batches=1)
+    recovery.stop()
+    table.evict(stream.lease())  # the worker stopped: nobody holds the lease
+    args = argparse.Namespace(
+        shard_id=SHARD, gap=1, all=False, json=False, stream_name=None, stream_arn=None,
+        table_name=table.table_name, application_name=None, state_store=spec)
+    assert control.recovery_cancel(args, None, table, io.StringIO()) == 0
+    assert stream.lease().recovery is None
+    assert stream.lease().parked is None, "unparked once the store forgot the gap"
+
+    store = new_store()
+    second, recovery = stream.take("B", clock, store)
+    assert recovery.begin(Position.of(live.sequence_number, 0)) is None
+    assert stream.lease().recovery is None, "the cancelled gap was queued again"
+    assert store.stored_gaps(SHARD) == {}
