@@ -481,8 +481,8 @@ class Stream:
                                until_ms=until_ms, metrics=self.metrics)
         return ShardPipeline(source, start, metrics=self.metrics)
 
-    def take(self, worker: str, clock: Clock, store: StateStore | None = None
-             ) -> tuple[Shard, ShardRecovery]:
+    def take(self, worker: str, clock: Clock, store: StateStore | None = None, *,
+             max_lag_ms: int | None = 1000) -> tuple[Shard, ShardRecovery]:
         """A tenure: the lease taken, and its recovery as the consumer makes it (with the
         worker's state store, when given, as the composition passes it)."""
         shard = Shard(self.table, SHARD, worker, clock)
@@ -494,7 +494,7 @@ class Stream:
         self.kinesis_clock.move_to(hour_later)
         return shard, ShardRecovery(
             lease, token=shard.checkpointer._token, fence=shard.fence,
-            reader_factory=self.reader, rate=RecoveryRate(100_000), max_lag_ms=1000,
+            reader_factory=self.reader, rate=RecoveryRate(100_000), max_lag_ms=max_lag_ms,
             metrics=self.metrics, wall_clock=lambda: hour_later, store=store)
 
     def lease(self) -> Lease:
@@ -1155,3 +1155,27 @@ def test_a_gap_an_operator_cancelled_while_nobody_held_the_lease_stays_cancelled
     assert recovery.begin(Position.of(live.sequence_number, 0)) is None
     assert stream.lease().recovery is None, "the cancelled gap was queued again"
     assert store.stored_gaps(SHARD) == {}
+
+
+def test_a_gap_queued_at_the_live_checkpoint_is_not_read_live_too_once_max_lag_ms_is_off(
+        table: LeaseTable, store: StateStore) -> None:
+    """A gap queued at the live checkpoint (live reading committed nothing after it: an idle
+    stream, or a worker that died right away) is still recovered by a worker whose
+    ``max_lag_ms`` is off. Its live reading must start at the gap's end as it does with the
+    option on (simulator seed 292); ``begin`` returned None instead, so live reading started
+    at the checkpoint and read every record of the gap as well - each applied twice under
+    exactly-once, once per line."""
+    stream = Stream(table)
+    stream.put([f"old{i}:1" for i in range(30)])
+    clock = Clock()
+    first, recovery = stream.take("A", clock, store)
+    assert recovery.begin(Position.trim_horizon()) is not None
+    recover(recovery, runner(store, start=first.start), batches=1)
+    recovery.stop()
+    [queued] = gaps.loads(stream.lease().recovery)
+    assert queued.started, "half recovered"
+
+    second, recovery = stream.take("B", clock, store, max_lag_ms=None)
+    live_start = recovery.begin(Position.trim_horizon())
+    assert live_start is not None, "live reading from the checkpoint reads the gap again"
+    assert live_start.timestamp() * 1000 == queued.end_ms
