@@ -1179,3 +1179,48 @@ def test_a_gap_queued_at_the_live_checkpoint_is_not_read_live_too_once_max_lag_m
     live_start = recovery.begin(Position.trim_horizon())
     assert live_start is not None, "live reading from the checkpoint reads the gap again"
     assert live_start.timestamp() * 1000 == queued.end_ms
+
+
+def test_a_landed_commit_found_while_the_lease_table_fails_reads_is_still_read_back(
+        table: LeaseTable, dynamodb: Any) -> None:
+    """As above, but the read back after the fence's refusal (``EarlierTransactionLanded``)
+    fails (the lease table answers its reads with errors for a while). The refusal had
+    taken the landed commit up into the held lease, so the batch's next attempt was not
+    refused again, and with nothing marked in doubt it was not read back either: records
+    1-3 were applied a second time over the landed ones (count 7 for 4 records). The line
+    stays in doubt until a commit of it lands."""
+    store = DynamoDBStateStore("state", client=dynamodb)
+    shard = Shard(table, "s1", "A", Clock())
+    first = runner(store)
+    real = dynamodb.transact_write_items
+    on_its_way: list[dict[str, Any]] = []
+
+    def answer_lost(**kwargs: Any) -> Any:
+        if not on_its_way:
+            on_its_way.append(kwargs)  # sent; it lands when the test says so
+            raise ReadTimeoutError(endpoint_url="dynamodb")
+        return real(**kwargs)
+
+    dynamodb.transact_write_items = answer_lost
+    with pytest.raises(kclpy.KinesisClientLibDependencyException):
+        shard.deliver(first, [rec(1, "a:1"), rec(2, "a:1"), rec(3, "a:1")])
+    last = shard.checkpointer.retire("the processor was restarted")
+    shard.checkpointer = Checkpointer("s1", shard.fence, shard.checkpointer._token,
+                                      max(Position.trim_horizon(), last))
+    successor = runner(store, max_records=1)
+    real(**on_its_way[0])  # the first processor's commit lands
+    checkpoints = checkpoints_after_writes(dynamodb, table, "s1")
+    read_back = shard.fence.durable_checkpoint
+
+    def read_fails(lease_key: str, token: str) -> Position | None:
+        raise kclpy.KinesisClientLibDependencyException(f"shard {lease_key}: read failed")
+
+    shard.fence.durable_checkpoint = read_fails  # type: ignore[method-assign]
+    with pytest.raises(kclpy.KinesisClientLibDependencyException):
+        shard.deliver(successor, [rec(1, "a:1"), rec(2, "a:1")])
+    shard.fence.durable_checkpoint = read_back  # type: ignore[method-assign]
+    shard.deliver(successor, [rec(1, "a:1"), rec(2, "a:1")])  # the batch delivered again
+    shard.deliver(successor, [rec(3, "a:1"), rec(4, "a:1")])
+    assert stored_state(store) == {"count/a": 4, "sum/a": 4}
+    assert checkpoints == sorted(checkpoints), f"moved back: {checkpoints}"
+    assert checkpoints[-1] == Position("4")
