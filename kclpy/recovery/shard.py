@@ -200,8 +200,12 @@ class ShardRecovery:
             # were applied live, so the gap starts after it.
             live = stored
         queued_ms = _time_end_of(self._queue, live)
-        if max_lag_ms is None and not queued_ms:
-            return None  # no lag to detect, no queued gap to start after: no probe
+        if max_lag_ms is None and not (queued_ms and any(
+                _key(r) == live for r in self._queue)):
+            # No lag to detect, and no gap queued right at the checkpoint (its live line
+            # committed nothing since: the one way kclpy leaves live reading inside a
+            # queued gap): no read, so a worker without lag recovery pays for none
+            return None
         checkpoint, sub_sequence_number = live.checkpoint, live.sub_sequence_number
         probe = self._readers(live, None, None, 1)
         first = first_record(probe)
