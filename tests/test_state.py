@@ -1212,7 +1212,7 @@ def test_a_landed_commit_found_while_the_lease_table_fails_reads_is_still_read_b
     checkpoints = checkpoints_after_writes(dynamodb, table, "s1")
     read_back = shard.fence.durable_checkpoint
 
-    def read_fails(lease_key: str, token: str) -> Position | None:
+    def read_fails(lease_key: str, concurrency_token: str) -> Position | None:
         raise kclpy.KinesisClientLibDependencyException(f"shard {lease_key}: read failed")
 
     shard.fence.durable_checkpoint = read_fails  # type: ignore[method-assign]
