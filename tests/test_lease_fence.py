@@ -15,6 +15,7 @@ import pytest
 from botocore.exceptions import ClientError
 from moto import mock_aws
 
+from kclpy.checkpoint import Checkpointer
 from kclpy.consumer import ShardConsumer
 from kclpy.errors import (
     KinesisClientLibDependencyException,
@@ -805,3 +806,27 @@ def test_a_checkpoint_never_moves_the_lease_back_over_an_earlier_one_that_landed
     assert a.held.get("s1") is not None, "still held: nothing was lost"
     a.fence.update_checkpoint("s1", token, Position("11"))
     assert stored(table).checkpoint == Position("11")
+
+
+def test_a_record_checkpoint_never_moves_the_lease_back_over_a_shard_end_that_landed_unanswered(
+    table: LeaseTable, client: ScriptedClient, clock: Clock
+) -> None:
+    """The SHARD_END of ``shard_ended`` lands but its answer is lost, so the checkpointer
+    still holds the last record as its own last checkpoint; a checkpoint at that record
+    (``shard_ended`` called again, or a batcher thread committing late) is then repeated
+    on the item the lost write left. SHARD_END sorts after every record, yet the guard
+    against moving back looked at record checkpoints only: the lease went from SHARD_END
+    back to the record, and the shard's children - which may have started on SHARD_END -
+    would see their parent's records delivered again after theirs."""
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    checkpointer = Checkpointer("s1", a.fence, token, Position("5"))
+    checkpointer.mark_delivered(rec(9))
+    checkpointer.mark_shard_end()
+    client.lost["update_item"] = 1
+    with pytest.raises(KinesisClientLibDependencyException):
+        checkpointer.checkpoint()
+    assert stored(table).checkpoint == Position.shard_end()
+    checkpointer.checkpoint(rec(9))
+    assert stored(table).checkpoint == Position.shard_end()
+    assert a.held.get("s1") is not None, "still held: nothing was lost"

@@ -359,7 +359,7 @@ class MovingTable(LeaseTable):
 def test_an_add_meeting_a_release_is_written_to_the_queue_instead(table: LeaseTable) -> None:
     holder, _, _, _ = holding(table)
     moving = MovingTable(table, lambda: holder.fence.release(KEY))
-    holder_named, queue = control._request(moving, item(table), add(100))
+    holder_named, queue, _ = control._request(moving, item(table), add(100))
     assert holder_named is None and starts(queue) == ["100"]
     lease = item(table)
     assert lease.lease_owner is None and not lease.recovery_requests

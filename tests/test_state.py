@@ -6,7 +6,9 @@ stores' shared cache in test_state_transaction.py and test_state_store.py."""
 
 from __future__ import annotations
 
+import argparse
 import collections
+import io
 import json
 import threading
 import time
@@ -29,6 +31,7 @@ from kclpy.leases.shard_sync import ShardSyncer
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
+from kclpy.ops import control
 from kclpy.position import TRIM_HORIZON, Position
 from kclpy.processor import InitializeInput, ProcessRecordsInput
 from kclpy.records import Record
@@ -478,8 +481,8 @@ class Stream:
                                until_ms=until_ms, metrics=self.metrics)
         return ShardPipeline(source, start, metrics=self.metrics)
 
-    def take(self, worker: str, clock: Clock, store: StateStore | None = None
-             ) -> tuple[Shard, ShardRecovery]:
+    def take(self, worker: str, clock: Clock, store: StateStore | None = None, *,
+             max_lag_ms: int | None = 1000) -> tuple[Shard, ShardRecovery]:
         """A tenure: the lease taken, and its recovery as the consumer makes it (with the
         worker's state store, when given, as the composition passes it)."""
         shard = Shard(self.table, SHARD, worker, clock)
@@ -491,7 +494,7 @@ class Stream:
         self.kinesis_clock.move_to(hour_later)
         return shard, ShardRecovery(
             lease, token=shard.checkpointer._token, fence=shard.fence,
-            reader_factory=self.reader, rate=RecoveryRate(100_000), max_lag_ms=1000,
+            reader_factory=self.reader, rate=RecoveryRate(100_000), max_lag_ms=max_lag_ms,
             metrics=self.metrics, wall_clock=lambda: hour_later, store=store)
 
     def lease(self) -> Lease:
@@ -1108,6 +1111,115 @@ def test_a_commit_landing_after_its_processor_was_restarted_is_not_applied_again
     real(**on_its_way[0])  # the first processor's commit lands
     checkpoints = checkpoints_after_writes(dynamodb, table, "s1")
     shard.deliver(successor, [rec(1, "a:1"), rec(2, "a:1")])
+    shard.deliver(successor, [rec(3, "a:1"), rec(4, "a:1")])
+    assert stored_state(store) == {"count/a": 4, "sum/a": 4}
+    assert checkpoints == sorted(checkpoints), f"moved back: {checkpoints}"
+    assert checkpoints[-1] == Position("4")
+
+
+def test_a_gap_an_operator_cancelled_while_nobody_held_the_lease_stays_cancelled(
+        table: LeaseTable, tmp_path: Path) -> None:
+    """``kclpy recovery cancel`` of a lease nobody holds writes the queue directly; the SQL
+    store still held the gap's row (it keeps every queued gap, to survive a lease-table
+    reset), and the next tenure took the row for a gap a reset had lost and queued it
+    again: the cancelled records were applied after all. Given the workers'
+    ``--state-store``, the command parks the lease with the queue write, drops the row and
+    unparks it."""
+    spec = f"sqlite:///{tmp_path / 'state.db'}"
+
+    def new_store() -> SQLStateStore:
+        store = SQLStateStore(spec)
+        store.open(None)
+        return store
+
+    stream = Stream(table)
+    last = int(stream.put([f"old{i}:1" for i in range(30)])[-1])
+    clock = Clock()
+    first, recovery = stream.take("A", clock, new_store())
+    assert recovery.begin(Position.trim_horizon()) is not None
+    processor = runner(new_store(), start=first.start)
+    live = Record(str(last + 1000), "pk", None, 0, b"new:1")  # read live after the gap
+    first.deliver(processor, [live])
+    recover(recovery, processor, batches=1)
+    recovery.stop()
+    table.evict(stream.lease())  # the worker stopped: nobody holds the lease
+    args = argparse.Namespace(
+        shard_id=SHARD, gap=1, all=False, json=False, stream_name=None, stream_arn=None,
+        table_name=table.table_name, application_name=None, state_store=spec)
+    assert control.recovery_cancel(args, None, table, io.StringIO()) == 0
+    assert stream.lease().recovery is None
+    assert stream.lease().parked is None, "unparked once the store forgot the gap"
+
+    store = new_store()
+    second, recovery = stream.take("B", clock, store)
+    assert recovery.begin(Position.of(live.sequence_number, 0)) is None
+    assert stream.lease().recovery is None, "the cancelled gap was queued again"
+    assert store.stored_gaps(SHARD) == {}
+
+
+def test_a_gap_queued_at_the_live_checkpoint_is_not_read_live_too_once_max_lag_ms_is_off(
+        table: LeaseTable, store: StateStore) -> None:
+    """A gap queued at the live checkpoint (live reading committed nothing after it: an idle
+    stream, or a worker that died right away) is still recovered by a worker whose
+    ``max_lag_ms`` is off. Its live reading must start at the gap's end as it does with the
+    option on (simulator seed 292); ``begin`` returned None instead, so live reading started
+    at the checkpoint and read every record of the gap as well - each applied twice under
+    exactly-once, once per line."""
+    stream = Stream(table)
+    stream.put([f"old{i}:1" for i in range(30)])
+    clock = Clock()
+    first, recovery = stream.take("A", clock, store)
+    assert recovery.begin(Position.trim_horizon()) is not None
+    recover(recovery, runner(store, start=first.start), batches=1)
+    recovery.stop()
+    [queued] = gaps.loads(stream.lease().recovery)
+    assert queued.started, "half recovered"
+
+    second, recovery = stream.take("B", clock, store, max_lag_ms=None)
+    live_start = recovery.begin(Position.trim_horizon())
+    assert live_start is not None, "live reading from the checkpoint reads the gap again"
+    assert live_start.timestamp() * 1000 == queued.end_ms
+
+
+def test_a_landed_commit_found_while_the_lease_table_fails_reads_is_still_read_back(
+        table: LeaseTable, dynamodb: Any) -> None:
+    """As above, but the read back after the fence's refusal (``EarlierTransactionLanded``)
+    fails (the lease table answers its reads with errors for a while). The refusal had
+    taken the landed commit up into the held lease, so the batch's next attempt was not
+    refused again, and with nothing marked in doubt it was not read back either: records
+    1-3 were applied a second time over the landed ones (count 7 for 4 records). The line
+    stays in doubt until a commit of it lands."""
+    store = DynamoDBStateStore("state", client=dynamodb)
+    shard = Shard(table, "s1", "A", Clock())
+    first = runner(store)
+    real = dynamodb.transact_write_items
+    on_its_way: list[dict[str, Any]] = []
+
+    def answer_lost(**kwargs: Any) -> Any:
+        if not on_its_way:
+            on_its_way.append(kwargs)  # sent; it lands when the test says so
+            raise ReadTimeoutError(endpoint_url="dynamodb")
+        return real(**kwargs)
+
+    dynamodb.transact_write_items = answer_lost
+    with pytest.raises(kclpy.KinesisClientLibDependencyException):
+        shard.deliver(first, [rec(1, "a:1"), rec(2, "a:1"), rec(3, "a:1")])
+    last = shard.checkpointer.retire("the processor was restarted")
+    shard.checkpointer = Checkpointer("s1", shard.fence, shard.checkpointer._token,
+                                      max(Position.trim_horizon(), last))
+    successor = runner(store, max_records=1)
+    real(**on_its_way[0])  # the first processor's commit lands
+    checkpoints = checkpoints_after_writes(dynamodb, table, "s1")
+    read_back = shard.fence.durable_checkpoint
+
+    def read_fails(lease_key: str, concurrency_token: str) -> Position | None:
+        raise kclpy.KinesisClientLibDependencyException(f"shard {lease_key}: read failed")
+
+    shard.fence.durable_checkpoint = read_fails  # type: ignore[method-assign]
+    with pytest.raises(kclpy.KinesisClientLibDependencyException):
+        shard.deliver(successor, [rec(1, "a:1"), rec(2, "a:1")])
+    shard.fence.durable_checkpoint = read_back  # type: ignore[method-assign]
+    shard.deliver(successor, [rec(1, "a:1"), rec(2, "a:1")])  # the batch delivered again
     shard.deliver(successor, [rec(3, "a:1"), rec(4, "a:1")])
     assert stored_state(store) == {"count/a": 4, "sum/a": 4}
     assert checkpoints == sorted(checkpoints), f"moved back: {checkpoints}"

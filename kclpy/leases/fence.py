@@ -230,12 +230,16 @@ class LeaseFence:
         lost can land after a replaced processor's successor was made from the checkpoint
         read before it, and the successor's next checkpoint, repeated on the item that
         write left (``_attempt``), would undo it - the next holder would deliver again
-        records at or before a checkpoint that was durable. Such a write renews the lease
-        and leaves its checkpoint where it is."""
+        records at or before a checkpoint that was durable. ``SHARD_END`` is such a later
+        checkpoint too: the one ``shard_ended`` wrote unanswered is followed by a checkpoint
+        at the last record (``shard_ended`` called again, a batcher's late commit), and the
+        shard's children may already have started on it. Such a write renews the lease and
+        leaves its checkpoint where it is; the sentinels before every record never sort
+        after one."""
 
         def write(lease: Lease) -> Lease:
             durable = lease.checkpoint
-            if durable.is_record and position.is_record and durable > position:
+            if position.is_record and durable > position:
                 log.warning("shard %s: checkpoint %s/%d left at %s/%d, where an earlier "
                             "checkpoint of this tenure landed unanswered", lease_key,
                             position.sequence_number, position.sub_sequence_number,

@@ -291,6 +291,10 @@ def _recovery_cancel_flags(parser: OneLineParser) -> None:
                            help="the gap's number (1 = first) in 'kclpy recovery list'")
     which_gap.add_argument("--all", action="store_true", help="every gap of the shard")
     _stream_flags(parser, required=False)
+    parser.add_argument("--state-store", metavar="SPEC",
+                        help="the exactly-once application's state store (the workers' "
+                             "--state-store): a SQL store forgets the gap too, when no "
+                             "worker holds the lease")
 
 
 def _monitor_flags(parser: OneLineParser) -> None:

@@ -634,15 +634,19 @@ def _report(args: argparse.Namespace, out: IO[str], document: dict[str, Any],
 # -- recovery add / list / cancel --------------------------------------------------------------
 
 
-def _request(table: LeaseTable, lease: Lease, request: asked.QueueRequest
-             ) -> tuple[str | None, tuple[gaps.RecoveryRequest, ...]]:
-    """Make ``request`` of the shard's queue: ``(holder, queue as it will be)``.
+def _request(table: LeaseTable, lease: Lease, request: asked.QueueRequest, *,
+             park: str | None = None
+             ) -> tuple[str | None, tuple[gaps.RecoveryRequest, ...], Lease | None]:
+    """Make ``request`` of the shard's queue: ``(holder, queue as it will be, the lease as
+    written directly)``.
 
     A held lease gets it as an element of its requests set, conditional only on the lease
     still naming the owner read (the counter is left alone, so the holder keeps its lease
-    and folds the request in within one renewal); ``holder`` is that owner. A lease nobody
-    holds has its queue written directly, with any requests a holder left unfolded,
-    conditional on the counter read; ``holder`` is None. A lease that moved in between is
+    and folds the request in within one renewal); ``holder`` is that owner, and no lease is
+    returned. A lease nobody holds has its queue written directly, with any requests a
+    holder left unfolded, conditional on the counter read; ``holder`` is None. ``park``: the
+    same write parks such a lease with this mark, unless it is parked already (the caller
+    then changes a state store before it unparks it). A lease that moved in between is
     read again."""
     element = request.to_text()
     for _ in range(WRITE_ATTEMPTS):
@@ -653,6 +657,8 @@ def _request(table: LeaseTable, lease: Lease, request: asked.QueueRequest
         queue = asked.apply(_queued(fresh), [*pending, request])
         if fresh.lease_owner is None:
             update = UpdateBuilder().expect_owner(None)
+            if park is not None and fresh.parked is None:
+                update.set(ser.PARKED, s(park))
             value = gaps.dumps(queue)
             if value is None:
                 update.remove(ser.RECOVERY)
@@ -662,10 +668,10 @@ def _request(table: LeaseTable, lease: Lease, request: asked.QueueRequest
             if folded:
                 update.delete(ser.RECOVERY_REQUESTS, ss(text for text, _ in folded))
             try:
-                _write(table, fresh, update)
+                written = _write(table, fresh, update)
             except Refused:
                 continue
-            return None, queue
+            return None, queue, written
         update = UpdateBuilder().add(ser.RECOVERY_REQUESTS, ss([element])).expect_owner(
             fresh.lease_owner)
         try:
@@ -675,7 +681,7 @@ def _request(table: LeaseTable, lease: Lease, request: asked.QueueRequest
             if error_code(exc) == CONDITION_FAILED:
                 continue
             raise
-        return fresh.lease_owner, queue
+        return fresh.lease_owner, queue, None
     raise Refused(f"lease {lease.lease_key} kept changing; nothing written to it, run again")
 
 
@@ -734,7 +740,7 @@ def recovery_add(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
     queue = gaps.add(_effective(lease), request)
     holder = lease.lease_owner
     if not args.dry_run:
-        holder, queue = _request(table, lease, asked.adding(request, _now_ms()))
+        holder, queue, _ = _request(table, lease, asked.adding(request, _now_ms()))
     verb = "would queue" if args.dry_run else "queued"
     _report(args, out, {"shard_id": lease.shard_id, "dry_run": args.dry_run,
                         "gap": _gap_json(request), "queue": [_gap_json(r) for r in queue],
@@ -796,13 +802,36 @@ def recovery_cancel(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
     # By the gap's start, which identifies it even if the holder checkpointed it since;
     # only the gaps listed now: a gap queued after this look is not dropped with them.
     dropped = queue if args.all else (queue[args.gap - 1],)
-    holder, kept = _request(table, lease, asked.cancelling(
-        ((r.start, r.start_sub) for r in dropped), _now_ms()))
+    store = _position_keeping_store(args.state_store) if args.state_store else None
+    holding = (None if store is None
+               else parking.marker("kclpy recovery cancel in progress", "operator"))
+    holder, kept, written = _request(table, lease, asked.cancelling(
+        ((r.start, r.start_sub) for r in dropped), _now_ms()), park=holding)
+    if store is not None and written is not None:
+        _forget_cancelled(table, store, written, dropped, kept, holding)
     _report(args, out, {"shard_id": lease.shard_id, "dropped": len(dropped),
                         "queue": [_gap_json(r) for r in kept], "holder": holder},
             f"dropped {len(dropped)} gap(s) of {lease.shard_id}; {len(kept)} left"
             f"{_handed_to(holder)}")
     return 0
+
+
+def _forget_cancelled(table: LeaseTable, store: StateStore, written: Lease,
+                      dropped: Sequence[gaps.RecoveryRequest],
+                      kept: Sequence[gaps.RecoveryRequest], holding: str | None) -> None:
+    """The cancelled gaps' rows out of a state store that keeps them, once the queue of a
+    lease nobody holds was written without them: the store keeps every queued gap so that
+    a lease-table reset loses none, and the next tenure would take such a row for a gap a
+    reset lost and queue it again - the cancelled records applied after all. The lease was
+    parked by the write (``holding``; a lease parked before stays so), so no tenure writes
+    the rows meanwhile; interrupted before the unpark, the shard stays parked, visibly,
+    until ``kclpy shard resume``. A held lease's holder drops the rows itself when it
+    folds the request in."""
+    queued = {r.start_position for r in kept}
+    store.forget_gaps(written.lease_key, [r.start_position for r in dropped
+                                          if r.start_position not in queued])
+    if written.parked == holding:
+        _write(table, written, UpdateBuilder().remove(ser.PARKED))
 
 
 def _ends_text(request: gaps.RecoveryRequest) -> str:

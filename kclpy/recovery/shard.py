@@ -180,8 +180,10 @@ class ShardRecovery:
     def begin(self, live: Position) -> datetime | None:
         """Look at the first record after the live checkpoint ``live``; when it is older than
         ``max_lag_ms`` (None: never), queue its gap durably and return where live reading
-        starts instead (None: read live from the checkpoint). Any gap being read is re-read
-        from its own checkpoint, as a restarted processor must see it again."""
+        starts instead (None: read live from the checkpoint). A gap already queued at the
+        checkpoint moves live reading to its end either way, ``max_lag_ms`` off included.
+        Any gap being read is re-read from its own checkpoint, as a restarted processor must
+        see it again."""
         self._stop_reader()
         self._passed.clear()
         self._ends.clear()
@@ -190,27 +192,35 @@ class ShardRecovery:
         stored = self._claim_tenure()
         self._restore()
         max_lag_ms = self._max_lag_ms
-        if max_lag_ms is None or not (live.is_record or live.sentinel == TRIM_HORIZON):
+        if not (live.is_record or live.sentinel == TRIM_HORIZON):
             return None
         if stored is not None and stored > live:
             # The store's live position may be ahead of the lease's (its lease write failed
             # after the commit landed, or the lease was created again): the records between
             # were applied live, so the gap starts after it.
             live = stored
+        queued_ms = _time_end_of(self._queue, live)
+        if max_lag_ms is None and not (queued_ms and any(
+                _key(r) == live for r in self._queue)):
+            # No lag to detect, and no gap queued right at the checkpoint (its live line
+            # committed nothing since: the one way kclpy leaves live reading inside a
+            # queued gap): no read, so a worker without lag recovery pays for none
+            return None
         checkpoint, sub_sequence_number = live.checkpoint, live.sub_sequence_number
         probe = self._readers(live, None, None, 1)
         first = first_record(probe)
         now_ms = self._now_ms()
-        live_ms = now_ms - max_lag_ms
         arrived = None if first is None else first.timestamp_millis
         if first is None or arrived is None:
             return None
-        if arrived >= live_ms:
-            # Not behind; but a gap queued at the checkpoint by a previous holder already
-            # covers the records up to its end: live reading starts there (seed 292)
-            queued_ms = _time_end_of(self._queue, live)
+        if max_lag_ms is None or arrived >= now_ms - max_lag_ms:
+            # Not behind (or not looked at: max_lag_ms off, and a gap queued meanwhile is
+            # still recovered); but a gap queued at the checkpoint by a previous holder
+            # already covers the records up to its end: live reading starts there, or they
+            # are read live as well (seed 292)
             return (datetime.fromtimestamp(queued_ms / 1000, tz=timezone.utc)
                     if queued_ms > arrived else None)
+        live_ms = now_ms - max_lag_ms
         request = RecoveryRequest.gap(checkpoint, sub_sequence_number, live_ms, arrived,
                                       first.sequence_number)
         with self._lock:

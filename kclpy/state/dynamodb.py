@@ -128,6 +128,9 @@ class DynamoDBStateStore:
                   gaps: Collection[Position]) -> None:
         """Nothing kept, nothing to drop."""
 
+    def forget_gaps(self, lease_key: str, gaps: Collection[Position]) -> None:
+        """Nothing kept, nothing to forget."""
+
     def stored_gaps(self, lease_key: str) -> dict[Position, RecoveryRequest | None]:
         return {}
 

@@ -255,7 +255,11 @@ class ExactlyOnceProcessor(IRecordProcessor):
                 landed = isinstance(exc, EarlierTransactionLanded)
                 if landed:
                     # maybe a replaced predecessor's commit, which this processor never knew
-                    # was in doubt: the lease's checkpoint may be past this checkpointer's
+                    # was in doubt: the lease's checkpoint may be past this checkpointer's.
+                    # The fence took it up, so this line's next commit is not refused again:
+                    # the line stays in doubt, read back before each batch, until a commit
+                    # of it lands - also when a read below fails and the batch comes again
+                    self._in_doubt[checkpointer.gap] = Position.after(batch[-1])
                     checkpointer.catch_up()
                 if self._read_back(checkpointer, landed=landed) or landed:
                     # refused because an earlier commit had landed: the records it did not

@@ -437,6 +437,14 @@ class SQLStateStore:
                 self.gaps.c.lease_key == lease_key,
                 self.gaps.c.gap.in_([gap_name(gap) for gap in gaps])))
 
+    def forget_gaps(self, lease_key: str, gaps: Collection[Position]) -> None:
+        """Unfenced: the lease is parked and nobody holds it, so no tenure writes the rows
+        meanwhile (``StateStore.forget_gaps``)."""
+        with self.engine.begin() as conn:
+            conn.execute(sa.delete(self.gaps).where(
+                self.gaps.c.lease_key == lease_key,
+                self.gaps.c.gap.in_([gap_name(gap) for gap in gaps])))
+
     def stored_gaps(self, lease_key: str) -> dict[Position, RecoveryRequest | None]:
         """Every gap of ``lease_key`` the store holds, by where it starts: as it was queued,
         checkpointed where the store's commits reached; None for a row an older kclpy wrote

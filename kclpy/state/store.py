@@ -90,6 +90,12 @@ class StateStore(Protocol):
         """``gaps`` (by where they start) left the lease item's queue in a write that
         landed: forget them, fenced like a commit. Called only when ``keeps_position``."""
 
+    def forget_gaps(self, lease_key: str, gaps: Collection[Position]) -> None:
+        """An operator took ``gaps`` (by where they start) out of the queue of a lease
+        nobody holds, parked meanwhile (``kclpy recovery cancel --state-store``): forget
+        them, unfenced - no tenure runs - or the next tenure would queue them again as gaps
+        a lease-table reset lost. Called only when ``keeps_position``."""
+
     def stored_gaps(self, lease_key: str) -> dict[Position, RecoveryRequest | None]:
         """The gaps the store keeps for ``lease_key``, by where they start: each as queued,
         its checkpoint where the store's commits reached; None when the store knows its
