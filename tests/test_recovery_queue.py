@@ -26,14 +26,22 @@ def test_a_second_outage_adds_a_gap_instead_of_replacing_the_first() -> None:
     assert queue == (first, gap("900", 5000, 4000))
 
 
-def test_overlapping_and_touching_gaps_are_merged_keeping_the_earlier_checkpoint() -> None:
+def test_overlapping_gaps_are_merged_keeping_the_earlier_checkpoint() -> None:
     first = gap("100", 1000, 500, done="150")
     overlapping = gaps.add((first,), gap("200", 2000, 900))
     assert [(r.start, r.done, r.end_ms) for r in overlapping] == [("100", "150", 2000)]
-    touching = gaps.add((first,), gap("200", 3000, 1000))
-    assert [(r.start, r.done, r.end_ms) for r in touching] == [("100", "150", 3000)]
     apart = gaps.add((first,), gap("200", 3000, 1001))
     assert len(apart) == 2
+
+
+def test_a_gap_whose_first_record_arrived_in_the_millisecond_another_ends_stays_apart() -> None:
+    """Live reading started at the first gap's end (1000 ms) and processed records of that
+    millisecond up to 700 before the second lag; one merged gap would start at 150 and read
+    those again (a KPL aggregate's records all share one arrival time)."""
+    first = gap("100", 1000, 500, done="150")
+    touching = gaps.add((first,), gap("700", 3000, 1000))
+    assert [(r.start, r.done, r.end_ms) for r in touching] == [
+        ("100", "150", 1000), ("700", "700", 3000)]
 
 
 def test_a_gap_found_again_from_the_same_checkpoint_keeps_the_progress_made() -> None:
@@ -46,7 +54,7 @@ def test_a_gap_found_again_from_the_same_checkpoint_keeps_the_progress_made() ->
 
 def test_merging_sweeps_every_gap_a_new_one_bridges() -> None:
     queue = (gap("100", 1000, 500), gap("300", 3000, 2500))
-    bridged = gaps.add(queue, gap("200", 2600, 1000))
+    bridged = gaps.add(queue, gap("200", 2600, 900))
     assert [(r.start, r.end_ms) for r in bridged] == [("100", 3000)]
 
 

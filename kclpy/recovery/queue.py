@@ -10,9 +10,12 @@ arrived at or after it, so recovery and live reading meet without a gap and with
 overlap.
 
 Each gap carries its own checkpoint (``done``), so recovery resumes where it stopped, with
-any owner. A new gap is merged with any gap it overlaps or touches (its first record arrived
-before or at the other's end), never replacing it: two outages leave two gaps, or one gap
-covering both, but never lose one.
+any owner. A new gap is merged with any gap it overlaps (its first record arrived before the
+other's end), never replacing it: two outages leave two gaps, or one gap covering both, but
+never lose one. Gaps that only touch in time stay two: a record that arrived in the very
+millisecond an earlier gap ends belongs to live reading, which may have processed it and
+more of that millisecond (a KPL aggregate's records share one arrival) before the next lag
+began; one merged gap would start at the earlier gap's checkpoint and read those again.
 """
 
 from __future__ import annotations
@@ -75,15 +78,15 @@ class RecoveryRequest:
                        done_ms=arrival_ms)
 
     def overlaps_next(self, later: RecoveryRequest) -> bool:
-        """``later`` (which does not start before this gap) begins inside or right at the
-        end of this gap, so the two are one."""
+        """``later`` (which does not start before this gap) begins inside this gap, or right
+        after the record it ends at, so the two are one."""
         if later.start_position == self.start_position:
             return True
         if self.last_sequence is not None:
             # ends at a record: ``later`` must start at or before it (a start is a
             # checkpoint, so starting after the last record itself is touching)
             return later.start != TRIM_HORIZON and int(later.start) <= int(self.last_sequence)
-        return later.first_ms is not None and later.first_ms <= self.end_ms
+        return later.first_ms is not None and later.first_ms < self.end_ms
 
     def merged(self, later: RecoveryRequest) -> RecoveryRequest:
         """One gap covering both. The earlier start wins with its own checkpoint: everything
@@ -140,7 +143,7 @@ def _opt_str(value: object) -> str | None:
 
 def add(queue: tuple[RecoveryRequest, ...], request: RecoveryRequest
         ) -> tuple[RecoveryRequest, ...]:
-    """``queue`` with ``request`` in its place, every overlapping or touching pair merged."""
+    """``queue`` with ``request`` in its place, every overlapping pair merged."""
     ordered = sorted((*queue, request), key=lambda r: r.start_position)
     result: list[RecoveryRequest] = []
     for item in ordered:
