@@ -219,12 +219,14 @@ def test_the_design_test_map_names_the_tests_of_every_lease_state_and_recovery_m
 
 
 def test_the_design_says_where_to_change_each_common_thing_in_one_guess() -> None:
-    """docs/design.md's guide: backoff, a retrieval mode, a store, a metric and an option each
-    have an entry, and every module or test it names exists."""
+    """docs/design.md's guide: backoff, a retrieval mode, a store, a lease assignment
+    strategy, a metric and an option each have an entry, and every module or test it names
+    exists."""
     design = (ROOT / "docs" / "design.md").read_text()
     guide = design.split("Where to change, in one guess:", 1)[1].split("\n| Module |", 1)[0]
     entries = re.findall(r"^- \*\*(.+?)\*\*", guide, re.M)
-    for topic in ("backoff", "retrieval mode", "state store", "metric", "option"):
+    for topic in ("backoff", "retrieval mode", "state store", "assignment strategy", "metric",
+                  "option"):
         assert any(topic in entry for entry in entries), (topic, entries)
     named = set(re.findall(r"`((?:tests/)?[a-z_/]+\.py)`", guide))
     missing = {path for path in named
