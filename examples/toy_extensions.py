@@ -1,20 +1,24 @@
-"""A retrieval mode and a state store of one's own, joined from outside the package.
+"""A retrieval mode, a state store and a lease assignment strategy of one's own, joined
+from outside the package.
 
-Both go through kclpy's public registries only: ``kclpy.register_retrieval_mode`` makes
-``counting`` a value of ``retrieval_mode`` (``--retrieval-mode``), and
-``kclpy.register_store`` makes ``toy://NAME`` a value of ``state_store`` (``--state-store``).
-The mode polls like the built-in one and notes every record it hands over; the store keeps
-the state in a dict, committed only once the lease's fenced checkpoint write succeeded, so a
-worker that lost the lease changes nothing. Run it to see a worker read a small stream on
-the embedded local endpoint (the ``local`` extra) through both:
+All three go through kclpy's public registries only: ``kclpy.register_retrieval_mode``
+makes ``counting`` a value of ``retrieval_mode`` (``--retrieval-mode``),
+``kclpy.register_store`` makes ``toy://NAME`` a value of ``state_store`` (``--state-store``),
+and ``kclpy.register_assignment_strategy`` makes ``sticky`` a value of ``lease_assignment``
+(``--lease-assignment``). The mode polls like the built-in one and notes every record it
+hands over; the store keeps the state in a dict, committed only once the lease's fenced
+checkpoint write succeeded, so a worker that lost the lease changes nothing; the strategy
+never moves a lease a live worker holds (free leases are still spread by count). Run it to
+see a worker read a small stream on the embedded local endpoint (the ``local`` extra)
+through all three:
 
     python examples/toy_extensions.py
 
 It exits 0 once every record was handed over by the toy mode and applied once in the toy
-store, and 1 (saying what is missing) otherwise. With the module imported first (its
-registrations run on import), the same works from the command line:
-``kclpy-worker --local --retrieval-mode counting --state-store toy://counts ...`` needs a
-processor module that imports this one.
+store, and the worker's taker asked the toy strategy, and 1 (saying what is missing)
+otherwise. With the module imported first (its registrations run on import), the same works
+from the command line: ``kclpy-worker --local --retrieval-mode counting --state-store
+toy://counts --lease-assignment sticky ...`` needs a processor module that imports this one.
 """
 
 from __future__ import annotations
@@ -170,7 +174,38 @@ def open_dict_store(spec: str) -> DictStateStore:
 
 kclpy.register_store("toy", open_dict_store)
 
-# -- both, in a worker -----------------------------------------------------------------------
+# -- (c) a lease assignment strategy --------------------------------------------------------
+
+
+class StickyAssignment:
+    """``lease_assignment="sticky"``: a lease stays with the live worker that holds it - no
+    steals, no leader moves - for processors that keep a shard's state warm in memory and
+    would rather run unevenly than rebuild it. Free and expired leases are still taken (or
+    assigned by a leader) by count, as under every strategy. ``asked`` counts how often each
+    decider asked it."""
+
+    name = "sticky"
+    uses_load = False
+
+    def __init__(self) -> None:
+        self.asked = {"taker": 0, "leader": 0}
+
+    def steals(self, view: kclpy.TakerView) -> list[Any]:
+        self.asked["taker"] += 1
+        return []
+
+    def moves(self, view: kclpy.FleetView) -> list[tuple[Any, str]]:
+        self.asked["leader"] += 1
+        return []
+
+    def balance_interval_s(self, settings: Any) -> float | None:
+        return None
+
+
+STICKY = StickyAssignment()
+kclpy.register_assignment_strategy(STICKY)
+
+# -- all three, in a worker ------------------------------------------------------------------
 
 
 class Seen(kclpy.StatefulProcessor):
@@ -183,7 +218,8 @@ class Seen(kclpy.StatefulProcessor):
 
 def run(records: int = 40, shards: int = 2) -> list[str]:
     """Write ``records`` to a new stream on the embedded endpoint, consume it with a worker
-    through the toy mode into the toy store, and return what went wrong (nothing: [])."""
+    through the toy mode into the toy store, its leases spread by the toy strategy, and
+    return what went wrong (nothing: [])."""
     from kclpy.local import start_embedded
 
     name = f"toy-{uuid.uuid4().hex[:8]}"
@@ -202,7 +238,8 @@ def run(records: int = 40, shards: int = 2) -> list[str]:
             stream_name=name, application_name=name, region="us-east-1",
             kinesis_endpoint=endpoint.url, dynamodb_endpoint=endpoint.url,
             initial_position="TRIM_HORIZON", retrieval_mode=COUNTING.name,
-            state_store=f"toy://{name}", idle_time_between_reads_ms=100,
+            state_store=f"toy://{name}", lease_assignment=STICKY.name,
+            idle_time_between_reads_ms=100,
             stop_when_caught_up=True)
         kclpy.Worker(config, Seen, session=session).run(install_signal_handlers=False)
     handed = {(shard, seq) for shard, sequences in COUNTING.handed.items()
@@ -212,6 +249,8 @@ def run(records: int = 40, shards: int = 2) -> list[str]:
                 for key, where in written.items() if where not in handed]
     problems += [f"{key} is {state.get(f'seen/{key}')} in the dict store, not 1"
                  for key in written if state.get(f"seen/{key}") != 1]
+    if STICKY.asked["taker"] == 0:
+        problems.append("the worker's taker never asked the sticky strategy")
     return problems
 
 
@@ -220,5 +259,6 @@ if __name__ == "__main__":
     for problem in problems:
         print(problem, file=sys.stderr)
     if not problems:
-        print(f"every record came through the {COUNTING.name} mode into the dict store once")
+        print(f"every record came through the {COUNTING.name} mode into the dict store once, "
+              f"leases spread by the {STICKY.name} strategy")
     sys.exit(1 if problems else 0)

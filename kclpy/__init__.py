@@ -18,6 +18,13 @@ from kclpy.errors import (
     ThrottlingException,
     TransactionRejected,
 )
+from kclpy.leases.assignment import (
+    AssignmentStrategy,
+    FleetView,
+    TakerView,
+    assignment_strategy,
+    register_assignment_strategy,
+)
 from kclpy.metrics import Metrics
 from kclpy.processor import (
     InitializeInput,
@@ -88,10 +95,12 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "STATE_DELETED",
+    "AssignmentStrategy",
     "CheckpointError",
     "Checkpointer",
     "ConfigError",
     "DynamoDBStateStore",
+    "FleetView",
     "IRecordProcessor",
     "InitializeInput",
     "InvalidStateException",
@@ -121,6 +130,7 @@ __all__ = [
     "StatefulProcessor",
     "StreamConfig",
     "StreamTracker",
+    "TakerView",
     "ThrottlingException",
     "TransactionRejected",
     "TransactionTooLarge",
@@ -128,6 +138,8 @@ __all__ = [
     "Worker",
     "WorkerFatalError",
     "__version__",
+    "assignment_strategy",
+    "register_assignment_strategy",
     "register_retrieval_mode",
     "register_store",
     "retrieval_mode",

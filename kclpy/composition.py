@@ -32,7 +32,8 @@ from kclpy.cloudwatch import (
 from kclpy.config import KCLConfig
 from kclpy.consumer import ConsumerSettings, FetcherLike
 from kclpy.errors import ConfigError, KCLError
-from kclpy.leases.coordinator import LeaseCoordinator
+from kclpy.leases.assignment import assignment_strategy
+from kclpy.leases.coordinator import LeaseAssignment, LeaseCoordinator
 from kclpy.leases.leader import LeaderLock, LeaderMode
 from kclpy.leases.lease import Lease
 from kclpy.leases.load import LoadBalancing, load_balancing
@@ -134,7 +135,9 @@ def build_parts(config: KCLConfig, metrics: Metrics, session: boto3.session.Sess
                 LeaderLock(load.table, config.worker_id,
                            failover_time_s=config.failover_time_ms / 1000,
                            clock=time.monotonic),
-                load, by_load=config.lease_assignment == "load")
+                load)
+        assignment = LeaseAssignment(
+            assignment_strategy(config.lease_assignment), load, leader)
         register = functools.partial(_register_consumer, config, kinesis)
         streams = StreamSet(kinesis, lease_table, config, metrics,
                             register=register if config.fan_out else None)
@@ -146,7 +149,7 @@ def build_parts(config: KCLConfig, metrics: Metrics, session: boto3.session.Sess
             graceful_handoff=config.is_graceful_lease_handoff_enabled,
             graceful_handoff_timeout_s=config.graceful_lease_handoff_timeout_ms / 1000,
             cleanup_leases=config.cleanup_leases_upon_shard_completion,
-            metrics=metrics, load=None if leader else load, leader=leader)
+            metrics=metrics, assignment=assignment)
         coordinator.set_consumable(lambda key: streams.for_lease_key(key) is not None)
     except BaseException:
         if cloudwatch is not None:

@@ -22,6 +22,7 @@ from typing import Any
 
 from kclpy.cloudwatch import LEVELS, parse_dimensions, parse_level
 from kclpy.errors import ConfigError, closest
+from kclpy.leases.assignment import assignment_strategy, assignment_strategy_names
 from kclpy.position import AT_TIMESTAMP, INITIAL_POSITIONS, LATEST
 from kclpy.retrieval.modes import retrieval_mode, retrieval_mode_names
 from kclpy.retrieval.subscription import FANOUT_HTTP_VERSIONS
@@ -32,8 +33,6 @@ log = logging.getLogger(__name__)
 
 ERROR_POLICIES = ("retry", "skip", "shutdown", "park")
 STRAY_STDOUT_POLICIES = ("restart", "skip")
-#: ``--lease-assignment``: equal lease counts, or equal measured load (kclpy.leases.load)
-LEASE_ASSIGNMENTS = ("count", "load")
 #: who decides the assignment: every worker for itself (Java 2.x), or one elected leader
 LEASE_ASSIGNERS = ("worker", "leader")
 
@@ -222,7 +221,8 @@ class Option:
     #: a value never echoed in errors (it may carry credentials)
     secret: bool = False
     rule: Rule | None = None
-    #: the values ``rule`` accepts (in any case), for ``--help``; ``choices`` are exact. A
+    #: the values ``rule`` accepts (a retrieval mode in any case), for ``--help``; ``choices``
+    #: are exact. A
     #: function when the values are a registry's, read when ``--help`` is built (after a
     #: value registered from outside joined it)
     rule_choices: tuple[str, ...] | Callable[[], tuple[str, ...]] = ()
@@ -384,6 +384,16 @@ def _retrieval_mode(config: KCLConfig, label: Callable[[str], str]) -> str | Non
         hint = (" (DEFAULT, the Java daemon's rule, is resolved for .properties files only)"
                 if str(config.retrieval_mode).upper() == "DEFAULT" else "")
         return f"{exc.message}{hint}"
+    return None
+
+
+def _lease_assignment(config: KCLConfig, label: Callable[[str], str]) -> str | None:
+    """A strategy of the registry (``leases/assignment.py``), read when the config is
+    checked so that a strategy registered from outside before then is accepted."""
+    try:
+        assignment_strategy(str(config.lease_assignment))
+    except ConfigError as exc:
+        return exc.message
     return None
 
 
@@ -611,7 +621,7 @@ LOAD_OPTIONS: tuple[Option, ...] = (
     _opt("lease_assignment", "str",
          "How leases are spread: count (equal lease counts, the Java KCL 2.x rule) or load "
          "(equal measured load: CPU, else KB/s - as the Java KCL 3.x).", "leaseAssignment",
-         choices=LEASE_ASSIGNMENTS),
+         rule=_lease_assignment, rule_choices=assignment_strategy_names),
     _opt("lease_assigner", "str",
          "Who assigns leases: worker (every worker scans the lease table and takes for "
          "itself, the Java KCL 2.x way) or leader (one elected worker scans and assigns, by "

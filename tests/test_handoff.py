@@ -18,9 +18,12 @@ from moto import mock_aws
 
 from kclpy.errors import ShutdownException
 from kclpy.leases import handoff, park
-from kclpy.leases.coordinator import LeaseCoordinator
+from kclpy.leases.coordinator import LeaseAssignment, LeaseCoordinator
 from kclpy.leases.dynamo import LeaseTableThrottled
+from kclpy.leases.leader import LeaderLock, LeaderMode
+from kclpy.leases.leading import LeaderTaker
 from kclpy.leases.lease import Lease
+from kclpy.leases.load import LoadBalancing, LoadMeter, LoadSettings, LoadTable
 from kclpy.leases.table import LeaseChanged, LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
@@ -429,7 +432,13 @@ def test_a_worker_assigned_leases_by_a_leader_never_takes_a_parked_one(
     client.update_item(TableName="app", Key={"leaseKey": {"S": "s1"}},
                        UpdateExpression="SET kclpyParked = :p",
                        ExpressionAttributeValues={":p": {"S": "{}"}})
-    b, _, _ = worker(table, "B", clock)
+    reports = LoadBalancing(LoadMeter("B", dict, clock=clock, cpu_seconds=lambda: 0.0),
+                            LoadTable(table.client, "app-load", clock=clock), LoadSettings(),
+                            clock=clock)
+    mode = LeaderMode(LeaderLock(reports.table, "B", failover_time_s=FAILOVER, clock=clock),
+                      reports)
+    b, _, _ = worker(table, "B", clock, assignment=LeaseAssignment(leader=mode))
+    assert isinstance(b.taker, LeaderTaker)
     assert b.taker._discover() == []
     assert b.pending_handoffs() == set() and "s1" not in b.held_leases()
     assert fetch(table, "s1").lease_counter == 4

@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING, Any, cast
 import pytest
 from botocore.exceptions import ClientError
 
-from kclpy.leases.coordinator import LeaseCoordinator
+from kclpy.leases.assignment import COUNT, LOAD
+from kclpy.leases.coordinator import LeaseAssignment, LeaseCoordinator
 from kclpy.leases.leader import LeaderLock, LeaderMode, held_leases, live_workers, plan
+from kclpy.leases.leading import LeaderTaker
 from kclpy.leases.lease import Lease
 from kclpy.leases.load import (
     LEADER_ITEM,
@@ -51,12 +53,12 @@ def test_free_leases_go_to_the_emptiest_workers_and_counts_end_within_one() -> N
     others' share gives the newcomer its excess, and nothing else moves."""
     live = {w: _report(w) for w in ("a", "b", "c")}
     decided = plan([_lease(f"s{i:02d}") for i in range(10)], live, is_expired=_never_expired,
-                   known_lease_keys=None, no_move=(), settings=None, rng=random.Random(1))
+                   known_lease_keys=None, no_move=(), strategy=COUNT, rng=random.Random(1))
     assert sorted(Counter(owner for _, owner in decided.assign).values()) == [3, 3, 4]
     assert decided.move == ()
     leases = ([_lease(f"a{i}", "a") for i in range(6)] + [_lease(f"b{i}", "b") for i in range(3)])
     decided = plan(leases, live, is_expired=_never_expired, known_lease_keys=None, no_move=(),
-                   settings=None, rng=random.Random(1))
+                   strategy=COUNT, rng=random.Random(1))
     moved = Counter(owner for _, owner in decided.move)
     assert moved == {"c": 3}
     assert {lease.lease_owner for lease, _ in decided.move} == {"a"}
@@ -72,13 +74,13 @@ def test_among_workers_with_as_few_leases_those_that_reported_last_get_the_free_
     winners = set()
     for seed in range(20):
         decided = plan([_lease("s0"), _lease("s1")], live, is_expired=_never_expired,
-                       known_lease_keys=None, no_move=(), settings=None,
+                       known_lease_keys=None, no_move=(), strategy=COUNT,
                        rng=random.Random(seed), recency=recency)
         winners.add(frozenset(owner for _, owner in decided.assign))
     assert winners == {frozenset({"b", "c"})}
     drawn = {frozenset(owner for _, owner in plan(
         [_lease("s0"), _lease("s1")], live, is_expired=_never_expired, known_lease_keys=None,
-        no_move=(), settings=None, rng=random.Random(seed)).assign) for seed in range(20)}
+        no_move=(), strategy=COUNT, rng=random.Random(seed)).assign) for seed in range(20)}
     assert len(drawn) > 1
 
 
@@ -100,7 +102,7 @@ def test_what_the_leader_leaves_alone() -> None:
     decided = plan([*leases, done, parked, _lease("u1")], live,
                    is_expired=lambda lease: lease.lease_key == "x1",
                    known_lease_keys={lease.lease_key for lease in [*leases, done, parked]},
-                   no_move={"r1", "r2"}, settings=None, rng=random.Random(2))
+                   no_move={"r1", "r2"}, strategy=COUNT, rng=random.Random(2))
     assert [(lease.lease_key, owner) for lease, owner in decided.assign] == [("x1", "a")]
     assert decided.move == ()
 
@@ -116,12 +118,13 @@ def test_by_load_moves_damped_shares_from_the_busiest_and_leaves_a_balanced_flee
               _lease("c1", "c")]
     settings = LoadSettings(threshold=0.10, dampening=1.0)
     decided = plan(leases, live, is_expired=_never_expired, known_lease_keys=None, no_move=(),
-                   settings=settings, rng=random.Random(3))
+                   strategy=LOAD, settings=settings, rng=random.Random(3))
     assert sorted(owner for _, owner in decided.move) == ["b", "c"]
     assert {lease.lease_owner for lease, _ in decided.move} == {"a"}
     even = {w: _report(w, 50.0 + i, {f"{w}1": 500.0}) for i, w in enumerate("abc")}
     decided = plan([_lease(f"{w}1", w) for w in "abc"], even, is_expired=_never_expired,
-                   known_lease_keys=None, no_move=(), settings=settings, rng=random.Random(3))
+                   known_lease_keys=None, no_move=(), strategy=LOAD, settings=settings,
+                   rng=random.Random(3))
     assert decided.move == ()
 
 
@@ -136,7 +139,8 @@ def test_by_load_judges_each_report_as_of_the_lease_table_not_as_of_when_it_was_
     leases = [_lease("a1", "b", checkpoint_owner="a"), _lease("a2", "a"), _lease("a3", "a"),
               _lease("b1", "b"), _lease("c1", "c")]
     decided = plan(leases, live, is_expired=_never_expired, known_lease_keys=None, no_move=(),
-                   settings=LoadSettings(threshold=0.10, dampening=1.0), rng=random.Random(3))
+                   strategy=LOAD, settings=LoadSettings(threshold=0.10, dampening=1.0),
+                   rng=random.Random(3))
     assert [(lease.lease_owner, owner) for lease, owner in decided.move] == [("a", "c")]
 
 
@@ -174,7 +178,7 @@ def test_a_worker_that_never_takes_what_it_was_assigned_is_dead_and_the_lease_fr
                         unchanged_for=lambda lease: 9.0, claim_within_s=5.0)
     assert set(live) == {"b"}
     decided = plan([assigned, taken], live, is_expired=_never_expired, known_lease_keys=None,
-                   no_move=(), settings=None, rng=random.Random(4), dead=set(dead))
+                   no_move=(), strategy=COUNT, rng=random.Random(4), dead=set(dead))
     assert [(lease.lease_key, owner) for lease, owner in decided.assign] == [("s1", "b")]
 
 
@@ -321,9 +325,15 @@ def _led_worker(table: LeaseTable, name: str, clock: _Clock) -> LeaseCoordinator
                          LoadTable(table.client, "app" + LOAD_TABLE_SUFFIX, sleep=lambda s: None),
                          LoadSettings(report_interval_s=2.0), clock=clock)
     mode = LeaderMode(LeaderLock(load.table, name, failover_time_s=_FAILOVER, clock=clock),
-                      load, by_load=False)
+                      load)
     return LeaseCoordinator(table, name, failover_time_s=_FAILOVER, clock=clock,
-                            renewal_threads=1, rng=random.Random(1), leader=mode)
+                            renewal_threads=1, rng=random.Random(1),
+                            assignment=LeaseAssignment(COUNT, load, mode))
+
+
+def _taker(worker: LeaseCoordinator) -> LeaderTaker:
+    assert isinstance(worker.taker, LeaderTaker)
+    return worker.taker
 
 
 def _assign(table: LeaseTable, key: str, owner: str) -> None:
@@ -354,13 +364,13 @@ def test_while_the_owner_index_backfills_a_worker_finds_its_leases_by_a_scan() -
     _assign(table, "s1", "B")
     b = _led_worker(table, "B", _Clock())
     client.calls.clear()
-    assert [lease.lease_key for lease in b.taker._discover()] == ["s1"]
+    assert [lease.lease_key for lease in _taker(b)._discover()] == ["s1"]
     assert set(b.held_leases()) == {"s1"}
     assert client.calls["scan"] == 1
     backend.sim.now = 60.0  # built
     _assign(table, "s2", "B")
     client.calls.clear()
-    assert [lease.lease_key for lease in b.taker._discover()] == ["s2"]
+    assert [lease.lease_key for lease in _taker(b)._discover()] == ["s2"]
     assert (client.calls["scan"], client.calls["query"]) == (0, 1)
 
 
@@ -384,10 +394,10 @@ def test_a_stopping_worker_hands_its_released_lease_to_a_live_worker_without_the
         for key in keys:
             _assign(table, key, worker.worker_id)
     for worker in (a, b):
-        worker.taker._discover()
+        _taker(worker)._discover()
     clock.now += 3.0  # the next reports (every 2 s here), with the leases now held
     for worker in (a, b, c):
-        worker.taker._leader.reports.report_if_due(set(worker.held_leases()))  # type: ignore[union-attr]
+        _taker(worker)._leader.reports.report_if_due(set(worker.held_leases()))
     assert a.leads() is True
     _assign(table, "s4", "A")  # a leader's last pass: A stops before it takes it
     assert a.stop_taking()
@@ -431,13 +441,13 @@ def test_a_leader_moves_a_lease_whose_holder_renewed_since_the_scan() -> None:
     for key in ("s1", "s2"):
         _assign(table, key, "H")
     table.ensure_owner_index()
-    holder.taker._discover()
+    _taker(holder)._discover()
     scanned = {lease.lease_key: lease for lease in table.list_leases()}
     holder.run_renewer_once()  # both renewed since the scan
-    assert leader.taker._hand(scanned["s1"], "L") is True
+    assert _taker(leader)._hand(scanned["s1"], "L") is True
     s1 = table.get("s1")
     assert s1 is not None and (s1.lease_owner, s1.checkpoint_owner) == ("L", "H")
     _assign(table, "s2", "X")  # moved on: taken from H meanwhile
-    assert leader.taker._hand(scanned["s2"], "L") is False
+    assert _taker(leader)._hand(scanned["s2"], "L") is False
     s2 = table.get("s2")
     assert s2 is not None and (s2.lease_owner, s2.checkpoint_owner) == ("X", None)

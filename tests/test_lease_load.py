@@ -11,6 +11,7 @@ from kclpy import KCLConfig, Worker
 from kclpy.arguments import parse_worker_args
 from kclpy.cli import worker_main
 from kclpy.config import build_config, from_properties
+from kclpy.leases.assignment import LOAD, TakerView, choose_steals, project
 from kclpy.leases.dynamo import LeaseTableThrottled
 from kclpy.leases.lease import Lease
 from kclpy.leases.load import (
@@ -20,9 +21,7 @@ from kclpy.leases.load import (
     LoadSettings,
     LoadTable,
     WorkerLoad,
-    choose_steals,
     load_balancing,
-    project,
 )
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
@@ -295,5 +294,6 @@ def test_an_unreachable_load_table_only_falls_back_to_the_count_rule() -> None:
     meter = LoadMeter("me", dict, clock=lambda: now[0], cpu_seconds=lambda: 0.0)
     balancing = LoadBalancing(meter, FailingTable(), SETTINGS, clock=lambda: now[0])
     count_steal = Lease("s", lease_owner="other")
-    assert balancing.steals([count_steal], held=set(), live=lambda lease: True,
-                            no_steal=(), busy=False, count_steals=[count_steal]) == [count_steal]
+    view = TakerView([count_steal], set(), live=lambda lease: True, no_steal=(), busy=False,
+                     count_steals=[count_steal], load=balancing)
+    assert LOAD.steals(view) == [count_steal]

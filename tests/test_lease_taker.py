@@ -8,7 +8,7 @@ import random
 import re
 from collections import Counter
 
-from kclpy.leases.coordinator import LeaseCoordinator
+from kclpy.leases.coordinator import LeaseAssignment, LeaseCoordinator
 from kclpy.leases.leader import LeaderLock, LeaderMode
 from kclpy.leases.load import LoadBalancing, LoadMeter, LoadSettings, LoadTable
 from kclpy.leases.table import LeaseTable
@@ -257,8 +257,8 @@ def test_a_leader_never_takes_a_lease_it_does_not_consume(
     reports = LoadBalancing(LoadMeter("A", dict, clock=clock, cpu_seconds=lambda: 0.0),
                             load_table, LoadSettings(), clock=clock, wall_clock=clock)
     mode = LeaderMode(LeaderLock(load_table, "A", failover_time_s=FAILOVER, clock=clock),
-                      reports, by_load=False)
-    a, _ = coordinator(table, "A", clock, leader=mode)
+                      reports)
+    a, _ = coordinator(table, "A", clock, assignment=LeaseAssignment(leader=mode))
     a.set_consumable(lambda key: key != "s2")
     for _ in range(3):
         a.run_taker_once()

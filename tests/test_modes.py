@@ -128,11 +128,13 @@ def test_a_fan_out_source_without_its_consumer_is_refused() -> None:
 
 
 def test_the_toy_extensions_example_reads_through_its_mode_into_its_store() -> None:
-    """examples/toy_extensions.py registers a retrieval mode and a state store through
-    kclpy's public names only, runs a worker on the embedded endpoint, and exits 0 only
-    when every record was handed over by its mode and applied once in its store."""
+    """examples/toy_extensions.py registers a retrieval mode, a state store and a lease
+    assignment strategy through kclpy's public names only, runs a worker on the embedded
+    endpoint, and exits 0 only when every record was handed over by its mode and applied
+    once in its store, and the worker's taker asked its strategy."""
     result = subprocess.run([sys.executable, "examples/toy_extensions.py"], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == (
-        "every record came through the counting mode into the dict store once")
+        "every record came through the counting mode into the dict store once, "
+        "leases spread by the sticky strategy")

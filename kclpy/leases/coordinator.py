@@ -25,20 +25,42 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
+from kclpy.leases.assignment import COUNT, AssignmentStrategy
 from kclpy.leases.balancing import Balancer
 from kclpy.leases.budget import ScanBudget
 from kclpy.leases.fence import LeaseFence
 from kclpy.leases.held import HeldLease, HeldSet
 from kclpy.leases.leader import LeaderMode
+from kclpy.leases.leading import LeaderTaker
 from kclpy.leases.lease import Lease
 from kclpy.leases.load import LoadBalancing
 from kclpy.leases.renewer import LeaseRenewer
 from kclpy.leases.table import LeaseTable
-from kclpy.leases.taker import LeaseTaker
+from kclpy.leases.taker import LeaseTaker, TakerCore, TakerSettings
 from kclpy.metrics import NOWHERE, RETRIEVAL_PAUSED, RETRIEVAL_PAUSES, Metrics
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LeaseAssignment:
+    """How this worker's leases are assigned: by which rule (``leaseAssignment``), with
+    which load reports, and who decides (``leaseAssigner``: a leader, else every worker
+    for itself)."""
+
+    strategy: AssignmentStrategy = COUNT
+    #: this worker's load reports (a strategy that ``uses_load`` reads them; a leader's
+    #: are its own ``LeaderMode.reports``)
+    load: LoadBalancing | None = None
+    #: the election and its reports; None: every worker decides for itself
+    leader: LeaderMode | None = None
+
+    def __post_init__(self) -> None:
+        if self.strategy.uses_load and self.load is None and self.leader is None:
+            raise ValueError(f"the {self.strategy.name} assignment reads load reports: "
+                             "none were given")
 
 
 class LeaseCoordinator:
@@ -61,8 +83,7 @@ class LeaseCoordinator:
         clock: Callable[[], float] = time.monotonic,
         renewal_threads: int = 16,
         rng: random.Random | None = None,
-        load: LoadBalancing | None = None,
-        leader: LeaderMode | None = None,
+        assignment: LeaseAssignment | None = None,
     ) -> None:
         if failover_time_s <= 0:
             raise ValueError("failover_time_s must be positive")
@@ -86,13 +107,21 @@ class LeaseCoordinator:
             self.fence, failover_time_s=failover_time_s,
             graceful_handoff_timeout_s=graceful_handoff_timeout_s, budget=self._budget,
             clock=clock, metrics=metrics, threads=renewal_threads)
-        self.taker = LeaseTaker(
-            table, self.held, balancer, self._budget, failover_time_s=failover_time_s,
-            graceful_handoff=graceful_handoff,
+        settings = TakerSettings(
+            failover_time_s=failover_time_s, graceful_handoff=graceful_handoff,
             graceful_handoff_timeout_s=graceful_handoff_timeout_s,
-            cleanup_leases=cleanup_leases, clock=clock, metrics=metrics,
-            interval_s=taker_interval_s, load=load, leader_mode=leader,
-            rng=random.Random(rng.getrandbits(64)) if rng is not None and leader else None)
+            cleanup_leases=cleanup_leases, interval_s=taker_interval_s)
+        assignment = assignment or LeaseAssignment()
+        self.taker: TakerCore
+        if assignment.leader is None:
+            self.taker = LeaseTaker(
+                table, self.held, balancer, self._budget, settings, clock=clock,
+                metrics=metrics, strategy=assignment.strategy, load=assignment.load)
+        else:
+            self.taker = LeaderTaker(
+                table, self.held, balancer, self._budget, settings, clock=clock,
+                mode=assignment.leader, metrics=metrics, strategy=assignment.strategy,
+                rng=random.Random(rng.getrandbits(64)) if rng is not None else None)
         self.held.set_drop_hook(self.taker.remember_lost)
         self.held.set_notice_hook(self._assignment_noticed)
         self._stopping = threading.Event()

@@ -20,11 +20,12 @@ workers x shards. Here:
   lease counter.
 - *Only the leader scans* the lease table, every third of the failover time and right when an
   overdue lease expires. It assigns free and expired leases to live workers, and moves
-  leases from workers above their share to workers below it (``plan``): by lease count
-  (exact: counts end within one of each other, nothing flaps since one decider sees one
-  view), or with ``--lease-assignment load`` by the load every worker reports
-  (``load.choose_steals``' rules, damped by ``dampeningPercentage``, each lease moved at most
-  once per two balancing rounds). A free lease is assigned with a write that names the new
+  leases from workers above their share to workers below it as the assignment strategy
+  says (``plan``; ``assignment.py``): by lease count (exact: counts end within one of
+  each other, nothing flaps since one decider sees one view), or with
+  ``--lease-assignment load`` by the load every worker reports (``choose_steals``' rules,
+  damped by ``dampeningPercentage``, each lease moved at most once per two balancing
+  rounds). A free lease is assigned with a write that names the new
   owner and bumps the counter (``LeaseTable.assign``); a live lease is moved with the graceful
   handoff request (``leaseOwner`` = new, ``checkpointOwner`` = old), so its holder lets its
   processor finish and checkpoint first, as when a worker steals in kclpy's protocol.
@@ -53,10 +54,11 @@ workers x shards. Here:
 - *A stopping worker leaves first*: once its taker has stopped it withdraws its report and,
   leading, resigns the lock; then it hands each lease it releases straight to the
   reporting worker that owns the fewest, with a notice, as a pass would
-  (``LeaseTaker.hand_over``). Still counted as live, it was given its own leases back.
+  (``LeaderTaker.hand_over``). Still counted as live, it was given its own leases back.
 
-The pure decision is :func:`plan`; :class:`LeaderLock` is the election; the taker carries
-both out (``LeaseTaker.run_once``).
+The pure decision is :func:`plan` (the moves are the assignment strategy's,
+``assignment.py``); :class:`LeaderLock` is the election; ``leading.py``'s ``LeaderTaker``
+carries both out.
 """
 
 from __future__ import annotations
@@ -67,11 +69,12 @@ import math
 import random
 from collections.abc import Callable, Collection, Iterable, Mapping
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from botocore.exceptions import ClientError
 
+from kclpy.leases.assignment import AssignmentStrategy, FleetView
 from kclpy.leases.dynamo import CONDITION_FAILED, TABLE_ERRORS
 from kclpy.leases.lease import Lease
 from kclpy.leases.load import (
@@ -81,8 +84,6 @@ from kclpy.leases.load import (
     LoadSettings,
     LoadTable,
     WorkerLoad,
-    choose_steals,
-    project,
 )
 from kclpy.retry import error_code, spread
 
@@ -92,6 +93,8 @@ LEADER = "leader"
 TERM = "term"
 #: the fleet's size as the leader last counted it, written with each renewal
 WORKERS = "workers"
+#: the balancing knobs of a plan whose caller gives none (a strategy by count reads none)
+DEFAULT_SETTINGS = LoadSettings()
 #: how many lock reads the whole fleet makes per check interval, whatever its size
 _READERS = 8
 
@@ -105,7 +108,7 @@ _INDEX_UNREADABLE = ("Cannot read from backfilling global secondary index",
 def index_unreadable(exc: ClientError) -> bool:
     """A Query of the owner index was refused because the index cannot be read yet (still
     backfilling, or not added: a fleet's first start raced or was throttled adding it). A
-    worker then reads its keys from a scan instead (``LeaseTaker._owned_keys``): waiting for
+    worker then reads its keys from a scan instead (``LeaderTaker._owned_keys``): waiting for
     the index would leave every lease the leader assigns it untaken for as long as the
     build takes, and the leader would take them all itself one claim timeout at a time."""
     message = str(exc.response.get("Error", {}).get("Message", ""))
@@ -286,10 +289,9 @@ class LeaderMode:
     """What ``--lease-assigner leader`` gives a worker's taker."""
 
     lock: LeaderLock
-    #: the worker's load reports (liveness in both modes; the load itself with ``by_load``)
+    #: the worker's load reports: liveness whatever the assignment strategy, and the load
+    #: itself for one that ``uses_load``
     reports: LoadBalancing
-    #: ``--lease-assignment load``: balance by the reported load, else by lease count
-    by_load: bool
 
     @property
     def pass_interval_s(self) -> float:
@@ -394,27 +396,22 @@ def plan(
     is_expired: Callable[[Lease], bool],
     known_lease_keys: AbstractSet[str] | None,
     no_move: Collection[str],
-    settings: LoadSettings | None,
+    strategy: AssignmentStrategy,
     rng: random.Random,
+    settings: LoadSettings = DEFAULT_SETTINGS,
     dead: Collection[str] = (),
     known_kbps: Mapping[str, float] | None = None,
     recency: Mapping[str, tuple[float, float]] | None = None,
 ) -> Assignment:
     """Who should own what: free and expired leases, and those assigned to a worker judged
     ``dead`` that never took them (``unclaimed``), go to the live workers with the fewest
-    leases; then leases move
-    from the busiest workers to the idlest - by count when ``settings`` is None or the fleet
-    reports no traffic (counts end within one of each other), else by load
-    (``choose_steals`` for each worker below the average, idlest first, on loads updated
-    with every move chosen before), every report first projected onto the leases just
-    scanned and assigned (``load.project``: a report predates the moves made since, and
-    judged as it is the worker that just got a lease looks idle enough to get another and
-    its giver busy enough to lose another, so a lease would go back and forth); a lease
-    that moved since its new owner's report weighs its ``known_kbps`` (the last KB/s a
-    report measured for it; by default what ``live`` reports). A lease being handed off
-    counts for the worker it moves to and never moves again; a lease whose owner is not
-    live but renews it (a Java KCL worker, a worker whose reports stopped) is left alone
-    and counted for nobody.
+    leases; then the assignment ``strategy`` moves live leases (``AssignmentStrategy.moves``:
+    by count, counts end within one of each other; by load, on every report first projected
+    onto the leases just scanned and assigned - ``assignment.project`` - with
+    ``settings``). A lease being handed off counts for the worker it moves to and never
+    moves again, nor does one in ``no_move``; a lease whose owner is not live but renews it
+    (a Java KCL worker, a worker whose reports stopped) is left alone and counted for
+    nobody.
 
     Among workers with as few leases, a free lease goes first to the one with the highest
     ``recency`` (worker -> how lately it showed it lives, compared as tuples; absent: the
@@ -449,66 +446,9 @@ def plan(
     movable = {worker: [lease for lease in keys
                         if lease.checkpoint_owner is None and lease.lease_key not in no_move]
                for worker, keys in owned.items()}
-    fleet_kbps = sum(report.kbps for report in live.values())
-    if settings is not None and fleet_kbps > 0:
-        owners = {lease.lease_key: worker for worker, keys in owned.items() for lease in keys}
-        owners.update((lease.lease_key, worker) for lease, worker in assign)
-        if known_kbps is None:
-            known_kbps = {key: kbps for report in live.values()
-                          for key, kbps in report.lease_kbps.items()}
-        move = _by_load(project(live, owners, known_kbps), movable, settings)
-    else:
-        move = _by_count(counts, movable, order)
+    move = strategy.moves(FleetView(
+        live, owned, assign, counts, movable, order, settings, known_kbps))
     return Assignment(tuple(assign), tuple(move), len(live))
-
-
-def _by_count(counts: dict[str, int], movable: dict[str, list[Lease]],
-              order: Mapping[str, float]) -> list[tuple[Lease, str]]:
-    move: list[tuple[Lease, str]] = []
-    counts = dict(counts)
-    while True:
-        ranked = sorted(counts, key=lambda w: (counts[w], order[w]))
-        low = ranked[0]
-        high = next((w for w in reversed(ranked)
-                     if movable[w] and counts[w] - counts[low] > 1), None)
-        if high is None:
-            return move
-        lease = movable[high].pop()
-        move.append((lease, low))
-        counts[high] -= 1
-        counts[low] += 1
-
-
-def _by_load(live: Mapping[str, WorkerLoad], movable: dict[str, list[Lease]],
-             settings: LoadSettings) -> list[tuple[Lease, str]]:
-    loads = dict(live)
-    owned = {worker: list(keys) for worker, keys in movable.items()}
-    move: list[tuple[Lease, str]] = []
-    chosen: set[str] = set()
-    average = sum(r.load for r in loads.values()) / len(loads)
-    for thief_id in sorted(loads, key=lambda w: (loads[w].load, w)):
-        thief = loads[thief_id]
-        if thief.load >= average:
-            break
-        others = {w: keys for w, keys in owned.items() if w != thief_id}
-        for lease in choose_steals(thief, loads, others, settings, chosen):
-            victim_id = lease.lease_owner
-            assert victim_id is not None
-            victim, thief = loads[victim_id], loads[thief_id]
-            kbps = victim.lease_kbps.get(lease.lease_key, 0.0)
-            there = victim.lease_load(lease.lease_key)
-            here = thief.load_of_kbps(kbps)
-            victim_leases = dict(victim.lease_kbps)
-            victim_leases.pop(lease.lease_key, None)
-            loads[victim_id] = replace(victim, load=victim.load - there,
-                                       kbps=victim.kbps - kbps, lease_kbps=victim_leases)
-            loads[thief_id] = replace(thief, load=thief.load + (there if here is None else here),
-                                      kbps=thief.kbps + kbps,
-                                      lease_kbps={**thief.lease_kbps, lease.lease_key: kbps})
-            owned[victim_id] = [k for k in owned[victim_id] if k.lease_key != lease.lease_key]
-            chosen.add(lease.lease_key)
-            move.append((lease, thief_id))
-    return move
 
 
 class RecentMoves:

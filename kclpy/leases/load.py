@@ -1,5 +1,5 @@
-"""Lease assignment by worker load (``--lease-assignment load``), the Java KCL 3.x idea
-without its leader.
+"""Worker load for lease assignment by load (``--lease-assignment load``, the strategy
+``assignment.LOAD``), the Java KCL 3.x idea, with or without its leader.
 
 Counting leases balances work only when every shard carries the same traffic and every
 worker runs as fast as the others. With a few hot partition keys some workers run hot while
@@ -14,16 +14,16 @@ others idle. Here each worker:
 2. *publishes* it (:class:`LoadTable`) as one item per worker in a table of its own,
    ``<lease table>-kclpyWorkerLoad``, so every worker reads the whole fleet's load with one
    small Scan of as many items as there are workers, never the lease table;
-3. *takes load* (:class:`LoadBalancing`), as the thief in kclpy's protocol always does: a
-   worker below the fleet's average looks for workers above the average by more than
-   ``reBalanceThresholdPercentage`` (or above itself by twice that) and asks (graceful
-   handoff) for leases worth its share of the gap, damped by ``dampeningPercentage``
-   (:func:`choose_steals` has the rules). A lease fits when the thief stays below what the
-   victim keeps and within the threshold above the average, so it cannot come back in the
-   next round. When no lease fits, ``allowThroughputOvershoot`` lets it take the one lease
-   whose move lowers the two workers' sum of squared loads the most: that sum falls with
-   every move, so again nothing flaps, and a fast worker can take a hot shard off a slow
-   one.
+3. *takes load* (:class:`LoadBalancing`'s rounds, decided by ``assignment.LOAD``), as the
+   thief in kclpy's protocol always does: a worker below the fleet's average looks for
+   workers above the average by more than ``reBalanceThresholdPercentage`` (or above itself
+   by twice that) and asks (graceful handoff) for leases worth its share of the gap, damped
+   by ``dampeningPercentage`` (``assignment.choose_steals`` has the rules). A lease fits
+   when the thief stays below what the victim keeps and within the threshold above the
+   average, so it cannot come back in the next round. When no lease fits,
+   ``allowThroughputOvershoot`` lets it take the one lease whose move lowers the two
+   workers' sum of squared loads the most: that sum falls with every move, so again nothing
+   flaps, and a fast worker can take a hot shard off a slow one.
 
 Free leases (a dead worker's, new shards) are still taken by the count rules of
 ``balancing.py``: a shard without history has no known load, and nothing must wait for a
@@ -38,16 +38,15 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import random
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from kclpy.leases.assignment import assignment_strategy
 from kclpy.leases.dynamo import TABLE_ERRORS, DynamoTable
-from kclpy.leases.lease import Lease
 from kclpy.metrics import BYTES_PROCESSED, RECORDS_PROCESSED, Metrics
 from kclpy.retry import spread
 
@@ -291,7 +290,7 @@ class LoadBalancing:
         #: the fleet's throughput in the last reports read (0: nothing to balance by load)
         self._fleet_kbps = 0.0
         #: lease key -> its KB/s in the latest fresh report that measured it: what a lease
-        #: that moved since its new owner's report weighs (:func:`project`)
+        #: that moved since its new owner's report weighs (``assignment.project``)
         self._known_kbps: dict[str, float] = {}
 
     def report_if_due(self, held: AbstractSet[str]) -> None:
@@ -311,55 +310,29 @@ class LoadBalancing:
         except TABLE_ERRORS as exc:
             log.warning("worker %s: publishing its load failed: %r", self.worker_id, exc)
 
-    def steals(
-        self,
-        leases: Iterable[Lease],
-        *,
-        held: AbstractSet[str],
-        live: Callable[[Lease], bool],
-        no_steal: Collection[str],
-        busy: bool,
-        count_steals: Iterable[Lease] = (),
-    ) -> list[Lease]:
-        """The leases to ask for in this cycle: by load when a balancing round is due and the
-        worker is not ``busy`` (taking free leases, or waiting for a handoff to it). While
-        the fleet reports no traffic at all (an idle stream, or before the first reports)
-        there is no load to balance, and the count rule's ``count_steals`` are made
-        instead, so that a fleet still spreads its leases before data flows."""
+    def balancing_round(self, held: AbstractSet[str], *,
+                        busy: bool) -> tuple[bool, dict[str, WorkerLoad] | None]:
+        """The worker-decides taker's round (``assignment.LOAD``): this worker's report
+        published when due, then whether the fleet reports any traffic (while it reports
+        none there is no load to balance, and the strategy counts instead) and the fleet's
+        fresh reports, read now, when a balancing round is due and the worker is not
+        ``busy`` (taking free leases, or waiting for a handoff to it); None otherwise, or
+        when the read failed."""
         self.report_if_due(held)
         now = self._clock()
         if self._fleet_kbps <= 0:
             if self._next_round is None or now >= self._next_round:
                 self._refresh(now)
             if self._fleet_kbps <= 0:
-                return list(count_steals)
+                return False, None
         if busy or (self._next_round is not None and now < self._next_round):
-            return []
-        reports = self._refresh(now)
-        if reports is None:
-            return []
-        owned: dict[str, list[Lease]] = {}
-        owners: dict[str, str] = {}
-        stopped: set[str] = set()
-        for lease in leases:
-            owner = lease.lease_owner
-            if owner is None or lease.is_finished or lease.parked is not None:
-                continue
-            if not live(lease):
-                stopped.add(owner)
-                continue
-            owners[lease.lease_key] = owner
-            if owner != self.worker_id and lease.checkpoint_owner is None:
-                owned.setdefault(owner, []).append(lease)
-        stopped.discard(self.worker_id)
-        fleet = project({w: r for w, r in reports.items() if w not in stopped}, owners,
-                        self._known_kbps)
-        return choose_steals(fleet[self.worker_id], fleet, owned, self.settings, no_steal)
+            return True, None
+        return True, self._refresh(now)
 
     @property
     def known_kbps(self) -> Mapping[str, float]:
         """Lease key -> its KB/s in the latest fresh report that measured it (for a
-        leader's :func:`project`)."""
+        strategy's ``assignment.project``)."""
         return self._known_kbps
 
     def fleet(self) -> dict[str, WorkerLoad] | None:
@@ -400,158 +373,13 @@ class LoadBalancing:
         return fleet
 
 
-def project(
-    reports: Mapping[str, WorkerLoad],
-    owners: Mapping[str, str],
-    known_kbps: Mapping[str, float],
-) -> dict[str, WorkerLoad]:
-    """Each report as of the lease table: the leases ``owners`` (lease key -> worker, a
-    lease being handed off counted for the worker it goes to) gives each reporter now,
-    those in its report at the KB/s it reported, those it gained since (or holds but has
-    not measured for a whole interval yet) at ``known_kbps`` - what their previous owner
-    reported - and those it lost since not at all; the load at the reporter's own cost per
-    KB/s. A report predates the moves made since: judged as it is, a worker that just took
-    a lease looks idle enough to take again, and its victim busy enough to lose another,
-    so the same lease can go back and forth. A lease nobody measured yet weighs the
-    average of the known ones."""
-    average_kbps = sum(known_kbps.values()) / len(known_kbps) if known_kbps else 0.0
-    measured = [r for r in reports.values() if r.kbps > 0]
-    fleet_cost = (sum(r.load for r in measured) / sum(r.kbps for r in measured)
-                  if measured else None)
-    keys: dict[str, list[str]] = {worker: [] for worker in reports}
-    for key, owner in owners.items():
-        if owner in keys:
-            keys[owner].append(key)
-    projected: dict[str, WorkerLoad] = {}
-    for worker, report in reports.items():
-        lease_kbps = {key: report.lease_kbps[key] if key in report.lease_kbps
-                      else known_kbps.get(key, average_kbps) for key in keys[worker]}
-        kbps = sum(lease_kbps.values())
-        cost = report.load / report.kbps if report.kbps > 0 else fleet_cost
-        load = report.load if cost is None else cost * kbps
-        projected[worker] = replace(report, load=load, kbps=kbps, lease_kbps=lease_kbps)
-    return projected
-
-
-def choose_steals(
-    mine: WorkerLoad,
-    fleet: Mapping[str, WorkerLoad],
-    owned: Mapping[str, list[Lease]],
-    settings: LoadSettings,
-    no_steal: Collection[str] = (),
-) -> list[Lease]:
-    """The leases ``mine`` should ask for, given every fresh report (``fleet``, this
-    worker's included) and the leases each other worker holds. Pure, so every rule is
-    tested without a table.
-
-    A *victim* is a worker above the average by more than the threshold, or above this
-    worker by more than twice the threshold (of the average): the second rule is what still
-    balances the rest of the fleet when one worker is far above the average with a lease
-    that cannot move (a single hot shard), which lifts the average above everyone else.
-    From each victim, most loaded first, this worker takes leases worth at most the damped
-    half of the gap between them divided by the number of workers that see the same victim
-    (so that they do not all take the same excess at once), and stops once it took the
-    damped part of its own deficit under the average; a lease is taken only if
-    this worker stays below what the victim keeps and within the threshold above the
-    average, so no lease can come back in the next round. When none fits,
-    ``allow_overshoot`` allows one move that lowers the pair's sum of squared loads
-    (:meth:`_Thief.overshoot`).
-    """
-    if len(fleet) < 2:
-        return []
-    average = sum(r.load for r in fleet.values()) / len(fleet)
-    if average <= 0 or mine.load >= average:
-        return []
-    gap = 2 * settings.threshold * average
-    ceiling = average * (1 + settings.threshold)
-
-    def is_victim(victim: WorkerLoad, thief: WorkerLoad) -> bool:
-        return victim.load > ceiling or victim.load - thief.load > gap
-
-    thief = _Thief(mine, room=ceiling - mine.load,
-                   kbps_room=math.inf if settings.max_kbps is None
-                   else settings.max_kbps - mine.kbps)
-    victims = sorted((r for w, r in fleet.items() if w in owned and is_victim(r, mine)),
-                     key=lambda r: (-r.load, r.worker_id))
-    for victim in victims:
-        thieves = sum(1 for r in fleet.values() if r.load < average and is_victim(victim, r))
-        quota = settings.dampening * (victim.load - thief.load) / 2 / max(1, thieves)
-        left = victim.load
-        candidates = sorted(
-            (lease for lease in owned[victim.worker_id] if lease.lease_key not in no_steal),
-            key=lambda lease: (-victim.lease_load(lease.lease_key), lease.lease_key))
-        before = len(thief.chosen)
-        for lease in candidates:
-            taken = thief.take(victim, lease, left, quota)
-            if taken is not None:
-                quota -= taken[1]
-                left -= taken[0]
-        if len(thief.chosen) == before and settings.allow_overshoot:
-            thief.overshoot(victim, candidates, left)
-        if (thief.room <= 0 or thief.load >= average
-                or thief.load - mine.load >= settings.dampening * (average - mine.load)):
-            break
-    return thief.chosen
-
-
-class _Thief:
-    """What one balancing round has chosen so far, and the room left."""
-
-    def __init__(self, mine: WorkerLoad, *, room: float, kbps_room: float) -> None:
-        self.mine = mine
-        self.load = mine.load
-        self.room = room
-        self.kbps_room = kbps_room
-        self.chosen: list[Lease] = []
-
-    def take(self, victim: WorkerLoad, lease: Lease, left: float,
-             budget: float) -> tuple[float, float] | None:
-        """Choose ``lease`` if it fits ``budget`` and the rules; (its load on the victim,
-        its load here) when chosen. ``left`` is what the victim keeps so far."""
-        kbps = victim.lease_kbps.get(lease.lease_key, 0.0)
-        there = victim.lease_load(lease.lease_key)
-        here = self.mine.load_of_kbps(kbps)
-        cost = there if here is None else here
-        if not (0 < cost <= min(budget, self.room) and kbps <= self.kbps_room
-                and self.load + cost <= left - there):
-            return None
-        self._choose(lease, cost, kbps)
-        return there, cost
-
-    def overshoot(self, victim: WorkerLoad, candidates: list[Lease], left: float) -> None:
-        """No lease fits the share: take the one whose move lowers the two workers' sum of
-        squared loads the most, if any does. That sum falls with every such move and would
-        rise with the move back, so no lease can flap; and unlike "stay below the victim"
-        it lets a fast worker take a hot lease off a slow one although it is then the
-        busier of the two (others take load from it next)."""
-        best: tuple[float, Lease, float, float] | None = None
-        for lease in candidates:
-            kbps = victim.lease_kbps.get(lease.lease_key, 0.0)
-            there = victim.lease_load(lease.lease_key)
-            here = self.mine.load_of_kbps(kbps)
-            cost = there if here is None else here
-            if cost <= 0 or kbps > self.kbps_room:
-                continue
-            change = ((self.load + cost) ** 2 + (left - there) ** 2
-                      - self.load ** 2 - left ** 2)
-            if change < 0 and (best is None or change < best[0]):
-                best = (change, lease, cost, kbps)
-        if best is not None:
-            self._choose(best[1], best[2], best[3])
-
-    def _choose(self, lease: Lease, cost: float, kbps: float) -> None:
-        self.chosen.append(lease)
-        self.load += cost
-        self.room -= cost
-        self.kbps_room -= kbps
-
-
 def load_balancing(config: KCLConfig, client: DynamoDBClient,
                    metrics: Metrics) -> LoadBalancing | None:
     """The worker's load balancing for ``--lease-assignment load`` (None for ``count``,
     unless ``--lease-assigner leader``, whose liveness is the load reports): the Java KCL 3.x
     knobs read as docs/configuration.md says."""
-    if config.lease_assignment != "load" and config.lease_assigner != "leader":
+    if (not assignment_strategy(config.lease_assignment).uses_load
+            and config.lease_assigner != "leader"):
         return None
     failover_s = config.failover_time_ms / 1000
     settings = LoadSettings(

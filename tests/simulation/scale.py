@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from kclpy.leases import serializer as ser
+from kclpy.leases.assignment import COUNT, LOAD
 from kclpy.leases.budget import java_taker_interval
-from kclpy.leases.coordinator import LeaseCoordinator
+from kclpy.leases.coordinator import LeaseAssignment, LeaseCoordinator
 from kclpy.leases.leader import LeaderLock, LeaderMode
 from kclpy.leases.lease import Lease
 from kclpy.leases.load import (
@@ -400,11 +401,12 @@ class SimWorker:
                 rng=fleet.worker_rng(worker_id, "reports"))
             lock = LeaderLock(reports.table, worker_id, failover_time_s=fleet.spec.failover_s,
                               clock=fleet.clock, rng=fleet.worker_rng(worker_id, "lock"))
-            self.leader = LeaderMode(lock, reports, by_load=fleet.load_settings is not None)
+            self.leader = LeaderMode(lock, reports)
+        strategy = COUNT if fleet.load_settings is None else LOAD
         self.coordinator = LeaseCoordinator(
             table, worker_id, failover_time_s=fleet.spec.failover_s, clock=fleet.clock,
             renewal_threads=1, rng=random.Random(fleet.rng.getrandbits(64)),
-            load=None if self.leader else self.load, leader=self.leader,
+            assignment=LeaseAssignment(strategy, self.load, self.leader),
             **fleet.coordinator_options)
         # Renewals run inline: a pool thread per worker would cost two thread switches per
         # renewal, which on a busy machine is most of a run's wall time, and the order of
