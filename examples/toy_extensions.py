@@ -114,10 +114,6 @@ class DictStateStore:
     def open(self, dynamodb: Any) -> None:
         """Nothing to create."""
 
-    def move_position(self, lease_key: str, position: Any, *, tenure: int,
-                      incarnation: str | None, gaps: Any) -> None:
-        """Nothing to move: the lease item's checkpoint is this store's position."""
-
     def begin_tenure(self, writer: Any, lease_key: str, token: str) -> None:
         """Nothing to claim: the fence on the lease item guards every commit."""
         return None
@@ -229,7 +225,7 @@ def run(records: int = 40, shards: int = 2) -> list[str]:
         kinesis = session.client("kinesis", endpoint_url=endpoint.url)
         kinesis.create_stream(StreamName=name, ShardCount=shards)
         kinesis.get_waiter("stream_exists").wait(
-            StreamName=name, WaiterConfig={"Delay": 0.1, "MaxAttempts": 300})
+            StreamName=name, WaiterConfig={"Delay": 1, "MaxAttempts": 30})
         written = {}
         for n in range(records):
             put = kinesis.put_record(StreamName=name, Data=f"{n}".encode(), PartitionKey=f"k{n}")

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from kclpy.state.dynamodb import DynamoDBStateStore
     from kclpy.state.processor import StatefulProcessor
     from kclpy.state.sql import SQLStateStore, StateStoreUnavailable
-    from kclpy.state.store import StateStore
+    from kclpy.state.store import PositionKeepingStore, StateStore
     from kclpy.state.transaction import DELETED as STATE_DELETED
     from kclpy.state.transaction import Limits as StateLimits
     from kclpy.state.transaction import StateTransaction, TransactionTooLarge, Versioned
@@ -70,6 +70,7 @@ _STATE = {
     "SQLStateStore": "kclpy.state.sql",
     "StateStoreUnavailable": "kclpy.state.sql",
     "StateStore": "kclpy.state.store",
+    "PositionKeepingStore": "kclpy.state.store",
     "register_store": "kclpy.state",
     "StateTransaction": "kclpy.state.transaction",
     "TransactionTooLarge": "kclpy.state.transaction",
@@ -111,6 +112,7 @@ __all__ = [
     "Metrics",
     "MetricsBackend",
     "PageSource",
+    "PositionKeepingStore",
     "ProcessRecordsInput",
     "ProcessorRestartRequired",
     "Record",

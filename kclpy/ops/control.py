@@ -72,7 +72,7 @@ from kclpy.recovery import queue as gaps
 from kclpy.recovery import requests as asked
 from kclpy.retry import error_code
 from kclpy.state import open_store
-from kclpy.state.store import StateStore
+from kclpy.state.store import PositionKeepingStore, keeps_own_position
 from kclpy.streams import StreamIdentifier
 
 #: exit code when the command refused to act or the lease moved under it
@@ -448,7 +448,7 @@ def set_checkpoint(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
     return 0
 
 
-def _write_moves(table: LeaseTable, store: StateStore | None, moves: Sequence[Move], *,
+def _write_moves(table: LeaseTable, store: PositionKeepingStore | None, moves: Sequence[Move], *,
                  force: bool) -> None:
     """Write ``moves`` (parents first), noting each one's outcome on it."""
     not_moved: set[str] = set()
@@ -500,22 +500,22 @@ def _create(table: LeaseTable, lease: Lease, target: Target, parked: str | None 
     return created
 
 
-def _position_keeping_store(spec: str) -> StateStore | None:
+def _position_keeping_store(spec: str) -> PositionKeepingStore | None:
     """The state store ``spec`` names when it keeps positions of its own
-    (``StateStore.keeps_position``), opened; None for one whose position is the lease
+    (``keeps_own_position``), opened; None for one whose position is the lease
     item's checkpoint, which moves with it."""
     try:
         store = open_store(spec)
     except ConfigError as exc:
         raise ConfigError("--state-store", exc.message) from None
-    if not store.keeps_position:
+    if not keeps_own_position(store):
         return None
     store.open(None)
     return store
 
 
-def _move_with_store(table: LeaseTable, store: StateStore, lease: Lease, target: Target, *,
-                     force: bool, create: bool = False) -> None:
+def _move_with_store(table: LeaseTable, store: PositionKeepingStore, lease: Lease,
+                     target: Target, *, force: bool, create: bool = False) -> None:
     """Move the lease's checkpoint and the store's own position for it together.
 
     A stateful processor resumes after the later of the two, so the store must move too.
@@ -816,7 +816,7 @@ def recovery_cancel(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
     return 0
 
 
-def _forget_cancelled(table: LeaseTable, store: StateStore, written: Lease,
+def _forget_cancelled(table: LeaseTable, store: PositionKeepingStore, written: Lease,
                       dropped: Sequence[gaps.RecoveryRequest],
                       kept: Sequence[gaps.RecoveryRequest], holding: str | None) -> None:
     """The cancelled gaps' rows out of a state store that keeps them, once the queue of a

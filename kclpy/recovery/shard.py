@@ -17,7 +17,7 @@ checkpoint stays queued and is read again, from its checkpoint, by the shard's n
 A state store that keeps its own positions (the SQL store) outlives the lease item, which a
 lease-table reset deletes with its queue: the lease created again resumes from the store's live
 position, past any gap being recovered. So the store learns each gap before the queue holding
-it is written (``StateStore.record_gaps``) and forgets it once a write took it out
+it is written (``PositionKeepingStore.record_gaps``) and forgets it once a write took it out
 (``drop_gaps``); a tenure that begins re-queues every gap the store still holds that its
 lease's queue lacks, from the store's progress to the gap's end (simulator seed 186).
 
@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kclpy.checkpoint import Checkpointer
 from kclpy.errors import CheckpointError, ShutdownException
@@ -66,7 +66,7 @@ from kclpy.retrieval.polling import Pacer
 
 if TYPE_CHECKING:
     from kclpy.leases.fence import Guard, LeaseFence
-    from kclpy.state.store import StateStore
+    from kclpy.state.store import PositionKeepingStore, StateStore
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,8 @@ class ShardRecovery:
                        else functools.partial(store.begin_tenure, fence, lease_key, token))
         self._claimed = False
         #: the store that keeps gaps beside the lease item's queue (``keeps_position``)
-        self._gap_store = store if store is not None and store.keeps_position else None
+        self._gap_store = (cast("PositionKeepingStore", store)
+                           if store is not None and store.keeps_position else None)
         #: the gaps ``_gap_store`` holds a row of, as this tenure recorded them (None: a
         #: row it has not recorded, its end maybe unknown)
         self._recorded: dict[Position, tuple[int, int | None, str | None, str | None] | None] = {}

@@ -21,13 +21,12 @@ assumed the key absent must be refused when another shard created it meanwhile.
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from kclpy.checkpoint import CheckpointWriter
 from kclpy.leases.dynamo import DynamoTable
 from kclpy.position import Position
-from kclpy.recovery.queue import RecoveryRequest
 from kclpy.state.store import CommittedCache
 from kclpy.state.transaction import DELETED, Limits, StateTransaction, Versioned
 
@@ -70,10 +69,6 @@ class DynamoDBStateStore:
         if self._table is None:
             raise RuntimeError(f"state store {self.table_name} used before open()")
         return self._table
-
-    def move_position(self, lease_key: str, position: Position, *, tenure: int,
-                      incarnation: str | None, gaps: Collection[Position]) -> None:
-        """Nothing to move: the lease item's checkpoint moved is this store's position."""
 
     def read(self, key: str) -> Versioned:
         return self._cache.read(key, self._fetch)
@@ -118,21 +113,6 @@ class DynamoDBStateStore:
     def gap_position(self, lease_key: str, gap: Position) -> Position | None:
         """Nothing stored here: a gap's checkpoint in the lease item commits with its state."""
         return None
-
-    def record_gaps(self, writer: CheckpointWriter, lease_key: str, token: str,
-                    queue: Sequence[RecoveryRequest]) -> None:
-        """Nothing to keep: a gap's end and checkpoint live in the lease item's queue, which
-        a lease-table reset deletes together with the position it would resume from."""
-
-    def drop_gaps(self, writer: CheckpointWriter, lease_key: str, token: str,
-                  gaps: Collection[Position]) -> None:
-        """Nothing kept, nothing to drop."""
-
-    def forget_gaps(self, lease_key: str, gaps: Collection[Position]) -> None:
-        """Nothing kept, nothing to forget."""
-
-    def stored_gaps(self, lease_key: str) -> dict[Position, RecoveryRequest | None]:
-        return {}
 
     def items(self, txn: StateTransaction) -> list[Any]:
         """The transaction's entries besides the lease item: each write, and a check of

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 from kclpy.checkpoint import CheckpointWriter
 from kclpy.position import Position
@@ -23,19 +23,10 @@ class StateStore(Protocol):
     #: what one transaction may hold
     limits: Limits
     #: the store keeps each lease's position itself, beside the lease item's checkpoint (a
-    #: stateful processor resumes after the later of the two): an operator's move of a
-    #: checkpoint must move the store's too (``move_position``). False: the lease item's
-    #: checkpoint is the store's own, and moves with it.
+    #: stateful processor resumes after the later of the two), and is then a
+    #: :class:`PositionKeepingStore`. False: the lease item's checkpoint is the store's own,
+    #: and moves with it.
     keeps_position: bool
-
-    def move_position(self, lease_key: str, position: Position, *, tenure: int,
-                      incarnation: str | None, gaps: Collection[Position]) -> None:
-        """An operator moved ``lease_key``'s checkpoint to ``position`` (``kclpy checkpoint
-        set --state-store``), the lease now at counter ``tenure`` (and, for a lease created
-        again, ``incarnation``): move the store's own position there, refuse commits of
-        earlier tenures, and forget the progress of every gap not in ``gaps`` (the queue
-        the move kept). Called only when ``keeps_position``; a store that keeps none does
-        nothing."""
 
     def open(self, dynamodb: Any) -> None:
         """Get ready (create what is missing), given the worker's DynamoDB client."""
@@ -77,32 +68,52 @@ class StateStore(Protocol):
         """The position the store last committed for ``gap`` of ``lease_key``, or None when
         the gap's checkpoint in the lease item is the store's own (the DynamoDB store)."""
 
+    def forget(self, keys: Sequence[str]) -> None:
+        """What is known of ``keys`` may be stale (a conflicting writer, a new tenure)."""
+
+
+class PositionKeepingStore(StateStore, Protocol):
+    """A store that keeps each lease's position (and each lag-recovery gap's) itself,
+    beside the lease item (``keeps_position`` True): an operator's move of a checkpoint
+    must move the store's too, and the gaps must be kept where a lease-table reset, which
+    deletes the lease item's queue, cannot lose them. A store whose position is the lease
+    item's checkpoint has none of this to do, and implements :class:`StateStore` alone."""
+
+    def move_position(self, lease_key: str, position: Position, *, tenure: int,
+                      incarnation: str | None, gaps: Collection[Position]) -> None:
+        """An operator moved ``lease_key``'s checkpoint to ``position`` (``kclpy checkpoint
+        set --state-store``), the lease now at counter ``tenure`` (and, for a lease created
+        again, ``incarnation``): move the store's own position there, refuse commits of
+        earlier tenures, and forget the progress of every gap not in ``gaps`` (the queue
+        the move kept)."""
+
     def record_gaps(self, writer: CheckpointWriter, lease_key: str, token: str,
                     queue: Sequence[RecoveryRequest]) -> None:
         """The holder is about to write ``queue`` to the lease item: keep each gap's end (and,
         for a gap new to the store, its checkpoint), fenced like a commit. A lease-table
         reset deletes the queue with the lease item; a store that keeps positions would
-        otherwise resume past a gap it can no longer tell the end of (simulator seed 186).
-        Called only when ``keeps_position``."""
+        otherwise resume past a gap it can no longer tell the end of (simulator seed 186)."""
 
     def drop_gaps(self, writer: CheckpointWriter, lease_key: str, token: str,
                   gaps: Collection[Position]) -> None:
         """``gaps`` (by where they start) left the lease item's queue in a write that
-        landed: forget them, fenced like a commit. Called only when ``keeps_position``."""
+        landed: forget them, fenced like a commit."""
 
     def forget_gaps(self, lease_key: str, gaps: Collection[Position]) -> None:
         """An operator took ``gaps`` (by where they start) out of the queue of a lease
         nobody holds, parked meanwhile (``kclpy recovery cancel --state-store``): forget
         them, unfenced - no tenure runs - or the next tenure would queue them again as gaps
-        a lease-table reset lost. Called only when ``keeps_position``."""
+        a lease-table reset lost."""
 
     def stored_gaps(self, lease_key: str) -> dict[Position, RecoveryRequest | None]:
         """The gaps the store keeps for ``lease_key``, by where they start: each as queued,
         its checkpoint where the store's commits reached; None when the store knows its
-        progress but not its end. Called only when ``keeps_position``."""
+        progress but not its end."""
 
-    def forget(self, keys: Sequence[str]) -> None:
-        """What is known of ``keys`` may be stale (a conflicting writer, a new tenure)."""
+
+def keeps_own_position(store: StateStore) -> TypeGuard[PositionKeepingStore]:
+    """The store's declaration, for the callers that move or keep its positions."""
+    return store.keeps_position
 
 
 #: committed values remembered per store, beyond which the cache starts over
