@@ -19,8 +19,6 @@ OPEN_36: dict[int, frozenset[str]] = {
     # before creating a child's lease and an overdue lease stayed due past its expiry (both
     # for seed 260 and the leader's failover time): FOUND.md, "Open after the leader's
     # failover fixes"
-    380: frozenset({"no-collateral-loss"}),
     403: frozenset({"exactly-once", "liveness"}),
-    665: frozenset({"no-collateral-loss"}),
     694: frozenset({"liveness"}),
 }
