@@ -363,7 +363,8 @@ class LeaseTaker:
                    for worker, report in live.items()} if self._dead else None
         decided = leader.plan(
             leases, live, is_expired=lambda lease: self._balancer.is_expired(lease, now),
-            known_lease_keys=known, no_move=self._recent_moves.keys(now, hold),
+            known_lease_keys=leader.known_below(known, leases),
+            no_move=self._recent_moves.keys(now, hold),
             settings=settings if mode.by_load else None, rng=self._rng or random.Random(),
             dead=set(self._dead), known_kbps=mode.reports.known_kbps, recency=recency)
         taken: list[Lease] = []
