@@ -53,11 +53,12 @@ class CheckpointWriter(Protocol):
         None when the table holds none (the lease gone). Raises as ``update_checkpoint``."""
 
     def guard(
-        self, lease_key: str, concurrency_token: str | None, *, what: str
+        self, lease_key: str, concurrency_token: str | None, *, what: str, wait: bool = True
     ) -> AbstractContextManager[Guard]:
         """Hold the lease for a write to another store (a SQL transaction) that fences
         itself on ``Guard.tenure``; raise ``LeaseLostError`` inside to report a newer
-        tenure. Raises ``ShutdownException`` when the lease is (found) lost."""
+        tenure. Raises ``ShutdownException`` when the lease is (found) lost, and without
+        ``wait`` ``LeaseBusy`` when another write of the lease holds it now."""
 
 
 class StartWriter(Protocol):

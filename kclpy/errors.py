@@ -63,6 +63,13 @@ class LeaseLostError(KCLError):
     """Internal signal: a conditional write on a lease failed because someone else owns it."""
 
 
+class LeaseBusy(KCLError):
+    """Internal signal: a guard told not to wait (``LeaseFence.guard``'s ``wait``) found the
+    lease's lock taken by another write of it, a renewal or a checkpoint on its way. Whoever
+    guards several leases at once waits for a lock only while it holds none: a slow answer
+    to one lease's write must not hold back the renewals of the others."""
+
+
 class TransactionRejected(KCLError):
     """A fenced transaction was cancelled by one of the caller's own items (its condition
     failed, or it was invalid); the lease item's condition held, so the lease is still ours.

@@ -19,6 +19,7 @@ from kclpy.checkpoint import Checkpointer
 from kclpy.consumer import ShardConsumer
 from kclpy.errors import (
     KinesisClientLibDependencyException,
+    LeaseBusy,
     LeaseLostError,
     ShutdownException,
     ThrottlingException,
@@ -561,6 +562,23 @@ def test_a_guarded_write_gets_the_tenure_and_reports_a_newer_one_as_lost(
     assert a.lost.keys == ["s1"] and a.held.get("s1") is None
     with pytest.raises(ShutdownException), a.fence.guard("s1", token, what="commit"):
         pytest.fail("a lost lease must not run the block")
+
+
+def test_a_guard_told_not_to_wait_refuses_a_lease_another_write_holds_and_takes_nothing(
+    table: LeaseTable, clock: Clock
+) -> None:
+    """The micro-batcher's commit fence holds several leases; it asks the others without
+    waiting, so a slow renewal of one never holds back the rest (simulator seed 665)."""
+    a = Worker(table, "A", clock)
+    token = a.take("s1")
+    lock = a.held.lock_for("s1")
+    # the lock held as by a renewal waiting for its answer
+    with lock, pytest.raises(LeaseBusy), a.fence.guard("s1", token, what="commit", wait=False):
+        pytest.fail("the block ran while another write held the lease")
+    assert not lock.locked()
+    with a.fence.guard("s1", token, what="commit", wait=False) as guard:
+        assert lock.locked() and guard.lease.lease_key == "s1"
+    assert not lock.locked() and a.lost.keys == []
 
 
 def test_every_new_tenure_starts_above_every_counter_of_the_one_before(

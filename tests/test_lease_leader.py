@@ -451,3 +451,31 @@ def test_a_leader_moves_a_lease_whose_holder_renewed_since_the_scan() -> None:
     assert _taker(leader)._hand(scanned["s2"], "L") is False
     s2 = table.get("s2")
     assert s2 is not None and (s2.lease_owner, s2.checkpoint_owner) == ("X", None)
+
+
+def test_a_new_leader_assigns_the_leases_below_its_last_listing_before_it_syncs() -> None:
+    """Only the leader syncs shards, so a worker that has just taken over knows the shards
+    of its last own sync (start-up, here: s0 and s1) and not the merge child s2, nor s2's
+    child s3, that the previous leader created since. Those were left unassigned until the
+    new leader's first sync, a shard sync interval later (simulator seed 403: the merge
+    child, unread for 5 s, aged out). A lease below a known shard is assigned at the first
+    pass; one of a shard nobody listed (x9, no known parent) still is not."""
+    backend = Dynamo(Sim(0))
+    table, _ = _tables(backend)
+    table.ensure_owner_index()
+    for lease in (Lease("s2", parent_shard_ids=frozenset({"s0", "s1"})),
+                  Lease("s3", parent_shard_ids=frozenset({"s2"})),
+                  Lease("x9", parent_shard_ids=frozenset({"x8"}))):
+        assert table.create(lease)
+    clock = _Clock()
+    leader = _led_worker(table, "L", clock)
+    leader.set_known_lease_keys({"s0", "s1"})
+    assert leader.run_taker_once() == []  # wins the lock; a cold start's first pass waits
+    assert leader.leads() is True
+    clock.now += _FAILOVER / 3  # the first pass
+
+    taken = leader.run_taker_once()
+
+    assert sorted(lease.lease_key for lease in taken) == ["s2", "s3"]
+    untouched = table.get("x9")
+    assert untouched is not None and untouched.lease_owner is None

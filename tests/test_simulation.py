@@ -79,14 +79,17 @@ FOUND_36: list[tuple[int, str, str]] = [
     (1345, "liveness", "new: a finished parent taken for its gaps"),
     # the leader histories (FOUND.md, "Found by the leader histories")
     (260, "liveness", "shard sync on a scan from before a reset"),
+    # after the leader's failover fixes (FOUND.md, "Open after the leader's failover fixes")
+    (665, "no-collateral-loss", "the commit fence held leases while it waited"),
+    (403, "liveness", "a new leader's listing from before a merge"),
 ]
 
 #: the seeds of FOUND_36 whose holes are fixed (FOUND.md, "After the fixes were merged", "The
-#: fifteen analysed", "The micro-batch path with zombie writers" and "Found by the leader
-#: histories"): each must replay clean;
+#: fifteen analysed", "The micro-batch path with zombie writers", "Found by the leader
+#: histories" and "Open after the leader's failover fixes"): each must replay clean;
 #: any other stays a strict xfail until its fix is merged
 FIXED_36 = frozenset({19, 189, 7, 223, 794, 546, 72, 21, 169, 559, 173, 706, 971, 341, 458,
-                      464, 292, 30, 65, 25, 1345, 260})
+                      464, 292, 30, 65, 25, 1345, 260, 665, 403})
 
 #: seeds of FOUND_36 whose plan has moved on since they were found (the world grew): 260 was
 #: a leader history on the SQL store and now plans the micro-batch path; its mechanism is
@@ -194,7 +197,7 @@ def test_classic_seeds_keep_their_world() -> None:
 def test_the_micro_batch_seeds_and_only_they_run_the_micro_batch_path() -> None:
     """The seeds that found the micro-batch path's holes run it; the seeds found before it
     was hosted keep the world they were found in."""
-    microbatch = {30, 65, 25, 1345}
+    microbatch = {30, 65, 25, 1345, 665}
     assert {seed for seed, _, _ in FOUND_36} >= microbatch
     for seed, _, _ in [*FOUND, *FOUND_36]:
         if seed in MOVED_WORLD:

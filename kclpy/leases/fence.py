@@ -38,6 +38,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from kclpy.errors import (
     EarlierTransactionLanded,
     KinesisClientLibDependencyException,
+    LeaseBusy,
     LeaseLostError,
     ShutdownException,
     ThrottlingException,
@@ -133,12 +134,19 @@ class LeaseFence:
         return self.write(lease_key, token, write, what=what, transaction=True)
 
     @contextmanager
-    def guard(self, lease_key: str, token: str | None, *, what: str) -> Iterator[Guard]:
+    def guard(self, lease_key: str, token: str | None, *, what: str,
+              wait: bool = True) -> Iterator[Guard]:
         """Run a write to another store while holding the lease's lock (renewals and
         checkpoints of this lease wait for it). Raises ``ShutdownException`` before the block
-        when the lease is not held, and after it when the block raised ``LeaseLostError``."""
+        when the lease is not held, and after it when the block raised ``LeaseLostError``.
+        Without ``wait``, a lock another write of the lease holds raises ``LeaseBusy`` at
+        once: a caller that already holds other leases' locks must not sit on them while a
+        slow write finishes (``MicroBatcher``'s commit fence)."""
         lost_why: str | None = None
-        with self.held.lock_for(lease_key):
+        lock = self.held.lock_for(lease_key)
+        if not lock.acquire(blocking=wait):
+            raise LeaseBusy(f"shard {lease_key}: another write of the lease is on its way")
+        try:
             held = self._holding(lease_key, token)
             if self._expired(held):
                 lost_why = "not renewed for longer than the failover time"
@@ -151,6 +159,8 @@ class LeaseFence:
                 except LeaseLostError as exc:
                     lost_why = f"{what} found a newer tenure: {exc}"
                     self.held.drop(lease_key, lost_why)
+        finally:
+            lock.release()
         if lost_why is not None:
             self.held.notify_lost(lease_key)
             raise ShutdownException(f"shard {lease_key}: lease lost ({lost_why})")

@@ -330,8 +330,8 @@ class ShardRecovery:
 
             self._store(change, items, finished)
 
-    def guard(self, what: str) -> AbstractContextManager[Guard]:
-        return self._fence.guard(self.lease_key, self._token, what=what)
+    def guard(self, what: str, wait: bool = True) -> AbstractContextManager[Guard]:
+        return self._fence.guard(self.lease_key, self._token, what=what, wait=wait)
 
     def durable(self, gap: Position) -> Position | None:
         """``gap``'s checkpoint in the lease item as the table holds it now (read
@@ -687,8 +687,8 @@ class GapWriter:
         return self._recovery.durable(self._gap)
 
     def guard(self, lease_key: str, concurrency_token: str | None, *,
-              what: str) -> AbstractContextManager[Guard]:
-        return self._recovery.guard(what)
+              what: str, wait: bool = True) -> AbstractContextManager[Guard]:
+        return self._recovery.guard(what, wait)
 
 
 def _through(result: Page[Records], last_sequence: str) -> Page[Records]:

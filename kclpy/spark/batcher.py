@@ -49,6 +49,7 @@ from kclpy.checkpoint import Checkpointer
 from kclpy.errors import (
     CheckpointError,
     InvalidStateException,
+    LeaseBusy,
     ShutdownException,
 )
 from kclpy.metrics import (
@@ -588,16 +589,17 @@ class MicroBatcher:
             for p in parts)
 
     @staticmethod
-    def _guard(part: _Part, what: str) -> AbstractContextManager[Guard]:
+    def _guard(part: _Part, what: str, wait: bool = True) -> AbstractContextManager[Guard]:
         """The lease fence's guard of ``part``'s tenure (the writer and token its
         checkpointer holds: a gap's checkpointer guards the same lease and tenure)."""
         return part.checkpointer.fenced(
-            lambda writer, lease_key, token: writer.guard(lease_key, token, what=what))
+            lambda writer, lease_key, token: writer.guard(lease_key, token, what=what,
+                                                          wait=wait))
 
     @staticmethod
     def _by_lease(parts: Sequence[_Part]) -> dict[str, _Part]:
         """One part per lease key (a live part and a gap's share the lease and its lock),
-        in key order, so that the locks of several leases are always taken in one order."""
+        in key order."""
         first: dict[str, _Part] = {}
         for part in parts:
             first.setdefault(part.shard.lease_key, part)
@@ -616,18 +618,37 @@ class MicroBatcher:
 
     @contextmanager
     def _commit_fence(self, parts: Sequence[_Part]) -> Iterator[Mapping[str, Guard]]:
-        """``BatchInfo.commit_fence``: every part's lease held for the block."""
-        guards: dict[str, Guard] = {}
-        lost: set[str] = set()
-        with ExitStack() as stack:
-            for lease_key, part in self._by_lease(parts).items():
-                try:
-                    guards[lease_key] = stack.enter_context(self._guard(part, "spark sink commit"))
-                except ShutdownException:
-                    lost.add(lease_key)
-            if lost:
-                raise FencedOut(lost, "no longer held by this worker's tenure")
-            yield guards
+        """``BatchInfo.commit_fence``: every part's lease held for the block.
+
+        A lease's lock is waited for only while no other is held: the first one taken
+        waits, the others are tried, and one another write holds (``LeaseBusy``) makes the
+        fence let go of all it took and wait for that one first. A fence that kept the
+        locks it had while a renewal of another lease waited for a slow DynamoDB answer
+        held back the renewals of those leases too, and lost them to their expiry
+        (simulator seeds 665 and 380)."""
+        by_lease = self._by_lease(parts)
+        first = next(iter(by_lease), None)
+        while True:
+            guards: dict[str, Guard] = {}
+            lost: set[str] = set()
+            busy: str | None = None
+            order = [] if first is None else [first, *(k for k in by_lease if k != first)]
+            with ExitStack() as stack:
+                for lease_key in order:
+                    try:
+                        guards[lease_key] = stack.enter_context(self._guard(
+                            by_lease[lease_key], "spark sink commit", wait=not guards))
+                    except LeaseBusy:
+                        busy = lease_key
+                        break
+                    except ShutdownException:
+                        lost.add(lease_key)
+                if busy is None:
+                    if lost:
+                        raise FencedOut(lost, "no longer held by this worker's tenure")
+                    yield guards
+                    return
+            first = busy
 
     def _drop_fenced(self, parts: list[_Part], lease_keys: Collection[str],
                      why: str) -> list[_Part]:

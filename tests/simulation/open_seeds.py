@@ -7,20 +7,12 @@ the soak green while they are open, and fails when a seed breaks anything else o
 breaks (then take it out: its hole was fixed). Regenerate it after a fix is merged.
 Seed 260, found when leader mode went to nearly two seeds in three (FOUND.md, "Found by
 the leader histories"), is fixed: a shard sync that would create a child's lease reads the
-table first instead of trusting a scan from before a lease-table reset. The four seeds
-below broke after that fix and the leader's failover fix moved the leader histories'
-schedules; all four are leader histories, not yet analysed to the end.
+table first instead of trusting a scan from before a lease-table reset. Four leader
+histories broke after that fix and the leader's failover fix moved the leader histories'
+schedules (380, 403, 665, 694); three are fixed and 694 stopped breaking when 403's fix
+moved its schedule (FOUND.md, "Open after the leader's failover fixes").
 """
 
 from __future__ import annotations
 
-OPEN_36: dict[int, frozenset[str]] = {
-    # leader-assigned histories that broke once the leader's shard sync read the table again
-    # before creating a child's lease and an overdue lease stayed due past its expiry (both
-    # for seed 260 and the leader's failover time): FOUND.md, "Open after the leader's
-    # failover fixes"
-    380: frozenset({"no-collateral-loss"}),
-    403: frozenset({"exactly-once", "liveness"}),
-    665: frozenset({"no-collateral-loss"}),
-    694: frozenset({"liveness"}),
-}
+OPEN_36: dict[int, frozenset[str]] = {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,7 +16,7 @@ import pyarrow as pa
 import pytest
 
 from kclpy.checkpoint import Checkpointer
-from kclpy.errors import ShutdownException, ThrottlingException
+from kclpy.errors import LeaseBusy, ShutdownException, ThrottlingException
 from kclpy.leases.fence import Guard
 from kclpy.leases.lease import Lease
 from kclpy.position import Position
@@ -40,9 +40,11 @@ FAST = BatchOptions(min_interval_s=0.0, max_interval_s=0.05, retry_base_s=0.001,
 class Writer(CheckpointWriterBase):
     """The lease table's checkpoint write, recorded; shards in ``lost`` refuse like a
     lost lease, shards in ``throttled`` refuse ``n`` times like a throttled table. Its
-    ``guard`` is the fence's as the batcher asks it: refused for a shard in ``lost`` or
-    ``fenced`` (a lease this tenure no longer holds), else the tenure in ``tenures``;
-    ``guarded`` counts the calls."""
+    ``guard`` is the fence's as the batcher asks it: it holds the lease's lock (in
+    ``lease_locks``, where a test can hold one as a slow renewal would; ``waiting[key]`` is
+    set when a guard starts waiting for it, and one told not to wait raises ``LeaseBusy``),
+    refused for a shard in ``lost`` or ``fenced`` (a lease this tenure no longer holds),
+    else the tenure in ``tenures``; ``guarded`` counts the calls."""
 
     def __init__(self) -> None:
         self.writes: list[tuple[str, str, int]] = []
@@ -52,16 +54,28 @@ class Writer(CheckpointWriterBase):
         self.guarded: list[str] = []
         self.lock = threading.Lock()
         self.throttled: dict[str, int] = {}
+        self.lease_locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
+        self.waiting: defaultdict[str, threading.Event] = defaultdict(threading.Event)
 
     @contextmanager
     def guard(self, lease_key: str, concurrency_token: str | None, *,
-              what: str) -> Iterator[Guard]:
+              what: str, wait: bool = True) -> Iterator[Guard]:
         with self.lock:
-            self.guarded.append(lease_key)
-            if lease_key in self.lost or lease_key in self.fenced:
-                raise ShutdownException(f"{lease_key} is owned by someone else")
-            tenure = self.tenures.get(lease_key, 1)
-        yield Guard(Lease(lease_key), tenure, lambda: None)
+            lease_lock, waiting = self.lease_locks[lease_key], self.waiting[lease_key]
+        if not lease_lock.acquire(blocking=False):
+            if not wait:
+                raise LeaseBusy(f"{lease_key} is being written")
+            waiting.set()
+            lease_lock.acquire()
+        try:
+            with self.lock:
+                self.guarded.append(lease_key)
+                if lease_key in self.lost or lease_key in self.fenced:
+                    raise ShutdownException(f"{lease_key} is owned by someone else")
+                tenure = self.tenures.get(lease_key, 1)
+            yield Guard(Lease(lease_key), tenure, lambda: None)
+        finally:
+            lease_lock.release()
 
     def update_checkpoint(self, lease_key: str, concurrency_token: str,
                           position: Position) -> None:
@@ -602,6 +616,51 @@ def test_the_commit_fence_yields_each_leases_tenure_and_refuses_a_lost_one(
 
     assert seen == [{"shard-a": 7, "shard-b": 9}]
     assert lost == [frozenset({"shard-b"})]
+
+
+def test_the_commit_fence_holds_no_lease_while_it_waits_for_another_leases_write(
+        writer: Writer) -> None:
+    """A commit waiting for one lease's lock (a renewal of it waiting for a slow DynamoDB
+    answer) holds no other lease's lock meanwhile, so their renewals go on; once the slow
+    write is over, it holds every lease for the commit. On the fence that kept shard-a's
+    lock while it waited for shard-b's, shard-a's renewal waited 5 s and the lease expired
+    (simulator seeds 665 and 380)."""
+    renewing, answered = threading.Event(), threading.Event()
+    committed: list[dict[str, int]] = []
+
+    def slow_renewal_of_shard_b() -> None:
+        with writer.lease_locks["shard-b"]:
+            renewing.set()
+            answered.wait(10)
+
+    def foreach_batch(df: pa.Table, batch_id: str) -> None:
+        info = current_batch()
+        assert info is not None and info.commit_fence is not None
+        threading.Thread(target=slow_renewal_of_shard_b, daemon=True).start()
+        assert renewing.wait(10)
+        with info.commit_fence() as guards:
+            committed.append({key: guard.tenure for key, guard in guards.items()})
+
+    batcher = MicroBatcher(FakeSpark(), foreach_batch, stream="orders", options=FAST)
+    a, b = Shard(batcher, writer, "shard-a"), Shard(batcher, writer, "shard-b")
+    writer.tenures.update({"shard-a": 3, "shard-b": 4})
+    a.deliver(records(0, 0, 1))
+    b.deliver(records(1, 0, 1))
+    commit = threading.Thread(target=batcher.run_once, daemon=True)
+    commit.start()
+    try:
+        assert writer.waiting["shard-b"].wait(10), "the commit never waited for shard-b"
+        # shard-a's renewal, due now: it takes the lock unless the commit sits on it
+        shard_a_free = writer.lease_locks["shard-a"].acquire(blocking=False)
+        if shard_a_free:
+            writer.lease_locks["shard-a"].release()
+    finally:
+        answered.set()
+    commit.join(10)
+
+    assert not commit.is_alive()
+    assert shard_a_free, "the commit held shard-a's lock while it waited for shard-b's"
+    assert committed == [{"shard-a": 3, "shard-b": 4}]
 
 
 def test_a_parents_recovered_gap_batches_after_shard_end_are_committed(

@@ -31,7 +31,7 @@ class CheckpointWriterBase:
         raise AssertionError(f"shard {lease_key}: this test's writer reads no checkpoint back")
 
     def guard(self, lease_key: str, concurrency_token: str | None, *,
-              what: str) -> AbstractContextManager[Guard]:
+              what: str, wait: bool = True) -> AbstractContextManager[Guard]:
         raise AssertionError(f"shard {lease_key}: this test's writer guards no {what}")
 
     def update(self, lease_key: str, token: str | None, changes: UpdateBuilder, *,
