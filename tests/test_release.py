@@ -80,8 +80,11 @@ def test_the_installed_wheel_runs_the_readme_main_job(
     subprocess.run([sys.executable, "-m", "venv", str(env_dir)], check=True, timeout=300,
                    env=environment)
     python = env_dir / "bin" / "python"
+    # --no-compile: pip would byte-compile every module of every dependency (moto's
+    # thousands among them), a third of the install's CPU on a 2-core CI machine; the job
+    # below compiles what it imports, as a user's first run does.
     install = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", f"{dists['wheel']}[local]",
+        [str(python), "-m", "pip", "install", "-q", "--no-compile", f"{dists['wheel']}[local]",
          "-c", str(ROOT / ".ci" / "constraints.txt")],
         capture_output=True, text=True, timeout=600, env=environment)
     assert install.returncode == 0, install.stderr[-3000:]
