@@ -16,14 +16,17 @@ green while the holes are open and fails as soon as a seed breaks anything else.
 
 from __future__ import annotations
 
-import functools
+import json
+import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.multilang_apps.amazon_kclpy_dist import locked
 from tests.simulation.__main__ import REPLAY, run_seeds
 from tests.simulation.history import CLASSIC_SEEDS, plan_for
 from tests.simulation.microbatch import MICROBATCH
@@ -127,24 +130,41 @@ def test_histories(chunk: int) -> None:
     assert not healed, f"seeds {sorted(healed)} no longer break: take them out of OPEN"
 
 
-@functools.cache
-def _found_runs() -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
+Runs = tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]
+
+
+@pytest.fixture(scope="session")
+def found_runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     """Every found seed's outcome, twice: in two fresh processes, one running the seeds in
     the opposite order of the other, so a history that depended on what ran before it in its
     process shows as two digests. Two children instead of one per seed and run: each child
     pays about a CPU second of imports, and the found seeds' tests paid it about a hundred
-    times; now each pytest-xdist worker that runs one of them pays it once."""
-    seeds = sorted({seed for seed, _, _ in [*FOUND, *FOUND_36]})
-    runs = [run_seeds(order, 1) for order in (seeds, seeds[::-1])]
-    return ({int(o["seed"]): o for o in runs[0]}, {int(o["seed"]): o for o in runs[1]})
+    times. Once per test run: the first pytest-xdist worker to need them leaves them in the
+    run's shared temporary folder for the other, which ran the same two children again (a
+    minute of a CI core)."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the folder every worker's own basetemp is made in
+    path = shared / "found_runs.json"
+    with locked(shared / "found_runs.lock"):
+        if not path.exists():
+            seeds = sorted({seed for seed, _, _ in [*FOUND, *FOUND_36]})
+            # the two children side by side: the other worker waits meanwhile, so one child
+            # after the other would leave a core idle
+            with ThreadPoolExecutor(2) as pool:
+                runs = list(pool.map(lambda order: run_seeds(order, 1), (seeds, seeds[::-1])))
+            path.write_text(json.dumps(runs))
+        first, second = json.loads(path.read_text())
+    return ({int(o["seed"]): o for o in first}, {int(o["seed"]): o for o in second})
 
 
 @pytest.mark.parametrize(("seed", "invariant", "hole"), FOUND,
                          ids=[f"{hole}-seed-{seed}" for seed, _, hole in FOUND])
-def test_found_seed_replays_exactly(seed: int, invariant: str, hole: str) -> None:
+def test_found_seed_replays_exactly(seed: int, invariant: str, hole: str,
+                                   found_runs: Runs) -> None:
     """The same seed in two fresh processes is the same history, to the digest of what every
     processor saw and committed, and to the number of scheduling decisions."""
-    first, second = _found_runs()[0][seed], _found_runs()[1][seed]
+    first, second = found_runs[0][seed], found_runs[1][seed]
     assert first["digest"] == second["digest"]
     assert first["switches"] == second["switches"]
     assert first["violations"] == second["violations"]
@@ -152,18 +172,19 @@ def test_found_seed_replays_exactly(seed: int, invariant: str, hole: str) -> Non
 
 @pytest.mark.parametrize(("seed", "invariant", "hole"), FOUND,
                          ids=[f"{hole}-seed-{seed}" for seed, _, hole in FOUND])
-def test_found_seed_is_clean(seed: int, invariant: str, hole: str) -> None:
+def test_found_seed_is_clean(seed: int, invariant: str, hole: str, found_runs: Runs) -> None:
     """Each seed that found a hole must pass once the hole is fixed."""
-    outcome = _found_runs()[0][seed]
+    outcome = found_runs[0][seed]
     assert invariant not in {v[0] for v in outcome["violations"]}, _report([outcome])
     assert not outcome["violations"], _report([outcome])
 
 
 @pytest.mark.parametrize(("seed", "invariant", "hole"), FOUND_36,
                          ids=[f"{hole}-seed-{seed}" for seed, _, hole in FOUND_36])
-def test_found_36_seed_replays_exactly(seed: int, invariant: str, hole: str) -> None:
+def test_found_36_seed_replays_exactly(seed: int, invariant: str, hole: str,
+                                      found_runs: Runs) -> None:
     """A seed the grown world found a hole with is one history, in two fresh processes."""
-    first, second = _found_runs()[0][seed], _found_runs()[1][seed]
+    first, second = found_runs[0][seed], found_runs[1][seed]
     assert first["digest"] == second["digest"]
     assert first["violations"] == second["violations"]
     if seed not in FIXED_36:
@@ -178,10 +199,11 @@ _OPEN_36_MARK = pytest.mark.xfail(strict=True, reason="still open: move the seed
     pytest.param(seed, invariant, hole, id=f"{hole}-seed-{seed}",
                  marks=() if seed in FIXED_36 else _OPEN_36_MARK)
     for seed, invariant, hole in FOUND_36])
-def test_found_36_seed_is_clean(seed: int, invariant: str, hole: str) -> None:
+def test_found_36_seed_is_clean(seed: int, invariant: str, hole: str,
+                                found_runs: Runs) -> None:
     """Each hole the grown world found must be fixed: a fixed one's seed replays clean, an
     open one's is a strict xfail until it is."""
-    outcome = _found_runs()[0][seed]
+    outcome = found_runs[0][seed]
     assert invariant not in {v[0] for v in outcome["violations"]}, _report([outcome])
     if seed in FIXED_36:
         assert not outcome["violations"], _report([outcome])
