@@ -213,7 +213,8 @@ class LeaderTaker(TakerCore):
         decided = leader.plan(
             leases, live, is_expired=lambda lease: self._balancer.is_expired(lease, now),
             known_lease_keys=leader.known_below(known, leases),
-            no_move=self._recent_moves.keys(now, hold), strategy=self._strategy, settings=settings, rng=self._rng,
+            no_move=self._recent_moves.keys(now, hold), strategy=self._strategy,
+            settings=settings, rng=self._rng,
             dead=set(self._dead), known_kbps=mode.reports.known_kbps, recency=recency)
         taken: list[Lease] = []
         #: worker -> the leases this pass gave it

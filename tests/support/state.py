@@ -16,12 +16,14 @@ from typing import Any
 import sqlalchemy as sa
 
 from kclpy.checkpoint import Checkpointer
+from kclpy.leases import assignment
 from kclpy.leases.fence import LeaseFence
 from kclpy.leases.held import HeldSet
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
 from kclpy.processor import InitializeInput, ProcessRecordsInput
 from kclpy.records import Record, Records
+from kclpy.retrieval import modes
 from kclpy.state.dynamodb import DynamoDBStateStore
 from kclpy.state.processor import ExactlyOnceProcessor, StatefulProcessor
 from kclpy.state.sql import SQLStateStore
@@ -93,16 +95,23 @@ class Shard:
 
 
 @functools.cache
+@functools.cache
 def toy_extensions() -> ModuleType:
-    """examples/toy_extensions.py, imported once per process: importing it registers its
-    retrieval mode and its ``toy://`` store (its dict store is one of every store test's
-    stores, run through the same cases as the package's own)."""
+    """examples/toy_extensions.py, imported once per process, for its ``toy://`` store (one
+    of every store test's stores, run through the same cases as the package's own).
+    Importing it registers a retrieval mode and an assignment strategy as well; those are
+    taken out again, since tests that list the known names run in the same process."""
     path = Path(__file__).resolve().parents[2] / "examples" / "toy_extensions.py"
     spec = importlib.util.spec_from_file_location("toy_extensions", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["toy_extensions"] = module
+    registries: list[dict[str, Any]] = [modes._MODES, modes._NAMES, assignment._STRATEGIES]
+    before = [dict(registry) for registry in registries]
     spec.loader.exec_module(module)
+    for registry, kept in zip(registries, before, strict=True):
+        registry.clear()
+        registry.update(kept)
     return module
 
 
