@@ -515,6 +515,46 @@ def test_a_lease_waits_for_its_aged_out_parent_to_go_first(
                 for key in (first, second)] == [1, 1]
 
 
+def test_the_holder_of_a_shard_not_found_learns_from_two_listings_whether_it_left(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``left_unfinished``, asked by a holder Kinesis no longer finds the shard for: the
+    children when both listings leave the shard out and a listed child names it; None when
+    either listing still shows it (a listing cut short or stale), when the lease is already
+    finished, or when nothing listed names the shard (a stream created again). Nothing is
+    deleted or reported: the holder ends the lease itself."""
+    with mock_aws():
+        kinesis = boto3.client("kinesis", region_name=REGION)
+        make_stream(kinesis, "s", 1)
+        parent, children = split_first_shard(kinesis, "s")
+        table = LeaseTable(boto3.client("dynamodb", region_name=REGION), "app")
+        table.create_if_missing()
+        metrics = Metrics()
+        syncer = ShardSyncer(kinesis, table, stream_name="s", initial_position=TRIM_HORIZON,
+                             metrics=metrics)
+        assert len(syncer.sync()) == 3
+        full = syncer.list_shards()
+        retained = [s for s in full if s.shard_id != parent]
+        orphans = [dataclasses.replace(s, parent_shard_id=None) for s in retained]
+
+        def listings(*answers: list[Shard]) -> None:
+            queued = iter(answers)
+            monkeypatch.setattr(syncer, "list_shards", lambda: list(next(queued)))
+
+        listings(retained, retained)
+        assert syncer.left_unfinished(parent) == frozenset(children)
+        for first, second in [(full, retained), (retained, full), (orphans, orphans)]:
+            listings(first, second)
+            assert syncer.left_unfinished(parent) is None
+        lease = table.get(parent)
+        assert lease is not None
+        table.guarded_update(lease, checkpoint_changes(Position.shard_end()))
+        listings(retained, retained)
+        assert syncer.left_unfinished(parent) is None
+        assert {lease.lease_key for lease in table.list_leases()} == {parent, *children}
+        assert metrics.registry.get_sample_value(
+            "kclpy_data_lost_to_retention_total", {"shard_id": parent}) is None
+
+
 class TableReader:
     """The parent-waiting code's view of the lease table: the table itself, its reads
     counted as they complete."""
