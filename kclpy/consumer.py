@@ -719,17 +719,22 @@ class ShardConsumer:
         holder that lost the lease first leaves it to the next holder or the shard sync."""
         assert self._checkpointer is not None
         checkpoint = self._checkpointer.position
-        self._end_with_shard_end(())
+        self._end_with_shard_end((), left_stream=True)
         if self.shard_ended:
             report_lost_to_retention(self._metrics, self.lease_key, checkpoint, children,
                                      "Its holder ended it at SHARD_END")
 
-    def _end_with_shard_end(self, children: Sequence[ChildShard]) -> None:
+    def _end_with_shard_end(self, children: Sequence[ChildShard], *,
+                            left_stream: bool = False) -> None:
         """Create the children's leases, then insist on a SHARD_END checkpoint, as the Java
-        KCL does: without it the children would wait on this parent for ever."""
+        KCL does: without it the children would wait on this parent for ever. A shard that
+        ``left_stream`` has listed children, made by the syncs that listed them, and no
+        ``ChildShards``: the host's shard sync for the missing ones would find the lease
+        aged out and delete it under its holder."""
         assert self._processor is not None and self._checkpointer is not None
         self._set_state(ConsumerState.SHUTTING_DOWN)
-        self._host.shard_ended(self.lease_key, children)
+        if not left_stream:
+            self._host.shard_ended(self.lease_key, children)
         self._checkpointer.mark_shard_end()
         attempt = 0
         while True:

@@ -221,13 +221,17 @@ class NotFound(ScriptedFetcher):
 
 def run_not_found(fetcher: type[ScriptedFetcher],
                   left_stream: Callable[[str], frozenset[str] | None],
-                  log: list[object], metrics: Metrics) -> tuple[ShardConsumer, Writer]:
+                  log: list[object], metrics: Metrics,
+                  ends: list[object] | None = None) -> tuple[ShardConsumer, Writer]:
     writer = Writer()
+    ended = ends if ends is not None else []
     consumer = ShardConsumer(
         Lease("shard-1", lease_owner="w", checkpoint=Position.trim_horizon()),
         concurrency_token="t", processor_factory=lambda: Recorder(log), fence=writer,
         readers=Readers(lambda start: fetcher([Result([rec(1)])], (start.checkpoint, 0))),
-        host=Host(Leases(), left_stream=left_stream), settings=SETTINGS, metrics=metrics)
+        host=Host(Leases(), lambda key, _children: ended.append(key),
+                  left_stream=left_stream),
+        settings=SETTINGS, metrics=metrics)
     consumer.start()
     assert consumer.join(10)
     return consumer, writer
@@ -244,14 +248,17 @@ def test_a_shard_that_left_the_stream_unfinished_is_ended_at_shard_end_by_its_ho
     log: list[object] = []
     metrics = Metrics()
     asked: list[str] = []
+    ends: list[object] = []
 
     def left_stream(lease_key: str) -> frozenset[str] | None:
         asked.append(lease_key)
         return frozenset({"shard-2", "shard-3"})
 
     with caplog.at_level("ERROR", logger="kclpy"):
-        consumer, writer = run_not_found(NotFound, left_stream, log, metrics)
+        consumer, writer = run_not_found(NotFound, left_stream, log, metrics, ends)
     assert asked == ["shard-1"]
+    # no shard sync for children: it would delete the unfinished lease under its holder
+    assert ends == []
     assert consumer.error is None and consumer.shard_ended
     assert log == [("init", "TRIM_HORIZON", 0), ("batch", [("1", 0)]), ("shard_ended",)]
     assert writer.writes == [("1", 0), ("SHARD_END", 0)]
