@@ -793,7 +793,16 @@ class ShardConsumer:
         reading then starts at the oldest record instead of failing on the trimmed one."""
         if not checkpoint.is_record:
             return False
-        oldest = self._readers.oldest_record()
+        try:
+            oldest = self._readers.oldest_record()
+        except ClientError as exc:
+            if error_code(exc) != "ResourceNotFoundException":
+                raise
+            # The shard may have left the stream: the live read gets the same answer, and
+            # the processing loop finds out, with the processor there to end the shard.
+            log.info("shard %s: not found while looking for its oldest record; the live "
+                     "read tells whether it left the stream", self.lease_key)
+            return False
         if oldest is None or int(oldest.sequence_number) <= checkpoint.extended[0]:
             return False
         self._metrics.inc(DATA_LOST_TO_RETENTION, self.lease_key)

@@ -27,6 +27,7 @@ from kclpy.processor import (
     ShardEndedInput,
     ShutdownRequestedInput,
 )
+from kclpy.records import Record
 from kclpy.retrieval.page import ChildShard
 from kclpy.retrieval.pipeline import FetchError
 from tests.support.datums import DatumSink
@@ -267,6 +268,35 @@ def test_a_shard_that_left_the_stream_unfinished_is_ended_at_shard_end_by_its_ho
     (error,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert "shard-1 left the stream unfinished" in error and "after checkpoint 1/0)" in error
     assert "(shard-2, shard-3)" in error
+
+
+def test_a_shard_found_gone_by_the_retention_probe_is_ended_by_the_live_read() -> None:
+    """A checkpointed shard is first probed for its oldest record (has the retention trimmed
+    past the checkpoint?); when the probe is answered not found, the live read is left to
+    tell, and the shard confirmed gone is ended with its processor. On the code before this
+    the probe's error failed the consumer before its processor was initialized."""
+    log: list[object] = []
+    metrics = Metrics()
+
+    class Gone(Readers):
+        def oldest_record(self) -> Record | None:
+            raise ClientError({"Error": {"Code": "ResourceNotFoundException",
+                                         "Message": "no shard-1"}}, "GetShardIterator")
+
+    writer = Writer()
+    consumer = ShardConsumer(
+        Lease("shard-1", lease_owner="w", checkpoint=Position("7")),
+        concurrency_token="t", processor_factory=lambda: Recorder(log), fence=writer,
+        readers=Gone(lambda start: NotFound([], (start.checkpoint, 0))),
+        host=Host(Leases(), left_stream=lambda _key: frozenset({"shard-2"})),
+        settings=SETTINGS, metrics=metrics)
+    consumer.start()
+    assert consumer.join(10)
+    assert consumer.error is None and consumer.shard_ended
+    assert log == [("init", "7", 0), ("shard_ended",)]
+    assert writer.writes == [("SHARD_END", 0)]
+    assert metrics.registry.get_sample_value(
+        "kclpy_data_lost_to_retention_total", {"shard_id": "shard-1"}) == 1
 
 
 class Throttled(NotFound):
