@@ -22,11 +22,14 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
+from botocore.exceptions import ClientError
+
 from kclpy.checkpoint import Checkpointer, CheckpointWriter, StartWriter, keep_start
 from kclpy.errors import CheckpointError, KCLError, ProcessorRestartRequired, ShutdownException
 from kclpy.leases import park
 from kclpy.leases.dynamo import TABLE_ERRORS
 from kclpy.leases.lease import Lease
+from kclpy.leases.shard_sync import report_lost_to_retention
 from kclpy.metrics import (
     BATCH_MILLIS_BEHIND_LATEST,
     BYTES_PROCESSED,
@@ -52,7 +55,8 @@ from kclpy.processor import (
 )
 from kclpy.records import Record, Records
 from kclpy.retrieval.page import ChildShard, Page
-from kclpy.retry import EQUAL, RetryPolicy
+from kclpy.retrieval.pipeline import FetchError
+from kclpy.retry import EQUAL, RetryPolicy, error_code
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +140,11 @@ class ShardHost(Protocol):
     def shard_ended(self, lease_key: str, children: Sequence[ChildShard]) -> None:
         """The shard is fully read: its children's leases are to be created (as GetRecords
         reported them; none: found by a shard sync)."""
+
+    def shard_left_stream(self, lease_key: str) -> frozenset[str] | None:
+        """Kinesis answered that the shard is not found: its children's lease keys when
+        the shard is confirmed to have left the stream unfinished (its records past the
+        retention), None when it is not (``ShardSyncer.left_unfinished``)."""
 
 
 @dataclass(frozen=True)
@@ -544,7 +553,14 @@ class ShardConsumer:
             # While a gap is recovered the live queue is looked at more often, so that
             # neither reader waits long behind the other's empty queue.
             timeout = self._settings.poll_timeout_s / (10 if recovering else 1)
-            result = self._fetcher.get(timeout=timeout)
+            try:
+                result = self._fetcher.get(timeout=timeout)
+            except FetchError as exc:
+                children = self._left_stream(exc)
+                if children is None:
+                    raise
+                self._end_left_stream(children)
+                return
             self.millis_behind_latest = self._fetcher.millis_behind_latest
             outcome = self._deliver_recovery() if recovering else "ok"
             if result is None:
@@ -679,12 +695,46 @@ class ShardConsumer:
                 self._set_state(ConsumerState.PROCESSING)
             return "ok"
 
-    def _end_with_shard_end(self, children: Sequence[ChildShard]) -> None:
+    def _left_stream(self, exc: FetchError) -> frozenset[str] | None:
+        """The children's lease keys when the fetch failed because the shard left the
+        stream unfinished; None for any other failure, and when the confirmation itself
+        fails (the consumer then fails as before, its lease is released, and the shard
+        sync deletes the lease once it sees the shard gone)."""
+        cause = exc.__cause__
+        if not isinstance(cause, ClientError) or error_code(cause) != "ResourceNotFoundException":
+            return None
+        try:
+            return self._host.shard_left_stream(self.lease_key)
+        except Exception:
+            log.exception("shard %s: not found, and confirming that it left the stream "
+                          "failed", self.lease_key)
+            return None
+
+    def _end_left_stream(self, children: frozenset[str]) -> None:
+        """End a shard that left the stream as if it had been read to its end, as the Java
+        KCL ends one on ResourceNotFoundException: the processor checkpoints SHARD_END
+        through the fence, and the children start at once instead of at the next shard
+        sync, which would delete the lease while the same retention trims the children's
+        oldest records. The loss is reported once the SHARD_END checkpoint is written: a
+        holder that lost the lease first leaves it to the next holder or the shard sync."""
+        assert self._checkpointer is not None
+        checkpoint = self._checkpointer.position
+        self._end_with_shard_end((), left_stream=True)
+        if self.shard_ended:
+            report_lost_to_retention(self._metrics, self.lease_key, checkpoint, children,
+                                     "Its holder ended it at SHARD_END")
+
+    def _end_with_shard_end(self, children: Sequence[ChildShard], *,
+                            left_stream: bool = False) -> None:
         """Create the children's leases, then insist on a SHARD_END checkpoint, as the Java
-        KCL does: without it the children would wait on this parent for ever."""
+        KCL does: without it the children would wait on this parent for ever. A shard that
+        ``left_stream`` has listed children, made by the syncs that listed them, and no
+        ``ChildShards``: the host's shard sync for the missing ones would find the lease
+        aged out and delete it under its holder."""
         assert self._processor is not None and self._checkpointer is not None
         self._set_state(ConsumerState.SHUTTING_DOWN)
-        self._host.shard_ended(self.lease_key, children)
+        if not left_stream:
+            self._host.shard_ended(self.lease_key, children)
         self._checkpointer.mark_shard_end()
         attempt = 0
         while True:
@@ -743,7 +793,16 @@ class ShardConsumer:
         reading then starts at the oldest record instead of failing on the trimmed one."""
         if not checkpoint.is_record:
             return False
-        oldest = self._readers.oldest_record()
+        try:
+            oldest = self._readers.oldest_record()
+        except ClientError as exc:
+            if error_code(exc) != "ResourceNotFoundException":
+                raise
+            # The shard may have left the stream: the live read gets the same answer, and
+            # the processing loop finds out, with the processor there to end the shard.
+            log.info("shard %s: not found while looking for its oldest record; the live "
+                     "read tells whether it left the stream", self.lease_key)
+            return False
         if oldest is None or int(oldest.sequence_number) <= checkpoint.extended[0]:
             return False
         self._metrics.inc(DATA_LOST_TO_RETENTION, self.lease_key)

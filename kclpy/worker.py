@@ -457,6 +457,14 @@ class Worker:
         self.coordinator.set_known_lease_keys(self.streams.known_lease_keys())
         self.coordinator.wake_taker()
 
+    def shard_left_stream(self, lease_key: str) -> frozenset[str] | None:
+        """Called from a consumer's thread when Kinesis no longer finds its shard: any
+        worker may confirm it, leader or not, since the holder then ends the lease through
+        its own fence."""
+        assert self.streams is not None
+        stream = self.streams.for_lease_key(lease_key)
+        return None if stream is None else stream.syncer.left_unfinished(lease_key)
+
     def _on_handoff(self, lease_key: str) -> None:
         """Another worker asked for a held lease; ``_reconcile`` winds its consumer down."""
         self._wake.set()

@@ -8,6 +8,9 @@ import threading
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 
+import pytest
+from botocore.exceptions import ClientError
+
 from kclpy.checkpoint import Checkpointer
 from kclpy.cloudwatch import SUMMARY, CloudWatchBackend
 from kclpy.consumer import ConsumerSettings, ConsumerState, FatalProcessorError, ShardConsumer
@@ -24,7 +27,9 @@ from kclpy.processor import (
     ShardEndedInput,
     ShutdownRequestedInput,
 )
+from kclpy.records import Record
 from kclpy.retrieval.page import ChildShard
+from kclpy.retrieval.pipeline import FetchError
 from tests.support.datums import DatumSink
 from tests.support.scripted import (
     SETTINGS,
@@ -199,6 +204,122 @@ def test_the_processor_gets_lease_lost_when_the_consumer_fails() -> None:
     assert consumer.join(10)
     assert isinstance(consumer.error, RuntimeError)
     assert log == [("init", "TRIM_HORIZON", 0), ("lease_lost",)]
+
+
+class NotFound(ScriptedFetcher):
+    """Delivers its pages, then fails as a fetch thread stopped by Kinesis answering that
+    the shard does not exist (or, with ``code``, another non-retryable error)."""
+
+    code = "ResourceNotFoundException"
+
+    def get(self, timeout: float | None = None) -> Result | None:
+        if not self.queue.empty():
+            return super().get(timeout)
+        cause = ClientError({"Error": {"Code": self.code, "Message": "no shard-1"}},
+                            "GetShardIterator")
+        raise FetchError("shard-1", cause)
+
+
+def run_not_found(fetcher: type[ScriptedFetcher],
+                  left_stream: Callable[[str], frozenset[str] | None],
+                  log: list[object], metrics: Metrics,
+                  ends: list[object] | None = None) -> tuple[ShardConsumer, Writer]:
+    writer = Writer()
+    ended = ends if ends is not None else []
+    consumer = ShardConsumer(
+        Lease("shard-1", lease_owner="w", checkpoint=Position.trim_horizon()),
+        concurrency_token="t", processor_factory=lambda: Recorder(log), fence=writer,
+        readers=Readers(lambda start: fetcher([Result([rec(1)])], (start.checkpoint, 0))),
+        host=Host(Leases(), lambda key, _children: ended.append(key),
+                  left_stream=left_stream),
+        settings=SETTINGS, metrics=metrics)
+    consumer.start()
+    assert consumer.join(10)
+    return consumer, writer
+
+
+def test_a_shard_that_left_the_stream_unfinished_is_ended_at_shard_end_by_its_holder(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Kinesis no longer finds the shard, and the listings confirm it left the stream (its
+    records past the retention): the processor is ended as at a shard end and checkpoints
+    SHARD_END through the fence, so the children start at once instead of at the next
+    shard sync; the loss is reported once, as the shard sync reports it. On the code before
+    this, the consumer failed and the processor got lease_lost: the lease stayed unfinished
+    until a shard sync deleted it."""
+    log: list[object] = []
+    metrics = Metrics()
+    asked: list[str] = []
+    ends: list[object] = []
+
+    def left_stream(lease_key: str) -> frozenset[str] | None:
+        asked.append(lease_key)
+        return frozenset({"shard-2", "shard-3"})
+
+    with caplog.at_level("ERROR", logger="kclpy"):
+        consumer, writer = run_not_found(NotFound, left_stream, log, metrics, ends)
+    assert asked == ["shard-1"]
+    # no shard sync for children: it would delete the unfinished lease under its holder
+    assert ends == []
+    assert consumer.error is None and consumer.shard_ended
+    assert log == [("init", "TRIM_HORIZON", 0), ("batch", [("1", 0)]), ("shard_ended",)]
+    assert writer.writes == [("1", 0), ("SHARD_END", 0)]
+    assert metrics.registry.get_sample_value(
+        "kclpy_data_lost_to_retention_total", {"shard_id": "shard-1"}) == 1
+    (error,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert "shard-1 left the stream unfinished" in error and "after checkpoint 1/0)" in error
+    assert "(shard-2, shard-3)" in error
+
+
+def test_a_shard_found_gone_by_the_retention_probe_is_ended_by_the_live_read() -> None:
+    """A checkpointed shard is first probed for its oldest record (has the retention trimmed
+    past the checkpoint?); when the probe is answered not found, the live read is left to
+    tell, and the shard confirmed gone is ended with its processor. On the code before this
+    the probe's error failed the consumer before its processor was initialized."""
+    log: list[object] = []
+    metrics = Metrics()
+
+    class Gone(Readers):
+        def oldest_record(self) -> Record | None:
+            raise ClientError({"Error": {"Code": "ResourceNotFoundException",
+                                         "Message": "no shard-1"}}, "GetShardIterator")
+
+    writer = Writer()
+    consumer = ShardConsumer(
+        Lease("shard-1", lease_owner="w", checkpoint=Position("7")),
+        concurrency_token="t", processor_factory=lambda: Recorder(log), fence=writer,
+        readers=Gone(lambda start: NotFound([], (start.checkpoint, 0))),
+        host=Host(Leases(), left_stream=lambda _key: frozenset({"shard-2"})),
+        settings=SETTINGS, metrics=metrics)
+    consumer.start()
+    assert consumer.join(10)
+    assert consumer.error is None and consumer.shard_ended
+    assert log == [("init", "7", 0), ("shard_ended",)]
+    assert writer.writes == [("SHARD_END", 0)]
+    assert metrics.registry.get_sample_value(
+        "kclpy_data_lost_to_retention_total", {"shard_id": "shard-1"}) == 1
+
+
+class Throttled(NotFound):
+    code = "ProvisionedThroughputExceededException"
+
+
+@pytest.mark.parametrize(("fetcher", "confirmed"), [
+    (NotFound, None),        # not found, but the listings do not show the shard gone
+    (Throttled, frozenset({"shard-2"})),  # any other failure is never taken for it
+])
+def test_a_shard_not_confirmed_gone_is_never_ended(
+        fetcher: type[ScriptedFetcher], confirmed: frozenset[str] | None) -> None:
+    """Only Kinesis's not-found answer, confirmed by the listings, ends a shard early; any
+    other failure, or a not-found the listings do not bear out (a stream deleted or created
+    again), fails the consumer as before: the lease is released, nothing is reported."""
+    log: list[object] = []
+    metrics = Metrics()
+    consumer, writer = run_not_found(fetcher, lambda _key: confirmed, log, metrics)
+    assert isinstance(consumer.error, FetchError) and not consumer.shard_ended
+    assert log == [("init", "TRIM_HORIZON", 0), ("batch", [("1", 0)]), ("lease_lost",)]
+    assert writer.writes == [("1", 0)]
+    assert metrics.registry.get_sample_value(
+        "kclpy_data_lost_to_retention_total", {"shard_id": "shard-1"}) is None
 
 
 def test_the_shutdown_policy_ends_the_processor_with_lease_lost() -> None:

@@ -515,6 +515,46 @@ def test_a_lease_waits_for_its_aged_out_parent_to_go_first(
                 for key in (first, second)] == [1, 1]
 
 
+def test_the_holder_of_a_shard_not_found_learns_from_two_listings_whether_it_left(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``left_unfinished``, asked by a holder Kinesis no longer finds the shard for: the
+    children when both listings leave the shard out and a listed child names it; None when
+    either listing still shows it (a listing cut short or stale), when the lease is already
+    finished, or when nothing listed names the shard (a stream created again). Nothing is
+    deleted or reported: the holder ends the lease itself."""
+    with mock_aws():
+        kinesis = boto3.client("kinesis", region_name=REGION)
+        make_stream(kinesis, "s", 1)
+        parent, children = split_first_shard(kinesis, "s")
+        table = LeaseTable(boto3.client("dynamodb", region_name=REGION), "app")
+        table.create_if_missing()
+        metrics = Metrics()
+        syncer = ShardSyncer(kinesis, table, stream_name="s", initial_position=TRIM_HORIZON,
+                             metrics=metrics)
+        assert len(syncer.sync()) == 3
+        full = syncer.list_shards()
+        retained = [s for s in full if s.shard_id != parent]
+        orphans = [dataclasses.replace(s, parent_shard_id=None) for s in retained]
+
+        def listings(*answers: list[Shard]) -> None:
+            queued = iter(answers)
+            monkeypatch.setattr(syncer, "list_shards", lambda: list(next(queued)))
+
+        listings(retained, retained)
+        assert syncer.left_unfinished(parent) == frozenset(children)
+        for first, second in [(full, retained), (retained, full), (orphans, orphans)]:
+            listings(first, second)
+            assert syncer.left_unfinished(parent) is None
+        lease = table.get(parent)
+        assert lease is not None
+        table.guarded_update(lease, checkpoint_changes(Position.shard_end()))
+        listings(retained, retained)
+        assert syncer.left_unfinished(parent) is None
+        assert {lease.lease_key for lease in table.list_leases()} == {parent, *children}
+        assert metrics.registry.get_sample_value(
+            "kclpy_data_lost_to_retention_total", {"shard_id": parent}) is None
+
+
 class TableReader:
     """The parent-waiting code's view of the lease table: the table itself, its reads
     counted as they complete."""
@@ -789,6 +829,85 @@ def test_over_http_a_worker_starts_the_children_of_a_parent_the_retention_remove
     assert lost == 1
     assert any(parent in r.getMessage() and "lost" in r.getMessage()
                for r in caplog.records if r.levelname == "ERROR")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("assigner", ["worker", "leader"])
+def test_over_http_the_holder_of_a_shard_that_left_the_stream_frees_its_children_at_once(
+        kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint,
+        caplog: pytest.LogCaptureFixture, assigner: str) -> None:
+    """Over real HTTP: the worker holds the split parent while it is listed, and its first
+    read of it is answered as AWS answers once the parent's records are past the
+    retention (ResourceNotFoundException; from then on ListShards leaves the parent out,
+    its children still naming it). The holder ends the parent at SHARD_END itself and the
+    children are read with no shard sync after start-up (the interval is ten minutes), in
+    both assigner modes; the loss is reported once. On the code before the fix the consumer
+    failed, the lease was released and taken again, and the children waited for the next
+    shard sync."""
+    from kclpy import KCLConfig, Worker
+    from tests.support.faultproxy import FaultProxy
+    from tests.support.recording import Ledger, RecordingProcessor
+    from tests.support.streams import create_stream, dynamodb_client, kinesis_client, put_plain
+    from tests.support.workers import running
+
+    caplog.set_level("INFO", logger="kclpy")
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = f"gone-{uuid.uuid4().hex[:8]}"
+    create_stream(kinesis, stream, 1)
+    put_plain(kinesis, stream, [b"trimmed"])
+    parent, children = split_first_shard(kinesis, stream)
+    wait_for_stream_active(kinesis, stream)
+    payloads = [f"child-{i}".encode() for i in range(8)]
+    assert {shard_id for shard_id, _ in put_plain(kinesis, stream, payloads)} <= set(children)
+    config = KCLConfig(
+        application_name=f"app-{uuid.uuid4().hex[:8]}", stream_name=stream, region=REGION,
+        dynamodb_endpoint=moto_server.url, initial_position="TRIM_HORIZON",
+        failover_time_ms=3000, idle_time_between_reads_ms=100,
+        shard_sync_interval_ms=600_000, parent_shard_poll_interval_ms=200,
+        lease_assigner=assigner)
+    table = LeaseTable(dynamodb_client(moto_server.url), config.application_name)
+    #: set by the parent's first read: the retention has removed it from then on
+    gone = threading.Event()
+
+    def listed(request: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+        if "NextToken" in request or not gone.is_set():
+            return None
+        answer = kinesis.list_shards(**request)
+        body: dict[str, Any] = {"Shards": [s for s in answer["Shards"]
+                                           if s["ShardId"] != parent]}
+        if "NextToken" in answer:
+            body["NextToken"] = answer["NextToken"]
+        return 200, body
+
+    def parent_not_found(request: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+        if request.get("ShardId") != parent:
+            return None
+        gone.set()
+        return 400, {"__type": "ResourceNotFoundException",
+                     "message": f"Shard {parent} in stream {stream} does not exist"}
+
+    ledger = Ledger()
+    with FaultProxy(kinesis_mock.url, seed=1) as proxy:
+        proxy.set_rule("ListShards", respond=listed)
+        proxy.set_rule("GetShardIterator", respond=parent_not_found)
+        worker = Worker(config.replace(kinesis_endpoint=proxy.url),
+                        lambda: RecordingProcessor(ledger))
+        with running(worker):
+            wait_for(lambda: set(payloads) <= set(ledger.payloads()), 60,
+                     "the children's records")
+            lost = worker.metrics.registry.get_sample_value(
+                "kclpy_data_lost_to_retention_total", {"shard_id": parent})
+    assert gone.is_set()
+    assert b"trimmed" not in ledger.payloads()
+    ended = table.get(parent)
+    assert ended is not None and ended.checkpoint == Position.shard_end()
+    assert lost == 1
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"
+            and "left the stream unfinished" in r.getMessage()] == [
+        f"shard {parent} left the stream unfinished: the stream's retention trimmed its "
+        "records (those after checkpoint TRIM_HORIZON) before they were processed, and "
+        "they are lost. Its holder ended it at SHARD_END so that its child shards "
+        f"({', '.join(sorted(children))}) can start."]
 
 
 # -- a stream deleted and created again under the same name -----------------------------------

@@ -73,7 +73,7 @@ from kclpy.errors import ConfigError, LeaseLostError
 from kclpy.leases.cleanup import has_progressed
 from kclpy.leases.lease import Lease, incarnation_epoch, new_incarnation, same_stream
 from kclpy.leases.table import LeaseTable
-from kclpy.metrics import DATA_LOST_TO_RETENTION, NOWHERE, THROTTLES, Metrics
+from kclpy.metrics import DATA_LOST_TO_RETENTION, NOWHERE, THROTTLES, Metrics, Scope
 from kclpy.position import (
     AT_TIMESTAMP,
     INITIAL_POSITIONS,
@@ -189,6 +189,20 @@ def _depths(by_id: Mapping[str, Shard]) -> dict[str, int]:
             depth[shard_id] = 1 + max((depth[p] for p in parents), default=-1)
             stack.pop()
     return depth
+
+
+def report_lost_to_retention(metrics: Scope, lease_key: str, checkpoint: Position,
+                             children: Iterable[str], ending: str) -> None:
+    """Say once, at ERROR and in ``kclpy_data_lost_to_retention_total``, that an unfinished
+    shard left the stream: the shard sync that deletes its lease and the holder that ends
+    it (``ending`` says which) report it alike, so an operator finds one message whoever
+    noticed."""
+    metrics.inc(DATA_LOST_TO_RETENTION, lease_key)
+    log.error(
+        "shard %s left the stream unfinished: the stream's retention trimmed its "
+        "records (those after checkpoint %s) before they were processed, and they "
+        "are lost. %s so that its child shards (%s) can start.",
+        lease_key, checkpoint, ending, ", ".join(sorted(children)))
 
 
 def aged_out(shards: Iterable[Shard], leases: Iterable[Lease],
@@ -550,15 +564,32 @@ class ShardSyncer:
                 log.info("deleted the lease of finished shard %s, an ancestor of shards "
                          "the stream's retention removed unfinished", key)
                 continue
-            self._metrics.inc(DATA_LOST_TO_RETENTION, key)
             children = {self.lease_key(s.shard_id) for s in shards
                         if lease.shard_id in s.parent_ids} | {
                 child for child, aged in confirmed.items() if key in aged.parent_lease_keys}
-            log.error(
-                "shard %s left the stream unfinished: the stream's retention trimmed its "
-                "records (those after checkpoint %s) before they were processed, and they "
-                "are lost. Its lease is deleted so that its child shards (%s) can start.",
-                key, lease.checkpoint, ", ".join(sorted(children)))
+            report_lost_to_retention(self._metrics, key, lease.checkpoint, children,
+                                     "Its lease is deleted")
+
+    def left_unfinished(self, lease_key: str) -> frozenset[str] | None:
+        """The lease keys of the children of ``lease_key``'s shard when that shard left the
+        stream before its lease was finished, judged as ``_delete_aged_out`` judges it (a
+        listing, a read of the lease, a second listing; the lease named by a listed child
+        in both); None when it did not, or when only its aged-out children could tell.
+
+        Asked by the lease's holder once Kinesis answered that the shard is not found, so
+        that it ends the shard at once instead of leaving it to the next shard sync: its
+        children lose their oldest records to the same retention while they wait. The
+        listings, not that answer, are the evidence: a stream deleted or created again
+        answers not found too, and never lists a child naming the shard."""
+        lease = self._table.get(lease_key)
+        if lease is None or lease_key not in aged_out(self.list_shards(), [lease],
+                                                      self.lease_key):
+            return None
+        shards = self.list_shards()
+        if lease_key not in aged_out(shards, [lease], self.lease_key):
+            return None
+        return frozenset(self.lease_key(s.shard_id) for s in shards
+                         if lease.shard_id in s.parent_ids)
 
     def _retire_former(self, shards: Iterable[Shard], leases: Iterable[Lease]) -> set[str]:
         """Delete the leases of a former stream of the same name that hide listed shards;

@@ -112,16 +112,22 @@ def _ignore_shard_end(lease_key: str, children: Sequence[ChildShard]) -> None:
 
 @dataclass
 class Host:
-    """A ``ShardHost``: leases read from ``leases``, every shard end told to ``on_end``."""
+    """A ``ShardHost``: leases read from ``leases``, every shard end told to ``on_end``,
+    every shard not found confirmed gone or not by ``left_stream``."""
 
     leases: LeaseReader
     on_end: Callable[[str, Sequence[ChildShard]], None] = _ignore_shard_end
+    #: what confirming that a shard left the stream answers (default: it did not)
+    left_stream: Callable[[str], frozenset[str] | None] = lambda lease_key: None
 
     def get_lease(self, lease_key: str) -> Lease | None:
         return self.leases.get_lease(lease_key)
 
     def shard_ended(self, lease_key: str, children: Sequence[ChildShard]) -> None:
         self.on_end(lease_key, children)
+
+    def shard_left_stream(self, lease_key: str) -> frozenset[str] | None:
+        return self.left_stream(lease_key)
 
 
 @dataclass
