@@ -348,11 +348,31 @@ class Scope:
         self.dimensions = dimensions
         self._parts = tuple(parts)
         self.closed = closed
+        # Most call sites record through ``inc``/``set``/``observe`` per event rather than
+        # keeping a handle, and asking every backend for its handle each time (Prometheus'
+        # ``labels``, a CloudWatch datum set) was a tenth of a busy worker's CPU. A handle
+        # stays valid until its series is removed or the scope closes, so it is kept here by
+        # metric name and label values until then. Misses and removals share a lock so that
+        # a removal never leaves behind a handle bound just before it.
+        self._bound: dict[tuple[str, tuple[str, ...]], tuple[Metric, Handle]] = {}
+        self._bind_lock = threading.Lock()
 
     def bind(self, metric: Metric, *labels: str) -> Handle:
         """The handle a hot path keeps: with one backend interested, that backend's own."""
         if self.closed:
             return _NOOP
+        key = (metric.name, labels)
+        kept = self._bound.get(key)
+        if kept is not None and kept[0] is metric:
+            return kept[1]
+        with self._bind_lock:
+            # a scope closed meanwhile: its backends' scopes hand out nothing live, and a
+            # closed scope never reads what is kept
+            handle = self._bind_parts(metric, labels)
+            self._bound[key] = (metric, handle)
+            return handle
+
+    def _bind_parts(self, metric: Metric, labels: tuple[str, ...]) -> Handle:
         handles = [h for part in self._parts
                    if (h := part.bind(metric, labels)) is not None]
         if not handles:
@@ -373,16 +393,22 @@ class Scope:
 
     def remove(self, metric: Metric, *labels: str) -> None:
         """Drop one series that no longer applies (the gauge of a state left behind)."""
-        for part in self._parts:
-            part.remove(metric, labels)
+        with self._bind_lock:
+            self._bound.pop((metric.name, labels), None)
+            for part in self._parts:
+                part.remove(metric, labels)
 
     def close(self) -> None:
-        self.closed = True
+        with self._bind_lock:
+            self.closed = True
+            self._bound.clear()
         for part in self._parts:
             part.close()
 
     def _add(self, backend: Backend) -> None:
-        self._parts = (*self._parts, backend.scope(self.dimensions))
+        with self._bind_lock:
+            self._parts = (*self._parts, backend.scope(self.dimensions))
+            self._bound.clear()
 
 
 #: a scope that records nothing: for a part used without metrics, or a shard not held

@@ -124,7 +124,9 @@ class BackendScope(Protocol):
 
     def bind(self, metric: Metric, labels: tuple[str, ...]) -> Any | None:
         """A handle with the method of the metric's kind for these label values, or None
-        when this backend does not record the metric (or the scope is closed)."""
+        when this backend does not record the metric (or the scope is closed). The
+        metrics ``Scope`` keeps the handle and asks again only after ``remove``
+        of that series, so a handle must stay valid until then."""
         ...
 
     def remove(self, metric: Metric, labels: tuple[str, ...]) -> None:

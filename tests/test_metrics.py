@@ -28,6 +28,7 @@ from kclpy.metrics import (
     PROCESSOR_ERRORS,
     RECORDS_PROCESSED,
     RENEW_LEASE,
+    SHARD_FAILURE,
     Metrics,
 )
 from kclpy.ops.server import serve_worker
@@ -201,6 +202,31 @@ def test_a_worker_records_only_the_shards_it_opened() -> None:
     assert shown[("kclpy_checkpoints_total", frozenset({("shard_id", "held")}))] == 1
     assert not any(("shard_id", "not-held") in labels for _, labels in shown)
     assert metrics.open_shards() == ["held"]
+
+
+def test_a_scope_binds_each_series_once_and_again_only_after_its_removal() -> None:
+    mirror = Mirror()
+    metrics = Metrics(backends=[mirror])
+    shard = metrics.shard("shard-1")
+    assert shard.bind(PROCESSOR_ERRORS, "initialize") is shard.bind(PROCESSOR_ERRORS,
+                                                                    "initialize")
+    shard.set(SHARD_FAILURE, 1, "ValueError")
+    shard.remove(SHARD_FAILURE, "ValueError")
+    shard.set(SHARD_FAILURE, 1, "ValueError")  # the same state entered again
+    series = ("kclpy_shard_failure", frozenset({("shard_id", "shard-1"),
+                                                ("error_type", "ValueError")}))
+    assert prometheus_series(metrics)[series] == 1
+    assert mirror.series[series] == 1
+
+
+def test_a_backend_added_after_a_bind_sees_the_next_events_of_the_same_series() -> None:
+    metrics = Metrics()
+    metrics.inc(LEASES_TAKEN)
+    mirror = Mirror()
+    metrics.add_backend(mirror)
+    metrics.inc(LEASES_TAKEN)
+    assert mirror.series[("kclpy_leases_taken_total", frozenset())] == 1
+    assert prometheus_series(metrics)[("kclpy_leases_taken_total", frozenset())] == 2
 
 
 def test_cloudwatch_datums_come_from_the_same_events_at_the_configured_level() -> None:
