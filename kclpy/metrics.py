@@ -524,9 +524,12 @@ class Metrics(Scope):
         """The shard left the worker (lease lost, released, handed off, shard ended): its
         series disappear from Prometheus, its CloudWatch datums stop."""
         with self._shards_lock:
+            # closed before the shard can be opened again: a new scope's handle bound to a
+            # series the old one is about to remove would record into a child no longer in
+            # the registry for as long as the new scope keeps it
             scope = self._shards.pop(lease_key, None)
-        if scope is not None:
-            scope.close()
+            if scope is not None:
+                scope.close()
 
     def open_shards(self) -> list[str]:
         with self._shards_lock:

@@ -30,6 +30,7 @@ from kclpy.metrics import (
     RENEW_LEASE,
     SHARD_FAILURE,
     Metrics,
+    Scope,
 )
 from kclpy.ops.server import serve_worker
 from kclpy.progress import totals
@@ -191,6 +192,42 @@ def test_a_closed_shard_loses_its_series_and_nothing_late_brings_them_back() -> 
     # what the shard processed stays in the worker's totals, the late work too
     assert totals(metrics).records == 10
     assert processed_by_lease(metrics) == {"shard-1": (10.0, 0.0)}
+
+
+def test_a_shard_opened_again_while_its_old_scope_closes_keeps_its_series() -> None:
+    """A scope keeps its bound handles: a new scope of the same shard that bound a series
+    the closing one then removed would record into a child gone from the registry."""
+    metrics = Metrics()
+    metrics.implicit_shards = False
+    old = metrics.open_shard("shard-1")
+    old.inc(CHECKPOINTS)
+    closing, go_on = threading.Event(), threading.Event()
+    close = old.close
+
+    def close_slowly() -> None:
+        closing.set()
+        assert go_on.wait(10)
+        close()
+
+    old.close = close_slowly  # type: ignore[method-assign]
+    leaving = threading.Thread(target=metrics.close_shard, args=("shard-1",))
+    leaving.start()
+    assert closing.wait(10)
+    opened: list[Scope] = []
+
+    def open_again() -> None:
+        opened.append(metrics.open_shard("shard-1"))
+        opened[0].inc(CHECKPOINTS)
+
+    coming = threading.Thread(target=open_again)
+    coming.start()
+    coming.join(0.5)  # gives the unserialised open its chance to bind before the removal
+    go_on.set()
+    leaving.join(10)
+    coming.join(10)
+    opened[0].inc(CHECKPOINTS)
+    series = ("kclpy_checkpoints_total", frozenset({("shard_id", "shard-1")}))
+    assert prometheus_series(metrics).get(series) == 2
 
 
 def test_a_worker_records_only_the_shards_it_opened() -> None:
