@@ -17,7 +17,7 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Protocol
@@ -29,7 +29,6 @@ from kclpy.errors import CheckpointError, KCLError, ProcessorRestartRequired, Sh
 from kclpy.leases import park
 from kclpy.leases.dynamo import TABLE_ERRORS
 from kclpy.leases.lease import Lease
-from kclpy.leases.shard_sync import report_lost_to_retention
 from kclpy.metrics import (
     BATCH_MILLIS_BEHIND_LATEST,
     BYTES_PROCESSED,
@@ -43,6 +42,7 @@ from kclpy.metrics import (
     SHARD_FAILURE_ATTEMPTS,
     SHARDS_PARKED_BY_POLICY,
     Metrics,
+    Scope,
 )
 from kclpy.position import AT_TIMESTAMP, LATEST, Position
 from kclpy.processor import (
@@ -879,3 +879,17 @@ class ShardConsumer:
 def _iso(epoch_ms: int) -> str:
     return datetime.fromtimestamp(epoch_ms / 1000, tz=timezone.utc).isoformat(
         timespec="milliseconds")
+
+
+def report_lost_to_retention(metrics: Scope, lease_key: str, checkpoint: Position,
+                             children: Iterable[str], ending: str) -> None:
+    """Say once, at ERROR and in ``kclpy_data_lost_to_retention_total``, that an unfinished
+    shard left the stream: the shard sync that deletes its lease and the holder that ends
+    it (``ending`` says which) report it alike, so an operator finds one message whoever
+    noticed."""
+    metrics.inc(DATA_LOST_TO_RETENTION, lease_key)
+    log.error(
+        "shard %s left the stream unfinished: the stream's retention trimmed its "
+        "records (those after checkpoint %s) before they were processed, and they "
+        "are lost. %s so that its child shards (%s) can start.",
+        lease_key, checkpoint, ending, ", ".join(sorted(children)))

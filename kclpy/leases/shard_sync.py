@@ -69,11 +69,12 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kclpy.consumer import report_lost_to_retention
 from kclpy.errors import ConfigError, LeaseLostError
 from kclpy.leases.cleanup import has_progressed
 from kclpy.leases.lease import Lease, incarnation_epoch, new_incarnation, same_stream
 from kclpy.leases.table import LeaseTable
-from kclpy.metrics import DATA_LOST_TO_RETENTION, NOWHERE, THROTTLES, Metrics, Scope
+from kclpy.metrics import NOWHERE, THROTTLES, Metrics
 from kclpy.position import (
     AT_TIMESTAMP,
     INITIAL_POSITIONS,
@@ -189,20 +190,6 @@ def _depths(by_id: Mapping[str, Shard]) -> dict[str, int]:
             depth[shard_id] = 1 + max((depth[p] for p in parents), default=-1)
             stack.pop()
     return depth
-
-
-def report_lost_to_retention(metrics: Scope, lease_key: str, checkpoint: Position,
-                             children: Iterable[str], ending: str) -> None:
-    """Say once, at ERROR and in ``kclpy_data_lost_to_retention_total``, that an unfinished
-    shard left the stream: the shard sync that deletes its lease and the holder that ends
-    it (``ending`` says which) report it alike, so an operator finds one message whoever
-    noticed."""
-    metrics.inc(DATA_LOST_TO_RETENTION, lease_key)
-    log.error(
-        "shard %s left the stream unfinished: the stream's retention trimmed its "
-        "records (those after checkpoint %s) before they were processed, and they "
-        "are lost. %s so that its child shards (%s) can start.",
-        lease_key, checkpoint, ending, ", ".join(sorted(children)))
 
 
 def aged_out(shards: Iterable[Shard], leases: Iterable[Lease],
