@@ -760,6 +760,77 @@ def test_over_http_kinesis_mock_paginates_and_follows_a_split(
     assert parent in syncer.known_shard_ids
 
 
+class LeftTheStream:
+    """What AWS answers once a split parent's records are past the retention, which
+    kinesis-mock cannot age out: ListShards without the parent (its children still name it)
+    and GetShardIterator of it with ResourceNotFoundException. ``gone`` is set by the first
+    such answer, or from the start; the listing leaves the parent out only once it is."""
+
+    def __init__(self, kinesis: Any, stream: str, parent: str, *, gone: bool) -> None:
+        self._kinesis = kinesis
+        self._stream = stream
+        self._parent = parent
+        self.gone = threading.Event()
+        if gone:
+            self.gone.set()
+
+    def listed(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+        if "NextToken" in request or not self.gone.is_set():
+            return None
+        answer = self._kinesis.list_shards(**request)
+        body: dict[str, Any] = {"Shards": [s for s in answer["Shards"]
+                                           if s["ShardId"] != self._parent]}
+        if "NextToken" in answer:
+            body["NextToken"] = answer["NextToken"]
+        return 200, body
+
+    def not_found(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+        if request.get("ShardId") != self._parent:
+            return None
+        self.gone.set()
+        return 400, {"__type": "ResourceNotFoundException",
+                     "message": f"Shard {self._parent} in stream {self._stream} does not exist"}
+
+
+def split_with_children_written(kinesis: Any, prefix: str
+                                ) -> tuple[str, str, list[str], list[bytes]]:
+    """A stream whose one shard got a record and was split, and eight records written to
+    the children: the stream, the parent, the children and those records."""
+    from tests.support.streams import create_stream, put_plain
+
+    stream = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    create_stream(kinesis, stream, 1)
+    put_plain(kinesis, stream, [b"trimmed"])
+    parent, children = split_first_shard(kinesis, stream)
+    wait_for_stream_active(kinesis, stream)
+    payloads = [f"child-{i}".encode() for i in range(8)]
+    assert {shard_id for shard_id, _ in put_plain(kinesis, stream, payloads)} <= set(children)
+    return stream, parent, children, payloads
+
+
+def read_through_proxy(world: LeftTheStream, kinesis_mock: LocalEndpoint, config: Any,
+                         parent: str, payloads: list[bytes]) -> tuple[list[bytes], float | None]:
+    """Run a worker through the fault proxy answering as ``world`` until the children's
+    ``payloads`` are processed: every payload it processed, and the parent's loss counter."""
+    from kclpy import Worker
+    from tests.support.faultproxy import FaultProxy
+    from tests.support.recording import Ledger, RecordingProcessor
+    from tests.support.workers import running
+
+    ledger = Ledger()
+    with FaultProxy(kinesis_mock.url, seed=1) as proxy:
+        proxy.set_rule("ListShards", respond=world.listed)
+        proxy.set_rule("GetShardIterator", respond=world.not_found)
+        worker = Worker(config.replace(kinesis_endpoint=proxy.url),
+                        lambda: RecordingProcessor(ledger))
+        with running(worker):
+            wait_for(lambda: set(payloads) <= set(ledger.payloads()), 60,
+                     "the children's records")
+            lost = worker.metrics.registry.get_sample_value(
+                "kclpy_data_lost_to_retention_total", {"shard_id": parent})
+    return ledger.payloads(), lost
+
+
 @pytest.mark.integration
 def test_over_http_a_worker_starts_the_children_of_a_parent_the_retention_removed(
         kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint,
@@ -767,25 +838,15 @@ def test_over_http_a_worker_starts_the_children_of_a_parent_the_retention_remove
     """Over real HTTP: an application stopped before it read a split parent, for longer than
     the retention period. The worker deletes the parent's lease (ERROR, counted) and reads
     its children. kinesis-mock cannot age data out, so the fault proxy answers what AWS
-    answers once the parent's records are past the retention: ListShards without the parent
-    (its children still name it) and GetShardIterator of it with ResourceNotFoundException;
+    answers once the parent's records are past the retention (``LeftTheStream``);
     everything else is the emulator's, and the lease table is moto's server. On the code
     before the fix the children wait on the parent's lease for ever."""
-    from kclpy import KCLConfig, Worker
-    from tests.support.faultproxy import FaultProxy
-    from tests.support.recording import Ledger, RecordingProcessor
-    from tests.support.streams import create_stream, dynamodb_client, kinesis_client, put_plain
-    from tests.support.workers import running
+    from kclpy import KCLConfig
+    from tests.support.streams import dynamodb_client, kinesis_client
 
     caplog.set_level("INFO", logger="kclpy")
     kinesis = kinesis_client(kinesis_mock.url)
-    stream = f"aged-{uuid.uuid4().hex[:8]}"
-    create_stream(kinesis, stream, 1)
-    put_plain(kinesis, stream, [b"trimmed"])
-    parent, children = split_first_shard(kinesis, stream)
-    wait_for_stream_active(kinesis, stream)
-    payloads = [f"child-{i}".encode() for i in range(8)]
-    assert {shard_id for shard_id, _ in put_plain(kinesis, stream, payloads)} <= set(children)
+    stream, parent, children, payloads = split_with_children_written(kinesis, "aged")
     config = KCLConfig(
         application_name=f"app-{uuid.uuid4().hex[:8]}", stream_name=stream, region=REGION,
         dynamodb_endpoint=moto_server.url, initial_position="TRIM_HORIZON",
@@ -797,34 +858,9 @@ def test_over_http_a_worker_starts_the_children_of_a_parent_the_retention_remove
     made = ShardSyncer(kinesis, table, stream_name=stream, initial_position=TRIM_HORIZON).sync()
     assert sorted(lease.lease_key for lease in made) == sorted([parent, *children])
 
-    def listed_without_parent(request: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
-        if "NextToken" in request:
-            return None
-        answer = kinesis.list_shards(**request)
-        body: dict[str, Any] = {"Shards": [s for s in answer["Shards"]
-                                           if s["ShardId"] != parent]}
-        if "NextToken" in answer:
-            body["NextToken"] = answer["NextToken"]
-        return 200, body
-
-    def parent_not_found(request: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
-        if request.get("ShardId") != parent:
-            return None
-        return 400, {"__type": "ResourceNotFoundException",
-                     "message": f"Shard {parent} in stream {stream} does not exist"}
-
-    ledger = Ledger()
-    with FaultProxy(kinesis_mock.url, seed=1) as proxy:
-        proxy.set_rule("ListShards", respond=listed_without_parent)
-        proxy.set_rule("GetShardIterator", respond=parent_not_found)
-        worker = Worker(config.replace(kinesis_endpoint=proxy.url),
-                        lambda: RecordingProcessor(ledger))
-        with running(worker):
-            wait_for(lambda: set(payloads) <= set(ledger.payloads()), 60,
-                     "the children's records")
-            lost = worker.metrics.registry.get_sample_value(
-                "kclpy_data_lost_to_retention_total", {"shard_id": parent})
-    assert b"trimmed" not in ledger.payloads()
+    processed, lost = read_through_proxy(LeftTheStream(kinesis, stream, parent, gone=True),
+                                           kinesis_mock, config, parent, payloads)
+    assert b"trimmed" not in processed
     assert table.get(parent) is None
     assert lost == 1
     assert any(parent in r.getMessage() and "lost" in r.getMessage()
@@ -844,21 +880,12 @@ def test_over_http_the_holder_of_a_shard_that_left_the_stream_frees_its_children
     both assigner modes; the loss is reported once. On the code before the fix the consumer
     failed, the lease was released and taken again, and the children waited for the next
     shard sync."""
-    from kclpy import KCLConfig, Worker
-    from tests.support.faultproxy import FaultProxy
-    from tests.support.recording import Ledger, RecordingProcessor
-    from tests.support.streams import create_stream, dynamodb_client, kinesis_client, put_plain
-    from tests.support.workers import running
+    from kclpy import KCLConfig
+    from tests.support.streams import dynamodb_client, kinesis_client
 
     caplog.set_level("INFO", logger="kclpy")
     kinesis = kinesis_client(kinesis_mock.url)
-    stream = f"gone-{uuid.uuid4().hex[:8]}"
-    create_stream(kinesis, stream, 1)
-    put_plain(kinesis, stream, [b"trimmed"])
-    parent, children = split_first_shard(kinesis, stream)
-    wait_for_stream_active(kinesis, stream)
-    payloads = [f"child-{i}".encode() for i in range(8)]
-    assert {shard_id for shard_id, _ in put_plain(kinesis, stream, payloads)} <= set(children)
+    stream, parent, children, payloads = split_with_children_written(kinesis, "gone")
     config = KCLConfig(
         application_name=f"app-{uuid.uuid4().hex[:8]}", stream_name=stream, region=REGION,
         dynamodb_endpoint=moto_server.url, initial_position="TRIM_HORIZON",
@@ -866,39 +893,11 @@ def test_over_http_the_holder_of_a_shard_that_left_the_stream_frees_its_children
         shard_sync_interval_ms=600_000, parent_shard_poll_interval_ms=200,
         lease_assigner=assigner)
     table = LeaseTable(dynamodb_client(moto_server.url), config.application_name)
-    #: set by the parent's first read: the retention has removed it from then on
-    gone = threading.Event()
-
-    def listed(request: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
-        if "NextToken" in request or not gone.is_set():
-            return None
-        answer = kinesis.list_shards(**request)
-        body: dict[str, Any] = {"Shards": [s for s in answer["Shards"]
-                                           if s["ShardId"] != parent]}
-        if "NextToken" in answer:
-            body["NextToken"] = answer["NextToken"]
-        return 200, body
-
-    def parent_not_found(request: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
-        if request.get("ShardId") != parent:
-            return None
-        gone.set()
-        return 400, {"__type": "ResourceNotFoundException",
-                     "message": f"Shard {parent} in stream {stream} does not exist"}
-
-    ledger = Ledger()
-    with FaultProxy(kinesis_mock.url, seed=1) as proxy:
-        proxy.set_rule("ListShards", respond=listed)
-        proxy.set_rule("GetShardIterator", respond=parent_not_found)
-        worker = Worker(config.replace(kinesis_endpoint=proxy.url),
-                        lambda: RecordingProcessor(ledger))
-        with running(worker):
-            wait_for(lambda: set(payloads) <= set(ledger.payloads()), 60,
-                     "the children's records")
-            lost = worker.metrics.registry.get_sample_value(
-                "kclpy_data_lost_to_retention_total", {"shard_id": parent})
-    assert gone.is_set()
-    assert b"trimmed" not in ledger.payloads()
+    # the parent's first read: the retention has removed it from then on
+    world = LeftTheStream(kinesis, stream, parent, gone=False)
+    processed, lost = read_through_proxy(world, kinesis_mock, config, parent, payloads)
+    assert world.gone.is_set()
+    assert b"trimmed" not in processed
     ended = table.get(parent)
     assert ended is not None and ended.checkpoint == Position.shard_end()
     assert lost == 1
