@@ -1074,17 +1074,13 @@ def test_over_http_a_workers_commit_whose_answers_were_lost_is_applied_once(
     assert stored_state(store) == {"count/a": 20, "sum/a": 20, "count/b": 1, "sum/b": 1}
 
 
-def test_a_commit_landing_after_its_processor_was_restarted_is_not_applied_again(
-        table: LeaseTable, dynamodb: Any) -> None:
-    """A commit of records 1-3 is on its way when its answer is lost; the processor is then
-    replaced in the same tenure (``ProcessorRestartRequired``) and its successor starts
-    from the lease's checkpoint, which does not show the commit yet. The commit lands; the
-    successor's first commit is refused by the fence (an earlier transaction of the tenure
-    landed) although the successor never had a commit in doubt. It reads back what landed
-    and applies none of those records again, and its lease checkpoint never moves back
-    behind the landed one. Before, the refusal was taken for a key conflict: the records
-    were applied a second time (count 7 for 4 records) and the checkpoint went 3 -> 1 -> 2;
-    without the checkpointer catching up with the lease it still went 3 -> 2."""
+def restarted_before_its_commit_landed(
+        table: LeaseTable, dynamodb: Any
+) -> tuple[DynamoDBStateStore, Shard, ExactlyOnceProcessor, list[Position]]:
+    """A processor whose commit of records 1-3 went out and whose answer was lost, replaced
+    in the same tenure (``ProcessorRestartRequired``) by a successor made from the lease's
+    checkpoint, which does not show the commit yet; then the commit lands. The store, the
+    shard, the successor (a commit per record) and the lease's checkpoints from then on."""
     store = DynamoDBStateStore("state", client=dynamodb)
     shard = Shard(table, "s1", "A", Clock())
     first = runner(store)
@@ -1109,7 +1105,21 @@ def test_a_commit_landing_after_its_processor_was_restarted_is_not_applied_again
                                       max(durable.checkpoint, last))
     successor = runner(store, max_records=1)
     real(**on_its_way[0])  # the first processor's commit lands
-    checkpoints = checkpoints_after_writes(dynamodb, table, "s1")
+    return store, shard, successor, checkpoints_after_writes(dynamodb, table, "s1")
+
+
+def test_a_commit_landing_after_its_processor_was_restarted_is_not_applied_again(
+        table: LeaseTable, dynamodb: Any) -> None:
+    """A commit of records 1-3 is on its way when its answer is lost; the processor is then
+    replaced in the same tenure (``ProcessorRestartRequired``) and its successor starts
+    from the lease's checkpoint, which does not show the commit yet. The commit lands; the
+    successor's first commit is refused by the fence (an earlier transaction of the tenure
+    landed) although the successor never had a commit in doubt. It reads back what landed
+    and applies none of those records again, and its lease checkpoint never moves back
+    behind the landed one. Before, the refusal was taken for a key conflict: the records
+    were applied a second time (count 7 for 4 records) and the checkpoint went 3 -> 1 -> 2;
+    without the checkpointer catching up with the lease it still went 3 -> 2."""
+    store, shard, successor, checkpoints = restarted_before_its_commit_landed(table, dynamodb)
     shard.deliver(successor, [rec(1, "a:1"), rec(2, "a:1")])
     shard.deliver(successor, [rec(3, "a:1"), rec(4, "a:1")])
     assert stored_state(store) == {"count/a": 4, "sum/a": 4}
@@ -1189,27 +1199,7 @@ def test_a_landed_commit_found_while_the_lease_table_fails_reads_is_still_read_b
     refused again, and with nothing marked in doubt it was not read back either: records
     1-3 were applied a second time over the landed ones (count 7 for 4 records). The line
     stays in doubt until a commit of it lands."""
-    store = DynamoDBStateStore("state", client=dynamodb)
-    shard = Shard(table, "s1", "A", Clock())
-    first = runner(store)
-    real = dynamodb.transact_write_items
-    on_its_way: list[dict[str, Any]] = []
-
-    def answer_lost(**kwargs: Any) -> Any:
-        if not on_its_way:
-            on_its_way.append(kwargs)  # sent; it lands when the test says so
-            raise ReadTimeoutError(endpoint_url="dynamodb")
-        return real(**kwargs)
-
-    dynamodb.transact_write_items = answer_lost
-    with pytest.raises(kclpy.KinesisClientLibDependencyException):
-        shard.deliver(first, [rec(1, "a:1"), rec(2, "a:1"), rec(3, "a:1")])
-    last = shard.checkpointer.retire("the processor was restarted")
-    shard.checkpointer = Checkpointer("s1", shard.fence, shard.checkpointer._token,
-                                      max(Position.trim_horizon(), last))
-    successor = runner(store, max_records=1)
-    real(**on_its_way[0])  # the first processor's commit lands
-    checkpoints = checkpoints_after_writes(dynamodb, table, "s1")
+    store, shard, successor, checkpoints = restarted_before_its_commit_landed(table, dynamodb)
     read_back = shard.fence.durable_checkpoint
 
     def read_fails(lease_key: str, concurrency_token: str) -> Position | None:
