@@ -11,6 +11,8 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
+
 from kclpy.signals import EXIT_FORCED, STOP_SIGNALS, on_stop_signals
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,36 +59,16 @@ def test_each_stop_signal_calls_back_off_the_main_thread_and_the_old_handlers_co
     assert {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} == before
 
 
-def test_a_second_interrupt_exits_at_once_while_the_first_still_shuts_down() -> None:
+@pytest.mark.parametrize("main_thread", ["waiting", "masking both signals"])
+def test_a_second_interrupt_exits_at_once_while_the_first_still_shuts_down(
+        main_thread: str) -> None:
     """The first Ctrl-C starts a graceful shutdown, which here never ends (a processor stuck in
-    shutdown_requested); the second ends the process, saying what is read again."""
-    child = subprocess.Popen(
-        [sys.executable, "-c", (
-            "import sys, threading\n"
-            "from kclpy.signals import on_stop_signals\n"
-            "def stop(signum):\n"
-            "    print('stopping', flush=True)\n"
-            "    threading.Event().wait()\n"
-            "with on_stop_signals(stop):\n"
-            "    print('ready', flush=True)\n"
-            "    threading.Event().wait()\n")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        assert line_of(child) == "ready"
-        child.send_signal(signal.SIGINT)
-        assert line_of(child) == "stopping"
-        child.send_signal(signal.SIGINT)
-        code = child.wait(timeout=60)
-    finally:
-        child.kill()
-    assert code == EXIT_FORCED == 130
-    assert child.stderr is not None and "will be read again" in child.stderr.read()
-
-
-def test_both_interrupts_are_heard_while_the_main_thread_runs_no_bytecode() -> None:
-    """A main thread that runs no bytecode never runs a Python-level handler: here it blocks
-    both signals, so the kernel gives them to another thread, as it may to a main thread
-    blocked in a wait without a timeout (or a signal may land just before such a wait)."""
+    shutdown_requested); the second ends the process, saying what is read again. Also while
+    the main thread runs no bytecode, so never a Python-level handler: masking both signals,
+    it makes the kernel give them to another thread, as it may to a main thread blocked in a
+    wait without a timeout (or a signal may land just before such a wait)."""
+    mask = ("    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)\n"
+            if main_thread == "masking both signals" else "")
     child = subprocess.Popen(
         [sys.executable, "-c", (
             "import signal, threading\n"
@@ -95,7 +77,7 @@ def test_both_interrupts_are_heard_while_the_main_thread_runs_no_bytecode() -> N
             "    print('stopping', signum, flush=True)\n"
             "    threading.Event().wait()\n"
             "with on_stop_signals(stop):\n"
-            "    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)\n"
+            f"{mask}"
             "    print('ready', flush=True)\n"
             "    threading.Event().wait()\n")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
@@ -107,5 +89,5 @@ def test_both_interrupts_are_heard_while_the_main_thread_runs_no_bytecode() -> N
         code = child.wait(timeout=60)
     finally:
         child.kill()
-    assert code == EXIT_FORCED
+    assert code == EXIT_FORCED == 130
     assert child.stderr is not None and "will be read again" in child.stderr.read()
