@@ -40,6 +40,8 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, cast
 
+from botocore.exceptions import ClientError
+
 from kclpy.checkpoint import Checkpointer
 from kclpy.errors import CheckpointError, ShutdownException
 from kclpy.leases.lease import Lease
@@ -63,6 +65,7 @@ from kclpy.retrieval.clock import SKEW_MARGIN_MS, KinesisClock
 from kclpy.retrieval.page import Page
 from kclpy.retrieval.pipeline import FetchError, ShardPipeline
 from kclpy.retrieval.polling import Pacer
+from kclpy.retry import error_code
 
 if TYPE_CHECKING:
     from kclpy.leases.fence import Guard, LeaseFence
@@ -209,7 +212,17 @@ class ShardRecovery:
             return None
         checkpoint, sub_sequence_number = live.checkpoint, live.sub_sequence_number
         probe = self._readers(live, None, None, 1)
-        first = first_record(probe)
+        try:
+            first = first_record(probe)
+        except ClientError as exc:
+            if error_code(exc) != "ResourceNotFoundException":
+                raise
+            # The shard may have left the stream: the live read gets the same answer, and
+            # the consumer, its processor initialized, ends the shard once the listings
+            # confirm it (the retention probe leaves it to the live read alike).
+            log.info("shard %s: not found while looking for the record after %s; the live "
+                     "read tells whether it left the stream", self.lease_key, live)
+            return None
         now_ms = self._now_ms()
         arrived = None if first is None else first.timestamp_millis
         if first is None or arrived is None:
