@@ -735,3 +735,26 @@ def test_a_shard_that_left_the_stream_is_ended_by_its_holder_with_lag_recovery_o
     assert lease is not None and lease.is_finished
     assert shard.metrics.registry.get_sample_value(
         "kclpy_data_lost_to_retention_total", {"shard_id": "shardId-000000000000"}) == 1
+
+
+def test_a_shard_that_left_the_stream_with_gaps_queued_ends_finished_and_reports_them(
+        shard: Shard, caplog: pytest.LogCaptureFixture) -> None:
+    """The gaps' records left the stream with the shard. The holder wrote SHARD_END, then
+    its recovery of the queued gap failed on the same not-found answer: the consumer failed
+    with the lease at SHARD_END and the gap queued, a lease no shard sync deletes (it is
+    at SHARD_END) and no cleanup either (a gap is queued), taken and failed by every
+    holder after, and the gap's loss never reported."""
+    writing = shard.recovery()
+    with writing._lock:
+        writing._store(lambda _: (gap("100", 5000, 4000),))
+    gone = dataclasses.replace(shard, stream="gone")
+    with caplog.at_level(logging.ERROR, logger="kclpy"):
+        consumer = end_gone_shard(shard, gone)
+    assert consumer.error is None and consumer.shard_ended
+    lease = shard.table.get("shardId-000000000000")
+    assert lease is not None and lease.is_finished
+    assert shard.metrics.registry.get_sample_value(
+        "kclpy_recovery_trimmed_total", {"shard_id": "shardId-000000000000"}) == 1
+    [gap_lost] = [r.getMessage() for r in caplog.records
+                  if r.levelno == logging.ERROR and "recovery gap" in r.getMessage()]
+    assert "after 100" in gap_lost and "left the stream" in gap_lost

@@ -288,6 +288,29 @@ class ShardRecovery:
         self._m.inc(RECOVERY_RECORDS, by=len(records))
         return result, self._checkpointer
 
+    def left_stream(self) -> None:
+        """The shard left the stream (its holder confirmed it by the listings), and the
+        records of every queued gap with it: drop the queue in one write through the fence
+        and report each gap's loss as a trimmed one. A gap left queued kept the lease the
+        holder then ends at ``SHARD_END`` from being finished: shard sync deletes only
+        unfinished leases not at ``SHARD_END``, lease cleanup only those without gaps, and
+        every later holder took it and failed to read the gap, which was never reported.
+        Raises as a recovery checkpoint does (the lease lost: nothing dropped)."""
+        self._stop_reader()
+        dropped: list[RecoveryRequest] = []
+
+        def drop(queue: tuple[RecoveryRequest, ...]) -> tuple[RecoveryRequest, ...]:
+            dropped[:] = queue
+            return ()
+
+        with self._lock:
+            self._store(drop)
+        for request in dropped:
+            self._m.inc(RECOVERY_TRIMMED)
+            log.error("shard %s: the shard left the stream with a recovery gap queued: its "
+                      "records after %s/%s up to %s are lost", self.lease_key, request.done,
+                      request.done_sub, _iso(request.end_ms))
+
     @property
     def active(self) -> bool:
         """Gaps are queued that this tenure has not read to their end yet, or an operator
