@@ -88,6 +88,7 @@ class RecoveryLike(Protocol):
 
     def begin(self, live: Position) -> datetime | None: ...
     def poll(self) -> tuple[Page[Records], Checkpointer] | None: ...
+    def left_stream(self) -> None: ...
     @property
     def active(self) -> bool: ...
     def stop(self) -> None: ...
@@ -719,6 +720,11 @@ class ShardConsumer:
         holder that lost the lease first leaves it to the next holder or the shard sync."""
         assert self._checkpointer is not None
         checkpoint = self._checkpointer.position
+        if self._recovery is not None:
+            # the queued gaps' records left with the shard: dropped before SHARD_END, so
+            # the lease ends finished (a SHARD_END refused leaves it unfinished, no gap
+            # queued, for the next holder to confirm and end)
+            self._recovery.left_stream()
         self._end_with_shard_end((), left_stream=True)
         if self.shard_ended:
             report_lost_to_retention(self._metrics, self.lease_key, checkpoint, children,

@@ -27,6 +27,7 @@ import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
 #: the signals that ask a kclpy process to stop
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -46,17 +47,28 @@ def on_stop_signals(fn: Callable[[int], None]) -> Iterator[None]:
     which uses the wakeup fd too, hears no signal while inside)."""
 
     read_fd, write_fd = os.pipe()
-    os.set_blocking(write_fd, False)
-    previous = {sig: signal.signal(sig, _written_to_the_pipe) for sig in STOP_SIGNALS}
-    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-    _thread.start_new_thread(_watch, (read_fd, fn))
+    previous_fd: int | None = None
+    previous: dict[signal.Signals, Callable[[int, FrameType | None], Any] | int | None] = {}
+    watching = False
     try:
+        os.set_blocking(write_fd, False)
+        # The wakeup fd is ours before any handler is, and is given back after them all: a
+        # stop signal between the two calls then meets either the handler it replaced or
+        # the pipe, never our handler (which does nothing) with the pipe not (yet) set.
+        previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        for sig in STOP_SIGNALS:
+            previous[sig] = signal.signal(sig, _written_to_the_pipe)
+        _thread.start_new_thread(_watch, (read_fd, fn))
+        watching = True
         yield
     finally:
-        signal.set_wakeup_fd(previous_fd)
         for sig, old in previous.items():
             signal.signal(sig, old)
+        if previous_fd is not None:
+            signal.set_wakeup_fd(previous_fd)
         os.close(write_fd)
+        if not watching:
+            os.close(read_fd)
 
 
 def _written_to_the_pipe(signum: int, frame: FrameType | None) -> None:

@@ -14,7 +14,7 @@ from kclpy.leases.assignment import COUNT, LOAD
 from kclpy.leases.coordinator import LeaseAssignment, LeaseCoordinator
 from kclpy.leases.leader import LeaderLock, LeaderMode, held_leases, live_workers, plan
 from kclpy.leases.leading import LeaderTaker
-from kclpy.leases.lease import Lease
+from kclpy.leases.lease import Lease, new_incarnation
 from kclpy.leases.load import (
     LEADER_ITEM,
     LOAD_TABLE_SUFFIX,
@@ -479,3 +479,34 @@ def test_a_new_leader_assigns_the_leases_below_its_last_listing_before_it_syncs(
     assert sorted(lease.lease_key for lease in taken) == ["s2", "s3"]
     untouched = table.get("x9")
     assert untouched is not None and untouched.lease_owner is None
+
+
+def test_a_lease_of_a_former_stream_below_a_listed_shard_id_is_not_assigned() -> None:
+    """The stream was deleted and created again under the same name (one stream's leases,
+    no stream in the key): its new shard s0 is listed, and shard sync replaced the former
+    s0's lease, but the former stream's child c1 still names s0 as its parent. That parent
+    is another shard: c1's consumer would wait for the new s0 to end, holding the lease all
+    the while (then read a shard id the new stream may not have). The former stream's
+    leases are told by their incarnation; a child of the same stream's s0 is assigned."""
+    backend = Dynamo(Sim(0))
+    table, _ = _tables(backend)
+    table.ensure_owner_index()
+    new_stream, former_stream = 2_000_000.125, 1_000_000.5
+    for lease in (Lease("s0", incarnation=new_incarnation(new_stream)),
+                  Lease("c1", parent_shard_ids=frozenset({"s0"}),
+                        incarnation=new_incarnation(former_stream)),
+                  Lease("c2", parent_shard_ids=frozenset({"s0"}),
+                        incarnation=new_incarnation(new_stream))):
+        assert table.create(lease)
+    clock = _Clock()
+    leader = _led_worker(table, "L", clock)
+    leader.set_known_lease_keys({"s0"})
+    assert leader.run_taker_once() == []  # wins the lock; a cold start's first pass waits
+    assert leader.leads() is True
+    clock.now += _FAILOVER / 3  # the first pass
+
+    taken = leader.run_taker_once()
+
+    assert sorted(lease.lease_key for lease in taken) == ["c2", "s0"]
+    former = table.get("c1")
+    assert former is not None and former.lease_owner is None

@@ -244,6 +244,9 @@ class FakeRecovery:
     def active(self) -> bool:
         return bool(self.batches)
 
+    def left_stream(self) -> None:
+        self.batches.clear()
+
     def stop(self) -> None:
         self.stopped = True
 

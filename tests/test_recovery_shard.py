@@ -19,6 +19,7 @@ from typing import Any
 
 import boto3
 import pytest
+from botocore.exceptions import ClientError
 from botocore.stub import Stubber
 from moto import mock_aws
 
@@ -46,7 +47,7 @@ from kclpy.recovery.queue import RecoveryRequest
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
 from kclpy.retrieval.clock import kinesis_clock
-from kclpy.retrieval.pipeline import ShardPipeline
+from kclpy.retrieval.pipeline import FetchError, ShardPipeline
 from kclpy.retrieval.polling import Pacer, PollingSource
 from kclpy.retrieval.source import ShardAddress
 from tests.support import skew
@@ -685,3 +686,75 @@ def test_a_local_clock_ahead_of_kinesis_neither_ends_a_gap_nor_starts_live_in_it
     assert live_ms <= k + 500, (
         f"live reading starts {live_ms - k} ms into Kinesis' future: records arriving "
         "before then belong to no read")
+
+
+# -- a shard that left the stream -----------------------------------------------------------
+
+
+class NotFoundLive(ScriptedFetcher):
+    """The live reader of a shard Kinesis no longer finds: its fetch thread stopped on the
+    not-found answer."""
+
+    def get(self, timeout: float | None = None) -> Result | None:
+        cause = ClientError({"Error": {"Code": "ResourceNotFoundException",
+                                       "Message": "no such shard"}}, "GetShardIterator")
+        raise FetchError("shardId-000000000000", cause)
+
+
+def end_gone_shard(shard: Shard, gone: Shard) -> ShardConsumer:
+    """The holder's consumer of ``shard``'s lease, with lag recovery reading ``gone`` (a
+    stream Kinesis does not find, as it no longer finds a shard past the retention) and the
+    listings confirming that the shard left the stream; run to its end."""
+    key = "shardId-000000000000"
+    held = shard.holder.held.entry(key)
+    assert held is not None
+    consumer = ShardConsumer(
+        held.lease.copy(), concurrency_token=shard.token,
+        processor_factory=lambda: Restarting(shard.table), fence=shard.holder.fence,
+        readers=Readers(lambda start: NotFoundLive(
+            [], (start.checkpoint, start.sub_sequence_number)),
+            make_recovery=lambda: gone.recovery(stored=held.lease.recovery)),
+        host=Host(LeaseTableReader(shard.table),
+                  left_stream=lambda lease_key: frozenset({"shardId-000000000001"})),
+        settings=SETTINGS, metrics=shard.metrics, rng=random.Random(1))
+    consumer.start()
+    assert consumer.join(30)
+    return consumer
+
+
+def test_a_shard_that_left_the_stream_is_ended_by_its_holder_with_lag_recovery_on(
+        shard: Shard) -> None:
+    """With max_lag_ms set, a new tenure first looks at the record after its checkpoint;
+    Kinesis' not-found answer to that look failed the consumer before its processor was
+    initialized, so the holder never ended the shard that left the stream and its children
+    waited for the next shard sync, as without the holder's ending at all."""
+    gone = dataclasses.replace(shard, stream="gone")
+    consumer = end_gone_shard(shard, gone)
+    assert consumer.error is None and consumer.shard_ended
+    lease = shard.table.get("shardId-000000000000")
+    assert lease is not None and lease.is_finished
+    assert shard.metrics.registry.get_sample_value(
+        "kclpy_data_lost_to_retention_total", {"shard_id": "shardId-000000000000"}) == 1
+
+
+def test_a_shard_that_left_the_stream_with_gaps_queued_ends_finished_and_reports_them(
+        shard: Shard, caplog: pytest.LogCaptureFixture) -> None:
+    """The gaps' records left the stream with the shard. The holder wrote SHARD_END, then
+    its recovery of the queued gap failed on the same not-found answer: the consumer failed
+    with the lease at SHARD_END and the gap queued, a lease no shard sync deletes (it is
+    at SHARD_END) and no cleanup either (a gap is queued), taken and failed by every
+    holder after, and the gap's loss never reported."""
+    writing = shard.recovery()
+    with writing._lock:
+        writing._store(lambda _: (gap("100", 5000, 4000),))
+    gone = dataclasses.replace(shard, stream="gone")
+    with caplog.at_level(logging.ERROR, logger="kclpy"):
+        consumer = end_gone_shard(shard, gone)
+    assert consumer.error is None and consumer.shard_ended
+    lease = shard.table.get("shardId-000000000000")
+    assert lease is not None and lease.is_finished
+    assert shard.metrics.registry.get_sample_value(
+        "kclpy_recovery_trimmed_total", {"shard_id": "shardId-000000000000"}) == 1
+    [gap_lost] = [r.getMessage() for r in caplog.records
+                  if r.levelno == logging.ERROR and "recovery gap" in r.getMessage()]
+    assert "after 100" in gap_lost and "left the stream" in gap_lost

@@ -9,7 +9,9 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -91,3 +93,69 @@ def test_a_second_interrupt_exits_at_once_while_the_first_still_shuts_down(
         child.kill()
     assert code == EXIT_FORCED == 130
     assert child.stderr is not None and "will be read again" in child.stderr.read()
+
+
+def test_a_stop_signal_while_the_handlers_come_and_go_is_heard(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGTERM right after any one of the installing and restoring calls (a pod stopped as
+    it starts, a host program's SIGTERM as the worker stops) is heard by the work or by the
+    handler it replaced: with the Python-level handler ours but the wakeup fd not (yet, or no
+    longer), the handler did nothing and the signal was gone."""
+    heard_by_old: list[int] = []
+    heard_by_fn: list[int] = []
+    fn_called = threading.Condition()
+    #: signals that only the work can have heard
+    for_fn = 0
+
+    def old(signum: int, frame: object) -> None:
+        heard_by_old.append(signum)
+
+    def fn(signum: int) -> None:
+        with fn_called:
+            heard_by_fn.append(signum)
+            fn_called.notify_all()
+
+    def then_a_sigterm(real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal for_fn
+            result = real(*args, **kwargs)
+            before = len(heard_by_old)
+            signal.raise_signal(signal.SIGTERM)  # its Python-level handler runs before this returns
+            if len(heard_by_old) == before:
+                for_fn += 1
+            return result
+        return call
+
+    previous = signal.signal(signal.SIGTERM, old)
+    try:
+        monkeypatch.setattr(signal, "signal", then_a_sigterm(signal.signal))
+        monkeypatch.setattr(signal, "set_wakeup_fd", then_a_sigterm(signal.set_wakeup_fd))
+        with on_stop_signals(fn):
+            pass
+        monkeypatch.undo()
+        assert for_fn > 0
+        with fn_called:
+            assert fn_called.wait_for(lambda: len(heard_by_fn) >= for_fn, 10), (
+                f"{for_fn - len(heard_by_fn)} of {for_fn} SIGTERMs were heard by nobody")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_installing_off_the_main_thread_fails_without_leaking_the_pipe() -> None:
+    """Python lets only the main thread install signal handlers; an embedding program that
+    asks for them from another thread gets the error, and keeps no descriptor per try."""
+    before = set(os.listdir("/proc/self/fd"))
+    errors: list[BaseException] = []
+
+    def install() -> None:
+        try:
+            with on_stop_signals(lambda signum: None):
+                pass
+        except ValueError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=install)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1
+    assert set(os.listdir("/proc/self/fd")) == before

@@ -76,7 +76,7 @@ from botocore.exceptions import ClientError
 
 from kclpy.leases.assignment import AssignmentStrategy, FleetView
 from kclpy.leases.dynamo import CONDITION_FAILED, TABLE_ERRORS
-from kclpy.leases.lease import Lease
+from kclpy.leases.lease import Lease, incarnation_epoch, same_stream
 from kclpy.leases.load import (
     LEADER_ITEM,
     WORKER_ID,
@@ -345,20 +345,39 @@ def known_below(known: AbstractSet[str] | None,
     not appear: each of them was left unassigned until the new leader's first sync, up to
     a shard sync interval (simulator seed 403: a merge child unassigned for 5 s, then taken
     too late to read it before the stream's retention removed it). A lease below a known
-    shard is a shard of the same stream that a sync created from the table's parents."""
+    shard is a shard of the same stream that a sync created from the table's parents - unless
+    its incarnation names another stream than its parent's lease does: a stream deleted and
+    created again under the same name lists the former shard ids, and the former stream's
+    children of them would be held waiting for the new shards to end."""
     if known is None:
         return None
+    leases = list(leases)
+    epochs = {lease.lease_key: _stream_epoch(lease) for lease in leases}
     below = set(known)
     rest = [lease for lease in leases if lease.lease_key not in below]
     grew = True
     while grew:
         grew = False
         for lease in list(rest):
-            if lease.parent_lease_keys & below:
+            epoch = epochs[lease.lease_key]
+            if any(_one_stream(epoch, epochs.get(parent))
+                   for parent in lease.parent_lease_keys & below):
                 below.add(lease.lease_key)
                 rest.remove(lease)
                 grew = True
     return below
+
+
+def _stream_epoch(lease: Lease) -> float:
+    """The creation time of the stream ``lease`` was made for; 0 when it does not say (a
+    lease the Java KCL made, or one made before the stream's time was known)."""
+    return incarnation_epoch(lease.incarnation) if lease.incarnation else 0
+
+
+def _one_stream(epoch: float, other: float | None) -> bool:
+    """Whether two leases' stream creation times allow them one stream: unknown on either
+    side (a parent without a lease in the scan included) is taken for the same."""
+    return not epoch or not other or same_stream(epoch, other)
 
 
 def held_leases(leases: Iterable[Lease], *,

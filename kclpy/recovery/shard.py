@@ -40,6 +40,8 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, cast
 
+from botocore.exceptions import ClientError
+
 from kclpy.checkpoint import Checkpointer
 from kclpy.errors import CheckpointError, ShutdownException
 from kclpy.leases.lease import Lease
@@ -63,6 +65,7 @@ from kclpy.retrieval.clock import SKEW_MARGIN_MS, KinesisClock
 from kclpy.retrieval.page import Page
 from kclpy.retrieval.pipeline import FetchError, ShardPipeline
 from kclpy.retrieval.polling import Pacer
+from kclpy.retry import error_code
 
 if TYPE_CHECKING:
     from kclpy.leases.fence import Guard, LeaseFence
@@ -209,7 +212,17 @@ class ShardRecovery:
             return None
         checkpoint, sub_sequence_number = live.checkpoint, live.sub_sequence_number
         probe = self._readers(live, None, None, 1)
-        first = first_record(probe)
+        try:
+            first = first_record(probe)
+        except ClientError as exc:
+            if error_code(exc) != "ResourceNotFoundException":
+                raise
+            # The shard may have left the stream: the live read gets the same answer, and
+            # the consumer, its processor initialized, ends the shard once the listings
+            # confirm it (the retention probe leaves it to the live read alike).
+            log.info("shard %s: not found while looking for the record after %s; the live "
+                     "read tells whether it left the stream", self.lease_key, live)
+            return None
         now_ms = self._now_ms()
         arrived = None if first is None else first.timestamp_millis
         if first is None or arrived is None:
@@ -274,6 +287,29 @@ class ShardRecovery:
         self._delivered_ms = records[-1].timestamp_millis
         self._m.inc(RECOVERY_RECORDS, by=len(records))
         return result, self._checkpointer
+
+    def left_stream(self) -> None:
+        """The shard left the stream (its holder confirmed it by the listings), and the
+        records of every queued gap with it: drop the queue in one write through the fence
+        and report each gap's loss as a trimmed one. A gap left queued kept the lease the
+        holder then ends at ``SHARD_END`` from being finished: shard sync deletes only
+        unfinished leases not at ``SHARD_END``, lease cleanup only those without gaps, and
+        every later holder took it and failed to read the gap, which was never reported.
+        Raises as a recovery checkpoint does (the lease lost: nothing dropped)."""
+        self._stop_reader()
+        dropped: list[RecoveryRequest] = []
+
+        def drop(queue: tuple[RecoveryRequest, ...]) -> tuple[RecoveryRequest, ...]:
+            dropped[:] = queue
+            return ()
+
+        with self._lock:
+            self._store(drop)
+        for request in dropped:
+            self._m.inc(RECOVERY_TRIMMED)
+            log.error("shard %s: the shard left the stream with a recovery gap queued: its "
+                      "records after %s/%s up to %s are lost", self.lease_key, request.done,
+                      request.done_sub, _iso(request.end_ms))
 
     @property
     def active(self) -> bool:
