@@ -14,7 +14,7 @@ from moto import mock_aws
 from kclpy.leases.cleanup import deletable, has_progressed
 from kclpy.leases.coordinator import CoordinatorSettings, LeaseCoordinator
 from kclpy.leases.lease import Lease
-from kclpy.leases.shard_sync import Shard, ShardSyncer, plan_new_leases
+from kclpy.leases.shard_sync import Shard, ShardSyncer, SyncedStream, plan_new_leases
 from kclpy.leases.table import LeaseTable
 from kclpy.position import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON, Position
 
@@ -158,7 +158,7 @@ def test_child_leases_from_get_records_are_recorded_on_their_parents(
 ) -> None:
     kinesis, table = aws
     assert table.create(lease("p", SHARD_END))
-    syncer = ShardSyncer(kinesis, table, stream_name="s")
+    syncer = ShardSyncer(kinesis, table, SyncedStream("s"))
 
     class Child:
         def __init__(self, shard_id: str, parents: list[str]) -> None:
