@@ -33,7 +33,7 @@ from kclpy.config import KCLConfig
 from kclpy.consumer import ConsumerSettings, FetcherLike
 from kclpy.errors import ConfigError, KCLError
 from kclpy.leases.assignment import assignment_strategy
-from kclpy.leases.coordinator import LeaseAssignment, LeaseCoordinator
+from kclpy.leases.coordinator import CoordinatorSettings, LeaseAssignment, LeaseCoordinator
 from kclpy.leases.leader import LeaderLock, LeaderMode
 from kclpy.leases.lease import Lease
 from kclpy.leases.load import LoadBalancing, load_balancing
@@ -72,6 +72,19 @@ def consumer_settings(config: KCLConfig) -> ConsumerSettings:
         fail_on_data_loss=config.fail_on_data_loss,
         call_process_records_even_for_empty_record_list=(
             config.call_process_records_even_for_empty_record_list),
+    )
+
+
+def coordinator_settings(config: KCLConfig) -> CoordinatorSettings:
+    """The lease coordinator's options, as plain values (the threads' pacing keeps its
+    defaults: no option sets it)."""
+    return CoordinatorSettings(
+        failover_time_s=config.failover_time_ms / 1000,
+        max_leases_for_worker=config.max_leases_for_worker,
+        max_leases_to_steal_at_one_time=config.max_leases_to_steal_at_one_time,
+        graceful_handoff=config.is_graceful_lease_handoff_enabled,
+        graceful_handoff_timeout_s=config.graceful_lease_handoff_timeout_ms / 1000,
+        cleanup_leases=config.cleanup_leases_upon_shard_completion,
     )
 
 
@@ -142,14 +155,8 @@ def build_parts(config: KCLConfig, metrics: Metrics, session: boto3.session.Sess
         streams = StreamSet(kinesis, lease_table, config, metrics,
                             register=register if config.fan_out else None)
         coordinator = LeaseCoordinator(
-            lease_table, config.worker_id,
-            failover_time_s=config.failover_time_ms / 1000,
-            max_leases_for_worker=config.max_leases_for_worker,
-            max_leases_to_steal_at_one_time=config.max_leases_to_steal_at_one_time,
-            graceful_handoff=config.is_graceful_lease_handoff_enabled,
-            graceful_handoff_timeout_s=config.graceful_lease_handoff_timeout_ms / 1000,
-            cleanup_leases=config.cleanup_leases_upon_shard_completion,
-            metrics=metrics, assignment=assignment)
+            lease_table, config.worker_id, coordinator_settings(config), metrics=metrics,
+            assignment=assignment)
         coordinator.set_consumable(lambda key: streams.for_lease_key(key) is not None)
     except BaseException:
         if cloudwatch is not None:

@@ -13,7 +13,7 @@ import boto3
 import pytest
 from moto import mock_aws
 
-from kclpy.leases.coordinator import LeaseCoordinator
+from kclpy.leases.coordinator import CoordinatorSettings, LeaseCoordinator
 from kclpy.leases.lease import Lease
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint, free_port
@@ -533,10 +533,11 @@ def test_a_handoff_whose_owner_dies_moves_about_one_failover_time_later() -> Non
         table.create_if_missing()
         for key in ("s1", "s2"):
             assert table.create(Lease(key))
-        a = LeaseCoordinator(table, "A", failover_time_s=failover, clock=clock, renewal_threads=1)
+        settings = CoordinatorSettings(failover_time_s=failover, renewal_threads=1)
+        a = LeaseCoordinator(table, "A", settings, clock=clock)
         a.add_handoff_listener(lambda shard_id: None)  # its processor is still finishing
         a.run_taker_once()
-        b = LeaseCoordinator(table, "B", failover_time_s=failover, clock=clock, renewal_threads=1)
+        b = LeaseCoordinator(table, "B", settings, clock=clock)
         assert b.run_taker_once() == []
         asked = b.pending_handoffs()
         assert len(asked) == 1

@@ -18,7 +18,7 @@ from moto import mock_aws
 
 from kclpy.errors import ShutdownException
 from kclpy.leases import handoff, park
-from kclpy.leases.coordinator import LeaseAssignment, LeaseCoordinator
+from kclpy.leases.coordinator import CoordinatorSettings, LeaseAssignment, LeaseCoordinator
 from kclpy.leases.dynamo import LeaseTableThrottled
 from kclpy.leases.leader import LeaderLock, LeaderMode
 from kclpy.leases.leading import LeaderTaker
@@ -60,19 +60,20 @@ def clock() -> Clock:
 
 
 def worker(
-    table: LeaseTable, name: str, clock: Clock, *, listen: bool = True, **kwargs: Any
+    table: LeaseTable, name: str, clock: Clock, *, listen: bool = True,
+    metrics: Metrics | None = None, assignment: LeaseAssignment | None = None,
 ) -> tuple[LeaseCoordinator, Calls, Calls]:
     """A coordinator with recorded lease-lost and (unless ``listen`` is False) handoff
     listeners."""
     c = LeaseCoordinator(
         table,
         name,
-        failover_time_s=FAILOVER,
-        graceful_handoff_timeout_s=TIMEOUT,
+        CoordinatorSettings(
+            failover_time_s=FAILOVER, graceful_handoff_timeout_s=TIMEOUT, renewal_threads=1),
         clock=clock,
-        renewal_threads=1,
         rng=FirstChoiceRandom(),
-        **kwargs,
+        metrics=metrics,
+        assignment=assignment,
     )
     lost, asked = Calls(), Calls()
     c.add_lease_lost_listener(lost)
@@ -502,8 +503,8 @@ def test_a_fleet_balancing_by_handoff_converges_without_ping_pong(
         assert table.create(Lease(key))
     workers = [
         LeaseCoordinator(
-            table, name, failover_time_s=FAILOVER, clock=clock, renewal_threads=1,
-            rng=random.Random(seed),
+            table, name, CoordinatorSettings(failover_time_s=FAILOVER, renewal_threads=1),
+            clock=clock, rng=random.Random(seed),
         )
         for seed, name in enumerate("ABC")
     ]  # fmt: skip

@@ -12,9 +12,9 @@ import pytest
 from moto import mock_aws
 
 from kclpy.leases.cleanup import deletable, has_progressed
-from kclpy.leases.coordinator import LeaseCoordinator
+from kclpy.leases.coordinator import CoordinatorSettings, LeaseCoordinator
 from kclpy.leases.lease import Lease
-from kclpy.leases.shard_sync import Shard, ShardSyncer, plan_new_leases
+from kclpy.leases.shard_sync import Shard, ShardSyncer, SyncedStream, plan_new_leases
 from kclpy.leases.table import LeaseTable
 from kclpy.position import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON, Position
 
@@ -117,7 +117,8 @@ def test_the_child_holder_deletes_the_parent_on_its_next_scan(
     _, table = aws
     for item in split(SHARD_END, TRIM_HORIZON, TRIM_HORIZON):
         assert table.create(item)
-    worker = LeaseCoordinator(table, "A", failover_time_s=10, renewal_threads=1)
+    worker = LeaseCoordinator(table, "A",
+                              CoordinatorSettings(failover_time_s=10, renewal_threads=1))
     worker.run_taker_once()
     assert table.get("p") is not None, "children not started yet"
     for key in ("c1", "c2"):
@@ -133,7 +134,8 @@ def test_cleanup_can_be_turned_off(aws: tuple[Any, LeaseTable]) -> None:
     _, table = aws
     for item in split(SHARD_END, "1", "2"):
         assert table.create(item)
-    worker = LeaseCoordinator(table, "A", cleanup_leases=False, renewal_threads=1)
+    worker = LeaseCoordinator(table, "A",
+                              CoordinatorSettings(cleanup_leases=False, renewal_threads=1))
     worker.run_taker_once()
     worker.run_taker_once()
     assert table.get("p") is not None
@@ -156,7 +158,7 @@ def test_child_leases_from_get_records_are_recorded_on_their_parents(
 ) -> None:
     kinesis, table = aws
     assert table.create(lease("p", SHARD_END))
-    syncer = ShardSyncer(kinesis, table, stream_name="s")
+    syncer = ShardSyncer(kinesis, table, SyncedStream("s"))
 
     class Child:
         def __init__(self, shard_id: str, parents: list[str]) -> None:

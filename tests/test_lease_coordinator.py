@@ -20,7 +20,7 @@ from kclpy.errors import (
     ShutdownException,
     ThrottlingException,
 )
-from kclpy.leases.coordinator import LeaseCoordinator
+from kclpy.leases.coordinator import CoordinatorSettings, LeaseCoordinator
 from kclpy.leases.dynamo import LeaseTableThrottled
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
@@ -245,12 +245,12 @@ def test_wake_taker_runs_a_cycle_without_waiting_for_the_interval(client: Any) -
 
 def test_invalid_settings_are_rejected(table: LeaseTable) -> None:
     with pytest.raises(ValueError, match="failover"):
-        LeaseCoordinator(table, "A", failover_time_s=0)
+        CoordinatorSettings(failover_time_s=0)
     with pytest.raises(ValueError, match="renewal_threads"):
-        LeaseCoordinator(table, "A", renewal_threads=0)
+        LeaseCoordinator(table, "A", CoordinatorSettings(renewal_threads=0))
     with pytest.raises(ValueError, match="graceful_handoff_timeout_s"):
-        LeaseCoordinator(table, "A", graceful_handoff_timeout_s=-1)
-    c = LeaseCoordinator(table, "A", failover_time_s=9)
+        CoordinatorSettings(graceful_handoff_timeout_s=-1)
+    c = LeaseCoordinator(table, "A", CoordinatorSettings(failover_time_s=9))
     assert (c.renewer_interval_s, c.taker.interval_s) == (4.5, None)
 
 
@@ -285,15 +285,14 @@ def test_over_http_three_workers_share_and_fence(moto_url: str) -> None:
 
 
 def test_healthy_only_while_renewals_run() -> None:
-    from kclpy.leases.coordinator import LeaseCoordinator
-
     class Table:
         def list_leases(self) -> list[object]:
             return []
 
     now = [100.0]
-    coordinator = LeaseCoordinator(Table(), "w", failover_time_s=3.0,  # type: ignore[arg-type]
-                                   taker_interval_s=3600, clock=lambda: now[0])
+    settings = CoordinatorSettings(failover_time_s=3.0, taker_interval_s=3600)
+    coordinator = LeaseCoordinator(Table(), "w", settings,  # type: ignore[arg-type]
+                                   clock=lambda: now[0])
     def healthy() -> bool:
         return coordinator.healthy
 

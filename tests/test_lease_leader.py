@@ -11,7 +11,7 @@ import pytest
 from botocore.exceptions import ClientError
 
 from kclpy.leases.assignment import COUNT, LOAD
-from kclpy.leases.coordinator import LeaseAssignment, LeaseCoordinator
+from kclpy.leases.coordinator import CoordinatorSettings, LeaseAssignment, LeaseCoordinator
 from kclpy.leases.leader import LeaderLock, LeaderMode, held_leases, live_workers, plan
 from kclpy.leases.leading import LeaderTaker
 from kclpy.leases.lease import Lease, new_incarnation
@@ -326,8 +326,9 @@ def _led_worker(table: LeaseTable, name: str, clock: _Clock) -> LeaseCoordinator
                          LoadSettings(report_interval_s=2.0), clock=clock)
     mode = LeaderMode(LeaderLock(load.table, name, failover_time_s=_FAILOVER, clock=clock),
                       load)
-    return LeaseCoordinator(table, name, failover_time_s=_FAILOVER, clock=clock,
-                            renewal_threads=1, rng=random.Random(1),
+    return LeaseCoordinator(table, name,
+                            CoordinatorSettings(failover_time_s=_FAILOVER, renewal_threads=1),
+                            clock=clock, rng=random.Random(1),
                             assignment=LeaseAssignment(COUNT, load, mode))
 
 

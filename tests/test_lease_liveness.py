@@ -24,7 +24,7 @@ from moto import mock_aws
 
 from kclpy import KCLConfig, Worker
 from kclpy.errors import ShutdownException
-from kclpy.leases.coordinator import LeaseCoordinator
+from kclpy.leases.coordinator import CoordinatorSettings, LeaseCoordinator
 from kclpy.leases.lease import Lease
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
@@ -60,7 +60,8 @@ def coordinator(late: Any, clock: Any, *keys: str,
     table.create_if_missing()
     for key in keys:
         assert table.create(Lease(key))
-    worker = LeaseCoordinator(table, "A", failover_time_s=FAILOVER, clock=clock, metrics=metrics)
+    worker = LeaseCoordinator(table, "A", CoordinatorSettings(failover_time_s=FAILOVER),
+                              clock=clock, metrics=metrics)
     lost: list[str] = []
     worker.add_lease_lost_listener(lost.append)
     for key in keys:

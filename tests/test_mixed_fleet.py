@@ -16,7 +16,7 @@ from moto import mock_aws
 
 from kclpy.leases import cleanup, mixed
 from kclpy.leases.balancing import Balancer
-from kclpy.leases.coordinator import LeaseCoordinator
+from kclpy.leases.coordinator import CoordinatorSettings, LeaseCoordinator
 from kclpy.leases.lease import Lease
 from kclpy.leases.table import LeaseTable
 from kclpy.position import Position
@@ -36,9 +36,9 @@ def table() -> Iterator[LeaseTable]:
 
 
 def coordinator(table: LeaseTable, name: str, clock: Clock) -> LeaseCoordinator:
-    return LeaseCoordinator(table, name, failover_time_s=FAILOVER,
-                            graceful_handoff_timeout_s=TIMEOUT, clock=clock,
-                            renewal_threads=1, rng=FirstChoiceRandom())
+    settings = CoordinatorSettings(failover_time_s=FAILOVER, graceful_handoff_timeout_s=TIMEOUT,
+                                   renewal_threads=1)
+    return LeaseCoordinator(table, name, settings, clock=clock, rng=FirstChoiceRandom())
 
 
 def java_take(table: LeaseTable, key: str, owner: str) -> None:

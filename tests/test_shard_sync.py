@@ -20,8 +20,10 @@ from moto import mock_aws
 from kclpy.errors import ConfigError
 from kclpy.leases.lease import Lease
 from kclpy.leases.shard_sync import (
+    LIST_SHARDS_RETRIES,
     Shard,
     ShardSyncer,
+    SyncedStream,
     aged_out,
     former_incarnation,
     plan_new_leases,
@@ -226,7 +228,7 @@ def test_next_token_pages_name_only_the_token(stubbed: tuple[Any, Stubber]) -> N
     stubber.add_response(
         "list_shards", {"Shards": [wire_shard("e")]}, {"NextToken": "t2", "MaxResults": 2}
     )
-    syncer = ShardSyncer(kinesis, NO_TABLE, stream_name="s", page_size=2)
+    syncer = ShardSyncer(kinesis, NO_TABLE, SyncedStream("s"), page_size=2)
     assert [s.shard_id for s in syncer.list_shards()] == ["a", "b", "c", "d", "e"]
 
 
@@ -234,7 +236,7 @@ def test_stream_arn_is_used_when_given(stubbed: tuple[Any, Stubber]) -> None:
     kinesis, stubber = stubbed
     arn = "arn:aws:kinesis:us-east-1:123456789012:stream/s"
     stubber.add_response("list_shards", {"Shards": [wire_shard("a")]}, {"StreamARN": arn})
-    syncer = ShardSyncer(kinesis, NO_TABLE, stream_arn=arn)
+    syncer = ShardSyncer(kinesis, NO_TABLE, SyncedStream(arn=arn))
     assert [s.shard_id for s in syncer.list_shards()] == ["a"]
 
 
@@ -248,9 +250,9 @@ def test_limit_exceeded_is_retried_with_backoff(stubbed: tuple[Any, Stubber]) ->
     syncer = ShardSyncer(
         kinesis,
         NO_TABLE,
-        stream_name="s",
+        SyncedStream("s"),
         metrics=metrics,
-        backoff_base_s=1.0,
+        retries=dataclasses.replace(LIST_SHARDS_RETRIES, base_s=1.0),
         sleep=sleeps.append,
         rng=random.Random(3),
     )
@@ -269,8 +271,8 @@ def test_persistent_limit_exceeded_is_raised(stubbed: tuple[Any, Stubber]) -> No
     syncer = ShardSyncer(
         kinesis,
         NO_TABLE,
-        stream_name="s",
-        max_attempts=3,
+        SyncedStream("s"),
+        retries=dataclasses.replace(LIST_SHARDS_RETRIES, max_attempts=3),
         sleep=lambda _: None,
     )
     with pytest.raises(ClientError, match="LimitExceededException"):
@@ -283,16 +285,16 @@ def test_other_errors_on_a_token_page_are_not_papered_over(stubbed: tuple[Any, S
         "list_shards", {"Shards": [wire_shard("a")], "NextToken": "t1"}, {"StreamName": "s"}
     )
     stubber.add_client_error("list_shards", "ExpiredNextTokenException")
-    syncer = ShardSyncer(kinesis, NO_TABLE, stream_name="s")
+    syncer = ShardSyncer(kinesis, NO_TABLE, SyncedStream("s"))
     with pytest.raises(ClientError, match="ExpiredNextTokenException"):
         syncer.list_shards()
 
 
 def test_constructor_validates_stream_and_position() -> None:
     with pytest.raises(ConfigError, match="stream_name"):
-        ShardSyncer(NO_KINESIS, NO_TABLE)
+        SyncedStream()
     with pytest.raises(ConfigError, match="initial_position"):
-        ShardSyncer(NO_KINESIS, NO_TABLE, stream_name="s", initial_position="EARLIEST")
+        ShardSyncer(NO_KINESIS, NO_TABLE, SyncedStream("s"), initial_position="EARLIEST")
 
 
 # -- against moto ------------------------------------------------------------------------------
@@ -336,8 +338,8 @@ def test_moto_paginates_by_the_aws_contract(aws: tuple[Any, LeaseTable]) -> None
     make_stream(kinesis, "s", 5)
     arn = kinesis.describe_stream_summary(StreamName="s")["StreamDescriptionSummary"]["StreamARN"]
     expected = [s["ShardId"] for s in kinesis.list_shards(StreamName="s")["Shards"]]
-    for identity in ({"stream_name": "s"}, {"stream_arn": arn}):
-        syncer = ShardSyncer(kinesis, table, page_size=2, **identity)
+    for stream in (SyncedStream("s"), SyncedStream(arn=arn)):
+        syncer = ShardSyncer(kinesis, table, stream, page_size=2)
         assert [s.shard_id for s in syncer.list_shards()] == expected
         assert [s.shard_id for s in syncer.list_shards()] == expected
 
@@ -345,7 +347,7 @@ def test_moto_paginates_by_the_aws_contract(aws: tuple[Any, LeaseTable]) -> None
 def test_sync_creates_latest_leases_once(aws: tuple[Any, LeaseTable]) -> None:
     kinesis, table = aws
     make_stream(kinesis, "s", 3)
-    syncer = ShardSyncer(kinesis, table, stream_name="s", page_size=2)
+    syncer = ShardSyncer(kinesis, table, SyncedStream("s"), page_size=2)
     assert syncer.known_shard_ids == frozenset()
     created = syncer.sync()
     wire = kinesis.list_shards(StreamName="s")["Shards"]
@@ -365,7 +367,7 @@ def test_sync_creates_latest_leases_once(aws: tuple[Any, LeaseTable]) -> None:
 def test_children_of_a_leased_parent_start_at_trim_horizon(aws: tuple[Any, LeaseTable]) -> None:
     kinesis, table = aws
     make_stream(kinesis, "s", 2)
-    syncer = ShardSyncer(kinesis, table, stream_name="s")
+    syncer = ShardSyncer(kinesis, table, SyncedStream("s"))
     syncer.sync()
     parent, children = split_first_shard(kinesis, "s")
     created = {lease.lease_key: lease for lease in syncer.sync()}
@@ -381,7 +383,7 @@ def test_fresh_latest_application_ignores_a_closed_parent(aws: tuple[Any, LeaseT
     kinesis, table = aws
     make_stream(kinesis, "s", 1)
     parent, children = split_first_shard(kinesis, "s")
-    created = ShardSyncer(kinesis, table, stream_name="s").sync()
+    created = ShardSyncer(kinesis, table, SyncedStream("s")).sync()
     assert sorted((lease.lease_key, lease.checkpoint) for lease in created) == sorted(
         (child, Position.latest()) for child in children
     )
@@ -394,7 +396,7 @@ def test_fresh_trim_horizon_application_reads_the_parent_first(
     kinesis, table = aws
     make_stream(kinesis, "s", 1)
     parent, children = split_first_shard(kinesis, "s")
-    created = ShardSyncer(kinesis, table, stream_name="s", initial_position=TRIM_HORIZON).sync()
+    created = ShardSyncer(kinesis, table, SyncedStream("s"), initial_position=TRIM_HORIZON).sync()
     assert created[0].lease_key == parent
     assert {lease.checkpoint.sequence_number for lease in created} == {TRIM_HORIZON}
     assert {lease.lease_key for lease in created} == {parent, *children}
@@ -402,7 +404,7 @@ def test_fresh_trim_horizon_application_reads_the_parent_first(
 
 def test_child_leases_from_get_records_are_created_once(aws: tuple[Any, LeaseTable]) -> None:
     kinesis, table = aws
-    syncer = ShardSyncer(kinesis, table, stream_name="s")
+    syncer = ShardSyncer(kinesis, table, SyncedStream("s"))
     child = ChildShard("shardId-000000000002", ("shardId-000000000000",), "0", "99")
     merged = ChildShard("shardId-000000000003", ("shardId-a", "shardId-b"), "0", "199")
     syncer.create_child_leases([child, merged])
@@ -428,7 +430,7 @@ def test_child_leases_from_get_records_are_created_once(aws: tuple[Any, LeaseTab
 
 def test_a_child_without_parents_is_rejected(aws: tuple[Any, LeaseTable]) -> None:
     kinesis, table = aws
-    syncer = ShardSyncer(kinesis, table, stream_name="s")
+    syncer = ShardSyncer(kinesis, table, SyncedStream("s"))
     with pytest.raises(ValueError, match="no parent"):
         syncer.create_child_leases([ChildShard("orphan", (), "0", "1")])
 
@@ -489,7 +491,7 @@ def test_a_lease_waits_for_its_aged_out_parent_to_go_first(
         table = LeaseTable(boto3.client("dynamodb", region_name=REGION), "app")
         table.create_if_missing()
         metrics = Metrics()
-        syncer = ShardSyncer(kinesis, table, stream_name="s", initial_position=TRIM_HORIZON,
+        syncer = ShardSyncer(kinesis, table, SyncedStream("s"), initial_position=TRIM_HORIZON,
                              metrics=metrics)
         assert len(syncer.sync()) == 5
         retained = [s for s in syncer.list_shards() if s.shard_id not in (first, second)]
@@ -529,7 +531,7 @@ def test_the_holder_of_a_shard_not_found_learns_from_two_listings_whether_it_lef
         table = LeaseTable(boto3.client("dynamodb", region_name=REGION), "app")
         table.create_if_missing()
         metrics = Metrics()
-        syncer = ShardSyncer(kinesis, table, stream_name="s", initial_position=TRIM_HORIZON,
+        syncer = ShardSyncer(kinesis, table, SyncedStream("s"), initial_position=TRIM_HORIZON,
                              metrics=metrics)
         assert len(syncer.sync()) == 3
         full = syncer.list_shards()
@@ -613,7 +615,7 @@ def test_children_of_a_parent_the_retention_removed_unfinished_start(
         table = LeaseTable(boto3.client("dynamodb", region_name=REGION), "app")
         table.create_if_missing()
         metrics = Metrics()
-        syncer = ShardSyncer(kinesis, table, stream_name="s", initial_position=TRIM_HORIZON,
+        syncer = ShardSyncer(kinesis, table, SyncedStream("s"), initial_position=TRIM_HORIZON,
                              metrics=metrics)
         assert sorted(lease.lease_key for lease in syncer.sync()) == sorted([parent, *children])
         real = syncer.list_shards
@@ -696,14 +698,14 @@ def test_a_table_of_another_stream_is_refused_and_left_as_it_is(
     kinesis, table = aws
     make_stream(kinesis, "orders", 2)
     make_stream(kinesis, "payments", 2)
-    ShardSyncer(kinesis, table, stream_name="orders", initial_position=TRIM_HORIZON).sync()
+    ShardSyncer(kinesis, table, SyncedStream("orders"), initial_position=TRIM_HORIZON).sync()
     before = {lease.lease_key: lease for lease in table.list_leases()}
     assert {lease.stream_name for lease in before.values()} == {"orders"}
     arn = kinesis.describe_stream_summary(
         StreamName="payments")["StreamDescriptionSummary"]["StreamARN"]
-    for identity in ({"stream_name": "payments"}, {"stream_arn": arn}):
+    for stream in (SyncedStream("payments"), SyncedStream(arn=arn)):
         with pytest.raises(ConfigError, match="holds the leases of stream 'orders'") as error:
-            ShardSyncer(kinesis, table, initial_position=TRIM_HORIZON, **identity).sync()
+            ShardSyncer(kinesis, table, stream, initial_position=TRIM_HORIZON).sync()
         assert error.value.option == "application_name"
     after = {lease.lease_key: lease for lease in table.list_leases()}
     assert after == before
@@ -711,7 +713,7 @@ def test_a_table_of_another_stream_is_refused_and_left_as_it_is(
     # the stream itself, by name or by ARN, is of course not refused
     orders = kinesis.describe_stream_summary(
         StreamName="orders")["StreamDescriptionSummary"]["StreamARN"]
-    assert ShardSyncer(kinesis, table, stream_arn=orders).sync() == []
+    assert ShardSyncer(kinesis, table, SyncedStream(arn=orders)).sync() == []
 
 
 def test_leases_without_a_stream_name_are_not_judged(aws: tuple[Any, LeaseTable]) -> None:
@@ -719,7 +721,7 @@ def test_leases_without_a_stream_name_are_not_judged(aws: tuple[Any, LeaseTable]
     kinesis, table = aws
     make_stream(kinesis, "payments", 1)
     table.create(Lease(lease_key="shardId-000000000007", checkpoint=Position.trim_horizon()))
-    created = ShardSyncer(kinesis, table, stream_name="payments").sync()
+    created = ShardSyncer(kinesis, table, SyncedStream("payments")).sync()
     assert [lease.stream_name for lease in created] == ["payments"]
 
 
@@ -732,7 +734,7 @@ def test_over_http_moto_server_paginates_and_syncs(moto_url: str) -> None:
     table = LeaseTable(dynamodb, f"app-{uuid.uuid4().hex}")
     table.create_if_missing()
     syncer = ShardSyncer(
-        kinesis, table, stream_name=name, page_size=2, initial_position=TRIM_HORIZON
+        kinesis, table, SyncedStream(name), page_size=2, initial_position=TRIM_HORIZON
     )
     created = syncer.sync()
     assert len(created) == 5
@@ -752,7 +754,7 @@ def test_over_http_kinesis_mock_paginates_and_follows_a_split(
     make_stream(kinesis, name, 3)
     table = LeaseTable(dynamodb, f"app-{uuid.uuid4().hex}")
     table.create_if_missing()
-    syncer = ShardSyncer(kinesis, table, stream_name=name, page_size=1)
+    syncer = ShardSyncer(kinesis, table, SyncedStream(name), page_size=1)
     assert len(syncer.sync()) == 3
     parent, children = split_first_shard(kinesis, name)
     created = {lease.lease_key: lease.checkpoint for lease in syncer.sync()}
@@ -855,7 +857,7 @@ def test_over_http_a_worker_starts_the_children_of_a_parent_the_retention_remove
     table = LeaseTable(dynamodb_client(moto_server.url), config.application_name)
     table.create_if_missing()
     # Where the application stood when it stopped: every lease made, none read.
-    made = ShardSyncer(kinesis, table, stream_name=stream, initial_position=TRIM_HORIZON).sync()
+    made = ShardSyncer(kinesis, table, SyncedStream(stream), initial_position=TRIM_HORIZON).sync()
     assert sorted(lease.lease_key for lease in made) == sorted([parent, *children])
 
     processed, lost = read_through_proxy(LeftTheStream(kinesis, stream, parent, gone=True),
@@ -962,7 +964,7 @@ def test_a_shard_that_closes_between_the_listing_and_the_lease_read_is_not_a_for
         kinesis.create_stream(StreamName="s", ShardCount=1)
         table = LeaseTable(boto3.client("dynamodb", region_name=REGION), "app")
         table.create_if_missing()
-        syncer = ShardSyncer(kinesis, table, stream_name="s", initial_position=TRIM_HORIZON)
+        syncer = ShardSyncer(kinesis, table, SyncedStream("s"), initial_position=TRIM_HORIZON)
         assert len(syncer.sync()) == 1
         listed = syncer.list_shards()
         (only,) = listed
@@ -989,7 +991,7 @@ def test_sync_replaces_the_lease_of_a_former_stream_at_the_initial_position(
         # The former stream's shard of the same id, finished and checkpointed at SHARD_END.
         assert table.create(Lease("shardId-000000000000", checkpoint=Position.shard_end(),
                                   child_shard_ids=frozenset({"shardId-000000000001"})))
-        syncer = ShardSyncer(kinesis, table, stream_name="s", initial_position=LATEST)
+        syncer = ShardSyncer(kinesis, table, SyncedStream("s"), initial_position=LATEST)
         with caplog.at_level("WARNING", logger="kclpy.leases.shard_sync"):
             created = syncer.sync()
         assert [(lease.lease_key, lease.checkpoint.sequence_number) for lease in created] == [
@@ -1014,7 +1016,7 @@ def test_sync_replaces_a_former_streams_lease_written_without_a_counter() -> Non
         table.client.put_item(TableName="app", Item={
             "leaseKey": {"S": "shardId-000000000000"}, "checkpoint": {"S": "SHARD_END"},
             "checkpointSubSequenceNumber": {"N": "0"}})
-        syncer = ShardSyncer(kinesis, table, stream_name="s", initial_position=LATEST)
+        syncer = ShardSyncer(kinesis, table, SyncedStream("s"), initial_position=LATEST)
         assert [lease.lease_key for lease in syncer.sync()] == ["shardId-000000000000"]
         fresh = table.get("shardId-000000000000")
         assert fresh is not None and fresh.checkpoint == Position.latest()
@@ -1058,8 +1060,8 @@ def test_a_stream_created_again_within_the_second_is_told_by_its_creation_millis
 
     def syncer() -> ShardSyncer:
         summary = kinesis.describe_stream_summary(StreamName=stream)["StreamDescriptionSummary"]
-        return ShardSyncer(kinesis, table, stream_name=stream, initial_position=TRIM_HORIZON,
-                           stream_epoch=_created_at(summary))
+        return ShardSyncer(kinesis, table, SyncedStream(stream, epoch=_created_at(summary)),
+                           initial_position=TRIM_HORIZON)
 
     # both lives within one second, as far as the machine allows: at the start of one
     time.sleep(1 - time.time() % 1)

@@ -37,7 +37,7 @@ import sqlalchemy as sa
 from moto import mock_aws
 
 from kclpy.leases.lease import Lease, new_incarnation
-from kclpy.leases.shard_sync import Shard, ShardSyncer, plan_new_leases
+from kclpy.leases.shard_sync import Shard, ShardSyncer, SyncedStream, plan_new_leases
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
 from kclpy.position import LATEST, TRIM_HORIZON, Position
@@ -153,7 +153,7 @@ def test_a_reset_parent_is_read_again_and_a_finished_one_is_not(table: LeaseTabl
     """The whole path over the lease table: each parent's shard end records it in the child's
     lease (created or already there), a reset's deletion of an unfinished parent is undone by
     the next sync, and the deletion of both parents once finished is not."""
-    syncer = ShardSyncer(Listing(merge()), table, stream_name="s",  # type: ignore[arg-type]
+    syncer = ShardSyncer(Listing(merge()), table, SyncedStream("s"),  # type: ignore[arg-type]
                          initial_position=TRIM_HORIZON)
     assert [lease.lease_key for lease in syncer.sync()] == [ZERO, ONE, MERGED]
     reported = ChildShard(MERGED, (ZERO, ONE), "0", MAX_HASH)
@@ -199,7 +199,7 @@ def test_a_sync_on_a_scan_from_before_a_reset_creates_the_parents_too(table: Lea
                         Lease(ONE, checkpoint=Position("120"))]
     counting = CountingTable(table)
     syncer = ShardSyncer(Listing(merge()), counting,  # type: ignore[arg-type]
-                         stream_name="s", initial_position=TRIM_HORIZON)
+                         SyncedStream("s"), initial_position=TRIM_HORIZON)
     created = syncer.sync({lease.lease_key for lease in before_the_reset}, before_the_reset)
     assert [lease.lease_key for lease in created] == [ZERO, ONE, MERGED]
     assert all(lease.checkpoint == Position.trim_horizon() for lease in created)
@@ -214,7 +214,7 @@ def test_a_sync_that_relies_on_no_parent_trusts_the_scan_it_is_handed(table: Lea
     not, and costs no scan of its own."""
     counting = CountingTable(table)
     syncer = ShardSyncer(Listing(merge()), counting,  # type: ignore[arg-type]
-                         stream_name="s", initial_position=TRIM_HORIZON)
+                         SyncedStream("s"), initial_position=TRIM_HORIZON)
     assert [lease.lease_key for lease in syncer.sync(set(), [])] == [ZERO, ONE, MERGED]
     assert counting.scans == 0
 

@@ -27,7 +27,7 @@ from kclpy.checkpoint import Checkpointer
 from kclpy.errors import ShutdownException, ThrottlingException, TransactionRejected
 from kclpy.leases.lease import Lease, incarnation_epoch, new_incarnation
 from kclpy.leases.serializer import UpdateBuilder
-from kclpy.leases.shard_sync import ShardSyncer
+from kclpy.leases.shard_sync import ShardSyncer, SyncedStream
 from kclpy.leases.table import LeaseTable
 from kclpy.local import LocalEndpoint
 from kclpy.metrics import Metrics
@@ -775,8 +775,8 @@ def test_leases_are_created_with_an_incarnation_naming_the_streams_epoch(
         table: LeaseTable) -> None:
     kinesis = boto3.client("kinesis", region_name=REGION)
     kinesis.create_stream(StreamName="born", ShardCount=1)
-    ShardSyncer(kinesis, table, stream_name="born", initial_position="TRIM_HORIZON",
-                stream_epoch=1_700_000_000).sync()
+    ShardSyncer(kinesis, table, SyncedStream("born", epoch=1_700_000_000),
+                initial_position="TRIM_HORIZON").sync()
     lease = table.get(SHARD)
     assert lease is not None and lease.incarnation is not None
     assert incarnation_epoch(lease.incarnation) == 1_700_000_000

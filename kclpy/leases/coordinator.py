@@ -63,6 +63,34 @@ class LeaseAssignment:
                              "none were given")
 
 
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    """How this worker takes part in the lease protocol, as plain values: the Java KCL's
+    lease-management options (failover time, how many leases to hold and steal, graceful
+    handoff, lease cleanup) and the pacing of the coordinator's two threads. They are read
+    together from ``KCLConfig`` in ``composition.py`` and handed on as one set, so a fleet
+    simulator or a test varies one of them without restating the others; the coordinator
+    deals out each part's share (balancer, scan budget, renewer, taker)."""
+
+    failover_time_s: float = 10.0
+    max_leases_for_worker: int | None = None
+    max_leases_to_steal_at_one_time: int = 1
+    graceful_handoff: bool = True
+    graceful_handoff_timeout_s: float = 30.0
+    cleanup_leases: bool = True
+    #: a fixed taker interval (None: as often as the scan budget allows)
+    taker_interval_s: float | None = None
+    #: the shortest time between two scans, however much the budget allows
+    min_scan_interval_s: float = 0.5
+    renewal_threads: int = 16
+
+    def __post_init__(self) -> None:
+        if self.failover_time_s <= 0:
+            raise ValueError("failover_time_s must be positive")
+        if self.graceful_handoff_timeout_s < 0:
+            raise ValueError("graceful_handoff_timeout_s must not be negative")
+
+
 class LeaseCoordinator:
     """Takes, renews and releases this worker's leases on two threads."""
 
@@ -70,25 +98,14 @@ class LeaseCoordinator:
         self,
         table: LeaseTable,
         worker_id: str,
+        settings: CoordinatorSettings = CoordinatorSettings(),
         *,
-        failover_time_s: float = 10.0,
-        max_leases_for_worker: int | None = None,
-        max_leases_to_steal_at_one_time: int = 1,
-        taker_interval_s: float | None = None,
-        graceful_handoff: bool = True,
-        graceful_handoff_timeout_s: float = 30.0,
-        cleanup_leases: bool = True,
-        min_scan_interval_s: float = 0.5,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
-        renewal_threads: int = 16,
         rng: random.Random | None = None,
         assignment: LeaseAssignment | None = None,
     ) -> None:
-        if failover_time_s <= 0:
-            raise ValueError("failover_time_s must be positive")
-        if graceful_handoff_timeout_s < 0:
-            raise ValueError("graceful_handoff_timeout_s must not be negative")
+        failover_time_s = settings.failover_time_s
         self.table = table
         self.worker_id = worker_id
         self.failover_time_s = failover_time_s
@@ -97,29 +114,30 @@ class LeaseCoordinator:
         self.handoff_poll_s = max(0.1, self.renewer_interval_s / 4)
         self._metrics = metrics if metrics is not None else NOWHERE
         self._clock = clock
-        self._budget = ScanBudget(failover_time_s, clock=clock, min_interval_s=min_scan_interval_s)
+        self._budget = ScanBudget(failover_time_s, clock=clock,
+                                  min_interval_s=settings.min_scan_interval_s)
         balancer = Balancer(
-            worker_id, failover_time_s, max_leases_for_worker=max_leases_for_worker,
-            max_leases_to_steal_at_one_time=max_leases_to_steal_at_one_time, rng=rng)
+            worker_id, failover_time_s, max_leases_for_worker=settings.max_leases_for_worker,
+            max_leases_to_steal_at_one_time=settings.max_leases_to_steal_at_one_time, rng=rng)
         self.held = HeldSet(worker_id, renewer_interval_s=self.renewer_interval_s, metrics=metrics)
         self.fence = LeaseFence(table, self.held, failover_time_s=failover_time_s, clock=clock)
         self.renewer = LeaseRenewer(
             self.fence, failover_time_s=failover_time_s,
-            graceful_handoff_timeout_s=graceful_handoff_timeout_s, budget=self._budget,
-            clock=clock, metrics=metrics, threads=renewal_threads)
-        settings = TakerSettings(
-            failover_time_s=failover_time_s, graceful_handoff=graceful_handoff,
-            graceful_handoff_timeout_s=graceful_handoff_timeout_s,
-            cleanup_leases=cleanup_leases, interval_s=taker_interval_s)
+            graceful_handoff_timeout_s=settings.graceful_handoff_timeout_s,
+            budget=self._budget, clock=clock, metrics=metrics, threads=settings.renewal_threads)
+        taking = TakerSettings(
+            failover_time_s=failover_time_s, graceful_handoff=settings.graceful_handoff,
+            graceful_handoff_timeout_s=settings.graceful_handoff_timeout_s,
+            cleanup_leases=settings.cleanup_leases, interval_s=settings.taker_interval_s)
         assignment = assignment or LeaseAssignment()
         self.taker: TakerCore
         if assignment.leader is None:
             self.taker = LeaseTaker(
-                table, self.held, balancer, self._budget, settings, clock=clock,
+                table, self.held, balancer, self._budget, taking, clock=clock,
                 metrics=metrics, strategy=assignment.strategy, load=assignment.load)
         else:
             self.taker = LeaderTaker(
-                table, self.held, balancer, self._budget, settings, clock=clock,
+                table, self.held, balancer, self._budget, taking, clock=clock,
                 mode=assignment.leader, metrics=metrics, strategy=assignment.strategy,
                 rng=random.Random(rng.getrandbits(64)) if rng is not None else None)
         self.held.set_drop_hook(self.taker.remember_lost)

@@ -368,31 +368,51 @@ def plan_new_leases(
     return planned
 
 
+@dataclass(frozen=True)
+class SyncedStream:
+    """The stream a ``ShardSyncer`` keeps leases for, as both sides name it: Kinesis (by
+    ARN when there is one, else by name) and the lease table (single-stream leases carry its
+    name, multi-stream keys start with its identifier, each new lease's incarnation its
+    creation time). The four are one stream's: they come from one look-up of it
+    (``leases/streams.py``) or from one operator's flags, and never vary apart."""
+
+    name: str | None = None
+    arn: str | None = None
+    #: the serialised stream identifier multi-stream lease keys start with
+    #: (``kclpy.streams``); None: single-stream keys, the bare shard id
+    identifier: str | None = None
+    #: the stream's creation time (seconds, to the millisecond when known); None: the
+    #: identifier's epoch, if there is one
+    epoch: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.name is None and self.arn is None:
+            raise ConfigError("stream_name", "a stream name or ARN is required")
+
+
+#: how ListShards is retried unless the caller says otherwise: the defaults of
+#: ``listShardsBackoffTimeInMillis``, its cap and ``maxListShardsRetryAttempts``
+LIST_SHARDS_RETRIES = RetryPolicy(0.2, 5.0, max_attempts=6)
+
+
 class ShardSyncer:
     """Lists the stream's shards and creates the leases that are missing. Safe to run on
-    every worker at once: creation is conditional on absence. ``stream`` (a serialised
-    stream identifier) keys the leases the multi-stream way (``kclpy.streams``)."""
+    every worker at once: creation is conditional on absence. A ``stream`` with an
+    identifier keys the leases the multi-stream way (``kclpy.streams``)."""
 
     def __init__(
         self,
         kinesis: KinesisClient,
         table: LeaseTable,
+        stream: SyncedStream,
         *,
-        stream_name: str | None = None,
-        stream_arn: str | None = None,
         initial_position: str = LATEST,
-        stream: str | None = None,
-        stream_epoch: float | None = None,
         metrics: Metrics | None = None,
         page_size: int | None = None,
-        max_attempts: int = 6,
-        backoff_base_s: float = 0.2,
-        backoff_cap_s: float = 5.0,
+        retries: RetryPolicy = LIST_SHARDS_RETRIES,
         sleep: Callable[[float], None] = time.sleep,
         rng: random.Random | None = None,
     ) -> None:
-        if stream_name is None and stream_arn is None:
-            raise ConfigError("stream_name", "a stream name or ARN is required")
         if initial_position not in INITIAL_POSITIONS:
             raise ConfigError(
                 "initial_position",
@@ -401,22 +421,24 @@ class ShardSyncer:
         self._kinesis = kinesis
         self._table = table
         self._stream: dict[str, str] = (
-            {"StreamARN": stream_arn}
-            if stream_arn is not None
-            else {"StreamName": str(stream_name)}
+            {"StreamARN": stream.arn}
+            if stream.arn is not None
+            else {"StreamName": str(stream.name)}
         )
         self.initial_position = initial_position
-        self.stream = stream
+        #: the serialised stream identifier of multi-stream lease keys (None: single-stream)
+        self.stream = stream.identifier
         #: the name written on single-stream leases (``Lease.stream_name``)
-        self.stream_label = (str(stream_name) if stream_arn is None
-                             else stream_arn.rpartition("/")[2])
+        self.stream_label = (str(stream.name) if stream.arn is None
+                             else stream.arn.rpartition("/")[2])
         #: the stream's creation time (seconds, to the millisecond when known), written into
         #: each new lease's incarnation
-        self.stream_epoch = stream_epoch if stream_epoch is not None or stream is None else (
-            _epoch_of(stream))
+        self.stream_epoch = (
+            stream.epoch if stream.epoch is not None or stream.identifier is None
+            else _epoch_of(stream.identifier))
         self._metrics = metrics if metrics is not None else NOWHERE
         self._page: dict[str, int] = {} if page_size is None else {"MaxResults": page_size}
-        self._retries = RetryPolicy(backoff_base_s, backoff_cap_s, max_attempts=max_attempts)
+        self._retries = retries
         self._sleep = sleep
         self._rng = rng if rng is not None else random.Random()
         self._known: frozenset[str] = frozenset()

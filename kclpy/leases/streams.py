@@ -26,10 +26,10 @@ from botocore.exceptions import ClientError
 from kclpy.config import KCLConfig
 from kclpy.errors import ConfigError, closest
 from kclpy.leases.lease import Lease
-from kclpy.leases.shard_sync import ShardSyncer
+from kclpy.leases.shard_sync import ShardSyncer, SyncedStream
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
-from kclpy.retry import error_code
+from kclpy.retry import RetryPolicy, error_code
 from kclpy.streams import StreamConfig, StreamIdentifier, stream_of_lease_key
 
 if TYPE_CHECKING:
@@ -151,13 +151,14 @@ class StreamSet:
             return
         cfg = self.config
         syncer = ShardSyncer(
-            self.kinesis, self.table, stream_name=None if stream.arn else stream.label,
-            stream_arn=stream.arn,
+            self.kinesis, self.table,
+            SyncedStream(name=None if stream.arn else stream.label, arn=stream.arn,
+                         identifier=identifier, epoch=_created_at(summary)),
             initial_position=stream.initial_position or cfg.initial_position,
-            stream=identifier, stream_epoch=_created_at(summary), metrics=self.metrics,
-            max_attempts=cfg.max_list_shards_retry_attempts,
-            backoff_base_s=cfg.list_shards_backoff_base_ms / 1000,
-            backoff_cap_s=cfg.list_shards_backoff_cap_ms / 1000)
+            metrics=self.metrics,
+            retries=RetryPolicy(cfg.list_shards_backoff_base_ms / 1000,
+                                cfg.list_shards_backoff_cap_ms / 1000,
+                                max_attempts=cfg.max_list_shards_retry_attempts))
         key = identifier or stream.label
         self.active[key] = ActiveStream(stream, identifier, syncer, consumer_arn)
         if self.former.pop(key, None) is not None:

@@ -53,7 +53,7 @@ from kclpy.leases.lease import (
     same_stream,
 )
 from kclpy.leases.serializer import UpdateBuilder, n, s, ss
-from kclpy.leases.shard_sync import Shard, ShardSyncer
+from kclpy.leases.shard_sync import Shard, ShardSyncer, SyncedStream
 from kclpy.leases.shard_sync import _depths as shard_depths
 from kclpy.leases.table import LeaseTable, checkpoint_changes, expect_counter
 from kclpy.ops.position import (
@@ -186,8 +186,7 @@ def _stream_params(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _shards(args: argparse.Namespace, kinesis: Any, table: LeaseTable) -> dict[str, Shard]:
-    syncer = ShardSyncer(kinesis, table, stream_name=args.stream_name,
-                         stream_arn=args.stream_arn)
+    syncer = ShardSyncer(kinesis, table, SyncedStream(args.stream_name, args.stream_arn))
     try:
         return {shard.shard_id: shard for shard in syncer.list_shards()}
     except ClientError as exc:

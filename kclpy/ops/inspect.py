@@ -40,7 +40,7 @@ from kclpy.errors import ConfigError
 from kclpy.leases import park as parking
 from kclpy.leases import serializer as ser
 from kclpy.leases.lease import Lease
-from kclpy.leases.shard_sync import ShardSyncer
+from kclpy.leases.shard_sync import ShardSyncer, SyncedStream
 from kclpy.leases.table import LeaseTable
 from kclpy.ops.control import stream_label, stream_name, table_name
 from kclpy.ops.lag import (
@@ -398,8 +398,7 @@ def run_status(args: argparse.Namespace, out: IO[str], *,
     ``(kinesis, dynamodb)``, made from the flags when not given."""
     kinesis, dynamodb = aws or clients(args)
     table = LeaseTable(dynamodb, table_name(args), max_attempts=5)
-    syncer = ShardSyncer(kinesis, table, stream_name=args.stream_name,
-                         stream_arn=args.stream_arn)
+    syncer = ShardSyncer(kinesis, table, SyncedStream(args.stream_name, args.stream_arn))
     probe = LagProbe(kinesis, stream_name=args.stream_name, stream_arn=args.stream_arn,
                      records_limit=args.records_limit, wall_clock=wall_clock)
     tracker = LagTracker(args.window_seconds)

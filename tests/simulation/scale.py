@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, cast
 from kclpy.leases import serializer as ser
 from kclpy.leases.assignment import COUNT, LOAD
 from kclpy.leases.budget import java_taker_interval
-from kclpy.leases.coordinator import LeaseAssignment, LeaseCoordinator
+from kclpy.leases.coordinator import CoordinatorSettings, LeaseAssignment, LeaseCoordinator
 from kclpy.leases.leader import LeaderLock, LeaderMode
 from kclpy.leases.lease import Lease
 from kclpy.leases.load import (
@@ -404,10 +404,9 @@ class SimWorker:
             self.leader = LeaderMode(lock, reports)
         strategy = COUNT if fleet.load_settings is None else LOAD
         self.coordinator = LeaseCoordinator(
-            table, worker_id, failover_time_s=fleet.spec.failover_s, clock=fleet.clock,
-            renewal_threads=1, rng=random.Random(fleet.rng.getrandbits(64)),
-            assignment=LeaseAssignment(strategy, self.load, self.leader),
-            **fleet.coordinator_options)
+            table, worker_id, fleet.coordinator_settings, clock=fleet.clock,
+            rng=random.Random(fleet.rng.getrandbits(64)),
+            assignment=LeaseAssignment(strategy, self.load, self.leader))
         # Renewals run inline: a pool thread per worker would cost two thread switches per
         # renewal, which on a busy machine is most of a run's wall time, and the order of
         # one worker's renewals among themselves decides nothing here.
@@ -455,7 +454,9 @@ class Fleet:
         self.traffic = traffic if traffic is not None else Traffic({}, {})
         #: with settings: ``--lease-assignment load``
         self.load_settings = load_settings
-        self.coordinator_options = coordinator_options
+        #: every worker's: the spec's failover time and the options a run varies
+        self.coordinator_settings = CoordinatorSettings(
+            failover_time_s=spec.failover_s, renewal_threads=1, **coordinator_options)
         self.rng = random.Random(spec.seed)
         self.now = 0.0
         self.backend = Dynamo(Sim(spec.seed))

@@ -21,7 +21,7 @@ import pytest
 from moto import mock_aws
 
 from kclpy.checkpoint import Checkpointer
-from kclpy.leases.coordinator import LeaseCoordinator
+from kclpy.leases.coordinator import CoordinatorSettings, LeaseCoordinator
 from kclpy.leases.lease import Lease
 from kclpy.leases.table import LeaseTable
 from kclpy.position import Position
@@ -54,9 +54,9 @@ def table() -> Iterator[LeaseTable]:
 def coordinator(table: LeaseTable, name: str, clock: Clock) -> tuple[LeaseCoordinator,
                                                                      list[str], list[str]]:
     """A coordinator, the leases it was told it lost and those it was asked to hand off."""
-    c = LeaseCoordinator(table, name, failover_time_s=FAILOVER,
-                         graceful_handoff_timeout_s=HANDOFF_TIMEOUT, clock=clock,
-                         renewal_threads=1, rng=FirstChoiceRandom())
+    settings = CoordinatorSettings(failover_time_s=FAILOVER,
+                                   graceful_handoff_timeout_s=HANDOFF_TIMEOUT, renewal_threads=1)
+    c = LeaseCoordinator(table, name, settings, clock=clock, rng=FirstChoiceRandom())
     lost: list[str] = []
     asked: list[str] = []
     c.add_lease_lost_listener(lost.append)

@@ -8,6 +8,7 @@ their generic names (``client``, ``table``, ``clock``) out of every other test m
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 from botocore.exceptions import ClientError
 from moto import mock_aws
 
-from kclpy.leases.coordinator import LeaseCoordinator
+from kclpy.leases.coordinator import CoordinatorSettings, LeaseAssignment, LeaseCoordinator
 from kclpy.leases.lease import Lease
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
@@ -83,17 +84,21 @@ class Lost:
 
 
 def coordinator(
-    table: LeaseTable, worker: str, clock: Callable[[], float], **kwargs: Any
+    table: LeaseTable, worker: str, clock: Callable[[], float], *,
+    metrics: Metrics | None = None, rng: random.Random | None = None,
+    assignment: LeaseAssignment | None = None, **settings: Any,
 ) -> tuple[LeaseCoordinator, Lost]:
     """A coordinator of ``worker`` that is deterministic (one renewal thread, the first
-    choice wherever it picks at random) and the listener of the leases it loses."""
-    kwargs.setdefault("failover_time_s", FAILOVER)
-    kwargs.setdefault("renewal_threads", 1)
+    choice wherever it picks at random) and the listener of the leases it loses;
+    ``settings`` are the ``CoordinatorSettings`` a test changes."""
+    settings.setdefault("failover_time_s", FAILOVER)
+    settings.setdefault("renewal_threads", 1)
     # Steals here are outright takes, so these tests see the taker's rules alone; the
     # graceful handoff a steal starts by default is tested in test_handoff.py.
-    kwargs.setdefault("graceful_handoff", False)
-    kwargs.setdefault("rng", FirstChoiceRandom())
-    c = LeaseCoordinator(table, worker, clock=clock, **kwargs)
+    settings.setdefault("graceful_handoff", False)
+    c = LeaseCoordinator(table, worker, CoordinatorSettings(**settings), metrics=metrics,
+                         clock=clock, rng=rng if rng is not None else FirstChoiceRandom(),
+                         assignment=assignment)
     lost = Lost()
     c.add_lease_lost_listener(lost)
     return c, lost

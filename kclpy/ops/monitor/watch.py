@@ -27,13 +27,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kclpy.errors import KCLError
 from kclpy.leases import park as parking
 from kclpy.leases.lease import Lease
-from kclpy.leases.shard_sync import ShardSyncer
+from kclpy.leases.shard_sync import LIST_SHARDS_RETRIES, ShardSyncer, SyncedStream
 from kclpy.leases.table import LeaseTable
 from kclpy.ops.lag import (
     AppStatus,
@@ -211,8 +211,9 @@ class ApplicationWatch:
         syncer = self._syncers.get(stream)
         if syncer is None:
             syncer = self._syncers[stream] = ShardSyncer(
-                self._kinesis, self._table, stream_name=None if stream.arn else stream.label,
-                stream_arn=stream.arn, max_attempts=2)
+                self._kinesis, self._table,
+                SyncedStream(None if stream.arn else stream.label, stream.arn),
+                retries=replace(LIST_SHARDS_RETRIES, max_attempts=2))
         return syncer
 
     def _retention_ms(self, stream: StreamRef, now: float) -> float:
