@@ -33,7 +33,7 @@ from kclpy.leases.table import LeaseTable
 from tests.support.determinism import Clock
 from tests.support.leases import coordinator, create, owners
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
