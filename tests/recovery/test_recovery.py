@@ -428,7 +428,7 @@ def test_a_gap_of_a_shard_that_is_split_is_recovered_from_the_closed_parent(
 
 @pytest.mark.integration
 def test_the_recovery_benchmark_runs_on_a_small_backlog() -> None:
-    bench = Path(__file__).resolve().parent.parent / "bench" / "recovery.py"
+    bench = Path(__file__).resolve().parents[2] / "bench" / "recovery.py"
     done = subprocess.run(
         [sys.executable, str(bench), "--records", "20000", "--max-lag-ms", "5000",
          "--rate", "1000", "--measure-s", "10"],
