@@ -28,7 +28,7 @@ from kclpy.retry import Backoff
 from kclpy.spark.options import SourceOptions
 from kclpy.spark.reading import ShardInfo, ShardReader, StreamRef, TaskRetrieval
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
