@@ -35,7 +35,7 @@ from tests.support.waiting import wait_for
 from tests.support.webhooks import Receiver, receiving
 from tests.support.workers import running
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from kclpy.ops import commands
 from kclpy.ops.commands import COMMANDS, GROUPS, Clients, build_parser, execute
 from tests.support.cli import run_cli
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 #: the least each command parses with; a command added to the table needs a line here
 MINIMAL_ARGS: dict[tuple[str, ...], list[str]] = {

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: the server's address space; a python process serving this endpoint maps ~300 MB
 ADDRESS_SPACE = 1024 * 1024 * 1024
 #: the server's peak resident memory; it starts at about 40 MB

@@ -37,7 +37,7 @@ from tests.support.streams import create_stream, kinesis_client, put_plain, uniq
 from tests.support.waiting import wait_for
 from tests.support.workers import running
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def total(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str) -> float:

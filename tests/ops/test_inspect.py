@@ -40,7 +40,7 @@ from tests.support.streams import (
 from tests.support.waiting import wait_for
 from tests.support.workers import running
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- kclpy leases ------------------------------------------------------------------------

@@ -62,7 +62,7 @@ from tests.support.streams import (
 from tests.support.waiting import wait_for
 from tests.support.webhooks import Receiver, receiving
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WINDOW_S = 20.0
 INTERVAL_S = 5.0
 FAILOVER_S = 10.0
