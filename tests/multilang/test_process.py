@@ -29,7 +29,7 @@ from tests.support.scripted import Host, Leases, Readers, ScriptedFetcher, Write
 from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
 from tests.support.waiting import wait_for
 
-APPS = Path(__file__).parent / "multilang_apps"
+APPS = Path(__file__).parents[1] / "multilang_apps"
 SETTINGS = ConsumerSettings(parent_shard_poll_interval_s=0.01, task_backoff_s=0.001,
                             max_task_backoff_s=0.002, poll_timeout_s=0.01)
 

@@ -46,7 +46,7 @@ from tests.multilang_apps.amazon_kclpy_dist import amazon_kclpy_root
 from tests.support.checkpoints import CheckpointWriterBase
 from tests.support.waiting import wait_for
 
-APPS = Path(__file__).parent / "multilang_apps"
+APPS = Path(__file__).parents[1] / "multilang_apps"
 SHARD = "shardId-000000000007"
 VERSIONS = [1, 2, 3]
 STATUS = '{"action": "status", "responseFor": "%s"}'

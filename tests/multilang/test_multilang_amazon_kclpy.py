@@ -37,7 +37,7 @@ from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-APPS = Path(__file__).parent / "multilang_apps"
+APPS = Path(__file__).parents[1] / "multilang_apps"
 SHARDS = 2
 RECORDS = 60
 REGION = "us-east-1"
