@@ -345,7 +345,7 @@ def test_children_are_stopped_when_the_interpreter_exits() -> None:
         text=True,
         timeout=120,
         check=True,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=Path(__file__).resolve().parents[2],
     )
     pid = int(finished.stdout.split()[0])
 

@@ -28,7 +28,7 @@ from tests.support.streams import create_stream, put_plain, unique_name
 from tests.support.waiting import wait_for
 from tests.support.workers import running
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO_RECORDS = DEMO_PLAIN_RECORDS + DEMO_AGGREGATES * DEMO_RECORDS_PER_AGGREGATE
 #: the variables ``kclpy local`` prints, in its order
 PRINTED = ["AWS_ENDPOINT_URL_KINESIS", "AWS_ENDPOINT_URL_DYNAMODB",
