@@ -12,7 +12,7 @@ import pytest
 
 from kclpy.config import OPTIONS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def readme_commands() -> list[str]:

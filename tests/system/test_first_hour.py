@@ -24,7 +24,7 @@ from tests.support.programs import path_without
 from tests.support.streams import create_stream, dynamodb_client, kinesis_client, unique_name
 from tests.support.waiting import wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO_RECORDS = DEMO_PLAIN_RECORDS + DEMO_AGGREGATES * DEMO_RECORDS_PER_AGGREGATE
 
 #: what a console script is: a file in another folder that imports and runs the CLI

@@ -33,7 +33,7 @@ from kclpy.local import ProcessEndpoint, start_moto_server
 from tests.support.streams import dynamodb_client, kinesis_client, put_plain
 from tests.support.waiting import wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
          ROOT / "localstack" / "README.md"]
 _CONSOLE_SCRIPT = "import sys\nfrom {module} import main\nsys.exit(main())\n"

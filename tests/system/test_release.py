@@ -20,7 +20,7 @@ import pytest
 
 import kclpy
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DISTRIBUTION = "kinesis-kclpy"
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -27,7 +27,7 @@ from kclpy.spark.arrow import MAX_BATCH_BYTES
 pytestmark = pytest.mark.skipif(sys.platform != "linux",
                                 reason="RLIMIT_AS caps the address space on Linux only")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: the child's address space: pyarrow, protobuf and kclpy take about 1.5 GiB of it at start
 CAP = 3 * 2**30
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tests.support.imports import find_cycle, import_graph, read_layers, upward_imports
 
-ROOT = Path(__file__).resolve().parent.parent / "kclpy"
+ROOT = Path(__file__).resolve().parents[2] / "kclpy"
 DESIGN = ROOT.parent / "docs" / "design.md"
 
 

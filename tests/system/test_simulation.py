@@ -228,7 +228,7 @@ def test_the_micro_batch_seeds_and_only_they_run_the_micro_batch_path() -> None:
 
 
 def test_found_seeds_are_documented() -> None:
-    found = (Path(__file__).parent / "simulation" / "FOUND.md").read_text()
+    found = (Path(__file__).parents[1] / "simulation" / "FOUND.md").read_text()
     for seed, invariant, hole in [*FOUND, *FOUND_36]:
         assert f"| {seed} | `{invariant}` | {hole} " in found, (seed, hole)
         assert REPLAY.format(seed=seed) in found
@@ -241,7 +241,7 @@ def test_digests_file_names_each_history(tmp_path: Path) -> None:
     path = tmp_path / "digests.txt"
     subprocess.run([sys.executable, "-m", "tests.simulation", "--histories", "2", "--seed",
                     "3", "--jobs", "1", "--digests", str(path)], check=True,
-                   stdout=subprocess.DEVNULL, cwd=Path(__file__).parent.parent)
+                   stdout=subprocess.DEVNULL, cwd=Path(__file__).parents[2])
     expected = run_seeds([3, 4], 1)
     assert path.read_text().splitlines() == [
         f"{o['seed']} {o['digest']} {o['switches']} "

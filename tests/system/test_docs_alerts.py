@@ -26,7 +26,7 @@ from tests.support.promql import Rule, Scrapes, by_name, firing, rules_from_yaml
 from tests.support.recording import Ledger, RecordingProcessor
 from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TIME_SCALE = 10.0
 SCRAPE_INTERVAL_S = 0.5
 

@@ -34,7 +34,7 @@ from tests.support.leases import coordinator
 capped = pytest.mark.skipif(sys.platform != "linux",
                             reason="RLIMIT_AS caps the address space on Linux only")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: the child's address space: kclpy and its imports map about 600 MB of it at start
 CAP = 2**30
 
