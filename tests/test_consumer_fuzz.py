@@ -2,8 +2,8 @@
 consumer, and every input record reaches the processor as all of its user records or as one
 raw record counted as corrupt (or, outside the shard's hash range, is counted as filtered).
 
-test_fuzz_retrieval.py fuzzes ``deaggregate`` and the parse on their own. Here the same
-payloads travel as a real GetRecords answer: a botocore client whose HTTP layer is replaced
+tests/retrieval/test_retrieval_fuzz.py fuzzes ``deaggregate`` and the parse on their own. Here
+the same payloads travel as a real GetRecords answer: a botocore client whose HTTP layer is replaced
 by a ``before-send`` handler serving the pages, so the request signing, kclpy's own parse
 hook, the fetcher's retries and de-aggregation, the consumer's delivery and checkpoints all
 run as in production. Pages may first be answered with random bytes, a truncated body, a
@@ -183,7 +183,7 @@ def expected_records(
     pages: Sequence[Sequence[bytes]], low: int | None, high: int | None
 ) -> tuple[list[tuple[str, int, bytes]], int, int]:
     """What the processor must see, and the corrupt and filtered counts, by the oracle of
-    test_fuzz_retrieval."""
+    tests/retrieval/test_retrieval_fuzz.py."""
     out: list[tuple[str, int, bytes]] = []
     corrupt = filtered = 0
     for page_index, page in enumerate(pages):

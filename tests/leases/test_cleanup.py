@@ -1,6 +1,6 @@
 """Lease cleanup upon shard completion: which finished leases go, who deletes them, and
-that shard sync never brings one back. The split test in test_fleet.py does it end to end
-with worker processes over real HTTP."""
+that shard sync never brings one back. The split test in tests/system/test_fleet.py does it
+end to end with worker processes over real HTTP."""
 
 from __future__ import annotations
 

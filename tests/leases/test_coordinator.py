@@ -1,7 +1,7 @@
 """LeaseCoordinator: checkpoints through its fence, releases, its threads and its health,
 driven by an injected clock (moto in-process; one section over moto's server). What the
-taker and the renewer decide on their own is in test_lease_taker.py and
-test_lease_renewer.py."""
+taker and the renewer decide on their own is in test_taker.py and
+test_renewer.py."""
 
 from __future__ import annotations
 
@@ -312,7 +312,7 @@ def test_a_stop_while_start_is_starting_the_threads_waits_for_them(
         table: LeaseTable, clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
     """The renewer's first pass can make a worker look healthy before ``start`` has started
     the taker thread; a ``stop`` from another thread then joined a thread not yet started
-    (RuntimeError, seen in a clean-clone run of test_ops_server). ``stop`` now waits for
+    (RuntimeError, seen in a clean-clone run of tests/ops/test_server.py). ``stop`` now waits for
     ``start`` to have started every thread, and stops them."""
     worker, _ = coordinator(table, "A", clock)
     in_start, go_on = threading.Event(), threading.Event()

@@ -304,10 +304,10 @@ class Delivered(IRecordProcessor):
 def test_a_consumer_whose_lease_expired_while_it_fetched_hands_the_batch_to_nobody(
     table: LeaseTable, clock: Clock
 ) -> None:
-    """CI (test_fleet's SIGTERM handover, load 20 on 2 cores): a worker starved past the
-    failover time fetched a batch, and delivered it although its fence already refused
-    every checkpoint of that tenure; the next holder delivered it again. The consumer asks
-    the fence before each batch, so the batch goes to the next holder only."""
+    """CI (tests/system/test_fleet.py's SIGTERM handover, load 20 on 2 cores): a worker
+    starved past the failover time fetched a batch, and delivered it although its fence
+    already refused every checkpoint of that tenure; the next holder delivered it again.
+    The consumer asks the fence before each batch, so the batch goes to the next holder only."""
     a = Worker(table, "A", clock)
     token = a.take("s1")
     lease = a.held.get("s1")

@@ -185,7 +185,7 @@ def test_java_3_keys_drive_the_options() -> None:
 ])
 def test_a_fleets_load_flags_give_its_workers_those_settings(
         settings: LoadSettings, monkeypatch: pytest.MonkeyPatch) -> None:
-    """tests/test_load_real.py predicts with the settings its worker processes balance with:
+    """tests/leases/test_load_real.py predicts with the settings its worker processes balance with:
     the flags ``load_flags`` makes, parsed as ``kclpy-worker`` parses them."""
     monkeypatch.chdir(ROOT)
     config, _ = parse_worker_args([

@@ -3,7 +3,7 @@
 Coordinators against moto in-process with an injected clock; the "Java worker" writes the
 lease item as the Java KCL 2.5.8 does (take: owner and counter, conditional on the counter
 alone; renewal: the counter alone; no ``checkpointOwner``, no ``kclpyHolder``). The real Java
-KCL against kclpy over real HTTP is ``tests/test_java_kcl.py``.
+KCL against kclpy over real HTTP is ``tests/system/test_java_kcl.py``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Lag recovery as a whole: a lagging shard end to end over real HTTP (kinesis-mock and
 moto's server) - live records flow at once while the gap is recovered, flagged, within its
 rate - and the consumer's side, live and recovery batches on one delivery thread. Each
-module's own tests: test_recovery_queue.py, test_recovery_rate.py, test_recovery_detect.py,
-test_recovery_shard.py, test_recovery_requests.py."""
+module's own tests: test_queue.py, test_rate.py, test_detect.py,
+test_shard.py, test_requests.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 the holder takes them in without the lease changing hands, and none is lost or applied
 twice whatever write it races - the holder's own queue writes, a move of the lease, a
 transaction of exactly-once state. Against kclpy.local's DynamoDB server, whose conditional
-writes are atomic; the worker end to end over real HTTP is in test_control.py."""
+writes are atomic; the worker end to end over real HTTP is in tests/ops/test_control.py."""
 
 from __future__ import annotations
 

@@ -290,13 +290,13 @@ def recorded_calls(monkeypatch: pytest.MonkeyPatch) -> list[Call]:
 def test_a_row_limit_with_ends_in_a_bucket_or_table_reads_each_record_once(
         proxy: CountingProxy, kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint,
         monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
-    """As with a shared directory (tests/spark/test_spark_source_costs.py): the executors
+    """As with a shared directory (tests/spark/test_source_costs.py): the executors
     record where each part stopped, so the driver reads no batch again, about one fetch per
     row in all where the driver reading to find out costs two; and as batches commit, only
     the last committed batch's records remain. Every call the driver and the executors made
     is allowed by the role's policies in docs/iam.md, and each action they allow was
     needed."""
-    from tests.spark.test_spark_source_costs import available_now, make_reader
+    from tests.spark.test_source_costs import available_now, make_reader
 
     read_max_rows = pytest.importorskip("pyspark.sql.streaming.datasource").ReadMaxRows
     kinesis = kinesis_client(kinesis_mock.url)

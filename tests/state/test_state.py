@@ -1,8 +1,8 @@
 """Exactly-once state: a stateful processor's writes committed with its checkpoint in one
 transaction fenced by the lease, on every store. In-process moto over the real fence; one
 worker test over real HTTP (kinesis-mock and moto's server) with a zombie and a retried
-batch. What is the SQL store's alone is in test_state_sql.py; the transaction handle and the
-stores' shared cache in test_state_transaction.py and test_state_store.py."""
+batch. What is the SQL store's alone is in test_sql.py; the transaction handle and the
+stores' shared cache in test_transaction.py and test_store.py."""
 
 from __future__ import annotations
 

@@ -111,7 +111,7 @@ def test_the_plain_processor_under_chaos_loses_nothing_and_shows_its_duplicates(
     _assert_chaos_happened(result)
     # At-least-once: nothing lost; how many records come twice depends on where the kills
     # land (reported above; +1,336 on one run, 0 on another whose killed workers had
-    # checkpointed). tests/test_state.py shows duplicates deterministically.
+    # checkpointed). tests/state/test_state.py shows duplicates deterministically.
     assert result.counted >= result.produced, "a record was lost"
     assert all(stored >= want for want, stored in result.wrong_keys.values()
                if want is not None and stored is not None)

