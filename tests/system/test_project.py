@@ -219,6 +219,63 @@ def test_the_design_test_map_names_the_tests_of_every_lease_state_and_recovery_m
     assert missing == set(), "docs/design.md's test map names test modules that do not exist"
 
 
+def misplaced_tests(tests: Path, package: Path) -> list[str]:
+    """The test modules under ``tests`` that are not where docs/design.md's "Tests" puts
+    them: ``test_<name>[_<aspect>].py`` in the folder mirroring the package it tests, with
+    ``<name>`` a module of that package (at the top, of ``package``), a sub-package of it, or
+    the package itself; in ``support/``, a module of ``support/``; in ``system/``, anything.
+    Every folder holding tests is a package."""
+    found = []
+    for path in sorted(tests.rglob("test_*.py")):
+        folder = path.parent.relative_to(tests)
+        where = path.relative_to(tests.parent)
+        if not (path.parent / "__init__.py").exists():
+            found.append(f"{where}: its folder has no __init__.py")
+        if folder.parts[:1] == ("system",):
+            continue
+        twin = tests / "support" if folder.parts == ("support",) else package / folder
+        if not (twin / "__init__.py").exists():
+            found.append(f"{where}: {twin.relative_to(tests.parent)}/ is no package to mirror")
+            continue
+        names = {module.stem for module in twin.glob("*.py")} - {"__init__"}
+        if folder.parts:
+            names |= {folder.name} | {sub.name for sub in twin.iterdir()
+                                      if (sub / "__init__.py").exists()}
+        tested = path.stem.removeprefix("test_")
+        if not any(tested == name or tested.startswith(f"{name}_") for name in names):
+            found.append(f"{where}: names no module of {twin.relative_to(tests.parent)}/")
+    return found
+
+
+def test_every_test_module_is_where_the_layout_puts_it() -> None:
+    assert misplaced_tests(ROOT / "tests", ROOT / "kclpy") == []
+
+
+def test_a_test_module_out_of_place_is_reported(tmp_path: Path) -> None:
+    for name in ("pkg/__init__.py", "pkg/top.py", "pkg/low/__init__.py", "pkg/low/part.py",
+                 "pkg/low/deep/__init__.py", "tests/__init__.py", "tests/support/__init__.py",
+                 "tests/support/tool.py", "tests/low/__init__.py", "tests/system/__init__.py",
+                 "tests/bare/test_part.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    placed = ["test_top.py", "test_top_real.py", "low/test_part.py", "low/test_part_fuzz.py",
+              "low/test_low.py", "low/test_deep.py", "support/test_tool.py",
+              "system/test_anything.py"]
+    misplaced = ["test_part.py", "test_low.py", "test_topper.py", "low/test_top.py",
+                 "support/test_part.py"]
+    for name in placed + misplaced:
+        (tmp_path / "tests" / name).write_text("")
+    assert misplaced_tests(tmp_path / "tests", tmp_path / "pkg") == [
+        "tests/bare/test_part.py: its folder has no __init__.py",
+        "tests/bare/test_part.py: pkg/bare/ is no package to mirror",
+        "tests/low/test_top.py: names no module of pkg/low/",
+        "tests/support/test_part.py: names no module of tests/support/",
+        "tests/test_low.py: names no module of pkg/",
+        "tests/test_part.py: names no module of pkg/",
+        "tests/test_topper.py: names no module of pkg/",
+    ]
+
+
 def test_the_design_says_where_to_change_each_common_thing_in_one_guess() -> None:
     """docs/design.md's guide: backoff, a retrieval mode, a store, a lease assignment
     strategy, a metric and an option each have an entry, and every module or test it names
