@@ -1,7 +1,7 @@
 """Sphinx configuration of kclpy's documentation site: docs/*.md as they read on GitHub, and
 an API reference generated from the public API's docstrings (docs/api.md).
 
-Built strictly by the suite (tests/test_docs_site.py: warnings are errors, so a broken link,
+Built strictly by the suite (tests/system/test_docs_site.py: warnings are errors, so a broken link,
 anchor or reference fails it); by hand: ``sphinx-build -W -b html docs docs/_build``.
 """
 

@@ -293,7 +293,7 @@ class Worker:
         """Wait, once the leases are released, for a shard sync still under way: run()
         must not return while it may still delete and create leases. Its ListShards was
         seen answered after "worker stopped" (under load, in
-        test_shard_sync's stream created again, whose test deletes the stream right then):
+        tests/leases/test_shard_sync.py's stream created again, which deletes it right then):
         a listing of the stream created again, judged against the stopped worker's last
         scan, retires and creates leases while the next worker does the same. Bounded by
         the shutdown grace: a sync stuck longer is left behind, with a warning."""

@@ -212,7 +212,7 @@ def ledger() -> Ledger:
 @pytest.fixture(params=["sqlite", "postgresql"])
 def new_sql_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], SQLStateStore]:
     """Another worker's view of one SQL state store (its own cache), on SQLite and on
-    PostgreSQL: test_state.py and test_state_sql.py."""
+    PostgreSQL: tests/state/test_state.py and tests/state/test_sql.py."""
     from kclpy.state.sql import SQLStateStore
 
     url = (f"sqlite:///{tmp_path / 'state.db'}" if request.param == "sqlite"

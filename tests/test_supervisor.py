@@ -1,7 +1,7 @@
 """The ``--processes N`` supervisor with stand-in children (small Python processes): worker
 ids, metrics ports, signal forwarding, the kill after a stop timeout, restarts, exit codes;
 and with real workers over real HTTP: an endpoint each, and no worker outliving a killed
-supervisor. test_fleet.py runs it with real workers too."""
+supervisor. tests/system/test_fleet.py runs it with real workers too."""
 
 from __future__ import annotations
 

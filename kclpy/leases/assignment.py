@@ -11,7 +11,7 @@ without history has no known load and nothing may wait for a report to be consum
 here and hands the strategy to whichever decider ``leaseAssigner`` picks, so a strategy
 written outside the package (:func:`register_assignment_strategy`) runs under either
 without a change to them, and no other module compares a strategy's name
-(``tests/test_project.py`` checks). Two are built in:
+(``tests/system/test_project.py`` checks). Two are built in:
 
 - ``count`` (:data:`COUNT`): equal lease counts, the Java KCL 2.x rule;
 - ``load`` (:data:`LOAD`): equal measured load, the Java KCL 3.x idea (``load.py`` measures

@@ -8,7 +8,7 @@ other command's handler.
 
 To add an operator command: write its handler beside the code it drives, its flags here,
 and one ``Command`` entry (a two-word command whose first word is new also needs its
-``GROUPS`` entry). ``tests/test_commands.py`` then runs it from the command line, with its
+``GROUPS`` entry). ``tests/ops/test_commands.py`` then runs it from the command line, with its
 handler replaced, and its ``--help``.
 
 The commands: ``leases`` and ``status`` (``kclpy.ops.inspect``); ``monitor``

@@ -65,33 +65,33 @@ TARGETS: dict[str, Target] = {
         "kclpy/leases/fence.py",
         ("LeaseFence.guard", "LeaseFence.write", "LeaseFence.holds", "LeaseFence._holding",
          "LeaseFence._expired", "LeaseFence._attempt", "LeaseFence._landed", "own_write"),
-        ("tests/test_lease_fence.py",)),
+        ("tests/leases/test_fence.py",)),
     "state-transaction": Target(
         "kclpy/state/transaction.py",
         ("StateTransaction.get", "StateTransaction._version_of", "StateTransaction.over_limits",
          "StateTransaction._stage"),
-        ("tests/test_state_transaction.py", "tests/test_state_store.py")),
+        ("tests/state/test_transaction.py", "tests/state/test_store.py")),
     "state-dynamodb": Target(
         "kclpy/state/dynamodb.py", ("DynamoDBStateStore.items", "_condition"),
-        ("tests/test_state.py", "-k", f"dynamodb and ({STATE_VALIDATION})")),
+        ("tests/state/test_state.py", "-k", f"dynamodb and ({STATE_VALIDATION})")),
     "state-sql": Target(
         "kclpy/state/sql.py", ("SQLStateStore._write", "SQLStateStore._check_absent"),
-        ("tests/test_state.py", "tests/test_state_sql.py", "-k",
+        ("tests/state/test_state.py", "tests/state/test_sql.py", "-k",
          f"sqlite and ({STATE_VALIDATION}) or lock_waits_add_up")),
     "checkpoint": Target(
         "kclpy/checkpoint.py",
         ("Checkpointer.mark_delivered", "Checkpointer.checkpoint", "Checkpointer._write",
          "Checkpointer._refuse_if_retired", "Checkpointer._resolve"),
         ("tests/test_checkpoint.py",)),
-    "handoff": Target("kclpy/leases/handoff.py", (), ("tests/test_handoff.py",)),
-    "park": Target("kclpy/leases/park.py", (), ("tests/test_control.py", "-k", "park")),
+    "handoff": Target("kclpy/leases/handoff.py", (), ("tests/leases/test_handoff.py",)),
+    "park": Target("kclpy/leases/park.py", (), ("tests/ops/test_control.py", "-k", "park")),
     # the taker's side of a park: a parked lease is never planned for taking nor its expiry
     # awaited (``--only 6 29 35``, the sites of the ``parked`` checks; the rest are the
     # taker's own rules)
     "park-take": Target(
         "kclpy/leases/balancing.py", ("Balancer.next_expiry", "Balancer.plan"),
-        ("tests/test_lease_balancing.py", "tests/test_lease_taker.py")),
-    "recovery-gaps": Target("kclpy/recovery/queue.py", (), ("tests/test_recovery_queue.py",)),
+        ("tests/leases/test_balancing.py", "tests/leases/test_taker.py")),
+    "recovery-gaps": Target("kclpy/recovery/queue.py", (), ("tests/recovery/test_queue.py",)),
 }
 
 

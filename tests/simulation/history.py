@@ -108,7 +108,7 @@ FLAG_KEYS = 3
 #: other seed runs the grown world
 CLASSIC_SEEDS = frozenset({1, 5, 6, 10, 40, 139, 159, 186, 338, 400, 471, 553, 625, 844, 947})
 #: the seeds whose stories FOUND.md tells (the classic ones and the grown world's,
-#: ``tests/test_simulation.py``'s FOUND_36) keep the choice of assigner they were found with
+#: ``tests/system/test_simulation.py``'s FOUND_36) keep the choice of assigner they were found with
 STORIED_SEEDS = CLASSIC_SEEDS | frozenset({7, 19, 21, 72, 169, 173, 189, 223, 292, 341, 458, 464,
                                            546, 559, 706, 794, 971})
 #: the operator's node name (its writes are not a worker's)

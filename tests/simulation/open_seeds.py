@@ -2,7 +2,7 @@
 263 broke on fd986fc, before the fixes of the edge review of 2026-12-06; 15 after them
 (FOUND.md, "After the fixes were merged"); none since the fifteen were analysed and their
 holes fixed (FOUND.md, "The fifteen analysed"). Generated from
-``python -m tests.simulation --histories 1000 --seed 0``; ``tests/test_simulation.py`` keeps
+``python -m tests.simulation --histories 1000 --seed 0``; ``tests/system/test_simulation.py`` keeps
 the soak green while they are open, and fails when a seed breaks anything else or no longer
 breaks (then take it out: its hole was fixed). Regenerate it after a fix is merged.
 Seed 260, found when leader mode went to nearly two seeds in three (FOUND.md, "Found by

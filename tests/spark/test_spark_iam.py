@@ -1,6 +1,6 @@
 """The Spark source's driver and executors keep to the ``spark-source`` policy of docs/iam.md
 (with ``spark-fan-out`` when reading through a consumer): every request a query makes goes
-through a recording proxy, whichever JVM-started Python process makes it (tests/test_iam.py
+through a recording proxy, whichever JVM-started Python process makes it (tests/system/test_iam.py
 holds the other roles)."""
 
 from __future__ import annotations

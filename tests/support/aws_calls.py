@@ -1,6 +1,6 @@
 """Every AWS operation kclpy's own code makes in a test run, checked against docs/iam.md.
 
-The role runs of ``tests/test_iam.py`` record a few representative runs through a proxy; this
+The role runs of ``tests/system/test_iam.py`` record a few representative runs through a proxy; this
 records the rest: every test of the suite, unit and integration, that runs kclpy code in the
 pytest process. Each botocore call is attributed to the first caller outside botocore and
 boto3: a call from ``kclpy`` (not ``kclpy/local``, which only ever talks to an emulator) is

@@ -790,7 +790,7 @@ class ChaosRig:
         # Python's imports on a loaded machine (workers up 27-36 s after their spawn, load
         # average 25 on 2 cores): a SIGTERM, first in its round, waits for a worker that is
         # up and the kills and freezes wait behind it, so the 30 s window of
-        # test_state_chaos's skewed-clocks run ended with no disruption at all.
+        # tests/state/test_state_chaos.py's skewed-clocks run ended with no disruption at all.
         fleet.wait_up(60)
         if settings.stall_check:
             sampler = self.sampler

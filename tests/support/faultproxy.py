@@ -25,7 +25,7 @@ it can tell.
 
 A proxy made with ``record_calls=True`` also keeps every request's service, operation and
 parameters (:meth:`FaultProxy.calls`): what a client behind it asked AWS for, whichever
-process it runs in, which is how tests/test_iam.py holds the documented IAM policies to what
+process it runs in, which is how tests/system/test_iam.py holds the documented IAM policies to what
 each role really calls.
 """
 

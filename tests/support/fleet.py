@@ -327,7 +327,7 @@ class Fleet:
 def load_flags(settings: LoadSettings, failover_s: float) -> list[str]:
     """The ``kclpy-worker`` flags that make a worker balance by load with ``settings``
     (its ``--failover-time-ms`` being ``failover_s``), so a test predicts with the settings
-    its worker processes run with (tests/test_lease_load.py parses them back). A round is
+    its worker processes run with (tests/leases/test_load.py parses them back). A round is
     ``varianceBalancingFrequency`` x 2 x failover: ``balance_interval_s`` must be a
     multiple of twice the failover time."""
     frequency = round(settings.balance_interval_s / (2 * failover_s))

@@ -1,4 +1,4 @@
-"""The child of tests/test_fuzz_hostile_kpl.py: one hostile page through the worker's record
+"""The child of tests/system/test_fuzz_hostile_kpl.py: one hostile page through the worker's record
 path under a cap on its address space, and a one-line JSON account of what came out.
 
 Run as ``python -m tests.support.hostile_child <case>[,<case>...] <cap bytes>``: one JSON

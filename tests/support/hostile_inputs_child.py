@@ -1,4 +1,4 @@
-"""The child of tests/test_fuzz_hostile_inputs.py: hostile MultiLang lines and hostile lease
+"""The child of tests/system/test_fuzz_hostile_inputs.py: hostile MultiLang lines and hostile lease
 items through the worker's own paths under a cap on its address space, and a one-line JSON
 account per case.
 

@@ -1,9 +1,10 @@
 """The lease tests' shared parts: an in-process lease table (moto) whose operations a test
 can make fail, an injected clock, and a coordinator built the way those tests want it.
 
-The fixtures are imported by the test modules that use them (``test_lease_coordinator.py``,
-``test_lease_taker.py``, ``test_lease_renewer.py``, ``test_lease_held.py``), which keeps
-their generic names (``client``, ``table``, ``clock``) out of every other test module.
+The fixtures are imported by the test modules that use them
+(``tests/leases/test_coordinator.py``, ``tests/leases/test_taker.py``,
+``tests/leases/test_renewer.py``, ``tests/leases/test_held.py``), which keeps their generic
+names (``client``, ``table``, ``clock``) out of every other test module.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def coordinator(
     settings.setdefault("failover_time_s", FAILOVER)
     settings.setdefault("renewal_threads", 1)
     # Steals here are outright takes, so these tests see the taker's rules alone; the
-    # graceful handoff a steal starts by default is tested in test_handoff.py.
+    # graceful handoff a steal starts by default is tested in tests/leases/test_handoff.py.
     settings.setdefault("graceful_handoff", False)
     c = LeaseCoordinator(table, worker, CoordinatorSettings(**settings), metrics=metrics,
                          clock=clock, rng=rng if rng is not None else FirstChoiceRandom(),
