@@ -294,17 +294,21 @@ def retrying(
     retries until the call succeeds, is refused or is stopped.
 
     With a policy, the failures are this call's. With a :class:`Backoff` they are the
-    backoff's: they add up over calls until its owner resets it after a success of its own
-    (a shard's reads: a fresh iterator whose read fails again is not a success).
+    backoff's, read afresh after each failure: they add up over calls, nested ones too (a
+    read that retries a fresh iterator while the GetRecords inside retried throttles on the
+    same backoff), until its owner resets it after a success of its own (a shard's reads: a
+    fresh iterator whose read fails again is not a success).
     """
     policy = retries if isinstance(retries, RetryPolicy) else retries.policy
-    failures = 0 if isinstance(retries, RetryPolicy) else retries.attempt
+    failures = 0
     while True:
         try:
             return call()
         except Exception as exc:
             if not retry_on(exc):
                 raise
+            if isinstance(retries, Backoff):
+                failures = retries.attempt
             if policy.gives_up(failures + 1):
                 raise GaveUp(failures + 1, exc) from exc
             if isinstance(retries, Backoff):
