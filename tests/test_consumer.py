@@ -14,7 +14,12 @@ from botocore.exceptions import ClientError
 from kclpy.checkpoint import Checkpointer
 from kclpy.cloudwatch import SUMMARY, CloudWatchBackend
 from kclpy.consumer import ConsumerSettings, ConsumerState, FatalProcessorError, ShardConsumer
-from kclpy.errors import CheckpointError, ProcessorRestartRequired
+from kclpy.errors import (
+    CheckpointError,
+    ProcessorRestartRequired,
+    ShutdownException,
+    ThrottlingException,
+)
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import UpdateBuilder
 from kclpy.metrics import Metrics
@@ -602,6 +607,40 @@ def test_initialize_failure_is_retried() -> None:
     assert writer.writes == [("1", 0), ("SHARD_END", 0)]
 
 
+def test_an_initialize_failure_is_counted_and_a_failing_factory_is_not_retried() -> None:
+    log: list[object] = []
+
+    class FailsOnce(Recorder):
+        calls = 0
+
+        def initialize(self, i: InitializeInput) -> None:
+            FailsOnce.calls += 1
+            if FailsOnce.calls == 1:
+                raise RuntimeError("init boom")
+            super().initialize(i)
+
+    metrics = Metrics()
+    run_consumer([Result([], shard_end=True)], [FailsOnce(log), FailsOnce(log)],
+                 metrics=metrics)
+    assert metrics.registry.get_sample_value(
+        "kclpy_processor_errors_total", {"shard_id": "shard-1", "callback": "initialize"}) == 1
+
+    made: list[str] = []
+
+    def no_processor() -> Recorder:
+        made.append("tried")
+        raise RuntimeError("no processor")
+
+    consumer = ShardConsumer(
+        Lease("shard-1", lease_owner="w", checkpoint=Position.trim_horizon()),
+        concurrency_token="t", processor_factory=no_processor, fence=Writer(),
+        readers=Readers(lambda start: ScriptedFetcher([], (start.checkpoint, 0))),
+        host=Host(Leases()), settings=SETTINGS, metrics=Metrics(), rng=random.Random(1))
+    consumer.start()
+    assert consumer.join(10)
+    assert made == ["tried"] and isinstance(consumer.error, RuntimeError)
+
+
 class StartKeeper(Writer):
     """The fence, recording the resolved starts its ``update`` wrote."""
 
@@ -649,6 +688,41 @@ def test_latest_is_resolved_once_kept_in_the_lease_and_reused_by_a_restart() -> 
     resolved = datetime.fromtimestamp(1_700_000_000.123, tz=timezone.utc)
     assert starts == [resolved, resolved], "the restarted processor reads from the same point"
     assert ("batch", [("1", 0)]) in log
+
+
+class FailingKeeper(StartKeeper):
+    """A fence whose first writes of the start fail with ``failures`` in turn."""
+
+    def __init__(self, *failures: Exception) -> None:
+        super().__init__()
+        self.failures = list(failures)
+
+    def update(self, lease_key: str, token: str | None, changes: UpdateBuilder, *,
+               what: str) -> Lease:
+        if self.failures:
+            raise self.failures.pop(0)
+        return super().update(lease_key, token, changes, what=what)
+
+
+def test_keeping_the_start_retries_a_throttle_and_stops_at_a_lost_lease() -> None:
+    keeper = FailingKeeper(ThrottlingException("slow down"))
+    starts: list[datetime | None] = []
+    lease = Lease("shard-1", lease_owner="w", checkpoint=Position.latest())
+    consumer = latest_consumer(lease, [Recorder([])], keeper, starts,
+                               [Result([], shard_end=True)])
+    consumer.start()
+    assert consumer.join(10)
+    assert keeper.kept == [("shard-1", 1_700_000_000_123)] and len(starts) == 1
+
+    keeper = FailingKeeper(ShutdownException("lease taken"), ThrottlingException("unused"))
+    starts = []
+    log: list[object] = []
+    consumer = latest_consumer(Lease("shard-1", lease_owner="w", checkpoint=Position.latest()),
+                               [Recorder(log)], keeper, starts, [Result([], shard_end=True)])
+    consumer.start()
+    assert consumer.join(10)
+    assert len(keeper.failures) == 1, "a lost lease is not retried"
+    assert keeper.kept == [] and starts == [] and log == []
 
 
 def test_a_start_kept_in_the_lease_is_used_as_it_is() -> None:
