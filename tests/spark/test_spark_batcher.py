@@ -371,6 +371,22 @@ def test_throttled_checkpoint_is_retried(writer: Writer, sink: Sink) -> None:
     assert batcher.stats.failed_checkpoints == 0
 
 
+def test_a_checkpoint_throttled_past_its_attempts_is_given_up_after_exactly_them(
+        writer: Writer, sink: Sink) -> None:
+    batcher = make(sink, BatchOptions(min_interval_s=0.0, max_interval_s=0.05,
+                                      retry_base_s=0.001, retry_cap_s=0.01,
+                                      checkpoint_attempts=3))
+    a = Shard(batcher, writer, "shard-a")
+    a.deliver(records(0, 0, 2))
+    writer.throttled["shard-a"] = 10
+
+    batcher.run_once()
+
+    assert writer.throttled["shard-a"] == 7, "three attempts, no more"
+    assert writer.of("shard-a") == []
+    assert batcher.stats.failed_checkpoints == 1 and batcher.stats.lost_checkpoints == 0
+
+
 def test_shard_end_commits_the_shards_records_before_shard_end(writer: Writer,
                                                                 sink: Sink) -> None:
     batcher = make(sink)
