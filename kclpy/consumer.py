@@ -184,6 +184,15 @@ def _table_failure(exc: BaseException) -> bool:
     return isinstance(exc, TABLE_ERRORS)
 
 
+class _NotAtShardEnd(Exception):
+    """``shard_ended`` returned (or raised) without checkpointing at SHARD_END: it is called
+    again, as the Java KCL's ShutdownTask is, since the children wait for that checkpoint."""
+
+
+def _not_at_shard_end(exc: BaseException) -> bool:
+    return isinstance(exc, _NotAtShardEnd)
+
+
 def _initialize_failed(exc: BaseException) -> bool:
     return isinstance(exc, _InitializeFailed)
 
@@ -771,28 +780,33 @@ class ShardConsumer:
         if not left_stream:
             self._host.shard_ended(self.lease_key, children)
         self._checkpointer.mark_shard_end()
-        attempt = 0
-        while True:
+        processor, checkpointer = self._processor, self._checkpointer
+
+        def shard_ended() -> None:
             try:
-                self._processor.shard_ended(ShardEndedInput(self.lease_key, self._checkpointer))
+                processor.shard_ended(ShardEndedInput(self.lease_key, checkpointer))
             except Exception:
                 self._m.inc(PROCESSOR_ERRORS, "shard_ended")
                 log.exception("shard %s: shard_ended failed", self.lease_key)
-            if self._checkpointer.position.is_shard_end:
-                self._processor_ended = True
-                self.shard_ended = self.caught_up = True
-                self._drain_recovery()
-                return
+            if not checkpointer.position.is_shard_end:
+                raise _NotAtShardEnd
+
+        def call_again(exc: BaseException, attempt: int, delay: float) -> None:
             log.error("shard %s: the processor did not checkpoint at SHARD_END in shard_ended; "
                       "its child shards cannot start until it does. Calling shard_ended again.",
                       self.lease_key)
-            if self._pause(self._backoff(attempt)):
-                if self._lease_lost.is_set():
-                    self._end_with_lease_lost()
-                else:
-                    self._end_with_shutdown_requested()
-                return
-            attempt += 1
+
+        try:
+            self._retried(shard_ended, _not_at_shard_end, call_again)
+        except RetryStopped:
+            if self._lease_lost.is_set():
+                self._end_with_lease_lost()
+            else:
+                self._end_with_shutdown_requested()
+            return
+        self._processor_ended = True
+        self.shard_ended = self.caught_up = True
+        self._drain_recovery()
 
     def _end_with_lease_lost(self) -> None:
         self._set_state(ConsumerState.SHUTTING_DOWN)

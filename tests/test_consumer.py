@@ -145,6 +145,27 @@ def test_shard_ended_is_called_again_until_shard_end_is_checkpointed() -> None:
     assert writer.writes[-1] == ("SHARD_END", 0)
 
 
+def test_a_shard_ended_that_never_checkpoints_is_called_until_the_lease_is_lost() -> None:
+    """Calling ``shard_ended`` again is retried like a failure, and a lost lease ends it with
+    ``lease_lost``, counted neither as an ended shard nor as a processor error."""
+    log: list[object] = []
+
+    class NeverEnds(Recorder):
+        def shard_ended(self, i: ShardEndedInput) -> None:
+            self.log.append(("shard_ended",))
+            if self.log.count(("shard_ended",)) == 3:
+                consumers[-1].notify_lease_lost()
+
+    metrics = Metrics()
+    pages = [Result([rec(1)]), Result([], shard_end=True)]
+    consumer, writer, _ = run_consumer(pages, [NeverEnds(log)], metrics=metrics)
+    assert log[-4:] == [("shard_ended",)] * 3 + [("lease_lost",)]
+    assert not consumer.shard_ended and ("SHARD_END", 0) not in writer.writes
+    assert metrics.registry.get_sample_value(
+        "kclpy_processor_errors_total", {"shard_id": "shard-1", "callback": "shard_ended"}
+    ) is None
+
+
 def test_processor_error_retries_the_same_batch() -> None:
     log: list[object] = []
     pages = [Result([rec(1), rec(2)]), Result([], shard_end=True)]
