@@ -193,6 +193,15 @@ def _not_at_shard_end(exc: BaseException) -> bool:
     return isinstance(exc, _NotAtShardEnd)
 
 
+class _BatchFailed(Exception):
+    """``process_records`` raised (the ``__cause__``) under the ``retry`` policy, or under
+    ``park`` with attempts left: the same batch is handed over again after a backoff."""
+
+
+def _batch_failed(exc: BaseException) -> bool:
+    return isinstance(exc, _BatchFailed)
+
+
 def _initialize_failed(exc: BaseException) -> bool:
     return isinstance(exc, _InitializeFailed)
 
@@ -669,8 +678,11 @@ class ShardConsumer:
         assert self._processor is not None and checkpointer is not None
         records = result.records
         previous = checkpointer.mark_delivered(records[-1]) if records else None
-        attempt = 0
-        while True:
+        failures = 0
+
+        def deliver_once() -> str:
+            nonlocal failures
+            assert self._processor is not None and checkpointer is not None
             if self._lease_gone():
                 # Given up while this batch was fetched (the lease not renewed within the
                 # failover time, or taken): its checkpoint would be refused, so every record
@@ -701,7 +713,8 @@ class ShardConsumer:
                 return "stopped"
             except Exception as exc:
                 self._m.inc(PROCESSOR_ERRORS, "process_records")
-                self._note_failure(exc, attempt)
+                self._note_failure(exc, failures)
+                failures += 1
                 policy = self._settings.processor_error_policy
                 if policy == "skip":
                     log.exception("shard %s: process_records failed; batch of %d skipped "
@@ -711,19 +724,12 @@ class ShardConsumer:
                     log.exception("shard %s: process_records failed; shutting the worker down "
                                   "(processor_error_policy=shutdown)", self.lease_key)
                     raise FatalProcessorError(f"shard {self.lease_key}: {exc!r}") from exc
-                if policy == "park" and attempt + 1 >= self._settings.processor_error_attempts:
+                if policy == "park" and failures >= self._settings.processor_error_attempts:
                     if records:
                         checkpointer.unmark_delivered(previous)
                     self._park_shard()
                     return "stopped"
-                log.exception("shard %s: process_records failed; retrying the same batch",
-                              self.lease_key)
-                if self._pause(self._backoff(attempt)):
-                    if records:
-                        checkpointer.unmark_delivered(previous)
-                    return "stopped"
-                attempt += 1
-                continue
+                raise _BatchFailed from exc
             finally:
                 # Each attempt is one Java ProcessTask, and its Success is 1 even when the
                 # processor raised: the Java KCL catches processRecords' exception (logs it,
@@ -738,6 +744,17 @@ class ShardConsumer:
                 self._clear_failure()
                 self._set_state(ConsumerState.PROCESSING)
             return "ok"
+
+        def retry_later(exc: BaseException, attempt: int, delay: float) -> None:
+            log.error("shard %s: process_records failed; retrying the same batch",
+                      self.lease_key, exc_info=exc.__cause__)
+
+        try:
+            return self._retried(deliver_once, _batch_failed, retry_later)
+        except RetryStopped:
+            if records:
+                checkpointer.unmark_delivered(previous)
+            return "stopped"
 
     def _left_stream(self, exc: FetchError) -> frozenset[str] | None:
         """The children's lease keys when the fetch failed because the shard left the

@@ -196,6 +196,23 @@ def test_a_failed_attempt_is_a_java_process_task_that_succeeded() -> None:
         {"shard_id": "shard-1", "callback": "process_records"}) == 2
 
 
+def test_a_retried_batch_counts_its_failed_attempts_until_one_succeeds() -> None:
+    """The shard's failure record, as /status shows it, counts the attempts at one batch:
+    each call sees the failures before it, and a success clears it."""
+    seen: list[object] = []
+
+    class Watching(Recorder):
+        def process_records(self, p: ProcessRecordsInput) -> None:
+            failure = consumers[-1].failure
+            seen.append(None if failure is None else failure["attempts"])
+            super().process_records(p)
+
+    pages = [Result([rec(1)]), Result([rec(2)]), Result([], shard_end=True)]
+    consumer, writer, _ = run_consumer(pages, [Watching([], fail_times=3)])
+    assert seen == [None, 1, 2, 3, None]
+    assert consumer.failure is None and writer.writes[:2] == [("1", 0), ("2", 0)]
+
+
 def test_skip_policy_moves_on() -> None:
     log: list[object] = []
     settings = ConsumerSettings(**{**SETTINGS.__dict__, "processor_error_policy": "skip"})

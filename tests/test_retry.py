@@ -322,9 +322,6 @@ _WAITS = frozenset({"delay", "next_delay", "_backoff", "sleep"})
 #: attempt is a different call, or a failure is answered with more than a wait. An entry
 #: that is no longer found fails too, so this list only shrinks.
 HAND_WRITTEN_RETRIES = {
-    # the processor error policy decides per failure (skip, shutdown, park after N, retry)
-    # and the lease's fence is asked again before each attempt
-    "consumer.py:ShardConsumer._deliver",
     # each attempt is a new batch: fenced parts are dropped (a new batch id, attempt 0, at
     # once, without a wait) and only the remaining failures back off
     "spark/batcher.py:MicroBatcher._call_until_success",
