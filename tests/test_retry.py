@@ -322,9 +322,6 @@ _WAITS = frozenset({"delay", "next_delay", "_backoff", "sleep"})
 #: attempt is a different call, or a failure is answered with more than a wait. An entry
 #: that is no longer found fails too, so this list only shrinks.
 HAND_WRITTEN_RETRIES = {
-    # each attempt is a new batch: fenced parts are dropped (a new batch id, attempt 0, at
-    # once, without a wait) and only the remaining failures back off
-    "spark/batcher.py:MicroBatcher._call_until_success",
     # each conflict halves the records the next attempt commits, and a landed predecessor
     # changes what is left to commit
     "state/processor.py:ExactlyOnceProcessor._commit",

@@ -74,6 +74,8 @@ from kclpy.retry import GaveUp, RetryPolicy, RetryStopped, retrying
 from kclpy.spark.arrow import Decoder, records_to_table
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from kclpy.leases.fence import Guard
 
 __all__ = [
@@ -541,10 +543,12 @@ class MicroBatcher:
         the new owner's to write), and so are those a sink refused with ``FencedOut``; the
         rest is a new batch, with its own id.
         """
-        backoff = self.options.retries.backoff()
         attempt = 0
-        table = None
-        while True:
+        table: pa.Table | None = None
+        batch_id = ""
+
+        def call_once() -> tuple[BatchInfo, list[_Part]] | None:
+            nonlocal parts, table, attempt, batch_id
             kept = self._drop_fenced(parts, self._lost_leases(parts), "lease lost before "
                                      "foreach_batch")
             if len(kept) != len(parts):
@@ -566,34 +570,41 @@ class MicroBatcher:
                 self._foreach_batch(df, batch_id)
                 return info, parts
             except FencedOut as exc:
-                # Nothing was committed; the refused parts go, the rest is called again now
-                # (a refusal naming none of them is an ordinary failure: backed off below).
+                # Nothing was committed; the refused parts go (a refusal naming none of them
+                # is an ordinary failure: backed off)
                 kept = self._drop_fenced(parts, exc.lease_keys & {p.shard.lease_key
                                                                   for p in parts},
                                          "sink's commit fenced out")
-                if len(kept) != len(parts):
-                    log.warning("batch %s: the sink refused %s; calling again without them",
-                                batch_id, exc)
-                    parts, table, attempt = kept, None, 0
-                    continue
-                self.stats.foreach_batch_failures += 1
-                self._m.inc(SPARK_FOREACH_BATCH_FAILURES)
-                delay = backoff.next_delay()
-                log.error("foreach_batch for batch %s refused leases it does not hold (%s); "
-                          "retrying in %.2fs", batch_id, exc, delay)
-            except Exception:
-                self.stats.foreach_batch_failures += 1
-                self._m.inc(SPARK_FOREACH_BATCH_FAILURES)
-                delay = backoff.next_delay()
-                log.exception("foreach_batch failed for batch %s (attempt %d); nothing is "
-                              "checkpointed, retrying in %.2fs", batch_id, attempt, delay)
+                if len(kept) == len(parts):
+                    raise
+                log.warning("batch %s: the sink refused %s; calling again without them",
+                            batch_id, exc)
+                parts, table, attempt = kept, None, 0
             finally:
                 _CURRENT.reset(token)
+            # the rest is a new batch, called now: parts only shrink, so this ends
+            return call_once()
+
+        def retry_later(exc: BaseException, failures: int, delay: float) -> None:
+            nonlocal attempt
+            self.stats.foreach_batch_failures += 1
+            self._m.inc(SPARK_FOREACH_BATCH_FAILURES)
+            if isinstance(exc, FencedOut):
+                log.error("foreach_batch for batch %s refused leases it does not hold (%s); "
+                          "retrying in %.2fs", batch_id, exc, delay)
+            else:
+                log.exception("foreach_batch failed for batch %s (attempt %d); nothing is "
+                              "checkpointed, retrying in %.2fs", batch_id, attempt, delay)
             attempt += 1
-            if self._stopped.wait(delay):
-                log.warning("batcher stopped while batch %s was failing; its records stay "
-                            "un-checkpointed and will be read again", batch_id)
-                return None
+
+        try:
+            return retrying(call_once, self.options.retries.backoff(),
+                            retry_on=lambda exc: True, wait=self._stopped.wait,
+                            on_retry=retry_later)
+        except RetryStopped:
+            log.warning("batcher stopped while batch %s was failing; its records stay "
+                        "un-checkpointed and will be read again", batch_id)
+            return None
 
     @staticmethod
     def _ranges(parts: Sequence[_Part]) -> tuple[ShardRange, ...]:

@@ -733,6 +733,39 @@ def test_a_finished_parent_taken_for_its_queued_gaps_commits_them_before_it_lets
     assert batcher._shards == []
 
 
+def test_a_batch_that_fails_then_loses_a_part_starts_over_as_a_new_batch(
+        writer: Writer, sink: Sink) -> None:
+    """The attempt a sink is told counts the failures of one batch: a failure counts, a
+    refused part makes the rest a new batch (a new id, attempt 0, called at once)."""
+    from kclpy.spark.batcher import FencedOut
+
+    batcher = make(sink)
+    a, b = Shard(batcher, writer, "shard-a"), Shard(batcher, writer, "shard-b")
+    a.deliver(records(0, 0, 3))
+    b.deliver(records(1, 0, 2))
+    calls: list[tuple[str, int]] = []
+
+    def foreach_batch(df: pa.Table, batch_id: str) -> None:
+        info = current_batch()
+        assert info is not None
+        calls.append((batch_id, info.attempt))
+        if len(calls) == 1:
+            raise RuntimeError("sink down")
+        if len(calls) == 2:
+            raise FencedOut({"shard-a"}, "a later tenure committed")
+        sink(df, batch_id)
+
+    batcher._foreach_batch = foreach_batch
+
+    info = batcher.run_once()
+
+    assert [attempt for _, attempt in calls] == [0, 1, 0]
+    assert calls[0][0] == calls[1][0] != calls[2][0]
+    assert info is not None and info.batch_id == calls[2][0]
+    assert batcher.stats.foreach_batch_failures == 1 and batcher.stats.fenced_parts == 1
+    assert writer.of("shard-a") == [] and writer.of("shard-b") == [("2001", 0)]
+
+
 def test_a_fenced_out_naming_none_of_the_batchs_leases_is_retried_like_a_failure(
         writer: Writer, sink: Sink) -> None:
     """A sink's FencedOut that names no lease of the batch drops nothing: it is an ordinary
