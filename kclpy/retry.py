@@ -3,8 +3,8 @@ retrying and what is a throttle.
 
 A ``RetryPolicy`` is a caller's base, cap, attempts and jitter; ``delay(n)`` is the wait
 before retry n, the same formula for GetRecords, subscriptions, registration, the lease
-table, shard sync, state commits, processor retries, start-up, CloudWatch, the lag webhook
-and the supervisor's restarts. ``Backoff`` is that policy with its own attempt count, for a
+table, shard sync, state commits, processor retries, start-up, CloudWatch, the lag webhook,
+a Spark batch and its recorded end, and the supervisor's restarts. ``Backoff`` is that policy with its own attempt count, for a
 loop that retries until a success resets it.
 
 Full jitter (a uniform draw between zero and the capped exponential) is the default: many
@@ -17,7 +17,9 @@ and registration the Java KCL's fixed wait plus up to 100 ms.
 ``retrying`` is the one loop around a call that may fail: the call, the policy, what is worth
 retrying, and how to wait (a sleep, or an event's ``wait`` so that a shutdown ends the wait).
 Callers keep only what is theirs: the error they raise when the attempts are spent
-(:class:`GaveUp`) and what they count or log per failure.
+(:class:`GaveUp`) and what they count or log per failure. A loop of its own that catches,
+backs off and tries again fails ``tests/test_retry.py``: written apart, retries drifted (a
+second formula, a wait after the last attempt, attempts counted apart from the backoff's).
 
 ``classify`` is shared by Kinesis, DynamoDB (a cancelled transaction included) and
 CloudWatch calls, so all agree on what a throttle is and feed the same metric labels.
