@@ -4,8 +4,8 @@ retrying and what is a throttle.
 A ``RetryPolicy`` is a caller's base, cap, attempts and jitter; ``delay(n)`` is the wait
 before retry n, the same formula for GetRecords, subscriptions, registration, the lease
 table, shard sync, state commits, processor retries, start-up, CloudWatch, the lag webhook,
-a Spark batch and its recorded end, and the supervisor's restarts. ``Backoff`` is that policy with its own attempt count, for a
-loop that retries until a success resets it.
+a Spark batch and its recorded end, and the supervisor's restarts. ``Backoff`` is that
+policy with its own attempt count, for a loop that retries until a success resets it.
 
 Full jitter (a uniform draw between zero and the capped exponential) is the default: many
 fetch threads throttled by the same shard limit would otherwise retry in lock-step and be
