@@ -52,7 +52,7 @@ from kclpy.retrieval.pipeline import Batching, ShardPipeline
 from kclpy.retrieval.polling import Pacer
 from kclpy.retrieval.registration import ConsumerRegistration, RegistrationSettings
 from kclpy.retrieval.source import PageSource, ShardAddress, reading_start
-from kclpy.retry import Backoff, read_policy
+from kclpy.retry import Backoff
 from kclpy.state import open_store
 from kclpy.state.processor import StatefulProcessor, exactly_once_factory
 from kclpy.state.store import StateStore
@@ -244,6 +244,9 @@ class Retrieval:
         self._state_store = state_store
         #: lag recovery: the records per second all recovery reads of this worker share
         self._recovery_rate = RecoveryRate(config.recovery_max_rate)
+        #: the one read policy of the worker's live and recovery reads; each source gets a
+        #: backoff of it, its own attempt count
+        self._read_retries = config.read_retries
 
     def readers(self, lease: Lease, token: str) -> ShardReading:
         """The readers of one tenure of ``lease`` (``kclpy.consumer.ShardReaders``)."""
@@ -331,9 +334,7 @@ class Retrieval:
 
     def _read_backoff(self) -> Backoff:
         """Each source's own backoff for GetRecords, iterators and subscriptions."""
-        cfg = self._config
-        return read_policy(cfg.get_records_backoff_base_ms,
-                           cfg.get_records_backoff_cap_ms).backoff()
+        return self._read_retries.backoff()
 
 
 class ShardReading:

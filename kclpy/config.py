@@ -26,7 +26,7 @@ from kclpy.leases.assignment import assignment_strategy, assignment_strategy_nam
 from kclpy.position import AT_TIMESTAMP, INITIAL_POSITIONS, LATEST
 from kclpy.retrieval.modes import retrieval_mode, retrieval_mode_names
 from kclpy.retrieval.subscription import FANOUT_HTTP_VERSIONS
-from kclpy.retry import READ_BACKOFF_BASE_MS, READ_BACKOFF_CAP_MS
+from kclpy.retry import READ_BACKOFF_BASE_MS, READ_BACKOFF_CAP_MS, RetryPolicy, read_policy
 from kclpy.streams import StreamConfig, StreamTracker
 
 log = logging.getLogger(__name__)
@@ -151,6 +151,13 @@ class KCLConfig:
         """The retrieval mode reads through a registered stream consumer: the worker
         registers one, and ``--local`` serves Kinesis with kinesis-mock."""
         return retrieval_mode(self.retrieval_mode).needs_consumer
+
+    @property
+    def read_retries(self) -> RetryPolicy:
+        """How every shard read of the worker retries GetRecords, iterators and
+        subscriptions: :func:`kclpy.retry.read_policy` of the backoff options, the policy a
+        Spark source builds from its own (``SourceOptions.read_retries``)."""
+        return read_policy(self.get_records_backoff_base_ms, self.get_records_backoff_cap_ms)
 
     @property
     def lease_table_name(self) -> str:

@@ -20,7 +20,8 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Protocol
+from functools import partial
+from typing import Any, Protocol, TypeVar
 
 from botocore.exceptions import ClientError
 
@@ -56,7 +57,9 @@ from kclpy.processor import (
 from kclpy.records import Record, Records
 from kclpy.retrieval.page import ChildShard, Page
 from kclpy.retrieval.pipeline import FetchError
-from kclpy.retry import EQUAL, RetryPolicy, error_code
+from kclpy.retry import EQUAL, RetryPolicy, RetryStopped, error_code, retrying
+
+_T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +169,42 @@ class ConsumerSettings:
         """Retries of a failed processor call or lease write: equal jitter, so the
         processor gets at least half the ceiling to recover."""
         return RetryPolicy(self.task_backoff_s, self.max_task_backoff_s, jitter=EQUAL)
+
+
+class _InitializeFailed(Exception):
+    """A processor's ``initialize`` raised (the ``__cause__``): that attempt is retried with
+    a new processor."""
+
+
+def _checkpoint_retryable(exc: BaseException) -> bool:
+    """A write through the fence is retried after every checkpoint failure but a lost lease."""
+    return isinstance(exc, CheckpointError) and not isinstance(exc, ShutdownException)
+
+
+def _table_failure(exc: BaseException) -> bool:
+    return isinstance(exc, TABLE_ERRORS)
+
+
+class _NotAtShardEnd(Exception):
+    """``shard_ended`` returned (or raised) without checkpointing at SHARD_END: it is called
+    again, as the Java KCL's ShutdownTask is, since the children wait for that checkpoint."""
+
+
+def _not_at_shard_end(exc: BaseException) -> bool:
+    return isinstance(exc, _NotAtShardEnd)
+
+
+class _BatchFailed(Exception):
+    """``process_records`` raised (the ``__cause__``) under the ``retry`` policy, or under
+    ``park`` with attempts left: the same batch is handed over again after a backoff."""
+
+
+def _batch_failed(exc: BaseException) -> bool:
+    return isinstance(exc, _BatchFailed)
+
+
+def _initialize_failed(exc: BaseException) -> bool:
+    return isinstance(exc, _InitializeFailed)
 
 
 class FatalProcessorError(KCLError):
@@ -363,6 +402,13 @@ class ShardConsumer:
     def _backoff(self, attempt: int) -> float:
         return self._settings.task_retries.delay(attempt, self._rng)
 
+    def _retried(self, call: Callable[[], _T], retry_on: Callable[[BaseException], bool],
+                 on_retry: Callable[[BaseException, int, float], None]) -> _T:
+        """``call()`` retried with the task backoff until it succeeds or fails in a way
+        ``retry_on`` refuses; :class:`RetryStopped` when the consumer must stop meanwhile."""
+        return retrying(call, self._settings.task_retries, retry_on=retry_on,
+                        wait=self._pause, rng=self._rng, on_retry=on_retry)
+
     def _initialize(self, position: Position) -> bool:
         """New processor, checkpointer and fetcher positioned right after ``position`` (the
         checkpoint; or, when the shard is too far behind, at the live start recovery chose; a
@@ -388,8 +434,8 @@ class ShardConsumer:
                                  "(fail_on_data_loss)")
                 return False
             read_from = Position.trim_horizon()
-        attempt = 0
-        while not self._stopping():
+
+        def initialized() -> IRecordProcessor | None:
             if self._lease_gone():
                 # Given up while this consumer started (its worker starved past the failover
                 # time): the next holder may have checkpointed past ``position`` since, so a
@@ -397,29 +443,39 @@ class ShardConsumer:
                 log.info("shard %s: lease lost before its processor was initialized",
                          self.lease_key)
                 self.notify_lease_lost()
-                return False
+                return None
             processor = self._processor_factory()
             try:
                 processor.initialize(
                     InitializeInput(self.lease_key, checkpoint, sub_sequence_number,
                                     self.stream_name, self._lease.stream))
-            except Exception:
-                self._m.inc(PROCESSOR_ERRORS, "initialize")
-                log.exception("shard %s: initialize failed; retrying", self.lease_key)
-                if self._pause(self._backoff(attempt)):
-                    return False
-                attempt += 1
-                continue
-            self._processor = processor
-            self._checkpointer = Checkpointer(
-                self.lease_key, self._fence, self._token, position, self._metrics)
-            self._handed = weakref.WeakSet([self._checkpointer])
-            if not position.is_shard_end:
-                self._fetcher = self._readers.live(
-                    read_from if start_at is None else Position.at_time(start_at))
-                self._fetcher.start()
-            return True
-        return False
+            except Exception as exc:
+                # a new processor for each attempt; the factory's own failure is not retried
+                raise _InitializeFailed from exc
+            return processor
+
+        def retry_later(exc: BaseException, attempt: int, delay: float) -> None:
+            self._m.inc(PROCESSOR_ERRORS, "initialize")
+            log.error("shard %s: initialize failed; retrying", self.lease_key,
+                      exc_info=exc.__cause__)
+
+        if self._stopping():
+            return False
+        try:
+            processor = self._retried(initialized, _initialize_failed, retry_later)
+        except RetryStopped:
+            return False
+        if processor is None:
+            return False
+        self._processor = processor
+        self._checkpointer = Checkpointer(
+            self.lease_key, self._fence, self._token, position, self._metrics)
+        self._handed = weakref.WeakSet([self._checkpointer])
+        if not position.is_shard_end:
+            self._fetcher = self._readers.live(
+                read_from if start_at is None else Position.at_time(start_at))
+            self._fetcher.start()
+        return True
 
     def _start_of(self, checkpoint: str) -> datetime | None:
         """Where a lease still at ``LATEST`` or ``AT_TIMESTAMP`` is read from: the arrival
@@ -454,21 +510,20 @@ class ShardConsumer:
     def _keep_start(self, at_ms: int) -> bool:
         """Write the resolved start through the fence, retrying what a checkpoint would
         retry; False when the lease was lost or the consumer stops meanwhile."""
-        attempt = 0
-        while True:
-            try:
-                keep_start(self._fence, self.lease_key, self._token, at_ms)
-                return True
-            except ShutdownException as exc:
-                log.info("shard %s: lease lost while keeping its start: %s", self.lease_key, exc)
-                self._lease_lost.set()
-                return False
-            except CheckpointError as exc:
-                log.warning("shard %s: keeping the resolved start failed (%s); retrying",
-                            self.lease_key, exc)
-                if self._pause(self._backoff(attempt)):
-                    return False
-                attempt += 1
+        def retry_later(exc: BaseException, attempt: int, delay: float) -> None:
+            log.warning("shard %s: keeping the resolved start failed (%s); retrying",
+                        self.lease_key, exc)
+
+        try:
+            self._retried(partial(keep_start, self._fence, self.lease_key, self._token, at_ms),
+                          _checkpoint_retryable, retry_later)
+        except ShutdownException as exc:
+            log.info("shard %s: lease lost while keeping its start: %s", self.lease_key, exc)
+            self._lease_lost.set()
+            return False
+        except RetryStopped:
+            return False
+        return True
 
     def _restart(self, attempt: int) -> bool:
         """Throw the processor away and resume from the shard's durable checkpoint
@@ -514,17 +569,15 @@ class ShardConsumer:
         checkpointer's, which every write of this tenure went before). A failed read is tried
         again after a backoff; None when the consumer must stop meanwhile, or when the item
         shows the shard finished by another tenure (this one then lost the lease)."""
-        attempt = 0
-        while True:
-            try:
-                lease = self._host.get_lease(self.lease_key)
-                break
-            except TABLE_ERRORS as exc:
-                log.warning("shard %s: reading the lease to restart the processor failed "
-                            "(%r); retrying", self.lease_key, exc)
-                if self._pause(self._backoff(attempt)):
-                    return None
-                attempt += 1
+        def retry_later(exc: BaseException, attempt: int, delay: float) -> None:
+            log.warning("shard %s: reading the lease to restart the processor failed "
+                        "(%r); retrying", self.lease_key, exc)
+
+        try:
+            lease = self._retried(partial(self._host.get_lease, self.lease_key),
+                                  _table_failure, retry_later)
+        except RetryStopped:
+            return None
         durable = None if lease is None else lease.checkpoint
         if durable is not None and durable.is_shard_end:
             log.info("shard %s: the lease item is at SHARD_END, written by another tenure; "
@@ -626,8 +679,11 @@ class ShardConsumer:
         assert self._processor is not None and checkpointer is not None
         records = result.records
         previous = checkpointer.mark_delivered(records[-1]) if records else None
-        attempt = 0
-        while True:
+        failures = 0
+
+        def deliver_once() -> str:
+            nonlocal failures
+            assert self._processor is not None and checkpointer is not None
             if self._lease_gone():
                 # Given up while this batch was fetched (the lease not renewed within the
                 # failover time, or taken): its checkpoint would be refused, so every record
@@ -658,7 +714,8 @@ class ShardConsumer:
                 return "stopped"
             except Exception as exc:
                 self._m.inc(PROCESSOR_ERRORS, "process_records")
-                self._note_failure(exc, attempt)
+                self._note_failure(exc, failures)
+                failures += 1
                 policy = self._settings.processor_error_policy
                 if policy == "skip":
                     log.exception("shard %s: process_records failed; batch of %d skipped "
@@ -668,19 +725,12 @@ class ShardConsumer:
                     log.exception("shard %s: process_records failed; shutting the worker down "
                                   "(processor_error_policy=shutdown)", self.lease_key)
                     raise FatalProcessorError(f"shard {self.lease_key}: {exc!r}") from exc
-                if policy == "park" and attempt + 1 >= self._settings.processor_error_attempts:
+                if policy == "park" and failures >= self._settings.processor_error_attempts:
                     if records:
                         checkpointer.unmark_delivered(previous)
                     self._park_shard()
                     return "stopped"
-                log.exception("shard %s: process_records failed; retrying the same batch",
-                              self.lease_key)
-                if self._pause(self._backoff(attempt)):
-                    if records:
-                        checkpointer.unmark_delivered(previous)
-                    return "stopped"
-                attempt += 1
-                continue
+                raise _BatchFailed from exc
             finally:
                 # Each attempt is one Java ProcessTask, and its Success is 1 even when the
                 # processor raised: the Java KCL catches processRecords' exception (logs it,
@@ -695,6 +745,17 @@ class ShardConsumer:
                 self._clear_failure()
                 self._set_state(ConsumerState.PROCESSING)
             return "ok"
+
+        def retry_later(exc: BaseException, attempt: int, delay: float) -> None:
+            log.error("shard %s: process_records failed; retrying the same batch",
+                      self.lease_key, exc_info=exc.__cause__)
+
+        try:
+            return self._retried(deliver_once, _batch_failed, retry_later)
+        except RetryStopped:
+            if records:
+                checkpointer.unmark_delivered(previous)
+            return "stopped"
 
     def _left_stream(self, exc: FetchError) -> frozenset[str] | None:
         """The children's lease keys when the fetch failed because the shard left the
@@ -742,28 +803,33 @@ class ShardConsumer:
         if not left_stream:
             self._host.shard_ended(self.lease_key, children)
         self._checkpointer.mark_shard_end()
-        attempt = 0
-        while True:
+        processor, checkpointer = self._processor, self._checkpointer
+
+        def shard_ended() -> None:
             try:
-                self._processor.shard_ended(ShardEndedInput(self.lease_key, self._checkpointer))
+                processor.shard_ended(ShardEndedInput(self.lease_key, checkpointer))
             except Exception:
                 self._m.inc(PROCESSOR_ERRORS, "shard_ended")
                 log.exception("shard %s: shard_ended failed", self.lease_key)
-            if self._checkpointer.position.is_shard_end:
-                self._processor_ended = True
-                self.shard_ended = self.caught_up = True
-                self._drain_recovery()
-                return
+            if not checkpointer.position.is_shard_end:
+                raise _NotAtShardEnd
+
+        def call_again(exc: BaseException, attempt: int, delay: float) -> None:
             log.error("shard %s: the processor did not checkpoint at SHARD_END in shard_ended; "
                       "its child shards cannot start until it does. Calling shard_ended again.",
                       self.lease_key)
-            if self._pause(self._backoff(attempt)):
-                if self._lease_lost.is_set():
-                    self._end_with_lease_lost()
-                else:
-                    self._end_with_shutdown_requested()
-                return
-            attempt += 1
+
+        try:
+            self._retried(shard_ended, _not_at_shard_end, call_again)
+        except RetryStopped:
+            if self._lease_lost.is_set():
+                self._end_with_lease_lost()
+            else:
+                self._end_with_shutdown_requested()
+            return
+        self._processor_ended = True
+        self.shard_ended = self.caught_up = True
+        self._drain_recovery()
 
     def _end_with_lease_lost(self) -> None:
         self._set_state(ConsumerState.SHUTTING_DOWN)

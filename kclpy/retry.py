@@ -3,9 +3,9 @@ retrying and what is a throttle.
 
 A ``RetryPolicy`` is a caller's base, cap, attempts and jitter; ``delay(n)`` is the wait
 before retry n, the same formula for GetRecords, subscriptions, registration, the lease
-table, shard sync, state commits, processor retries, start-up, CloudWatch, the lag webhook
-and the supervisor's restarts. ``Backoff`` is that policy with its own attempt count, for a
-loop that retries until a success resets it.
+table, shard sync, state commits, processor retries, start-up, CloudWatch, the lag webhook,
+a Spark batch and its recorded end, and the supervisor's restarts. ``Backoff`` is that
+policy with its own attempt count, for a loop that retries until a success resets it.
 
 Full jitter (a uniform draw between zero and the capped exponential) is the default: many
 fetch threads throttled by the same shard limit would otherwise retry in lock-step and be
@@ -17,7 +17,9 @@ and registration the Java KCL's fixed wait plus up to 100 ms.
 ``retrying`` is the one loop around a call that may fail: the call, the policy, what is worth
 retrying, and how to wait (a sleep, or an event's ``wait`` so that a shutdown ends the wait).
 Callers keep only what is theirs: the error they raise when the attempts are spent
-(:class:`GaveUp`) and what they count or log per failure.
+(:class:`GaveUp`) and what they count or log per failure. A loop of its own that catches,
+backs off and tries again fails ``tests/test_retry.py``: written apart, retries drifted (a
+second formula, a wait after the last attempt, attempts counted apart from the backoff's).
 
 ``classify`` is shared by Kinesis, DynamoDB (a cancelled transaction included) and
 CloudWatch calls, so all agree on what a throttle is and feed the same metric labels.
@@ -294,17 +296,21 @@ def retrying(
     retries until the call succeeds, is refused or is stopped.
 
     With a policy, the failures are this call's. With a :class:`Backoff` they are the
-    backoff's: they add up over calls until its owner resets it after a success of its own
-    (a shard's reads: a fresh iterator whose read fails again is not a success).
+    backoff's, read afresh after each failure: they add up over calls, nested ones too (a
+    read that retries a fresh iterator while the GetRecords inside retried throttles on the
+    same backoff), until its owner resets it after a success of its own (a shard's reads: a
+    fresh iterator whose read fails again is not a success).
     """
     policy = retries if isinstance(retries, RetryPolicy) else retries.policy
-    failures = 0 if isinstance(retries, RetryPolicy) else retries.attempt
+    failures = 0
     while True:
         try:
             return call()
         except Exception as exc:
             if not retry_on(exc):
                 raise
+            if isinstance(retries, Backoff):
+                failures = retries.attempt
             if policy.gives_up(failures + 1):
                 raise GaveUp(failures + 1, exc) from exc
             if isinstance(retries, Backoff):

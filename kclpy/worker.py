@@ -37,7 +37,7 @@ from kclpy.metrics import (
 from kclpy.multilang.process import kill_all as kill_children
 from kclpy.processor import IRecordProcessor
 from kclpy.retrieval.page import ChildShard
-from kclpy.retry import NO_JITTER, RetryPolicy
+from kclpy.retry import NO_JITTER, GaveUp, RetryPolicy, RetryStopped, retrying
 from kclpy.signals import on_stop_signals
 from kclpy.state.processor import StatefulProcessor
 from kclpy.state.store import StateStore
@@ -205,41 +205,47 @@ class Worker:
         worker started into a throttle, a 5xx or a database restart must not die of what a
         second later would have worked. A ConfigError (a missing stream, say) is not
         transient and ends the worker at once. False when shutdown came first."""
-        assert self.lease_table is not None and self.streams is not None
         assert self._parts is not None
         cfg, load = self.config, self._parts.load
         # the Java Scheduler's fixed wait between attempts
         wait_s = cfg.initialization_backoff_ms / 1000
         retries = RetryPolicy(wait_s, wait_s, max_attempts=cfg.max_initialization_attempts,
                               jitter=NO_JITTER)
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                # the streams first: a misspelled stream creates nothing (a first-hour finding)
-                self.streams.refresh(starting=True)
-                self.lease_table.create_if_missing()
-                if load is not None:
-                    load.table.create_if_missing()
-                if cfg.lease_assigner == "leader":
-                    self.lease_table.ensure_owner_index()
-                if self.state_store is not None:
-                    self.state_store.open(self.dynamodb)
-                self._sync_shards(starting=True)
-                return True
-            except ConfigError:
-                raise
-            except Exception as exc:
-                self.metrics.inc(INITIALIZATION_FAILURES, type(exc).__name__)
-                # credentials or permissions: retrying cannot help (a first-hour finding)
-                if retries.gives_up(attempt) or cannot_heal(exc):
-                    raise
-                log.warning("worker %s: start-up attempt %d of %d failed (%s: %s); retrying "
-                            "in %.1f s", cfg.worker_id, attempt, cfg.max_initialization_attempts,
-                            type(exc).__name__, exc, cfg.initialization_backoff_ms / 1000)
-            if self._stop.wait(retries.delay(attempt - 1)):
-                log.info("worker %s: shutdown requested during start-up", cfg.worker_id)
+
+        def start_up() -> None:
+            assert self.lease_table is not None and self.streams is not None
+            # the streams first: a misspelled stream creates nothing (a first-hour finding)
+            self.streams.refresh(starting=True)
+            self.lease_table.create_if_missing()
+            if load is not None:
+                load.table.create_if_missing()
+            if cfg.lease_assigner == "leader":
+                self.lease_table.ensure_owner_index()
+            if self.state_store is not None:
+                self.state_store.open(self.dynamodb)
+            self._sync_shards(starting=True)
+
+        def worth_retrying(exc: BaseException) -> bool:
+            if isinstance(exc, ConfigError):
                 return False
+            self.metrics.inc(INITIALIZATION_FAILURES, type(exc).__name__)
+            # credentials or permissions: retrying cannot help (a first-hour finding)
+            return not cannot_heal(exc)
+
+        def retry_later(exc: BaseException, attempt: int, delay: float) -> None:
+            log.warning("worker %s: start-up attempt %d of %d failed (%s: %s); retrying "
+                        "in %.1f s", cfg.worker_id, attempt, cfg.max_initialization_attempts,
+                        type(exc).__name__, exc, cfg.initialization_backoff_ms / 1000)
+
+        try:
+            retrying(start_up, retries, retry_on=worth_retrying, wait=self._stop.wait,
+                     on_retry=retry_later)
+        except GaveUp as gave_up:
+            raise gave_up.last from None
+        except RetryStopped:
+            log.info("worker %s: shutdown requested during start-up", cfg.worker_id)
+            return False
+        return True
 
     def _syncs_shards(self) -> bool:
         """With a leader (``--lease-assigner leader``) only the leader syncs shards after

@@ -19,7 +19,6 @@ from kclpy.config import (
     read_properties,
 )
 from kclpy.errors import ConfigError
-from kclpy.retry import Backoff
 from kclpy.worker import Worker
 from tests.support.recording import Ledger, RecordingProcessor
 
@@ -238,13 +237,13 @@ def test_a_backoff_cap_below_its_base_names_both_as_the_user_wrote_them() -> Non
 
 
 def test_every_valid_backoff_pair_makes_a_backoff() -> None:
-    """What validate() lets through, the fetcher's Backoff accepts: no consumer thread can
-    fail on it (and have its lease released and taken again, for ever)."""
+    """What validate() lets through makes the read policy every fetcher backs off with
+    (``KCLConfig.read_retries``): no consumer thread can fail on it (and have its lease
+    released and taken again, for ever), and no wait passes the cap."""
     for base, cap in ((1, 1), (100, 100), (100, 5000), (7, 8)):
         config = KCLConfig(application_name="a", stream_name="s",
                            get_records_backoff_base_ms=base, get_records_backoff_cap_ms=cap)
-        backoff = Backoff(config.get_records_backoff_base_ms / 1000,
-                          config.get_records_backoff_cap_ms / 1000)
+        backoff = config.read_retries.backoff()
         assert 0 <= backoff.next_delay() <= cap / 1000
 
 

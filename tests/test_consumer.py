@@ -14,7 +14,12 @@ from botocore.exceptions import ClientError
 from kclpy.checkpoint import Checkpointer
 from kclpy.cloudwatch import SUMMARY, CloudWatchBackend
 from kclpy.consumer import ConsumerSettings, ConsumerState, FatalProcessorError, ShardConsumer
-from kclpy.errors import CheckpointError, ProcessorRestartRequired
+from kclpy.errors import (
+    CheckpointError,
+    ProcessorRestartRequired,
+    ShutdownException,
+    ThrottlingException,
+)
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import UpdateBuilder
 from kclpy.metrics import Metrics
@@ -140,6 +145,27 @@ def test_shard_ended_is_called_again_until_shard_end_is_checkpointed() -> None:
     assert writer.writes[-1] == ("SHARD_END", 0)
 
 
+def test_a_shard_ended_that_never_checkpoints_is_called_until_the_lease_is_lost() -> None:
+    """Calling ``shard_ended`` again is retried like a failure, and a lost lease ends it with
+    ``lease_lost``, counted neither as an ended shard nor as a processor error."""
+    log: list[object] = []
+
+    class NeverEnds(Recorder):
+        def shard_ended(self, i: ShardEndedInput) -> None:
+            self.log.append(("shard_ended",))
+            if self.log.count(("shard_ended",)) == 3:
+                consumers[-1].notify_lease_lost()
+
+    metrics = Metrics()
+    pages = [Result([rec(1)]), Result([], shard_end=True)]
+    consumer, writer, _ = run_consumer(pages, [NeverEnds(log)], metrics=metrics)
+    assert log[-4:] == [("shard_ended",)] * 3 + [("lease_lost",)]
+    assert not consumer.shard_ended and ("SHARD_END", 0) not in writer.writes
+    assert metrics.registry.get_sample_value(
+        "kclpy_processor_errors_total", {"shard_id": "shard-1", "callback": "shard_ended"}
+    ) is None
+
+
 def test_processor_error_retries_the_same_batch() -> None:
     log: list[object] = []
     pages = [Result([rec(1), rec(2)]), Result([], shard_end=True)]
@@ -168,6 +194,23 @@ def test_a_failed_attempt_is_a_java_process_task_that_succeeded() -> None:
     assert metrics.registry.get_sample_value(
         "kclpy_processor_errors_total",
         {"shard_id": "shard-1", "callback": "process_records"}) == 2
+
+
+def test_a_retried_batch_counts_its_failed_attempts_until_one_succeeds() -> None:
+    """The shard's failure record, as /status shows it, counts the attempts at one batch:
+    each call sees the failures before it, and a success clears it."""
+    seen: list[object] = []
+
+    class Watching(Recorder):
+        def process_records(self, p: ProcessRecordsInput) -> None:
+            failure = consumers[-1].failure
+            seen.append(None if failure is None else failure["attempts"])
+            super().process_records(p)
+
+    pages = [Result([rec(1)]), Result([rec(2)]), Result([], shard_end=True)]
+    consumer, writer, _ = run_consumer(pages, [Watching([], fail_times=3)])
+    assert seen == [None, 1, 2, 3, None]
+    assert consumer.failure is None and writer.writes[:2] == [("1", 0), ("2", 0)]
 
 
 def test_skip_policy_moves_on() -> None:
@@ -602,6 +645,40 @@ def test_initialize_failure_is_retried() -> None:
     assert writer.writes == [("1", 0), ("SHARD_END", 0)]
 
 
+def test_an_initialize_failure_is_counted_and_a_failing_factory_is_not_retried() -> None:
+    log: list[object] = []
+
+    class FailsOnce(Recorder):
+        calls = 0
+
+        def initialize(self, i: InitializeInput) -> None:
+            FailsOnce.calls += 1
+            if FailsOnce.calls == 1:
+                raise RuntimeError("init boom")
+            super().initialize(i)
+
+    metrics = Metrics()
+    run_consumer([Result([], shard_end=True)], [FailsOnce(log), FailsOnce(log)],
+                 metrics=metrics)
+    assert metrics.registry.get_sample_value(
+        "kclpy_processor_errors_total", {"shard_id": "shard-1", "callback": "initialize"}) == 1
+
+    made: list[str] = []
+
+    def no_processor() -> Recorder:
+        made.append("tried")
+        raise RuntimeError("no processor")
+
+    consumer = ShardConsumer(
+        Lease("shard-1", lease_owner="w", checkpoint=Position.trim_horizon()),
+        concurrency_token="t", processor_factory=no_processor, fence=Writer(),
+        readers=Readers(lambda start: ScriptedFetcher([], (start.checkpoint, 0))),
+        host=Host(Leases()), settings=SETTINGS, metrics=Metrics(), rng=random.Random(1))
+    consumer.start()
+    assert consumer.join(10)
+    assert made == ["tried"] and isinstance(consumer.error, RuntimeError)
+
+
 class StartKeeper(Writer):
     """The fence, recording the resolved starts its ``update`` wrote."""
 
@@ -649,6 +726,41 @@ def test_latest_is_resolved_once_kept_in_the_lease_and_reused_by_a_restart() -> 
     resolved = datetime.fromtimestamp(1_700_000_000.123, tz=timezone.utc)
     assert starts == [resolved, resolved], "the restarted processor reads from the same point"
     assert ("batch", [("1", 0)]) in log
+
+
+class FailingKeeper(StartKeeper):
+    """A fence whose first writes of the start fail with ``failures`` in turn."""
+
+    def __init__(self, *failures: Exception) -> None:
+        super().__init__()
+        self.failures = list(failures)
+
+    def update(self, lease_key: str, token: str | None, changes: UpdateBuilder, *,
+               what: str) -> Lease:
+        if self.failures:
+            raise self.failures.pop(0)
+        return super().update(lease_key, token, changes, what=what)
+
+
+def test_keeping_the_start_retries_a_throttle_and_stops_at_a_lost_lease() -> None:
+    keeper = FailingKeeper(ThrottlingException("slow down"))
+    starts: list[datetime | None] = []
+    lease = Lease("shard-1", lease_owner="w", checkpoint=Position.latest())
+    consumer = latest_consumer(lease, [Recorder([])], keeper, starts,
+                               [Result([], shard_end=True)])
+    consumer.start()
+    assert consumer.join(10)
+    assert keeper.kept == [("shard-1", 1_700_000_000_123)] and len(starts) == 1
+
+    keeper = FailingKeeper(ShutdownException("lease taken"), ThrottlingException("unused"))
+    starts = []
+    log: list[object] = []
+    consumer = latest_consumer(Lease("shard-1", lease_owner="w", checkpoint=Position.latest()),
+                               [Recorder(log)], keeper, starts, [Result([], shard_end=True)])
+    consumer.start()
+    assert consumer.join(10)
+    assert len(keeper.failures) == 1, "a lost lease is not retried"
+    assert keeper.kept == [] and starts == [] and log == []
 
 
 def test_a_start_kept_in_the_lease_is_used_as_it_is() -> None:

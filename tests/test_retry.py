@@ -312,3 +312,105 @@ def test_every_retry_goes_through_kclpy_retry() -> None:
                 if isinstance(node, ast.Constant) and node.value in _THROTTLE_CODES:
                     found.append(f"{path.name}:{node.lineno} names {node.value}")
     assert found == []
+
+
+#: calls that compute a retry's wait (a policy's ``delay``, a backoff's ``next_delay``, the
+#: consumer's ``_backoff``) or sleep: in a loop that swallows an exception, a retry
+_WAITS = frozenset({"delay", "next_delay", "_backoff", "sleep"})
+
+#: loops that retry by hand, each with why kclpy.retry.retrying does not fit it: every
+#: attempt is a different call, or a failure is answered with more than a wait. An entry
+#: that is no longer found fails too, so this list only shrinks.
+HAND_WRITTEN_RETRIES = {
+    # each conflict halves the records the next attempt commits, and a landed predecessor
+    # changes what is left to commit
+    "state/processor.py:ExactlyOnceProcessor._commit",
+}
+
+
+def hand_written_retries(package: Path) -> list[str]:
+    """The functions (``path:Class.function``) of ``package`` but ``retry.py`` with a loop
+    that catches an exception without raising or returning from the handler, and computes a
+    retry's wait or sleeps: a retry written again instead of handed to
+    :func:`kclpy.retry.retrying`. A poll loop (a fixed interval on an event, a failure
+    logged) computes no retry wait and is not one."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        relative = path.relative_to(package).as_posix()
+        if relative == "retry.py":
+            continue
+
+        def visit(node: ast.AST, names: tuple[str, ...], relative: str = relative) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    visit(child, (*names, child.name))
+                    continue
+                if isinstance(child, (ast.While, ast.For)) and _retries(child):
+                    found.append(f"{relative}:{'.'.join(names)}")
+                visit(child, names)
+
+        visit(ast.parse(path.read_text()), ())
+    return sorted(set(found))
+
+
+def _retries(loop: ast.While | ast.For) -> bool:
+    inner = [node for statement in (*loop.body, *loop.orelse) for node in ast.walk(statement)]
+    swallows = any(isinstance(node, ast.Try)
+                   and any(not isinstance(handler.body[-1], (ast.Raise, ast.Return))
+                           for handler in node.handlers)
+                   for node in inner)
+    waits = any(isinstance(node, ast.Call) and _called(node) in _WAITS for node in inner)
+    return swallows and waits
+
+
+def _called(call: ast.Call) -> str:
+    if isinstance(call.func, ast.Attribute):
+        return call.func.attr
+    return call.func.id if isinstance(call.func, ast.Name) else ""
+
+
+def test_no_module_writes_a_retry_loop_of_its_own() -> None:
+    """One retry runner: a loop that catches, backs off and tries again is
+    :func:`kclpy.retry.retrying`, which keeps what is retried, the attempts, the stop and
+    the per-retry log line in one place (a hand-written loop drifted from it before: a
+    second formula, a wait after the last attempt, attempts counted apart)."""
+    found = hand_written_retries(Path(kclpy.__file__).parent)
+    assert sorted(set(found) - HAND_WRITTEN_RETRIES) == [], "use kclpy.retry.retrying"
+    assert sorted(HAND_WRITTEN_RETRIES - set(found)) == [], "no longer there: unlist it"
+
+
+def test_the_retry_loop_check_sees_retries_and_not_poll_loops(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "m.py").write_text(
+        "import time\n"
+        "class Client:\n"
+        "    def put(self, policy, call):\n"
+        "        for attempt in range(3):\n"
+        "            try:\n"
+        "                return call()\n"
+        "            except OSError:\n"
+        "                time.sleep(policy.delay(attempt))\n"
+        "    def renew(self, stop, call):\n"
+        "        while not stop.is_set():\n"
+        "            try:\n"
+        "                call()\n"
+        "            except Exception:\n"
+        "                print('failed')\n"
+        "            stop.wait(10)\n"
+        "def fetch(backoff, call):\n"
+        "    while True:\n"
+        "        try:\n"
+        "            return call()\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "        backoff.next_delay()\n"
+        "def strict(call):\n"
+        "    while True:\n"
+        "        try:\n"
+        "            return call()\n"
+        "        except OSError:\n"
+        "            raise\n"
+        "        time.sleep(1)\n")
+    (package / "retry.py").write_text((package / "m.py").read_text())
+    assert hand_written_retries(package) == ["m.py:Client.put", "m.py:fetch"]

@@ -31,6 +31,7 @@ from werkzeug.serving import BaseWSGIServer
 
 from kclpy.errors import KCLError
 from kclpy.local.moto_app import make_moto_server
+from kclpy.retry import GaveUp, RetryPolicy, retrying
 
 LOOPBACK = "127.0.0.1"
 
@@ -47,6 +48,8 @@ _TERMINATE_GRACE_S = 5.0
 # A free port can be taken by someone else between our probe and the child's bind; a child
 # that dies before answering is therefore started again on fresh ports a couple of times.
 _START_ATTEMPTS = 3
+# at once: a lost race for a port is not a load that waiting would ease
+_RESTARTS = RetryPolicy(0.0, 0.0, max_attempts=_START_ATTEMPTS)
 # Where this kclpy is imported from: a child running one of its modules must import the same
 # copy, even when that is a source checkout on the parent's sys.path rather than installed.
 _IMPORT_ROOT = str(Path(__file__).resolve().parents[2])
@@ -224,21 +227,19 @@ def launch(
     answers over HTTP; a child that dies first is retried on fresh ports (see _START_ATTEMPTS).
     ``host`` is the address the child binds, which its URL reaches.
     """
-    attempts_left = _START_ATTEMPTS
-    while True:
+    def start() -> ProcessEndpoint:
         endpoint = _spawn(name, prepare, host)
         try:
             _wait_until_ready(endpoint, name, services, ready_timeout_s)
-        except _ExitedEarly:
-            endpoint.stop()
-            attempts_left -= 1
-            if attempts_left <= 0:
-                raise
-            continue
         except BaseException:
             endpoint.stop()
             raise
         return endpoint
+
+    try:
+        return retrying(start, _RESTARTS, retry_on=lambda exc: isinstance(exc, _ExitedEarly))
+    except GaveUp as gave_up:
+        raise gave_up.last from None
 
 
 def _spawn(name: str, prepare: Prepare, host: str) -> ProcessEndpoint:

@@ -50,7 +50,7 @@ from kclpy.retrieval.clock import kinesis_clock
 from kclpy.retrieval.page import Page
 from kclpy.retrieval.parse import get_records, install_fast_get_records
 from kclpy.retrieval.source import Reading, Retrying, ShardAddress, Stopped
-from kclpy.retry import Backoff, RetryPolicy
+from kclpy.retry import Backoff, GaveUp, RetryPolicy, error_code, retrying
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
@@ -165,39 +165,28 @@ class PollingSource:
             limit = self._pacer.take(limit, reading.stop)
             if not limit:
                 raise Stopped
-        fresh = False
         backoff = self._retrying.backoff
-        clock = self._kinesis_clock
-        kinesis_ms: int | None = None
-        while True:
-            if self._iterator is None:
-                self._iterator = get_iterator(self._client, self.address, reading,
-                                              self._retrying)
-                fresh = True
-            # Taken before the call: the tip the answer shows is at least this late.
-            kinesis_ms = clock.shown_ms()
+
+        def once() -> tuple[Page[Sequence[Record]], int | None]:
+            stale = self._iterator is not None
             try:
-                page = self._retrying.call(
-                    reading, "GetRecords",
-                    functools.partial(self._timed_get_records, self._iterator, limit))
+                return self._next_page(reading, limit)
             except ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") != "ExpiredIteratorException":
+                if not stale or not _expired(exc):
                     raise
-                self._m_expired.inc()
-                logger.info("iterator for %s expired; re-positioning", self.address.lease_key)
-                self._iterator = None
-                if fresh:
-                    # A brand-new iterator should not expire; back off rather than spin
-                    # against a service (or clock) that keeps answering so, and give up
-                    # when the policy does.
-                    if backoff.policy.gives_up(backoff.attempt + 1):
-                        raise
-                    reading.pause(backoff.next_delay(), exc)
-                continue
-            break
+            # An iterator kept since the last read may well have expired (after 300 s): a
+            # fresh one is due at once, not after a backoff.
+            return self._next_page(reading, limit)
+
+        try:
+            # A brand-new iterator should not expire: back off rather than spin against a
+            # service (or clock) that keeps answering so, and give up when the policy does.
+            page, kinesis_ms = retrying(once, backoff, retry_on=_expired, wait=reading.pause)
+        except GaveUp as gave_up:
+            raise gave_up.last from None
         # Only a page is progress: a fresh iterator that then expires again must not reset.
         backoff.reset()
-
+        clock = self._kinesis_clock
         self._iterator = page.next_shard_iterator
         millis = page.millis_behind_latest
         # A bounded read (a recovery gap) is behind on purpose: the shard's gauge is live's.
@@ -235,6 +224,26 @@ class PollingSource:
                 logger.info("shard %s reached its end", self.address.lease_key)
         return result
 
+    def _next_page(self, reading: Reading, limit: int
+                   ) -> tuple[Page[Sequence[Record]], int | None]:
+        """One GetRecords (with retries) and Kinesis' time shown before it, a fresh iterator
+        first when there is none; an iterator that expired is counted and dropped."""
+        if self._iterator is None:
+            self._iterator = get_iterator(self._client, self.address, reading, self._retrying)
+        # Taken before the call: the tip the answer shows is at least this late.
+        kinesis_ms = self._kinesis_clock.shown_ms()
+        try:
+            page = self._retrying.call(
+                reading, "GetRecords",
+                functools.partial(self._timed_get_records, self._iterator, limit))
+        except ClientError as exc:
+            if _expired(exc):
+                self._m_expired.inc()
+                logger.info("iterator for %s expired; re-positioning", self.address.lease_key)
+                self._iterator = None
+            raise
+        return page, kinesis_ms
+
     def _timed_get_records(self, iterator: str, limit: int) -> Page[Sequence[Record]]:
         started = time.perf_counter()
         ok = False
@@ -245,6 +254,10 @@ class PollingSource:
         finally:
             self._m_get_records.call(time.perf_counter() - started, ok)
 
+
+
+def _expired(exc: BaseException) -> bool:
+    return isinstance(exc, ClientError) and error_code(exc) == "ExpiredIteratorException"
 
 
 #: a one-off read's calls: the first failure is the caller's to report (it looks again later)

@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kclpy.checkpoint import Checkpointer
@@ -70,10 +70,12 @@ from kclpy.processor import (
     ShutdownRequestedInput,
 )
 from kclpy.records import Record, Records
-from kclpy.retry import Backoff
+from kclpy.retry import GaveUp, RetryPolicy, RetryStopped, retrying
 from kclpy.spark.arrow import Decoder, records_to_table
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from kclpy.leases.fence import Guard
 
 __all__ = [
@@ -88,6 +90,13 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+def _checkpoint_retryable(exc: BaseException) -> bool:
+    """A checkpoint is tried again after a throttle or a failed dependency; a lost lease and
+    a refused position are final."""
+    return isinstance(exc, CheckpointError) and not isinstance(
+        exc, (ShutdownException, InvalidStateException))
 
 #: The user's sink: called with the batch's DataFrame and its deterministic id.
 ForeachBatch = Callable[[Any, str], None]
@@ -129,6 +138,16 @@ class BatchOptions:
             raise ValueError("need 0 <= min_interval_s <= max_interval_s")
         if self.checkpoint_attempts < 1:
             raise ValueError("checkpoint_attempts must be >= 1")
+        # checked here, not at the first failure a backoff of them would have to wait out
+        if not 0 < self.retry_base_s <= self.retry_cap_s:
+            raise ValueError(f"need 0 < retry_base_s <= retry_cap_s, got retry_base_s="
+                             f"{self.retry_base_s}, retry_cap_s={self.retry_cap_s}")
+
+    @property
+    def retries(self) -> RetryPolicy:
+        """A failing ``foreach_batch``'s backoff, and a failing checkpoint's
+        ``checkpoint_attempts`` times."""
+        return RetryPolicy(self.retry_base_s, self.retry_cap_s)
 
 
 @dataclass(frozen=True)
@@ -524,10 +543,12 @@ class MicroBatcher:
         the new owner's to write), and so are those a sink refused with ``FencedOut``; the
         rest is a new batch, with its own id.
         """
-        backoff = Backoff(self.options.retry_base_s, self.options.retry_cap_s)
         attempt = 0
-        table = None
-        while True:
+        table: pa.Table | None = None
+        batch_id = ""
+
+        def call_once() -> tuple[BatchInfo, list[_Part]] | None:
+            nonlocal parts, table, attempt, batch_id
             kept = self._drop_fenced(parts, self._lost_leases(parts), "lease lost before "
                                      "foreach_batch")
             if len(kept) != len(parts):
@@ -549,34 +570,41 @@ class MicroBatcher:
                 self._foreach_batch(df, batch_id)
                 return info, parts
             except FencedOut as exc:
-                # Nothing was committed; the refused parts go, the rest is called again now
-                # (a refusal naming none of them is an ordinary failure: backed off below).
+                # Nothing was committed; the refused parts go (a refusal naming none of them
+                # is an ordinary failure: backed off)
                 kept = self._drop_fenced(parts, exc.lease_keys & {p.shard.lease_key
                                                                   for p in parts},
                                          "sink's commit fenced out")
-                if len(kept) != len(parts):
-                    log.warning("batch %s: the sink refused %s; calling again without them",
-                                batch_id, exc)
-                    parts, table, attempt = kept, None, 0
-                    continue
-                self.stats.foreach_batch_failures += 1
-                self._m.inc(SPARK_FOREACH_BATCH_FAILURES)
-                delay = backoff.next_delay()
-                log.error("foreach_batch for batch %s refused leases it does not hold (%s); "
-                          "retrying in %.2fs", batch_id, exc, delay)
-            except Exception:
-                self.stats.foreach_batch_failures += 1
-                self._m.inc(SPARK_FOREACH_BATCH_FAILURES)
-                delay = backoff.next_delay()
-                log.exception("foreach_batch failed for batch %s (attempt %d); nothing is "
-                              "checkpointed, retrying in %.2fs", batch_id, attempt, delay)
+                if len(kept) == len(parts):
+                    raise
+                log.warning("batch %s: the sink refused %s; calling again without them",
+                            batch_id, exc)
+                parts, table, attempt = kept, None, 0
             finally:
                 _CURRENT.reset(token)
+            # the rest is a new batch, called now: parts only shrink, so this ends
+            return call_once()
+
+        def retry_later(exc: BaseException, failures: int, delay: float) -> None:
+            nonlocal attempt
+            self.stats.foreach_batch_failures += 1
+            self._m.inc(SPARK_FOREACH_BATCH_FAILURES)
+            if isinstance(exc, FencedOut):
+                log.error("foreach_batch for batch %s refused leases it does not hold (%s); "
+                          "retrying in %.2fs", batch_id, exc, delay)
+            else:
+                log.exception("foreach_batch failed for batch %s (attempt %d); nothing is "
+                              "checkpointed, retrying in %.2fs", batch_id, attempt, delay)
             attempt += 1
-            if self._stopped.wait(delay):
-                log.warning("batcher stopped while batch %s was failing; its records stay "
-                            "un-checkpointed and will be read again", batch_id)
-                return None
+
+        try:
+            return retrying(call_once, self.options.retries.backoff(),
+                            retry_on=lambda exc: True, wait=self._stopped.wait,
+                            on_retry=retry_later)
+        except RetryStopped:
+            log.warning("batcher stopped while batch %s was failing; its records stay "
+                        "un-checkpointed and will be read again", batch_id)
+            return None
 
     @staticmethod
     def _ranges(parts: Sequence[_Part]) -> tuple[ShardRange, ...]:
@@ -671,34 +699,33 @@ class MicroBatcher:
     def _checkpoint(self, part: _Part) -> None:
         last = part.records[-1]
         lease_key = part.shard.lease_key
-        backoff = Backoff(self.options.retry_base_s, self.options.retry_cap_s)
-        for attempt in range(1, self.options.checkpoint_attempts + 1):
-            try:
-                part.checkpointer.checkpoint(last.sequence_number, last.sub_sequence_number)
-                return
-            except ShutdownException:
-                self.stats.lost_checkpoints += 1
-                self._m.inc(SPARK_LOST_CHECKPOINTS)
-                log.warning("shard %s: lease lost while batch was in flight; its %d record(s) "
-                            "were written but not checkpointed and will be read again by the "
-                            "new owner", lease_key, len(part.records))
-                self._close(part.shard, "lease lost")
-                return
-            except InvalidStateException:
-                self.stats.failed_checkpoints += 1
-                log.exception("shard %s: checkpoint refused", lease_key)
-                return
-            except CheckpointError as exc:
-                if attempt == self.options.checkpoint_attempts:
-                    break
-                delay = backoff.next_delay()
-                log.warning("shard %s: checkpoint failed (%s, attempt %d); retrying in %.2fs",
-                            lease_key, exc.name, attempt, delay)
-                if self._stopped.wait(delay):
-                    break
-        self.stats.failed_checkpoints += 1
-        log.error("shard %s: could not checkpoint after batch; its records will be read again",
-                  lease_key)
+        retries = replace(self.options.retries, max_attempts=self.options.checkpoint_attempts)
+
+        def retry_later(exc: BaseException, attempt: int, delay: float) -> None:
+            log.warning("shard %s: checkpoint failed (%s, attempt %d); retrying in %.2fs",
+                        lease_key, getattr(exc, "name", type(exc).__name__), attempt, delay)
+
+        try:
+            retrying(functools.partial(part.checkpointer.checkpoint, last.sequence_number,
+                                       last.sub_sequence_number),
+                     retries, retry_on=_checkpoint_retryable, wait=self._stopped.wait,
+                     on_retry=retry_later)
+        except ShutdownException:
+            self.stats.lost_checkpoints += 1
+            self._m.inc(SPARK_LOST_CHECKPOINTS)
+            log.warning("shard %s: lease lost while batch was in flight; its %d record(s) "
+                        "were written but not checkpointed and will be read again by the "
+                        "new owner", lease_key, len(part.records))
+            self._close(part.shard, "lease lost")
+            return
+        except InvalidStateException:
+            self.stats.failed_checkpoints += 1
+            log.exception("shard %s: checkpoint refused", lease_key)
+            return
+        except (GaveUp, RetryStopped):
+            self.stats.failed_checkpoints += 1
+            log.error("shard %s: could not checkpoint after batch; its records will be read "
+                      "again", lease_key)
 
     def _release(self, parts: list[_Part]) -> None:
         with self._cond:

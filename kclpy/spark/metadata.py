@@ -32,7 +32,6 @@ import json
 import os
 import re
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from botocore.exceptions import ClientError
 from kclpy.errors import KCLError
 from kclpy.leases.dynamo import CONDITION_FAILED, DynamoTable
 from kclpy.position import Position
-from kclpy.retry import error_code
+from kclpy.retry import GaveUp, RetryPolicy, error_code, retrying
 from kclpy.spark.offsets import UptoEnd, decode_entry
 
 if TYPE_CHECKING:
@@ -165,8 +164,10 @@ class PositionStore:
                 continue
 
 
-#: how often a write S3 answers 409 (a concurrent write of the same record) is tried
+#: how often a write S3 answers 409 (a concurrent write of the same record) is tried, and
+#: the waits between: jittered, so that the attempts racing for one record drift apart
 _CONFLICT_ATTEMPTS = 5
+_CONFLICT_RETRIES = RetryPolicy(0.1, 1.0, max_attempts=_CONFLICT_ATTEMPTS)
 
 
 class ObjectStore:
@@ -200,24 +201,32 @@ class ObjectStore:
     def put(self, shard_key: str, end: UptoEnd, reached: Position) -> Position:
         """Record ``reached`` unless a position is recorded already; the recorded one."""
         key = self._key(shard_key, end)
-        for attempt in range(_CONFLICT_ATTEMPTS):
+
+        def put_once() -> Position:
             try:
                 self.client.put_object(Bucket=self.bucket, Key=key,
                                        Body=_body(shard_key, end, reached).encode(),
                                        ContentType="application/json", IfNoneMatch="*")
                 return reached
             except ClientError as exc:
-                code = error_code(exc)
-                if code == "PreconditionFailed":
-                    recorded = self.get(shard_key, end)
-                    if recorded is not None:
-                        return recorded
-                elif code != "ConditionalRequestConflict":
+                if error_code(exc) != "PreconditionFailed":
                     raise
+                recorded = self.get(shard_key, end)
+                if recorded is None:
+                    raise  # gone before it could be read: the write is tried again
+                return recorded
+
+        def conflicting(exc: BaseException) -> bool:
             # 409: another attempt's write of the same key is under way; S3 asks for a retry
-            time.sleep(0.1 * (attempt + 1))
-        raise ConflictingEndError(f"s3://{self.bucket}/{key}: still being written by another "
-                                  f"attempt after {_CONFLICT_ATTEMPTS} tries")
+            return isinstance(exc, ClientError) and error_code(exc) in (
+                "ConditionalRequestConflict", "PreconditionFailed")
+
+        try:
+            return retrying(put_once, _CONFLICT_RETRIES, retry_on=conflicting)
+        except GaveUp as gave_up:
+            raise ConflictingEndError(
+                f"s3://{self.bucket}/{key}: still being written by another attempt after "
+                f"{_CONFLICT_ATTEMPTS} tries") from gave_up.last
 
     def _listing(self, folder: str) -> Iterator[str]:
         token: dict[str, str] = {}

@@ -255,8 +255,9 @@ class SourceOptions:
 
     @property
     def read_retries(self) -> RetryPolicy:
-        """How a task's read retries: as a worker's, but :data:`TASK_READ_ATTEMPTS` times at
-        most, since a task that still fails is better retried by Spark than stuck here."""
+        """How a task's read retries: as a worker's (``KCLConfig.read_retries``), but
+        :data:`TASK_READ_ATTEMPTS` times at most, since a task that still fails is better
+        retried by Spark than stuck here."""
         return read_policy(self.read_backoff_base_ms, self.read_backoff_cap_ms,
                            max_attempts=TASK_READ_ATTEMPTS)
 

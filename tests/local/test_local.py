@@ -29,6 +29,7 @@ from kclpy.local import (
     start_kinesis_mock,
     start_moto_server,
 )
+from kclpy.local.endpoints import launch
 from kclpy.local.kinesis_mock import node_runtime
 from tests.support.programs import path_without
 from tests.support.streams import create_stream, dynamodb_client, kinesis_client, unique_name
@@ -229,6 +230,23 @@ def test_kinesis_mock_applies_environment_overrides() -> None:
         kinesis = kinesis_client(endpoint.url, NO_RETRIES)
         with pytest.raises(kinesis.exceptions.LimitExceededException):
             kinesis.create_stream(StreamName=unique_name("over-limit"), ShardCount=3)
+
+
+def test_a_child_that_dies_before_answering_is_started_three_times_then_reported(
+        tmp_path: Path) -> None:
+    """A lost race for a port is retried on fresh ports, a bounded number of times; the error
+    is the last child's exit with its output."""
+    started: list[Path] = []
+
+    def prepare(workdir: Path) -> tuple[list[str], dict[str, str], int]:
+        started.append(workdir)
+        script = "import sys; print('no port for me'); sys.exit(3)"
+        return [sys.executable, "-c", script], dict(os.environ), free_port()
+
+    with pytest.raises(LocalEndpointError, match="exited with code 3") as raised:
+        launch("dies", prepare, services=("kinesis",), ready_timeout_s=30.0)
+    assert len(started) == 3 and len(set(started)) == 3
+    assert "no port for me" in str(raised.value)
 
 
 @pytest.mark.integration

@@ -328,6 +328,18 @@ def test_an_iterator_that_keeps_expiring_gives_up_when_the_policy_does() -> None
     assert len(shard.get_records_calls) == 3
 
 
+def test_throttles_and_expiries_of_one_read_count_against_the_same_attempts() -> None:
+    """The GetRecords inside a read and the read's re-positioning share one backoff: a
+    throttle followed by two expiries of fresh iterators is three failures of three."""
+    shard = FakeShard([plain(0)])
+    shard.errors["GetRecords"] = [error("ProvisionedThroughputExceededException"),
+                                  error("ExpiredIteratorException"),
+                                  error("ExpiredIteratorException")]
+    with pytest.raises(ClientError, match="ExpiredIterator"):
+        bounded_source(shard, attempts=3).fetch_once()
+    assert len(shard.get_records_calls) == 3
+
+
 def test_a_per_read_limit_cuts_the_get_records_limit_to_what_the_reader_still_needs() -> None:
     shard = FakeShard([plain(i) for i in range(20)], page_size=100)
     fetcher = make(shard, max_records=250)

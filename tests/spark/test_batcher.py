@@ -371,6 +371,22 @@ def test_throttled_checkpoint_is_retried(writer: Writer, sink: Sink) -> None:
     assert batcher.stats.failed_checkpoints == 0
 
 
+def test_a_checkpoint_throttled_past_its_attempts_is_given_up_after_exactly_them(
+        writer: Writer, sink: Sink) -> None:
+    batcher = make(sink, BatchOptions(min_interval_s=0.0, max_interval_s=0.05,
+                                      retry_base_s=0.001, retry_cap_s=0.01,
+                                      checkpoint_attempts=3))
+    a = Shard(batcher, writer, "shard-a")
+    a.deliver(records(0, 0, 2))
+    writer.throttled["shard-a"] = 10
+
+    batcher.run_once()
+
+    assert writer.throttled["shard-a"] == 7, "three attempts, no more"
+    assert writer.of("shard-a") == []
+    assert batcher.stats.failed_checkpoints == 1 and batcher.stats.lost_checkpoints == 0
+
+
 def test_shard_end_commits_the_shards_records_before_shard_end(writer: Writer,
                                                                 sink: Sink) -> None:
     batcher = make(sink)
@@ -715,6 +731,39 @@ def test_a_finished_parent_taken_for_its_queued_gaps_commits_them_before_it_lets
         batcher.stop(10)
     assert sum(t.num_rows for t in sink.tables) == 3
     assert batcher._shards == []
+
+
+def test_a_batch_that_fails_then_loses_a_part_starts_over_as_a_new_batch(
+        writer: Writer, sink: Sink) -> None:
+    """The attempt a sink is told counts the failures of one batch: a failure counts, a
+    refused part makes the rest a new batch (a new id, attempt 0, called at once)."""
+    from kclpy.spark.batcher import FencedOut
+
+    batcher = make(sink)
+    a, b = Shard(batcher, writer, "shard-a"), Shard(batcher, writer, "shard-b")
+    a.deliver(records(0, 0, 3))
+    b.deliver(records(1, 0, 2))
+    calls: list[tuple[str, int]] = []
+
+    def foreach_batch(df: pa.Table, batch_id: str) -> None:
+        info = current_batch()
+        assert info is not None
+        calls.append((batch_id, info.attempt))
+        if len(calls) == 1:
+            raise RuntimeError("sink down")
+        if len(calls) == 2:
+            raise FencedOut({"shard-a"}, "a later tenure committed")
+        sink(df, batch_id)
+
+    batcher._foreach_batch = foreach_batch
+
+    info = batcher.run_once()
+
+    assert [attempt for _, attempt in calls] == [0, 1, 0]
+    assert calls[0][0] == calls[1][0] != calls[2][0]
+    assert info is not None and info.batch_id == calls[2][0]
+    assert batcher.stats.foreach_batch_failures == 1 and batcher.stats.fenced_parts == 1
+    assert writer.of("shard-a") == [] and writer.of("shard-b") == [("2001", 0)]
 
 
 def test_a_fenced_out_naming_none_of_the_batchs_leases_is_retried_like_a_failure(

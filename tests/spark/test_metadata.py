@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import boto3
 import botocore.session
 import pytest
+from botocore.exceptions import ClientError
 from botocore.response import StreamingBody
 from botocore.stub import Stubber
 
@@ -24,6 +26,7 @@ from kclpy.errors import ConfigError
 from kclpy.local import LocalEndpoint
 from kclpy.position import Position
 from kclpy.spark.metadata import (
+    ConflictingEndError,
     Location,
     MetadataStore,
     ObjectStore,
@@ -197,6 +200,26 @@ def test_a_write_s3_answers_409_is_tried_again_and_finds_the_winner() -> None:
                                                                len(winner))})
         assert store.put(SHARD, end, Position("9")) == Position("5")
         stub.assert_no_pending_responses()
+
+
+def test_a_write_s3_keeps_answering_409_fails_after_five_tries_naming_the_record(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The conflict retries are counted: five writes, four waits of the one backoff, then an
+    error naming the object, caused by the last 409."""
+    waits: list[float] = []
+    monkeypatch.setattr(time, "sleep", waits.append)
+    client = boto3.client("s3", region_name="us-east-1")
+    store = ObjectStore(client, "bucket", "q/")
+    with Stubber(client) as stub:
+        for _ in range(5):
+            stub.add_client_error("put_object", "ConditionalRequestConflict",
+                                  http_status_code=409)
+        with pytest.raises(ConflictingEndError, match=r"^s3://bucket/q/.*after 5 tries") as \
+                raised:
+            store.put(SHARD, upto(Position("1")), Position("9"))
+        stub.assert_no_pending_responses()
+    assert len(waits) == 4 and all(0 <= wait <= 1.0 for wait in waits)
+    assert isinstance(raised.value.__cause__, ClientError)
 
 
 def test_a_refused_put_without_the_old_item_reads_the_winner() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -541,11 +542,13 @@ def test_a_tasks_reads_retry_with_the_workers_backoff_capped_in_attempts() -> No
     the worker's, the options move both bounds, and a task gives up where Spark retries."""
     default = SourceOptions.parse({"streamName": "s"}).read_retries
     worker = KCLConfig(stream_name="s", application_name="a")
-    assert (default.base_s, default.cap_s) == (worker.get_records_backoff_base_ms / 1000,
-                                               worker.get_records_backoff_cap_ms / 1000)
+    assert replace(default, max_attempts=None) == worker.read_retries
     assert default.max_attempts == 9
     tuned = SourceOptions.parse({"streamName": "s", "getRecordsBackoffBase": "250ms",
                                  "getRecordsBackoffCap": "2s"}).read_retries
+    tuned_worker = KCLConfig(stream_name="s", application_name="a",
+                             get_records_backoff_base_ms=250, get_records_backoff_cap_ms=2000)
+    assert replace(tuned, max_attempts=None) == tuned_worker.read_retries
     assert (tuned.base_s, tuned.cap_s) == (0.25, 2.0)
 
 
