@@ -22,6 +22,9 @@ SIGNALS = {
     "kclpy.retrieval.source.Stopped",
     "kclpy.loading._NotFound",
     "kclpy.cli._CannotStart",
+    "kclpy.consumer._InitializeFailed",
+    "kclpy.consumer._NotAtShardEnd",
+    "kclpy.consumer._BatchFailed",
 }
 
 
