@@ -27,9 +27,10 @@ workers x shards. Here:
   ``--lease-assignment load`` by the load every worker reports (``choose_steals``' rules,
   damped by ``dampeningPercentage``, each lease moved at most once per two balancing
   rounds; by count a round is every third of the failover time). A free lease is assigned
-  with a write that names the new owner and bumps the counter (``LeaseTable.assign``); a live lease is moved with the graceful
-  handoff request (``leaseOwner`` = new, ``checkpointOwner`` = old), so its holder lets its
-  processor finish and checkpoint first, as when a worker steals in kclpy's protocol.
+  with a write that names the new owner and bumps the counter (``LeaseTable.assign``); a
+  live lease is moved with the graceful handoff request (``leaseOwner`` = new,
+  ``checkpointOwner`` = old), so its holder lets its processor finish and checkpoint
+  first, as when a worker steals in kclpy's protocol.
 - *Live workers* are those whose report in the load table keeps changing (its sequence
   number, on the leader's clock), less those owning a lease that expired after their last
   report (they stopped renewing: dead) or leaving one assigned to them untaken
