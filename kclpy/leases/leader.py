@@ -18,17 +18,19 @@ workers x shards. Here:
   leads once its term could have expired, before anyone else can take over. Two leaders
   for a moment would cost moves, never a lease: every assignment is a write fenced on the
   lease counter.
-- *Only the leader scans* the lease table, every third of the failover time and right when an
-  overdue lease expires. It assigns free and expired leases to live workers, and moves
+- *Only the leader scans* the lease table, every tenth of the failover time (at most every
+  half second; ``LeaderTaker._scan_interval_s``) and right when an overdue lease expires.
+  It assigns free and expired leases to live workers, and moves
   leases from workers above their share to workers below it as the assignment strategy
   says (``plan``; ``assignment.py``): by lease count (exact: counts end within one of
   each other, nothing flaps since one decider sees one view), or with
   ``--lease-assignment load`` by the load every worker reports (``choose_steals``' rules,
   damped by ``dampeningPercentage``, each lease moved at most once per two balancing
-  rounds). A free lease is assigned with a write that names the new
-  owner and bumps the counter (``LeaseTable.assign``); a live lease is moved with the graceful
-  handoff request (``leaseOwner`` = new, ``checkpointOwner`` = old), so its holder lets its
-  processor finish and checkpoint first, as when a worker steals in kclpy's protocol.
+  rounds; by count a round is every third of the failover time). A free lease is assigned
+  with a write that names the new owner and bumps the counter (``LeaseTable.assign``); a
+  live lease is moved with the graceful handoff request (``leaseOwner`` = new,
+  ``checkpointOwner`` = old), so its holder lets its processor finish and checkpoint
+  first, as when a worker steals in kclpy's protocol.
 - *Live workers* are those whose report in the load table keeps changing (its sequence
   number, on the leader's clock), less those owning a lease that expired after their last
   report (they stopped renewing: dead) or leaving one assigned to them untaken

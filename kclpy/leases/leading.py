@@ -164,7 +164,7 @@ class LeaderTaker(TakerCore):
     def _lead(self, mode: leader.LeaderMode) -> list[Lease]:
         """One leader pass: scan, decide (``leader.plan``), write the decisions."""
         sent_at = self._clock()
-        self._next_pass = sent_at + mode.pass_interval_s
+        self._next_pass = sent_at + self._scan_interval_s(mode)
         try:
             leases = self.table.list_leases(consistent=False)
         except TABLE_ERRORS as exc:
@@ -195,13 +195,16 @@ class LeaderTaker(TakerCore):
                         and self._claims[lease.lease_key] > now}
         mode.lock.fleet_size = len(live)
         settings = mode.reports.settings
-        # the strategy's balancing round (None: every pass); a lease it moved stays put for
-        # two rounds, so its load is never judged on a report from before it moved
+        # the strategy's balancing round (None: every pass interval, though the leader
+        # scans more often); a lease it moved stays put for two rounds, so its load is never
+        # judged on a report from before it moved
         interval = self._strategy.balance_interval_s(settings)
-        balance = interval is None or self._next_round is None or now >= self._next_round
-        if interval is not None and balance:
+        if interval is None:
+            interval = mode.pass_interval_s
+        balance = self._next_round is None or now >= self._next_round
+        if balance:
             self._next_round = now + interval
-        hold = 2 * (mode.pass_interval_s if interval is None else interval)
+        hold = 2 * interval
         # Workers were just found dead: others may have died with them unseen (an idle
         # worker shows it lives only by its reports, which stay fresh for a while), so free
         # leases go first to those that reported last - on this worker's clock (a report it
@@ -253,6 +256,20 @@ class LeaderTaker(TakerCore):
         if self.cleanup_leases:
             self._clean_up(leases, now)
         return taken
+
+    def _scan_interval_s(self, mode: leader.LeaderMode) -> float:
+        """How often the leader scans: a tenth of the failover time, never more often than
+        the default assigner's workers may (the scan budget's minimum interval). The
+        leader judges a lease's expiry from its first sight of the lease's last counter (a
+        live holder's lease is never taken before the failover time), so a holder that
+        dies right after a write loses its leases the failover time plus up to one scan
+        interval later. At a third of the failover time (the pass interval, at which it
+        still balances) that put ``kill -9`` of a busy holder past the failover time + 2 s
+        (5 + 1.7 s to the assignment at 5 s, then the notice, the take and the consumer's
+        start), where the default assigner's survivors, each scanning at the budget's
+        pace, lose about half a second. Only the leader scans, so the fleet pays one
+        worker's scans where the default assigner pays every worker's."""
+        return max(self._budget.min_interval_s, mode.lock.failover_time_s / 10)
 
     def survey(self) -> bool:
         """Ask for a scan of the lease table at the next led cycle (at most one every
