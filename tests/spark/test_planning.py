@@ -6,9 +6,12 @@ resolved budgeted ends and what the probes found."""
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Mapping
+from pathlib import Path
 
 from kclpy.position import Position
+from kclpy.spark import planning
 from kclpy.spark.offsets import Budget, OffsetEntry, UptoEnd, decode_offset, encode_offset
 from kclpy.spark.planning import (
     BatchPlan,
@@ -229,3 +232,26 @@ def test_a_shard_gone_before_its_end_loses_its_records_and_one_gone_at_its_end_n
     assert lost == {"expired": Position("50", 1)}
     result, _ = plan(previous, listed(ShardNode("s0")), {"s0": FRESH})
     assert result.offset == {"s0": at(UNTIL)}, "a gone shard leaves the offset"
+
+
+#: what would make planning depend on more than its arguments
+IMPURE = {"time", "random", "datetime", "threading", "boto3", "botocore", "pyspark", "os"}
+
+
+def imported_modules(source: str) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module is not None:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_planning_module_imports_no_clock_client_or_randomness() -> None:
+    """What keeps every planning decision a unit test on values (docs/design.md's guide):
+    the driver's clock, AWS and Spark reach planning only as arguments."""
+    source = Path(planning.__file__).read_text()
+    assert imported_modules(source) & IMPURE == set()
+    assert imported_modules("import time\nfrom botocore.client import Config\n") & IMPURE == {
+        "time", "botocore"}

@@ -278,13 +278,13 @@ def test_a_test_module_out_of_place_is_reported(tmp_path: Path) -> None:
 
 def test_the_design_says_where_to_change_each_common_thing_in_one_guess() -> None:
     """docs/design.md's guide: backoff, a retrieval mode, a store, a lease assignment
-    strategy, a metric and an option each have an entry, and every module or test it names
-    exists."""
+    strategy, a metric, an option, an operator command and a Spark planning rule each have
+    an entry, and every module or test it names exists."""
     design = (ROOT / "docs" / "design.md").read_text()
     guide = design.split("Where to change, in one guess:", 1)[1].split("\n| Module |", 1)[0]
     entries = re.findall(r"^- \*\*(.+?)\*\*", guide, re.M)
     for topic in ("backoff", "retrieval mode", "state store", "assignment strategy", "metric",
-                  "option"):
+                  "option", "operator command", "Spark offset-planning"):
         assert any(topic in entry for entry in entries), (topic, entries)
     named = set(re.findall(r"`((?:tests/)?[a-z_/]+\.py)`", guide))
     missing = {path for path in named
