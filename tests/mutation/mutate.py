@@ -107,14 +107,14 @@ TARGETS: dict[str, Target] = {
         "kclpy/ops/control.py", ("park", "resume_shard", "_write_fresh", "_write"),
         ("tests/test_control.py", "-k",
          "park or answer_was_lost or may_have_landed or held_lease_is_refused"
-         " or deleted_before")),
+         " or deleted_before or taken_before")),
     # the worker's side: when the park policy and fail_on_data_loss park a shard, and what
     # the mark records (the sites of those two decisions and every site of ``_park_shard``;
     # the rest are the consumer's other rules, not run here)
     "park-policy": Target(
         "kclpy/consumer.py",
         ("ShardConsumer._initialize", "ShardConsumer._deliver", "ShardConsumer._park_shard"),
-        ("tests/test_control.py", "-k", "park_policy or parks"),
+        ("tests/test_consumer.py", "tests/test_control.py", "-k", "park_policy or parks"),
         (("ShardConsumer._initialize", "self._settings.fail_on_data_loss"),
          ("ShardConsumer._deliver",
           "policy == 'park' and attempt + 1 >= self._settings.processor_error_attempts"),
@@ -123,6 +123,32 @@ TARGETS: dict[str, Target] = {
          ("ShardConsumer._park_shard", "reason is None"),
          ("ShardConsumer._park_shard", "self.failure or {}"),
          ("ShardConsumer._park_shard", "True"))),
+    # the lease side beyond the balancer: a parked lease is never handed over, assigned,
+    # adopted at the end of a handoff, stolen by load nor aged out by shard sync (the
+    # ``parked`` checks of each module; the rest of those functions are other rules)
+    "park-lead": Target(
+        "kclpy/leases/leading.py",
+        ("LeaderTaker._hand", "LeaderTaker.hand_over", "LeaderTaker._discover"),
+        ("tests/test_handoff.py", "tests/test_lease_leader.py"),
+        (("LeaderTaker._hand", "current.parked is not None"),
+         ("LeaderTaker.hand_over", "lease.parked is not None"),
+         ("LeaderTaker._discover", "lease.parked is not None"))),
+    "park-leader": Target(
+        "kclpy/leases/leader.py", ("plan",), ("tests/test_lease_leader.py",),
+        (("plan", "lease.parked is not None"),)),
+    "park-adopt": Target(
+        "kclpy/leases/table.py", ("LeaseTable.evict",), ("tests/test_handoff.py",),
+        (("LeaseTable.evict", "lease.checkpoint_owner is None or lease.parked is not None"),
+         ("LeaseTable.evict", "lease.parked is not None"))),
+    "park-steal": Target(
+        "kclpy/leases/assignment.py", ("LoadAssignment.steals",),
+        ("tests/test_lease_assignment.py", "tests/test_lease_load.py",
+         "tests/test_load_balance_sim.py::"
+         "test_load_assignment_keeps_the_busiest_worker_within_115_percent_of_the_average"),
+        (("LoadAssignment.steals", "lease.parked is not None"),)),
+    "park-sync": Target(
+        "kclpy/leases/shard_sync.py", ("aged_out",), ("tests/test_shard_sync.py",),
+        (("aged_out", "key in listed or lease is None or lease.parked"),)),
     "recovery-gaps": Target("kclpy/recovery/queue.py", (), ("tests/test_recovery_queue.py",)),
 }
 
