@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import json
 import random
 import threading
 from collections.abc import Callable, Sequence
@@ -227,6 +228,49 @@ def test_shutdown_policy_stops_with_a_fatal_error() -> None:
                                        settings=settings)
     assert isinstance(consumer.error, FatalProcessorError)
     assert writer.writes == []
+
+
+class ParkWriter(Writer):
+    """The fence, recording the park marks written; refusing them as a lost lease when
+    ``lost``."""
+
+    def __init__(self, *, lost: bool = False) -> None:
+        super().__init__()
+        self.lost = lost
+        self.marks: list[dict[str, object]] = []
+
+    def update(self, lease_key: str, token: str | None, changes: UpdateBuilder, *,
+               what: str) -> Lease:
+        if self.lost:
+            raise ShutdownException(f"lease {lease_key} lost")
+        (value,) = changes.request()["ExpressionAttributeValues"].values()
+        self.marks.append(json.loads(str(value["S"])))
+        return Lease(lease_key)
+
+
+@pytest.mark.parametrize("lost", [False, True])
+def test_the_park_policy_parks_after_the_attempts_and_says_so_only_when_the_mark_landed(
+        lost: bool) -> None:
+    """The worker tells a parked shard (left alone until resumed) from one it lets go to be
+    taken again by ``parked``: a park whose mark was refused because the lease was lost
+    meanwhile must not read as parked, as the next holder carries on with the shard."""
+    log: list[object] = []
+    settings = ConsumerSettings(**{**SETTINGS.__dict__, "processor_error_policy": "park",
+                                   "processor_error_attempts": 2})
+    fence = ParkWriter(lost=lost)
+    consumer = ShardConsumer(
+        Lease("shard-1", lease_owner="w"), concurrency_token="t",
+        processor_factory=lambda: Recorder(log, fail_times=5), fence=fence,
+        readers=Readers(lambda start: ScriptedFetcher([Result([rec(1)])], (
+            start.checkpoint, start.sub_sequence_number))),
+        host=Host(Leases()), settings=settings, metrics=Metrics(), rng=random.Random(1))
+    consumer.start()
+    assert consumer.join(10)
+    assert log[1:4] == [("fail", ["1"]), ("fail", ["1"]), ("lease_lost",)]
+    assert (consumer.parked, consumer.ended_why) == (
+        (False, "told the lease was lost") if lost else (True, "parked"))
+    assert [(m["by"], m["attempts"], m["error"]) for m in fence.marks] == (
+        [] if lost else [("worker", 2, "RuntimeError: boom")])
 
 
 def test_the_processor_gets_lease_lost_when_the_consumer_fails() -> None:

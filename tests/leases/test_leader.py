@@ -25,6 +25,7 @@ from kclpy.leases.load import (
     LoadTable,
     WorkerLoad,
 )
+from kclpy.leases.park import marker, park_held
 from kclpy.leases.table import OWNER_INDEX, LeaseTable
 from kclpy.position import Position
 from tests.simulation.aws import Dynamo
@@ -561,3 +562,54 @@ def test_a_leader_scans_every_tenth_of_the_failover_time_so_a_dead_holders_lease
 
     taken_after = clock.now - died_at
     assert _FAILOVER < taken_after <= _FAILOVER + _FAILOVER / 10 + 0.1
+
+
+def test_a_leader_does_not_move_a_lease_its_holder_parked_since_the_scan() -> None:
+    """The holder's park policy marked the lease after the leader's scan, which refuses
+    the move's first request (the counter moved): read again, the lease is parked, and a
+    parked lease is nobody's to move - asking its holder to hand it over would have a
+    successor adopt a shard that the policy set aside."""
+    backend = Dynamo(Sim(0))
+    table, _ = _tables(backend)
+    assert table.create(Lease("s1"))
+    clock = _Clock()
+    leader, holder = _led_worker(table, "L", clock), _led_worker(table, "H", clock)
+    _assign(table, "s1", "H")
+    table.ensure_owner_index()
+    _taker(holder)._discover()
+    scanned = table.get("s1")
+    assert scanned is not None
+    token = holder.held_leases()["s1"].concurrency_token
+    assert token is not None
+    park_held(holder.fence, "s1", token, marker("processor_error_policy=park", "worker"))
+    assert _taker(leader)._hand(scanned, "L") is False
+    s1 = table.get("s1")
+    assert s1 is not None and (s1.lease_owner, s1.checkpoint_owner) == ("H", None)
+    assert s1.parked is not None
+
+
+def test_a_stopping_worker_does_not_hand_over_a_lease_it_parked() -> None:
+    """The park policy marks the lease and the worker releases it; a worker that is
+    stopping hands what it releases to a live worker - but not a parked lease, which stays
+    nobody's until ``kclpy shard resume``."""
+    backend = Dynamo(Sim(0))
+    table, _ = _tables(backend)
+    table.ensure_owner_index()
+    assert table.create(Lease("s1"))
+    clock = _Clock()
+    a, c = (_led_worker(table, name, clock) for name in ("A", "C"))
+    for worker in (a, c):
+        worker.run_taker_once()  # the first cycle reports the worker's load (A leads)
+    _assign(table, "s1", "A")
+    _taker(a)._discover()
+    clock.now += 3.0  # the next reports, with the lease now held
+    for worker in (a, c):
+        _taker(worker)._leader.reports.report_if_due(set(worker.held_leases()))
+    token = a.held_leases()["s1"].concurrency_token
+    assert token is not None
+    park_held(a.fence, "s1", token, marker("processor_error_policy=park", "worker"))
+    assert a.stop_taking()
+    a.release("s1")
+    stored = table.get("s1")
+    assert stored is not None and stored.parked is not None
+    assert stored.lease_owner is None, "a parked lease is handed to nobody"

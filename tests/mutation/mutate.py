@@ -53,6 +53,11 @@ class Target:
     module: str
     functions: tuple[str, ...]
     tests: tuple[str, ...]
+    #: (function, the site's source text) pairs: when given, only these sites are mutated
+    #: (``--only`` aside). Named by text, not by index, so that a change elsewhere in the
+    #: function does not silently move the check to other sites; a pair that matches no
+    #: site stops the run.
+    sites: tuple[tuple[str, str], ...] = ()
 
 
 #: the state tests about what a commit checks (fast: in-process moto, SQLite)
@@ -86,11 +91,64 @@ TARGETS: dict[str, Target] = {
     "handoff": Target("kclpy/leases/handoff.py", (), ("tests/leases/test_handoff.py",)),
     "park": Target("kclpy/leases/park.py", (), ("tests/ops/test_control.py", "-k", "park")),
     # the taker's side of a park: a parked lease is never planned for taking nor its expiry
-    # awaited (``--only 6 29 35``, the sites of the ``parked`` checks; the rest are the
-    # taker's own rules)
+    # awaited (the sites of the ``parked`` checks, and the known-keys check beside one; the
+    # rest are the taker's own rules)
     "park-take": Target(
         "kclpy/leases/balancing.py", ("Balancer.next_expiry", "Balancer.plan"),
-        ("tests/leases/test_balancing.py", "tests/leases/test_taker.py")),
+        ("tests/leases/test_balancing.py", "tests/leases/test_taker.py"),
+        (("Balancer.next_expiry", "lease.parked is not None"),
+         ("Balancer.plan", "lease.parked is None"),
+         ("Balancer.plan", "lease.parked is not None"),
+         ("Balancer.plan", "known_lease_keys is not None"))),
+    # the operator's park and resume, and the conditional writes they make: a park takes
+    # the lease from its holder, a resume of a shard not parked writes nothing, and a write
+    # whose answer was lost is told apart from one refused
+    "park-control": Target(
+        "kclpy/ops/control.py", ("park", "resume_shard", "_write_fresh", "_write"),
+        ("tests/ops/test_control.py", "-k",
+         "park or answer_was_lost or may_have_landed or held_lease_is_refused"
+         " or deleted_before or taken_before")),
+    # the worker's side: when the park policy and fail_on_data_loss park a shard, and what
+    # the mark records (the sites of those two decisions and every site of ``_park_shard``;
+    # the rest are the consumer's other rules, not run here)
+    "park-policy": Target(
+        "kclpy/consumer.py",
+        ("ShardConsumer._initialize", "ShardConsumer._deliver", "ShardConsumer._park_shard"),
+        ("tests/test_consumer.py", "tests/ops/test_control.py", "-k", "park_policy or parks"),
+        (("ShardConsumer._initialize", "self._settings.fail_on_data_loss"),
+         ("ShardConsumer._deliver",
+          "policy == 'park' and attempt + 1 >= self._settings.processor_error_attempts"),
+         ("ShardConsumer._deliver", "policy == 'park'"),
+         ("ShardConsumer._deliver", "attempt + 1 >= self._settings.processor_error_attempts"),
+         ("ShardConsumer._park_shard", "reason is None"),
+         ("ShardConsumer._park_shard", "self.failure or {}"),
+         ("ShardConsumer._park_shard", "True"))),
+    # the lease side beyond the balancer: a parked lease is never handed over, assigned,
+    # adopted at the end of a handoff, stolen by load nor aged out by shard sync (the
+    # ``parked`` checks of each module; the rest of those functions are other rules)
+    "park-lead": Target(
+        "kclpy/leases/leading.py",
+        ("LeaderTaker._hand", "LeaderTaker.hand_over", "LeaderTaker._discover"),
+        ("tests/leases/test_handoff.py", "tests/leases/test_leader.py"),
+        (("LeaderTaker._hand", "current.parked is not None"),
+         ("LeaderTaker.hand_over", "lease.parked is not None"),
+         ("LeaderTaker._discover", "lease.parked is not None"))),
+    "park-leader": Target(
+        "kclpy/leases/leader.py", ("plan",), ("tests/leases/test_leader.py",),
+        (("plan", "lease.parked is not None"),)),
+    "park-adopt": Target(
+        "kclpy/leases/table.py", ("LeaseTable.evict",), ("tests/leases/test_handoff.py",),
+        (("LeaseTable.evict", "lease.checkpoint_owner is None or lease.parked is not None"),
+         ("LeaseTable.evict", "lease.parked is not None"))),
+    "park-steal": Target(
+        "kclpy/leases/assignment.py", ("LoadAssignment.steals",),
+        ("tests/leases/test_assignment.py", "tests/leases/test_load.py",
+         "tests/leases/test_load_sim.py::"
+         "test_load_assignment_keeps_the_busiest_worker_within_115_percent_of_the_average"),
+        (("LoadAssignment.steals", "lease.parked is not None"),)),
+    "park-sync": Target(
+        "kclpy/leases/shard_sync.py", ("aged_out",), ("tests/leases/test_shard_sync.py",),
+        (("aged_out", "key in listed or lease is None or lease.parked"),)),
     "recovery-gaps": Target("kclpy/recovery/queue.py", (), ("tests/recovery/test_queue.py",)),
 }
 
@@ -103,6 +161,9 @@ class Mutant:
     function: str
     line: int
     change: str
+    #: the site's source text, unparsed (a guard's: its condition's), which ``Target.sites``
+    #: names
+    text: str
 
 
 def functions_of(tree: ast.Module, names: Sequence[str]) -> Iterator[tuple[str, ast.AST]]:
@@ -151,8 +212,20 @@ def mutants(source: str, names: Sequence[str]) -> list[Mutant]:
     found: list[Mutant] = []
     for name, function in functions_of(tree, names):
         for node, _, change in sites(function):
-            found.append(Mutant(len(found), name, getattr(node, "lineno", 0), change))
+            text = ast.unparse(node.test if isinstance(node, ast.If) else node)
+            found.append(Mutant(len(found), name, getattr(node, "lineno", 0), change, text))
     return found
+
+
+def chosen_sites(target: Target, found: Sequence[Mutant]) -> list[Mutant]:
+    """The mutants of ``target.sites`` (all of them when it names none)."""
+    if not target.sites:
+        return list(found)
+    unmatched = [site for site in target.sites
+                 if not any((m.function, m.text) == site for m in found)]
+    if unmatched:
+        raise SystemExit(f"no such site in {target.module}: {unmatched}")
+    return [m for m in found if (m.function, m.text) in target.sites]
 
 
 def mutated(source: str, names: Sequence[str], index: int) -> str:
@@ -214,6 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = TARGETS[args.target]
     source = (ROOT / target.module).read_text()
     found = mutants(source, target.functions)
+    if args.only is None:
+        found = chosen_sites(target, found)
     if args.list:
         for mutant in found:
             print(f"{mutant.index:3d} {target.module}:{mutant.line} {mutant.function}: "

@@ -1171,3 +1171,78 @@ def test_a_park_mark_says_what_it_was_told_and_nothing_else() -> None:
         "ValueError: bad", 3, 1_700_000_000_000)
     by_operator = json.loads(parking.marker("maintenance", "ops"))
     assert set(by_operator) == {"reason", "by", "atMs"}
+
+
+def test_a_finished_shard_is_not_parked_unless_a_recovery_of_it_is_still_queued(
+        capsys: pytest.CaptureFixture[str], embedded_endpoint: LocalEndpoint) -> None:
+    """Parking a shard that ended would only hide it from the inspector (no worker reads it
+    again): refused, and nothing written. A shard that ended with a gap still queued is
+    read by its holder for that gap, so it can be parked like any other."""
+    queue = gaps.dumps((gaps.RecoveryRequest.gap(TRIM_HORIZON, 0, 1001, 900, "10"),))
+    finished = Lease(SHARD, lease_counter=4, checkpoint=Position.shard_end())
+    recovering = Lease("shardId-000000000001", lease_counter=4,
+                       checkpoint=Position.shard_end(), recovery=queue)
+    app, table = lease_table(embedded_endpoint.url, finished)
+    item = ser.lease_to_new_item(recovering)  # a create writes no queue: only a holder does
+    item[ser.RECOVERY] = {"S": queue or ""}
+    table.client.put_item(TableName=app, Item=item)
+    cli = ["--application-name", app, *endpoints(embedded_endpoint, embedded_endpoint)]
+    code, _, err = run_cli(capsys, "shard", "park", *cli, "--shard-id", SHARD,
+                           "--reason", "poison")
+    assert (code, "nothing to park" in err) == (1, True), err
+    assert table.get(SHARD) == finished
+    code, _, err = run_cli(capsys, "shard", "park", *cli, "--shard-id", recovering.shard_id,
+                           "--reason", "poison")
+    assert code == 0, err
+    parked = table.get(recovering.shard_id)
+    assert parked is not None and parked.parked is not None
+
+
+def test_park_and_resume_report_what_they_did_and_a_shard_not_parked_is_not_resumed(
+        capsys: pytest.CaptureFixture[str], embedded_endpoint: LocalEndpoint) -> None:
+    """``--json`` is what scripts read: a park says the shard is parked and whom it was
+    taken from, a resume that it is not. A resume of a shard nobody parked writes nothing:
+    its counter bump would cost the holder its lease for no reason."""
+    app, table = lease_table(embedded_endpoint.url,
+                             Lease(SHARD, lease_owner="worker-a", lease_counter=3))
+    cli = ["--application-name", app, "--shard-id", SHARD, "--json",
+           *endpoints(embedded_endpoint, embedded_endpoint)]
+    code, out, err = run_cli(capsys, "shard", "resume", *cli)
+    assert (code, "is not parked" in err) == (1, True), err
+    assert table.get(SHARD) == Lease(SHARD, lease_owner="worker-a", lease_counter=3)
+    code, out, err = run_cli(capsys, "shard", "park", *cli, "--reason", "poison")
+    assert code == 0, err
+    assert json.loads(out) == {"shard_id": SHARD, "parked": True,
+                               "previous_owner": "worker-a"}
+    code, out, err = run_cli(capsys, "shard", "resume", *cli)
+    assert code == 0, err
+    assert json.loads(out) == {"shard_id": SHARD, "parked": False}
+
+
+def test_a_lease_deleted_before_the_operators_write_is_refused_naming_it() -> None:
+    """The lease was read, then deleted (lease cleanup of a finished parent, or by hand)
+    before the command read it again to write: refused, saying so."""
+    client = boto3.client("dynamodb", region_name="us-east-1")
+    table = LeaseTable(client, "app")
+    with Stubber(client) as stub:
+        stub.add_response("get_item", {})
+        with pytest.raises(control.Refused, match="deleted meanwhile"):
+            control._write_fresh(table, Lease(SHARD, lease_counter=4),
+                                 lambda _: UpdateBuilder().set(ser.PARKED, {"S": "x"}),
+                                 take=True)
+
+
+def test_a_lease_taken_before_the_operators_write_is_left_to_its_holder_without_force() -> None:
+    """A lease read with no holder was taken by a worker before the command read it again
+    to write: without ``--force`` the command refuses naming the holder and writes nothing
+    (the holder would lose its lease to a change it was not asked to give way to)."""
+    client = boto3.client("dynamodb", region_name="us-east-1")
+    table = LeaseTable(client, "app")
+    taken = ser.lease_to_new_item(Lease(SHARD, lease_owner="worker-b", lease_counter=5))
+    with Stubber(client) as stub:
+        stub.add_response("get_item", {"Item": taken})
+        with pytest.raises(control.Refused, match="held by worker-b now"):
+            control._write_fresh(table, Lease(SHARD, lease_counter=4),
+                                 lambda _: UpdateBuilder().set(ser.PARKED, {"S": "x"}),
+                                 take=False)
+        stub.assert_no_pending_responses()
