@@ -561,3 +561,40 @@ def test_a_leader_scans_every_tenth_of_the_failover_time_so_a_dead_holders_lease
 
     taken_after = clock.now - died_at
     assert _FAILOVER < taken_after <= _FAILOVER + _FAILOVER / 10 + 0.1
+
+
+def test_a_leader_moves_a_lease_named_after_it_that_it_gave_up_by_assigning_it() -> None:
+    """Simulator seed 246: the leader gave up leases it held (its renewal held up past the
+    failover time on its own clock) while the table still named it, and its next pass
+    moved some to a worker that had just joined - by a handoff request, which only a holder
+    answers. Nobody held them, so they waited for the stale-handoff timeout while the
+    child shard's first records aged out. A lease named after the leader that the leader
+    does not hold is assigned straight to its new owner."""
+    backend = Dynamo(Sim(0))
+    table, _ = _tables(backend)
+    table.ensure_owner_index()
+    keys = [f"s{i}" for i in range(4)]
+    for key in keys:
+        assert table.create(Lease(key))
+    clock = _Clock()
+    leader, joiner = _led_worker(table, "L", clock), _led_worker(table, "J", clock)
+    assert leader.run_taker_once() == []  # wins the lock
+    for key in keys:
+        _assign(table, key, "L")
+    _taker(leader)._discover()
+    assert set(leader.held_leases()) == set(keys)
+    for key in keys:
+        leader.held.drop(key, "expired on this worker")
+    joiner.run_taker_once()  # reports: alive, holding nothing
+
+    while not any(lease.lease_owner != "L" or lease.checkpoint_owner is not None
+                  for lease in table.list_leases()):
+        clock.now += 0.05
+        leader.run_taker_once()
+
+    moved = [lease for lease in table.list_leases() if lease.lease_owner != "L"
+             or lease.checkpoint_owner is not None]
+    assert [(lease.lease_owner, lease.checkpoint_owner) for lease in moved] == \
+        [("J", None)] * len(moved)
+    assert {lease.lease_key for lease in _taker(joiner)._discover()} == \
+        {lease.lease_key for lease in moved}
