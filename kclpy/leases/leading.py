@@ -172,10 +172,17 @@ class LeaderTaker(TakerCore):
             self._balancer.scan_failed(sent_at)
             return []
         now, known = self._scanned(leases)
+        # Pending handoffs move on from the scan, as the default assigner's do: the taker
+        # loop polls them only when no cycle comes first, and the leader's cycle comes
+        # every tenth of the failover time (simulator seed 604: a lease handed to a worker
+        # that then took the lead sat let go and unadopted until its records aged out)
+        by_key = {lease.lease_key: lease for lease in leases}
+        taken = [fresh for key in sorted(self.pending_handoffs())
+                 if (fresh := self._progress_handoff(key, by_key.get(key), scanned_at=now))]
         self._java_side(leases, now)
         reports = mode.reports.fleet()
         if reports is None:
-            return []
+            return taken
 
         def expired_at(lease: Lease) -> float | None:
             if lease.lease_owner is None or not self._balancer.is_expired(lease, now):
@@ -219,7 +226,6 @@ class LeaderTaker(TakerCore):
             no_move=self._recent_moves.keys(now, hold), strategy=self._strategy,
             settings=settings, rng=self._rng,
             dead=set(self._dead), known_kbps=mode.reports.known_kbps, recency=recency)
-        taken: list[Lease] = []
         #: worker -> the leases this pass gave it
         given: dict[str, list[str]] = {}
         for lease, owner in decided.assign:
