@@ -17,12 +17,10 @@ fixed (a lease lost under a SQL commit's lease write stops the processor), 918 w
 simulator's (its ``own-write-lost`` counted a write that leaves the counter alone); 246 is
 fixed (a leader assigns a lease named after it that it gave up instead of asking a handoff
 nobody answers), 604 too (a leader's pass moves its pending handoffs on, which its
-frequent cycles kept the taker loop from polling); 711 open, first read only (FOUND.md,
-"Open after the leader's faster scans").
+frequent cycles kept the taker loop from polling), and with it 711, the same mechanism
+(FOUND.md, "Open after the leader's faster scans"). None is open.
 """
 
 from __future__ import annotations
 
-OPEN_36: dict[int, frozenset[str]] = {
-    711: frozenset({"liveness", "exactly-once"}),
-}
+OPEN_36: dict[int, frozenset[str]] = {}
