@@ -78,10 +78,10 @@ def test_a_holder_whose_lease_expired_under_a_commits_lease_write_applies_nothin
     first = Shard(table, "s1", "A", clock)
     lease_update = first.fence.update_checkpoint
 
-    def held_up(*args: Any) -> None:
+    def held_up(lease_key: str, concurrency_token: str, position: Position) -> None:
         clock.advance(FAILOVER + 1)
         first.held.expire(clock(), FAILOVER)
-        lease_update(*args)
+        lease_update(lease_key, concurrency_token, position)
 
     first.fence.update_checkpoint = held_up  # type: ignore[method-assign]
     store = SQLStateStore(f"sqlite:///{tmp_path / 'state.db'}")
