@@ -172,10 +172,17 @@ class LeaderTaker(TakerCore):
             self._balancer.scan_failed(sent_at)
             return []
         now, known = self._scanned(leases)
+        # Pending handoffs move on from the scan, as the default assigner's do: the taker
+        # loop polls them only when no cycle comes first, and the leader's cycle comes
+        # every tenth of the failover time (simulator seed 604: a lease handed to a worker
+        # that then took the lead sat let go and unadopted until its records aged out)
+        by_key = {lease.lease_key: lease for lease in leases}
+        taken = [fresh for key in sorted(self.pending_handoffs())
+                 if (fresh := self._progress_handoff(key, by_key.get(key), scanned_at=now))]
         self._java_side(leases, now)
         reports = mode.reports.fleet()
         if reports is None:
-            return []
+            return taken
 
         def expired_at(lease: Lease) -> float | None:
             if lease.lease_owner is None or not self._balancer.is_expired(lease, now):
@@ -219,7 +226,6 @@ class LeaderTaker(TakerCore):
             no_move=self._recent_moves.keys(now, hold), strategy=self._strategy,
             settings=settings, rng=self._rng,
             dead=set(self._dead), known_kbps=mode.reports.known_kbps, recency=recency)
-        taken: list[Lease] = []
         #: worker -> the leases this pass gave it
         given: dict[str, list[str]] = {}
         for lease, owner in decided.assign:
@@ -240,7 +246,7 @@ class LeaderTaker(TakerCore):
                 fresh = self.steal(lease)
                 taken += [fresh] if fresh is not None else []
             elif (self._hand(lease, owner) if self.graceful_handoff and mixed.speaks_handoff(lease)
-                  else self._assign(lease, owner)):
+                  and not self._given_up(lease) else self._assign(lease, owner)):
                 given.setdefault(owner, []).append(lease.lease_key)
         moved = {lease.lease_key for lease, _ in decided.move} if balance else set()
         for owner, keys in given.items():
@@ -307,6 +313,16 @@ class LeaderTaker(TakerCore):
             return False
         self._balancer.observe_one(assigned, self._clock())
         return True
+
+    def _given_up(self, lease: Lease) -> bool:
+        """Whether the table names this worker for a lease it does not hold (it gave the
+        lease up, its renewal late): a handoff request would wait for a holder that is not
+        there to release it, until the stale-handoff timeout (simulator seed 246: a merge
+        child left unread for 10 s). Assigned instead, fenced on the counter the scan saw:
+        a late renewal of this worker's that landed before the scan is in that counter (its
+        answer then finds the lease given up and lets it go), one that lands after is
+        refused by the assignment's."""
+        return lease.lease_owner == self.worker_id and lease.lease_key not in self.held.entries()
 
     def _hand(self, lease: Lease, owner: str) -> bool:
         """Ask the lease's holder to hand it to ``owner``; whether the request was written.

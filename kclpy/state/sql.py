@@ -67,6 +67,7 @@ from kclpy.errors import (
     KCLError,
     KinesisClientLibDependencyException,
     LeaseLostError,
+    ShutdownException,
     TransactionRejected,
 )
 from kclpy.leases.lease import incarnation_epoch, same_stream
@@ -368,6 +369,14 @@ class SQLStateStore:
             self._cache.committed(txn)
         try:
             writer.update_checkpoint(lease_key, token, position)
+        except ShutdownException:
+            # The lease is gone from this worker: no later commit of this tenure can land,
+            # so the processor must stop here rather than apply the batch's next records
+            # (simulator seed 836: applied after the shard was parked). It treats the
+            # commit as in doubt, which the next tenure reads back from this store.
+            log.warning("shard %s: state committed at %s; the lease was lost before the "
+                        "lease table's checkpoint was updated", lease_key, position)
+            raise
         except CheckpointError as exc:
             log.warning("shard %s: state committed at %s; the lease table's checkpoint "
                         "was not updated (%s) and will be on the next commit", lease_key,

@@ -613,3 +613,75 @@ def test_a_stopping_worker_does_not_hand_over_a_lease_it_parked() -> None:
     stored = table.get("s1")
     assert stored is not None and stored.parked is not None
     assert stored.lease_owner is None, "a parked lease is handed to nobody"
+
+
+def test_a_leader_moves_a_lease_named_after_it_that_it_gave_up_by_assigning_it() -> None:
+    """Simulator seed 246: the leader gave up leases it held (its renewal held up past the
+    failover time on its own clock) while the table still named it, and its next pass
+    moved some to a worker that had just joined - by a handoff request, which only a holder
+    answers. Nobody held them, so they waited for the stale-handoff timeout while the
+    child shard's first records aged out. A lease named after the leader that the leader
+    does not hold is assigned straight to its new owner."""
+    backend = Dynamo(Sim(0))
+    table, _ = _tables(backend)
+    table.ensure_owner_index()
+    keys = [f"s{i}" for i in range(4)]
+    for key in keys:
+        assert table.create(Lease(key))
+    clock = _Clock()
+    leader, joiner = _led_worker(table, "L", clock), _led_worker(table, "J", clock)
+    assert leader.run_taker_once() == []  # wins the lock
+    for key in keys:
+        _assign(table, key, "L")
+    _taker(leader)._discover()
+    assert set(leader.held_leases()) == set(keys)
+    for key in keys:
+        leader.held.drop(key, "expired on this worker")
+    joiner.run_taker_once()  # reports: alive, holding nothing
+
+    while not any(lease.lease_owner != "L" or lease.checkpoint_owner is not None
+                  for lease in table.list_leases()):
+        clock.now += 0.05
+        leader.run_taker_once()
+
+    moved = [lease for lease in table.list_leases() if lease.lease_owner != "L"
+             or lease.checkpoint_owner is not None]
+    assert [(lease.lease_owner, lease.checkpoint_owner) for lease in moved] == \
+        [("J", None)] * len(moved)
+    assert {lease.lease_key for lease in _taker(joiner)._discover()} == \
+        {lease.lease_key for lease in moved}
+
+
+def test_a_leader_adopts_a_lease_handed_to_it_at_its_next_pass() -> None:
+    """Simulator seed 604: a lease handed to a worker that then took the lead was let go
+    by its holder, and the new leader never adopted it: its cycles ran every scan (a tenth
+    of the failover time), each putting off the poll of pending handoffs (a quarter of a
+    renewal interval away), and its passes did not look at them. The lease sat named after
+    it, unread, until it was assigned elsewhere after its oldest records aged out. A pass
+    moves the leader's pending handoffs on from its scan, as the default assigner's does."""
+    backend = Dynamo(Sim(0))
+    table, _ = _tables(backend)
+    table.ensure_owner_index()
+    assert table.create(Lease("s1"))
+    clock = _Clock()
+    leader, holder = _led_worker(table, "L", clock), _led_worker(table, "H", clock)
+    assert leader.run_taker_once() == []  # wins the lock
+    _assign(table, "s1", "H")
+    _taker(holder)._discover()
+    held = table.get("s1")
+    assert held is not None
+    table.set_checkpoint_owner(held, "L")  # a handoff to L, asked by an earlier leader
+    _taker(leader)._discover()
+    assert leader.taker.pending_handoffs() == {"s1"}
+    asked = table.get("s1")
+    assert asked is not None
+    table.evict(asked)  # the holder lets go
+
+    taken: list[Lease] = []
+    while clock.now < _FAILOVER / 2 and not taken:
+        clock.now += 0.05
+        if clock.now >= leader.taker.next_scan():
+            taken += leader.run_taker_once()
+
+    assert [lease.lease_key for lease in taken] == ["s1"]
+    assert set(leader.held_leases()) == {"s1"}

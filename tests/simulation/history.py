@@ -282,7 +282,7 @@ class Observer:
         self.transactions: list[tuple[dict[str, int], dict[str, Any]]] = []
         #: (grown world) the last virtual time each record was delivered
         self.delivered_at: dict[tuple[str, Position], float] = {}
-        #: (grown world) the node whose write to each lease item landed last
+        #: (grown world) the node whose write moving each lease item's counter landed last
         self.last_writer: dict[str, str | None] = {}
         #: (grown world) the lease writes each operator command (its task) landed
         self.operator_writes: dict[Task, int] = defaultdict(int)
@@ -303,7 +303,10 @@ class Observer:
         if table == APP:
             task = self.sim.current
             writer = task.node.name if task is not None else None
-            self.last_writer[key] = writer
+            if old is None or new is None or old.get("leaseCounter") != new.get("leaseCounter"):
+                # a write that leaves the counter alone (a parent's ``childShardIds``) fences
+                # nothing: it cannot be what a worker's refused write ran into (seed 918)
+                self.last_writer[key] = writer
             if writer == OPERATOR and task is not None:
                 self.operator_writes[task] += 1
             # an operator's rewind moves a checkpoint back on purpose; a lease it creates

@@ -27,7 +27,7 @@ from kclpy.state.sql import SQLStateStore, StateStoreUnavailable
 from kclpy.state.transaction import StateTransaction, Versioned
 from tests.support.determinism import Clock
 from tests.support.recovery import Holder, gap, recovery_for
-from tests.support.state import Counter, Ops, Shard, rec, runner, stored_state
+from tests.support.state import FAILOVER, Counter, Ops, Shard, rec, runner, stored_state
 from tests.support.streams import unique_name
 from tests.support.waiting import wait_for
 
@@ -66,6 +66,32 @@ def test_a_new_owner_starts_from_the_sql_stores_position_when_the_lease_lags_beh
                    [rec(10, "k:1"), rec(11, "k:2"), rec(12, "k:3")])
     assert stored_state(store_b) == {"count/k": 3, "sum/k": 6}
     assert (lease := table.get("s1")) is not None and lease.checkpoint == Position("12")
+
+
+def test_a_holder_whose_lease_expired_under_a_commits_lease_write_applies_nothing_more(
+        table: LeaseTable, tmp_path: Path) -> None:
+    """Simulator seed 836: a commit landed in the store, and its lease write, held up past
+    the failover time, found the lease given up on this worker. Swallowed like a throttled
+    lease write ("will be on the next commit"), it let the processor apply the batch's next
+    records (the shard parked meanwhile) though no commit of this tenure can land again."""
+    clock = Clock()
+    first = Shard(table, "s1", "A", clock)
+    lease_update = first.fence.update_checkpoint
+
+    def held_up(lease_key: str, concurrency_token: str, position: Position) -> None:
+        clock.advance(FAILOVER + 1)
+        first.held.expire(clock(), FAILOVER)
+        lease_update(lease_key, concurrency_token, position)
+
+    first.fence.update_checkpoint = held_up  # type: ignore[method-assign]
+    store = SQLStateStore(f"sqlite:///{tmp_path / 'state.db'}")
+    store.open(None)
+    counter = Counter()
+    with pytest.raises(ShutdownException, match="expired on this worker"):
+        first.deliver(runner(store, counter, max_records=2),
+                      [rec(10, "k:1"), rec(11, "k:2"), rec(12, "k:3"), rec(13, "k:4")])
+    assert counter.applied == 2
+    assert stored_state(store) == {"count/k": 2, "sum/k": 3}
 
 
 def test_workers_starting_together_all_open_the_postgresql_store(postgres_url: str) -> None:

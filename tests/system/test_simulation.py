@@ -85,14 +85,21 @@ FOUND_36: list[tuple[int, str, str]] = [
     # after the leader's failover fixes (FOUND.md, "Open after the leader's failover fixes")
     (665, "no-collateral-loss", "the commit fence held leases while it waited"),
     (403, "liveness", "a new leader's listing from before a merge"),
+    # after the leader's faster scans (FOUND.md, "Open after the leader's faster scans")
+    (246, "liveness", "a handoff asked of a lease the leader gave up"),
+    (604, "liveness", "a leader that never adopted a lease handed to it"),
+    (711, "liveness", "a leader that never adopted a lease handed to it"),
+    (836, "parked-consumed", "a lease lost under a SQL commit's lease write"),
+    (918, "own-write-lost", "the invariant counted a write that fences nothing"),
 ]
 
 #: the seeds of FOUND_36 whose holes are fixed (FOUND.md, "After the fixes were merged", "The
 #: fifteen analysed", "The micro-batch path with zombie writers", "Found by the leader
-#: histories" and "Open after the leader's failover fixes"): each must replay clean;
+#: histories", "Open after the leader's failover fixes" and "Open after the leader's faster
+#: scans"): each must replay clean;
 #: any other stays a strict xfail until its fix is merged
 FIXED_36 = frozenset({19, 189, 7, 223, 794, 546, 72, 21, 169, 559, 173, 706, 971, 341, 458,
-                      464, 292, 30, 65, 25, 1345, 260, 665, 403})
+                      464, 292, 30, 65, 25, 1345, 260, 665, 403, 246, 604, 711, 836, 918})
 
 #: seeds of FOUND_36 whose plan has moved on since they were found (the world grew): 260 was
 #: a leader history on the SQL store and now plans the micro-batch path; its mechanism is
