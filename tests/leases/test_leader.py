@@ -685,3 +685,48 @@ def test_a_leader_adopts_a_lease_handed_to_it_at_its_next_pass() -> None:
 
     assert [lease.lease_key for lease in taken] == ["s1"]
     assert set(leader.held_leases()) == {"s1"}
+
+
+def test_a_leaders_own_scan_adopts_a_lease_handed_to_it() -> None:
+    """A lease the leader moves to itself arrives by a handoff: it asks, the holder lets go
+    by naming the leader as owner, and the leader adopts it. The coordinator polls pending
+    handoffs only between taker cycles, and every cycle starts that poll's wait again (a
+    worker-decides scan progresses them itself); the poll waits a quarter of the renewal
+    interval, an eighth of the failover time, longer than the leader's tenth between
+    scans, so it never came. Nobody adopted the let-go lease, it expired, and the next
+    pass gave it by count to whichever worker had the fewest: balancing by load moved a
+    third of the leases every round and never settled (busiest 1.6-2.4 x the average).
+    Stepped by its taker cycles alone, as its loop runs it, the leader now adopts each
+    lease let go to it by its next scan."""
+    backend = Dynamo(Sim(0))
+    table, _ = _tables(backend)
+    table.ensure_owner_index()
+    keys = [f"s{i:02}" for i in range(12)]
+    for key in keys:
+        assert table.create(Lease(key))
+    clock = _Clock()
+    leader, holder = _led_worker(table, "L", clock), _led_worker(table, "H", clock)
+    assert leader.run_taker_once() == []  # wins the lock first
+    for key in keys:
+        _assign(table, key, "H")
+    _taker(holder)._discover()
+    assert set(holder.held_leases()) == set(keys)
+
+    let_go: dict[str, float] = {}
+    adopted: dict[str, float] = {}
+    while len(adopted) < len(keys) // 2:
+        assert clock.now < 6 * _FAILOVER, f"adopted {sorted(adopted)} only"
+        clock.now += 0.05
+        for worker in (leader, holder):
+            worker.run_renewer_once(due_only=True)
+            if clock.now >= worker.taker.next_scan():
+                worker.run_taker_once()
+        for lease in table.list_leases():
+            if (lease.lease_owner == "L" and lease.checkpoint_owner is None
+                    and lease.kclpy_holder == "H"):
+                let_go.setdefault(lease.lease_key, clock.now)
+        adopted.update((key, clock.now) for key in leader.held_leases() if key not in adopted)
+
+    assert set(adopted) <= set(let_go)
+    assert not set(holder.held_leases()) & set(adopted)
+    assert max(adopted[key] - let_go[key] for key in adopted) <= _FAILOVER / 10 + 0.1
