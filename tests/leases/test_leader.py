@@ -338,6 +338,29 @@ def _taker(worker: LeaseCoordinator) -> LeaderTaker:
     return worker.taker
 
 
+def _leader_and_holder() -> tuple[LeaseTable, _Counted, _Clock, list[str], LeaseCoordinator,
+                                  LeaseCoordinator]:
+    """Twelve leases, a leader L that has won the lock and a worker H, on one fake clock."""
+    table, client = _tables(Dynamo(Sim(0)))
+    table.ensure_owner_index()
+    keys = [f"s{i:02}" for i in range(12)]
+    for key in keys:
+        assert table.create(Lease(key))
+    clock = _Clock()
+    leader, holder = _led_worker(table, "L", clock), _led_worker(table, "H", clock)
+    assert leader.run_taker_once() == []  # wins the lock first
+    return table, client, clock, keys, leader, holder
+
+
+def _step(clock: _Clock, workers: tuple[LeaseCoordinator, ...]) -> None:
+    """What each worker's renewer and taker loops do in 50 ms."""
+    clock.now += 0.05
+    for worker in workers:
+        worker.run_renewer_once(due_only=True)
+        if clock.now >= worker.taker.next_scan():
+            worker.run_taker_once()
+
+
 def _assign(table: LeaseTable, key: str, owner: str) -> None:
     """What a leader's pass writes for a free lease."""
     lease = table.get(key)
@@ -523,42 +546,26 @@ def test_a_leader_scans_every_tenth_of_the_failover_time_so_a_dead_holders_lease
     here (``kill -9`` at 5 s failover: 7.4 s to the first record elsewhere, past the
     failover time + 2 s). The leader now scans every tenth of the failover time, and still
     never takes a lease before its expiry."""
-    backend = Dynamo(Sim(0))
-    table, client = _tables(backend)
-    table.ensure_owner_index()
-    keys = [f"s{i:02}" for i in range(12)]
-    for key in keys:
-        assert table.create(Lease(key))
-    clock = _Clock()
-    leader, holder = _led_worker(table, "L", clock), _led_worker(table, "H", clock)
-    assert leader.run_taker_once() == []  # wins the lock first
+    table, client, clock, keys, leader, holder = _leader_and_holder()
     for worker, mine in ((leader, keys[:6]), (holder, keys[6:])):
         for key in mine:
             _assign(table, key, worker.worker_id)
         _taker(worker)._discover()
 
-    def step(workers: tuple[LeaseCoordinator, ...]) -> None:
-        """What each worker's taker and renewer loops do in 50 ms."""
-        clock.now += 0.05
-        for worker in workers:
-            worker.run_renewer_once(due_only=True)
-            if clock.now >= worker.taker.next_scan():
-                worker.run_taker_once()
-
     for _ in range(400):  # 20 s: the fleet settles
-        step((leader, holder))
+        _step(clock, (leader, holder))
     assert leader.leads() is True
     assert set(holder.held_leases()) == set(keys[6:])
     scans = client.calls["scan"]
     while client.calls["scan"] == scans:  # right after a pass, the holder writes and dies
-        step((leader, holder))
+        _step(clock, (leader, holder))
     clock.now += 0.05
     holder.run_renewer_once()
     died_at = clock.now
 
     while any(lease.lease_owner == "H" for lease in table.list_leases()):
         assert clock.now - died_at < 3 * _FAILOVER, "never taken over"
-        step((leader,))
+        _step(clock, (leader,))
 
     taken_after = clock.now - died_at
     assert _FAILOVER < taken_after <= _FAILOVER + _FAILOVER / 10 + 0.1
@@ -698,15 +705,7 @@ def test_a_leaders_own_scan_adopts_a_lease_handed_to_it() -> None:
     third of the leases every round and never settled (busiest 1.6-2.4 x the average).
     Stepped by its taker cycles alone, as its loop runs it, the leader now adopts each
     lease let go to it by its next scan."""
-    backend = Dynamo(Sim(0))
-    table, _ = _tables(backend)
-    table.ensure_owner_index()
-    keys = [f"s{i:02}" for i in range(12)]
-    for key in keys:
-        assert table.create(Lease(key))
-    clock = _Clock()
-    leader, holder = _led_worker(table, "L", clock), _led_worker(table, "H", clock)
-    assert leader.run_taker_once() == []  # wins the lock first
+    table, _, clock, keys, leader, holder = _leader_and_holder()
     for key in keys:
         _assign(table, key, "H")
     _taker(holder)._discover()
@@ -716,11 +715,7 @@ def test_a_leaders_own_scan_adopts_a_lease_handed_to_it() -> None:
     adopted: dict[str, float] = {}
     while len(adopted) < len(keys) // 2:
         assert clock.now < 6 * _FAILOVER, f"adopted {sorted(adopted)} only"
-        clock.now += 0.05
-        for worker in (leader, holder):
-            worker.run_renewer_once(due_only=True)
-            if clock.now >= worker.taker.next_scan():
-                worker.run_taker_once()
+        _step(clock, (leader, holder))
         for lease in table.list_leases():
             if (lease.lease_owner == "L" and lease.checkpoint_owner is None
                     and lease.kclpy_holder == "H"):
