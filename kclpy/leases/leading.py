@@ -176,9 +176,7 @@ class LeaderTaker(TakerCore):
         # loop polls them only when no cycle comes first, and the leader's cycle comes
         # every tenth of the failover time (simulator seed 604: a lease handed to a worker
         # that then took the lead sat let go and unadopted until its records aged out)
-        by_key = {lease.lease_key: lease for lease in leases}
-        taken = [fresh for key in sorted(self.pending_handoffs())
-                 if (fresh := self._progress_handoff(key, by_key.get(key), scanned_at=now))]
+        taken = self._progress_handoffs(leases, now)
         self._java_side(leases, now)
         reports = mode.reports.fleet()
         if reports is None:

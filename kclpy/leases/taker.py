@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kclpy.errors import LeaseLostError
@@ -324,6 +324,14 @@ class TakerCore(abc.ABC):
 
     # -- internals ---------------------------------------------------------------------------
 
+    def _progress_handoffs(self, scanned: Sequence[Lease], now: float) -> list[Lease]:
+        """Move every pending handoff on from a scan taken at ``now``: the leases adopted.
+        Both deciders do it from their own scans; the taker loop's poll of pending handoffs
+        runs only when no cycle comes first."""
+        by_key = {lease.lease_key: lease for lease in scanned}
+        return [fresh for key in sorted(self.pending_handoffs())
+                if (fresh := self._progress_handoff(key, by_key.get(key), scanned_at=now))]
+
     def _progress_handoff(
         self, key: str, lease: Lease | None, *, scanned_at: float | None
     ) -> Lease | None:
@@ -555,12 +563,7 @@ class LeaseTaker(TakerCore):
                     key: lost for key, lost in self._lost_in_cycle.items() if cycle - lost <= 1
                 }
                 no_steal = set(self._lost_in_cycle)
-            by_key = {lease.lease_key: lease for lease in leases}
-            taken = [
-                fresh
-                for key in sorted(self.pending_handoffs())
-                if (fresh := self._progress_handoff(key, by_key.get(key), scanned_at=now))
-            ]
+            taken = self._progress_handoffs(leases, now)
             java_peers = self._java_side(leases, now)
             held = set(self.held.entries())
             plan = self._balancer.plan(held=held, known_lease_keys=known, no_steal=no_steal,
