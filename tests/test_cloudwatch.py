@@ -25,6 +25,7 @@ from kclpy.cloudwatch import (
 from kclpy.config import KCLConfig, build_config, from_properties
 from kclpy.errors import ConfigError
 from kclpy.local import LocalEndpoint
+from kclpy.local.endpoints import start_moto_server
 from kclpy.metrics import Metrics
 from kclpy.telemetry import Java, Kind, Metric
 from tests.support.recording import Ledger, RecordingProcessor
@@ -251,10 +252,19 @@ def test_a_worker_at_detailed_publishes_the_java_metrics_readable_with_get_metri
     create_stream(kinesis, stream, 1)
     put_plain(kinesis, stream, [f"r{n}".encode() for n in range(25)])
     app = unique_name("cw-app")
+    # CloudWatch gets a server of its own: moto's GetMetricData drops the namespace filter
+    # when a query names dimensions, so another test's RecordsProcessed for the same shard id
+    # in the same minute was summed in (CI: 25 + 56)
+    with start_moto_server() as cw_server:
+        read_detailed_metrics(kinesis_mock, moto_server, cw_server, stream, app)
+
+
+def read_detailed_metrics(kinesis_mock: LocalEndpoint, moto_server: LocalEndpoint,
+                          cw_server: LocalEndpoint, stream: str, app: str) -> None:
     config = KCLConfig(
         application_name=app, stream_name=stream, region="us-east-1", worker_id="cw-worker",
         kinesis_endpoint=kinesis_mock.url, dynamodb_endpoint=moto_server.url,
-        cloudwatch_endpoint=moto_server.url, initial_position="TRIM_HORIZON",
+        cloudwatch_endpoint=cw_server.url, initial_position="TRIM_HORIZON",
         metrics_level="detailed", metrics_buffer_time_ms=500, idle_time_between_reads_ms=100,
         # long enough that no renewal is late on a loaded machine: a lease lost and taken
         # back re-reads the shard, and RecordsProcessed then counts past the 25 written
@@ -269,7 +279,7 @@ def test_a_worker_at_detailed_publishes_the_java_metrics_readable_with_get_metri
             and registry.get_sample_value("kclpy_lease_renewals_total"), 60,
             "every record processed and a lease renewed")
     # the worker's shutdown sent what was left
-    cloudwatch = boto3.client("cloudwatch", endpoint_url=moto_server.url, region_name="us-east-1")
+    cloudwatch = boto3.client("cloudwatch", endpoint_url=cw_server.url, region_name="us-east-1")
     metrics = cloudwatch.list_metrics(Namespace=app)["Metrics"]
     named = {(m["MetricName"], tuple(sorted((d["Name"], d["Value"]) for d in m["Dimensions"])))
              for m in metrics}
