@@ -57,7 +57,7 @@ from kclpy.processor import (
 from kclpy.records import Record, Records
 from kclpy.retrieval.page import ChildShard, Page
 from kclpy.retrieval.pipeline import FetchError
-from kclpy.retry import EQUAL, RetryPolicy, RetryStopped, error_code, retrying
+from kclpy.retry import EQUAL, RetryPolicy, RetryStopped, is_not_found, retrying
 
 _T = TypeVar("_T")
 
@@ -763,7 +763,7 @@ class ShardConsumer:
         fails (the consumer then fails as before, its lease is released, and the shard
         sync deletes the lease once it sees the shard gone)."""
         cause = exc.__cause__
-        if not isinstance(cause, ClientError) or error_code(cause) != "ResourceNotFoundException":
+        if not is_not_found(cause):
             return None
         try:
             return self._host.shard_left_stream(self.lease_key)
@@ -868,7 +868,7 @@ class ShardConsumer:
         try:
             oldest = self._readers.oldest_record()
         except ClientError as exc:
-            if error_code(exc) != "ResourceNotFoundException":
+            if not is_not_found(exc):
                 raise
             # The shard may have left the stream: the live read gets the same answer, and
             # the processing loop finds out, with the processor there to end the shard.

@@ -107,6 +107,16 @@ def error_code(exc: ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
 
 
+#: What Kinesis and DynamoDB answer for a stream, shard, consumer or table that does not exist.
+NOT_FOUND = "ResourceNotFoundException"
+
+
+def is_not_found(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is AWS saying the resource does not exist. Never retried (see
+    :func:`classify`): each caller decides what a missing stream, shard or table means to it."""
+    return isinstance(exc, ClientError) and error_code(exc) == NOT_FOUND
+
+
 def classify(exc: BaseException) -> str | None:
     """The retryable kind of ``exc`` (``throttled``, ``server_error``, ``connection``), else None.
 

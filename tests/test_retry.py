@@ -29,6 +29,7 @@ from kclpy.retry import (
     RetryPolicy,
     RetryStopped,
     classify,
+    is_not_found,
     is_throttle,
     is_transient,
     retrying,
@@ -176,6 +177,16 @@ def test_a_garbled_response_is_retried_as_a_server_error() -> None:
 
 def test_a_client_error_without_metadata_is_not_retryable() -> None:
     assert classify(ClientError({}, "GetRecords")) is None
+
+
+def test_only_a_resource_not_found_answer_reads_as_not_found() -> None:
+    """One test for the callers that treat a missing stream, shard or table as a decision
+    (the consumer's shard end, the CLI's exit code, the lease table's creation)."""
+    missing = client_error("ResourceNotFoundException")
+    assert is_not_found(missing) and classify(missing) is None
+    for other in (client_error("ResourceInUseException"), client_error("AccessDeniedException"),
+                  ClientError({}, "GetRecords"), KeyError("ResourceNotFoundException"), None):
+        assert not is_not_found(other)
 
 
 def cancelled(*reasons: str) -> ClientError:

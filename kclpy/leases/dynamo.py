@@ -23,7 +23,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from kclpy.errors import KCLError
 from kclpy.metrics import DYNAMODB_REQUESTS, NOWHERE, THROTTLES, Metrics
-from kclpy.retry import GaveUp, RetryPolicy, error_code, is_throttle, retrying
+from kclpy.retry import GaveUp, RetryPolicy, error_code, is_not_found, is_throttle, retrying
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb import DynamoDBClient
@@ -119,7 +119,7 @@ class DynamoTable:
                 "DescribeTable", self.client.describe_table, TableName=self.table_name
             )
         except ClientError as exc:
-            if error_code(exc) == "ResourceNotFoundException":
+            if is_not_found(exc):
                 return None
             raise
         return described["Table"].get("TableStatus")

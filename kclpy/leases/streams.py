@@ -29,15 +29,13 @@ from kclpy.leases.lease import Lease
 from kclpy.leases.shard_sync import ShardSyncer, SyncedStream
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
-from kclpy.retry import RetryPolicy, error_code
+from kclpy.retry import RetryPolicy, is_not_found
 from kclpy.streams import StreamConfig, StreamIdentifier, stream_of_lease_key
 
 if TYPE_CHECKING:
     from mypy_boto3_kinesis import KinesisClient
 
 log = logging.getLogger(__name__)
-
-NOT_FOUND = "ResourceNotFoundException"
 
 
 #: ListStreams pages read at most for a misspelt stream name's suggestion (100 names each)
@@ -140,7 +138,7 @@ class StreamSet:
             consumer_arn = (self.register(stream, summary["StreamARN"])
                             if self.register is not None else None)
         except ClientError as exc:
-            if error_code(exc) != NOT_FOUND:
+            if not is_not_found(exc):
                 raise
             if starting and not stream.may_be_created_later:
                 hint = _suggest_stream(self.kinesis, stream.name) if not stream.arn else ""
@@ -198,7 +196,7 @@ class StreamSet:
             try:
                 created.extend(active.syncer.sync(existing, leases))
             except ClientError as exc:
-                if error_code(exc) != NOT_FOUND or not self.config.multi_stream:
+                if not is_not_found(exc) or not self.config.multi_stream:
                     raise
                 self._retire(key, "it was deleted")
         return created

@@ -70,7 +70,7 @@ from kclpy.ops.text import print_table
 from kclpy.position import SHARD_END, TRIM_HORIZON, Position
 from kclpy.recovery import queue as gaps
 from kclpy.recovery import requests as asked
-from kclpy.retry import error_code
+from kclpy.retry import error_code, is_not_found
 from kclpy.state import open_store
 from kclpy.state.store import PositionKeepingStore, keeps_own_position
 from kclpy.streams import StreamIdentifier
@@ -116,7 +116,7 @@ def read_leases(args: argparse.Namespace, table: LeaseTable, kinesis: Any) -> li
     try:
         leases = table.list_leases()
     except ClientError as exc:
-        if error_code(exc) == "ResourceNotFoundException":
+        if is_not_found(exc):
             option = "--table-name" if args.table_name else "--application-name"
             raise ConfigError(option, f"lease table {table_name(args)!r} does not "
                              "exist") from None
@@ -147,7 +147,7 @@ def _current(args: argparse.Namespace, leases: list[Lease], kinesis: Any) -> lis
         summary = kinesis.describe_stream_summary(**_stream_params(args))[
             "StreamDescriptionSummary"]
     except ClientError as exc:
-        if error_code(exc) == "ResourceNotFoundException":
+        if is_not_found(exc):
             raise ConfigError(option, f"stream {stream_label(args)!r} does not exist, and the "
                              f"table holds leases of {len(identifiers)} former streams of "
                              f"that name ({', '.join(sorted(identifiers))})") from None
@@ -190,7 +190,7 @@ def _shards(args: argparse.Namespace, kinesis: Any, table: LeaseTable) -> dict[s
     try:
         return {shard.shard_id: shard for shard in syncer.list_shards()}
     except ClientError as exc:
-        if error_code(exc) == "ResourceNotFoundException":
+        if is_not_found(exc):
             option = "--stream-name" if args.stream_name else "--stream-arn"
             raise ConfigError(option, f"stream {stream_label(args)!r} does not "
                              "exist") from None

@@ -52,7 +52,7 @@ from kclpy.ops.lag import (
     report_to_json,
 )
 from kclpy.ops.text import print_table, printable
-from kclpy.retry import error_code
+from kclpy.retry import NOT_FOUND, error_code, is_not_found
 from kclpy.sessions import aws_session
 from kclpy.streams import StreamIdentifier
 
@@ -140,7 +140,7 @@ def leases_command(args: argparse.Namespace, dynamodb: Any, out: IO[str]) -> int
     try:
         items = _scan(dynamodb, table_name(args))
     except ClientError as exc:
-        if error_code(exc) == "ResourceNotFoundException":
+        if is_not_found(exc):
             raise _missing_table(args) from None
         raise
     leases: list[tuple[Lease, dict[str, Any]]] = []
@@ -446,9 +446,9 @@ def _sample(sampler: TableSampler, args: argparse.Namespace) -> Sample:
         return sampler.sample()
     except ClientError as exc:
         code = error_code(exc)
-        if code == "ResourceNotFoundException" and exc.operation_name == "Scan":
+        if code == NOT_FOUND and exc.operation_name == "Scan":
             raise _missing_table(args) from None
-        if code == "ResourceNotFoundException":
+        if code == NOT_FOUND:
             option = "--stream-name" if args.stream_name else "--stream-arn"
             raise ConfigError(option, f"stream {args.stream_name or args.stream_arn!r} "
                              "does not exist") from None

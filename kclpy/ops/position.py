@@ -36,7 +36,7 @@ from kclpy.records import Record
 from kclpy.retrieval import kpl
 from kclpy.retrieval.polling import one_off_pages
 from kclpy.retrieval.source import ShardAddress
-from kclpy.retry import error_code
+from kclpy.retry import error_code, is_not_found
 
 #: GetRecords pages one resolution may read before giving up (a shard read end to end)
 MAX_PAGES = 10_000
@@ -214,7 +214,7 @@ def record_at(reader: ShardReader, sequence_number: str) -> Record:
     except ClientError as exc:
         # AWS says InvalidArgument; kinesis-mock says ResourceNotFound (the stream and shard
         # were found before this is called)
-        if error_code(exc) in ("InvalidArgumentException", "ResourceNotFoundException"):
+        if error_code(exc) == "InvalidArgumentException" or is_not_found(exc):
             raise PositionError(f"sequence number {sequence_number} is not one of this "
                                 "shard's") from None
         raise

@@ -65,7 +65,7 @@ from kclpy.retrieval.clock import SKEW_MARGIN_MS, KinesisClock
 from kclpy.retrieval.page import Page
 from kclpy.retrieval.pipeline import FetchError, ShardPipeline
 from kclpy.retrieval.polling import Pacer
-from kclpy.retry import error_code
+from kclpy.retry import is_not_found
 
 if TYPE_CHECKING:
     from kclpy.leases.fence import Guard, LeaseFence
@@ -215,7 +215,7 @@ class ShardRecovery:
         try:
             first = first_record(probe)
         except ClientError as exc:
-            if error_code(exc) != "ResourceNotFoundException":
+            if not is_not_found(exc):
                 raise
             # The shard may have left the stream: the live read gets the same answer, and
             # the consumer, its processor initialized, ends the shard once the listings

@@ -24,7 +24,15 @@ from typing import Any, TypeVar
 from botocore.exceptions import ClientError
 
 from kclpy.errors import KCLError, KinesisClientLibDependencyException
-from kclpy.retry import NO_JITTER, GaveUp, RetryPolicy, error_code, is_throttle, retrying
+from kclpy.retry import (
+    NO_JITTER,
+    GaveUp,
+    RetryPolicy,
+    error_code,
+    is_not_found,
+    is_throttle,
+    retrying,
+)
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +106,7 @@ class ConsumerRegistration:
                     StreamARN=self.stream_arn, ConsumerName=self.consumer_name),
                 self._settings.describe_retries, "DescribeStreamConsumer")
         except ClientError as exc:
-            if error_code(exc) == "ResourceNotFoundException":
+            if is_not_found(exc):
                 return None
             raise
         return dict(response["ConsumerDescription"])
@@ -167,7 +175,7 @@ def deregister(kinesis: Any, stream_arn: str, consumer_name: str) -> bool:
     try:
         kinesis.deregister_stream_consumer(StreamARN=stream_arn, ConsumerName=consumer_name)
     except ClientError as exc:
-        if error_code(exc) == "ResourceNotFoundException":
+        if is_not_found(exc):
             return False
         raise
     return True

@@ -54,7 +54,7 @@ from kclpy.retry import (
     GaveUp,
     RetryPolicy,
     classify,
-    error_code,
+    is_not_found,
     is_transient,
     read_policy,
     retrying,
@@ -289,7 +289,7 @@ class ShardReader:
             result = self._pipeline.fetch_once(limit or self.limit)
         except ClientError as exc:
             if not (exc.operation_name == "GetShardIterator" and self._start.kind == AFTER
-                    and error_code(exc) == "ResourceNotFoundException"):
+                    and is_not_found(exc)):
                 raise
             self._lost(f"shard {self.shard.shard_id} of {self._stream.label} is gone "
                        f"(expired) after {self._start.sequence_number}")

@@ -31,7 +31,7 @@ from kclpy.ops.lag import AppStatus, ShardStatus
 from kclpy.ops.monitor.watch import ApplicationWatch, AppView, StreamUnknown, app_label
 from kclpy.ops.webhook import Webhook
 from kclpy.prometheus import PREFIX
-from kclpy.retry import error_code
+from kclpy.retry import error_code, is_not_found
 
 log = logging.getLogger("kclpy.monitor")
 
@@ -106,7 +106,7 @@ class TableDiscovery:
                 try:
                     table = self._dynamodb.describe_table(TableName=name)["Table"]
                 except ClientError as exc:
-                    if error_code(exc) != "ResourceNotFoundException":
+                    if not is_not_found(exc):
                         raise
                     continue
                 self._verdicts[name] = is_lease_table(table)
