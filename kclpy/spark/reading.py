@@ -35,6 +35,7 @@ the driver, for one shard's probes), which is what a pickled Spark reader needs.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -79,6 +80,14 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
+
+#: Rows per Kinesis record of each (stream, shard) as this process last read it. A budget
+#: counts rows, GetRecords' ``Limit`` counts Kinesis records, and a KPL aggregate holds
+#: hundreds of rows: without the ratio a batch's first page was a whole 10 MiB page, cut to
+#: the budget and fetched again by the next batch (about twice per row). Spark reuses its
+#: Python workers, so the next task on a shard usually finds its predecessor's figure; a
+#: process that has none asks as before. Only the ``Limit`` depends on it, never the rows.
+_ROWS_PER_RECORD: dict[tuple[str, str], float] = {}
 
 
 @dataclass(frozen=True)
@@ -242,7 +251,7 @@ class ShardReader:
     ) -> None:
         if start.is_shard_end:
             raise ValueError(f"shard {shard.shard_id} is finished; nothing to read")
-        self._stream = stream
+        self.stream = stream
         self.shard = shard
         self._start = start
         self._bounded = until_ms is not None
@@ -291,7 +300,7 @@ class ShardReader:
             if not (exc.operation_name == "GetShardIterator" and self._start.kind == AFTER
                     and is_not_found(exc)):
                 raise
-            self._lost(f"shard {self.shard.shard_id} of {self._stream.label} is gone "
+            self._lost(f"shard {self.shard.shard_id} of {self.stream.label} is gone "
                        f"(expired) after {self._start.sequence_number}")
             self._over = Page(EMPTY, True, True, False)
             return self._over
@@ -312,7 +321,7 @@ class ShardReader:
     def _trimmed(self, checkpoint: str, first: str) -> None:
         """An AFTER start resumes AT its sequence number: the first record back must be that
         record. A later one means Kinesis no longer has it (retention)."""
-        self._lost(f"shard {self.shard.shard_id} of {self._stream.label}: records after "
+        self._lost(f"shard {self.shard.shard_id} of {self.stream.label}: records after "
                    f"{checkpoint} up to {first} are no longer in the stream (trimmed by "
                    "retention?)")
 
@@ -366,9 +375,10 @@ class BudgetedRead:
     until one of its budgets is spent. Iterate it for the records (page by page); then
     ``reached`` is the position it stopped at, ready for the next batch to start from.
 
-    Rows are a strict bound and cut the GetRecords ``Limit``; bytes stop after the record
-    that reaches them (the ``Limit`` is cut to an estimate from the sizes seen so far); time
-    is checked between pages, after at least one page. ``timed=False`` ignores the time
+    Rows are a strict bound and cut the GetRecords ``Limit`` (in Kinesis records, at the
+    rows per record seen on the shard: :data:`_ROWS_PER_RECORD`); bytes stop after the
+    record that reaches them (the ``Limit`` is cut to an estimate from the sizes seen so
+    far); time is checked between pages, after at least one page. ``timed=False`` ignores the time
     budget: what the driver does to find again an end that no executor recorded.
     """
 
@@ -382,6 +392,9 @@ class BudgetedRead:
         self.reached: Position | None = None
         self.rows = 0
         self.bytes = 0
+        self._shard = (reader.stream.label, reader.shard.shard_id)
+        #: whole pages' rows and the Kinesis records fetched for them
+        self._page_rows = self._page_records = 0
 
     def __iter__(self) -> Iterator[Records]:
         budget, reader = self._budget, self._reader
@@ -389,7 +402,9 @@ class BudgetedRead:
         deadline = (self._clock() + budget.duration_ms / 1000
                     if self._timed and budget.duration_ms is not None else None)
         while True:
+            fetched = reader.fetched
             page = reader.next_page(self._limit())
+            self._learn(len(page.records), reader.fetched - fetched)
             records, full = self._cut(page.records)
             if records:
                 last = records[-1]
@@ -406,13 +421,27 @@ class BudgetedRead:
                 break
         self.reached = Position.after(last) if last is not None else self._end.start
 
+    def _learn(self, rows: int, records: int) -> None:
+        if records:
+            self._page_rows += rows
+            self._page_records += records
+            _ROWS_PER_RECORD[self._shard] = self._page_rows / self._page_records
+
     def _limit(self) -> int:
-        limit = self._reader.limit
+        """No more Kinesis records than the rows left in the budgets need."""
+        rows_left: int | None = None
         if self._budget.rows is not None:
-            limit = min(limit, self._budget.rows - self.rows)
+            rows_left = self._budget.rows - self.rows
         if self._budget.bytes is not None and self.rows:
             average = max(1, self.bytes // self.rows)
-            limit = min(limit, (self._budget.bytes - self.bytes) // average + 1)
+            by_bytes = (self._budget.bytes - self.bytes) // average + 1
+            rows_left = by_bytes if rows_left is None else min(rows_left, by_bytes)
+        limit = self._reader.limit
+        if rows_left is not None:
+            # Fewer rows than records (records dropped before the start or outside the
+            # shard's keys) ask for more records, up to the reader's limit.
+            per_record = _ROWS_PER_RECORD.get(self._shard) or 1.0
+            limit = min(limit, math.ceil(rows_left / per_record))
         return max(1, limit)
 
     def _cut(self, records: Records) -> tuple[Records, bool]:

@@ -27,6 +27,7 @@ from tests.support.streams import (
     TEST_CONFIG,
     create_stream,
     kinesis_client,
+    put_aggregated,
     put_plain,
     session,
     unique_name,
@@ -131,6 +132,31 @@ def test_a_row_limit_reads_each_record_once_on_the_executors(
     assert proxy.records[EXECUTOR] / len(rows) <= 1.1, dict(proxy.records)
     driver_share = 0.02 if recorded else 1.1
     assert proxy.records[DRIVER] / len(rows) <= driver_share, dict(proxy.records)
+
+
+def test_a_row_limit_on_kpl_aggregates_fetches_each_aggregate_about_once(
+        proxy: CountingProxy, kinesis_mock: LocalEndpoint, tmp_path: Path) -> None:
+    """A budget counts rows, GetRecords' ``Limit`` Kinesis records: a batch of 60 rows
+    from aggregates of 20 needs 3 or 4 of them, and used to ask for every record up to the
+    reader's limit, cut the page to its budget and leave the rest to be fetched again by
+    the next batch (1,450 aggregates fetched for 100 on the parent commit, 191 now). The
+    first page of the query still comes whole: nothing is known of the shard before it."""
+    read_max_rows = pytest.importorskip("pyspark.sql.streaming.datasource").ReadMaxRows
+    kinesis = kinesis_client(kinesis_mock.url)
+    stream = unique_name("spark-cost-kpl")
+    create_stream(kinesis, stream, 1)
+    payloads = [f"k-{n}".encode() for n in range(2000)]
+    written = put_aggregated(kinesis, stream, payloads, per_aggregate=20)
+    reader = make_reader(proxy.url, stream, startingPosition="TRIM_HORIZON", settleTime="0",
+                         minFetchPeriod="0", metadataPath=str(tmp_path / "ends"))
+
+    rows, batches = available_now(reader, read_max_rows(60))
+
+    assert sorted(rows) == sorted(payloads)
+    assert batches >= 30
+    # the first page whole, then each batch its 3 or 4 aggregates and the one it ends in
+    # again (the next batch resumes inside it)
+    assert proxy.records[EXECUTOR] <= len(written) + 5 * batches, dict(proxy.records)
 
 
 def arrivals(kinesis: Any, stream: str) -> list[float]:
