@@ -391,6 +391,7 @@ class BudgetedRead:
         self._clock = clock
         self.reached: Position | None = None
         self.rows = 0
+        #: payload bytes read, counted only under a bytes budget
         self.bytes = 0
         self._shard = (reader.stream.label, reader.shard.shard_id)
         #: whole pages' rows and the Kinesis records fetched for them
@@ -462,7 +463,10 @@ class BudgetedRead:
         if take < len(records):
             records = records[:take]
         self.rows += len(records)
-        self.bytes += records.payload_bytes() if records else 0
+        # Counted only for a bytes budget: over a page's base64 text, a twentieth of a
+        # task's reading on 200 B records.
+        if self._budget.bytes is not None and records:
+            self.bytes += records.payload_bytes()
         return records, full
 
 
