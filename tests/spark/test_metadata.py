@@ -40,6 +40,7 @@ from kclpy.spark.options import SourceOptions
 from tests.support.counting import CountingProxy
 from tests.support.faultproxy import Call
 from tests.support.iam import Names, denied, needless, role_statements
+from tests.support.source_driving import available_now, make_reader
 from tests.support.streams import create_stream, kinesis_client, put_plain, unique_name
 
 DRIVER, EXECUTOR = "kclpy-spark-driver", "kclpy-spark-executor"
@@ -319,8 +320,6 @@ def test_a_row_limit_with_ends_in_a_bucket_or_table_reads_each_record_once(
     the last committed batch's records remain. Every call the driver and the executors made
     is allowed by the role's policies in docs/iam.md, and each action they allow was
     needed."""
-    from tests.spark.test_source_costs import available_now, make_reader
-
     read_max_rows = pytest.importorskip("pyspark.sql.streaming.datasource").ReadMaxRows
     kinesis = kinesis_client(kinesis_mock.url)
     stream = unique_name("spark-meta")

@@ -20,9 +20,9 @@ import pytest
 from kclpy.local import LocalEndpoint
 from kclpy.position import Position
 from kclpy.spark.offsets import decode_offset
-from kclpy.spark.source import KinesisStreamReader, SourceOptions
 from tests.support.counting import CountingProxy
 from tests.support.faultproxy import FaultProxy
+from tests.support.source_driving import available_now, make_reader, read_batch
 from tests.support.streams import (
     TEST_CONFIG,
     create_stream,
@@ -53,38 +53,6 @@ class FakeClock:
 def proxy(kinesis_mock: LocalEndpoint) -> Iterator[CountingProxy]:
     with CountingProxy(kinesis_mock.url) as counting:
         yield counting
-
-
-def make_reader(url: str, stream: str, clock: Any = None, **options: str) -> KinesisStreamReader:
-    opts = SourceOptions.parse({"streamName": stream, "endpointUrl": url, "region": "us-east-1",
-                                **options})
-    return KinesisStreamReader(opts) if clock is None else KinesisStreamReader(opts, clock)
-
-
-def read_batch(reader: KinesisStreamReader, start: dict[str, Any],
-               end: dict[str, Any]) -> list[bytes]:
-    """What the executors would deliver for the batch (start, end]."""
-    rows: list[bytes] = []
-    for partition in reader.partitions(start, end):
-        for batch in reader.read(partition):
-            rows.extend(batch.column("data").to_pylist())
-    return rows
-
-
-def available_now(reader: KinesisStreamReader, limit: Any = None) -> tuple[list[bytes], int]:
-    """Run the reader as Spark >= 4.2 runs Trigger.AvailableNow: the rows and the batches."""
-    reader.prepareForTriggerAvailableNow()
-    offset = reader.initialOffset()
-    rows: list[bytes] = []
-    batches = 0
-    while True:
-        end = reader.latestOffset(offset, limit)
-        if end == offset:
-            return rows, batches
-        rows.extend(read_batch(reader, offset, end))
-        reader.commit(end)
-        batches += 1
-        offset = end
 
 
 def test_available_now_fetches_each_record_once_and_the_driver_reads_no_batch(
