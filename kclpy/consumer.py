@@ -94,6 +94,8 @@ class RecoveryLike(Protocol):
     def left_stream(self) -> None: ...
     @property
     def active(self) -> bool: ...
+    #: a gap's read was answered not found this tenure
+    not_found: bool
     def stop(self) -> None: ...
     def status(self) -> list[dict[str, Any]]: ...
 
@@ -656,6 +658,23 @@ class ShardConsumer:
             elif self._deliver(*batch, is_recovery=True) == "restart":
                 # Only the gap's reader can move back: the shard itself is finished.
                 recovery.begin(Position.shard_end())
+        if recovery is not None and recovery.not_found and not self._stopping():
+            self._drop_gaps_left_with_the_shard(recovery)
+
+    def _drop_gaps_left_with_the_shard(self, recovery: RecoveryLike) -> None:
+        """Kinesis no longer finds the finished shard whose gaps this tenure took the lease
+        for. Once the listings confirm that it aged out, its gaps' records went with it:
+        they are dropped and reported, and the lease ends finished for lease cleanup.
+        Otherwise every later holder took the lease for gaps nobody could read, and no
+        shard sync or cleanup ever deleted it (at SHARD_END, with gaps queued)."""
+        if self._confirm_left_stream() is None:
+            return
+        try:
+            recovery.left_stream()
+        except ShutdownException as exc:
+            log.info("shard %s: lease lost while dropping the gaps of a shard that left the "
+                     "stream: %s", self.lease_key, exc)
+            self._lease_lost.set()
 
     @property
     def recovery(self) -> list[dict[str, Any]]:
@@ -762,9 +781,11 @@ class ShardConsumer:
         stream unfinished; None for any other failure, and when the confirmation itself
         fails (the consumer then fails as before, its lease is released, and the shard
         sync deletes the lease once it sees the shard gone)."""
-        cause = exc.__cause__
-        if not is_not_found(cause):
+        if not is_not_found(exc.__cause__):
             return None
+        return self._confirm_left_stream()
+
+    def _confirm_left_stream(self) -> frozenset[str] | None:
         try:
             return self._host.shard_left_stream(self.lease_key)
         except Exception:

@@ -155,6 +155,9 @@ class ShardRecovery:
         #: batch is committed) still removes the gap with that checkpoint
         self._ends: dict[Position, Position] = {}
         self._pacer: ShardPacer = rate.pacer(lease_key)
+        #: a gap's read was answered that the shard is not found this tenure: it may have
+        #: left the stream, which its holder confirms by the listings (then ``left_stream``)
+        self.not_found = False
         self._reader: ShardPipeline | None = None
         self._reading: Position | None = None
         #: the last record of the gap being read, when it ends at one (``last_sequence``)
@@ -192,6 +195,7 @@ class ShardRecovery:
         self._passed.clear()
         self._ends.clear()
         self._began = None
+        self.not_found = False
         # Claimed first, so no earlier tenure commits past the store's position meanwhile
         stored = self._claim_tenure()
         self._restore()
@@ -259,12 +263,16 @@ class ShardRecovery:
             self._stop_reader()
         if self._end_seen:
             self._close_gap()
-        reader = self._reader if self._reader is not None else self._open_next()
-        if reader is None:
-            return None
         try:
+            reader = self._reader if self._reader is not None else self._open_next()
+            if reader is None:
+                return None
             result = reader.get(timeout=0)
-        except FetchError as exc:
+        except (ClientError, FetchError) as exc:
+            cause = exc.__cause__ if isinstance(exc, FetchError) else exc
+            if isinstance(exc, ClientError) and not is_not_found(exc):
+                raise
+            self.not_found = self.not_found or is_not_found(cause)
             log.error("shard %s: recovery read failed; the gap stays queued for the next "
                       "owner: %r", self.lease_key, exc)
             if self._reading is not None:

@@ -232,6 +232,7 @@ class FakeRecovery:
         self.writer = Writer()
         self.checkpointer = Checkpointer("shard-1", self.writer, "t", Position.trim_horizon())
         self.stopped = False
+        self.not_found = False
 
     def begin(self, live: Position) -> datetime | None:
         self.begun.append((live.checkpoint, live.sub_sequence_number))

@@ -758,3 +758,30 @@ def test_a_shard_that_left_the_stream_with_gaps_queued_ends_finished_and_reports
     [gap_lost] = [r.getMessage() for r in caplog.records
                   if r.levelno == logging.ERROR and "recovery gap" in r.getMessage()]
     assert "after 100" in gap_lost and "left the stream" in gap_lost
+
+
+def test_a_finished_shard_taken_for_its_gaps_after_it_aged_out_ends_with_them_dropped(
+        shard: Shard, caplog: pytest.LogCaptureFixture) -> None:
+    """A lease at SHARD_END is taken only for its queued gaps. Once the closed shard aged
+    out of the stream, every read of a gap is answered not found: the holder gave the gap
+    up and let the lease go with it still queued, and every holder after took it and gave
+    up alike (no shard sync deletes a lease at SHARD_END, no cleanup one with a gap
+    queued), the gap's loss never reported. The holder now confirms
+    by the listings that the shard left the stream, then drops and reports the gaps: the
+    lease ends finished, for lease cleanup."""
+    key = "shardId-000000000000"
+    shard.holder.fence.update_checkpoint(key, shard.token, Position.shard_end())
+    writing = shard.recovery()
+    with writing._lock:
+        writing._store(lambda _: (gap("100", 5000, 4000),))
+    gone = dataclasses.replace(shard, stream="gone")
+    with caplog.at_level(logging.ERROR, logger="kclpy"):
+        consumer = end_gone_shard(shard, gone)
+    assert consumer.error is None and consumer.shard_ended
+    lease = shard.table.get(key)
+    assert lease is not None and lease.is_finished and not gaps.loads(lease.recovery)
+    assert shard.metrics.registry.get_sample_value(
+        "kclpy_recovery_trimmed_total", {"shard_id": key}) == 1
+    [gap_lost] = [r.getMessage() for r in caplog.records
+                  if r.levelno == logging.ERROR and "recovery gap" in r.getMessage()]
+    assert "after 100" in gap_lost and "left the stream" in gap_lost
