@@ -737,40 +737,23 @@ def test_a_shard_that_left_the_stream_is_ended_by_its_holder_with_lag_recovery_o
         "kclpy_data_lost_to_retention_total", {"shard_id": "shardId-000000000000"}) == 1
 
 
+@pytest.mark.parametrize("finished", [False, True], ids=["read-live", "taken-for-its-gaps"])
 def test_a_shard_that_left_the_stream_with_gaps_queued_ends_finished_and_reports_them(
-        shard: Shard, caplog: pytest.LogCaptureFixture) -> None:
-    """The gaps' records left the stream with the shard. The holder wrote SHARD_END, then
-    its recovery of the queued gap failed on the same not-found answer: the consumer failed
-    with the lease at SHARD_END and the gap queued, a lease no shard sync deletes (it is
-    at SHARD_END) and no cleanup either (a gap is queued), taken and failed by every
-    holder after, and the gap's loss never reported."""
-    writing = shard.recovery()
-    with writing._lock:
-        writing._store(lambda _: (gap("100", 5000, 4000),))
-    gone = dataclasses.replace(shard, stream="gone")
-    with caplog.at_level(logging.ERROR, logger="kclpy"):
-        consumer = end_gone_shard(shard, gone)
-    assert consumer.error is None and consumer.shard_ended
-    lease = shard.table.get("shardId-000000000000")
-    assert lease is not None and lease.is_finished
-    assert shard.metrics.registry.get_sample_value(
-        "kclpy_recovery_trimmed_total", {"shard_id": "shardId-000000000000"}) == 1
-    [gap_lost] = [r.getMessage() for r in caplog.records
-                  if r.levelno == logging.ERROR and "recovery gap" in r.getMessage()]
-    assert "after 100" in gap_lost and "left the stream" in gap_lost
+        shard: Shard, caplog: pytest.LogCaptureFixture, finished: bool) -> None:
+    """The gaps' records left the stream with the shard.
 
-
-def test_a_finished_shard_taken_for_its_gaps_after_it_aged_out_ends_with_them_dropped(
-        shard: Shard, caplog: pytest.LogCaptureFixture) -> None:
-    """A lease at SHARD_END is taken only for its queued gaps. Once the closed shard aged
-    out of the stream, every read of a gap is answered not found: the holder gave the gap
-    up and let the lease go with it still queued, and every holder after took it and gave
-    up alike (no shard sync deletes a lease at SHARD_END, no cleanup one with a gap
-    queued), the gap's loss never reported. The holder now confirms
-    by the listings that the shard left the stream, then drops and reports the gaps: the
-    lease ends finished, for lease cleanup."""
+    Read live: the holder wrote SHARD_END, then its recovery of the queued gap failed on
+    the same not-found answer; the consumer failed with the lease at SHARD_END and the gap
+    queued. Taken for its gaps (a lease already at SHARD_END, whose closed shard then aged
+    out): every read of the gap is answered not found; the holder gave the gap up and let
+    the lease go with it still queued. Either way no shard sync deletes the lease (it is at
+    SHARD_END) and no cleanup either (a gap is queued): every holder after took it and
+    failed or gave up, and the gap's loss was never reported. The holder now confirms by
+    the listings that the shard left the stream, then drops and reports the gaps: the lease
+    ends finished, for lease cleanup."""
     key = "shardId-000000000000"
-    shard.holder.fence.update_checkpoint(key, shard.token, Position.shard_end())
+    if finished:
+        shard.holder.fence.update_checkpoint(key, shard.token, Position.shard_end())
     writing = shard.recovery()
     with writing._lock:
         writing._store(lambda _: (gap("100", 5000, 4000),))

@@ -31,6 +31,7 @@ from kclpy.spark.offsets import (
     encode_offset,
 )
 from kclpy.spark.source import KinesisStreamReader, SourceOptions
+from tests.support.source_driving import read_batch
 from tests.support.spark_query import spark_env
 from tests.support.streams import (
     create_stream,
@@ -245,15 +246,6 @@ def reader_for(url: str, stream: str, **options: str) -> KinesisStreamReader:
          "minFetchPeriod": "0", "shardFetchInterval": "0", **options}))
 
 
-def read_all(reader: KinesisStreamReader, start: dict[str, Any],
-             end: dict[str, Any]) -> list[bytes]:
-    out: list[bytes] = []
-    for partition in reader.partitions(start, end):
-        for batch in reader.read(partition):
-            out.extend(batch.column("data").to_pylist())
-    return out
-
-
 @pytest.mark.integration
 def test_spark_40_path_continues_from_its_cursor_and_after_a_restart(
         kinesis_mock: LocalEndpoint) -> None:
@@ -267,13 +259,13 @@ def test_spark_40_path_continues_from_its_cursor_and_after_a_restart(
 
     end = reader.latestOffset()  # Spark 4.0/4.1: no start, no limit (reads to the tip)
 
-    assert sorted(read_all(reader, start, end)) == sorted(first)
+    assert sorted(read_batch(reader, start, end)) == sorted(first)
     # a restarted query: Spark announces the last offset with partitions(end, end)
     restarted = reader_for(kinesis_mock.url, stream, startingPosition="TRIM_HORIZON")
     assert restarted.partitions(end, end) == []
     second = produce(kinesis, stream, "two", plain=30, aggregates=1)
     end2 = restarted.latestOffset()
-    assert sorted(read_all(restarted, end, end2)) == sorted(second)
+    assert sorted(read_batch(restarted, end, end2)) == sorted(second)
     assert restarted.latestOffset() == end2
 
 
@@ -289,7 +281,7 @@ def test_latest_starts_after_what_is_already_there(kinesis_mock: LocalEndpoint) 
 
     end = reader.latestOffset(start, None)
 
-    assert sorted(read_all(reader, start, end)) == sorted(new)
+    assert sorted(read_batch(reader, start, end)) == sorted(new)
 
 
 @pytest.mark.integration
@@ -309,10 +301,10 @@ def test_a_fan_out_batch_read_again_yields_the_same_rows_and_polling_agrees(
     start = fan_out.initialOffset()
     end = fan_out.latestOffset(start, None)
 
-    rows = read_all(fan_out, start, end)
+    rows = read_batch(fan_out, start, end)
     produce(kinesis, stream, "later", plain=20)
-    again = read_all(fan_out, start, end)
-    polled = read_all(reader_for(kinesis_mock.url, stream, **budget), start, end)
+    again = read_batch(fan_out, start, end)
+    polled = read_batch(reader_for(kinesis_mock.url, stream, **budget), start, end)
 
     assert rows == again == polled
     assert rows == (first[:25] if budget else first)
@@ -334,7 +326,7 @@ def test_row_limit_can_end_a_batch_inside_a_kpl_aggregate(kinesis_mock: LocalEnd
         end = reader.latestOffset(offset, read_max_rows(7))
         if end == offset:
             break
-        batch = read_all(reader, offset, end)
+        batch = read_batch(reader, offset, end)
         assert 0 < len(batch) <= 7
         seen.extend(batch)
         ends.extend(decode_offset(end).values())
@@ -363,7 +355,7 @@ def test_byte_and_time_budgets_end_where_the_executor_stopped_and_a_rerun_ends_t
     offset = sized.initialOffset()
     batches: list[list[bytes]] = []
     while (end := sized.latestOffset(offset, None)) != offset:
-        batches.append(read_all(sized, offset, end))
+        batches.append(read_batch(sized, offset, end))
         sized.commit(end)
         offset = end
     assert [row for batch in batches for row in batch] == payloads
@@ -375,8 +367,8 @@ def test_byte_and_time_budgets_end_where_the_executor_stopped_and_a_rerun_ends_t
                        metadataPath=str(ends))
     start = timed.initialOffset()
     end = timed.latestOffset(start, None)
-    assert read_all(timed, start, end) == payloads[:10], "one page, then out of time"
-    assert read_all(timed, start, end) == payloads[:10], "a re-run: the same rows"
+    assert read_batch(timed, start, end) == payloads[:10], "one page, then out of time"
+    assert read_batch(timed, start, end) == payloads[:10], "a re-run: the same rows"
 
     (key, planned), = decode_offset(end).items()
     assert isinstance(planned, UptoEnd)
@@ -388,9 +380,9 @@ def test_byte_and_time_budgets_end_where_the_executor_stopped_and_a_rerun_ends_t
                                        ShardIteratorType="TRIM_HORIZON")["ShardIterator"]
     third = kinesis.get_records(ShardIterator=first, Limit=3)["Records"][-1]
     earlier.put(key, planned, Position(third["SequenceNumber"]))
-    assert read_all(again, start, end) == payloads[:3]
+    assert read_batch(again, start, end) == payloads[:3]
     following = again.latestOffset(end, None)
-    assert read_all(again, end, following)[:1] == [payloads[3]]
+    assert read_batch(again, end, following)[:1] == [payloads[3]]
 
 
 def test_offsets_round_trip_and_reject_garbage() -> None:
