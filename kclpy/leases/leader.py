@@ -78,7 +78,7 @@ from botocore.exceptions import ClientError
 
 from kclpy.leases.assignment import AssignmentStrategy, FleetView
 from kclpy.leases.dynamo import CONDITION_FAILED, TABLE_ERRORS
-from kclpy.leases.lease import Lease, incarnation_epoch, same_stream
+from kclpy.leases.lease import Lease, other_streams
 from kclpy.leases.load import (
     LEADER_ITEM,
     WORKER_ID,
@@ -354,7 +354,7 @@ def known_below(known: AbstractSet[str] | None,
     if known is None:
         return None
     leases = list(leases)
-    epochs = {lease.lease_key: _stream_epoch(lease) for lease in leases}
+    epochs = {lease.lease_key: lease.stream_epoch for lease in leases}
     below = set(known)
     rest = [lease for lease in leases if lease.lease_key not in below]
     grew = True
@@ -362,24 +362,13 @@ def known_below(known: AbstractSet[str] | None,
         grew = False
         for lease in list(rest):
             epoch = epochs[lease.lease_key]
-            if any(_one_stream(epoch, epochs.get(parent))
+            # a parent without a lease in the scan counts as of the same stream
+            if any(not other_streams(epoch, epochs.get(parent))
                    for parent in lease.parent_lease_keys & below):
                 below.add(lease.lease_key)
                 rest.remove(lease)
                 grew = True
     return below
-
-
-def _stream_epoch(lease: Lease) -> float:
-    """The creation time of the stream ``lease`` was made for; 0 when it does not say (a
-    lease the Java KCL made, or one made before the stream's time was known)."""
-    return incarnation_epoch(lease.incarnation) if lease.incarnation else 0
-
-
-def _one_stream(epoch: float, other: float | None) -> bool:
-    """Whether two leases' stream creation times allow them one stream: unknown on either
-    side (a parent without a lease in the scan included) is taken for the same."""
-    return not epoch or not other or same_stream(epoch, other)
 
 
 def held_leases(leases: Iterable[Lease], *,

@@ -132,6 +132,13 @@ class Lease:
         or asked for by an operator and not folded into the queue yet)."""
         return self.is_shard_end and not self.recovery and not self.recovery_requests
 
+    @property
+    def stream_epoch(self) -> float:
+        """The creation time (seconds) of the stream this lease was made for, as its
+        incarnation names it; 0 when it does not say (a lease the Java KCL made, or one made
+        before the stream's time was known)."""
+        return incarnation_epoch(self.incarnation) if self.incarnation else 0
+
     def copy(self, **changes: Any) -> Lease:
         """``dataclasses.replace``, without its ``getattr`` per field and its ``__init__``:
         the taker hands out a copy of every lease of the table several times a second
@@ -176,6 +183,14 @@ def same_stream(created: float, other: float) -> bool:
     if created.is_integer() or other.is_integer():
         return int(created) == int(other)
     return abs(created - other) < 0.0005
+
+
+def other_streams(created: float, other: float | None) -> bool:
+    """Whether two creation times of a stream name are both known (0 or None: unknown) and
+    name two streams (``same_stream``); unknown on either side never tells them apart."""
+    if not created or not other:
+        return False
+    return not same_stream(created, other)
 
 
 def incarnation_epoch(incarnation: str) -> float:

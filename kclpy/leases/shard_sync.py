@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kclpy.consumer import report_lost_to_retention
 from kclpy.errors import ConfigError, LeaseLostError
 from kclpy.leases.cleanup import has_progressed
-from kclpy.leases.lease import Lease, incarnation_epoch, new_incarnation, same_stream
+from kclpy.leases.lease import Lease, new_incarnation, other_streams
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import NOWHERE, THROTTLES, Metrics
 from kclpy.position import (
@@ -158,8 +158,8 @@ def former_incarnation(lease: Lease, shard: Shard,
     endpoint may number a new stream's shard below the old one's checkpoint. An end beyond
     the shard's ending sequence number is not used: moto lists a closed shard ending at 0
     while its records go on."""
-    created = incarnation_epoch(lease.incarnation) if lease.incarnation else 0
-    if created and stream_epoch and not same_stream(created, stream_epoch):
+    created = lease.stream_epoch
+    if other_streams(created, stream_epoch):
         return (f"it was created for a stream created at epoch {created}, and this one was "
                 f"created at {stream_epoch}")
     if lease.is_shard_end and shard.is_open:

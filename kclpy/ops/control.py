@@ -47,7 +47,6 @@ from kclpy.leases import serializer as ser
 from kclpy.leases.dynamo import CONDITION_FAILED
 from kclpy.leases.lease import (
     Lease,
-    incarnation_epoch,
     new_incarnation,
     new_write_id,
     same_stream,
@@ -401,7 +400,7 @@ def _recreated(shard: Shard, shards: Mapping[str, Shard], sibling: Lease) -> Lea
     the stream's identifier and creation time taken from a lease of the same stream), at
     SHARD_END until the move sets its checkpoint."""
     if sibling.incarnation:
-        epoch: float | None = incarnation_epoch(sibling.incarnation) or None
+        epoch: float | None = sibling.stream_epoch or None
     elif sibling.stream is not None:
         epoch = float(StreamIdentifier.parse(sibling.stream).creation_epoch)
     else:

@@ -70,7 +70,7 @@ from kclpy.errors import (
     ShutdownException,
     TransactionRejected,
 )
-from kclpy.leases.lease import incarnation_epoch, same_stream
+from kclpy.leases.lease import incarnation_epoch, other_streams
 from kclpy.position import Position
 from kclpy.recovery.queue import RecoveryRequest
 from kclpy.redaction import redact
@@ -304,7 +304,7 @@ class SQLStateStore:
                 f"state store holds lease incarnation {stored}; the lease table holds "
                 f"{'none' if current is None else current.incarnation}, not {incarnation}")
         epoch, stored_epoch = incarnation_epoch(incarnation), incarnation_epoch(stored)
-        if epoch and stored_epoch and not same_stream(epoch, stored_epoch):
+        if other_streams(epoch, stored_epoch):
             log.warning(
                 "shard %s: its stream was created again (creation epoch %s; the state store's "
                 "position %s is of the stream created at %s): that position and its gaps' "
