@@ -269,10 +269,11 @@ class ShardRecovery:
                 return None
             result = reader.get(timeout=0)
         except (ClientError, FetchError) as exc:
-            cause = exc.__cause__ if isinstance(exc, FetchError) else exc
+            # a ClientError is the gap's retention probe (``_start_of``): only not-found is
+            # given up like a failed read
             if isinstance(exc, ClientError) and not is_not_found(exc):
                 raise
-            self.not_found = self.not_found or is_not_found(cause)
+            self.not_found |= is_not_found(exc) or is_not_found(exc.__cause__)
             log.error("shard %s: recovery read failed; the gap stays queued for the next "
                       "owner: %r", self.lease_key, exc)
             if self._reading is not None:
