@@ -160,6 +160,14 @@ class KCLConfig:
         return read_policy(self.get_records_backoff_base_ms, self.get_records_backoff_cap_ms)
 
     @property
+    def list_shards_retries(self) -> RetryPolicy:
+        """How a shard sync retries ListShards: ``listShardsBackoffTimeInMillis``, its cap
+        and ``maxListShardsRetryAttempts``."""
+        return RetryPolicy(self.list_shards_backoff_base_ms / 1000,
+                           self.list_shards_backoff_cap_ms / 1000,
+                           max_attempts=self.max_list_shards_retry_attempts)
+
+    @property
     def lease_table_name(self) -> str:
         return self.table_name or self.application_name
 

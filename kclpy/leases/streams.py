@@ -29,7 +29,7 @@ from kclpy.leases.lease import Lease
 from kclpy.leases.shard_sync import ShardSyncer, SyncedStream
 from kclpy.leases.table import LeaseTable
 from kclpy.metrics import Metrics
-from kclpy.retry import RetryPolicy, is_not_found
+from kclpy.retry import is_not_found
 from kclpy.streams import StreamConfig, StreamIdentifier, stream_of_lease_key
 
 if TYPE_CHECKING:
@@ -153,10 +153,7 @@ class StreamSet:
             SyncedStream(name=None if stream.arn else stream.label, arn=stream.arn,
                          identifier=identifier, epoch=_created_at(summary)),
             initial_position=stream.initial_position or cfg.initial_position,
-            metrics=self.metrics,
-            retries=RetryPolicy(cfg.list_shards_backoff_base_ms / 1000,
-                                cfg.list_shards_backoff_cap_ms / 1000,
-                                max_attempts=cfg.max_list_shards_retry_attempts))
+            metrics=self.metrics, retries=cfg.list_shards_retries)
         key = identifier or stream.label
         self.active[key] = ActiveStream(stream, identifier, syncer, consumer_arn)
         if self.former.pop(key, None) is not None:
