@@ -13,8 +13,9 @@ thinks happened:
   increasing positions, all after the checkpoint it started from; every record of a parent
   shard was processed before the first record of its children;
 - *duplicates only after a failure*: a record is processed again only by a new session whose
-  owner changed, and every session starts from the latest checkpoint confirmed before it
-  began - so what it repeats lies after the last checkpoint of the previous owner;
+  owner changed, and every session that processes or checkpoints anything started from the
+  latest checkpoint confirmed before it began - so what it repeats lies after the last
+  checkpoint of the previous owner;
 - *checkpoints only move forward*: in every sample of the lease table.
 
 Journal row numbers are the global commit order (see ``tests.support.ledger``), so "before"
@@ -193,6 +194,9 @@ class _Session:
     init_n: int = 0
     last: Position | None = None
     ended_n: int | None = None
+    #: the start was behind a checkpoint confirmed before it was journalled: what the
+    #: violation says if the session goes on to act on it (``_check_acting``)
+    stale: str | None = None
 
 
 def audit(
@@ -224,8 +228,10 @@ def audit(
         if entry.event == INITIALIZE:
             _check_start(report, session, entry, confirmed.get(entry.shard))
         elif entry.event == RECORD:
+            _check_acting(report, session)
             _check_delivery(report, session, entry, by_id, first, sessions)
         elif entry.event == CHECKPOINT:
+            _check_acting(report, session)
             position = Position.of(entry.seq, entry.subseq)
             _check_checkpoint(report, entry, position, coverage, first)
             confirmed[entry.shard] = max(position, confirmed.get(entry.shard, position))
@@ -251,18 +257,29 @@ def _check_start(
 ) -> None:
     """A new tenure resumes from the latest confirmed checkpoint, never from an older one.
 
-    Sound although rows may be late: a checkpoint confirmed in an earlier row succeeded
-    before that row, and so before this session's owner took the lease - had the lease
-    been taken first, the checkpoint's conditional write would have failed.
+    A checkpoint confirmed in an earlier row succeeded before that row, and so before this
+    session's owner took the lease when the checkpoint is an earlier tenure's: had the lease
+    been taken first, that checkpoint's conditional write would have failed. But it may be a
+    later tenure's: an owner frozen between choosing the start and journalling it (the
+    MultiLang initialize line is written after the child is spawned) loses the lease while
+    frozen, and the next owner checkpoints before the frozen one's row. Such a zombie can
+    neither deliver (its fence says the lease is gone) nor checkpoint, so a stale start is a
+    violation once the session acts on it (``_check_acting``), not when it is journalled.
     """
     session.start = Position.of(entry.seq, entry.subseq)
     session.init_n = entry.n
     if latest is not None and session.start < latest:
-        report.violate(
-            "session started before the last checkpoint",
+        session.stale = (
             f"{entry.shard} session {entry.session[:8]} on {entry.worker} started at "
-            f"{entry.seq}/{entry.subseq}, but {latest} was confirmed before (row {entry.n})",
+            f"{entry.seq}/{entry.subseq}, but {latest} was confirmed before (row {entry.n})"
         )
+
+
+def _check_acting(report: AuditReport, session: _Session) -> None:
+    """A session that processes or checkpoints after a stale start (``_check_start``)."""
+    if session.stale is not None:
+        report.violate("session started before the last checkpoint", session.stale)
+        session.stale = None
 
 
 def _check_delivery(

@@ -153,6 +153,24 @@ def test_a_new_owner_starting_before_the_last_checkpoint_is_reported() -> None:
     assert violations["session started before the last checkpoint"] == 1
 
 
+def test_a_frozen_owner_journalling_its_start_after_the_next_owners_checkpoint_passes() -> None:
+    """Worker a chose its start before it froze and journalled it after b, which took the
+    expired lease, had checkpointed: a zombie that only hears it lost the lease did nothing
+    wrong (CI's MultiLang chaos run once had one)."""
+    run = failover_run()
+    run.start("z", PARENT, "c")
+    run.event(LEASE_LOST, "z", PARENT, "c")
+    assert run.audit().ok
+
+
+def test_a_stale_start_that_checkpoints_is_reported() -> None:
+    run = failover_run()
+    run.start("z", PARENT, "c", seq(2))
+    run.checkpoint("z", PARENT, "c", 4)
+    violations = run.audit().violations
+    assert dict(violations) == {"session started before the last checkpoint": 1}
+
+
 def test_a_duplicate_by_the_same_processor_is_reported() -> None:
     run = failover_run()
     run.deliver("s2", PARENT, "b", ("r4", 4, 0))
