@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -582,6 +583,70 @@ def test_a_gap_checkpointer_from_before_a_restart_cannot_skip_the_failed_batch(
         "the successor gets every gap record after the gap's checkpoint"
     assert second.refused == ["ShutdownException"]
     assert shard.queue() == ()
+
+
+class TakenBeforeNextUse:
+    """A lock that runs ``hook`` (once) just before it is next taken."""
+
+    def __init__(self, lock: AbstractContextManager[Any]) -> None:
+        self.lock = lock
+        self.hook: Callable[[], None] | None = None
+
+    def __enter__(self) -> Any:
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.lock.__exit__(*exc)
+
+
+def test_a_checkpoint_through_a_gaps_end_as_its_reader_stops_finishes_the_gap(
+        shard: Shard, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A processor that checkpoints from its own thread (the Spark batcher, once its batch
+    is committed) covers the gap's last record just as the gap is closed: after the reader
+    stopped and the checkpointer was looked at, before the queue's lock is taken. On the
+    code before, that checkpoint found no end to finish the gap with (the reader had
+    forgotten it, and it was not kept yet) and the close found the checkpoint short of the
+    end: the gap stayed queued, checkpointed to its end, until the next tenure read it."""
+    hour_later = time.time() + 3600
+    batches: list[tuple[Any, Checkpointer]] = []
+    lock: TakenBeforeNextUse | None = None
+
+    def checkpoint_the_end() -> None:
+        result, checkpointer = batches[-1]
+        checkpointer.checkpoint(result.records[-1])
+
+    def arming(start: Position, until_ms: int | None, pacer: Pacer | None,
+               max_records: int | None) -> ShardPipeline:
+        reader = shard.reader(start, until_ms, pacer, max_records)
+        stop = reader.stop
+
+        def stopped() -> None:
+            stop()
+            assert lock is not None
+            lock.hook = checkpoint_the_end
+
+        monkeypatch.setattr(reader, "stop", stopped)
+        return reader
+
+    recovery = shard.recovery(wall_clock=lambda: hour_later)
+    monkeypatch.setattr(recovery, "_readers", arming)
+    lock = TakenBeforeNextUse(recovery._lock)
+    monkeypatch.setattr(recovery, "_lock", lock)
+    assert recovery.begin(Position.trim_horizon()) is not None
+
+    def step() -> bool:
+        batch = recovery.poll()
+        if batch is not None:
+            batch[1].mark_delivered(batch[0].records[-1])
+            batches.append(batch)
+        return not recovery.active
+
+    wait_for(step, 10, "the gap read to its end")
+    assert sum(len(result.records) for result, _ in batches) == 30
+    assert shard.queue() == (), "finished by the checkpoint through its end"
 
 
 def stored_gaps(group: Fleet) -> tuple[RecoveryRequest, ...]:
