@@ -23,7 +23,6 @@ import pytest
 
 import kclpy
 from kclpy import KCLConfig, Worker
-from kclpy.checkpoint import Checkpointer
 from kclpy.consumer import ShardConsumer
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import RECOVERY
@@ -36,10 +35,12 @@ from tests.support.e2e import lease_items, worker_config
 from tests.support.recovery import age
 from tests.support.scripted import (
     SETTINGS,
+    FakeRecovery,
     Host,
     Leases,
     Readers,
     Result,
+    RewindingRecovery,
     ScriptedFetcher,
     Writer,
     rec,
@@ -222,39 +223,6 @@ def test_a_worker_whose_clock_is_ahead_of_kinesis_skips_no_record_of_a_lagging_s
 
 # -- the consumer's side: live and recovery batches on one delivery thread ------------------
 
-class FakeRecovery:
-    """Serves scripted recovery batches with a checkpointer of their own."""
-
-    def __init__(self, batches: list[Result], start_at: datetime | None = None) -> None:
-        self.batches = list(batches)
-        self.start_at = start_at
-        self.begun: list[tuple[str, int]] = []
-        self.writer = Writer()
-        self.checkpointer = Checkpointer("shard-1", self.writer, "t", Position.trim_horizon())
-        self.stopped = False
-        self.not_found = False
-
-    def begin(self, live: Position) -> datetime | None:
-        self.begun.append((live.checkpoint, live.sub_sequence_number))
-        return self.start_at
-
-    def poll(self) -> tuple[Result, Checkpointer] | None:
-        return (self.batches.pop(0), self.checkpointer) if self.batches else None
-
-    @property
-    def active(self) -> bool:
-        return bool(self.batches)
-
-    def left_stream(self) -> None:
-        self.batches.clear()
-
-    def stop(self) -> None:
-        self.stopped = True
-
-    def status(self) -> list[dict[str, Any]]:
-        return [{"batches": len(self.batches)}]
-
-
 class FlagLog(kclpy.IRecordProcessor):
     def __init__(self) -> None:
         self.log: list[tuple[Any, ...]] = []
@@ -331,23 +299,6 @@ def test_a_closed_shard_with_a_gap_queued_is_recovered_without_live_reading() ->
     assert processor.log == [("init", SHARD_END), ("recovery", ["1"]), ("recovery", ["2"])]
     assert starts == [] and recovery.begun == [] and writer.writes == []
     assert recovery.writer.writes == [("1", 0), ("2", 0)]
-
-
-class RewindingRecovery(FakeRecovery):
-    """As ShardRecovery: ``begin`` drops what was read and serves the gap again after its
-    own checkpoint."""
-
-    def __init__(self, batches: list[Result]) -> None:
-        super().__init__(batches)
-        self.script = list(batches)
-
-    def begin(self, live: Position) -> datetime | None:
-        self.begun.append((live.checkpoint, live.sub_sequence_number))
-        done = self.checkpointer.last_checkpoint[0]
-        after = int(done) if done is not None and done.isdigit() else -1
-        self.batches = [b for b in self.script
-                        if int(b.records[-1].sequence_number) > after]
-        return None
 
 
 class RestartOnce(FlagLog):
