@@ -414,10 +414,16 @@ class ShardConsumer:
     def _initialize(self, position: Position) -> bool:
         """New processor, checkpointer and fetcher positioned right after ``position`` (the
         checkpoint; or, when the shard is too far behind, at the live start recovery chose; a
-        lease still at ``LATEST`` / ``AT_TIMESTAMP`` at the start it was resolved to)."""
+        lease still at ``LATEST`` / ``AT_TIMESTAMP`` at the start it was resolved to).
+
+        At ``SHARD_END`` there is no fetcher: the processor gets only the gaps still queued.
+        When it replaces one of this tenure (a restart), the gaps are read again from their
+        own checkpoints, with checkpointers of their own: those of the processor replaced
+        were retired with it."""
         checkpoint, sub_sequence_number = position.checkpoint, position.sub_sequence_number
         start_at = None
-        if self._recovery is not None and not position.is_shard_end:
+        replacing = self._checkpointer is not None
+        if self._recovery is not None and (replacing or not position.is_shard_end):
             try:
                 start_at = self._recovery.begin(position)
             except ShutdownException as exc:
@@ -470,6 +476,7 @@ class ShardConsumer:
         if processor is None:
             return False
         self._processor = processor
+        self._processor_ended = False
         self._checkpointer = Checkpointer(
             self.lease_key, self._fence, self._token, position, self._metrics)
         self._handed = weakref.WeakSet([self._checkpointer])
@@ -537,15 +544,22 @@ class ShardConsumer:
         the live checkpoint past a gap it finished (``ShardRecovery._store``) without that
         checkpointer knowing, and resuming from the stale one would queue and deliver the
         whole gap again. The discarded processor's checkpointers are retired first, so none
-        of them can write behind the position read."""
-        assert self._checkpointer is not None and self._fetcher is not None
-        self._fetcher.stop()
-        self._fetcher = None
+        of them can write behind the position read.
+
+        Once the live checkpoint is ``SHARD_END`` (the processor was given only the gaps
+        still queued) it stays there: the successor starts at ``SHARD_END`` and only the
+        gaps are read again, each from its own checkpoint. A processor restarted there gets
+        the same backoff as one that reads live, so a processor that keeps failing costs a
+        backoff per attempt, not a busy loop."""
+        assert self._checkpointer is not None
+        if self._fetcher is not None:
+            self._fetcher.stop()
+            self._fetcher = None
         self._processor = None
         last = self._retire("the processor was restarted")
         if self._pause(self._backoff(attempt)):
             return False
-        checkpoint = self._durable_checkpoint(last)
+        checkpoint = last if last.is_shard_end else self._durable_checkpoint(last)
         if checkpoint is None:
             return False
         start = self._start_at
@@ -648,16 +662,23 @@ class ShardConsumer:
 
     def _drain_recovery(self) -> None:
         """After the shard's end: recover what is still queued before letting the lease go
-        (the children already run; they only wait for the live SHARD_END checkpoint)."""
+        (the children already run; they only wait for the live SHARD_END checkpoint). A
+        restart asked for goes through ``_restart``, as in the live loop."""
         recovery = self._recovery
+        restarts = 0
         while recovery is not None and recovery.active and not self._stopping():
             batch = recovery.poll()
             if batch is None:
                 if self._pause(self._settings.poll_timeout_s / 10):
                     return
-            elif self._deliver(*batch, is_recovery=True) == "restart":
-                # Only the gap's reader can move back: the shard itself is finished.
-                recovery.begin(Position.shard_end())
+                continue
+            outcome = self._deliver(*batch, is_recovery=True)
+            if outcome == "restart":
+                if not self._restart(restarts):
+                    return
+                restarts += 1
+            elif outcome == "ok":
+                restarts = 0
         if recovery is not None and recovery.not_found and not self._stopping():
             self._drop_gaps_left_with_the_shard(recovery)
 

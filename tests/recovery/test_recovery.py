@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -23,7 +24,7 @@ import pytest
 
 import kclpy
 from kclpy import KCLConfig, Worker
-from kclpy.consumer import ShardConsumer
+from kclpy.consumer import ConsumerSettings, ShardConsumer
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import RECOVERY
 from kclpy.local import LocalEndpoint
@@ -246,9 +247,18 @@ class FlagLog(kclpy.IRecordProcessor):
         self.log.append(("shutdown_requested",))
 
 
-def consume(lease: Lease, live: list[Result], recovery: FakeRecovery
-            ) -> tuple[FlagLog, Writer, list[datetime | None]]:
-    processor, writer = FlagLog(), Writer()
+#: every consumer ``run`` made, latest last (a processor reaches its consumer here)
+consumers: list[ShardConsumer] = []
+
+
+def run(lease: Lease, live: list[Result], recovery: FakeRecovery,
+        processors: Callable[[], kclpy.IRecordProcessor], *,
+        settings: ConsumerSettings = SETTINGS, wait: bool = True,
+        ) -> tuple[ShardConsumer, Writer, list[datetime | None]]:
+    """A consumer of ``lease`` reading ``live`` and ``recovery``, run to its end (unless not
+    ``wait``); a consumer that does not end within 10 s is told its lease is lost, so that
+    a test of a loop fails instead of leaving it spinning."""
+    writer = Writer()
     starts: list[datetime | None] = []
 
     def fetcher_factory(start: Position) -> ScriptedFetcher:
@@ -256,12 +266,25 @@ def consume(lease: Lease, live: list[Result], recovery: FakeRecovery
         return ScriptedFetcher(live, (start.checkpoint, start.sub_sequence_number))
 
     consumer = ShardConsumer(
-        lease, concurrency_token="t", processor_factory=lambda: processor, fence=writer,
+        lease, concurrency_token="t", processor_factory=processors, fence=writer,
         readers=Readers(fetcher_factory, make_recovery=lambda: recovery),
-        host=Host(Leases()), settings=SETTINGS, metrics=Metrics(), rng=random.Random(1))
+        host=Host(Leases()), settings=settings, metrics=Metrics(), rng=random.Random(1))
+    consumers.append(consumer)
     consumer.start()
-    assert consumer.join(10)
-    assert consumer.error is None
+    if wait:
+        ended = consumer.join(10)
+        if not ended:
+            consumer.notify_lease_lost()
+            consumer.join(10)
+        assert ended, "the consumer did not end"
+        assert consumer.error is None
+    return consumer, writer, starts
+
+
+def consume(lease: Lease, live: list[Result], recovery: FakeRecovery
+            ) -> tuple[FlagLog, Writer, list[datetime | None]]:
+    processor = FlagLog()
+    _, writer, starts = run(lease, live, recovery, lambda: processor)
     return processor, writer, starts
 
 
@@ -320,21 +343,48 @@ class RestartOnce(FlagLog):
 def test_a_restart_asked_while_a_closed_shard_drains_re_reads_from_the_gaps_checkpoint(
         ) -> None:
     recovery = RewindingRecovery([Result([rec(1)]), Result([rec(2)]), Result([rec(3)])])
-    processor, writer = RestartOnce(), Writer()
-    consumer = ShardConsumer(
-        Lease("shard-1", checkpoint=Position("50")), concurrency_token="t",
-        processor_factory=lambda: processor, fence=writer,
-        readers=Readers(lambda start: ScriptedFetcher(
-            [Result([], shard_end=True)], (start.checkpoint, start.sub_sequence_number)),
-            make_recovery=lambda: recovery),
-        host=Host(Leases()), settings=SETTINGS, metrics=Metrics(), rng=random.Random(1))
-    consumer.start()
-    assert consumer.join(10) and consumer.error is None
+    processor = RestartOnce()
+    _, writer, _ = run(Lease("shard-1", checkpoint=Position("50")),
+                       [Result([], shard_end=True)], recovery, lambda: processor)
     handed = [tuple(rest[0]) for kind, *rest in processor.log if kind in ("recovery", "restart")]
     assert handed == [("1",), ("2",), ("2",), ("3",)], "record 2 is handed again, nothing lost"
+    assert [entry for entry in processor.log if entry[0] in ("init", "shard_ended")] == [
+        ("init", "50"), ("shard_ended",), ("init", SHARD_END)], "a new processor after the restart"
     assert recovery.begun == [("50", 0), (SHARD_END, 0)]
     assert recovery.writer.writes == [("1", 0), ("2", 0), ("3", 0)]
     assert writer.writes == [(SHARD_END, 0)]
+
+
+class AlwaysRestarts(FlagLog):
+    """Asks for a restart on every gap batch."""
+
+    def __init__(self, made: list[AlwaysRestarts]) -> None:
+        super().__init__()
+        made.append(self)
+
+    def process_records(self, process_records_input: kclpy.ProcessRecordsInput) -> None:
+        raise kclpy.ProcessorRestartRequired("child died")
+
+
+def test_a_gaps_processor_that_keeps_failing_is_restarted_with_the_task_backoff() -> None:
+    """Each restart asked for while a closed shard's gaps are recovered gets a new processor
+    after the task backoff, as in the live loop, and the consumer still stops when asked.
+    On the code before the same processor got the batch again at once: a busy loop of reads
+    of the gap."""
+    recovery = RewindingRecovery([Result([rec(1)])])
+    made: list[AlwaysRestarts] = []
+    backoff = ConsumerSettings(**{**SETTINGS.__dict__, "task_backoff_s": 0.1,
+                                  "max_task_backoff_s": 0.1})
+    consumer, _, _ = run(Lease("shard-1", checkpoint=Position.shard_end()), [], recovery,
+                         lambda: AlwaysRestarts(made), settings=backoff, wait=False)
+    time.sleep(1)
+    consumer.request_shutdown()
+    assert consumer.join(10) and consumer.error is None
+    # equal jitter: each backoff is 0.05 s to 0.1 s; each new processor reads the gap again
+    assert 2 <= len(made) <= 21
+    assert len(made) - 1 <= len(recovery.begun) <= len(made)
+    assert all(p.log == [("init", SHARD_END)] for p in made)
+    assert recovery.writer.writes == []
 
 
 @pytest.mark.integration

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -582,6 +583,78 @@ def test_a_gap_checkpointer_from_before_a_restart_cannot_skip_the_failed_batch(
     assert len(successor) == 20 and int(successor[0]) > int(first.records[-1][1]), \
         "the successor gets every gap record after the gap's checkpoint"
     assert second.refused == ["ShutdownException"]
+    assert shard.queue() == ()
+
+
+class ChecksLateAtBegin(ShardRecovery):
+    """A shard's recovery that first runs ``late`` whenever its gaps are read again
+    (``begin``): the moment a failed processor's background thread checkpoints in, as the
+    consumer reacts to its restart request."""
+
+    def __init__(self, lease: Lease, late: Callable[[], None], **options: Any) -> None:
+        super().__init__(lease, **options)
+        self._late = late
+
+    def begin(self, live: Position) -> datetime | None:
+        self._late()
+        return super().begin(live)
+
+
+def test_a_restart_while_a_closed_shards_gaps_are_recovered_loses_no_gap_record(
+        shard: Shard) -> None:
+    """A closed shard's lease taken for its gap of 30 records, read ten at a time: the
+    processor fails the gap's second batch (``ProcessorRestartRequired``), and a checkpoint
+    through the gap checkpointer it was handed comes in late - after the failure, as the
+    gap is read again. On the code before the drain neither retired that checkpointer nor
+    replaced the processor: the late checkpoint moved the gap's checkpoint over the failed
+    batch, and 20 of the 30 records were processed before the gap was gone. It is refused;
+    a new processor gets the gap again from its checkpoint."""
+    key = "shardId-000000000000"
+    hour_later = time.time() + 3600
+    clock = kinesis_clock(shard.kinesis, skew.AgedKinesisClock)
+    assert isinstance(clock, skew.AgedKinesisClock)
+    clock.move_to(hour_later)
+    options: dict[str, Any] = dict(
+        token=shard.token, fence=shard.holder.fence, rate=RecoveryRate(10_000),
+        max_lag_ms=1000, metrics=shard.metrics, wall_clock=lambda: hour_later,
+        kinesis_clock=clock)
+
+    def pages_of_ten(start: Position, until_ms: int | None, pacer: Pacer | None,
+                     max_records: int | None) -> ShardPipeline:
+        return shard.reader(start, until_ms, pacer, max_records or 10)
+
+    queueing = ShardRecovery(Lease(key), reader_factory=pages_of_ten, **options)
+    assert queueing.begin(Position.trim_horizon()) is not None, "the gap of 30 queued"
+    shard.holder.fence.update_checkpoint(key, shard.token, Position.shard_end())
+    held = shard.holder.held.entry(key)
+    assert held is not None and held.lease.is_shard_end and held.lease.recovery
+    first = KeepsTheGapCheckpointer(shard.table)
+    second = Restarting(shard.table)
+    processors = iter([first, second])
+    refused: list[str] = []
+
+    def late() -> None:
+        if len(first.kept) == 2 and not refused:
+            try:
+                first.kept[-1].checkpoint()
+            except ShutdownException as exc:
+                refused.append(exc.name)
+            else:
+                refused.append("accepted")
+
+    consumer = ShardConsumer(
+        held.lease.copy(), concurrency_token=shard.token,
+        processor_factory=lambda: next(processors), fence=shard.holder.fence,
+        readers=Readers(lambda start: ScriptedFetcher([], (start.checkpoint, 0)),
+                        make_recovery=lambda: ChecksLateAtBegin(
+                            held.lease.copy(), late, reader_factory=pages_of_ten, **options)),
+        host=Host(LeaseTableReader(shard.table)), settings=SETTINGS, metrics=shard.metrics,
+        rng=random.Random(1))
+    consumer.start()
+    assert consumer.join(30) and consumer.error is None and consumer.shard_ended
+    assert refused == ["ShutdownException"]
+    processed = [seq for p in (first, second) for is_recovery, seq in p.records if is_recovery]
+    assert len(processed) == 30 == len(set(processed)), "every gap record processed once"
     assert shard.queue() == ()
 
 
