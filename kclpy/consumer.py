@@ -340,9 +340,8 @@ class ShardConsumer:
                 self._recovery = self._readers.recovery()
                 if self._lease.is_shard_end:
                     # A closed shard's lease is only taken while gaps of it are queued.
-                    if self._recovering() and self._initialize(Position.shard_end()):
-                        self._set_state(ConsumerState.PROCESSING)
-                        self._drain_recovery()
+                    if self._recovering():
+                        self._recover_after_shard_end()
                     self.caught_up = self.shard_ended = True
                 elif self._initialize(self._lease.checkpoint):
                     self._set_state(ConsumerState.PROCESSING)
@@ -417,9 +416,9 @@ class ShardConsumer:
         lease still at ``LATEST`` / ``AT_TIMESTAMP`` at the start it was resolved to).
 
         At ``SHARD_END`` there is no fetcher: the processor gets only the gaps still queued.
-        When it replaces one of this tenure (a restart), the gaps are read again from their
-        own checkpoints, with checkpointers of their own: those of the processor replaced
-        were retired with it."""
+        When it replaces one of this tenure (the live processor ended the shard, or one was
+        restarted), the gaps are read again from their own checkpoints, with checkpointers
+        of their own: those of the processor replaced were retired with it."""
         checkpoint, sub_sequence_number = position.checkpoint, position.sub_sequence_number
         start_at = None
         replacing = self._checkpointer is not None
@@ -660,17 +659,45 @@ class ShardConsumer:
         result, checkpointer = batch
         return self._deliver(result, checkpointer, is_recovery=True)
 
+    def _recover_after_shard_end(self) -> None:
+        """Recover the gaps still queued once the live shard is finished - read to its end by
+        this tenure, whose processor then got ``shard_ended``, or by an earlier one (a lease
+        taken at ``SHARD_END`` for its gaps) - with a processor of their own, initialized at
+        ``SHARD_END``, before the lease is let go.
+
+        A processor gets no call after its final one, as in the Java KCL: a MultiLang
+        processor stops its child in ``shard_ended`` and would answer any later call with a
+        restart request. Delivering the gaps to the live processor before its
+        ``shard_ended`` would keep the children waiting for the SHARD_END checkpoint until
+        the gaps were recovered at ``recovery_max_rate``; so it ends the shard as soon as
+        live reading is done, the children start then, and the gaps' processor, its
+        checkpointers new, takes each gap from its checkpoint. It gets its own final call:
+        ``shard_ended`` once no gap is left to read, with the live checkpointer already at
+        ``SHARD_END`` (a ``checkpoint()`` there writes nothing), else ``lease_lost`` or
+        ``shutdown_requested`` as the tenure ends."""
+        if self._checkpointer is not None:
+            self._processor = None
+            self._retire("the shard ended; the gaps still queued go to a new processor")
+        if self._initialize(Position.shard_end()):
+            self._set_state(ConsumerState.PROCESSING)
+            self._drain_recovery()
+        if self._lease_lost.is_set():
+            self._end_with_lease_lost()
+        elif self._shutdown.is_set():
+            self._end_with_shutdown_requested()
+        else:
+            self._end_recovered()
+
     def _drain_recovery(self) -> None:
-        """After the shard's end: recover what is still queued before letting the lease go
-        (the children already run; they only wait for the live SHARD_END checkpoint). A
-        restart asked for goes through ``_restart``, as in the live loop."""
+        """Hand the gaps' processor every gap batch until no gap is left to read or the
+        tenure ends; a restart asked for goes through ``_restart``, as in the live loop."""
         recovery = self._recovery
+        assert recovery is not None
         restarts = 0
-        while recovery is not None and recovery.active and not self._stopping():
+        while recovery.active and not self._stopping():
             batch = recovery.poll()
             if batch is None:
-                if self._pause(self._settings.poll_timeout_s / 10):
-                    return
+                self._pause(self._settings.poll_timeout_s / 10)
                 continue
             outcome = self._deliver(*batch, is_recovery=True)
             if outcome == "restart":
@@ -679,8 +706,22 @@ class ShardConsumer:
                 restarts += 1
             elif outcome == "ok":
                 restarts = 0
-        if recovery is not None and recovery.not_found and not self._stopping():
+        if recovery.not_found and not self._stopping():
             self._drop_gaps_left_with_the_shard(recovery)
+
+    def _end_recovered(self) -> None:
+        """The gaps' processor's final call: ``shard_ended``, once. Its checkpointer is at
+        ``SHARD_END`` already, so there is nothing to insist on."""
+        processor, checkpointer = self._processor, self._checkpointer
+        if processor is None or checkpointer is None:
+            return
+        self._set_state(ConsumerState.SHUTTING_DOWN)
+        self._processor_ended = True
+        try:
+            processor.shard_ended(ShardEndedInput(self.lease_key, checkpointer))
+        except Exception:
+            self._m.inc(PROCESSOR_ERRORS, "shard_ended")
+            log.exception("shard %s: shard_ended failed", self.lease_key)
 
     def _drop_gaps_left_with_the_shard(self, recovery: RecoveryLike) -> None:
         """Kinesis no longer finds the finished shard whose gaps this tenure took the lease
@@ -871,7 +912,8 @@ class ShardConsumer:
             return
         self._processor_ended = True
         self.shard_ended = self.caught_up = True
-        self._drain_recovery()
+        if self._recovering():
+            self._recover_after_shard_end()
 
     def _end_with_lease_lost(self) -> None:
         self._set_state(ConsumerState.SHUTTING_DOWN)

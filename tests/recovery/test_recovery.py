@@ -306,22 +306,111 @@ def test_recovery_batches_are_flagged_and_checkpoint_the_gap_not_the_live_shard(
 
 
 def test_a_gap_left_at_shard_end_is_recovered_before_the_lease_goes() -> None:
+    """Live reading reached the shard's end with gap batches still queued: the live
+    processor ends the shard at once (the children may start meanwhile), and what is left
+    of the gap goes to a processor started at SHARD_END, whose final callback is
+    ``shard_ended`` too. A processor gets nothing after its final callback."""
     recovery = FakeRecovery([Result([rec(1)]), Result([rec(2)]), Result([rec(3)])])
     live = [Result([], shard_end=True)]
     processor, writer, _ = consume(Lease("shard-1", checkpoint=Position("50")), live, recovery)
     assert processor.log == [("init", "50"), ("recovery", ["1"]), ("shard_ended",),
-                             ("recovery", ["2"]), ("recovery", ["3"])]
+                             ("init", SHARD_END), ("recovery", ["2"]), ("recovery", ["3"]),
+                             ("shard_ended",)]
     assert recovery.writer.writes == [("1", 0), ("2", 0), ("3", 0)]
     assert writer.writes == [(SHARD_END, 0)], "the children may start meanwhile"
 
 
 def test_a_closed_shard_with_a_gap_queued_is_recovered_without_live_reading() -> None:
+    """The gaps' processor ends with ``shard_ended``: its checkpointer is at SHARD_END
+    already, so its ``checkpoint()`` writes nothing. On the code before it got no final
+    callback, and a MultiLang child was left running for every such tenure."""
     recovery = FakeRecovery([Result([rec(1)]), Result([rec(2)])])
     processor, writer, starts = consume(Lease("shard-1", checkpoint=Position.shard_end()), [],
                                         recovery)
-    assert processor.log == [("init", SHARD_END), ("recovery", ["1"]), ("recovery", ["2"])]
+    assert processor.log == [("init", SHARD_END), ("recovery", ["1"]), ("recovery", ["2"]),
+                             ("shard_ended",)]
     assert starts == [] and recovery.begun == [] and writer.writes == []
     assert recovery.writer.writes == [("1", 0), ("2", 0)]
+
+
+class StopsOnTheFirstGapBatch(FlagLog):
+    """Its consumer is told ``stop`` (``notify_lease_lost`` or ``request_shutdown``) while it
+    processes the first gap batch."""
+
+    def __init__(self, stop: str) -> None:
+        super().__init__()
+        self.stop = stop
+
+    def process_records(self, process_records_input: kclpy.ProcessRecordsInput) -> None:
+        super().process_records(process_records_input)
+        getattr(consumers[-1], self.stop)()
+
+
+@pytest.mark.parametrize(("stop", "final"), [("notify_lease_lost", "lease_lost"),
+                                             ("request_shutdown", "shutdown_requested")])
+def test_a_closed_shards_gaps_processor_gets_a_final_callback_when_the_tenure_ends(
+        stop: str, final: str) -> None:
+    """The lease is lost, or the worker shuts down, while a closed shard's gaps are
+    recovered: the gaps' processor is told, as a live one would be. On the code before the
+    drain returned without a final callback."""
+    recovery = FakeRecovery([Result([rec(1)]), Result([rec(2)])])
+    processor = StopsOnTheFirstGapBatch(stop)
+    run(Lease("shard-1", checkpoint=Position.shard_end()), [], recovery, lambda: processor)
+    assert processor.log == [("init", SHARD_END), ("recovery", ["1"]), (final,)]
+    assert recovery.writer.writes == [("1", 0)]
+
+
+class EndsForGood(FlagLog):
+    """As a MultiLang processor, whose final callback stops its child: every call after its
+    final one (``shard_ended`` that checkpointed SHARD_END, ``lease_lost``,
+    ``shutdown_requested``) asks for a restart."""
+
+    def __init__(self, made: list[EndsForGood]) -> None:
+        super().__init__()
+        self.ended = False
+        made.append(self)
+
+    def _refused_after_the_end(self, call: str) -> None:
+        if self.ended:
+            self.log.append(("refused", call))
+            raise kclpy.ProcessorRestartRequired(f"{call} after the final callback")
+
+    def process_records(self, process_records_input: kclpy.ProcessRecordsInput) -> None:
+        self._refused_after_the_end("process_records")
+        super().process_records(process_records_input)
+
+    def lease_lost(self, lease_lost_input: kclpy.LeaseLostInput) -> None:
+        self._refused_after_the_end("lease_lost")
+        super().lease_lost(lease_lost_input)
+        self.ended = True
+
+    def shard_ended(self, shard_ended_input: kclpy.ShardEndedInput) -> None:
+        self._refused_after_the_end("shard_ended")
+        super().shard_ended(shard_ended_input)
+        self.ended = shard_ended_input.checkpointer.position.is_shard_end
+
+    def shutdown_requested(self, shutdown_requested_input: kclpy.ShutdownRequestedInput) -> None:
+        self._refused_after_the_end("shutdown_requested")
+        super().shutdown_requested(shutdown_requested_input)
+        self.ended = True
+
+
+def test_gaps_left_at_shard_end_never_reach_a_processor_after_its_final_callback() -> None:
+    """A MultiLang processor stops its child in ``shard_ended``; on the code before, the
+    consumer then handed it the gap batches still queued, each answered with a restart
+    request, and the consumer only read the gap again: the same batch, the same refusal, for
+    ever (329 GetShardIterator calls in 5 s, the lease held at SHARD_END, the gap never
+    delivered). The gaps go to a new processor; the gap is read again once, at the switch."""
+    recovery = RewindingRecovery([Result([rec(1)]), Result([rec(2)]), Result([rec(3)])])
+    made: list[EndsForGood] = []
+    _, writer, _ = run(Lease("shard-1", checkpoint=Position("50")),
+                       [Result([], shard_end=True)], recovery, lambda: EndsForGood(made))
+    assert [p.log for p in made] == [
+        [("init", "50"), ("recovery", ["1"]), ("shard_ended",)],
+        [("init", SHARD_END), ("recovery", ["2"]), ("recovery", ["3"]), ("shard_ended",)]]
+    assert recovery.begun == [("50", 0), (SHARD_END, 0)]
+    assert recovery.writer.writes == [("1", 0), ("2", 0), ("3", 0)]
+    assert writer.writes == [(SHARD_END, 0)]
 
 
 class RestartOnce(FlagLog):
@@ -349,8 +438,9 @@ def test_a_restart_asked_while_a_closed_shard_drains_re_reads_from_the_gaps_chec
     handed = [tuple(rest[0]) for kind, *rest in processor.log if kind in ("recovery", "restart")]
     assert handed == [("1",), ("2",), ("2",), ("3",)], "record 2 is handed again, nothing lost"
     assert [entry for entry in processor.log if entry[0] in ("init", "shard_ended")] == [
-        ("init", "50"), ("shard_ended",), ("init", SHARD_END)], "a new processor after the restart"
-    assert recovery.begun == [("50", 0), (SHARD_END, 0)]
+        ("init", "50"), ("shard_ended",), ("init", SHARD_END), ("init", SHARD_END),
+        ("shard_ended",)], "a new processor for the gaps, and another after the restart"
+    assert recovery.begun == [("50", 0), (SHARD_END, 0), (SHARD_END, 0)]
     assert recovery.writer.writes == [("1", 0), ("2", 0), ("3", 0)]
     assert writer.writes == [(SHARD_END, 0)]
 
