@@ -340,9 +340,8 @@ class ShardConsumer:
                 self._recovery = self._readers.recovery()
                 if self._lease.is_shard_end:
                     # A closed shard's lease is only taken while gaps of it are queued.
-                    if self._recovering() and self._initialize(Position.shard_end()):
-                        self._set_state(ConsumerState.PROCESSING)
-                        self._drain_recovery()
+                    if self._recovering():
+                        self._recover_after_shard_end()
                     self.caught_up = self.shard_ended = True
                 elif self._initialize(self._lease.checkpoint):
                     self._set_state(ConsumerState.PROCESSING)
@@ -414,10 +413,16 @@ class ShardConsumer:
     def _initialize(self, position: Position) -> bool:
         """New processor, checkpointer and fetcher positioned right after ``position`` (the
         checkpoint; or, when the shard is too far behind, at the live start recovery chose; a
-        lease still at ``LATEST`` / ``AT_TIMESTAMP`` at the start it was resolved to)."""
+        lease still at ``LATEST`` / ``AT_TIMESTAMP`` at the start it was resolved to).
+
+        At ``SHARD_END`` there is no fetcher: the processor gets only the gaps still queued.
+        When it replaces one of this tenure (the live processor ended the shard, or one was
+        restarted), the gaps are read again from their own checkpoints, with checkpointers
+        of their own: those of the processor replaced were retired with it."""
         checkpoint, sub_sequence_number = position.checkpoint, position.sub_sequence_number
         start_at = None
-        if self._recovery is not None and not position.is_shard_end:
+        replacing = self._checkpointer is not None
+        if self._recovery is not None and (replacing or not position.is_shard_end):
             try:
                 start_at = self._recovery.begin(position)
             except ShutdownException as exc:
@@ -470,6 +475,7 @@ class ShardConsumer:
         if processor is None:
             return False
         self._processor = processor
+        self._processor_ended = False
         self._checkpointer = Checkpointer(
             self.lease_key, self._fence, self._token, position, self._metrics)
         self._handed = weakref.WeakSet([self._checkpointer])
@@ -537,15 +543,22 @@ class ShardConsumer:
         the live checkpoint past a gap it finished (``ShardRecovery._store``) without that
         checkpointer knowing, and resuming from the stale one would queue and deliver the
         whole gap again. The discarded processor's checkpointers are retired first, so none
-        of them can write behind the position read."""
-        assert self._checkpointer is not None and self._fetcher is not None
-        self._fetcher.stop()
-        self._fetcher = None
+        of them can write behind the position read.
+
+        Once the live checkpoint is ``SHARD_END`` (the processor was given only the gaps
+        still queued) it stays there: the successor starts at ``SHARD_END`` and only the
+        gaps are read again, each from its own checkpoint. A processor restarted there gets
+        the same backoff as one that reads live, so a processor that keeps failing costs a
+        backoff per attempt, not a busy loop."""
+        assert self._checkpointer is not None
+        if self._fetcher is not None:
+            self._fetcher.stop()
+            self._fetcher = None
         self._processor = None
         last = self._retire("the processor was restarted")
         if self._pause(self._backoff(attempt)):
             return False
-        checkpoint = self._durable_checkpoint(last)
+        checkpoint = last if last.is_shard_end else self._durable_checkpoint(last)
         if checkpoint is None:
             return False
         start = self._start_at
@@ -646,20 +659,69 @@ class ShardConsumer:
         result, checkpointer = batch
         return self._deliver(result, checkpointer, is_recovery=True)
 
+    def _recover_after_shard_end(self) -> None:
+        """Recover the gaps still queued once the live shard is finished - read to its end by
+        this tenure, whose processor then got ``shard_ended``, or by an earlier one (a lease
+        taken at ``SHARD_END`` for its gaps) - with a processor of their own, initialized at
+        ``SHARD_END``, before the lease is let go.
+
+        A processor gets no call after its final one, as in the Java KCL: a MultiLang
+        processor stops its child in ``shard_ended`` and would answer any later call with a
+        restart request. Delivering the gaps to the live processor before its
+        ``shard_ended`` would keep the children waiting for the SHARD_END checkpoint until
+        the gaps were recovered at ``recovery_max_rate``; so it ends the shard as soon as
+        live reading is done, the children start then, and the gaps' processor, its
+        checkpointers new, takes each gap from its checkpoint. It gets its own final call:
+        ``shard_ended`` once no gap is left to read, with the live checkpointer already at
+        ``SHARD_END`` (a ``checkpoint()`` there writes nothing), else ``lease_lost`` or
+        ``shutdown_requested`` as the tenure ends."""
+        if self._checkpointer is not None:
+            self._processor = None
+            self._retire("the shard ended; the gaps still queued go to a new processor")
+        if self._initialize(Position.shard_end()):
+            self._set_state(ConsumerState.PROCESSING)
+            self._drain_recovery()
+        if self._lease_lost.is_set():
+            self._end_with_lease_lost()
+        elif self._shutdown.is_set():
+            self._end_with_shutdown_requested()
+        else:
+            self._end_recovered()
+
     def _drain_recovery(self) -> None:
-        """After the shard's end: recover what is still queued before letting the lease go
-        (the children already run; they only wait for the live SHARD_END checkpoint)."""
+        """Hand the gaps' processor every gap batch until no gap is left to read or the
+        tenure ends; a restart asked for goes through ``_restart``, as in the live loop."""
         recovery = self._recovery
-        while recovery is not None and recovery.active and not self._stopping():
+        assert recovery is not None
+        restarts = 0
+        while recovery.active and not self._stopping():
             batch = recovery.poll()
             if batch is None:
-                if self._pause(self._settings.poll_timeout_s / 10):
+                self._pause(self._settings.poll_timeout_s / 10)
+                continue
+            outcome = self._deliver(*batch, is_recovery=True)
+            if outcome == "restart":
+                if not self._restart(restarts):
                     return
-            elif self._deliver(*batch, is_recovery=True) == "restart":
-                # Only the gap's reader can move back: the shard itself is finished.
-                recovery.begin(Position.shard_end())
-        if recovery is not None and recovery.not_found and not self._stopping():
+                restarts += 1
+            elif outcome == "ok":
+                restarts = 0
+        if recovery.not_found and not self._stopping():
             self._drop_gaps_left_with_the_shard(recovery)
+
+    def _end_recovered(self) -> None:
+        """The gaps' processor's final call: ``shard_ended``, once. Its checkpointer is at
+        ``SHARD_END`` already, so there is nothing to insist on."""
+        processor, checkpointer = self._processor, self._checkpointer
+        if processor is None or checkpointer is None:
+            return
+        self._set_state(ConsumerState.SHUTTING_DOWN)
+        self._processor_ended = True
+        try:
+            processor.shard_ended(ShardEndedInput(self.lease_key, checkpointer))
+        except Exception:
+            self._m.inc(PROCESSOR_ERRORS, "shard_ended")
+            log.exception("shard %s: shard_ended failed", self.lease_key)
 
     def _drop_gaps_left_with_the_shard(self, recovery: RecoveryLike) -> None:
         """Kinesis no longer finds the finished shard whose gaps this tenure took the lease
@@ -850,7 +912,8 @@ class ShardConsumer:
             return
         self._processor_ended = True
         self.shard_ended = self.caught_up = True
-        self._drain_recovery()
+        if self._recovering():
+            self._recover_after_shard_end()
 
     def _end_with_lease_lost(self) -> None:
         self._set_state(ConsumerState.SHUTTING_DOWN)

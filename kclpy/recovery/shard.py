@@ -570,9 +570,18 @@ class ShardRecovery:
         return Position.trim_horizon()
 
     def _close_gap(self) -> None:
-        """The gap being read reached its end and its last batch was handed out."""
+        """The gap being read reached its end and its last batch was handed out.
+
+        The gap's end is kept in ``_ends`` before the reader stops (which forgets
+        ``_final``), so a checkpoint from another thread (the Spark batcher's) finishes the
+        gap whenever it takes ``_lock``: before that one covering the end found neither, and
+        when it came between the look at the checkpointer here and ``_lock``, the gap stayed
+        queued, checkpointed to its end, until the shard's next tenure read it again."""
         gap, final, checkpointer = self._reading, self._final, self._checkpointer
         assert gap is not None and checkpointer is not None
+        if final is not None:
+            with self._lock:
+                self._ends[gap] = final
         self._stop_reader()
         # Read before taking ``_lock``: a checkpoint holds the checkpointer's lock while it
         # waits for ``_lock``.
@@ -586,8 +595,8 @@ class ShardRecovery:
             queued = request is not None
             if queued:
                 self._passed.add(gap)
-                if final is not None:
-                    self._ends[gap] = final
+            else:
+                self._ends.pop(gap, None)
         if queued:
             log.warning("shard %s: recovery gap read to its end, but not checkpointed through "
                         "its last record yet; a later checkpoint through it finishes it, else "

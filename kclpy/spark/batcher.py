@@ -744,18 +744,19 @@ class _BatchingProcessor(IRecordProcessor):
         self._shard: _Shard | None = None
         self._lease_key: str | None = None
         self._stream: str | None = None
-        #: shard_ended checkpointed SHARD_END, or the processor was started at SHARD_END: only
-        #: a parent's recovered gaps come now
+        #: shard_ended checkpointed SHARD_END, or the processor was started at SHARD_END (it
+        #: gets only a finished shard's recovered gaps): no live records come any more
         self._ended = False
 
     def initialize(self, initialize_input: InitializeInput) -> None:
         self._lease_key = initialize_input.shard_id
         self._stream = initialize_input.stream_name
         if initialize_input.sequence_number == SHARD_END:
-            # A finished shard taken only to recover its queued gaps: the consumer lets the
-            # lease go as soon as it handed them over, so each must be committed before
-            # process_records returns, as after shard_ended (else the batch finds the
-            # lease gone, the gap stays queued, and every next owner does the same).
+            # A finished shard's queued gaps (the live processor ended the shard, or the
+            # lease was taken for them): the consumer lets the lease go as soon as it
+            # handed them over, so each must be committed before process_records returns
+            # (else the batch finds the lease gone, the gap stays queued, and every next
+            # owner does the same).
             self._ended = True
             return
         self._shard = self._batcher._register(self._lease_key, self._stream)
@@ -771,9 +772,10 @@ class _BatchingProcessor(IRecordProcessor):
 
     def _process_after_shard_end(self, process_records_input: ProcessRecordsInput) -> None:
         """A recovered gap's batch of a shard that ended (the consumer recovers what is
-        still queued before letting the lease go): committed before this returns, in a
-        shard entry of its own that is forgotten again, so a finished shard leaves nothing
-        in the batcher. Dropping it would leave the gap queued for the lease's next owner."""
+        still queued with a processor started at SHARD_END before letting the lease go):
+        committed before this returns, in a shard entry of its own that is forgotten again,
+        so a finished shard leaves nothing in the batcher. Dropping it would leave the gap
+        queued for the lease's next owner."""
         assert self._lease_key is not None
         shard = self._batcher._register(self._lease_key, self._stream)
         try:
@@ -792,7 +794,12 @@ class _BatchingProcessor(IRecordProcessor):
 
     def shard_ended(self, shard_ended_input: ShardEndedInput) -> None:
         """SHARD_END only after every record of the shard is in a committed batch: the
-        children start once it is written, and must not overtake their parent's records."""
+        children start once it is written, and must not overtake their parent's records.
+        A processor started at SHARD_END has nothing left: each gap batch it got was
+        committed before ``process_records`` returned (the consumer calls it too, as the
+        gaps' processor's final callback)."""
+        if self._ended:
+            return
         assert self._shard is not None
         if self._batcher._drain(self._shard, timeout=None):
             shard_ended_input.checkpointer.checkpoint()

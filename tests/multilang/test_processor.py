@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import shlex
 import stat
 import sys
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from kclpy.checkpoint import Checkpointer
+from kclpy.consumer import ShardConsumer
 from kclpy.errors import (
     CheckpointError,
     ConfigError,
@@ -25,6 +27,7 @@ from kclpy.errors import (
     ShutdownException,
     ThrottlingException,
 )
+from kclpy.leases.lease import Lease
 from kclpy.metrics import Metrics
 from kclpy.multilang import (
     MultiLangChildError,
@@ -44,6 +47,16 @@ from kclpy.processor import (
 from kclpy.records import Record
 from tests.multilang_apps.amazon_kclpy_dist import amazon_kclpy_root
 from tests.support.checkpoints import CheckpointWriterBase
+from tests.support.scripted import (
+    SETTINGS,
+    Host,
+    Leases,
+    Readers,
+    Result,
+    RewindingRecovery,
+    ScriptedFetcher,
+    Writer,
+)
 from tests.support.waiting import wait_for
 
 APPS = Path(__file__).parents[1] / "multilang_apps"
@@ -340,6 +353,48 @@ def test_shard_end_after_the_child_was_lost_starts_a_fresh_child_from_the_checkp
     assert starts == ["TRIM_HORIZON", batch[0].sequence_number]
     assert writer.writes == [(SHARD, batch[0].sequence_number, 0), (SHARD, "SHARD_END", 0)]
     assert processor.child_pid is None
+
+
+def gap_batch(sequence_number: int) -> Result:
+    """A lag recovery batch of one record that the application checkpoints."""
+    return Result([Record(sequence_number=str(sequence_number), partition_key="k",
+                          timestamp_millis=1_700_000_000_000, data=b"checkpoint-last")])
+
+
+def test_gaps_left_at_shard_end_go_to_a_new_child(
+        make: Callable[..., MultiLangRecordProcessor], output: Path) -> None:
+    """Live reading ends the shard while lag recovery still has a gap batch queued: the
+    child gets shardEnded and is stopped. On the code before, the consumer then handed the
+    gap batch to that processor, which had no child, and asked for a restart; the consumer
+    only read the gap again, and so on for ever (the lease held at SHARD_END, the gap never
+    delivered). A second child, started at SHARD_END, gets the gap, then shardEnded."""
+    recovery = RewindingRecovery([gap_batch(1), gap_batch(2)])
+    made: list[MultiLangRecordProcessor] = []
+
+    def factory() -> MultiLangRecordProcessor:
+        made.append(make("v3_app.py"))
+        return made[-1]
+
+    writer = Writer()
+    consumer = ShardConsumer(
+        Lease(SHARD, checkpoint=Position("50")), concurrency_token="t",
+        processor_factory=factory, fence=writer,
+        readers=Readers(lambda start: ScriptedFetcher([Result([], shard_end=True)], (
+            start.checkpoint, start.sub_sequence_number)), make_recovery=lambda: recovery),
+        host=Host(Leases()), settings=SETTINGS, metrics=Metrics(), rng=random.Random(1))
+    consumer.start()
+    ended = consumer.join(20)
+    if not ended:
+        consumer.notify_lease_lost()
+        consumer.join(20)
+    assert ended and consumer.error is None
+    seen = [(e["event"], e.get("sequence_number")) for e in events(output)
+            if e["event"] in ("initialize", "record", "shard_ended")]
+    assert seen == [("initialize", "50"), ("record", "1"), ("shard_ended", None),
+                    ("initialize", "SHARD_END"), ("record", "2"), ("shard_ended", None)]
+    assert recovery.writer.writes == [("1", 0), ("2", 0)]
+    assert writer.writes == [("SHARD_END", 0)]
+    assert len(made) == 2 and all(p.child_pid is None for p in made)
 
 
 @pytest.mark.parametrize("version", VERSIONS)

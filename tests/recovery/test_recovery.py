@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -23,8 +24,7 @@ import pytest
 
 import kclpy
 from kclpy import KCLConfig, Worker
-from kclpy.checkpoint import Checkpointer
-from kclpy.consumer import ShardConsumer
+from kclpy.consumer import ConsumerSettings, ShardConsumer
 from kclpy.leases.lease import Lease
 from kclpy.leases.serializer import RECOVERY
 from kclpy.local import LocalEndpoint
@@ -36,10 +36,12 @@ from tests.support.e2e import lease_items, worker_config
 from tests.support.recovery import age
 from tests.support.scripted import (
     SETTINGS,
+    FakeRecovery,
     Host,
     Leases,
     Readers,
     Result,
+    RewindingRecovery,
     ScriptedFetcher,
     Writer,
     rec,
@@ -222,39 +224,6 @@ def test_a_worker_whose_clock_is_ahead_of_kinesis_skips_no_record_of_a_lagging_s
 
 # -- the consumer's side: live and recovery batches on one delivery thread ------------------
 
-class FakeRecovery:
-    """Serves scripted recovery batches with a checkpointer of their own."""
-
-    def __init__(self, batches: list[Result], start_at: datetime | None = None) -> None:
-        self.batches = list(batches)
-        self.start_at = start_at
-        self.begun: list[tuple[str, int]] = []
-        self.writer = Writer()
-        self.checkpointer = Checkpointer("shard-1", self.writer, "t", Position.trim_horizon())
-        self.stopped = False
-        self.not_found = False
-
-    def begin(self, live: Position) -> datetime | None:
-        self.begun.append((live.checkpoint, live.sub_sequence_number))
-        return self.start_at
-
-    def poll(self) -> tuple[Result, Checkpointer] | None:
-        return (self.batches.pop(0), self.checkpointer) if self.batches else None
-
-    @property
-    def active(self) -> bool:
-        return bool(self.batches)
-
-    def left_stream(self) -> None:
-        self.batches.clear()
-
-    def stop(self) -> None:
-        self.stopped = True
-
-    def status(self) -> list[dict[str, Any]]:
-        return [{"batches": len(self.batches)}]
-
-
 class FlagLog(kclpy.IRecordProcessor):
     def __init__(self) -> None:
         self.log: list[tuple[Any, ...]] = []
@@ -278,9 +247,18 @@ class FlagLog(kclpy.IRecordProcessor):
         self.log.append(("shutdown_requested",))
 
 
-def consume(lease: Lease, live: list[Result], recovery: FakeRecovery
-            ) -> tuple[FlagLog, Writer, list[datetime | None]]:
-    processor, writer = FlagLog(), Writer()
+#: every consumer ``run`` made, latest last (a processor reaches its consumer here)
+consumers: list[ShardConsumer] = []
+
+
+def run(lease: Lease, live: list[Result], recovery: FakeRecovery,
+        processors: Callable[[], kclpy.IRecordProcessor], *,
+        settings: ConsumerSettings = SETTINGS, wait: bool = True,
+        ) -> tuple[ShardConsumer, Writer, list[datetime | None]]:
+    """A consumer of ``lease`` reading ``live`` and ``recovery``, run to its end (unless not
+    ``wait``); a consumer that does not end within 10 s is told its lease is lost, so that
+    a test of a loop fails instead of leaving it spinning."""
+    writer = Writer()
     starts: list[datetime | None] = []
 
     def fetcher_factory(start: Position) -> ScriptedFetcher:
@@ -288,12 +266,25 @@ def consume(lease: Lease, live: list[Result], recovery: FakeRecovery
         return ScriptedFetcher(live, (start.checkpoint, start.sub_sequence_number))
 
     consumer = ShardConsumer(
-        lease, concurrency_token="t", processor_factory=lambda: processor, fence=writer,
+        lease, concurrency_token="t", processor_factory=processors, fence=writer,
         readers=Readers(fetcher_factory, make_recovery=lambda: recovery),
-        host=Host(Leases()), settings=SETTINGS, metrics=Metrics(), rng=random.Random(1))
+        host=Host(Leases()), settings=settings, metrics=Metrics(), rng=random.Random(1))
+    consumers.append(consumer)
     consumer.start()
-    assert consumer.join(10)
-    assert consumer.error is None
+    if wait:
+        ended = consumer.join(10)
+        if not ended:
+            consumer.notify_lease_lost()
+            consumer.join(10)
+        assert ended, "the consumer did not end"
+        assert consumer.error is None
+    return consumer, writer, starts
+
+
+def consume(lease: Lease, live: list[Result], recovery: FakeRecovery
+            ) -> tuple[FlagLog, Writer, list[datetime | None]]:
+    processor = FlagLog()
+    _, writer, starts = run(lease, live, recovery, lambda: processor)
     return processor, writer, starts
 
 
@@ -315,39 +306,111 @@ def test_recovery_batches_are_flagged_and_checkpoint_the_gap_not_the_live_shard(
 
 
 def test_a_gap_left_at_shard_end_is_recovered_before_the_lease_goes() -> None:
+    """Live reading reached the shard's end with gap batches still queued: the live
+    processor ends the shard at once (the children may start meanwhile), and what is left
+    of the gap goes to a processor started at SHARD_END, whose final callback is
+    ``shard_ended`` too. A processor gets nothing after its final callback."""
     recovery = FakeRecovery([Result([rec(1)]), Result([rec(2)]), Result([rec(3)])])
     live = [Result([], shard_end=True)]
     processor, writer, _ = consume(Lease("shard-1", checkpoint=Position("50")), live, recovery)
     assert processor.log == [("init", "50"), ("recovery", ["1"]), ("shard_ended",),
-                             ("recovery", ["2"]), ("recovery", ["3"])]
+                             ("init", SHARD_END), ("recovery", ["2"]), ("recovery", ["3"]),
+                             ("shard_ended",)]
     assert recovery.writer.writes == [("1", 0), ("2", 0), ("3", 0)]
     assert writer.writes == [(SHARD_END, 0)], "the children may start meanwhile"
 
 
 def test_a_closed_shard_with_a_gap_queued_is_recovered_without_live_reading() -> None:
+    """The gaps' processor ends with ``shard_ended``: its checkpointer is at SHARD_END
+    already, so its ``checkpoint()`` writes nothing. On the code before it got no final
+    callback, and a MultiLang child was left running for every such tenure."""
     recovery = FakeRecovery([Result([rec(1)]), Result([rec(2)])])
     processor, writer, starts = consume(Lease("shard-1", checkpoint=Position.shard_end()), [],
                                         recovery)
-    assert processor.log == [("init", SHARD_END), ("recovery", ["1"]), ("recovery", ["2"])]
+    assert processor.log == [("init", SHARD_END), ("recovery", ["1"]), ("recovery", ["2"]),
+                             ("shard_ended",)]
     assert starts == [] and recovery.begun == [] and writer.writes == []
     assert recovery.writer.writes == [("1", 0), ("2", 0)]
 
 
-class RewindingRecovery(FakeRecovery):
-    """As ShardRecovery: ``begin`` drops what was read and serves the gap again after its
-    own checkpoint."""
+class StopsOnTheFirstGapBatch(FlagLog):
+    """Its consumer is told ``stop`` (``notify_lease_lost`` or ``request_shutdown``) while it
+    processes the first gap batch."""
 
-    def __init__(self, batches: list[Result]) -> None:
-        super().__init__(batches)
-        self.script = list(batches)
+    def __init__(self, stop: str) -> None:
+        super().__init__()
+        self.stop = stop
 
-    def begin(self, live: Position) -> datetime | None:
-        self.begun.append((live.checkpoint, live.sub_sequence_number))
-        done = self.checkpointer.last_checkpoint[0]
-        after = int(done) if done is not None and done.isdigit() else -1
-        self.batches = [b for b in self.script
-                        if int(b.records[-1].sequence_number) > after]
-        return None
+    def process_records(self, process_records_input: kclpy.ProcessRecordsInput) -> None:
+        super().process_records(process_records_input)
+        getattr(consumers[-1], self.stop)()
+
+
+@pytest.mark.parametrize(("stop", "final"), [("notify_lease_lost", "lease_lost"),
+                                             ("request_shutdown", "shutdown_requested")])
+def test_a_closed_shards_gaps_processor_gets_a_final_callback_when_the_tenure_ends(
+        stop: str, final: str) -> None:
+    """The lease is lost, or the worker shuts down, while a closed shard's gaps are
+    recovered: the gaps' processor is told, as a live one would be. On the code before the
+    drain returned without a final callback."""
+    recovery = FakeRecovery([Result([rec(1)]), Result([rec(2)])])
+    processor = StopsOnTheFirstGapBatch(stop)
+    run(Lease("shard-1", checkpoint=Position.shard_end()), [], recovery, lambda: processor)
+    assert processor.log == [("init", SHARD_END), ("recovery", ["1"]), (final,)]
+    assert recovery.writer.writes == [("1", 0)]
+
+
+class EndsForGood(FlagLog):
+    """As a MultiLang processor, whose final callback stops its child: every call after its
+    final one (``shard_ended`` that checkpointed SHARD_END, ``lease_lost``,
+    ``shutdown_requested``) asks for a restart."""
+
+    def __init__(self, made: list[EndsForGood]) -> None:
+        super().__init__()
+        self.ended = False
+        made.append(self)
+
+    def _refused_after_the_end(self, call: str) -> None:
+        if self.ended:
+            self.log.append(("refused", call))
+            raise kclpy.ProcessorRestartRequired(f"{call} after the final callback")
+
+    def process_records(self, process_records_input: kclpy.ProcessRecordsInput) -> None:
+        self._refused_after_the_end("process_records")
+        super().process_records(process_records_input)
+
+    def lease_lost(self, lease_lost_input: kclpy.LeaseLostInput) -> None:
+        self._refused_after_the_end("lease_lost")
+        super().lease_lost(lease_lost_input)
+        self.ended = True
+
+    def shard_ended(self, shard_ended_input: kclpy.ShardEndedInput) -> None:
+        self._refused_after_the_end("shard_ended")
+        super().shard_ended(shard_ended_input)
+        self.ended = shard_ended_input.checkpointer.position.is_shard_end
+
+    def shutdown_requested(self, shutdown_requested_input: kclpy.ShutdownRequestedInput) -> None:
+        self._refused_after_the_end("shutdown_requested")
+        super().shutdown_requested(shutdown_requested_input)
+        self.ended = True
+
+
+def test_gaps_left_at_shard_end_never_reach_a_processor_after_its_final_callback() -> None:
+    """A MultiLang processor stops its child in ``shard_ended``; on the code before, the
+    consumer then handed it the gap batches still queued, each answered with a restart
+    request, and the consumer only read the gap again: the same batch, the same refusal, for
+    ever (329 GetShardIterator calls in 5 s, the lease held at SHARD_END, the gap never
+    delivered). The gaps go to a new processor; the gap is read again once, at the switch."""
+    recovery = RewindingRecovery([Result([rec(1)]), Result([rec(2)]), Result([rec(3)])])
+    made: list[EndsForGood] = []
+    _, writer, _ = run(Lease("shard-1", checkpoint=Position("50")),
+                       [Result([], shard_end=True)], recovery, lambda: EndsForGood(made))
+    assert [p.log for p in made] == [
+        [("init", "50"), ("recovery", ["1"]), ("shard_ended",)],
+        [("init", SHARD_END), ("recovery", ["2"]), ("recovery", ["3"]), ("shard_ended",)]]
+    assert recovery.begun == [("50", 0), (SHARD_END, 0)]
+    assert recovery.writer.writes == [("1", 0), ("2", 0), ("3", 0)]
+    assert writer.writes == [(SHARD_END, 0)]
 
 
 class RestartOnce(FlagLog):
@@ -369,21 +432,49 @@ class RestartOnce(FlagLog):
 def test_a_restart_asked_while_a_closed_shard_drains_re_reads_from_the_gaps_checkpoint(
         ) -> None:
     recovery = RewindingRecovery([Result([rec(1)]), Result([rec(2)]), Result([rec(3)])])
-    processor, writer = RestartOnce(), Writer()
-    consumer = ShardConsumer(
-        Lease("shard-1", checkpoint=Position("50")), concurrency_token="t",
-        processor_factory=lambda: processor, fence=writer,
-        readers=Readers(lambda start: ScriptedFetcher(
-            [Result([], shard_end=True)], (start.checkpoint, start.sub_sequence_number)),
-            make_recovery=lambda: recovery),
-        host=Host(Leases()), settings=SETTINGS, metrics=Metrics(), rng=random.Random(1))
-    consumer.start()
-    assert consumer.join(10) and consumer.error is None
+    processor = RestartOnce()
+    _, writer, _ = run(Lease("shard-1", checkpoint=Position("50")),
+                       [Result([], shard_end=True)], recovery, lambda: processor)
     handed = [tuple(rest[0]) for kind, *rest in processor.log if kind in ("recovery", "restart")]
     assert handed == [("1",), ("2",), ("2",), ("3",)], "record 2 is handed again, nothing lost"
-    assert recovery.begun == [("50", 0), (SHARD_END, 0)]
+    assert [entry for entry in processor.log if entry[0] in ("init", "shard_ended")] == [
+        ("init", "50"), ("shard_ended",), ("init", SHARD_END), ("init", SHARD_END),
+        ("shard_ended",)], "a new processor for the gaps, and another after the restart"
+    assert recovery.begun == [("50", 0), (SHARD_END, 0), (SHARD_END, 0)]
     assert recovery.writer.writes == [("1", 0), ("2", 0), ("3", 0)]
     assert writer.writes == [(SHARD_END, 0)]
+
+
+class AlwaysRestarts(FlagLog):
+    """Asks for a restart on every gap batch."""
+
+    def __init__(self, made: list[AlwaysRestarts]) -> None:
+        super().__init__()
+        made.append(self)
+
+    def process_records(self, process_records_input: kclpy.ProcessRecordsInput) -> None:
+        raise kclpy.ProcessorRestartRequired("child died")
+
+
+def test_a_gaps_processor_that_keeps_failing_is_restarted_with_the_task_backoff() -> None:
+    """Each restart asked for while a closed shard's gaps are recovered gets a new processor
+    after the task backoff, as in the live loop, and the consumer still stops when asked.
+    On the code before the same processor got the batch again at once: a busy loop of reads
+    of the gap."""
+    recovery = RewindingRecovery([Result([rec(1)])])
+    made: list[AlwaysRestarts] = []
+    backoff = ConsumerSettings(**{**SETTINGS.__dict__, "task_backoff_s": 0.1,
+                                  "max_task_backoff_s": 0.1})
+    consumer, _, _ = run(Lease("shard-1", checkpoint=Position.shard_end()), [], recovery,
+                         lambda: AlwaysRestarts(made), settings=backoff, wait=False)
+    time.sleep(1)
+    consumer.request_shutdown()
+    assert consumer.join(10) and consumer.error is None
+    # equal jitter: each backoff is 0.05 s to 0.1 s; each new processor reads the gap again
+    assert 2 <= len(made) <= 21
+    assert len(made) - 1 <= len(recovery.begun) <= len(made)
+    assert all(p.log == [("init", SHARD_END)] for p in made)
+    assert recovery.writer.writes == []
 
 
 @pytest.mark.integration

@@ -13,7 +13,9 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -582,6 +584,142 @@ def test_a_gap_checkpointer_from_before_a_restart_cannot_skip_the_failed_batch(
         "the successor gets every gap record after the gap's checkpoint"
     assert second.refused == ["ShutdownException"]
     assert shard.queue() == ()
+
+
+class ChecksLateAtBegin(ShardRecovery):
+    """A shard's recovery that first runs ``late`` whenever its gaps are read again
+    (``begin``): the moment a failed processor's background thread checkpoints in, as the
+    consumer reacts to its restart request."""
+
+    def __init__(self, lease: Lease, late: Callable[[], None], **options: Any) -> None:
+        super().__init__(lease, **options)
+        self._late = late
+
+    def begin(self, live: Position) -> datetime | None:
+        self._late()
+        return super().begin(live)
+
+
+def test_a_restart_while_a_closed_shards_gaps_are_recovered_loses_no_gap_record(
+        shard: Shard) -> None:
+    """A closed shard's lease taken for its gap of 30 records, read ten at a time: the
+    processor fails the gap's second batch (``ProcessorRestartRequired``), and a checkpoint
+    through the gap checkpointer it was handed comes in late - after the failure, as the
+    gap is read again. On the code before the drain neither retired that checkpointer nor
+    replaced the processor: the late checkpoint moved the gap's checkpoint over the failed
+    batch, and 20 of the 30 records were processed before the gap was gone. It is refused;
+    a new processor gets the gap again from its checkpoint."""
+    key = "shardId-000000000000"
+    hour_later = time.time() + 3600
+    clock = kinesis_clock(shard.kinesis, skew.AgedKinesisClock)
+    assert isinstance(clock, skew.AgedKinesisClock)
+    clock.move_to(hour_later)
+    options: dict[str, Any] = dict(
+        token=shard.token, fence=shard.holder.fence, rate=RecoveryRate(10_000),
+        max_lag_ms=1000, metrics=shard.metrics, wall_clock=lambda: hour_later,
+        kinesis_clock=clock)
+
+    def pages_of_ten(start: Position, until_ms: int | None, pacer: Pacer | None,
+                     max_records: int | None) -> ShardPipeline:
+        return shard.reader(start, until_ms, pacer, max_records or 10)
+
+    queueing = ShardRecovery(Lease(key), reader_factory=pages_of_ten, **options)
+    assert queueing.begin(Position.trim_horizon()) is not None, "the gap of 30 queued"
+    shard.holder.fence.update_checkpoint(key, shard.token, Position.shard_end())
+    held = shard.holder.held.entry(key)
+    assert held is not None and held.lease.is_shard_end and held.lease.recovery
+    first = KeepsTheGapCheckpointer(shard.table)
+    second = Restarting(shard.table)
+    processors = iter([first, second])
+    refused: list[str] = []
+
+    def late() -> None:
+        if len(first.kept) == 2 and not refused:
+            try:
+                first.kept[-1].checkpoint()
+            except ShutdownException as exc:
+                refused.append(exc.name)
+            else:
+                refused.append("accepted")
+
+    consumer = ShardConsumer(
+        held.lease.copy(), concurrency_token=shard.token,
+        processor_factory=lambda: next(processors), fence=shard.holder.fence,
+        readers=Readers(lambda start: ScriptedFetcher([], (start.checkpoint, 0)),
+                        make_recovery=lambda: ChecksLateAtBegin(
+                            held.lease.copy(), late, reader_factory=pages_of_ten, **options)),
+        host=Host(LeaseTableReader(shard.table)), settings=SETTINGS, metrics=shard.metrics,
+        rng=random.Random(1))
+    consumer.start()
+    assert consumer.join(30) and consumer.error is None and consumer.shard_ended
+    assert refused == ["ShutdownException"]
+    processed = [seq for p in (first, second) for is_recovery, seq in p.records if is_recovery]
+    assert len(processed) == 30 == len(set(processed)), "every gap record processed once"
+    assert shard.queue() == ()
+
+
+class TakenBeforeNextUse:
+    """A lock that runs ``hook`` (once) just before it is next taken."""
+
+    def __init__(self, lock: AbstractContextManager[Any]) -> None:
+        self.lock = lock
+        self.hook: Callable[[], None] | None = None
+
+    def __enter__(self) -> Any:
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.lock.__exit__(*exc)
+
+
+def test_a_checkpoint_through_a_gaps_end_as_its_reader_stops_finishes_the_gap(
+        shard: Shard, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A processor that checkpoints from its own thread (the Spark batcher, once its batch
+    is committed) covers the gap's last record just as the gap is closed: after the reader
+    stopped and the checkpointer was looked at, before the queue's lock is taken. On the
+    code before, that checkpoint found no end to finish the gap with (the reader had
+    forgotten it, and it was not kept yet) and the close found the checkpoint short of the
+    end: the gap stayed queued, checkpointed to its end, until the next tenure read it."""
+    hour_later = time.time() + 3600
+    batches: list[tuple[Any, Checkpointer]] = []
+    lock: TakenBeforeNextUse | None = None
+
+    def checkpoint_the_end() -> None:
+        result, checkpointer = batches[-1]
+        checkpointer.checkpoint(result.records[-1])
+
+    def arming(start: Position, until_ms: int | None, pacer: Pacer | None,
+               max_records: int | None) -> ShardPipeline:
+        reader = shard.reader(start, until_ms, pacer, max_records)
+        stop = reader.stop
+
+        def stopped() -> None:
+            stop()
+            assert lock is not None
+            lock.hook = checkpoint_the_end
+
+        monkeypatch.setattr(reader, "stop", stopped)
+        return reader
+
+    recovery = shard.recovery(wall_clock=lambda: hour_later)
+    monkeypatch.setattr(recovery, "_readers", arming)
+    lock = TakenBeforeNextUse(recovery._lock)
+    monkeypatch.setattr(recovery, "_lock", lock)
+    assert recovery.begin(Position.trim_horizon()) is not None
+
+    def step() -> bool:
+        batch = recovery.poll()
+        if batch is not None:
+            batch[1].mark_delivered(batch[0].records[-1])
+            batches.append(batch)
+        return not recovery.active
+
+    wait_for(step, 10, "the gap read to its end")
+    assert sum(len(result.records) for result, _ in batches) == 30
+    assert shard.queue() == (), "finished by the checkpoint through its end"
 
 
 def stored_gaps(group: Fleet) -> tuple[RecoveryRequest, ...]:

@@ -681,9 +681,12 @@ def test_the_commit_fence_holds_no_lease_while_it_waits_for_another_leases_write
 
 def test_a_parents_recovered_gap_batches_after_shard_end_are_committed(
         writer: Writer, sink: Sink) -> None:
-    """After shard_ended, the consumer hands the processor what lag recovery still has
-    queued for the parent: each such batch is committed and checkpointed through the gap's
-    checkpointer before process_records returns, not dropped for the next owner."""
+    """After shard_ended, the consumer hands what lag recovery still has queued for the
+    parent to a processor of its own, started at SHARD_END: each such batch is committed and
+    checkpointed through the gap's checkpointer before process_records returns, not dropped
+    for the next owner, and that processor's own shard_ended (its final callback, its
+    checkpointer at SHARD_END already) has nothing left to do. On the code before, that
+    shard_ended failed: it expected the live shard's entry."""
     batcher = make(sink)
     batcher.start()
     try:
@@ -691,14 +694,18 @@ def test_a_parents_recovered_gap_batches_after_shard_end_are_committed(
         a.deliver(records(0, 900, 2))
         a.checkpointer.mark_shard_end()
         a.processor.shard_ended(ShardEndedInput("shard-a", a.checkpointer))
+        gaps = batcher.processor_factory()
+        gaps.initialize(InitializeInput("shard-a", "SHARD_END", 0))
         gap_writer = Writer()
         gap = Checkpointer("shard-a", gap_writer, "token", Position("1000"))
         for start in (101, 104):
             recovered = records(0, start, 3)
             gap.mark_delivered(recovered[-1])
-            a.processor.process_records(
+            gaps.process_records(
                 ProcessRecordsInput("shard-a", recovered, gap, None, is_recovery=True))
             assert gap_writer.of("shard-a")[-1] == (recovered[-1].sequence_number, 0)
+        gaps.shard_ended(ShardEndedInput(
+            "shard-a", Checkpointer("shard-a", writer, "token", Position.shard_end())))
     finally:
         batcher.stop(10)
     assert writer.of("shard-a") == [("1901", 0), ("SHARD_END", 0)]

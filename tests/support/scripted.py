@@ -1,7 +1,7 @@
 """Doubles for driving a ``ShardConsumer`` without AWS: a fetcher that serves scripted
-pages (and, restarted, only what lies after a checkpoint), a checkpoint writer that records
-what it was asked to write, a lease table of fixed leases, and the consumer's readers and
-host made of a test's callables."""
+pages (and, restarted, only what lies after a checkpoint), a lag recovery that serves
+scripted gap batches, a checkpoint writer that records what it was asked to write, a lease
+table of fixed leases, and the consumer's readers and host made of a test's callables."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
+from kclpy.checkpoint import Checkpointer
 from kclpy.consumer import ConsumerSettings, FetcherLike, RecoveryLike
 from kclpy.leases.lease import Lease
 from kclpy.position import Position
@@ -152,3 +153,55 @@ class Readers:
 
     def now(self) -> float:
         return self.clock()
+
+
+class FakeRecovery:
+    """Serves scripted recovery batches with a checkpointer of their own."""
+
+    def __init__(self, batches: list[Result], start_at: datetime | None = None) -> None:
+        self.batches = list(batches)
+        self.start_at = start_at
+        self.begun: list[tuple[str, int]] = []
+        self.writer = Writer()
+        self.checkpointer = Checkpointer("shard-1", self.writer, "t", Position.trim_horizon())
+        self.stopped = False
+        self.not_found = False
+
+    def begin(self, live: Position) -> datetime | None:
+        self.begun.append((live.checkpoint, live.sub_sequence_number))
+        # as ShardRecovery: the gap read again comes with a new checkpointer, at its checkpoint
+        self.checkpointer = Checkpointer("shard-1", self.writer, "t", self.checkpointer.position)
+        return self.start_at
+
+    def poll(self) -> tuple[Result, Checkpointer] | None:
+        return (self.batches.pop(0), self.checkpointer) if self.batches else None
+
+    @property
+    def active(self) -> bool:
+        return bool(self.batches)
+
+    def left_stream(self) -> None:
+        self.batches.clear()
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def status(self) -> list[dict[str, Any]]:
+        return [{"batches": len(self.batches)}]
+
+
+class RewindingRecovery(FakeRecovery):
+    """As ShardRecovery: ``begin`` drops what was read and serves the gap again after its
+    own checkpoint."""
+
+    def __init__(self, batches: list[Result]) -> None:
+        super().__init__(batches)
+        self.script = list(batches)
+
+    def begin(self, live: Position) -> datetime | None:
+        super().begin(live)
+        done = self.checkpointer.last_checkpoint[0]
+        after = int(done) if done is not None and done.isdigit() else -1
+        self.batches = [b for b in self.script
+                        if int(b.records[-1].sequence_number) > after]
+        return None
