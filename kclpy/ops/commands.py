@@ -36,6 +36,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import IO, Any
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -49,6 +50,7 @@ from kclpy.ops.control import Refused
 from kclpy.ops.monitor import command as monitor
 from kclpy.ops.position import Destination, parse_position
 from kclpy.ops.text import TerminalText, printable
+from kclpy.recovery import requests as asked
 from kclpy.redaction import configure_logging, redact
 
 PROG = "kclpy"
@@ -161,6 +163,24 @@ def _gap_number(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a gap number (1, 2, ...)")
     return int(text)
+
+
+def _gap_end(text: str) -> str:
+    """``--ends``: a gap's end as ``recovery list``'s ``ENDS`` shows it, with or without its
+    first word; a naive time is UTC. Returned as that column's text, to compare with it."""
+    word, _, rest = text.strip().partition(" ")
+    value = rest.strip() if word in ("through", "before") else text.strip()
+    if value.isdigit():
+        return asked.end_text(0, str(int(value)))
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a gap's end: a sequence number or "
+                                         "an ISO-8601 time, as 'kclpy recovery list' shows "
+                                         "it under ENDS") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return asked.end_text(round(moment.timestamp() * 1000), None)
 
 
 # -- flags -----------------------------------------------------------------------------------
@@ -289,12 +309,27 @@ def _recovery_cancel_flags(parser: OneLineParser) -> None:
     which_gap = parser.add_mutually_exclusive_group(required=True)
     which_gap.add_argument("--gap", type=_gap_number, metavar="N",
                            help="the gap's number (1 = first) in 'kclpy recovery list'")
-    which_gap.add_argument("--all", action="store_true", help="every gap of the shard")
+    which_gap.add_argument("--all", action="store_true",
+                           help="every gap of the shard, as this command reads them")
+    parser.add_argument("--ends", type=_gap_end, metavar="END",
+                        help="with --gap: the gap's end as 'kclpy recovery list' showed it "
+                             "(ENDS: a sequence number or a time); a gap that ends "
+                             "elsewhere now is not dropped")
     _stream_flags(parser, required=False)
     parser.add_argument("--state-store", metavar="SPEC",
                         help="the exactly-once application's state store (the workers' "
                              "--state-store): a SQL store forgets the gap too, when no "
                              "worker holds the lease")
+
+
+def _recovery_cancel_check(args: argparse.Namespace) -> str | None:
+    """A gap's number alone may name more than was listed: the gap merges with any found
+    again that overlaps it, or another takes its number once an earlier one finishes."""
+    if args.gap is not None and args.ends is None:
+        return "argument --ends: required with --gap (the gap's ENDS in 'kclpy recovery list')"
+    if args.all and args.ends is not None:
+        return "argument --ends: only with --gap"
+    return None
 
 
 def _monitor_flags(parser: OneLineParser) -> None:
@@ -417,10 +452,13 @@ COMMANDS: dict[tuple[str, ...], Command] = {command.words: command for command i
             "Print every shard's queued recovery gaps.",
             _recovery_list_flags, _on_lease_table(control.recovery_list)),
     Command(("recovery", "cancel"), "drop a queued gap",
-            "Drop one queued gap (by its number in 'kclpy recovery list') or all of a "
-            "shard's. A worker holding the lease keeps it and stops reading the gap within "
-            "one renewal (half the failover time).",
-            _recovery_cancel_flags, _on_lease_table(control.recovery_cancel)),
+            "Drop one queued gap (by its number and end in 'kclpy recovery list') or all of "
+            "a shard's. Only what was seen is dropped: a gap that grew since (a lag found "
+            "again merges into it) stays queued, and the command or the holder says so. A "
+            "worker holding the lease keeps it and stops reading the gap within one "
+            "renewal (half the failover time).",
+            _recovery_cancel_flags, _on_lease_table(control.recovery_cancel),
+            check=_recovery_cancel_check),
     Command(("local",),
             "serve Kinesis, DynamoDB and CloudWatch locally (no Docker) until Ctrl-C",
             "Serve Kinesis (kinesis-mock, with SubscribeToShard), DynamoDB and CloudWatch "

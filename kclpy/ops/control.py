@@ -645,14 +645,19 @@ def _request(table: LeaseTable, lease: Lease, request: asked.QueueRequest, *,
     holder left unfolded, conditional on the counter read; ``holder`` is None. ``park``: the
     same write parks such a lease with this mark, unless it is parked already (the caller
     then changes a state store before it unparks it). A lease that moved in between is
-    read again."""
+    read again.
+
+    A cancel that the queue as read refuses (``asked.applied``: a gap grew since the command
+    read it) is refused here, nothing written: the holder would refuse it as well."""
     element = request.to_text()
     for _ in range(WRITE_ATTEMPTS):
         fresh = table.get(lease.lease_key)
         if fresh is None:
             raise Refused(f"lease {lease.lease_key} was deleted meanwhile")
         pending = [r for _, r in asked.read(fresh.recovery_requests)[0]]
-        queue = asked.apply(_queued(fresh), [*pending, request])
+        queue, refused = asked.applied(asked.apply(_queued(fresh), pending), [request])
+        if refused:
+            raise Refused(f"shard {fresh.shard_id}: " + "; ".join(refused))
         if fresh.lease_owner is None:
             update = UpdateBuilder().expect_owner(None)
             if park is not None and fresh.parked is None:
@@ -774,7 +779,8 @@ def recovery_list(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
         waiting += len(readable)
         for number, request in enumerate(queue, 1):
             rows.append([lease.shard_id, str(number), request.start,
-                         request.first_sequence or "-", _ends_text(request),
+                         request.first_sequence or "-",
+                         asked.end_text(request.end_ms, request.last_sequence),
                          request.done if request.started else "-",
                          f"{request.remaining_ms() / 1000:.1f}s",
                          "queued" if (request.start, request.start_sub) in stored
@@ -797,20 +803,30 @@ def recovery_cancel(args: argparse.Namespace, kinesis: Any, table: LeaseTable,
         raise Refused(f"shard {lease.shard_id} has no queued gap")
     if not args.all and args.gap > len(queue):
         raise ConfigError("--gap", f"shard {lease.shard_id} has {len(queue)} gap(s)")
-    # By the gap's start, which identifies it even if the holder checkpointed it since;
-    # only the gaps listed now: a gap queued after this look is not dropped with them.
     dropped = queue if args.all else (queue[args.gap - 1],)
+    if not args.all:
+        ends = asked.end_text(dropped[0].end_ms, dropped[0].last_sequence)
+        if ends != args.ends:
+            raise Refused(f"gap {args.gap} of {lease.shard_id} ends {ends} now, not "
+                          f"{args.ends}: it changed since it was listed; nothing dropped, "
+                          "look again (kclpy recovery list)")
+    # Each gap as read here, start and end: the holder drops it only while it still ends
+    # there, never a part that merged into it since.
     store = _position_keeping_store(args.state_store) if args.state_store else None
     holding = (None if store is None
                else parking.marker("kclpy recovery cancel in progress", "operator"))
-    holder, kept, written = _request(table, lease, asked.cancelling(
-        ((r.start, r.start_sub) for r in dropped), _now_ms()), park=holding)
+    holder, kept, written = _request(table, lease, asked.cancelling(dropped, _now_ms()),
+                                     park=holding)
     if store is not None and written is not None:
         _forget_cancelled(table, store, written, dropped, kept, holding)
+    named = ", ".join(f"after {r.start} {asked.end_text(r.end_ms, r.last_sequence)}"
+                      for r in dropped)
     _report(args, out, {"shard_id": lease.shard_id, "dropped": len(dropped),
+                        "gaps": [_gap_json(r) for r in dropped],
                         "queue": [_gap_json(r) for r in kept], "holder": holder},
-            f"dropped {len(dropped)} gap(s) of {lease.shard_id}; {len(kept)} left"
-            f"{_handed_to(holder)}")
+            f"dropped {len(dropped)} gap(s) of {lease.shard_id} ({named}); {len(kept)} left"
+            f"{_handed_to(holder)}"
+            f"{'' if holder is None else ' (a gap grown by then stays queued, logged)'}")
     return 0
 
 
@@ -830,12 +846,6 @@ def _forget_cancelled(table: LeaseTable, store: PositionKeepingStore, written: L
                                           if r.start_position not in queued])
     if written.parked == holding:
         _write(table, written, UpdateBuilder().remove(ser.PARKED))
-
-
-def _ends_text(request: gaps.RecoveryRequest) -> str:
-    if request.last_sequence is not None:
-        return f"through {request.last_sequence}"
-    return f"before {_iso(request.end_ms)}"
 
 
 def _gap_json(request: gaps.RecoveryRequest) -> dict[str, Any]:

@@ -99,6 +99,11 @@ class RecoveryRequest:
         end = max(self, later, key=_end)
         return replace(head, end_ms=end.end_ms, last_sequence=end.last_sequence)
 
+    def ends_within(self, end_ms: int, last_sequence: str | None) -> bool:
+        """The gap ends where ``end_ms`` / ``last_sequence`` (a gap's end: an operator's
+        look at it) ends, or before: it holds none of the records after that end."""
+        return _end(self) <= _end_of(end_ms, last_sequence)
+
     def to_json(self) -> dict[str, object]:
         value: dict[str, object] = {
             "start": self.start, "startSub": self.start_sub, "endMs": self.end_ms,
@@ -119,12 +124,16 @@ class RecoveryRequest:
 
 
 def _end(request: RecoveryRequest) -> tuple[int, int, int]:
+    return _end_of(request.end_ms, request.last_sequence)
+
+
+def _end_of(end_ms: int, last_sequence: str | None) -> tuple[int, int, int]:
     """Orders gaps' ends: by ``end_ms``; at the same ``end_ms`` a gap ending at a record
     (which arrived before ``end_ms``) ends before one that takes every record arrived
     before it, and of two ending at records the later record ends later."""
-    if request.last_sequence is None:
-        return request.end_ms, 1, 0
-    return request.end_ms, 0, int(request.last_sequence)
+    if last_sequence is None:
+        return end_ms, 1, 0
+    return end_ms, 0, int(last_sequence)
 
 
 def _int(value: object) -> int:

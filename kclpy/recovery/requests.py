@@ -19,9 +19,24 @@ conditional on the counter it read (``kclpy.ops.control``), folding in any reque
 the set by a holder that let go first.
 
 Requests apply in the order they were made (their time, then their id). An add merges into
-the queue as a gap found by the lag detector does (``queue.add``). A cancel names the gaps
-it drops by the position they start after, as ``kclpy recovery list`` showed them: a gap
-queued after the operator looked is never dropped by it.
+the queue as a gap found by the lag detector does (``queue.add``). A cancel names each gap
+it drops as the operator saw it (``Seen``): the position it starts after and where it ended
+then. The start alone is not enough: a gap found again with the same start, or one that
+starts inside it, is merged into it and moves its end, so by the time the cancel applies the
+start may name records nobody showed the operator. A cancel drops a gap only while it ends
+where the operator saw it end, or before; a gap that grew since is refused, not cut: it
+stays queued whole, and ``applied`` says why so the holder logs it and the command reports
+it (look again, cancel it as it is now). Cutting would keep the part after the seen end as a
+gap of its own, but a gap starts after a checkpoint and the seen end is a time or a record
+whose checkpoint the queue does not know; finding it means reading the shard, which the
+holder folding a request in does not do. A refusal costs at worst the reading of records the
+operator meant to skip; nothing is lost. A gap queued after the operator looked, or merged
+into one that starts earlier, is never dropped by the cancel either.
+
+A cancel written by a kclpy before this one names the start alone (``cancel``: pairs); it is
+still read, and refused like a grown gap, since what its operator saw is unknown. This
+version writes the seen gaps under another key (``drop``), which such a kclpy reads as
+neither an add nor a cancel: unreadable, left in the set, never applied by the start alone.
 """
 
 from __future__ import annotations
@@ -30,30 +45,64 @@ import json
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 from kclpy.recovery import queue as gaps
 from kclpy.recovery.queue import RecoveryRequest
 
 Start = tuple[str, int]
+Queue = tuple[RecoveryRequest, ...]
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A gap as the operator saw it: the position it starts after (its key in the queue) and
+    where it ended then, which is what a cancel of it may drop and no more."""
+
+    start: str
+    start_sub: int
+    #: None: a cancel written by an older kclpy, which named the start alone
+    end_ms: int | None = None
+    last_sequence: str | None = None
+
+    @classmethod
+    def of(cls, gap: RecoveryRequest) -> Seen:
+        return cls(gap.start, gap.start_sub, gap.end_ms, gap.last_sequence)
+
+    def to_json(self) -> dict[str, object]:
+        return {"start": self.start, "startSub": self.start_sub, "endMs": self.end_ms,
+                "lastSequence": self.last_sequence}
+
+    @classmethod
+    def from_json(cls, value: dict[str, object]) -> Seen:
+        end_ms, last = value.get("endMs"), value.get("lastSequence")
+        return cls(str(value["start"]), _whole(value["startSub"]),
+                   None if end_ms is None else _whole(end_ms),
+                   None if last is None else str(last))
+
+    def describe(self) -> str:
+        after = f"the gap after {_start_text((self.start, self.start_sub))}"
+        return after if self.end_ms is None else (
+            f"{after} {end_text(self.end_ms, self.last_sequence)}")
 
 
 @dataclass(frozen=True)
 class QueueRequest:
-    """One operator request: add ``add``, or drop the gaps starting after ``cancel``."""
+    """One operator request: add ``add``, or drop the gaps ``cancel`` names as seen."""
 
     #: unique per command run: the set element stays the same when the command is retried
     id: str
     #: when the operator made it (epoch ms): requests apply in this order
     at_ms: int
     add: RecoveryRequest | None = None
-    cancel: tuple[Start, ...] = ()
+    cancel: tuple[Seen, ...] = ()
 
     def to_text(self) -> str:
         body: dict[str, object] = {"v": 1, "id": self.id, "at": self.at_ms}
         if self.add is not None:
             body["add"] = self.add.to_json()
         else:
-            body["cancel"] = [[start, sub] for start, sub in self.cancel]
+            body["drop"] = [seen.to_json() for seen in self.cancel]
         return json.dumps(body, separators=(",", ":"), sort_keys=True)
 
     @classmethod
@@ -61,7 +110,8 @@ class QueueRequest:
         try:
             body = json.loads(text)
             add = body.get("add")
-            cancel = tuple((str(start), int(sub)) for start, sub in body.get("cancel", ()))
+            cancel = (*(Seen(str(start), int(sub)) for start, sub in body.get("cancel", ())),
+                      *(Seen.from_json(seen) for seen in body.get("drop", ())))
             request = cls(id=str(body["id"]), at_ms=int(body["at"]),
                           add=None if add is None else RecoveryRequest.from_json(add),
                           cancel=cancel)
@@ -78,15 +128,17 @@ class QueueRequest:
     def describe(self) -> str:
         if self.add is not None:
             return f"add the gap after {_start_text((self.add.start, self.add.start_sub))}"
-        return "cancel the gap(s) after " + ", ".join(_start_text(s) for s in self.cancel)
+        return "cancel " + ", ".join(seen.describe() for seen in self.cancel)
 
 
 def adding(request: RecoveryRequest, now_ms: int) -> QueueRequest:
     return QueueRequest(uuid.uuid4().hex, now_ms, add=request)
 
 
-def cancelling(starts: Iterable[Start], now_ms: int) -> QueueRequest:
-    return QueueRequest(uuid.uuid4().hex, now_ms, cancel=tuple(sorted(set(starts))))
+def cancelling(seen: Iterable[RecoveryRequest], now_ms: int) -> QueueRequest:
+    """A cancel of the gaps ``seen``, each as it was when the operator saw it."""
+    return QueueRequest(uuid.uuid4().hex, now_ms,
+                        cancel=tuple(dict.fromkeys(Seen.of(gap) for gap in seen)))
 
 
 def read(texts: Iterable[str]) -> tuple[list[tuple[str, QueueRequest]], list[str]]:
@@ -104,16 +156,58 @@ def read(texts: Iterable[str]) -> tuple[list[tuple[str, QueueRequest]], list[str
     return readable, sorted(unreadable)
 
 
-def apply(queue: tuple[RecoveryRequest, ...], requests: Iterable[QueueRequest]
-          ) -> tuple[RecoveryRequest, ...]:
+def apply(queue: Queue, requests: Iterable[QueueRequest]) -> Queue:
     """``queue`` with ``requests`` applied in the order given."""
+    return applied(queue, requests)[0]
+
+
+def applied(queue: Queue, requests: Iterable[QueueRequest]) -> tuple[Queue, list[str]]:
+    """``queue`` with ``requests`` applied in the order given, and why each gap a cancel
+    named was kept: the holder logs it, the command refuses with it. A gap no longer queued
+    under its start (finished, or merged into one that starts earlier) gets no note: there
+    is nothing left of it the cancel could drop."""
+    notes: list[str] = []
     for request in requests:
         if request.add is not None:
             queue = gaps.add(queue, request.add)
-        else:
-            dropped = set(request.cancel)
-            queue = tuple(r for r in queue if (r.start, r.start_sub) not in dropped)
-    return queue
+            continue
+        for seen in request.cancel:
+            queue, note = _cancelled(queue, seen)
+            if note is not None:
+                notes.append(note)
+    return queue, notes
+
+
+def _cancelled(queue: Queue, seen: Seen) -> tuple[Queue, str | None]:
+    start = (seen.start, seen.start_sub)
+    gap = next((r for r in queue if (r.start, r.start_sub) == start), None)
+    if gap is None:
+        return queue, None
+    if seen.end_ms is None:
+        return queue, (f"a cancel of {seen.describe()} written by an older kclpy names "
+                       "no end, so what its operator saw is unknown: the gap stays queued; "
+                       "cancel it again")
+    if not gap.ends_within(seen.end_ms, seen.last_sequence):
+        return queue, (f"{seen.describe()} has grown since it was seen (it ends "
+                       f"{end_text(gap.end_ms, gap.last_sequence)} now): the gap stays "
+                       "queued whole; look again (kclpy recovery list) and cancel it as "
+                       "it is now")
+    return tuple(r for r in queue if (r.start, r.start_sub) != start), None
+
+
+def end_text(end_ms: int, last_sequence: str | None) -> str:
+    """A gap's end as ``kclpy recovery list`` shows it (``ENDS``) and ``cancel --ends``
+    takes it."""
+    if last_sequence is not None:
+        return f"through {last_sequence}"
+    return "before " + datetime.fromtimestamp(end_ms / 1000, timezone.utc).isoformat(
+        timespec="milliseconds")
+
+
+def _whole(value: object) -> int:
+    if not isinstance(value, int):
+        raise ValueError(f"expected a whole number, got {value!r}")
+    return value
 
 
 def _start_text(start: Start) -> str:

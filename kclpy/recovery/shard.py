@@ -637,8 +637,11 @@ class ShardRecovery:
 
         The operator requests the held lease carries are applied to that queue and removed
         from the item in the same write (``requests``); the queue written is what this
-        holder keeps from then on."""
+        holder keeps from then on. A cancel the queue refuses (its gap grew since the
+        operator saw it) leaves the item too, its gap kept, and is logged once the write
+        landed."""
         written: list[tuple[RecoveryRequest, ...]] = []
+        refused: list[str] = []
         seen: frozenset[str] | None = None
         if self._gap_store is not None:
             # The store learns the queue first, as planned on the held lease; the write
@@ -660,8 +663,9 @@ class ShardRecovery:
             if seen is not None:
                 readable = [(text, request) for text, request in readable if text in seen]
             self._report_unreadable(unreadable)
-            final = asked.apply(change(gaps.loads(lease.recovery)),
-                                (request for _, request in readable))
+            final, notes = asked.applied(change(gaps.loads(lease.recovery)),
+                                         (request for _, request in readable))
+            refused[:] = notes
             folded = frozenset(text for text, _ in readable)
             value = gaps.dumps(final)
             changes = UpdateBuilder()
@@ -690,6 +694,10 @@ class ShardRecovery:
         self._fence.write(self.lease_key, self._token, write,
                           what="recovery commit" if items else "recovery checkpoint",
                           transaction=bool(items))
+        for note in refused:
+            # the request left the set with this write: the log is its only answer
+            log.warning("shard %s: an operator's recovery cancel not applied: %s",
+                        self.lease_key, note)
         before = {_key(r) for r in self._queue}
         self._queue = written[0]
         for request in self._queue:

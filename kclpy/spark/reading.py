@@ -378,8 +378,24 @@ class BudgetedRead:
     Rows are a strict bound and cut the GetRecords ``Limit`` (in Kinesis records, at the
     rows per record seen on the shard: :data:`_ROWS_PER_RECORD`); bytes stop after the
     record that reaches them (the ``Limit`` is cut to an estimate from the sizes seen so
-    far); time is checked between pages, after at least one page. ``timed=False`` ignores the time
-    budget: what the driver does to find again an end that no executor recorded.
+    far); time is checked between pages, once the read has yielded a row. ``timed=False``
+    ignores the time budget: what the driver does to find again an end that no executor
+    recorded.
+
+    Why not before a row: a read stopped by time must end at a position the next batch
+    starts from, and empty pages name none. Kinesis answers a sparse shard read from an old
+    ``TRIM_HORIZON`` with many pages without records (and records a part drops - before an
+    ``AT_TIMESTAMP`` start, outside the shard's hash keys - yield no row either); a read
+    that ran out of time among them ended at its own start, so every batch walked the same
+    pages again and the shard never moved. An empty page's only trace is its iterator,
+    which expires and is no offset; its ``MillisBehindLatest`` is no arrival time to resume
+    from (kinesis-mock counts it back from the tip's last record, so a time made of it can
+    be later than records not yet read). A dropped record has a sequence number, but a
+    re-run reads to its recorded end by the rows it yields (``read_range``), and a dropped
+    record is none of them. So the read goes on past the deadline to its first row (or the
+    tip, the bound, the shard's end): one batch takes longer than the budget, and every
+    later batch starts past those pages. The end is recorded like any other, so a re-run
+    still reads exactly to it.
     """
 
     def __init__(self, reader: ShardReader, end: UptoEnd, *, timed: bool = True,
@@ -418,9 +434,11 @@ class BudgetedRead:
             if page.shard_end:
                 self.reached = Position.shard_end()
                 return
-            if deadline is not None and self._clock() >= deadline:
+            if deadline is not None and last is not None and self._clock() >= deadline:
                 break
-        self.reached = Position.after(last) if last is not None else self._end.start
+        # A budget stops the read only after a row: it always ends after one.
+        assert last is not None
+        self.reached = Position.after(last)
 
     def _learn(self, rows: int, records: int) -> None:
         if records:

@@ -693,9 +693,10 @@ def test_recovery_cancel_drops_a_queued_gap_and_bad_ranges_name_the_argument(
     assert json.loads(out)["gap"]["after"] == "TRIM_HORIZON"
     code, out, _ = run_cli(capsys, "recovery", "list", *cli)
     assert out.splitlines()[-1] == f"1 gap(s) in {app}"
-    code, _, err = run_cli(capsys, "recovery", "cancel", *cli, "--gap", "2")
+    ends = ["--ends", sequences[1]]
+    code, _, err = run_cli(capsys, "recovery", "cancel", *cli, "--gap", "2", *ends)
     assert (code, "error: --gap:" in err) == (2, True), err
-    code, out, err = run_cli(capsys, "recovery", "cancel", *cli, "--gap", "1")
+    code, out, err = run_cli(capsys, "recovery", "cancel", *cli, "--gap", "1", *ends)
     assert code == 0, err
     lease = table.get(SHARD)
     assert lease is not None and lease.recovery is None

@@ -149,6 +149,19 @@ def test_gaps_with_the_same_start_are_one_whatever_their_ends() -> None:
     assert [(r.start, r.end_ms) for r in unknown_first] == [("100", 3000)]
 
 
+def test_a_gap_merged_with_the_same_start_ends_beyond_where_either_was_seen() -> None:
+    """What ``kclpy recovery cancel`` relies on: the start alone names a gap whose end moved
+    with each merge, the end seen tells whether records were added since."""
+    seen = operator_gap(TRIM_HORIZON, "500")
+    merged = gaps.add((seen,), gap(TRIM_HORIZON, 3000, None))
+    assert merged[0].start_position == seen.start_position
+    assert not merged[0].ends_within(seen.end_ms, seen.last_sequence)
+    assert merged[0].ends_within(3000, None) and seen.ends_within(1000, None)
+    assert seen.ends_within(1000, "500") and not seen.ends_within(1000, "499")
+    assert not gap("100", 1000, 500).ends_within(1000, "999"), (
+        "every record arrived before 1000 ms ends after a record of that time")
+
+
 def test_an_operator_gap_round_trips_with_its_last_record_and_a_found_one_without() -> None:
     queue = (operator_gap("100", "500"), gap("900", 5000, 4000))
     text = gaps.dumps(queue)

@@ -7,9 +7,11 @@ writes are atomic; the worker end to end over real HTTP is in tests/ops/test_con
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, cast
 
 import pytest
@@ -51,7 +53,8 @@ def add(start: int) -> asked.QueueRequest:
 
 
 def cancel(*starts: int) -> asked.QueueRequest:
-    return asked.cancelling(((str(s), 0) for s in starts), round(time.time() * 1000))
+    """A cancel of the gaps after ``starts`` as ``add`` queued them."""
+    return asked.cancelling((gap_after(s) for s in starts), round(time.time() * 1000))
 
 
 class IdleReader:
@@ -135,7 +138,7 @@ def holding(table: LeaseTable, worker: str = "A") -> tuple[Holder, str, ShardRec
 
 def test_requests_apply_in_the_order_made_and_round_trip_through_their_element() -> None:
     first = asked.adding(gap_after(100), 1_000)
-    dropped = asked.cancelling([("100", 0)], 2_000)
+    dropped = asked.cancelling([gap_after(100)], 2_000)
     second = asked.adding(gap_after(300), 3_000)
     texts = [second.to_text(), first.to_text(), dropped.to_text(), "{not json"]
     readable, unreadable = asked.read(texts)
@@ -144,6 +147,61 @@ def test_requests_apply_in_the_order_made_and_round_trip_through_their_element()
     assert starts(asked.apply((), [r for _, r in readable])) == ["300"]
     with pytest.raises(ValueError, match="neither an add nor a cancel"):
         asked.QueueRequest.from_text('{"v":1,"id":"x","at":1}')
+
+
+GROWN = RecoveryRequest.gap("100", 0, 2_000, 1_000, None)
+
+
+@pytest.mark.parametrize("since", [
+    GROWN,  # the lag found again from the same checkpoint, later
+    RecoveryRequest.gap("102", 0, 2_000, 1_002, None),  # a lag that starts inside it
+], ids=["found-again", "overlapping"])
+def test_a_cancel_never_drops_what_merged_into_its_gap_after_the_operator_saw_it(
+        since: RecoveryRequest) -> None:
+    """The operator saw the gap after 100 end at 1005 ms; a gap found since merged into it
+    (``queue.add``: same start, the end moved to 2000). The cancel named the start alone and
+    dropped the records of 1005..2000 ms nobody showed the operator; it names the end seen
+    too, and is refused: the gap stays whole, and the note says why."""
+    seen = gap_after(100)
+    grown = gaps.add((seen,), since)
+    assert starts(grown) == ["100"] and grown[0].end_ms == 2_000
+    queue, refused = asked.applied(grown, [asked.cancelling([seen], 2_000)])
+    assert queue == grown
+    assert len(refused) == 1 and "has grown since it was seen" in refused[0]
+    assert "before 1970-01-01T00:00:02.000+00:00 now" in refused[0]
+
+
+def test_a_cancel_drops_its_gap_as_seen_checkpointed_since_or_cut_shorter() -> None:
+    """What the gap holds is its start and end: recovery's progress inside it, or an end
+    moved back by ``kclpy checkpoint set``, leave nothing the operator did not see."""
+    seen = gap_after(100)
+    request = asked.cancelling([seen], 2_000)
+    for now in (seen, gap_after(100, done=103), replace(seen, end_ms=1_003),
+                replace(seen, last_sequence="103")):
+        assert asked.applied((now, gap_after(300)), [request]) == ((gap_after(300),), [])
+
+
+def test_a_cancel_of_a_gap_ending_at_a_record_never_drops_a_later_record() -> None:
+    """An operator's gap ends at a record (``--to``); another ``recovery add`` from the same
+    record on, through a later one, merges into it."""
+    seen = RecoveryRequest.gap("100", 0, 1_005, 1_000, None, last_sequence="150")
+    grown = gaps.add((seen,), replace(seen, last_sequence="180"))
+    assert grown[0].last_sequence == "180"
+    queue, refused = asked.applied(grown, [asked.cancelling([seen], 2_000)])
+    assert queue == grown and "(it ends through 180 now)" in refused[0]
+
+
+def test_a_cancel_an_older_kclpy_wrote_is_read_and_keeps_its_gap() -> None:
+    """Its element names the start alone: what its operator saw is unknown, so it is refused
+    like a grown gap (read again, never lost). This version's cancel keeps the start pairs'
+    key free, so an older kclpy cannot read it as a cancel by the start alone."""
+    older = '{"at":2000,"cancel":[["100",0]],"id":"x","v":1}'
+    (element, request), = asked.read([older])[0]
+    assert element == older and request.cancel == (asked.Seen("100", 0),)
+    queue, refused = asked.applied((gap_after(100),), [request])
+    assert queue == (gap_after(100),)
+    assert len(refused) == 1 and "written by an older kclpy names no end" in refused[0]
+    assert "cancel" not in json.loads(cancel(100).to_text())
 
 
 def test_a_finished_shard_with_a_request_waiting_is_not_finished() -> None:
@@ -263,6 +321,69 @@ def test_a_cancel_stops_the_holders_reading_of_the_gap(table: LeaseTable) -> Non
     lease = item(table)
     assert lease.recovery is None and not lease.recovery_requests
     assert lease.lease_owner == "A"
+
+
+def test_a_cancel_the_holder_takes_in_after_its_gap_grew_keeps_the_gap(
+        table: LeaseTable, caplog: pytest.LogCaptureFixture) -> None:
+    """The operator's request names the gap as it was; before the holder's next renewal
+    shows the request, the holder finds the lag again from the same checkpoint and its
+    queue write merges the longer gap into the queued one. The fold refuses the cancel:
+    the whole gap stays queued and read, the request leaves the set, the log says why."""
+    holder, _, recovery, readers = holding(table)
+    control._request(table, item(table), add(100))
+    renew(holder)
+    recovery.poll()
+    [(_, reader)] = readers.opened
+    seen = gaps.loads(item(table).recovery)
+    assert control._request(table, item(table), asked.cancelling(seen, 2_000))[0] == "A"
+    with recovery._lock:
+        recovery._store(lambda queue: gaps.add(queue, GROWN))
+    renew(holder)
+    with caplog.at_level(logging.WARNING, logger="kclpy.recovery.shard"):
+        recovery.poll()
+    lease = item(table)
+    assert [(r.start, r.end_ms) for r in gaps.loads(lease.recovery)] == [("100", 2_000)]
+    assert not lease.recovery_requests and lease.lease_owner == "A"
+    assert stopped(reader) is False and recovery.active
+    assert "recovery cancel not applied: the gap after 100 before " in caplog.text
+    assert "has grown since it was seen" in caplog.text
+
+
+def test_recovery_cancel_drops_only_the_gap_as_listed(
+        table: LeaseTable, moto_server: LocalEndpoint,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``kclpy recovery cancel --gap N --ends END``, N and END as ``recovery list`` showed
+    them: a gap that grew since is refused (exit 1, nothing written), one as listed is
+    dropped and the command names what it dropped. ``--gap`` without ``--ends`` is a usage
+    error: the number alone names whatever the gap has become."""
+    holder, _, recovery, _ = holding(table)
+    control._request(table, item(table), add(100))
+    renew(holder)
+    recovery.poll()
+    cli = ["--application-name", table.table_name, "--shard-id", KEY, "--region", "us-east-1",
+           "--kinesis-endpoint", moto_server.url, "--dynamodb-endpoint", moto_server.url]
+    code, out, err = run_cli(capsys, "recovery", "list", *cli)
+    assert code == 0, err
+    ends = "before 1970-01-01T00:00:01.005+00:00"
+    assert ends in out.splitlines()[1]
+    with recovery._lock:
+        recovery._store(lambda queue: gaps.add(queue, GROWN))
+    code, _, err = run_cli(capsys, "recovery", "cancel", *cli, "--gap", "1")
+    assert (code, "error: argument --ends: required with --gap" in err) == (2, True), err
+    code, out, err = run_cli(capsys, "recovery", "cancel", *cli, "--gap", "1", "--ends",
+                             "1970-01-01T00:00:01.005+00:00")
+    assert code == 1, (out, err)
+    assert ("ends before 1970-01-01T00:00:02.000+00:00 now, not " + ends) in err
+    lease = item(table)
+    assert not lease.recovery_requests, "nothing written"
+    assert [r.end_ms for r in gaps.loads(lease.recovery)] == [2_000]
+    code, out, err = run_cli(capsys, "recovery", "cancel", *cli, "--gap", "1", "--ends",
+                             "before 1970-01-01T00:00:02")
+    assert code == 0, err
+    assert "(after 100 before 1970-01-01T00:00:02.000+00:00); 0 left" in out
+    renew(holder)
+    recovery.poll()
+    assert item(table).recovery is None and not item(table).recovery_requests
 
 
 # -- a queue write whose answer was lost -----------------------------------------------------

@@ -9,18 +9,24 @@ the installed Spark no longer does by itself.
 from __future__ import annotations
 
 import collections
+import itertools
 import json
+import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import boto3
 import pytest
+from botocore.stub import Stubber
 from pyspark.sql.datasource import DataSourceStreamReader
 
 from kclpy.config import KCLConfig
 from kclpy.errors import ConfigError
 from kclpy.local import LocalEndpoint
 from kclpy.position import Position
+from kclpy.spark import source as source_module
 from kclpy.spark.metadata import PositionStore
 from kclpy.spark.offsets import (
     Budget,
@@ -30,7 +36,9 @@ from kclpy.spark.offsets import (
     decode_offset,
     encode_offset,
 )
+from kclpy.spark.reading import BudgetedRead
 from kclpy.spark.source import KinesisStreamReader, SourceOptions
+from tests.support import skew
 from tests.support.source_driving import read_batch
 from tests.support.spark_query import spark_env
 from tests.support.streams import (
@@ -383,6 +391,59 @@ def test_byte_and_time_budgets_end_where_the_executor_stopped_and_a_rerun_ends_t
     assert read_batch(again, start, end) == payloads[:3]
     following = again.latestOffset(end, None)
     assert read_batch(again, end, following)[:1] == [payloads[3]]
+
+
+def test_a_shard_behind_empty_pages_moves_on_under_a_tiny_time_budget(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sparse shard read from an old TRIM_HORIZON: Kinesis answers pages without records
+    before the first one. With ``maxFetchDuration`` out after the first of them, the
+    executor's part ended where it started: every batch planned the same part again and
+    the shard stalled. The part reads on to its first row now; the next batch starts after
+    it and reads the rest, every record once. The driver and the executors share one
+    stubbed client, and their clocks are a second later at each look."""
+    monkeypatch.setattr(time, "sleep", lambda _: None)
+    k = skew.KINESIS_MS
+    client = boto3.client("kinesis", region_name="us-east-1", aws_access_key_id="x",
+                          aws_secret_access_key="x")
+    monkeypatch.setattr(SourceOptions, "client", lambda *_, **__: client)
+    ticks = itertools.count()
+    monkeypatch.setattr(source_module, "BudgetedRead",
+                        partial(BudgetedRead, clock=lambda: next(ticks)))
+    reader = KinesisStreamReader(SourceOptions.parse(
+        {"streamName": "s", "region": "us-east-1", "startingPosition": "TRIM_HORIZON",
+         "maxFetchDuration": "1ms", "metadataPath": str(tmp_path / "ends")}),
+        clock=lambda: k / 1000)
+    shard = "shardId-000000000000"
+    empty = [skew.answer(k, Records=[], NextShardIterator=f"it-{n}",
+                         MillisBehindLatest=3_600_000) for n in range(1, 6)]
+    with Stubber(client) as stubber:
+        stubber.add_response("list_shards", skew.answer(k, Shards=[{
+            "ShardId": shard, "HashKeyRange": {"StartingHashKey": "0",
+                                               "EndingHashKey": str(2**128 - 1)},
+            "SequenceNumberRange": {"StartingSequenceNumber": "100"}}]))
+        for _ in ("the driver's probe", "the executor's read"):
+            stubber.add_response("get_shard_iterator", skew.answer(k, ShardIterator="it-0"))
+            for answer in empty:
+                stubber.add_response("get_records", answer)
+            stubber.add_response("get_records", skew.answer(
+                k, Records=[skew.record(0, k - 60_000), skew.record(1, k - 60_000)],
+                NextShardIterator="it-6", MillisBehindLatest=60_000))
+        # the next batch's part, AT the record the first one ended after
+        stubber.add_response("get_shard_iterator", skew.answer(k, ShardIterator="it-7"))
+        stubber.add_response("get_records", skew.answer(
+            k, Records=[skew.record(1, k - 60_000), skew.record(2, k - 50_000)],
+            NextShardIterator="it-8", MillisBehindLatest=50_000))
+
+        start = reader.initialOffset()
+        first = reader.latestOffset(start, None)
+        rows = read_batch(reader, start, first)
+        reader.commit(first)
+        second = reader.latestOffset(first, None)
+        rows += read_batch(reader, first, second)
+        stubber.assert_no_pending_responses()
+    assert rows == [b"r0", b"r1", b"r2"]
+    planned = decode_offset(second)[shard]
+    assert isinstance(planned, UptoEnd) and planned.start == Position("101")
 
 
 def test_offsets_round_trip_and_reject_garbage() -> None:

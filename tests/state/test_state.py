@@ -36,6 +36,7 @@ from kclpy.position import TRIM_HORIZON, Position
 from kclpy.processor import InitializeInput, ProcessRecordsInput
 from kclpy.records import Record
 from kclpy.recovery import queue as gaps
+from kclpy.recovery import requests as asked
 from kclpy.recovery.rate import RecoveryRate
 from kclpy.recovery.shard import ShardRecovery
 from kclpy.retrieval.clock import kinesis_clock
@@ -1157,9 +1158,11 @@ def test_a_gap_an_operator_cancelled_while_nobody_held_the_lease_stays_cancelled
     recover(recovery, processor, batches=1)
     recovery.stop()
     table.evict(stream.lease())  # the worker stopped: nobody holds the lease
+    (listed,) = gaps.loads(stream.lease().recovery)
     args = argparse.Namespace(
         shard_id=SHARD, gap=1, all=False, json=False, stream_name=None, stream_arn=None,
-        table_name=table.table_name, application_name=None, state_store=spec)
+        table_name=table.table_name, application_name=None, state_store=spec,
+        ends=asked.end_text(listed.end_ms, listed.last_sequence))
     assert control.recovery_cancel(args, None, table, io.StringIO()) == 0
     assert stream.lease().recovery is None
     assert stream.lease().parked is None, "unparked once the store forgot the gap"
