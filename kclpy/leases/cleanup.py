@@ -5,7 +5,9 @@ checkpointed at ``SHARD_END`` before they start, and shard sync must see it (or 
 descendant) so that it never creates a lease for an already processed shard. Both needs end
 when every child has made progress. A lease is therefore deleted when:
 
-- it is checkpointed at ``SHARD_END`` and no lag recovery of it is queued;
+- it is checkpointed at ``SHARD_END`` and no lag recovery of it is queued or asked for
+  (the delete is conditional on that, on the item: an operator's request to a held
+  lease leaves the counter alone, ``LeaseTable.delete_finished``);
 - it has children - those named in its ``childShardIds`` and every lease naming it as a
   parent - and each child's lease exists and is checkpointed past its start (at a sequence
   number or at ``SHARD_END``), as Java checks;

@@ -28,7 +28,7 @@ from kclpy.leases.dynamo import (
 )
 from kclpy.leases.lease import Lease, new_write_id
 from kclpy.leases.serializer import UpdateBuilder, key_of, n, s, ss
-from kclpy.position import Position
+from kclpy.position import SHARD_END, Position
 from kclpy.retry import THROTTLED, TRANSACTION_CANCELED, classify, error_code
 
 if TYPE_CHECKING:
@@ -412,11 +412,29 @@ class LeaseTable(DynamoTable):
         writer holding that read would delete the new lease. The incarnation, written once
         when an item is created, tells the two apart (items created without one, by Java
         or an older kclpy, have none)."""
+        return self._delete(lease, self._unchanged(lease))
+
+    def delete_finished(self, lease: Lease) -> bool:
+        """``delete``, and only while the item is still finished (``Lease.is_finished``):
+        at ``SHARD_END`` with no gap and no operator request in it. An operator's ``recovery
+        add`` to a held lease leaves the counter alone (the holder folds it in at its next
+        renewal), so lease cleanup acting on a scan from before it would otherwise delete
+        the request the command had reported queued."""
+        condition = self._unchanged(lease)
+        condition.expect_equal(ser.CHECKPOINT, s(SHARD_END))
+        condition.expect_absent(ser.RECOVERY).expect_absent(ser.RECOVERY_REQUESTS)
+        return self._delete(lease, condition)
+
+    @staticmethod
+    def _unchanged(lease: Lease) -> UpdateBuilder:
         condition = expect_counter(UpdateBuilder(), lease)
         if lease.incarnation is None:
             condition.expect_absent(ser.INCARNATION)
         else:
             condition.expect_equal(ser.INCARNATION, s(lease.incarnation))
+        return condition
+
+    def _delete(self, lease: Lease, condition: UpdateBuilder) -> bool:
         try:
             self.call(
                 "DeleteItem",

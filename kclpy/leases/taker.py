@@ -469,7 +469,7 @@ class TakerCore(abc.ABC):
         for lease in cleanup.deletable(leases, self.worker_id, keep - held, held):
             try:
                 deleted = (self._delete_held(lease.lease_key) if lease.lease_key in held
-                           else self.table.delete(lease))
+                           else self.table.delete_finished(lease))
             except TABLE_ERRORS as exc:
                 log.warning("worker %s: deleting %s failed: %r",
                             self.worker_id, lease.lease_key, exc)
@@ -480,10 +480,18 @@ class TakerCore(abc.ABC):
 
     def _delete_held(self, key: str) -> bool:
         """Stop holding a finished lease and delete it, conditional on the counter this
-        worker last wrote. A delete that fails leaves it to expire, as a failed release."""
+        worker last wrote and on the item being finished still (the lease's lock held, so no
+        renewal of it runs meanwhile). A lease that is not finished any more - an operator's
+        request came in since the scan, in the held copy or only in the item - stays held,
+        for the consumer that reads what was asked."""
         with self.held.lock_for(key):
-            entry = self.held.forget(key)
-            return entry is not None and self.table.delete(entry.lease)
+            entry = self.held.entry(key)
+            if entry is None or not entry.lease.is_finished:
+                return False
+            if not self.table.delete_finished(entry.lease):
+                return False
+            self.held.forget(key)
+            return True
 
     def stop_taking(self) -> None:
         """The worker shuts down: a led cycle under way (a leader's pass makes many writes,

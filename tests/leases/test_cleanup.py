@@ -16,7 +16,12 @@ from kclpy.leases.coordinator import CoordinatorSettings, LeaseCoordinator
 from kclpy.leases.lease import Lease
 from kclpy.leases.shard_sync import Shard, ShardSyncer, SyncedStream, plan_new_leases
 from kclpy.leases.table import LeaseTable
+from kclpy.ops import control
 from kclpy.position import AT_TIMESTAMP, LATEST, SHARD_END, TRIM_HORIZON, Position
+from kclpy.recovery import requests as asked
+from kclpy.recovery.queue import RecoveryRequest
+from tests.support.determinism import Clock
+from tests.support.leases import coordinator
 
 
 def lease(key: str, checkpoint: str = TRIM_HORIZON, **fields: Any) -> Lease:
@@ -181,3 +186,49 @@ def test_shard_sync_never_recreates_a_deleted_parent() -> None:
     shards = [_shard("p", closed=True), _shard("c1", "p"), _shard("c2", "p")]
     for position in (TRIM_HORIZON, LATEST, AT_TIMESTAMP):
         assert plan_new_leases(shards, {"c1", "c2"}, position) == []
+
+
+class _ScanBeforeTheRequest(LeaseTable):
+    """A table whose scans answer as of ``freeze()``: the taker cycle scanned, then the
+    operator's request landed, then the cycle's cleanup acted on its scan."""
+
+    frozen: list[Lease] | None = None
+
+    def freeze(self) -> None:
+        self.frozen = super().list_leases()
+
+    def list_leases(self, *, consistent: bool = True) -> list[Lease]:
+        return list(self.frozen) if self.frozen is not None else super().list_leases()
+
+
+@pytest.mark.parametrize("renewed", [False, True], ids=["before-a-renewal", "after-a-renewal"])
+def test_a_backfill_queued_on_a_finished_lease_after_the_cleanups_scan_is_kept(
+    renewed: bool,
+) -> None:
+    """An operator's ``recovery add`` on a held finished parent leaves the counter alone, so a
+    cleanup acting on a scan from before it passed the counter condition and deleted the
+    request the command had reported queued."""
+    with mock_aws():
+        dynamodb = boto3.client("dynamodb", region_name="us-east-1")
+        table = _ScanBeforeTheRequest(dynamodb, "app", sleep=lambda _: None)
+        table.create_if_missing()
+        for item in split("99", TRIM_HORIZON):
+            assert table.create(item)
+        worker, _ = coordinator(table, "A", Clock())
+        worker.run_taker_once()
+        for key, position in (("p", Position.shard_end()), ("c1", Position("123"))):
+            held = worker.get_held(key)
+            assert held is not None and held.concurrency_token is not None
+            worker.fence.update_checkpoint(key, held.concurrency_token, position)
+        table.freeze()
+        parent = table.get("p")
+        assert parent is not None and parent.is_finished and parent.lease_owner == "A"
+        gap = RecoveryRequest.gap(TRIM_HORIZON, 0, 1_000, None, "1", last_sequence="99")
+        holder, queue, _ = control._request(table, parent, asked.adding(gap, 2_000))
+        assert (holder, len(queue)) == ("A", 1)
+        if renewed:
+            worker.run_renewer_once()
+        worker.run_taker_once()
+        kept = table.get("p")
+        assert kept is not None and len(kept.recovery_requests) == 1
+        assert worker.get_held("p") is not None, "kept held, for the consumer that reads it"
