@@ -145,23 +145,25 @@ class PositionStore:
         return recorded
 
     def forget_older(self, shard_key: str, end: UptoEnd) -> None:
-        """Drop the records written before ``end``'s: once ``end`` is committed no batch
-        starts from an earlier end again. Older by the time written, since a later batch's
-        parts are always read (and recorded) after an earlier one's committed."""
+        """Drop the records of parts that started before ``end``'s (``_starts_before``), as
+        the bucket and table stores do: not by the time a file was written, which hosts
+        sharing a mount may set from clocks that disagree."""
         keep = self._path(shard_key, end)
         try:
-            since = keep.stat().st_mtime_ns
             entries = list(keep.parent.iterdir())
         except FileNotFoundError:
             return
         for entry in entries:
-            if entry.name.startswith("."):  # a record being written
+            if entry.name.startswith(".") or entry == keep:  # a record being written
                 continue
             try:
-                if entry != keep and entry.stat().st_mtime_ns < since:
-                    entry.unlink()
+                recorded = decode_entry(json.loads(entry.read_text(encoding="utf-8"))["end"])
             except FileNotFoundError:
                 continue
+            except (ValueError, KeyError, TypeError):  # not one of ours
+                continue
+            if isinstance(recorded, UptoEnd) and _starts_before(recorded.start, end.start):
+                entry.unlink(missing_ok=True)
 
 
 #: how often a write S3 answers 409 (a concurrent write of the same record) is tried, and

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -122,10 +123,12 @@ def test_attempts_racing_to_record_one_end_all_get_the_same_winner(
     assert store.get(SHARD, end) == got[0]
 
 
-@pytest.fixture(params=["s3", "dynamodb"])
-def remote(request: pytest.FixtureRequest,
-           moto_server: LocalEndpoint) -> Callable[[str], MetadataStore]:
-    """A remote store under a given prefix, two prefixes sharing one bucket or table."""
+@pytest.fixture(params=["s3", "dynamodb", "directory"])
+def remote(request: pytest.FixtureRequest, moto_server: LocalEndpoint,
+           tmp_path: Path) -> Callable[[str], MetadataStore]:
+    """A store under a given prefix, two prefixes sharing one bucket, table or folder."""
+    if request.param == "directory":
+        return lambda prefix: PositionStore(str(tmp_path / prefix))
     if request.param == "s3":
         bucket = new_bucket(moto_server.url)
         return lambda prefix: ObjectStore(s3_client(moto_server.url), bucket, prefix)
@@ -399,3 +402,26 @@ def test_a_spark_query_with_ends_in_a_bucket_or_table_fetches_each_record_once(
     assert len(batches) >= 6
     assert proxy.records[EXECUTOR] / len(rows) <= 1.1, dict(proxy.records)
     assert proxy.records[DRIVER] / len(rows) <= 0.05, dict(proxy.records)
+
+
+def test_a_folders_records_written_by_a_host_whose_clock_is_behind_are_kept(
+        tmp_path: Path) -> None:
+    """Executors on several hosts write the folder's records, and a shared mount may date a
+    file by the writing host's clock: a later batch's record dated before the committed
+    one's must still be kept, as the bucket and table stores keep it."""
+    store = PositionStore(str(tmp_path))
+    ends = [upto(Position.trim_horizon(), "p1"), upto(Position("5"), "p2"),
+            upto(Position("9"), "p3")]
+    for end, reached in zip(ends, ["5", "9", "20"], strict=True):
+        store.put(SHARD, end, Position(reached))
+    files = sorted(path for path in tmp_path.rglob("*.json"))
+    assert len(files) == 3
+    for age, path in enumerate(files):  # every file dated a minute apart, in any order
+        os.utime(path, ns=(10**18 - age * 60 * 10**9, 10**18 - age * 60 * 10**9))
+    for path in files:
+        if json.loads(path.read_text())["end"] == ends[2].encode():
+            os.utime(path, ns=(10**17, 10**17))  # the later batch's, by a clock far behind
+
+    store.forget_older(SHARD, ends[1])
+
+    assert [store.get(SHARD, end) for end in ends] == [None, Position("9"), Position("20")]
