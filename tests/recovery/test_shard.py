@@ -219,6 +219,24 @@ def recover_all(recovery: ShardRecovery) -> list[str]:
     return payloads
 
 
+def read_to_end(recovery: ShardRecovery,
+                batches: list[tuple[Any, Checkpointer]] | None = None,
+                ) -> list[tuple[Any, Checkpointer]]:
+    """Poll until the gap's reader is done, marking each batch delivered as the consumer
+    does but checkpointing nothing; the batches (appended to ``batches`` as they come)."""
+    got = [] if batches is None else batches
+
+    def step() -> bool:
+        batch = recovery.poll()
+        if batch is not None:
+            batch[1].mark_delivered(batch[0].records[-1])
+            got.append(batch)
+        return not recovery.active
+
+    wait_for(step, 10, "the gap read to its end")
+    return got
+
+
 def test_a_shard_behind_queues_its_gap_before_live_reading_and_recovers_it(shard: Shard) -> None:
     hour_later = time.time() + 3600
     recovery = shard.recovery(wall_clock=lambda: hour_later)
@@ -316,16 +334,8 @@ def test_a_gap_not_checkpointed_to_its_end_stays_queued_for_the_next_owner(
         shard: Shard) -> None:
     recovery = shard.recovery(wall_clock=lambda: time.time() + 3600)
     recovery.begin(Position.trim_horizon())
-    seen: list[str] = []
-
-    def step() -> bool:
-        batch = recovery.poll()
-        if batch is not None:
-            batch[1].mark_delivered(batch[0].records[-1])
-            seen.extend(r.binary_data.decode() for r in batch[0].records)
-        return not recovery.active
-
-    wait_for(step, 10, "the gap read to its end")
+    seen = [r.binary_data.decode() for result, _ in read_to_end(recovery)
+            for r in result.records]
     assert len(seen) == 30
     [left] = shard.queue()
     assert not left.started
@@ -337,16 +347,7 @@ def test_a_gap_read_to_its_end_is_finished_by_a_later_checkpoint_through_its_end
     reached the gap's end: that checkpoint still finishes the gap."""
     recovery = shard.recovery(wall_clock=lambda: time.time() + 3600)
     recovery.begin(Position.trim_horizon())
-    batches: list[tuple[Any, Checkpointer]] = []
-
-    def step() -> bool:
-        batch = recovery.poll()
-        if batch is not None:
-            batch[1].mark_delivered(batch[0].records[-1])
-            batches.append(batch)
-        return not recovery.active
-
-    wait_for(step, 10, "the gap read to its end")
+    batches = read_to_end(recovery)
     assert shard.queue(), "not checkpointed yet: still queued"
     result, checkpointer = batches[-1]
     checkpointer.checkpoint(result.records[-1])
@@ -709,15 +710,7 @@ def test_a_checkpoint_through_a_gaps_end_as_its_reader_stops_finishes_the_gap(
     lock = TakenBeforeNextUse(recovery._lock)
     monkeypatch.setattr(recovery, "_lock", lock)
     assert recovery.begin(Position.trim_horizon()) is not None
-
-    def step() -> bool:
-        batch = recovery.poll()
-        if batch is not None:
-            batch[1].mark_delivered(batch[0].records[-1])
-            batches.append(batch)
-        return not recovery.active
-
-    wait_for(step, 10, "the gap read to its end")
+    read_to_end(recovery, batches)
     assert sum(len(result.records) for result, _ in batches) == 30
     assert shard.queue() == (), "finished by the checkpoint through its end"
 
