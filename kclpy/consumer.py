@@ -98,6 +98,9 @@ class RecoveryLike(Protocol):
     not_found: bool
     def stop(self) -> None: ...
     def status(self) -> list[dict[str, Any]]: ...
+    @property
+    def read_unfinished(self) -> bool: ...
+    def finisher(self) -> CheckpointWriter: ...
 
 
 class ShardFence(CheckpointWriter, StartWriter, Protocol):
@@ -672,9 +675,8 @@ class ShardConsumer:
         the gaps were recovered at ``recovery_max_rate``; so it ends the shard as soon as
         live reading is done, the children start then, and the gaps' processor, its
         checkpointers new, takes each gap from its checkpoint. It gets its own final call:
-        ``shard_ended`` once no gap is left to read, with the live checkpointer already at
-        ``SHARD_END`` (a ``checkpoint()`` there writes nothing), else ``lease_lost`` or
-        ``shutdown_requested`` as the tenure ends."""
+        ``shard_ended`` once no gap is left to read (``_end_recovered``), else ``lease_lost``
+        or ``shutdown_requested`` as the tenure ends."""
         if self._checkpointer is not None:
             self._processor = None
             self._retire("the shard ended; the gaps still queued go to a new processor")
@@ -710,18 +712,41 @@ class ShardConsumer:
             self._drop_gaps_left_with_the_shard(recovery)
 
     def _end_recovered(self) -> None:
-        """The gaps' processor's final call: ``shard_ended``, once. Its checkpointer is at
-        ``SHARD_END`` already, so there is nothing to insist on."""
-        processor, checkpointer = self._processor, self._checkpointer
-        if processor is None or checkpointer is None:
+        """The gaps' processor's final call: ``shard_ended``, with a checkpointer of its own
+        whose ``SHARD_END`` checkpoint finishes every gap it was handed (``finisher``): a
+        processor that checkpoints only now and then, or only at its end, has then processed
+        all of them. Insisted on, as the live ``shard_ended`` is: gaps left queued would make
+        the lease unfinished, and every next tenure would take it and read them again at
+        once, since a finished shard's tenure ends as soon as its gaps are read."""
+        processor, recovery = self._processor, self._recovery
+        if processor is None or self._checkpointer is None or recovery is None:
             return
         self._set_state(ConsumerState.SHUTTING_DOWN)
-        self._processor_ended = True
+        checkpointer = Checkpointer(self.lease_key, recovery.finisher(), self._token,
+                                    Position.trim_horizon(), self._metrics)
+        checkpointer.mark_shard_end()
+        self._handed.add(checkpointer)
+
+        def shard_ended() -> None:
+            try:
+                processor.shard_ended(ShardEndedInput(self.lease_key, checkpointer))
+            except Exception:
+                self._m.inc(PROCESSOR_ERRORS, "shard_ended")
+                log.exception("shard %s: shard_ended failed", self.lease_key)
+            if recovery.read_unfinished:
+                raise _NotAtShardEnd
+
+        def call_again(exc: BaseException, attempt: int, delay: float) -> None:
+            log.error("shard %s: the processor of the shard's recovered gaps did not "
+                      "checkpoint at SHARD_END in shard_ended; the gaps stay queued until it "
+                      "does. Calling shard_ended again.", self.lease_key)
+
         try:
-            processor.shard_ended(ShardEndedInput(self.lease_key, checkpointer))
-        except Exception:
-            self._m.inc(PROCESSOR_ERRORS, "shard_ended")
-            log.exception("shard %s: shard_ended failed", self.lease_key)
+            self._retried(shard_ended, _not_at_shard_end, call_again)
+        except RetryStopped:
+            return
+        finally:
+            self._processor_ended = True
 
     def _drop_gaps_left_with_the_shard(self, recovery: RecoveryLike) -> None:
         """Kinesis no longer finds the finished shard whose gaps this tenure took the lease

@@ -375,6 +375,43 @@ class ShardRecovery:
 
             self._store(change, items, finished)
 
+    def finisher(self) -> ReadGapsWriter:
+        """The writer of the checkpointer a finished shard's gaps' processor ends with."""
+        return ReadGapsWriter(self)
+
+    @property
+    def read_unfinished(self) -> bool:
+        """Gaps were read to their end this tenure and handed out, but no checkpoint covered
+        their last record yet (a processor that checkpoints now and then, or only at its
+        end): they stay queued until ``finish_read`` or a checkpoint through them."""
+        with self._lock:
+            return any(gap in self._passed for gap in self._ends)
+
+    def finish_read(self, items: Sequence[Any] = ()) -> None:
+        """Remove every gap this tenure read to its end and handed out, in one write (with
+        ``items``, a stateful processor's transaction): the processor they went to says it
+        processed all of it, by checkpointing at ``SHARD_END`` in the ``shard_ended`` of a
+        finished shard (``ReadGapsWriter``). Without this a closed shard whose gaps' processor
+        checkpoints only there kept its gaps, and every next tenure read them again at once:
+        its lease is let go as soon as the gaps are read."""
+        with self._lock:
+            done = {gap for gap in self._ends if gap in self._passed}
+            if not done and not items:
+                return
+            self._store(lambda queue: tuple(r for r in queue if _key(r) not in done), items)
+
+    def durable_read(self) -> Position | None:
+        """``SHARD_END`` once the lease item's queue holds none of the gaps read to their end
+        this tenure (``finish_read`` landed, whatever answers were lost), else where they
+        start; None when the lease item is gone."""
+        current = self._fence.durable_lease(self.lease_key, self._token)
+        if current is None:
+            return None
+        with self._lock:
+            read = {gap for gap in self._ends if gap in self._passed}
+        left = [_key(r) for r in gaps.loads(current.recovery) if _key(r) in read]
+        return Position.shard_end() if not left else min(left)
+
     def guard(self, what: str, wait: bool = True) -> AbstractContextManager[Guard]:
         return self._fence.guard(self.lease_key, self._token, what=what, wait=wait)
 
@@ -747,6 +784,31 @@ class GapWriter:
 
     def durable_checkpoint(self, lease_key: str, concurrency_token: str) -> Position | None:
         return self._recovery.durable(self._gap)
+
+    def guard(self, lease_key: str, concurrency_token: str | None, *,
+              what: str, wait: bool = True) -> AbstractContextManager[Guard]:
+        return self._recovery.guard(what, wait)
+
+
+class ReadGapsWriter:
+    """The ``CheckpointWriter`` of the checkpointer a finished shard's gaps' processor gets
+    in ``shard_ended``: its ``SHARD_END`` checkpoint finishes every gap read to its end
+    (``ShardRecovery.finish_read``), as the live processor's finishes the shard."""
+
+    def __init__(self, recovery: ShardRecovery) -> None:
+        self._recovery = recovery
+
+    def update_checkpoint(self, lease_key: str, concurrency_token: str,
+                          position: Position) -> None:
+        if position.is_shard_end:
+            self._recovery.finish_read()
+
+    def transact_checkpoint(self, lease_key: str, concurrency_token: str, position: Position,
+                            items: Sequence[Any]) -> None:
+        self._recovery.finish_read(items if position.is_shard_end else ())
+
+    def durable_checkpoint(self, lease_key: str, concurrency_token: str) -> Position | None:
+        return self._recovery.durable_read()
 
     def guard(self, lease_key: str, concurrency_token: str | None, *,
               what: str, wait: bool = True) -> AbstractContextManager[Guard]:

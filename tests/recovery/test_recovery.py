@@ -333,6 +333,41 @@ def test_a_closed_shard_with_a_gap_queued_is_recovered_without_live_reading() ->
     assert recovery.writer.writes == [("1", 0), ("2", 0)]
 
 
+class ChecksAtItsEnd(FlagLog):
+    """Checkpoints only in ``shard_ended`` (the amazon_kclpy habit of checkpointing every N
+    seconds and always at the end), and only from its ``at``-th call on."""
+
+    def __init__(self, at: int = 1) -> None:
+        super().__init__()
+        self.at = at
+
+    def process_records(self, process_records_input: kclpy.ProcessRecordsInput) -> None:
+        self.log.append(("recovery", [r.sequence_number for r in process_records_input.records]))
+
+    def shard_ended(self, shard_ended_input: kclpy.ShardEndedInput) -> None:
+        self.log.append(("shard_ended",))
+        if self.log.count(("shard_ended",)) >= self.at:
+            shard_ended_input.checkpointer.checkpoint()
+
+
+@pytest.mark.parametrize("at", [1, 3], ids=["at-once", "on-the-third-call"])
+def test_a_closed_shards_gaps_checkpointed_only_in_shard_ended_are_finished(at: int) -> None:
+    """The gaps' processor checkpoints nothing until its ``shard_ended``: that SHARD_END
+    checkpoint finishes every gap it was handed; until it comes, ``shard_ended`` is called
+    again, as the live one is. On the code before the gap stayed queued, and every next
+    tenure took the lease and read the whole gap again at once (a review measured a retake
+    every 0.6 s, for ever)."""
+    recovery = FakeRecovery([Result([rec(1)]), Result([rec(2)])])
+    processor = ChecksAtItsEnd(at)
+    consumer, writer, _ = run(Lease("shard-1", checkpoint=Position.shard_end()), [], recovery,
+                              lambda: processor)
+    assert processor.log == [("init", SHARD_END), ("recovery", ["1"]), ("recovery", ["2"]),
+                             *[("shard_ended",)] * at]
+    assert recovery.finishing.writes == [(SHARD_END, 0)]
+    assert recovery.writer.writes == [] and writer.writes == []
+    assert consumer.shard_ended and consumer.error is None
+
+
 class StopsOnTheFirstGapBatch(FlagLog):
     """Its consumer is told ``stop`` (``notify_lease_lost`` or ``request_shutdown``) while it
     processes the first gap batch."""

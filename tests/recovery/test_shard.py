@@ -341,6 +341,24 @@ def test_a_gap_not_checkpointed_to_its_end_stays_queued_for_the_next_owner(
     assert not left.started
 
 
+def test_the_shard_end_checkpoint_of_the_gaps_processor_finishes_the_gaps_it_was_handed(
+        shard: Shard) -> None:
+    """A finished shard's gaps' processor that checkpointed none of the gap's batches ends
+    with ``shard_ended`` and a SHARD_END checkpoint through ``finisher``: the gap read to its
+    end goes in one write, and the item says so (``durable_read``)."""
+    recovery = shard.recovery(wall_clock=lambda: time.time() + 3600)
+    recovery.begin(Position.trim_horizon())
+    assert sum(len(result.records) for result, _ in read_to_end(recovery)) == 30
+    assert (len(shard.queue()), recovery.read_unfinished) == (1, True)
+    final = Checkpointer("shardId-000000000000", recovery.finisher(), shard.token,
+                         Position.trim_horizon())
+    final.mark_shard_end()
+    final.checkpoint()
+    assert (shard.queue(), recovery.read_unfinished) == ((), False)
+    durable = recovery.finisher().durable_checkpoint("shardId-000000000000", shard.token)
+    assert durable == Position.shard_end()
+
+
 def test_a_gap_read_to_its_end_is_finished_by_a_later_checkpoint_through_its_end(
         shard: Shard) -> None:
     """The Spark batcher checkpoints a batch only once Spark has it, after the gap reader

@@ -155,6 +155,15 @@ class Readers:
         return self.clock()
 
 
+class _ReadFinisher(Writer):
+    """The gaps' final checkpointer's writer: records only its SHARD_END checkpoints."""
+
+    def update_checkpoint(self, lease_key: str, concurrency_token: str,
+                          position: Position) -> None:
+        if position.is_shard_end:
+            super().update_checkpoint(lease_key, concurrency_token, position)
+
+
 class FakeRecovery:
     """Serves scripted recovery batches with a checkpointer of their own."""
 
@@ -166,6 +175,9 @@ class FakeRecovery:
         self.checkpointer = Checkpointer("shard-1", self.writer, "t", Position.trim_horizon())
         self.stopped = False
         self.not_found = False
+        #: the end of the last batch served, and the writes of the gaps' final checkpointer
+        self.handed: Position | None = None
+        self.finishing = _ReadFinisher()
 
     def begin(self, live: Position) -> datetime | None:
         self.begun.append((live.checkpoint, live.sub_sequence_number))
@@ -174,11 +186,25 @@ class FakeRecovery:
         return self.start_at
 
     def poll(self) -> tuple[Result, Checkpointer] | None:
-        return (self.batches.pop(0), self.checkpointer) if self.batches else None
+        if not self.batches:
+            return None
+        batch = self.batches.pop(0)
+        if batch.records:
+            self.handed = Position.after(batch.records[-1])
+        return batch, self.checkpointer
 
     @property
     def active(self) -> bool:
         return bool(self.batches)
+
+    @property
+    def read_unfinished(self) -> bool:
+        """As ShardRecovery: read to the end, not checkpointed through it, not finished."""
+        return (not self.batches and self.handed is not None and not self.finishing.writes
+                and self.checkpointer.position < self.handed)
+
+    def finisher(self) -> Writer:
+        return self.finishing
 
     def left_stream(self) -> None:
         self.batches.clear()
