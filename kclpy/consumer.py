@@ -726,27 +726,33 @@ class ShardConsumer:
                                     Position.trim_horizon(), self._metrics)
         checkpointer.mark_shard_end()
         self._handed.add(checkpointer)
+        self._shard_ended(processor, checkpointer, lambda: not recovery.read_unfinished,
+                          "the gaps stay queued")
+        self._processor_ended = True
 
+    def _shard_ended(self, processor: IRecordProcessor, checkpointer: Checkpointer,
+                     checkpointed: Callable[[], bool], until: str) -> bool:
+        """Call ``shard_ended`` until the processor has checkpointed at SHARD_END
+        (``checkpointed``), with the task backoff, as the Java KCL insists; False when the
+        consumer must stop meanwhile. ``until`` says what waits for it, for the log."""
         def shard_ended() -> None:
             try:
                 processor.shard_ended(ShardEndedInput(self.lease_key, checkpointer))
             except Exception:
                 self._m.inc(PROCESSOR_ERRORS, "shard_ended")
                 log.exception("shard %s: shard_ended failed", self.lease_key)
-            if recovery.read_unfinished:
+            if not checkpointed():
                 raise _NotAtShardEnd
 
         def call_again(exc: BaseException, attempt: int, delay: float) -> None:
-            log.error("shard %s: the processor of the shard's recovered gaps did not "
-                      "checkpoint at SHARD_END in shard_ended; the gaps stay queued until it "
-                      "does. Calling shard_ended again.", self.lease_key)
+            log.error("shard %s: the processor did not checkpoint at SHARD_END in shard_ended; "
+                      "%s until it does. Calling shard_ended again.", self.lease_key, until)
 
         try:
             self._retried(shard_ended, _not_at_shard_end, call_again)
         except RetryStopped:
-            return
-        finally:
-            self._processor_ended = True
+            return False
+        return True
 
     def _drop_gaps_left_with_the_shard(self, recovery: RecoveryLike) -> None:
         """Kinesis no longer finds the finished shard whose gaps this tenure took the lease
@@ -911,25 +917,10 @@ class ShardConsumer:
         if not left_stream:
             self._host.shard_ended(self.lease_key, children)
         self._checkpointer.mark_shard_end()
-        processor, checkpointer = self._processor, self._checkpointer
-
-        def shard_ended() -> None:
-            try:
-                processor.shard_ended(ShardEndedInput(self.lease_key, checkpointer))
-            except Exception:
-                self._m.inc(PROCESSOR_ERRORS, "shard_ended")
-                log.exception("shard %s: shard_ended failed", self.lease_key)
-            if not checkpointer.position.is_shard_end:
-                raise _NotAtShardEnd
-
-        def call_again(exc: BaseException, attempt: int, delay: float) -> None:
-            log.error("shard %s: the processor did not checkpoint at SHARD_END in shard_ended; "
-                      "its child shards cannot start until it does. Calling shard_ended again.",
-                      self.lease_key)
-
-        try:
-            self._retried(shard_ended, _not_at_shard_end, call_again)
-        except RetryStopped:
+        checkpointer = self._checkpointer
+        if not self._shard_ended(self._processor, checkpointer,
+                                 lambda: checkpointer.position.is_shard_end,
+                                 "its child shards cannot start"):
             if self._lease_lost.is_set():
                 self._end_with_lease_lost()
             else:
