@@ -719,7 +719,7 @@ class ShardConsumer:
         the lease unfinished, and every next tenure would take it and read them again at
         once, since a finished shard's tenure ends as soon as its gaps are read."""
         processor, recovery = self._processor, self._recovery
-        if processor is None or self._checkpointer is None or recovery is None:
+        if processor is None or recovery is None:
             return
         self._set_state(ConsumerState.SHUTTING_DOWN)
         checkpointer = Checkpointer(self.lease_key, recovery.finisher(), self._token,

@@ -385,7 +385,7 @@ class ShardRecovery:
         their last record yet (a processor that checkpoints now and then, or only at its
         end): they stay queued until ``finish_read`` or a checkpoint through them."""
         with self._lock:
-            return any(gap in self._passed for gap in self._ends)
+            return bool(self._read_to_end())
 
     def finish_read(self, items: Sequence[Any] = ()) -> None:
         """Remove every gap this tenure read to its end and handed out, in one write (with
@@ -395,7 +395,7 @@ class ShardRecovery:
         checkpoints only there kept its gaps, and every next tenure read them again at once:
         its lease is let go as soon as the gaps are read."""
         with self._lock:
-            done = {gap for gap in self._ends if gap in self._passed}
+            done = self._read_to_end()
             if not done and not items:
                 return
             self._store(lambda queue: tuple(r for r in queue if _key(r) not in done), items)
@@ -408,9 +408,13 @@ class ShardRecovery:
         if current is None:
             return None
         with self._lock:
-            read = {gap for gap in self._ends if gap in self._passed}
+            read = self._read_to_end()
         left = [_key(r) for r in gaps.loads(current.recovery) if _key(r) in read]
         return Position.shard_end() if not left else min(left)
+
+    def _read_to_end(self) -> set[Position]:
+        """The gaps read to their end this tenure and not finished yet (``_lock`` held)."""
+        return self._ends.keys() & self._passed
 
     def guard(self, what: str, wait: bool = True) -> AbstractContextManager[Guard]:
         return self._fence.guard(self.lease_key, self._token, what=what, wait=wait)
@@ -793,19 +797,20 @@ class GapWriter:
 class ReadGapsWriter:
     """The ``CheckpointWriter`` of the checkpointer a finished shard's gaps' processor gets
     in ``shard_ended``: its ``SHARD_END`` checkpoint finishes every gap read to its end
-    (``ShardRecovery.finish_read``), as the live processor's finishes the shard."""
+    (``ShardRecovery.finish_read``), as the live processor's finishes the shard. Nothing is
+    marked delivered on that checkpointer, so ``SHARD_END`` is the only position it lets
+    through."""
 
     def __init__(self, recovery: ShardRecovery) -> None:
         self._recovery = recovery
 
     def update_checkpoint(self, lease_key: str, concurrency_token: str,
                           position: Position) -> None:
-        if position.is_shard_end:
-            self._recovery.finish_read()
+        self._recovery.finish_read()
 
     def transact_checkpoint(self, lease_key: str, concurrency_token: str, position: Position,
                             items: Sequence[Any]) -> None:
-        self._recovery.finish_read(items if position.is_shard_end else ())
+        self._recovery.finish_read(items)
 
     def durable_checkpoint(self, lease_key: str, concurrency_token: str) -> Position | None:
         return self._recovery.durable_read()
